@@ -1,0 +1,56 @@
+//! KV cache events for routers (the schema serving routers consume: a block stored with its
+//! hash chain, a block removed, everything cleared). Events are buffered in an [`EventSink`]
+//! and drained by the caller.
+
+use crate::hashing::{BlockHash, ExtraKey};
+use parking_lot::Mutex;
+
+/// One KV cache event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvent {
+    /// Full blocks were registered in the prefix cache. `block_hashes[i]` belongs to the block
+    /// holding `token_ids[i*block_size..(i+1)*block_size]`; `parent_block_hash` is the hash of
+    /// the block before the first one (`None` for the first block of a sequence).
+    BlockStored {
+        block_hashes: Vec<BlockHash>,
+        parent_block_hash: Option<BlockHash>,
+        token_ids: Vec<u32>,
+        block_size: u32,
+        extra_keys: Vec<ExtraKey>,
+    },
+    /// Blocks were evicted from the prefix cache (their hashes no longer resolve to them).
+    BlockRemoved { block_hashes: Vec<BlockHash> },
+    /// The prefix cache was reset.
+    AllBlocksCleared,
+}
+
+/// A buffer of [`KvEvent`]s. Locking (a mutex); disabled sinks drop events without locking.
+#[derive(Debug, Default)]
+pub struct EventSink {
+    enabled: bool,
+    buf: Mutex<Vec<KvEvent>>,
+}
+
+impl EventSink {
+    /// A sink that records events when `enabled`, and drops them otherwise.
+    pub fn new(enabled: bool) -> Self {
+        Self { enabled, buf: Mutex::new(Vec::new()) }
+    }
+
+    /// Whether events are recorded.
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Records one event (no-op when disabled). Locking.
+    pub fn push(&self, event: KvEvent) {
+        if self.enabled {
+            self.buf.lock().push(event);
+        }
+    }
+
+    /// Takes every buffered event, oldest first. Locking.
+    pub fn drain(&self) -> Vec<KvEvent> {
+        std::mem::take(&mut *self.buf.lock())
+    }
+}

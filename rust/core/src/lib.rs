@@ -1,0 +1,29 @@
+//! `pagedkv-core`: a paged KV-cache memory manager after PagedAttention (Kwon et al., SOSP'23).
+//!
+//! Layers (each module is one concept):
+//! - [`sync`]: std / loom facade so the lock-free code is model-checked under `--cfg loom`.
+//! - [`free_list`]: lock-free LIFO of uncached free blocks (tagged Treiber stack, ABA-safe).
+//! - [`pool`]: the block pool: ref counts, free queue (LIFO uncached + LRU cached), capacity
+//!   reservation, prefix index ownership.
+//! - [`hashing`]: chained prefix hashing of full blocks with typed extra keys.
+//! - [`prefix_index`]: hash → blocks multiset.
+//! - [`manager`]: per-sequence block tables, slot allocation, fork / copy-on-write, preemption
+//!   (recompute and swap), the batched scheduler-step entry point.
+//! - [`metrics`], [`events`]: counters and KV events for routers.
+
+pub mod error;
+pub mod events;
+pub mod hashing;
+pub mod sync;
+
+pub use error::{Error, Result};
+
+/// Physical block id. `0` is the null block: never allocated, hashed, ref-counted or counted
+/// as capacity; padded block-table entries point at it.
+pub type BlockId = u32;
+
+/// Caller-chosen sequence (request or sample) id.
+pub type SeqId = u64;
+
+/// The null block id.
+pub const NULL_BLOCK: BlockId = 0;
