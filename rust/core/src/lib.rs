@@ -13,10 +13,20 @@
 
 pub mod error;
 pub mod events;
+pub mod free_list;
 pub mod hashing;
+pub mod manager;
+pub mod metrics;
+pub mod pool;
+pub mod prefix_index;
 pub mod sync;
 
 pub use error::{Error, Result};
+pub use hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
+pub use manager::{
+    CacheConfig, KvCacheManager, MmItem, SeqStatus, SequenceSpec, SlotAllocation, StepOutput, StepRequest,
+};
+pub use metrics::{CacheStats, ManagerCounters};
 
 /// Physical block id. `0` is the null block: never allocated, hashed, ref-counted or counted
 /// as capacity; padded block-table entries point at it.

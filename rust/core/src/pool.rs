@@ -1,0 +1,719 @@
+//! The block pool: per-block reference counts and prefix hashes, and the one logical free
+//! queue of PagedAttention (Kwon et al., SOSP'23, §4.2–4.3) with the reuse order of vLLM V1's
+//! `BlockPool`:
+//!
+//! ```text
+//!   free queue (front → back) = [ uncached LIFO (FreeStack) | cached LRU (intrusive list) ]
+//!   allocate takes from the front; an uncached freed block goes to the front (reused first,
+//!   still warm); a cached freed block goes to the back and is evicted from the LRU front only
+//!   when no uncached block is left; a prefix hit removes a cached free block in O(1).
+//! ```
+//!
+//! Concurrency (what is lock-free, wait-free or locking, and why):
+//! - The uncached free list is a tagged Treiber stack ([`FreeStack`]; Treiber 1986, with a
+//!   generation-tagged head against ABA): lock-free push / pop.
+//! - Capacity is a counter of free blocks (uncached + cached). An allocation first *reserves*
+//!   its blocks by one CAS on that counter and only then pops, so a successful check can never
+//!   be invalidated by another thread before the pop (no check-then-pop race), and the counter
+//!   never goes negative. Freed blocks are pushed *before* the counter is raised, so every
+//!   reserved unit is backed by a block that is physically in the stack or the LRU.
+//! - Reference counts are atomics. Changes of a block without a hash are lock-free CAS / fetch
+//!   operations. Transitions 1 → 0 and 0 → 1 of a block *with* a hash, the LRU, the hashes and
+//!   the prefix index are guarded by one mutex, so a concurrent prefix hit can never observe a
+//!   half-freed cached block.
+//!
+//! Caller contract shared by the lock-free calls: a thread only releases (`free`) or shares
+//! (`incref`, `cache_block`) references it holds. Validation before any change then makes each
+//! failed call change nothing; a caller that releases references held by another thread at the
+//! same time can race past validation, in which case the CAS still never lets a count go below
+//! zero and the call reports [`Error::RefCountUnderflow`].
+
+use std::sync::Arc as StdArc;
+
+use crate::error::{Error, Result};
+use crate::events::{EventSink, KvEvent};
+use crate::free_list::FreeStack;
+use crate::hashing::BlockHash;
+use crate::prefix_index::PrefixIndex;
+use crate::sync::{
+    spin_hint, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Mutex, MutexGuard, Ordering,
+};
+use crate::{BlockId, NULL_BLOCK};
+
+/// Largest accepted `num_blocks` (2^28): keeps the pool's own metadata (about 60 bytes per
+/// block) under 16 GiB, so an absurd configuration is an error rather than an abort.
+pub const MAX_BLOCKS: u32 = 1 << 28;
+
+/// Cumulative pool counters, all in blocks. Read with [`BlockPool::counters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolCounters {
+    /// Cached free blocks evicted (hash dropped) to satisfy an allocation.
+    pub evictions: u64,
+    /// Blocks handed out by [`BlockPool::allocate`].
+    pub allocations: u64,
+    /// References released by [`BlockPool::free`] (one per id passed, duplicates included).
+    pub frees: u64,
+    /// References taken by [`BlockPool::touch`] (prefix-cache hits, one per id passed).
+    pub prefix_touches: u64,
+}
+
+/// State behind the pool's mutex: hashes, the prefix index and the LRU of cached free blocks.
+///
+/// The LRU is an intrusive doubly linked list over block ids (`prev` / `next` arrays) with the
+/// null block 0 as the sentinel: `next[0]` is the front (least recently freed), `prev[0]` the
+/// back. Removal of any member is O(1).
+#[derive(Debug)]
+struct Locked {
+    hashes: Vec<Option<BlockHash>>,
+    index: PrefixIndex,
+    prev: Vec<BlockId>,
+    next: Vec<BlockId>,
+    in_lru: Vec<bool>,
+    lru_len: usize,
+}
+
+impl Locked {
+    fn new(num_blocks: u32) -> Self {
+        let n = num_blocks as usize;
+        Self {
+            hashes: vec![None; n],
+            index: PrefixIndex::new(),
+            prev: vec![NULL_BLOCK; n],
+            next: vec![NULL_BLOCK; n],
+            in_lru: vec![false; n],
+            lru_len: 0,
+        }
+    }
+
+    /// Appends `id` at the LRU back. O(1).
+    fn lru_push_back(&mut self, id: BlockId) {
+        let (i, back) = (id as usize, self.prev[0]);
+        self.prev[i] = back;
+        self.next[i] = NULL_BLOCK;
+        self.next[back as usize] = id;
+        self.prev[0] = id;
+        self.in_lru[i] = true;
+        self.lru_len += 1;
+    }
+
+    /// Unlinks `id` (which must be in the LRU). O(1).
+    fn lru_remove(&mut self, id: BlockId) {
+        let i = id as usize;
+        let (p, n) = (self.prev[i], self.next[i]);
+        self.next[p as usize] = n;
+        self.prev[n as usize] = p;
+        self.prev[i] = NULL_BLOCK;
+        self.next[i] = NULL_BLOCK;
+        self.in_lru[i] = false;
+        self.lru_len -= 1;
+    }
+
+    /// Removes and returns the LRU front. O(1).
+    fn lru_pop_front(&mut self) -> Option<BlockId> {
+        let front = self.next[0];
+        if front == NULL_BLOCK {
+            return None;
+        }
+        self.lru_remove(front);
+        Some(front)
+    }
+
+    /// LRU members front → back. O(len).
+    fn lru_order(&self) -> Vec<BlockId> {
+        let mut out = Vec::with_capacity(self.lru_len);
+        let mut cur = self.next[0];
+        while cur != NULL_BLOCK && out.len() <= self.hashes.len() {
+            out.push(cur);
+            cur = self.next[cur as usize];
+        }
+        out
+    }
+}
+
+/// A pool of `num_blocks` physical KV-cache blocks (block 0 is the null block) with reference
+/// counts, prefix hashes, the free queue and the prefix index. `Send + Sync`; share it in an
+/// `Arc`.
+///
+/// Memory: O(num_blocks) — about 60 bytes per block of metadata; KV tensors live elsewhere.
+#[derive(Debug)]
+pub struct BlockPool {
+    num_blocks: u32,
+    /// Reference count per block; index 0 stays 0 forever.
+    refs: Box<[AtomicU32]>,
+    /// `hashed[id]` mirrors `Locked::hashes[id].is_some()`; written only under the lock, read
+    /// lock-free by `free` to decide whether a 1 → 0 transition needs the lock.
+    hashed: Box<[AtomicBool]>,
+    /// Free blocks without a hash, LIFO.
+    uncached: FreeStack,
+    /// Free capacity in blocks (uncached + cached free), minus outstanding reservations.
+    free: AtomicUsize,
+    /// Length of the cached LRU; written under the lock, read wait-free.
+    cached_free: AtomicUsize,
+    locked: Mutex<Locked>,
+    events: StdArc<EventSink>,
+    evictions: AtomicU64,
+    allocations: AtomicU64,
+    frees: AtomicU64,
+    prefix_touches: AtomicU64,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks, all free and uncached; block 1 is allocated first, then
+    /// 2, 3, … (fresh blocks are taken in ascending id order). Evictions are reported to
+    /// `events` as [`KvEvent::BlockRemoved`], resets as [`KvEvent::AllBlocksCleared`].
+    ///
+    /// Errors: [`Error::InvalidConfig`] unless `2 <= num_blocks <= MAX_BLOCKS` (block 0 is the
+    /// null block, so at least one usable block is needed). O(num_blocks).
+    pub fn new(num_blocks: u32, events: StdArc<EventSink>) -> Result<Self> {
+        if !(2..=MAX_BLOCKS).contains(&num_blocks) {
+            return Err(Error::InvalidConfig {
+                field: "num_blocks",
+                value: num_blocks.to_string(),
+                reason: format!(
+                    "need 2..={MAX_BLOCKS} blocks (block 0 is the null block, so at least one usable block)"
+                ),
+            });
+        }
+        let n = num_blocks as usize;
+        let uncached = FreeStack::new(num_blocks);
+        // Push in descending order so block 1 is on top: fresh blocks come out 1, 2, 3, ...
+        for id in (1..num_blocks).rev() {
+            uncached.push(id);
+        }
+        Ok(Self {
+            num_blocks,
+            refs: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            hashed: (0..n).map(|_| AtomicBool::new(false)).collect(),
+            uncached,
+            free: AtomicUsize::new(n - 1),
+            cached_free: AtomicUsize::new(0),
+            locked: Mutex::new(Locked::new(num_blocks)),
+            events,
+            evictions: AtomicU64::new(0),
+            allocations: AtomicU64::new(0),
+            frees: AtomicU64::new(0),
+            prefix_touches: AtomicU64::new(0),
+        })
+    }
+
+    /// Total physical blocks, the null block included. Wait-free.
+    pub fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    /// Usable blocks: `num_blocks - 1` (the null block is never capacity). Wait-free.
+    pub fn num_usable(&self) -> usize {
+        self.num_blocks as usize - 1
+    }
+
+    /// Free blocks (ref count 0: uncached + cached-evictable), in blocks. Wait-free (one load).
+    /// While another thread is inside `allocate` / `touch` its reserved blocks already count as
+    /// taken.
+    pub fn num_free(&self) -> usize {
+        self.free.load(Ordering::Acquire)
+    }
+
+    /// Free blocks that carry a hash (evictable prefix-cache blocks, the LRU length). Wait-free.
+    pub fn num_cached_free(&self) -> usize {
+        self.cached_free.load(Ordering::Acquire)
+    }
+
+    /// Blocks in use (ref count > 0): `num_usable() - num_free()`. Wait-free.
+    pub fn num_used(&self) -> usize {
+        self.num_usable().saturating_sub(self.num_free())
+    }
+
+    /// Reference count of `id`; 0 for the null block and for ids out of range. Wait-free.
+    pub fn ref_count(&self, id: BlockId) -> u32 {
+        if id == NULL_BLOCK {
+            return 0;
+        }
+        self.refs
+            .get(id as usize)
+            .map_or(0, |r| r.load(Ordering::Acquire))
+    }
+
+    /// Reserves `n` blocks of free capacity by CAS on the free counter. Lock-free: a retry
+    /// happens only when another thread changed the counter. Never lets it go below zero.
+    fn reserve(&self, n: usize) -> Result<()> {
+        let mut cur = self.free.load(Ordering::Acquire);
+        loop {
+            if cur < n {
+                return Err(Error::OutOfBlocks {
+                    requested: n,
+                    available: cur,
+                });
+            }
+            match self
+                .free
+                .compare_exchange_weak(cur, cur - n, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Ok(()),
+                Err(now) => {
+                    cur = now;
+                    spin_hint();
+                }
+            }
+        }
+    }
+
+    /// Allocates `n` blocks, all-or-nothing: each returned block has ref count 1 and no hash.
+    /// Blocks come from the front of the free queue: uncached blocks in LIFO order first; only
+    /// when none is left, cached free blocks are evicted from the LRU front (hash and index
+    /// entry dropped, [`KvEvent::BlockRemoved`] emitted, counted in `evictions`). `n == 0`
+    /// returns an empty vector.
+    ///
+    /// Errors: [`Error::OutOfBlocks`] `{ requested: n, available }` when fewer than `n` blocks
+    /// are free; nothing is changed then.
+    ///
+    /// Progress: lock-free while uncached blocks are free (one CAS reservation, then one
+    /// Treiber pop per block); locking when it must evict (one lock hold for all evictions).
+    /// O(n).
+    pub fn allocate(&self, n: usize) -> Result<Vec<BlockId>> {
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        self.reserve(n)?;
+        let mut out = Vec::with_capacity(n);
+        while out.len() < n {
+            if let Some(id) = self.uncached.pop() {
+                self.refs[id as usize].store(1, Ordering::Release);
+                out.push(id);
+                continue;
+            }
+            // No uncached block left: evict from the LRU front under the lock.
+            let mut locked = self.locked.lock();
+            let mut evicted = Vec::new();
+            while out.len() < n {
+                let Some(id) = locked.lru_pop_front() else {
+                    break;
+                };
+                self.evict_locked(&mut locked, id, &mut evicted);
+                self.refs[id as usize].store(1, Ordering::Release);
+                out.push(id);
+            }
+            self.cached_free.store(locked.lru_len, Ordering::Release);
+            if !evicted.is_empty() {
+                self.evictions
+                    .fetch_add(evicted.len() as u64, Ordering::Relaxed);
+                self.events.push(KvEvent::BlockRemoved {
+                    block_hashes: evicted,
+                });
+            }
+            drop(locked);
+            if out.len() < n {
+                // Our reserved blocks exist but are in transit (another thread moving them
+                // between the lists under the lock, or pushed to the stack after our pop):
+                // retry the stack.
+                spin_hint();
+            }
+        }
+        self.allocations.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(out)
+    }
+
+    /// Drops the hash of `id` (just unlinked from the LRU) and its index entry.
+    fn evict_locked(&self, locked: &mut Locked, id: BlockId, evicted: &mut Vec<BlockHash>) {
+        if let Some(hash) = locked.hashes[id as usize].take() {
+            locked.index.remove(&hash, id);
+            evicted.push(hash);
+        }
+        self.hashed[id as usize].store(false, Ordering::Release);
+    }
+
+    /// Validates one id argument: in `1..num_blocks`.
+    fn check_id(&self, id: BlockId) -> Result<usize> {
+        if id == NULL_BLOCK || id >= self.num_blocks {
+            return Err(Error::InvalidBlockId {
+                block_id: id,
+                num_blocks: self.num_blocks,
+            });
+        }
+        Ok(id as usize)
+    }
+
+    /// Takes one more reference on each of `ids` as prefix-cache hits (ids may repeat; each
+    /// occurrence is one reference). A block going 0 → 1 leaves the cached LRU in O(1) and
+    /// consumes one unit of free capacity, exactly like an allocated block.
+    ///
+    /// Errors (nothing changed): [`Error::InvalidBlockId`] for the null block or an id out of
+    /// range; [`Error::InvalidArgument`] for a free block (ref 0) without a hash (not a cache
+    /// hit); [`Error::OutOfBlocks`] `{ requested: distinct free blocks among ids, available }`
+    /// if the capacity reservation for them fails.
+    ///
+    /// Progress: locking (one lock hold), because it performs 0 → 1 transitions of hashed
+    /// blocks. O(len · log len).
+    pub fn touch(&self, ids: &[BlockId]) -> Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let mut locked = self.locked.lock();
+        let mut revive = Vec::new();
+        for &id in ids {
+            let i = self.check_id(id)?;
+            if self.refs[i].load(Ordering::Acquire) == 0 {
+                if !locked.in_lru[i] {
+                    return Err(Error::InvalidArgument {
+                        arg: "ids",
+                        value: id.to_string(),
+                        reason: format!(
+                            "block {id} is free (ref count 0) and carries no hash, so it is not a prefix-cache hit"
+                        ),
+                    });
+                }
+                revive.push(id);
+            }
+        }
+        revive.sort_unstable();
+        revive.dedup();
+        self.reserve(revive.len())?;
+        for &id in &revive {
+            locked.lru_remove(id);
+        }
+        self.cached_free.store(locked.lru_len, Ordering::Release);
+        for &id in ids {
+            // Hashed blocks cannot go 1 -> 0 while we hold the lock, and unhashed ones are
+            // referenced by the caller, so a plain increment is exact.
+            self.refs[id as usize].fetch_add(1, Ordering::AcqRel);
+        }
+        drop(locked);
+        self.prefix_touches
+            .fetch_add(ids.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Takes one more reference on each of `ids` (fork: parallel sampling, beam search). Every
+    /// id must already be referenced; allocates nothing.
+    ///
+    /// Errors (nothing changed): [`Error::InvalidBlockId`] for the null block or an id out of
+    /// range; [`Error::InvalidArgument`] for a block with ref count 0.
+    ///
+    /// Progress: lock-free (validation loads, then one atomic increment per id). O(len).
+    pub fn incref(&self, ids: &[BlockId]) -> Result<()> {
+        for &id in ids {
+            let i = self.check_id(id)?;
+            if self.refs[i].load(Ordering::Acquire) == 0 {
+                return Err(Error::InvalidArgument {
+                    arg: "ids",
+                    value: id.to_string(),
+                    reason: format!("block {id} has ref count 0; incref needs a referenced block (use allocate or touch)"),
+                });
+            }
+        }
+        for &id in ids {
+            self.refs[id as usize].fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Releases one reference on each of `ids`, in the given order (callers pass a sequence's
+    /// blocks tail-first so the deepest block of a prefix chain is evicted first). A block
+    /// reaching 0 without a hash goes to the front of the free queue (uncached LIFO); with a
+    /// hash, to the back of the cached LRU.
+    ///
+    /// Errors (validated before any change, so nothing is changed): [`Error::InvalidBlockId`]
+    /// for the null block or an id out of range; [`Error::RefCountUnderflow`] for a block whose
+    /// ref count is smaller than the number of times it occurs in `ids` (a double free).
+    ///
+    /// Progress: lock-free for blocks without a hash and for hashed blocks whose count stays
+    /// above 0; takes the lock (once, kept to the end of the call) at the first hashed block
+    /// that reaches 0. O(len · log len) validation (a quadratic scan without allocation for
+    /// len <= 16), then O(len).
+    pub fn free(&self, ids: &[BlockId]) -> Result<()> {
+        self.validate_free(ids)?;
+        let mut guard: Option<MutexGuard<'_, Locked>> = None;
+        for &id in ids {
+            self.release_one(id, &mut guard)?;
+        }
+        if let Some(locked) = guard {
+            self.cached_free.store(locked.lru_len, Ordering::Release);
+        }
+        self.frees.fetch_add(ids.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Checks ids and that each block's ref count covers its multiplicity in `ids`.
+    fn validate_free(&self, ids: &[BlockId]) -> Result<()> {
+        for &id in ids {
+            self.check_id(id)?;
+        }
+        let underflow = |id: BlockId, times: usize| {
+            self.refs[id as usize].load(Ordering::Acquire) < times as u32
+        };
+        if ids.len() <= 16 {
+            // Small batches: count each id's occurrences so far without allocating.
+            for (k, &id) in ids.iter().enumerate() {
+                let times = ids[..=k].iter().filter(|&&x| x == id).count();
+                if underflow(id, times) {
+                    return Err(Error::RefCountUnderflow { block_id: id });
+                }
+            }
+        } else {
+            let mut sorted = ids.to_vec();
+            sorted.sort_unstable();
+            let mut start = 0;
+            while start < sorted.len() {
+                let id = sorted[start];
+                let times = sorted[start..].iter().take_while(|&&x| x == id).count();
+                if underflow(id, times) {
+                    return Err(Error::RefCountUnderflow { block_id: id });
+                }
+                start += times;
+            }
+        }
+        Ok(())
+    }
+
+    /// Decrements one ref count; queues the block when it reaches 0.
+    fn release_one<'a>(
+        &'a self,
+        id: BlockId,
+        guard: &mut Option<MutexGuard<'a, Locked>>,
+    ) -> Result<()> {
+        let i = id as usize;
+        let rc = &self.refs[i];
+        let mut cur = rc.load(Ordering::Acquire);
+        loop {
+            if cur == 0 {
+                // Only reachable when another thread released our references (see module docs).
+                return Err(Error::RefCountUnderflow { block_id: id });
+            }
+            if cur == 1 && guard.is_none() && self.hashed[i].load(Ordering::Acquire) {
+                // A hashed block's 1 -> 0 transition happens under the lock.
+                *guard = Some(self.locked.lock());
+                cur = rc.load(Ordering::Acquire);
+                continue;
+            }
+            match rc.compare_exchange_weak(cur, cur - 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(now) => cur = now,
+            }
+        }
+        if cur != 1 {
+            return Ok(());
+        }
+        match guard.as_mut() {
+            Some(locked) if locked.hashes[i].is_some() => locked.lru_push_back(id),
+            _ => self.uncached.push(id),
+        }
+        // Raise capacity only after the block is physically queued (reservations stay backed).
+        self.free.fetch_add(1, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// The hash `id` carries, if any (`None` for the null block and ids out of range).
+    /// Locking (reads the hash table under the mutex). O(1).
+    pub fn block_hash(&self, id: BlockId) -> Option<BlockHash> {
+        if id == NULL_BLOCK || id >= self.num_blocks {
+            return None;
+        }
+        self.locked.lock().hashes[id as usize]
+    }
+
+    /// Registers the full block `id` under `hash` in the prefix index. The block must be
+    /// referenced (the caller holds a reference). If the block already carries a hash, nothing
+    /// happens (its first hash stays). Emits no event (the manager emits `BlockStored` with the
+    /// token ids it knows).
+    ///
+    /// Errors (nothing changed): [`Error::InvalidBlockId`] for the null block or an id out of
+    /// range; [`Error::InvalidArgument`] if the block's ref count is 0.
+    ///
+    /// Progress: locking (hash table and index). Expected O(1).
+    pub fn cache_block(&self, id: BlockId, hash: BlockHash) -> Result<()> {
+        let i = self.check_id(id)?;
+        let mut locked = self.locked.lock();
+        if self.refs[i].load(Ordering::Acquire) == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "id",
+                value: id.to_string(),
+                reason: format!(
+                    "block {id} has ref count 0; only a referenced (filled) block can be cached"
+                ),
+            });
+        }
+        if locked.hashes[i].is_some() {
+            return Ok(());
+        }
+        locked.hashes[i] = Some(hash);
+        locked.index.insert(hash, id);
+        self.hashed[i].store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// A block carrying `hash`, preferring one that is in use (ref > 0) so a hit does not take
+    /// free capacity when it need not; `None` if no block carries it. No side effects.
+    /// Locking. Expected O(1) (the candidates for one hash are almost always a single block).
+    pub fn lookup(&self, hash: &BlockHash) -> Option<BlockId> {
+        let locked = self.locked.lock();
+        let all = locked.index.get_all(hash);
+        all.iter()
+            .copied()
+            .find(|&id| self.refs[id as usize].load(Ordering::Acquire) > 0)
+            .or_else(|| all.first().copied())
+    }
+
+    /// Drops every hash and the whole prefix index; every cached free block becomes an
+    /// uncached free block, queued after the blocks that were already uncached (in LRU order).
+    /// Emits [`KvEvent::AllBlocksCleared`].
+    ///
+    /// Errors: [`Error::CacheInUse`] `{ blocks_in_use }` while any block is in use (ref > 0 or
+    /// reserved by a concurrent allocation); nothing is changed then.
+    ///
+    /// Progress: locking (one lock hold; concurrent allocations wait on the lock meanwhile).
+    /// O(num_blocks).
+    pub fn reset_prefix_cache(&self) -> Result<()> {
+        let mut locked = self.locked.lock();
+        let in_use = self.num_used();
+        if in_use > 0 {
+            return Err(Error::CacheInUse {
+                blocks_in_use: in_use,
+            });
+        }
+        // Rebuild the stack as [old uncached order, then old LRU order] so the logical free
+        // queue keeps its order. Blocks popped here stay counted in `free`; an allocator that
+        // reserved one meanwhile waits on the lock and then finds it in the stack.
+        let mut order = Vec::new();
+        while let Some(id) = self.uncached.pop() {
+            order.push(id);
+        }
+        while let Some(id) = locked.lru_pop_front() {
+            order.push(id);
+        }
+        for id in 1..self.num_blocks {
+            let i = id as usize;
+            locked.hashes[i] = None;
+            self.hashed[i].store(false, Ordering::Release);
+        }
+        locked.index.clear();
+        for &id in order.iter().rev() {
+            self.uncached.push(id);
+        }
+        self.cached_free.store(0, Ordering::Release);
+        self.events.push(KvEvent::AllBlocksCleared);
+        Ok(())
+    }
+
+    /// The logical free queue, front → back: uncached blocks in LIFO order, then cached blocks
+    /// from the LRU front (next to evict) to the back (most recently freed). For tests and
+    /// invariant checks: exact only while no other thread frees or allocates. Locking. O(free).
+    pub fn free_queue(&self) -> Vec<BlockId> {
+        let locked = self.locked.lock();
+        let mut out = self.uncached.snapshot();
+        out.extend(locked.lru_order());
+        out
+    }
+
+    /// Checks DESIGN.md invariants 1–3 (call while no other thread uses the pool):
+    /// 1. free + Σ(ref > 0) + 1 == num_blocks, the free queue holds no duplicates, and the
+    ///    free / cached-free counters match the lists;
+    /// 2. a block is in the free queue ⇔ its ref count is 0 and it is not the null block; the
+    ///    null block has ref 0; uncached-list blocks carry no hash, LRU blocks carry one;
+    /// 3. a block has a hash ⇔ the prefix index maps that hash to it; no empty index entry;
+    ///    the null block has no hash.
+    ///
+    /// Returns a message naming the first violation. Locking. O(num_blocks).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let locked = self.locked.lock();
+        let n = self.num_blocks as usize;
+        let stack = self.uncached.snapshot();
+        let lru = locked.lru_order();
+        let mut seen = vec![false; n];
+        for &id in stack.iter().chain(lru.iter()) {
+            let i = id as usize;
+            if id == NULL_BLOCK || i >= n {
+                return Err(format!("free queue holds invalid block {id}"));
+            }
+            if seen[i] {
+                return Err(format!("block {id} appears twice in the free queue"));
+            }
+            seen[i] = true;
+        }
+        if lru.len() != locked.lru_len {
+            return Err(format!(
+                "LRU walk found {} blocks, lru_len says {}",
+                lru.len(),
+                locked.lru_len
+            ));
+        }
+        let queued = stack.len() + lru.len();
+        let free = self.num_free();
+        if free != queued {
+            return Err(format!(
+                "free counter {free} != {queued} blocks in the free queue"
+            ));
+        }
+        if self.num_cached_free() != lru.len() {
+            return Err(format!(
+                "cached-free counter {} != LRU length {}",
+                self.num_cached_free(),
+                lru.len()
+            ));
+        }
+        if self.refs[0].load(Ordering::Acquire) != 0
+            || locked.hashes[0].is_some()
+            || locked.in_lru[0]
+        {
+            return Err("null block has a ref count, a hash or an LRU slot".to_string());
+        }
+        let mut used = 0;
+        for id in 1..self.num_blocks {
+            let i = id as usize;
+            let rc = self.refs[i].load(Ordering::Acquire);
+            used += usize::from(rc > 0);
+            if (rc == 0) != seen[i] {
+                return Err(format!(
+                    "block {id} has ref {rc} but in-free-queue = {}",
+                    seen[i]
+                ));
+            }
+            let hash = locked.hashes[i];
+            if hash.is_some() != self.hashed[i].load(Ordering::Acquire) {
+                return Err(format!("block {id}: hashed flag disagrees with its hash"));
+            }
+            if locked.in_lru[i] != (rc == 0 && hash.is_some()) {
+                return Err(format!(
+                    "block {id}: in LRU = {} but ref {rc}, hash {}",
+                    locked.in_lru[i],
+                    hash.is_some()
+                ));
+            }
+            if let Some(h) = hash {
+                if !locked.index.contains(&h, id) {
+                    return Err(format!(
+                        "block {id} has a hash the prefix index does not map to it"
+                    ));
+                }
+            }
+        }
+        if free + used + 1 != n {
+            return Err(format!("free {free} + used {used} + 1 != num_blocks {n}"));
+        }
+        let mut pairs = 0;
+        for (h, id) in locked.index.iter() {
+            pairs += 1;
+            if id == NULL_BLOCK || id as usize >= n || locked.hashes[id as usize] != Some(*h) {
+                return Err(format!(
+                    "prefix index maps a hash to block {id}, which does not carry it"
+                ));
+            }
+        }
+        let hashed = locked.hashes.iter().filter(|h| h.is_some()).count();
+        if pairs != hashed || locked.index.len() != hashed {
+            return Err(format!(
+                "prefix index holds {pairs} pairs but {hashed} blocks carry a hash"
+            ));
+        }
+        Ok(())
+    }
+
+    /// Cumulative counters (evictions, allocations, frees, prefix touches), in blocks.
+    /// Wait-free (four relaxed loads; not a consistent snapshot under concurrency).
+    pub fn counters(&self) -> PoolCounters {
+        PoolCounters {
+            evictions: self.evictions.load(Ordering::Relaxed),
+            allocations: self.allocations.load(Ordering::Relaxed),
+            frees: self.frees.load(Ordering::Relaxed),
+            prefix_touches: self.prefix_touches.load(Ordering::Relaxed),
+        }
+    }
+}

@@ -1,0 +1,170 @@
+//! The prefix index: block hash → the physical blocks that currently carry it (a multiset).
+//!
+//! Several physical blocks may hold the same content (two sequences prefilled the same prefix
+//! before either was cached, or a swapped-in copy of a still-cached block), so one hash can map
+//! to several blocks; the index never keeps an empty entry. Peer: vLLM V1
+//! `BlockHashToBlockMap` in `block_pool.py` (hash → {block_id: block}).
+//!
+//! Not synchronised: the pool keeps it behind its mutex.
+
+use crate::hashing::BlockHash;
+use crate::BlockId;
+use std::collections::HashMap;
+
+/// The blocks carrying one hash. One block is by far the common case, so it is stored inline
+/// without a heap allocation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Holders {
+    One(BlockId),
+    Many(Vec<BlockId>),
+}
+
+impl Holders {
+    fn as_slice(&self) -> &[BlockId] {
+        match self {
+            Holders::One(id) => std::slice::from_ref(id),
+            Holders::Many(ids) => ids,
+        }
+    }
+}
+
+/// Multiset map from [`BlockHash`] to [`BlockId`]s.
+///
+/// Invariants: no hash maps to an empty set; a (hash, block) pair appears at most once.
+/// Lookups and updates are O(1) expected (std `HashMap` with SipHash: the keys can be chosen by
+/// clients through their token ids, so a keyed hasher keeps bucket-flooding out) plus O(k) in
+/// the number k of blocks sharing one hash (almost always 1).
+#[derive(Debug, Clone, Default)]
+pub struct PrefixIndex {
+    map: HashMap<BlockHash, Holders>,
+    entries: usize,
+}
+
+impl PrefixIndex {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds `block` under `hash`. Returns `false` (and changes nothing) if the pair is already
+    /// present. O(1) expected.
+    pub fn insert(&mut self, hash: BlockHash, block: BlockId) -> bool {
+        match self.map.get_mut(&hash) {
+            None => {
+                self.map.insert(hash, Holders::One(block));
+            }
+            Some(h) => {
+                if h.as_slice().contains(&block) {
+                    return false;
+                }
+                match h {
+                    Holders::One(first) => *h = Holders::Many(vec![*first, block]),
+                    Holders::Many(ids) => ids.push(block),
+                }
+            }
+        }
+        self.entries += 1;
+        true
+    }
+
+    /// Removes the pair (`hash`, `block`); drops the entry when it becomes empty. Returns whether
+    /// the pair was present. O(1) expected.
+    pub fn remove(&mut self, hash: &BlockHash, block: BlockId) -> bool {
+        let Some(h) = self.map.get_mut(hash) else { return false };
+        let removed = match h {
+            Holders::One(id) if *id == block => {
+                self.map.remove(hash);
+                true
+            }
+            Holders::One(_) => false,
+            Holders::Many(ids) => match ids.iter().position(|&b| b == block) {
+                Some(pos) => {
+                    ids.swap_remove(pos);
+                    if ids.len() == 1 {
+                        *h = Holders::One(ids[0]);
+                    }
+                    true
+                }
+                None => false,
+            },
+        };
+        if removed {
+            self.entries -= 1;
+        }
+        removed
+    }
+
+    /// Some block carrying `hash` (the first inserted that is still present), if any. O(1).
+    pub fn get_one(&self, hash: &BlockHash) -> Option<BlockId> {
+        self.map.get(hash).map(|h| h.as_slice()[0])
+    }
+
+    /// Every block carrying `hash` (empty slice if none). O(1).
+    pub fn get_all(&self, hash: &BlockHash) -> &[BlockId] {
+        self.map.get(hash).map_or(&[], Holders::as_slice)
+    }
+
+    /// Whether the pair (`hash`, `block`) is present. O(k).
+    pub fn contains(&self, hash: &BlockHash, block: BlockId) -> bool {
+        self.get_all(hash).contains(&block)
+    }
+
+    /// Number of (hash, block) pairs.
+    pub fn len(&self) -> usize {
+        self.entries
+    }
+
+    /// Whether the index holds no pair.
+    pub fn is_empty(&self) -> bool {
+        self.entries == 0
+    }
+
+    /// Number of distinct hashes.
+    pub fn num_hashes(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Removes every pair.
+    pub fn clear(&mut self) {
+        self.map.clear();
+        self.entries = 0;
+    }
+
+    /// Iterates over all (hash, block) pairs in unspecified order (for invariant checks).
+    pub fn iter(&self) -> impl Iterator<Item = (&BlockHash, BlockId)> + '_ {
+        self.map.iter().flat_map(|(h, holders)| holders.as_slice().iter().map(move |&b| (h, b)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(b: u8) -> BlockHash {
+        BlockHash([b; 32])
+    }
+
+    #[test]
+    fn multiset_insert_remove_no_empty_entries() {
+        let mut idx = PrefixIndex::new();
+        assert!(idx.insert(h(1), 5));
+        assert!(!idx.insert(h(1), 5));
+        assert!(idx.insert(h(1), 7));
+        assert!(idx.insert(h(2), 9));
+        assert_eq!(idx.len(), 3);
+        assert_eq!(idx.num_hashes(), 2);
+        assert_eq!(idx.get_all(&h(1)), &[5, 7]);
+        assert_eq!(idx.get_one(&h(1)), Some(5));
+        assert!(idx.remove(&h(1), 5));
+        assert!(!idx.remove(&h(1), 5));
+        assert_eq!(idx.get_one(&h(1)), Some(7));
+        assert!(idx.remove(&h(1), 7));
+        assert_eq!(idx.get_one(&h(1)), None);
+        assert_eq!(idx.num_hashes(), 1);
+        assert_eq!(idx.len(), 1);
+        assert!(!idx.remove(&h(3), 1));
+        idx.clear();
+        assert!(idx.is_empty());
+        assert_eq!(idx.iter().count(), 0);
+    }
+}
