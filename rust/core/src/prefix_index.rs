@@ -70,7 +70,9 @@ impl PrefixIndex {
     /// Removes the pair (`hash`, `block`); drops the entry when it becomes empty. Returns whether
     /// the pair was present. O(1) expected.
     pub fn remove(&mut self, hash: &BlockHash, block: BlockId) -> bool {
-        let Some(h) = self.map.get_mut(hash) else { return false };
+        let Some(h) = self.map.get_mut(hash) else {
+            return false;
+        };
         let removed = match h {
             Holders::One(id) if *id == block => {
                 self.map.remove(hash);
@@ -132,7 +134,9 @@ impl PrefixIndex {
 
     /// Iterates over all (hash, block) pairs in unspecified order (for invariant checks).
     pub fn iter(&self) -> impl Iterator<Item = (&BlockHash, BlockId)> + '_ {
-        self.map.iter().flat_map(|(h, holders)| holders.as_slice().iter().map(move |&b| (h, b)))
+        self.map
+            .iter()
+            .flat_map(|(h, holders)| holders.as_slice().iter().map(move |&b| (h, b)))
     }
 }
 

@@ -1,0 +1,1244 @@
+//! The KV cache manager: per-sequence block tables over a [`BlockPool`], prefix caching, slot
+//! allocation, fork with copy-on-write, preemption by recompute or swap, and the batched
+//! scheduler-step entry point.
+//!
+//! Algorithms: paged KV memory with block tables, reference-counted sharing and copy-on-write
+//! (PagedAttention, Kwon et al., SOSP'23, §4.2–4.5); automatic prefix caching with chained
+//! block hashes and the "always recompute the last token" cap, observable behaviour as vLLM V1
+//! `KVCacheManager` (`get_computed_blocks`, `allocate_slots`, `free`) and `BlockPool`.
+//!
+//! Concurrency: every method takes one `parking_lot::Mutex` over the per-sequence state
+//! (locking), then calls into the pool (whose own hot paths are lock-free). Because all manager
+//! mutations of the pool happen under that mutex, a capacity check followed by the pool calls is
+//! exact: the blocks a call predicts are the blocks it takes, and a call that fails does so
+//! before touching the pool. Mutating the pool directly (through [`KvCacheManager::pool`]'s
+//! methods) while the manager is in use breaks that guarantee; the pool reference is meant for
+//! inspection.
+//!
+//! Units: token counts are `usize` tokens; block counts are `usize` blocks; block ids are
+//! [`BlockId`]s (GPU ids `1..num_blocks`, CPU swap ids `0..num_cpu_blocks`).
+
+use crate::error::{Error, Result};
+use crate::events::{EventSink, KvEvent};
+use crate::hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
+use crate::metrics::{CacheStats, ManagerCounters};
+use crate::pool::BlockPool;
+use crate::{BlockId, SeqId, NULL_BLOCK};
+use parking_lot::Mutex;
+use std::borrow::Cow;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+/// Largest supported block size in tokens.
+pub const MAX_BLOCK_SIZE: u32 = 4096;
+
+/// Configuration of a [`KvCacheManager`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// Physical GPU blocks including the null block 0 (so `num_blocks - 1` are usable); >= 2.
+    pub num_blocks: u32,
+    /// Tokens per block, `1..=MAX_BLOCK_SIZE`.
+    pub block_size: u32,
+    /// Whether full blocks are hashed, cached and reused across sequences.
+    pub enable_prefix_caching: bool,
+    /// Hash function of the prefix cache (SHA-256 unless opted out).
+    pub hash_algo: HashAlgo,
+    /// Chain seed: processes that must agree on block hashes use the same seed.
+    pub hash_seed: Vec<u8>,
+    /// CPU swap-space blocks (0 disables swapping: every swap-out fails with `OutOfSwapSpace`).
+    pub num_cpu_blocks: u32,
+    /// Whether KV events are buffered for [`KvCacheManager::take_events`].
+    pub enable_events: bool,
+}
+
+impl CacheConfig {
+    /// `num_blocks` GPU blocks (including the null block) of `block_size` tokens, with prefix
+    /// caching on, SHA-256, an empty seed, no CPU swap space and events off. Not validated
+    /// until [`Self::validate`] / [`KvCacheManager::new`].
+    pub fn new(num_blocks: u32, block_size: u32) -> Self {
+        Self {
+            num_blocks,
+            block_size,
+            enable_prefix_caching: true,
+            hash_algo: HashAlgo::Sha256,
+            hash_seed: Vec::new(),
+            num_cpu_blocks: 0,
+            enable_events: false,
+        }
+    }
+
+    /// Checks every field. Errors: [`Error::InvalidConfig`] naming the field when
+    /// `num_blocks < 2` or `block_size` is outside `1..=MAX_BLOCK_SIZE`.
+    pub fn validate(&self) -> Result<()> {
+        if self.num_blocks < 2 {
+            return Err(Error::InvalidConfig {
+                field: "num_blocks",
+                value: self.num_blocks.to_string(),
+                reason: "need at least 2 blocks (block 0 is the null block)".into(),
+            });
+        }
+        if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
+            return Err(Error::InvalidConfig {
+                field: "block_size",
+                value: self.block_size.to_string(),
+                reason: format!("must be in 1..={MAX_BLOCK_SIZE} tokens"),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A multimodal item embedded in a sequence's tokens: its content hash and the token range
+/// `[start, start + len)` it occupies. Every full block overlapping the range gets an
+/// [`ExtraKey::Multimodal`] key (item hash + start offset relative to the block), so two
+/// prompts with the same placeholder tokens but different images never share cached KV.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct MmItem {
+    /// Content hash of the item (any bytes, typically a SHA-256 of the pixels / audio).
+    pub item_hash: Vec<u8>,
+    /// Position, in tokens, of the item's first token in the sequence.
+    pub start: u64,
+    /// Number of tokens the item occupies (>= 1).
+    pub len: u64,
+}
+
+/// Per-sequence inputs to prefix hashing.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct SequenceSpec {
+    /// Keys mixed into the hash of every block of the sequence, in this order: model / adapter
+    /// identity ([`ExtraKey::Adapter`]), cache salt ([`ExtraKey::CacheSalt`]), tagged keys.
+    pub extra_keys: Vec<ExtraKey>,
+    /// Multimodal items; each adds a per-block key to the blocks it overlaps (after
+    /// `extra_keys`, in this list's order).
+    pub mm_items: Vec<MmItem>,
+}
+
+/// Where a sequence's KV lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum SeqStatus {
+    /// On the GPU (possibly with no blocks yet, before the first allocation).
+    Running,
+    /// Preempted by recompute: no blocks, tokens kept, `num_computed_tokens == 0`.
+    Preempted,
+    /// Swapped out: the block table holds CPU swap-block ids.
+    Swapped,
+}
+
+impl SeqStatus {
+    /// Lower-case name used in error messages (`"running"`, `"preempted"`, `"swapped"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            SeqStatus::Running => "running",
+            SeqStatus::Preempted => "preempted",
+            SeqStatus::Swapped => "swapped",
+        }
+    }
+}
+
+/// The result of one [`KvCacheManager::allocate_slots`] call.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SlotAllocation {
+    /// Tokens scheduled by this call (the query length): `min(max_new_tokens, uncomputed)`.
+    pub num_scheduled_tokens: usize,
+    /// Tokens served from the prefix cache by this call (first allocation only; a multiple of
+    /// `block_size`, else 0).
+    pub num_cached_tokens: usize,
+    /// Tokens with KV already present before the scheduled ones (cached hits included): the
+    /// scheduled tokens occupy positions `num_context_tokens..num_context_tokens +
+    /// num_scheduled_tokens`.
+    pub num_context_tokens: usize,
+    /// Blocks newly taken from the free pool for this sequence, in block-table order (the
+    /// copy-on-write destination, if any, then fresh blocks). Prefix-hit blocks are not listed.
+    pub new_block_ids: Vec<BlockId>,
+    /// Copy-on-write plan: `(src, dst)` block pairs the kernel must copy before writing
+    /// (at most one per call).
+    pub copies: Vec<(BlockId, BlockId)>,
+}
+
+/// Input of the batched [`KvCacheManager::step`]: one entry per sequence, processed in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepRequest {
+    /// Sequences to schedule.
+    pub seq_ids: Vec<SeqId>,
+    /// Per sequence, the most tokens to schedule (same length as `seq_ids`).
+    pub max_new_tokens: Vec<u32>,
+    /// CSR offsets into `append_tokens` (length `seq_ids.len() + 1`), or empty for no appends.
+    pub append_indptr: Vec<u32>,
+    /// Newly sampled tokens to append to each sequence before scheduling it.
+    pub append_tokens: Vec<u32>,
+}
+
+/// Output of [`KvCacheManager::step`], flat integer arrays ready to become kernel tensors.
+/// `S` = `num_scheduled`; per-token arrays have one entry per scheduled token.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepOutput {
+    /// Sequences scheduled (a prefix of the request: processing stops at the first failure).
+    pub num_scheduled: usize,
+    /// The failure that stopped processing, if any (that sequence is left unchanged, including
+    /// its appended tokens).
+    pub error: Option<Error>,
+    /// Per scheduled seq: prefix-hit tokens of its first allocation, else 0.
+    pub num_cached_tokens: Vec<u32>,
+    /// Length `S + 1`: cumulative query lengths (tokens).
+    pub query_start_loc: Vec<i32>,
+    /// Per scheduled seq: context + query tokens.
+    pub seq_lens: Vec<i32>,
+    /// Per scheduled seq: tokens with KV present before this step.
+    pub context_lens: Vec<i32>,
+    /// Per scheduled token: `block_id * block_size + offset` of its KV slot.
+    pub slot_mapping: Vec<i64>,
+    /// Length `S + 1`: CSR offsets into `block_table_indices`.
+    pub block_table_indptr: Vec<i32>,
+    /// The full block tables of the scheduled seqs, concatenated.
+    pub block_table_indices: Vec<i32>,
+    /// Length `S + 1`: CSR offsets into `new_block_ids`.
+    pub new_block_indptr: Vec<i32>,
+    /// Blocks newly taken per seq (see [`SlotAllocation::new_block_ids`]).
+    pub new_block_ids: Vec<i32>,
+    /// Copy-on-write sources (GPU block ids), parallel to `copy_dst`.
+    pub copy_src: Vec<i32>,
+    /// Copy-on-write destinations.
+    pub copy_dst: Vec<i32>,
+}
+
+/// One sequence's bookkeeping.
+#[derive(Debug, Clone)]
+struct Sequence {
+    tokens: Vec<u32>,
+    spec: SequenceSpec,
+    status: SeqStatus,
+    /// Tokens whose KV is (scheduled to be) written.
+    num_computed: usize,
+    /// GPU block table (Running / Preempted) or CPU swap-block table (Swapped).
+    blocks: Vec<BlockId>,
+    /// Leading blocks of the table already registered in the prefix cache.
+    num_cached_blocks: usize,
+    /// Memo of the chained hashes of the first full blocks of `tokens` (tokens only grow, so a
+    /// memoised hash stays valid).
+    hashes: Vec<BlockHash>,
+}
+
+/// Simple locked CPU block pool for swap space: ref counts plus a LIFO free list.
+#[derive(Debug, Clone)]
+struct CpuPool {
+    refs: Vec<u32>,
+    free: Vec<BlockId>,
+}
+
+impl CpuPool {
+    fn new(n: u32) -> Self {
+        Self {
+            refs: vec![0; n as usize],
+            free: (0..n).rev().collect(),
+        }
+    }
+    fn used(&self) -> usize {
+        self.refs.len() - self.free.len()
+    }
+}
+
+/// What an allocation would do; computed without side effects, then applied.
+#[derive(Debug, Clone)]
+struct Plan {
+    first: bool,
+    hits: Vec<BlockId>,
+    hits_free: usize,
+    context: usize,
+    q: usize,
+    fresh: usize,
+    cow: bool,
+}
+
+impl Plan {
+    fn blocks_taken(&self) -> usize {
+        self.hits_free + self.fresh + usize::from(self.cow)
+    }
+}
+
+#[derive(Debug)]
+struct State {
+    seqs: HashMap<SeqId, Sequence>,
+    cpu: CpuPool,
+    counters: ManagerCounters,
+}
+
+/// The paged KV cache manager. `Send + Sync`; every method locks one mutex over the
+/// per-sequence state (see the module docs).
+#[derive(Debug)]
+pub struct KvCacheManager {
+    cfg: CacheConfig,
+    hasher: PrefixHasher,
+    events: Arc<EventSink>,
+    pool: BlockPool,
+    state: Mutex<State>,
+}
+
+fn unknown(seq_id: SeqId) -> Error {
+    Error::UnknownSequence { seq_id }
+}
+
+fn bad_state(
+    seq_id: SeqId,
+    status: SeqStatus,
+    operation: &'static str,
+    expected: &'static str,
+) -> Error {
+    Error::InvalidSequenceState {
+        seq_id,
+        state: status.name(),
+        operation,
+        expected,
+    }
+}
+
+impl KvCacheManager {
+    /// A manager over a fresh pool of `cfg.num_blocks` blocks. Errors: [`Error::InvalidConfig`]
+    /// (see [`CacheConfig::validate`]). O(num_blocks + num_cpu_blocks).
+    pub fn new(cfg: CacheConfig) -> Result<Self> {
+        cfg.validate()?;
+        let events = Arc::new(EventSink::new(cfg.enable_events));
+        let pool = BlockPool::new(cfg.num_blocks, events.clone())?;
+        let hasher = PrefixHasher::new(cfg.hash_algo, &cfg.hash_seed);
+        let state = State {
+            seqs: HashMap::new(),
+            cpu: CpuPool::new(cfg.num_cpu_blocks),
+            counters: ManagerCounters::default(),
+        };
+        Ok(Self {
+            cfg,
+            hasher,
+            events,
+            pool,
+            state: Mutex::new(state),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &CacheConfig {
+        &self.cfg
+    }
+
+    /// The prefix hasher (algorithm + seed) this manager hashes blocks with.
+    pub fn hasher(&self) -> &PrefixHasher {
+        &self.hasher
+    }
+
+    /// The underlying block pool, for inspection (ref counts, hashes, free queue).
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Registers a sequence with its prompt (finalized tokens, no blocks yet). Errors:
+    /// [`Error::SequenceExists`]; [`Error::InvalidArgument`] for an empty prompt or a
+    /// multimodal item with `len == 0` or an overflowing range. O(len(prompt)).
+    pub fn add_sequence(&self, seq: SeqId, prompt: &[u32], spec: SequenceSpec) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::InvalidArgument {
+                arg: "prompt",
+                value: "[]".into(),
+                reason: "a sequence needs at least one token".into(),
+            });
+        }
+        for item in &spec.mm_items {
+            if item.len == 0
+                || item.start.checked_add(item.len).is_none()
+                || item.start > i64::MAX as u64
+            {
+                return Err(Error::InvalidArgument {
+                    arg: "mm_items",
+                    value: format!("start={} len={}", item.start, item.len),
+                    reason: "a multimodal item needs len >= 1 and a range that fits in i64".into(),
+                });
+            }
+        }
+        let mut st = self.state.lock();
+        if st.seqs.contains_key(&seq) {
+            return Err(Error::SequenceExists { seq_id: seq });
+        }
+        st.seqs.insert(
+            seq,
+            Sequence {
+                tokens: prompt.to_vec(),
+                spec,
+                status: SeqStatus::Running,
+                num_computed: 0,
+                blocks: Vec::new(),
+                num_cached_blocks: 0,
+                hashes: Vec::new(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Appends newly sampled (finalized) tokens; allowed in every state. Errors:
+    /// [`Error::UnknownSequence`]. O(len(tokens)).
+    pub fn append_tokens(&self, seq: SeqId, tokens: &[u32]) -> Result<()> {
+        let mut st = self.state.lock();
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        s.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    /// Tokens that would be served from the prefix cache if `seq` were allocated now from
+    /// scratch: the longest chain of cached full blocks, stopping at the first miss, capped at
+    /// `num_tokens - 1` so the last token is always recomputed (its logits are needed). A
+    /// multiple of `block_size`; 0 with prefix caching off. No observable side effects (block
+    /// hashes are memoised). Errors: [`Error::UnknownSequence`]. O(hit blocks + 1) lookups,
+    /// plus hashing of blocks not hashed before.
+    pub fn lookup_prefix(&self, seq: SeqId) -> Result<usize> {
+        let mut st = self.state.lock();
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        Ok(self.find_hits(s).len() * self.bs())
+    }
+
+    /// Exactly the number of blocks the next [`Self::allocate_slots`]`(seq, max_new_tokens)`
+    /// would take from the free pool: fresh blocks, plus prefix hits on free (ref 0) cached
+    /// blocks, plus one if a copy-on-write is needed. Errors as `allocate_slots` except `OutOfBlocks`. No
+    /// side effects. O(blocks of the sequence).
+    pub fn num_blocks_needed(&self, seq: SeqId, max_new_tokens: usize) -> Result<usize> {
+        let mut st = self.state.lock();
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        Ok(self.plan(seq, s, max_new_tokens)?.blocks_taken())
+    }
+
+    /// Schedules `q = min(max_new_tokens, num_tokens - num_computed)` tokens of `seq` and
+    /// makes room for their KV.
+    ///
+    /// On the first allocation of a sequence (no blocks, nothing computed: new or preempted
+    /// by recompute) the cached prefix is taken first ([`Self::lookup_prefix`]). Blocks are
+    /// added for `num_computed + q` slots; a partially filled last block shared with another
+    /// sequence (ref > 1) is replaced by a private block and one `(src, dst)` copy is planned
+    /// (full shared blocks are never copied). Then `num_computed += q` and every block now full
+    /// of computed tokens is hashed and registered in the prefix cache (emitting
+    /// [`KvEvent::BlockStored`]). A preempted sequence becomes running.
+    ///
+    /// Errors (state unchanged, bit for bit): [`Error::UnknownSequence`];
+    /// [`Error::InvalidSequenceState`] for a swapped-out sequence; [`Error::InvalidArgument`]
+    /// for `max_new_tokens == 0` or when no token is left to compute;
+    /// [`Error::OutOfBlocks`] `{requested: blocks the call needs, available: free blocks}`.
+    /// O(new blocks + blocks of the sequence) plus hashing of newly full blocks.
+    pub fn allocate_slots(&self, seq: SeqId, max_new_tokens: usize) -> Result<SlotAllocation> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        self.allocate_locked(seq, s, &mut st.counters, max_new_tokens)
+    }
+
+    /// Forks `parent` into a new sequence `child` (parallel sampling, beam search): the child
+    /// gets a copy of the parent's tokens, spec, computed count and block table, and every
+    /// block's ref count goes up by one. Allocates nothing. Errors: [`Error::UnknownSequence`]
+    /// (parent), [`Error::SequenceExists`] (child), [`Error::InvalidSequenceState`] for a
+    /// swapped-out parent. O(tokens + blocks of the parent).
+    pub fn fork(&self, parent: SeqId, child: SeqId) -> Result<()> {
+        let mut st = self.state.lock();
+        let p = st.seqs.get(&parent).ok_or_else(|| unknown(parent))?;
+        if p.status == SeqStatus::Swapped {
+            return Err(bad_state(parent, p.status, "fork", "running or preempted"));
+        }
+        if st.seqs.contains_key(&child) {
+            return Err(Error::SequenceExists { seq_id: child });
+        }
+        let c = p.clone();
+        if !c.blocks.is_empty() {
+            self.pool.incref(&c.blocks)?;
+        }
+        st.seqs.insert(child, c);
+        Ok(())
+    }
+
+    /// Frees `seq` and forgets it: its blocks are released tail-first (so the deepest block of
+    /// a cached chain becomes the first eviction candidate; cached blocks keep their hashes),
+    /// CPU swap blocks are returned. Idempotent: returns `false` (and does nothing) for an
+    /// unknown or already freed sequence. O(blocks of the sequence).
+    pub fn free(&self, seq: SeqId) -> bool {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let Some(s) = st.seqs.remove(&seq) else {
+            return false;
+        };
+        match s.status {
+            SeqStatus::Swapped => cpu_release(&mut st.cpu, &s.blocks),
+            _ => {
+                let tail_first: Vec<BlockId> = s.blocks.iter().rev().copied().collect();
+                if !tail_first.is_empty() {
+                    // Cannot fail: the manager holds exactly these references.
+                    let freed = self.pool.free(&tail_first);
+                    debug_assert!(freed.is_ok(), "{freed:?}");
+                }
+            }
+        }
+        true
+    }
+
+    /// Preemption by recompute of a group of sequences, all-or-nothing: each releases its
+    /// blocks tail-first (hashes stay, so the resumed prefill often hits its own prefix), keeps
+    /// its tokens and restarts at `num_computed = 0`; the resumed prefill covers prompt plus all
+    /// generated tokens. Already preempted sequences are left as they are. Errors (nothing
+    /// changed): [`Error::UnknownSequence`], [`Error::InvalidArgument`] for a duplicate id,
+    /// [`Error::InvalidSequenceState`] for a swapped-out sequence. O(blocks of the group).
+    pub fn preempt_recompute(&self, seqs: &[SeqId]) -> Result<()> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        check_group(
+            st,
+            seqs,
+            "preempt_recompute",
+            |s| s != SeqStatus::Swapped,
+            "running or preempted",
+        )?;
+        let mut tail_first = Vec::new();
+        for id in seqs {
+            tail_first.extend(st.seqs[id].blocks.iter().rev().copied());
+        }
+        if !tail_first.is_empty() {
+            self.pool.free(&tail_first)?;
+        }
+        for id in seqs {
+            let s = st.seqs.get_mut(id).expect("validated");
+            if s.status == SeqStatus::Running {
+                st.counters.preemptions += 1;
+            }
+            s.blocks.clear();
+            s.num_computed = 0;
+            s.num_cached_blocks = 0;
+            s.status = SeqStatus::Preempted;
+        }
+        Ok(())
+    }
+
+    /// Swap preemption of a group: plans each distinct GPU block of the group's tables once
+    /// onto a CPU swap block (group-internal sharing is kept as CPU ref counts), releases the
+    /// GPU blocks tail-first and marks the sequences swapped. Returns the `(gpu, cpu)` copy
+    /// plan in order of first appearance (sequence order, then table order).
+    ///
+    /// All-or-nothing. Errors: [`Error::UnknownSequence`]; [`Error::InvalidArgument`] for a
+    /// duplicate id; [`Error::InvalidSequenceState`] unless every sequence is running;
+    /// [`Error::OutOfSwapSpace`] `{requested: distinct blocks, available: free CPU blocks}`.
+    /// O(blocks of the group).
+    pub fn swap_out(&self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        check_group(st, seqs, "swap_out", |s| s == SeqStatus::Running, "running")?;
+        let mut order: Vec<BlockId> = Vec::new();
+        let mut uses: HashMap<BlockId, u32> = HashMap::new();
+        for id in seqs {
+            for &b in &st.seqs[id].blocks {
+                let n = uses.entry(b).or_insert(0);
+                if *n == 0 {
+                    order.push(b);
+                }
+                *n += 1;
+            }
+        }
+        if order.len() > st.cpu.free.len() {
+            return Err(Error::OutOfSwapSpace {
+                requested: order.len(),
+                available: st.cpu.free.len(),
+            });
+        }
+        let mut tail_first = Vec::new();
+        for id in seqs {
+            tail_first.extend(st.seqs[id].blocks.iter().rev().copied());
+        }
+        if !tail_first.is_empty() {
+            self.pool.free(&tail_first)?;
+        }
+        let mut map: HashMap<BlockId, BlockId> = HashMap::with_capacity(order.len());
+        let mut plan = Vec::with_capacity(order.len());
+        for &g in &order {
+            let c = st.cpu.free.pop().expect("capacity checked");
+            st.cpu.refs[c as usize] = uses[&g];
+            map.insert(g, c);
+            plan.push((g, c));
+        }
+        for id in seqs {
+            let s = st.seqs.get_mut(id).expect("validated");
+            s.blocks = s.blocks.iter().map(|b| map[b]).collect();
+            s.num_cached_blocks = 0;
+            s.status = SeqStatus::Swapped;
+        }
+        st.counters.swaps_out_blocks += order.len() as u64;
+        st.counters.preemptions += seqs.len() as u64;
+        Ok(plan)
+    }
+
+    /// Brings a swapped-out group back: takes one fresh GPU block per distinct CPU block of the
+    /// group (sharing kept as GPU ref counts), returns the CPU blocks and re-registers the
+    /// full computed blocks in the prefix cache. Returns the `(cpu, gpu)` copy plan in order of
+    /// first appearance.
+    ///
+    /// All-or-nothing. Errors: [`Error::UnknownSequence`]; [`Error::InvalidArgument`] for a
+    /// duplicate id; [`Error::InvalidSequenceState`] unless every sequence is swapped;
+    /// [`Error::OutOfBlocks`] `{requested: distinct blocks, available}`. O(blocks of the group).
+    pub fn swap_in(&self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        check_group(st, seqs, "swap_in", |s| s == SeqStatus::Swapped, "swapped")?;
+        let mut order: Vec<BlockId> = Vec::new();
+        let mut seen: HashSet<BlockId> = HashSet::new();
+        let mut extra_refs: Vec<BlockId> = Vec::new();
+        for id in seqs {
+            for &c in &st.seqs[id].blocks {
+                if seen.insert(c) {
+                    order.push(c);
+                } else {
+                    extra_refs.push(c);
+                }
+            }
+        }
+        let gpu = if order.is_empty() {
+            Vec::new()
+        } else {
+            self.pool.allocate(order.len())?
+        };
+        let map: HashMap<BlockId, BlockId> =
+            order.iter().copied().zip(gpu.iter().copied()).collect();
+        if !extra_refs.is_empty() {
+            let extra: Vec<BlockId> = extra_refs.iter().map(|c| map[c]).collect();
+            self.pool.incref(&extra)?;
+        }
+        for id in seqs {
+            let s = st.seqs.get_mut(id).expect("validated");
+            cpu_release(&mut st.cpu, &s.blocks);
+            s.blocks = s.blocks.iter().map(|c| map[c]).collect();
+            s.num_cached_blocks = 0;
+            s.status = SeqStatus::Running;
+            self.cache_full_blocks(s);
+        }
+        st.counters.swaps_in_blocks += order.len() as u64;
+        Ok(order.into_iter().zip(gpu).collect())
+    }
+
+    /// Drops every prefix-cache entry (emitting [`KvEvent::AllBlocksCleared`]). Errors:
+    /// [`Error::CacheInUse`] while any block is referenced (nothing changed). O(num_blocks).
+    pub fn reset_prefix_cache(&self) -> Result<()> {
+        let _st = self.state.lock();
+        self.pool.reset_prefix_cache()
+    }
+
+    /// The sequence's block table: GPU block ids for running / preempted (empty) sequences, CPU
+    /// swap-block ids for swapped ones. Errors: [`Error::UnknownSequence`]. O(blocks).
+    pub fn block_table(&self, seq: SeqId) -> Result<Vec<BlockId>> {
+        Ok(self
+            .state
+            .lock()
+            .seqs
+            .get(&seq)
+            .ok_or_else(|| unknown(seq))?
+            .blocks
+            .clone())
+    }
+
+    /// Known (finalized) tokens of the sequence: prompt + appended. Errors:
+    /// [`Error::UnknownSequence`]. O(1).
+    pub fn num_tokens(&self, seq: SeqId) -> Result<usize> {
+        Ok(self
+            .state
+            .lock()
+            .seqs
+            .get(&seq)
+            .ok_or_else(|| unknown(seq))?
+            .tokens
+            .len())
+    }
+
+    /// Tokens whose KV has been scheduled (prefix hits included). Errors:
+    /// [`Error::UnknownSequence`]. O(1).
+    pub fn num_computed_tokens(&self, seq: SeqId) -> Result<usize> {
+        Ok(self
+            .state
+            .lock()
+            .seqs
+            .get(&seq)
+            .ok_or_else(|| unknown(seq))?
+            .num_computed)
+    }
+
+    /// The sequence's status. Errors: [`Error::UnknownSequence`]. O(1).
+    pub fn status(&self, seq: SeqId) -> Result<SeqStatus> {
+        Ok(self
+            .state
+            .lock()
+            .seqs
+            .get(&seq)
+            .ok_or_else(|| unknown(seq))?
+            .status)
+    }
+
+    /// The sequence's token ids. Errors: [`Error::UnknownSequence`]. O(tokens).
+    pub fn tokens(&self, seq: SeqId) -> Result<Vec<u32>> {
+        Ok(self
+            .state
+            .lock()
+            .seqs
+            .get(&seq)
+            .ok_or_else(|| unknown(seq))?
+            .tokens
+            .clone())
+    }
+
+    /// Number of registered sequences. O(1).
+    pub fn num_sequences(&self) -> usize {
+        self.state.lock().seqs.len()
+    }
+
+    /// One scheduler step in one call: for each sequence in order, append its new tokens (CSR
+    /// slice of `append_tokens`) and [`Self::allocate_slots`] it; stop at the first failure,
+    /// leaving that sequence unchanged (its appended tokens removed again) while the sequences
+    /// before it keep their allocations. A malformed request (array lengths, CSR offsets) is
+    /// reported in `error` with nothing scheduled. O(total tokens scheduled + blocks of the
+    /// scheduled sequences).
+    pub fn step(&self, req: &StepRequest) -> StepOutput {
+        let mut out = StepOutput {
+            query_start_loc: vec![0],
+            block_table_indptr: vec![0],
+            new_block_indptr: vec![0],
+            ..Default::default()
+        };
+        if let Err(e) = validate_step(req) {
+            out.error = Some(e);
+            return out;
+        }
+        let bs = self.bs();
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        for (i, &seq) in req.seq_ids.iter().enumerate() {
+            let Some(s) = st.seqs.get_mut(&seq) else {
+                out.error = Some(unknown(seq));
+                break;
+            };
+            let old_len = s.tokens.len();
+            if !req.append_indptr.is_empty() {
+                let (a, b) = (
+                    req.append_indptr[i] as usize,
+                    req.append_indptr[i + 1] as usize,
+                );
+                s.tokens.extend_from_slice(&req.append_tokens[a..b]);
+            }
+            let alloc = match self.allocate_locked(
+                seq,
+                s,
+                &mut st.counters,
+                req.max_new_tokens[i] as usize,
+            ) {
+                Ok(a) => a,
+                Err(e) => {
+                    s.tokens.truncate(old_len);
+                    s.hashes.truncate(old_len / bs);
+                    out.error = Some(e);
+                    break;
+                }
+            };
+            let ctx = alloc.num_context_tokens;
+            let q = alloc.num_scheduled_tokens;
+            out.num_scheduled += 1;
+            out.num_cached_tokens.push(alloc.num_cached_tokens as u32);
+            out.query_start_loc.push(out.query_start_loc[i] + q as i32);
+            out.context_lens.push(ctx as i32);
+            out.seq_lens.push((ctx + q) as i32);
+            for pos in ctx..ctx + q {
+                out.slot_mapping
+                    .push(i64::from(s.blocks[pos / bs]) * bs as i64 + (pos % bs) as i64);
+            }
+            out.block_table_indices
+                .extend(s.blocks.iter().map(|&b| b as i32));
+            out.block_table_indptr
+                .push(out.block_table_indices.len() as i32);
+            out.new_block_ids
+                .extend(alloc.new_block_ids.iter().map(|&b| b as i32));
+            out.new_block_indptr.push(out.new_block_ids.len() as i32);
+            for (src, dst) in alloc.copies {
+                out.copy_src.push(src as i32);
+                out.copy_dst.push(dst as i32);
+            }
+        }
+        out
+    }
+
+    /// A snapshot of usage and counters. O(blocks of running sequences) for `kv_utilization`.
+    pub fn stats(&self) -> CacheStats {
+        let st = self.state.lock();
+        let bs = self.bs();
+        // Fill of each distinct block over running sequences (fullest holder counts).
+        let mut fill: HashMap<BlockId, usize> = HashMap::new();
+        for s in st.seqs.values().filter(|s| s.status == SeqStatus::Running) {
+            for (k, &b) in s.blocks.iter().enumerate() {
+                let in_block = s.num_computed.saturating_sub(k * bs).min(bs);
+                let e = fill.entry(b).or_insert(0);
+                *e = (*e).max(in_block);
+            }
+        }
+        let slots = fill.len() * bs;
+        let kv_utilization = if slots == 0 {
+            0.0
+        } else {
+            fill.values().sum::<usize>() as f64 / slots as f64
+        };
+        let used = self.pool.num_used();
+        let c = st.counters;
+        CacheStats {
+            num_blocks: self.cfg.num_blocks,
+            block_size: self.cfg.block_size,
+            used,
+            free: self.pool.num_free(),
+            cached_free: self.pool.num_cached_free(),
+            usage: used as f64 / self.pool.num_usable() as f64,
+            kv_utilization,
+            prefix_queries_tokens: c.prefix_queries_tokens,
+            prefix_hits_tokens: c.prefix_hits_tokens,
+            evictions: self.pool.counters().evictions,
+            copies: c.copies,
+            swaps_out_blocks: c.swaps_out_blocks,
+            swaps_in_blocks: c.swaps_in_blocks,
+            preemptions: c.preemptions,
+            num_cpu_blocks: self.cfg.num_cpu_blocks,
+            cpu_used: st.cpu.used(),
+        }
+    }
+
+    /// The manager's running counters.
+    pub fn counters(&self) -> ManagerCounters {
+        self.state.lock().counters
+    }
+
+    /// Drains buffered KV events, oldest first (empty when events are disabled). Locking.
+    pub fn take_events(&self) -> Vec<KvEvent> {
+        self.events.drain()
+    }
+
+    /// Checks DESIGN.md invariants 1–4: the pool's own (1–3), plus: every GPU block's ref count
+    /// equals the number of running sequences whose table holds it (so free + used + 1 ==
+    /// num_blocks follows), tables never hold the null block and cover exactly
+    /// `ceil(num_computed / block_size)` blocks, preempted sequences hold nothing, CPU ref
+    /// counts match swapped tables, cached blocks carry the sequence's own chained hash, and
+    /// chain closure (logical block k cached ⇒ block k-1 cached). With prefix caching off no
+    /// block has a hash. Returns a message naming the first violation. O(num_blocks + blocks
+    /// of all sequences).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let st = self.state.lock();
+        self.pool.check_invariants()?;
+        let bs = self.bs();
+        let caching = self.cfg.enable_prefix_caching;
+        let mut gpu_refs: HashMap<BlockId, u32> = HashMap::new();
+        let mut cpu_refs = vec![0u32; st.cpu.refs.len()];
+        for (&id, s) in &st.seqs {
+            if s.num_computed > s.tokens.len() {
+                return Err(format!(
+                    "seq {id}: num_computed {} > num_tokens {}",
+                    s.num_computed,
+                    s.tokens.len()
+                ));
+            }
+            match s.status {
+                SeqStatus::Preempted => {
+                    if !s.blocks.is_empty() || s.num_computed != 0 {
+                        return Err(format!(
+                            "seq {id}: preempted but holds {} blocks",
+                            s.blocks.len()
+                        ));
+                    }
+                }
+                SeqStatus::Swapped => {
+                    for &c in &s.blocks {
+                        let Some(r) = cpu_refs.get_mut(c as usize) else {
+                            return Err(format!("seq {id}: CPU block {c} out of range"));
+                        };
+                        *r += 1;
+                    }
+                }
+                SeqStatus::Running => {
+                    if s.blocks.len() != s.num_computed.div_ceil(bs) {
+                        return Err(format!(
+                            "seq {id}: {} blocks for {} computed tokens (block size {bs})",
+                            s.blocks.len(),
+                            s.num_computed
+                        ));
+                    }
+                    let mut distinct = HashSet::new();
+                    for (k, &b) in s.blocks.iter().enumerate() {
+                        if b == NULL_BLOCK || b >= self.cfg.num_blocks {
+                            return Err(format!(
+                                "seq {id}: block table entry {k} is invalid block {b}"
+                            ));
+                        }
+                        if !distinct.insert(b) {
+                            return Err(format!("seq {id}: block {b} appears twice in its table"));
+                        }
+                        *gpu_refs.entry(b).or_insert(0) += 1;
+                        let h = self.pool.block_hash(b);
+                        if k > 0 && h.is_some() && self.pool.block_hash(s.blocks[k - 1]).is_none() {
+                            return Err(format!(
+                                "seq {id}: logical block {k} cached but block {} is not",
+                                k - 1
+                            ));
+                        }
+                        if caching && k < s.num_cached_blocks {
+                            match (h, s.hashes.get(k)) {
+                                (None, _) => {
+                                    return Err(format!(
+                                        "seq {id}: logical block {k} (block {b}) not cached"
+                                    ))
+                                }
+                                (Some(h), Some(want)) if h != *want => {
+                                    return Err(format!(
+                                        "seq {id}: block {b} carries a foreign hash"
+                                    ))
+                                }
+                                _ => {}
+                            }
+                        }
+                    }
+                    if caching && s.num_cached_blocks != s.num_computed / bs {
+                        return Err(format!(
+                            "seq {id}: {} blocks cached, {} full computed blocks",
+                            s.num_cached_blocks,
+                            s.num_computed / bs
+                        ));
+                    }
+                }
+            }
+        }
+        for b in 0..self.cfg.num_blocks {
+            let want = gpu_refs.get(&b).copied().unwrap_or(0);
+            let got = self.pool.ref_count(b);
+            if want != got {
+                return Err(format!(
+                    "block {b}: ref count {got}, held by {want} sequence(s)"
+                ));
+            }
+            if !caching && self.pool.block_hash(b).is_some() {
+                return Err(format!("block {b} has a hash with prefix caching off"));
+            }
+        }
+        if cpu_refs != st.cpu.refs {
+            return Err("CPU swap-block ref counts do not match swapped tables".into());
+        }
+        let cpu_free: HashSet<BlockId> = st.cpu.free.iter().copied().collect();
+        if cpu_free.len() != st.cpu.free.len() {
+            return Err("CPU free list holds a duplicate".into());
+        }
+        for (c, &r) in st.cpu.refs.iter().enumerate() {
+            if (r == 0) != cpu_free.contains(&(c as BlockId)) {
+                return Err(format!(
+                    "CPU block {c}: ref {r} but free-list membership disagrees"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    // ---- internals -------------------------------------------------------------------------
+
+    fn bs(&self) -> usize {
+        self.cfg.block_size as usize
+    }
+
+    fn caching(&self) -> bool {
+        self.cfg.enable_prefix_caching
+    }
+
+    /// Extra keys of logical block `k`: the sequence keys plus multimodal items overlapping it.
+    fn block_keys<'a>(&self, spec: &'a SequenceSpec, k: usize) -> Cow<'a, [ExtraKey]> {
+        if spec.mm_items.is_empty() {
+            return Cow::Borrowed(&spec.extra_keys);
+        }
+        let (lo, hi) = ((k * self.bs()) as u64, ((k + 1) * self.bs()) as u64);
+        let mut keys = spec.extra_keys.clone();
+        for item in spec
+            .mm_items
+            .iter()
+            .filter(|m| m.start < hi && m.start + m.len > lo)
+        {
+            keys.push(ExtraKey::Multimodal {
+                item_hash: item.item_hash.clone(),
+                offset: item.start as i64 - lo as i64,
+            });
+        }
+        Cow::Owned(keys)
+    }
+
+    /// Chained hash of full logical block `k` (memoised); requires `(k+1)*bs <= tokens`.
+    fn block_hash_at(&self, s: &mut Sequence, k: usize) -> BlockHash {
+        let bs = self.bs();
+        while s.hashes.len() <= k {
+            let j = s.hashes.len();
+            let keys = self.block_keys(&s.spec, j);
+            let h = self
+                .hasher
+                .hash_block(s.hashes.last(), &s.tokens[j * bs..(j + 1) * bs], &keys);
+            s.hashes.push(h);
+        }
+        s.hashes[k]
+    }
+
+    /// Longest chain of cached blocks for the sequence's tokens, capped at `num_tokens - 1`.
+    fn find_hits(&self, s: &mut Sequence) -> Vec<BlockId> {
+        let mut hits = Vec::new();
+        if !self.caching() {
+            return hits;
+        }
+        let max_blocks = (s.tokens.len() - 1) / self.bs();
+        for k in 0..max_blocks {
+            let h = self.block_hash_at(s, k);
+            match self.pool.lookup(&h) {
+                Some(b) => hits.push(b),
+                None => break,
+            }
+        }
+        hits
+    }
+
+    fn plan(&self, seq: SeqId, s: &mut Sequence, max_new_tokens: usize) -> Result<Plan> {
+        if s.status == SeqStatus::Swapped {
+            return Err(bad_state(
+                seq,
+                s.status,
+                "allocate_slots",
+                "running or preempted (swap it in first)",
+            ));
+        }
+        if max_new_tokens == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "max_new_tokens",
+                value: "0".into(),
+                reason: "must schedule at least one token".into(),
+            });
+        }
+        let bs = self.bs();
+        let first = s.blocks.is_empty() && s.num_computed == 0;
+        let hits = if first { self.find_hits(s) } else { Vec::new() };
+        let hits_free = hits
+            .iter()
+            .filter(|&&b| self.pool.ref_count(b) == 0)
+            .count();
+        let context = if first {
+            hits.len() * bs
+        } else {
+            s.num_computed
+        };
+        let remaining = s.tokens.len() - context;
+        if remaining == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "max_new_tokens",
+                value: max_new_tokens.to_string(),
+                reason: format!(
+                    "sequence {seq} has no uncomputed token (all {} computed)",
+                    s.tokens.len()
+                ),
+            });
+        }
+        let q = max_new_tokens.min(remaining);
+        let table_len = if first { hits.len() } else { s.blocks.len() };
+        let fresh = (context + q).div_ceil(bs) - table_len;
+        let cow = !first
+            && context % bs != 0
+            && s.blocks.last().is_some_and(|&b| self.pool.ref_count(b) > 1);
+        Ok(Plan {
+            first,
+            hits,
+            hits_free,
+            context,
+            q,
+            fresh,
+            cow,
+        })
+    }
+
+    fn allocate_locked(
+        &self,
+        seq: SeqId,
+        s: &mut Sequence,
+        counters: &mut ManagerCounters,
+        max_new_tokens: usize,
+    ) -> Result<SlotAllocation> {
+        let plan = self.plan(seq, s, max_new_tokens)?;
+        let need = plan.blocks_taken();
+        // Check before any pool call so that a failure changes nothing (touching hits and then
+        // failing would move them in the LRU).
+        let available = self.pool.num_free();
+        if need > available {
+            return Err(Error::OutOfBlocks {
+                requested: need,
+                available,
+            });
+        }
+        if !plan.hits.is_empty() {
+            self.pool.touch(&plan.hits)?;
+        }
+        let n_new = plan.fresh + usize::from(plan.cow);
+        let new = if n_new == 0 {
+            Vec::new()
+        } else {
+            match self.pool.allocate(n_new) {
+                Ok(v) => v,
+                Err(e) => {
+                    // Only reachable if someone mutates the pool behind the manager's back.
+                    if !plan.hits.is_empty() {
+                        let undo: Vec<BlockId> = plan.hits.iter().rev().copied().collect();
+                        let _ = self.pool.free(&undo);
+                    }
+                    return Err(e);
+                }
+            }
+        };
+        let mut copies = Vec::new();
+        if plan.first {
+            s.blocks = plan.hits.clone();
+            s.num_computed = plan.context;
+            s.num_cached_blocks = plan.hits.len();
+            if self.caching() {
+                counters.prefix_queries_tokens += s.tokens.len() as u64;
+                counters.prefix_hits_tokens += plan.context as u64;
+            }
+        }
+        let mut fresh = new.iter().copied();
+        if plan.cow {
+            let dst = fresh.next().expect("allocated");
+            let last = s.blocks.len() - 1;
+            let src = std::mem::replace(&mut s.blocks[last], dst);
+            // src is shared (ref > 1): this only drops our reference.
+            self.pool.free(&[src])?;
+            copies.push((src, dst));
+            counters.copies += 1;
+        }
+        s.blocks.extend(fresh);
+        s.num_computed += plan.q;
+        s.status = SeqStatus::Running;
+        self.cache_full_blocks(s);
+        Ok(SlotAllocation {
+            num_scheduled_tokens: plan.q,
+            num_cached_tokens: if plan.first { plan.context } else { 0 },
+            num_context_tokens: plan.context,
+            new_block_ids: new,
+            copies,
+        })
+    }
+
+    /// Registers every block full of computed tokens that is not cached yet, and emits
+    /// BlockStored events (consecutive blocks with equal extra keys share one event).
+    fn cache_full_blocks(&self, s: &mut Sequence) {
+        if !self.caching() {
+            return;
+        }
+        let bs = self.bs();
+        let full = s.num_computed / bs;
+        let mut pending: Option<KvEvent> = None;
+        for k in s.num_cached_blocks..full {
+            let h = self.block_hash_at(s, k);
+            let b = s.blocks[k];
+            if self.pool.block_hash(b).is_some() {
+                continue; // shared with a sequence that cached it already
+            }
+            let cached = self.pool.cache_block(b, h);
+            debug_assert!(cached.is_ok(), "{cached:?}");
+            if !self.events.enabled() {
+                continue;
+            }
+            let keys = self.block_keys(&s.spec, k);
+            let toks = &s.tokens[k * bs..(k + 1) * bs];
+            if let Some(KvEvent::BlockStored {
+                block_hashes,
+                token_ids,
+                extra_keys,
+                ..
+            }) = pending.as_mut()
+            {
+                if extra_keys.as_slice() == &*keys
+                    && block_hashes.last() == k.checked_sub(1).map(|j| &s.hashes[j])
+                {
+                    block_hashes.push(h);
+                    token_ids.extend_from_slice(toks);
+                    continue;
+                }
+            }
+            if let Some(ev) = pending.take() {
+                self.events.push(ev);
+            }
+            pending = Some(KvEvent::BlockStored {
+                block_hashes: vec![h],
+                parent_block_hash: k.checked_sub(1).map(|j| s.hashes[j]),
+                token_ids: toks.to_vec(),
+                block_size: self.cfg.block_size,
+                extra_keys: keys.into_owned(),
+            });
+        }
+        if let Some(ev) = pending {
+            self.events.push(ev);
+        }
+        s.num_cached_blocks = s.num_cached_blocks.max(full);
+    }
+}
+
+/// Validates a group argument: known ids, no duplicates, every status accepted by `ok`.
+fn check_group(
+    st: &State,
+    seqs: &[SeqId],
+    operation: &'static str,
+    ok: impl Fn(SeqStatus) -> bool,
+    expected: &'static str,
+) -> Result<()> {
+    let mut seen = HashSet::with_capacity(seqs.len());
+    for &id in seqs {
+        if !seen.insert(id) {
+            return Err(Error::InvalidArgument {
+                arg: "seq_ids",
+                value: id.to_string(),
+                reason: "sequence listed twice in one group".into(),
+            });
+        }
+        let s = st.seqs.get(&id).ok_or_else(|| unknown(id))?;
+        if !ok(s.status) {
+            return Err(bad_state(id, s.status, operation, expected));
+        }
+    }
+    Ok(())
+}
+
+/// Drops one reference to each CPU block, tail-first; blocks reaching 0 return to the free list.
+fn cpu_release(cpu: &mut CpuPool, table: &[BlockId]) {
+    for &c in table.iter().rev() {
+        let r = &mut cpu.refs[c as usize];
+        *r -= 1;
+        if *r == 0 {
+            cpu.free.push(c);
+        }
+    }
+}
+
+fn validate_step(req: &StepRequest) -> Result<()> {
+    let n = req.seq_ids.len();
+    if req.max_new_tokens.len() != n {
+        return Err(Error::InvalidArgument {
+            arg: "max_new_tokens",
+            value: format!("len {}", req.max_new_tokens.len()),
+            reason: format!("must have one entry per sequence ({n})"),
+        });
+    }
+    if req.append_indptr.is_empty() {
+        if !req.append_tokens.is_empty() {
+            return Err(Error::InvalidArgument {
+                arg: "append_indptr",
+                value: "[]".into(),
+                reason: "append_tokens given without offsets".into(),
+            });
+        }
+        return Ok(());
+    }
+    let p = &req.append_indptr;
+    if p.len() != n + 1
+        || p[0] != 0
+        || p.windows(2).any(|w| w[0] > w[1])
+        || p[n] as usize != req.append_tokens.len()
+    {
+        return Err(Error::InvalidArgument {
+            arg: "append_indptr",
+            value: format!("{p:?}"),
+            reason: format!(
+                "must be {} non-decreasing offsets from 0 to len(append_tokens) = {}",
+                n + 1,
+                req.append_tokens.len()
+            ),
+        });
+    }
+    Ok(())
+}
