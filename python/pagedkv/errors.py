@@ -1,0 +1,208 @@
+"""Exceptions raised by pagedkv.
+
+Every error of the Rust core maps, through one exhaustive ``match`` in the bindings
+(``rust/python/src/errors.rs``), to exactly one class below. Each class also subclasses the
+builtin exception that callers already catch, so code written against plain Python keeps working:
+
+=========================== ============================ ==========================================
+class                       also a                       raised when
+=========================== ============================ ==========================================
+OutOfBlocksError            MemoryError                  an all-or-nothing allocation lacks blocks
+OutOfSwapSpaceError         OutOfBlocksError             a swap-out lacks CPU blocks
+UnknownSequenceError        KeyError                     a sequence id is not registered
+SequenceExistsError         ValueError                   a sequence id is registered twice
+InvalidBlockError           ValueError                   a block id is outside ``1..num_blocks``
+RefCountUnderflowError      ValueError                   freeing a block whose ref count is 0
+InvalidConfigError          ValueError                   a configuration value is out of range
+InvalidArgumentError        ValueError                   a call argument is out of range
+InvalidSequenceStateError   RuntimeError                 the sequence is in the wrong state
+CacheInUseError             RuntimeError                 resetting the prefix cache while in use
+=========================== ============================ ==========================================
+
+A call that raises any of these has changed no state. Messages name the offending values; the
+values are also attributes (``requested``, ``available``, ``seq_id``, ``block_id``...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "PagedKVError",
+    "OutOfBlocksError",
+    "OutOfSwapSpaceError",
+    "UnknownSequenceError",
+    "SequenceExistsError",
+    "InvalidBlockError",
+    "RefCountUnderflowError",
+    "InvalidConfigError",
+    "InvalidArgumentError",
+    "InvalidSequenceStateError",
+    "CacheInUseError",
+]
+
+
+class PagedKVError(Exception):
+    """Base class of every pagedkv error.
+
+    Subclasses take the message as their only positional argument and the offending values as
+    keyword arguments, which become attributes. Instances pickle and compare by message.
+    """
+
+    _fields: tuple[str, ...] = ()
+
+    def __init__(self, message: str, **fields: Any) -> None:
+        missing = [f for f in self._fields if f not in fields]
+        unknown = [f for f in fields if f not in self._fields]
+        if missing or unknown:
+            raise TypeError(
+                f"{type(self).__name__}() needs keyword arguments {list(self._fields)}; "
+                f"missing {missing}, unknown {unknown}"
+            )
+        super().__init__(message)
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    @property
+    def message(self) -> str:
+        """The human-readable message (names the offending values)."""
+        return str(self.args[0]) if self.args else ""
+
+    def __str__(self) -> str:
+        # KeyError's __str__ would quote the message; keep it plain for every subclass.
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuild with the keyword fields (the default pickling only passes `args`).
+        fields = {f: getattr(self, f) for f in self._fields}
+        return (_rebuild, (type(self), self.message, fields))
+
+
+def _rebuild(cls: type[PagedKVError], message: str, fields: dict[str, Any]) -> PagedKVError:
+    return cls(message, **fields)
+
+
+class OutOfBlocksError(PagedKVError, MemoryError):
+    """Not enough free KV cache blocks for an all-or-nothing allocation.
+
+    Attributes:
+        requested: blocks the call needed.
+        available: free blocks (uncached + evictable cached) at the time of the call.
+    """
+
+    _fields = ("requested", "available")
+    requested: int
+    available: int
+
+
+class OutOfSwapSpaceError(OutOfBlocksError):
+    """Not enough free CPU (swap space) blocks for a swap-out. Units: blocks.
+
+    Attributes:
+        requested: CPU blocks the swap-out needed.
+        available: free CPU blocks.
+    """
+
+
+class UnknownSequenceError(PagedKVError, KeyError):
+    """The sequence id is not registered with the manager.
+
+    Attributes:
+        seq_id: the unknown id.
+    """
+
+    _fields = ("seq_id",)
+    seq_id: int
+
+
+class SequenceExistsError(PagedKVError, ValueError):
+    """The sequence id is already registered.
+
+    Attributes:
+        seq_id: the duplicate id.
+    """
+
+    _fields = ("seq_id",)
+    seq_id: int
+
+
+class InvalidBlockError(PagedKVError, ValueError):
+    """A block id outside ``1..num_blocks`` (block 0, the null block, is never valid).
+
+    Attributes:
+        block_id: the bad id.
+        num_blocks: the pool size (valid ids are ``1..num_blocks-1``).
+    """
+
+    _fields = ("block_id", "num_blocks")
+    block_id: int
+    num_blocks: int
+
+
+class RefCountUnderflowError(PagedKVError, ValueError):
+    """Freeing a block whose reference count is already 0 (a double free).
+
+    Attributes:
+        block_id: the block.
+    """
+
+    _fields = ("block_id",)
+    block_id: int
+
+
+class InvalidConfigError(PagedKVError, ValueError):
+    """A configuration value is out of range.
+
+    Attributes:
+        field: the configuration field (``"block_size"``, ``"num_blocks"``...).
+        value: the rejected value, as text.
+        reason: why it was rejected.
+    """
+
+    _fields = ("field", "value", "reason")
+    field: str
+    value: str
+    reason: str
+
+
+class InvalidArgumentError(PagedKVError, ValueError):
+    """A call argument is out of range for the current state.
+
+    Attributes:
+        arg: the argument's name.
+        value: the rejected value, as text.
+        reason: why it was rejected.
+    """
+
+    _fields = ("arg", "value", "reason")
+    arg: str
+    value: str
+    reason: str
+
+
+class InvalidSequenceStateError(PagedKVError, RuntimeError):
+    """The operation needs the sequence in another state (running, preempted, swapped).
+
+    Attributes:
+        seq_id: the sequence.
+        state: its current state.
+        operation: the refused operation.
+        expected: the state the operation needs.
+    """
+
+    _fields = ("seq_id", "state", "operation", "expected")
+    seq_id: int
+    state: str
+    operation: str
+    expected: str
+
+
+class CacheInUseError(PagedKVError, RuntimeError):
+    """Resetting the prefix cache while blocks are still referenced.
+
+    Attributes:
+        blocks_in_use: blocks with a reference count above 0.
+    """
+
+    _fields = ("blocks_in_use",)
+    blocks_in_use: int

@@ -1,0 +1,396 @@
+"""Kernel inputs built from the allocator's output: block tables, slot mapping, lengths.
+
+The manager hands out plain numpy arrays (see :class:`pagedkv.StepOutput`); attention and cache
+kernels want tensors of fixed dtypes on a device. This module does that conversion, once per
+scheduler step, with vectorised numpy on the host followed by one copy per tensor.
+
+Conventions (PagedAttention, Kwon et al., SOSP'23; the CSR form as used by FlashInfer):
+
+- **Dense block table** ``int32[num_seqs, max_blocks]``: row ``i`` lists sequence ``i``'s
+  physical block ids in logical order, padded on the right with the null block ``0``.
+- **CSR block table** ``indptr int32[num_seqs + 1]``, ``indices int32[nnz]``,
+  ``last_page_len int32[num_seqs]``: sequence ``i`` owns pages
+  ``indices[indptr[i]:indptr[i+1]]``; its last page holds ``last_page_len[i]`` tokens
+  (``1..block_size``; 0 for an empty sequence).
+- **Slot mapping** ``int64[num_tokens]``: the flat KV-cache slot of each scheduled token,
+  ``block_id * block_size + offset``; ``-1`` marks padding (kernels skip negative slots).
+- **seq_lens** ``int32[num_seqs]``: context + query tokens of each sequence (units: tokens);
+  padding sequences have length 0.
+- **query_start_loc** ``int32[num_seqs + 1]``: prefix sums of the query lengths; the queries of
+  sequence ``i`` are tokens ``query_start_loc[i]:query_start_loc[i+1]`` of the flat batch.
+
+Every builder takes ``device``: a torch device (``"cpu"``, ``"cuda"``, ``torch.device``) to get a
+``torch.Tensor`` there, or ``None`` to get the numpy array and not import torch at all. torch is
+imported lazily, on the first call that asks for a device. Builders always copy: the result never
+aliases the caller's arrays. Bad input raises :class:`pagedkv.errors.InvalidArgumentError` naming
+the argument and value. All builders are O(num_seqs + nnz) (or O(num_tokens)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, Union
+
+import numpy as np
+import numpy.typing as npt
+
+from pagedkv.errors import InvalidArgumentError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+    Device = Union[str, "torch.device", None]
+else:
+    Device = Any
+
+__all__ = [
+    "BatchTensors",
+    "block_table_csr",
+    "csr_block_table",
+    "dense_block_table",
+    "query_start_loc",
+    "seq_lens",
+    "slot_mapping",
+]
+
+
+class _StepLike(Protocol):
+    """The fields of :class:`pagedkv.StepOutput` that :meth:`BatchTensors.from_step` reads."""
+
+    num_scheduled: int
+    query_start_loc: npt.NDArray[np.int32]
+    seq_lens: npt.NDArray[np.int32]
+    context_lens: npt.NDArray[np.int32]
+    slot_mapping: npt.NDArray[np.int64]
+    block_table_indptr: npt.NDArray[np.int32]
+    block_table_indices: npt.NDArray[np.int32]
+
+
+def _bad(arg: str, value: object, reason: str) -> InvalidArgumentError:
+    text = repr(value)
+    if len(text) > 120:
+        text = text[:117] + "..."
+    return InvalidArgumentError(
+        f"invalid argument {arg} = {text}: {reason}", arg=arg, value=text, reason=reason
+    )
+
+
+def _int_vector(arg: str, value: npt.ArrayLike) -> npt.NDArray[np.int64]:
+    """`value` as a fresh 1-D int64 array; rejects floats, bools, other ranks."""
+    arr = np.asarray(value)
+    if arr.ndim != 1:
+        raise _bad(arg, value, f"expected a 1-D array, got shape {arr.shape}")
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+        raise _bad(arg, value, f"expected integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=True)
+
+
+def _check_pad(arg: str, pad_to: int | None, needed: int) -> int:
+    if pad_to is None:
+        return needed
+    if isinstance(pad_to, bool) or not isinstance(pad_to, (int, np.integer)):
+        raise _bad(arg, pad_to, "expected an int or None")
+    if pad_to < needed:
+        raise _bad(arg, pad_to, f"smaller than the {needed} entries needed")
+    return int(pad_to)
+
+
+def _check_int32(arg: str, arr: npt.NDArray[np.int64]) -> None:
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise _bad(arg, arr, "values do not fit in int32")
+
+
+def _check_csr(
+    indptr: npt.ArrayLike, indices: npt.ArrayLike
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    ip = _int_vector("indptr", indptr)
+    ix = _int_vector("indices", indices)
+    if ip.size == 0:
+        raise _bad("indptr", indptr, "needs num_seqs + 1 >= 1 entries")
+    if ip[0] != 0:
+        raise _bad("indptr", indptr, f"must start at 0, starts at {int(ip[0])}")
+    if ip.size > 1 and np.any(np.diff(ip) < 0):
+        raise _bad("indptr", indptr, "must be non-decreasing")
+    if ip[-1] != ix.size:
+        raise _bad("indptr", indptr, f"ends at {int(ip[-1])} but indices has {ix.size} entries")
+    if ix.size and ix.min() < 0:
+        raise _bad("indices", indices, f"block ids must be >= 0, found {int(ix.min())}")
+    _check_int32("indices", ix)
+    return ip, ix
+
+
+def _place(arr: npt.NDArray[Any], device: Device) -> Any:
+    """numpy array -> numpy (device None) or a torch tensor on `device` (one copy)."""
+    if device is None:
+        return arr
+    import torch  # lazy: `import pagedkv` must work without torch
+
+    tensor = torch.from_numpy(np.ascontiguousarray(arr))
+    target = torch.device(device)
+    return tensor if target.type == "cpu" else tensor.to(target)
+
+
+def block_table_csr(
+    block_tables: Sequence[npt.ArrayLike],
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]:
+    """Concatenate per-sequence block tables into the CSR pair ``(indptr, indices)``.
+
+    Args:
+        block_tables: one 1-D integer array per sequence (for example
+            ``[manager.block_table(s) for s in batch]``), physical block ids in logical order.
+
+    Returns:
+        ``indptr int32[S+1]`` and ``indices int32[nnz]`` (numpy; feed them to
+        :func:`dense_block_table` or :func:`csr_block_table`).
+    """
+    rows = [_int_vector(f"block_tables[{i}]", t) for i, t in enumerate(block_tables)]
+    lens = np.fromiter((r.size for r in rows), dtype=np.int64, count=len(rows))
+    indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lens, out=indptr[1:])
+    indices = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+    _, ix = _check_csr(indptr, indices)
+    return indptr.astype(np.int32), ix.astype(np.int32)
+
+
+def dense_block_table(
+    indptr: npt.ArrayLike,
+    indices: npt.ArrayLike,
+    *,
+    pad_to: int | None = None,
+    device: Device = "cpu",
+) -> Any:
+    """Dense block table ``int32[num_seqs, max_blocks]`` padded with the null block 0.
+
+    Args:
+        indptr: ``int[S+1]`` CSR row pointers (``StepOutput.block_table_indptr``).
+        indices: ``int[nnz]`` physical block ids (``StepOutput.block_table_indices``).
+        pad_to: number of columns; default the longest table (at least 1 so the tensor is never
+            0-wide). Must be >= the longest table.
+        device: torch device for the result, or None for a numpy array.
+
+    Raises:
+        InvalidArgumentError: malformed CSR, negative ids, or ``pad_to`` too small.
+    """
+    ip, ix = _check_csr(indptr, indices)
+    num_seqs = ip.size - 1
+    lens = np.diff(ip)
+    longest = int(lens.max()) if num_seqs else 0
+    width = _check_pad("pad_to", pad_to, max(longest, 1) if pad_to is None else longest)
+    out = np.zeros((num_seqs, width), dtype=np.int32)
+    if ix.size:
+        rows = np.repeat(np.arange(num_seqs), lens)
+        cols = np.arange(ix.size) - np.repeat(ip[:-1], lens)
+        out[rows, cols] = ix
+    return _place(out, device)
+
+
+def csr_block_table(
+    indptr: npt.ArrayLike,
+    indices: npt.ArrayLike,
+    seq_lens: npt.ArrayLike,
+    block_size: int,
+    *,
+    device: Device = "cpu",
+) -> tuple[Any, Any, Any]:
+    """CSR page table ``(indptr, indices, last_page_len)`` (int32) for FlashInfer-style kernels.
+
+    Sequence ``i`` uses ``ceil(seq_lens[i] / block_size)`` pages; block-table entries beyond
+    those (blocks reserved ahead) are dropped. ``last_page_len[i]`` is the number of tokens in
+    its last page, ``1..block_size``, or 0 when ``seq_lens[i] == 0``.
+
+    Args:
+        indptr, indices: the sequences' block tables in CSR form.
+        seq_lens: ``int[S]`` tokens per sequence (context + query).
+        block_size: tokens per block (>= 1).
+        device: torch device, or None for numpy arrays.
+
+    Raises:
+        InvalidArgumentError: malformed CSR, a negative length, a table too short for its
+            length, or ``block_size < 1``.
+    """
+    ip, ix = _check_csr(indptr, indices)
+    lens = _int_vector("seq_lens", seq_lens)
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)):
+        raise _bad("block_size", block_size, "expected an int")
+    if block_size < 1:
+        raise _bad("block_size", block_size, "must be >= 1")
+    if lens.size != ip.size - 1:
+        raise _bad("seq_lens", seq_lens, f"has {lens.size} entries for {ip.size - 1} sequences")
+    if lens.size and lens.min() < 0:
+        raise _bad("seq_lens", seq_lens, "lengths must be >= 0")
+    pages = (lens + block_size - 1) // block_size
+    have = np.diff(ip)
+    short = np.nonzero(pages > have)[0]
+    if short.size:
+        i = int(short[0])
+        raise _bad(
+            "indices",
+            indices,
+            f"sequence {i} has {int(have[i])} block(s) but seq_len {int(lens[i])} "
+            f"needs {int(pages[i])} at block_size {block_size}",
+        )
+    out_indptr = np.zeros(lens.size + 1, dtype=np.int64)
+    np.cumsum(pages, out=out_indptr[1:])
+    keep = np.repeat(ip[:-1], pages) + (np.arange(int(out_indptr[-1])) - np.repeat(out_indptr[:-1], pages))
+    out_indices = ix[keep]
+    last = np.where(lens > 0, (lens - 1) % block_size + 1, 0)
+    return (
+        _place(out_indptr.astype(np.int32), device),
+        _place(out_indices.astype(np.int32), device),
+        _place(last.astype(np.int32), device),
+    )
+
+
+def slot_mapping(
+    slots: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu"
+) -> Any:
+    """Slot mapping ``int64[num_tokens]``, padded with -1 up to ``pad_to`` tokens.
+
+    Args:
+        slots: one flat KV-cache slot per scheduled token (``StepOutput.slot_mapping``),
+            ``block_id * block_size + offset``; negative entries already mean "skip".
+        pad_to: total length (>= len(slots)); default no padding.
+        device: torch device, or None for numpy.
+    """
+    arr = _int_vector("slots", slots)
+    out = np.full(_check_pad("pad_to", pad_to, arr.size), -1, dtype=np.int64)
+    out[: arr.size] = arr
+    return _place(out, device)
+
+
+def seq_lens(
+    lengths: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu"
+) -> Any:
+    """Sequence lengths ``int32[num_seqs]`` (tokens), padded with 0 up to ``pad_to`` sequences.
+
+    Raises:
+        InvalidArgumentError: a negative length or one that does not fit int32.
+    """
+    arr = _int_vector("lengths", lengths)
+    if arr.size and arr.min() < 0:
+        raise _bad("lengths", lengths, "lengths must be >= 0")
+    _check_int32("lengths", arr)
+    out = np.zeros(_check_pad("pad_to", pad_to, arr.size), dtype=np.int32)
+    out[: arr.size] = arr
+    return _place(out, device)
+
+
+def query_start_loc(
+    query_lens: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu"
+) -> Any:
+    """``int32[num_seqs + 1]`` prefix sums of the query lengths (tokens), starting at 0.
+
+    Args:
+        query_lens: tokens scheduled per sequence this step (prefill chunk or 1 for decode).
+        pad_to: number of sequences after padding; padding sequences get empty queries (the
+            last offset repeats).
+        device: torch device, or None for numpy.
+    """
+    arr = _int_vector("query_lens", query_lens)
+    if arr.size and arr.min() < 0:
+        raise _bad("query_lens", query_lens, "lengths must be >= 0")
+    n = _check_pad("pad_to", pad_to, arr.size)
+    out = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(arr, out=out[1 : arr.size + 1])
+    out[arr.size + 1 :] = out[arr.size]
+    _check_int32("query_lens", out)
+    return _place(out.astype(np.int32), device)
+
+
+@dataclass(frozen=True)
+class BatchTensors:
+    """Every per-step kernel input, on one device.
+
+    Attributes:
+        block_table: ``int32[S, max_blocks]`` dense, null-block padded.
+        slot_mapping: ``int64[T]`` (``T`` scheduled tokens, -1 padded).
+        seq_lens: ``int32[S]`` context + query tokens.
+        context_lens: ``int32[S]`` tokens already in the cache before this step.
+        query_start_loc: ``int32[S + 1]``.
+        max_query_len: longest query this step (tokens; 0 for an empty batch).
+        max_seq_len: longest sequence (tokens; 0 for an empty batch).
+    """
+
+    block_table: Any
+    slot_mapping: Any
+    seq_lens: Any
+    context_lens: Any
+    query_start_loc: Any
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the batch (rows of ``block_table``)."""
+        return int(self.block_table.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """Scheduled tokens (length of ``slot_mapping``, padding included)."""
+        return int(self.slot_mapping.shape[0])
+
+    @classmethod
+    def from_step(
+        cls,
+        step: _StepLike,
+        block_size: int,
+        device: Device = "cpu",
+        *,
+        pad_blocks_to: int | None = None,
+        pad_tokens_to: int | None = None,
+    ) -> BatchTensors:
+        """Build the kernel inputs of the scheduled part of a :class:`pagedkv.StepOutput`.
+
+        Only the first ``step.num_scheduled`` sequences are present in a step's arrays (a step
+        stops at the first sequence that could not be scheduled).
+
+        Args:
+            step: the batched ``KVCacheManager.step`` result.
+            block_size: the manager's block size (tokens); used to check that every block table
+                covers its sequence.
+            device: torch device, or None for numpy arrays.
+            pad_blocks_to: columns of the dense block table (default: the longest table).
+            pad_tokens_to: length of ``slot_mapping`` (default: the scheduled tokens).
+
+        Raises:
+            InvalidArgumentError: inconsistent arrays (lengths that disagree, a block table too
+                short for its sequence length).
+        """
+        num = int(step.num_scheduled)
+        lens = _int_vector("step.seq_lens", step.seq_lens)
+        ctx = _int_vector("step.context_lens", step.context_lens)
+        qsl = _int_vector("step.query_start_loc", step.query_start_loc)
+        ip, ix = _check_csr(step.block_table_indptr, step.block_table_indices)
+        for name, arr, want in (
+            ("step.seq_lens", lens, num),
+            ("step.context_lens", ctx, num),
+            ("step.query_start_loc", qsl, num + 1),
+            ("step.block_table_indptr", ip, num + 1),
+        ):
+            if arr.size != want:
+                raise _bad(name, arr, f"has {arr.size} entries, expected {want}")
+        qlens = np.diff(qsl)
+        if np.any(qlens != lens - ctx):
+            raise _bad("step.query_start_loc", qsl, "query lengths differ from seq_lens - context_lens")
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+            raise _bad("block_size", block_size, "must be an int >= 1")
+        need = (lens + block_size - 1) // block_size
+        short = np.nonzero(need > np.diff(ip))[0]
+        if short.size:
+            i = int(short[0])
+            raise _bad(
+                "step.block_table_indices",
+                ix,
+                f"sequence {i} has {int(np.diff(ip)[i])} block(s), seq_len {int(lens[i])} needs {int(need[i])}",
+            )
+        return cls(
+            block_table=dense_block_table(ip, ix, pad_to=pad_blocks_to, device=device),
+            slot_mapping=slot_mapping(step.slot_mapping, pad_to=pad_tokens_to, device=device),
+            seq_lens=seq_lens(lens, device=device),
+            context_lens=seq_lens(ctx, device=device),
+            query_start_loc=query_start_loc(qlens, device=device),
+            max_query_len=int(qlens.max()) if num else 0,
+            max_seq_len=int(lens.max()) if num else 0,
+        )

@@ -1,0 +1,50 @@
+"""Shared pytest configuration: hypothesis profiles and the `gpu` marker.
+
+Profiles (chosen by the HYPOTHESIS_PROFILE environment variable, default "ci"):
+- "ci": at least 200 examples per property, state machines of up to 50 steps, derandomized so a
+  CI run is reproducible, no per-example deadline (CI machines are shared and slow).
+- "long": for one-off soak runs (thousands of examples, random seeds).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=200,
+    stateful_step_count=50,
+    deadline=None,
+    derandomize=True,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "long",
+    max_examples=20_000,
+    stateful_step_count=100,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip tests marked `gpu` when no CUDA device is present (the reason says so)."""
+    if any(item.get_closest_marker("gpu") for item in items) and not _cuda_available():
+        skip = pytest.mark.skip(reason="needs a CUDA device; none present")
+        for item in items:
+            if item.get_closest_marker("gpu"):
+                item.add_marker(skip)
