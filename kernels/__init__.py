@@ -14,6 +14,9 @@ Cache layout: ONE tensor for all layers,
 ``kv_cache[l, 0]`` / ``kv_cache[l, 1]`` are the per-layer ``key_cache`` / ``value_cache``.
 Block copies and swaps take the whole tensor, so one plan covers every layer.
 
+Modules: :mod:`.reference` (torch), :mod:`.validate` (input checks), :mod:`.cache_write`,
+:mod:`.attention`, :mod:`.block_copy` (Triton), :mod:`.swap` (async CUDA copies).
+
 Dispatch: every op takes ``backend="auto" | "triton" | "torch"``. ``auto`` runs Triton when
 the tensors are on CUDA and Triton is installed, else the reference in
 :mod:`pagedkv.kernels.reference`. ``triton`` forces the kernels (on CPU tensors this needs
@@ -54,7 +57,7 @@ def _use_triton(backend: str, t: torch.Tensor, op: str) -> bool:
         if not triton_available():
             raise ImportError(f"{op}: backend='triton' requested but the triton package is not installed")
         return True
-    return t.is_cuda and triton_available()
+    return bool(getattr(t, "is_cuda", False)) and triton_available()
 
 
 def _impl(module: str):
@@ -102,7 +105,7 @@ def paged_attention(
                   sliding_window=sliding_window, out=out)
     args = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
     if _use_triton(backend, query, "paged_attention"):
-        return _impl("paged_attention").paged_attention(*args, **kwargs)
+        return _impl("attention").paged_attention(*args, **kwargs)
     return reference.paged_attention(*args, **kwargs)
 
 
@@ -129,6 +132,7 @@ def swap_blocks(
     Triton. See :func:`pagedkv.kernels.swap.swap_blocks`."""
     if backend not in _BACKENDS:
         raise ValueError(f"swap_blocks: backend is {backend!r}, expected one of {_BACKENDS}")
-    if backend != "torch" and (src_kv_cache.is_cuda or dst_kv_cache.is_cuda):
+    on_cuda = any(getattr(t, "is_cuda", False) for t in (src_kv_cache, dst_kv_cache))
+    if backend != "torch" and on_cuda:
         return _impl("swap").swap_blocks(src_kv_cache, dst_kv_cache, block_mapping, stream)
     return reference.swap_blocks(src_kv_cache, dst_kv_cache, block_mapping, stream)
