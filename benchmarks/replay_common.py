@@ -1,0 +1,118 @@
+"""Shared driver for the allocator replays (pagedkv, vLLM, nano-vllm).
+
+Each replay script is run as ``python replay_<system>.py --trace-file T --out R.json ...`` in the
+Python environment that has the system under test; it implements a :class:`Replayer` and calls
+:func:`main`. Token id lists are built before the clock starts; the clock covers everything the
+system does for a step: registering new requests (hashing their prompt blocks where the system
+does it then), prefix-cache lookups, slot allocation, appending the sampled tokens, hashing newly
+full blocks and freeing finished requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+from op_trace import OpTrace  # noqa: E402
+
+
+class Replayer:
+    """One system under test. Subclasses set ``name`` and implement the four hooks.
+
+    ``prepare`` runs untimed; ``step`` is timed; ``finish`` returns counters for the result.
+    """
+
+    name = "?"
+
+    def version(self) -> dict[str, Any]:
+        """What was measured: package version / commit and the settings used."""
+        raise NotImplementedError
+
+    def prepare(self, trace: OpTrace, prompts: list[Any], outputs: list[Any]) -> None:
+        """Create a fresh manager for ``trace`` (untimed)."""
+        raise NotImplementedError
+
+    def step(self, t: int, admit: list[int], decode: list[int], finish: list[int]) -> None:
+        """Do scheduler step ``t``: allocate prompts of ``admit`` (which then sample their first
+        token), one decode slot for each of ``decode`` (for the token sampled last step), and
+        free ``finish`` after sampling."""
+        raise NotImplementedError
+
+    def counters(self) -> dict[str, Any]:
+        """Counters after the replay (cached prompt tokens, blocks still in use, ...)."""
+        return {}
+
+
+def run(replayer: Replayer, trace: OpTrace, repeats: int, token_format: str) -> dict[str, Any]:
+    """Replay ``trace`` ``repeats`` times on fresh managers; returns timings and counters.
+
+    ``token_format`` is ``"list"`` (Python lists of int) or ``"numpy"`` (int64 arrays): the
+    input each system takes natively, converted before the clock starts.
+    """
+    prompts = [trace.prompt_tokens(r) for r in range(len(trace.prompt_lens))]
+    outputs = [trace.output_tokens(r) for r in range(len(trace.prompt_lens))]
+    if token_format == "list":
+        prompts = [p.tolist() for p in prompts]
+        outputs = [o.tolist() for o in outputs]
+    runs = []
+    counters: dict[str, Any] = {}
+    for _ in range(repeats):
+        replayer.prepare(trace, prompts, outputs)
+        running: list[int] = []
+        step_ns = np.zeros(trace.num_steps, dtype=np.int64)
+        gc.collect()
+        gc.disable()  # a collection in one system's run but not another's would skew the ratio
+        try:
+            for t in range(trace.num_steps):
+                admit = trace.admit[t]
+                fin = trace.finish[t]
+                t0 = time.perf_counter_ns()
+                replayer.step(t, admit, running, fin)
+                step_ns[t] = time.perf_counter_ns() - t0
+                if fin:
+                    done = set(fin)
+                    running = [r for r in running if r not in done]
+                running.extend(r for r in admit if r not in set(fin))
+        finally:
+            gc.enable()
+        counters = replayer.counters()
+        total = int(step_ns.sum())
+        runs.append({
+            "total_ns": total,
+            "us_per_step_mean": total / trace.num_steps / 1e3,
+            "us_per_step_p50": float(np.percentile(step_ns, 50)) / 1e3,
+            "us_per_step_p99": float(np.percentile(step_ns, 99)) / 1e3,
+            "ns_per_block_op": total / trace.block_ops,
+        })
+    best = min(runs, key=lambda r: r["total_ns"])
+    return {
+        "system": replayer.name,
+        "version": replayer.version(),
+        "repeats": repeats,
+        "best": best,
+        "runs": runs,
+        "counters": counters,
+    }
+
+
+def main(replayer_factory) -> None:
+    """Command-line entry of a replay script: parse args, replay, write the JSON result."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trace-file", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lib-path", default=None, help="checkout of the system under test, if any")
+    a = ap.parse_args()
+    trace = OpTrace.load(a.trace_file)
+    replayer, token_format = replayer_factory(a.lib_path)
+    res = run(replayer, trace, a.repeats, token_format)
+    Path(a.out).write_text(json.dumps(res, indent=2))
