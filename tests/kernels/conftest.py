@@ -1,0 +1,31 @@
+"""Shared setup for the kernel tests.
+
+TRITON_INTERPRET=1 must be set before triton is first imported so the Triton kernels run on
+CPU tensors. The `slow` marker tags large cases; they run only when PAGEDKV_SLOW=1 (or when
+selected with ``-m slow``).
+"""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: large kernel cases, run with PAGEDKV_SLOW=1 or -m slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("PAGEDKV_SLOW") == "1" or "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow kernel case: set PAGEDKV_SLOW=1 to run")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
