@@ -20,21 +20,33 @@ fn default_is_sha256_with_empty_seed() {
 #[test]
 fn golden_sha256_values() {
     let h = PrefixHasher::new(HashAlgo::Sha256, b"");
-    assert_eq!(hex(&h.root()), "351dfc9c62eaa060fabb8e4f69549ab664f5b089f8b57446f987ed232ba83af0");
+    assert_eq!(
+        hex(&h.root()),
+        "351dfc9c62eaa060fabb8e4f69549ab664f5b089f8b57446f987ed232ba83af0"
+    );
     let tokens: Vec<u32> = (0..16).collect();
     let b0 = h.hash_block(None, &tokens, &[]);
-    assert_eq!(hex(&b0), "64ef59efa67a578c7d708ad00632c00a6f6588b5123413a52d8c82572489458a");
+    assert_eq!(
+        hex(&b0),
+        "64ef59efa67a578c7d708ad00632c00a6f6588b5123413a52d8c82572489458a"
+    );
 
     let seeded = PrefixHasher::new(HashAlgo::Sha256, b"seed");
     let salted = seeded.hash_block(None, &[1, 2, 3, 4], &[ExtraKey::CacheSalt("foo".into())]);
-    assert_eq!(hex(&salted), "6ff23d51d5ba037e733a5d767732d57ca9b9d8283a1579531af11b974caf2c8b");
+    assert_eq!(
+        hex(&salted),
+        "6ff23d51d5ba037e733a5d767732d57ca9b9d8283a1579531af11b974caf2c8b"
+    );
 }
 
 #[test]
 fn parent_none_chains_from_the_seeded_root() {
     let h = PrefixHasher::new(HashAlgo::Sha256, b"abc");
     let root = h.root();
-    assert_eq!(h.hash_block(None, &[7, 8], &[]), h.hash_block(Some(&root), &[7, 8], &[]));
+    assert_eq!(
+        h.hash_block(None, &[7, 8], &[]),
+        h.hash_block(Some(&root), &[7, 8], &[])
+    );
 }
 
 #[test]
@@ -44,13 +56,22 @@ fn seed_changes_hashes_same_seed_same_hash() {
         let a = PrefixHasher::new(algo, b"one");
         let a2 = PrefixHasher::new(algo, b"one");
         let b = PrefixHasher::new(algo, b"two");
-        assert_eq!(a.hash_block(None, &toks, &[]), a2.hash_block(None, &toks, &[]));
-        assert_ne!(a.hash_block(None, &toks, &[]), b.hash_block(None, &toks, &[]));
+        assert_eq!(
+            a.hash_block(None, &toks, &[]),
+            a2.hash_block(None, &toks, &[])
+        );
+        assert_ne!(
+            a.hash_block(None, &toks, &[]),
+            b.hash_block(None, &toks, &[])
+        );
         assert_ne!(a.root(), b.root());
         // A child hash depends on its parent.
         let p1 = a.hash_block(None, &toks, &[]);
         let p2 = a.hash_block(None, &[1; 16], &[]);
-        assert_ne!(a.hash_block(Some(&p1), &toks, &[]), a.hash_block(Some(&p2), &toks, &[]));
+        assert_ne!(
+            a.hash_block(Some(&p1), &toks, &[]),
+            a.hash_block(Some(&p2), &toks, &[])
+        );
     }
 }
 
@@ -74,8 +95,22 @@ fn adapter_foo_and_salt_foo_differ() {
     let t = [5u32; 16];
     let adapter = h.hash_block(None, &t, &[ExtraKey::Adapter("foo".into())]);
     let salt = h.hash_block(None, &t, &[ExtraKey::CacheSalt("foo".into())]);
-    let tagged = h.hash_block(None, &t, &[ExtraKey::Tagged { tag: "foo".into(), value: vec![] }]);
-    let mm = h.hash_block(None, &t, &[ExtraKey::Multimodal { item_hash: b"foo".to_vec(), offset: 0 }]);
+    let tagged = h.hash_block(
+        None,
+        &t,
+        &[ExtraKey::Tagged {
+            tag: "foo".into(),
+            value: vec![],
+        }],
+    );
+    let mm = h.hash_block(
+        None,
+        &t,
+        &[ExtraKey::Multimodal {
+            item_hash: b"foo".to_vec(),
+            offset: 0,
+        }],
+    );
     let none = h.hash_block(None, &t, &[]);
     let all = [adapter, salt, tagged, mm, none];
     for i in 0..all.len() {
@@ -89,14 +124,29 @@ fn adapter_foo_and_salt_foo_differ() {
 fn token_boundaries_are_not_ambiguous() {
     let h = PrefixHasher::default();
     // Same bytes split differently between tokens and keys must not collide.
-    assert_ne!(h.hash_block(None, &[1, 2], &[]), h.hash_block(None, &[1], &[]));
+    assert_ne!(
+        h.hash_block(None, &[1, 2], &[]),
+        h.hash_block(None, &[1], &[])
+    );
     assert_ne!(h.hash_block(None, &[], &[]), h.hash_block(None, &[0], &[]));
-    let k1 = ExtraKey::Tagged { tag: "ab".into(), value: b"c".to_vec() };
-    let k2 = ExtraKey::Tagged { tag: "a".into(), value: b"bc".to_vec() };
-    assert_ne!(h.hash_block(None, &[1], &[k1.clone()]), h.hash_block(None, &[1], &[k2]));
+    let k1 = ExtraKey::Tagged {
+        tag: "ab".into(),
+        value: b"c".to_vec(),
+    };
+    let k2 = ExtraKey::Tagged {
+        tag: "a".into(),
+        value: b"bc".to_vec(),
+    };
+    assert_ne!(
+        h.hash_block(None, &[1], &[k1.clone()]),
+        h.hash_block(None, &[1], &[k2])
+    );
     // Key order is part of the input.
     let a = ExtraKey::Adapter("x".into());
-    assert_ne!(h.hash_block(None, &[1], &[a.clone(), k1.clone()]), h.hash_block(None, &[1], &[k1, a]));
+    assert_ne!(
+        h.hash_block(None, &[1], &[a.clone(), k1.clone()]),
+        h.hash_block(None, &[1], &[k1, a])
+    );
 }
 
 /// Exhaustive over a small universe: every distinct (tokens, extra keys) input gets a distinct
@@ -110,12 +160,18 @@ fn extra_key_kinds_and_values_never_collide_exhaustive() {
         keys.push(ExtraKey::Adapter(s.into()));
         keys.push(ExtraKey::CacheSalt(s.into()));
         for b in bytes {
-            keys.push(ExtraKey::Tagged { tag: s.into(), value: b.to_vec() });
+            keys.push(ExtraKey::Tagged {
+                tag: s.into(),
+                value: b.to_vec(),
+            });
         }
     }
     for b in bytes {
         for offset in [-1i64, 0, 1, 256] {
-            keys.push(ExtraKey::Multimodal { item_hash: b.to_vec(), offset });
+            keys.push(ExtraKey::Multimodal {
+                item_hash: b.to_vec(),
+                offset,
+            });
         }
     }
     let mut key_lists: Vec<Vec<ExtraKey>> = vec![vec![]];
@@ -127,14 +183,25 @@ fn extra_key_kinds_and_values_never_collide_exhaustive() {
             key_lists.push(vec![a.clone(), b.clone()]);
         }
     }
-    let token_lists: Vec<Vec<u32>> = vec![vec![], vec![0], vec![1], vec![0, 0], vec![u32::MAX], vec![2, 1]];
+    let token_lists: Vec<Vec<u32>> = vec![
+        vec![],
+        vec![0],
+        vec![1],
+        vec![0, 0],
+        vec![u32::MAX],
+        vec![2, 1],
+    ];
     for algo in [HashAlgo::Sha256, HashAlgo::Xxh3_128] {
         let h = PrefixHasher::new(algo, b"");
         let mut seen: HashMap<BlockHash, (usize, usize)> = HashMap::new();
         for (ti, t) in token_lists.iter().enumerate() {
             for (ki, ks) in key_lists.iter().enumerate() {
                 let prev = seen.insert(h.hash_block(None, t, ks), (ti, ki));
-                assert!(prev.is_none(), "{algo:?}: collision {prev:?} vs {:?}", (ti, ki));
+                assert!(
+                    prev.is_none(),
+                    "{algo:?}: collision {prev:?} vs {:?}",
+                    (ti, ki)
+                );
             }
         }
         assert_eq!(seen.len(), token_lists.len() * key_lists.len());

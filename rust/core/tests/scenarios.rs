@@ -18,26 +18,33 @@ fn toks(start: u32, n: u32) -> Vec<u32> {
 fn snapshot(m: &KvCacheManager) -> (Vec<u32>, Vec<Option<BlockHash>>, Vec<BlockId>) {
     let p = m.pool();
     let n = p.num_blocks();
-    ((0..n).map(|b| p.ref_count(b)).collect(), (0..n).map(|b| p.block_hash(b)).collect(), p.free_queue())
+    (
+        (0..n).map(|b| p.ref_count(b)).collect(),
+        (0..n).map(|b| p.block_hash(b)).collect(),
+        p.free_queue(),
+    )
 }
 
 #[test]
 fn s1_failed_allocation_does_not_leak_prefix_hits() {
     let m = manager(11, 16, true);
     // A: 96 tokens = 6 full blocks, all cached, then freed tail-first.
-    m.add_sequence(1, &toks(0, 96), SequenceSpec::default()).unwrap();
+    m.add_sequence(1, &toks(0, 96), SequenceSpec::default())
+        .unwrap();
     let a = m.allocate_slots(1, 96).unwrap();
     assert_eq!(a.new_block_ids, vec![1, 2, 3, 4, 5, 6]);
     assert!(m.free(1));
     assert_eq!(m.pool().free_queue(), vec![7, 8, 9, 10, 6, 5, 4, 3, 2, 1]);
     assert_eq!(m.pool().num_cached_free(), 6);
     // B: 2 fresh blocks.
-    m.add_sequence(2, &toks(1000, 32), SequenceSpec::default()).unwrap();
+    m.add_sequence(2, &toks(1000, 32), SequenceSpec::default())
+        .unwrap();
     assert_eq!(m.allocate_slots(2, 32).unwrap().new_block_ids, vec![7, 8]);
     // C: A's 96 tokens + 48 more -> 6 hits on free cached blocks + 3 fresh = 9 > 8 free.
     let mut c_prompt = toks(0, 96);
     c_prompt.extend(toks(5000, 48));
-    m.add_sequence(3, &c_prompt, SequenceSpec::default()).unwrap();
+    m.add_sequence(3, &c_prompt, SequenceSpec::default())
+        .unwrap();
     assert_eq!(m.lookup_prefix(3).unwrap(), 96);
     assert_eq!(m.num_blocks_needed(3, 144).unwrap(), 9);
     m.take_events();
@@ -45,8 +52,18 @@ fn s1_failed_allocation_does_not_leak_prefix_hits() {
     let stats_before = m.stats();
     assert_eq!(before.2, vec![9, 10, 6, 5, 4, 3, 2, 1]);
     let err = m.allocate_slots(3, 144).unwrap_err();
-    assert_eq!(err, Error::OutOfBlocks { requested: 9, available: 8 });
-    assert_eq!(snapshot(&m), before, "ref counts / hashes / free queue changed by a failed call");
+    assert_eq!(
+        err,
+        Error::OutOfBlocks {
+            requested: 9,
+            available: 8
+        }
+    );
+    assert_eq!(
+        snapshot(&m),
+        before,
+        "ref counts / hashes / free queue changed by a failed call"
+    );
     assert_eq!(m.stats(), stats_before);
     assert!(m.take_events().is_empty());
     assert_eq!(m.block_table(3).unwrap(), Vec::<BlockId>::new());
@@ -59,7 +76,13 @@ fn s1_failed_allocation_does_not_leak_prefix_hits() {
         ..Default::default()
     });
     assert_eq!(out.num_scheduled, 0);
-    assert_eq!(out.error, Some(Error::OutOfBlocks { requested: 9, available: 8 }));
+    assert_eq!(
+        out.error,
+        Some(Error::OutOfBlocks {
+            requested: 9,
+            available: 8
+        })
+    );
     assert_eq!(snapshot(&m), before);
     // B still allocates (one decode token) and frees cleanly.
     m.append_tokens(2, &[77]).unwrap();
@@ -82,29 +105,49 @@ fn s1_failed_allocation_does_not_leak_prefix_hits() {
 fn s2_reused_block_carries_no_stale_hash() {
     // Two usable blocks: the second allocation must evict the cached one.
     let m = manager(3, 4, true);
-    m.add_sequence(1, &[1, 2, 3, 4, 5], SequenceSpec::default()).unwrap();
+    m.add_sequence(1, &[1, 2, 3, 4, 5], SequenceSpec::default())
+        .unwrap();
     m.allocate_slots(1, 5).unwrap();
     let old = m.pool().block_hash(1).expect("full block cached");
-    assert_eq!(m.pool().block_hash(2), None, "partial block is never hashed");
+    assert_eq!(
+        m.pool().block_hash(2),
+        None,
+        "partial block is never hashed"
+    );
     assert!(m.free(1));
     m.take_events();
     // Another sequence takes both blocks; block 1 comes out of the LRU (same id, reused).
-    m.add_sequence(2, &[9, 9, 9, 9, 9, 9], SequenceSpec::default()).unwrap();
+    m.add_sequence(2, &[9, 9, 9, 9, 9, 9], SequenceSpec::default())
+        .unwrap();
     let a = m.allocate_slots(2, 5).unwrap();
     assert_eq!(a.new_block_ids, vec![2, 1]);
     assert_eq!(m.pool().lookup(&old), None);
-    assert_eq!(m.pool().block_hash(1), None, "reused block handed out with a stale hash");
+    assert_eq!(
+        m.pool().block_hash(1),
+        None,
+        "reused block handed out with a stale hash"
+    );
     let events = m.take_events();
-    assert_eq!(events[0], KvEvent::BlockRemoved { block_hashes: vec![old] });
+    assert_eq!(
+        events[0],
+        KvEvent::BlockRemoved {
+            block_hashes: vec![old]
+        }
+    );
     m.check_invariants().unwrap();
 
     // With caching off no block is ever hashed.
     let m = manager(3, 4, false);
-    m.add_sequence(1, &[1, 2, 3, 4, 5, 6, 7, 8], SequenceSpec::default()).unwrap();
+    m.add_sequence(1, &[1, 2, 3, 4, 5, 6, 7, 8], SequenceSpec::default())
+        .unwrap();
     m.allocate_slots(1, 8).unwrap();
-    assert_eq!((m.pool().block_hash(1), m.pool().block_hash(2)), (None, None));
+    assert_eq!(
+        (m.pool().block_hash(1), m.pool().block_hash(2)),
+        (None, None)
+    );
     m.free(1);
-    m.add_sequence(2, &[1, 2, 3, 4, 5, 6, 7, 8], SequenceSpec::default()).unwrap();
+    m.add_sequence(2, &[1, 2, 3, 4, 5, 6, 7, 8], SequenceSpec::default())
+        .unwrap();
     assert_eq!(m.lookup_prefix(2).unwrap(), 0);
     assert_eq!(m.allocate_slots(2, 8).unwrap().num_cached_tokens, 0);
     assert!(m.take_events().is_empty());
@@ -134,7 +177,8 @@ fn s3_capacity_check_predicts_exactly_what_is_taken() {
                 let len = 1 + next(14) as u32;
                 let id = next_id;
                 next_id += 1;
-                m.add_sequence(id, &toks(fam, len), SequenceSpec::default()).unwrap();
+                m.add_sequence(id, &toks(fam, len), SequenceSpec::default())
+                    .unwrap();
                 live.push(id);
             }
             2 if !live.is_empty() => {
@@ -165,7 +209,10 @@ fn s3_capacity_check_predicts_exactly_what_is_taken() {
                         checked += 1;
                         with_hits += usize::from(m.stats().prefix_hits_tokens > hits_before);
                     }
-                    Err(Error::OutOfBlocks { requested, available }) => {
+                    Err(Error::OutOfBlocks {
+                        requested,
+                        available,
+                    }) => {
                         assert_eq!((requested, available), (predicted, free_before));
                         assert_eq!(m.pool().num_free(), free_before);
                     }
@@ -183,7 +230,8 @@ fn s3_capacity_check_predicts_exactly_what_is_taken() {
 #[test]
 fn s4_double_free_is_idempotent_and_raw_underflow_is_an_error() {
     let m = manager(8, 4, true);
-    m.add_sequence(1, &toks(0, 10), SequenceSpec::default()).unwrap();
+    m.add_sequence(1, &toks(0, 10), SequenceSpec::default())
+        .unwrap();
     m.allocate_slots(1, 10).unwrap();
     assert!(m.free(1));
     let after_first = snapshot(&m);
@@ -210,7 +258,8 @@ fn s7_copy_on_write_after_fork() {
         for alen in [1u32, 16, 129] {
             for write_child in [false, true] {
                 let m = manager(64, 8, true);
-                m.add_sequence(1, &toks(0, plen), SequenceSpec::default()).unwrap();
+                m.add_sequence(1, &toks(0, plen), SequenceSpec::default())
+                    .unwrap();
                 m.allocate_slots(1, plen as usize).unwrap();
                 let free0 = m.pool().num_free();
                 m.fork(1, 2).unwrap();
@@ -223,14 +272,26 @@ fn s7_copy_on_write_after_fork() {
                 let cow = plen % 8 != 0;
                 let fresh = (plen + alen).div_ceil(8) - plen.div_ceil(8);
                 assert_eq!(predicted, fresh as usize + usize::from(cow));
-                assert_eq!(m.pool().num_free(), free0 - predicted, "plen {plen} alen {alen}");
-                assert_eq!(m.block_table(other).unwrap(), table0, "the other side's table changed");
+                assert_eq!(
+                    m.pool().num_free(),
+                    free0 - predicted,
+                    "plen {plen} alen {alen}"
+                );
+                assert_eq!(
+                    m.block_table(other).unwrap(),
+                    table0,
+                    "the other side's table changed"
+                );
                 let wt = m.block_table(writer).unwrap();
                 let k = (plen / 8) as usize;
                 if cow {
                     assert_eq!(a.copies, vec![(table0[k], wt[k])]);
                     assert_ne!(table0[k], wt[k]);
-                    assert_eq!(&wt[..k], &table0[..k], "full shared blocks are never copied");
+                    assert_eq!(
+                        &wt[..k],
+                        &table0[..k],
+                        "full shared blocks are never copied"
+                    );
                     assert_eq!(m.pool().ref_count(table0[k]), 1);
                 } else {
                     assert!(a.copies.is_empty());
@@ -256,23 +317,48 @@ fn s8_null_block_is_never_capacity() {
     let m = manager(11, 16, true);
     assert_eq!(m.stats().free, 10);
     assert_eq!(m.pool().num_usable(), 10);
-    m.add_sequence(1, &toks(0, 160), SequenceSpec::default()).unwrap();
-    m.add_sequence(2, &toks(0, 16), SequenceSpec::default()).unwrap();
-    assert_eq!(m.allocate_slots(1, 160).unwrap().new_block_ids, (1..=10).collect::<Vec<_>>());
+    m.add_sequence(1, &toks(0, 160), SequenceSpec::default())
+        .unwrap();
+    m.add_sequence(2, &toks(0, 16), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(
+        m.allocate_slots(1, 160).unwrap().new_block_ids,
+        (1..=10).collect::<Vec<_>>()
+    );
     // Nothing left: the null block is not capacity (a prefix hit is capped below 16 tokens).
-    assert_eq!(m.allocate_slots(2, 16).unwrap_err(), Error::OutOfBlocks { requested: 1, available: 0 });
+    assert_eq!(
+        m.allocate_slots(2, 16).unwrap_err(),
+        Error::OutOfBlocks {
+            requested: 1,
+            available: 0
+        }
+    );
     assert!(!m.block_table(1).unwrap().contains(&0));
     assert_eq!(m.pool().ref_count(0), 0);
     assert_eq!(m.pool().block_hash(0), None);
     let nb = m.pool().num_blocks();
-    for call in [m.pool().free(&[0]), m.pool().touch(&[0]), m.pool().incref(&[0])] {
-        assert_eq!(call.unwrap_err(), Error::InvalidBlockId { block_id: 0, num_blocks: nb });
+    for call in [
+        m.pool().free(&[0]),
+        m.pool().touch(&[0]),
+        m.pool().incref(&[0]),
+    ] {
+        assert_eq!(
+            call.unwrap_err(),
+            Error::InvalidBlockId {
+                block_id: 0,
+                num_blocks: nb
+            }
+        );
     }
     m.free(1);
     assert!(!m.pool().free_queue().contains(&0));
     assert_eq!(m.stats().cached_free, 10);
     assert_eq!(m.pool().free_queue().len(), 10);
-    let out = m.step(&pagedkv_core::StepRequest { seq_ids: vec![2], max_new_tokens: vec![16], ..Default::default() });
+    let out = m.step(&pagedkv_core::StepRequest {
+        seq_ids: vec![2],
+        max_new_tokens: vec![16],
+        ..Default::default()
+    });
     assert!(out.block_table_indices.iter().all(|&b| b != 0));
     m.check_invariants().unwrap();
 }
