@@ -105,14 +105,19 @@ def run(replayer: Replayer, trace: OpTrace, repeats: int, token_format: str) -> 
 
 
 def main(replayer_factory) -> None:
-    """Command-line entry of a replay script: parse args, replay, write the JSON result."""
+    """Command-line entry of a replay script: parse args, replay, write the JSON result.
+
+    ``replayer_factory(args)`` returns ``(Replayer, token_format)``; ``args`` has ``lib_path``
+    and ``hash_algo``.
+    """
     ap = argparse.ArgumentParser()
     ap.add_argument("--trace-file", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--lib-path", default=None, help="checkout of the system under test, if any")
+    ap.add_argument("--hash-algo", default=None, help="prefix hash of the system, where it has a choice")
     a = ap.parse_args()
     trace = OpTrace.load(a.trace_file)
-    replayer, token_format = replayer_factory(a.lib_path)
+    replayer, token_format = replayer_factory(a)
     res = run(replayer, trace, a.repeats, token_format)
     Path(a.out).write_text(json.dumps(res, indent=2))

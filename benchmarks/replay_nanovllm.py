@@ -63,6 +63,12 @@ class NanoVllmReplayer(Replayer):
     def step(self, t: int, admit: list[int], decode: list[int], finish: list[int]) -> None:
         bm = self.bm
         seqs = self.seqs
+        for r in decode:
+            seq = seqs[r]
+            if not bm.can_append(seq):
+                raise RuntimeError(f"nano-vllm: out of blocks for a decode of request {r} at step {t}")
+            bm.may_append(seq)
+            seq.num_scheduled_tokens = 1
         for r in admit:
             seq = self.Sequence(self.prompts[r])
             n = bm.can_allocate(seq)
@@ -72,22 +78,9 @@ class NanoVllmReplayer(Replayer):
             self.cached_tokens += seq.num_cached_tokens
             seq.num_scheduled_tokens = seq.num_tokens - seq.num_cached_tokens
             seqs[r] = seq
-        for r in decode:
-            seq = seqs[r]
-            if not bm.can_append(seq):
-                raise RuntimeError(f"nano-vllm: out of blocks for a decode of request {r} at step {t}")
-            bm.may_append(seq)
-            seq.num_scheduled_tokens = 1
         # After the forward pass: hash newly full blocks, sample one token per request.
         outputs = self.outputs
         sampled = self.sampled
-        for r in admit:
-            seq = seqs[r]
-            bm.hash_blocks(seq)
-            seq.num_cached_tokens += seq.num_scheduled_tokens
-            seq.num_scheduled_tokens = 0
-            sampled[r] = 0
-            seq.append_token(outputs[r][0])
         for r in decode:
             seq = seqs[r]
             bm.hash_blocks(seq)
@@ -96,6 +89,13 @@ class NanoVllmReplayer(Replayer):
             k = sampled[r] + 1
             sampled[r] = k
             seq.append_token(outputs[r][k])
+        for r in admit:
+            seq = seqs[r]
+            bm.hash_blocks(seq)
+            seq.num_cached_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            sampled[r] = 0
+            seq.append_token(outputs[r][0])
         for r in finish:
             bm.deallocate(seqs.pop(r))
             del sampled[r]
@@ -107,10 +107,10 @@ class NanoVllmReplayer(Replayer):
         }
 
 
-def _factory(lib_path: str | None):
-    if not lib_path:
+def _factory(args):
+    if not args.lib_path:
         raise SystemExit("replay_nanovllm.py needs --lib-path (a nano-vllm checkout)")
-    return NanoVllmReplayer(Path(lib_path)), "list"
+    return NanoVllmReplayer(Path(args.lib_path)), "list"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,309 @@
+"""Blocks saved by sharing for parallel sampling and beam search, after Fig. 15 of the
+PagedAttention paper (Kwon et al., SOSP'23; OPT-13B on Alpaca: parallel sampling saves 6.09 /
+8.53 / 9.79% of blocks at n = 2 / 4 / 6, beam search 37.56 / 53.13 / 55.16% at width 2 / 4 / 6).
+
+Saving = 1 - (physical blocks in use) / (blocks the same sequences would hold without sharing),
+both summed over every step of the run (a time average weighted by memory, as the paper's
+"memory saving"). Physical blocks are the pool's ``num_used``; the unshared count is
+``sum(ceil(kv_tokens / block_size))`` over live sequences.
+
+- Parallel sampling: Alpaca-like lengths (log-normal, paper means 19.31 prompt / 58.45 output
+  tokens); each request's prompt is prefilled once, then ``fork``-ed into n samples, each with
+  its own output length drawn from the same distribution; the first write into the shared,
+  partially filled prompt block triggers copy-on-write. Continuous batching through pagedkv's
+  Python API (``add_sequence`` / ``step`` / ``fork`` / ``free``).
+- Beam search (``--beam-source``):
+  ``engine``: the pagedkv reference engine on its default model (SmolLM2-135M-Instruct) with
+  beam search, when ``pagedkv.engine`` offers it; ``simulated``: beam search over random
+  log-probabilities (every beam's next-token log-probs drawn i.i.d. from a log-softmax of
+  Gaussian logits, std ``--logit-std``, over ``--vocab`` tokens) replayed through the manager:
+  each step the k best (beam, token) candidates survive, a parent chosen m times is forked
+  m - 1 times and a parent never chosen is freed; every beam runs to the request's output
+  length. The table says which source produced each row.
+
+Usage: ``python benchmarks/sharing.py [--quick] [--beam-source simulated|engine|auto]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+PAPER_PARALLEL = {2: 6.09, 4: 8.53, 6: 9.79}
+PAPER_BEAM = {2: 37.56, 4: 53.13, 6: 55.16}
+
+
+class _Meter:
+    """Sums physical and unshared block counts over steps."""
+
+    def __init__(self, pool: Any, bs: int) -> None:
+        self.pool = pool
+        self.bs = bs
+        self.physical = 0
+        self.logical = 0
+        self.steps = 0
+        self.peak_physical = 0
+        self.peak_logical = 0
+
+    def sample(self, kv_tokens: Any) -> None:
+        phys = self.pool.num_used
+        log = sum(-(-t // self.bs) for t in kv_tokens)
+        self.physical += phys
+        self.logical += log
+        self.steps += 1
+        self.peak_physical = max(self.peak_physical, phys)
+        self.peak_logical = max(self.peak_logical, log)
+
+    def saving(self) -> float:
+        return 1 - self.physical / self.logical if self.logical else 0.0
+
+
+def _manager(num_blocks: int, bs: int):
+    import pagedkv  # noqa: PLC0415
+
+    # Prefix caching off: only fork sharing is measured (prompts are unique anyway).
+    return pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=num_blocks, block_size=bs,
+                                                      enable_prefix_caching=False))
+
+
+def parallel_sampling(n: int, requests: int, *, bs: int = 16, max_running: int = 64, seed: int = 0) -> dict[str, Any]:
+    """Parallel sampling with ``n`` samples per request (see module docstring)."""
+    rng = np.random.default_rng(seed)
+    mi, mo = common.PAPER_LENGTH_MEANS["alpaca"]
+    prompts = common.lognormal_lengths(rng, requests, mi, 1.0, 1024).tolist()
+    outs = common.lognormal_lengths(rng, requests * n, mo, 1.0, 1024).reshape(requests, n).tolist()
+    mgr = _manager(max_running * n * (2048 // bs + 2) + 1, bs)  # lengths are <= 1024 + 1024
+    meter = _Meter(mgr.pool, bs)
+    waiting = deque(range(requests))
+    live: dict[int, list[int]] = {}  # seq id -> [request, sample, tokens sampled, kv tokens]
+    copies = 0
+    while waiting or live:
+        ids, mnt, app = [], [], []
+        for sid, s in live.items():
+            ids.append(sid)
+            mnt.append(1)
+            app.append([_tok(sid, s[2] - 1)])
+        groups = len({s[0] for s in live.values()})
+        admitted = []
+        while waiting and groups + len(admitted) < max_running:
+            r = waiting.popleft()
+            sid = r * 16  # sample j of request r is seq r*16 + j
+            mgr.add_sequence(sid, common.unique_tokens(r, prompts[r]))
+            admitted.append(r)
+            ids.append(sid)
+            mnt.append(prompts[r])
+            app.append([])
+        out = mgr.step(ids, mnt, app)
+        if out.error is not None:
+            raise RuntimeError(f"pagedkv step failed: {out.error!r}")
+        copies += len(out.copies)
+        for s in live.values():
+            s[2] += 1
+            s[3] += 1
+        for r in admitted:
+            base = r * 16
+            live[base] = [r, 0, 1, prompts[r]]
+            for j in range(1, n):  # the prompt's blocks are shared by all n samples
+                mgr.fork(base, base + j)
+                live[base + j] = [r, j, 1, prompts[r]]
+        meter.sample([s[3] for s in live.values()])
+        for sid in [sid for sid, s in live.items() if s[2] == outs[s[0]][s[1]]]:
+            mgr.free(sid)
+            del live[sid]
+    mgr.check_invariants()
+    return {"mode": "parallel sampling", "k": n, "saving": meter.saving(), "steps": meter.steps,
+            "copies": copies, "peak_physical_blocks": meter.peak_physical,
+            "peak_unshared_blocks": meter.peak_logical, "source": "pagedkv manager, Alpaca-like lengths"}
+
+
+def _tok(sid: int, k: int) -> int:
+    # Sampled token k of sequence sid: distinct across sequences (samples diverge).
+    return int((sid * 7919 + k * 104729 + 17) % 32000)
+
+
+def beam_search_simulated(width: int, requests: int, *, bs: int = 16, vocab: int = 1000,
+                          logit_std: float = 3.0, seed: int = 0, max_running: int = 16) -> dict[str, Any]:
+    """Beam search of width ``width`` over random log-probabilities, replayed through the
+    manager's fork / copy-on-write / free (see module docstring)."""
+    rng = np.random.default_rng(seed)
+    mi, mo = common.PAPER_LENGTH_MEANS["alpaca"]
+    prompts = common.lognormal_lengths(rng, requests, mi, 1.0, 1024).tolist()
+    outs = common.lognormal_lengths(rng, requests, mo, 1.0, 1024).tolist()
+    mgr = _manager(max_running * width * (2048 // bs + 2) + 1, bs)
+    meter = _Meter(mgr.pool, bs)
+    next_sid = 1
+    waiting = deque(range(requests))
+    # Per active request: beams as [seq id, score, pending token (None right after prefill), kv tokens]
+    active: dict[int, dict[str, Any]] = {}
+    copies = 0
+    while waiting or active:
+        ids, mnt, app = [], [], []
+        for r, st in active.items():
+            for b in st["beams"]:
+                ids.append(b[0])
+                mnt.append(1)
+                app.append([b[2]])
+        admitted = []
+        while waiting and len(active) + len(admitted) < max_running:
+            r = waiting.popleft()
+            sid = next_sid
+            next_sid += 1
+            mgr.add_sequence(sid, common.unique_tokens(r, prompts[r]))
+            admitted.append((r, sid))
+            ids.append(sid)
+            mnt.append(prompts[r])
+            app.append([])
+        out = mgr.step(ids, mnt, app)
+        if out.error is not None:
+            raise RuntimeError(f"pagedkv step failed: {out.error!r}")
+        copies += len(out.copies)
+        for st in active.values():
+            for b in st["beams"]:
+                b[3] += 1
+        for r, sid in admitted:
+            active[r] = {"beams": [[sid, 0.0, None, prompts[r]]], "steps": 0}
+        meter.sample([b[3] for st in active.values() for b in st["beams"]])
+        # Selection: every beam proposes its `width` best next tokens; keep the best `width`.
+        for r in list(active):
+            st = active[r]
+            st["steps"] += 1
+            beams = st["beams"]
+            if st["steps"] >= outs[r]:
+                for b in beams:
+                    mgr.free(b[0])
+                del active[r]
+                continue
+            logits = rng.normal(0.0, logit_std, size=(len(beams), vocab))
+            logp = logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+            cand = (np.array([b[1] for b in beams])[:, None] + logp).ravel()
+            top = np.argpartition(-cand, width - 1)[:width]
+            top = top[np.argsort(-cand[top])]
+            parents = [int(i) // vocab for i in top]
+            chosen: dict[int, int] = {}
+            new_beams = []
+            for i, pidx in zip(top, parents):
+                parent = beams[pidx]
+                if pidx not in chosen:
+                    chosen[pidx] = 1
+                    sid = parent[0]
+                else:  # another child of the same parent shares its blocks
+                    sid = next_sid
+                    next_sid += 1
+                    mgr.fork(parent[0], sid)
+                new_beams.append([sid, float(cand[i]), int(i) % vocab, parent[3]])
+            for pidx, b in enumerate(beams):
+                if pidx not in chosen:
+                    mgr.free(b[0])
+            st["beams"] = new_beams
+    mgr.check_invariants()
+    if mgr.pool.num_used:
+        raise AssertionError(f"{mgr.pool.num_used} blocks leaked")
+    return {"mode": "beam search", "k": width, "saving": meter.saving(), "steps": meter.steps,
+            "copies": copies, "peak_physical_blocks": meter.peak_physical,
+            "peak_unshared_blocks": meter.peak_logical,
+            "source": f"simulated beam search (random log-probs, std {logit_std}, vocab {vocab}) via pagedkv manager"}
+
+
+def beam_search_engine(width: int, requests: int, **_: Any) -> dict[str, Any]:
+    """Beam search on the pagedkv reference engine (real model). Raises RuntimeError when the
+    engine or its beam search is unavailable."""
+    raise RuntimeError("pagedkv.engine beam search hook not available")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=1000, help="requests per configuration")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--ks", nargs="+", type=int, default=[2, 4, 6], help="samples n / beam widths")
+    ap.add_argument("--beam-source", choices=["auto", "engine", "simulated"], default="auto",
+                    help="auto: the engine when it offers beam search, else simulated")
+    ap.add_argument("--beam-requests", type=int, default=None, help="requests for beam search (default --requests)")
+    ap.add_argument("--logit-std", type=float, default=3.0)
+    ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--results-dir", default=str(common.RESULTS_DIR))
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.requests = min(a.requests, 400)
+    beam_requests = a.beam_requests or a.requests
+    jobs = [("parallel", k) for k in a.ks] + [("beam", k) for k in a.ks]
+    results: list[dict[str, Any]] = []
+    notes: list[str] = []
+    bar = common.progress(total=len(jobs), desc="sharing")
+    for mode, k in jobs:
+        t0 = time.perf_counter()
+        if mode == "parallel":
+            r = parallel_sampling(k, a.requests, bs=a.block_size)
+        else:
+            r = None
+            if a.beam_source in ("auto", "engine"):
+                try:
+                    r = beam_search_engine(k, beam_requests, bs=a.block_size)
+                except RuntimeError as e:
+                    if a.beam_source == "engine":
+                        raise
+                    msg = f"engine beam search unavailable ({e}); beam rows are simulated"
+                    if msg not in notes:
+                        notes.append(msg)
+                        print(msg, file=sys.stderr)
+            if r is None:
+                r = beam_search_simulated(k, beam_requests, bs=a.block_size, vocab=a.vocab, logit_std=a.logit_std)
+        r["seconds"] = time.perf_counter() - t0
+        r["paper_saving_pct"] = (PAPER_PARALLEL if mode == "parallel" else PAPER_BEAM)[k] if k in PAPER_PARALLEL else None
+        results.append(r)
+        bar.update(1)
+    bar.close()
+    rows = [[r["mode"], r["k"], 100 * r["saving"], r["paper_saving_pct"], r["copies"],
+             r["peak_physical_blocks"], r["peak_unshared_blocks"], r["source"]] for r in results]
+    common.print_table(
+        "Blocks saved by sharing (pagedkv, block size %d)" % a.block_size,
+        ["mode", "n / width", "saved %", "paper % (OPT-13B, Alpaca)", "COW copies",
+         "peak blocks", "peak blocks unshared", "source"],
+        rows,
+        footnote="saved = 1 - physical blocks / unshared blocks, summed over all steps. " + " ".join(notes),
+    )
+    payload = {"description": __doc__.split("\n\n")[0], "notes": notes,
+               "settings": {"requests": a.requests, "beam_requests": beam_requests, "block_size": a.block_size,
+                            "pagedkv_version": common.pagedkv_version()},
+               "paper_fig15": {"parallel": PAPER_PARALLEL, "beam": PAPER_BEAM}, "results": results}
+    path = common.write_json("sharing", payload, Path(a.results_dir))
+    png = plot(results, Path(a.results_dir) / "sharing.png")
+    print(f"wrote {path} and {png}")
+    return payload
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> Path:
+    """Measured vs paper saving, one panel per mode."""
+    plt = common.pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, mode, paper in ((axes[0], "parallel sampling", PAPER_PARALLEL), (axes[1], "beam search", PAPER_BEAM)):
+        rows = [r for r in results if r["mode"] == mode]
+        ks = [r["k"] for r in rows]
+        x = np.arange(len(ks))
+        ax.bar(x - 0.2, [100 * r["saving"] for r in rows], 0.4, label="pagedkv (measured)")
+        ax.bar(x + 0.2, [paper.get(k, 0) for k in ks], 0.4, label="paper (OPT-13B)", color="#adb5bd")
+        ax.set_xticks(x)
+        ax.set_xticklabels([str(k) for k in ks])
+        ax.set_xlabel("samples n" if mode == "parallel sampling" else "beam width")
+        ax.set_ylabel("blocks saved %")
+        src = rows[0]["source"].split(" (")[0] if rows else ""
+        ax.set_title(f"{mode}\n({src})", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    main()
