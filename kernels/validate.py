@@ -52,7 +52,7 @@ def check_tensor(
             f"{op}: {name} has {t.dim()} dims (shape {tuple(t.shape)}), expected {ndim} dims"
         )
     if shape is not None:
-        want = tuple("*" if s is None else s for s in shape)
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
         if t.dim() != len(shape) or any(
             s is not None and s != got for s, got in zip(shape, t.shape)
         ):
