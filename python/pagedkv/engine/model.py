@@ -1,0 +1,245 @@
+"""pagedkv's own forward pass of a Llama-family decoder over a paged KV cache.
+
+Architecture (Llama 2/3, SmolLM, Qwen2, Mistral): token embedding -> N x [RMSNorm -> attention
+with RoPE and grouped-query heads (GQA) -> residual -> RMSNorm -> SwiGLU MLP -> residual] ->
+RMSNorm -> LM head (tied to the embedding when the config says so).
+
+The batch is one flat varlen token list (no padding): prefills, chunked prefills, prefills
+over a cached prefix and decodes of many sequences together, ``T`` tokens in all. Per layer the
+new K/V rows are written into their cache slots by ``slot_mapping``
+(:func:`pagedkv.kernels.reshape_and_cache`) and each query attends to its own sequence's cached
+tokens through the block table (:func:`pagedkv.kernels.paged_attention`; the torch reference on
+CPU, Triton on CUDA) -- PagedAttention, Kwon et al., SOSP'23.
+
+KV cache: one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``
+(index 0 = K, 1 = V), so copy-on-write block copies and swaps are one call for all layers.
+
+The weights come from transformers' own model (see :mod:`pagedkv.engine.loader`), so the same
+numbers feed both this model and the transformers oracle in the tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from pagedkv import kernels
+
+__all__ = ["AttentionMetadata", "LlamaForCausalLM", "rope_inv_freq"]
+
+# RoPE variants whose frequencies depend on the running sequence length; a fixed table
+# cannot reproduce them, so they are refused rather than silently approximated.
+_DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
+@dataclass
+class AttentionMetadata:
+    """Kernel inputs of one step (all on the model's device).
+
+    Attributes:
+        slot_mapping: int64 ``[T]`` cache slot (``block_id * block_size + offset``) of each token.
+        block_table: int32 ``[B, max_blocks]`` physical block ids, padded with the null block 0.
+        seq_lens: int32 ``[B]`` tokens in cache per sequence after this step (context + query).
+        query_start_loc: int32 ``[B + 1]`` prefix sums of the per-sequence query lengths.
+        max_query_len: longest query of the batch, in tokens.
+        max_seq_len: longest ``seq_lens`` entry, in tokens.
+    """
+
+    slot_mapping: torch.Tensor
+    block_table: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's RoPE parameters as one dict (transformers >= 5 ``rope_parameters``, or the
+    older ``rope_theta`` + ``rope_scaling`` pair)."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def rope_inv_freq(config: Any, head_size: int) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies ``fp32 [head_size // 2]`` and the cos/sin scaling factor.
+
+    ``default`` is computed here (``1 / theta^(2i/d)``, RoFormer, Su et al. 2021); every other
+    static scaling type (``linear``, ``llama3``, ``yarn``...) goes through transformers'
+    ``ROPE_INIT_FUNCTIONS`` so the frequencies equal transformers' own.
+
+    Raises:
+        NotImplementedError: a sequence-length-dependent type (``dynamic``, ``longrope``).
+    """
+    params = _rope_parameters(config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type in _DYNAMIC_ROPE:
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported (frequencies depend on length)")
+    if rope_type == "default":
+        theta = float(params.get("rope_theta", 10000.0))
+        inv = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+        return inv, 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv.float(), float(scaling)
+
+
+class LlamaForCausalLM:
+    """A Llama-family causal LM whose attention reads and writes a paged KV cache.
+
+    Plain tensors, no ``nn.Module``: inference only. Construct with :meth:`from_hf`.
+
+    Attributes:
+        config: the transformers config.
+        num_layers, num_heads, num_kv_heads, head_size, vocab_size: model sizes.
+        max_model_len: context length in tokens (``max_position_embeddings``).
+        dtype, device: of weights, activations and the KV cache.
+    """
+
+    def __init__(self, config: Any, weights: dict[str, torch.Tensor], *, device: Any = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        """Build from a transformers config and a state dict named as in transformers'
+        ``LlamaForCausalLM`` (``model.layers.{i}.self_attn.q_proj.weight``...). Weights are
+        moved to ``device``/``dtype``; q/k/v and gate/up projections are fused (fewer GEMMs).
+
+        Raises:
+            KeyError: a required weight is missing (names it).
+            NotImplementedError: unsupported RoPE type.
+        """
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.num_layers = int(config.num_hidden_layers)
+        self.num_heads = int(config.num_attention_heads)
+        self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
+        self.head_size = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
+        self.vocab_size = int(config.vocab_size)
+        self.max_model_len = int(config.max_position_embeddings)
+        self.eps = float(config.rms_norm_eps)
+        self.scale = self.head_size ** -0.5
+        window = getattr(config, "sliding_window", None)
+        self.sliding_window = int(window) if window and getattr(config, "use_sliding_window", True) else None
+
+        def w(name: str) -> torch.Tensor:
+            if name not in weights:
+                raise KeyError(f"weight {name!r} missing from the checkpoint")
+            return weights[name].to(device=self.device, dtype=dtype)
+
+        def opt(name: str) -> Optional[torch.Tensor]:
+            return w(name) if name in weights else None
+
+        self.embed = w("model.embed_tokens.weight")
+        self.layers: list[dict[str, Optional[torch.Tensor]]] = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            biases = [opt(a + f"{x}_proj.bias") for x in "qkv"]
+            self.layers.append({
+                "in_norm": w(p + "input_layernorm.weight"),
+                "qkv": torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]),
+                "qkv_bias": torch.cat(biases) if all(b is not None for b in biases) else None,  # Qwen2
+                "o": w(a + "o_proj.weight"),
+                "o_bias": opt(a + "o_proj.bias"),
+                "post_norm": w(p + "post_attention_layernorm.weight"),
+                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                "down": w(p + "mlp.down_proj.weight"),
+            })
+        self.norm = w("model.norm.weight")
+        tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
+        self.lm_head = self.embed if tied else w("lm_head.weight")
+        inv_freq, scaling = rope_inv_freq(config, self.head_size)
+        # cos/sin for every position, computed exactly as transformers does (fp32, then cast).
+        freqs = torch.arange(self.max_model_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * scaling).to(device=self.device, dtype=dtype)
+        self.sin = (emb.sin() * scaling).to(device=self.device, dtype=dtype)
+
+    @classmethod
+    def from_hf(cls, hf_model: Any, *, device: Any = "cpu", dtype: Optional[torch.dtype] = None) -> "LlamaForCausalLM":
+        """Build from a loaded transformers causal LM (shares its tensors when device and dtype
+        match). ``dtype`` defaults to the model's."""
+        sd = hf_model.state_dict()
+        return cls(hf_model.config, sd, device=device, dtype=dtype or next(iter(sd.values())).dtype)
+
+    # ---- KV cache ----------------------------------------------------------------------------
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_size)``."""
+        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_size)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block occupies across all layers, K and V."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_size * elem
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, *, device: Any = None,
+                          pin_memory: bool = False) -> torch.Tensor:
+        """A zeroed KV cache tensor (see the module docs for the layout)."""
+        dev = torch.device(device) if device is not None else self.device
+        return torch.zeros(self.kv_cache_shape(num_blocks, block_size), dtype=self.dtype, device=dev,
+                           pin_memory=pin_memory and dev.type == "cpu" and torch.cuda.is_available())
+
+    # ---- forward -----------------------------------------------------------------------------
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 like transformers' LlamaRMSNorm (Zhang & Sennrich 2019).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * xf.to(x.dtype)
+
+    @staticmethod
+    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]; rotate-half convention (GPT-NeoX / transformers Llama).
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Run the flat token batch and return next-token logits for selected tokens.
+
+        Args:
+            input_ids: int64 ``[T]`` token ids of the scheduled tokens, sequence after sequence.
+            positions: int64 ``[T]`` position of each token in its sequence (0-based).
+            kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``;
+                the new K/V of every token is written at ``meta.slot_mapping`` (in place).
+            meta: block table, lengths and slot mapping of this step.
+            logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted (the last
+                scheduled token of each sequence that samples this step).
+
+        Returns:
+            fp32 ``[L, vocab_size]`` logits.
+        """
+        t = input_ids.shape[0]
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
+        x = self.embed[input_ids]  # [T, hidden]
+        for li, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer["in_norm"])
+            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q = self._rope(q.view(t, hq, d), cos, sin)
+            k = self._rope(k.view(t, hkv, d), cos, sin)
+            key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
+            kernels.reshape_and_cache(k, v.reshape(t, hkv, d), key_cache, value_cache, meta.slot_mapping)
+            o = kernels.paged_attention(
+                q, key_cache, value_cache, meta.block_table, meta.seq_lens, meta.query_start_loc,
+                softmax_scale=self.scale, max_query_len=meta.max_query_len,
+                max_seq_len=meta.max_seq_len, sliding_window=self.sliding_window,
+            )
+            x = x + F.linear(o.view(t, hq * d), layer["o"], layer["o_bias"])
+            h = self._rms_norm(x, layer["post_norm"])
+            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer["down"])
+        x = self._rms_norm(x[logits_indices], self.norm)
+        return F.linear(x, self.lm_head).float()
