@@ -1,0 +1,242 @@
+"""Run the CPU benchmarks in one go (about 10-20 minutes on 2 cores) and write
+``benchmarks/results/SUMMARY.md``, the markdown tables the README carries.
+
+Runs, each in its own subprocess with a time limit: ``allocator_speed.py``,
+``memory_efficiency.py``, ``sharing.py``, ``prefix_caching.py`` (each with ``--quick``), and
+``step_overhead.py`` / ``engine_throughput.py`` when present (not ``kernels.py``, which needs
+CUDA). Each script's output goes to ``benchmarks/results/logs/<name>.log``; its tables are
+echoed when it ends. A script that fails or times out is reported in the summary, never hidden.
+
+Usage:
+  python benchmarks/run_all.py [--vllm-python /work/venvs/vllm/bin/python]
+      [--nanovllm-path /work/ext/nano-vllm] [--nanovllm-python PY] [--only NAME ...]
+      [--summary-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
+    """(name, command, timeout seconds) of each benchmark to run, in order."""
+    py = sys.executable
+    speed = [py, str(HERE / "allocator_speed.py"), "--quick"]
+    if a.vllm_python:
+        speed += ["--vllm-python", a.vllm_python]
+    if a.nanovllm_path:
+        speed += ["--nanovllm-path", a.nanovllm_path, "--nanovllm-python", a.nanovllm_python]
+    jobs: list[tuple[str, list[str], float]] = [
+        ("allocator_speed", speed, 420),
+        ("memory_efficiency", [py, str(HERE / "memory_efficiency.py"), "--quick"], 300),
+        ("sharing", [py, str(HERE / "sharing.py"), "--quick"], 300),
+        ("prefix_caching", [py, str(HERE / "prefix_caching.py"), "--quick"], 240),
+    ]
+    if (HERE / "step_overhead.py").exists():
+        jobs.append(("step_overhead", [py, str(HERE / "step_overhead.py")], 180))
+    if (HERE / "engine_throughput.py").exists():
+        jobs.append(("engine_throughput", [py, str(HERE / "engine_throughput.py"), *a.engine_args], 480))
+    if a.only:
+        jobs = [j for j in jobs if j[0] in a.only]
+    return jobs
+
+
+def run_jobs(jobs: list[tuple[str, list[str], float]], results_dir: Path) -> dict[str, dict[str, Any]]:
+    """Run the jobs one after another under a progress bar; returns status per job."""
+    logs = results_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    status: dict[str, dict[str, Any]] = {}
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    bar = common.progress(total=len(jobs), desc="benchmarks", disable=False)
+    for name, cmd, timeout in jobs:
+        bar.set_postfix_str(name)
+        t0 = time.perf_counter()
+        log = logs / f"{name}.log"
+        with open(log, "w") as f:
+            try:
+                p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout, env=env,
+                                   cwd=HERE.parent)
+                rc: int | None = p.returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        dt = time.perf_counter() - t0
+        status[name] = {"rc": rc, "seconds": dt, "log": str(log.relative_to(HERE.parent)),
+                        "command": " ".join(Path(c).name if c == sys.executable else c for c in cmd)}
+        bar.write(f"\n=== {name}: {'timed out' if rc is None else f'exit {rc}'} in {dt:.0f} s (log {log})")
+        bar.write(_tail_tables(log))
+        bar.update(1)
+    bar.close()
+    return status
+
+
+def _tail_tables(log: Path, max_lines: int = 80) -> str:
+    # Echo the script's output without progress-bar carriage returns.
+    text = log.read_text(errors="replace").replace("\r", "\n")
+    lines = [ln for ln in text.splitlines() if ln.strip() and "it/s]" not in ln and "s/it]" not in ln]
+    return "\n".join(lines[-max_lines:])
+
+
+def _load(results_dir: Path, name: str) -> dict[str, Any] | None:
+    p = results_dir / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> str:
+    """SUMMARY.md: a headline table and one table per benchmark, from the result JSON files."""
+    out = ["# pagedkv benchmark summary", ""]
+    spd = _load(results_dir, "allocator_speed")
+    mem = _load(results_dir, "memory_efficiency")
+    shr = _load(results_dir, "sharing")
+    pfx = _load(results_dir, "prefix_caching")
+    any_json = spd or mem or shr or pfx
+    if any_json:
+        m = any_json["machine"]
+        out += [f"Machine: {m['cpu']} ({m['cpus']} CPUs), Python {m['python']}, pagedkv commit "
+                f"`{(m.get('pagedkv_commit') or '?')[:12]}`, {m['when']}.", ""]
+    head: list[list[Any]] = []
+    if spd:
+        r = spd["results"]
+        ratios = spd.get("ratios_vs_pagedkv_sha256", {})
+        ref = r.get("pagedkv (sha256)", {}).get("best")
+        for k in ("vLLM V1 KVCacheManager", "nano-vllm BlockManager"):
+            if k in ratios and ref:
+                head.append([f"allocator speed vs {k.split()[0]} (ns per block op)",
+                             f"{ref['ns_per_block_op']:,.0f} ns", f"{r[k]['best']['ns_per_block_op']:,.0f} ns",
+                             f"{ratios[k]:.1f}x faster", ">= 20x vs vLLM's block pool" if "vLLM" in k else ""])
+            elif k in r:
+                head.append([f"allocator speed vs {k.split()[0]}", "", "not measured", r[k].get("skipped", ""), ""])
+    if mem:
+        for row in mem["results"]:
+            if row["system"] == "pagedkv bs=16" and row["workload"] in ("sharegpt_like",):
+                ora = next((x for x in mem["results"] if x["workload"] == row["workload"]
+                            and x["system"] == "contiguous oracle"), None)
+                mx = next((x for x in mem["results"] if x["workload"] == row["workload"]
+                           and x["system"] == "contiguous max"), None)
+                head.append([f"KV memory holding token states ({row['workload']}, block 16)",
+                             f"{100 * row['token_states']:.1f}%",
+                             f"{100 * mx['token_states']:.1f}% max / {100 * ora['token_states']:.1f}% oracle" if mx and ora else "",
+                             "", "paper: 96.3% vs 20.4-38.2%"])
+    if shr:
+        for row in shr["results"]:
+            if row["k"] == 6:
+                head.append([f"blocks saved, {row['mode']} (k=6)", f"{100 * row['saving']:.1f}%", "",
+                             row["source"].split(" (")[0], f"paper: {row['paper_saving_pct']}%"])
+    if pfx:
+        best = max((x for x in pfx["results"] if x["caching"]), key=lambda x: x["budget_tokens"], default=None)
+        if best:
+            head.append([f"Mooncake prefix-cache hit rate ({best['budget_tokens']:,} token budget)",
+                         f"{100 * best['first_admission_hit_rate']:.1f}%", "0% (caching off)",
+                         f"prefill saved {100 * best['prefill_saved_frac']:.1f}%",
+                         f"unbounded cache: {100 * pfx['ideal']['hit_rate']:.1f}%"])
+    if head:
+        out += ["| benchmark | pagedkv | baseline | note | reference |", "|---|---|---|---|---|"]
+        out += ["| " + " | ".join(str(c) for c in h) + " |" for h in head]
+        out.append("")
+    if spd:
+        tr = spd["trace"]
+        out += [f"## Allocator speed ({tr['steps']} steps of the {tr['workload']['name']} trace, "
+                f"{tr['mean_running']:.0f} running seqs on average, {tr['block_ops']:,} block ops, block size "
+                f"{tr['block_size']})", ""]
+        rows = []
+        for k, r in spd["results"].items():
+            if "best" not in r:
+                rows.append([k, "—", "—", "—", "skipped: " + r.get("skipped", "")])
+                continue
+            b = r["best"]
+            v = r["version"]
+            rows.append([k, f"{b['us_per_step_mean']:,.0f}", f"{b['ns_per_block_op']:,.0f}",
+                         f"{spd['ratios_vs_pagedkv_sha256'].get(k, 0):.1f}",
+                         f"{v.get('version') or (v.get('commit') or '')[:12]}, hash {v.get('hash')}"])
+        out += [common.markdown_table(["system", "µs / step", "ns / block op", "time vs pagedkv (sha256)",
+                                       "version"], rows), ""]
+    if mem:
+        bss = sorted({x["param"] for x in mem["results"] if x["kind"] == "paged"})
+        cols = ["workload", "contig. max", "contig. pow2", "contig. oracle"] + [f"pagedkv bs={b}" for b in bss] + \
+               ["concurrent reqs (oracle → paged bs=16)"]
+        rows = []
+        for wl in dict.fromkeys(x["workload"] for x in mem["results"]):
+            get = {x["system"]: x for x in mem["results"] if x["workload"] == wl}
+            row = [wl] + [f"{100 * get[s]['token_states']:.1f}%" if s in get else "—"
+                          for s in ["contiguous max", "contiguous pow2", "contiguous oracle"] + [f"pagedkv bs={b}" for b in bss]]
+            o, p = get.get("contiguous oracle"), get.get("pagedkv bs=16")
+            row.append(f"{o['concurrency']:.0f} → {p['concurrency']:.0f}" if o and p else "—")
+            rows.append(row)
+        out += ["## KV memory holding token states (share of a fixed KV budget, saturated steps)", "",
+                common.markdown_table(cols, rows), "",
+                "Paper Fig. 2 (OPT-13B, ShareGPT): 20.4% / 26.8% / 38.2% (Orca max / pow2 / oracle), 96.3% (vLLM).", ""]
+    if shr:
+        rows = [[x["mode"], x["k"], f"{100 * x['saving']:.2f}%", f"{x['paper_saving_pct']}%", x["source"]]
+                for x in shr["results"]]
+        out += ["## Blocks saved by sharing (block size 16)", "",
+                common.markdown_table(["mode", "n / width", "pagedkv", "paper (OPT-13B, Alpaca)", "source"], rows), ""]
+    if pfx:
+        rows = [["unbounded cache (bound)", "on", "—", f"{100 * pfx['ideal']['hit_rate']:.1f}%", "—"]]
+        for x in pfx["results"]:
+            rows.append([f"pagedkv bs={x['block_size']}", "on" if x["caching"] else "off", f"{x['budget_tokens']:,}",
+                         f"{100 * x['first_admission_hit_rate']:.1f}%", f"{100 * x['prefill_saved_frac']:.1f}%"])
+        wl = pfx["workload"]
+        out += [f"## Prefix caching, Mooncake conversation trace ({wl['requests']} requests, "
+                f"mean prompt {wl['prompt_mean']:.0f} tokens)", "",
+                common.markdown_table(["system", "caching", "KV budget (tokens)", "hit rate", "prefill tokens saved"], rows), ""]
+    for name in ("step_overhead", "engine_throughput"):
+        d = _load(results_dir, name)
+        if d is not None:
+            md = d.get("summary_markdown")
+            out += [f"## {name.replace('_', ' ').capitalize()}", "",
+                    md if isinstance(md, str) else f"See `benchmarks/results/{name}.json`.", ""]
+    if status:
+        rows = [[k, "timed out" if s["rc"] is None else ("ok" if s["rc"] == 0 else f"failed (exit {s['rc']})"),
+                 f"{s['seconds']:.0f}", f"`{s['log']}`"] for k, s in status.items()]
+        total = sum(s["seconds"] for s in status.values())
+        out += [f"## Runs ({total / 60:.1f} min in all)", "",
+                common.markdown_table(["benchmark", "status", "seconds", "log"], rows), ""]
+    out += ["Reproduce: `python benchmarks/run_all.py --vllm-python /work/venvs/vllm/bin/python "
+            "--nanovllm-path /work/ext/nano-vllm --nanovllm-python /work/venvs/nanovllm/bin/python` "
+            "(see benchmarks/README.md for setting up the two baselines).", ""]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--vllm-python", default=os.environ.get("PAGEDKV_BENCH_VLLM_PYTHON"))
+    ap.add_argument("--nanovllm-path", default=os.environ.get("PAGEDKV_BENCH_NANOVLLM_PATH"))
+    ap.add_argument("--nanovllm-python", default=os.environ.get("PAGEDKV_BENCH_NANOVLLM_PYTHON", sys.executable))
+    ap.add_argument("--engine-args", nargs=argparse.REMAINDER, default=[],
+                    help="arguments passed to engine_throughput.py (everything after this flag)")
+    ap.add_argument("--only", nargs="+", default=None, help="run only these benchmarks")
+    ap.add_argument("--summary-only", action="store_true", help="rewrite SUMMARY.md from existing JSON")
+    ap.add_argument("--results-dir", default=str(common.RESULTS_DIR))
+    a = ap.parse_args(argv)
+    results_dir = Path(a.results_dir)
+    status_file = results_dir / "run_all_status.json"
+    status: dict[str, dict[str, Any]] = {}
+    if status_file.exists():
+        status = json.loads(status_file.read_text())
+    if not a.summary_only:
+        t0 = time.perf_counter()
+        status.update(run_jobs(plan(a), results_dir))
+        status_file.write_text(json.dumps(status, indent=2) + "\n")
+        print(f"\nall benchmarks done in {(time.perf_counter() - t0) / 60:.1f} min")
+    md = summary_markdown(results_dir, status)
+    (results_dir / "SUMMARY.md").write_text(md)
+    print(md)
+    print(f"wrote {results_dir / 'SUMMARY.md'}")
+    if any(s["rc"] != 0 for s in status.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""Tests of the benchmark helpers that the figures depend on: the first-fit contiguous allocator,
+the reservation policies, Mooncake token expansion and the operation-trace builder."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+import common  # noqa: E402
+import op_trace  # noqa: E402
+from contiguous import FirstFitAllocator, next_pow2, reservation  # noqa: E402
+
+
+def test_first_fit_places_lowest_hole_and_coalesces():
+    a = FirstFitAllocator(100)
+    assert [a.allocate(30), a.allocate(30), a.allocate(30)] == [0, 30, 60]
+    assert a.allocate(20) is None  # 10 free, in one hole
+    a.free_range(30, 30)
+    assert (a.free, a.largest_hole) == (40, 30)
+    assert a.allocate(40) is None  # 40 free but split 30 + 10: external fragmentation
+    assert a.allocate(25) == 30  # first fit: the lowest hole that fits
+    a.free_range(0, 30)
+    a.free_range(30, 25)
+    a.free_range(60, 30)
+    assert (a._starts, a._lens, a.allocated) == ([0], [100], 0)
+
+
+def test_first_fit_rejects_double_free_and_bad_ranges():
+    a = FirstFitAllocator(10)
+    s = a.allocate(4)
+    a.free_range(s, 4)
+    with pytest.raises(ValueError, match="overlaps"):
+        a.free_range(s, 4)
+    with pytest.raises(ValueError, match="bad range"):
+        a.free_range(8, 5)
+    with pytest.raises(ValueError, match="size must be positive"):
+        a.allocate(0)
+
+
+def test_first_fit_random_ops_tile_the_address_space():
+    rng = random.Random(1)
+    a = FirstFitAllocator(1000)
+    live: list[tuple[int, int]] = []
+    for _ in range(3000):
+        if live and rng.random() < 0.5:
+            s, n = live.pop(rng.randrange(len(live)))
+            a.free_range(s, n)
+        else:
+            n = rng.randint(1, 120)
+            s = a.allocate(n)
+            if s is not None:
+                live.append((s, n))
+        spans = sorted(live + list(zip(a._starts, a._lens)))
+        assert spans[0][0] == 0 and spans[-1][0] + spans[-1][1] == 1000
+        assert all(x[0] + x[1] == y[0] for x, y in zip(spans, spans[1:]))
+        assert a.allocated == sum(n for _, n in live)
+
+
+def test_reservation_policies():
+    assert next_pow2(1) == 1 and next_pow2(25) == 32 and next_pow2(32) == 32
+    assert reservation("max", 10, 25, 2048) == 2048
+    assert reservation("pow2", 10, 25, 2048) == 42
+    assert reservation("oracle", 10, 25, 2048) == 34
+    assert reservation("pow2", 2000, 100, 2048) == 2099  # capped at max_len, never below the need
+    with pytest.raises(ValueError, match="policy"):
+        reservation("half", 1, 1, 8)
+
+
+def test_expand_hash_ids_shares_exactly_equal_ids():
+    a = common.expand_hash_ids([0, 1, 2], 1500)
+    b = common.expand_hash_ids([0, 1, 7], 1100)
+    assert a.shape == (1500,) and b.shape == (1100,)
+    assert np.array_equal(a[:1024], b[:1024])
+    assert not np.array_equal(a[1024:1100], b[1024:1100])
+    assert np.array_equal(common.expand_hash_ids([5], 512), common.expand_hash_ids([5, 6], 512))
+    with pytest.raises(ValueError, match="exceeds"):
+        common.expand_hash_ids([0], 513)
+
+
+def test_lognormal_lengths_match_the_mean():
+    x = common.lognormal_lengths(np.random.default_rng(0), 20000, 161.31, 1.0, 1024)
+    assert abs(x.mean() - 161.31) <= 0.01 * 161.31
+    assert x.min() >= 1 and x.max() <= 1024
+
+
+def test_op_trace_counts_and_lifetimes():
+    w = common.Workload("t", np.array([20, 40, 5, 16]), np.array([3, 1, 2, 4]), np.zeros(4))
+    # A huge load makes every later request arrive before step 1; at most 2 run at once.
+    tr = op_trace.build(w, num_steps=7, block_size=16, max_running=2, load=1000.0)
+    assert tr.admit == [[0, 1], [2], [], [3], [], [], []]
+    assert tr.finish == [[1], [], [0, 2], [], [], [], [3]]
+    # KV tokens written: 20+3-1=22 -> 2 blocks, 40 -> 3, 5+1=6 -> 1, 16+3=19 -> 2; each x2 (get + release).
+    assert tr.block_ops == 2 * (2 + 3 + 1 + 2)
+    admit, finish = op_trace.schedule(tr)
+    assert all(finish[r] - admit[r] + 1 == w.output_lens[r] for r in range(4))
