@@ -1,8 +1,36 @@
 //! PyO3 bindings: exposes `pagedkv-core` as the private module `pagedkv._core`.
+//!
+//! A thin layer: frozen pyclasses over an `Arc` of the core objects, the GIL released around
+//! every call that takes a lock or does real work, numpy `int32` / `int64` arrays for block ids,
+//! plans and kernel inputs (no per-block Python objects), and one exhaustive mapping from core
+//! errors to the exceptions of `pagedkv.errors` ([`errors`]). The public API is re-exported,
+//! documented and typed by the Python package `pagedkv` (`python/pagedkv/_core.pyi`).
+
+mod config;
+mod convert;
+mod errors;
+mod events;
+mod manager;
+mod pool;
+mod stats;
+
 use pyo3::prelude::*;
 
 /// The `pagedkv._core` extension module.
 #[pymodule]
-fn _core(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("NULL_BLOCK", pagedkv_core::NULL_BLOCK)?;
+    m.add("MAX_BLOCK_SIZE", pagedkv_core::manager::MAX_BLOCK_SIZE)?;
+    m.add("MAX_BLOCKS", pagedkv_core::pool::MAX_BLOCKS)?;
+    m.add_class::<config::PyCacheConfig>()?;
+    m.add_class::<manager::PyKvCacheManager>()?;
+    m.add_class::<manager::PySlotAllocation>()?;
+    m.add_class::<manager::PyStepOutput>()?;
+    m.add_class::<pool::PyBlockPool>()?;
+    m.add_class::<stats::PyCacheStats>()?;
+    m.add_class::<events::PyBlockStored>()?;
+    m.add_class::<events::PyBlockRemoved>()?;
+    m.add_class::<events::PyAllBlocksCleared>()?;
     Ok(())
 }

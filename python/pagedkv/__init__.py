@@ -1,0 +1,108 @@
+"""pagedkv: a paged KV-cache memory manager (PagedAttention, Kwon et al., SOSP'23).
+
+The KV cache of each sequence is cut into blocks of ``block_size`` tokens; a block table maps
+logical block ``i`` to a physical block id; blocks are shared through reference counts (prefix
+caching, parallel sampling, beam search) and copied only on write. The core is Rust
+(``pagedkv._core``); this package re-exports it with docs, types and typed exceptions.
+
+Allocator API (needs numpy only):
+
+- :class:`CacheConfig` -- frozen configuration (``num_blocks`` incl. the null block 0,
+  ``block_size`` in tokens, prefix caching, hash algorithm and seed, CPU swap blocks, events).
+- :class:`KVCacheManager` -- per-sequence block tables: ``add_sequence``, ``allocate_slots``,
+  ``fork``, ``free``, ``preempt``, ``swap_out`` / ``swap_in``, the batched ``step``, ``stats``,
+  ``take_events``, ``check_invariants``.
+- :class:`BlockPool` -- the block pool alone (thread-safe, GIL released in every call).
+- :class:`SlotAllocation`, :class:`StepOutput`, :class:`CacheStats`, :class:`BlockStored`,
+  :class:`BlockRemoved`, :class:`AllBlocksCleared` -- results.
+- Exceptions (:mod:`pagedkv.errors`): :class:`PagedKVError` and its subclasses, each also a
+  builtin (``MemoryError``, ``KeyError``, ``ValueError``, ``RuntimeError``).
+
+Submodules imported on first use (they need torch): :mod:`pagedkv.tensors` (kernel inputs:
+dense / CSR block tables, slot mapping, lengths; its numpy path works without torch),
+:mod:`pagedkv.kernels` (Triton kernels + torch references), :mod:`pagedkv.engine` (the
+reference engine).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from pagedkv._core import (
+    MAX_BLOCK_SIZE,
+    MAX_BLOCKS,
+    NULL_BLOCK,
+    AllBlocksCleared,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    CacheConfig,
+    CacheStats,
+    KVCacheManager,
+    SlotAllocation,
+    StepOutput,
+    __version__,
+)
+from pagedkv.errors import (
+    CacheInUseError,
+    InvalidArgumentError,
+    InvalidBlockError,
+    InvalidConfigError,
+    InvalidSequenceStateError,
+    OutOfBlocksError,
+    OutOfSwapSpaceError,
+    PagedKVError,
+    RefCountUnderflowError,
+    SequenceExistsError,
+    UnknownSequenceError,
+)
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from pagedkv import engine, kernels, tensors
+
+__all__ = [
+    "MAX_BLOCKS",
+    "MAX_BLOCK_SIZE",
+    "NULL_BLOCK",
+    "AllBlocksCleared",
+    "BlockPool",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheConfig",
+    "CacheInUseError",
+    "CacheStats",
+    "InvalidArgumentError",
+    "InvalidBlockError",
+    "InvalidConfigError",
+    "InvalidSequenceStateError",
+    "KVCacheManager",
+    "OutOfBlocksError",
+    "OutOfSwapSpaceError",
+    "PagedKVError",
+    "RefCountUnderflowError",
+    "SequenceExistsError",
+    "SlotAllocation",
+    "StepOutput",
+    "UnknownSequenceError",
+    "__version__",
+    "engine",
+    "kernels",
+    "tensors",
+]
+
+# Submodules that import torch (directly or through their dependencies) load on first access,
+# so `import pagedkv` works on a machine without torch or triton.
+_LAZY_SUBMODULES = frozenset({"tensors", "kernels", "engine"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_SUBMODULES:
+        module = importlib.import_module(f"{__name__}.{name}")
+        globals()[name] = module
+        return module
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY_SUBMODULES)

@@ -1,0 +1,156 @@
+//! KV cache events as frozen Python objects: `BlockStored`, `BlockRemoved`, `AllBlocksCleared`
+//! (the schema serving routers consume). Hashes are 32-byte `bytes`.
+
+use pagedkv_core::events::KvEvent;
+use pagedkv_core::{BlockHash, ExtraKey};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyTuple};
+
+fn hash_bytes<'py>(py: Python<'py>, h: &BlockHash) -> Bound<'py, PyBytes> {
+    PyBytes::new(py, &h.0)
+}
+
+/// An extra key as a tuple whose first item names its kind: ``("adapter", name)``,
+/// ``("cache_salt", salt)``, ``("multimodal", item_hash: bytes, offset: int)`` or
+/// ``("tagged", tag, value: bytes)``.
+fn extra_key<'py>(py: Python<'py>, key: &ExtraKey) -> PyResult<Bound<'py, PyTuple>> {
+    match key {
+        ExtraKey::Adapter(name) => ("adapter", name.as_str()).into_pyobject(py),
+        ExtraKey::CacheSalt(salt) => ("cache_salt", salt.as_str()).into_pyobject(py),
+        ExtraKey::Multimodal { item_hash, offset } => {
+            ("multimodal", PyBytes::new(py, item_hash), *offset).into_pyobject(py)
+        }
+        ExtraKey::Tagged { tag, value } => {
+            ("tagged", tag.as_str(), PyBytes::new(py, value)).into_pyobject(py)
+        }
+    }
+}
+
+/// Full blocks were registered in the prefix cache.
+///
+/// ``block_hashes[i]`` (32 bytes) is the hash of the block holding
+/// ``token_ids[i * block_size:(i + 1) * block_size]``; ``parent_block_hash`` is the hash of the
+/// block before the first one (None for a sequence's first block). ``extra_keys``: see
+/// ``KVCacheManager.take_events``.
+#[pyclass(frozen, eq, module = "pagedkv._core", name = "BlockStored")]
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PyBlockStored {
+    hashes: Vec<BlockHash>,
+    parent: Option<BlockHash>,
+    token_ids: Vec<u32>,
+    block_size: u32,
+    extra_keys: Vec<ExtraKey>,
+}
+
+#[pymethods]
+impl PyBlockStored {
+    /// Hashes of the stored blocks (32 bytes each), in block order.
+    #[getter]
+    fn block_hashes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.hashes.iter().map(|h| hash_bytes(py, h)))
+    }
+
+    /// Hash of the block before the first stored one, or None.
+    #[getter]
+    fn parent_block_hash<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.parent.as_ref().map(|h| hash_bytes(py, h))
+    }
+
+    /// Token ids of the stored blocks (``len(block_hashes) * block_size`` of them).
+    #[getter]
+    fn token_ids(&self) -> Vec<u32> {
+        self.token_ids.clone()
+    }
+
+    /// Tokens per block.
+    #[getter]
+    fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Extra keys mixed into the hashes, as ``(kind, ...)`` tuples.
+    #[getter]
+    fn extra_keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let items = self
+            .extra_keys
+            .iter()
+            .map(|k| extra_key(py, k))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, items)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockStored(blocks={}, block_size={}, parent={}, extra_keys={})",
+            self.hashes.len(),
+            self.block_size,
+            self.parent
+                .map(|h| h.to_hex()[..16].to_string())
+                .unwrap_or_else(|| "None".into()),
+            self.extra_keys.len()
+        )
+    }
+}
+
+/// Blocks were evicted from the prefix cache: their hashes no longer resolve to them.
+#[pyclass(frozen, eq, module = "pagedkv._core", name = "BlockRemoved")]
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PyBlockRemoved {
+    hashes: Vec<BlockHash>,
+}
+
+#[pymethods]
+impl PyBlockRemoved {
+    /// Hashes of the evicted blocks (32 bytes each).
+    #[getter]
+    fn block_hashes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.hashes.iter().map(|h| hash_bytes(py, h)))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("BlockRemoved(blocks={})", self.hashes.len())
+    }
+}
+
+/// The prefix cache was reset (every hash dropped).
+#[pyclass(frozen, eq, module = "pagedkv._core", name = "AllBlocksCleared")]
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PyAllBlocksCleared {}
+
+#[pymethods]
+impl PyAllBlocksCleared {
+    fn __repr__(&self) -> &'static str {
+        "AllBlocksCleared()"
+    }
+}
+
+/// One core event as its Python object.
+pub(crate) fn event_object(py: Python<'_>, event: KvEvent) -> PyResult<PyObject> {
+    Ok(match event {
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size,
+            extra_keys,
+        } => Py::new(
+            py,
+            PyBlockStored {
+                hashes: block_hashes,
+                parent: parent_block_hash,
+                token_ids,
+                block_size,
+                extra_keys,
+            },
+        )?
+        .into_any(),
+        KvEvent::BlockRemoved { block_hashes } => Py::new(
+            py,
+            PyBlockRemoved {
+                hashes: block_hashes,
+            },
+        )?
+        .into_any(),
+        KvEvent::AllBlocksCleared => Py::new(py, PyAllBlocksCleared {})?.into_any(),
+    })
+}

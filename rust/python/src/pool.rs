@@ -1,0 +1,261 @@
+//! `pagedkv.BlockPool`: the block pool on its own (for allocators and stress tests), or a
+//! read-only view of a manager's pool.
+
+use crate::convert::{block_ids, count, uint_arg};
+use crate::errors::{bad_arg, IntoPyResult};
+use numpy::PyArray1;
+use pagedkv_core::events::EventSink;
+use pagedkv_core::pool::BlockPool;
+use pagedkv_core::{BlockHash, BlockId, KvCacheManager};
+use pyo3::exceptions::{PyAssertionError, PyRuntimeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+use std::sync::Arc;
+
+/// Who owns the pool: a standalone pool, or the manager whose pool this views.
+#[derive(Debug, Clone)]
+enum Owner {
+    Standalone(Arc<BlockPool>),
+    Manager(Arc<KvCacheManager>),
+}
+
+/// A pool of ``num_blocks`` fixed-size KV blocks with reference counts, prefix hashes and the
+/// free queue of PagedAttention (block 0 is the null block: never allocated).
+///
+/// ``BlockPool(num_blocks)`` makes a standalone pool (thread-safe; every call releases the GIL,
+/// the uncached free list and ref counts are lock-free). ``KVCacheManager.pool`` returns a
+/// read-only view of the manager's pool: its mutating methods raise ``RuntimeError``, because
+/// changing the pool behind the manager's back breaks the manager's bookkeeping.
+///
+/// Raises ``InvalidConfigError`` unless ``2 <= num_blocks <= 2**28``.
+#[pyclass(frozen, module = "pagedkv._core", name = "BlockPool")]
+#[derive(Debug)]
+pub(crate) struct PyBlockPool {
+    owner: Owner,
+}
+
+impl PyBlockPool {
+    pub(crate) fn view_of(manager: Arc<KvCacheManager>) -> Self {
+        Self {
+            owner: Owner::Manager(manager),
+        }
+    }
+
+    fn pool(&self) -> &BlockPool {
+        match &self.owner {
+            Owner::Standalone(p) => p,
+            Owner::Manager(m) => m.pool(),
+        }
+    }
+
+    /// The pool for a mutating call: standalone only.
+    fn writable(&self, op: &str) -> PyResult<Arc<BlockPool>> {
+        match &self.owner {
+            Owner::Standalone(p) => Ok(p.clone()),
+            Owner::Manager(_) => Err(PyRuntimeError::new_err(format!(
+                "BlockPool.{op}: this pool belongs to a KVCacheManager and is a read-only view; \
+                 use the manager's methods (allocate_slots, free, ...)"
+            ))),
+        }
+    }
+}
+
+fn id_array(py: Python<'_>, ids: Vec<BlockId>) -> Bound<'_, PyArray1<i32>> {
+    PyArray1::from_vec(py, ids.into_iter().map(|b| b as i32).collect())
+}
+
+fn hash_arg(py: Python<'_>, hash: &[u8]) -> PyResult<BlockHash> {
+    let arr: [u8; 32] = hash
+        .try_into()
+        .map_err(|_| {
+            bad_arg(
+                "hash",
+                format!("<{} bytes>", hash.len()),
+                "a block hash is exactly 32 bytes",
+            )
+        })
+        .map_err(|e| crate::errors::to_pyerr(py, &e))?;
+    Ok(BlockHash(arr))
+}
+
+#[pymethods]
+impl PyBlockPool {
+    #[new]
+    fn new(py: Python<'_>, num_blocks: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let n = uint_arg(num_blocks, "num_blocks", u64::from(u32::MAX)).map_err(|_| {
+            crate::errors::to_pyerr(
+                py,
+                &pagedkv_core::Error::InvalidConfig {
+                    field: "num_blocks",
+                    value: num_blocks.repr().map(|r| r.to_string()).unwrap_or_default(),
+                    reason: format!("expected an int in 2..={}", pagedkv_core::pool::MAX_BLOCKS),
+                },
+            )
+        })? as u32;
+        let pool = py
+            .allow_threads(|| BlockPool::new(n, Arc::new(EventSink::new(false))))
+            .py(py)?;
+        Ok(Self {
+            owner: Owner::Standalone(Arc::new(pool)),
+        })
+    }
+
+    /// Physical blocks, the null block included.
+    #[getter]
+    fn num_blocks(&self) -> u32 {
+        self.pool().num_blocks()
+    }
+
+    /// Usable blocks: ``num_blocks - 1``.
+    #[getter]
+    fn num_usable(&self) -> usize {
+        self.pool().num_usable()
+    }
+
+    /// Free blocks (ref count 0: uncached + cached-evictable). Wait-free.
+    #[getter]
+    fn num_free(&self) -> usize {
+        self.pool().num_free()
+    }
+
+    /// Free blocks that still carry a prefix hash (evictable).
+    #[getter]
+    fn num_cached_free(&self) -> usize {
+        self.pool().num_cached_free()
+    }
+
+    /// Blocks with ref count > 0.
+    #[getter]
+    fn num_used(&self) -> usize {
+        self.pool().num_used()
+    }
+
+    /// Takes ``n`` blocks, all or nothing: ``int32[n]`` block ids, each with ref count 1 and no
+    /// hash. Uncached free blocks first (LIFO), then cached ones evicted LRU-first.
+    /// Raises ``OutOfBlocksError`` (nothing taken) when fewer than ``n`` are free. Lock-free
+    /// unless it evicts. GIL released.
+    fn allocate<'py>(
+        &self,
+        py: Python<'py>,
+        n: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let n = count(n, "n")?;
+        let pool = self.writable("allocate")?;
+        let ids = py.allow_threads(|| pool.allocate(n)).py(py)?;
+        Ok(id_array(py, ids))
+    }
+
+    /// Releases one reference per id, in the given order (pass tables tail-first). A block
+    /// reaching 0 goes to the front of the free queue (no hash) or the back of the LRU (hashed).
+    /// Validates every id first: ``InvalidBlockError``, ``RefCountUnderflowError`` (duplicates
+    /// counted) leave everything unchanged. GIL released.
+    fn free(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = block_ids(ids, "ids")?;
+        let pool = self.writable("free")?;
+        py.allow_threads(|| pool.free(&ids)).py(py)
+    }
+
+    /// Adds one reference per id (fork); every id must already have ref count > 0
+    /// (``InvalidBlockError`` otherwise, nothing changed). GIL released.
+    fn incref(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = block_ids(ids, "ids")?;
+        let pool = self.writable("incref")?;
+        py.allow_threads(|| pool.incref(&ids)).py(py)
+    }
+
+    /// Prefix hits: one reference per id; a free cached block leaves the LRU (O(1)) and
+    /// consumes free capacity. Free ids must carry a hash. All or nothing
+    /// (``InvalidBlockError``, ``OutOfBlocksError``). GIL released.
+    fn touch(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = block_ids(ids, "ids")?;
+        let pool = self.writable("touch")?;
+        py.allow_threads(|| pool.touch(&ids)).py(py)
+    }
+
+    /// Registers block ``block_id`` (ref count > 0) under a 32-byte ``hash`` in the prefix
+    /// index; a block that already has a hash keeps it. GIL released.
+    fn cache_block(
+        &self,
+        py: Python<'_>,
+        block_id: &Bound<'_, PyAny>,
+        hash: &[u8],
+    ) -> PyResult<()> {
+        let id = uint_arg(block_id, "block_id", u64::from(u32::MAX))? as u32;
+        let hash = hash_arg(py, hash)?;
+        let pool = self.writable("cache_block")?;
+        py.allow_threads(|| pool.cache_block(id, hash)).py(py)
+    }
+
+    /// A block carrying ``hash`` (32 bytes), or None. No side effects.
+    fn lookup(&self, py: Python<'_>, hash: &[u8]) -> PyResult<Option<BlockId>> {
+        let hash = hash_arg(py, hash)?;
+        Ok(py.allow_threads(|| self.pool().lookup(&hash)))
+    }
+
+    /// Drops every hash (all free blocks become uncached). ``CacheInUseError`` while any
+    /// block is in use.
+    fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<()> {
+        let pool = self.writable("reset_prefix_cache")?;
+        py.allow_threads(|| pool.reset_prefix_cache()).py(py)
+    }
+
+    /// Reference count of ``block_id`` (0 for the null block and out-of-range ids).
+    fn ref_count(&self, block_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let id = uint_arg(block_id, "block_id", u64::from(u32::MAX))?;
+        Ok(u32::try_from(id)
+            .map(|id| self.pool().ref_count(id))
+            .unwrap_or(0))
+    }
+
+    /// The 32-byte prefix hash of ``block_id``, or None.
+    fn block_hash<'py>(
+        &self,
+        py: Python<'py>,
+        block_id: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        let id = uint_arg(block_id, "block_id", u64::from(u32::MAX))? as u32;
+        Ok(self.pool().block_hash(id).map(|h| PyBytes::new(py, &h.0)))
+    }
+
+    /// The logical free queue, front (next allocated) to back: ``int32[num_free]``. Takes the
+    /// pool's lock; for tests and invariant checks.
+    fn free_queue<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        let q = py.allow_threads(|| self.pool().free_queue());
+        id_array(py, q)
+    }
+
+    /// Cumulative counters (blocks): ``evictions``, ``allocations``, ``frees``,
+    /// ``prefix_touches``.
+    fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.pool().counters();
+        let d = PyDict::new(py);
+        d.set_item("evictions", c.evictions)?;
+        d.set_item("allocations", c.allocations)?;
+        d.set_item("frees", c.frees)?;
+        d.set_item("prefix_touches", c.prefix_touches)?;
+        Ok(d)
+    }
+
+    /// Checks the pool invariants (DESIGN.md 1-3); raises ``AssertionError`` naming the first
+    /// violation. O(num_blocks). GIL released.
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        py.allow_threads(|| self.pool().check_invariants())
+            .map_err(PyAssertionError::new_err)
+    }
+
+    fn __repr__(&self) -> String {
+        let p = self.pool();
+        format!(
+            "BlockPool(num_blocks={}, used={}, free={}, cached_free={}{})",
+            p.num_blocks(),
+            p.num_used(),
+            p.num_free(),
+            p.num_cached_free(),
+            if matches!(self.owner, Owner::Manager(_)) {
+                ", view"
+            } else {
+                ""
+            }
+        )
+    }
+}
