@@ -333,34 +333,63 @@ impl BlockPool {
     }
 
     /// Takes one more reference on each of `ids` as prefix-cache hits (ids may repeat; each
-    /// occurrence is one reference). A block going 0 → 1 leaves the cached LRU in O(1) and
+    /// occurrence is one reference). Every id must carry a hash: a prefix hit is by definition
+    /// a cached block, and refusing unhashed blocks means a stale id (looked up, then evicted
+    /// and reallocated by another thread before the touch) is rejected instead of silently
+    /// sharing another sequence's block. A block going 0 → 1 leaves the cached LRU in O(1) and
     /// consumes one unit of free capacity, exactly like an allocated block.
     ///
     /// Errors (nothing changed): [`Error::InvalidBlockId`] for the null block or an id out of
-    /// range; [`Error::InvalidArgument`] for a free block (ref 0) without a hash (not a cache
-    /// hit); [`Error::OutOfBlocks`] `{ requested: distinct free blocks among ids, available }`
-    /// if the capacity reservation for them fails.
+    /// range; [`Error::InvalidArgument`] for a block without a hash; [`Error::OutOfBlocks`]
+    /// `{ requested: distinct free blocks among ids, available }` if the capacity reservation
+    /// for them fails (only possible when a concurrent allocation reserved those blocks first
+    /// and is about to evict them).
     ///
     /// Progress: locking (one lock hold), because it performs 0 → 1 transitions of hashed
     /// blocks. O(len · log len).
     pub fn touch(&self, ids: &[BlockId]) -> Result<()> {
+        self.touch_impl(ids, None)
+    }
+
+    /// [`BlockPool::touch`] that also checks, under the same lock, that `ids[k]` still carries
+    /// `hashes[k]`: the race-free form of "lookup, then touch" when other threads may evict
+    /// and re-cache blocks in between.
+    ///
+    /// Errors (nothing changed): those of `touch`; [`Error::InvalidArgument`] if the lengths
+    /// differ or a block carries another hash (or none). Locking. O(len · log len).
+    pub fn touch_verified(&self, ids: &[BlockId], hashes: &[BlockHash]) -> Result<()> {
+        if ids.len() != hashes.len() {
+            return Err(Error::InvalidArgument {
+                arg: "hashes",
+                value: hashes.len().to_string(),
+                reason: format!("need one hash per block id ({} ids)", ids.len()),
+            });
+        }
+        self.touch_impl(ids, Some(hashes))
+    }
+
+    fn touch_impl(&self, ids: &[BlockId], expected: Option<&[BlockHash]>) -> Result<()> {
         if ids.is_empty() {
             return Ok(());
         }
         let mut locked = self.locked.lock();
         let mut revive = Vec::new();
-        for &id in ids {
+        for (k, &id) in ids.iter().enumerate() {
             let i = self.check_id(id)?;
+            let carried = locked.hashes[i];
+            let want = expected.map(|e| e[k]);
+            let stray_free = self.refs[i].load(Ordering::Acquire) == 0 && !locked.in_lru[i];
+            if carried.is_none() || (want.is_some() && carried != want) || stray_free {
+                return Err(Error::InvalidArgument {
+                    arg: "ids",
+                    value: id.to_string(),
+                    reason: format!(
+                        "block {id} does not carry {} hash, so it is not a prefix-cache hit",
+                        if want.is_some() { "the expected" } else { "a" }
+                    ),
+                });
+            }
             if self.refs[i].load(Ordering::Acquire) == 0 {
-                if !locked.in_lru[i] {
-                    return Err(Error::InvalidArgument {
-                        arg: "ids",
-                        value: id.to_string(),
-                        reason: format!(
-                            "block {id} is free (ref count 0) and carries no hash, so it is not a prefix-cache hit"
-                        ),
-                    });
-                }
                 revive.push(id);
             }
         }
@@ -372,8 +401,8 @@ impl BlockPool {
         }
         self.cached_free.store(locked.lru_len, Ordering::Release);
         for &id in ids {
-            // Hashed blocks cannot go 1 -> 0 while we hold the lock, and unhashed ones are
-            // referenced by the caller, so a plain increment is exact.
+            // Every id is hashed, and a hashed block cannot go 1 -> 0 (nor be evicted) while
+            // we hold the lock, so a plain increment is exact.
             self.refs[id as usize].fetch_add(1, Ordering::AcqRel);
         }
         drop(locked);

@@ -51,12 +51,19 @@ fn ok(p: &BlockPool) {
 fn new_validates_num_blocks() {
     for bad in [0, 1, MAX_BLOCKS + 1] {
         match BlockPool::new(bad, Arc::new(EventSink::new(false))) {
-            Err(Error::InvalidConfig { field: "num_blocks", value, .. }) => assert_eq!(value, bad.to_string()),
+            Err(Error::InvalidConfig {
+                field: "num_blocks",
+                value,
+                ..
+            }) => assert_eq!(value, bad.to_string()),
             other => panic!("num_blocks {bad}: {other:?}"),
         }
     }
     let (p, _) = pool(2);
-    assert_eq!((p.num_blocks(), p.num_usable(), p.num_free(), p.num_used()), (2, 1, 1, 0));
+    assert_eq!(
+        (p.num_blocks(), p.num_usable(), p.num_free(), p.num_used()),
+        (2, 1, 1, 0)
+    );
     assert_eq!(p.free_queue(), vec![1]);
     ok(&p);
 }
@@ -84,7 +91,8 @@ fn fresh_blocks_in_ascending_order_and_uncached_reuse_is_lifo() {
 }
 
 #[test]
-fn cached_blocks_go_to_lru_back_and_are_evicted_from_the_front_only_when_no_uncached_block_is_free() {
+fn cached_blocks_go_to_lru_back_and_are_evicted_from_the_front_only_when_no_uncached_block_is_free()
+{
     let (p, events) = pool(6);
     assert_eq!(p.allocate(5).unwrap(), vec![1, 2, 3, 4, 5]);
     for (id, b) in [(1, 1), (2, 2), (3, 3)] {
@@ -111,7 +119,12 @@ fn cached_blocks_go_to_lru_back_and_are_evicted_from_the_front_only_when_no_unca
     assert_eq!(p.lookup(&h(3)), None);
     assert_eq!(p.ref_count(3), 1);
     assert_eq!(p.counters().evictions, 1);
-    assert_eq!(events.drain(), vec![KvEvent::BlockRemoved { block_hashes: vec![h(3)] }]);
+    assert_eq!(
+        events.drain(),
+        vec![KvEvent::BlockRemoved {
+            block_hashes: vec![h(3)]
+        }]
+    );
     assert_eq!(p.free_queue(), vec![2, 1]);
     assert_eq!((p.num_free(), p.num_cached_free()), (2, 2));
     ok(&p);
@@ -122,7 +135,12 @@ fn cached_blocks_go_to_lru_back_and_are_evicted_from_the_front_only_when_no_unca
     assert_eq!(p.free_queue(), vec![2, 1, 5]);
     // One call evicting several blocks emits one event with their hashes, front first.
     assert_eq!(p.allocate(3).unwrap(), vec![2, 1, 5]);
-    assert_eq!(events.drain(), vec![KvEvent::BlockRemoved { block_hashes: vec![h(2), h(1), h(5)] }]);
+    assert_eq!(
+        events.drain(),
+        vec![KvEvent::BlockRemoved {
+            block_hashes: vec![h(2), h(1), h(5)]
+        }]
+    );
     assert_eq!(p.counters().evictions, 4);
     assert_eq!(p.counters().allocations, 5 + 2 + 1 + 3);
     assert_eq!((p.num_free(), p.num_cached_free(), p.num_used()), (0, 0, 5));
@@ -148,6 +166,7 @@ fn touch_removes_a_free_cached_block_from_the_middle_and_consumes_capacity() {
     ok(&p);
 
     // Touching an in-use block takes no capacity; a repeated id counts once for capacity.
+    p.cache_block(4, h(4)).unwrap();
     p.touch(&[2, 4]).unwrap();
     assert_eq!((p.ref_count(2), p.ref_count(4)), (2, 2));
     assert_eq!(p.num_free(), 2);
@@ -173,20 +192,86 @@ fn touch_validates_everything_first() {
     let before = snap(&p);
     // The valid hit (block 1) comes first; the call still changes nothing.
     for (ids, want) in [
-        (vec![1, 3], Error::InvalidArgument { arg: "ids", value: "3".into(), reason: String::new() }),
-        (vec![1, 0], Error::InvalidBlockId { block_id: 0, num_blocks: 5 }),
-        (vec![1, 5], Error::InvalidBlockId { block_id: 5, num_blocks: 5 }),
+        (
+            vec![1, 3],
+            Error::InvalidArgument {
+                arg: "ids",
+                value: "3".into(),
+                reason: String::new(),
+            },
+        ),
+        (
+            vec![1, 0],
+            Error::InvalidBlockId {
+                block_id: 0,
+                num_blocks: 5,
+            },
+        ),
+        (
+            vec![1, 5],
+            Error::InvalidBlockId {
+                block_id: 5,
+                num_blocks: 5,
+            },
+        ),
+        // In use but unhashed: not a prefix hit (a stale id after eviction + reallocation).
+        (
+            vec![1, 2],
+            Error::InvalidArgument {
+                arg: "ids",
+                value: "2".into(),
+                reason: String::new(),
+            },
+        ),
     ] {
         let err = p.touch(&ids).unwrap_err();
         match (&err, &want) {
-            (Error::InvalidArgument { arg, value, reason }, Error::InvalidArgument { arg: a2, value: v2, .. }) => {
+            (
+                Error::InvalidArgument { arg, value, reason },
+                Error::InvalidArgument {
+                    arg: a2, value: v2, ..
+                },
+            ) => {
                 assert_eq!((arg, value), (a2, v2));
-                assert!(reason.contains("no hash"), "{reason}");
+                assert!(reason.contains("does not carry a hash"), "{reason}");
             }
             _ => assert_eq!(err, want),
         }
         assert_eq!(snap(&p), before, "touch({ids:?}) changed state");
     }
+}
+
+#[test]
+fn touch_verified_checks_the_hash_each_block_carries() {
+    let (p, _) = pool(4);
+    let a = p.allocate(2).unwrap();
+    p.cache_block(a[0], h(1)).unwrap();
+    p.cache_block(a[1], h(2)).unwrap();
+    p.free(&[a[1], a[0]]).unwrap();
+    let before = snap(&p);
+    match p.touch_verified(&[1, 2], &[h(1), h(9)]) {
+        Err(Error::InvalidArgument {
+            arg: "ids",
+            value,
+            reason,
+        }) => {
+            assert_eq!(value, "2");
+            assert!(reason.contains("the expected hash"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    match p.touch_verified(&[1, 2], &[h(1)]) {
+        Err(Error::InvalidArgument {
+            arg: "hashes",
+            value,
+            ..
+        }) => assert_eq!(value, "1"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(snap(&p), before);
+    p.touch_verified(&[1, 2], &[h(1), h(2)]).unwrap();
+    assert_eq!((p.ref_count(1), p.ref_count(2), p.num_free()), (1, 1, 1));
+    ok(&p);
 }
 
 #[test]
@@ -200,8 +285,20 @@ fn failed_allocate_leaves_state_bit_identical() {
     events.drain();
     let before = snap(&p);
     assert_eq!((before.free, before.cached_free), (3, 2));
-    assert_eq!(p.allocate(4), Err(Error::OutOfBlocks { requested: 4, available: 3 }));
-    assert_eq!(p.allocate(usize::MAX), Err(Error::OutOfBlocks { requested: usize::MAX, available: 3 }));
+    assert_eq!(
+        p.allocate(4),
+        Err(Error::OutOfBlocks {
+            requested: 4,
+            available: 3
+        })
+    );
+    assert_eq!(
+        p.allocate(usize::MAX),
+        Err(Error::OutOfBlocks {
+            requested: usize::MAX,
+            available: 3
+        })
+    );
     assert_eq!(snap(&p), before);
     assert!(events.drain().is_empty());
     ok(&p);
@@ -217,9 +314,27 @@ fn free_validates_everything_first() {
     assert_eq!(a, vec![1, 2]);
     let before = snap(&p);
     let cases: Vec<(Vec<BlockId>, Error)> = vec![
-        (vec![1, 5], Error::InvalidBlockId { block_id: 5, num_blocks: 5 }),
-        (vec![1, u32::MAX], Error::InvalidBlockId { block_id: u32::MAX, num_blocks: 5 }),
-        (vec![2, NULL_BLOCK], Error::InvalidBlockId { block_id: 0, num_blocks: 5 }),
+        (
+            vec![1, 5],
+            Error::InvalidBlockId {
+                block_id: 5,
+                num_blocks: 5,
+            },
+        ),
+        (
+            vec![1, u32::MAX],
+            Error::InvalidBlockId {
+                block_id: u32::MAX,
+                num_blocks: 5,
+            },
+        ),
+        (
+            vec![2, NULL_BLOCK],
+            Error::InvalidBlockId {
+                block_id: 0,
+                num_blocks: 5,
+            },
+        ),
         (vec![1, 3], Error::RefCountUnderflow { block_id: 3 }),
         (vec![2, 1, 2], Error::RefCountUnderflow { block_id: 2 }),
     ];
@@ -247,9 +362,17 @@ fn incref_needs_a_referenced_block() {
     let (p, _) = pool(4);
     let a = p.allocate(1).unwrap();
     let before = snap(&p);
-    assert_eq!(p.incref(&[a[0], 0]), Err(Error::InvalidBlockId { block_id: 0, num_blocks: 4 }));
+    assert_eq!(
+        p.incref(&[a[0], 0]),
+        Err(Error::InvalidBlockId {
+            block_id: 0,
+            num_blocks: 4
+        })
+    );
     match p.incref(&[a[0], 2]) {
-        Err(Error::InvalidArgument { arg: "ids", value, .. }) => assert_eq!(value, "2"),
+        Err(Error::InvalidArgument {
+            arg: "ids", value, ..
+        }) => assert_eq!(value, "2"),
         other => panic!("{other:?}"),
     }
     assert_eq!(snap(&p), before);
@@ -268,10 +391,18 @@ fn cache_block_rules_and_lookup_prefers_a_block_in_use() {
     let (p, _) = pool(5);
     let a = p.allocate(2).unwrap();
     match p.cache_block(3, h(1)) {
-        Err(Error::InvalidArgument { arg: "id", value, .. }) => assert_eq!(value, "3"),
+        Err(Error::InvalidArgument {
+            arg: "id", value, ..
+        }) => assert_eq!(value, "3"),
         other => panic!("{other:?}"),
     }
-    assert_eq!(p.cache_block(0, h(1)), Err(Error::InvalidBlockId { block_id: 0, num_blocks: 5 }));
+    assert_eq!(
+        p.cache_block(0, h(1)),
+        Err(Error::InvalidBlockId {
+            block_id: 0,
+            num_blocks: 5
+        })
+    );
     p.cache_block(a[0], h(7)).unwrap();
     p.cache_block(a[0], h(8)).unwrap(); // already hashed: ignored
     assert_eq!(p.block_hash(a[0]), Some(h(7)));
@@ -280,7 +411,11 @@ fn cache_block_rules_and_lookup_prefers_a_block_in_use() {
     p.cache_block(a[1], h(7)).unwrap();
     ok(&p);
     p.free(&[a[0]]).unwrap();
-    assert_eq!(p.lookup(&h(7)), Some(a[1]), "prefer the block in use (no capacity taken)");
+    assert_eq!(
+        p.lookup(&h(7)),
+        Some(a[1]),
+        "prefer the block in use (no capacity taken)"
+    );
     p.free(&[a[1]]).unwrap();
     assert_eq!(p.lookup(&h(7)), Some(a[0]));
     let before = snap(&p);
@@ -298,14 +433,21 @@ fn reset_prefix_cache_is_refused_while_in_use() {
     }
     p.free(&[a[3], a[2]]).unwrap();
     let before = snap(&p);
-    assert_eq!(p.reset_prefix_cache(), Err(Error::CacheInUse { blocks_in_use: 2 }));
+    assert_eq!(
+        p.reset_prefix_cache(),
+        Err(Error::CacheInUse { blocks_in_use: 2 })
+    );
     assert_eq!(snap(&p), before);
     p.free(&[a[1], a[0]]).unwrap();
     assert_eq!(p.free_queue(), vec![5, 4, 3, 2, 1]);
     events.drain();
     p.reset_prefix_cache().unwrap();
     assert_eq!(events.drain(), vec![KvEvent::AllBlocksCleared]);
-    assert_eq!(p.free_queue(), vec![5, 4, 3, 2, 1], "queue order kept, all uncached now");
+    assert_eq!(
+        p.free_queue(),
+        vec![5, 4, 3, 2, 1],
+        "queue order kept, all uncached now"
+    );
     assert_eq!((p.num_free(), p.num_cached_free()), (5, 0));
     assert!((0..6).all(|id| p.block_hash(id).is_none()));
     assert!((0..4).all(|k| p.lookup(&h(k)).is_none()));
@@ -332,7 +474,12 @@ fn s2_reused_block_carries_no_stale_hash() {
     assert_eq!(p.allocate(1).unwrap(), vec![1]);
     assert_eq!(p.block_hash(1), None);
     assert_eq!(p.lookup(&h(0xAB)), None);
-    assert_eq!(events.drain(), vec![KvEvent::BlockRemoved { block_hashes: vec![h(0xAB)] }]);
+    assert_eq!(
+        events.drain(),
+        vec![KvEvent::BlockRemoved {
+            block_hashes: vec![h(0xAB)]
+        }]
+    );
     ok(&p);
     // Freed again without caching: goes back uncached.
     p.free(&[1, 2]).unwrap();
@@ -353,7 +500,11 @@ fn s4_raw_double_free_is_an_error_without_state_change() {
     for id in [a[0], a[1]] {
         let err = p.free(&[id]).unwrap_err();
         assert_eq!(err, Error::RefCountUnderflow { block_id: id });
-        assert!(err.to_string().contains(&format!("block {id} has ref count 0")), "{err}");
+        assert!(
+            err.to_string()
+                .contains(&format!("block {id} has ref count 0")),
+            "{err}"
+        );
         assert_eq!(snap(&p), before);
     }
     let q = p.free_queue();
@@ -373,8 +524,17 @@ fn s8_null_block_is_never_capacity() {
     assert!(!p.free_queue().contains(&NULL_BLOCK));
     let all = p.allocate(3).unwrap();
     assert_eq!(all, vec![1, 2, 3]);
-    assert_eq!(p.allocate(1), Err(Error::OutOfBlocks { requested: 1, available: 0 }));
-    let null_err = Error::InvalidBlockId { block_id: 0, num_blocks: 4 };
+    assert_eq!(
+        p.allocate(1),
+        Err(Error::OutOfBlocks {
+            requested: 1,
+            available: 0
+        })
+    );
+    let null_err = Error::InvalidBlockId {
+        block_id: 0,
+        num_blocks: 4,
+    };
     assert_eq!(p.free(&[0]), Err(null_err.clone()));
     assert_eq!(p.touch(&[0]), Err(null_err.clone()));
     assert_eq!(p.incref(&[0]), Err(null_err.clone()));
@@ -398,5 +558,13 @@ fn counters_count_blocks() {
     p.touch(&[a[0]]).unwrap();
     p.free(&[a[0]]).unwrap();
     p.allocate(3).unwrap();
-    assert_eq!(p.counters(), PoolCounters { evictions: 1, allocations: 6, frees: 4, prefix_touches: 1 });
+    assert_eq!(
+        p.counters(),
+        PoolCounters {
+            evictions: 1,
+            allocations: 6,
+            frees: 4,
+            prefix_touches: 1
+        }
+    );
 }
