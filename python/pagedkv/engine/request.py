@@ -1,0 +1,208 @@
+"""Engine-side state of requests and their sequences, and the per-request result.
+
+A *request* is one prompt with its :class:`SamplingParams`; it owns one or more *sequences*
+(the samples of ``n > 1`` or the beams of beam search), each registered in the
+:class:`pagedkv.KVCacheManager` under its own ``seq_id``. Sequences of one request share the
+prompt's KV blocks (fork + copy-on-write) and are preempted together.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from .sampling import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .beam_search import BeamSearch
+
+__all__ = ["RequestStatus", "Sequence", "Request", "CompletionOutput", "RequestOutput"]
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"      # queued: new, or preempted by recompute
+    RUNNING = "running"      # has KV blocks on the device and is scheduled every step
+    SWAPPED = "swapped"      # preempted by swap: its KV sits in CPU swap blocks
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One token stream of a request.
+
+    Attributes:
+        seq_id: the id used with the KV cache manager.
+        token_ids: prompt + generated tokens (all tokens known to the engine).
+        num_prompt_tokens: length of the prompt, in tokens.
+        num_in_manager: how many of ``token_ids`` the manager has been told about; the rest are
+            sampled tokens still to append (sent with the next step).
+        num_computed: tokens whose KV is in the cache (as of the last scheduled step).
+        num_blocks: length of the sequence's block table after its last scheduling, in blocks.
+        sample_index: index among the request's samples (seeds its generator).
+        generator: seeded generator for random sampling (``None`` for greedy).
+        finish_reason: ``"eos"``, ``"stop"``, ``"length"`` or ``None`` while running.
+        logprobs: beam search only: the fp32 ``[vocab]`` log-probs of the next token, kept until
+            every beam of the request has them.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_in_manager: int
+    sample_index: int = 0
+    generator: Optional["torch.Generator"] = None
+    num_computed: int = 0
+    num_blocks: int = 0
+    finish_reason: Optional[str] = None
+    stop_text: Optional[str] = None
+    logprobs: Optional["torch.Tensor"] = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Generated tokens (after the prompt)."""
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def pending(self) -> list[int]:
+        """Sampled tokens the manager has not been told about yet."""
+        return self.token_ids[self.num_in_manager:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV still has to be computed (0 while waiting for sibling beams)."""
+        return len(self.token_ids) - self.num_computed
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt being served (see the module docs).
+
+    Attributes:
+        request_id: caller-visible id.
+        prompt: the prompt text (``None`` when token ids were given).
+        prompt_token_ids: the prompt, tokenized.
+        params: sampling parameters.
+        cache_salt: mixed into the prefix-cache hashes of this request's blocks, so requests
+            with different salts never share cached KV.
+        arrival_index: FCFS order (smaller = older).
+        arrival_time: ``time.perf_counter()`` when added, seconds.
+        seed: seed of the request's sampling generators.
+        seqs: live sequences (registered in the manager).
+        finished_seqs: completed samples.
+        beam: beam search state (beam search only).
+        num_preemptions: how many times the request was preempted (recompute or swap).
+        num_cached_tokens: prompt tokens served from the prefix cache at its first scheduling.
+        owed_prefill: True from admission until its prefill is done (its remaining prefill
+            blocks are reserved; it is the last choice as a preemption victim).
+    """
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: Optional[str]
+    arrival_index: int
+    arrival_time: float
+    seed: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    seqs: list[Sequence] = field(default_factory=list)
+    finished_seqs: list[Sequence] = field(default_factory=list)
+    beam: Optional["BeamSearch"] = None
+    forked: bool = False
+    num_preemptions: int = 0
+    num_cached_tokens: Optional[int] = None
+    owed_prefill: bool = False
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    num_generated: int = 0
+
+    @property
+    def is_finished(self) -> bool:
+        """True once every sample / the beam search is done."""
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    """One generated continuation.
+
+    Attributes:
+        index: sample index (0 for greedy; beam rank for beam search, best first).
+        text: decoded output (special tokens skipped; cut before a matched stop string).
+        token_ids: generated token ids (the EOS token included when it ended the output).
+        finish_reason: ``"eos"``, ``"stop"`` (stop string) or ``"length"`` (max tokens or
+            model context).
+        score: beam search score (length-normalised log-prob), else ``None``.
+    """
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    score: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """The result of one request.
+
+    Attributes:
+        request_id: the request's id.
+        prompt: prompt text (``None`` for token-id prompts).
+        prompt_token_ids: the prompt as token ids.
+        outputs: the completions (``n`` of them).
+        num_cached_tokens: prompt tokens served from the prefix cache, in tokens.
+        num_preemptions: times the request was preempted.
+        arrival_time, first_token_time, finish_time: ``time.perf_counter()`` seconds.
+    """
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: tuple[int, ...]
+    outputs: tuple[CompletionOutput, ...]
+    num_cached_tokens: int
+    num_preemptions: int
+    arrival_time: float
+    first_token_time: float
+    finish_time: float
+
+    @property
+    def text(self) -> str:
+        """Text of the first completion."""
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """Token ids of the first completion."""
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        """Finish reason of the first completion."""
+        return self.outputs[0].finish_reason
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-ready dict (the CLI's ``--output`` line)."""
+        first = self.outputs[0]
+        return {
+            "id": self.request_id,
+            "prompt": self.prompt,
+            "num_prompt_tokens": len(self.prompt_token_ids),
+            "output_text": first.text,
+            "output_token_ids": list(first.token_ids),
+            "finish_reason": first.finish_reason,
+            "outputs": [
+                {"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
+                 "finish_reason": o.finish_reason, "score": o.score}
+                for o in self.outputs
+            ],
+            "cached_prompt_tokens": self.num_cached_tokens,
+            "preemptions": self.num_preemptions,
+            "ttft_s": self.first_token_time - self.arrival_time,
+            "latency_s": self.finish_time - self.arrival_time,
+        }
