@@ -11,8 +11,8 @@ request decodes one token. Measurements are taken in every step where the queue 
 Systems:
 - ``pagedkv bs=N``: the real pagedkv Python API (``KVCacheManager.add_sequence`` / ``step`` /
   ``preempt`` / ``free``, prefix caching off so no block is shared) at block size N; admission
-  keeps a 1% free-block watermark (vLLM V0's default); when a decode step lacks blocks the newest
-  request is preempted by recompute (vLLM's policy). Each step the blocks in use reported by the
+  keeps ``--watermark`` of the blocks free (default 0, vLLM V1's default; V0 kept 1%); when a
+  decode step lacks blocks the newest request is preempted by recompute (vLLM's policy). Each step the blocks in use reported by the
   pool are checked against ``sum(ceil(kv_tokens / N))`` over running requests.
 - ``contiguous <policy>``: one contiguous range per request, reserved at admission for the
   request's lifetime (``max`` / ``pow2`` / ``oracle``, see ``contiguous.py``), placed first-fit in
@@ -157,7 +157,7 @@ def simulate_contiguous(w: common.Workload, policy: str, budget: int, max_len: i
     return acc.result(steps, 0)
 
 
-def simulate_paged(w: common.Workload, block_size: int, budget: int, watermark: float = 0.01,
+def simulate_paged(w: common.Workload, block_size: int, budget: int, watermark: float = 0.0,
                    check: bool = True) -> Breakdown:
     """Replay ``w`` through pagedkv's Python API with ``budget // block_size`` usable blocks.
 
@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="KV budget in units of the workload's max context length (default 16)")
     ap.add_argument("--requests", type=int, default=None, help="requests per trace (default: all in the file)")
     ap.add_argument("--synthetic-requests", type=int, default=4000)
-    ap.add_argument("--watermark", type=float, default=0.01)
+    ap.add_argument("--watermark", type=float, default=0.0,
+                    help="fraction of blocks kept free at admission (vLLM V1 default 0; V0 used 0.01)")
     ap.add_argument("--quick", action="store_true", help="fewer requests (for run_all)")
     ap.add_argument("--results-dir", default=str(common.RESULTS_DIR))
     a = ap.parse_args(argv)

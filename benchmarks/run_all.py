@@ -107,17 +107,18 @@ def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> st
         out += [f"Machine: {m['cpu']} ({m['cpus']} CPUs), Python {m['python']}, pagedkv commit "
                 f"`{(m.get('pagedkv_commit') or '?')[:12]}`, {m['when']}.", ""]
     head: list[list[Any]] = []
-    if spd:
-        r = spd["results"]
-        ratios = spd.get("ratios_vs_pagedkv_sha256", {})
+    for tname, t in (spd or {}).get("traces", {}).items():
+        r = t["results"]
+        ratios = t.get("ratios_vs_pagedkv_sha256", {})
         ref = r.get("pagedkv (sha256)", {}).get("best")
         for k in ("vLLM V1 KVCacheManager", "nano-vllm BlockManager"):
             if k in ratios and ref:
-                head.append([f"allocator speed vs {k.split()[0]} (ns per block op)",
+                head.append([f"allocator speed vs {k.split()[0]}, {tname} trace (CPU ns per block op)",
                              f"{ref['ns_per_block_op']:,.0f} ns", f"{r[k]['best']['ns_per_block_op']:,.0f} ns",
-                             f"{ratios[k]:.1f}x faster", ">= 20x vs vLLM's block pool" if "vLLM" in k else ""])
+                             f"pagedkv {ratios[k]:.1f}x faster", "target >= 20x vs vLLM" if "vLLM" in k else ""])
             elif k in r:
-                head.append([f"allocator speed vs {k.split()[0]}", "", "not measured", r[k].get("skipped", ""), ""])
+                head.append([f"allocator speed vs {k.split()[0]}, {tname} trace", "", "not measured",
+                             r[k].get("skipped", ""), ""])
     if mem:
         for row in mem["results"]:
             if row["system"] == "pagedkv bs=16" and row["workload"] in ("sharegpt_like",):
@@ -145,23 +146,27 @@ def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> st
         out += ["| benchmark | pagedkv | baseline | note | reference |", "|---|---|---|---|---|"]
         out += ["| " + " | ".join(str(c) for c in h) + " |" for h in head]
         out.append("")
-    if spd:
-        tr = spd["trace"]
-        out += [f"## Allocator speed ({tr['steps']} steps of the {tr['workload']['name']} trace, "
+    for tname, t in (spd or {}).get("traces", {}).items():
+        tr = t["trace"]
+        out += [f"## Allocator speed: {tr['steps']} steps of the {tname} trace ({tr['requests']} requests, "
                 f"{tr['mean_running']:.0f} running seqs on average, {tr['block_ops']:,} block ops, block size "
-                f"{tr['block_size']})", ""]
+                f"{tr['block_size']}, prefix caching on)", ""]
         rows = []
-        for k, r in spd["results"].items():
+        for k, r in t["results"].items():
             if "best" not in r:
-                rows.append([k, "—", "—", "—", "skipped: " + r.get("skipped", "")])
+                rows.append([k, "—", "—", "—", "—", "skipped: " + r.get("skipped", "")])
                 continue
             b = r["best"]
             v = r["version"]
             rows.append([k, f"{b['us_per_step_mean']:,.0f}", f"{b['ns_per_block_op']:,.0f}",
-                         f"{spd['ratios_vs_pagedkv_sha256'].get(k, 0):.1f}",
+                         f"{t['ratios_vs_pagedkv_sha256'].get(k, 0):.1f}", f"{b['wall_ns_per_block_op']:,.0f}",
                          f"{v.get('version') or (v.get('commit') or '')[:12]}, hash {v.get('hash')}"])
-        out += [common.markdown_table(["system", "µs / step", "ns / block op", "time vs pagedkv (sha256)",
-                                       "version"], rows), ""]
+        out += [common.markdown_table(["system", "CPU µs / step", "CPU ns / block op", "time vs pagedkv (sha256)",
+                                       "wall ns / block op", "version"], rows), ""]
+    if spd:
+        out += ["CPU = CPU time of the replaying thread (the figure compared); wall = elapsed time, inflated "
+                "when other processes share the machine. Block ops = each block of each request obtained once "
+                "and released once, counted identically for every system.", ""]
     if mem:
         bss = sorted({x["param"] for x in mem["results"] if x["kind"] == "paged"})
         cols = ["workload", "contig. max", "contig. pow2", "contig. oracle"] + [f"pagedkv bs={b}" for b in bss] + \
