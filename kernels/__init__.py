@@ -101,12 +101,12 @@ def paged_attention(
     ``[T, Hq, D]``. Query ``i`` of sequence ``b`` sits at position
     ``seq_lens[b] - q_len_b + i`` and sees positions ``<=`` it (and ``> pos - sliding_window``).
     Full contract: :func:`pagedkv.kernels.reference.paged_attention`."""
-    kwargs = dict(softmax_scale=softmax_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
-                  sliding_window=sliding_window, out=out)
-    args = (query, key_cache, value_cache, block_table, seq_lens, query_start_loc)
-    if _use_triton(backend, query, "paged_attention"):
-        return _impl("attention").paged_attention(*args, **kwargs)
-    return reference.paged_attention(*args, **kwargs)
+    impl = _impl("attention") if _use_triton(backend, query, "paged_attention") else reference
+    return impl.paged_attention(
+        query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+        softmax_scale=softmax_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
+        sliding_window=sliding_window, out=out,
+    )
 
 
 def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor, *, backend: str = "auto") -> None:

@@ -248,6 +248,8 @@ def paged_attention(
         USE_WINDOW=sliding_window is not None, SPLIT=split, PRECISION=precision,
         DOT_F32=dot_f32,
         num_warps=4 if block_m * block_d <= 64 * 128 else 8,
+        # Two stages of K/V tiles keep fp32 / head-256 tiles inside shared memory.
+        num_stages=2 if query.element_size() * block_d >= 512 else 3,
     )
     if split:
         _merge_kernel[(t, hq)](
