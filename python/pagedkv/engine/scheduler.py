@@ -54,12 +54,16 @@ class SchedulerConfig:
         preemption: ``"recompute"`` or ``"swap"`` (swap falls back to recompute when the CPU
             swap space is full).
         max_model_len: model context in tokens.
+        reserve_prefill: admit a request only when its whole remaining prefill plus decode
+            headroom fits, and keep those blocks reserved (the S6 anti-thrash guard). ``False``
+            admits on the first chunk alone, as naive schedulers do; for experiments only.
     """
 
     max_tokens_per_step: int = 1024
     max_num_seqs: int = 256
     preemption: str = "recompute"
     max_model_len: int = 8192
+    reserve_prefill: bool = True
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_step < 1:
@@ -207,7 +211,8 @@ class Scheduler:
         # 2. waiting requests, oldest first, while they fit
         admitted: list[tuple[Request, Sequence, int]] = []
         free = self.manager.pool.num_free - self._owed_blocks()
-        headroom = sum(len(r.seqs) for r in self.running)
+        guard = self.config.reserve_prefill
+        headroom = sum(len(r.seqs) for r in self.running) if guard else 0
         num_seqs = len(batch.seqs)
         for req in list(self.waiting):
             if budget == 0 or num_seqs + len(req.seqs) > self.config.max_num_seqs:
@@ -223,20 +228,22 @@ class Scheduler:
                 swap_in.append(np.asarray(plan, dtype=np.int32).reshape(-1, 2))
                 free -= len(plan)
             else:
-                need = sum(self.manager.num_blocks_needed(s.seq_id, max(1, s.num_uncomputed))
-                           for s in req.seqs)
+                # the whole remaining prefill (guard) or just this step's chunk (no guard)
+                need = sum(self.manager.num_blocks_needed(
+                    s.seq_id, max(1, s.num_uncomputed if guard else min(s.num_uncomputed, budget)))
+                    for s in req.seqs)
                 if need + headroom > free:
                     break
                 free -= need
-                req.owed_prefill = True
+                req.owed_prefill = guard
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival_index)
-            headroom += len(req.seqs)
+            headroom += len(req.seqs) if guard else 0
             for seq in req.seqs:
                 if budget == 0:
                     break
-                if req.owed_prefill and seq.num_computed == 0:
+                if seq.num_computed == 0:
                     # uncomputed after the prefix hits the manager will take
                     seq_todo = len(seq.token_ids) - self.manager.lookup_prefix(seq.seq_id)
                 else:
