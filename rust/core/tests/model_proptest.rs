@@ -140,7 +140,11 @@ fn check_alloc(
             }),
         ) => {
             prop_assert_eq!((requested, available), (p, free_before));
-            prop_assert_eq!(snapshot(m, &[s.clone()]).0, model_snapshot.0);
+            prop_assert_eq!(
+                snapshot(m, std::slice::from_ref(s)),
+                model_snapshot,
+                "failed allocation changed state"
+            );
         }
         (Err(e1), Err(e2)) => {
             prop_assert_eq!(&e1, &e2);
