@@ -41,9 +41,19 @@ pub enum ExtraKey {
     CacheSalt(String),
     /// A multimodal item overlapping this block: the item's content hash and the offset, in
     /// tokens, of the item's first token relative to the block's first token (may be negative).
-    Multimodal { item_hash: Vec<u8>, offset: i64 },
+    Multimodal {
+        /// Content hash of the item (any bytes).
+        item_hash: Vec<u8>,
+        /// Item start minus block start, in tokens.
+        offset: i64,
+    },
     /// Free-form tagged key.
-    Tagged { tag: String, value: Vec<u8> },
+    Tagged {
+        /// Name of the key's kind (for example `"mm"` or `"prompt_adapter"`).
+        tag: String,
+        /// The key's value bytes.
+        value: Vec<u8>,
+    },
 }
 
 impl ExtraKey {
