@@ -54,7 +54,7 @@ test-python: setup ## pytest (hypothesis profile from HYPOTHESIS_PROFILE, defaul
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest
 
 stubtest: setup ## Check the hand-written _core.pyi against the built extension
-	$(PYTHON) -m mypy.stubtest pagedkv._core --allowlist python/stubtest-allowlist.txt
+	$(PYTHON) -m mypy.stubtest pagedkv._core
 
 check-dist: setup ## Build wheel + sdist, check their contents, install the sdist once in a throwaway venv
 	$(PYTHON) scripts/check_dist.py
