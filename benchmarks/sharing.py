@@ -13,8 +13,10 @@ both summed over every step of the run (a time average weighted by memory, as th
   partially filled prompt block triggers copy-on-write. Continuous batching through pagedkv's
   Python API (``add_sequence`` / ``step`` / ``fork`` / ``free``).
 - Beam search (``--beam-source``):
-  ``engine``: the pagedkv reference engine on its default model (SmolLM2-135M-Instruct) with
-  beam search, when ``pagedkv.engine`` offers it; ``simulated``: beam search over random
+  ``engine`` (``auto`` picks it when the engine and its default model load): the pagedkv reference
+  engine on SmolLM2-135M-Instruct (fp32, CPU) running real beam search (transformers-equivalent)
+  over short Alpaca-style instructions written for this benchmark (chat template on, EOS on,
+  at most 64 new tokens); ``simulated``: beam search over random
   log-probabilities (every beam's next-token log-probs drawn i.i.d. from a log-softmax of
   Gaussian logits, std ``--logit-std``, over ``--vocab`` tokens) replayed through the manager:
   each step the k best (beam, token) candidates survive, a parent chosen m times is forked
@@ -214,10 +216,89 @@ def beam_search_simulated(width: int, requests: int, *, bs: int = 16, vocab: int
             "source": f"simulated beam search (random log-probs, std {logit_std}, vocab {vocab}) via pagedkv manager"}
 
 
-def beam_search_engine(width: int, requests: int, **_: Any) -> dict[str, Any]:
-    """Beam search on the pagedkv reference engine (real model). Raises RuntimeError when the
-    engine or its beam search is unavailable."""
-    raise RuntimeError("pagedkv.engine beam search hook not available")
+#: Short Alpaca-style instructions written for this benchmark (Alpaca prompts average ~19 tokens).
+INSTRUCTIONS = [
+    "Give three tips for staying healthy.",
+    "Describe the water cycle in two sentences.",
+    "Explain why the sky is blue.",
+    "Write a haiku about autumn leaves.",
+    "Name three primary colors.",
+    "Suggest a name for a small bakery.",
+    "Summarize the plot of Cinderella.",
+    "List four uses for a paper clip.",
+    "Explain what a prime number is.",
+    "Give an example of a renewable energy source.",
+    "Describe a cat to someone who has never seen one.",
+    "Translate 'good morning' into French and Spanish.",
+    "Write a short thank-you note to a teacher.",
+    "What is the capital of Japan?",
+    "Explain how a bicycle works.",
+    "Give two reasons to learn a second language.",
+    "Write a one-sentence story about a robot.",
+    "Describe the taste of a lemon.",
+    "List the planets closest to the sun.",
+    "Explain what photosynthesis does for a plant.",
+    "Suggest a healthy breakfast.",
+    "Why do we have seasons?",
+    "Write a slogan for a recycling campaign.",
+    "Explain the difference between weather and climate.",
+]
+
+
+def beam_search_engine(width: int, requests: int, *, bs: int = 16, max_tokens: int = 64,
+                       engine_model: Any = None, **_: Any) -> dict[str, Any]:
+    """Beam search of width ``width`` on the pagedkv reference engine (``pagedkv.engine``,
+    default model SmolLM2-135M-Instruct, fp32 CPU, chat template, greedy beam search, EOS on,
+    ``max_tokens`` new tokens at most, prefix caching off so only beam sharing counts).
+
+    Blocks are counted just before each model forward (after the step's allocations and
+    copy-on-write): physical = the pool's blocks in use, unshared = the sum of the live
+    sequences' block-table lengths. ``engine_model`` is an already loaded ``(model, tokenizer)``
+    pair to reuse. Raises RuntimeError when the engine cannot be imported or loaded.
+    """
+    try:
+        from pagedkv.engine import LLMEngine, SamplingParams  # noqa: PLC0415
+        from pagedkv.engine.loader import load_hf_model  # noqa: PLC0415
+    except Exception as e:  # noqa: BLE001 - any failure means "engine not usable here"
+        raise RuntimeError(f"pagedkv.engine not importable: {e}") from e
+    try:
+        model, tok = engine_model or load_hf_model()
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"default model not loadable: {e}") from e
+    prompts = [INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(requests)]
+    eng = LLMEngine(model, tokenizer=tok, num_kv_blocks=requests * width * (512 // bs) + 64, block_size=bs,
+                    enable_prefix_caching=False)
+    mgr = eng.manager
+    meter = _Meter(mgr.pool, bs)
+    orig = eng.runner.execute
+
+    def execute(batch: Any) -> Any:
+        tables = [len(mgr.block_table(s.seq_id)) for r in eng._requests.values() for s in r.seqs
+                  if mgr.num_tokens(s.seq_id) and mgr.status(s.seq_id) == "running"]
+        phys = mgr.pool.num_used
+        meter.physical += phys
+        meter.logical += sum(tables)
+        meter.steps += 1
+        meter.peak_physical = max(meter.peak_physical, phys)
+        meter.peak_logical = max(meter.peak_logical, sum(tables))
+        return orig(batch)
+
+    eng.runner.execute = execute
+    before = mgr.stats().copies
+    outs = eng.generate(prompts, SamplingParams(beam_width=width, max_tokens=max_tokens), chat_template=True)
+    copies = mgr.stats().copies - before
+    mgr.check_invariants()
+    if mgr.pool.num_used:
+        raise AssertionError(f"{mgr.pool.num_used} blocks leaked by the engine")
+    out_lens = [len(o.outputs[0].token_ids) for o in outs]
+    prompt_lens = [len(o.prompt_token_ids) for o in outs]
+    return {"mode": "beam search", "k": width, "saving": meter.saving(), "steps": meter.steps,
+            "copies": copies, "peak_physical_blocks": meter.peak_physical,
+            "peak_unshared_blocks": meter.peak_logical,
+            "prompt_tokens_mean": float(np.mean(prompt_lens)), "output_tokens_mean": float(np.mean(out_lens)),
+            "example_output": outs[0].outputs[0].text[:200],
+            "source": f"pagedkv.engine, SmolLM2-135M-Instruct (fp32 CPU), {requests} instructions, "
+                      f"max {max_tokens} new tokens"}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -227,39 +308,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--ks", nargs="+", type=int, default=[2, 4, 6], help="samples n / beam widths")
     ap.add_argument("--beam-source", choices=["auto", "engine", "simulated"], default="auto",
                     help="auto: the engine when it offers beam search, else simulated")
-    ap.add_argument("--beam-requests", type=int, default=None, help="requests for beam search (default --requests)")
+    ap.add_argument("--beam-requests", type=int, default=None,
+                    help="prompts for engine beam search (default 24, 12 with --quick)")
+    ap.add_argument("--beam-max-tokens", type=int, default=64, help="max new tokens per beam search request")
     ap.add_argument("--logit-std", type=float, default=3.0)
     ap.add_argument("--vocab", type=int, default=1000)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="300 parallel-sampling requests, 12 beam prompts")
     ap.add_argument("--results-dir", default=str(common.RESULTS_DIR))
     a = ap.parse_args(argv)
     if a.quick:
-        a.requests = min(a.requests, 400)
-    beam_requests = a.beam_requests or a.requests
+        a.requests = min(a.requests, 300)
+    beam_requests = a.beam_requests or (12 if a.quick else len(INSTRUCTIONS))
     jobs = [("parallel", k) for k in a.ks] + [("beam", k) for k in a.ks]
     results: list[dict[str, Any]] = []
     notes: list[str] = []
+    engine_model = None
+    use_engine = a.beam_source in ("auto", "engine")
+    if use_engine:
+        try:
+            from pagedkv.engine.loader import load_hf_model  # noqa: PLC0415
+
+            engine_model = load_hf_model()
+        except Exception as e:  # noqa: BLE001 - any failure means "engine not usable here"
+            if a.beam_source == "engine":
+                raise
+            use_engine = False
+            notes.append(f"engine beam search unavailable ({type(e).__name__}: {e}); beam rows are simulated")
+            print(notes[-1], file=sys.stderr)
     bar = common.progress(total=len(jobs), desc="sharing")
     for mode, k in jobs:
         t0 = time.perf_counter()
         if mode == "parallel":
             r = parallel_sampling(k, a.requests, bs=a.block_size)
+        elif use_engine:
+            r = beam_search_engine(k, beam_requests, bs=a.block_size, max_tokens=a.beam_max_tokens,
+                                   engine_model=engine_model)
         else:
-            r = None
-            if a.beam_source in ("auto", "engine"):
-                try:
-                    r = beam_search_engine(k, beam_requests, bs=a.block_size)
-                except RuntimeError as e:
-                    if a.beam_source == "engine":
-                        raise
-                    msg = f"engine beam search unavailable ({e}); beam rows are simulated"
-                    if msg not in notes:
-                        notes.append(msg)
-                        print(msg, file=sys.stderr)
-            if r is None:
-                r = beam_search_simulated(k, beam_requests, bs=a.block_size, vocab=a.vocab, logit_std=a.logit_std)
+            r = beam_search_simulated(k, a.requests, bs=a.block_size, vocab=a.vocab, logit_std=a.logit_std)
         r["seconds"] = time.perf_counter() - t0
-        r["paper_saving_pct"] = (PAPER_PARALLEL if mode == "parallel" else PAPER_BEAM)[k] if k in PAPER_PARALLEL else None
+        r["paper_saving_pct"] = (PAPER_PARALLEL if mode == "parallel" else PAPER_BEAM).get(k)
         results.append(r)
         bar.update(1)
     bar.close()

@@ -99,3 +99,34 @@ def test_op_trace_counts_and_lifetimes():
     assert tr.block_ops == 2 * (2 + 3 + 1 + 2)
     admit, finish = op_trace.schedule(tr)
     assert all(finish[r] - admit[r] + 1 == w.output_lens[r] for r in range(4))
+
+
+def test_contiguous_simulation_breakdown_exact():
+    import memory_efficiency as me
+
+    w = common.Workload("t", np.array([4, 4, 4]), np.array([2, 2, 2]), np.zeros(3))
+    # oracle: reservations of 5 slots; two fit in 10, the third waits for both to finish.
+    b = me.simulate_contiguous(w, "oracle", budget=10, max_len=16)
+    assert (b.saturated_steps, b.total_steps) == (2, 4)
+    assert (b.token_states, b.reservation, b.internal_frag, b.external_other) == (0.9, 0.1, 0.0, 0.0)
+    assert b.concurrency == 2.0
+    # max: 6-slot reservations, one at a time in 10 slots (4 slots never usable).
+    b = me.simulate_contiguous(w, "max", budget=10, max_len=6)
+    assert (b.saturated_steps, b.total_steps) == (4, 6)
+    assert (b.token_states, b.reservation, b.internal_frag, b.external_other) == (0.45, 0.05, 0.1, 0.4)
+    assert b.concurrency == 1.0
+
+
+def test_paged_simulation_through_pagedkv_exact():
+    pytest.importorskip("pagedkv._core")
+    import memory_efficiency as me
+
+    w = common.Workload("t", np.array([4, 4, 4, 4]), np.array([2, 2, 2, 2]), np.zeros(4))
+    # 3 usable blocks of 4 tokens: three prompts fill them; the next decode needs 3 new blocks,
+    # so the two newest are preempted (recompute) and resume later with prompt + 1 token.
+    b = me.simulate_paged(w, block_size=4, budget=12)
+    assert (b.saturated_steps, b.total_steps, b.preemptions) == (3, 5, 2)
+    assert b.token_states == 22 / 36
+    assert b.internal_frag == 6 / 36
+    assert b.external_other == 8 / 36
+    assert b.concurrency == 5 / 3
