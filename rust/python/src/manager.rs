@@ -45,14 +45,20 @@ fn pairs_array(py: Python<'_>, pairs: &[(BlockId, BlockId)]) -> Py<PyArray2<i32>
 ///     copies: ``int32[c, 2]`` copy-on-write plan, ``(src, dst)`` rows (c <= 1).
 #[pyclass(frozen, module = "pagedkv._core", name = "SlotAllocation")]
 pub(crate) struct PySlotAllocation {
+    /// Tokens scheduled by this call (the query length).
     #[pyo3(get)]
     num_scheduled_tokens: usize,
+    /// Tokens served from the prefix cache by this call (first allocation only; a multiple of
+    /// block_size).
     #[pyo3(get)]
     num_cached_tokens: usize,
+    /// Tokens with KV present before the scheduled ones.
     #[pyo3(get)]
     num_context_tokens: usize,
+    /// ``int32[k]`` blocks newly taken from the free pool, in block-table order.
     #[pyo3(get)]
     new_block_ids: Py<PyArray1<i32>>,
+    /// ``int32[c, 2]`` copy-on-write plan: ``(src, dst)`` block pairs to copy before writing.
     #[pyo3(get)]
     copies: Py<PyArray2<i32>>,
 }
@@ -99,28 +105,40 @@ impl PySlotAllocation {
 ///     copies: ``int32[c, 2]`` copy-on-write ``(src, dst)`` pairs, to run before the writes.
 #[pyclass(frozen, module = "pagedkv._core", name = "StepOutput")]
 pub(crate) struct PyStepOutput {
+    /// ``S``: sequences scheduled (a prefix of the request).
     #[pyo3(get)]
     num_scheduled: usize,
+    /// The ``PagedKVError`` (not raised) that stopped the step, or None.
     #[pyo3(get)]
     error: Option<PyObject>,
+    /// ``int32[S]`` prefix-hit tokens of each first allocation, else 0.
     #[pyo3(get)]
     num_cached_tokens: Py<PyArray1<i32>>,
+    /// ``int32[S + 1]`` cumulative query lengths (tokens).
     #[pyo3(get)]
     query_start_loc: Py<PyArray1<i32>>,
+    /// ``int32[S]`` context + query tokens per sequence.
     #[pyo3(get)]
     seq_lens: Py<PyArray1<i32>>,
+    /// ``int32[S]`` tokens with KV present before this step.
     #[pyo3(get)]
     context_lens: Py<PyArray1<i32>>,
+    /// ``int64[T]`` KV slot of each scheduled token: ``block_id * block_size + offset``.
     #[pyo3(get)]
     slot_mapping: Py<PyArray1<i64>>,
+    /// ``int32[S + 1]`` CSR offsets into ``block_table_indices``.
     #[pyo3(get)]
     block_table_indptr: Py<PyArray1<i32>>,
+    /// ``int32[nnz]`` the scheduled sequences' full block tables, concatenated.
     #[pyo3(get)]
     block_table_indices: Py<PyArray1<i32>>,
+    /// ``int32[S + 1]`` CSR offsets into ``new_block_ids``.
     #[pyo3(get)]
     new_block_indptr: Py<PyArray1<i32>>,
+    /// ``int32[n]`` blocks newly taken, per sequence (see ``new_block_indptr``).
     #[pyo3(get)]
     new_block_ids: Py<PyArray1<i32>>,
+    /// ``int32[c, 2]`` copy-on-write ``(src, dst)`` pairs, to run before the K/V writes.
     #[pyo3(get)]
     copies: Py<PyArray2<i32>>,
 }

@@ -45,7 +45,7 @@ macro_rules! getters {
 
             fn __repr__(&self) -> String {
                 let mut parts: Vec<String> = Vec::new();
-                $( parts.push(format!("{}={}", stringify!($name), self.inner.$name)); )*
+                $( parts.push(format!("{}={:?}", stringify!($name), self.inner.$name)); )*
                 format!("CacheStats({})", parts.join(", "))
             }
         }
