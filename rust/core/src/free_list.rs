@@ -106,6 +106,44 @@ impl FreeStack {
         }
     }
 
+    /// Pushes `ids` as if pushed one by one in order (so `ids.last()` ends on top), with a
+    /// single successful CAS: the ids are linked to each other privately first (the caller
+    /// owns them), then the chain is spliced onto the head. Lock-free, like [`FreeStack::push`].
+    /// O(len). Ids must be distinct and owned by the caller; if any id is null or out of range,
+    /// the ids are pushed one by one instead (invalid ones ignored).
+    pub fn push_many(&self, ids: &[BlockId]) {
+        let cap = self.capacity();
+        if ids.iter().any(|&id| id == EMPTY || id >= cap) {
+            ids.iter().for_each(|&id| self.push(id));
+            return;
+        }
+        let (Some(&bottom), Some(&top)) = (ids.first(), ids.last()) else {
+            return;
+        };
+        for pair in ids.windows(2) {
+            self.next[pair[1] as usize].store(pair[0], Ordering::Relaxed);
+        }
+        let bottom_link = &self.next[bottom as usize];
+        let mut head = self.head.load(Ordering::Relaxed);
+        loop {
+            let (generation, old_top) = unpack(head);
+            bottom_link.store(old_top, Ordering::Relaxed);
+            // Release publishes every link written above to the thread that pops them.
+            match self.head.compare_exchange_weak(
+                head,
+                pack(generation.wrapping_add(1), top),
+                Ordering::Release,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => return,
+                Err(current) => {
+                    head = current;
+                    crate::sync::spin_hint();
+                }
+            }
+        }
+    }
+
     /// Pops the top id, or `None` if the stack is empty. Lock-free (see [`FreeStack::push`]).
     pub fn pop(&self) -> Option<BlockId> {
         let mut head = self.load_head();
@@ -193,6 +231,20 @@ mod tests {
         assert_eq!(s.pop(), Some(1));
         assert_eq!(s.pop(), None);
         assert!(s.is_empty());
+    }
+
+    #[test]
+    fn push_many_equals_pushes_in_order() {
+        let s = FreeStack::new(8);
+        s.push(7);
+        s.push_many(&[1, 2, 3]);
+        assert_eq!(s.snapshot(), vec![3, 2, 1, 7]);
+        assert_eq!(unpack(s.load_head()).0, 2, "one CAS for the whole batch");
+        s.push_many(&[]);
+        s.push_many(&[0, 5, 9]); // invalid ids: one by one, invalid ignored
+        assert_eq!(s.snapshot(), vec![5, 3, 2, 1, 7]);
+        assert_eq!(s.pop(), Some(5));
+        assert_eq!(s.pop(), Some(3));
     }
 
     #[test]

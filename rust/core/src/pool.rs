@@ -44,6 +44,19 @@ use crate::{BlockId, NULL_BLOCK};
 /// block) under 16 GiB, so an absurd configuration is an error rather than an abort.
 pub const MAX_BLOCKS: u32 = 1 << 28;
 
+/// Uncached blocks released by one `free` call are pushed to the stack in chunks of this many.
+const FREE_CHAIN: usize = 32;
+
+/// What releasing one reference did to the block.
+enum Released {
+    /// The count is still above 0.
+    StillReferenced,
+    /// Reached 0 with a hash: appended to the cached LRU (under the lock).
+    ToLru,
+    /// Reached 0 without a hash: the caller queues it on the uncached stack.
+    ToUncached,
+}
+
 /// Cumulative pool counters, all in blocks. Read with [`BlockPool::counters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PoolCounters {
@@ -451,14 +464,43 @@ impl BlockPool {
     pub fn free(&self, ids: &[BlockId]) -> Result<()> {
         self.validate_free(ids)?;
         let mut guard: Option<MutexGuard<'_, Locked>> = None;
+        // Uncached blocks reaching 0 are pushed in chunks with one CAS each (push_many keeps
+        // the order of one-by-one pushes); the free counter is raised once at the end, after
+        // every released block is physically queued, so reservations stay backed.
+        let mut chain = [NULL_BLOCK; FREE_CHAIN];
+        let mut chain_len = 0;
+        let mut released = 0;
+        let mut result = Ok(());
         for &id in ids {
-            self.release_one(id, &mut guard)?;
+            match self.release_one(id, &mut guard) {
+                Ok(Released::StillReferenced) => {}
+                Ok(Released::ToLru) => released += 1,
+                Ok(Released::ToUncached) => {
+                    released += 1;
+                    chain[chain_len] = id;
+                    chain_len += 1;
+                    if chain_len == FREE_CHAIN {
+                        self.uncached.push_many(&chain);
+                        chain_len = 0;
+                    }
+                }
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
         }
+        self.uncached.push_many(&chain[..chain_len]);
         if let Some(locked) = guard {
             self.cached_free.store(locked.lru_len, Ordering::Release);
         }
-        self.frees.fetch_add(ids.len() as u64, Ordering::Relaxed);
-        Ok(())
+        if released > 0 {
+            self.free.fetch_add(released, Ordering::AcqRel);
+        }
+        if result.is_ok() {
+            self.frees.fetch_add(ids.len() as u64, Ordering::Relaxed);
+        }
+        result
     }
 
     /// Checks ids and that each block's ref count covers its multiplicity in `ids`.
@@ -470,9 +512,13 @@ impl BlockPool {
             self.refs[id as usize].load(Ordering::Acquire) < times as u32
         };
         if ids.len() <= 16 {
-            // Small batches: count each id's occurrences so far without allocating.
+            // Small batches, without allocating: a repeated id (rare) is counted in full.
             for (k, &id) in ids.iter().enumerate() {
-                let times = ids[..=k].iter().filter(|&&x| x == id).count();
+                let times = if ids[..k].contains(&id) {
+                    ids[..=k].iter().filter(|&&x| x == id).count()
+                } else {
+                    1
+                };
                 if underflow(id, times) {
                     return Err(Error::RefCountUnderflow { block_id: id });
                 }
@@ -498,7 +544,7 @@ impl BlockPool {
         &'a self,
         id: BlockId,
         guard: &mut Option<MutexGuard<'a, Locked>>,
-    ) -> Result<()> {
+    ) -> Result<Released> {
         let i = id as usize;
         let rc = &self.refs[i];
         let mut cur = rc.load(Ordering::Acquire);
@@ -519,15 +565,15 @@ impl BlockPool {
             }
         }
         if cur != 1 {
-            return Ok(());
+            return Ok(Released::StillReferenced);
         }
         match guard.as_mut() {
-            Some(locked) if locked.hashes[i].is_some() => locked.lru_push_back(id),
-            _ => self.uncached.push(id),
+            Some(locked) if locked.hashes[i].is_some() => {
+                locked.lru_push_back(id);
+                Ok(Released::ToLru)
+            }
+            _ => Ok(Released::ToUncached),
         }
-        // Raise capacity only after the block is physically queued (reservations stay backed).
-        self.free.fetch_add(1, Ordering::AcqRel);
-        Ok(())
     }
 
     /// The hash `id` carries, if any (`None` for the null block and ids out of range).

@@ -87,6 +87,31 @@ fn treiber_aba_pop_pop_push_against_stale_head() {
     });
 }
 
+/// A batch push (one CAS for a pre-linked chain) racing a pop: the popper gets either the old
+/// top or the new top, and the stack keeps every other block exactly once, in push order.
+#[test]
+fn treiber_push_many_races_pop() {
+    loom::model(|| {
+        let s = Arc::new(FreeStack::new(4));
+        s.push(1);
+        let s1 = s.clone();
+        let pusher = thread::spawn(move || s1.push_many(&[2, 3]));
+        let s2 = s.clone();
+        let popper = thread::spawn(move || s2.pop());
+        pusher.join().unwrap();
+        let got = popper
+            .join()
+            .unwrap()
+            .expect("block 1 was there from the start");
+        let rest = s.snapshot();
+        match got {
+            1 => assert_eq!(rest, vec![3, 2]),
+            3 => assert_eq!(rest, vec![2, 1]),
+            other => panic!("popped {other}: 2 is never on top"),
+        }
+    });
+}
+
 /// Two threads allocate one block and free it again on a 2-usable-block pool: both always
 /// succeed, get different blocks, and the pool ends whole.
 #[test]
