@@ -61,7 +61,7 @@ pub enum PopAttempt {
 }
 
 impl FreeStack {
-    /// An empty stack able to hold ids `1..capacity`. O(capacity).
+    /// An empty stack able to hold ids `1..capacity`. O(capacity); a constructor.
     pub fn new(capacity: u32) -> Self {
         let next = (0..capacity).map(|_| AtomicU32::new(EMPTY)).collect();
         Self {
@@ -71,6 +71,7 @@ impl FreeStack {
     }
 
     /// Number of id slots (`capacity` passed to [`FreeStack::new`]); valid ids are `1..capacity`.
+    /// Wait-free (no shared state read).
     pub fn capacity(&self) -> u32 {
         self.next.len() as u32
     }
@@ -192,7 +193,7 @@ impl FreeStack {
 
     /// The ids from top to bottom. Only meaningful while no other thread pushes or pops (tests,
     /// invariant checks); bounded by `capacity` steps so a concurrent change cannot loop it.
-    /// O(len).
+    /// Wait-free (bounded loads, no retries). O(len).
     pub fn snapshot(&self) -> Vec<BlockId> {
         let mut out = Vec::new();
         let (_, mut cur) = unpack(self.load_head());

@@ -176,7 +176,8 @@ impl BlockPool {
     /// `events` as [`KvEvent::BlockRemoved`], resets as [`KvEvent::AllBlocksCleared`].
     ///
     /// Errors: [`Error::InvalidConfig`] unless `2 <= num_blocks <= MAX_BLOCKS` (block 0 is the
-    /// null block, so at least one usable block is needed). O(num_blocks).
+    /// null block, so at least one usable block is needed). O(num_blocks); a constructor, so no
+    /// concurrency claim applies.
     pub fn new(num_blocks: u32, events: StdArc<EventSink>) -> Result<Self> {
         if !(2..=MAX_BLOCKS).contains(&num_blocks) {
             return Err(Error::InvalidConfig {
