@@ -30,15 +30,28 @@ pub enum Error {
     SequenceExists { seq_id: SeqId },
     /// A configuration value is out of range; `field` names it, `reason` explains.
     #[error("invalid configuration: {field} = {value}: {reason}")]
-    InvalidConfig { field: &'static str, value: String, reason: String },
+    InvalidConfig {
+        field: &'static str,
+        value: String,
+        reason: String,
+    },
     /// A call argument is out of range for the current state (for example more new tokens
     /// than the sequence has known tokens). `arg` names the argument.
     #[error("invalid argument {arg} = {value}: {reason}")]
-    InvalidArgument { arg: &'static str, value: String, reason: String },
+    InvalidArgument {
+        arg: &'static str,
+        value: String,
+        reason: String,
+    },
     /// The operation needs a sequence in another state (for example swapping in a sequence that
     /// is not swapped out).
     #[error("sequence {seq_id} is {state}; {operation} needs it {expected}")]
-    InvalidSequenceState { seq_id: SeqId, state: &'static str, operation: &'static str, expected: &'static str },
+    InvalidSequenceState {
+        seq_id: SeqId,
+        state: &'static str,
+        operation: &'static str,
+        expected: &'static str,
+    },
     /// Resetting the prefix cache while blocks are still referenced.
     #[error("cannot reset the prefix cache: {blocks_in_use} block(s) still in use")]
     CacheInUse { blocks_in_use: usize },

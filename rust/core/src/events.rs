@@ -34,7 +34,10 @@ pub struct EventSink {
 impl EventSink {
     /// A sink that records events when `enabled`, and drops them otherwise.
     pub fn new(enabled: bool) -> Self {
-        Self { enabled, buf: Mutex::new(Vec::new()) }
+        Self {
+            enabled,
+            buf: Mutex::new(Vec::new()),
+        }
     }
 
     /// Whether events are recorded.
