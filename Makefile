@@ -81,6 +81,6 @@ MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv
 mypy: deps ## Type-check the public Python API modules and the _core stub
 	$(PYTHON) -m mypy $(MYPY_PATHS)
 
-bench: setup ## CPU benchmarks (tables on stdout, JSON under benchmarks/results/)
-	$(PYTHON) benchmarks/step_overhead.py
-	@if [ -f benchmarks/run_all.py ]; then $(PYTHON) benchmarks/run_all.py; fi
+# run_all.py runs every CPU benchmark (step_overhead.py included) and writes SUMMARY.md.
+bench: setup ## CPU benchmarks (tables on stdout, JSON + SUMMARY.md under benchmarks/results/)
+	$(PYTHON) benchmarks/run_all.py

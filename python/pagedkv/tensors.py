@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, Union
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv._core import StepOutput
 from pagedkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -82,7 +83,7 @@ def _int_vector(arg: str, value: npt.ArrayLike) -> npt.NDArray[np.int64]:
         raise _bad(arg, value, f"expected a 1-D array, got shape {arr.shape}")
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
+    if arr.dtype.kind not in "iu":  # rejects bool ("b"), floats, objects
         raise _bad(arg, value, f"expected integers, got dtype {arr.dtype}")
     return arr.astype(np.int64, copy=True)
 
@@ -97,8 +98,11 @@ def _check_pad(arg: str, pad_to: int | None, needed: int) -> int:
     return int(pad_to)
 
 
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
 def _check_int32(arg: str, arr: npt.NDArray[np.int64]) -> None:
-    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+    if arr.size and (arr.min() < _INT32_MIN or arr.max() > _INT32_MAX):
         raise _bad(arg, arr, "values do not fit in int32")
 
 
@@ -178,12 +182,16 @@ def dense_block_table(
     lens = np.diff(ip)
     longest = int(lens.max()) if num_seqs else 0
     width = _check_pad("pad_to", pad_to, max(longest, 1) if pad_to is None else longest)
-    out = np.zeros((num_seqs, width), dtype=np.int32)
-    if ix.size:
-        rows = np.repeat(np.arange(num_seqs), lens)
-        cols = np.arange(ix.size) - np.repeat(ip[:-1], lens)
-        out[rows, cols] = ix
-    return _place(out, device)
+    return _place(_dense(lens, ix, width), device)
+
+
+def _dense(lens: npt.NDArray[Any], indices: npt.NDArray[Any], width: int) -> npt.NDArray[np.int32]:
+    """Scatter CSR rows into a zero-padded ``[len(lens), width]`` table. A boolean mask with the
+    first ``lens[i]`` entries of row ``i`` set is filled in row-major order, which is CSR order."""
+    out = np.zeros((lens.size, width), dtype=np.int32)
+    if indices.size:
+        out[np.arange(width) < lens[:, None]] = indices
+    return out
 
 
 def csr_block_table(
@@ -358,6 +366,8 @@ class BatchTensors:
             InvalidArgumentError: inconsistent arrays (lengths that disagree, a block table too
                 short for its sequence length).
         """
+        if isinstance(step, StepOutput):
+            return cls._from_core_step(step, block_size, device, pad_blocks_to, pad_tokens_to)
         num = int(step.num_scheduled)
         lens = _int_vector("step.seq_lens", step.seq_lens)
         ctx = _int_vector("step.context_lens", step.context_lens)
@@ -393,4 +403,39 @@ class BatchTensors:
             query_start_loc=query_start_loc(qlens, device=device),
             max_query_len=int(qlens.max()) if num else 0,
             max_seq_len=int(lens.max()) if num else 0,
+        )
+
+    @classmethod
+    def _from_core_step(
+        cls,
+        step: _StepLike,
+        block_size: int,
+        device: Device,
+        pad_blocks_to: int | None,
+        pad_tokens_to: int | None,
+    ) -> BatchTensors:
+        # A StepOutput made by the core is consistent by construction (dtypes, lengths, CSR,
+        # tables covering their sequences), so only the padding arguments are checked here.
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+            raise _bad("block_size", block_size, "must be an int >= 1")
+        num = int(step.num_scheduled)
+        lens = np.diff(step.block_table_indptr)
+        longest = int(lens.max()) if num else 0
+        width = _check_pad("pad_blocks_to", pad_blocks_to, max(longest, 1) if pad_blocks_to is None else longest)
+        qsl = step.query_start_loc
+        slots = step.slot_mapping
+        if pad_tokens_to is None:
+            slots = slots.copy()
+        else:
+            slots = np.full(_check_pad("pad_tokens_to", pad_tokens_to, slots.size), -1, dtype=np.int64)
+            slots[: step.slot_mapping.size] = step.slot_mapping
+        max_q = int((qsl[1:] - qsl[:-1]).max()) if num else 0
+        return cls(
+            block_table=_place(_dense(lens, step.block_table_indices, width), device),
+            slot_mapping=_place(slots, device),
+            seq_lens=_place(step.seq_lens.copy(), device),
+            context_lens=_place(step.context_lens.copy(), device),
+            query_start_loc=_place(qsl.copy(), device),
+            max_query_len=max_q,
+            max_seq_len=int(step.seq_lens.max()) if num else 0,
         )

@@ -6,7 +6,7 @@
 use crate::errors::{bad_arg, to_pyerr};
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyString};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 fn err(
     py: Python<'_>,
@@ -122,6 +122,21 @@ pub(crate) fn uint_vec(obj: &Bound<'_, PyAny>, arg: &'static str, max: u64) -> P
             "unsupported integer dtype",
         ));
     }
+    // Fast path for the common list / tuple of Python ints (no iterator protocol, no type probes).
+    if let Ok(list) = obj.downcast::<PyList>() {
+        out.reserve(list.len());
+        for (i, item) in list.iter().enumerate() {
+            out.push(seq_item(&item, arg, max, i)?);
+        }
+        return Ok(out);
+    }
+    if let Ok(tuple) = obj.downcast::<PyTuple>() {
+        out.reserve(tuple.len());
+        for (i, item) in tuple.iter().enumerate() {
+            out.push(seq_item(&item, arg, max, i)?);
+        }
+        return Ok(out);
+    }
     if obj.is_instance_of::<PyString>()
         || obj.is_instance_of::<PyBytes>()
         || obj.is_instance_of::<PyByteArray>()
@@ -152,18 +167,26 @@ pub(crate) fn uint_vec(obj: &Bound<'_, PyAny>, arg: &'static str, max: u64) -> P
         out.reserve(n);
     }
     for (i, item) in iter.enumerate() {
-        let item = item?;
-        let v = uint_arg(&item, arg, max).map_err(|_| {
-            let what = if item.is_instance_of::<PyInt>() && !item.is_instance_of::<PyBool>() {
-                format!("values must be in 0..={max}")
-            } else {
-                format!("expected ints, got {}", type_name(&item))
-            };
-            err(py, arg, format!("{} at index {i}", short_repr(&item)), what)
-        })?;
-        out.push(v);
+        out.push(seq_item(&item?, arg, max, i)?);
     }
     Ok(out)
+}
+
+/// Item `i` of a sequence argument, with an error naming its index.
+fn seq_item(item: &Bound<'_, PyAny>, arg: &'static str, max: u64, i: usize) -> PyResult<u64> {
+    uint_arg(item, arg, max).map_err(|_| {
+        let what = if item.is_instance_of::<PyInt>() && !item.is_instance_of::<PyBool>() {
+            format!("values must be in 0..={max}")
+        } else {
+            format!("expected ints, got {}", type_name(item))
+        };
+        err(
+            item.py(),
+            arg,
+            format!("{} at index {i}", short_repr(item)),
+            what,
+        )
+    })
 }
 
 /// Token ids (`0..=u32::MAX`) from an array or a sequence.
