@@ -4,6 +4,7 @@ Profiles (chosen by the HYPOTHESIS_PROFILE environment variable, default "ci"):
 - "ci": at least 200 examples per property, state machines of up to 50 steps, derandomized so a
   CI run is reproducible, no per-example deadline (CI machines are shared and slow).
 - "long": for one-off soak runs (thousands of examples, random seeds).
+HYPOTHESIS_MAX_EXAMPLES=N caps max_examples of the chosen profile (soak runs of a set length).
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+# Optional cap for one-off soak runs of a chosen length (e.g. the "long" profile for ~10 min).
+if os.environ.get("HYPOTHESIS_MAX_EXAMPLES"):
+    settings.register_profile(
+        "capped",
+        settings(settings.default, max_examples=int(os.environ["HYPOTHESIS_MAX_EXAMPLES"])),
+    )
+    settings.load_profile("capped")
 
 
 def _cuda_available() -> bool:
