@@ -26,7 +26,7 @@ import platform
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import pagedkv
 
@@ -72,7 +72,7 @@ def manager_step(m: pagedkv.KVCacheManager, me: int, n: int) -> int:
     return ops
 
 
-def run(workload: Callable[[object, int, int], int], target: object, threads: int, ops_per_thread: int) -> float:
+def run(workload: Callable[[Any, int, int], int], target: Any, threads: int, ops_per_thread: int) -> float:
     barrier = threading.Barrier(threads + 1)
     done = [0] * threads
 
@@ -97,18 +97,18 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs per cell; the best is reported (default 3)")
     args = ap.parse_args()
 
-    workloads: list[tuple[str, Callable[[], object], Callable[[object, int, int], int]]] = [
-        ("pool alloc/free", lambda: pagedkv.BlockPool(4096), pool_alloc_free),  # type: ignore[list-item]
-        ("pool fork+hit", lambda: pagedkv.BlockPool(4096), pool_fork_hit),  # type: ignore[list-item]
+    workloads: list[tuple[str, Callable[[], Any], Callable[[Any, int, int], int]]] = [
+        ("pool alloc/free", lambda: pagedkv.BlockPool(4096), pool_alloc_free),
+        ("pool fork+hit", lambda: pagedkv.BlockPool(4096), pool_fork_hit),
         (
             "manager step",
             lambda: pagedkv.KVCacheManager(pagedkv.CacheConfig(4096, 16)),
-            manager_step,  # type: ignore[list-item]
+            manager_step,
         ),
     ]
     rows = []
     for name, make, fn in workloads:
-        row: dict[str, object] = {"workload": name}
+        row: dict[str, Any] = {"workload": name}
         for threads in (1, 2):
             best = 0.0
             for _ in range(args.repeats):
@@ -116,7 +116,7 @@ def main() -> None:
                 # Same total work for 1 and 2 threads: split the operations.
                 best = max(best, run(fn, target, threads, args.ops // threads))
             row[f"ops_per_s_{threads}t"] = round(best)
-        row["speedup_2t"] = round(float(row["ops_per_s_2t"]) / float(row["ops_per_s_1t"]), 2)  # type: ignore[arg-type]
+        row["speedup_2t"] = round(float(row["ops_per_s_2t"]) / float(row["ops_per_s_1t"]), 2)
         rows.append(row)
 
     print(f"{'workload':<18} {'1 thread ops/s':>16} {'2 threads ops/s':>16} {'speedup':>8}")

@@ -36,7 +36,7 @@ CONFIG_ROWS: list[Row] = [
     ("block_size=-1", lambda: pagedkv.CacheConfig(10, -1), E.InvalidConfigError, ("block_size", "-1")),
     ("block_size=4097", lambda: pagedkv.CacheConfig(10, 4097), E.InvalidConfigError, ("block_size", "4097")),
     ("block_size=2**40", lambda: pagedkv.CacheConfig(10, 2**40), E.InvalidConfigError, ("block_size", str(2**40))),
-    ("block_size=4.0", lambda: pagedkv.CacheConfig(10, 4.0), E.InvalidConfigError, ("block_size", "4.0")),
+    ("block_size=4.0", lambda: pagedkv.CacheConfig(10, 4.0), E.InvalidConfigError, ("block_size", "4.0")),  # type: ignore[arg-type]
     ("block_size=True", lambda: pagedkv.CacheConfig(10, True), E.InvalidConfigError, ("block_size", "True")),
     ("num_blocks=0", lambda: pagedkv.CacheConfig(0, 4), E.InvalidConfigError, ("num_blocks", "0")),
     ("num_blocks=1", lambda: pagedkv.CacheConfig(1, 4), E.InvalidConfigError, ("num_blocks", "1")),
@@ -104,7 +104,7 @@ def make_manager() -> pagedkv.KVCacheManager:
 
 def manager_snapshot(m: pagedkv.KVCacheManager) -> tuple[Any, ...]:
     p = m.pool
-    seqs = []
+    seqs: list[tuple[Any, ...]] = []
     for i in range(0, 8):
         try:
             seqs.append((i, m.block_table(i).tolist(), m.token_ids(i).tolist(), m.num_computed_tokens(i), m.status(i)))

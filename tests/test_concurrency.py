@@ -127,7 +127,9 @@ def test_pool_threads_no_block_lost_or_owned_twice() -> None:
                 if b not in hashed:
                     h = me.to_bytes(1, "little") + k.to_bytes(4, "little") + bytes(27)
                     pool.cache_block(b, h)
-                    hashed[b] = pool.block_hash(b)  # the first hash a block gets stays
+                    carried = pool.block_hash(b)  # the first hash a block gets stays
+                    assert carried is not None
+                    hashed[b] = carried
                 found = pool.lookup(hashed[b])
                 assert found == b, f"lookup of a held cached block returned {found}, not {b}"
                 ledger.add([b])

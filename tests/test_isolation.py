@@ -150,6 +150,7 @@ def test_extra_keys_never_collide(k1: tuple[Any, ...], k2: tuple[Any, ...]) -> N
         mm.add_sequence(1, prompt[:4] + [0], **spec_of(key))
         mm.allocate_slots(1, 8)
         (ev,) = mm.take_events()
+        assert isinstance(ev, pagedkv.BlockStored)
         return bytes(ev.block_hashes[0])
 
     assert (first_hash(k1) == first_hash(k2)) == (block_key(k1, 0) == block_key(k2, 0))

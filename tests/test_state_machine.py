@@ -181,7 +181,8 @@ class Oracle:
         return in_use or list(cands)
 
     def find_hits(self, s: MSeq) -> tuple[list[Key], list[list[int]]]:
-        keys, cands = [], []
+        keys: list[Key] = []
+        cands: list[list[int]] = []
         if not self.caching:
             return keys, cands
         for k in range((len(s.tokens) - 1) // self.bs):
@@ -372,7 +373,7 @@ def snapshot(m: pagedkv.KVCacheManager, ids: list[int]) -> tuple[Any, ...]:
     """Everything observable through the public API (for 'a failed call changed nothing')."""
     p = m.pool
     n = p.num_blocks
-    seqs = []
+    seqs: list[tuple[Any, ...]] = []
     for i in ids:
         try:
             seqs.append(
@@ -524,7 +525,7 @@ class ManagerMachine(RuleBasedStateMachine):
         seq = self.next_id
         arg: Any = np.asarray(prompt, dtype=np.int64) if as_array else prompt
         if not prompt:
-            self.expect_failure(Expected(E.InvalidArgumentError), lambda: self.m.add_sequence(seq, arg, cache_salt=salt))  # type: ignore[union-attr]
+            self.expect_failure(Expected(E.InvalidArgumentError), lambda: self.m.add_sequence(seq, arg, cache_salt=salt))
             return
         self.m.add_sequence(seq, arg, cache_salt=salt)
         self.o.seqs[seq] = MSeq(tokens=list(prompt), salt=salt)
@@ -533,11 +534,10 @@ class ManagerMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.o is not None and bool(self.o.seqs))
     @rule(i=st.integers(0, 100))
     def add_duplicate(self, i: int) -> None:
+        m = self.m
+        assert m is not None
         seq = self.ids()[i % len(self.ids())]
-        self.expect_failure(
-            Expected(E.SequenceExistsError, seq_id=seq),
-            lambda: self.m.add_sequence(seq, [1, 2, 3]),  # type: ignore[union-attr]
-        )
+        self.expect_failure(Expected(E.SequenceExistsError, seq_id=seq), lambda: m.add_sequence(seq, [1, 2, 3]))
 
     @rule(i=st.integers(0, 100), max_new=MAX_NEW)
     def allocate_slots(self, i: int, max_new: int) -> None:
@@ -564,7 +564,7 @@ class ManagerMachine(RuleBasedStateMachine):
         try:
             s = self.o.get(seq)
         except Expected as exc:
-            self.expect_failure(exc, lambda: self.m.append_tokens(seq, tokens))  # type: ignore[union-attr]
+            self.expect_failure(exc, lambda: self.m.append_tokens(seq, tokens))
             return
         self.m.append_tokens(seq, tokens)
         s.tokens.extend(tokens)
@@ -650,7 +650,7 @@ class ManagerMachine(RuleBasedStateMachine):
             if child in self.o.seqs:
                 raise Expected(E.SequenceExistsError, seq_id=child)
         except Expected as exc:
-            self.expect_failure(exc, lambda: self.m.fork(parent, child))  # type: ignore[union-attr]
+            self.expect_failure(exc, lambda: self.m.fork(parent, child))
             return
         free = self.m.pool.num_free
         self.m.fork(parent, child)
@@ -703,7 +703,7 @@ class ManagerMachine(RuleBasedStateMachine):
         try:
             self.o.check_group(seqs, {"running", "preempted"})
         except Expected as exc:
-            self.expect_failure(exc, lambda: self.m.preempt(seqs))  # type: ignore[union-attr]
+            self.expect_failure(exc, lambda: self.m.preempt(seqs))
             return
         self.m.preempt(seqs)
         self.o.preempt(seqs)
@@ -717,7 +717,7 @@ class ManagerMachine(RuleBasedStateMachine):
             want = self.o.swap_out(seqs)
         except Expected as exc:
             self._restore(saved)
-            self.expect_failure(exc, lambda: self.m.swap_out(seqs))  # type: ignore[union-attr]
+            self.expect_failure(exc, lambda: self.m.swap_out(seqs))
             return
         got = self.m.swap_out(seqs)
         assert got.dtype == np.int32 and got.shape == (len(want), 2)
@@ -732,7 +732,7 @@ class ManagerMachine(RuleBasedStateMachine):
             want = self.o.swap_in(seqs)
         except Expected as exc:
             self._restore(saved)
-            self.expect_failure(exc, lambda: self.m.swap_in(seqs))  # type: ignore[union-attr]
+            self.expect_failure(exc, lambda: self.m.swap_in(seqs))
             return
         got = self.m.swap_in(seqs)
         assert [tuple(r) for r in got.tolist()] == want
@@ -756,7 +756,7 @@ class ManagerMachine(RuleBasedStateMachine):
         try:
             s = self.o.get(seq)
         except Expected as exc:
-            self.expect_failure(exc, lambda: self.m.lookup_prefix(seq))  # type: ignore[union-attr]
+            self.expect_failure(exc, lambda: self.m.lookup_prefix(seq))
             return
         before = snapshot(self.m, self.ids())
         keys, _ = self.o.find_hits(s)
