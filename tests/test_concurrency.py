@@ -180,6 +180,31 @@ def test_pool_threads_contend_for_the_last_blocks() -> None:
     assert_pool_whole(pool)
 
 
+def test_pool_threads_bulk_free_while_others_allocate() -> None:
+    """Large tail-first frees (the batched uncached push path) racing with allocations of every
+    size, until the pool is nearly exhausted: no block twice, none lost."""
+    pool = pagedkv.BlockPool(257)
+    ledger = Ledger(257)
+
+    def body(me: int) -> None:
+        rng = random.Random(500 + me)
+        for _ in range(OPS_PER_THREAD // 10):
+            try:
+                ids = pool.allocate(rng.randint(20, 70)).tolist()
+            except E.OutOfBlocksError:
+                continue
+            ledger.got_fresh(me, ids)
+            if rng.random() < 0.5:
+                pool.incref(ids[: len(ids) // 2])  # fork half: those need two frees
+                ids = ids + ids[: len(ids) // 2]
+            ledger.drop(list(dict.fromkeys(ids)))
+            pool.free(ids[::-1])
+
+    run_threads(THREADS, body)
+    assert ledger.violations == []
+    assert_pool_whole(pool)
+
+
 def test_manager_threads_share_prefixes_and_stay_consistent() -> None:
     """Threads drive their own sequences on one manager: shared prompt prefixes (so hits cross
     threads), allocation, forks with copy-on-write, batched steps, frees; then everything is
