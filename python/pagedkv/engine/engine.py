@@ -2,8 +2,10 @@
 
 One :meth:`LLMEngine.step`, end to end::
 
-    batch  = scheduler.schedule()        # FCFS, token budget, preemption; ONE manager.step call
-                                         #   -> slot mapping, block tables, COW/swap plans
+    batch  = scheduler.schedule()        # FCFS, token budget, preemption; one batched
+                                         #   manager.step call for the running requests (one more
+                                         #   for newly admitted ones) -> slot mapping, block
+                                         #   tables, COW/swap plans
     logits = runner.execute(batch)       # swap/copy blocks, flat varlen forward over the paged
                                          #   cache (reshape_and_cache + paged_attention per layer)
     tokens = sample_tokens(logits, ...)  # greedy / temperature / top-k / top-p, or a beam step

@@ -227,9 +227,9 @@ class LlamaForCausalLM:
         for li, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer["in_norm"])
             qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
-            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            q = self._rope(q.view(t, hq, d), cos, sin)
-            k = self._rope(k.view(t, hkv, d), cos, sin)
+            qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
+            qk = self._rope(qk.reshape(t, hq + hkv, d), cos, sin)  # q and k heads in one go
+            q, k = qk.split([hq, hkv], dim=1)
             key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
             kernels.reshape_and_cache(k, v.reshape(t, hkv, d), key_cache, value_cache, meta.slot_mapping)
             o = kernels.paged_attention(

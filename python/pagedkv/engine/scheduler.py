@@ -217,9 +217,12 @@ class Scheduler:
         for req in list(self.waiting):
             if budget == 0 or num_seqs + len(req.seqs) > self.config.max_num_seqs:
                 break
+            # Estimates below may over-count blocks shared inside a group; when nothing else
+            # runs, the oldest request is admitted anyway (check_fits guarantees it fits alone).
+            idle = not self.running and not batch.seqs
             if req.status is RequestStatus.SWAPPED:
                 need = sum(s.num_blocks for s in req.seqs)
-                if need + headroom > free:
+                if need + headroom > free and not idle:
                     break
                 try:
                     plan = self.manager.swap_in([s.seq_id for s in req.seqs])
@@ -232,7 +235,7 @@ class Scheduler:
                 need = sum(self.manager.num_blocks_needed(
                     s.seq_id, max(1, s.num_uncomputed if guard else min(s.num_uncomputed, budget)))
                     for s in req.seqs)
-                if need + headroom > free:
+                if need + headroom > free and not idle:
                     break
                 free -= need
                 req.owed_prefill = guard
@@ -339,7 +342,6 @@ class Scheduler:
             if s.pending:
                 self.manager.append_tokens(s.seq_id, s.pending)
                 s.num_in_manager = len(s.token_ids)
-            s.logprobs = None
         swapped = False
         if self.config.preemption == "swap":
             try:
@@ -353,6 +355,7 @@ class Scheduler:
             for s in req.seqs:
                 s.num_computed = 0
                 s.num_blocks = 0
+                s.logprobs = None  # recomputed on resume (swapped beams keep theirs)
         self.running.remove(req)
         req.status = RequestStatus.SWAPPED if swapped else RequestStatus.WAITING
         req.owed_prefill = False
