@@ -4,6 +4,7 @@
 #   fuzz/smoke.sh                      # every target, 60 s each (CI)
 #   FUZZ_SECONDS=600 fuzz/smoke.sh     # longer soak
 #   FUZZ_TARGETS="pool_ops" fuzz/smoke.sh
+#   FUZZ_ARGS="-jobs=2 -workers=2" fuzz/smoke.sh   # extra libFuzzer flags
 #
 # Builds use cargo-fuzz's default profile: optimised, with debug assertions, overflow checks
 # and AddressSanitizer. Each target starts from its committed seeds (fuzz/seeds/<target>/) and
@@ -41,13 +42,13 @@ for target in $TARGETS; do
     echo "fuzz-smoke: running $target for ${SECONDS_PER_TARGET}s"
     log="$(mktemp)"
     if "${FUZZ[@]}" run "$target" "corpus/$target" "seeds/$target" -- \
-        -max_total_time="$SECONDS_PER_TARGET" -print_final_stats=1 >"$log" 2>&1; then
+        -max_total_time="$SECONDS_PER_TARGET" -print_final_stats=1 ${FUZZ_ARGS:-} >"$log" 2>&1; then
         grep -E '^(Done|stat::number_of_executed_units)' "$log" || true
         echo "fuzz-smoke: $target OK"
     else
         status=1
         tail -n 60 "$log"
-        crash="$(ls -t "artifacts/$target"/crash-* "artifacts/$target"/leak-* "artifacts/$target"/timeout-* 2>/dev/null | head -n 1 || true)"
+        crash="$(ls -t "artifacts/$target"/crash-* "artifacts/$target"/leak-* "artifacts/$target"/timeout-* "artifacts/$target"/oom-* 2>/dev/null | head -n 1 || true)"
         if [ -n "$crash" ]; then
             echo "fuzz-smoke: $target FAILED; input $crash decodes to:"
             "${FUZZ[@]}" fmt "$target" "$crash" 2>&1 | tail -n 80 || true
