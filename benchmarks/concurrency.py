@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -91,6 +92,14 @@ def run(workload: Callable[[Any, int, int], int], target: Any, threads: int, ops
     return sum(done) / elapsed
 
 
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS.parent, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ops", type=int, default=200_000, help="operations per thread (default 200000)")
@@ -109,6 +118,7 @@ def main() -> None:
     rows = []
     for name, make, fn in workloads:
         row: dict[str, Any] = {"workload": name}
+        run(fn, make(), 1, max(args.ops // 10, 100))  # warm-up (page faults, caches, lazy init)
         for threads in (1, 2):
             best = 0.0
             for _ in range(args.repeats):
@@ -131,6 +141,8 @@ def main() -> None:
                 "repeats": args.repeats,
                 "cpu_count": os.cpu_count(),
                 "load_avg_1m": os.getloadavg()[0],
+                "machine": platform.machine(),
+                "commit": git_commit(),
                 "python": platform.python_version(),
                 "pagedkv": pagedkv.__version__,
                 "results": rows,
