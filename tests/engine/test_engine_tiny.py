@@ -459,3 +459,20 @@ def test_engine_loads_a_model_folder(tiny):
     out = engine.generate([_prompts()[0]], SamplingParams(max_tokens=8))[0]
     assert list(out.token_ids) == _cut_eos(hf_greedy(tiny, _prompts()[0], 8))
     assert_no_leak(engine)
+
+
+def test_preempted_sample_group_resumes_when_its_estimate_exceeds_the_pool(tiny):
+    # B = 3 greedy samples of a 30-token prompt: alone it needs 7 shared + 3 x 3 = 16 blocks of 4
+    # (exactly the pool), but once preempted its per-sequence estimate (3 x 9 blocks) over-counts
+    # the shared prompt blocks. It must still resume (as soon as nothing else runs).
+    g = torch.Generator().manual_seed(11)
+    a = torch.randint(3, 512, (20,), generator=g).tolist()
+    b = torch.randint(3, 512, (30,), generator=g).tolist()
+    assert blocks_for_request(30, 8, 3, 4) == 16
+    engine = _engine(tiny, num_kv_blocks=17)
+    outs = engine.generate([a, b], [SamplingParams(max_tokens=12), SamplingParams(max_tokens=8, n=3)])
+    assert list(outs[0].token_ids) == _cut_eos(hf_greedy(tiny, a, 12))
+    want = tuple(_cut_eos(hf_greedy(tiny, b, 8)))
+    assert [c.token_ids for c in outs[1].outputs] == [want] * 3
+    assert outs[1].num_preemptions >= 1
+    assert_no_leak(engine)
