@@ -213,7 +213,8 @@ def _params_dict(p: Any) -> dict[str, Any]:
     return asdict(p)
 
 
-def _print_report(engine: Any, args: argparse.Namespace, order: list, results: dict, rejected: dict,
+def _print_report(engine: Any, args: argparse.Namespace, order: list[tuple[str, Any]],
+                  results: dict[str, Any], rejected: dict[str, str],
                   metrics: Any, load_s: float, is_trace: bool) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -42,7 +42,7 @@ __all__ = ["LLMEngine", "EngineConfig", "generate", "PromptType"]
 
 #: A prompt: text, token ids, or a dict with ``"prompt"`` (text) or ``"messages"`` (chat) and
 #: optional ``"id"``, ``"system"``, ``"max_tokens"``, ``"cache_salt"``.
-PromptType = Union[str, Sequence[int], dict]
+PromptType = Union[str, Sequence[int], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -184,7 +184,7 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model.vocab_size})")
         return None, ids
 
-    def _render_chat(self, messages: list[dict]) -> tuple[Optional[str], list[int]]:
+    def _render_chat(self, messages: list[dict[str, Any]]) -> tuple[Optional[str], list[int]]:
         if not messages:
             raise InvalidRequestError("prompt messages list is empty")
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -400,7 +400,8 @@ class LLMEngine:
             InvalidRequestError / RequestTooLargeError: a bad prompt; nothing is run.
         """
         prompts = list(prompts)
-        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        plist: list[Optional[SamplingParams]] = (
+            list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts))  # type: ignore[list-item]
         if len(plist) != len(prompts):
             raise InvalidRequestError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
         for p, sp in zip(prompts, plist):

@@ -56,6 +56,20 @@ class AttentionMetadata:
     max_seq_len: int
 
 
+@dataclass
+class _Layer:
+    """Weights of one decoder layer (q/k/v and gate/up fused along the output dim)."""
+
+    in_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: Optional[torch.Tensor]
+    o: torch.Tensor
+    o_bias: Optional[torch.Tensor]
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
 def _rope_parameters(config: Any) -> dict[str, Any]:
     """The config's RoPE parameters as one dict (transformers >= 5 ``rope_parameters``, or the
     older ``rope_theta`` + ``rope_scaling`` pair)."""
@@ -137,21 +151,22 @@ class LlamaForCausalLM:
             return w(name) if name in weights else None
 
         self.embed = w("model.embed_tokens.weight")
-        self.layers: list[dict[str, Optional[torch.Tensor]]] = []
+        self.layers: list[_Layer] = []
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             biases = [opt(a + f"{x}_proj.bias") for x in "qkv"]
-            self.layers.append({
-                "in_norm": w(p + "input_layernorm.weight"),
-                "qkv": torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]),
-                "qkv_bias": torch.cat(biases) if all(b is not None for b in biases) else None,  # Qwen2
-                "o": w(a + "o_proj.weight"),
-                "o_bias": opt(a + "o_proj.bias"),
-                "post_norm": w(p + "post_attention_layernorm.weight"),
-                "gate_up": torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                "down": w(p + "mlp.down_proj.weight"),
-            })
+            self.layers.append(_Layer(
+                in_norm=w(p + "input_layernorm.weight"),
+                qkv=torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]),
+                qkv_bias=torch.cat([b for b in biases if b is not None]) if all(
+                    b is not None for b in biases) else None,  # Qwen2 has q/k/v biases
+                o=w(a + "o_proj.weight"),
+                o_bias=opt(a + "o_proj.bias"),
+                post_norm=w(p + "post_attention_layernorm.weight"),
+                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                down=w(p + "mlp.down_proj.weight"),
+            ))
         self.norm = w("model.norm.weight")
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
         self.lm_head = self.embed if tied else w("lm_head.weight")
@@ -225,8 +240,8 @@ class LlamaForCausalLM:
         sin = self.sin[positions].unsqueeze(1)
         x = self.embed[input_ids]  # [T, hidden]
         for li, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer["in_norm"])
-            qkv = F.linear(h, layer["qkv"], layer["qkv_bias"])
+            h = self._rms_norm(x, layer.in_norm)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
             qk = self._rope(qk.reshape(t, hq + hkv, d), cos, sin)  # q and k heads in one go
             q, k = qk.split([hq, hkv], dim=1)
@@ -237,9 +252,9 @@ class LlamaForCausalLM:
                 softmax_scale=self.scale, max_query_len=meta.max_query_len,
                 max_seq_len=meta.max_seq_len, sliding_window=self.sliding_window,
             )
-            x = x + F.linear(o.view(t, hq * d), layer["o"], layer["o_bias"])
-            h = self._rms_norm(x, layer["post_norm"])
-            gate, up = F.linear(h, layer["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer["down"])
+            x = x + F.linear(o.view(t, hq * d), layer.o, layer.o_bias)
+            h = self._rms_norm(x, layer.post_norm)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
         x = self._rms_norm(x[logits_indices], self.norm)
         return F.linear(x, self.lm_head).float()
