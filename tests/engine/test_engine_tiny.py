@@ -476,3 +476,21 @@ def test_preempted_sample_group_resumes_when_its_estimate_exceeds_the_pool(tiny)
     assert [c.token_ids for c in outs[1].outputs] == [want] * 3
     assert outs[1].num_preemptions >= 1
     assert_no_leak(engine)
+
+
+def test_group_admission_bound_without_prefix_caching(tiny):
+    # n=2, 30-token prompt, 8 new tokens, blocks of 4: sharing the prompt's 7 full blocks needs
+    # 7 + 2 x 3 = 13 blocks; without prefix caching a recompute-resumed group cannot share them
+    # (2 x 10 = 20 blocks), so a 16-block pool refuses it only when caching is off.
+    params = SamplingParams(max_tokens=8, n=2)
+    prompt = list(range(10, 40))
+    on = _engine(tiny, num_kv_blocks=17)
+    on.add_request(prompt, params)
+    off = _engine(tiny, num_kv_blocks=17, enable_prefix_caching=False)
+    with pytest.raises(RequestTooLargeError, match="needs 20 KV blocks .*2 sequences.* only 16 usable"):
+        off.add_request(prompt, params)
+    out = on.generate([], None)
+    while on.has_unfinished():
+        on.step()
+    assert out == [] and on.metrics().num_requests == 1
+    assert_no_leak(on)

@@ -155,6 +155,9 @@ class Scheduler:
             )
         width = max(params.n, params.beam_width)
         need = blocks_for_request(num_prompt_tokens, params.max_tokens, width, self.block_size)
+        if width > 1 and not self.manager.config.enable_prefix_caching:
+            # Without prefix caching a group resumed by recompute cannot share its prompt blocks.
+            need = width * blocks_for_request(num_prompt_tokens, params.max_tokens, 1, self.block_size)
         if need > self.usable_blocks:
             raise RequestTooLargeError(
                 f"request needs {need} KV blocks ({num_prompt_tokens} prompt tokens + "
