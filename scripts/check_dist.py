@@ -18,6 +18,7 @@ a list of what is missing.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -32,6 +33,19 @@ ROOT = Path(__file__).resolve().parent.parent
 def run(cmd: list[str], **kwargs: object) -> None:
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, **kwargs)  # type: ignore[call-overload]
+
+
+def maturin() -> list[str]:
+    """The maturin command: `python -m maturin` when it works (it needs the `maturin` script
+    beside this interpreter), else the `maturin` on PATH (a venv that sees maturin only
+    through --system-site-packages)."""
+    probe = subprocess.run([sys.executable, "-m", "maturin", "--version"], capture_output=True, check=False)
+    if probe.returncode == 0:
+        return [sys.executable, "-m", "maturin"]
+    found = shutil.which("maturin")
+    if found is None:
+        raise SystemExit("maturin not found: pip install 'maturin>=1.12.1,<2'")
+    return [found]
 
 
 def expected_python_files() -> set[str]:
@@ -105,8 +119,9 @@ def main() -> int:
     problems: list[str] = []
     with tempfile.TemporaryDirectory(prefix="pagedkv-dist-") as tmp_s:
         tmp = Path(tmp_s)
-        run([sys.executable, "-m", "maturin", "build", "--release", "--out", str(tmp / "wheel")], cwd=ROOT)
-        run([sys.executable, "-m", "maturin", "sdist", "--out", str(tmp / "sdist")], cwd=ROOT)
+        tool = maturin()
+        run([*tool, "build", "--release", "--out", str(tmp / "wheel")], cwd=ROOT)
+        run([*tool, "sdist", "--out", str(tmp / "sdist")], cwd=ROOT)
         wheels = sorted((tmp / "wheel").glob("*.whl"))
         sdists = sorted((tmp / "sdist").glob("*.tar.gz"))
         if len(wheels) != 1 or len(sdists) != 1:
