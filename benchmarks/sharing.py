@@ -266,7 +266,7 @@ def beam_search_engine(width: int, requests: int, *, bs: int = 16, max_tokens: i
     except Exception as e:  # noqa: BLE001
         raise RuntimeError(f"default model not loadable: {e}") from e
     prompts = [INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(requests)]
-    eng = LLMEngine(model, tokenizer=tok, num_kv_blocks=requests * width * (512 // bs) + 64, block_size=bs,
+    eng = LLMEngine(model, tokenizer=tok, num_kv_blocks=requests * width * (-(-(128 + max_tokens) // bs)) + 64, block_size=bs,
                     enable_prefix_caching=False)
     mgr = eng.manager
     meter = _Meter(mgr.pool, bs)
@@ -309,16 +309,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--beam-source", choices=["auto", "engine", "simulated"], default="auto",
                     help="auto: the engine when it offers beam search, else simulated")
     ap.add_argument("--beam-requests", type=int, default=None,
-                    help="prompts for engine beam search (default 24, 12 with --quick)")
+                    help="prompts for engine beam search (default 24, 8 with --quick)")
+    ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads for the engine")
     ap.add_argument("--beam-max-tokens", type=int, default=64, help="max new tokens per beam search request")
     ap.add_argument("--logit-std", type=float, default=3.0)
     ap.add_argument("--vocab", type=int, default=1000)
-    ap.add_argument("--quick", action="store_true", help="300 parallel-sampling requests, 12 beam prompts")
+    ap.add_argument("--quick", action="store_true", help="300 parallel-sampling requests, 8 beam prompts")
     ap.add_argument("--results-dir", default=str(common.RESULTS_DIR))
     a = ap.parse_args(argv)
     if a.quick:
         a.requests = min(a.requests, 300)
-    beam_requests = a.beam_requests or (12 if a.quick else len(INSTRUCTIONS))
+    beam_requests = a.beam_requests or (8 if a.quick else len(INSTRUCTIONS))
     jobs = [("parallel", k) for k in a.ks] + [("beam", k) for k in a.ks]
     results: list[dict[str, Any]] = []
     notes: list[str] = []
@@ -326,6 +327,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     use_engine = a.beam_source in ("auto", "engine")
     if use_engine:
         try:
+            import torch  # noqa: PLC0415
+
+            # One intra-op thread: on a shared 2-core machine torch's OpenMP threads spin
+            # against other processes (measured ~12x slower with 2 threads under load).
+            torch.set_num_threads(a.torch_threads)
             from pagedkv.engine.loader import load_hf_model  # noqa: PLC0415
 
             engine_model = load_hf_model()
