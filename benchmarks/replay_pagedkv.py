@@ -1,10 +1,11 @@
 """Replay the allocator operation trace through pagedkv's Python API.
 
 Run by ``allocator_speed.py`` in a subprocess: ``python replay_pagedkv.py --trace-file T --out
-R.json [--hash-algo sha256|xxh3_128]``. Per step: ``add_sequence`` for each admitted request (its prompt
-as an int64 numpy array), then ONE batched ``KVCacheManager.step`` for the running requests (one
-decode token each, appending the token they sampled last step) followed by the admitted ones
-(whole prompt), then ``free`` for the finished ones. ``step`` also builds the slot mapping and
+R.json [--hash-algo sha256|xxh3_128]``. Per step: one batched ``KVCacheManager.step`` for the
+running requests (one decode token each, the tokens they sampled last step passed as a 1-D int64
+array: the binding's decode fast path), then ``add_sequence`` for each admitted request (its
+prompt as an int64 numpy array) and one batched ``step`` for their whole prompts, then ``free``
+for the finished ones. So two crossings into Rust per step, plus one per new / finished request. ``step`` also builds the slot mapping and
 block tables of the batch (what the model runner needs), which the other systems' managers
 leave to their model runners.
 """
@@ -14,11 +15,13 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import numpy as np
+
 from replay_common import OpTrace, Replayer, main
 
 
 class PagedKVReplayer(Replayer):
-    """pagedkv's KVCacheManager (Rust core behind PyO3, one crossing per step)."""
+    """pagedkv's KVCacheManager (Rust core behind PyO3; batched steps, GIL released)."""
 
     name = "pagedkv"
 
@@ -51,21 +54,23 @@ class PagedKVReplayer(Replayer):
         mgr = self.mgr
         sampled = self.sampled
         outputs = self.outputs
-        for r in admit:
-            mgr.add_sequence(r, self.prompts[r])
-        app = [[outputs[r][sampled[r]]] for r in decode]
-        app.extend([] for _ in admit)
-        mnt = [1] * len(decode)
-        mnt.extend(self.prompt_lens[r] for r in admit)
-        out = mgr.step(decode + admit, mnt, app)
-        if out.error is not None:
-            raise RuntimeError(f"pagedkv step {t} failed: {out.error!r}")
-        for r in decode:
-            sampled[r] += 1
-        for r in admit:
-            sampled[r] = 0
+        if decode:
+            # Decode batch: one token per sequence as a 1-D array (the binding's fast path).
+            toks = np.fromiter((outputs[r][sampled[r]] for r in decode), np.int64, len(decode))
+            out = mgr.step(np.array(decode, dtype=np.uint64), 1, toks)
+            if out.error is not None:
+                raise RuntimeError(f"pagedkv decode step {t} failed: {out.error!r}")
+            for r in decode:
+                sampled[r] += 1
         if admit:
-            self.cached_tokens += int(out.num_cached_tokens[len(decode):].sum())
+            for r in admit:
+                mgr.add_sequence(r, self.prompts[r])
+            out = mgr.step(admit, [self.prompt_lens[r] for r in admit])
+            if out.error is not None:
+                raise RuntimeError(f"pagedkv prefill step {t} failed: {out.error!r}")
+            self.cached_tokens += int(out.num_cached_tokens.sum())
+            for r in admit:
+                sampled[r] = 0
         for r in finish:
             mgr.free(r)
             del sampled[r]

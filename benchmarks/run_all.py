@@ -48,7 +48,8 @@ def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
     if (HERE / "step_overhead.py").exists():
         jobs.append(("step_overhead", [py, str(HERE / "step_overhead.py")], 180))
     if (HERE / "engine_throughput.py").exists():
-        jobs.append(("engine_throughput", [py, str(HERE / "engine_throughput.py"), *a.engine_args], 480))
+        jobs.append(("engine_throughput", [py, str(HERE / "engine_throughput.py"),
+                                           *(a.engine_args or ["--rounds", "1"])], 600))
     if a.only:
         jobs = [j for j in jobs if j[0] in a.only]
     return jobs
@@ -200,8 +201,10 @@ def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> st
         d = _load(results_dir, name)
         if d is not None:
             md = d.get("summary_markdown")
+            if not isinstance(md, str) and name == "engine_throughput":
+                md = _engine_table(d)
             out += [f"## {name.replace('_', ' ').capitalize()}", "",
-                    md if isinstance(md, str) else f"See `benchmarks/results/{name}.json`.", ""]
+                    md or f"See `benchmarks/results/{name}.json`.", ""]
     if status:
         rows = [[k, "timed out" if s["rc"] is None else ("ok" if s["rc"] == 0 else f"failed (exit {s['rc']})"),
                  f"{s['seconds']:.0f}", f"`{s['log']}`"] for k, s in status.items()]
@@ -214,13 +217,26 @@ def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> st
     return "\n".join(out)
 
 
+def _engine_table(d: dict[str, Any]) -> str | None:
+    """Output tokens/s per workload and system from engine_throughput.json (None if its layout
+    is not the one known here)."""
+    try:
+        rows = []
+        for wl, w in d["workloads"].items():
+            for sysname, r in w["systems"].items():
+                rows.append([wl, sysname, f"{r['output_tokens_per_s']:.1f}", f"{r['wall_s']:.1f}"])
+        return common.markdown_table(["workload", "system", "output tokens/s", "wall s"], rows)
+    except (KeyError, TypeError, AttributeError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vllm-python", default=os.environ.get("PAGEDKV_BENCH_VLLM_PYTHON"))
     ap.add_argument("--nanovllm-path", default=os.environ.get("PAGEDKV_BENCH_NANOVLLM_PATH"))
     ap.add_argument("--nanovllm-python", default=os.environ.get("PAGEDKV_BENCH_NANOVLLM_PYTHON", sys.executable))
     ap.add_argument("--engine-args", nargs=argparse.REMAINDER, default=[],
-                    help="arguments passed to engine_throughput.py (everything after this flag)")
+                    help="arguments passed to engine_throughput.py (everything after this flag; default --rounds 1)")
     ap.add_argument("--only", nargs="+", default=None, help="run only these benchmarks")
     ap.add_argument("--summary-only", action="store_true", help="rewrite SUMMARY.md from existing JSON")
     ap.add_argument("--results-dir", default=str(common.RESULTS_DIR))
