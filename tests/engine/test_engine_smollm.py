@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import assert_no_leak, hf_greedy
+from engine_helpers import assert_no_leak, hf_greedy
 
 from pagedkv.engine import LLMEngine, SamplingParams
 

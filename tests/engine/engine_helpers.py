@@ -1,0 +1,78 @@
+"""Helpers of the engine tests: the tiny random Llama model folder, transformers' greedy
+oracle and the no-leak check (imported by the test modules and conftest.py)."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_VOCAB = 512
+
+
+@dataclass
+class ModelBundle:
+    """A loaded transformers model, its tokenizer and where it lives on disk."""
+
+    hf: Any
+    tokenizer: Any
+    path: Path
+
+
+def _tiny_tokenizer(folder: Path) -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(TINY_VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1", bos_token="w2",
+                                   pad_token="w0")
+    fast.chat_template = "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}w5"
+    fast.save_pretrained(str(folder))
+    return fast
+
+
+def build_tiny_model(folder: Path) -> ModelBundle:
+    """Create, save and reload the tiny model (see the module docs)."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+                      pad_token_id=0, initializer_range=0.25)
+    torch.manual_seed(1234)
+    model = LlamaForCausalLM(cfg).float().eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(str(folder))
+    save_model(model, str(folder / "model.safetensors"))
+    _tiny_tokenizer(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    return ModelBundle(hf, tok, folder)
+
+
+def assert_no_leak(engine: Any) -> None:
+    """After a run: no block referenced, the whole usable pool free, invariants hold."""
+    st = engine.manager.stats()
+    assert st.used == 0, st
+    assert st.free == st.num_blocks - 1, st
+    assert engine.manager.num_sequences == 0
+    engine.manager.check_invariants()
+
+
+def hf_greedy(bundle: ModelBundle, prompt_ids: list[int], max_new_tokens: int, **kw: Any) -> list[int]:
+    """transformers' own ``generate`` (greedy, batch 1, no padding): the generated token ids,
+    cut after the first EOS."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = bundle.hf.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
+                                 dtype=torch.int64), max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=bundle.tokenizer.pad_token_id, **kw)
+    return out[0, len(prompt_ids):].tolist()
