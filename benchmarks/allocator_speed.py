@@ -146,11 +146,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     help="python with numpy and xxhash for the nano-vllm replay (default: this one)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per replay subprocess")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--quick", action="store_true", help="200 steps per trace (for run_all)")
+    ap.add_argument("--quick", action="store_true", help="300 steps per trace (for run_all)")
     ap.add_argument("--results-dir", default=str(common.RESULTS_DIR))
     a = ap.parse_args(argv)
     if a.quick:
-        a.steps = min(a.steps, 200)
+        a.steps = min(a.steps, 300)
     per_trace = {name: measure_trace(a, name) for name in a.traces}
     payload = {"description": __doc__.split("\n\n")[0], "traces": per_trace}
     path = common.write_json("allocator_speed", payload, Path(a.results_dir))

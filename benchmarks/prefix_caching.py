@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
 
-DEFAULT_BUDGETS = [1 << 19, 1 << 20, 1 << 21, 1 << 22, 1 << 23]  # KV tokens
+DEFAULT_BUDGETS = [1 << 19, 1 << 20, 1 << 21, 1 << 22, 1 << 23, 1 << 24]  # KV tokens
 
 
 def ideal_hits(w: common.Workload, block_size: int) -> tuple[int, int]:
@@ -181,12 +181,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--budgets", nargs="+", type=int, default=DEFAULT_BUDGETS, help="KV budgets in tokens")
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--hash-algo", default="sha256", choices=["sha256", "xxh3_128"])
-    ap.add_argument("--quick", action="store_true", help="first 1000 requests, three budgets (for run_all)")
+    ap.add_argument("--quick", action="store_true", help="four budgets, 1M to 8M tokens (for run_all)")
     ap.add_argument("--results-dir", default=str(common.RESULTS_DIR))
     a = ap.parse_args(argv)
     if a.quick:
-        a.requests = a.requests or 1000
-        a.budgets = [1 << 20, 1 << 21, 1 << 23]
+        a.budgets = [1 << 20, 1 << 21, 1 << 22, 1 << 23]
     w = common.load_workload("mooncake", a.traces_dir, n=a.requests)
     total, ideal = ideal_hits(w, a.block_size)
     runs = [(b, True) for b in a.budgets] + [(max(a.budgets), False)]
