@@ -6,6 +6,8 @@ Dao 2023):
 - :func:`reshape_and_cache` -- write new K/V rows into cache slots by ``slot_mapping``.
 - :func:`paged_attention` -- causal varlen attention over a paged cache (prefill, prefill
   with cached prefix, chunked prefill and decode in one call; GQA/MQA; sliding window).
+- :func:`plan_paged_attention` -- validate a step's attention metadata and precompute the
+  reference's slot indices and masks once, for every layer (:class:`AttentionPlan`).
 - :func:`copy_blocks` -- copy-on-write block copies over all layers, K and V, one launch.
 - :func:`swap_blocks` -- async GPU <-> pinned-CPU block swap on a caller-visible stream.
 
@@ -14,7 +16,8 @@ Cache layout: ONE tensor for all layers,
 ``kv_cache[l, 0]`` / ``kv_cache[l, 1]`` are the per-layer ``key_cache`` / ``value_cache``.
 Block copies and swaps take the whole tensor, so one plan covers every layer.
 
-Modules: :mod:`.reference` (torch), :mod:`.validate` (input checks), :mod:`.cache_write`,
+Modules: :mod:`.reference` (torch), :mod:`.plan` (per-step attention plans),
+:mod:`.validate` (input checks), :mod:`.cache_write`,
 :mod:`.attention`, :mod:`.block_copy` (Triton), :mod:`.swap` (async CUDA copies).
 
 Dispatch: every op takes ``backend="auto" | "triton" | "torch"``. ``auto`` runs Triton when
@@ -34,10 +37,11 @@ from typing import Optional
 import torch
 
 from . import reference
+from .plan import AttentionPlan, plan_paged_attention
 
 __all__ = [
-    "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks",
-    "triton_available", "reference",
+    "reshape_and_cache", "paged_attention", "plan_paged_attention", "AttentionPlan",
+    "copy_blocks", "swap_blocks", "triton_available", "reference",
 ]
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -95,17 +99,30 @@ def paged_attention(
     max_seq_len: Optional[int] = None,
     sliding_window: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    plan: Optional[AttentionPlan] = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Causal varlen attention of ``query[T, Hq, D]`` over the paged cache; returns
     ``[T, Hq, D]``. Query ``i`` of sequence ``b`` sits at position
-    ``seq_lens[b] - q_len_b + i`` and sees positions ``<=`` it (and ``> pos - sliding_window``).
-    Full contract: :func:`pagedkv.kernels.reference.paged_attention`."""
-    impl = _impl("attention") if _use_triton(backend, query, "paged_attention") else reference
-    return impl.paged_attention(
+    ``seq_lens[b] - q_len + i`` and sees positions ``<=`` it (and ``> pos - sliding_window``).
+
+    ``plan``: an :class:`AttentionPlan` from :func:`plan_paged_attention`, built once per step
+    from the same metadata tensors; the torch reference then skips the per-layer value checks
+    and index/mask building (O(1) checks per call). The Triton kernel reads the metadata on
+    the device itself and ignores the plan (except for its ``sliding_window`` when the call
+    passes none). Full contract: :func:`pagedkv.kernels.reference.paged_attention`."""
+    if _use_triton(backend, query, "paged_attention"):
+        if sliding_window is None and plan is not None:
+            sliding_window = plan.sliding_window
+        return _impl("attention").paged_attention(
+            query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
+            softmax_scale=softmax_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
+            sliding_window=sliding_window, out=out,
+        )
+    return reference.paged_attention(
         query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
         softmax_scale=softmax_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
-        sliding_window=sliding_window, out=out,
+        sliding_window=sliding_window, out=out, plan=plan,
     )
 
 

@@ -3,7 +3,9 @@
 These are the test oracle for the Triton kernels and the path the reference engine uses on
 CPU to serve a real model, so they are exact (attention math in fp32) and vectorized: one
 gather + one SDPA call per prefill sequence, and decode sequences (query length 1) batched
-together, never a Python loop over tokens.
+together, never a Python loop over tokens. Attention's per-step work (metadata validation,
+slot indices, masks) lives in an :class:`~pagedkv.kernels.plan.AttentionPlan` that a model
+builds once per step and passes to every layer.
 
 Cache layout (PagedAttention, Kwon et al., SOSP'23): one tensor for all layers
 ``kv_cache[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 = K,
@@ -13,15 +15,13 @@ Cache layout (PagedAttention, Kwon et al., SOSP'23): one tensor for all layers
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
 from . import validate as V
-
-# Upper bound on gathered K elements per batched decode group (keeps CPU memory bounded).
-_DECODE_GROUP_ELEMS = 1 << 26
+from .plan import AttentionPlan, build_plan
 
 
 def reshape_and_cache(
@@ -45,20 +45,20 @@ def reshape_and_cache(
     Cost: O(T * num_kv_heads * head_size).
     """
     V.check_reshape_and_cache("reshape_and_cache", key, value, key_cache, value_cache, slot_mapping)
+    nb, bs, h, d = key_cache.shape
+    flat = all(c.stride(0) == bs * c.stride(1) for c in (key_cache, value_cache))
+    if flat and (slot_mapping.numel() == 0 or int(slot_mapping.min()) >= 0):
+        # No padding slots and caches viewable as flat rows: one index_copy_ each (the
+        # engine's case; cheaper than a masked (block, row) index_put_).
+        key_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, key)
+        value_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, value)
+        return
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    nb, bs = key_cache.shape[:2]
     # index_put_ on a (blocks, rows) pair works for any strided per-layer view.
     blk, row = slots // bs, slots % bs
     key_cache[blk, row] = key[keep]
     value_cache[blk, row] = value[keep]
-
-
-def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
-    """Contiguous ``[..., length, H, D]`` K or V from block ids ``blocks[..., n_blocks]``."""
-    g = cache[blocks.long()]  # [..., n_blocks, block_size, H, D]
-    g = g.reshape(*blocks.shape[:-1], -1, cache.shape[2], cache.shape[3])
-    return g[..., :length, :, :]
 
 
 def paged_attention(
@@ -74,6 +74,7 @@ def paged_attention(
     max_seq_len: Optional[int] = None,
     sliding_window: Optional[int] = None,
     out: Optional[torch.Tensor] = None,
+    plan: Optional[AttentionPlan] = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of queries over a paged KV cache.
 
@@ -94,92 +95,75 @@ def paged_attention(
         softmax_scale: multiplier of ``q.k`` before softmax (usually ``head_size**-0.5``).
         max_query_len, max_seq_len: accepted for signature parity; unused here.
         sliding_window: optional window in tokens (>= 1), counting the query's own position.
+            With a plan: None (use the plan's) or equal to the plan's.
         out: optional ``[T, num_q_heads, head_size]`` output buffer.
+        plan: the step's :class:`~pagedkv.kernels.plan.AttentionPlan` from
+            :func:`~pagedkv.kernels.plan.plan_paged_attention`, built from these same
+            ``block_table`` / ``seq_lens`` / ``query_start_loc`` tensors. With it a call only
+            runs O(1) tensor checks before the math; without it one is built here (value
+            checks, indices and masks: what a model with many layers should do once per step).
 
     Returns:
         ``[T, num_q_heads, head_size]`` in ``query.dtype`` (``out`` if given). Math in fp32.
 
     Raises:
         ValueError: bad dtype/shape/device/contiguity or inconsistent lengths (message names
-            the tensor).
+            the tensor), or a plan built for other metadata, cache shape or token count.
 
     Cost: O(sum_b q_len_b * seq_len_b * num_q_heads * head_size); memory O(q_len * seq_len)
     per prefill sequence and a bounded padded gather for batched decodes.
     """
-    V.check_paged_attention(
-        "paged_attention", query, key_cache, value_cache, block_table, seq_lens,
-        query_start_loc, softmax_scale, sliding_window, out,
-    )
+    op = "paged_attention"
+    V.check_attention_tensors(op, query, key_cache, value_cache, softmax_scale, out)
+    if plan is None:
+        plan = build_plan(op, block_table, seq_lens, query_start_loc, cache_shape=tuple(key_cache.shape),
+                          num_q_heads=query.shape[1], sliding_window=sliding_window,
+                          num_tokens=query.shape[0], device=key_cache.device)
+    else:
+        plan.check_call(op, query, key_cache, block_table, seq_lens, query_start_loc, sliding_window)
     t, hq, d = query.shape
     hkv = key_cache.shape[2]
-    bs = key_cache.shape[1]
     g = hq // hkv
-    result = torch.empty(t, hq, d, dtype=torch.float32, device=query.device)
-    qsl = query_start_loc.tolist()
-    sls = seq_lens.tolist()
     scale = float(softmax_scale)
-    decode = []
-    for b, sl in enumerate(sls):
-        q0, q1 = qsl[b], qsl[b + 1]
-        q_len = q1 - q0
-        if q_len == 0:
-            continue
-        if q_len == 1:
-            decode.append(b)
-            continue
-        nblk = -(-sl // bs)
-        k = _gather_kv(key_cache, block_table[b, :nblk], sl).float().transpose(0, 1)  # [Hkv,S,D]
-        v = _gather_kv(value_cache, block_table[b, :nblk], sl).float().transpose(0, 1)
-        # Query heads of one KV group stacked along rows: [Hkv, G*q_len, D] (no K/V repeat).
-        q = query[q0:q1].float().reshape(q_len, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * q_len, d)
-        pos = torch.arange(sl - q_len, sl, device=query.device).unsqueeze(1)
-        kpos = torch.arange(sl, device=query.device).unsqueeze(0)
-        mask = kpos <= pos
-        if sliding_window is not None:
-            mask &= kpos > pos - sliding_window
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.repeat(g, 1), scale=scale)
-        result[q0:q1] = o.reshape(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
-    if decode:
-        _decode_batched(query, key_cache, value_cache, block_table, sls, qsl, decode, scale,
-                        sliding_window, result)
+    # fp32 math: write straight into a fresh fp32 output, else into a scratch buffer copied at
+    # the end (a caller's ``out`` may alias ``query``, which the later groups still read).
+    direct = query.dtype == torch.float32 and out is None
     if out is None:
         out = torch.empty_like(query)
-    out.copy_(result)
+    result = out if direct else torch.empty(t, hq, d, dtype=torch.float32, device=query.device)
+    k_rows, v_rows = _cache_rows(key_cache), _cache_rows(value_cache)
+    for part in plan.prefills:
+        q_len = part.q_end - part.q_start
+        k = k_rows(part.slots).float().transpose(0, 1)  # [Hkv, S, D]
+        v = v_rows(part.slots).float().transpose(0, 1)
+        # Query heads of one KV group stacked along rows: [Hkv, G*q_len, D] (no K/V repeat).
+        q = query[part.q_start:part.q_end].float().reshape(q_len, hkv, g, d).permute(1, 2, 0, 3)
+        o = F.scaled_dot_product_attention(q.reshape(hkv, g * q_len, d), k, v, attn_mask=part.mask,
+                                           scale=scale)
+        result[part.q_start:part.q_end] = o.reshape(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
+    for grp in plan.decodes:
+        n = grp.size
+        k = k_rows(grp.slots).float().transpose(1, 2)  # [n, Hkv, S, D]
+        v = v_rows(grp.slots).float().transpose(1, 2)
+        q = query[grp.rows].float().reshape(n, hkv, g, d)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=scale)
+        result[grp.rows] = o.reshape(n, hq, d)
+    if not direct:
+        out.copy_(result)
     return out
 
 
-def _decode_batched(query, key_cache, value_cache, block_table, sls, qsl, decode, scale,
-                    sliding_window, result) -> None:
-    """Decode rows (q_len == 1), length-sorted and batched under a memory budget."""
-    hkv, d = key_cache.shape[2], key_cache.shape[3]
-    bs = key_cache.shape[1]
-    hq = query.shape[1]
-    g = hq // hkv
-    dev = query.device
-    order = sorted(decode, key=lambda b: sls[b])
-    i = 0
-    while i < len(order):
-        # Grow the group while the padded gather stays under budget.
-        j = i + 1
-        while j < len(order) and (j + 1 - i) * sls[order[j]] * hkv * d <= _DECODE_GROUP_ELEMS:
-            j += 1
-        grp = order[i:j]
-        i = j
-        smax = sls[grp[-1]]
-        nblk = -(-smax // bs)
-        idx = torch.tensor(grp, device=dev)
-        bt = block_table[idx, :nblk]
-        k = _gather_kv(key_cache, bt, smax).float().transpose(1, 2)  # [n, Hkv, S, D]
-        v = _gather_kv(value_cache, bt, smax).float().transpose(1, 2)
-        rows = torch.tensor([qsl[b] for b in grp], device=dev)
-        q = query[rows].float().reshape(len(grp), hkv, g, d)
-        lens = torch.tensor([sls[b] for b in grp], device=dev).unsqueeze(1)
-        kpos = torch.arange(smax, device=dev).unsqueeze(0)
-        mask = kpos < lens  # query sits at position len-1: causal == "inside the sequence"
-        if sliding_window is not None:
-            mask &= kpos > lens - 1 - sliding_window
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scale)
-        result[rows] = o.reshape(len(grp), hq, d)
+def _cache_rows(cache: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``slots[...] -> cache rows [..., num_kv_heads, head_size]`` for int64 cache slots.
+
+    A per-layer view of the all-layer cache is one flat ``[num_blocks * block_size]`` run of
+    rows, so the slots index it with one ``index_select`` (several times faster on CPU than
+    advanced indexing with a 2-D index); other strides fall back to (block, row) indexing."""
+    nb, bs, h, d = cache.shape
+    if cache.stride(0) == bs * cache.stride(1):
+        flat = cache.view(nb * bs, h, d)
+        return lambda slots: flat.index_select(0, slots.reshape(-1)).view(*slots.shape, h, d)
+    return lambda slots: cache[slots // bs, slots % bs]
 
 
 def _check_kv_cache(op: str, name: str, kv: object) -> None:

@@ -52,10 +52,10 @@ def check_tensor(
             f"{op}: {name} has {t.dim()} dims (shape {tuple(t.shape)}), expected {ndim} dims"
         )
     if shape is not None:
-        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
         if t.dim() != len(shape) or any(
             s is not None and s != got for s, got in zip(shape, t.shape)
         ):
+            want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
             raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected {want}")
     if device is not None and not same_device(t.device, device):
         raise ValueError(f"{op}: {name} is on device {t.device}, expected device {device}")
@@ -184,7 +184,33 @@ def check_paged_attention(
     sliding_window: Optional[int],
     out: object,
 ) -> None:
-    """Validate ``paged_attention`` arguments (see :func:`pagedkv.kernels.paged_attention`)."""
+    """Validate ``paged_attention`` arguments (see :func:`pagedkv.kernels.paged_attention`):
+    :func:`check_attention_tensors` then :func:`check_attention_metadata`."""
+    check_attention_tensors(op, query, key_cache, value_cache, softmax_scale, out)
+    assert isinstance(query, torch.Tensor) and isinstance(key_cache, torch.Tensor)
+    num_blocks, block_size = key_cache.shape[:2]
+    check_attention_metadata(
+        op, block_table, seq_lens, query_start_loc, num_tokens=query.shape[0],
+        num_blocks=num_blocks, block_size=block_size, device=key_cache.device,
+        sliding_window=sliding_window,
+    )
+
+
+def check_attention_tensors(
+    op: str,
+    query: object,
+    key_cache: object,
+    value_cache: object,
+    softmax_scale: object,
+    out: object,
+) -> None:
+    """The per-layer half of the ``paged_attention`` checks: dtype, shape, device and stride of
+    ``query`` ``[T, Hq, D]``, the cache pair ``[num_blocks, block_size, Hkv, D]`` and ``out``,
+    ``Hq`` a multiple of ``Hkv``, and ``softmax_scale > 0``. O(1): reads no tensor values.
+
+    Raises:
+        ValueError: naming the bad argument, what it got and what it expected.
+    """
     check_cache_pair(op, key_cache, value_cache)
     assert isinstance(key_cache, torch.Tensor)
     num_blocks, block_size, num_kv_heads, head_size = key_cache.shape
@@ -198,25 +224,50 @@ def check_paged_attention(
         raise ValueError(
             f"{op}: query has {num_q_heads} heads, expected a multiple of num_kv_heads={num_kv_heads}"
         )
-    check_tensor(op, "block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
-    assert isinstance(block_table, torch.Tensor)
-    b = block_table.shape[0]
-    check_tensor(op, "seq_lens", seq_lens, dtypes=(torch.int32,), shape=(b,), device=dev)
-    check_tensor(op, "query_start_loc", query_start_loc, dtypes=(torch.int32,), shape=(b + 1,), device=dev)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
         raise ValueError(f"{op}: softmax_scale is {softmax_scale!r}, expected a positive float")
-    if sliding_window is not None and (
-        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
-    ):
-        raise ValueError(f"{op}: sliding_window is {sliding_window!r}, expected None or an int >= 1")
     if out is not None:
         check_tensor(
             op, "out", out, dtypes=(query.dtype,), shape=tuple(query.shape), device=dev,
             last_dim_contiguous=True,
         )
+
+
+def check_attention_metadata(
+    op: str,
+    block_table: object,
+    seq_lens: object,
+    query_start_loc: object,
+    *,
+    num_tokens: int,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    sliding_window: Optional[int],
+) -> None:
+    """The per-step half of the ``paged_attention`` checks: int32 ``block_table [B, M]``,
+    ``seq_lens [B]``, ``query_start_loc [B+1]`` on ``device`` and ``sliding_window`` None or
+    >= 1. On the CPU also the values: ``query_start_loc`` runs from 0 to ``num_tokens`` without
+    decreasing, every query length <= its ``seq_len``, the block table is wide enough and its
+    live entries are block ids in ``[0, num_blocks)``. Cost O(B * M) when on the CPU.
+
+    Raises:
+        ValueError: naming the bad argument, what it got and what it expected.
+    """
+    dev = device
+    check_tensor(op, "block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
+    assert isinstance(block_table, torch.Tensor)
+    b = block_table.shape[0]
+    check_tensor(op, "seq_lens", seq_lens, dtypes=(torch.int32,), shape=(b,), device=dev)
+    check_tensor(op, "query_start_loc", query_start_loc, dtypes=(torch.int32,), shape=(b + 1,), device=dev)
+    if sliding_window is not None and (
+        isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
+    ):
+        raise ValueError(f"{op}: sliding_window is {sliding_window!r}, expected None or an int >= 1")
     assert isinstance(seq_lens, torch.Tensor) and isinstance(query_start_loc, torch.Tensor)
     if dev.type != "cpu" or b == 0:
         return
+    t = num_tokens
     qsl = query_start_loc.to(torch.int64)
     if int(qsl[0]) != 0 or int(qsl[-1]) != t:
         raise ValueError(
@@ -227,6 +278,10 @@ def check_paged_attention(
     if bool((q_lens < 0).any()):
         raise ValueError(f"{op}: query_start_loc is decreasing, expected non-decreasing offsets")
     sl = seq_lens.to(torch.int64)
+    neg = (sl < 0).nonzero()
+    if neg.numel():
+        i = int(neg[0, 0])
+        raise ValueError(f"{op}: seq_lens[{i}] is {int(sl[i])}, expected seq_lens >= 0")
     bad = (q_lens > sl).nonzero()
     if bad.numel():
         i = int(bad[0, 0])

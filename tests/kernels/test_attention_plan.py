@@ -1,0 +1,178 @@
+"""Attention plans (plan once per step, run per layer): the plan-based reference attention
+gives exactly the plan-less result, one plan serves several layers, and a plan refuses to run
+with metadata, caches or queries it was not built for."""
+
+import importlib.util
+
+import pytest
+import torch
+
+import kernels
+from kernels import plan as plan_mod
+from kernels import reference
+from kernel_cases import dense_attention, make_case
+
+# (context_len, query_len): decodes of different lengths, a fresh prefill, a prefill over a
+# cached prefix, a chunk in the middle of a prompt and a sequence with no query this step.
+MIXED = [(40, 1), (0, 23), (17, 1), (33, 9), (5, 0), (64, 1), (16, 16), (1, 1)]
+
+
+def _mixed_case(seed=0, group=3):
+    return make_case(MIXED, block_size=8, num_kv_heads=2, group=group, head_size=32, seed=seed)
+
+
+def _plan(case, window=None):
+    return kernels.plan_paged_attention(
+        case.block_table, case.seq_lens, case.query_start_loc,
+        cache_shape=tuple(case.key_cache.shape), num_q_heads=case.query.shape[1], sliding_window=window,
+    )
+
+
+@pytest.mark.parametrize("window", [None, 1, 6])
+@pytest.mark.parametrize("group", [1, 3])
+def test_plan_equals_planless_on_mixed_batch(window, group):
+    case = _mixed_case(seed=group, group=group)
+    plan = _plan(case, window)
+    with_plan = kernels.paged_attention(*case.attn_args(), softmax_scale=0.2, plan=plan, backend="torch")
+    without = kernels.paged_attention(*case.attn_args(), softmax_scale=0.2, sliding_window=window,
+                                      backend="torch")
+    assert torch.equal(with_plan, without)
+    torch.testing.assert_close(with_plan, dense_attention(case, 0.2, window), atol=2e-6, rtol=1e-5)
+    # The plan carries the window: passing it again (equal) is accepted and changes nothing.
+    again = kernels.paged_attention(*case.attn_args(), softmax_scale=0.2, sliding_window=window,
+                                    plan=plan, backend="torch")
+    assert torch.equal(again, with_plan)
+
+
+def test_plan_groups_decodes_and_prefills():
+    case = _mixed_case()
+    plan = _plan(case)
+    assert [(p.seq, p.q_start, p.q_end) for p in plan.prefills] == [(1, 1, 24), (3, 25, 34), (6, 35, 51)]
+    assert len(plan.decodes) == 1
+    grp = plan.decodes[0]
+    # Decode rows in batch order: sequences 0, 2, 5, 7 -> rows 0, 24, 34, 51 (not a run).
+    assert grp.rows.tolist() == [0, 24, 34, 51]
+    assert grp.slots.shape == (4, 65)  # padded to the longest decode sequence (64 + 1)
+    assert grp.mask[:, 0, 0, :].sum(1).tolist() == [41, 18, 65, 2]
+    assert plan.num_tokens == 52 and plan.cache_shape == (case.key_cache.shape[0], 8, 2, 32)
+
+
+def test_plan_decode_run_uses_a_slice():
+    case = make_case([(9, 1), (30, 1), (2, 1)], block_size=4, num_kv_heads=1, group=2, head_size=16)
+    plan = _plan(case)
+    assert plan.decodes[0].rows == slice(0, 3)
+    out = kernels.paged_attention(*case.attn_args(), softmax_scale=0.3, plan=plan, backend="torch")
+    torch.testing.assert_close(out, dense_attention(case, 0.3), atol=2e-6, rtol=1e-5)
+
+
+def test_plan_splits_decodes_over_the_memory_budget(monkeypatch):
+    case = _mixed_case(seed=5)
+    # Budget for two decode sequences of <= 41 positions: the length-sorted split path.
+    monkeypatch.setattr(plan_mod, "DECODE_GROUP_ELEMS", 2 * 41 * 2 * 32)
+    plan = _plan(case)
+    assert [g.slots.shape[0] for g in plan.decodes] == [2, 1, 1]
+    out = kernels.paged_attention(*case.attn_args(), softmax_scale=0.2, plan=plan, backend="torch")
+    torch.testing.assert_close(out, dense_attention(case, 0.2), atol=2e-6, rtol=1e-5)
+
+
+def test_one_plan_serves_every_layer():
+    # Two layers of one all-layer cache and one block table: one plan, two calls.
+    case = _mixed_case(seed=2)
+    layers = [(case.query, case.key_cache, case.value_cache),
+              (case.query.flip(0), case.value_cache * 0.5, case.key_cache)]  # other K/V/Q values
+    kv = torch.stack([torch.stack([k, v]) for _, k, v in layers])
+    plan = _plan(case)
+    meta = (case.block_table, case.seq_lens, case.query_start_loc)
+    for layer, (q, k, v) in enumerate(layers):
+        got = kernels.paged_attention(q, kv[layer, 0], kv[layer, 1], *meta, softmax_scale=0.2, plan=plan,
+                                      backend="torch")
+        assert torch.equal(got, reference.paged_attention(q, k, v, *meta, softmax_scale=0.2))
+
+
+def test_plan_on_cache_without_flat_rows():
+    # A cache whose (block, row) dims cannot be merged into one row index takes the
+    # (block, row) gather; same numbers.
+    case = _mixed_case(seed=4)
+    k_t = case.key_cache.transpose(0, 1).contiguous().transpose(0, 1)  # strides (D*H, nb*H*D, ...)
+    v_t = case.value_cache.transpose(0, 1).contiguous().transpose(0, 1)
+    assert k_t.stride(0) != k_t.shape[1] * k_t.stride(1)
+    plan = _plan(case)
+    got = kernels.paged_attention(case.query, k_t, v_t, case.block_table, case.seq_lens, case.query_start_loc,
+                                  softmax_scale=0.2, plan=plan, backend="torch")
+    assert torch.equal(got, reference.paged_attention(*case.attn_args(), softmax_scale=0.2))
+
+
+def test_plan_ignores_block_table_padding():
+    # Entries past a sequence's live blocks are never read, even if they are not block ids.
+    case = make_case([(20, 1), (3, 1)], block_size=8, num_kv_heads=1, group=1, head_size=16)
+    case.block_table[1, 1:] = 10_000
+    plan = _plan(case)
+    out = kernels.paged_attention(*case.attn_args(), softmax_scale=0.25, plan=plan, backend="torch")
+    torch.testing.assert_close(out, dense_attention(case, 0.25), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "change,pattern",
+    [
+        ("block_table", r"paged_attention: block_table is not the tensor the plan was built from"),
+        ("seq_lens", r"paged_attention: seq_lens is not the tensor the plan was built from"),
+        ("cache", r"paged_attention: key_cache has shape \(\d+, 4, 2, 32\), expected \(\d+, 8, 2, 32\)"),
+        ("tokens", r"paged_attention: query has shape \(51, 6, 32\), expected \(52, 6, 32\)"),
+        ("window", r"paged_attention: sliding_window is 3, expected None \(the plan has no window\)"),
+    ],
+)
+def test_plan_mismatch_is_refused(change, pattern):
+    case = _mixed_case()
+    plan = _plan(case)
+    args = dict(query=case.query, key_cache=case.key_cache, value_cache=case.value_cache,
+                block_table=case.block_table, seq_lens=case.seq_lens, query_start_loc=case.query_start_loc)
+    kw = {}
+    if change in ("block_table", "seq_lens"):
+        args[change] = args[change].clone()
+    elif change == "cache":
+        args["key_cache"] = case.key_cache.reshape(-1, 4, 2, 32)
+        args["value_cache"] = case.value_cache.reshape(-1, 4, 2, 32)
+    elif change == "tokens":
+        args["query"] = case.query[:-1]
+    else:
+        kw["sliding_window"] = 3
+    with pytest.raises(ValueError, match=pattern):
+        kernels.paged_attention(*args.values(), softmax_scale=0.2, plan=plan, backend="torch", **kw)
+
+
+@pytest.mark.parametrize(
+    "bad,pattern",
+    [
+        ("oob", r"plan_paged_attention: block_table holds block ids in \[\d+, 999\], expected ids in \[0, \d+\)"),
+        ("neg_len", r"plan_paged_attention: seq_lens\[2\] is -1, expected seq_lens >= 0"),
+        ("qsl", r"plan_paged_attention: query_start_loc has dtype torch.int64, expected torch.int32"),
+        ("heads", r"plan_paged_attention: num_q_heads is 5, expected a positive multiple of num_kv_heads=2"),
+        ("tokens", r"plan_paged_attention: query_start_loc runs from 0 to 52, expected 0 to num_tokens=50"),
+    ],
+)
+def test_plan_validates_metadata_once(bad, pattern):
+    case = _mixed_case()
+    bt, sl, qsl = case.block_table, case.seq_lens, case.query_start_loc
+    kw = dict(cache_shape=tuple(case.key_cache.shape), num_q_heads=case.query.shape[1])
+    if bad == "oob":
+        bt = bt.clone()
+        bt[0, 0] = 999
+    elif bad == "neg_len":
+        sl = sl.clone()
+        sl[2] = -1
+    elif bad == "qsl":
+        qsl = qsl.long()
+    elif bad == "heads":
+        kw["num_q_heads"] = 5
+    else:
+        kw["num_tokens"] = 50
+    with pytest.raises(ValueError, match=pattern):
+        kernels.plan_paged_attention(bt, sl, qsl, **kw)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+def test_triton_backend_accepts_and_ignores_plan():
+    case = make_case([(12, 1), (0, 5), (7, 3)], block_size=16, num_kv_heads=2, group=2, head_size=32)
+    plan = _plan(case, window=4)
+    got = kernels.paged_attention(*case.attn_args(), softmax_scale=0.2, plan=plan, backend="triton")
+    torch.testing.assert_close(got, dense_attention(case, 0.2, 4), atol=1e-5, rtol=1e-4)
