@@ -10,6 +10,10 @@ sequence per step, prefix caching on in every system, block size 16, a pool larg
 nothing is preempted. Each system is replayed in its own subprocess (its own Python
 environment) on a fresh manager, ``--repeats`` times; the fastest run is reported.
 
+Also the bare block pools (``pagedkv.BlockPool`` vs vLLM's ``BlockPool`` with caching off) on
+the same trace's block traffic: one allocate per admitted request, one batched allocate for the
+decodes that start a block, one free per finished request (``replay_common.run_pool``).
+
 Reported: µs per scheduler step (everything the system does for the step, see
 ``replay_common.py``) and ns per block operation, where the block operations of the trace are
 counted once, identically for every system (each block of each request obtained once and
@@ -77,6 +81,9 @@ def measure_trace(a: argparse.Namespace, name: str) -> dict[str, Any]:
         ("vLLM V1 KVCacheManager", a.vllm_python, "replay_vllm.py", [], a.baseline_repeats),
         ("nano-vllm BlockManager", a.nanovllm_python if a.nanovllm_path else None, "replay_nanovllm.py",
          ["--lib-path", a.nanovllm_path] if a.nanovllm_path else [], a.baseline_repeats),
+        # The bare block pools on the same trace's block traffic (no hashing, no sequences).
+        ("pagedkv BlockPool", sys.executable, "replay_pagedkv.py", ["--mode", "pool"], a.repeats),
+        ("vLLM BlockPool", a.vllm_python, "replay_vllm.py", ["--mode", "pool"], a.baseline_repeats),
     ]
     results: dict[str, dict[str, Any]] = {}
     bar = common.progress(total=len(systems), desc=f"allocator replays ({name})")
@@ -93,13 +100,18 @@ def measure_trace(a: argparse.Namespace, name: str) -> dict[str, Any]:
     bar.close()
     trace_file.unlink(missing_ok=True)
     tdir.rmdir()
-    ref = results["pagedkv (sha256)"].get("best")
+    refs = {"manager": results["pagedkv (sha256)"].get("best"), "pool": results["pagedkv BlockPool"].get("best")}
+
+    def ref_of(label: str) -> dict[str, Any] | None:
+        return refs["pool" if "BlockPool" in label else "manager"]
+
     rows = []
     for label, r in results.items():
         if "skipped" in r:
             rows.append([label, None, None, None, None, None, None, None, "skipped: " + r["skipped"][:120]])
             continue
         b = r["best"]
+        ref = ref_of(label)
         ratio = b["ns_per_block_op"] / ref["ns_per_block_op"] if ref else None
         v = r["version"]
         ver = v.get("version") or (v.get("commit") or "")[:12]
@@ -109,11 +121,12 @@ def measure_trace(a: argparse.Namespace, name: str) -> dict[str, Any]:
     common.print_table(
         f"Allocator speed: {trace.num_steps} steps of the {trace.workload} trace, "
         f"{trace.mean_running:.0f} running seqs on average, {trace.block_ops:,} block ops, block size {trace.block_size}",
-        ["system", "CPU µs/step mean", "µs/step p50", "µs/step p99", "CPU ns/block op", "x pagedkv (sha256)",
+        ["system", "CPU µs/step mean", "µs/step p50", "µs/step p99", "CPU ns/block op", "x pagedkv",
          "wall ns/block op", "cached prompt tokens", "version / hash"],
         rows,
         footnote="Same trace, same machine, same run; each system in its own subprocess; best of the repeats. "
-                 "CPU = thread CPU time (robust on a shared machine); wall = elapsed. "
+                 "CPU = thread CPU time (robust on a shared machine); wall = elapsed. 'x pagedkv': against "
+                 "pagedkv (sha256) for managers, against pagedkv BlockPool for the bare pools. "
                  "Target: vLLM >= 20x pagedkv's ns per block op.",
     )
     return {
@@ -124,8 +137,8 @@ def measure_trace(a: argparse.Namespace, name: str) -> dict[str, Any]:
                   "seed": trace.seed},
         "results": results,
         "ratios_vs_pagedkv_sha256": {
-            k: r["best"]["ns_per_block_op"] / ref["ns_per_block_op"]
-            for k, r in results.items() if "best" in r and ref
+            k: r["best"]["ns_per_block_op"] / ref_of(k)["ns_per_block_op"]
+            for k, r in results.items() if "best" in r and ref_of(k)
         },
     }
 
@@ -164,11 +177,12 @@ def plot(per_trace: dict[str, dict[str, Any]], path: Path) -> Path:
     plt = common.pyplot()
     fig, axes = plt.subplots(len(per_trace), 2, figsize=(11, 4.0 * len(per_trace)), squeeze=False)
     colors = {"pagedkv (sha256)": "#1971c2", "pagedkv (xxh3_128)": "#4dabf7",
-              "vLLM V1 KVCacheManager": "#e8590c", "nano-vllm BlockManager": "#2f9e44"}
+              "vLLM V1 KVCacheManager": "#e8590c", "nano-vllm BlockManager": "#2f9e44",
+              "pagedkv BlockPool": "#a5d8ff", "vLLM BlockPool": "#ffc078"}
     for row, (name, d) in zip(axes, per_trace.items()):
         done = [(k, r["best"]) for k, r in d["results"].items() if "best" in r]
         labels = [k.replace(" KVCacheManager", "\nKVCacheManager").replace(" BlockManager", "\nBlockManager")
-                  for k, _ in done]
+                  .replace(" BlockPool", "\nBlockPool").replace(" (", "\n(") for k, _ in done]
         tr = d["trace"]
         for ax, key, title in ((row[0], "ns_per_block_op", "CPU ns per block operation"),
                                (row[1], "us_per_step_mean", "CPU µs per scheduler step (mean)")):

@@ -75,6 +75,20 @@ class PagedKVReplayer(Replayer):
             mgr.free(r)
             del sampled[r]
 
+    def pool_adapter(self, num_blocks: int) -> Any:
+        """pagedkv.BlockPool (Rust, GIL released per call), batch allocate / free of int32 ids."""
+        pool = self.pagedkv.BlockPool(num_blocks)
+
+        class _Pool:
+            allocate = staticmethod(pool.allocate)
+            free = staticmethod(pool.free)
+
+            @staticmethod
+            def concat_reversed(parts: list[Any]) -> Any:
+                return np.concatenate(parts)[::-1]
+
+        return _Pool()
+
     def counters(self) -> dict[str, Any]:
         self.mgr.check_invariants()
         return {"cached_prompt_tokens": self.cached_tokens, "blocks_in_use_at_end": self.mgr.pool.num_used}

@@ -108,6 +108,24 @@ class VllmReplayer(Replayer):
             kvm.free(reqs.pop(r))
             del sampled[r]
 
+    def pool_adapter(self, num_blocks: int) -> Any:
+        """vllm.v1.core.block_pool.BlockPool (caching off): get_new_blocks / free_blocks."""
+        from vllm.v1.core.block_pool import BlockPool  # noqa: PLC0415
+
+        pool = BlockPool(num_blocks, enable_caching=False, hash_block_size=16)
+
+        class _Pool:
+            allocate = staticmethod(pool.get_new_blocks)
+            free = staticmethod(pool.free_blocks)
+
+            @staticmethod
+            def concat_reversed(parts: list[Any]) -> Any:
+                out = [b for part in parts for b in part]
+                out.reverse()
+                return out
+
+        return _Pool()
+
     def counters(self) -> dict[str, Any]:
         pool = self.kvm.block_pool
         return {"cached_prompt_tokens": self.cached_tokens,

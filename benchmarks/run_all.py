@@ -111,10 +111,10 @@ def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> st
     for tname, t in (spd or {}).get("traces", {}).items():
         r = t["results"]
         ratios = t.get("ratios_vs_pagedkv_sha256", {})
-        ref = r.get("pagedkv (sha256)", {}).get("best")
-        for k in ("vLLM V1 KVCacheManager", "nano-vllm BlockManager"):
+        for k in ("vLLM V1 KVCacheManager", "nano-vllm BlockManager", "vLLM BlockPool"):
+            ref = r.get("pagedkv BlockPool" if "BlockPool" in k else "pagedkv (sha256)", {}).get("best")
             if k in ratios and ref:
-                head.append([f"allocator speed vs {k.split()[0]}, {tname} trace (CPU ns per block op)",
+                head.append([f"allocator speed vs {k}, {tname} trace (CPU ns per block op)",
                              f"{ref['ns_per_block_op']:,.0f} ns", f"{r[k]['best']['ns_per_block_op']:,.0f} ns",
                              f"pagedkv {ratios[k]:.1f}x faster", "target >= 20x vs vLLM" if "vLLM" in k else ""])
             elif k in r:
@@ -162,12 +162,13 @@ def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> st
             rows.append([k, f"{b['us_per_step_mean']:,.0f}", f"{b['ns_per_block_op']:,.0f}",
                          f"{t['ratios_vs_pagedkv_sha256'].get(k, 0):.1f}", f"{b['wall_ns_per_block_op']:,.0f}",
                          f"{v.get('version') or (v.get('commit') or '')[:12]}, hash {v.get('hash')}"])
-        out += [common.markdown_table(["system", "CPU µs / step", "CPU ns / block op", "time vs pagedkv (sha256)",
+        out += [common.markdown_table(["system", "CPU µs / step", "CPU ns / block op", "time vs pagedkv",
                                        "wall ns / block op", "version"], rows), ""]
     if spd:
         out += ["CPU = CPU time of the replaying thread (the figure compared); wall = elapsed time, inflated "
                 "when other processes share the machine. Block ops = each block of each request obtained once "
-                "and released once, counted identically for every system.", ""]
+                "and released once, counted identically for every system. Time vs pagedkv: managers against pagedkv "
+                "(sha256), bare block pools against pagedkv BlockPool.", ""]
     if mem:
         bss = sorted({x["param"] for x in mem["results"] if x["kind"] == "paged"})
         cols = ["workload", "contig. max", "contig. pow2", "contig. oracle"] + [f"pagedkv bs={b}" for b in bss] + \
