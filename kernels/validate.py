@@ -239,7 +239,7 @@ def check_attention_metadata(
     seq_lens: object,
     query_start_loc: object,
     *,
-    num_tokens: int,
+    num_tokens: Optional[int],
     num_blocks: int,
     block_size: int,
     device: torch.device,
@@ -247,8 +247,8 @@ def check_attention_metadata(
 ) -> None:
     """The per-step half of the ``paged_attention`` checks: int32 ``block_table [B, M]``,
     ``seq_lens [B]``, ``query_start_loc [B+1]`` on ``device`` and ``sliding_window`` None or
-    >= 1. On the CPU also the values: ``query_start_loc`` runs from 0 to ``num_tokens`` without
-    decreasing, every query length <= its ``seq_len``, the block table is wide enough and its
+    >= 1. On the CPU also the values: ``query_start_loc`` runs from 0 to ``num_tokens`` (any
+    end when ``num_tokens`` is None) without decreasing, every query length <= its ``seq_len``, the block table is wide enough and its
     live entries are block ids in ``[0, num_blocks)``. Cost O(B * M) when on the CPU.
 
     Raises:
@@ -267,8 +267,8 @@ def check_attention_metadata(
     assert isinstance(seq_lens, torch.Tensor) and isinstance(query_start_loc, torch.Tensor)
     if dev.type != "cpu" or b == 0:
         return
-    t = num_tokens
     qsl = query_start_loc.to(torch.int64)
+    t = int(qsl[-1]) if num_tokens is None else num_tokens
     if int(qsl[0]) != 0 or int(qsl[-1]) != t:
         raise ValueError(
             f"{op}: query_start_loc runs from {int(qsl[0])} to {int(qsl[-1])}, "

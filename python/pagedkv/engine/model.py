@@ -46,6 +46,9 @@ class AttentionMetadata:
         query_start_loc: int32 ``[B + 1]`` prefix sums of the per-sequence query lengths.
         max_query_len: longest query of the batch, in tokens.
         max_seq_len: longest ``seq_lens`` entry, in tokens.
+        attn_plan: the step's attention plan (validated metadata, slot indices and masks built
+            once for all layers, :func:`pagedkv.kernels.plan_paged_attention`), or None where
+            the Triton kernel runs (it reads the metadata itself).
     """
 
     slot_mapping: torch.Tensor
@@ -54,6 +57,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    attn_plan: Optional[kernels.AttentionPlan] = None
 
 
 @dataclass
@@ -250,7 +254,7 @@ class LlamaForCausalLM:
             o = kernels.paged_attention(
                 q, key_cache, value_cache, meta.block_table, meta.seq_lens, meta.query_start_loc,
                 softmax_scale=self.scale, max_query_len=meta.max_query_len,
-                max_seq_len=meta.max_seq_len, sliding_window=self.sliding_window,
+                max_seq_len=meta.max_seq_len, sliding_window=self.sliding_window, plan=meta.attn_plan,
             )
             x = x + F.linear(o.view(t, hq * d), layer.o, layer.o_bias)
             h = self._rms_norm(x, layer.post_norm)

@@ -38,6 +38,8 @@ class ModelRunner:
         self.cpu_cache = (model.allocate_kv_cache(num_cpu_blocks, block_size, device="cpu", pin_memory=True)
                           if num_cpu_blocks > 0 else None)
         self.device = model.device
+        # "auto" dispatch runs the Triton kernel on CUDA when Triton is installed; it needs no plan.
+        self._triton_attention = self.device.type == "cuda" and kernels.triton_available()
 
     def _plan(self, plan: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(plan, dtype=np.int64)).reshape(-1, 2)
@@ -76,13 +78,20 @@ class ModelRunner:
             positions.append(np.arange(start, start + q, dtype=np.int64))
         qsl = np.zeros(len(batch.seqs) + 1, dtype=np.int32)
         np.cumsum(batch.query_lens, out=qsl[1:])
+        block_table = dense_block_table(batch.block_table_indptr, batch.block_table_indices, device=dev)
+        seq_lens = torch.from_numpy(batch.seq_lens).to(dev)
+        query_start_loc = torch.from_numpy(qsl).to(dev)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(batch.slot_mapping).to(dev),
-            block_table=dense_block_table(batch.block_table_indptr, batch.block_table_indices, device=dev),
-            seq_lens=torch.from_numpy(batch.seq_lens).to(dev),
-            query_start_loc=torch.from_numpy(qsl).to(dev),
+            block_table=block_table,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
             max_query_len=int(batch.query_lens.max()),
             max_seq_len=int(batch.seq_lens.max()),
+            # Built once here, used by every layer: the reference attention's per-step work.
+            attn_plan=None if self._triton_attention else kernels.plan_paged_attention(
+                block_table, seq_lens, query_start_loc, cache_shape=tuple(self.kv_cache.shape[2:]),
+                num_q_heads=self.model.num_heads, sliding_window=self.model.sliding_window),
         )
         rows = [int(qsl[i + 1]) - 1 for i, s in enumerate(batch.sample) if s]
         return self.model.forward(
