@@ -257,7 +257,7 @@ impl Plan {
 
 #[derive(Debug)]
 struct State {
-    seqs: HashMap<SeqId, Sequence>,
+    seqs: foldhash::HashMap<SeqId, Sequence>,
     cpu: CpuPool,
     counters: ManagerCounters,
 }
@@ -300,7 +300,7 @@ impl KvCacheManager {
         let pool = BlockPool::new(cfg.num_blocks, events.clone())?;
         let hasher = PrefixHasher::new(cfg.hash_algo, &cfg.hash_seed);
         let state = State {
-            seqs: HashMap::new(),
+            seqs: foldhash::HashMap::default(),
             cpu: CpuPool::new(cfg.num_cpu_blocks),
             counters: ManagerCounters::default(),
         };

@@ -9,7 +9,7 @@
 
 use crate::hashing::BlockHash;
 use crate::BlockId;
-use std::collections::HashMap;
+use foldhash::HashMap;
 
 /// The blocks carrying one hash. One block is by far the common case, so it is stored inline
 /// without a heap allocation.
@@ -31,9 +31,10 @@ impl Holders {
 /// Multiset map from [`BlockHash`] to [`BlockId`]s.
 ///
 /// Invariants: no hash maps to an empty set; a (hash, block) pair appears at most once.
-/// Lookups and updates are O(1) expected (std `HashMap` with SipHash: the keys can be chosen by
-/// clients through their token ids, so a keyed hasher keeps bucket-flooding out) plus O(k) in
-/// the number k of blocks sharing one hash (almost always 1).
+/// Lookups and updates are O(1) expected plus O(k) in the number k of blocks sharing one hash
+/// (almost always 1). The map hashes keys with foldhash, seeded randomly per process: keys can be
+/// steered by clients through their token ids, so a keyed hasher keeps bucket flooding out, and
+/// foldhash is several times cheaper than std's SipHash on these 32-byte keys.
 #[derive(Debug, Clone, Default)]
 pub struct PrefixIndex {
     map: HashMap<BlockHash, Holders>,
