@@ -126,9 +126,9 @@ class AttentionPlan:
             raise ValueError(f"{op}: key_cache is on device {key_cache.device}, expected device "
                              f"{self.device} (the plan's)")
         if sliding_window is not None and sliding_window != self.sliding_window:
-            want = "None (the plan has no window)" if self.sliding_window is None else \
+            allowed = "None (the plan has no window)" if self.sliding_window is None else \
                 f"None or {self.sliding_window} (the plan's window)"
-            raise ValueError(f"{op}: sliding_window is {sliding_window!r}, expected {want}")
+            raise ValueError(f"{op}: sliding_window is {sliding_window!r}, expected {allowed}")
 
 
 def plan_paged_attention(
