@@ -225,4 +225,6 @@ def _check_swap(op: str, src_kv_cache: object, dst_kv_cache: object, block_mappi
     V.check_tensor(op, "dst_kv_cache", dst_kv_cache, dtypes=(src_kv_cache.dtype,),
                    shape=(s[0], 2, None, s[3], s[4], s[5]))
     assert isinstance(dst_kv_cache, torch.Tensor)
-    V.check_block_mapping(op, block_mapping, s[2], dst_kv_cache.shape[2], cow=False)
+    # Only a device pool has a null block; the CPU swap pool uses ids from 0 (swap-out dst).
+    V.check_block_mapping(op, block_mapping, s[2], dst_kv_cache.shape[2], cow=False,
+                          dst_has_null_block=dst_kv_cache.device.type != "cpu")

@@ -99,14 +99,18 @@ def check_cache_pair(op: str, key_cache: object, value_cache: object) -> None:
 
 
 def check_block_mapping(
-    op: str, block_mapping: object, num_src_blocks: int, num_dst_blocks: int, *, cow: bool
+    op: str, block_mapping: object, num_src_blocks: int, num_dst_blocks: int, *, cow: bool,
+    dst_has_null_block: bool = True,
 ) -> None:
     """Check a ``[K, 2]`` (src, dst) block list (int32 or int64).
 
     When the mapping is on the CPU also check values: every src in ``[0, num_src_blocks)``,
-    every dst in ``[0, num_dst_blocks)``, dst ids pairwise distinct, and -- for an in-place
-    copy (``cow=True``) -- no dst that is also a src (pairs run in parallel, so a block may
-    not be read and written by the same launch).
+    every dst in ``[0, num_dst_blocks)``, dst ids pairwise distinct, no dst equal to the null
+    block 0 when ``dst_has_null_block`` (block 0 of a device KV pool is padding that block
+    tables point at; writing it would corrupt every padded read -- a CPU swap pool has no null
+    block, so swap-outs pass False), and -- for an in-place copy (``cow=True``) -- no dst that
+    is also a src (pairs run in parallel, so a block may not be read and written by the same
+    launch).
     """
     check_tensor(op, "block_mapping", block_mapping, dtypes=(torch.int32, torch.int64), ndim=2)
     assert isinstance(block_mapping, torch.Tensor)
@@ -128,6 +132,13 @@ def check_block_mapping(
             f"{op}: block_mapping dst ids span [{int(dst.min())}, {int(dst.max())}], "
             f"expected ids in [0, {num_dst_blocks})"
         )
+    if dst_has_null_block:
+        hit = (dst == 0).nonzero()
+        if hit.numel():
+            i = int(hit[0, 0])
+            raise ValueError(
+                f"{op}: block_mapping[{i}] has dst block 0 (the null block), expected dst ids >= 1"
+            )
     if torch.unique(dst).numel() != dst.numel():
         raise ValueError(f"{op}: block_mapping has repeated dst ids, expected distinct dst blocks")
     if cow:
@@ -169,6 +180,14 @@ def check_reshape_and_cache(
             raise ValueError(
                 f"{op}: slot_mapping has slot {hi}, expected slots < num_blocks*block_size = {n_slots} "
                 "(negative slots are skipped)"
+            )
+        # Slots 0..block_size-1 are block 0, the null block: padding reads it, nobody owns it.
+        hit = ((slot_mapping >= 0) & (slot_mapping < block_size)).nonzero()
+        if hit.numel():
+            i = int(hit[0, 0])
+            raise ValueError(
+                f"{op}: slot_mapping[{i}] is {int(slot_mapping[i])}, a slot in the null block 0 "
+                f"(slots 0..{block_size - 1}); expected slots >= block_size={block_size} or < 0 (skipped)"
             )
 
 

@@ -30,7 +30,7 @@ def test_reshape_and_cache_matches_reference(dtype, head_size, num_kv_heads, blo
     t, nb = 21, 6
     key = torch.randn(t, num_kv_heads, head_size, generator=g).to(dtype)
     value = torch.randn(t, num_kv_heads, head_size, generator=g).to(dtype)
-    slots = torch.randperm(nb * block_size, generator=g)[:t]
+    slots = torch.randperm((nb - 1) * block_size, generator=g)[:t] + block_size  # block 0 is null
     slots[[2, 9, 20]] = -1  # padding tokens are skipped
     caches = [torch.randn(nb, block_size, num_kv_heads, head_size, generator=g).to(dtype) for _ in range(2)]
     ref_k, ref_v = caches[0].clone(), caches[1].clone()
@@ -53,12 +53,13 @@ def test_reshape_and_cache_on_all_layer_view():
     kv = torch.zeros(3, 2, 5, 8, 2, 16)
     key = torch.randn(4, 2, 16)
     value = torch.randn(4, 2, 16)
-    slots = torch.tensor([0, 9, 39, -5])
+    slots = torch.tensor([8, 9, 39, -5])  # block 0 is the null block
     cache_write.reshape_and_cache(key, value, kv[1, 0], kv[1, 1], slots)
     want = torch.zeros_like(kv)
     reference.reshape_and_cache(key, value, want[1, 0], want[1, 1], slots)
     assert torch.equal(kv, want)
     assert torch.equal(kv[1, 0, 4, 7], key[2]) and torch.equal(kv[1, 1, 1, 1], value[1])
+    assert torch.equal(kv[1, 0, 1, 0], key[0]) and kv[1, :, 0].abs().sum() == 0
     assert kv[0].abs().sum() == 0 and kv[2].abs().sum() == 0
 
 

@@ -108,6 +108,10 @@ def test_reshape_and_cache_rejects(backend):
         f(k, k, kc, vc[..., :8], slots, backend=backend)
     with pytest.raises(ValueError, match=r"slot_mapping has slot 32, expected slots < num_blocks\*block_size = 32"):
         f(k, k, kc, vc, torch.tensor([0, 1, 2, 3, 32]), backend=backend)
+    with pytest.raises(ValueError, match=r"slot_mapping\[1\] is 1, a slot in the null block 0 \(slots 0..7\)"):
+        f(k[:2], k[:2], kc, vc, torch.tensor([8, 1]), backend=backend)
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] is 7, a slot in the null block 0"):
+        f(k[:1], k[:1], kc, vc, torch.tensor([7]), backend=backend)
     with pytest.raises(ValueError, match=r"slot_mapping is on device meta, expected device cpu"):
         f(k, k, kc, vc, slots.to("meta"), backend=backend)
     with pytest.raises(ValueError, match=r"key_cache must be a torch.Tensor, got list"):
@@ -128,6 +132,8 @@ def test_copy_blocks_rejects(backend):
         f(kv, torch.tensor([[1, 2], [3, 6]]), backend=backend)
     with pytest.raises(ValueError, match=r"block_mapping has repeated dst ids"):
         f(kv, torch.tensor([[1, 2], [3, 2]]), backend=backend)
+    with pytest.raises(ValueError, match=r"block_mapping\[0\] has dst block 0 \(the null block\), expected dst ids >= 1"):
+        f(kv, torch.tensor([[1, 0]]), backend=backend)
     with pytest.raises(ValueError, match=r"block_mapping uses block\(s\) \[2\] as both src and dst"):
         f(kv, torch.tensor([[1, 2], [2, 4]]), backend=backend)
     with pytest.raises(ValueError, match=r"kv_cache has shape \(2, 3, 6, 4, 1, 8\), expected \(\*, 2, \*, \*, \*, \*\)"):
@@ -151,3 +157,15 @@ def test_swap_blocks_rejects():
         kernels.swap_blocks(src, torch.zeros(3, 2, 3, 4, 1, 8), torch.tensor([[0, 0]]))
     with pytest.raises(ValueError, match=r"block_mapping dst ids span \[3, 3\], expected ids in \[0, 3\)"):
         kernels.swap_blocks(src, torch.zeros(2, 2, 3, 4, 1, 8), torch.tensor([[0, 3]]))
+
+
+
+def test_swap_null_block_rule_depends_on_dst_pool():
+    # The CPU swap pool has no null block (swap-out may target CPU block 0); a device pool
+    # does, so a swap-in into block 0 is rejected before anything is copied.
+    src = torch.randn(2, 2, 6, 4, 1, 8)
+    cpu_pool = torch.zeros(2, 2, 3, 4, 1, 8)
+    kernels.swap_blocks(src, cpu_pool, torch.tensor([[4, 0]]))
+    assert torch.equal(cpu_pool[:, :, 0], src[:, :, 4]) and cpu_pool[:, :, 1:].abs().sum() == 0
+    with pytest.raises(ValueError, match=r"swap_blocks: block_mapping\[1\] has dst block 0 \(the null block\)"):
+        kernels.swap_blocks(cpu_pool, torch.zeros(2, 2, 6, 4, 1, 8, device="meta"), torch.tensor([[0, 2], [1, 0]]))
