@@ -126,3 +126,56 @@ def test_example_prompts_file_is_valid():
     assert len(prompts) >= 50
     shared = [p for p in prompts if isinstance(p, dict) and p.get("system")]
     assert len(shared) >= 5 and len({p["system"] for p in shared}) == 1
+
+
+def test_cli_kv_pool_larger_than_memory_is_a_clean_error(tiny, tmp_path, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text("w10 w11\n")
+    rc, rows = _run(tiny, tmp_path, "--prompts", str(f), "--limit", "1", "--kv-blocks", "100000000000")
+    assert rc == 2 and rows == []
+    err = capsys.readouterr().err
+    assert "KV cache of 100000000000 blocks x " in err and "does not fit" in err
+    rc = main(["--model", str(tiny.path), "--prompts", str(f), "--kv-bytes", "500T", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"= {500 << 40} bytes (512000.00 GiB) does not fit" in err and "blocks x" in err
+
+
+def test_guard_allocation_turns_oom_into_typed_error():
+    from pagedkv.engine import KVCacheTooLargeError
+    from pagedkv.engine.resources import guard_allocation
+
+    def boom():
+        raise RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory\nmore")
+    with pytest.raises(KVCacheTooLargeError, match=r"KV cache of 7 blocks x 1024 bytes = 7168 bytes .*can't allocate"):
+        guard_allocation("KV cache", 7, 1024, boom)
+    assert guard_allocation("KV cache", 1, 1, lambda: 5) == 5
+
+
+def test_cli_cuda_without_gpu_exits_2(tiny, tmp_path, capsys, monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    f = tmp_path / "p.txt"
+    f.write_text("w10\n")
+    assert main(["--model", str(tiny.path), "--prompts", str(f), "--device", "cuda", "--no-progress"]) == 2
+    assert "device='cuda' requested but CUDA is not available" in capsys.readouterr().err
+
+
+def test_cli_all_requests_rejected_exits_1(tiny, tmp_path, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text("w10 w11 w12 w13 w14 w15\nw16 w17 w18 w19 w20\n")
+    rc, rows = _run(tiny, tmp_path, "--prompts", str(f), "--kv-blocks", "2", "--no-chat-template",
+                    "--max-tokens", "8")
+    assert rc == 1
+    assert [r["id"] for r in rows] == ["0", "1"] and all("error" in r for r in rows)
+    assert "all 2 request(s) were rejected; none could be served" in capsys.readouterr().err
+
+
+def test_cli_help_documents_every_option_once():
+    from pagedkv.engine.cli import build_parser
+    ap = build_parser()
+    for action in ap._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, action.option_strings
+    text = ap.format_help()
+    assert "(default: None)" not in text
+    assert "falls back to recompute" in " ".join(text.split())

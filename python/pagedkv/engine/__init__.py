@@ -17,8 +17,10 @@ budget, chunked prefill, preemption) -> :mod:`.runner` (block plans, kernel inpu
 
 from .engine import EngineConfig, LLMEngine, generate
 from .errors import (
+    DeviceUnavailableError,
     EngineError,
     InvalidRequestError,
+    KVCacheTooLargeError,
     ModelNotFoundError,
     PromptFileError,
     RequestTooLargeError,
@@ -35,8 +37,10 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "EngineMetrics",
+    "DeviceUnavailableError",
     "EngineError",
     "InvalidRequestError",
+    "KVCacheTooLargeError",
     "ModelNotFoundError",
     "PromptFileError",
     "RequestTooLargeError",

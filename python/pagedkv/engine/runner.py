@@ -15,6 +15,7 @@ from pagedkv import kernels
 from pagedkv.tensors import dense_block_table
 
 from .model import AttentionMetadata, LlamaForCausalLM
+from .resources import guard_allocation
 from .scheduler import ScheduledBatch
 
 __all__ = ["ModelRunner"]
@@ -28,15 +29,22 @@ class ModelRunner:
         num_blocks: device KV blocks, null block included.
         block_size: tokens per block.
         num_cpu_blocks: CPU swap blocks (0 disables the CPU cache).
+
+    Raises:
+        KVCacheTooLargeError: allocating either cache failed (names blocks and bytes).
     """
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
                  num_cpu_blocks: int = 0) -> None:
         self.model = model
         self.block_size = block_size
-        self.kv_cache = model.allocate_kv_cache(num_blocks, block_size)
-        self.cpu_cache = (model.allocate_kv_cache(num_cpu_blocks, block_size, device="cpu", pin_memory=True)
-                          if num_cpu_blocks > 0 else None)
+        per_block = model.kv_bytes_per_block(block_size)
+        self.kv_cache = guard_allocation("KV cache", num_blocks, per_block,
+                                         lambda: model.allocate_kv_cache(num_blocks, block_size))
+        self.cpu_cache = (guard_allocation(
+            "CPU swap pool", num_cpu_blocks, per_block,
+            lambda: model.allocate_kv_cache(num_cpu_blocks, block_size, device="cpu", pin_memory=True))
+            if num_cpu_blocks > 0 else None)
         self.device = model.device
         # "auto" dispatch runs the Triton kernel on CUDA when Triton is installed; it needs no plan.
         self._triton_attention = self.device.type == "cuda" and kernels.triton_available()

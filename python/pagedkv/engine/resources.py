@@ -1,0 +1,100 @@
+"""Host checks the engine runs before it commits memory: is the requested device usable, and
+do the KV pools fit the free memory?
+
+Why: ``torch.zeros`` on a pool that cannot fit fails late (after the model load) with a raw
+``RuntimeError``/``OutOfMemoryError``; a CUDA device on a GPU-less machine fails deep inside
+torch. Both are turned into the engine's typed errors naming the requested sizes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from .errors import DeviceUnavailableError, KVCacheTooLargeError
+
+__all__ = ["check_device", "available_memory", "check_kv_fits", "guard_allocation"]
+
+T = TypeVar("T")
+
+
+def check_device(device: Any) -> torch.device:
+    """Parse ``device`` and check it can be used. O(1).
+
+    Raises:
+        DeviceUnavailableError: not a torch device string, or a CUDA device when CUDA is not
+            available / the index is out of range (names the device).
+    """
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise DeviceUnavailableError(f"device={device!r} is not a torch device: {e}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError(
+                f"device={str(dev)!r} requested but CUDA is not available on this machine "
+                "(no GPU or no CUDA build of torch); use --device cpu")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise DeviceUnavailableError(f"device={str(dev)!r} requested but only {n} CUDA device(s) exist")
+    return dev
+
+
+def available_memory(dev: torch.device) -> int:
+    """Bytes free for a new allocation on ``dev``: ``torch.cuda.mem_get_info`` on CUDA, the
+    host's available memory (psutil, else ``os.sysconf``) otherwise."""
+    if dev.type == "cuda":
+        return int(torch.cuda.mem_get_info(dev)[0])
+    try:
+        import psutil
+        return int(psutil.virtual_memory().available)
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n} bytes ({n / 2**30:.2f} GiB)"
+
+
+def check_kv_fits(dev: torch.device, num_blocks: int, num_cpu_blocks: int, bytes_per_block: int) -> None:
+    """Check the device KV pool (``num_blocks``) and the CPU swap pool (``num_cpu_blocks``) fit
+    the memory free now. When ``dev`` is the CPU both pools share host memory. O(1).
+
+    Raises:
+        KVCacheTooLargeError: naming the pool size in blocks and bytes and the free memory.
+    """
+    dev_bytes = num_blocks * bytes_per_block
+    cpu_bytes = num_cpu_blocks * bytes_per_block
+    if dev.type == "cpu":
+        free = available_memory(dev)
+        if dev_bytes + cpu_bytes > free:
+            swap = f" + CPU swap pool {num_cpu_blocks} blocks" if num_cpu_blocks else ""
+            raise KVCacheTooLargeError(
+                f"KV cache of {num_blocks} blocks{swap} x {bytes_per_block} bytes = "
+                f"{_fmt_bytes(dev_bytes + cpu_bytes)} does not fit the {_fmt_bytes(free)} of free host "
+                "memory; lower --kv-blocks / --kv-bytes")
+        return
+    free = available_memory(dev)
+    if dev_bytes > free:
+        raise KVCacheTooLargeError(
+            f"KV cache of {num_blocks} blocks x {bytes_per_block} bytes = {_fmt_bytes(dev_bytes)} does not "
+            f"fit the {_fmt_bytes(free)} free on {dev}; lower --kv-blocks / --kv-bytes")
+    if num_cpu_blocks:
+        host = available_memory(torch.device("cpu"))
+        if cpu_bytes > host:
+            raise KVCacheTooLargeError(
+                f"CPU swap pool of {num_cpu_blocks} blocks x {bytes_per_block} bytes = {_fmt_bytes(cpu_bytes)} "
+                f"does not fit the {_fmt_bytes(host)} of free host memory; lower --cpu-blocks")
+
+
+def guard_allocation(what: str, num_blocks: int, bytes_per_block: int, alloc: Callable[[], T]) -> T:
+    """Run ``alloc``; turn an allocation failure (the free-memory estimate can be stale) into
+    :class:`KVCacheTooLargeError` naming ``what`` and its size in blocks and bytes."""
+    try:
+        return alloc()
+    except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        raise KVCacheTooLargeError(
+            f"allocating the {what} of {num_blocks} blocks x {bytes_per_block} bytes = "
+            f"{_fmt_bytes(num_blocks * bytes_per_block)} failed: {str(e).splitlines()[0]}") from e
