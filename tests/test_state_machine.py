@@ -583,6 +583,14 @@ class ManagerMachine(RuleBasedStateMachine):
         app = appends[: len(seqs)] if appends is not None else None
         before = snapshot(m, self.ids())
         out = m.step(np.asarray(seqs, dtype=np.uint64), np.asarray(mx, dtype=np.int32), app)
+        dup = next((q for k, q in enumerate(seqs) if q in seqs[:k]), None)
+        if dup is not None:
+            # A sequence listed twice is rejected before anything is scheduled or appended.
+            assert out.num_scheduled == 0
+            assert isinstance(out.error, pagedkv.InvalidArgumentError)
+            assert (out.error.arg, out.error.value) == ("seq_ids", str(dup))
+            assert snapshot(m, self.ids()) == before, "rejected step changed state"
+            return
         n_ok = 0
         error: Expected | None = None
         expected_rows = []

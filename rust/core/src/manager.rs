@@ -685,7 +685,8 @@ impl KvCacheManager {
     /// One scheduler step in one call: for each sequence in order, append its new tokens (CSR
     /// slice of `append_tokens`) and [`Self::allocate_slots`] it; stop at the first failure,
     /// leaving that sequence unchanged (its appended tokens removed again) while the sequences
-    /// before it keep their allocations. A malformed request (array lengths, CSR offsets) is
+    /// before it keep their allocations. A malformed request (array lengths, CSR offsets, a
+    /// sequence id given twice) is
     /// reported in `error` with nothing scheduled. O(total tokens scheduled + blocks of the
     /// scheduled sequences).
     pub fn step(&self, req: &StepRequest) -> StepOutput {
@@ -1212,6 +1213,15 @@ fn validate_step(req: &StepRequest) -> Result<()> {
             arg: "max_new_tokens",
             value: format!("len {}", req.max_new_tokens.len()),
             reason: format!("must have one entry per sequence ({n})"),
+        });
+    }
+    // A sequence scheduled twice would get two overlapping slot ranges in one step.
+    let mut seen = std::collections::HashSet::with_capacity(n);
+    if let Some(dup) = req.seq_ids.iter().find(|s| !seen.insert(**s)) {
+        return Err(Error::InvalidArgument {
+            arg: "seq_ids",
+            value: dup.to_string(),
+            reason: format!("sequence {dup} appears more than once in one step"),
         });
     }
     if req.append_indptr.is_empty() {

@@ -601,6 +601,31 @@ fn step_returns_exact_flat_arrays() {
         );
         assert_eq!(out.query_start_loc, vec![0]);
     }
+    // A sequence scheduled twice in one step is rejected before anything changes.
+    let before = (
+        snapshot(&m),
+        m.block_table(1).unwrap(),
+        m.num_computed_tokens(1).unwrap(),
+    );
+    let out = m.step(&StepRequest {
+        seq_ids: vec![1, 1],
+        max_new_tokens: vec![4, 4],
+        append_indptr: vec![0, 1, 2],
+        append_tokens: vec![7, 8],
+    });
+    assert_eq!(out.num_scheduled, 0);
+    assert_eq!(
+        out.error.map(|e| e.to_string()).as_deref(),
+        Some("invalid argument seq_ids = 1: sequence 1 appears more than once in one step")
+    );
+    assert_eq!(
+        (
+            snapshot(&m),
+            m.block_table(1).unwrap(),
+            m.num_computed_tokens(1).unwrap()
+        ),
+        before
+    );
     let out = m.step(&StepRequest {
         seq_ids: vec![77],
         max_new_tokens: vec![1],
