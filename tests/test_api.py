@@ -410,7 +410,11 @@ def test_block_pool_standalone() -> None:
     assert ids.dtype == np.int32 and ids.tolist() == [1, 2, 3]
     assert (p.num_free, p.num_used) == (4, 3)
     p.incref(ids[:1])
-    assert [p.ref_count(i) for i in (0, 1, 2, 3, 4, 99)] == [0, 2, 1, 1, 0, 0]
+    assert [p.ref_count(i) for i in (0, 1, 2, 3, 4, 7)] == [0, 2, 1, 1, 0, 0]
+    for bad in (8, 99):                              # out of range, as free() reports it
+        with pytest.raises(pagedkv.InvalidBlockError, match=f"{bad}") as info:
+            p.ref_count(bad)
+        assert (info.value.block_id, info.value.num_blocks) == (bad, 8)
     h = bytes(range(32))
     p.cache_block(2, h)
     assert p.block_hash(2) == h and p.lookup(h) == 2 and p.lookup(bytes(32)) is None
@@ -447,9 +451,14 @@ def test_manager_pool_view_is_read_only() -> None:
     for call in (lambda: view.allocate(1), lambda: view.free([1]), lambda: view.incref([1]),
                  lambda: view.touch([1]), lambda: view.cache_block(1, bytes(32)),
                  lambda: view.reset_prefix_cache()):
-        with pytest.raises(RuntimeError, match="read-only view"):
+        with pytest.raises(pagedkv.ReadOnlyPoolError, match="read-only view") as info:
             call()
+        assert isinstance(info.value, RuntimeError)
     assert view.num_free == 15
+    with pytest.raises(pagedkv.ReadOnlyPoolError) as info:
+        view.free([1])
+    assert info.value.operation == "free"
+    assert str(info.value).startswith("BlockPool.free: this pool belongs to a KVCacheManager")
     view.check_invariants()
 
 

@@ -176,7 +176,10 @@ MANAGER_ROWS: list[Row] = [
     ("step negative appended id", lambda m: m.step([2], [1], [[-4]]).raise_for_error(), E.InvalidArgumentError, ("-4",)),
     ("step 2-D seq ids", lambda m: m.step(np.array([[2]]), [1]).raise_for_error(), E.InvalidArgumentError, ("seq_ids", "[1, 1]")),
     # the manager's pool is a read-only view
-    ("free through the manager's pool", lambda m: m.pool.free([1]), RuntimeError, ("read-only",)),
+    ("free through the manager's pool", lambda m: m.pool.free([1]), E.ReadOnlyPoolError, ("read-only", "free")),
+    ("step duplicate seq id", lambda m: m.step([2, 2], [4, 4]).raise_for_error(), E.InvalidArgumentError,
+     ("seq_ids", "sequence 2 appears more than once")),
+    ("pool ref_count out of range", lambda m: m.pool.ref_count(99), E.InvalidBlockError, ("99",)),
 ]
 
 

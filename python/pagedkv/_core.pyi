@@ -187,7 +187,11 @@ class AllBlocksCleared:
 
 @final
 class BlockPool:
-    """A pool of fixed-size KV blocks (standalone, or a read-only view of a manager's pool)."""
+    """A pool of fixed-size KV blocks (standalone, or a read-only view of a manager's pool).
+
+    On the view returned by ``KVCacheManager.pool`` the mutating methods raise
+    ``ReadOnlyPoolError`` (a ``RuntimeError``).
+    """
 
     def __new__(cls, num_blocks: int) -> BlockPool: ...
     @property
@@ -207,7 +211,12 @@ class BlockPool:
     def cache_block(self, block_id: int, hash: bytes) -> None: ...
     def lookup(self, hash: bytes) -> int | None: ...
     def reset_prefix_cache(self) -> None: ...
-    def ref_count(self, block_id: int) -> int: ...
+    def ref_count(self, block_id: int) -> int:
+        """Reference count of ``block_id``; 0 for the null block 0. O(1).
+
+        Raises ``InvalidBlockError`` for ``block_id >= num_blocks`` (as ``free`` does) and
+        ``InvalidArgumentError`` for a negative or non-int id.
+        """
     def block_hash(self, block_id: int) -> bytes | None: ...
     def free_queue(self) -> _Int32Array: ...
     def counters(self) -> dict[str, int]: ...

@@ -17,6 +17,7 @@ InvalidConfigError          ValueError                   a configuration value i
 InvalidArgumentError        ValueError                   a call argument is out of range
 InvalidSequenceStateError   RuntimeError                 the sequence is in the wrong state
 CacheInUseError             RuntimeError                 resetting the prefix cache while in use
+ReadOnlyPoolError           RuntimeError                 mutating ``KVCacheManager.pool`` (a view)
 =========================== ============================ ==========================================
 
 A call that raises any of these has changed no state. Messages name the offending values; the
@@ -39,6 +40,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidSequenceStateError",
     "CacheInUseError",
+    "ReadOnlyPoolError",
 ]
 
 
@@ -206,3 +208,17 @@ class CacheInUseError(PagedKVError, RuntimeError):
 
     _fields = ("blocks_in_use",)
     blocks_in_use: int
+
+
+class ReadOnlyPoolError(PagedKVError, RuntimeError):
+    """A mutating ``BlockPool`` method was called on ``KVCacheManager.pool``, a read-only view.
+
+    Raised by the bindings, not the core: changing the pool behind the manager's back would break
+    the manager's bookkeeping, so use the manager's own methods instead. Nothing is changed.
+
+    Attributes:
+        operation: the refused ``BlockPool`` method (``"free"``, ``"allocate"``...).
+    """
+
+    _fields = ("operation",)
+    operation: str

@@ -2,6 +2,7 @@
 
 use crate::convert::uint_arg;
 use crate::errors::to_pyerr;
+use pagedkv_core::manager::MAX_BLOCK_SIZE;
 use pagedkv_core::pool::MAX_BLOCKS;
 use pagedkv_core::{CacheConfig, Error, HashAlgo};
 use pyo3::prelude::*;
@@ -25,8 +26,16 @@ fn config_error(py: Python<'_>, field: &'static str, value: String, reason: Stri
     )
 }
 
-/// A non-negative int field, `0..=u32::MAX`, reported as `InvalidConfigError` naming `field`.
-fn u32_field(obj: &Bound<'_, PyAny>, field: &'static str) -> PyResult<u32> {
+/// A non-negative int that fits `u32`; anything else (negative, too large, not an int) is an
+/// `InvalidConfigError` naming `field` and quoting its real range `lo..=hi` (in `unit`), not
+/// the `u32` range. In-range `u32` values are left to the core's validation, which reports
+/// them with its own reason.
+fn u32_field(
+    obj: &Bound<'_, PyAny>,
+    field: &'static str,
+    (lo, hi): (u32, u32),
+    unit: &str,
+) -> PyResult<u32> {
     uint_arg(obj, field, u64::from(u32::MAX))
         .map(|v| v as u32)
         .map_err(|_| {
@@ -35,7 +44,7 @@ fn u32_field(obj: &Bound<'_, PyAny>, field: &'static str) -> PyResult<u32> {
                 obj.py(),
                 field,
                 value,
-                format!("expected an int in 0..={}", u32::MAX),
+                format!("expected an int in {lo}..={hi} {unit}"),
             )
         })
 }
@@ -57,8 +66,8 @@ impl PyCacheConfig {
         enable_events: bool,
     ) -> PyResult<Self> {
         let mut cfg = CacheConfig::new(
-            u32_field(num_blocks, "num_blocks")?,
-            u32_field(block_size, "block_size")?,
+            u32_field(num_blocks, "num_blocks", (2, MAX_BLOCKS), "blocks")?,
+            u32_field(block_size, "block_size", (1, MAX_BLOCK_SIZE), "tokens")?,
         );
         cfg.enable_prefix_caching = enable_prefix_caching;
         cfg.hash_algo = HashAlgo::from_name(hash_algo).ok_or_else(|| {
@@ -71,7 +80,7 @@ impl PyCacheConfig {
         })?;
         cfg.hash_seed = hash_seed.unwrap_or_default().to_vec();
         cfg.num_cpu_blocks = match num_cpu_blocks {
-            Some(n) => u32_field(n, "num_cpu_blocks")?,
+            Some(n) => u32_field(n, "num_cpu_blocks", (0, u32::MAX), "blocks")?,
             None => 0,
         };
         cfg.enable_events = enable_events;

@@ -97,6 +97,24 @@ pub(crate) fn error_instance<'py>(py: Python<'py>, err: &Error) -> PyResult<Boun
         .call((err.to_string(),), Some(&kw))
 }
 
+/// `pagedkv.errors.ReadOnlyPoolError` for a mutating `BlockPool.{operation}` call on a
+/// manager's pool view (a binding-level rule, so it has no core variant).
+pub(crate) fn read_only_pool(py: Python<'_>, operation: &str) -> PyErr {
+    let build = || -> PyResult<PyErr> {
+        let kw = PyDict::new(py);
+        kw.set_item("operation", operation)?;
+        let msg = format!(
+            "BlockPool.{operation}: this pool belongs to a KVCacheManager and is a read-only \
+             view; use the manager's methods (allocate_slots, free, ...)"
+        );
+        let value = errors_module(py)?
+            .getattr("ReadOnlyPoolError")?
+            .call((msg,), Some(&kw))?;
+        Ok(PyErr::from_value(value))
+    };
+    build().unwrap_or_else(|e| e)
+}
+
 /// The core error as a raisable `PyErr`.
 pub(crate) fn to_pyerr(py: Python<'_>, err: &Error) -> PyErr {
     match error_instance(py, err) {

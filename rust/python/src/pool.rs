@@ -2,12 +2,12 @@
 //! read-only view of a manager's pool.
 
 use crate::convert::{block_ids, count, uint_arg};
-use crate::errors::{bad_arg, IntoPyResult};
+use crate::errors::{bad_arg, read_only_pool, to_pyerr, IntoPyResult};
 use numpy::PyArray1;
 use pagedkv_core::events::EventSink;
 use pagedkv_core::pool::BlockPool;
 use pagedkv_core::{BlockHash, BlockId, KvCacheManager};
-use pyo3::exceptions::{PyAssertionError, PyRuntimeError};
+use pyo3::exceptions::PyAssertionError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::sync::Arc;
@@ -24,7 +24,8 @@ enum Owner {
 ///
 /// ``BlockPool(num_blocks)`` makes a standalone pool (thread-safe; every call releases the GIL,
 /// the uncached free list and ref counts are lock-free). ``KVCacheManager.pool`` returns a
-/// read-only view of the manager's pool: its mutating methods raise ``RuntimeError``, because
+/// read-only view of the manager's pool: its mutating methods raise ``ReadOnlyPoolError`` (a
+/// ``RuntimeError``), because
 /// changing the pool behind the manager's back breaks the manager's bookkeeping.
 ///
 /// Raises ``InvalidConfigError`` unless ``2 <= num_blocks <= 2**28``.
@@ -52,10 +53,7 @@ impl PyBlockPool {
     fn writable(&self, op: &str) -> PyResult<Arc<BlockPool>> {
         match &self.owner {
             Owner::Standalone(p) => Ok(p.clone()),
-            Owner::Manager(_) => Err(PyRuntimeError::new_err(format!(
-                "BlockPool.{op}: this pool belongs to a KVCacheManager and is a read-only view; \
-                 use the manager's methods (allocate_slots, free, ...)"
-            ))),
+            Owner::Manager(_) => Err(Python::with_gil(|py| read_only_pool(py, op))),
         }
     }
 }
@@ -199,12 +197,23 @@ impl PyBlockPool {
         py.allow_threads(|| pool.reset_prefix_cache()).py(py)
     }
 
-    /// Reference count of ``block_id`` (0 for the null block and out-of-range ids).
-    fn ref_count(&self, block_id: &Bound<'_, PyAny>) -> PyResult<u32> {
-        let id = uint_arg(block_id, "block_id", u64::from(u32::MAX))?;
-        Ok(u32::try_from(id)
-            .map(|id| self.pool().ref_count(id))
-            .unwrap_or(0))
+    /// Reference count of ``block_id``; 0 for the null block 0 (never referenced). O(1).
+    ///
+    /// Raises ``InvalidBlockError`` for an id ``>= num_blocks`` (like ``free``), and
+    /// ``InvalidArgumentError`` for a negative or non-int id.
+    fn ref_count(&self, py: Python<'_>, block_id: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let id = uint_arg(block_id, "block_id", u64::from(u32::MAX))? as u32;
+        let pool = self.pool();
+        if id >= pool.num_blocks() {
+            return Err(to_pyerr(
+                py,
+                &pagedkv_core::Error::InvalidBlockId {
+                    block_id: id,
+                    num_blocks: pool.num_blocks(),
+                },
+            ));
+        }
+        Ok(pool.ref_count(id))
     }
 
     /// The 32-byte prefix hash of ``block_id``, or None.
