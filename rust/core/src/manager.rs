@@ -690,12 +690,22 @@ impl KvCacheManager {
     /// reported in `error` with nothing scheduled. O(total tokens scheduled + blocks of the
     /// scheduled sequences).
     pub fn step(&self, req: &StepRequest) -> StepOutput {
+        // Sized for the common decode step (one token per sequence) so the hot loop rarely
+        // reallocates; prefill chunks grow the token-indexed vectors as needed.
+        let n = req.seq_ids.len();
         let mut out = StepOutput {
-            query_start_loc: vec![0],
-            block_table_indptr: vec![0],
-            new_block_indptr: vec![0],
+            query_start_loc: Vec::with_capacity(n + 1),
+            block_table_indptr: Vec::with_capacity(n + 1),
+            new_block_indptr: Vec::with_capacity(n + 1),
+            num_cached_tokens: Vec::with_capacity(n),
+            context_lens: Vec::with_capacity(n),
+            seq_lens: Vec::with_capacity(n),
+            slot_mapping: Vec::with_capacity(n),
             ..Default::default()
         };
+        out.query_start_loc.push(0);
+        out.block_table_indptr.push(0);
+        out.new_block_indptr.push(0);
         if let Err(e) = validate_step(req) {
             out.error = Some(e);
             return out;
@@ -1216,7 +1226,7 @@ fn validate_step(req: &StepRequest) -> Result<()> {
         });
     }
     // A sequence scheduled twice would get two overlapping slot ranges in one step.
-    let mut seen = std::collections::HashSet::with_capacity(n);
+    let mut seen = foldhash::HashSet::with_capacity_and_hasher(n, Default::default());
     if let Some(dup) = req.seq_ids.iter().find(|s| !seen.insert(**s)) {
         return Err(Error::InvalidArgument {
             arg: "seq_ids",
