@@ -4,7 +4,9 @@
 //! hash; the target is >= 10x faster. Run: `cargo bench -p pagedkv-core --bench manager`.
 
 use criterion::{black_box, criterion_group, BatchSize, Criterion, Throughput};
-use pagedkv_core::{CacheConfig, HashAlgo, KvCacheManager, PrefixHasher, SequenceSpec};
+use pagedkv_core::{
+    CacheConfig, HashAlgo, KvCacheManager, PrefixHasher, SequenceSpec, StepRequest,
+};
 
 const BLOCK: u32 = 16;
 const PROMPT_BLOCKS: u32 = 64;
@@ -121,7 +123,71 @@ fn best_of_batches() {
     );
 }
 
+/// The core of one batched scheduler step for 256 running decode sequences (the workload of
+/// `benchmarks/step_overhead.py` without the Python binding): lengths spread over 64..576
+/// tokens, one appended token and one scheduled slot per sequence; a sequence reaching 576
+/// tokens is replaced by a fresh 64-token prompt outside the timed region.
+fn batched_step() {
+    const SEQS: u64 = 256;
+    const MIN: usize = 64;
+    const MAX: usize = 576;
+    let blocks = SEQS as u32 * (MAX as u32 / BLOCK + 2) + 1;
+    let m = KvCacheManager::new(CacheConfig::new(blocks, BLOCK)).unwrap();
+    let mut next_token = 7u32;
+    let mut tok = || {
+        next_token = next_token.wrapping_mul(1_103_515_245).wrapping_add(12_345) % 32_000;
+        next_token
+    };
+    let mut ids: Vec<u64> = (0..SEQS).collect();
+    let mut lens: Vec<usize> = (0..SEQS as usize)
+        .map(|i| MIN + i * (MAX - 1 - MIN) / (SEQS as usize - 1))
+        .collect();
+    let mut next_id = SEQS;
+    for (&id, &n) in ids.iter().zip(&lens) {
+        let prompt: Vec<u32> = (0..n).map(|_| tok()).collect();
+        m.add_sequence(id, &prompt, SequenceSpec::default())
+            .unwrap();
+        m.allocate_slots(id, n).unwrap();
+    }
+    let mut times = Vec::new();
+    for it in 0..3000 {
+        let req = StepRequest {
+            seq_ids: ids.clone(),
+            max_new_tokens: vec![1; SEQS as usize],
+            append_indptr: (0..=SEQS as u32).collect(),
+            append_tokens: (0..SEQS).map(|_| tok()).collect(),
+        };
+        let t = std::time::Instant::now();
+        let out = black_box(m.step(black_box(&req)));
+        let dt = t.elapsed();
+        assert!(out.error.is_none());
+        if it >= 200 {
+            times.push(dt.as_nanos() as f64 / 1e3);
+        }
+        for i in 0..SEQS as usize {
+            lens[i] += 1;
+            if lens[i] >= MAX {
+                m.free(ids[i]);
+                ids[i] = next_id;
+                next_id += 1;
+                let prompt: Vec<u32> = (0..MIN).map(|_| tok()).collect();
+                m.add_sequence(ids[i], &prompt, SequenceSpec::default())
+                    .unwrap();
+                m.allocate_slots(ids[i], MIN).unwrap();
+                lens[i] = MIN;
+            }
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "core batched step, 256 decode seqs (prefix caching on): p50 {:.1} us, best {:.1} us",
+        times[times.len() / 2],
+        times[0]
+    );
+}
+
 fn main() {
+    batched_step();
     benches();
     best_of_batches();
     Criterion::default().configure_from_args().final_summary();

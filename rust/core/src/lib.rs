@@ -7,6 +7,7 @@
 //!   reservation, prefix index ownership.
 //! - [`hashing`]: chained prefix hashing of full blocks with typed extra keys.
 //! - [`prefix_index`]: hash → blocks multiset.
+//! - `seq_table`: the manager's slab of sequences keyed by id.
 //! - [`manager`]: per-sequence block tables, slot allocation, fork / copy-on-write, preemption
 //!   (recompute and swap), the batched scheduler-step entry point.
 //! - [`metrics`], [`events`]: counters and KV events for routers.
@@ -19,6 +20,7 @@ pub mod manager;
 pub mod metrics;
 pub mod pool;
 pub mod prefix_index;
+mod seq_table;
 pub mod sync;
 
 pub use error::{Error, Result};

@@ -23,6 +23,7 @@ use crate::events::{EventSink, KvEvent};
 use crate::hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
+use crate::seq_table::SeqTable;
 use crate::{BlockId, SeqId, NULL_BLOCK};
 use parking_lot::Mutex;
 use std::borrow::Cow;
@@ -257,7 +258,7 @@ impl Plan {
 
 #[derive(Debug)]
 struct State {
-    seqs: foldhash::HashMap<SeqId, Sequence>,
+    seqs: SeqTable<Sequence>,
     cpu: CpuPool,
     counters: ManagerCounters,
 }
@@ -300,7 +301,7 @@ impl KvCacheManager {
         let pool = BlockPool::new(cfg.num_blocks, events.clone())?;
         let hasher = PrefixHasher::new(cfg.hash_algo, &cfg.hash_seed);
         let state = State {
-            seqs: foldhash::HashMap::default(),
+            seqs: SeqTable::default(),
             cpu: CpuPool::new(cfg.num_cpu_blocks),
             counters: ManagerCounters::default(),
         };
@@ -713,11 +714,23 @@ impl KvCacheManager {
         let bs = self.bs();
         let mut guard = self.state.lock();
         let st = &mut *guard;
-        for (i, &seq) in req.seq_ids.iter().enumerate() {
-            let Some(s) = st.seqs.get_mut(&seq) else {
+        // Resolve every id to its slot once; a sequence listed twice would get two overlapping
+        // slot ranges in one step, so that is refused before anything is scheduled.
+        let slots: Vec<Option<u32>> = req.seq_ids.iter().map(|&id| st.seqs.slot_of(id)).collect();
+        if let Some(dup) = duplicate_id(&req.seq_ids, &slots, st.seqs.num_slots()) {
+            out.error = Some(Error::InvalidArgument {
+                arg: "seq_ids",
+                value: dup.to_string(),
+                reason: format!("sequence {dup} appears more than once in one step"),
+            });
+            return out;
+        }
+        for (i, (&seq, &slot)) in req.seq_ids.iter().zip(&slots).enumerate() {
+            let Some(slot) = slot else {
                 out.error = Some(unknown(seq));
                 break;
             };
+            let s = st.seqs.at_slot_mut(slot);
             let old_len = s.tokens.len();
             if !req.append_indptr.is_empty() {
                 let (a, b) = (
@@ -832,7 +845,7 @@ impl KvCacheManager {
         let caching = self.cfg.enable_prefix_caching;
         let mut gpu_refs: HashMap<BlockId, u32> = HashMap::new();
         let mut cpu_refs = vec![0u32; st.cpu.refs.len()];
-        for (&id, s) in &st.seqs {
+        for (&id, s) in st.seqs.iter() {
             if s.num_computed > s.tokens.len() {
                 return Err(format!(
                     "seq {id}: num_computed {} > num_tokens {}",
@@ -1137,7 +1150,7 @@ impl KvCacheManager {
         for k in s.num_cached_blocks..full {
             let h = self.block_hash_at(s, k);
             let b = s.blocks[k];
-            if self.pool.block_hash(b).is_some() {
+            if self.pool.is_hashed(b) {
                 continue; // shared with a sequence that cached it already
             }
             let cached = self.pool.cache_block(b, h);
@@ -1216,6 +1229,27 @@ fn cpu_release(cpu: &mut CpuPool, table: &[BlockId]) {
     }
 }
 
+/// The first id listed twice in `ids`, given each id's slot (`None` = unknown id). Known ids
+/// are checked with one bit per slot; unknown ids (rare: that step fails anyway) by a scan.
+fn duplicate_id(ids: &[SeqId], slots: &[Option<u32>], num_slots: usize) -> Option<SeqId> {
+    let mut seen = vec![false; num_slots];
+    let mut unknown_ids: Vec<SeqId> = Vec::new();
+    for (&id, slot) in ids.iter().zip(slots) {
+        let dup = match slot {
+            Some(slot) => std::mem::replace(&mut seen[*slot as usize], true),
+            None if unknown_ids.contains(&id) => true,
+            None => {
+                unknown_ids.push(id);
+                false
+            }
+        };
+        if dup {
+            return Some(id);
+        }
+    }
+    None
+}
+
 fn validate_step(req: &StepRequest) -> Result<()> {
     let n = req.seq_ids.len();
     if req.max_new_tokens.len() != n {
@@ -1223,15 +1257,6 @@ fn validate_step(req: &StepRequest) -> Result<()> {
             arg: "max_new_tokens",
             value: format!("len {}", req.max_new_tokens.len()),
             reason: format!("must have one entry per sequence ({n})"),
-        });
-    }
-    // A sequence scheduled twice would get two overlapping slot ranges in one step.
-    let mut seen = foldhash::HashSet::with_capacity_and_hasher(n, Default::default());
-    if let Some(dup) = req.seq_ids.iter().find(|s| !seen.insert(**s)) {
-        return Err(Error::InvalidArgument {
-            arg: "seq_ids",
-            value: dup.to_string(),
-            reason: format!("sequence {dup} appears more than once in one step"),
         });
     }
     if req.append_indptr.is_empty() {

@@ -577,6 +577,17 @@ impl BlockPool {
         }
     }
 
+    /// Whether block `id` carries a prefix hash (`false` for the null block and ids out of
+    /// range). Wait-free: reads the flag mirrored from the locked hash table, for hot paths
+    /// that only need to know, not the hash itself.
+    pub fn is_hashed(&self, id: BlockId) -> bool {
+        id != NULL_BLOCK
+            && self
+                .hashed
+                .get(id as usize)
+                .is_some_and(|h| h.load(Ordering::Acquire))
+    }
+
     /// The hash `id` carries, if any (`None` for the null block and ids out of range).
     /// Locking (reads the hash table under the mutex). O(1).
     pub fn block_hash(&self, id: BlockId) -> Option<BlockHash> {
