@@ -3,7 +3,7 @@
 
 Runs, each in its own subprocess with a time limit: ``allocator_speed.py``,
 ``memory_efficiency.py``, ``sharing.py``, ``prefix_caching.py`` (each with ``--quick``), and
-``step_overhead.py`` / ``engine_throughput.py`` when present (not ``kernels.py``, which needs
+``step_overhead.py`` / ``engine_throughput.py`` / ``engine_roofline.py`` when present (not ``kernels.py``, which needs
 CUDA). Each script's output goes to ``benchmarks/results/logs/<name>.log``; its tables are
 echoed when it ends. A script that fails or times out is reported in the summary, never hidden.
 
@@ -50,6 +50,8 @@ def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
     if (HERE / "engine_throughput.py").exists():
         jobs.append(("engine_throughput", [py, str(HERE / "engine_throughput.py"),
                                            *(a.engine_args or ["--rounds", "1"])], 600))
+    if (HERE / "engine_roofline.py").exists():
+        jobs.append(("engine_roofline", [py, str(HERE / "engine_roofline.py")], 240))
     if a.only:
         jobs = [j for j in jobs if j[0] in a.only]
     return jobs
@@ -198,7 +200,7 @@ def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> st
         out += [f"## Prefix caching, Mooncake conversation trace ({wl['requests']} requests, "
                 f"mean prompt {wl['prompt_mean']:.0f} tokens)", "",
                 common.markdown_table(["system", "caching", "KV budget (tokens)", "hit rate", "prefill tokens saved"], rows), ""]
-    for name in ("step_overhead", "engine_throughput"):
+    for name in ("step_overhead", "engine_throughput", "engine_roofline"):
         d = _load(results_dir, name)
         if d is not None:
             md = d.get("summary_markdown")

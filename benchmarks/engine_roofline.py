@@ -1,0 +1,221 @@
+"""How fast can ANY engine run the trace workload of ``engine_throughput.py`` on this CPU?
+
+A GEMM floor for SmolLM2-135M in fp32 with torch's CPU GEMM (the same MKL ``linear`` every
+system in ``engine_throughput.py`` uses), so the targets there can be checked against what the
+hardware allows rather than against each other.
+
+Measured: ``t(M)``, the wall time of one pass of M tokens through every linear layer of the
+model (fused QKV, output, fused gate/up, down projections of all layers, the model's real
+weights, 1 torch thread), and ``h(M)``, the LM head for M tokens, for M from 1 to 1024. A pass
+streams ~540 MB of weights, so small M is bound by memory bandwidth and large M by FMA
+throughput (``t(M)/M`` falls until the GEMMs become compute bound).
+
+From these, for the trace workload (prompt and output lengths of the Azure conversation trace,
+as in ``engine_throughput.py``; every request arrives at t = 0):
+
+- ``compute floor``: every token at the best per-token cost seen at any M, plus one LM-head row
+  per output token at its best per-token cost. No schedule of these GEMMs can beat it (it ignores
+  attention, norms, sampling and the fact that each request's decode tokens are sequential).
+- ``pass floor``: tighter and still schedule-free: the longest request needs one forward pass
+  per output token (its decode steps are sequential), and a pass costs at least ``t(1)`` plus
+  the best marginal cost ``min (t(M) - t(1)) / (M - 1)`` per further token (same for the LM head).
+- ``staged schedule``: what a continuous-batching engine with a token budget does here (and what
+  both pagedkv and transformers' ``generate_batch`` do): the prompts in budget-sized chunked-
+  prefill steps, then decode steps whose batch is the number of requests still generating,
+  costed with the measured ``t(M) + h(M)`` (linear interpolation between measured M).
+
+Prints both floors next to the measured walls of ``benchmarks/results/engine_throughput.json``
+(if present) and the wall a given speedup over transformers' ``generate_batch`` would need, and
+plots GEMM throughput against M to ``benchmarks/results/engine_roofline.png``.
+
+Usage: python benchmarks/engine_roofline.py [--threads 1] [--max-tokens-per-step 1024]
+       [--trace-requests 16 --trace-scale 0.25 --max-prompt 256 --max-output 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_throughput import RESULTS as THROUGHPUT_JSON  # noqa: E402
+from engine_throughput import trace_workload  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+def layer_weights(hf: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The model's linear weights as the pagedkv engine runs them (QKV and gate/up fused), and
+    the LM head weight. fp32, ``[out_features, in_features]``."""
+    ws: list[torch.Tensor] = []
+    for layer in hf.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        ws.append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach().float().contiguous())
+        ws.append(a.o_proj.weight.detach().float().contiguous())
+        ws.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().float().contiguous())
+        ws.append(m.down_proj.weight.detach().float().contiguous())
+    return ws, hf.lm_head.weight.detach().float().contiguous()
+
+
+def best_time(fn: Any, reps: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure(ws: list[torch.Tensor], head: torch.Tensor, sizes: list[int]) -> dict[int, tuple[float, float]]:
+    """{M: (t(M) s, h(M) s)}: best-of-3 wall of all layer linears and of the LM head."""
+    out = {}
+    for m in sizes:
+        xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in ws}}
+        t = best_time(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in ws], 3)
+        h = best_time(lambda: torch.nn.functional.linear(xs[head.shape[1]], head), 3)
+        out[m] = (t, h)
+        print(f"  M={m:5d}: layers {t * 1e3:8.1f} ms  ({t / m * 1e3:6.2f} ms/token)   "
+              f"LM head {h * 1e3:7.1f} ms", file=sys.stderr, flush=True)
+    return out
+
+
+def interp(table: dict[int, tuple[float, float]], m: int, which: int) -> float:
+    ms = sorted(table)
+    return float(np.interp(m, ms, [table[k][which] for k in ms]))
+
+
+def staged_schedule(prompts: list[int], outputs: list[int], budget: int,
+                    table: dict[int, tuple[float, float]]) -> tuple[float, int]:
+    """GEMM time and step count of chunked prefill in budget-sized steps, then batched decode.
+    The first output token of a request comes from its last prefill chunk."""
+    total_prompt = sum(prompts)
+    t = 0.0
+    steps = 0
+    left = total_prompt
+    while left > 0:
+        m = min(budget, left)
+        t += interp(table, m, 0)
+        left -= m
+        steps += 1
+    t += interp(table, len(prompts), 1)  # LM head rows of the first output tokens
+    for k in range(1, max(outputs)):
+        batch = sum(1 for o in outputs if o > k)
+        t += interp(table, batch, 0) + interp(table, batch, 1)
+        steps += 1
+    return t, steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--max-tokens-per-step", type=int, default=1024)
+    ap.add_argument("--trace-requests", type=int, default=16)
+    ap.add_argument("--trace-scale", type=float, default=0.25)
+    ap.add_argument("--max-prompt", type=int, default=256)
+    ap.add_argument("--max-output", type=int, default=64)
+    ap.add_argument("--output", type=Path, default=RESULTS / "engine_roofline.json")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+
+    from pagedkv.engine.loader import load_hf_model
+
+    hf, _ = load_hf_model()
+    ws, head = layer_weights(hf)
+    weight_mb = (sum(w.numel() for w in ws) + head.numel()) * 4 / 1e6
+    work = trace_workload(a.trace_requests, a.trace_scale, a.max_prompt, a.max_output, hf.config.vocab_size)
+    prompts = [len(p) for p, _ in work]
+    outputs = [o for _, o in work]
+    print(f"measuring GEMM passes ({weight_mb:.0f} MB of fp32 weights, {a.threads} thread(s)) ...",
+          file=sys.stderr)
+    table = measure(ws, head, SIZES)
+
+    best_tok = min(t / m for m, (t, _) in table.items())
+    best_head = min(h / m for m, (_, h) in table.items())
+    compute_floor = (sum(prompts) + sum(outputs)) * best_tok + sum(outputs) * best_head
+    staged, steps = staged_schedule(prompts, outputs, a.max_tokens_per_step, table)
+    passes = max(outputs)
+    t1, h1 = table[1]
+    marg = min((t - t1) / (m - 1) for m, (t, _) in table.items() if m > 1)
+    marg_head = min((h - h1) / (m - 1) for m, (_, h) in table.items() if m > 1)
+    total = sum(prompts) + sum(outputs)
+    pass_floor = passes * t1 + (total - passes) * marg + passes * h1 + (sum(outputs) - passes) * marg_head
+
+    measured: dict[str, float] = {}
+    if THROUGHPUT_JSON.exists():
+        tr = json.loads(THROUGHPUT_JSON.read_text()).get("workloads", {}).get("trace", {})
+        same = tr.get("requests") == len(work) and tr.get("prompt_tokens") == sum(prompts)
+        if same:
+            measured = {k: v["wall_s"] for k, v in tr.get("systems", {}).items() if v.get("wall_s")}
+
+    print(f"\ntrace workload: {len(work)} requests, {sum(prompts)} prompt + {sum(outputs)} output tokens; "
+          f"token budget {a.max_tokens_per_step}")
+    print(f"{'':44} {'wall s':>8} {'out tok/s':>10}")
+    rows = [("GEMM compute floor (any schedule)", compute_floor),
+            (f"GEMM pass floor ({passes} sequential passes)", pass_floor),
+            (f"GEMM time of the staged schedule ({steps} steps)", staged)]
+    rows += [(f"measured: {k} (engine_throughput.json)", v) for k, v in measured.items()]
+    for name, wall in rows:
+        print(f"{name:44} {wall:8.1f} {sum(outputs) / wall:10.1f}")
+    cb = measured.get("hf-cb")
+    verdict = {}
+    if cb:
+        for x in (1.5, 3.0):
+            need = cb / x
+            verdict[f"{x}x_hf_cb_needs_wall_s"] = need
+            print(f"{x}x transformers generate_batch needs a wall of {need:.1f} s: "
+                  f"{'below' if need < staged else 'above'} the staged schedule's GEMM time, "
+                  f"{'below' if need < pass_floor else 'above'} the pass floor, "
+                  f"{'below' if need < compute_floor else 'above'} the compute floor")
+    md_rows = ["| wall for the trace workload | s | output tokens/s |", "|---|---:|---:|"]
+    md_rows += [f"| {name} | {wall:.1f} | {sum(outputs) / wall:.1f} |" for name, wall in rows]
+    md = (f"GEMM floors of SmolLM2-135M fp32 on this CPU ({a.threads} torch thread(s); {len(work)} trace requests, "
+          f"{sum(prompts)} prompt + {sum(outputs)} output tokens). Any engine's wall is at least a GEMM floor "
+          f"plus attention, norms and sampling.\n\n" + "\n".join(md_rows) +
+          (f"\n\n1.5x / 3x transformers generate_batch would need a wall of {cb / 1.5:.1f} s / {cb / 3:.1f} s "
+           f"(pass floor {pass_floor:.1f} s, staged-schedule GEMM time {staged:.1f} s)." if cb else "") +
+          "\n\n![GEMM cost per token](engine_roofline.png)\n\nReproduce: `python benchmarks/engine_roofline.py`")
+    a.output.parent.mkdir(parents=True, exist_ok=True)
+    a.output.write_text(json.dumps({"summary_markdown": md,
+        "benchmark": "engine_roofline", "threads": a.threads, "weights_mb": weight_mb,
+        "gemm_pass_s": {str(m): {"layers": t, "lm_head": h} for m, (t, h) in table.items()},
+        "trace": {"requests": len(work), "prompt_tokens": sum(prompts), "output_tokens": sum(outputs)},
+        "compute_floor_s": compute_floor, "pass_floor_s": pass_floor, "staged_schedule_gemm_s": staged, "staged_steps": steps,
+        "measured_walls_s": measured, **verdict}, indent=2))
+    _plot(table, a.output.with_suffix(".png"), a.threads)
+    print(f"wrote {a.output} and {a.output.with_suffix('.png')}", file=sys.stderr)
+    return 0
+
+
+def _plot(table: dict[int, tuple[float, float]], path: Path, threads: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ms = sorted(table)
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot(ms, [table[m][0] / m * 1e3 for m in ms], marker="o", label="all layer linears")
+    ax.plot(ms, [table[m][1] / m * 1e3 for m in ms], marker="s", label="LM head")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per forward pass (M)")
+    ax.set_ylabel("ms per token")
+    ax.set_title(f"SmolLM2-135M fp32 GEMM cost per token, {threads} CPU thread(s)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
