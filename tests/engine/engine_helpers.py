@@ -36,15 +36,19 @@ def _tiny_tokenizer(folder: Path) -> Any:
     return fast
 
 
-def build_tiny_model(folder: Path) -> ModelBundle:
-    """Create, save and reload the tiny model (see the module docs)."""
+def build_tiny_model(folder: Path, **config: Any) -> ModelBundle:
+    """Create, save and reload the tiny model (see the module docs). ``config`` overrides
+    LlamaConfig fields (e.g. ``rope_parameters``); RoPE has no weights, so models differing
+    only there have the same weights."""
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
-                      pad_token_id=0, initializer_range=0.25)
+    fields: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.25)
+    fields.update(config)
+    cfg = LlamaConfig(**fields)
     torch.manual_seed(1234)
     model = LlamaForCausalLM(cfg).float().eval()
     folder.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,9 @@ Quick use::
 Modules, in the order one step runs: :mod:`.scheduler` (FCFS continuous batching, token
 budget, chunked prefill, preemption) -> :mod:`.runner` (block plans, kernel inputs) ->
 :mod:`.model` (forward pass over the paged cache) -> :mod:`.sampling` / :mod:`.beam_search` ->
-:mod:`.engine` (requests in, results out). Also :mod:`.loader` (model files), :mod:`.request`,
-:mod:`.metrics`, :mod:`.errors` and :mod:`.cli` (the ``pagedkv-engine`` command).
+:mod:`.engine` (requests in, results out). Also :mod:`.rope` (RoPE frequencies, including the
+length-dependent ``dynamic`` and ``longrope`` types), :mod:`.loader` (model files),
+:mod:`.request`, :mod:`.metrics`, :mod:`.errors` and :mod:`.cli` (the ``pagedkv-engine`` command).
 """
 
 from .engine import EngineConfig, LLMEngine, generate

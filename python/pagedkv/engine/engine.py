@@ -229,7 +229,11 @@ class LLMEngine:
             torch.randint(0, 2**31 - 1, (1,), generator=self._seed_rng).item())
         req = Request(rid, text, ids, params, cache_salt, arrival, time.perf_counter(), seed)
         first = self._new_seq(req, ids, len(ids), 0)
-        self.manager.add_sequence(first.seq_id, ids, cache_salt=cache_salt)
+        salt = cache_salt
+        rope_tag = self.model.rope.prefix_cache_tag(len(ids))
+        if rope_tag is not None:  # this prompt's cached K/V also depends on its RoPE frequencies
+            salt = f"{cache_salt or ''}\x1f{rope_tag}"
+        self.manager.add_sequence(first.seq_id, ids, cache_salt=salt)
         req.seqs.append(first)
         if params.use_beam_search:
             eos = () if params.ignore_eos else sorted(self.eos_token_ids)

@@ -2,7 +2,8 @@
 
 Architecture (Llama 2/3, SmolLM, Qwen2, Mistral): token embedding -> N x [RMSNorm -> attention
 with RoPE and grouped-query heads (GQA) -> residual -> RMSNorm -> SwiGLU MLP -> residual] ->
-RMSNorm -> LM head (tied to the embedding when the config says so).
+RMSNorm -> LM head (tied to the embedding when the config says so). RoPE frequencies, static
+or length-dependent (``dynamic``, ``longrope``), come from :mod:`pagedkv.engine.rope`.
 
 The batch is one flat varlen token list (no padding): prefills, chunked prefills, prefills
 over a cached prefix and decodes of many sequences together, ``T`` tokens in all. Per layer the
@@ -28,11 +29,9 @@ import torch.nn.functional as F
 
 from pagedkv import kernels
 
-__all__ = ["AttentionMetadata", "LlamaForCausalLM", "rope_inv_freq"]
+from .rope import RotaryEmbedding, context_length, rope_inv_freq
 
-# RoPE variants whose frequencies depend on the running sequence length; a fixed table
-# cannot reproduce them, so they are refused rather than silently approximated.
-_DYNAMIC_ROPE = ("dynamic", "longrope")
+__all__ = ["AttentionMetadata", "LlamaForCausalLM", "rope_inv_freq"]
 
 
 @dataclass
@@ -74,42 +73,6 @@ class _Layer:
     down: torch.Tensor
 
 
-def _rope_parameters(config: Any) -> dict[str, Any]:
-    """The config's RoPE parameters as one dict (transformers >= 5 ``rope_parameters``, or the
-    older ``rope_theta`` + ``rope_scaling`` pair)."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        return dict(params)
-    params = dict(getattr(config, "rope_scaling", None) or {})
-    params.setdefault("rope_type", params.get("type", "default"))
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return params
-
-
-def rope_inv_freq(config: Any, head_size: int) -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies ``fp32 [head_size // 2]`` and the cos/sin scaling factor.
-
-    ``default`` is computed here (``1 / theta^(2i/d)``, RoFormer, Su et al. 2021); every other
-    static scaling type (``linear``, ``llama3``, ``yarn``...) goes through transformers'
-    ``ROPE_INIT_FUNCTIONS`` so the frequencies equal transformers' own.
-
-    Raises:
-        NotImplementedError: a sequence-length-dependent type (``dynamic``, ``longrope``).
-    """
-    params = _rope_parameters(config)
-    rope_type = params.get("rope_type", "default")
-    if rope_type in _DYNAMIC_ROPE:
-        raise NotImplementedError(f"rope_type {rope_type!r} is not supported (frequencies depend on length)")
-    if rope_type == "default":
-        theta = float(params.get("rope_theta", 10000.0))
-        inv = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
-        return inv, 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    return inv.float(), float(scaling)
-
-
 class LlamaForCausalLM:
     """A Llama-family causal LM whose attention reads and writes a paged KV cache.
 
@@ -118,7 +81,10 @@ class LlamaForCausalLM:
     Attributes:
         config: the transformers config.
         num_layers, num_heads, num_kv_heads, head_size, vocab_size: model sizes.
-        max_model_len: context length in tokens (``max_position_embeddings``).
+        max_model_len: context length in tokens (``max_position_embeddings``; times the
+            scaling factor for ``dynamic`` RoPE, see :func:`pagedkv.engine.rope.context_length`).
+        rope: the :class:`~pagedkv.engine.rope.RotaryEmbedding` (cos/sin tables; per-token
+            frequencies for the length-dependent ``dynamic`` / ``longrope`` types).
         dtype, device: of weights, activations and the KV cache.
     """
 
@@ -130,7 +96,7 @@ class LlamaForCausalLM:
 
         Raises:
             KeyError: a required weight is missing (names it).
-            NotImplementedError: unsupported RoPE type.
+            ValueError: a RoPE type transformers does not know (names it).
         """
         self.config = config
         self.device = torch.device(device)
@@ -140,7 +106,7 @@ class LlamaForCausalLM:
         self.num_kv_heads = int(getattr(config, "num_key_value_heads", None) or self.num_heads)
         self.head_size = int(getattr(config, "head_dim", None) or config.hidden_size // self.num_heads)
         self.vocab_size = int(config.vocab_size)
-        self.max_model_len = int(config.max_position_embeddings)
+        self.max_model_len = context_length(config)
         self.eps = float(config.rms_norm_eps)
         self.scale = self.head_size ** -0.5
         window = getattr(config, "sliding_window", None)
@@ -174,12 +140,9 @@ class LlamaForCausalLM:
         self.norm = w("model.norm.weight")
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
         self.lm_head = self.embed if tied else w("lm_head.weight")
-        inv_freq, scaling = rope_inv_freq(config, self.head_size)
         # cos/sin for every position, computed exactly as transformers does (fp32, then cast).
-        freqs = torch.arange(self.max_model_len, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * scaling).to(device=self.device, dtype=dtype)
-        self.sin = (emb.sin() * scaling).to(device=self.device, dtype=dtype)
+        self.rope = RotaryEmbedding(config, self.head_size, self.max_model_len, device=self.device, dtype=dtype)
+        self.cos, self.sin = self.rope.cos, self.rope.sin
 
     @classmethod
     def from_hf(cls, hf_model: Any, *, device: Any = "cpu", dtype: Optional[torch.dtype] = None) -> "LlamaForCausalLM":
@@ -223,7 +186,8 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor:
+                meta: AttentionMetadata, logits_indices: torch.Tensor,
+                rope_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the flat token batch and return next-token logits for selected tokens.
 
         Args:
@@ -234,14 +198,23 @@ class LlamaForCausalLM:
             meta: block table, lengths and slot mapping of this step.
             logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted (the last
                 scheduled token of each sequence that samples this step).
+            rope_lens: int64 ``[T]`` rope length of each token (any device;
+                :func:`pagedkv.engine.rope.rope_lengths`), which picks its RoPE frequencies;
+                needed only when ``self.rope.length_dependent``, ignored otherwise.
 
         Returns:
             fp32 ``[L, vocab_size]`` logits.
+
+        Raises:
+            ValueError: ``rope_lens`` missing or misshaped for a length-dependent RoPE type.
         """
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1)
+        if self.rope.length_dependent:
+            cos, sin = self.rope.lookup(positions, rope_lens)
+        else:  # the common case: one gather from the precomputed tables
+            cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
         x = self.embed[input_ids]  # [T, hidden]
         for li, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.in_norm)

@@ -16,6 +16,7 @@ from pagedkv.tensors import dense_block_table
 
 from .model import AttentionMetadata, LlamaForCausalLM
 from .resources import guard_allocation
+from .rope import rope_lengths
 from .scheduler import ScheduledBatch
 
 __all__ = ["ModelRunner"]
@@ -84,6 +85,10 @@ class ModelRunner:
         for seq, start, q in zip(batch.seqs, batch.num_computed_before, batch.query_lens.tolist()):
             ids.extend(seq.token_ids[start:start + q])
             positions.append(np.arange(start, start + q, dtype=np.int64))
+        rope_lens = None
+        if self.model.rope.length_dependent:  # frequencies per token from its own sequence
+            rope_lens = torch.from_numpy(np.concatenate([
+                rope_lengths(seq.num_prompt_tokens, pos) for seq, pos in zip(batch.seqs, positions)]))
         qsl = np.zeros(len(batch.seqs) + 1, dtype=np.int32)
         np.cumsum(batch.query_lens, out=qsl[1:])
         block_table = dense_block_table(batch.block_table_indptr, batch.block_table_indices, device=dev)
@@ -107,6 +112,7 @@ class ModelRunner:
             torch.from_numpy(np.concatenate(positions)).to(dev),
             self.kv_cache, meta,
             torch.tensor(rows, dtype=torch.int64, device=dev),
+            rope_lens,
         )
 
     def kv_cache_bytes(self) -> int:
