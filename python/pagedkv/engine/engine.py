@@ -237,8 +237,10 @@ class LLMEngine:
         req.seqs.append(first)
         if params.use_beam_search:
             eos = () if params.ignore_eos else sorted(self.eos_token_ids)
+            stops = params.stop
             req.beam = BeamSearch(params.beam_width, params.max_tokens, eos, params.length_penalty,
-                                  params.early_stopping)
+                                  params.early_stopping,
+                                  stop=(lambda toks: self._stop_text(toks, stops) is not None) if stops else None)
         self._requests[rid] = req
         self.scheduler.add(req)
         return rid
@@ -324,13 +326,16 @@ class LLMEngine:
             req.seqs.remove(seq)
             req.finished_seqs.append(seq)
 
-    def _match_stop(self, seq: Seq, stops: tuple[str, ...]) -> bool:
-        text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+    def _stop_text(self, token_ids: list[int], stops: tuple[str, ...]) -> Optional[str]:
+        """The decoded text of generated ``token_ids`` (special tokens skipped) cut before the
+        earliest stop string in it, or ``None`` when it contains none. One decode per call."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         hits = [text.find(s) for s in stops if s in text]
-        if hits:
-            seq.stop_text = text[:min(hits)]
-            return True
-        return False
+        return text[:min(hits)] if hits else None
+
+    def _match_stop(self, seq: Seq, stops: tuple[str, ...]) -> bool:
+        seq.stop_text = self._stop_text(seq.output_token_ids, stops)
+        return seq.stop_text is not None
 
     def _beam_step(self, req: Request, now: float) -> None:
         """One beam search step over all beams of ``req`` (fork continued beams, free dropped)."""
@@ -374,10 +379,17 @@ class LLMEngine:
         decode = self.tokenizer.decode
         outs: list[CompletionOutput] = []
         if req.beam is not None:
-            for rank, (toks, score) in enumerate(req.beam.best(req.params.n)):
-                reason = "eos" if toks and toks[-1] in self.eos_token_ids else "length"
-                outs.append(CompletionOutput(rank, decode(toks, skip_special_tokens=True), tuple(toks),
-                                             reason, score))
+            p = req.params
+            for rank, (toks, score) in enumerate(req.beam.best(p.n)):
+                # Same precedence as _append: EOS, then a stop string (text cut before it), then length.
+                stop_text = self._stop_text(toks, p.stop) if p.stop else None
+                if toks and toks[-1] in self.eos_token_ids and not p.ignore_eos:
+                    reason, text = "eos", decode(toks, skip_special_tokens=True)
+                elif stop_text is not None:
+                    reason, text = "stop", stop_text
+                else:
+                    reason, text = "length", decode(toks, skip_special_tokens=True)
+                outs.append(CompletionOutput(rank, text, tuple(toks), reason, score))
         else:
             for s in sorted(req.finished_seqs, key=lambda s: s.sample_index):
                 text = s.stop_text if s.stop_text is not None else decode(s.output_token_ids,

@@ -33,7 +33,8 @@ class SamplingParams:
         n: number of independent samples (>= 1). They share the prompt's KV blocks (fork plus
             copy-on-write). With beam search, the number of best beams returned (<= beam_width).
         seed: seed of the request's generators; ``None`` takes one from the engine's seed.
-        stop: strings that end generation; the output text is cut before the first one.
+        stop: strings that end generation; the output text is cut before the first one. In beam
+            search a candidate whose text contains one finishes like an EOS candidate.
         ignore_eos: keep generating after the end-of-sequence token.
         beam_width: > 1 turns on beam search with that many beams (greedy only).
         length_penalty: beam search score = sum log-prob / generated_len ** length_penalty.
