@@ -180,6 +180,7 @@ MANAGER_ROWS: list[Row] = [
     ("step duplicate seq id", lambda m: m.step([2, 2], [4, 4]).raise_for_error(), E.InvalidArgumentError,
      ("seq_ids", "sequence 2 appears more than once")),
     ("pool ref_count out of range", lambda m: m.pool.ref_count(99), E.InvalidBlockError, ("99",)),
+    ("pool block_hash out of range", lambda m: m.pool.block_hash(99), E.InvalidBlockError, ("99",)),
 ]
 
 

@@ -217,7 +217,12 @@ class BlockPool:
         Raises ``InvalidBlockError`` for ``block_id >= num_blocks`` (as ``free`` does) and
         ``InvalidArgumentError`` for a negative or non-int id.
         """
-    def block_hash(self, block_id: int) -> bytes | None: ...
+    def block_hash(self, block_id: int) -> bytes | None:
+        """The 32-byte prefix hash of ``block_id``, or None when it carries none. O(1).
+
+        Raises ``InvalidBlockError`` for ``block_id >= num_blocks`` and ``InvalidArgumentError``
+        for a negative or non-int id.
+        """
     def free_queue(self) -> _Int32Array: ...
     def counters(self) -> dict[str, int]: ...
     def check_invariants(self) -> None: ...

@@ -56,6 +56,22 @@ impl PyBlockPool {
             Owner::Manager(_) => Err(Python::with_gil(|py| read_only_pool(py, op))),
         }
     }
+
+    /// A block id argument below `num_blocks` (the null block 0 included).
+    fn block_id_in_range(&self, py: Python<'_>, block_id: &Bound<'_, PyAny>) -> PyResult<BlockId> {
+        let id = uint_arg(block_id, "block_id", u64::from(u32::MAX))? as u32;
+        let num_blocks = self.pool().num_blocks();
+        if id >= num_blocks {
+            return Err(to_pyerr(
+                py,
+                &pagedkv_core::Error::InvalidBlockId {
+                    block_id: id,
+                    num_blocks,
+                },
+            ));
+        }
+        Ok(id)
+    }
 }
 
 fn id_array(py: Python<'_>, ids: Vec<BlockId>) -> Bound<'_, PyArray1<i32>> {
@@ -202,27 +218,21 @@ impl PyBlockPool {
     /// Raises ``InvalidBlockError`` for an id ``>= num_blocks`` (like ``free``), and
     /// ``InvalidArgumentError`` for a negative or non-int id.
     fn ref_count(&self, py: Python<'_>, block_id: &Bound<'_, PyAny>) -> PyResult<u32> {
-        let id = uint_arg(block_id, "block_id", u64::from(u32::MAX))? as u32;
-        let pool = self.pool();
-        if id >= pool.num_blocks() {
-            return Err(to_pyerr(
-                py,
-                &pagedkv_core::Error::InvalidBlockId {
-                    block_id: id,
-                    num_blocks: pool.num_blocks(),
-                },
-            ));
-        }
-        Ok(pool.ref_count(id))
+        let id = self.block_id_in_range(py, block_id)?;
+        Ok(self.pool().ref_count(id))
     }
 
-    /// The 32-byte prefix hash of ``block_id``, or None.
+    /// The 32-byte prefix hash of ``block_id``, or None when the block carries none (the null
+    /// block never does). O(1), takes the pool's lock.
+    ///
+    /// Raises ``InvalidBlockError`` for an id ``>= num_blocks``, and ``InvalidArgumentError``
+    /// for a negative or non-int id.
     fn block_hash<'py>(
         &self,
         py: Python<'py>,
         block_id: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        let id = uint_arg(block_id, "block_id", u64::from(u32::MAX))? as u32;
+        let id = self.block_id_in_range(py, block_id)?;
         Ok(self.pool().block_hash(id).map(|h| PyBytes::new(py, &h.0)))
     }
 
