@@ -1,11 +1,31 @@
 """Request inputs for the CLI and benchmarks: prompt files and request-length traces.
 
-Prompt files:
-- ``.txt``: one prompt per non-empty line;
-- ``.jsonl``: one JSON object per line with ``"prompt"`` (text) or ``"messages"`` (chat), and
-  optional ``"id"``, ``"system"``, ``"max_tokens"``, ``"cache_salt"``.
+Prompts files (``--prompts``), chosen by suffix:
 
-Trace files (token counts of real requests, no text; see ``benchmarks/data/``):
+- ``.txt``: one prompt per line, the whole line verbatim (no JSON, no escapes, so a prompt
+  cannot span lines); blank lines are skipped. Request ids are the 0-based prompt positions
+  ``"0"``, ``"1"``, ... (blank lines not counted).
+- ``.jsonl``: one JSON object per line (blank lines skipped) with exactly one of
+
+  - ``prompt``: non-empty string, the user's text;
+  - ``messages``: non-empty list of ``{"role": str, "content": str}`` chat messages;
+
+  and optionally
+
+  - ``id``: non-empty string or integer (written as a string); default the 0-based prompt
+    position. Ids must be unique in the file, defaults included;
+  - ``system``: string, system prompt of this request (overrides ``--system``);
+  - ``max_tokens``: integer >= 1 (overrides ``--max-tokens``);
+  - ``cache_salt``: string, prefix-cache salt (overrides ``--cache-salt``): requests share
+    cached KV blocks only when their salts are equal.
+
+  Sampling settings (``temperature``, ``n``, ``stop``, ...) are CLI-wide and rejected on a
+  line; any other key is ignored (free for your own metadata).
+
+Every line is checked when the file is read, before a model is loaded: a bad line raises
+:class:`~pagedkv.engine.errors.PromptFileError` naming ``file:line`` and the field.
+
+Trace files (``--trace``; token counts of real requests, no text; see ``benchmarks/data/``):
 - CSV with ``ContextTokens,GeneratedTokens`` (Azure LLM inference trace) or
   ``num_prefill_tokens,num_decode_tokens`` (Sarathi / Vidur);
 - JSONL with ``input_length`` / ``output_length`` (Mooncake).
@@ -24,31 +44,103 @@ from typing import Any, Optional
 
 from .errors import PromptFileError
 
-__all__ = ["TraceRequest", "read_prompts", "read_trace", "synthetic_prompt"]
+__all__ = ["PROMPT_FIELDS", "TraceRequest", "read_prompts", "read_trace", "synthetic_prompt"]
 
 
-def _open_text(path: Path) -> list[str]:
+# The keys of a prompts JSONL line that mean something to the engine (see the module docs).
+PROMPT_FIELDS = ("prompt", "messages", "id", "system", "max_tokens", "cache_salt")
+
+
+def _open_text(path: Path, kind: str) -> list[str]:
+    """Lines of the UTF-8 text file ``path``; ``kind`` ("prompts file", "trace file") names it
+    in the error."""
     try:
         return path.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
-        raise PromptFileError(f"prompts file {str(path)!r} does not exist") from None
+        raise PromptFileError(f"{kind} {str(path)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise PromptFileError(f"cannot read prompts file {str(path)!r}: {e}") from None
+        raise PromptFileError(f"cannot read {kind} {str(path)!r}: {e}") from None
+
+
+def _sampling_flags() -> dict[str, str]:
+    """SamplingParams fields other than ``max_tokens`` -> what to use instead (the CLI option
+    when there is one). Read from the dataclass and the parser so a new sampling field is
+    rejected on a prompts line without an edit here."""
+    from dataclasses import fields
+
+    from .cli import build_parser
+    from .sampling import SamplingParams  # imports torch: only when a JSONL file is read
+    options = {o for a in build_parser()._actions for o in a.option_strings}
+    out = {}
+    for f in fields(SamplingParams):
+        flag = "--" + f.name.replace("_", "-")
+        if f.name != "max_tokens":
+            out[f.name] = (f"use {flag} (it applies to every request)" if flag in options
+                           else "the CLI does not set it")
+    return out
+
+
+def _short(v: Any, limit: int = 200) -> str:
+    """``repr(v)``, cut to ``limit`` characters (a whole chat history would drown the error)."""
+    r = repr(v)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _check_line(obj: dict[str, Any], where: str, sampling_flags: dict[str, str]) -> None:
+    """Raise PromptFileError (prefixed with ``where`` = "file:line") for a field of the wrong
+    type; see the module docs for the accepted types."""
+    def kind(v: Any) -> str:
+        return f"{type(v).__name__} {v!r}"
+
+    if "messages" in obj:
+        if "prompt" in obj:
+            raise PromptFileError(f"{where}: has both 'prompt' and 'messages'; give one")
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]
+                and isinstance(m.get("content"), str) for m in msgs):
+            raise PromptFileError(f"{where}: 'messages' must be a non-empty list of "
+                                  f"{{'role': str, 'content': str}} objects, got {_short(msgs)}")
+    elif not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
+        raise PromptFileError(f"{where}: needs a non-empty string 'prompt' (or 'messages'), "
+                              f"got {obj.get('prompt')!r}")
+    if "id" in obj:
+        rid = obj["id"]
+        if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
+            raise PromptFileError(f"{where}: 'id' must be a non-empty string or an integer, got {kind(rid)}")
+    for key in ("system", "cache_salt"):
+        if key in obj and not isinstance(obj[key], str):
+            raise PromptFileError(f"{where}: {key!r} must be a string, got {kind(obj[key])}")
+    if "max_tokens" in obj:
+        v = obj["max_tokens"]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise PromptFileError(f"{where}: max_tokens={v!r} must be an integer >= 1")
+    for key in obj:
+        if key in sampling_flags:
+            raise PromptFileError(f"{where}: {key!r} cannot be set per request in a prompts file; "
+                                  f"{sampling_flags[key]}")
 
 
 def read_prompts(path: str | Path) -> list[Any]:
-    """Prompts of a ``.txt`` or ``.jsonl`` file: strings (txt) or dicts (jsonl).
+    """Prompts of a ``.txt`` or ``.jsonl`` file (format in the module docs): strings (txt) or
+    the line's dicts, unchanged (jsonl). O(file size).
 
     Raises:
-        PromptFileError: the file is missing or unreadable, has an unknown suffix, a JSONL line
-            is not a JSON object with a non-empty ``"prompt"`` string or ``"messages"`` list,
-            or the file holds no prompt (message names the file and the 1-based line).
+        PromptFileError: the file is missing or unreadable, has an unknown suffix, holds no
+            prompt, or a JSONL line is not a JSON object, lacks a non-empty ``"prompt"`` string
+            or ``"messages"`` list, has a field of the wrong type or a sampling field, or
+            repeats an earlier line's request id (explicit or default). Line errors name the
+            file and the 1-based line; a duplicate id names both lines.
     """
     p = Path(path)
     if p.suffix.lower() not in (".txt", ".jsonl"):
         raise PromptFileError(f"prompts file {str(p)!r} must end in .txt or .jsonl (got {p.suffix!r})")
-    lines = _open_text(p)
+    lines = _open_text(p, "prompts file")
     prompts: list[Any] = []
+    # request id -> (line, explicit?): the CLI keys results by id, so a repeated id would
+    # make one request's row overwrite another's.
+    seen: dict[str, tuple[int, bool]] = {}
+    sampling_flags = _sampling_flags() if p.suffix.lower() == ".jsonl" else {}
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -61,17 +153,15 @@ def read_prompts(path: str | Path) -> list[Any]:
             raise PromptFileError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
         if not isinstance(obj, dict):
             raise PromptFileError(f"{p}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-        if "messages" in obj:
-            msgs = obj["messages"]
-            if not isinstance(msgs, list) or not msgs or not all(
-                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
-                raise PromptFileError(f"{p}:{lineno}: 'messages' must be a non-empty list of "
-                                      f"{{'role', 'content'}} objects")
-        elif not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-            raise PromptFileError(f"{p}:{lineno}: needs a non-empty string 'prompt' (or 'messages'), "
-                                  f"got {obj.get('prompt')!r}")
-        if "max_tokens" in obj and (not isinstance(obj["max_tokens"], int) or obj["max_tokens"] < 1):
-            raise PromptFileError(f"{p}:{lineno}: max_tokens={obj['max_tokens']!r} must be an integer >= 1")
+        _check_line(obj, f"{p}:{lineno}", sampling_flags)
+        explicit = "id" in obj
+        rid = str(obj["id"]) if explicit else str(len(prompts))
+        if rid in seen:
+            first, first_explicit = seen[rid]
+            note = "" if explicit and first_explicit else \
+                '; a line without "id" gets its 0-based position among the prompts as id'
+            raise PromptFileError(f"{p}:{lineno}: duplicate request id {rid!r} (already used on line {first}{note})")
+        seen[rid] = (lineno, explicit)
         prompts.append(obj)
     if not prompts:
         raise PromptFileError(f"prompts file {str(p)!r} holds no prompt")
@@ -105,7 +195,7 @@ def read_trace(path: str | Path, *, limit: Optional[int] = None, scale: float = 
             the file and line), or no request.
     """
     p = Path(path)
-    lines = _open_text(p)
+    lines = _open_text(p, "trace file")
     rows: list[tuple[int, Any, Any]] = []
     if p.suffix.lower() == ".jsonl":
         for lineno, line in enumerate(lines, 1):
