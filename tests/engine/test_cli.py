@@ -131,10 +131,13 @@ def test_example_prompts_file_is_valid():
 def test_cli_kv_pool_larger_than_memory_is_a_clean_error(tiny, tmp_path, capsys):
     f = tmp_path / "p.txt"
     f.write_text("w10 w11\n")
-    rc, rows = _run(tiny, tmp_path, "--prompts", str(f), "--limit", "1", "--kv-blocks", "100000000000")
+    # The largest pool pagedkv allows, in the largest blocks: hundreds of TiB.
+    import pagedkv
+    rc, rows = _run(tiny, tmp_path, "--prompts", str(f), "--limit", "1", "--kv-blocks", str(pagedkv.MAX_BLOCKS),
+                    "--block-size", str(pagedkv.MAX_BLOCK_SIZE))
     assert rc == 2 and rows == []
     err = capsys.readouterr().err
-    assert "KV cache of 100000000000 blocks x " in err and "does not fit" in err
+    assert f"KV cache of {pagedkv.MAX_BLOCKS} blocks x " in err and "does not fit" in err
     rc = main(["--model", str(tiny.path), "--prompts", str(f), "--kv-bytes", "500T", "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and f"= {500 << 40} bytes (512000.00 GiB) does not fit" in err and "blocks x" in err
@@ -179,3 +182,140 @@ def test_cli_help_documents_every_option_once():
     text = ap.format_help()
     assert "(default: None)" not in text
     assert "falls back to recompute" in " ".join(text.split())
+
+
+# ---- bad input found before the model loads, bad output paths, documented formats ----------
+
+def _missing_model(tmp_path) -> str:
+    # A model path that does not exist: a test passing it proves its error came before the load.
+    return str(tmp_path / "no-model.gguf")
+
+
+def test_cli_unwritable_output_paths_fail_before_the_model_loads(tmp_path, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text("w10\n")
+    blocker = tmp_path / "x.txt"
+    blocker.write_text("a regular file\n")
+    for flag in ("--output", "--metrics-json"):
+        rc = main(["--prompts", str(f), "--model", _missing_model(tmp_path), flag, str(blocker / "out.jsonl")])
+        err = capsys.readouterr().err
+        assert rc == 2, err
+        assert f"error: {flag} {str(blocker / 'out.jsonl')!r}: {str(blocker)!r} is a file, not a folder" in err
+        assert "model path" not in err and "Traceback" not in err
+    rc = main(["--prompts", str(f), "--model", _missing_model(tmp_path), "--output", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"error: --output {str(tmp_path)!r}: is a folder, not a file" in err
+    same = tmp_path / "same.json"
+    rc = main(["--prompts", str(f), "--model", _missing_model(tmp_path), "--output", str(same),
+               "--metrics-json", str(same)])
+    assert rc == 2 and "--output and --metrics-json name the same file" in capsys.readouterr().err
+
+
+def test_cli_output_check_creates_folders_but_leaves_no_file_when_the_run_fails(tmp_path, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text("w10\n")
+    out = tmp_path / "new" / "dir" / "r.jsonl"
+    assert main(["--prompts", str(f), "--model", _missing_model(tmp_path), "--output", str(out)]) == 2
+    assert "model path" in capsys.readouterr().err
+    assert out.parent.is_dir() and not out.exists()
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full (Linux)")
+def test_cli_write_failure_at_the_end_prints_stats_then_a_clean_error(tiny, tmp_path, capsys):
+    # /dev/full opens fine (the early check passes) and fails every write with ENOSPC, like a
+    # disk that fills up during the run.
+    f = tmp_path / "p.txt"
+    f.write_text("w10 w11\n")
+    rc = main(["--model", str(tiny.path), "--block-size", "4", "--kv-blocks", "32", "--no-progress",
+               "--prompts", str(f), "--no-chat-template", "--max-tokens", "2", "--output", "/dev/full",
+               "--metrics-json", str(tmp_path / "m.json")])
+    cap = capsys.readouterr()
+    assert rc == 2
+    assert "output tokens/s" in cap.out  # the stats table was printed
+    assert "error: --output '/dev/full': cannot write the results: No space left on device" in cap.err
+    assert "Traceback" not in cap.err
+    assert json.loads((tmp_path / "m.json").read_text())  # the other output was still written
+
+
+def test_cli_duplicate_ids_rejected_before_the_model_loads(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt":"What is 2 plus 2?","id":"a"}\n{"prompt":"hi","id":"a"}\n')
+    assert main(["--prompts", str(f), "--model", _missing_model(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {f}:2: duplicate request id 'a' (already used on line 1)" in err
+    assert "model path" not in err
+
+
+def test_cli_non_string_cache_salt_is_a_clean_error(tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt":"hi","cache_salt":5}\n')
+    assert main(["--prompts", str(f), "--model", _missing_model(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {f}:1: 'cache_salt' must be a string, got int 5" in err and "Traceback" not in err
+
+
+def test_cli_served_and_rejected_rows_with_jsonl_ids(tiny, tmp_path, capsys):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt":"w10 w11","id":"a","cache_salt":"s1"}\n'
+                 '{"prompt":"' + " ".join(f"w{i}" for i in range(10, 60)) + '","id":"big"}\n')
+    rc, rows = _run(tiny, tmp_path, "--prompts", str(f), "--no-chat-template", "--max-tokens", "3",
+                    "--kv-blocks", "8")
+    assert rc == 0 and [r["id"] for r in rows] == ["a", "big"]
+    assert rows[0]["prompt"] == "w10 w11" and len(rows[0]["output_token_ids"]) == 3
+    assert set(rows[1]) == {"id", "prompt", "error"} and rows[1]["prompt"].startswith("w10 w11 w12")
+    assert capsys.readouterr().out.count("#a ") == 1
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--show", "-1"], "--show: -1 must be >= 0"),
+    (["--trace-scale", "0"], "--trace-scale: 0.0 must be > 0"),
+    (["--trace-scale", "nan"], "--trace-scale: nan must be > 0"),
+])
+def test_cli_argparse_rejects_out_of_range_numbers(tmp_path, capsys, argv, needle):
+    f = tmp_path / "p.txt"
+    f.write_text("w10\n")
+    with pytest.raises(SystemExit) as info:
+        main(["--prompts", str(f), *argv])
+    assert info.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_cli_missing_trace_is_called_a_trace_file(tmp_path, capsys):
+    assert main(["--trace", str(tmp_path / "nonexistent.csv"), "--model", _missing_model(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: trace file {str(tmp_path / 'nonexistent.csv')!r} does not exist" in err
+
+
+def test_cli_pool_arguments_are_checked_against_pagedkv_limits_before_the_load(tmp_path, capsys):
+    import pagedkv
+    f = tmp_path / "p.txt"
+    f.write_text("w10\n")
+    cases = [
+        (["--block-size", "5000"], f"--block-size 5000: must be in 1..={pagedkv.MAX_BLOCK_SIZE} tokens"),
+        (["--kv-blocks", "1"], "--kv-blocks 1: need at least 2 blocks (block 0 is the null block)"),
+        (["--kv-blocks", str(pagedkv.MAX_BLOCKS + 1)],
+         f"--kv-blocks {pagedkv.MAX_BLOCKS + 1}: at most {pagedkv.MAX_BLOCKS} blocks"),
+        (["--kv-blocks", "100000000000"], f"--kv-blocks 100000000000: expected an int in 2..={pagedkv.MAX_BLOCKS} blocks"),
+        (["--cpu-blocks", "-1"], "--cpu-blocks -1: expected an int in 0..="),
+    ]
+    for extra, needle in cases:
+        assert main(["--prompts", str(f), "--model", _missing_model(tmp_path), *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert f"pagedkv-engine: error: {needle}" in err, err
+        assert "model path" not in err and "does not fit" not in err
+
+
+def test_cli_help_documents_prompt_and_result_formats(tiny, tmp_path):
+    from pagedkv.engine.cli import build_parser
+    from pagedkv.engine.inputs import PROMPT_FIELDS
+    text = build_parser().format_help()
+    for field in PROMPT_FIELDS:
+        assert f"{field}:" in text or f"{field} " in text, field
+    # Every key the CLI really writes, served and rejected rows alike, is described.
+    f = tmp_path / "p.txt"
+    f.write_text("w10 w11\n" + " ".join(f"w{i}" for i in range(10, 60)) + "\n")
+    rc, rows = _run(tiny, tmp_path, "--prompts", str(f), "--no-chat-template", "--max-tokens", "2",
+                    "--kv-blocks", "8", "--beam-width", "2")
+    assert rc == 0 and "error" in rows[1]
+    keys = set(rows[0]) | set(rows[1]) | {k for o in rows[0]["outputs"] for k in o}
+    for key in keys:
+        assert f"{key}:" in text or f"{key}," in text or f"{key}]" in text, key

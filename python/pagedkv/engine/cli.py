@@ -8,9 +8,15 @@ Examples::
     pagedkv-engine --trace benchmarks/data/azure_llm_2023/AzureLLMInferenceTrace_conv.csv \\
         --trace-limit 64 --trace-scale 0.25 --kv-bytes 256M --preemption swap
 
+Everything that can be checked without the model is checked before it loads: arguments (the KV
+pool's block size and block counts against pagedkv's limits), every line of the prompts file,
+and that each output file can be created (its parent folders are created then).
+
 Exit status: 0 when at least one request was served (rejected requests are reported, not
-fatal), 1 when every request was rejected, 2 for bad arguments, an unreadable prompts file, a
-missing model, an unavailable device or a KV cache that does not fit the free memory.
+fatal), 1 when every request was rejected, 2 for bad arguments, an unreadable prompts or trace
+file, an output file that cannot be written, a missing model, an unavailable device or a KV
+cache that does not fit the free memory. An output file that fails while it is written at the
+end (e.g. a full disk) is reported after the stats table, also with status 2.
 """
 
 from __future__ import annotations
@@ -24,6 +30,48 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 __all__ = ["main", "build_parser", "parse_size"]
+
+# The file formats, shown by --help. tests/engine/test_cli.py checks that every key the CLI
+# writes and every prompts-file field of inputs.PROMPT_FIELDS is listed here.
+_EPILOG = """\
+prompts file (--prompts), by suffix:
+  .txt    one prompt per line, taken verbatim; blank lines are skipped.
+          Request ids are the 0-based prompt positions "0", "1", ...
+  .jsonl  one JSON object per line (blank lines skipped) with exactly one of
+            prompt: str            the prompt text
+            messages: list         chat messages [{"role": str, "content": str}, ...]
+          and optionally
+            id: str | int          request id, unique in the file (default: the 0-based
+                                   prompt position, as a string)
+            system: str            system prompt of this request (overrides --system)
+            max_tokens: int >= 1   overrides --max-tokens
+            cache_salt: str        prefix-cache salt (overrides --cache-salt); requests
+                                   share cached KV blocks only when their salts are equal
+          Sampling keys (temperature, n, stop, ...) are rejected on a line: use the
+          options. Other keys are ignored. Every line is checked before the model loads.
+
+results file (--output): one JSON object per request, in input order:
+  id: str                    the request id
+  prompt: str | null         the prompt text (the last message's content for
+                             "messages"; null for --trace requests)
+  num_prompt_tokens: int     prompt length in tokens (system prompt and chat template
+                             included)
+  output_text: str           the first output's text (special tokens skipped, cut
+                             before a matched stop string)
+  output_token_ids: [int]    the first output's token ids (EOS included if it ended it)
+  finish_reason: str         the first output's: "eos", "stop" (stop string) or "length"
+                             (--max-tokens or the model context)
+  outputs: [{index: int, text: str, token_ids: [int], finish_reason: str,
+             score: float | null}]
+                             every output: the --n samples, or the best --n beams
+                             (best first; score = beam search score, else null)
+  cached_prompt_tokens: int  prompt tokens served from the prefix cache
+  preemptions: int           times the request was preempted
+  ttft_s: float              seconds from queueing to the first generated token
+  latency_s: float           seconds from queueing to the last generated token
+  A request the engine rejects (e.g. too long for the model context or the KV pool;
+  reported, the others still run) has only: id, prompt, error: str (why).
+"""
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -40,36 +88,56 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2)])
 
 
-def _positive(text: str) -> int:
+def _int_at_least(text: str, low: int) -> int:
     try:
         v = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{v} must be >= 1")
+    if v < low:
+        raise argparse.ArgumentTypeError(f"{v} must be >= {low}")
     return v
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: X)" only where the help does not already explain the default:
-    options whose default is ``None`` describe their computed default in their own text."""
+def _positive(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def _non_negative(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
+    if not (v > 0 and v != float("inf")):  # also rejects nan
+        raise argparse.ArgumentTypeError(f"{v} must be > 0 and finite")
+    return v
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the epilog's layout (the file formats) and appends "(default: X)" only where the
+    help does not already explain the default: options whose default is ``None`` describe
+    their computed default in their own text."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default is None or "default:" in (action.help or ""):
             return action.help or ""
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or ""
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
+    from pagedkv import MAX_BLOCK_SIZE, MAX_BLOCKS
     ap = argparse.ArgumentParser(prog="pagedkv-engine", description=__doc__.split("\n\n")[0],
-                                 formatter_class=_HelpFormatter)
+                                 epilog=_EPILOG, formatter_class=_HelpFormatter)
     src = ap.add_argument_group("input")
     what = src.add_mutually_exclusive_group(required=True)
-    what.add_argument("--prompts", type=Path, help=".txt (one prompt per line) or .jsonl file")
+    what.add_argument("--prompts", type=Path, help=".txt (one prompt per line) or .jsonl file (formats below)")
     what.add_argument("--trace", type=Path, help="request-length trace (CSV or JSONL); synthetic token ids")
     src.add_argument("--trace-limit", type=_positive, default=64, help="requests taken from the trace")
-    src.add_argument("--trace-scale", type=float, default=1.0, help="multiply trace lengths by this")
+    src.add_argument("--trace-scale", type=_positive_float, default=1.0, help="multiply trace lengths by this")
     src.add_argument("--trace-max-prompt", type=_positive, default=None, help="clamp trace prompt lengths")
     src.add_argument("--trace-max-output", type=_positive, default=None, help="clamp trace output lengths")
     src.add_argument("--limit", type=_positive, default=None, help="only the first N prompts")
@@ -89,9 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     kv = ap.add_argument_group("KV cache and scheduling")
     size = kv.add_mutually_exclusive_group()
-    size.add_argument("--kv-blocks", type=_positive, default=None, help="KV pool size in blocks, incl. the null block (default: from --kv-bytes, else 1024)")
+    size.add_argument("--kv-blocks", type=_positive, default=None, help=f"KV pool size in blocks, incl. the null block, 2..{MAX_BLOCKS} "
+                      "(default: from --kv-bytes, else 1024)")
     size.add_argument("--kv-bytes", type=parse_size, default=None, help="KV pool size in bytes (e.g. 512M)")
-    kv.add_argument("--block-size", type=_positive, default=16, help="tokens per block")
+    kv.add_argument("--block-size", type=_positive, default=16, help=f"tokens per block, 1..{MAX_BLOCK_SIZE}")
     kv.add_argument("--max-tokens-per-step", type=_positive, default=1024, help="token budget per step")
     kv.add_argument("--max-num-seqs", type=_positive, default=256, help="sequences per step")
     kv.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
@@ -117,9 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="keep generating past the end-of-sequence token until --max-tokens")
 
     o = ap.add_argument_group("output")
-    o.add_argument("--output", type=Path, default=None, help="results JSONL (one line per request)")
+    o.add_argument("--output", type=Path, default=None,
+                   help="results JSONL, one line per request (fields below)")
     o.add_argument("--metrics-json", type=Path, default=None, help="write the metrics as JSON")
-    o.add_argument("--show", type=int, default=3, help="print this many prompt/output pairs")
+    o.add_argument("--show", type=_non_negative, default=3, help="print this many prompt/output pairs")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -127,6 +197,70 @@ def build_parser() -> argparse.ArgumentParser:
 def _fail(msg: str) -> int:
     print(f"pagedkv-engine: error: {msg}", file=sys.stderr)
     return 2
+
+
+# pagedkv.CacheConfig field -> the option that sets it.
+_POOL_OPTIONS = {"num_blocks": "--kv-blocks", "block_size": "--block-size", "num_cpu_blocks": "--cpu-blocks"}
+
+
+def _check_pool_args(args: argparse.Namespace) -> Optional[str]:
+    """The error for a KV pool option outside pagedkv's limits (quoted from
+    ``pagedkv.CacheConfig``, the validator the engine uses), or ``None``. Runs before the
+    model loads, so a bad block size is not first reported as a cache that does not fit."""
+    import pagedkv
+
+    # A pool sized by --kv-bytes (or the default) gets its block count after the load; any
+    # valid count stands in for it here.
+    num_blocks = args.kv_blocks if args.kv_blocks is not None else 2
+    try:
+        pagedkv.CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
+                            num_cpu_blocks=args.cpu_blocks if args.cpu_blocks is not None else 0)
+    except pagedkv.InvalidConfigError as e:
+        option = _POOL_OPTIONS.get(e.field)
+        return f"{option} {e.value}: {e.reason}" if option else str(e)
+    return None
+
+
+def _check_output_paths(args: argparse.Namespace) -> Optional[str]:
+    """The error for an output file that cannot be written, or ``None``; creates missing
+    parent folders. Runs before the model loads so a typo does not cost the whole run. The
+    check opens the file for appending (not truncating: the results are written only at the
+    end) and removes it again if it did not exist."""
+    outputs = [(flag, path) for flag, path in (("--output", args.output), ("--metrics-json", args.metrics_json))
+               if path is not None]
+    if len(outputs) == 2 and outputs[0][1].resolve() == outputs[1][1].resolve():
+        return f"--output and --metrics-json name the same file {str(outputs[0][1])!r}"
+    for flag, path in outputs:
+        where = f"{flag} {str(path)!r}"
+        if path.is_dir():
+            return f"{where}: is a folder, not a file"
+        for parent in reversed(path.parents):
+            if parent.exists() and not parent.is_dir():
+                return f"{where}: {str(parent)!r} is a file, not a folder"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return f"{where}: cannot create its folder: {e.strerror or e}"
+        existed = path.exists()
+        try:
+            with path.open("a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            return f"{where}: cannot open it for writing: {e.strerror or e}"
+        if not existed:
+            path.unlink(missing_ok=True)
+    return None
+
+
+def _rejected_prompt_text(p: Any) -> Optional[str]:
+    """The ``prompt`` of a rejected request's row, as a served row would have it."""
+    if isinstance(p, str):
+        return p
+    if isinstance(p, dict):
+        if "messages" in p:
+            return str(p["messages"][-1].get("content", ""))
+        return p.get("prompt")
+    return None  # token ids (trace)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -156,6 +290,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             prompts = prompts[: args.limit]
     except (PromptFileError, InvalidRequestError) as e:
         return _fail(str(e))
+    problem = _check_pool_args(args) or _check_output_paths(args)
+    if problem:
+        return _fail(problem)
 
     t0 = time.perf_counter()
     try:
@@ -208,29 +345,44 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if bar is not None:
         bar.close()
 
+    # The paths were checked before the run; a write can still fail (disk full, folder
+    # removed meanwhile). Then the stats table is still printed, and the error after it.
+    write_errors: list[str] = []
     if args.output is not None:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        with args.output.open("w", encoding="utf-8") as f:
-            for rid, p in order:
-                if rid in rejected:
-                    rec = {"id": rid, "prompt": p if isinstance(p, str) else None, "error": rejected[rid]}
-                else:
-                    rec = results[rid].to_dict()
-                    if trace is not None:
-                        rec["prompt"] = None
-                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        lines = []
+        for rid, p in order:
+            if rid in rejected:
+                rec = {"id": rid, "prompt": _rejected_prompt_text(p), "error": rejected[rid]}
+            else:
+                rec = results[rid].to_dict()
+                if trace is not None:
+                    rec["prompt"] = None
+            lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
+        try:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            with args.output.open("w", encoding="utf-8") as f:
+                f.writelines(lines)
+        except OSError as e:
+            write_errors.append(f"--output {str(args.output)!r}: cannot write the results: {e.strerror or e}")
 
     metrics = engine.metrics()
     if args.metrics_json is not None:
-        args.metrics_json.parent.mkdir(parents=True, exist_ok=True)
-        args.metrics_json.write_text(json.dumps(metrics.as_dict(), indent=2))
+        try:
+            args.metrics_json.parent.mkdir(parents=True, exist_ok=True)
+            args.metrics_json.write_text(json.dumps(metrics.as_dict(), indent=2))
+        except OSError as e:
+            write_errors.append(f"--metrics-json {str(args.metrics_json)!r}: cannot write the metrics: "
+                                f"{e.strerror or e}")
     _print_report(engine, args, order, results, rejected, metrics, load_s, trace is not None)
+    rc = 0
     if order and len(rejected) == len(order):
         print(f"pagedkv-engine: error: all {len(order)} request(s) were rejected; none could be served "
               f"(KV pool {engine.config.num_kv_blocks} blocks x {engine.config.block_size} tokens)",
               file=sys.stderr)
-        return 1
-    return 0
+        rc = 1
+    for msg in write_errors:
+        rc = _fail(msg)
+    return rc
 
 
 def _params_dict(p: Any) -> dict[str, Any]:
