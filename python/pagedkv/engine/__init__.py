@@ -19,6 +19,7 @@ length-dependent ``dynamic`` and ``longrope`` types), :mod:`.loader` (model file
 from .engine import EngineConfig, LLMEngine, generate
 from .errors import (
     DeviceUnavailableError,
+    EngineConfigError,
     EngineError,
     InvalidRequestError,
     KVCacheTooLargeError,
@@ -39,6 +40,7 @@ __all__ = [
     "CompletionOutput",
     "EngineMetrics",
     "DeviceUnavailableError",
+    "EngineConfigError",
     "EngineError",
     "InvalidRequestError",
     "KVCacheTooLargeError",

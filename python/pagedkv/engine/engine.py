@@ -14,22 +14,30 @@ One :meth:`LLMEngine.step`, end to end::
 Prefix caching is on by default (requests sharing a prompt prefix share its KV blocks; a
 per-request ``cache_salt`` keeps tenants apart); ``n > 1`` samples and beam search fork the
 prompt's sequence (blocks shared, copy-on-write on the first divergent write).
+
+A step that fails or is interrupted aborts the requests holding KV and drops the prefix cache,
+so the engine stays usable (see :meth:`LLMEngine.step`); an interrupted :meth:`LLMEngine.generate`
+also aborts the rest of its own requests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
+import numbers
 import os
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, NamedTuple, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 import pagedkv
 
 from .beam_search import BeamSearch
-from .errors import InvalidRequestError
+from .errors import EngineConfigError, InvalidRequestError
 from .loader import load_hf_model
 from .metrics import EngineMetrics, MetricsCollector
 from .model import LlamaForCausalLM
@@ -48,7 +56,13 @@ PromptType = Union[str, Sequence[int], dict[str, Any]]
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine configuration (see :class:`LLMEngine` for the meaning of each field)."""
+    """Engine configuration (see :class:`LLMEngine` for the meaning of each field).
+
+    Raises:
+        EngineConfigError: a field of the wrong type or out of range; the message names it.
+            (Upper bounds of the pool and block sizes are the core's, checked by
+            :class:`pagedkv.CacheConfig`.)
+    """
 
     num_kv_blocks: Optional[int] = None
     kv_bytes: Optional[int] = None
@@ -60,6 +74,101 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     hash_algo: str = "sha256"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, want: str) -> None:
+            if not ok:
+                raise EngineConfigError(f"{name}={getattr(self, name)!r} is invalid: expected {want}")
+
+        def at_least(v: object, low: int) -> bool:  # bool is an int subclass, never a count
+            return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+        check(self.num_kv_blocks is None or at_least(self.num_kv_blocks, 2), "num_kv_blocks",
+              "None or an integer >= 2 blocks (block 0 is the null block)")
+        check(self.kv_bytes is None or (isinstance(self.kv_bytes, (int, float)) and not isinstance(
+            self.kv_bytes, bool) and math.isfinite(self.kv_bytes) and self.kv_bytes > 0),
+            "kv_bytes", "None or a number of bytes > 0")
+        check(at_least(self.block_size, 1), "block_size", "an integer >= 1 (tokens per block)")
+        check(at_least(self.max_tokens_per_step, 1), "max_tokens_per_step", "an integer >= 1 (tokens)")
+        check(at_least(self.max_num_seqs, 1), "max_num_seqs", "an integer >= 1 (sequences)")
+        check(self.preemption in ("recompute", "swap"), "preemption", "'recompute' or 'swap'")
+        check(self.num_cpu_blocks is None or at_least(self.num_cpu_blocks, 0), "num_cpu_blocks",
+              "None or an integer >= 0 blocks")
+        check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "True or False")
+        check(self.hash_algo in ("sha256", "xxh3_128"), "hash_algo", "'sha256' or 'xxh3_128'")
+        check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "an integer")
+
+
+#: The weight / activation / KV dtypes the engine runs, by name.
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    """``dtype`` as a torch dtype; accepts the dtype, its name (``"bfloat16"``) or ``None``
+    (float32).
+
+    Raises:
+        EngineConfigError: any other value (message names it).
+    """
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype.removeprefix("torch."), dtype)
+    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES.values():
+        raise EngineConfigError(f"dtype={dtype!r} is invalid: expected torch.float32, torch.float16 or "
+                                f"torch.bfloat16, or one of the names {', '.join(_DTYPES)}")
+    return dtype
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (prompts can be long)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _token_ids(prompt: Any) -> list[int]:
+    """A token-id prompt as a list of ints (a list, tuple, range, or 1-D integer array/tensor).
+
+    Raises:
+        InvalidRequestError: any other type (``None``, an int, bytes...), or an item that is
+            not an integer: a float is not truncated, a bool is not a token id.
+    """
+    if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # numpy / torch
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple, range)):
+        raise InvalidRequestError(f"prompt {_short(prompt)} is invalid: expected a str, a list of token ids "
+                                  f"or a dict with 'prompt' or 'messages' (got {type(prompt).__name__})")
+    for t in prompt:
+        if not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_)):
+            raise InvalidRequestError(f"prompt token id {t!r} is invalid: expected an int "
+                                      f"(got {type(t).__name__})")
+    return [int(t) for t in prompt]
+
+
+def _checked_messages(prompt: dict[str, Any]) -> list[dict[str, Any]]:
+    """A copy of a chat prompt's ``"messages"``.
+
+    Raises:
+        InvalidRequestError: not a non-empty list of dicts with str ``"role"`` and ``"content"``
+            (the message names the prompt).
+    """
+    messages = prompt["messages"]
+    if not (isinstance(messages, (list, tuple)) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise InvalidRequestError(f"prompt {_short(prompt)} has malformed 'messages': expected a non-empty "
+                                  "list of {'role': str, 'content': str} dicts")
+    return [dict(m) for m in messages]
+
+
+class _Checked(NamedTuple):
+    """A request that passed every check, ready to queue (see ``LLMEngine._prepare``)."""
+
+    text: Optional[str]
+    token_ids: list[int]
+    params: SamplingParams
+    request_id: Optional[str]
+    cache_salt: Optional[str]
 
 
 class LLMEngine:
@@ -81,12 +190,16 @@ class LLMEngine:
         enable_prefix_caching: share KV of identical prompt prefixes across requests.
         hash_algo: ``"sha256"`` (default) or ``"xxh3_128"`` for prefix hashes.
         device: torch device (default CUDA if available, else CPU).
-        dtype: weights, activations and KV dtype (default fp32).
+        dtype: weights, activations and KV dtype: ``torch.float32`` (default, also for
+            ``None``), ``torch.float16`` or ``torch.bfloat16``, or the name of one (``"bfloat16"``).
         seed: engine seed; requests without a seed derive theirs from it.
 
     Raises:
         ModelNotFoundError: no model at ``model`` (or the default package is missing).
-        InvalidConfigError / ValueError: bad sizes or modes (message names the value).
+        EngineConfigError: a bad argument (size, mode, dtype, missing ``tokenizer``...), checked
+            before the model load; or ``kv_bytes`` holding fewer than 2 blocks of this model.
+            The message names the value.
+        pagedkv.InvalidConfigError: a size above the core's limits (``block_size`` > 4096...).
         DeviceUnavailableError: ``device`` is CUDA but CUDA is not available (checked before
             the model load).
         KVCacheTooLargeError: the KV pool (and CPU swap pool) exceeds the free memory, or
@@ -97,36 +210,40 @@ class LLMEngine:
                  kv_bytes: Optional[int] = None, block_size: int = 16, max_tokens_per_step: int = 1024,
                  max_num_seqs: int = 256, preemption: str = "recompute",
                  num_cpu_blocks: Optional[int] = None, enable_prefix_caching: bool = True,
-                 hash_algo: str = "sha256", device: Any = None, dtype: torch.dtype = torch.float32,
+                 hash_algo: str = "sha256", device: Any = None, dtype: Union[torch.dtype, str, None] = torch.float32,
                  seed: int = 0) -> None:
+        # Every argument is checked before the (slow) model load.
+        config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
+                              preemption, num_cpu_blocks, enable_prefix_caching, hash_algo, seed)
+        dtype = _torch_dtype(dtype)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        device = check_device(device)  # before the (slow) model load
-        if model is None or isinstance(model, (str, os.PathLike)):
+        device = check_device(device)
+        loaded = not (model is None or isinstance(model, (str, os.PathLike)))
+        if loaded and tokenizer is None:
+            raise EngineConfigError("tokenizer=None is invalid: a tokenizer is required when model is an "
+                                    "already loaded model")
+        if not loaded:
             hf_model, tokenizer = load_hf_model(model, dtype=dtype)
         else:
-            if tokenizer is None:
-                raise ValueError("tokenizer is required when model is an already loaded model")
             hf_model = model
         self.tokenizer = tokenizer
         self.model = LlamaForCausalLM.from_hf(hf_model, device=device, dtype=dtype)
         self.generation_config = getattr(hf_model, "generation_config", None)
-        if preemption not in ("recompute", "swap"):
-            raise ValueError(f"preemption={preemption!r} must be 'recompute' or 'swap'")
         if num_kv_blocks is None:
             if kv_bytes is not None:
                 per_block = self.model.kv_bytes_per_block(block_size)
                 num_kv_blocks = int(kv_bytes) // per_block
                 if num_kv_blocks < 2:
-                    raise ValueError(f"kv_bytes={kv_bytes} holds {num_kv_blocks} blocks of {per_block} bytes; "
-                                     f"need at least 2 (one is the null block)")
+                    raise EngineConfigError(
+                        f"kv_bytes={kv_bytes} is invalid: it holds {num_kv_blocks} blocks of {per_block} "
+                        f"bytes; need at least 2 (one is the null block)")
             else:
                 num_kv_blocks = 1024
         if num_cpu_blocks is None:
             num_cpu_blocks = num_kv_blocks if preemption == "swap" else 0
         check_kv_fits(self.model.device, num_kv_blocks, num_cpu_blocks, self.model.kv_bytes_per_block(block_size))
-        self.config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
-                                   preemption, num_cpu_blocks, enable_prefix_caching, hash_algo, seed)
+        self.config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks)
         self.manager = pagedkv.KVCacheManager(pagedkv.CacheConfig(
             num_blocks=num_kv_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
             hash_algo=hash_algo, num_cpu_blocks=num_cpu_blocks))
@@ -157,17 +274,28 @@ class LLMEngine:
                  system_prompt: Optional[str] = None) -> tuple[Optional[str], list[int]]:
         """Prompt text (or ``None``) and its token ids.
 
-        With ``chat_template`` a text prompt becomes one user message (after ``system_prompt``)
-        rendered by the tokenizer's chat template with the assistant generation prompt.
+        ``prompt`` is a non-empty str, a non-empty list / tuple (or 1-D integer array or
+        tensor) of int token ids, or a dict (see :data:`PromptType`) whose ``"messages"`` is a
+        non-empty list of ``{"role": str, "content": str}`` dicts. With ``chat_template`` a
+        text prompt becomes one user message (after ``system_prompt``) rendered by the
+        tokenizer's chat template with the assistant generation prompt.
 
         Raises:
-            InvalidRequestError: empty prompt, token id outside the vocabulary, bad dict.
+            InvalidRequestError: empty prompt; a prompt of another type (``None``, an int,
+                bytes...); a token id that is not an int (floats are not truncated, bools are
+                not ids) or is outside the vocabulary; a bad dict, malformed messages or
+                messages the chat template rejects. The message names the prompt or value.
         """
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise InvalidRequestError(f"system_prompt={_short(system_prompt)} is invalid: "
+                                      "expected a str or None")
         if isinstance(prompt, dict):
             system_prompt = prompt.get("system", system_prompt)
+            if system_prompt is not None and not isinstance(system_prompt, str):
+                raise InvalidRequestError(f"prompt {_short(prompt)} has an invalid 'system': expected a str")
             if "messages" in prompt:
-                messages = list(prompt["messages"])
-                if system_prompt and not any(m.get("role") == "system" for m in messages):
+                messages = _checked_messages(prompt)
+                if system_prompt and not any(m["role"] == "system" for m in messages):
                     messages.insert(0, {"role": "system", "content": system_prompt})
                 return self._render_chat(messages)
             if "prompt" not in prompt:
@@ -183,7 +311,7 @@ class LLMEngine:
                 return prompt, self._render_chat(messages)[1]
             text = prompt if system_prompt is None else f"{system_prompt}\n\n{prompt}"
             return prompt, list(self.tokenizer(text)["input_ids"])
-        ids = [int(t) for t in prompt]
+        ids = _token_ids(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty ([] token ids)")
         bad = [t for t in ids if not 0 <= t < self.model.vocab_size]
@@ -192,42 +320,75 @@ class LLMEngine:
         return None, ids
 
     def _render_chat(self, messages: list[dict[str, Any]]) -> tuple[Optional[str], list[int]]:
-        if not messages:
-            raise InvalidRequestError("prompt messages list is empty")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("the tokenizer has no chat template; use chat_template=False")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # a template's own check (e.g. roles must alternate): the request's fault
+            raise InvalidRequestError(f"the chat template rejected messages {_short(messages)}: {e}") from e
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return str(messages[-1].get("content", "")), ids
+        return str(messages[-1]["content"]), ids
 
     def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None, *,
                     request_id: Optional[str] = None, cache_salt: Optional[str] = None,
                     chat_template: bool = False, system_prompt: Optional[str] = None) -> str:
         """Queue one request; it joins the running batch at the next step it fits.
 
+        Args:
+            prompt: text, token ids or a prompt dict (see :meth:`tokenize`).
+            params: sampling parameters (``None``: defaults).
+            request_id: the id (default: the arrival number); a dict's ``"id"`` is used when
+                this is ``None``.
+            cache_salt: prefix-cache salt, a str or ``None`` (a dict's ``"cache_salt"`` wins).
+            chat_template, system_prompt: see :meth:`tokenize`.
+
         Returns:
             the request id.
 
         Raises:
-            InvalidRequestError: empty prompt, bad sampling parameter, duplicate id.
+            InvalidRequestError: bad prompt (see :meth:`tokenize`), ``params`` not a
+                :class:`SamplingParams`, ``cache_salt`` not a str, duplicate id.
             RequestTooLargeError: prompt longer than the model context, or prompt +
                 ``max_tokens`` can never fit the KV pool (names the sizes). Nothing is queued.
         """
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        return self._enqueue(self._prepare(prompt, params, request_id, cache_salt, chat_template, system_prompt))
+
+    def _prepare(self, prompt: PromptType, params: Any, request_id: Any, cache_salt: Any,
+                 chat_template: bool, system_prompt: Optional[str]) -> "_Checked":
+        """Check and tokenize one request without changing any state (see :meth:`add_request`)."""
+        if params is None:
+            params = SamplingParams()
+        elif not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params={_short(params)} is invalid: expected a SamplingParams or None "
+                                      f"(got {type(params).__name__})")
         text, ids = self.tokenize(prompt, chat_template=chat_template, system_prompt=system_prompt)
         if isinstance(prompt, dict):
-            request_id = request_id or prompt.get("id")
+            request_id = request_id if request_id is not None else prompt.get("id")
             cache_salt = prompt.get("cache_salt", cache_salt)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError(f"cache_salt={_short(cache_salt)} is invalid: expected a str or None")
+        rid = None if request_id is None else str(request_id)
+        if rid is not None and rid in self._requests:
+            raise InvalidRequestError(f"request_id {rid!r} is already in use")
         self.scheduler.check_fits(len(ids), params)
+        return _Checked(text, ids, params, rid, cache_salt)
+
+    def _enqueue(self, c: "_Checked") -> str:
+        """Register a checked request with the manager and the scheduler; returns its id."""
+        params, ids, cache_salt = c.params, c.token_ids, c.cache_salt
         arrival = next(self._arrivals)
-        rid = str(request_id) if request_id is not None else str(arrival)
+        rid = c.request_id if c.request_id is not None else str(arrival)
         if rid in self._requests:
             raise InvalidRequestError(f"request_id {rid!r} is already in use")
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**31 - 1, (1,), generator=self._seed_rng).item())
-        req = Request(rid, text, ids, params, cache_salt, arrival, time.perf_counter(), seed)
+        req = Request(rid, c.text, ids, params, cache_salt, arrival, time.perf_counter(), seed)
+        if params.use_beam_search:
+            eos = () if params.ignore_eos else sorted(self.eos_token_ids)
+            stops = params.stop
+            req.beam = BeamSearch(params.beam_width, params.max_tokens, eos, params.length_penalty,
+                                  params.early_stopping,
+                                  stop=(lambda toks: self._stop_text(toks, stops) is not None) if stops else None)
         first = self._new_seq(req, ids, len(ids), 0)
         salt = cache_salt
         rope_tag = self.model.rope.prefix_cache_tag(len(ids))
@@ -235,19 +396,15 @@ class LLMEngine:
             salt = f"{cache_salt or ''}\x1f{rope_tag}"
         self.manager.add_sequence(first.seq_id, ids, cache_salt=salt)
         req.seqs.append(first)
-        if params.use_beam_search:
-            eos = () if params.ignore_eos else sorted(self.eos_token_ids)
-            stops = params.stop
-            req.beam = BeamSearch(params.beam_width, params.max_tokens, eos, params.length_penalty,
-                                  params.early_stopping,
-                                  stop=(lambda toks: self._stop_text(toks, stops) is not None) if stops else None)
         self._requests[rid] = req
         self.scheduler.add(req)
         return rid
 
     def _new_seq(self, req: Request, tokens: list[int], num_in_manager: int, index: int) -> Seq:
         gen = None if req.params.greedy else make_generator(req.seed, index)
-        return Seq(next(self._seq_ids), list(tokens), len(req.prompt_token_ids), num_in_manager, index, gen)
+        seq = Seq(next(self._seq_ids), list(tokens), len(req.prompt_token_ids), num_in_manager, index, gen)
+        req.seq_ids.append(seq.seq_id)  # recorded before the manager knows it, for _abort
+        return seq
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running."""
@@ -258,19 +415,48 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, sample, and return the requests that finished.
 
+        A failed step (any exception escaping it, ``KeyboardInterrupt`` included) leaves the
+        engine consistent and usable: by then the scheduler has told the KV cache manager that
+        this step's tokens are computed -- slots allocated, full blocks hashed for the prefix
+        cache -- although the model may not have written their KV, and the manager has no
+        per-block undo. So before re-raising, the engine *aborts* every request that holds KV
+        or was caught mid-scheduling (the step's batch, every other running request, every
+        swapped one): their sequences are freed and they are dropped without an output, like
+        requests that finished within the failed step (whose outputs are lost). It then drops
+        the prefix cache, so no later request can hit a block of the failed step. Requests
+        still waiting with no KV at all (never scheduled, or preempted by recompute) stay
+        queued for later steps. A note on the exception names the requests dropped. The KV
+        pool is then as after construction: new greedy or seeded requests get the outputs a
+        fresh engine would give. (Cost: the prefix cache of unrelated prompts is lost too.)
+
         Raises:
             RuntimeError: the scheduler could not schedule anything while work is queued
                 (a bug: admission guarantees progress).
+            any exception of the model, sampler or beam search, after the abort above.
         """
+        finished: list[RequestOutput] = []
+        try:
+            self._step(finished)
+        except BaseException as exc:
+            aborted = self._abort_after_failed_step()
+            lost = [o.request_id for o in finished]
+            if hasattr(exc, "add_note"):  # Python >= 3.11
+                exc.add_note(f"pagedkv engine: the step failed; aborted requests {aborted}"
+                             + (f" and the outputs of requests {lost} finished in it" if lost else "")
+                             + " (KV freed, prefix cache dropped); the engine remains usable")
+            raise
+        return finished
+
+    def _step(self, finished: list[RequestOutput]) -> None:
+        """The body of :meth:`step`; appends the finished requests' outputs to ``finished``."""
         batch = self.scheduler.schedule()
         if not batch.seqs:
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler made no progress while requests are waiting "
                                    f"(free blocks {self.manager.pool.num_free})")
-            return []
+            return
         self.metrics_collector.on_step(self.manager.stats())
         logits = self.runner.execute(batch)
-        finished: list[RequestOutput] = []
         sampled = [(r, s) for r, s, want in zip(batch.requests, batch.seqs, batch.sample) if want]
         plain = [i for i, (r, _) in enumerate(sampled) if not r.params.use_beam_search]
         tokens = sample_tokens(logits[plain], [sampled[i][0].params for i in plain],
@@ -292,7 +478,33 @@ class LLMEngine:
         for req in {id(r): r for r, _ in sampled}.values():
             if not req.seqs and req.status is not RequestStatus.FINISHED:
                 finished.append(self._finish(req, now))
-        return finished
+
+    def _abort(self, req: Request) -> None:
+        """Drop ``req`` without an output: free every sequence the manager still holds for it
+        and take it off the queues. Safe in any state (mid-fork, mid-beam-step, swapped...)."""
+        for seq_id in req.seq_ids:
+            self.manager.free(seq_id)  # idempotent: False for a sequence already freed
+        req.seqs = []
+        self.scheduler.finish(req)
+        self._requests.pop(req.request_id, None)
+
+    def _abort_after_failed_step(self) -> list[str]:
+        """Recovery of a failed :meth:`step` (see there). Returns the aborted request ids."""
+        aborted = []
+        for req in list(self._requests.values()):
+            if not self._holds_no_kv(req):
+                self._abort(req)
+                aborted.append(req.request_id)
+        if self.config.enable_prefix_caching:
+            self.manager.reset_prefix_cache()  # legal now: no block is referenced
+        return aborted
+
+    def _holds_no_kv(self, req: Request) -> bool:
+        """True for a request queued with no KV anywhere: waiting (not swapped), and neither
+        the engine nor the manager counts a computed token or a block for its sequences."""
+        return (req.status is RequestStatus.WAITING and req in self.scheduler.waiting
+                and all(s.num_computed == 0 and self.manager.num_computed_tokens(s.seq_id) == 0
+                        and len(self.manager.block_table(s.seq_id)) == 0 for s in req.seqs))
 
     def _fork_samples(self, req: Request, parent: Seq, row: torch.Tensor, now: float) -> None:
         """First token of an ``n > 1`` request: fork the prompt's sequence n-1 times (blocks
@@ -405,45 +617,81 @@ class LLMEngine:
 
     # ---- batch API ---------------------------------------------------------------------------
 
-    def generate(self, prompts: Iterable[PromptType], params: Union[None, SamplingParams,
-                 Sequence[SamplingParams]] = None, *, cache_salt: Optional[str] = None,
+    def generate(self, prompts: Union[PromptType, Iterable[PromptType]], params: Union[
+                 None, SamplingParams, Sequence[SamplingParams]] = None, *, cache_salt: Optional[str] = None,
                  chat_template: bool = False, system_prompt: Optional[str] = None,
                  progress: bool = False) -> list[RequestOutput]:
         """Serve ``prompts`` to completion with continuous batching; results in prompt order.
 
+        Runs steps until the engine is idle, so requests queued before with :meth:`add_request`
+        are served too, but only this call's results are returned.
+
         Args:
-            prompts: texts, token-id lists or prompt dicts (see :data:`PromptType`).
-            params: one :class:`SamplingParams` for all, or one per prompt.
-            cache_salt: prefix-cache salt for every prompt (a dict's own salt wins).
+            prompts: a list of texts, token-id lists or prompt dicts (see :data:`PromptType`),
+                or one text or dict.
+            params: one :class:`SamplingParams` for all (``None``: defaults), or a list / tuple
+                with one per prompt.
+            cache_salt: prefix-cache salt for every prompt, a str (a dict's own salt wins).
             chat_template: render text prompts with the tokenizer's chat template.
             system_prompt: system message (chat) or text prepended to each prompt.
             progress: show a tqdm progress bar.
 
         Raises:
-            InvalidRequestError / RequestTooLargeError: a bad prompt; nothing is run.
+            InvalidRequestError / RequestTooLargeError: a bad prompt or parameter (see
+                :meth:`add_request`), checked for every prompt before any is queued.
+            any exception that interrupts the call (a failed :meth:`step`, ``KeyboardInterrupt``
+                between steps...): first every request of *this call* still queued or running
+                is aborted (its KV freed; see :meth:`step` for what a failed step also aborts),
+                so nothing of an interrupted call lingers in the engine or is served later.
         """
-        prompts = list(prompts)
-        plist: list[Optional[SamplingParams]] = (
-            list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts))  # type: ignore[list-item]
-        if len(plist) != len(prompts):
-            raise InvalidRequestError(f"got {len(plist)} SamplingParams for {len(prompts)} prompts")
-        for p, sp in zip(prompts, plist):
-            _, ids = self.tokenize(p, chat_template=chat_template, system_prompt=system_prompt)
-            self.scheduler.check_fits(len(ids), sp or SamplingParams())  # validate all first
-        ids_in_order = [self.add_request(p, sp, cache_salt=cache_salt, chat_template=chat_template,
-                                         system_prompt=system_prompt) for p, sp in zip(prompts, plist)]
+        if isinstance(prompts, (str, dict)):
+            items: list[Any] = [prompts]
+        elif prompts is None or isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+            raise InvalidRequestError(f"prompts={_short(prompts)} is invalid: expected a list of prompts "
+                                      "(texts, token-id lists or dicts) or one text or dict")
+        else:
+            items = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            plist: list[Any] = [params] * len(items)
+        elif isinstance(params, (list, tuple)):
+            plist = list(params)
+        else:
+            raise InvalidRequestError(f"params={_short(params)} is invalid: expected a SamplingParams, a list "
+                                      f"of them (one per prompt) or None (got {type(params).__name__})")
+        if len(plist) != len(items):
+            raise InvalidRequestError(f"got {len(plist)} SamplingParams for {len(items)} prompts")
+        # Check everything before queueing anything.
+        checked = [self._prepare(p, sp, None, cache_salt, chat_template, system_prompt)
+                   for p, sp in zip(items, plist)]
+        seen: set[str] = set()
+        for c in checked:
+            if c.request_id is not None:
+                if c.request_id in seen:
+                    raise InvalidRequestError(f"request_id {c.request_id!r} appears twice in prompts")
+                seen.add(c.request_id)
+        ids_in_order: list[str] = []
         results: dict[str, RequestOutput] = {}
         bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(ids_in_order), desc="requests", unit="req")
-        while self.has_unfinished():
-            for out in self.step():
-                results[out.request_id] = out
-                if bar is not None:
-                    bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            for c in checked:
+                ids_in_order.append(self._enqueue(c))
+            if progress:
+                from tqdm import tqdm
+                bar = tqdm(total=len(ids_in_order), desc="requests", unit="req")
+            while self.has_unfinished():
+                for out in self.step():
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            for rid in ids_in_order:
+                req = self._requests.get(rid)
+                if req is not None:
+                    self._abort(req)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [results[i] for i in ids_in_order]
 
     # ---- introspection -----------------------------------------------------------------------

@@ -7,6 +7,7 @@ Allocator errors (out of blocks, unknown sequence...) come from :mod:`pagedkv.er
 class                     also a                raised when
 ========================= ===================== ==============================================
 ModelNotFoundError        FileNotFoundError     no model at the given path / default missing
+EngineConfigError         ValueError            a bad ``LLMEngine`` argument (size, mode, dtype)
 PromptFileError           ValueError            a prompts or trace file is unreadable/malformed
 InvalidRequestError       ValueError            empty prompt, bad sampling parameter...
 RequestTooLargeError      InvalidRequestError   prompt + max_tokens can never fit (context or
@@ -22,6 +23,7 @@ from __future__ import annotations
 __all__ = [
     "EngineError",
     "ModelNotFoundError",
+    "EngineConfigError",
     "PromptFileError",
     "InvalidRequestError",
     "RequestTooLargeError",
@@ -36,6 +38,12 @@ class EngineError(Exception):
 
 class ModelNotFoundError(EngineError, FileNotFoundError):
     """The model file or folder does not exist, or the default model package is missing."""
+
+
+class EngineConfigError(EngineError, ValueError):
+    """An :class:`~pagedkv.engine.LLMEngine` argument is invalid (``max_num_seqs=0``, an unknown
+    ``preemption`` mode or ``dtype``...). Raised before the model is loaded where the check does
+    not need the model."""
 
 
 class PromptFileError(EngineError, ValueError):

@@ -93,6 +93,8 @@ class Request:
         arrival_time: ``time.perf_counter()`` when added, seconds.
         seed: seed of the request's sampling generators.
         seqs: live sequences (registered in the manager).
+        seq_ids: ids of every sequence ever created for the request (forks included), so an
+            abort can free whatever the manager still holds for it.
         finished_seqs: completed samples.
         beam: beam search state (beam search only).
         num_preemptions: how many times the request was preempted (recompute or swap).
@@ -111,6 +113,7 @@ class Request:
     seed: int = 0
     status: RequestStatus = RequestStatus.WAITING
     seqs: list[Sequence] = field(default_factory=list)
+    seq_ids: list[int] = field(default_factory=list)
     finished_seqs: list[Sequence] = field(default_factory=list)
     beam: Optional["BeamSearch"] = None
     forked: bool = False
@@ -134,7 +137,9 @@ class CompletionOutput:
     Attributes:
         index: sample index (0 for greedy; beam rank for beam search, best first).
         text: decoded output (special tokens skipped; cut before a matched stop string).
-        token_ids: generated token ids (the EOS token included when it ended the output).
+        token_ids: generated token ids (the EOS token included when it ended the output). When
+            a stop string ended it, these still include the tokens of the stop string (and any
+            text after it in the last token) although ``text`` is cut before it -- as in vLLM.
         finish_reason: ``"eos"``, ``"stop"`` (stop string) or ``"length"`` (max tokens or
             model context).
         score: beam search score (length-normalised log-prob), else ``None``.

@@ -33,16 +33,20 @@ class SamplingParams:
         n: number of independent samples (>= 1). They share the prompt's KV blocks (fork plus
             copy-on-write). With beam search, the number of best beams returned (<= beam_width).
         seed: seed of the request's generators; ``None`` takes one from the engine's seed.
-        stop: strings that end generation; the output text is cut before the first one. In beam
-            search a candidate whose text contains one finishes like an EOS candidate.
-        ignore_eos: keep generating after the end-of-sequence token.
-        beam_width: > 1 turns on beam search with that many beams (greedy only).
-        length_penalty: beam search score = sum log-prob / generated_len ** length_penalty.
+        stop: a string or list of strings that end generation (``None``: none); the output text
+            is cut before the first one. In beam search a candidate whose text contains one
+            finishes like an EOS candidate.
+        ignore_eos: keep generating after the end-of-sequence token (a bool).
+        beam_width: > 1 turns on beam search with that many beams. Beam search does not sample:
+            ``temperature``, ``top_p`` and ``top_k`` must keep their defaults.
+        length_penalty: beam search score = sum log-prob / generated_len ** length_penalty (a
+            finite number).
         early_stopping: beam search stop rule as in transformers (``True``, ``False`` or
             ``"never"``).
 
     Raises:
-        InvalidRequestError (a ``ValueError``): any value out of range; the message names it.
+        InvalidRequestError (a ``ValueError``): any value out of range or of the wrong type
+            (``bool`` is not accepted as a number); the message names the field and value.
     """
 
     max_tokens: int = 64
@@ -61,34 +65,53 @@ class SamplingParams:
         def bad(name: str, value: object, want: str) -> InvalidRequestError:
             return InvalidRequestError(f"{name}={value!r} is invalid: expected {want}")
 
+        # bool is an int subclass; True is never meant as a count or a probability.
         def is_int(v: object) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_real(v: object) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
         if not is_int(self.n) or self.n < 1:
             raise bad("n", self.n, "an integer >= 1")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
+        if not is_real(self.temperature) or self.temperature < 0:
             raise bad("temperature", self.temperature, "a finite number >= 0")
-        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+        if not is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise bad("top_p", self.top_p, "a number with 0 < top_p <= 1")
         if not is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", self.top_k, "an integer >= 0 (0 disables top-k)")
         if self.seed is not None and not is_int(self.seed):
             raise bad("seed", self.seed, "an integer or None")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", self.ignore_eos, "True or False")
         if not is_int(self.beam_width) or self.beam_width < 1:
             raise bad("beam_width", self.beam_width, "an integer >= 1")
-        if self.beam_width > 1 and self.temperature != 0:
-            raise bad("temperature", self.temperature, "0 with beam search (beam_width > 1)")
-        if self.beam_width > 1 and self.n > self.beam_width:
-            raise bad("n", self.n, f"<= beam_width ({self.beam_width}) with beam search")
-        if self.early_stopping not in (True, False, "never"):
+        if not is_real(self.length_penalty):
+            raise bad("length_penalty", self.length_penalty, "a finite number")
+        if self.beam_width > 1:
+            # Beam search ranks candidates by log-prob: nothing is drawn, so sampling knobs
+            # would be silently ignored.
+            no_sampling = "beam search (beam_width > 1) is deterministic and does not sample"
+            if self.temperature != 0:
+                raise bad("temperature", self.temperature, f"0 with beam search: {no_sampling}")
+            if self.top_p != 1.0:
+                raise bad("top_p", self.top_p, f"1.0 with beam search: {no_sampling}")
+            if self.top_k != 0:
+                raise bad("top_k", self.top_k, f"0 with beam search: {no_sampling}")
+            if self.n > self.beam_width:
+                raise bad("n", self.n, f"<= beam_width ({self.beam_width}) with beam search")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
             raise bad("early_stopping", self.early_stopping, "True, False or 'never'")
-        if isinstance(self.stop, str):
+        if self.stop is None:  # as in vLLM: no stop strings
+            object.__setattr__(self, "stop", ())
+        elif isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             object.__setattr__(self, "stop", tuple(self.stop))
+        else:
+            raise bad("stop", self.stop, "a string, a list of strings or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "non-empty strings")
 

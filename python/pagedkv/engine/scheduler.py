@@ -176,10 +176,13 @@ class Scheduler:
         self.waiting.insert(bisect.bisect(keys, req.arrival_index), req)
 
     def finish(self, req: Request) -> None:
-        """Drop a finished request from the queues (its sequences are freed by the engine)."""
+        """Drop a finished or aborted request from the queues, wherever it is (its sequences
+        are freed by the engine)."""
         req.status = RequestStatus.FINISHED
         if req in self.running:
             self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
 
     def has_work(self) -> bool:
         """True while any request is running or waiting."""
@@ -255,6 +258,8 @@ class Scheduler:
                 else:
                     seq_todo = seq.num_uncomputed
                 take = min(seq_todo, budget)
+                if take == 0:  # a swapped-in beam that has its logprobs waits for its siblings
+                    continue
                 admitted.append((req, seq, take))
                 budget -= take
                 num_seqs += 1
