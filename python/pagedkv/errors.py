@@ -133,7 +133,7 @@ class InvalidBlockError(PagedKVError, ValueError):
 
     Attributes:
         block_id: the bad id.
-        num_blocks: the pool size (valid ids are ``1..num_blocks-1``).
+        num_blocks: the pool size (valid ids are 1 to ``num_blocks - 1`` inclusive).
     """
 
     _fields = ("block_id", "num_blocks")

@@ -17,7 +17,10 @@ pub enum Error {
     #[error("out of CPU swap blocks: requested {requested} block(s), {available} available")]
     OutOfSwapSpace { requested: usize, available: usize },
     /// A block id outside `1..num_blocks` (the null block 0 is never a valid argument).
-    #[error("invalid block id {block_id}: valid ids are 1..{num_blocks} (0 is the null block)")]
+    #[error(
+        "invalid block id {block_id}: valid ids are 1..={max} (0 is the null block)",
+        max = .num_blocks.saturating_sub(1)
+    )]
     InvalidBlockId { block_id: BlockId, num_blocks: u32 },
     /// Decrementing a block whose reference count is already 0.
     #[error("reference count underflow: block {block_id} has ref count 0 and cannot be freed")]

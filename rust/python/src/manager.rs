@@ -575,7 +575,10 @@ impl PyKvCacheManager {
     ///     append_token_ids: None; a 1-D integer array of ``S`` tokens (one per sequence, the
     ///         decode case); or ``S`` lists / arrays of tokens.
     ///
-    /// Raises ``InvalidArgumentError`` for malformed arguments (nothing done).
+    /// Raises ``InvalidArgumentError`` for arguments it cannot read (wrong types, negative ids,
+    /// lengths that disagree; nothing done). A request refused as a whole by the core (a
+    /// sequence listed twice) is not raised either: it comes back with ``num_scheduled == 0``
+    /// and ``error`` set, nothing changed. ``StepOutput.raise_for_error()`` raises any of these.
     #[pyo3(signature = (seq_ids, max_new_tokens, append_token_ids = None))]
     fn step(
         &self,
