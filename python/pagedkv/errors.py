@@ -11,7 +11,7 @@ OutOfBlocksError            MemoryError                  an all-or-nothing alloc
 OutOfSwapSpaceError         OutOfBlocksError             a swap-out lacks CPU blocks
 UnknownSequenceError        KeyError                     a sequence id is not registered
 SequenceExistsError         ValueError                   a sequence id is registered twice
-InvalidBlockError           ValueError                   a block id is outside ``1..num_blocks``
+InvalidBlockError           ValueError                   a block id is outside 1 to ``num_blocks - 1``
 RefCountUnderflowError      ValueError                   freeing a block whose ref count is 0
 InvalidConfigError          ValueError                   a configuration value is out of range
 InvalidArgumentError        ValueError                   a call argument is out of range
@@ -129,7 +129,7 @@ class SequenceExistsError(PagedKVError, ValueError):
 
 
 class InvalidBlockError(PagedKVError, ValueError):
-    """A block id outside ``1..num_blocks`` (block 0, the null block, is never valid).
+    """A block id outside 1 to ``num_blocks - 1`` (block 0, the null block, is never valid).
 
     Attributes:
         block_id: the bad id.
