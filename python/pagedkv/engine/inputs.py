@@ -147,12 +147,7 @@ def read_prompts(path: str | Path) -> list[Any]:
         if p.suffix.lower() == ".txt":
             prompts.append(line)
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PromptFileError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-        if not isinstance(obj, dict):
-            raise PromptFileError(f"{p}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        obj = _json_object(p, lineno, line)
         _check_line(obj, f"{p}:{lineno}", sampling_flags)
         explicit = "id" in obj
         rid = str(obj["id"]) if explicit else str(len(prompts))
@@ -166,6 +161,21 @@ def read_prompts(path: str | Path) -> list[Any]:
     if not prompts:
         raise PromptFileError(f"prompts file {str(p)!r} holds no prompt")
     return prompts
+
+
+def _json_object(path: Path, lineno: int, line: str) -> dict[str, Any]:
+    """One JSONL line as a dict.
+
+    Raises:
+        PromptFileError: the line is not valid JSON or not an object (names file:line).
+    """
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise PromptFileError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise PromptFileError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 @dataclass(frozen=True)
@@ -200,12 +210,7 @@ def read_trace(path: str | Path, *, limit: Optional[int] = None, scale: float = 
     if p.suffix.lower() == ".jsonl":
         for lineno, line in enumerate(lines, 1):
             if line.strip():
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise PromptFileError(f"{p}:{lineno}: not valid JSON ({e.msg})") from None
-                if not isinstance(obj, dict):
-                    raise PromptFileError(f"{p}:{lineno}: expected a JSON object")
+                obj = _json_object(p, lineno, line)
                 rows.append((lineno, obj.get("input_length"), obj.get("output_length")))
     else:
         reader = csv.DictReader(lines)
