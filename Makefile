@@ -17,7 +17,7 @@ RUN_ARGS ?= --prompts examples/prompts.jsonl --output target/run/results.jsonl
 
 .DEFAULT_GOAL := help
 .PHONY: help setup deps build run test test-rust test-python stubtest check-dist fuzz-smoke \
-        lint fmt fmt-check clippy mypy bench
+        lint fmt fmt-check clippy mypy bench test-vllm vllm-venv
 
 help: ## Show this list of targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -42,7 +42,7 @@ run: setup ## Main job: the reference engine on SmolLM2 over examples/prompts.js
 	@mkdir -p target/run
 	$(PYTHON) -m pagedkv.engine.cli $(RUN_ARGS)
 
-test: setup test-rust lint test-python stubtest check-dist fuzz-smoke ## Every test: Rust, lint, pytest, stubtest, wheel/sdist, fuzz smoke
+test: setup test-rust lint test-python test-vllm stubtest check-dist fuzz-smoke ## Every test: Rust, lint, pytest, vLLM suite, stubtest, wheel/sdist, fuzz smoke
 	@echo "make test: all checks passed"
 
 test-rust: ## cargo test for the workspace (core unit, proptest and doc tests)
@@ -52,6 +52,26 @@ test-rust: ## cargo test for the workspace (core unit, proptest and doc tests)
 # nothing here masks it.
 test-python: setup ## pytest (hypothesis profile from HYPOTHESIS_PROFILE, default ci; Triton interpreted on CPU)
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest
+
+# The vLLM integration suite runs in its own virtual environment: vLLM pins its own torch and
+# many other packages, which must not replace the main environment's. pagedkv comes from this
+# checkout (the extension `setup` built in python/pagedkv, found through a .pth file), so the
+# suite tests exactly the working tree. The venv is created once and reused.
+VLLM_VERSION ?= 0.33.0
+VLLM_VENV ?= target/vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.pagedkv-vllm-$(VLLM_VERSION)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) "vllm==$(VLLM_VERSION)" "pytest>=8" "hypothesis>=6.100"
+	$(VLLM_VENV)/bin/python -c "import sysconfig, pathlib; \
+		pathlib.Path(sysconfig.get_paths()['purelib'], 'pagedkv-checkout.pth').write_text('$(CURDIR)/python\n')"
+	@touch $@
+
+vllm-venv: $(VLLM_STAMP) ## Create target/vllm-venv: vLLM (pinned) + pytest, pagedkv from this checkout
+
+test-vllm: setup vllm-venv ## Differential suite: vLLM's Scheduler stock vs PagedKVScheduler (own venv)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
 
 stubtest: setup ## Check the hand-written _core.pyi against the built extension
 	$(PYTHON) -m mypy.stubtest pagedkv._core
