@@ -33,9 +33,15 @@ from pagedkv.integrations.vllm import PagedKVScheduler  # noqa: E402
 BS = 16
 
 
-def _pair(**config: Any) -> tuple[Driver, Driver]:
+class PerRequestPagedKVScheduler(PagedKVScheduler):
+    """The plug-in without its batched decode path (one allocate_slots call per request)."""
+
+    batch_decode = False
+
+
+def _pair(paged_cls: type = PagedKVScheduler, **config: Any) -> tuple[Driver, Driver]:
     stock = Driver(build_scheduler(Scheduler, make_vllm_config(**config)))
-    paged = Driver(build_scheduler(PagedKVScheduler, make_vllm_config(**config)))
+    paged = Driver(build_scheduler(paged_cls, make_vllm_config(**config)))
     return stock, paged
 
 
@@ -58,6 +64,7 @@ def _lockstep(
     strict: bool = True,
     max_steps: int = 2000,
     actions: dict[int, Any] | None = None,
+    paged_cls: type = PagedKVScheduler,
     **config: Any,
 ) -> tuple[Driver, Driver, list[tuple[dict[str, Any], dict[str, Any]]]]:
     """Feeds ``stream`` (step -> request factories) to both schedulers in lockstep.
@@ -65,7 +72,7 @@ def _lockstep(
     ``actions`` (step -> callable(driver)) run on both drivers before that step's
     ``schedule()``. With ``strict`` every step record must be equal.
     """
-    stock, paged = _pair(**config)
+    stock, paged = _pair(paged_cls, **config)
     records = []
     last_arrival = max(stream) if stream else 0
     for step in range(max_steps):
@@ -96,7 +103,8 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 4000) for _ in range(n)]
 
 
-def test_staggered_arrivals_shared_system_prompts_chunked_prefill() -> None:
+@pytest.mark.parametrize("paged_cls", [PagedKVScheduler, PerRequestPagedKVScheduler])
+def test_staggered_arrivals_shared_system_prompts_chunked_prefill(paged_cls: type) -> None:
     rng = random.Random(1)
     systems = [_tokens(rng, 64), _tokens(rng, 40)]
     stream: dict[int, list[Any]] = {}
@@ -106,9 +114,18 @@ def test_staggered_arrivals_shared_system_prompts_chunked_prefill() -> None:
     # A long prompt that needs several chunks at 128 tokens per step.
     stream.setdefault(3, []).append(_req("long", systems[0] + _tokens(rng, 500), 8))
     stock, paged, records = _lockstep(
-        stream, num_blocks=1024, max_num_batched_tokens=128, long_prefill_token_threshold=64
+        stream,
+        num_blocks=1024,
+        max_num_batched_tokens=128,
+        long_prefill_token_threshold=64,
+        paged_cls=paged_cls,
     )
     assert stock.outputs == paged.outputs
+    batched = paged.scheduler.kv_cache_manager.num_batched_allocations
+    if paged_cls is PagedKVScheduler:
+        assert batched > 100, "the batched decode path must carry the decodes"
+    else:
+        assert batched == 0
     hits = [h for _, b in records for h in b["new_prefix_hits"].values()]
     assert max(hits) >= 64, "shared system prompts must produce prefix hits"
     chunked = [s["scheduled"].get("long", 0) for s, _ in records if "long" in s["scheduled"]]
@@ -213,13 +230,16 @@ def test_reset_prefix_cache_busy_then_idle() -> None:
     _check_no_leak(stock, paged)
 
 
-def test_preemption_without_eviction_matches_step_by_step() -> None:
+@pytest.mark.parametrize("paged_cls", [PagedKVScheduler, PerRequestPagedKVScheduler])
+def test_preemption_without_eviction_matches_step_by_step(paged_cls: type) -> None:
     # 24 usable blocks, 6 requests growing to 5 blocks each: decode runs out of blocks and
     # vLLM preempts the newest running request; prompts are distinct (nothing to evict
     # differently), so every step still matches.
     rng = random.Random(7)
     stream = {0: [_req(f"p{i}", _tokens(rng, 40), 40) for i in range(6)]}
-    stock, paged, records = _lockstep(stream, num_blocks=25, max_num_batched_tokens=256)
+    stock, paged, records = _lockstep(
+        stream, num_blocks=25, max_num_batched_tokens=256, paged_cls=paged_cls
+    )
     assert any(a["preempted"] for a, _ in records), "the pool must force preemption"
     assert paged.outputs == stock.outputs
     _check_no_leak(stock, paged)
@@ -239,8 +259,13 @@ def test_eviction_pressure_same_outputs_no_leaks() -> None:
     assert paged.outputs == stock.outputs
     assert paged.finish_reasons == stock.finish_reasons
     assert set(paged.outputs) == {f"e{i}" for i in range(40)}
+    assert paged.scheduler.kv_cache_manager.manager.stats().evictions > 0
     hits_stock, hits_paged = sum(stock.prefix_hits.values()), sum(paged.prefix_hits.values())
-    print(f"prefix-hit tokens under eviction pressure: vLLM {hits_stock}, pagedkv {hits_paged}")
+    same = sum(a == b for a, b in records)
+    print(
+        f"under eviction pressure: prefix-hit tokens vLLM {hits_stock}, pagedkv {hits_paged}; "
+        f"{same} of {len(records)} steps identical"
+    )
     assert hits_paged > 0
     _check_no_leak(stock, paged)
 

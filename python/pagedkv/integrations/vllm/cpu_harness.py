@@ -70,7 +70,7 @@ def tiny_model_dir() -> Path:
             "num_key_value_heads": 2,
             "num_hidden_layers": 2,
             "vocab_size": VOCAB,
-            "max_position_embeddings": 8192,
+            "max_position_embeddings": 131072,
             "rms_norm_eps": 1e-5,
             "bos_token_id": 1,
             "eos_token_id": EOS,

@@ -207,13 +207,16 @@ class PagedKVCacheManager:
         self.medium = "GPU"
 
         self._num_usable = num_blocks - 1
-        # request id -> pagedkv sequence id, and how many of its tokens pagedkv holds.
+        # request id -> pagedkv sequence id, and how many of its tokens pagedkv holds (read
+        # by PagedKVScheduler's batched decode path).
         self._seq_of: dict[str, int] = {}
         self._num_known: dict[str, int] = {}
         self._next_seq_id = 0
         self._lora_ids: dict[str, int] = {}
         # Allocations made ahead by the batched decode path: request id -> result.
         self._prepared: dict[str, Any] = {}
+        #: Decode slots allocated through ``prepare_decode_batch`` so far (requests, summed).
+        self.num_batched_allocations = 0
 
     # ---- properties vLLM reads -------------------------------------------------------------
 
@@ -375,12 +378,12 @@ class PagedKVCacheManager:
         rid = request.request_id
         prepared = self._prepared.pop(rid, None)
         if prepared is not None:
-            if prepared[0] != num_new_tokens:
+            if num_new_tokens != 1:
                 raise RuntimeError(
-                    f"request {rid!r}: batched decode prepared {prepared[0]} tokens, the "
-                    f"scheduler asked for {num_new_tokens}"
+                    f"request {rid!r}: batched decode prepared 1 token, the scheduler asked "
+                    f"for {num_new_tokens}"
                 )
-            return prepared[1]
+            return prepared
         if num_new_tokens <= 0:
             raise InvalidArgumentError(
                 f"num_new_tokens must be >= 1 (got {num_new_tokens}) for request {rid!r}",
@@ -432,48 +435,48 @@ class PagedKVCacheManager:
             return self.empty_kv_cache_blocks
         return PagedKVBlocks(ids.tolist())
 
-    def prepare_decode_batch(self, requests: Sequence[Any]) -> int:
-        """Allocates one decode slot for each of ``requests``, in order, in one call into Rust.
+    def prepare_decodes(
+        self,
+        request_ids: Sequence[str],
+        seq_ids: Sequence[int],
+        last_token_ids: Sequence[int],
+        num_tokens: Sequence[int],
+    ) -> int:
+        """Appends one sampled token to each request and allocates its decode slot, in order,
+        in one call into Rust (``pagedkv.KVCacheManager.step``).
 
         Used by ``PagedKVScheduler`` before vLLM's running loop, for a prefix of running
-        requests that the loop is certain to give exactly one token each: the following
+        requests that the loop is certain to give exactly one token each: the loop's following
         ``allocate_slots(request, 1)`` calls return these results. Stops at the first request
-        that does not fit (that one and the rest are left untouched and go through
-        ``allocate_slots`` normally, where vLLM preempts). Returns how many were prepared.
+        that does not fit; that one and the rest are left untouched and go through
+        ``allocate_slots`` normally, where vLLM preempts. ``seq_ids[i]`` is
+        ``seq_id(request_ids[i])``, ``last_token_ids[i]`` the token sampled last step and
+        ``num_tokens[i]`` the request's token count with it. Returns how many were prepared.
         """
-        if not requests:
-            return 0
-        seqs = []
-        appends: list[Any] = []
-        flat = True
-        seq_of = self._seq_of
-        known = self._num_known
-        for r in requests:
-            rid = r.request_id
-            seqs.append(seq_of[rid])
-            new = r.all_token_ids[known[rid] :]
-            if len(new) != 1:
-                flat = False
-            appends.append(new)
-        if flat:  # one token each: a 1-D array is the cheapest form to hand over
-            appends = np.fromiter((a[0] for a in appends), dtype=np.int64, count=len(appends))
-        out = self._kvm.step(seqs, 1, appends)
+        out = self._kvm.step(seq_ids, 1, np.asarray(last_token_ids, dtype=np.int64))
         n = out.num_scheduled
-        indptr = out.new_block_indptr.tolist()
-        new_ids = out.new_block_ids.tolist()
-        empty = self.empty_kv_cache_blocks
-        prepared = self._prepared
-        for i in range(n):
-            r = requests[i]
-            rid = r.request_id
-            known[rid] = r.num_tokens
-            a, b = indptr[i], indptr[i + 1]
-            prepared[rid] = (1, empty if a == b else PagedKVBlocks(new_ids[a:b]))
+        results = [self.empty_kv_cache_blocks] * n
+        new_ids = out.new_block_ids
+        if len(new_ids):
+            indptr = out.new_block_indptr[: n + 1]
+            ids = new_ids.tolist()
+            bounds = indptr.tolist()
+            for i in np.flatnonzero(np.diff(indptr)).tolist():
+                results[i] = PagedKVBlocks(ids[bounds[i] : bounds[i + 1]])
+        if n == len(request_ids):
+            self._prepared.update(zip(request_ids, results))
+            self._num_known.update(zip(request_ids, num_tokens))
+        else:
+            self._prepared.update(zip(request_ids[:n], results))
+            self._num_known.update(zip(request_ids[:n], num_tokens[:n]))
+        self.num_batched_allocations += n
         return n
 
     def take_unused_prepared(self) -> list[str]:
         """Request ids whose batched allocation the scheduler did not consume (empty unless the
         batched path's preconditions were wrong); clears them."""
+        if not self._prepared:
+            return []
         ids = list(self._prepared)
         self._prepared.clear()
         return ids

@@ -91,44 +91,59 @@ class PagedKVScheduler(Scheduler):
             request._block_hasher = None
         super().add_request(request)
 
-    def _decode_batch_prefix(self) -> list[Any]:
-        """The longest prefix of ``self.running`` that vLLM's running loop will schedule with
-        exactly one token each and no other KV call in between (mirrors its skip and cap
-        conditions for the synchronous scheduler)."""
+    def _prepare_decodes(self) -> None:
+        """Allocates, in one call, the decode slots of the longest prefix of ``self.running``
+        that vLLM's running loop will schedule with exactly one token each and no other KV call
+        in between (this mirrors the loop's skip and cap conditions for the synchronous
+        scheduler: one known uncomputed token, no draft tokens or output placeholders, eligible
+        this step, below ``max_model_len``, within the token budgets)."""
         from vllm.v1.core.sched.interface import PauseState
 
         if self._pause_state == PauseState.PAUSED_ALL:
-            return []
+            return
         budget = min(self.max_num_scheduled_tokens, self.scheduler_config.max_num_batched_tokens)
         step = self.current_step + 1
         limit = self.max_model_len - self._num_sampled
-        seq_of = self.kv_cache_manager._seq_of
+        manager = self.kv_cache_manager
+        seq_of = manager._seq_of
+        known = manager._num_known
         ec = self.ec_connector is not None
-        out = []
+        rids: list[str] = []
+        seqs: list[int] = []
+        tokens: list[int] = []
+        lens: list[int] = []
         for request in self.running[:budget]:
+            all_tokens = request._all_token_ids
+            n = len(all_tokens)
+            rid = request.request_id
             if (
-                request.num_tokens - request.num_computed_tokens != 1
+                request.num_computed_tokens != n - 1
+                or known.get(rid) != n - 1
+                or n - 1 >= limit
                 or request.spec_token_ids
                 or request.num_output_placeholders
                 or step < request.next_decode_eligible_step
-                or request.num_computed_tokens >= limit
-                or request.request_id not in seq_of
                 or (ec and request.mm_features)
             ):
                 break
-            out.append(request)
-        return out
+            rids.append(rid)
+            seqs.append(seq_of[rid])
+            tokens.append(all_tokens[-1])
+            lens.append(n)
+        if rids:
+            manager.prepare_decodes(rids, seqs, tokens, lens)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``schedule``, with the running decodes' slots allocated in one batch first."""
         manager = self.kv_cache_manager
         if self.batch_decode and self.running:
-            manager.prepare_decode_batch(self._decode_batch_prefix())
+            self._prepare_decodes()
         try:
-            return super().schedule(*args, **kwargs)
-        finally:
-            unused = manager.take_unused_prepared()
-            if unused:
-                raise RuntimeError(
-                    f"batched decode allocated slots the scheduler did not use: {unused}"
-                )
+            out = super().schedule(*args, **kwargs)
+        except BaseException:
+            manager.take_unused_prepared()
+            raise
+        unused = manager.take_unused_prepared()
+        if unused:
+            raise RuntimeError(f"batched decode allocated slots the scheduler did not use: {unused}")
+        return out
