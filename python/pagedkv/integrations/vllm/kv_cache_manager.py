@@ -31,7 +31,7 @@ than serving a wrong block table.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -58,7 +58,7 @@ _HASH_ALGOS = {
 def _kv_cache_blocks_type() -> type:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 
-    return KVCacheBlocks
+    return cast(type, KVCacheBlocks)
 
 
 def _make_blocks_class() -> type:
@@ -75,7 +75,7 @@ def _make_blocks_class() -> type:
         def __init__(self, ids: list[int]) -> None:
             self.ids = ids
 
-        @property  # type: ignore[override]
+        @property  # type: ignore[override, unused-ignore]
         def blocks(self) -> tuple[list[Any], ...]:
             from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -105,7 +105,8 @@ def _make_blocks_class() -> type:
 
         def __eq__(self, other: object) -> bool:
             if isinstance(other, KVCacheBlocks):
-                return other.get_block_ids() == self.get_block_ids()
+                theirs: Any = other
+                return bool(theirs.get_block_ids() == self.get_block_ids())
             return NotImplemented
 
         __hash__ = None  # type: ignore[assignment]
@@ -343,7 +344,7 @@ class PagedKVCacheManager:
         seq = self._seq_of.get(request.request_id)
         if seq is None or not self.enable_caching:
             return 0
-        computed = min(self._kvm.num_computed_tokens(seq), request.num_tokens)
+        computed = int(min(self._kvm.num_computed_tokens(seq), request.num_tokens))
         return computed - computed % self.block_size
 
     # ---- allocation ------------------------------------------------------------------------

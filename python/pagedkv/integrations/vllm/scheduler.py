@@ -39,7 +39,7 @@ __all__ = ["PagedKVScheduler"]
 _BASE_INIT = inspect.signature(Scheduler.__init__)
 
 
-class PagedKVScheduler(Scheduler):
+class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
     """vLLM V1 ``Scheduler`` whose ``kv_cache_manager`` is a :class:`PagedKVCacheManager`.
 
     Takes exactly the constructor arguments of ``vllm.v1.core.sched.scheduler.Scheduler``.
