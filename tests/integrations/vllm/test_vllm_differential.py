@@ -242,6 +242,26 @@ def test_preemption_without_eviction_matches_step_by_step(paged_cls: type) -> No
     )
     assert any(a["preempted"] for a, _ in records), "the pool must force preemption"
     assert paged.outputs == stock.outputs
+    if paged_cls is PagedKVScheduler:
+        # The batched step ran out of blocks part-way; vLLM's loop preempted from there.
+        assert paged.scheduler.kv_cache_manager.num_batch_stops > 0
+    _check_no_leak(stock, paged)
+
+
+def test_priority_policy_and_watermark_match_step_by_step() -> None:
+    # Priority scheduling preempts the lowest-priority running request (possibly one already
+    # scheduled this step); the watermark keeps 10% of the pool free when admitting.
+    rng = random.Random(9)
+    stream: dict[int, list[Any]] = {}
+    for i in range(12):
+        stream.setdefault(i // 3, []).append(
+            _req(f"w{i}", _tokens(rng, 30 + 5 * i), 30, priority=rng.randrange(0, 3))
+        )
+    stock, paged, records = _lockstep(
+        stream, num_blocks=30, max_num_batched_tokens=256, policy="priority", watermark=0.1
+    )
+    assert any(a["preempted"] for a, _ in records), "the pool must force preemption"
+    assert paged.outputs == stock.outputs
     _check_no_leak(stock, paged)
 
 

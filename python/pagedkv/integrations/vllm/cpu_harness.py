@@ -94,6 +94,8 @@ def make_vllm_config(
     kv_events: bool = False,
     max_loras: int = 0,
     scheduler_cls: Any = None,
+    policy: str = "fcfs",
+    watermark: float = 0.0,
     **overrides: Any,
 ) -> VllmConfig:
     """A ``VllmConfig`` for the tiny local model, CPU device, ``num_blocks`` KV blocks."""
@@ -118,6 +120,8 @@ def make_vllm_config(
         is_encoder_decoder=False,
         async_scheduling=False,
         scheduler_cls=scheduler_cls,
+        policy=policy,
+        watermark=watermark,
     )
     kwargs: dict[str, Any] = dict(
         model_config=model_config,

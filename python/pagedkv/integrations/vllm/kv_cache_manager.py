@@ -216,8 +216,10 @@ class PagedKVCacheManager:
         self._lora_ids: dict[str, int] = {}
         # Allocations made ahead by the batched decode path: request id -> result.
         self._prepared: dict[str, Any] = {}
-        #: Decode slots allocated through ``prepare_decode_batch`` so far (requests, summed).
+        #: Decode slots allocated through ``prepare_decodes`` so far (requests, summed).
         self.num_batched_allocations = 0
+        #: Batched steps that stopped early (a request did not fit; vLLM's loop preempts).
+        self.num_batch_stops = 0
 
     # ---- properties vLLM reads -------------------------------------------------------------
 
@@ -471,6 +473,7 @@ class PagedKVCacheManager:
             self._prepared.update(zip(request_ids[:n], results))
             self._num_known.update(zip(request_ids[:n], num_tokens[:n]))
         self.num_batched_allocations += n
+        self.num_batch_stops += out.error is not None
         return n
 
     def take_unused_prepared(self) -> list[str]:
