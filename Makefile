@@ -17,7 +17,7 @@ RUN_ARGS ?= --prompts examples/prompts.jsonl --output target/run/results.jsonl
 
 .DEFAULT_GOAL := help
 .PHONY: help setup deps build run test test-rust test-python stubtest check-dist fuzz-smoke \
-        lint fmt fmt-check clippy mypy bench test-vllm vllm-venv
+        lint fmt fmt-check clippy mypy bench
 
 help: ## Show this list of targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -57,6 +57,7 @@ test-python: setup ## pytest (hypothesis profile from HYPOTHESIS_PROFILE, defaul
 # many other packages, which must not replace the main environment's. pagedkv comes from this
 # checkout (the extension `setup` built in python/pagedkv, found through a .pth file), so the
 # suite tests exactly the working tree. The venv is created once and reused.
+.PHONY: test-vllm vllm-venv
 VLLM_VERSION ?= 0.33.0
 VLLM_VENV ?= target/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.pagedkv-vllm-$(VLLM_VERSION)
