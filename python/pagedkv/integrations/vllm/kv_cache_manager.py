@@ -49,7 +49,6 @@ __all__ = ["PagedKVBlocks", "PagedKVCacheManager"]
 _HASH_ALGOS = {
     "sha256": "sha256",
     "sha256_cbor": "sha256",
-    "sha256_cbor_64bit": "sha256",
     "xxhash": "xxh3_128",
     "xxhash_cbor": "xxh3_128",
 }
