@@ -38,7 +38,6 @@ from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
@@ -139,9 +138,7 @@ def make_vllm_config(
 
 def make_kv_cache_config(num_blocks: int, block_size: int = 16) -> KVCacheConfig:
     """One full-attention KV cache group of ``num_blocks`` blocks (tensor shape irrelevant)."""
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -193,14 +190,10 @@ def make_request(
     arrival_time: float | None = None,
 ) -> Request:
     """A vLLM ``Request`` as the engine core makes it (block hashes included)."""
-    params = SamplingParams(
-        max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=False
-    )
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=False)
     params.update_from_generation_config({}, EOS)
     lora_request = (
-        LoRARequest(lora_name=lora[0], lora_int_id=lora[1], lora_path=f"/nonexistent/{lora[0]}")
-        if lora
-        else None
+        LoRARequest(lora_name=lora[0], lora_int_id=lora[1], lora_path=f"/nonexistent/{lora[0]}") if lora else None
     )
     return Request(
         request_id=request_id,
@@ -267,14 +260,10 @@ class Driver:
         cached = out.scheduled_cached_reqs
         # Resumed (preempted) requests: their prefix hit is the computed count they restart at.
         resumed = {
-            rid: n
-            for rid, n in zip(cached.req_ids, cached.num_computed_tokens)
-            if rid in cached.resumed_req_ids
+            rid: n for rid, n in zip(cached.req_ids, cached.num_computed_tokens) if rid in cached.resumed_req_ids
         }
         scheduled = dict(out.num_scheduled_tokens)
-        blocks_held = {
-            rid: len(sched.kv_cache_manager.get_block_ids(rid)[0]) for rid in sorted(scheduled)
-        }
+        blocks_held = {rid: len(sched.kv_cache_manager.get_block_ids(rid)[0]) for rid in sorted(scheduled)}
         model_out = fake_model_output(sched, out)
         engine_outputs = sched.update_from_output(out, model_out)
         new_tokens: dict[str, list[int]] = {}

@@ -9,8 +9,9 @@ extra keys, see ``pagedkv.CacheConfig``), not the Python hashes vLLM's engine co
 they are the keys pagedkv's prefix cache actually resolves. With
 ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` on (vLLM's default) they are published as 64-bit ints
 like vLLM's own: the first 8 bytes, big-endian (SHA-256 fills all 32 bytes of a pagedkv hash,
-xxh3-128 the first 16, so the first 8 are always significant). The set semantics are pagedkv's event contract: a hash is announced by ``BlockStored``
-when it becomes resolvable and by ``BlockRemoved`` when it stops being resolvable.
+xxh3-128 the first 16, so the first 8 are always significant). The set semantics are pagedkv's
+event contract: a hash is announced by ``BlockStored`` when it becomes resolvable and by
+``BlockRemoved`` when it stops being resolvable, at most once each.
 """
 
 from __future__ import annotations

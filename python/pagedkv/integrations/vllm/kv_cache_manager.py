@@ -132,9 +132,7 @@ class _PrefixHit:
         self.blocks = ((None,) * num_blocks,)
 
     def get_block_ids(self, allow_none: bool = False, **_: Any) -> Any:
-        raise RuntimeError(
-            "block ids of a prefix hit are known after allocate_slots; use get_blocks(request_id)"
-        )
+        raise RuntimeError("block ids of a prefix hit are known after allocate_slots; use get_blocks(request_id)")
 
     def __add__(self, other: Any) -> Any:
         return other
@@ -176,8 +174,7 @@ class PagedKVCacheManager:
         algo = _HASH_ALGOS.get(hash_algo)
         if algo is None:
             raise pagedkv.InvalidConfigError(
-                f"prefix_caching_hash_algo {hash_algo!r} has no pagedkv equivalent "
-                f"(supported: {sorted(_HASH_ALGOS)})",
+                f"prefix_caching_hash_algo {hash_algo!r} has no pagedkv equivalent (supported: {sorted(_HASH_ALGOS)})",
                 field="prefix_caching_hash_algo",
                 value=str(hash_algo),
                 reason=f"supported: {sorted(_HASH_ALGOS)}",
@@ -295,9 +292,7 @@ class PagedKVCacheManager:
         """Whether a prefix-cache lookup runs for ``request`` (caching on, reads allowed)."""
         return self.enable_caching and not request.skip_reading_prefix_cache
 
-    def get_computed_blocks(
-        self, request: Any, max_cache_hit_length: int | None = None
-    ) -> tuple[Any, int, int]:
+    def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
         """Prefix hit of a waiting request: ``(blocks, hit tokens, 0)``.
 
         Hit tokens are whole blocks, capped at ``num_tokens - 1`` (the last token is always
@@ -382,8 +377,7 @@ class PagedKVCacheManager:
         if prepared is not None:
             if num_new_tokens != 1:
                 raise RuntimeError(
-                    f"request {rid!r}: batched decode prepared 1 token, the scheduler asked "
-                    f"for {num_new_tokens}"
+                    f"request {rid!r}: batched decode prepared 1 token, the scheduler asked for {num_new_tokens}"
                 )
             return prepared
         if num_new_tokens <= 0:
@@ -408,11 +402,7 @@ class PagedKVCacheManager:
                 )
         seq = self._register(request)
         first = request.num_computed_tokens == 0
-        watermark = (
-            self.watermark_blocks
-            if has_scheduled_reqs and request.status in self._waiting_states
-            else 0
-        )
+        watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
             free = self._pool.num_free
             if full_sequence_must_fit:
@@ -537,9 +527,7 @@ class PagedKVCacheManager:
         """``(block ids,)`` of the request's table. Raises ``UnknownSequenceError``."""
         return (self._kvm.block_table(self.seq_id(request_id)).tolist(),)
 
-    def get_block_ids_for_computed_tokens(
-        self, request_id: str, num_computed_tokens: int
-    ) -> tuple[list[int], ...]:
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
         """The table's first ``ceil(num_computed_tokens / block_size)`` ids."""
         (ids,) = self.get_block_ids(request_id)
         return (ids[: -(-num_computed_tokens // self.block_size)],)

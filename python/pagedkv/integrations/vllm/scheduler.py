@@ -56,9 +56,7 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
         bound = _BASE_INIT.bind(self, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
-        check_supported_config(
-            a["vllm_config"], a["kv_cache_config"], a["block_size"], a.get("hash_block_size")
-        )
+        check_supported_config(a["vllm_config"], a["kv_cache_config"], a["block_size"], a.get("hash_block_size"))
         super().__init__(*args, **kwargs)
         from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
