@@ -409,7 +409,10 @@ class PagedKVCacheManager:
                 full = self._kvm.num_blocks_needed(seq, max(request.num_tokens, 1))
                 if full + watermark > free:
                     return None
-            if self._kvm.num_blocks_needed(seq, num_new_tokens) + watermark > free - reserved_blocks:
+            # Without a watermark or reservation the allocation below checks this itself.
+            if (watermark or reserved_blocks) and self._kvm.num_blocks_needed(
+                seq, num_new_tokens
+            ) + watermark > free - reserved_blocks:
                 return None
         try:
             alloc = self._kvm.allocate_slots(seq, num_new_tokens)
