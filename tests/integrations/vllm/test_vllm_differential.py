@@ -1,7 +1,8 @@
 """vLLM's real V1 Scheduler, stock vs ``PagedKVScheduler``, on the same request streams.
 
-Both run with the deterministic fake model of ``vllm_harness`` (a sampled token depends only on
-the request id and its position). Where no cached block is evicted, every step must agree:
+Both run with the deterministic fake model of ``pagedkv.integrations.vllm.cpu_harness`` (a
+sampled token depends only on the request id and its position). Where no cached block is
+evicted, every step must agree:
 scheduled request ids and token counts, prefix-hit tokens of new and resumed requests,
 preempted and finished requests, new tokens, and blocks held per scheduled request. Under
 eviction pressure the two free-queue orders differ by design (pagedkv's free list vs vLLM's LRU

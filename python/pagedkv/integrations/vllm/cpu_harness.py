@@ -8,7 +8,9 @@ tokens (the token depends only on the request id and its position), and
 ``update_from_output()`` consumes it. ``Driver.step`` records what one step did in a plain dict
 so two schedulers (stock and ``PagedKVScheduler``) can be compared step by step.
 
-Used by the vLLM differential tests and ``benchmarks/vllm_scheduler.py``.
+Used by the vLLM differential tests, ``benchmarks/vllm_scheduler.py`` and the README example.
+Importing it sets ``VLLM_LOGGING_LEVEL=ERROR`` and ``VLLM_TARGET_DEVICE=cpu`` unless they are
+already set (they only take effect if vLLM was not imported before).
 """
 
 from __future__ import annotations

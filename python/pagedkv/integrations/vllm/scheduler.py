@@ -9,7 +9,7 @@ vLLM's own code; the KV cache calls go to :class:`PagedKVCacheManager`. Two chan
 
 - batched decode: before vLLM's running loop, the longest prefix of running requests that the
   loop will certainly give exactly one token each is allocated in one call into Rust
-  (``PagedKVCacheManager.prepare_decode_batch``); the loop's per-request ``allocate_slots``
+  (``PagedKVCacheManager.prepare_decodes``); the loop's per-request ``allocate_slots``
   calls then return those results. The first request that does not fit and everything after
   it take vLLM's normal path, so preemption happens exactly where stock vLLM preempts.
 - no double hashing: pagedkv hashes blocks in Rust as it caches them, so by default the
