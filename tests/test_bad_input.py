@@ -153,11 +153,11 @@ MANAGER_ROWS: list[Row] = [
     ("swap_out duplicate ids", lambda m: m.swap_out([3, 3]), E.InvalidArgumentError, ("seq_ids", "3")),
     ("swap_in unknown seq", lambda m: m.swap_in([93]), E.UnknownSequenceError, ("93",)),
     # token counts
-    ("allocate negative count", lambda m: m.allocate_slots(2, -1), E.InvalidArgumentError, ("max_new_tokens", "-1")),
-    ("allocate zero tokens", lambda m: m.allocate_slots(2, 0), E.InvalidArgumentError, ("max_new_tokens", "0")),
-    ("allocate float count", lambda m: m.allocate_slots(2, 1.5), E.InvalidArgumentError, ("max_new_tokens", "1.5")),
-    ("allocate fully computed seq", lambda m: m.allocate_slots(1, 1), E.InvalidArgumentError, ("max_new_tokens", "1")),
-    ("num_blocks_needed negative", lambda m: m.num_blocks_needed(2, -3), E.InvalidArgumentError, ("max_new_tokens", "-3")),
+    ("allocate negative count", lambda m: m.allocate_slots(2, -1), E.InvalidArgumentError, ("num_new_tokens", "-1")),
+    ("allocate zero tokens", lambda m: m.allocate_slots(2, 0), E.InvalidArgumentError, ("num_new_tokens", "0")),
+    ("allocate float count", lambda m: m.allocate_slots(2, 1.5), E.InvalidArgumentError, ("num_new_tokens", "1.5")),
+    ("allocate fully computed seq", lambda m: m.allocate_slots(1, 1), E.InvalidArgumentError, ("num_new_tokens", "1")),
+    ("num_blocks_needed negative", lambda m: m.num_blocks_needed(2, -3), E.InvalidArgumentError, ("num_new_tokens", "-3")),
     # capacity and state
     ("allocate more than the pool", lambda m: m.allocate_slots(4, 200), E.OutOfBlocksError, ("50", "8")),
     ("swap_out without swap space", lambda m: m.swap_out([1]), E.OutOfSwapSpaceError, ("3", "0")),
@@ -169,9 +169,9 @@ MANAGER_ROWS: list[Row] = [
     ("extra key value not bytes", lambda m: m.add_sequence(5, [1], extra_keys=[("lora", "x")]), E.InvalidArgumentError, ("extra_keys", "'lora'")),
     ("cache_salt not str", lambda m: m.add_sequence(5, [1], cache_salt=5), TypeError, ("cache_salt",)),
     # batched step: malformed requests change nothing and raise nothing; error is reported
-    ("step max_new length mismatch", lambda m: m.step([1, 2], [1]).raise_for_error(), E.InvalidArgumentError, ("max_new_tokens",)),
+    ("step num_new length mismatch", lambda m: m.step([1, 2], [1]).raise_for_error(), E.InvalidArgumentError, ("num_new_tokens",)),
     ("step appends length mismatch", lambda m: m.step([2], [1], [[1], [2]]).raise_for_error(), E.InvalidArgumentError, ("append_token_ids",)),
-    ("step negative max_new", lambda m: m.step([2], [-1]).raise_for_error(), E.InvalidArgumentError, ("max_new_tokens", "-1")),
+    ("step negative num_new", lambda m: m.step([2], [-1]).raise_for_error(), E.InvalidArgumentError, ("num_new_tokens", "-1")),
     ("step unknown seq", lambda m: m.step([92], [1]).raise_for_error(), E.UnknownSequenceError, ("92",)),
     ("step negative appended id", lambda m: m.step([2], [1], [[-4]]).raise_for_error(), E.InvalidArgumentError, ("-4",)),
     ("step 2-D seq ids", lambda m: m.step(np.array([[2]]), [1]).raise_for_error(), E.InvalidArgumentError, ("seq_ids", "[1, 1]")),

@@ -60,7 +60,7 @@ PROMPTS = st.tuples(
     st.booleans(),
 )
 # Mostly >= 1; 0 (an InvalidArgumentError) now and then.
-MAX_NEW = st.sampled_from([0, *range(1, 13), *range(1, 9)])
+NUM_NEW = st.sampled_from([0, *range(1, 13), *range(1, 9)])
 
 Key = tuple[Any, tuple[int, ...]]  # (cache salt, token prefix through the end of the block)
 
@@ -213,11 +213,11 @@ class Oracle:
             raise Expected(E.UnknownSequenceError, seq_id=seq)
         return self.seqs[seq]
 
-    def plan(self, seq: int, max_new: int) -> Plan:
+    def plan(self, seq: int, num_new: int) -> Plan:
         s = self.get(seq)
         if s.status == "swapped":
             raise Expected(E.InvalidSequenceStateError)
-        if max_new == 0:
+        if num_new == 0:
             raise Expected(E.InvalidArgumentError)
         first = not s.table and s.computed == 0
         keys, cands = self.find_hits(s) if first else ([], [])
@@ -227,7 +227,7 @@ class Oracle:
         remaining = len(s.tokens) - context
         if remaining == 0:
             raise Expected(E.InvalidArgumentError)
-        q = min(max_new, remaining)
+        q = min(num_new, remaining)
         table_len = len(keys) if first else len(s.table)
         fresh = -(-(context + q) // self.bs) - table_len
         cow = (not first) and context % self.bs != 0 and self.refs[s.table[-1]] > 1
@@ -444,25 +444,25 @@ class ManagerMachine(RuleBasedStateMachine):
         assert snapshot(self.m, self.ids()) == before, f"failed call {exc.cls.__name__} changed state"
         assert self.m.take_events() == [], "failed call emitted events"
 
-    def allocate(self, seq: int, max_new: int) -> None:
+    def allocate(self, seq: int, num_new: int) -> None:
         assert self.m is not None and self.o is not None
         m, o = self.m, self.o
         try:
-            p = o.plan(seq, max_new)
+            p = o.plan(seq, num_new)
         except Expected as exc:
-            self.expect_failure(exc, lambda: m.num_blocks_needed(seq, max_new))
-            self.expect_failure(exc, lambda: m.allocate_slots(seq, max_new))
+            self.expect_failure(exc, lambda: m.num_blocks_needed(seq, num_new))
+            self.expect_failure(exc, lambda: m.allocate_slots(seq, num_new))
             return
-        assert m.num_blocks_needed(seq, max_new) == p.taken
+        assert m.num_blocks_needed(seq, num_new) == p.taken
         if p.first and o.caching:
             assert m.lookup_prefix(seq) == p.context
         try:
             o.check_capacity(p)
         except Expected as exc:
-            self.expect_failure(exc, lambda: m.allocate_slots(seq, max_new))
+            self.expect_failure(exc, lambda: m.allocate_slots(seq, num_new))
             return
         free_before = m.pool.num_free
-        a = m.allocate_slots(seq, max_new)
+        a = m.allocate_slots(seq, num_new)
         assert free_before - m.pool.num_free == p.taken, "predicted != taken"
         hit_ids = m.block_table(seq).tolist()[: len(p.hit_keys)] if p.first else []
         want = o.apply_allocation(seq, p, hit_ids)
@@ -539,9 +539,9 @@ class ManagerMachine(RuleBasedStateMachine):
         seq = self.ids()[i % len(self.ids())]
         self.expect_failure(Expected(E.SequenceExistsError, seq_id=seq), lambda: m.add_sequence(seq, [1, 2, 3]))
 
-    @rule(i=st.integers(0, 100), max_new=MAX_NEW)
-    def allocate_slots(self, i: int, max_new: int) -> None:
-        self.allocate(self.pick_in(i, {"running", "preempted"}), max_new)
+    @rule(i=st.integers(0, 100), num_new=NUM_NEW)
+    def allocate_slots(self, i: int, num_new: int) -> None:
+        self.allocate(self.pick_in(i, {"running", "preempted"}), num_new)
 
     @precondition(lambda self: self.o is not None and any(s.status == "running" and s.table for s in self.o.seqs.values()))
     @rule(i=st.integers(0, 100), token=st.integers(0, 2), rest=st.booleans())
@@ -571,15 +571,15 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(
         picks=st.lists(st.integers(0, 100), min_size=1, max_size=4),
-        max_new=st.lists(MAX_NEW, min_size=4, max_size=4),
+        num_new=st.lists(NUM_NEW, min_size=4, max_size=4),
         appends=st.one_of(st.none(), st.lists(st.lists(st.integers(0, 2), max_size=3), min_size=4, max_size=4)),
     )
-    def step(self, picks: list[int], max_new: list[int], appends: list[list[int]] | None) -> None:
+    def step(self, picks: list[int], num_new: list[int], appends: list[list[int]] | None) -> None:
         """One batched step; the oracle replays it as appends + single allocations."""
         assert self.m is not None and self.o is not None
         m, o = self.m, self.o
         seqs = [self.pick(i) for i in picks]
-        mx = max_new[: len(seqs)]
+        mx = num_new[: len(seqs)]
         app = appends[: len(seqs)] if appends is not None else None
         before = snapshot(m, self.ids())
         out = m.step(np.asarray(seqs, dtype=np.uint64), np.asarray(mx, dtype=np.int32), app)

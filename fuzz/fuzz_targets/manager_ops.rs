@@ -58,7 +58,7 @@ enum Op {
     },
     Allocate {
         seq: u8,
-        max_new: u8,
+        num_new: u8,
     },
     Step {
         entries: Vec<(u8, u8, Vec<u8>)>,
@@ -199,11 +199,11 @@ fn allocate_checked(
     m: &KvCacheManager,
     twin: &KvCacheManager,
     seq: SeqId,
-    max_new: usize,
+    num_new: usize,
 ) -> Option<pagedkv_core::SlotAllocation> {
     let before = snap(m);
-    let predicted = m.num_blocks_needed(seq, max_new);
-    assert_eq!(predicted, twin.num_blocks_needed(seq, max_new));
+    let predicted = m.num_blocks_needed(seq, num_new);
+    assert_eq!(predicted, twin.num_blocks_needed(seq, num_new));
     assert_eq!(snap(m), before, "num_blocks_needed had side effects");
     let s = before.seqs[seq as usize].clone();
     let first = s
@@ -211,7 +211,7 @@ fn allocate_checked(
         .is_some_and(|s| s.blocks.is_empty() && s.computed == 0 && s.status != SeqStatus::Swapped);
     let looked_up = if first { m.lookup_prefix(seq).ok() } else { None };
     let free_before = m.pool().num_free();
-    let result = both(m, twin, &before, |x| x.allocate_slots(seq, max_new));
+    let result = both(m, twin, &before, |x| x.allocate_slots(seq, num_new));
     match (predicted, result) {
         (Ok(p), Ok(a)) => {
             let s = s.expect("allocated an unknown sequence");
@@ -225,7 +225,7 @@ fn allocate_checked(
             } else {
                 assert_eq!(a.num_cached_tokens, 0);
             }
-            assert_eq!(a.num_scheduled_tokens, max_new.min(s.tokens.len() - context));
+            assert_eq!(a.num_scheduled_tokens, num_new.min(s.tokens.len() - context));
             let bs = m.config().block_size as usize;
             let ns = after.seqs[seq as usize].as_ref().unwrap();
             assert_eq!(ns.computed, context + a.num_scheduled_tokens);
@@ -269,7 +269,7 @@ fn allocate_checked(
                 }
                 Error::InvalidArgument { .. } => {
                     let s = s.unwrap();
-                    assert!(max_new == 0 || (!first && s.computed == s.tokens.len()));
+                    assert!(num_new == 0 || (!first && s.computed == s.tokens.len()));
                 }
                 other => panic!("unexpected error {other}"),
             }
@@ -333,8 +333,8 @@ fn run(input: Input) {
                     assert_eq!(m.tokens(seq).unwrap(), want);
                 }
             }
-            Op::Allocate { seq, max_new } => {
-                allocate_checked(&m, &twin, id(seq), usize::from(max_new % 48));
+            Op::Allocate { seq, num_new } => {
+                allocate_checked(&m, &twin, id(seq), usize::from(num_new % 48));
             }
             Op::Step { entries, with_appends } => {
                 let entries: Vec<(SeqId, u32, Vec<u32>)> = entries
@@ -344,7 +344,7 @@ fn run(input: Input) {
                     .collect();
                 let mut req = StepRequest {
                     seq_ids: entries.iter().map(|e| e.0).collect(),
-                    max_new_tokens: entries.iter().map(|e| e.1).collect(),
+                    num_new_tokens: entries.iter().map(|e| e.1).collect(),
                     ..Default::default()
                 };
                 if with_appends {

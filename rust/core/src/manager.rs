@@ -139,7 +139,7 @@ impl SeqStatus {
 /// The result of one [`KvCacheManager::allocate_slots`] call.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct SlotAllocation {
-    /// Tokens scheduled by this call (the query length): `min(max_new_tokens, uncomputed)`.
+    /// Tokens scheduled by this call (the query length): `min(num_new_tokens, uncomputed)`.
     pub num_scheduled_tokens: usize,
     /// Tokens served from the prefix cache by this call (first allocation only; a multiple of
     /// `block_size`, else 0).
@@ -162,7 +162,7 @@ pub struct StepRequest {
     /// Sequences to schedule.
     pub seq_ids: Vec<SeqId>,
     /// Per sequence, the most tokens to schedule (same length as `seq_ids`).
-    pub max_new_tokens: Vec<u32>,
+    pub num_new_tokens: Vec<u32>,
     /// CSR offsets into `append_tokens` (length `seq_ids.len() + 1`), or empty for no appends.
     pub append_indptr: Vec<u32>,
     /// Newly sampled tokens to append to each sequence before scheduling it.
@@ -392,17 +392,17 @@ impl KvCacheManager {
         Ok(self.find_hits(s).len() * self.bs())
     }
 
-    /// Exactly the number of blocks the next [`Self::allocate_slots`]`(seq, max_new_tokens)`
+    /// Exactly the number of blocks the next [`Self::allocate_slots`]`(seq, num_new_tokens)`
     /// would take from the free pool: fresh blocks, plus prefix hits on free (ref 0) cached
     /// blocks, plus one if a copy-on-write is needed. Errors as `allocate_slots` except `OutOfBlocks`. No
     /// side effects. O(blocks of the sequence).
-    pub fn num_blocks_needed(&self, seq: SeqId, max_new_tokens: usize) -> Result<usize> {
+    pub fn num_blocks_needed(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize> {
         let mut st = self.state.lock();
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        Ok(self.plan(seq, s, max_new_tokens)?.blocks_taken())
+        Ok(self.plan(seq, s, num_new_tokens)?.blocks_taken())
     }
 
-    /// Schedules `q = min(max_new_tokens, num_tokens - num_computed)` tokens of `seq` and
+    /// Schedules `q = min(num_new_tokens, num_tokens - num_computed)` tokens of `seq` and
     /// makes room for their KV.
     ///
     /// On the first allocation of a sequence (no blocks, nothing computed: new or preempted
@@ -415,14 +415,14 @@ impl KvCacheManager {
     ///
     /// Errors (state unchanged, bit for bit): [`Error::UnknownSequence`];
     /// [`Error::InvalidSequenceState`] for a swapped-out sequence; [`Error::InvalidArgument`]
-    /// for `max_new_tokens == 0` or when no token is left to compute;
+    /// for `num_new_tokens == 0` or when no token is left to compute;
     /// [`Error::OutOfBlocks`] `{requested: blocks the call needs, available: free blocks}`.
     /// O(new blocks + blocks of the sequence) plus hashing of newly full blocks.
-    pub fn allocate_slots(&self, seq: SeqId, max_new_tokens: usize) -> Result<SlotAllocation> {
+    pub fn allocate_slots(&self, seq: SeqId, num_new_tokens: usize) -> Result<SlotAllocation> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        self.allocate_locked(seq, s, &mut st.counters, max_new_tokens)
+        self.allocate_locked(seq, s, &mut st.counters, num_new_tokens)
     }
 
     /// Forks `parent` into a new sequence `child` (parallel sampling, beam search): the child
@@ -743,7 +743,7 @@ impl KvCacheManager {
                 seq,
                 s,
                 &mut st.counters,
-                req.max_new_tokens[i] as usize,
+                req.num_new_tokens[i] as usize,
             ) {
                 Ok(a) => a,
                 Err(e) => {
@@ -1012,7 +1012,7 @@ impl KvCacheManager {
         hits
     }
 
-    fn plan(&self, seq: SeqId, s: &mut Sequence, max_new_tokens: usize) -> Result<Plan> {
+    fn plan(&self, seq: SeqId, s: &mut Sequence, num_new_tokens: usize) -> Result<Plan> {
         if s.status == SeqStatus::Swapped {
             return Err(bad_state(
                 seq,
@@ -1021,9 +1021,9 @@ impl KvCacheManager {
                 "running or preempted (swap it in first)",
             ));
         }
-        if max_new_tokens == 0 {
+        if num_new_tokens == 0 {
             return Err(Error::InvalidArgument {
-                arg: "max_new_tokens",
+                arg: "num_new_tokens",
                 value: "0".into(),
                 reason: "must schedule at least one token".into(),
             });
@@ -1043,15 +1043,15 @@ impl KvCacheManager {
         let remaining = s.tokens.len() - context;
         if remaining == 0 {
             return Err(Error::InvalidArgument {
-                arg: "max_new_tokens",
-                value: max_new_tokens.to_string(),
+                arg: "num_new_tokens",
+                value: num_new_tokens.to_string(),
                 reason: format!(
                     "sequence {seq} has no uncomputed token (all {} computed)",
                     s.tokens.len()
                 ),
             });
         }
-        let q = max_new_tokens.min(remaining);
+        let q = num_new_tokens.min(remaining);
         let table_len = if first { hits.len() } else { s.blocks.len() };
         let fresh = (context + q).div_ceil(bs) - table_len;
         let cow = !first
@@ -1073,9 +1073,9 @@ impl KvCacheManager {
         seq: SeqId,
         s: &mut Sequence,
         counters: &mut ManagerCounters,
-        max_new_tokens: usize,
+        num_new_tokens: usize,
     ) -> Result<SlotAllocation> {
-        let plan = self.plan(seq, s, max_new_tokens)?;
+        let plan = self.plan(seq, s, num_new_tokens)?;
         let need = plan.blocks_taken();
         // Check before any pool call so that a failure changes nothing (touching hits and then
         // failing would move them in the LRU).
@@ -1252,10 +1252,10 @@ fn duplicate_id(ids: &[SeqId], slots: &[Option<u32>], num_slots: usize) -> Optio
 
 fn validate_step(req: &StepRequest) -> Result<()> {
     let n = req.seq_ids.len();
-    if req.max_new_tokens.len() != n {
+    if req.num_new_tokens.len() != n {
         return Err(Error::InvalidArgument {
-            arg: "max_new_tokens",
-            value: format!("len {}", req.max_new_tokens.len()),
+            arg: "num_new_tokens",
+            value: format!("len {}", req.num_new_tokens.len()),
             reason: format!("must have one entry per sequence ({n})"),
         });
     }

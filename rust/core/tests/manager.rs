@@ -97,7 +97,7 @@ fn argument_errors_change_nothing() {
     assert!(matches!(
         m.allocate_slots(1, 0),
         Err(Error::InvalidArgument {
-            arg: "max_new_tokens",
+            arg: "num_new_tokens",
             ..
         })
     ));
@@ -106,7 +106,7 @@ fn argument_errors_change_nothing() {
     assert!(matches!(
         m.allocate_slots(1, 1),
         Err(Error::InvalidArgument {
-            arg: "max_new_tokens",
+            arg: "num_new_tokens",
             ..
         })
     ));
@@ -509,7 +509,7 @@ fn step_returns_exact_flat_arrays() {
     m.add_sequence(2, &toks(100, 3), spec()).unwrap();
     let out = m.step(&StepRequest {
         seq_ids: vec![1, 2],
-        max_new_tokens: vec![6, 3],
+        num_new_tokens: vec![6, 3],
         ..Default::default()
     });
     assert_eq!(out.error, None);
@@ -527,7 +527,7 @@ fn step_returns_exact_flat_arrays() {
 
     let out = m.step(&StepRequest {
         seq_ids: vec![1, 2],
-        max_new_tokens: vec![1, 1],
+        num_new_tokens: vec![1, 1],
         append_indptr: vec![0, 1, 2],
         append_tokens: vec![100, 200],
     });
@@ -541,7 +541,7 @@ fn step_returns_exact_flat_arrays() {
     m.add_sequence(3, &toks(1000, 100), spec()).unwrap();
     let out = m.step(&StepRequest {
         seq_ids: vec![1, 3, 2],
-        max_new_tokens: vec![1, 100, 1],
+        num_new_tokens: vec![1, 100, 1],
         append_indptr: vec![0, 1, 2, 3],
         append_tokens: vec![101, 300, 201],
     });
@@ -563,7 +563,7 @@ fn step_returns_exact_flat_arrays() {
     m.fork(2, 4).unwrap();
     let out = m.step(&StepRequest {
         seq_ids: vec![4],
-        max_new_tokens: vec![1],
+        num_new_tokens: vec![1],
         append_indptr: vec![0, 1],
         append_tokens: vec![7],
     });
@@ -576,18 +576,18 @@ fn step_returns_exact_flat_arrays() {
     for bad in [
         StepRequest {
             seq_ids: vec![1],
-            max_new_tokens: vec![],
+            num_new_tokens: vec![],
             ..Default::default()
         },
         StepRequest {
             seq_ids: vec![1],
-            max_new_tokens: vec![1],
+            num_new_tokens: vec![1],
             append_indptr: vec![0, 2],
             append_tokens: vec![1],
         },
         StepRequest {
             seq_ids: vec![1],
-            max_new_tokens: vec![1],
+            num_new_tokens: vec![1],
             append_indptr: vec![],
             append_tokens: vec![1],
         },
@@ -609,7 +609,7 @@ fn step_returns_exact_flat_arrays() {
     );
     let out = m.step(&StepRequest {
         seq_ids: vec![1, 1],
-        max_new_tokens: vec![4, 4],
+        num_new_tokens: vec![4, 4],
         append_indptr: vec![0, 1, 2],
         append_tokens: vec![7, 8],
     });
@@ -628,7 +628,7 @@ fn step_returns_exact_flat_arrays() {
     );
     let out = m.step(&StepRequest {
         seq_ids: vec![77],
-        max_new_tokens: vec![1],
+        num_new_tokens: vec![1],
         ..Default::default()
     });
     assert_eq!(out.error, Some(Error::UnknownSequence { seq_id: 77 }));

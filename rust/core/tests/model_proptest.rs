@@ -24,7 +24,7 @@ enum Op {
     },
     Allocate {
         seq: usize,
-        max_new: u8,
+        num_new: u8,
     },
     Fork {
         seq: usize,
@@ -49,7 +49,7 @@ enum Op {
     },
     Step {
         seqs: Vec<usize>,
-        max_new: u8,
+        num_new: u8,
         append: bool,
     },
 }
@@ -58,7 +58,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0u8..3, 1u8..20).prop_map(|(family, len)| Op::Add { family, len }),
         2 => (any::<usize>(), 1u8..6).prop_map(|(seq, n)| Op::Append { seq, n }),
-        5 => (any::<usize>(), 1u8..17).prop_map(|(seq, max_new)| Op::Allocate { seq, max_new }),
+        5 => (any::<usize>(), 1u8..17).prop_map(|(seq, num_new)| Op::Allocate { seq, num_new }),
         1 => any::<usize>().prop_map(|seq| Op::Fork { seq }),
         2 => any::<usize>().prop_map(|seq| Op::Free { seq }),
         1 => (any::<usize>(), any::<bool>()).prop_map(|(seq, with_next)| Op::Preempt { seq, with_next }),
@@ -67,7 +67,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Reset),
         1 => any::<usize>().prop_map(|seq| Op::Lookup { seq }),
         2 => (proptest::collection::vec(any::<usize>(), 1..4), 1u8..9, any::<bool>())
-            .prop_map(|(seqs, max_new, append)| Op::Step { seqs, max_new, append }),
+            .prop_map(|(seqs, num_new, append)| Op::Step { seqs, num_new, append }),
     ]
 }
 
@@ -104,12 +104,12 @@ fn snapshot(m: &KvCacheManager, model: &[MSeq]) -> Snapshot {
 fn check_alloc(
     m: &KvCacheManager,
     s: &mut MSeq,
-    max_new: usize,
+    num_new: usize,
     model_snapshot: Snapshot,
 ) -> Result<(), TestCaseError> {
-    let predicted = m.num_blocks_needed(s.id, max_new);
+    let predicted = m.num_blocks_needed(s.id, num_new);
     let free_before = m.pool().num_free();
-    let result = m.allocate_slots(s.id, max_new);
+    let result = m.allocate_slots(s.id, num_new);
     match (predicted, result) {
         (Ok(p), Ok(a)) => {
             prop_assert_eq!(free_before - m.pool().num_free(), p, "predicted != taken");
@@ -126,7 +126,7 @@ fn check_alloc(
             );
             prop_assert_eq!(
                 a.num_scheduled_tokens,
-                max_new.min(s.tokens.len() - context)
+                num_new.min(s.tokens.len() - context)
             );
             prop_assert!(a.copies.len() <= 1);
             s.computed = context + a.num_scheduled_tokens;
@@ -196,10 +196,10 @@ fn run(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
                     model[i].tokens.extend(new);
                 }
             }
-            Op::Allocate { seq, max_new } => {
+            Op::Allocate { seq, num_new } => {
                 if let Some(i) = pick(seq, &model) {
                     let snap = snapshot(&m, &[model[i].clone()]);
-                    check_alloc(&m, &mut model[i], usize::from(max_new), snap)?;
+                    check_alloc(&m, &mut model[i], usize::from(num_new), snap)?;
                 }
             }
             Op::Fork { seq } => {
@@ -312,7 +312,7 @@ fn run(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
             }
             Op::Step {
                 seqs,
-                max_new,
+                num_new,
                 append,
             } => {
                 if model.is_empty() {
@@ -321,7 +321,7 @@ fn run(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
                 let idx: Vec<usize> = seqs.iter().map(|&s| s % model.len()).collect();
                 let mut req = StepRequest {
                     seq_ids: idx.iter().map(|&i| model[i].id).collect(),
-                    max_new_tokens: vec![u32::from(max_new); idx.len()],
+                    num_new_tokens: vec![u32::from(num_new); idx.len()],
                     ..Default::default()
                 };
                 if append {

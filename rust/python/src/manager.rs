@@ -37,7 +37,7 @@ fn pairs_array(py: Python<'_>, pairs: &[(BlockId, BlockId)]) -> Py<PyArray2<i32>
 /// What one ``allocate_slots`` call did.
 ///
 /// Attributes:
-///     num_scheduled_tokens: tokens scheduled (the query length), ``min(max_new_tokens, uncomputed)``.
+///     num_scheduled_tokens: tokens scheduled (the query length), ``min(num_new_tokens, uncomputed)``.
 ///     num_cached_tokens: tokens served from the prefix cache by this call (first allocation).
 ///     num_context_tokens: tokens with KV present before the scheduled ones; the scheduled
 ///         tokens occupy positions ``num_context_tokens .. num_context_tokens + num_scheduled_tokens``.
@@ -250,13 +250,13 @@ fn sequence_spec(
     Ok(spec)
 }
 
-/// Per-sequence `max_new_tokens` for `step`: an int (same for all) or one per sequence.
-fn step_max_new_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<u32>> {
+/// Per-sequence `num_new_tokens` for `step`: an int (same for all) or one per sequence.
+fn step_num_new_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<u32>> {
     let py = obj.py();
     let v: Vec<u32> = if obj.downcast::<pyo3::types::PyInt>().is_ok() {
-        vec![uint_arg(obj, "max_new_tokens", u64::from(u32::MAX))? as u32; n]
+        vec![uint_arg(obj, "num_new_tokens", u64::from(u32::MAX))? as u32; n]
     } else {
-        uint_vec(obj, "max_new_tokens", u64::from(u32::MAX))?
+        uint_vec(obj, "num_new_tokens", u64::from(u32::MAX))?
             .into_iter()
             .map(|x| x as u32)
             .collect()
@@ -265,7 +265,7 @@ fn step_max_new_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<u32>> {
         return Err(to_pyerr(
             py,
             &bad_arg(
-                "max_new_tokens",
+                "num_new_tokens",
                 format!("{} entries", v.len()),
                 format!("expected one per sequence ({n})"),
             ),
@@ -403,37 +403,37 @@ impl PyKvCacheManager {
         py.allow_threads(|| m.lookup_prefix(seq)).py(py)
     }
 
-    /// Exactly the number of blocks the next ``allocate_slots(seq_id, max_new_tokens)`` takes
+    /// Exactly the number of blocks the next ``allocate_slots(seq_id, num_new_tokens)`` takes
     /// from the free pool (fresh blocks + prefix hits on free cached blocks + copy-on-write).
     /// No side effects. Raises as ``allocate_slots`` except ``OutOfBlocksError``.
     fn num_blocks_needed(
         &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
-        max_new_tokens: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
-        let q = count(max_new_tokens, "max_new_tokens")?;
+        let q = count(num_new_tokens, "num_new_tokens")?;
         let m = &self.inner;
         py.allow_threads(|| m.num_blocks_needed(seq, q)).py(py)
     }
 
-    /// Schedules up to ``max_new_tokens`` uncomputed tokens of ``seq_id`` and makes room for
+    /// Schedules up to ``num_new_tokens`` uncomputed tokens of ``seq_id`` and makes room for
     /// their KV: prefix hits first on a sequence's first allocation, new blocks as needed, a
     /// private copy of a shared partially filled last block (copy-on-write). Newly full blocks
     /// are hashed into the prefix cache. All or nothing.
     ///
     /// Raises: ``UnknownSequenceError``; ``InvalidSequenceStateError`` (swapped out);
-    /// ``InvalidArgumentError`` (``max_new_tokens == 0`` or nothing left to compute);
+    /// ``InvalidArgumentError`` (``num_new_tokens == 0`` or nothing left to compute);
     /// ``OutOfBlocksError``.
     fn allocate_slots(
         &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
-        max_new_tokens: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<PySlotAllocation> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
-        let q = count(max_new_tokens, "max_new_tokens")?;
+        let q = count(num_new_tokens, "num_new_tokens")?;
         let m = &self.inner;
         let a = py.allow_threads(|| m.allocate_slots(seq, q)).py(py)?;
         Ok(PySlotAllocation {
@@ -566,12 +566,12 @@ impl PyKvCacheManager {
     }
 
     /// One scheduler step in ONE call with the GIL released: for each sequence in order, append
-    /// its new tokens, then ``allocate_slots(seq, max_new_tokens[i])``; stop at the first
+    /// its new tokens, then ``allocate_slots(seq, num_new_tokens[i])``; stop at the first
     /// failure (reported in ``StepOutput.error``, not raised).
     ///
     /// Args:
     ///     seq_ids: ``S`` sequence ids (list or 1-D integer array, e.g. ``uint64``/``int64``).
-    ///     max_new_tokens: one int for all, or ``S`` ints (list or ``int32`` array).
+    ///     num_new_tokens: one int for all, or ``S`` ints (list or ``int32`` array).
     ///     append_token_ids: None; a 1-D integer array of ``S`` tokens (one per sequence, the
     ///         decode case); or ``S`` lists / arrays of tokens.
     ///
@@ -579,20 +579,20 @@ impl PyKvCacheManager {
     /// lengths that disagree; nothing done). A request refused as a whole by the core (a
     /// sequence listed twice) is not raised either: it comes back with ``num_scheduled == 0``
     /// and ``error`` set, nothing changed. ``StepOutput.raise_for_error()`` raises any of these.
-    #[pyo3(signature = (seq_ids, max_new_tokens, append_token_ids = None))]
+    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None))]
     fn step(
         &self,
         py: Python<'_>,
         seq_ids: &Bound<'_, PyAny>,
-        max_new_tokens: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
         append_token_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyStepOutput> {
         let seq_ids = crate::convert::seq_ids(seq_ids, "seq_ids")?;
-        let max_new_tokens = step_max_new_tokens(max_new_tokens, seq_ids.len())?;
+        let num_new_tokens = step_num_new_tokens(num_new_tokens, seq_ids.len())?;
         let (append_indptr, append_tokens) = step_appends(append_token_ids, seq_ids.len())?;
         let req = StepRequest {
             seq_ids,
-            max_new_tokens,
+            num_new_tokens,
             append_indptr,
             append_tokens,
         };
