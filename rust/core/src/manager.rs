@@ -200,6 +200,34 @@ pub struct StepOutput {
     pub copy_src: Vec<i32>,
     /// Copy-on-write destinations.
     pub copy_dst: Vec<i32>,
+    /// Per scheduled token: its token id (the tokens the model reads this step, in the order
+    /// of `slot_mapping`).
+    pub input_ids: Vec<i64>,
+    /// The scheduled seqs' block tables as one dense row-major `S x block_table_width` matrix,
+    /// rows padded with the null block 0: the layout paged-attention kernels index.
+    pub block_table: Vec<i32>,
+    /// Columns of `block_table`: the longest scheduled table, at least 1.
+    pub block_table_width: usize,
+}
+
+impl StepOutput {
+    /// Builds `block_table` (dense, null-padded) from the CSR tables, outside the lock.
+    fn fill_dense_block_table(&mut self) {
+        let ptr = &self.block_table_indptr;
+        let width = ptr
+            .windows(2)
+            .map(|w| (w[1] - w[0]) as usize)
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut dense = vec![NULL_BLOCK as i32; self.num_scheduled * width];
+        for (row, w) in dense.chunks_exact_mut(width).zip(ptr.windows(2)) {
+            let table = &self.block_table_indices[w[0] as usize..w[1] as usize];
+            row[..table.len()].copy_from_slice(table);
+        }
+        self.block_table = dense;
+        self.block_table_width = width;
+    }
 }
 
 /// One sequence's bookkeeping.
@@ -683,6 +711,93 @@ impl KvCacheManager {
         self.state.lock().seqs.len()
     }
 
+    /// Per sequence, in order: tokens known but not yet scheduled, `num_tokens -
+    /// num_computed_tokens` (in every state; a preempted sequence owes all of its tokens).
+    /// Errors: [`Error::UnknownSequence`] for the first unknown id. O(len(seqs)).
+    pub fn num_uncomputed_tokens(&self, seqs: &[SeqId]) -> Result<Vec<u32>> {
+        let st = self.state.lock();
+        seqs.iter()
+            .map(|id| {
+                let s = st.seqs.get(id).ok_or_else(|| unknown(*id))?;
+                Ok((s.tokens.len() - s.num_computed) as u32)
+            })
+            .collect()
+    }
+
+    /// Device blocks a group of sequences still has to take from the free pool so that every
+    /// known token of every member has a KV slot: what scheduling all of their uncomputed
+    /// tokens now, in the given order, would take (fresh blocks, prefix hits on free cached
+    /// blocks, copy-on-write copies), with the group's own sharing counted once: a cached block
+    /// touched by an earlier member, or a full block an earlier member would register, costs a
+    /// later member nothing. Swapped-out members count the distinct CPU blocks of their tables
+    /// (what [`Self::swap_in`] takes). A scheduler reserves this for an admitted group
+    /// (admission control) and for a swapped group before swapping it in. No side effects.
+    ///
+    /// Errors (nothing changed): [`Error::UnknownSequence`]; [`Error::InvalidArgument`] for an id
+    /// listed twice. O(blocks of the group) plus hashing of full blocks not hashed before.
+    pub fn num_blocks_owed(&self, seqs: &[SeqId]) -> Result<usize> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        check_group(st, seqs, "num_blocks_owed", |_| true, "any")?;
+        let bs = self.bs();
+        let caching = self.caching();
+        let mut owed = 0;
+        let mut swapped: HashSet<BlockId> = HashSet::new();
+        // Effects of the earlier members: free cached blocks they touch, hashes they register,
+        // references they drop from a shared last block by copying it.
+        let mut touched: HashSet<BlockId> = HashSet::new();
+        let mut registered: HashSet<BlockHash> = HashSet::new();
+        let mut released: HashMap<BlockId, u32> = HashMap::new();
+        for id in seqs {
+            let s = st.seqs.get_mut(id).expect("validated");
+            if s.status == SeqStatus::Swapped {
+                swapped.extend(s.blocks.iter().copied());
+                continue;
+            }
+            let len = s.tokens.len();
+            if len == s.num_computed {
+                continue;
+            }
+            let first = s.blocks.is_empty() && s.num_computed == 0;
+            let held = if first {
+                let mut hits = 0;
+                if caching {
+                    for k in 0..(len - 1) / bs {
+                        let h = self.block_hash_at(s, k);
+                        match self.pool.lookup(&h) {
+                            Some(b) => {
+                                if self.pool.ref_count(b) == 0 && touched.insert(b) {
+                                    owed += 1;
+                                }
+                            }
+                            None if registered.contains(&h) => {}
+                            None => break,
+                        }
+                        hits += 1;
+                    }
+                }
+                hits
+            } else {
+                let last = s.blocks.last().copied();
+                if let Some(b) = last.filter(|_| s.num_computed % bs != 0) {
+                    let dropped = released.entry(b).or_insert(0);
+                    if self.pool.ref_count(b) - *dropped > 1 {
+                        *dropped += 1;
+                        owed += 1;
+                    }
+                }
+                s.blocks.len()
+            };
+            owed += len.div_ceil(bs) - held;
+            if caching {
+                for k in 0..len / bs {
+                    registered.insert(self.block_hash_at(s, k));
+                }
+            }
+        }
+        Ok(owed + swapped.len())
+    }
+
     /// One scheduler step in one call: for each sequence in order, append its new tokens (CSR
     /// slice of `append_tokens`) and [`Self::allocate_slots`] it; stop at the first failure,
     /// leaving that sequence unchanged (its appended tokens removed again) while the sequences
@@ -702,6 +817,8 @@ impl KvCacheManager {
             context_lens: Vec::with_capacity(n),
             seq_lens: Vec::with_capacity(n),
             slot_mapping: Vec::with_capacity(n),
+            input_ids: Vec::with_capacity(n),
+            block_table_width: 1,
             ..Default::default()
         };
         out.query_start_loc.push(0);
@@ -764,6 +881,8 @@ impl KvCacheManager {
                 out.slot_mapping
                     .push(i64::from(s.blocks[pos / bs]) * bs as i64 + (pos % bs) as i64);
             }
+            out.input_ids
+                .extend(s.tokens[ctx..ctx + q].iter().map(|&t| i64::from(t)));
             out.block_table_indices
                 .extend(s.blocks.iter().map(|&b| b as i32));
             out.block_table_indptr
@@ -776,6 +895,8 @@ impl KvCacheManager {
                 out.copy_dst.push(dst as i32);
             }
         }
+        drop(guard);
+        out.fill_dense_block_table();
         out
     }
 

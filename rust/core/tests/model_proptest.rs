@@ -330,8 +330,37 @@ fn run(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
                     tok += 11;
                 }
                 let before = snapshot(&m, &model);
+                let mut distinct = req.seq_ids.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                let owed = (distinct.len() == idx.len() && !append)
+                    .then(|| m.num_blocks_owed(&req.seq_ids).unwrap());
+                let free_before = m.pool().num_free();
                 let out = m.step(&req);
                 prop_assert_eq!(out.query_start_loc.len(), out.num_scheduled + 1);
+                let w = out.block_table_width;
+                prop_assert_eq!(out.block_table.len(), out.num_scheduled * w);
+                for k in 0..out.num_scheduled {
+                    let (lo, hi) = (
+                        out.block_table_indptr[k] as usize,
+                        out.block_table_indptr[k + 1] as usize,
+                    );
+                    let row = &out.block_table[k * w..(k + 1) * w];
+                    prop_assert_eq!(&row[..hi - lo], &out.block_table_indices[lo..hi]);
+                    prop_assert!(row[hi - lo..].iter().all(|&b| b == 0));
+                }
+                prop_assert_eq!(out.input_ids.len(), out.slot_mapping.len());
+                // Scheduling every uncomputed token of the group takes exactly what it owed.
+                if let Some(owed) = owed {
+                    let all_done = out.error.is_none()
+                        && req
+                            .seq_ids
+                            .iter()
+                            .all(|&id| m.num_uncomputed_tokens(&[id]).unwrap() == vec![0]);
+                    if all_done {
+                        prop_assert_eq!(free_before - m.pool().num_free(), owed);
+                    }
+                }
                 prop_assert_eq!(
                     out.slot_mapping.len() as i32,
                     *out.query_start_loc.last().unwrap()
@@ -340,6 +369,14 @@ fn run(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
                     if append {
                         model[i].tokens.push(req.append_tokens[k]);
                     }
+                    let q =
+                        (out.query_start_loc[k] as usize)..(out.query_start_loc[k + 1] as usize);
+                    let want: Vec<i64> = model[i].tokens
+                        [out.context_lens[k] as usize..out.seq_lens[k] as usize]
+                        .iter()
+                        .map(|&t| i64::from(t))
+                        .collect();
+                    prop_assert_eq!(&out.input_ids[q], &want[..]);
                     model[i].computed = out.seq_lens[k] as usize;
                     model[i].status = SeqStatus::Running;
                     let (lo, hi) = (

@@ -141,6 +141,12 @@ pub(crate) struct PyStepOutput {
     /// ``int32[c, 2]`` copy-on-write ``(src, dst)`` pairs, to run before the K/V writes.
     #[pyo3(get)]
     copies: Py<PyArray2<i32>>,
+    /// ``int64[T]`` token id of each scheduled token, in ``slot_mapping`` order.
+    #[pyo3(get)]
+    input_ids: Py<PyArray1<i64>>,
+    /// ``int32[S, W]`` dense block tables padded with the null block 0 (``W`` = longest table).
+    #[pyo3(get)]
+    block_table: Py<PyArray2<i32>>,
 }
 
 #[pymethods]
@@ -627,7 +633,40 @@ impl PyKvCacheManager {
             new_block_indptr: i32_array(py, out.new_block_indptr),
             new_block_ids: i32_array(py, out.new_block_ids),
             copies: pairs_array(py, &copies),
+            input_ids: PyArray1::from_vec(py, out.input_ids).unbind(),
+            block_table: Array2::from_shape_vec(
+                (out.num_scheduled, out.block_table_width),
+                out.block_table,
+            )
+            .expect("S x W table")
+            .into_pyarray(py)
+            .unbind(),
         })
+    }
+
+    /// Per sequence, in order: ``num_tokens - num_computed_tokens`` (tokens known but not yet
+    /// scheduled), as ``int32[n]``. Raises ``UnknownSequenceError`` (nothing changed).
+    fn num_uncomputed_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Py<PyArray1<i32>>> {
+        let seqs = crate::convert::seq_ids(seq_ids, "seq_ids")?;
+        let m = &self.inner;
+        let v = py.allow_threads(|| m.num_uncomputed_tokens(&seqs)).py(py)?;
+        Ok(i32_array(py, v.into_iter().map(|x| x as i32).collect()))
+    }
+
+    /// Device blocks the group ``seq_ids`` still has to take so every known token of every
+    /// member has a KV slot: what scheduling all their uncomputed tokens now, in this order,
+    /// would take from the free pool (fresh blocks, prefix hits on free cached blocks,
+    /// copy-on-write), the group's own sharing counted once; a swapped-out member counts the
+    /// distinct blocks ``swap_in`` would take. For admission control. No side effects.
+    /// Raises ``UnknownSequenceError``, ``InvalidArgumentError`` (an id listed twice).
+    fn num_blocks_owed(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let seqs = crate::convert::seq_ids(seq_ids, "seq_ids")?;
+        let m = &self.inner;
+        py.allow_threads(|| m.num_blocks_owed(&seqs)).py(py)
     }
 
     /// A snapshot of usage and counters (``CacheStats``).
