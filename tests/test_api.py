@@ -361,7 +361,7 @@ def test_step_batch_tensors_match_python() -> None:
     for s, n in enumerate(lens):
         m.add_sequence(s, rng.integers(0, 1000, n))
     out = m.step(list(range(len(lens))), 6)
-    bt = pagedkv.tensors.BatchTensors.from_step(out, 4, device=None)
+    bt = pagedkv.tensors.BatchTensors.from_steps(out, device=None)
     tables = [m.block_table(s).tolist() for s in range(len(lens))]
     width = max(len(t) for t in tables)
     assert bt.block_table.tolist() == [t + [0] * (width - len(t)) for t in tables]
@@ -492,7 +492,7 @@ def test_import_without_torch() -> None:
         m = pagedkv.KVCacheManager(pagedkv.CacheConfig(8, 4))
         m.add_sequence(1, [1, 2, 3])
         out = m.step([1], [8])
-        bt = tensors.BatchTensors.from_step(out, 4, device=None)
+        bt = tensors.BatchTensors.from_steps(out, device=None)
         assert bt.block_table.tolist() == [[1]], bt
         print("ok")
         """

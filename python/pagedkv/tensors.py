@@ -29,12 +29,13 @@ the argument and value. All builders are O(num_seqs + nnz) (or O(num_tokens)).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any, Sequence, Union
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv._core import StepOutput
+from pagedkv._repr import short_repr
 from pagedkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -55,22 +56,8 @@ __all__ = [
 ]
 
 
-class _StepLike(Protocol):
-    """The fields of :class:`pagedkv.StepOutput` that :meth:`BatchTensors.from_step` reads."""
-
-    num_scheduled: int
-    query_start_loc: npt.NDArray[np.int32]
-    seq_lens: npt.NDArray[np.int32]
-    context_lens: npt.NDArray[np.int32]
-    slot_mapping: npt.NDArray[np.int64]
-    block_table_indptr: npt.NDArray[np.int32]
-    block_table_indices: npt.NDArray[np.int32]
-
-
 def _bad(arg: str, value: object, reason: str) -> InvalidArgumentError:
-    text = repr(value)
-    if len(text) > 120:
-        text = text[:117] + "..."
+    text = short_repr(value, 120)
     return InvalidArgumentError(
         f"invalid argument {arg} = {text}: {reason}", arg=arg, value=text, reason=reason
     )
@@ -309,25 +296,46 @@ def query_start_loc(
 
 @dataclass(frozen=True)
 class BatchTensors:
-    """Every per-step kernel input, on one device.
+    """Every kernel input of one scheduler step, built by :meth:`from_steps`.
 
-    Attributes:
-        block_table: ``int32[S, max_blocks]`` dense, null-block padded.
-        slot_mapping: ``int64[T]`` (``T`` scheduled tokens, -1 padded).
-        seq_lens: ``int32[S]`` context + query tokens.
-        context_lens: ``int32[S]`` tokens already in the cache before this step.
-        query_start_loc: ``int32[S + 1]``.
+    Attributes (``S`` scheduled sequences, ``T`` scheduled tokens):
+        block_table: ``int32[S, max_blocks]`` dense, padded with the null block 0 (on ``device``).
+        slot_mapping: ``int64[T]`` KV-cache slot of each token (``-1`` padded; on ``device``).
+        positions: ``int64[T]`` position of each token in its sequence (RoPE; on ``device``).
+        seq_lens: ``int32[S]`` context + query tokens (on ``device``).
+        context_lens: ``int32[S]`` tokens already in the cache before this step (on ``device``).
+        query_start_loc: ``int32[S + 1]`` prefix sums of the query lengths (on ``device``).
         max_query_len: longest query this step (tokens; 0 for an empty batch).
         max_seq_len: longest sequence (tokens; 0 for an empty batch).
+        copies: ``int32[C, 2]`` copy-on-write ``(src, dst)`` block pairs, to run before the
+            K/V writes (on ``device``).
+        swap_out: ``int32[K, 2]`` (device block, CPU block) pairs, on the host (the swap
+            kernel reads the plan there to issue its copies); run first.
+        swap_in: ``int32[K, 2]`` (CPU block, device block) pairs, on the host; run after
+            ``swap_out``.
+        query_start_loc_host, seq_lens_host, positions_host: the host (numpy) arrays behind
+            ``query_start_loc``, ``seq_lens`` and ``positions``, for host-side bookkeeping
+            without a device sync (the same memory as the tensors on the CPU).
+        attn_plan: a per-step attention plan attached by the caller
+            (:func:`pagedkv.kernels.plan_paged_attention`, built once for every layer), or
+            ``None`` where the kernel needs none.
     """
 
     block_table: Any
     slot_mapping: Any
+    positions: Any
     seq_lens: Any
     context_lens: Any
     query_start_loc: Any
     max_query_len: int
     max_seq_len: int
+    copies: Any
+    swap_out: Any
+    swap_in: Any
+    query_start_loc_host: npt.NDArray[np.int32]
+    seq_lens_host: npt.NDArray[np.int32]
+    positions_host: npt.NDArray[np.int64]
+    attn_plan: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -340,102 +348,97 @@ class BatchTensors:
         return int(self.slot_mapping.shape[0])
 
     @classmethod
-    def from_step(
+    def from_steps(
         cls,
-        step: _StepLike,
-        block_size: int,
+        steps: StepOutput | Sequence[StepOutput],
         device: Device = "cpu",
         *,
+        swap_out: npt.NDArray[np.int32] | None = None,
+        swap_in: npt.NDArray[np.int32] | None = None,
         pad_blocks_to: int | None = None,
         pad_tokens_to: int | None = None,
     ) -> BatchTensors:
-        """Build the kernel inputs of the scheduled part of a :class:`pagedkv.StepOutput`.
+        """The kernel inputs of one scheduler step: the one path from the allocator to the kernels.
 
-        Only the first ``step.num_scheduled`` sequences are present in a step's arrays (a step
-        stops at the first sequence that could not be scheduled).
+        ``steps`` are the :class:`pagedkv.StepOutput` of one or more ``KVCacheManager.step``
+        calls of the same scheduler step (e.g. running sequences, then newly admitted ones);
+        their scheduled parts (the first ``num_scheduled`` sequences of each) are merged once,
+        in order. The core's arrays are consistent by construction and already in the kernels'
+        dtypes, so nothing is re-validated or cast: with one step, ``slot_mapping``,
+        ``seq_lens``, ``context_lens``, ``query_start_loc`` and the plans cross to torch with
+        ``torch.from_numpy`` (no copy) and are then moved to ``device`` (one transfer each; none
+        on the CPU). The dense block table is the only array built here (from the CSR pair).
+        The step outputs must not be modified while the result is in use.
+
+        Arrays made by anything other than the core enter through the validating builders of
+        this module (:func:`dense_block_table`, :func:`slot_mapping`, ...).
 
         Args:
-            step: the batched ``KVCacheManager.step`` result.
-            block_size: the manager's block size (tokens); used to check that every block table
-                covers its sequence.
-            device: torch device, or None for numpy arrays.
-            pad_blocks_to: columns of the dense block table (default: the longest table).
-            pad_tokens_to: length of ``slot_mapping`` (default: the scheduled tokens).
+            steps: one step output or a sequence of them (empty: an empty batch).
+            device: torch device of the result, or ``None`` for numpy arrays (no torch import).
+            swap_out, swap_in: the ``int32[K, 2]`` plans of ``KVCacheManager.swap_out`` /
+                ``swap_in`` run in this step (``None``: none); kept on the host.
+            pad_blocks_to: columns of the dense block table (default: the longest table, >= 1).
+            pad_tokens_to: length of ``slot_mapping`` / ``positions`` (default: ``T``), padded
+                with slot ``-1`` and position 0.
 
         Raises:
-            InvalidArgumentError: inconsistent arrays (lengths that disagree, a block table too
-                short for its sequence length).
+            InvalidArgumentError: a step that is not a core :class:`pagedkv.StepOutput`, or a
+                padding smaller than what the batch needs.
         """
-        if isinstance(step, StepOutput):
-            return cls._from_core_step(step, block_size, device, pad_blocks_to, pad_tokens_to)
-        num = int(step.num_scheduled)
-        lens = _int_vector("step.seq_lens", step.seq_lens)
-        ctx = _int_vector("step.context_lens", step.context_lens)
-        qsl = _int_vector("step.query_start_loc", step.query_start_loc)
-        ip, ix = _check_csr(step.block_table_indptr, step.block_table_indices)
-        for name, arr, want in (
-            ("step.seq_lens", lens, num),
-            ("step.context_lens", ctx, num),
-            ("step.query_start_loc", qsl, num + 1),
-            ("step.block_table_indptr", ip, num + 1),
-        ):
-            if arr.size != want:
-                raise _bad(name, arr, f"has {arr.size} entries, expected {want}")
-        qlens = np.diff(qsl)
-        if np.any(qlens != lens - ctx):
-            raise _bad("step.query_start_loc", qsl, "query lengths differ from seq_lens - context_lens")
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-            raise _bad("block_size", block_size, "must be an int >= 1")
-        need = (lens + block_size - 1) // block_size
-        short = np.nonzero(need > np.diff(ip))[0]
-        if short.size:
-            i = int(short[0])
-            raise _bad(
-                "step.block_table_indices",
-                ix,
-                f"sequence {i} has {int(np.diff(ip)[i])} block(s), seq_len {int(lens[i])} needs {int(need[i])}",
-            )
+        parts = [steps] if isinstance(steps, StepOutput) else list(steps)
+        for i, p in enumerate(parts):
+            if not isinstance(p, StepOutput):
+                raise _bad(f"steps[{i}]", p, "expected a pagedkv.StepOutput (build kernel inputs from "
+                           "other arrays with dense_block_table, slot_mapping, ...)")
+        if len(parts) == 1:
+            p = parts[0]
+            slots, lens, ctx, qsl = p.slot_mapping, p.seq_lens, p.context_lens, p.query_start_loc
+            indptr, indices, copies = p.block_table_indptr, p.block_table_indices, p.copies
+        else:
+            slots, lens, ctx, qsl, indptr, indices, copies = _merge(parts)
+        num_seqs = lens.size
+        table_lens = indptr[1:] - indptr[:-1]
+        longest = int(table_lens.max()) if num_seqs else 0
+        width = _check_pad("pad_blocks_to", pad_blocks_to, max(longest, 1) if pad_blocks_to is None else longest)
+        query_lens = qsl[1:] - qsl[:-1]
+        # Position of every token: its sequence's context length plus its index in the query.
+        positions = np.arange(slots.size, dtype=np.int64) + np.repeat(ctx - qsl[:-1], query_lens)
+        if pad_tokens_to is not None:
+            n = _check_pad("pad_tokens_to", pad_tokens_to, slots.size)
+            slots = np.concatenate([slots, np.full(n - slots.size, -1, dtype=np.int64)])
+            positions = np.concatenate([positions, np.zeros(n - positions.size, dtype=np.int64)])
+        empty_plan = np.zeros((0, 2), dtype=np.int32)
         return cls(
-            block_table=dense_block_table(ip, ix, pad_to=pad_blocks_to, device=device),
-            slot_mapping=slot_mapping(step.slot_mapping, pad_to=pad_tokens_to, device=device),
-            seq_lens=seq_lens(lens, device=device),
-            context_lens=seq_lens(ctx, device=device),
-            query_start_loc=query_start_loc(qlens, device=device),
-            max_query_len=int(qlens.max()) if num else 0,
-            max_seq_len=int(lens.max()) if num else 0,
+            block_table=_place(_dense(table_lens, indices, width), device),
+            slot_mapping=_place(slots, device),
+            positions=_place(positions, device),
+            seq_lens=_place(lens, device),
+            context_lens=_place(ctx, device),
+            query_start_loc=_place(qsl, device),
+            max_query_len=int(query_lens.max()) if num_seqs else 0,
+            max_seq_len=int(lens.max()) if num_seqs else 0,
+            copies=_place(copies, device),
+            swap_out=_place(empty_plan if swap_out is None else swap_out, None if device is None else "cpu"),
+            swap_in=_place(empty_plan if swap_in is None else swap_in, None if device is None else "cpu"),
+            query_start_loc_host=qsl,
+            seq_lens_host=lens,
+            positions_host=positions,
         )
 
-    @classmethod
-    def _from_core_step(
-        cls,
-        step: _StepLike,
-        block_size: int,
-        device: Device,
-        pad_blocks_to: int | None,
-        pad_tokens_to: int | None,
-    ) -> BatchTensors:
-        # A StepOutput made by the core is consistent by construction (dtypes, lengths, CSR,
-        # tables covering their sequences), so only the padding arguments are checked here.
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-            raise _bad("block_size", block_size, "must be an int >= 1")
-        num = int(step.num_scheduled)
-        lens = np.diff(step.block_table_indptr)
-        longest = int(lens.max()) if num else 0
-        width = _check_pad("pad_blocks_to", pad_blocks_to, max(longest, 1) if pad_blocks_to is None else longest)
-        qsl = step.query_start_loc
-        slots = step.slot_mapping
-        if pad_tokens_to is None:
-            slots = slots.copy()
-        else:
-            slots = np.full(_check_pad("pad_tokens_to", pad_tokens_to, slots.size), -1, dtype=np.int64)
-            slots[: step.slot_mapping.size] = step.slot_mapping
-        max_q = int((qsl[1:] - qsl[:-1]).max()) if num else 0
-        return cls(
-            block_table=_place(_dense(lens, step.block_table_indices, width), device),
-            slot_mapping=_place(slots, device),
-            seq_lens=_place(step.seq_lens.copy(), device),
-            context_lens=_place(step.context_lens.copy(), device),
-            query_start_loc=_place(qsl.copy(), device),
-            max_query_len=max_q,
-            max_seq_len=int(step.seq_lens.max()) if num else 0,
-        )
+
+def _merge(parts: list[StepOutput]) -> tuple[npt.NDArray[Any], ...]:
+    """Concatenate the scheduled arrays of several step outputs (offsets shifted), in order."""
+    qsl = [parts[0].query_start_loc] + [p.query_start_loc[1:] for p in parts[1:]]
+    indptr = [parts[0].block_table_indptr] + [p.block_table_indptr[1:] for p in parts[1:]]
+    tokens = np.cumsum([0] + [p.slot_mapping.size for p in parts[:-1]], dtype=np.int32)
+    blocks = np.cumsum([0] + [p.block_table_indices.size for p in parts[:-1]], dtype=np.int32)
+    return (
+        np.concatenate([p.slot_mapping for p in parts]),
+        np.concatenate([p.seq_lens for p in parts]),
+        np.concatenate([p.context_lens for p in parts]),
+        np.concatenate([q + t for q, t in zip(qsl, tokens)]),
+        np.concatenate([ip + b for ip, b in zip(indptr, blocks)]),
+        np.concatenate([p.block_table_indices for p in parts]),
+        np.concatenate([p.copies for p in parts]),
+    )

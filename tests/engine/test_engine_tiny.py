@@ -75,13 +75,14 @@ def test_greedy_token_identical_to_transformers(tiny, refs, regime):
 def test_chunked_prefill_really_chunks(tiny, refs):
     engine = _engine(tiny, max_tokens_per_step=16)
     seen: list[int] = []
-    original = engine.runner.execute
+    original = engine.runner.prepare
 
     def spy(batch):
-        seen.append(batch.num_tokens)
-        return original(batch)
+        bt = original(batch)
+        seen.append(bt.num_tokens)
+        return bt
 
-    engine.runner.execute = spy
+    engine.runner.prepare = spy
     outs = engine.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW))
     assert max(seen) == 16  # never above the budget, and the 100-token prompt needed chunks
     assert [list(o.token_ids) for o in outs] == refs
@@ -104,14 +105,16 @@ def test_batch_size_many_runs_requests_together(tiny, refs):
 def _trace_steps(engine: LLMEngine) -> list[list[tuple[int, int, int]]]:
     """Record (seq_id, tokens cached before, tokens computed) of every scheduled seq per step."""
     steps: list[list[tuple[int, int, int]]] = []
-    original = engine.runner.execute
+    original = engine.runner.prepare
 
     def spy(batch):
-        steps.append([(s.seq_id, c, int(q)) for s, c, q in
-                      zip(batch.seqs, batch.num_computed_before, batch.query_lens)])
-        return original(batch)
+        bt = original(batch)
+        qsl = bt.query_start_loc_host.tolist()
+        steps.append([(s.seq_id, c, b - a) for s, c, a, b in
+                      zip(batch.seqs, bt.context_lens.tolist(), qsl, qsl[1:])])
+        return bt
 
-    engine.runner.execute = spy
+    engine.runner.prepare = spy
     return steps
 
 
@@ -336,7 +339,7 @@ def test_beam_search_with_eos(tiny):
     greedy = hf_greedy(tiny, p, 8)
     eos = greedy[3]  # make the 4th greedy token the EOS: beams end early
     engine = _engine(tiny)
-    engine.eos_token_ids = frozenset({eos})
+    engine.outputs.eos_token_ids = frozenset({eos})
     out = engine.generate([p], SamplingParams(max_tokens=12, beam_width=3))[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -362,7 +365,7 @@ def test_stop_string_and_eos_finish_reasons(tiny):
     assert list(out.token_ids) == greedy[: first + 1]
     assert stop_word not in out.text and out.text == tiny.tokenizer.decode(greedy[:first]).rstrip() \
         or out.text.startswith(tiny.tokenizer.decode(greedy[:first]))
-    engine.eos_token_ids = frozenset({greedy[2]})
+    engine.outputs.eos_token_ids = frozenset({greedy[2]})
     out = engine.generate([p], SamplingParams(max_tokens=10))[0]
     assert out.finish_reason == "eos" and list(out.token_ids) == greedy[: greedy.index(greedy[2]) + 1]
     out = engine.generate([p], SamplingParams(max_tokens=10, ignore_eos=True))[0]

@@ -110,10 +110,11 @@ def test_failure_between_a_beam_fork_and_its_bookkeeping_frees_the_child(tiny):
     # beam_width 4: the first beam step forks the prompt's sequence 3 times; fail at the 2nd fork,
     # after the 1st child is registered in the manager but before the request lists it.
     engine = _engine(tiny)
-    engine._new_seq = _fail_on_call(3, engine._new_seq, RuntimeError("fork failed"))
+    registry = engine.requests
+    registry.new_sequence = _fail_on_call(3, registry.new_sequence, RuntimeError("fork failed"))
     with pytest.raises(RuntimeError, match="fork failed"):
         engine.generate([_prompts()[1]], SamplingParams(max_tokens=6, beam_width=4))
-    del engine._new_seq
+    del registry.new_sequence
     _assert_clean(engine)
     _then_serves_like_a_fresh_engine(tiny, engine)
 
@@ -126,7 +127,7 @@ def test_failure_in_a_step_that_swaps_out_aborts_the_victim_too(tiny):
     swapped = []
 
     def execute(batch):
-        if len(batch.swap_out):
+        if batch.swap_out is not None:
             swapped.append(len(batch.swap_out))
             raise RuntimeError("failed with a swap-out planned")
         return real(batch)
@@ -292,8 +293,8 @@ def test_bad_request_inputs_raise_invalid_request_and_queue_nothing(tiny, call, 
 
 def test_chat_template_error_becomes_invalid_request(tiny):
     engine = _engine(tiny)
-    engine.tokenizer = type(tiny.tokenizer).from_pretrained(str(tiny.path))
-    engine.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    engine.prompts.tokenizer = type(tiny.tokenizer).from_pretrained(str(tiny.path))
+    engine.prompts.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(InvalidRequestError, match="chat template rejected.*roles must alternate"):
         engine.add_request({"messages": [{"role": "user", "content": "w5"}]})
     _assert_clean(engine)

@@ -28,35 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from pagedkv import kernels
+from pagedkv.tensors import BatchTensors
 
 from .rope import RotaryEmbedding, context_length, rope_inv_freq
 
-__all__ = ["AttentionMetadata", "LlamaForCausalLM", "rope_inv_freq"]
-
-
-@dataclass
-class AttentionMetadata:
-    """Kernel inputs of one step (all on the model's device).
-
-    Attributes:
-        slot_mapping: int64 ``[T]`` cache slot (``block_id * block_size + offset``) of each token.
-        block_table: int32 ``[B, max_blocks]`` physical block ids, padded with the null block 0.
-        seq_lens: int32 ``[B]`` tokens in cache per sequence after this step (context + query).
-        query_start_loc: int32 ``[B + 1]`` prefix sums of the per-sequence query lengths.
-        max_query_len: longest query of the batch, in tokens.
-        max_seq_len: longest ``seq_lens`` entry, in tokens.
-        attn_plan: the step's attention plan (validated metadata, slot indices and masks built
-            once for all layers, :func:`pagedkv.kernels.plan_paged_attention`), or None where
-            the Triton kernel runs (it reads the metadata itself).
-    """
-
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
-    attn_plan: Optional[kernels.AttentionPlan] = None
+__all__ = ["LlamaForCausalLM", "rope_inv_freq"]
 
 
 @dataclass
@@ -186,7 +162,7 @@ class LlamaForCausalLM:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor,
+                meta: BatchTensors, logits_indices: torch.Tensor,
                 rope_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run the flat token batch and return next-token logits for selected tokens.
 
@@ -195,7 +171,7 @@ class LlamaForCausalLM:
             positions: int64 ``[T]`` position of each token in its sequence (0-based).
             kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``;
                 the new K/V of every token is written at ``meta.slot_mapping`` (in place).
-            meta: block table, lengths and slot mapping of this step.
+            meta: this step's kernel inputs (block table, lengths, slot mapping, attention plan).
             logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted (the last
                 scheduled token of each sequence that samples this step).
             rope_lens: int64 ``[T]`` rope length of each token (any device;
