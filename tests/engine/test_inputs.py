@@ -8,6 +8,7 @@ import json
 import pytest
 
 from pagedkv.engine import PromptFileError
+from pagedkv.engine.cli import SAMPLING_OPTIONS
 from pagedkv.engine.inputs import read_prompts, read_trace
 
 
@@ -68,12 +69,12 @@ def test_valid_lines_are_returned_unchanged_and_extra_metadata_is_kept(tmp_path)
     ({"prompt": "hi", "stop": ["."]}, "'stop' cannot be set per request in a prompts file; use --stop"),
     ({"prompt": "hi", "top_p": 0.9}, "use --top-p"),
     ({"prompt": "hi", "length_penalty": 2.0},
-     "'length_penalty' cannot be set per request in a prompts file; the CLI does not set it"),
+     "'length_penalty' cannot be set per request in a prompts file; it applies to every request"),
 ])
 def test_wrong_field_types_name_file_line_and_field(tmp_path, obj, needle):
     f = _jsonl(tmp_path, {"prompt": "fine"}, obj)
     with pytest.raises(PromptFileError) as info:
-        read_prompts(f)
+        read_prompts(f, sampling_options=SAMPLING_OPTIONS)
     msg = str(info.value)
     assert msg.startswith(f"{f}:2: "), msg
     assert needle in msg, msg
@@ -88,3 +89,23 @@ def test_missing_files_name_their_kind(tmp_path):
     bad.write_bytes(b"\xff\xfe")
     with pytest.raises(PromptFileError, match=r"^cannot read trace file '.*t\.jsonl'"):
         read_trace(bad)
+
+
+def test_sampling_options_are_cli_options_and_the_reader_does_not_import_the_cli(tmp_path):
+    import subprocess
+    import sys
+
+    from pagedkv.engine.cli import build_parser
+    from pagedkv.engine.sampling import SamplingParams
+
+    help_text = build_parser().format_help()
+    fields = set(SamplingParams.__dataclass_fields__)
+    for field, flag in SAMPLING_OPTIONS.items():
+        assert field in fields and flag in help_text, (field, flag)
+    f = _jsonl(tmp_path, {"prompt": "hi", "temperature": 0.5})
+    code = ("import sys\nfrom pagedkv.engine.inputs import read_prompts\n"
+            "try:\n    read_prompts(sys.argv[1])\nexcept ValueError as e:\n    print(e)\n"
+            "print('pagedkv.engine.cli' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, f], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == [f"{f}:1: 'temperature' cannot be set per request in a prompts file; "
+                                "it applies to every request", "False"]

@@ -22,6 +22,7 @@ end (e.g. a full disk) is reported after the stats table, also with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -29,7 +30,13 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["main", "build_parser", "parse_size"]
+__all__ = ["main", "build_parser", "parse_size", "SAMPLING_OPTIONS"]
+
+#: SamplingParams field -> the option that sets it for every request (a prompts file may set
+#: only ``max_tokens`` per line; the reader's error for another field names its option).
+SAMPLING_OPTIONS = {"max_tokens": "--max-tokens", "n": "--n", "beam_width": "--beam-width",
+                    "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+                    "seed": "--seed", "stop": "--stop", "ignore_eos": "--ignore-eos"}
 
 # The file formats, shown by --help. tests/engine/test_cli.py checks that every key the CLI
 # writes and every prompts-file field of inputs.PROMPT_FIELDS is listed here.
@@ -280,7 +287,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                               top_k=args.top_k, n=args.n, seed=args.seed, stop=tuple(args.stop),
                               ignore_eos=args.ignore_eos, beam_width=args.beam_width)
         if args.prompts is not None:
-            prompts = read_prompts(args.prompts)
+            prompts = read_prompts(args.prompts, sampling_options=SAMPLING_OPTIONS)
             trace = None
         else:
             trace = read_trace(args.trace, limit=args.trace_limit, scale=args.trace_scale,
@@ -310,7 +317,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rejected: dict[str, str] = {}
     if trace is not None:
         items = [(str(i), synthetic_prompt(r.prompt_tokens, engine.model.vocab_size, args.seed * 100003 + i),
-                  SamplingParams(**{**_params_dict(base), "max_tokens": r.output_tokens, "ignore_eos": True}))
+                  dataclasses.replace(base, max_tokens=r.output_tokens, ignore_eos=True))
                  for i, r in enumerate(trace)]
         chat = False
     else:
@@ -319,7 +326,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rid = str(p.get("id", i)) if isinstance(p, dict) else str(i)
             sp = base
             if isinstance(p, dict) and "max_tokens" in p:
-                sp = SamplingParams(**{**_params_dict(base), "max_tokens": p["max_tokens"]})
+                sp = dataclasses.replace(base, max_tokens=p["max_tokens"])
             items.append((rid, p, sp))
         chat = args.chat_template and getattr(engine.tokenizer, "chat_template", None) is not None
     for rid, p, sp in items:
@@ -331,19 +338,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rejected[rid] = str(e)
             print(f"pagedkv-engine: request {rid} rejected: {e}", file=sys.stderr)
 
-    results: dict[str, Any] = {}
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(items) - len(rejected), desc="requests", unit="req", file=sys.stderr)
-    while engine.has_unfinished():
-        for out in engine.step():
-            results[out.request_id] = out
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(blocks=engine.manager.pool.num_used)
-    if bar is not None:
-        bar.close()
+    results = {out.request_id: out for out in engine.run(progress=not args.no_progress)}
 
     # The paths were checked before the run; a write can still fail (disk full, folder
     # removed meanwhile). Then the stats table is still printed, and the error after it.
@@ -383,11 +378,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for msg in write_errors:
         rc = _fail(msg)
     return rc
-
-
-def _params_dict(p: Any) -> dict[str, Any]:
-    from dataclasses import asdict
-    return asdict(p)
 
 
 def _print_report(engine: Any, args: argparse.Namespace, order: list[tuple[str, Any]],

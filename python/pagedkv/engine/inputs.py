@@ -1,5 +1,7 @@
 """Request inputs for the CLI and benchmarks: prompt files and request-length traces.
 
+A reader module: it imports nothing of the CLI (the CLI passes its option names in).
+
 Prompts files (``--prompts``), chosen by suffix:
 
 - ``.txt``: one prompt per line, the whole line verbatim (no JSON, no escapes, so a prompt
@@ -40,8 +42,12 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
 
+from pagedkv._repr import short_repr
+
+from .chat import MESSAGES_FORMAT, valid_messages
 from .errors import PromptFileError
 
 __all__ = ["PROMPT_FIELDS", "TraceRequest", "read_prompts", "read_trace", "synthetic_prompt"]
@@ -62,28 +68,16 @@ def _open_text(path: Path, kind: str) -> list[str]:
         raise PromptFileError(f"cannot read {kind} {str(path)!r}: {e}") from None
 
 
-def _sampling_flags() -> dict[str, str]:
-    """SamplingParams fields other than ``max_tokens`` -> what to use instead (the CLI option
-    when there is one). Read from the dataclass and the parser so a new sampling field is
-    rejected on a prompts line without an edit here."""
+def _sampling_fields(options: Mapping[str, str]) -> dict[str, str]:
+    """SamplingParams fields other than ``max_tokens`` -> what to do instead of setting one on a
+    prompts line (``options``: field -> the command-line option that sets it for every request).
+    Read from the dataclass, so a new sampling field is rejected on a line without an edit here."""
     from dataclasses import fields
 
-    from .cli import build_parser
     from .sampling import SamplingParams  # imports torch: only when a JSONL file is read
-    options = {o for a in build_parser()._actions for o in a.option_strings}
-    out = {}
-    for f in fields(SamplingParams):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name != "max_tokens":
-            out[f.name] = (f"use {flag} (it applies to every request)" if flag in options
-                           else "the CLI does not set it")
-    return out
-
-
-def _short(v: Any, limit: int = 200) -> str:
-    """``repr(v)``, cut to ``limit`` characters (a whole chat history would drown the error)."""
-    r = repr(v)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
+    return {f.name: (f"use {options[f.name]} (it applies to every request)" if f.name in options
+                     else "it applies to every request")
+            for f in fields(SamplingParams) if f.name != "max_tokens"}
 
 
 def _check_line(obj: dict[str, Any], where: str, sampling_flags: dict[str, str]) -> None:
@@ -96,11 +90,8 @@ def _check_line(obj: dict[str, Any], where: str, sampling_flags: dict[str, str])
         if "prompt" in obj:
             raise PromptFileError(f"{where}: has both 'prompt' and 'messages'; give one")
         msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]
-                and isinstance(m.get("content"), str) for m in msgs):
-            raise PromptFileError(f"{where}: 'messages' must be a non-empty list of "
-                                  f"{{'role': str, 'content': str}} objects, got {_short(msgs)}")
+        if not valid_messages(msgs):
+            raise PromptFileError(f"{where}: 'messages' must be {MESSAGES_FORMAT}, got {short_repr(msgs, 200)}")
     elif not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
         raise PromptFileError(f"{where}: needs a non-empty string 'prompt' (or 'messages'), "
                               f"got {obj.get('prompt')!r}")
@@ -121,9 +112,13 @@ def _check_line(obj: dict[str, Any], where: str, sampling_flags: dict[str, str])
                                   f"{sampling_flags[key]}")
 
 
-def read_prompts(path: str | Path) -> list[Any]:
+def read_prompts(path: str | Path, *, sampling_options: Mapping[str, str] = MappingProxyType({})) -> list[Any]:
     """Prompts of a ``.txt`` or ``.jsonl`` file (format in the module docs): strings (txt) or
     the line's dicts, unchanged (jsonl). O(file size).
+
+    ``sampling_options`` maps a :class:`~pagedkv.engine.SamplingParams` field to the option
+    that sets it for every request (e.g. ``{"temperature": "--temperature"}``); the error for
+    that field on a line names it.
 
     Raises:
         PromptFileError: the file is missing or unreadable, has an unknown suffix, holds no
@@ -140,7 +135,7 @@ def read_prompts(path: str | Path) -> list[Any]:
     # request id -> (line, explicit?): the CLI keys results by id, so a repeated id would
     # make one request's row overwrite another's.
     seen: dict[str, tuple[int, bool]] = {}
-    sampling_flags = _sampling_flags() if p.suffix.lower() == ".jsonl" else {}
+    sampling_flags = _sampling_fields(sampling_options) if p.suffix.lower() == ".jsonl" else {}
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
