@@ -1,8 +1,12 @@
 """Kernel inputs built from the allocator's output: block tables, slot mapping, lengths.
 
-The manager hands out plain numpy arrays (see :class:`pagedkv.StepOutput`); attention and cache
-kernels want tensors of fixed dtypes on a device. This module does that conversion, once per
-scheduler step, with vectorised numpy on the host followed by one copy per tensor.
+One path from the allocator to the kernels: :meth:`BatchTensors.from_steps` takes the
+:class:`pagedkv.StepOutput` of a scheduler step -- whose arrays the core already lays out in the
+kernels' dtypes and shapes -- and hands every kernel input over as torch tensors without
+re-validating, casting or copying on the host (``torch.from_numpy``), then one transfer per
+tensor to the device. The engine's runner, the tests and ``benchmarks/step_overhead.py`` all use
+it. The other builders here are the validating entry for arrays that did *not* come from the
+core (a caller's own block tables): they check their input once and copy.
 
 Conventions (PagedAttention, Kwon et al., SOSP'23; the CSR form as used by FlashInfer):
 
@@ -21,15 +25,15 @@ Conventions (PagedAttention, Kwon et al., SOSP'23; the CSR form as used by Flash
 
 Every builder takes ``device``: a torch device (``"cpu"``, ``"cuda"``, ``torch.device``) to get a
 ``torch.Tensor`` there, or ``None`` to get the numpy array and not import torch at all. torch is
-imported lazily, on the first call that asks for a device. Builders always copy: the result never
-aliases the caller's arrays. Bad input raises :class:`pagedkv.errors.InvalidArgumentError` naming
+imported lazily, on the first call that asks for a device. The validating builders always copy:
+their result never aliases the caller's arrays. Bad input raises :class:`pagedkv.errors.InvalidArgumentError` naming
 the argument and value. All builders are O(num_seqs + nnz) (or O(num_tokens)).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -113,13 +117,14 @@ def _check_csr(
 
 
 def _place(arr: npt.NDArray[Any], device: Device) -> Any:
-    """numpy array -> numpy (device None) or a torch tensor on `device` (one copy)."""
+    """numpy array -> numpy (device None) or a torch tensor on `device`: no copy on the CPU
+    (the tensor shares `arr`'s memory), one transfer elsewhere."""
     if device is None:
         return arr
     import torch  # lazy: `import pagedkv` must work without torch
 
     tensor = torch.from_numpy(np.ascontiguousarray(arr))
-    target = torch.device(device)
+    target = device if isinstance(device, torch.device) else torch.device(device)
     return tensor if target.type == "cpu" else tensor.to(target)
 
 
@@ -294,13 +299,15 @@ def query_start_loc(
     return _place(out.astype(np.int32), device)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)  # not frozen: building a frozen dataclass costs ~1/3 of the whole path
 class BatchTensors:
     """Every kernel input of one scheduler step, built by :meth:`from_steps`.
 
-    Attributes (``S`` scheduled sequences, ``T`` scheduled tokens):
+    Attributes (``S`` scheduled sequences, ``T`` scheduled tokens; "on ``device``" means a torch
+    tensor there, or the numpy array itself when ``device`` is ``None``):
         block_table: ``int32[S, max_blocks]`` dense, padded with the null block 0 (on ``device``).
         slot_mapping: ``int64[T]`` KV-cache slot of each token (``-1`` padded; on ``device``).
+        input_ids: ``int64[T]`` token id of each scheduled token (on ``device``).
         positions: ``int64[T]`` position of each token in its sequence (RoPE; on ``device``).
         seq_lens: ``int32[S]`` context + query tokens (on ``device``).
         context_lens: ``int32[S]`` tokens already in the cache before this step (on ``device``).
@@ -310,12 +317,12 @@ class BatchTensors:
         copies: ``int32[C, 2]`` copy-on-write ``(src, dst)`` block pairs, to run before the
             K/V writes (on ``device``).
         swap_out: ``int32[K, 2]`` (device block, CPU block) pairs, on the host (the swap
-            kernel reads the plan there to issue its copies); run first.
-        swap_in: ``int32[K, 2]`` (CPU block, device block) pairs, on the host; run after
-            ``swap_out``.
-        query_start_loc_host, seq_lens_host, positions_host: the host (numpy) arrays behind
-            ``query_start_loc``, ``seq_lens`` and ``positions``, for host-side bookkeeping
-            without a device sync (the same memory as the tensors on the CPU).
+            kernel reads the plan there to issue its copies), or ``None``; run first.
+        swap_in: ``int32[K, 2]`` (CPU block, device block) pairs, on the host, or ``None``;
+            run after ``swap_out``.
+        query_start_loc_host, context_lens_host, positions_host: the host (numpy) arrays
+            behind ``query_start_loc``, ``context_lens`` and ``positions``, for host-side
+            bookkeeping without a device sync (the same memory as the tensors on the CPU).
         attn_plan: a per-step attention plan attached by the caller
             (:func:`pagedkv.kernels.plan_paged_attention`, built once for every layer), or
             ``None`` where the kernel needs none.
@@ -323,6 +330,7 @@ class BatchTensors:
 
     block_table: Any
     slot_mapping: Any
+    input_ids: Any
     positions: Any
     seq_lens: Any
     context_lens: Any
@@ -333,7 +341,7 @@ class BatchTensors:
     swap_out: Any
     swap_in: Any
     query_start_loc_host: npt.NDArray[np.int32]
-    seq_lens_host: npt.NDArray[np.int32]
+    context_lens_host: npt.NDArray[np.int32]
     positions_host: npt.NDArray[np.int64]
     attn_plan: Any = None
 
@@ -355,20 +363,18 @@ class BatchTensors:
         *,
         swap_out: npt.NDArray[np.int32] | None = None,
         swap_in: npt.NDArray[np.int32] | None = None,
-        pad_blocks_to: int | None = None,
-        pad_tokens_to: int | None = None,
     ) -> BatchTensors:
         """The kernel inputs of one scheduler step: the one path from the allocator to the kernels.
 
         ``steps`` are the :class:`pagedkv.StepOutput` of one or more ``KVCacheManager.step``
         calls of the same scheduler step (e.g. running sequences, then newly admitted ones);
-        their scheduled parts (the first ``num_scheduled`` sequences of each) are merged once,
-        in order. The core's arrays are consistent by construction and already in the kernels'
-        dtypes, so nothing is re-validated or cast: with one step, ``slot_mapping``,
-        ``seq_lens``, ``context_lens``, ``query_start_loc`` and the plans cross to torch with
-        ``torch.from_numpy`` (no copy) and are then moved to ``device`` (one transfer each; none
-        on the CPU). The dense block table is the only array built here (from the CSR pair).
-        The step outputs must not be modified while the result is in use.
+        their scheduled parts are merged once, in order. The core's arrays are consistent by
+        construction and already in the kernels' layouts and dtypes (dense int32 block table,
+        int64 slots and token ids, int32 lengths and ``query_start_loc``), so nothing is
+        validated, cast or rebuilt: with one step every array crosses to torch with
+        ``torch.from_numpy`` (no copy) and is then moved to ``device`` (one transfer each; none
+        on the CPU, where the tensors share the step output's memory -- do not modify it while
+        the result is in use). Only ``positions`` is computed here. O(S + T), vectorised.
 
         Arrays made by anything other than the core enter through the validating builders of
         this module (:func:`dense_block_table`, :func:`slot_mapping`, ...).
@@ -378,13 +384,9 @@ class BatchTensors:
             device: torch device of the result, or ``None`` for numpy arrays (no torch import).
             swap_out, swap_in: the ``int32[K, 2]`` plans of ``KVCacheManager.swap_out`` /
                 ``swap_in`` run in this step (``None``: none); kept on the host.
-            pad_blocks_to: columns of the dense block table (default: the longest table, >= 1).
-            pad_tokens_to: length of ``slot_mapping`` / ``positions`` (default: ``T``), padded
-                with slot ``-1`` and position 0.
 
         Raises:
-            InvalidArgumentError: a step that is not a core :class:`pagedkv.StepOutput`, or a
-                padding smaller than what the batch needs.
+            InvalidArgumentError: a step that is not a core :class:`pagedkv.StepOutput`.
         """
         parts = [steps] if isinstance(steps, StepOutput) else list(steps)
         for i, p in enumerate(parts):
@@ -393,52 +395,69 @@ class BatchTensors:
                            "other arrays with dense_block_table, slot_mapping, ...)")
         if len(parts) == 1:
             p = parts[0]
-            slots, lens, ctx, qsl = p.slot_mapping, p.seq_lens, p.context_lens, p.query_start_loc
-            indptr, indices, copies = p.block_table_indptr, p.block_table_indices, p.copies
+            table, slots, ids, lens, ctx, qsl, copies = (
+                p.block_table, p.slot_mapping, p.input_ids, p.seq_lens, p.context_lens, p.query_start_loc, p.copies)
         else:
-            slots, lens, ctx, qsl, indptr, indices, copies = _merge(parts)
-        num_seqs = lens.size
-        table_lens = indptr[1:] - indptr[:-1]
-        longest = int(table_lens.max()) if num_seqs else 0
-        width = _check_pad("pad_blocks_to", pad_blocks_to, max(longest, 1) if pad_blocks_to is None else longest)
-        query_lens = qsl[1:] - qsl[:-1]
-        # Position of every token: its sequence's context length plus its index in the query.
-        positions = np.arange(slots.size, dtype=np.int64) + np.repeat(ctx - qsl[:-1], query_lens)
-        if pad_tokens_to is not None:
-            n = _check_pad("pad_tokens_to", pad_tokens_to, slots.size)
-            slots = np.concatenate([slots, np.full(n - slots.size, -1, dtype=np.int64)])
-            positions = np.concatenate([positions, np.zeros(n - positions.size, dtype=np.int64)])
-        empty_plan = np.zeros((0, 2), dtype=np.int32)
+            table, slots, ids, lens, ctx, qsl, copies = _merge(parts)
+        num_seqs = int(lens.size)
+        if slots.size == num_seqs:  # all decodes: each token sits right after its context
+            positions = ctx.astype(np.int64)
+            max_query_len = 1 if num_seqs else 0
+        else:  # the context length plus the token's index in its query
+            query_lens = np.diff(qsl)
+            positions = np.arange(slots.size, dtype=np.int64) + np.repeat(ctx - qsl[:-1], query_lens)
+            max_query_len = int(query_lens.max())
+        to_dev, to_host = _movers(device)
         return cls(
-            block_table=_place(_dense(table_lens, indices, width), device),
-            slot_mapping=_place(slots, device),
-            positions=_place(positions, device),
-            seq_lens=_place(lens, device),
-            context_lens=_place(ctx, device),
-            query_start_loc=_place(qsl, device),
-            max_query_len=int(query_lens.max()) if num_seqs else 0,
+            block_table=to_dev(table),
+            slot_mapping=to_dev(slots),
+            input_ids=to_dev(ids),
+            positions=to_dev(positions),
+            seq_lens=to_dev(lens),
+            context_lens=to_dev(ctx),
+            query_start_loc=to_dev(qsl),
+            max_query_len=max_query_len,
             max_seq_len=int(lens.max()) if num_seqs else 0,
-            copies=_place(copies, device),
-            swap_out=_place(empty_plan if swap_out is None else swap_out, None if device is None else "cpu"),
-            swap_in=_place(empty_plan if swap_in is None else swap_in, None if device is None else "cpu"),
+            copies=to_dev(copies),
+            swap_out=None if swap_out is None else to_host(swap_out),
+            swap_in=None if swap_in is None else to_host(swap_in),
             query_start_loc_host=qsl,
-            seq_lens_host=lens,
+            context_lens_host=ctx,
             positions_host=positions,
         )
 
 
+def _movers(device: Device) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """Functions taking a C-contiguous array made by the core (or from its arrays) to ``device``
+    and to the host: identity for ``device=None``; ``torch.from_numpy`` (no copy) on the CPU,
+    plus one transfer elsewhere."""
+    if device is None:
+        return _identity, _identity
+    import torch  # lazy: `import pagedkv` must work without torch
+
+    target = device if isinstance(device, torch.device) else torch.device(device)
+    if target.type == "cpu":
+        return torch.from_numpy, torch.from_numpy
+    return (lambda a: torch.from_numpy(a).to(target)), torch.from_numpy
+
+
+def _identity(a: Any) -> Any:
+    return a
+
+
 def _merge(parts: list[StepOutput]) -> tuple[npt.NDArray[Any], ...]:
-    """Concatenate the scheduled arrays of several step outputs (offsets shifted), in order."""
-    qsl = [parts[0].query_start_loc] + [p.query_start_loc[1:] for p in parts[1:]]
-    indptr = [parts[0].block_table_indptr] + [p.block_table_indptr[1:] for p in parts[1:]]
+    """Concatenate the scheduled arrays of several step outputs (offsets shifted, block tables
+    padded to the widest), in order."""
+    width = max(p.block_table.shape[1] for p in parts)
+    tables = [np.pad(p.block_table, ((0, 0), (0, width - p.block_table.shape[1]))) for p in parts]
     tokens = np.cumsum([0] + [p.slot_mapping.size for p in parts[:-1]], dtype=np.int32)
-    blocks = np.cumsum([0] + [p.block_table_indices.size for p in parts[:-1]], dtype=np.int32)
+    qsl = [parts[0].query_start_loc] + [p.query_start_loc[1:] + t for p, t in zip(parts[1:], tokens[1:])]
     return (
+        np.concatenate(tables),
         np.concatenate([p.slot_mapping for p in parts]),
+        np.concatenate([p.input_ids for p in parts]),
         np.concatenate([p.seq_lens for p in parts]),
         np.concatenate([p.context_lens for p in parts]),
-        np.concatenate([q + t for q, t in zip(qsl, tokens)]),
-        np.concatenate([ip + b for ip, b in zip(indptr, blocks)]),
-        np.concatenate([p.block_table_indices for p in parts]),
+        np.concatenate(qsl),
         np.concatenate([p.copies for p in parts]),
     )

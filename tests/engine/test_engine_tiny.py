@@ -111,7 +111,7 @@ def _trace_steps(engine: LLMEngine) -> list[list[tuple[int, int, int]]]:
         bt = original(batch)
         qsl = bt.query_start_loc_host.tolist()
         steps.append([(s.seq_id, c, b - a) for s, c, a, b in
-                      zip(batch.seqs, bt.context_lens.tolist(), qsl, qsl[1:])])
+                      zip(batch.seqs, bt.context_lens_host.tolist(), qsl, qsl[1:])])
         return bt
 
     engine.runner.prepare = spy
@@ -154,10 +154,10 @@ def test_s5_swap_preemption_restores_the_same_kv_block_for_block(tiny):
 
     def spy(batch):
         kv = engine.runner.kv_cache
-        for gpu, cpu in batch.swap_out.tolist():
+        for gpu, cpu in ([] if batch.swap_out is None else batch.swap_out.tolist()):
             saved[cpu] = kv[:, :, gpu].clone()
         original(batch)
-        for cpu, gpu in batch.swap_in.tolist():
+        for cpu, gpu in ([] if batch.swap_in is None else batch.swap_in.tolist()):
             assert torch.equal(kv[:, :, gpu], saved[cpu])
             checked.append(gpu)
 

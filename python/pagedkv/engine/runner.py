@@ -9,8 +9,6 @@ the same per-block shape (pinned when CUDA is present).
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
@@ -58,17 +56,17 @@ class ModelRunner:
         bt = BatchTensors.from_steps(batch.steps, self.device, swap_out=batch.swap_out, swap_in=batch.swap_in)
         if self._triton_attention or not batch.seqs:
             return bt
-        plan = kernels.plan_paged_attention(
+        bt.attn_plan = kernels.plan_paged_attention(
             bt.block_table, bt.seq_lens, bt.query_start_loc, cache_shape=tuple(self.kv_cache.shape[2:]),
             num_q_heads=self.model.num_heads, sliding_window=self.model.sliding_window)
-        return dataclasses.replace(bt, attn_plan=plan)
+        return bt
 
     def apply_block_plans(self, bt: BatchTensors) -> None:
         """Swap out (device -> CPU), then swap in (CPU -> device), then copy-on-write copies,
         in that order: a block freed by a swap-out may be reused by the later plans."""
         for plan, src, dst in ((bt.swap_out, self.kv_cache, self.cpu_cache),
                                (bt.swap_in, self.cpu_cache, self.kv_cache)):
-            if len(plan):
+            if plan is not None and len(plan):
                 assert src is not None and dst is not None, "swap planned without a CPU cache"
                 event = kernels.swap_blocks(src, dst, plan)
                 if event is not None:
@@ -87,21 +85,15 @@ class ModelRunner:
         self.apply_block_plans(bt)
         if not batch.seqs:
             return torch.zeros(0, self.model.vocab_size)
-        ends = bt.query_start_loc_host[1:].tolist()
-        ids: list[int] = []
-        for seq, seq_len, start, end in zip(batch.seqs, bt.seq_lens_host.tolist(),
-                                            bt.query_start_loc_host[:-1].tolist(), ends):
-            ids.extend(seq.token_ids[seq_len - (end - start):seq_len])
         rope_lens = None
         if self.model.rope.length_dependent:  # frequencies per token from its own sequence
             qsl, pos = bt.query_start_loc_host, bt.positions_host
             rope_lens = torch.from_numpy(np.concatenate([rope_lengths(s.num_prompt_tokens, pos[qsl[i]:qsl[i + 1]])
                                                          for i, s in enumerate(batch.seqs)]))
+        ends = bt.query_start_loc_host[1:].tolist()
         rows = [end - 1 for end, want in zip(ends, batch.sample) if want]
-        dev = self.device
-        return self.model.forward(torch.tensor(ids, dtype=torch.int64, device=dev), bt.positions,
-                                  self.kv_cache, bt, torch.tensor(rows, dtype=torch.int64, device=dev),
-                                  rope_lens)
+        return self.model.forward(bt.input_ids, bt.positions, self.kv_cache, bt,
+                                  torch.tensor(rows, dtype=torch.int64, device=self.device), rope_lens)
 
     def kv_cache_bytes(self) -> int:
         """Bytes of the device KV cache."""

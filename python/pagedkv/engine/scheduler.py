@@ -180,9 +180,11 @@ class Scheduler:
         """True when ``req``'s KV sits in CPU swap blocks (the manager's status)."""
         return bool(req.seqs) and self.manager.status(req.seqs[0].seq_id) == "swapped"
 
-    def _uncomputed(self, seq: Sequence) -> int:
-        """Tokens of ``seq`` without KV, its pending sampled tokens included (asks the manager)."""
-        return len(seq.token_ids) - self.manager.num_computed_tokens(seq.seq_id)
+    def _uncomputed(self, seqs: list[Sequence]) -> list[int]:
+        """Tokens of each sequence without KV, its pending sampled tokens included (one
+        batched query to the manager)."""
+        core = self.manager.num_uncomputed_tokens([s.seq_id for s in seqs]).tolist()
+        return [n + len(s.pending) for n, s in zip(core, seqs)]
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -196,14 +198,13 @@ class Scheduler:
         batch = ScheduledBatch()
         self._swap_out = []
         items: list[_Item] = []
-        for req in self.running:  # 1. running requests, oldest first
-            for seq in req.seqs:
-                if budget == 0 or len(items) >= self.config.max_num_seqs:
-                    break
-                todo = self._uncomputed(seq)
-                if todo > 0:
-                    items.append((req, seq, min(todo, budget)))
-                    budget -= items[-1][2]
+        live = [(r, s) for r in self.running for s in r.seqs]  # 1. running requests, oldest first
+        for (req, seq), todo in zip(live, self._uncomputed([s for _, s in live])):
+            if budget == 0 or len(items) >= self.config.max_num_seqs:
+                break
+            if todo > 0:
+                items.append((req, seq, min(todo, budget)))
+                budget -= items[-1][2]
         budget += self._run_step(items, batch, allow_preempt=True)
         admitted, swap_in = self._admit(budget, len(batch.seqs))  # 2. waiting requests
         self._run_step(admitted, batch, allow_preempt=False)
@@ -225,21 +226,21 @@ class Scheduler:
             # Estimates below may over-count blocks shared inside a group; when nothing else
             # runs, the oldest request is admitted anyway (check_fits guarantees it fits alone).
             idle = not self.running and not num_seqs
+            ids = [s.seq_id for s in req.seqs]
             if self.is_swapped(req):
-                need = sum(len(self.manager.block_table(s.seq_id)) for s in req.seqs)
+                need = self.manager.num_blocks_owed(ids)  # its distinct swapped blocks
                 if need + headroom > free and not idle:
                     break
                 try:
-                    plan = self.manager.swap_in([s.seq_id for s in req.seqs])
+                    plan = self.manager.swap_in(ids)
                 except OutOfBlocksError:
                     break
                 swap_in.append(plan)
                 free -= len(plan)
             else:
                 # the whole remaining prefill (guard) or just this step's chunk (no guard)
-                need = sum(self.manager.num_blocks_needed(
-                    s.seq_id, max(1, len(s.token_ids) if guard else min(len(s.token_ids), budget)))
-                    for s in req.seqs)
+                need = self.manager.num_blocks_owed(ids) if guard else sum(
+                    self.manager.num_blocks_needed(s.seq_id, min(len(s.token_ids), budget)) for s in req.seqs)
                 if need + headroom > free and not idle:
                     break
                 free -= need
@@ -247,10 +248,9 @@ class Scheduler:
             self.waiting.remove(req)
             bisect.insort(self.running, req, key=lambda r: r.arrival_index)
             headroom += len(req.seqs) if guard else 0
-            for seq in req.seqs:
+            for seq, todo in zip(req.seqs, self._uncomputed(req.seqs)):
                 if budget == 0:
                     break
-                todo = self._uncomputed(seq)
                 if todo == len(seq.token_ids):  # nothing computed: the prefix hits come first
                     todo -= self.manager.lookup_prefix(seq.seq_id)
                 take = min(todo, budget)
@@ -263,9 +263,8 @@ class Scheduler:
 
     def _reserved_blocks(self) -> int:
         """Blocks still to be allocated for admitted prefills (reserved, see the module docs)."""
-        return sum(self.manager.num_blocks_needed(s.seq_id, todo)
-                   for r in self.running if r.prefill_reserved
-                   for s in r.seqs if (todo := self._uncomputed(s)) > 0)
+        return sum(self.manager.num_blocks_owed([s.seq_id for s in r.seqs])
+                   for r in self.running if r.prefill_reserved)
 
     def _run_step(self, items: list[_Item], batch: ScheduledBatch, *, allow_preempt: bool) -> int:
         """Allocate slots for ``items`` with batched ``manager.step`` calls; on running out of
@@ -308,7 +307,7 @@ class Scheduler:
             batch.requests.append(req)
             batch.sample.append(seq_len == len(seq.token_ids))
         for r in {id(r): r for r, _, _ in items}.values():
-            if r.prefill_reserved and all(self._uncomputed(s) == 0 for s in r.seqs):
+            if r.prefill_reserved and not any(self._uncomputed(r.seqs)):
                 r.prefill_reserved = False
 
     def _pick_victim(self, scheduled: set[int]) -> Optional[Request]:
