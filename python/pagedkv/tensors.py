@@ -447,7 +447,10 @@ def _identity(a: Any) -> Any:
 
 def _merge(parts: list[StepOutput]) -> tuple[npt.NDArray[Any], ...]:
     """Concatenate the scheduled arrays of several step outputs (offsets shifted, block tables
-    padded to the widest), in order."""
+    padded to the widest), in order; no parts make an empty batch."""
+    if not parts:
+        i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
+        return np.zeros((0, 1), np.int32), i64, i64.copy(), i32, i32.copy(), np.zeros(1, np.int32), np.zeros((0, 2), np.int32)
     width = max(p.block_table.shape[1] for p in parts)
     tables = [np.pad(p.block_table, ((0, 0), (0, width - p.block_table.shape[1]))) for p in parts]
     tokens = np.cumsum([0] + [p.slot_mapping.size for p in parts[:-1]], dtype=np.int32)
