@@ -32,16 +32,15 @@ from typing import Any, Iterable, Optional, Sequence, Union
 import torch
 
 import pagedkv
-from pagedkv._repr import short_repr
 
 from .config import EngineConfig, torch_dtype
-from .errors import EngineConfigError, InvalidRequestError
+from .errors import EngineConfigError
 from .groups import SequenceGroups
 from .loader import load_hf_model
 from .metrics import EngineMetrics, MetricsCollector
 from .model import LlamaForCausalLM
 from .outputs import OutputProcessor
-from .prompts import PreparedRequest, PromptProcessor, PromptType
+from .prompts import PreparedRequest, PromptProcessor, PromptType, batch_items, check_unique_ids
 from .registry import RequestRegistry
 from .request import RequestOutput
 from .resources import check_device, check_kv_fits
@@ -126,19 +125,11 @@ class LLMEngine:
 
     def tokenize(self, prompt: PromptType, *, chat_template: bool = False,
                  system_prompt: Optional[str] = None) -> tuple[Optional[str], list[int]]:
-        """Prompt text (or ``None``) and its token ids.
-
-        ``prompt`` is a non-empty str, a non-empty list / tuple (or 1-D integer array or
-        tensor) of int token ids, or a dict (see :data:`PromptType`) whose ``"messages"`` is a
-        non-empty list of ``{"role": str, "content": str}`` dicts. With ``chat_template`` a
-        text prompt becomes one user message (after ``system_prompt``) rendered by the
-        tokenizer's chat template with the assistant generation prompt.
+        """Prompt text (or ``None``) and its token ids: :meth:`PromptProcessor.tokenize
+        <pagedkv.engine.prompts.PromptProcessor.tokenize>` with this engine's tokenizer.
 
         Raises:
-            InvalidRequestError: empty prompt; a prompt of another type (``None``, an int,
-                bytes...); a token id that is not an int (floats are not truncated, bools are
-                not ids) or is outside the vocabulary; a bad dict, malformed messages or
-                messages the chat template rejects. The message names the prompt or value.
+            InvalidRequestError: a bad prompt (see there); the message names it.
         """
         return self.prompts.tokenize(prompt, chat_template=chat_template, system_prompt=system_prompt)
 
@@ -272,29 +263,9 @@ class LLMEngine:
                 is aborted (its KV freed; see :meth:`step` for what a failed step also aborts),
                 so nothing of an interrupted call lingers in the engine or is served later.
         """
-        if isinstance(prompts, (str, dict)):
-            items: list[Any] = [prompts]
-        elif prompts is None or isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
-            raise InvalidRequestError(f"prompts={short_repr(prompts)} is invalid: expected a list of prompts "
-                                      "(texts, token-id lists or dicts) or one text or dict")
-        else:
-            items = list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            plist: list[Any] = [params] * len(items)
-        elif isinstance(params, (list, tuple)):
-            plist = list(params)
-        else:
-            raise InvalidRequestError(f"params={short_repr(params)} is invalid: expected a SamplingParams, a "
-                                      f"list of them (one per prompt) or None (got {type(params).__name__})")
-        if len(plist) != len(items):
-            raise InvalidRequestError(f"got {len(plist)} SamplingParams for {len(items)} prompts")
-        # Check everything before queueing anything.
         prepared = [self._prepare(p, sp, None, cache_salt, chat_template, system_prompt)
-                    for p, sp in zip(items, plist)]
-        ids = [p.request_id for p in prepared if p.request_id is not None]
-        if len(set(ids)) != len(ids):
-            dup = next(i for i in ids if ids.count(i) > 1)
-            raise InvalidRequestError(f"request_id {dup!r} appears twice in prompts")
+                    for p, sp in batch_items(prompts, params)]  # everything checked before queueing
+        check_unique_ids(prepared)
         mine: list[str] = []
         try:
             for p in prepared:

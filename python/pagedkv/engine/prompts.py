@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from .chat import MESSAGES_FORMAT, render_chat, valid_messages
 from .errors import InvalidRequestError
 from .sampling import SamplingParams
 
-__all__ = ["PromptType", "PreparedRequest", "PromptProcessor"]
+__all__ = ["PromptType", "PreparedRequest", "PromptProcessor", "batch_items", "check_unique_ids"]
 
 #: A prompt: text, token ids, or a dict with ``"prompt"`` (text) or ``"messages"`` (chat) and
 #: optional ``"id"``, ``"system"``, ``"max_tokens"``, ``"cache_salt"``.
@@ -74,10 +74,19 @@ class PromptProcessor:
 
     def tokenize(self, prompt: PromptType, *, chat_template: bool = False,
                  system_prompt: Optional[str] = None) -> tuple[Optional[str], list[int]]:
-        """Prompt text (or ``None``) and its token ids; see :meth:`pagedkv.engine.LLMEngine.tokenize`.
+        """Prompt text (or ``None``) and its token ids.
+
+        ``prompt`` is a non-empty str, a non-empty list / tuple (or 1-D integer array or
+        tensor) of int token ids, or a dict (see :data:`PromptType`) whose ``"messages"`` is a
+        non-empty list of ``{"role": str, "content": str}`` dicts. With ``chat_template`` a
+        text prompt becomes one user message (after ``system_prompt``) rendered by the
+        tokenizer's chat template with the assistant generation prompt.
 
         Raises:
-            InvalidRequestError: see :meth:`pagedkv.engine.LLMEngine.tokenize`.
+            InvalidRequestError: empty prompt; a prompt of another type (``None``, an int,
+                bytes...); a token id that is not an int (floats are not truncated, bools are
+                not ids) or is outside the vocabulary; a bad dict, malformed messages or
+                messages the chat template rejects. The message names the prompt or value.
         """
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise InvalidRequestError(f"system_prompt={short_repr(system_prompt)} is invalid: "
@@ -137,3 +146,41 @@ class PromptProcessor:
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError(f"cache_salt={short_repr(cache_salt)} is invalid: expected a str or None")
         return PreparedRequest(text, ids, params, None if request_id is None else str(request_id), cache_salt)
+
+
+def batch_items(prompts: Any, params: Any) -> list[tuple[Any, Any]]:
+    """``(prompt, params)`` pairs of a batch call (see :meth:`pagedkv.engine.LLMEngine.generate`):
+    ``prompts`` a list of prompts or one text or dict; ``params`` one :class:`SamplingParams`
+    (or ``None``) for all, or a list / tuple with one per prompt. Items are checked later.
+
+    Raises:
+        InvalidRequestError: ``prompts`` or ``params`` of another type, or a params list whose
+            length differs from the prompts'.
+    """
+    if isinstance(prompts, (str, dict)):
+        items: list[Any] = [prompts]
+    elif prompts is None or isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+        raise InvalidRequestError(f"prompts={short_repr(prompts)} is invalid: expected a list of prompts "
+                                  "(texts, token-id lists or dicts) or one text or dict")
+    else:
+        items = list(prompts)
+    if params is None or isinstance(params, SamplingParams):
+        plist: list[Any] = [params] * len(items)
+    elif isinstance(params, (list, tuple)):
+        plist = list(params)
+    else:
+        raise InvalidRequestError(f"params={short_repr(params)} is invalid: expected a SamplingParams, a "
+                                  f"list of them (one per prompt) or None (got {type(params).__name__})")
+    if len(plist) != len(items):
+        raise InvalidRequestError(f"got {len(plist)} SamplingParams for {len(items)} prompts")
+    return list(zip(items, plist))
+
+
+def check_unique_ids(prepared: Sequence[PreparedRequest]) -> None:
+    """Raises InvalidRequestError naming the first request id given twice in one batch."""
+    seen: set[str] = set()
+    for p in prepared:
+        if p.request_id is not None:
+            if p.request_id in seen:
+                raise InvalidRequestError(f"request_id {p.request_id!r} appears twice in prompts")
+            seen.add(p.request_id)
