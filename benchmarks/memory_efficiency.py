@@ -23,7 +23,7 @@ reservation (slots reserved for a request's future tokens), internal fragmentati
 beyond what the request will ever use; for paging, the unwritten slots of allocated blocks),
 external fragmentation & other (unallocated memory while requests wait).
 
-Usage: ``python benchmarks/memory_efficiency.py [--traces-dir ../shared/data/traces] [--quick]``
+Usage: ``python benchmarks/memory_efficiency.py [--traces-dir DIR] [--quick]``
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ cache.
 "unbounded cache" is the hit rate of a cache that never evicts and saw every earlier request
 (computed in Python from the expanded tokens, see :func:`ideal_hits`): the bound for any budget.
 
-Usage: ``python benchmarks/prefix_caching.py [--traces-dir ../shared/data/traces] [--quick]``
+Usage: ``python benchmarks/prefix_caching.py [--traces-dir DIR] [--quick]``
 """
 
 from __future__ import annotations

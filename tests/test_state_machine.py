@@ -6,7 +6,7 @@ allocations and batched ``step`` calls (with appended tokens), token appends, fo
 appends that then trigger copy-on-write, frees (also of unknown ids), recompute and swap
 preemption, swap-in, prefix-cache resets, prefix lookups and event draining.
 
-``Oracle`` below is a small model of the semantics in DESIGN.md and the core API contract,
+``Oracle`` below is a small model of the semantics in docs/design.md and the core API contract,
 written independently of the Rust code (it lives only here, never in the package). It
 predicts, for every call: success or the exact exception class and its fields, the number of
 blocks taken from the free pool, prefix-hit tokens on first allocation, scheduled / context
@@ -16,7 +16,7 @@ free-queue order, CPU swap blocks, stats counters and the event stream. The only
 leaves open is which of several blocks carrying the same hash a prefix hit picks (the index is
 a multiset); there it checks that the pick is a legal candidate and follows it.
 
-After every step the invariants of DESIGN.md are checked through the Python API:
+After every step the invariants of docs/design.md are checked through the Python API:
 ``check_invariants()`` (1-4), the oracle's ref counts / free queue / hashes / stats, and at
 teardown the pool being whole after freeing everything (7) and a reset leaving no hash (8).
 Failed calls are checked to leave a full snapshot unchanged (5); predicted block counts are
@@ -827,7 +827,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.m is None or self.o is None:
             return
         m, o = self.m, self.o
-        m.check_invariants()  # DESIGN.md 1-4 (raises AssertionError with the message)
+        m.check_invariants()  # docs/design.md invariants 1-4 (raises AssertionError with the message)
         p = m.pool
         assert [p.ref_count(b) for b in range(o.n)] == o.refs
         assert [p.block_hash(b) is not None for b in range(o.n)] == [k is not None for k in o.key]

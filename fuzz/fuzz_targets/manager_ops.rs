@@ -7,7 +7,7 @@
 //! `step`, the `twin` gets the same work as single `append_tokens` + `allocate_slots` calls, so
 //! the batched entry point is checked differentially against the per-sequence one (both are
 //! deterministic, so block ids and hashes must agree exactly). After every operation:
-//! - `check_invariants()` holds on both (DESIGN.md invariants 1–4);
+//! - `check_invariants()` holds on both (docs/design.md, "Invariants" 1–4);
 //! - a failed call left the whole observable state unchanged (snapshot compare, invariant 5)
 //!   and emitted no event;
 //! - an allocation took exactly the number of blocks `num_blocks_needed` predicted

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 from pagedkv import kernels
 from pagedkv.tensors import BatchTensors
 
-from .rope import RotaryEmbedding, context_length, rope_inv_freq
+from .rope import RotaryEmbedding, context_length
 
-__all__ = ["LlamaForCausalLM", "rope_inv_freq"]
+__all__ = ["LlamaForCausalLM"]
 
 
 @dataclass

@@ -951,7 +951,7 @@ impl KvCacheManager {
         self.events.drain()
     }
 
-    /// Checks DESIGN.md invariants 1–4: the pool's own (1–3), plus: every GPU block's ref count
+    /// Checks invariants 1–4 of docs/design.md: the pool's own (1–3), plus: every GPU block's ref count
     /// equals the number of running sequences whose table holds it (so free + used + 1 ==
     /// num_blocks follows), tables never hold the null block and cover exactly
     /// `ceil(num_computed / block_size)` blocks, preempted sequences hold nothing, CPU ref

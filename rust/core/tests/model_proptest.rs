@@ -1,5 +1,5 @@
 //! Proptest state machine: random operation sequences against a small pure model of each
-//! sequence (tokens, computed count, status), checking DESIGN.md invariants after every op:
+//! sequence (tokens, computed count, status), checking docs/design.md's invariants after every op:
 //! 1–4 through `check_invariants`, 5 (a failed call leaves the state bit-identical), 6
 //! (predicted blocks == blocks taken), 7 (everything freed ⇒ pool whole, no sequence left) and
 //! 8 (reset only when nothing is in use; afterwards no hash).

@@ -1,4 +1,4 @@
-//! Regression scenarios S1, S2, S3, S4, S7, S8 of SCENARIOS.md, each asserting exact values.
+//! Regression scenarios S1, S2, S3, S4, S7, S8 (docs/design.md, "Regression scenarios"), each asserting exact values.
 
 use pagedkv_core::events::KvEvent;
 use pagedkv_core::{BlockHash, BlockId, CacheConfig, Error, KvCacheManager, SequenceSpec};

@@ -689,7 +689,7 @@ impl PyKvCacheManager {
         PyList::new(py, objs)
     }
 
-    /// Checks the invariants of DESIGN.md (1-4, the pool's included); raises
+    /// Checks invariants 1-4 of docs/design.md (the pool's included); raises
     /// ``AssertionError`` naming the first violation. O(num_blocks + blocks of all sequences).
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         let m = &self.inner;

@@ -255,7 +255,7 @@ impl PyBlockPool {
         Ok(d)
     }
 
-    /// Checks the pool invariants (DESIGN.md 1-3); raises ``AssertionError`` naming the first
+    /// Checks the pool invariants (docs/design.md, "Invariants" 1-3); raises ``AssertionError`` naming the first
     /// violation. O(num_blocks). GIL released.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         py.allow_threads(|| self.pool().check_invariants())
