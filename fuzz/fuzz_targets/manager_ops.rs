@@ -387,7 +387,7 @@ fn run(input: Input) {
                     assert_eq!(new, a.new_block_ids);
                     for &(src, dst) in &a.copies {
                         assert_eq!(
-                            (out.copy_src[copy_k], out.copy_dst[copy_k]),
+                            (out.copies[2 * copy_k], out.copies[2 * copy_k + 1]),
                             (src as i32, dst as i32)
                         );
                         copy_k += 1;
@@ -413,8 +413,7 @@ fn run(input: Input) {
                         );
                     }
                 }
-                assert_eq!(copy_k, out.copy_src.len());
-                assert_eq!(out.copy_src.len(), out.copy_dst.len());
+                assert_eq!(2 * copy_k, out.copies.len());
                 assert_eq!(out.slot_mapping.len() as i32, qsl);
                 match &out.error {
                     None => assert_eq!(out.num_scheduled, entries.len()),

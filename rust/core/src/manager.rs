@@ -179,7 +179,7 @@ pub struct StepOutput {
     /// its appended tokens).
     pub error: Option<Error>,
     /// Per scheduled seq: prefix-hit tokens of its first allocation, else 0.
-    pub num_cached_tokens: Vec<u32>,
+    pub num_cached_tokens: Vec<i32>,
     /// Length `S + 1`: cumulative query lengths (tokens).
     pub query_start_loc: Vec<i32>,
     /// Per scheduled seq: context + query tokens.
@@ -196,10 +196,9 @@ pub struct StepOutput {
     pub new_block_indptr: Vec<i32>,
     /// Blocks newly taken per seq (see [`SlotAllocation::new_block_ids`]).
     pub new_block_ids: Vec<i32>,
-    /// Copy-on-write sources (GPU block ids), parallel to `copy_dst`.
-    pub copy_src: Vec<i32>,
-    /// Copy-on-write destinations.
-    pub copy_dst: Vec<i32>,
+    /// Copy-on-write plan, row-major `(src, dst)` GPU block pairs (length `2 * copies`), to
+    /// run before the K/V writes.
+    pub copies: Vec<i32>,
     /// Per scheduled token: its token id (the tokens the model reads this step, in the order
     /// of `slot_mapping`).
     pub input_ids: Vec<i64>,
@@ -713,13 +712,14 @@ impl KvCacheManager {
 
     /// Per sequence, in order: tokens known but not yet scheduled, `num_tokens -
     /// num_computed_tokens` (in every state; a preempted sequence owes all of its tokens).
+    /// `i32` like the step's other per-sequence lengths (the scheduler's numpy `int32`).
     /// Errors: [`Error::UnknownSequence`] for the first unknown id. O(len(seqs)).
-    pub fn num_uncomputed_tokens(&self, seqs: &[SeqId]) -> Result<Vec<u32>> {
+    pub fn num_uncomputed_tokens(&self, seqs: &[SeqId]) -> Result<Vec<i32>> {
         let st = self.state.lock();
         seqs.iter()
             .map(|id| {
                 let s = st.seqs.get(id).ok_or_else(|| unknown(*id))?;
-                Ok((s.tokens.len() - s.num_computed) as u32)
+                Ok((s.tokens.len() - s.num_computed) as i32)
             })
             .collect()
     }
@@ -873,7 +873,7 @@ impl KvCacheManager {
             let ctx = alloc.num_context_tokens;
             let q = alloc.num_scheduled_tokens;
             out.num_scheduled += 1;
-            out.num_cached_tokens.push(alloc.num_cached_tokens as u32);
+            out.num_cached_tokens.push(alloc.num_cached_tokens as i32);
             out.query_start_loc.push(out.query_start_loc[i] + q as i32);
             out.context_lens.push(ctx as i32);
             out.seq_lens.push((ctx + q) as i32);
@@ -891,8 +891,7 @@ impl KvCacheManager {
                 .extend(alloc.new_block_ids.iter().map(|&b| b as i32));
             out.new_block_indptr.push(out.new_block_ids.len() as i32);
             for (src, dst) in alloc.copies {
-                out.copy_src.push(src as i32);
-                out.copy_dst.push(dst as i32);
+                out.copies.extend([src as i32, dst as i32]);
             }
         }
         drop(guard);

@@ -523,7 +523,7 @@ fn step_returns_exact_flat_arrays() {
     assert_eq!(out.block_table_indices, vec![1, 2, 3]);
     assert_eq!(out.new_block_indptr, vec![0, 2, 3]);
     assert_eq!(out.new_block_ids, vec![1, 2, 3]);
-    assert!(out.copy_src.is_empty() && out.copy_dst.is_empty());
+    assert!(out.copies.is_empty());
     assert_eq!(out.input_ids, vec![0, 1, 2, 3, 4, 5, 100, 101, 102]);
     assert_eq!(out.block_table_width, 2);
     assert_eq!(out.block_table, vec![1, 2, 3, 0]);
@@ -573,7 +573,7 @@ fn step_returns_exact_flat_arrays() {
     });
     assert!(out.error.is_none(), "{:?}", out.error);
     // Seq 2 is [3] with 4 tokens (full block); appending to the child opens a new block.
-    assert!(out.copy_src.is_empty());
+    assert!(out.copies.is_empty());
     assert_eq!(out.new_block_ids, vec![4]);
 
     // Malformed requests schedule nothing.
@@ -694,7 +694,7 @@ fn num_uncomputed_tokens_per_sequence_in_every_state() {
     assert_eq!(m.num_uncomputed_tokens(&[1]).unwrap(), vec![4]);
     m.preempt_recompute(&[2]).unwrap();
     assert_eq!(m.num_uncomputed_tokens(&[2]).unwrap(), vec![7]);
-    assert_eq!(m.num_uncomputed_tokens(&[]).unwrap(), Vec::<u32>::new());
+    assert_eq!(m.num_uncomputed_tokens(&[]).unwrap(), Vec::<i32>::new());
     assert_eq!(
         m.num_uncomputed_tokens(&[2, 9]),
         Err(Error::UnknownSequence { seq_id: 9 })

@@ -1,6 +1,6 @@
 //! `pagedkv.CacheConfig`: the frozen, validated configuration of a KV cache manager.
 
-use crate::convert::uint_arg;
+use crate::convert::uint;
 use crate::errors::to_pyerr;
 use pagedkv_core::manager::MAX_BLOCK_SIZE;
 use pagedkv_core::pool::MAX_BLOCKS;
@@ -36,7 +36,7 @@ fn u32_field(
     (lo, hi): (u32, u32),
     unit: &str,
 ) -> PyResult<u32> {
-    uint_arg(obj, field, u64::from(u32::MAX))
+    uint(obj, field, u64::from(u32::MAX))
         .map(|v| v as u32)
         .map_err(|_| {
             let value = obj.repr().map(|r| r.to_string()).unwrap_or_default();
