@@ -346,6 +346,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.output is not None:
         lines = []
         for rid, p in order:
+            rec: dict[str, object]
             if rid in rejected:
                 rec = {"id": rid, "prompt": _rejected_prompt_text(p), "error": rejected[rid]}
             else:
