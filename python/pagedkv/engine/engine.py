@@ -50,6 +50,9 @@ from .scheduler import Scheduler, SchedulerConfig
 
 __all__ = ["LLMEngine", "EngineConfig", "generate", "PromptType"]
 
+#: Tag of the typed extra key carrying the RoPE variant of a prompt's cached K/V.
+ROPE_KEY_TAG = "rope"
+
 
 class LLMEngine:
     """Continuous-batching engine over a paged KV cache.
@@ -167,12 +170,21 @@ class LLMEngine:
 
     def _enqueue(self, prepared: PreparedRequest) -> str:
         """Register a prepared request with the manager and the scheduler; returns its id."""
-        params, salt = prepared.params, prepared.cache_salt
-        rope_tag = self.model.rope.prefix_cache_tag(len(prepared.token_ids))
-        if rope_tag is not None:  # this prompt's cached K/V also depends on its RoPE frequencies
-            salt = f"{salt or ''}\x1f{rope_tag}"
+        params = prepared.params
         beam = self.outputs.beam_search(params) if params.use_beam_search else None
-        return self.requests.add(prepared, beam, salt)
+        return self.requests.add(prepared, beam, self._derived_block_keys(len(prepared.token_ids)))
+
+    def _derived_block_keys(self, num_prompt_tokens: int) -> Optional[list[tuple[str, bytes]]]:
+        """The parts of a block's identity the engine derives (besides tokens and the user's
+        cache salt), each as its own typed extra key: the core hashes a tagged key under a
+        different kind tag than the cache salt, so no salt a user picks can collide with it.
+
+        Today that is the RoPE variant of a length-dependent RoPE (dynamic NTK, longrope): a
+        prompt past the threshold computes its K/V with other frequencies, so only prompts
+        with the same tag may share blocks. ``None`` when there is nothing to add.
+        """
+        rope_tag = self.model.rope.prefix_cache_tag(num_prompt_tokens)
+        return None if rope_tag is None else [(ROPE_KEY_TAG, rope_tag.encode())]
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running."""

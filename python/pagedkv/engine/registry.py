@@ -48,9 +48,11 @@ class RequestRegistry:
         if request_id is not None and request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
 
-    def add(self, prepared: PreparedRequest, beam: Optional[BeamSearch], cache_salt: Optional[str]) -> str:
-        """Register a prepared request's first sequence with the manager (``cache_salt``: the
-        salt its prefix hashes use) and queue it. Returns its id (default: the arrival number).
+    def add(self, prepared: PreparedRequest, beam: Optional[BeamSearch],
+            extra_keys: Optional[list[tuple[str, bytes]]] = None) -> str:
+        """Register a prepared request's first sequence with the manager (its prefix hashes
+        use the request's cache salt and ``extra_keys``, typed ``(tag, value)`` keys) and queue
+        it. Returns its id (default: the arrival number).
 
         Raises:
             InvalidRequestError: the id is already in use (nothing registered).
@@ -63,7 +65,7 @@ class RequestRegistry:
             torch.randint(0, 2**31 - 1, (1,), generator=self._seed_rng).item())
         req = Request(rid, prepared.text, ids, params, arrival, time.perf_counter(), seed, beam=beam)
         first = self.new_sequence(req, ids, 0)
-        self.manager.add_sequence(first.seq_id, ids, cache_salt=cache_salt)
+        self.manager.add_sequence(first.seq_id, ids, cache_salt=prepared.cache_salt, extra_keys=extra_keys)
         req.seqs.append(first)
         self.requests[rid] = req
         self.scheduler.add(req)
