@@ -32,8 +32,9 @@ the argument and value. All builders are O(num_seqs + nnz) (or O(num_tokens)).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
@@ -45,7 +46,7 @@ from pagedkv.errors import InvalidArgumentError
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
-    Device = Union[str, "torch.device", None]
+    Device = str | torch.device | None
 else:
     Device = Any
 
@@ -62,9 +63,7 @@ __all__ = [
 
 def _bad(arg: str, value: object, reason: str) -> InvalidArgumentError:
     text = short_repr(value, 120)
-    return InvalidArgumentError(
-        f"invalid argument {arg} = {text}: {reason}", arg=arg, value=text, reason=reason
-    )
+    return InvalidArgumentError(f"invalid argument {arg} = {text}: {reason}", arg=arg, value=text, reason=reason)
 
 
 def _int_vector(arg: str, value: npt.ArrayLike) -> npt.NDArray[np.int64]:
@@ -97,9 +96,7 @@ def _check_int32(arg: str, arr: npt.NDArray[np.int64]) -> None:
         raise _bad(arg, arr, "values do not fit in int32")
 
 
-def _check_csr(
-    indptr: npt.ArrayLike, indices: npt.ArrayLike
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+def _check_csr(indptr: npt.ArrayLike, indices: npt.ArrayLike) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     ip = _int_vector("indptr", indptr)
     ix = _int_vector("indices", indices)
     if ip.size == 0:
@@ -243,9 +240,7 @@ def csr_block_table(
     )
 
 
-def slot_mapping(
-    slots: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu"
-) -> Any:
+def slot_mapping(slots: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu") -> Any:
     """Slot mapping ``int64[num_tokens]``, padded with -1 up to ``pad_to`` tokens.
 
     Args:
@@ -260,9 +255,7 @@ def slot_mapping(
     return _place(out, device)
 
 
-def seq_lens(
-    lengths: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu"
-) -> Any:
+def seq_lens(lengths: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu") -> Any:
     """Sequence lengths ``int32[num_seqs]`` (tokens), padded with 0 up to ``pad_to`` sequences.
 
     Raises:
@@ -277,9 +270,7 @@ def seq_lens(
     return _place(out, device)
 
 
-def query_start_loc(
-    query_lens: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu"
-) -> Any:
+def query_start_loc(query_lens: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu") -> Any:
     """``int32[num_seqs + 1]`` prefix sums of the query lengths (tokens), starting at 0.
 
     Args:
@@ -391,12 +382,23 @@ class BatchTensors:
         parts = [steps] if isinstance(steps, StepOutput) else list(steps)
         for i, p in enumerate(parts):
             if not isinstance(p, StepOutput):
-                raise _bad(f"steps[{i}]", p, "expected a pagedkv.StepOutput (build kernel inputs from "
-                           "other arrays with dense_block_table, slot_mapping, ...)")
+                raise _bad(
+                    f"steps[{i}]",
+                    p,
+                    "expected a pagedkv.StepOutput (build kernel inputs from "
+                    "other arrays with dense_block_table, slot_mapping, ...)",
+                )
         if len(parts) == 1:
             p = parts[0]
             table, slots, ids, lens, ctx, qsl, copies = (
-                p.block_table, p.slot_mapping, p.input_ids, p.seq_lens, p.context_lens, p.query_start_loc, p.copies)
+                p.block_table,
+                p.slot_mapping,
+                p.input_ids,
+                p.seq_lens,
+                p.context_lens,
+                p.query_start_loc,
+                p.copies,
+            )
         else:
             table, slots, ids, lens, ctx, qsl, copies = _merge(parts)
         num_seqs = int(lens.size)
@@ -450,7 +452,15 @@ def _merge(parts: list[StepOutput]) -> tuple[npt.NDArray[Any], ...]:
     padded to the widest), in order; no parts make an empty batch."""
     if not parts:
         i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
-        return np.zeros((0, 1), np.int32), i64, i64.copy(), i32, i32.copy(), np.zeros(1, np.int32), np.zeros((0, 2), np.int32)
+        return (
+            np.zeros((0, 1), np.int32),
+            i64,
+            i64.copy(),
+            i32,
+            i32.copy(),
+            np.zeros(1, np.int32),
+            np.zeros((0, 2), np.int32),
+        )
     width = max(p.block_table.shape[1] for p in parts)
     tables = [np.pad(p.block_table, ((0, 0), (0, width - p.block_table.shape[1]))) for p in parts]
     tokens = np.cumsum([0] + [p.slot_mapping.size for p in parts[:-1]], dtype=np.int32)

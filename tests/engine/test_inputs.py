@@ -19,8 +19,13 @@ def _jsonl(tmp_path, *objs) -> str:
 
 
 def test_duplicate_explicit_ids_name_the_id_and_both_lines(tmp_path):
-    f = _jsonl(tmp_path, {"prompt": "What is 2 plus 2?", "id": "a"}, "", {"prompt": "b", "id": "b"},
-               {"prompt": "hi", "id": "a"})
+    f = _jsonl(
+        tmp_path,
+        {"prompt": "What is 2 plus 2?", "id": "a"},
+        "",
+        {"prompt": "b", "id": "b"},
+        {"prompt": "hi", "id": "a"},
+    )
     with pytest.raises(PromptFileError, match=r"p\.jsonl:4: duplicate request id 'a' \(already used on line 1\)"):
         read_prompts(f)
 
@@ -34,43 +39,57 @@ def test_int_and_string_ids_that_print_the_same_are_duplicates(tmp_path):
 def test_default_id_colliding_with_an_explicit_id_is_a_duplicate(tmp_path):
     # The second prompt has no id, so it gets its 0-based position "1", which line 1 claimed.
     f = _jsonl(tmp_path, {"prompt": "x", "id": "1"}, {"prompt": "y"})
-    with pytest.raises(PromptFileError, match=r"p\.jsonl:2: duplicate request id '1' \(already used on line 1; "
-                                              r"a line without \"id\" gets its 0-based position"):
+    with pytest.raises(
+        PromptFileError,
+        match=r"p\.jsonl:2: duplicate request id '1' \(already used on line 1; "
+        r"a line without \"id\" gets its 0-based position",
+    ):
         read_prompts(f)
 
 
 def test_valid_lines_are_returned_unchanged_and_extra_metadata_is_kept(tmp_path):
-    rows = [{"prompt": "x", "id": 3, "cache_salt": "tenant-1", "system": "be brief", "max_tokens": 4},
-            {"messages": [{"role": "user", "content": "hi"}], "id": "m", "category": "chat"},
-            {"prompt": "z"}]  # default id "2" collides with nothing
+    rows = [
+        {"prompt": "x", "id": 3, "cache_salt": "tenant-1", "system": "be brief", "max_tokens": 4},
+        {"messages": [{"role": "user", "content": "hi"}], "id": "m", "category": "chat"},
+        {"prompt": "z"},
+    ]  # default id "2" collides with nothing
     assert read_prompts(_jsonl(tmp_path, *rows)) == rows
 
 
-@pytest.mark.parametrize("obj,needle", [
-    ({"prompt": "hi", "cache_salt": 5}, "'cache_salt' must be a string, got int 5"),
-    ({"prompt": "hi", "cache_salt": None}, "'cache_salt' must be a string, got NoneType None"),
-    ({"prompt": "hi", "system": ["s"]}, "'system' must be a string, got list ['s']"),
-    ({"prompt": "hi", "id": None}, "'id' must be a non-empty string or an integer, got NoneType None"),
-    ({"prompt": "hi", "id": ""}, "'id' must be a non-empty string or an integer, got str ''"),
-    ({"prompt": "hi", "id": True}, "'id' must be a non-empty string or an integer, got bool True"),
-    ({"prompt": "hi", "id": 1.5}, "'id' must be a non-empty string or an integer, got float 1.5"),
-    ({"prompt": "hi", "max_tokens": True}, "max_tokens=True must be an integer >= 1"),
-    ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens=2.5 must be an integer >= 1"),
-    ({"prompt": "hi", "max_tokens": "3"}, "max_tokens='3' must be an integer >= 1"),
-    ({"prompt": 5}, "needs a non-empty string 'prompt' (or 'messages'), got 5"),
-    ({"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]},
-     "has both 'prompt' and 'messages'; give one"),
-    ({"messages": [{"content": "hi"}]}, "'messages' must be a non-empty list of"),
-    ({"messages": [{"role": 1, "content": "hi"}]}, "'messages' must be a non-empty list of"),
-    ({"messages": [{"role": "user", "content": None}]}, "'messages' must be a non-empty list of"),
-    ({"prompt": "hi", "temperature": 0.7}, "'temperature' cannot be set per request in a prompts file; "
-                                           "use --temperature"),
-    ({"prompt": "hi", "n": 2}, "'n' cannot be set per request in a prompts file; use --n"),
-    ({"prompt": "hi", "stop": ["."]}, "'stop' cannot be set per request in a prompts file; use --stop"),
-    ({"prompt": "hi", "top_p": 0.9}, "use --top-p"),
-    ({"prompt": "hi", "length_penalty": 2.0},
-     "'length_penalty' cannot be set per request in a prompts file; it applies to every request"),
-])
+@pytest.mark.parametrize(
+    "obj,needle",
+    [
+        ({"prompt": "hi", "cache_salt": 5}, "'cache_salt' must be a string, got int 5"),
+        ({"prompt": "hi", "cache_salt": None}, "'cache_salt' must be a string, got NoneType None"),
+        ({"prompt": "hi", "system": ["s"]}, "'system' must be a string, got list ['s']"),
+        ({"prompt": "hi", "id": None}, "'id' must be a non-empty string or an integer, got NoneType None"),
+        ({"prompt": "hi", "id": ""}, "'id' must be a non-empty string or an integer, got str ''"),
+        ({"prompt": "hi", "id": True}, "'id' must be a non-empty string or an integer, got bool True"),
+        ({"prompt": "hi", "id": 1.5}, "'id' must be a non-empty string or an integer, got float 1.5"),
+        ({"prompt": "hi", "max_tokens": True}, "max_tokens=True must be an integer >= 1"),
+        ({"prompt": "hi", "max_tokens": 2.5}, "max_tokens=2.5 must be an integer >= 1"),
+        ({"prompt": "hi", "max_tokens": "3"}, "max_tokens='3' must be an integer >= 1"),
+        ({"prompt": 5}, "needs a non-empty string 'prompt' (or 'messages'), got 5"),
+        (
+            {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]},
+            "has both 'prompt' and 'messages'; give one",
+        ),
+        ({"messages": [{"content": "hi"}]}, "'messages' must be a non-empty list of"),
+        ({"messages": [{"role": 1, "content": "hi"}]}, "'messages' must be a non-empty list of"),
+        ({"messages": [{"role": "user", "content": None}]}, "'messages' must be a non-empty list of"),
+        (
+            {"prompt": "hi", "temperature": 0.7},
+            "'temperature' cannot be set per request in a prompts file; use --temperature",
+        ),
+        ({"prompt": "hi", "n": 2}, "'n' cannot be set per request in a prompts file; use --n"),
+        ({"prompt": "hi", "stop": ["."]}, "'stop' cannot be set per request in a prompts file; use --stop"),
+        ({"prompt": "hi", "top_p": 0.9}, "use --top-p"),
+        (
+            {"prompt": "hi", "length_penalty": 2.0},
+            "'length_penalty' cannot be set per request in a prompts file; it applies to every request",
+        ),
+    ],
+)
 def test_wrong_field_types_name_file_line_and_field(tmp_path, obj, needle):
     f = _jsonl(tmp_path, {"prompt": "fine"}, obj)
     with pytest.raises(PromptFileError) as info:
@@ -103,9 +122,13 @@ def test_sampling_options_are_cli_options_and_the_reader_does_not_import_the_cli
     for field, flag in SAMPLING_OPTIONS.items():
         assert field in fields and flag in help_text, (field, flag)
     f = _jsonl(tmp_path, {"prompt": "hi", "temperature": 0.5})
-    code = ("import sys\nfrom pagedkv.engine.inputs import read_prompts\n"
-            "try:\n    read_prompts(sys.argv[1])\nexcept ValueError as e:\n    print(e)\n"
-            "print('pagedkv.engine.cli' in sys.modules)")
+    code = (
+        "import sys\nfrom pagedkv.engine.inputs import read_prompts\n"
+        "try:\n    read_prompts(sys.argv[1])\nexcept ValueError as e:\n    print(e)\n"
+        "print('pagedkv.engine.cli' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code, f], capture_output=True, text=True, check=True).stdout
-    assert out.splitlines() == [f"{f}:1: 'temperature' cannot be set per request in a prompts file; "
-                                "it applies to every request", "False"]
+    assert out.splitlines() == [
+        f"{f}:1: 'temperature' cannot be set per request in a prompts file; it applies to every request",
+        "False",
+    ]

@@ -23,13 +23,17 @@ def _record(engine: LLMEngine) -> list[dict[str, Any]]:
 
     def spy(batch):
         bt = original(batch)
-        seen.append({
-            "bt": bt,
-            "tables": [engine.manager.block_table(s.seq_id).tolist() for s in batch.seqs],
-            "tokens": [list(s.token_ids) for s in batch.seqs],
-            "copies": np.concatenate([p.copies for p in batch.steps]) if batch.steps else np.zeros((0, 2)),
-            "swap_out": batch.swap_out, "swap_in": batch.swap_in, "num_parts": len(batch.steps),
-        })
+        seen.append(
+            {
+                "bt": bt,
+                "tables": [engine.manager.block_table(s.seq_id).tolist() for s in batch.seqs],
+                "tokens": [list(s.token_ids) for s in batch.seqs],
+                "copies": np.concatenate([p.copies for p in batch.steps]) if batch.steps else np.zeros((0, 2)),
+                "swap_out": batch.swap_out,
+                "swap_in": batch.swap_in,
+                "num_parts": len(batch.steps),
+            }
+        )
         return bt
 
     engine.runner.prepare = spy
@@ -43,7 +47,8 @@ def _check(step: dict[str, Any], block_size: int) -> None:
     assert bt.num_seqs == s
     # dtypes end to end: int32 tables and lengths, int64 slots, ids and positions
     assert (bt.block_table.dtype, bt.seq_lens.dtype, bt.context_lens.dtype, bt.query_start_loc.dtype) == (
-        torch.int32,) * 4
+        torch.int32,
+    ) * 4
     assert (bt.slot_mapping.dtype, bt.input_ids.dtype, bt.positions.dtype) == (torch.int64,) * 3
     width = max(1, max(len(t) for t in tables))
     assert bt.block_table.tolist() == [t + [0] * (width - len(t)) for t in tables]
@@ -74,24 +79,28 @@ def _check(step: dict[str, Any], block_size: int) -> None:
 def test_every_step_of_a_run_with_prefill_decode_chunks_cow_and_swap(tiny):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 17, 33, 1, 64, 40, 16, 48)]
-    params = [SamplingParams(max_tokens=24), SamplingParams(max_tokens=16, n=3, temperature=1.0, seed=1),
-              SamplingParams(max_tokens=12, beam_width=3)] * 2 + [SamplingParams(max_tokens=20)] * 2
-    engine = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, block_size=4, num_kv_blocks=60,
-                       max_tokens_per_step=32, preemption="swap")
+    params = [
+        SamplingParams(max_tokens=24),
+        SamplingParams(max_tokens=16, n=3, temperature=1.0, seed=1),
+        SamplingParams(max_tokens=12, beam_width=3),
+    ] * 2 + [SamplingParams(max_tokens=20)] * 2
+    engine = LLMEngine(
+        tiny.hf, tokenizer=tiny.tokenizer, block_size=4, num_kv_blocks=60, max_tokens_per_step=32, preemption="swap"
+    )
     steps = _record(engine)
     engine.generate(prompts, params)
     for step in steps:
         _check(step, 4)
     bts = [st["bt"] for st in steps]
     # the run really did every kind of step the contract covers
-    assert any(bt.max_query_len > 1 for bt in bts)                                 # prefill
-    assert any(bt.max_query_len == 1 for bt in bts)                                # decode only
-    assert any(0 < c < n for bt in bts
-               for c, n in zip(bt.context_lens.tolist(), bt.seq_lens.tolist())
-               if n - c > 1)                                                       # chunked prefill
-    assert any(len(bt.copies) for bt in bts)                                       # copy-on-write
+    assert any(bt.max_query_len > 1 for bt in bts)  # prefill
+    assert any(bt.max_query_len == 1 for bt in bts)  # decode only
+    assert any(
+        0 < c < n for bt in bts for c, n in zip(bt.context_lens.tolist(), bt.seq_lens.tolist()) if n - c > 1
+    )  # chunked prefill
+    assert any(len(bt.copies) for bt in bts)  # copy-on-write
     assert any(bt.swap_out is not None for bt in bts) and any(bt.swap_in is not None for bt in bts)
-    assert any(st["num_parts"] > 1 for st in steps)                                # merged step outputs
+    assert any(st["num_parts"] > 1 for st in steps)  # merged step outputs
 
 
 def test_decode_step_tensors_share_the_core_arrays_on_the_cpu(tiny):

@@ -3,7 +3,7 @@ prompts-file reader) and rendering through the tokenizer's chat template. No tor
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from pagedkv._repr import short_repr
 
@@ -18,12 +18,20 @@ MESSAGES_FORMAT = "a non-empty list of {'role': str, 'content': str} objects (ro
 def valid_messages(messages: Any) -> bool:
     """True for a non-empty list or tuple of dicts, each with a non-empty str ``"role"`` and a
     str ``"content"`` (other keys allowed). O(len(messages))."""
-    return isinstance(messages, (list, tuple)) and bool(messages) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and bool(m["role"])
-        and isinstance(m.get("content"), str) for m in messages)
+    return (
+        isinstance(messages, (list, tuple))
+        and bool(messages)
+        and all(
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and bool(m["role"])
+            and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[Optional[str], list[int]]:
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[str | None, list[int]]:
     """``(last message's content, token ids)`` of ``messages`` rendered by the tokenizer's chat
     template with the assistant generation prompt (no extra special tokens: the template has
     them).

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -24,13 +24,13 @@ class EngineConfig:
             :class:`pagedkv.CacheConfig`.)
     """
 
-    num_kv_blocks: Optional[int] = None
-    kv_bytes: Optional[int] = None
+    num_kv_blocks: int | None = None
+    kv_bytes: int | None = None
     block_size: int = 16
     max_tokens_per_step: int = 1024
     max_num_seqs: int = 256
     preemption: str = "recompute"
-    num_cpu_blocks: Optional[int] = None
+    num_cpu_blocks: int | None = None
     enable_prefix_caching: bool = True
     hash_algo: str = "sha256"
     seed: int = 0
@@ -43,17 +43,31 @@ class EngineConfig:
         def at_least(v: object, low: int) -> bool:  # bool is an int subclass, never a count
             return isinstance(v, int) and not isinstance(v, bool) and v >= low
 
-        check(self.num_kv_blocks is None or at_least(self.num_kv_blocks, 2), "num_kv_blocks",
-              "None or an integer >= 2 blocks (block 0 is the null block)")
-        check(self.kv_bytes is None or (isinstance(self.kv_bytes, (int, float)) and not isinstance(
-            self.kv_bytes, bool) and math.isfinite(self.kv_bytes) and self.kv_bytes > 0),
-            "kv_bytes", "None or a number of bytes > 0")
+        check(
+            self.num_kv_blocks is None or at_least(self.num_kv_blocks, 2),
+            "num_kv_blocks",
+            "None or an integer >= 2 blocks (block 0 is the null block)",
+        )
+        check(
+            self.kv_bytes is None
+            or (
+                isinstance(self.kv_bytes, (int, float))
+                and not isinstance(self.kv_bytes, bool)
+                and math.isfinite(self.kv_bytes)
+                and self.kv_bytes > 0
+            ),
+            "kv_bytes",
+            "None or a number of bytes > 0",
+        )
         check(at_least(self.block_size, 1), "block_size", "an integer >= 1 (tokens per block)")
         check(at_least(self.max_tokens_per_step, 1), "max_tokens_per_step", "an integer >= 1 (tokens)")
         check(at_least(self.max_num_seqs, 1), "max_num_seqs", "an integer >= 1 (sequences)")
         check(self.preemption in ("recompute", "swap"), "preemption", "'recompute' or 'swap'")
-        check(self.num_cpu_blocks is None or at_least(self.num_cpu_blocks, 0), "num_cpu_blocks",
-              "None or an integer >= 0 blocks")
+        check(
+            self.num_cpu_blocks is None or at_least(self.num_cpu_blocks, 0),
+            "num_cpu_blocks",
+            "None or an integer >= 0 blocks",
+        )
         check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "True or False")
         check(self.hash_algo in ("sha256", "xxh3_128"), "hash_algo", "'sha256' or 'xxh3_128'")
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "an integer")
@@ -73,7 +87,8 @@ class EngineConfig:
             if num_kv_blocks < 2:
                 raise EngineConfigError(
                     f"kv_bytes={self.kv_bytes} is invalid: it holds {num_kv_blocks} blocks of "
-                    f"{kv_bytes_per_block} bytes; need at least 2 (one is the null block)")
+                    f"{kv_bytes_per_block} bytes; need at least 2 (one is the null block)"
+                )
         num_kv_blocks = 1024 if num_kv_blocks is None else num_kv_blocks
         num_cpu_blocks = self.num_cpu_blocks
         if num_cpu_blocks is None:
@@ -97,6 +112,8 @@ def torch_dtype(dtype: Any) -> torch.dtype:
     if isinstance(dtype, str):
         dtype = _DTYPES.get(dtype.removeprefix("torch."), dtype)
     if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES.values():
-        raise EngineConfigError(f"dtype={dtype!r} is invalid: expected torch.float32, torch.float16 or "
-                                f"torch.bfloat16, or one of the names {', '.join(_DTYPES)}")
+        raise EngineConfigError(
+            f"dtype={dtype!r} is invalid: expected torch.float32, torch.float16 or "
+            f"torch.bfloat16, or one of the names {', '.join(_DTYPES)}"
+        )
     return dtype

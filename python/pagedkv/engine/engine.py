@@ -27,7 +27,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Iterable, Optional, Sequence, Union
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -89,21 +90,44 @@ class LLMEngine:
             allocating it failed; names the size in blocks and bytes.
     """
 
-    def __init__(self, model: Any = None, *, tokenizer: Any = None, num_kv_blocks: Optional[int] = None,
-                 kv_bytes: Optional[int] = None, block_size: int = 16, max_tokens_per_step: int = 1024,
-                 max_num_seqs: int = 256, preemption: str = "recompute",
-                 num_cpu_blocks: Optional[int] = None, enable_prefix_caching: bool = True,
-                 hash_algo: str = "sha256", device: Any = None, dtype: Union[torch.dtype, str, None] = torch.float32,
-                 seed: int = 0) -> None:
+    def __init__(
+        self,
+        model: Any = None,
+        *,
+        tokenizer: Any = None,
+        num_kv_blocks: int | None = None,
+        kv_bytes: int | None = None,
+        block_size: int = 16,
+        max_tokens_per_step: int = 1024,
+        max_num_seqs: int = 256,
+        preemption: str = "recompute",
+        num_cpu_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        hash_algo: str = "sha256",
+        device: Any = None,
+        dtype: torch.dtype | str | None = torch.float32,
+        seed: int = 0,
+    ) -> None:
         # Every argument is checked before the (slow) model load.
-        config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
-                              preemption, num_cpu_blocks, enable_prefix_caching, hash_algo, seed)
+        config = EngineConfig(
+            num_kv_blocks,
+            kv_bytes,
+            block_size,
+            max_tokens_per_step,
+            max_num_seqs,
+            preemption,
+            num_cpu_blocks,
+            enable_prefix_caching,
+            hash_algo,
+            seed,
+        )
         dtype = torch_dtype(dtype)
         device = check_device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
         loaded = not (model is None or isinstance(model, (str, os.PathLike)))
         if loaded and tokenizer is None:
-            raise EngineConfigError("tokenizer=None is invalid: a tokenizer is required when model is an "
-                                    "already loaded model")
+            raise EngineConfigError(
+                "tokenizer=None is invalid: a tokenizer is required when model is an already loaded model"
+            )
         hf_model, tokenizer = (model, tokenizer) if loaded else load_hf_model(model, dtype=dtype)
         self.tokenizer = tokenizer
         self.model = LlamaForCausalLM.from_hf(hf_model, device=device, dtype=dtype)
@@ -111,12 +135,24 @@ class LLMEngine:
         num_kv_blocks, num_cpu_blocks = config.pool_sizes(per_block)
         check_kv_fits(self.model.device, num_kv_blocks, num_cpu_blocks, per_block)
         self.config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks)
-        self.manager = pagedkv.KVCacheManager(pagedkv.CacheConfig(
-            num_blocks=num_kv_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-            hash_algo=hash_algo, num_cpu_blocks=num_cpu_blocks))
-        self.scheduler = Scheduler(self.manager, SchedulerConfig(
-            max_tokens_per_step=max_tokens_per_step, max_num_seqs=max_num_seqs, preemption=preemption,
-            max_model_len=self.model.max_model_len))
+        self.manager = pagedkv.KVCacheManager(
+            pagedkv.CacheConfig(
+                num_blocks=num_kv_blocks,
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+                hash_algo=hash_algo,
+                num_cpu_blocks=num_cpu_blocks,
+            )
+        )
+        self.scheduler = Scheduler(
+            self.manager,
+            SchedulerConfig(
+                max_tokens_per_step=max_tokens_per_step,
+                max_num_seqs=max_num_seqs,
+                preemption=preemption,
+                max_model_len=self.model.max_model_len,
+            ),
+        )
         self.runner = ModelRunner(self.model, num_kv_blocks, block_size, num_cpu_blocks)
         self.prompts = PromptProcessor(tokenizer, self.model.vocab_size)
         self.outputs = OutputProcessor(tokenizer, _eos_ids(hf_model, self.model, tokenizer), self.model.max_model_len)
@@ -126,8 +162,9 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    def tokenize(self, prompt: PromptType, *, chat_template: bool = False,
-                 system_prompt: Optional[str] = None) -> tuple[Optional[str], list[int]]:
+    def tokenize(
+        self, prompt: PromptType, *, chat_template: bool = False, system_prompt: str | None = None
+    ) -> tuple[str | None, list[int]]:
         """Prompt text (or ``None``) and its token ids: :meth:`PromptProcessor.tokenize
         <pagedkv.engine.prompts.PromptProcessor.tokenize>` with this engine's tokenizer.
 
@@ -136,9 +173,16 @@ class LLMEngine:
         """
         return self.prompts.tokenize(prompt, chat_template=chat_template, system_prompt=system_prompt)
 
-    def add_request(self, prompt: PromptType, params: Optional[SamplingParams] = None, *,
-                    request_id: Optional[str] = None, cache_salt: Optional[str] = None,
-                    chat_template: bool = False, system_prompt: Optional[str] = None) -> str:
+    def add_request(
+        self,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+    ) -> str:
         """Queue one request; it joins the running batch at the next step it fits.
 
         Args:
@@ -160,8 +204,15 @@ class LLMEngine:
         """
         return self._enqueue(self._prepare(prompt, params, request_id, cache_salt, chat_template, system_prompt))
 
-    def _prepare(self, prompt: PromptType, params: Any, request_id: Any, cache_salt: Any,
-                 chat_template: bool, system_prompt: Optional[str]) -> PreparedRequest:
+    def _prepare(
+        self,
+        prompt: PromptType,
+        params: Any,
+        request_id: Any,
+        cache_salt: Any,
+        chat_template: bool,
+        system_prompt: str | None,
+    ) -> PreparedRequest:
         """Every check of :meth:`add_request`, without changing any state."""
         prepared = self.prompts.prepare(prompt, params, request_id, cache_salt, chat_template, system_prompt)
         self.requests.check_id(prepared.request_id)
@@ -174,7 +225,7 @@ class LLMEngine:
         beam = self.outputs.beam_search(params) if params.use_beam_search else None
         return self.requests.add(prepared, beam, self._derived_block_keys(len(prepared.token_ids)))
 
-    def _derived_block_keys(self, num_prompt_tokens: int) -> Optional[list[tuple[str, bytes]]]:
+    def _derived_block_keys(self, num_prompt_tokens: int) -> list[tuple[str, bytes]] | None:
         """The parts of a block's identity the engine derives (besides tokens and the user's
         cache salt), each as its own typed extra key: the core hashes a tagged key under a
         different kind tag than the cache salt, so no salt a user picks can collide with it.
@@ -216,16 +267,18 @@ class LLMEngine:
         """
         finished: list[RequestOutput] = []
         try:
-            batch = self.scheduler.schedule()                      # 1. schedule
+            batch = self.scheduler.schedule()  # 1. schedule
             if not batch.seqs:
                 if self.scheduler.has_work():
-                    raise RuntimeError("scheduler made no progress while requests are waiting "
-                                       f"(free blocks {self.manager.pool.num_free})")
+                    raise RuntimeError(
+                        "scheduler made no progress while requests are waiting "
+                        f"(free blocks {self.manager.pool.num_free})"
+                    )
                 return finished
             self.metrics_collector.on_step(self.manager.stats())
-            logits = self.runner.execute(batch)                    # 2. execute
+            logits = self.runner.execute(batch)  # 2. execute
             rows = [(r, s) for r, s, want in zip(batch.requests, batch.seqs, batch.sample) if want]
-            tokens = self.groups.sample(rows, logits)              # 3. sample
+            tokens = self.groups.sample(rows, logits)  # 3. sample
             now = time.perf_counter()
             for req in self.groups.update(rows, tokens, logits, now):  # 4. update
                 self.requests.finish(req)
@@ -242,16 +295,24 @@ class LLMEngine:
         if self.config.enable_prefix_caching:
             self.manager.reset_prefix_cache()  # legal now: no block is referenced
         if hasattr(exc, "add_note"):  # Python >= 3.11
-            exc.add_note(f"pagedkv engine: the step failed; aborted requests {aborted}"
-                         + (f" and the outputs of requests {lost} finished in it" if lost else "")
-                         + " (KV freed, prefix cache dropped); the engine remains usable")
+            exc.add_note(
+                f"pagedkv engine: the step failed; aborted requests {aborted}"
+                + (f" and the outputs of requests {lost} finished in it" if lost else "")
+                + " (KV freed, prefix cache dropped); the engine remains usable"
+            )
 
     # ---- batch API ---------------------------------------------------------------------------
 
-    def generate(self, prompts: Union[PromptType, Iterable[PromptType]], params: Union[
-                 None, SamplingParams, Sequence[SamplingParams]] = None, *, cache_salt: Optional[str] = None,
-                 chat_template: bool = False, system_prompt: Optional[str] = None,
-                 progress: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Iterable[PromptType],
+        params: None | SamplingParams | Sequence[SamplingParams] = None,
+        *,
+        cache_salt: str | None = None,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
         """Serve ``prompts`` to completion with continuous batching; results in prompt order.
 
         Runs steps until the engine is idle, so requests queued before with :meth:`add_request`
@@ -275,8 +336,10 @@ class LLMEngine:
                 is aborted (its KV freed; see :meth:`step` for what a failed step also aborts),
                 so nothing of an interrupted call lingers in the engine or is served later.
         """
-        prepared = [self._prepare(p, sp, None, cache_salt, chat_template, system_prompt)
-                    for p, sp in batch_items(prompts, params)]  # everything checked before queueing
+        prepared = [
+            self._prepare(p, sp, None, cache_salt, chat_template, system_prompt)
+            for p, sp in batch_items(prompts, params)
+        ]  # everything checked before queueing
         check_unique_ids(prepared)
         mine: list[str] = []
         try:
@@ -299,6 +362,7 @@ class LLMEngine:
         bar = None
         if progress:
             from tqdm import tqdm
+
             bar = tqdm(total=len(self.requests.requests), desc="requests", unit="req")
         try:
             while self.has_unfinished():
@@ -339,8 +403,14 @@ def _eos_ids(hf_model: Any, model: LlamaForCausalLM, tokenizer: Any) -> frozense
     return frozenset(ids)
 
 
-def generate(prompts: Iterable[PromptType], params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-             *, model: Any = None, chat_template: bool = False, **engine_kwargs: Any) -> list[RequestOutput]:
+def generate(
+    prompts: Iterable[PromptType],
+    params: None | SamplingParams | Sequence[SamplingParams] = None,
+    *,
+    model: Any = None,
+    chat_template: bool = False,
+    **engine_kwargs: Any,
+) -> list[RequestOutput]:
     """One-shot helper: build an :class:`LLMEngine` (``model`` and ``engine_kwargs`` as its
     arguments) and :meth:`LLMEngine.generate` the prompts."""
     engine = LLMEngine(model, **engine_kwargs)

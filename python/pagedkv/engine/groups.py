@@ -4,8 +4,6 @@ beams, free dropped ones), stop finished sequences and free their KV."""
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from pagedkv import KVCacheManager
@@ -34,14 +32,15 @@ class SequenceGroups:
         self.registry = registry
         self.outputs = outputs
 
-    def sample(self, rows: list[Row], logits: torch.Tensor) -> list[Optional[int]]:
+    def sample(self, rows: list[Row], logits: torch.Tensor) -> list[int | None]:
         """The next token of each row (logits row ``i`` for ``rows[i]``); ``None`` for a beam,
         whose fp32 log-probs are kept on the sequence until every beam of its request has them."""
         plain = [i for i, (r, _) in enumerate(rows) if not r.params.use_beam_search]
-        tokens: list[Optional[int]] = [None] * len(rows)
+        tokens: list[int | None] = [None] * len(rows)
         if plain:
-            drawn = sample_tokens(logits[plain], [rows[i][0].params for i in plain],
-                                  [rows[i][1].generator for i in plain])
+            drawn = sample_tokens(
+                logits[plain], [rows[i][0].params for i in plain], [rows[i][1].generator for i in plain]
+            )
             for i, tok in zip(plain, drawn):
                 tokens[i] = tok
         for i, (req, seq) in enumerate(rows):
@@ -49,8 +48,7 @@ class SequenceGroups:
                 seq.logprobs = torch.log_softmax(logits[i].float().cpu(), dim=-1)
         return tokens
 
-    def update(self, rows: list[Row], tokens: list[Optional[int]], logits: torch.Tensor,
-               now: float) -> list[Request]:
+    def update(self, rows: list[Row], tokens: list[int | None], logits: torch.Tensor, now: float) -> list[Request]:
         """Apply the sampled ``tokens`` (see :meth:`sample`); returns the requests of ``rows``
         left with no live sequence (done), each once, in row order."""
         for i, ((req, seq), tok) in enumerate(zip(rows, tokens)):

@@ -40,10 +40,11 @@ from __future__ import annotations
 import csv
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from pagedkv._repr import short_repr
 
@@ -75,14 +76,22 @@ def _sampling_fields(options: Mapping[str, str]) -> dict[str, str]:
     from dataclasses import fields
 
     from .sampling import SamplingParams  # imports torch: only when a JSONL file is read
-    return {f.name: (f"use {options[f.name]} (it applies to every request)" if f.name in options
-                     else "it applies to every request")
-            for f in fields(SamplingParams) if f.name != "max_tokens"}
+
+    return {
+        f.name: (
+            f"use {options[f.name]} (it applies to every request)"
+            if f.name in options
+            else "it applies to every request"
+        )
+        for f in fields(SamplingParams)
+        if f.name != "max_tokens"
+    }
 
 
 def _check_line(obj: dict[str, Any], where: str, sampling_flags: dict[str, str]) -> None:
     """Raise PromptFileError (prefixed with ``where`` = "file:line") for a field of the wrong
     type; see the module docs for the accepted types."""
+
     def kind(v: Any) -> str:
         return f"{type(v).__name__} {v!r}"
 
@@ -93,8 +102,7 @@ def _check_line(obj: dict[str, Any], where: str, sampling_flags: dict[str, str])
         if not valid_messages(msgs):
             raise PromptFileError(f"{where}: 'messages' must be {MESSAGES_FORMAT}, got {short_repr(msgs, 200)}")
     elif not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-        raise PromptFileError(f"{where}: needs a non-empty string 'prompt' (or 'messages'), "
-                              f"got {obj.get('prompt')!r}")
+        raise PromptFileError(f"{where}: needs a non-empty string 'prompt' (or 'messages'), got {obj.get('prompt')!r}")
     if "id" in obj:
         rid = obj["id"]
         if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
@@ -108,8 +116,9 @@ def _check_line(obj: dict[str, Any], where: str, sampling_flags: dict[str, str])
             raise PromptFileError(f"{where}: max_tokens={v!r} must be an integer >= 1")
     for key in obj:
         if key in sampling_flags:
-            raise PromptFileError(f"{where}: {key!r} cannot be set per request in a prompts file; "
-                                  f"{sampling_flags[key]}")
+            raise PromptFileError(
+                f"{where}: {key!r} cannot be set per request in a prompts file; {sampling_flags[key]}"
+            )
 
 
 def read_prompts(path: str | Path, *, sampling_options: Mapping[str, str] = MappingProxyType({})) -> list[Any]:
@@ -148,8 +157,11 @@ def read_prompts(path: str | Path, *, sampling_options: Mapping[str, str] = Mapp
         rid = str(obj["id"]) if explicit else str(len(prompts))
         if rid in seen:
             first, first_explicit = seen[rid]
-            note = "" if explicit and first_explicit else \
-                '; a line without "id" gets its 0-based position among the prompts as id'
+            note = (
+                ""
+                if explicit and first_explicit
+                else '; a line without "id" gets its 0-based position among the prompts as id'
+            )
             raise PromptFileError(f"{p}:{lineno}: duplicate request id {rid!r} (already used on line {first}{note})")
         seen[rid] = (lineno, explicit)
         prompts.append(obj)
@@ -181,12 +193,21 @@ class TraceRequest:
     output_tokens: int
 
 
-_COLUMNS = (("ContextTokens", "GeneratedTokens"), ("num_prefill_tokens", "num_decode_tokens"),
-            ("input_length", "output_length"))
+_COLUMNS = (
+    ("ContextTokens", "GeneratedTokens"),
+    ("num_prefill_tokens", "num_decode_tokens"),
+    ("input_length", "output_length"),
+)
 
 
-def read_trace(path: str | Path, *, limit: Optional[int] = None, scale: float = 1.0,
-               max_prompt_tokens: Optional[int] = None, max_output_tokens: Optional[int] = None) -> list[TraceRequest]:
+def read_trace(
+    path: str | Path,
+    *,
+    limit: int | None = None,
+    scale: float = 1.0,
+    max_prompt_tokens: int | None = None,
+    max_output_tokens: int | None = None,
+) -> list[TraceRequest]:
     """Request lengths of a trace file (see the module docs), in file order.
 
     Args:
@@ -211,8 +232,10 @@ def read_trace(path: str | Path, *, limit: Optional[int] = None, scale: float = 
         reader = csv.DictReader(lines)
         cols = next((c for c in _COLUMNS if reader.fieldnames and set(c) <= set(reader.fieldnames)), None)
         if cols is None:
-            raise PromptFileError(f"trace {str(p)!r}: columns {reader.fieldnames} have none of the known "
-                                  f"length pairs {[list(c) for c in _COLUMNS]}")
+            raise PromptFileError(
+                f"trace {str(p)!r}: columns {reader.fieldnames} have none of the known "
+                f"length pairs {[list(c) for c in _COLUMNS]}"
+            )
         for lineno, row in enumerate(reader, 2):
             rows.append((lineno, row.get(cols[0]), row.get(cols[1])))
     out: list[TraceRequest] = []

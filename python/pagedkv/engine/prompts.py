@@ -4,8 +4,9 @@ checked and tokenized into a :class:`PreparedRequest` without touching any engin
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any
 
 import numpy as np
 
@@ -19,7 +20,7 @@ __all__ = ["PromptType", "PreparedRequest", "PromptProcessor", "batch_items", "c
 
 #: A prompt: text, token ids, or a dict with ``"prompt"`` (text) or ``"messages"`` (chat) and
 #: optional ``"id"``, ``"system"``, ``"max_tokens"``, ``"cache_salt"``.
-PromptType = Union[str, Sequence[int], dict[str, Any]]
+PromptType = str | Sequence[int] | dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -34,11 +35,11 @@ class PreparedRequest:
         cache_salt: prefix-cache salt, or ``None``.
     """
 
-    text: Optional[str]
+    text: str | None
     token_ids: list[int]
     params: SamplingParams
-    request_id: Optional[str]
-    cache_salt: Optional[str]
+    request_id: str | None
+    cache_salt: str | None
 
 
 def _token_ids(prompt: Any) -> list[int]:
@@ -51,12 +52,13 @@ def _token_ids(prompt: Any) -> list[int]:
     if hasattr(prompt, "tolist") and not isinstance(prompt, (list, tuple)):  # numpy / torch
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple, range)):
-        raise InvalidRequestError(f"prompt {short_repr(prompt)} is invalid: expected a str, a list of token ids "
-                                  f"or a dict with 'prompt' or 'messages' (got {type(prompt).__name__})")
+        raise InvalidRequestError(
+            f"prompt {short_repr(prompt)} is invalid: expected a str, a list of token ids "
+            f"or a dict with 'prompt' or 'messages' (got {type(prompt).__name__})"
+        )
     for t in prompt:
         if not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_)):
-            raise InvalidRequestError(f"prompt token id {t!r} is invalid: expected an int "
-                                      f"(got {type(t).__name__})")
+            raise InvalidRequestError(f"prompt token id {t!r} is invalid: expected an int (got {type(t).__name__})")
     return [int(t) for t in prompt]
 
 
@@ -72,8 +74,9 @@ class PromptProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
 
-    def tokenize(self, prompt: PromptType, *, chat_template: bool = False,
-                 system_prompt: Optional[str] = None) -> tuple[Optional[str], list[int]]:
+    def tokenize(
+        self, prompt: PromptType, *, chat_template: bool = False, system_prompt: str | None = None
+    ) -> tuple[str | None, list[int]]:
         """Prompt text (or ``None``) and its token ids.
 
         ``prompt`` is a non-empty str, a non-empty list / tuple (or 1-D integer array or
@@ -89,16 +92,16 @@ class PromptProcessor:
                 messages the chat template rejects. The message names the prompt or value.
         """
         if system_prompt is not None and not isinstance(system_prompt, str):
-            raise InvalidRequestError(f"system_prompt={short_repr(system_prompt)} is invalid: "
-                                      "expected a str or None")
+            raise InvalidRequestError(f"system_prompt={short_repr(system_prompt)} is invalid: expected a str or None")
         if isinstance(prompt, dict):
             system_prompt = prompt.get("system", system_prompt)
             if system_prompt is not None and not isinstance(system_prompt, str):
                 raise InvalidRequestError(f"prompt {short_repr(prompt)} has an invalid 'system': expected a str")
             if "messages" in prompt:
                 if not valid_messages(prompt["messages"]):
-                    raise InvalidRequestError(f"prompt {short_repr(prompt)} has malformed 'messages': "
-                                              f"expected {MESSAGES_FORMAT}")
+                    raise InvalidRequestError(
+                        f"prompt {short_repr(prompt)} has malformed 'messages': expected {MESSAGES_FORMAT}"
+                    )
                 messages = [dict(m) for m in prompt["messages"]]
                 if system_prompt and not any(m["role"] == "system" for m in messages):
                     messages.insert(0, {"role": "system", "content": system_prompt})
@@ -124,8 +127,15 @@ class PromptProcessor:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return None, ids
 
-    def prepare(self, prompt: PromptType, params: Any, request_id: Any, cache_salt: Any,
-                chat_template: bool, system_prompt: Optional[str]) -> PreparedRequest:
+    def prepare(
+        self,
+        prompt: PromptType,
+        params: Any,
+        request_id: Any,
+        cache_salt: Any,
+        chat_template: bool,
+        system_prompt: str | None,
+    ) -> PreparedRequest:
         """Check and tokenize one request (see :meth:`pagedkv.engine.LLMEngine.add_request`);
         a dict prompt's ``"id"`` is used when ``request_id`` is ``None`` and its
         ``"cache_salt"`` wins over ``cache_salt``. Changes no state.
@@ -137,8 +147,10 @@ class PromptProcessor:
         if params is None:
             params = SamplingParams()
         elif not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params={short_repr(params)} is invalid: expected a SamplingParams or None "
-                                      f"(got {type(params).__name__})")
+            raise InvalidRequestError(
+                f"params={short_repr(params)} is invalid: expected a SamplingParams or None "
+                f"(got {type(params).__name__})"
+            )
         text, ids = self.tokenize(prompt, chat_template=chat_template, system_prompt=system_prompt)
         if isinstance(prompt, dict):
             request_id = request_id if request_id is not None else prompt.get("id")
@@ -160,8 +172,10 @@ def batch_items(prompts: Any, params: Any) -> list[tuple[Any, Any]]:
     if isinstance(prompts, (str, dict)):
         items: list[Any] = [prompts]
     elif prompts is None or isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
-        raise InvalidRequestError(f"prompts={short_repr(prompts)} is invalid: expected a list of prompts "
-                                  "(texts, token-id lists or dicts) or one text or dict")
+        raise InvalidRequestError(
+            f"prompts={short_repr(prompts)} is invalid: expected a list of prompts "
+            "(texts, token-id lists or dicts) or one text or dict"
+        )
     else:
         items = list(prompts)
     if params is None or isinstance(params, SamplingParams):
@@ -169,8 +183,10 @@ def batch_items(prompts: Any, params: Any) -> list[tuple[Any, Any]]:
     elif isinstance(params, (list, tuple)):
         plist = list(params)
     else:
-        raise InvalidRequestError(f"params={short_repr(params)} is invalid: expected a SamplingParams, a "
-                                  f"list of them (one per prompt) or None (got {type(params).__name__})")
+        raise InvalidRequestError(
+            f"params={short_repr(params)} is invalid: expected a SamplingParams, a "
+            f"list of them (one per prompt) or None (got {type(params).__name__})"
+        )
     if len(plist) != len(items):
         raise InvalidRequestError(f"got {len(plist)} SamplingParams for {len(items)} prompts")
     return list(zip(items, plist))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Optional
 
 import torch
 
@@ -43,13 +42,17 @@ class RequestRegistry:
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count(1)
 
-    def check_id(self, request_id: Optional[str]) -> None:
+    def check_id(self, request_id: str | None) -> None:
         """Raises InvalidRequestError when ``request_id`` belongs to a live request."""
         if request_id is not None and request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
 
-    def add(self, prepared: PreparedRequest, beam: Optional[BeamSearch],
-            extra_keys: Optional[list[tuple[str, bytes]]] = None) -> str:
+    def add(
+        self,
+        prepared: PreparedRequest,
+        beam: BeamSearch | None,
+        extra_keys: list[tuple[str, bytes]] | None = None,
+    ) -> str:
         """Register a prepared request's first sequence with the manager (its prefix hashes
         use the request's cache salt and ``extra_keys``, typed ``(tag, value)`` keys) and queue
         it. Returns its id (default: the arrival number).
@@ -61,8 +64,11 @@ class RequestRegistry:
         arrival = next(self._arrivals)
         rid = prepared.request_id if prepared.request_id is not None else str(arrival)
         self.check_id(rid)
-        seed = params.seed if params.seed is not None else int(
-            torch.randint(0, 2**31 - 1, (1,), generator=self._seed_rng).item())
+        seed = (
+            params.seed
+            if params.seed is not None
+            else int(torch.randint(0, 2**31 - 1, (1,), generator=self._seed_rng).item())
+        )
         req = Request(rid, prepared.text, ids, params, arrival, time.perf_counter(), seed, beam=beam)
         first = self.new_sequence(req, ids, 0)
         self.manager.add_sequence(first.seq_id, ids, cache_salt=prepared.cache_salt, extra_keys=extra_keys)
@@ -75,8 +81,7 @@ class RequestRegistry:
         """A new sequence of ``req`` holding ``tokens`` (not yet registered in the manager;
         its id is recorded in ``req.seq_ids`` first, for :meth:`abort`)."""
         gen = None if req.params.greedy else make_generator(req.seed, index)
-        seq = Sequence(next(self._seq_ids), list(tokens), len(req.prompt_token_ids), sample_index=index,
-                       generator=gen)
+        seq = Sequence(next(self._seq_ids), list(tokens), len(req.prompt_token_ids), sample_index=index, generator=gen)
         req.seq_ids.append(seq.seq_id)
         return seq
 
@@ -116,4 +121,5 @@ class RequestRegistry:
         computed token nor a block (device or swap) for any of its sequences."""
         return req in self.scheduler.waiting and all(
             self.manager.num_computed_tokens(s.seq_id) == 0 and len(self.manager.block_table(s.seq_id)) == 0
-            for s in req.seqs)
+            for s in req.seqs
+        )

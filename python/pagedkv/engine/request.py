@@ -9,7 +9,7 @@ prompt's KV blocks (fork + copy-on-write) and are preempted together.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from .sampling import SamplingParams
 
@@ -47,15 +47,15 @@ class Sequence:
     num_prompt_tokens: int
     pending: list[int] = field(default_factory=list)
     sample_index: int = 0
-    generator: Optional["torch.Generator"] = None
-    finish_reason: Optional[str] = None
-    stop_text: Optional[str] = None
-    logprobs: Optional["torch.Tensor"] = None
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    stop_text: str | None = None
+    logprobs: torch.Tensor | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
         """Generated tokens (after the prompt)."""
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     def add_token(self, token: int) -> None:
         """Append a sampled token (handed to the manager with the next step)."""
@@ -89,7 +89,7 @@ class Request:
     """
 
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_index: int
@@ -98,12 +98,12 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     seq_ids: list[int] = field(default_factory=list)
     finished_seqs: list[Sequence] = field(default_factory=list)
-    beam: Optional["BeamSearch"] = None
+    beam: BeamSearch | None = None
     forked: bool = False
     num_preemptions: int = 0
-    num_cached_tokens: Optional[int] = None
+    num_cached_tokens: int | None = None
     prefill_reserved: bool = False
-    first_token_time: Optional[float] = None
+    first_token_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class CompletionOutput:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
-    score: Optional[float] = None
+    score: float | None = None
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ class RequestOutput:
     """
 
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: tuple[int, ...]
     outputs: tuple[CompletionOutput, ...]
     num_cached_tokens: int
@@ -178,8 +178,13 @@ class RequestOutput:
             "output_token_ids": list(first.token_ids),
             "finish_reason": first.finish_reason,
             "outputs": [
-                {"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
-                 "finish_reason": o.finish_reason, "score": o.score}
+                {
+                    "index": o.index,
+                    "text": o.text,
+                    "token_ids": list(o.token_ids),
+                    "finish_reason": o.finish_reason,
+                    "score": o.score,
+                }
                 for o in self.outputs
             ],
             "cached_prompt_tokens": self.num_cached_tokens,

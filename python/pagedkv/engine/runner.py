@@ -36,16 +36,22 @@ class ModelRunner:
         KVCacheTooLargeError: allocating either cache failed (names blocks and bytes).
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int,
-                 num_cpu_blocks: int = 0) -> None:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         self.model = model
         per_block = model.kv_bytes_per_block(block_size)
-        self.kv_cache = guard_allocation("KV cache", num_blocks, per_block,
-                                         lambda: model.allocate_kv_cache(num_blocks, block_size))
-        self.cpu_cache = (guard_allocation(
-            "CPU swap pool", num_cpu_blocks, per_block,
-            lambda: model.allocate_kv_cache(num_cpu_blocks, block_size, device="cpu", pin_memory=True))
-            if num_cpu_blocks > 0 else None)
+        self.kv_cache = guard_allocation(
+            "KV cache", num_blocks, per_block, lambda: model.allocate_kv_cache(num_blocks, block_size)
+        )
+        self.cpu_cache = (
+            guard_allocation(
+                "CPU swap pool",
+                num_cpu_blocks,
+                per_block,
+                lambda: model.allocate_kv_cache(num_cpu_blocks, block_size, device="cpu", pin_memory=True),
+            )
+            if num_cpu_blocks > 0
+            else None
+        )
         self.device = model.device
         # "auto" dispatch runs the Triton kernel on CUDA when Triton is installed; it needs no plan.
         self._triton_attention = self.device.type == "cuda" and kernels.triton_available()
@@ -57,15 +63,22 @@ class ModelRunner:
         if self._triton_attention or not batch.seqs:
             return bt
         bt.attn_plan = kernels.plan_paged_attention(
-            bt.block_table, bt.seq_lens, bt.query_start_loc, cache_shape=tuple(self.kv_cache.shape[2:]),
-            num_q_heads=self.model.num_heads, sliding_window=self.model.sliding_window)
+            bt.block_table,
+            bt.seq_lens,
+            bt.query_start_loc,
+            cache_shape=tuple(self.kv_cache.shape[2:]),
+            num_q_heads=self.model.num_heads,
+            sliding_window=self.model.sliding_window,
+        )
         return bt
 
     def apply_block_plans(self, bt: BatchTensors) -> None:
         """Swap out (device -> CPU), then swap in (CPU -> device), then copy-on-write copies,
         in that order: a block freed by a swap-out may be reused by the later plans."""
-        for plan, src, dst in ((bt.swap_out, self.kv_cache, self.cpu_cache),
-                               (bt.swap_in, self.cpu_cache, self.kv_cache)):
+        for plan, src, dst in (
+            (bt.swap_out, self.kv_cache, self.cpu_cache),
+            (bt.swap_in, self.cpu_cache, self.kv_cache),
+        ):
             if plan is not None and len(plan):
                 assert src is not None and dst is not None, "swap planned without a CPU cache"
                 event = kernels.swap_blocks(src, dst, plan)
@@ -88,12 +101,21 @@ class ModelRunner:
         rope_lens = None
         if self.model.rope.length_dependent:  # frequencies per token from its own sequence
             qsl, pos = bt.query_start_loc_host, bt.positions_host
-            rope_lens = torch.from_numpy(np.concatenate([rope_lengths(s.num_prompt_tokens, pos[qsl[i]:qsl[i + 1]])
-                                                         for i, s in enumerate(batch.seqs)]))
+            rope_lens = torch.from_numpy(
+                np.concatenate(
+                    [rope_lengths(s.num_prompt_tokens, pos[qsl[i] : qsl[i + 1]]) for i, s in enumerate(batch.seqs)]
+                )
+            )
         ends = bt.query_start_loc_host[1:].tolist()
         rows = [end - 1 for end, want in zip(ends, batch.sample) if want]
-        return self.model.forward(bt.input_ids, bt.positions, self.kv_cache, bt,
-                                  torch.tensor(rows, dtype=torch.int64, device=self.device), rope_lens)
+        return self.model.forward(
+            bt.input_ids,
+            bt.positions,
+            self.kv_cache,
+            bt,
+            torch.tensor(rows, dtype=torch.int64, device=self.device),
+            rope_lens,
+        )
 
     def kv_cache_bytes(self) -> int:
         """Bytes of the device KV cache."""

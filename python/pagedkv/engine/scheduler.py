@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
@@ -98,8 +97,8 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)
     steps: list[StepOutput] = field(default_factory=list)
-    swap_out: Optional[np.ndarray] = None
-    swap_in: Optional[np.ndarray] = None
+    swap_out: np.ndarray | None = None
+    swap_in: np.ndarray | None = None
 
 
 def blocks_for_request(num_prompt_tokens: int, max_tokens: int, num_seqs: int, block_size: int) -> int:
@@ -131,8 +130,8 @@ class Scheduler:
         self.config = config
         self.block_size = int(manager.config.block_size)
         self.usable_blocks = int(manager.config.num_blocks) - 1  # block 0 is the null block
-        self.running: list[Request] = []   # arrival order
-        self.waiting: list[Request] = []   # arrival order (new, recompute-preempted, swapped)
+        self.running: list[Request] = []  # arrival order
+        self.waiting: list[Request] = []  # arrival order (new, recompute-preempted, swapped)
         self._swap_out: list[np.ndarray] = []
 
     # ---- queue -------------------------------------------------------------------------------
@@ -244,8 +243,11 @@ class Scheduler:
                 free -= len(plan)
             else:
                 # the whole remaining prefill (guard) or just this step's chunk (no guard)
-                need = self.manager.num_blocks_owed(ids) if guard else sum(
-                    self.manager.num_blocks_needed(s.seq_id, min(len(s.token_ids), budget)) for s in req.seqs)
+                need = (
+                    self.manager.num_blocks_owed(ids)
+                    if guard
+                    else sum(self.manager.num_blocks_needed(s.seq_id, min(len(s.token_ids), budget)) for s in req.seqs)
+                )
                 if need + headroom > free and not idle:
                     break
                 free -= need
@@ -268,8 +270,7 @@ class Scheduler:
 
     def _reserved_blocks(self) -> int:
         """Blocks still to be allocated for admitted prefills (reserved, see the module docs)."""
-        return sum(self.manager.num_blocks_owed([s.seq_id for s in r.seqs])
-                   for r in self.running if r.prefill_reserved)
+        return sum(self.manager.num_blocks_owed([s.seq_id for s in r.seqs]) for r in self.running if r.prefill_reserved)
 
     def _run_step(self, items: list[_Item], batch: ScheduledBatch, *, allow_preempt: bool) -> int:
         """Allocate slots for ``items`` with batched ``manager.step`` calls; on running out of
@@ -277,8 +278,9 @@ class Scheduler:
         back by items that were not scheduled."""
         unused = 0
         while items:
-            out = self.manager.step([s.seq_id for _, s, _ in items], [t for _, _, t in items],
-                                    [s.pending for _, s, _ in items])
+            out = self.manager.step(
+                [s.seq_id for _, s, _ in items], [t for _, _, t in items], [s.pending for _, s, _ in items]
+            )
             n = int(out.num_scheduled)
             self._record(items[:n], out, batch)
             items = items[n:]
@@ -315,7 +317,7 @@ class Scheduler:
             if r.prefill_reserved and not any(self._uncomputed(r.seqs)):
                 r.prefill_reserved = False
 
-    def _pick_victim(self, scheduled: set[int]) -> Optional[Request]:
+    def _pick_victim(self, scheduled: set[int]) -> Request | None:
         """Newest running request with nothing scheduled this step; requests still in their
         reserved prefill only when there is no other."""
         candidates = [r for r in self.running if id(r) not in scheduled]
