@@ -132,3 +132,31 @@ def test_sampling_options_are_cli_options_and_the_reader_does_not_import_the_cli
         f"{f}:1: 'temperature' cannot be set per request in a prompts file; it applies to every request",
         "False",
     ]
+
+
+def test_trace_rows_keep_lengths_arrivals_and_hash_ids_as_recorded(tmp_path):
+    from pagedkv.engine.inputs import read_trace_rows
+
+    azure = tmp_path / "a.csv"
+    azure.write_text(
+        "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+        "2023-11-16 18:15:46.5000000,40,0\n"
+        "2023-11-16 18:15:48.2500000,12,5\n"
+        "not a time,7,3\n"
+    )
+    rows = read_trace_rows(azure)
+    assert [(r.line, r.prompt_tokens, r.output_tokens) for r in rows] == [(2, 40, 0), (3, 12, 5), (4, 7, 3)]
+    assert rows[1].arrival_s - rows[0].arrival_s == pytest.approx(1.75)
+    assert rows[2].arrival_s is None and rows[0].hash_ids is None
+    moon = tmp_path / "m.jsonl"
+    moon.write_text(
+        json.dumps({"timestamp": 1500, "input_length": 600, "output_length": 9, "hash_ids": [4, 5]})
+        + "\n\n"
+        + json.dumps({"timestamp": 2000, "input_length": 3, "output_length": 1, "hash_ids": [6]})
+        + "\n"
+    )
+    rows = read_trace_rows(moon, limit=1)
+    assert rows == [read_trace_rows(moon)[0]] and rows[0].arrival_s == 1.5 and rows[0].hash_ids == (4, 5)
+    assert [r.line for r in read_trace_rows(moon)] == [1, 3]
+    # read_trace serves the same rows, scaled and at least one token each
+    assert [(r.prompt_tokens, r.output_tokens) for r in read_trace(azure, scale=0.5)] == [(20, 1), (6, 2), (4, 2)]

@@ -42,6 +42,7 @@ import json
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -51,7 +52,15 @@ from pagedkv._repr import short_repr
 from .chat import MESSAGES_FORMAT, valid_messages
 from .errors import PromptFileError
 
-__all__ = ["PROMPT_FIELDS", "TraceRequest", "read_prompts", "read_trace", "synthetic_prompt"]
+__all__ = [
+    "PROMPT_FIELDS",
+    "TraceRequest",
+    "TraceRow",
+    "read_prompts",
+    "read_trace",
+    "read_trace_rows",
+    "synthetic_prompt",
+]
 
 
 # The keys of a prompts JSONL line that mean something to the engine (see the module docs).
@@ -193,11 +202,95 @@ class TraceRequest:
     output_tokens: int
 
 
-_COLUMNS = (
-    ("ContextTokens", "GeneratedTokens"),
-    ("num_prefill_tokens", "num_decode_tokens"),
-    ("input_length", "output_length"),
+@dataclass(frozen=True)
+class TraceRow:
+    """One request of a trace file, as recorded.
+
+    Attributes:
+        line: 1-based line of the file it came from.
+        prompt_tokens, output_tokens: recorded lengths in tokens (>= 0; traces hold rows with
+            0 generated tokens).
+        arrival_s: arrival time in seconds on the trace's own clock (Azure ``TIMESTAMP``,
+            Mooncake ``timestamp`` in ms, Sarathi/Vidur ``arrived_at``), or ``None`` when the
+            file has none for the row or it does not parse.
+        hash_ids: Mooncake only: the request's block hash ids (one per 512-token block).
+    """
+
+    line: int
+    prompt_tokens: int
+    output_tokens: int
+    arrival_s: float | None = None
+    hash_ids: tuple[int, ...] | None = None
+
+
+# Known CSV layouts: (prompt column, output column, arrival column or None).
+_CSV_COLUMNS = (
+    ("ContextTokens", "GeneratedTokens", "TIMESTAMP"),  # Azure LLM inference trace 2023
+    ("num_prefill_tokens", "num_decode_tokens", "arrived_at"),  # Sarathi / Vidur
 )
+
+
+def _azure_time(text: str) -> float:
+    """Seconds of an Azure ``TIMESTAMP`` such as ``2023-11-16 18:15:46.6805900`` (7 fractional
+    digits, more than ``strptime``'s ``%f`` takes)."""
+    head, _, frac = text.partition(".")
+    return datetime.strptime(head, "%Y-%m-%d %H:%M:%S").timestamp() + (float("0." + frac) if frac else 0.0)
+
+
+def read_trace_rows(path: str | Path, *, limit: int | None = None) -> list[TraceRow]:
+    """Every request of a trace file (see the module docs) as recorded, in file order: the one
+    reader of trace files, used by :func:`read_trace` and the benchmarks. O(rows read).
+
+    Args:
+        limit: stop after this many requests.
+
+    Raises:
+        PromptFileError: missing/unreadable file, unknown CSV columns, or lengths that are not
+            integers (names the file and line).
+    """
+    p = Path(path)
+    lines = _open_text(p, "trace file")
+    out: list[TraceRow] = []
+
+    def add(lineno: int, prompt: Any, output: Any, when: Any, parse_time: Any, hashes: Any = None) -> bool:
+        try:
+            pt, ot = int(float(prompt)), int(float(output))
+        except (TypeError, ValueError):
+            raise PromptFileError(f"{p}:{lineno}: lengths {prompt!r}, {output!r} are not integers") from None
+        try:  # only the benchmarks read arrival times: one that does not parse is left out
+            arrival = None if when in (None, "") else float(parse_time(when))
+        except (TypeError, ValueError):
+            arrival = None
+        out.append(TraceRow(lineno, pt, ot, arrival, None if hashes is None else tuple(int(h) for h in hashes)))
+        return limit is not None and len(out) >= limit
+
+    if p.suffix.lower() == ".jsonl":
+        for lineno, line in enumerate(lines, 1):
+            if line.strip():
+                obj = _json_object(p, lineno, line)
+                ms = obj.get("timestamp")
+                if add(
+                    lineno,
+                    obj.get("input_length"),
+                    obj.get("output_length"),
+                    ms,
+                    lambda v: float(v) / 1000.0,
+                    obj.get("hash_ids"),
+                ):
+                    break
+        return out
+    reader = csv.DictReader(lines)
+    cols = next((c for c in _CSV_COLUMNS if reader.fieldnames and set(c[:2]) <= set(reader.fieldnames)), None)
+    if cols is None:
+        raise PromptFileError(
+            f"trace {str(p)!r}: columns {reader.fieldnames} have none of the known "
+            f"length pairs {[list(c[:2]) for c in _CSV_COLUMNS] + [['input_length', 'output_length']]}"
+        )
+    parse_time = _azure_time if cols[2] == "TIMESTAMP" else float
+    for lineno, row in enumerate(reader, 2):
+        if add(lineno, row.get(cols[0]), row.get(cols[1]), row.get(cols[2]), parse_time):
+            break
+    return out
 
 
 def read_trace(
@@ -208,7 +301,8 @@ def read_trace(
     max_prompt_tokens: int | None = None,
     max_output_tokens: int | None = None,
 ) -> list[TraceRequest]:
-    """Request lengths of a trace file (see the module docs), in file order.
+    """Request lengths of a trace file (see the module docs), in file order, scaled and clamped
+    for serving (every length at least 1 token).
 
     Args:
         limit: keep the first ``limit`` requests.
@@ -217,43 +311,18 @@ def read_trace(
         max_prompt_tokens, max_output_tokens: clamp each length after scaling.
 
     Raises:
-        PromptFileError: missing/unreadable file, unknown columns, non-integer lengths (names
-            the file and line), or no request.
+        PromptFileError: as :func:`read_trace_rows`, or a file with no request.
     """
-    p = Path(path)
-    lines = _open_text(p, "trace file")
-    rows: list[tuple[int, Any, Any]] = []
-    if p.suffix.lower() == ".jsonl":
-        for lineno, line in enumerate(lines, 1):
-            if line.strip():
-                obj = _json_object(p, lineno, line)
-                rows.append((lineno, obj.get("input_length"), obj.get("output_length")))
-    else:
-        reader = csv.DictReader(lines)
-        cols = next((c for c in _COLUMNS if reader.fieldnames and set(c) <= set(reader.fieldnames)), None)
-        if cols is None:
-            raise PromptFileError(
-                f"trace {str(p)!r}: columns {reader.fieldnames} have none of the known "
-                f"length pairs {[list(c) for c in _COLUMNS]}"
-            )
-        for lineno, row in enumerate(reader, 2):
-            rows.append((lineno, row.get(cols[0]), row.get(cols[1])))
     out: list[TraceRequest] = []
-    for lineno, a, b in rows:
-        try:
-            pt, ot = int(float(a)), int(float(b))
-        except (TypeError, ValueError):
-            raise PromptFileError(f"{p}:{lineno}: lengths {a!r}, {b!r} are not integers") from None
-        pt, ot = max(1, round(pt * scale)), max(1, round(ot * scale))
+    for row in read_trace_rows(path, limit=limit):
+        pt, ot = max(1, round(row.prompt_tokens * scale)), max(1, round(row.output_tokens * scale))
         if max_prompt_tokens:
             pt = min(pt, max_prompt_tokens)
         if max_output_tokens:
             ot = min(ot, max_output_tokens)
         out.append(TraceRequest(pt, ot))
-        if limit is not None and len(out) >= limit:
-            break
     if not out:
-        raise PromptFileError(f"trace {str(p)!r} holds no request")
+        raise PromptFileError(f"trace {str(path)!r} holds no request")
     return out
 
 
