@@ -203,7 +203,12 @@ def main(argv: list[str] | None = None) -> None:
     md = (f"{n} running decode sequences (lengths {a.min_len}..{a.max_len} tokens), block size {bs}: "
           f"one batched `step` costs "
           f"{batched:.1f} µs wall, {batched_cpu:.1f} µs CPU (target < {TARGET_US:.0f} µs; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores during the run).\n\n" + "\n".join(md_rows) +
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores during the run)."
+          + (f" The whole path to kernel-ready torch tensors (`BatchTensors.from_steps`) costs "
+             f"{ratio:.2f}x the bare step (target <= {TARGET_RATIO}x; {OLD_US['step + BatchTensors (torch cpu)']:.0f} "
+             f"µs = {OLD_US['step + BatchTensors (torch cpu)'] / OLD_US['step (numpy appends)']:.1f}x before "
+             "the one-path change)." if ratio is not None else "")
+          + "\n\n" + "\n".join(md_rows) +
           "\n\nReproduce: `python benchmarks/step_overhead.py`")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({
