@@ -7,9 +7,9 @@
 //! block hashes and the "always recompute the last token" cap, observable behaviour as vLLM V1
 //! `KVCacheManager` (`get_computed_blocks`, `allocate_slots`, `free`) and `BlockPool`.
 //!
-//! Concurrency: every method takes one `parking_lot::Mutex` over the per-sequence state
-//! (locking), then calls into the pool (whose own hot paths are lock-free). Because all manager
-//! mutations of the pool happen under that mutex, a capacity check followed by the pool calls is
+//! Concurrency: every method takes one mutex over the per-sequence state (locking; the
+//! [`crate::sync`] mutex, so loom models see it), then calls into the pool (whose own hot
+//! paths are lock-free). Because all manager mutations of the pool happen under that mutex, a capacity check followed by the pool calls is
 //! exact: the blocks a call predicts are the blocks it takes, and a call that fails does so
 //! before touching the pool. Mutating the pool directly (through [`KvCacheManager::pool`]'s
 //! methods) while the manager is in use breaks that guarantee; the pool reference is meant for
@@ -24,8 +24,8 @@ use crate::hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
 use crate::seq_table::SeqTable;
+use crate::sync::Mutex;
 use crate::{BlockId, SeqId, NULL_BLOCK};
-use parking_lot::Mutex;
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
