@@ -764,14 +764,17 @@ impl KvCacheManager {
                 if caching {
                     for k in 0..(len - 1) / bs {
                         let h = self.block_hash_at(s, k);
-                        match self.pool.lookup(&h) {
-                            Some(b) => {
-                                if self.pool.ref_count(b) == 0 && touched.insert(b) {
-                                    owed += 1;
+                        // A lookup prefers a copy in use: an earlier member's registered block
+                        // (in use once it is scheduled) costs nothing, a free one costs a block.
+                        if !registered.contains(&h) {
+                            match self.pool.lookup(&h) {
+                                Some(b) => {
+                                    if self.pool.ref_count(b) == 0 && touched.insert(b) {
+                                        owed += 1;
+                                    }
                                 }
+                                None => break,
                             }
-                            None if registered.contains(&h) => {}
-                            None => break,
                         }
                         hits += 1;
                     }
