@@ -424,6 +424,19 @@ def test_requests_join_and_leave_every_step(tiny):
     assert_no_leak(engine)
 
 
+def test_run_serves_every_queued_request_in_finish_order(tiny, refs):
+    # the CLI's path: queue with add_request, then LLMEngine.run until idle
+    engine = _engine(tiny)
+    prompts = _prompts()
+    engine.add_request(prompts[1], SamplingParams(max_tokens=MAX_NEW), request_id="long")
+    engine.add_request(prompts[0], SamplingParams(max_tokens=3), request_id="short")
+    outs = engine.run()
+    assert [o.request_id for o in outs] == ["short", "long"]
+    assert list(outs[1].token_ids) == refs[1] and list(outs[0].token_ids) == refs[0][:3]
+    assert not engine.has_unfinished() and engine.run() == []
+    assert_no_leak(engine)
+
+
 def test_metrics_report_the_run(tiny):
     engine = _engine(tiny, num_kv_blocks=40)
     outs = engine.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW))
