@@ -17,7 +17,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from pagedkv.errors import KernelInputError
+from pagedkv.errors import KernelInputError as KernelInputError  # re-exported for the ops
 
 #: Dtypes the attention and cache kernels accept for activations and caches.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

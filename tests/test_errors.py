@@ -269,6 +269,10 @@ def test_one_root_for_engine_and_kernel_errors() -> None:
         err = cls("bad value 3")
         assert str(err) == "bad value 3" and isinstance(err, errors.PagedKVError)
     assert issubclass(errors.InvariantViolationError, AssertionError)
+    from pagedkv.engine.scheduler import SchedulerConfig
+
+    with pytest.raises(engine_errors.EngineConfigError, match="max_num_seqs=0 must be >= 1"):
+        SchedulerConfig(max_num_seqs=0)
     cache = torch.zeros(4, 2, 1, 8)
     with pytest.raises(errors.KernelInputError, match="slot_mapping has dtype torch.float32") as info:
         reference.reshape_and_cache(torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), cache, cache.clone(),

@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import EngineConfigError
+
 __all__ = [
     "LENGTH_DEPENDENT_ROPE",
     "RotaryEmbedding",
@@ -75,7 +77,7 @@ def _init_function(rope_type: str) -> Any:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(
+        raise EngineConfigError(
             f"rope_type {rope_type!r} is not supported; known types: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}"
         )
     return ROPE_INIT_FUNCTIONS[rope_type]

@@ -40,7 +40,7 @@ import numpy as np
 
 from pagedkv import KVCacheManager, OutOfBlocksError, OutOfSwapSpaceError, StepOutput
 
-from .errors import RequestTooLargeError
+from .errors import EngineConfigError, RequestTooLargeError
 from .request import Request, Sequence
 from .sampling import SamplingParams
 
@@ -70,11 +70,11 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_step < 1:
-            raise ValueError(f"max_tokens_per_step={self.max_tokens_per_step} must be >= 1")
+            raise EngineConfigError(f"max_tokens_per_step={self.max_tokens_per_step} must be >= 1")
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+            raise EngineConfigError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.preemption not in ("recompute", "swap"):
-            raise ValueError(f"preemption={self.preemption!r} must be 'recompute' or 'swap'")
+            raise EngineConfigError(f"preemption={self.preemption!r} must be 'recompute' or 'swap'")
 
 
 @dataclass
