@@ -157,8 +157,8 @@ def dense_block_table(
     """Dense block table ``int32[num_seqs, max_blocks]`` padded with the null block 0.
 
     Args:
-        indptr: ``int[S+1]`` CSR row pointers (``StepOutput.block_table_indptr``).
-        indices: ``int[nnz]`` physical block ids (``StepOutput.block_table_indices``).
+        indptr: ``int[S+1]`` CSR row pointers (e.g. from :func:`block_table_csr`).
+        indices: ``int[nnz]`` physical block ids, row after row.
         pad_to: number of columns; default the longest table (at least 1 so the tensor is never
             0-wide). Must be >= the longest table.
         device: torch device for the result, or None for a numpy array.
