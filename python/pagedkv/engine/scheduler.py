@@ -221,6 +221,8 @@ class Scheduler:
         limit and the free blocks allow; returns their items and the swap-in plans."""
         admitted: list[_Item] = []
         swap_in: list[np.ndarray] = []
+        if not self.waiting:  # steady-state decode: no crossing into the core for admission
+            return admitted, swap_in
         free = self.manager.pool.num_free - self._reserved_blocks()
         guard = self.config.reserve_prefill
         headroom = sum(len(r.seqs) for r in self.running) if guard else 0
