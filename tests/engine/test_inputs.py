@@ -160,3 +160,35 @@ def test_trace_rows_keep_lengths_arrivals_and_hash_ids_as_recorded(tmp_path):
     assert [r.line for r in read_trace_rows(moon)] == [1, 3]
     # read_trace serves the same rows, scaled and at least one token each
     assert [(r.prompt_tokens, r.output_tokens) for r in read_trace(azure, scale=0.5)] == [(20, 1), (6, 2), (4, 2)]
+
+
+@pytest.mark.parametrize(
+    ("messages", "ok"),
+    [
+        ([{"role": "user", "content": "hi"}], True),
+        (({"role": "system", "content": ""}, {"role": "user", "content": "x", "name": "n"}), True),
+        ([], False),
+        ("hi", False),
+        ([{"role": "", "content": "hi"}], False),
+        ([{"role": "user"}], False),
+        ([{"role": "user", "content": 3}], False),
+        ([["user", "hi"]], False),
+    ],
+)
+def test_one_chat_message_rule_for_the_engine_and_the_prompts_reader(tmp_path, messages, ok):
+    from pagedkv.engine.chat import valid_messages
+
+    assert valid_messages(messages) is ok
+    f = _jsonl(tmp_path, {"messages": list(messages) if isinstance(messages, tuple) else messages})
+    if ok:
+        assert read_prompts(f)[0]["messages"] == list(messages)
+    else:
+        with pytest.raises(PromptFileError, match="'messages' must be a non-empty list of"):
+            read_prompts(f)
+
+
+def test_short_repr_cuts_long_values_with_an_ellipsis():
+    from pagedkv._repr import short_repr
+
+    assert short_repr("abc") == "'abc'"
+    assert short_repr("x" * 100, 10) == "'xxxxxx..." and len(short_repr(list(range(500)))) == 80
