@@ -613,8 +613,7 @@ class ManagerMachine(RuleBasedStateMachine):
             except Expected as exc:
                 error = exc
                 break
-            lo, hi = int(out.block_table_indptr[k]), int(out.block_table_indptr[k + 1])
-            table = out.block_table_indices[lo:hi].tolist()
+            table = out.block_table[k, : -(-int(out.seq_lens[k]) // o.bs)].tolist()
             hit_ids = table[: len(p.hit_keys)] if p.first else []
             expected_rows.append((o.apply_allocation(seq, p, hit_ids), list(o.seqs[seq].table)))
             n_ok += 1
@@ -629,8 +628,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert snapshot(m, self.ids()) == before, "failed step changed state"
         qsl = [0]
         for k, (want, table) in enumerate(expected_rows):
-            lo, hi = int(out.block_table_indptr[k]), int(out.block_table_indptr[k + 1])
-            assert out.block_table_indices[lo:hi].tolist() == table
+            row = out.block_table[k].tolist()
+            assert row[: len(table)] == table and set(row[len(table) :]) <= {0}
             lo, hi = int(out.new_block_indptr[k]), int(out.new_block_indptr[k + 1])
             assert out.new_block_ids[lo:hi].tolist() == want["new_block_ids"]
             assert int(out.num_cached_tokens[k]) == want["num_cached_tokens"]

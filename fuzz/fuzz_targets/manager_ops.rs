@@ -358,7 +358,10 @@ fn run(input: Input) {
                 // The twin does the same work one sequence at a time.
                 let mut qsl = 0i32;
                 assert_eq!(out.query_start_loc.len(), out.num_scheduled + 1);
-                assert_eq!(out.block_table_indptr.len(), out.num_scheduled + 1);
+                assert_eq!(
+                    out.block_table.len(),
+                    out.num_scheduled * out.block_table_width
+                );
                 assert_eq!(out.new_block_indptr.len(), out.num_scheduled + 1);
                 assert_eq!(out.num_cached_tokens.len(), out.num_scheduled);
                 let mut copy_k = 0;
@@ -393,15 +396,11 @@ fn run(input: Input) {
                         copy_k += 1;
                     }
                     let table = twin.block_table(*seq).unwrap();
-                    let (lo, hi) = (
-                        out.block_table_indptr[k] as usize,
-                        out.block_table_indptr[k + 1] as usize,
-                    );
-                    let got: Vec<BlockId> = out.block_table_indices[lo..hi]
-                        .iter()
-                        .map(|&b| b as BlockId)
-                        .collect();
+                    let row = out.block_table_row(k);
+                    let got: Vec<BlockId> =
+                        row[..table.len()].iter().map(|&b| b as BlockId).collect();
                     assert_eq!(got, table);
+                    assert!(row[table.len()..].iter().all(|&b| b == 0), "padding");
                     for (j, pos) in (a.num_context_tokens
                         ..a.num_context_tokens + a.num_scheduled_tokens)
                         .enumerate()

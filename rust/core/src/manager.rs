@@ -188,10 +188,6 @@ pub struct StepOutput {
     pub context_lens: Vec<i32>,
     /// Per scheduled token: `block_id * block_size + offset` of its KV slot.
     pub slot_mapping: Vec<i64>,
-    /// Length `S + 1`: CSR offsets into `block_table_indices`.
-    pub block_table_indptr: Vec<i32>,
-    /// The full block tables of the scheduled seqs, concatenated.
-    pub block_table_indices: Vec<i32>,
     /// Length `S + 1`: CSR offsets into `new_block_ids`.
     pub new_block_indptr: Vec<i32>,
     /// Blocks newly taken per seq (see [`SlotAllocation::new_block_ids`]).
@@ -202,31 +198,38 @@ pub struct StepOutput {
     /// Per scheduled token: its token id (the tokens the model reads this step, in the order
     /// of `slot_mapping`).
     pub input_ids: Vec<i64>,
-    /// The scheduled seqs' block tables as one dense row-major `S x block_table_width` matrix,
-    /// rows padded with the null block 0: the layout paged-attention kernels index.
+    /// The scheduled seqs' full block tables as one dense row-major `S x block_table_width`
+    /// matrix, rows padded with the null block 0: the layout paged-attention kernels index
+    /// (row `k` holds `ceil(seq_lens[k] / block_size)` real entries).
     pub block_table: Vec<i32>,
     /// Columns of `block_table`: the longest scheduled table, at least 1.
     pub block_table_width: usize,
 }
 
 impl StepOutput {
-    /// Builds `block_table` (dense, null-padded) from the CSR tables, outside the lock.
-    fn fill_dense_block_table(&mut self) {
-        let ptr = &self.block_table_indptr;
-        let width = ptr
-            .windows(2)
-            .map(|w| (w[1] - w[0]) as usize)
-            .max()
-            .unwrap_or(0)
-            .max(1);
-        let mut dense = vec![NULL_BLOCK as i32; self.num_scheduled * width];
-        for (row, w) in dense.chunks_exact_mut(width).zip(ptr.windows(2)) {
-            let table = &self.block_table_indices[w[0] as usize..w[1] as usize];
-            row[..table.len()].copy_from_slice(table);
-        }
-        self.block_table = dense;
-        self.block_table_width = width;
+    /// Row `k` of the dense block table (`block_table_width` entries, null-padded).
+    pub fn block_table_row(&self, k: usize) -> &[i32] {
+        let w = self.block_table_width;
+        &self.block_table[k * w..(k + 1) * w]
     }
+}
+
+/// Concatenated tables (`ends[k]` = end of table `k` in `tables`) as one null-padded
+/// row-major matrix and its width (the longest table, at least 1).
+fn dense_block_table(tables: &[i32], ends: &[usize]) -> (Vec<i32>, usize) {
+    let mut start = 0;
+    let mut width = 1;
+    for &end in ends {
+        width = width.max(end - start);
+        start = end;
+    }
+    let mut dense = vec![NULL_BLOCK as i32; ends.len() * width];
+    let mut start = 0;
+    for (row, &end) in dense.chunks_exact_mut(width).zip(ends) {
+        row[..end - start].copy_from_slice(&tables[start..end]);
+        start = end;
+    }
+    (dense, width)
 }
 
 /// One sequence's bookkeeping.
@@ -814,7 +817,6 @@ impl KvCacheManager {
         let n = req.seq_ids.len();
         let mut out = StepOutput {
             query_start_loc: Vec::with_capacity(n + 1),
-            block_table_indptr: Vec::with_capacity(n + 1),
             new_block_indptr: Vec::with_capacity(n + 1),
             num_cached_tokens: Vec::with_capacity(n),
             context_lens: Vec::with_capacity(n),
@@ -825,7 +827,6 @@ impl KvCacheManager {
             ..Default::default()
         };
         out.query_start_loc.push(0);
-        out.block_table_indptr.push(0);
         out.new_block_indptr.push(0);
         if let Err(e) = validate_step(req) {
             out.error = Some(e);
@@ -845,6 +846,9 @@ impl KvCacheManager {
             });
             return out;
         }
+        // The scheduled tables, concatenated; made dense once the widest is known.
+        let mut tables: Vec<i32> = Vec::new();
+        let mut table_ends: Vec<usize> = Vec::with_capacity(n);
         for (i, (&seq, &slot)) in req.seq_ids.iter().zip(&slots).enumerate() {
             let Some(slot) = slot else {
                 out.error = Some(unknown(seq));
@@ -886,10 +890,8 @@ impl KvCacheManager {
             }
             out.input_ids
                 .extend(s.tokens[ctx..ctx + q].iter().map(|&t| i64::from(t)));
-            out.block_table_indices
-                .extend(s.blocks.iter().map(|&b| b as i32));
-            out.block_table_indptr
-                .push(out.block_table_indices.len() as i32);
+            tables.extend(s.blocks.iter().map(|&b| b as i32));
+            table_ends.push(tables.len());
             out.new_block_ids
                 .extend(alloc.new_block_ids.iter().map(|&b| b as i32));
             out.new_block_indptr.push(out.new_block_ids.len() as i32);
@@ -898,7 +900,7 @@ impl KvCacheManager {
             }
         }
         drop(guard);
-        out.fill_dense_block_table();
+        (out.block_table, out.block_table_width) = dense_block_table(&tables, &table_ends);
         out
     }
 

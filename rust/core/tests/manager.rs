@@ -519,8 +519,8 @@ fn step_returns_exact_flat_arrays() {
     assert_eq!(out.seq_lens, vec![6, 3]);
     assert_eq!(out.context_lens, vec![0, 0]);
     assert_eq!(out.slot_mapping, vec![4, 5, 6, 7, 8, 9, 12, 13, 14]);
-    assert_eq!(out.block_table_indptr, vec![0, 2, 3]);
-    assert_eq!(out.block_table_indices, vec![1, 2, 3]);
+    assert_eq!(out.block_table_row(0), &[1, 2]);
+    assert_eq!(out.block_table_row(1), &[3, 0]);
     assert_eq!(out.new_block_indptr, vec![0, 2, 3]);
     assert_eq!(out.new_block_ids, vec![1, 2, 3]);
     assert!(out.copies.is_empty());

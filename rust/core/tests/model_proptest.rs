@@ -341,13 +341,16 @@ fn run(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
                 let w = out.block_table_width;
                 prop_assert_eq!(out.block_table.len(), out.num_scheduled * w);
                 for k in 0..out.num_scheduled {
-                    let (lo, hi) = (
-                        out.block_table_indptr[k] as usize,
-                        out.block_table_indptr[k + 1] as usize,
-                    );
-                    let row = &out.block_table[k * w..(k + 1) * w];
-                    prop_assert_eq!(&row[..hi - lo], &out.block_table_indices[lo..hi]);
-                    prop_assert!(row[hi - lo..].iter().all(|&b| b == 0));
+                    let row = out.block_table_row(k);
+                    let len = (out.seq_lens[k] as usize).div_ceil(BS as usize);
+                    let table: Vec<i32> = m
+                        .block_table(req.seq_ids[k])
+                        .unwrap()
+                        .iter()
+                        .map(|&b| b as i32)
+                        .collect();
+                    prop_assert_eq!(&row[..len], &table[..]);
+                    prop_assert!(row[len..].iter().all(|&b| b == 0));
                 }
                 prop_assert_eq!(out.input_ids.len(), out.slot_mapping.len());
                 // Scheduling every uncomputed token of the group takes exactly what it owed.
@@ -379,11 +382,7 @@ fn run(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
                     prop_assert_eq!(&out.input_ids[q], &want[..]);
                     model[i].computed = out.seq_lens[k] as usize;
                     model[i].status = SeqStatus::Running;
-                    let (lo, hi) = (
-                        out.block_table_indptr[k] as usize,
-                        out.block_table_indptr[k + 1] as usize,
-                    );
-                    let table = &out.block_table_indices[lo..hi];
+                    let table = out.block_table_row(k);
                     for (j, pos) in (out.context_lens[k]..out.seq_lens[k]).enumerate() {
                         let slot = out.slot_mapping[out.query_start_loc[k] as usize + j];
                         let block = table[pos as usize / BS as usize];

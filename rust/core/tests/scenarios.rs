@@ -359,6 +359,6 @@ fn s8_null_block_is_never_capacity() {
         num_new_tokens: vec![16],
         ..Default::default()
     });
-    assert!(out.block_table_indices.iter().all(|&b| b != 0));
+    assert!(out.block_table.iter().all(|&b| b != 0));
     m.check_invariants().unwrap();
 }

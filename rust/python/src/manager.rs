@@ -115,12 +115,6 @@ pub(crate) struct PyStepOutput {
     /// ``int64[T]`` KV slot of each scheduled token: ``block_id * block_size + offset``.
     #[pyo3(get)]
     slot_mapping: Py<PyArray1<i64>>,
-    /// ``int32[S + 1]`` CSR offsets into ``block_table_indices``.
-    #[pyo3(get)]
-    block_table_indptr: Py<PyArray1<i32>>,
-    /// ``int32[nnz]`` the scheduled sequences' full block tables, concatenated.
-    #[pyo3(get)]
-    block_table_indices: Py<PyArray1<i32>>,
     /// ``int32[S + 1]`` CSR offsets into ``new_block_ids``.
     #[pyo3(get)]
     new_block_indptr: Py<PyArray1<i32>>,
@@ -133,7 +127,9 @@ pub(crate) struct PyStepOutput {
     /// ``int64[T]`` token id of each scheduled token, in ``slot_mapping`` order.
     #[pyo3(get)]
     input_ids: Py<PyArray1<i64>>,
-    /// ``int32[S, W]`` dense block tables padded with the null block 0 (``W`` = longest table).
+    /// ``int32[S, W]`` the scheduled sequences' full block tables, one row each, padded with
+    /// the null block 0 (``W`` = the longest table; row ``k`` holds ``ceil(seq_lens[k] /
+    /// block_size)`` blocks). C-contiguous: ``torch.from_numpy`` shares it.
     #[pyo3(get)]
     block_table: Py<PyArray2<i32>>,
 }
@@ -575,8 +571,6 @@ impl PyKvCacheManager {
             seq_lens: arr(out.seq_lens),
             context_lens: arr(out.context_lens),
             slot_mapping: PyArray1::from_vec(py, out.slot_mapping).unbind(),
-            block_table_indptr: arr(out.block_table_indptr),
-            block_table_indices: arr(out.block_table_indices),
             new_block_indptr: arr(out.new_block_indptr),
             new_block_ids: arr(out.new_block_ids),
             copies: matrix(py, out.copies, 2),
