@@ -214,24 +214,6 @@ impl StepOutput {
     }
 }
 
-/// Concatenated tables (`ends[k]` = end of table `k` in `tables`) as one null-padded
-/// row-major matrix and its width (the longest table, at least 1).
-fn dense_block_table(tables: &[i32], ends: &[usize]) -> (Vec<i32>, usize) {
-    let mut start = 0;
-    let mut width = 1;
-    for &end in ends {
-        width = width.max(end - start);
-        start = end;
-    }
-    let mut dense = vec![NULL_BLOCK as i32; ends.len() * width];
-    let mut start = 0;
-    for (row, &end) in dense.chunks_exact_mut(width).zip(ends) {
-        row[..end - start].copy_from_slice(&tables[start..end]);
-        start = end;
-    }
-    (dense, width)
-}
-
 /// One sequence's bookkeeping.
 #[derive(Debug, Clone)]
 struct Sequence {
@@ -846,9 +828,6 @@ impl KvCacheManager {
             });
             return out;
         }
-        // The scheduled tables, concatenated; made dense once the widest is known.
-        let mut tables: Vec<i32> = Vec::new();
-        let mut table_ends: Vec<usize> = Vec::with_capacity(n);
         for (i, (&seq, &slot)) in req.seq_ids.iter().zip(&slots).enumerate() {
             let Some(slot) = slot else {
                 out.error = Some(unknown(seq));
@@ -890,8 +869,6 @@ impl KvCacheManager {
             }
             out.input_ids
                 .extend(s.tokens[ctx..ctx + q].iter().map(|&t| i64::from(t)));
-            tables.extend(s.blocks.iter().map(|&b| b as i32));
-            table_ends.push(tables.len());
             out.new_block_ids
                 .extend(alloc.new_block_ids.iter().map(|&b| b as i32));
             out.new_block_indptr.push(out.new_block_ids.len() as i32);
@@ -899,8 +876,26 @@ impl KvCacheManager {
                 out.copies.extend([src as i32, dst as i32]);
             }
         }
+        // The dense table, once the widest scheduled table is known (still under the lock).
+        let scheduled = slots[..out.num_scheduled]
+            .iter()
+            .map(|s| s.expect("scheduled"));
+        let width = scheduled
+            .clone()
+            .map(|slot| st.seqs.at_slot(slot).blocks.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut dense = vec![NULL_BLOCK as i32; out.num_scheduled * width];
+        for (row, slot) in dense.chunks_exact_mut(width).zip(scheduled) {
+            let blocks = &st.seqs.at_slot(slot).blocks;
+            for (d, &b) in row.iter_mut().zip(blocks) {
+                *d = b as i32;
+            }
+        }
         drop(guard);
-        (out.block_table, out.block_table_width) = dense_block_table(&tables, &table_ends);
+        out.block_table = dense;
+        out.block_table_width = width;
         out
     }
 

@@ -119,16 +119,28 @@ pub(crate) fn uint_array(
     if let Ok(arr) = obj.cast::<PyUntypedArray>() {
         return array_values(arr, arg, max);
     }
-    if !(obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>()) {
-        let reason = format!(
-            "expected a 1-D integer array or a list of ints, got {}",
-            type_name(obj)
-        );
-        return Err(bad(obj.py(), arg, repr(obj), reason));
+    // Lists and tuples are read through their own iterators (no iterator protocol).
+    if let Ok(list) = obj.cast::<PyList>() {
+        return items_values(list.iter(), list.len(), arg, max);
     }
-    let mut out = Vec::with_capacity(obj.len()?);
-    for (i, item) in obj.try_iter()?.enumerate() {
-        let item = item?;
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return items_values(tuple.iter(), tuple.len(), arg, max);
+    }
+    let reason = format!(
+        "expected a 1-D integer array or a list of ints, got {}",
+        type_name(obj)
+    );
+    Err(bad(obj.py(), arg, repr(obj), reason))
+}
+
+fn items_values<'py>(
+    items: impl Iterator<Item = Bound<'py, PyAny>>,
+    len: usize,
+    arg: &'static str,
+    max: u64,
+) -> PyResult<Vec<u64>> {
+    let mut out = Vec::with_capacity(len);
+    for (i, item) in items.enumerate() {
         let v = uint(&item, arg, max).map_err(|_| {
             let reason = if item.is_instance_of::<PyInt>() && !item.is_instance_of::<PyBool>() {
                 format!("values must be in 0..={max}")
@@ -197,8 +209,11 @@ pub(crate) fn list_items<'py>(
     obj: &Bound<'py, PyAny>,
     arg: &'static str,
 ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
-        return obj.try_iter()?.collect();
+    if let Ok(list) = obj.cast::<PyList>() {
+        return Ok(list.iter().collect());
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return Ok(tuple.iter().collect());
     }
     Err(bad(
         obj.py(),
