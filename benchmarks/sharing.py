@@ -273,7 +273,7 @@ def beam_search_engine(width: int, requests: int, *, bs: int = 16, max_tokens: i
     orig = eng.runner.execute
 
     def execute(batch: Any) -> Any:
-        tables = [len(mgr.block_table(s.seq_id)) for r in eng._requests.values() for s in r.seqs
+        tables = [len(mgr.block_table(s.seq_id)) for r in eng.requests for s in r.seqs
                   if mgr.num_tokens(s.seq_id) and mgr.status(s.seq_id) == "running"]
         phys = mgr.pool.num_used
         meter.physical += phys

@@ -286,7 +286,7 @@ class LLMEngine:
             results = {o.request_id: o for o in self.run(progress=progress)}
         except BaseException:
             for rid in mine:
-                req = self.requests.requests.get(rid)
+                req = self.requests.get(rid)
                 if req is not None:
                     self.requests.abort(req)
             raise
@@ -299,7 +299,7 @@ class LLMEngine:
         from tqdm import tqdm
 
         finished: list[RequestOutput] = []
-        with tqdm(total=len(self.requests.requests), desc="requests", unit="req", disable=not progress) as bar:
+        with tqdm(total=len(self.requests), desc="requests", unit="req", disable=not progress) as bar:
             while self.has_unfinished():
                 finished += (done := self.step())
                 bar.update(len(done))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Iterator
 
 import torch
 
@@ -37,14 +38,25 @@ class RequestRegistry:
     def __init__(self, manager: KVCacheManager, scheduler: Scheduler, seed: int) -> None:
         self.manager = manager
         self.scheduler = scheduler
-        self.requests: dict[str, Request] = {}
+        self._live: dict[str, Request] = {}
         self._seed_rng = torch.Generator().manual_seed(seed)
         self._arrivals = itertools.count()
         self._seq_ids = itertools.count(1)
 
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __iter__(self) -> Iterator[Request]:
+        """The live requests, in the order they were added."""
+        return iter(list(self._live.values()))
+
+    def get(self, request_id: str) -> Request | None:
+        """The live request ``request_id``, or ``None``."""
+        return self._live.get(request_id)
+
     def check_id(self, request_id: str | None) -> None:
         """Raises InvalidRequestError when ``request_id`` belongs to a live request."""
-        if request_id is not None and request_id in self.requests:
+        if request_id is not None and request_id in self._live:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
 
     def check(self, prepared: PreparedRequest) -> PreparedRequest:
@@ -84,7 +96,7 @@ class RequestRegistry:
         first = self.new_sequence(req, ids, 0)
         self.manager.add_sequence(first.seq_id, ids, cache_salt=prepared.cache_salt, extra_keys=extra_keys)
         req.seqs.append(first)
-        self.requests[rid] = req
+        self._live[rid] = req
         self.scheduler.add(req)
         return rid
 
@@ -107,7 +119,7 @@ class RequestRegistry:
     def finish(self, req: Request) -> None:
         """Take a request whose sequences are all freed off the queues and the registry."""
         self.scheduler.finish(req)
-        self.requests.pop(req.request_id, None)
+        self._live.pop(req.request_id, None)
 
     def abort(self, req: Request) -> None:
         """Drop ``req`` without an output: free every sequence the manager still holds for it
@@ -136,7 +148,7 @@ class RequestRegistry:
         """Abort every request that holds KV anywhere (device or swap blocks, or computed
         tokens); requests waiting with none stay queued. Returns the aborted ids."""
         aborted = []
-        for req in list(self.requests.values()):
+        for req in self:
             if not self._holds_no_kv(req):
                 self.abort(req)
                 aborted.append(req.request_id)
