@@ -49,6 +49,11 @@ CONFIG_ROWS: list[Row] = [
     ),
     ("num_blocks=2**40", lambda: pagedkv.CacheConfig(2**40, 4), E.InvalidConfigError, ("num_blocks", str(2**40))),
     ("hash_algo=md5", lambda: pagedkv.CacheConfig(10, 4, hash_algo="md5"), E.InvalidConfigError, ("hash_algo", "md5")),
+    # wrong types are pagedkv errors naming the field, not bare TypeErrors
+    ("hash_algo=5", lambda: pagedkv.CacheConfig(10, 4, hash_algo=5), E.InvalidConfigError, ("hash_algo", "5", "str")),  # type: ignore[arg-type]
+    ("hash_seed=str", lambda: pagedkv.CacheConfig(10, 4, hash_seed="s"), E.InvalidConfigError, ("hash_seed", "bytes")),  # type: ignore[arg-type]
+    ("enable_events=1", lambda: pagedkv.CacheConfig(10, 4, enable_events=1), E.InvalidConfigError, ("enable_events", "bool")),  # type: ignore[arg-type]
+    ("manager of a non-config", lambda: pagedkv.KVCacheManager("cfg"), E.InvalidArgumentError, ("config", "CacheConfig")),  # type: ignore[arg-type]
     (
         "num_cpu_blocks=-1",
         lambda: pagedkv.CacheConfig(10, 4, num_cpu_blocks=-1),
@@ -277,6 +282,8 @@ POOL_ROWS: list[Row] = [
     ("allocate more than free", lambda p: p.allocate(5), E.OutOfBlocksError, ("5", "4")),
     ("cache a free block", lambda p: p.cache_block(4, bytes(32)), E.InvalidArgumentError, ("4",)),
     ("cache with a short hash", lambda p: p.cache_block(1, b"short"), E.InvalidArgumentError, ("hash", "5 bytes")),
+    ("cache with a str hash", lambda p: p.cache_block(1, "h" * 32), E.InvalidArgumentError, ("hash", "str")),
+    ("lookup with an int hash", lambda p: p.lookup(5), E.InvalidArgumentError, ("hash", "int")),
     ("cache the null block", lambda p: p.cache_block(0, bytes(32)), E.InvalidBlockError, ("0",)),
     ("reset while in use", lambda p: p.reset_prefix_cache(), E.CacheInUseError, ("3",)),
 ]

@@ -6,7 +6,7 @@
 use crate::errors::{bad_arg, to_pyerr};
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
 /// `InvalidArgumentError` for argument `arg`.
 pub(crate) fn bad(
@@ -18,13 +18,13 @@ pub(crate) fn bad(
     to_pyerr(py, &bad_arg(arg, value, reason))
 }
 
-fn repr(obj: &Bound<'_, PyAny>) -> String {
+pub(crate) fn repr(obj: &Bound<'_, PyAny>) -> String {
     obj.repr()
         .map(|r| r.to_string())
         .unwrap_or_else(|_| "<unprintable>".into())
 }
 
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
+pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
         .name()
         .map(|n| n.to_string())
@@ -183,6 +183,19 @@ pub(crate) fn seq_id(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<u64>
 /// A non-negative count (tokens or blocks).
 pub(crate) fn count(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<usize> {
     Ok(uint(obj, arg, usize::MAX as u64)? as usize)
+}
+
+/// A `bytes` argument.
+pub(crate) fn bytes_arg<'a>(obj: &'a Bound<'_, PyAny>, arg: &'static str) -> PyResult<&'a [u8]> {
+    match obj.cast::<PyBytes>() {
+        Ok(b) => Ok(b.as_bytes()),
+        Err(_) => Err(bad(
+            obj.py(),
+            arg,
+            repr(obj),
+            format!("expected bytes, got {}", type_name(obj)),
+        )),
+    }
 }
 
 /// An optional `str` argument.

@@ -5,7 +5,9 @@
 //! per-block Python objects).
 
 use crate::config::PyCacheConfig;
-use crate::convert::{bad, count, list_items, opt_str, token_ids, uint, uint_array};
+use crate::convert::{
+    bad, count, list_items, opt_str, repr, token_ids, type_name, uint, uint_array,
+};
 use crate::errors::{error_instance, IntoPyResult};
 use crate::events::event_object;
 use crate::pool::PyBlockPool;
@@ -284,7 +286,15 @@ fn step_appends(obj: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<(Vec<u32>,
 #[pymethods]
 impl PyKvCacheManager {
     #[new]
-    fn new(py: Python<'_>, config: Py<PyCacheConfig>) -> PyResult<Self> {
+    fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let config: Py<PyCacheConfig> = config
+            .cast::<PyCacheConfig>()
+            .map_err(|_| {
+                let reason = format!("expected a CacheConfig, got {}", type_name(config));
+                bad(py, "config", repr(config), reason)
+            })?
+            .clone()
+            .unbind();
         let cfg = config.get().inner.clone();
         let inner = py.detach(|| KvCacheManager::new(cfg)).py(py)?;
         let inner = Arc::new(inner);

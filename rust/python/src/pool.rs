@@ -1,8 +1,8 @@
 //! `pagedkv.BlockPool`: the block pool on its own (for allocators and stress tests), or a
 //! read-only view of a manager's pool.
 
-use crate::convert::{block_ids, count, uint};
-use crate::errors::{bad_arg, read_only_pool, to_pyerr, IntoPyResult};
+use crate::convert::{bad, block_ids, bytes_arg, count, uint};
+use crate::errors::{read_only_pool, to_pyerr, IntoPyResult};
 use numpy::PyArray1;
 use pagedkv_core::events::EventSink;
 use pagedkv_core::pool::BlockPool;
@@ -77,17 +77,13 @@ fn id_array(py: Python<'_>, ids: Vec<BlockId>) -> Bound<'_, PyArray1<i32>> {
     PyArray1::from_vec(py, ids.into_iter().map(|b| b as i32).collect())
 }
 
-fn hash_arg(py: Python<'_>, hash: &[u8]) -> PyResult<BlockHash> {
-    let arr: [u8; 32] = hash
-        .try_into()
-        .map_err(|_| {
-            bad_arg(
-                "hash",
-                format!("<{} bytes>", hash.len()),
-                "a block hash is exactly 32 bytes",
-            )
-        })
-        .map_err(|e| crate::errors::to_pyerr(py, &e))?;
+/// A 32-byte block hash argument.
+fn hash_arg(hash: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
+    let bytes = bytes_arg(hash, "hash")?;
+    let arr: [u8; 32] = bytes.try_into().map_err(|_| {
+        let value = format!("<{} bytes>", bytes.len());
+        bad(hash.py(), "hash", value, "a block hash is exactly 32 bytes")
+    })?;
     Ok(BlockHash(arr))
 }
 
@@ -192,17 +188,17 @@ impl PyBlockPool {
         &self,
         py: Python<'_>,
         block_id: &Bound<'_, PyAny>,
-        hash: &[u8],
+        hash: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
         let id = uint(block_id, "block_id", u64::from(u32::MAX))? as u32;
-        let hash = hash_arg(py, hash)?;
+        let hash = hash_arg(hash)?;
         let pool = self.writable("cache_block")?;
         py.detach(|| pool.cache_block(id, hash)).py(py)
     }
 
     /// A block carrying ``hash`` (32 bytes), or None. No side effects.
-    fn lookup(&self, py: Python<'_>, hash: &[u8]) -> PyResult<Option<BlockId>> {
-        let hash = hash_arg(py, hash)?;
+    fn lookup(&self, py: Python<'_>, hash: &Bound<'_, PyAny>) -> PyResult<Option<BlockId>> {
+        let hash = hash_arg(hash)?;
         Ok(py.detach(|| self.pool().lookup(&hash)))
     }
 
