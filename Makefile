@@ -109,10 +109,12 @@ ruff: deps ## ruff format --check and ruff check on RUFF_PATHS
 clippy: ## clippy on every crate and target, warnings are errors
 	cargo clippy --workspace --all-targets -- -D warnings
 
-# The whole package: the allocator-facing modules, the _core stub, the engine and the kernels
-# (through the python/pagedkv/kernels symlink, so they are checked as pagedkv.kernels).
+# The whole package: the allocator-facing modules, the _core stub, the engine, the kernels
+# (through the python/pagedkv/kernels symlink, so they are checked as pagedkv.kernels) and the
+# integrations (vLLM's types are Any where vLLM is not installed).
 MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv/tensors.py \
-	python/pagedkv/_repr.py python/pagedkv/_core.pyi python/pagedkv/engine python/pagedkv/kernels
+	python/pagedkv/_repr.py python/pagedkv/_core.pyi python/pagedkv/engine python/pagedkv/kernels \
+	python/pagedkv/integrations
 
 mypy: deps ## Type-check the Python package (API, _core stub, engine, kernels)
 	$(PYTHON) -m mypy $(MYPY_PATHS)
