@@ -26,8 +26,8 @@ pub mod sync;
 pub use error::{Error, Result};
 pub use hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
 pub use manager::{
-    CacheConfig, KvCacheManager, MmItem, SeqStatus, SequenceSpec, SlotAllocation, StepOutput,
-    StepRequest,
+    CacheConfig, KvCacheManager, MmItem, SeqStatus, SequenceSpec, SlotAllocation, StepOptions,
+    StepOutput, StepRequest,
 };
 pub use metrics::{CacheStats, ManagerCounters};
 

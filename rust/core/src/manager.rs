@@ -206,6 +206,16 @@ pub struct StepOutput {
     pub block_table_width: usize,
 }
 
+/// Options of [`KvCacheManager::step_with`]. The default is what [`KvCacheManager::step`]
+/// returns.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepOptions {
+    /// Leave [`StepOutput::block_table`] empty (`block_table_width` 0): for callers that keep
+    /// block tables themselves from `new_block_ids` (a serving stack's scheduler), copying
+    /// every scheduled table out each step would be O(blocks held) wasted work.
+    pub skip_block_table: bool,
+}
+
 impl StepOutput {
     /// Row `k` of the dense block table (`block_table_width` entries, null-padded).
     pub fn block_table_row(&self, k: usize) -> &[i32] {
@@ -794,6 +804,11 @@ impl KvCacheManager {
     /// reported in `error` with nothing scheduled. O(total tokens scheduled + blocks of the
     /// scheduled sequences).
     pub fn step(&self, req: &StepRequest) -> StepOutput {
+        self.step_with(req, StepOptions::default())
+    }
+
+    /// [`Self::step`] with [`StepOptions`] (e.g. without the dense block table).
+    pub fn step_with(&self, req: &StepRequest, opts: StepOptions) -> StepOutput {
         // Sized for the common decode step (one token per sequence) so the hot loop rarely
         // reallocates; prefill chunks grow the token-indexed vectors as needed.
         let n = req.seq_ids.len();
@@ -875,6 +890,10 @@ impl KvCacheManager {
             for (src, dst) in alloc.copies {
                 out.copies.extend([src as i32, dst as i32]);
             }
+        }
+        if opts.skip_block_table {
+            out.block_table_width = 0;
+            return out;
         }
         // The dense table, once the widest scheduled table is known (still under the lock).
         let scheduled = slots[..out.num_scheduled]

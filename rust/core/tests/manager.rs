@@ -4,7 +4,7 @@
 use pagedkv_core::events::KvEvent;
 use pagedkv_core::{
     BlockHash, BlockId, CacheConfig, Error, ExtraKey, KvCacheManager, MmItem, PrefixHasher,
-    SeqStatus, SequenceSpec, StepRequest,
+    SeqStatus, SequenceSpec, StepOptions, StepOutput, StepRequest,
 };
 
 fn manager_with(num_blocks: u32, block_size: u32, cpu: u32) -> KvCacheManager {
@@ -500,6 +500,46 @@ fn multimodal_items_key_the_blocks_they_overlap() {
         (m.lookup_prefix(2).unwrap(), m.lookup_prefix(3).unwrap()),
         (0, 12)
     );
+}
+
+#[test]
+fn step_without_block_table_takes_the_same_blocks() {
+    let skip = StepOptions {
+        skip_block_table: true,
+    };
+    let full = manager(16, 4);
+    let lean = manager(16, 4);
+    for m in [&full, &lean] {
+        m.add_sequence(1, &toks(0, 6), spec()).unwrap();
+        m.add_sequence(2, &toks(100, 3), spec()).unwrap();
+    }
+    let first = StepRequest {
+        seq_ids: vec![1, 2],
+        num_new_tokens: vec![6, 3],
+        ..Default::default()
+    };
+    let decode = StepRequest {
+        seq_ids: vec![1, 2],
+        num_new_tokens: vec![1, 1],
+        append_indptr: vec![0, 1, 2],
+        append_tokens: vec![7, 8],
+    };
+    for req in [&first, &decode] {
+        let a = full.step(req);
+        let b = lean.step_with(req, skip);
+        assert!(b.block_table.is_empty());
+        assert_eq!(b.block_table_width, 0);
+        assert_eq!(
+            StepOutput {
+                block_table: Vec::new(),
+                block_table_width: 0,
+                ..a
+            },
+            b
+        );
+    }
+    assert_eq!(lean.block_table(1).unwrap(), vec![1, 2]);
+    assert_eq!(lean.block_table(2).unwrap(), vec![3]);
 }
 
 #[test]

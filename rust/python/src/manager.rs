@@ -14,7 +14,9 @@ use crate::pool::PyBlockPool;
 use crate::stats::PyCacheStats;
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyUntypedArray, PyUntypedArrayMethods};
-use pagedkv_core::{BlockId, ExtraKey, KvCacheManager, MmItem, SequenceSpec, StepRequest};
+use pagedkv_core::{
+    BlockId, ExtraKey, KvCacheManager, MmItem, SequenceSpec, StepOptions, StepRequest,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList};
 use std::sync::Arc;
@@ -549,13 +551,17 @@ impl PyKvCacheManager {
     /// lengths that disagree; nothing done). A request refused as a whole by the core (a
     /// sequence listed twice) is not raised either: it comes back with ``num_scheduled == 0``
     /// and ``error`` set, nothing changed. ``StepOutput.raise_for_error()`` raises any of these.
-    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None))]
+    ///
+    /// ``block_table=False`` leaves ``StepOutput.block_table`` empty (shape ``(0, 0)``): for
+    /// callers that keep tables themselves from ``new_block_ids``.
+    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, block_table = true))]
     fn step(
         &self,
         py: Python<'_>,
         seq_ids: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
         append_token_ids: Option<&Bound<'_, PyAny>>,
+        block_table: bool,
     ) -> PyResult<PyStepOutput> {
         let seq_ids = crate::convert::seq_ids(seq_ids, "seq_ids")?;
         let num_new_tokens = step_num_new_tokens(num_new_tokens, seq_ids.len())?;
@@ -567,7 +573,10 @@ impl PyKvCacheManager {
             append_tokens,
         };
         let m = &self.inner;
-        let out = py.detach(|| m.step(&req));
+        let opts = StepOptions {
+            skip_block_table: !block_table,
+        };
+        let out = py.detach(|| m.step_with(&req, opts));
         let error = match &out.error {
             Some(e) => Some(error_instance(py, e)?.unbind()),
             None => None,
@@ -585,7 +594,11 @@ impl PyKvCacheManager {
             new_block_ids: arr(out.new_block_ids),
             copies: matrix(py, out.copies, 2),
             input_ids: PyArray1::from_vec(py, out.input_ids).unbind(),
-            block_table: matrix(py, out.block_table, out.block_table_width),
+            block_table: if out.block_table_width == 0 {
+                Array2::<i32>::zeros((0, 0)).into_pyarray(py).unbind()
+            } else {
+                matrix(py, out.block_table, out.block_table_width)
+            },
         })
     }
 

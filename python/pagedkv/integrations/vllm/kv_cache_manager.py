@@ -120,6 +120,21 @@ def _make_blocks_class() -> type:
 PagedKVBlocks: Any = _make_blocks_class()
 
 
+class _DeferredBlocks(PagedKVBlocks):  # type: ignore[misc, valid-type]
+    """The new block of a deferred decode (see ``PagedKVCacheManager.allocate_slots``): its id
+    is known once the pending decodes are flushed into pagedkv, which reading ``ids`` does."""
+
+    def __init__(self, manager: PagedKVCacheManager) -> None:
+        self._manager = manager
+        self._ids: list[int] = []
+
+    @property
+    def ids(self) -> list[int]:
+        if self._manager._pending_seqs:
+            self._manager.flush_decodes()
+        return self._ids
+
+
 class _PrefixHit:
     """What ``get_computed_blocks`` returns for a hit: the scheduler passes it back to
     ``allocate_slots`` unchanged (pagedkv takes the hit blocks itself while allocating), so only
@@ -199,7 +214,10 @@ class PagedKVCacheManager:
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.num_kv_cache_groups = 1
         self.watermark_blocks = int(watermark * num_blocks)
-        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+        # A PagedKVBlocks, so the scheduler's per-request ``get_block_ids(allow_none=True)`` on
+        # it is one check (vLLM's own KVCacheBlocks walks its groups).
+        self.empty_kv_cache_blocks = PagedKVBlocks([])
+        self._RUNNING = RequestStatus.RUNNING
         self.spec_kind = spec_kind
         self.medium = "GPU"
 
@@ -210,11 +228,22 @@ class PagedKVCacheManager:
         self._num_known: dict[str, int] = {}
         self._next_seq_id = 0
         self._lora_ids: dict[str, int] = {}
-        # Allocations made ahead by the batched decode path: request id -> result.
-        self._prepared: dict[str, Any] = {}
-        #: Decode slots allocated through ``prepare_decodes`` so far (requests, summed).
+        #: Defer plain decodes of running requests and allocate them in one batched call
+        #: (``flush_decodes``); off: one call into Rust per ``allocate_slots``.
+        self.defer_decodes = True
+        # Deferred decodes not yet in pagedkv, in call order: sequence, token to append, the
+        # computed-token count pagedkv must report, and (index, _DeferredBlocks) of those that
+        # take a new block.
+        self._pending_seqs: list[int] = []
+        self._pending_tokens: list[int] = []
+        self._pending_context: list[int] = []
+        self._pending_new: list[tuple[int, Any]] = []
+        # Free blocks left for deferred decodes (None: read the pool on next need).
+        self._deferred_free: int | None = None
+        #: Decode slots allocated through the deferred batched path so far (requests, summed).
         self.num_batched_allocations = 0
-        #: Batched steps that stopped early (a request did not fit; vLLM's loop preempts).
+        #: Deferred decodes refused because no free block was left for them (they took the
+        #: per-request path, where vLLM's loop preempts).
         self.num_batch_stops = 0
 
     # ---- properties vLLM reads -------------------------------------------------------------
@@ -222,6 +251,7 @@ class PagedKVCacheManager:
     @property
     def manager(self) -> pagedkv.KVCacheManager:
         """The underlying ``pagedkv.KVCacheManager`` (inspection, invariant checks)."""
+        self._sync()
         return self._kvm
 
     @property
@@ -230,6 +260,7 @@ class PagedKVCacheManager:
         (free includes evictable cached blocks)."""
         if not self._num_usable:
             return 0.0
+        self._sync()
         return 1.0 - self._pool.num_free / self._num_usable
 
     def seq_id(self, request_id: str) -> int:
@@ -302,6 +333,7 @@ class PagedKVCacheManager:
         """
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
+        self._sync()
         seq = self._register(request)
         hit = self._kvm.lookup_prefix(seq)
         if max_cache_hit_length is not None and hit > max_cache_hit_length:
@@ -340,6 +372,7 @@ class PagedKVCacheManager:
         seq = self._seq_of.get(request.request_id)
         if seq is None or not self.enable_caching:
             return 0
+        self._sync()
         computed = int(min(self._kvm.num_computed_tokens(seq), request.num_tokens))
         return computed - computed % self.block_size
 
@@ -372,14 +405,38 @@ class PagedKVCacheManager:
         check refuses (lookahead slots, external / encoder tokens, delayed caching), and
         ``RuntimeError`` if pagedkv's computed-token count disagrees with the request's.
         """
+        if (
+            num_new_tokens == 1
+            and request.status is self._RUNNING
+            and self.defer_decodes
+            and not (
+                num_lookahead_tokens
+                or num_new_computed_tokens
+                or full_sequence_must_fit
+                or reserved_blocks
+                or num_external_computed_tokens
+                or num_encoder_tokens
+                or delay_cache_blocks
+            )
+        ):
+            # The deferred path (inlined: it runs once per decoding request per step): a
+            # plain decode (the one uncomputed token is the last, pagedkv holds all the others)
+            # is answered here and allocated at the next flush_decodes.
+            tokens = request._all_token_ids
+            pos = len(tokens) - 1
+            rid = request.request_id
+            known = self._num_known
+            if request.num_computed_tokens == pos and known.get(rid) == pos and not request.num_output_placeholders:
+                pending = self._pending_seqs
+                blocks = self.empty_kv_cache_blocks if pos % self.block_size else self._defer_new_block(len(pending))
+                if blocks is not None:
+                    pending.append(self._seq_of[rid])
+                    self._pending_tokens.append(tokens[-1])
+                    self._pending_context.append(pos)
+                    known[rid] = pos + 1
+                    return blocks
+        self._sync()
         rid = request.request_id
-        prepared = self._prepared.pop(rid, None)
-        if prepared is not None:
-            if num_new_tokens != 1:
-                raise RuntimeError(
-                    f"request {rid!r}: batched decode prepared 1 token, the scheduler asked for {num_new_tokens}"
-                )
-            return prepared
         if num_new_tokens <= 0:
             raise InvalidArgumentError(
                 f"num_new_tokens must be >= 1 (got {num_new_tokens}) for request {rid!r}",
@@ -430,52 +487,63 @@ class PagedKVCacheManager:
             return self.empty_kv_cache_blocks
         return PagedKVBlocks(ids.tolist())
 
-    def prepare_decodes(
-        self,
-        request_ids: Sequence[str],
-        seq_ids: Sequence[int],
-        last_token_ids: Sequence[int],
-        num_tokens: Sequence[int],
-    ) -> int:
-        """Appends one sampled token to each request and allocates its decode slot, in order,
-        in one call into Rust (``pagedkv.KVCacheManager.step``).
+    def _defer_new_block(self, index: int) -> Any:
+        """The result of the ``index``-th deferred decode when its slot opens a new block:
+        a ``_DeferredBlocks`` (filled in by the flush) while the pool still has a free block
+        for it (counted here, so the flush cannot run out), else None (no block left: the
+        caller takes the per-request path, which fails there, and vLLM preempts, exactly as
+        stock)."""
+        free = self._deferred_free
+        if free is None:
+            free = self._pool.num_free
+        if free <= 0:
+            self._deferred_free = free
+            self.num_batch_stops += 1
+            return None
+        self._deferred_free = free - 1
+        blocks = _DeferredBlocks(self)
+        self._pending_new.append((index, blocks))
+        return blocks
 
-        Used by ``PagedKVScheduler`` before vLLM's running loop, for a prefix of running
-        requests that the loop is certain to give exactly one token each: the loop's following
-        ``allocate_slots(request, 1)`` calls return these results. Stops at the first request
-        that does not fit; that one and the rest are left untouched and go through
-        ``allocate_slots`` normally, where vLLM preempts. ``seq_ids[i]`` is
-        ``seq_id(request_ids[i])``, ``last_token_ids[i]`` the token sampled last step and
-        ``num_tokens[i]`` the request's token count with it. Returns how many were prepared.
-        """
-        out = self._kvm.step(seq_ids, 1, np.asarray(last_token_ids, dtype=np.int64))
-        n = out.num_scheduled
-        results = [self.empty_kv_cache_blocks] * n
+    def flush_decodes(self) -> int:
+        """Allocates the deferred decodes (appending each one's last token) in one call into
+        Rust (``pagedkv.KVCacheManager.step``), in the order ``allocate_slots`` deferred them,
+        and fills in the ids of their new blocks. Returns how many were flushed. Raises
+        ``RuntimeError`` if pagedkv refuses one or disagrees on a computed-token count (the
+        deferral's bookkeeping would be wrong; never expected)."""
+        seqs = self._pending_seqs
+        if not seqs:
+            return 0
+        tokens, context, new = self._pending_tokens, self._pending_context, self._pending_new
+        self._pending_seqs, self._pending_tokens, self._pending_context, self._pending_new = [], [], [], []
+        self._deferred_free = None
+        out = self._kvm.step(seqs, 1, np.array(tokens, dtype=np.int64), block_table=False)
+        n = len(seqs)
+        if out.num_scheduled != n:
+            raise RuntimeError(
+                f"deferred decodes: pagedkv scheduled {out.num_scheduled} of {n}: {out.error!r}"
+            )
+        if out.context_lens.tolist() != context:
+            raise RuntimeError("deferred decodes: pagedkv's computed-token counts differ from vLLM's")
         new_ids = out.new_block_ids
-        if len(new_ids):
-            indptr = out.new_block_indptr[: n + 1]
+        if len(new_ids) != len(new):
+            raise RuntimeError(
+                f"deferred decodes: pagedkv took {len(new_ids)} new blocks, {len(new)} expected"
+            )
+        if new:
             ids = new_ids.tolist()
-            bounds = indptr.tolist()
-            for i in np.flatnonzero(np.diff(indptr)).tolist():
-                results[i] = PagedKVBlocks(ids[bounds[i] : bounds[i + 1]])
-        if n == len(request_ids):
-            self._prepared.update(zip(request_ids, results))
-            self._num_known.update(zip(request_ids, num_tokens))
-        else:
-            self._prepared.update(zip(request_ids[:n], results))
-            self._num_known.update(zip(request_ids[:n], num_tokens[:n]))
+            bounds = out.new_block_indptr.tolist()
+            for i, blocks in new:
+                blocks._ids = ids[bounds[i] : bounds[i + 1]]
         self.num_batched_allocations += n
-        self.num_batch_stops += out.error is not None
         return n
 
-    def take_unused_prepared(self) -> list[str]:
-        """Request ids whose batched allocation the scheduler did not consume (empty unless the
-        batched path's preconditions were wrong); clears them."""
-        if not self._prepared:
-            return []
-        ids = list(self._prepared)
-        self._prepared.clear()
-        return ids
+    def _sync(self) -> None:
+        """Brings pagedkv up to date before any other call reads or changes it: flushes the
+        deferred decodes and forgets the free-block count they were counted against."""
+        if self._pending_seqs:
+            self.flush_decodes()
+        self._deferred_free = None
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """No-op: pagedkv registers full blocks in the prefix cache as it allocates them."""
@@ -488,8 +556,8 @@ class PagedKVCacheManager:
         a no-op, as in vLLM. Raises ``UnknownSequenceError`` for a request freed before that
         still claims computed tokens (a double free), changing nothing.
         """
+        self._sync()
         rid = request.request_id
-        self._prepared.pop(rid, None)
         seq = self._seq_of.get(rid)
         if seq is None:
             if request.num_computed_tokens > 0:
@@ -511,6 +579,7 @@ class PagedKVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Drops every prefix-cache entry; False (nothing changed) while any block is in use."""
+        self._sync()
         try:
             self._kvm.reset_prefix_cache()
         except pagedkv.CacheInUseError:
@@ -523,11 +592,13 @@ class PagedKVCacheManager:
 
     def get_blocks(self, request_id: str) -> Any:
         """The request's whole block table. Raises ``UnknownSequenceError``."""
+        self._sync()
         ids = self._kvm.block_table(self.seq_id(request_id)).tolist()
         return PagedKVBlocks(ids) if ids else self.empty_kv_cache_blocks
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """``(block ids,)`` of the request's table. Raises ``UnknownSequenceError``."""
+        self._sync()
         return (self._kvm.block_table(self.seq_id(request_id)).tolist(),)
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
@@ -548,6 +619,7 @@ class PagedKVCacheManager:
         """KV events since the last call as ``vllm.distributed.kv_events`` objects."""
         if not self.enable_kv_cache_events:
             return []
+        self._sync()
         from pagedkv.integrations.vllm.events import to_vllm_events
 
         return to_vllm_events(

@@ -7,11 +7,13 @@ Usable wherever vLLM takes a scheduler class::
 Scheduling decisions (admission, chunked prefill, preemption order, stop handling, outputs) are
 vLLM's own code; the KV cache calls go to :class:`PagedKVCacheManager`. Two changes on top:
 
-- batched decode: before vLLM's running loop, the longest prefix of running requests that the
-  loop will certainly give exactly one token each is allocated in one call into Rust
-  (``PagedKVCacheManager.prepare_decodes``); the loop's per-request ``allocate_slots``
-  calls then return those results. The first request that does not fit and everything after
-  it take vLLM's normal path, so preemption happens exactly where stock vLLM preempts.
+- batched decode: vLLM's running loop still calls ``allocate_slots(request, 1)`` once per
+  decoding request, but each such call is answered in Python without calling into Rust (no
+  new block, or one block counted against the pool's free blocks) and the decodes are
+  allocated together in one call (``PagedKVCacheManager.flush_decodes``) before anything
+  else reads or changes pagedkv, at the latest when ``schedule`` returns. A decode that needs a
+  block when none is left takes the per-request path, so preemption happens exactly where
+  stock vLLM preempts.
 - no double hashing: pagedkv hashes blocks in Rust as it caches them, so by default the
   request's Python block hasher is dropped when a request is added (vLLM's engine core has
   already hashed the prompt; output blocks are no longer hashed in Python in
@@ -72,7 +74,7 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
             watermark=self.scheduler_config.watermark,
             spec_kind=get_kv_cache_spec_kind(spec).value,
         )
-        self._num_sampled = self.num_sampled_tokens_per_step
+        self.kv_cache_manager.defer_decodes = self.batch_decode
 
     def add_request(self, request: Any) -> None:
         """Queues ``request`` (vLLM's ``add_request``). Raises ``InvalidArgumentError`` for a
@@ -89,59 +91,9 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
             request._block_hasher = None
         super().add_request(request)
 
-    def _prepare_decodes(self) -> None:
-        """Allocates, in one call, the decode slots of the longest prefix of ``self.running``
-        that vLLM's running loop will schedule with exactly one token each and no other KV call
-        in between (this mirrors the loop's skip and cap conditions for the synchronous
-        scheduler: one known uncomputed token, no draft tokens or output placeholders, eligible
-        this step, below ``max_model_len``, within the token budgets)."""
-        from vllm.v1.core.sched.interface import PauseState
-
-        if self._pause_state == PauseState.PAUSED_ALL:
-            return
-        budget = min(self.max_num_scheduled_tokens, self.scheduler_config.max_num_batched_tokens)
-        step = self.current_step + 1
-        limit = self.max_model_len - self._num_sampled
-        manager = self.kv_cache_manager
-        seq_of = manager._seq_of
-        known = manager._num_known
-        ec = self.ec_connector is not None
-        rids: list[str] = []
-        seqs: list[int] = []
-        tokens: list[int] = []
-        lens: list[int] = []
-        for request in self.running[:budget]:
-            all_tokens = request._all_token_ids
-            n = len(all_tokens)
-            rid = request.request_id
-            if (
-                request.num_computed_tokens != n - 1
-                or known.get(rid) != n - 1
-                or n - 1 >= limit
-                or request.spec_token_ids
-                or request.num_output_placeholders
-                or step < request.next_decode_eligible_step
-                or (ec and request.mm_features)
-            ):
-                break
-            rids.append(rid)
-            seqs.append(seq_of[rid])
-            tokens.append(all_tokens[-1])
-            lens.append(n)
-        if rids:
-            manager.prepare_decodes(rids, seqs, tokens, lens)
-
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's ``schedule``, with the running decodes' slots allocated in one batch first."""
-        manager = self.kv_cache_manager
-        if self.batch_decode and self.running:
-            self._prepare_decodes()
+        """vLLM's ``schedule``; the decodes it deferred are in pagedkv when it returns."""
         try:
-            out = super().schedule(*args, **kwargs)
-        except BaseException:
-            manager.take_unused_prepared()
-            raise
-        unused = manager.take_unused_prepared()
-        if unused:
-            raise RuntimeError(f"batched decode allocated slots the scheduler did not use: {unused}")
-        return out
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.kv_cache_manager.flush_decodes()
