@@ -50,20 +50,24 @@ class AttentionTile:
 
 
 #: (precision class ``"half"`` | ``"fp32"``, BLOCK_D, phase) -> tile. Chosen with the AOT check
-#: (``python -m pagedkv.kernels.aot``): zero spill bytes and zero stack on sm_80 / sm_90.
+#: (``python -m pagedkv.kernels.aot``): zero spill bytes and zero stack on sm_80 / sm_90 / sm_100,
+#: under 99 KB of shared memory (so sm_86 / sm_89 parts fit too). Half-precision prefill keeps
+#: one warp per 16 rows (the FlashAttention-2 split: each warp owns whole rows, P stays in
+#: registers); 16-row decode tiles put the warps along the KV / head dims. fp32's FMA dot
+#: holds both operands in registers, hence its narrow BLOCK_N and 8 warps.
 ATTENTION_TILES: dict[tuple[str, int, str], AttentionTile] = {
     ("half", 64, "decode"): AttentionTile(16, 64, 4, 3),
     ("half", 128, "decode"): AttentionTile(16, 64, 4, 3),
-    ("half", 256, "decode"): AttentionTile(16, 32, 4, 2),
+    ("half", 256, "decode"): AttentionTile(16, 32, 4, 3),
     ("half", 64, "prefill"): AttentionTile(64, 64, 4, 3),
-    ("half", 128, "prefill"): AttentionTile(64, 64, 4, 3),
-    ("half", 256, "prefill"): AttentionTile(32, 32, 4, 2),
+    ("half", 128, "prefill"): AttentionTile(128, 64, 8, 3),
+    ("half", 256, "prefill"): AttentionTile(64, 32, 8, 2),
     ("fp32", 64, "decode"): AttentionTile(16, 64, 4, 3),
-    ("fp32", 128, "decode"): AttentionTile(16, 64, 4, 2),
-    ("fp32", 256, "decode"): AttentionTile(16, 32, 4, 2),
-    ("fp32", 64, "prefill"): AttentionTile(64, 64, 4, 3),
-    ("fp32", 128, "prefill"): AttentionTile(64, 64, 4, 2),
-    ("fp32", 256, "prefill"): AttentionTile(32, 32, 4, 2),
+    ("fp32", 128, "decode"): AttentionTile(16, 64, 8, 2),
+    ("fp32", 256, "decode"): AttentionTile(16, 16, 8, 2),
+    ("fp32", 64, "prefill"): AttentionTile(64, 32, 8, 2),
+    ("fp32", 128, "prefill"): AttentionTile(32, 16, 8, 2),
+    ("fp32", 256, "prefill"): AttentionTile(32, 16, 8, 2),
 }
 
 #: Split-KV partials merged per step of the merge kernel's loop (any split count works).
