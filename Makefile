@@ -17,7 +17,7 @@ RUN_ARGS ?= --prompts examples/prompts.jsonl --output target/run/results.jsonl
 
 .DEFAULT_GOAL := help
 .PHONY: help setup deps build run test test-rust test-python stubtest check-dist fuzz-smoke \
-        lint fmt fmt-check clippy mypy bench
+        lint fmt fmt-check clippy mypy bench kernels-aot
 
 help: ## Show this list of targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -50,6 +50,7 @@ test-rust: ## cargo test for the workspace (core unit, proptest and doc tests)
 
 # pytest exits 5 when it collects no test; make treats every non-zero exit as a failure, and
 # nothing here masks it.
+# tests/kernels/test_aot.py compiles its kernel subset in a subprocess without TRITON_INTERPRET.
 test-python: setup ## pytest (hypothesis profile from HYPOTHESIS_PROFILE, default ci; Triton interpreted on CPU)
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest
 
@@ -84,3 +85,6 @@ mypy: deps ## Type-check the public Python API modules and the _core stub
 # run_all.py runs every CPU benchmark (step_overhead.py included) and writes SUMMARY.md.
 bench: setup ## CPU benchmarks (tables on stdout, JSON + SUMMARY.md under benchmarks/results/)
 	$(PYTHON) benchmarks/run_all.py
+
+kernels-aot: setup ## Compile every Triton kernel configuration for sm_80/90/100 without a GPU (also part of bench)
+	$(PYTHON) benchmarks/kernels_aot.py

@@ -1,10 +1,12 @@
-"""Run the CPU benchmarks in one go (about 10-20 minutes on 2 cores) and write
+"""Run the CPU benchmarks in one go (about 10-20 minutes on 2 cores, plus about 20 for a first
+kernels_aot run with an empty compile cache) and write
 ``benchmarks/results/SUMMARY.md``, the markdown tables the README carries.
 
 Runs, each in its own subprocess with a time limit: ``allocator_speed.py``,
 ``memory_efficiency.py``, ``sharing.py``, ``prefix_caching.py`` (each with ``--quick``), and
-``step_overhead.py`` / ``engine_throughput.py`` / ``engine_roofline.py`` when present (not ``kernels.py``, which needs
-CUDA). Each script's output goes to ``benchmarks/results/logs/<name>.log``; its tables are
+``step_overhead.py`` / ``engine_throughput.py`` / ``engine_roofline.py`` when present, and
+``kernels_aot.py`` (every Triton kernel configuration compiled for sm_80/90/100 without a GPU;
+not ``kernels.py``, which needs CUDA). Each script's output goes to ``benchmarks/results/logs/<name>.log``; its tables are
 echoed when it ends. A script that fails or times out is reported in the summary, never hidden.
 
 Usage:
@@ -52,6 +54,9 @@ def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
                                            *(a.engine_args or ["--rounds", "1"])], 600))
     if (HERE / "engine_roofline.py").exists():
         jobs.append(("engine_roofline", [py, str(HERE / "engine_roofline.py")], 240))
+    if (HERE / "kernels_aot.py").exists():
+        # A fresh run compiles a few hundred kernels; cached per kernel afterwards.
+        jobs.append(("kernels_aot", [py, str(HERE / "kernels_aot.py")], 3600))
     if a.only:
         jobs = [j for j in jobs if j[0] in a.only]
     return jobs
@@ -200,7 +205,7 @@ def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> st
         out += [f"## Prefix caching, Mooncake conversation trace ({wl['requests']} requests, "
                 f"mean prompt {wl['prompt_mean']:.0f} tokens)", "",
                 common.markdown_table(["system", "caching", "KV budget (tokens)", "hit rate", "prefill tokens saved"], rows), ""]
-    for name in ("step_overhead", "engine_throughput", "engine_roofline"):
+    for name in ("step_overhead", "engine_throughput", "engine_roofline", "kernels_aot"):
         d = _load(results_dir, name)
         if d is not None:
             md = d.get("summary_markdown")

@@ -27,35 +27,32 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import io
 import itertools
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
-import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-    raise RuntimeError("pagedkv.kernels.aot: TRITON_INTERPRET is set; the AOT check compiles real GPU "
-                       "kernels and must run in a process without it")
+import torch
+import triton
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-
-from . import configs as C  # noqa: E402
-from . import traffic  # noqa: E402
-from .attention import attention_launches  # noqa: E402
-from .block_copy import copy_blocks_launch  # noqa: E402
-from .cache_write import cache_write_launch  # noqa: E402
-from .launch import KernelLaunch  # noqa: E402
+from . import configs as C
+from . import traffic
+from .attention import attention_launches
+from .block_copy import copy_blocks_launch
+from .cache_write import cache_write_launch
+from .launch import KernelLaunch
 
 __all__ = ["Case", "cases", "case_launches", "specialize", "compile_report", "run", "main"]
 
@@ -133,8 +130,8 @@ def case_launches(case: Case) -> list[KernelLaunch]:
         q_len = 1 if case.phase == "decode" else 64
         seq = q_len + 3 * bs
         nblk = triton.cdiv(seq, bs)
-        kv = torch.zeros(1, 2, nblk + 1, bs, hkv, d, dtype=dt)
-        query = torch.zeros(q_len, hq, d, dtype=dt)
+        kv = torch.empty(1, 2, nblk + 1, bs, hkv, d, dtype=dt)  # values are never read
+        query = torch.empty(q_len, hq, d, dtype=dt)
         bt = torch.arange(1, nblk + 1, dtype=torch.int32).unsqueeze(0)
         return attention_launches(
             query, kv[0, 0], kv[0, 1], bt, torch.tensor([seq], dtype=torch.int32),
@@ -142,9 +139,9 @@ def case_launches(case: Case) -> list[KernelLaunch]:
             softmax_scale=d ** -0.5, max_query_len=q_len, max_seq_len=seq,
             sliding_window=bs if case.window else None, num_kv_splits=2 if case.split else 1,
             block_m=None, block_n=None, num_sms=None, on_gpu=True)
-    kv = torch.zeros(2, 2, 4, bs, hkv, d, dtype=dt)
+    kv = torch.empty(2, 2, 3, bs, hkv, d, dtype=dt)
     if case.op == "cache_write":
-        kv_new = torch.zeros(3, 2, hkv, d, dtype=dt)  # K and V of 3 tokens, as a fused projection gives
+        kv_new = torch.empty(3, 2, hkv, d, dtype=dt)  # K and V of 3 tokens, as a fused projection gives
         return [cache_write_launch(kv_new[:, 0], kv_new[:, 1], kv[0, 0], kv[0, 1],
                                    torch.tensor([bs, bs + 1, -1], dtype=torch.int64))]
     if case.op == "copy_blocks":
@@ -164,19 +161,42 @@ class Spec:
     options: dict[str, Any]
 
 
-def _binder_inputs(launch: KernelLaunch, backend: Any) -> tuple[Any, ...]:
+def require_compiler() -> None:
+    """Raise RuntimeError when Triton runs in interpreter mode in this process (then the
+    kernels are interpreter functions and there is nothing to compile)."""
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(attention_launches.__globals__["_paged_attn_kernel"], JITFunction):
+        raise RuntimeError("pagedkv.kernels.aot: TRITON_INTERPRET is set; the AOT check compiles real GPU "
+                           "kernels and must run in a process without it")
+
+
+@functools.lru_cache(maxsize=None)
+def _backend(arch: int) -> Any:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    return make_backend(GPUTarget("cuda", arch, 32))
+
+
+@functools.lru_cache(maxsize=None)
+def _binder(fn: Any, arch: int) -> Any:
+    from triton.runtime.jit import create_function_from_signature
+
+    return create_function_from_signature(fn.signature, fn.params, _backend(arch))
+
+
+def _binder_inputs(launch: KernelLaunch, arch: int) -> tuple[Any, ...]:
     """Triton's JIT path (``JITFunction.run``) up to the compile call, for a chosen target."""
     from triton import knobs
-    from triton.runtime.jit import create_function_from_signature
 
     fn = launch.kernel
     kwargs = dict(launch.kwargs)
     kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
     kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
     kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
-    binder = create_function_from_signature(fn.signature, fn.params, backend)
-    bound, specialization, options = binder(*launch.args, **kwargs)
-    return fn._pack_args(backend, kwargs, bound, specialization, options)
+    bound, specialization, options = _binder(fn, arch)(*launch.args, **kwargs)
+    return fn._pack_args(_backend(arch), kwargs, bound, specialization, options)
 
 
 def specialize(launch: KernelLaunch, arch: int) -> tuple[Spec, Any, Any]:
@@ -186,11 +206,10 @@ def specialize(launch: KernelLaunch, arch: int) -> tuple[Spec, Any, Any]:
         ``(spec, source, options)``: a summary with a dedup ``key`` (identical keys compile to
         identical kernels), the ``ASTSource`` and the backend options to compile.
     """
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
+    from triton.compiler import ASTSource
 
-    backend = make_backend(GPUTarget("cuda", arch, 32))
-    options, signature, constexprs, attrs = _binder_inputs(launch, backend)
+    require_compiler()
+    options, signature, constexprs, attrs = _binder_inputs(launch, arch)
     src = ASTSource(launch.kernel, signature, constexprs, attrs)
     key = hashlib.sha256(f"{src.hash()}|{options.hash()}|{arch}|{triton.__version__}".encode()).hexdigest()[:24]
     names = launch.kernel.arg_names
@@ -409,6 +428,16 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(out) + "\n"
 
 
+def full_report(quick: bool, archs: Iterable[int], jobs: int, progress: bool = True) -> tuple[dict[str, Any], str]:
+    """:func:`run` plus the decode traffic model and the problem list; returns the report and
+    its markdown (compile tables, then the traffic table)."""
+    report = run(cases(quick), archs, jobs=jobs, progress=progress)
+    report["traffic"] = traffic.engine_report()
+    report["problems"] = problems(report)
+    md = markdown(report) + "\n" + traffic.markdown(report["traffic"])
+    return report, md
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the subset make test runs")
@@ -418,11 +447,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--md", default=None, help="write the markdown tables here")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    report = run(cases(a.quick), a.arch, jobs=a.jobs, progress=not a.no_progress)
-    report["traffic"] = traffic.engine_report()
-    bad = problems(report)
-    report["problems"] = bad
-    md = markdown(report) + "\n" + traffic.markdown(report["traffic"])
+    report, md = full_report(a.quick, a.arch, a.jobs, progress=not a.no_progress)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(report, indent=1) + "\n")
@@ -431,9 +456,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(md)
     print(f"{report['distinct_kernels']} kernels ({report['compiled_now']} compiled now) for "
           f"{report['launches']} launches in {report['total_s']} s")
-    for b in bad:
+    for b in report["problems"]:
         print("PROBLEM:", b)
-    return 1 if bad else 0
+    return 1 if report["problems"] else 0
 
 
 if __name__ == "__main__":

@@ -117,7 +117,8 @@ def attention_tile(dtype: torch.dtype, head_size: int, group: int, max_query_len
         head_size: head dimension, 1..256.
         group: query heads per KV head (GQA group ``G``), >= 1.
         max_query_len: longest query (tokens) of the launch; the decode tile is used while
-            ``max_query_len * group`` rows fit in it (decode, short speculative queries).
+            ``max_query_len * group`` rows fit in it (decode, short speculative queries; a
+            group taller than the tile gets ``next_pow2(group)`` rows).
 
     Returns:
         The table entry, with ``block_m`` raised to ``next_pow2(group)`` when the group is
@@ -129,12 +130,12 @@ def attention_tile(dtype: torch.dtype, head_size: int, group: int, max_query_len
     # Head sizes under 64 use the 64 entry: a narrower BLOCK_D only shrinks the working set.
     key_d = max(64, block_d_for(head_size))
     prec = precision_class(dtype)
-    tile = ATTENTION_TILES[(prec, key_d, "decode")]
-    if max_query_len * group > tile.block_m:
-        tile = ATTENTION_TILES[(prec, key_d, "prefill")]
     need = 1
     while need < group:
         need *= 2
+    tile = ATTENTION_TILES[(prec, key_d, "decode")]
+    if max_query_len * group > max(tile.block_m, need):
+        tile = ATTENTION_TILES[(prec, key_d, "prefill")]
     if need > tile.block_m:
         return AttentionTile(need, tile.block_n, tile.num_warps, tile.num_stages)
     return tile

@@ -163,7 +163,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
            f"Worst read ratio {worst['ratio']:.3f} ({worst['shape']}, batch {worst['batch']}, seq {worst['seq_len']}); "
            f"worst with split-KV partials {worst_s['ratio_with_split']:.3f} ({worst_s['shape']}, batch "
            f"{worst_s['batch']}, seq {worst_s['seq_len']}, {worst_s['num_splits']} splits).", "",
-           "| shape | batch | seq len | splits | programs | read MB | minimum MB | ratio | ratio incl. split partials |",
+           "| shape | batch | seq len | splits | programs | read MB | minimum MB | ratio "
+           "| ratio incl. split partials |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['shape']} | {r['batch']} | {r['seq_len']} | {r['num_splits']} | {r['programs']} | "

@@ -119,6 +119,20 @@ def test_attention_split_kv_merge(splits, dtype):
         _close(out, ref, dtype)
 
 
+def test_attention_split_kv_merge_loops_over_split_chunks():
+    # More splits than the merge kernel takes per step (configs.MERGE_BLOCK_S): its two passes
+    # loop over chunks of splits; many splits see no key at all for the short sequence.
+    from kernels import configs
+
+    splits = configs.MERGE_BLOCK_S + 4
+    case = make_case([(300, 1), (5, 1)], block_size=8, num_kv_heads=1, group=2, head_size=32,
+                     dtype=torch.float16, seed=7)
+    ref = reference.paged_attention(*case.attn_args(), softmax_scale=0.2)
+    out = attention.paged_attention(*case.attn_args(), softmax_scale=0.2, num_kv_splits=splits,
+                                    block_n=16)
+    _close(out, ref, torch.float16)
+
+
 def test_attention_out_buffer_and_zero_query_sequence():
     case = make_case([(20, 3), (50, 0), (7, 1)], block_size=16, num_kv_heads=1, group=1, head_size=32)
     out = torch.full_like(case.query, float("nan"))
