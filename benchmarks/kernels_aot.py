@@ -10,7 +10,7 @@ distinct kernels, and the static decode-traffic model. Writes
 bytes, shared memory, the cases it serves; the traffic rows) and ``kernels_aot.md`` (tables).
 Exits 1 when any kernel spills, uses stack, exceeds sm_80's shared memory or fails to compile.
 A fresh run compiles a few hundred kernels (about 20 minutes on 2 cores); results are cached
-per kernel under target/kernels-aot.
+per kernel under ~/.cache/pagedkv/kernels-aot.
 """
 
 from __future__ import annotations

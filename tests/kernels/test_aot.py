@@ -5,7 +5,7 @@ traffic model gives the figures it should.
 
 The compile runs in a subprocess without TRITON_INTERPRET (the rest of the kernel tests run
 the interpreter, which replaces the JIT functions this check compiles). Results are cached
-per kernel under target/kernels-aot, so a rerun with unchanged kernels takes seconds.
+per kernel under ~/.cache/pagedkv/kernels-aot, so a rerun with unchanged kernels takes seconds.
 """
 
 from __future__ import annotations
