@@ -97,6 +97,17 @@ def test_attention_head_sizes(head_size):
     _close(out, dense_attention(case, scale), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [96, 192])
+def test_attention_half_precision_tiles(dtype, head_size):
+    # The half-precision decode and prefill tiles of the wider BLOCK_D entries (128, 256).
+    case = make_case([(30, 1), (9, 20)], block_size=16, num_kv_heads=1, group=2, head_size=head_size,
+                     dtype=dtype, seed=head_size)
+    ref = reference.paged_attention(*case.attn_args(), softmax_scale=head_size ** -0.5)
+    out = attention.paged_attention(*case.attn_args(), softmax_scale=head_size ** -0.5)
+    _close(out, ref, dtype)
+
+
 @pytest.mark.parametrize("window", [1, 10, 40])
 def test_attention_sliding_window(window):
     case = make_case([(60, 1), (0, 30), (25, 8)], block_size=8, num_kv_heads=1, group=2, head_size=32)
