@@ -163,6 +163,7 @@ class Spec:
     key: str
     signature: dict[str, str]
     constexprs: dict[str, Any]
+    aligned: list[str]
     options: dict[str, Any]
 
 
@@ -219,7 +220,8 @@ def specialize(launch: KernelLaunch, arch: int) -> tuple[Spec, Any, Any]:
     key = hashlib.sha256(f"{src.hash()}|{options.hash()}|{arch}|{triton.__version__}".encode()).hexdigest()[:24]
     names = launch.kernel.arg_names
     cx = {names[k[0]]: (v if isinstance(v, (int, float, bool, str)) else str(v)) for k, v in constexprs.items()}
-    return (Spec(launch.kernel.__name__, key, dict(signature), cx,
+    aligned = [names[k[0]] for k, v in attrs.items() if ["tt.divisibility", 16] in v]
+    return (Spec(launch.kernel.__name__, key, dict(signature), cx, aligned,
                  {"num_warps": options.num_warps, "num_stages": options.num_stages}), src, options)
 
 
@@ -326,7 +328,7 @@ def run(case_list: Iterable[Case], archs: Iterable[int], *, jobs: int = 1,
                     row = kernels[spec.key] = {
                         "kernel": spec.kernel, "arch": arch, "key": spec.key, "dtype": case.dtype,
                         "constexprs": spec.constexprs, **spec.options,
-                        "signature": spec.signature, "example_case": asdict(case), "cases": 0,
+                        "divisible_by_16": spec.aligned, "example_case": asdict(case), "cases": 0,
                         "phases": [], "head_sizes": [],
                     }
                     cached = _cache_dir() / f"{spec.key}.json"
