@@ -6,8 +6,8 @@ Runs, each in its own subprocess with a time limit: ``allocator_speed.py``,
 ``memory_efficiency.py``, ``sharing.py``, ``prefix_caching.py`` (each with ``--quick``), and
 ``step_overhead.py`` / ``engine_throughput.py`` / ``engine_roofline.py`` when present, and
 ``kernels_aot.py`` (every Triton kernel configuration compiled for sm_80/90/100 without a GPU;
-not ``kernels.py``, which needs CUDA). Each script's output goes to ``benchmarks/results/logs/<name>.log``; its tables are
-echoed when it ends. A script that fails or times out is reported in the summary, never hidden.
+not ``kernels.py``, which needs CUDA). Each script's output goes to
+``benchmarks/results/logs/<name>.log``; its tables are echoed when it ends. A script that fails or times out is reported in the summary, never hidden.
 
 Usage:
   python benchmarks/run_all.py [--vllm-python /work/venvs/vllm/bin/python]
