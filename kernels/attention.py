@@ -219,7 +219,8 @@ def attention_launches(
     ``on_gpu``: compile for a GPU (False: the CPU interpreter, which needs the bf16 dot upcast).
 
     Raises:
-        ValueError: a ``block_m`` / ``block_n`` / ``num_kv_splits`` override out of range.
+        KernelInputError (a ValueError): a ``block_m`` / ``block_n`` / ``num_kv_splits`` override out
+            of range.
     """
     t, hq, d = query.shape
     _, bs, hkv, _ = key_cache.shape
@@ -231,14 +232,14 @@ def attention_launches(
     block_n = tile.block_n if block_n is None else block_n
     for name, val, lo in (("block_m", block_m, max(16, g)), ("block_n", block_n, 16)):
         if val < lo or val & (val - 1):
-            raise ValueError(f"paged_attention: {name} is {val}, expected a power of two >= {lo}")
+            raise V.KernelInputError(f"paged_attention: {name} is {val}, expected a power of two >= {lo}")
     tpt = block_m // g
     n_q_tiles = triton.cdiv(max_query_len, tpt)
     programs = bsz * n_q_tiles * hkv
     if num_kv_splits is None:
         num_kv_splits = 1 if num_sms is None else default_num_kv_splits(programs, max_seq_len, num_sms)
     if num_kv_splits < 1:
-        raise ValueError(f"paged_attention: num_kv_splits is {num_kv_splits}, expected >= 1")
+        raise V.KernelInputError(f"paged_attention: num_kv_splits is {num_kv_splits}, expected >= 1")
     split = num_kv_splits > 1
     if split:
         part_acc = torch.empty(num_kv_splits, t, hq, block_d, dtype=torch.float32, device=query.device)
@@ -308,7 +309,7 @@ def paged_attention(
     )
     t, hq, d = query.shape
     if d > V.MAX_HEAD_SIZE:
-        raise ValueError(f"paged_attention: query has head_size {d}, expected <= {V.MAX_HEAD_SIZE}")
+        raise V.KernelInputError(f"paged_attention: query has head_size {d}, expected <= {V.MAX_HEAD_SIZE}")
     bsz = block_table.shape[0]
     if out is None:
         out = torch.empty_like(query)
