@@ -183,7 +183,9 @@ pub(crate) struct PyKvCacheManager {
     config: Py<PyCacheConfig>,
 }
 
-fn sequence_spec(
+/// The hashing inputs of a sequence from `add_sequence`'s keyword arguments (shared with
+/// `KVIndexer`, whose queries must hash exactly like the manager).
+pub(crate) fn sequence_spec(
     py: Python<'_>,
     cache_salt: Option<&str>,
     adapter_id: Option<&str>,
