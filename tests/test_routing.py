@@ -176,3 +176,22 @@ def test_malformed_payloads() -> None:
         wire.decode_zmq_frames([b"kv", b"\x00", b""])
     with pytest.raises(TypeError, match="not a pagedkv KV event"):
         wire.encode_event_batch([object()])  # type: ignore[list-item]
+
+
+def test_router_predicts_blocks_of_routed_requests_until_finished() -> None:
+    """Two requests with one prefix arriving together go to one worker before any event."""
+    router = Router(pagedkv.KVIndexer(4), KVAwarePolicy(max_imbalance=None))
+    for w in (0, 1):
+        router.add_worker(w)
+    prefix = list(range(50, 62))  # 3 blocks
+    assert router.route(prefix + [1, 2], request_id="a").worker == 0
+    router.report_load(0, WorkerLoad(1))
+    d = router.route(prefix + [3, 4], request_id="b")  # cost 0 + 1/1.5 < 1 + 0
+    assert (d.worker, d.overlap_blocks) == (0, 3)
+    router.report_load(0, WorkerLoad(2))
+    assert router.route([9] * 14).worker == 1  # unrelated prompt: the idle worker
+    with pytest.raises(ValueError, match="already routed"):
+        router.route(prefix, request_id="a")
+    assert router.finished("a") and router.finished("b") and not router.finished("b")
+    router.report_load(0, WorkerLoad(0))
+    assert router.route(prefix + [5]).overlap_blocks == 0  # predictions gone, no event came

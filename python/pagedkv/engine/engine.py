@@ -196,6 +196,8 @@ class LLMEngine:
         dtype: weights, activations and KV dtype: ``torch.float32`` (default, also for
             ``None``), ``torch.float16`` or ``torch.bfloat16``, or the name of one (``"bfloat16"``).
         seed: engine seed; requests without a seed derive theirs from it.
+        enable_kv_events: buffer the KV cache manager's events (``engine.manager.take_events()``),
+            for a router's :class:`pagedkv.KVIndexer`; whoever enables them must drain them.
 
     Raises:
         ModelNotFoundError: no model at ``model`` (or the default package is missing).
@@ -214,7 +216,7 @@ class LLMEngine:
                  max_num_seqs: int = 256, preemption: str = "recompute",
                  num_cpu_blocks: Optional[int] = None, enable_prefix_caching: bool = True,
                  hash_algo: str = "sha256", device: Any = None, dtype: Union[torch.dtype, str, None] = torch.float32,
-                 seed: int = 0) -> None:
+                 seed: int = 0, enable_kv_events: bool = False) -> None:
         # Every argument is checked before the (slow) model load.
         config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
                               preemption, num_cpu_blocks, enable_prefix_caching, hash_algo, seed)
@@ -249,7 +251,7 @@ class LLMEngine:
         self.config = dataclasses.replace(config, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks)
         self.manager = pagedkv.KVCacheManager(pagedkv.CacheConfig(
             num_blocks=num_kv_blocks, block_size=block_size, enable_prefix_caching=enable_prefix_caching,
-            hash_algo=hash_algo, num_cpu_blocks=num_cpu_blocks))
+            hash_algo=hash_algo, num_cpu_blocks=num_cpu_blocks, enable_events=bool(enable_kv_events)))
         self.scheduler = Scheduler(self.manager, SchedulerConfig(
             max_tokens_per_step=max_tokens_per_step, max_num_seqs=max_num_seqs, preemption=preemption,
             max_model_len=self.model.max_model_len))
