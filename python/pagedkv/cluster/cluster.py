@@ -210,9 +210,9 @@ class ReplicaCluster:
                 answered = [(o.request_id, o, None) for o in step.outputs]
                 answered += [(req_id, None, msg) for req_id, msg in step.failed]
                 for req_id, out, err in answered:
-                    p = st.assigned.pop(req_id, None)
-                    if p is None or req_id in results:
+                    if req_id not in st.assigned or req_id in results:
                         continue  # not ours (cannot happen) or already answered
+                    p = st.assigned.pop(req_id)
                     self.router.finished(req_id)
                     res = ClusterResult(req_id, rid, p.attempts, p.overlap, out, err)
                     results[req_id] = res

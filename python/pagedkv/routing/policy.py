@@ -5,18 +5,22 @@ A policy sees, per candidate worker, the request's cached-prefix overlap on it (
 last reported it plus what the router dispatched since), and returns one worker id.
 
 KV-aware (:class:`KVAwarePolicy`), for a request of ``n`` cacheable blocks with overlap ``o_w``
-on worker ``w``, load ``q_w = running_w + waiting_w`` requests and KV usage ``u_w`` (blocks in
-use / total, 0 when unknown)::
+on worker ``w``, load ``q_w = running_w + waiting_w`` requests, KV usage ``u_w`` (blocks in
+use / total, 0 when unknown) and ``p_w`` prompt tokens waiting to be prefilled (0 when
+unknown)::
 
     cost_w = overlap_weight * (n - o_w) / max(n, 1)      # share of the prompt to prefill on w
            + load_weight    * q_w / (mean_v q_v + 1)      # requests ahead of it, relative
            + kv_weight      * u_w                         # memory pressure (eviction, preemption)
+           + prefill_weight * p_w / (mean_v p_v + 1)      # prefill tokens queued ahead, relative
 
 and picks ``argmin cost_w`` among the workers whose load ``q_w`` is at most
 ``max_imbalance * mean_v q_v + 1`` (all workers when ``max_imbalance`` is None). Ties go to the
-fewer requests, then the lower worker id. With ``overlap_weight = 1`` and ``load_weight = 1``,
-a worker holding the whole prompt wins over an empty-cache one until it runs about one mean
-load more requests. Peers: NVIDIA Dynamo's KV router (prefill blocks + active blocks, weighted),
+fewer requests, then the lower worker id. The defaults (``overlap_weight = 2``,
+``load_weight = 1``, ``prefill_weight = 0.5``, ``kv_weight = 0``, ``max_imbalance = 1.25``) are
+the best of a small sweep in ``benchmarks/cluster_sim.py`` (Mooncake trace): a worker holding
+the whole prompt wins over an empty-cache one until it runs about two mean loads more requests,
+and queued prefill tokens keep long prompts from piling up behind each other (p99 TTFT). Peers: NVIDIA Dynamo's KV router (prefill blocks + active blocks, weighted),
 SGLang's cache-aware router (prefix match unless the load imbalance passes a threshold), llm-d's
 prefix-cache + load scorers.
 
@@ -50,15 +54,18 @@ class WorkerLoad:
         num_waiting: requests queued, not yet scheduled (>= 0).
         kv_blocks_used: KV blocks in use (>= 0).
         kv_blocks_total: usable KV blocks (0: unknown, usage counts as 0).
+        num_prefill_tokens: prompt tokens admitted or queued and not yet prefilled (0: unknown).
     """
 
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    num_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total"):
+        for name in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total",
+                     "num_prefill_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"WorkerLoad.{name} must be an int >= 0, got {v!r}")
@@ -110,6 +117,7 @@ class KVAwarePolicy:
         overlap_weight: weight of the uncached share of the prompt (>= 0).
         load_weight: weight of the relative request load (>= 0).
         kv_weight: weight of the KV usage fraction (>= 0).
+        prefill_weight: weight of the relative queued prefill tokens (>= 0).
         max_imbalance: workers with more than ``max_imbalance * mean + 1`` requests are not
             candidates (>= 1, or None for no cap).
 
@@ -117,14 +125,15 @@ class KVAwarePolicy:
         ValueError: a negative or non-finite weight, or ``max_imbalance < 1``.
     """
 
-    overlap_weight: float = 1.0
+    overlap_weight: float = 2.0
     load_weight: float = 1.0
     kv_weight: float = 0.0
     max_imbalance: float | None = 1.25
+    prefill_weight: float = 0.5
     name: str = "kv_aware"
 
     def __post_init__(self) -> None:
-        for field in ("overlap_weight", "load_weight", "kv_weight"):
+        for field in ("overlap_weight", "load_weight", "kv_weight", "prefill_weight"):
             v = getattr(self, field)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"KVAwarePolicy.{field} must be a finite number >= 0, got {v!r}")
@@ -148,10 +157,13 @@ class KVAwarePolicy:
             cap = self.max_imbalance * mean + 1
             cand = [w for w in workers if q[w] <= cap] or list(workers)
         n = max(num_blocks, 1)
+        p = {w: loads.get(w, _IDLE).num_prefill_tokens for w in workers}
+        mean_p = sum(p.values()) / len(workers)
         return {
             w: self.overlap_weight * (num_blocks - min(overlaps.get(w, 0), num_blocks)) / n
             + self.load_weight * q[w] / (mean + 1)
             + self.kv_weight * loads.get(w, _IDLE).kv_usage
+            + self.prefill_weight * p[w] / (mean_p + 1)
             for w in cand
         }
 
