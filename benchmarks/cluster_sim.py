@@ -273,6 +273,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--step-tokens", type=int, default=4096, help="prefill token budget per step")
     ap.add_argument("--rate-per-replica", type=float, default=1.0,
                     help="mean arrivals per second per replica; the trace's timestamps are scaled to it")
+    ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES)
+    ap.add_argument("--no-bound", action="store_true", help="skip the one-big-cache run")
     ap.add_argument("--overlap-weight", type=float, default=None, help="kv_aware: weight of the uncached share "
                     "(default: KVAwarePolicy's)")
     ap.add_argument("--load-weight", type=float, default=None, help="kv_aware: weight of the relative load")
@@ -292,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # Scale the trace's timestamps to the target rate (relative spacing kept).
         speedup = args.rate_per_replica * n * span / len(w)
         arrivals = (w.arrival_s - w.arrival_s[0]) / speedup
-        for pol in POLICIES:
+        for pol in args.policies:
             weights = {k: getattr(args, k) for k in ("overlap_weight", "load_weight", "prefill_weight")
                        if getattr(args, k) is not None}
             res = simulate(w, prompts, arrivals, n, pol, blocks, args.block_size, tm, args.hash_algo,
@@ -300,6 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res["speedup"] = speedup
             rows.append(res)
             print(f"{n} replicas {pol}: {res}", file=sys.stderr)
+        if args.no_bound:
+            continue
         big = simulate(w, prompts, arrivals, 1, None, (blocks - 1) * n + 1, args.block_size,
                        tm.scaled(n), args.hash_algo)
         big["replicas"] = n

@@ -44,6 +44,7 @@ def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
         ("memory_efficiency", [py, str(HERE / "memory_efficiency.py"), "--quick"], 300),
         ("sharing", [py, str(HERE / "sharing.py"), "--quick"], 300),
         ("prefix_caching", [py, str(HERE / "prefix_caching.py"), "--quick"], 240),
+        ("cluster_sim", [py, str(HERE / "cluster_sim.py")], 600),
     ]
     if (HERE / "step_overhead.py").exists():
         jobs.append(("step_overhead", [py, str(HERE / "step_overhead.py")], 180))

@@ -200,3 +200,18 @@ def test_router_predicts_blocks_of_routed_requests_until_finished() -> None:
     assert router.finished("a") and router.finished("b") and not router.finished("b")
     router.report_load(0, WorkerLoad(0))
     assert router.route(prefix + [5]).overlap_blocks == 0  # predictions gone, no event came
+
+
+def test_readme_routing_example_runs_and_prints_what_it_says() -> None:
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Past one engine", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code, "README's 'Past one engine' section lost its Python example"
+    res = subprocess.run([sys.executable, "-c", code.group(1)], capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "RoutingDecision(worker=0, overlap_blocks=6, num_blocks=6)"

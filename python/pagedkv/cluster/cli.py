@@ -49,9 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template")
     ap.add_argument("--policy", default="kv_aware", choices=["kv_aware", "round_robin", "least_loaded"])
-    ap.add_argument("--overlap-weight", type=float, default=1.0, help="kv_aware: weight of the uncached share")
+    ap.add_argument("--overlap-weight", type=float, default=3.0, help="kv_aware: weight of the uncached share")
     ap.add_argument("--load-weight", type=float, default=1.0, help="kv_aware: weight of the relative load")
     ap.add_argument("--kv-weight", type=float, default=0.0, help="kv_aware: weight of the KV usage")
+    ap.add_argument("--prefill-weight", type=float, default=0.5,
+                    help="kv_aware: weight of queued prefill tokens (replicas report 0 for now)")
     ap.add_argument("--max-imbalance", type=float, default=1.25,
                     help="kv_aware: skip replicas above max_imbalance * mean + 1 requests (0: no cap)")
     ap.add_argument("--steps-per-call", type=int, default=4, help="engine steps per replica round trip")
@@ -79,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         weights: dict[str, Any] = {}
         if args.policy == "kv_aware":
             weights = dict(overlap_weight=args.overlap_weight, load_weight=args.load_weight,
-                           kv_weight=args.kv_weight, max_imbalance=args.max_imbalance or None)
+                           kv_weight=args.kv_weight, prefill_weight=args.prefill_weight,
+                           max_imbalance=args.max_imbalance or None)
         policy = policy_by_name(args.policy, **weights)
         base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.prompts is not None:

@@ -16,10 +16,10 @@ unknown)::
 
 and picks ``argmin cost_w`` among the workers whose load ``q_w`` is at most
 ``max_imbalance * mean_v q_v + 1`` (all workers when ``max_imbalance`` is None). Ties go to the
-fewer requests, then the lower worker id. The defaults (``overlap_weight = 2``,
+fewer requests, then the lower worker id. The defaults (``overlap_weight = 3``,
 ``load_weight = 1``, ``prefill_weight = 0.5``, ``kv_weight = 0``, ``max_imbalance = 1.25``) are
 the best of a small sweep in ``benchmarks/cluster_sim.py`` (Mooncake trace): a worker holding
-the whole prompt wins over an empty-cache one until it runs about two mean loads more requests,
+the whole prompt wins over an empty-cache one until it runs about three mean loads more requests,
 and queued prefill tokens keep long prompts from piling up behind each other (p99 TTFT). Peers: NVIDIA Dynamo's KV router (prefill blocks + active blocks, weighted),
 SGLang's cache-aware router (prefix match unless the load imbalance passes a threshold), llm-d's
 prefix-cache + load scorers.
@@ -125,7 +125,7 @@ class KVAwarePolicy:
         ValueError: a negative or non-finite weight, or ``max_imbalance < 1``.
     """
 
-    overlap_weight: float = 2.0
+    overlap_weight: float = 3.0
     load_weight: float = 1.0
     kv_weight: float = 0.0
     max_imbalance: float | None = 1.25
