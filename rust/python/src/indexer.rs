@@ -261,6 +261,9 @@ impl PyKvIndexer {
         self.with(py, |ix| ix.num_hashes())
     }
 
+    /// Registers ``worker_id`` with ``hash_source`` ``"engine"`` (its event hashes are used as
+    /// they are) or ``"tokens"`` (blocks rehashed from their token ids). Raises
+    /// ``InvalidArgumentError`` if it is registered already.
     #[pyo3(signature = (worker_id, *, hash_source = "engine"))]
     fn add_worker(
         &self,
@@ -280,15 +283,18 @@ impl PyKvIndexer {
         self.with(py, |ix| ix.add_worker(id, source)).py(py)
     }
 
+    /// Drops the worker and all its entries; False if it was unknown.
     fn remove_worker(&self, py: Python<'_>, worker_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         let id = self::worker_id(worker_id)?;
         Ok(self.with(py, |ix| ix.remove_worker(id)))
     }
 
+    /// Registered worker ids.
     fn worker_ids(&self, py: Python<'_>) -> Vec<WorkerId> {
         self.with(py, |ix| ix.worker_ids())
     }
 
+    /// The worker's state and counters as a dict, or None if unknown.
     fn worker_status<'py>(
         &self,
         py: Python<'py>,
@@ -301,11 +307,13 @@ impl PyKvIndexer {
         }
     }
 
+    /// Whether the worker may miss entries since a gap, until ``apply_snapshot``.
     fn needs_resync(&self, py: Python<'_>, worker_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         let id = self::worker_id(worker_id)?;
         Ok(self.with(py, |ix| ix.needs_resync(id)))
     }
 
+    /// The 32-byte hashes the worker holds, sorted.
     fn worker_hashes<'py>(
         &self,
         py: Python<'py>,
@@ -316,6 +324,9 @@ impl PyKvIndexer {
         PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, &h.0)))
     }
 
+    /// Applies event batch ``seq`` of ``worker_id``; returns ``"applied"``, ``"buffered"``,
+    /// ``"duplicate"`` or ``"gap"``. Raises ``InvalidArgumentError`` (nothing applied) for a
+    /// malformed event.
     fn apply(
         &self,
         py: Python<'_>,
@@ -343,6 +354,7 @@ impl PyKvIndexer {
             .map(|o| o.name())
     }
 
+    /// Replaces the worker's entries with ``block_hashes`` as of its batch ``seq``.
     fn apply_snapshot(
         &self,
         py: Python<'_>,
@@ -357,6 +369,8 @@ impl PyKvIndexer {
             .py(py)
     }
 
+    /// Chained 32-byte hashes of the prompt's first ``num_blocks`` full blocks, as a manager
+    /// computes them.
     #[pyo3(signature = (token_ids, *, num_blocks = None, cache_salt = None, adapter_id = None, extra_keys = None, mm_items = None))]
     #[allow(clippy::too_many_arguments)]
     fn block_hashes<'py>(
@@ -381,6 +395,7 @@ impl PyKvIndexer {
         PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, &h.0)))
     }
 
+    /// ``{worker_id: leading cached blocks}`` of a prompt for every worker.
     #[pyo3(signature = (token_ids, *, cache_salt = None, adapter_id = None, extra_keys = None, mm_items = None))]
     fn overlap<'py>(
         &self,
@@ -397,6 +412,7 @@ impl PyKvIndexer {
         overlap_dict(py, pairs)
     }
 
+    /// ``{worker_id: leading blocks held}`` for a list of block hashes.
     fn overlap_hashes<'py>(
         &self,
         py: Python<'py>,
