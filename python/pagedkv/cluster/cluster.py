@@ -136,6 +136,11 @@ class ReplicaCluster:
         """Ids of the replicas still serving."""
         return sorted(self.replicas)
 
+    def num_unanswered(self, replica_id: int) -> int:
+        """Requests routed to a live replica and not answered yet (0 for a dead one)."""
+        st = self.replicas.get(replica_id)
+        return 0 if st is None else len(st.assigned)
+
     def actor(self, replica_id: int) -> Any:
         """The Ray actor handle of a live replica."""
         return self.replicas[replica_id].actor
@@ -149,6 +154,29 @@ class ReplicaCluster:
             self.router.finished(p.req.request_id)
             waiting.appendleft(p)
 
+    def _tokenize(self, requests: Sequence[ClusterRequest],
+                  waiting: collections.deque[_Pending]) -> dict[str, list[int]]:
+        """Token ids for routing, from a live replica's tokenizer (the engines' own
+        tokenization); a replica found dead here is dropped."""
+        ray = self._ray
+        groups: dict[bool, list[ClusterRequest]] = {False: [], True: []}
+        for r in requests:
+            groups[r.chat_template].append(r)
+        tokens: dict[str, list[int]] = {}
+        for chat, group in groups.items():
+            while group:
+                if not self.replicas:
+                    raise RuntimeError(f"every replica died ({self.dead})")
+                rid = self.live_replicas[0]
+                try:
+                    toks = ray.get(self.replicas[rid].actor.tokenize.remote([g.prompt for g in group], chat))
+                except ray.exceptions.RayActorError:
+                    self._drop(rid, waiting)
+                    continue
+                tokens.update({g.request_id: t for g, t in zip(group, toks)})
+                break
+        return tokens
+
     def serve(self, requests: Sequence[ClusterRequest],
               on_result: Callable[[ClusterResult], None] | None = None) -> dict[str, ClusterResult]:
         """Serves ``requests`` to completion; returns ``{request_id: result}`` (every request,
@@ -160,17 +188,8 @@ class ReplicaCluster:
         ray = self._ray
         if not self.replicas:
             raise RuntimeError("no live replica")
-        # Token ids for routing, from one replica's tokenizer (the engines' own tokenization).
-        tokenizer = self.replicas[self.live_replicas[0]].actor
-        groups: dict[bool, list[ClusterRequest]] = {False: [], True: []}
-        for r in requests:
-            groups[r.chat_template].append(r)
-        tokens: dict[str, list[int]] = {}
-        for chat, group in groups.items():
-            if group:
-                toks = ray.get(tokenizer.tokenize.remote([g.prompt for g in group], chat))
-                tokens.update({g.request_id: t for g, t in zip(group, toks)})
         waiting: collections.deque[_Pending] = collections.deque()
+        tokens = self._tokenize(requests, waiting)
         for r in requests:
             salt = r.prompt.get("cache_salt") if isinstance(r.prompt, dict) else None
             waiting.append(_Pending(r, tokens[r.request_id], salt if isinstance(salt, str) else None))
@@ -221,7 +240,11 @@ class ReplicaCluster:
                 if step.events is not None:
                     seq, payload = step.events
                     if self.router.apply_events(rid, seq, _decode(payload)) == "gap":
-                        snap_seq, hashes = ray.get(st.actor.snapshot.remote())
+                        try:
+                            snap_seq, hashes = ray.get(st.actor.snapshot.remote())
+                        except ray.exceptions.RayActorError:
+                            self._drop(rid, waiting)
+                            continue
                         self.router.indexer.apply_snapshot(rid, snap_seq, hashes)
                 if rid in self.replicas:
                     ld = step.load  # plus what was routed here while the call ran
