@@ -34,12 +34,14 @@ __all__ = ["ClusterRequest", "ClusterResult", "ReplicaCluster"]
 @dataclass(frozen=True)
 class ClusterRequest:
     """One request: ``request_id`` (unique), ``prompt`` (text, token ids or a prompt dict, as for
-    ``LLMEngine.add_request``), ``params`` (a ``SamplingParams`` or None), ``chat_template``."""
+    ``LLMEngine.add_request``), ``params`` (a ``SamplingParams`` or None), ``chat_template``,
+    ``cache_salt`` (a prompt dict's ``"cache_salt"`` wins, as in the engine)."""
 
     request_id: str
     prompt: Any
     params: Any = None
     chat_template: bool = False
+    cache_salt: str | None = None
 
 
 @dataclass
@@ -191,7 +193,7 @@ class ReplicaCluster:
         waiting: collections.deque[_Pending] = collections.deque()
         tokens = self._tokenize(requests, waiting)
         for r in requests:
-            salt = r.prompt.get("cache_salt") if isinstance(r.prompt, dict) else None
+            salt = r.prompt.get("cache_salt", r.cache_salt) if isinstance(r.prompt, dict) else r.cache_salt
             waiting.append(_Pending(r, tokens[r.request_id], salt if isinstance(salt, str) else None))
         results: dict[str, ClusterResult] = {}
         while len(results) < len(requests):
@@ -211,8 +213,8 @@ class ReplicaCluster:
                     old.num_running, old.num_waiting + 1, old.kv_blocks_used, old.kv_blocks_total))
             for rid, st in self.replicas.items():
                 if st.call is None and st.assigned:
-                    batch = [(p.req.request_id, p.req.prompt, p.req.params, p.req.chat_template)
-                             for p in st.outbox]
+                    batch = [(p.req.request_id, p.req.prompt, p.req.params, p.req.chat_template,
+                              p.req.cache_salt) for p in st.outbox]
                     st.outbox = []
                     st.call = st.actor.run.remote(batch, self.steps_per_call)
             calls = {st.call: rid for rid, st in self.replicas.items() if st.call is not None}

@@ -92,16 +92,16 @@ class EngineReplica:
         return WorkerLoad(num_running=len(self._inflight), kv_blocks_used=int(st.used),
                           kv_blocks_total=int(st.num_blocks) - 1)
 
-    def run(self, requests: list[tuple[str, Any, Any, bool]], max_steps: int = 1) -> ReplicaStep:
-        """Adds ``requests`` (``(request_id, prompt, SamplingParams, chat_template)``), runs up to
+    def run(self, requests: list[tuple[str, Any, Any, bool, str | None]], max_steps: int = 1) -> ReplicaStep:
+        """Adds ``requests`` (``(request_id, prompt, SamplingParams, chat_template, cache_salt)``), runs up to
         ``max_steps`` engine steps, and returns a :class:`ReplicaStep`."""
         from pagedkv.engine import EngineError  # noqa: PLC0415
         from pagedkv.routing.wire import encode_event_batch  # noqa: PLC0415
 
         failed: list[tuple[str, str]] = []
-        for rid, prompt, params, chat in requests:
+        for rid, prompt, params, chat, salt in requests:
             try:
-                self.engine.add_request(prompt, params, request_id=rid,
+                self.engine.add_request(prompt, params, request_id=rid, cache_salt=salt,
                                         chat_template=chat and self._has_chat_template)
             except EngineError as e:
                 failed.append((rid, f"{type(e).__name__}: {e}"))
