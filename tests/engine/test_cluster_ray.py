@@ -30,8 +30,9 @@ ENGINE_KW = {"num_kv_blocks": 96, "block_size": BLOCK, "device": "cpu", "max_tok
 def ray_local():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        ray.init(
+            num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}
+        )
     yield
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -93,8 +94,10 @@ def test_killed_replica_loses_no_request_and_answers_none_twice(tiny: ModelBundl
     # between the replicas, so when the first short one is answered the other replica still
     # runs long ones.
     lengths = [2 if i % 2 == 0 else 30 for i in range(10)]
-    reqs = [ClusterRequest(f"r{i}", [50 + i, 60 + i, 70 + i, 80 + i, 90],
-                           SamplingParams(max_tokens=n, ignore_eos=True)) for i, n in enumerate(lengths)]
+    reqs = [
+        ClusterRequest(f"r{i}", [50 + i, 60 + i, 70 + i, 80 + i, 90], SamplingParams(max_tokens=n, ignore_eos=True))
+        for i, n in enumerate(lengths)
+    ]
     seen: list[str] = []
     killed: list[int] = []
 
@@ -128,7 +131,6 @@ def test_cli_rejects_bad_arguments_before_starting_ray(tmp_path, capsys) -> None
     missing = tmp_path / "none.jsonl"
     assert main(["--prompts", str(missing)]) == 2
     assert "none.jsonl" in capsys.readouterr().err
-    assert main(["--trace", "benchmarks/data/mooncake_fast25/conversation_trace.jsonl",
-                 "--trace-scale", "0"]) == 2
+    assert main(["--trace", "benchmarks/data/mooncake_fast25/conversation_trace.jsonl", "--trace-scale", "0"]) == 2
     assert main(["--prompts", "examples/prompts.jsonl", "--max-imbalance", "0.5"]) == 2
     assert "max_imbalance" in capsys.readouterr().err

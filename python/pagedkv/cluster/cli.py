@@ -27,9 +27,12 @@ from typing import Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m pagedkv.cluster", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
+    ap = argparse.ArgumentParser(
+        prog="python -m pagedkv.cluster",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=__doc__.split("\n\n", 1)[1],
+    )
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", help="prompts file (.txt: one per line, or .jsonl)")
     src.add_argument("--trace", help="trace file of request lengths (synthetic prompts)")
@@ -52,10 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--overlap-weight", type=float, default=3.0, help="kv_aware: weight of the uncached share")
     ap.add_argument("--load-weight", type=float, default=1.0, help="kv_aware: weight of the relative load")
     ap.add_argument("--kv-weight", type=float, default=0.0, help="kv_aware: weight of the KV usage")
-    ap.add_argument("--prefill-weight", type=float, default=0.5,
-                    help="kv_aware: weight of queued prefill tokens (replicas report 0 for now)")
-    ap.add_argument("--max-imbalance", type=float, default=1.25,
-                    help="kv_aware: skip replicas above max_imbalance * mean + 1 requests (0: no cap)")
+    ap.add_argument(
+        "--prefill-weight",
+        type=float,
+        default=0.5,
+        help="kv_aware: weight of queued prefill tokens (replicas report 0 for now)",
+    )
+    ap.add_argument(
+        "--max-imbalance",
+        type=float,
+        default=1.25,
+        help="kv_aware: skip replicas above max_imbalance * mean + 1 requests (0: no cap)",
+    )
     ap.add_argument("--steps-per-call", type=int, default=4, help="engine steps per replica round trip")
     ap.add_argument("--output", default=None, help="results JSONL (default: stdout)")
     return ap
@@ -68,21 +79,24 @@ def _fail(msg: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from pagedkv.cluster.cluster import ClusterRequest, ReplicaCluster  # noqa: PLC0415
     from pagedkv.engine.errors import EngineError, PromptFileError  # noqa: PLC0415
     from pagedkv.engine.inputs import read_prompts, read_trace, synthetic_prompt  # noqa: PLC0415
     from pagedkv.engine.sampling import SamplingParams  # noqa: PLC0415
     from pagedkv.routing import policy_by_name  # noqa: PLC0415
-
-    from pagedkv.cluster.cluster import ClusterRequest, ReplicaCluster  # noqa: PLC0415
 
     if args.replicas < 1:
         return _fail(f"--replicas {args.replicas}: need at least 1")
     try:
         weights: dict[str, Any] = {}
         if args.policy == "kv_aware":
-            weights = dict(overlap_weight=args.overlap_weight, load_weight=args.load_weight,
-                           kv_weight=args.kv_weight, prefill_weight=args.prefill_weight,
-                           max_imbalance=args.max_imbalance or None)
+            weights = dict(
+                overlap_weight=args.overlap_weight,
+                load_weight=args.load_weight,
+                kv_weight=args.kv_weight,
+                prefill_weight=args.prefill_weight,
+                max_imbalance=args.max_imbalance or None,
+            )
         policy = policy_by_name(args.policy, **weights)
         base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
         if args.prompts is not None:
@@ -106,16 +120,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.device is not None:
         engine_kwargs["device"] = args.device
     t0 = time.perf_counter()
-    cluster = ReplicaCluster(args.replicas, args.model, engine_kwargs=engine_kwargs, policy=policy,
-                             address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus,
-                             steps_per_call=args.steps_per_call)
+    cluster = ReplicaCluster(
+        args.replicas,
+        args.model,
+        engine_kwargs=engine_kwargs,
+        policy=policy,
+        address=args.address,
+        num_cpus=args.num_cpus,
+        num_gpus=args.num_gpus,
+        steps_per_call=args.steps_per_call,
+    )
     start_s = time.perf_counter() - t0
     if trace is not None:
         vocab = 32000
-        requests = [ClusterRequest(str(i), synthetic_prompt(r.prompt_tokens, vocab, args.seed * 100003 + i),
-                                   SamplingParams(max_tokens=r.output_tokens, temperature=args.temperature,
-                                                  seed=args.seed, ignore_eos=True))
-                    for i, r in enumerate(trace)]
+        requests = [
+            ClusterRequest(
+                str(i),
+                synthetic_prompt(r.prompt_tokens, vocab, args.seed * 100003 + i),
+                SamplingParams(
+                    max_tokens=r.output_tokens, temperature=args.temperature, seed=args.seed, ignore_eos=True
+                ),
+            )
+            for i, r in enumerate(trace)
+        ]
     else:
         requests = []
         for i, p in enumerate(prompts):
@@ -130,14 +157,22 @@ def main(argv: list[str] | None = None) -> int:
     out = open(args.output, "w") if args.output else sys.stdout
     try:
         for r in results.values():
-            row: dict[str, Any] = {"id": r.request_id, "replica": r.replica, "attempts": r.attempts,
-                                   "overlap_blocks": r.overlap_blocks}
+            row: dict[str, Any] = {
+                "id": r.request_id,
+                "replica": r.replica,
+                "attempts": r.attempts,
+                "overlap_blocks": r.overlap_blocks,
+            }
             if r.error is not None:
                 row["error"] = r.error
             else:
                 c = r.output.outputs[0]
-                row.update(num_cached_tokens=r.output.num_cached_tokens, text=c.text,
-                           token_ids=list(c.token_ids), finish_reason=c.finish_reason)
+                row.update(
+                    num_cached_tokens=r.output.num_cached_tokens,
+                    text=c.text,
+                    token_ids=list(c.token_ids),
+                    finish_reason=c.finish_reason,
+                )
             out.write(json.dumps(row) + "\n")
     finally:
         if out is not sys.stdout:
@@ -146,9 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     prompt_toks = sum(len(r.output.prompt_token_ids) for r in answered)
     cached = sum(r.output.num_cached_tokens for r in answered)
     per = Counter(r.replica for r in results.values())
-    print(f"pagedkv.cluster: {len(results)} requests on {args.replicas} replicas ({args.policy}) in "
-          f"{serve_s:.1f} s (start {start_s:.1f} s); per replica {dict(sorted(per.items()))}; "
-          f"prefix hit {100 * cached / max(prompt_toks, 1):.1f}% of {prompt_toks} prompt tokens; "
-          f"dead replicas {cluster.dead}", file=sys.stderr)
+    print(
+        f"pagedkv.cluster: {len(results)} requests on {args.replicas} replicas ({args.policy}) in "
+        f"{serve_s:.1f} s (start {start_s:.1f} s); per replica {dict(sorted(per.items()))}; "
+        f"prefix hit {100 * cached / max(prompt_toks, 1):.1f}% of {prompt_toks} prompt tokens; "
+        f"dead replicas {cluster.dead}",
+        file=sys.stderr,
+    )
     cluster.shutdown()
     return 1 if not answered else 0

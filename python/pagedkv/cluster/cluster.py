@@ -102,10 +102,19 @@ class ReplicaCluster:
         ImportError: Ray is not installed.
     """
 
-    def __init__(self, num_replicas: int, model: Any = None, *, engine_kwargs: dict[str, Any] | None = None,
-                 policy: RoutingPolicy | None = None, address: str | None = None, num_cpus: float = 1.0,
-                 num_gpus: float = 0.0, ray_init_kwargs: dict[str, Any] | None = None,
-                 steps_per_call: int = 4) -> None:
+    def __init__(
+        self,
+        num_replicas: int,
+        model: Any = None,
+        *,
+        engine_kwargs: dict[str, Any] | None = None,
+        policy: RoutingPolicy | None = None,
+        address: str | None = None,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        ray_init_kwargs: dict[str, Any] | None = None,
+        steps_per_call: int = 4,
+    ) -> None:
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
         ray = _ray()
@@ -118,16 +127,19 @@ class ReplicaCluster:
         self._ray = ray
         self.steps_per_call = max(1, int(steps_per_call))
         self.replicas: dict[int, _ReplicaState] = {
-            i: _ReplicaState(actor_cls.remote(i, model, engine_kwargs)) for i in range(num_replicas)}
+            i: _ReplicaState(actor_cls.remote(i, model, engine_kwargs)) for i in range(num_replicas)
+        }
         infos = ray.get([r.actor.info.remote() for r in self.replicas.values()])
         first = infos[0]
         for info in infos[1:]:
             if (info["block_size"], info["hash_algo"], info["hash_seed"]) != (
-                    first["block_size"], first["hash_algo"], first["hash_seed"]):
+                first["block_size"],
+                first["hash_algo"],
+                first["hash_seed"],
+            ):
                 raise ValueError(f"replicas disagree on KV hashing: {first} vs {info}")
         self.infos = {info["replica_id"]: info for info in infos}
-        indexer = pagedkv.KVIndexer(first["block_size"], hash_algo=first["hash_algo"],
-                                    hash_seed=first["hash_seed"])
+        indexer = pagedkv.KVIndexer(first["block_size"], hash_algo=first["hash_algo"], hash_seed=first["hash_seed"])
         self.router = Router(indexer, policy)
         for i in self.replicas:
             self.router.add_worker(i)
@@ -156,8 +168,9 @@ class ReplicaCluster:
             self.router.finished(p.req.request_id)
             waiting.appendleft(p)
 
-    def _tokenize(self, requests: Sequence[ClusterRequest],
-                  waiting: collections.deque[_Pending]) -> dict[str, list[int]]:
+    def _tokenize(
+        self, requests: Sequence[ClusterRequest], waiting: collections.deque[_Pending]
+    ) -> dict[str, list[int]]:
         """Token ids for routing, from a live replica's tokenizer (the engines' own
         tokenization); a replica found dead here is dropped."""
         ray = self._ray
@@ -179,8 +192,9 @@ class ReplicaCluster:
                 break
         return tokens
 
-    def serve(self, requests: Sequence[ClusterRequest],
-              on_result: Callable[[ClusterResult], None] | None = None) -> dict[str, ClusterResult]:
+    def serve(
+        self, requests: Sequence[ClusterRequest], on_result: Callable[[ClusterResult], None] | None = None
+    ) -> dict[str, ClusterResult]:
         """Serves ``requests`` to completion; returns ``{request_id: result}`` (every request,
         exactly once). ``on_result`` is called as each result arrives (tests kill replicas from
         it). Raises ValueError for duplicate request ids, RuntimeError when every replica died."""
@@ -198,8 +212,9 @@ class ReplicaCluster:
         results: dict[str, ClusterResult] = {}
         while len(results) < len(requests):
             if not self.replicas:
-                raise RuntimeError(f"every replica died ({self.dead}); "
-                                   f"{len(requests) - len(results)} request(s) unanswered")
+                raise RuntimeError(
+                    f"every replica died ({self.dead}); {len(requests) - len(results)} request(s) unanswered"
+                )
             while waiting:
                 p = waiting.popleft()
                 p.attempts += 1
@@ -209,12 +224,15 @@ class ReplicaCluster:
                 st.outbox.append(p)
                 st.assigned[p.req.request_id] = p
                 old = self.router.load(d.worker)
-                self.router.report_load(d.worker, WorkerLoad(
-                    old.num_running, old.num_waiting + 1, old.kv_blocks_used, old.kv_blocks_total))
-            for rid, st in self.replicas.items():
+                self.router.report_load(
+                    d.worker, WorkerLoad(old.num_running, old.num_waiting + 1, old.kv_blocks_used, old.kv_blocks_total)
+                )
+            for st in self.replicas.values():
                 if st.call is None and st.assigned:
-                    batch = [(p.req.request_id, p.req.prompt, p.req.params, p.req.chat_template,
-                              p.req.cache_salt) for p in st.outbox]
+                    batch = [
+                        (p.req.request_id, p.req.prompt, p.req.params, p.req.chat_template, p.req.cache_salt)
+                        for p in st.outbox
+                    ]
                     st.outbox = []
                     st.call = st.actor.run.remote(batch, self.steps_per_call)
             calls = {st.call: rid for rid, st in self.replicas.items() if st.call is not None}
@@ -250,8 +268,9 @@ class ReplicaCluster:
                         self.router.indexer.apply_snapshot(rid, snap_seq, hashes)
                 if rid in self.replicas:
                     ld = step.load  # plus what was routed here while the call ran
-                    self.router.report_load(rid, WorkerLoad(ld.num_running, len(st.outbox),
-                                                            ld.kv_blocks_used, ld.kv_blocks_total))
+                    self.router.report_load(
+                        rid, WorkerLoad(ld.num_running, len(st.outbox), ld.kv_blocks_used, ld.kv_blocks_total)
+                    )
         return {i: results[i] for i in ids}
 
     def shutdown(self) -> None:
@@ -265,4 +284,3 @@ def _decode(payload: bytes) -> list[Any]:
     from pagedkv.routing.wire import decode_event_batch  # noqa: PLC0415
 
     return decode_event_batch(payload).events
-

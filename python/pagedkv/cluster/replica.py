@@ -46,8 +46,13 @@ class EngineReplica:
         torch_threads: torch CPU threads in this process (None: leave torch's default).
     """
 
-    def __init__(self, replica_id: int, model: Any = None, engine_kwargs: dict[str, Any] | None = None,
-                 torch_threads: int | None = 1) -> None:
+    def __init__(
+        self,
+        replica_id: int,
+        model: Any = None,
+        engine_kwargs: dict[str, Any] | None = None,
+        torch_threads: int | None = 1,
+    ) -> None:
         import torch  # noqa: PLC0415
 
         from pagedkv.engine import LLMEngine  # noqa: PLC0415
@@ -67,8 +72,14 @@ class EngineReplica:
         import os  # noqa: PLC0415
 
         cfg = self.engine.manager.config
-        return {"replica_id": self.replica_id, "block_size": cfg.block_size, "hash_algo": cfg.hash_algo,
-                "hash_seed": cfg.hash_seed, "num_kv_blocks": cfg.num_blocks, "pid": os.getpid()}
+        return {
+            "replica_id": self.replica_id,
+            "block_size": cfg.block_size,
+            "hash_algo": cfg.hash_algo,
+            "hash_seed": cfg.hash_seed,
+            "num_kv_blocks": cfg.num_blocks,
+            "pid": os.getpid(),
+        }
 
     def tokenize(self, prompts: list[Any], chat_template: bool = False) -> list[list[int]]:
         """Token ids of each prompt, as the engine will see them (for routing)."""
@@ -89,8 +100,9 @@ class EngineReplica:
     def load(self) -> WorkerLoad:
         """Requests added and not finished; KV blocks in use / usable."""
         st = self.engine.manager.stats()
-        return WorkerLoad(num_running=len(self._inflight), kv_blocks_used=int(st.used),
-                          kv_blocks_total=int(st.num_blocks) - 1)
+        return WorkerLoad(
+            num_running=len(self._inflight), kv_blocks_used=int(st.used), kv_blocks_total=int(st.num_blocks) - 1
+        )
 
     def run(self, requests: list[tuple[str, Any, Any, bool, str | None]], max_steps: int = 1) -> ReplicaStep:
         """Adds ``requests`` (``(request_id, prompt, SamplingParams, chat_template, cache_salt)``), runs up to
@@ -101,8 +113,9 @@ class EngineReplica:
         failed: list[tuple[str, str]] = []
         for rid, prompt, params, chat, salt in requests:
             try:
-                self.engine.add_request(prompt, params, request_id=rid, cache_salt=salt,
-                                        chat_template=chat and self._has_chat_template)
+                self.engine.add_request(
+                    prompt, params, request_id=rid, cache_salt=salt, chat_template=chat and self._has_chat_template
+                )
             except EngineError as e:
                 failed.append((rid, f"{type(e).__name__}: {e}"))
             else:

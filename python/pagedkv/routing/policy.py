@@ -20,8 +20,9 @@ fewer requests, then the lower worker id. The defaults (``overlap_weight = 3``,
 ``load_weight = 1``, ``prefill_weight = 0.5``, ``kv_weight = 0``, ``max_imbalance = 1.25``) are
 the best of a small sweep in ``benchmarks/cluster_sim.py`` (Mooncake trace): a worker holding
 the whole prompt wins over an empty-cache one until it runs about three mean loads more requests,
-and queued prefill tokens keep long prompts from piling up behind each other (p99 TTFT). Peers: NVIDIA Dynamo's KV router (prefill blocks + active blocks, weighted),
-SGLang's cache-aware router (prefix match unless the load imbalance passes a threshold), llm-d's
+and queued prefill tokens keep long prompts from piling up behind each other (p99 TTFT).
+Peers: NVIDIA Dynamo's KV router (prefill blocks + active blocks, weighted), SGLang's
+cache-aware router (prefix match unless the load imbalance passes a threshold), llm-d's
 prefix-cache + load scorers.
 
 Baselines: :class:`RoundRobinPolicy` (workers in turn, ignoring caches and load) and
@@ -64,8 +65,7 @@ class WorkerLoad:
     num_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total",
-                     "num_prefill_tokens"):
+        for name in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "num_prefill_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"WorkerLoad.{name} must be an int >= 0, got {v!r}")

@@ -45,8 +45,7 @@ class Router:
         self.indexer = indexer
         self.policy: RoutingPolicy = policy if policy is not None else KVAwarePolicy()
         self._loads: dict[int, WorkerLoad] = {}
-        self._predicted = KVIndexer(indexer.block_size, hash_algo=indexer.hash_algo,
-                                    hash_seed=indexer.hash_seed)
+        self._predicted = KVIndexer(indexer.block_size, hash_algo=indexer.hash_algo, hash_seed=indexer.hash_seed)
         self._predicted_seq: dict[int, int] = {}
         self._inflight: dict[str, tuple[int, list[bytes]]] = {}
 
@@ -125,8 +124,9 @@ class Router:
         if request_id is not None and request_id in self._inflight:
             raise ValueError(f"request {request_id!r} is already routed (call finished first)")
         num_blocks = max(len(token_ids) - 1, 0) // self.indexer.block_size
-        hashes = self.indexer.block_hashes(token_ids, num_blocks=num_blocks, cache_salt=cache_salt,
-                                           adapter_id=adapter_id)
+        hashes = self.indexer.block_hashes(
+            token_ids, num_blocks=num_blocks, cache_salt=cache_salt, adapter_id=adapter_id
+        )
         overlaps = self.indexer.overlap_hashes(hashes)
         if self._inflight:
             for w, n in self._predicted.overlap_hashes(hashes).items():

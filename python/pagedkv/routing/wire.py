@@ -55,9 +55,7 @@ def _msgpack() -> Any:
     try:
         import msgspec.msgpack  # noqa: PLC0415
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "the KV event wire format needs msgspec: pip install 'pagedkv[routing]'"
-        ) from e
+        raise ImportError("the KV event wire format needs msgspec: pip install 'pagedkv[routing]'") from e
     return msgspec.msgpack
 
 

@@ -4,8 +4,8 @@
 //! Events are converted while holding the GIL; the core call runs with the GIL released under
 //! the indexer's mutex.
 
-use crate::convert::{token_ids, uint_arg};
-use crate::errors::{bad_arg, to_pyerr, IntoPyResult};
+use crate::convert::{bad, bytes_arg, list_items, opt_str, repr, token_ids, uint};
+use crate::errors::IntoPyResult;
 use crate::events::{PyAllBlocksCleared, PyBlockRemoved, PyBlockStored};
 use crate::manager::sequence_spec;
 use pagedkv_core::events::KvEvent;
@@ -17,11 +17,7 @@ use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString};
 use std::sync::Mutex;
 
 fn invalid(py: Python<'_>, arg: &'static str, value: String, reason: impl Into<String>) -> PyErr {
-    to_pyerr(py, &bad_arg(arg, value, reason))
-}
-
-fn repr(obj: &Bound<'_, PyAny>) -> String {
-    obj.repr().map(|r| r.to_string()).unwrap_or_default()
+    bad(py, arg, value, reason)
 }
 
 /// A block hash from the wire: 32 bytes as they are (pagedkv), shorter bytes zero-padded, or an
@@ -31,7 +27,7 @@ fn repr(obj: &Bound<'_, PyAny>) -> String {
 fn wire_hash(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<BlockHash> {
     let py = obj.py();
     let mut out = [0u8; 32];
-    if let Ok(b) = obj.downcast::<PyBytes>() {
+    if let Ok(b) = obj.cast::<PyBytes>() {
         let bytes = b.as_bytes();
         if bytes.len() > 32 {
             return Err(invalid(
@@ -72,7 +68,10 @@ fn wire_hashes(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<BlockH
             "expected a list of block hashes",
         ));
     }
-    obj.try_iter()?.map(|h| wire_hash(&h?, arg)).collect()
+    list_items(obj, arg)?
+        .iter()
+        .map(|h| wire_hash(h, arg))
+        .collect()
 }
 
 /// One event: a pagedkv event object, or a vLLM wire event (a list / tuple whose first item is
@@ -81,13 +80,13 @@ fn wire_hashes(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<BlockH
 /// are ignored; a LoRA id becomes the adapter key `str(lora_id)`.
 fn event(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<KvEvent> {
     let py = obj.py();
-    if let Ok(ev) = obj.downcast::<PyBlockStored>() {
+    if let Ok(ev) = obj.cast::<PyBlockStored>() {
         return Ok(ev.get().to_core());
     }
-    if let Ok(ev) = obj.downcast::<PyBlockRemoved>() {
+    if let Ok(ev) = obj.cast::<PyBlockRemoved>() {
         return Ok(ev.get().to_core());
     }
-    if obj.downcast::<PyAllBlocksCleared>().is_ok() {
+    if obj.cast::<PyAllBlocksCleared>().is_ok() {
         return Ok(KvEvent::AllBlocksCleared);
     }
     let malformed = |why: &str| {
@@ -103,10 +102,8 @@ fn event(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<KvEvent> {
             "expected an event object or a [tag, fields...] list",
         ));
     }
-    let fields: Vec<Bound<'_, PyAny>> = obj
-        .try_iter()
-        .map_err(|_| malformed("expected an event object or a [tag, fields...] list"))?
-        .collect::<PyResult<_>>()?;
+    let fields: Vec<Bound<'_, PyAny>> = list_items(obj, "events")
+        .map_err(|_| malformed("expected an event object or a [tag, fields...] list"))?;
     let tag: String = fields
         .first()
         .and_then(|t| t.extract().ok())
@@ -125,7 +122,7 @@ fn event(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<KvEvent> {
                 Some(wire_hash(&fields[2], "events")?)
             };
             let token_ids = token_ids(&fields[3], "events")?;
-            let block_size = uint_arg(&fields[4], "events", u64::from(u32::MAX))? as u32;
+            let block_size = uint(&fields[4], "events", u64::from(u32::MAX))? as u32;
             let mut extra_keys = Vec::new();
             if let Some(lora) = fields.get(5).filter(|l| !l.is_none()) {
                 extra_keys.push(ExtraKey::Adapter(lora.str()?.to_string()));
@@ -154,7 +151,7 @@ fn event(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<KvEvent> {
 }
 
 fn worker_id(obj: &Bound<'_, PyAny>) -> PyResult<WorkerId> {
-    uint_arg(obj, "worker_id", u64::MAX)
+    uint(obj, "worker_id", u64::MAX)
 }
 
 fn status_dict<'py>(py: Python<'py>, st: &WorkerStatus) -> PyResult<Bound<'py, PyDict>> {
@@ -191,7 +188,7 @@ pub(crate) struct PyKvIndexer {
 
 impl PyKvIndexer {
     fn with<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut KvIndexer) -> T + Send) -> T {
-        py.allow_threads(|| {
+        py.detach(|| {
             let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             f(&mut guard)
         })
@@ -201,16 +198,20 @@ impl PyKvIndexer {
 #[pymethods]
 impl PyKvIndexer {
     #[new]
-    #[pyo3(signature = (block_size, *, hash_algo = "sha256", hash_seed = None, max_pending = None))]
+    // Keyword arguments arrive as objects so a wrong type is an InvalidArgumentError naming the
+    // argument; the text signature shows the real defaults.
+    #[pyo3(signature = (block_size, *, hash_algo = None, hash_seed = None, max_pending = None),
+           text_signature = "(block_size, *, hash_algo='sha256', hash_seed=None, max_pending=0)")]
     fn new(
         py: Python<'_>,
         block_size: &Bound<'_, PyAny>,
-        hash_algo: &str,
-        hash_seed: Option<&[u8]>,
+        hash_algo: Option<&Bound<'_, PyAny>>,
+        hash_seed: Option<&Bound<'_, PyAny>>,
         max_pending: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let block_size = uint_arg(block_size, "block_size", u64::from(u32::MAX))? as u32;
-        let algo = HashAlgo::from_name(hash_algo).ok_or_else(|| {
+        let block_size = uint(block_size, "block_size", u64::from(u32::MAX))? as u32;
+        let hash_algo = opt_str(hash_algo, "hash_algo")?.unwrap_or_else(|| "sha256".into());
+        let algo = HashAlgo::from_name(&hash_algo).ok_or_else(|| {
             invalid(
                 py,
                 "hash_algo",
@@ -218,11 +219,14 @@ impl PyKvIndexer {
                 "expected \"sha256\" or \"xxh3_128\"",
             )
         })?;
+        let seed = match hash_seed.filter(|s| !s.is_none()) {
+            Some(s) => bytes_arg(s, "hash_seed")?.to_vec(),
+            None => Vec::new(),
+        };
         let max_pending = match max_pending {
-            Some(m) => uint_arg(m, "max_pending", 1 << 20)? as usize,
+            Some(m) => uint(m, "max_pending", 1 << 20)? as usize,
             None => 0,
         };
-        let seed = hash_seed.unwrap_or_default().to_vec();
         let inner =
             KvIndexer::new(block_size, PrefixHasher::new(algo, &seed), max_pending).py(py)?;
         Ok(Self {
@@ -264,15 +268,17 @@ impl PyKvIndexer {
     /// Registers ``worker_id`` with ``hash_source`` ``"engine"`` (its event hashes are used as
     /// they are) or ``"tokens"`` (blocks rehashed from their token ids). Raises
     /// ``InvalidArgumentError`` if it is registered already.
-    #[pyo3(signature = (worker_id, *, hash_source = "engine"))]
+    #[pyo3(signature = (worker_id, *, hash_source = None),
+           text_signature = "($self, worker_id, *, hash_source='engine')")]
     fn add_worker(
         &self,
         py: Python<'_>,
         worker_id: &Bound<'_, PyAny>,
-        hash_source: &str,
+        hash_source: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let id = self::worker_id(worker_id)?;
-        let source = HashSource::from_name(hash_source).ok_or_else(|| {
+        let hash_source = opt_str(hash_source, "hash_source")?.unwrap_or_else(|| "engine".into());
+        let source = HashSource::from_name(&hash_source).ok_or_else(|| {
             invalid(
                 py,
                 "hash_source",
@@ -335,7 +341,7 @@ impl PyKvIndexer {
         events: &Bound<'_, PyAny>,
     ) -> PyResult<&'static str> {
         let id = self::worker_id(worker_id)?;
-        let seq = uint_arg(seq, "seq", u64::MAX)?;
+        let seq = uint(seq, "seq", u64::MAX)?;
         if events.is_instance_of::<PyString>() || events.is_instance_of::<PyBytes>() {
             return Err(invalid(
                 py,
@@ -344,10 +350,10 @@ impl PyKvIndexer {
                 "expected a list of events (decode a wire payload first)",
             ));
         }
-        let events: Vec<KvEvent> = events
-            .try_iter()?
+        let events: Vec<KvEvent> = list_items(events, "events")?
+            .iter()
             .enumerate()
-            .map(|(i, e)| event(&e?, i))
+            .map(|(i, e)| event(e, i))
             .collect::<PyResult<_>>()?;
         self.with(py, |ix| ix.apply_batch(id, seq, events))
             .py(py)
@@ -363,7 +369,7 @@ impl PyKvIndexer {
         block_hashes: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let id = self::worker_id(worker_id)?;
-        let seq = uint_arg(seq, "seq", u64::MAX)?;
+        let seq = uint(seq, "seq", u64::MAX)?;
         let hashes = wire_hashes(block_hashes, "block_hashes")?;
         self.with(py, |ix| ix.apply_snapshot(id, seq, &hashes))
             .py(py)
@@ -378,15 +384,20 @@ impl PyKvIndexer {
         py: Python<'py>,
         token_ids: &Bound<'_, PyAny>,
         num_blocks: Option<&Bound<'_, PyAny>>,
-        cache_salt: Option<&str>,
-        adapter_id: Option<&str>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        adapter_id: Option<&Bound<'_, PyAny>>,
         extra_keys: Option<&Bound<'_, PyAny>>,
         mm_items: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let tokens = crate::convert::token_ids(token_ids, "token_ids")?;
-        let spec = sequence_spec(py, cache_salt, adapter_id, extra_keys, mm_items)?;
+        let spec = sequence_spec(
+            opt_str(cache_salt, "cache_salt")?,
+            opt_str(adapter_id, "adapter_id")?,
+            extra_keys,
+            mm_items,
+        )?;
         let n = match num_blocks {
-            Some(n) => uint_arg(n, "num_blocks", u64::from(u32::MAX))? as usize,
+            Some(n) => uint(n, "num_blocks", u64::from(u32::MAX))? as usize,
             None => tokens.len() / self.block_size(py) as usize,
         };
         let hashes = self
@@ -401,13 +412,18 @@ impl PyKvIndexer {
         &self,
         py: Python<'py>,
         token_ids: &Bound<'_, PyAny>,
-        cache_salt: Option<&str>,
-        adapter_id: Option<&str>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        adapter_id: Option<&Bound<'_, PyAny>>,
         extra_keys: Option<&Bound<'_, PyAny>>,
         mm_items: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let tokens = crate::convert::token_ids(token_ids, "token_ids")?;
-        let spec = sequence_spec(py, cache_salt, adapter_id, extra_keys, mm_items)?;
+        let spec = sequence_spec(
+            opt_str(cache_salt, "cache_salt")?,
+            opt_str(adapter_id, "adapter_id")?,
+            extra_keys,
+            mm_items,
+        )?;
         let pairs = self.with(py, |ix| ix.overlap_tokens(&tokens, &spec));
         overlap_dict(py, pairs)
     }
