@@ -17,7 +17,7 @@ RUN_ARGS ?= --prompts examples/prompts.jsonl --output target/run/results.jsonl
 
 .DEFAULT_GOAL := help
 .PHONY: help setup deps build run test test-rust test-python stubtest check-dist fuzz-smoke \
-        lint fmt fmt-check ruff clippy mypy bench
+        lint fmt fmt-check ruff clippy mypy bench loom
 
 help: ## Show this list of targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -47,6 +47,11 @@ test: setup test-rust lint test-python stubtest check-dist fuzz-smoke ## Every t
 
 test-rust: ## cargo test for the workspace (core unit, proptest and doc tests)
 	cargo test --workspace --exclude pagedkv-python
+
+# Not part of `test`: the loom build takes minutes on 2 cores (its own target dir).
+loom: ## loom models of every core lock and atomic (rust/core/tests/loom.rs)
+	RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
+		cargo test -p pagedkv-core --release --test loom
 
 # pytest exits 5 when it collects no test; make treats every non-zero exit as a failure, and
 # nothing here masks it.
