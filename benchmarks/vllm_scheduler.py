@@ -17,7 +17,9 @@ Workloads (each scheduler gets the same request stream):
 Reported per step (mean over the measured steps, CPU time of this thread): ``schedule()``,
 ``update_from_output()`` and their sum; the KV-manager share is measured in a second,
 instrumented run (every call on ``scheduler.kv_cache_manager`` plus vLLM's per-request Python
-block hasher, timed with ``perf_counter``), as a fraction of that run's scheduler time.
+block hasher, timed with ``thread_time``, the wrapper's own cost subtracted), as a fraction of
+the timed runs' scheduler time. The wrappers perturb sub-microsecond calls (pagedkv's deferred
+``allocate_slots``), so the share is an upper bound for pagedkv.
 Request objects (and the engine core's prompt hashing inside them) are built before the clock
 starts. Variants: pagedkv with the batched decode path off, and with vLLM's Python block
 hashes kept (the "hash twice" alternative). Results: a table on stdout and
@@ -84,8 +86,8 @@ def _variants() -> dict[str, Any]:
 
 class KVTimer:
     """Sums the time spent in KV-cache work: every method of the scheduler's
-    ``kv_cache_manager`` (wrapped on the instance), pagedkv's batched decode preparation, and
-    vLLM's per-request Python block hasher. Nested calls count once. The wrapper's own cost per
+    ``kv_cache_manager`` (wrapped on the instance; pagedkv's deferred-decode flush is one of
+    them) and vLLM's per-request Python block hasher. Nested calls count once. The wrapper's own cost per
     call (calibrated on a no-op) is subtracted."""
 
     def __init__(self) -> None:
@@ -128,8 +130,6 @@ class KVTimer:
             attr = getattr(type(manager), name, None)
             if callable(attr) and not isinstance(attr, type):
                 setattr(manager, name, self.wrap(getattr(manager, name)))
-        if hasattr(sched, "_prepare_decodes"):
-            sched._prepare_decodes = self.wrap(sched._prepare_decodes)
         for r in requests:
             if getattr(r, "_block_hasher", None) is not None:
                 r._block_hasher = self.wrap(r._block_hasher)
@@ -360,7 +360,7 @@ def main() -> None:
             "hashing": hashing,
             "notes": [
                 "CPU time (thread_time) per step; KV share from a separate instrumented run "
-                "(perf_counter around every kv_cache_manager call and vLLM's block hasher)",
+                "(thread_time around every kv_cache_manager call and vLLM's block hasher)",
                 "requests (and the engine core's Python prompt hashing) built before timing",
             ],
         })

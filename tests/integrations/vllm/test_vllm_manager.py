@@ -372,3 +372,53 @@ def test_prefix_cache_stats_like_vllm() -> None:
         d.run()
     assert paged.prefix_cache_stats == stock.prefix_cache_stats
     assert paged.prefix_cache_stats == {"requests": 2, "queries": 160, "hits": 64}
+
+
+def _decoding(kv: Any, rid: str, first: int) -> Any:
+    """A request whose 16-token prompt is allocated and computed and that just sampled one
+    token (the state vLLM's running loop sees a decode in)."""
+    req = make_request(rid, list(range(first, first + BS)), 8)
+    assert kv.allocate_slots(req, BS) is not None
+    req.status = RequestStatus.RUNNING
+    req.num_computed_tokens = BS
+    req.append_output_token_ids(7)
+    return req
+
+
+def test_deferred_decodes_flush_in_order_and_stop_where_the_pool_runs_out() -> None:
+    # 3 usable blocks: a and b hold one each; the decode of each opens a new block.
+    kv = PagedKVCacheManager(4, BS)
+    a, b = _decoding(kv, "a", 100), _decoding(kv, "b", 200)
+    seq_a = kv.seq_id("a")
+    got_a = kv.allocate_slots(a, 1)
+    # Answered without calling into Rust: pagedkv has not seen a's token yet.
+    assert kv._pending_seqs == [seq_a]
+    assert kv._kvm.num_computed_tokens(seq_a) == BS
+    # b needs a block too, but a's decode was counted against the last free one: b takes the
+    # per-request path, which flushes a first, then fails as vLLM's own manager would.
+    assert kv.allocate_slots(b, 1) is None
+    assert kv.num_batch_stops == 1 and kv.num_batched_allocations == 1
+    assert not kv._pending_seqs and kv._kvm.pool.num_free == 0
+    (ids_a,) = got_a.get_block_ids()
+    assert kv.get_block_ids("a") == ([kv.get_block_ids("a")[0][0], ids_a[0]],) and len(ids_a) == 1
+    # a's sampled token went in with its slot: 17 tokens, all computed.
+    assert kv._kvm.num_computed_tokens(seq_a) == BS + 1
+    assert kv._kvm.num_uncomputed_tokens([seq_a]).tolist() == [0]
+
+
+def test_deferred_decode_inside_a_block_takes_no_block_and_reading_flushes() -> None:
+    kv = PagedKVCacheManager(8, BS)
+    a = _decoding(kv, "a", 100)
+    assert kv.allocate_slots(a, 1) is not None  # opens block 2 (deferred)
+    a.num_computed_tokens += 1
+    a.append_output_token_ids(8)
+    free = kv._kvm.pool.num_free
+    got = kv.allocate_slots(a, 1)  # slot 17 is inside the tail block
+    assert got.get_block_ids(allow_none=True) is None
+    assert len(kv._pending_seqs) == 2
+    # Any other call brings pagedkv up to date first (here: usage reads the pool).
+    assert kv.usage == 1.0 - (free - 1) / 7
+    seq = kv.seq_id("a")
+    assert not kv._pending_seqs and kv._kvm.num_computed_tokens(seq) == BS + 2
+    assert kv._kvm.num_uncomputed_tokens([seq]).tolist() == [0]
+    assert len(kv.get_block_ids("a")[0]) == 2

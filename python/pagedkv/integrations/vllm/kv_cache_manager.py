@@ -120,7 +120,7 @@ def _make_blocks_class() -> type:
 PagedKVBlocks: Any = _make_blocks_class()
 
 
-class _DeferredBlocks(PagedKVBlocks):  # type: ignore[misc, valid-type]
+class _DeferredBlocks(PagedKVBlocks):  # type: ignore[misc, valid-type, unused-ignore]
     """The new block of a deferred decode (see ``PagedKVCacheManager.allocate_slots``): its id
     is known once the pending decodes are flushed into pagedkv, which reading ``ids`` does."""
 
@@ -182,7 +182,6 @@ class PagedKVCacheManager:
         watermark: float = 0.0,
         spec_kind: str | None = None,
     ) -> None:
-        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
         from vllm.v1.metrics.stats import PrefixCacheStats
         from vllm.v1.request import RequestStatus
 
@@ -517,26 +516,43 @@ class PagedKVCacheManager:
         tokens, context, new = self._pending_tokens, self._pending_context, self._pending_new
         self._pending_seqs, self._pending_tokens, self._pending_context, self._pending_new = [], [], [], []
         self._deferred_free = None
-        out = self._kvm.step(seqs, 1, np.array(tokens, dtype=np.int64), block_table=False)
         n = len(seqs)
-        if out.num_scheduled != n:
-            raise RuntimeError(
-                f"deferred decodes: pagedkv scheduled {out.num_scheduled} of {n}: {out.error!r}"
-            )
-        if out.context_lens.tolist() != context:
+        if len(set(seqs)) == n:
+            got_context, ids, bounds = self._step_decodes(seqs, tokens)
+        else:
+            # A request decoded twice between flushes (a caller driving the manager without
+            # the scheduler, whose schedule() flushes every step): one step per run of
+            # distinct sequences, in order.
+            got_context, ids, bounds = [], [], [0]
+            start = 0
+            while start < n:
+                end, seen = start, set()
+                while end < n and seqs[end] not in seen:
+                    seen.add(seqs[end])
+                    end += 1
+                run_context, run_ids, run_bounds = self._step_decodes(seqs[start:end], tokens[start:end])
+                got_context += run_context
+                bounds += [len(ids) + x for x in run_bounds[1:]]
+                ids += run_ids
+                start = end
+        if got_context != context:
             raise RuntimeError("deferred decodes: pagedkv's computed-token counts differ from vLLM's")
-        new_ids = out.new_block_ids
-        if len(new_ids) != len(new):
-            raise RuntimeError(
-                f"deferred decodes: pagedkv took {len(new_ids)} new blocks, {len(new)} expected"
-            )
-        if new:
-            ids = new_ids.tolist()
-            bounds = out.new_block_indptr.tolist()
-            for i, blocks in new:
-                blocks._ids = ids[bounds[i] : bounds[i + 1]]
+        if len(ids) != len(new):
+            raise RuntimeError(f"deferred decodes: pagedkv took {len(ids)} new blocks, {len(new)} expected")
+        for i, blocks in new:
+            blocks._ids = ids[bounds[i] : bounds[i + 1]]
         self.num_batched_allocations += n
         return n
+
+    def _step_decodes(self, seqs: list[int], tokens: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """One ``step`` of 1-token decodes over distinct ``seqs``: (context lengths, new block
+        ids, their CSR offsets). Raises ``RuntimeError`` if pagedkv refuses any."""
+        out = self._kvm.step(seqs, 1, np.array(tokens, dtype=np.int64), block_table=False)
+        if out.num_scheduled != len(seqs):
+            raise RuntimeError(f"deferred decodes: pagedkv scheduled {out.num_scheduled} of {len(seqs)}: {out.error!r}")
+        ids = out.new_block_ids
+        bounds = out.new_block_indptr.tolist()
+        return out.context_lens.tolist(), ids.tolist(), bounds
 
     def _sync(self) -> None:
         """Brings pagedkv up to date before any other call reads or changes it: flushes the
