@@ -517,8 +517,9 @@ class PagedKVCacheManager:
         self._pending_seqs, self._pending_tokens, self._pending_context, self._pending_new = [], [], [], []
         self._deferred_free = None
         n = len(seqs)
-        if len(set(seqs)) == n:
-            got_context, ids, bounds = self._step_decodes(seqs, tokens)
+        got = self._step_decodes(seqs, tokens)
+        if got is not None:
+            got_context, ids, bounds = got
         else:
             # A request decoded twice between flushes (a caller driving the manager without
             # the scheduler, whose schedule() flushes every step): one step per run of
@@ -530,7 +531,9 @@ class PagedKVCacheManager:
                 while end < n and seqs[end] not in seen:
                     seen.add(seqs[end])
                     end += 1
-                run_context, run_ids, run_bounds = self._step_decodes(seqs[start:end], tokens[start:end])
+                run = self._step_decodes(seqs[start:end], tokens[start:end])
+                assert run is not None
+                run_context, run_ids, run_bounds = run
                 got_context += run_context
                 bounds += [len(ids) + x for x in run_bounds[1:]]
                 ids += run_ids
@@ -544,10 +547,13 @@ class PagedKVCacheManager:
         self.num_batched_allocations += n
         return n
 
-    def _step_decodes(self, seqs: list[int], tokens: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """One ``step`` of 1-token decodes over distinct ``seqs``: (context lengths, new block
-        ids, their CSR offsets). Raises ``RuntimeError`` if pagedkv refuses any."""
+    def _step_decodes(self, seqs: list[int], tokens: list[int]) -> tuple[list[int], list[int], list[int]] | None:
+        """One ``step`` of 1-token decodes: (context lengths, new block ids, their CSR
+        offsets), or None when ``seqs`` repeats a sequence (the step refuses that as a whole,
+        changing nothing). Raises ``RuntimeError`` if pagedkv refuses anything else."""
         out = self._kvm.step(seqs, 1, np.array(tokens, dtype=np.int64), block_table=False)
+        if out.num_scheduled == 0 and len(set(seqs)) != len(seqs):
+            return None
         if out.num_scheduled != len(seqs):
             raise RuntimeError(f"deferred decodes: pagedkv scheduled {out.num_scheduled} of {len(seqs)}: {out.error!r}")
         ids = out.new_block_ids
