@@ -12,9 +12,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def readme_example() -> str:
     text = README.read_text(encoding="utf-8")
-    block = re.search(
-        r"<!-- README_EXAMPLE_START -->\s*```python\n(.*?)```\s*<!-- README_EXAMPLE_END -->", text, re.S
-    )
+    block = re.search(r"<!-- README_EXAMPLE_START -->\s*```python\n(.*?)```\s*<!-- README_EXAMPLE_END -->", text, re.S)
     assert block, "README.md lost its example markers"
     return block.group(1)
 
