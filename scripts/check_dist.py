@@ -8,8 +8,11 @@ Checks:
   ``include``), and the ``pagedkv-engine`` console script;
 - the sdist holds the Rust sources of both crates, the lock file, the same Python files and the
   kernels as real files under ``python/pagedkv/kernels``;
-- ``pip install <sdist>`` into a throwaway virtualenv (``--system-site-packages`` so numpy and
-  torch are not downloaded again) builds, and ``import pagedkv, pagedkv.kernels`` works from it.
+- ``pip install <sdist>`` into a throwaway plain virtualenv builds, and ``import pagedkv,
+  pagedkv.kernels`` works from it. The throwaway venv sees the packages of the environment
+  running this script (the one ``make setup`` installed into) through a ``.pth`` file, so numpy
+  and torch are not downloaded again, and nothing outside that environment (the base
+  interpreter's own site-packages) is ever visible to it.
 
 Run from anywhere: ``python scripts/check_dist.py`` (``make check-dist``). Exits non-zero with
 a list of what is missing.
@@ -21,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
 import venv
@@ -37,8 +41,7 @@ def run(cmd: list[str], **kwargs: object) -> None:
 
 def maturin() -> list[str]:
     """The maturin command: `python -m maturin` when it works (it needs the `maturin` script
-    beside this interpreter), else the `maturin` on PATH (a venv that sees maturin only
-    through --system-site-packages)."""
+    beside this interpreter), else the `maturin` on PATH."""
     probe = subprocess.run([sys.executable, "-m", "maturin", "--version"], capture_output=True, check=False)
     if probe.returncode == 0:
         return [sys.executable, "-m", "maturin"]
@@ -91,10 +94,25 @@ def check_sdist(sdist: Path, want: set[str]) -> list[str]:
     return problems
 
 
+def inherit_active_environment(py: Path) -> None:
+    """Make the venv of interpreter ``py`` see this environment's site-packages (after its own).
+
+    A ``.pth`` line appends a directory to ``sys.path`` without running that directory's own
+    ``.pth`` files, so this environment's editable ``pagedkv`` stays invisible: the throwaway
+    venv imports only the ``pagedkv`` installed into it, and everything else from here.
+    """
+    own = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    paths = sysconfig.get_paths()
+    inherited = sorted({paths["purelib"], paths["platlib"]})
+    Path(own, "_pagedkv_check_dist_parent.pth").write_text("".join(f"{p}\n" for p in inherited))
+
+
 def install_sdist(sdist: Path, tmp: Path) -> None:
     env_dir = tmp / "venv"
-    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)
+    venv.EnvBuilder(system_site_packages=False, with_pip=True).create(env_dir)
     py = env_dir / "bin" / "python"
+    inherit_active_environment(py)
     env = dict(os.environ)
     # Reuse the repository's compiled dependencies: only the two path crates are rebuilt.
     env.setdefault("CARGO_TARGET_DIR", str(ROOT / "target"))

@@ -210,9 +210,10 @@ def test_s9_never_fitting_request_rejected_with_sizes_others_served(tiny):
     assert "11 KV blocks" in msg and "10 usable" in msg and "100 prompt tokens" in msg and "max_tokens=76" in msg
     assert isinstance(info.value, ValueError)
     assert engine.manager.num_sequences == 0  # nothing queued
-    # 60 tokens fit exactly (10 blocks): accepted. Two 70-token requests (5 blocks each) fit the
+    # 61 tokens fit exactly (100 + 61 - 1 = 160 KV slots = 10 blocks; the last sampled token
+    # gets none): accepted. Two 70-token requests (5 blocks each) fit the
     # pool but not together with it: they wait and are served when space frees.
-    engine.add_request(prompt, SamplingParams(max_tokens=60), request_id="full")
+    engine.add_request(prompt, SamplingParams(max_tokens=61), request_id="full")
     engine.add_request(_prompts()[4], SamplingParams(max_tokens=16), request_id="a")
     engine.add_request(_prompts()[2], SamplingParams(max_tokens=16), request_id="b")
     done = {}
@@ -223,7 +224,7 @@ def test_s9_never_fitting_request_rejected_with_sizes_others_served(tiny):
         steps += 1
         assert steps < 500
     assert sorted(done) == ["a", "b", "full"]
-    assert len(done["full"].token_ids) == 60
+    assert len(done["full"].token_ids) == 61
     assert list(done["a"].token_ids) == _cut_eos(hf_greedy(tiny, _prompts()[4], 16))
     assert_no_leak(engine)
 

@@ -10,11 +10,14 @@ import warnings
 from types import SimpleNamespace
 from typing import Any
 
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
 from engine_helpers import ModelBundle, assert_no_leak, build_tiny_model, hf_greedy
 
+import pagedkv
 from pagedkv.engine import LLMEngine, SamplingParams
 from pagedkv.engine import runner as runner_module
 from pagedkv.engine.rope import RotaryEmbedding, context_length, rope_inv_freq, rope_lengths
@@ -270,3 +273,64 @@ def test_rope_helpers_and_errors():
     cos, _ = static.lookup(torch.tensor([3, 5]))
     assert torch.equal(cos, static.cos[[3, 5]])
     assert rope.prefix_cache_tag(32) is None and rope.prefix_cache_tag(33) == "dynamic:33"
+
+
+# ---- engine-derived block identity never meets a user's cache salt ---------------------------
+
+#: Salts a user might send that spell out the engine's own tag texts, with and without the
+#: separator byte an ad-hoc string encoding would use.
+TAG_LOOKALIKES = ["\x1fdynamic:40", "dynamic:40", "\x1f", "rope", "rope\x1fdynamic:40", "longrope:long",
+                  "\x1flongrope:long", "\x00", "\x1fdynamic:40\x1f"]
+
+
+@pytest.fixture(scope="module")
+def dynamic_engine_factory(tmp_path_factory):
+    """Builds fresh engines on one tiny dynamic-NTK Llama (threshold 32 tokens)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bundle = build_tiny_model(tmp_path_factory.mktemp("tiny-dynamic-salt"), **CONFIGS["dynamic"])
+    return lambda: _engine(bundle, max_num_seqs=1)
+
+
+def test_a_salt_spelling_the_rope_tag_shares_nothing_with_a_tagged_prompt(dynamic_engine_factory):
+    """An unsalted 40-token prompt (past the threshold: RoPE of length 40) runs first; a
+    21-token prompt sharing its first 20 tokens, salted with the tag's own text, gets no cached
+    token and the greedy output of a fresh engine."""
+    g = torch.Generator().manual_seed(9)
+    a = torch.randint(3, 512, (40,), generator=g).tolist()
+    b = a[:20] + [7]
+    params = SamplingParams(max_tokens=8)
+    engine = dynamic_engine_factory()
+    engine.generate([a], params)
+    out = engine.generate([{"prompt": b, "cache_salt": "\x1fdynamic:40"}], params)[0]
+    fresh = dynamic_engine_factory().generate([{"prompt": b, "cache_salt": "\x1fdynamic:40"}], params)[0]
+    assert out.num_cached_tokens == 0
+    assert list(out.token_ids) == list(fresh.token_ids)
+    assert_no_leak(engine)
+
+
+@settings(max_examples=200, deadline=None)
+@given(salt_a=st.one_of(st.none(), st.sampled_from(TAG_LOOKALIKES), st.text(max_size=12)),
+       salt_b=st.one_of(st.none(), st.sampled_from(TAG_LOOKALIKES), st.text(max_size=12)),
+       len_a=st.sampled_from([24, 33, 40, 41]), len_b=st.sampled_from([21, 33, 40, 41]))
+def test_no_salt_makes_engine_derived_keys_collide(dynamic_engine_factory, salt_a, salt_b, len_a, len_b):
+    """With the engine's own derived keys (the RoPE tag of each prompt length), two prompts
+    sharing their first 20 tokens share cached blocks exactly when their salts are equal and
+    their RoPE tags are equal: no salt, control characters or tag texts included, stands in
+    for a derived key."""
+    eng = _derived_keys_engine(dynamic_engine_factory)
+    base = list(range(100, 100 + max(len_a, len_b)))
+    m = pagedkv.KVCacheManager(pagedkv.CacheConfig(64, 4))
+    m.add_sequence(1, base[:len_a], cache_salt=salt_a, extra_keys=eng._derived_block_keys(len_a))
+    m.allocate_slots(1, 64)
+    m.add_sequence(2, base[:20] + [7] * (len_b - 20), cache_salt=salt_b, extra_keys=eng._derived_block_keys(len_b))
+    same_identity = salt_a == salt_b and eng.model.rope.prefix_cache_tag(len_a) == eng.model.rope.prefix_cache_tag(len_b)
+    assert m.lookup_prefix(2) == (20 if same_identity else 0)
+
+
+_ENGINES: dict[int, LLMEngine] = {}
+
+
+def _derived_keys_engine(factory) -> LLMEngine:
+    """One engine per factory, reused across hypothesis examples (only its key derivation is used)."""
+    return _ENGINES.setdefault(id(factory), factory())

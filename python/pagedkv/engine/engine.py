@@ -99,6 +99,9 @@ class EngineConfig:
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "an integer")
 
 
+#: Tag of the typed extra key carrying the RoPE variant of a prompt's cached K/V.
+ROPE_KEY_TAG = "rope"
+
 #: The weight / activation / KV dtypes the engine runs, by name.
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -390,15 +393,24 @@ class LLMEngine:
                                   params.early_stopping,
                                   stop=(lambda toks: self._stop_text(toks, stops) is not None) if stops else None)
         first = self._new_seq(req, ids, len(ids), 0)
-        salt = cache_salt
-        rope_tag = self.model.rope.prefix_cache_tag(len(ids))
-        if rope_tag is not None:  # this prompt's cached K/V also depends on its RoPE frequencies
-            salt = f"{cache_salt or ''}\x1f{rope_tag}"
-        self.manager.add_sequence(first.seq_id, ids, cache_salt=salt)
+        self.manager.add_sequence(first.seq_id, ids, cache_salt=cache_salt,
+                                  extra_keys=self._derived_block_keys(len(ids)))
         req.seqs.append(first)
         self._requests[rid] = req
         self.scheduler.add(req)
         return rid
+
+    def _derived_block_keys(self, num_prompt_tokens: int) -> Optional[list[tuple[str, bytes]]]:
+        """The parts of a block's identity the engine derives (besides tokens and the user's
+        cache salt), each as its own typed extra key: the core hashes a tagged key under a
+        different kind tag than the cache salt, so no salt a user picks can collide with it.
+
+        Today that is the RoPE variant of a length-dependent RoPE (dynamic NTK, longrope): a
+        prompt past the threshold computes its K/V with other frequencies, so only prompts
+        with the same tag may share blocks. ``None`` when there is nothing to add.
+        """
+        rope_tag = self.model.rope.prefix_cache_tag(num_prompt_tokens)
+        return None if rope_tag is None else [(ROPE_KEY_TAG, rope_tag.encode())]
 
     def _new_seq(self, req: Request, tokens: list[int], num_in_manager: int, index: int) -> Seq:
         gen = None if req.params.greedy else make_generator(req.seed, index)

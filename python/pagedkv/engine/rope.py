@@ -34,7 +34,8 @@ K/V a function of its sequence alone:
 
 Prefix caching: the K of a prompt token then depends on the prompt's length once that length is
 past the threshold, so requests sharing a prefix may share KV blocks only when they agree on it;
-:meth:`RotaryEmbedding.prefix_cache_tag` gives the value to fold into the cache salt.
+:meth:`RotaryEmbedding.prefix_cache_tag` gives the value the engine adds to a prompt's block
+hashes as a typed extra key (its own kind, never mixed into the user's cache salt).
 """
 
 from __future__ import annotations

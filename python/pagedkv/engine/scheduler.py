@@ -19,7 +19,8 @@ Every step, in FCFS order of arrival:
    prompt resumed chunk by chunk and preempted again before it finishes). Admission is strict
    FCFS: the first request that does not fit stops admission, so none starves.
 
-A request that can never fit (prompt + ``max_tokens`` needs more blocks than the pool holds) is
+A request that can never fit (its ``prompt + max_tokens - 1`` KV slots need more blocks than the
+pool holds; the last sampled token is never fed back, so it needs no slot) is
 refused by :meth:`Scheduler.check_fits` before it is queued; every other request fits an empty
 pool, and since admission only waits on blocks held by running requests, the engine is never
 idle while work waits.
@@ -115,9 +116,13 @@ class ScheduledBatch:
 def blocks_for_request(num_prompt_tokens: int, max_tokens: int, num_seqs: int, block_size: int) -> int:
     """Blocks a request needs at most when it runs alone: the prompt's full blocks (shared by
     all sequences) plus, per sequence, the blocks of its partial prompt block and its output.
-    For one sequence this is ``ceil((prompt + max_tokens) / block_size)``."""
+
+    The last sampled token of a sequence is never fed back through the model, so it never
+    gets a KV slot: a sequence holds at most ``prompt + max_tokens - 1`` tokens of KV. For one
+    sequence this is ``ceil((prompt + max_tokens - 1) / block_size)`` blocks.
+    """
     shared = num_prompt_tokens // block_size
-    per_seq = -(-((num_prompt_tokens % block_size) + max_tokens) // block_size)
+    per_seq = -(-((num_prompt_tokens % block_size) + max_tokens - 1) // block_size)
     return shared + num_seqs * per_seq
 
 

@@ -1,6 +1,17 @@
 //! KV cache events for routers (the schema serving routers consume: a block stored with its
 //! hash chain, a block removed, everything cleared). Events are buffered in an [`EventSink`]
 //! and drained by the caller.
+//!
+//! The contract has set semantics per cache: replaying the stream into a set of hashes
+//! (insert on `BlockStored`, remove on `BlockRemoved`, clear on `AllBlocksCleared`) gives, after
+//! every operation, exactly the hashes that a prefix lookup in this cache resolves.
+//! - `BlockStored` announces a hash when it becomes resolvable: the first physical copy of it
+//!   is registered. A second copy (two sequences that prefilled the same prompt in one step, a
+//!   swapped-in copy of a block that is still cached) announces nothing.
+//! - `BlockRemoved` announces a hash when it stops being resolvable: its last copy is evicted.
+//! - Each hash is announced at most once between its becoming and its ceasing to be
+//!   resolvable, and a `BlockStored`'s `parent_block_hash` is resolvable when the event is sent
+//!   (or `None` for a sequence's first block).
 
 use crate::hashing::{BlockHash, ExtraKey};
 use parking_lot::Mutex;
@@ -8,7 +19,7 @@ use parking_lot::Mutex;
 /// One KV cache event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
-    /// Full blocks were registered in the prefix cache. `block_hashes[i]` belongs to the block
+    /// Hashes became resolvable in the prefix cache. `block_hashes[i]` belongs to the block
     /// holding `token_ids[i*block_size..(i+1)*block_size]`; `parent_block_hash` is the hash of
     /// the block before the first one (`None` for the first block of a sequence).
     BlockStored {
@@ -18,7 +29,7 @@ pub enum KvEvent {
         block_size: u32,
         extra_keys: Vec<ExtraKey>,
     },
-    /// Blocks were evicted from the prefix cache (their hashes no longer resolve to them).
+    /// Hashes stopped being resolvable: the last block carrying each was evicted.
     BlockRemoved { block_hashes: Vec<BlockHash> },
     /// The prefix cache was reset.
     AllBlocksCleared,

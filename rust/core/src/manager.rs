@@ -1155,7 +1155,9 @@ impl KvCacheManager {
             }
             let cached = self.pool.cache_block(b, h);
             debug_assert!(cached.is_ok(), "{cached:?}");
-            if !self.events.enabled() {
+            // Set semantics: announce a hash only when it becomes resolvable, not for a second
+            // physical copy of it (two sequences that prefilled the same prompt in one step).
+            if !self.events.enabled() || !matches!(cached, Ok(true)) {
                 continue;
             }
             let keys = self.block_keys(&s.spec, k);

@@ -297,21 +297,21 @@ impl BlockPool {
             }
             // No uncached block left: evict from the LRU front under the lock.
             let mut locked = self.locked.lock();
-            let mut evicted = Vec::new();
+            let mut unresolvable = Vec::new();
+            let mut evicted = 0u64;
             while out.len() < n {
                 let Some(id) = locked.lru_pop_front() else {
                     break;
                 };
-                self.evict_locked(&mut locked, id, &mut evicted);
+                evicted += u64::from(self.evict_locked(&mut locked, id, &mut unresolvable));
                 self.refs[id as usize].store(1, Ordering::Release);
                 out.push(id);
             }
             self.cached_free.store(locked.lru_len, Ordering::Release);
-            if !evicted.is_empty() {
-                self.evictions
-                    .fetch_add(evicted.len() as u64, Ordering::Relaxed);
+            self.evictions.fetch_add(evicted, Ordering::Relaxed);
+            if !unresolvable.is_empty() {
                 self.events.push(KvEvent::BlockRemoved {
-                    block_hashes: evicted,
+                    block_hashes: unresolvable,
                 });
             }
             drop(locked);
@@ -326,13 +326,25 @@ impl BlockPool {
         Ok(out)
     }
 
-    /// Drops the hash of `id` (just unlinked from the LRU) and its index entry.
-    fn evict_locked(&self, locked: &mut Locked, id: BlockId, evicted: &mut Vec<BlockHash>) {
-        if let Some(hash) = locked.hashes[id as usize].take() {
-            locked.index.remove(&hash, id);
-            evicted.push(hash);
-        }
+    /// Drops the hash of `id` (just unlinked from the LRU) and its index entry. Returns whether
+    /// the block carried a hash (an eviction). When that was the hash's last copy, the hash no
+    /// longer resolves and is pushed to `unresolvable` (the event contract is per hash, not per
+    /// physical copy: see `events`).
+    fn evict_locked(
+        &self,
+        locked: &mut Locked,
+        id: BlockId,
+        unresolvable: &mut Vec<BlockHash>,
+    ) -> bool {
         self.hashed[id as usize].store(false, Ordering::Release);
+        let Some(hash) = locked.hashes[id as usize].take() else {
+            return false;
+        };
+        locked.index.remove(&hash, id);
+        if locked.index.get_all(&hash).is_empty() {
+            unresolvable.push(hash);
+        }
+        true
     }
 
     /// Validates one id argument: in `1..num_blocks`.
@@ -599,14 +611,15 @@ impl BlockPool {
 
     /// Registers the full block `id` under `hash` in the prefix index. The block must be
     /// referenced (the caller holds a reference). If the block already carries a hash, nothing
-    /// happens (its first hash stays). Emits no event (the manager emits `BlockStored` with the
-    /// token ids it knows).
+    /// happens (its first hash stays). Returns `true` when `hash` became resolvable by this
+    /// call (no other block carried it), `false` otherwise. Emits no event (the manager emits
+    /// `BlockStored` with the token ids it knows, only for hashes that became resolvable).
     ///
     /// Errors (nothing changed): [`Error::InvalidBlockId`] for the null block or an id out of
     /// range; [`Error::InvalidArgument`] if the block's ref count is 0.
     ///
     /// Progress: locking (hash table and index). Expected O(1).
-    pub fn cache_block(&self, id: BlockId, hash: BlockHash) -> Result<()> {
+    pub fn cache_block(&self, id: BlockId, hash: BlockHash) -> Result<bool> {
         let i = self.check_id(id)?;
         let mut locked = self.locked.lock();
         if self.refs[i].load(Ordering::Acquire) == 0 {
@@ -619,12 +632,13 @@ impl BlockPool {
             });
         }
         if locked.hashes[i].is_some() {
-            return Ok(());
+            return Ok(false);
         }
+        let newly_resolvable = locked.index.get_all(&hash).is_empty();
         locked.hashes[i] = Some(hash);
         locked.index.insert(hash, id);
         self.hashed[i].store(true, Ordering::Release);
-        Ok(())
+        Ok(newly_resolvable)
     }
 
     /// A block carrying `hash`, preferring one that is in use (ref > 0) so a hit does not take

@@ -187,13 +187,14 @@ impl PyBlockPool {
     }
 
     /// Registers block ``block_id`` (ref count > 0) under a 32-byte ``hash`` in the prefix
-    /// index; a block that already has a hash keeps it. GIL released.
+    /// index; a block that already has a hash keeps it. Returns True when ``hash`` became
+    /// resolvable by this call (no other block carried it). GIL released.
     fn cache_block(
         &self,
         py: Python<'_>,
         block_id: &Bound<'_, PyAny>,
         hash: &[u8],
-    ) -> PyResult<()> {
+    ) -> PyResult<bool> {
         let id = uint_arg(block_id, "block_id", u64::from(u32::MAX))? as u32;
         let hash = hash_arg(py, hash)?;
         let pool = self.writable("cache_block")?;
