@@ -33,8 +33,6 @@ struct Trace {
     num_blocks: u32,
     block_ops: u64,
     prompt_lens: Vec<usize>,
-    /// Per request, output tokens (only the token count is checked against it).
-    output_lens: Vec<usize>,
     admit: Vec<Vec<usize>>,
     finish: Vec<Vec<usize>>,
     /// Per request, prompt tokens then output tokens.
