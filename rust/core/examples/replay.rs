@@ -76,7 +76,11 @@ fn load(trace_path: &str, tokens_path: &str) -> Trace {
         .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
     let total: usize = prompt_lens.iter().sum::<usize>() + output_lens.iter().sum::<usize>();
-    assert_eq!(flat.len(), total, "{tokens_path}: token count does not match the trace");
+    assert_eq!(
+        flat.len(),
+        total,
+        "{tokens_path}: token count does not match the trace"
+    );
     let mut tokens = Vec::with_capacity(prompt_lens.len());
     let mut at = 0;
     for (p, o) in prompt_lens.iter().zip(&output_lens) {
@@ -133,24 +137,28 @@ fn replay_manager(tr: &Trace, algo: HashAlgo) -> (Run, u64) {
     let mut cached_tokens = 0u64;
     let wall = Instant::now();
     for (adm, fin) in tr.admit.iter().zip(&tr.finish) {
+        // The step's inputs (batch ids, sampled tokens, prompt lengths) are built before the
+        // clock, as the Python replay builds its arrays before it: an engine has them from its
+        // scheduler and sampler.
+        let n = running.len();
+        let decode = StepRequest {
+            seq_ids: running.iter().map(|&r| r as u64).collect(),
+            max_new_tokens: vec![1; n],
+            append_indptr: (0..=n as u32).collect(),
+            append_tokens: running
+                .iter()
+                .map(|&r| tr.tokens[r][tr.prompt_lens[r] + sampled[r]])
+                .collect(),
+        };
+        let prefill = StepRequest {
+            seq_ids: adm.iter().map(|&r| r as u64).collect(),
+            max_new_tokens: adm.iter().map(|&r| tr.prompt_lens[r] as u32).collect(),
+            ..Default::default()
+        };
         let c0 = thread_cpu_ns();
-        if !running.is_empty() {
-            // Inputs built inside the clock, as the Python replay builds its arrays inside it.
-            let n = running.len();
-            let req = StepRequest {
-                seq_ids: running.iter().map(|&r| r as u64).collect(),
-                max_new_tokens: vec![1; n],
-                append_indptr: (0..=n as u32).collect(),
-                append_tokens: running
-                    .iter()
-                    .map(|&r| tr.tokens[r][tr.prompt_lens[r] + sampled[r]])
-                    .collect(),
-            };
-            let out = mgr.step(&req);
+        if n > 0 {
+            let out = mgr.step(&decode);
             assert!(out.error.is_none(), "decode step failed: {:?}", out.error);
-            for &r in &running {
-                sampled[r] += 1;
-            }
         }
         let c1 = thread_cpu_ns();
         if !adm.is_empty() {
@@ -162,14 +170,13 @@ fn replay_manager(tr: &Trace, algo: HashAlgo) -> (Run, u64) {
                 )
                 .expect("add_sequence");
             }
-            let req = StepRequest {
-                seq_ids: adm.iter().map(|&r| r as u64).collect(),
-                max_new_tokens: adm.iter().map(|&r| tr.prompt_lens[r] as u32).collect(),
-                ..Default::default()
-            };
-            let out = mgr.step(&req);
+            let out = mgr.step(&prefill);
             assert!(out.error.is_none(), "prefill step failed: {:?}", out.error);
-            cached_tokens += out.num_cached_tokens.iter().map(|&x| u64::from(x)).sum::<u64>();
+            cached_tokens += out
+                .num_cached_tokens
+                .iter()
+                .map(|&x| u64::from(x))
+                .sum::<u64>();
         }
         let c2 = thread_cpu_ns();
         for &r in fin {
@@ -181,6 +188,9 @@ fn replay_manager(tr: &Trace, algo: HashAlgo) -> (Run, u64) {
         run.free_ns += c3 - c2;
         run.max_step_ns = run.max_step_ns.max(c3 - c0);
         // Bookkeeping of the replay itself, outside the clock.
+        for &r in &running {
+            sampled[r] += 1;
+        }
         if !fin.is_empty() {
             running.retain(|r| !fin.contains(r));
         }

@@ -90,7 +90,7 @@ impl Locked {
         let n = num_blocks as usize;
         Self {
             hashes: vec![None; n],
-            index: PrefixIndex::new(),
+            index: PrefixIndex::with_capacity(n),
             prev: vec![NULL_BLOCK; n],
             next: vec![NULL_BLOCK; n],
             in_lru: vec![false; n],
@@ -639,6 +639,78 @@ impl BlockPool {
         locked.index.insert(hash, id);
         self.hashed[i].store(true, Ordering::Release);
         Ok(newly_resolvable)
+    }
+
+    /// [`BlockPool::cache_block`] for many blocks under one lock hold (a prefill caches every
+    /// block it filled at once). `newly_resolvable` is cleared, then gets one flag per block:
+    /// whether its hash became resolvable (`false` also for a block that already carried a
+    /// hash, or an id repeated in `blocks`).
+    ///
+    /// Errors (nothing changed): [`Error::InvalidArgument`] if the two slices differ in length
+    /// or a block's ref count is 0; [`Error::InvalidBlockId`] for the null block or an id out
+    /// of range.
+    ///
+    /// Progress: locking (one lock hold). Expected O(len).
+    pub fn cache_blocks(
+        &self,
+        blocks: &[BlockId],
+        hashes: &[BlockHash],
+        newly_resolvable: &mut Vec<bool>,
+    ) -> Result<()> {
+        if blocks.len() != hashes.len() {
+            return Err(Error::InvalidArgument {
+                arg: "hashes",
+                value: format!("{} hashes", hashes.len()),
+                reason: format!("expected one per block ({})", blocks.len()),
+            });
+        }
+        newly_resolvable.clear();
+        let mut locked = self.locked.lock();
+        for &id in blocks {
+            let i = self.check_id(id)?;
+            if self.refs[i].load(Ordering::Acquire) == 0 {
+                return Err(Error::InvalidArgument {
+                    arg: "id",
+                    value: id.to_string(),
+                    reason: format!(
+                        "block {id} has ref count 0; only a referenced (filled) block can be cached"
+                    ),
+                });
+            }
+        }
+        for (&id, &hash) in blocks.iter().zip(hashes) {
+            let i = id as usize;
+            if locked.hashes[i].is_some() {
+                newly_resolvable.push(false);
+                continue;
+            }
+            locked.hashes[i] = Some(hash);
+            let first = locked.index.insert_reporting(hash, id).unwrap_or(false);
+            self.hashed[i].store(true, Ordering::Release);
+            newly_resolvable.push(first);
+        }
+        Ok(())
+    }
+
+    /// The longest prefix of `hashes` that resolves, as one block per hash (each chosen as
+    /// [`BlockPool::lookup`] does), under one lock hold: a prefix-cache lookup of a whole
+    /// prompt. No side effects. Expected O(hits + 1).
+    pub fn lookup_chain(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
+        let locked = self.locked.lock();
+        let mut hits = Vec::new();
+        for hash in hashes {
+            let all = locked.index.get_all(hash);
+            let Some(&first) = all.first() else {
+                break;
+            };
+            hits.push(
+                all.iter()
+                    .copied()
+                    .find(|&id| self.refs[id as usize].load(Ordering::Acquire) > 0)
+                    .unwrap_or(first),
+            );
+        }
+        hits
     }
 
     /// A block carrying `hash`, preferring one that is in use (ref > 0) so a hit does not take

@@ -60,6 +60,14 @@ impl<T> SeqTable<T> {
 
     /// The entry in `slot`. Panics if the slot is vacant (callers pass slots from
     /// [`Self::slot_of`] under the same lock).
+    pub(crate) fn at_slot(&self, slot: u32) -> &T {
+        &self.slots[slot as usize]
+            .as_ref()
+            .expect("slot resolved under the same lock")
+            .1
+    }
+
+    /// Mutable [`Self::at_slot`].
     pub(crate) fn at_slot_mut(&mut self, slot: u32) -> &mut T {
         &mut self.slots[slot as usize]
             .as_mut()
