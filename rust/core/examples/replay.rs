@@ -202,6 +202,10 @@ fn replay_manager(tr: &Trace, algo: HashAlgo) -> (Run, u64) {
     (run, cached_tokens)
 }
 
+/// One step of the pool replay: the decoding requests that start a block, the admitted
+/// requests with their prompt block counts, the finished requests.
+type PoolStep<'a> = (Vec<usize>, Vec<(usize, usize)>, &'a Vec<usize>);
+
 fn replay_pool(tr: &Trace) -> Run {
     let bs = tr.block_size as usize;
     let mut admit_at = vec![0usize; tr.prompt_lens.len()];
@@ -211,7 +215,7 @@ fn replay_pool(tr: &Trace) -> Run {
         }
     }
     // The schedule of `replay_common.run_pool`, built before the clock.
-    let mut plan: Vec<(Vec<usize>, Vec<(usize, usize)>, &Vec<usize>)> = Vec::new();
+    let mut plan: Vec<PoolStep> = Vec::new();
     let mut running: Vec<usize> = Vec::new();
     for t in 0..tr.admit.len() {
         let needs: Vec<usize> = running
