@@ -101,8 +101,16 @@ class PagedKVReplayer(Replayer):
             free = staticmethod(pool.free)
 
             @staticmethod
+            def items(blocks: Any) -> Any:
+                return blocks.tolist()
+
+            @staticmethod
             def concat_reversed(parts: list[Any]) -> Any:
-                return np.concatenate(parts)[::-1]
+                # [prompt blocks..., decode blocks...] reversed: the decode ids last-first, then
+                # the prompt's int32 array reversed.
+                if len(parts) == 1:
+                    return parts[0][::-1]
+                return np.concatenate((np.array(parts[:0:-1], dtype=np.int32), parts[0][::-1]))
 
         return _Pool()
 
