@@ -128,7 +128,9 @@ class Oracle:
             prefix_queries_tokens=0,
             prefix_hits_tokens=0,
         )
-        # Event stream since the last take_events: ("stored", key) / ("removed", key) / ("cleared",)
+        # Event stream since the last take_events: ("stored", key) / ("removed", key) / ("cleared",),
+        # with set semantics: a key is stored when it becomes resolvable, removed when its last
+        # copy is evicted.
         self.events: list[tuple[Any, ...]] = []
 
     # ---- pool ---------------------------------------------------------------------------
@@ -153,7 +155,8 @@ class Oracle:
                     del self.index[key]
                 self.key[b] = None
                 self.counters["evictions"] += 1
-                self.events.append(("removed", key))
+                if key not in self.index:  # set semantics: the last copy went
+                    self.events.append(("removed", key))
             self.refs[b] = 1
             out.append(b)
         return out
@@ -203,8 +206,9 @@ class Oracle:
                 continue
             key = self.block_key(s, k)
             self.key[b] = key
+            if not self.index[key]:  # set semantics: the first copy makes it resolvable
+                self.events.append(("stored", key))
             self.index[key].append(b)
-            self.events.append(("stored", key))
         s.ncached = max(s.ncached, full)
 
     # ---- manager --------------------------------------------------------------------------
