@@ -75,6 +75,9 @@ pub struct PoolCounters {
 /// The LRU is an intrusive doubly linked list over block ids (`prev` / `next` arrays) with the
 /// null block 0 as the sentinel: `next[0]` is the front (least recently freed), `prev[0]` the
 /// back. Removal of any member is O(1).
+/// Hashes the prefix index has room for at construction (see [`Locked::new`]).
+const INDEX_PRESIZE: usize = 1 << 16;
+
 #[derive(Debug)]
 struct Locked {
     hashes: Vec<Option<BlockHash>>,
@@ -90,7 +93,11 @@ impl Locked {
         let n = num_blocks as usize;
         Self {
             hashes: vec![None; n],
-            index: PrefixIndex::with_capacity(n),
+            // Room for the hashes of up to 64k blocks up front (no rehash inside a step while
+            // the cache fills); a larger pool's index grows by doubling, because a table sized
+            // for a million blocks is touched sparsely at first and page-faults on almost every
+            // insert until it is warm.
+            index: PrefixIndex::with_capacity(n.min(INDEX_PRESIZE)),
             prev: vec![NULL_BLOCK; n],
             next: vec![NULL_BLOCK; n],
             in_lru: vec![false; n],
