@@ -51,7 +51,7 @@ def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
         jobs.append(("step_overhead", [py, str(HERE / "step_overhead.py")], 180))
     if (HERE / "engine_throughput.py").exists():
         jobs.append(("engine_throughput", [py, str(HERE / "engine_throughput.py"),
-                                           *(a.engine_args or ["--rounds", "1"])], 600))
+                                           *(a.engine_args or ["--rounds", "1"])], 1500))
     if (HERE / "engine_roofline.py").exists():
         jobs.append(("engine_roofline", [py, str(HERE / "engine_roofline.py")], 240))
     if a.only:
