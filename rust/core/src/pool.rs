@@ -347,8 +347,7 @@ impl BlockPool {
         let Some(hash) = locked.hashes[id as usize].take() else {
             return false;
         };
-        locked.index.remove(&hash, id);
-        if locked.index.get_all(&hash).is_empty() {
+        if locked.index.remove_reporting(&hash, id) == Some(true) {
             unresolvable.push(hash);
         }
         true

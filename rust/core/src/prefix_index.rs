@@ -92,30 +92,35 @@ impl PrefixIndex {
     /// Removes the pair (`hash`, `block`); drops the entry when it becomes empty. Returns whether
     /// the pair was present. O(1) expected.
     pub fn remove(&mut self, hash: &BlockHash, block: BlockId) -> bool {
-        let Some(h) = self.map.get_mut(hash) else {
-            return false;
+        self.remove_reporting(hash, block).is_some()
+    }
+
+    /// Removes the pair (`hash`, `block`) with one probe of the table. Returns `None` if the
+    /// pair was absent (nothing changed), else `Some(last)` where `last` tells whether `hash`
+    /// has no block left (it no longer resolves). O(1) expected.
+    pub fn remove_reporting(&mut self, hash: &BlockHash, block: BlockId) -> Option<bool> {
+        use std::collections::hash_map::Entry;
+        let Entry::Occupied(mut o) = self.map.entry(*hash) else {
+            return None;
         };
-        let removed = match h {
+        let last = match o.get_mut() {
             Holders::One(id) if *id == block => {
-                self.map.remove(hash);
+                o.remove();
                 true
             }
-            Holders::One(_) => false,
-            Holders::Many(ids) => match ids.iter().position(|&b| b == block) {
-                Some(pos) => {
-                    ids.swap_remove(pos);
-                    if ids.len() == 1 {
-                        *h = Holders::One(ids[0]);
-                    }
-                    true
+            Holders::One(_) => return None,
+            Holders::Many(ids) => {
+                let pos = ids.iter().position(|&b| b == block)?;
+                ids.swap_remove(pos);
+                if ids.len() == 1 {
+                    let only = ids[0];
+                    *o.get_mut() = Holders::One(only);
                 }
-                None => false,
-            },
+                false
+            }
         };
-        if removed {
-            self.entries -= 1;
-        }
-        removed
+        self.entries -= 1;
+        Some(last)
     }
 
     /// Some block carrying `hash` (the first inserted that is still present), if any. O(1).
@@ -178,7 +183,9 @@ mod tests {
         assert_eq!(idx.insert_reporting(h(1), 5), None);
         assert_eq!(idx.insert_reporting(h(1), 7), Some(false));
         assert_eq!(idx.insert_reporting(h(4), 8), Some(true));
-        assert!(idx.remove(&h(4), 8));
+        assert_eq!(idx.remove_reporting(&h(4), 9), None);
+        assert_eq!(idx.remove_reporting(&h(4), 8), Some(true));
+        assert_eq!(idx.remove_reporting(&h(4), 8), None);
         assert!(idx.insert(h(2), 9));
         assert_eq!(idx.len(), 3);
         assert_eq!(idx.num_hashes(), 2);
