@@ -17,7 +17,7 @@ RUN_ARGS ?= --prompts examples/prompts.jsonl --output target/run/results.jsonl
 
 .DEFAULT_GOAL := help
 .PHONY: help setup deps build run test test-rust test-python stubtest check-dist fuzz-smoke \
-        lint fmt fmt-check clippy mypy bench
+        lint fmt fmt-check ruff clippy mypy bench
 
 help: ## Show this list of targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -64,21 +64,31 @@ fuzz-smoke: ## Short cargo-fuzz run of every target (fuzz/smoke.sh), when fuzz/ 
 	elif [ -f fuzz/smoke.sh ]; then bash fuzz/smoke.sh; \
 	else echo "fuzz-smoke: no fuzz/smoke.sh, skipped"; fi
 
-lint: fmt-check clippy mypy ## cargo fmt --check, clippy -D warnings, mypy on the Python package
+lint: fmt-check ruff clippy mypy ## cargo fmt --check, ruff format --check + ruff check, clippy -D warnings, mypy
 
 fmt-check:
 	cargo fmt --all --check
 
-fmt: ## Format the Rust code in place
+# The Python paths ruff formats and lints (config in pyproject.toml).
+RUFF_PATHS ?= python/pagedkv tests/engine
+
+fmt: deps ## Format the Rust code and the Python code (RUFF_PATHS) in place
 	cargo fmt --all
+	$(PYTHON) -m ruff format $(RUFF_PATHS)
+
+ruff: deps ## ruff format --check and ruff check on RUFF_PATHS
+	$(PYTHON) -m ruff format --check $(RUFF_PATHS)
+	$(PYTHON) -m ruff check $(RUFF_PATHS)
 
 clippy: ## clippy on every crate and target, warnings are errors
 	cargo clippy --workspace --all-targets -- -D warnings
 
-# The allocator-facing modules (the engine and kernels are checked by their own tests).
-MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv/tensors.py python/pagedkv/_core.pyi
+# The whole package: the allocator-facing modules, the _core stub, the engine and the kernels
+# (through the python/pagedkv/kernels symlink, so they are checked as pagedkv.kernels).
+MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv/tensors.py \
+	python/pagedkv/_repr.py python/pagedkv/_core.pyi python/pagedkv/engine python/pagedkv/kernels
 
-mypy: deps ## Type-check the public Python API modules and the _core stub
+mypy: deps ## Type-check the Python package (API, _core stub, engine, kernels)
 	$(PYTHON) -m mypy $(MYPY_PATHS)
 
 # run_all.py runs every CPU benchmark (step_overhead.py included) and writes SUMMARY.md.

@@ -8,7 +8,6 @@ that need them.
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import platform
@@ -103,15 +102,9 @@ def traces_root(traces_dir: str | os.PathLike | None) -> Path:
     return Path(traces_dir) if traces_dir else DATA_DIR
 
 
-def _azure_time(s: str) -> float:
-    # "2023-11-16 18:15:46.6805900": 7 fractional digits, more than strptime's %f accepts.
-    head, _, frac = s.partition(".")
-    t = datetime.strptime(head, "%Y-%m-%d %H:%M:%S").timestamp()
-    return t + (float("0." + frac) if frac else 0.0)
-
-
 def load_azure(kind: str, traces_dir: str | os.PathLike | None = None) -> Workload:
-    """Load the Azure LLM inference trace 2023 (``kind`` = ``"conv"`` or ``"code"``).
+    """Load the Azure LLM inference trace 2023 (``kind`` = ``"conv"`` or ``"code"``) through
+    the package's one trace reader (:func:`pagedkv.engine.inputs.read_trace_rows`).
 
     Rows with 0 generated tokens are kept with output length 1 (a request always samples one
     token). Raises FileNotFoundError naming the missing path.
@@ -119,19 +112,15 @@ def load_azure(kind: str, traces_dir: str | os.PathLike | None = None) -> Worklo
     if kind not in ("conv", "code"):
         raise ValueError(f"azure trace kind must be 'conv' or 'code', got {kind!r}")
     path = traces_root(traces_dir) / TRACE_FILES[f"azure_{kind}"]
-    if not path.exists():
-        raise FileNotFoundError(f"trace file not found: {path}")
-    p, o, t = [], [], []
-    with open(path, newline="") as f:
-        for row in csv.DictReader(f):
-            p.append(max(1, int(row["ContextTokens"])))
-            o.append(max(1, int(row["GeneratedTokens"])))
-            t.append(_azure_time(row["TIMESTAMP"]))
-    ta = np.asarray(t, dtype=np.float64)
+    rows = _trace_rows(path)
+    missing = next((r.line for r in rows if r.arrival_s is None), None)
+    if missing is not None:
+        raise ValueError(f"{path}:{missing}: no parsable TIMESTAMP")
+    ta = np.asarray([r.arrival_s for r in rows], dtype=np.float64)
     return Workload(
         f"azure_{kind}",
-        np.asarray(p, dtype=np.int64),
-        np.asarray(o, dtype=np.int64),
+        np.asarray([max(1, r.prompt_tokens) for r in rows], dtype=np.int64),
+        np.asarray([max(1, r.output_tokens) for r in rows], dtype=np.int64),
         ta - ta[0],
         None,
         str(path),
@@ -139,28 +128,27 @@ def load_azure(kind: str, traces_dir: str | os.PathLike | None = None) -> Worklo
 
 
 def load_mooncake(traces_dir: str | os.PathLike | None = None) -> Workload:
-    """Load the Mooncake FAST'25 conversation trace (lengths, ms timestamps and hash ids)."""
+    """Load the Mooncake FAST'25 conversation trace (lengths, ms timestamps and hash ids)
+    through the package's one trace reader."""
     path = traces_root(traces_dir) / TRACE_FILES["mooncake"]
-    if not path.exists():
-        raise FileNotFoundError(f"trace file not found: {path}")
-    p, o, t, h = [], [], [], []
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            p.append(max(1, int(r["input_length"])))
-            o.append(max(1, int(r["output_length"])))
-            t.append(float(r["timestamp"]) / 1000.0)
-            h.append([int(x) for x in r["hash_ids"]])
+    rows = _trace_rows(path)
     return Workload(
         "mooncake",
-        np.asarray(p, dtype=np.int64),
-        np.asarray(o, dtype=np.int64),
-        np.asarray(t, dtype=np.float64),
-        h,
+        np.asarray([max(1, r.prompt_tokens) for r in rows], dtype=np.int64),
+        np.asarray([max(1, r.output_tokens) for r in rows], dtype=np.int64),
+        np.asarray([r.arrival_s for r in rows], dtype=np.float64),
+        [list(r.hash_ids or ()) for r in rows],
         str(path),
     )
+
+
+def _trace_rows(path: Path) -> list[Any]:
+    """The rows of a trace file (torch-free reader); FileNotFoundError naming a missing path."""
+    from pagedkv.engine.inputs import read_trace_rows
+
+    if not path.exists():
+        raise FileNotFoundError(f"trace file not found: {path}")
+    return read_trace_rows(path)
 
 
 def lognormal_lengths(

@@ -23,7 +23,7 @@ reservation (slots reserved for a request's future tokens), internal fragmentati
 beyond what the request will ever use; for paging, the unwritten slots of allocated blocks),
 external fragmentation & other (unallocated memory while requests wait).
 
-Usage: ``python benchmarks/memory_efficiency.py [--traces-dir ../shared/data/traces] [--quick]``
+Usage: ``python benchmarks/memory_efficiency.py [--traces-dir DIR] [--quick]``
 """
 
 from __future__ import annotations
@@ -219,10 +219,10 @@ def simulate_paged(w: common.Workload, block_size: int, budget: int, watermark: 
         if not admitted and not running:
             raise RuntimeError(f"request {waiting[0]} can never fit in {usable} blocks of {bs}")
         # 3. One batched step for everyone.
-        ids, mnt, app = [], [], []
+        ids, num_new, app = [], [], []
         for r in running:
             ids.append(r)
-            mnt.append(1)
+            num_new.append(1)
             app.append([out_tokens[r][sampled[r] - 1]])
         for r in admitted:
             g = sampled.get(r, 0)
@@ -234,8 +234,8 @@ def simulate_paged(w: common.Workload, block_size: int, budget: int, watermark: 
             else:  # resumed after recompute preemption: re-prefill prompt + generated tokens
                 app.append([out_tokens[r][g - 1]])
             ids.append(r)
-            mnt.append(p[r] + g)
-        out = mgr.step(ids, mnt, app)
+            num_new.append(p[r] + g)
+        out = mgr.step(ids, num_new, app)
         if out.error is not None:
             raise RuntimeError(f"pagedkv step failed at step {steps}: {out.error!r}")
         for r in running:

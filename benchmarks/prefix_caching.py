@@ -15,7 +15,7 @@ cache.
 "unbounded cache" is the hit rate of a cache that never evicts and saw every earlier request
 (computed in Python from the expanded tokens, see :func:`ideal_hits`): the bound for any budget.
 
-Usage: ``python benchmarks/prefix_caching.py [--traces-dir ../shared/data/traces] [--quick]``
+Usage: ``python benchmarks/prefix_caching.py [--traces-dir DIR] [--quick]``
 """
 
 from __future__ import annotations
@@ -101,10 +101,10 @@ def replay(w: common.Workload, *, block_size: int, budget_tokens: int, caching: 
             written[victim] = 0
             waiting.appendleft(victim)
         free -= need
-        ids, mnt, app = [], [], []
+        ids, num_new, app = [], [], []
         for r in running:
             ids.append(r)
-            mnt.append(1)
+            num_new.append(1)
             app.append([outs[r][sampled[r] - 1]])
         admitted = []
         while waiting and len(running) + len(admitted) < max_running:
@@ -123,11 +123,11 @@ def replay(w: common.Workload, *, block_size: int, budget_tokens: int, caching: 
             waiting.popleft()
             admitted.append(r)
             ids.append(r)
-            mnt.append(p[r] + g)
+            num_new.append(p[r] + g)
             app.append([outs[r][g - 1]] if g else [])
         if not ids:
             raise RuntimeError(f"request {waiting[0]} can never fit in {usable} blocks")
-        out = mgr.step(ids, mnt, app)
+        out = mgr.step(ids, num_new, app)
         if out.error is not None:
             raise RuntimeError(f"pagedkv step {steps} failed: {out.error!r}")
         nrun = len(running)

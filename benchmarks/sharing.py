@@ -90,10 +90,10 @@ def parallel_sampling(n: int, requests: int, *, bs: int = 16, max_running: int =
     live: dict[int, list[int]] = {}  # seq id -> [request, sample, tokens sampled, kv tokens]
     copies = 0
     while waiting or live:
-        ids, mnt, app = [], [], []
+        ids, num_new, app = [], [], []
         for sid, s in live.items():
             ids.append(sid)
-            mnt.append(1)
+            num_new.append(1)
             app.append([_tok(sid, s[2] - 1)])
         groups = len({s[0] for s in live.values()})
         admitted = []
@@ -103,9 +103,9 @@ def parallel_sampling(n: int, requests: int, *, bs: int = 16, max_running: int =
             mgr.add_sequence(sid, common.unique_tokens(r, prompts[r]))
             admitted.append(r)
             ids.append(sid)
-            mnt.append(prompts[r])
+            num_new.append(prompts[r])
             app.append([])
-        out = mgr.step(ids, mnt, app)
+        out = mgr.step(ids, num_new, app)
         if out.error is not None:
             raise RuntimeError(f"pagedkv step failed: {out.error!r}")
         copies += len(out.copies)
@@ -149,11 +149,11 @@ def beam_search_simulated(width: int, requests: int, *, bs: int = 16, vocab: int
     active: dict[int, dict[str, Any]] = {}
     copies = 0
     while waiting or active:
-        ids, mnt, app = [], [], []
+        ids, num_new, app = [], [], []
         for r, st in active.items():
             for b in st["beams"]:
                 ids.append(b[0])
-                mnt.append(1)
+                num_new.append(1)
                 app.append([b[2]])
         admitted = []
         while waiting and len(active) + len(admitted) < max_running:
@@ -163,9 +163,9 @@ def beam_search_simulated(width: int, requests: int, *, bs: int = 16, vocab: int
             mgr.add_sequence(sid, common.unique_tokens(r, prompts[r]))
             admitted.append((r, sid))
             ids.append(sid)
-            mnt.append(prompts[r])
+            num_new.append(prompts[r])
             app.append([])
-        out = mgr.step(ids, mnt, app)
+        out = mgr.step(ids, num_new, app)
         if out.error is not None:
             raise RuntimeError(f"pagedkv step failed: {out.error!r}")
         copies += len(out.copies)
@@ -298,7 +298,7 @@ def _metered_engine(model: Any, tok: Any, num_kv_blocks: int, bs: int) -> tuple[
     orig = eng.runner.execute
 
     def execute(batch: Any) -> Any:
-        tables = [len(mgr.block_table(s.seq_id)) for r in eng._requests.values() for s in r.seqs
+        tables = [len(mgr.block_table(s.seq_id)) for r in eng.requests for s in r.seqs
                   if mgr.num_tokens(s.seq_id) and mgr.status(s.seq_id) == "running"]
         phys = mgr.pool.num_used
         meter.physical += phys

@@ -24,8 +24,9 @@ Dispatch: every op takes ``backend="auto" | "triton" | "torch"``. ``auto`` runs 
 the tensors are on CUDA and Triton is installed, else the reference in
 :mod:`pagedkv.kernels.reference`. ``triton`` forces the kernels (on CPU tensors this needs
 ``TRITON_INTERPRET=1`` set before Triton is first imported). Triton is imported lazily, so
-CPU-only use works without it. All ops raise ``ValueError`` naming the bad tensor, what it
-got and what it expected, before launching anything.
+CPU-only use works without it. All ops raise ``pagedkv.errors.KernelInputError`` (a
+``ValueError``) naming the bad tensor, what it got and what it expected, before launching
+anything.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import importlib.util
 from typing import Optional
 
 import torch
+
+from pagedkv.errors import KernelInputError
 
 from . import reference
 from .plan import AttentionPlan, plan_paged_attention
@@ -54,7 +57,7 @@ def triton_available() -> bool:
 
 def _use_triton(backend: str, t: torch.Tensor, op: str) -> bool:
     if backend not in _BACKENDS:
-        raise ValueError(f"{op}: backend is {backend!r}, expected one of {_BACKENDS}")
+        raise KernelInputError(f"{op}: backend is {backend!r}, expected one of {_BACKENDS}")
     if backend == "torch":
         return False
     if backend == "triton":
@@ -148,7 +151,7 @@ def swap_blocks(
     ``None``). ``backend`` is accepted for symmetry: the CUDA path uses async memcpy, not
     Triton. See :func:`pagedkv.kernels.swap.swap_blocks`."""
     if backend not in _BACKENDS:
-        raise ValueError(f"swap_blocks: backend is {backend!r}, expected one of {_BACKENDS}")
+        raise KernelInputError(f"swap_blocks: backend is {backend!r}, expected one of {_BACKENDS}")
     on_cuda = any(getattr(t, "is_cuda", False) for t in (src_kv_cache, dst_kv_cache))
     if backend != "torch" and on_cuda:
         return _impl("swap").swap_blocks(src_kv_cache, dst_kv_cache, block_mapping, stream)

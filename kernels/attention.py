@@ -193,7 +193,7 @@ def paged_attention(
     t, hq, d = query.shape
     _, bs, hkv, _ = key_cache.shape
     if d > V.MAX_HEAD_SIZE:
-        raise ValueError(f"paged_attention: query has head_size {d}, expected <= {V.MAX_HEAD_SIZE}")
+        raise V.KernelInputError(f"paged_attention: query has head_size {d}, expected <= {V.MAX_HEAD_SIZE}")
     g = hq // hkv
     bsz = block_table.shape[0]
     if out is None:
@@ -213,7 +213,7 @@ def paged_attention(
         block_n = 64 if block_d <= 128 else 32
     for name, val, lo in (("block_m", block_m, max(16, g)), ("block_n", block_n, 16)):
         if val < lo or val & (val - 1):
-            raise ValueError(f"paged_attention: {name} is {val}, expected a power of two >= {lo}")
+            raise V.KernelInputError(f"paged_attention: {name} is {val}, expected a power of two >= {lo}")
     tpt = block_m // g
     n_q_tiles = triton.cdiv(max_query_len, tpt)
     programs = bsz * n_q_tiles * hkv
@@ -224,7 +224,7 @@ def paged_attention(
             if programs < want:
                 num_kv_splits = max(1, min(triton.cdiv(want, programs), triton.cdiv(max_seq_len, 256), 64))
     if num_kv_splits < 1:
-        raise ValueError(f"paged_attention: num_kv_splits is {num_kv_splits}, expected >= 1")
+        raise V.KernelInputError(f"paged_attention: num_kv_splits is {num_kv_splits}, expected >= 1")
     split = num_kv_splits > 1
     if split:
         part_acc = torch.empty(num_kv_splits, t, hq, block_d, dtype=torch.float32, device=query.device)

@@ -52,7 +52,7 @@ def reshape_and_cache(
     """
     V.check_reshape_and_cache("reshape_and_cache", key, value, key_cache, value_cache, slot_mapping)
     if key_cache.stride() != value_cache.stride():
-        raise ValueError(
+        raise V.KernelInputError(
             f"reshape_and_cache: value_cache has strides {value_cache.stride()}, expected the "
             f"key_cache strides {key_cache.stride()}"
         )

@@ -113,22 +113,22 @@ class AttentionPlan:
                                 ("seq_lens", seq_lens, self.seq_lens),
                                 ("query_start_loc", query_start_loc, self.query_start_loc)):
             if got is not want:
-                raise ValueError(f"{op}: {name} is not the tensor the plan was built from, "
+                raise V.KernelInputError(f"{op}: {name} is not the tensor the plan was built from, "
                                  "expected the same tensor object as passed to plan_paged_attention")
         if tuple(key_cache.shape) != self.cache_shape:
-            raise ValueError(f"{op}: key_cache has shape {tuple(key_cache.shape)}, expected "
+            raise V.KernelInputError(f"{op}: key_cache has shape {tuple(key_cache.shape)}, expected "
                              f"{self.cache_shape} (the plan's cache_shape)")
         if query.shape[0] != self.num_tokens or query.shape[1] != self.num_q_heads:
-            raise ValueError(f"{op}: query has shape {tuple(query.shape)}, expected "
+            raise V.KernelInputError(f"{op}: query has shape {tuple(query.shape)}, expected "
                              f"({self.num_tokens}, {self.num_q_heads}, {self.cache_shape[3]}) "
                              "(the plan's tokens and heads)")
         if not V.same_device(key_cache.device, self.device):
-            raise ValueError(f"{op}: key_cache is on device {key_cache.device}, expected device "
+            raise V.KernelInputError(f"{op}: key_cache is on device {key_cache.device}, expected device "
                              f"{self.device} (the plan's)")
         if sliding_window is not None and sliding_window != self.sliding_window:
             allowed = "None (the plan has no window)" if self.sliding_window is None else \
                 f"None or {self.sliding_window} (the plan's window)"
-            raise ValueError(f"{op}: sliding_window is {sliding_window!r}, expected {allowed}")
+            raise V.KernelInputError(f"{op}: sliding_window is {sliding_window!r}, expected {allowed}")
 
 
 def plan_paged_attention(
@@ -180,11 +180,11 @@ def build_plan(op: str, block_table: torch.Tensor, seq_lens: torch.Tensor, query
     metadata expected on ``device`` (default: ``block_table``'s). The plan-less
     ``paged_attention`` builds its plan through here with the caches' device."""
     if len(cache_shape) != 4:
-        raise ValueError(f"{op}: cache_shape is {tuple(cache_shape)}, expected (num_blocks, block_size, "
+        raise V.KernelInputError(f"{op}: cache_shape is {tuple(cache_shape)}, expected (num_blocks, block_size, "
                          "num_kv_heads, head_size)")
     num_blocks, bs, hkv, d = (int(x) for x in cache_shape)
     if num_q_heads < 1 or num_q_heads % hkv != 0:
-        raise ValueError(f"{op}: num_q_heads is {num_q_heads}, expected a positive multiple of "
+        raise V.KernelInputError(f"{op}: num_q_heads is {num_q_heads}, expected a positive multiple of "
                          f"num_kv_heads={hkv}")
     if device is not None:
         dev = device
@@ -196,7 +196,7 @@ def build_plan(op: str, block_table: torch.Tensor, seq_lens: torch.Tensor, query
     )
     qsl = query_start_loc.tolist()
     if qsl[0] != 0:  # metadata off the CPU is not value-checked above
-        raise ValueError(f"{op}: query_start_loc starts at {qsl[0]}, expected 0")
+        raise V.KernelInputError(f"{op}: query_start_loc starts at {qsl[0]}, expected 0")
     g = num_q_heads // hkv
     sls = seq_lens.tolist()
     bt_host = block_table.to("cpu", torch.int64)

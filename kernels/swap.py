@@ -66,7 +66,7 @@ def swap_blocks(
     for name, t in (("src_kv_cache", src_kv_cache), ("dst_kv_cache", dst_kv_cache)):
         V.check_tensor(op, name, t, contiguous=True)
         if not t.is_cuda and not t.is_pinned():
-            raise ValueError(f"{op}: {name} is a pageable CPU tensor, expected pinned memory (pin_memory=True)")
+            raise V.KernelInputError(f"{op}: {name} is a pageable CPU tensor, expected pinned memory (pin_memory=True)")
     stream = stream if stream is not None else torch.cuda.current_stream()
     runs = _runs([tuple(p) for p in block_mapping.tolist()])
     layers = src_kv_cache.shape[0]

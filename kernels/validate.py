@@ -1,7 +1,7 @@
 """Input checks shared by the Triton kernels and their torch references.
 
-Every check runs on the host before anything is launched and raises ``ValueError`` whose
-message names the op, the tensor, what it got and what it expected, e.g.::
+Every check runs on the host before anything is launched and raises
+:class:`pagedkv.errors.KernelInputError` (a ``ValueError``) whose message names the op, the tensor, what it got and what it expected, e.g.::
 
     paged_attention: block_table has dtype torch.int64, expected torch.int32
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 from typing import Iterable, Optional, Sequence
 
 import torch
+
+from pagedkv.errors import KernelInputError as KernelInputError  # re-exported for the ops
 
 #: Dtypes the attention and cache kernels accept for activations and caches.
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,16 +41,16 @@ def check_tensor(
     contiguous: bool = False,
     last_dim_contiguous: bool = False,
 ) -> None:
-    """Check one tensor argument; raise ``ValueError`` naming ``name`` on the first mismatch.
+    """Check one tensor argument; raise ``KernelInputError`` naming ``name`` on the first mismatch.
 
     ``shape`` entries that are ``None`` are not checked. ``device`` compares type and index.
     """
     if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        raise KernelInputError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
-        raise ValueError(f"{op}: {name} has dtype {t.dtype}, expected {_fmt_dtypes(dtypes)}")
+        raise KernelInputError(f"{op}: {name} has dtype {t.dtype}, expected {_fmt_dtypes(dtypes)}")
     if ndim is not None and t.dim() != ndim:
-        raise ValueError(
+        raise KernelInputError(
             f"{op}: {name} has {t.dim()} dims (shape {tuple(t.shape)}), expected {ndim} dims"
         )
     if shape is not None:
@@ -56,15 +58,15 @@ def check_tensor(
             s is not None and s != got for s, got in zip(shape, t.shape)
         ):
             want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
-            raise ValueError(f"{op}: {name} has shape {tuple(t.shape)}, expected {want}")
+            raise KernelInputError(f"{op}: {name} has shape {tuple(t.shape)}, expected {want}")
     if device is not None and not same_device(t.device, device):
-        raise ValueError(f"{op}: {name} is on device {t.device}, expected device {device}")
+        raise KernelInputError(f"{op}: {name} is on device {t.device}, expected device {device}")
     if contiguous and not t.is_contiguous():
-        raise ValueError(
+        raise KernelInputError(
             f"{op}: {name} is not contiguous (strides {t.stride()}), expected a contiguous tensor"
         )
     if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(
+        raise KernelInputError(
             f"{op}: {name} has last-dim stride {t.stride(-1)}, expected 1 (contiguous head dim)"
         )
 
@@ -115,7 +117,7 @@ def check_block_mapping(
     check_tensor(op, "block_mapping", block_mapping, dtypes=(torch.int32, torch.int64), ndim=2)
     assert isinstance(block_mapping, torch.Tensor)
     if block_mapping.shape[1] != 2:
-        raise ValueError(
+        raise KernelInputError(
             f"{op}: block_mapping has shape {tuple(block_mapping.shape)}, expected (K, 2) (src, dst) pairs"
         )
     if block_mapping.device.type != "cpu" or block_mapping.numel() == 0:
@@ -123,12 +125,12 @@ def check_block_mapping(
     src = block_mapping[:, 0]
     dst = block_mapping[:, 1]
     if int(src.min()) < 0 or int(src.max()) >= num_src_blocks:
-        raise ValueError(
+        raise KernelInputError(
             f"{op}: block_mapping src ids span [{int(src.min())}, {int(src.max())}], "
             f"expected ids in [0, {num_src_blocks})"
         )
     if int(dst.min()) < 0 or int(dst.max()) >= num_dst_blocks:
-        raise ValueError(
+        raise KernelInputError(
             f"{op}: block_mapping dst ids span [{int(dst.min())}, {int(dst.max())}], "
             f"expected ids in [0, {num_dst_blocks})"
         )
@@ -136,15 +138,15 @@ def check_block_mapping(
         hit = (dst == 0).nonzero()
         if hit.numel():
             i = int(hit[0, 0])
-            raise ValueError(
+            raise KernelInputError(
                 f"{op}: block_mapping[{i}] has dst block 0 (the null block), expected dst ids >= 1"
             )
     if torch.unique(dst).numel() != dst.numel():
-        raise ValueError(f"{op}: block_mapping has repeated dst ids, expected distinct dst blocks")
+        raise KernelInputError(f"{op}: block_mapping has repeated dst ids, expected distinct dst blocks")
     if cow:
         overlap = set(src.tolist()) & set(dst.tolist())
         if overlap:
-            raise ValueError(
+            raise KernelInputError(
                 f"{op}: block_mapping uses block(s) {sorted(overlap)[:8]} as both src and dst, "
                 "expected disjoint src and dst sets"
             )
@@ -177,7 +179,7 @@ def check_reshape_and_cache(
         n_slots = key_cache.shape[0] * block_size
         hi = int(slot_mapping.max())
         if hi >= n_slots:
-            raise ValueError(
+            raise KernelInputError(
                 f"{op}: slot_mapping has slot {hi}, expected slots < num_blocks*block_size = {n_slots} "
                 "(negative slots are skipped)"
             )
@@ -185,7 +187,7 @@ def check_reshape_and_cache(
         hit = ((slot_mapping >= 0) & (slot_mapping < block_size)).nonzero()
         if hit.numel():
             i = int(hit[0, 0])
-            raise ValueError(
+            raise KernelInputError(
                 f"{op}: slot_mapping[{i}] is {int(slot_mapping[i])}, a slot in the null block 0 "
                 f"(slots 0..{block_size - 1}); expected slots >= block_size={block_size} or < 0 (skipped)"
             )
@@ -228,7 +230,7 @@ def check_attention_tensors(
     ``Hq`` a multiple of ``Hkv``, and ``softmax_scale > 0``. O(1): reads no tensor values.
 
     Raises:
-        ValueError: naming the bad argument, what it got and what it expected.
+        KernelInputError: (a ``ValueError``) naming the bad argument, what it got and what it expected.
     """
     check_cache_pair(op, key_cache, value_cache)
     assert isinstance(key_cache, torch.Tensor)
@@ -238,13 +240,13 @@ def check_attention_tensors(
     assert isinstance(query, torch.Tensor)
     t, num_q_heads, qd = query.shape
     if qd != head_size:
-        raise ValueError(f"{op}: query has head_size {qd}, expected {head_size} (the cache's head_size)")
+        raise KernelInputError(f"{op}: query has head_size {qd}, expected {head_size} (the cache's head_size)")
     if num_q_heads % num_kv_heads != 0:
-        raise ValueError(
+        raise KernelInputError(
             f"{op}: query has {num_q_heads} heads, expected a multiple of num_kv_heads={num_kv_heads}"
         )
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)) or not softmax_scale > 0:
-        raise ValueError(f"{op}: softmax_scale is {softmax_scale!r}, expected a positive float")
+        raise KernelInputError(f"{op}: softmax_scale is {softmax_scale!r}, expected a positive float")
     if out is not None:
         check_tensor(
             op, "out", out, dtypes=(query.dtype,), shape=tuple(query.shape), device=dev,
@@ -271,7 +273,7 @@ def check_attention_metadata(
     live entries are block ids in ``[0, num_blocks)``. Cost O(B * M) when on the CPU.
 
     Raises:
-        ValueError: naming the bad argument, what it got and what it expected.
+        KernelInputError: (a ``ValueError``) naming the bad argument, what it got and what it expected.
     """
     dev = device
     check_tensor(op, "block_table", block_table, dtypes=(torch.int32,), ndim=2, device=dev)
@@ -282,35 +284,35 @@ def check_attention_metadata(
     if sliding_window is not None and (
         isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1
     ):
-        raise ValueError(f"{op}: sliding_window is {sliding_window!r}, expected None or an int >= 1")
+        raise KernelInputError(f"{op}: sliding_window is {sliding_window!r}, expected None or an int >= 1")
     assert isinstance(seq_lens, torch.Tensor) and isinstance(query_start_loc, torch.Tensor)
     if dev.type != "cpu" or b == 0:
         return
     qsl = query_start_loc.to(torch.int64)
     t = int(qsl[-1]) if num_tokens is None else num_tokens
     if int(qsl[0]) != 0 or int(qsl[-1]) != t:
-        raise ValueError(
+        raise KernelInputError(
             f"{op}: query_start_loc runs from {int(qsl[0])} to {int(qsl[-1])}, "
             f"expected 0 to num_tokens={t}"
         )
     q_lens = qsl[1:] - qsl[:-1]
     if bool((q_lens < 0).any()):
-        raise ValueError(f"{op}: query_start_loc is decreasing, expected non-decreasing offsets")
+        raise KernelInputError(f"{op}: query_start_loc is decreasing, expected non-decreasing offsets")
     sl = seq_lens.to(torch.int64)
     neg = (sl < 0).nonzero()
     if neg.numel():
         i = int(neg[0, 0])
-        raise ValueError(f"{op}: seq_lens[{i}] is {int(sl[i])}, expected seq_lens >= 0")
+        raise KernelInputError(f"{op}: seq_lens[{i}] is {int(sl[i])}, expected seq_lens >= 0")
     bad = (q_lens > sl).nonzero()
     if bad.numel():
         i = int(bad[0, 0])
-        raise ValueError(
+        raise KernelInputError(
             f"{op}: sequence {i} has query length {int(q_lens[i])} > seq_lens[{i}]={int(sl[i])}, "
             "expected query length <= seq_len (queries are the last tokens of the sequence)"
         )
     need = int(((sl + block_size - 1) // block_size).max())
     if need > block_table.shape[1]:
-        raise ValueError(
+        raise KernelInputError(
             f"{op}: block_table has {block_table.shape[1]} columns, expected >= {need} "
             f"(max seq_len {int(sl.max())} / block_size {block_size})"
         )
@@ -320,7 +322,7 @@ def check_attention_metadata(
         live = cols < ((sl + block_size - 1) // block_size).unsqueeze(1)
         ids = used[live]
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
-            raise ValueError(
+            raise KernelInputError(
                 f"{op}: block_table holds block ids in [{int(ids.min())}, {int(ids.max())}], "
                 f"expected ids in [0, {num_blocks})"
             )

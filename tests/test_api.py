@@ -307,11 +307,10 @@ def test_step_decode_batch() -> None:
     assert out.new_block_indptr.tolist() == [0, 1, 2, 3]
     assert out.new_block_ids.tolist() == [4, 5, 6]
     assert out.slot_mapping.dtype == np.int64 and out.slot_mapping.tolist() == [16, 20, 24]
-    assert out.block_table_indptr.tolist() == [0, 2, 4, 6]
-    assert out.block_table_indices.tolist() == [1, 4, 2, 5, 3, 6]
+    assert out.block_table.tolist() == [[1, 4], [2, 5], [3, 6]]
     assert out.copies.shape == (0, 2)
-    for arr in (out.query_start_loc, out.seq_lens, out.context_lens, out.block_table_indptr,
-                out.block_table_indices, out.new_block_indptr, out.new_block_ids, out.num_cached_tokens):
+    for arr in (out.query_start_loc, out.seq_lens, out.context_lens, out.block_table,
+                out.new_block_indptr, out.new_block_ids, out.num_cached_tokens, out.copies):
         assert arr.dtype == np.int32
     out.raise_for_error()
     assert [m.token_ids(s).tolist()[-1] for s in (1, 2, 3)] == [7, 8, 9]
@@ -361,7 +360,7 @@ def test_step_batch_tensors_match_python() -> None:
     for s, n in enumerate(lens):
         m.add_sequence(s, rng.integers(0, 1000, n))
     out = m.step(list(range(len(lens))), 6)
-    bt = pagedkv.tensors.BatchTensors.from_step(out, 4, device=None)
+    bt = pagedkv.tensors.BatchTensors.from_steps(out, device=None)
     tables = [m.block_table(s).tolist() for s in range(len(lens))]
     width = max(len(t) for t in tables)
     assert bt.block_table.tolist() == [t + [0] * (width - len(t)) for t in tables]
@@ -492,7 +491,7 @@ def test_import_without_torch() -> None:
         m = pagedkv.KVCacheManager(pagedkv.CacheConfig(8, 4))
         m.add_sequence(1, [1, 2, 3])
         out = m.step([1], [8])
-        bt = tensors.BatchTensors.from_step(out, 4, device=None)
+        bt = tensors.BatchTensors.from_steps(out, device=None)
         assert bt.block_table.tolist() == [[1]], bt
         print("ok")
         """

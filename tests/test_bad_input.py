@@ -49,6 +49,11 @@ CONFIG_ROWS: list[Row] = [
     ),
     ("num_blocks=2**40", lambda: pagedkv.CacheConfig(2**40, 4), E.InvalidConfigError, ("num_blocks", str(2**40))),
     ("hash_algo=md5", lambda: pagedkv.CacheConfig(10, 4, hash_algo="md5"), E.InvalidConfigError, ("hash_algo", "md5")),
+    # wrong types are pagedkv errors naming the field, not bare TypeErrors
+    ("hash_algo=5", lambda: pagedkv.CacheConfig(10, 4, hash_algo=5), E.InvalidConfigError, ("hash_algo", "5", "str")),  # type: ignore[arg-type]
+    ("hash_seed=str", lambda: pagedkv.CacheConfig(10, 4, hash_seed="s"), E.InvalidConfigError, ("hash_seed", "bytes")),  # type: ignore[arg-type]
+    ("enable_events=1", lambda: pagedkv.CacheConfig(10, 4, enable_events=1), E.InvalidConfigError, ("enable_events", "bool")),  # type: ignore[arg-type]
+    ("manager of a non-config", lambda: pagedkv.KVCacheManager("cfg"), E.InvalidArgumentError, ("config", "CacheConfig")),  # type: ignore[arg-type]
     (
         "num_cpu_blocks=-1",
         lambda: pagedkv.CacheConfig(10, 4, num_cpu_blocks=-1),
@@ -153,11 +158,11 @@ MANAGER_ROWS: list[Row] = [
     ("swap_out duplicate ids", lambda m: m.swap_out([3, 3]), E.InvalidArgumentError, ("seq_ids", "3")),
     ("swap_in unknown seq", lambda m: m.swap_in([93]), E.UnknownSequenceError, ("93",)),
     # token counts
-    ("allocate negative count", lambda m: m.allocate_slots(2, -1), E.InvalidArgumentError, ("max_new_tokens", "-1")),
-    ("allocate zero tokens", lambda m: m.allocate_slots(2, 0), E.InvalidArgumentError, ("max_new_tokens", "0")),
-    ("allocate float count", lambda m: m.allocate_slots(2, 1.5), E.InvalidArgumentError, ("max_new_tokens", "1.5")),
-    ("allocate fully computed seq", lambda m: m.allocate_slots(1, 1), E.InvalidArgumentError, ("max_new_tokens", "1")),
-    ("num_blocks_needed negative", lambda m: m.num_blocks_needed(2, -3), E.InvalidArgumentError, ("max_new_tokens", "-3")),
+    ("allocate negative count", lambda m: m.allocate_slots(2, -1), E.InvalidArgumentError, ("num_new_tokens", "-1")),
+    ("allocate zero tokens", lambda m: m.allocate_slots(2, 0), E.InvalidArgumentError, ("num_new_tokens", "0")),
+    ("allocate float count", lambda m: m.allocate_slots(2, 1.5), E.InvalidArgumentError, ("num_new_tokens", "1.5")),
+    ("allocate fully computed seq", lambda m: m.allocate_slots(1, 1), E.InvalidArgumentError, ("num_new_tokens", "1")),
+    ("num_blocks_needed negative", lambda m: m.num_blocks_needed(2, -3), E.InvalidArgumentError, ("num_new_tokens", "-3")),
     # capacity and state
     ("allocate more than the pool", lambda m: m.allocate_slots(4, 200), E.OutOfBlocksError, ("50", "8")),
     ("swap_out without swap space", lambda m: m.swap_out([1]), E.OutOfSwapSpaceError, ("3", "0")),
@@ -167,14 +172,25 @@ MANAGER_ROWS: list[Row] = [
     ("mm item len 0", lambda m: m.add_sequence(5, [1, 2], mm_items=[(b"img", 0, 0)]), E.InvalidArgumentError, ("mm_items", "len=0")),
     ("mm item negative start", lambda m: m.add_sequence(5, [1, 2], mm_items=[(b"img", -1, 2)]), E.InvalidArgumentError, ("mm_items", "-1")),
     ("extra key value not bytes", lambda m: m.add_sequence(5, [1], extra_keys=[("lora", "x")]), E.InvalidArgumentError, ("extra_keys", "'lora'")),
-    ("cache_salt not str", lambda m: m.add_sequence(5, [1], cache_salt=5), TypeError, ("cache_salt",)),
+    ("cache_salt not str", lambda m: m.add_sequence(5, [1], cache_salt=5), E.InvalidArgumentError, ("cache_salt", "5", "str")),
     # batched step: malformed requests change nothing and raise nothing; error is reported
-    ("step max_new length mismatch", lambda m: m.step([1, 2], [1]).raise_for_error(), E.InvalidArgumentError, ("max_new_tokens",)),
+    ("step num_new length mismatch", lambda m: m.step([1, 2], [1]).raise_for_error(), E.InvalidArgumentError, ("num_new_tokens",)),
     ("step appends length mismatch", lambda m: m.step([2], [1], [[1], [2]]).raise_for_error(), E.InvalidArgumentError, ("append_token_ids",)),
-    ("step negative max_new", lambda m: m.step([2], [-1]).raise_for_error(), E.InvalidArgumentError, ("max_new_tokens", "-1")),
+    ("step negative num_new", lambda m: m.step([2], [-1]).raise_for_error(), E.InvalidArgumentError, ("num_new_tokens", "-1")),
     ("step unknown seq", lambda m: m.step([92], [1]).raise_for_error(), E.UnknownSequenceError, ("92",)),
     ("step negative appended id", lambda m: m.step([2], [1], [[-4]]).raise_for_error(), E.InvalidArgumentError, ("-4",)),
     ("step 2-D seq ids", lambda m: m.step(np.array([[2]]), [1]).raise_for_error(), E.InvalidArgumentError, ("seq_ids", "[1, 1]")),
+    # array-likes only: 1-D integer arrays or lists / tuples of ints, nothing coerced
+    ("step seq ids from a generator", lambda m: m.step((s for s in [2]), [1]), E.InvalidArgumentError, ("seq_ids", "generator")),
+    ("step seq ids as a set", lambda m: m.step({2}, [1]), E.InvalidArgumentError, ("seq_ids", "set")),
+    ("step float seq id array", lambda m: m.step(np.array([2.0]), [1]), E.InvalidArgumentError, ("seq_ids", "float64")),
+    ("step 2-D appends array", lambda m: m.step([2], [1], np.array([[5]])), E.InvalidArgumentError, ("append_token_ids", "[1, 1]")),
+    ("step appends as a str", lambda m: m.step([2], [1], "x"), E.InvalidArgumentError, ("append_token_ids", "str")),
+    ("tokens as bytes", lambda m: m.append_tokens(2, b"ab"), E.InvalidArgumentError, ("token_ids", "bytes")),
+    ("extra_keys as a dict", lambda m: m.add_sequence(5, [1], extra_keys={"lora": b"x"}), E.InvalidArgumentError, ("extra_keys", "dict")),
+    ("adapter_id not str", lambda m: m.add_sequence(5, [1], adapter_id=b"a"), E.InvalidArgumentError, ("adapter_id", "bytes")),
+    ("num_uncomputed_tokens unknown seq", lambda m: m.num_uncomputed_tokens([1, 91]), E.UnknownSequenceError, ("91",)),
+    ("num_blocks_owed duplicate ids", lambda m: m.num_blocks_owed([1, 1]), E.InvalidArgumentError, ("seq_ids", "1")),
     # the manager's pool is a read-only view
     ("free through the manager's pool", lambda m: m.pool.free([1]), E.ReadOnlyPoolError, ("read-only", "free")),
     ("step duplicate seq id", lambda m: m.step([2, 2], [4, 4]).raise_for_error(), E.InvalidArgumentError,
@@ -266,6 +282,8 @@ POOL_ROWS: list[Row] = [
     ("allocate more than free", lambda p: p.allocate(5), E.OutOfBlocksError, ("5", "4")),
     ("cache a free block", lambda p: p.cache_block(4, bytes(32)), E.InvalidArgumentError, ("4",)),
     ("cache with a short hash", lambda p: p.cache_block(1, b"short"), E.InvalidArgumentError, ("hash", "5 bytes")),
+    ("cache with a str hash", lambda p: p.cache_block(1, "h" * 32), E.InvalidArgumentError, ("hash", "str")),
+    ("lookup with an int hash", lambda p: p.lookup(5), E.InvalidArgumentError, ("hash", "int")),
     ("cache the null block", lambda p: p.cache_block(0, bytes(32)), E.InvalidBlockError, ("0",)),
     ("reset while in use", lambda p: p.reset_prefix_cache(), E.CacheInUseError, ("3",)),
 ]
@@ -330,18 +348,18 @@ def _kernel_rows() -> list[Row]:
         return R.paged_attention(**args)
 
     return [
-        ("cache write: int64 key", lambda: write(key=torch.ones(3, H, D, dtype=torch.int64)), ValueError, ("key", "torch.int64")),
-        ("cache write: int32 slot_mapping", lambda: write(slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int32)), ValueError, ("slot_mapping", "torch.int32")),
-        ("cache write: slot_mapping too short", lambda: write(slot_mapping=torch.tensor([0], dtype=torch.int64)), ValueError, ("slot_mapping",)),
-        ("cache write: key wrong head count", lambda: write(key=torch.randn(3, H + 1, D)), ValueError, ("key",)),
-        ("cache write: key not a tensor", lambda: write(key=[[0.0]]), ValueError, ("key", "list")),
-        ("cache write: key on meta device", lambda: write(key=torch.randn(3, H, D, device="meta")), ValueError, ("key", "meta")),
-        ("attention: int64 block_table", lambda: attend(block_table=torch.tensor([[1, 2], [3, 0]], dtype=torch.int64)), ValueError, ("block_table", "torch.int64")),
-        ("attention: 1-D block_table", lambda: attend(block_table=torch.tensor([1, 2], dtype=torch.int32)), ValueError, ("block_table",)),
-        ("attention: seq_lens float", lambda: attend(seq_lens=torch.tensor([5.0, 3.0])), ValueError, ("seq_lens", "float32")),
-        ("attention: query head size mismatch", lambda: attend(query=torch.randn(2, H, D + 1)), ValueError, ("query",)),
-        ("copy_blocks: float mapping", lambda: R.copy_blocks(cache(), torch.tensor([[1.0, 2.0]])), ValueError, ("block_mapping", "float32")),
-        ("copy_blocks: mapping shape [1, 3]", lambda: R.copy_blocks(cache(), torch.tensor([[1, 2, 3]])), ValueError, ("block_mapping",)),
+        ("cache write: int64 key", lambda: write(key=torch.ones(3, H, D, dtype=torch.int64)), E.KernelInputError, ("key", "torch.int64")),
+        ("cache write: int32 slot_mapping", lambda: write(slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int32)), E.KernelInputError, ("slot_mapping", "torch.int32")),
+        ("cache write: slot_mapping too short", lambda: write(slot_mapping=torch.tensor([0], dtype=torch.int64)), E.KernelInputError, ("slot_mapping",)),
+        ("cache write: key wrong head count", lambda: write(key=torch.randn(3, H + 1, D)), E.KernelInputError, ("key",)),
+        ("cache write: key not a tensor", lambda: write(key=[[0.0]]), E.KernelInputError, ("key", "list")),
+        ("cache write: key on meta device", lambda: write(key=torch.randn(3, H, D, device="meta")), E.KernelInputError, ("key", "meta")),
+        ("attention: int64 block_table", lambda: attend(block_table=torch.tensor([[1, 2], [3, 0]], dtype=torch.int64)), E.KernelInputError, ("block_table", "torch.int64")),
+        ("attention: 1-D block_table", lambda: attend(block_table=torch.tensor([1, 2], dtype=torch.int32)), E.KernelInputError, ("block_table",)),
+        ("attention: seq_lens float", lambda: attend(seq_lens=torch.tensor([5.0, 3.0])), E.KernelInputError, ("seq_lens", "float32")),
+        ("attention: query head size mismatch", lambda: attend(query=torch.randn(2, H, D + 1)), E.KernelInputError, ("query",)),
+        ("copy_blocks: float mapping", lambda: R.copy_blocks(cache(), torch.tensor([[1.0, 2.0]])), E.KernelInputError, ("block_mapping", "float32")),
+        ("copy_blocks: mapping shape [1, 3]", lambda: R.copy_blocks(cache(), torch.tensor([[1, 2, 3]])), E.KernelInputError, ("block_mapping",)),
     ]
 
 

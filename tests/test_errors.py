@@ -93,7 +93,7 @@ CASES: list[tuple[str, Callable[[pagedkv.KVCacheManager], object], type, type, s
     ("2-D tokens", lambda m: m.add_sequence(5, np.zeros((2, 2), dtype=np.int32)), errors.InvalidArgumentError,
      ValueError, r"prompt_token_ids = array of shape \[2, 2\]: expected a 1-D array", {"arg": "prompt_token_ids"}),
     ("str tokens", lambda m: m.add_sequence(5, "abc"), errors.InvalidArgumentError, ValueError,
-     r"prompt_token_ids = 'abc': expected a sequence of ints", {"arg": "prompt_token_ids"}),
+     r"prompt_token_ids = 'abc': expected a 1-D integer array or a list of ints, got str", {"arg": "prompt_token_ids"}),
     ("bool token", lambda m: m.append_tokens(1, [True]), errors.InvalidArgumentError, ValueError,
      r"token_ids = True at index 0: expected ints, got bool", {"arg": "token_ids"}),
     ("negative seq id", lambda m: m.add_sequence(-1, [1]), errors.InvalidArgumentError, ValueError,
@@ -103,11 +103,11 @@ CASES: list[tuple[str, Callable[[pagedkv.KVCacheManager], object], type, type, s
     ("non-int seq id", lambda m: m.free("1"), errors.InvalidArgumentError, ValueError,
      r"seq_id = '1': expected an int, got str", {"arg": "seq_id"}),
     ("negative token count", lambda m: m.allocate_slots(4, -2), errors.InvalidArgumentError, ValueError,
-     r"max_new_tokens = -2: must be >= 0", {"arg": "max_new_tokens"}),
+     r"num_new_tokens = -2: must be >= 0", {"arg": "num_new_tokens"}),
     ("zero tokens", lambda m: m.allocate_slots(4, 0), errors.InvalidArgumentError, ValueError,
-     r"max_new_tokens = 0: must schedule at least one token", {"arg": "max_new_tokens"}),
+     r"num_new_tokens = 0: must schedule at least one token", {"arg": "num_new_tokens"}),
     ("nothing to compute", lambda m: m.allocate_slots(1, 1), errors.InvalidArgumentError, ValueError,
-     r"max_new_tokens = 1: sequence 1 has no uncomputed token \(all 9 computed\)", {"arg": "max_new_tokens"}),
+     r"num_new_tokens = 1: sequence 1 has no uncomputed token \(all 9 computed\)", {"arg": "num_new_tokens"}),
     ("duplicate in group", lambda m: m.preempt([1, 1]), errors.InvalidArgumentError, ValueError,
      r"seq_ids = 1: sequence listed twice in one group", {"arg": "seq_ids", "value": "1"}),
     ("bad extra key", lambda m: m.add_sequence(5, [1], extra_keys=[("k", 3)]), errors.InvalidArgumentError,
@@ -117,7 +117,7 @@ CASES: list[tuple[str, Callable[[pagedkv.KVCacheManager], object], type, type, s
     ("empty mm item", lambda m: m.add_sequence(5, [1, 2], mm_items=[(b"h", 0, 0)]), errors.InvalidArgumentError,
      ValueError, r"mm_items = start=0 len=0", {"arg": "mm_items"}),
     ("step lengths", lambda m: m.step([1, 2], [1, 1, 1]), errors.InvalidArgumentError, ValueError,
-     r"max_new_tokens = 3 entries: expected one per sequence \(2\)", {"arg": "max_new_tokens"}),
+     r"num_new_tokens = 3 entries: expected one per sequence \(2\)", {"arg": "num_new_tokens"}),
     ("step appends", lambda m: m.step([1, 2], 1, append_token_ids=[[1]]), errors.InvalidArgumentError,
      ValueError, r"append_token_ids = 1 entries: expected one per sequence \(2\)", {"arg": "append_token_ids"}),
 ]
@@ -246,7 +246,66 @@ def test_pool_errors_leave_pool_unchanged(
 def test_every_exception_class_is_covered_by_a_case() -> None:
     raised = {case[2] for case in CASES} | {errors.InvalidConfigError, errors.InvalidBlockError,
                                              errors.RefCountUnderflowError}
-    assert raised == {getattr(errors, n) for n in errors.__all__ if n != "PagedKVError"}
+    # Not raised by the allocator: the engine's base class and the kernels' input error (tested
+    # below), and the invariant check's error (needs a bug to trigger; its handle is checked at
+    # import, see test_a_missing_error_class_fails_the_import).
+    elsewhere = {"PagedKVError", "EngineError", "KernelInputError", "InvariantViolationError"}
+    assert raised == {getattr(errors, n) for n in errors.__all__ if n not in elsewhere}
+
+
+def test_one_root_for_engine_and_kernel_errors() -> None:
+    torch = pytest.importorskip("torch")
+    from pagedkv.engine import errors as engine_errors
+    from pagedkv.kernels import reference
+
+    builtins = {"ModelNotFoundError": FileNotFoundError, "EngineConfigError": ValueError,
+                "PromptFileError": ValueError, "InvalidRequestError": ValueError,
+                "RequestTooLargeError": ValueError, "DeviceUnavailableError": ValueError,
+                "KVCacheTooLargeError": MemoryError}
+    assert engine_errors.EngineError is errors.EngineError
+    for name, builtin in builtins.items():
+        cls = getattr(engine_errors, name)
+        assert issubclass(cls, errors.EngineError) and issubclass(cls, builtin), name
+        err = cls("bad value 3")
+        assert str(err) == "bad value 3" and isinstance(err, errors.PagedKVError)
+    assert issubclass(errors.InvariantViolationError, AssertionError)
+    from pagedkv.engine.scheduler import SchedulerConfig
+
+    with pytest.raises(engine_errors.EngineConfigError, match="max_num_seqs=0 must be >= 1"):
+        SchedulerConfig(max_num_seqs=0)
+    cache = torch.zeros(4, 2, 1, 8)
+    with pytest.raises(errors.KernelInputError, match="slot_mapping has dtype torch.float32") as info:
+        reference.reshape_and_cache(torch.zeros(2, 1, 8), torch.zeros(2, 1, 8), cache, cache.clone(),
+                                    torch.zeros(2))
+    assert isinstance(info.value, ValueError)
+
+
+def test_a_missing_error_class_fails_the_import() -> None:
+    """The bindings bind their exception classes when ``pagedkv._core`` is imported: an errors
+    module without one of them fails the import instead of the first error."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pkg = Path(pagedkv.__file__).parent
+    code = f"""
+import sys, types
+pkg = types.ModuleType("pagedkv"); pkg.__path__ = [{str(pkg)!r}]
+sys.modules["pagedkv"] = pkg
+errs = types.ModuleType("pagedkv.errors")
+exec(open({str(pkg / "errors.py")!r}).read(), errs.__dict__)
+del errs.InvariantViolationError
+sys.modules["pagedkv.errors"] = errs
+try:
+    import pagedkv._core
+except AttributeError as e:
+    print("import failed:", e)
+else:
+    print("imported")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("import failed:") and "InvariantViolationError" in out.stdout
 
 
 def test_hierarchy() -> None:

@@ -6,7 +6,7 @@ allocations and batched ``step`` calls (with appended tokens), token appends, fo
 appends that then trigger copy-on-write, frees (also of unknown ids), recompute and swap
 preemption, swap-in, prefix-cache resets, prefix lookups and event draining.
 
-``Oracle`` below is a small model of the semantics in DESIGN.md and the core API contract,
+``Oracle`` below is a small model of the semantics in docs/design.md and the core API contract,
 written independently of the Rust code (it lives only here, never in the package). It
 predicts, for every call: success or the exact exception class and its fields, the number of
 blocks taken from the free pool, prefix-hit tokens on first allocation, scheduled / context
@@ -16,7 +16,7 @@ free-queue order, CPU swap blocks, stats counters and the event stream. The only
 leaves open is which of several blocks carrying the same hash a prefix hit picks (the index is
 a multiset); there it checks that the pick is a legal candidate and follows it.
 
-After every step the invariants of DESIGN.md are checked through the Python API:
+After every step the invariants of docs/design.md are checked through the Python API:
 ``check_invariants()`` (1-4), the oracle's ref counts / free queue / hashes / stats, and at
 teardown the pool being whole after freeing everything (7) and a reset leaving no hash (8).
 Failed calls are checked to leave a full snapshot unchanged (5); predicted block counts are
@@ -60,7 +60,7 @@ PROMPTS = st.tuples(
     st.booleans(),
 )
 # Mostly >= 1; 0 (an InvalidArgumentError) now and then.
-MAX_NEW = st.sampled_from([0, *range(1, 13), *range(1, 9)])
+NUM_NEW = st.sampled_from([0, *range(1, 13), *range(1, 9)])
 
 Key = tuple[Any, tuple[int, ...]]  # (cache salt, token prefix through the end of the block)
 
@@ -217,11 +217,11 @@ class Oracle:
             raise Expected(E.UnknownSequenceError, seq_id=seq)
         return self.seqs[seq]
 
-    def plan(self, seq: int, max_new: int) -> Plan:
+    def plan(self, seq: int, num_new: int) -> Plan:
         s = self.get(seq)
         if s.status == "swapped":
             raise Expected(E.InvalidSequenceStateError)
-        if max_new == 0:
+        if num_new == 0:
             raise Expected(E.InvalidArgumentError)
         first = not s.table and s.computed == 0
         keys, cands = self.find_hits(s) if first else ([], [])
@@ -231,7 +231,7 @@ class Oracle:
         remaining = len(s.tokens) - context
         if remaining == 0:
             raise Expected(E.InvalidArgumentError)
-        q = min(max_new, remaining)
+        q = min(num_new, remaining)
         table_len = len(keys) if first else len(s.table)
         fresh = -(-(context + q) // self.bs) - table_len
         cow = (not first) and context % self.bs != 0 and self.refs[s.table[-1]] > 1
@@ -448,25 +448,25 @@ class ManagerMachine(RuleBasedStateMachine):
         assert snapshot(self.m, self.ids()) == before, f"failed call {exc.cls.__name__} changed state"
         assert self.m.take_events() == [], "failed call emitted events"
 
-    def allocate(self, seq: int, max_new: int) -> None:
+    def allocate(self, seq: int, num_new: int) -> None:
         assert self.m is not None and self.o is not None
         m, o = self.m, self.o
         try:
-            p = o.plan(seq, max_new)
+            p = o.plan(seq, num_new)
         except Expected as exc:
-            self.expect_failure(exc, lambda: m.num_blocks_needed(seq, max_new))
-            self.expect_failure(exc, lambda: m.allocate_slots(seq, max_new))
+            self.expect_failure(exc, lambda: m.num_blocks_needed(seq, num_new))
+            self.expect_failure(exc, lambda: m.allocate_slots(seq, num_new))
             return
-        assert m.num_blocks_needed(seq, max_new) == p.taken
+        assert m.num_blocks_needed(seq, num_new) == p.taken
         if p.first and o.caching:
             assert m.lookup_prefix(seq) == p.context
         try:
             o.check_capacity(p)
         except Expected as exc:
-            self.expect_failure(exc, lambda: m.allocate_slots(seq, max_new))
+            self.expect_failure(exc, lambda: m.allocate_slots(seq, num_new))
             return
         free_before = m.pool.num_free
-        a = m.allocate_slots(seq, max_new)
+        a = m.allocate_slots(seq, num_new)
         assert free_before - m.pool.num_free == p.taken, "predicted != taken"
         hit_ids = m.block_table(seq).tolist()[: len(p.hit_keys)] if p.first else []
         want = o.apply_allocation(seq, p, hit_ids)
@@ -543,9 +543,9 @@ class ManagerMachine(RuleBasedStateMachine):
         seq = self.ids()[i % len(self.ids())]
         self.expect_failure(Expected(E.SequenceExistsError, seq_id=seq), lambda: m.add_sequence(seq, [1, 2, 3]))
 
-    @rule(i=st.integers(0, 100), max_new=MAX_NEW)
-    def allocate_slots(self, i: int, max_new: int) -> None:
-        self.allocate(self.pick_in(i, {"running", "preempted"}), max_new)
+    @rule(i=st.integers(0, 100), num_new=NUM_NEW)
+    def allocate_slots(self, i: int, num_new: int) -> None:
+        self.allocate(self.pick_in(i, {"running", "preempted"}), num_new)
 
     @precondition(lambda self: self.o is not None and any(s.status == "running" and s.table for s in self.o.seqs.values()))
     @rule(i=st.integers(0, 100), token=st.integers(0, 2), rest=st.booleans())
@@ -575,15 +575,15 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule(
         picks=st.lists(st.integers(0, 100), min_size=1, max_size=4),
-        max_new=st.lists(MAX_NEW, min_size=4, max_size=4),
+        num_new=st.lists(NUM_NEW, min_size=4, max_size=4),
         appends=st.one_of(st.none(), st.lists(st.lists(st.integers(0, 2), max_size=3), min_size=4, max_size=4)),
     )
-    def step(self, picks: list[int], max_new: list[int], appends: list[list[int]] | None) -> None:
+    def step(self, picks: list[int], num_new: list[int], appends: list[list[int]] | None) -> None:
         """One batched step; the oracle replays it as appends + single allocations."""
         assert self.m is not None and self.o is not None
         m, o = self.m, self.o
         seqs = [self.pick(i) for i in picks]
-        mx = max_new[: len(seqs)]
+        mx = num_new[: len(seqs)]
         app = appends[: len(seqs)] if appends is not None else None
         before = snapshot(m, self.ids())
         out = m.step(np.asarray(seqs, dtype=np.uint64), np.asarray(mx, dtype=np.int32), app)
@@ -613,8 +613,7 @@ class ManagerMachine(RuleBasedStateMachine):
             except Expected as exc:
                 error = exc
                 break
-            lo, hi = int(out.block_table_indptr[k]), int(out.block_table_indptr[k + 1])
-            table = out.block_table_indices[lo:hi].tolist()
+            table = out.block_table[k, : -(-int(out.seq_lens[k]) // o.bs)].tolist()
             hit_ids = table[: len(p.hit_keys)] if p.first else []
             expected_rows.append((o.apply_allocation(seq, p, hit_ids), list(o.seqs[seq].table)))
             n_ok += 1
@@ -629,8 +628,8 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert snapshot(m, self.ids()) == before, "failed step changed state"
         qsl = [0]
         for k, (want, table) in enumerate(expected_rows):
-            lo, hi = int(out.block_table_indptr[k]), int(out.block_table_indptr[k + 1])
-            assert out.block_table_indices[lo:hi].tolist() == table
+            row = out.block_table[k].tolist()
+            assert row[: len(table)] == table and set(row[len(table) :]) <= {0}
             lo, hi = int(out.new_block_indptr[k]), int(out.new_block_indptr[k + 1])
             assert out.new_block_ids[lo:hi].tolist() == want["new_block_ids"]
             assert int(out.num_cached_tokens[k]) == want["num_cached_tokens"]
@@ -831,7 +830,7 @@ class ManagerMachine(RuleBasedStateMachine):
         if self.m is None or self.o is None:
             return
         m, o = self.m, self.o
-        m.check_invariants()  # DESIGN.md 1-4 (raises AssertionError with the message)
+        m.check_invariants()  # docs/design.md invariants 1-4 (raises AssertionError with the message)
         p = m.pool
         assert [p.ref_count(b) for b in range(o.n)] == o.refs
         assert [p.block_hash(b) is not None for b in range(o.n)] == [k is not None for k in o.key]

@@ -7,7 +7,7 @@
 //! `step`, the `twin` gets the same work as single `append_tokens` + `allocate_slots` calls, so
 //! the batched entry point is checked differentially against the per-sequence one (both are
 //! deterministic, so block ids and hashes must agree exactly). After every operation:
-//! - `check_invariants()` holds on both (DESIGN.md invariants 1–4);
+//! - `check_invariants()` holds on both (docs/design.md, "Invariants" 1–4);
 //! - a failed call left the whole observable state unchanged (snapshot compare, invariant 5)
 //!   and emitted no event;
 //! - an allocation took exactly the number of blocks `num_blocks_needed` predicted
@@ -58,7 +58,7 @@ enum Op {
     },
     Allocate {
         seq: u8,
-        max_new: u8,
+        num_new: u8,
     },
     Step {
         entries: Vec<(u8, u8, Vec<u8>)>,
@@ -199,11 +199,11 @@ fn allocate_checked(
     m: &KvCacheManager,
     twin: &KvCacheManager,
     seq: SeqId,
-    max_new: usize,
+    num_new: usize,
 ) -> Option<pagedkv_core::SlotAllocation> {
     let before = snap(m);
-    let predicted = m.num_blocks_needed(seq, max_new);
-    assert_eq!(predicted, twin.num_blocks_needed(seq, max_new));
+    let predicted = m.num_blocks_needed(seq, num_new);
+    assert_eq!(predicted, twin.num_blocks_needed(seq, num_new));
     assert_eq!(snap(m), before, "num_blocks_needed had side effects");
     let s = before.seqs[seq as usize].clone();
     let first = s
@@ -211,7 +211,7 @@ fn allocate_checked(
         .is_some_and(|s| s.blocks.is_empty() && s.computed == 0 && s.status != SeqStatus::Swapped);
     let looked_up = if first { m.lookup_prefix(seq).ok() } else { None };
     let free_before = m.pool().num_free();
-    let result = both(m, twin, &before, |x| x.allocate_slots(seq, max_new));
+    let result = both(m, twin, &before, |x| x.allocate_slots(seq, num_new));
     match (predicted, result) {
         (Ok(p), Ok(a)) => {
             let s = s.expect("allocated an unknown sequence");
@@ -225,7 +225,7 @@ fn allocate_checked(
             } else {
                 assert_eq!(a.num_cached_tokens, 0);
             }
-            assert_eq!(a.num_scheduled_tokens, max_new.min(s.tokens.len() - context));
+            assert_eq!(a.num_scheduled_tokens, num_new.min(s.tokens.len() - context));
             let bs = m.config().block_size as usize;
             let ns = after.seqs[seq as usize].as_ref().unwrap();
             assert_eq!(ns.computed, context + a.num_scheduled_tokens);
@@ -269,7 +269,7 @@ fn allocate_checked(
                 }
                 Error::InvalidArgument { .. } => {
                     let s = s.unwrap();
-                    assert!(max_new == 0 || (!first && s.computed == s.tokens.len()));
+                    assert!(num_new == 0 || (!first && s.computed == s.tokens.len()));
                 }
                 other => panic!("unexpected error {other}"),
             }
@@ -333,8 +333,8 @@ fn run(input: Input) {
                     assert_eq!(m.tokens(seq).unwrap(), want);
                 }
             }
-            Op::Allocate { seq, max_new } => {
-                allocate_checked(&m, &twin, id(seq), usize::from(max_new % 48));
+            Op::Allocate { seq, num_new } => {
+                allocate_checked(&m, &twin, id(seq), usize::from(num_new % 48));
             }
             Op::Step { entries, with_appends } => {
                 let entries: Vec<(SeqId, u32, Vec<u32>)> = entries
@@ -344,7 +344,7 @@ fn run(input: Input) {
                     .collect();
                 let mut req = StepRequest {
                     seq_ids: entries.iter().map(|e| e.0).collect(),
-                    max_new_tokens: entries.iter().map(|e| e.1).collect(),
+                    num_new_tokens: entries.iter().map(|e| e.1).collect(),
                     ..Default::default()
                 };
                 if with_appends {
@@ -358,7 +358,10 @@ fn run(input: Input) {
                 // The twin does the same work one sequence at a time.
                 let mut qsl = 0i32;
                 assert_eq!(out.query_start_loc.len(), out.num_scheduled + 1);
-                assert_eq!(out.block_table_indptr.len(), out.num_scheduled + 1);
+                assert_eq!(
+                    out.block_table.len(),
+                    out.num_scheduled * out.block_table_width
+                );
                 assert_eq!(out.new_block_indptr.len(), out.num_scheduled + 1);
                 assert_eq!(out.num_cached_tokens.len(), out.num_scheduled);
                 let mut copy_k = 0;
@@ -387,21 +390,17 @@ fn run(input: Input) {
                     assert_eq!(new, a.new_block_ids);
                     for &(src, dst) in &a.copies {
                         assert_eq!(
-                            (out.copy_src[copy_k], out.copy_dst[copy_k]),
+                            (out.copies[2 * copy_k], out.copies[2 * copy_k + 1]),
                             (src as i32, dst as i32)
                         );
                         copy_k += 1;
                     }
                     let table = twin.block_table(*seq).unwrap();
-                    let (lo, hi) = (
-                        out.block_table_indptr[k] as usize,
-                        out.block_table_indptr[k + 1] as usize,
-                    );
-                    let got: Vec<BlockId> = out.block_table_indices[lo..hi]
-                        .iter()
-                        .map(|&b| b as BlockId)
-                        .collect();
+                    let row = out.block_table_row(k);
+                    let got: Vec<BlockId> =
+                        row[..table.len()].iter().map(|&b| b as BlockId).collect();
                     assert_eq!(got, table);
+                    assert!(row[table.len()..].iter().all(|&b| b == 0), "padding");
                     for (j, pos) in (a.num_context_tokens
                         ..a.num_context_tokens + a.num_scheduled_tokens)
                         .enumerate()
@@ -413,8 +412,7 @@ fn run(input: Input) {
                         );
                     }
                 }
-                assert_eq!(copy_k, out.copy_src.len());
-                assert_eq!(out.copy_src.len(), out.copy_dst.len());
+                assert_eq!(2 * copy_k, out.copies.len());
                 assert_eq!(out.slot_mapping.len() as i32, qsl);
                 match &out.error {
                     None => assert_eq!(out.num_scheduled, entries.len()),

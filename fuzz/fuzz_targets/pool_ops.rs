@@ -1,7 +1,7 @@
 //! Fuzz target `pool_ops`: arbitrary bytes -> direct [`BlockPool`] operations (allocate, free,
 //! incref, touch, cache_block, lookup, reset) including bad ids (the null block, ids out of
 //! range, blocks with ref count 0, double frees), checked against an exact model of the pool:
-//! ref counts, hashes, the free queue order of DESIGN.md (uncached LIFO at the front, cached
+//! ref counts, hashes, the free queue order of docs/design.md (uncached LIFO at the front, cached
 //! LRU at the back, allocation from the front, eviction from the LRU front), the exact error
 //! of every failed call, the events and the counters. After every operation the pool's own
 //! `check_invariants()` must hold and a failed call must have changed nothing.

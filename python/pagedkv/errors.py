@@ -1,8 +1,11 @@
-"""Exceptions raised by pagedkv.
+"""Exceptions raised by pagedkv: one root, :class:`PagedKVError`, for the whole package.
 
-Every error of the Rust core maps, through one exhaustive ``match`` in the bindings
-(``rust/python/src/errors.rs``), to exactly one class below. Each class also subclasses the
-builtin exception that callers already catch, so code written against plain Python keeps working:
+Every error a caller of pagedkv can see (the allocator, the kernels, the reference engine)
+is a :class:`PagedKVError`, so ``except pagedkv.PagedKVError`` catches them all, and each class
+also subclasses the builtin exception that callers already catch, so code written against plain
+Python keeps working. Errors of the Rust core map, through one exhaustive ``match`` in the
+bindings (``rust/python/src/errors.rs``, class handles bound when ``pagedkv._core`` is imported),
+to exactly one class below:
 
 =========================== ============================ ==========================================
 class                       also a                       raised when
@@ -18,10 +21,18 @@ InvalidArgumentError        ValueError                   a call argument is out 
 InvalidSequenceStateError   RuntimeError                 the sequence is in the wrong state
 CacheInUseError             RuntimeError                 resetting the prefix cache while in use
 ReadOnlyPoolError           RuntimeError                 mutating ``KVCacheManager.pool`` (a view)
+InvariantViolationError     AssertionError               ``check_invariants`` found a broken rule
+KernelInputError            ValueError                   a kernel argument has the wrong dtype,
+                                                         shape, device or value (``pagedkv.kernels``)
 =========================== ============================ ==========================================
 
-A call that raises any of these has changed no state. Messages name the offending values; the
-values are also attributes (``requested``, ``available``, ``seq_id``, ``block_id``...).
+The reference engine's errors (:mod:`pagedkv.engine.errors`: bad requests, configuration,
+prompt files, devices, model files) derive from :class:`EngineError`, itself a
+:class:`PagedKVError`.
+
+A call that raises any of these has changed no state. Messages name the offending values; for
+the allocator's errors the values are also attributes (``requested``, ``available``,
+``seq_id``, ``block_id``...).
 """
 
 from __future__ import annotations
@@ -41,6 +52,9 @@ __all__ = [
     "InvalidSequenceStateError",
     "CacheInUseError",
     "ReadOnlyPoolError",
+    "InvariantViolationError",
+    "KernelInputError",
+    "EngineError",
 ]
 
 
@@ -222,3 +236,22 @@ class ReadOnlyPoolError(PagedKVError, RuntimeError):
 
     _fields = ("operation",)
     operation: str
+
+
+class InvariantViolationError(PagedKVError, AssertionError):
+    """``KVCacheManager.check_invariants`` / ``BlockPool.check_invariants`` found a broken
+    invariant (a bug in pagedkv, or a pool mutated behind the manager's back). The message
+    names the first violation."""
+
+
+class KernelInputError(PagedKVError, ValueError):
+    """A :mod:`pagedkv.kernels` argument has the wrong type, dtype, shape, device or value,
+    checked on the host before anything is launched. The message names the op, the tensor,
+    what it got and what it expected, e.g. ``paged_attention: block_table has dtype
+    torch.int64, expected torch.int32``."""
+
+
+class EngineError(PagedKVError):
+    """Base class of the reference engine's errors (:mod:`pagedkv.engine.errors`); each
+    subclass also derives from the builtin callers catch (``ValueError``, ``MemoryError``,
+    ``FileNotFoundError``)."""

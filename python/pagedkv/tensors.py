@@ -1,8 +1,12 @@
 """Kernel inputs built from the allocator's output: block tables, slot mapping, lengths.
 
-The manager hands out plain numpy arrays (see :class:`pagedkv.StepOutput`); attention and cache
-kernels want tensors of fixed dtypes on a device. This module does that conversion, once per
-scheduler step, with vectorised numpy on the host followed by one copy per tensor.
+One path from the allocator to the kernels: :meth:`BatchTensors.from_steps` takes the
+:class:`pagedkv.StepOutput` of a scheduler step -- whose arrays the core already lays out in the
+kernels' dtypes and shapes -- and hands every kernel input over as torch tensors without
+re-validating, casting or copying on the host (``torch.from_numpy``), then one transfer per
+tensor to the device. The engine's runner, the tests and ``benchmarks/step_overhead.py`` all use
+it. The other builders here are the validating entry for arrays that did *not* come from the
+core (a caller's own block tables): they check their input once and copy.
 
 Conventions (PagedAttention, Kwon et al., SOSP'23; the CSR form as used by FlashInfer):
 
@@ -21,26 +25,28 @@ Conventions (PagedAttention, Kwon et al., SOSP'23; the CSR form as used by Flash
 
 Every builder takes ``device``: a torch device (``"cpu"``, ``"cuda"``, ``torch.device``) to get a
 ``torch.Tensor`` there, or ``None`` to get the numpy array and not import torch at all. torch is
-imported lazily, on the first call that asks for a device. Builders always copy: the result never
-aliases the caller's arrays. Bad input raises :class:`pagedkv.errors.InvalidArgumentError` naming
+imported lazily, on the first call that asks for a device. The validating builders always copy:
+their result never aliases the caller's arrays. Bad input raises :class:`pagedkv.errors.InvalidArgumentError` naming
 the argument and value. All builders are O(num_seqs + nnz) (or O(num_tokens)).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, Union
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 
 from pagedkv._core import StepOutput
+from pagedkv._repr import short_repr
 from pagedkv.errors import InvalidArgumentError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
-    Device = Union[str, "torch.device", None]
+    Device = str | torch.device | None
 else:
     Device = Any
 
@@ -55,25 +61,9 @@ __all__ = [
 ]
 
 
-class _StepLike(Protocol):
-    """The fields of :class:`pagedkv.StepOutput` that :meth:`BatchTensors.from_step` reads."""
-
-    num_scheduled: int
-    query_start_loc: npt.NDArray[np.int32]
-    seq_lens: npt.NDArray[np.int32]
-    context_lens: npt.NDArray[np.int32]
-    slot_mapping: npt.NDArray[np.int64]
-    block_table_indptr: npt.NDArray[np.int32]
-    block_table_indices: npt.NDArray[np.int32]
-
-
 def _bad(arg: str, value: object, reason: str) -> InvalidArgumentError:
-    text = repr(value)
-    if len(text) > 120:
-        text = text[:117] + "..."
-    return InvalidArgumentError(
-        f"invalid argument {arg} = {text}: {reason}", arg=arg, value=text, reason=reason
-    )
+    text = short_repr(value, 120)
+    return InvalidArgumentError(f"invalid argument {arg} = {text}: {reason}", arg=arg, value=text, reason=reason)
 
 
 def _int_vector(arg: str, value: npt.ArrayLike) -> npt.NDArray[np.int64]:
@@ -106,9 +96,7 @@ def _check_int32(arg: str, arr: npt.NDArray[np.int64]) -> None:
         raise _bad(arg, arr, "values do not fit in int32")
 
 
-def _check_csr(
-    indptr: npt.ArrayLike, indices: npt.ArrayLike
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+def _check_csr(indptr: npt.ArrayLike, indices: npt.ArrayLike) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
     ip = _int_vector("indptr", indptr)
     ix = _int_vector("indices", indices)
     if ip.size == 0:
@@ -126,13 +114,14 @@ def _check_csr(
 
 
 def _place(arr: npt.NDArray[Any], device: Device) -> Any:
-    """numpy array -> numpy (device None) or a torch tensor on `device` (one copy)."""
+    """numpy array -> numpy (device None) or a torch tensor on `device`: no copy on the CPU
+    (the tensor shares `arr`'s memory), one transfer elsewhere."""
     if device is None:
         return arr
     import torch  # lazy: `import pagedkv` must work without torch
 
     tensor = torch.from_numpy(np.ascontiguousarray(arr))
-    target = torch.device(device)
+    target = device if isinstance(device, torch.device) else torch.device(device)
     return tensor if target.type == "cpu" else tensor.to(target)
 
 
@@ -168,8 +157,8 @@ def dense_block_table(
     """Dense block table ``int32[num_seqs, max_blocks]`` padded with the null block 0.
 
     Args:
-        indptr: ``int[S+1]`` CSR row pointers (``StepOutput.block_table_indptr``).
-        indices: ``int[nnz]`` physical block ids (``StepOutput.block_table_indices``).
+        indptr: ``int[S+1]`` CSR row pointers (e.g. from :func:`block_table_csr`).
+        indices: ``int[nnz]`` physical block ids, row after row.
         pad_to: number of columns; default the longest table (at least 1 so the tensor is never
             0-wide). Must be >= the longest table.
         device: torch device for the result, or None for a numpy array.
@@ -251,9 +240,7 @@ def csr_block_table(
     )
 
 
-def slot_mapping(
-    slots: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu"
-) -> Any:
+def slot_mapping(slots: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu") -> Any:
     """Slot mapping ``int64[num_tokens]``, padded with -1 up to ``pad_to`` tokens.
 
     Args:
@@ -268,9 +255,7 @@ def slot_mapping(
     return _place(out, device)
 
 
-def seq_lens(
-    lengths: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu"
-) -> Any:
+def seq_lens(lengths: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu") -> Any:
     """Sequence lengths ``int32[num_seqs]`` (tokens), padded with 0 up to ``pad_to`` sequences.
 
     Raises:
@@ -285,9 +270,7 @@ def seq_lens(
     return _place(out, device)
 
 
-def query_start_loc(
-    query_lens: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu"
-) -> Any:
+def query_start_loc(query_lens: npt.ArrayLike, *, pad_to: int | None = None, device: Device = "cpu") -> Any:
     """``int32[num_seqs + 1]`` prefix sums of the query lengths (tokens), starting at 0.
 
     Args:
@@ -307,27 +290,51 @@ def query_start_loc(
     return _place(out.astype(np.int32), device)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)  # not frozen: building a frozen dataclass costs ~1/3 of the whole path
 class BatchTensors:
-    """Every per-step kernel input, on one device.
+    """Every kernel input of one scheduler step, built by :meth:`from_steps`.
 
-    Attributes:
-        block_table: ``int32[S, max_blocks]`` dense, null-block padded.
-        slot_mapping: ``int64[T]`` (``T`` scheduled tokens, -1 padded).
-        seq_lens: ``int32[S]`` context + query tokens.
-        context_lens: ``int32[S]`` tokens already in the cache before this step.
-        query_start_loc: ``int32[S + 1]``.
+    Attributes (``S`` scheduled sequences, ``T`` scheduled tokens; "on ``device``" means a torch
+    tensor there, or the numpy array itself when ``device`` is ``None``):
+        block_table: ``int32[S, max_blocks]`` dense, padded with the null block 0 (on ``device``).
+        slot_mapping: ``int64[T]`` KV-cache slot of each token (``-1`` padded; on ``device``).
+        input_ids: ``int64[T]`` token id of each scheduled token (on ``device``).
+        positions: ``int64[T]`` position of each token in its sequence (RoPE; on ``device``).
+        seq_lens: ``int32[S]`` context + query tokens (on ``device``).
+        context_lens: ``int32[S]`` tokens already in the cache before this step (on ``device``).
+        query_start_loc: ``int32[S + 1]`` prefix sums of the query lengths (on ``device``).
         max_query_len: longest query this step (tokens; 0 for an empty batch).
         max_seq_len: longest sequence (tokens; 0 for an empty batch).
+        copies: ``int32[C, 2]`` copy-on-write ``(src, dst)`` block pairs, to run before the
+            K/V writes (on ``device``).
+        swap_out: ``int32[K, 2]`` (device block, CPU block) pairs, on the host (the swap
+            kernel reads the plan there to issue its copies), or ``None``; run first.
+        swap_in: ``int32[K, 2]`` (CPU block, device block) pairs, on the host, or ``None``;
+            run after ``swap_out``.
+        query_start_loc_host, context_lens_host, positions_host: the host (numpy) arrays
+            behind ``query_start_loc``, ``context_lens`` and ``positions``, for host-side
+            bookkeeping without a device sync (the same memory as the tensors on the CPU).
+        attn_plan: a per-step attention plan attached by the caller
+            (:func:`pagedkv.kernels.plan_paged_attention`, built once for every layer), or
+            ``None`` where the kernel needs none.
     """
 
     block_table: Any
     slot_mapping: Any
+    input_ids: Any
+    positions: Any
     seq_lens: Any
     context_lens: Any
     query_start_loc: Any
     max_query_len: int
     max_seq_len: int
+    copies: Any
+    swap_out: Any
+    swap_in: Any
+    query_start_loc_host: npt.NDArray[np.int32]
+    context_lens_host: npt.NDArray[np.int32]
+    positions_host: npt.NDArray[np.int64]
+    attn_plan: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -340,102 +347,130 @@ class BatchTensors:
         return int(self.slot_mapping.shape[0])
 
     @classmethod
-    def from_step(
+    def from_steps(
         cls,
-        step: _StepLike,
-        block_size: int,
+        steps: StepOutput | Sequence[StepOutput],
         device: Device = "cpu",
         *,
-        pad_blocks_to: int | None = None,
-        pad_tokens_to: int | None = None,
+        swap_out: npt.NDArray[np.int32] | None = None,
+        swap_in: npt.NDArray[np.int32] | None = None,
     ) -> BatchTensors:
-        """Build the kernel inputs of the scheduled part of a :class:`pagedkv.StepOutput`.
+        """The kernel inputs of one scheduler step: the one path from the allocator to the kernels.
 
-        Only the first ``step.num_scheduled`` sequences are present in a step's arrays (a step
-        stops at the first sequence that could not be scheduled).
+        ``steps`` are the :class:`pagedkv.StepOutput` of one or more ``KVCacheManager.step``
+        calls of the same scheduler step (e.g. running sequences, then newly admitted ones);
+        their scheduled parts are merged once, in order. The core's arrays are consistent by
+        construction and already in the kernels' layouts and dtypes (dense int32 block table,
+        int64 slots and token ids, int32 lengths and ``query_start_loc``), so nothing is
+        validated, cast or rebuilt: with one step every array crosses to torch with
+        ``torch.from_numpy`` (no copy) and is then moved to ``device`` (one transfer each; none
+        on the CPU, where the tensors share the step output's memory -- do not modify it while
+        the result is in use). Only ``positions`` is computed here. O(S + T), vectorised.
+
+        Arrays made by anything other than the core enter through the validating builders of
+        this module (:func:`dense_block_table`, :func:`slot_mapping`, ...).
 
         Args:
-            step: the batched ``KVCacheManager.step`` result.
-            block_size: the manager's block size (tokens); used to check that every block table
-                covers its sequence.
-            device: torch device, or None for numpy arrays.
-            pad_blocks_to: columns of the dense block table (default: the longest table).
-            pad_tokens_to: length of ``slot_mapping`` (default: the scheduled tokens).
+            steps: one step output or a sequence of them (empty: an empty batch).
+            device: torch device of the result, or ``None`` for numpy arrays (no torch import).
+            swap_out, swap_in: the ``int32[K, 2]`` plans of ``KVCacheManager.swap_out`` /
+                ``swap_in`` run in this step (``None``: none); kept on the host.
 
         Raises:
-            InvalidArgumentError: inconsistent arrays (lengths that disagree, a block table too
-                short for its sequence length).
+            InvalidArgumentError: a step that is not a core :class:`pagedkv.StepOutput`.
         """
-        if isinstance(step, StepOutput):
-            return cls._from_core_step(step, block_size, device, pad_blocks_to, pad_tokens_to)
-        num = int(step.num_scheduled)
-        lens = _int_vector("step.seq_lens", step.seq_lens)
-        ctx = _int_vector("step.context_lens", step.context_lens)
-        qsl = _int_vector("step.query_start_loc", step.query_start_loc)
-        ip, ix = _check_csr(step.block_table_indptr, step.block_table_indices)
-        for name, arr, want in (
-            ("step.seq_lens", lens, num),
-            ("step.context_lens", ctx, num),
-            ("step.query_start_loc", qsl, num + 1),
-            ("step.block_table_indptr", ip, num + 1),
-        ):
-            if arr.size != want:
-                raise _bad(name, arr, f"has {arr.size} entries, expected {want}")
-        qlens = np.diff(qsl)
-        if np.any(qlens != lens - ctx):
-            raise _bad("step.query_start_loc", qsl, "query lengths differ from seq_lens - context_lens")
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-            raise _bad("block_size", block_size, "must be an int >= 1")
-        need = (lens + block_size - 1) // block_size
-        short = np.nonzero(need > np.diff(ip))[0]
-        if short.size:
-            i = int(short[0])
-            raise _bad(
-                "step.block_table_indices",
-                ix,
-                f"sequence {i} has {int(np.diff(ip)[i])} block(s), seq_len {int(lens[i])} needs {int(need[i])}",
+        parts = [steps] if isinstance(steps, StepOutput) else list(steps)
+        for i, p in enumerate(parts):
+            if not isinstance(p, StepOutput):
+                raise _bad(
+                    f"steps[{i}]",
+                    p,
+                    "expected a pagedkv.StepOutput (build kernel inputs from "
+                    "other arrays with dense_block_table, slot_mapping, ...)",
+                )
+        if len(parts) == 1:
+            p = parts[0]
+            table, slots, ids, lens, ctx, qsl, copies = (
+                p.block_table,
+                p.slot_mapping,
+                p.input_ids,
+                p.seq_lens,
+                p.context_lens,
+                p.query_start_loc,
+                p.copies,
             )
+        else:
+            table, slots, ids, lens, ctx, qsl, copies = _merge(parts)
+        num_seqs = int(lens.size)
+        if slots.size == num_seqs:  # all decodes: each token sits right after its context
+            positions = ctx.astype(np.int64)
+            max_query_len = 1 if num_seqs else 0
+        else:  # the context length plus the token's index in its query
+            query_lens = np.diff(qsl)
+            positions = np.arange(slots.size, dtype=np.int64) + np.repeat(ctx - qsl[:-1], query_lens)
+            max_query_len = int(query_lens.max())
+        to_dev, to_host = _movers(device)
         return cls(
-            block_table=dense_block_table(ip, ix, pad_to=pad_blocks_to, device=device),
-            slot_mapping=slot_mapping(step.slot_mapping, pad_to=pad_tokens_to, device=device),
-            seq_lens=seq_lens(lens, device=device),
-            context_lens=seq_lens(ctx, device=device),
-            query_start_loc=query_start_loc(qlens, device=device),
-            max_query_len=int(qlens.max()) if num else 0,
-            max_seq_len=int(lens.max()) if num else 0,
+            block_table=to_dev(table),
+            slot_mapping=to_dev(slots),
+            input_ids=to_dev(ids),
+            positions=to_dev(positions),
+            seq_lens=to_dev(lens),
+            context_lens=to_dev(ctx),
+            query_start_loc=to_dev(qsl),
+            max_query_len=max_query_len,
+            max_seq_len=int(lens.max()) if num_seqs else 0,
+            copies=to_dev(copies),
+            swap_out=None if swap_out is None else to_host(swap_out),
+            swap_in=None if swap_in is None else to_host(swap_in),
+            query_start_loc_host=qsl,
+            context_lens_host=ctx,
+            positions_host=positions,
         )
 
-    @classmethod
-    def _from_core_step(
-        cls,
-        step: _StepLike,
-        block_size: int,
-        device: Device,
-        pad_blocks_to: int | None,
-        pad_tokens_to: int | None,
-    ) -> BatchTensors:
-        # A StepOutput made by the core is consistent by construction (dtypes, lengths, CSR,
-        # tables covering their sequences), so only the padding arguments are checked here.
-        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
-            raise _bad("block_size", block_size, "must be an int >= 1")
-        num = int(step.num_scheduled)
-        lens = np.diff(step.block_table_indptr)
-        longest = int(lens.max()) if num else 0
-        width = _check_pad("pad_blocks_to", pad_blocks_to, max(longest, 1) if pad_blocks_to is None else longest)
-        qsl = step.query_start_loc
-        slots = step.slot_mapping
-        if pad_tokens_to is None:
-            slots = slots.copy()
-        else:
-            slots = np.full(_check_pad("pad_tokens_to", pad_tokens_to, slots.size), -1, dtype=np.int64)
-            slots[: step.slot_mapping.size] = step.slot_mapping
-        max_q = int((qsl[1:] - qsl[:-1]).max()) if num else 0
-        return cls(
-            block_table=_place(_dense(lens, step.block_table_indices, width), device),
-            slot_mapping=_place(slots, device),
-            seq_lens=_place(step.seq_lens.copy(), device),
-            context_lens=_place(step.context_lens.copy(), device),
-            query_start_loc=_place(qsl.copy(), device),
-            max_query_len=max_q,
-            max_seq_len=int(step.seq_lens.max()) if num else 0,
+
+def _movers(device: Device) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
+    """Functions taking a C-contiguous array made by the core (or from its arrays) to ``device``
+    and to the host: identity for ``device=None``; ``torch.from_numpy`` (no copy) on the CPU,
+    plus one transfer elsewhere."""
+    if device is None:
+        return _identity, _identity
+    import torch  # lazy: `import pagedkv` must work without torch
+
+    target = device if isinstance(device, torch.device) else torch.device(device)
+    if target.type == "cpu":
+        return torch.from_numpy, torch.from_numpy
+    return (lambda a: torch.from_numpy(a).to(target)), torch.from_numpy
+
+
+def _identity(a: Any) -> Any:
+    return a
+
+
+def _merge(parts: list[StepOutput]) -> tuple[npt.NDArray[Any], ...]:
+    """Concatenate the scheduled arrays of several step outputs (offsets shifted, block tables
+    padded to the widest), in order; no parts make an empty batch."""
+    if not parts:
+        i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
+        return (
+            np.zeros((0, 1), np.int32),
+            i64,
+            i64.copy(),
+            i32,
+            i32.copy(),
+            np.zeros(1, np.int32),
+            np.zeros((0, 2), np.int32),
         )
+    width = max(p.block_table.shape[1] for p in parts)
+    tables = [np.pad(p.block_table, ((0, 0), (0, width - p.block_table.shape[1]))) for p in parts]
+    tokens = np.cumsum([0] + [p.slot_mapping.size for p in parts[:-1]], dtype=np.int32)
+    qsl = [parts[0].query_start_loc] + [p.query_start_loc[1:] + t for p, t in zip(parts[1:], tokens[1:])]
+    return (
+        np.concatenate(tables),
+        np.concatenate([p.slot_mapping for p in parts]),
+        np.concatenate([p.input_ids for p in parts]),
+        np.concatenate([p.seq_lens for p in parts]),
+        np.concatenate([p.context_lens for p in parts]),
+        np.concatenate(qsl),
+        np.concatenate([p.copies for p in parts]),
+    )

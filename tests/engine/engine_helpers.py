@@ -29,8 +29,7 @@ def _tiny_tokenizer(folder: Path) -> Any:
     vocab = {f"w{i}": i for i in range(TINY_VOCAB)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1", bos_token="w2",
-                                   pad_token="w0")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1", bos_token="w2", pad_token="w0")
     fast.chat_template = "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}w5"
     fast.save_pretrained(str(folder))
     return fast
@@ -44,9 +43,20 @@ def build_tiny_model(folder: Path, **config: Any) -> ModelBundle:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     fields: dict[str, Any] = dict(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0, initializer_range=0.25)
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        initializer_range=0.25,
+    )
     fields.update(config)
     cfg = LlamaConfig(**fields)
     torch.manual_seed(1234)
@@ -76,7 +86,12 @@ def hf_greedy(bundle: ModelBundle, prompt_ids: list[int], max_new_tokens: int, *
     cut after the first EOS."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = bundle.hf.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
-                                 dtype=torch.int64), max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=bundle.tokenizer.pad_token_id, **kw)
-    return out[0, len(prompt_ids):].tolist()
+        out = bundle.hf.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.int64),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=bundle.tokenizer.pad_token_id,
+            **kw,
+        )
+    return out[0, len(prompt_ids) :].tolist()

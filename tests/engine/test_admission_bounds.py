@@ -33,7 +33,7 @@ def _run(engine: LLMEngine, prompt: list[int], params: SamplingParams) -> tuple[
 
 
 def test_blocks_for_request_counts_kv_slots_not_sampled_tokens():
-    assert blocks_for_request(64, 1, 1, 16) == 4   # 64 slots: the one sampled token has none
+    assert blocks_for_request(64, 1, 1, 16) == 4  # 64 slots: the one sampled token has none
     assert blocks_for_request(64, 2, 1, 16) == 5
     assert blocks_for_request(41, 24, 1, 16) == 4  # 41 + 23 = 64
     assert blocks_for_request(41, 25, 1, 16) == 5
@@ -46,8 +46,11 @@ CASES = {
     # name: (prompt length, exactly-fitting params, one-token-over params)
     "greedy-prompt-fills-pool": (64, dict(max_tokens=1), dict(max_tokens=2)),
     "greedy-output-fills-pool": (41, dict(max_tokens=24), dict(max_tokens=25)),
-    "sampling-n2": (32, dict(max_tokens=17, n=2, temperature=1.0, seed=7),
-                    dict(max_tokens=18, n=2, temperature=1.0, seed=7)),
+    "sampling-n2": (
+        32,
+        dict(max_tokens=17, n=2, temperature=1.0, seed=7),
+        dict(max_tokens=18, n=2, temperature=1.0, seed=7),
+    ),
     "beam-width2": (32, dict(max_tokens=17, beam_width=2), dict(max_tokens=18, beam_width=2)),
 }
 

@@ -31,22 +31,36 @@ def _hf_beam_with_stop(tiny, prompt: list[int], stop: str) -> list[list[int]]:
 
     class TextContains(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
-            return torch.tensor([stop in tiny.tokenizer.decode(row[len(prompt):].tolist(), skip_special_tokens=True)
-                                 for row in input_ids])
+            return torch.tensor(
+                [
+                    stop in tiny.tokenizer.decode(row[len(prompt) :].tolist(), skip_special_tokens=True)
+                    for row in input_ids
+                ]
+            )
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = tiny.hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-                               num_beams=K, num_return_sequences=N, do_sample=False, max_new_tokens=MAX_NEW,
-                               pad_token_id=0, stopping_criteria=StoppingCriteriaList([TextContains()]))
-    return out[:, len(prompt):].tolist()
+        out = tiny.hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            num_beams=K,
+            num_return_sequences=N,
+            do_sample=False,
+            max_new_tokens=MAX_NEW,
+            pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([TextContains()]),
+        )
+    return out[:, len(prompt) :].tolist()
 
 
-@pytest.mark.parametrize("prompt_index,stop_at,best_reason", [
-    (0, 2, "stop"),    # the best hypothesis ends on the stop string
-    (1, 7, "stop"),
-    (1, 4, "length"),  # a hypothesis that stops early scores worse than two that run on
-])
+@pytest.mark.parametrize(
+    "prompt_index,stop_at,best_reason",
+    [
+        (0, 2, "stop"),  # the best hypothesis ends on the stop string
+        (1, 7, "stop"),
+        (1, 4, "length"),  # a hypothesis that stops early scores worse than two that run on
+    ],
+)
 def test_beam_candidate_containing_stop_string_finishes(tiny, prompt_index, stop_at, best_reason):
     prompt = _prompts()[prompt_index]
     engine = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, block_size=4, num_kv_blocks=512)

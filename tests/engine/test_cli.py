@@ -13,8 +13,20 @@ from pagedkv.engine.inputs import read_prompts, read_trace, synthetic_prompt
 
 def _run(tiny, tmp_path, *extra: str) -> tuple[int, list[dict]]:
     out = tmp_path / "results.jsonl"
-    rc = main(["--model", str(tiny.path), "--block-size", "4", "--kv-blocks", "128", "--no-progress",
-               "--output", str(out), *extra])
+    rc = main(
+        [
+            "--model",
+            str(tiny.path),
+            "--block-size",
+            "4",
+            "--kv-blocks",
+            "128",
+            "--no-progress",
+            "--output",
+            str(out),
+            *extra,
+        ]
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
     return rc, rows
 
@@ -26,8 +38,15 @@ def test_cli_txt_prompts_write_results(tiny, tmp_path, capsys):
     assert rc == 0
     assert [r["id"] for r in rows] == ["0", "1", "2"]
     for r in rows:
-        assert set(r) >= {"id", "prompt", "output_text", "output_token_ids", "finish_reason",
-                          "cached_prompt_tokens", "preemptions"}
+        assert set(r) >= {
+            "id",
+            "prompt",
+            "output_text",
+            "output_token_ids",
+            "finish_reason",
+            "cached_prompt_tokens",
+            "preemptions",
+        }
         assert len(r["output_token_ids"]) == 5 and r["finish_reason"] == "length"
         assert r["output_text"] == tiny.tokenizer.decode(r["output_token_ids"], skip_special_tokens=True)
     assert rows[2]["cached_prompt_tokens"] in (0, 4)  # may share a block with prompt 0
@@ -37,36 +56,87 @@ def test_cli_txt_prompts_write_results(tiny, tmp_path, capsys):
 
 def test_cli_jsonl_with_ids_chat_template_and_sampling(tiny, tmp_path):
     f = tmp_path / "p.jsonl"
-    f.write_text(json.dumps({"id": "a", "prompt": "w20 w21", "max_tokens": 3}) + "\n"
-                 + json.dumps({"id": "b", "messages": [{"role": "user", "content": "w22"}]}) + "\n")
-    rc, rows = _run(tiny, tmp_path, "--prompts", str(f), "--max-tokens", "6", "--temperature", "0.7",
-                    "--top-p", "0.9", "--top-k", "20", "--seed", "4", "--n", "2")
+    f.write_text(
+        json.dumps({"id": "a", "prompt": "w20 w21", "max_tokens": 3})
+        + "\n"
+        + json.dumps({"id": "b", "messages": [{"role": "user", "content": "w22"}]})
+        + "\n"
+    )
+    rc, rows = _run(
+        tiny,
+        tmp_path,
+        "--prompts",
+        str(f),
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0.7",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "20",
+        "--seed",
+        "4",
+        "--n",
+        "2",
+    )
     assert rc == 0 and [r["id"] for r in rows] == ["a", "b"]
     assert len(rows[0]["output_token_ids"]) == 3 and len(rows[1]["output_token_ids"]) == 6
     assert len(rows[1]["outputs"]) == 2
-    rc2, rows2 = _run(tiny, tmp_path, "--prompts", str(f), "--max-tokens", "6", "--temperature", "0.7",
-                      "--top-p", "0.9", "--top-k", "20", "--seed", "4", "--n", "2")
+    rc2, rows2 = _run(
+        tiny,
+        tmp_path,
+        "--prompts",
+        str(f),
+        "--max-tokens",
+        "6",
+        "--temperature",
+        "0.7",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "20",
+        "--seed",
+        "4",
+        "--n",
+        "2",
+    )
     assert [r["outputs"] for r in rows2] == [r["outputs"] for r in rows]  # seeded: reproducible
 
 
 def test_cli_trace_mode_and_rejection(tiny, tmp_path):
     f = tmp_path / "t.csv"
     f.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nx,40,8\nx,12,5\nx,4000,10\n")
-    rc, rows = _run(tiny, tmp_path, "--trace", str(f), "--trace-limit", "3", "--kv-blocks", "33",
-                    "--preemption", "swap", "--beam-width", "1")
+    rc, rows = _run(
+        tiny,
+        tmp_path,
+        "--trace",
+        str(f),
+        "--trace-limit",
+        "3",
+        "--kv-blocks",
+        "33",
+        "--preemption",
+        "swap",
+        "--beam-width",
+        "1",
+    )
     assert rc == 0
     assert [len(r.get("output_token_ids", [])) for r in rows] == [8, 5, 0]
     assert "error" in rows[2] and "4000 tokens does not fit the model context" in rows[2]["error"]
 
 
-@pytest.mark.parametrize("content,suffix,needle", [
-    ("{not json\n", ".jsonl", "p.jsonl:1: not valid JSON"),
-    ('{"prompt": ""}\n', ".jsonl", "p.jsonl:1: needs a non-empty string 'prompt'"),
-    ('["a"]\n', ".jsonl", "expected a JSON object"),
-    ('{"prompt": "x", "max_tokens": 0}\n', ".jsonl", "max_tokens=0"),
-    ("\n\n", ".txt", "holds no prompt"),
-    ("x\n", ".csv", "must end in .txt or .jsonl"),
-])
+@pytest.mark.parametrize(
+    "content,suffix,needle",
+    [
+        ("{not json\n", ".jsonl", "p.jsonl:1: not valid JSON"),
+        ('{"prompt": ""}\n', ".jsonl", "p.jsonl:1: needs a non-empty string 'prompt'"),
+        ('["a"]\n', ".jsonl", "expected a JSON object"),
+        ('{"prompt": "x", "max_tokens": 0}\n', ".jsonl", "max_tokens=0"),
+        ("\n\n", ".txt", "holds no prompt"),
+        ("x\n", ".csv", "must end in .txt or .jsonl"),
+    ],
+)
 def test_malformed_prompt_files(tmp_path, content, suffix, needle):
     f = tmp_path / f"p{suffix}"
     f.write_text(content)
@@ -133,8 +203,19 @@ def test_cli_kv_pool_larger_than_memory_is_a_clean_error(tiny, tmp_path, capsys)
     f.write_text("w10 w11\n")
     # The largest pool pagedkv allows, in the largest blocks: hundreds of TiB.
     import pagedkv
-    rc, rows = _run(tiny, tmp_path, "--prompts", str(f), "--limit", "1", "--kv-blocks", str(pagedkv.MAX_BLOCKS),
-                    "--block-size", str(pagedkv.MAX_BLOCK_SIZE))
+
+    rc, rows = _run(
+        tiny,
+        tmp_path,
+        "--prompts",
+        str(f),
+        "--limit",
+        "1",
+        "--kv-blocks",
+        str(pagedkv.MAX_BLOCKS),
+        "--block-size",
+        str(pagedkv.MAX_BLOCK_SIZE),
+    )
     assert rc == 2 and rows == []
     err = capsys.readouterr().err
     assert f"KV cache of {pagedkv.MAX_BLOCKS} blocks x " in err and "does not fit" in err
@@ -149,6 +230,7 @@ def test_guard_allocation_turns_oom_into_typed_error():
 
     def boom():
         raise RuntimeError("[enforce fail] DefaultCPUAllocator: can't allocate memory\nmore")
+
     with pytest.raises(KVCacheTooLargeError, match=r"KV cache of 7 blocks x 1024 bytes = 7168 bytes .*can't allocate"):
         guard_allocation("KV cache", 7, 1024, boom)
     assert guard_allocation("KV cache", 1, 1, lambda: 5) == 5
@@ -156,6 +238,7 @@ def test_guard_allocation_turns_oom_into_typed_error():
 
 def test_cli_cuda_without_gpu_exits_2(tiny, tmp_path, capsys, monkeypatch):
     import torch
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     f = tmp_path / "p.txt"
     f.write_text("w10\n")
@@ -166,8 +249,7 @@ def test_cli_cuda_without_gpu_exits_2(tiny, tmp_path, capsys, monkeypatch):
 def test_cli_all_requests_rejected_exits_1(tiny, tmp_path, capsys):
     f = tmp_path / "p.txt"
     f.write_text("w10 w11 w12 w13 w14 w15\nw16 w17 w18 w19 w20\n")
-    rc, rows = _run(tiny, tmp_path, "--prompts", str(f), "--kv-blocks", "2", "--no-chat-template",
-                    "--max-tokens", "8")
+    rc, rows = _run(tiny, tmp_path, "--prompts", str(f), "--kv-blocks", "2", "--no-chat-template", "--max-tokens", "8")
     assert rc == 1
     assert [r["id"] for r in rows] == ["0", "1"] and all("error" in r for r in rows)
     assert "all 2 request(s) were rejected; none could be served" in capsys.readouterr().err
@@ -175,6 +257,7 @@ def test_cli_all_requests_rejected_exits_1(tiny, tmp_path, capsys):
 
 def test_cli_help_documents_every_option_once():
     from pagedkv.engine.cli import build_parser
+
     ap = build_parser()
     for action in ap._actions:
         if action.option_strings and action.dest != "help":
@@ -185,6 +268,7 @@ def test_cli_help_documents_every_option_once():
 
 
 # ---- bad input found before the model loads, bad output paths, documented formats ----------
+
 
 def _missing_model(tmp_path) -> str:
     # A model path that does not exist: a test passing it proves its error came before the load.
@@ -206,8 +290,9 @@ def test_cli_unwritable_output_paths_fail_before_the_model_loads(tmp_path, capsy
     err = capsys.readouterr().err
     assert rc == 2 and f"error: --output {str(tmp_path)!r}: is a folder, not a file" in err
     same = tmp_path / "same.json"
-    rc = main(["--prompts", str(f), "--model", _missing_model(tmp_path), "--output", str(same),
-               "--metrics-json", str(same)])
+    rc = main(
+        ["--prompts", str(f), "--model", _missing_model(tmp_path), "--output", str(same), "--metrics-json", str(same)]
+    )
     assert rc == 2 and "--output and --metrics-json name the same file" in capsys.readouterr().err
 
 
@@ -226,9 +311,26 @@ def test_cli_write_failure_at_the_end_prints_stats_then_a_clean_error(tiny, tmp_
     # disk that fills up during the run.
     f = tmp_path / "p.txt"
     f.write_text("w10 w11\n")
-    rc = main(["--model", str(tiny.path), "--block-size", "4", "--kv-blocks", "32", "--no-progress",
-               "--prompts", str(f), "--no-chat-template", "--max-tokens", "2", "--output", "/dev/full",
-               "--metrics-json", str(tmp_path / "m.json")])
+    rc = main(
+        [
+            "--model",
+            str(tiny.path),
+            "--block-size",
+            "4",
+            "--kv-blocks",
+            "32",
+            "--no-progress",
+            "--prompts",
+            str(f),
+            "--no-chat-template",
+            "--max-tokens",
+            "2",
+            "--output",
+            "/dev/full",
+            "--metrics-json",
+            str(tmp_path / "m.json"),
+        ]
+    )
     cap = capsys.readouterr()
     assert rc == 2
     assert "output tokens/s" in cap.out  # the stats table was printed
@@ -256,21 +358,25 @@ def test_cli_non_string_cache_salt_is_a_clean_error(tmp_path, capsys):
 
 def test_cli_served_and_rejected_rows_with_jsonl_ids(tiny, tmp_path, capsys):
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt":"w10 w11","id":"a","cache_salt":"s1"}\n'
-                 '{"prompt":"' + " ".join(f"w{i}" for i in range(10, 60)) + '","id":"big"}\n')
-    rc, rows = _run(tiny, tmp_path, "--prompts", str(f), "--no-chat-template", "--max-tokens", "3",
-                    "--kv-blocks", "8")
+    f.write_text(
+        '{"prompt":"w10 w11","id":"a","cache_salt":"s1"}\n'
+        '{"prompt":"' + " ".join(f"w{i}" for i in range(10, 60)) + '","id":"big"}\n'
+    )
+    rc, rows = _run(tiny, tmp_path, "--prompts", str(f), "--no-chat-template", "--max-tokens", "3", "--kv-blocks", "8")
     assert rc == 0 and [r["id"] for r in rows] == ["a", "big"]
     assert rows[0]["prompt"] == "w10 w11" and len(rows[0]["output_token_ids"]) == 3
     assert set(rows[1]) == {"id", "prompt", "error"} and rows[1]["prompt"].startswith("w10 w11 w12")
     assert capsys.readouterr().out.count("#a ") == 1
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["--show", "-1"], "--show: -1 must be >= 0"),
-    (["--trace-scale", "0"], "--trace-scale: 0.0 must be > 0"),
-    (["--trace-scale", "nan"], "--trace-scale: nan must be > 0"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["--show", "-1"], "--show: -1 must be >= 0"),
+        (["--trace-scale", "0"], "--trace-scale: 0.0 must be > 0"),
+        (["--trace-scale", "nan"], "--trace-scale: nan must be > 0"),
+    ],
+)
 def test_cli_argparse_rejects_out_of_range_numbers(tmp_path, capsys, argv, needle):
     f = tmp_path / "p.txt"
     f.write_text("w10\n")
@@ -287,14 +393,20 @@ def test_cli_missing_trace_is_called_a_trace_file(tmp_path, capsys):
 
 def test_cli_pool_arguments_are_checked_against_pagedkv_limits_before_the_load(tmp_path, capsys):
     import pagedkv
+
     f = tmp_path / "p.txt"
     f.write_text("w10\n")
     cases = [
         (["--block-size", "5000"], f"--block-size 5000: must be in 1..={pagedkv.MAX_BLOCK_SIZE} tokens"),
         (["--kv-blocks", "1"], "--kv-blocks 1: need at least 2 blocks (block 0 is the null block)"),
-        (["--kv-blocks", str(pagedkv.MAX_BLOCKS + 1)],
-         f"--kv-blocks {pagedkv.MAX_BLOCKS + 1}: at most {pagedkv.MAX_BLOCKS} blocks"),
-        (["--kv-blocks", "100000000000"], f"--kv-blocks 100000000000: expected an int in 2..={pagedkv.MAX_BLOCKS} blocks"),
+        (
+            ["--kv-blocks", str(pagedkv.MAX_BLOCKS + 1)],
+            f"--kv-blocks {pagedkv.MAX_BLOCKS + 1}: at most {pagedkv.MAX_BLOCKS} blocks",
+        ),
+        (
+            ["--kv-blocks", "100000000000"],
+            f"--kv-blocks 100000000000: expected an int in 2..={pagedkv.MAX_BLOCKS} blocks",
+        ),
         (["--cpu-blocks", "-1"], "--cpu-blocks -1: expected an int in 0..="),
     ]
     for extra, needle in cases:
@@ -307,14 +419,26 @@ def test_cli_pool_arguments_are_checked_against_pagedkv_limits_before_the_load(t
 def test_cli_help_documents_prompt_and_result_formats(tiny, tmp_path):
     from pagedkv.engine.cli import build_parser
     from pagedkv.engine.inputs import PROMPT_FIELDS
+
     text = build_parser().format_help()
     for field in PROMPT_FIELDS:
         assert f"{field}:" in text or f"{field} " in text, field
     # Every key the CLI really writes, served and rejected rows alike, is described.
     f = tmp_path / "p.txt"
     f.write_text("w10 w11\n" + " ".join(f"w{i}" for i in range(10, 60)) + "\n")
-    rc, rows = _run(tiny, tmp_path, "--prompts", str(f), "--no-chat-template", "--max-tokens", "2",
-                    "--kv-blocks", "8", "--beam-width", "2")
+    rc, rows = _run(
+        tiny,
+        tmp_path,
+        "--prompts",
+        str(f),
+        "--no-chat-template",
+        "--max-tokens",
+        "2",
+        "--kv-blocks",
+        "8",
+        "--beam-width",
+        "2",
+    )
     assert rc == 0 and "error" in rows[1]
     keys = set(rows[0]) | set(rows[1]) | {k for o in rows[0]["outputs"] for k in o}
     for key in keys:

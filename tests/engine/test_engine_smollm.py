@@ -47,14 +47,18 @@ def test_smoke_capital_of_france(smol):
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(),                                               # prefix caching on, all in one batch
-    dict(enable_prefix_caching=False),
-    dict(num_kv_blocks=17, block_size=8),                 # 16 usable blocks of 8 -> recompute preemption
-    dict(num_kv_blocks=17, block_size=8, preemption="swap"),
-    dict(max_tokens_per_step=8, block_size=4),            # chunked prefill
-    dict(max_num_seqs=1),                                 # batch size 1
-], ids=["prefix-on", "prefix-off", "recompute", "swap", "chunked", "batch-1"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(),  # prefix caching on, all in one batch
+        dict(enable_prefix_caching=False),
+        dict(num_kv_blocks=17, block_size=8),  # 16 usable blocks of 8 -> recompute preemption
+        dict(num_kv_blocks=17, block_size=8, preemption="swap"),
+        dict(max_tokens_per_step=8, block_size=4),  # chunked prefill
+        dict(max_num_seqs=1),  # batch size 1
+    ],
+    ids=["prefix-on", "prefix-off", "recompute", "swap", "chunked", "batch-1"],
+)
 def test_greedy_token_identical_to_transformers(smol, prompt_ids, refs, kw):
     kw = {"num_kv_blocks": 256, "block_size": 16, **kw}
     engine = LLMEngine(smol.hf, tokenizer=smol.tokenizer, **kw)
@@ -85,17 +89,22 @@ def test_beam_search_equals_transformers(smol, prompt_ids):
     for p, o in zip(prompt_ids[:3], outs):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ref = smol.hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.int64),
-                                   num_beams=3, do_sample=False, max_new_tokens=16, early_stopping=False,
-                                   pad_token_id=eos)
-        assert list(o.token_ids) == _cut(ref[0, len(p):].tolist(), eos)
+            ref = smol.hf.generate(
+                torch.tensor([p]),
+                attention_mask=torch.ones(1, len(p), dtype=torch.int64),
+                num_beams=3,
+                do_sample=False,
+                max_new_tokens=16,
+                early_stopping=False,
+                pad_token_id=eos,
+            )
+        assert list(o.token_ids) == _cut(ref[0, len(p) :].tolist(), eos)
     assert_no_leak(engine)
 
 
 def test_chat_template_prompt_gives_sensible_answer(smol):
     engine = LLMEngine(smol.hf, tokenizer=smol.tokenizer, num_kv_blocks=128)
-    out = engine.generate(["What is the capital of France?"], SamplingParams(max_tokens=24),
-                          chat_template=True)[0]
+    out = engine.generate(["What is the capital of France?"], SamplingParams(max_tokens=24), chat_template=True)[0]
     assert "Paris" in out.text
     assert out.finish_reason in ("eos", "length")
     assert_no_leak(engine)

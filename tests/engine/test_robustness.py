@@ -44,8 +44,7 @@ def _params() -> list[SamplingParams]:
 def _summary(outs) -> list[tuple]:
     """Everything a fresh engine must reproduce, prefix-cache hits included (not the request
     ids: they are arrival numbers)."""
-    return [([c.token_ids for c in o.outputs], [c.finish_reason for c in o.outputs], o.num_cached_tokens)
-            for o in outs]
+    return [([c.token_ids for c in o.outputs], [c.finish_reason for c in o.outputs], o.num_cached_tokens) for o in outs]
 
 
 def _assert_clean(engine: LLMEngine) -> None:
@@ -81,6 +80,7 @@ def _then_serves_like_a_fresh_engine(tiny, engine: LLMEngine, **kw: Any) -> None
 
 # ---- 1. a failed step ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("exc", [RuntimeError("device lost"), KeyboardInterrupt()], ids=["error", "ctrl-c"])
 @pytest.mark.parametrize("k", [1, 2, 4])  # 1: mid-prefill (blocks hashed, KV never written)
 def test_forward_failing_mid_generate_aborts_its_requests_and_engine_stays_usable(tiny, exc, k):
@@ -110,10 +110,11 @@ def test_failure_between_a_beam_fork_and_its_bookkeeping_frees_the_child(tiny):
     # beam_width 4: the first beam step forks the prompt's sequence 3 times; fail at the 2nd fork,
     # after the 1st child is registered in the manager but before the request lists it.
     engine = _engine(tiny)
-    engine._new_seq = _fail_on_call(3, engine._new_seq, RuntimeError("fork failed"))
+    registry = engine.requests
+    registry.new_sequence = _fail_on_call(3, registry.new_sequence, RuntimeError("fork failed"))
     with pytest.raises(RuntimeError, match="fork failed"):
         engine.generate([_prompts()[1]], SamplingParams(max_tokens=6, beam_width=4))
-    del engine._new_seq
+    del registry.new_sequence
     _assert_clean(engine)
     _then_serves_like_a_fresh_engine(tiny, engine)
 
@@ -126,7 +127,7 @@ def test_failure_in_a_step_that_swaps_out_aborts_the_victim_too(tiny):
     swapped = []
 
     def execute(batch):
-        if len(batch.swap_out):
+        if batch.swap_out is not None:
             swapped.append(len(batch.swap_out))
             raise RuntimeError("failed with a swap-out planned")
         return real(batch)
@@ -148,8 +149,11 @@ def test_swapped_beam_group_resumes_with_a_beam_that_already_has_its_logprobs(ti
     # slot request for that beam, which the manager refuses (InvalidArgumentError).
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 17, 33, 1, 64, 40, 16, 48)]
-    params = [SamplingParams(max_tokens=24), SamplingParams(max_tokens=16, n=2, temperature=1.0, seed=1),
-              SamplingParams(max_tokens=12, beam_width=3)] * 2 + [SamplingParams(max_tokens=20)] * 2
+    params = [
+        SamplingParams(max_tokens=24),
+        SamplingParams(max_tokens=16, n=2, temperature=1.0, seed=1),
+        SamplingParams(max_tokens=12, beam_width=3),
+    ] * 2 + [SamplingParams(max_tokens=20)] * 2
     engine = _engine(tiny, num_kv_blocks=60, preemption="swap")
     got = engine.generate(prompts, params)
     assert engine.stats().swaps_out_blocks > 0
@@ -204,27 +208,31 @@ def test_interrupted_generate_aborts_only_its_own_requests(tiny):
 
 # ---- 2. SamplingParams -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(length_penalty=None), "length_penalty=None"),
-    (dict(length_penalty="1.0"), "length_penalty='1.0'"),
-    (dict(length_penalty=math.nan), "length_penalty=nan"),
-    (dict(length_penalty=math.inf), "length_penalty=inf"),
-    (dict(stop=5), "stop=5"),
-    (dict(stop=["ok", 3]), r"stop=\('ok', 3\)"),
-    (dict(stop={"a": 1}), r"stop=\{'a': 1\}"),
-    (dict(temperature=True), "temperature=True"),
-    (dict(top_p=True), "top_p=True"),
-    (dict(n=True), "n=True"),
-    (dict(max_tokens=True), "max_tokens=True"),
-    (dict(top_k=False), "top_k=False"),
-    (dict(beam_width=True), "beam_width=True"),
-    (dict(ignore_eos="no"), "ignore_eos='no'"),
-    (dict(ignore_eos=1), "ignore_eos=1"),
-    (dict(early_stopping=1), "early_stopping=1"),
-    (dict(beam_width=2, top_p=0.9), "top_p=0.9 .*deterministic and does not sample"),
-    (dict(beam_width=2, top_k=5), "top_k=5 .*deterministic and does not sample"),
-    (dict(beam_width=2, temperature=0.5), "temperature=0.5 .*deterministic and does not sample"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(length_penalty=None), "length_penalty=None"),
+        (dict(length_penalty="1.0"), "length_penalty='1.0'"),
+        (dict(length_penalty=math.nan), "length_penalty=nan"),
+        (dict(length_penalty=math.inf), "length_penalty=inf"),
+        (dict(stop=5), "stop=5"),
+        (dict(stop=["ok", 3]), r"stop=\('ok', 3\)"),
+        (dict(stop={"a": 1}), r"stop=\{'a': 1\}"),
+        (dict(temperature=True), "temperature=True"),
+        (dict(top_p=True), "top_p=True"),
+        (dict(n=True), "n=True"),
+        (dict(max_tokens=True), "max_tokens=True"),
+        (dict(top_k=False), "top_k=False"),
+        (dict(beam_width=True), "beam_width=True"),
+        (dict(ignore_eos="no"), "ignore_eos='no'"),
+        (dict(ignore_eos=1), "ignore_eos=1"),
+        (dict(early_stopping=1), "early_stopping=1"),
+        (dict(beam_width=2, top_p=0.9), "top_p=0.9 .*deterministic and does not sample"),
+        (dict(beam_width=2, top_k=5), "top_k=5 .*deterministic and does not sample"),
+        (dict(beam_width=2, temperature=0.5), "temperature=0.5 .*deterministic and does not sample"),
+    ],
+)
 def test_bad_sampling_params_name_field_and_value(kwargs, needle):
     with pytest.raises(InvalidRequestError, match=needle):
         SamplingParams(**kwargs)
@@ -255,34 +263,38 @@ def test_stop_string_output_keeps_its_tokens_but_cuts_the_text(tiny):
 
 # ---- 3. request inputs -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("call,needle", [
-    (lambda e: e.generate([[5]], {"max_tokens": 3}), r"params=\{'max_tokens': 3\} is invalid.*dict"),
-    (lambda e: e.generate([[5]], [{"max_tokens": 3}]), r"params=\{'max_tokens': 3\} is invalid"),
-    (lambda e: e.add_request([5], {}), r"params=\{\} is invalid"),
-    (lambda e: e.generate(None), "prompts=None is invalid"),
-    (lambda e: e.generate(5), "prompts=5 is invalid"),
-    (lambda e: e.generate(b"w5 w6"), "prompts=b'w5 w6' is invalid"),
-    (lambda e: e.generate([None]), "prompt None is invalid"),
-    (lambda e: e.add_request(None), "prompt None is invalid"),
-    (lambda e: e.add_request(7), "prompt 7 is invalid.*got int"),
-    (lambda e: e.add_request(b"w5 w6"), "prompt b'w5 w6' is invalid.*got bytes"),
-    (lambda e: e.add_request([5, 1.7]), "token id 1.7 is invalid.*got float"),
-    (lambda e: e.add_request([5, "6"]), "token id '6' is invalid.*got str"),
-    (lambda e: e.add_request([True, 5]), "token id True is invalid.*got bool"),
-    (lambda e: e.add_request(np.array([5.0, 6.0])), "token id 5.0 is invalid"),
-    (lambda e: e.add_request({"prompt": [5, 2.5]}), "token id 2.5 is invalid"),
-    (lambda e: e.add_request({"messages": "hi"}), r"prompt \{'messages': 'hi'\} has malformed 'messages'"),
-    (lambda e: e.add_request({"messages": []}), "has malformed 'messages'"),
-    (lambda e: e.add_request({"messages": [{"role": "user"}]}), "has malformed 'messages'"),
-    (lambda e: e.add_request({"messages": [{"role": "user", "content": 5}]}), "has malformed 'messages'"),
-    (lambda e: e.add_request({"messages": ["hi"]}), "has malformed 'messages'"),
-    (lambda e: e.add_request({"prompt": "w5", "system": 3}), "has an invalid 'system'"),
-    (lambda e: e.add_request([5], cache_salt=5), "cache_salt=5 is invalid"),
-    (lambda e: e.add_request({"prompt": [5], "cache_salt": b"x"}), "cache_salt=b'x' is invalid"),
-    (lambda e: e.generate([[5]], cache_salt=["t"]), r"cache_salt=\['t'\] is invalid"),
-    (lambda e: e.generate([[5]], system_prompt=1), "system_prompt=1 is invalid"),
-    (lambda e: e.generate([{"id": "x", "prompt": [5]}, {"id": "x", "prompt": [6]}]), "'x' appears twice"),
-])
+
+@pytest.mark.parametrize(
+    "call,needle",
+    [
+        (lambda e: e.generate([[5]], {"max_tokens": 3}), r"params=\{'max_tokens': 3\} is invalid.*dict"),
+        (lambda e: e.generate([[5]], [{"max_tokens": 3}]), r"params=\{'max_tokens': 3\} is invalid"),
+        (lambda e: e.add_request([5], {}), r"params=\{\} is invalid"),
+        (lambda e: e.generate(None), "prompts=None is invalid"),
+        (lambda e: e.generate(5), "prompts=5 is invalid"),
+        (lambda e: e.generate(b"w5 w6"), "prompts=b'w5 w6' is invalid"),
+        (lambda e: e.generate([None]), "prompt None is invalid"),
+        (lambda e: e.add_request(None), "prompt None is invalid"),
+        (lambda e: e.add_request(7), "prompt 7 is invalid.*got int"),
+        (lambda e: e.add_request(b"w5 w6"), "prompt b'w5 w6' is invalid.*got bytes"),
+        (lambda e: e.add_request([5, 1.7]), "token id 1.7 is invalid.*got float"),
+        (lambda e: e.add_request([5, "6"]), "token id '6' is invalid.*got str"),
+        (lambda e: e.add_request([True, 5]), "token id True is invalid.*got bool"),
+        (lambda e: e.add_request(np.array([5.0, 6.0])), "token id 5.0 is invalid"),
+        (lambda e: e.add_request({"prompt": [5, 2.5]}), "token id 2.5 is invalid"),
+        (lambda e: e.add_request({"messages": "hi"}), r"prompt \{'messages': 'hi'\} has malformed 'messages'"),
+        (lambda e: e.add_request({"messages": []}), "has malformed 'messages'"),
+        (lambda e: e.add_request({"messages": [{"role": "user"}]}), "has malformed 'messages'"),
+        (lambda e: e.add_request({"messages": [{"role": "user", "content": 5}]}), "has malformed 'messages'"),
+        (lambda e: e.add_request({"messages": ["hi"]}), "has malformed 'messages'"),
+        (lambda e: e.add_request({"prompt": "w5", "system": 3}), "has an invalid 'system'"),
+        (lambda e: e.add_request([5], cache_salt=5), "cache_salt=5 is invalid"),
+        (lambda e: e.add_request({"prompt": [5], "cache_salt": b"x"}), "cache_salt=b'x' is invalid"),
+        (lambda e: e.generate([[5]], cache_salt=["t"]), r"cache_salt=\['t'\] is invalid"),
+        (lambda e: e.generate([[5]], system_prompt=1), "system_prompt=1 is invalid"),
+        (lambda e: e.generate([{"id": "x", "prompt": [5]}, {"id": "x", "prompt": [6]}]), "'x' appears twice"),
+    ],
+)
 def test_bad_request_inputs_raise_invalid_request_and_queue_nothing(tiny, call, needle):
     engine = _engine(tiny)
     with pytest.raises(InvalidRequestError, match=needle):
@@ -292,8 +304,8 @@ def test_bad_request_inputs_raise_invalid_request_and_queue_nothing(tiny, call, 
 
 def test_chat_template_error_becomes_invalid_request(tiny):
     engine = _engine(tiny)
-    engine.tokenizer = type(tiny.tokenizer).from_pretrained(str(tiny.path))
-    engine.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    engine.prompts.tokenizer = type(tiny.tokenizer).from_pretrained(str(tiny.path))
+    engine.prompts.tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
     with pytest.raises(InvalidRequestError, match="chat template rejected.*roles must alternate"):
         engine.add_request({"messages": [{"role": "user", "content": "w5"}]})
     _assert_clean(engine)
@@ -303,8 +315,7 @@ def test_accepted_prompt_forms_give_the_same_tokens(tiny):
     engine = _engine(tiny)
     ids = [5, 6, 7, 8]
     want = engine.generate([ids], GREEDY)[0].token_ids
-    outs = engine.generate([tuple(ids), np.array(ids), torch.tensor(ids), range(5, 9), {"prompt": ids}],
-                           (GREEDY,) * 5)
+    outs = engine.generate([tuple(ids), np.array(ids), torch.tensor(ids), range(5, 9), {"prompt": ids}], (GREEDY,) * 5)
     assert [o.token_ids for o in outs] == [want] * 5
     single = engine.generate("w5 w6 w7", GREEDY)  # one text prompt, not one prompt per character
     assert len(single) == 1 and single[0].prompt == "w5 w6 w7"
@@ -313,23 +324,27 @@ def test_accepted_prompt_forms_give_the_same_tokens(tiny):
 
 # ---- 4. engine arguments ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(preemption="x"), "preemption='x' is invalid"),
-    (dict(max_num_seqs=0), "max_num_seqs=0 is invalid"),
-    (dict(max_num_seqs=True), "max_num_seqs=True is invalid"),
-    (dict(max_tokens_per_step=0), "max_tokens_per_step=0 is invalid"),
-    (dict(kv_bytes=-1), "kv_bytes=-1 is invalid"),
-    (dict(kv_bytes="1G"), "kv_bytes='1G' is invalid"),
-    (dict(num_kv_blocks=1), "num_kv_blocks=1 is invalid"),
-    (dict(block_size=0), "block_size=0 is invalid"),
-    (dict(num_cpu_blocks=-2), "num_cpu_blocks=-2 is invalid"),
-    (dict(hash_algo="md5"), "hash_algo='md5' is invalid"),
-    (dict(enable_prefix_caching="yes"), "enable_prefix_caching='yes' is invalid"),
-    (dict(seed=1.5), "seed=1.5 is invalid"),
-    (dict(dtype="float64"), "dtype='float64' is invalid"),
-    (dict(dtype=torch.int64), "dtype=torch.int64 is invalid"),
-    (dict(dtype="fp32"), "dtype='fp32' is invalid"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs,needle",
+    [
+        (dict(preemption="x"), "preemption='x' is invalid"),
+        (dict(max_num_seqs=0), "max_num_seqs=0 is invalid"),
+        (dict(max_num_seqs=True), "max_num_seqs=True is invalid"),
+        (dict(max_tokens_per_step=0), "max_tokens_per_step=0 is invalid"),
+        (dict(kv_bytes=-1), "kv_bytes=-1 is invalid"),
+        (dict(kv_bytes="1G"), "kv_bytes='1G' is invalid"),
+        (dict(num_kv_blocks=1), "num_kv_blocks=1 is invalid"),
+        (dict(block_size=0), "block_size=0 is invalid"),
+        (dict(num_cpu_blocks=-2), "num_cpu_blocks=-2 is invalid"),
+        (dict(hash_algo="md5"), "hash_algo='md5' is invalid"),
+        (dict(enable_prefix_caching="yes"), "enable_prefix_caching='yes' is invalid"),
+        (dict(seed=1.5), "seed=1.5 is invalid"),
+        (dict(dtype="float64"), "dtype='float64' is invalid"),
+        (dict(dtype=torch.int64), "dtype=torch.int64 is invalid"),
+        (dict(dtype="fp32"), "dtype='fp32' is invalid"),
+    ],
+)
 def test_bad_engine_arguments_raise_before_the_model_load(tmp_path, kwargs, needle):
     # the model path does not exist: any check done after the load would raise ModelNotFoundError
     with pytest.raises(EngineConfigError, match=needle) as info:

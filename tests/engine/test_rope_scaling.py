@@ -14,8 +14,8 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
 from engine_helpers import ModelBundle, assert_no_leak, build_tiny_model, hf_greedy
+from hypothesis import given, settings
 
 import pagedkv
 from pagedkv.engine import LLMEngine, SamplingParams
@@ -25,13 +25,21 @@ from pagedkv.engine.rope import RotaryEmbedding, context_length, rope_inv_freq, 
 THRESHOLD = 32  # max_position_embeddings (dynamic) / original_max_position_embeddings (longrope)
 CONFIGS = {
     # context = 32 x factor 2 = 64 tokens
-    "dynamic": dict(max_position_embeddings=THRESHOLD,
-                    rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)),
+    "dynamic": dict(
+        max_position_embeddings=THRESHOLD, rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0)
+    ),
     # head_size 16 -> 8 factors each; factor 4 = 128 / 32 sets the attention scaling
-    "longrope": dict(max_position_embeddings=128, rope_parameters=dict(
-        rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=THRESHOLD, factor=4.0,
-        short_factor=[1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0],
-        long_factor=[1.0, 1.5, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0])),
+    "longrope": dict(
+        max_position_embeddings=128,
+        rope_parameters=dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            original_max_position_embeddings=THRESHOLD,
+            factor=4.0,
+            short_factor=[1.0, 1.0, 1.1, 1.2, 1.5, 2.0, 2.5, 3.0],
+            long_factor=[1.0, 1.5, 2.0, 4.0, 8.0, 12.0, 16.0, 24.0],
+        ),
+    ),
 }
 CONTEXT = {"dynamic": 64, "longrope": 128}
 # 5 + 24 never crosses; 17, 25 and 31 cross while decoding (31: at the second decode step);
@@ -79,10 +87,15 @@ def _hf_step_logits(bundle: ModelBundle, prompt: list[int], max_new: int, *, swi
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            out = bundle.hf.generate(torch.tensor([prompt]),
-                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
-                                     max_new_tokens=max_new, do_sample=False, pad_token_id=0,
-                                     output_logits=True, return_dict_in_generate=True)
+            out = bundle.hf.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
+                max_new_tokens=max_new,
+                do_sample=False,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
     finally:
         rot.rope_type = rope_type
     return torch.cat(out.logits).float()
@@ -230,8 +243,15 @@ def test_cos_sin_equal_transformers_rotary_for_each_length(kind):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    fields = dict(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, **CONFIGS[kind])
+    fields = dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **CONFIGS[kind],
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cfg = LlamaConfig(**fields)
@@ -279,8 +299,17 @@ def test_rope_helpers_and_errors():
 
 #: Salts a user might send that spell out the engine's own tag texts, with and without the
 #: separator byte an ad-hoc string encoding would use.
-TAG_LOOKALIKES = ["\x1fdynamic:40", "dynamic:40", "\x1f", "rope", "rope\x1fdynamic:40", "longrope:long",
-                  "\x1flongrope:long", "\x00", "\x1fdynamic:40\x1f"]
+TAG_LOOKALIKES = [
+    "\x1fdynamic:40",
+    "dynamic:40",
+    "\x1f",
+    "rope",
+    "rope\x1fdynamic:40",
+    "longrope:long",
+    "\x1flongrope:long",
+    "\x00",
+    "\x1fdynamic:40\x1f",
+]
 
 
 @pytest.fixture(scope="module")
@@ -310,9 +339,12 @@ def test_a_salt_spelling_the_rope_tag_shares_nothing_with_a_tagged_prompt(dynami
 
 
 @settings(max_examples=200, deadline=None)
-@given(salt_a=st.one_of(st.none(), st.sampled_from(TAG_LOOKALIKES), st.text(max_size=12)),
-       salt_b=st.one_of(st.none(), st.sampled_from(TAG_LOOKALIKES), st.text(max_size=12)),
-       len_a=st.sampled_from([24, 33, 40, 41]), len_b=st.sampled_from([21, 33, 40, 41]))
+@given(
+    salt_a=st.one_of(st.none(), st.sampled_from(TAG_LOOKALIKES), st.text(max_size=12)),
+    salt_b=st.one_of(st.none(), st.sampled_from(TAG_LOOKALIKES), st.text(max_size=12)),
+    len_a=st.sampled_from([24, 33, 40, 41]),
+    len_b=st.sampled_from([21, 33, 40, 41]),
+)
 def test_no_salt_makes_engine_derived_keys_collide(dynamic_engine_factory, salt_a, salt_b, len_a, len_b):
     """With the engine's own derived keys (the RoPE tag of each prompt length), two prompts
     sharing their first 20 tokens share cached blocks exactly when their salts are equal and
@@ -324,7 +356,9 @@ def test_no_salt_makes_engine_derived_keys_collide(dynamic_engine_factory, salt_
     m.add_sequence(1, base[:len_a], cache_salt=salt_a, extra_keys=eng._derived_block_keys(len_a))
     m.allocate_slots(1, 64)
     m.add_sequence(2, base[:20] + [7] * (len_b - 20), cache_salt=salt_b, extra_keys=eng._derived_block_keys(len_b))
-    same_identity = salt_a == salt_b and eng.model.rope.prefix_cache_tag(len_a) == eng.model.rope.prefix_cache_tag(len_b)
+    same_identity = salt_a == salt_b and eng.model.rope.prefix_cache_tag(len_a) == eng.model.rope.prefix_cache_tag(
+        len_b
+    )
     assert m.lookup_prefix(2) == (20 if same_identity else 0)
 
 

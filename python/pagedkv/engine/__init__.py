@@ -8,15 +8,22 @@ Quick use::
     out = engine.generate(["The capital of France is"], SamplingParams(max_tokens=8))
     print(out[0].text, engine.metrics().output_tokens_per_s)
 
-Modules, in the order one step runs: :mod:`.scheduler` (FCFS continuous batching, token
-budget, chunked prefill, preemption) -> :mod:`.runner` (block plans, kernel inputs) ->
-:mod:`.model` (forward pass over the paged cache) -> :mod:`.sampling` / :mod:`.beam_search` ->
-:mod:`.engine` (requests in, results out). Also :mod:`.rope` (RoPE frequencies, including the
-length-dependent ``dynamic`` and ``longrope`` types), :mod:`.loader` (model files),
-:mod:`.request`, :mod:`.metrics`, :mod:`.errors` and :mod:`.cli` (the ``pagedkv-engine`` command).
+Modules: :mod:`.engine` (:class:`LLMEngine`: wiring and the step loop) over one module per
+concern -- :mod:`.prompts` and :mod:`.chat` (request intake and checks), :mod:`.registry`
+(request lifecycle, aborts), :mod:`.scheduler` (FCFS continuous batching, token budget, chunked
+prefill, preemption), :mod:`.runner` (kernel inputs through :mod:`pagedkv.tensors`, block plans,
+forward), :mod:`.model` and :mod:`.rope` (the forward pass over the paged cache), :mod:`.groups`
+with :mod:`.sampling` and :mod:`.beam_search` (sampling, forks, beams), :mod:`.outputs` (stop
+strings, results) -- plus :mod:`.config`, :mod:`.request`, :mod:`.metrics`, :mod:`.errors`,
+:mod:`.resources`, :mod:`.loader`, the readers of :mod:`.inputs` and the ``pagedkv-engine``
+command in :mod:`.cli`.
+
+The names below that need torch are imported on first use, so the torch-free modules
+(:mod:`.errors`, :mod:`.inputs`, :mod:`.chat`) import without it.
 """
 
-from .engine import EngineConfig, LLMEngine, generate
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     DeviceUnavailableError,
     EngineConfigError,
@@ -27,9 +34,34 @@ from .errors import (
     PromptFileError,
     RequestTooLargeError,
 )
-from .metrics import EngineMetrics
-from .request import CompletionOutput, RequestOutput
-from .sampling import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import EngineConfig, LLMEngine, generate
+    from .metrics import EngineMetrics
+    from .request import CompletionOutput, RequestOutput
+    from .sampling import SamplingParams
+
+# name -> submodule of the lazily imported names (they import torch)
+_LAZY = {
+    "LLMEngine": "engine",
+    "EngineConfig": "engine",
+    "generate": "engine",
+    "SamplingParams": "sampling",
+    "RequestOutput": "request",
+    "CompletionOutput": "request",
+    "EngineMetrics": "metrics",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "LLMEngine",

@@ -26,8 +26,8 @@ The engine maps beams to manager sequences: a beam continued by several candidat
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
 
 import torch
 
@@ -65,9 +65,15 @@ class BeamSearch:
             EOS. Called once per candidate per step.
     """
 
-    def __init__(self, width: int, max_tokens: int, eos_token_ids: Sequence[int],
-                 length_penalty: float = 1.0, early_stopping: Union[bool, str] = False,
-                 stop: Optional[Callable[[list[int]], bool]] = None) -> None:
+    def __init__(
+        self,
+        width: int,
+        max_tokens: int,
+        eos_token_ids: Sequence[int],
+        length_penalty: float = 1.0,
+        early_stopping: bool | str = False,
+        stop: Callable[[list[int]], bool] | None = None,
+    ) -> None:
         self.k = width
         self.max_tokens = max_tokens
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.int64)
@@ -76,11 +82,11 @@ class BeamSearch:
         self.keep = max(2, 1 + len(self.eos)) * width
         self.stop = stop
         self._eos_set = frozenset(self.eos.tolist())
-        self.gen_len = 0                       # tokens generated so far by every running beam
-        self.running_scores = torch.zeros(1)   # one real beam until the first step
+        self.gen_len = 0  # tokens generated so far by every running beam
+        self.running_scores = torch.zeros(1)  # one real beam until the first step
         self.running_tokens: list[list[int]] = [[]]
         self.finished_scores = torch.full((width,), _NEG)
-        self.finished_tokens: list[Optional[list[int]]] = [None] * width
+        self.finished_tokens: list[list[int] | None] = [None] * width
         self.finished_flags = torch.zeros(width, dtype=torch.bool)
         self.improvable = True
 
@@ -107,11 +113,16 @@ class BeamSearch:
             top_scores, top_idx = torch.topk(scores, k=keep)
             beam_idx = (top_idx // vocab).tolist()
             tokens = (top_idx % vocab).tolist()
-            hits = torch.tensor([self._hits(b, t, new_len, checked) for b, t in zip(beam_idx, tokens)],
-                                dtype=torch.bool)
+            hits = torch.tensor(
+                [self._hits(b, t, new_len, checked) for b, t in zip(beam_idx, tokens)], dtype=torch.bool
+            )
             # Widen only for stop strings (EOS always leaves k candidates, see the module docs).
-            if (self.stop is None or int((~hits).sum()) >= self.k or keep == scores.numel()
-                    or new_len >= self.max_tokens):
+            if (
+                self.stop is None
+                or int((~hits).sum()) >= self.k
+                or keep == scores.numel()
+                or new_len >= self.max_tokens
+            ):
                 break
             keep = min(2 * keep, scores.numel())
 
@@ -119,7 +130,7 @@ class BeamSearch:
         running_pick = torch.topk(top_scores + hits.float() * _NEG, k=self.k)[1].tolist()
 
         # finished hypotheses
-        cand = top_scores / (new_len ** self.length_penalty)
+        cand = top_scores / (new_len**self.length_penalty)
         if bool(self.finished_flags.all()) and self.early_stopping is True:
             cand = cand + _NEG
         if not self.improvable:
@@ -128,9 +139,7 @@ class BeamSearch:
         cand = cand + (~(hits & top_k_mask)).float() * _NEG
         merged_scores = torch.cat((self.finished_scores, cand))
         merged_flags = torch.cat((self.finished_flags, hits & top_k_mask))
-        merged_tokens = self.finished_tokens + [
-            self._tokens_of(beam_idx[j]) + [tokens[j]] for j in range(keep)
-        ]
+        merged_tokens = self.finished_tokens + [self._tokens_of(beam_idx[j]) + [tokens[j]] for j in range(keep)]
         pick = torch.topk(merged_scores, k=self.k)[1].tolist()
         self.finished_scores = merged_scores[pick]
         self.finished_flags = merged_flags[pick]
@@ -147,7 +156,7 @@ class BeamSearch:
             best_len = self.max_tokens
         else:
             best_len = self.gen_len
-        best_possible = self.running_scores[0] / (best_len ** self.length_penalty)
+        best_possible = self.running_scores[0] / (best_len**self.length_penalty)
         worst = torch.where(self.finished_flags, self.finished_scores.min(), torch.tensor(_NEG))
         self.improvable = self.improvable and bool((best_possible > worst).any())
         all_done = bool(self.finished_flags.all()) and self.early_stopping is True

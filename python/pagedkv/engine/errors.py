@@ -1,7 +1,8 @@
 """Exceptions raised by the reference engine (:mod:`pagedkv.engine`).
 
-Each subclasses the builtin callers already catch, and its message names the offending value.
-Allocator errors (out of blocks, unknown sequence...) come from :mod:`pagedkv.errors`.
+Each derives from :class:`pagedkv.errors.EngineError` (so from the package root
+:class:`pagedkv.PagedKVError`) and from the builtin callers already catch; its message names the
+offending value. Allocator and kernel errors come from :mod:`pagedkv.errors`.
 
 ========================= ===================== ==============================================
 class                     also a                raised when
@@ -20,6 +21,8 @@ KVCacheTooLargeError      MemoryError           the KV pool (or CPU swap pool) d
 
 from __future__ import annotations
 
+from pagedkv.errors import EngineError
+
 __all__ = [
     "EngineError",
     "ModelNotFoundError",
@@ -30,10 +33,6 @@ __all__ = [
     "DeviceUnavailableError",
     "KVCacheTooLargeError",
 ]
-
-
-class EngineError(Exception):
-    """Base class of every engine error."""
 
 
 class ModelNotFoundError(EngineError, FileNotFoundError):

@@ -1,5 +1,7 @@
 """Request inputs for the CLI and benchmarks: prompt files and request-length traces.
 
+A reader module: it imports nothing of the CLI (the CLI passes its option names in).
+
 Prompts files (``--prompts``), chosen by suffix:
 
 - ``.txt``: one prompt per line, the whole line verbatim (no JSON, no escapes, so a prompt
@@ -38,13 +40,27 @@ from __future__ import annotations
 import csv
 import json
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from types import MappingProxyType
+from typing import Any
 
+from pagedkv._repr import short_repr
+
+from .chat import MESSAGES_FORMAT, valid_messages
 from .errors import PromptFileError
 
-__all__ = ["PROMPT_FIELDS", "TraceRequest", "read_prompts", "read_trace", "synthetic_prompt"]
+__all__ = [
+    "PROMPT_FIELDS",
+    "TraceRequest",
+    "TraceRow",
+    "read_prompts",
+    "read_trace",
+    "read_trace_rows",
+    "synthetic_prompt",
+]
 
 
 # The keys of a prompts JSONL line that mean something to the engine (see the module docs).
@@ -62,33 +78,29 @@ def _open_text(path: Path, kind: str) -> list[str]:
         raise PromptFileError(f"cannot read {kind} {str(path)!r}: {e}") from None
 
 
-def _sampling_flags() -> dict[str, str]:
-    """SamplingParams fields other than ``max_tokens`` -> what to use instead (the CLI option
-    when there is one). Read from the dataclass and the parser so a new sampling field is
-    rejected on a prompts line without an edit here."""
+def _sampling_fields(options: Mapping[str, str]) -> dict[str, str]:
+    """SamplingParams fields other than ``max_tokens`` -> what to do instead of setting one on a
+    prompts line (``options``: field -> the command-line option that sets it for every request).
+    Read from the dataclass, so a new sampling field is rejected on a line without an edit here."""
     from dataclasses import fields
 
-    from .cli import build_parser
     from .sampling import SamplingParams  # imports torch: only when a JSONL file is read
-    options = {o for a in build_parser()._actions for o in a.option_strings}
-    out = {}
-    for f in fields(SamplingParams):
-        flag = "--" + f.name.replace("_", "-")
-        if f.name != "max_tokens":
-            out[f.name] = (f"use {flag} (it applies to every request)" if flag in options
-                           else "the CLI does not set it")
-    return out
 
-
-def _short(v: Any, limit: int = 200) -> str:
-    """``repr(v)``, cut to ``limit`` characters (a whole chat history would drown the error)."""
-    r = repr(v)
-    return r if len(r) <= limit else r[: limit - 3] + "..."
+    return {
+        f.name: (
+            f"use {options[f.name]} (it applies to every request)"
+            if f.name in options
+            else "it applies to every request"
+        )
+        for f in fields(SamplingParams)
+        if f.name != "max_tokens"
+    }
 
 
 def _check_line(obj: dict[str, Any], where: str, sampling_flags: dict[str, str]) -> None:
     """Raise PromptFileError (prefixed with ``where`` = "file:line") for a field of the wrong
     type; see the module docs for the accepted types."""
+
     def kind(v: Any) -> str:
         return f"{type(v).__name__} {v!r}"
 
@@ -96,14 +108,10 @@ def _check_line(obj: dict[str, Any], where: str, sampling_flags: dict[str, str])
         if "prompt" in obj:
             raise PromptFileError(f"{where}: has both 'prompt' and 'messages'; give one")
         msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and m["role"]
-                and isinstance(m.get("content"), str) for m in msgs):
-            raise PromptFileError(f"{where}: 'messages' must be a non-empty list of "
-                                  f"{{'role': str, 'content': str}} objects, got {_short(msgs)}")
+        if not valid_messages(msgs):
+            raise PromptFileError(f"{where}: 'messages' must be {MESSAGES_FORMAT}, got {short_repr(msgs, 200)}")
     elif not isinstance(obj.get("prompt"), str) or not obj["prompt"]:
-        raise PromptFileError(f"{where}: needs a non-empty string 'prompt' (or 'messages'), "
-                              f"got {obj.get('prompt')!r}")
+        raise PromptFileError(f"{where}: needs a non-empty string 'prompt' (or 'messages'), got {obj.get('prompt')!r}")
     if "id" in obj:
         rid = obj["id"]
         if isinstance(rid, bool) or not isinstance(rid, (str, int)) or rid == "":
@@ -117,13 +125,18 @@ def _check_line(obj: dict[str, Any], where: str, sampling_flags: dict[str, str])
             raise PromptFileError(f"{where}: max_tokens={v!r} must be an integer >= 1")
     for key in obj:
         if key in sampling_flags:
-            raise PromptFileError(f"{where}: {key!r} cannot be set per request in a prompts file; "
-                                  f"{sampling_flags[key]}")
+            raise PromptFileError(
+                f"{where}: {key!r} cannot be set per request in a prompts file; {sampling_flags[key]}"
+            )
 
 
-def read_prompts(path: str | Path) -> list[Any]:
+def read_prompts(path: str | Path, *, sampling_options: Mapping[str, str] = MappingProxyType({})) -> list[Any]:
     """Prompts of a ``.txt`` or ``.jsonl`` file (format in the module docs): strings (txt) or
     the line's dicts, unchanged (jsonl). O(file size).
+
+    ``sampling_options`` maps a :class:`~pagedkv.engine.SamplingParams` field to the option
+    that sets it for every request (e.g. ``{"temperature": "--temperature"}``); the error for
+    that field on a line names it.
 
     Raises:
         PromptFileError: the file is missing or unreadable, has an unknown suffix, holds no
@@ -140,7 +153,7 @@ def read_prompts(path: str | Path) -> list[Any]:
     # request id -> (line, explicit?): the CLI keys results by id, so a repeated id would
     # make one request's row overwrite another's.
     seen: dict[str, tuple[int, bool]] = {}
-    sampling_flags = _sampling_flags() if p.suffix.lower() == ".jsonl" else {}
+    sampling_flags = _sampling_fields(sampling_options) if p.suffix.lower() == ".jsonl" else {}
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -153,8 +166,11 @@ def read_prompts(path: str | Path) -> list[Any]:
         rid = str(obj["id"]) if explicit else str(len(prompts))
         if rid in seen:
             first, first_explicit = seen[rid]
-            note = "" if explicit and first_explicit else \
-                '; a line without "id" gets its 0-based position among the prompts as id'
+            note = (
+                ""
+                if explicit and first_explicit
+                else '; a line without "id" gets its 0-based position among the prompts as id'
+            )
             raise PromptFileError(f"{p}:{lineno}: duplicate request id {rid!r} (already used on line {first}{note})")
         seen[rid] = (lineno, explicit)
         prompts.append(obj)
@@ -186,13 +202,107 @@ class TraceRequest:
     output_tokens: int
 
 
-_COLUMNS = (("ContextTokens", "GeneratedTokens"), ("num_prefill_tokens", "num_decode_tokens"),
-            ("input_length", "output_length"))
+@dataclass(frozen=True)
+class TraceRow:
+    """One request of a trace file, as recorded.
+
+    Attributes:
+        line: 1-based line of the file it came from.
+        prompt_tokens, output_tokens: recorded lengths in tokens (>= 0; traces hold rows with
+            0 generated tokens).
+        arrival_s: arrival time in seconds on the trace's own clock (Azure ``TIMESTAMP``,
+            Mooncake ``timestamp`` in ms, Sarathi/Vidur ``arrived_at``), or ``None`` when the
+            file has none for the row or it does not parse.
+        hash_ids: Mooncake only: the request's block hash ids (one per 512-token block).
+    """
+
+    line: int
+    prompt_tokens: int
+    output_tokens: int
+    arrival_s: float | None = None
+    hash_ids: tuple[int, ...] | None = None
 
 
-def read_trace(path: str | Path, *, limit: Optional[int] = None, scale: float = 1.0,
-               max_prompt_tokens: Optional[int] = None, max_output_tokens: Optional[int] = None) -> list[TraceRequest]:
-    """Request lengths of a trace file (see the module docs), in file order.
+# Known CSV layouts: (prompt column, output column, arrival column or None).
+_CSV_COLUMNS = (
+    ("ContextTokens", "GeneratedTokens", "TIMESTAMP"),  # Azure LLM inference trace 2023
+    ("num_prefill_tokens", "num_decode_tokens", "arrived_at"),  # Sarathi / Vidur
+)
+
+
+def _azure_time(text: str) -> float:
+    """Seconds of an Azure ``TIMESTAMP`` such as ``2023-11-16 18:15:46.6805900`` (7 fractional
+    digits, more than ``strptime``'s ``%f`` takes)."""
+    head, _, frac = text.partition(".")
+    return datetime.strptime(head, "%Y-%m-%d %H:%M:%S").timestamp() + (float("0." + frac) if frac else 0.0)
+
+
+def read_trace_rows(path: str | Path, *, limit: int | None = None) -> list[TraceRow]:
+    """Every request of a trace file (see the module docs) as recorded, in file order: the one
+    reader of trace files, used by :func:`read_trace` and the benchmarks. O(rows read).
+
+    Args:
+        limit: stop after this many requests.
+
+    Raises:
+        PromptFileError: missing/unreadable file, unknown CSV columns, or lengths that are not
+            integers (names the file and line).
+    """
+    p = Path(path)
+    lines = _open_text(p, "trace file")
+    out: list[TraceRow] = []
+
+    def add(lineno: int, prompt: Any, output: Any, when: Any, parse_time: Any, hashes: Any = None) -> bool:
+        try:
+            pt, ot = int(float(prompt)), int(float(output))
+        except (TypeError, ValueError):
+            raise PromptFileError(f"{p}:{lineno}: lengths {prompt!r}, {output!r} are not integers") from None
+        try:  # only the benchmarks read arrival times: one that does not parse is left out
+            arrival = None if when in (None, "") else float(parse_time(when))
+        except (TypeError, ValueError):
+            arrival = None
+        out.append(TraceRow(lineno, pt, ot, arrival, None if hashes is None else tuple(int(h) for h in hashes)))
+        return limit is not None and len(out) >= limit
+
+    if p.suffix.lower() == ".jsonl":
+        for lineno, line in enumerate(lines, 1):
+            if line.strip():
+                obj = _json_object(p, lineno, line)
+                ms = obj.get("timestamp")
+                if add(
+                    lineno,
+                    obj.get("input_length"),
+                    obj.get("output_length"),
+                    ms,
+                    lambda v: float(v) / 1000.0,
+                    obj.get("hash_ids"),
+                ):
+                    break
+        return out
+    reader = csv.DictReader(lines)
+    cols = next((c for c in _CSV_COLUMNS if reader.fieldnames and set(c[:2]) <= set(reader.fieldnames)), None)
+    if cols is None:
+        raise PromptFileError(
+            f"trace {str(p)!r}: columns {reader.fieldnames} have none of the known "
+            f"length pairs {[list(c[:2]) for c in _CSV_COLUMNS] + [['input_length', 'output_length']]}"
+        )
+    parse_time = _azure_time if cols[2] == "TIMESTAMP" else float
+    for lineno, row in enumerate(reader, 2):
+        if add(lineno, row.get(cols[0]), row.get(cols[1]), row.get(cols[2]), parse_time):
+            break
+    return out
+
+
+def read_trace(
+    path: str | Path,
+    *,
+    limit: int | None = None,
+    scale: float = 1.0,
+    max_prompt_tokens: int | None = None,
+    max_output_tokens: int | None = None,
+) -> list[TraceRequest]:
+    """Request lengths of a trace file (see the module docs), in file order, scaled and clamped
+    for serving (every length at least 1 token).
 
     Args:
         limit: keep the first ``limit`` requests.
@@ -201,41 +311,18 @@ def read_trace(path: str | Path, *, limit: Optional[int] = None, scale: float = 
         max_prompt_tokens, max_output_tokens: clamp each length after scaling.
 
     Raises:
-        PromptFileError: missing/unreadable file, unknown columns, non-integer lengths (names
-            the file and line), or no request.
+        PromptFileError: as :func:`read_trace_rows`, or a file with no request.
     """
-    p = Path(path)
-    lines = _open_text(p, "trace file")
-    rows: list[tuple[int, Any, Any]] = []
-    if p.suffix.lower() == ".jsonl":
-        for lineno, line in enumerate(lines, 1):
-            if line.strip():
-                obj = _json_object(p, lineno, line)
-                rows.append((lineno, obj.get("input_length"), obj.get("output_length")))
-    else:
-        reader = csv.DictReader(lines)
-        cols = next((c for c in _COLUMNS if reader.fieldnames and set(c) <= set(reader.fieldnames)), None)
-        if cols is None:
-            raise PromptFileError(f"trace {str(p)!r}: columns {reader.fieldnames} have none of the known "
-                                  f"length pairs {[list(c) for c in _COLUMNS]}")
-        for lineno, row in enumerate(reader, 2):
-            rows.append((lineno, row.get(cols[0]), row.get(cols[1])))
     out: list[TraceRequest] = []
-    for lineno, a, b in rows:
-        try:
-            pt, ot = int(float(a)), int(float(b))
-        except (TypeError, ValueError):
-            raise PromptFileError(f"{p}:{lineno}: lengths {a!r}, {b!r} are not integers") from None
-        pt, ot = max(1, round(pt * scale)), max(1, round(ot * scale))
+    for row in read_trace_rows(path, limit=limit):
+        pt, ot = max(1, round(row.prompt_tokens * scale)), max(1, round(row.output_tokens * scale))
         if max_prompt_tokens:
             pt = min(pt, max_prompt_tokens)
         if max_output_tokens:
             ot = min(ot, max_output_tokens)
         out.append(TraceRequest(pt, ot))
-        if limit is not None and len(out) >= limit:
-            break
     if not out:
-        raise PromptFileError(f"trace {str(p)!r} holds no request")
+        raise PromptFileError(f"trace {str(path)!r} holds no request")
     return out
 
 

@@ -27,7 +27,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from .errors import ModelNotFoundError
 
@@ -50,7 +50,7 @@ class ModelSource:
     """Where a model lives: a folder for ``from_pretrained`` plus, for GGUF, the file name in it."""
 
     folder: Path
-    gguf_file: Optional[str] = None
+    gguf_file: str | None = None
 
     def describe(self) -> str:
         """Human-readable location (the GGUF file path or the folder)."""
@@ -76,12 +76,11 @@ def default_model_path() -> Path:
         if found:
             return found[0]
     raise ModelNotFoundError(
-        f"package '{DEFAULT_MODEL_PACKAGE}' is installed but holds no .gguf file; "
-        f"reinstall it with `{_INSTALL_HINT}`"
+        f"package '{DEFAULT_MODEL_PACKAGE}' is installed but holds no .gguf file; reinstall it with `{_INSTALL_HINT}`"
     )
 
 
-def resolve_model_path(path: Optional[os.PathLike[str] | str] = None) -> ModelSource:
+def resolve_model_path(path: os.PathLike[str] | str | None = None) -> ModelSource:
     """Turn a user path (or ``None`` for the default model) into a :class:`ModelSource`.
 
     Raises:
@@ -186,7 +185,7 @@ def _usable_source(src: ModelSource, convert_cache: bool) -> ModelSource:
     return ModelSource(dest)
 
 
-def load_tokenizer(path: Optional[os.PathLike[str] | str] = None, *, convert_cache: bool = True) -> Any:
+def load_tokenizer(path: os.PathLike[str] | str | None = None, *, convert_cache: bool = True) -> Any:
     """The model's tokenizer (with its chat template), from the same source as the weights.
 
     Raises:
@@ -198,7 +197,7 @@ def load_tokenizer(path: Optional[os.PathLike[str] | str] = None, *, convert_cac
 
 
 def load_hf_model(
-    path: Optional[os.PathLike[str] | str] = None,
+    path: os.PathLike[str] | str | None = None,
     *,
     dtype: Any = None,
     convert_cache: bool = True,

@@ -4,8 +4,9 @@ manager did (utilisation, peak blocks, prefix hits, copies, swaps, preemptions).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -73,8 +74,10 @@ class EngineMetrics:
             ("TTFT p50 / p99", f"{self.ttft_p50_s * ms:.0f} / {self.ttft_p99_s * ms:.0f} ms"),
             ("TPOT p50 / p99", f"{self.tpot_p50_s * ms:.1f} / {self.tpot_p99_s * ms:.1f} ms"),
             ("KV utilization (mean)", f"{self.kv_utilization:.1%}"),
-            ("blocks in use: mean / peak / usable",
-             f"{self.mean_blocks_used:.0f} / {self.peak_blocks_used} / {self.usable_blocks}"),
+            (
+                "blocks in use: mean / peak / usable",
+                f"{self.mean_blocks_used:.0f} / {self.peak_blocks_used} / {self.usable_blocks}",
+            ),
             ("prefix hit rate", f"{self.prefix_hit_rate:.1%} ({self.prefix_hit_tokens} tokens)"),
             ("copy-on-write copies", f"{self.copies}"),
             ("swapped out / in (blocks)", f"{self.swapped_out_blocks} / {self.swapped_in_blocks}"),
@@ -96,8 +99,8 @@ class MetricsCollector:
 
     def reset(self) -> None:
         """Forget everything (start of a new run)."""
-        self.start: Optional[float] = None
-        self.end: Optional[float] = None
+        self.start: float | None = None
+        self.end: float | None = None
         self.steps = 0
         self.util: list[float] = []
         self.used: list[int] = []
@@ -123,8 +126,7 @@ class MetricsCollector:
         elapsed = (self.end - self.start) if (self.start is not None and self.end is not None) else 0.0
         n_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
         ttft = [o.first_token_time - o.arrival_time for o in outs]
-        tpot = [(o.finish_time - o.first_token_time) / (len(o.token_ids) - 1)
-                for o in outs if len(o.token_ids) > 1]
+        tpot = [(o.finish_time - o.first_token_time) / (len(o.token_ids) - 1) for o in outs if len(o.token_ids) > 1]
         per_s = (lambda x: x / elapsed) if elapsed > 0 else (lambda x: 0.0)
         return EngineMetrics(
             num_requests=len(outs),
@@ -132,8 +134,10 @@ class MetricsCollector:
             elapsed_s=elapsed,
             requests_per_s=per_s(len(outs)),
             output_tokens_per_s=per_s(n_tok),
-            ttft_p50_s=_pct(ttft, 50), ttft_p99_s=_pct(ttft, 99),
-            tpot_p50_s=_pct(tpot, 50), tpot_p99_s=_pct(tpot, 99),
+            ttft_p50_s=_pct(ttft, 50),
+            ttft_p99_s=_pct(ttft, 99),
+            tpot_p50_s=_pct(tpot, 50),
+            tpot_p99_s=_pct(tpot, 99),
             kv_utilization=float(np.mean(self.util)) if self.util else 0.0,
             mean_blocks_used=float(np.mean(self.used)) if self.used else 0.0,
             peak_blocks_used=max(self.used) if self.used else 0,

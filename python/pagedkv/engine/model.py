@@ -22,41 +22,17 @@ numbers feed both this model and the transformers oracle in the tests.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from pagedkv import kernels
+from pagedkv.tensors import BatchTensors
 
-from .rope import RotaryEmbedding, context_length, rope_inv_freq
+from .rope import RotaryEmbedding, context_length
 
-__all__ = ["AttentionMetadata", "LlamaForCausalLM", "rope_inv_freq"]
-
-
-@dataclass
-class AttentionMetadata:
-    """Kernel inputs of one step (all on the model's device).
-
-    Attributes:
-        slot_mapping: int64 ``[T]`` cache slot (``block_id * block_size + offset``) of each token.
-        block_table: int32 ``[B, max_blocks]`` physical block ids, padded with the null block 0.
-        seq_lens: int32 ``[B]`` tokens in cache per sequence after this step (context + query).
-        query_start_loc: int32 ``[B + 1]`` prefix sums of the per-sequence query lengths.
-        max_query_len: longest query of the batch, in tokens.
-        max_seq_len: longest ``seq_lens`` entry, in tokens.
-        attn_plan: the step's attention plan (validated metadata, slot indices and masks built
-            once for all layers, :func:`pagedkv.kernels.plan_paged_attention`), or None where
-            the Triton kernel runs (it reads the metadata itself).
-    """
-
-    slot_mapping: torch.Tensor
-    block_table: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    max_query_len: int
-    max_seq_len: int
-    attn_plan: Optional[kernels.AttentionPlan] = None
+__all__ = ["LlamaForCausalLM"]
 
 
 @dataclass
@@ -65,9 +41,9 @@ class _Layer:
 
     in_norm: torch.Tensor
     qkv: torch.Tensor
-    qkv_bias: Optional[torch.Tensor]
+    qkv_bias: torch.Tensor | None
     o: torch.Tensor
-    o_bias: Optional[torch.Tensor]
+    o_bias: torch.Tensor | None
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
@@ -88,8 +64,9 @@ class LlamaForCausalLM:
         dtype, device: of weights, activations and the KV cache.
     """
 
-    def __init__(self, config: Any, weights: dict[str, torch.Tensor], *, device: Any = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, config: Any, weights: dict[str, torch.Tensor], *, device: Any = "cpu", dtype: torch.dtype = torch.float32
+    ) -> None:
         """Build from a transformers config and a state dict named as in transformers'
         ``LlamaForCausalLM`` (``model.layers.{i}.self_attn.q_proj.weight``...). Weights are
         moved to ``device``/``dtype``; q/k/v and gate/up projections are fused (fewer GEMMs).
@@ -108,7 +85,7 @@ class LlamaForCausalLM:
         self.vocab_size = int(config.vocab_size)
         self.max_model_len = context_length(config)
         self.eps = float(config.rms_norm_eps)
-        self.scale = self.head_size ** -0.5
+        self.scale = self.head_size**-0.5
         window = getattr(config, "sliding_window", None)
         self.sliding_window = int(window) if window and getattr(config, "use_sliding_window", True) else None
 
@@ -117,7 +94,7 @@ class LlamaForCausalLM:
                 raise KeyError(f"weight {name!r} missing from the checkpoint")
             return weights[name].to(device=self.device, dtype=dtype)
 
-        def opt(name: str) -> Optional[torch.Tensor]:
+        def opt(name: str) -> torch.Tensor | None:
             return w(name) if name in weights else None
 
         self.embed = w("model.embed_tokens.weight")
@@ -126,17 +103,20 @@ class LlamaForCausalLM:
             p = f"model.layers.{i}."
             a = p + "self_attn."
             biases = [opt(a + f"{x}_proj.bias") for x in "qkv"]
-            self.layers.append(_Layer(
-                in_norm=w(p + "input_layernorm.weight"),
-                qkv=torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]),
-                qkv_bias=torch.cat([b for b in biases if b is not None]) if all(
-                    b is not None for b in biases) else None,  # Qwen2 has q/k/v biases
-                o=w(a + "o_proj.weight"),
-                o_bias=opt(a + "o_proj.bias"),
-                post_norm=w(p + "post_attention_layernorm.weight"),
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                down=w(p + "mlp.down_proj.weight"),
-            ))
+            self.layers.append(
+                _Layer(
+                    in_norm=w(p + "input_layernorm.weight"),
+                    qkv=torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]),
+                    qkv_bias=torch.cat([b for b in biases if b is not None])
+                    if all(b is not None for b in biases)
+                    else None,  # Qwen2 has q/k/v biases
+                    o=w(a + "o_proj.weight"),
+                    o_bias=opt(a + "o_proj.bias"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                    down=w(p + "mlp.down_proj.weight"),
+                )
+            )
         self.norm = w("model.norm.weight")
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
         self.lm_head = self.embed if tied else w("lm_head.weight")
@@ -145,7 +125,7 @@ class LlamaForCausalLM:
         self.cos, self.sin = self.rope.cos, self.rope.sin
 
     @classmethod
-    def from_hf(cls, hf_model: Any, *, device: Any = "cpu", dtype: Optional[torch.dtype] = None) -> "LlamaForCausalLM":
+    def from_hf(cls, hf_model: Any, *, device: Any = "cpu", dtype: torch.dtype | None = None) -> LlamaForCausalLM:
         """Build from a loaded transformers causal LM (shares its tensors when device and dtype
         match). ``dtype`` defaults to the model's."""
         sd = hf_model.state_dict()
@@ -162,12 +142,17 @@ class LlamaForCausalLM:
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_size * elem
 
-    def allocate_kv_cache(self, num_blocks: int, block_size: int, *, device: Any = None,
-                          pin_memory: bool = False) -> torch.Tensor:
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, *, device: Any = None, pin_memory: bool = False
+    ) -> torch.Tensor:
         """A zeroed KV cache tensor (see the module docs for the layout)."""
         dev = torch.device(device) if device is not None else self.device
-        return torch.zeros(self.kv_cache_shape(num_blocks, block_size), dtype=self.dtype, device=dev,
-                           pin_memory=pin_memory and dev.type == "cpu" and torch.cuda.is_available())
+        return torch.zeros(
+            self.kv_cache_shape(num_blocks, block_size),
+            dtype=self.dtype,
+            device=dev,
+            pin_memory=pin_memory and dev.type == "cpu" and torch.cuda.is_available(),
+        )
 
     # ---- forward -----------------------------------------------------------------------------
 
@@ -185,9 +170,15 @@ class LlamaForCausalLM:
         return x * cos + rotated * sin
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, logits_indices: torch.Tensor,
-                rope_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: BatchTensors,
+        logits_indices: torch.Tensor,
+        rope_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Run the flat token batch and return next-token logits for selected tokens.
 
         Args:
@@ -195,7 +186,7 @@ class LlamaForCausalLM:
             positions: int64 ``[T]`` position of each token in its sequence (0-based).
             kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``;
                 the new K/V of every token is written at ``meta.slot_mapping`` (in place).
-            meta: block table, lengths and slot mapping of this step.
+            meta: this step's kernel inputs (block table, lengths, slot mapping, attention plan).
             logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted (the last
                 scheduled token of each sequence that samples this step).
             rope_lens: int64 ``[T]`` rope length of each token (any device;
@@ -225,9 +216,17 @@ class LlamaForCausalLM:
             key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
             kernels.reshape_and_cache(k, v.reshape(t, hkv, d), key_cache, value_cache, meta.slot_mapping)
             o = kernels.paged_attention(
-                q, key_cache, value_cache, meta.block_table, meta.seq_lens, meta.query_start_loc,
-                softmax_scale=self.scale, max_query_len=meta.max_query_len,
-                max_seq_len=meta.max_seq_len, sliding_window=self.sliding_window, plan=meta.attn_plan,
+                q,
+                key_cache,
+                value_cache,
+                meta.block_table,
+                meta.seq_lens,
+                meta.query_start_loc,
+                softmax_scale=self.scale,
+                max_query_len=meta.max_query_len,
+                max_seq_len=meta.max_seq_len,
+                sliding_window=self.sliding_window,
+                plan=meta.attn_plan,
             )
             x = x + F.linear(o.view(t, hq * d), layer.o, layer.o_bias)
             h = self._rms_norm(x, layer.post_norm)

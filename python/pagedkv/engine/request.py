@@ -8,9 +8,8 @@ prompt's KV blocks (fork + copy-on-write) and are preempted together.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from .sampling import SamplingParams
 
@@ -19,33 +18,26 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .beam_search import BeamSearch
 
-__all__ = ["RequestStatus", "Sequence", "Request", "CompletionOutput", "RequestOutput"]
-
-
-class RequestStatus(enum.Enum):
-    """Where a request is in its life."""
-
-    WAITING = "waiting"      # queued: new, or preempted by recompute
-    RUNNING = "running"      # has KV blocks on the device and is scheduled every step
-    SWAPPED = "swapped"      # preempted by swap: its KV sits in CPU swap blocks
-    FINISHED = "finished"
+__all__ = ["Sequence", "Request", "CompletionOutput", "RequestOutput"]
 
 
 @dataclass(eq=False)
 class Sequence:
-    """One token stream of a request.
+    """One token stream of a request: the engine's own view of it.
+
+    What the KV cache manager owns -- how many tokens have KV, which blocks the sequence holds,
+    whether it is swapped out -- is not mirrored here; the scheduler asks the manager.
 
     Attributes:
         seq_id: the id used with the KV cache manager.
         token_ids: prompt + generated tokens (all tokens known to the engine).
         num_prompt_tokens: length of the prompt, in tokens.
-        num_in_manager: how many of ``token_ids`` the manager has been told about; the rest are
-            sampled tokens still to append (sent with the next step).
-        num_computed: tokens whose KV is in the cache (as of the last scheduled step).
-        num_blocks: length of the sequence's block table after its last scheduling, in blocks.
+        pending: sampled tokens not yet handed to the manager (sent with the next step, or
+            appended before a preemption).
         sample_index: index among the request's samples (seeds its generator).
         generator: seeded generator for random sampling (``None`` for greedy).
         finish_reason: ``"eos"``, ``"stop"``, ``"length"`` or ``None`` while running.
+        stop_text: the output text cut before the stop string that ended it, else ``None``.
         logprobs: beam search only: the fp32 ``[vocab]`` log-probs of the next token, kept until
             every beam of the request has them.
     """
@@ -53,29 +45,22 @@ class Sequence:
     seq_id: int
     token_ids: list[int]
     num_prompt_tokens: int
-    num_in_manager: int
+    pending: list[int] = field(default_factory=list)
     sample_index: int = 0
-    generator: Optional["torch.Generator"] = None
-    num_computed: int = 0
-    num_blocks: int = 0
-    finish_reason: Optional[str] = None
-    stop_text: Optional[str] = None
-    logprobs: Optional["torch.Tensor"] = None
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    stop_text: str | None = None
+    logprobs: torch.Tensor | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
         """Generated tokens (after the prompt)."""
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
-    @property
-    def pending(self) -> list[int]:
-        """Sampled tokens the manager has not been told about yet."""
-        return self.token_ids[self.num_in_manager:]
-
-    @property
-    def num_uncomputed(self) -> int:
-        """Tokens whose KV still has to be computed (0 while waiting for sibling beams)."""
-        return len(self.token_ids) - self.num_computed
+    def add_token(self, token: int) -> None:
+        """Append a sampled token (handed to the manager with the next step)."""
+        self.token_ids.append(token)
+        self.pending.append(token)
 
 
 @dataclass(eq=False)
@@ -87,8 +72,6 @@ class Request:
         prompt: the prompt text (``None`` when token ids were given).
         prompt_token_ids: the prompt, tokenized.
         params: sampling parameters.
-        cache_salt: mixed into the prefix-cache hashes of this request's blocks, so requests
-            with different salts never share cached KV.
         arrival_index: FCFS order (smaller = older).
         arrival_time: ``time.perf_counter()`` when added, seconds.
         seed: seed of the request's sampling generators.
@@ -97,37 +80,30 @@ class Request:
             abort can free whatever the manager still holds for it.
         finished_seqs: completed samples.
         beam: beam search state (beam search only).
+        forked: ``n > 1`` sampling only: the prompt's sequence was forked into the n samples.
         num_preemptions: how many times the request was preempted (recompute or swap).
         num_cached_tokens: prompt tokens served from the prefix cache at its first scheduling.
-        owed_prefill: True from admission until its prefill is done (its remaining prefill
-            blocks are reserved; it is the last choice as a preemption victim).
+        prefill_reserved: set by the scheduler from admission until the prefill is done (the
+            blocks of the remaining prefill are reserved; the last choice as a preemption victim).
+        first_token_time: ``time.perf_counter()`` of the first sampled token, or ``None``.
     """
 
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    cache_salt: Optional[str]
     arrival_index: int
     arrival_time: float
     seed: int = 0
-    status: RequestStatus = RequestStatus.WAITING
     seqs: list[Sequence] = field(default_factory=list)
     seq_ids: list[int] = field(default_factory=list)
     finished_seqs: list[Sequence] = field(default_factory=list)
-    beam: Optional["BeamSearch"] = None
+    beam: BeamSearch | None = None
     forked: bool = False
     num_preemptions: int = 0
-    num_cached_tokens: Optional[int] = None
-    owed_prefill: bool = False
-    first_token_time: Optional[float] = None
-    finish_time: Optional[float] = None
-    num_generated: int = 0
-
-    @property
-    def is_finished(self) -> bool:
-        """True once every sample / the beam search is done."""
-        return self.status is RequestStatus.FINISHED
+    num_cached_tokens: int | None = None
+    prefill_reserved: bool = False
+    first_token_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -149,7 +125,7 @@ class CompletionOutput:
     text: str
     token_ids: tuple[int, ...]
     finish_reason: str
-    score: Optional[float] = None
+    score: float | None = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +143,7 @@ class RequestOutput:
     """
 
     request_id: str
-    prompt: Optional[str]
+    prompt: str | None
     prompt_token_ids: tuple[int, ...]
     outputs: tuple[CompletionOutput, ...]
     num_cached_tokens: int
@@ -202,8 +178,13 @@ class RequestOutput:
             "output_token_ids": list(first.token_ids),
             "finish_reason": first.finish_reason,
             "outputs": [
-                {"index": o.index, "text": o.text, "token_ids": list(o.token_ids),
-                 "finish_reason": o.finish_reason, "score": o.score}
+                {
+                    "index": o.index,
+                    "text": o.text,
+                    "token_ids": list(o.token_ids),
+                    "finish_reason": o.finish_reason,
+                    "score": o.score,
+                }
                 for o in self.outputs
             ],
             "cached_prompt_tokens": self.num_cached_tokens,

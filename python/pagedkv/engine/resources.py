@@ -9,7 +9,8 @@ torch. Both are turned into the engine's typed errors naming the requested sizes
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,7 +36,8 @@ def check_device(device: Any) -> torch.device:
         if not torch.cuda.is_available():
             raise DeviceUnavailableError(
                 f"device={str(dev)!r} requested but CUDA is not available on this machine "
-                "(no GPU or no CUDA build of torch); use --device cpu")
+                "(no GPU or no CUDA build of torch); use --device cpu"
+            )
         n = torch.cuda.device_count()
         if dev.index is not None and dev.index >= n:
             raise DeviceUnavailableError(f"device={str(dev)!r} requested but only {n} CUDA device(s) exist")
@@ -49,6 +51,7 @@ def available_memory(dev: torch.device) -> int:
         return int(torch.cuda.mem_get_info(dev)[0])
     try:
         import psutil
+
         return int(psutil.virtual_memory().available)
     except ImportError:  # pragma: no cover - psutil is a dependency
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
@@ -74,19 +77,22 @@ def check_kv_fits(dev: torch.device, num_blocks: int, num_cpu_blocks: int, bytes
             raise KVCacheTooLargeError(
                 f"KV cache of {num_blocks} blocks{swap} x {bytes_per_block} bytes = "
                 f"{_fmt_bytes(dev_bytes + cpu_bytes)} does not fit the {_fmt_bytes(free)} of free host "
-                "memory; lower --kv-blocks / --kv-bytes")
+                "memory; lower --kv-blocks / --kv-bytes"
+            )
         return
     free = available_memory(dev)
     if dev_bytes > free:
         raise KVCacheTooLargeError(
             f"KV cache of {num_blocks} blocks x {bytes_per_block} bytes = {_fmt_bytes(dev_bytes)} does not "
-            f"fit the {_fmt_bytes(free)} free on {dev}; lower --kv-blocks / --kv-bytes")
+            f"fit the {_fmt_bytes(free)} free on {dev}; lower --kv-blocks / --kv-bytes"
+        )
     if num_cpu_blocks:
         host = available_memory(torch.device("cpu"))
         if cpu_bytes > host:
             raise KVCacheTooLargeError(
                 f"CPU swap pool of {num_cpu_blocks} blocks x {bytes_per_block} bytes = {_fmt_bytes(cpu_bytes)} "
-                f"does not fit the {_fmt_bytes(host)} of free host memory; lower --cpu-blocks")
+                f"does not fit the {_fmt_bytes(host)} of free host memory; lower --cpu-blocks"
+            )
 
 
 def guard_allocation(what: str, num_blocks: int, bytes_per_block: int, alloc: Callable[[], T]) -> T:
@@ -97,4 +103,5 @@ def guard_allocation(what: str, num_blocks: int, bytes_per_block: int, alloc: Ca
     except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
         raise KVCacheTooLargeError(
             f"allocating the {what} of {num_blocks} blocks x {bytes_per_block} bytes = "
-            f"{_fmt_bytes(num_blocks * bytes_per_block)} failed: {str(e).splitlines()[0]}") from e
+            f"{_fmt_bytes(num_blocks * bytes_per_block)} failed: {str(e).splitlines()[0]}"
+        ) from e

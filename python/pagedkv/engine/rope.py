@@ -40,13 +40,21 @@ hashes as a typed extra key (its own kind, never mixed into the user's cache sal
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["LENGTH_DEPENDENT_ROPE", "RotaryEmbedding", "rope_inv_freq", "rope_lengths", "rope_parameters",
-           "context_length"]
+from .errors import EngineConfigError
+
+__all__ = [
+    "LENGTH_DEPENDENT_ROPE",
+    "RotaryEmbedding",
+    "rope_inv_freq",
+    "rope_lengths",
+    "rope_parameters",
+    "context_length",
+]
 
 #: RoPE types whose frequencies depend on the sequence length (see the module docs).
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -69,8 +77,9 @@ def _init_function(rope_type: str) -> Any:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; known types: default, "
-                         f"{', '.join(sorted(ROPE_INIT_FUNCTIONS))}")
+        raise EngineConfigError(
+            f"rope_type {rope_type!r} is not supported; known types: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))}"
+        )
     return ROPE_INIT_FUNCTIONS[rope_type]
 
 
@@ -114,8 +123,9 @@ def rope_lengths(num_prompt_tokens: int, positions: np.ndarray) -> np.ndarray:
     return np.asarray(np.maximum(positions, num_prompt_tokens - 1) + 1, dtype=np.int64)
 
 
-def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     # Exactly transformers' op order: fp32 angles, cat halves, cos/sin, scale, then cast.
     freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -146,8 +156,15 @@ class RotaryEmbedding:
         ValueError: unknown ``rope_type``.
     """
 
-    def __init__(self, config: Any, head_size: int, num_positions: int, *, device: Any = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        config: Any,
+        head_size: int,
+        num_positions: int,
+        *,
+        device: Any = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -155,7 +172,7 @@ class RotaryEmbedding:
         self.rope_type: str = params["rope_type"]
         self.length_dependent = self.rope_type in LENGTH_DEPENDENT_ROPE
         inv_freq, self.scaling = rope_inv_freq(config, head_size)
-        self.threshold: Optional[int] = None
+        self.threshold: int | None = None
         if self.rope_type == "dynamic":
             self.threshold = int(config.max_position_embeddings)
         elif self.rope_type == "longrope":
@@ -170,14 +187,16 @@ class RotaryEmbedding:
             # the attention scaling of its init call for both sets (it depends on neither).
             long_len = int(rope_parameters(config)["original_max_position_embeddings"]) + 1
             long_inv, _ = _init_function("longrope")(config, torch.device("cpu"), seq_len=long_len)
-            long_cos, long_sin = _cos_sin(torch.arange(num_positions, dtype=torch.int64), long_inv.float(),
-                                          self.scaling, dtype)
+            long_cos, long_sin = _cos_sin(
+                torch.arange(num_positions, dtype=torch.int64), long_inv.float(), self.scaling, dtype
+            )
             # Short rows, then long rows: a token's row is ``p + rows * is_long``, one gather.
             self._longrope_cos = torch.cat((self.cos, long_cos.to(self.device)))
             self._longrope_sin = torch.cat((self.sin, long_sin.to(self.device)))
 
-    def lookup(self, positions: torch.Tensor,
-               rope_lens: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def lookup(
+        self, positions: torch.Tensor, rope_lens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[T, head_size]`` (``dtype``, on ``device``) of ``T`` tokens.
 
         Args:
@@ -197,15 +216,18 @@ class RotaryEmbedding:
         if not self.length_dependent:
             return self.cos[positions], self.sin[positions]
         if rope_lens is None or rope_lens.shape != positions.shape:
-            raise ValueError(f"rope_type {self.rope_type!r} needs rope_lens shaped like positions "
-                             f"{tuple(positions.shape)}, got "
-                             f"{None if rope_lens is None else tuple(rope_lens.shape)}")
+            raise ValueError(
+                f"rope_type {self.rope_type!r} needs rope_lens shaped like positions "
+                f"{tuple(positions.shape)}, got "
+                f"{None if rope_lens is None else tuple(rope_lens.shape)}"
+            )
         assert self.threshold is not None
         lens = rope_lens.to(positions.device)
         if bool((lens <= positions).any()):
             bad = int((lens <= positions).nonzero()[0, 0])
-            raise ValueError(f"rope_lens[{bad}]={int(lens[bad])} must exceed the token's position "
-                             f"{int(positions[bad])}")
+            raise ValueError(
+                f"rope_lens[{bad}]={int(lens[bad])} must exceed the token's position {int(positions[bad])}"
+            )
         short_rows = self.cos.shape[0]
         if self.rope_type == "longrope":
             rows = positions + (lens > self.threshold).to(torch.int64) * short_rows
@@ -228,13 +250,14 @@ class RotaryEmbedding:
         transformers' forward does (the length as an int64 tensor, so in fp32 arithmetic)."""
         inv = self._dynamic_inv_freq.get(length)
         if inv is None:
-            inv, _ = _init_function("dynamic")(self.config, torch.device("cpu"),
-                                               seq_len=torch.tensor(length, dtype=torch.int64))
+            inv, _ = _init_function("dynamic")(
+                self.config, torch.device("cpu"), seq_len=torch.tensor(length, dtype=torch.int64)
+            )
             inv = inv.float()
             self._dynamic_inv_freq[length] = inv
         return inv
 
-    def prefix_cache_tag(self, num_prompt_tokens: int) -> Optional[str]:
+    def prefix_cache_tag(self, num_prompt_tokens: int) -> str | None:
         """What, besides the tokens, a request's cached K/V depends on; ``None`` when nothing.
 
         With a rope length ``max(P, p + 1)`` per token, a prompt of ``P`` tokens up to the

@@ -9,8 +9,8 @@ Reproducibility: sample ``i`` of a request with seed ``s`` draws from a generato
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
 
 import torch
 
@@ -18,7 +18,7 @@ from .errors import InvalidRequestError
 
 __all__ = ["SamplingParams", "sample_tokens", "make_generator"]
 
-EarlyStopping = Union[bool, str]
+EarlyStopping = bool | str
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     n: int = 1
-    seed: Optional[int] = None
+    seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     beam_width: int = 1
@@ -148,8 +148,9 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
     return logits
 
 
-def sample_tokens(logits: torch.Tensor, params: Sequence[SamplingParams],
-                  generators: Sequence[Optional[torch.Generator]]) -> list[int]:
+def sample_tokens(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> list[int]:
     """One next token per row of ``logits``.
 
     Args:

@@ -25,22 +25,24 @@ refused by :meth:`Scheduler.check_fits` before it is queued; every other request
 pool, and since admission only waits on blocks held by running requests, the engine is never
 idle while work waits.
 
-The result of a step is a :class:`ScheduledBatch`: the scheduled sequences in batch order and
-the merged manager arrays (slot mapping, block tables, lengths, copy and swap plans).
+The result of a step is a :class:`ScheduledBatch`: the scheduled sequences in batch order, the
+manager's step outputs and the swap plans, which :meth:`pagedkv.tensors.BatchTensors.from_steps`
+turns into kernel inputs. The scheduler keeps no copy of what the manager owns (computed tokens,
+blocks held, swap state): it asks the manager.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Any, Optional
 
 import numpy as np
 
-from pagedkv import KVCacheManager, OutOfBlocksError, OutOfSwapSpaceError
+from pagedkv import KVCacheManager, OutOfBlocksError, OutOfSwapSpaceError, StepOutput
 
-from .errors import RequestTooLargeError
-from .request import Request, RequestStatus, Sequence
+from .errors import EngineConfigError, RequestTooLargeError
+from .request import Request, Sequence
+from .sampling import SamplingParams
 
 __all__ = ["SchedulerConfig", "ScheduledBatch", "Scheduler", "blocks_for_request"]
 
@@ -56,7 +58,7 @@ class SchedulerConfig:
             swap space is full).
         max_model_len: model context in tokens.
         reserve_prefill: admit a request only when its whole remaining prefill plus decode
-            headroom fits, and keep those blocks reserved (the S6 anti-thrash guard). ``False``
+            headroom fits, and keep those blocks reserved (the anti-thrash guard of the module docs). ``False``
             admits on the first chunk alone, as naive schedulers do; for experiments only.
     """
 
@@ -68,11 +70,11 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_step < 1:
-            raise ValueError(f"max_tokens_per_step={self.max_tokens_per_step} must be >= 1")
+            raise EngineConfigError(f"max_tokens_per_step={self.max_tokens_per_step} must be >= 1")
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+            raise EngineConfigError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.preemption not in ("recompute", "swap"):
-            raise ValueError(f"preemption={self.preemption!r} must be 'recompute' or 'swap'")
+            raise EngineConfigError(f"preemption={self.preemption!r} must be 'recompute' or 'swap'")
 
 
 @dataclass
@@ -82,35 +84,21 @@ class ScheduledBatch:
     Attributes:
         seqs: scheduled sequences in batch order (``S`` of them).
         requests: the request of each scheduled sequence.
-        num_computed_before: per sequence, tokens with KV before this step (``context_lens``).
-        query_lens: int32 ``[S]`` tokens computed this step per sequence.
-        seq_lens: int32 ``[S]`` context + query tokens.
-        slot_mapping: int64 ``[T]`` cache slot of every scheduled token.
-        block_table_indptr, block_table_indices: int32 CSR block tables of the ``S`` sequences.
-        copies: int32 ``[C, 2]`` copy-on-write (src, dst) block pairs, to run before the forward.
-        swap_out: int32 ``[K, 2]`` (device block, CPU block) pairs to copy *first* (victims
-            swapped out this step).
-        swap_in: int32 ``[K, 2]`` (CPU block, device block) pairs to copy after ``swap_out``.
-        sample: per sequence, whether its last scheduled token produces logits to sample from.
+        sample: per sequence, whether its last scheduled token produces logits to sample from
+            (its prefill is complete).
+        steps: the ``manager.step`` outputs whose scheduled parts make the batch, in order.
+        swap_out: ``int32[K, 2]`` (device block, CPU block) pairs to copy *first* (victims
+            swapped out this step), or ``None``.
+        swap_in: ``int32[K, 2]`` (CPU block, device block) pairs to copy after ``swap_out``,
+            or ``None``.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
-    num_computed_before: list[int] = field(default_factory=list)
-    query_lens: Any = None
-    seq_lens: Any = None
-    slot_mapping: Any = None
-    block_table_indptr: Any = None
-    block_table_indices: Any = None
-    copies: Any = None
-    swap_out: Any = None
-    swap_in: Any = None
     sample: list[bool] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens scheduled this step."""
-        return 0 if self.slot_mapping is None else int(self.slot_mapping.shape[0])
+    steps: list[StepOutput] = field(default_factory=list)
+    swap_out: np.ndarray | None = None
+    swap_in: np.ndarray | None = None
 
 
 def blocks_for_request(num_prompt_tokens: int, max_tokens: int, num_seqs: int, block_size: int) -> int:
@@ -126,11 +114,14 @@ def blocks_for_request(num_prompt_tokens: int, max_tokens: int, num_seqs: int, b
     return shared + num_seqs * per_seq
 
 
+_Item = tuple[Request, Sequence, int]  # (request, sequence, tokens to schedule)
+
+
 class Scheduler:
     """FCFS continuous-batching scheduler (see the module docs).
 
     Args:
-        manager: the KV cache manager (owns the block pool).
+        manager: the KV cache manager (owns the block pool and every sequence's KV state).
         config: limits and preemption mode.
     """
 
@@ -139,13 +130,13 @@ class Scheduler:
         self.config = config
         self.block_size = int(manager.config.block_size)
         self.usable_blocks = int(manager.config.num_blocks) - 1  # block 0 is the null block
-        self.running: list[Request] = []   # arrival order
-        self.waiting: list[Request] = []   # arrival order (new, recompute-preempted, swapped)
+        self.running: list[Request] = []  # arrival order
+        self.waiting: list[Request] = []  # arrival order (new, recompute-preempted, swapped)
         self._swap_out: list[np.ndarray] = []
 
     # ---- queue -------------------------------------------------------------------------------
 
-    def check_fits(self, num_prompt_tokens: int, params: Any) -> None:
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Refuse a request that can never run.
 
         Raises:
@@ -173,17 +164,13 @@ class Scheduler:
             )
 
     def add(self, req: Request) -> None:
-        """Queue a request (already registered in the manager)."""
-        self._enqueue_waiting(req)
-
-    def _enqueue_waiting(self, req: Request) -> None:
+        """Queue a request (its sequences already registered in the manager)."""
         keys = [r.arrival_index for r in self.waiting]
         self.waiting.insert(bisect.bisect(keys, req.arrival_index), req)
 
     def finish(self, req: Request) -> None:
         """Drop a finished or aborted request from the queues, wherever it is (its sequences
         are freed by the engine)."""
-        req.status = RequestStatus.FINISHED
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
@@ -192,6 +179,16 @@ class Scheduler:
     def has_work(self) -> bool:
         """True while any request is running or waiting."""
         return bool(self.running or self.waiting)
+
+    def is_swapped(self, req: Request) -> bool:
+        """True when ``req``'s KV sits in CPU swap blocks (the manager's status)."""
+        return bool(req.seqs) and self.manager.status(req.seqs[0].seq_id) == "swapped"
+
+    def _uncomputed(self, seqs: list[Sequence]) -> list[int]:
+        """Tokens of each sequence without KV, its pending sampled tokens included (one
+        batched query to the manager)."""
+        core = self.manager.num_uncomputed_tokens([s.seq_id for s in seqs]).tolist()
+        return [n + len(s.pending) for n, s in zip(core, seqs)]
 
     # ---- one step ----------------------------------------------------------------------------
 
@@ -203,101 +200,91 @@ class Scheduler:
         """
         budget = self.config.max_tokens_per_step
         batch = ScheduledBatch()
-        parts: list[Any] = []
         self._swap_out = []
+        items: list[_Item] = []
+        live = [(r, s) for r in self.running for s in r.seqs]  # 1. running requests, oldest first
+        for (req, seq), todo in zip(live, self._uncomputed([s for _, s in live])):
+            if budget == 0 or len(items) >= self.config.max_num_seqs:
+                break
+            if todo > 0:
+                items.append((req, seq, min(todo, budget)))
+                budget -= items[-1][2]
+        budget += self._run_step(items, batch, allow_preempt=True)
+        admitted, swap_in = self._admit(budget, len(batch.seqs))  # 2. waiting requests
+        self._run_step(admitted, batch, allow_preempt=False)
+        batch.swap_out = np.concatenate(self._swap_out) if self._swap_out else None
+        batch.swap_in = np.concatenate(swap_in) if swap_in else None
+        return batch
+
+    def _admit(self, budget: int, num_seqs: int) -> tuple[list[_Item], list[np.ndarray]]:
+        """Move waiting requests to running, oldest first, while the budget, the sequence
+        limit and the free blocks allow; returns their items and the swap-in plans."""
+        admitted: list[_Item] = []
         swap_in: list[np.ndarray] = []
-
-        # 1. running requests, oldest first
-        items: list[tuple[Request, Sequence, int]] = []
-        for req in self.running:
-            for seq in req.seqs:
-                if budget == 0 or len(items) >= self.config.max_num_seqs:
-                    break
-                if seq.num_uncomputed > 0:
-                    take = min(seq.num_uncomputed, budget)
-                    items.append((req, seq, take))
-                    budget -= take
-        budget += self._run_step(items, batch, parts, allow_preempt=True)
-
-        # 2. waiting requests, oldest first, while they fit
-        admitted: list[tuple[Request, Sequence, int]] = []
-        free = self.manager.pool.num_free - self._owed_blocks()
+        if not self.waiting:  # steady-state decode: no crossing into the core for admission
+            return admitted, swap_in
+        free = self.manager.pool.num_free - self._reserved_blocks()
         guard = self.config.reserve_prefill
         headroom = sum(len(r.seqs) for r in self.running) if guard else 0
-        num_seqs = len(batch.seqs)
         for req in list(self.waiting):
             if budget == 0 or num_seqs + len(req.seqs) > self.config.max_num_seqs:
                 break
             # Estimates below may over-count blocks shared inside a group; when nothing else
             # runs, the oldest request is admitted anyway (check_fits guarantees it fits alone).
-            idle = not self.running and not batch.seqs
-            if req.status is RequestStatus.SWAPPED:
-                need = sum(s.num_blocks for s in req.seqs)
+            idle = not self.running and not num_seqs
+            ids = [s.seq_id for s in req.seqs]
+            if self.is_swapped(req):
+                need = self.manager.num_blocks_owed(ids)  # its distinct swapped blocks
                 if need + headroom > free and not idle:
                     break
                 try:
-                    plan = self.manager.swap_in([s.seq_id for s in req.seqs])
+                    plan = self.manager.swap_in(ids)
                 except OutOfBlocksError:
                     break
-                swap_in.append(np.asarray(plan, dtype=np.int32).reshape(-1, 2))
+                swap_in.append(plan)
                 free -= len(plan)
             else:
                 # the whole remaining prefill (guard) or just this step's chunk (no guard)
-                need = sum(self.manager.num_blocks_needed(
-                    s.seq_id, max(1, s.num_uncomputed if guard else min(s.num_uncomputed, budget)))
-                    for s in req.seqs)
+                need = (
+                    self.manager.num_blocks_owed(ids)
+                    if guard
+                    else sum(self.manager.num_blocks_needed(s.seq_id, min(len(s.token_ids), budget)) for s in req.seqs)
+                )
                 if need + headroom > free and not idle:
                     break
                 free -= need
-                req.owed_prefill = guard
+                req.prefill_reserved = guard
             self.waiting.remove(req)
-            req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival_index)
             headroom += len(req.seqs) if guard else 0
-            for seq in req.seqs:
+            for seq, todo in zip(req.seqs, self._uncomputed(req.seqs)):
                 if budget == 0:
                     break
-                if seq.num_computed == 0:
-                    # uncomputed after the prefix hits the manager will take
-                    seq_todo = len(seq.token_ids) - self.manager.lookup_prefix(seq.seq_id)
-                else:
-                    seq_todo = seq.num_uncomputed
-                take = min(seq_todo, budget)
+                if todo == len(seq.token_ids):  # nothing computed: the prefix hits come first
+                    todo -= self.manager.lookup_prefix(seq.seq_id)
+                take = min(todo, budget)
                 if take == 0:  # a swapped-in beam that has its logprobs waits for its siblings
                     continue
                 admitted.append((req, seq, take))
                 budget -= take
                 num_seqs += 1
-        self._run_step(admitted, batch, parts, allow_preempt=False)
+        return admitted, swap_in
 
-        self._merge(batch, parts)
-        batch.swap_out = _stack(self._swap_out)
-        batch.swap_in = _stack(swap_in)
-        return batch
-
-    def _owed_blocks(self) -> int:
+    def _reserved_blocks(self) -> int:
         """Blocks still to be allocated for admitted prefills (reserved, see the module docs)."""
-        owed = 0
-        for req in self.running:
-            if req.owed_prefill:
-                for s in req.seqs:
-                    owed += max(0, -(-len(s.token_ids) // self.block_size) - s.num_blocks)
-        return owed
+        return sum(self.manager.num_blocks_owed([s.seq_id for s in r.seqs]) for r in self.running if r.prefill_reserved)
 
-    def _run_step(self, items: list[tuple[Request, Sequence, int]], batch: ScheduledBatch,
-                  parts: list[Any], *, allow_preempt: bool) -> int:
+    def _run_step(self, items: list[_Item], batch: ScheduledBatch, *, allow_preempt: bool) -> int:
         """Allocate slots for ``items`` with batched ``manager.step`` calls; on running out of
         blocks preempt victims (if allowed) and retry the rest. Returns the token budget given
         back by items that were not scheduled."""
         unused = 0
         while items:
             out = self.manager.step(
-                [s.seq_id for _, s, _ in items],
-                [t for _, _, t in items],
-                [s.pending for _, s, _ in items],
+                [s.seq_id for _, s, _ in items], [t for _, _, t in items], [s.pending for _, s, _ in items]
             )
             n = int(out.num_scheduled)
-            self._record(items[:n], out, batch, parts)
+            self._record(items[:n], out, batch)
             items = items[n:]
             if out.error is None:
                 break
@@ -314,36 +301,31 @@ class Scheduler:
             items = [it for it in items if it[0] is not victim]
         return unused
 
-    def _record(self, items: list[tuple[Request, Sequence, int]], out: Any, batch: ScheduledBatch,
-                parts: list[Any]) -> None:
-        """Update sequence state from the scheduled prefix of a step output."""
+    def _record(self, items: list[_Item], out: StepOutput, batch: ScheduledBatch) -> None:
+        """Add the scheduled prefix ``items`` of step output ``out`` to the batch."""
         if not items:
             return
-        parts.append(out)
-        ctx = out.context_lens
-        lens = out.seq_lens
-        ip = out.block_table_indptr
-        for i, (req, seq, _) in enumerate(items):
-            seq.num_in_manager = len(seq.token_ids)
-            batch.num_computed_before.append(int(ctx[i]))
-            seq.num_computed = int(lens[i])
-            seq.num_blocks = int(ip[i + 1] - ip[i])
+        batch.steps.append(out)
+        lens = out.seq_lens.tolist()
+        cached = out.num_cached_tokens.tolist()
+        for (req, seq, _), seq_len, hit in zip(items, lens, cached):
+            seq.pending.clear()  # handed to the manager by this step
             if req.num_cached_tokens is None:
-                req.num_cached_tokens = int(out.num_cached_tokens[i])
+                req.num_cached_tokens = hit
             batch.seqs.append(seq)
             batch.requests.append(req)
-            batch.sample.append(seq.num_computed == len(seq.token_ids))
+            batch.sample.append(seq_len == len(seq.token_ids))
         for r in {id(r): r for r, _, _ in items}.values():
-            if r.owed_prefill and all(s.num_uncomputed == 0 for s in r.seqs):
-                r.owed_prefill = False
+            if r.prefill_reserved and not any(self._uncomputed(r.seqs)):
+                r.prefill_reserved = False
 
-    def _pick_victim(self, scheduled: set[int]) -> Optional[Request]:
+    def _pick_victim(self, scheduled: set[int]) -> Request | None:
         """Newest running request with nothing scheduled this step; requests still in their
         reserved prefill only when there is no other."""
         candidates = [r for r in self.running if id(r) not in scheduled]
         if not candidates:
             return None
-        plain = [r for r in candidates if not r.owed_prefill]
+        plain = [r for r in candidates if not r.prefill_reserved]
         return (plain or candidates)[-1]
 
     def preempt(self, req: Request) -> None:
@@ -354,46 +336,19 @@ class Scheduler:
         for s in req.seqs:
             if s.pending:
                 self.manager.append_tokens(s.seq_id, s.pending)
-                s.num_in_manager = len(s.token_ids)
+                s.pending.clear()
         swapped = False
         if self.config.preemption == "swap":
             try:
-                plan = self.manager.swap_out(ids)
-                self._swap_out.append(np.asarray(plan, dtype=np.int32).reshape(-1, 2))
+                self._swap_out.append(self.manager.swap_out(ids))
                 swapped = True
             except OutOfSwapSpaceError:
                 swapped = False
         if not swapped:
             self.manager.preempt(ids)
             for s in req.seqs:
-                s.num_computed = 0
-                s.num_blocks = 0
                 s.logprobs = None  # recomputed on resume (swapped beams keep theirs)
         self.running.remove(req)
-        req.status = RequestStatus.SWAPPED if swapped else RequestStatus.WAITING
-        req.owed_prefill = False
+        req.prefill_reserved = False
         req.num_preemptions += 1
-        self._enqueue_waiting(req)
-
-    @staticmethod
-    def _merge(batch: ScheduledBatch, parts: list[Any]) -> None:
-        """Concatenate the arrays of several ``manager.step`` outputs into one batch."""
-        if not parts:
-            batch.query_lens = np.zeros(0, np.int32)
-            batch.seq_lens = np.zeros(0, np.int32)
-            batch.slot_mapping = np.zeros(0, np.int64)
-            batch.block_table_indptr = np.zeros(1, np.int32)
-            batch.block_table_indices = np.zeros(0, np.int32)
-            batch.copies = np.zeros((0, 2), np.int32)
-            return
-        batch.query_lens = np.concatenate([np.diff(p.query_start_loc) for p in parts]).astype(np.int32)
-        batch.seq_lens = np.concatenate([p.seq_lens for p in parts]).astype(np.int32)
-        batch.slot_mapping = np.concatenate([p.slot_mapping for p in parts]).astype(np.int64)
-        lens = np.concatenate([np.diff(p.block_table_indptr) for p in parts])
-        batch.block_table_indptr = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        batch.block_table_indices = np.concatenate([p.block_table_indices for p in parts]).astype(np.int32)
-        batch.copies = _stack([np.asarray(p.copies, dtype=np.int32).reshape(-1, 2) for p in parts])
-
-
-def _stack(plans: list[np.ndarray]) -> np.ndarray:
-    return np.concatenate(plans).astype(np.int32) if plans else np.zeros((0, 2), np.int32)
+        self.add(req)

@@ -153,7 +153,7 @@ fn batched_step() {
     for it in 0..3000 {
         let req = StepRequest {
             seq_ids: ids.clone(),
-            max_new_tokens: vec![1; SEQS as usize],
+            num_new_tokens: vec![1; SEQS as usize],
             append_indptr: (0..=SEQS as u32).collect(),
             append_tokens: (0..SEQS).map(|_| tok()).collect(),
         };

@@ -143,7 +143,7 @@ fn replay_manager(tr: &Trace, algo: HashAlgo) -> (Run, u64) {
         let n = running.len();
         let decode = StepRequest {
             seq_ids: running.iter().map(|&r| r as u64).collect(),
-            max_new_tokens: vec![1; n],
+            num_new_tokens: vec![1; n],
             append_indptr: (0..=n as u32).collect(),
             append_tokens: running
                 .iter()
@@ -152,7 +152,7 @@ fn replay_manager(tr: &Trace, algo: HashAlgo) -> (Run, u64) {
         };
         let prefill = StepRequest {
             seq_ids: adm.iter().map(|&r| r as u64).collect(),
-            max_new_tokens: adm.iter().map(|&r| tr.prompt_lens[r] as u32).collect(),
+            num_new_tokens: adm.iter().map(|&r| tr.prompt_lens[r] as u32).collect(),
             ..Default::default()
         };
         let c0 = thread_cpu_ns();
@@ -172,11 +172,7 @@ fn replay_manager(tr: &Trace, algo: HashAlgo) -> (Run, u64) {
             }
             let out = mgr.step(&prefill);
             assert!(out.error.is_none(), "prefill step failed: {:?}", out.error);
-            cached_tokens += out
-                .num_cached_tokens
-                .iter()
-                .map(|&x| u64::from(x))
-                .sum::<u64>();
+            cached_tokens += out.num_cached_tokens.iter().map(|&x| x as u64).sum::<u64>();
         }
         let c2 = thread_cpu_ns();
         for &r in fin {

@@ -14,7 +14,7 @@
 //!   (or `None` for a sequence's first block).
 
 use crate::hashing::{BlockHash, ExtraKey};
-use parking_lot::Mutex;
+use crate::sync::Mutex;
 
 /// One KV cache event.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,7 +35,8 @@ pub enum KvEvent {
     AllBlocksCleared,
 }
 
-/// A buffer of [`KvEvent`]s. Locking (a mutex); disabled sinks drop events without locking.
+/// A buffer of [`KvEvent`]s. Locking (the [`crate::sync`] mutex, so loom models see it);
+/// disabled sinks drop events without locking.
 #[derive(Debug, Default)]
 pub struct EventSink {
     enabled: bool,

@@ -7,9 +7,9 @@
 //! block hashes and the "always recompute the last token" cap, observable behaviour as vLLM V1
 //! `KVCacheManager` (`get_computed_blocks`, `allocate_slots`, `free`) and `BlockPool`.
 //!
-//! Concurrency: every method takes one `parking_lot::Mutex` over the per-sequence state
-//! (locking), then calls into the pool (whose own hot paths are lock-free). Because all manager
-//! mutations of the pool happen under that mutex, a capacity check followed by the pool calls is
+//! Concurrency: every method takes one mutex over the per-sequence state (locking; the
+//! [`crate::sync`] mutex, so loom models see it), then calls into the pool (whose own hot
+//! paths are lock-free). Because all manager mutations of the pool happen under that mutex, a capacity check followed by the pool calls is
 //! exact: the blocks a call predicts are the blocks it takes, and a call that fails does so
 //! before touching the pool. Mutating the pool directly (through [`KvCacheManager::pool`]'s
 //! methods) while the manager is in use breaks that guarantee; the pool reference is meant for
@@ -24,8 +24,8 @@ use crate::hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
 use crate::seq_table::SeqTable;
+use crate::sync::Mutex;
 use crate::{BlockId, SeqId, NULL_BLOCK};
-use parking_lot::Mutex;
 use std::borrow::Cow;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -139,7 +139,7 @@ impl SeqStatus {
 /// The result of one [`KvCacheManager::allocate_slots`] call.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct SlotAllocation {
-    /// Tokens scheduled by this call (the query length): `min(max_new_tokens, uncomputed)`.
+    /// Tokens scheduled by this call (the query length): `min(num_new_tokens, uncomputed)`.
     pub num_scheduled_tokens: usize,
     /// Tokens served from the prefix cache by this call (first allocation only; a multiple of
     /// `block_size`, else 0).
@@ -162,7 +162,7 @@ pub struct StepRequest {
     /// Sequences to schedule.
     pub seq_ids: Vec<SeqId>,
     /// Per sequence, the most tokens to schedule (same length as `seq_ids`).
-    pub max_new_tokens: Vec<u32>,
+    pub num_new_tokens: Vec<u32>,
     /// CSR offsets into `append_tokens` (length `seq_ids.len() + 1`), or empty for no appends.
     pub append_indptr: Vec<u32>,
     /// Newly sampled tokens to append to each sequence before scheduling it.
@@ -179,7 +179,7 @@ pub struct StepOutput {
     /// its appended tokens).
     pub error: Option<Error>,
     /// Per scheduled seq: prefix-hit tokens of its first allocation, else 0.
-    pub num_cached_tokens: Vec<u32>,
+    pub num_cached_tokens: Vec<i32>,
     /// Length `S + 1`: cumulative query lengths (tokens).
     pub query_start_loc: Vec<i32>,
     /// Per scheduled seq: context + query tokens.
@@ -188,18 +188,30 @@ pub struct StepOutput {
     pub context_lens: Vec<i32>,
     /// Per scheduled token: `block_id * block_size + offset` of its KV slot.
     pub slot_mapping: Vec<i64>,
-    /// Length `S + 1`: CSR offsets into `block_table_indices`.
-    pub block_table_indptr: Vec<i32>,
-    /// The full block tables of the scheduled seqs, concatenated.
-    pub block_table_indices: Vec<i32>,
     /// Length `S + 1`: CSR offsets into `new_block_ids`.
     pub new_block_indptr: Vec<i32>,
     /// Blocks newly taken per seq (see [`SlotAllocation::new_block_ids`]).
     pub new_block_ids: Vec<i32>,
-    /// Copy-on-write sources (GPU block ids), parallel to `copy_dst`.
-    pub copy_src: Vec<i32>,
-    /// Copy-on-write destinations.
-    pub copy_dst: Vec<i32>,
+    /// Copy-on-write plan, row-major `(src, dst)` GPU block pairs (length `2 * copies`), to
+    /// run before the K/V writes.
+    pub copies: Vec<i32>,
+    /// Per scheduled token: its token id (the tokens the model reads this step, in the order
+    /// of `slot_mapping`).
+    pub input_ids: Vec<i64>,
+    /// The scheduled seqs' full block tables as one dense row-major `S x block_table_width`
+    /// matrix, rows padded with the null block 0: the layout paged-attention kernels index
+    /// (row `k` holds `ceil(seq_lens[k] / block_size)` real entries).
+    pub block_table: Vec<i32>,
+    /// Columns of `block_table`: the longest scheduled table, at least 1.
+    pub block_table_width: usize,
+}
+
+impl StepOutput {
+    /// Row `k` of the dense block table (`block_table_width` entries, null-padded).
+    pub fn block_table_row(&self, k: usize) -> &[i32] {
+        let w = self.block_table_width;
+        &self.block_table[k * w..(k + 1) * w]
+    }
 }
 
 /// One sequence's bookkeeping.
@@ -392,17 +404,17 @@ impl KvCacheManager {
         Ok(self.find_hits(s).len() * self.bs())
     }
 
-    /// Exactly the number of blocks the next [`Self::allocate_slots`]`(seq, max_new_tokens)`
+    /// Exactly the number of blocks the next [`Self::allocate_slots`]`(seq, num_new_tokens)`
     /// would take from the free pool: fresh blocks, plus prefix hits on free (ref 0) cached
     /// blocks, plus one if a copy-on-write is needed. Errors as `allocate_slots` except `OutOfBlocks`. No
     /// side effects. O(blocks of the sequence).
-    pub fn num_blocks_needed(&self, seq: SeqId, max_new_tokens: usize) -> Result<usize> {
+    pub fn num_blocks_needed(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize> {
         let mut st = self.state.lock();
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        Ok(self.plan(seq, s, max_new_tokens)?.blocks_taken())
+        Ok(self.plan(seq, s, num_new_tokens)?.blocks_taken())
     }
 
-    /// Schedules `q = min(max_new_tokens, num_tokens - num_computed)` tokens of `seq` and
+    /// Schedules `q = min(num_new_tokens, num_tokens - num_computed)` tokens of `seq` and
     /// makes room for their KV.
     ///
     /// On the first allocation of a sequence (no blocks, nothing computed: new or preempted
@@ -415,14 +427,14 @@ impl KvCacheManager {
     ///
     /// Errors (state unchanged, bit for bit): [`Error::UnknownSequence`];
     /// [`Error::InvalidSequenceState`] for a swapped-out sequence; [`Error::InvalidArgument`]
-    /// for `max_new_tokens == 0` or when no token is left to compute;
+    /// for `num_new_tokens == 0` or when no token is left to compute;
     /// [`Error::OutOfBlocks`] `{requested: blocks the call needs, available: free blocks}`.
     /// O(new blocks + blocks of the sequence) plus hashing of newly full blocks.
-    pub fn allocate_slots(&self, seq: SeqId, max_new_tokens: usize) -> Result<SlotAllocation> {
+    pub fn allocate_slots(&self, seq: SeqId, num_new_tokens: usize) -> Result<SlotAllocation> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        self.allocate_locked(seq, s, &mut st.counters, max_new_tokens)
+        self.allocate_locked(seq, s, &mut st.counters, num_new_tokens)
     }
 
     /// Forks `parent` into a new sequence `child` (parallel sampling, beam search): the child
@@ -683,6 +695,97 @@ impl KvCacheManager {
         self.state.lock().seqs.len()
     }
 
+    /// Per sequence, in order: tokens known but not yet scheduled, `num_tokens -
+    /// num_computed_tokens` (in every state; a preempted sequence owes all of its tokens).
+    /// `i32` like the step's other per-sequence lengths (the scheduler's numpy `int32`).
+    /// Errors: [`Error::UnknownSequence`] for the first unknown id. O(len(seqs)).
+    pub fn num_uncomputed_tokens(&self, seqs: &[SeqId]) -> Result<Vec<i32>> {
+        let st = self.state.lock();
+        seqs.iter()
+            .map(|id| {
+                let s = st.seqs.get(id).ok_or_else(|| unknown(*id))?;
+                Ok((s.tokens.len() - s.num_computed) as i32)
+            })
+            .collect()
+    }
+
+    /// Device blocks a group of sequences still has to take from the free pool so that every
+    /// known token of every member has a KV slot: what scheduling all of their uncomputed
+    /// tokens now, in the given order, would take (fresh blocks, prefix hits on free cached
+    /// blocks, copy-on-write copies), with the group's own sharing counted once: a cached block
+    /// touched by an earlier member, or a full block an earlier member would register, costs a
+    /// later member nothing. Swapped-out members count the distinct CPU blocks of their tables
+    /// (what [`Self::swap_in`] takes). A scheduler reserves this for an admitted group
+    /// (admission control) and for a swapped group before swapping it in. No side effects.
+    ///
+    /// Errors (nothing changed): [`Error::UnknownSequence`]; [`Error::InvalidArgument`] for an id
+    /// listed twice. O(blocks of the group) plus hashing of full blocks not hashed before.
+    pub fn num_blocks_owed(&self, seqs: &[SeqId]) -> Result<usize> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        check_group(st, seqs, "num_blocks_owed", |_| true, "any")?;
+        let bs = self.bs();
+        let caching = self.caching();
+        let mut owed = 0;
+        let mut swapped: HashSet<BlockId> = HashSet::new();
+        // Effects of the earlier members: free cached blocks they touch, hashes they register,
+        // references they drop from a shared last block by copying it.
+        let mut touched: HashSet<BlockId> = HashSet::new();
+        let mut registered: HashSet<BlockHash> = HashSet::new();
+        let mut released: HashMap<BlockId, u32> = HashMap::new();
+        for id in seqs {
+            let s = st.seqs.get_mut(id).expect("validated");
+            if s.status == SeqStatus::Swapped {
+                swapped.extend(s.blocks.iter().copied());
+                continue;
+            }
+            let len = s.tokens.len();
+            if len == s.num_computed {
+                continue;
+            }
+            let first = s.blocks.is_empty() && s.num_computed == 0;
+            let held = if first {
+                let mut hits = 0;
+                if caching {
+                    for k in 0..(len - 1) / bs {
+                        let h = self.block_hash_at(s, k);
+                        // A lookup prefers a copy in use: an earlier member's registered block
+                        // (in use once it is scheduled) costs nothing, a free one costs a block.
+                        if !registered.contains(&h) {
+                            match self.pool.lookup(&h) {
+                                Some(b) => {
+                                    if self.pool.ref_count(b) == 0 && touched.insert(b) {
+                                        owed += 1;
+                                    }
+                                }
+                                None => break,
+                            }
+                        }
+                        hits += 1;
+                    }
+                }
+                hits
+            } else {
+                let last = s.blocks.last().copied();
+                if let Some(b) = last.filter(|_| s.num_computed % bs != 0) {
+                    let dropped = released.entry(b).or_insert(0);
+                    if self.pool.ref_count(b) - *dropped > 1 {
+                        *dropped += 1;
+                        owed += 1;
+                    }
+                }
+                s.blocks.len()
+            };
+            owed += len.div_ceil(bs) - held;
+            if caching {
+                for k in 0..len / bs {
+                    registered.insert(self.block_hash_at(s, k));
+                }
+            }
+        }
+        Ok(owed + swapped.len())
+    }
+
     /// One scheduler step in one call: for each sequence in order, append its new tokens (CSR
     /// slice of `append_tokens`) and [`Self::allocate_slots`] it; stop at the first failure,
     /// leaving that sequence unchanged (its appended tokens removed again) while the sequences
@@ -696,16 +799,16 @@ impl KvCacheManager {
         let n = req.seq_ids.len();
         let mut out = StepOutput {
             query_start_loc: Vec::with_capacity(n + 1),
-            block_table_indptr: Vec::with_capacity(n + 1),
             new_block_indptr: Vec::with_capacity(n + 1),
             num_cached_tokens: Vec::with_capacity(n),
             context_lens: Vec::with_capacity(n),
             seq_lens: Vec::with_capacity(n),
             slot_mapping: Vec::with_capacity(n),
+            input_ids: Vec::with_capacity(n),
+            block_table_width: 1,
             ..Default::default()
         };
         out.query_start_loc.push(0);
-        out.block_table_indptr.push(0);
         out.new_block_indptr.push(0);
         if let Err(e) = validate_step(req) {
             out.error = Some(e);
@@ -725,9 +828,9 @@ impl KvCacheManager {
             });
             return out;
         }
-        // Size the token- and block-indexed outputs once: a prefill of long prompts would
-        // otherwise grow them by repeated doubling (copies and page faults inside the step).
-        let (mut max_tokens, mut max_blocks) = (0usize, 0usize);
+        // Size the token-indexed outputs once: a prefill of long prompts would otherwise grow
+        // them by repeated doubling (copies and page faults inside the step).
+        let mut max_tokens = 0usize;
         for (i, slot) in slots.iter().enumerate() {
             let Some(slot) = *slot else { break };
             let s = st.seqs.at_slot(slot);
@@ -736,13 +839,11 @@ impl KvCacheManager {
             } else {
                 (req.append_indptr[i + 1] - req.append_indptr[i]) as usize
             };
-            let q = (req.max_new_tokens[i] as usize)
+            max_tokens += (req.num_new_tokens[i] as usize)
                 .min((s.tokens.len() + appended).saturating_sub(s.num_computed));
-            max_tokens += q;
-            max_blocks += (s.num_computed + q).div_ceil(bs);
         }
         out.slot_mapping.reserve(max_tokens);
-        out.block_table_indices.reserve(max_blocks);
+        out.input_ids.reserve(max_tokens);
         for (i, (&seq, &slot)) in req.seq_ids.iter().zip(&slots).enumerate() {
             let Some(slot) = slot else {
                 out.error = Some(unknown(seq));
@@ -761,7 +862,7 @@ impl KvCacheManager {
                 seq,
                 s,
                 &mut st.counters,
-                req.max_new_tokens[i] as usize,
+                req.num_new_tokens[i] as usize,
             ) {
                 Ok(a) => a,
                 Err(e) => {
@@ -774,7 +875,7 @@ impl KvCacheManager {
             let ctx = alloc.num_context_tokens;
             let q = alloc.num_scheduled_tokens;
             out.num_scheduled += 1;
-            out.num_cached_tokens.push(alloc.num_cached_tokens as u32);
+            out.num_cached_tokens.push(alloc.num_cached_tokens as i32);
             out.query_start_loc.push(out.query_start_loc[i] + q as i32);
             out.context_lens.push(ctx as i32);
             out.seq_lens.push((ctx + q) as i32);
@@ -782,18 +883,35 @@ impl KvCacheManager {
                 out.slot_mapping
                     .push(i64::from(s.blocks[pos / bs]) * bs as i64 + (pos % bs) as i64);
             }
-            out.block_table_indices
-                .extend(s.blocks.iter().map(|&b| b as i32));
-            out.block_table_indptr
-                .push(out.block_table_indices.len() as i32);
+            out.input_ids
+                .extend(s.tokens[ctx..ctx + q].iter().map(|&t| i64::from(t)));
             out.new_block_ids
                 .extend(alloc.new_block_ids.iter().map(|&b| b as i32));
             out.new_block_indptr.push(out.new_block_ids.len() as i32);
             for (src, dst) in alloc.copies {
-                out.copy_src.push(src as i32);
-                out.copy_dst.push(dst as i32);
+                out.copies.extend([src as i32, dst as i32]);
             }
         }
+        // The dense table, once the widest scheduled table is known (still under the lock).
+        let scheduled = slots[..out.num_scheduled]
+            .iter()
+            .map(|s| s.expect("scheduled"));
+        let width = scheduled
+            .clone()
+            .map(|slot| st.seqs.at_slot(slot).blocks.len())
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        let mut dense = vec![NULL_BLOCK as i32; out.num_scheduled * width];
+        for (row, slot) in dense.chunks_exact_mut(width).zip(scheduled) {
+            let blocks = &st.seqs.at_slot(slot).blocks;
+            for (d, &b) in row.iter_mut().zip(blocks) {
+                *d = b as i32;
+            }
+        }
+        drop(guard);
+        out.block_table = dense;
+        out.block_table_width = width;
         out
     }
 
@@ -848,7 +966,7 @@ impl KvCacheManager {
         self.events.drain()
     }
 
-    /// Checks DESIGN.md invariants 1–4: the pool's own (1–3), plus: every GPU block's ref count
+    /// Checks invariants 1–4 of docs/design.md: the pool's own (1–3), plus: every GPU block's ref count
     /// equals the number of running sequences whose table holds it (so free + used + 1 ==
     /// num_blocks follows), tables never hold the null block and cover exactly
     /// `ceil(num_computed / block_size)` blocks, preempted sequences hold nothing, CPU ref
@@ -1025,7 +1143,7 @@ impl KvCacheManager {
         self.pool.lookup_chain(&s.hashes[..max_blocks])
     }
 
-    fn plan(&self, seq: SeqId, s: &mut Sequence, max_new_tokens: usize) -> Result<Plan> {
+    fn plan(&self, seq: SeqId, s: &mut Sequence, num_new_tokens: usize) -> Result<Plan> {
         if s.status == SeqStatus::Swapped {
             return Err(bad_state(
                 seq,
@@ -1034,9 +1152,9 @@ impl KvCacheManager {
                 "running or preempted (swap it in first)",
             ));
         }
-        if max_new_tokens == 0 {
+        if num_new_tokens == 0 {
             return Err(Error::InvalidArgument {
-                arg: "max_new_tokens",
+                arg: "num_new_tokens",
                 value: "0".into(),
                 reason: "must schedule at least one token".into(),
             });
@@ -1056,15 +1174,15 @@ impl KvCacheManager {
         let remaining = s.tokens.len() - context;
         if remaining == 0 {
             return Err(Error::InvalidArgument {
-                arg: "max_new_tokens",
-                value: max_new_tokens.to_string(),
+                arg: "num_new_tokens",
+                value: num_new_tokens.to_string(),
                 reason: format!(
                     "sequence {seq} has no uncomputed token (all {} computed)",
                     s.tokens.len()
                 ),
             });
         }
-        let q = max_new_tokens.min(remaining);
+        let q = num_new_tokens.min(remaining);
         let table_len = if first { hits.len() } else { s.blocks.len() };
         let fresh = (context + q).div_ceil(bs) - table_len;
         let cow = !first
@@ -1086,9 +1204,9 @@ impl KvCacheManager {
         seq: SeqId,
         s: &mut Sequence,
         counters: &mut ManagerCounters,
-        max_new_tokens: usize,
+        num_new_tokens: usize,
     ) -> Result<SlotAllocation> {
-        let plan = self.plan(seq, s, max_new_tokens)?;
+        let plan = self.plan(seq, s, num_new_tokens)?;
         let need = plan.blocks_taken();
         // Check before any pool call so that a failure changes nothing (touching hits and then
         // failing would move them in the LRU).
@@ -1276,10 +1394,10 @@ fn duplicate_id(ids: &[SeqId], slots: &[Option<u32>], num_slots: usize) -> Optio
 
 fn validate_step(req: &StepRequest) -> Result<()> {
     let n = req.seq_ids.len();
-    if req.max_new_tokens.len() != n {
+    if req.num_new_tokens.len() != n {
         return Err(Error::InvalidArgument {
-            arg: "max_new_tokens",
-            value: format!("len {}", req.max_new_tokens.len()),
+            arg: "num_new_tokens",
+            value: format!("len {}", req.num_new_tokens.len()),
             reason: format!("must have one entry per sequence ({n})"),
         });
     }

@@ -789,7 +789,7 @@ impl BlockPool {
         out
     }
 
-    /// Checks DESIGN.md invariants 1–3 (call while no other thread uses the pool):
+    /// Checks invariants 1–3 of docs/design.md (call while no other thread uses the pool):
     /// 1. free + Σ(ref > 0) + 1 == num_blocks, the free queue holds no duplicates, and the
     ///    free / cached-free counters match the lists;
     /// 2. a block is in the free queue ⇔ its ref count is 0 and it is not the null block; the

@@ -67,7 +67,7 @@ impl<T> SeqTable<T> {
             .1
     }
 
-    /// Mutable [`Self::at_slot`].
+    /// The entry in `slot`, mutably. Panics like [`Self::at_slot`].
     pub(crate) fn at_slot_mut(&mut self, slot: u32) -> &mut T {
         &mut self.slots[slot as usize]
             .as_mut()

@@ -1,4 +1,5 @@
-//! std / loom facade: lock-free code imports atomics and `Arc` from here so the same source is
+//! std / loom facade: every lock and atomic of the core (the pool's atomics and mutex, the
+//! manager's state mutex, the event sink's buffer) comes from here, so the same source is
 //! model-checked by loom under `RUSTFLAGS="--cfg loom"` (pattern from sharded-slab / tokio).
 
 #[cfg(loom)]

@@ -97,7 +97,7 @@ fn argument_errors_change_nothing() {
     assert!(matches!(
         m.allocate_slots(1, 0),
         Err(Error::InvalidArgument {
-            arg: "max_new_tokens",
+            arg: "num_new_tokens",
             ..
         })
     ));
@@ -106,7 +106,7 @@ fn argument_errors_change_nothing() {
     assert!(matches!(
         m.allocate_slots(1, 1),
         Err(Error::InvalidArgument {
-            arg: "max_new_tokens",
+            arg: "num_new_tokens",
             ..
         })
     ));
@@ -509,7 +509,7 @@ fn step_returns_exact_flat_arrays() {
     m.add_sequence(2, &toks(100, 3), spec()).unwrap();
     let out = m.step(&StepRequest {
         seq_ids: vec![1, 2],
-        max_new_tokens: vec![6, 3],
+        num_new_tokens: vec![6, 3],
         ..Default::default()
     });
     assert_eq!(out.error, None);
@@ -519,19 +519,23 @@ fn step_returns_exact_flat_arrays() {
     assert_eq!(out.seq_lens, vec![6, 3]);
     assert_eq!(out.context_lens, vec![0, 0]);
     assert_eq!(out.slot_mapping, vec![4, 5, 6, 7, 8, 9, 12, 13, 14]);
-    assert_eq!(out.block_table_indptr, vec![0, 2, 3]);
-    assert_eq!(out.block_table_indices, vec![1, 2, 3]);
+    assert_eq!(out.block_table_row(0), &[1, 2]);
+    assert_eq!(out.block_table_row(1), &[3, 0]);
     assert_eq!(out.new_block_indptr, vec![0, 2, 3]);
     assert_eq!(out.new_block_ids, vec![1, 2, 3]);
-    assert!(out.copy_src.is_empty() && out.copy_dst.is_empty());
+    assert!(out.copies.is_empty());
+    assert_eq!(out.input_ids, vec![0, 1, 2, 3, 4, 5, 100, 101, 102]);
+    assert_eq!(out.block_table_width, 2);
+    assert_eq!(out.block_table, vec![1, 2, 3, 0]);
 
     let out = m.step(&StepRequest {
         seq_ids: vec![1, 2],
-        max_new_tokens: vec![1, 1],
+        num_new_tokens: vec![1, 1],
         append_indptr: vec![0, 1, 2],
         append_tokens: vec![100, 200],
     });
     assert_eq!(out.slot_mapping, vec![10, 15]);
+    assert_eq!(out.input_ids, vec![100, 200]);
     assert_eq!(out.context_lens, vec![6, 3]);
     assert_eq!(out.seq_lens, vec![7, 4]);
     assert_eq!(out.new_block_indptr, vec![0, 0, 0]);
@@ -541,7 +545,7 @@ fn step_returns_exact_flat_arrays() {
     m.add_sequence(3, &toks(1000, 100), spec()).unwrap();
     let out = m.step(&StepRequest {
         seq_ids: vec![1, 3, 2],
-        max_new_tokens: vec![1, 100, 1],
+        num_new_tokens: vec![1, 100, 1],
         append_indptr: vec![0, 1, 2, 3],
         append_tokens: vec![101, 300, 201],
     });
@@ -563,31 +567,31 @@ fn step_returns_exact_flat_arrays() {
     m.fork(2, 4).unwrap();
     let out = m.step(&StepRequest {
         seq_ids: vec![4],
-        max_new_tokens: vec![1],
+        num_new_tokens: vec![1],
         append_indptr: vec![0, 1],
         append_tokens: vec![7],
     });
     assert!(out.error.is_none(), "{:?}", out.error);
     // Seq 2 is [3] with 4 tokens (full block); appending to the child opens a new block.
-    assert!(out.copy_src.is_empty());
+    assert!(out.copies.is_empty());
     assert_eq!(out.new_block_ids, vec![4]);
 
     // Malformed requests schedule nothing.
     for bad in [
         StepRequest {
             seq_ids: vec![1],
-            max_new_tokens: vec![],
+            num_new_tokens: vec![],
             ..Default::default()
         },
         StepRequest {
             seq_ids: vec![1],
-            max_new_tokens: vec![1],
+            num_new_tokens: vec![1],
             append_indptr: vec![0, 2],
             append_tokens: vec![1],
         },
         StepRequest {
             seq_ids: vec![1],
-            max_new_tokens: vec![1],
+            num_new_tokens: vec![1],
             append_indptr: vec![],
             append_tokens: vec![1],
         },
@@ -609,7 +613,7 @@ fn step_returns_exact_flat_arrays() {
     );
     let out = m.step(&StepRequest {
         seq_ids: vec![1, 1],
-        max_new_tokens: vec![4, 4],
+        num_new_tokens: vec![4, 4],
         append_indptr: vec![0, 1, 2],
         append_tokens: vec![7, 8],
     });
@@ -628,7 +632,7 @@ fn step_returns_exact_flat_arrays() {
     );
     let out = m.step(&StepRequest {
         seq_ids: vec![77],
-        max_new_tokens: vec![1],
+        num_new_tokens: vec![1],
         ..Default::default()
     });
     assert_eq!(out.error, Some(Error::UnknownSequence { seq_id: 77 }));
@@ -660,4 +664,105 @@ fn stats_usage_and_kv_utilization() {
         (s.used, s.free, s.cached_free, s.kv_utilization),
         (0, 15, 1, 0.0)
     );
+}
+
+#[test]
+fn step_refused_as_a_whole_has_an_empty_dense_table() {
+    let m = manager(8, 4);
+    m.add_sequence(1, &toks(0, 3), spec()).unwrap();
+    let out = m.step(&StepRequest {
+        seq_ids: vec![1, 1],
+        num_new_tokens: vec![1, 1],
+        ..Default::default()
+    });
+    assert_eq!(out.num_scheduled, 0);
+    assert!(out.block_table.is_empty() && out.input_ids.is_empty());
+    assert_eq!(out.block_table_width, 1);
+}
+
+#[test]
+fn num_uncomputed_tokens_per_sequence_in_every_state() {
+    let m = manager_with(16, 4, 8);
+    m.add_sequence(1, &toks(0, 10), spec()).unwrap();
+    m.add_sequence(2, &toks(100, 5), spec()).unwrap();
+    m.allocate_slots(1, 6).unwrap();
+    assert_eq!(m.num_uncomputed_tokens(&[1, 2]).unwrap(), vec![4, 5]);
+    m.append_tokens(2, &[7, 8]).unwrap();
+    m.allocate_slots(2, 7).unwrap();
+    assert_eq!(m.num_uncomputed_tokens(&[2, 1]).unwrap(), vec![0, 4]);
+    m.swap_out(&[1]).unwrap();
+    assert_eq!(m.num_uncomputed_tokens(&[1]).unwrap(), vec![4]);
+    m.preempt_recompute(&[2]).unwrap();
+    assert_eq!(m.num_uncomputed_tokens(&[2]).unwrap(), vec![7]);
+    assert_eq!(m.num_uncomputed_tokens(&[]).unwrap(), Vec::<i32>::new());
+    assert_eq!(
+        m.num_uncomputed_tokens(&[2, 9]),
+        Err(Error::UnknownSequence { seq_id: 9 })
+    );
+}
+
+/// `num_blocks_owed` equals what scheduling every uncomputed token of the group takes, for a
+/// fresh group, a mid-prefill sequence, a forked pair sharing a partial block (one copy), a
+/// preempted group re-admitted (siblings share the prompt blocks the first one registers) and a
+/// swapped group (distinct CPU blocks).
+#[test]
+fn num_blocks_owed_matches_what_scheduling_takes() {
+    let m = manager_with(32, 4, 16);
+    // fresh sequence, 10 tokens: 3 blocks
+    m.add_sequence(1, &toks(0, 10), spec()).unwrap();
+    assert_eq!(m.num_blocks_owed(&[1]).unwrap(), 3);
+    // mid-prefill: 5 of 10 computed (2 blocks held) -> 1 more
+    m.allocate_slots(1, 5).unwrap();
+    assert_eq!(m.num_blocks_owed(&[1]).unwrap(), 1);
+    let free = m.pool().num_free();
+    m.allocate_slots(1, 5).unwrap();
+    assert_eq!(free - m.pool().num_free(), 1);
+    assert_eq!(m.num_blocks_owed(&[1]).unwrap(), 0);
+
+    // fork: both share a partial last block (10 tokens, 2 in block 3); one new token each.
+    m.fork(1, 2).unwrap();
+    m.append_tokens(1, &[50]).unwrap();
+    m.append_tokens(2, &[51]).unwrap();
+    // the first copies the shared block, the second then holds it alone
+    assert_eq!(m.num_blocks_owed(&[1, 2]).unwrap(), 1);
+    let free = m.pool().num_free();
+    let out = m.step(&StepRequest {
+        seq_ids: vec![1, 2],
+        num_new_tokens: vec![1, 1],
+        ..Default::default()
+    });
+    assert_eq!(out.error, None);
+    assert_eq!(free - m.pool().num_free(), 1);
+
+    // preempted group with the same 11-token prefix... the second reuses the 2 full blocks
+    // the first registers (in use, so free to it) and needs its own third block.
+    m.preempt_recompute(&[1, 2]).unwrap();
+    let owed = m.num_blocks_owed(&[1, 2]).unwrap();
+    let free = m.pool().num_free();
+    let out = m.step(&StepRequest {
+        seq_ids: vec![1, 2],
+        num_new_tokens: vec![100, 100],
+        ..Default::default()
+    });
+    assert_eq!(out.error, None);
+    assert_eq!(owed, free - m.pool().num_free());
+    assert_eq!(owed, 4);
+
+    // swapped group: distinct CPU blocks (2 shared + 1 + 1)
+    m.swap_out(&[1, 2]).unwrap();
+    assert_eq!(m.num_blocks_owed(&[1, 2]).unwrap(), 4);
+    let free = m.pool().num_free();
+    m.swap_in(&[1, 2]).unwrap();
+    assert_eq!(free - m.pool().num_free(), 4);
+
+    // errors change nothing
+    assert_eq!(
+        m.num_blocks_owed(&[1, 3]),
+        Err(Error::UnknownSequence { seq_id: 3 })
+    );
+    assert!(matches!(
+        m.num_blocks_owed(&[1, 1]),
+        Err(Error::InvalidArgument { arg: "seq_ids", .. })
+    ));
+    m.check_invariants().unwrap();
 }

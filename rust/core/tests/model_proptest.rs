@@ -1,5 +1,5 @@
 //! Proptest state machine: random operation sequences against a small pure model of each
-//! sequence (tokens, computed count, status), checking DESIGN.md invariants after every op:
+//! sequence (tokens, computed count, status), checking docs/design.md's invariants after every op:
 //! 1–4 through `check_invariants`, 5 (a failed call leaves the state bit-identical), 6
 //! (predicted blocks == blocks taken), 7 (everything freed ⇒ pool whole, no sequence left) and
 //! 8 (reset only when nothing is in use; afterwards no hash).
@@ -24,7 +24,7 @@ enum Op {
     },
     Allocate {
         seq: usize,
-        max_new: u8,
+        num_new: u8,
     },
     Fork {
         seq: usize,
@@ -49,7 +49,7 @@ enum Op {
     },
     Step {
         seqs: Vec<usize>,
-        max_new: u8,
+        num_new: u8,
         append: bool,
     },
 }
@@ -58,7 +58,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         3 => (0u8..3, 1u8..20).prop_map(|(family, len)| Op::Add { family, len }),
         2 => (any::<usize>(), 1u8..6).prop_map(|(seq, n)| Op::Append { seq, n }),
-        5 => (any::<usize>(), 1u8..17).prop_map(|(seq, max_new)| Op::Allocate { seq, max_new }),
+        5 => (any::<usize>(), 1u8..17).prop_map(|(seq, num_new)| Op::Allocate { seq, num_new }),
         1 => any::<usize>().prop_map(|seq| Op::Fork { seq }),
         2 => any::<usize>().prop_map(|seq| Op::Free { seq }),
         1 => (any::<usize>(), any::<bool>()).prop_map(|(seq, with_next)| Op::Preempt { seq, with_next }),
@@ -67,7 +67,7 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Reset),
         1 => any::<usize>().prop_map(|seq| Op::Lookup { seq }),
         2 => (proptest::collection::vec(any::<usize>(), 1..4), 1u8..9, any::<bool>())
-            .prop_map(|(seqs, max_new, append)| Op::Step { seqs, max_new, append }),
+            .prop_map(|(seqs, num_new, append)| Op::Step { seqs, num_new, append }),
     ]
 }
 
@@ -104,12 +104,12 @@ fn snapshot(m: &KvCacheManager, model: &[MSeq]) -> Snapshot {
 fn check_alloc(
     m: &KvCacheManager,
     s: &mut MSeq,
-    max_new: usize,
+    num_new: usize,
     model_snapshot: Snapshot,
 ) -> Result<(), TestCaseError> {
-    let predicted = m.num_blocks_needed(s.id, max_new);
+    let predicted = m.num_blocks_needed(s.id, num_new);
     let free_before = m.pool().num_free();
-    let result = m.allocate_slots(s.id, max_new);
+    let result = m.allocate_slots(s.id, num_new);
     match (predicted, result) {
         (Ok(p), Ok(a)) => {
             prop_assert_eq!(free_before - m.pool().num_free(), p, "predicted != taken");
@@ -126,7 +126,7 @@ fn check_alloc(
             );
             prop_assert_eq!(
                 a.num_scheduled_tokens,
-                max_new.min(s.tokens.len() - context)
+                num_new.min(s.tokens.len() - context)
             );
             prop_assert!(a.copies.len() <= 1);
             s.computed = context + a.num_scheduled_tokens;
@@ -196,10 +196,10 @@ fn run(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
                     model[i].tokens.extend(new);
                 }
             }
-            Op::Allocate { seq, max_new } => {
+            Op::Allocate { seq, num_new } => {
                 if let Some(i) = pick(seq, &model) {
                     let snap = snapshot(&m, &[model[i].clone()]);
-                    check_alloc(&m, &mut model[i], usize::from(max_new), snap)?;
+                    check_alloc(&m, &mut model[i], usize::from(num_new), snap)?;
                 }
             }
             Op::Fork { seq } => {
@@ -312,7 +312,7 @@ fn run(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
             }
             Op::Step {
                 seqs,
-                max_new,
+                num_new,
                 append,
             } => {
                 if model.is_empty() {
@@ -321,7 +321,7 @@ fn run(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
                 let idx: Vec<usize> = seqs.iter().map(|&s| s % model.len()).collect();
                 let mut req = StepRequest {
                     seq_ids: idx.iter().map(|&i| model[i].id).collect(),
-                    max_new_tokens: vec![u32::from(max_new); idx.len()],
+                    num_new_tokens: vec![u32::from(num_new); idx.len()],
                     ..Default::default()
                 };
                 if append {
@@ -330,8 +330,40 @@ fn run(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
                     tok += 11;
                 }
                 let before = snapshot(&m, &model);
+                let mut distinct = req.seq_ids.clone();
+                distinct.sort_unstable();
+                distinct.dedup();
+                let owed = (distinct.len() == idx.len() && !append)
+                    .then(|| m.num_blocks_owed(&req.seq_ids).unwrap());
+                let free_before = m.pool().num_free();
                 let out = m.step(&req);
                 prop_assert_eq!(out.query_start_loc.len(), out.num_scheduled + 1);
+                let w = out.block_table_width;
+                prop_assert_eq!(out.block_table.len(), out.num_scheduled * w);
+                for k in 0..out.num_scheduled {
+                    let row = out.block_table_row(k);
+                    let len = (out.seq_lens[k] as usize).div_ceil(BS as usize);
+                    let table: Vec<i32> = m
+                        .block_table(req.seq_ids[k])
+                        .unwrap()
+                        .iter()
+                        .map(|&b| b as i32)
+                        .collect();
+                    prop_assert_eq!(&row[..len], &table[..]);
+                    prop_assert!(row[len..].iter().all(|&b| b == 0));
+                }
+                prop_assert_eq!(out.input_ids.len(), out.slot_mapping.len());
+                // Scheduling every uncomputed token of the group takes exactly what it owed.
+                if let Some(owed) = owed {
+                    let all_done = out.error.is_none()
+                        && req
+                            .seq_ids
+                            .iter()
+                            .all(|&id| m.num_uncomputed_tokens(&[id]).unwrap() == vec![0]);
+                    if all_done {
+                        prop_assert_eq!(free_before - m.pool().num_free(), owed);
+                    }
+                }
                 prop_assert_eq!(
                     out.slot_mapping.len() as i32,
                     *out.query_start_loc.last().unwrap()
@@ -340,13 +372,17 @@ fn run(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
                     if append {
                         model[i].tokens.push(req.append_tokens[k]);
                     }
+                    let q =
+                        (out.query_start_loc[k] as usize)..(out.query_start_loc[k + 1] as usize);
+                    let want: Vec<i64> = model[i].tokens
+                        [out.context_lens[k] as usize..out.seq_lens[k] as usize]
+                        .iter()
+                        .map(|&t| i64::from(t))
+                        .collect();
+                    prop_assert_eq!(&out.input_ids[q], &want[..]);
                     model[i].computed = out.seq_lens[k] as usize;
                     model[i].status = SeqStatus::Running;
-                    let (lo, hi) = (
-                        out.block_table_indptr[k] as usize,
-                        out.block_table_indptr[k + 1] as usize,
-                    );
-                    let table = &out.block_table_indices[lo..hi];
+                    let table = out.block_table_row(k);
                     for (j, pos) in (out.context_lens[k]..out.seq_lens[k]).enumerate() {
                         let slot = out.slot_mapping[out.query_start_loc[k] as usize + j];
                         let block = table[pos as usize / BS as usize];

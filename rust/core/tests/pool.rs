@@ -1,5 +1,5 @@
-//! Rules of the block pool (DESIGN.md "Core semantics") and scenarios S2, S4 (raw block ids)
-//! and S8 of SCENARIOS.md at pool level, with exact values.
+//! Rules of the block pool (docs/design.md, "Core semantics") and scenarios S2, S4 (raw block ids)
+//! and S8 (docs/design.md, "Regression scenarios") at pool level, with exact values.
 #![cfg(not(loom))]
 
 use std::sync::Arc;

@@ -1,5 +1,5 @@
 //! proptest state machine: random pool operations against a plain sequential model of
-//! DESIGN.md's free queue (uncached LIFO at the front, cached LRU at the back). After every
+//! docs/design.md's free queue (uncached LIFO at the front, cached LRU at the back). After every
 //! operation the pool's ref counts, hashes, free-queue order and results equal the model's,
 //! and `check_invariants` passes.
 #![cfg(not(loom))]

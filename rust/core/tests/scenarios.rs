@@ -1,4 +1,4 @@
-//! Regression scenarios S1, S2, S3, S4, S7, S8 of SCENARIOS.md, each asserting exact values.
+//! Regression scenarios S1, S2, S3, S4, S7, S8 (docs/design.md, "Regression scenarios"), each asserting exact values.
 
 use pagedkv_core::events::KvEvent;
 use pagedkv_core::{BlockHash, BlockId, CacheConfig, Error, KvCacheManager, SequenceSpec};
@@ -72,7 +72,7 @@ fn s1_failed_allocation_does_not_leak_prefix_hits() {
     // The same through the batched step.
     let out = m.step(&pagedkv_core::StepRequest {
         seq_ids: vec![3],
-        max_new_tokens: vec![144],
+        num_new_tokens: vec![144],
         ..Default::default()
     });
     assert_eq!(out.num_scheduled, 0);
@@ -356,9 +356,9 @@ fn s8_null_block_is_never_capacity() {
     assert_eq!(m.pool().free_queue().len(), 10);
     let out = m.step(&pagedkv_core::StepRequest {
         seq_ids: vec![2],
-        max_new_tokens: vec![16],
+        num_new_tokens: vec![16],
         ..Default::default()
     });
-    assert!(out.block_table_indices.iter().all(|&b| b != 0));
+    assert!(out.block_table.iter().all(|&b| b != 0));
     m.check_invariants().unwrap();
 }

@@ -2,7 +2,7 @@
 //! small pool for a fixed op count, each tracking the references it holds. Afterwards every
 //! block's ref count equals the number of references held across all threads (every block
 //! owned exactly as many times as counted, none lost, none handed out twice), and the
-//! DESIGN.md invariants hold.
+//! invariants of docs/design.md hold.
 #![cfg(not(loom))]
 
 use std::sync::Arc;

@@ -1,12 +1,12 @@
 //! `pagedkv.CacheConfig`: the frozen, validated configuration of a KV cache manager.
 
-use crate::convert::uint_arg;
+use crate::convert::{repr, type_name, uint};
 use crate::errors::to_pyerr;
 use pagedkv_core::manager::MAX_BLOCK_SIZE;
 use pagedkv_core::pool::MAX_BLOCKS;
 use pagedkv_core::{CacheConfig, Error, HashAlgo};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBool, PyBytes, PyString};
 
 /// Configuration of a KV cache manager (frozen; validated on construction).
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "CacheConfig")]
@@ -36,7 +36,7 @@ fn u32_field(
     (lo, hi): (u32, u32),
     unit: &str,
 ) -> PyResult<u32> {
-    uint_arg(obj, field, u64::from(u32::MAX))
+    uint(obj, field, u64::from(u32::MAX))
         .map(|v| v as u32)
         .map_err(|_| {
             let value = obj.repr().map(|r| r.to_string()).unwrap_or_default();
@@ -49,22 +49,59 @@ fn u32_field(
         })
 }
 
+/// A field of one Python type (`bool`, `str`, `bytes`), else `InvalidConfigError` naming it.
+fn typed_field<'a, 'py, T: pyo3::PyTypeCheck>(
+    obj: &'a Bound<'py, PyAny>,
+    field: &'static str,
+    what: &str,
+) -> PyResult<&'a Bound<'py, T>> {
+    obj.cast::<T>().map_err(|_| {
+        let reason = format!("expected {what}, got {}", type_name(obj));
+        config_error(obj.py(), field, repr(obj), reason)
+    })
+}
+
 #[pymethods]
 impl PyCacheConfig {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, *, enable_prefix_caching = true, hash_algo = "sha256",
-                        hash_seed = None, num_cpu_blocks = None, enable_events = false))]
+    // The typed fields are read by hand (so a wrong type is an InvalidConfigError naming the
+    // field); the text signature shows their real defaults.
+    #[pyo3(signature = (num_blocks, block_size, *, enable_prefix_caching = None, hash_algo = None,
+                        hash_seed = None, num_cpu_blocks = None, enable_events = None),
+           text_signature = "(num_blocks, block_size, *, enable_prefix_caching=True, hash_algo='sha256', hash_seed=None, num_cpu_blocks=None, enable_events=False)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         num_blocks: &Bound<'_, PyAny>,
         block_size: &Bound<'_, PyAny>,
-        enable_prefix_caching: bool,
-        hash_algo: &str,
-        hash_seed: Option<&[u8]>,
+        enable_prefix_caching: Option<&Bound<'_, PyAny>>,
+        hash_algo: Option<&Bound<'_, PyAny>>,
+        hash_seed: Option<&Bound<'_, PyAny>>,
         num_cpu_blocks: Option<&Bound<'_, PyAny>>,
-        enable_events: bool,
+        enable_events: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let flag = |obj: Option<&Bound<'_, PyAny>>, field, default| match obj {
+            // pyo3's bool extraction also takes numpy.bool_.
+            Some(o) => o
+                .extract::<bool>()
+                .or_else(|_| typed_field::<PyBool>(o, field, "a bool").map(|b| b.is_true())),
+            None => Ok::<bool, PyErr>(default),
+        };
+        let enable_prefix_caching = flag(enable_prefix_caching, "enable_prefix_caching", true)?;
+        let enable_events = flag(enable_events, "enable_events", false)?;
+        let hash_algo = match hash_algo {
+            Some(o) => typed_field::<PyString>(o, "hash_algo", "a str")?
+                .to_str()?
+                .to_owned(),
+            None => "sha256".to_owned(),
+        };
+        let hash_algo = hash_algo.as_str();
+        let hash_seed = match hash_seed.filter(|s| !s.is_none()) {
+            Some(seed) => typed_field::<PyBytes>(seed, "hash_seed", "bytes")?
+                .as_bytes()
+                .to_vec(),
+            None => Vec::new(),
+        };
         let mut cfg = CacheConfig::new(
             u32_field(num_blocks, "num_blocks", (2, MAX_BLOCKS), "blocks")?,
             u32_field(block_size, "block_size", (1, MAX_BLOCK_SIZE), "tokens")?,
@@ -78,7 +115,7 @@ impl PyCacheConfig {
                 "expected \"sha256\" or \"xxh3_128\"".into(),
             )
         })?;
-        cfg.hash_seed = hash_seed.unwrap_or_default().to_vec();
+        cfg.hash_seed = hash_seed;
         cfg.num_cpu_blocks = match num_cpu_blocks {
             Some(n) => u32_field(n, "num_cpu_blocks", (0, u32::MAX), "blocks")?,
             None => 0,

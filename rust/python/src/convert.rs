@@ -1,14 +1,15 @@
-//! Argument conversion: Python ints, sequences of ints and 1-D numpy integer arrays into the
-//! core's integer types, with typed errors (`InvalidArgumentError`) that name the argument and
-//! the offending value. numpy arrays of any integer dtype are read without a per-element Python
-//! object; lists are read item by item.
+//! Argument reading: one Python int, or one array-like of ints (a 1-D numpy integer array, or
+//! a list / tuple of ints), into the core's integer types. Anything else is an
+//! `InvalidArgumentError` naming the argument and the offending value; nothing else is coerced
+//! (no generic iterables, no strings or bytes read as sequences).
 
 use crate::errors::{bad_arg, to_pyerr};
 use numpy::{PyArray1, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyInt, PyList, PyString, PyTuple};
 
-fn err(
+/// `InvalidArgumentError` for argument `arg`.
+pub(crate) fn bad(
     py: Python<'_>,
     arg: &'static str,
     value: impl Into<String>,
@@ -17,63 +18,58 @@ fn err(
     to_pyerr(py, &bad_arg(arg, value, reason))
 }
 
-fn short_repr(obj: &Bound<'_, PyAny>) -> String {
+pub(crate) fn repr(obj: &Bound<'_, PyAny>) -> String {
     obj.repr()
         .map(|r| r.to_string())
         .unwrap_or_else(|_| "<unprintable>".into())
 }
 
-/// One Python int in `0..=max` (bools and non-ints rejected).
-pub(crate) fn uint_arg(obj: &Bound<'_, PyAny>, arg: &'static str, max: u64) -> PyResult<u64> {
-    let py = obj.py();
-    if obj.is_instance_of::<PyBool>() {
-        return Err(err(py, arg, short_repr(obj), "expected an int, got a bool"));
-    }
-    match obj.extract::<u64>() {
-        Ok(v) if v <= max => Ok(v),
-        Ok(v) => Err(err(py, arg, v.to_string(), format!("must be <= {max}"))),
-        Err(_) => match obj.extract::<i64>() {
-            Ok(v) if v < 0 => Err(err(py, arg, v.to_string(), "must be >= 0")),
-            _ if obj.is_instance_of::<PyInt>() || obj.hasattr("__index__").unwrap_or(false) => Err(
-                err(py, arg, short_repr(obj), format!("out of range 0..={max}")),
-            ),
-            _ => Err(err(
-                py,
-                arg,
-                short_repr(obj),
-                format!("expected an int, got {}", type_name(obj)),
-            )),
-        },
-    }
-}
-
-fn type_name(obj: &Bound<'_, PyAny>) -> String {
+pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
     obj.get_type()
         .name()
         .map(|n| n.to_string())
         .unwrap_or_else(|_| "?".into())
 }
 
-/// Reads a 1-D numpy array of integer dtype `T` into `Vec<u64>` checking `0..=max`.
-fn read_array<T>(
-    arr: &Bound<'_, PyArray1<T>>,
-    arg: &'static str,
-    max: u64,
-    out: &mut Vec<u64>,
-) -> PyResult<()>
+/// One Python int (or numpy integer scalar) in `0..=max`; bools are refused.
+pub(crate) fn uint(obj: &Bound<'_, PyAny>, arg: &'static str, max: u64) -> PyResult<u64> {
+    let py = obj.py();
+    if !obj.is_instance_of::<PyBool>() {
+        match obj.extract::<u64>() {
+            Ok(v) if v <= max => return Ok(v),
+            Ok(v) => return Err(bad(py, arg, v.to_string(), format!("must be <= {max}"))),
+            Err(_) => {
+                if let Ok(v) = obj.extract::<i64>() {
+                    return Err(bad(py, arg, v.to_string(), "must be >= 0"));
+                }
+                if obj.is_instance_of::<PyInt>() {
+                    return Err(bad(py, arg, repr(obj), format!("out of range 0..={max}")));
+                }
+            }
+        }
+    }
+    Err(bad(
+        py,
+        arg,
+        repr(obj),
+        format!("expected an int, got {}", type_name(obj)),
+    ))
+}
+
+/// Appends the values of a 1-D numpy array of integer dtype `T`, each checked against `max`.
+fn read_array<T>(a: &Bound<'_, PyArray1<T>>, arg: &'static str, max: u64) -> PyResult<Vec<u64>>
 where
     T: numpy::Element + Copy + TryInto<u64> + std::fmt::Display,
 {
-    let py = arr.py();
-    let ro = arr.readonly();
+    let ro = a.readonly();
     let view = ro.as_array();
-    out.reserve(view.len());
+    let mut out = Vec::with_capacity(view.len());
     for (i, &x) in view.iter().enumerate() {
         match x.try_into() {
             Ok(v) if v <= max => out.push(v),
             _ => {
-                return Err(err(
-                    py,
+                return Err(bad(
+                    a.py(),
                     arg,
                     format!("{x} at index {i}"),
                     format!("values must be in 0..={max}"),
@@ -81,120 +77,92 @@ where
             }
         }
     }
-    Ok(())
+    Ok(out)
 }
 
-/// A 1-D integer numpy array or a sequence of ints, every value in `0..=max`.
-pub(crate) fn uint_vec(obj: &Bound<'_, PyAny>, arg: &'static str, max: u64) -> PyResult<Vec<u64>> {
-    let py = obj.py();
-    let mut out = Vec::new();
-    if let Ok(arr) = obj.downcast::<PyUntypedArray>() {
-        if arr.ndim() != 1 {
-            return Err(err(
-                py,
+/// A 1-D numpy integer array, every value in `0..=max`: int64 / uint64 / int32 / uint32 are
+/// read in place, narrower integer dtypes through one `astype(int64)`.
+fn array_values(
+    arr: &Bound<'_, PyUntypedArray>,
+    arg: &'static str,
+    max: u64,
+) -> PyResult<Vec<u64>> {
+    let py = arr.py();
+    if arr.ndim() != 1 {
+        let shape = format!("array of shape {:?}", arr.shape());
+        return Err(bad(py, arg, shape, "expected a 1-D array"));
+    }
+    let kind = arr.dtype().kind();
+    if kind != b'i' && kind != b'u' {
+        let dtype = format!("array of dtype {}", arr.dtype());
+        return Err(bad(py, arg, dtype, "expected an integer dtype"));
+    }
+    macro_rules! in_place {
+        ($($t:ty),*) => {$(
+            if let Ok(a) = arr.cast::<PyArray1<$t>>() {
+                return read_array(a, arg, max);
+            }
+        )*};
+    }
+    in_place!(i64, u64, i32, u32);
+    let wide = arr.call_method1("astype", ("int64",))?;
+    read_array(wide.cast::<PyArray1<i64>>()?, arg, max)
+}
+
+/// An array-like of ints: a 1-D numpy integer array or a list / tuple of ints, every value in
+/// `0..=max`.
+pub(crate) fn uint_array(
+    obj: &Bound<'_, PyAny>,
+    arg: &'static str,
+    max: u64,
+) -> PyResult<Vec<u64>> {
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        return array_values(arr, arg, max);
+    }
+    // Lists and tuples are read through their own iterators (no iterator protocol).
+    if let Ok(list) = obj.cast::<PyList>() {
+        return items_values(list.iter(), list.len(), arg, max);
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return items_values(tuple.iter(), tuple.len(), arg, max);
+    }
+    let reason = format!(
+        "expected a 1-D integer array or a list of ints, got {}",
+        type_name(obj)
+    );
+    Err(bad(obj.py(), arg, repr(obj), reason))
+}
+
+fn items_values<'py>(
+    items: impl Iterator<Item = Bound<'py, PyAny>>,
+    len: usize,
+    arg: &'static str,
+    max: u64,
+) -> PyResult<Vec<u64>> {
+    let mut out = Vec::with_capacity(len);
+    for (i, item) in items.enumerate() {
+        let v = uint(&item, arg, max).map_err(|_| {
+            let reason = if item.is_instance_of::<PyInt>() && !item.is_instance_of::<PyBool>() {
+                format!("values must be in 0..={max}")
+            } else {
+                format!("expected ints, got {}", type_name(&item))
+            };
+            bad(
+                item.py(),
                 arg,
-                format!("array of shape {:?}", arr.shape()),
-                "expected a 1-D array",
-            ));
-        }
-        let kind = arr.dtype().kind();
-        if kind != b'i' && kind != b'u' {
-            return Err(err(
-                py,
-                arg,
-                format!("array of dtype {}", arr.dtype()),
-                "expected an integer dtype",
-            ));
-        }
-        macro_rules! try_dtype {
-            ($($t:ty),*) => {$(
-                if let Ok(a) = obj.downcast::<PyArray1<$t>>() {
-                    read_array(a, arg, max, &mut out)?;
-                    return Ok(out);
-                }
-            )*};
-        }
-        try_dtype!(i64, i32, u32, u64, i16, u16, i8, u8);
-        return Err(err(
-            py,
-            arg,
-            format!("array of dtype {}", arr.dtype()),
-            "unsupported integer dtype",
-        ));
-    }
-    // Fast path for the common list / tuple of Python ints (no iterator protocol, no type probes).
-    if let Ok(list) = obj.downcast::<PyList>() {
-        out.reserve(list.len());
-        for (i, item) in list.iter().enumerate() {
-            out.push(seq_item(&item, arg, max, i)?);
-        }
-        return Ok(out);
-    }
-    if let Ok(tuple) = obj.downcast::<PyTuple>() {
-        out.reserve(tuple.len());
-        for (i, item) in tuple.iter().enumerate() {
-            out.push(seq_item(&item, arg, max, i)?);
-        }
-        return Ok(out);
-    }
-    if obj.is_instance_of::<PyString>()
-        || obj.is_instance_of::<PyBytes>()
-        || obj.is_instance_of::<PyByteArray>()
-        || obj.is_instance_of::<PyInt>()
-    {
-        return Err(err(
-            py,
-            arg,
-            short_repr(obj),
-            format!(
-                "expected a sequence of ints or a 1-D integer array, got {}",
-                type_name(obj)
-            ),
-        ));
-    }
-    let iter = obj.try_iter().map_err(|_| {
-        err(
-            py,
-            arg,
-            short_repr(obj),
-            format!(
-                "expected a sequence of ints or a 1-D integer array, got {}",
-                type_name(obj)
-            ),
-        )
-    })?;
-    if let Ok(n) = obj.len() {
-        out.reserve(n);
-    }
-    for (i, item) in iter.enumerate() {
-        out.push(seq_item(&item?, arg, max, i)?);
+                format!("{} at index {i}", repr(&item)),
+                reason,
+            )
+        })?;
+        out.push(v);
     }
     Ok(out)
 }
 
-/// Item `i` of a sequence argument, with an error naming its index.
-fn seq_item(item: &Bound<'_, PyAny>, arg: &'static str, max: u64, i: usize) -> PyResult<u64> {
-    uint_arg(item, arg, max).map_err(|_| {
-        let what = if item.is_instance_of::<PyInt>() && !item.is_instance_of::<PyBool>() {
-            format!("values must be in 0..={max}")
-        } else {
-            format!("expected ints, got {}", type_name(item))
-        };
-        err(
-            item.py(),
-            arg,
-            format!("{} at index {i}", short_repr(item)),
-            what,
-        )
-    })
-}
-
-/// Token ids (`0..=u32::MAX`) from an array or a sequence.
+/// Token ids (`0..=u32::MAX`).
 pub(crate) fn token_ids(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<u32>> {
-    Ok(uint_vec(obj, arg, u64::from(u32::MAX))?
-        .into_iter()
-        .map(|v| v as u32)
-        .collect())
+    let v = uint_array(obj, arg, u64::from(u32::MAX))?;
+    Ok(v.into_iter().map(|x| x as u32).collect())
 }
 
 /// Block ids (`0..=u32::MAX`; the core rejects 0 and out-of-pool ids with `InvalidBlockError`).
@@ -204,15 +172,66 @@ pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<V
 
 /// Sequence ids (`0..=u64::MAX`).
 pub(crate) fn seq_ids(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<u64>> {
-    uint_vec(obj, arg, u64::MAX)
+    uint_array(obj, arg, u64::MAX)
 }
 
 /// One sequence id.
 pub(crate) fn seq_id(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<u64> {
-    uint_arg(obj, arg, u64::MAX)
+    uint(obj, arg, u64::MAX)
 }
 
-/// A non-negative count (tokens or blocks) as `usize`.
+/// A non-negative count (tokens or blocks).
 pub(crate) fn count(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<usize> {
-    Ok(uint_arg(obj, arg, usize::MAX as u64)? as usize)
+    Ok(uint(obj, arg, usize::MAX as u64)? as usize)
+}
+
+/// A `bytes` argument.
+pub(crate) fn bytes_arg<'a>(obj: &'a Bound<'_, PyAny>, arg: &'static str) -> PyResult<&'a [u8]> {
+    match obj.cast::<PyBytes>() {
+        Ok(b) => Ok(b.as_bytes()),
+        Err(_) => Err(bad(
+            obj.py(),
+            arg,
+            repr(obj),
+            format!("expected bytes, got {}", type_name(obj)),
+        )),
+    }
+}
+
+/// An optional `str` argument.
+pub(crate) fn opt_str(
+    obj: Option<&Bound<'_, PyAny>>,
+    arg: &'static str,
+) -> PyResult<Option<String>> {
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    match obj.cast::<PyString>() {
+        Ok(s) => Ok(Some(s.to_str()?.to_owned())),
+        Err(_) => Err(bad(
+            obj.py(),
+            arg,
+            repr(obj),
+            format!("expected a str, got {}", type_name(obj)),
+        )),
+    }
+}
+
+/// A list / tuple argument's items (anything else refused).
+pub(crate) fn list_items<'py>(
+    obj: &Bound<'py, PyAny>,
+    arg: &'static str,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        return Ok(list.iter().collect());
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        return Ok(tuple.iter().collect());
+    }
+    Err(bad(
+        obj.py(),
+        arg,
+        repr(obj),
+        format!("expected a list, got {}", type_name(obj)),
+    ))
 }

@@ -125,7 +125,7 @@ impl PyAllBlocksCleared {
 }
 
 /// One core event as its Python object.
-pub(crate) fn event_object(py: Python<'_>, event: KvEvent) -> PyResult<PyObject> {
+pub(crate) fn event_object(py: Python<'_>, event: KvEvent) -> PyResult<Py<PyAny>> {
     Ok(match event {
         KvEvent::BlockStored {
             block_hashes,

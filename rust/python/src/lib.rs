@@ -19,6 +19,7 @@ use pyo3::prelude::*;
 /// The `pagedkv._core` extension module.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::init(m.py())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("NULL_BLOCK", pagedkv_core::NULL_BLOCK)?;
     m.add("MAX_BLOCK_SIZE", pagedkv_core::manager::MAX_BLOCK_SIZE)?;

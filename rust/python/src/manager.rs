@@ -5,54 +5,55 @@
 //! per-block Python objects).
 
 use crate::config::PyCacheConfig;
-use crate::convert::{count, token_ids, uint_arg, uint_vec};
-use crate::errors::{bad_arg, error_instance, to_pyerr, IntoPyResult};
+use crate::convert::{
+    bad, count, list_items, opt_str, repr, token_ids, type_name, uint, uint_array,
+};
+use crate::errors::{error_instance, IntoPyResult};
 use crate::events::event_object;
 use crate::pool::PyBlockPool;
 use crate::stats::PyCacheStats;
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyUntypedArray, PyUntypedArrayMethods};
 use pagedkv_core::{BlockId, ExtraKey, KvCacheManager, MmItem, SequenceSpec, StepRequest};
-use pyo3::exceptions::PyAssertionError;
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyString};
+use pyo3::types::{PyBytes, PyInt, PyList};
 use std::sync::Arc;
 
-fn i32_array(py: Python<'_>, v: Vec<i32>) -> Py<PyArray1<i32>> {
-    PyArray1::from_vec(py, v).unbind()
+/// Block ids as an ``int32`` array. Ids are below `MAX_BLOCKS` (2**28), so the cast is exact;
+/// the `u32 -> i32` collect reuses the vector's buffer.
+fn block_array(py: Python<'_>, ids: Vec<BlockId>) -> Py<PyArray1<i32>> {
+    PyArray1::from_vec(py, ids.into_iter().map(|b| b as i32).collect()).unbind()
 }
 
-/// `(a, b)` block pairs as `int32[k, 2]`.
-fn pairs_array(py: Python<'_>, pairs: &[(BlockId, BlockId)]) -> Py<PyArray2<i32>> {
-    let flat: Vec<i32> = pairs
-        .iter()
-        .flat_map(|&(a, b)| [a as i32, b as i32])
-        .collect();
-    Array2::from_shape_vec((pairs.len(), 2), flat)
-        .expect("k x 2 shape matches 2k elements")
+/// A row-major `rows x cols` buffer as a 2-D array, without copying it.
+fn matrix(py: Python<'_>, flat: Vec<i32>, cols: usize) -> Py<PyArray2<i32>> {
+    Array2::from_shape_vec((flat.len() / cols, cols), flat)
+        .expect("rows x cols buffer")
         .into_pyarray(py)
         .unbind()
 }
 
-/// What one ``allocate_slots`` call did.
-///
-/// Attributes:
-///     num_scheduled_tokens: tokens scheduled (the query length), ``min(max_new_tokens, uncomputed)``.
-///     num_cached_tokens: tokens served from the prefix cache by this call (first allocation).
-///     num_context_tokens: tokens with KV present before the scheduled ones; the scheduled
-///         tokens occupy positions ``num_context_tokens .. num_context_tokens + num_scheduled_tokens``.
-///     new_block_ids: ``int32[k]`` blocks newly taken from the free pool, in block-table order.
-///     copies: ``int32[c, 2]`` copy-on-write plan, ``(src, dst)`` rows (c <= 1).
+/// `(a, b)` block pairs as `int32[k, 2]`.
+fn pairs_array(py: Python<'_>, pairs: &[(BlockId, BlockId)]) -> Py<PyArray2<i32>> {
+    let flat = pairs
+        .iter()
+        .flat_map(|&(a, b)| [a as i32, b as i32])
+        .collect();
+    matrix(py, flat, 2)
+}
+
+/// What one ``allocate_slots`` call did (each attribute's docstring gives its unit).
 #[pyclass(frozen, module = "pagedkv._core", name = "SlotAllocation")]
 pub(crate) struct PySlotAllocation {
-    /// Tokens scheduled by this call (the query length).
+    /// Tokens scheduled by this call (the query length): ``min(num_new_tokens, uncomputed)``.
     #[pyo3(get)]
     num_scheduled_tokens: usize,
     /// Tokens served from the prefix cache by this call (first allocation only; a multiple of
     /// block_size).
     #[pyo3(get)]
     num_cached_tokens: usize,
-    /// Tokens with KV present before the scheduled ones.
+    /// Tokens with KV present before the scheduled ones; the scheduled tokens occupy positions
+    /// ``num_context_tokens .. num_context_tokens + num_scheduled_tokens``.
     #[pyo3(get)]
     num_context_tokens: usize,
     /// ``int32[k]`` blocks newly taken from the free pool, in block-table order.
@@ -82,27 +83,17 @@ impl PySlotAllocation {
     }
 }
 
-/// The result of one batched ``KVCacheManager.step``: flat arrays ready to become kernel inputs
-/// (see ``pagedkv.tensors.BatchTensors.from_step``).
+/// The result of one batched ``KVCacheManager.step``: the scheduled sequences' kernel inputs
+/// as numpy arrays, built by the core in the dtype and layout the kernels take (``int32`` block
+/// ids and lengths, ``int64`` slots and token ids; ``block_table`` dense and C-contiguous, so
+/// ``torch.from_numpy`` shares it without a copy). Each attribute's docstring gives its dtype
+/// and shape.
 ///
 /// Sequences are processed in request order; processing stops at the first failure, so the
-/// arrays describe the first ``num_scheduled`` sequences (``S``) and ``error`` holds the
-/// exception (not raised) that stopped the step, or None. The failed sequence is unchanged
-/// (its appended tokens removed again); the ones before it keep their allocations.
-///
-/// Attributes:
-///     num_scheduled: ``S``, sequences scheduled.
-///     error: the ``PagedKVError`` instance that stopped the step, or None.
-///     num_cached_tokens: ``int32[S]`` prefix-hit tokens of each sequence's first allocation, else 0.
-///     query_start_loc: ``int32[S + 1]`` cumulative query lengths (tokens).
-///     seq_lens: ``int32[S]`` context + query tokens.
-///     context_lens: ``int32[S]`` tokens with KV present before this step.
-///     slot_mapping: ``int64[T]`` per scheduled token, ``block_id * block_size + offset``.
-///     block_table_indptr: ``int32[S + 1]`` CSR offsets into ``block_table_indices``.
-///     block_table_indices: ``int32[nnz]`` the scheduled sequences' full block tables.
-///     new_block_indptr: ``int32[S + 1]`` CSR offsets into ``new_block_ids``.
-///     new_block_ids: ``int32[n]`` blocks newly taken per sequence.
-///     copies: ``int32[c, 2]`` copy-on-write ``(src, dst)`` pairs, to run before the writes.
+/// arrays describe the first ``num_scheduled`` sequences (``S``, ``T`` scheduled tokens) and
+/// ``error`` holds the exception (not raised) that stopped the step, or None. The failed
+/// sequence is unchanged (its appended tokens removed again); the ones before it keep their
+/// allocations.
 #[pyclass(frozen, module = "pagedkv._core", name = "StepOutput")]
 pub(crate) struct PyStepOutput {
     /// ``S``: sequences scheduled (a prefix of the request).
@@ -110,7 +101,7 @@ pub(crate) struct PyStepOutput {
     num_scheduled: usize,
     /// The ``PagedKVError`` (not raised) that stopped the step, or None.
     #[pyo3(get)]
-    error: Option<PyObject>,
+    error: Option<Py<PyAny>>,
     /// ``int32[S]`` prefix-hit tokens of each first allocation, else 0.
     #[pyo3(get)]
     num_cached_tokens: Py<PyArray1<i32>>,
@@ -126,12 +117,6 @@ pub(crate) struct PyStepOutput {
     /// ``int64[T]`` KV slot of each scheduled token: ``block_id * block_size + offset``.
     #[pyo3(get)]
     slot_mapping: Py<PyArray1<i64>>,
-    /// ``int32[S + 1]`` CSR offsets into ``block_table_indices``.
-    #[pyo3(get)]
-    block_table_indptr: Py<PyArray1<i32>>,
-    /// ``int32[nnz]`` the scheduled sequences' full block tables, concatenated.
-    #[pyo3(get)]
-    block_table_indices: Py<PyArray1<i32>>,
     /// ``int32[S + 1]`` CSR offsets into ``new_block_ids``.
     #[pyo3(get)]
     new_block_indptr: Py<PyArray1<i32>>,
@@ -141,6 +126,14 @@ pub(crate) struct PyStepOutput {
     /// ``int32[c, 2]`` copy-on-write ``(src, dst)`` pairs, to run before the K/V writes.
     #[pyo3(get)]
     copies: Py<PyArray2<i32>>,
+    /// ``int64[T]`` token id of each scheduled token, in ``slot_mapping`` order.
+    #[pyo3(get)]
+    input_ids: Py<PyArray1<i64>>,
+    /// ``int32[S, W]`` the scheduled sequences' full block tables, one row each, padded with
+    /// the null block 0 (``W`` = the longest table; row ``k`` holds ``ceil(seq_lens[k] /
+    /// block_size)`` blocks). C-contiguous: ``torch.from_numpy`` shares it.
+    #[pyo3(get)]
+    block_table: Py<PyArray2<i32>>,
 }
 
 #[pymethods]
@@ -181,67 +174,51 @@ impl PyStepOutput {
 pub(crate) struct PyKvCacheManager {
     inner: Arc<KvCacheManager>,
     config: Py<PyCacheConfig>,
+    /// The read-only pool view, built once (the scheduler reads it every step).
+    pool: Py<PyBlockPool>,
 }
 
+/// Hashing inputs of `add_sequence`: the salt and adapter as extra keys, `(tag, bytes)` extra
+/// keys, `(item_hash, start_token, num_tokens)` multimodal items.
 fn sequence_spec(
-    py: Python<'_>,
-    cache_salt: Option<&str>,
-    adapter_id: Option<&str>,
+    cache_salt: Option<String>,
+    adapter_id: Option<String>,
     extra_keys: Option<&Bound<'_, PyAny>>,
     mm_items: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<SequenceSpec> {
     let mut spec = SequenceSpec::default();
-    if let Some(a) = adapter_id {
-        spec.extra_keys.push(ExtraKey::Adapter(a.to_owned()));
-    }
-    if let Some(s) = cache_salt {
-        spec.extra_keys.push(ExtraKey::CacheSalt(s.to_owned()));
-    }
+    spec.extra_keys.extend(adapter_id.map(ExtraKey::Adapter));
+    spec.extra_keys.extend(cache_salt.map(ExtraKey::CacheSalt));
+    let at = |item: &Bound<'_, PyAny>, i: usize| {
+        let r = item.repr().map(|r| r.to_string()).unwrap_or_default();
+        format!("{r} at index {i}")
+    };
     if let Some(keys) = extra_keys {
-        for (i, item) in keys.try_iter()?.enumerate() {
-            let item = item?;
+        for (i, item) in list_items(keys, "extra_keys")?.iter().enumerate() {
             let (tag, value): (String, Vec<u8>) = item.extract().map_err(|_| {
-                to_pyerr(
-                    py,
-                    &bad_arg(
-                        "extra_keys",
-                        format!(
-                            "{} at index {i}",
-                            item.repr().map(|r| r.to_string()).unwrap_or_default()
-                        ),
-                        "expected (tag: str, value: bytes) tuples",
-                    ),
-                )
+                let reason = "expected (tag: str, value: bytes) tuples";
+                bad(item.py(), "extra_keys", at(item, i), reason)
             })?;
             spec.extra_keys.push(ExtraKey::Tagged { tag, value });
         }
     }
     if let Some(items) = mm_items {
-        for (i, item) in items.try_iter()?.enumerate() {
-            let item = item?;
-            let bad = || {
-                to_pyerr(
-                    py,
-                    &bad_arg(
-                        "mm_items",
-                        format!("{} at index {i}", item.repr().map(|r| r.to_string()).unwrap_or_default()),
-                        "expected (item_hash: bytes, start_token: int >= 0, num_tokens: int >= 1) tuples",
-                    ),
-                )
+        for (i, item) in list_items(items, "mm_items")?.iter().enumerate() {
+            let refuse = || {
+                let reason = "expected (item_hash: bytes, start_token: int >= 0, num_tokens: int >= 1) tuples";
+                bad(item.py(), "mm_items", at(item, i), reason)
             };
-            let (hash, start, len): (Vec<u8>, Bound<'_, PyAny>, Bound<'_, PyAny>) =
-                item.extract().map_err(|_| bad())?;
-            if item
-                .get_item(0)
-                .map(|h| h.is_instance_of::<PyString>())
-                .unwrap_or(false)
-            {
-                return Err(bad());
-            }
-            let start = uint_arg(&start, "mm_items", u64::MAX).map_err(|_| bad())?;
-            let len = uint_arg(&len, "mm_items", u64::MAX).map_err(|_| bad())?;
+            let (hash, start, len): (Bound<'_, PyAny>, Bound<'_, PyAny>, Bound<'_, PyAny>) =
+                item.extract().map_err(|_| refuse())?;
+            let item_hash = hash
+                .cast::<PyBytes>()
+                .map_err(|_| refuse())?
+                .as_bytes()
+                .to_vec();
+            let start = uint(&start, "mm_items", u64::MAX).map_err(|_| refuse())?;
+            let len = uint(&len, "mm_items", u64::MAX).map_err(|_| refuse())?;
             spec.mm_items.push(MmItem {
-                item_hash: hash,
+                item_hash,
                 start,
                 len,
             });
@@ -250,80 +227,58 @@ fn sequence_spec(
     Ok(spec)
 }
 
-/// Per-sequence `max_new_tokens` for `step`: an int (same for all) or one per sequence.
-fn step_max_new_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<u32>> {
-    let py = obj.py();
-    let v: Vec<u32> = if obj.downcast::<pyo3::types::PyInt>().is_ok() {
-        vec![uint_arg(obj, "max_new_tokens", u64::from(u32::MAX))? as u32; n]
-    } else {
-        uint_vec(obj, "max_new_tokens", u64::from(u32::MAX))?
-            .into_iter()
-            .map(|x| x as u32)
-            .collect()
-    };
-    if v.len() != n {
-        return Err(to_pyerr(
-            py,
-            &bad_arg(
-                "max_new_tokens",
-                format!("{} entries", v.len()),
-                format!("expected one per sequence ({n})"),
-            ),
-        ));
+/// `step`'s per-sequence `num_new_tokens`: one int for every sequence, or an array-like of
+/// `n` ints.
+fn step_num_new_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<u32>> {
+    const ARG: &str = "num_new_tokens";
+    let max = u64::from(u32::MAX);
+    if obj.is_instance_of::<PyInt>() {
+        return Ok(vec![uint(obj, ARG, max)? as u32; n]);
     }
-    Ok(v)
+    let v = uint_array(obj, ARG, max)?;
+    if v.len() != n {
+        let reason = format!("expected one per sequence ({n})");
+        return Err(bad(obj.py(), ARG, format!("{} entries", v.len()), reason));
+    }
+    Ok(v.into_iter().map(|x| x as u32).collect())
 }
 
-/// `append_token_ids` for `step` as CSR: None; a 1-D integer array with one token per
-/// sequence; or a sequence of per-sequence token lists / arrays.
+/// `step`'s `append_token_ids` as CSR `(indptr, tokens)`: None; a 1-D integer array of `n`
+/// tokens (one per sequence, the decode case); or a list / tuple of `n` array-likes of tokens.
 fn step_appends(obj: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<(Vec<u32>, Vec<u32>)> {
-    let Some(obj) = obj else {
+    const ARG: &str = "append_token_ids";
+    let Some(obj) = obj.filter(|o| !o.is_none()) else {
         return Ok((Vec::new(), Vec::new()));
     };
-    let py = obj.py();
     let wrong_len = |got: usize| {
-        to_pyerr(
-            py,
-            &bad_arg(
-                "append_token_ids",
-                format!("{got} entries"),
-                format!("expected one per sequence ({n})"),
-            ),
-        )
+        let reason = format!("expected one per sequence ({n})");
+        bad(obj.py(), ARG, format!("{got} entries"), reason)
     };
-    if obj
-        .downcast::<PyUntypedArray>()
-        .map(|a| a.ndim() == 1)
-        .unwrap_or(false)
-    {
-        let tokens = token_ids(obj, "append_token_ids")?;
+    if obj.is_instance_of::<PyUntypedArray>() {
+        let tokens = token_ids(obj, ARG)?;
         if tokens.len() != n {
             return Err(wrong_len(tokens.len()));
         }
         return Ok(((0..=n as u32).collect(), tokens));
     }
+    let rows = list_items(obj, ARG)?;
+    if rows.len() != n {
+        return Err(wrong_len(rows.len()));
+    }
     let mut indptr = Vec::with_capacity(n + 1);
     indptr.push(0u32);
     let mut tokens = Vec::new();
-    let mut rows = 0usize;
-    for row in obj.try_iter()? {
-        let row = row?;
-        tokens.extend(token_ids(&row, "append_token_ids")?);
+    for row in &rows {
+        tokens.extend(token_ids(row, ARG)?);
         let end = u32::try_from(tokens.len()).map_err(|_| {
-            to_pyerr(
-                py,
-                &bad_arg(
-                    "append_token_ids",
-                    format!("{} tokens", tokens.len()),
-                    "too many tokens",
-                ),
+            bad(
+                obj.py(),
+                ARG,
+                format!("{} tokens", tokens.len()),
+                "too many tokens",
             )
         })?;
         indptr.push(end);
-        rows += 1;
-    }
-    if rows != n {
-        return Err(wrong_len(rows));
     }
     Ok((indptr, tokens))
 }
@@ -331,12 +286,23 @@ fn step_appends(obj: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<(Vec<u32>,
 #[pymethods]
 impl PyKvCacheManager {
     #[new]
-    fn new(py: Python<'_>, config: Py<PyCacheConfig>) -> PyResult<Self> {
+    fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let config: Py<PyCacheConfig> = config
+            .cast::<PyCacheConfig>()
+            .map_err(|_| {
+                let reason = format!("expected a CacheConfig, got {}", type_name(config));
+                bad(py, "config", repr(config), reason)
+            })?
+            .clone()
+            .unbind();
         let cfg = config.get().inner.clone();
-        let inner = py.allow_threads(|| KvCacheManager::new(cfg)).py(py)?;
+        let inner = py.detach(|| KvCacheManager::new(cfg)).py(py)?;
+        let inner = Arc::new(inner);
+        let pool = Py::new(py, PyBlockPool::view_of(inner.clone()))?;
         Ok(Self {
-            inner: Arc::new(inner),
+            inner,
             config,
+            pool,
         })
     }
 
@@ -348,8 +314,8 @@ impl PyKvCacheManager {
 
     /// A read-only view of the underlying block pool (ref counts, hashes, free queue).
     #[getter]
-    fn pool(&self) -> PyBlockPool {
-        PyBlockPool::view_of(self.inner.clone())
+    fn pool(&self, py: Python<'_>) -> Py<PyBlockPool> {
+        self.pool.clone_ref(py)
     }
 
     /// Registers sequence ``seq_id`` with its prompt (``int`` token ids, list or 1-D integer
@@ -367,17 +333,21 @@ impl PyKvCacheManager {
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
         prompt_token_ids: &Bound<'_, PyAny>,
-        cache_salt: Option<&str>,
-        adapter_id: Option<&str>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        adapter_id: Option<&Bound<'_, PyAny>>,
         extra_keys: Option<&Bound<'_, PyAny>>,
         mm_items: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let prompt = token_ids(prompt_token_ids, "prompt_token_ids")?;
-        let spec = sequence_spec(py, cache_salt, adapter_id, extra_keys, mm_items)?;
+        let spec = sequence_spec(
+            opt_str(cache_salt, "cache_salt")?,
+            opt_str(adapter_id, "adapter_id")?,
+            extra_keys,
+            mm_items,
+        )?;
         let m = &self.inner;
-        py.allow_threads(|| m.add_sequence(seq, &prompt, spec))
-            .py(py)
+        py.detach(|| m.add_sequence(seq, &prompt, spec)).py(py)
     }
 
     /// Appends newly sampled (finalized) tokens to ``seq_id``. Raises ``UnknownSequenceError``,
@@ -391,7 +361,7 @@ impl PyKvCacheManager {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let tokens = crate::convert::token_ids(token_ids, "token_ids")?;
         let m = &self.inner;
-        py.allow_threads(|| m.append_tokens(seq, &tokens)).py(py)
+        py.detach(|| m.append_tokens(seq, &tokens)).py(py)
     }
 
     /// Tokens that would be served from the prefix cache if ``seq_id`` were allocated from
@@ -400,47 +370,47 @@ impl PyKvCacheManager {
     fn lookup_prefix(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let m = &self.inner;
-        py.allow_threads(|| m.lookup_prefix(seq)).py(py)
+        py.detach(|| m.lookup_prefix(seq)).py(py)
     }
 
-    /// Exactly the number of blocks the next ``allocate_slots(seq_id, max_new_tokens)`` takes
+    /// Exactly the number of blocks the next ``allocate_slots(seq_id, num_new_tokens)`` takes
     /// from the free pool (fresh blocks + prefix hits on free cached blocks + copy-on-write).
     /// No side effects. Raises as ``allocate_slots`` except ``OutOfBlocksError``.
     fn num_blocks_needed(
         &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
-        max_new_tokens: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
-        let q = count(max_new_tokens, "max_new_tokens")?;
+        let q = count(num_new_tokens, "num_new_tokens")?;
         let m = &self.inner;
-        py.allow_threads(|| m.num_blocks_needed(seq, q)).py(py)
+        py.detach(|| m.num_blocks_needed(seq, q)).py(py)
     }
 
-    /// Schedules up to ``max_new_tokens`` uncomputed tokens of ``seq_id`` and makes room for
+    /// Schedules up to ``num_new_tokens`` uncomputed tokens of ``seq_id`` and makes room for
     /// their KV: prefix hits first on a sequence's first allocation, new blocks as needed, a
     /// private copy of a shared partially filled last block (copy-on-write). Newly full blocks
     /// are hashed into the prefix cache. All or nothing.
     ///
     /// Raises: ``UnknownSequenceError``; ``InvalidSequenceStateError`` (swapped out);
-    /// ``InvalidArgumentError`` (``max_new_tokens == 0`` or nothing left to compute);
+    /// ``InvalidArgumentError`` (``num_new_tokens == 0`` or nothing left to compute);
     /// ``OutOfBlocksError``.
     fn allocate_slots(
         &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
-        max_new_tokens: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
     ) -> PyResult<PySlotAllocation> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
-        let q = count(max_new_tokens, "max_new_tokens")?;
+        let q = count(num_new_tokens, "num_new_tokens")?;
         let m = &self.inner;
-        let a = py.allow_threads(|| m.allocate_slots(seq, q)).py(py)?;
+        let a = py.detach(|| m.allocate_slots(seq, q)).py(py)?;
         Ok(PySlotAllocation {
             num_scheduled_tokens: a.num_scheduled_tokens,
             num_cached_tokens: a.num_cached_tokens,
             num_context_tokens: a.num_context_tokens,
-            new_block_ids: i32_array(py, a.new_block_ids.into_iter().map(|b| b as i32).collect()),
+            new_block_ids: block_array(py, a.new_block_ids),
             copies: pairs_array(py, &a.copies),
         })
     }
@@ -457,7 +427,7 @@ impl PyKvCacheManager {
         let parent = crate::convert::seq_id(parent_id, "parent_id")?;
         let child = crate::convert::seq_id(child_id, "child_id")?;
         let m = &self.inner;
-        py.allow_threads(|| m.fork(parent, child)).py(py)
+        py.detach(|| m.fork(parent, child)).py(py)
     }
 
     /// Frees ``seq_id`` (blocks released tail-first, cached ones keep their hashes) and forgets
@@ -465,7 +435,7 @@ impl PyKvCacheManager {
     fn free(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let m = &self.inner;
-        Ok(py.allow_threads(|| m.free(seq)))
+        Ok(py.detach(|| m.free(seq)))
     }
 
     /// Preempts a group of sequences by recompute, all or nothing: blocks released, tokens
@@ -474,7 +444,7 @@ impl PyKvCacheManager {
     fn preempt(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let seqs = crate::convert::seq_ids(seq_ids, "seq_ids")?;
         let m = &self.inner;
-        py.allow_threads(|| m.preempt_recompute(&seqs)).py(py)
+        py.detach(|| m.preempt_recompute(&seqs)).py(py)
     }
 
     /// Swaps a group of sequences out to CPU blocks, all or nothing; shared blocks are planned
@@ -487,7 +457,7 @@ impl PyKvCacheManager {
     ) -> PyResult<Py<PyArray2<i32>>> {
         let seqs = crate::convert::seq_ids(seq_ids, "seq_ids")?;
         let m = &self.inner;
-        let plan = py.allow_threads(|| m.swap_out(&seqs)).py(py)?;
+        let plan = py.detach(|| m.swap_out(&seqs)).py(py)?;
         Ok(pairs_array(py, &plan))
     }
 
@@ -500,14 +470,14 @@ impl PyKvCacheManager {
     ) -> PyResult<Py<PyArray2<i32>>> {
         let seqs = crate::convert::seq_ids(seq_ids, "seq_ids")?;
         let m = &self.inner;
-        let plan = py.allow_threads(|| m.swap_in(&seqs)).py(py)?;
+        let plan = py.detach(|| m.swap_in(&seqs)).py(py)?;
         Ok(pairs_array(py, &plan))
     }
 
     /// Drops every prefix hash. Raises ``CacheInUseError`` while any block is in use.
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<()> {
         let m = &self.inner;
-        py.allow_threads(|| m.reset_prefix_cache()).py(py)
+        py.detach(|| m.reset_prefix_cache()).py(py)
     }
 
     /// The block table of ``seq_id``: ``int32[n]`` physical block ids in logical order (CPU
@@ -519,15 +489,15 @@ impl PyKvCacheManager {
     ) -> PyResult<Py<PyArray1<i32>>> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let m = &self.inner;
-        let t = py.allow_threads(|| m.block_table(seq)).py(py)?;
-        Ok(i32_array(py, t.into_iter().map(|b| b as i32).collect()))
+        let t = py.detach(|| m.block_table(seq)).py(py)?;
+        Ok(block_array(py, t))
     }
 
     /// Known (finalized) tokens of ``seq_id``. Raises ``UnknownSequenceError``.
     fn num_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let m = &self.inner;
-        py.allow_threads(|| m.num_tokens(seq)).py(py)
+        py.detach(|| m.num_tokens(seq)).py(py)
     }
 
     /// Tokens of ``seq_id`` whose KV is (scheduled to be) written. Raises
@@ -535,14 +505,14 @@ impl PyKvCacheManager {
     fn num_computed_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let m = &self.inner;
-        py.allow_threads(|| m.num_computed_tokens(seq)).py(py)
+        py.detach(|| m.num_computed_tokens(seq)).py(py)
     }
 
     /// ``"running"``, ``"preempted"`` or ``"swapped"``. Raises ``UnknownSequenceError``.
     fn status(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<&'static str> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let m = &self.inner;
-        Ok(py.allow_threads(|| m.status(seq)).py(py)?.name())
+        Ok(py.detach(|| m.status(seq)).py(py)?.name())
     }
 
     /// The token ids of ``seq_id`` as ``int64[n]`` (prompt + appended). Raises
@@ -554,7 +524,7 @@ impl PyKvCacheManager {
     ) -> PyResult<Py<PyArray1<i64>>> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let m = &self.inner;
-        let t = py.allow_threads(|| m.tokens(seq)).py(py)?;
+        let t = py.detach(|| m.tokens(seq)).py(py)?;
         Ok(PyArray1::from_vec(py, t.into_iter().map(i64::from).collect()).unbind())
     }
 
@@ -562,16 +532,16 @@ impl PyKvCacheManager {
     #[getter]
     fn num_sequences(&self, py: Python<'_>) -> usize {
         let m = &self.inner;
-        py.allow_threads(|| m.num_sequences())
+        py.detach(|| m.num_sequences())
     }
 
     /// One scheduler step in ONE call with the GIL released: for each sequence in order, append
-    /// its new tokens, then ``allocate_slots(seq, max_new_tokens[i])``; stop at the first
+    /// its new tokens, then ``allocate_slots(seq, num_new_tokens[i])``; stop at the first
     /// failure (reported in ``StepOutput.error``, not raised).
     ///
     /// Args:
     ///     seq_ids: ``S`` sequence ids (list or 1-D integer array, e.g. ``uint64``/``int64``).
-    ///     max_new_tokens: one int for all, or ``S`` ints (list or ``int32`` array).
+    ///     num_new_tokens: one int for all, or ``S`` ints (list or ``int32`` array).
     ///     append_token_ids: None; a 1-D integer array of ``S`` tokens (one per sequence, the
     ///         decode case); or ``S`` lists / arrays of tokens.
     ///
@@ -579,62 +549,76 @@ impl PyKvCacheManager {
     /// lengths that disagree; nothing done). A request refused as a whole by the core (a
     /// sequence listed twice) is not raised either: it comes back with ``num_scheduled == 0``
     /// and ``error`` set, nothing changed. ``StepOutput.raise_for_error()`` raises any of these.
-    #[pyo3(signature = (seq_ids, max_new_tokens, append_token_ids = None))]
+    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None))]
     fn step(
         &self,
         py: Python<'_>,
         seq_ids: &Bound<'_, PyAny>,
-        max_new_tokens: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
         append_token_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyStepOutput> {
         let seq_ids = crate::convert::seq_ids(seq_ids, "seq_ids")?;
-        let max_new_tokens = step_max_new_tokens(max_new_tokens, seq_ids.len())?;
+        let num_new_tokens = step_num_new_tokens(num_new_tokens, seq_ids.len())?;
         let (append_indptr, append_tokens) = step_appends(append_token_ids, seq_ids.len())?;
         let req = StepRequest {
             seq_ids,
-            max_new_tokens,
+            num_new_tokens,
             append_indptr,
             append_tokens,
         };
         let m = &self.inner;
-        let out = py.allow_threads(|| m.step(&req));
+        let out = py.detach(|| m.step(&req));
         let error = match &out.error {
             Some(e) => Some(error_instance(py, e)?.unbind()),
             None => None,
         };
-        let copies: Vec<(BlockId, BlockId)> = out
-            .copy_src
-            .iter()
-            .zip(&out.copy_dst)
-            .map(|(&s, &d)| (s as BlockId, d as BlockId))
-            .collect();
+        let arr = |v: Vec<i32>| PyArray1::from_vec(py, v).unbind();
         Ok(PyStepOutput {
             num_scheduled: out.num_scheduled,
             error,
-            num_cached_tokens: i32_array(
-                py,
-                out.num_cached_tokens
-                    .into_iter()
-                    .map(|x| x as i32)
-                    .collect(),
-            ),
-            query_start_loc: i32_array(py, out.query_start_loc),
-            seq_lens: i32_array(py, out.seq_lens),
-            context_lens: i32_array(py, out.context_lens),
+            num_cached_tokens: arr(out.num_cached_tokens),
+            query_start_loc: arr(out.query_start_loc),
+            seq_lens: arr(out.seq_lens),
+            context_lens: arr(out.context_lens),
             slot_mapping: PyArray1::from_vec(py, out.slot_mapping).unbind(),
-            block_table_indptr: i32_array(py, out.block_table_indptr),
-            block_table_indices: i32_array(py, out.block_table_indices),
-            new_block_indptr: i32_array(py, out.new_block_indptr),
-            new_block_ids: i32_array(py, out.new_block_ids),
-            copies: pairs_array(py, &copies),
+            new_block_indptr: arr(out.new_block_indptr),
+            new_block_ids: arr(out.new_block_ids),
+            copies: matrix(py, out.copies, 2),
+            input_ids: PyArray1::from_vec(py, out.input_ids).unbind(),
+            block_table: matrix(py, out.block_table, out.block_table_width),
         })
+    }
+
+    /// Per sequence, in order: ``num_tokens - num_computed_tokens`` (tokens known but not yet
+    /// scheduled), as ``int32[n]``. Raises ``UnknownSequenceError`` (nothing changed).
+    fn num_uncomputed_tokens<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Py<PyArray1<i32>>> {
+        let seqs = crate::convert::seq_ids(seq_ids, "seq_ids")?;
+        let m = &self.inner;
+        let v = py.detach(|| m.num_uncomputed_tokens(&seqs)).py(py)?;
+        Ok(PyArray1::from_vec(py, v).unbind())
+    }
+
+    /// Device blocks the group ``seq_ids`` still has to take so every known token of every
+    /// member has a KV slot: what scheduling all their uncomputed tokens now, in this order,
+    /// would take from the free pool (fresh blocks, prefix hits on free cached blocks,
+    /// copy-on-write), the group's own sharing counted once; a swapped-out member counts the
+    /// distinct blocks ``swap_in`` would take. For admission control. No side effects.
+    /// Raises ``UnknownSequenceError``, ``InvalidArgumentError`` (an id listed twice).
+    fn num_blocks_owed(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let seqs = crate::convert::seq_ids(seq_ids, "seq_ids")?;
+        let m = &self.inner;
+        py.detach(|| m.num_blocks_owed(&seqs)).py(py)
     }
 
     /// A snapshot of usage and counters (``CacheStats``).
     fn stats(&self, py: Python<'_>) -> PyCacheStats {
         let m = &self.inner;
         PyCacheStats {
-            inner: py.allow_threads(|| m.stats()),
+            inner: py.detach(|| m.stats()),
         }
     }
 
@@ -642,7 +626,7 @@ impl PyKvCacheManager {
     /// ``enable_events=True``): ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let m = &self.inner;
-        let events = py.allow_threads(|| m.take_events());
+        let events = py.detach(|| m.take_events());
         let objs = events
             .into_iter()
             .map(|e| event_object(py, e))
@@ -650,12 +634,12 @@ impl PyKvCacheManager {
         PyList::new(py, objs)
     }
 
-    /// Checks the invariants of DESIGN.md (1-4, the pool's included); raises
-    /// ``AssertionError`` naming the first violation. O(num_blocks + blocks of all sequences).
+    /// Checks invariants 1-4 of docs/design.md (the pool's included); raises
+    /// ``InvariantViolationError`` (an ``AssertionError``) naming the first violation. O(num_blocks + blocks of all sequences).
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         let m = &self.inner;
-        py.allow_threads(|| m.check_invariants())
-            .map_err(PyAssertionError::new_err)
+        py.detach(|| m.check_invariants())
+            .map_err(|msg| crate::errors::invariant_violation(py, msg))
     }
 
     fn __repr__(&self) -> String {

@@ -1,13 +1,12 @@
 //! `pagedkv.BlockPool`: the block pool on its own (for allocators and stress tests), or a
 //! read-only view of a manager's pool.
 
-use crate::convert::{block_ids, count, uint_arg};
-use crate::errors::{bad_arg, read_only_pool, to_pyerr, IntoPyResult};
+use crate::convert::{bad, block_ids, bytes_arg, count, uint};
+use crate::errors::{read_only_pool, to_pyerr, IntoPyResult};
 use numpy::PyArray1;
 use pagedkv_core::events::EventSink;
 use pagedkv_core::pool::BlockPool;
 use pagedkv_core::{BlockHash, BlockId, KvCacheManager};
-use pyo3::exceptions::PyAssertionError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::sync::Arc;
@@ -53,13 +52,13 @@ impl PyBlockPool {
     fn writable(&self, op: &str) -> PyResult<Arc<BlockPool>> {
         match &self.owner {
             Owner::Standalone(p) => Ok(p.clone()),
-            Owner::Manager(_) => Err(Python::with_gil(|py| read_only_pool(py, op))),
+            Owner::Manager(_) => Err(Python::attach(|py| read_only_pool(py, op))),
         }
     }
 
     /// A block id argument below `num_blocks` (the null block 0 included).
     fn block_id_in_range(&self, py: Python<'_>, block_id: &Bound<'_, PyAny>) -> PyResult<BlockId> {
-        let id = uint_arg(block_id, "block_id", u64::from(u32::MAX))? as u32;
+        let id = uint(block_id, "block_id", u64::from(u32::MAX))? as u32;
         let num_blocks = self.pool().num_blocks();
         if id >= num_blocks {
             return Err(to_pyerr(
@@ -78,17 +77,13 @@ fn id_array(py: Python<'_>, ids: Vec<BlockId>) -> Bound<'_, PyArray1<i32>> {
     PyArray1::from_vec(py, ids.into_iter().map(|b| b as i32).collect())
 }
 
-fn hash_arg(py: Python<'_>, hash: &[u8]) -> PyResult<BlockHash> {
-    let arr: [u8; 32] = hash
-        .try_into()
-        .map_err(|_| {
-            bad_arg(
-                "hash",
-                format!("<{} bytes>", hash.len()),
-                "a block hash is exactly 32 bytes",
-            )
-        })
-        .map_err(|e| crate::errors::to_pyerr(py, &e))?;
+/// A 32-byte block hash argument.
+fn hash_arg(hash: &Bound<'_, PyAny>) -> PyResult<BlockHash> {
+    let bytes = bytes_arg(hash, "hash")?;
+    let arr: [u8; 32] = bytes.try_into().map_err(|_| {
+        let value = format!("<{} bytes>", bytes.len());
+        bad(hash.py(), "hash", value, "a block hash is exactly 32 bytes")
+    })?;
     Ok(BlockHash(arr))
 }
 
@@ -96,7 +91,7 @@ fn hash_arg(py: Python<'_>, hash: &[u8]) -> PyResult<BlockHash> {
 impl PyBlockPool {
     #[new]
     fn new(py: Python<'_>, num_blocks: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let n = uint_arg(num_blocks, "num_blocks", u64::from(u32::MAX)).map_err(|_| {
+        let n = uint(num_blocks, "num_blocks", u64::from(u32::MAX)).map_err(|_| {
             crate::errors::to_pyerr(
                 py,
                 &pagedkv_core::Error::InvalidConfig {
@@ -107,7 +102,7 @@ impl PyBlockPool {
             )
         })? as u32;
         let pool = py
-            .allow_threads(|| BlockPool::new(n, Arc::new(EventSink::new(false))))
+            .detach(|| BlockPool::new(n, Arc::new(EventSink::new(false))))
             .py(py)?;
         Ok(Self {
             owner: Owner::Standalone(Arc::new(pool)),
@@ -155,7 +150,7 @@ impl PyBlockPool {
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let n = count(n, "n")?;
         let pool = self.writable("allocate")?;
-        let ids = py.allow_threads(|| pool.allocate(n)).py(py)?;
+        let ids = py.detach(|| pool.allocate(n)).py(py)?;
         Ok(id_array(py, ids))
     }
 
@@ -166,7 +161,7 @@ impl PyBlockPool {
     fn free(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = block_ids(ids, "ids")?;
         let pool = self.writable("free")?;
-        py.allow_threads(|| pool.free(&ids)).py(py)
+        py.detach(|| pool.free(&ids)).py(py)
     }
 
     /// Adds one reference per id (fork); every id must already have ref count > 0
@@ -174,7 +169,7 @@ impl PyBlockPool {
     fn incref(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = block_ids(ids, "ids")?;
         let pool = self.writable("incref")?;
-        py.allow_threads(|| pool.incref(&ids)).py(py)
+        py.detach(|| pool.incref(&ids)).py(py)
     }
 
     /// Prefix hits: one reference per id; a free cached block leaves the LRU (O(1)) and
@@ -183,7 +178,7 @@ impl PyBlockPool {
     fn touch(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = block_ids(ids, "ids")?;
         let pool = self.writable("touch")?;
-        py.allow_threads(|| pool.touch(&ids)).py(py)
+        py.detach(|| pool.touch(&ids)).py(py)
     }
 
     /// Registers block ``block_id`` (ref count > 0) under a 32-byte ``hash`` in the prefix
@@ -193,25 +188,25 @@ impl PyBlockPool {
         &self,
         py: Python<'_>,
         block_id: &Bound<'_, PyAny>,
-        hash: &[u8],
+        hash: &Bound<'_, PyAny>,
     ) -> PyResult<bool> {
-        let id = uint_arg(block_id, "block_id", u64::from(u32::MAX))? as u32;
-        let hash = hash_arg(py, hash)?;
+        let id = uint(block_id, "block_id", u64::from(u32::MAX))? as u32;
+        let hash = hash_arg(hash)?;
         let pool = self.writable("cache_block")?;
-        py.allow_threads(|| pool.cache_block(id, hash)).py(py)
+        py.detach(|| pool.cache_block(id, hash)).py(py)
     }
 
     /// A block carrying ``hash`` (32 bytes), or None. No side effects.
-    fn lookup(&self, py: Python<'_>, hash: &[u8]) -> PyResult<Option<BlockId>> {
-        let hash = hash_arg(py, hash)?;
-        Ok(py.allow_threads(|| self.pool().lookup(&hash)))
+    fn lookup(&self, py: Python<'_>, hash: &Bound<'_, PyAny>) -> PyResult<Option<BlockId>> {
+        let hash = hash_arg(hash)?;
+        Ok(py.detach(|| self.pool().lookup(&hash)))
     }
 
     /// Drops every hash (all free blocks become uncached). ``CacheInUseError`` while any
     /// block is in use.
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<()> {
         let pool = self.writable("reset_prefix_cache")?;
-        py.allow_threads(|| pool.reset_prefix_cache()).py(py)
+        py.detach(|| pool.reset_prefix_cache()).py(py)
     }
 
     /// Reference count of ``block_id``; 0 for the null block 0 (never referenced). O(1).
@@ -240,7 +235,7 @@ impl PyBlockPool {
     /// The logical free queue, front (next allocated) to back: ``int32[num_free]``. Takes the
     /// pool's lock; for tests and invariant checks.
     fn free_queue<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
-        let q = py.allow_threads(|| self.pool().free_queue());
+        let q = py.detach(|| self.pool().free_queue());
         id_array(py, q)
     }
 
@@ -256,11 +251,11 @@ impl PyBlockPool {
         Ok(d)
     }
 
-    /// Checks the pool invariants (DESIGN.md 1-3); raises ``AssertionError`` naming the first
+    /// Checks the pool invariants (docs/design.md, "Invariants" 1-3); raises ``InvariantViolationError`` (an ``AssertionError``) naming the first
     /// violation. O(num_blocks). GIL released.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        py.allow_threads(|| self.pool().check_invariants())
-            .map_err(PyAssertionError::new_err)
+        py.detach(|| self.pool().check_invariants())
+            .map_err(|msg| crate::errors::invariant_violation(py, msg))
     }
 
     fn __repr__(&self) -> String {

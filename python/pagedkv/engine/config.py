@@ -1,0 +1,161 @@
+"""Engine configuration: :class:`EngineConfig` (checked before the model loads) and the dtypes
+the engine runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import pagedkv
+
+from .errors import EngineConfigError
+from .scheduler import SchedulerConfig
+
+__all__ = ["EngineConfig", "torch_dtype"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine configuration: the KV pool, scheduling limits and seed of an
+    :class:`~pagedkv.engine.LLMEngine` (its keyword arguments of the same names).
+
+    Attributes:
+        num_kv_blocks: KV pool size in blocks, the null block included (usable =
+            ``num_kv_blocks - 1``). Default: from ``kv_bytes``, else 1024.
+        kv_bytes: KV pool size in bytes (all layers, K and V); ignored if ``num_kv_blocks``.
+        block_size: tokens per block.
+        max_tokens_per_step: token budget per step; longer prefills are chunked.
+        max_num_seqs: most sequences per step.
+        preemption: ``"recompute"`` or ``"swap"``.
+        num_cpu_blocks: CPU swap blocks (default: ``num_kv_blocks`` with swap, else 0).
+        enable_prefix_caching: share KV of identical prompt prefixes across requests.
+        hash_algo: ``"sha256"`` (default) or ``"xxh3_128"`` for prefix hashes.
+        seed: engine seed; requests without a seed derive theirs from it.
+
+    Raises:
+        EngineConfigError: a field of the wrong type or out of range; the message names it.
+            (Upper bounds of the pool and block sizes are the core's, checked by
+            :class:`pagedkv.CacheConfig`.)
+    """
+
+    num_kv_blocks: int | None = None
+    kv_bytes: int | None = None
+    block_size: int = 16
+    max_tokens_per_step: int = 1024
+    max_num_seqs: int = 256
+    preemption: str = "recompute"
+    num_cpu_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    hash_algo: str = "sha256"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, name: str, want: str) -> None:
+            if not ok:
+                raise EngineConfigError(f"{name}={getattr(self, name)!r} is invalid: expected {want}")
+
+        def at_least(v: object, low: int) -> bool:  # bool is an int subclass, never a count
+            return isinstance(v, int) and not isinstance(v, bool) and v >= low
+
+        check(
+            self.num_kv_blocks is None or at_least(self.num_kv_blocks, 2),
+            "num_kv_blocks",
+            "None or an integer >= 2 blocks (block 0 is the null block)",
+        )
+        check(
+            self.kv_bytes is None
+            or (
+                isinstance(self.kv_bytes, (int, float))
+                and not isinstance(self.kv_bytes, bool)
+                and math.isfinite(self.kv_bytes)
+                and self.kv_bytes > 0
+            ),
+            "kv_bytes",
+            "None or a number of bytes > 0",
+        )
+        check(at_least(self.block_size, 1), "block_size", "an integer >= 1 (tokens per block)")
+        check(at_least(self.max_tokens_per_step, 1), "max_tokens_per_step", "an integer >= 1 (tokens)")
+        check(at_least(self.max_num_seqs, 1), "max_num_seqs", "an integer >= 1 (sequences)")
+        check(self.preemption in ("recompute", "swap"), "preemption", "'recompute' or 'swap'")
+        check(
+            self.num_cpu_blocks is None or at_least(self.num_cpu_blocks, 0),
+            "num_cpu_blocks",
+            "None or an integer >= 0 blocks",
+        )
+        check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "True or False")
+        check(self.hash_algo in ("sha256", "xxh3_128"), "hash_algo", "'sha256' or 'xxh3_128'")
+        check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "an integer")
+
+    def resolved(self, kv_bytes_per_block: int) -> EngineConfig:
+        """This config with both pool sizes set for a model whose KV takes
+        ``kv_bytes_per_block`` bytes per block: the device pool from ``num_kv_blocks``, else
+        ``kv_bytes``, else 1024 blocks; the swap pool from ``num_cpu_blocks``, else as many
+        blocks as the device pool with swap preemption, else 0.
+
+        Raises:
+            EngineConfigError: ``kv_bytes`` holds fewer than 2 blocks.
+        """
+        num_kv_blocks = self.num_kv_blocks
+        if num_kv_blocks is None and self.kv_bytes is not None:
+            num_kv_blocks = int(self.kv_bytes) // kv_bytes_per_block
+            if num_kv_blocks < 2:
+                raise EngineConfigError(
+                    f"kv_bytes={self.kv_bytes} is invalid: it holds {num_kv_blocks} blocks of "
+                    f"{kv_bytes_per_block} bytes; need at least 2 (one is the null block)"
+                )
+        num_kv_blocks = 1024 if num_kv_blocks is None else num_kv_blocks
+        num_cpu_blocks = self.num_cpu_blocks
+        if num_cpu_blocks is None:
+            num_cpu_blocks = num_kv_blocks if self.preemption == "swap" else 0
+        return dataclasses.replace(self, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks)
+
+    def cache_config(self) -> pagedkv.CacheConfig:
+        """The KV cache manager's configuration (call on a :meth:`resolved` config).
+
+        Raises:
+            pagedkv.InvalidConfigError: a size above the core's limits.
+        """
+        num_kv_blocks, num_cpu_blocks = self.pools()
+        return pagedkv.CacheConfig(
+            num_blocks=num_kv_blocks,
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            hash_algo=self.hash_algo,
+            num_cpu_blocks=num_cpu_blocks,
+        )
+
+    def pools(self) -> tuple[int, int]:
+        """``(num_kv_blocks, num_cpu_blocks)`` of a :meth:`resolved` config."""
+        assert self.num_kv_blocks is not None and self.num_cpu_blocks is not None, "resolve the pool sizes first"
+        return self.num_kv_blocks, self.num_cpu_blocks
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's limits for a model of ``max_model_len`` tokens of context."""
+        return SchedulerConfig(self.max_tokens_per_step, self.max_num_seqs, self.preemption, max_model_len)
+
+
+#: The weight / activation / KV dtypes the engine runs, by name.
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """``dtype`` as a torch dtype; accepts the dtype, its name (``"bfloat16"``) or ``None``
+    (float32).
+
+    Raises:
+        EngineConfigError: any other value (message names it).
+    """
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype.removeprefix("torch."), dtype)
+    if not isinstance(dtype, torch.dtype) or dtype not in _DTYPES.values():
+        raise EngineConfigError(
+            f"dtype={dtype!r} is invalid: expected torch.float32, torch.float16 or "
+            f"torch.bfloat16, or one of the names {', '.join(_DTYPES)}"
+        )
+    return dtype
