@@ -902,12 +902,13 @@ impl KvCacheManager {
             .max()
             .unwrap_or(0)
             .max(1);
-        let mut dense = vec![NULL_BLOCK as i32; out.num_scheduled * width];
-        for (row, slot) in dense.chunks_exact_mut(width).zip(scheduled) {
+        // Row by row, each entry written once (a zero-filled buffer written over would touch
+        // every byte twice; for long, uneven contexts this table is most of a decode step).
+        let mut dense = Vec::with_capacity(out.num_scheduled * width);
+        for slot in scheduled {
             let blocks = &st.seqs.at_slot(slot).blocks;
-            for (d, &b) in row.iter_mut().zip(blocks) {
-                *d = b as i32;
-            }
+            dense.extend(blocks.iter().map(|&b| b as i32));
+            dense.resize(dense.len() + (width - blocks.len()), NULL_BLOCK as i32);
         }
         drop(guard);
         out.block_table = dense;
