@@ -44,7 +44,7 @@ def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
         ("allocator_speed", speed, 1200),
         ("scaling", [py, str(HERE / "scaling.py"), "--quick"], 600),
         ("memory_efficiency", [py, str(HERE / "memory_efficiency.py"), "--quick"], 300),
-        ("sharing", [py, str(HERE / "sharing.py"), "--quick"], 300),
+        ("sharing", [py, str(HERE / "sharing.py"), "--quick"], 900),
         ("prefix_caching", [py, str(HERE / "prefix_caching.py"), "--quick"], 240),
     ]
     if (HERE / "step_overhead.py").exists():
