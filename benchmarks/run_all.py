@@ -1,12 +1,15 @@
-"""Run the CPU benchmarks in one go (about 10-20 minutes on 2 cores) and write
+"""Run the CPU benchmarks in one go (about 10-20 minutes on 2 cores, plus about 20 for a first
+kernels_aot run with an empty compile cache) and write
 ``benchmarks/results/SUMMARY.md``, the markdown tables the README carries.
 
 Runs, each in its own subprocess with a time limit: ``allocator_speed.py`` (Mooncake, Azure
-conversation and Azure code traces), ``scaling.py``,
-``memory_efficiency.py``, ``sharing.py``, ``prefix_caching.py`` (each with ``--quick``), and
-``step_overhead.py`` / ``engine_throughput.py`` / ``engine_roofline.py`` when present (not ``kernels.py``, which needs
-CUDA). Each script's output goes to ``benchmarks/results/logs/<name>.log``; its tables are
-echoed when it ends. A script that fails or times out is reported in the summary, never hidden.
+conversation and Azure code traces), ``scaling.py``, ``memory_efficiency.py``, ``sharing.py``,
+``prefix_caching.py`` (each with ``--quick``), ``cluster_sim.py`` (about 3 minutes), and
+``step_overhead.py`` / ``engine_throughput.py`` / ``engine_roofline.py`` when present, and
+``kernels_aot.py`` (every Triton kernel configuration compiled for sm_80/90/100 without a GPU;
+not ``kernels.py``, which needs CUDA). Each script's output goes to
+``benchmarks/results/logs/<name>.log``; its tables are echoed when it ends. A script that fails
+or times out is reported in the summary, never hidden.
 
 Usage:
   python benchmarks/run_all.py [--vllm-python /work/venvs/vllm/bin/python]
@@ -46,6 +49,7 @@ def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
         ("memory_efficiency", [py, str(HERE / "memory_efficiency.py"), "--quick"], 300),
         ("sharing", [py, str(HERE / "sharing.py"), "--quick"], 900),
         ("prefix_caching", [py, str(HERE / "prefix_caching.py"), "--quick"], 240),
+        ("cluster_sim", [py, str(HERE / "cluster_sim.py")], 600),
     ]
     if (HERE / "step_overhead.py").exists():
         jobs.append(("step_overhead", [py, str(HERE / "step_overhead.py")], 180))
@@ -54,6 +58,9 @@ def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
                                            *(a.engine_args or ["--rounds", "1"])], 1500))
     if (HERE / "engine_roofline.py").exists():
         jobs.append(("engine_roofline", [py, str(HERE / "engine_roofline.py")], 240))
+    if (HERE / "kernels_aot.py").exists():
+        # A fresh run compiles a few hundred kernels; cached per kernel afterwards.
+        jobs.append(("kernels_aot", [py, str(HERE / "kernels_aot.py")], 3600))
     if a.only:
         jobs = [j for j in jobs if j[0] in a.only]
     return jobs
@@ -152,6 +159,17 @@ def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> st
                          f"{100 * best['first_admission_hit_rate']:.1f}%", "0% (caching off)",
                          f"prefill saved {100 * best['prefill_saved_frac']:.1f}%",
                          f"unbounded cache: {100 * pfx['ideal']['hit_rate']:.1f}%"])
+    csim = _load(results_dir, "cluster_sim")
+    for n in sorted({r["replicas"] for r in (csim or {}).get("rows", [])}):
+        rows_n = {r["policy"]: r for r in csim["rows"] if r["replicas"] == n}  # type: ignore[index]
+        kv, bound = rows_n.get("kv_aware"), rows_n.get("one_big_cache")
+        if kv and bound:
+            others = ", ".join(f"{p} {rows_n[p]['ttft_p99_s']:.2f} s" for p in ("round_robin", "least_loaded")
+                               if p in rows_n)
+            head.append([f"KV-aware routing, {n} simulated replicas, Mooncake (hit rate; TTFT p99)",
+                         f"{100 * kv['hit_rate']:.1f}%; {kv['ttft_p99_s']:.2f} s", others,
+                         f"max/mean load {kv['load_max_over_mean']:.2f}",
+                         f"one big cache {100 * bound['hit_rate']:.1f}% (target >= 90% of it)"])
     if head:
         out += ["| benchmark | pagedkv | baseline | note | reference |", "|---|---|---|---|---|"]
         out += ["| " + " | ".join(str(c) for c in h) + " |" for h in head]
@@ -224,7 +242,7 @@ def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> st
         out += [f"## Prefix caching, Mooncake conversation trace ({wl['requests']} requests, "
                 f"mean prompt {wl['prompt_mean']:.0f} tokens)", "",
                 common.markdown_table(["system", "caching", "KV budget (tokens)", "hit rate", "prefill tokens saved"], rows), ""]
-    for name in ("step_overhead", "engine_throughput", "engine_roofline"):
+    for name in ("step_overhead", "engine_throughput", "engine_roofline", "kernels_aot"):
         d = _load(results_dir, name)
         if d is not None:
             md = d.get("summary_markdown")

@@ -12,7 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import configs as C
 from . import validate as V
+from .launch import KernelLaunch
 from .reference import _check_kv_cache
 
 
@@ -48,10 +50,17 @@ def copy_blocks(kv_cache: torch.Tensor, block_mapping: torch.Tensor) -> None:
     k = block_mapping.shape[0]
     if k == 0 or kv_cache.numel() == 0:
         return
-    mapping = block_mapping.to(kv_cache.device).contiguous()
-    layers = kv_cache.shape[0]
+    copy_blocks_launch(kv_cache, block_mapping.to(kv_cache.device).contiguous()).run()
+
+
+def copy_blocks_launch(kv_cache: torch.Tensor, mapping: torch.Tensor) -> KernelLaunch:
+    """The launch :func:`copy_blocks` runs for a validated contiguous cache and a mapping on
+    its device: grid ``(pairs, layers * 2, chunks)``, chunks of ``min(COPY_CHUNK,
+    next_pow2(block_numel))`` elements."""
     block_numel = kv_cache.stride(2)
-    chunk = min(4096, triton.next_power_of_2(block_numel))
-    _copy_blocks_kernel[(k, layers * 2, triton.cdiv(block_numel, chunk))](
-        kv_cache, mapping, kv_cache.stride(1), kv_cache.stride(2), block_numel, BLOCK=chunk,
+    chunk = min(C.COPY_CHUNK, triton.next_power_of_2(block_numel))
+    return KernelLaunch(
+        _copy_blocks_kernel, (mapping.shape[0], kv_cache.shape[0] * 2, triton.cdiv(block_numel, chunk)),
+        (kv_cache, mapping, kv_cache.stride(1), kv_cache.stride(2), block_numel),
+        dict(BLOCK=chunk, num_warps=C.COPY_WARPS),
     )

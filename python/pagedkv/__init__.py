@@ -15,11 +15,15 @@ Allocator API (needs numpy only):
 - :class:`BlockPool` -- the block pool alone (thread-safe, GIL released in every call).
 - :class:`SlotAllocation`, :class:`StepOutput`, :class:`CacheStats`, :class:`BlockStored`,
   :class:`BlockRemoved`, :class:`AllBlocksCleared` -- results.
+- :class:`KVIndexer` -- the routers' side of the events: which worker holds which block, and
+  each worker's cached-prefix overlap with a request (KV-aware routing over replicas).
 - Exceptions (:mod:`pagedkv.errors`): :class:`PagedKVError` and its subclasses, each also a
   builtin (``MemoryError``, ``KeyError``, ``ValueError``, ``RuntimeError``).
 
 Submodules imported on first use (they need torch): :mod:`pagedkv.tensors` (kernel inputs:
 dense / CSR block tables, slot mapping, lengths; its numpy path works without torch),
+:mod:`pagedkv.routing` (router policies and the vLLM wire decoder; numpy only),
+:mod:`pagedkv.cluster` (engine replicas on Ray),
 :mod:`pagedkv.kernels` (Triton kernels + torch references), :mod:`pagedkv.engine` (the
 reference engine).
 """
@@ -40,6 +44,7 @@ from pagedkv._core import (
     CacheConfig,
     CacheStats,
     KVCacheManager,
+    KVIndexer,
     SlotAllocation,
     StepOutput,
     __version__,
@@ -63,7 +68,7 @@ from pagedkv.errors import (
 )
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from pagedkv import engine, kernels, tensors
+    from pagedkv import cluster, engine, kernels, routing, tensors
 
 __all__ = [
     "MAX_BLOCKS",
@@ -83,6 +88,7 @@ __all__ = [
     "InvalidSequenceStateError",
     "InvariantViolationError",
     "KVCacheManager",
+    "KVIndexer",
     "KernelInputError",
     "OutOfBlocksError",
     "OutOfSwapSpaceError",
@@ -94,14 +100,16 @@ __all__ = [
     "StepOutput",
     "UnknownSequenceError",
     "__version__",
+    "cluster",
     "engine",
     "kernels",
+    "routing",
     "tensors",
 ]
 
 # Submodules that import torch (directly or through their dependencies) load on first access,
 # so `import pagedkv` works on a machine without torch or triton.
-_LAZY_SUBMODULES = frozenset({"tensors", "kernels", "engine"})
+_LAZY_SUBMODULES = frozenset({"tensors", "kernels", "engine", "routing", "cluster"})
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,6 @@
 """Type stubs of the Rust extension ``pagedkv._core`` (hand-written; checked by mypy.stubtest)."""
 
+from collections.abc import Iterable
 from typing import Any, final
 
 import numpy as np
@@ -21,6 +22,7 @@ __all__ = [
     "BlockStored",
     "BlockRemoved",
     "AllBlocksCleared",
+    "KVIndexer",
 ]
 
 __version__: str
@@ -274,3 +276,125 @@ class KVCacheManager:
     def stats(self) -> CacheStats: ...
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...
     def check_invariants(self) -> None: ...
+
+# A KV event as KVIndexer.apply takes it: a pagedkv event object, or a vLLM wire event already
+# msgpack-decoded into a list whose first item is its type name.
+_IndexerEvent = BlockStored | BlockRemoved | AllBlocksCleared | list[Any] | tuple[Any, ...]
+# A block hash: 32 bytes (pagedkv), shorter bytes, or an int (vLLM).
+_WireHash = bytes | int
+
+@final
+class KVIndexer:
+    """Which worker (engine replica) holds which cached block, from the workers' KV events.
+
+    Routers use it for KV-aware routing: ``overlap(prompt)`` gives, for every worker, how many
+    leading blocks of the request that worker's prefix cache already holds. Peers: NVIDIA
+    Dynamo's KV router, llm-d's precise prefix-cache scorer, SGLang's cache-aware router.
+
+    Each worker sends its events in batches numbered ``seq = 0, 1, 2, ...``. A batch with the
+    expected number is applied, an older one is ignored (``"duplicate"``), a newer one waits in
+    a reorder buffer of ``max_pending`` batches (``"buffered"``). A newer batch that finds the
+    buffer full means batches were lost (``"gap"``): the worker's entries are cleared, the
+    buffered batches applied, and ``needs_resync(worker)`` is True until ``apply_snapshot``.
+    A worker's index is always a subset of its cache as of its last applied batch (never a
+    stale entry) and equal to it while nothing was lost since the last snapshot or ``seq`` 0.
+
+    Per worker and hash the indexer counts stores minus removals (pagedkv managers emit set
+    semantics, so 0 or 1; vLLM may store one hash in two blocks). Workers with
+    ``hash_source="engine"`` (the default; pagedkv engines with this ``hash_algo`` and
+    ``hash_seed``) are indexed by their event hashes; ``"tokens"`` workers (vLLM) are rehashed
+    from each ``BlockStored``'s token ids and parent, so token queries match them too.
+
+    Costs: ``apply`` O(blocks in the batch) expected (a clear is O(blocks held), amortised over
+    the stores); ``overlap`` O(request blocks x ceil(workers / 64) + workers), independent of
+    the number of blocks the workers hold. Thread-safe (a mutex; the GIL is released).
+
+    Raises ``InvalidArgumentError`` for ``block_size == 0``, an unknown ``hash_algo`` or a
+    ``max_pending`` outside ``0..=2**20``, or a wrong-typed argument.
+    """
+
+    def __new__(
+        cls,
+        block_size: int,
+        *,
+        hash_algo: str = "sha256",
+        hash_seed: bytes | None = None,
+        max_pending: int = 0,
+    ) -> KVIndexer: ...
+    @property
+    def block_size(self) -> int:
+        """Tokens per block (events with another block size are rejected)."""
+    @property
+    def hash_algo(self) -> str:
+        """``"sha256"`` or ``"xxh3_128"``: must match the engines' ``CacheConfig``."""
+    @property
+    def hash_seed(self) -> bytes:
+        """Chain seed of the prefix hashes: must match the engines' ``CacheConfig``."""
+    @property
+    def max_pending(self) -> int:
+        """Reorder buffer per worker, in batches (0: any missing batch is a gap)."""
+    @property
+    def num_hashes(self) -> int:
+        """Distinct block hashes held by at least one worker."""
+    def add_worker(self, worker_id: int, *, hash_source: str = "engine") -> None:
+        """Registers ``worker_id`` (``hash_source`` ``"engine"`` or ``"tokens"``).
+
+        Workers are also registered as ``"engine"`` by their first ``apply``. Raises
+        ``InvalidArgumentError`` if already registered or for another ``hash_source``.
+        """
+    def remove_worker(self, worker_id: int) -> bool:
+        """Drops the worker and all its entries (dead or restarted); False if unknown."""
+    def worker_ids(self) -> list[int]:
+        """Registered workers."""
+    def worker_status(self, worker_id: int) -> dict[str, Any] | None:
+        """``worker_id``, ``hash_source``, ``num_blocks``, ``next_seq``, ``num_pending``,
+        ``needs_resync``, ``gaps``; None for an unknown worker."""
+    def needs_resync(self, worker_id: int) -> bool:
+        """True after a gap (or a first batch with ``seq > 0``) until ``apply_snapshot``."""
+    def worker_hashes(self, worker_id: int) -> list[bytes]:
+        """The (indexer-side, 32-byte) hashes the worker holds, sorted; [] if unknown."""
+    def apply(self, worker_id: int, seq: int, events: Iterable[_IndexerEvent]) -> str:
+        """Applies batch ``seq`` of ``worker_id``; returns ``"applied"``, ``"buffered"``,
+        ``"duplicate"`` or ``"gap"``.
+
+        ``events``: pagedkv ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` objects
+        or vLLM wire events (``["BlockStored", hashes, parent, token_ids, block_size,
+        lora_id, ...]``, ``["BlockRemoved", hashes, ...]``, ``["AllBlocksCleared"]``; hashes
+        bytes of at most 32 or ints; a LoRA id is hashed as adapter ``str(lora_id)``).
+        Raises ``InvalidArgumentError`` (and applies nothing) for a malformed event, a
+        ``BlockStored`` whose ``block_size`` differs, or, for a ``"tokens"`` worker, whose
+        token count is not ``len(block_hashes) * block_size``.
+        """
+    def apply_snapshot(self, worker_id: int, seq: int, block_hashes: Iterable[_WireHash]) -> None:
+        """Sets the worker's entries to ``block_hashes`` (its whole cache) as of its batch
+        ``seq``; later batches continue at ``seq + 1``. Clears ``needs_resync``. Raises
+        ``InvalidArgumentError`` for a ``"tokens"`` worker."""
+    def block_hashes(
+        self,
+        token_ids: _IntArrayLike,
+        *,
+        num_blocks: int | None = None,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+        extra_keys: list[tuple[str, bytes]] | None = None,
+        mm_items: list[tuple[bytes, int, int]] | None = None,
+    ) -> list[bytes]:
+        """Chained hashes (32 bytes) of the first ``num_blocks`` (default: all) full blocks of
+        ``token_ids`` with the keys of ``KVCacheManager.add_sequence``: exactly the hashes a
+        manager with this hash algorithm and seed computes. Raises ``InvalidArgumentError``
+        when ``num_blocks`` exceeds the full blocks."""
+    def overlap(
+        self,
+        token_ids: _IntArrayLike,
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+        extra_keys: list[tuple[str, bytes]] | None = None,
+        mm_items: list[tuple[bytes, int, int]] | None = None,
+    ) -> dict[int, int]:
+        """``{worker_id: blocks}`` for every worker: how many leading blocks of the prompt it
+        holds, counting only the full blocks before the last prompt token (what the worker's
+        ``lookup_prefix`` could serve; the last token is always computed)."""
+    def overlap_hashes(self, block_hashes: Iterable[_WireHash]) -> dict[int, int]:
+        """``{worker_id: blocks}``: leading blocks of ``block_hashes`` (in order) each worker
+        holds."""

@@ -97,6 +97,17 @@ def test_attention_head_sizes(head_size):
     _close(out, dense_attention(case, scale), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_size", [96, 192])
+def test_attention_half_precision_tiles(dtype, head_size):
+    # The half-precision decode and prefill tiles of the wider BLOCK_D entries (128, 256).
+    case = make_case([(30, 1), (9, 20)], block_size=16, num_kv_heads=1, group=2, head_size=head_size,
+                     dtype=dtype, seed=head_size)
+    ref = reference.paged_attention(*case.attn_args(), softmax_scale=head_size ** -0.5)
+    out = attention.paged_attention(*case.attn_args(), softmax_scale=head_size ** -0.5)
+    _close(out, ref, dtype)
+
+
 @pytest.mark.parametrize("window", [1, 10, 40])
 def test_attention_sliding_window(window):
     case = make_case([(60, 1), (0, 30), (25, 8)], block_size=8, num_kv_heads=1, group=2, head_size=32)
@@ -117,6 +128,20 @@ def test_attention_split_kv_merge(splits, dtype):
         out = attention.paged_attention(*case.attn_args(), softmax_scale=0.2, sliding_window=window,
                                         num_kv_splits=splits)
         _close(out, ref, dtype)
+
+
+def test_attention_split_kv_merge_loops_over_split_chunks():
+    # More splits than the merge kernel takes per step (configs.MERGE_BLOCK_S): its two passes
+    # loop over chunks of splits; many splits see no key at all for the short sequence.
+    from kernels import configs
+
+    splits = configs.MERGE_BLOCK_S + 4
+    case = make_case([(300, 1), (5, 1)], block_size=8, num_kv_heads=1, group=2, head_size=32,
+                     dtype=torch.float16, seed=7)
+    ref = reference.paged_attention(*case.attn_args(), softmax_scale=0.2)
+    out = attention.paged_attention(*case.attn_args(), softmax_scale=0.2, num_kv_splits=splits,
+                                    block_n=16)
+    _close(out, ref, torch.float16)
 
 
 def test_attention_out_buffer_and_zero_query_sequence():

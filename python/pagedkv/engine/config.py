@@ -113,8 +113,9 @@ class EngineConfig:
             num_cpu_blocks = num_kv_blocks if self.preemption == "swap" else 0
         return dataclasses.replace(self, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks)
 
-    def cache_config(self) -> pagedkv.CacheConfig:
-        """The KV cache manager's configuration (call on a :meth:`resolved` config).
+    def cache_config(self, *, enable_events: bool = False) -> pagedkv.CacheConfig:
+        """The KV cache manager's configuration (call on a :meth:`resolved` config);
+        ``enable_events`` buffers its KV events (for a router's :class:`pagedkv.KVIndexer`).
 
         Raises:
             pagedkv.InvalidConfigError: a size above the core's limits.
@@ -126,6 +127,7 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             hash_algo=self.hash_algo,
             num_cpu_blocks=num_cpu_blocks,
+            enable_events=bool(enable_events),
         )
 
     def pools(self) -> tuple[int, int]:

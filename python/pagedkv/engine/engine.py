@@ -68,6 +68,8 @@ class LLMEngine:
         num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs, preemption,
             num_cpu_blocks, enable_prefix_caching, hash_algo, seed: the KV pool, scheduling
             limits and seed; see :class:`EngineConfig` (``self.config``, pool sizes resolved).
+        enable_kv_events: buffer the KV cache manager's events (``engine.manager.take_events()``)
+            for a router's :class:`pagedkv.KVIndexer`; whoever enables them must drain them.
 
     Raises:
         ModelNotFoundError: no model at ``model`` (or the default package is missing).
@@ -98,6 +100,7 @@ class LLMEngine:
         device: Any = None,
         dtype: torch.dtype | str | None = torch.float32,
         seed: int = 0,
+        enable_kv_events: bool = False,
     ) -> None:
         # Every argument is checked before the (slow) model load.
         config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
@@ -116,7 +119,7 @@ class LLMEngine:
         self.config = config = config.resolved(per_block)
         num_kv_blocks, num_cpu_blocks = config.pools()
         check_kv_fits(self.model.device, num_kv_blocks, num_cpu_blocks, per_block)
-        self.manager = pagedkv.KVCacheManager(config.cache_config())
+        self.manager = pagedkv.KVCacheManager(config.cache_config(enable_events=enable_kv_events))
         self.scheduler = Scheduler(self.manager, config.scheduler_config(self.model.max_model_len))
         self.runner = ModelRunner(self.model, num_kv_blocks, block_size, num_cpu_blocks)
         self.prompts = PromptProcessor(tokenizer, self.model.vocab_size)

@@ -11,11 +11,14 @@
 //! - [`manager`]: per-sequence block tables, slot allocation, fork / copy-on-write, preemption
 //!   (recompute and swap), the batched scheduler-step entry point.
 //! - [`metrics`], [`events`]: counters and KV events for routers.
+//! - [`kv_indexer`]: the routers' side of the events: which worker holds which block, and
+//!   each worker's cached-prefix overlap with a request.
 
 pub mod error;
 pub mod events;
 pub mod free_list;
 pub mod hashing;
+pub mod kv_indexer;
 pub mod manager;
 pub mod metrics;
 pub mod pool;
@@ -25,6 +28,7 @@ pub mod sync;
 
 pub use error::{Error, Result};
 pub use hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
+pub use kv_indexer::{BatchOutcome, HashSource, KvIndexer, WorkerId, WorkerStatus};
 pub use manager::{
     CacheConfig, KvCacheManager, MmItem, SeqStatus, SequenceSpec, SlotAllocation, StepOutput,
     StepRequest,

@@ -114,6 +114,31 @@ pub struct SequenceSpec {
     pub mm_items: Vec<MmItem>,
 }
 
+impl SequenceSpec {
+    /// Extra keys hashed into logical block `k` (tokens `k*block_size..(k+1)*block_size`): the
+    /// sequence keys, then one [`ExtraKey::Multimodal`] per item overlapping the block (offset =
+    /// item start minus block start). The manager and [`crate::kv_indexer`] both hash with this,
+    /// so a router computes the same block hashes as the engines. O(keys + items).
+    pub fn block_keys(&self, block_size: usize, k: usize) -> Cow<'_, [ExtraKey]> {
+        if self.mm_items.is_empty() {
+            return Cow::Borrowed(&self.extra_keys);
+        }
+        let (lo, hi) = ((k * block_size) as u64, ((k + 1) * block_size) as u64);
+        let mut keys = self.extra_keys.clone();
+        for item in self
+            .mm_items
+            .iter()
+            .filter(|m| m.start < hi && m.start + m.len > lo)
+        {
+            keys.push(ExtraKey::Multimodal {
+                item_hash: item.item_hash.clone(),
+                offset: item.start as i64 - lo as i64,
+            });
+        }
+        Cow::Owned(keys)
+    }
+}
+
 /// Where a sequence's KV lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum SeqStatus {
@@ -1098,24 +1123,9 @@ impl KvCacheManager {
         self.cfg.enable_prefix_caching
     }
 
-    /// Extra keys of logical block `k`: the sequence keys plus multimodal items overlapping it.
+    /// Extra keys of logical block `k` (see [`SequenceSpec::block_keys`]).
     fn block_keys<'a>(&self, spec: &'a SequenceSpec, k: usize) -> Cow<'a, [ExtraKey]> {
-        if spec.mm_items.is_empty() {
-            return Cow::Borrowed(&spec.extra_keys);
-        }
-        let (lo, hi) = ((k * self.bs()) as u64, ((k + 1) * self.bs()) as u64);
-        let mut keys = spec.extra_keys.clone();
-        for item in spec
-            .mm_items
-            .iter()
-            .filter(|m| m.start < hi && m.start + m.len > lo)
-        {
-            keys.push(ExtraKey::Multimodal {
-                item_hash: item.item_hash.clone(),
-                offset: item.start as i64 - lo as i64,
-            });
-        }
-        Cow::Owned(keys)
+        spec.block_keys(self.bs(), k)
     }
 
     /// Chained hash of full logical block `k` (memoised); requires `(k+1)*bs <= tokens`.

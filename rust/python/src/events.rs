@@ -124,6 +124,28 @@ impl PyAllBlocksCleared {
     }
 }
 
+impl PyBlockStored {
+    /// The core event this object stands for.
+    pub(crate) fn to_core(&self) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: self.hashes.clone(),
+            parent_block_hash: self.parent,
+            token_ids: self.token_ids.clone(),
+            block_size: self.block_size,
+            extra_keys: self.extra_keys.clone(),
+        }
+    }
+}
+
+impl PyBlockRemoved {
+    /// The core event this object stands for.
+    pub(crate) fn to_core(&self) -> KvEvent {
+        KvEvent::BlockRemoved {
+            block_hashes: self.hashes.clone(),
+        }
+    }
+}
+
 /// One core event as its Python object.
 pub(crate) fn event_object(py: Python<'_>, event: KvEvent) -> PyResult<Py<PyAny>> {
     Ok(match event {

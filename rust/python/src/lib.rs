@@ -10,6 +10,7 @@ mod config;
 mod convert;
 mod errors;
 mod events;
+mod indexer;
 mod manager;
 mod pool;
 mod stats;
@@ -33,5 +34,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<events::PyBlockStored>()?;
     m.add_class::<events::PyBlockRemoved>()?;
     m.add_class::<events::PyAllBlocksCleared>()?;
+    m.add_class::<indexer::PyKvIndexer>()?;
     Ok(())
 }

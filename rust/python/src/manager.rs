@@ -180,7 +180,8 @@ pub(crate) struct PyKvCacheManager {
 
 /// Hashing inputs of `add_sequence`: the salt and adapter as extra keys, `(tag, bytes)` extra
 /// keys, `(item_hash, start_token, num_tokens)` multimodal items.
-fn sequence_spec(
+/// Shared with `KVIndexer`, whose queries must hash exactly like the manager.
+pub(crate) fn sequence_spec(
     cache_salt: Option<String>,
     adapter_id: Option<String>,
     extra_keys: Option<&Bound<'_, PyAny>>,

@@ -1,0 +1,286 @@
+"""N engine replicas as Ray actors behind a KV-aware router.
+
+Dispatch loop (:meth:`ReplicaCluster.serve`): route every waiting request
+(:class:`pagedkv.routing.Router`: overlap from the :class:`pagedkv.KVIndexer` plus predicted
+blocks of requests in flight, load as last reported plus requests routed since); keep one
+``EngineReplica.run`` call in flight per replica that has work, carrying the requests routed to it
+since its previous call; when a call returns, record the finished outputs, apply the replica's
+event batch to the index (a gap asks the replica for a snapshot), and take its load report.
+
+Failures: a call that fails because the actor died (``ray.exceptions.RayActorError``: process
+killed, node lost) drops the replica from the router and the index and sends every request
+routed to it and not yet answered back to routing, on the other replicas. Results are only taken
+from completed calls and keyed by request id, so a request is never answered twice; the loop ends
+when every request is answered, and raises when no replica is left.
+
+The same code runs on one machine (``address=None`` starts a local Ray cluster) and on a
+multi-node Ray cluster (``address="auto"`` or ``"ray://host:port"``); replicas are placed by Ray
+with ``num_cpus`` / ``num_gpus`` per replica.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pagedkv
+from pagedkv.routing import Router, RoutingPolicy, WorkerLoad
+
+__all__ = ["ClusterRequest", "ClusterResult", "ReplicaCluster"]
+
+
+@dataclass(frozen=True)
+class ClusterRequest:
+    """One request: ``request_id`` (unique), ``prompt`` (text, token ids or a prompt dict, as for
+    ``LLMEngine.add_request``), ``params`` (a ``SamplingParams`` or None), ``chat_template``,
+    ``cache_salt`` (a prompt dict's ``"cache_salt"`` wins, as in the engine)."""
+
+    request_id: str
+    prompt: Any
+    params: Any = None
+    chat_template: bool = False
+    cache_salt: str | None = None
+
+
+@dataclass
+class ClusterResult:
+    """How a request ended: ``output`` (the engine's ``RequestOutput``) or ``error`` (the
+    engine refused it), the ``replica`` that answered, how often it was routed (``attempts``,
+    > 1 after a replica died), and its cached-prefix ``overlap_blocks`` at the last routing."""
+
+    request_id: str
+    replica: int
+    attempts: int
+    overlap_blocks: int
+    output: Any = None
+    error: str | None = None
+
+
+def _ray() -> Any:
+    try:
+        import ray  # noqa: PLC0415
+    except ImportError as e:
+        raise ImportError("pagedkv.cluster needs Ray: pip install 'pagedkv[ray]'") from e
+    return ray
+
+
+@dataclass
+class _Pending:
+    req: ClusterRequest
+    tokens: list[int]
+    cache_salt: str | None
+    attempts: int = 0
+    overlap: int = 0
+
+
+@dataclass
+class _ReplicaState:
+    actor: Any
+    outbox: list[_Pending] = field(default_factory=list)
+    assigned: dict[str, _Pending] = field(default_factory=dict)
+    call: Any = None
+
+
+class ReplicaCluster:
+    """Starts ``num_replicas`` :class:`~pagedkv.cluster.replica.EngineReplica` actors and serves
+    requests over them.
+
+    Args:
+        num_replicas: replicas to start (>= 1).
+        model: model for every replica (a path visible on every node, or None for the default).
+        engine_kwargs: ``LLMEngine`` keyword arguments for every replica.
+        policy: routing policy (default ``KVAwarePolicy()``).
+        address: Ray cluster address (None: start or join a local one).
+        num_cpus, num_gpus: Ray resources each replica reserves.
+        ray_init_kwargs: extra ``ray.init`` arguments when this call starts Ray.
+        steps_per_call: engine steps per ``run`` call (more: fewer round trips, coarser routing).
+
+    Raises:
+        ValueError: ``num_replicas < 1``; replicas disagreeing on block size or hashing.
+        ImportError: Ray is not installed.
+    """
+
+    def __init__(
+        self,
+        num_replicas: int,
+        model: Any = None,
+        *,
+        engine_kwargs: dict[str, Any] | None = None,
+        policy: RoutingPolicy | None = None,
+        address: str | None = None,
+        num_cpus: float = 1.0,
+        num_gpus: float = 0.0,
+        ray_init_kwargs: dict[str, Any] | None = None,
+        steps_per_call: int = 4,
+    ) -> None:
+        if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+        ray = _ray()
+        if not ray.is_initialized():
+            kw = {"include_dashboard": False, "log_to_driver": False, **(ray_init_kwargs or {})}
+            ray.init(address=address, **kw)
+        from pagedkv.cluster.replica import EngineReplica  # noqa: PLC0415
+
+        actor_cls = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)(EngineReplica)
+        self._ray = ray
+        self.steps_per_call = max(1, int(steps_per_call))
+        self.replicas: dict[int, _ReplicaState] = {
+            i: _ReplicaState(actor_cls.remote(i, model, engine_kwargs)) for i in range(num_replicas)
+        }
+        infos = ray.get([r.actor.info.remote() for r in self.replicas.values()])
+        first = infos[0]
+        for info in infos[1:]:
+            if (info["block_size"], info["hash_algo"], info["hash_seed"]) != (
+                first["block_size"],
+                first["hash_algo"],
+                first["hash_seed"],
+            ):
+                raise ValueError(f"replicas disagree on KV hashing: {first} vs {info}")
+        self.infos = {info["replica_id"]: info for info in infos}
+        indexer = pagedkv.KVIndexer(first["block_size"], hash_algo=first["hash_algo"], hash_seed=first["hash_seed"])
+        self.router = Router(indexer, policy)
+        for i in self.replicas:
+            self.router.add_worker(i)
+        self.dead: list[int] = []
+
+    @property
+    def live_replicas(self) -> list[int]:
+        """Ids of the replicas still serving."""
+        return sorted(self.replicas)
+
+    def num_unanswered(self, replica_id: int) -> int:
+        """Requests routed to a live replica and not answered yet (0 for a dead one)."""
+        st = self.replicas.get(replica_id)
+        return 0 if st is None else len(st.assigned)
+
+    def actor(self, replica_id: int) -> Any:
+        """The Ray actor handle of a live replica."""
+        return self.replicas[replica_id].actor
+
+    def _drop(self, rid: int, waiting: collections.deque[_Pending]) -> None:
+        """A dead replica: out of the router and index; its unanswered requests re-queued."""
+        state = self.replicas.pop(rid)
+        self.router.remove_worker(rid)
+        self.dead.append(rid)
+        for p in list(state.assigned.values()) + state.outbox:
+            self.router.finished(p.req.request_id)
+            waiting.appendleft(p)
+
+    def _tokenize(
+        self, requests: Sequence[ClusterRequest], waiting: collections.deque[_Pending]
+    ) -> dict[str, list[int]]:
+        """Token ids for routing, from a live replica's tokenizer (the engines' own
+        tokenization); a replica found dead here is dropped."""
+        ray = self._ray
+        groups: dict[bool, list[ClusterRequest]] = {False: [], True: []}
+        for r in requests:
+            groups[r.chat_template].append(r)
+        tokens: dict[str, list[int]] = {}
+        for chat, group in groups.items():
+            while group:
+                if not self.replicas:
+                    raise RuntimeError(f"every replica died ({self.dead})")
+                rid = self.live_replicas[0]
+                try:
+                    toks = ray.get(self.replicas[rid].actor.tokenize.remote([g.prompt for g in group], chat))
+                except ray.exceptions.RayActorError:
+                    self._drop(rid, waiting)
+                    continue
+                tokens.update({g.request_id: t for g, t in zip(group, toks)})
+                break
+        return tokens
+
+    def serve(
+        self, requests: Sequence[ClusterRequest], on_result: Callable[[ClusterResult], None] | None = None
+    ) -> dict[str, ClusterResult]:
+        """Serves ``requests`` to completion; returns ``{request_id: result}`` (every request,
+        exactly once). ``on_result`` is called as each result arrives (tests kill replicas from
+        it). Raises ValueError for duplicate request ids, RuntimeError when every replica died."""
+        ids = [r.request_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request ids must be unique")
+        ray = self._ray
+        if not self.replicas:
+            raise RuntimeError("no live replica")
+        waiting: collections.deque[_Pending] = collections.deque()
+        tokens = self._tokenize(requests, waiting)
+        for r in requests:
+            salt = r.prompt.get("cache_salt", r.cache_salt) if isinstance(r.prompt, dict) else r.cache_salt
+            waiting.append(_Pending(r, tokens[r.request_id], salt if isinstance(salt, str) else None))
+        results: dict[str, ClusterResult] = {}
+        while len(results) < len(requests):
+            if not self.replicas:
+                raise RuntimeError(
+                    f"every replica died ({self.dead}); {len(requests) - len(results)} request(s) unanswered"
+                )
+            while waiting:
+                p = waiting.popleft()
+                p.attempts += 1
+                d = self.router.route(p.tokens, cache_salt=p.cache_salt, request_id=p.req.request_id)
+                p.overlap = d.overlap_blocks
+                st = self.replicas[d.worker]
+                st.outbox.append(p)
+                st.assigned[p.req.request_id] = p
+                old = self.router.load(d.worker)
+                self.router.report_load(
+                    d.worker, WorkerLoad(old.num_running, old.num_waiting + 1, old.kv_blocks_used, old.kv_blocks_total)
+                )
+            for st in self.replicas.values():
+                if st.call is None and st.assigned:
+                    batch = [
+                        (p.req.request_id, p.req.prompt, p.req.params, p.req.chat_template, p.req.cache_salt)
+                        for p in st.outbox
+                    ]
+                    st.outbox = []
+                    st.call = st.actor.run.remote(batch, self.steps_per_call)
+            calls = {st.call: rid for rid, st in self.replicas.items() if st.call is not None}
+            ready, _ = ray.wait(list(calls), num_returns=1)
+            for ref in ready:
+                rid = calls[ref]
+                st = self.replicas[rid]
+                st.call = None
+                try:
+                    step = ray.get(ref)
+                except ray.exceptions.RayActorError:
+                    self._drop(rid, waiting)
+                    continue
+                answered = [(o.request_id, o, None) for o in step.outputs]
+                answered += [(req_id, None, msg) for req_id, msg in step.failed]
+                for req_id, out, err in answered:
+                    if req_id not in st.assigned or req_id in results:
+                        continue  # not ours (cannot happen) or already answered
+                    p = st.assigned.pop(req_id)
+                    self.router.finished(req_id)
+                    res = ClusterResult(req_id, rid, p.attempts, p.overlap, out, err)
+                    results[req_id] = res
+                    if on_result is not None:
+                        on_result(res)
+                if step.events is not None:
+                    seq, payload = step.events
+                    if self.router.apply_events(rid, seq, _decode(payload)) == "gap":
+                        try:
+                            snap_seq, hashes = ray.get(st.actor.snapshot.remote())
+                        except ray.exceptions.RayActorError:
+                            self._drop(rid, waiting)
+                            continue
+                        self.router.indexer.apply_snapshot(rid, snap_seq, hashes)
+                if rid in self.replicas:
+                    ld = step.load  # plus what was routed here while the call ran
+                    self.router.report_load(
+                        rid, WorkerLoad(ld.num_running, len(st.outbox), ld.kv_blocks_used, ld.kv_blocks_total)
+                    )
+        return {i: results[i] for i in ids}
+
+    def shutdown(self) -> None:
+        """Kills the replicas (Ray itself stays up)."""
+        for st in self.replicas.values():
+            self._ray.kill(st.actor)
+        self.replicas.clear()
+
+
+def _decode(payload: bytes) -> list[Any]:
+    from pagedkv.routing.wire import decode_event_batch  # noqa: PLC0415
+
+    return decode_event_batch(payload).events

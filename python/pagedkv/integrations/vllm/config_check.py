@@ -1,0 +1,161 @@
+"""Which vLLM configurations the pagedkv scheduler serves, checked before anything is built.
+
+pagedkv manages one pool of equally sized blocks for one attention type, and it schedules only
+tokens whose ids are known (it hashes them as it allocates). Everything in vLLM that breaks one
+of those two assumptions is refused here, with the setting named, instead of being served
+subtly wrong later: hybrid models (several KV cache groups, sliding window, Mamba), cross
+attention, KV connectors (they adopt and evict blocks behind the manager's back), context
+parallelism (blocks sharded across ranks), speculative decoding and lookahead slots (slots for
+tokens not yet known), prompt embeddings (no token ids to hash), sub-block hash granularity,
+and the metrics / aux-output hooks that read vLLM's own block pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagedkv.errors import InvalidConfigError
+
+__all__ = ["UnsupportedVllmConfigError", "check_supported_config"]
+
+
+class UnsupportedVllmConfigError(InvalidConfigError):
+    """A vLLM setting the pagedkv scheduler does not support (also a ``ValueError``).
+
+    Raised by :func:`check_supported_config` when ``PagedKVScheduler`` is built, before any state
+    exists. Attributes: ``field`` (the vLLM setting, e.g. ``"speculative_config"``), ``value``
+    (its value, as text) and ``reason``.
+    """
+
+
+def _refuse(field: str, value: Any, reason: str) -> UnsupportedVllmConfigError:
+    return UnsupportedVllmConfigError(
+        f"PagedKVScheduler does not support {field}={value!s}: {reason}",
+        field=field,
+        value=str(value),
+        reason=reason,
+    )
+
+
+def _attr(obj: Any, name: str, default: Any = None) -> Any:
+    return getattr(obj, name, default) if obj is not None else default
+
+
+def check_supported_config(
+    vllm_config: Any,
+    kv_cache_config: Any,
+    block_size: int,
+    hash_block_size: int | None = None,
+) -> None:
+    """Raise :class:`UnsupportedVllmConfigError` for the first setting pagedkv cannot serve.
+
+    Args:
+        vllm_config: the engine's ``vllm.config.VllmConfig``.
+        kv_cache_config: the ``vllm.v1.kv_cache_interface.KVCacheConfig`` the scheduler gets.
+        block_size: the scheduler's block size in tokens.
+        hash_block_size: the prefix-hash granularity in tokens (None = ``block_size``).
+
+    Accepted: exactly one KV cache group whose spec is plain ``FullAttentionSpec`` or
+    ``MLAAttentionSpec`` with no sliding window or chunked-local window, decoder-only model, no
+    KV connector, no context parallelism, no speculative decoding or lookahead slots, no prompt
+    embeddings, ``hash_block_size == block_size``, no KV-cache metrics sampling, no aux-output
+    connector. Prefix caching on or off, chunked prefill, FCFS and priority policies, LoRA,
+    multimodal inputs, cache salts, KV events and the watermark are all supported.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    groups = list(_attr(kv_cache_config, "kv_cache_groups", []))
+    if len(groups) != 1:
+        raise _refuse(
+            "kv_cache_config.kv_cache_groups",
+            f"{len(groups)} groups",
+            "exactly one KV cache group is supported (hybrid models with several attention "
+            "types, sliding window or Mamba layers need vLLM's hybrid KV cache manager)",
+        )
+    spec = groups[0].kv_cache_spec
+    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
+        raise _refuse(
+            "kv_cache_spec",
+            type(spec).__name__,
+            "only FullAttentionSpec / MLAAttentionSpec layers are supported",
+        )
+    for window in ("sliding_window", "attention_chunk_size"):
+        if _attr(spec, window) is not None:
+            raise _refuse(
+                f"kv_cache_spec.{window}",
+                _attr(spec, window),
+                "windowed attention frees blocks outside the window, which pagedkv does not do",
+            )
+    if _attr(spec, "block_size") != block_size:
+        raise _refuse(
+            "kv_cache_spec.block_size",
+            _attr(spec, "block_size"),
+            f"must equal the scheduler block size {block_size}",
+        )
+    if hash_block_size is not None and hash_block_size != block_size:
+        raise _refuse(
+            "hash_block_size",
+            hash_block_size,
+            f"prefix hashes are per block; must equal block_size {block_size}",
+        )
+    for flag in ("has_mamba_layers", "needs_kv_cache_zeroing"):
+        if _attr(kv_cache_config, flag, False):
+            raise _refuse(f"kv_cache_config.{flag}", True, "Mamba / zeroed KV state is not managed")
+    if _attr(kv_cache_config, "hisparse_host_num_blocks") is not None:
+        raise _refuse(
+            "kv_cache_config.hisparse_host_num_blocks",
+            _attr(kv_cache_config, "hisparse_host_num_blocks"),
+            "host-resident sparse KV is not managed",
+        )
+
+    model = _attr(vllm_config, "model_config")
+    if _attr(model, "is_encoder_decoder", False):
+        raise _refuse(
+            "model_config.is_encoder_decoder",
+            True,
+            "cross-attention blocks (encoder-decoder models) are not managed",
+        )
+    if _attr(model, "enable_prompt_embeds", False):
+        raise _refuse(
+            "model_config.enable_prompt_embeds",
+            True,
+            "prompt embeddings carry no token ids to hash blocks by",
+        )
+    if _attr(vllm_config, "kv_transfer_config") is not None:
+        raise _refuse(
+            "kv_transfer_config",
+            type(vllm_config.kv_transfer_config).__name__,
+            "KV connectors adopt, delay and evict blocks through vLLM's own block pool",
+        )
+    parallel = _attr(vllm_config, "parallel_config")
+    for cp in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if (_attr(parallel, cp, 1) or 1) > 1:
+            raise _refuse(
+                f"parallel_config.{cp}",
+                _attr(parallel, cp),
+                "context parallelism shards each block across ranks",
+            )
+    if _attr(vllm_config, "speculative_config") is not None:
+        raise _refuse(
+            "speculative_config",
+            _attr(vllm_config.speculative_config, "method", "set"),
+            "speculative decoding schedules draft tokens whose ids are not final; pagedkv "
+            "allocates slots only for known tokens",
+        )
+    for lookahead in (
+        "num_lookahead_tokens",
+        "num_hash_lookahead_tokens",
+        "num_prefill_lookahead_tokens",
+    ):
+        if (_attr(vllm_config, lookahead, 0) or 0) > 0:
+            raise _refuse(lookahead, _attr(vllm_config, lookahead), "lookahead slots are not managed")
+    observability = _attr(vllm_config, "observability_config")
+    if _attr(observability, "kv_cache_metrics", False):
+        raise _refuse(
+            "observability_config.kv_cache_metrics",
+            True,
+            "block residency sampling reads vLLM's own block pool",
+        )
+    aux = _attr(vllm_config, "aux_output_config")
+    if _attr(aux, "enabled", False):
+        raise _refuse("aux_output_config.enabled", True, "the aux-output connector is not supported")

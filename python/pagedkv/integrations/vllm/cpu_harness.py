@@ -1,0 +1,302 @@
+"""Drive vLLM's real V1 Scheduler on CPU with a deterministic fake model (no GPU, no network).
+
+A tiny Llama ``config.json`` is written to a temporary folder; ``VllmConfig`` is built from it
+with ``skip_tokenizer_init`` (the scheduler never tokenizes). The KV cache is one
+``FullAttentionSpec`` group of ``num_blocks`` blocks. Each step, ``schedule()`` runs, the fake
+model samples one token for every request whose scheduled chunk reaches the end of its known
+tokens (the token depends only on the request id and its position), and
+``update_from_output()`` consumes it. ``Driver.step`` records what one step did in a plain dict
+so two schedulers (stock and ``PagedKVScheduler``) can be compared step by step.
+
+Used by the vLLM differential tests, ``benchmarks/vllm_scheduler.py`` and the README example.
+Importing it sets ``VLLM_LOGGING_LEVEL=ERROR`` and ``VLLM_TARGET_DEVICE=cpu`` unless they are
+already set (they only take effect if vLLM was not imported before).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    LoRAConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.lora.request import LoRARequest  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+VOCAB = 4096
+EOS = 2
+# Fake tokens avoid the special ids below this.
+FIRST_TOKEN = 16
+
+_MODEL_DIR: Path | None = None
+
+
+def tiny_model_dir() -> Path:
+    """A folder with a tiny Llama ``config.json`` (written once per process)."""
+    global _MODEL_DIR
+    if _MODEL_DIR is None:
+        d = Path(tempfile.mkdtemp(prefix="pagedkv-vllm-model-"))
+        config = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_hidden_layers": 2,
+            "vocab_size": VOCAB,
+            "max_position_embeddings": 131072,
+            "rms_norm_eps": 1e-5,
+            "bos_token_id": 1,
+            "eos_token_id": EOS,
+            "torch_dtype": "float32",
+            "tie_word_embeddings": True,
+        }
+        (d / "config.json").write_text(json.dumps(config))
+        _MODEL_DIR = d
+    return _MODEL_DIR
+
+
+def make_vllm_config(
+    *,
+    num_blocks: int,
+    block_size: int = 16,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 512,
+    max_model_len: int = 4096,
+    enable_prefix_caching: bool = True,
+    long_prefill_token_threshold: int = 0,
+    kv_events: bool = False,
+    max_loras: int = 0,
+    scheduler_cls: Any = None,
+    policy: str = "fcfs",
+    watermark: float = 0.0,
+    **overrides: Any,
+) -> VllmConfig:
+    """A ``VllmConfig`` for the tiny local model, CPU device, ``num_blocks`` KV blocks."""
+    model_config = ModelConfig(
+        model=str(tiny_model_dir()),
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+        dtype="float32",
+        seed=0,
+    )
+    cache_config = CacheConfig(
+        block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    cache_config.num_gpu_blocks = num_blocks
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        long_prefill_token_threshold=long_prefill_token_threshold,
+        enable_chunked_prefill=True,
+        is_encoder_decoder=False,
+        async_scheduling=False,
+        scheduler_cls=scheduler_cls,
+        policy=policy,
+        watermark=watermark,
+    )
+    kwargs: dict[str, Any] = dict(
+        model_config=model_config,
+        cache_config=cache_config,
+        scheduler_config=scheduler_config,
+        device_config=DeviceConfig(device="cpu"),
+    )
+    if kv_events:
+        kwargs["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    if max_loras:
+        kwargs["lora_config"] = LoRAConfig(max_loras=max_loras, max_lora_rank=8)
+    kwargs.update(overrides)
+    return VllmConfig(**kwargs)
+
+
+def make_kv_cache_config(num_blocks: int, block_size: int = 16) -> KVCacheConfig:
+    """One full-attention KV cache group of ``num_blocks`` blocks (tensor shape irrelevant)."""
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layers.0.self_attn"], spec)],
+    )
+
+
+def build_scheduler(cls: type, vllm_config: VllmConfig, *, log_stats: bool = True) -> Any:
+    """``cls`` (vLLM's ``Scheduler`` or a subclass) built as the engine core builds it."""
+    num_blocks = vllm_config.cache_config.num_gpu_blocks
+    block_size = vllm_config.cache_config.block_size
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=make_kv_cache_config(num_blocks, block_size),
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        log_stats=log_stats,
+    )
+
+
+_HASHER: Any = None
+
+
+def block_hasher(block_size: int) -> Any:
+    """The engine core's per-request block hasher (SHA-256, vLLM's default)."""
+    global _HASHER
+    if _HASHER is None:
+        fn = get_hash_fn_by_name("sha256")
+        init_none_hash(fn)
+        _HASHER = fn
+    return get_request_block_hasher(block_size, _HASHER)
+
+
+def fake_token(request_id: str, position: int) -> int:
+    """The fake model's token for ``request_id`` at ``position``: depends on nothing else."""
+    return FIRST_TOKEN + zlib.crc32(f"{request_id}@{position}".encode()) % (VOCAB - FIRST_TOKEN)
+
+
+def make_request(
+    request_id: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    *,
+    block_size: int = 16,
+    cache_salt: str | None = None,
+    lora: tuple[str, int] | None = None,
+    stop_token_ids: Sequence[int] = (),
+    priority: int = 0,
+    arrival_time: float | None = None,
+) -> Request:
+    """A vLLM ``Request`` as the engine core makes it (block hashes included)."""
+    params = SamplingParams(max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=False)
+    params.update_from_generation_config({}, EOS)
+    lora_request = (
+        LoRARequest(lora_name=lora[0], lora_int_id=lora[1], lora_path=f"/nonexistent/{lora[0]}") if lora else None
+    )
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=arrival_time,
+        lora_request=lora_request,
+        cache_salt=cache_salt,
+        priority=priority,
+        block_hasher=block_hasher(block_size),
+    )
+
+
+def fake_model_output(scheduler: Any, sched_output: Any) -> ModelRunnerOutput:
+    """What the fake model returns for ``sched_output``: one token for each request whose
+    scheduled tokens reach its known length (a finished prefill or a decode), none for a
+    partial prefill chunk."""
+    req_ids = list(sched_output.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for rid in req_ids:
+        request = scheduler.requests[rid]
+        if request.num_computed_tokens >= request.num_tokens:
+            sampled.append([fake_token(rid, request.num_tokens)])
+        else:
+            sampled.append([])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
+class Driver:
+    """Runs one scheduler step by step and records what each step did."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        self.outputs: dict[str, list[int]] = {}
+        self.finish_reasons: dict[str, str] = {}
+        self.prefix_hits: dict[str, int] = {}
+        # Sum of the prefix-cache stats the scheduler reports (with log_stats).
+        self.prefix_cache_stats = {"requests": 0, "queries": 0, "hits": 0}
+
+    def add(self, request: Request) -> None:
+        self.outputs.setdefault(request.request_id, [])
+        self.scheduler.add_request(request)
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        for rid in request_ids:
+            self.finish_reasons.setdefault(rid, "abort")
+
+    def step(self) -> dict[str, Any]:
+        """One ``schedule()`` + fake model + ``update_from_output()``; returns the record."""
+        sched = self.scheduler
+        out = sched.schedule()
+        new_hits = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        for rid, hit in new_hits.items():
+            self.prefix_hits.setdefault(rid, hit)
+        cached = out.scheduled_cached_reqs
+        # Resumed (preempted) requests: their prefix hit is the computed count they restart at.
+        resumed = {
+            rid: n for rid, n in zip(cached.req_ids, cached.num_computed_tokens) if rid in cached.resumed_req_ids
+        }
+        scheduled = dict(out.num_scheduled_tokens)
+        blocks_held = {rid: len(sched.kv_cache_manager.get_block_ids(rid)[0]) for rid in sorted(scheduled)}
+        model_out = fake_model_output(sched, out)
+        engine_outputs = sched.update_from_output(out, model_out)
+        new_tokens: dict[str, list[int]] = {}
+        finished: dict[str, str] = {}
+        for eco in engine_outputs.values():
+            stats = getattr(eco, "scheduler_stats", None)
+            if stats is not None and stats.prefix_cache_stats is not None:
+                for key in self.prefix_cache_stats:
+                    self.prefix_cache_stats[key] += getattr(stats.prefix_cache_stats, key)
+            for o in eco.outputs:
+                if o.new_token_ids:
+                    new_tokens[o.request_id] = list(o.new_token_ids)
+                    self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    finished[o.request_id] = str(o.finish_reason)
+                    self.finish_reasons[o.request_id] = str(o.finish_reason)
+        return {
+            "scheduled": scheduled,
+            "new_prefix_hits": new_hits,
+            "resumed": resumed,
+            "preempted": sorted(getattr(out, "preempted_req_ids", None) or []),
+            "finished": finished,
+            "new_tokens": new_tokens,
+            "blocks_held": blocks_held,
+        }
+
+    def run(self, max_steps: int = 10_000) -> list[dict[str, Any]]:
+        """Steps until no request is left (at most ``max_steps``)."""
+        records = []
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                break
+            records.append(self.step())
+        return records

@@ -1,0 +1,600 @@
+"""``PagedKVCacheManager``: the object vLLM's V1 scheduler calls as ``kv_cache_manager``.
+
+It offers the methods and attributes the pinned vLLM ``Scheduler`` uses on its
+``vllm.v1.core.kv_cache_manager.KVCacheManager`` (lookup, slot allocation, free, block ids,
+usage, prefix-cache stats, reset, events, common-prefix count and the per-step hooks), with
+pagedkv's ``KVCacheManager`` (Rust) as the block pool, prefix cache and block tables.
+
+How vLLM's request maps onto a pagedkv sequence:
+
+- each ``Request`` becomes one sequence (an int id) on its first lookup or allocation; its
+  finalized tokens (``request.all_token_ids``) are appended to it lazily, right before the next
+  allocation, so pagedkv hashes exactly the tokens vLLM would;
+- request identity becomes pagedkv's typed extra keys, mixed into every block hash: the cache
+  salt (``cache_salt``), the LoRA adapter (``adapter_id`` = the LoRA name), and each multimodal
+  feature (``mm_items``: the feature's identifier with its placeholder position and length), so
+  two requests share cached blocks only when vLLM would let them;
+- a request preempted by the scheduler (``free`` while still ``RUNNING``) is preempted by
+  recompute in pagedkv (blocks released, tokens and memoised hashes kept); a finished one is
+  freed and forgotten.
+
+Prefix hits, block counts and the all-or-nothing allocation follow vLLM's ``KVCacheManager``
+(the last prompt token is always recomputed; hits are whole blocks); which free cached block is
+evicted first differs (pagedkv's free list vs vLLM's LRU queue), so block ids and hits can
+differ once blocks are evicted.
+
+Invariant checked on every allocation: pagedkv's computed-token count for the request equals
+``request.num_computed_tokens`` plus the prefix hit; a mismatch raises ``RuntimeError`` rather
+than serving a wrong block table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
+
+import numpy as np
+
+import pagedkv
+from pagedkv.errors import (
+    InvalidArgumentError,
+    OutOfBlocksError,
+    UnknownSequenceError,
+)
+
+__all__ = ["PagedKVBlocks", "PagedKVCacheManager"]
+
+# vLLM's prefix_caching_hash_algo -> pagedkv's hash. pagedkv hashes its own canonical byte
+# encoding (not vLLM's pickle / CBOR), so only the family matters.
+_HASH_ALGOS = {
+    "sha256": "sha256",
+    "sha256_cbor": "sha256",
+    "xxhash": "xxh3_128",
+    "xxhash_cbor": "xxh3_128",
+}
+
+
+def _kv_cache_blocks_type() -> type:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+
+    return cast(type, KVCacheBlocks)
+
+
+def _make_blocks_class() -> type:
+    KVCacheBlocks = _kv_cache_blocks_type()
+
+    class PagedKVBlocksImpl(KVCacheBlocks):  # type: ignore[misc, valid-type]
+        """vLLM ``KVCacheBlocks`` backed by a list of pagedkv block ids (one KV cache group).
+
+        The scheduler only asks for ids (``get_block_ids``) and concatenates results; those
+        work on the id list without building a Python object per block. ``blocks`` builds
+        ``KVCacheBlock`` views on demand (id only: ref counts and hashes live in pagedkv).
+        """
+
+        def __init__(self, ids: list[int]) -> None:
+            self.ids = ids
+
+        @property  # type: ignore[override, unused-ignore]
+        def blocks(self) -> tuple[list[Any], ...]:
+            from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+            return ([KVCacheBlock(block_id=b) for b in self.ids],)
+
+        def get_block_ids(
+            self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+        ) -> tuple[list[int], ...] | None:
+            if allow_none and not self.ids:
+                return None
+            if group_ids is not None and list(group_ids) != [0]:
+                return tuple([] if g != 0 else list(self.ids) for g in group_ids)
+            return (list(self.ids),)
+
+        def get_unhashed_block_ids(self) -> list[int]:
+            return list(self.ids)
+
+        def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+            return [list(self.ids)]
+
+        def __add__(self, other: Any) -> Any:
+            other_ids = other.get_block_ids()[0] if other is not None else []
+            return PagedKVBlocksImpl(self.ids + list(other_ids))
+
+        def new_empty(self) -> Any:
+            return KVCacheBlocks(((),))
+
+        def __eq__(self, other: object) -> bool:
+            if isinstance(other, KVCacheBlocks):
+                theirs: Any = other
+                return bool(theirs.get_block_ids() == self.get_block_ids())
+            return NotImplemented
+
+        __hash__ = None  # type: ignore[assignment]
+
+        def __repr__(self) -> str:
+            return f"PagedKVBlocks(block_ids={self.ids})"
+
+    PagedKVBlocksImpl.__name__ = PagedKVBlocksImpl.__qualname__ = "PagedKVBlocks"
+    return PagedKVBlocksImpl
+
+
+PagedKVBlocks: Any = _make_blocks_class()
+
+
+class _PrefixHit:
+    """What ``get_computed_blocks`` returns for a hit: the scheduler passes it back to
+    ``allocate_slots`` unchanged (pagedkv takes the hit blocks itself while allocating), so only
+    the hit length is kept; ids exist once allocated (``get_blocks``)."""
+
+    __slots__ = ("num_tokens", "blocks")
+
+    def __init__(self, num_tokens: int, num_blocks: int) -> None:
+        self.num_tokens = num_tokens
+        self.blocks = ((None,) * num_blocks,)
+
+    def get_block_ids(self, allow_none: bool = False, **_: Any) -> Any:
+        raise RuntimeError("block ids of a prefix hit are known after allocate_slots; use get_blocks(request_id)")
+
+    def __add__(self, other: Any) -> Any:
+        return other
+
+
+class PagedKVCacheManager:
+    """vLLM V1 ``kv_cache_manager`` backed by ``pagedkv.KVCacheManager`` (one KV cache group).
+
+    Args:
+        num_blocks: GPU blocks incl. the null block 0 (vLLM's ``KVCacheConfig.num_blocks``).
+        block_size: tokens per block.
+        enable_caching: vLLM's ``enable_prefix_caching``.
+        hash_algo: vLLM's ``prefix_caching_hash_algo`` (``sha256*`` -> SHA-256, ``xxhash*`` ->
+            xxh3-128; anything else raises ``InvalidConfigError``).
+        log_stats: keep ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
+        enable_kv_cache_events: record KV events for ``take_events``.
+        watermark: fraction of blocks kept free when admitting waiting / preempted requests.
+        spec_kind: the group's kind for ``BlockStored.kv_cache_spec_kind``.
+
+    Errors are pagedkv's typed errors (``pagedkv.errors``); a failing call changes nothing.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        watermark: float = 0.0,
+        spec_kind: str | None = None,
+    ) -> None:
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.metrics.stats import PrefixCacheStats
+        from vllm.v1.request import RequestStatus
+
+        algo = _HASH_ALGOS.get(hash_algo)
+        if algo is None:
+            raise pagedkv.InvalidConfigError(
+                f"prefix_caching_hash_algo {hash_algo!r} has no pagedkv equivalent (supported: {sorted(_HASH_ALGOS)})",
+                field="prefix_caching_hash_algo",
+                value=str(hash_algo),
+                reason=f"supported: {sorted(_HASH_ALGOS)}",
+            )
+        self._config = pagedkv.CacheConfig(
+            num_blocks,
+            block_size,
+            enable_prefix_caching=enable_caching,
+            hash_algo=algo,
+            enable_events=enable_kv_cache_events,
+        )
+        self._kvm = pagedkv.KVCacheManager(self._config)
+        self._pool = self._kvm.pool
+        self._PrefixCacheStats = PrefixCacheStats
+        self._waiting_states = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.log_stats = log_stats
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.num_kv_cache_groups = 1
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+        self.spec_kind = spec_kind
+        self.medium = "GPU"
+
+        self._num_usable = num_blocks - 1
+        # request id -> pagedkv sequence id, and how many of its tokens pagedkv holds (read
+        # by PagedKVScheduler's batched decode path).
+        self._seq_of: dict[str, int] = {}
+        self._num_known: dict[str, int] = {}
+        self._next_seq_id = 0
+        self._lora_ids: dict[str, int] = {}
+        # Allocations made ahead by the batched decode path: request id -> result.
+        self._prepared: dict[str, Any] = {}
+        #: Decode slots allocated through ``prepare_decodes`` so far (requests, summed).
+        self.num_batched_allocations = 0
+        #: Batched steps that stopped early (a request did not fit; vLLM's loop preempts).
+        self.num_batch_stops = 0
+
+    # ---- properties vLLM reads -------------------------------------------------------------
+
+    @property
+    def manager(self) -> pagedkv.KVCacheManager:
+        """The underlying ``pagedkv.KVCacheManager`` (inspection, invariant checks)."""
+        return self._kvm
+
+    @property
+    def usage(self) -> float:
+        """KV cache usage in [0, 1]: ``1 - free / (num_blocks - 1)``, as vLLM's block pool
+        (free includes evictable cached blocks)."""
+        if not self._num_usable:
+            return 0.0
+        return 1.0 - self._pool.num_free / self._num_usable
+
+    def seq_id(self, request_id: str) -> int:
+        """The pagedkv sequence id of ``request_id``. Raises ``UnknownSequenceError``."""
+        seq = self._seq_of.get(request_id)
+        if seq is None:
+            raise UnknownSequenceError(
+                f"unknown request id {request_id!r} (never looked up or allocated, or freed)",
+                seq_id=-1,
+            )
+        return seq
+
+    # ---- request registration --------------------------------------------------------------
+
+    def _register(self, request: Any) -> int:
+        """The sequence of ``request``, created on first use; new finalized tokens appended."""
+        rid = request.request_id
+        seq = self._seq_of.get(rid)
+        if seq is None:
+            seq = self._next_seq_id
+            lora = request.lora_request
+            adapter = None
+            if lora is not None:
+                adapter = lora.lora_name
+                self._lora_ids[adapter] = lora.lora_int_id
+            mm_items = None
+            if request.mm_features:
+                mm_items = [
+                    (str(f.identifier).encode(), f.mm_position.offset, f.mm_position.length)
+                    for f in request.mm_features
+                ]
+            extra_keys = None
+            if request.skip_reading_prefix_cache:
+                # vLLM must not read the cache for this request (prompt logprobs, pooling);
+                # pagedkv always reads on a first allocation, so the request gets keys of its
+                # own that nothing else can hit.
+                extra_keys = [("no_prefix_read", rid.encode())]
+            self._kvm.add_sequence(
+                seq,
+                request.all_token_ids[:],
+                cache_salt=request.cache_salt,
+                adapter_id=adapter,
+                extra_keys=extra_keys,
+                mm_items=mm_items,
+            )
+            self._next_seq_id += 1
+            self._seq_of[rid] = seq
+            self._num_known[rid] = request.num_tokens
+            return seq
+        known = self._num_known[rid]
+        n = request.num_tokens
+        if n > known:
+            self._kvm.append_tokens(seq, request.all_token_ids[known:])
+            self._num_known[rid] = n
+        return seq
+
+    # ---- prefix cache ----------------------------------------------------------------------
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        """Whether a prefix-cache lookup runs for ``request`` (caching on, reads allowed)."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
+        """Prefix hit of a waiting request: ``(blocks, hit tokens, 0)``.
+
+        Hit tokens are whole blocks, capped at ``num_tokens - 1`` (the last token is always
+        recomputed for its logits). ``blocks`` is an opaque token for ``allocate_slots``. Raises
+        ``InvalidArgumentError`` for a ``max_cache_hit_length`` below the hit (pagedkv takes the
+        whole hit when it allocates), changing nothing.
+        """
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        seq = self._register(request)
+        hit = self._kvm.lookup_prefix(seq)
+        if max_cache_hit_length is not None and hit > max_cache_hit_length:
+            raise InvalidArgumentError(
+                f"max_cache_hit_length {max_cache_hit_length} is below the prefix hit of "
+                f"{hit} tokens; capping hits is not supported",
+                arg="max_cache_hit_length",
+                value=str(max_cache_hit_length),
+                reason="capping hits is not supported",
+            )
+        if hit == 0:
+            return self.empty_kv_cache_blocks, 0, 0
+        return _PrefixHit(hit, hit // self.block_size), hit, 0
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        """Counts one admitted request's lookup (tokens queried, tokens hit) when logging."""
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    def make_prefix_cache_stats(self) -> Any:
+        """The prefix-cache stats since the last call (then reset), or None without logging."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = self._PrefixCacheStats()
+        return stats
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        """Tokens of ``request`` covered by blocks registered in the prefix cache (pagedkv
+        caches every block full of computed tokens, so whole computed blocks)."""
+        seq = self._seq_of.get(request.request_id)
+        if seq is None or not self.enable_caching:
+            return 0
+        computed = int(min(self._kvm.num_computed_tokens(seq), request.num_tokens))
+        return computed - computed % self.block_size
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> Any:
+        """Slots for ``num_new_tokens`` more tokens of ``request`` (prefix hit first for a new or
+        resumed request); returns the newly taken blocks, or None when they do not fit.
+
+        As vLLM: blocks for ``num_computed + hit + num_new_tokens`` tokens, all or nothing;
+        waiting / preempted requests also leave ``watermark_blocks`` free when others are
+        scheduled; ``full_sequence_must_fit`` admits a request only if all its tokens fit.
+        Every full block of computed tokens is registered in the prefix cache.
+
+        Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` or a feature the config
+        check refuses (lookahead slots, external / encoder tokens, delayed caching), and
+        ``RuntimeError`` if pagedkv's computed-token count disagrees with the request's.
+        """
+        rid = request.request_id
+        prepared = self._prepared.pop(rid, None)
+        if prepared is not None:
+            if num_new_tokens != 1:
+                raise RuntimeError(
+                    f"request {rid!r}: batched decode prepared 1 token, the scheduler asked for {num_new_tokens}"
+                )
+            return prepared
+        if num_new_tokens <= 0:
+            raise InvalidArgumentError(
+                f"num_new_tokens must be >= 1 (got {num_new_tokens}) for request {rid!r}",
+                arg="num_new_tokens",
+                value=str(num_new_tokens),
+                reason="must schedule at least one token",
+            )
+        for name, value in (
+            ("num_lookahead_tokens", num_lookahead_tokens),
+            ("num_external_computed_tokens", num_external_computed_tokens),
+            ("num_encoder_tokens", num_encoder_tokens),
+            ("delay_cache_blocks", int(delay_cache_blocks)),
+        ):
+            if value:
+                raise InvalidArgumentError(
+                    f"{name}={value} is not supported by PagedKVCacheManager",
+                    arg=name,
+                    value=str(value),
+                    reason="refused by check_supported_config",
+                )
+        seq = self._register(request)
+        first = request.num_computed_tokens == 0
+        watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
+        if full_sequence_must_fit or watermark or reserved_blocks:
+            free = self._pool.num_free
+            if full_sequence_must_fit:
+                full = self._kvm.num_blocks_needed(seq, max(request.num_tokens, 1))
+                if full + watermark > free:
+                    return None
+            # Without a watermark or reservation the allocation below checks this itself.
+            if (watermark or reserved_blocks) and self._kvm.num_blocks_needed(
+                seq, num_new_tokens
+            ) + watermark > free - reserved_blocks:
+                return None
+        try:
+            alloc = self._kvm.allocate_slots(seq, num_new_tokens)
+        except OutOfBlocksError:
+            return None
+        expected_context = request.num_computed_tokens + (num_new_computed_tokens if first else 0)
+        if alloc.num_context_tokens != expected_context:
+            raise RuntimeError(
+                f"request {rid!r}: pagedkv holds {alloc.num_context_tokens} computed tokens, "
+                f"vLLM expects {expected_context} (num_computed_tokens="
+                f"{request.num_computed_tokens}, prefix hit {num_new_computed_tokens})"
+            )
+        ids = alloc.new_block_ids
+        if len(ids) == 0:
+            return self.empty_kv_cache_blocks
+        return PagedKVBlocks(ids.tolist())
+
+    def prepare_decodes(
+        self,
+        request_ids: Sequence[str],
+        seq_ids: Sequence[int],
+        last_token_ids: Sequence[int],
+        num_tokens: Sequence[int],
+    ) -> int:
+        """Appends one sampled token to each request and allocates its decode slot, in order,
+        in one call into Rust (``pagedkv.KVCacheManager.step``).
+
+        Used by ``PagedKVScheduler`` before vLLM's running loop, for a prefix of running
+        requests that the loop is certain to give exactly one token each: the loop's following
+        ``allocate_slots(request, 1)`` calls return these results. Stops at the first request
+        that does not fit; that one and the rest are left untouched and go through
+        ``allocate_slots`` normally, where vLLM preempts. ``seq_ids[i]`` is
+        ``seq_id(request_ids[i])``, ``last_token_ids[i]`` the token sampled last step and
+        ``num_tokens[i]`` the request's token count with it. Returns how many were prepared.
+        """
+        out = self._kvm.step(seq_ids, 1, np.asarray(last_token_ids, dtype=np.int64))
+        n = out.num_scheduled
+        results = [self.empty_kv_cache_blocks] * n
+        new_ids = out.new_block_ids
+        if len(new_ids):
+            indptr = out.new_block_indptr[: n + 1]
+            ids = new_ids.tolist()
+            bounds = indptr.tolist()
+            for i in np.flatnonzero(np.diff(indptr)).tolist():
+                results[i] = PagedKVBlocks(ids[bounds[i] : bounds[i + 1]])
+        if n == len(request_ids):
+            self._prepared.update(zip(request_ids, results))
+            self._num_known.update(zip(request_ids, num_tokens))
+        else:
+            self._prepared.update(zip(request_ids[:n], results))
+            self._num_known.update(zip(request_ids[:n], num_tokens[:n]))
+        self.num_batched_allocations += n
+        self.num_batch_stops += out.error is not None
+        return n
+
+    def take_unused_prepared(self) -> list[str]:
+        """Request ids whose batched allocation the scheduler did not consume (empty unless the
+        batched path's preconditions were wrong); clears them."""
+        if not self._prepared:
+            return []
+        ids = list(self._prepared)
+        self._prepared.clear()
+        return ids
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """No-op: pagedkv registers full blocks in the prefix cache as it allocates them."""
+
+    def free(self, request: Any) -> None:
+        """Releases ``request``'s blocks (tail first, so deep blocks are evicted first).
+
+        A finished request is forgotten; one still ``RUNNING`` is being preempted by the
+        scheduler and keeps its tokens (preemption by recompute). A request never allocated is
+        a no-op, as in vLLM. Raises ``UnknownSequenceError`` for a request freed before that
+        still claims computed tokens (a double free), changing nothing.
+        """
+        rid = request.request_id
+        self._prepared.pop(rid, None)
+        seq = self._seq_of.get(rid)
+        if seq is None:
+            if request.num_computed_tokens > 0:
+                raise UnknownSequenceError(
+                    f"request {rid!r} holds no KV blocks (already freed?) but claims "
+                    f"{request.num_computed_tokens} computed tokens",
+                    seq_id=-1,
+                )
+            return
+        if request.is_finished():
+            self._kvm.free(seq)
+            del self._seq_of[rid]
+            del self._num_known[rid]
+        else:
+            self._kvm.preempt([seq])
+
+    def remove_skipped_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+        """No-op: full attention never skips blocks."""
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every prefix-cache entry; False (nothing changed) while any block is in use."""
+        try:
+            self._kvm.reset_prefix_cache()
+        except pagedkv.CacheInUseError:
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    # ---- block tables ----------------------------------------------------------------------
+
+    def get_blocks(self, request_id: str) -> Any:
+        """The request's whole block table. Raises ``UnknownSequenceError``."""
+        ids = self._kvm.block_table(self.seq_id(request_id)).tolist()
+        return PagedKVBlocks(ids) if ids else self.empty_kv_cache_blocks
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """``(block ids,)`` of the request's table. Raises ``UnknownSequenceError``."""
+        return (self._kvm.block_table(self.seq_id(request_id)).tolist(),)
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
+        """The table's first ``ceil(num_computed_tokens / block_size)`` ids."""
+        (ids,) = self.get_block_ids(request_id)
+        return (ids[: -(-num_computed_tokens // self.block_size)],)
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """``[0]``: cascade attention is gone from vLLM; kept for schedulers that still ask."""
+        return [0]
+
+    # ---- per-step hooks --------------------------------------------------------------------
+
+    def new_step_starts(self) -> None:
+        """No per-step state to reset."""
+
+    def take_events(self) -> list[Any]:
+        """KV events since the last call as ``vllm.distributed.kv_events`` objects."""
+        if not self.enable_kv_cache_events:
+            return []
+        from pagedkv.integrations.vllm.events import to_vllm_events
+
+        return to_vllm_events(
+            self._kvm.take_events(),
+            lora_ids=self._lora_ids,
+            spec_kind=self.spec_kind,
+            medium=self.medium,
+        )
+
+    def take_new_block_ids(self) -> list[int]:
+        """``[]``: no block zeroing (Mamba is refused)."""
+        return []
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        """``([], [])``: vLLM requests never share a partially filled block, so pagedkv plans no
+        copy-on-write for them."""
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """``{}``: no Mamba boundary states."""
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        """``[]``: no Mamba boundary states."""
+        return []
+
+    def _connector_only(self, name: str) -> Any:
+        raise NotImplementedError(
+            f"PagedKVCacheManager.{name} is used by KV connectors, which PagedKVScheduler refuses"
+        )
+
+    def get_computed_blocks_for_connector(self, *args: Any, **kwargs: Any) -> Any:
+        """KV connectors only (refused): raises ``NotImplementedError``."""
+        return self._connector_only("get_computed_blocks_for_connector")
+
+    def truncate_computed_blocks(self, *args: Any, **kwargs: Any) -> Any:
+        """KV connectors only (refused): raises ``NotImplementedError``."""
+        return self._connector_only("truncate_computed_blocks")
+
+    def pop_blocks_for_free(self, *args: Any, **kwargs: Any) -> Any:
+        """KV connectors only (refused): raises ``NotImplementedError``."""
+        return self._connector_only("pop_blocks_for_free")
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """KV connectors only (refused): raises ``NotImplementedError``."""
+        self._connector_only("evict_blocks")
+
+    def record_blocks_for_zeroing(self, *args: Any, **kwargs: Any) -> None:
+        """KV connectors only (refused): raises ``NotImplementedError``."""
+        self._connector_only("record_blocks_for_zeroing")

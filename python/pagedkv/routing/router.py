@@ -1,0 +1,139 @@
+"""A KV-aware router: a :class:`pagedkv.KVIndexer` fed by the workers' event batches and load
+reports, and a :mod:`routing policy <pagedkv.routing.policy>` that picks the worker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from pagedkv import KVIndexer
+from pagedkv.routing.policy import KVAwarePolicy, RoutingPolicy, WorkerLoad
+
+__all__ = ["Router", "RoutingDecision"]
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """Where a request goes: ``worker``, its cached ``overlap_blocks`` there, and the request's
+    cacheable ``num_blocks`` (full blocks before the last prompt token)."""
+
+    worker: int
+    overlap_blocks: int
+    num_blocks: int
+
+
+class Router:
+    """Routes requests to workers by a policy over the indexer's overlaps and reported loads.
+
+    Args:
+        indexer: the block index (its block size, hash algorithm and seed must match the
+            workers' ``CacheConfig``).
+        policy: a routing policy (default :class:`KVAwarePolicy` with its default weights).
+
+    Requests routed with a ``request_id`` count as cached on their worker until
+    :meth:`finished` (or until the worker's own events report the blocks): their blocks are kept
+    in a second index of predicted blocks, so requests sharing a prefix that arrive together
+    follow each other before the first one's ``BlockStored`` events come back. A request's
+    overlap on a worker is the larger of the confirmed and the predicted one. (NVIDIA Dynamo's
+    router predicts routed blocks the same way.)
+
+    Not thread-safe (the indexer itself is); one router per dispatch loop.
+    """
+
+    def __init__(self, indexer: KVIndexer, policy: RoutingPolicy | None = None) -> None:
+        self.indexer = indexer
+        self.policy: RoutingPolicy = policy if policy is not None else KVAwarePolicy()
+        self._loads: dict[int, WorkerLoad] = {}
+        self._predicted = KVIndexer(indexer.block_size, hash_algo=indexer.hash_algo, hash_seed=indexer.hash_seed)
+        self._predicted_seq: dict[int, int] = {}
+        self._inflight: dict[str, tuple[int, list[bytes]]] = {}
+
+    @property
+    def workers(self) -> list[int]:
+        """Live workers, sorted."""
+        return sorted(self._loads)
+
+    def add_worker(self, worker_id: int, *, hash_source: str = "engine") -> None:
+        """Registers a worker (idle, empty cache). Raises ``InvalidArgumentError`` if known."""
+        self.indexer.add_worker(worker_id, hash_source=hash_source)
+        self._predicted.remove_worker(worker_id)
+        self._predicted.add_worker(worker_id)
+        self._predicted_seq[worker_id] = 0
+        self._loads[worker_id] = WorkerLoad()
+
+    def remove_worker(self, worker_id: int) -> bool:
+        """Drops a dead worker: no more routing to it, its index entries cleared."""
+        known = self._loads.pop(worker_id, None) is not None
+        self._predicted.remove_worker(worker_id)
+        self._predicted_seq.pop(worker_id, None)
+        for rid in [r for r, (w, _) in self._inflight.items() if w == worker_id]:
+            del self._inflight[rid]
+        return self.indexer.remove_worker(worker_id) or known
+
+    def _predict(self, worker_id: int, event: list[Any]) -> None:
+        seq = self._predicted_seq[worker_id]
+        self._predicted_seq[worker_id] = seq + 1
+        self._predicted.apply(worker_id, seq, [event])
+
+    def finished(self, request_id: str) -> bool:
+        """Forgets the predicted blocks of a request routed with ``request_id`` (call it when
+        the request is answered, or rerouted). False if it was not tracked."""
+        entry = self._inflight.pop(request_id, None)
+        if entry is None:
+            return False
+        worker, hashes = entry
+        if worker in self._loads and hashes:
+            self._predict(worker, ["BlockRemoved", hashes])
+        return True
+
+    def report_load(self, worker_id: int, load: WorkerLoad) -> None:
+        """The worker's current load. Raises KeyError for an unknown worker."""
+        if worker_id not in self._loads:
+            raise KeyError(f"unknown worker {worker_id}")
+        self._loads[worker_id] = load
+
+    def load(self, worker_id: int) -> WorkerLoad:
+        """Last known load of a worker (KeyError if unknown)."""
+        return self._loads[worker_id]
+
+    def apply_events(self, worker_id: int, seq: int, events: Iterable[Any]) -> str:
+        """Applies one numbered event batch of a live worker (see ``KVIndexer.apply``); a
+        batch of a removed worker is ignored (``"duplicate"``)."""
+        if worker_id not in self._loads:
+            return "duplicate"
+        return self.indexer.apply(worker_id, seq, events)
+
+    def route(
+        self,
+        token_ids: Any,
+        *,
+        exclude: Iterable[int] = (),
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+        request_id: str | None = None,
+    ) -> RoutingDecision:
+        """Picks a worker for a prompt (token ids; the keys as for ``add_sequence``), among the
+        live workers not in ``exclude``; with a ``request_id`` its blocks count as predicted on
+        that worker until :meth:`finished`. Raises RuntimeError when no worker is left,
+        ValueError for a ``request_id`` already in flight."""
+        skip = set(exclude)
+        workers = [w for w in sorted(self._loads) if w not in skip]
+        if not workers:
+            raise RuntimeError("no live worker to route to")
+        if request_id is not None and request_id in self._inflight:
+            raise ValueError(f"request {request_id!r} is already routed (call finished first)")
+        num_blocks = max(len(token_ids) - 1, 0) // self.indexer.block_size
+        hashes = self.indexer.block_hashes(
+            token_ids, num_blocks=num_blocks, cache_salt=cache_salt, adapter_id=adapter_id
+        )
+        overlaps = self.indexer.overlap_hashes(hashes)
+        if self._inflight:
+            for w, n in self._predicted.overlap_hashes(hashes).items():
+                overlaps[w] = max(overlaps.get(w, 0), n)
+        w = self.policy.choose(workers, overlaps, num_blocks, self._loads)
+        if request_id is not None:
+            self._inflight[request_id] = (w, hashes)
+            if hashes:
+                self._predict(w, ["BlockStored", hashes, None, [], self.indexer.block_size])
+        return RoutingDecision(w, overlaps.get(w, 0), num_blocks)

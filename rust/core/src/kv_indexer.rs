@@ -1,0 +1,916 @@
+//! A cluster-wide index of which worker holds which cached block, fed by the workers' KV events,
+//! for KV-aware routing: "how many leading blocks of this request does each worker already
+//! hold?".
+//!
+//! Every worker (an engine replica) publishes its [`KvEvent`]s in numbered batches (`seq` 0, 1,
+//! 2, ... per worker). The indexer keeps, per worker, the set of block hashes that are
+//! resolvable in that worker's prefix cache, and an inverted map hash → set of workers holding
+//! it. A request's overlap with a worker is the number of its leading blocks that worker holds:
+//! the prefix the worker's own lookup would serve from its cache, since a lookup stops at the
+//! first missing block. Peers: the KV-aware routers of NVIDIA Dynamo (radix tree of block hashes
+//! fed by engine events), llm-d's precise prefix-cache scorer and SGLang's cache-aware router;
+//! vLLM V1 publishes the events consumed here (`BlockStored` / `BlockRemoved` /
+//! `AllBlocksCleared`).
+//!
+//! Event contract. pagedkv managers emit set semantics per cache: `BlockStored` when a hash
+//! becomes resolvable (once while it stays resolvable), `BlockRemoved` when it stops being
+//! resolvable, `AllBlocksCleared` on a reset. Engines that store one hash in two physical blocks
+//! (vLLM can) emit one `BlockStored` per block and one `BlockRemoved` per eviction; the indexer
+//! therefore counts, per worker and hash, stores minus removals and holds the hash while the
+//! count is positive. Under set semantics the count is 0 or 1, so both kinds of stream give the
+//! exact resolvable set.
+//!
+//! Sequence numbers. A batch with the expected number is applied; an older one is a duplicate
+//! and ignored; a newer one waits in a per-worker reorder buffer of at most `max_pending`
+//! batches and is applied once the missing ones arrive. When a newer batch finds the buffer full
+//! the missing batches are declared lost: the worker's entries are cleared (they may be stale:
+//! a lost batch may have removed them), the buffered batches are applied from the oldest, and
+//! the worker is marked as needing a resync ([`KvIndexer::needs_resync`]) until a snapshot of
+//! its cache arrives ([`KvIndexer::apply_snapshot`]). The index of a worker is therefore always
+//! a subset of that worker's cache as of its last applied batch, and equal to it while no batch
+//! has been lost since the last snapshot (or since `seq` 0).
+//!
+//! Hash sources. A worker's events carry the worker's own block hashes. For pagedkv engines
+//! configured with the indexer's hash algorithm and seed those are the hashes a query computes
+//! ([`HashSource::Engine`]). For other engines (vLLM hashes with its own function) the indexer
+//! recomputes each stored block's hash from the event's token ids, parent and extra keys with
+//! its own [`PrefixHasher`] and keeps a per-worker map from the engine's hash to its own
+//! ([`HashSource::Tokens`]).
+//!
+//! Costs: applying a batch is O(blocks named in it) expected (a clear is O(blocks the worker
+//! held), paid once per stored block, so amortised O(1) per block); a query is
+//! O(blocks of the request × ⌈workers / 64⌉) plus O(workers) for the answer, independent of how
+//! many blocks the workers hold.
+
+use crate::error::{Error, Result};
+use crate::events::KvEvent;
+use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
+use crate::manager::SequenceSpec;
+use foldhash::HashMap;
+use std::collections::BTreeMap;
+
+/// Caller-chosen worker (engine replica) id.
+pub type WorkerId = u64;
+
+/// Where a worker's hashes come from (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum HashSource {
+    /// The event's block hashes are used as they are (pagedkv engines with the indexer's hash
+    /// algorithm and seed).
+    #[default]
+    Engine,
+    /// The indexer rehashes every stored block from its token ids, parent and extra keys (engines
+    /// with another hash function, e.g. vLLM).
+    Tokens,
+}
+
+impl HashSource {
+    /// `"engine"` or `"tokens"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            HashSource::Engine => "engine",
+            HashSource::Tokens => "tokens",
+        }
+    }
+
+    /// Parses `"engine"` or `"tokens"`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "engine" => Some(HashSource::Engine),
+            "tokens" => Some(HashSource::Tokens),
+            _ => None,
+        }
+    }
+}
+
+/// What [`KvIndexer::apply_batch`] did with a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BatchOutcome {
+    /// Applied (with any buffered batches that became contiguous).
+    Applied,
+    /// Newer than expected: kept in the reorder buffer.
+    Buffered,
+    /// Older than expected, or already buffered: ignored.
+    Duplicate,
+    /// Batches were lost: the worker's entries were cleared, the buffered batches applied, and
+    /// the worker needs a resync.
+    Gap,
+}
+
+impl BatchOutcome {
+    /// `"applied"`, `"buffered"`, `"duplicate"` or `"gap"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            BatchOutcome::Applied => "applied",
+            BatchOutcome::Buffered => "buffered",
+            BatchOutcome::Duplicate => "duplicate",
+            BatchOutcome::Gap => "gap",
+        }
+    }
+}
+
+/// A set of worker slots: bits 0..64 inline, the rest in a vector that stays empty (and
+/// unallocated) for clusters of at most 64 workers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct SlotSet {
+    lo: u64,
+    hi: Vec<u64>,
+}
+
+impl SlotSet {
+    fn insert(&mut self, slot: usize) {
+        if slot < 64 {
+            self.lo |= 1 << slot;
+        } else {
+            let w = slot / 64 - 1;
+            if self.hi.len() <= w {
+                self.hi.resize(w + 1, 0);
+            }
+            self.hi[w] |= 1 << (slot % 64);
+        }
+    }
+
+    fn remove(&mut self, slot: usize) {
+        if slot < 64 {
+            self.lo &= !(1 << slot);
+        } else if let Some(word) = self.hi.get_mut(slot / 64 - 1) {
+            *word &= !(1 << (slot % 64));
+            while self.hi.last() == Some(&0) {
+                self.hi.pop();
+            }
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.lo == 0 && self.hi.iter().all(|&w| w == 0)
+    }
+
+    /// `self ∩ other` into `keep` and `self \ other` into `drop`.
+    fn split(&self, other: &SlotSet, keep: &mut SlotSet, drop: &mut SlotSet) {
+        keep.lo = self.lo & other.lo;
+        drop.lo = self.lo & !other.lo;
+        keep.hi.clear();
+        drop.hi.clear();
+        for (i, &w) in self.hi.iter().enumerate() {
+            let o = other.hi.get(i).copied().unwrap_or(0);
+            keep.hi.push(w & o);
+            drop.hi.push(w & !o);
+        }
+    }
+
+    fn for_each(&self, mut f: impl FnMut(usize)) {
+        for (base, word) in std::iter::once(self.lo)
+            .chain(self.hi.iter().copied())
+            .enumerate()
+        {
+            let mut w = word;
+            while w != 0 {
+                let bit = w.trailing_zeros() as usize;
+                f(base * 64 + bit);
+                w &= w - 1;
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Worker {
+    id: WorkerId,
+    source: HashSource,
+    /// Sequence number of the next batch to apply; `None` before the first batch.
+    next_seq: Option<u64>,
+    /// Indexer-side hash → stores minus removals (> 0).
+    blocks: HashMap<BlockHash, u32>,
+    /// `HashSource::Tokens` only: engine hash → indexer hash.
+    engine_to_local: HashMap<BlockHash, BlockHash>,
+    pending: BTreeMap<u64, Vec<KvEvent>>,
+    needs_resync: bool,
+    gaps: u64,
+}
+
+/// Per-worker counters and state, for monitoring and tests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerStatus {
+    /// The worker's id.
+    pub id: WorkerId,
+    /// Where its hashes come from.
+    pub source: HashSource,
+    /// Distinct block hashes held.
+    pub num_blocks: usize,
+    /// Sequence number of the next batch expected (`None` before the first).
+    pub next_seq: Option<u64>,
+    /// Batches waiting in the reorder buffer.
+    pub num_pending: usize,
+    /// Whether entries may be missing since a gap (until a snapshot).
+    pub needs_resync: bool,
+    /// Gaps detected so far.
+    pub gaps: u64,
+}
+
+/// The cluster-wide block index. See the module docs for the contract and costs. Not
+/// synchronised: wrap it in a lock to share it.
+#[derive(Debug)]
+pub struct KvIndexer {
+    hasher: PrefixHasher,
+    block_size: u32,
+    max_pending: usize,
+    holders: HashMap<BlockHash, SlotSet>,
+    slots: Vec<Option<Worker>>,
+    slot_of: HashMap<WorkerId, usize>,
+}
+
+fn bad(arg: &'static str, value: impl ToString, reason: impl Into<String>) -> Error {
+    Error::InvalidArgument {
+        arg,
+        value: value.to_string(),
+        reason: reason.into(),
+    }
+}
+
+impl KvIndexer {
+    /// An empty index for engines with `block_size` tokens per block hashing with `hasher`;
+    /// `max_pending` is the per-worker reorder buffer in batches (0: any gap in the sequence
+    /// numbers is a loss). Errors: `InvalidArgument` for `block_size == 0`.
+    pub fn new(block_size: u32, hasher: PrefixHasher, max_pending: usize) -> Result<Self> {
+        if block_size == 0 {
+            return Err(bad("block_size", 0, "must be at least 1"));
+        }
+        Ok(Self {
+            hasher,
+            block_size,
+            max_pending,
+            holders: HashMap::default(),
+            slots: Vec::new(),
+            slot_of: HashMap::default(),
+        })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// The hasher queries and [`HashSource::Tokens`] workers use.
+    pub fn hasher(&self) -> &PrefixHasher {
+        &self.hasher
+    }
+
+    /// Reorder buffer size, in batches per worker.
+    pub fn max_pending(&self) -> usize {
+        self.max_pending
+    }
+
+    /// Distinct block hashes held by at least one worker.
+    pub fn num_hashes(&self) -> usize {
+        self.holders.len()
+    }
+
+    /// Registered worker ids, in registration-slot order.
+    pub fn worker_ids(&self) -> Vec<WorkerId> {
+        self.slots.iter().flatten().map(|w| w.id).collect()
+    }
+
+    /// Registers `id` with its hash source. Errors: `InvalidArgument` if already registered.
+    /// O(1). Workers are also registered (as [`HashSource::Engine`]) by their first batch.
+    pub fn add_worker(&mut self, id: WorkerId, source: HashSource) -> Result<()> {
+        if self.slot_of.contains_key(&id) {
+            return Err(bad("worker_id", id, "worker is already registered"));
+        }
+        self.insert_worker(id, source);
+        Ok(())
+    }
+
+    fn insert_worker(&mut self, id: WorkerId, source: HashSource) -> usize {
+        let worker = Worker {
+            id,
+            source,
+            next_seq: None,
+            blocks: HashMap::default(),
+            engine_to_local: HashMap::default(),
+            pending: BTreeMap::new(),
+            needs_resync: false,
+            gaps: 0,
+        };
+        // Reuse the lowest free slot so slot sets stay dense.
+        let slot = match self.slots.iter().position(Option::is_none) {
+            Some(s) => {
+                self.slots[s] = Some(worker);
+                s
+            }
+            None => {
+                self.slots.push(Some(worker));
+                self.slots.len() - 1
+            }
+        };
+        self.slot_of.insert(id, slot);
+        slot
+    }
+
+    /// Drops worker `id` and every entry it held (a dead or restarted worker). Returns whether
+    /// it was registered. O(blocks it held).
+    pub fn remove_worker(&mut self, id: WorkerId) -> bool {
+        let Some(slot) = self.slot_of.remove(&id) else {
+            return false;
+        };
+        self.clear_slot(slot);
+        self.slots[slot] = None;
+        true
+    }
+
+    /// State and counters of worker `id`, `None` if unknown.
+    pub fn worker_status(&self, id: WorkerId) -> Option<WorkerStatus> {
+        let w = self.worker(id)?;
+        Some(WorkerStatus {
+            id,
+            source: w.source,
+            num_blocks: w.blocks.len(),
+            next_seq: w.next_seq,
+            num_pending: w.pending.len(),
+            needs_resync: w.needs_resync,
+            gaps: w.gaps,
+        })
+    }
+
+    /// Whether worker `id` may miss entries since a lost batch (or since joining mid-stream)
+    /// and should send a snapshot. `false` for unknown workers.
+    pub fn needs_resync(&self, id: WorkerId) -> bool {
+        self.worker(id).is_some_and(|w| w.needs_resync)
+    }
+
+    /// The indexer-side hashes worker `id` holds, sorted (for tests and snapshots); empty for
+    /// unknown workers. O(blocks it holds · log).
+    pub fn worker_hashes(&self, id: WorkerId) -> Vec<BlockHash> {
+        let mut v: Vec<BlockHash> = self
+            .worker(id)
+            .map(|w| w.blocks.keys().copied().collect())
+            .unwrap_or_default();
+        v.sort_unstable();
+        v
+    }
+
+    fn worker(&self, id: WorkerId) -> Option<&Worker> {
+        self.slot_of.get(&id).and_then(|&s| self.slots[s].as_ref())
+    }
+
+    /// Checks a batch without changing anything: block sizes match the indexer's, and for a
+    /// [`HashSource::Tokens`] worker every `BlockStored` carries `block_size` tokens per block.
+    fn validate(&self, source: HashSource, events: &[KvEvent]) -> Result<()> {
+        for (i, ev) in events.iter().enumerate() {
+            if let KvEvent::BlockStored {
+                block_hashes,
+                token_ids,
+                block_size,
+                ..
+            } = ev
+            {
+                if *block_size != self.block_size {
+                    return Err(bad(
+                        "events",
+                        format!("BlockStored at index {i} with block_size {block_size}"),
+                        format!("the indexer's block_size is {}", self.block_size),
+                    ));
+                }
+                let want = block_hashes.len() * self.block_size as usize;
+                if source == HashSource::Tokens && token_ids.len() != want {
+                    return Err(bad(
+                        "events",
+                        format!(
+                            "BlockStored at index {i} with {} token ids",
+                            token_ids.len()
+                        ),
+                        format!(
+                            "{} blocks of {} tokens need {want} token ids to be rehashed",
+                            block_hashes.len(),
+                            self.block_size
+                        ),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies batch `seq` of worker `id` (registering it as [`HashSource::Engine`] if
+    /// unknown). See the module docs for the sequence-number rules. Errors (nothing changed):
+    /// `InvalidArgument` for a `BlockStored` whose block size differs from the indexer's, or,
+    /// for a `Tokens` worker, whose token count is not `blocks × block_size`.
+    pub fn apply_batch(
+        &mut self,
+        id: WorkerId,
+        seq: u64,
+        events: Vec<KvEvent>,
+    ) -> Result<BatchOutcome> {
+        let source = self.worker(id).map_or(HashSource::Engine, |w| w.source);
+        self.validate(source, &events)?;
+        let slot = match self.slot_of.get(&id) {
+            Some(&s) => s,
+            None => self.insert_worker(id, HashSource::Engine),
+        };
+        let max_pending = self.max_pending;
+        let w = self.slots[slot].as_mut().expect("registered slot");
+        let next = match w.next_seq {
+            Some(n) => n,
+            None => {
+                // Joining mid-stream: earlier batches were never seen.
+                w.needs_resync = seq != 0;
+                seq
+            }
+        };
+        if seq < next || w.pending.contains_key(&seq) {
+            return Ok(BatchOutcome::Duplicate);
+        }
+        if seq > next {
+            w.pending.insert(seq, events);
+            if w.pending.len() <= max_pending {
+                return Ok(BatchOutcome::Buffered);
+            }
+            w.gaps += 1;
+            w.needs_resync = true;
+            w.next_seq = w.pending.keys().next().copied();
+            self.clear_slot(slot);
+            self.drain_pending(slot);
+            return Ok(BatchOutcome::Gap);
+        }
+        self.apply_events(slot, &events);
+        self.slots[slot].as_mut().expect("registered slot").next_seq = Some(seq + 1);
+        self.drain_pending(slot);
+        Ok(BatchOutcome::Applied)
+    }
+
+    /// Replaces worker `id`'s entries with `hashes` (indexer-side hashes: the worker's whole
+    /// resolvable set) as of its batch `seq`; later batches continue from `seq + 1`, buffered
+    /// ones up to `seq` are dropped. Clears the resync flag. Registers unknown workers as
+    /// [`HashSource::Engine`]. Errors: `InvalidArgument` for a [`HashSource::Tokens`] worker
+    /// (its engine hashes cannot be mapped without token ids). O(len(hashes) + blocks held).
+    pub fn apply_snapshot(&mut self, id: WorkerId, seq: u64, hashes: &[BlockHash]) -> Result<()> {
+        if self
+            .worker(id)
+            .is_some_and(|w| w.source == HashSource::Tokens)
+        {
+            return Err(bad(
+                "worker_id",
+                id,
+                "snapshots are for workers whose hash source is \"engine\"",
+            ));
+        }
+        let slot = match self.slot_of.get(&id) {
+            Some(&s) => s,
+            None => self.insert_worker(id, HashSource::Engine),
+        };
+        self.clear_slot(slot);
+        for h in hashes {
+            self.store(slot, *h);
+        }
+        let w = self.slots[slot].as_mut().expect("registered slot");
+        w.next_seq = Some(seq + 1);
+        w.needs_resync = false;
+        w.pending = w.pending.split_off(&(seq + 1));
+        self.drain_pending(slot);
+        Ok(())
+    }
+
+    /// Applies buffered batches while the next expected one is there.
+    fn drain_pending(&mut self, slot: usize) {
+        loop {
+            let w = self.slots[slot].as_mut().expect("registered slot");
+            let Some(next) = w.next_seq else { return };
+            let Some(events) = w.pending.remove(&next) else {
+                return;
+            };
+            w.next_seq = Some(next + 1);
+            self.apply_events(slot, &events);
+        }
+    }
+
+    fn apply_events(&mut self, slot: usize, events: &[KvEvent]) {
+        for ev in events {
+            match ev {
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    extra_keys,
+                    ..
+                } => self.apply_stored(
+                    slot,
+                    block_hashes,
+                    parent_block_hash.as_ref(),
+                    token_ids,
+                    extra_keys,
+                ),
+                KvEvent::BlockRemoved { block_hashes } => {
+                    for h in block_hashes {
+                        self.apply_removed(slot, h);
+                    }
+                }
+                KvEvent::AllBlocksCleared => self.clear_slot(slot),
+            }
+        }
+    }
+
+    fn apply_stored(
+        &mut self,
+        slot: usize,
+        hashes: &[BlockHash],
+        parent: Option<&BlockHash>,
+        tokens: &[u32],
+        extra: &[ExtraKey],
+    ) {
+        let w = self.slots[slot].as_ref().expect("registered slot");
+        if w.source == HashSource::Engine {
+            for h in hashes {
+                self.store(slot, *h);
+            }
+            return;
+        }
+        // Rehash from tokens, chaining from the parent's indexer-side hash. A parent the
+        // indexer does not know (its store was lost) breaks the chain: the blocks are skipped,
+        // which under-reports and never leaves a stale entry.
+        let mut local_parent = match parent {
+            None => None,
+            Some(p) => match w.engine_to_local.get(p) {
+                Some(l) => Some(*l),
+                None => return,
+            },
+        };
+        let bs = self.block_size as usize;
+        for (i, h) in hashes.iter().enumerate() {
+            let local =
+                self.hasher
+                    .hash_block(local_parent.as_ref(), &tokens[i * bs..(i + 1) * bs], extra);
+            let w = self.slots[slot].as_mut().expect("registered slot");
+            w.engine_to_local.insert(*h, local);
+            self.store(slot, local);
+            local_parent = Some(local);
+        }
+    }
+
+    fn apply_removed(&mut self, slot: usize, engine_hash: &BlockHash) {
+        let w = self.slots[slot].as_mut().expect("registered slot");
+        let local = match w.source {
+            HashSource::Engine => *engine_hash,
+            HashSource::Tokens => match w.engine_to_local.get(engine_hash) {
+                Some(l) => *l,
+                None => return,
+            },
+        };
+        let Some(count) = w.blocks.get_mut(&local) else {
+            return; // never seen (stored before we joined or in a lost batch)
+        };
+        *count -= 1;
+        if *count > 0 {
+            return;
+        }
+        w.blocks.remove(&local);
+        if w.source == HashSource::Tokens {
+            w.engine_to_local.remove(engine_hash);
+        }
+        self.unhold(slot, &local);
+    }
+
+    fn store(&mut self, slot: usize, local: BlockHash) {
+        let w = self.slots[slot].as_mut().expect("registered slot");
+        let count = w.blocks.entry(local).or_insert(0);
+        *count += 1;
+        if *count == 1 {
+            self.holders.entry(local).or_default().insert(slot);
+        }
+    }
+
+    fn unhold(&mut self, slot: usize, local: &BlockHash) {
+        if let Some(set) = self.holders.get_mut(local) {
+            set.remove(slot);
+            if set.is_empty() {
+                self.holders.remove(local);
+            }
+        }
+    }
+
+    /// Drops every entry of the worker in `slot` (keeps its sequence state).
+    fn clear_slot(&mut self, slot: usize) {
+        let w = self.slots[slot].as_mut().expect("registered slot");
+        let blocks = std::mem::take(&mut w.blocks);
+        w.engine_to_local.clear();
+        for h in blocks.keys() {
+            self.unhold(slot, h);
+        }
+    }
+
+    /// For every registered worker, how many leading blocks of `hashes` (a request's chained
+    /// block hashes, in order) it holds: `(worker, blocks)` pairs in slot order, zeros
+    /// included. O(len(hashes) × ⌈workers/64⌉ + workers).
+    pub fn overlap_hashes(&self, hashes: &[BlockHash]) -> Vec<(WorkerId, usize)> {
+        let mut depth = vec![0usize; self.slots.len()];
+        let mut active = match hashes.first().and_then(|h| self.holders.get(h)) {
+            Some(set) => set.clone(),
+            None => SlotSet::default(),
+        };
+        let (mut keep, mut dropped) = (SlotSet::default(), SlotSet::default());
+        // Invariant: every slot in `active` holds hashes[..k].
+        let mut k = 1;
+        while !active.is_empty() && k < hashes.len() {
+            match self.holders.get(&hashes[k]) {
+                None => break,
+                Some(set) => {
+                    active.split(set, &mut keep, &mut dropped);
+                    dropped.for_each(|s| depth[s] = k);
+                    std::mem::swap(&mut active, &mut keep);
+                }
+            }
+            k += 1;
+        }
+        active.for_each(|s| depth[s] = k);
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(s, w)| w.as_ref().map(|w| (w.id, depth[s])))
+            .collect()
+    }
+
+    /// Chained hashes of the first `num_blocks` full blocks of `tokens` with `spec`'s extra
+    /// keys, exactly as a pagedkv manager with this hasher computes them. Errors:
+    /// `InvalidArgument` if `tokens` has fewer than `num_blocks × block_size` tokens.
+    pub fn block_hashes(
+        &self,
+        tokens: &[u32],
+        spec: &SequenceSpec,
+        num_blocks: usize,
+    ) -> Result<Vec<BlockHash>> {
+        let bs = self.block_size as usize;
+        if tokens.len() < num_blocks * bs {
+            return Err(bad(
+                "num_blocks",
+                num_blocks,
+                format!(
+                    "{} tokens hold {} full blocks",
+                    tokens.len(),
+                    tokens.len() / bs
+                ),
+            ));
+        }
+        let mut out: Vec<BlockHash> = Vec::with_capacity(num_blocks);
+        for k in 0..num_blocks {
+            let keys = spec.block_keys(bs, k);
+            let h = self
+                .hasher
+                .hash_block(out.last(), &tokens[k * bs..(k + 1) * bs], &keys);
+            out.push(h);
+        }
+        Ok(out)
+    }
+
+    /// Overlap of a request's prompt with every worker, in blocks: the request's blocks a
+    /// manager could serve from its cache (the full blocks before the last prompt token, since
+    /// the last token is always computed) hashed with `spec`, then [`Self::overlap_hashes`].
+    /// An empty prompt overlaps nothing.
+    pub fn overlap_tokens(&self, tokens: &[u32], spec: &SequenceSpec) -> Vec<(WorkerId, usize)> {
+        let n = tokens.len().saturating_sub(1) / self.block_size as usize;
+        let hashes = self
+            .block_hashes(tokens, spec, n)
+            .expect("n full blocks fit in the prompt");
+        self.overlap_hashes(&hashes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn h(i: u8) -> BlockHash {
+        BlockHash([i; 32])
+    }
+
+    fn stored(hs: &[u8]) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: hs.iter().map(|&i| h(i)).collect(),
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 4,
+            extra_keys: Vec::new(),
+        }
+    }
+
+    fn removed(hs: &[u8]) -> KvEvent {
+        KvEvent::BlockRemoved {
+            block_hashes: hs.iter().map(|&i| h(i)).collect(),
+        }
+    }
+
+    fn idx(max_pending: usize) -> KvIndexer {
+        KvIndexer::new(4, PrefixHasher::default(), max_pending).unwrap()
+    }
+
+    fn overlap(ix: &KvIndexer, hs: &[u8]) -> Vec<(WorkerId, usize)> {
+        ix.overlap_hashes(&hs.iter().map(|&i| h(i)).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn leading_overlap_per_worker() {
+        let mut ix = idx(0);
+        ix.apply_batch(7, 0, vec![stored(&[1, 2, 3])]).unwrap();
+        ix.apply_batch(9, 0, vec![stored(&[1, 2]), stored(&[4])])
+            .unwrap();
+        assert_eq!(overlap(&ix, &[1, 2, 3, 4]), vec![(7, 3), (9, 2)]);
+        // A hole stops the count even if later blocks are held.
+        assert_eq!(overlap(&ix, &[4, 3]), vec![(7, 0), (9, 1)]);
+        assert_eq!(overlap(&ix, &[5, 1]), vec![(7, 0), (9, 0)]);
+        ix.apply_batch(7, 1, vec![removed(&[2])]).unwrap();
+        assert_eq!(overlap(&ix, &[1, 2, 3]), vec![(7, 1), (9, 2)]);
+        ix.apply_batch(9, 1, vec![KvEvent::AllBlocksCleared])
+            .unwrap();
+        assert_eq!(overlap(&ix, &[1, 2, 3]), vec![(7, 1), (9, 0)]);
+        assert_eq!(ix.num_hashes(), 2);
+    }
+
+    #[test]
+    fn store_counts_survive_one_removal() {
+        // An engine that holds one hash in two blocks stores it twice and removes it twice.
+        let mut ix = idx(0);
+        ix.apply_batch(1, 0, vec![stored(&[1]), stored(&[1]), removed(&[1])])
+            .unwrap();
+        assert_eq!(overlap(&ix, &[1]), vec![(1, 1)]);
+        ix.apply_batch(1, 1, vec![removed(&[1]), removed(&[1])])
+            .unwrap();
+        assert_eq!(overlap(&ix, &[1]), vec![(1, 0)]);
+        assert_eq!(ix.num_hashes(), 0);
+    }
+
+    #[test]
+    fn reorder_buffer_then_gap() {
+        let mut ix = idx(1);
+        assert_eq!(
+            ix.apply_batch(1, 0, vec![stored(&[1])]).unwrap(),
+            BatchOutcome::Applied
+        );
+        assert_eq!(
+            ix.apply_batch(1, 2, vec![stored(&[3])]).unwrap(),
+            BatchOutcome::Buffered
+        );
+        assert_eq!(overlap(&ix, &[1, 2, 3]), vec![(1, 1)]);
+        assert_eq!(
+            ix.apply_batch(1, 1, vec![stored(&[2])]).unwrap(),
+            BatchOutcome::Applied
+        );
+        assert_eq!(overlap(&ix, &[1, 2, 3]), vec![(1, 3)]);
+        assert_eq!(
+            ix.apply_batch(1, 1, vec![removed(&[1])]).unwrap(),
+            BatchOutcome::Duplicate
+        );
+        // Batch 3 lost: 4 is buffered, 5 overflows the buffer -> gap.
+        assert_eq!(
+            ix.apply_batch(1, 4, vec![stored(&[4])]).unwrap(),
+            BatchOutcome::Buffered
+        );
+        assert_eq!(
+            ix.apply_batch(1, 5, vec![stored(&[5])]).unwrap(),
+            BatchOutcome::Gap
+        );
+        assert!(ix.needs_resync(1));
+        assert_eq!(ix.worker_hashes(1), vec![h(4), h(5)]);
+        let st = ix.worker_status(1).unwrap();
+        assert_eq!((st.next_seq, st.gaps, st.num_pending), (Some(6), 1, 0));
+        ix.apply_snapshot(1, 6, &[h(1), h(4)]).unwrap();
+        assert!(!ix.needs_resync(1));
+        assert_eq!(ix.worker_hashes(1), vec![h(1), h(4)]);
+        assert_eq!(
+            ix.apply_batch(1, 6, vec![]).unwrap(),
+            BatchOutcome::Duplicate
+        );
+        assert_eq!(ix.apply_batch(1, 7, vec![]).unwrap(), BatchOutcome::Applied);
+    }
+
+    #[test]
+    fn joining_mid_stream_needs_resync_and_remove_worker_drops_entries() {
+        let mut ix = idx(0);
+        ix.apply_batch(3, 10, vec![stored(&[1])]).unwrap();
+        assert!(ix.needs_resync(3));
+        assert!(ix.remove_worker(3));
+        assert!(!ix.remove_worker(3));
+        assert_eq!(ix.num_hashes(), 0);
+        assert!(ix.worker_ids().is_empty());
+    }
+
+    #[test]
+    fn many_workers_beyond_one_word() {
+        let mut ix = idx(0);
+        for w in 0..150u64 {
+            let n = (w % 4) as u8;
+            let hs: Vec<u8> = (1..=n).collect();
+            ix.apply_batch(w, 0, vec![stored(&hs)]).unwrap();
+        }
+        let got = overlap(&ix, &[1, 2, 3, 4]);
+        assert_eq!(got.len(), 150);
+        for (w, d) in got {
+            assert_eq!(d, (w % 4) as usize);
+        }
+        ix.remove_worker(130);
+        assert_eq!(
+            ix.apply_batch(1000, 0, vec![stored(&[1])]).unwrap(),
+            BatchOutcome::Applied
+        );
+        // Slot 130 is reused by the new worker.
+        assert_eq!(ix.worker_ids()[130], 1000);
+    }
+
+    #[test]
+    fn tokens_source_rehashes_and_matches_queries() {
+        let hasher = PrefixHasher::default();
+        let mut ix = KvIndexer::new(2, hasher.clone(), 0).unwrap();
+        ix.add_worker(5, HashSource::Tokens).unwrap();
+        // Engine hashes unrelated to ours.
+        let ev = KvEvent::BlockStored {
+            block_hashes: vec![h(100), h(101)],
+            parent_block_hash: None,
+            token_ids: vec![1, 2, 3, 4],
+            block_size: 2,
+            extra_keys: Vec::new(),
+        };
+        ix.apply_batch(5, 0, vec![ev]).unwrap();
+        let child = KvEvent::BlockStored {
+            block_hashes: vec![h(102)],
+            parent_block_hash: Some(h(101)),
+            token_ids: vec![5, 6],
+            block_size: 2,
+            extra_keys: Vec::new(),
+        };
+        ix.apply_batch(5, 1, vec![child]).unwrap();
+        let spec = SequenceSpec::default();
+        assert_eq!(
+            ix.overlap_tokens(&[1, 2, 3, 4, 5, 6, 7], &spec),
+            vec![(5, 3)]
+        );
+        // The last token is never served from the cache.
+        assert_eq!(ix.overlap_tokens(&[1, 2, 3, 4], &spec), vec![(5, 1)]);
+        ix.apply_batch(5, 2, vec![removed(&[101])]).unwrap();
+        assert_eq!(
+            ix.overlap_tokens(&[1, 2, 3, 4, 5, 6, 7], &spec),
+            vec![(5, 1)]
+        );
+        // A block whose parent is unknown is skipped.
+        let orphan = KvEvent::BlockStored {
+            block_hashes: vec![h(103)],
+            parent_block_hash: Some(h(99)),
+            token_ids: vec![9, 9],
+            block_size: 2,
+            extra_keys: Vec::new(),
+        };
+        ix.apply_batch(5, 3, vec![orphan]).unwrap();
+        assert_eq!(ix.worker_status(5).unwrap().num_blocks, 2);
+        assert!(ix.apply_snapshot(5, 4, &[]).is_err());
+    }
+
+    #[test]
+    fn bad_batches_change_nothing() {
+        let mut ix = idx(0);
+        let wrong_bs = KvEvent::BlockStored {
+            block_hashes: vec![h(1)],
+            parent_block_hash: None,
+            token_ids: vec![],
+            block_size: 8,
+            extra_keys: vec![],
+        };
+        let err = ix
+            .apply_batch(1, 0, vec![stored(&[2]), wrong_bs])
+            .unwrap_err();
+        assert!(err.to_string().contains("block_size 8"), "{err}");
+        assert!(ix.worker_ids().is_empty());
+        ix.add_worker(2, HashSource::Tokens).unwrap();
+        let short = KvEvent::BlockStored {
+            block_hashes: vec![h(1)],
+            parent_block_hash: None,
+            token_ids: vec![1],
+            block_size: 4,
+            extra_keys: vec![],
+        };
+        assert!(ix.apply_batch(2, 0, vec![short]).is_err());
+        assert_eq!(ix.worker_status(2).unwrap().next_seq, None);
+        assert!(ix.add_worker(2, HashSource::Engine).is_err());
+        assert!(KvIndexer::new(0, PrefixHasher::default(), 0).is_err());
+    }
+
+    #[test]
+    fn query_hashes_match_the_manager() {
+        use crate::manager::{CacheConfig, KvCacheManager};
+        let mut cfg = CacheConfig::new(32, 4);
+        cfg.enable_events = true;
+        let m = KvCacheManager::new(cfg).unwrap();
+        let prompt: Vec<u32> = (0..13).collect();
+        let spec = SequenceSpec {
+            extra_keys: vec![ExtraKey::CacheSalt("t".into())],
+            mm_items: vec![crate::manager::MmItem {
+                item_hash: vec![1, 2],
+                start: 3,
+                len: 3,
+            }],
+        };
+        m.add_sequence(1, &prompt, spec.clone()).unwrap();
+        m.allocate_slots(1, 13).unwrap();
+        let mut ix = idx(0);
+        ix.apply_batch(0, 0, m.take_events()).unwrap();
+        assert_eq!(ix.overlap_tokens(&prompt, &spec), vec![(0, 3)]);
+        assert_eq!(
+            ix.overlap_tokens(&prompt, &SequenceSpec::default()),
+            vec![(0, 0)]
+        );
+    }
+}

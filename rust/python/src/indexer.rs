@@ -1,0 +1,452 @@
+//! `pagedkv.KVIndexer`: the cluster-wide index of cached blocks per worker, fed by KV event
+//! batches (pagedkv event objects or vLLM's wire form, already msgpack-decoded into lists).
+//!
+//! Events are converted while holding the GIL; the core call runs with the GIL released under
+//! the indexer's mutex.
+
+use crate::convert::{bad, bytes_arg, list_items, opt_str, repr, token_ids, uint};
+use crate::errors::IntoPyResult;
+use crate::events::{PyAllBlocksCleared, PyBlockRemoved, PyBlockStored};
+use crate::manager::sequence_spec;
+use pagedkv_core::events::KvEvent;
+use pagedkv_core::{
+    BlockHash, ExtraKey, HashAlgo, HashSource, KvIndexer, PrefixHasher, WorkerId, WorkerStatus,
+};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString};
+use std::sync::Mutex;
+
+fn invalid(py: Python<'_>, arg: &'static str, value: String, reason: impl Into<String>) -> PyErr {
+    bad(py, arg, value, reason)
+}
+
+/// A block hash from the wire: 32 bytes as they are (pagedkv), shorter bytes zero-padded, or an
+/// int in the signed / unsigned 128-bit range stored little-endian in the first 16 bytes (vLLM
+/// publishes 64-bit ints or bytes). Each engine uses one form, so the forms never meet in one
+/// worker's key space.
+fn wire_hash(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<BlockHash> {
+    let py = obj.py();
+    let mut out = [0u8; 32];
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        let bytes = b.as_bytes();
+        if bytes.len() > 32 {
+            return Err(invalid(
+                py,
+                arg,
+                format!("<{} bytes>", bytes.len()),
+                "block hashes are at most 32 bytes",
+            ));
+        }
+        out[..bytes.len()].copy_from_slice(bytes);
+        return Ok(BlockHash(out));
+    }
+    if obj.is_instance_of::<PyInt>() {
+        let v: i128 = match obj.extract::<i128>() {
+            Ok(v) => v,
+            Err(_) => obj
+                .extract::<u128>()
+                .map(|u| u as i128)
+                .map_err(|_| invalid(py, arg, repr(obj), "int block hashes fit in 128 bits"))?,
+        };
+        out[..16].copy_from_slice(&v.to_le_bytes());
+        return Ok(BlockHash(out));
+    }
+    Err(invalid(
+        py,
+        arg,
+        repr(obj),
+        "expected a block hash (bytes or int)",
+    ))
+}
+
+fn wire_hashes(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<BlockHash>> {
+    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyString>() {
+        return Err(invalid(
+            obj.py(),
+            arg,
+            repr(obj),
+            "expected a list of block hashes",
+        ));
+    }
+    list_items(obj, arg)?
+        .iter()
+        .map(|h| wire_hash(h, arg))
+        .collect()
+}
+
+/// One event: a pagedkv event object, or a vLLM wire event (a list / tuple whose first item is
+/// the type tag): `["BlockStored", hashes, parent, token_ids, block_size, lora_id, ...]`,
+/// `["BlockRemoved", hashes, ...]`, `["AllBlocksCleared"]`. Trailing fields newer engines add
+/// are ignored; a LoRA id becomes the adapter key `str(lora_id)`.
+fn event(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<KvEvent> {
+    let py = obj.py();
+    if let Ok(ev) = obj.cast::<PyBlockStored>() {
+        return Ok(ev.get().to_core());
+    }
+    if let Ok(ev) = obj.cast::<PyBlockRemoved>() {
+        return Ok(ev.get().to_core());
+    }
+    if obj.cast::<PyAllBlocksCleared>().is_ok() {
+        return Ok(KvEvent::AllBlocksCleared);
+    }
+    let malformed = |why: &str| {
+        invalid(
+            py,
+            "events",
+            format!("{} at index {i}", repr(obj)),
+            why.to_string(),
+        )
+    };
+    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
+        return Err(malformed(
+            "expected an event object or a [tag, fields...] list",
+        ));
+    }
+    let fields: Vec<Bound<'_, PyAny>> = list_items(obj, "events")
+        .map_err(|_| malformed("expected an event object or a [tag, fields...] list"))?;
+    let tag: String = fields
+        .first()
+        .and_then(|t| t.extract().ok())
+        .ok_or_else(|| malformed("the first item must be the event type name"))?;
+    match tag.as_str() {
+        "BlockStored" => {
+            if fields.len() < 5 {
+                return Err(malformed(
+                    "BlockStored needs block_hashes, parent_block_hash, token_ids, block_size",
+                ));
+            }
+            let block_hashes = wire_hashes(&fields[1], "events")?;
+            let parent_block_hash = if fields[2].is_none() {
+                None
+            } else {
+                Some(wire_hash(&fields[2], "events")?)
+            };
+            let token_ids = token_ids(&fields[3], "events")?;
+            let block_size = uint(&fields[4], "events", u64::from(u32::MAX))? as u32;
+            let mut extra_keys = Vec::new();
+            if let Some(lora) = fields.get(5).filter(|l| !l.is_none()) {
+                extra_keys.push(ExtraKey::Adapter(lora.str()?.to_string()));
+            }
+            Ok(KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                extra_keys,
+            })
+        }
+        "BlockRemoved" => {
+            let hashes = fields
+                .get(1)
+                .ok_or_else(|| malformed("BlockRemoved needs block_hashes"))?;
+            Ok(KvEvent::BlockRemoved {
+                block_hashes: wire_hashes(hashes, "events")?,
+            })
+        }
+        "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
+        _ => Err(malformed(
+            "unknown event type (expected BlockStored, BlockRemoved or AllBlocksCleared)",
+        )),
+    }
+}
+
+fn worker_id(obj: &Bound<'_, PyAny>) -> PyResult<WorkerId> {
+    uint(obj, "worker_id", u64::MAX)
+}
+
+fn status_dict<'py>(py: Python<'py>, st: &WorkerStatus) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("worker_id", st.id)?;
+    d.set_item("hash_source", st.source.name())?;
+    d.set_item("num_blocks", st.num_blocks)?;
+    d.set_item("next_seq", st.next_seq)?;
+    d.set_item("num_pending", st.num_pending)?;
+    d.set_item("needs_resync", st.needs_resync)?;
+    d.set_item("gaps", st.gaps)?;
+    Ok(d)
+}
+
+fn overlap_dict<'py>(
+    py: Python<'py>,
+    pairs: Vec<(WorkerId, usize)>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for (w, n) in pairs {
+        d.set_item(w, n)?;
+    }
+    Ok(d)
+}
+
+/// Which worker holds which cached block, from the workers' KV event batches; answers each
+/// worker's cached-prefix overlap with a request. See ``pagedkv.KVIndexer`` (the Python
+/// docstring in ``_core.pyi``) for the contract.
+#[pyclass(frozen, module = "pagedkv._core", name = "KVIndexer")]
+pub(crate) struct PyKvIndexer {
+    inner: Mutex<KvIndexer>,
+    hash_seed: Vec<u8>,
+}
+
+impl PyKvIndexer {
+    fn with<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut KvIndexer) -> T + Send) -> T {
+        py.detach(|| {
+            let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+            f(&mut guard)
+        })
+    }
+}
+
+#[pymethods]
+impl PyKvIndexer {
+    #[new]
+    // Keyword arguments arrive as objects so a wrong type is an InvalidArgumentError naming the
+    // argument; the text signature shows the real defaults.
+    #[pyo3(signature = (block_size, *, hash_algo = None, hash_seed = None, max_pending = None),
+           text_signature = "(block_size, *, hash_algo='sha256', hash_seed=None, max_pending=0)")]
+    fn new(
+        py: Python<'_>,
+        block_size: &Bound<'_, PyAny>,
+        hash_algo: Option<&Bound<'_, PyAny>>,
+        hash_seed: Option<&Bound<'_, PyAny>>,
+        max_pending: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let block_size = uint(block_size, "block_size", u64::from(u32::MAX))? as u32;
+        let hash_algo = opt_str(hash_algo, "hash_algo")?.unwrap_or_else(|| "sha256".into());
+        let algo = HashAlgo::from_name(&hash_algo).ok_or_else(|| {
+            invalid(
+                py,
+                "hash_algo",
+                format!("{hash_algo:?}"),
+                "expected \"sha256\" or \"xxh3_128\"",
+            )
+        })?;
+        let seed = match hash_seed.filter(|s| !s.is_none()) {
+            Some(s) => bytes_arg(s, "hash_seed")?.to_vec(),
+            None => Vec::new(),
+        };
+        let max_pending = match max_pending {
+            Some(m) => uint(m, "max_pending", 1 << 20)? as usize,
+            None => 0,
+        };
+        let inner =
+            KvIndexer::new(block_size, PrefixHasher::new(algo, &seed), max_pending).py(py)?;
+        Ok(Self {
+            inner: Mutex::new(inner),
+            hash_seed: seed,
+        })
+    }
+
+    /// Tokens per block.
+    #[getter]
+    fn block_size(&self, py: Python<'_>) -> u32 {
+        self.with(py, |ix| ix.block_size())
+    }
+
+    /// ``"sha256"`` or ``"xxh3_128"``.
+    #[getter]
+    fn hash_algo(&self, py: Python<'_>) -> &'static str {
+        self.with(py, |ix| ix.hasher().algo().name())
+    }
+
+    /// Chain seed of the prefix hashes.
+    #[getter]
+    fn hash_seed<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.hash_seed)
+    }
+
+    /// Reorder buffer per worker, in batches.
+    #[getter]
+    fn max_pending(&self, py: Python<'_>) -> usize {
+        self.with(py, |ix| ix.max_pending())
+    }
+
+    /// Distinct block hashes held by at least one worker.
+    #[getter]
+    fn num_hashes(&self, py: Python<'_>) -> usize {
+        self.with(py, |ix| ix.num_hashes())
+    }
+
+    /// Registers ``worker_id`` with ``hash_source`` ``"engine"`` (its event hashes are used as
+    /// they are) or ``"tokens"`` (blocks rehashed from their token ids). Raises
+    /// ``InvalidArgumentError`` if it is registered already.
+    #[pyo3(signature = (worker_id, *, hash_source = None),
+           text_signature = "($self, worker_id, *, hash_source='engine')")]
+    fn add_worker(
+        &self,
+        py: Python<'_>,
+        worker_id: &Bound<'_, PyAny>,
+        hash_source: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let id = self::worker_id(worker_id)?;
+        let hash_source = opt_str(hash_source, "hash_source")?.unwrap_or_else(|| "engine".into());
+        let source = HashSource::from_name(&hash_source).ok_or_else(|| {
+            invalid(
+                py,
+                "hash_source",
+                format!("{hash_source:?}"),
+                "expected \"engine\" or \"tokens\"",
+            )
+        })?;
+        self.with(py, |ix| ix.add_worker(id, source)).py(py)
+    }
+
+    /// Drops the worker and all its entries; False if it was unknown.
+    fn remove_worker(&self, py: Python<'_>, worker_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let id = self::worker_id(worker_id)?;
+        Ok(self.with(py, |ix| ix.remove_worker(id)))
+    }
+
+    /// Registered worker ids.
+    fn worker_ids(&self, py: Python<'_>) -> Vec<WorkerId> {
+        self.with(py, |ix| ix.worker_ids())
+    }
+
+    /// The worker's state and counters as a dict, or None if unknown.
+    fn worker_status<'py>(
+        &self,
+        py: Python<'py>,
+        worker_id: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let id = self::worker_id(worker_id)?;
+        match self.with(py, |ix| ix.worker_status(id)) {
+            Some(st) => Ok(Some(status_dict(py, &st)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether the worker may miss entries since a gap, until ``apply_snapshot``.
+    fn needs_resync(&self, py: Python<'_>, worker_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let id = self::worker_id(worker_id)?;
+        Ok(self.with(py, |ix| ix.needs_resync(id)))
+    }
+
+    /// The 32-byte hashes the worker holds, sorted.
+    fn worker_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        worker_id: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let id = self::worker_id(worker_id)?;
+        let hashes = self.with(py, |ix| ix.worker_hashes(id));
+        PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, &h.0)))
+    }
+
+    /// Applies event batch ``seq`` of ``worker_id``; returns ``"applied"``, ``"buffered"``,
+    /// ``"duplicate"`` or ``"gap"``. Raises ``InvalidArgumentError`` (nothing applied) for a
+    /// malformed event.
+    fn apply(
+        &self,
+        py: Python<'_>,
+        worker_id: &Bound<'_, PyAny>,
+        seq: &Bound<'_, PyAny>,
+        events: &Bound<'_, PyAny>,
+    ) -> PyResult<&'static str> {
+        let id = self::worker_id(worker_id)?;
+        let seq = uint(seq, "seq", u64::MAX)?;
+        if events.is_instance_of::<PyString>() || events.is_instance_of::<PyBytes>() {
+            return Err(invalid(
+                py,
+                "events",
+                repr(events),
+                "expected a list of events (decode a wire payload first)",
+            ));
+        }
+        let events: Vec<KvEvent> = list_items(events, "events")?
+            .iter()
+            .enumerate()
+            .map(|(i, e)| event(e, i))
+            .collect::<PyResult<_>>()?;
+        self.with(py, |ix| ix.apply_batch(id, seq, events))
+            .py(py)
+            .map(|o| o.name())
+    }
+
+    /// Replaces the worker's entries with ``block_hashes`` as of its batch ``seq``.
+    fn apply_snapshot(
+        &self,
+        py: Python<'_>,
+        worker_id: &Bound<'_, PyAny>,
+        seq: &Bound<'_, PyAny>,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let id = self::worker_id(worker_id)?;
+        let seq = uint(seq, "seq", u64::MAX)?;
+        let hashes = wire_hashes(block_hashes, "block_hashes")?;
+        self.with(py, |ix| ix.apply_snapshot(id, seq, &hashes))
+            .py(py)
+    }
+
+    /// Chained 32-byte hashes of the prompt's first ``num_blocks`` full blocks, as a manager
+    /// computes them.
+    #[pyo3(signature = (token_ids, *, num_blocks = None, cache_salt = None, adapter_id = None, extra_keys = None, mm_items = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn block_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        token_ids: &Bound<'_, PyAny>,
+        num_blocks: Option<&Bound<'_, PyAny>>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        adapter_id: Option<&Bound<'_, PyAny>>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+        mm_items: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let tokens = crate::convert::token_ids(token_ids, "token_ids")?;
+        let spec = sequence_spec(
+            opt_str(cache_salt, "cache_salt")?,
+            opt_str(adapter_id, "adapter_id")?,
+            extra_keys,
+            mm_items,
+        )?;
+        let n = match num_blocks {
+            Some(n) => uint(n, "num_blocks", u64::from(u32::MAX))? as usize,
+            None => tokens.len() / self.block_size(py) as usize,
+        };
+        let hashes = self
+            .with(py, |ix| ix.block_hashes(&tokens, &spec, n))
+            .py(py)?;
+        PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, &h.0)))
+    }
+
+    /// ``{worker_id: leading cached blocks}`` of a prompt for every worker.
+    #[pyo3(signature = (token_ids, *, cache_salt = None, adapter_id = None, extra_keys = None, mm_items = None))]
+    fn overlap<'py>(
+        &self,
+        py: Python<'py>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        adapter_id: Option<&Bound<'_, PyAny>>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+        mm_items: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let tokens = crate::convert::token_ids(token_ids, "token_ids")?;
+        let spec = sequence_spec(
+            opt_str(cache_salt, "cache_salt")?,
+            opt_str(adapter_id, "adapter_id")?,
+            extra_keys,
+            mm_items,
+        )?;
+        let pairs = self.with(py, |ix| ix.overlap_tokens(&tokens, &spec));
+        overlap_dict(py, pairs)
+    }
+
+    /// ``{worker_id: leading blocks held}`` for a list of block hashes.
+    fn overlap_hashes<'py>(
+        &self,
+        py: Python<'py>,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let hashes = wire_hashes(block_hashes, "block_hashes")?;
+        let pairs = self.with(py, |ix| ix.overlap_hashes(&hashes));
+        overlap_dict(py, pairs)
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        self.with(py, |ix| {
+            format!(
+                "KVIndexer(block_size={}, workers={}, hashes={})",
+                ix.block_size(),
+                ix.worker_ids().len(),
+                ix.num_hashes()
+            )
+        })
+    }
+}

@@ -1,0 +1,136 @@
+"""Engine replicas on Ray behind the KV-aware router, on the tiny random model.
+
+One local Ray cluster for the module (4 logical CPUs, one per replica actor). Checks: two
+replicas give the same greedy outputs as one engine, requests sharing a prefix go where it is
+cached so each shared prefix is computed once; a replica killed mid-run loses no request and
+answers none twice.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import warnings
+
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    ray = pytest.importorskip("ray")
+
+from engine_helpers import ModelBundle  # noqa: E402
+
+from pagedkv.engine import LLMEngine, SamplingParams  # noqa: E402
+
+BLOCK = 4
+ENGINE_KW = {"num_kv_blocks": 96, "block_size": BLOCK, "device": "cpu", "max_tokens_per_step": 256}
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ray.init(
+            num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}}
+        )
+    yield
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ray.shutdown()
+
+
+def _cluster(tiny: ModelBundle, n: int):  # type: ignore[no-untyped-def]
+    from pagedkv.cluster import ReplicaCluster
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ReplicaCluster(n, str(tiny.path), engine_kwargs=ENGINE_KW, steps_per_call=2)
+
+
+def _prompts() -> tuple[list[list[int]], list[list[int]]]:
+    """Two groups of token prompts; each group shares a 3-block (12-token) prefix."""
+    a, b = list(range(10, 22)), list(range(200, 212))
+    first = [a + [30, 31], b + [40, 41]]
+    second = [a + [32, 33, 34], a + [35], b + [42, 43, 44], b + [45]]
+    return first, second
+
+
+def test_two_replicas_match_one_engine_and_compute_each_prefix_once(tiny: ModelBundle, ray_local: None) -> None:
+    from pagedkv.cluster import ClusterRequest
+
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    first, second = _prompts()
+    # The reference: one engine, the same two waves.
+    single = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, **ENGINE_KW)
+    ref = single.generate(first, params) + single.generate(second, params)
+
+    cluster = _cluster(tiny, 2)
+    try:
+        wave1 = cluster.serve([ClusterRequest(f"w1-{i}", p, params) for i, p in enumerate(first)])
+        wave2 = cluster.serve([ClusterRequest(f"w2-{i}", p, params) for i, p in enumerate(second)])
+    finally:
+        cluster.shutdown()
+    got = list(wave1.values()) + list(wave2.values())
+    assert [r.output.outputs[0].token_ids for r in got] == [o.outputs[0].token_ids for o in ref]
+    # Group a went to one replica and group b to the other, by load in wave 1 and by the
+    # cached prefix (3 blocks) in wave 2.
+    ra, rb = wave1["w1-0"].replica, wave1["w1-1"].replica
+    assert ra != rb
+    assert [wave2[f"w2-{i}"].replica for i in range(4)] == [ra, ra, rb, rb]
+    assert [wave2[f"w2-{i}"].overlap_blocks for i in range(4)] == [3, 3, 3, 3]
+    # Each shared prefix was computed once: every second-wave request found it cached, exactly
+    # as on the single engine.
+    assert [r.output.num_cached_tokens for r in got] == [o.num_cached_tokens for o in ref]
+    assert [r.output.num_cached_tokens for r in wave2.values()] == [12, 12, 12, 12]
+    assert all(r.attempts == 1 and r.error is None for r in got)
+
+
+def test_killed_replica_loses_no_request_and_answers_none_twice(tiny: ModelBundle, ray_local: None) -> None:
+    from pagedkv.cluster import ClusterRequest
+
+    cluster = _cluster(tiny, 2)
+    pids = {i: ray.get(cluster.actor(i).pid.remote()) for i in cluster.live_replicas}
+    # Short and long requests alternate; routed by load (no shared prefix) they alternate
+    # between the replicas, so when the first short one is answered the other replica still
+    # runs long ones.
+    lengths = [2 if i % 2 == 0 else 30 for i in range(10)]
+    reqs = [
+        ClusterRequest(f"r{i}", [50 + i, 60 + i, 70 + i, 80 + i, 90], SamplingParams(max_tokens=n, ignore_eos=True))
+        for i, n in enumerate(lengths)
+    ]
+    seen: list[str] = []
+    killed: list[int] = []
+
+    def on_result(res) -> None:  # type: ignore[no-untyped-def]
+        seen.append(res.request_id)
+        if not killed:
+            busy = [i for i in cluster.live_replicas if i != res.replica and cluster.num_unanswered(i) > 0]
+            if busy:
+                os.kill(pids[busy[0]], signal.SIGKILL)
+                killed.append(busy[0])
+
+    try:
+        results = cluster.serve(reqs, on_result=on_result)
+    finally:
+        cluster.shutdown()
+    assert sorted(seen) == sorted(r.request_id for r in reqs)  # each answered exactly once
+    assert set(results) == {r.request_id for r in reqs}
+    assert killed and cluster.dead == killed
+    retried = [r for r in results.values() if r.attempts > 1]
+    assert retried, "the killed replica had requests in flight"
+    assert all(r.replica != killed[0] for r in retried)
+    assert [len(results[f"r{i}"].output.outputs[0].token_ids) for i in range(10)] == lengths
+    assert killed[0] not in cluster.router.indexer.worker_ids()
+
+
+def test_cli_rejects_bad_arguments_before_starting_ray(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from pagedkv.cluster.cli import main
+
+    assert main(["--replicas", "0", "--prompts", "examples/prompts.jsonl"]) == 2
+    assert "--replicas 0" in capsys.readouterr().err
+    missing = tmp_path / "none.jsonl"
+    assert main(["--prompts", str(missing)]) == 2
+    assert "none.jsonl" in capsys.readouterr().err
+    assert main(["--trace", "benchmarks/data/mooncake_fast25/conversation_trace.jsonl", "--trace-scale", "0"]) == 2
+    assert main(["--prompts", "examples/prompts.jsonl", "--max-imbalance", "0.5"]) == 2
+    assert "max_imbalance" in capsys.readouterr().err

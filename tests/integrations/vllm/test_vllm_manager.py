@@ -1,0 +1,374 @@
+"""``PagedKVCacheManager`` / ``PagedKVScheduler`` on their own: refused configurations, bad
+input, request identity (multimodal items) against vLLM's own ``KVCacheManager``, KV events.
+
+Runs only where vLLM is installed (``make test-vllm``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this suite)")
+
+import msgspec  # noqa: E402
+import torch  # noqa: E402
+from vllm.distributed.kv_events import (  # noqa: E402
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange  # noqa: E402
+from vllm.v1.core.kv_cache_manager import KVCacheManager  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from pagedkv.integrations.vllm.cpu_harness import (  # noqa: E402
+    Driver,
+    build_scheduler,
+    make_kv_cache_config,
+    make_request,
+    make_vllm_config,
+)
+
+import pagedkv  # noqa: E402
+from pagedkv.integrations.vllm import (  # noqa: E402
+    PagedKVCacheManager,
+    PagedKVScheduler,
+    UnsupportedVllmConfigError,
+    check_supported_config,
+)
+
+BS = 16
+
+
+def _build(vllm_config: Any, kv_cache_config: Any, **kw: Any) -> Any:
+    return PagedKVScheduler(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=BS,
+        **kw,
+    )
+
+
+# ---- refused configurations ---------------------------------------------------------------
+
+
+def _spec(**kw: Any) -> Any:
+    return FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, **kw)
+
+
+def test_two_kv_cache_groups_refused() -> None:
+    cfg = make_vllm_config(num_blocks=64)
+    kv = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["a"], _spec()), KVCacheGroupSpec(["b"], _spec())],
+    )
+    with pytest.raises(UnsupportedVllmConfigError, match="kv_cache_groups") as err:
+        _build(cfg, kv)
+    assert err.value.field == "kv_cache_config.kv_cache_groups"
+    assert isinstance(err.value, ValueError)
+
+
+def test_sliding_window_refused() -> None:
+    cfg = make_vllm_config(num_blocks=64)
+    sw = SlidingWindowSpec(
+        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=128
+    )
+    kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a"], sw)])
+    with pytest.raises(UnsupportedVllmConfigError, match="SlidingWindowSpec"):
+        _build(cfg, kv)
+    kv2 = KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["a"], _spec(sliding_window=64))],
+    )
+    with pytest.raises(UnsupportedVllmConfigError, match="sliding_window") as err:
+        _build(cfg, kv2)
+    assert err.value.field == "kv_cache_spec.sliding_window"
+
+
+def test_hash_block_size_refused() -> None:
+    cfg = make_vllm_config(num_blocks=64)
+    with pytest.raises(UnsupportedVllmConfigError, match="hash_block_size"):
+        _build(cfg, make_kv_cache_config(64), hash_block_size=8)
+
+
+class _Stand:
+    """A stand-in sub-config carrying one attribute (the check reads attributes only)."""
+
+    def __init__(self, **kw: Any) -> None:
+        self.__dict__.update(kw)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("speculative_config", _Stand(method="eagle"), "speculative_config"),
+        ("kv_transfer_config", _Stand(kv_connector="x"), "kv_transfer_config"),
+        ("model_config", _Stand(is_encoder_decoder=True), "is_encoder_decoder"),
+        ("model_config", _Stand(enable_prompt_embeds=True), "enable_prompt_embeds"),
+        ("parallel_config", _Stand(decode_context_parallel_size=2), "decode_context_parallel_size"),
+        ("parallel_config", _Stand(prefill_context_parallel_size=2), "prefill_context_parallel_size"),
+        ("observability_config", _Stand(kv_cache_metrics=True), "kv_cache_metrics"),
+        ("aux_output_config", _Stand(enabled=True), "aux_output_config.enabled"),
+    ],
+)
+def test_unsupported_settings_are_named(field: str, value: Any, named: str) -> None:
+    real = make_vllm_config(num_blocks=64)
+    check_supported_config(real, make_kv_cache_config(64), BS)  # the base config is accepted
+    fields = {f: getattr(real, f) for f in ("model_config", "parallel_config", "observability_config")}
+    fields.update(speculative_config=None, kv_transfer_config=None, aux_output_config=None)
+    fields[field] = value
+    stand = _Stand(**fields)
+    with pytest.raises(UnsupportedVllmConfigError, match=named) as err:
+        check_supported_config(stand, make_kv_cache_config(64), BS)
+    assert named.split(".")[-1] in err.value.field
+
+
+def test_refused_before_vllm_builds_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    built = []
+    monkeypatch.setattr(Scheduler, "__init__", lambda self, *a, **k: built.append(1))
+    cfg = make_vllm_config(num_blocks=64)
+    with pytest.raises(UnsupportedVllmConfigError):
+        _build(cfg, make_kv_cache_config(64), hash_block_size=8)
+    assert built == []
+
+
+def test_scheduler_cls_by_name_resolves() -> None:
+    cfg = make_vllm_config(
+        num_blocks=64, scheduler_cls="pagedkv.integrations.vllm.PagedKVScheduler"
+    )
+    cls = cfg.scheduler_config.get_scheduler_cls()
+    assert cls is PagedKVScheduler
+    sched = build_scheduler(cls, cfg)
+    assert isinstance(sched.kv_cache_manager, PagedKVCacheManager)
+
+
+# ---- bad input ----------------------------------------------------------------------------
+
+
+def _sched(num_blocks: int = 64, **kw: Any) -> Any:
+    return build_scheduler(PagedKVScheduler, make_vllm_config(num_blocks=num_blocks, **kw))
+
+
+def test_unknown_request_typed_error_changes_nothing() -> None:
+    sched = _sched()
+    driver = Driver(sched)
+    driver.add(make_request("a", list(range(100, 140)), 3))
+    driver.step()
+    kv = sched.kv_cache_manager
+    before = kv.manager.stats()
+    with pytest.raises(pagedkv.UnknownSequenceError):
+        kv.get_block_ids("nope")
+    with pytest.raises(KeyError):
+        kv.get_blocks("nope")
+    assert kv.manager.stats() == before
+
+
+def test_double_free_typed_error() -> None:
+    sched = _sched()
+    driver = Driver(sched)
+    req = make_request("a", list(range(100, 140)), 2)
+    driver.add(req)
+    driver.run()
+    assert req.is_finished() and req.num_computed_tokens > 0
+    before = sched.kv_cache_manager.manager.stats()
+    with pytest.raises(pagedkv.UnknownSequenceError, match="already freed"):
+        sched.kv_cache_manager.free(req)
+    assert sched.kv_cache_manager.manager.stats() == before
+
+
+def test_free_of_never_allocated_request_is_a_noop() -> None:
+    # vLLM frees requests aborted while waiting; they never held blocks.
+    sched = _sched()
+    req = make_request("w", list(range(100, 140)), 2)
+    req.status = RequestStatus.FINISHED_ABORTED
+    sched.kv_cache_manager.free(req)
+    assert sched.kv_cache_manager.usage == 0.0
+
+
+def test_zero_token_allocation_refused() -> None:
+    sched = _sched()
+    req = make_request("z", list(range(100, 140)), 2)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="num_new_tokens"):
+        sched.kv_cache_manager.allocate_slots(req, 0)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="num_lookahead_tokens"):
+        sched.kv_cache_manager.allocate_slots(req, 4, num_lookahead_tokens=2)
+    assert sched.kv_cache_manager.manager.num_sequences == 0
+
+
+def test_streaming_input_request_refused() -> None:
+    sched = _sched()
+    req = make_request("s", list(range(100, 140)), 2)
+    req.resumable = True
+    with pytest.raises(pagedkv.InvalidArgumentError, match="resumable"):
+        sched.add_request(req)
+    assert "s" not in sched.requests and not sched.has_unfinished_requests()
+
+
+def test_unknown_hash_algo_refused() -> None:
+    with pytest.raises(pagedkv.InvalidConfigError, match="prefix_caching_hash_algo"):
+        PagedKVCacheManager(64, BS, hash_algo="md5")
+
+
+# ---- multimodal identity, against vLLM's own manager --------------------------------------
+
+
+def _mm(identifier: str, offset: int, length: int) -> Any:
+    return MultiModalFeatureSpec(
+        data=None,
+        modality="image",
+        identifier=identifier,
+        mm_position=PlaceholderRange(offset=offset, length=length),
+    )
+
+
+def _hit(manager: Any, rid: str, prompt: list[int], features: list[Any]) -> int:
+    req = make_request(rid, prompt, 4)
+    req.mm_features = features
+    if isinstance(manager, KVCacheManager):
+        # Re-hash with the features (the engine core hashes after attaching them).
+        req.block_hashes.clear()
+        req.update_block_hashes()
+    _, hit, _ = manager.get_computed_blocks(req)
+    new = manager.allocate_slots(req, req.num_tokens - hit, hit, manager.get_computed_blocks(req)[0])
+    assert new is not None
+    req.num_computed_tokens = req.num_tokens
+    return hit
+
+
+@pytest.mark.parametrize("which", ["stock", "paged"])
+def test_multimodal_items_key_the_blocks_they_cover(which: str) -> None:
+    kv_cfg = make_kv_cache_config(256)
+    manager: Any
+    if which == "stock":
+        manager = KVCacheManager(
+            kv_cfg, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS
+        )
+    else:
+        manager = PagedKVCacheManager(256, BS)
+    prompt = list(range(1000, 1000 + 96))  # 6 blocks; an image in tokens 40..71
+    assert _hit(manager, "m0", prompt, [_mm("img-A", 40, 32)]) == 0
+    # Same image, same place: everything but the last block is served from cache.
+    assert _hit(manager, "m1", prompt, [_mm("img-A", 40, 32)]) == 80
+    # Another image in the same place: only the blocks before it are shared.
+    assert _hit(manager, "m2", prompt, [_mm("img-B", 40, 32)]) == 32
+    # The same image moved by one token: from its first block on nothing is shared.
+    assert _hit(manager, "m3", prompt, [_mm("img-A", 41, 32)]) == 32
+
+
+# ---- KV events ----------------------------------------------------------------------------
+
+
+def _capture_events(sched: Any) -> list[Any]:
+    """Records what ``take_events`` hands to vLLM's publisher (update_from_output calls it)."""
+    events: list[Any] = []
+    original = sched.kv_cache_manager.take_events
+
+    def capture() -> list[Any]:
+        got = original()
+        events.extend(got)
+        return got
+
+    sched.kv_cache_manager.take_events = capture
+    return events
+
+
+@pytest.mark.parametrize("int_hashes", ["1", "0"])
+def test_events_are_vllm_objects_on_the_wire(monkeypatch: pytest.MonkeyPatch, int_hashes: str) -> None:
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", int_hashes)
+    sched = _sched(num_blocks=24, kv_events=True)
+    driver = Driver(sched)
+    prompt = list(range(2000, 2064))
+    driver.add(make_request("e0", prompt, 3, cache_salt="t"))
+    events = _capture_events(sched)
+    driver.run()
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    hashes = [h for e in stored for h in e.block_hashes]
+    if int_hashes == "1":
+        assert all(isinstance(h, int) and 0 <= h < 2**64 for h in hashes)
+    else:
+        assert all(isinstance(h, bytes) and len(h) == 32 for h in hashes)
+    # 64 prompt tokens + 2 computed outputs: 4 full blocks, each announced once.
+    assert len(hashes) == len(set(hashes)) == 4
+    assert stored[0].parent_block_hash is None and stored[0].block_size == BS
+    assert stored[0].extra_keys is not None and stored[0].extra_keys[0] == ("t",)
+    assert stored[0].token_ids[:BS] == prompt[:BS]
+    assert stored[0].group_idx == 0 and stored[0].medium == "GPU"
+    # vLLM's own msgpack encoder / decoder round-trips them unchanged.
+    batch = KVEventBatch(ts=1.0, events=events)
+    wire = msgspec.msgpack.Encoder().encode(batch)
+    back = msgspec.msgpack.Decoder(type=KVEventBatch).decode(wire)
+    assert back.events == events
+
+
+def test_events_have_set_semantics_under_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A consumer that adds BlockStored hashes and drops BlockRemoved ones holds exactly the
+    hashes pagedkv resolves, after every step; a stored block's parent is in the set."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0")
+    sched = _sched(num_blocks=24, kv_events=True, max_num_batched_tokens=128)
+    driver = Driver(sched)
+    events = _capture_events(sched)
+    pool = sched.kv_cache_manager.manager.pool
+    system = list(range(5000, 5032))
+    for i in range(10):
+        driver.add(make_request(f"s{i}", system + list(range(6000 + 97 * i, 6000 + 97 * i + 40)), 6))
+    consumer: set[bytes] = set()
+    seen: set[bytes] = set()
+    removed_any = False
+    while sched.has_unfinished_requests():
+        driver.step()
+        for ev in events:
+            if isinstance(ev, BlockStored):
+                assert ev.parent_block_hash is None or ev.parent_block_hash in consumer
+                for h in ev.block_hashes:
+                    assert h not in consumer, "stored twice"
+                    consumer.add(h)
+                    seen.add(h)
+            elif isinstance(ev, BlockRemoved):
+                removed_any = True
+                for h in ev.block_hashes:
+                    assert h in consumer, "removed without being stored"
+                    consumer.discard(h)
+            else:
+                consumer.clear()
+        events.clear()
+        assert consumer == {h for h in seen if pool.lookup(h) is not None}
+    assert removed_any, "the pool must be small enough to evict"
+    assert sched.reset_prefix_cache()
+    sched.kv_cache_manager.take_events = type(sched.kv_cache_manager).take_events.__get__(
+        sched.kv_cache_manager
+    )
+    assert [type(e) for e in sched.kv_cache_manager.take_events()] == [AllBlocksCleared]
+
+
+def test_events_off_returns_nothing() -> None:
+    sched = _sched()
+    driver = Driver(sched)
+    driver.add(make_request("x", list(range(100, 164)), 2))
+    driver.run()
+    assert sched.kv_cache_manager.take_events() == []
+
+
+def test_prefix_cache_stats_like_vllm() -> None:
+    stock = Driver(build_scheduler(Scheduler, make_vllm_config(num_blocks=128)))
+    paged = Driver(build_scheduler(PagedKVScheduler, make_vllm_config(num_blocks=128)))
+    prompt = list(range(500, 580))
+    for d in (stock, paged):
+        d.add(make_request("a", prompt, 2))
+        d.run()
+        d.add(make_request("b", prompt, 2))
+        d.run()
+    assert paged.prefix_cache_stats == stock.prefix_cache_stats
+    assert paged.prefix_cache_stats == {"requests": 2, "queries": 160, "hits": 64}

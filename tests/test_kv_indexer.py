@@ -1,0 +1,315 @@
+"""pagedkv.KVIndexer against ground truth from the workers' own managers.
+
+A hypothesis state machine runs several workers, each a ``KVCacheManager`` doing random
+operations (prefill steps, decode, fork, free, preemption, swap, reset, restart); every operation
+publishes the worker's events as one numbered batch, and delivery rules hand batches to the
+indexer in order, reordered (the next two swapped) or dropped. After every step, for every
+worker, the indexer's hash set must equal the worker's resolvable set as of the last batch the
+indexer applied (a subset while a gap awaits its snapshot), and overlaps of probe prompts must
+equal the leading blocks that the manager's own ``lookup_prefix`` would serve.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import pagedkv
+
+BLOCK_SIZE = 4
+NUM_BLOCKS = 12
+NUM_CPU_BLOCKS = 6
+NUM_WORKERS = 3
+MAX_PENDING = 1
+
+STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
+prompts = st.builds(lambda stem, tail: STEMS[stem] + tail,
+                    st.integers(0, len(STEMS) - 1), st.lists(st.integers(1, 3), max_size=6))
+PROBES = [STEMS[0] + [1, 1, 1, 1, 2], STEMS[1] + [2], STEMS[2] + [1, 2, 3, 1, 1], [1, 2, 3, 4, 1]]
+
+
+def new_manager() -> pagedkv.KVCacheManager:
+    return pagedkv.KVCacheManager(pagedkv.CacheConfig(
+        NUM_BLOCKS, BLOCK_SIZE, num_cpu_blocks=NUM_CPU_BLOCKS, enable_events=True))
+
+
+def resolvable(m: pagedkv.KVCacheManager) -> frozenset[bytes]:
+    pool = m.pool
+    out = frozenset(h for b in range(1, NUM_BLOCKS) if (h := pool.block_hash(b)) is not None)
+    assert all(pool.lookup(h) is not None for h in out)
+    return out
+
+
+def lookup_blocks(m: pagedkv.KVCacheManager, prompt: list[int]) -> int:
+    """Leading cached blocks the manager itself would serve for ``prompt`` (no side effect)."""
+    probe = 10**9
+    m.add_sequence(probe, prompt)
+    try:
+        return m.lookup_prefix(probe) // BLOCK_SIZE
+    finally:
+        m.free(probe)
+
+
+class Worker:
+    def __init__(self) -> None:
+        self.m = new_manager()
+        self.seqs: list[int] = []
+        self.next_seq = 0  # next batch number to publish
+        self.outbox: list[tuple[int, list[object]]] = []
+        self.truth: dict[int, frozenset[bytes]] = {}  # batch number -> resolvable set after it
+
+
+class IndexerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ix = pagedkv.KVIndexer(BLOCK_SIZE, max_pending=MAX_PENDING)
+        self.workers = [Worker() for _ in range(NUM_WORKERS)]
+        for w in range(NUM_WORKERS):
+            self.ix.add_worker(w)
+        self.next_sid = 1
+
+    # ---- worker operations (each publishes one batch) --------------------------------------
+
+    def _publish(self, w: int) -> None:
+        wk = self.workers[w]
+        events = wk.m.take_events()
+        wk.truth[wk.next_seq] = resolvable(wk.m)
+        wk.outbox.append((wk.next_seq, events))
+        wk.next_seq += 1
+
+    def _try(self, fn, *args) -> None:  # type: ignore[no-untyped-def]
+        try:
+            fn(*args)
+        except pagedkv.PagedKVError:
+            pass
+
+    @rule(w=st.integers(0, NUM_WORKERS - 1), prompt=prompts, budget=st.integers(1, 16))
+    def prefill(self, w: int, prompt: list[int], budget: int) -> None:
+        wk = self.workers[w]
+        sid = self.next_sid
+        self.next_sid += 1
+        wk.m.add_sequence(sid, prompt)
+        wk.seqs.append(sid)
+        out = wk.m.step([sid], [budget])
+        if out.error is not None:
+            wk.m.free(sid)
+            wk.seqs.remove(sid)
+        self._publish(w)
+
+    @rule(w=st.integers(0, NUM_WORKERS - 1), data=st.data(), token=st.integers(1, 3))
+    def advance(self, w: int, data: st.DataObject, token: int) -> None:
+        wk = self.workers[w]
+        if wk.seqs:
+            sid = data.draw(st.sampled_from(wk.seqs))
+            if wk.m.status(sid) == "running":
+                if wk.m.num_computed_tokens(sid) == wk.m.num_tokens(sid):
+                    wk.m.append_tokens(sid, [token])
+                self._try(wk.m.allocate_slots, sid, 4)
+        self._publish(w)
+
+    @rule(w=st.integers(0, NUM_WORKERS - 1), data=st.data(), op=st.sampled_from(
+        ["free", "preempt", "swap_out", "swap_in", "fork"]))
+    def other(self, w: int, data: st.DataObject, op: str) -> None:
+        wk = self.workers[w]
+        if wk.seqs:
+            sid = data.draw(st.sampled_from(wk.seqs))
+            if op == "free":
+                wk.m.free(sid)
+                wk.seqs.remove(sid)
+            elif op == "preempt":
+                self._try(wk.m.preempt, [sid])
+            elif op == "swap_out":
+                self._try(wk.m.swap_out, [sid])
+            elif op == "swap_in":
+                self._try(wk.m.swap_in, [sid])
+            elif wk.m.status(sid) == "running":
+                child = self.next_sid
+                self.next_sid += 1
+                wk.m.fork(sid, child)
+                wk.seqs.append(child)
+        self._publish(w)
+
+    @rule(w=st.integers(0, NUM_WORKERS - 1))
+    def reset(self, w: int) -> None:
+        wk = self.workers[w]
+        for sid in wk.seqs:
+            wk.m.free(sid)
+        wk.seqs.clear()
+        wk.m.reset_prefix_cache()
+        self._publish(w)
+
+    @rule(w=st.integers(0, NUM_WORKERS - 1))
+    def restart(self, w: int) -> None:
+        """The worker dies and comes back empty: the router drops it and re-registers it."""
+        self.workers[w] = Worker()
+        assert self.ix.remove_worker(w)
+        self.ix.add_worker(w)
+
+    # ---- delivery --------------------------------------------------------------------------
+
+    def _deliver(self, w: int, seq: int, events: list[object]) -> None:
+        outcome = self.ix.apply(w, seq, events)
+        assert outcome in ("applied", "buffered", "duplicate", "gap")
+        if outcome == "gap":
+            assert self.ix.needs_resync(w)
+
+    @precondition(lambda self: any(wk.outbox for wk in self.workers))
+    @rule(data=st.data())
+    def deliver_in_order(self, data: st.DataObject) -> None:
+        w = data.draw(st.sampled_from([i for i, wk in enumerate(self.workers) if wk.outbox]))
+        self._deliver(w, *self.workers[w].outbox.pop(0))
+
+    @precondition(lambda self: any(len(wk.outbox) >= 2 for wk in self.workers))
+    @rule(data=st.data())
+    def deliver_reordered(self, data: st.DataObject) -> None:
+        w = data.draw(st.sampled_from([i for i, wk in enumerate(self.workers) if len(wk.outbox) >= 2]))
+        out = self.workers[w].outbox
+        second = out.pop(1)
+        first = out.pop(0)
+        self._deliver(w, *second)
+        self._deliver(w, *first)
+
+    @precondition(lambda self: any(wk.outbox for wk in self.workers))
+    @rule(data=st.data())
+    def drop(self, data: st.DataObject) -> None:
+        w = data.draw(st.sampled_from([i for i, wk in enumerate(self.workers) if wk.outbox]))
+        self.workers[w].outbox.pop(0)
+
+    @rule(w=st.integers(0, NUM_WORKERS - 1))
+    def resync_if_needed(self, w: int) -> None:
+        """What a replica does when the router reports a gap: a snapshot numbered in its stream."""
+        wk = self.workers[w]
+        if not self.ix.needs_resync(w):
+            return
+        self._publish(w)  # the snapshot takes the next number; batches before it are stale
+        seq, _ = wk.outbox.pop()
+        self.ix.apply_snapshot(w, seq, sorted(wk.truth[seq]))
+        assert not self.ix.needs_resync(w)
+
+    # ---- checks ----------------------------------------------------------------------------
+
+    @invariant()
+    def index_matches_each_managers_cache(self) -> None:
+        for w, wk in enumerate(self.workers):
+            st_ = self.ix.worker_status(w)
+            assert st_ is not None
+            held = set(self.ix.worker_hashes(w))
+            if st_["next_seq"] is None:
+                assert held == set()
+                continue
+            truth = wk.truth[st_["next_seq"] - 1] if st_["next_seq"] - 1 in wk.truth else frozenset()
+            if st_["needs_resync"]:
+                assert held <= truth, "stale entry after a gap"
+            else:
+                assert held == truth
+            up_to_date = not st_["needs_resync"] and st_["next_seq"] == wk.next_seq
+            for prompt in PROBES:
+                got = self.ix.overlap(prompt)[w]
+                if up_to_date:
+                    assert got == lookup_blocks(wk.m, prompt)
+                else:
+                    hashes = self.ix.block_hashes(prompt, num_blocks=(len(prompt) - 1) // BLOCK_SIZE)
+                    want = 0
+                    while want < len(hashes) and hashes[want] in held:
+                        want += 1
+                    assert got == want
+
+
+TestIndexerMachine = IndexerMachine.TestCase
+TestIndexerMachine.settings = settings(max_examples=120, stateful_step_count=40, deadline=None)
+
+
+# ---- hand-written cases ------------------------------------------------------------------------
+
+
+def _stored(hashes: list[bytes]) -> list[object]:
+    return ["BlockStored", hashes, None, [], BLOCK_SIZE, None, None]
+
+
+def test_overlap_counts_leading_blocks_only() -> None:
+    ix = pagedkv.KVIndexer(BLOCK_SIZE)
+    a, b, c = (bytes([i]) * 32 for i in (1, 2, 3))
+    assert ix.apply(0, 0, [_stored([a, b, c])]) == "applied"
+    assert ix.apply(1, 0, [_stored([a, c])]) == "applied"
+    assert ix.overlap_hashes([a, b, c]) == {0: 3, 1: 1}
+    assert ix.overlap_hashes([b, c]) == {0: 2, 1: 0}
+    assert ix.overlap_hashes([]) == {0: 0, 1: 0}
+    assert ix.num_hashes == 3
+
+
+def test_token_queries_hash_like_the_manager_with_keys() -> None:
+    m = new_manager()
+    prompt = list(range(1, 14))
+    m.add_sequence(1, prompt, cache_salt="tenant", mm_items=[(b"img", 2, 3)])
+    m.allocate_slots(1, len(prompt))
+    ix = pagedkv.KVIndexer(BLOCK_SIZE)
+    ix.apply(7, 0, m.take_events())
+    assert ix.overlap(prompt, cache_salt="tenant", mm_items=[(b"img", 2, 3)]) == {7: 3}
+    assert ix.overlap(prompt, cache_salt="tenant") == {7: 0}
+    assert ix.overlap(prompt) == {7: 0}
+    assert ix.block_hashes(prompt, cache_salt="tenant", mm_items=[(b"img", 2, 3)]) == [
+        m.pool.block_hash(b) for b in m.block_table(1)[:3].tolist()]
+
+
+def test_seed_and_algorithm_must_match_the_engines() -> None:
+    cfg = pagedkv.CacheConfig(NUM_BLOCKS, BLOCK_SIZE, hash_algo="xxh3_128", hash_seed=b"s",
+                              enable_events=True)
+    m = pagedkv.KVCacheManager(cfg)
+    prompt = list(range(9))
+    m.add_sequence(1, prompt)
+    m.allocate_slots(1, 9)
+    events = m.take_events()
+    same = pagedkv.KVIndexer(BLOCK_SIZE, hash_algo="xxh3_128", hash_seed=b"s")
+    other = pagedkv.KVIndexer(BLOCK_SIZE, hash_algo="xxh3_128")
+    same.apply(0, 0, events)
+    other.apply(0, 0, events)
+    assert same.overlap(prompt) == {0: 2}
+    assert other.overlap(prompt) == {0: 0}
+    assert (same.hash_algo, same.hash_seed, same.block_size, same.max_pending) == ("xxh3_128", b"s", 4, 0)
+
+
+def test_bad_input_raises_typed_errors_and_changes_nothing() -> None:
+    ix = pagedkv.KVIndexer(BLOCK_SIZE)
+    good = _stored([b"\x01" * 32])
+    with pytest.raises(pagedkv.InvalidArgumentError, match="block_size"):
+        ix.apply(0, 0, [good, ["BlockStored", [b"\x02" * 32], None, [], 8, None]])
+    with pytest.raises(pagedkv.InvalidArgumentError, match="unknown event type"):
+        ix.apply(0, 0, [good, ["BlockEvicted", []]])
+    with pytest.raises(pagedkv.InvalidArgumentError, match="at most 32 bytes"):
+        ix.apply(0, 0, [_stored([b"\x01" * 33])])
+    with pytest.raises(pagedkv.InvalidArgumentError, match="list of events"):
+        ix.apply(0, 0, b"payload")
+    with pytest.raises(pagedkv.InvalidArgumentError):
+        ix.apply(-1, 0, [good])
+    assert ix.worker_ids() == [] and ix.num_hashes == 0
+    ix.add_worker(3, hash_source="tokens")
+    with pytest.raises(pagedkv.InvalidArgumentError, match="token ids"):
+        ix.apply(3, 0, [good])  # a tokens worker needs the block's tokens
+    with pytest.raises(pagedkv.InvalidArgumentError, match="snapshots"):
+        ix.apply_snapshot(3, 0, [])
+    with pytest.raises(pagedkv.InvalidArgumentError, match="already registered"):
+        ix.add_worker(3)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="hash_source"):
+        ix.add_worker(4, hash_source="vllm")
+    with pytest.raises(pagedkv.InvalidArgumentError, match="block_size"):
+        pagedkv.KVIndexer(0)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="hash_algo"):
+        pagedkv.KVIndexer(4, hash_algo="md5")
+    with pytest.raises(pagedkv.InvalidArgumentError, match="num_blocks"):
+        ix.block_hashes([1, 2, 3], num_blocks=1)
+    assert ix.worker_status(3) == {"worker_id": 3, "hash_source": "tokens", "num_blocks": 0,
+                                   "next_seq": None, "num_pending": 0, "needs_resync": False, "gaps": 0}
+    assert ix.worker_status(99) is None
+
+
+def test_joining_mid_stream_needs_a_snapshot() -> None:
+    ix = pagedkv.KVIndexer(BLOCK_SIZE)
+    assert ix.apply(0, 5, [_stored([b"\x01" * 32])]) == "applied"
+    assert ix.needs_resync(0)
+    ix.apply_snapshot(0, 6, [b"\x02" * 32])
+    assert ix.worker_hashes(0) == [b"\x02" * 32]
+    assert ix.apply(0, 6, []) == "duplicate"
+    assert ix.apply(0, 7, [["BlockRemoved", [b"\x02" * 32]]]) == "applied"
+    assert ix.worker_hashes(0) == []

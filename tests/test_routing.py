@@ -1,0 +1,217 @@
+"""Routing policies on hand-computed cases, the Router over a KVIndexer, and vLLM's KV event
+wire format (msgpack batches) into the indexer."""
+
+from __future__ import annotations
+
+import pytest
+
+import pagedkv
+from pagedkv.routing import (
+    KVAwarePolicy,
+    LeastLoadedPolicy,
+    RoundRobinPolicy,
+    Router,
+    WorkerLoad,
+    policy_by_name,
+)
+from pagedkv.routing import wire
+
+msgspec = pytest.importorskip("msgspec")
+
+L = WorkerLoad
+
+
+def test_kv_aware_cost_by_hand() -> None:
+    # n = 10 blocks; overlaps 8 / 2 / 0; loads 4 / 0 / 2 requests (mean 2).
+    p = KVAwarePolicy(overlap_weight=1.0, load_weight=1.0, kv_weight=0.0, max_imbalance=None)
+    loads = {0: L(4), 1: L(0), 2: L(1, 1)}
+    costs = p.costs([0, 1, 2], {0: 8, 1: 2}, 10, loads)
+    # worker 0: 2/10 + 4/3 = 1.5333; worker 1: 8/10 + 0 = 0.8; worker 2: 10/10 + 2/3 = 1.6667
+    assert costs == pytest.approx({0: 0.2 + 4 / 3, 1: 0.8, 2: 1.0 + 2 / 3})
+    assert p.choose([0, 1, 2], {0: 8, 1: 2}, 10, loads) == 1
+    # Weighting the overlap 3x flips it to the worker holding the prefix:
+    # worker 0: 0.6 + 1.333 = 1.933; worker 1: 2.4; worker 2: 3.667.
+    assert KVAwarePolicy(3.0, 1.0, max_imbalance=None).choose([0, 1, 2], {0: 8, 1: 2}, 10, loads) == 0
+
+
+def test_kv_aware_imbalance_cap_and_kv_usage() -> None:
+    # Loads 9 / 1 / 2 (mean 4): cap 1.25 * 4 + 1 = 6 excludes worker 0 despite its full overlap.
+    loads = {0: L(9), 1: L(1), 2: L(2)}
+    p = KVAwarePolicy(overlap_weight=10.0, load_weight=0.0, max_imbalance=1.25)
+    assert set(p.costs([0, 1, 2], {0: 4}, 4, loads)) == {1, 2}
+    assert p.choose([0, 1, 2], {0: 4, 2: 1}, 4, loads) == 2
+    # KV usage breaks an otherwise equal choice: 90 % vs 10 % used.
+    kv = {0: L(1, kv_blocks_used=90, kv_blocks_total=100), 1: L(1, kv_blocks_used=10, kv_blocks_total=100)}
+    assert KVAwarePolicy(kv_weight=1.0).choose([0, 1], {}, 4, kv) == 1
+    # Queued prefill tokens: 900 vs 100 (mean 500): 0.5 * 900/501 > 1/4 + 0.5 * 100/501 -> worker 1
+    # despite worker 0 holding 1 of the 4 blocks more.
+    pf = {0: L(1, num_prefill_tokens=900), 1: L(1, num_prefill_tokens=100)}
+    assert KVAwarePolicy(1.0, 0.0, prefill_weight=0.5).choose([0, 1], {0: 1}, 4, pf) == 1
+    assert KVAwarePolicy(1.0, 0.0, prefill_weight=0.0).choose([0, 1], {0: 1}, 4, pf) == 0
+    # Exact ties: fewer requests, then the lower id.
+    assert KVAwarePolicy(load_weight=0.0, prefill_weight=0.0).choose([3, 1, 2], {}, 4, {3: L(0), 1: L(2), 2: L(0)}) == 2
+
+
+def test_baselines() -> None:
+    rr = RoundRobinPolicy()
+    assert [rr.choose([2, 0, 1], {0: 9}, 9, {}) for _ in range(4)] == [0, 1, 2, 0]
+    ll = LeastLoadedPolicy()
+    loads = {0: L(3), 1: L(1, 1), 2: L(1, 1, kv_blocks_used=5, kv_blocks_total=10)}
+    assert ll.choose([0, 1, 2], {0: 9}, 9, loads) == 1
+    assert policy_by_name("least_loaded").name == "least_loaded"
+    assert policy_by_name("kv_aware", load_weight=2.0).load_weight == 2.0  # type: ignore[attr-defined]
+
+
+def test_bad_policy_arguments() -> None:
+    with pytest.raises(ValueError, match="overlap_weight"):
+        KVAwarePolicy(overlap_weight=-1)
+    with pytest.raises(ValueError, match="max_imbalance"):
+        KVAwarePolicy(max_imbalance=0.5)
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        policy_by_name("random")
+    with pytest.raises(ValueError, match="takes no weights"):
+        policy_by_name("round_robin", load_weight=1.0)
+    with pytest.raises(ValueError, match="num_running"):
+        WorkerLoad(num_running=-1)
+    with pytest.raises(ValueError, match="no worker"):
+        LeastLoadedPolicy().choose([], {}, 0, {})
+
+
+def _engine_like(block_size: int = 4) -> pagedkv.KVCacheManager:
+    return pagedkv.KVCacheManager(pagedkv.CacheConfig(64, block_size, enable_events=True))
+
+
+def test_router_follows_the_prefix_then_the_load() -> None:
+    managers = {w: _engine_like() for w in (0, 1)}
+    router = Router(pagedkv.KVIndexer(4), KVAwarePolicy(1.0, 1.0, prefill_weight=0.0, max_imbalance=None))
+    for w in managers:
+        router.add_worker(w)
+    shared = list(range(100, 116))  # 4 blocks
+    managers[1].add_sequence(1, shared + [1])
+    managers[1].allocate_slots(1, 17)
+    assert router.apply_events(1, 0, managers[1].take_events()) == "applied"
+    d = router.route(shared + [7, 7])
+    assert (d.worker, d.overlap_blocks, d.num_blocks) == (1, 4, 4)
+    # Same prompt, worker 1 now runs 3 requests vs 0: cost 0 + 3/2.5 = 1.2 > 1 + 0 -> worker 0.
+    router.report_load(1, WorkerLoad(3))
+    assert router.route(shared + [7, 7]).worker == 0
+    assert router.route(shared + [7, 7], exclude=[0]).worker == 1
+    assert router.remove_worker(1)
+    assert router.workers == [0]
+    assert router.route(shared + [7]).overlap_blocks == 0
+    assert router.apply_events(1, 1, []) == "duplicate"  # a dead worker's late batch
+    with pytest.raises(RuntimeError, match="no live worker"):
+        router.route(shared, exclude=[0])
+    with pytest.raises(KeyError):
+        router.report_load(5, WorkerLoad())
+
+
+def test_wire_roundtrip_of_pagedkv_events() -> None:
+    m = _engine_like()
+    m.add_sequence(1, list(range(13)))
+    m.allocate_slots(1, 13)
+    events = m.take_events()
+    payload = wire.encode_event_batch(events, ts=12.5, data_parallel_rank=3)
+    batch = wire.decode_event_batch(payload)
+    assert (batch.ts, batch.data_parallel_rank) == (12.5, 3)
+    assert batch.events[0][0] == "BlockStored" and batch.events[0][1] == events[0].block_hashes
+    a, b = pagedkv.KVIndexer(4), pagedkv.KVIndexer(4)
+    a.apply(0, 0, events)
+    assert wire.apply_payload(b, 0, 0, payload) == "applied"
+    assert a.worker_hashes(0) == b.worker_hashes(0) and len(a.worker_hashes(0)) == 3
+    seq, again = wire.decode_zmq_frames([b"kv", (41).to_bytes(8, "big"), payload])
+    assert seq == 41 and again == batch
+
+
+class _VStored(msgspec.Struct, array_like=True, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class _VRemoved(msgspec.Struct, array_like=True, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class _VCleared(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+class _VBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_VStored | _VRemoved | _VCleared]
+    data_parallel_rank: int | None = None
+
+
+def test_vllm_style_payloads_with_int_hashes_are_rehashed_from_tokens() -> None:
+    """A vLLM-like worker: 64-bit int hashes of its own; the indexer rehashes its blocks from the
+    token ids so that prompt queries (pagedkv hashes) match it."""
+    enc = msgspec.msgpack.Encoder()
+    ix = pagedkv.KVIndexer(4)
+    ix.add_worker(9, hash_source="tokens")
+    toks = list(range(1, 13))
+    b1 = enc.encode(_VBatch(1.0, [_VStored([11, 12], None, toks[:8], 4, None, "GPU")]))
+    b2 = enc.encode(_VBatch(2.0, [_VStored([13], 12, toks[8:12], 4, None, "GPU"),
+                                  _VStored([2**64 - 1], None, [9, 9, 9, 9], 4, 7, "GPU")]))
+    assert wire.apply_payload(ix, 9, 0, b1) == "applied"
+    assert wire.apply_payload(ix, 9, 1, b2) == "applied"
+    assert ix.overlap(toks + [0]) == {9: 3}
+    assert ix.overlap([9, 9, 9, 9, 0]) == {9: 0}  # stored under LoRA 7
+    assert ix.overlap([9, 9, 9, 9, 0], adapter_id="7") == {9: 1}
+    wire.apply_payload(ix, 9, 2, enc.encode(_VBatch(3.0, [_VRemoved([12], "GPU")])))
+    assert ix.overlap(toks + [0]) == {9: 1}
+    wire.apply_payload(ix, 9, 3, enc.encode(_VBatch(4.0, [_VCleared()])))
+    assert ix.worker_status(9)["num_blocks"] == 0  # type: ignore[index]
+
+
+def test_malformed_payloads() -> None:
+    with pytest.raises(wire.WireFormatError, match="not msgpack"):
+        wire.decode_event_batch(b"\xc1")
+    with pytest.raises(wire.WireFormatError, match=r"\[ts, \[events"):
+        wire.decode_event_batch(msgspec.msgpack.encode({"ts": 1}))
+    with pytest.raises(wire.WireFormatError, match="event 0"):
+        wire.decode_event_batch(msgspec.msgpack.encode([1.0, [[1, 2]]]))
+    with pytest.raises(wire.WireFormatError, match="timestamp"):
+        wire.decode_event_batch(msgspec.msgpack.encode(["x", []]))
+    with pytest.raises(wire.WireFormatError, match="8 bytes"):
+        wire.decode_zmq_frames([b"kv", b"\x00", b""])
+    with pytest.raises(TypeError, match="not a pagedkv KV event"):
+        wire.encode_event_batch([object()])  # type: ignore[list-item]
+
+
+def test_router_predicts_blocks_of_routed_requests_until_finished() -> None:
+    """Two requests with one prefix arriving together go to one worker before any event."""
+    router = Router(pagedkv.KVIndexer(4), KVAwarePolicy(1.0, 1.0, prefill_weight=0.0, max_imbalance=None))
+    for w in (0, 1):
+        router.add_worker(w)
+    prefix = list(range(50, 62))  # 3 blocks
+    assert router.route(prefix + [1, 2], request_id="a").worker == 0
+    router.report_load(0, WorkerLoad(1))
+    d = router.route(prefix + [3, 4], request_id="b")  # cost 0 + 1/1.5 < 1 + 0
+    assert (d.worker, d.overlap_blocks) == (0, 3)
+    router.report_load(0, WorkerLoad(2))
+    assert router.route([9] * 14).worker == 1  # unrelated prompt: the idle worker
+    with pytest.raises(ValueError, match="already routed"):
+        router.route(prefix, request_id="a")
+    assert router.finished("a") and router.finished("b") and not router.finished("b")
+    router.report_load(0, WorkerLoad(0))
+    assert router.route(prefix + [5]).overlap_blocks == 0  # predictions gone, no event came
+
+
+def test_readme_routing_example_runs_and_prints_what_it_says() -> None:
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Past one engine", 1)[1].split("\n## ", 1)[0]
+    code = re.search(r"```python\n(.*?)```", section, re.S)
+    assert code, "README's 'Past one engine' section lost its Python example"
+    res = subprocess.run([sys.executable, "-c", code.group(1)], capture_output=True, text=True, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "RoutingDecision(worker=0, overlap_blocks=6, num_blocks=6)"
