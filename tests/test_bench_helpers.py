@@ -142,8 +142,8 @@ def test_op_trace_tokens_file_is_prompt_then_output_per_request(tmp_path):
     at = 0
     for r in range(len(tr.prompt_lens)):
         p, o = tr.prompt_lens[r], tr.output_lens[r]
-        assert np.array_equal(flat[at:at + p], tr.prompt_tokens(r))
-        assert np.array_equal(flat[at + p:at + p + o], tr.output_tokens(r))
+        assert np.array_equal(flat[at : at + p], tr.prompt_tokens(r))
+        assert np.array_equal(flat[at + p : at + p + o], tr.output_tokens(r))
         at += p + o
 
 
