@@ -97,7 +97,7 @@ fmt-check:
 	cargo fmt --all --check
 
 # The Python paths ruff formats and lints (config in pyproject.toml).
-RUFF_PATHS ?= python/pagedkv tests/engine
+RUFF_PATHS ?= python/pagedkv kernels scripts tests
 
 fmt: deps ## Format the Rust code and the Python code (RUFF_PATHS) in place
 	cargo fmt --all

@@ -43,6 +43,8 @@ import common  # noqa: E402
 import op_trace  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+RUST_MANAGER = "core alone, Rust (sha256)"
+RUST_POOL = "core BlockPool, Rust"
 
 
 def run_replay(script: str, python: str, trace_file: Path, repeats: int, extra: list[str],
@@ -68,13 +70,48 @@ def run_replay(script: str, python: str, trace_file: Path, repeats: int, extra: 
     return res
 
 
+def build_rust_replay() -> tuple[str | None, str]:
+    """Build the core's trace replay (``rust/core/examples/replay.rs``) in release mode.
+    Returns ``(path, "")`` or ``(None, why)`` when cargo is missing or the build fails."""
+    cmd = ["cargo", "build", "--release", "-p", "pagedkv-core", "--example", "replay", "--message-format=short"]
+    try:
+        p = subprocess.run(cmd, cwd=common.REPO_DIR, capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return None, f"cargo build failed: {e}"
+    if p.returncode != 0:
+        return None, "cargo build failed: " + " | ".join(p.stderr.strip().splitlines()[-3:])
+    target = Path(os.environ.get("CARGO_TARGET_DIR", Path(common.REPO_DIR) / "target"))
+    return str(target / "release" / "examples" / "replay"), ""
+
+
+def run_rust_replay(binary: str, trace_file: Path, tokens_file: Path, repeats: int, extra: list[str],
+                    timeout: float) -> dict[str, Any]:
+    """Run the Rust replay of the same trace; returns its result dict or ``{"skipped": reason}``."""
+    cmd = [binary, str(trace_file), str(tokens_file), "--repeats", str(repeats), *extra]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"skipped": f"rust replay: {e}"}
+    if p.returncode != 0:
+        return {"skipped": f"exit {p.returncode}: " + " | ".join(p.stderr.strip().splitlines()[-4:])}
+    res = json.loads(p.stdout)
+    b = res["best"]
+    # Fields the Python replays report and the Rust one has no use for.
+    b.setdefault("us_per_step_p50", None)
+    b.setdefault("us_per_step_p99", None)
+    res["version"] = {"version": "core alone", "hash": res.get("hash")}
+    return res
+
+
 def measure_trace(a: argparse.Namespace, name: str) -> dict[str, Any]:
     """Build the operation trace of workload ``name`` and replay it through every system."""
     w = common.load_workload(name, a.traces_dir)
     trace = op_trace.build(w, num_steps=a.steps, block_size=a.block_size, max_running=a.max_running, seed=a.seed)
     tdir = Path(tempfile.mkdtemp(prefix="pagedkv-bench-"))
     trace_file = tdir / "op_trace.json"
+    tokens_file = tdir / "op_trace.tokens.bin"
     trace.save(trace_file)
+    trace.save_tokens(tokens_file)
     systems: list[tuple[str, str | None, str, list[str], int]] = [
         ("pagedkv (sha256)", sys.executable, "replay_pagedkv.py", ["--hash-algo", "sha256"], a.repeats),
         ("pagedkv (xxh3_128)", sys.executable, "replay_pagedkv.py", ["--hash-algo", "xxh3_128"], a.repeats),
@@ -84,6 +121,9 @@ def measure_trace(a: argparse.Namespace, name: str) -> dict[str, Any]:
         # The bare block pools on the same trace's block traffic (no hashing, no sequences).
         ("pagedkv BlockPool", sys.executable, "replay_pagedkv.py", ["--mode", "pool"], a.repeats),
         ("vLLM BlockPool", a.vllm_python, "replay_vllm.py", ["--mode", "pool"], a.baseline_repeats),
+        # The same trace through the Rust core alone (no Python): the floor of the two pagedkv rows.
+        (RUST_MANAGER, a.rust_replay, "", ["--hash-algo", "sha256"], a.repeats),
+        (RUST_POOL, a.rust_replay, "", ["--mode", "pool"], a.repeats),
     ]
     results: dict[str, dict[str, Any]] = {}
     bar = common.progress(total=len(systems), desc=f"allocator replays ({name})")
@@ -92,6 +132,8 @@ def measure_trace(a: argparse.Namespace, name: str) -> dict[str, Any]:
         if python is None:
             what = "--vllm-python" if "vLLM" in label else "--nanovllm-path"
             results[label] = {"skipped": f"not measured: {what} not given"}
+        elif label in (RUST_MANAGER, RUST_POOL):
+            results[label] = run_rust_replay(python, trace_file, tokens_file, reps, extra, a.timeout)
         else:
             results[label] = run_replay(script, python, trace_file, reps, extra, a.timeout)
         if "skipped" in results[label]:
@@ -99,6 +141,7 @@ def measure_trace(a: argparse.Namespace, name: str) -> dict[str, Any]:
         bar.update(1)
     bar.close()
     trace_file.unlink(missing_ok=True)
+    tokens_file.unlink(missing_ok=True)
     tdir.rmdir()
     refs = {"manager": results["pagedkv (sha256)"].get("best"), "pool": results["pagedkv BlockPool"].get("best")}
 
@@ -127,9 +170,20 @@ def measure_trace(a: argparse.Namespace, name: str) -> dict[str, Any]:
         footnote="Same trace, same machine, same run; each system in its own subprocess; best of the repeats. "
                  "CPU = thread CPU time (robust on a shared machine); wall = elapsed. 'x pagedkv': against "
                  "pagedkv (sha256) for managers, against pagedkv BlockPool for the bare pools. "
-                 "Target: vLLM >= 20x pagedkv's ns per block op.",
+                 "The 'Rust' rows replay the same trace through the core with no Python "
+                 "(rust/core/examples/replay.rs). Targets: vLLM >= 20x and nano-vllm >= 5x pagedkv's ns per "
+                 "block op; vLLM BlockPool >= 5x pagedkv BlockPool; Python <= 2x Rust.",
     )
+    python_over_rust = {}
+    for py_label, rust_label in (("pagedkv (sha256)", RUST_MANAGER), ("pagedkv BlockPool", RUST_POOL)):
+        if "best" in results[py_label] and "best" in results[rust_label]:
+            python_over_rust[py_label] = (results[py_label]["best"]["ns_per_block_op"]
+                                          / results[rust_label]["best"]["ns_per_block_op"])
+    if python_over_rust:
+        print("Through Python / Rust core alone (ns per block op): "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in python_over_rust.items()) + "  (target <= 2x)")
     return {
+        "python_over_rust": python_over_rust,
         "trace": {"workload": w.describe(), "steps": trace.num_steps, "requests": len(trace.prompt_lens),
                   "block_ops": trace.block_ops, "mean_running": trace.mean_running,
                   "max_running": trace.max_running, "block_size": trace.block_size,
@@ -157,6 +211,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--nanovllm-path", default=None, help="nano-vllm checkout (outside this repo)")
     ap.add_argument("--nanovllm-python", default=sys.executable,
                     help="python with numpy and xxhash for the nano-vllm replay (default: this one)")
+    ap.add_argument("--rust-replay", default=None,
+                    help="the built core replay binary (default: cargo builds rust/core/examples/replay.rs)")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per replay subprocess")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="300 steps per trace (for run_all)")
@@ -164,6 +220,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     a = ap.parse_args(argv)
     if a.quick:
         a.steps = min(a.steps, 300)
+    if a.rust_replay is None:
+        a.rust_replay, why = build_rust_replay()
+        if why:
+            print(f"Rust replay: skipped ({why})", file=sys.stderr)
     per_trace = {name: measure_trace(a, name) for name in a.traces}
     payload = {"description": __doc__.split("\n\n")[0], "traces": per_trace}
     path = common.write_json("allocator_speed", payload, Path(a.results_dir))

@@ -27,7 +27,8 @@ faster): its hit rate bounds what routing over N separate caches can reach.
 Load balance: at every arrival, max over replicas / mean over replicas of running + waiting
 requests; the table gives the average of that ratio over arrivals (when the mean is > 0).
 
-Usage: ``python benchmarks/cluster_sim.py [--replicas 8 16] [--traces-dir ../shared/data/traces]``
+Usage: ``python benchmarks/cluster_sim.py [--replicas 8 16] [--traces-dir DIR]`` (DIR holding the full
+Mooncake trace as ``mooncake_fast25/conversation_trace.jsonl``; the default is the excerpt in benchmarks/data)
 """
 
 from __future__ import annotations

@@ -83,6 +83,14 @@ class OpTrace:
         """Write the trace as JSON."""
         Path(path).write_text(json.dumps(asdict(self)))
 
+    def save_tokens(self, path: str | Path) -> None:
+        """Write every request's prompt then output token ids, request by request, as
+        little-endian uint32 (the input of the Rust replay, ``rust/core/examples/replay.rs``)."""
+        with open(path, "wb") as f:
+            for r in range(len(self.prompt_lens)):
+                f.write(self.prompt_tokens(r).astype("<u4").tobytes())
+                f.write(self.output_tokens(r).astype("<u4").tobytes())
+
     @classmethod
     def load(cls, path: str | Path) -> "OpTrace":
         """Read a trace written by :meth:`save`."""

@@ -124,6 +124,16 @@ class PoolAdapter:
         """Return blocks (a handle list/array, eviction order)."""
         raise NotImplementedError
 
+    def items(self, blocks: Any) -> Any:
+        """The blocks of one ``allocate`` result one by one (what a decode step hands to each
+        sequence that starts a block)."""
+        raise NotImplementedError
+
+    def concat_reversed(self, parts: list[Any]) -> Any:
+        """One request's blocks tail first, from ``parts``: its prompt's ``allocate`` result,
+        then one item (from :meth:`items`) per decode block."""
+        raise NotImplementedError
+
 
 def run_pool(make_pool, trace: OpTrace, repeats: int) -> dict[str, Any]:
     """Replay only the block-pool traffic of ``trace``: per step one ``allocate`` per admitted
@@ -154,9 +164,8 @@ def run_pool(make_pool, trace: OpTrace, repeats: int) -> dict[str, Any]:
                 c0 = time.thread_time_ns()
                 w0 = time.perf_counter_ns()
                 if needs:
-                    got = pool.allocate(len(needs))
-                    for i, r in enumerate(needs):
-                        held[r].append(got[i:i + 1])
+                    for r, b in zip(needs, pool.items(pool.allocate(len(needs)))):
+                        held[r].append(b)
                 for r, n in adm:
                     held[r] = [pool.allocate(n)]
                 for r in fin:

@@ -2,10 +2,14 @@
 
 Run by ``allocator_speed.py`` in a subprocess: ``python replay_pagedkv.py --trace-file T --out
 R.json [--hash-algo sha256|xxh3_128]``. Per step: one batched ``KVCacheManager.step`` for the
-running requests (one decode token each, the tokens they sampled last step passed as a 1-D int64
+running requests (one decode token each, the tokens they sampled last step passed as a 1-D
 array: the binding's decode fast path), then ``add_sequence`` for each admitted request (its
-prompt as an int64 numpy array) and one batched ``step`` for their whole prompts, then ``free``
-for the finished ones. So two crossings into Rust per step, plus one per new / finished request. ``step`` also builds the slot mapping and
+prompt as a numpy array) and one batched ``step`` for their whole prompts, then ``free``
+for the finished ones. The per-step input arrays (the batch's sequence ids and sampled tokens,
+the admitted prompts' lengths) are built before the clock starts, as the token lists are for
+every system: an engine holds them as arrays from its scheduler and sampler, so building them
+from Python ints inside the clock would time the replay's bookkeeping, not pagedkv. The Rust
+replay (``rust/core/examples/replay.rs``) builds the same inputs before its clock. So two crossings into Rust per step, plus one per new / finished request. ``step`` also builds the slot mapping and
 block tables of the batch (what the model runner needs), which the other systems' managers
 leave to their model runners.
 """
@@ -45,35 +49,48 @@ class PagedKVReplayer(Replayer):
                                        hash_algo=self.hash_algo)
         self.mgr = self.pagedkv.KVCacheManager(cfg)
         self.prompts = prompts
-        self.outputs = outputs
-        self.prompt_lens = trace.prompt_lens
-        self.sampled: dict[int, int] = {}
         self.cached_tokens = 0
+        # Per step: the decode batch (ids in the order replay_common.run passes them, and the
+        # token each sampled last step) and the admitted requests' prompt lengths, as arrays.
+        self.decode_inputs: list[tuple[np.ndarray, np.ndarray] | None] = []
+        self.admit_lens: list[np.ndarray] = []
+        running: list[int] = []
+        sampled: dict[int, int] = {}
+        for admit, fin in zip(trace.admit, trace.finish):
+            if running:
+                ids = np.array(running, dtype=np.uint64)
+                toks = np.fromiter((outputs[r][sampled[r]] for r in running), np.int64, len(running))
+                self.decode_inputs.append((ids, toks))
+                for r in running:
+                    sampled[r] += 1
+            else:
+                self.decode_inputs.append(None)
+            self.admit_lens.append(np.array([trace.prompt_lens[r] for r in admit], dtype=np.int64))
+            for r in admit:
+                sampled[r] = 0
+            done = set(fin)
+            running = [r for r in running if r not in done] + [r for r in admit if r not in done]
 
     def step(self, t: int, admit: list[int], decode: list[int], finish: list[int]) -> None:
         mgr = self.mgr
-        sampled = self.sampled
-        outputs = self.outputs
+        dec = self.decode_inputs[t]
         if decode:
-            # Decode batch: one token per sequence as a 1-D array (the binding's fast path).
-            toks = np.fromiter((outputs[r][sampled[r]] for r in decode), np.int64, len(decode))
-            out = mgr.step(np.array(decode, dtype=np.uint64), 1, toks)
+            ids, toks = dec
+            if len(ids) != len(decode):
+                raise AssertionError(f"step {t}: prebuilt decode batch of {len(ids)}, replay has {len(decode)}")
+            out = mgr.step(ids, 1, toks)
             if out.error is not None:
                 raise RuntimeError(f"pagedkv decode step {t} failed: {out.error!r}")
-            for r in decode:
-                sampled[r] += 1
         if admit:
+            prompts = self.prompts
             for r in admit:
-                mgr.add_sequence(r, self.prompts[r])
-            out = mgr.step(admit, [self.prompt_lens[r] for r in admit])
+                mgr.add_sequence(r, prompts[r])
+            out = mgr.step(admit, self.admit_lens[t])
             if out.error is not None:
                 raise RuntimeError(f"pagedkv prefill step {t} failed: {out.error!r}")
             self.cached_tokens += int(out.num_cached_tokens.sum())
-            for r in admit:
-                sampled[r] = 0
         for r in finish:
             mgr.free(r)
-            del sampled[r]
 
     def pool_adapter(self, num_blocks: int) -> Any:
         """pagedkv.BlockPool (Rust, GIL released per call), batch allocate / free of int32 ids."""
@@ -84,8 +101,16 @@ class PagedKVReplayer(Replayer):
             free = staticmethod(pool.free)
 
             @staticmethod
+            def items(blocks: Any) -> Any:
+                return blocks.tolist()
+
+            @staticmethod
             def concat_reversed(parts: list[Any]) -> Any:
-                return np.concatenate(parts)[::-1]
+                # [prompt blocks..., decode blocks...] reversed: the decode ids last-first, then
+                # the prompt's int32 array reversed.
+                if len(parts) == 1:
+                    return parts[0][::-1]
+                return np.concatenate((np.array(parts[:0:-1], dtype=np.int32), parts[0][::-1]))
 
         return _Pool()
 

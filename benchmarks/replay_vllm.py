@@ -119,8 +119,13 @@ class VllmReplayer(Replayer):
             free = staticmethod(pool.free_blocks)
 
             @staticmethod
+            def items(blocks: Any) -> Any:
+                return blocks
+
+            @staticmethod
             def concat_reversed(parts: list[Any]) -> Any:
-                out = [b for part in parts for b in part]
+                out = list(parts[0])
+                out.extend(parts[1:])
                 out.reverse()
                 return out
 

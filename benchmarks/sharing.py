@@ -257,7 +257,7 @@ def beam_search_engine(width: int, requests: int, *, bs: int = 16, max_tokens: i
     pair to reuse. Raises RuntimeError when the engine cannot be imported or loaded.
     """
     try:
-        from pagedkv.engine import LLMEngine, SamplingParams  # noqa: PLC0415
+        from pagedkv.engine import SamplingParams  # noqa: PLC0415
         from pagedkv.engine.loader import load_hf_model  # noqa: PLC0415
     except Exception as e:  # noqa: BLE001 - any failure means "engine not usable here"
         raise RuntimeError(f"pagedkv.engine not importable: {e}") from e
@@ -266,8 +266,33 @@ def beam_search_engine(width: int, requests: int, *, bs: int = 16, max_tokens: i
     except Exception as e:  # noqa: BLE001
         raise RuntimeError(f"default model not loadable: {e}") from e
     prompts = [INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(requests)]
-    eng = LLMEngine(model, tokenizer=tok, num_kv_blocks=requests * width * (-(-(128 + max_tokens) // bs)) + 64, block_size=bs,
-                    enable_prefix_caching=False)
+    eng, meter = _metered_engine(model, tok, requests * width * (-(-(128 + max_tokens) // bs)) + 64, bs)
+    mgr = eng.manager
+    before = mgr.stats().copies
+    outs = eng.generate(prompts, SamplingParams(beam_width=width, max_tokens=max_tokens), chat_template=True)
+    copies = mgr.stats().copies - before
+    mgr.check_invariants()
+    if mgr.pool.num_used:
+        raise AssertionError(f"{mgr.pool.num_used} blocks leaked by the engine")
+    out_lens = [len(o.outputs[0].token_ids) for o in outs]
+    prompt_lens = [len(o.prompt_token_ids) for o in outs]
+    return {"mode": "beam search", "k": width, "saving": meter.saving(), "steps": meter.steps,
+            "copies": copies, "peak_physical_blocks": meter.peak_physical,
+            "peak_unshared_blocks": meter.peak_logical,
+            "prompt_tokens_mean": float(np.mean(prompt_lens)), "output_tokens_mean": float(np.mean(out_lens)),
+            "example_output": outs[0].outputs[0].text[:200],
+            "source": f"pagedkv.engine, SmolLM2-135M-Instruct (fp32 CPU), {requests} instructions, "
+                      f"max {max_tokens} new tokens"}
+
+
+def _metered_engine(model: Any, tok: Any, num_kv_blocks: int, bs: int) -> tuple[Any, _Meter]:
+    """An engine (prefix caching off: only fork sharing counts) whose model runner samples the
+    block counts just before each forward, prefill and decode steps alike: physical = the
+    pool's blocks in use, unshared = the sum of the live running sequences' block-table lengths
+    (what each would hold without sharing)."""
+    from pagedkv.engine import LLMEngine  # noqa: PLC0415
+
+    eng = LLMEngine(model, tokenizer=tok, num_kv_blocks=num_kv_blocks, block_size=bs, enable_prefix_caching=False)
     mgr = eng.manager
     meter = _Meter(mgr.pool, bs)
     orig = eng.runner.execute
@@ -284,21 +309,61 @@ def beam_search_engine(width: int, requests: int, *, bs: int = 16, max_tokens: i
         return orig(batch)
 
     eng.runner.execute = execute
+    return eng, meter
+
+
+def parallel_sampling_engine(n: int, requests: int, *, bs: int = 16, max_tokens: int = 64,
+                             temperature: float = 0.8, arrivals_per_step: float = 0.25, seed: int = 0,
+                             engine_model: Any = None, **_: Any) -> dict[str, Any]:
+    """Parallel sampling with ``n`` samples per request served by the pagedkv reference engine
+    (SmolLM2-135M-Instruct, fp32 CPU, chat template, EOS on, ``temperature``, at most
+    ``max_tokens`` new tokens per sample): the paper's measurement (Fig. 15), a served workload
+    with arrivals whose memory is counted in every step, prefill and decode.
+
+    Requests arrive by a Poisson process of ``arrivals_per_step`` requests per engine step (the
+    first at step 0) and join the running batch as they come; the engine prefills each prompt
+    once and forks it into ``n`` samples that share its blocks (copy-on-write on the partially
+    filled last prompt block). Blocks are counted as in :func:`beam_search_engine`. Raises
+    RuntimeError when the engine cannot be imported or loaded.
+    """
+    try:
+        from pagedkv.engine import SamplingParams  # noqa: PLC0415
+        from pagedkv.engine.loader import load_hf_model  # noqa: PLC0415
+    except Exception as e:  # noqa: BLE001 - any failure means "engine not usable here"
+        raise RuntimeError(f"pagedkv.engine not importable: {e}") from e
+    try:
+        model, tok = engine_model or load_hf_model()
+    except Exception as e:  # noqa: BLE001
+        raise RuntimeError(f"default model not loadable: {e}") from e
+    rng = np.random.default_rng(seed)
+    arrive = np.concatenate(([0.0], np.cumsum(rng.exponential(1.0 / arrivals_per_step, requests - 1))))
+    prompts = [INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(requests)]
+    eng, meter = _metered_engine(model, tok, requests * n * (-(-(128 + max_tokens) // bs)) + 64, bs)
+    mgr = eng.manager
     before = mgr.stats().copies
-    outs = eng.generate(prompts, SamplingParams(beam_width=width, max_tokens=max_tokens), chat_template=True)
+    outs: list[Any] = []
+    nxt, t = 0, 0
+    while nxt < requests or eng.has_unfinished():
+        while nxt < requests and arrive[nxt] <= t:
+            eng.add_request(prompts[nxt], SamplingParams(n=n, temperature=temperature, seed=seed + nxt,
+                                                         max_tokens=max_tokens), chat_template=True)
+            nxt += 1
+        if eng.has_unfinished():
+            outs.extend(eng.step())
+        t += 1
     copies = mgr.stats().copies - before
     mgr.check_invariants()
     if mgr.pool.num_used:
         raise AssertionError(f"{mgr.pool.num_used} blocks leaked by the engine")
-    out_lens = [len(o.outputs[0].token_ids) for o in outs]
+    out_lens = [len(c.token_ids) for o in outs for c in o.outputs]
     prompt_lens = [len(o.prompt_token_ids) for o in outs]
-    return {"mode": "beam search", "k": width, "saving": meter.saving(), "steps": meter.steps,
+    return {"mode": "parallel sampling", "k": n, "saving": meter.saving(), "steps": meter.steps,
             "copies": copies, "peak_physical_blocks": meter.peak_physical,
             "peak_unshared_blocks": meter.peak_logical,
             "prompt_tokens_mean": float(np.mean(prompt_lens)), "output_tokens_mean": float(np.mean(out_lens)),
-            "example_output": outs[0].outputs[0].text[:200],
-            "source": f"pagedkv.engine, SmolLM2-135M-Instruct (fp32 CPU), {requests} instructions, "
-                      f"max {max_tokens} new tokens"}
+            "engine_steps": t, "arrivals_per_step": arrivals_per_step,
+            "source": f"pagedkv.engine, SmolLM2-135M-Instruct (fp32 CPU), {requests} instructions arriving "
+                      f"{arrivals_per_step:g}/step, temperature {temperature:g}, max {max_tokens} new tokens"}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -321,6 +386,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         a.requests = min(a.requests, 300)
     beam_requests = a.beam_requests or (8 if a.quick else len(INSTRUCTIONS))
     jobs = [("parallel", k) for k in a.ks] + [("beam", k) for k in a.ks]
+    if a.beam_source in ("auto", "engine"):
+        # The engine's parallel sampling (the paper's method) next to the length simulation.
+        jobs += [("parallel-simulated", k) for k in a.ks]
     results: list[dict[str, Any]] = []
     notes: list[str] = []
     engine_model = None
@@ -344,15 +412,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bar = common.progress(total=len(jobs), desc="sharing")
     for mode, k in jobs:
         t0 = time.perf_counter()
-        if mode == "parallel":
+        if mode == "parallel-simulated" and not use_engine:
+            bar.update(1)  # the engine did not load: the "parallel" rows are simulated already
+            continue
+        if mode == "parallel-simulated" or (mode == "parallel" and not use_engine):
             r = parallel_sampling(k, a.requests, bs=a.block_size)
+            if use_engine:
+                r["mode"] = "parallel sampling, simulated lengths"
+        elif mode == "parallel":
+            r = parallel_sampling_engine(k, beam_requests, bs=a.block_size, max_tokens=a.beam_max_tokens,
+                                         engine_model=engine_model)
         elif use_engine:
             r = beam_search_engine(k, beam_requests, bs=a.block_size, max_tokens=a.beam_max_tokens,
                                    engine_model=engine_model)
         else:
             r = beam_search_simulated(k, a.requests, bs=a.block_size, vocab=a.vocab, logit_std=a.logit_std)
         r["seconds"] = time.perf_counter() - t0
-        r["paper_saving_pct"] = (PAPER_PARALLEL if mode == "parallel" else PAPER_BEAM).get(k)
+        r["paper_saving_pct"] = (PAPER_BEAM if mode == "beam" else PAPER_PARALLEL).get(k)
         results.append(r)
         bar.update(1)
     bar.close()

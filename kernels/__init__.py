@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from typing import Optional
 
 import torch
 
@@ -43,8 +42,14 @@ from . import reference
 from .plan import AttentionPlan, plan_paged_attention
 
 __all__ = [
-    "reshape_and_cache", "paged_attention", "plan_paged_attention", "AttentionPlan",
-    "copy_blocks", "swap_blocks", "triton_available", "reference",
+    "reshape_and_cache",
+    "paged_attention",
+    "plan_paged_attention",
+    "AttentionPlan",
+    "copy_blocks",
+    "swap_blocks",
+    "triton_available",
+    "reference",
 ]
 
 _BACKENDS = ("auto", "triton", "torch")
@@ -98,11 +103,11 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     *,
     softmax_scale: float,
-    max_query_len: Optional[int] = None,
-    max_seq_len: Optional[int] = None,
-    sliding_window: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    plan: Optional[AttentionPlan] = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Causal varlen attention of ``query[T, Hq, D]`` over the paged cache; returns
@@ -118,14 +123,31 @@ def paged_attention(
         if sliding_window is None and plan is not None:
             sliding_window = plan.sliding_window
         return _impl("attention").paged_attention(
-            query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-            softmax_scale=softmax_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
-            sliding_window=sliding_window, out=out,
+            query,
+            key_cache,
+            value_cache,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            softmax_scale=softmax_scale,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            sliding_window=sliding_window,
+            out=out,
         )
     return reference.paged_attention(
-        query, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        softmax_scale=softmax_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
-        sliding_window=sliding_window, out=out, plan=plan,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        softmax_scale=softmax_scale,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        sliding_window=sliding_window,
+        out=out,
+        plan=plan,
     )
 
 
@@ -142,10 +164,10 @@ def swap_blocks(
     src_kv_cache: torch.Tensor,
     dst_kv_cache: torch.Tensor,
     block_mapping: torch.Tensor,
-    stream: Optional["torch.cuda.Stream"] = None,
+    stream: torch.cuda.Stream | None = None,
     *,
     backend: str = "auto",
-) -> Optional["torch.cuda.Event"]:
+) -> torch.cuda.Event | None:
     """Swap blocks between all-layer caches (GPU <-> pinned CPU). Asynchronous on ``stream``
     when either side is on CUDA (returns the event to wait on); synchronous on CPU (returns
     ``None``). ``backend`` is accepted for symmetry: the CUDA path uses async memcpy, not

@@ -45,10 +45,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 import triton
@@ -114,8 +115,9 @@ def cases(quick: bool = False) -> list[Case]:
         out.append(Case("copy_blocks", "bf16", 128, 16, num_kv_heads=8))
         return out
     dts = [_DTYPE_NAMES[d] for d in C.DTYPES]
-    for dt, hs, bs, g, ph, sp, win in itertools.product(dts, C.HEAD_SIZES, C.BLOCK_SIZES, C.GQA_GROUPS,
-                                                       ("decode", "prefill"), (False, True), (False, True)):
+    for dt, hs, bs, g, ph, sp, win in itertools.product(
+        dts, C.HEAD_SIZES, C.BLOCK_SIZES, C.GQA_GROUPS, ("decode", "prefill"), (False, True), (False, True)
+    ):
         out.append(Case("attention", dt, hs, bs, group=g, num_kv_heads=2, phase=ph, split=sp, window=win))
     for dt, hs, bs, hkv in itertools.product(dts, C.HEAD_SIZES, C.BLOCK_SIZES, C.KV_HEADS):
         out.append(Case("cache_write", dt, hs, bs, num_kv_heads=hkv))
@@ -139,16 +141,31 @@ def case_launches(case: Case) -> list[KernelLaunch]:
         query = torch.empty(q_len, hq, d, dtype=dt)
         bt = torch.arange(1, nblk + 1, dtype=torch.int32).unsqueeze(0)
         return attention_launches(
-            query, kv[0, 0], kv[0, 1], bt, torch.tensor([seq], dtype=torch.int32),
-            torch.tensor([0, q_len], dtype=torch.int32), torch.empty_like(query),
-            softmax_scale=d ** -0.5, max_query_len=q_len, max_seq_len=seq,
-            sliding_window=bs if case.window else None, num_kv_splits=2 if case.split else 1,
-            block_m=None, block_n=None, num_sms=None, on_gpu=True)
+            query,
+            kv[0, 0],
+            kv[0, 1],
+            bt,
+            torch.tensor([seq], dtype=torch.int32),
+            torch.tensor([0, q_len], dtype=torch.int32),
+            torch.empty_like(query),
+            softmax_scale=d**-0.5,
+            max_query_len=q_len,
+            max_seq_len=seq,
+            sliding_window=bs if case.window else None,
+            num_kv_splits=2 if case.split else 1,
+            block_m=None,
+            block_n=None,
+            num_sms=None,
+            on_gpu=True,
+        )
     kv = torch.empty(2, 2, 3, bs, hkv, d, dtype=dt)
     if case.op == "cache_write":
         kv_new = torch.empty(3, 2, hkv, d, dtype=dt)  # K and V of 3 tokens, as a fused projection gives
-        return [cache_write_launch(kv_new[:, 0], kv_new[:, 1], kv[0, 0], kv[0, 1],
-                                   torch.tensor([bs, bs + 1, -1], dtype=torch.int64))]
+        return [
+            cache_write_launch(
+                kv_new[:, 0], kv_new[:, 1], kv[0, 0], kv[0, 1], torch.tensor([bs, bs + 1, -1], dtype=torch.int64)
+            )
+        ]
     if case.op == "copy_blocks":
         idx = torch.int32 if case.index_dtype == "i32" else torch.int64
         return [copy_blocks_launch(kv, torch.tensor([[1, 2]], dtype=idx))]
@@ -173,11 +190,13 @@ def require_compiler() -> None:
     from triton.runtime.jit import JITFunction
 
     if not isinstance(attention_launches.__globals__["_paged_attn_kernel"], JITFunction):
-        raise RuntimeError("pagedkv.kernels.aot: TRITON_INTERPRET is set; the AOT check compiles real GPU "
-                           "kernels and must run in a process without it")
+        raise RuntimeError(
+            "pagedkv.kernels.aot: TRITON_INTERPRET is set; the AOT check compiles real GPU "
+            "kernels and must run in a process without it"
+        )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _backend(arch: int) -> Any:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
@@ -185,7 +204,7 @@ def _backend(arch: int) -> Any:
     return make_backend(GPUTarget("cuda", arch, 32))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _binder(fn: Any, arch: int) -> Any:
     from triton.runtime.jit import create_function_from_signature
 
@@ -221,20 +240,34 @@ def specialize(launch: KernelLaunch, arch: int) -> tuple[Spec, Any, Any]:
     names = launch.kernel.arg_names
     cx = {names[k[0]]: (v if isinstance(v, (int, float, bool, str)) else str(v)) for k, v in constexprs.items()}
     aligned = [names[k[0]] for k, v in attrs.items() if ["tt.divisibility", 16] in v]
-    return (Spec(launch.kernel.__name__, key, dict(signature), cx, aligned,
-                 {"num_warps": options.num_warps, "num_stages": options.num_stages}), src, options)
+    return (
+        Spec(
+            launch.kernel.__name__,
+            key,
+            dict(signature),
+            cx,
+            aligned,
+            {"num_warps": options.num_warps, "num_stages": options.num_stages},
+        ),
+        src,
+        options,
+    )
 
 
 _PTXAS_STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 
 
-def _parse_ptxas(log: str) -> Optional[dict[str, int]]:
+def _parse_ptxas(log: str) -> dict[str, int] | None:
     st, rg = _PTXAS_STACK.search(log), _PTXAS_REGS.search(log)
     if not (st and rg):
         return None
-    return {"registers": int(rg.group(1)), "stack_bytes": int(st.group(1)),
-            "spill_store_bytes": int(st.group(2)), "spill_load_bytes": int(st.group(3))}
+    return {
+        "registers": int(rg.group(1)),
+        "stack_bytes": int(st.group(1)),
+        "spill_store_bytes": int(st.group(2)),
+        "spill_load_bytes": int(st.group(3)),
+    }
 
 
 def _ptxas_again(ptx: str, arch: int) -> str:
@@ -244,8 +277,16 @@ def _ptxas_again(ptx: str, arch: int) -> str:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        cmd = [get_ptxas(arch).path, "-lineinfo", "-v", "--regAllocOptLevel=2",
-               f"--gpu-name={sm_arch_from_capability(arch)}", f.name, "-o", os.devnull]
+        cmd = [
+            get_ptxas(arch).path,
+            "-lineinfo",
+            "-v",
+            "--regAllocOptLevel=2",
+            f"--gpu-name={sm_arch_from_capability(arch)}",
+            f.name,
+            "-o",
+            os.devnull,
+        ]
         return subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
 
 
@@ -291,7 +332,7 @@ def _worker(job: tuple[str, Case, int, int]) -> tuple[str, dict[str, Any]]:
     return key, rep
 
 
-def arch_supported(arch: int) -> Optional[str]:
+def arch_supported(arch: int) -> str | None:
     """None when Triton's bundled ptxas can target ``sm_<arch>``, else the reason."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
@@ -303,8 +344,7 @@ def arch_supported(arch: int) -> Optional[str]:
     return None if name in out else f"the bundled ptxas does not list {name}"
 
 
-def run(case_list: Iterable[Case], archs: Iterable[int], *, jobs: int = 1,
-        progress: bool = True) -> dict[str, Any]:
+def run(case_list: Iterable[Case], archs: Iterable[int], *, jobs: int = 1, progress: bool = True) -> dict[str, Any]:
     """Specialize every case for every arch, dedupe, compile the distinct kernels (in ``jobs``
     processes, cached) and return the report: ``kernels`` (one row per distinct kernel with its
     resource usage and case count), ``archs`` skipped with the reason, counts and timings."""
@@ -326,10 +366,17 @@ def run(case_list: Iterable[Case], archs: Iterable[int], *, jobs: int = 1,
                 row = kernels.get(spec.key)
                 if row is None:
                     row = kernels[spec.key] = {
-                        "kernel": spec.kernel, "arch": arch, "key": spec.key, "dtype": case.dtype,
-                        "constexprs": spec.constexprs, **spec.options,
-                        "divisible_by_16": spec.aligned, "example_case": asdict(case), "cases": 0,
-                        "phases": [], "head_sizes": [],
+                        "kernel": spec.kernel,
+                        "arch": arch,
+                        "key": spec.key,
+                        "dtype": case.dtype,
+                        "constexprs": spec.constexprs,
+                        **spec.options,
+                        "divisible_by_16": spec.aligned,
+                        "example_case": asdict(case),
+                        "cases": 0,
+                        "phases": [],
+                        "head_sizes": [],
                     }
                     cached = _cache_dir() / f"{spec.key}.json"
                     if cached.exists():
@@ -364,13 +411,20 @@ def run(case_list: Iterable[Case], archs: Iterable[int], *, jobs: int = 1,
     if bar:
         bar.close()
     return {
-        "triton": triton.__version__, "archs_skipped": skipped,
-        "cases": len(case_list), "launches": n_launches, "distinct_kernels": len(kernels),
-        "compiled_now": len(todo), "specialize_s": round(t_spec, 1),
-        "total_s": round(time.perf_counter() - t0, 1), "sm80_max_smem_bytes": C.SM80_MAX_SMEM_BYTES,
+        "triton": triton.__version__,
+        "archs_skipped": skipped,
+        "cases": len(case_list),
+        "launches": n_launches,
+        "distinct_kernels": len(kernels),
+        "compiled_now": len(todo),
+        "specialize_s": round(t_spec, 1),
+        "total_s": round(time.perf_counter() - t0, 1),
+        "sm80_max_smem_bytes": C.SM80_MAX_SMEM_BYTES,
         "swap": "swap_blocks has no Triton kernel (cudaMemcpyAsync per run of blocks): nothing to compile",
-        "kernels": sorted(kernels.values(), key=lambda r: (r["kernel"], r["arch"], r["dtype"],
-                                                           json.dumps(r["constexprs"], sort_keys=True))),
+        "kernels": sorted(
+            kernels.values(),
+            key=lambda r: (r["kernel"], r["arch"], r["dtype"], json.dumps(r["constexprs"], sort_keys=True)),
+        ),
     }
 
 
@@ -383,8 +437,10 @@ def problems(report: dict[str, Any]) -> list[str]:
             bad.append(f"{tag}: compile failed: {r['error']}")
             continue
         if r["spill_store_bytes"] or r["spill_load_bytes"] or r["stack_bytes"]:
-            bad.append(f"{tag}: {r['registers']} registers, {r['stack_bytes']} B stack, "
-                       f"{r['spill_store_bytes']} B spill stores, {r['spill_load_bytes']} B spill loads")
+            bad.append(
+                f"{tag}: {r['registers']} registers, {r['stack_bytes']} B stack, "
+                f"{r['spill_store_bytes']} B spill stores, {r['spill_load_bytes']} B spill loads"
+            )
         if r["shared_bytes"] > C.SM80_MAX_SMEM_BYTES:
             bad.append(f"{tag}: {r['shared_bytes']} B shared memory > sm_80 limit {C.SM80_MAX_SMEM_BYTES}")
     return bad
@@ -393,14 +449,16 @@ def problems(report: dict[str, Any]) -> list[str]:
 def _tile(r: dict[str, Any]) -> str:
     c = r["constexprs"]
     if r["kernel"] == "_paged_attn_kernel":
-        return (f"{'+'.join(r['phases'])} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_D']}"
-                f"{' split' if c['SPLIT'] else ''}{' window' if c['USE_WINDOW'] else ''}")
+        return (
+            f"{'+'.join(r['phases'])} {c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_D']}"
+            f"{' split' if c['SPLIT'] else ''}{' window' if c['USE_WINDOW'] else ''}"
+        )
     return " ".join(f"{k}={v}" for k, v in c.items() if k.isupper() and k not in ("PRECISION", "DOT_F32"))
 
 
 def markdown(report: dict[str, Any]) -> str:
     """Two tables: worst case per (kernel, dtype, arch), then every attention kernel."""
-    rows = {}
+    rows: dict[tuple[str, str, int], dict[str, Any]] = {}
     for r in report["kernels"]:
         if "error" in r:
             continue
@@ -412,28 +470,45 @@ def markdown(report: dict[str, Any]) -> str:
         w["stack"] = max(w["stack"], r["stack_bytes"])
         w["spill"] = max(w["spill"], r["spill_store_bytes"] + r["spill_load_bytes"])
         w["smem"] = max(w["smem"], r["shared_bytes"])
-    out = [f"Triton {report['triton']}: {report['cases']} launch cases, {report['launches']} launches, "
-           f"{report['distinct_kernels']} distinct kernels.", ""]
+    out = [
+        f"Triton {report['triton']}: {report['cases']} launch cases, {report['launches']} launches, "
+        f"{report['distinct_kernels']} distinct kernels.",
+        "",
+    ]
     if report["archs_skipped"]:
         out += ["Skipped: " + "; ".join(f"{a} ({w})" for a, w in report["archs_skipped"].items()), ""]
-    out += ["| kernel | dtype | arch | kernels | cases | max registers | max stack B | max spill B (st+ld) "
-            "| max shared KB |", "|---|---|---|---|---|---|---|---|---|"]
+    out += [
+        "| kernel | dtype | arch | kernels | cases | max registers | max stack B | max spill B (st+ld) "
+        "| max shared KB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for (kn, dt, arch), w in sorted(rows.items()):
-        out.append(f"| {kn} | {dt} | sm_{arch} | {w['n']} | {w['cases']} | {w['regs']} | {w['stack']} | "
-                   f"{w['spill']} | {w['smem'] / 1024:.1f} |")
+        out.append(
+            f"| {kn} | {dt} | sm_{arch} | {w['n']} | {w['cases']} | {w['regs']} | {w['stack']} | "
+            f"{w['spill']} | {w['smem'] / 1024:.1f} |"
+        )
     errors = [r for r in report["kernels"] if "error" in r]
     if errors:
-        out += ["", f"{len(errors)} kernels failed to compile: " +
-                "; ".join(f"{r['kernel']} sm_{r['arch']}: {r['error']}" for r in errors[:5])]
-    out += ["", "Attention kernels (tile BLOCK_M x BLOCK_N x BLOCK_D, warps, stages):", "",
-            "| dtype | arch | tile | warps | stages | head sizes | registers | stack B | spill B | shared KB |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            "",
+            f"{len(errors)} kernels failed to compile: "
+            + "; ".join(f"{r['kernel']} sm_{r['arch']}: {r['error']}" for r in errors[:5]),
+        ]
+    out += [
+        "",
+        "Attention kernels (tile BLOCK_M x BLOCK_N x BLOCK_D, warps, stages):",
+        "",
+        "| dtype | arch | tile | warps | stages | head sizes | registers | stack B | spill B | shared KB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["kernels"]:
         if r["kernel"] != "_paged_attn_kernel" or "error" in r:
             continue
-        out.append(f"| {r['dtype']} | sm_{r['arch']} | {_tile(r)} | {r['num_warps']} | {r['num_stages']} | "
-                   f"{','.join(map(str, sorted(r['head_sizes'])))} | {r['registers']} | {r['stack_bytes']} | "
-                   f"{r['spill_store_bytes'] + r['spill_load_bytes']} | {r['shared_bytes'] / 1024:.1f} |")
+        out.append(
+            f"| {r['dtype']} | sm_{r['arch']} | {_tile(r)} | {r['num_warps']} | {r['num_stages']} | "
+            f"{','.join(map(str, sorted(r['head_sizes'])))} | {r['registers']} | {r['stack_bytes']} | "
+            f"{r['spill_store_bytes'] + r['spill_load_bytes']} | {r['shared_bytes'] / 1024:.1f} |"
+        )
     return "\n".join(out) + "\n"
 
 
@@ -447,7 +522,7 @@ def full_report(quick: bool, archs: Iterable[int], jobs: int, progress: bool = T
     return report, md
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the subset make test runs")
     ap.add_argument("--arch", type=int, nargs="+", default=list(C.ARCHS), help="compute capabilities")
@@ -463,8 +538,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.md:
         Path(a.md).write_text(md)
     print(md)
-    print(f"{report['distinct_kernels']} kernels ({report['compiled_now']} compiled now) for "
-          f"{report['launches']} launches in {report['total_s']} s")
+    print(
+        f"{report['distinct_kernels']} kernels ({report['compiled_now']} compiled now) for "
+        f"{report['launches']} launches in {report['total_s']} s"
+    )
     for b in report["problems"]:
         print("PROBLEM:", b)
     return 1 if report["problems"] else 0

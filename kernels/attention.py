@@ -24,8 +24,6 @@ a model, and the AOT check's deduplicated configurations are exactly the kernels
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
@@ -38,21 +36,58 @@ _LOG2E = 1.4426950408889634
 
 
 # Runtime values that vary per step or per model: compiled as plain integers, never specialised.
-_ATTN_RUNTIME_INTS = ["stride_bt", "num_q_tiles", "num_tokens", "num_q_heads", "G", "TPT", "block_size",
-                      "window", "num_splits"]
+_ATTN_RUNTIME_INTS = [
+    "stride_bt",
+    "num_q_tiles",
+    "num_tokens",
+    "num_q_heads",
+    "G",
+    "TPT",
+    "block_size",
+    "window",
+    "num_splits",
+]
 
 
 @triton.jit(do_not_specialize=_ATTN_RUNTIME_INTS)
 def _paged_attn_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_lens_ptr, qsl_ptr,
-    part_acc_ptr, part_m_ptr, part_l_ptr,
-    stride_qt, stride_qh, stride_ot, stride_oh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    o_ptr,
+    bt_ptr,
+    seq_lens_ptr,
+    qsl_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
     stride_bt,
-    scale_log2, num_q_tiles, num_tokens, num_q_heads,
-    G, TPT, head_size, block_size, window, num_splits,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    USE_WINDOW: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    scale_log2,
+    num_q_tiles,
+    num_tokens,
+    num_q_heads,
+    G,
+    TPT,
+    head_size,
+    block_size,
+    window,
+    num_splits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PRECISION: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
     pid0 = tl.program_id(0)
@@ -67,10 +102,10 @@ def _paged_attn_kernel(
     ctx = seq_len - q_len
 
     r = tl.arange(0, BLOCK_M)
-    tok = tile * TPT + r // G                       # query index within the sequence
-    head = kv_head * G + r % G                      # query head
+    tok = tile * TPT + r // G  # query index within the sequence
+    head = kv_head * G + r % G  # query head
     row_ok = (r < TPT * G) & (tok < q_len)
-    pos = ctx + tok                                 # absolute position of each query row
+    pos = ctx + tok  # absolute position of each query row
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_size
 
@@ -93,7 +128,8 @@ def _paged_attn_kernel(
     q_rows = (q_start + tok).to(tl.int64)
     q = tl.load(
         q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
     )
     if DOT_F32:
         q = q.to(tl.float32)
@@ -140,15 +176,25 @@ def _paged_attn_kernel(
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-            out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & d_ok[None, :],
         )
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_q_heads", "num_splits"])
 def _merge_kernel(
-    o_ptr, part_acc_ptr, part_m_ptr, part_l_ptr,
-    stride_ot, stride_oh, num_tokens, num_q_heads, head_size, num_splits,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    o_ptr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    stride_ot,
+    stride_oh,
+    num_tokens,
+    num_q_heads,
+    head_size,
+    num_splits,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     # One program per (token, query head). Two passes over the splits, BLOCK_S at a time, so
     # any split count runs with one compiled kernel: the largest running max, then the
@@ -172,8 +218,9 @@ def _merge_kernel(
         m = tl.load(part_m_ptr + idx, mask=s_ok, other=float("-inf"))
         w = tl.where(s_ok, tl.exp2(m - mx), 0.0)
         den += w * tl.load(part_l_ptr + idx, mask=s_ok, other=0.0)
-        part = tl.load(part_acc_ptr + idx[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None] & d_ok[None, :],
-                       other=0.0)
+        part = tl.load(
+            part_acc_ptr + idx[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0
+        )
         acc += tl.sum(part * w[:, None], 0)
     out = acc / tl.sum(den, 0)
     tl.store(o_ptr + t * stride_ot + h * stride_oh + d, out.to(o_ptr.dtype.element_ty), mask=d_ok)
@@ -205,11 +252,11 @@ def attention_launches(
     softmax_scale: float,
     max_query_len: int,
     max_seq_len: int,
-    sliding_window: Optional[int],
-    num_kv_splits: Optional[int],
-    block_m: Optional[int],
-    block_n: Optional[int],
-    num_sms: Optional[int],
+    sliding_window: int | None,
+    num_kv_splits: int | None,
+    block_m: int | None,
+    block_n: int | None,
+    num_sms: int | None,
     on_gpu: bool,
 ) -> list[KernelLaunch]:
     """The launches :func:`paged_attention` runs (attention, then the split-KV merge when the KV
@@ -250,26 +297,65 @@ def attention_launches(
     # The Triton CPU interpreter computes bf16 tl.dot wrongly (Triton 3.5); upcast there only.
     dot_f32 = query.dtype == torch.bfloat16 and not on_gpu
     precision = "ieee" if query.dtype == torch.float32 or dot_f32 else "tf32"
-    launches = [KernelLaunch(
-        _paged_attn_kernel, (bsz * n_q_tiles, hkv, num_kv_splits),
-        (query, key_cache, value_cache, out, block_table, seq_lens, query_start_loc,
-         part_acc, part_m, part_l,
-         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-         block_table.stride(0),
-         float(softmax_scale) * _LOG2E, n_q_tiles, t, hq,
-         g, tpt, d, bs, int(sliding_window or 0), num_kv_splits),
-        dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-             USE_WINDOW=sliding_window is not None, SPLIT=split, PRECISION=precision, DOT_F32=dot_f32,
-             num_warps=tile.num_warps, num_stages=tile.num_stages),
-    )]
+    launches = [
+        KernelLaunch(
+            _paged_attn_kernel,
+            (bsz * n_q_tiles, hkv, num_kv_splits),
+            (
+                query,
+                key_cache,
+                value_cache,
+                out,
+                block_table,
+                seq_lens,
+                query_start_loc,
+                part_acc,
+                part_m,
+                part_l,
+                query.stride(0),
+                query.stride(1),
+                out.stride(0),
+                out.stride(1),
+                key_cache.stride(0),
+                key_cache.stride(1),
+                key_cache.stride(2),
+                value_cache.stride(0),
+                value_cache.stride(1),
+                value_cache.stride(2),
+                block_table.stride(0),
+                float(softmax_scale) * _LOG2E,
+                n_q_tiles,
+                t,
+                hq,
+                g,
+                tpt,
+                d,
+                bs,
+                int(sliding_window or 0),
+                num_kv_splits,
+            ),
+            dict(
+                BLOCK_M=block_m,
+                BLOCK_N=block_n,
+                BLOCK_D=block_d,
+                USE_WINDOW=sliding_window is not None,
+                SPLIT=split,
+                PRECISION=precision,
+                DOT_F32=dot_f32,
+                num_warps=tile.num_warps,
+                num_stages=tile.num_stages,
+            ),
+        )
+    ]
     if split:
-        launches.append(KernelLaunch(
-            _merge_kernel, (t, hq),
-            (out, part_acc, part_m, part_l, out.stride(0), out.stride(1), t, hq, d, num_kv_splits),
-            dict(BLOCK_S=C.MERGE_BLOCK_S, BLOCK_D=block_d, num_warps=C.MERGE_WARPS),
-        ))
+        launches.append(
+            KernelLaunch(
+                _merge_kernel,
+                (t, hq),
+                (out, part_acc, part_m, part_l, out.stride(0), out.stride(1), t, hq, d, num_kv_splits),
+                dict(BLOCK_S=C.MERGE_BLOCK_S, BLOCK_D=block_d, num_warps=C.MERGE_WARPS),
+            )
+        )
     return launches
 
 
@@ -282,13 +368,13 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     *,
     softmax_scale: float,
-    max_query_len: Optional[int] = None,
-    max_seq_len: Optional[int] = None,
-    sliding_window: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    num_kv_splits: Optional[int] = None,
-    block_m: Optional[int] = None,
-    block_n: Optional[int] = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    num_kv_splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
 ) -> torch.Tensor:
     """Triton twin of :func:`pagedkv.kernels.reference.paged_attention` (same contract).
 
@@ -304,8 +390,16 @@ def paged_attention(
     input before launching.
     """
     V.check_paged_attention(
-        "paged_attention", query, key_cache, value_cache, block_table, seq_lens,
-        query_start_loc, softmax_scale, sliding_window, out,
+        "paged_attention",
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        softmax_scale,
+        sliding_window,
+        out,
     )
     t, hq, d = query.shape
     if d > V.MAX_HEAD_SIZE:
@@ -320,10 +414,22 @@ def paged_attention(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max())
     for launch in attention_launches(
-        query, key_cache, value_cache, block_table, seq_lens, query_start_loc, out,
-        softmax_scale=softmax_scale, max_query_len=max_query_len, max_seq_len=max_seq_len,
-        sliding_window=sliding_window, num_kv_splits=num_kv_splits, block_m=block_m, block_n=block_n,
-        num_sms=_num_sms(query.device) if query.is_cuda else None, on_gpu=query.is_cuda,
+        query,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        out,
+        softmax_scale=softmax_scale,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+        sliding_window=sliding_window,
+        num_kv_splits=num_kv_splits,
+        block_m=block_m,
+        block_n=block_n,
+        num_sms=_num_sms(query.device) if query.is_cuda else None,
+        on_gpu=query.is_cuda,
     ):
         launch.run()
     return out

@@ -20,7 +20,11 @@ from .reference import _check_kv_cache
 
 @triton.jit
 def _copy_blocks_kernel(
-    kv_ptr, map_ptr, stride_plane, stride_block, block_numel,
+    kv_ptr,
+    map_ptr,
+    stride_plane,
+    stride_block,
+    block_numel,
     BLOCK: tl.constexpr,
 ):
     pair = tl.program_id(0)
@@ -60,7 +64,8 @@ def copy_blocks_launch(kv_cache: torch.Tensor, mapping: torch.Tensor) -> KernelL
     block_numel = kv_cache.stride(2)
     chunk = min(C.COPY_CHUNK, triton.next_power_of_2(block_numel))
     return KernelLaunch(
-        _copy_blocks_kernel, (mapping.shape[0], kv_cache.shape[0] * 2, triton.cdiv(block_numel, chunk)),
+        _copy_blocks_kernel,
+        (mapping.shape[0], kv_cache.shape[0] * 2, triton.cdiv(block_numel, chunk)),
         (kv_cache, mapping, kv_cache.stride(1), kv_cache.stride(2), block_numel),
         dict(BLOCK=chunk, num_warps=C.COPY_WARPS),
     )

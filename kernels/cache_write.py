@@ -20,11 +20,23 @@ from .launch import KernelLaunch
 # block_size only feeds a division; num_heads is a model constant: neither is specialised.
 @triton.jit(do_not_specialize=["block_size", "num_heads"])
 def _reshape_and_cache_kernel(
-    key_ptr, value_ptr, kc_ptr, vc_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch,
-    block_size, num_heads, head_size,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    key_ptr,
+    value_ptr,
+    kc_ptr,
+    vc_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    block_size,
+    num_heads,
+    head_size,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + tok).to(tl.int64)
@@ -64,16 +76,35 @@ def reshape_and_cache(
     cache_write_launch(key, value, key_cache, value_cache, slot_mapping).run()
 
 
-def cache_write_launch(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                       value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> KernelLaunch:
+def cache_write_launch(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> KernelLaunch:
     """The launch :func:`reshape_and_cache` runs for validated inputs (one program per token,
     a ``next_pow2(num_kv_heads) x next_pow2(head_size)`` tile each)."""
     t, h, d = key.shape
     return KernelLaunch(
-        _reshape_and_cache_kernel, (t,),
-        (key, value, key_cache, value_cache, slot_mapping,
-         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-         key_cache.shape[1], h, d),
+        _reshape_and_cache_kernel,
+        (t,),
+        (
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slot_mapping,
+            key.stride(0),
+            key.stride(1),
+            value.stride(0),
+            value.stride(1),
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            key_cache.shape[1],
+            h,
+            d,
+        ),
         dict(BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), num_warps=C.CACHE_WRITE_WARPS),
     )

@@ -25,10 +25,25 @@ from dataclasses import dataclass
 import torch
 
 __all__ = [
-    "AttentionTile", "ATTENTION_TILES", "attention_tile", "block_d_for", "precision_class",
-    "MERGE_BLOCK_S", "MERGE_WARPS", "COPY_CHUNK", "COPY_WARPS", "CACHE_WRITE_WARPS",
-    "SM80_MAX_SMEM_BYTES", "MAX_KV_SPLITS", "SPLIT_MIN_TOKENS",
-    "DTYPES", "HEAD_SIZES", "BLOCK_SIZES", "GQA_GROUPS", "KV_HEADS", "ARCHS",
+    "AttentionTile",
+    "ATTENTION_TILES",
+    "attention_tile",
+    "block_d_for",
+    "precision_class",
+    "MERGE_BLOCK_S",
+    "MERGE_WARPS",
+    "COPY_CHUNK",
+    "COPY_WARPS",
+    "CACHE_WRITE_WARPS",
+    "SM80_MAX_SMEM_BYTES",
+    "MAX_KV_SPLITS",
+    "SPLIT_MIN_TOKENS",
+    "DTYPES",
+    "HEAD_SIZES",
+    "BLOCK_SIZES",
+    "GQA_GROUPS",
+    "KV_HEADS",
+    "ARCHS",
 ]
 
 

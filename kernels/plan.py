@@ -14,8 +14,8 @@ The Triton kernel reads the metadata on the device and does not use plans.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
 
 import torch
 
@@ -59,7 +59,7 @@ class DecodeGroup:
         mask: bool ``[n, 1, 1, S]``, True where the sequence's single query sees the position.
     """
 
-    rows: Union[slice, torch.Tensor]
+    rows: slice | torch.Tensor
     slots: torch.Tensor
     mask: torch.Tensor
 
@@ -96,38 +96,58 @@ class AttentionPlan:
     cache_shape: tuple[int, int, int, int]
     num_q_heads: int
     num_tokens: int
-    sliding_window: Optional[int]
+    sliding_window: int | None
     device: torch.device
     prefills: tuple[PrefillPart, ...] = field(repr=False)
     decodes: tuple[DecodeGroup, ...] = field(repr=False)
 
-    def check_call(self, op: str, query: torch.Tensor, key_cache: torch.Tensor, block_table: object,
-                   seq_lens: object, query_start_loc: object, sliding_window: Optional[int]) -> None:
+    def check_call(
+        self,
+        op: str,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        block_table: object,
+        seq_lens: object,
+        query_start_loc: object,
+        sliding_window: int | None,
+    ) -> None:
         """O(1) check that a per-layer call matches this plan (same metadata tensors, cache
         shape, head count, token count and window).
 
         Raises:
             ValueError: naming the argument that differs from what the plan was built for.
         """
-        for name, got, want in (("block_table", block_table, self.block_table),
-                                ("seq_lens", seq_lens, self.seq_lens),
-                                ("query_start_loc", query_start_loc, self.query_start_loc)):
+        for name, got, want in (
+            ("block_table", block_table, self.block_table),
+            ("seq_lens", seq_lens, self.seq_lens),
+            ("query_start_loc", query_start_loc, self.query_start_loc),
+        ):
             if got is not want:
-                raise V.KernelInputError(f"{op}: {name} is not the tensor the plan was built from, "
-                                 "expected the same tensor object as passed to plan_paged_attention")
+                raise V.KernelInputError(
+                    f"{op}: {name} is not the tensor the plan was built from, "
+                    "expected the same tensor object as passed to plan_paged_attention"
+                )
         if tuple(key_cache.shape) != self.cache_shape:
-            raise V.KernelInputError(f"{op}: key_cache has shape {tuple(key_cache.shape)}, expected "
-                             f"{self.cache_shape} (the plan's cache_shape)")
+            raise V.KernelInputError(
+                f"{op}: key_cache has shape {tuple(key_cache.shape)}, expected "
+                f"{self.cache_shape} (the plan's cache_shape)"
+            )
         if query.shape[0] != self.num_tokens or query.shape[1] != self.num_q_heads:
-            raise V.KernelInputError(f"{op}: query has shape {tuple(query.shape)}, expected "
-                             f"({self.num_tokens}, {self.num_q_heads}, {self.cache_shape[3]}) "
-                             "(the plan's tokens and heads)")
+            raise V.KernelInputError(
+                f"{op}: query has shape {tuple(query.shape)}, expected "
+                f"({self.num_tokens}, {self.num_q_heads}, {self.cache_shape[3]}) "
+                "(the plan's tokens and heads)"
+            )
         if not V.same_device(key_cache.device, self.device):
-            raise V.KernelInputError(f"{op}: key_cache is on device {key_cache.device}, expected device "
-                             f"{self.device} (the plan's)")
+            raise V.KernelInputError(
+                f"{op}: key_cache is on device {key_cache.device}, expected device {self.device} (the plan's)"
+            )
         if sliding_window is not None and sliding_window != self.sliding_window:
-            allowed = "None (the plan has no window)" if self.sliding_window is None else \
-                f"None or {self.sliding_window} (the plan's window)"
+            allowed = (
+                "None (the plan has no window)"
+                if self.sliding_window is None
+                else f"None or {self.sliding_window} (the plan's window)"
+            )
             raise V.KernelInputError(f"{op}: sliding_window is {sliding_window!r}, expected {allowed}")
 
 
@@ -138,8 +158,8 @@ def plan_paged_attention(
     *,
     cache_shape: Sequence[int],
     num_q_heads: int,
-    sliding_window: Optional[int] = None,
-    num_tokens: Optional[int] = None,
+    sliding_window: int | None = None,
+    num_tokens: int | None = None,
 ) -> AttentionPlan:
     """Validate one step's attention metadata and precompute what every layer's reference
     attention needs (FlashInfer-style plan; see the module docs).
@@ -168,31 +188,57 @@ def plan_paged_attention(
     for prefills and O(B * max_seq_len) slot and mask elements for decodes; the metadata is
     read to the host once.
     """
-    return build_plan("plan_paged_attention", block_table, seq_lens, query_start_loc,
-                      cache_shape=cache_shape, num_q_heads=num_q_heads,
-                      sliding_window=sliding_window, num_tokens=num_tokens, device=None)
+    return build_plan(
+        "plan_paged_attention",
+        block_table,
+        seq_lens,
+        query_start_loc,
+        cache_shape=cache_shape,
+        num_q_heads=num_q_heads,
+        sliding_window=sliding_window,
+        num_tokens=num_tokens,
+        device=None,
+    )
 
 
-def build_plan(op: str, block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-               *, cache_shape: Sequence[int], num_q_heads: int, sliding_window: Optional[int],
-               num_tokens: Optional[int], device: Optional[torch.device]) -> AttentionPlan:
+def build_plan(
+    op: str,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    cache_shape: Sequence[int],
+    num_q_heads: int,
+    sliding_window: int | None,
+    num_tokens: int | None,
+    device: torch.device | None,
+) -> AttentionPlan:
     """:func:`plan_paged_attention` with the op name ``op`` in its error messages and the
     metadata expected on ``device`` (default: ``block_table``'s). The plan-less
     ``paged_attention`` builds its plan through here with the caches' device."""
     if len(cache_shape) != 4:
-        raise V.KernelInputError(f"{op}: cache_shape is {tuple(cache_shape)}, expected (num_blocks, block_size, "
-                         "num_kv_heads, head_size)")
+        raise V.KernelInputError(
+            f"{op}: cache_shape is {tuple(cache_shape)}, expected (num_blocks, block_size, num_kv_heads, head_size)"
+        )
     num_blocks, bs, hkv, d = (int(x) for x in cache_shape)
     if num_q_heads < 1 or num_q_heads % hkv != 0:
-        raise V.KernelInputError(f"{op}: num_q_heads is {num_q_heads}, expected a positive multiple of "
-                         f"num_kv_heads={hkv}")
+        raise V.KernelInputError(
+            f"{op}: num_q_heads is {num_q_heads}, expected a positive multiple of num_kv_heads={hkv}"
+        )
     if device is not None:
         dev = device
     else:
         dev = block_table.device if isinstance(block_table, torch.Tensor) else torch.device("cpu")
     V.check_attention_metadata(
-        op, block_table, seq_lens, query_start_loc, num_tokens=num_tokens, num_blocks=num_blocks,
-        block_size=bs, device=dev, sliding_window=sliding_window,
+        op,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        num_tokens=num_tokens,
+        num_blocks=num_blocks,
+        block_size=bs,
+        device=dev,
+        sliding_window=sliding_window,
     )
     qsl = query_start_loc.tolist()
     if qsl[0] != 0:  # metadata off the CPU is not value-checked above
@@ -215,16 +261,29 @@ def build_plan(op: str, block_table: torch.Tensor, seq_lens: torch.Tensor, query
                 mask &= pos.unsqueeze(0) > qpos - sliding_window
             prefills.append(PrefillPart(b, qsl[b], qsl[b + 1], slots.to(dev), mask.repeat(g, 1).to(dev)))
     return AttentionPlan(
-        block_table=block_table, seq_lens=seq_lens, query_start_loc=query_start_loc,
-        cache_shape=(num_blocks, bs, hkv, d), num_q_heads=num_q_heads, num_tokens=int(qsl[-1]),
-        sliding_window=sliding_window, device=dev, prefills=tuple(prefills),
+        block_table=block_table,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        cache_shape=(num_blocks, bs, hkv, d),
+        num_q_heads=num_q_heads,
+        num_tokens=int(qsl[-1]),
+        sliding_window=sliding_window,
+        device=dev,
+        prefills=tuple(prefills),
         decodes=_decode_groups(decode, sls, qsl, bt_host, bs, hkv * d, sliding_window, dev),
     )
 
 
-def _decode_groups(decode: list[int], sls: list[int], qsl: list[int], bt_host: torch.Tensor, bs: int,
-                   elems_per_pos: int, sliding_window: Optional[int],
-                   dev: torch.device) -> tuple[DecodeGroup, ...]:
+def _decode_groups(
+    decode: list[int],
+    sls: list[int],
+    qsl: list[int],
+    bt_host: torch.Tensor,
+    bs: int,
+    elems_per_pos: int,
+    sliding_window: int | None,
+    dev: torch.device,
+) -> tuple[DecodeGroup, ...]:
     """Decode sequences cut into groups whose padded K gather stays under
     :data:`DECODE_GROUP_ELEMS` elements (``elems_per_pos`` = num_kv_heads * head_size)."""
     if not decode:
@@ -258,7 +317,11 @@ def _decode_groups(decode: list[int], sls: list[int], qsl: list[int], bt_host: t
         slots = torch.where(live, slots, torch.zeros((), dtype=torch.int64))  # dead columns: slot 0
         row_list = [qsl[b] for b in grp]
         run = row_list == list(range(row_list[0], row_list[0] + len(row_list)))
-        groups.append(DecodeGroup(
-            rows=slice(row_list[0], row_list[0] + len(row_list)) if run else torch.tensor(row_list).to(dev),
-            slots=slots.to(dev), mask=mask[:, None, None, :].to(dev)))
+        groups.append(
+            DecodeGroup(
+                rows=slice(row_list[0], row_list[0] + len(row_list)) if run else torch.tensor(row_list).to(dev),
+                slots=slots.to(dev),
+                mask=mask[:, None, None, :].to(dev),
+            )
+        )
     return tuple(groups)

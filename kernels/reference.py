@@ -15,7 +15,7 @@ Cache layout (PagedAttention, Kwon et al., SOSP'23): one tensor for all layers
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -70,11 +70,11 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     *,
     softmax_scale: float,
-    max_query_len: Optional[int] = None,
-    max_seq_len: Optional[int] = None,
-    sliding_window: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
-    plan: Optional[AttentionPlan] = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
 ) -> torch.Tensor:
     """Causal attention of a varlen batch of queries over a paged KV cache.
 
@@ -116,9 +116,17 @@ def paged_attention(
     op = "paged_attention"
     V.check_attention_tensors(op, query, key_cache, value_cache, softmax_scale, out)
     if plan is None:
-        plan = build_plan(op, block_table, seq_lens, query_start_loc, cache_shape=tuple(key_cache.shape),
-                          num_q_heads=query.shape[1], sliding_window=sliding_window,
-                          num_tokens=query.shape[0], device=key_cache.device)
+        plan = build_plan(
+            op,
+            block_table,
+            seq_lens,
+            query_start_loc,
+            cache_shape=tuple(key_cache.shape),
+            num_q_heads=query.shape[1],
+            sliding_window=sliding_window,
+            num_tokens=query.shape[0],
+            device=key_cache.device,
+        )
     else:
         plan.check_call(op, query, key_cache, block_table, seq_lens, query_start_loc, sliding_window)
     t, hq, d = query.shape
@@ -137,10 +145,9 @@ def paged_attention(
         k = k_rows(part.slots).float().transpose(0, 1)  # [Hkv, S, D]
         v = v_rows(part.slots).float().transpose(0, 1)
         # Query heads of one KV group stacked along rows: [Hkv, G*q_len, D] (no K/V repeat).
-        q = query[part.q_start:part.q_end].float().reshape(q_len, hkv, g, d).permute(1, 2, 0, 3)
-        o = F.scaled_dot_product_attention(q.reshape(hkv, g * q_len, d), k, v, attn_mask=part.mask,
-                                           scale=scale)
-        result[part.q_start:part.q_end] = o.reshape(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
+        q = query[part.q_start : part.q_end].float().reshape(q_len, hkv, g, d).permute(1, 2, 0, 3)
+        o = F.scaled_dot_product_attention(q.reshape(hkv, g * q_len, d), k, v, attn_mask=part.mask, scale=scale)
+        result[part.q_start : part.q_end] = o.reshape(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
     for grp in plan.decodes:
         n = grp.size
         k = k_rows(grp.slots).float().transpose(1, 2)  # [n, Hkv, S, D]
@@ -197,8 +204,8 @@ def swap_blocks(
     src_kv_cache: torch.Tensor,
     dst_kv_cache: torch.Tensor,
     block_mapping: torch.Tensor,
-    stream: Optional["torch.cuda.Stream"] = None,
-) -> Optional["torch.cuda.Event"]:
+    stream: torch.cuda.Stream | None = None,
+) -> torch.cuda.Event | None:
     """Synchronous block swap between two all-layer caches (reference; any devices).
 
     Sets ``dst_kv_cache[:, :, dst] = src_kv_cache[:, :, src]`` for every ``(src, dst)`` pair.
@@ -222,9 +229,11 @@ def _check_swap(op: str, src_kv_cache: object, dst_kv_cache: object, block_mappi
     _check_kv_cache(op, "src_kv_cache", src_kv_cache)
     assert isinstance(src_kv_cache, torch.Tensor)
     s = src_kv_cache.shape
-    V.check_tensor(op, "dst_kv_cache", dst_kv_cache, dtypes=(src_kv_cache.dtype,),
-                   shape=(s[0], 2, None, s[3], s[4], s[5]))
+    V.check_tensor(
+        op, "dst_kv_cache", dst_kv_cache, dtypes=(src_kv_cache.dtype,), shape=(s[0], 2, None, s[3], s[4], s[5])
+    )
     assert isinstance(dst_kv_cache, torch.Tensor)
     # Only a device pool has a null block; the CPU swap pool uses ids from 0 (swap-out dst).
-    V.check_block_mapping(op, block_mapping, s[2], dst_kv_cache.shape[2], cow=False,
-                          dst_has_null_block=dst_kv_cache.device.type != "cpu")
+    V.check_block_mapping(
+        op, block_mapping, s[2], dst_kv_cache.shape[2], cow=False, dst_has_null_block=dst_kv_cache.device.type != "cpu"
+    )

@@ -11,17 +11,15 @@ Mirrors the per-block memcpy loop of PagedAttention/vLLM's swap_blocks.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
-
 import torch
 
 from . import reference
 from . import validate as V
 
 
-def _runs(pairs: List[Tuple[int, int]]) -> List[Tuple[int, int, int]]:
+def _runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """Merge ``(src, dst)`` pairs into ``(src0, dst0, length)`` runs of consecutive ids."""
-    runs: List[Tuple[int, int, int]] = []
+    runs: list[tuple[int, int, int]] = []
     for s, d in pairs:
         if runs:
             s0, d0, n = runs[-1]
@@ -36,8 +34,8 @@ def swap_blocks(
     src_kv_cache: torch.Tensor,
     dst_kv_cache: torch.Tensor,
     block_mapping: torch.Tensor,
-    stream: Optional["torch.cuda.Stream"] = None,
-) -> Optional["torch.cuda.Event"]:
+    stream: torch.cuda.Stream | None = None,
+) -> torch.cuda.Event | None:
     """Copy blocks ``src_kv_cache[:, :, src] -> dst_kv_cache[:, :, dst]`` for every pair.
 
     Args:
@@ -71,11 +69,11 @@ def swap_blocks(
     runs = _runs([tuple(p) for p in block_mapping.tolist()])
     layers = src_kv_cache.shape[0]
     with torch.cuda.stream(stream):
-        for l in range(layers):
+        for layer in range(layers):
             for kv in range(2):
-                s_plane, d_plane = src_kv_cache[l, kv], dst_kv_cache[l, kv]
+                s_plane, d_plane = src_kv_cache[layer, kv], dst_kv_cache[layer, kv]
                 for s0, d0, n in runs:
-                    d_plane[d0:d0 + n].copy_(s_plane[s0:s0 + n], non_blocking=True)
+                    d_plane[d0 : d0 + n].copy_(s_plane[s0 : s0 + n], non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
     return event

@@ -19,7 +19,7 @@ kernel reads back are reported separately (``split_bytes``), as traffic on top o
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -88,7 +88,7 @@ class DecodeTraffic:
     ratio_with_split: float
 
 
-def decode_traffic(shape: DecodeShape, num_kv_splits: Optional[int] = None) -> DecodeTraffic:
+def decode_traffic(shape: DecodeShape, num_kv_splits: int | None = None) -> DecodeTraffic:
     """Model one decode launch of ``shape`` with the launcher's tile and split choice (or
     ``num_kv_splits`` when given). Positions are taken as stored in distinct blocks (a paged
     pool: each block's rows are contiguous, blocks are anywhere)."""
@@ -123,8 +123,21 @@ def decode_traffic(shape: DecodeShape, num_kv_splits: Optional[int] = None) -> D
     if splits > 1:
         # each program writes G rows of (acc[D] fp32, m, l); the merge reads them all back
         split_bytes = 2 * shape.batch * splits * shape.num_q_heads * (4 * min(d, bd) + 8)
-    return DecodeTraffic(shape, tile, splits, programs * splits, kv, qb, btb, meta, read, minimum,
-                         split_bytes, read / minimum, (read + split_bytes) / minimum)
+    return DecodeTraffic(
+        shape,
+        tile,
+        splits,
+        programs * splits,
+        kv,
+        qb,
+        btb,
+        meta,
+        read,
+        minimum,
+        split_bytes,
+        read / minimum,
+        (read + split_bytes) / minimum,
+    )
 
 
 #: The engine's model (SmolLM2-135M) and common 128-head GQA serving shapes, bf16, block 16.
@@ -138,20 +151,40 @@ BATCHES = (1, 16, 64, 256)
 SEQ_LENS = (128, 1024, 8192)
 
 
-def engine_report(block_sizes: tuple[int, ...] = (16,), dtype: torch.dtype = torch.bfloat16,
-                  num_sms: int = 132) -> list[dict[str, Any]]:
+def engine_report(
+    block_sizes: tuple[int, ...] = (16,), dtype: torch.dtype = torch.bfloat16, num_sms: int = 132
+) -> list[dict[str, Any]]:
     """:func:`decode_traffic` over :data:`ENGINE_SHAPES` x batches x sequence lengths, as rows."""
     rows = []
-    for (name, hq, hkv, d), bs, b, s in ((x, bs, b, s) for x in ENGINE_SHAPES for bs in block_sizes
-                                         for b in BATCHES for s in SEQ_LENS):
+    for (name, hq, hkv, d), bs, b, s in (
+        (x, bs, b, s) for x in ENGINE_SHAPES for bs in block_sizes for b in BATCHES for s in SEQ_LENS
+    ):
         t = decode_traffic(DecodeShape(name, hq, hkv, d, dtype, bs, b, s, num_sms))
-        rows.append({"shape": name, "num_q_heads": hq, "num_kv_heads": hkv, "head_size": d,
-                     "dtype": str(dtype).replace("torch.", ""), "block_size": bs, "batch": b, "seq_len": s,
-                     "num_sms": num_sms, "tile": asdict(t.tile), "num_splits": t.num_splits,
-                     "programs": t.programs, "kv_bytes": t.kv_bytes, "query_bytes": t.query_bytes,
-                     "block_table_bytes": t.block_table_bytes, "metadata_bytes": t.metadata_bytes,
-                     "read_bytes": t.read_bytes, "min_bytes": t.min_bytes, "split_bytes": t.split_bytes,
-                     "ratio": round(t.ratio, 4), "ratio_with_split": round(t.ratio_with_split, 4)})
+        rows.append(
+            {
+                "shape": name,
+                "num_q_heads": hq,
+                "num_kv_heads": hkv,
+                "head_size": d,
+                "dtype": str(dtype).replace("torch.", ""),
+                "block_size": bs,
+                "batch": b,
+                "seq_len": s,
+                "num_sms": num_sms,
+                "tile": asdict(t.tile),
+                "num_splits": t.num_splits,
+                "programs": t.programs,
+                "kv_bytes": t.kv_bytes,
+                "query_bytes": t.query_bytes,
+                "block_table_bytes": t.block_table_bytes,
+                "metadata_bytes": t.metadata_bytes,
+                "read_bytes": t.read_bytes,
+                "min_bytes": t.min_bytes,
+                "split_bytes": t.split_bytes,
+                "ratio": round(t.ratio, 4),
+                "ratio_with_split": round(t.ratio_with_split, 4),
+            }
+        )
     return rows
 
 
@@ -159,15 +192,19 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     """Table of :func:`engine_report` rows (worst ratio first line)."""
     worst = max(rows, key=lambda r: r["ratio"])
     worst_s = max(rows, key=lambda r: r["ratio_with_split"])
-    out = ["Decode attention memory traffic (static model: bytes read / minimum; target <= 1.1). "
-           f"Worst read ratio {worst['ratio']:.3f} ({worst['shape']}, batch {worst['batch']}, seq {worst['seq_len']}); "
-           f"worst with split-KV partials {worst_s['ratio_with_split']:.3f} ({worst_s['shape']}, batch "
-           f"{worst_s['batch']}, seq {worst_s['seq_len']}, {worst_s['num_splits']} splits).", "",
-           "| shape | batch | seq len | splits | programs | read MB | minimum MB | ratio "
-           "| ratio incl. split partials |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = [
+        "Decode attention memory traffic (static model: bytes read / minimum; target <= 1.1). "
+        f"Worst read ratio {worst['ratio']:.3f} ({worst['shape']}, batch {worst['batch']}, seq {worst['seq_len']}); "
+        f"worst with split-KV partials {worst_s['ratio_with_split']:.3f} ({worst_s['shape']}, batch "
+        f"{worst_s['batch']}, seq {worst_s['seq_len']}, {worst_s['num_splits']} splits).",
+        "",
+        "| shape | batch | seq len | splits | programs | read MB | minimum MB | ratio | ratio incl. split partials |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['shape']} | {r['batch']} | {r['seq_len']} | {r['num_splits']} | {r['programs']} | "
-                   f"{r['read_bytes'] / 1e6:.3f} | {r['min_bytes'] / 1e6:.3f} | {r['ratio']:.3f} | "
-                   f"{r['ratio_with_split']:.3f} |")
+        out.append(
+            f"| {r['shape']} | {r['batch']} | {r['seq_len']} | {r['num_splits']} | {r['programs']} | "
+            f"{r['read_bytes'] / 1e6:.3f} | {r['min_bytes'] / 1e6:.3f} | {r['ratio']:.3f} | "
+            f"{r['ratio_with_split']:.3f} |"
+        )
     return "\n".join(out) + "\n"

@@ -1,7 +1,8 @@
 """Input checks shared by the Triton kernels and their torch references.
 
 Every check runs on the host before anything is launched and raises
-:class:`pagedkv.errors.KernelInputError` (a ``ValueError``) whose message names the op, the tensor, what it got and what it expected, e.g.::
+:class:`pagedkv.errors.KernelInputError` (a ``ValueError``) whose message names the op, the
+tensor, what it got and what it expected, e.g.::
 
     paged_attention: block_table has dtype torch.int64, expected torch.int32
 
@@ -13,7 +14,7 @@ avoid a device synchronisation on the hot path.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -34,10 +35,10 @@ def check_tensor(
     name: str,
     t: object,
     *,
-    dtypes: Optional[Sequence[torch.dtype]] = None,
-    ndim: Optional[int] = None,
-    shape: Optional[Sequence[Optional[int]]] = None,
-    device: Optional[torch.device] = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    ndim: int | None = None,
+    shape: Sequence[int | None] | None = None,
+    device: torch.device | None = None,
     contiguous: bool = False,
     last_dim_contiguous: bool = False,
 ) -> None:
@@ -50,25 +51,17 @@ def check_tensor(
     if dtypes is not None and t.dtype not in dtypes:
         raise KernelInputError(f"{op}: {name} has dtype {t.dtype}, expected {_fmt_dtypes(dtypes)}")
     if ndim is not None and t.dim() != ndim:
-        raise KernelInputError(
-            f"{op}: {name} has {t.dim()} dims (shape {tuple(t.shape)}), expected {ndim} dims"
-        )
+        raise KernelInputError(f"{op}: {name} has {t.dim()} dims (shape {tuple(t.shape)}), expected {ndim} dims")
     if shape is not None:
-        if t.dim() != len(shape) or any(
-            s is not None and s != got for s, got in zip(shape, t.shape)
-        ):
+        if t.dim() != len(shape) or any(s is not None and s != got for s, got in zip(shape, t.shape)):
             want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
             raise KernelInputError(f"{op}: {name} has shape {tuple(t.shape)}, expected {want}")
     if device is not None and not same_device(t.device, device):
         raise KernelInputError(f"{op}: {name} is on device {t.device}, expected device {device}")
     if contiguous and not t.is_contiguous():
-        raise KernelInputError(
-            f"{op}: {name} is not contiguous (strides {t.stride()}), expected a contiguous tensor"
-        )
+        raise KernelInputError(f"{op}: {name} is not contiguous (strides {t.stride()}), expected a contiguous tensor")
     if last_dim_contiguous and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise KernelInputError(
-            f"{op}: {name} has last-dim stride {t.stride(-1)}, expected 1 (contiguous head dim)"
-        )
+        raise KernelInputError(f"{op}: {name} has last-dim stride {t.stride(-1)}, expected 1 (contiguous head dim)")
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
@@ -101,7 +94,12 @@ def check_cache_pair(op: str, key_cache: object, value_cache: object) -> None:
 
 
 def check_block_mapping(
-    op: str, block_mapping: object, num_src_blocks: int, num_dst_blocks: int, *, cow: bool,
+    op: str,
+    block_mapping: object,
+    num_src_blocks: int,
+    num_dst_blocks: int,
+    *,
+    cow: bool,
     dst_has_null_block: bool = True,
 ) -> None:
     """Check a ``[K, 2]`` (src, dst) block list (int32 or int64).
@@ -138,9 +136,7 @@ def check_block_mapping(
         hit = (dst == 0).nonzero()
         if hit.numel():
             i = int(hit[0, 0])
-            raise KernelInputError(
-                f"{op}: block_mapping[{i}] has dst block 0 (the null block), expected dst ids >= 1"
-            )
+            raise KernelInputError(f"{op}: block_mapping[{i}] has dst block 0 (the null block), expected dst ids >= 1")
     if torch.unique(dst).numel() != dst.numel():
         raise KernelInputError(f"{op}: block_mapping has repeated dst ids, expected distinct dst blocks")
     if cow:
@@ -170,8 +166,13 @@ def check_reshape_and_cache(
     t = key.shape[0]
     check_tensor(op, "key", key, shape=(t, num_kv_heads, head_size))
     check_tensor(
-        op, "value", value, dtypes=(key_cache.dtype,), shape=(t, num_kv_heads, head_size),
-        device=dev, last_dim_contiguous=True,
+        op,
+        "value",
+        value,
+        dtypes=(key_cache.dtype,),
+        shape=(t, num_kv_heads, head_size),
+        device=dev,
+        last_dim_contiguous=True,
     )
     check_tensor(op, "slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(t,), device=dev)
     assert isinstance(slot_mapping, torch.Tensor)
@@ -202,7 +203,7 @@ def check_paged_attention(
     seq_lens: object,
     query_start_loc: object,
     softmax_scale: object,
-    sliding_window: Optional[int],
+    sliding_window: int | None,
     out: object,
 ) -> None:
     """Validate ``paged_attention`` arguments (see :func:`pagedkv.kernels.paged_attention`):
@@ -211,8 +212,14 @@ def check_paged_attention(
     assert isinstance(query, torch.Tensor) and isinstance(key_cache, torch.Tensor)
     num_blocks, block_size = key_cache.shape[:2]
     check_attention_metadata(
-        op, block_table, seq_lens, query_start_loc, num_tokens=query.shape[0],
-        num_blocks=num_blocks, block_size=block_size, device=key_cache.device,
+        op,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        num_tokens=query.shape[0],
+        num_blocks=num_blocks,
+        block_size=block_size,
+        device=key_cache.device,
         sliding_window=sliding_window,
     )
 
@@ -249,7 +256,12 @@ def check_attention_tensors(
         raise KernelInputError(f"{op}: softmax_scale is {softmax_scale!r}, expected a positive float")
     if out is not None:
         check_tensor(
-            op, "out", out, dtypes=(query.dtype,), shape=tuple(query.shape), device=dev,
+            op,
+            "out",
+            out,
+            dtypes=(query.dtype,),
+            shape=tuple(query.shape),
+            device=dev,
             last_dim_contiguous=True,
         )
 
@@ -260,17 +272,18 @@ def check_attention_metadata(
     seq_lens: object,
     query_start_loc: object,
     *,
-    num_tokens: Optional[int],
+    num_tokens: int | None,
     num_blocks: int,
     block_size: int,
     device: torch.device,
-    sliding_window: Optional[int],
+    sliding_window: int | None,
 ) -> None:
     """The per-step half of the ``paged_attention`` checks: int32 ``block_table [B, M]``,
     ``seq_lens [B]``, ``query_start_loc [B+1]`` on ``device`` and ``sliding_window`` None or
     >= 1. On the CPU also the values: ``query_start_loc`` runs from 0 to ``num_tokens`` (any
-    end when ``num_tokens`` is None) without decreasing, every query length <= its ``seq_len``, the block table is wide enough and its
-    live entries are block ids in ``[0, num_blocks)``. Cost O(B * M) when on the CPU.
+    end when ``num_tokens`` is None) without decreasing, every query length <= its ``seq_len``,
+    the block table is wide enough and its live entries are block ids in ``[0, num_blocks)``.
+    Cost O(B * M) when on the CPU.
 
     Raises:
         KernelInputError: (a ``ValueError``) naming the bad argument, what it got and what it expected.
@@ -292,8 +305,7 @@ def check_attention_metadata(
     t = int(qsl[-1]) if num_tokens is None else num_tokens
     if int(qsl[0]) != 0 or int(qsl[-1]) != t:
         raise KernelInputError(
-            f"{op}: query_start_loc runs from {int(qsl[0])} to {int(qsl[-1])}, "
-            f"expected 0 to num_tokens={t}"
+            f"{op}: query_start_loc runs from {int(qsl[0])} to {int(qsl[-1])}, expected 0 to num_tokens={t}"
         )
     q_lens = qsl[1:] - qsl[:-1]
     if bool((q_lens < 0).any()):

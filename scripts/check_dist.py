@@ -83,8 +83,16 @@ def check_sdist(sdist: Path, want: set[str]) -> list[str]:
     with tarfile.open(sdist) as tar:
         members = {m.name.split("/", 1)[1]: m for m in tar.getmembers() if "/" in m.name}
     problems = [f"sdist lacks python/{p}" for p in sorted(want) if f"python/{p}" not in members]
-    for required in ("pyproject.toml", "Cargo.toml", "Cargo.lock", "README.md", "rust/core/Cargo.toml",
-                     "rust/python/Cargo.toml", "rust/core/src/lib.rs", "rust/python/src/lib.rs"):
+    for required in (
+        "pyproject.toml",
+        "Cargo.toml",
+        "Cargo.lock",
+        "README.md",
+        "rust/core/Cargo.toml",
+        "rust/python/Cargo.toml",
+        "rust/core/src/lib.rs",
+        "rust/python/src/lib.rs",
+    ):
         if required not in members:
             problems.append(f"sdist lacks {required}")
     for name, member in members.items():
@@ -101,8 +109,12 @@ def inherit_active_environment(py: Path) -> None:
     ``.pth`` files, so this environment's editable ``pagedkv`` stays invisible: the throwaway
     venv imports only the ``pagedkv`` installed into it, and everything else from here.
     """
-    own = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                         capture_output=True, text=True, check=True).stdout.strip()
+    own = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     paths = sysconfig.get_paths()
     inherited = sorted({paths["purelib"], paths["platlib"]})
     Path(own, "_pagedkv_check_dist_parent.pth").write_text("".join(f"{p}\n" for p in inherited))
@@ -116,8 +128,21 @@ def install_sdist(sdist: Path, tmp: Path) -> None:
     env = dict(os.environ)
     # Reuse the repository's compiled dependencies: only the two path crates are rebuilt.
     env.setdefault("CARGO_TARGET_DIR", str(ROOT / "target"))
-    run([str(py), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off",
-         "--no-build-isolation", "--no-deps", str(sdist)], env=env)
+    run(
+        [
+            str(py),
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--progress-bar",
+            "off",
+            "--no-build-isolation",
+            "--no-deps",
+            str(sdist),
+        ],
+        env=env,
+    )
     probe = (
         "import pathlib, sys, pagedkv, pagedkv.kernels, pagedkv.tensors\n"
         "home = pathlib.Path(sys.prefix).resolve()\n"

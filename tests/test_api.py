@@ -40,12 +40,19 @@ def test_cache_config_defaults_and_fields() -> None:
 
 
 def test_cache_config_options_equality_and_frozen() -> None:
-    c = CacheConfig(8, 2, enable_prefix_caching=False, hash_algo="xxh3_128", hash_seed=b"s",
-                    num_cpu_blocks=4, enable_events=True)
+    c = CacheConfig(
+        8, 2, enable_prefix_caching=False, hash_algo="xxh3_128", hash_seed=b"s", num_cpu_blocks=4, enable_events=True
+    )
     assert (c.enable_prefix_caching, c.hash_algo, c.hash_seed, c.num_cpu_blocks, c.enable_events) == (
-        False, "xxh3_128", b"s", 4, True)
-    assert c == CacheConfig(8, 2, enable_prefix_caching=False, hash_algo="xxh3_128", hash_seed=b"s",
-                            num_cpu_blocks=4, enable_events=True)
+        False,
+        "xxh3_128",
+        b"s",
+        4,
+        True,
+    )
+    assert c == CacheConfig(
+        8, 2, enable_prefix_caching=False, hash_algo="xxh3_128", hash_seed=b"s", num_cpu_blocks=4, enable_events=True
+    )
     assert c != CacheConfig(8, 2)
     with pytest.raises(AttributeError):
         c.block_size = 4  # type: ignore[misc]
@@ -96,9 +103,9 @@ def test_allocate_slots_prefill_and_decode() -> None:
     assert m.num_computed_tokens(1) == 10
     m.append_tokens(1, [10, 11, 12])
     assert m.num_blocks_needed(1, 1) == 0
-    b = m.allocate_slots(1, 1)                       # token 10 fills slot 2 of block 3
+    b = m.allocate_slots(1, 1)  # token 10 fills slot 2 of block 3
     assert (b.num_scheduled_tokens, b.num_context_tokens, b.new_block_ids.tolist()) == (1, 10, [])
-    c = m.allocate_slots(1, 2)                       # tokens 11 (block 3) and 12 (new block 4)
+    c = m.allocate_slots(1, 2)  # tokens 11 (block 3) and 12 (new block 4)
     assert (c.num_scheduled_tokens, c.new_block_ids.tolist()) == (2, [4])
     assert m.block_table(1).tolist() == [1, 2, 3, 4]
     m.check_invariants()
@@ -116,12 +123,12 @@ def test_chunked_prefill() -> None:
 
 def test_prefix_cache_hits_and_prediction() -> None:
     m = make(16, 4)
-    prompt = list(range(100, 110))                   # 2 full blocks + 2 tokens
+    prompt = list(range(100, 110))  # 2 full blocks + 2 tokens
     m.add_sequence(1, prompt)
     m.allocate_slots(1, 100)
     m.add_sequence(2, prompt + [1, 2, 3])
     assert m.lookup_prefix(2) == 8
-    assert m.num_blocks_needed(2, 100) == 2          # blocks 3.. for tokens 8..12; hits are shared
+    assert m.num_blocks_needed(2, 100) == 2  # blocks 3.. for tokens 8..12; hits are shared
     a = m.allocate_slots(2, 100)
     assert (a.num_cached_tokens, a.num_context_tokens, a.num_scheduled_tokens) == (8, 8, 5)
     assert a.new_block_ids.tolist() == [4, 5]
@@ -136,12 +143,12 @@ def test_prefix_cache_hits_and_prediction() -> None:
 def test_prefix_hit_on_freed_cached_blocks_consumes_capacity() -> None:
     m = make(8, 4)
     m.add_sequence(1, list(range(9)))
-    m.allocate_slots(1, 100)                         # blocks 1, 2 full (cached), 3 partial
+    m.allocate_slots(1, 100)  # blocks 1, 2 full (cached), 3 partial
     assert m.free(1) is True
     assert m.pool.free_queue().tolist() == [3, 4, 5, 6, 7, 2, 1]
     assert m.pool.num_cached_free == 2
     m.add_sequence(2, list(range(9)))
-    assert m.num_blocks_needed(2, 100) == 3          # 2 cached hits on free blocks + 1 fresh
+    assert m.num_blocks_needed(2, 100) == 3  # 2 cached hits on free blocks + 1 fresh
     a = m.allocate_slots(2, 100)
     assert a.num_cached_tokens == 8 and a.new_block_ids.tolist() == [3]
     assert m.block_table(2).tolist() == [1, 2, 3]
@@ -183,7 +190,7 @@ def test_cache_isolation_keys(first: dict[str, object], second: dict[str, object
 def test_fork_and_copy_on_write() -> None:
     m = make(16, 4)
     m.add_sequence(1, [1, 2, 3, 4, 5, 6])
-    m.allocate_slots(1, 100)                         # blocks [1, 2]; block 2 half full
+    m.allocate_slots(1, 100)  # blocks [1, 2]; block 2 half full
     m.fork(1, 2)
     assert m.block_table(2).tolist() == [1, 2]
     assert [m.pool.ref_count(b) for b in (1, 2)] == [2, 2]
@@ -194,7 +201,7 @@ def test_fork_and_copy_on_write() -> None:
     assert a.copies.tolist() == [[2, 3]] and a.new_block_ids.tolist() == [3]
     assert m.block_table(2).tolist() == [1, 3]
     assert [m.pool.ref_count(b) for b in (1, 2, 3)] == [2, 1, 1]
-    m.append_tokens(1, [8])                          # the parent now owns block 2 alone: no copy
+    m.append_tokens(1, [8])  # the parent now owns block 2 alone: no copy
     assert m.allocate_slots(1, 1).copies.shape == (0, 2)
     assert m.stats().copies == 1
     m.check_invariants()
@@ -203,7 +210,7 @@ def test_fork_and_copy_on_write() -> None:
 def test_free_is_idempotent_and_tail_first() -> None:
     m = make(8, 4, enable_prefix_caching=False)
     m.add_sequence(1, list(range(10)))
-    m.allocate_slots(1, 100)                         # [1, 2, 3]
+    m.allocate_slots(1, 100)  # [1, 2, 3]
     assert m.free(1) is True
     assert m.free(1) is False
     assert m.free(12345) is False
@@ -223,7 +230,7 @@ def test_preempt_recompute_then_resume_hits_own_prefix() -> None:
     assert m.block_table(1).tolist() == []
     assert (m.num_tokens(1), m.num_computed_tokens(1)) == (10, 0)
     assert m.stats().preemptions == 1
-    a = m.allocate_slots(1, 100)                     # resumed prefill: prompt + generated token
+    a = m.allocate_slots(1, 100)  # resumed prefill: prompt + generated token
     assert (a.num_cached_tokens, a.num_scheduled_tokens) == (8, 2)
     assert m.status(1) == "running"
     m.check_invariants()
@@ -232,8 +239,8 @@ def test_preempt_recompute_then_resume_hits_own_prefix() -> None:
 def test_swap_out_and_in_plans() -> None:
     m = make(16, 4, num_cpu_blocks=8)
     m.add_sequence(1, [1, 2, 3, 4, 5, 6])
-    m.allocate_slots(1, 100)                         # GPU [1, 2]
-    m.fork(1, 2)                                     # the group shares both blocks
+    m.allocate_slots(1, 100)  # GPU [1, 2]
+    m.fork(1, 2)  # the group shares both blocks
     out = m.swap_out([1, 2])
     assert out.dtype == np.int32 and out.tolist() == [[1, 0], [2, 1]]
     assert (m.status(1), m.status(2)) == ("swapped", "swapped")
@@ -270,13 +277,13 @@ def test_reset_prefix_cache_and_events() -> None:
 
 
 def test_eviction_emits_block_removed() -> None:
-    m = make(4, 2, enable_events=True)               # 3 usable blocks
+    m = make(4, 2, enable_events=True)  # 3 usable blocks
     m.add_sequence(1, [1, 2, 3, 4, 5])
-    m.allocate_slots(1, 100)                         # blocks 1, 2 cached; 3 partial
+    m.allocate_slots(1, 100)  # blocks 1, 2 cached; 3 partial
     stored = m.take_events()[0]
     m.free(1)
     m.add_sequence(2, [9, 9, 9, 9, 9, 9])
-    m.allocate_slots(2, 100)                         # needs all 3 blocks: evicts 2, then 1
+    m.allocate_slots(2, 100)  # needs all 3 blocks: evicts 2, then 1
     removed = [e for e in m.take_events() if isinstance(e, pagedkv.BlockRemoved)]
     assert sorted(h for e in removed for h in e.block_hashes) == sorted(stored.block_hashes)
     assert m.stats().evictions == 2
@@ -297,7 +304,7 @@ def test_step_decode_batch() -> None:
     m = make(32, 4)
     for s in (1, 2, 3):
         m.add_sequence(s, [s] * 4)
-        m.allocate_slots(s, 100)                     # s -> block s, full
+        m.allocate_slots(s, 100)  # s -> block s, full
     out = m.step(np.array([1, 2, 3], dtype=np.uint64), 1, append_token_ids=np.array([7, 8, 9]))
     assert out.error is None and out.num_scheduled == 3
     assert out.query_start_loc.tolist() == [0, 1, 2, 3]
@@ -309,8 +316,16 @@ def test_step_decode_batch() -> None:
     assert out.slot_mapping.dtype == np.int64 and out.slot_mapping.tolist() == [16, 20, 24]
     assert out.block_table.tolist() == [[1, 4], [2, 5], [3, 6]]
     assert out.copies.shape == (0, 2)
-    for arr in (out.query_start_loc, out.seq_lens, out.context_lens, out.block_table,
-                out.new_block_indptr, out.new_block_ids, out.num_cached_tokens, out.copies):
+    for arr in (
+        out.query_start_loc,
+        out.seq_lens,
+        out.context_lens,
+        out.block_table,
+        out.new_block_indptr,
+        out.new_block_ids,
+        out.num_cached_tokens,
+        out.copies,
+    ):
         assert arr.dtype == np.int32
     out.raise_for_error()
     assert [m.token_ids(s).tolist()[-1] for s in (1, 2, 3)] == [7, 8, 9]
@@ -330,9 +345,9 @@ def test_step_prefill_with_lists_and_per_seq_limits() -> None:
 
 
 def test_step_stops_at_first_failure_and_reports_it() -> None:
-    m = make(4, 4)                                   # 3 usable blocks
+    m = make(4, 4)  # 3 usable blocks
     m.add_sequence(1, [1] * 4)
-    m.add_sequence(2, [2] * 9)                       # needs 3 blocks
+    m.add_sequence(2, [2] * 9)  # needs 3 blocks
     m.add_sequence(3, [3] * 2)
     out = m.step([1, 2, 3], [100, 100, 100])
     assert out.num_scheduled == 1
@@ -391,8 +406,15 @@ def test_stats_snapshot_values() -> None:
     assert s.kv_utilization == pytest.approx(10 / 16)
     d = s.as_dict()
     assert d["used"] == 4 and d["prefix_hit_rate"] == pytest.approx(8 / 18)
-    assert set(d) >= {"evictions", "copies", "swaps_out_blocks", "swaps_in_blocks", "preemptions",
-                      "num_cpu_blocks", "cpu_used"}
+    assert set(d) >= {
+        "evictions",
+        "copies",
+        "swaps_out_blocks",
+        "swaps_in_blocks",
+        "preemptions",
+        "num_cpu_blocks",
+        "cpu_used",
+    }
     assert m.stats() == s
     m.free(1)
     assert m.stats() != s
@@ -410,18 +432,18 @@ def test_block_pool_standalone() -> None:
     assert (p.num_free, p.num_used) == (4, 3)
     p.incref(ids[:1])
     assert [p.ref_count(i) for i in (0, 1, 2, 3, 4, 7)] == [0, 2, 1, 1, 0, 0]
-    for bad in (8, 99):                              # out of range, as free() reports it
+    for bad in (8, 99):  # out of range, as free() reports it
         with pytest.raises(pagedkv.InvalidBlockError, match=f"{bad}") as info:
             p.ref_count(bad)
         assert (info.value.block_id, info.value.num_blocks) == (bad, 8)
     h = bytes(range(32))
     p.cache_block(2, h)
     assert p.block_hash(2) == h and p.lookup(h) == 2 and p.lookup(bytes(32)) is None
-    p.free(np.array([3, 2, 1], dtype=np.int64))      # tail first
+    p.free(np.array([3, 2, 1], dtype=np.int64))  # tail first
     # 3 (uncached) -> front; 2 (cached) -> LRU back; 1 still referenced once.
     assert p.free_queue().tolist() == [3, 4, 5, 6, 7, 2]
     assert p.num_cached_free == 1
-    p.touch([2])                                     # prefix hit on a free cached block
+    p.touch([2])  # prefix hit on a free cached block
     assert p.ref_count(2) == 1 and p.num_free == 5
     p.free([2, 1])
     assert p.counters() == {"evictions": 0, "allocations": 3, "frees": 5, "prefix_touches": 1}
@@ -436,7 +458,7 @@ def test_block_pool_eviction_order() -> None:
     ids = p.allocate(3).tolist()
     for i, b in enumerate(ids):
         p.cache_block(b, bytes([i + 1]) * 32)
-    p.free(ids[::-1])                                # LRU front = 3 (freed first)
+    p.free(ids[::-1])  # LRU front = 3 (freed first)
     assert p.free_queue().tolist() == [3, 2, 1]
     assert p.allocate(1).tolist() == [3]
     assert p.block_hash(3) is None and p.lookup(bytes([3]) * 32) is None
@@ -447,9 +469,14 @@ def test_manager_pool_view_is_read_only() -> None:
     m = make()
     view = m.pool
     assert view.num_free == 15
-    for call in (lambda: view.allocate(1), lambda: view.free([1]), lambda: view.incref([1]),
-                 lambda: view.touch([1]), lambda: view.cache_block(1, bytes(32)),
-                 lambda: view.reset_prefix_cache()):
+    for call in (
+        lambda: view.allocate(1),
+        lambda: view.free([1]),
+        lambda: view.incref([1]),
+        lambda: view.touch([1]),
+        lambda: view.cache_block(1, bytes(32)),
+        lambda: view.reset_prefix_cache(),
+    ):
         with pytest.raises(pagedkv.ReadOnlyPoolError, match="read-only view") as info:
             call()
         assert isinstance(info.value, RuntimeError)

@@ -16,8 +16,9 @@ those packages are importable, kernel inputs (dtype, shape, device, type) and en
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -52,8 +53,18 @@ CONFIG_ROWS: list[Row] = [
     # wrong types are pagedkv errors naming the field, not bare TypeErrors
     ("hash_algo=5", lambda: pagedkv.CacheConfig(10, 4, hash_algo=5), E.InvalidConfigError, ("hash_algo", "5", "str")),  # type: ignore[arg-type]
     ("hash_seed=str", lambda: pagedkv.CacheConfig(10, 4, hash_seed="s"), E.InvalidConfigError, ("hash_seed", "bytes")),  # type: ignore[arg-type]
-    ("enable_events=1", lambda: pagedkv.CacheConfig(10, 4, enable_events=1), E.InvalidConfigError, ("enable_events", "bool")),  # type: ignore[arg-type]
-    ("manager of a non-config", lambda: pagedkv.KVCacheManager("cfg"), E.InvalidArgumentError, ("config", "CacheConfig")),  # type: ignore[arg-type]
+    (
+        "enable_events=1",
+        lambda: pagedkv.CacheConfig(10, 4, enable_events=1),
+        E.InvalidConfigError,
+        ("enable_events", "bool"),
+    ),  # type: ignore[arg-type]
+    (
+        "manager of a non-config",
+        lambda: pagedkv.KVCacheManager("cfg"),
+        E.InvalidArgumentError,
+        ("config", "CacheConfig"),
+    ),  # type: ignore[arg-type]
     (
         "num_cpu_blocks=-1",
         lambda: pagedkv.CacheConfig(10, 4, num_cpu_blocks=-1),
@@ -131,17 +142,52 @@ def manager_snapshot(m: pagedkv.KVCacheManager) -> tuple[Any, ...]:
 U32_MAX = 2**32 - 1
 MANAGER_ROWS: list[Row] = [
     # token arrays: dtype, shape, type, values
-    ("prompt float64 array", lambda m: m.add_sequence(5, np.array([1.0, 2.0])), E.InvalidArgumentError, ("prompt_token_ids", "float64")),
+    (
+        "prompt float64 array",
+        lambda m: m.add_sequence(5, np.array([1.0, 2.0])),
+        E.InvalidArgumentError,
+        ("prompt_token_ids", "float64"),
+    ),
     ("prompt float list", lambda m: m.add_sequence(5, [1, 2.5]), E.InvalidArgumentError, ("prompt_token_ids", "2.5")),
-    ("prompt 2-D array", lambda m: m.add_sequence(5, np.array([[1, 2], [3, 4]])), E.InvalidArgumentError, ("prompt_token_ids", "[2, 2]")),
+    (
+        "prompt 2-D array",
+        lambda m: m.add_sequence(5, np.array([[1, 2], [3, 4]])),
+        E.InvalidArgumentError,
+        ("prompt_token_ids", "[2, 2]"),
+    ),
     ("prompt str", lambda m: m.add_sequence(5, "hello"), E.InvalidArgumentError, ("prompt_token_ids", "'hello'")),
     ("prompt None", lambda m: m.add_sequence(5, None), E.InvalidArgumentError, ("prompt_token_ids", "None")),
-    ("prompt negative id (list)", lambda m: m.add_sequence(5, [1, -2, 3]), E.InvalidArgumentError, ("prompt_token_ids", "-2")),
-    ("prompt negative id (int64 array)", lambda m: m.add_sequence(5, np.array([4, -7], dtype=np.int64)), E.InvalidArgumentError, ("prompt_token_ids", "-7")),
-    ("prompt id > u32", lambda m: m.add_sequence(5, [U32_MAX + 1]), E.InvalidArgumentError, ("prompt_token_ids", str(U32_MAX + 1))),
+    (
+        "prompt negative id (list)",
+        lambda m: m.add_sequence(5, [1, -2, 3]),
+        E.InvalidArgumentError,
+        ("prompt_token_ids", "-2"),
+    ),
+    (
+        "prompt negative id (int64 array)",
+        lambda m: m.add_sequence(5, np.array([4, -7], dtype=np.int64)),
+        E.InvalidArgumentError,
+        ("prompt_token_ids", "-7"),
+    ),
+    (
+        "prompt id > u32",
+        lambda m: m.add_sequence(5, [U32_MAX + 1]),
+        E.InvalidArgumentError,
+        ("prompt_token_ids", str(U32_MAX + 1)),
+    ),
     ("prompt empty", lambda m: m.add_sequence(5, []), E.InvalidArgumentError, ("prompt",)),
-    ("prompt empty array", lambda m: m.add_sequence(5, np.array([], dtype=np.int32)), E.InvalidArgumentError, ("prompt",)),
-    ("append float array", lambda m: m.append_tokens(1, np.array([0.5])), E.InvalidArgumentError, ("token_ids", "float64")),
+    (
+        "prompt empty array",
+        lambda m: m.add_sequence(5, np.array([], dtype=np.int32)),
+        E.InvalidArgumentError,
+        ("prompt",),
+    ),
+    (
+        "append float array",
+        lambda m: m.append_tokens(1, np.array([0.5])),
+        E.InvalidArgumentError,
+        ("token_ids", "float64"),
+    ),
     ("append negative id", lambda m: m.append_tokens(1, [3, -1]), E.InvalidArgumentError, ("token_ids", "-1")),
     # sequence ids
     ("duplicate seq id", lambda m: m.add_sequence(1, [1, 2]), E.SequenceExistsError, ("1",)),
@@ -162,39 +208,113 @@ MANAGER_ROWS: list[Row] = [
     ("allocate zero tokens", lambda m: m.allocate_slots(2, 0), E.InvalidArgumentError, ("num_new_tokens", "0")),
     ("allocate float count", lambda m: m.allocate_slots(2, 1.5), E.InvalidArgumentError, ("num_new_tokens", "1.5")),
     ("allocate fully computed seq", lambda m: m.allocate_slots(1, 1), E.InvalidArgumentError, ("num_new_tokens", "1")),
-    ("num_blocks_needed negative", lambda m: m.num_blocks_needed(2, -3), E.InvalidArgumentError, ("num_new_tokens", "-3")),
+    (
+        "num_blocks_needed negative",
+        lambda m: m.num_blocks_needed(2, -3),
+        E.InvalidArgumentError,
+        ("num_new_tokens", "-3"),
+    ),
     # capacity and state
     ("allocate more than the pool", lambda m: m.allocate_slots(4, 200), E.OutOfBlocksError, ("50", "8")),
     ("swap_out without swap space", lambda m: m.swap_out([1]), E.OutOfSwapSpaceError, ("3", "0")),
     ("swap_in a running seq", lambda m: m.swap_in([1]), E.InvalidSequenceStateError, ("1", "running")),
     ("reset while blocks in use", lambda m: m.reset_prefix_cache(), E.CacheInUseError, ("3",)),
     # multimodal items / extra keys / salts
-    ("mm item len 0", lambda m: m.add_sequence(5, [1, 2], mm_items=[(b"img", 0, 0)]), E.InvalidArgumentError, ("mm_items", "len=0")),
-    ("mm item negative start", lambda m: m.add_sequence(5, [1, 2], mm_items=[(b"img", -1, 2)]), E.InvalidArgumentError, ("mm_items", "-1")),
-    ("extra key value not bytes", lambda m: m.add_sequence(5, [1], extra_keys=[("lora", "x")]), E.InvalidArgumentError, ("extra_keys", "'lora'")),
-    ("cache_salt not str", lambda m: m.add_sequence(5, [1], cache_salt=5), E.InvalidArgumentError, ("cache_salt", "5", "str")),
+    (
+        "mm item len 0",
+        lambda m: m.add_sequence(5, [1, 2], mm_items=[(b"img", 0, 0)]),
+        E.InvalidArgumentError,
+        ("mm_items", "len=0"),
+    ),
+    (
+        "mm item negative start",
+        lambda m: m.add_sequence(5, [1, 2], mm_items=[(b"img", -1, 2)]),
+        E.InvalidArgumentError,
+        ("mm_items", "-1"),
+    ),
+    (
+        "extra key value not bytes",
+        lambda m: m.add_sequence(5, [1], extra_keys=[("lora", "x")]),
+        E.InvalidArgumentError,
+        ("extra_keys", "'lora'"),
+    ),
+    (
+        "cache_salt not str",
+        lambda m: m.add_sequence(5, [1], cache_salt=5),
+        E.InvalidArgumentError,
+        ("cache_salt", "5", "str"),
+    ),
     # batched step: malformed requests change nothing and raise nothing; error is reported
-    ("step num_new length mismatch", lambda m: m.step([1, 2], [1]).raise_for_error(), E.InvalidArgumentError, ("num_new_tokens",)),
-    ("step appends length mismatch", lambda m: m.step([2], [1], [[1], [2]]).raise_for_error(), E.InvalidArgumentError, ("append_token_ids",)),
-    ("step negative num_new", lambda m: m.step([2], [-1]).raise_for_error(), E.InvalidArgumentError, ("num_new_tokens", "-1")),
+    (
+        "step num_new length mismatch",
+        lambda m: m.step([1, 2], [1]).raise_for_error(),
+        E.InvalidArgumentError,
+        ("num_new_tokens",),
+    ),
+    (
+        "step appends length mismatch",
+        lambda m: m.step([2], [1], [[1], [2]]).raise_for_error(),
+        E.InvalidArgumentError,
+        ("append_token_ids",),
+    ),
+    (
+        "step negative num_new",
+        lambda m: m.step([2], [-1]).raise_for_error(),
+        E.InvalidArgumentError,
+        ("num_new_tokens", "-1"),
+    ),
     ("step unknown seq", lambda m: m.step([92], [1]).raise_for_error(), E.UnknownSequenceError, ("92",)),
-    ("step negative appended id", lambda m: m.step([2], [1], [[-4]]).raise_for_error(), E.InvalidArgumentError, ("-4",)),
-    ("step 2-D seq ids", lambda m: m.step(np.array([[2]]), [1]).raise_for_error(), E.InvalidArgumentError, ("seq_ids", "[1, 1]")),
+    (
+        "step negative appended id",
+        lambda m: m.step([2], [1], [[-4]]).raise_for_error(),
+        E.InvalidArgumentError,
+        ("-4",),
+    ),
+    (
+        "step 2-D seq ids",
+        lambda m: m.step(np.array([[2]]), [1]).raise_for_error(),
+        E.InvalidArgumentError,
+        ("seq_ids", "[1, 1]"),
+    ),
     # array-likes only: 1-D integer arrays or lists / tuples of ints, nothing coerced
-    ("step seq ids from a generator", lambda m: m.step((s for s in [2]), [1]), E.InvalidArgumentError, ("seq_ids", "generator")),
+    (
+        "step seq ids from a generator",
+        lambda m: m.step((s for s in [2]), [1]),
+        E.InvalidArgumentError,
+        ("seq_ids", "generator"),
+    ),
     ("step seq ids as a set", lambda m: m.step({2}, [1]), E.InvalidArgumentError, ("seq_ids", "set")),
     ("step float seq id array", lambda m: m.step(np.array([2.0]), [1]), E.InvalidArgumentError, ("seq_ids", "float64")),
-    ("step 2-D appends array", lambda m: m.step([2], [1], np.array([[5]])), E.InvalidArgumentError, ("append_token_ids", "[1, 1]")),
+    (
+        "step 2-D appends array",
+        lambda m: m.step([2], [1], np.array([[5]])),
+        E.InvalidArgumentError,
+        ("append_token_ids", "[1, 1]"),
+    ),
     ("step appends as a str", lambda m: m.step([2], [1], "x"), E.InvalidArgumentError, ("append_token_ids", "str")),
     ("tokens as bytes", lambda m: m.append_tokens(2, b"ab"), E.InvalidArgumentError, ("token_ids", "bytes")),
-    ("extra_keys as a dict", lambda m: m.add_sequence(5, [1], extra_keys={"lora": b"x"}), E.InvalidArgumentError, ("extra_keys", "dict")),
-    ("adapter_id not str", lambda m: m.add_sequence(5, [1], adapter_id=b"a"), E.InvalidArgumentError, ("adapter_id", "bytes")),
+    (
+        "extra_keys as a dict",
+        lambda m: m.add_sequence(5, [1], extra_keys={"lora": b"x"}),
+        E.InvalidArgumentError,
+        ("extra_keys", "dict"),
+    ),
+    (
+        "adapter_id not str",
+        lambda m: m.add_sequence(5, [1], adapter_id=b"a"),
+        E.InvalidArgumentError,
+        ("adapter_id", "bytes"),
+    ),
     ("num_uncomputed_tokens unknown seq", lambda m: m.num_uncomputed_tokens([1, 91]), E.UnknownSequenceError, ("91",)),
     ("num_blocks_owed duplicate ids", lambda m: m.num_blocks_owed([1, 1]), E.InvalidArgumentError, ("seq_ids", "1")),
     # the manager's pool is a read-only view
     ("free through the manager's pool", lambda m: m.pool.free([1]), E.ReadOnlyPoolError, ("read-only", "free")),
-    ("step duplicate seq id", lambda m: m.step([2, 2], [4, 4]).raise_for_error(), E.InvalidArgumentError,
-     ("seq_ids", "sequence 2 appears more than once")),
+    (
+        "step duplicate seq id",
+        lambda m: m.step([2, 2], [4, 4]).raise_for_error(),
+        E.InvalidArgumentError,
+        ("seq_ids", "sequence 2 appears more than once"),
+    ),
     ("pool ref_count out of range", lambda m: m.pool.ref_count(99), E.InvalidBlockError, ("99",)),
     ("pool block_hash out of range", lambda m: m.pool.block_hash(99), E.InvalidBlockError, ("99",)),
 ]
@@ -205,7 +325,9 @@ def test_manager_rows_are_many() -> None:
 
 
 @pytest.mark.parametrize("name,call,exc,needles", MANAGER_ROWS, ids=[r[0] for r in MANAGER_ROWS])
-def test_bad_manager_call(name: str, call: Callable[..., Any], exc: type[BaseException], needles: tuple[str, ...]) -> None:
+def test_bad_manager_call(
+    name: str, call: Callable[..., Any], exc: type[BaseException], needles: tuple[str, ...]
+) -> None:
     m = make_manager()
     before = manager_snapshot(m)
     err = check_raises(lambda: call(m), exc, needles)
@@ -329,7 +451,13 @@ def _kernel_rows() -> list[Row]:
     def write(**over: Any) -> Any:
         c = cache()
         k, v = kv()
-        args = dict(key=k, value=v, key_cache=c[0, 0], value_cache=c[0, 1], slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int64))
+        args = dict(
+            key=k,
+            value=v,
+            key_cache=c[0, 0],
+            value_cache=c[0, 1],
+            slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int64),
+        )
         args.update(over)
         return R.reshape_and_cache(**args)
 
@@ -348,18 +476,73 @@ def _kernel_rows() -> list[Row]:
         return R.paged_attention(**args)
 
     return [
-        ("cache write: int64 key", lambda: write(key=torch.ones(3, H, D, dtype=torch.int64)), E.KernelInputError, ("key", "torch.int64")),
-        ("cache write: int32 slot_mapping", lambda: write(slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int32)), E.KernelInputError, ("slot_mapping", "torch.int32")),
-        ("cache write: slot_mapping too short", lambda: write(slot_mapping=torch.tensor([0], dtype=torch.int64)), E.KernelInputError, ("slot_mapping",)),
-        ("cache write: key wrong head count", lambda: write(key=torch.randn(3, H + 1, D)), E.KernelInputError, ("key",)),
+        (
+            "cache write: int64 key",
+            lambda: write(key=torch.ones(3, H, D, dtype=torch.int64)),
+            E.KernelInputError,
+            ("key", "torch.int64"),
+        ),
+        (
+            "cache write: int32 slot_mapping",
+            lambda: write(slot_mapping=torch.tensor([0, 1, 2], dtype=torch.int32)),
+            E.KernelInputError,
+            ("slot_mapping", "torch.int32"),
+        ),
+        (
+            "cache write: slot_mapping too short",
+            lambda: write(slot_mapping=torch.tensor([0], dtype=torch.int64)),
+            E.KernelInputError,
+            ("slot_mapping",),
+        ),
+        (
+            "cache write: key wrong head count",
+            lambda: write(key=torch.randn(3, H + 1, D)),
+            E.KernelInputError,
+            ("key",),
+        ),
         ("cache write: key not a tensor", lambda: write(key=[[0.0]]), E.KernelInputError, ("key", "list")),
-        ("cache write: key on meta device", lambda: write(key=torch.randn(3, H, D, device="meta")), E.KernelInputError, ("key", "meta")),
-        ("attention: int64 block_table", lambda: attend(block_table=torch.tensor([[1, 2], [3, 0]], dtype=torch.int64)), E.KernelInputError, ("block_table", "torch.int64")),
-        ("attention: 1-D block_table", lambda: attend(block_table=torch.tensor([1, 2], dtype=torch.int32)), E.KernelInputError, ("block_table",)),
-        ("attention: seq_lens float", lambda: attend(seq_lens=torch.tensor([5.0, 3.0])), E.KernelInputError, ("seq_lens", "float32")),
-        ("attention: query head size mismatch", lambda: attend(query=torch.randn(2, H, D + 1)), E.KernelInputError, ("query",)),
-        ("copy_blocks: float mapping", lambda: R.copy_blocks(cache(), torch.tensor([[1.0, 2.0]])), E.KernelInputError, ("block_mapping", "float32")),
-        ("copy_blocks: mapping shape [1, 3]", lambda: R.copy_blocks(cache(), torch.tensor([[1, 2, 3]])), E.KernelInputError, ("block_mapping",)),
+        (
+            "cache write: key on meta device",
+            lambda: write(key=torch.randn(3, H, D, device="meta")),
+            E.KernelInputError,
+            ("key", "meta"),
+        ),
+        (
+            "attention: int64 block_table",
+            lambda: attend(block_table=torch.tensor([[1, 2], [3, 0]], dtype=torch.int64)),
+            E.KernelInputError,
+            ("block_table", "torch.int64"),
+        ),
+        (
+            "attention: 1-D block_table",
+            lambda: attend(block_table=torch.tensor([1, 2], dtype=torch.int32)),
+            E.KernelInputError,
+            ("block_table",),
+        ),
+        (
+            "attention: seq_lens float",
+            lambda: attend(seq_lens=torch.tensor([5.0, 3.0])),
+            E.KernelInputError,
+            ("seq_lens", "float32"),
+        ),
+        (
+            "attention: query head size mismatch",
+            lambda: attend(query=torch.randn(2, H, D + 1)),
+            E.KernelInputError,
+            ("query",),
+        ),
+        (
+            "copy_blocks: float mapping",
+            lambda: R.copy_blocks(cache(), torch.tensor([[1.0, 2.0]])),
+            E.KernelInputError,
+            ("block_mapping", "float32"),
+        ),
+        (
+            "copy_blocks: mapping shape [1, 3]",
+            lambda: R.copy_blocks(cache(), torch.tensor([[1, 2, 3]])),
+            E.KernelInputError,
+            ("block_mapping",),
+        ),
     ]
 
 
@@ -394,13 +577,28 @@ def _engine_rows(tmp_path: Path) -> list[Row]:
     return [
         ("sampling n=0", lambda: SamplingParams(n=0), EE.InvalidRequestError, ("n", "0")),
         ("sampling top_p=1.5", lambda: SamplingParams(top_p=1.5), EE.InvalidRequestError, ("top_p", "1.5")),
-        ("sampling temperature=-1", lambda: SamplingParams(temperature=-1.0), EE.InvalidRequestError, ("temperature", "-1")),
-        ("prompts file missing", lambda: read_prompts(tmp_path / "missing.jsonl"), EE.PromptFileError, ("missing.jsonl",)),
+        (
+            "sampling temperature=-1",
+            lambda: SamplingParams(temperature=-1.0),
+            EE.InvalidRequestError,
+            ("temperature", "-1"),
+        ),
+        (
+            "prompts file missing",
+            lambda: read_prompts(tmp_path / "missing.jsonl"),
+            EE.PromptFileError,
+            ("missing.jsonl",),
+        ),
         ("prompts file malformed JSON", lambda: read_prompts(malformed), EE.PromptFileError, ("bad.jsonl:2",)),
         ("prompts file without prompt", lambda: read_prompts(no_prompt), EE.PromptFileError, ("noprompt.jsonl:1",)),
         ("prompts file empty", lambda: read_prompts(empty), EE.PromptFileError, ("empty.jsonl",)),
         ("prompts file wrong suffix", lambda: read_prompts(wrong_suffix), EE.PromptFileError, (".csv",)),
-        ("model path missing", lambda: resolve_model_path(tmp_path / "no-model.gguf"), EE.ModelNotFoundError, ("no-model.gguf",)),
+        (
+            "model path missing",
+            lambda: resolve_model_path(tmp_path / "no-model.gguf"),
+            EE.ModelNotFoundError,
+            ("no-model.gguf",),
+        ),
     ]
 
 

@@ -130,3 +130,30 @@ def test_paged_simulation_through_pagedkv_exact():
     assert b.internal_frag == 6 / 36
     assert b.external_other == 8 / 36
     assert b.concurrency == 5 / 3
+
+
+def test_op_trace_tokens_file_is_prompt_then_output_per_request(tmp_path):
+    w = common.load_workload("mooncake", None).head(40)
+    tr = op_trace.build(w, num_steps=12, block_size=16, max_running=8, seed=3)
+    path = tmp_path / "tokens.bin"
+    tr.save_tokens(path)
+    flat = np.fromfile(path, dtype="<u4")
+    assert flat.size == sum(tr.prompt_lens) + sum(tr.output_lens)
+    at = 0
+    for r in range(len(tr.prompt_lens)):
+        p, o = tr.prompt_lens[r], tr.output_lens[r]
+        assert np.array_equal(flat[at : at + p], tr.prompt_tokens(r))
+        assert np.array_equal(flat[at + p : at + p + o], tr.output_tokens(r))
+        at += p + o
+
+
+def test_pagedkv_pool_adapter_frees_tail_first():
+    import replay_pagedkv  # noqa: PLC0415
+
+    pool = replay_pagedkv.PagedKVReplayer("sha256").pool_adapter(16)
+    prompt = pool.allocate(3)
+    decode = pool.items(pool.allocate(2))
+    tail_first = pool.concat_reversed([prompt, *decode])
+    assert tail_first.tolist() == [decode[1], decode[0], *prompt.tolist()[::-1]]
+    pool.free(tail_first)
+    assert pool.concat_reversed([prompt]).tolist() == prompt.tolist()[::-1]

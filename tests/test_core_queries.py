@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedkv import CacheConfig, KVCacheManager, errors as E
+from pagedkv import CacheConfig, KVCacheManager
+from pagedkv import errors as E
 
 
 def _manager(num_blocks: int = 32, block_size: int = 4, cpu: int = 16) -> KVCacheManager:

@@ -9,8 +9,6 @@ keeping one set per worker therefore never drops a live prefix and never sees an
 
 from __future__ import annotations
 
-from typing import Optional
-
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -23,8 +21,9 @@ NUM_CPU_BLOCKS = 8
 
 # Prompts drawn from a few shared stems so that prefixes (and same-step duplicates) are common.
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
-prompts = st.builds(lambda stem, tail: STEMS[stem] + tail,
-                    st.integers(0, len(STEMS) - 1), st.lists(st.integers(1, 3), max_size=6))
+prompts = st.builds(
+    lambda stem, tail: STEMS[stem] + tail, st.integers(0, len(STEMS) - 1), st.lists(st.integers(1, 3), max_size=6)
+)
 
 
 def resolvable_hashes(m: pagedkv.KVCacheManager) -> set[bytes]:
@@ -39,14 +38,15 @@ def resolvable_hashes(m: pagedkv.KVCacheManager) -> set[bytes]:
 class EventSetMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.m = pagedkv.KVCacheManager(pagedkv.CacheConfig(
-            NUM_BLOCKS, BLOCK_SIZE, num_cpu_blocks=NUM_CPU_BLOCKS, enable_events=True))
+        self.m = pagedkv.KVCacheManager(
+            pagedkv.CacheConfig(NUM_BLOCKS, BLOCK_SIZE, num_cpu_blocks=NUM_CPU_BLOCKS, enable_events=True)
+        )
         self.replayed: set[bytes] = set()
         self.ever_announced: set[bytes] = set()
         self.seqs: list[int] = []
         self.next_id = 1
 
-    def _call(self, fn, *args) -> Optional[object]:  # type: ignore[no-untyped-def]
+    def _call(self, fn, *args) -> object | None:  # type: ignore[no-untyped-def]
         try:
             return fn(*args)
         except pagedkv.PagedKVError:

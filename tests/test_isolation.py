@@ -62,7 +62,11 @@ SPECS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("image position", dict(mm_items=[(b"cat.png", 0, 8)]), dict(mm_items=[(b"cat.png", 1, 8)])),
     ("adapter 'x' vs salt 'x'", dict(adapter_id="x"), dict(cache_salt="x")),
     ("salt 'x' vs tagged ('x', b'')", dict(cache_salt="x"), dict(extra_keys=[("x", b"")])),
-    ("salt+adapter vs adapter+salt swapped", dict(cache_salt="a", adapter_id="b"), dict(cache_salt="b", adapter_id="a")),
+    (
+        "salt+adapter vs adapter+salt swapped",
+        dict(cache_salt="a", adapter_id="b"),
+        dict(cache_salt="b", adapter_id="a"),
+    ),
 ]
 
 
@@ -84,7 +88,13 @@ def test_image_only_isolates_the_blocks_it_covers() -> None:
 @pytest.mark.parametrize("free_first", [False, True], ids=["first-running", "first-finished"])
 @pytest.mark.parametrize(
     "spec",
-    [dict(), dict(cache_salt="t"), dict(adapter_id="lora"), dict(extra_keys=[("model", b"m")]), dict(mm_items=[(b"img", 4, 8)])],
+    [
+        dict(),
+        dict(cache_salt="t"),
+        dict(adapter_id="lora"),
+        dict(extra_keys=[("model", b"m")]),
+        dict(mm_items=[(b"img", 4, 8)]),
+    ],
     ids=["none", "salt", "adapter", "model", "image"],
 )
 def test_same_keys_do_share(spec: dict[str, Any], free_first: bool) -> None:
@@ -189,7 +199,8 @@ _CHILD = textwrap.dedent(
     m.allocate_slots(1, 40)
     m.add_sequence(2, list(range(500, 520)) + [7] * 9, adapter_id="lora")
     m.allocate_slots(2, 29)
-    print(json.dumps([bytes(h).hex() for ev in m.take_events() if isinstance(ev, pagedkv.BlockStored) for h in ev.block_hashes]))
+    stored = [ev for ev in m.take_events() if isinstance(ev, pagedkv.BlockStored)]
+    print(json.dumps([bytes(h).hex() for ev in stored for h in ev.block_hashes]))
     """
 )
 

@@ -25,14 +25,16 @@ NUM_WORKERS = 3
 MAX_PENDING = 1
 
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5]]
-prompts = st.builds(lambda stem, tail: STEMS[stem] + tail,
-                    st.integers(0, len(STEMS) - 1), st.lists(st.integers(1, 3), max_size=6))
+prompts = st.builds(
+    lambda stem, tail: STEMS[stem] + tail, st.integers(0, len(STEMS) - 1), st.lists(st.integers(1, 3), max_size=6)
+)
 PROBES = [STEMS[0] + [1, 1, 1, 1, 2], STEMS[1] + [2], STEMS[2] + [1, 2, 3, 1, 1], [1, 2, 3, 4, 1]]
 
 
 def new_manager() -> pagedkv.KVCacheManager:
-    return pagedkv.KVCacheManager(pagedkv.CacheConfig(
-        NUM_BLOCKS, BLOCK_SIZE, num_cpu_blocks=NUM_CPU_BLOCKS, enable_events=True))
+    return pagedkv.KVCacheManager(
+        pagedkv.CacheConfig(NUM_BLOCKS, BLOCK_SIZE, num_cpu_blocks=NUM_CPU_BLOCKS, enable_events=True)
+    )
 
 
 def resolvable(m: pagedkv.KVCacheManager) -> frozenset[bytes]:
@@ -109,8 +111,11 @@ class IndexerMachine(RuleBasedStateMachine):
                 self._try(wk.m.allocate_slots, sid, 4)
         self._publish(w)
 
-    @rule(w=st.integers(0, NUM_WORKERS - 1), data=st.data(), op=st.sampled_from(
-        ["free", "preempt", "swap_out", "swap_in", "fork"]))
+    @rule(
+        w=st.integers(0, NUM_WORKERS - 1),
+        data=st.data(),
+        op=st.sampled_from(["free", "preempt", "swap_out", "swap_in", "fork"]),
+    )
     def other(self, w: int, data: st.DataObject, op: str) -> None:
         wk = self.workers[w]
         if wk.seqs:
@@ -250,12 +255,12 @@ def test_token_queries_hash_like_the_manager_with_keys() -> None:
     assert ix.overlap(prompt, cache_salt="tenant") == {7: 0}
     assert ix.overlap(prompt) == {7: 0}
     assert ix.block_hashes(prompt, cache_salt="tenant", mm_items=[(b"img", 2, 3)]) == [
-        m.pool.block_hash(b) for b in m.block_table(1)[:3].tolist()]
+        m.pool.block_hash(b) for b in m.block_table(1)[:3].tolist()
+    ]
 
 
 def test_seed_and_algorithm_must_match_the_engines() -> None:
-    cfg = pagedkv.CacheConfig(NUM_BLOCKS, BLOCK_SIZE, hash_algo="xxh3_128", hash_seed=b"s",
-                              enable_events=True)
+    cfg = pagedkv.CacheConfig(NUM_BLOCKS, BLOCK_SIZE, hash_algo="xxh3_128", hash_seed=b"s", enable_events=True)
     m = pagedkv.KVCacheManager(cfg)
     prompt = list(range(9))
     m.add_sequence(1, prompt)
@@ -299,8 +304,15 @@ def test_bad_input_raises_typed_errors_and_changes_nothing() -> None:
         pagedkv.KVIndexer(4, hash_algo="md5")
     with pytest.raises(pagedkv.InvalidArgumentError, match="num_blocks"):
         ix.block_hashes([1, 2, 3], num_blocks=1)
-    assert ix.worker_status(3) == {"worker_id": 3, "hash_source": "tokens", "num_blocks": 0,
-                                   "next_seq": None, "num_pending": 0, "needs_resync": False, "gaps": 0}
+    assert ix.worker_status(3) == {
+        "worker_id": 3,
+        "hash_source": "tokens",
+        "num_blocks": 0,
+        "next_seq": None,
+        "num_pending": 0,
+        "needs_resync": False,
+        "gaps": 0,
+    }
     assert ix.worker_status(99) is None
 
 

@@ -12,9 +12,7 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 def readme_example() -> str:
     text = README.read_text(encoding="utf-8")
-    block = re.search(
-        r"<!-- README_EXAMPLE_START -->\s*```python\n(.*?)```\s*<!-- README_EXAMPLE_END -->", text, re.S
-    )
+    block = re.search(r"<!-- README_EXAMPLE_START -->\s*```python\n(.*?)```\s*<!-- README_EXAMPLE_END -->", text, re.S)
     assert block, "README.md lost its example markers"
     return block.group(1)
 
@@ -34,3 +32,20 @@ def test_readme_quickstart_is_exactly_two_commands() -> None:
     assert block
     commands = [line.split("#", 1)[0].strip() for line in block.group(1).splitlines() if line.strip()]
     assert commands == ["make run", "make test"]
+
+
+def test_readme_names_every_extra_and_what_make_setup_installs() -> None:
+    import tomllib
+
+    root = README.parent
+    text = README.read_text(encoding="utf-8")
+    pyproject = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))
+    extras = set(pyproject["project"]["optional-dependencies"])
+    library = text.split("As a library:", 1)[1].split("\n\n", 1)[0]
+    assert set(re.findall(r"`\[(\w+)\]`", library)) == extras
+    makefile = (root / "Makefile").read_text(encoding="utf-8")
+    installed = re.search(r'-e "\.\[([\w,]+)\]"', makefile)
+    assert installed, "Makefile lost its editable install of the extras"
+    setup = re.search(r"`make setup`: (.*?) extras", text, re.S)
+    assert setup
+    assert set(re.findall(r"`(\w+)`", setup.group(1))) == set(installed.group(1).split(","))

@@ -13,8 +13,8 @@ from pagedkv.routing import (
     Router,
     WorkerLoad,
     policy_by_name,
+    wire,
 )
-from pagedkv.routing import wire
 
 msgspec = pytest.importorskip("msgspec")
 
@@ -155,8 +155,12 @@ def test_vllm_style_payloads_with_int_hashes_are_rehashed_from_tokens() -> None:
     ix.add_worker(9, hash_source="tokens")
     toks = list(range(1, 13))
     b1 = enc.encode(_VBatch(1.0, [_VStored([11, 12], None, toks[:8], 4, None, "GPU")]))
-    b2 = enc.encode(_VBatch(2.0, [_VStored([13], 12, toks[8:12], 4, None, "GPU"),
-                                  _VStored([2**64 - 1], None, [9, 9, 9, 9], 4, 7, "GPU")]))
+    b2 = enc.encode(
+        _VBatch(
+            2.0,
+            [_VStored([13], 12, toks[8:12], 4, None, "GPU"), _VStored([2**64 - 1], None, [9, 9, 9, 9], 4, 7, "GPU")],
+        )
+    )
     assert wire.apply_payload(ix, 9, 0, b1) == "applied"
     assert wire.apply_payload(ix, 9, 1, b2) == "applied"
     assert ix.overlap(toks + [0]) == {9: 3}

@@ -306,9 +306,7 @@ class Oracle:
                     order.append(b)
                 uses[b] += 1
         if len(order) > len(self.cpu_free):
-            raise Expected(
-                E.OutOfSwapSpaceError, requested=len(order), available=len(self.cpu_free)
-            )
+            raise Expected(E.OutOfSwapSpaceError, requested=len(order), available=len(self.cpu_free))
         self.release([b for i in seqs for b in reversed(self.seqs[i].table)])
         mapping = {}
         for g in order:
@@ -529,7 +527,9 @@ class ManagerMachine(RuleBasedStateMachine):
         seq = self.next_id
         arg: Any = np.asarray(prompt, dtype=np.int64) if as_array else prompt
         if not prompt:
-            self.expect_failure(Expected(E.InvalidArgumentError), lambda: self.m.add_sequence(seq, arg, cache_salt=salt))
+            self.expect_failure(
+                Expected(E.InvalidArgumentError), lambda: self.m.add_sequence(seq, arg, cache_salt=salt)
+            )
             return
         self.m.add_sequence(seq, arg, cache_salt=salt)
         self.o.seqs[seq] = MSeq(tokens=list(prompt), salt=salt)
@@ -547,7 +547,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def allocate_slots(self, i: int, num_new: int) -> None:
         self.allocate(self.pick_in(i, {"running", "preempted"}), num_new)
 
-    @precondition(lambda self: self.o is not None and any(s.status == "running" and s.table for s in self.o.seqs.values()))
+    @precondition(
+        lambda self: self.o is not None and any(s.status == "running" and s.table for s in self.o.seqs.values())
+    )
     @rule(i=st.integers(0, 100), token=st.integers(0, 2), rest=st.booleans())
     def decode(self, i: int, token: int, rest: bool) -> None:
         """A decode step of a running sequence: finish its prefill or append one sampled token
@@ -672,7 +674,9 @@ class ManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
 
     @precondition(lambda self: self.o is not None and bool(self.o.seqs))
-    @precondition(lambda self: self.o is not None and any(s.status == "running" and s.table for s in self.o.seqs.values()))
+    @precondition(
+        lambda self: self.o is not None and any(s.status == "running" and s.table for s in self.o.seqs.values())
+    )
     @rule(i=st.integers(0, 100), token=st.integers(0, 2), on_child=st.booleans())
     def fork_then_decode(self, i: int, token: int, on_child: bool) -> None:
         """Parallel sampling: fork a running sequence, then one side samples a token. When the
@@ -788,7 +792,16 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert len(ev.token_ids) == self.o.bs * len(ev.block_hashes)
                 for j, h in enumerate(ev.block_hashes):
                     assert isinstance(h, bytes) and len(h) == 32
-                    got.append(("stored", h, list(ev.token_ids[j * self.o.bs : (j + 1) * self.o.bs]), ev.parent_block_hash if j == 0 else None, j, ev.extra_keys))
+                    got.append(
+                        (
+                            "stored",
+                            h,
+                            list(ev.token_ids[j * self.o.bs : (j + 1) * self.o.bs]),
+                            ev.parent_block_hash if j == 0 else None,
+                            j,
+                            ev.extra_keys,
+                        )
+                    )
             elif isinstance(ev, pagedkv.BlockRemoved):
                 got.extend(("removed", h) for h in ev.block_hashes)
             else:

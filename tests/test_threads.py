@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import sys
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -227,7 +227,9 @@ def test_manager_threads_share_prefixes_and_stay_consistent() -> None:
                 if op < 0.3 or not mine:
                     seq = next_id
                     next_id += 1
-                    m.add_sequence(seq, shared_prefix[: rng.randint(1, 24)] + [rng.randint(0, 3) for _ in range(rng.randint(0, 6))])
+                    m.add_sequence(
+                        seq, shared_prefix[: rng.randint(1, 24)] + [rng.randint(0, 3) for _ in range(rng.randint(0, 6))]
+                    )
                     mine.append(seq)
                     m.allocate_slots(seq, rng.randint(1, 32))
                 elif op < 0.5:
@@ -293,7 +295,7 @@ def test_concurrent_pool_views_read_while_manager_mutates() -> None:
     stop = threading.Event()
     seen: list[int] = []
 
-    assert m.pool is m.pool                          # one view, built with the manager
+    assert m.pool is m.pool  # one view, built with the manager
 
     def reader(_: int) -> None:
         view = m.pool
@@ -330,14 +332,14 @@ def test_gil_is_released_during_a_call() -> None:
 
     def worker() -> None:
         started.set()
-        pool.check_invariants()                      # GIL released inside
+        pool.check_invariants()  # GIL released inside
         done.set()
 
     old = sys.getswitchinterval()
     sys.setswitchinterval(1000.0)
     try:
         results = []
-        for _ in range(3):                           # the OS may not schedule us in time; retry
+        for _ in range(3):  # the OS may not schedule us in time; retry
             started.clear()
             done.clear()
             t = threading.Thread(target=worker)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -443,3 +444,13 @@ def test_cli_help_documents_prompt_and_result_formats(tiny, tmp_path):
     keys = set(rows[0]) | set(rows[1]) | {k for o in rows[0]["outputs"] for k in o}
     for key in keys:
         assert f"{key}:" in text or f"{key}," in text or f"{key}]" in text, key
+
+
+def test_cli_without_the_engine_extra_names_it_and_exits_2(tmp_path, capsys, monkeypatch):
+    # `pip install pagedkv` installs the command but not torch: `import torch` then fails
+    monkeypatch.setitem(sys.modules, "torch", None)
+    f = tmp_path / "p.txt"
+    f.write_text("w10\n")
+    assert main(["--prompts", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert "torch" in err and "pip install 'pagedkv[engine]'" in err and "Traceback" not in err

@@ -13,6 +13,7 @@ import pytest
 import torch
 from engine_helpers import assert_no_leak
 
+import pagedkv
 from pagedkv.engine import (
     EngineConfigError,
     InvalidRequestError,
@@ -293,12 +294,38 @@ def test_stop_string_output_keeps_its_tokens_but_cuts_the_text(tiny):
         (lambda e: e.generate([[5]], cache_salt=["t"]), r"cache_salt=\['t'\] is invalid"),
         (lambda e: e.generate([[5]], system_prompt=1), "system_prompt=1 is invalid"),
         (lambda e: e.generate([{"id": "x", "prompt": [5]}, {"id": "x", "prompt": [6]}]), "'x' appears twice"),
+        (
+            lambda e: e.add_request({"prompt": "w5", "messages": [{"role": "user", "content": "w6"}]}),
+            "has both 'prompt' and 'messages'",
+        ),
+        (
+            lambda e: e.add_request([5], request_id=[1]),
+            r"request_id=\[1\] is invalid: expected a non-empty str or an int",
+        ),
+        (lambda e: e.add_request([5], request_id=""), "request_id='' is invalid"),
+        (lambda e: e.generate([{"prompt": [5], "id": 1.5}]), "request_id=1.5 is invalid"),
+        (lambda e: e.generate([{"prompt": [5], "id": True}]), "request_id=True is invalid"),
+        (lambda e: e.add_request({"prompt": [5], "max_tokens": 0}), "max_tokens=0 is invalid"),
+        (lambda e: e.generate([{"prompt": [5], "max_tokens": "3"}]), "max_tokens='3' is invalid"),
     ],
 )
 def test_bad_request_inputs_raise_invalid_request_and_queue_nothing(tiny, call, needle):
     engine = _engine(tiny)
     with pytest.raises(InvalidRequestError, match=needle):
         call(engine)
+    _assert_clean(engine)
+
+
+def test_prompt_dict_max_tokens_overrides_the_params_as_in_a_prompts_file(tiny):
+    engine = _engine(tiny)
+    params = SamplingParams(max_tokens=7, ignore_eos=True)
+    outs = engine.generate([{"prompt": [5, 6], "max_tokens": 3}, {"prompt": [5, 6]}], params)
+    assert [len(o.token_ids) for o in outs] == [3, 7]
+    assert [o.finish_reason for o in outs] == ["length", "length"]
+    rid = engine.add_request({"prompt": [5, 6], "max_tokens": 2, "id": 41}, params)
+    assert rid == "41"
+    (out,) = engine.run()
+    assert out.request_id == "41" and len(out.token_ids) == 2
     _assert_clean(engine)
 
 
@@ -343,6 +370,10 @@ def test_accepted_prompt_forms_give_the_same_tokens(tiny):
         (dict(dtype="float64"), "dtype='float64' is invalid"),
         (dict(dtype=torch.int64), "dtype=torch.int64 is invalid"),
         (dict(dtype="fp32"), "dtype='fp32' is invalid"),
+        # the core's upper bounds, asked of pagedkv.CacheConfig before the load
+        (dict(block_size=pagedkv.MAX_BLOCK_SIZE + 1), f"block_size={pagedkv.MAX_BLOCK_SIZE + 1} is invalid"),
+        (dict(num_kv_blocks=pagedkv.MAX_BLOCKS + 1), f"num_kv_blocks={pagedkv.MAX_BLOCKS + 1} is invalid"),
+        (dict(num_cpu_blocks=2**32), f"num_cpu_blocks={2**32} is invalid"),
     ],
 )
 def test_bad_engine_arguments_raise_before_the_model_load(tmp_path, kwargs, needle):

@@ -3,8 +3,8 @@ physical blocks, plus the dense (contiguous) attention oracle."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -14,23 +14,22 @@ from kernels import reference
 
 @dataclass
 class PagedCase:
-    query: torch.Tensor          # [T, Hq, D]
-    key_cache: torch.Tensor      # [num_blocks, bs, Hkv, D]
+    query: torch.Tensor  # [T, Hq, D]
+    key_cache: torch.Tensor  # [num_blocks, bs, Hkv, D]
     value_cache: torch.Tensor
-    block_table: torch.Tensor    # int32 [B, max_blocks]
-    seq_lens: torch.Tensor       # int32 [B]
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    seq_lens: torch.Tensor  # int32 [B]
     query_start_loc: torch.Tensor  # int32 [B+1]
-    keys: List[torch.Tensor]     # contiguous per-sequence K [seq_len, Hkv, D]
-    values: List[torch.Tensor]
-    seqs: Sequence[Tuple[int, int]]  # (context_len, query_len)
+    keys: list[torch.Tensor]  # contiguous per-sequence K [seq_len, Hkv, D]
+    values: list[torch.Tensor]
+    seqs: Sequence[tuple[int, int]]  # (context_len, query_len)
 
     def attn_args(self):
-        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens,
-                self.query_start_loc)
+        return (self.query, self.key_cache, self.value_cache, self.block_table, self.seq_lens, self.query_start_loc)
 
 
 def make_case(
-    seqs: Sequence[Tuple[int, int]],
+    seqs: Sequence[tuple[int, int]],
     *,
     block_size: int,
     num_kv_heads: int,
@@ -53,7 +52,7 @@ def make_case(
     keys, values, slots = [], [], []
     used = 0
     for b, (c, q) in enumerate(seqs):
-        bt[b, : nblk[b]] = perm[used: used + nblk[b]]
+        bt[b, : nblk[b]] = perm[used : used + nblk[b]]
         used += nblk[b]
         n = c + q
         keys.append(torch.randn(n, num_kv_heads, head_size, generator=g).to(dtype))
@@ -61,18 +60,25 @@ def make_case(
         pos = torch.arange(n)
         slots.append(bt[b, pos // block_size].long() * block_size + pos % block_size)
     if seqs:
-        reference.reshape_and_cache(torch.cat(keys), torch.cat(values), key_cache, value_cache,
-                                    torch.cat(slots))
+        reference.reshape_and_cache(torch.cat(keys), torch.cat(values), key_cache, value_cache, torch.cat(slots))
     q_lens = torch.tensor([q for _, q in seqs], dtype=torch.int64)
     qsl = torch.zeros(len(seqs) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(q_lens, 0)
     query = torch.randn(int(qsl[-1]), num_kv_heads * group, head_size, generator=g).to(dtype)
-    return PagedCase(query, key_cache, value_cache, bt,
-                     torch.tensor([c + q for c, q in seqs], dtype=torch.int32), qsl,
-                     keys, values, list(seqs))
+    return PagedCase(
+        query,
+        key_cache,
+        value_cache,
+        bt,
+        torch.tensor([c + q for c, q in seqs], dtype=torch.int32),
+        qsl,
+        keys,
+        values,
+        list(seqs),
+    )
 
 
-def dense_attention(case: PagedCase, scale: float, sliding_window: Optional[int] = None) -> torch.Tensor:
+def dense_attention(case: PagedCase, scale: float, sliding_window: int | None = None) -> torch.Tensor:
     """Oracle: per sequence, torch SDPA (fp32) on the contiguous K/V with an explicit causal
     (and window) mask and K/V heads repeated for GQA. Returns fp32 ``[T, Hq, D]``."""
     hq = case.query.shape[1]
@@ -81,7 +87,7 @@ def dense_attention(case: PagedCase, scale: float, sliding_window: Optional[int]
         if q == 0:
             continue
         s0 = int(case.query_start_loc[b])
-        qq = case.query[s0: s0 + q].float().transpose(0, 1)  # [Hq, q, D]
+        qq = case.query[s0 : s0 + q].float().transpose(0, 1)  # [Hq, q, D]
         rep = hq // case.keys[b].shape[1]
         k = case.keys[b].float().transpose(0, 1).repeat_interleave(rep, 0)
         v = case.values[b].float().transpose(0, 1).repeat_interleave(rep, 0)
@@ -96,7 +102,7 @@ def dense_attention(case: PagedCase, scale: float, sliding_window: Optional[int]
     return torch.cat(outs)
 
 
-def random_seqs(kind: str, n: int, *, max_ctx: int, max_q: int, seed: int) -> List[Tuple[int, int]]:
+def random_seqs(kind: str, n: int, *, max_ctx: int, max_q: int, seed: int) -> list[tuple[int, int]]:
     """(context, query) lengths: decode (q=1), prefill (context 0) or mixed (includes a
     prefill-with-context and a decode at the extremes)."""
     g = torch.Generator().manual_seed(seed)

@@ -32,9 +32,27 @@ def quick_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot") / "aot.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-m", "kernels.aot", "--quick", "--arch", "80", "90",
-                        "--jobs", str(min(4, os.cpu_count() or 1)), "--no-progress", "--json", str(out)],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kernels.aot",
+            "--quick",
+            "--arch",
+            "80",
+            "90",
+            "--jobs",
+            str(min(4, os.cpu_count() or 1)),
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if not out.exists():
         pytest.fail(f"aot check did not write its report (exit {p.returncode}):\n{p.stderr[-4000:]}")
     return p.returncode, json.loads(out.read_text()), p.stdout
@@ -56,9 +74,19 @@ def test_quick_subset_compiles_without_spills(quick_report):
 
 def test_quick_subset_covers_every_attention_tile(quick_report):
     _, report, _ = quick_report
-    seen = {(r["dtype"], r["arch"], r["constexprs"]["BLOCK_M"], r["constexprs"]["BLOCK_N"],
-             r["constexprs"]["BLOCK_D"], r["num_warps"], r["num_stages"])
-            for r in report["kernels"] if r["kernel"] == "_paged_attn_kernel"}
+    seen = {
+        (
+            r["dtype"],
+            r["arch"],
+            r["constexprs"]["BLOCK_M"],
+            r["constexprs"]["BLOCK_N"],
+            r["constexprs"]["BLOCK_D"],
+            r["num_warps"],
+            r["num_stages"],
+        )
+        for r in report["kernels"]
+        if r["kernel"] == "_paged_attn_kernel"
+    }
     for (prec, bd, _phase), t in C.ATTENTION_TILES.items():
         dt = "fp32" if prec == "fp32" else "bf16"
         for arch in (80, 90):
@@ -74,8 +102,12 @@ def test_launcher_selects_from_the_table():
         attn, merge = aot.case_launches(case)
         t = C.attention_tile(aot._DTYPES[dt], hs, 4, 1 if phase == "decode" else 64)
         kw = attn.kwargs
-        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == \
-            (t.block_m, t.block_n, t.num_warps, t.num_stages)
+        assert (kw["BLOCK_M"], kw["BLOCK_N"], kw["num_warps"], kw["num_stages"]) == (
+            t.block_m,
+            t.block_n,
+            t.num_warps,
+            t.num_stages,
+        )
         assert kw["BLOCK_D"] == C.block_d_for(hs) and kw["SPLIT"] is True
         assert merge.kwargs["BLOCK_S"] == C.MERGE_BLOCK_S
 
@@ -102,6 +134,7 @@ def test_aot_refuses_interpreter_mode():
 
 
 # ---------------------------------------------------------------- decode traffic model
+
 
 def test_traffic_single_sequence_by_hand():
     # One sequence of 100 tokens, 2 KV heads x group 2, head 64 bf16, block 16, no split.

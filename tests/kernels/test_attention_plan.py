@@ -6,11 +6,11 @@ import importlib.util
 
 import pytest
 import torch
+from kernel_cases import dense_attention, make_case
 
 import kernels
 from kernels import plan as plan_mod
 from kernels import reference
-from kernel_cases import dense_attention, make_case
 
 # (context_len, query_len): decodes of different lengths, a fresh prefill, a prefill over a
 # cached prefix, a chunk in the middle of a prompt and a sequence with no query this step.
@@ -23,8 +23,12 @@ def _mixed_case(seed=0, group=3):
 
 def _plan(case, window=None):
     return kernels.plan_paged_attention(
-        case.block_table, case.seq_lens, case.query_start_loc,
-        cache_shape=tuple(case.key_cache.shape), num_q_heads=case.query.shape[1], sliding_window=window,
+        case.block_table,
+        case.seq_lens,
+        case.query_start_loc,
+        cache_shape=tuple(case.key_cache.shape),
+        num_q_heads=case.query.shape[1],
+        sliding_window=window,
     )
 
 
@@ -34,13 +38,13 @@ def test_plan_equals_planless_on_mixed_batch(window, group):
     case = _mixed_case(seed=group, group=group)
     plan = _plan(case, window)
     with_plan = kernels.paged_attention(*case.attn_args(), softmax_scale=0.2, plan=plan, backend="torch")
-    without = kernels.paged_attention(*case.attn_args(), softmax_scale=0.2, sliding_window=window,
-                                      backend="torch")
+    without = kernels.paged_attention(*case.attn_args(), softmax_scale=0.2, sliding_window=window, backend="torch")
     assert torch.equal(with_plan, without)
     torch.testing.assert_close(with_plan, dense_attention(case, 0.2, window), atol=2e-6, rtol=1e-5)
     # The plan carries the window: passing it again (equal) is accepted and changes nothing.
-    again = kernels.paged_attention(*case.attn_args(), softmax_scale=0.2, sliding_window=window,
-                                    plan=plan, backend="torch")
+    again = kernels.paged_attention(
+        *case.attn_args(), softmax_scale=0.2, sliding_window=window, plan=plan, backend="torch"
+    )
     assert torch.equal(again, with_plan)
 
 
@@ -78,14 +82,17 @@ def test_plan_splits_decodes_over_the_memory_budget(monkeypatch):
 def test_one_plan_serves_every_layer():
     # Two layers of one all-layer cache and one block table: one plan, two calls.
     case = _mixed_case(seed=2)
-    layers = [(case.query, case.key_cache, case.value_cache),
-              (case.query.flip(0), case.value_cache * 0.5, case.key_cache)]  # other K/V/Q values
+    layers = [
+        (case.query, case.key_cache, case.value_cache),
+        (case.query.flip(0), case.value_cache * 0.5, case.key_cache),
+    ]  # other K/V/Q values
     kv = torch.stack([torch.stack([k, v]) for _, k, v in layers])
     plan = _plan(case)
     meta = (case.block_table, case.seq_lens, case.query_start_loc)
     for layer, (q, k, v) in enumerate(layers):
-        got = kernels.paged_attention(q, kv[layer, 0], kv[layer, 1], *meta, softmax_scale=0.2, plan=plan,
-                                      backend="torch")
+        got = kernels.paged_attention(
+            q, kv[layer, 0], kv[layer, 1], *meta, softmax_scale=0.2, plan=plan, backend="torch"
+        )
         assert torch.equal(got, reference.paged_attention(q, k, v, *meta, softmax_scale=0.2))
 
 
@@ -97,8 +104,17 @@ def test_plan_on_cache_without_flat_rows():
     v_t = case.value_cache.transpose(0, 1).contiguous().transpose(0, 1)
     assert k_t.stride(0) != k_t.shape[1] * k_t.stride(1)
     plan = _plan(case)
-    got = kernels.paged_attention(case.query, k_t, v_t, case.block_table, case.seq_lens, case.query_start_loc,
-                                  softmax_scale=0.2, plan=plan, backend="torch")
+    got = kernels.paged_attention(
+        case.query,
+        k_t,
+        v_t,
+        case.block_table,
+        case.seq_lens,
+        case.query_start_loc,
+        softmax_scale=0.2,
+        plan=plan,
+        backend="torch",
+    )
     assert torch.equal(got, reference.paged_attention(*case.attn_args(), softmax_scale=0.2))
 
 
@@ -124,8 +140,14 @@ def test_plan_ignores_block_table_padding():
 def test_plan_mismatch_is_refused(change, pattern):
     case = _mixed_case()
     plan = _plan(case)
-    args = dict(query=case.query, key_cache=case.key_cache, value_cache=case.value_cache,
-                block_table=case.block_table, seq_lens=case.seq_lens, query_start_loc=case.query_start_loc)
+    args = dict(
+        query=case.query,
+        key_cache=case.key_cache,
+        value_cache=case.value_cache,
+        block_table=case.block_table,
+        seq_lens=case.seq_lens,
+        query_start_loc=case.query_start_loc,
+    )
     kw = {}
     if change in ("block_table", "seq_lens"):
         args[change] = args[change].clone()

@@ -3,9 +3,9 @@ Triton kernel) against dense SDPA over contiguous K/V."""
 
 import pytest
 import torch
+from kernel_cases import dense_attention, make_case, random_seqs
 
 from kernels import reference
-from kernel_cases import dense_attention, make_case, random_seqs
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 64])
@@ -13,9 +13,8 @@ from kernel_cases import dense_attention, make_case, random_seqs
 @pytest.mark.parametrize("kind", ["decode", "prefill", "mixed"])
 def test_reference_matches_dense_fp32(kind, group, block_size):
     seqs = random_seqs(kind, 5, max_ctx=1000, max_q=500, seed=group * 100 + block_size)
-    case = make_case(seqs, block_size=block_size, num_kv_heads=2, group=group, head_size=64,
-                     seed=block_size + group)
-    scale = 64 ** -0.5
+    case = make_case(seqs, block_size=block_size, num_kv_heads=2, group=group, head_size=64, seed=block_size + group)
+    scale = 64**-0.5
     out = reference.paged_attention(*case.attn_args(), softmax_scale=scale)
     assert out.dtype == torch.float32 and out.shape == case.query.shape
     torch.testing.assert_close(out, dense_attention(case, scale), atol=2e-6, rtol=1e-5)
@@ -36,16 +35,14 @@ def test_reference_matches_dense_half(kind, dtype):
 
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 def test_reference_head_sizes(head_size):
-    case = make_case([(40, 9), (100, 1), (0, 33)], block_size=16, num_kv_heads=1, group=3,
-                     head_size=head_size)
+    case = make_case([(40, 9), (100, 1), (0, 33)], block_size=16, num_kv_heads=1, group=3, head_size=head_size)
     out = reference.paged_attention(*case.attn_args(), softmax_scale=0.07)
     torch.testing.assert_close(out, dense_attention(case, 0.07), atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [1, 7, 64])
 def test_reference_sliding_window(window):
-    case = make_case([(100, 1), (0, 90), (50, 30), (3, 1)], block_size=16, num_kv_heads=2, group=2,
-                     head_size=64)
+    case = make_case([(100, 1), (0, 90), (50, 30), (3, 1)], block_size=16, num_kv_heads=2, group=2, head_size=64)
     out = reference.paged_attention(*case.attn_args(), softmax_scale=0.125, sliding_window=window)
     torch.testing.assert_close(out, dense_attention(case, 0.125, window), atol=2e-6, rtol=1e-5)
 
@@ -78,5 +75,5 @@ def test_reference_single_token_context_is_value():
 def test_reference_large_batch_dense():
     seqs = random_seqs("mixed", 32, max_ctx=4000, max_q=1000, seed=3)
     case = make_case(seqs, block_size=16, num_kv_heads=4, group=8, head_size=128)
-    out = reference.paged_attention(*case.attn_args(), softmax_scale=128 ** -0.5)
-    torch.testing.assert_close(out, dense_attention(case, 128 ** -0.5), atol=2e-6, rtol=1e-5)
+    out = reference.paged_attention(*case.attn_args(), softmax_scale=128**-0.5)
+    torch.testing.assert_close(out, dense_attention(case, 128**-0.5), atol=2e-6, rtol=1e-5)

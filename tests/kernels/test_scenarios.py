@@ -22,8 +22,9 @@ def _attend(backend, q, kc, vc, tables, seq_lens, q_lens, scale):
     qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(torch.tensor(q_lens), 0)
     bt = torch.stack(tables).to(torch.int32)
-    return kernels.paged_attention(q, kc, vc, bt, torch.tensor(seq_lens, dtype=torch.int32), qsl,
-                                   softmax_scale=scale, backend=backend)
+    return kernels.paged_attention(
+        q, kc, vc, bt, torch.tensor(seq_lens, dtype=torch.int32), qsl, softmax_scale=scale, backend=backend
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -34,7 +35,7 @@ def test_s10_prefill_with_cached_context_equals_full_prefill(backend):
     k = torch.randn(n, hkv, d, generator=g)
     v = torch.randn(n, hkv, d, generator=g)
     q = torch.randn(n, hkv * grp, d, generator=g)
-    scale = d ** -0.5
+    scale = d**-0.5
 
     # Uncached: one prefill of all n tokens into blocks 1..nblk.
     kc = torch.zeros(2 * nblk + 2, bs, hkv, d)
@@ -57,10 +58,11 @@ def test_s10_prefill_with_cached_context_equals_full_prefill(backend):
     # Chunked prefill in 3 uneven chunks, batched with a decode of the full sequence.
     outs = []
     for c0, c1 in ((0, 20), (20, 51), (51, n)):
-        o = _attend(backend, torch.cat([q[c0:c1], q[n - 1:]]), kc2, vc2, [table_b, table_a],
-                    [c1, n], [c1 - c0, 1], scale)
+        o = _attend(
+            backend, torch.cat([q[c0:c1], q[n - 1 :]]), kc2, vc2, [table_b, table_a], [c1, n], [c1 - c0, 1], scale
+        )
         outs.append(o[: c1 - c0])
-        torch.testing.assert_close(o[c1 - c0:], full[n - 1:], atol=TOL[backend], rtol=TOL[backend])
+        torch.testing.assert_close(o[c1 - c0 :], full[n - 1 :], atol=TOL[backend], rtol=TOL[backend])
     torch.testing.assert_close(torch.cat(outs), full, atol=TOL[backend], rtol=TOL[backend])
 
 
@@ -75,9 +77,9 @@ def _huge_cache(num_blocks, bs, h, d, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_s11_page_offsets_past_int32(backend):
     bs, h, d = 16, 1, 16
-    num_blocks = 2 ** 31 // (bs * h * d) + 64  # 8.4M blocks: last element offset > 2^31
+    num_blocks = 2**31 // (bs * h * d) + 64  # 8.4M blocks: last element offset > 2^31
     kc, vc = _huge_cache(num_blocks, bs, h, d, torch.float16)
-    assert (num_blocks - 1) * kc.stride(0) > 2 ** 31
+    assert (num_blocks - 1) * kc.stride(0) > 2**31
     g = torch.Generator().manual_seed(11)
     n = 50
     table = torch.tensor([num_blocks - 1, 5, num_blocks - 40, num_blocks - 2], dtype=torch.int32)
@@ -93,19 +95,20 @@ def test_s11_page_offsets_past_int32(backend):
     vv = v.float().transpose(0, 1).repeat_interleave(2, 0)
     mask = torch.ones(n, n, dtype=torch.bool).tril()
     want = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1), kk, vv, attn_mask=mask, scale=0.25).transpose(0, 1)
+        q.float().transpose(0, 1), kk, vv, attn_mask=mask, scale=0.25
+    ).transpose(0, 1)
     torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_s11_copy_blocks_past_int32(backend):
     bs, h, d = 16, 1, 16
-    num_blocks = 2 ** 31 // (2 * bs * h * d) + 8  # the V plane starts past 2^31 elements
+    num_blocks = 2**31 // (2 * bs * h * d) + 8  # the V plane starts past 2^31 elements
     try:
         kv = torch.empty(1, 2, num_blocks, bs, h, d, dtype=torch.float16)
     except RuntimeError as e:
         pytest.skip(f"cannot reserve a >2^31-element virtual cache: {e}")
-    assert kv.stride(1) * 1 + (num_blocks - 1) * kv.stride(2) > 2 ** 31
+    assert kv.stride(1) * 1 + (num_blocks - 1) * kv.stride(2) > 2**31
     src = torch.randn(2, bs, h, d).half()
     kv[0, :, num_blocks - 1] = src
     kernels.copy_blocks(kv, torch.tensor([[num_blocks - 1, num_blocks - 3]]), backend=backend)

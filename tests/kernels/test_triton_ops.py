@@ -7,9 +7,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels import attention, block_copy, cache_write, reference  # noqa: E402
-import kernels  # noqa: E402
 from kernel_cases import dense_attention, make_case  # noqa: E402
+
+import kernels  # noqa: E402
+from kernels import attention, block_copy, cache_write, reference  # noqa: E402
 
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 # Tolerance of kernel vs fp32 reference: fp32 exact-ish; half types round p before P@V.
@@ -22,6 +23,7 @@ def _close(got, want, dtype):
 
 
 # ---------------------------------------------------------------- reshape_and_cache
+
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("head_size,num_kv_heads,block_size", [(64, 2, 16), (80, 3, 8), (16, 1, 128)])
@@ -44,8 +46,9 @@ def test_reshape_and_cache_matches_reference(dtype, head_size, num_kv_heads, blo
     assert torch.equal(ref_k.view(-1, num_kv_heads, head_size)[s], key[keep])
     written = torch.zeros(nb * block_size, dtype=torch.bool)
     written[s] = True
-    assert torch.equal(ref_v.view(-1, num_kv_heads, head_size)[~written],
-                       caches[1].view(-1, num_kv_heads, head_size)[~written])
+    assert torch.equal(
+        ref_v.view(-1, num_kv_heads, head_size)[~written], caches[1].view(-1, num_kv_heads, head_size)[~written]
+    )
 
 
 def test_reshape_and_cache_on_all_layer_view():
@@ -81,8 +84,9 @@ def test_attention_mixed_batch(dtype, group):
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64, 128])
 def test_attention_block_sizes_independent_of_tile(block_size):
     # block_n=16 < block_size and block_n=32 > block_size=8/16 both read the right pages.
-    case = make_case([(70, 1), (5, 20), (140, 3)], block_size=block_size, num_kv_heads=2, group=2,
-                     head_size=32, seed=block_size)
+    case = make_case(
+        [(70, 1), (5, 20), (140, 3)], block_size=block_size, num_kv_heads=2, group=2, head_size=32, seed=block_size
+    )
     ref = reference.paged_attention(*case.attn_args(), softmax_scale=0.2)
     for bn in (16, 32):
         out = attention.paged_attention(*case.attn_args(), softmax_scale=0.2, block_n=bn)
@@ -92,7 +96,7 @@ def test_attention_block_sizes_independent_of_tile(block_size):
 @pytest.mark.parametrize("head_size", [64, 80, 96, 128, 256])
 def test_attention_head_sizes(head_size):
     case = make_case([(30, 1), (9, 7)], block_size=16, num_kv_heads=1, group=2, head_size=head_size)
-    scale = head_size ** -0.5
+    scale = head_size**-0.5
     out = attention.paged_attention(*case.attn_args(), softmax_scale=scale)
     _close(out, dense_attention(case, scale), torch.float32)
 
@@ -101,10 +105,11 @@ def test_attention_head_sizes(head_size):
 @pytest.mark.parametrize("head_size", [96, 192])
 def test_attention_half_precision_tiles(dtype, head_size):
     # The half-precision decode and prefill tiles of the wider BLOCK_D entries (128, 256).
-    case = make_case([(30, 1), (9, 20)], block_size=16, num_kv_heads=1, group=2, head_size=head_size,
-                     dtype=dtype, seed=head_size)
-    ref = reference.paged_attention(*case.attn_args(), softmax_scale=head_size ** -0.5)
-    out = attention.paged_attention(*case.attn_args(), softmax_scale=head_size ** -0.5)
+    case = make_case(
+        [(30, 1), (9, 20)], block_size=16, num_kv_heads=1, group=2, head_size=head_size, dtype=dtype, seed=head_size
+    )
+    ref = reference.paged_attention(*case.attn_args(), softmax_scale=head_size**-0.5)
+    out = attention.paged_attention(*case.attn_args(), softmax_scale=head_size**-0.5)
     _close(out, ref, dtype)
 
 
@@ -121,12 +126,12 @@ def test_attention_sliding_window(window):
 def test_attention_split_kv_merge(splits, dtype):
     # Flash-decoding path: KV range partitioned, partials merged; includes splits that see
     # no key at all for some rows (short sequences, window).
-    case = make_case([(150, 1), (3, 1), (40, 4)], block_size=16, num_kv_heads=2, group=4,
-                     head_size=32, dtype=dtype)
+    case = make_case([(150, 1), (3, 1), (40, 4)], block_size=16, num_kv_heads=2, group=4, head_size=32, dtype=dtype)
     for window in (None, 20):
         ref = reference.paged_attention(*case.attn_args(), softmax_scale=0.2, sliding_window=window)
-        out = attention.paged_attention(*case.attn_args(), softmax_scale=0.2, sliding_window=window,
-                                        num_kv_splits=splits)
+        out = attention.paged_attention(
+            *case.attn_args(), softmax_scale=0.2, sliding_window=window, num_kv_splits=splits
+        )
         _close(out, ref, dtype)
 
 
@@ -136,19 +141,18 @@ def test_attention_split_kv_merge_loops_over_split_chunks():
     from kernels import configs
 
     splits = configs.MERGE_BLOCK_S + 4
-    case = make_case([(300, 1), (5, 1)], block_size=8, num_kv_heads=1, group=2, head_size=32,
-                     dtype=torch.float16, seed=7)
+    case = make_case(
+        [(300, 1), (5, 1)], block_size=8, num_kv_heads=1, group=2, head_size=32, dtype=torch.float16, seed=7
+    )
     ref = reference.paged_attention(*case.attn_args(), softmax_scale=0.2)
-    out = attention.paged_attention(*case.attn_args(), softmax_scale=0.2, num_kv_splits=splits,
-                                    block_n=16)
+    out = attention.paged_attention(*case.attn_args(), softmax_scale=0.2, num_kv_splits=splits, block_n=16)
     _close(out, ref, torch.float16)
 
 
 def test_attention_out_buffer_and_zero_query_sequence():
     case = make_case([(20, 3), (50, 0), (7, 1)], block_size=16, num_kv_heads=1, group=1, head_size=32)
     out = torch.full_like(case.query, float("nan"))
-    ret = attention.paged_attention(*case.attn_args(), softmax_scale=0.2, out=out,
-                                    max_query_len=3, max_seq_len=50)
+    ret = attention.paged_attention(*case.attn_args(), softmax_scale=0.2, out=out, max_query_len=3, max_seq_len=50)
     assert ret is out
     _close(out, dense_attention(case, 0.2), torch.float32)
 
@@ -173,6 +177,7 @@ def test_attention_large_mixed_vs_dense(group, block_size):
 
 
 # ---------------------------------------------------------------- copy_blocks
+
 
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
@@ -200,6 +205,7 @@ def test_copy_blocks_empty_mapping_is_noop():
 
 # ---------------------------------------------------------------- swap_blocks (CPU fallback)
 
+
 def test_swap_blocks_cpu_fallback_synchronous():
     src = torch.randn(2, 2, 6, 4, 1, 8)
     dst = torch.zeros(2, 2, 3, 4, 1, 8)
@@ -211,4 +217,5 @@ def test_swap_blocks_cpu_fallback_synchronous():
 
 def test_swap_runs_merge_consecutive_pairs():
     from kernels.swap import _runs
+
     assert _runs([(3, 10), (4, 11), (5, 12), (9, 1), (10, 3), (11, 4)]) == [(3, 10, 3), (9, 1, 1), (10, 3, 2)]

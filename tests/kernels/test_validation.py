@@ -5,9 +5,9 @@ import importlib.util
 
 import pytest
 import torch
+from kernel_cases import make_case
 
 import kernels
-from kernel_cases import make_case
 
 BACKENDS = ["torch"] + (["triton"] if importlib.util.find_spec("triton") else [])
 
@@ -17,9 +17,14 @@ def _case():
 
 
 def _attn(case, backend, **over):
-    args = dict(query=case.query, key_cache=case.key_cache, value_cache=case.value_cache,
-                block_table=case.block_table, seq_lens=case.seq_lens,
-                query_start_loc=case.query_start_loc)
+    args = dict(
+        query=case.query,
+        key_cache=case.key_cache,
+        value_cache=case.value_cache,
+        block_table=case.block_table,
+        seq_lens=case.seq_lens,
+        query_start_loc=case.query_start_loc,
+    )
     kw = dict(softmax_scale=0.25)
     for k, v in over.items():
         (args if k in args else kw)[k] = v
@@ -132,11 +137,15 @@ def test_copy_blocks_rejects(backend):
         f(kv, torch.tensor([[1, 2], [3, 6]]), backend=backend)
     with pytest.raises(ValueError, match=r"block_mapping has repeated dst ids"):
         f(kv, torch.tensor([[1, 2], [3, 2]]), backend=backend)
-    with pytest.raises(ValueError, match=r"block_mapping\[0\] has dst block 0 \(the null block\), expected dst ids >= 1"):
+    with pytest.raises(
+        ValueError, match=r"block_mapping\[0\] has dst block 0 \(the null block\), expected dst ids >= 1"
+    ):
         f(kv, torch.tensor([[1, 0]]), backend=backend)
     with pytest.raises(ValueError, match=r"block_mapping uses block\(s\) \[2\] as both src and dst"):
         f(kv, torch.tensor([[1, 2], [2, 4]]), backend=backend)
-    with pytest.raises(ValueError, match=r"kv_cache has shape \(2, 3, 6, 4, 1, 8\), expected \(\*, 2, \*, \*, \*, \*\)"):
+    with pytest.raises(
+        ValueError, match=r"kv_cache has shape \(2, 3, 6, 4, 1, 8\), expected \(\*, 2, \*, \*, \*, \*\)"
+    ):
         f(torch.zeros(2, 3, 6, 4, 1, 8), torch.tensor([[1, 2]]), backend=backend)
     assert torch.equal(kv, before)
 
@@ -153,11 +162,12 @@ def test_swap_blocks_rejects():
     src = torch.randn(2, 2, 6, 4, 1, 8)
     with pytest.raises(ValueError, match=r"dst_kv_cache has dtype torch.float16, expected torch.float32"):
         kernels.swap_blocks(src, torch.zeros(2, 2, 3, 4, 1, 8, dtype=torch.float16), torch.tensor([[0, 0]]))
-    with pytest.raises(ValueError, match=r"dst_kv_cache has shape \(3, 2, 3, 4, 1, 8\), expected \(2, 2, \*, 4, 1, 8\)"):
+    with pytest.raises(
+        ValueError, match=r"dst_kv_cache has shape \(3, 2, 3, 4, 1, 8\), expected \(2, 2, \*, 4, 1, 8\)"
+    ):
         kernels.swap_blocks(src, torch.zeros(3, 2, 3, 4, 1, 8), torch.tensor([[0, 0]]))
     with pytest.raises(ValueError, match=r"block_mapping dst ids span \[3, 3\], expected ids in \[0, 3\)"):
         kernels.swap_blocks(src, torch.zeros(2, 2, 3, 4, 1, 8), torch.tensor([[0, 3]]))
-
 
 
 def test_swap_null_block_rule_depends_on_dst_pool():

@@ -330,9 +330,12 @@ def _rejected_prompt_text(p: Any) -> str | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``pagedkv-engine``; returns the exit status."""
     args = build_parser().parse_args(argv)
-    import torch
+    try:  # `pip install pagedkv` installs this command but not what the engine runs on
+        import torch
 
-    from .engine import LLMEngine
+        from .engine import LLMEngine
+    except ImportError as e:
+        return _fail(f"{e}: the engine needs the 'engine' extra: pip install 'pagedkv[engine]'")
     from .errors import EngineError, InvalidRequestError, PromptFileError
     from .inputs import read_prompts, read_trace, synthetic_prompt
     from .sampling import SamplingParams
@@ -408,10 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         items = []
         for i, p in enumerate(prompts):
             rid = str(p.get("id", i)) if isinstance(p, dict) else str(i)
-            sp = base
-            if isinstance(p, dict) and "max_tokens" in p:
-                sp = dataclasses.replace(base, max_tokens=p["max_tokens"])
-            items.append((rid, p, sp))
+            items.append((rid, p, base))  # a line's max_tokens is applied by add_request
         chat = args.chat_template and getattr(engine.tokenizer, "chat_template", None) is not None
     for rid, p, sp in items:
         order.append((rid, p))

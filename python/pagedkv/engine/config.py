@@ -39,7 +39,7 @@ class EngineConfig:
     Raises:
         EngineConfigError: a field of the wrong type or out of range; the message names it.
             (Upper bounds of the pool and block sizes are the core's, checked by
-            :class:`pagedkv.CacheConfig`.)
+            :meth:`check_core_limits` and :class:`pagedkv.CacheConfig`.)
     """
 
     num_kv_blocks: int | None = None
@@ -89,6 +89,25 @@ class EngineConfig:
         check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "True or False")
         check(self.hash_algo in ("sha256", "xxh3_128"), "hash_algo", "'sha256' or 'xxh3_128'")
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "an integer")
+
+    def check_core_limits(self) -> None:
+        """Check the sizes given explicitly (``block_size``, ``num_kv_blocks``,
+        ``num_cpu_blocks``) against the core's upper bounds, asking :class:`pagedkv.CacheConfig`
+        (the one validator). Run before the model load, so that a block size the core refuses
+        is not first reported as a KV cache that does not fit.
+
+        Raises:
+            EngineConfigError: a size above the core's limit; names the field and value.
+        """
+        try:
+            pagedkv.CacheConfig(
+                num_blocks=self.num_kv_blocks or 2,
+                block_size=self.block_size,
+                num_cpu_blocks=self.num_cpu_blocks or 0,
+            )
+        except pagedkv.InvalidConfigError as e:
+            name = {"num_blocks": "num_kv_blocks"}.get(e.field, e.field)
+            raise EngineConfigError(f"{name}={getattr(self, name)!r} is invalid: {e.reason}") from None
 
     def resolved(self, kv_bytes_per_block: int) -> EngineConfig:
         """This config with both pool sizes set for a model whose KV takes

@@ -73,10 +73,12 @@ class LLMEngine:
 
     Raises:
         ModelNotFoundError: no model at ``model`` (or the default package is missing).
-        EngineConfigError: a bad argument (size, mode, dtype, missing ``tokenizer``...), checked
-            before the model load; or ``kv_bytes`` holding fewer than 2 blocks of this model.
-            The message names the value.
-        pagedkv.InvalidConfigError: a size above the core's limits (``block_size`` > 4096...).
+        EngineConfigError: a bad argument (size, mode, dtype, missing ``tokenizer``...) or an
+            explicit size above the core's limits (``block_size`` > 4096...), checked before
+            the model load; or ``kv_bytes`` holding fewer than 2 blocks of this model. The
+            message names the value.
+        pagedkv.InvalidConfigError: a pool sized by ``kv_bytes`` above the core's block limit
+            (when it fits the free memory).
         DeviceUnavailableError: ``device`` is CUDA but CUDA is not available (checked before
             the model load).
         KVCacheTooLargeError: the KV pool (and CPU swap pool) exceeds the free memory, or
@@ -105,6 +107,7 @@ class LLMEngine:
         # Every argument is checked before the (slow) model load.
         config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
                               preemption, num_cpu_blocks, enable_prefix_caching, hash_algo, seed)  # fmt: skip
+        config.check_core_limits()
         dtype = torch_dtype(dtype)
         device = check_device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
         loaded = not (model is None or isinstance(model, (str, os.PathLike)))
@@ -155,9 +158,10 @@ class LLMEngine:
 
         Args:
             prompt: text, token ids or a prompt dict (see :meth:`tokenize`).
-            params: sampling parameters (``None``: defaults).
-            request_id: the id (default: the arrival number); a dict's ``"id"`` is used when
-                this is ``None``.
+            params: sampling parameters (``None``: defaults); a dict's ``"max_tokens"`` wins
+                over ``params.max_tokens``.
+            request_id: the id, a non-empty str or an int (default: the arrival number); a
+                dict's ``"id"`` is used when this is ``None``.
             cache_salt: prefix-cache salt, a str or ``None`` (a dict's ``"cache_salt"`` wins).
             chat_template, system_prompt: see :meth:`tokenize`.
 
@@ -166,7 +170,8 @@ class LLMEngine:
 
         Raises:
             InvalidRequestError: bad prompt (see :meth:`tokenize`), ``params`` not a
-                :class:`SamplingParams`, ``cache_salt`` not a str, duplicate id.
+                :class:`SamplingParams`, ``cache_salt`` not a str, bad or duplicate id, a
+                dict's ``"max_tokens"`` not an int >= 1.
             RequestTooLargeError: prompt longer than the model context, or prompt +
                 ``max_tokens`` can never fit the KV pool (names the sizes). Nothing is queued.
         """

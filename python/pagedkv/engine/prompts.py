@@ -3,6 +3,7 @@ checked and tokenized into a :class:`PreparedRequest` without touching any engin
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -97,6 +98,11 @@ class PromptProcessor:
             system_prompt = prompt.get("system", system_prompt)
             if system_prompt is not None and not isinstance(system_prompt, str):
                 raise InvalidRequestError(f"prompt {short_repr(prompt)} has an invalid 'system': expected a str")
+            if "messages" in prompt and "prompt" in prompt:
+                # As in a prompts file: which of the two was meant is not ours to guess.
+                raise InvalidRequestError(
+                    f"prompt dict {short_repr(prompt)} has both 'prompt' and 'messages'; give one"
+                )
             if "messages" in prompt:
                 if not valid_messages(prompt["messages"]):
                     raise InvalidRequestError(
@@ -137,12 +143,14 @@ class PromptProcessor:
         system_prompt: str | None,
     ) -> PreparedRequest:
         """Check and tokenize one request (see :meth:`pagedkv.engine.LLMEngine.add_request`);
-        a dict prompt's ``"id"`` is used when ``request_id`` is ``None`` and its
-        ``"cache_salt"`` wins over ``cache_salt``. Changes no state.
+        a dict prompt's ``"id"`` is used when ``request_id`` is ``None``, and its
+        ``"cache_salt"`` and ``"max_tokens"`` win over ``cache_salt`` and
+        ``params.max_tokens``. Changes no state.
 
         Raises:
             InvalidRequestError: a bad prompt, ``params`` not a :class:`SamplingParams` or
-                ``None``, ``cache_salt`` not a str or ``None``.
+                ``None``, ``cache_salt`` not a str or ``None``, a request id that is not a
+                non-empty str or an int, a dict's ``"max_tokens"`` that is not an int >= 1.
         """
         if params is None:
             params = SamplingParams()
@@ -155,6 +163,15 @@ class PromptProcessor:
         if isinstance(prompt, dict):
             request_id = request_id if request_id is not None else prompt.get("id")
             cache_salt = prompt.get("cache_salt", cache_salt)
+            if "max_tokens" in prompt:  # SamplingParams checks the value
+                params = dataclasses.replace(params, max_tokens=prompt["max_tokens"])
+        # The same ids a prompts file accepts; anything else would be silently str()-ed.
+        if request_id is not None and (
+            isinstance(request_id, bool) or not isinstance(request_id, (str, int)) or request_id == ""
+        ):
+            raise InvalidRequestError(
+                f"request_id={short_repr(request_id)} is invalid: expected a non-empty str or an int"
+            )
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError(f"cache_salt={short_repr(cache_salt)} is invalid: expected a str or None")
         return PreparedRequest(text, ids, params, None if request_id is None else str(request_id), cache_salt)

@@ -77,21 +77,21 @@ def check_kv_fits(dev: torch.device, num_blocks: int, num_cpu_blocks: int, bytes
             raise KVCacheTooLargeError(
                 f"KV cache of {num_blocks} blocks{swap} x {bytes_per_block} bytes = "
                 f"{_fmt_bytes(dev_bytes + cpu_bytes)} does not fit the {_fmt_bytes(free)} of free host "
-                "memory; lower --kv-blocks / --kv-bytes"
+                "memory; lower num_kv_blocks / kv_bytes (--kv-blocks / --kv-bytes)"
             )
         return
     free = available_memory(dev)
     if dev_bytes > free:
         raise KVCacheTooLargeError(
             f"KV cache of {num_blocks} blocks x {bytes_per_block} bytes = {_fmt_bytes(dev_bytes)} does not "
-            f"fit the {_fmt_bytes(free)} free on {dev}; lower --kv-blocks / --kv-bytes"
+            f"fit the {_fmt_bytes(free)} free on {dev}; lower num_kv_blocks / kv_bytes (--kv-blocks / --kv-bytes)"
         )
     if num_cpu_blocks:
         host = available_memory(torch.device("cpu"))
         if cpu_bytes > host:
             raise KVCacheTooLargeError(
                 f"CPU swap pool of {num_cpu_blocks} blocks x {bytes_per_block} bytes = {_fmt_bytes(cpu_bytes)} "
-                f"does not fit the {_fmt_bytes(host)} of free host memory; lower --cpu-blocks"
+                f"does not fit the {_fmt_bytes(host)} of free host memory; lower num_cpu_blocks (--cpu-blocks)"
             )
 
 

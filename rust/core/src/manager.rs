@@ -868,6 +868,22 @@ impl KvCacheManager {
             });
             return out;
         }
+        // Size the token-indexed outputs once: a prefill of long prompts would otherwise grow
+        // them by repeated doubling (copies and page faults inside the step).
+        let mut max_tokens = 0usize;
+        for (i, slot) in slots.iter().enumerate() {
+            let Some(slot) = *slot else { break };
+            let s = st.seqs.at_slot(slot);
+            let appended = if req.append_indptr.is_empty() {
+                0
+            } else {
+                (req.append_indptr[i + 1] - req.append_indptr[i]) as usize
+            };
+            max_tokens += (req.num_new_tokens[i] as usize)
+                .min((s.tokens.len() + appended).saturating_sub(s.num_computed));
+        }
+        out.slot_mapping.reserve(max_tokens);
+        out.input_ids.reserve(max_tokens);
         for (i, (&seq, &slot)) in req.seq_ids.iter().zip(&slots).enumerate() {
             let Some(slot) = slot else {
                 out.error = Some(unknown(seq));
@@ -930,12 +946,13 @@ impl KvCacheManager {
             .max()
             .unwrap_or(0)
             .max(1);
-        let mut dense = vec![NULL_BLOCK as i32; out.num_scheduled * width];
-        for (row, slot) in dense.chunks_exact_mut(width).zip(scheduled) {
+        // Row by row, each entry written once (a zero-filled buffer written over would touch
+        // every byte twice; for long, uneven contexts this table is most of a decode step).
+        let mut dense = Vec::with_capacity(out.num_scheduled * width);
+        for slot in scheduled {
             let blocks = &st.seqs.at_slot(slot).blocks;
-            for (d, &b) in row.iter_mut().zip(blocks) {
-                *d = b as i32;
-            }
+            dense.extend(blocks.iter().map(|&b| b as i32));
+            dense.resize(dense.len() + (width - blocks.len()), NULL_BLOCK as i32);
         }
         drop(guard);
         out.block_table = dense;
@@ -1146,19 +1163,14 @@ impl KvCacheManager {
 
     /// Longest chain of cached blocks for the sequence's tokens, capped at `num_tokens - 1`.
     fn find_hits(&self, s: &mut Sequence) -> Vec<BlockId> {
-        let mut hits = Vec::new();
-        if !self.caching() {
-            return hits;
-        }
         let max_blocks = (s.tokens.len() - 1) / self.bs();
-        for k in 0..max_blocks {
-            let h = self.block_hash_at(s, k);
-            match self.pool.lookup(&h) {
-                Some(b) => hits.push(b),
-                None => break,
-            }
+        if !self.caching() || max_blocks == 0 {
+            return Vec::new();
         }
-        hits
+        // Hash every eligible block first (they are all hashed once computed anyway, and the
+        // hashes are memoised), then resolve the chain under one pool lock hold.
+        self.block_hash_at(s, max_blocks - 1);
+        self.pool.lookup_chain(&s.hashes[..max_blocks])
     }
 
     fn plan(&self, seq: SeqId, s: &mut Sequence, num_new_tokens: usize) -> Result<Plan> {
@@ -1295,20 +1307,30 @@ impl KvCacheManager {
         }
         let bs = self.bs();
         let full = s.num_computed / bs;
+        let start = s.num_cached_blocks;
+        if full <= start {
+            return;
+        }
+        self.block_hash_at(s, full - 1);
+        // One pool lock hold for every newly full block. Blocks already hashed (shared with a
+        // sequence that cached them first) come back as not newly resolvable.
+        let mut newly = Vec::with_capacity(full - start);
+        let cached =
+            self.pool
+                .cache_blocks(&s.blocks[start..full], &s.hashes[start..full], &mut newly);
+        debug_assert!(cached.is_ok(), "{cached:?}");
+        s.num_cached_blocks = full;
+        if !self.events.enabled() {
+            return;
+        }
         let mut pending: Option<KvEvent> = None;
-        for k in s.num_cached_blocks..full {
-            let h = self.block_hash_at(s, k);
-            let b = s.blocks[k];
-            if self.pool.is_hashed(b) {
-                continue; // shared with a sequence that cached it already
-            }
-            let cached = self.pool.cache_block(b, h);
-            debug_assert!(cached.is_ok(), "{cached:?}");
+        for (k, &first) in (start..full).zip(&newly) {
             // Set semantics: announce a hash only when it becomes resolvable, not for a second
             // physical copy of it (two sequences that prefilled the same prompt in one step).
-            if !self.events.enabled() || !matches!(cached, Ok(true)) {
+            if !first {
                 continue;
             }
+            let h = s.hashes[k];
             let keys = self.block_keys(&s.spec, k);
             let toks = &s.tokens[k * bs..(k + 1) * bs];
             if let Some(KvEvent::BlockStored {
@@ -1340,7 +1362,6 @@ impl KvCacheManager {
         if let Some(ev) = pending {
             self.events.push(ev);
         }
-        s.num_cached_blocks = s.num_cached_blocks.max(full);
     }
 }
 

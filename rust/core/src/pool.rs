@@ -75,6 +75,9 @@ pub struct PoolCounters {
 /// The LRU is an intrusive doubly linked list over block ids (`prev` / `next` arrays) with the
 /// null block 0 as the sentinel: `next[0]` is the front (least recently freed), `prev[0]` the
 /// back. Removal of any member is O(1).
+/// Hashes the prefix index has room for at construction (see [`Locked::new`]).
+const INDEX_PRESIZE: usize = 1 << 16;
+
 #[derive(Debug)]
 struct Locked {
     hashes: Vec<Option<BlockHash>>,
@@ -90,7 +93,11 @@ impl Locked {
         let n = num_blocks as usize;
         Self {
             hashes: vec![None; n],
-            index: PrefixIndex::new(),
+            // Room for the hashes of up to 64k blocks up front (no rehash inside a step while
+            // the cache fills); a larger pool's index grows by doubling, because a table sized
+            // for a million blocks is touched sparsely at first and page-faults on almost every
+            // insert until it is warm.
+            index: PrefixIndex::with_capacity(n.min(INDEX_PRESIZE)),
             prev: vec![NULL_BLOCK; n],
             next: vec![NULL_BLOCK; n],
             in_lru: vec![false; n],
@@ -340,8 +347,7 @@ impl BlockPool {
         let Some(hash) = locked.hashes[id as usize].take() else {
             return false;
         };
-        locked.index.remove(&hash, id);
-        if locked.index.get_all(&hash).is_empty() {
+        if locked.index.remove_reporting(&hash, id) == Some(true) {
             unresolvable.push(hash);
         }
         true
@@ -536,6 +542,13 @@ impl BlockPool {
                     return Err(Error::RefCountUnderflow { block_id: id });
                 }
             }
+        } else if !has_repeats(ids) {
+            // The common case (a sequence's table, each id once), checked in O(len).
+            for &id in ids {
+                if underflow(id, 1) {
+                    return Err(Error::RefCountUnderflow { block_id: id });
+                }
+            }
         } else {
             let mut sorted = ids.to_vec();
             sorted.sort_unstable();
@@ -639,6 +652,78 @@ impl BlockPool {
         locked.index.insert(hash, id);
         self.hashed[i].store(true, Ordering::Release);
         Ok(newly_resolvable)
+    }
+
+    /// [`BlockPool::cache_block`] for many blocks under one lock hold (a prefill caches every
+    /// block it filled at once). `newly_resolvable` is cleared, then gets one flag per block:
+    /// whether its hash became resolvable (`false` also for a block that already carried a
+    /// hash, or an id repeated in `blocks`).
+    ///
+    /// Errors (nothing changed): [`Error::InvalidArgument`] if the two slices differ in length
+    /// or a block's ref count is 0; [`Error::InvalidBlockId`] for the null block or an id out
+    /// of range.
+    ///
+    /// Progress: locking (one lock hold). Expected O(len).
+    pub fn cache_blocks(
+        &self,
+        blocks: &[BlockId],
+        hashes: &[BlockHash],
+        newly_resolvable: &mut Vec<bool>,
+    ) -> Result<()> {
+        if blocks.len() != hashes.len() {
+            return Err(Error::InvalidArgument {
+                arg: "hashes",
+                value: format!("{} hashes", hashes.len()),
+                reason: format!("expected one per block ({})", blocks.len()),
+            });
+        }
+        newly_resolvable.clear();
+        let mut locked = self.locked.lock();
+        for &id in blocks {
+            let i = self.check_id(id)?;
+            if self.refs[i].load(Ordering::Acquire) == 0 {
+                return Err(Error::InvalidArgument {
+                    arg: "id",
+                    value: id.to_string(),
+                    reason: format!(
+                        "block {id} has ref count 0; only a referenced (filled) block can be cached"
+                    ),
+                });
+            }
+        }
+        for (&id, &hash) in blocks.iter().zip(hashes) {
+            let i = id as usize;
+            if locked.hashes[i].is_some() {
+                newly_resolvable.push(false);
+                continue;
+            }
+            locked.hashes[i] = Some(hash);
+            let first = locked.index.insert_reporting(hash, id).unwrap_or(false);
+            self.hashed[i].store(true, Ordering::Release);
+            newly_resolvable.push(first);
+        }
+        Ok(())
+    }
+
+    /// The longest prefix of `hashes` that resolves, as one block per hash (each chosen as
+    /// [`BlockPool::lookup`] does), under one lock hold: a prefix-cache lookup of a whole
+    /// prompt. No side effects. Expected O(hits + 1).
+    pub fn lookup_chain(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
+        let locked = self.locked.lock();
+        let mut hits = Vec::new();
+        for hash in hashes {
+            let all = locked.index.get_all(hash);
+            let Some(&first) = all.first() else {
+                break;
+            };
+            hits.push(
+                all.iter()
+                    .copied()
+                    .find(|&id| self.refs[id as usize].load(Ordering::Acquire) > 0)
+                    .unwrap_or(first),
+            );
+        }
+        hits
     }
 
     /// A block carrying `hash`, preferring one that is in use (ref > 0) so a hit does not take
@@ -817,4 +902,30 @@ impl BlockPool {
             prefix_touches: self.prefix_touches.load(Ordering::Relaxed),
         }
     }
+}
+
+/// Whether some id occurs more than once in `ids` (valid, non-null ids): an open-addressed set
+/// of the ids seen so far (Fibonacci hashing, linear probing), O(len) expected. Replaces a sort
+/// in the validation of long frees (a sequence's whole block table).
+fn has_repeats(ids: &[BlockId]) -> bool {
+    if ids.len() > 1 << 30 {
+        return true; // beyond the table's hash range: let the caller sort
+    }
+    let bits = (ids.len() * 2).next_power_of_two().trailing_zeros().max(1);
+    let mask = (1usize << bits) - 1;
+    let mut table = vec![NULL_BLOCK; 1 << bits];
+    for &id in ids {
+        let mut i = (id.wrapping_mul(0x9E37_79B9) >> (32 - bits)) as usize;
+        loop {
+            match table[i] {
+                NULL_BLOCK => {
+                    table[i] = id;
+                    break;
+                }
+                seen if seen == id => return true,
+                _ => i = (i + 1) & mask,
+            }
+        }
+    }
+    false
 }

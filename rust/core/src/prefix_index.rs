@@ -47,54 +47,80 @@ impl PrefixIndex {
         Self::default()
     }
 
+    /// An empty index with room for `hashes` distinct hashes before it reallocates. The pool
+    /// sizes it to its block count (each block carries at most one hash), so inserting never
+    /// rehashes the whole table in the middle of a scheduler step.
+    pub fn with_capacity(hashes: usize) -> Self {
+        Self {
+            map: HashMap::with_capacity_and_hasher(hashes, Default::default()),
+            entries: 0,
+        }
+    }
+
     /// Adds `block` under `hash`. Returns `false` (and changes nothing) if the pair is already
     /// present. O(1) expected.
     pub fn insert(&mut self, hash: BlockHash, block: BlockId) -> bool {
-        match self.map.get_mut(&hash) {
-            None => {
-                self.map.insert(hash, Holders::One(block));
+        self.insert_reporting(hash, block).is_some()
+    }
+
+    /// Adds `block` under `hash` with one probe of the table. Returns `None` (and changes
+    /// nothing) if the pair is already present, else `Some(first)` where `first` tells whether
+    /// `hash` had no block before (it just became resolvable). O(1) expected.
+    pub fn insert_reporting(&mut self, hash: BlockHash, block: BlockId) -> Option<bool> {
+        use std::collections::hash_map::Entry;
+        let first = match self.map.entry(hash) {
+            Entry::Vacant(v) => {
+                v.insert(Holders::One(block));
+                true
             }
-            Some(h) => {
+            Entry::Occupied(mut o) => {
+                let h = o.get_mut();
                 if h.as_slice().contains(&block) {
-                    return false;
+                    return None;
                 }
                 match h {
                     Holders::One(first) => *h = Holders::Many(vec![*first, block]),
                     Holders::Many(ids) => ids.push(block),
                 }
+                false
             }
-        }
+        };
         self.entries += 1;
-        true
+        Some(first)
     }
 
     /// Removes the pair (`hash`, `block`); drops the entry when it becomes empty. Returns whether
     /// the pair was present. O(1) expected.
     pub fn remove(&mut self, hash: &BlockHash, block: BlockId) -> bool {
-        let Some(h) = self.map.get_mut(hash) else {
-            return false;
+        self.remove_reporting(hash, block).is_some()
+    }
+
+    /// Removes the pair (`hash`, `block`) with one probe of the table. Returns `None` if the
+    /// pair was absent (nothing changed), else `Some(last)` where `last` tells whether `hash`
+    /// has no block left (it no longer resolves). O(1) expected.
+    pub fn remove_reporting(&mut self, hash: &BlockHash, block: BlockId) -> Option<bool> {
+        use std::collections::hash_map::Entry;
+        let Entry::Occupied(mut o) = self.map.entry(*hash) else {
+            return None;
         };
-        let removed = match h {
+        let last = match o.get_mut() {
             Holders::One(id) if *id == block => {
-                self.map.remove(hash);
+                o.remove();
                 true
             }
-            Holders::One(_) => false,
-            Holders::Many(ids) => match ids.iter().position(|&b| b == block) {
-                Some(pos) => {
-                    ids.swap_remove(pos);
-                    if ids.len() == 1 {
-                        *h = Holders::One(ids[0]);
-                    }
-                    true
+            Holders::One(_) => return None,
+            Holders::Many(ids) => {
+                let pos = ids.iter().position(|&b| b == block)?;
+                ids.swap_remove(pos);
+                if ids.len() == 1 {
+                    let only = ids[0];
+                    *o.get_mut() = Holders::One(only);
                 }
-                None => false,
-            },
+                false
+            }
         };
-        if removed {
-            self.entries -= 1;
-        }
-        removed
+        self.entries -= 1;
+        Some(last)
     }
 
     /// Some block carrying `hash` (the first inserted that is still present), if any. O(1).
@@ -154,7 +180,12 @@ mod tests {
         let mut idx = PrefixIndex::new();
         assert!(idx.insert(h(1), 5));
         assert!(!idx.insert(h(1), 5));
-        assert!(idx.insert(h(1), 7));
+        assert_eq!(idx.insert_reporting(h(1), 5), None);
+        assert_eq!(idx.insert_reporting(h(1), 7), Some(false));
+        assert_eq!(idx.insert_reporting(h(4), 8), Some(true));
+        assert_eq!(idx.remove_reporting(&h(4), 9), None);
+        assert_eq!(idx.remove_reporting(&h(4), 8), Some(true));
+        assert_eq!(idx.remove_reporting(&h(4), 8), None);
         assert!(idx.insert(h(2), 9));
         assert_eq!(idx.len(), 3);
         assert_eq!(idx.num_hashes(), 2);

@@ -568,3 +568,97 @@ fn counters_count_blocks() {
         }
     );
 }
+
+#[test]
+fn cache_blocks_batches_cache_block_and_reports_newly_resolvable_hashes() {
+    let (p, _events) = pool(8);
+    assert_eq!(p.allocate(5).unwrap(), vec![1, 2, 3, 4, 5]);
+    p.cache_block(1, h(1)).unwrap();
+    let mut newly = vec![true; 9]; // stale content is cleared
+                                   // 1 already carries a hash; 3 gets a second copy of h(2) (2 is first in the batch); 4 is
+                                   // listed twice.
+    p.cache_blocks(
+        &[1, 2, 3, 4, 4],
+        &[h(9), h(2), h(2), h(4), h(5)],
+        &mut newly,
+    )
+    .unwrap();
+    assert_eq!(newly, vec![false, true, false, true, false]);
+    assert_eq!(p.block_hash(1), Some(h(1)));
+    assert_eq!(p.block_hash(3), Some(h(2)));
+    assert_eq!(p.block_hash(4), Some(h(4)));
+    assert!(p.is_hashed(2) && p.is_hashed(3) && !p.is_hashed(5));
+    ok(&p);
+
+    // Bad input changes nothing: a free block (ref 0), an out-of-range id, a length mismatch.
+    let before = snap(&p);
+    p.free(&[5]).unwrap();
+    let before_free = snap(&p);
+    assert!(matches!(
+        p.cache_blocks(&[4, 5], &[h(7), h(8)], &mut newly),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert!(matches!(
+        p.cache_blocks(&[2, 8], &[h(7), h(8)], &mut newly),
+        Err(Error::InvalidBlockId { block_id: 8, .. })
+    ));
+    assert!(matches!(
+        p.cache_blocks(&[2], &[], &mut newly),
+        Err(Error::InvalidArgument { .. })
+    ));
+    assert_eq!(snap(&p), before_free);
+    assert_ne!(before, before_free);
+    ok(&p);
+}
+
+#[test]
+fn lookup_chain_resolves_the_longest_prefix_preferring_blocks_in_use() {
+    let (p, _events) = pool(8);
+    assert_eq!(p.allocate(4).unwrap(), vec![1, 2, 3, 4]);
+    let mut newly = Vec::new();
+    // h(1) -> {1, 4} (4 a second copy), h(2) -> 2, h(3) -> 3.
+    p.cache_blocks(&[1, 2, 3, 4], &[h(1), h(2), h(3), h(1)], &mut newly)
+        .unwrap();
+    assert_eq!(p.lookup_chain(&[h(1), h(2), h(3)]), vec![1, 2, 3]);
+    // The chain stops at the first miss even if later hashes resolve.
+    assert_eq!(p.lookup_chain(&[h(1), h(6), h(3)]), vec![1]);
+    assert_eq!(p.lookup_chain(&[h(6), h(1)]), Vec::<BlockId>::new());
+    assert_eq!(p.lookup_chain(&[]), Vec::<BlockId>::new());
+    // With block 1 free (cached, ref 0) the copy in use (4) is preferred, as lookup does.
+    p.free(&[1]).unwrap();
+    assert_eq!(p.lookup(&h(1)), Some(4));
+    assert_eq!(p.lookup_chain(&[h(1), h(2)]), vec![4, 2]);
+    ok(&p);
+}
+
+#[test]
+fn long_free_with_a_repeated_id_is_checked_against_its_ref_count() {
+    let (p, _events) = pool(200);
+    let got = p.allocate(100).unwrap();
+    // 40 ids, one of them twice while it holds one reference: refused, nothing changed.
+    let mut ids: Vec<BlockId> = got[..39].to_vec();
+    ids.push(got[7]);
+    let before = snap(&p);
+    assert_eq!(
+        p.free(&ids),
+        Err(Error::RefCountUnderflow { block_id: got[7] })
+    );
+    assert_eq!(snap(&p), before);
+    // With a second reference the same list is a valid free of both.
+    p.incref(&[got[7]]).unwrap();
+    p.free(&ids).unwrap();
+    assert_eq!(p.ref_count(got[7]), 0);
+    assert_eq!(p.num_used(), 61);
+    // A long list without repeats, one id already free: refused.
+    let mut ids: Vec<BlockId> = got[40..80].to_vec();
+    ids.push(got[0]);
+    let before = snap(&p);
+    assert_eq!(
+        p.free(&ids),
+        Err(Error::RefCountUnderflow { block_id: got[0] })
+    );
+    assert_eq!(snap(&p), before);
+    p.free(&got[39..]).unwrap();
+    assert_eq!(p.num_used(), 0);
+    ok(&p);
+}

@@ -23,6 +23,8 @@ from hypothesis import strategies as st
 pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this suite)")
 
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+
+from pagedkv.integrations.vllm import PagedKVScheduler  # noqa: E402
 from pagedkv.integrations.vllm.cpu_harness import (  # noqa: E402
     Driver,
     build_scheduler,
@@ -30,8 +32,6 @@ from pagedkv.integrations.vllm.cpu_harness import (  # noqa: E402
     make_request,
     make_vllm_config,
 )
-
-from pagedkv.integrations.vllm import PagedKVScheduler  # noqa: E402
 
 BS = 16
 
@@ -208,9 +208,7 @@ def test_aborts_waiting_and_running() -> None:
     def abort(driver: Driver) -> None:
         driver.abort(["a1", "a5", "waiting"])
 
-    stock, paged, _ = _lockstep(
-        stream, num_blocks=128, max_num_batched_tokens=64, actions={3: abort}
-    )
+    stock, paged, _ = _lockstep(stream, num_blocks=128, max_num_batched_tokens=64, actions={3: abort})
     assert paged.outputs == stock.outputs
     assert paged.finish_reasons["a1"] == "abort" and len(paged.outputs["a1"]) < 30
     _check_no_leak(stock, paged)
@@ -240,9 +238,7 @@ def test_preemption_without_eviction_matches_step_by_step(paged_cls: type) -> No
     # differently), so every step still matches.
     rng = random.Random(7)
     stream = {0: [_req(f"p{i}", _tokens(rng, 40), 40) for i in range(6)]}
-    stock, paged, records = _lockstep(
-        stream, num_blocks=25, max_num_batched_tokens=256, paged_cls=paged_cls
-    )
+    stock, paged, records = _lockstep(stream, num_blocks=25, max_num_batched_tokens=256, paged_cls=paged_cls)
     assert any(a["preempted"] for a, _ in records), "the pool must force preemption"
     assert paged.outputs == stock.outputs
     if paged_cls is PagedKVScheduler:
@@ -257,9 +253,7 @@ def test_priority_policy_and_watermark_match_step_by_step() -> None:
     rng = random.Random(9)
     stream: dict[int, list[Any]] = {}
     for i in range(12):
-        stream.setdefault(i // 3, []).append(
-            _req(f"w{i}", _tokens(rng, 30 + 5 * i), 30, priority=rng.randrange(0, 3))
-        )
+        stream.setdefault(i // 3, []).append(_req(f"w{i}", _tokens(rng, 30 + 5 * i), 30, priority=rng.randrange(0, 3)))
     stock, paged, records = _lockstep(
         stream, num_blocks=30, max_num_batched_tokens=256, policy="priority", watermark=0.1
     )
@@ -275,9 +269,7 @@ def test_eviction_pressure_same_outputs_no_leaks() -> None:
     for i in range(40):
         prompt = systems[i % 4] + _tokens(rng, rng.randrange(5, 60))
         stream.setdefault(i // 2, []).append(_req(f"e{i}", prompt, rng.randrange(5, 50)))
-    stock, paged, records = _lockstep(
-        stream, strict=False, num_blocks=40, max_num_batched_tokens=128
-    )
+    stock, paged, records = _lockstep(stream, strict=False, num_blocks=40, max_num_batched_tokens=128)
     assert any(b["preempted"] for _, b in records) and any(a["preempted"] for a, _ in records)
     assert paged.outputs == stock.outputs
     assert paged.finish_reasons == stock.finish_reasons
@@ -304,9 +296,7 @@ def test_random_streams_match(enable_prefix_caching: bool) -> None:
             kw: dict[str, Any] = {}
             if rng.random() < 0.3:
                 kw["cache_salt"] = rng.choice(["s1", "s2"])
-            stream.setdefault(rng.randrange(0, 40), []).append(
-                _req(f"q{seed}-{i}", prompt, rng.randrange(1, 30), **kw)
-            )
+            stream.setdefault(rng.randrange(0, 40), []).append(_req(f"q{seed}-{i}", prompt, rng.randrange(1, 30), **kw))
         stock, paged, _ = _lockstep(
             stream,
             num_blocks=512,
@@ -337,9 +327,7 @@ def _streams(draw: Any) -> dict[str, Any]:
         if draw(st.integers(0, 3)) == 0:
             kw["stop_token_ids"] = [fake_token(f"h{i}", len(prompt) + draw(st.integers(0, 5)))]
         stream.setdefault(draw(st.integers(0, 12)), []).append(_req(f"h{i}", prompt, max_tokens, **kw))
-    aborts = {
-        draw(st.integers(1, 15)): [f"h{draw(st.integers(0, n - 1))}"] for _ in range(draw(st.integers(0, 2)))
-    }
+    aborts = {draw(st.integers(1, 15)): [f"h{draw(st.integers(0, n - 1))}"] for _ in range(draw(st.integers(0, 2)))}
     resets = set(draw(st.lists(st.integers(1, 20), max_size=2)))
     return {
         "stream": stream,

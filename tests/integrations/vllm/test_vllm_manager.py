@@ -31,13 +31,6 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 from vllm.v1.request import RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
-from pagedkv.integrations.vllm.cpu_harness import (  # noqa: E402
-    Driver,
-    build_scheduler,
-    make_kv_cache_config,
-    make_request,
-    make_vllm_config,
-)
 
 import pagedkv  # noqa: E402
 from pagedkv.integrations.vllm import (  # noqa: E402
@@ -45,6 +38,13 @@ from pagedkv.integrations.vllm import (  # noqa: E402
     PagedKVScheduler,
     UnsupportedVllmConfigError,
     check_supported_config,
+)
+from pagedkv.integrations.vllm.cpu_harness import (  # noqa: E402
+    Driver,
+    build_scheduler,
+    make_kv_cache_config,
+    make_request,
+    make_vllm_config,
 )
 
 BS = 16
@@ -82,9 +82,7 @@ def test_two_kv_cache_groups_refused() -> None:
 
 def test_sliding_window_refused() -> None:
     cfg = make_vllm_config(num_blocks=64)
-    sw = SlidingWindowSpec(
-        block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=128
-    )
+    sw = SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=128)
     kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a"], sw)])
     with pytest.raises(UnsupportedVllmConfigError, match="SlidingWindowSpec"):
         _build(cfg, kv)
@@ -146,9 +144,7 @@ def test_refused_before_vllm_builds_anything(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_scheduler_cls_by_name_resolves() -> None:
-    cfg = make_vllm_config(
-        num_blocks=64, scheduler_cls="pagedkv.integrations.vllm.PagedKVScheduler"
-    )
+    cfg = make_vllm_config(num_blocks=64, scheduler_cls="pagedkv.integrations.vllm.PagedKVScheduler")
     cls = cfg.scheduler_config.get_scheduler_cls()
     assert cls is PagedKVScheduler
     sched = build_scheduler(cls, cfg)
@@ -253,9 +249,7 @@ def test_multimodal_items_key_the_blocks_they_cover(which: str) -> None:
     kv_cfg = make_kv_cache_config(256)
     manager: Any
     if which == "stock":
-        manager = KVCacheManager(
-            kv_cfg, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS
-        )
+        manager = KVCacheManager(kv_cfg, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS)
     else:
         manager = PagedKVCacheManager(256, BS)
     prompt = list(range(1000, 1000 + 96))  # 6 blocks; an image in tokens 40..71
@@ -347,9 +341,7 @@ def test_events_have_set_semantics_under_eviction(monkeypatch: pytest.MonkeyPatc
         assert consumer == {h for h in seen if pool.lookup(h) is not None}
     assert removed_any, "the pool must be small enough to evict"
     assert sched.reset_prefix_cache()
-    sched.kv_cache_manager.take_events = type(sched.kv_cache_manager).take_events.__get__(
-        sched.kv_cache_manager
-    )
+    sched.kv_cache_manager.take_events = type(sched.kv_cache_manager).take_events.__get__(sched.kv_cache_manager)
     assert [type(e) for e in sched.kv_cache_manager.take_events()] == [AllBlocksCleared]
 
 

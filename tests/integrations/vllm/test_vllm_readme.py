@@ -24,9 +24,7 @@ def test_readme_vllm_example_runs() -> None:
         re.S,
     )
     assert block, "README.md lost its vLLM example markers"
-    res = subprocess.run(
-        [sys.executable, "-c", block.group(1)], capture_output=True, text=True, check=False
-    )
+    res = subprocess.run([sys.executable, "-c", block.group(1)], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = res.stdout.strip().splitlines()
     assert ast.literal_eval(lines[-2]) == {"a": 0, "b": 64}
