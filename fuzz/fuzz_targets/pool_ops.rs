@@ -148,22 +148,28 @@ fn run(input: Input) {
                     Err(Error::OutOfBlocks { requested: k, available: m.free_count() })
                 } else {
                     let mut out = Vec::new();
-                    let mut evicted = Vec::new();
+                    let mut evictions = 0u64;
+                    // Set semantics: a hash is announced as removed when its last copy goes.
+                    let mut unresolvable = Vec::new();
                     for _ in 0..k {
                         let b = match m.stack.pop() {
                             Some(b) => b,
                             None => {
                                 let b = m.lru.pop_front().expect("counted");
-                                evicted.push(m.hashes[b as usize].take().expect("cached"));
+                                let h = m.hashes[b as usize].take().expect("cached");
+                                evictions += 1;
+                                if !m.hashes.iter().any(|&c| c == Some(h)) {
+                                    unresolvable.push(h);
+                                }
                                 b
                             }
                         };
                         m.refs[b as usize] = 1;
                         out.push(b);
                     }
-                    if !evicted.is_empty() {
-                        m.counters.evictions += evicted.len() as u64;
-                        want_events.push(KvEvent::BlockRemoved { block_hashes: evicted });
+                    m.counters.evictions += evictions;
+                    if !unresolvable.is_empty() {
+                        want_events.push(KvEvent::BlockRemoved { block_hashes: unresolvable });
                     }
                     if k > 0 {
                         m.counters.allocations += k as u64;
