@@ -20,8 +20,8 @@ counted once, identically for every system (each block of each request obtained 
 released once), so the per-op ratio equals the total-time ratio.
 
 Usage:
-  python benchmarks/allocator_speed.py --vllm-python /work/venvs/vllm/bin/python \\
-      --nanovllm-path /work/ext/nano-vllm [--nanovllm-python PY] [--traces mooncake azure_conv]
+  python benchmarks/allocator_speed.py --vllm-python ~/venvs/vllm/bin/python \\
+      --nanovllm-path ~/src/nano-vllm [--nanovllm-python PY] [--traces mooncake azure_conv]
       [--steps 400]
 A baseline whose location is not given (or does not import) is skipped, and the table says so.
 """

@@ -12,8 +12,8 @@ not ``kernels.py``, which needs CUDA). Each script's output goes to
 or times out is reported in the summary, never hidden.
 
 Usage:
-  python benchmarks/run_all.py [--vllm-python /work/venvs/vllm/bin/python]
-      [--nanovllm-path /work/ext/nano-vllm] [--nanovllm-python PY] [--only NAME ...]
+  python benchmarks/run_all.py [--vllm-python ~/venvs/vllm/bin/python]
+      [--nanovllm-path ~/src/nano-vllm] [--nanovllm-python PY] [--only NAME ...]
       [--summary-only]
 """
 
@@ -256,8 +256,8 @@ def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> st
         total = sum(s["seconds"] for s in status.values())
         out += [f"## Runs ({total / 60:.1f} min in all)", "",
                 common.markdown_table(["benchmark", "status", "seconds", "log"], rows), ""]
-    out += ["Reproduce: `python benchmarks/run_all.py --vllm-python /work/venvs/vllm/bin/python "
-            "--nanovllm-path /work/ext/nano-vllm --nanovllm-python /work/venvs/nanovllm/bin/python` "
+    out += ["Reproduce: `python benchmarks/run_all.py --vllm-python ~/venvs/vllm/bin/python "
+            "--nanovllm-path ~/src/nano-vllm --nanovllm-python ~/venvs/nanovllm/bin/python` "
             "(see benchmarks/README.md for setting up the two baselines).", ""]
     return "\n".join(out)
 
