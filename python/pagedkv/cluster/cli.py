@@ -25,6 +25,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+# The engine CLI's argparse types, so both CLIs refuse the same values with the same words.
+from pagedkv.engine.cli import _positive, _positive_float
+
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
@@ -36,18 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", help="prompts file (.txt: one per line, or .jsonl)")
     src.add_argument("--trace", help="trace file of request lengths (synthetic prompts)")
-    ap.add_argument("--trace-limit", type=int, default=None, help="first N trace requests")
-    ap.add_argument("--trace-scale", type=float, default=1.0, help="multiply trace lengths (> 0)")
-    ap.add_argument("--replicas", type=int, default=2, help="engine replicas to start (>= 1)")
+    ap.add_argument("--trace-limit", type=_positive, default=None, help="first N trace requests")
+    ap.add_argument("--trace-scale", type=_positive_float, default=1.0, help="multiply trace lengths (> 0)")
+    ap.add_argument("--replicas", type=_positive, default=2, help="engine replicas to start (>= 1)")
     ap.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray cluster)")
     ap.add_argument("--num-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     ap.add_argument("--num-gpus", type=float, default=0.0, help="Ray GPUs per replica")
     ap.add_argument("--model", default=None, help="model path on every node (default: SmolLM2-135M)")
     ap.add_argument("--device", default=None, help="torch device of the replicas (default: cuda if available)")
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    ap.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica")
-    ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=64, help="default max tokens per request")
+    ap.add_argument("--kv-blocks", type=_positive, default=None, help="KV blocks per replica")
+    ap.add_argument("--block-size", type=_positive, default=16)
+    ap.add_argument("--max-tokens", type=_positive, default=64, help="default max tokens per request")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template")
@@ -67,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.25,
         help="kv_aware: skip replicas above max_imbalance * mean + 1 requests (0: no cap)",
     )
-    ap.add_argument("--steps-per-call", type=int, default=4, help="engine steps per replica round trip")
+    ap.add_argument("--steps-per-call", type=_positive, default=4, help="engine steps per replica round trip")
     ap.add_argument("--output", default=None, help="results JSONL (default: stdout)")
     return ap
 
@@ -85,8 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     from pagedkv.engine.sampling import SamplingParams  # noqa: PLC0415
     from pagedkv.routing import policy_by_name  # noqa: PLC0415
 
-    if args.replicas < 1:
-        return _fail(f"--replicas {args.replicas}: need at least 1")
     try:
         weights: dict[str, Any] = {}
         if args.policy == "kv_aware":
@@ -103,8 +104,6 @@ def main(argv: list[str] | None = None) -> int:
             prompts = read_prompts(args.prompts)
             trace = None
         else:
-            if not args.trace_scale > 0:
-                return _fail(f"--trace-scale {args.trace_scale}: must be > 0")
             trace = read_trace(args.trace, limit=args.trace_limit, scale=args.trace_scale)
     except (PromptFileError, EngineError, ValueError) as e:
         return _fail(str(e))
