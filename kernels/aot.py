@@ -523,6 +523,8 @@ def full_report(quick: bool, archs: Iterable[int], jobs: int, progress: bool = T
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line: compile the configurations, print the tables, optionally write the JSON.
+    Returns 1 when any kernel spills, uses stack, exceeds sm_80's shared memory or fails."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="the subset make test runs")
     ap.add_argument("--arch", type=int, nargs="+", default=list(C.ARCHS), help="compute capabilities")

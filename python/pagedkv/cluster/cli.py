@@ -30,6 +30,7 @@ from pagedkv.engine.cli import _positive, _positive_float
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``python -m pagedkv.cluster`` / ``pagedkv-cluster`` argument parser."""
     ap = argparse.ArgumentParser(
         prog="python -m pagedkv.cluster",
         description=__doc__.split("\n\n")[0],
@@ -81,6 +82,9 @@ def _fail(msg: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Start the replicas, serve the prompts file or trace through the router, write one JSON
+    line per request. Returns 0 when any request was answered, 1 when none was, 2 for a bad file
+    or argument (argparse exits 2 itself for a bad flag value)."""
     args = build_parser().parse_args(argv)
     from pagedkv.cluster.cluster import ClusterRequest, ReplicaCluster  # noqa: PLC0415
     from pagedkv.engine.errors import EngineError, PromptFileError  # noqa: PLC0415

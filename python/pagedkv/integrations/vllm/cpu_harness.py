@@ -244,10 +244,12 @@ class Driver:
         self.prefix_cache_stats = {"requests": 0, "queries": 0, "hits": 0}
 
     def add(self, request: Request) -> None:
+        """Hand ``request`` to the scheduler (its outputs are recorded from then on)."""
         self.outputs.setdefault(request.request_id, [])
         self.scheduler.add_request(request)
 
     def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests through the scheduler (finish reason ``"abort"``)."""
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
         for rid in request_ids:
             self.finish_reasons.setdefault(rid, "abort")

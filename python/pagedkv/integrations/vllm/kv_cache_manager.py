@@ -76,6 +76,7 @@ def _make_blocks_class() -> type:
 
         @property  # type: ignore[override, unused-ignore]
         def blocks(self) -> tuple[list[Any], ...]:
+            """One group of vLLM ``KVCacheBlock`` views (block id only), built per access."""
             from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
             return ([KVCacheBlock(block_id=b) for b in self.ids],)
@@ -83,6 +84,9 @@ def _make_blocks_class() -> type:
         def get_block_ids(
             self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
         ) -> tuple[list[int], ...] | None:
+            """Block ids per KV cache group, as vLLM's ``KVCacheBlocks.get_block_ids``: one group
+            (``([id, ...],)``); ``None`` when ``allow_none`` and there are no blocks; empty lists
+            for requested groups other than 0."""
             if allow_none and not self.ids:
                 return None
             if group_ids is not None and list(group_ids) != [0]:
@@ -90,9 +94,11 @@ def _make_blocks_class() -> type:
             return (list(self.ids),)
 
         def get_unhashed_block_ids(self) -> list[int]:
+            """Every block id (vLLM's API; pagedkv tracks hashes itself, so all are listed)."""
             return list(self.ids)
 
         def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+            """``[get_unhashed_block_ids()]``: the one KV cache group."""
             return [list(self.ids)]
 
         def __add__(self, other: Any) -> Any:
@@ -100,6 +106,7 @@ def _make_blocks_class() -> type:
             return PagedKVBlocksImpl(self.ids + list(other_ids))
 
         def new_empty(self) -> Any:
+            """vLLM's empty ``KVCacheBlocks`` (one group, no blocks)."""
             return KVCacheBlocks(((),))
 
         def __eq__(self, other: object) -> bool:
@@ -130,6 +137,7 @@ class _DeferredBlocks(PagedKVBlocks):  # type: ignore[misc, valid-type, unused-i
 
     @property
     def ids(self) -> list[int]:
+        """The new block's id (flushes the pending decodes into pagedkv first)."""
         if self._manager._pending_seqs:
             self._manager.flush_decodes()
         return self._ids
