@@ -2,10 +2,12 @@
 
 These are the test oracle for the Triton kernels and the path the reference engine uses on
 CPU to serve a real model, so they are exact (attention math in fp32) and vectorized: one
-gather + one SDPA call per prefill sequence, and decode sequences (query length 1) batched
-together, never a Python loop over tokens. Attention's per-step work (metadata validation,
-slot indices, masks) lives in an :class:`~pagedkv.kernels.plan.AttentionPlan` that a model
-builds once per step and passes to every layer.
+gather of whole cache blocks + one SDPA call per prefill sequence (``is_causal`` without a
+mask for a prompt with no cached prefix), and decode sequences (query length 1) batched
+together in length-sorted groups, never a Python loop over tokens. Attention's per-step work
+(metadata validation, block indices, masks, decode groups) lives in an
+:class:`~pagedkv.kernels.plan.AttentionPlan` that a model builds once per step and passes to
+every layer.
 
 Cache layout (PagedAttention, Kwon et al., SOSP'23): one tensor for all layers
 ``kv_cache[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 = K,
@@ -139,19 +141,26 @@ def paged_attention(
     if out is None:
         out = torch.empty_like(query)
     result = out if direct else torch.empty(t, hq, d, dtype=torch.float32, device=query.device)
-    k_rows, v_rows = _cache_rows(key_cache), _cache_rows(value_cache)
+    k_blocks, v_blocks = _cache_blocks(key_cache), _cache_blocks(value_cache)
     for part in plan.prefills:
-        q_len = part.q_end - part.q_start
-        k = k_rows(part.slots).float().transpose(0, 1)  # [Hkv, S, D]
-        v = v_rows(part.slots).float().transpose(0, 1)
-        # Query heads of one KV group stacked along rows: [Hkv, G*q_len, D] (no K/V repeat).
-        q = query[part.q_start : part.q_end].float().reshape(q_len, hkv, g, d).permute(1, 2, 0, 3)
-        o = F.scaled_dot_product_attention(q.reshape(hkv, g * q_len, d), k, v, attn_mask=part.mask, scale=scale)
+        q_len, s = part.q_end - part.q_start, part.seq_len
+        k = k_blocks(part.blocks).reshape(-1, hkv, d)[:s].float().transpose(0, 1)  # [Hkv, S, D]
+        v = v_blocks(part.blocks).reshape(-1, hkv, d)[:s].float().transpose(0, 1)
+        q = query[part.q_start : part.q_end].float().reshape(q_len, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, q, D]
+        if part.mask is None:
+            # Plain causal prompt (q_len == S): is_causal, K/V broadcast over the G query heads
+            # of their group (a stride-0 view, no repeat).
+            o = F.scaled_dot_product_attention(
+                q, k.unsqueeze(1).expand(hkv, g, s, d), v.unsqueeze(1).expand(hkv, g, s, d), is_causal=True, scale=scale
+            )
+        else:
+            # Query heads of one KV group stacked along rows: [Hkv, G*q_len, D] (no K/V repeat).
+            o = F.scaled_dot_product_attention(q.reshape(hkv, g * q_len, d), k, v, attn_mask=part.mask, scale=scale)
         result[part.q_start : part.q_end] = o.reshape(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
     for grp in plan.decodes:
         n = grp.size
-        k = k_rows(grp.slots).float().transpose(1, 2)  # [n, Hkv, S, D]
-        v = v_rows(grp.slots).float().transpose(1, 2)
+        k = k_blocks(grp.blocks).view(n, -1, hkv, d).float().transpose(1, 2)  # [n, Hkv, nb*bs, D]
+        v = v_blocks(grp.blocks).view(n, -1, hkv, d).float().transpose(1, 2)
         q = query[grp.rows].float().reshape(n, hkv, g, d)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=scale)
         result[grp.rows] = o.reshape(n, hq, d)
@@ -160,17 +169,19 @@ def paged_attention(
     return out
 
 
-def _cache_rows(cache: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``slots[...] -> cache rows [..., num_kv_heads, head_size]`` for int64 cache slots.
+def _cache_blocks(cache: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``blocks[...] -> cache blocks [..., block_size, num_kv_heads, head_size]`` for int64
+    block ids.
 
-    A per-layer view of the all-layer cache is one flat ``[num_blocks * block_size]`` run of
-    rows, so the slots index it with one ``index_select`` (several times faster on CPU than
-    advanced indexing with a 2-D index); other strides fall back to (block, row) indexing."""
+    A per-layer view of the all-layer cache holds each block as one contiguous run, so the ids
+    index it with one ``index_select`` of whole blocks (on CPU several times cheaper than
+    gathering the same rows one position at a time); other strides fall back to advanced
+    indexing."""
     nb, bs, h, d = cache.shape
-    if cache.stride(0) == bs * cache.stride(1):
-        flat = cache.view(nb * bs, h, d)
-        return lambda slots: flat.index_select(0, slots.reshape(-1)).view(*slots.shape, h, d)
-    return lambda slots: cache[slots // bs, slots % bs]
+    if cache[0].is_contiguous():
+        flat = cache.view(nb, bs * h * d)
+        return lambda blocks: flat.index_select(0, blocks.reshape(-1)).view(*blocks.shape, bs, h, d)
+    return lambda blocks: cache[blocks]
 
 
 def _check_kv_cache(op: str, name: str, kv: object) -> None:

@@ -56,8 +56,14 @@ def test_plan_groups_decodes_and_prefills():
     grp = plan.decodes[0]
     # Decode rows in batch order: sequences 0, 2, 5, 7 -> rows 0, 24, 34, 51 (not a run).
     assert grp.rows.tolist() == [0, 24, 34, 51]
-    assert grp.slots.shape == (4, 65)  # padded to the longest decode sequence (64 + 1)
+    # Block ids padded to the longest decode sequence: 64 + 1 positions = 9 blocks of 8.
+    assert grp.blocks.shape == (4, 9) and grp.mask.shape == (4, 1, 1, 72)
     assert grp.mask[:, 0, 0, :].sum(1).tolist() == [41, 18, 65, 2]
+    assert grp.blocks[1, :3].tolist() == case.block_table[2, :3].tolist() and grp.blocks[1, 3:].eq(0).all()
+    # The fresh prompt (0, 23) runs as plain causal attention; the two over a cached prefix
+    # keep a mask of G * q_len rows by seq_len positions.
+    assert [p.mask is None for p in plan.prefills] == [True, False, False]
+    assert [tuple(p.mask.shape) for p in plan.prefills[1:]] == [(3 * 9, 42), (3 * 16, 32)]
     assert plan.num_tokens == 52 and plan.cache_shape == (case.key_cache.shape[0], 8, 2, 32)
 
 
@@ -74,9 +80,53 @@ def test_plan_splits_decodes_over_the_memory_budget(monkeypatch):
     # Budget for two decode sequences of <= 41 positions: the length-sorted split path.
     monkeypatch.setattr(plan_mod, "DECODE_GROUP_ELEMS", 2 * 41 * 2 * 32)
     plan = _plan(case)
-    assert [g.slots.shape[0] for g in plan.decodes] == [2, 1, 1]
+    # Block-padded groups of at most 10 blocks of 8: only the two shortest (1 and 3 blocks) pair.
+    assert [g.size for g in plan.decodes] == [2, 1, 1]
     out = kernels.paged_attention(*case.attn_args(), softmax_scale=0.2, plan=plan, backend="torch")
     torch.testing.assert_close(out, dense_attention(case, 0.2), atol=2e-6, rtol=1e-5)
+
+
+def test_plan_splits_decodes_of_very_different_lengths():
+    # Six short decodes and one long one: one padded group would attend 7 x 600 positions,
+    # two length-sorted groups 6 x 8 + 600; the rows of a split group are a tensor.
+    seqs = [(4, 1)] * 3 + [(599, 1)] + [(6, 1)] * 3
+    case = make_case(seqs, block_size=8, num_kv_heads=1, group=2, head_size=16)
+    plan = _plan(case)
+    assert [g.size for g in plan.decodes] == [6, 1]
+    assert plan.decodes[0].rows.tolist() == [0, 1, 2, 4, 5, 6] and plan.decodes[1].rows == slice(3, 4)
+    out = kernels.paged_attention(*case.attn_args(), softmax_scale=0.3, plan=plan, backend="torch")
+    torch.testing.assert_close(out, dense_attention(case, 0.3), atol=2e-6, rtol=1e-5)
+    # Equal lengths: one group in batch order (a slice).
+    same = _plan(make_case([(30, 1)] * 5, block_size=8, num_kv_heads=1, group=2, head_size=16))
+    assert len(same.decodes) == 1 and same.decodes[0].rows == slice(0, 5)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_decode_split_is_the_cheapest_partition(seed):
+    # _split_sorted against brute force over every cut of a sorted list into runs.
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    blocks = sorted(rng.randint(1, 60) for _ in range(rng.randint(1, 8)))
+    bs, cap = 16, rng.choice([60, 120, 10_000])
+
+    def cost(runs):
+        return sum(plan_mod.DECODE_GROUP_COST_POSITIONS + (j - i) * blocks[j - 1] * bs for i, j in runs)
+
+    def ok(runs):
+        return all(j - i == 1 or (j - i) * blocks[j - 1] <= cap for i, j in runs)
+
+    n = len(blocks)
+    best = min(
+        cost(r)
+        for k in range(n)
+        for cuts in itertools.combinations(range(1, n), k)
+        if ok(r := list(zip((0, *cuts), (*cuts, n))))
+    )
+    got = plan_mod._split_sorted(blocks, bs, cap)
+    assert [i for i, _ in got] == [0] + [j for _, j in got[:-1]] and got[-1][1] == n  # runs tile 0..n
+    assert ok(got) and cost(got) == best
 
 
 def test_one_plan_serves_every_layer():
