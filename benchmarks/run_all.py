@@ -57,7 +57,7 @@ def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
         jobs.append(("engine_throughput", [py, str(HERE / "engine_throughput.py"),
                                            *(a.engine_args or ["--rounds", "1"])], 1500))
     if (HERE / "engine_roofline.py").exists():
-        jobs.append(("engine_roofline", [py, str(HERE / "engine_roofline.py")], 240))
+        jobs.append(("engine_roofline", [py, str(HERE / "engine_roofline.py")], 1800))
     if (HERE / "kernels_aot.py").exists():
         # A fresh run compiles a few hundred kernels; cached per kernel afterwards.
         jobs.append(("kernels_aot", [py, str(HERE / "kernels_aot.py")], 3600))

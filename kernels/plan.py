@@ -21,7 +21,7 @@ import torch
 
 from . import validate as V
 
-__all__ = ["AttentionPlan", "PrefillPart", "DecodeGroup", "plan_paged_attention"]
+__all__ = ["AttentionPlan", "PrefillPart", "DecodeGroup", "plan_paged_attention", "additive_mask"]
 
 # Upper bound on gathered K elements per batched decode group (keeps CPU memory bounded).
 DECODE_GROUP_ELEMS = 1 << 26
@@ -45,8 +45,9 @@ class PrefillPart:
         mask: None when the part is plain causal attention (a prompt with no cached prefix:
             ``q_len == S``, and no window shorter than ``q_len``), which the reference runs as
             ``is_causal`` -- no mask, and the score tiles above the diagonal are skipped. Else
-            bool ``[G * q_len, S]``; row ``g * q_len + i`` (query ``i`` of any query head in a
-            KV group of ``G`` heads) may see position ``j`` (causal, and inside the window).
+            an additive fp32 mask ``[G * q_len, S]`` (see :func:`additive_mask`): row
+            ``g * q_len + i`` (query ``i`` of any query head in a KV group of ``G`` heads) may
+            see position ``j`` (causal, and inside the window) where it is 0.
     """
 
     seq: int
@@ -66,8 +67,8 @@ class DecodeGroup:
             contiguous run (cheaper to read and write), else an int64 ``[n]`` tensor.
         blocks: int64 ``[n, nb]`` physical blocks of each sequence in position order, padded
             to the group's longest sequence (``nb`` blocks) with block 0 (masked out).
-        mask: bool ``[n, 1, 1, nb * block_size]``, True where the sequence's single query sees
-            the position.
+        mask: additive fp32 ``[n, 1, 1, nb * block_size]`` (see :func:`additive_mask`), 0
+            where the sequence's single query sees the position.
     """
 
     rows: slice | torch.Tensor
@@ -273,7 +274,7 @@ def build_plan(
                 mask = pos.unsqueeze(0) <= qpos
                 if sliding_window is not None:
                     mask &= pos.unsqueeze(0) > qpos - sliding_window
-                mask = mask.repeat(g, 1).to(dev)
+                mask = additive_mask(mask.repeat(g, 1)).to(dev)
             prefills.append(PrefillPart(b, qsl[b], qsl[b + 1], sl, blocks.to(dev), mask))
     return AttentionPlan(
         block_table=block_table,
@@ -287,6 +288,14 @@ def build_plan(
         prefills=tuple(prefills),
         decodes=_decode_groups(decode, sls, qsl, bt_host, bs, hkv * d, sliding_window, dev),
     )
+
+
+def additive_mask(visible: torch.Tensor) -> torch.Tensor:
+    """fp32 attention mask from a bool one: 0 where ``visible``, -inf elsewhere.
+
+    The reference's math is fp32, and ``scaled_dot_product_attention`` turns a bool mask into
+    exactly this before use (``where``); built once per step here, not once per layer and call."""
+    return torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
 
 
 def _decode_groups(
@@ -328,7 +337,7 @@ def _decode_groups(
             DecodeGroup(
                 rows=slice(row_list[0], row_list[0] + len(row_list)) if run else torch.tensor(row_list).to(dev),
                 blocks=blocks.to(dev),
-                mask=mask[:, None, None, :].to(dev),
+                mask=additive_mask(mask[:, None, None, :]).to(dev),
             )
         )
     return tuple(groups)

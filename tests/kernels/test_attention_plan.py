@@ -58,7 +58,8 @@ def test_plan_groups_decodes_and_prefills():
     assert grp.rows.tolist() == [0, 24, 34, 51]
     # Block ids padded to the longest decode sequence: 64 + 1 positions = 9 blocks of 8.
     assert grp.blocks.shape == (4, 9) and grp.mask.shape == (4, 1, 1, 72)
-    assert grp.mask[:, 0, 0, :].sum(1).tolist() == [41, 18, 65, 2]
+    assert grp.mask[:, 0, 0, :].eq(0).sum(1).tolist() == [41, 18, 65, 2]  # additive: 0 = visible, else -inf
+    assert grp.mask.isneginf().sum().item() == 4 * 72 - (41 + 18 + 65 + 2)
     assert grp.blocks[1, :3].tolist() == case.block_table[2, :3].tolist() and grp.blocks[1, 3:].eq(0).all()
     # The fresh prompt (0, 23) runs as plain causal attention; the two over a cached prefix
     # keep a mask of G * q_len rows by seq_len positions.
