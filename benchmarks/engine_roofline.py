@@ -25,14 +25,19 @@ continuous batching matters more; every request arrives at t = 0):
   prefill steps, then decode steps whose batch is the number of requests still generating,
   costed with the measured ``t(M) + h(M)`` (linear interpolation between measured M).
 
-The engine against its floor, in one process: ``--engine-rounds`` (2) rounds, each a fresh GEMM
-table and then the pagedkv engine on every workload (the runner of ``engine_throughput.py``);
-a round's ``engine share of floor`` is its staged-schedule GEMM time divided by its engine wall
-(target >= 90%), so the load of a shared machine hits both sides of the ratio alike; the
-1-minute load average is recorded next to each. The floors printed use the best GEMM time per M
-over the rounds. Also prints the walls of ``benchmarks/results/engine_throughput.json`` (if
-present, trace workload) and the wall a given speedup over transformers' ``generate_batch``
-would need, and plots GEMM cost per token against M to ``benchmarks/results/engine_roofline.png``.
+The engine against its floor, in one process: ``--engine-rounds`` (2) rounds of the pagedkv
+engine on every workload (the runner of ``engine_throughput.py``), with a GEMM table measured
+before the first round and after each; a round's ``engine share of floor`` is its staged-
+schedule GEMM time (from the mean of the tables just before and after it) divided by its engine
+wall (target >= 90%), so the load of a shared machine hits both sides of the ratio alike; the
+1-minute load average is recorded next to each. Each engine run also times its own ``F.linear``
+calls: their share of its wall is what the floor ratio would be if the engine's GEMMs cost
+exactly the table's, and it moves far less with the load than walls measured minutes apart.
+
+The floors printed use the best GEMM time per M over the tables. Also prints the walls of
+``benchmarks/results/engine_throughput.json`` (if present, trace workload) and the wall a given
+speedup over transformers' ``generate_batch`` would need, and plots GEMM cost per token against
+M to ``benchmarks/results/engine_roofline.png``.
 
 Usage: python benchmarks/engine_roofline.py [--threads 1] [--max-tokens-per-step 1024]
        [--workloads trace,trace-large] [--engine-rounds 2]
@@ -123,6 +128,28 @@ def staged_schedule(prompts: list[int], outputs: list[int], budget: int,
     return t, steps
 
 
+def engine_run(hf: Any, tok: Any, work: list[tuple[list[int], int]], a: argparse.Namespace) -> tuple[float, float]:
+    """Wall of the pagedkv engine on ``work`` and the time its ``F.linear`` calls took inside
+    that wall (timed per call; the share GEMMs have of the wall, measured under the same load)."""
+    from engine_throughput import run_pagedkv
+
+    linear = torch.nn.functional.linear
+    spent = [0.0]
+
+    def timed_linear(*args: Any, **kwargs: Any) -> torch.Tensor:
+        t = time.perf_counter()
+        out = linear(*args, **kwargs)
+        spent[0] += time.perf_counter() - t
+        return out
+
+    torch.nn.functional.linear = timed_linear  # the engine's model calls F.linear at call time
+    try:
+        wall = run_pagedkv(hf, tok, work, a, on_start=lambda: spent.__setitem__(0, 0.0))["wall_s"]
+    finally:
+        torch.nn.functional.linear = linear
+    return wall, spent[0]
+
+
 def floors(prompts: list[int], outputs: list[int], budget: int,
            table: dict[int, tuple[float, float]]) -> dict[str, float]:
     """The three GEMM floors of a workload from one GEMM table (see the module docs), seconds."""
@@ -150,15 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-output", type=int, default=64)
     ap.add_argument("--workloads", default="trace,trace-large", help="comma-separated: trace, trace-large")
     ap.add_argument("--engine-rounds", type=int, default=2,
-                    help="rounds of [fresh GEMM table, then the pagedkv engine on every workload] in this process; "
-                    "each round's engine wall is divided by the floor of that round's table (0: floors only)")
+                    help="rounds of the pagedkv engine on every workload in this process, a GEMM table measured "
+                    "before the first and after each; a round's engine wall is divided by the floor from the "
+                    "tables around it (0: floors only, one table)")
     ap.add_argument("--kv-blocks", type=int, default=1024, help="engine KV blocks (as engine_throughput.py)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--output", type=Path, default=RESULTS / "engine_roofline.json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-
-    from engine_throughput import run_pagedkv
 
     from pagedkv.engine.loader import load_hf_model
 
@@ -169,24 +195,38 @@ def main(argv: list[str] | None = None) -> int:
     works = {w: trace_workload(sizes[w], a.trace_scale, a.max_prompt, a.max_output, hf.config.vocab_size)
              for w in a.workloads.split(",")}
     rounds: list[dict[str, Any]] = []
-    tables: list[dict[int, tuple[float, float]]] = []
-    for rnd in range(max(1, a.engine_rounds)):
-        print(f"round {rnd + 1}: measuring GEMM passes ({weight_mb:.0f} MB of fp32 weights, {a.threads} thread(s)) ...",
+
+    def table_now(label: str) -> dict[int, tuple[float, float]]:
+        print(f"{label}: measuring GEMM passes ({weight_mb:.0f} MB of fp32 weights, {a.threads} thread(s)) ...",
               file=sys.stderr)
-        table = measure(ws, head, SIZES)
-        tables.append(table)
+        return measure(ws, head, SIZES)
+
+    tables = [table_now("before round 1")]
+    for rnd in range(max(1, a.engine_rounds)):
+        walls: dict[str, tuple[float, list[float]]] = {}
+        if a.engine_rounds > 0:
+            for wname, work in works.items():
+                load = os.getloadavg()[0]
+                print(f"round {rnd + 1}: pagedkv engine on {wname} ({len(work)} requests) ...", file=sys.stderr)
+                wall, gemm = engine_run(hf, tok, work, a)
+                walls[wname] = (wall, gemm, [load, os.getloadavg()[0]])
+            tables.append(table_now(f"after round {rnd + 1}"))
+        # The floor of a round: GEMM times averaged over the tables measured just before and just
+        # after its engine runs, so a load that drifts during the round hits both sides alike.
+        before, after = tables[-2] if walls else tables[-1], tables[-1]
+        table = {m: ((before[m][0] + after[m][0]) / 2, (before[m][1] + after[m][1]) / 2) for m in SIZES}
         entry: dict[str, Any] = {}
         for wname, work in works.items():
             prompts, outputs = [len(p) for p, _ in work], [o for _, o in work]
             f = floors(prompts, outputs, a.max_tokens_per_step, table)
-            if a.engine_rounds > 0:
-                load = os.getloadavg()[0]
-                print(f"round {rnd + 1}: pagedkv engine on {wname} ({len(work)} requests) ...", file=sys.stderr)
-                wall = run_pagedkv(hf, tok, work, a)["wall_s"]
+            if wname in walls:
+                wall, gemm, load_avg = walls[wname]
                 f |= {"engine_wall_s": wall, "engine_share_of_floor": f["staged_schedule_gemm_s"] / wall,
-                      "load_1min": [load, os.getloadavg()[0]]}
-                print(f"  engine {wall:.1f} s against a staged GEMM floor of {f['staged_schedule_gemm_s']:.1f} s: "
-                      f"{f['engine_share_of_floor']:.0%} of the floor (load {load:.1f})", file=sys.stderr)
+                      "engine_gemm_s": gemm, "engine_gemm_share": gemm / wall, "load_1min": load_avg}
+                print(f"  {wname}: engine {wall:.1f} s against a staged GEMM floor of "
+                      f"{f['staged_schedule_gemm_s']:.1f} s: {f['engine_share_of_floor']:.0%} of the floor; "
+                      f"its own GEMMs {gemm:.1f} s = {gemm / wall:.0%} of its wall (load {load_avg[0]:.1f})",
+                      file=sys.stderr)
             entry[wname] = f
         rounds.append(entry)
 
@@ -210,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             per = [r[wname] for r in rounds]
             top = max(per, key=lambda r: r["engine_share_of_floor"])
             w |= {"engine_walls_s": [r["engine_wall_s"] for r in per],
+                  "engine_gemm_share_per_round": [r["engine_gemm_share"] for r in per],
                   "engine_share_of_floor_per_round": [r["engine_share_of_floor"] for r in per],
                   "engine_share_of_floor": top["engine_share_of_floor"], "engine_wall_s": top["engine_wall_s"],
                   "floor_of_that_round_s": top["staged_schedule_gemm_s"], "load_1min": top["load_1min"]}
@@ -229,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         md += [f"| {name} | {wall:.1f} | {sum(outputs) / wall:.1f} |" for name, wall in rows]
         if a.engine_rounds > 0:
             runs = ", ".join(f"{r['engine_wall_s']:.1f} s vs floor {r['staged_schedule_gemm_s']:.1f} s = "
-                             f"{r['engine_share_of_floor']:.0%} (load {r['load_1min'][0]:.1f})" for r in per)
+                             f"{r['engine_share_of_floor']:.0%}, own GEMMs {r['engine_gemm_share']:.0%} of the wall "
+                             f"(load {r['load_1min'][0]:.1f})" for r in per)
             line = (f"pagedkv engine in the same process, per round: {runs}; best "
                     f"{w['engine_share_of_floor']:.0%} of the staged GEMM floor (target >= 90%)")
             print(line)
@@ -246,8 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     out["summary_markdown"] = (
         f"GEMM floors of SmolLM2-135M fp32 on this CPU ({a.threads} torch thread(s), best GEMM time per M over "
         f"{len(tables)} table(s)); any engine's wall is at least a GEMM floor plus attention, norms and sampling. "
-        "Each round measures a fresh GEMM table, then runs the pagedkv engine on each workload in the same "
-        "process: engine share of floor = staged-schedule GEMM time of that round / engine wall.\n\n"
+        "The pagedkv engine runs in the same process, in rounds with a GEMM table measured before the first and "
+        "after each: engine share of floor = staged-schedule GEMM time (tables around the round) / engine wall."
+        "\n\n"
         + "\n\n".join(md_parts)
         + "\n\n![GEMM cost per token](engine_roofline.png)\n\nReproduce: `python benchmarks/engine_roofline.py`")
     a.output.parent.mkdir(parents=True, exist_ok=True)

@@ -65,13 +65,18 @@ def equal_workload(n: int, prompt_len: int, out_len: int, vocab: int) -> Workloa
     return [(synthetic_prompt(prompt_len, vocab, 5000 + i), out_len) for i in range(n)]
 
 
-def run_pagedkv(hf: Any, tok: Any, work: Workload, args: argparse.Namespace) -> dict[str, Any]:
+def run_pagedkv(hf: Any, tok: Any, work: Workload, args: argparse.Namespace,
+                on_start: Callable[[], None] | None = None) -> dict[str, Any]:
+    """The pagedkv engine on ``work``; ``on_start`` is called after the warm-up, right before
+    the timed run."""
     from pagedkv.engine import LLMEngine, SamplingParams
 
     engine = LLMEngine(hf, tokenizer=tok, num_kv_blocks=args.kv_blocks, block_size=args.block_size,
                        max_tokens_per_step=args.max_tokens_per_step, device="cpu")
     engine.generate([work[0][0][:8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     engine.reset_metrics()
+    if on_start is not None:
+        on_start()
     params = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in work]
     t = time.perf_counter()
     outs = engine.generate([p for p, _ in work], params)

@@ -355,10 +355,10 @@ def _split_sorted(nblocks: list[int], bs: int, max_group_blocks: int) -> list[tu
     for j in range(1, n + 1):
         width = nblocks[j - 1]
         for i in range(j - 1, -1, -1):
-            c = DECODE_GROUP_COST_POSITIONS + (j - i) * width * bs
-            if i < j - 1 and ((j - i) * width > max_group_blocks or c >= cost[j]):
+            run = DECODE_GROUP_COST_POSITIONS + (j - i) * width * bs
+            if i < j - 1 and ((j - i) * width > max_group_blocks or run >= cost[j]):
                 break  # cost[i] >= 0: a longer run cannot be cheaper
-            c += cost[i]
+            c = cost[i] + run
             if c < cost[j]:
                 cost[j], start[j] = c, i
     cuts = []

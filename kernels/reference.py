@@ -46,10 +46,12 @@ def reshape_and_cache(
 
     Cost: O(T * num_kv_heads * head_size).
     """
-    V.check_reshape_and_cache("reshape_and_cache", key, value, key_cache, value_cache, slot_mapping)
+    lo = V.check_reshape_and_cache("reshape_and_cache", key, value, key_cache, value_cache, slot_mapping)
     nb, bs, h, d = key_cache.shape
     flat = all(c.stride(0) == bs * c.stride(1) for c in (key_cache, value_cache))
-    if flat and (slot_mapping.numel() == 0 or int(slot_mapping.min()) >= 0):
+    if lo is None and slot_mapping.numel():
+        lo = int(slot_mapping.min())  # off-CPU metadata is not value-checked
+    if flat and (lo is None or lo >= 0):
         # No padding slots and caches viewable as flat rows: one index_copy_ each (the
         # engine's case; cheaper than a masked (block, row) index_put_).
         key_cache.view(nb * bs, h, d).index_copy_(0, slot_mapping, key)

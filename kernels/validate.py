@@ -155,8 +155,13 @@ def check_reshape_and_cache(
     key_cache: object,
     value_cache: object,
     slot_mapping: object,
-) -> None:
-    """Validate ``reshape_and_cache`` arguments (see :func:`pagedkv.kernels.reshape_and_cache`)."""
+) -> int | None:
+    """Validate ``reshape_and_cache`` arguments (see :func:`pagedkv.kernels.reshape_and_cache`).
+
+    Returns:
+        The smallest slot when the values were read (``slot_mapping`` on the CPU and not
+        empty), else None: callers pick a no-padding fast path from it without reading again.
+    """
     check_cache_pair(op, key_cache, value_cache)
     assert isinstance(key_cache, torch.Tensor)
     _, block_size, num_kv_heads, head_size = key_cache.shape
@@ -176,14 +181,17 @@ def check_reshape_and_cache(
     )
     check_tensor(op, "slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(t,), device=dev)
     assert isinstance(slot_mapping, torch.Tensor)
-    if slot_mapping.device.type == "cpu" and t > 0:
-        n_slots = key_cache.shape[0] * block_size
-        hi = int(slot_mapping.max())
-        if hi >= n_slots:
-            raise KernelInputError(
-                f"{op}: slot_mapping has slot {hi}, expected slots < num_blocks*block_size = {n_slots} "
-                "(negative slots are skipped)"
-            )
+    if slot_mapping.device.type != "cpu" or t == 0:
+        return None
+    n_slots = key_cache.shape[0] * block_size
+    # One read for both bounds: the model calls this once per layer with the step's mapping.
+    lo, hi = (int(x) for x in torch.aminmax(slot_mapping))
+    if hi >= n_slots:
+        raise KernelInputError(
+            f"{op}: slot_mapping has slot {hi}, expected slots < num_blocks*block_size = {n_slots} "
+            "(negative slots are skipped)"
+        )
+    if lo < block_size:  # padding (< 0, skipped) or a null-block slot: look closer
         # Slots 0..block_size-1 are block 0, the null block: padding reads it, nobody owns it.
         hit = ((slot_mapping >= 0) & (slot_mapping < block_size)).nonzero()
         if hit.numel():
@@ -192,6 +200,7 @@ def check_reshape_and_cache(
                 f"{op}: slot_mapping[{i}] is {int(slot_mapping[i])}, a slot in the null block 0 "
                 f"(slots 0..{block_size - 1}); expected slots >= block_size={block_size} or < 0 (skipped)"
             )
+    return lo
 
 
 def check_paged_attention(
