@@ -195,6 +195,16 @@ def test_weights_digest_cache_is_keyed_by_the_files(tiny, tmp_path, monkeypatch)
     os.utime(folder / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     cached_weights_digest(bundle.hf, folder, torch.float32)  # a touched file: recomputed
     assert len(calls) == 4
+    # Entries of models whose files are gone are dropped at the next write.
+    gone = build_tiny_model(tmp_path / "gone")
+    cached_weights_digest(gone.hf, tmp_path / "gone", torch.float32)
+    entries = tmp_path / "cache" / "weights-digests"
+    assert len(list(entries.iterdir())) == 4
+    for f in (tmp_path / "gone").iterdir():
+        f.unlink()
+    cached_weights_digest(bundle.hf, folder, torch.float16)
+    kept = [json.loads(e.read_text())["files"] for e in entries.iterdir()]
+    assert len(kept) == 4 and all(str(tmp_path / "gone") not in f[0] for f in kept)
 
 
 def test_bad_identity_input_is_a_typed_error(tiny):

@@ -281,10 +281,24 @@ def cached_weights_digest(hf_model: Any, model_path: Any, dtype: Any) -> str:
     digest = weights_digest(hf_model)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        _prune(path.parent)
         fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent)
         with os.fdopen(fd, "w") as f:
-            json.dump({"weights": digest, "files": [str(p) for p in files]}, f)
+            json.dump({"weights": digest, "files": [str(p.resolve()) for p in files]}, f)
         os.replace(tmp, path)
     except OSError:  # a read-only cache folder: just recompute next time
         pass
     return digest
+
+
+def _prune(folder: Path) -> None:
+    """Drop the entries of models whose files are gone (temporary model folders), so the cache
+    holds no more entries than there are models on disk. O(entries), on a cache miss only."""
+    for entry in folder.glob("*.json"):
+        try:
+            files = json.loads(entry.read_text())["files"]
+            if all(Path(f).exists() for f in files):
+                continue
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable: dropped too
+        entry.unlink(missing_ok=True)
