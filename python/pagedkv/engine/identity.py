@@ -7,23 +7,23 @@ index over several engines, a cache shared or offloaded between workers), two en
 serve different models must never produce equal hashes for equal token ids. So every engine
 derives a :class:`CacheIdentity` from what it loaded:
 
-=============== ==========================================================================
-part            what is digested (SHA-256, hex)
-=============== ==========================================================================
-``weights``     the model config (canonical JSON; file paths, the transformers version and
-                the dtype field left out) and every tensor of the state dict in name order:
-                name, dtype, shape and bytes (a tensor sharing another's storage, e.g. a tied
-                LM head, is named with the one it aliases instead of hashed twice)
-``tokenizer``   the tokenizer class, its special tokens and its full serialized form (a fast
-                tokenizer's ``tokenizers`` JSON: vocabulary, merges, normalizer,
-                pre-tokenizer, post-processor, added tokens); a slow one's sorted vocabulary
+================= ========================================================================
+part              what is digested (SHA-256, hex)
+================= ========================================================================
+``weights``       the model config (canonical JSON; file paths, the transformers version and
+                  the dtype field left out) and every tensor of the state dict in name
+                  order: name, dtype, shape and bytes (a tensor sharing another's storage,
+                  e.g. a tied LM head, is named with the one it aliases, not hashed twice)
+``tokenizer``     the tokenizer class, its special tokens and its full serialized form (a
+                  fast tokenizer's ``tokenizers`` JSON: vocabulary, merges, normalizer,
+                  pre-tokenizer, post-processor, added tokens); a slow one's sorted vocabulary
 ``chat_template`` the chat template text(s), or ``"none"``
-``adapter``     the LoRA adapter, or ``"none"``: the reference engine loads none (an adapter
-                merged into the weights shows in ``weights``; a per-request adapter of another
-                engine is the core's ``adapter_id`` extra key)
-``kv_dtype``    dtype of the KV cache (the engine's compute dtype): ``"float32"``...
-``rope``        the RoPE parameters (``rope_type``, ``rope_theta``, scaling; canonical JSON)
-=============== ==========================================================================
+``adapter``       the LoRA adapter, or ``"none"``: the reference engine loads none (an adapter
+                  merged into the weights shows in ``weights``; a per-request adapter of
+                  another engine is the core's ``adapter_id`` extra key)
+``kv_dtype``      dtype of the KV cache (the engine's compute dtype): ``"float32"``...
+``rope``          the RoPE parameters (``rope_type``, ``rope_theta``, scaling; canonical JSON)
+================= ========================================================================
 
 plus the format tag :data:`IDENTITY_FORMAT`. The digest is SHA-256 over the canonical JSON of
 these parts; its 32 bytes are the ``hash_seed`` of the engine's :class:`pagedkv.CacheConfig`,
@@ -51,13 +51,21 @@ import json
 import os
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import EngineConfigError
 
-__all__ = ["IDENTITY_FORMAT", "IDENTITY_PARTS", "CacheIdentity", "weights_digest", "tokenizer_digest"]
+__all__ = [
+    "IDENTITY_FORMAT",
+    "IDENTITY_PARTS",
+    "CacheIdentity",
+    "cached_weights_digest",
+    "chat_template_digest",
+    "tokenizer_digest",
+    "weights_digest",
+]
 
 #: Version tag of the identity's definition: a change to what is digested bumps it.
 IDENTITY_FORMAT = "pagedkv-cache-identity/1"
@@ -95,17 +103,20 @@ def _sha256_hex(data: bytes | str) -> str:
 class CacheIdentity:
     """What besides token ids decides a block's K/V (see the module docs for each part).
 
+    Build it with :meth:`of_engine_inputs`, or from its parts (``CacheIdentity(parts)``).
+
     Attributes:
         parts: part name -> its value (hex digests, ``"none"``, a dtype name, RoPE JSON), the
-            keys :data:`IDENTITY_PARTS`.
-        digest: SHA-256 hex of the canonical JSON of :data:`IDENTITY_FORMAT` and ``parts``.
+            keys :data:`IDENTITY_PARTS`, in that order.
+        digest: SHA-256 hex of the canonical JSON of :data:`IDENTITY_FORMAT` and ``parts``
+            (computed, not passed).
 
     Raises:
         EngineConfigError: a part missing or unknown, or a value that is not a non-empty str.
     """
 
     parts: Mapping[str, str]
-    digest: str = ""
+    digest: str = field(init=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.parts, Mapping):
