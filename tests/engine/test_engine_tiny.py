@@ -547,29 +547,3 @@ def test_group_admission_bound_without_prefix_caching(tiny):
         on.step()
     assert out == [] and on.metrics().num_requests == 1
     assert_no_leak(on)
-
-
-@pytest.mark.parametrize("caller_flushes", [False, True])
-def test_cpu_forward_flushes_subnormals_and_restores_the_callers_mode(tiny, refs, caller_flushes):
-    # Inside the forward a subnormal product is 0 (FTZ/DAZ, the fast path for x86 GEMMs); after
-    # it the thread's mode is the caller's again, whichever it was; the tokens stay transformers'.
-    import pagedkv.engine.model as model_mod
-
-    seen: list[float] = []
-    inner = model_mod.LlamaForCausalLM._forward
-
-    def spy(self, *args, **kwargs):
-        seen.append((torch.tensor(1e-39) * 1.0).item())
-        return inner(self, *args, **kwargs)
-
-    torch.set_flush_denormal(caller_flushes)
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(model_mod.LlamaForCausalLM, "_forward", spy)
-            out = _engine(tiny).generate(_prompts()[:2], SamplingParams(max_tokens=MAX_NEW))
-        assert seen and all(v == 0.0 for v in seen)
-        after = (torch.tensor(1e-39) * 1.0).item()
-        assert (after == 0.0) == caller_flushes
-    finally:
-        torch.set_flush_denormal(False)
-    assert [list(o.token_ids) for o in out] == refs[:2]

@@ -34,13 +34,6 @@ from .rope import RotaryEmbedding, context_length
 
 __all__ = ["LlamaForCausalLM"]
 
-_SUBNORMAL = torch.tensor(1e-39, dtype=torch.float32)  # below FLT_MIN = 1.18e-38
-
-
-def _flushing_subnormals() -> bool:
-    """True when this thread already flushes subnormals (FTZ/DAZ): a subnormal product is 0."""
-    return bool((_SUBNORMAL * 1.0).item() == 0.0)
-
 
 @dataclass
 class _Layer:
@@ -213,32 +206,7 @@ class LlamaForCausalLM:
 
         Raises:
             ValueError: ``rope_lens`` missing or misshaped for a length-dependent RoPE type.
-
-        On the CPU the pass runs with subnormal floats flushed to zero (FTZ/DAZ, set on the
-        calling thread for the call and put back after): a real model's activations hold
-        subnormal values (SiLU of a large negative input, for one), x86 cores take a slow path on
-        every one, and SmolLM2's GEMMs ran about a quarter slower for it than on the same shapes
-        without them. Values below 1.2e-38 become 0, far under fp32's resolution of any logit.
         """
-        flush = self.device.type == "cpu" and not _flushing_subnormals()
-        if flush:
-            torch.set_flush_denormal(True)
-        try:
-            return self._forward(input_ids, positions, kv_cache, meta, logits_indices, rope_lens)
-        finally:
-            if flush:
-                torch.set_flush_denormal(False)
-
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: BatchTensors,
-        logits_indices: torch.Tensor,
-        rope_lens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """:meth:`forward` without the floating-point mode switch."""
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         if self.rope.length_dependent:
