@@ -7,8 +7,9 @@ re-validating, casting or copying on the host (``torch.from_numpy``), then one t
 tensor to the device. The block tables come from a :class:`BlockTable` the caller keeps across
 steps: the core reports only what changed in each table (the step output's table delta), as
 vLLM's GPU model runner keeps its block table across steps and applies only the changes. The
-engine's runner, the tests and ``benchmarks/step_overhead.py`` all use it. The other builders here are the validating entry for arrays that did *not* come from the
-core (a caller's own block tables): they check their input once and copy.
+engine's runner, the tests and ``benchmarks/step_overhead.py`` all use it. The other builders
+here are the validating entry for arrays that did *not* come from the core (a caller's own block
+tables): they check their input once and copy.
 
 Conventions (PagedAttention, Kwon et al., SOSP'23; the CSR form as used by FlashInfer):
 
