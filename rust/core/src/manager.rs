@@ -408,8 +408,21 @@ impl KvCacheManager {
 
     /// Registers a sequence with its prompt (finalized tokens, no blocks yet). Errors:
     /// [`Error::SequenceExists`]; [`Error::InvalidArgument`] for an empty prompt or a
-    /// multimodal item with `len == 0` or an overflowing range. O(len(prompt)).
+    /// multimodal item with `len == 0` or an overflowing range. O(len(prompt)): the prompt is
+    /// copied ([`Self::add_sequence_owned`] keeps a `Vec` without a copy).
     pub fn add_sequence(&self, seq: SeqId, prompt: &[u32], spec: SequenceSpec) -> Result<()> {
+        self.add_sequence_owned(seq, prompt.to_vec(), spec)
+    }
+
+    /// [`Self::add_sequence`] taking the prompt buffer itself: it becomes the sequence's token
+    /// buffer, so a caller that built it (the Python binding converting a numpy prompt) pays no
+    /// second copy. Same errors, and a refused prompt is dropped.
+    pub fn add_sequence_owned(
+        &self,
+        seq: SeqId,
+        prompt: Vec<u32>,
+        spec: SequenceSpec,
+    ) -> Result<()> {
         if prompt.is_empty() {
             return Err(Error::InvalidArgument {
                 arg: "prompt",
@@ -436,7 +449,7 @@ impl KvCacheManager {
         st.seqs.insert(
             seq,
             Sequence {
-                tokens: prompt.to_vec(),
+                tokens: prompt,
                 spec,
                 status: SeqStatus::Running,
                 num_computed: 0,
@@ -961,9 +974,14 @@ impl KvCacheManager {
             out.query_start_loc.push(out.query_start_loc[i] + q as i32);
             out.context_lens.push(ctx as i32);
             out.seq_lens.push((ctx + q) as i32);
-            for pos in ctx..ctx + q {
-                out.slot_mapping
-                    .push(i64::from(s.blocks[pos / bs]) * bs as i64 + (pos % bs) as i64);
+            // Block by block: each run of consecutive slots costs one division, not one per token.
+            let mut pos = ctx;
+            while pos < ctx + q {
+                let off = pos % bs;
+                let run = (bs - off).min(ctx + q - pos);
+                let base = i64::from(s.blocks[pos / bs]) * bs as i64 + off as i64;
+                out.slot_mapping.extend((0..run as i64).map(|j| base + j));
+                pos += run;
             }
             out.input_ids
                 .extend(s.tokens[ctx..ctx + q].iter().map(|&t| i64::from(t)));

@@ -347,7 +347,8 @@ impl BlockPool {
         let Some(hash) = locked.hashes[id as usize].take() else {
             return false;
         };
-        if locked.index.remove_reporting(&hash, id) == Some(true) {
+        // The removed hashes only feed a BlockRemoved event: not collected with events off.
+        if locked.index.remove_reporting(&hash, id) == Some(true) && self.events.enabled() {
             unresolvable.push(hash);
         }
         true

@@ -372,7 +372,7 @@ impl PyKvCacheManager {
             mm_items,
         )?;
         let m = &self.inner;
-        py.detach(|| m.add_sequence(seq, &prompt, spec)).py(py)
+        py.detach(|| m.add_sequence_owned(seq, prompt, spec)).py(py)
     }
 
     /// Appends newly sampled (finalized) tokens to ``seq_id``. Raises ``UnknownSequenceError``,
