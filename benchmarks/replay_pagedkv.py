@@ -96,9 +96,20 @@ class PagedKVReplayer(Replayer):
         """pagedkv.BlockPool (Rust, GIL released per call), batch allocate / free of int32 ids."""
         pool = self.pagedkv.BlockPool(num_blocks)
 
+        pool_free = pool.free
+
         class _Pool:
             allocate = staticmethod(pool.allocate)
-            free = staticmethod(pool.free)
+
+            @staticmethod
+            def free(blocks: Any) -> None:
+                # Tail first, as one request's table: its decode blocks (ints) last-first, then
+                # its prompt's int32 array reversed. Two calls (the ids are in two containers
+                # already) cost less than concatenating them into one array first.
+                decode_tail, prompt_reversed = blocks
+                if decode_tail:
+                    pool_free(decode_tail)
+                pool_free(prompt_reversed)
 
             @staticmethod
             def items(blocks: Any) -> Any:
@@ -106,11 +117,7 @@ class PagedKVReplayer(Replayer):
 
             @staticmethod
             def concat_reversed(parts: list[Any]) -> Any:
-                # [prompt blocks..., decode blocks...] reversed: the decode ids last-first, then
-                # the prompt's int32 array reversed.
-                if len(parts) == 1:
-                    return parts[0][::-1]
-                return np.concatenate((np.array(parts[:0:-1], dtype=np.int32), parts[0][::-1]))
+                return parts[:0:-1], parts[0][::-1]
 
         return _Pool()
 

@@ -153,10 +153,13 @@ def test_pagedkv_pool_adapter_frees_tail_first():
     pool = replay_pagedkv.PagedKVReplayer("sha256").pool_adapter(16)
     prompt = pool.allocate(3)
     decode = pool.items(pool.allocate(2))
-    tail_first = pool.concat_reversed([prompt, *decode])
-    assert tail_first.tolist() == [decode[1], decode[0], *prompt.tolist()[::-1]]
-    pool.free(tail_first)
-    assert pool.concat_reversed([prompt]).tolist() == prompt.tolist()[::-1]
+    decode_tail, prompt_reversed = pool.concat_reversed([prompt, *decode])
+    assert [*decode_tail, *prompt_reversed.tolist()] == [decode[1], decode[0], *prompt.tolist()[::-1]]
+    pool.free((decode_tail, prompt_reversed))
+    # The free stack is LIFO: the block freed last (the prompt's first) comes back first.
+    assert pool.allocate(5).tolist() == [*prompt.tolist(), decode[0], decode[1]]
+    only_prompt = pool.concat_reversed([prompt])
+    assert only_prompt[0] == [] and only_prompt[1].tolist() == prompt.tolist()[::-1]
 
 
 def test_run_all_rewrites_the_readme_allocator_table_from_the_run(tmp_path):

@@ -1219,6 +1219,8 @@ impl KvCacheManager {
     /// Chained hash of full logical block `k` (memoised); requires `(k+1)*bs <= tokens`.
     fn block_hash_at(&self, s: &mut Sequence, k: usize) -> BlockHash {
         let bs = self.bs();
+        // One allocation for the whole prompt, not a doubling per few blocks.
+        s.hashes.reserve((k + 1).saturating_sub(s.hashes.len()));
         while s.hashes.len() <= k {
             let j = s.hashes.len();
             let keys = self.block_keys(&s.spec, j);

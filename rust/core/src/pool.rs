@@ -711,7 +711,7 @@ impl BlockPool {
     /// prompt. No side effects. Expected O(hits + 1).
     pub fn lookup_chain(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
         let locked = self.locked.lock();
-        let mut hits = Vec::new();
+        let mut hits = Vec::with_capacity(hashes.len());
         for hash in hashes {
             let all = locked.index.get_all(hash);
             let Some(&first) = all.first() else {
