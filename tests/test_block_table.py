@@ -120,6 +120,8 @@ def test_several_outputs_of_one_scheduler_step_merge_in_order() -> None:
     kept = tables.update([a, b])
     assert kept.tolist() == [m.block_table(s).tolist() for s in (1, 2, 3)]
     assert tables.update([]).shape == (0, 1)
+    with pytest.raises(InvalidArgumentError, match="scheduled twice"):
+        tables.update([a, a])
 
 
 def test_block_table_needs_a_manager() -> None:

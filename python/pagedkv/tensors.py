@@ -356,9 +356,10 @@ class BlockTable:
         else:
             ids, start, ver, indptr, delta = _merge_deltas(steps)
         seqs = ids.tolist()
-        rows = self._assign_rows(seqs)
-        if rows.size != len(seqs):  # pragma: no cover - the core refuses duplicates per step
+        # One output never lists a sequence twice (the core refuses it); several might.
+        if len(steps) > 1 and len(set(seqs)) != len(seqs):
             raise _bad("steps", seqs, "a sequence is scheduled twice in one batch")
+        rows = self._assign_rows(seqs)
         held = self._lens[rows]
         counts = np.diff(indptr)
         new_len = start.astype(np.int64) + counts
@@ -392,8 +393,9 @@ class BlockTable:
         return np.take(table[:, : max(width, 1)], rows, axis=0)
 
     def _assign_rows(self, seqs: list[int]) -> npt.NDArray[np.intp]:
-        """Rows of the batch's sequences (new ones get free rows, held length 0); rows of
-        sequences not in the batch are released."""
+        """Rows of the batch's sequences, in batch order (new ones get free rows, held length
+        0). Rows of sequences not in the batch are kept, unless more than ``S + 64`` of them
+        are, when they are all released."""
         old = self._row_of
         new: dict[int, int] = {}
         fresh: list[int] = []
