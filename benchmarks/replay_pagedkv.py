@@ -9,9 +9,11 @@ for the finished ones. The per-step input arrays (the batch's sequence ids and s
 the admitted prompts' lengths) are built before the clock starts, as the token lists are for
 every system: an engine holds them as arrays from its scheduler and sampler, so building them
 from Python ints inside the clock would time the replay's bookkeeping, not pagedkv. The Rust
-replay (``rust/core/examples/replay.rs``) builds the same inputs before its clock. So two crossings into Rust per step, plus one per new / finished request. ``step`` also builds the slot mapping and
-block tables of the batch (what the model runner needs), which the other systems' managers
-leave to their model runners.
+replay (``rust/core/examples/replay.rs``) builds the same inputs before its clock. So two crossings into Rust per step, plus one per new / finished request. ``step`` also builds the slot mapping, token
+ids and block-table changes of the batch (what the model runner needs to keep its block tables,
+``pagedkv.tensors.BlockTable``), which the other systems' managers leave to their model runners.
+The bare pool replay frees a finished request's blocks tail first in two calls (its decode ids,
+then its prompt's array reversed) rather than concatenating them into one array first.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@
 //! `OpTrace.save_tokens`: little-endian `u32` token ids, request by request, the prompt then the
 //! output tokens.
 //!
-//! The calls per step are those of the Python replay: one batched [`KvCacheManager::step`] for
+//! The calls per step are those of the Python replay (block tables as deltas, no dense copy:
+//! [`StepOptions::skip_block_table`], the binding's default): one batched [`KvCacheManager::step`] for
 //! the running sequences (one appended token and one slot each), `add_sequence` + one batched
 //! `step` for the admitted prompts, `free` for the finished ones. `--mode pool` replays only the
 //! block traffic on a bare [`BlockPool`] (`replay_common.run_pool`'s schedule: one allocate per
