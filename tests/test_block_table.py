@@ -127,3 +127,25 @@ def test_several_outputs_of_one_scheduler_step_merge_in_order() -> None:
 def test_block_table_needs_a_manager() -> None:
     with pytest.raises(InvalidArgumentError, match="manager"):
         BlockTable(object())  # type: ignore[arg-type]
+
+
+def test_apply_table_deltas_refuses_bad_arrays_and_writes_nothing() -> None:
+    from pagedkv._core import apply_table_deltas
+
+    m = make()
+    m.add_sequence(1, [1] * 5)
+    out = m.step(np.array([1], np.uint64), 5)
+    table = np.zeros((2, 4), np.int32)
+    lens, versions = np.zeros(2, np.int64), np.full(2, -2, np.int64)
+    with pytest.raises(InvalidArgumentError, match="row out of range"):
+        apply_table_deltas(table, lens, versions, np.array([5], np.int64), [out])
+    with pytest.raises(InvalidArgumentError, match="share memory"):
+        apply_table_deltas(table, lens, lens, np.array([0], np.int64), [out])
+    with pytest.raises(InvalidArgumentError, match="rows"):
+        apply_table_deltas(table, lens, versions, np.array([0, 1], np.int64), [out])
+    assert not table.any() and not lens.any()
+    # too narrow: the columns needed come back, nothing written
+    assert apply_table_deltas(np.zeros((2, 1), np.int32), lens, versions, np.array([0], np.int64), [out]) == (2, None)
+    width, (reread, dense) = apply_table_deltas(table, lens, versions, np.array([1], np.int64), [out])
+    assert (width, reread, dense.tolist()) == (2, [], [[1, 2]])
+    assert table[1].tolist() == [1, 2, 0, 0] and lens.tolist() == [0, 2] and versions.tolist() == [-2, 1]

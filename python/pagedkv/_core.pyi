@@ -23,6 +23,7 @@ __all__ = [
     "BlockRemoved",
     "AllBlocksCleared",
     "KVIndexer",
+    "apply_table_deltas",
 ]
 
 __version__: str
@@ -431,3 +432,13 @@ class KVIndexer:
     def overlap_hashes(self, block_hashes: Iterable[_WireHash]) -> dict[int, int]:
         """``{worker_id: blocks}``: leading blocks of ``block_hashes`` (in order) each worker
         holds."""
+
+def apply_table_deltas(
+    table: _Int32Array,
+    lens: _Int64Array,
+    versions: _Int64Array,
+    rows: _Int64Array,
+    steps: list[StepOutput],
+) -> tuple[int, tuple[list[int], _Int32Array] | None]:
+    """Apply the step outputs' block-table deltas to persistent tables in place (the inner loop
+    of ``pagedkv.tensors.BlockTable``)."""

@@ -147,17 +147,17 @@ pub(crate) struct PyStepOutput {
     /// ``table_delta[table_delta_indptr[k]:table_delta_indptr[k+1]]``.
     /// ``pagedkv.tensors.BlockTable`` applies these deltas to tables it keeps across steps.
     #[pyo3(get)]
-    table_start: Py<PyArray1<i32>>,
+    pub(crate) table_start: Py<PyArray1<i32>>,
     /// ``uint32[S]`` how many step outputs have reported each sequence's table, this one
     /// included: a delta applies to the version before it (``table_version - 1``) only.
     #[pyo3(get)]
-    table_version: Py<PyArray1<u32>>,
+    pub(crate) table_version: Py<PyArray1<u32>>,
     /// ``int32[S + 1]`` CSR offsets into ``table_delta``.
     #[pyo3(get)]
-    table_delta_indptr: Py<PyArray1<i32>>,
+    pub(crate) table_delta_indptr: Py<PyArray1<i32>>,
     /// ``int32[n]`` per sequence, its table entries from ``table_start`` to its end.
     #[pyo3(get)]
-    table_delta: Py<PyArray1<i32>>,
+    pub(crate) table_delta: Py<PyArray1<i32>>,
 }
 
 #[pymethods]
