@@ -26,11 +26,15 @@ kernel): the share is the fraction of the samples inside ``schedule()`` /
 ``update_from_output()`` whose stack holds one of those KV frames. Sampling adds one stack walk
 per tick and no per-call cost; wrapping each call in a timer (an earlier version of this
 benchmark) cost more than pagedkv's sub-microsecond decode call itself.
+
 Request objects (and the engine core's prompt hashing inside them) are built before the clock
-starts. Variants: pagedkv with the batched decode path off, with vLLM's Python block hashes
-kept (the "hash twice" alternative), and, at 256 decodes only, a bound that is no scheduler:
-pagedkv whose ``allocate_slots`` answers every decode with the empty result and does nothing
-else (KV state is not kept), i.e. what vLLM's own code costs per step around a free KV manager.
+starts. The runs go round-robin over the variants (timed, then sampled, per round), so a change
+in a shared machine's load hits every variant alike; the best timed run of each is reported.
+
+Variants: pagedkv with the batched decode path off, with vLLM's Python block hashes kept (the
+"hash twice" alternative), and, at 256 decodes only, a bound that is no scheduler: pagedkv
+whose ``allocate_slots`` answers every decode with the empty result and does nothing else (KV
+state is not kept), i.e. what vLLM's own code costs per step around a free KV manager.
 Results: a table on stdout and ``benchmarks/results/vllm_scheduler.json``.
 """
 
@@ -391,14 +395,21 @@ def main() -> None:
         chosen = {k: v for k, v in variants.items() if k != BOUND or wname == "decode256"}
         if wname != "decode256":
             chosen = {k: v for k, v in chosen.items() if k in args.trace_variants.split(",")}
-        for vname, cls in chosen.items():
-            timed = [_run(cls, w, specs, args.steps, sample=False) for _ in range(args.repeats)]
-            best = min(timed, key=lambda r: r["total_us"])
-            best["runs_total_us"] = [r["total_us"] for r in timed]
-            sampled = [_run(cls, w, specs, args.steps, sample=True) for _ in range(args.sample_runs)]
-            best["samples"] = sum(r["samples"] for r in sampled)
+        # Round-robin over the variants, so a change in the machine's load hits them alike.
+        timed: dict[str, list[dict[str, float]]] = {v: [] for v in chosen}
+        sampled: dict[str, list[dict[str, float]]] = {v: [] for v in chosen}
+        for rep in range(max(args.repeats, args.sample_runs)):
+            for vname, cls in chosen.items():
+                if rep < args.repeats:
+                    timed[vname].append(_run(cls, w, specs, args.steps, sample=False))
+                if rep < args.sample_runs:
+                    sampled[vname].append(_run(cls, w, specs, args.steps, sample=True))
+        for vname in chosen:
+            best = min(timed[vname], key=lambda r: r["total_us"])
+            best["runs_total_us"] = [r["total_us"] for r in timed[vname]]
+            best["samples"] = sum(r["samples"] for r in sampled[vname])
             for key in ("kv_samples", "kv_samples_manager", "kv_samples_blocks", "kv_samples_hashing"):
-                best[key] = sum(r[key] for r in sampled)
+                best[key] = sum(r[key] for r in sampled[vname])
             best["kv_share"] = best["kv_samples"] / best["samples"]
             for kind in ("manager", "blocks", "hashing"):
                 best[f"kv_share_{kind}"] = best[f"kv_samples_{kind}"] / best["samples"]
