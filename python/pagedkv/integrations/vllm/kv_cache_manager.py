@@ -10,6 +10,11 @@ How vLLM's request maps onto a pagedkv sequence:
 - each ``Request`` becomes one sequence (an int id) on its first lookup or allocation; its
   finalized tokens (``request.all_token_ids``) are appended to it lazily, right before the next
   allocation, so pagedkv hashes exactly the tokens vLLM would;
+- decodes of running requests are answered in Python (``allocate_slots``): one inside
+  pagedkv's tail block that does not fill it only records where vLLM's slots end (the
+  sequence lags: no block, hash or event would change); one that fills or opens a block is
+  deferred with the tokens it lagged by, and the deferred ones reach pagedkv in one batched
+  call (``flush_decodes``) before anything else reads or changes pagedkv;
 - request identity becomes pagedkv's typed extra keys, mixed into every block hash: the cache
   salt (``cache_salt``), the LoRA adapter (``adapter_id`` = the LoRA name), and each multimodal
   feature (``mm_items``: the feature's identifier with its placeholder position and length), so
@@ -23,9 +28,10 @@ Prefix hits, block counts and the all-or-nothing allocation follow vLLM's ``KVCa
 evicted first differs (pagedkv's free list vs vLLM's LRU queue), so block ids and hits can
 differ once blocks are evicted.
 
-Invariant checked on every allocation: pagedkv's computed-token count for the request equals
-``request.num_computed_tokens`` plus the prefix hit; a mismatch raises ``RuntimeError`` rather
-than serving a wrong block table.
+Invariant checked on every allocation (and on every flush or catch-up of deferred and lagging
+decodes): pagedkv's computed-token count for the request equals ``request.num_computed_tokens``
+plus the prefix hit; a mismatch raises ``RuntimeError`` rather than serving a wrong block
+table.
 """
 
 from __future__ import annotations
