@@ -40,6 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv._core import StepOutput
+from pagedkv._optional import optional_imports
 from pagedkv._repr import short_repr
 from pagedkv.errors import InvalidArgumentError
 
@@ -118,7 +119,8 @@ def _place(arr: npt.NDArray[Any], device: Device) -> Any:
     (the tensor shares `arr`'s memory), one transfer elsewhere."""
     if device is None:
         return arr
-    import torch  # lazy: `import pagedkv` must work without torch
+    with optional_imports(f"pagedkv.tensors with device={device!r}", "torch"):
+        import torch  # lazy: `import pagedkv` must work without torch
 
     tensor = torch.from_numpy(np.ascontiguousarray(arr))
     target = device if isinstance(device, torch.device) else torch.device(device)
@@ -435,7 +437,8 @@ def _movers(device: Device) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]
     plus one transfer elsewhere."""
     if device is None:
         return _identity, _identity
-    import torch  # lazy: `import pagedkv` must work without torch
+    with optional_imports(f"pagedkv.tensors with device={device!r}", "torch"):
+        import torch  # lazy: `import pagedkv` must work without torch
 
     if device == "cpu":  # the common case, without building a torch.device
         return torch.from_numpy, torch.from_numpy
