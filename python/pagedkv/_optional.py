@@ -11,8 +11,7 @@ extra) propagates unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from types import TracebackType
 
 from pagedkv.errors import MissingDependencyError
 
@@ -43,27 +42,44 @@ def missing_dependency(feature: str, package: str, extra: str) -> MissingDepende
     )
 
 
-@contextmanager
-def optional_imports(feature: str, extra: str) -> Iterator[None]:
-    """Run the imports of the block; if one fails because a package of ``extra`` is missing,
-    raise :class:`~pagedkv.errors.MissingDependencyError` instead.
+class _OptionalImports:
+    """The context manager of :func:`optional_imports` (a class, not a generator: the tensor
+    builders enter it on every call that returns torch tensors, so it must cost ~nothing)."""
+
+    __slots__ = ("feature", "extra", "packages")
+
+    def __init__(self, feature: str, extra: str) -> None:
+        self.feature = feature
+        self.extra = extra
+        self.packages = EXTRA_PACKAGES[extra]
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        # A MissingDependencyError of a nested part (the engine importing the kernels) is
+        # explained again here: the part the caller asked for names the extra to install.
+        if isinstance(exc, ModuleNotFoundError):
+            missing = (exc.name or "").partition(".")[0]
+            if missing in self.packages:
+                raise missing_dependency(self.feature, missing, self.extra) from exc
+
+
+def optional_imports(feature: str, extra: str) -> _OptionalImports:
+    """A context manager for the imports of an optional part: if one fails because a package of
+    ``extra`` is missing, it raises :class:`~pagedkv.errors.MissingDependencyError` instead.
+
+    Usage: ``with optional_imports("pagedkv.kernels", "torch"): import torch``.
 
     Args:
         feature: the pagedkv part doing the imports, for the message (``"pagedkv.kernels"``).
         extra: a key of :data:`EXTRA_PACKAGES` (an extra of ``pyproject.toml``).
 
     Raises:
-        MissingDependencyError: a module of ``extra``'s packages is not installed (a
+        MissingDependencyError: (on exit) a module of ``extra``'s packages is not installed (a
             ``ModuleNotFoundError`` and an ``ImportError``, chained from the original).
         KeyError: ``extra`` is not a known extra (a bug in the caller).
     """
-    packages = EXTRA_PACKAGES[extra]
-    try:
-        yield
-    except ModuleNotFoundError as e:
-        # A MissingDependencyError of a nested part (the engine importing the kernels) is
-        # explained again here: the part the caller asked for names the extra to install.
-        missing = (e.name or "").partition(".")[0]
-        if missing not in packages:
-            raise
-        raise missing_dependency(feature, missing, extra) from e
+    return _OptionalImports(feature, extra)

@@ -114,12 +114,16 @@ def _check_csr(indptr: npt.ArrayLike, indices: npt.ArrayLike) -> tuple[npt.NDArr
     return ip, ix
 
 
+# One stateless context manager for every lazy torch import here (built once: cheap per call).
+_TORCH_IMPORT = optional_imports("pagedkv.tensors (torch tensors, device not None)", "torch")
+
+
 def _place(arr: npt.NDArray[Any], device: Device) -> Any:
     """numpy array -> numpy (device None) or a torch tensor on `device`: no copy on the CPU
     (the tensor shares `arr`'s memory), one transfer elsewhere."""
     if device is None:
         return arr
-    with optional_imports(f"pagedkv.tensors with device={device!r}", "torch"):
+    with _TORCH_IMPORT:
         import torch  # lazy: `import pagedkv` must work without torch
 
     tensor = torch.from_numpy(np.ascontiguousarray(arr))
@@ -437,7 +441,7 @@ def _movers(device: Device) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]
     plus one transfer elsewhere."""
     if device is None:
         return _identity, _identity
-    with optional_imports(f"pagedkv.tensors with device={device!r}", "torch"):
+    with _TORCH_IMPORT:
         import torch  # lazy: `import pagedkv` must work without torch
 
     if device == "cpu":  # the common case, without building a torch.device
