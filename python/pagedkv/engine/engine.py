@@ -40,6 +40,7 @@ from .config import EngineConfig, torch_dtype
 from .errors import EngineConfigError
 from .goodput import DEFAULT_SLO, ServiceLevelObjective
 from .groups import SequenceGroups
+from .identity import CacheIdentity, cached_weights_digest
 from .loader import load_hf_model
 from .metrics import EngineMetrics, MetricsCollector
 from .model import LlamaForCausalLM
@@ -48,6 +49,7 @@ from .prompts import PreparedRequest, PromptProcessor, PromptType, batch_items, 
 from .registry import RequestRegistry
 from .request import RequestOutput
 from .resources import check_device, check_kv_fits
+from .rope import rope_parameters
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -74,6 +76,13 @@ class LLMEngine:
             limits and seed; see :class:`EngineConfig` (``self.config``, pool sizes resolved).
         enable_kv_events: buffer the KV cache manager's events (``engine.manager.take_events()``)
             for a router's :class:`pagedkv.KVIndexer`; whoever enables them must drain them.
+
+    Attributes:
+        cache_identity: the :class:`~pagedkv.engine.identity.CacheIdentity` derived from what
+            was loaded (weights, tokenizer, chat template, adapter, KV dtype, RoPE); its 32
+            digest bytes are the ``hash_seed`` of ``manager.config``, so the prefix-cache block
+            hashes (and the KV events carrying them) of engines with different identities never
+            coincide, and engines started separately on the same files agree on them.
 
     Raises:
         ModelNotFoundError: no model at ``model`` (or the default package is missing).
@@ -129,7 +138,13 @@ class LLMEngine:
         self.config = config = config.resolved(per_block)
         num_kv_blocks, num_cpu_blocks = config.pools()
         check_kv_fits(self.model.device, num_kv_blocks, num_cpu_blocks, per_block)
-        self.manager = pagedkv.KVCacheManager(config.cache_config(enable_events=enable_kv_events))
+        weights = None if loaded else cached_weights_digest(hf_model, model, dtype)
+        self.cache_identity = CacheIdentity.of_engine_inputs(
+            hf_model, tokenizer, kv_dtype=dtype, rope=rope_parameters(hf_model.config), weights=weights
+        )
+        self.manager = pagedkv.KVCacheManager(
+            config.cache_config(enable_events=enable_kv_events, hash_seed=self.cache_identity.seed)
+        )
         self.scheduler = Scheduler(self.manager, config.scheduler_config(self.model.max_model_len))
         self.runner = ModelRunner(self.model, num_kv_blocks, block_size, num_cpu_blocks)
         self.prompts = PromptProcessor(tokenizer, self.model.vocab_size)
