@@ -1,5 +1,8 @@
 """The KV event stream has set semantics per cache (see ``docs/design.md``, "KV events").
 
+Every ``BlockStored`` carries the manager's ``hash_root`` (its hash algorithm and seed: the
+cache identity), equal to that of an indexer with the same algorithm and seed.
+
 Replaying the events into a set of hashes -- insert on ``BlockStored``, remove on
 ``BlockRemoved``, clear on ``AllBlocksCleared`` -- must give, after every operation, exactly the
 hashes that a prefix lookup in that manager resolves; each hash is announced at most once while
@@ -41,6 +44,7 @@ class EventSetMachine(RuleBasedStateMachine):
         self.m = pagedkv.KVCacheManager(
             pagedkv.CacheConfig(NUM_BLOCKS, BLOCK_SIZE, num_cpu_blocks=NUM_CPU_BLOCKS, enable_events=True)
         )
+        self.root = pagedkv.KVIndexer(BLOCK_SIZE).hash_root  # same algorithm, same (empty) seed
         self.replayed: set[bytes] = set()
         self.ever_announced: set[bytes] = set()
         self.seqs: list[int] = []
@@ -136,6 +140,7 @@ class EventSetMachine(RuleBasedStateMachine):
     def stream_replays_to_the_resolvable_set(self) -> None:
         for ev in self.m.take_events():
             if isinstance(ev, pagedkv.BlockStored):
+                assert ev.hash_root == self.root, "BlockStored without the manager's hash root"
                 parent = ev.parent_block_hash
                 assert parent is None or parent in self.replayed, "BlockStored with an unknown parent"
                 for h in ev.block_hashes:

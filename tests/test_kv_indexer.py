@@ -269,10 +269,19 @@ def test_seed_and_algorithm_must_match_the_engines() -> None:
     same = pagedkv.KVIndexer(BLOCK_SIZE, hash_algo="xxh3_128", hash_seed=b"s")
     other = pagedkv.KVIndexer(BLOCK_SIZE, hash_algo="xxh3_128")
     same.apply(0, 0, events)
-    other.apply(0, 0, events)
     assert same.overlap(prompt) == {0: 2}
-    assert other.overlap(prompt) == {0: 0}
+    # The events name their hash root (algorithm + seed: the engine's cache identity); an
+    # indexer with another seed refuses them instead of holding hashes no query can match.
+    assert events[0].hash_root == same.hash_root != other.hash_root
+    with pytest.raises(pagedkv.InvalidArgumentError, match="hash root"):
+        other.apply(0, 0, events)
+    assert other.worker_ids() == [] and other.num_hashes == 0
+    # A "tokens" worker is rehashed with the indexer's own hasher: its root does not matter.
+    other.add_worker(1, hash_source="tokens")
+    other.apply(1, 0, events)
+    assert other.overlap(prompt) == {1: 2}
     assert (same.hash_algo, same.hash_seed, same.block_size, same.max_pending) == ("xxh3_128", b"s", 4, 0)
+    assert len(same.hash_root) == 32
 
 
 def test_bad_input_raises_typed_errors_and_changes_nothing() -> None:

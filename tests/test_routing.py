@@ -123,6 +123,39 @@ def test_wire_roundtrip_of_pagedkv_events() -> None:
     assert seq == 41 and again == batch
 
 
+def test_wire_batches_carry_the_hash_root_and_foreign_ones_are_refused() -> None:
+    """A pagedkv replica's batch names its hash root (its cache identity); an indexer of
+    another identity refuses it (nothing applied) instead of holding unmatchable hashes."""
+    m = pagedkv.KVCacheManager(pagedkv.CacheConfig(64, 4, hash_seed=b"model-a", enable_events=True))
+    m.add_sequence(1, list(range(13)))
+    m.allocate_slots(1, 13)
+    events = m.take_events()
+    payload = wire.encode_event_batch(events, ts=1.0)
+    batch = wire.decode_event_batch(payload)
+    mine, theirs = pagedkv.KVIndexer(4, hash_seed=b"model-a"), pagedkv.KVIndexer(4, hash_seed=b"model-b")
+    assert batch.hash_root == events[0].hash_root == mine.hash_root and batch.data_parallel_rank is None
+    assert wire.apply_payload(mine, 0, 0, payload) == "applied" and mine.overlap(list(range(13))) == {0: 3}
+    with pytest.raises(pagedkv.InvalidArgumentError, match="hash root"):
+        wire.apply_payload(theirs, 0, 0, payload)
+    assert theirs.worker_ids() == []
+    router = Router(pagedkv.KVIndexer(4, hash_seed=b"model-b"))
+    router.add_worker(0)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="hash root"):
+        router.apply_events(0, 0, batch.events, hash_root=batch.hash_root)
+    # A batch without BlockStored names no root (and keeps vLLM's three items).
+    assert msgspec.msgpack.decode(wire.encode_event_batch([], ts=2.0)) == [2.0, []]
+    assert wire.decode_event_batch(wire.encode_event_batch([], ts=2.0)).hash_root is None
+    other = pagedkv.KVCacheManager(pagedkv.CacheConfig(64, 4, enable_events=True))
+    other.add_sequence(1, list(range(5)))
+    other.allocate_slots(1, 5)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="hash roots"):
+        wire.encode_event_batch(events + other.take_events())
+    with pytest.raises(wire.WireFormatError, match="hash_root"):
+        wire.decode_event_batch(msgspec.msgpack.encode([1.0, [], None, b"short"]))
+    with pytest.raises(pagedkv.InvalidArgumentError, match="32 bytes"):
+        mine.apply(0, 1, [], hash_root=b"short")
+
+
 class _VStored(msgspec.Struct, array_like=True, tag="BlockStored"):
     block_hashes: list[int]
     parent_block_hash: int | None

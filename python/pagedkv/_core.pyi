@@ -156,7 +156,13 @@ class CacheStats:
 
 @final
 class BlockStored:
-    """Full blocks were registered in the prefix cache."""
+    """Full blocks were registered in the prefix cache.
+
+    ``hash_root`` (32 bytes) is the root of the emitting manager's hash chains, a digest of
+    its hash algorithm and chain seed: for ``LLMEngine`` the seed is its cache identity (model
+    weights, tokenizer, chat template, adapter, KV dtype, RoPE), so events of engines that may
+    share blocks carry equal roots. None for events decoded from vLLM's wire format.
+    """
 
     @property
     def block_hashes(self) -> list[bytes]: ...
@@ -168,6 +174,8 @@ class BlockStored:
     def block_size(self) -> int: ...
     @property
     def extra_keys(self) -> list[tuple[Any, ...]]: ...
+    @property
+    def hash_root(self) -> bytes | None: ...
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
 
@@ -307,6 +315,10 @@ class KVIndexer:
     ``hash_seed``) are indexed by their event hashes; ``"tokens"`` workers (vLLM) are rehashed
     from each ``BlockStored``'s token ids and parent, so token queries match them too.
 
+    Identity: hashes of engines with different seeds (for ``LLMEngine``, different cache
+    identities) never coincide, so they never merge here; an ``"engine"`` worker's
+    ``BlockStored`` carrying a ``hash_root`` other than this indexer's is refused.
+
     Costs: ``apply`` O(blocks in the batch) expected (a clear is O(blocks held), amortised over
     the stores); ``overlap`` O(request blocks x ceil(workers / 64) + workers), independent of
     the number of blocks the workers hold. Thread-safe (a mutex; the GIL is released).
@@ -333,6 +345,10 @@ class KVIndexer:
     def hash_seed(self) -> bytes:
         """Chain seed of the prefix hashes: must match the engines' ``CacheConfig``."""
     @property
+    def hash_root(self) -> bytes:
+        """Root of the hash chains (32 bytes, from ``hash_algo`` and ``hash_seed``): the
+        ``BlockStored.hash_root`` of the engines this indexer serves."""
+    @property
     def max_pending(self) -> int:
         """Reorder buffer per worker, in batches (0: any missing batch is a gap)."""
     @property
@@ -355,17 +371,22 @@ class KVIndexer:
         """True after a gap (or a first batch with ``seq > 0``) until ``apply_snapshot``."""
     def worker_hashes(self, worker_id: int) -> list[bytes]:
         """The (indexer-side, 32-byte) hashes the worker holds, sorted; [] if unknown."""
-    def apply(self, worker_id: int, seq: int, events: Iterable[_IndexerEvent]) -> str:
+    def apply(
+        self, worker_id: int, seq: int, events: Iterable[_IndexerEvent], *, hash_root: bytes | None = None
+    ) -> str:
         """Applies batch ``seq`` of ``worker_id``; returns ``"applied"``, ``"buffered"``,
-        ``"duplicate"`` or ``"gap"``.
+        ``"duplicate"`` or ``"gap"``. ``hash_root`` (32 bytes) is the hash root of the batch's
+        wire ``BlockStored`` events, which carry none themselves (event objects keep theirs).
 
         ``events``: pagedkv ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` objects
         or vLLM wire events (``["BlockStored", hashes, parent, token_ids, block_size,
         lora_id, ...]``, ``["BlockRemoved", hashes, ...]``, ``["AllBlocksCleared"]``; hashes
         bytes of at most 32 or ints; a LoRA id is hashed as adapter ``str(lora_id)``).
         Raises ``InvalidArgumentError`` (and applies nothing) for a malformed event, a
-        ``BlockStored`` whose ``block_size`` differs, or, for a ``"tokens"`` worker, whose
-        token count is not ``len(block_hashes) * block_size``.
+        ``BlockStored`` whose ``block_size`` differs, for an ``"engine"`` worker, whose
+        ``hash_root`` is set and is not :attr:`hash_root` (another cache identity), or, for a
+        ``"tokens"`` worker, whose token count is not ``len(block_hashes) * block_size``; and
+        for a ``hash_root`` that is not 32 bytes.
         """
     def apply_snapshot(self, worker_id: int, seq: int, block_hashes: Iterable[_WireHash]) -> None:
         """Sets the worker's entries to ``block_hashes`` (its whole cache) as of its batch

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pagedkv
+from pagedkv._optional import optional_imports
 from pagedkv.routing import Router, RoutingPolicy, WorkerLoad
 
 __all__ = ["ClusterRequest", "ClusterResult", "ReplicaCluster"]
@@ -59,10 +60,8 @@ class ClusterResult:
 
 
 def _ray() -> Any:
-    try:
+    with optional_imports("pagedkv.cluster", "ray"):
         import ray  # noqa: PLC0415
-    except ImportError as e:
-        raise ImportError("pagedkv.cluster needs Ray: pip install 'pagedkv[ray]'") from e
     return ray
 
 
@@ -99,7 +98,8 @@ class ReplicaCluster:
 
     Raises:
         ValueError: ``num_replicas < 1``; replicas disagreeing on block size or hashing.
-        ImportError: Ray is not installed.
+        pagedkv.MissingDependencyError: Ray is not installed (an ``ImportError``; the message
+            names the ``ray`` extra).
     """
 
     def __init__(
@@ -259,7 +259,8 @@ class ReplicaCluster:
                         on_result(res)
                 if step.events is not None:
                     seq, payload = step.events
-                    if self.router.apply_events(rid, seq, _decode(payload)) == "gap":
+                    batch = _decode(payload)
+                    if self.router.apply_events(rid, seq, batch.events, hash_root=batch.hash_root) == "gap":
                         try:
                             snap_seq, hashes = ray.get(st.actor.snapshot.remote())
                         except ray.exceptions.RayActorError:
@@ -280,7 +281,9 @@ class ReplicaCluster:
         self.replicas.clear()
 
 
-def _decode(payload: bytes) -> list[Any]:
+def _decode(payload: bytes) -> Any:
+    """The :class:`pagedkv.routing.wire.EventBatch` of a replica's payload (its events and the
+    hash root naming the replica's cache identity)."""
     from pagedkv.routing.wire import decode_event_batch  # noqa: PLC0415
 
-    return decode_event_batch(payload).events
+    return decode_event_batch(payload)

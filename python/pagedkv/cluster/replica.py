@@ -68,7 +68,9 @@ class EngineReplica:
         self._has_chat_template = getattr(self.engine.tokenizer, "chat_template", None) is not None
 
     def info(self) -> dict[str, Any]:
-        """``replica_id``, ``block_size``, ``hash_algo``, ``num_kv_blocks``, ``pid``."""
+        """``replica_id``, ``block_size``, ``hash_algo``, ``hash_seed`` (the engine's cache
+        identity digest as bytes), ``cache_identity`` (that digest, hex), ``num_kv_blocks``,
+        ``pid``."""
         import os  # noqa: PLC0415
 
         cfg = self.engine.manager.config
@@ -77,6 +79,7 @@ class EngineReplica:
             "block_size": cfg.block_size,
             "hash_algo": cfg.hash_algo,
             "hash_seed": cfg.hash_seed,
+            "cache_identity": self.engine.cache_identity.digest,
             "num_kv_blocks": cfg.num_blocks,
             "pid": os.getpid(),
         }

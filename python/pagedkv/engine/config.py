@@ -8,7 +8,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.engine", "engine"):
+    import torch
 
 import pagedkv
 
@@ -132,9 +135,11 @@ class EngineConfig:
             num_cpu_blocks = num_kv_blocks if self.preemption == "swap" else 0
         return dataclasses.replace(self, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks)
 
-    def cache_config(self, *, enable_events: bool = False) -> pagedkv.CacheConfig:
+    def cache_config(self, *, enable_events: bool = False, hash_seed: bytes | None = None) -> pagedkv.CacheConfig:
         """The KV cache manager's configuration (call on a :meth:`resolved` config);
-        ``enable_events`` buffers its KV events (for a router's :class:`pagedkv.KVIndexer`).
+        ``enable_events`` buffers its KV events (for a router's :class:`pagedkv.KVIndexer`);
+        ``hash_seed`` is the chain seed of the prefix hashes (the engine's cache identity,
+        :attr:`~pagedkv.engine.identity.CacheIdentity.seed`; ``None``: empty).
 
         Raises:
             pagedkv.InvalidConfigError: a size above the core's limits.
@@ -147,6 +152,7 @@ class EngineConfig:
             hash_algo=self.hash_algo,
             num_cpu_blocks=num_cpu_blocks,
             enable_events=bool(enable_events),
+            hash_seed=hash_seed,
         )
 
     def pools(self) -> tuple[int, int]:

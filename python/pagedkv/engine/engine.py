@@ -29,13 +29,18 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.engine", "engine"):
+    import torch
 
 import pagedkv
 
 from .config import EngineConfig, torch_dtype
 from .errors import EngineConfigError
+from .goodput import DEFAULT_SLO, ServiceLevelObjective
 from .groups import SequenceGroups
+from .identity import CacheIdentity, cached_weights_digest
 from .loader import load_hf_model
 from .metrics import EngineMetrics, MetricsCollector
 from .model import LlamaForCausalLM
@@ -44,6 +49,7 @@ from .prompts import PreparedRequest, PromptProcessor, PromptType, batch_items, 
 from .registry import RequestRegistry
 from .request import RequestOutput
 from .resources import check_device, check_kv_fits
+from .rope import rope_parameters
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -70,6 +76,13 @@ class LLMEngine:
             limits and seed; see :class:`EngineConfig` (``self.config``, pool sizes resolved).
         enable_kv_events: buffer the KV cache manager's events (``engine.manager.take_events()``)
             for a router's :class:`pagedkv.KVIndexer`; whoever enables them must drain them.
+
+    Attributes:
+        cache_identity: the :class:`~pagedkv.engine.identity.CacheIdentity` derived from what
+            was loaded (weights, tokenizer, chat template, adapter, KV dtype, RoPE); its 32
+            digest bytes are the ``hash_seed`` of ``manager.config``, so the prefix-cache block
+            hashes (and the KV events carrying them) of engines with different identities never
+            coincide, and engines started separately on the same files agree on them.
 
     Raises:
         ModelNotFoundError: no model at ``model`` (or the default package is missing).
@@ -115,6 +128,9 @@ class LLMEngine:
             raise EngineConfigError(
                 "tokenizer=None is invalid: a tokenizer is required when model is an already loaded model"
             )
+        if not loaded:  # the loader imports transformers lazily: name the extra before it starts
+            with optional_imports("pagedkv.engine", "engine"):
+                import transformers  # noqa: F401
         hf_model, tokenizer = (model, tokenizer) if loaded else load_hf_model(model, dtype=dtype)
         self.tokenizer = tokenizer
         self.model = LlamaForCausalLM.from_hf(hf_model, device=device, dtype=dtype)
@@ -122,7 +138,13 @@ class LLMEngine:
         self.config = config = config.resolved(per_block)
         num_kv_blocks, num_cpu_blocks = config.pools()
         check_kv_fits(self.model.device, num_kv_blocks, num_cpu_blocks, per_block)
-        self.manager = pagedkv.KVCacheManager(config.cache_config(enable_events=enable_kv_events))
+        weights = None if loaded else cached_weights_digest(hf_model, model, dtype)
+        self.cache_identity = CacheIdentity.of_engine_inputs(
+            hf_model, tokenizer, kv_dtype=dtype, rope=rope_parameters(hf_model.config), weights=weights
+        )
+        self.manager = pagedkv.KVCacheManager(
+            config.cache_config(enable_events=enable_kv_events, hash_seed=self.cache_identity.seed)
+        )
         self.scheduler = Scheduler(self.manager, config.scheduler_config(self.model.max_model_len))
         self.runner = ModelRunner(self.model, num_kv_blocks, block_size, num_cpu_blocks)
         self.prompts = PromptProcessor(tokenizer, self.model.vocab_size)
@@ -304,7 +326,8 @@ class LLMEngine:
         """Step until no request is queued or running; returns every request that finished
         meanwhile, in finish order (a tqdm progress bar with ``progress``). An exception of a
         step propagates after the step's own recovery (see :meth:`step`)."""
-        from tqdm import tqdm
+        with optional_imports("pagedkv.engine", "engine"):
+            from tqdm import tqdm
 
         finished: list[RequestOutput] = []
         with tqdm(total=len(self.requests), desc="requests", unit="req", disable=not progress) as bar:
@@ -317,9 +340,10 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------------
 
-    def metrics(self) -> EngineMetrics:
-        """Serving metrics since the engine started (or the last :meth:`reset_metrics`)."""
-        return self.metrics_collector.snapshot(self.manager.stats())
+    def metrics(self, slo: ServiceLevelObjective = DEFAULT_SLO) -> EngineMetrics:
+        """Serving metrics since the engine started (or the last :meth:`reset_metrics`), goodput
+        judged against ``slo`` (TTFT and TPOT targets, :mod:`pagedkv.engine.goodput`)."""
+        return self.metrics_collector.snapshot(self.manager.stats(), slo)
 
     def reset_metrics(self) -> None:
         """Start a new metrics window (cache counters stay cumulative)."""

@@ -97,12 +97,14 @@ class Router:
         """Last known load of a worker (KeyError if unknown)."""
         return self._loads[worker_id]
 
-    def apply_events(self, worker_id: int, seq: int, events: Iterable[Any]) -> str:
-        """Applies one numbered event batch of a live worker (see ``KVIndexer.apply``); a
-        batch of a removed worker is ignored (``"duplicate"``)."""
+    def apply_events(self, worker_id: int, seq: int, events: Iterable[Any], *, hash_root: bytes | None = None) -> str:
+        """Applies one numbered event batch of a live worker (see ``KVIndexer.apply``;
+        ``hash_root`` is a wire batch's root, :attr:`pagedkv.routing.wire.EventBatch.hash_root`);
+        a batch of a removed worker is ignored (``"duplicate"``). Raises
+        ``InvalidArgumentError`` for a batch of another cache identity (nothing applied)."""
         if worker_id not in self._loads:
             return "duplicate"
-        return self.indexer.apply(worker_id, seq, events)
+        return self.indexer.apply(worker_id, seq, events, hash_root=hash_root)
 
     def route(
         self,

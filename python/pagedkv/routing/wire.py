@@ -14,6 +14,14 @@ knows. :meth:`pagedkv.KVIndexer.apply` takes decoded events as they are, so a ro
 vLLM workers with ``apply_payload(indexer, worker, seq, payload)`` (register them with
 ``hash_source="tokens"`` so prompt queries match), and pagedkv replicas publish with
 :func:`encode_event_batch` (their 32-byte hashes as bytes).
+
+Cache identity: a pagedkv replica's batch has a fourth item, the 32-byte ``hash_root`` of its
+``BlockStored`` events (the root of its hash chains, from its hash algorithm and seed, which for
+``LLMEngine`` is its cache identity): ``[ts, events, data_parallel_rank, hash_root]``. vLLM's
+decoder ignores the extra trailing item; :func:`apply_payload` hands it to
+:meth:`pagedkv.KVIndexer.apply`, which refuses an engine worker's batch whose root is not its
+own (its block hashes belong to another model, tokenizer, chat template, adapter, KV dtype or
+RoPE, and could never match a query).
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from pagedkv._optional import optional_imports
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, KVIndexer
@@ -44,18 +54,18 @@ class WireFormatError(ValueError):
 @dataclass(frozen=True)
 class EventBatch:
     """A decoded batch: ``ts`` (seconds since the epoch, as the publisher stamped it),
-    ``events`` (wire events, lists), ``data_parallel_rank`` (None when absent)."""
+    ``events`` (wire events, lists), ``data_parallel_rank`` (None when absent), ``hash_root``
+    (32 bytes, the publisher's cache identity root; None when absent, as from vLLM)."""
 
     ts: float
     events: list[list[Any]]
     data_parallel_rank: int | None = None
+    hash_root: bytes | None = None
 
 
 def _msgpack() -> Any:
-    try:
+    with optional_imports("pagedkv.routing.wire (the KV event wire format)", "routing"):
         import msgspec.msgpack  # noqa: PLC0415
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the KV event wire format needs msgspec: pip install 'pagedkv[routing]'") from e
     return msgspec.msgpack
 
 
@@ -95,10 +105,33 @@ def encode_event_batch(
     ts: float | None = None,
     data_parallel_rank: int | None = None,
 ) -> bytes:
-    """One msgpack payload in vLLM's batch format for pagedkv events (``ts`` defaults to now)."""
+    """One msgpack payload in vLLM's batch format for pagedkv events (``ts`` defaults to now),
+    with the ``BlockStored`` events' ``hash_root`` as the batch's fourth item (see the module
+    docs; absent when no event names one).
+
+    Raises:
+        TypeError: an item that is not a pagedkv event.
+        pagedkv.InvalidArgumentError: ``BlockStored`` events with different hash roots (events
+            of two managers in one batch).
+    """
+    from pagedkv import BlockStored, InvalidArgumentError  # noqa: PLC0415
+
+    events = list(events)
+    roots = {ev.hash_root for ev in events if isinstance(ev, BlockStored) and ev.hash_root is not None}
+    if len(roots) > 1:
+        shown = sorted(r.hex()[:16] for r in roots)
+        raise InvalidArgumentError(
+            f"events is invalid: BlockStored events with {len(roots)} hash roots {shown}; one batch "
+            f"holds the events of one manager",
+            arg="events",
+            value=f"hash roots {shown}",
+            reason="one batch holds the events of one manager",
+        )
     batch: list[Any] = [time.time() if ts is None else float(ts), events_to_wire(events)]
-    if data_parallel_rank is not None:
-        batch.append(int(data_parallel_rank))
+    if data_parallel_rank is not None or roots:
+        batch.append(None if data_parallel_rank is None else int(data_parallel_rank))
+    if roots:
+        batch.append(roots.pop())
     return bytes(_msgpack().encode(batch))
 
 
@@ -124,7 +157,10 @@ def decode_event_batch(payload: bytes) -> EventBatch:
     rank = obj[2] if len(obj) > 2 else None
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
         raise WireFormatError(f"data_parallel_rank must be an int or None, got {rank!r}")
-    return EventBatch(float(ts), events, rank)
+    root = obj[3] if len(obj) > 3 else None
+    if root is not None and not (isinstance(root, bytes) and len(root) == 32):
+        raise WireFormatError(f"hash_root must be 32 bytes or None, got {root!r}"[:200])
+    return EventBatch(float(ts), events, rank, root)
 
 
 def decode_zmq_frames(frames: Sequence[bytes]) -> tuple[int, EventBatch]:
@@ -141,5 +177,8 @@ def decode_zmq_frames(frames: Sequence[bytes]) -> tuple[int, EventBatch]:
 def apply_payload(indexer: KVIndexer, worker_id: int, seq: int, payload: bytes) -> str:
     """Decodes ``payload`` and applies it as batch ``seq`` of ``worker_id``; returns
     :meth:`KVIndexer.apply`'s outcome (``"applied"``, ``"buffered"``, ``"duplicate"``,
-    ``"gap"``)."""
-    return indexer.apply(worker_id, seq, decode_event_batch(payload).events)
+    ``"gap"``). Raises :class:`WireFormatError` for a malformed payload and
+    ``pagedkv.InvalidArgumentError`` for a batch the indexer refuses (a hash root other than
+    its own: another cache identity)."""
+    batch = decode_event_batch(payload)
+    return indexer.apply(worker_id, seq, batch.events, hash_root=batch.hash_root)

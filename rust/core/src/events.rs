@@ -12,6 +12,13 @@
 //! - Each hash is announced at most once between its becoming and its ceasing to be
 //!   resolvable, and a `BlockStored`'s `parent_block_hash` is resolvable when the event is sent
 //!   (or `None` for a sequence's first block).
+//!
+//! Identity: every `BlockStored` a manager emits carries its `hash_root`, the root of its hash
+//! chains ([`crate::hashing::PrefixHasher::root`], a digest of the hash algorithm's domain and
+//! the chain seed). Block hashes of managers with different roots never coincide; the reference
+//! engine seeds the chain with its cache identity (model weights, tokenizer, chat template,
+//! adapter, KV dtype, RoPE), so the root tells a router which engines may share blocks, and
+//! [`crate::kv_indexer::KvIndexer`] refuses events whose root is not its own.
 
 use crate::hashing::{BlockHash, ExtraKey};
 use crate::sync::Mutex;
@@ -28,6 +35,10 @@ pub enum KvEvent {
         token_ids: Vec<u32>,
         block_size: u32,
         extra_keys: Vec<ExtraKey>,
+        /// Root of the emitting manager's hash chains ([`crate::hashing::PrefixHasher::root`]):
+        /// names its hash algorithm and seed (the engine's cache identity). `None` for events
+        /// from engines that do not say (vLLM's wire events).
+        hash_root: Option<BlockHash>,
     },
     /// Hashes stopped being resolvable: the last block carrying each was evicted.
     BlockRemoved { block_hashes: Vec<BlockHash> },

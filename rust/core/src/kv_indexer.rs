@@ -30,6 +30,11 @@
 //! a subset of that worker's cache as of its last applied batch, and equal to it while no batch
 //! has been lost since the last snapshot (or since `seq` 0).
 //!
+//! Identity. Hashes of engines with different cache identities (chain seeds) never coincide,
+//! so they never merge here; and a pagedkv engine's `BlockStored` names its hash root, which
+//! must be the indexer's own for an [`HashSource::Engine`] worker (else the batch is refused:
+//! its hashes could never match a query).
+//!
 //! Hash sources. A worker's events carry the worker's own block hashes. For pagedkv engines
 //! configured with the indexer's hash algorithm and seed those are the hashes a query computes
 //! ([`HashSource::Engine`]). For other engines (vLLM hashes with its own function) the indexer
@@ -352,7 +357,9 @@ impl KvIndexer {
         self.slot_of.get(&id).and_then(|&s| self.slots[s].as_ref())
     }
 
-    /// Checks a batch without changing anything: block sizes match the indexer's, and for a
+    /// Checks a batch without changing anything: block sizes match the indexer's, an
+    /// [`HashSource::Engine`] worker's `BlockStored` that names its hash root names this
+    /// indexer's (same algorithm and seed: the same cache identity), and for a
     /// [`HashSource::Tokens`] worker every `BlockStored` carries `block_size` tokens per block.
     fn validate(&self, source: HashSource, events: &[KvEvent]) -> Result<()> {
         for (i, ev) in events.iter().enumerate() {
@@ -360,9 +367,24 @@ impl KvIndexer {
                 block_hashes,
                 token_ids,
                 block_size,
+                hash_root,
                 ..
             } = ev
             {
+                if let Some(root) =
+                    hash_root.filter(|r| source == HashSource::Engine && *r != self.hasher.root())
+                {
+                    return Err(bad(
+                        "events",
+                        format!("BlockStored at index {i} with hash root {}", &root.to_hex()[..16]),
+                        format!(
+                            "the indexer's hash root is {}: the worker hashes with another algorithm or \
+                             seed (another cache identity: model, tokenizer, chat template, adapter, \
+                             KV dtype or RoPE); build the indexer with the worker's hash_algo and hash_seed",
+                            &self.hasher.root().to_hex()[..16]
+                        ),
+                    ));
+                }
                 if *block_size != self.block_size {
                     return Err(bad(
                         "events",
@@ -392,7 +414,9 @@ impl KvIndexer {
 
     /// Applies batch `seq` of worker `id` (registering it as [`HashSource::Engine`] if
     /// unknown). See the module docs for the sequence-number rules. Errors (nothing changed):
-    /// `InvalidArgument` for a `BlockStored` whose block size differs from the indexer's, or,
+    /// `InvalidArgument` for a `BlockStored` whose block size differs from the indexer's, for
+    /// an `Engine` worker, whose `hash_root` is set and differs from the indexer's hasher's
+    /// root (its hashes belong to another cache identity and would never match a query), or,
     /// for a `Tokens` worker, whose token count is not `blocks × block_size`.
     pub fn apply_batch(
         &mut self,
@@ -687,6 +711,7 @@ mod tests {
             token_ids: Vec::new(),
             block_size: 4,
             extra_keys: Vec::new(),
+            hash_root: None,
         }
     }
 
@@ -824,6 +849,7 @@ mod tests {
             token_ids: vec![1, 2, 3, 4],
             block_size: 2,
             extra_keys: Vec::new(),
+            hash_root: None,
         };
         ix.apply_batch(5, 0, vec![ev]).unwrap();
         let child = KvEvent::BlockStored {
@@ -832,6 +858,7 @@ mod tests {
             token_ids: vec![5, 6],
             block_size: 2,
             extra_keys: Vec::new(),
+            hash_root: None,
         };
         ix.apply_batch(5, 1, vec![child]).unwrap();
         let spec = SequenceSpec::default();
@@ -853,6 +880,7 @@ mod tests {
             token_ids: vec![9, 9],
             block_size: 2,
             extra_keys: Vec::new(),
+            hash_root: None,
         };
         ix.apply_batch(5, 3, vec![orphan]).unwrap();
         assert_eq!(ix.worker_status(5).unwrap().num_blocks, 2);
@@ -868,6 +896,7 @@ mod tests {
             token_ids: vec![],
             block_size: 8,
             extra_keys: vec![],
+            hash_root: None,
         };
         let err = ix
             .apply_batch(1, 0, vec![stored(&[2]), wrong_bs])
@@ -881,11 +910,47 @@ mod tests {
             token_ids: vec![1],
             block_size: 4,
             extra_keys: vec![],
+            hash_root: None,
         };
         assert!(ix.apply_batch(2, 0, vec![short]).is_err());
         assert_eq!(ix.worker_status(2).unwrap().next_seq, None);
         assert!(ix.add_worker(2, HashSource::Engine).is_err());
         assert!(KvIndexer::new(0, PrefixHasher::default(), 0).is_err());
+    }
+
+    #[test]
+    fn events_of_another_cache_identity_are_refused() {
+        use crate::hashing::HashAlgo;
+        use crate::manager::{CacheConfig, KvCacheManager};
+        let events_with_seed = |seed: &[u8]| {
+            let mut cfg = CacheConfig::new(32, 4);
+            cfg.enable_events = true;
+            cfg.hash_seed = seed.to_vec();
+            let m = KvCacheManager::new(cfg).unwrap();
+            m.add_sequence(1, &(0..9).collect::<Vec<u32>>(), SequenceSpec::default())
+                .unwrap();
+            m.allocate_slots(1, 9).unwrap();
+            let ev = m.take_events();
+            assert!(
+                matches!(&ev[0], KvEvent::BlockStored { hash_root: Some(r), .. }
+                if *r == PrefixHasher::new(HashAlgo::Sha256, seed).root())
+            );
+            ev
+        };
+        let mut ix = KvIndexer::new(4, PrefixHasher::new(HashAlgo::Sha256, b"model-a"), 0).unwrap();
+        let err = ix
+            .apply_batch(1, 0, events_with_seed(b"model-b"))
+            .unwrap_err();
+        assert!(err.to_string().contains("hash root"), "{err}");
+        assert!(ix.worker_ids().is_empty() && ix.num_hashes() == 0);
+        let ok = events_with_seed(b"model-a");
+        assert_eq!(ix.apply_batch(1, 0, ok).unwrap(), BatchOutcome::Applied);
+        assert_eq!(ix.num_hashes(), 2);
+        // A tokens worker is rehashed with the indexer's own hasher: its root is not checked.
+        ix.add_worker(2, HashSource::Tokens).unwrap();
+        let other = events_with_seed(b"model-b");
+        assert_eq!(ix.apply_batch(2, 0, other).unwrap(), BatchOutcome::Applied);
+        assert_eq!(ix.worker_status(2).unwrap().num_blocks, 2);
     }
 
     #[test]

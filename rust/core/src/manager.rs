@@ -1357,6 +1357,7 @@ impl KvCacheManager {
                 token_ids: toks.to_vec(),
                 block_size: self.cfg.block_size,
                 extra_keys: keys.into_owned(),
+                hash_root: Some(self.hasher.root()),
             });
         }
         if let Some(ev) = pending {

@@ -413,6 +413,7 @@ fn block_stored_events_carry_the_hash_chain() {
             token_ids: toks(0, 8),
             block_size: 4,
             extra_keys: salt.clone(),
+            hash_root: Some(h.root()),
         }]
     );
     m.append_tokens(1, &[20, 21, 22]).unwrap();
@@ -426,6 +427,7 @@ fn block_stored_events_carry_the_hash_chain() {
             token_ids: vec![8, 20, 21, 22],
             block_size: 4,
             extra_keys: salt,
+            hash_root: Some(h.root()),
         }]
     );
     assert_eq!(m.pool().block_hash(3), Some(h2));

@@ -31,7 +31,8 @@ fn extra_key<'py>(py: Python<'py>, key: &ExtraKey) -> PyResult<Bound<'py, PyTupl
 /// ``block_hashes[i]`` (32 bytes) is the hash of the block holding
 /// ``token_ids[i * block_size:(i + 1) * block_size]``; ``parent_block_hash`` is the hash of the
 /// block before the first one (None for a sequence's first block). ``extra_keys``: see
-/// ``KVCacheManager.take_events``.
+/// ``KVCacheManager.take_events``. ``hash_root`` (32 bytes) names the emitting manager's hash
+/// algorithm and seed -- for ``LLMEngine`` its cache identity -- or is None (vLLM's events).
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "BlockStored")]
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PyBlockStored {
@@ -40,6 +41,7 @@ pub(crate) struct PyBlockStored {
     token_ids: Vec<u32>,
     block_size: u32,
     extra_keys: Vec<ExtraKey>,
+    hash_root: Option<BlockHash>,
 }
 
 #[pymethods]
@@ -79,15 +81,26 @@ impl PyBlockStored {
         PyList::new(py, items)
     }
 
+    /// Root of the emitting manager's hash chains (32 bytes): a digest of its hash algorithm
+    /// and chain seed, so equal roots mean the same cache identity. None when the engine does
+    /// not say (events decoded from vLLM's wire format).
+    #[getter]
+    fn hash_root<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.hash_root.as_ref().map(|h| hash_bytes(py, h))
+    }
+
     fn __repr__(&self) -> String {
+        let short = |h: Option<BlockHash>| {
+            h.map(|h| h.to_hex()[..16].to_string())
+                .unwrap_or_else(|| "None".into())
+        };
         format!(
-            "BlockStored(blocks={}, block_size={}, parent={}, extra_keys={})",
+            "BlockStored(blocks={}, block_size={}, parent={}, extra_keys={}, hash_root={})",
             self.hashes.len(),
             self.block_size,
-            self.parent
-                .map(|h| h.to_hex()[..16].to_string())
-                .unwrap_or_else(|| "None".into()),
-            self.extra_keys.len()
+            short(self.parent),
+            self.extra_keys.len(),
+            short(self.hash_root)
         )
     }
 }
@@ -133,6 +146,7 @@ impl PyBlockStored {
             token_ids: self.token_ids.clone(),
             block_size: self.block_size,
             extra_keys: self.extra_keys.clone(),
+            hash_root: self.hash_root,
         }
     }
 }
@@ -155,6 +169,7 @@ pub(crate) fn event_object(py: Python<'_>, event: KvEvent) -> PyResult<Py<PyAny>
             token_ids,
             block_size,
             extra_keys,
+            hash_root,
         } => Py::new(
             py,
             PyBlockStored {
@@ -163,6 +178,7 @@ pub(crate) fn event_object(py: Python<'_>, event: KvEvent) -> PyResult<Py<PyAny>
                 token_ids,
                 block_size,
                 extra_keys,
+                hash_root,
             },
         )?
         .into_any(),

@@ -77,8 +77,9 @@ fn wire_hashes(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<BlockH
 /// One event: a pagedkv event object, or a vLLM wire event (a list / tuple whose first item is
 /// the type tag): `["BlockStored", hashes, parent, token_ids, block_size, lora_id, ...]`,
 /// `["BlockRemoved", hashes, ...]`, `["AllBlocksCleared"]`. Trailing fields newer engines add
-/// are ignored; a LoRA id becomes the adapter key `str(lora_id)`.
-fn event(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<KvEvent> {
+/// are ignored; a LoRA id becomes the adapter key `str(lora_id)`. A wire `BlockStored` gets
+/// `batch_root` as its hash root (the wire events themselves carry none).
+fn event(obj: &Bound<'_, PyAny>, i: usize, batch_root: Option<BlockHash>) -> PyResult<KvEvent> {
     let py = obj.py();
     if let Ok(ev) = obj.cast::<PyBlockStored>() {
         return Ok(ev.get().to_core());
@@ -133,6 +134,7 @@ fn event(obj: &Bound<'_, PyAny>, i: usize) -> PyResult<KvEvent> {
                 token_ids,
                 block_size,
                 extra_keys,
+                hash_root: batch_root,
             })
         }
         "BlockRemoved" => {
@@ -253,6 +255,14 @@ impl PyKvIndexer {
         PyBytes::new(py, &self.hash_seed)
     }
 
+    /// Root of the hash chains (32 bytes; from the algorithm and seed): the ``hash_root`` an
+    /// engine worker's ``BlockStored`` events must carry.
+    #[getter]
+    fn hash_root<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        let root = self.with(py, |ix| ix.hasher().root());
+        PyBytes::new(py, &root.0)
+    }
+
     /// Reorder buffer per worker, in batches.
     #[getter]
     fn max_pending(&self, py: Python<'_>) -> usize {
@@ -331,17 +341,35 @@ impl PyKvIndexer {
     }
 
     /// Applies event batch ``seq`` of ``worker_id``; returns ``"applied"``, ``"buffered"``,
-    /// ``"duplicate"`` or ``"gap"``. Raises ``InvalidArgumentError`` (nothing applied) for a
-    /// malformed event.
+    /// ``"duplicate"`` or ``"gap"``. ``hash_root`` is the batch's hash root for wire events
+    /// (which carry none). Raises ``InvalidArgumentError`` (nothing applied) for a malformed
+    /// event, or an engine worker's event whose hash root is not the indexer's.
+    #[pyo3(signature = (worker_id, seq, events, *, hash_root = None))]
     fn apply(
         &self,
         py: Python<'_>,
         worker_id: &Bound<'_, PyAny>,
         seq: &Bound<'_, PyAny>,
         events: &Bound<'_, PyAny>,
+        hash_root: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<&'static str> {
         let id = self::worker_id(worker_id)?;
         let seq = uint(seq, "seq", u64::MAX)?;
+        let batch_root = match hash_root.filter(|r| !r.is_none()) {
+            Some(r) => {
+                let b = bytes_arg(r, "hash_root")?;
+                let arr: [u8; 32] = b.try_into().map_err(|_| {
+                    invalid(
+                        py,
+                        "hash_root",
+                        format!("<{} bytes>", b.len()),
+                        "expected 32 bytes",
+                    )
+                })?;
+                Some(BlockHash(arr))
+            }
+            None => None,
+        };
         if events.is_instance_of::<PyString>() || events.is_instance_of::<PyBytes>() {
             return Err(invalid(
                 py,
@@ -353,7 +381,7 @@ impl PyKvIndexer {
         let events: Vec<KvEvent> = list_items(events, "events")?
             .iter()
             .enumerate()
-            .map(|(i, e)| event(e, i))
+            .map(|(i, e)| event(e, i, batch_root))
             .collect::<PyResult<_>>()?;
         self.with(py, |ix| ix.apply_batch(id, seq, events))
             .py(py)
