@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import signal
 import sys
 import time
@@ -381,6 +382,7 @@ def main() -> None:
 
     rows = []
     results: dict[str, Any] = {}
+    load_start = os.getloadavg()
     hashing = hashing_cost()
     print(
         f"block hashing, CPU us per 16-token block: vLLM Python hasher "
@@ -433,7 +435,8 @@ def main() -> None:
          "KV us", "KV share (samples)", "share ratio", "manager / blocks / hashing %"],
         rows,
         footnote=f"{BOUND!r} is no scheduler: decodes answered by a no-op, KV state not kept "
-        "(vLLM's own cost around a free KV manager).",
+        "(vLLM's own cost around a free KV manager). Load average (1 min) "
+        f"{load_start[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end.",
     )
     if not args.no_write:
         import vllm
@@ -445,6 +448,7 @@ def main() -> None:
             "repeats": args.repeats,
             "sample_runs": args.sample_runs,
             "machine": machine_info(),
+            "load_average_1_5_15min": {"start": list(load_start), "end": list(os.getloadavg())},
             "results": results,
             "hashing": hashing,
             "notes": [
