@@ -113,7 +113,7 @@ clippy: ## clippy on every crate and target, warnings are errors
 # The whole package: the allocator-facing modules, the _core stub, the engine, the kernels
 # (through the python/pagedkv/kernels symlink, so they are checked as pagedkv.kernels) and the
 # integrations (vLLM's types are Any where vLLM is not installed).
-MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv/tensors.py \
+MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv/_optional.py python/pagedkv/tensors.py \
 	python/pagedkv/_repr.py python/pagedkv/_core.pyi python/pagedkv/engine python/pagedkv/kernels \
 	python/pagedkv/integrations python/pagedkv/routing
 

@@ -366,14 +366,18 @@ def write_readme_table(table: str, readme: Path = README) -> bool:
 
 
 def _engine_table(d: dict[str, Any]) -> str | None:
-    """Output tokens/s per workload and system from engine_throughput.json (None if its layout
-    is not the one known here)."""
+    """Output tokens/s and goodput per workload and system from engine_throughput.json (None if
+    its layout is not the one known here; "-" for goodput in files written before it existed)."""
     try:
         rows = []
+        slo = d.get("slo")
         for wl, w in d["workloads"].items():
             for sysname, r in w["systems"].items():
-                rows.append([wl, sysname, f"{r['output_tokens_per_s']:.1f}", f"{r['wall_s']:.1f}"])
-        return common.markdown_table(["workload", "system", "output tokens/s", "wall s"], rows)
+                good = (f"{r['goodput_share']:.0%} ({r['good_requests']}/{w['requests']}), "
+                        f"{r['goodput_requests_per_s']:.2f} req/s") if "goodput_share" in r else "-"
+                rows.append([wl, sysname, f"{r['output_tokens_per_s']:.1f}", f"{r['wall_s']:.1f}", good])
+        head = f"goodput (TTFT <= {slo['ttft_s']:g} s, TPOT <= {slo['tpot_s']:g} s)" if slo else "goodput"
+        return common.markdown_table(["workload", "system", "output tokens/s", "wall s", head], rows)
     except (KeyError, TypeError, AttributeError):
         return None
 

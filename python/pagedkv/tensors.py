@@ -43,6 +43,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pagedkv._core import KVCacheManager, StepOutput, apply_table_deltas
+from pagedkv._optional import optional_imports
 from pagedkv._repr import short_repr
 from pagedkv.errors import InvalidArgumentError
 
@@ -117,12 +118,17 @@ def _check_csr(indptr: npt.ArrayLike, indices: npt.ArrayLike) -> tuple[npt.NDArr
     return ip, ix
 
 
+# One stateless context manager for every lazy torch import here (built once: cheap per call).
+_TORCH_IMPORT = optional_imports("pagedkv.tensors (torch tensors, device not None)", "torch")
+
+
 def _place(arr: npt.NDArray[Any], device: Device) -> Any:
     """numpy array -> numpy (device None) or a torch tensor on `device`: no copy on the CPU
     (the tensor shares `arr`'s memory), one transfer elsewhere."""
     if device is None:
         return arr
-    import torch  # lazy: `import pagedkv` must work without torch
+    with _TORCH_IMPORT:
+        import torch  # lazy: `import pagedkv` must work without torch
 
     tensor = torch.from_numpy(np.ascontiguousarray(arr))
     target = device if isinstance(device, torch.device) else torch.device(device)
@@ -609,7 +615,8 @@ def _movers(device: Device) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]
     plus one transfer elsewhere."""
     if device is None:
         return _identity, _identity
-    import torch  # lazy: `import pagedkv` must work without torch
+    with _TORCH_IMPORT:
+        import torch  # lazy: `import pagedkv` must work without torch
 
     if device == "cpu":  # the common case, without building a torch.device
         return torch.from_numpy, torch.from_numpy

@@ -10,7 +10,11 @@ the same per-block shape (pinned when CUDA is present).
 from __future__ import annotations
 
 import numpy as np
-import torch
+
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.engine", "engine"):
+    import torch
 
 import pagedkv
 from pagedkv import kernels

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pagedkv._optional import optional_imports
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, KVIndexer
 
@@ -62,10 +64,8 @@ class EventBatch:
 
 
 def _msgpack() -> Any:
-    try:
+    with optional_imports("pagedkv.routing.wire (the KV event wire format)", "routing"):
         import msgspec.msgpack  # noqa: PLC0415
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("the KV event wire format needs msgspec: pip install 'pagedkv[routing]'") from e
     return msgspec.msgpack
 
 
