@@ -298,6 +298,8 @@ def readme_allocator_table(results_dir: Path, load: str) -> str | None:
         return f"{b / a:.1f}×" if a and b else "-"
 
     m = spd["machine"]
+    if spd.get("load_average"):  # as the allocator run ended, when it recorded it
+        load = " / ".join(f"{x:.1f}" for x in spd["load_average"])
     vllm_ver = traces[order[0]]["results"]["vLLM V1 KVCacheManager"]["version"].get("version", "vLLM")
     lines = [
         TABLE_START,
