@@ -4,7 +4,8 @@ kernels_aot run with an empty compile cache) and write
 
 Runs, each in its own subprocess with a time limit: ``allocator_speed.py`` (Mooncake, Azure
 conversation and Azure code traces), ``scaling.py``, ``memory_efficiency.py``, ``sharing.py``,
-``prefix_caching.py`` (each with ``--quick``), ``cluster_sim.py`` (about 3 minutes), and
+``prefix_caching.py`` (each with ``--quick``), ``cluster_sim.py`` (about 3 minutes),
+``vllm_scheduler.py`` (with ``--vllm-python``, run by that interpreter), and
 ``step_overhead.py`` / ``engine_throughput.py`` / ``engine_roofline.py`` when present, and
 ``kernels_aot.py`` (every Triton kernel configuration compiled for sm_80/90/100 without a GPU;
 not ``kernels.py``, which needs CUDA). Each script's output goes to
@@ -59,6 +60,10 @@ def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
         ("prefix_caching", [py, str(HERE / "prefix_caching.py"), "--quick"], 240),
         ("cluster_sim", [py, str(HERE / "cluster_sim.py")], 600),
     ]
+    if a.vllm_python:
+        # vLLM's own Scheduler, stock vs PagedKVScheduler, run by vLLM's interpreter.
+        jobs.append(("vllm_scheduler", [a.vllm_python, str(HERE / "vllm_scheduler.py"),
+                                        "--steps", "200", "--repeats", "3"], 1200))
     if (HERE / "step_overhead.py").exists():
         jobs.append(("step_overhead", [py, str(HERE / "step_overhead.py")], 180))
     if (HERE / "engine_throughput.py").exists():
