@@ -219,3 +219,18 @@ def test_bad_identity_input_is_a_typed_error(tiny):
         weights_digest(object())
     with pytest.raises(EngineConfigError, match="tokenizer=object"):
         tokenizer_digest(object())
+
+
+def test_tokenizer_digest_ignores_padding_and_truncation_state(tiny):
+    """transformers leaves padding / truncation switched on in the backend after a call that
+    asks for them; that is call-time state, not the text -> ids map, so an engine built after
+    such a call has the same identity (and the caller's tokenizer keeps its state)."""
+    tok = copy.deepcopy(tiny.tokenizer)
+    clean = tokenizer_digest(tok)
+    assert tok.backend_tokenizer.padding is None and tok.backend_tokenizer.truncation is None
+    tok(["w7 w8", "w9"], padding=True, truncation=True, max_length=2)
+    assert tok.backend_tokenizer.padding is not None and tok.backend_tokenizer.truncation is not None
+    assert tokenizer_digest(tok) == clean
+    assert tok.backend_tokenizer.padding is not None and tok.backend_tokenizer.truncation["max_length"] == 2
+    base = _engine(tiny.hf, tiny.tokenizer).cache_identity.digest
+    assert _engine(tiny.hf, tok).cache_identity.digest == base

@@ -16,7 +16,8 @@ part              what is digested (SHA-256, hex)
                   e.g. a tied LM head, is named with the one it aliases, not hashed twice)
 ``tokenizer``     the tokenizer class, its special tokens and its full serialized form (a
                   fast tokenizer's ``tokenizers`` JSON: vocabulary, merges, normalizer,
-                  pre-tokenizer, post-processor, added tokens); a slow one's sorted vocabulary
+                  pre-tokenizer, post-processor, added tokens; padding and truncation, which
+                  are call-time state, left out); a slow one's sorted vocabulary
 ``chat_template`` the chat template text(s), or ``"none"``
 ``adapter``       the LoRA adapter, or ``"none"``: the reference engine loads none (an adapter
                   merged into the weights shows in ``weights``; a per-request adapter of
@@ -212,13 +213,22 @@ def weights_digest(hf_model: Any) -> str:
 
 def tokenizer_digest(tokenizer: Any) -> str:
     """SHA-256 hex of a tokenizer: class name, special tokens, and the fast tokenizer's full
-    serialization (else the sorted vocabulary). Deterministic across processes.
+    serialization without its padding and truncation settings (else the sorted vocabulary).
+    Deterministic across processes, and unchanged by earlier ``tokenizer(..., padding=...,
+    truncation=...)`` calls.
 
     Raises:
         EngineConfigError: the tokenizer has neither a ``backend_tokenizer`` nor ``get_vocab``.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "to_str"):
+        # Padding and truncation are call-time state of the backend (transformers switches them
+        # on for `tokenizer(..., padding=True)` and leaves them on), not part of the text -> ids
+        # map: an engine built after such a call must get the same digest.
+        if getattr(backend, "padding", None) is not None or getattr(backend, "truncation", None) is not None:
+            backend = type(backend).from_str(backend.to_str())
+            backend.no_padding()
+            backend.no_truncation()
         body = backend.to_str()
     elif callable(getattr(tokenizer, "get_vocab", None)):
         body = _canonical(sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))).decode()
