@@ -38,11 +38,11 @@ Left out on purpose: the device and attention kernel (CPU reference vs Triton), 
 differ only by float rounding, as batch composition does; the block size and hash algorithm,
 which already give different hashes (and the indexer checks the block size).
 
-Cost: hashing the weights reads every tensor once (about 0.8 s for SmolLM2-135M's 513 MiB of
-fp32 tensors on one core). For a model loaded from files the weights digest is cached, keyed by
-the loaded files' paths, sizes and mtimes, the dtype and the transformers version, next to the
-loader's GGUF conversion cache (``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv/gguf/``, folder
-``weights-digests/``), so later starts skip it.
+Cost: hashing the weights reads every tensor once (0.4 to 1.0 s, by machine load, for
+SmolLM2-135M's 513 MiB of fp32 tensors on one core). For a model loaded from files the weights
+digest is cached, keyed by the loaded files' paths, sizes and mtimes, the dtype and the
+transformers version, next to the loader's GGUF conversion cache (``$PAGEDKV_CACHE_DIR`` or
+``~/.cache/pagedkv/gguf/``, folder ``weights-digests/``), so later starts skip it.
 """
 
 from __future__ import annotations
