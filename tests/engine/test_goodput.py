@@ -99,6 +99,10 @@ def test_metrics_snapshot_reports_goodput_by_hand() -> None:
     # c (TPOT 0.5 s) and e (TTFT 3 s) miss it.
     assert collector.snapshot(manager.stats()).good_requests == 2
     assert (DEFAULT_SLO.ttft_s, DEFAULT_SLO.tpot_s) == (2.0, 0.1)
+    for bad in (2.0, (2.0, 0.1), "fast", None):
+        with pytest.raises(EngineConfigError, match="expected a ServiceLevelObjective"):
+            collector.snapshot(manager.stats(), bad)  # type: ignore[arg-type]
+    assert collector.snapshot(manager.stats(), SLO).good_requests == 2  # nothing changed
 
 
 def test_result_row_carries_tpot() -> None:
