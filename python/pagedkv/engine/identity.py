@@ -12,8 +12,10 @@ part              what is digested (SHA-256, hex)
 ================= ========================================================================
 ``weights``       the model config (canonical JSON; file paths, the transformers version and
                   the dtype field left out) and every tensor of the state dict in name
-                  order: name, dtype, shape and bytes (a tensor sharing another's storage,
-                  e.g. a tied LM head, is named with the one it aliases, not hashed twice)
+                  order: name, dtype, shape and bytes, floating-point tensors as cast to the
+                  engine's dtype (so a model loaded at fp32 and served at bf16 digests like
+                  the same files loaded at bf16); a tensor sharing another's storage, e.g. a
+                  tied LM head, is named with the one it aliases, not hashed twice
 ``tokenizer``     the tokenizer class, its special tokens and its full serialized form (a
                   fast tokenizer's ``tokenizers`` JSON: vocabulary, merges, normalizer,
                   pre-tokenizer, post-processor, added tokens; padding and truncation, which
@@ -166,7 +168,7 @@ class CacheIdentity:
         """
         return cls(
             {
-                "weights": weights if weights is not None else weights_digest(hf_model),
+                "weights": weights if weights is not None else weights_digest(hf_model, kv_dtype),
                 "tokenizer": tokenizer_digest(tokenizer),
                 "chat_template": chat_template_digest(tokenizer),
                 "adapter": "none",
@@ -176,14 +178,21 @@ class CacheIdentity:
         )
 
 
-def weights_digest(hf_model: Any) -> str:
-    """SHA-256 hex of a transformers model's config and state dict (see the module docs).
-    O(bytes of the weights); tensors on another device are copied to the CPU one at a time.
+def weights_digest(hf_model: Any, dtype: Any = None) -> str:
+    """SHA-256 hex of a transformers model's config and state dict (see the module docs), its
+    floating-point tensors as cast to ``dtype`` (the engine's compute dtype: a torch dtype or
+    its name; ``None``: as they are). O(bytes of the weights); tensors on another device or
+    dtype are converted one at a time.
 
     Raises:
-        EngineConfigError: ``hf_model`` has no ``config`` with ``to_dict`` or no ``state_dict``.
+        EngineConfigError: ``hf_model`` has no ``config`` with ``to_dict`` or no ``state_dict``;
+            ``dtype`` is not a dtype the engine serves.
     """
     import torch
+
+    from .config import torch_dtype
+
+    target = None if dtype is None else torch_dtype(dtype)
 
     config: Any = getattr(hf_model, "config", None)
     if not hasattr(config, "to_dict") or not callable(getattr(hf_model, "state_dict", None)):
@@ -197,15 +206,16 @@ def weights_digest(hf_model: Any) -> str:
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
     for name, tensor in sorted(hf_model.state_dict().items()):
         t = tensor.detach()
-        head = _canonical([name, str(t.dtype).removeprefix("torch."), list(t.shape)])
-        h.update(len(head).to_bytes(8, "little") + head)
         # An alias (tied embedding / LM head) is named, not hashed again.
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+        as_dtype = target if target is not None and t.is_floating_point() else t.dtype
+        head = _canonical([name, str(as_dtype).removeprefix("torch."), list(t.shape)])
+        h.update(len(head).to_bytes(8, "little") + head)
         if key in seen:
             h.update(b"A" + seen[key].encode() + b"\0")
             continue
         seen[key] = name
-        data = t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        data = t.to("cpu", as_dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
         h.update(b"T" + data.nbytes.to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()
@@ -288,18 +298,18 @@ def cached_weights_digest(hf_model: Any, model_path: Any, dtype: Any) -> str:
     """
     files = _source_files(model_path)
     if not files:
-        return weights_digest(hf_model)
+        return weights_digest(hf_model, dtype)
     try:
         path = _digest_cache_file(files, dtype)
     except OSError:  # a file vanished since the load: no cache entry
-        return weights_digest(hf_model)
+        return weights_digest(hf_model, dtype)
     try:
         cached = json.loads(path.read_text())["weights"]
         if isinstance(cached, str) and len(cached) == 64:
             return cached
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    digest = weights_digest(hf_model)
+    digest = weights_digest(hf_model, dtype)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _prune(path.parent)
