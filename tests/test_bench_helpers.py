@@ -153,7 +153,48 @@ def test_pagedkv_pool_adapter_frees_tail_first():
     pool = replay_pagedkv.PagedKVReplayer("sha256").pool_adapter(16)
     prompt = pool.allocate(3)
     decode = pool.items(pool.allocate(2))
-    tail_first = pool.concat_reversed([prompt, *decode])
-    assert tail_first.tolist() == [decode[1], decode[0], *prompt.tolist()[::-1]]
-    pool.free(tail_first)
-    assert pool.concat_reversed([prompt]).tolist() == prompt.tolist()[::-1]
+    decode_tail, prompt_reversed = pool.concat_reversed([prompt, *decode])
+    assert [*decode_tail, *prompt_reversed.tolist()] == [decode[1], decode[0], *prompt.tolist()[::-1]]
+    pool.free((decode_tail, prompt_reversed))
+    # The free stack is LIFO: the block freed last (the prompt's first) comes back first.
+    assert pool.allocate(5).tolist() == [*prompt.tolist(), decode[0], decode[1]]
+    only_prompt = pool.concat_reversed([prompt])
+    assert only_prompt[0] == [] and only_prompt[1].tolist() == prompt.tolist()[::-1]
+
+
+def test_run_all_rewrites_the_readme_allocator_table_from_the_run(tmp_path):
+    import json
+
+    import run_all  # noqa: PLC0415
+
+    machine = {"pagedkv_commit": "0123456789abcdef", "when": "2026-11-30T12:00:00", "cpus": 2}
+
+    def res(ns):
+        return {"best": {"ns_per_block_op": ns}, "version": {"version": "vllm 0.33.0"}}
+
+    results = {
+        "pagedkv (sha256)": res(100.0),
+        "vLLM V1 KVCacheManager": res(2500.0),
+        "nano-vllm BlockManager": res(600.0),
+        "pagedkv BlockPool": res(20.0),
+        "vLLM BlockPool": res(110.0),
+        "core alone, Rust (sha256)": res(80.0),
+        "core BlockPool, Rust": res(10.0),
+    }
+    (tmp_path / "allocator_speed.json").write_text(
+        json.dumps({"machine": machine, "traces": {"mooncake": {"results": results}}})
+    )
+    table = run_all.readme_allocator_table(tmp_path, "5.0 / 5.1 / 4.2")
+    assert table is not None and "load average 5.0 / 5.1 / 4.2" in table
+    assert "| Mooncake | 100 | 2,500 (25.0×) | 600 (6.0×) | 20.0 | 110 (5.5×) | 80.0 / 10.0 | 1.25 / 2.00 |" in table
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{run_all.TABLE_START}\nold\n{run_all.TABLE_END}\nrest\n")
+    assert run_all.write_readme_table(table, readme)
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("\nrest\n") and "old" not in text and "2,500" in text
+    # Without the vLLM baseline the published table is left alone.
+    del results["vLLM V1 KVCacheManager"]
+    (tmp_path / "allocator_speed.json").write_text(
+        json.dumps({"machine": machine, "traces": {"mooncake": {"results": results}}})
+    )
+    assert run_all.readme_allocator_table(tmp_path, "1.0 / 1.0 / 1.0") is None

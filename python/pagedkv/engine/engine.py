@@ -146,7 +146,7 @@ class LLMEngine:
             config.cache_config(enable_events=enable_kv_events, hash_seed=self.cache_identity.seed)
         )
         self.scheduler = Scheduler(self.manager, config.scheduler_config(self.model.max_model_len))
-        self.runner = ModelRunner(self.model, num_kv_blocks, block_size, num_cpu_blocks)
+        self.runner = ModelRunner(self.model, num_kv_blocks, block_size, num_cpu_blocks, manager=self.manager)
         self.prompts = PromptProcessor(tokenizer, self.model.vocab_size)
         self.outputs = OutputProcessor(tokenizer, _eos_ids(hf_model, self.model, tokenizer), self.model.max_model_len)
         self.requests = RequestRegistry(self.manager, self.scheduler, seed)
