@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if why:
             print(f"Rust replay: skipped ({why})", file=sys.stderr)
     per_trace = {name: measure_trace(a, name) for name in a.traces}
-    payload = {"description": __doc__.split("\n\n")[0], "traces": per_trace}
+    # 1 / 5 / 15-minute load averages as the run ends (the README table names them).
+    payload = {"description": __doc__.split("\n\n")[0], "traces": per_trace, "load_average": list(os.getloadavg())}
     path = common.write_json("allocator_speed", payload, Path(a.results_dir))
     png = plot(per_trace, Path(a.results_dir) / "allocator_speed.png")
     print(f"wrote {path} and {png}")

@@ -9,9 +9,11 @@ for the finished ones. The per-step input arrays (the batch's sequence ids and s
 the admitted prompts' lengths) are built before the clock starts, as the token lists are for
 every system: an engine holds them as arrays from its scheduler and sampler, so building them
 from Python ints inside the clock would time the replay's bookkeeping, not pagedkv. The Rust
-replay (``rust/core/examples/replay.rs``) builds the same inputs before its clock. So two crossings into Rust per step, plus one per new / finished request. ``step`` also builds the slot mapping and
-block tables of the batch (what the model runner needs), which the other systems' managers
-leave to their model runners.
+replay (``rust/core/examples/replay.rs``) builds the same inputs before its clock. So two crossings into Rust per step, plus one per new / finished request. ``step`` also builds the slot mapping, token
+ids and block-table changes of the batch (what the model runner needs to keep its block tables,
+``pagedkv.tensors.BlockTable``), which the other systems' managers leave to their model runners.
+The bare pool replay frees a finished request's blocks tail first in two calls (its decode ids,
+then its prompt's array reversed) rather than concatenating them into one array first.
 """
 
 from __future__ import annotations
@@ -96,9 +98,20 @@ class PagedKVReplayer(Replayer):
         """pagedkv.BlockPool (Rust, GIL released per call), batch allocate / free of int32 ids."""
         pool = self.pagedkv.BlockPool(num_blocks)
 
+        pool_free = pool.free
+
         class _Pool:
             allocate = staticmethod(pool.allocate)
-            free = staticmethod(pool.free)
+
+            @staticmethod
+            def free(blocks: Any) -> None:
+                # Tail first, as one request's table: its decode blocks (ints) last-first, then
+                # its prompt's int32 array reversed. Two calls (the ids are in two containers
+                # already) cost less than concatenating them into one array first.
+                decode_tail, prompt_reversed = blocks
+                if decode_tail:
+                    pool_free(decode_tail)
+                pool_free(prompt_reversed)
 
             @staticmethod
             def items(blocks: Any) -> Any:
@@ -106,11 +119,7 @@ class PagedKVReplayer(Replayer):
 
             @staticmethod
             def concat_reversed(parts: list[Any]) -> Any:
-                # [prompt blocks..., decode blocks...] reversed: the decode ids last-first, then
-                # the prompt's int32 array reversed.
-                if len(parts) == 1:
-                    return parts[0][::-1]
-                return np.concatenate((np.array(parts[:0:-1], dtype=np.int32), parts[0][::-1]))
+                return parts[:0:-1], parts[0][::-1]
 
         return _Pool()
 

@@ -4,17 +4,27 @@ kernels_aot run with an empty compile cache) and write
 
 Runs, each in its own subprocess with a time limit: ``allocator_speed.py`` (Mooncake, Azure
 conversation and Azure code traces), ``scaling.py``, ``memory_efficiency.py``, ``sharing.py``,
-``prefix_caching.py`` (each with ``--quick``), ``cluster_sim.py`` (about 3 minutes), and
+``prefix_caching.py`` (each with ``--quick``), ``cluster_sim.py`` (about 3 minutes),
+``vllm_scheduler.py`` (with ``--vllm-python``, run by that interpreter), and
 ``step_overhead.py`` / ``engine_throughput.py`` / ``engine_roofline.py`` when present, and
 ``kernels_aot.py`` (every Triton kernel configuration compiled for sm_80/90/100 without a GPU;
 not ``kernels.py``, which needs CUDA). Each script's output goes to
 ``benchmarks/results/logs/<name>.log``; its tables are echoed when it ends. A script that fails
 or times out is reported in the summary, never hidden.
 
+The README's benchmark blocks (between their ``<!-- BENCH_..._START -->`` / ``END`` markers:
+the main benchmark table, the allocator table, the vLLM scheduler table and the simulated
+cluster table) are then rewritten from the run's JSON by ``readme_tables.py``, with a header
+naming the run's commit, date, CPU count and load average, so one ``make bench`` regenerates
+them; a benchmark that failed, did not run, or left a JSON older than the run shows as such
+instead of its old figures. ``--summary-only`` rewrites SUMMARY.md and the README from the
+existing JSON and run record (``results/run_all_status.json``); ``--no-readme`` leaves the
+README alone.
+
 Usage:
   python benchmarks/run_all.py [--vllm-python ~/venvs/vllm/bin/python]
       [--nanovllm-path ~/src/nano-vllm] [--nanovllm-python PY] [--only NAME ...]
-      [--summary-only]
+      [--summary-only] [--no-readme]
 """
 
 from __future__ import annotations
@@ -25,14 +35,17 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import readme_tables  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+README = HERE.parent / "README.md"
 
 
 def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
@@ -51,6 +64,10 @@ def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
         ("prefix_caching", [py, str(HERE / "prefix_caching.py"), "--quick"], 240),
         ("cluster_sim", [py, str(HERE / "cluster_sim.py")], 600),
     ]
+    if a.vllm_python:
+        # vLLM's own Scheduler, stock vs PagedKVScheduler, run by vLLM's interpreter.
+        jobs.append(("vllm_scheduler", [a.vllm_python, str(HERE / "vllm_scheduler.py"),
+                                        "--steps", "200", "--repeats", "3"], 1200))
     if (HERE / "step_overhead.py").exists():
         jobs.append(("step_overhead", [py, str(HERE / "step_overhead.py")], 180))
     if (HERE / "engine_throughput.py").exists():
@@ -76,6 +93,7 @@ def run_jobs(jobs: list[tuple[str, list[str], float]], results_dir: Path) -> dic
     for name, cmd, timeout in jobs:
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
+        started = time.time()
         log = logs / f"{name}.log"
         with open(log, "w") as f:
             try:
@@ -85,8 +103,15 @@ def run_jobs(jobs: list[tuple[str, list[str], float]], results_dir: Path) -> dic
             except subprocess.TimeoutExpired:
                 rc = None
         dt = time.perf_counter() - t0
+        out = results_dir / f"{name}.json"
+        # A JSON not rewritten during its job is an older run's: the README must not quote it.
+        wrote = out.exists() and out.stat().st_mtime >= started - 1.0
         status[name] = {"rc": rc, "seconds": dt, "log": str(log.relative_to(HERE.parent)),
-                        "command": " ".join(Path(c).name if c == sys.executable else c for c in cmd)}
+                        "command": " ".join(Path(c).name if c == sys.executable else c for c in cmd),
+                        "started": datetime.fromtimestamp(started).isoformat(timespec="seconds"),
+                        "wrote_json": wrote, "commit": common.git_commit(),
+                        "json_when": datetime.fromtimestamp(out.stat().st_mtime).isoformat(timespec="seconds")
+                        if wrote else None}
         bar.write(f"\n=== {name}: {'timed out' if rc is None else f'exit {rc}'} in {dt:.0f} s (log {log})")
         bar.write(_tail_tables(log))
         bar.update(1)
@@ -263,14 +288,18 @@ def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> st
 
 
 def _engine_table(d: dict[str, Any]) -> str | None:
-    """Output tokens/s per workload and system from engine_throughput.json (None if its layout
-    is not the one known here)."""
+    """Output tokens/s and goodput per workload and system from engine_throughput.json (None if
+    its layout is not the one known here; "-" for goodput in files written before it existed)."""
     try:
         rows = []
+        slo = d.get("slo")
         for wl, w in d["workloads"].items():
             for sysname, r in w["systems"].items():
-                rows.append([wl, sysname, f"{r['output_tokens_per_s']:.1f}", f"{r['wall_s']:.1f}"])
-        return common.markdown_table(["workload", "system", "output tokens/s", "wall s"], rows)
+                good = (f"{r['goodput_share']:.0%} ({r['good_requests']}/{w['requests']}), "
+                        f"{r['goodput_requests_per_s']:.2f} req/s") if "goodput_share" in r else "-"
+                rows.append([wl, sysname, f"{r['output_tokens_per_s']:.1f}", f"{r['wall_s']:.1f}", good])
+        head = f"goodput (TTFT <= {slo['ttft_s']:g} s, TPOT <= {slo['tpot_s']:g} s)" if slo else "goodput"
+        return common.markdown_table(["workload", "system", "output tokens/s", "wall s", head], rows)
     except (KeyError, TypeError, AttributeError):
         return None
 
@@ -283,26 +312,34 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine-args", nargs=argparse.REMAINDER, default=[],
                     help="arguments passed to engine_throughput.py (everything after this flag; default --rounds 1)")
     ap.add_argument("--only", nargs="+", default=None, help="run only these benchmarks")
-    ap.add_argument("--summary-only", action="store_true", help="rewrite SUMMARY.md from existing JSON")
+    ap.add_argument("--summary-only", action="store_true",
+                    help="rewrite SUMMARY.md and the README from the existing JSON")
     ap.add_argument("--results-dir", default=str(common.RESULTS_DIR))
+    ap.add_argument("--no-readme", action="store_true", help="do not rewrite the README's benchmark tables")
     a = ap.parse_args(argv)
     results_dir = Path(a.results_dir)
     status_file = results_dir / "run_all_status.json"
-    status: dict[str, dict[str, Any]] = {}
-    if status_file.exists():
-        status = json.loads(status_file.read_text())
+    run, status = readme_tables.read_status(status_file)
     if not a.summary_only:
         t0 = time.perf_counter()
+        run = {"started": datetime.now().isoformat(timespec="seconds"), "commit": common.git_commit(),
+               "cpus": os.cpu_count(), "only": a.only, "load_average_start": list(os.getloadavg())}
         status.update(run_jobs(plan(a), results_dir))
-        status_file.write_text(json.dumps(status, indent=2) + "\n")
+        # 1 / 5 / 15-minute load averages at the end of the run (the last covers most of it).
+        run["load_average_end"] = list(os.getloadavg())
+        status_file.write_text(json.dumps({"run": run, "jobs": status}, indent=2) + "\n")
         print(f"\nall benchmarks done in {(time.perf_counter() - t0) / 60:.1f} min")
     md = summary_markdown(results_dir, status)
     (results_dir / "SUMMARY.md").write_text(md)
     print(md)
     print(f"wrote {results_dir / 'SUMMARY.md'}")
+    if not a.no_readme:
+        done = readme_tables.write_readme(readme_tables.readme_blocks(results_dir, run, status), README)
+        for block, what in done.items():
+            print(f"README {block} block: {what}" + (" (no allocator run with the vLLM baseline)"
+                                                   if block == "allocator" and what == "left as it is" else ""))
     if any(s["rc"] != 0 for s in status.values()):
         sys.exit(1)
-
 
 if __name__ == "__main__":
     main()

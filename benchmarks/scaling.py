@@ -20,7 +20,10 @@ between a 10k- and a 100k-block pool, then stays flat up to 1M blocks. That is t
 hierarchy: the prefix index, the per-block arrays and the sequences' tables leave L2 and are
 touched cold (first-touch page faults in a short trace). A prefix index pre-sized to the whole
 pool made the 1M-block point 2.5x slower (every insert faulted a fresh page of a 120 MB table),
-so the index is pre-sized to at most 64k hashes and grows by doubling beyond.
+so the index is pre-sized to at most 64k hashes and grows by doubling beyond. The 64-sequence
+point costs more per op through Python only (the Rust column is flat there): each step's fixed
+cost (two crossings, a dozen small numpy arrays, ~10 µs) is spread over a quarter of the block
+ops of the 256-sequence point.
 
 Usage: ``python benchmarks/scaling.py [--quick] [--running 64 256 1024 4096]
 [--pools 10000 100000 1000000]``

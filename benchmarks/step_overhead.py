@@ -114,11 +114,14 @@ def main(argv: list[str] | None = None) -> None:
     def step_lists() -> Any:
         return m.step(w.ids, 1, append_token_ids=next_lists)
 
+    # The block tables kept across steps, as the engine's runner keeps them.
+    kept = tensors.BlockTable(m)
+
     def step_tensors_numpy() -> Any:
-        return tensors.BatchTensors.from_steps(step_numpy(), device=None)
+        return tensors.BatchTensors.from_steps(step_numpy(), device=None, block_tables=kept)
 
     def step_tensors_torch() -> Any:
-        return tensors.BatchTensors.from_steps(step_numpy(), device="cpu")
+        return tensors.BatchTensors.from_steps(step_numpy(), device="cpu", block_tables=kept)
 
     def per_sequence() -> None:
         for s, t in zip(w.ids.tolist(), next_lists):

@@ -15,21 +15,35 @@ Workloads (each scheduler gets the same request stream):
   give equal 512-token blocks, so requests share prefixes), same closed loop.
 
 Reported per step (mean over the measured steps, CPU time of this thread): ``schedule()``,
-``update_from_output()`` and their sum; the KV-manager share is measured in a second,
-instrumented run (every call on ``scheduler.kv_cache_manager`` plus vLLM's per-request Python
-block hasher, timed with ``thread_time``, the wrapper's own cost subtracted), as a fraction of
-the timed runs' scheduler time. The wrappers perturb sub-microsecond calls (pagedkv's deferred
-``allocate_slots``), so the share is an upper bound for pagedkv.
+``update_from_output()`` and their sum. The KV-manager share counts the same kinds of work in
+both schedulers: every call on ``scheduler.kv_cache_manager`` (pagedkv's deferred-decode flush,
+run from ``PagedKVScheduler.schedule``, is one of them), the ``KVCacheBlocks`` results the
+scheduler reads (``get_block_ids`` for every scheduled request) and the per-request block-hash
+hook ``Request.update_block_hashes`` that ``update_from_output`` runs for every new token
+(vLLM's Python hashing; a no-op check once the plug-in drops the hasher). It is sampled on CPU
+time in separate runs (``SIGPROF`` at the kernel's timer tick, 4 ms of CPU on a 250 Hz
+kernel): the share is the fraction of the samples inside ``schedule()`` /
+``update_from_output()`` whose stack holds one of those KV frames. Sampling adds one stack walk
+per tick and no per-call cost; wrapping each call in a timer (an earlier version of this
+benchmark) cost more than pagedkv's sub-microsecond decode call itself.
+
 Request objects (and the engine core's prompt hashing inside them) are built before the clock
-starts. Variants: pagedkv with the batched decode path off, and with vLLM's Python block
-hashes kept (the "hash twice" alternative). Results: a table on stdout and
-``benchmarks/results/vllm_scheduler.json``.
+starts. The runs go round-robin over the variants (timed, then sampled, per round), so a change
+in a shared machine's load hits every variant alike; the best timed run of each is reported.
+
+Variants: pagedkv with the batched decode path off, with vLLM's Python block hashes kept (the
+"hash twice" alternative), and, at 256 decodes only, a bound that is no scheduler: pagedkv
+whose ``allocate_slots`` answers every decode with the empty result and does nothing else (KV
+state is not kept), i.e. what vLLM's own code costs per step around a free KV manager.
+Results: a table on stdout and ``benchmarks/results/vllm_scheduler.json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -70,7 +84,27 @@ class PagedKVHashTwice(PagedKVScheduler):
     keep_vllm_block_hashes = True
 
 
-VARIANTS: dict[str, Any] = {}
+class FreeDecodesBound(PagedKVScheduler):
+    """Not a scheduler: every 1-token ``allocate_slots`` returns the empty result and does
+    nothing else (pagedkv's state is not kept). Run at 256 steady decodes only, where nothing
+    reads the state, to measure vLLM's own per-step cost around a KV manager whose decode calls
+    cost one Python call each."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        manager = self.kv_cache_manager
+        real = manager.allocate_slots
+        empty = manager.empty_kv_cache_blocks
+
+        def allocate_slots(request: Any, num_new_tokens: int, *rest: Any, **kw: Any) -> Any:
+            if num_new_tokens == 1:
+                return empty
+            return real(request, num_new_tokens, *rest, **kw)
+
+        manager.allocate_slots = allocate_slots
+
+
+BOUND = "bound: free decodes"
 
 
 def _variants() -> dict[str, Any]:
@@ -81,58 +115,87 @@ def _variants() -> dict[str, Any]:
         "pagedkv": PagedKVScheduler,
         "pagedkv per-request": PagedKVPerRequest,
         "pagedkv + vLLM hashes": PagedKVHashTwice,
+        BOUND: FreeDecodesBound,
     }
 
 
-class KVTimer:
-    """Sums the time spent in KV-cache work: every method of the scheduler's
-    ``kv_cache_manager`` (wrapped on the instance; pagedkv's deferred-decode flush is one of
-    them) and vLLM's per-request Python block hasher. Nested calls count once. The wrapper's own cost per
-    call (calibrated on a no-op) is subtracted."""
+# Frames that are KV-cache work: their source files, and vLLM's per-request hashing hook.
+KV_FILES = (
+    "/vllm/v1/core/kv_cache_manager.py",
+    "/vllm/v1/core/kv_cache_coordinator.py",
+    "/vllm/v1/core/single_type_kv_cache_manager.py",
+    "/vllm/v1/core/block_pool.py",
+    "/vllm/v1/core/kv_cache_utils.py",
+    "/pagedkv/integrations/vllm/kv_cache_manager.py",
+    "/pagedkv/integrations/vllm/events.py",
+)
+KV_FUNCTIONS = ("Request.update_block_hashes",)
+# Qualified-name prefixes of the KVCacheBlocks results (vLLM's and pagedkv's).
+BLOCKS_CLASSES = ("KVCacheBlocks.", "_make_blocks_class.<locals>.PagedKVBlocksImpl.", "_DeferredBlocks.")
 
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self.calls = 0
-        self._depth = 0
-        self.bias = 0.0
-        noop = self.wrap(lambda: None)
-        for _ in range(20_000):
-            noop()
-        self.bias = self.seconds / self.calls
-        self.seconds = 0.0
-        self.calls = 0
 
-    def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        clock = time.thread_time
+class KVSampler:
+    """Samples the main thread's stack on every ``SIGPROF`` (process CPU time, one kernel
+    tick) during the measured steps: counts the samples inside the scheduler (``schedule`` /
+    ``update_from_output`` of the scheduler class or a base) and, of those, the ones in KV
+    frames (``KV_FILES``, ``KV_FUNCTIONS``), by the KV frame nearest the scheduler: ``manager``
+    (a ``kv_cache_manager`` method), ``blocks`` (a ``KVCacheBlocks`` result's method; pagedkv's
+    deferred block ids flush from there) or ``hashing`` (``Request.update_block_hashes``)."""
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:
-                return fn(*args, **kwargs)
-            self._depth = 1
-            t0 = clock()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.seconds += clock() - t0
-                self.calls += 1
-                self._depth = 0
+    def __init__(self, scheduler_cls: type) -> None:
+        self.entry = {
+            c.__dict__[name].__code__
+            for c in scheduler_cls.__mro__
+            for name in ("schedule", "update_from_output")
+            if name in c.__dict__
+        }
+        self.stop = _measured_steps.__code__
+        self.scheduler = 0
+        self.kv = {"manager": 0, "blocks": 0, "hashing": 0}
+        self._kind: dict[Any, str | None] = {}
+        self._previous: Any = None
 
-        return timed
+    def _kv_kind(self, code: Any) -> str | None:
+        if code in self._kind:
+            return self._kind[code]
+        path = code.co_filename.replace("\\", "/")
+        kind = None
+        if code.co_qualname in KV_FUNCTIONS:
+            kind = "hashing"
+        elif path.endswith(KV_FILES):
+            kind = "blocks" if code.co_qualname.startswith(BLOCKS_CLASSES) else "manager"
+        self._kind[code] = kind
+        return kind
 
-    def net_seconds(self) -> float:
-        return self.seconds - self.calls * self.bias
+    def _sample(self, signum: int, frame: Any) -> None:
+        kind = None
+        inside = False
+        f = frame
+        while f is not None:
+            code = f.f_code
+            if code is self.stop:
+                break
+            if code in self.entry:
+                inside = True
+            elif not inside:
+                # The outermost KV frame below the scheduler names the kind.
+                kind = self._kv_kind(code) or kind
+            f = f.f_back
+        else:
+            return  # not in the measured steps (warm-up, set-up)
+        if inside:
+            self.scheduler += 1
+            if kind is not None:
+                self.kv[kind] += 1
 
-    def instrument(self, sched: Any, requests: list[Any]) -> None:
-        manager = sched.kv_cache_manager
-        for name in dir(type(manager)):
-            if name.startswith("__"):
-                continue
-            attr = getattr(type(manager), name, None)
-            if callable(attr) and not isinstance(attr, type):
-                setattr(manager, name, self.wrap(getattr(manager, name)))
-        for r in requests:
-            if getattr(r, "_block_hasher", None) is not None:
-                r._block_hasher = self.wrap(r._block_hasher)
+    def __enter__(self) -> KVSampler:
+        self._previous = signal.signal(signal.SIGPROF, self._sample)
+        signal.setitimer(signal.ITIMER_PROF, 0.001, 0.001)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        signal.setitimer(signal.ITIMER_PROF, 0, 0)
+        signal.signal(signal.SIGPROF, self._previous)
 
 
 def _requests_decode(n: int, prompt_len: int, out_len: int) -> list[tuple[int, Any]]:
@@ -155,6 +218,28 @@ def _requests_trace(name: str, n: int, max_prompt: int) -> list[tuple[int, Any]]
     return out
 
 
+def _measured_steps(sched: Any, steps: int, top_up: Callable[[], None]) -> tuple[float, float, float, float, int]:
+    """The timed steps (the sampled share counts the samples under this frame): CPU and wall
+    seconds in ``schedule()`` and ``update_from_output()``, and requests scheduled."""
+    t_sched = t_upd = wall_sched = wall_upd = 0.0
+    scheduled_reqs = 0
+    for _ in range(steps):
+        c0, w0 = time.thread_time(), time.perf_counter()
+        out = sched.schedule()
+        c1, w1 = time.thread_time(), time.perf_counter()
+        model_out = fake_model_output(sched, out)
+        c2, w2 = time.thread_time(), time.perf_counter()
+        sched.update_from_output(out, model_out)
+        c3, w3 = time.thread_time(), time.perf_counter()
+        t_sched += c1 - c0
+        t_upd += c3 - c2
+        wall_sched += w1 - w0
+        wall_upd += w3 - w2
+        scheduled_reqs += len(out.num_scheduled_tokens)
+        top_up()
+    return t_sched, t_upd, wall_sched, wall_upd, scheduled_reqs
+
+
 def run_one(
     cls: Any,
     specs: list[tuple[int, Any]],
@@ -163,7 +248,7 @@ def run_one(
     max_running: int,
     warmup_steps: int,
     steps: int,
-    instrument: bool,
+    sample: bool,
     wait_all_decoding: bool,
 ) -> dict[str, float]:
     """Drives ``cls`` over the request specs; returns per-step means in microseconds."""
@@ -176,9 +261,6 @@ def run_one(
     )
     sched = build_scheduler(cls, cfg, log_stats=False)
     reqs = [make_request(rid, prompt, out, block_size=BS) for _, (rid, prompt, out) in specs]
-    timer = KVTimer() if instrument else None
-    if timer is not None:
-        timer.instrument(sched, reqs)
     pending = list(reversed(reqs))
 
     def top_up() -> None:
@@ -198,27 +280,15 @@ def run_one(
         done_warmup += 1
         if done_warmup > 10_000:
             raise RuntimeError("warm-up did not reach steady state")
+    sampler = KVSampler(cls) if sample else None
     gc.collect()
     gc.disable()
-    t_sched = t_upd = 0.0
-    kv_before = timer.net_seconds() if timer else 0.0
-    wall_sched = wall_upd = 0.0
-    scheduled_reqs = 0
     try:
-        for _ in range(steps):
-            c0, w0 = time.thread_time(), time.perf_counter()
-            out = sched.schedule()
-            c1, w1 = time.thread_time(), time.perf_counter()
-            model_out = fake_model_output(sched, out)
-            c2, w2 = time.thread_time(), time.perf_counter()
-            sched.update_from_output(out, model_out)
-            c3, w3 = time.thread_time(), time.perf_counter()
-            t_sched += c1 - c0
-            t_upd += c3 - c2
-            wall_sched += w1 - w0
-            wall_upd += w3 - w2
-            scheduled_reqs += len(out.num_scheduled_tokens)
-            top_up()
+        if sampler is not None:
+            with sampler:
+                t_sched, t_upd, wall_sched, wall_upd, scheduled_reqs = _measured_steps(sched, steps, top_up)
+        else:
+            t_sched, t_upd, wall_sched, wall_upd, scheduled_reqs = _measured_steps(sched, steps, top_up)
     finally:
         gc.enable()
     res = {
@@ -228,10 +298,10 @@ def run_one(
         "wall_total_us": 1e6 * (wall_sched + wall_upd) / steps,
         "scheduled_reqs_per_step": scheduled_reqs / steps,
     }
-    if timer is not None:
-        kv = timer.net_seconds() - kv_before
-        res["kv_us"] = 1e6 * kv / steps
-        res["kv_share"] = kv / (t_sched + t_upd)
+    if sampler is not None:
+        res["samples"] = sampler.scheduler
+        res["kv_samples"] = sum(sampler.kv.values())
+        res.update({f"kv_samples_{k}": v for k, v in sampler.kv.items()})
     return res
 
 
@@ -263,6 +333,34 @@ def hashing_cost(num_tokens: int = 8192, repeats: int = 20) -> dict[str, float]:
     }
 
 
+def _workloads() -> dict[str, dict[str, Any]]:
+    return {
+        "decode256": dict(
+            specs=lambda: _requests_decode(256, 512, 100_000),
+            num_blocks=256 * 48 + 1,
+            warmup_steps=5,
+            wait_all_decoding=True,
+        ),
+        "azure_conv": dict(
+            specs=lambda: _requests_trace("azure_conv", 1500, 8192),
+            num_blocks=160_000,
+            warmup_steps=300,
+            wait_all_decoding=False,
+        ),
+        "mooncake": dict(
+            specs=lambda: _requests_trace("mooncake", 1200, 16384),
+            num_blocks=160_000,
+            warmup_steps=300,
+            wait_all_decoding=False,
+        ),
+    }
+
+
+def _run(cls: Any, w: dict[str, Any], specs: Any, steps: int, sample: bool) -> dict[str, float]:
+    return run_one(cls, specs, num_blocks=w["num_blocks"], max_running=256, warmup_steps=w["warmup_steps"],
+                   steps=steps, sample=sample, wait_all_decoding=w["wait_all_decoding"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=200, help="measured steps per workload")
@@ -272,36 +370,19 @@ def main() -> None:
     ap.add_argument(
         "--trace-variants",
         default="vLLM stock,pagedkv",
-        help="variants run on the trace workloads (all variants run on decode256)",
+        help="variants run on the trace workloads (all but the bound run on decode256)",
     )
+    ap.add_argument("--sample-runs", type=int, default=5, help="CPU-time sampled runs per variant (KV share)")
     ap.add_argument("--no-write", action="store_true", help="do not write the results JSON")
     args = ap.parse_args()
     variants = _variants()
+    workloads = _workloads()
     if args.variants:
         variants = {k: variants[k] for k in args.variants.split(",")}
 
-    workloads = {
-        "decode256": dict(
-            specs=_requests_decode(256, 512, 100_000),
-            num_blocks=256 * 48 + 1,
-            warmup_steps=5,
-            wait_all_decoding=True,
-        ),
-        "azure_conv": dict(
-            specs=_requests_trace("azure_conv", 1500, 8192),
-            num_blocks=160_000,
-            warmup_steps=300,
-            wait_all_decoding=False,
-        ),
-        "mooncake": dict(
-            specs=_requests_trace("mooncake", 1200, 16384),
-            num_blocks=160_000,
-            warmup_steps=300,
-            wait_all_decoding=False,
-        ),
-    }
     rows = []
     results: dict[str, Any] = {}
+    load_start = os.getloadavg()
     hashing = hashing_cost()
     print(
         f"block hashing, CPU us per 16-token block: vLLM Python hasher "
@@ -311,41 +392,51 @@ def main() -> None:
     )
     for wname in args.workloads.split(","):
         w = workloads[wname]
+        specs = w["specs"]()
         results[wname] = {}
-        chosen = variants
+        chosen = {k: v for k, v in variants.items() if k != BOUND or wname == "decode256"}
         if wname != "decode256":
-            chosen = {k: v for k, v in variants.items() if k in args.trace_variants.split(",")}
-        for vname, cls in chosen.items():
-            timed = [
-                run_one(cls, w["specs"], num_blocks=w["num_blocks"], max_running=256,
-                        warmup_steps=w["warmup_steps"], steps=args.steps, instrument=False,
-                        wait_all_decoding=w["wait_all_decoding"])
-                for _ in range(args.repeats)
-            ]
-            best = min(timed, key=lambda r: r["total_us"])
-            inst = run_one(cls, w["specs"], num_blocks=w["num_blocks"], max_running=256,
-                           warmup_steps=w["warmup_steps"], steps=args.steps, instrument=True,
-                           wait_all_decoding=w["wait_all_decoding"])
-            best["kv_us"] = inst["kv_us"]
-            best["kv_share"] = inst["kv_us"] / best["total_us"]
-            best["runs_total_us"] = [r["total_us"] for r in timed]
+            chosen = {k: v for k, v in chosen.items() if k in args.trace_variants.split(",")}
+        # Round-robin over the variants, so a change in the machine's load hits them alike.
+        timed: dict[str, list[dict[str, float]]] = {v: [] for v in chosen}
+        sampled: dict[str, list[dict[str, float]]] = {v: [] for v in chosen}
+        for rep in range(max(args.repeats, args.sample_runs)):
+            for vname, cls in chosen.items():
+                if rep < args.repeats:
+                    timed[vname].append(_run(cls, w, specs, args.steps, sample=False))
+                if rep < args.sample_runs:
+                    sampled[vname].append(_run(cls, w, specs, args.steps, sample=True))
+        for vname in chosen:
+            best = min(timed[vname], key=lambda r: r["total_us"])
+            best["runs_total_us"] = [r["total_us"] for r in timed[vname]]
+            best["samples"] = sum(r["samples"] for r in sampled[vname])
+            for key in ("kv_samples", "kv_samples_manager", "kv_samples_blocks", "kv_samples_hashing"):
+                best[key] = sum(r[key] for r in sampled[vname])
+            best["kv_share"] = best["kv_samples"] / best["samples"]
+            for kind in ("manager", "blocks", "hashing"):
+                best[f"kv_share_{kind}"] = best[f"kv_samples_{kind}"] / best["samples"]
+            best["kv_us"] = best["kv_share"] * best["total_us"]
             results[wname][vname] = best
             print(f"{wname:10s} {vname:22s} {best}", file=sys.stderr, flush=True)
-        base = results[wname]["vLLM stock"] if "vLLM stock" in results[wname] else None
+        base = results[wname].get("vLLM stock")
         for vname, r in results[wname].items():
             rows.append([
                 wname, vname, f"{r['scheduled_reqs_per_step']:.0f}",
                 f"{r['schedule_us']:.0f}", f"{r['update_us']:.0f}", f"{r['total_us']:.0f}",
                 f"{base['total_us'] / r['total_us']:.2f}x" if base else "-",
                 f"{r['kv_us']:.0f}",
-                f"{100 * r['kv_share']:.1f}%",
-                f"{base['kv_share'] / r['kv_share']:.1f}x" if base else "-",
+                f"{100 * r['kv_share']:.1f}% ({r['samples']})",
+                f"{base['kv_share'] / r['kv_share']:.1f}x" if base and r["kv_share"] else "-",
+                " / ".join(f"{100 * r[f'kv_share_{k}']:.1f}" for k in ("manager", "blocks", "hashing")),
             ])
     print_table(
         "vLLM Scheduler CPU time per step (us), stock vs PagedKVScheduler",
         ["workload", "scheduler", "reqs/step", "schedule", "update", "total", "speed-up",
-         "KV us", "KV share", "share ratio"],
+         "KV us", "KV share (samples)", "share ratio", "manager / blocks / hashing %"],
         rows,
+        footnote=f"{BOUND!r} is no scheduler: decodes answered by a no-op, KV state not kept "
+        "(vLLM's own cost around a free KV manager). Load average (1 min) "
+        f"{load_start[0]:.2f} at start, {os.getloadavg()[0]:.2f} at end.",
     )
     if not args.no_write:
         import vllm
@@ -355,12 +446,18 @@ def main() -> None:
             "vllm": vllm.__version__,
             "steps": args.steps,
             "repeats": args.repeats,
+            "sample_runs": args.sample_runs,
             "machine": machine_info(),
+            "load_average_1_5_15min": {"start": list(load_start), "end": list(os.getloadavg())},
             "results": results,
             "hashing": hashing,
             "notes": [
-                "CPU time (thread_time) per step; KV share from a separate instrumented run "
-                "(thread_time around every kv_cache_manager call and vLLM's block hasher)",
+                "CPU time (thread_time) per step, best of the timed runs",
+                "KV work = kv_cache_manager calls + KVCacheBlocks.get_block_ids + "
+                "Request.update_block_hashes, in both schedulers",
+                "kv_share: SIGPROF (CPU-time) samples over sample_runs separate runs, fraction of "
+                "schedule()/update_from_output() samples in KV frames; kv_us = kv_share * total_us",
+                f"{BOUND}: no scheduler; decodes answered by a no-op (vLLM's own cost)",
                 "requests (and the engine core's Python prompt hashing) built before timing",
             ],
         })

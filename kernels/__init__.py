@@ -24,7 +24,9 @@ Dispatch: every op takes ``backend="auto" | "triton" | "torch"``. ``auto`` runs 
 the tensors are on CUDA and Triton is installed, else the reference in
 :mod:`pagedkv.kernels.reference`. ``triton`` forces the kernels (on CPU tensors this needs
 ``TRITON_INTERPRET=1`` set before Triton is first imported). Triton is imported lazily, so
-CPU-only use works without it. All ops raise ``pagedkv.errors.KernelInputError`` (a
+CPU-only use works without it (``backend="triton"`` without it raises
+:class:`pagedkv.errors.MissingDependencyError`, as does importing this package without torch).
+All ops raise ``pagedkv.errors.KernelInputError`` (a
 ``ValueError``) naming the bad tensor, what it got and what it expected, before launching
 anything.
 """
@@ -34,12 +36,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-import torch
-
+from pagedkv._optional import missing_dependency, optional_imports
 from pagedkv.errors import KernelInputError
 
-from . import reference
-from .plan import AttentionPlan, plan_paged_attention
+with optional_imports("pagedkv.kernels", "torch"):
+    import torch
+
+    from . import reference
+    from .plan import AttentionPlan, plan_paged_attention
 
 __all__ = [
     "reshape_and_cache",
@@ -67,7 +71,7 @@ def _use_triton(backend: str, t: torch.Tensor, op: str) -> bool:
         return False
     if backend == "triton":
         if not triton_available():
-            raise ImportError(f"{op}: backend='triton' requested but the triton package is not installed")
+            raise missing_dependency(f"pagedkv.kernels.{op}(backend='triton')", "triton", "torch")
         return True
     return bool(getattr(t, "is_cuda", False)) and triton_available()
 

@@ -52,7 +52,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import triton
+
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.kernels.aot", "torch"):
+    import triton
 
 from . import configs as C
 from . import traffic

@@ -25,8 +25,12 @@ a model, and the AOT check's deduplicated configurations are exactly the kernels
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.kernels.attention", "torch"):
+    import triton
+    import triton.language as tl
 
 from . import configs as C
 from . import validate as V

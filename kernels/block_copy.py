@@ -9,8 +9,12 @@ plane from ``src`` to ``dst``. Offsets are int64.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.kernels.block_copy", "torch"):
+    import triton
+    import triton.language as tl
 
 from . import configs as C
 from . import validate as V

@@ -9,8 +9,12 @@ copies ``num_kv_heads * head_size`` elements of K and of V to
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.kernels.cache_write", "torch"):
+    import triton
+    import triton.language as tl
 
 from . import configs as C
 from . import validate as V

@@ -305,7 +305,7 @@ def test_step_decode_batch() -> None:
     for s in (1, 2, 3):
         m.add_sequence(s, [s] * 4)
         m.allocate_slots(s, 100)  # s -> block s, full
-    out = m.step(np.array([1, 2, 3], dtype=np.uint64), 1, append_token_ids=np.array([7, 8, 9]))
+    out = m.step(np.array([1, 2, 3], dtype=np.uint64), 1, append_token_ids=np.array([7, 8, 9]), block_table=True)
     assert out.error is None and out.num_scheduled == 3
     assert out.query_start_loc.tolist() == [0, 1, 2, 3]
     assert out.seq_lens.tolist() == [5, 5, 5]
@@ -375,7 +375,7 @@ def test_step_batch_tensors_match_python() -> None:
     for s, n in enumerate(lens):
         m.add_sequence(s, rng.integers(0, 1000, n))
     out = m.step(list(range(len(lens))), 6)
-    bt = pagedkv.tensors.BatchTensors.from_steps(out, device=None)
+    bt = pagedkv.tensors.BatchTensors.from_steps(out, device=None, block_tables=pagedkv.tensors.BlockTable(m))
     tables = [m.block_table(s).tolist() for s in range(len(lens))]
     width = max(len(t) for t in tables)
     assert bt.block_table.tolist() == [t + [0] * (width - len(t)) for t in tables]
@@ -518,7 +518,7 @@ def test_import_without_torch() -> None:
         m = pagedkv.KVCacheManager(pagedkv.CacheConfig(8, 4))
         m.add_sequence(1, [1, 2, 3])
         out = m.step([1], [8])
-        bt = tensors.BatchTensors.from_steps(out, device=None)
+        bt = tensors.BatchTensors.from_steps(out, device=None, block_tables=tensors.BlockTable(m))
         assert bt.block_table.tolist() == [[1]], bt
         print("ok")
         """

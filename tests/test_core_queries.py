@@ -18,17 +18,17 @@ def test_step_dense_block_table_and_input_ids() -> None:
     m = _manager()
     m.add_sequence(1, list(range(6)))
     m.add_sequence(2, [100, 101, 102])
-    out = m.step([1, 2], [6, 3])
+    out = m.step([1, 2], [6, 3], block_table=True)
     assert out.block_table.dtype == np.int32 and out.block_table.shape == (2, 2)
     assert out.block_table.tolist() == [[1, 2], [3, 0]]
     assert out.block_table.flags.c_contiguous
     assert out.input_ids.dtype == np.int64
     assert out.input_ids.tolist() == [0, 1, 2, 3, 4, 5, 100, 101, 102]
-    out = m.step([2, 1], 1, append_token_ids=np.array([7, 8]))
+    out = m.step([2, 1], 1, append_token_ids=np.array([7, 8]), block_table=True)
     assert out.input_ids.tolist() == [7, 8]
     assert out.block_table.tolist() == [[3, 0], [1, 2]]
     # a step refused as a whole: zero rows, one column
-    out = m.step([1, 1], 1)
+    out = m.step([1, 1], 1, block_table=True)
     assert out.num_scheduled == 0 and out.block_table.shape == (0, 1)
 
 
@@ -36,8 +36,9 @@ def test_step_without_block_table_schedules_the_same() -> None:
     m = _manager()
     m.add_sequence(1, list(range(4)))
     m.add_sequence(2, [100, 101, 102])
-    out = m.step([1, 2], [4, 3], block_table=False)
+    out = m.step([1, 2], [4, 3])  # the default: tables as deltas only
     assert out.block_table.shape == (0, 0) and out.block_table.dtype == np.int32
+    assert out.table_start.tolist() == [0, 0] and out.table_delta.tolist() == [1, 2]
     assert out.new_block_ids.tolist() == [1, 2] and out.new_block_indptr.tolist() == [0, 1, 2]
     assert out.slot_mapping.tolist() == [4, 5, 6, 7, 8, 9, 10]
     # the next decode opens a new block for seq 1 only; the tables are the ones a full step shows

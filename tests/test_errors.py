@@ -483,9 +483,10 @@ def test_every_exception_class_is_covered_by_a_case() -> None:
         errors.RefCountUnderflowError,
     }
     # Not raised by the allocator: the engine's base class and the kernels' input error (tested
-    # below), and the invariant check's error (needs a bug to trigger; its handle is checked at
-    # import, see test_a_missing_error_class_fails_the_import).
-    elsewhere = {"PagedKVError", "EngineError", "KernelInputError", "InvariantViolationError"}
+    # below), the invariant check's error (needs a bug to trigger; its handle is checked at
+    # import, see test_a_missing_error_class_fails_the_import) and the optional parts' missing
+    # package error (tests/test_integrations_optional.py).
+    elsewhere = {"PagedKVError", "EngineError", "KernelInputError", "InvariantViolationError", "MissingDependencyError"}
     assert raised == {getattr(errors, n) for n in errors.__all__ if n not in elsewhere}
 
 

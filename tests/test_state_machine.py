@@ -45,6 +45,7 @@ from hypothesis.stateful import (
 
 import pagedkv
 from pagedkv import errors as E
+from pagedkv.tensors import BlockTable
 
 # Prompts are a family's base prompt cut at some length, plus an optional private tail, so
 # prompts of one family share block-aligned prefixes.
@@ -503,6 +504,11 @@ class ManagerMachine(RuleBasedStateMachine):
             enable_events=True,
         )
         self.m = pagedkv.KVCacheManager(cfg)
+        # Block tables kept across steps from the step outputs' deltas: after every step they
+        # must equal the dense tables the core copies out (through COW, preemption, swap, free,
+        # fork and resets in between).
+        self.tables = BlockTable(self.m, rows=1, width=1)
+        self.table_updates = 0
         self.o = Oracle(num_blocks, bs, caching, cpu_blocks)
         for args in initial:
             self.add(*args)
@@ -588,7 +594,12 @@ class ManagerMachine(RuleBasedStateMachine):
         mx = num_new[: len(seqs)]
         app = appends[: len(seqs)] if appends is not None else None
         before = snapshot(m, self.ids())
-        out = m.step(np.asarray(seqs, dtype=np.uint64), np.asarray(mx, dtype=np.int32), app)
+        out = m.step(np.asarray(seqs, dtype=np.uint64), np.asarray(mx, dtype=np.int32), app, block_table=True)
+        kept = self.tables.update([out])
+        assert kept.dtype == np.int32 and kept.shape == out.block_table.shape
+        assert kept.tolist() == out.block_table.tolist()
+        assert out.seq_ids.tolist() == seqs[: out.num_scheduled]
+        self.table_updates += out.num_scheduled
         dup = next((q for k, q in enumerate(seqs) if q in seqs[:k]), None)
         if dup is not None:
             # A sequence listed twice is rejected before anything is scheduled or appended.
@@ -870,6 +881,9 @@ class ManagerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if self.m is None or self.o is None:
             return
+        # The deltas carried the tables: whole-table reads only for tables new to the outputs
+        # that the core reported from a later start (none: a new table's delta starts at 0).
+        assert self.tables.num_table_reads == 0, (self.tables.num_table_reads, self.table_updates)
         m = self.m
         for i in self.ids():
             assert m.free(i)

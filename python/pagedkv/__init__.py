@@ -18,14 +18,16 @@ Allocator API (needs numpy only):
 - :class:`KVIndexer` -- the routers' side of the events: which worker holds which block, and
   each worker's cached-prefix overlap with a request (KV-aware routing over replicas).
 - Exceptions (:mod:`pagedkv.errors`): :class:`PagedKVError` and its subclasses, each also a
-  builtin (``MemoryError``, ``KeyError``, ``ValueError``, ``RuntimeError``).
+  builtin (``MemoryError``, ``KeyError``, ``ValueError``, ``RuntimeError``,
+  ``ModuleNotFoundError``).
 
 Submodules imported on first use (they need torch): :mod:`pagedkv.tensors` (kernel inputs:
 dense / CSR block tables, slot mapping, lengths; its numpy path works without torch),
 :mod:`pagedkv.routing` (router policies and the vLLM wire decoder; numpy only),
 :mod:`pagedkv.cluster` (engine replicas on Ray),
 :mod:`pagedkv.kernels` (Triton kernels + torch references), :mod:`pagedkv.engine` (the
-reference engine).
+reference engine). A part used without the extra of ``pyproject.toml`` it needs raises
+:class:`MissingDependencyError` naming the missing package and ``pip install "pagedkv[<extra>]"``.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from pagedkv.errors import (
     InvalidSequenceStateError,
     InvariantViolationError,
     KernelInputError,
+    MissingDependencyError,
     OutOfBlocksError,
     OutOfSwapSpaceError,
     PagedKVError,
@@ -90,6 +93,7 @@ __all__ = [
     "KVCacheManager",
     "KVIndexer",
     "KernelInputError",
+    "MissingDependencyError",
     "OutOfBlocksError",
     "OutOfSwapSpaceError",
     "PagedKVError",

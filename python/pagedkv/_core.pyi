@@ -23,6 +23,7 @@ __all__ = [
     "BlockRemoved",
     "AllBlocksCleared",
     "KVIndexer",
+    "apply_table_deltas",
 ]
 
 __version__: str
@@ -110,6 +111,16 @@ class StepOutput:
     def input_ids(self) -> _Int64Array: ...
     @property
     def block_table(self) -> _Int32Array: ...
+    @property
+    def seq_ids(self) -> npt.NDArray[np.uint64]: ...
+    @property
+    def table_start(self) -> _Int32Array: ...
+    @property
+    def table_version(self) -> npt.NDArray[np.uint32]: ...
+    @property
+    def table_delta_indptr(self) -> _Int32Array: ...
+    @property
+    def table_delta(self) -> _Int32Array: ...
     def raise_for_error(self) -> None: ...
 
 @final
@@ -281,7 +292,7 @@ class KVCacheManager:
         num_new_tokens: int | _IntArrayLike,
         append_token_ids: _IntArrayLike | list[_IntArrayLike] | None = None,
         *,
-        block_table: bool = True,
+        block_table: bool = False,
     ) -> StepOutput: ...
     def stats(self) -> CacheStats: ...
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...
@@ -421,3 +432,13 @@ class KVIndexer:
     def overlap_hashes(self, block_hashes: Iterable[_WireHash]) -> dict[int, int]:
         """``{worker_id: blocks}``: leading blocks of ``block_hashes`` (in order) each worker
         holds."""
+
+def apply_table_deltas(
+    table: _Int32Array,
+    lens: _Int64Array,
+    versions: _Int64Array,
+    rows: _Int64Array,
+    steps: list[StepOutput],
+) -> tuple[int, tuple[list[int], _Int32Array] | None]:
+    """Apply the step outputs' block-table deltas to persistent tables in place (the inner loop
+    of ``pagedkv.tensors.BlockTable``)."""

@@ -24,6 +24,9 @@ ReadOnlyPoolError           RuntimeError                 mutating ``KVCacheManag
 InvariantViolationError     AssertionError               ``check_invariants`` found a broken rule
 KernelInputError            ValueError                   a kernel argument has the wrong dtype,
                                                          shape, device or value (``pagedkv.kernels``)
+MissingDependencyError      ModuleNotFoundError          an optional part (kernels, engine, vLLM
+                                                         plug-in, cluster...) needs a package that
+                                                         is not installed; names it and the extra
 =========================== ============================ ==========================================
 
 The reference engine's errors (:mod:`pagedkv.engine.errors`: bad requests, configuration,
@@ -54,6 +57,7 @@ __all__ = [
     "ReadOnlyPoolError",
     "InvariantViolationError",
     "KernelInputError",
+    "MissingDependencyError",
     "EngineError",
 ]
 
@@ -249,6 +253,26 @@ class KernelInputError(PagedKVError, ValueError):
     checked on the host before anything is launched. The message names the op, the tensor,
     what it got and what it expected, e.g. ``paged_attention: block_table has dtype
     torch.int64, expected torch.int32``."""
+
+
+class MissingDependencyError(PagedKVError, ModuleNotFoundError):
+    """An optional part of pagedkv needs a package that is not installed. ``import pagedkv``
+    itself needs numpy only; the kernels, the engine, the vLLM plug-in, the cluster and the
+    KV event wire format each need an extra of ``pyproject.toml``. The message names the part,
+    the missing package and the command that installs it, e.g. ``pagedkv.kernels needs torch,
+    which is not installed: pip install "pagedkv[torch]"``. Raised by
+    :func:`pagedkv._optional.optional_imports`; ``except ImportError`` still catches it.
+
+    Attributes:
+        name: the missing top-level module (as ``ModuleNotFoundError.name``), e.g. ``"torch"``.
+        feature: the pagedkv part that needs it, e.g. ``"pagedkv.kernels"``.
+        extra: the ``pyproject.toml`` extra that installs it, e.g. ``"torch"``.
+    """
+
+    _fields = ("name", "feature", "extra")
+    name: str
+    feature: str
+    extra: str
 
 
 class EngineError(PagedKVError):

@@ -4,9 +4,12 @@ One path from the allocator to the kernels: :meth:`BatchTensors.from_steps` take
 :class:`pagedkv.StepOutput` of a scheduler step -- whose arrays the core already lays out in the
 kernels' dtypes and shapes -- and hands every kernel input over as torch tensors without
 re-validating, casting or copying on the host (``torch.from_numpy``), then one transfer per
-tensor to the device. The engine's runner, the tests and ``benchmarks/step_overhead.py`` all use
-it. The other builders here are the validating entry for arrays that did *not* come from the
-core (a caller's own block tables): they check their input once and copy.
+tensor to the device. The block tables come from a :class:`BlockTable` the caller keeps across
+steps: the core reports only what changed in each table (the step output's table delta), as
+vLLM's GPU model runner keeps its block table across steps and applies only the changes. The
+engine's runner, the tests and ``benchmarks/step_overhead.py`` all use it. The other builders
+here are the validating entry for arrays that did *not* come from the core (a caller's own block
+tables): they check their input once and copy.
 
 Conventions (PagedAttention, Kwon et al., SOSP'23; the CSR form as used by FlashInfer):
 
@@ -39,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv._core import StepOutput
+from pagedkv._core import KVCacheManager, StepOutput, apply_table_deltas
+from pagedkv._optional import optional_imports
 from pagedkv._repr import short_repr
 from pagedkv.errors import InvalidArgumentError
 
@@ -52,6 +56,7 @@ else:
 
 __all__ = [
     "BatchTensors",
+    "BlockTable",
     "block_table_csr",
     "csr_block_table",
     "dense_block_table",
@@ -113,12 +118,17 @@ def _check_csr(indptr: npt.ArrayLike, indices: npt.ArrayLike) -> tuple[npt.NDArr
     return ip, ix
 
 
+# One stateless context manager for every lazy torch import here (built once: cheap per call).
+_TORCH_IMPORT = optional_imports("pagedkv.tensors (torch tensors, device not None)", "torch")
+
+
 def _place(arr: npt.NDArray[Any], device: Device) -> Any:
     """numpy array -> numpy (device None) or a torch tensor on `device`: no copy on the CPU
     (the tensor shares `arr`'s memory), one transfer elsewhere."""
     if device is None:
         return arr
-    import torch  # lazy: `import pagedkv` must work without torch
+    with _TORCH_IMPORT:
+        import torch  # lazy: `import pagedkv` must work without torch
 
     tensor = torch.from_numpy(np.ascontiguousarray(arr))
     target = device if isinstance(device, torch.device) else torch.device(device)
@@ -290,6 +300,168 @@ def query_start_loc(query_lens: npt.ArrayLike, *, pad_to: int | None = None, dev
     return _place(out.astype(np.int32), device)
 
 
+class BlockTable:
+    """Block tables kept across scheduler steps, updated from the step outputs' table deltas.
+
+    The core's :meth:`pagedkv.KVCacheManager.step` reports, per scheduled sequence, only the
+    entries of its block table that changed since the last step output that reported it
+    (``StepOutput.table_start`` / ``table_delta``: the blocks appended this step, or the whole
+    table after a first allocation, a resumed preemption, a swap-in or a fork, or the tail from
+    a copy-on-write on). This class holds one row per sequence of the last batch in a persistent
+    ``int32[rows, width]`` buffer (grown in both dimensions as needed), applies each delta in
+    O(changed entries), and gathers the batch's dense table for the kernels. The same
+    bookkeeping as vLLM's GPU model runner's persistent block table (which applies the
+    scheduler's new block ids to rows it keeps across steps).
+
+    A delta applies only to the version of the table it follows (``StepOutput.table_version``);
+    a sequence whose previous report this object did not see (a new ``BlockTable``, a sequence
+    absent from the last batch, an output skipped) is read whole from ``manager.block_table``
+    (one call), so the result is always the manager's current table. Feed it every step output
+    of a manager, in order, before the next ``step``. Rows of sequences missing from a batch
+    are kept while they are at most ``S + 64`` (``S`` = the batch), else all released (a
+    released one is re-read if its sequence comes back). Not thread-safe.
+
+    Args:
+        manager: the :class:`pagedkv.KVCacheManager` whose step outputs are applied.
+        rows, width: initial capacity (sequences x blocks); both grow on demand.
+    """
+
+    def __init__(self, manager: KVCacheManager, *, rows: int = 64, width: int = 64) -> None:
+        if not isinstance(manager, KVCacheManager):
+            raise _bad("manager", manager, "expected a pagedkv.KVCacheManager")
+        self._manager = manager
+        self._table = np.zeros((max(int(rows), 1), max(int(width), 1)), dtype=np.int32)
+        self._lens = np.zeros(self._table.shape[0], dtype=np.int64)
+        self._versions = np.zeros(self._table.shape[0], dtype=np.int64)
+        self._row_of: dict[int, int] = {}
+        self._free_rows: list[int] = list(range(self._table.shape[0] - 1, -1, -1))
+        # The last batch's sequence ids and rows: a batch of the same sequences in the same
+        # order (the steady decode state) reuses them without a per-sequence lookup.
+        self._last_ids: bytes | None = None
+        self._last_rows: npt.NDArray[np.intp] = np.zeros(0, np.intp)
+        #: Whole tables read from the manager so far (sequences whose previous report this
+        #: object did not apply); every other row was updated from its delta alone.
+        self.num_table_reads = 0
+
+    @property
+    def num_rows(self) -> int:
+        """Sequences whose tables are held (the last batch, plus recently absent ones)."""
+        return len(self._row_of)
+
+    def update(self, steps: Sequence[StepOutput]) -> npt.NDArray[np.int32]:
+        """Apply the table deltas of ``steps`` (the outputs of one scheduler step, in batch
+        order) and return the batch's dense block table ``int32[S, W]``: row ``k`` is the
+        ``k``-th scheduled sequence's table padded with the null block 0, ``W`` the longest
+        table (at least 1). A fresh array (later updates do not change it). O(changed entries
+        + S x W) plus one ``manager.block_table`` call per sequence not seen in order."""
+        steps = list(steps)
+        if len(steps) == 1:
+            ids = steps[0].seq_ids
+        elif steps:
+            ids = np.concatenate([p.seq_ids for p in steps])
+        else:
+            ids = np.zeros(0, np.uint64)
+        key = ids.tobytes()  # compared as bytes: a fraction of a microsecond for 256 ids
+        if key == self._last_ids:
+            rows = self._last_rows
+        elif (patched := self._patch_rows(ids, len(steps) > 1)) is not None:
+            rows = patched
+            self._last_ids, self._last_rows = key, rows
+        else:
+            seqs = ids.tolist()
+            # One output never lists a sequence twice (the core refuses it); several might.
+            if len(steps) > 1 and len(set(seqs)) != len(seqs):
+                raise _bad("steps", seqs, "a sequence is scheduled twice in one batch")
+            rows = self._assign_rows(seqs)
+            self._last_ids, self._last_rows = key, rows
+        while True:  # the deltas applied and the batch gathered in one pass, in Rust
+            width, done = apply_table_deltas(self._table, self._lens, self._versions, rows, steps)
+            if done is not None:
+                break
+            self._grow(self._table.shape[0], max(width, 2 * self._table.shape[1]))
+        reread, dense = done
+        if not reread:
+            return dense
+        versions = np.concatenate([p.table_version for p in steps])
+        table = self._table
+        for k in reread:  # a delta that does not follow the version held: read the table whole
+            self.num_table_reads += 1
+            whole = self._manager.block_table(int(ids[k]))
+            if whole.size > table.shape[1]:
+                self._grow(table.shape[0], max(int(whole.size), 2 * table.shape[1]))
+                table = self._table
+            r = int(rows[k])
+            table[r, : whole.size] = whole
+            table[r, whole.size : int(self._lens[r])] = 0
+            self._lens[r] = whole.size
+            self._versions[r] = int(versions[k])
+            width = max(width, int(whole.size))
+        return table[rows, : max(width, 1)]  # a fresh C-contiguous array
+
+    def _patch_rows(self, ids: npt.NDArray[np.uint64], merged: bool) -> npt.NDArray[np.intp] | None:
+        """Rows of a batch that differs from the last one in a few positions only (a sequence
+        finished and another took its place): the last rows with those positions looked up.
+        None when the batch is not such a neighbour (then :meth:`_assign_rows` does it all)."""
+        if self._last_ids is None or merged or len(self._last_ids) != ids.nbytes:
+            return None
+        changed = np.nonzero(np.frombuffer(self._last_ids, dtype=np.uint64) != ids)[0]
+        if changed.size > 8 or len(self._row_of) + changed.size > 2 * ids.size + 64:
+            return None
+        rows: npt.NDArray[np.intp] = self._last_rows.copy()
+        for k, s in zip(changed.tolist(), ids[changed].tolist()):
+            r = self._row_of.get(s, -1)
+            if r < 0:  # new to this object; the one it replaces is kept as absent
+                if not self._free_rows:
+                    self._grow(2 * self._table.shape[0], self._table.shape[1])
+                r = self._free_rows.pop()
+                self._versions[r] = -2
+                self._row_of[s] = r
+            rows[k] = r
+        return rows
+
+    def _assign_rows(self, seqs: list[int]) -> npt.NDArray[np.intp]:
+        """Rows of the batch's sequences, in batch order (new ones get free rows, held length
+        0). Rows of sequences not in the batch are kept, unless more than ``S + 64`` of them
+        are, when they are all released."""
+        old = self._row_of
+        new: dict[int, int] = {}
+        fresh: list[int] = []
+        for k, s in enumerate(seqs):
+            r = old.pop(s, -1)
+            if r < 0:
+                fresh.append(k)
+            new[s] = r
+        if old and len(new) + len(old) > 2 * len(new) + 64:
+            # Too many sequences absent from the batch (finished, or waiting): release them.
+            self._last_ids = None  # the remembered batch may name released rows
+            for r in old.values():
+                self._free_rows.append(r)
+                self._table[r, : int(self._lens[r])] = 0
+                self._lens[r] = 0
+            old = {}
+        if len(fresh) > len(self._free_rows):
+            short = len(fresh) - len(self._free_rows)
+            self._grow(self._table.shape[0] + max(self._table.shape[0], short), self._table.shape[1])
+        for k in fresh:
+            r = self._free_rows.pop()
+            self._versions[r] = -2  # no delta follows it: the table is read whole or from 0
+            new[seqs[k]] = r
+        rows = np.fromiter(new.values(), dtype=np.intp, count=len(new))
+        new.update(old)  # absent sequences kept (after the batch's, so `rows` is the batch)
+        self._row_of = new
+        return rows
+
+    def _grow(self, rows: int, width: int) -> None:
+        old_rows, old_width = self._table.shape
+        table = np.zeros((rows, width), dtype=np.int32)
+        table[:old_rows, :old_width] = self._table
+        self._table = table
+        if rows > old_rows:
+            self._lens = np.concatenate([self._lens, np.zeros(rows - old_rows, np.int64)])
+            self._versions = np.concatenate([self._versions, np.zeros(rows - old_rows, np.int64)])
+            self._free_rows[:0] = range(rows - 1, old_rows - 1, -1)
+
+
 @dataclass(eq=False, slots=True)  # not frozen: building a frozen one costs ~1/3 of the whole path
 class BatchTensors:
     """Every kernel input of one scheduler step, built by :meth:`from_steps`.
@@ -352,6 +524,7 @@ class BatchTensors:
         steps: StepOutput | Sequence[StepOutput],
         device: Device = "cpu",
         *,
+        block_tables: BlockTable,
         swap_out: npt.NDArray[np.int32] | None = None,
         swap_in: npt.NDArray[np.int32] | None = None,
     ) -> BatchTensors:
@@ -360,12 +533,14 @@ class BatchTensors:
         ``steps`` are the :class:`pagedkv.StepOutput` of one or more ``KVCacheManager.step``
         calls of the same scheduler step (e.g. running sequences, then newly admitted ones);
         their scheduled parts are merged once, in order. The core's arrays are consistent by
-        construction and already in the kernels' layouts and dtypes (dense int32 block table,
-        int64 slots and token ids, int32 lengths and ``query_start_loc``), so nothing is
-        validated, cast or rebuilt: with one step every array crosses to torch with
-        ``torch.from_numpy`` (no copy) and is then moved to ``device`` (one transfer each; none
-        on the CPU, where the tensors share the step output's memory -- do not modify it while
-        the result is in use). Only ``positions`` is computed here. O(S + T), vectorised.
+        construction and already in the kernels' layouts and dtypes (int64 slots and token ids,
+        int32 lengths and ``query_start_loc``), so nothing is validated, cast or rebuilt: with
+        one step every array crosses to torch with ``torch.from_numpy`` (no copy) and is then
+        moved to ``device`` (one transfer each; none on the CPU, where the tensors share the
+        step output's memory -- do not modify it while the result is in use). The dense int32
+        block table comes from ``block_tables``, which applies the steps' table deltas to the
+        tables it keeps across steps (:class:`BlockTable`). ``positions`` is computed here.
+        O(S + T + changed table entries + S x longest table), vectorised.
 
         Arrays made by anything other than the core enter through the validating builders of
         this module (:func:`dense_block_table`, :func:`slot_mapping`, ...).
@@ -373,11 +548,14 @@ class BatchTensors:
         Args:
             steps: one step output or a sequence of them (empty: an empty batch).
             device: torch device of the result, or ``None`` for numpy arrays (no torch import).
+            block_tables: the :class:`BlockTable` of the manager that made ``steps``, kept by
+                the caller across steps (every step output of the manager goes through it).
             swap_out, swap_in: the ``int32[K, 2]`` plans of ``KVCacheManager.swap_out`` /
                 ``swap_in`` run in this step (``None``: none); kept on the host.
 
         Raises:
-            InvalidArgumentError: a step that is not a core :class:`pagedkv.StepOutput`.
+            InvalidArgumentError: a step that is not a core :class:`pagedkv.StepOutput`, or
+                ``block_tables`` that is not a :class:`BlockTable`.
         """
         parts = [steps] if isinstance(steps, StepOutput) else list(steps)
         for i, p in enumerate(parts):
@@ -388,10 +566,12 @@ class BatchTensors:
                     "expected a pagedkv.StepOutput (build kernel inputs from "
                     "other arrays with dense_block_table, slot_mapping, ...)",
                 )
+        if not isinstance(block_tables, BlockTable):
+            raise _bad("block_tables", block_tables, "expected a pagedkv.tensors.BlockTable")
+        table = block_tables.update(parts)
         if len(parts) == 1:
             p = parts[0]
-            table, slots, ids, lens, ctx, qsl, copies = (
-                p.block_table,
+            slots, ids, lens, ctx, qsl, copies = (
                 p.slot_mapping,
                 p.input_ids,
                 p.seq_lens,
@@ -400,7 +580,7 @@ class BatchTensors:
                 p.copies,
             )
         else:
-            table, slots, ids, lens, ctx, qsl, copies = _merge(parts)
+            slots, ids, lens, ctx, qsl, copies = _merge(parts)
         num_seqs = int(lens.size)
         if slots.size == num_seqs:  # all decodes: each token sits right after its context
             positions = ctx.astype(np.int64)
@@ -435,7 +615,8 @@ def _movers(device: Device) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]
     plus one transfer elsewhere."""
     if device is None:
         return _identity, _identity
-    import torch  # lazy: `import pagedkv` must work without torch
+    with _TORCH_IMPORT:
+        import torch  # lazy: `import pagedkv` must work without torch
 
     if device == "cpu":  # the common case, without building a torch.device
         return torch.from_numpy, torch.from_numpy
@@ -450,12 +631,11 @@ def _identity(a: Any) -> Any:
 
 
 def _merge(parts: list[StepOutput]) -> tuple[npt.NDArray[Any], ...]:
-    """Concatenate the scheduled arrays of several step outputs (offsets shifted, block tables
-    padded to the widest), in order; no parts make an empty batch."""
+    """Concatenate the scheduled arrays of several step outputs (offsets shifted), in order; no
+    parts make an empty batch."""
     if not parts:
         i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
         return (
-            np.zeros((0, 1), np.int32),
             i64,
             i64.copy(),
             i32,
@@ -463,12 +643,9 @@ def _merge(parts: list[StepOutput]) -> tuple[npt.NDArray[Any], ...]:
             np.zeros(1, np.int32),
             np.zeros((0, 2), np.int32),
         )
-    width = max(p.block_table.shape[1] for p in parts)
-    tables = [np.pad(p.block_table, ((0, 0), (0, width - p.block_table.shape[1]))) for p in parts]
     tokens = np.cumsum([0] + [p.slot_mapping.size for p in parts[:-1]], dtype=np.int32)
     qsl = [parts[0].query_start_loc] + [p.query_start_loc[1:] + t for p, t in zip(parts[1:], tokens[1:])]
     return (
-        np.concatenate(tables),
         np.concatenate([p.slot_mapping for p in parts]),
         np.concatenate([p.input_ids for p in parts]),
         np.concatenate([p.seq_lens for p in parts]),

@@ -389,6 +389,11 @@ def test_cli_served_and_rejected_rows_with_jsonl_ids(tiny, tmp_path, capsys):
         (["--show", "-1"], "--show: -1 must be >= 0"),
         (["--trace-scale", "0"], "--trace-scale: 0.0 must be > 0"),
         (["--trace-scale", "nan"], "--trace-scale: nan must be > 0"),
+        (["--slo-ttft", "0"], "--slo-ttft: 0.0 must be > 0 and finite"),
+        (["--slo-ttft", "-2"], "--slo-ttft: -2.0 must be > 0 and finite"),
+        (["--slo-tpot", "nan"], "--slo-tpot: nan must be > 0 and finite"),
+        (["--slo-tpot", "inf"], "--slo-tpot: inf must be > 0 and finite"),
+        (["--slo-tpot", "fast"], "--slo-tpot: invalid number 'fast'"),
     ],
 )
 def test_cli_argparse_rejects_out_of_range_numbers(tmp_path, capsys, argv, needle):
@@ -466,4 +471,52 @@ def test_cli_without_the_engine_extra_names_it_and_exits_2(tmp_path, capsys, mon
     f.write_text("w10\n")
     assert main(["--prompts", str(f)]) == 2
     err = capsys.readouterr().err
-    assert "torch" in err and "pip install 'pagedkv[engine]'" in err and "Traceback" not in err
+    assert "pagedkv-engine needs torch, which is not installed" in err
+    assert 'pip install "pagedkv[engine]"' in err and "Traceback" not in err
+
+
+def test_cli_without_rich_fails_before_the_run(tmp_path, capsys, monkeypatch):
+    # rich prints the stats table only at the end; a missing rich must not cost the whole run
+    monkeypatch.setitem(sys.modules, "rich", None)
+    f = tmp_path / "p.txt"
+    f.write_text("w10\n")
+    assert main(["--prompts", str(f), "--model", _missing_model(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert 'pagedkv-engine needs rich, which is not installed: pip install "pagedkv[engine]"' in err
+
+
+def test_cli_slo_flags_reach_the_table_results_and_metrics(tiny, tmp_path, capsys):
+    f = tmp_path / "p.txt"
+    f.write_text("w10 w11 w12\nw13 w14\nw15\n")
+    metrics = tmp_path / "m.json"
+    common = ["--prompts", str(f), "--no-chat-template", "--max-tokens", "4", "--metrics-json", str(metrics)]
+    # Targets no request can miss on any machine: every request is good.
+    rc, rows = _run(tiny, tmp_path, *common, "--slo-ttft", "1000", "--slo-tpot", "500")
+    assert rc == 0 and len(rows) == 3
+    m = json.loads(metrics.read_text())
+    assert (m["slo_ttft_s"], m["slo_tpot_s"]) == (1000.0, 500.0)
+    assert (m["good_requests"], m["goodput_share"]) == (3, 1.0)
+    assert m["goodput_requests_per_s"] == pytest.approx(3 / m["elapsed_s"])
+    for r in rows:
+        assert r["meets_slo"] is True
+        # TPOT of a row: (last - first token time) / (tokens - 1), from its own ttft / latency
+        assert r["tpot_s"] == pytest.approx((r["latency_s"] - r["ttft_s"]) / 3)
+    table = " ".join(capsys.readouterr().out.split())
+    assert "TTFT <= 1000 s, TPOT <= 500 s" in table
+    assert "100.0% (3/3 requests)" in table
+    # A TTFT target below any real TTFT: no request is good, in the rows, the JSON and the table.
+    rc, rows = _run(tiny, tmp_path, *common, "--slo-ttft", "1e-9")
+    m = json.loads(metrics.read_text())
+    assert rc == 0 and [r["meets_slo"] for r in rows] == [False] * 3
+    assert (m["slo_ttft_s"], m["slo_tpot_s"], m["good_requests"], m["goodput_share"]) == (1e-9, 0.1, 0, 0.0)
+    assert m["goodput_requests_per_s"] == 0.0
+    assert "0.0% (0/3 requests)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_cli_help_states_the_slo_unit_and_defaults():
+    from pagedkv.engine.cli import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "--slo-ttft SECONDS" in text and "--slo-tpot SECONDS" in text
+    assert "in seconds (queueing included) (default: 2.0)" in text
+    assert "judged on TTFT alone) (default: 0.1)" in text

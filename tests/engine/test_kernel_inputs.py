@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedkv.engine import LLMEngine, SamplingParams
-from pagedkv.tensors import BatchTensors
+from pagedkv.tensors import BatchTensors, BlockTable
 
 
 def _record(engine: LLMEngine) -> list[dict[str, Any]]:
@@ -108,10 +108,9 @@ def test_decode_step_tensors_share_the_core_arrays_on_the_cpu(tiny):
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=4))
     engine.step()  # prefill
     batch = engine.scheduler.schedule()  # a decode step
-    bt = BatchTensors.from_steps(batch.steps, "cpu")
+    bt = BatchTensors.from_steps(batch.steps, "cpu", block_tables=engine.runner.block_tables)
     (out,) = batch.steps
     # torch.from_numpy: the very memory the core handed out, no host copy
-    assert bt.block_table.data_ptr() == out.block_table.ctypes.data
     assert bt.slot_mapping.data_ptr() == out.slot_mapping.ctypes.data
     assert bt.query_start_loc.data_ptr() == out.query_start_loc.ctypes.data
     assert bt.positions.tolist() == [5] and bt.input_ids.tolist() == [batch.seqs[0].token_ids[5]]
@@ -124,10 +123,23 @@ def test_from_steps_refuses_arrays_that_did_not_come_from_the_core():
         block_table = np.zeros((1, 1), np.int32)
 
     with pytest.raises(InvalidArgumentError, match=r"steps\[0\].*expected a pagedkv.StepOutput"):
-        BatchTensors.from_steps([Fake()])  # type: ignore[list-item]
+        BatchTensors.from_steps([Fake()], block_tables=None)  # type: ignore[list-item, arg-type]
+
+
+def test_from_steps_refuses_a_missing_block_table(tiny):
+    from pagedkv.errors import InvalidArgumentError
+
+    engine = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, block_size=4, num_kv_blocks=64)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
+    batch = engine.scheduler.schedule()
+    with pytest.raises(InvalidArgumentError, match=r"block_tables.*expected a pagedkv.tensors.BlockTable"):
+        BatchTensors.from_steps(batch.steps, None, block_tables=None)  # type: ignore[arg-type]
 
 
 def test_no_step_outputs_make_an_empty_batch():
-    bt = BatchTensors.from_steps([], None)
+    import pagedkv
+
+    tables = BlockTable(pagedkv.KVCacheManager(pagedkv.CacheConfig(8, 4)))
+    bt = BatchTensors.from_steps([], None, block_tables=tables)
     assert (bt.num_seqs, bt.num_tokens, bt.max_query_len, bt.max_seq_len) == (0, 0, 0, 0)
     assert bt.query_start_loc.tolist() == [0] and bt.block_table.shape == (0, 1)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pagedkv
+from pagedkv._optional import optional_imports
 from pagedkv.routing import Router, RoutingPolicy, WorkerLoad
 
 __all__ = ["ClusterRequest", "ClusterResult", "ReplicaCluster"]
@@ -59,10 +60,8 @@ class ClusterResult:
 
 
 def _ray() -> Any:
-    try:
+    with optional_imports("pagedkv.cluster", "ray"):
         import ray  # noqa: PLC0415
-    except ImportError as e:
-        raise ImportError("pagedkv.cluster needs Ray: pip install 'pagedkv[ray]'") from e
     return ray
 
 
@@ -99,7 +98,8 @@ class ReplicaCluster:
 
     Raises:
         ValueError: ``num_replicas < 1``; replicas disagreeing on block size or hashing.
-        ImportError: Ray is not installed.
+        pagedkv.MissingDependencyError: Ray is not installed (an ``ImportError``; the message
+            names the ``ray`` extra).
     """
 
     def __init__(

@@ -14,12 +14,12 @@ concern -- :mod:`.prompts` and :mod:`.chat` (request intake and checks), :mod:`.
 prefill, preemption), :mod:`.runner` (kernel inputs through :mod:`pagedkv.tensors`, block plans,
 forward), :mod:`.model` and :mod:`.rope` (the forward pass over the paged cache), :mod:`.groups`
 with :mod:`.sampling` and :mod:`.beam_search` (sampling, forks, beams), :mod:`.outputs` (stop
-strings, results) -- plus :mod:`.config`, :mod:`.request`, :mod:`.metrics`, :mod:`.errors`,
-:mod:`.resources`, :mod:`.loader`, the readers of :mod:`.inputs` and the ``pagedkv-engine``
-command in :mod:`.cli`.
+strings, results) -- plus :mod:`.config`, :mod:`.request`, :mod:`.metrics` with :mod:`.goodput`
+(TTFT / TPOT targets, goodput), :mod:`.errors`, :mod:`.resources`, :mod:`.loader`, the readers of
+:mod:`.inputs` and the ``pagedkv-engine`` command in :mod:`.cli`.
 
 The names below that need torch are imported on first use, so the torch-free modules
-(:mod:`.errors`, :mod:`.inputs`, :mod:`.chat`) import without it.
+(:mod:`.errors`, :mod:`.goodput`, :mod:`.inputs`, :mod:`.chat`) import without it.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -34,6 +34,7 @@ from .errors import (
     PromptFileError,
     RequestTooLargeError,
 )
+from .goodput import DEFAULT_SLO, ServiceLevelObjective
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import EngineConfig, LLMEngine, generate
@@ -71,6 +72,8 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "EngineMetrics",
+    "ServiceLevelObjective",
+    "DEFAULT_SLO",
     "DeviceUnavailableError",
     "EngineConfigError",
     "EngineError",

@@ -29,7 +29,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.engine", "engine"):
+    import torch
 
 __all__ = ["BeamSearch", "BeamStep"]
 

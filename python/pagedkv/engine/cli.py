@@ -13,10 +13,11 @@ pool's block size and block counts against pagedkv's limits), every line of the 
 and that each output file can be created (its parent folders are created then).
 
 Exit status: 0 when at least one request was served (rejected requests are reported, not
-fatal), 1 when every request was rejected, 2 for bad arguments, an unreadable prompts or trace
-file, an output file that cannot be written, a missing model, an unavailable device or a KV
-cache that does not fit the free memory. An output file that fails while it is written at the
-end (e.g. a full disk) is reported after the stats table, also with status 2.
+fatal), 1 when every request was rejected, 2 for bad arguments, a missing package of the
+``engine`` extra, an unreadable prompts or trace file, an output file that cannot be written, a
+missing model, an unavailable device or a KV cache that does not fit the free memory. An output
+file that fails while it is written at the end (e.g. a full disk) is reported after the stats
+table, also with status 2.
 """
 
 from __future__ import annotations
@@ -84,15 +85,28 @@ results file (--output): one JSON object per request, in input order:
   cached_prompt_tokens: int  prompt tokens served from the prefix cache
   preemptions: int           times the request was preempted
   ttft_s: float              seconds from queueing to the first generated token
+  tpot_s: float | null       seconds per output token after the first, over the
+                             first output: (last - first token time) / (tokens - 1);
+                             null for a one-token output (no TPOT)
   latency_s: float           seconds from queueing to the last generated token
+  meets_slo: bool            ttft_s <= --slo-ttft and tpot_s <= --slo-tpot (a
+                             one-token output is judged on ttft_s alone)
   A request the engine rejects (e.g. too long for the model context or the KV pool;
   reported, the others still run) has only: id, prompt, error: str (why).
+
+metrics file (--metrics-json): one JSON object, the stats table's figures (times in
+  seconds), among them the goodput of the run:
+  slo_ttft_s, slo_tpot_s: float   the targets (--slo-ttft, --slo-tpot)
+  good_requests: int              served requests with meets_slo true
+  goodput_share: float            good_requests / served requests (0 if none)
+  goodput_requests_per_s: float   good_requests per second of the run's wall time
+                                  (first step to last finished request)
 
 cache identity (printed at startup, in the stats table and as "cache_identity" in
 --metrics-json): one SHA-256 digest of what, besides the token ids, decides the KV of
 a block; it seeds every prefix-cache block hash, so engines (and their KV events) share
 hashes only when all of these agree:
-  weights        model config + every tensor's name, dtype, shape and bytes
+  weights        model config + every tensor's name, dtype, shape and bytes (at --dtype)
   tokenizer      the tokenizer's full serialization and special tokens
   chat_template  the chat template text, or none
   adapter        the LoRA adapter, or none (this engine loads none)
@@ -159,6 +173,8 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's argument parser."""
     from pagedkv import MAX_BLOCK_SIZE, MAX_BLOCKS
+
+    from .goodput import DEFAULT_SLO
 
     ap = argparse.ArgumentParser(
         prog="pagedkv-engine", description=__doc__.split("\n\n")[0], epilog=_EPILOG, formatter_class=_HelpFormatter
@@ -260,6 +276,21 @@ def build_parser() -> argparse.ArgumentParser:
     o = ap.add_argument_group("output")
     o.add_argument("--output", type=Path, default=None, help="results JSONL, one line per request (fields below)")
     o.add_argument("--metrics-json", type=Path, default=None, help="write the metrics and the cache identity as JSON")
+    o.add_argument(
+        "--slo-ttft",
+        type=_positive_float,
+        default=DEFAULT_SLO.ttft_s,
+        metavar="SECONDS",
+        help="goodput's time-to-first-token target, in seconds (queueing included)",
+    )
+    o.add_argument(
+        "--slo-tpot",
+        type=_positive_float,
+        default=DEFAULT_SLO.tpot_s,
+        metavar="SECONDS",
+        help="goodput's time-per-output-token target, in seconds (mean after the first token; "
+        "requests with one output token have none and are judged on TTFT alone)",
+    )
     o.add_argument("--show", type=_non_negative, default=3, help="print this many prompt/output pairs")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
@@ -342,20 +373,31 @@ def _rejected_prompt_text(p: Any) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``pagedkv-engine``; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    try:  # `pip install pagedkv` installs this command but not what the engine runs on
-        import torch
+    from pagedkv._optional import optional_imports
+    from pagedkv.errors import MissingDependencyError
 
-        from .engine import LLMEngine
-    except ImportError as e:
-        return _fail(f"{e}: the engine needs the 'engine' extra: pip install 'pagedkv[engine]'")
+    args = build_parser().parse_args(argv)
+    # `pip install pagedkv` installs this command but not what the engine runs on (rich prints
+    # the stats table at the end: checked now, not after the run).
+    try:
+        with optional_imports("pagedkv-engine", "engine"):
+            import rich  # noqa: F401
+            import torch
+
+            from .engine import LLMEngine
+    except MissingDependencyError as e:
+        return _fail(str(e))
+    except ImportError as e:  # installed but broken (a partial or mismatched install)
+        return _fail(f'{e}: reinstall the engine\'s packages: pip install "pagedkv[engine]"')
     from .errors import EngineError, InvalidRequestError, PromptFileError
+    from .goodput import ServiceLevelObjective
     from .inputs import read_prompts, read_trace, synthetic_prompt
     from .sampling import SamplingParams
 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
+        slo = ServiceLevelObjective(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
         base = SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -381,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             prompts = []
         if args.limit and prompts:
             prompts = prompts[: args.limit]
-    except (PromptFileError, InvalidRequestError) as e:
+    except (PromptFileError, InvalidRequestError, EngineError) as e:
         return _fail(str(e))
     problem = _check_pool_args(args) or _check_output_paths(args)
     if problem:
@@ -450,6 +492,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 rec = {"id": rid, "prompt": _rejected_prompt_text(p), "error": rejected[rid]}
             else:
                 rec = results[rid].to_dict()
+                rec["meets_slo"] = slo.is_met(results[rid].ttft_s, results[rid].tpot_s)
                 if trace is not None:
                     rec["prompt"] = None
             lines.append(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -460,7 +503,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except OSError as e:
             write_errors.append(f"--output {str(args.output)!r}: cannot write the results: {e.strerror or e}")
 
-    metrics = engine.metrics()
+    metrics = engine.metrics(slo)
     if args.metrics_json is not None:
         try:
             args.metrics_json.parent.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-import torch
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.engine", "engine"):
+    import torch
 
 import pagedkv
 

@@ -29,12 +29,16 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.engine", "engine"):
+    import torch
 
 import pagedkv
 
 from .config import EngineConfig, torch_dtype
 from .errors import EngineConfigError
+from .goodput import DEFAULT_SLO, ServiceLevelObjective
 from .groups import SequenceGroups
 from .identity import CacheIdentity, cached_weights_digest
 from .loader import load_hf_model
@@ -124,6 +128,9 @@ class LLMEngine:
             raise EngineConfigError(
                 "tokenizer=None is invalid: a tokenizer is required when model is an already loaded model"
             )
+        if not loaded:  # the loader imports transformers lazily: name the extra before it starts
+            with optional_imports("pagedkv.engine", "engine"):
+                import transformers  # noqa: F401
         hf_model, tokenizer = (model, tokenizer) if loaded else load_hf_model(model, dtype=dtype)
         self.tokenizer = tokenizer
         self.model = LlamaForCausalLM.from_hf(hf_model, device=device, dtype=dtype)
@@ -139,7 +146,7 @@ class LLMEngine:
             config.cache_config(enable_events=enable_kv_events, hash_seed=self.cache_identity.seed)
         )
         self.scheduler = Scheduler(self.manager, config.scheduler_config(self.model.max_model_len))
-        self.runner = ModelRunner(self.model, num_kv_blocks, block_size, num_cpu_blocks)
+        self.runner = ModelRunner(self.model, num_kv_blocks, block_size, num_cpu_blocks, manager=self.manager)
         self.prompts = PromptProcessor(tokenizer, self.model.vocab_size)
         self.outputs = OutputProcessor(tokenizer, _eos_ids(hf_model, self.model, tokenizer), self.model.max_model_len)
         self.requests = RequestRegistry(self.manager, self.scheduler, seed)
@@ -319,7 +326,8 @@ class LLMEngine:
         """Step until no request is queued or running; returns every request that finished
         meanwhile, in finish order (a tqdm progress bar with ``progress``). An exception of a
         step propagates after the step's own recovery (see :meth:`step`)."""
-        from tqdm import tqdm
+        with optional_imports("pagedkv.engine", "engine"):
+            from tqdm import tqdm
 
         finished: list[RequestOutput] = []
         with tqdm(total=len(self.requests), desc="requests", unit="req", disable=not progress) as bar:
@@ -332,9 +340,14 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------------------------
 
-    def metrics(self) -> EngineMetrics:
-        """Serving metrics since the engine started (or the last :meth:`reset_metrics`)."""
-        return self.metrics_collector.snapshot(self.manager.stats())
+    def metrics(self, slo: ServiceLevelObjective = DEFAULT_SLO) -> EngineMetrics:
+        """Serving metrics since the engine started (or the last :meth:`reset_metrics`), goodput
+        judged against ``slo`` (TTFT and TPOT targets, :mod:`pagedkv.engine.goodput`).
+
+        Raises:
+            EngineConfigError: ``slo`` is not a ``ServiceLevelObjective``.
+        """
+        return self.metrics_collector.snapshot(self.manager.stats(), slo)
 
     def reset_metrics(self) -> None:
         """Start a new metrics window (cache counters stay cumulative)."""

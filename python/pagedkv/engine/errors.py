@@ -9,6 +9,7 @@ class                     also a                raised when
 ========================= ===================== ==============================================
 ModelNotFoundError        FileNotFoundError     no model at the given path / default missing
 EngineConfigError         ValueError            a bad ``LLMEngine`` argument (size, mode, dtype)
+                                                or ``ServiceLevelObjective`` target
 PromptFileError           ValueError            a prompts or trace file is unreadable/malformed
 InvalidRequestError       ValueError            empty prompt, bad sampling parameter...
 RequestTooLargeError      InvalidRequestError   prompt + max_tokens can never fit (context or
@@ -41,8 +42,9 @@ class ModelNotFoundError(EngineError, FileNotFoundError):
 
 class EngineConfigError(EngineError, ValueError):
     """An :class:`~pagedkv.engine.LLMEngine` argument is invalid (``max_num_seqs=0``, an unknown
-    ``preemption`` mode or ``dtype``...). Raised before the model is loaded where the check does
-    not need the model."""
+    ``preemption`` mode or ``dtype``...) or a goodput target of
+    :class:`~pagedkv.engine.goodput.ServiceLevelObjective` is not a finite number > 0. Raised
+    before the model is loaded where the check does not need the model."""
 
 
 class PromptFileError(EngineError, ValueError):

@@ -4,7 +4,10 @@ beams, free dropped ones), stop finished sequences and free their KV."""
 
 from __future__ import annotations
 
-import torch
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.engine", "engine"):
+    import torch
 
 from pagedkv import KVCacheManager
 

@@ -1,5 +1,6 @@
-"""Serving metrics of an engine run: throughput, latency percentiles and what the KV cache
-manager did (utilisation, peak blocks, prefix hits, copies, swaps, preemptions)."""
+"""Serving metrics of an engine run: throughput, latency percentiles, goodput against a service
+level objective (:mod:`.goodput`) and what the KV cache manager did (utilisation, peak blocks,
+prefix hits, copies, swaps, preemptions)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from .errors import EngineConfigError
+from .goodput import DEFAULT_SLO, ServiceLevelObjective, goodput
 from .request import RequestOutput
 
 __all__ = ["EngineMetrics", "MetricsCollector"]
@@ -25,7 +28,12 @@ class EngineMetrics:
         elapsed_s: wall time from the first scheduled step to the last finished request.
         requests_per_s, output_tokens_per_s: throughput over ``elapsed_s``.
         ttft_p50_s, ttft_p99_s: time to first token (arrival -> first sampled token).
-        tpot_p50_s, tpot_p99_s: time per output token after the first (per request mean).
+        tpot_p50_s, tpot_p99_s: time per output token after the first (per request mean, over
+            requests with at least two output tokens; see :mod:`.goodput`).
+        slo_ttft_s, slo_tpot_s: the service level objective goodput was judged against.
+        good_requests: finished requests meeting both targets (a one-token request: its TTFT).
+        goodput_share: ``good_requests / num_requests`` (0.0 without requests).
+        goodput_requests_per_s: ``good_requests / elapsed_s``.
         kv_utilization: mean over steps of (token slots holding KV / allocated slots).
         mean_blocks_used, peak_blocks_used: blocks referenced by sequences per step.
         usable_blocks: pool capacity (``num_blocks - 1``).
@@ -46,6 +54,11 @@ class EngineMetrics:
     ttft_p99_s: float
     tpot_p50_s: float
     tpot_p99_s: float
+    slo_ttft_s: float
+    slo_tpot_s: float
+    good_requests: int
+    goodput_share: float
+    goodput_requests_per_s: float
     kv_utilization: float
     mean_blocks_used: float
     peak_blocks_used: int
@@ -73,6 +86,12 @@ class EngineMetrics:
             ("output tokens/s", f"{self.output_tokens_per_s:.1f}"),
             ("TTFT p50 / p99", f"{self.ttft_p50_s * ms:.0f} / {self.ttft_p99_s * ms:.0f} ms"),
             ("TPOT p50 / p99", f"{self.tpot_p50_s * ms:.1f} / {self.tpot_p99_s * ms:.1f} ms"),
+            ("SLO targets", f"TTFT <= {self.slo_ttft_s:g} s, TPOT <= {self.slo_tpot_s:g} s"),
+            (
+                "goodput (both SLOs met)",
+                f"{self.goodput_share:.1%} ({self.good_requests}/{self.num_requests} requests), "
+                f"{self.goodput_requests_per_s:.2f} requests/s",
+            ),
             ("KV utilization (mean)", f"{self.kv_utilization:.1%}"),
             (
                 "blocks in use: mean / peak / usable",
@@ -119,14 +138,25 @@ class MetricsCollector:
         self.outputs.append(out)
         self.end = out.finish_time
 
-    def snapshot(self, stats: Any) -> EngineMetrics:
+    def snapshot(self, stats: Any, slo: ServiceLevelObjective = DEFAULT_SLO) -> EngineMetrics:
         """Summary so far; ``stats`` is the manager's current :class:`pagedkv.CacheStats`
-        (cumulative counters: prefix hits, copies, swaps, preemptions)."""
+        (cumulative counters: prefix hits, copies, swaps, preemptions); goodput is judged
+        against ``slo``.
+
+        Raises:
+            EngineConfigError: ``slo`` is not a :class:`ServiceLevelObjective`.
+        """
+        if not isinstance(slo, ServiceLevelObjective):
+            raise EngineConfigError(
+                f"slo={slo!r} is invalid: expected a ServiceLevelObjective(ttft_s=..., tpot_s=...)"[:200]
+            )
         outs = self.outputs
         elapsed = (self.end - self.start) if (self.start is not None and self.end is not None) else 0.0
         n_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
-        ttft = [o.first_token_time - o.arrival_time for o in outs]
-        tpot = [(o.finish_time - o.first_token_time) / (len(o.token_ids) - 1) for o in outs if len(o.token_ids) > 1]
+        ttft = [o.ttft_s for o in outs]
+        tpot_or_none = [o.tpot_s for o in outs]
+        tpot = [t for t in tpot_or_none if t is not None]
+        good = goodput(ttft, tpot_or_none, slo, elapsed)
         per_s = (lambda x: x / elapsed) if elapsed > 0 else (lambda x: 0.0)
         return EngineMetrics(
             num_requests=len(outs),
@@ -138,6 +168,11 @@ class MetricsCollector:
             ttft_p99_s=_pct(ttft, 99),
             tpot_p50_s=_pct(tpot, 50),
             tpot_p99_s=_pct(tpot, 99),
+            slo_ttft_s=slo.ttft_s,
+            slo_tpot_s=slo.tpot_s,
+            good_requests=good.good_requests,
+            goodput_share=good.share,
+            goodput_requests_per_s=good.requests_per_s,
             kv_utilization=float(np.mean(self.util)) if self.util else 0.0,
             mean_blocks_used=float(np.mean(self.used)) if self.used else 0.0,
             peak_blocks_used=max(self.used) if self.used else 0,

@@ -24,8 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-import torch.nn.functional as F
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.engine", "engine"):
+    import torch
+    import torch.nn.functional as F
 
 from pagedkv import kernels
 from pagedkv.tensors import BatchTensors

@@ -12,7 +12,10 @@ import itertools
 import time
 from collections.abc import Iterator
 
-import torch
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.engine", "engine"):
+    import torch
 
 from pagedkv import KVCacheManager
 

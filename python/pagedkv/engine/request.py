@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .goodput import time_per_output_token
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -167,6 +168,17 @@ class RequestOutput:
         """Finish reason of the first completion."""
         return self.outputs[0].finish_reason
 
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token, seconds: arrival (queueing) to the first generated token."""
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first, seconds, over the first completion (see
+        :func:`pagedkv.engine.goodput.time_per_output_token`); ``None`` for one output token."""
+        return time_per_output_token(self.first_token_time, self.finish_time, len(self.token_ids))
+
     def to_dict(self) -> dict[str, object]:
         """JSON-ready dict (the CLI's ``--output`` line)."""
         first = self.outputs[0]
@@ -189,6 +201,7 @@ class RequestOutput:
             ],
             "cached_prompt_tokens": self.num_cached_tokens,
             "preemptions": self.num_preemptions,
-            "ttft_s": self.first_token_time - self.arrival_time,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
             "latency_s": self.finish_time - self.arrival_time,
         }

@@ -12,7 +12,10 @@ import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.engine", "engine"):
+    import torch
 
 from .errors import DeviceUnavailableError, KVCacheTooLargeError
 

@@ -43,7 +43,11 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-import torch
+
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.engine", "engine"):
+    import torch
 
 from .errors import EngineConfigError
 
@@ -74,7 +78,8 @@ def rope_parameters(config: Any) -> dict[str, Any]:
 
 
 def _init_function(rope_type: str) -> Any:
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    with optional_imports("pagedkv.engine", "engine"):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise EngineConfigError(

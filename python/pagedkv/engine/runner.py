@@ -10,10 +10,15 @@ the same per-block shape (pinned when CUDA is present).
 from __future__ import annotations
 
 import numpy as np
-import torch
 
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.engine", "engine"):
+    import torch
+
+import pagedkv
 from pagedkv import kernels
-from pagedkv.tensors import BatchTensors
+from pagedkv.tensors import BatchTensors, BlockTable
 
 from .model import LlamaForCausalLM
 from .resources import guard_allocation
@@ -31,13 +36,24 @@ class ModelRunner:
         num_blocks: device KV blocks, null block included.
         block_size: tokens per block.
         num_cpu_blocks: CPU swap blocks (0 disables the CPU cache).
+        manager: the KV cache manager whose step outputs the batches carry (the runner keeps
+            its block tables across steps, :class:`pagedkv.tensors.BlockTable`).
 
     Raises:
         KVCacheTooLargeError: allocating either cache failed (names blocks and bytes).
     """
 
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        num_cpu_blocks: int = 0,
+        *,
+        manager: pagedkv.KVCacheManager,
+    ) -> None:
         self.model = model
+        self.block_tables = BlockTable(manager)
         per_block = model.kv_bytes_per_block(block_size)
         self.kv_cache = guard_allocation(
             "KV cache", num_blocks, per_block, lambda: model.allocate_kv_cache(num_blocks, block_size)
@@ -59,7 +75,9 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> BatchTensors:
         """The kernel inputs of ``batch`` on the model's device, with the reference attention's
         per-step plan attached where that kernel runs."""
-        bt = BatchTensors.from_steps(batch.steps, self.device, swap_out=batch.swap_out, swap_in=batch.swap_in)
+        bt = BatchTensors.from_steps(
+            batch.steps, self.device, block_tables=self.block_tables, swap_out=batch.swap_out, swap_in=batch.swap_in
+        )
         if self._triton_attention or not batch.seqs:
             return bt
         bt.attn_plan = kernels.plan_paged_attention(

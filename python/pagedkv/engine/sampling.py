@@ -12,7 +12,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.engine", "engine"):
+    import torch
 
 from .errors import InvalidRequestError
 

@@ -10,7 +10,8 @@
 //! `OpTrace.save_tokens`: little-endian `u32` token ids, request by request, the prompt then the
 //! output tokens.
 //!
-//! The calls per step are those of the Python replay: one batched [`KvCacheManager::step`] for
+//! The calls per step are those of the Python replay (block tables as deltas, no dense copy:
+//! [`StepOptions::skip_block_table`], the binding's default): one batched [`KvCacheManager::step`] for
 //! the running sequences (one appended token and one slot each), `add_sequence` + one batched
 //! `step` for the admitted prompts, `free` for the finished ones. `--mode pool` replays only the
 //! block traffic on a bare [`BlockPool`] (`replay_common.run_pool`'s schedule: one allocate per
@@ -22,7 +23,9 @@
 
 use pagedkv_core::events::EventSink;
 use pagedkv_core::pool::BlockPool;
-use pagedkv_core::{BlockId, CacheConfig, HashAlgo, KvCacheManager, SequenceSpec, StepRequest};
+use pagedkv_core::{
+    BlockId, CacheConfig, HashAlgo, KvCacheManager, SequenceSpec, StepOptions, StepRequest,
+};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::Instant;
@@ -135,6 +138,10 @@ fn replay_manager(tr: &Trace, algo: HashAlgo) -> (Run, u64) {
     let mut sampled = vec![0usize; tr.prompt_lens.len()];
     let mut run = Run::default();
     let mut cached_tokens = 0u64;
+    // As the Python binding's default: block tables as deltas only, no dense copy.
+    let delta_only = StepOptions {
+        skip_block_table: true,
+    };
     let wall = Instant::now();
     for (adm, fin) in tr.admit.iter().zip(&tr.finish) {
         // The step's inputs (batch ids, sampled tokens, prompt lengths) are built before the
@@ -157,7 +164,7 @@ fn replay_manager(tr: &Trace, algo: HashAlgo) -> (Run, u64) {
         };
         let c0 = thread_cpu_ns();
         if n > 0 {
-            let out = mgr.step(&decode);
+            let out = mgr.step_with(&decode, delta_only);
             assert!(out.error.is_none(), "decode step failed: {:?}", out.error);
         }
         let c1 = thread_cpu_ns();
@@ -170,7 +177,7 @@ fn replay_manager(tr: &Trace, algo: HashAlgo) -> (Run, u64) {
                 )
                 .expect("add_sequence");
             }
-            let out = mgr.step(&prefill);
+            let out = mgr.step_with(&prefill, delta_only);
             assert!(out.error.is_none(), "prefill step failed: {:?}", out.error);
             cached_tokens += out.num_cached_tokens.iter().map(|&x| x as u64).sum::<u64>();
         }

@@ -229,6 +229,22 @@ pub struct StepOutput {
     pub block_table: Vec<i32>,
     /// Columns of `block_table`: the longest scheduled table, at least 1.
     pub block_table_width: usize,
+    /// Per scheduled seq: the first logical block of its table that changed since the last
+    /// step output that reported it (0 for a table new to the outputs: first allocation, a
+    /// resumed preemption, a swap-in, a fork child). Entries before it are unchanged since that
+    /// output; row `k` of the table is now `previous[..table_start[k]]` followed by its slice of
+    /// `table_delta`. The delta form of the block table: a consumer keeping tables across
+    /// steps (as vLLM's GPU model runner keeps its block table) applies only these changes.
+    pub table_start: Vec<i32>,
+    /// Per scheduled seq: how many step outputs have reported its table, this one included
+    /// (1 for its first). A consumer holding version `v` of a table may apply this delta only
+    /// when this is `v + 1` (or `table_start` is 0); otherwise it missed an output and must
+    /// re-read the whole table ([`KvCacheManager::block_table`]).
+    pub table_version: Vec<u32>,
+    /// Length `S + 1`: CSR offsets into `table_delta`.
+    pub table_delta_indptr: Vec<i32>,
+    /// Per scheduled seq, its table entries from `table_start` to its end (block ids).
+    pub table_delta: Vec<i32>,
 }
 
 /// Options of [`KvCacheManager::step_with`]. The default is what [`KvCacheManager::step`]
@@ -236,8 +252,9 @@ pub struct StepOutput {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepOptions {
     /// Leave [`StepOutput::block_table`] empty (`block_table_width` 0): for callers that keep
-    /// block tables themselves from `new_block_ids` (a serving stack's scheduler), copying
-    /// every scheduled table out each step would be O(blocks held) wasted work.
+    /// block tables themselves (from the table delta, [`StepOutput::table_start`] /
+    /// [`StepOutput::table_delta`]), copying every scheduled table out each step would be
+    /// O(scheduled sequences x longest table) wasted work.
     pub skip_block_table: bool,
 }
 
@@ -264,6 +281,19 @@ struct Sequence {
     /// Memo of the chained hashes of the first full blocks of `tokens` (tokens only grow, so a
     /// memoised hash stays valid).
     hashes: Vec<BlockHash>,
+    /// Leading entries of `blocks` that a step output has reported and that have not changed
+    /// since (the next step's table delta starts here).
+    table_reported: usize,
+    /// Step outputs that have reported this sequence's table (its table version).
+    table_version: u32,
+}
+
+impl Sequence {
+    /// Notes that the table entries from logical block `k` on were rewritten (copy-on-write,
+    /// preemption, swap, a fresh first allocation): the next delta must report them again.
+    fn table_rewritten_from(&mut self, k: usize) {
+        self.table_reported = self.table_reported.min(k);
+    }
 }
 
 /// Simple locked CPU block pool for swap space: ref counts plus a LIFO free list.
@@ -378,8 +408,21 @@ impl KvCacheManager {
 
     /// Registers a sequence with its prompt (finalized tokens, no blocks yet). Errors:
     /// [`Error::SequenceExists`]; [`Error::InvalidArgument`] for an empty prompt or a
-    /// multimodal item with `len == 0` or an overflowing range. O(len(prompt)).
+    /// multimodal item with `len == 0` or an overflowing range. O(len(prompt)): the prompt is
+    /// copied ([`Self::add_sequence_owned`] keeps a `Vec` without a copy).
     pub fn add_sequence(&self, seq: SeqId, prompt: &[u32], spec: SequenceSpec) -> Result<()> {
+        self.add_sequence_owned(seq, prompt.to_vec(), spec)
+    }
+
+    /// [`Self::add_sequence`] taking the prompt buffer itself: it becomes the sequence's token
+    /// buffer, so a caller that built it (the Python binding converting a numpy prompt) pays no
+    /// second copy. Same errors, and a refused prompt is dropped.
+    pub fn add_sequence_owned(
+        &self,
+        seq: SeqId,
+        prompt: Vec<u32>,
+        spec: SequenceSpec,
+    ) -> Result<()> {
         if prompt.is_empty() {
             return Err(Error::InvalidArgument {
                 arg: "prompt",
@@ -406,13 +449,15 @@ impl KvCacheManager {
         st.seqs.insert(
             seq,
             Sequence {
-                tokens: prompt.to_vec(),
+                tokens: prompt,
                 spec,
                 status: SeqStatus::Running,
                 num_computed: 0,
                 blocks: Vec::new(),
                 num_cached_blocks: 0,
                 hashes: Vec::new(),
+                table_reported: 0,
+                table_version: 0,
             },
         );
         Ok(())
@@ -486,7 +531,10 @@ impl KvCacheManager {
         if st.seqs.contains_key(&child) {
             return Err(Error::SequenceExists { seq_id: child });
         }
-        let c = p.clone();
+        let mut c = p.clone();
+        // The child's table is new to every consumer of step outputs.
+        c.table_reported = 0;
+        c.table_version = 0;
         if !c.blocks.is_empty() {
             self.pool.incref(&c.blocks)?;
         }
@@ -547,6 +595,7 @@ impl KvCacheManager {
                 st.counters.preemptions += 1;
             }
             s.blocks.clear();
+            s.table_rewritten_from(0);
             s.num_computed = 0;
             s.num_cached_blocks = 0;
             s.status = SeqStatus::Preempted;
@@ -602,6 +651,7 @@ impl KvCacheManager {
         for id in seqs {
             let s = st.seqs.get_mut(id).expect("validated");
             s.blocks = s.blocks.iter().map(|b| map[b]).collect();
+            s.table_rewritten_from(0);
             s.num_cached_blocks = 0;
             s.status = SeqStatus::Swapped;
         }
@@ -649,6 +699,7 @@ impl KvCacheManager {
             let s = st.seqs.get_mut(id).expect("validated");
             cpu_release(&mut st.cpu, &s.blocks);
             s.blocks = s.blocks.iter().map(|c| map[c]).collect();
+            s.table_rewritten_from(0);
             s.num_cached_blocks = 0;
             s.status = SeqStatus::Running;
             self.cache_full_blocks(s);
@@ -845,11 +896,15 @@ impl KvCacheManager {
             seq_lens: Vec::with_capacity(n),
             slot_mapping: Vec::with_capacity(n),
             input_ids: Vec::with_capacity(n),
+            table_start: Vec::with_capacity(n),
+            table_version: Vec::with_capacity(n),
+            table_delta_indptr: Vec::with_capacity(n + 1),
             block_table_width: 1,
             ..Default::default()
         };
         out.query_start_loc.push(0);
         out.new_block_indptr.push(0);
+        out.table_delta_indptr.push(0);
         if let Err(e) = validate_step(req) {
             out.error = Some(e);
             return out;
@@ -919,9 +974,14 @@ impl KvCacheManager {
             out.query_start_loc.push(out.query_start_loc[i] + q as i32);
             out.context_lens.push(ctx as i32);
             out.seq_lens.push((ctx + q) as i32);
-            for pos in ctx..ctx + q {
-                out.slot_mapping
-                    .push(i64::from(s.blocks[pos / bs]) * bs as i64 + (pos % bs) as i64);
+            // Block by block: each run of consecutive slots costs one division, not one per token.
+            let mut pos = ctx;
+            while pos < ctx + q {
+                let off = pos % bs;
+                let run = (bs - off).min(ctx + q - pos);
+                let base = i64::from(s.blocks[pos / bs]) * bs as i64 + off as i64;
+                out.slot_mapping.extend((0..run as i64).map(|j| base + j));
+                pos += run;
             }
             out.input_ids
                 .extend(s.tokens[ctx..ctx + q].iter().map(|&t| i64::from(t)));
@@ -931,6 +991,15 @@ impl KvCacheManager {
             for (src, dst) in alloc.copies {
                 out.copies.extend([src as i32, dst as i32]);
             }
+            // The table delta: entries rewritten or added since this sequence's last report.
+            let start = s.table_reported.min(s.blocks.len());
+            s.table_version = s.table_version.wrapping_add(1);
+            s.table_reported = s.blocks.len();
+            out.table_start.push(start as i32);
+            out.table_version.push(s.table_version);
+            out.table_delta
+                .extend(s.blocks[start..].iter().map(|&b| b as i32));
+            out.table_delta_indptr.push(out.table_delta.len() as i32);
         }
         if opts.skip_block_table {
             out.block_table_width = 0;
@@ -1150,6 +1219,8 @@ impl KvCacheManager {
     /// Chained hash of full logical block `k` (memoised); requires `(k+1)*bs <= tokens`.
     fn block_hash_at(&self, s: &mut Sequence, k: usize) -> BlockHash {
         let bs = self.bs();
+        // One allocation for the whole prompt, not a doubling per few blocks.
+        s.hashes.reserve((k + 1).saturating_sub(s.hashes.len()));
         while s.hashes.len() <= k {
             let j = s.hashes.len();
             let keys = self.block_keys(&s.spec, j);
@@ -1269,6 +1340,7 @@ impl KvCacheManager {
         let mut copies = Vec::new();
         if plan.first {
             s.blocks = plan.hits.clone();
+            s.table_rewritten_from(0);
             s.num_computed = plan.context;
             s.num_cached_blocks = plan.hits.len();
             if self.caching() {
@@ -1281,6 +1353,7 @@ impl KvCacheManager {
             let dst = fresh.next().expect("allocated");
             let last = s.blocks.len() - 1;
             let src = std::mem::replace(&mut s.blocks[last], dst);
+            s.table_rewritten_from(last);
             // src is shared (ref > 1): this only drops our reference.
             self.pool.free(&[src])?;
             copies.push((src, dst));

@@ -347,7 +347,8 @@ impl BlockPool {
         let Some(hash) = locked.hashes[id as usize].take() else {
             return false;
         };
-        if locked.index.remove_reporting(&hash, id) == Some(true) {
+        // The removed hashes only feed a BlockRemoved event: not collected with events off.
+        if locked.index.remove_reporting(&hash, id) == Some(true) && self.events.enabled() {
             unresolvable.push(hash);
         }
         true
@@ -710,7 +711,7 @@ impl BlockPool {
     /// prompt. No side effects. Expected O(hits + 1).
     pub fn lookup_chain(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
         let locked = self.locked.lock();
-        let mut hits = Vec::new();
+        let mut hits = Vec::with_capacity(hashes.len());
         for hash in hashes {
             let all = locked.index.get_all(hash);
             let Some(&first) = all.first() else {

@@ -544,6 +544,80 @@ fn step_without_block_table_takes_the_same_blocks() {
     assert_eq!(lean.block_table(2).unwrap(), vec![3]);
 }
 
+/// The table delta of each step: a decode that starts a block reports only it, a fork child
+/// and a swapped-in table come whole, a copy-on-write reports from the rewritten block on, and
+/// the version counts the outputs that reported the table.
+#[test]
+fn step_reports_block_table_deltas() {
+    let m = manager_with(16, 4, 8);
+    m.add_sequence(1, &toks(0, 6), spec()).unwrap();
+    let one = |seq: u64, tok: u32| StepRequest {
+        seq_ids: vec![seq],
+        num_new_tokens: vec![1],
+        append_indptr: vec![0, 1],
+        append_tokens: vec![tok],
+    };
+    let out = m.step(&StepRequest {
+        seq_ids: vec![1],
+        num_new_tokens: vec![6],
+        ..Default::default()
+    });
+    assert_eq!(
+        (
+            out.table_start,
+            out.table_version,
+            out.table_delta_indptr,
+            out.table_delta
+        ),
+        (vec![0], vec![1], vec![0, 2], vec![1, 2])
+    );
+    // Token 7 fills block 2: nothing changes in the table.
+    let out = m.step(&one(1, 7));
+    assert_eq!((out.table_start, out.table_delta), (vec![2], vec![]));
+    m.fork(1, 2).unwrap();
+    // Token 8 goes into the shared partial block 2: seq 1 copies it on write, so its delta
+    // restarts at logical block 1; the child's whole table comes the first time.
+    let out = m.step(&StepRequest {
+        seq_ids: vec![1, 2],
+        num_new_tokens: vec![1, 1],
+        append_indptr: vec![0, 1, 2],
+        append_tokens: vec![8, 9],
+    });
+    assert_eq!(out.copies.len(), 2);
+    let dst = out.copies[1];
+    assert_eq!(out.table_start, vec![1, 0]);
+    assert_eq!(out.table_version, vec![3, 1]);
+    assert_eq!(out.table_delta, vec![dst, 1, 2]);
+    // Block 2 of seq 2 is now full: its next token starts a block, reported alone.
+    m.fork(2, 3).unwrap();
+    let out = m.step(&one(2, 10));
+    assert_eq!(out.table_start, vec![2]);
+    assert_eq!(out.table_delta, out.new_block_ids);
+    // Swap out and in: the table is rewritten with new GPU blocks, reported whole.
+    m.swap_out(&[1]).unwrap();
+    m.swap_in(&[1]).unwrap();
+    let out = m.step(&one(1, 11));
+    assert_eq!(out.table_start, vec![0]);
+    assert_eq!(
+        out.table_delta,
+        m.block_table(1)
+            .unwrap()
+            .iter()
+            .map(|&b| b as i32)
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(out.table_version, vec![4]);
+    // Preemption clears it: the resumed prefill reports from 0 again.
+    m.preempt_recompute(&[3]).unwrap();
+    let out = m.step(&StepRequest {
+        seq_ids: vec![3],
+        num_new_tokens: vec![100],
+        ..Default::default()
+    });
+    assert_eq!(out.table_start, vec![0]);
+    assert_eq!(out.table_delta.len(), m.block_table(3).unwrap().len());
+}
+
 #[test]
 fn step_returns_exact_flat_arrays() {
     let m = manager(16, 4);

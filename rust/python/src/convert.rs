@@ -159,8 +159,41 @@ fn items_values<'py>(
     Ok(out)
 }
 
-/// Token ids (`0..=u32::MAX`).
+/// A 1-D numpy array of dtype `T` converted to `u32`s in one pass (no `u64` staging; a
+/// contiguous one read as a slice), or `None` when it holds a value outside `0..=u32::MAX` (the
+/// general path then reads it again to name the offending value).
+fn array_u32<T>(arr: &Bound<'_, PyUntypedArray>) -> Option<Vec<u32>>
+where
+    T: numpy::Element + Copy + TryInto<u32>,
+{
+    let a = arr.cast::<PyArray1<T>>().ok()?;
+    let ro = a.readonly();
+    let mut out = Vec::with_capacity(a.len());
+    if let Ok(slice) = ro.as_slice() {
+        for &x in slice {
+            out.push(x.try_into().ok()?);
+        }
+    } else {
+        for &x in ro.as_array().iter() {
+            out.push(x.try_into().ok()?);
+        }
+    }
+    Some(out)
+}
+
+/// Token ids (`0..=u32::MAX`). A 1-D numpy array of int64 / int32 / uint32 / uint64 is
+/// converted in one pass straight into the `Vec<u32>` the core keeps (a prompt of 100k tokens
+/// would otherwise be staged through a `u64` buffer twice its size: fresh pages to fault in).
 pub(crate) fn token_ids(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<u32>> {
+    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        let fast = array_u32::<i64>(arr)
+            .or_else(|| array_u32::<u32>(arr))
+            .or_else(|| array_u32::<i32>(arr))
+            .or_else(|| array_u32::<u64>(arr));
+        if let Some(v) = fast {
+            return Ok(v);
+        }
+    }
     let v = uint_array(obj, arg, u64::from(u32::MAX))?;
     Ok(v.into_iter().map(|x| x as u32).collect())
 }

@@ -14,6 +14,7 @@ mod indexer;
 mod manager;
 mod pool;
 mod stats;
+mod table_delta;
 
 use pyo3::prelude::*;
 
@@ -35,5 +36,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<events::PyBlockRemoved>()?;
     m.add_class::<events::PyAllBlocksCleared>()?;
     m.add_class::<indexer::PyKvIndexer>()?;
+    m.add_function(wrap_pyfunction!(table_delta::apply_table_deltas, m)?)?;
     Ok(())
 }

@@ -133,9 +133,31 @@ pub(crate) struct PyStepOutput {
     input_ids: Py<PyArray1<i64>>,
     /// ``int32[S, W]`` the scheduled sequences' full block tables, one row each, padded with
     /// the null block 0 (``W`` = the longest table; row ``k`` holds ``ceil(seq_lens[k] /
-    /// block_size)`` blocks). C-contiguous: ``torch.from_numpy`` shares it.
+    /// block_size)`` blocks), only when ``step(..., block_table=True)``; else shape ``(0, 0)``.
+    /// C-contiguous: ``torch.from_numpy`` shares it.
     #[pyo3(get)]
     block_table: Py<PyArray2<i32>>,
+    /// ``uint64[S]`` the scheduled sequences' ids, in batch order (a prefix of the request).
+    #[pyo3(get)]
+    seq_ids: Py<PyArray1<u64>>,
+    /// ``int32[S]`` the block-table delta: per sequence, the first logical block of its table
+    /// that changed since the last step output that reported it (0 for a table new to the
+    /// outputs: first allocation, resumed preemption, swap-in, fork child). Row ``k`` is now
+    /// its previous row up to ``table_start[k]``, then
+    /// ``table_delta[table_delta_indptr[k]:table_delta_indptr[k+1]]``.
+    /// ``pagedkv.tensors.BlockTable`` applies these deltas to tables it keeps across steps.
+    #[pyo3(get)]
+    pub(crate) table_start: Py<PyArray1<i32>>,
+    /// ``uint32[S]`` how many step outputs have reported each sequence's table, this one
+    /// included: a delta applies to the version before it (``table_version - 1``) only.
+    #[pyo3(get)]
+    pub(crate) table_version: Py<PyArray1<u32>>,
+    /// ``int32[S + 1]`` CSR offsets into ``table_delta``.
+    #[pyo3(get)]
+    pub(crate) table_delta_indptr: Py<PyArray1<i32>>,
+    /// ``int32[n]`` per sequence, its table entries from ``table_start`` to its end.
+    #[pyo3(get)]
+    pub(crate) table_delta: Py<PyArray1<i32>>,
 }
 
 #[pymethods]
@@ -350,7 +372,7 @@ impl PyKvCacheManager {
             mm_items,
         )?;
         let m = &self.inner;
-        py.detach(|| m.add_sequence(seq, &prompt, spec)).py(py)
+        py.detach(|| m.add_sequence_owned(seq, prompt, spec)).py(py)
     }
 
     /// Appends newly sampled (finalized) tokens to ``seq_id``. Raises ``UnknownSequenceError``,
@@ -553,9 +575,13 @@ impl PyKvCacheManager {
     /// sequence listed twice) is not raised either: it comes back with ``num_scheduled == 0``
     /// and ``error`` set, nothing changed. ``StepOutput.raise_for_error()`` raises any of these.
     ///
-    /// ``block_table=False`` leaves ``StepOutput.block_table`` empty (shape ``(0, 0)``): for
-    /// callers that keep tables themselves from ``new_block_ids``.
-    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, block_table = true))]
+    /// The block tables come back as a delta (``StepOutput.table_start`` / ``table_delta``:
+    /// only the entries that changed since each sequence's last reported table), which
+    /// ``pagedkv.tensors.BlockTable`` applies to the tables it keeps across steps.
+    /// ``block_table=True`` also copies out every scheduled sequence's whole table as one dense
+    /// padded ``int32[S, W]`` matrix (``StepOutput.block_table``; O(S x longest table)); by
+    /// default it is empty (shape ``(0, 0)``).
+    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, block_table = false))]
     fn step(
         &self,
         py: Python<'_>,
@@ -600,6 +626,11 @@ impl PyKvCacheManager {
             } else {
                 matrix(py, out.block_table, out.block_table_width)
             },
+            seq_ids: PyArray1::from_slice(py, &req.seq_ids[..out.num_scheduled]).unbind(),
+            table_start: arr(out.table_start),
+            table_version: PyArray1::from_vec(py, out.table_version).unbind(),
+            table_delta_indptr: arr(out.table_delta_indptr),
+            table_delta: arr(out.table_delta),
         })
     }
 

@@ -247,6 +247,42 @@ def test_preemption_without_eviction_matches_step_by_step(paged_cls: type) -> No
     _check_no_leak(stock, paged)
 
 
+def test_pagedkv_holds_vllms_tokens_after_every_step_lagging_decodes_brought_in() -> None:
+    # Staggered arrivals, prompts of every length modulo the block size, a pool small enough
+    # to preempt: after each step, pagedkv (with the lagging decodes brought in, as
+    # ``manager`` does) holds exactly each running request's computed tokens and its block
+    # table is vLLM's view of the request's blocks.
+    rng = random.Random(11)
+    stream: dict[int, list[Any]] = {}
+    for i in range(10):
+        stream.setdefault(2 * i, []).append(_req(f"k{i}", _tokens(rng, 17 + 7 * i), 30 + 3 * i))
+    stock, paged = _pair(num_blocks=40, max_num_batched_tokens=96)
+    kv = paged.scheduler.kv_cache_manager
+    lagged = preempted = 0
+    for step in range(400):
+        for factory in stream.get(step, []):
+            stock.add(factory())
+            paged.add(factory())
+        if step > max(stream) and not stock.scheduler.has_unfinished_requests():
+            break
+        a, b = stock.step(), paged.step()
+        assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
+        lagged += len(kv._lag)
+        preempted += len(a["preempted"])
+        manager = kv.manager
+        for request in paged.scheduler.running:
+            seq = kv.seq_id(request.request_id)
+            computed = request.num_computed_tokens
+            assert manager.num_computed_tokens(seq) == computed
+            assert manager.token_ids(seq).tolist()[:computed] == request.all_token_ids[:computed]
+            assert len(kv.get_block_ids(request.request_id)[0]) == -(-computed // BS)
+    else:  # pragma: no cover - a hang is a failure
+        raise AssertionError("streams did not finish")
+    assert lagged > 100 and preempted > 0, "the stream must lag decodes and preempt"
+    assert paged.outputs == stock.outputs
+    _check_no_leak(stock, paged)
+
+
 def test_priority_policy_and_watermark_match_step_by_step() -> None:
     # Priority scheduling preempts the lowest-priority running request (possibly one already
     # scheduled this step); the watermark keeps 10% of the pool free when admitting.

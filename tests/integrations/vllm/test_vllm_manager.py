@@ -305,6 +305,22 @@ def test_events_are_vllm_objects_on_the_wire(monkeypatch: pytest.MonkeyPatch, in
     wire = msgspec.msgpack.Encoder().encode(batch)
     back = msgspec.msgpack.Decoder(type=KVEventBatch).decode(wire)
     assert back.events == events
+    # A router reads that payload with pagedkv.routing.wire (vLLM's events arrive as maps) and
+    # indexes the worker's 4 blocks, rehashed from their token ids.
+    from pagedkv.routing import wire as pagedkv_wire
+
+    decoded = pagedkv_wire.decode_event_batch(wire)
+    assert [ev[0] for ev in decoded.events] == [type(ev).__name__ for ev in events]
+    assert decoded.events[0][1:5] == [
+        stored[0].block_hashes,
+        stored[0].parent_block_hash,
+        stored[0].token_ids,
+        stored[0].block_size,
+    ]
+    indexer = pagedkv.KVIndexer(BS)
+    indexer.add_worker(3, hash_source="tokens")
+    assert pagedkv_wire.apply_payload(indexer, 3, 0, wire) == "applied"
+    assert indexer.worker_status(3)["num_blocks"] == 4
 
 
 def test_events_have_set_semantics_under_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -398,19 +414,77 @@ def test_deferred_decodes_flush_in_order_and_stop_where_the_pool_runs_out() -> N
     assert kv._kvm.num_uncomputed_tokens([seq_a]).tolist() == [0]
 
 
-def test_deferred_decode_inside_a_block_takes_no_block_and_reading_flushes() -> None:
+def _decode(kv: Any, req: Any) -> Any:
+    """One decode of ``req`` as vLLM's loop runs it: allocate, compute, sample."""
+    got = kv.allocate_slots(req, 1)
+    assert got is not None
+    req.num_computed_tokens += 1
+    req.append_output_token_ids(8 + req.num_tokens % 50)
+    return got
+
+
+def test_decodes_inside_the_tail_block_lag_until_one_fills_it() -> None:
     kv = PagedKVCacheManager(8, BS)
     a = _decoding(kv, "a", 100)
-    assert kv.allocate_slots(a, 1) is not None  # opens block 2 (deferred)
-    a.num_computed_tokens += 1
-    a.append_output_token_ids(8)
-    free = kv._kvm.pool.num_free
-    got = kv.allocate_slots(a, 1)  # slot 17 is inside the tail block
-    assert got.get_block_ids(allow_none=True) is None
-    assert len(kv._pending_seqs) == 2
-    # Any other call brings pagedkv up to date first (here: usage reads the pool).
-    assert kv.usage == 1.0 - (free - 1) / 7
     seq = kv.seq_id("a")
-    assert not kv._pending_seqs and kv._kvm.num_computed_tokens(seq) == BS + 2
-    assert kv._kvm.num_uncomputed_tokens([seq]).tolist() == [0]
-    assert len(kv.get_block_ids("a")[0]) == 2
+    _decode(kv, a)  # slot 16 opens block 2 (deferred)
+    assert kv.flush_decodes() == 1
+    # pagedkv holds 17 computed tokens: slots 17..30 lie in its tail block without filling it.
+    assert kv._lag_window == {"a": range(17, 31)}
+    free = kv._kvm.pool.num_free
+    for pos in range(17, 31):  # slots 17..30: inside block 2, none fills it
+        got = _decode(kv, a)
+        assert got.get_block_ids(allow_none=True) is None
+        # Nothing pending, nothing sent to pagedkv: only the end of vLLM's slots is kept.
+        assert not kv._pending_seqs and kv._lag == {"a": pos + 1}
+        assert kv._kvm.num_computed_tokens(seq) == 17
+    assert kv._kvm.pool.num_free == free and kv.usage == 1.0 - free / 7
+    # Slot 31 fills block 2: deferred with the 14 lagging tokens, so the block is cached
+    # in the step that fills it, as vLLM caches it.
+    _decode(kv, a)
+    assert not kv._lag and kv._pending_tokens == [a.all_token_ids[17:32]]
+    assert kv.flush_decodes() == 15
+    assert kv._kvm.num_computed_tokens(seq) == 32
+    assert kv._kvm.token_ids(seq).tolist() == a.all_token_ids[:32]
+    b = make_request("b", a.all_token_ids[:32] + [9], 4)
+    assert kv.get_computed_blocks(b)[1] == 32
+
+
+def test_lagging_decodes_reach_pagedkv_before_preemption_inspection_or_another_path() -> None:
+    kv = PagedKVCacheManager(8, BS)
+    a = _decoding(kv, "a", 100)
+    seq = kv.seq_id("a")
+    for _ in range(4):  # slot 16 opens block 2, slots 17..19 lag
+        _decode(kv, a)
+    assert kv._lag == {"a": 20}
+    # Inspection through ``manager`` brings everything in.
+    assert kv.manager.num_computed_tokens(seq) == 20 and not kv._lag
+    _decode(kv, a)
+    assert kv._lag == {"a": 21}
+    # A preemption (free while RUNNING) gives pagedkv the tokens before releasing the blocks.
+    kv.free(a)
+    assert not kv._lag and kv._kvm.token_ids(seq).tolist() == a.all_token_ids[:21]
+    assert kv._kvm.num_computed_tokens(seq) == 0
+    # Resumed as vLLM resumes it: the whole of its tokens again, from its prefix hit.
+    a.num_computed_tokens = 0
+    a.status = RequestStatus.PREEMPTED
+    blocks, hit, _ = kv.get_computed_blocks(a)
+    assert hit == 16
+    assert kv.allocate_slots(a, a.num_tokens - hit, hit, blocks) is not None
+    a.status = RequestStatus.RUNNING
+    a.num_computed_tokens = a.num_tokens
+    a.append_output_token_ids(9)
+    _decode(kv, a)  # slot 22 inside block 2
+    assert kv._lag == {"a": 23}
+    # A call the deferred path does not take (two tokens: here a forged one) catches up first.
+    a.append_output_token_ids(10)
+    assert kv.allocate_slots(a, 2) is not None
+    assert not kv._lag and kv._kvm.num_computed_tokens(seq) == 25
+    # A finished request is freed without catching up (its partial block is never cached).
+    a.num_computed_tokens += 2
+    a.append_output_token_ids(11)
+    _decode(kv, a)
+    assert kv._lag == {"a": 26}
+    a.status = RequestStatus.FINISHED_STOPPED
+    kv.free(a)
+    assert not kv._lag and kv.manager.num_sequences == 0 and kv.usage == 0.0

@@ -10,6 +10,11 @@ How vLLM's request maps onto a pagedkv sequence:
 - each ``Request`` becomes one sequence (an int id) on its first lookup or allocation; its
   finalized tokens (``request.all_token_ids``) are appended to it lazily, right before the next
   allocation, so pagedkv hashes exactly the tokens vLLM would;
+- decodes of running requests are answered in Python (``allocate_slots``): one inside
+  pagedkv's tail block that does not fill it only records where vLLM's slots end (the
+  sequence lags: no block, hash or event would change); one that fills or opens a block is
+  deferred with the tokens it lagged by, and the deferred ones reach pagedkv in one batched
+  call (``flush_decodes``) before anything else reads or changes pagedkv;
 - request identity becomes pagedkv's typed extra keys, mixed into every block hash: the cache
   salt (``cache_salt``), the LoRA adapter (``adapter_id`` = the LoRA name), and each multimodal
   feature (``mm_items``: the feature's identifier with its placeholder position and length), so
@@ -23,17 +28,16 @@ Prefix hits, block counts and the all-or-nothing allocation follow vLLM's ``KVCa
 evicted first differs (pagedkv's free list vs vLLM's LRU queue), so block ids and hits can
 differ once blocks are evicted.
 
-Invariant checked on every allocation: pagedkv's computed-token count for the request equals
-``request.num_computed_tokens`` plus the prefix hit; a mismatch raises ``RuntimeError`` rather
-than serving a wrong block table.
+Invariant checked on every allocation (and on every flush or catch-up of deferred and lagging
+decodes): pagedkv's computed-token count for the request equals ``request.num_computed_tokens``
+plus the prefix hit; a mismatch raises ``RuntimeError`` rather than serving a wrong block
+table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from typing import Any, cast
-
-import numpy as np
 
 import pagedkv
 from pagedkv.errors import (
@@ -238,16 +242,26 @@ class PagedKVCacheManager:
         #: Defer plain decodes of running requests and allocate them in one batched call
         #: (``flush_decodes``); off: one call into Rust per ``allocate_slots``.
         self.defer_decodes = True
-        # Deferred decodes not yet in pagedkv, in call order: sequence, token to append, the
-        # computed-token count pagedkv must report, and (index, _DeferredBlocks) of those that
-        # take a new block.
+        # Live requests by id (their token lists feed the catch-up of lagging decodes).
+        self._requests: dict[str, Any] = {}
+        # Lagging requests: request id -> end of the slots vLLM holds for it. Its decodes since
+        # pagedkv last saw it all fell inside pagedkv's tail block without filling it, so they
+        # change no block, no hash and no event; pagedkv gets those tokens with the decode
+        # that fills or opens a block, or before anything else touches the sequence.
+        self._lag: dict[str, int] = {}
+        # Request id -> the slots its next decodes may take while lagging (see _set_window).
+        self._lag_window: dict[str, range] = {}
+        # Deferred decodes not yet in pagedkv, in call order: sequence, tokens to append (the
+        # lagging ones and the decoded one), the computed-token count pagedkv must report,
+        # and (index, _DeferredBlocks) of those that take a new block.
         self._pending_seqs: list[int] = []
-        self._pending_tokens: list[int] = []
+        self._pending_tokens: list[list[int]] = []
         self._pending_context: list[int] = []
         self._pending_new: list[tuple[int, Any]] = []
         # Free blocks left for deferred decodes (None: read the pool on next need).
         self._deferred_free: int | None = None
-        #: Decode slots allocated through the deferred batched path so far (requests, summed).
+        #: Decode slots carried into pagedkv by the batched path so far (a lagging run of
+        #: decodes counts each of its tokens).
         self.num_batched_allocations = 0
         #: Deferred decodes refused because no free block was left for them (they took the
         #: per-request path, where vLLM's loop preempts).
@@ -257,8 +271,12 @@ class PagedKVCacheManager:
 
     @property
     def manager(self) -> pagedkv.KVCacheManager:
-        """The underlying ``pagedkv.KVCacheManager`` (inspection, invariant checks)."""
+        """The underlying ``pagedkv.KVCacheManager`` (inspection, invariant checks), with every
+        deferred and lagging decode brought in first, so its token and computed-token counts
+        are vLLM's."""
         self._sync()
+        if self._lag:
+            self._catch_up(list(self._lag))
         return self._kvm
 
     @property
@@ -315,13 +333,17 @@ class PagedKVCacheManager:
             )
             self._next_seq_id += 1
             self._seq_of[rid] = seq
+            self._requests[rid] = request
             self._num_known[rid] = request.num_tokens
             return seq
+        if rid in self._lag:
+            self._catch_up([rid])
         known = self._num_known[rid]
         n = request.num_tokens
         if n > known:
             self._kvm.append_tokens(seq, request.all_token_ids[known:])
             self._num_known[rid] = n
+            self._lag_window.pop(rid, None)
         return seq
 
     # ---- prefix cache ----------------------------------------------------------------------
@@ -380,7 +402,10 @@ class PagedKVCacheManager:
         if seq is None or not self.enable_caching:
             return 0
         self._sync()
-        computed = int(min(self._kvm.num_computed_tokens(seq), request.num_tokens))
+        computed = self._lag.get(request.request_id)
+        if computed is None:
+            computed = self._kvm.num_computed_tokens(seq)
+        computed = int(min(computed, request.num_tokens))
         return computed - computed % self.block_size
 
     # ---- allocation ------------------------------------------------------------------------
@@ -408,40 +433,70 @@ class PagedKVCacheManager:
         scheduled; ``full_sequence_must_fit`` admits a request only if all its tokens fit.
         Every full block of computed tokens is registered in the prefix cache.
 
+        A plain decode of a running request (one token, no other option) is answered without
+        calling into Rust (``defer_decodes``): inside pagedkv's tail block without filling it,
+        it returns the shared empty result and only records where vLLM's slots end (a lagging
+        decode); filling or opening a block, it is deferred to the next ``flush_decodes``.
+
         Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` or a feature the config
         check refuses (lookahead slots, external / encoder tokens, delayed caching), and
         ``RuntimeError`` if pagedkv's computed-token count disagrees with the request's.
         """
-        if (
-            num_new_tokens == 1
-            and request.status is self._RUNNING
-            and self.defer_decodes
-            and not (
-                num_lookahead_tokens
-                or num_new_computed_tokens
-                or full_sequence_must_fit
-                or reserved_blocks
-                or num_external_computed_tokens
-                or num_encoder_tokens
-                or delay_cache_blocks
-            )
+        if num_new_tokens == 1 and not (
+            num_lookahead_tokens
+            or num_new_computed_tokens
+            or full_sequence_must_fit
+            or reserved_blocks
+            or num_external_computed_tokens
+            or num_encoder_tokens
+            or delay_cache_blocks
         ):
-            # The deferred path (inlined: it runs once per decoding request per step): a
-            # plain decode (the one uncomputed token is the last, pagedkv holds all the others)
-            # is answered here and allocated at the next flush_decodes.
-            tokens = request._all_token_ids
-            pos = len(tokens) - 1
+            # Runs once per decoding request per step, so the lagging decode is checked
+            # inline: its slot lies in the window of positions inside pagedkv's tail block
+            # that do not fill it (the window exists only while pagedkv holds every token
+            # before it as computed, and only with defer_decodes on).
             rid = request.request_id
-            known = self._num_known
-            if request.num_computed_tokens == pos and known.get(rid) == pos and not request.num_output_placeholders:
-                pending = self._pending_seqs
-                blocks = self.empty_kv_cache_blocks if pos % self.block_size else self._defer_new_block(len(pending))
+            pos = request.num_computed_tokens
+            window = self._lag_window.get(rid)
+            if (
+                window is not None
+                and pos in window
+                and len(request._all_token_ids) == pos + 1
+                and not request.num_output_placeholders
+            ):
+                self._lag[rid] = pos + 1
+                return self.empty_kv_cache_blocks
+            if self.defer_decodes:
+                blocks = self._defer_decode(request, rid, pos)
                 if blocks is not None:
-                    pending.append(self._seq_of[rid])
-                    self._pending_tokens.append(tokens[-1])
-                    self._pending_context.append(pos)
-                    known[rid] = pos + 1
                     return blocks
+        return self._allocate(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            delay_cache_blocks,
+            num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+        )
+
+    def _allocate(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
+        num_encoder_tokens: int,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> Any:
+        """``allocate_slots`` through one call into Rust (the per-request path)."""
         self._sync()
         rid = request.request_id
         if num_new_tokens <= 0:
@@ -489,10 +544,61 @@ class PagedKVCacheManager:
                 f"vLLM expects {expected_context} (num_computed_tokens="
                 f"{request.num_computed_tokens}, prefix hit {num_new_computed_tokens})"
             )
+        computed = expected_context + num_new_tokens
+        if computed == self._num_known[rid]:
+            self._set_window(rid, computed)
         ids = alloc.new_block_ids
         if len(ids) == 0:
             return self.empty_kv_cache_blocks
         return PagedKVBlocks(ids.tolist())
+
+    def _set_window(self, rid: str, num_tokens: int) -> None:
+        """pagedkv holds the first ``num_tokens`` tokens of ``rid``, all computed: its next
+        decodes lag while their slots stay inside the tail block without filling it."""
+        bs = self.block_size
+        end = num_tokens - num_tokens % bs + bs - 1  # the slot that fills the tail block
+        if self.defer_decodes and num_tokens % bs and num_tokens < end:
+            self._lag_window[rid] = range(num_tokens, end)
+        else:
+            self._lag_window.pop(rid, None)
+
+    def _defer_decode(self, request: Any, rid: str, pos: int) -> Any:
+        """A plain decode at slot ``pos`` that fills or opens a block (or lags outside a known
+        window), deferred to the next ``flush_decodes`` with the tokens it lagged by; None
+        when it is no plain decode or no free block is left for it (the per-request path
+        decides then)."""
+        synced = self._num_known.get(rid)
+        tokens = request._all_token_ids
+        if (
+            synced is None
+            or not synced <= pos == len(tokens) - 1
+            or request.num_output_placeholders
+            or request.status is not self._RUNNING
+        ):
+            return None
+        bs = self.block_size
+        start = pos - pos % bs  # first slot of the block ``pos`` lies in
+        if synced > start:
+            # pagedkv holds that block.
+            if (pos + 1) % bs:
+                self._lag[rid] = pos + 1
+                return self.empty_kv_cache_blocks
+            # The token fills it: pagedkv gets it this step, so the block is cached (with its
+            # event) in the step vLLM caches it.
+            blocks = self.empty_kv_cache_blocks
+        elif synced > start - bs:
+            blocks = self._defer_new_block(len(self._pending_seqs))
+            if blocks is None:
+                return None
+        else:
+            return None
+        self._pending_seqs.append(self._seq_of[rid])
+        self._pending_tokens.append(tokens[synced : pos + 1])
+        self._pending_context.append(synced)
+        self._num_known[rid] = pos + 1
+        self._lag.pop(rid, None)
+        self._set_window(rid, pos + 1)
+        return blocks
 
     def _defer_new_block(self, index: int) -> Any:
         """The result of the ``index``-th deferred decode when its slot opens a new block:
@@ -513,19 +619,20 @@ class PagedKVCacheManager:
         return blocks
 
     def flush_decodes(self) -> int:
-        """Allocates the deferred decodes (appending each one's last token) in one call into
-        Rust (``pagedkv.KVCacheManager.step``), in the order ``allocate_slots`` deferred them,
-        and fills in the ids of their new blocks. Returns how many were flushed. Raises
-        ``RuntimeError`` if pagedkv refuses one or disagrees on a computed-token count (the
-        deferral's bookkeeping would be wrong; never expected)."""
+        """Allocates the deferred decodes (appending each one's tokens: those it lagged by and
+        the decoded one) in one call into Rust (``pagedkv.KVCacheManager.step``), in the order
+        ``allocate_slots`` deferred them, and fills in the ids of their new blocks. Returns how
+        many decode slots went in. Raises ``RuntimeError`` if pagedkv refuses one or disagrees
+        on a computed-token count (the deferral's bookkeeping would be wrong; never
+        expected)."""
         seqs = self._pending_seqs
         if not seqs:
             return 0
-        tokens, context, new = self._pending_tokens, self._pending_context, self._pending_new
+        rows, context, new = self._pending_tokens, self._pending_context, self._pending_new
         self._pending_seqs, self._pending_tokens, self._pending_context, self._pending_new = [], [], [], []
         self._deferred_free = None
         n = len(seqs)
-        got = self._step_decodes(seqs, tokens)
+        got = self._step_decodes(seqs, rows)
         if got is not None:
             got_context, ids, bounds = got
         else:
@@ -539,7 +646,7 @@ class PagedKVCacheManager:
                 while end < n and seqs[end] not in seen:
                     seen.add(seqs[end])
                     end += 1
-                run = self._step_decodes(seqs[start:end], tokens[start:end])
+                run = self._step_decodes(seqs[start:end], rows[start:end])
                 assert run is not None
                 run_context, run_ids, run_bounds = run
                 got_context += run_context
@@ -552,14 +659,35 @@ class PagedKVCacheManager:
             raise RuntimeError(f"deferred decodes: pagedkv took {len(ids)} new blocks, {len(new)} expected")
         for i, blocks in new:
             blocks._ids = ids[bounds[i] : bounds[i + 1]]
-        self.num_batched_allocations += n
-        return n
+        slots = sum(map(len, rows))
+        self.num_batched_allocations += slots
+        return slots
 
-    def _step_decodes(self, seqs: list[int], tokens: list[int]) -> tuple[list[int], list[int], list[int]] | None:
-        """One ``step`` of 1-token decodes: (context lengths, new block ids, their CSR
-        offsets), or None when ``seqs`` repeats a sequence (the step refuses that as a whole,
-        changing nothing). Raises ``RuntimeError`` if pagedkv refuses anything else."""
-        out = self._kvm.step(seqs, 1, np.array(tokens, dtype=np.int64), block_table=False)
+    def _catch_up(self, request_ids: list[str]) -> None:
+        """Brings the lagging decodes of ``request_ids`` into pagedkv (one ``step``): their
+        tokens are appended and given the slots vLLM holds for them, inside blocks pagedkv
+        already holds. Raises ``RuntimeError`` as ``flush_decodes``."""
+        self._sync()
+        seqs, rows, context = [], [], []
+        for rid in request_ids:
+            end = self._lag.pop(rid)
+            synced = self._num_known[rid]
+            seqs.append(self._seq_of[rid])
+            rows.append(self._requests[rid]._all_token_ids[synced:end])
+            context.append(synced)
+            self._num_known[rid] = end
+            self._set_window(rid, end)
+        got = self._step_decodes(seqs, rows)
+        if got is None or got[0] != context or got[1]:
+            raise RuntimeError("lagging decodes: pagedkv's computed-token counts or blocks differ from vLLM's")
+        self.num_batched_allocations += sum(map(len, rows))
+
+    def _step_decodes(self, seqs: list[int], rows: list[list[int]]) -> tuple[list[int], list[int], list[int]] | None:
+        """One ``step`` appending ``rows[i]`` to ``seqs[i]`` and allocating their slots:
+        (context lengths, new block ids, their CSR offsets), or None when ``seqs`` repeats a
+        sequence (the step refuses that as a whole, changing nothing). Raises
+        ``RuntimeError`` if pagedkv refuses anything else."""
+        out = self._kvm.step(seqs, [len(r) for r in rows], rows, block_table=False)
         if out.num_scheduled == 0 and len(set(seqs)) != len(seqs):
             return None
         if out.num_scheduled != len(seqs):
@@ -598,11 +726,19 @@ class PagedKVCacheManager:
                 )
             return
         if request.is_finished():
+            # Lagging tokens need not reach pagedkv: they sit in a partial block, which is
+            # never cached.
             self._kvm.free(seq)
             del self._seq_of[rid]
             del self._num_known[rid]
+            del self._requests[rid]
+            self._lag.pop(rid, None)
+            self._lag_window.pop(rid, None)
         else:
+            if rid in self._lag:
+                self._catch_up([rid])
             self._kvm.preempt([seq])
+            self._lag_window.pop(rid, None)
 
     def remove_skipped_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> None:
         """No-op: full attention never skips blocks."""

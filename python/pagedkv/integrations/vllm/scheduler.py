@@ -8,12 +8,14 @@ Scheduling decisions (admission, chunked prefill, preemption order, stop handlin
 vLLM's own code; the KV cache calls go to :class:`PagedKVCacheManager`. Two changes on top:
 
 - batched decode: vLLM's running loop still calls ``allocate_slots(request, 1)`` once per
-  decoding request, but each such call is answered in Python without calling into Rust (no
-  new block, or one block counted against the pool's free blocks) and the decodes are
-  allocated together in one call (``PagedKVCacheManager.flush_decodes``) before anything
-  else reads or changes pagedkv, at the latest when ``schedule`` returns. A decode that needs a
-  block when none is left takes the per-request path, so preemption happens exactly where
-  stock vLLM preempts.
+  decoding request, but each such call is answered in Python without calling into Rust: a
+  decode inside pagedkv's tail block that does not fill it returns the shared empty result
+  after one range check (pagedkv gets its token later), and one that fills or opens a block
+  (counted against the pool's free blocks) is deferred; the deferred decodes are allocated
+  together in one call (``PagedKVCacheManager.flush_decodes``) before anything else reads or
+  changes pagedkv, at the latest when ``schedule`` returns. A decode that needs a block when
+  none is left takes the per-request path, so preemption happens exactly where stock vLLM
+  preempts.
 - no double hashing: pagedkv hashes blocks in Rust as it caches them, so by default the
   request's Python block hasher is dropped when a request is added (vLLM's engine core has
   already hashed the prompt; output blocks are no longer hashed in Python in
