@@ -309,7 +309,9 @@ class BatchTensors:
 
     Attributes (``S`` scheduled sequences, ``T`` scheduled tokens; "on ``device``" means a torch
     tensor there, or the numpy array itself when ``device`` is ``None``):
-        block_table: ``int32[S, max_blocks]`` dense, padded with the null block 0 (on ``device``).
+        block_table: ``int32[S, max_blocks]`` dense, padded with the null block 0 (on ``device``;
+            on the CPU a view of the :class:`BlockTable`'s buffer, row stride >= ``max_blocks``,
+            valid until the next step).
         slot_mapping: ``int64[T]`` KV-cache slot of each token (``-1`` padded; on ``device``).
         input_ids: ``int64[T]`` token id of each scheduled token (on ``device``).
         positions: ``int64[T]`` position of each token in its sequence (RoPE; on ``device``).
@@ -380,8 +382,11 @@ class BatchTensors:
         moved to ``device`` (one transfer each; none on the CPU, where the tensors share the
         step output's memory -- do not modify it while the result is in use). The dense int32
         block table comes from ``block_tables``, which applies the steps' table deltas to the
-        tables it keeps across steps (:class:`BlockTable`). ``positions`` is computed here.
-        O(S + T + changed table entries + S x longest table), vectorised.
+        tables it keeps across steps (:class:`BlockTable`, one call into Rust): on the CPU it is
+        a view of that object's buffer, valid until its next update (the next step); while the
+        batch keeps its shape the same tensor is returned, its contents updated. ``positions``
+        is computed here. O(S + T + changed table entries) for a batch in the last one's order,
+        plus O(longest table) per sequence that moved, vectorised.
 
         Arrays made by anything other than the core enter through the validating builders of
         this module (:func:`dense_block_table`, :func:`slot_mapping`, ...).
