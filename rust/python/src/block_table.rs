@@ -191,10 +191,12 @@ impl PyBlockTable {
         // rows held, and the whole tables of those that do not.
         let mut rereads: Vec<(usize, Vec<i32>)> = Vec::new();
         let (mut needed, mut new_seqs, mut k) = (1usize, 0usize, 0usize);
+        let mut in_order = true;
         for p in &parts {
             for (j, &id) in p.ids.iter().enumerate() {
                 let row = self.row(k, id);
                 new_seqs += usize::from(row.is_none());
+                in_order &= row == Some(k);
                 let (len, version) = row.map_or((0, FRESH), |r| (self.lens[r], self.versions[r]));
                 let start = p.start[j] as usize;
                 if start == 0 || (i64::from(p.version[j]) == version + 1 && start <= len) {
@@ -219,7 +221,7 @@ impl PyBlockTable {
         // from a fresh one). Rows before k already hold the batch, so a sequence is at row
         // >= k, and each batch sequence is held or new: n <= held + new_seqs <= capacity.
         let mut k = 0;
-        for p in &parts {
+        for p in parts.iter().filter(|_| !in_order) {
             for &id in p.ids {
                 if self.seqs[k] != Some(id) {
                     let r = match self.row_of.get(&id) {
@@ -255,22 +257,28 @@ impl PyBlockTable {
         // The deltas (or whole tables), each into its row; stale entries past the new end
         // (a preempted sequence restarting shorter) are zeroed.
         let (mut width, mut k) = (0usize, 0usize);
-        let mut rereads = rereads.into_iter().peekable();
+        // rereads are in batch order: the next one's batch index, usize::MAX after the last
+        let (mut next, mut reread_at) = (0, rereads.first().map_or(usize::MAX, |r| r.0));
         for p in &parts {
             for j in 0..p.ids.len() {
                 let row = &mut table[k * cols..(k + 1) * cols];
-                let (start, entries) = match rereads.next_if(|(at, _)| *at == k) {
-                    Some((_, whole)) => {
-                        self.num_table_reads += 1;
-                        row[..whole.len()].copy_from_slice(&whole);
-                        (0, whole.len())
+                let (start, entries) = if k == reread_at {
+                    let whole = &rereads[next].1;
+                    next += 1;
+                    reread_at = rereads.get(next).map_or(usize::MAX, |r| r.0);
+                    self.num_table_reads += 1;
+                    row[..whole.len()].copy_from_slice(whole);
+                    (0, whole.len())
+                } else {
+                    let (a, b) = (p.indptr[j] as usize, p.indptr[j + 1] as usize);
+                    let start = p.start[j] as usize;
+                    // most decode deltas are empty or one new block: no memcpy call
+                    match b - a {
+                        0 => {}
+                        1 => row[start] = p.delta[a],
+                        _ => row[start..start + (b - a)].copy_from_slice(&p.delta[a..b]),
                     }
-                    None => {
-                        let (a, b) = (p.indptr[j] as usize, p.indptr[j + 1] as usize);
-                        let start = p.start[j] as usize;
-                        row[start..start + (b - a)].copy_from_slice(&p.delta[a..b]);
-                        (start, b - a)
-                    }
+                    (start, b - a)
                 };
                 let end = start + entries;
                 if end < self.lens[k] {
