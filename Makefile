@@ -120,9 +120,14 @@ MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv
 mypy: deps ## Type-check the Python package (API, _core stub, engine, kernels)
 	$(PYTHON) -m mypy $(MYPY_PATHS)
 
-# run_all.py runs every CPU benchmark (step_overhead.py included) and writes SUMMARY.md.
-bench: setup ## CPU benchmarks (tables on stdout, JSON + SUMMARY.md under benchmarks/results/)
-	$(PYTHON) benchmarks/run_all.py
+# run_all.py runs every CPU benchmark (step_overhead.py included) and writes SUMMARY.md. vLLM
+# (the venv test-vllm uses) is the baseline of the allocator and scheduler tables and of the
+# README table; nano-vllm is a source checkout, so it joins only when NANOVLLM_PATH names one.
+NANOVLLM_PATH ?=
+NANOVLLM_PYTHON ?= $(PYTHON)
+bench: setup vllm-venv ## CPU benchmarks (tables on stdout, JSON + SUMMARY.md under benchmarks/results/, README table)
+	$(PYTHON) benchmarks/run_all.py --vllm-python $(VLLM_VENV)/bin/python \
+		$(if $(NANOVLLM_PATH),--nanovllm-path $(NANOVLLM_PATH) --nanovllm-python $(NANOVLLM_PYTHON))
 
 kernels-aot: setup ## Compile every Triton kernel configuration for sm_80/90/100 without a GPU (also part of bench)
 	$(PYTHON) benchmarks/kernels_aot.py

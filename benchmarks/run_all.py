@@ -4,17 +4,22 @@ kernels_aot run with an empty compile cache) and write
 
 Runs, each in its own subprocess with a time limit: ``allocator_speed.py`` (Mooncake, Azure
 conversation and Azure code traces), ``scaling.py``, ``memory_efficiency.py``, ``sharing.py``,
-``prefix_caching.py`` (each with ``--quick``), ``cluster_sim.py`` (about 3 minutes), and
+``prefix_caching.py`` (each with ``--quick``), ``cluster_sim.py`` (about 3 minutes),
+``vllm_scheduler.py`` (with ``--vllm-python``, run by that interpreter), and
 ``step_overhead.py`` / ``engine_throughput.py`` / ``engine_roofline.py`` when present, and
 ``kernels_aot.py`` (every Triton kernel configuration compiled for sm_80/90/100 without a GPU;
 not ``kernels.py``, which needs CUDA). Each script's output goes to
 ``benchmarks/results/logs/<name>.log``; its tables are echoed when it ends. A script that fails
 or times out is reported in the summary, never hidden.
 
-When the allocator run measured the vLLM baseline, the README's allocator table (between the
-``<!-- BENCH_ALLOCATOR_TABLE_START -->`` / ``END`` markers) is rewritten from this run's JSON
-(allocator speed, the Rust replay, scaling, step overhead), with the load average the run saw,
-so one ``make bench`` regenerates it; ``--no-readme`` leaves the README alone.
+The README's benchmark blocks (between their ``<!-- BENCH_..._START -->`` / ``END`` markers:
+the main benchmark table, the allocator table, the vLLM scheduler table and the simulated
+cluster table) are then rewritten from the run's JSON by ``readme_tables.py``, with a header
+naming the run's commit, date, CPU count and load average, so one ``make bench`` regenerates
+them; a benchmark that failed, did not run, or left a JSON older than the run shows as such
+instead of its old figures. ``--summary-only`` rewrites SUMMARY.md and the README from the
+existing JSON and run record (``results/run_all_status.json``); ``--no-readme`` leaves the
+README alone.
 
 Usage:
   python benchmarks/run_all.py [--vllm-python ~/venvs/vllm/bin/python]
@@ -30,17 +35,17 @@ import os
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common  # noqa: E402
+import readme_tables  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 README = HERE.parent / "README.md"
-TABLE_START = "<!-- BENCH_ALLOCATOR_TABLE_START -->"
-TABLE_END = "<!-- BENCH_ALLOCATOR_TABLE_END -->"
 
 
 def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
@@ -59,6 +64,10 @@ def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
         ("prefix_caching", [py, str(HERE / "prefix_caching.py"), "--quick"], 240),
         ("cluster_sim", [py, str(HERE / "cluster_sim.py")], 600),
     ]
+    if a.vllm_python:
+        # vLLM's own Scheduler, stock vs PagedKVScheduler, run by vLLM's interpreter.
+        jobs.append(("vllm_scheduler", [a.vllm_python, str(HERE / "vllm_scheduler.py"),
+                                        "--steps", "200", "--repeats", "3"], 1200))
     if (HERE / "step_overhead.py").exists():
         jobs.append(("step_overhead", [py, str(HERE / "step_overhead.py")], 180))
     if (HERE / "engine_throughput.py").exists():
@@ -84,6 +93,7 @@ def run_jobs(jobs: list[tuple[str, list[str], float]], results_dir: Path) -> dic
     for name, cmd, timeout in jobs:
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
+        started = time.time()
         log = logs / f"{name}.log"
         with open(log, "w") as f:
             try:
@@ -93,8 +103,15 @@ def run_jobs(jobs: list[tuple[str, list[str], float]], results_dir: Path) -> dic
             except subprocess.TimeoutExpired:
                 rc = None
         dt = time.perf_counter() - t0
+        out = results_dir / f"{name}.json"
+        # A JSON not rewritten during its job is an older run's: the README must not quote it.
+        wrote = out.exists() and out.stat().st_mtime >= started - 1.0
         status[name] = {"rc": rc, "seconds": dt, "log": str(log.relative_to(HERE.parent)),
-                        "command": " ".join(Path(c).name if c == sys.executable else c for c in cmd)}
+                        "command": " ".join(Path(c).name if c == sys.executable else c for c in cmd),
+                        "started": datetime.fromtimestamp(started).isoformat(timespec="seconds"),
+                        "wrote_json": wrote, "commit": common.git_commit(),
+                        "json_when": datetime.fromtimestamp(out.stat().st_mtime).isoformat(timespec="seconds")
+                        if wrote else None}
         bar.write(f"\n=== {name}: {'timed out' if rc is None else f'exit {rc}'} in {dt:.0f} s (log {log})")
         bar.write(_tail_tables(log))
         bar.update(1)
@@ -270,103 +287,6 @@ def summary_markdown(results_dir: Path, status: dict[str, dict[str, Any]]) -> st
     return "\n".join(out)
 
 
-def _n(x: float | None) -> str:
-    """A figure for the README: thousands separated, one decimal below 100."""
-    if x is None:
-        return "-"
-    return f"{x:,.1f}" if x < 100 else f"{x:,.0f}"
-
-
-def readme_allocator_table(results_dir: Path, load: str) -> str | None:
-    """The README's allocator table from this run's JSON (allocator speed with the baselines,
-    the Rust replay, scaling, step overhead), or None when the allocator run has no vLLM
-    figure (a run without baselines does not overwrite the published ratios)."""
-    spd = _load(results_dir, "allocator_speed")
-    if not spd:
-        return None
-    traces = spd["traces"]
-    names = {"mooncake": "Mooncake", "azure_conv": "Azure conversation", "azure_code": "Azure code"}
-    order = [t for t in ("mooncake", "azure_conv", "azure_code") if t in traces]
-    if not order or not all("best" in traces[t]["results"].get("vLLM V1 KVCacheManager", {}) for t in order):
-        return None
-
-    def best(t: str, label: str) -> float | None:
-        r = traces[t]["results"].get(label, {})
-        return r["best"]["ns_per_block_op"] if "best" in r else None
-
-    def ratio(a: float | None, b: float | None) -> str:
-        return f"{b / a:.1f}×" if a and b else "-"
-
-    m = spd["machine"]
-    if spd.get("load_average"):  # as the allocator run ended, when it recorded it
-        load = " / ".join(f"{x:.1f}" for x in spd["load_average"])
-    vllm_ver = traces[order[0]]["results"]["vLLM V1 KVCacheManager"]["version"].get("version", "vLLM")
-    lines = [
-        TABLE_START,
-        f"Allocator figures regenerated by `make bench` (`benchmarks/run_all.py`) from one run: pagedkv "
-        f"commit `{(m.get('pagedkv_commit') or '?')[:12]}`, {m['when']}, {m['cpus']} CPUs, load average "
-        f"{load}; {vllm_ver} and nano-vllm beside it in the same run. CPU ns per block op (thread CPU "
-        "time, best of the repeats), ~256 running sequences, block size 16, prefix caching on (SHA-256); "
-        "the ratio is the baseline's time over pagedkv's.",
-        "",
-        "| trace | pagedkv manager | vLLM KVCacheManager | nano-vllm | pagedkv BlockPool | vLLM BlockPool "
-        "| Rust core alone: manager / pool | through Python ÷ Rust: manager / pool |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for t in order:
-        pk, vl, nv = best(t, "pagedkv (sha256)"), best(t, "vLLM V1 KVCacheManager"), best(t, "nano-vllm BlockManager")
-        pp, vp = best(t, "pagedkv BlockPool"), best(t, "vLLM BlockPool")
-        rm, rp = best(t, "core alone, Rust (sha256)"), best(t, "core BlockPool, Rust")
-        lines.append(
-            f"| {names[t]} | {_n(pk)} | {_n(vl)} ({ratio(pk, vl)}) | {_n(nv)} ({ratio(pk, nv)}) | {_n(pp)} "
-            f"| {_n(vp)} ({ratio(pp, vp)}) | {_n(rm)} / {_n(rp)} | "
-            f"{(pk / rm if pk and rm else 0):.2f} / {(pp / rp if pp and rp else 0):.2f} |"
-        )
-    lines += ["", "Targets: vLLM ≥ 20×, nano-vllm ≥ 5×, vLLM BlockPool ≥ 5×, Python ÷ Rust ≤ 2×."]
-    sc = _load(results_dir, "scaling")
-    if sc:
-        run, pool = sc["sweeps"].get("running", []), sc["sweeps"].get("pool", [])
-        if run and pool:
-            lines += [
-                "",
-                "Cost against scale (`benchmarks/scaling.py`, plot `benchmarks/results/scaling.png`), CPU ns "
-                f"per block op through Python (Rust core alone): {run[0]['running']} → {run[-1]['running']} "
-                f"running sequences {_n(run[0]['python']['ns_per_block_op'])} → "
-                f"{_n(run[-1]['python']['ns_per_block_op'])} ({_n(run[0]['rust']['ns_per_block_op'])} → "
-                f"{_n(run[-1]['rust']['ns_per_block_op'])}); pool of "
-                + " → ".join(f"{p['pool_blocks']:,}" for p in pool)
-                + " blocks: "
-                + " → ".join(_n(p["python"]["ns_per_block_op"]) for p in pool)
-                + " ("
-                + " → ".join(_n(p["rust"]["ns_per_block_op"]) for p in pool)
-                + ").",
-            ]
-    so = _load(results_dir, "step_overhead")
-    if so:
-        by = {r["variant"]: r for r in so["results"]}
-        bare, whole = by.get("step (numpy appends)"), by.get("step + BatchTensors (torch cpu)")
-        if bare and whole:
-            lines += [
-                "",
-                f"One batched decode step of {so['num_seqs']} sequences (`benchmarks/step_overhead.py`): "
-                f"{bare['us_per_step_median']:.1f} µs; with every kernel input as torch tensors "
-                f"(`BatchTensors.from_steps`, block tables kept across steps): {whole['us_per_step_median']:.1f} µs "
-                f"= {whole['us_per_step_median'] / bare['us_per_step_median']:.2f}× (targets < 50 µs, ≤ 1.5×).",
-            ]
-    lines.append(TABLE_END)
-    return "\n".join(lines)
-
-
-def write_readme_table(table: str, readme: Path = README) -> bool:
-    """Replace the marked block of ``readme`` with ``table``; False when the markers are missing."""
-    text = readme.read_text()
-    a, b = text.find(TABLE_START), text.find(TABLE_END)
-    if a < 0 or b < a:
-        return False
-    readme.write_text(text[:a] + table + text[b + len(TABLE_END) :])
-    return True
-
-
 def _engine_table(d: dict[str, Any]) -> str | None:
     """Output tokens/s and goodput per workload and system from engine_throughput.json (None if
     its layout is not the one known here; "-" for goodput in files written before it existed)."""
@@ -392,36 +312,34 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine-args", nargs=argparse.REMAINDER, default=[],
                     help="arguments passed to engine_throughput.py (everything after this flag; default --rounds 1)")
     ap.add_argument("--only", nargs="+", default=None, help="run only these benchmarks")
-    ap.add_argument("--summary-only", action="store_true", help="rewrite SUMMARY.md from existing JSON")
+    ap.add_argument("--summary-only", action="store_true",
+                    help="rewrite SUMMARY.md and the README from the existing JSON")
     ap.add_argument("--results-dir", default=str(common.RESULTS_DIR))
-    ap.add_argument("--no-readme", action="store_true", help="do not rewrite the README's allocator table")
+    ap.add_argument("--no-readme", action="store_true", help="do not rewrite the README's benchmark tables")
     a = ap.parse_args(argv)
     results_dir = Path(a.results_dir)
     status_file = results_dir / "run_all_status.json"
-    status: dict[str, dict[str, Any]] = {}
-    if status_file.exists():
-        status = json.loads(status_file.read_text())
+    run, status = readme_tables.read_status(status_file)
     if not a.summary_only:
         t0 = time.perf_counter()
+        run = {"started": datetime.now().isoformat(timespec="seconds"), "commit": common.git_commit(),
+               "cpus": os.cpu_count(), "only": a.only, "load_average_start": list(os.getloadavg())}
         status.update(run_jobs(plan(a), results_dir))
-        status_file.write_text(json.dumps(status, indent=2) + "\n")
+        # 1 / 5 / 15-minute load averages at the end of the run (the last covers most of it).
+        run["load_average_end"] = list(os.getloadavg())
+        status_file.write_text(json.dumps({"run": run, "jobs": status}, indent=2) + "\n")
         print(f"\nall benchmarks done in {(time.perf_counter() - t0) / 60:.1f} min")
     md = summary_markdown(results_dir, status)
     (results_dir / "SUMMARY.md").write_text(md)
     print(md)
     print(f"wrote {results_dir / 'SUMMARY.md'}")
     if not a.no_readme:
-        # 1 / 5 / 15-minute load averages at the end of the run (the last covers most of it).
-        table = readme_allocator_table(results_dir, "{:.1f} / {:.1f} / {:.1f}".format(*os.getloadavg()))
-        if table is None:
-            print("README allocator table left as it is (no allocator run with the vLLM baseline)")
-        elif write_readme_table(table):
-            print(f"rewrote the allocator table of {README}")
-        else:
-            print(f"README allocator table: markers {TABLE_START} / {TABLE_END} not found in {README}")
+        done = readme_tables.write_readme(readme_tables.readme_blocks(results_dir, run, status), README)
+        for block, what in done.items():
+            print(f"README {block} block: {what}" + (" (no allocator run with the vLLM baseline)"
+                                                   if block == "allocator" and what == "left as it is" else ""))
     if any(s["rc"] != 0 for s in status.values()):
         sys.exit(1)
-
 
 if __name__ == "__main__":
     main()

@@ -162,13 +162,13 @@ def test_pagedkv_pool_adapter_frees_tail_first():
     assert only_prompt[0] == [] and only_prompt[1].tolist() == prompt.tolist()[::-1]
 
 
-def test_run_all_rewrites_the_readme_allocator_table_from_the_run(tmp_path):
-    import json
+def _write(d, name, payload):
+    import json  # noqa: PLC0415
 
-    import run_all  # noqa: PLC0415
+    (d / f"{name}.json").write_text(json.dumps(payload))
 
-    machine = {"pagedkv_commit": "0123456789abcdef", "when": "2026-11-30T12:00:00", "cpus": 2}
 
+def _allocator_fixture(d, with_vllm=True):
     def res(ns):
         return {"best": {"ns_per_block_op": ns}, "version": {"version": "vllm 0.33.0"}}
 
@@ -181,20 +181,272 @@ def test_run_all_rewrites_the_readme_allocator_table_from_the_run(tmp_path):
         "core alone, Rust (sha256)": res(80.0),
         "core BlockPool, Rust": res(10.0),
     }
-    (tmp_path / "allocator_speed.json").write_text(
-        json.dumps({"machine": machine, "traces": {"mooncake": {"results": results}}})
+    if not with_vllm:
+        del results["vLLM V1 KVCacheManager"]
+    _write(
+        d,
+        "allocator_speed",
+        {
+            "machine": {"pagedkv_commit": "0123456789abcdef", "when": "2026-11-30T12:00:00", "cpus": 2},
+            "load_average": [5.0, 5.1, 4.2],
+            "traces": {"mooncake": {"results": results}},
+        },
     )
-    table = run_all.readme_allocator_table(tmp_path, "5.0 / 5.1 / 4.2")
-    assert table is not None and "load average 5.0 / 5.1 / 4.2" in table
-    assert "| Mooncake | 100 | 2,500 (25.0×) | 600 (6.0×) | 20.0 | 110 (5.5×) | 80.0 / 10.0 | 1.25 / 2.00 |" in table
+
+
+def _summary_fixtures(d):
+    """Small JSONs in the layouts the benchmarks write (values chosen so ratios are exact)."""
+    machine = {"pagedkv_commit": "abcdef0123456789", "when": "2026-11-30T12:00:00", "cpus": 2}
+    mem = [
+        {"workload": w, "system": s, "token_states": v}
+        for w, s, v in [
+            ("sharegpt_like", "pagedkv bs=16", 0.975),
+            ("sharegpt_like", "contiguous max", 0.2),
+            ("sharegpt_like", "contiguous oracle", 0.5),
+            ("azure_conv", "pagedkv bs=16", 0.99),
+            ("azure_conv", "contiguous oracle", 0.75),
+        ]
+    ]
+    _write(d, "memory_efficiency", {"machine": machine, "results": mem})
+    sharing = [{"mode": "beam search", "k": k, "saving": v} for k, v in ((2, 0.375), (4, 0.5))]
+    sharing += [
+        {"mode": "parallel sampling", "k": 2, "saving": 0.2, "prompt_tokens_mean": 40.0, "output_tokens_mean": 50.0},
+        {"mode": "parallel sampling, simulated lengths", "k": 2, "saving": 0.034},
+    ]
+    _write(d, "sharing", {"machine": machine, "settings": {"block_size": 16}, "results": sharing})
+    _write(
+        d,
+        "engine_throughput",
+        {
+            "machine": {"threads": 1},
+            "slo": {"ttft_s": 10.0, "tpot_s": 0.5},
+            "workloads": {
+                "trace": {
+                    "requests": 16,
+                    "output_tokens": 320,
+                    "speedup_vs_hf-static": 1.6,
+                    "speedup_vs_hf-cb": 2.0,
+                    "systems": {
+                        "pagedkv": {
+                            "wall_s": 16.0,
+                            "output_tokens_per_s": 20.0,
+                            "goodput_share": 0.75,
+                            "goodput_requests_per_s": 0.75,
+                        },
+                        "hf-static": {
+                            "wall_s": 25.6,
+                            "output_tokens_per_s": 12.5,
+                            "goodput_share": 0.25,
+                            "goodput_requests_per_s": 0.15625,
+                        },
+                        "hf-cb": {"wall_s": 32.0, "output_tokens_per_s": 10.0},
+                    },
+                }
+            },
+        },
+    )
+    _write(d, "engine_roofline", {"staged_schedule_gemm_s": 12.0, "measured_walls_s": {"pagedkv": 16.0}})
+
+
+def test_readme_summary_table_quotes_each_json_with_ratios_and_targets(tmp_path):
+    import readme_tables as rt  # noqa: PLC0415
+
+    _summary_fixtures(tmp_path)
+    md = rt.readme_blocks(tmp_path, None, {})["summary"]
+    assert md.startswith(rt.BLOCKS["summary"][0]) and md.endswith(rt.BLOCKS["summary"][1])
+    assert "no run record" in md and "2 CPUs" in md
+    assert (
+        "| KV memory holding token states, ShareGPT-like lengths, block 16 | 97.5% | contiguous max-length "
+        "20.0%, oracle-length 50.0% | paper Fig. 2: 96.3% vs 20.4–38.2% | 2026-11-30 12:00, `abcdef01` |"
+    ) in md
+    assert "| same, Azure conversation traces, block 16 | 99.0% | contiguous oracle 75.0% |" in md
+    assert "| 37.5 / 50.0% | | paper Fig. 15: 37.56 / 53.13% |" in md
+    assert "| 20.0% | Alpaca-like lengths (19 prompt / 58 output tokens, simulated): 3.4% |" in md
+    assert "~40 tokens = 2 full shared blocks vs ~50 output tokens" in md
+    # Engine: tokens/s, each baseline's ratio and its target verdict, and the GEMM floor share.
+    assert "| 20.0 (16.0 s) | static `generate` 12.5 (25.6 s): 1.60×; `generate_batch` 10.0 (32.0 s): 2.00× |" in md
+    assert "≥ 1.5× static `generate`: met; ≥ 3× `generate_batch`: not met" in md
+    assert "this wall is 1.33× the staged schedule's GEMM time (12.0 s, `engine_roofline.py`), i.e. 75% of" in md
+    assert "target ≥ 90%: not met" in md
+    assert (
+        "| goodput, same workload (TTFT ≤ 10 s and TPOT ≤ 0.5 s) | 75% (0.75 req/s) "
+        "| static `generate` 25% (0.16 req/s) |" in md
+    )
+    # prefix_caching.json is missing: a "not run" row, never old figures.
+    assert "| Mooncake prefix-cache hit rate | not run (`benchmarks/prefix_caching.py`) |" in md
+
+
+def test_readme_tables_show_failed_stale_and_unrun_benchmarks(tmp_path):
+    import readme_tables as rt  # noqa: PLC0415
+
+    _summary_fixtures(tmp_path)
+    run = {
+        "started": "2026-11-30T13:00:00",
+        "commit": "feedfacecafe0000",
+        "cpus": 2,
+        "load_average_end": [3.0, 2.5, 2.0],
+    }
+    jobs = {
+        "memory_efficiency": {"rc": 1},
+        "sharing": {"rc": 0, "wrote_json": False},
+        "engine_throughput": {"rc": None},
+        "engine_roofline": {"rc": 0, "wrote_json": True, "json_when": "2026-11-30T13:05:00"},
+    }
+    md = rt.readme_blocks(tmp_path, run, jobs)["summary"]
+    assert "run started 2026-11-30 13:00:00 at commit `feedfacecafe`, 2 CPUs, load average 3.0 / 2.5 / 2.0" in md
+    assert "| KV memory holding token states | failed (exit 1) (`benchmarks/memory_efficiency.py`) |" in md
+    assert "stale: its run wrote no new JSON (`benchmarks/sharing.py`)" in md
+    assert "| engine output tokens/s | timed out (`benchmarks/engine_throughput.py`) |" in md
+    for old in ("97.5%", "37.5", "20.0 (16.0 s)"):
+        assert old not in md
+    # A JSON from before the run that no job of the run produced is not quoted either.
+    src = rt.load_source(tmp_path, "memory_efficiency", run, {})
+    assert not src.ok and src.problem.startswith("not run in this run (its JSON is from 2026-11-30T12:00:00")
+    # A job of the run that rewrote its JSON is quoted with the run record's time.
+    assert rt.load_source(tmp_path, "engine_roofline", run, jobs).stamp() == "2026-11-30 13:05"
+
+
+def test_readme_allocator_vllm_and_cluster_blocks(tmp_path):
+    import readme_tables as rt  # noqa: PLC0415
+
+    _allocator_fixture(tmp_path)
+    _write(
+        tmp_path,
+        "vllm_scheduler",
+        {
+            "machine": {"when": "2026-11-30T12:10:00", "cpus": 2},
+            "vllm": "0.33.0",
+            "steps": 200,
+            "repeats": 3,
+            "sample_runs": 6,
+            "load_average_1_5_15min": {"start": [5.0, 4, 4], "end": [5.5, 4, 4]},
+            "results": {
+                "decode256": {
+                    "vLLM stock": {
+                        "schedule_us": 2000.0,
+                        "update_us": 1000.0,
+                        "total_us": 3000.0,
+                        "kv_share": 0.5,
+                        "kv_us": 1500.0,
+                        "samples": 1000,
+                    },
+                    "pagedkv": {
+                        "schedule_us": 1000.0,
+                        "update_us": 500.0,
+                        "total_us": 1500.0,
+                        "kv_share": 0.125,
+                        "kv_us": 187.5,
+                        "samples": 600,
+                    },
+                    "pagedkv per-request": {
+                        "schedule_us": 1500.0,
+                        "update_us": 500.0,
+                        "total_us": 2000.0,
+                        "kv_share": 0.3,
+                        "kv_us": 600.0,
+                    },
+                }
+            },
+        },
+    )
+    _write(
+        tmp_path,
+        "cluster_sim",
+        {
+            "machine": {"when": "2026-11-30T12:20:00"},
+            "params": {"kv_tokens_per_replica": 1048576, "rate_per_replica": 1.0},
+            "workload": {"requests": 2500},
+            "rows": [
+                {
+                    "policy": "kv_aware",
+                    "replicas": 8,
+                    "hit_rate": 0.24,
+                    "ttft_p50_s": 0.4,
+                    "ttft_p99_s": 3.0,
+                    "load_max_over_mean": 1.2,
+                },
+                {
+                    "policy": "round_robin",
+                    "replicas": 8,
+                    "hit_rate": 0.08,
+                    "ttft_p50_s": 0.7,
+                    "ttft_p99_s": 6.0,
+                    "load_max_over_mean": 1.6,
+                },
+                {
+                    "policy": "one_big_cache",
+                    "replicas": 8,
+                    "hit_rate": 0.25,
+                    "ttft_p50_s": 0.3,
+                    "ttft_p99_s": 1.0,
+                    "load_max_over_mean": None,
+                },
+            ],
+        },
+    )
+    blocks = rt.readme_blocks(tmp_path, None, {})
+    alloc = blocks["allocator"]
+    assert "load average 5.0 / 5.1 / 4.2" in alloc
+    assert "| Mooncake | 100 | 2,500 (25.0×) | 600 (6.0×) | 20.0 | 110 (5.5×) | 80.0 / 10.0 | 1.25 / 2.00 |" in alloc
+    assert "Cost against scale: not run (`benchmarks/scaling.py`)." in alloc
+    vs = blocks["vllm_scheduler"]
+    assert "| 256 decoding requests | vLLM 0.33.0 stock | 2,000 | 1,000 | 3,000 | 50.0% (1,500) |" in vs
+    assert "| | `PagedKVScheduler` | 1,000 | 500 | 1,500 (2.00×) | 12.5% (188), 4.0× lower |" in vs
+    assert "1-minute load average 5.0–5.5; 600–1,000 CPU-time samples per row" in vs
+    assert "the total is 2,000 µs (1.50×) and the KV share 30.0%" in vs
+    cl = blocks["cluster"]
+    assert "| 8 | kv-aware | 24.0% | 96.0% | 0.40 s | 3.00 s | 1.20 |" in cl
+    assert "| 8 | one-big-cache | 25.0% | 100.0% | 0.30 s | 1.00 s | — |" in cl
+    assert "1M tokens of KV" in cl and "8 replicas: met" in cl
+    # Without the vLLM baseline the published allocator table is left alone.
+    _allocator_fixture(tmp_path, with_vllm=False)
+    assert rt.readme_blocks(tmp_path, None, {})["allocator"] is None
+
+
+def test_write_readme_replaces_only_between_the_markers(tmp_path):
+    import readme_tables as rt  # noqa: PLC0415
+
+    s0, e0 = rt.BLOCKS["summary"]
+    s1, e1 = rt.BLOCKS["allocator"]
     readme = tmp_path / "README.md"
-    readme.write_text(f"intro\n{run_all.TABLE_START}\nold\n{run_all.TABLE_END}\nrest\n")
-    assert run_all.write_readme_table(table, readme)
-    text = readme.read_text()
-    assert text.startswith("intro\n") and text.endswith("\nrest\n") and "old" not in text and "2,500" in text
-    # Without the vLLM baseline the published table is left alone.
-    del results["vLLM V1 KVCacheManager"]
-    (tmp_path / "allocator_speed.json").write_text(
-        json.dumps({"machine": machine, "traces": {"mooncake": {"results": results}}})
+    readme.write_text(f"intro\n{s0}\nold summary\n{e0}\nprose between\n{s1}\nold alloc\n{e1}\nrest\n")
+    done = rt.write_readme(
+        {
+            "summary": f"{s0}\nNEW\n{e0}",
+            "allocator": None,
+            "cluster": "<!-- BENCH_CLUSTER_TABLE_START -->\nX\n<!-- BENCH_CLUSTER_TABLE_END -->",
+        },
+        readme,
     )
-    assert run_all.readme_allocator_table(tmp_path, "1.0 / 1.0 / 1.0") is None
+    assert done == {"summary": "rewritten", "allocator": "left as it is", "cluster": "markers not found"}
+    assert readme.read_text() == f"intro\n{s0}\nNEW\n{e0}\nprose between\n{s1}\nold alloc\n{e1}\nrest\n"
+    # Markers out of order are refused, and the file is left as it was.
+    readme.write_text(f"{e0}\nbody\n{s0}\n")
+    assert rt.write_readme({"summary": f"{s0}\nNEW\n{e0}"}, readme) == {"summary": "markers not found"}
+    assert readme.read_text() == f"{e0}\nbody\n{s0}\n"
+
+
+def test_run_all_summary_only_rewrites_every_readme_block_from_the_committed_results(tmp_path, monkeypatch):
+    import json  # noqa: PLC0415
+    import shutil  # noqa: PLC0415
+
+    import run_all  # noqa: PLC0415
+
+    # The JSON layouts the benchmarks really write (benchmarks/results/), one of them removed.
+    names = [n for n in run_all.readme_tables.SOURCES if (common.RESULTS_DIR / f"{n}.json").exists()]
+    for n in names:
+        shutil.copy(common.RESULTS_DIR / f"{n}.json", tmp_path / f"{n}.json")
+    (tmp_path / "prefix_caching.json").unlink(missing_ok=True)
+    readme = tmp_path / "README.md"
+    readme.write_text("\n\nprose\n\n".join(f"{a}\nold\n{b}" for a, b in run_all.readme_tables.BLOCKS.values()))
+    monkeypatch.setattr(run_all, "README", readme)
+    run_all.main(["--summary-only", "--results-dir", str(tmp_path)])
+    text = readme.read_text()
+    assert "\nold\n" not in text and text.count("\n\nprose\n\n") == len(run_all.readme_tables.BLOCKS) - 1
+    assert "layout not understood" not in text
+    assert "| Mooncake prefix-cache hit rate | not run (`benchmarks/prefix_caching.py`) |" in text
+    if "allocator_speed" in names:
+        spd = json.loads((tmp_path / "allocator_speed.json").read_text())
+        ns = spd["traces"]["mooncake"]["results"]["pagedkv (sha256)"]["best"]["ns_per_block_op"]
+        assert f"| Mooncake | {run_all.readme_tables._n(ns)} |" in text
+    assert (tmp_path / "SUMMARY.md").exists()

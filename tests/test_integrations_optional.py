@@ -170,3 +170,15 @@ def test_missing_dependency_error_is_an_import_error_that_pickles() -> None:
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is pagedkv.MissingDependencyError
     assert (str(back), back.name, back.feature, back.extra) == (str(err), "torch", "pagedkv.kernels", "torch")
+
+
+@pytest.mark.parametrize("package", ["ray", "torch", "transformers"])
+def test_cluster_cli_names_the_ray_extra_for_ray_and_the_engine(package: str) -> None:
+    """`pip install pagedkv` installs ``pagedkv-cluster``; without Ray or the engine's packages it
+    exits 2 with one line naming the ``ray`` extra (which installs both), not a traceback."""
+    res = _run([package], "from pagedkv.cluster.cli import main\nsys.exit(main(['--prompts', 'none.txt']))")
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == (
+        f'pagedkv.cluster: pagedkv-cluster needs {package}, which is not installed: pip install "pagedkv[ray]"\n'
+    )
+    assert {"ray", "msgspec"} | EXTRA_PACKAGES["engine"] <= EXTRA_PACKAGES["ray"]

@@ -205,6 +205,64 @@ def test_vllm_style_payloads_with_int_hashes_are_rehashed_from_tokens() -> None:
     assert ix.worker_status(9)["num_blocks"] == 0  # type: ignore[index]
 
 
+class _MStored(msgspec.Struct, tag="BlockStored"):  # vLLM 0.33's events: maps tagged by "type"
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+
+
+class _MRemoved(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class _MCleared(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+class _MBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_MStored | _MRemoved | _MCleared]
+    data_parallel_rank: int | None = None
+
+
+def test_vllm_map_events_decode_to_the_array_form_and_apply() -> None:
+    """vLLM 0.33 sends each event as a map tagged by "type" (its structs are not array-like):
+    decoded to the array form, they index exactly like the array-form batches above."""
+    enc = msgspec.msgpack.Encoder()
+    toks = list(range(1, 13))
+    b1 = enc.encode(_MBatch(1.0, [_MStored([11, 12], None, toks[:8], 4, None, "GPU")], 0))
+    decoded = wire.decode_event_batch(b1)
+    assert decoded.events == [["BlockStored", [11, 12], None, toks[:8], 4, None, "GPU", None]]
+    assert (decoded.ts, decoded.data_parallel_rank, decoded.hash_root) == (1.0, 0, None)
+    ix = pagedkv.KVIndexer(4)
+    ix.add_worker(9, hash_source="tokens")
+    assert wire.apply_payload(ix, 9, 0, b1) == "applied"
+    b2 = enc.encode(_MBatch(2.0, [_MStored([13], 12, toks[8:12], 4, 7, "GPU")]))
+    assert wire.apply_payload(ix, 9, 1, b2) == "applied"
+    assert ix.overlap(toks + [0]) == {9: 2}  # the third block was stored under LoRA 7
+    assert wire.decode_event_batch(enc.encode(_MBatch(3.0, [_MRemoved([12], "GPU")]))).events == [
+        ["BlockRemoved", [12], "GPU"]
+    ]
+    assert wire.apply_payload(ix, 9, 2, enc.encode(_MBatch(3.0, [_MRemoved([12], "GPU")]))) == "applied"
+    assert ix.overlap(toks + [0]) == {9: 1}
+    assert wire.apply_payload(ix, 9, 3, enc.encode(_MBatch(4.0, [_MCleared()]))) == "applied"
+    assert ix.worker_status(9)["num_blocks"] == 0  # type: ignore[index]
+    for bad, match in (
+        ({"type": "BlockMoved", "block_hashes": [1]}, "type 'BlockMoved'"),
+        ({"block_hashes": [1]}, "type None"),
+        ({"type": "BlockStored", "block_hashes": [1], "block_size": 4}, r"lacks \['token_ids'\]"),
+        ({"type": "BlockRemoved"}, r"lacks \['block_hashes'\]"),
+    ):
+        with pytest.raises(wire.WireFormatError, match=match):
+            wire.decode_event_batch(msgspec.msgpack.encode([1.0, [bad]]))
+    assert ix.worker_status(9)["next_seq"] == 4  # type: ignore[index]
+
+
 def test_malformed_payloads() -> None:
     with pytest.raises(wire.WireFormatError, match="not msgpack"):
         wire.decode_event_batch(b"\xc1")

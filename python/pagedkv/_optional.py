@@ -17,15 +17,18 @@ from pagedkv.errors import MissingDependencyError
 
 __all__ = ["EXTRA_PACKAGES", "missing_dependency", "optional_imports"]
 
+_ENGINE = frozenset(
+    {"torch", "triton", "transformers", "gguf", "accelerate", "tokenizers", "safetensors", "tqdm", "rich"}
+)
+
 #: extra of ``pyproject.toml`` -> the top-level modules of the packages it installs that pagedkv
-#: imports (tests/test_optional_deps.py checks these against ``pyproject.toml``).
+#: imports (tests/test_integrations_optional.py checks these against ``pyproject.toml``).
 EXTRA_PACKAGES: dict[str, frozenset[str]] = {
     "torch": frozenset({"torch", "triton"}),
-    "engine": frozenset(
-        {"torch", "triton", "transformers", "gguf", "accelerate", "tokenizers", "safetensors", "tqdm", "rich"}
-    ),
+    "engine": _ENGINE,
     "routing": frozenset({"msgspec"}),
-    "ray": frozenset({"ray", "msgspec"}),
+    # pagedkv.cluster runs LLMEngine replicas: its extra brings the engine's packages too.
+    "ray": _ENGINE | {"ray", "msgspec"},
     "vllm": frozenset({"vllm"}),
 }
 

@@ -129,8 +129,10 @@ def test_engines_differing_in_one_part_share_no_block_hash(tiny, base_hashes, pa
         scaled = build_tiny_model(tmp_path / "linear", rope_parameters=dict(rope_type="linear", factor=2.0))
         other = _engine(scaled.hf, scaled.tokenizer)
     changed = {k for k in IDENTITY_PARTS if other.cache_identity.parts[k] != base.parts[k]}
-    want = {"adapter": {"weights"}, "rope": {"weights", "rope"}}.get(part, {part})
-    assert changed == want  # exactly the part under test (the config is digested with the weights)
+    # Exactly the part under test; the config is digested with the weights, and the weights as
+    # the engine computes with them (cast to its dtype).
+    want = {"adapter": {"weights"}, "rope": {"weights", "rope"}, "kv_dtype": {"weights", "kv_dtype"}}.get(part, {part})
+    assert changed == want
     hashes = stored_hashes(other)
     assert len(hashes) == len(base_hashes) == 4
     assert not set(hashes) & set(base_hashes)
@@ -176,9 +178,9 @@ def test_weights_digest_cache_is_keyed_by_the_files(tiny, tmp_path, monkeypatch)
     calls: list[int] = []
     real = identity.weights_digest
 
-    def counting(hf: Any) -> str:
+    def counting(hf: Any, dtype: Any = None) -> str:
         calls.append(1)
-        return real(hf)
+        return real(hf, dtype)
 
     monkeypatch.setattr(identity, "weights_digest", counting)
     first = cached_weights_digest(bundle.hf, folder, torch.float32)
@@ -219,3 +221,32 @@ def test_bad_identity_input_is_a_typed_error(tiny):
         weights_digest(object())
     with pytest.raises(EngineConfigError, match="tokenizer=object"):
         tokenizer_digest(object())
+
+
+def test_tokenizer_digest_ignores_padding_and_truncation_state(tiny):
+    """transformers leaves padding / truncation switched on in the backend after a call that
+    asks for them; that is call-time state, not the text -> ids map, so an engine built after
+    such a call has the same identity (and the caller's tokenizer keeps its state)."""
+    tok = copy.deepcopy(tiny.tokenizer)
+    clean = tokenizer_digest(tok)
+    assert tok.backend_tokenizer.padding is None and tok.backend_tokenizer.truncation is None
+    tok(["w7 w8", "w9"], padding=True, truncation=True, max_length=2)
+    assert tok.backend_tokenizer.padding is not None and tok.backend_tokenizer.truncation is not None
+    assert tokenizer_digest(tok) == clean
+    assert tok.backend_tokenizer.padding is not None and tok.backend_tokenizer.truncation["max_length"] == 2
+    base = _engine(tiny.hf, tiny.tokenizer).cache_identity.digest
+    assert _engine(tiny.hf, tok).cache_identity.digest == base
+
+
+def test_a_loaded_model_served_at_another_dtype_matches_the_files_loaded_at_it(tiny):
+    """The weights are digested as the engine computes with them: the fp32 model object served
+    at bf16 and the same files loaded at bf16 have one identity and the same block hashes."""
+    from_files = _engine(str(tiny.path), dtype=torch.bfloat16)
+    from_object = _engine(tiny.hf, tiny.tokenizer, dtype="bfloat16")
+    assert next(iter(tiny.hf.parameters())).dtype == torch.float32  # the caller's model is not cast
+    assert from_object.cache_identity.digest == from_files.cache_identity.digest
+    assert from_object.cache_identity.parts["weights"] == weights_digest(tiny.hf, torch.bfloat16)
+    assert weights_digest(tiny.hf, torch.bfloat16) != weights_digest(tiny.hf) == weights_digest(tiny.hf, "float32")
+    assert stored_hashes(from_object) == stored_hashes(from_files)
+    with pytest.raises(EngineConfigError, match="dtype"):
+        weights_digest(tiny.hf, "int8")

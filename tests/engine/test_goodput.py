@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 import pagedkv
@@ -98,6 +99,10 @@ def test_metrics_snapshot_reports_goodput_by_hand() -> None:
     # c (TPOT 0.5 s) and e (TTFT 3 s) miss it.
     assert collector.snapshot(manager.stats()).good_requests == 2
     assert (DEFAULT_SLO.ttft_s, DEFAULT_SLO.tpot_s) == (2.0, 0.1)
+    for bad in (2.0, (2.0, 0.1), "fast", None):
+        with pytest.raises(EngineConfigError, match="expected a ServiceLevelObjective"):
+            collector.snapshot(manager.stats(), bad)  # type: ignore[arg-type]
+    assert collector.snapshot(manager.stats(), SLO).good_requests == 2  # nothing changed
 
 
 def test_result_row_carries_tpot() -> None:
@@ -107,9 +112,20 @@ def test_result_row_carries_tpot() -> None:
 
 
 @pytest.mark.parametrize("field", ["ttft_s", "tpot_s"])
-@pytest.mark.parametrize("value", [0, 0.0, -1.0, math.nan, math.inf, -math.inf, True, "1"])
+@pytest.mark.parametrize(
+    "value",
+    [0, 0.0, -1.0, math.nan, math.inf, -math.inf, True, np.bool_(True), "1", None, 10**400, np.float32("nan")],
+    ids=lambda v: repr(v)[:16],
+)
 def test_bad_objective_is_a_typed_error_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(EngineConfigError, match=rf"ServiceLevelObjective {field}=.* must be a finite number"):
         ServiceLevelObjective(**{field: value})  # type: ignore[arg-type]
     with pytest.raises(ValueError):  # EngineConfigError is a ValueError
         ServiceLevelObjective(**{field: value})  # type: ignore[arg-type]
+
+
+def test_objective_takes_any_real_number_as_float_seconds() -> None:
+    slo = ServiceLevelObjective(ttft_s=np.float32(0.5), tpot_s=np.int64(2))
+    assert (slo.ttft_s, slo.tpot_s) == (0.5, 2.0)
+    assert type(slo.ttft_s) is float and type(slo.tpot_s) is float
+    assert ServiceLevelObjective(ttft_s=3).ttft_s == 3.0 and ServiceLevelObjective(tpot_s=1e300).tpot_s == 1e300

@@ -10,9 +10,9 @@
   and its unanswered requests are routed again, so every request is answered exactly once.
 - ``python -m pagedkv.cluster`` (:mod:`pagedkv.cluster.cli`) -- serve a prompts file or a trace.
 
-Needs ``ray`` (``pip install "pagedkv[ray]"``), imported on first use: a
-:class:`ReplicaCluster` without it raises :class:`pagedkv.MissingDependencyError` naming the
-extra.
+Needs ``ray`` and the engine's packages (``pip install "pagedkv[ray]"`` brings both), imported
+on first use: a :class:`ReplicaCluster` without Ray raises :class:`pagedkv.MissingDependencyError`
+naming the extra.
 """
 
 from __future__ import annotations

@@ -12,12 +12,14 @@ Prompts and trace files use the formats of ``pagedkv-engine`` (see ``pagedkv-eng
 Each output line: ``id``, ``replica``, ``attempts``, ``overlap_blocks`` (cached prefix blocks
 on the chosen replica, as the router saw it), ``num_cached_tokens``, ``text``, ``token_ids``,
 ``finish_reason``, or ``error`` for a request the engine refused. Exit status: 0, 1 when every
-request was refused, 2 for bad arguments or files.
+request was refused, 2 for bad arguments or files, or a missing package of the ``ray`` extra
+(Ray and the engine's packages: ``pip install "pagedkv[ray]"``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -86,10 +88,23 @@ def main(argv: list[str] | None = None) -> int:
     line per request. Returns 0 when any request was answered, 1 when none was, 2 for a bad file
     or argument (argparse exits 2 itself for a bad flag value)."""
     args = build_parser().parse_args(argv)
+    from pagedkv._optional import optional_imports  # noqa: PLC0415
+    from pagedkv.errors import MissingDependencyError  # noqa: PLC0415
+
+    # `pip install pagedkv` installs this command, not Ray or the engine the replicas run: say
+    # so (and which extra brings both) before any file is read or a replica started.
+    try:
+        with optional_imports("pagedkv-cluster", "ray"):
+            import ray  # noqa: F401, PLC0415
+
+            from pagedkv.engine.sampling import SamplingParams  # noqa: PLC0415
+
+            importlib.import_module("transformers")  # after torch: without torch it prints a warning
+    except MissingDependencyError as e:
+        return _fail(str(e))
     from pagedkv.cluster.cluster import ClusterRequest, ReplicaCluster  # noqa: PLC0415
     from pagedkv.engine.errors import EngineError, PromptFileError  # noqa: PLC0415
     from pagedkv.engine.inputs import read_prompts, read_trace, synthetic_prompt  # noqa: PLC0415
-    from pagedkv.engine.sampling import SamplingParams  # noqa: PLC0415
     from pagedkv.routing import policy_by_name  # noqa: PLC0415
 
     try:

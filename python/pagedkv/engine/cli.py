@@ -106,7 +106,7 @@ cache identity (printed at startup, in the stats table and as "cache_identity" i
 --metrics-json): one SHA-256 digest of what, besides the token ids, decides the KV of
 a block; it seeds every prefix-cache block hash, so engines (and their KV events) share
 hashes only when all of these agree:
-  weights        model config + every tensor's name, dtype, shape and bytes
+  weights        model config + every tensor's name, dtype, shape and bytes (at --dtype)
   tokenizer      the tokenizer's full serialization and special tokens
   chat_template  the chat template text, or none
   adapter        the LoRA adapter, or none (this engine loads none)

@@ -342,7 +342,11 @@ class LLMEngine:
 
     def metrics(self, slo: ServiceLevelObjective = DEFAULT_SLO) -> EngineMetrics:
         """Serving metrics since the engine started (or the last :meth:`reset_metrics`), goodput
-        judged against ``slo`` (TTFT and TPOT targets, :mod:`pagedkv.engine.goodput`)."""
+        judged against ``slo`` (TTFT and TPOT targets, :mod:`pagedkv.engine.goodput`).
+
+        Raises:
+            EngineConfigError: ``slo`` is not a ``ServiceLevelObjective``.
+        """
         return self.metrics_collector.snapshot(self.manager.stats(), slo)
 
     def reset_metrics(self) -> None:

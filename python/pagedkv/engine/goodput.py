@@ -21,8 +21,11 @@ Torch-free, so the CLI checks its ``--slo-*`` flags and benchmarks score any sys
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from .errors import EngineConfigError
 
@@ -41,8 +44,9 @@ class ServiceLevelObjective:
         tpot_s: time-per-output-token target, seconds, finite and > 0.
 
     Raises:
-        EngineConfigError: a target that is not a finite number > 0 (``0``, negative, NaN,
-            infinity, a bool or a string); the message names the field and the value.
+        EngineConfigError: a target that is not a finite real number > 0 (``0``, negative, NaN,
+            infinity, an int too large for a float, a bool or a string); the message names the
+            field and the value. Accepted targets are stored as ``float`` (numpy scalars too).
     """
 
     ttft_s: float = 2.0
@@ -51,11 +55,16 @@ class ServiceLevelObjective:
     def __post_init__(self) -> None:
         for name in ("ttft_s", "tpot_s"):
             value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if not (ok and math.isfinite(value) and value > 0):
-                raise EngineConfigError(
-                    f"ServiceLevelObjective {name}={value!r} must be a finite number of seconds > 0"
-                )
+            seconds = math.nan
+            if isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_)):
+                try:  # numpy scalars too; an int too large for a float is not finite
+                    seconds = float(value)
+                except OverflowError:
+                    pass
+            if not (math.isfinite(seconds) and seconds > 0):
+                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+                raise EngineConfigError(f"ServiceLevelObjective {name}={shown} must be a finite number of seconds > 0")
+            object.__setattr__(self, name, seconds)
 
     def is_met(self, ttft_s: float, tpot_s: float | None) -> bool:
         """Whether a request with these latencies (seconds; ``tpot_s`` ``None`` for a

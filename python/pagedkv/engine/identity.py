@@ -12,11 +12,14 @@ part              what is digested (SHA-256, hex)
 ================= ========================================================================
 ``weights``       the model config (canonical JSON; file paths, the transformers version and
                   the dtype field left out) and every tensor of the state dict in name
-                  order: name, dtype, shape and bytes (a tensor sharing another's storage,
-                  e.g. a tied LM head, is named with the one it aliases, not hashed twice)
+                  order: name, dtype, shape and bytes, floating-point tensors as cast to the
+                  engine's dtype (so a model loaded at fp32 and served at bf16 digests like
+                  the same files loaded at bf16); a tensor sharing another's storage, e.g. a
+                  tied LM head, is named with the one it aliases, not hashed twice
 ``tokenizer``     the tokenizer class, its special tokens and its full serialized form (a
                   fast tokenizer's ``tokenizers`` JSON: vocabulary, merges, normalizer,
-                  pre-tokenizer, post-processor, added tokens); a slow one's sorted vocabulary
+                  pre-tokenizer, post-processor, added tokens; padding and truncation, which
+                  are call-time state, left out); a slow one's sorted vocabulary
 ``chat_template`` the chat template text(s), or ``"none"``
 ``adapter``       the LoRA adapter, or ``"none"``: the reference engine loads none (an adapter
                   merged into the weights shows in ``weights``; a per-request adapter of
@@ -37,11 +40,11 @@ Left out on purpose: the device and attention kernel (CPU reference vs Triton), 
 differ only by float rounding, as batch composition does; the block size and hash algorithm,
 which already give different hashes (and the indexer checks the block size).
 
-Cost: hashing the weights reads every tensor once (about 0.8 s for SmolLM2-135M's 513 MiB of
-fp32 tensors on one core). For a model loaded from files the weights digest is cached, keyed by
-the loaded files' paths, sizes and mtimes, the dtype and the transformers version, next to the
-loader's GGUF conversion cache (``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv/gguf/``, folder
-``weights-digests/``), so later starts skip it.
+Cost: hashing the weights reads every tensor once (0.4 to 1.0 s, by machine load, for
+SmolLM2-135M's 513 MiB of fp32 tensors on one core). For a model loaded from files the weights
+digest is cached, keyed by the loaded files' paths, sizes and mtimes, the dtype and the
+transformers version, next to the loader's GGUF conversion cache (``$PAGEDKV_CACHE_DIR`` or
+``~/.cache/pagedkv/gguf/``, folder ``weights-digests/``), so later starts skip it.
 """
 
 from __future__ import annotations
@@ -165,7 +168,7 @@ class CacheIdentity:
         """
         return cls(
             {
-                "weights": weights if weights is not None else weights_digest(hf_model),
+                "weights": weights if weights is not None else weights_digest(hf_model, kv_dtype),
                 "tokenizer": tokenizer_digest(tokenizer),
                 "chat_template": chat_template_digest(tokenizer),
                 "adapter": "none",
@@ -175,14 +178,21 @@ class CacheIdentity:
         )
 
 
-def weights_digest(hf_model: Any) -> str:
-    """SHA-256 hex of a transformers model's config and state dict (see the module docs).
-    O(bytes of the weights); tensors on another device are copied to the CPU one at a time.
+def weights_digest(hf_model: Any, dtype: Any = None) -> str:
+    """SHA-256 hex of a transformers model's config and state dict (see the module docs), its
+    floating-point tensors as cast to ``dtype`` (the engine's compute dtype: a torch dtype or
+    its name; ``None``: as they are). O(bytes of the weights); tensors on another device or
+    dtype are converted one at a time.
 
     Raises:
-        EngineConfigError: ``hf_model`` has no ``config`` with ``to_dict`` or no ``state_dict``.
+        EngineConfigError: ``hf_model`` has no ``config`` with ``to_dict`` or no ``state_dict``;
+            ``dtype`` is not a dtype the engine serves.
     """
     import torch
+
+    from .config import torch_dtype
+
+    target = None if dtype is None else torch_dtype(dtype)
 
     config: Any = getattr(hf_model, "config", None)
     if not hasattr(config, "to_dict") or not callable(getattr(hf_model, "state_dict", None)):
@@ -196,15 +206,16 @@ def weights_digest(hf_model: Any) -> str:
     seen: dict[tuple[int, int, tuple[int, ...], tuple[int, ...], str], str] = {}
     for name, tensor in sorted(hf_model.state_dict().items()):
         t = tensor.detach()
-        head = _canonical([name, str(t.dtype).removeprefix("torch."), list(t.shape)])
-        h.update(len(head).to_bytes(8, "little") + head)
         # An alias (tied embedding / LM head) is named, not hashed again.
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+        as_dtype = target if target is not None and t.is_floating_point() else t.dtype
+        head = _canonical([name, str(as_dtype).removeprefix("torch."), list(t.shape)])
+        h.update(len(head).to_bytes(8, "little") + head)
         if key in seen:
             h.update(b"A" + seen[key].encode() + b"\0")
             continue
         seen[key] = name
-        data = t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        data = t.to("cpu", as_dtype).contiguous().reshape(-1).view(torch.uint8).numpy()
         h.update(b"T" + data.nbytes.to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()
@@ -212,13 +223,22 @@ def weights_digest(hf_model: Any) -> str:
 
 def tokenizer_digest(tokenizer: Any) -> str:
     """SHA-256 hex of a tokenizer: class name, special tokens, and the fast tokenizer's full
-    serialization (else the sorted vocabulary). Deterministic across processes.
+    serialization without its padding and truncation settings (else the sorted vocabulary).
+    Deterministic across processes, and unchanged by earlier ``tokenizer(..., padding=...,
+    truncation=...)`` calls.
 
     Raises:
         EngineConfigError: the tokenizer has neither a ``backend_tokenizer`` nor ``get_vocab``.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "to_str"):
+        # Padding and truncation are call-time state of the backend (transformers switches them
+        # on for `tokenizer(..., padding=True)` and leaves them on), not part of the text -> ids
+        # map: an engine built after such a call must get the same digest.
+        if getattr(backend, "padding", None) is not None or getattr(backend, "truncation", None) is not None:
+            backend = type(backend).from_str(backend.to_str())
+            backend.no_padding()
+            backend.no_truncation()
         body = backend.to_str()
     elif callable(getattr(tokenizer, "get_vocab", None)):
         body = _canonical(sorted(tokenizer.get_vocab().items(), key=lambda kv: (kv[1], kv[0]))).decode()
@@ -278,18 +298,18 @@ def cached_weights_digest(hf_model: Any, model_path: Any, dtype: Any) -> str:
     """
     files = _source_files(model_path)
     if not files:
-        return weights_digest(hf_model)
+        return weights_digest(hf_model, dtype)
     try:
         path = _digest_cache_file(files, dtype)
     except OSError:  # a file vanished since the load: no cache entry
-        return weights_digest(hf_model)
+        return weights_digest(hf_model, dtype)
     try:
         cached = json.loads(path.read_text())["weights"]
         if isinstance(cached, str) and len(cached) == 64:
             return cached
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    digest = weights_digest(hf_model)
+    digest = weights_digest(hf_model, dtype)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         _prune(path.parent)

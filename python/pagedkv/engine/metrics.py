@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from .errors import EngineConfigError
 from .goodput import DEFAULT_SLO, ServiceLevelObjective, goodput
 from .request import RequestOutput
 
@@ -140,7 +141,15 @@ class MetricsCollector:
     def snapshot(self, stats: Any, slo: ServiceLevelObjective = DEFAULT_SLO) -> EngineMetrics:
         """Summary so far; ``stats`` is the manager's current :class:`pagedkv.CacheStats`
         (cumulative counters: prefix hits, copies, swaps, preemptions); goodput is judged
-        against ``slo``."""
+        against ``slo``.
+
+        Raises:
+            EngineConfigError: ``slo`` is not a :class:`ServiceLevelObjective`.
+        """
+        if not isinstance(slo, ServiceLevelObjective):
+            raise EngineConfigError(
+                f"slo={slo!r} is invalid: expected a ServiceLevelObjective(ttft_s=..., tpot_s=...)"[:200]
+            )
         outs = self.outputs
         elapsed = (self.end - self.start) if (self.start is not None and self.end is not None) else 0.0
         n_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)

@@ -3,11 +3,16 @@
 vLLM V1 engines publish KV cache events over ZMQ (``--kv-events-config``): each message is the
 frames ``[topic, seq (8-byte big-endian), payload]`` and ``payload`` is a msgpack array
 ``[ts: float, events: list, data_parallel_rank: int | None]`` (the last item may be absent).
-Each event is an array whose first item names its type (msgspec tagged, array-like structs):
+Each event is an array whose first item names its type (msgspec tagged, array-like structs, as
+older vLLM releases and pagedkv replicas send them):
 
 - ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, ...]``
 - ``["BlockRemoved", block_hashes, medium, ...]``
 - ``["AllBlocksCleared"]``
+
+or a map tagged by ``"type"`` (vLLM 0.33's structs are not array-like):
+``{"type": "BlockStored", "block_hashes": ..., "parent_block_hash": ..., ...}``, which decoding
+turns into the array form above (a missing optional field is None).
 
 Block hashes are ints or bytes. Newer engines append fields; decoding keeps the leading ones it
 knows. :meth:`pagedkv.KVIndexer.apply` takes decoded events as they are, so a router watches
@@ -136,8 +141,10 @@ def encode_event_batch(
 
 
 def decode_event_batch(payload: bytes) -> EventBatch:
-    """Decodes one batch payload. Raises :class:`WireFormatError` for bytes that are not
-    msgpack or not ``[ts, [events...], rank?]`` with each event ``[type name, ...]``."""
+    """Decodes one batch payload (events in the array form, maps converted). Raises
+    :class:`WireFormatError` for bytes that are not msgpack or not ``[ts, [events...], rank?,
+    hash_root?]`` with each event ``[type name, ...]`` or a map with a known ``"type"`` and its
+    required fields."""
     mp = _msgpack()
     try:
         obj = mp.decode(payload)
@@ -152,8 +159,10 @@ def decode_event_batch(payload: bytes) -> EventBatch:
     if isinstance(ts, bool) or not isinstance(ts, (int, float)):
         raise WireFormatError(f"KV event batch timestamp must be a number, got {ts!r}")
     for i, ev in enumerate(events):
+        if isinstance(ev, dict):
+            events[i] = ev = _event_from_map(i, ev)
         if not isinstance(ev, list) or not ev or not isinstance(ev[0], str):
-            raise WireFormatError(f"event {i} is not [type name, fields...]: {ev!r}"[:200])
+            raise WireFormatError(f"event {i} is not [type name, fields...] or a map with a type: {ev!r}"[:200])
     rank = obj[2] if len(obj) > 2 else None
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int)):
         raise WireFormatError(f"data_parallel_rank must be an int or None, got {rank!r}")
@@ -161,6 +170,31 @@ def decode_event_batch(payload: bytes) -> EventBatch:
     if root is not None and not (isinstance(root, bytes) and len(root) == 32):
         raise WireFormatError(f"hash_root must be 32 bytes or None, got {root!r}"[:200])
     return EventBatch(float(ts), events, rank, root)
+
+
+# Field order of the array form, per event type, and the fields a map must carry.
+_MAP_FIELDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "BlockStored": (
+        ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+        frozenset({"block_hashes", "token_ids", "block_size"}),
+    ),
+    "BlockRemoved": (("block_hashes", "medium"), frozenset({"block_hashes"})),
+    "AllBlocksCleared": ((), frozenset()),
+}
+
+
+def _event_from_map(i: int, ev: dict[Any, Any]) -> list[Any]:
+    """The array form of event ``i`` sent as a map tagged by ``"type"`` (vLLM 0.33)."""
+    kind = ev.get("type")
+    if kind not in _MAP_FIELDS:
+        raise WireFormatError(
+            f"event {i} has type {kind!r}: expected BlockStored, BlockRemoved or AllBlocksCleared"[:200]
+        )
+    fields, required = _MAP_FIELDS[kind]
+    missing = sorted(required - ev.keys())
+    if missing:
+        raise WireFormatError(f"event {i} ({kind}) lacks {missing}")
+    return [kind, *(ev.get(f) for f in fields)]
 
 
 def decode_zmq_frames(frames: Sequence[bytes]) -> tuple[int, EventBatch]:

@@ -305,6 +305,22 @@ def test_events_are_vllm_objects_on_the_wire(monkeypatch: pytest.MonkeyPatch, in
     wire = msgspec.msgpack.Encoder().encode(batch)
     back = msgspec.msgpack.Decoder(type=KVEventBatch).decode(wire)
     assert back.events == events
+    # A router reads that payload with pagedkv.routing.wire (vLLM's events arrive as maps) and
+    # indexes the worker's 4 blocks, rehashed from their token ids.
+    from pagedkv.routing import wire as pagedkv_wire
+
+    decoded = pagedkv_wire.decode_event_batch(wire)
+    assert [ev[0] for ev in decoded.events] == [type(ev).__name__ for ev in events]
+    assert decoded.events[0][1:5] == [
+        stored[0].block_hashes,
+        stored[0].parent_block_hash,
+        stored[0].token_ids,
+        stored[0].block_size,
+    ]
+    indexer = pagedkv.KVIndexer(BS)
+    indexer.add_worker(3, hash_source="tokens")
+    assert pagedkv_wire.apply_payload(indexer, 3, 0, wire) == "applied"
+    assert indexer.worker_status(3)["num_blocks"] == 4
 
 
 def test_events_have_set_semantics_under_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
