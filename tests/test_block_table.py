@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from pagedkv import CacheConfig, KVCacheManager
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.errors import InvalidArgumentError, UnknownSequenceError
 from pagedkv.tensors import BlockTable
 
 
@@ -68,7 +68,11 @@ def test_preempted_sequence_comes_back_shorter_zero_padded() -> None:
     out, kept = step(m, tables, [1, 2], [4, 1], [[], [5]])  # seq 1 restarts with 1 block
     assert out.table_start.tolist() == [0, 1]
     assert kept.shape == (2, 1)
-    assert tables._table[tables._row_of[1], 1:5].tolist() == [0, 0, 0, 0]  # no stale entries
+    # no stale entries: once the other sequence's table is wider, seq 1's row (now 2 blocks)
+    # shows the null block where its pre-preemption blocks 2..4 were
+    m.append_tokens(2, list(range(20)))
+    out, kept = step(m, tables, [1, 2], [1, 20])
+    assert kept.shape[1] == 6 and kept[0, 2:].tolist() == [0, 0, 0, 0]
 
 
 def test_swap_in_rewrites_the_whole_table() -> None:
@@ -129,23 +133,97 @@ def test_block_table_needs_a_manager() -> None:
         BlockTable(object())  # type: ignore[arg-type]
 
 
-def test_apply_table_deltas_refuses_bad_arrays_and_writes_nothing() -> None:
-    from pagedkv._core import apply_table_deltas
-
+def test_bad_arguments_are_refused_with_typed_errors() -> None:
     m = make()
-    m.add_sequence(1, [1] * 5)
-    out = m.step(np.array([1], np.uint64), 5)
-    table = np.zeros((2, 4), np.int32)
-    lens, versions = np.zeros(2, np.int64), np.full(2, -2, np.int64)
-    with pytest.raises(InvalidArgumentError, match="row out of range"):
-        apply_table_deltas(table, lens, versions, np.array([5], np.int64), [out])
-    with pytest.raises(InvalidArgumentError, match="share memory"):
-        apply_table_deltas(table, lens, lens, np.array([0], np.int64), [out])
-    with pytest.raises(InvalidArgumentError, match="rows"):
-        apply_table_deltas(table, lens, versions, np.array([0, 1], np.int64), [out])
-    assert not table.any() and not lens.any()
-    # too narrow: the columns needed come back, nothing written
-    assert apply_table_deltas(np.zeros((2, 1), np.int32), lens, versions, np.array([0], np.int64), [out]) == (2, None)
-    width, (reread, dense) = apply_table_deltas(table, lens, versions, np.array([1], np.int64), [out])
-    assert (width, reread, dense.tolist()) == (2, [], [[1, 2]])
-    assert table[1].tolist() == [1, 2, 0, 0] and lens.tolist() == [0, 2] and versions.tolist() == [-2, 1]
+    for kw in ({"rows": -1}, {"width": 2.5}, {"rows": "8"}):
+        with pytest.raises(InvalidArgumentError):
+            BlockTable(m, **kw)  # type: ignore[arg-type]
+    tables = BlockTable(m)
+    for bad in (None, [None], [np.zeros(3)], "steps"):
+        with pytest.raises(InvalidArgumentError, match="steps"):
+            tables.update(bad)  # type: ignore[arg-type]
+    assert tables.num_rows == 0
+
+
+def test_refused_updates_change_nothing() -> None:
+    m = make(enable_prefix_caching=False)
+    tables = BlockTable(m)
+    for s in (1, 2):
+        m.add_sequence(s, [s] * 5)
+    first = m.step(np.array([1, 2], np.uint64), 5)
+    kept = tables.update(first).tolist()
+    dup = m.step(np.array([1], np.uint64), 1, np.array([7]))
+    with pytest.raises(InvalidArgumentError, match="scheduled twice"):
+        tables.update([dup, dup])
+    # an output skipped, then one of a sequence freed since: its table cannot be read whole
+    m.fork(2, 3)
+    skipped = m.step(np.array([3], np.uint64), 1, np.array([8]))
+    late = m.step(np.array([3], np.uint64), 1, np.array([9]))
+    m.free(3)
+    with pytest.raises(UnknownSequenceError):
+        tables.update([late])
+    assert (tables.num_rows, tables.num_table_reads) == (2, 0)
+    # the state is intact: the next real outputs still apply as deltas
+    assert skipped.table_start.tolist() == [0]
+    out = m.step(np.array([2, 1], np.uint64), 1, np.array([5, 6]))
+    got = tables.update(out)
+    assert got.tolist() == [m.block_table(2).tolist(), m.block_table(1).tolist()]
+    assert kept == [m.block_table(1).tolist(), m.block_table(2).tolist()]
+    assert tables.num_table_reads == 1  # seq 1's output `dup` was never applied
+
+
+def test_rows_follow_the_batch_order_and_the_result_is_a_reused_view() -> None:
+    m = make(num_blocks=256, enable_prefix_caching=False)
+    tables = BlockTable(m, rows=2, width=2)
+    ids = list(range(1, 9))
+    for s in ids:
+        m.add_sequence(s, [s] * (4 * s))  # seq s: s blocks
+    rng = np.random.default_rng(0)
+    out, kept = step(m, tables, ids, [4 * s for s in ids])
+    for _ in range(12):
+        batch = rng.permutation(ids)[: rng.integers(1, len(ids) + 1)].tolist()
+        out, kept = step(m, tables, batch, 1, [[1]] * len(batch))  # checked against the manager
+        assert kept.dtype == np.int32 and kept.shape[0] == len(batch)
+    assert tables.num_table_reads == 0
+    # the same batch shape again: the very same array, its contents updated in place
+    out, a = step(m, tables, batch, 1, [[1]] * len(batch))
+    out, b = step(m, tables, batch, 1, [[1]] * len(batch))
+    assert a is b
+    # a wider table replaces the buffer; the last view keeps the old one (and its contents)
+    before = b.tolist()
+    m.append_tokens(batch[0], [2] * 200)
+    out, c = step(m, tables, batch, [200] + [0] * (len(batch) - 1))
+    assert c is not b and c.shape[1] > b.shape[1] and b.tolist() == before
+
+
+def test_step_output_reports_its_longest_sequence_and_query() -> None:
+    m = make()
+    m.add_sequence(1, [1] * 9)
+    m.add_sequence(2, [2] * 3)
+    out = m.step(np.array([1, 2], np.uint64), [5, 3])
+    assert (out.max_seq_len, out.max_query_len) == (5, 5)
+    out = m.step(np.array([1, 2], np.uint64), [4, 1], [[], [7]])
+    assert (out.max_seq_len, out.max_query_len) == (9, 4)
+    empty = m.step(np.zeros(0, np.uint64), 1)
+    assert (empty.max_seq_len, empty.max_query_len) == (0, 0)
+
+
+def test_batch_tensors_reuse_the_table_tensor_while_the_shape_holds() -> None:
+    torch = pytest.importorskip("torch")
+    from pagedkv.tensors import BatchTensors
+
+    m = make(num_blocks=64, enable_prefix_caching=False)
+    tables = BlockTable(m)
+    for s in (1, 2):
+        m.add_sequence(s, [s] * 6)
+    seqs = np.array([1, 2], np.uint64)
+    BatchTensors.from_steps(m.step(seqs, 6), "cpu", block_tables=tables)
+    a = BatchTensors.from_steps(m.step(seqs, 1, np.array([3, 4])), "cpu", block_tables=tables)
+    b = BatchTensors.from_steps(m.step(seqs, 1, np.array([5, 6])), "cpu", block_tables=tables)
+    # 8 tokens each: 2 blocks, the same shape -> the same tensor, showing the latest tables
+    assert b.block_table is a.block_table and b.block_table.tolist() == [m.block_table(s).tolist() for s in (1, 2)]
+    c = BatchTensors.from_steps(m.step(seqs, 1, np.array([7, 8])), "cpu", block_tables=tables)
+    assert c.block_table is not b.block_table and c.block_table.shape == (2, 3)  # a third block
+    assert c.block_table.tolist() == [m.block_table(s).tolist() for s in (1, 2)]
+    assert c.copies.dtype == torch.int32 and c.copies.shape == (0, 2)
+    assert (c.max_seq_len, c.max_query_len) == (9, 1)

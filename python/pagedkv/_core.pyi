@@ -23,7 +23,7 @@ __all__ = [
     "BlockRemoved",
     "AllBlocksCleared",
     "KVIndexer",
-    "apply_table_deltas",
+    "BlockTable",
 ]
 
 __version__: str
@@ -99,6 +99,10 @@ class StepOutput:
     def seq_lens(self) -> _Int32Array: ...
     @property
     def context_lens(self) -> _Int32Array: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def max_query_len(self) -> int: ...
     @property
     def slot_mapping(self) -> _Int64Array: ...
     @property
@@ -433,12 +437,15 @@ class KVIndexer:
         """``{worker_id: blocks}``: leading blocks of ``block_hashes`` (in order) each worker
         holds."""
 
-def apply_table_deltas(
-    table: _Int32Array,
-    lens: _Int64Array,
-    versions: _Int64Array,
-    rows: _Int64Array,
-    steps: list[StepOutput],
-) -> tuple[int, tuple[list[int], _Int32Array] | None]:
-    """Apply the step outputs' block-table deltas to persistent tables in place (the inner loop
-    of ``pagedkv.tensors.BlockTable``)."""
+@final
+class BlockTable:
+    """Block tables kept across scheduler steps, updated from the step outputs' table deltas;
+    ``update`` returns the batch's dense ``int32[S, W]`` table as a view of a persistent buffer
+    (valid until the next ``update``). Documented as ``pagedkv.tensors.BlockTable``."""
+
+    def __new__(cls, manager: KVCacheManager, *, rows: int | None = None, width: int | None = None) -> BlockTable: ...
+    @property
+    def num_rows(self) -> int: ...
+    @property
+    def num_table_reads(self) -> int: ...
+    def update(self, steps: StepOutput | list[StepOutput] | tuple[StepOutput, ...]) -> _Int32Array: ...

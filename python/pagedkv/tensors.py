@@ -6,7 +6,10 @@ kernels' dtypes and shapes -- and hands every kernel input over as torch tensors
 re-validating, casting or copying on the host (``torch.from_numpy``), then one transfer per
 tensor to the device. The block tables come from a :class:`BlockTable` the caller keeps across
 steps: the core reports only what changed in each table (the step output's table delta), as
-vLLM's GPU model runner keeps its block table across steps and applies only the changes. The
+vLLM's GPU model runner keeps its block table across steps and applies only the changes.
+:class:`BlockTable` (``pagedkv._core.BlockTable``, in Rust) does the whole per-step update in one
+call: the seq-id -> row bookkeeping, the deltas, and the batch's dense table, which is a view of
+its persistent buffer (rows kept in batch order, so a steady decode batch needs no gather). The
 engine's runner, the tests and ``benchmarks/step_overhead.py`` all use it. The other builders
 here are the validating entry for arrays that did *not* come from the core (a caller's own block
 tables): they check their input once and copy.
@@ -42,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv._core import KVCacheManager, StepOutput, apply_table_deltas
+from pagedkv._core import BlockTable, StepOutput
 from pagedkv._optional import optional_imports
 from pagedkv._repr import short_repr
 from pagedkv.errors import InvalidArgumentError
@@ -300,175 +303,15 @@ def query_start_loc(query_lens: npt.ArrayLike, *, pad_to: int | None = None, dev
     return _place(out.astype(np.int32), device)
 
 
-class BlockTable:
-    """Block tables kept across scheduler steps, updated from the step outputs' table deltas.
-
-    The core's :meth:`pagedkv.KVCacheManager.step` reports, per scheduled sequence, only the
-    entries of its block table that changed since the last step output that reported it
-    (``StepOutput.table_start`` / ``table_delta``: the blocks appended this step, or the whole
-    table after a first allocation, a resumed preemption, a swap-in or a fork, or the tail from
-    a copy-on-write on). This class holds one row per sequence of the last batch in a persistent
-    ``int32[rows, width]`` buffer (grown in both dimensions as needed), applies each delta in
-    O(changed entries), and gathers the batch's dense table for the kernels. The same
-    bookkeeping as vLLM's GPU model runner's persistent block table (which applies the
-    scheduler's new block ids to rows it keeps across steps).
-
-    A delta applies only to the version of the table it follows (``StepOutput.table_version``);
-    a sequence whose previous report this object did not see (a new ``BlockTable``, a sequence
-    absent from the last batch, an output skipped) is read whole from ``manager.block_table``
-    (one call), so the result is always the manager's current table. Feed it every step output
-    of a manager, in order, before the next ``step``. Rows of sequences missing from a batch
-    are kept while they are at most ``S + 64`` (``S`` = the batch), else all released (a
-    released one is re-read if its sequence comes back). Not thread-safe.
-
-    Args:
-        manager: the :class:`pagedkv.KVCacheManager` whose step outputs are applied.
-        rows, width: initial capacity (sequences x blocks); both grow on demand.
-    """
-
-    def __init__(self, manager: KVCacheManager, *, rows: int = 64, width: int = 64) -> None:
-        if not isinstance(manager, KVCacheManager):
-            raise _bad("manager", manager, "expected a pagedkv.KVCacheManager")
-        self._manager = manager
-        self._table = np.zeros((max(int(rows), 1), max(int(width), 1)), dtype=np.int32)
-        self._lens = np.zeros(self._table.shape[0], dtype=np.int64)
-        self._versions = np.zeros(self._table.shape[0], dtype=np.int64)
-        self._row_of: dict[int, int] = {}
-        self._free_rows: list[int] = list(range(self._table.shape[0] - 1, -1, -1))
-        # The last batch's sequence ids and rows: a batch of the same sequences in the same
-        # order (the steady decode state) reuses them without a per-sequence lookup.
-        self._last_ids: bytes | None = None
-        self._last_rows: npt.NDArray[np.intp] = np.zeros(0, np.intp)
-        #: Whole tables read from the manager so far (sequences whose previous report this
-        #: object did not apply); every other row was updated from its delta alone.
-        self.num_table_reads = 0
-
-    @property
-    def num_rows(self) -> int:
-        """Sequences whose tables are held (the last batch, plus recently absent ones)."""
-        return len(self._row_of)
-
-    def update(self, steps: Sequence[StepOutput]) -> npt.NDArray[np.int32]:
-        """Apply the table deltas of ``steps`` (the outputs of one scheduler step, in batch
-        order) and return the batch's dense block table ``int32[S, W]``: row ``k`` is the
-        ``k``-th scheduled sequence's table padded with the null block 0, ``W`` the longest
-        table (at least 1). A fresh array (later updates do not change it). O(changed entries
-        + S x W) plus one ``manager.block_table`` call per sequence not seen in order."""
-        steps = list(steps)
-        if len(steps) == 1:
-            ids = steps[0].seq_ids
-        elif steps:
-            ids = np.concatenate([p.seq_ids for p in steps])
-        else:
-            ids = np.zeros(0, np.uint64)
-        key = ids.tobytes()  # compared as bytes: a fraction of a microsecond for 256 ids
-        if key == self._last_ids:
-            rows = self._last_rows
-        elif (patched := self._patch_rows(ids, len(steps) > 1)) is not None:
-            rows = patched
-            self._last_ids, self._last_rows = key, rows
-        else:
-            seqs = ids.tolist()
-            # One output never lists a sequence twice (the core refuses it); several might.
-            if len(steps) > 1 and len(set(seqs)) != len(seqs):
-                raise _bad("steps", seqs, "a sequence is scheduled twice in one batch")
-            rows = self._assign_rows(seqs)
-            self._last_ids, self._last_rows = key, rows
-        while True:  # the deltas applied and the batch gathered in one pass, in Rust
-            width, done = apply_table_deltas(self._table, self._lens, self._versions, rows, steps)
-            if done is not None:
-                break
-            self._grow(self._table.shape[0], max(width, 2 * self._table.shape[1]))
-        reread, dense = done
-        if not reread:
-            return dense
-        versions = np.concatenate([p.table_version for p in steps])
-        table = self._table
-        for k in reread:  # a delta that does not follow the version held: read the table whole
-            self.num_table_reads += 1
-            whole = self._manager.block_table(int(ids[k]))
-            if whole.size > table.shape[1]:
-                self._grow(table.shape[0], max(int(whole.size), 2 * table.shape[1]))
-                table = self._table
-            r = int(rows[k])
-            table[r, : whole.size] = whole
-            table[r, whole.size : int(self._lens[r])] = 0
-            self._lens[r] = whole.size
-            self._versions[r] = int(versions[k])
-            width = max(width, int(whole.size))
-        return table[rows, : max(width, 1)]  # a fresh C-contiguous array
-
-    def _patch_rows(self, ids: npt.NDArray[np.uint64], merged: bool) -> npt.NDArray[np.intp] | None:
-        """Rows of a batch that differs from the last one in a few positions only (a sequence
-        finished and another took its place): the last rows with those positions looked up.
-        None when the batch is not such a neighbour (then :meth:`_assign_rows` does it all)."""
-        if self._last_ids is None or merged or len(self._last_ids) != ids.nbytes:
-            return None
-        changed = np.nonzero(np.frombuffer(self._last_ids, dtype=np.uint64) != ids)[0]
-        if changed.size > 8 or len(self._row_of) + changed.size > 2 * ids.size + 64:
-            return None
-        rows: npt.NDArray[np.intp] = self._last_rows.copy()
-        for k, s in zip(changed.tolist(), ids[changed].tolist()):
-            r = self._row_of.get(s, -1)
-            if r < 0:  # new to this object; the one it replaces is kept as absent
-                if not self._free_rows:
-                    self._grow(2 * self._table.shape[0], self._table.shape[1])
-                r = self._free_rows.pop()
-                self._versions[r] = -2
-                self._row_of[s] = r
-            rows[k] = r
-        return rows
-
-    def _assign_rows(self, seqs: list[int]) -> npt.NDArray[np.intp]:
-        """Rows of the batch's sequences, in batch order (new ones get free rows, held length
-        0). Rows of sequences not in the batch are kept, unless more than ``S + 64`` of them
-        are, when they are all released."""
-        old = self._row_of
-        new: dict[int, int] = {}
-        fresh: list[int] = []
-        for k, s in enumerate(seqs):
-            r = old.pop(s, -1)
-            if r < 0:
-                fresh.append(k)
-            new[s] = r
-        if old and len(new) + len(old) > 2 * len(new) + 64:
-            # Too many sequences absent from the batch (finished, or waiting): release them.
-            self._last_ids = None  # the remembered batch may name released rows
-            for r in old.values():
-                self._free_rows.append(r)
-                self._table[r, : int(self._lens[r])] = 0
-                self._lens[r] = 0
-            old = {}
-        if len(fresh) > len(self._free_rows):
-            short = len(fresh) - len(self._free_rows)
-            self._grow(self._table.shape[0] + max(self._table.shape[0], short), self._table.shape[1])
-        for k in fresh:
-            r = self._free_rows.pop()
-            self._versions[r] = -2  # no delta follows it: the table is read whole or from 0
-            new[seqs[k]] = r
-        rows = np.fromiter(new.values(), dtype=np.intp, count=len(new))
-        new.update(old)  # absent sequences kept (after the batch's, so `rows` is the batch)
-        self._row_of = new
-        return rows
-
-    def _grow(self, rows: int, width: int) -> None:
-        old_rows, old_width = self._table.shape
-        table = np.zeros((rows, width), dtype=np.int32)
-        table[:old_rows, :old_width] = self._table
-        self._table = table
-        if rows > old_rows:
-            self._lens = np.concatenate([self._lens, np.zeros(rows - old_rows, np.int64)])
-            self._versions = np.concatenate([self._versions, np.zeros(rows - old_rows, np.int64)])
-            self._free_rows[:0] = range(rows - 1, old_rows - 1, -1)
-
-
 @dataclass(eq=False, slots=True)  # not frozen: building a frozen one costs ~1/3 of the whole path
 class BatchTensors:
     """Every kernel input of one scheduler step, built by :meth:`from_steps`.
 
     Attributes (``S`` scheduled sequences, ``T`` scheduled tokens; "on ``device``" means a torch
     tensor there, or the numpy array itself when ``device`` is ``None``):
-        block_table: ``int32[S, max_blocks]`` dense, padded with the null block 0 (on ``device``).
+        block_table: ``int32[S, max_blocks]`` dense, padded with the null block 0 (on ``device``;
+            on the CPU a view of the :class:`BlockTable`'s buffer, row stride >= ``max_blocks``,
+            valid until the next step).
         slot_mapping: ``int64[T]`` KV-cache slot of each token (``-1`` padded; on ``device``).
         input_ids: ``int64[T]`` token id of each scheduled token (on ``device``).
         positions: ``int64[T]`` position of each token in its sequence (RoPE; on ``device``).
@@ -539,8 +382,11 @@ class BatchTensors:
         moved to ``device`` (one transfer each; none on the CPU, where the tensors share the
         step output's memory -- do not modify it while the result is in use). The dense int32
         block table comes from ``block_tables``, which applies the steps' table deltas to the
-        tables it keeps across steps (:class:`BlockTable`). ``positions`` is computed here.
-        O(S + T + changed table entries + S x longest table), vectorised.
+        tables it keeps across steps (:class:`BlockTable`, one call into Rust): on the CPU it is
+        a view of that object's buffer, valid until its next update (the next step); while the
+        batch keeps its shape the same tensor is returned, its contents updated. ``positions``
+        is computed here. O(S + T + changed table entries) for a batch in the last one's order,
+        plus O(longest table) per sequence that moved, vectorised.
 
         Arrays made by anything other than the core enter through the validating builders of
         this module (:func:`dense_block_table`, :func:`slot_mapping`, ...).
@@ -579,19 +425,18 @@ class BatchTensors:
                 p.query_start_loc,
                 p.copies,
             )
+            max_query_len, max_seq_len = p.max_query_len, p.max_seq_len
         else:
             slots, ids, lens, ctx, qsl, copies = _merge(parts)
-        num_seqs = int(lens.size)
-        if slots.size == num_seqs:  # all decodes: each token sits right after its context
+            max_query_len = max((p.max_query_len for p in parts), default=0)
+            max_seq_len = max((p.max_seq_len for p in parts), default=0)
+        if slots.size == lens.size:  # all decodes: each token sits right after its context
             positions = ctx.astype(np.int64)
-            max_query_len = 1 if num_seqs else 0
         else:  # the context length plus the token's index in its query
-            query_lens = np.diff(qsl)
-            positions = np.arange(slots.size, dtype=np.int64) + np.repeat(ctx - qsl[:-1], query_lens)
-            max_query_len = int(query_lens.max())
-        to_dev, to_host = _movers(device)
+            positions = np.arange(slots.size, dtype=np.int64) + np.repeat(ctx - qsl[:-1], np.diff(qsl))
+        to_dev, to_host, table_to_dev = _movers(device)
         return cls(
-            block_table=to_dev(table),
+            block_table=table_to_dev(table),
             slot_mapping=to_dev(slots),
             input_ids=to_dev(ids),
             positions=to_dev(positions),
@@ -599,8 +444,8 @@ class BatchTensors:
             context_lens=to_dev(ctx),
             query_start_loc=to_dev(qsl),
             max_query_len=max_query_len,
-            max_seq_len=int(lens.max()) if num_seqs else 0,
-            copies=to_dev(copies),
+            max_seq_len=max_seq_len,
+            copies=to_dev(copies) if copies.size else table_to_dev.no_copies,
             swap_out=None if swap_out is None else to_host(swap_out),
             swap_in=None if swap_in is None else to_host(swap_in),
             query_start_loc_host=qsl,
@@ -609,21 +454,58 @@ class BatchTensors:
         )
 
 
-def _movers(device: Device) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
-    """Functions taking a C-contiguous array made by the core (or from its arrays) to ``device``
-    and to the host: identity for ``device=None``; ``torch.from_numpy`` (no copy) on the CPU,
-    plus one transfer elsewhere."""
-    if device is None:
-        return _identity, _identity
-    with _TORCH_IMPORT:
-        import torch  # lazy: `import pagedkv` must work without torch
+class _TableToDevice:
+    """``BlockTable.update``'s dense table to ``device``: on the CPU the torch tensor sharing
+    it is built once per array object (the table returns the same array while the batch keeps
+    its shape, its contents updated in place), so a steady decode step builds none."""
 
-    if device == "cpu":  # the common case, without building a torch.device
-        return torch.from_numpy, torch.from_numpy
-    target = device if isinstance(device, torch.device) else torch.device(device)
-    if target.type == "cpu":
-        return torch.from_numpy, torch.from_numpy
-    return (lambda a: torch.from_numpy(a).to(target)), torch.from_numpy
+    __slots__ = ("_move", "_reuse", "_last", "no_copies")
+
+    def __init__(self, move: Callable[[Any], Any], reuse: bool) -> None:
+        self._move = move
+        self._reuse = reuse
+        # (array, tensor) as one tuple: replaced in one assignment, so threads sharing this
+        # mover never pair one array with another's tensor
+        self._last: tuple[Any, Any] = (None, None)
+        #: The empty ``int32[0, 2]`` copy plan on ``device`` (most steps copy nothing).
+        self.no_copies = move(np.zeros((0, 2), np.int32))
+
+    def __call__(self, table: npt.NDArray[np.int32]) -> Any:
+        last = self._last
+        if table is last[0]:
+            return last[1]
+        tensor = self._move(table)
+        if self._reuse:
+            self._last = (table, tensor)
+        return tensor
+
+
+_MOVERS: dict[Any, tuple[Callable[[Any], Any], Callable[[Any], Any], _TableToDevice]] = {}
+
+
+def _movers(device: Device) -> tuple[Callable[[Any], Any], Callable[[Any], Any], _TableToDevice]:
+    """Functions taking a C-contiguous array made by the core (or from its arrays) to ``device``
+    and to the host, and the block table's mover: identity for ``device=None``;
+    ``torch.from_numpy`` (no copy) on the CPU, plus one transfer elsewhere. Built once per
+    device (the lazy torch import and the device parsing cost a step's worth of numpy calls)."""
+    movers = _MOVERS.get(device)
+    if movers is not None:
+        return movers
+    if device is None:
+        movers = (_identity, _identity, _TableToDevice(_identity, reuse=False))
+    else:
+        with _TORCH_IMPORT:
+            import torch  # lazy: `import pagedkv` must work without torch
+
+        target = device if isinstance(device, torch.device) else torch.device(device)
+        if target.type == "cpu":
+            movers = (torch.from_numpy, torch.from_numpy, _TableToDevice(torch.from_numpy, reuse=True))
+        else:
+            to_dev = lambda a: torch.from_numpy(a).to(target)  # noqa: E731
+            # on a device the contents travel every step: nothing to reuse
+            movers = (to_dev, torch.from_numpy, _TableToDevice(to_dev, reuse=False))
+    _MOVERS[device] = movers
+    return movers
 
 
 def _identity(a: Any) -> Any:

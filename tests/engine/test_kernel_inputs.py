@@ -26,6 +26,8 @@ def _record(engine: LLMEngine) -> list[dict[str, Any]]:
         seen.append(
             {
                 "bt": bt,
+                # a view of the runner's BlockTable buffer, valid until the next step: kept as is
+                "block_table": bt.block_table.tolist(),
                 "tables": [engine.manager.block_table(s.seq_id).tolist() for s in batch.seqs],
                 "tokens": [list(s.token_ids) for s in batch.seqs],
                 "copies": np.concatenate([p.copies for p in batch.steps]) if batch.steps else np.zeros((0, 2)),
@@ -51,7 +53,7 @@ def _check(step: dict[str, Any], block_size: int) -> None:
     ) * 4
     assert (bt.slot_mapping.dtype, bt.input_ids.dtype, bt.positions.dtype) == (torch.int64,) * 3
     width = max(1, max(len(t) for t in tables))
-    assert bt.block_table.tolist() == [t + [0] * (width - len(t)) for t in tables]
+    assert step["block_table"] == [t + [0] * (width - len(t)) for t in tables]
     qsl = bt.query_start_loc.tolist()
     ctx, lens = bt.context_lens.tolist(), bt.seq_lens.tolist()
     assert qsl[0] == 0 and len(qsl) == s + 1

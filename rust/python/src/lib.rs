@@ -6,6 +6,7 @@
 //! errors to the exceptions of `pagedkv.errors` ([`errors`]). The public API is re-exported,
 //! documented and typed by the Python package `pagedkv` (`python/pagedkv/_core.pyi`).
 
+mod block_table;
 mod config;
 mod convert;
 mod errors;
@@ -14,7 +15,6 @@ mod indexer;
 mod manager;
 mod pool;
 mod stats;
-mod table_delta;
 
 use pyo3::prelude::*;
 
@@ -36,6 +36,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<events::PyBlockRemoved>()?;
     m.add_class::<events::PyAllBlocksCleared>()?;
     m.add_class::<indexer::PyKvIndexer>()?;
-    m.add_function(wrap_pyfunction!(table_delta::apply_table_deltas, m)?)?;
+    m.add_class::<block_table::PyBlockTable>()?;
     Ok(())
 }

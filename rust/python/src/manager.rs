@@ -116,6 +116,12 @@ pub(crate) struct PyStepOutput {
     /// ``int32[S]`` tokens with KV present before this step.
     #[pyo3(get)]
     context_lens: Py<PyArray1<i32>>,
+    /// The longest ``seq_lens`` entry (tokens; 0 when nothing was scheduled).
+    #[pyo3(get)]
+    max_seq_len: usize,
+    /// The longest query (``query_start_loc`` step; tokens; 0 when nothing was scheduled).
+    #[pyo3(get)]
+    max_query_len: usize,
     /// ``int64[T]`` KV slot of each scheduled token: ``block_id * block_size + offset``.
     #[pyo3(get)]
     slot_mapping: Py<PyArray1<i64>>,
@@ -139,13 +145,13 @@ pub(crate) struct PyStepOutput {
     block_table: Py<PyArray2<i32>>,
     /// ``uint64[S]`` the scheduled sequences' ids, in batch order (a prefix of the request).
     #[pyo3(get)]
-    seq_ids: Py<PyArray1<u64>>,
+    pub(crate) seq_ids: Py<PyArray1<u64>>,
     /// ``int32[S]`` the block-table delta: per sequence, the first logical block of its table
     /// that changed since the last step output that reported it (0 for a table new to the
     /// outputs: first allocation, resumed preemption, swap-in, fork child). Row ``k`` is now
     /// its previous row up to ``table_start[k]``, then
     /// ``table_delta[table_delta_indptr[k]:table_delta_indptr[k+1]]``.
-    /// ``pagedkv.tensors.BlockTable`` applies these deltas to tables it keeps across steps.
+    /// ``pagedkv.BlockTable`` applies these deltas to tables it keeps across steps.
     #[pyo3(get)]
     pub(crate) table_start: Py<PyArray1<i32>>,
     /// ``uint32[S]`` how many step outputs have reported each sequence's table, this one
@@ -196,7 +202,7 @@ impl PyStepOutput {
 /// ids are ``int32`` arrays (GPU ids ``1..num_blocks``; 0 is the null block).
 #[pyclass(frozen, module = "pagedkv._core", name = "KVCacheManager")]
 pub(crate) struct PyKvCacheManager {
-    inner: Arc<KvCacheManager>,
+    pub(crate) inner: Arc<KvCacheManager>,
     config: Py<PyCacheConfig>,
     /// The read-only pool view, built once (the scheduler reads it every step).
     pool: Py<PyBlockPool>,
@@ -577,7 +583,7 @@ impl PyKvCacheManager {
     ///
     /// The block tables come back as a delta (``StepOutput.table_start`` / ``table_delta``:
     /// only the entries that changed since each sequence's last reported table), which
-    /// ``pagedkv.tensors.BlockTable`` applies to the tables it keeps across steps.
+    /// ``pagedkv.BlockTable`` applies to the tables it keeps across steps.
     /// ``block_table=True`` also copies out every scheduled sequence's whole table as one dense
     /// padded ``int32[S, W]`` matrix (``StepOutput.block_table``; O(S x longest table)); by
     /// default it is empty (shape ``(0, 0)``).
@@ -609,7 +615,16 @@ impl PyKvCacheManager {
             None => None,
         };
         let arr = |v: Vec<i32>| PyArray1::from_vec(py, v).unbind();
+        // Two scalars the kernels' launch needs, here in O(S) instead of two numpy reductions.
+        let max_seq_len = out.seq_lens.iter().copied().max().unwrap_or(0).max(0) as usize;
+        let max_query_len = (out.query_start_loc.windows(2))
+            .map(|w| w[1] - w[0])
+            .max()
+            .unwrap_or(0)
+            .max(0) as usize;
         Ok(PyStepOutput {
+            max_seq_len,
+            max_query_len,
             num_scheduled: out.num_scheduled,
             error,
             num_cached_tokens: arr(out.num_cached_tokens),
