@@ -430,7 +430,7 @@ def test_decodes_inside_the_tail_block_lag_until_one_fills_it() -> None:
     _decode(kv, a)  # slot 16 opens block 2 (deferred)
     assert kv.flush_decodes() == 1
     # pagedkv holds 17 computed tokens: slots 17..30 lie in its tail block without filling it.
-    assert kv._lag_window == {"a": range(17, 31)}
+    assert kv._lag_window == {"a": (17, 31)}
     free = kv._kvm.pool.num_free
     for pos in range(17, 31):  # slots 17..30: inside block 2, none fills it
         got = _decode(kv, a)

@@ -48,6 +48,9 @@ from pagedkv.errors import (
 
 __all__ = ["PagedKVBlocks", "PagedKVCacheManager"]
 
+# The lag window of a request that has none: no slot ``pos`` satisfies ``1 <= pos < 0``.
+_NO_WINDOW = (1, 0)
+
 # vLLM's prefix_caching_hash_algo -> pagedkv's hash. pagedkv hashes its own canonical byte
 # encoding (not vLLM's pickle / CBOR), so only the family matters.
 _HASH_ALGOS = {
@@ -249,8 +252,10 @@ class PagedKVCacheManager:
         # change no block, no hash and no event; pagedkv gets those tokens with the decode
         # that fills or opens a block, or before anything else touches the sequence.
         self._lag: dict[str, int] = {}
-        # Request id -> the slots its next decodes may take while lagging (see _set_window).
-        self._lag_window: dict[str, range] = {}
+        # Request id -> (first, end): the slots ``first <= pos < end`` its next decodes may
+        # take while lagging (see _set_window); two ints, so the per-decode check is two
+        # comparisons.
+        self._lag_window: dict[str, tuple[int, int]] = {}
         # Deferred decodes not yet in pagedkv, in call order: sequence, tokens to append (the
         # lagging ones and the decoded one), the computed-token count pagedkv must report,
         # and (index, _DeferredBlocks) of those that take a new block.
@@ -457,13 +462,8 @@ class PagedKVCacheManager:
             # before it as computed, and only with defer_decodes on).
             rid = request.request_id
             pos = request.num_computed_tokens
-            window = self._lag_window.get(rid)
-            if (
-                window is not None
-                and pos in window
-                and len(request._all_token_ids) == pos + 1
-                and not request.num_output_placeholders
-            ):
+            first, end = self._lag_window.get(rid, _NO_WINDOW)
+            if first <= pos < end and len(request._all_token_ids) == pos + 1 and not request.num_output_placeholders:
                 self._lag[rid] = pos + 1
                 return self.empty_kv_cache_blocks
             if self.defer_decodes:
@@ -558,7 +558,7 @@ class PagedKVCacheManager:
         bs = self.block_size
         end = num_tokens - num_tokens % bs + bs - 1  # the slot that fills the tail block
         if self.defer_decodes and num_tokens % bs and num_tokens < end:
-            self._lag_window[rid] = range(num_tokens, end)
+            self._lag_window[rid] = (num_tokens, end)
         else:
             self._lag_window.pop(rid, None)
 
@@ -577,45 +577,45 @@ class PagedKVCacheManager:
         ):
             return None
         bs = self.block_size
-        start = pos - pos % bs  # first slot of the block ``pos`` lies in
+        new_end = pos + 1  # vLLM's slots for the request once this decode is placed
+        offset = new_end % bs  # tokens in the tail block after it (0: the block is full)
+        start = new_end - (offset or bs)  # first slot of the block ``pos`` lies in
         if synced > start:
             # pagedkv holds that block.
-            if (pos + 1) % bs:
-                self._lag[rid] = pos + 1
+            if offset:
+                self._lag[rid] = new_end
                 return self.empty_kv_cache_blocks
             # The token fills it: pagedkv gets it this step, so the block is cached (with its
             # event) in the step vLLM caches it.
             blocks = self.empty_kv_cache_blocks
         elif synced > start - bs:
-            blocks = self._defer_new_block(len(self._pending_seqs))
-            if blocks is None:
+            # It opens a new block: its id is known after the flush (a _DeferredBlocks),
+            # taken only while the pool still has a free block for it (counted here, so the
+            # flush cannot run out); with none left the per-request path fails and vLLM
+            # preempts, exactly as stock.
+            free = self._deferred_free
+            if free is None:
+                free = self._pool.num_free
+            if free <= 0:
+                self._deferred_free = free
+                self.num_batch_stops += 1
                 return None
+            self._deferred_free = free - 1
+            blocks = _DeferredBlocks(self)
+            self._pending_new.append((len(self._pending_seqs), blocks))
         else:
             return None
         self._pending_seqs.append(self._seq_of[rid])
-        self._pending_tokens.append(tokens[synced : pos + 1])
+        self._pending_tokens.append(tokens[synced:new_end])
         self._pending_context.append(synced)
-        self._num_known[rid] = pos + 1
-        self._lag.pop(rid, None)
-        self._set_window(rid, pos + 1)
-        return blocks
-
-    def _defer_new_block(self, index: int) -> Any:
-        """The result of the ``index``-th deferred decode when its slot opens a new block:
-        a ``_DeferredBlocks`` (filled in by the flush) while the pool still has a free block
-        for it (counted here, so the flush cannot run out), else None (no block left: the
-        caller takes the per-request path, which fails there, and vLLM preempts, exactly as
-        stock)."""
-        free = self._deferred_free
-        if free is None:
-            free = self._pool.num_free
-        if free <= 0:
-            self._deferred_free = free
-            self.num_batch_stops += 1
-            return None
-        self._deferred_free = free - 1
-        blocks = _DeferredBlocks(self)
-        self._pending_new.append((index, blocks))
+        self._num_known[rid] = new_end
+        if self._lag:
+            self._lag.pop(rid, None)
+        # _set_window(rid, new_end), inline: pagedkv will hold every token up to new_end.
+        if offset and offset < bs - 1:
+            self._lag_window[rid] = (new_end, new_end - offset + bs - 1)
+        else:
+            self._lag_window.pop(rid, None)
         return blocks
 
     def flush_decodes(self) -> int:

@@ -10,8 +10,8 @@ vLLM's own code; the KV cache calls go to :class:`PagedKVCacheManager`. Two chan
 - batched decode: vLLM's running loop still calls ``allocate_slots(request, 1)`` once per
   decoding request, but each such call is answered in Python without calling into Rust: a
   decode inside pagedkv's tail block that does not fill it returns the shared empty result
-  after one range check (pagedkv gets its token later), and one that fills or opens a block
-  (counted against the pool's free blocks) is deferred; the deferred decodes are allocated
+  after two integer comparisons (pagedkv gets its token later), and one that fills or opens a
+  block (counted against the pool's free blocks) is deferred; the deferred decodes are allocated
   together in one call (``PagedKVCacheManager.flush_decodes``) before anything else reads or
   changes pagedkv, at the latest when ``schedule`` returns. A decode that needs a block when
   none is left takes the per-request path, so preemption happens exactly where stock vLLM
