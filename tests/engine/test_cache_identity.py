@@ -193,10 +193,12 @@ def test_weights_digest_cache_is_keyed_by_the_files(tiny, tmp_path, monkeypatch)
     assert json.loads(entry.read_text())["weights"] == first
     entry.write_text("not json")  # a damaged entry is recomputed, not trusted
     assert cached_weights_digest(bundle.hf, folder, torch.float32) == first and len(calls) == 3
+    entry.write_text(json.dumps({"weights": "z" * 64, "files": []}))  # right length, not a digest
+    assert cached_weights_digest(bundle.hf, folder, torch.float32) == first and len(calls) == 4
     st = (folder / "model.safetensors").stat()
     os.utime(folder / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
     cached_weights_digest(bundle.hf, folder, torch.float32)  # a touched file: recomputed
-    assert len(calls) == 4
+    assert len(calls) == 5
     # Entries of models whose files are gone are dropped at the next write.
     gone = build_tiny_model(tmp_path / "gone")
     cached_weights_digest(gone.hf, tmp_path / "gone", torch.float32)

@@ -305,7 +305,7 @@ def cached_weights_digest(hf_model: Any, model_path: Any, dtype: Any) -> str:
         return weights_digest(hf_model, dtype)
     try:
         cached = json.loads(path.read_text())["weights"]
-        if isinstance(cached, str) and len(cached) == 64:
+        if isinstance(cached, str) and len(cached) == 64 and all(c in "0123456789abcdef" for c in cached):
             return cached
     except (OSError, ValueError, KeyError, TypeError):
         pass

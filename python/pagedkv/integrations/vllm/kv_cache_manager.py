@@ -162,6 +162,8 @@ class _PrefixHit:
         self.blocks = ((None,) * num_blocks,)
 
     def get_block_ids(self, allow_none: bool = False, **_: Any) -> Any:
+        """Always raises ``RuntimeError``: a hit's physical block ids exist only once
+        ``allocate_slots`` has taken the blocks (read them with ``get_blocks(request_id)``)."""
         raise RuntimeError("block ids of a prefix hit are known after allocate_slots; use get_blocks(request_id)")
 
     def __add__(self, other: Any) -> Any:
