@@ -45,24 +45,49 @@ from .rope import RotaryEmbedding, context_length
 __all__ = ["LlamaForCausalLM", "linear"]
 
 
-def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight_t (+ bias)``: the engine's one GEMM (every projection and the LM head).
+def linear(
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight_t (+ bias) (+ residual)``: the engine's one GEMM (every projection and the
+    LM head).
 
     Args:
-        x: ``[M, in_features]``.
+        x: ``[M, in_features]``, unit stride along the features (rows may be strided).
         weight_t: ``[in_features, out_features]``, contiguous (a transposed ``nn.Linear``
             weight; see the module docs for why this layout).
         bias: optional ``[out_features]``.
+        residual: optional ``[M, out_features]`` that the product is added to *in place*
+            (the GEMM accumulates into it, ``beta = 1``: no temporary and no separate pass
+            for a residual add).
 
     Returns:
-        ``[M, out_features]``, a fresh tensor.
+        ``[M, out_features]``: ``residual`` itself when given, else a fresh tensor.
 
     The model looks this function up at call time, so a benchmark can wrap it to time the
     engine's GEMMs (``benchmarks/engine_roofline.py`` does).
     """
+    if residual is not None:
+        residual.addmm_(x, weight_t)
+        return residual if bias is None else residual.add_(bias)
     if bias is None:
         return torch.mm(x, weight_t)
     return torch.addmm(bias, x, weight_t)
+
+
+def _interleave_rotary_halves(weight_t: torch.Tensor, num_heads: int, head_size: int) -> torch.Tensor:
+    """Reorder the output columns of ``num_heads`` leading heads of ``weight_t`` ``[in, out]``
+    (or of a bias ``[out]``) from rotate-half order ``(x_0..x_{D/2-1}, x_{D/2}..x_{D-1})`` to
+    pairs ``(x_0, x_{D/2}, x_1, x_{D/2+1}, ...)``, so that RoPE is one complex multiply per
+    pair. Applied to q and k alike it leaves every q.k (hence attention) unchanged."""
+    half = head_size // 2
+    per_head = torch.arange(head_size).view(2, half).t().reshape(-1)  # 0, h, 1, h+1, ...
+    cols = (torch.arange(num_heads)[:, None] * head_size + per_head).reshape(-1)
+    rest = torch.arange(num_heads * head_size, weight_t.shape[-1])
+    return weight_t.index_select(-1, torch.cat([cols, rest]).to(weight_t.device)).contiguous()
 
 
 def _projection(weight: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,6 +184,16 @@ class LlamaForCausalLM:
                     down=_projection(w(p + "mlp.down_proj.weight")),
                 )
             )
+        # fp32: RoPE as one in-place complex multiply (see _rope_complex), for which q and k
+        # heads are stored with their rotary halves interleaved. Other dtypes (complex32 is
+        # barely supported) keep transformers' rotate-half layout.
+        self.interleaved_rope = dtype == torch.float32 and self.head_size % 2 == 0
+        if self.interleaved_rope:
+            qk_heads = self.num_heads + self.num_kv_heads
+            for layer in self.layers:
+                layer.qkv = _interleave_rotary_halves(layer.qkv, qk_heads, self.head_size)
+                if layer.qkv_bias is not None:
+                    layer.qkv_bias = _interleave_rotary_halves(layer.qkv_bias, qk_heads, self.head_size)
         self.norm = w("model.norm.weight")
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
         # The LM head in linear()'s layout. A tied head is a transposed copy of the embedding
@@ -171,6 +206,8 @@ class LlamaForCausalLM:
         # cos/sin for every position, computed exactly as transformers does (fp32, then cast).
         self.rope = RotaryEmbedding(config, self.head_size, self.max_model_len, device=self.device, dtype=dtype)
         self.cos, self.sin = self.rope.cos, self.rope.sin
+        # cos + i sin of every position's rotary pairs (both halves of cos/sin are equal).
+        self.rope_cis = self._cis(self.cos, self.sin) if self.interleaved_rope else None
 
     @classmethod
     def from_hf(cls, hf_model: Any, *, device: Any = "cpu", dtype: torch.dtype | None = None) -> LlamaForCausalLM:
@@ -206,10 +243,14 @@ class LlamaForCausalLM:
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         # RMSNorm (Zhang & Sennrich 2019) in fp32 like transformers' LlamaRMSNorm; ``weight``
-        # None when it is folded into the next projection. In fp32 torch's rms_norm is the same
-        # arithmetic in one op (bit-identical to transformers' unit-weight norm).
+        # None when it is folded into the next projection.
         if x.dtype == torch.float32:
-            return F.rms_norm(x, x.shape[-1:], weight, self.eps)
+            if weight is not None:
+                return F.rms_norm(x, x.shape[-1:], weight, self.eps)
+            # Two passes over x (a norm, then one scale) instead of rms_norm's four on CPU;
+            # the mean square comes from the norm, about one ulp from transformers' x.pow(2).mean().
+            ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1])
+            return x * ms.add_(self.eps).rsqrt_()
         xf = x.float()
         xf = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return xf if weight is None else weight * xf
@@ -225,6 +266,20 @@ class LlamaForCausalLM:
         out[..., :half] -= x2 * sin[..., :half]
         out[..., half:] += x1 * sin[..., half:]
         return out
+
+    @staticmethod
+    def _cis(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """complex64 ``cos + i sin`` of the rotary pairs from ``[..., D]`` rotate-half tables."""
+        half = cos.shape[-1] // 2
+        return torch.complex(cos[..., :half].float().contiguous(), sin[..., :half].float().contiguous())
+
+    @staticmethod
+    def _rope_complex(x: torch.Tensor, cis: torch.Tensor) -> None:
+        # x: [T, H, D] fp32 with interleaved rotary pairs (a view into the QKV output, fresh
+        # each layer), rotated in place: (x1 + i x2) * (cos + i sin) gives transformers'
+        # x1 cos - x2 sin and x2 cos + x1 sin in one pass, no temporaries.
+        xc = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+        xc.mul_(cis)
 
     @torch.inference_mode()
     def forward(
@@ -258,19 +313,33 @@ class LlamaForCausalLM:
         """
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        cis = None
         if self.rope.length_dependent:
             cos, sin = self.rope.lookup(positions, rope_lens)
-        else:  # the common case: one gather from the precomputed tables
+            if self.interleaved_rope:
+                cis = self._cis(cos, sin)
+        elif self.rope_cis is not None:  # the common case: one gather from a precomputed table
+            cis = self.rope_cis[positions]
+        else:
             cos, sin = self.cos[positions], self.sin[positions]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
+        if cis is not None:
+            cis = cis.unsqueeze(1)  # [T, 1, D/2]
+        else:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
         x = self.embed[input_ids]  # [T, hidden]
         for li, layer in enumerate(self.layers):
             qkv = linear(self._rms_norm(x), layer.qkv, layer.qkv_bias)  # input norm's weight folded in
             qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
-            qk = self._rope(qk.reshape(t, hq + hkv, d), cos, sin)  # q and k heads in one go
+            qk = qk.view(t, hq + hkv, d)
+            if cis is not None:
+                self._rope_complex(qk, cis)  # q and k heads in one go, in place
+            else:
+                qk = self._rope(qk, cos, sin)
             q, k = qk.split([hq, hkv], dim=1)
             key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
-            kernels.reshape_and_cache(k, v.reshape(t, hkv, d), key_cache, value_cache, meta.slot_mapping)
+            kernels.reshape_and_cache(
+                k, v.reshape(t, hkv, d), key_cache, value_cache, meta.slot_mapping, plan=meta.attn_plan
+            )
             o = kernels.paged_attention(
                 q,
                 key_cache,
@@ -284,11 +353,12 @@ class LlamaForCausalLM:
                 sliding_window=self.sliding_window,
                 plan=meta.attn_plan,
             )
-            # x is this forward's own tensor (from the embedding gather): residual adds and the
-            # SwiGLU product run in place, sparing a fresh [T, *] buffer each (page faults at large T).
-            x += linear(o.view(t, hq * d), layer.o, layer.o_bias)
+            # x is this forward's own tensor (from the embedding gather): the residual adds are
+            # the GEMMs' own accumulation into it, and SwiGLU runs in place in the gate half of
+            # the gate/up output (no fresh [T, *] buffers: page faults at large T).
+            linear(o.view(t, hq * d), layer.o, layer.o_bias, residual=x)
             gate, up = linear(self._rms_norm(x), layer.gate_up).chunk(2, dim=-1)  # post-norm weight folded in
-            x += linear(torch.mul(F.silu(gate, inplace=True), up), layer.down)
+            linear(F.silu(gate, inplace=True).mul_(up), layer.down, residual=x)
         x = self._rms_norm(x[logits_indices], self.norm)
         logits = linear(x, self.lm_head_t) if self.lm_head_t is not None else F.linear(x, self.lm_head)
         return logits.float()
