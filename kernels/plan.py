@@ -7,9 +7,9 @@ and sliding-window masks -- is built once per step by :func:`plan_paged_attentio
 by every layer's :func:`pagedkv.kernels.reference.paged_attention` call, which is then left
 with O(1) tensor checks, the K/V gathers and the math. A plan built with the step's
 ``slot_mapping`` also carries its value checks, so every layer's
-:func:`pagedkv.kernels.reference.reshape_and_cache` is left with O(1) checks and the writes. This is the plan/run split of
-FlashInfer (Ye et al., 2025: "plan" once per batch, "run" per layer), written for the CPU
-reference.
+:func:`pagedkv.kernels.reference.reshape_and_cache` is left with O(1) checks and the writes.
+This is the plan/run split of FlashInfer (Ye et al., 2025: "plan" once per batch, "run" per
+layer), written for the CPU reference.
 
 The Triton kernel reads the metadata on the device and does not use plans.
 """

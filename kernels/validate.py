@@ -179,8 +179,9 @@ def check_reshape_and_cache(
         device=dev,
         last_dim_contiguous=True,
     )
-    return check_slot_mapping(op, slot_mapping, num_tokens=t, num_blocks=key_cache.shape[0], block_size=block_size,
-                              device=dev)
+    return check_slot_mapping(
+        op, slot_mapping, num_tokens=t, num_blocks=key_cache.shape[0], block_size=block_size, device=dev
+    )
 
 
 def check_slot_mapping(

@@ -249,7 +249,7 @@ class LlamaForCausalLM:
                 return F.rms_norm(x, x.shape[-1:], weight, self.eps)
             # Two passes over x (a norm, then one scale) instead of rms_norm's four on CPU;
             # the mean square comes from the norm, about one ulp from transformers' x.pow(2).mean().
-            ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1])
+            ms: torch.Tensor = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1])
             return x * ms.add_(self.eps).rsqrt_()
         xf = x.float()
         xf = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
@@ -360,5 +360,7 @@ class LlamaForCausalLM:
             gate, up = linear(self._rms_norm(x), layer.gate_up).chunk(2, dim=-1)  # post-norm weight folded in
             linear(F.silu(gate, inplace=True).mul_(up), layer.down, residual=x)
         x = self._rms_norm(x[logits_indices], self.norm)
-        logits = linear(x, self.lm_head_t) if self.lm_head_t is not None else F.linear(x, self.lm_head)
-        return logits.float()
+        if self.lm_head_t is not None:
+            return linear(x, self.lm_head_t).float()
+        assert self.lm_head is not None  # a tied head off the CPU: the embedding itself
+        return F.linear(x, self.lm_head).float()
