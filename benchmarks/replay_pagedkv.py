@@ -95,13 +95,16 @@ class PagedKVReplayer(Replayer):
             mgr.free(r)
 
     def pool_adapter(self, num_blocks: int) -> Any:
-        """pagedkv.BlockPool (Rust, GIL released per call), batch allocate / free of int32 ids."""
+        """pagedkv.BlockPool (Rust; calls on up to 1,024 blocks keep the GIL): a prompt's blocks
+        as one int32 array (``allocate``), the decode step's new blocks as a list of ints
+        (``allocate_list``: one per sequence, no array to make and unpack), batch frees."""
         pool = self.pagedkv.BlockPool(num_blocks)
 
         pool_free = pool.free
 
         class _Pool:
             allocate = staticmethod(pool.allocate)
+            allocate_items = staticmethod(pool.allocate_list)
 
             @staticmethod
             def free(blocks: Any) -> None:
@@ -112,10 +115,6 @@ class PagedKVReplayer(Replayer):
                 if decode_tail:
                     pool_free(decode_tail)
                 pool_free(prompt_reversed)
-
-            @staticmethod
-            def items(blocks: Any) -> Any:
-                return blocks.tolist()
 
             @staticmethod
             def concat_reversed(parts: list[Any]) -> Any:
