@@ -171,7 +171,7 @@ pub struct BlockPool {
     cached_free: AtomicUsize,
     locked: Mutex<Locked>,
     /// Scratch of `free`'s duplicate check: `seen[id]` is the stamp of the last long `free`
-    /// call that read `id` (see [`BlockPool::has_repeats`]).
+    /// call that read `id` (see `BlockPool::next_stamp`).
     seen: Box<[AtomicU32]>,
     /// Source of the per-call stamps written to `seen`.
     stamps: AtomicU32,
@@ -546,13 +546,13 @@ impl BlockPool {
 
     /// Checks ids and that each block's ref count covers its multiplicity in `ids`.
     fn validate_free(&self, ids: &[BlockId]) -> Result<()> {
-        for &id in ids {
-            self.check_id(id)?;
-        }
         let underflow = |id: BlockId, times: usize| {
             self.refs[id as usize].load(Ordering::Acquire) < times as u32
         };
         if ids.len() <= 16 {
+            for &id in ids {
+                self.check_id(id)?;
+            }
             // Small batches, without allocating: a repeated id (rare) is counted in full.
             for (k, &id) in ids.iter().enumerate() {
                 let times = if ids[..k].contains(&id) {
@@ -564,49 +564,60 @@ impl BlockPool {
                     return Err(Error::RefCountUnderflow { block_id: id });
                 }
             }
-        } else if !self.has_repeats(ids) {
-            // The common case (a sequence's table, each id once), checked in O(len).
-            for &id in ids {
-                if underflow(id, 1) {
-                    return Err(Error::RefCountUnderflow { block_id: id });
-                }
+            return Ok(());
+        }
+        // The common case (a sequence's table, each id once) in one O(len) pass: ids checked,
+        // repeats looked for (see `next_stamp`), the first free block noted. Invalid ids are
+        // reported before any underflow, as in the other paths.
+        let stamp = self.next_stamp();
+        let mut repeats = false;
+        let mut first_free = None;
+        for &id in ids {
+            let i = self.check_id(id)?;
+            if repeats {
+                continue;
             }
-        } else {
-            let mut sorted = ids.to_vec();
-            sorted.sort_unstable();
-            let mut start = 0;
-            while start < sorted.len() {
-                let id = sorted[start];
-                let times = sorted[start..].iter().take_while(|&&x| x == id).count();
-                if underflow(id, times) {
-                    return Err(Error::RefCountUnderflow { block_id: id });
-                }
-                start += times;
+            let slot = &self.seen[i];
+            if slot.load(Ordering::Relaxed) == stamp {
+                repeats = true;
+                continue;
             }
+            slot.store(stamp, Ordering::Relaxed);
+            if first_free.is_none() && underflow(id, 1) {
+                first_free = Some(id);
+            }
+        }
+        if !repeats {
+            return match first_free {
+                Some(id) => Err(Error::RefCountUnderflow { block_id: id }),
+                None => Ok(()),
+            };
+        }
+        let mut sorted = ids.to_vec();
+        sorted.sort_unstable();
+        let mut start = 0;
+        while start < sorted.len() {
+            let id = sorted[start];
+            let times = sorted[start..].iter().take_while(|&&x| x == id).count();
+            if underflow(id, times) {
+                return Err(Error::RefCountUnderflow { block_id: id });
+            }
+            start += times;
         }
         Ok(())
     }
 
-    /// Whether some id may occur more than once in `ids` (valid ids): each id's `seen` slot
-    /// is compared with, then set to, a stamp unique to this call, so a repeat finds its own
-    /// stamp. O(len), no allocation: this replaces a sort (or a hash set) in the validation of
-    /// long frees (a sequence's whole block table).
+    /// A stamp for the duplicate check of one long `free`: `validate_free` compares each id's
+    /// `seen` slot with it, then sets the slot to it, so a repeat finds its own stamp. O(len),
+    /// no allocation (this replaces a sort or a hash set).
     ///
-    /// Exact for a call that no other thread's `free` overlaps on the same blocks. Otherwise it
-    /// may answer `true` wrongly (after 2^32 calls a stale stamp can match; the caller then
-    /// counts exactly by sorting) or miss a repeat whose slot another thread freeing the same
-    /// block overwrote; then the other thread holds references too, and the release loop's
-    /// CAS still keeps every count from going below zero, as for any concurrent release.
-    fn has_repeats(&self, ids: &[BlockId]) -> bool {
-        let stamp = self.stamps.fetch_add(1, Ordering::Relaxed).wrapping_add(1);
-        for &id in ids {
-            let slot = &self.seen[id as usize];
-            if slot.load(Ordering::Relaxed) == stamp {
-                return true;
-            }
-            slot.store(stamp, Ordering::Relaxed);
-        }
-        false
+    /// Exact for a call that no other thread's `free` overlaps on the same blocks. Otherwise
+    /// the check may report a repeat wrongly (after 2^32 calls a stale stamp can match; the
+    /// exact sort then decides) or miss one whose slot another thread freeing the same block
+    /// overwrote; that thread holds references too, and the release loop's CAS still keeps
+    /// every count from going below zero, as for any concurrent release.
+    fn next_stamp(&self) -> u32 {
+        self.stamps.fetch_add(1, Ordering::Relaxed).wrapping_add(1)
     }
 
     /// Decrements one ref count; queues the block when it reaches 0.

@@ -698,3 +698,30 @@ fn allocate_into_appends_what_allocate_returns_and_changes_nothing_on_error() {
     assert_eq!(out.len(), 6);
     ok(&a);
 }
+
+#[test]
+fn long_free_reports_an_invalid_id_before_a_free_block() {
+    let (p, _events) = pool(50);
+    let got = p.allocate(30).unwrap();
+    p.free(&got[20..]).unwrap();
+    // 21 ids: a free block (got[25]) first, an id out of range last.
+    let mut ids: Vec<BlockId> = vec![got[25]];
+    ids.extend_from_slice(&got[..19]);
+    ids.push(50);
+    let before = snap(&p);
+    assert_eq!(
+        p.free(&ids),
+        Err(Error::InvalidBlockId {
+            block_id: 50,
+            num_blocks: 50
+        })
+    );
+    ids.pop();
+    assert_eq!(
+        p.free(&ids),
+        Err(Error::RefCountUnderflow { block_id: got[25] })
+    );
+    assert_eq!(snap(&p), before);
+    p.free(&got[..20]).unwrap();
+    ok(&p);
+}

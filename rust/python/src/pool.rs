@@ -206,6 +206,17 @@ impl PyBlockPool {
         run(py, ids.len(), || pool.free(&ids)).py(py)
     }
 
+    /// Releases a block table tail first: ``free(table[::-1])`` without the reversed copy. A
+    /// finished sequence returns its blocks this way so that its last (least shared) blocks
+    /// are evicted before the prefix blocks other prompts may still hit. Same validation and
+    /// errors as ``free`` (nothing changed on error). GIL released above 1,024 blocks.
+    fn free_table(&self, py: Python<'_>, table: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut ids = block_ids(table, "table")?;
+        ids.reverse();
+        let pool = self.writable("free_table")?;
+        run(py, ids.len(), || pool.free(&ids)).py(py)
+    }
+
     /// Adds one reference per id (fork); every id must already have ref count > 0
     /// (``InvalidBlockError`` otherwise, nothing changed). GIL released above 1,024 blocks.
     fn incref(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
