@@ -139,13 +139,20 @@ fn treiber_pop_many_races_pop_and_push() {
         });
         let batch = batcher.join().unwrap();
         let single = other.join().unwrap().expect("the stack never runs empty");
-        assert_eq!(batch.len(), 2, "four blocks in play, at most one taken elsewhere");
+        assert_eq!(
+            batch.len(),
+            2,
+            "four blocks in play, at most one taken elsewhere"
+        );
         let mut all: Vec<BlockId> = batch.clone();
         all.push(single);
         all.extend(s.snapshot());
         assert_eq!(sorted(all), vec![1, 2, 3, 4], "each block exactly once");
         let ok = [vec![1, 2], vec![2, 3], vec![4, 2]];
-        assert!(ok.contains(&batch), "batch {batch:?} is not two adjacent blocks");
+        assert!(
+            ok.contains(&batch),
+            "batch {batch:?} is not two adjacent blocks"
+        );
     });
 }
 
