@@ -23,6 +23,7 @@ table, also with status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import re
@@ -330,7 +331,8 @@ def _check_output_paths(args: argparse.Namespace) -> str | None:
     """The error for an output file that cannot be written, or ``None``; creates missing
     parent folders. Runs before the model loads so a typo does not cost the whole run. The
     check opens the file for appending (not truncating: the results are written only at the
-    end) and removes it again if it did not exist."""
+    end) and removes it again if it did not exist. When it returns an error, the folders it
+    created are removed again (a refused command leaves the file system as it found it)."""
     outputs = [
         (flag, path)
         for flag, path in (("--output", args.output), ("--metrics-json", args.metrics_json))
@@ -338,25 +340,42 @@ def _check_output_paths(args: argparse.Namespace) -> str | None:
     ]
     if len(outputs) == 2 and outputs[0][1].resolve() == outputs[1][1].resolve():
         return f"--output and --metrics-json name the same file {str(outputs[0][1])!r}"
+    created: list[Path] = []
+    problem = None
     for flag, path in outputs:
-        where = f"{flag} {str(path)!r}"
-        if path.is_dir():
-            return f"{where}: is a folder, not a file"
-        for parent in reversed(path.parents):
-            if parent.exists() and not parent.is_dir():
-                return f"{where}: {str(parent)!r} is a file, not a folder"
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            return f"{where}: cannot create its folder: {e.strerror or e}"
-        existed = path.exists()
-        try:
-            with path.open("a", encoding="utf-8"):
-                pass
-        except OSError as e:
-            return f"{where}: cannot open it for writing: {e.strerror or e}"
-        if not existed:
-            path.unlink(missing_ok=True)
+        problem = _check_output_path(f"{flag} {str(path)!r}", path, created)
+        if problem is not None:
+            break
+    if problem is not None:
+        for folder in reversed(created):  # deepest first; only folders this check made
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+    return problem
+
+
+def _check_output_path(where: str, path: Path, created: list[Path]) -> str | None:
+    """One output file of :func:`_check_output_paths`; appends the folders it creates to
+    ``created`` (outermost first)."""
+    if path.is_dir():
+        return f"{where}: is a folder, not a file"
+    for parent in reversed(path.parents):
+        if parent.exists() and not parent.is_dir():
+            return f"{where}: {str(parent)!r} is a file, not a folder"
+    missing = [p for p in reversed(path.parents) if not p.exists()]
+    try:
+        for folder in missing:
+            folder.mkdir()
+            created.append(folder)
+    except OSError as e:
+        return f"{where}: cannot create its folder: {e.strerror or e}"
+    existed = path.exists()
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        return f"{where}: cannot open it for writing: {e.strerror or e}"
+    if not existed:
+        path.unlink(missing_ok=True)
     return None
 
 
