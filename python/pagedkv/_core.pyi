@@ -407,10 +407,15 @@ class KVIndexer:
         ``"tokens"`` worker, whose token count is not ``len(block_hashes) * block_size``; and
         for a ``hash_root`` that is not 32 bytes.
         """
-    def apply_snapshot(self, worker_id: int, seq: int, block_hashes: Iterable[_WireHash]) -> None:
+    def apply_snapshot(
+        self, worker_id: int, seq: int, block_hashes: Iterable[_WireHash], *, hash_root: bytes | None = None
+    ) -> None:
         """Sets the worker's entries to ``block_hashes`` (its whole cache) as of its batch
-        ``seq``; later batches continue at ``seq + 1``. Clears ``needs_resync``. Raises
-        ``InvalidArgumentError`` for a ``"tokens"`` worker."""
+        ``seq``; later batches continue at ``seq + 1``. Clears ``needs_resync``. ``hash_root``
+        (32 bytes): the root of the worker's hash chains, as its ``BlockStored`` events carry
+        it. Raises ``InvalidArgumentError`` (nothing changed) for a ``"tokens"`` worker, for a
+        ``hash_root`` other than :attr:`hash_root` (another cache identity) and for one that is
+        not 32 bytes."""
     def block_hashes(
         self,
         token_ids: _IntArrayLike,

@@ -482,8 +482,28 @@ impl KvIndexer {
     /// resolvable set) as of its batch `seq`; later batches continue from `seq + 1`, buffered
     /// ones up to `seq` are dropped. Clears the resync flag. Registers unknown workers as
     /// [`HashSource::Engine`]. Errors: `InvalidArgument` for a [`HashSource::Tokens`] worker
-    /// (its engine hashes cannot be mapped without token ids). O(len(hashes) + blocks held).
-    pub fn apply_snapshot(&mut self, id: WorkerId, seq: u64, hashes: &[BlockHash]) -> Result<()> {
+    /// (its engine hashes cannot be mapped without token ids), and for a `hash_root` (the root of
+    /// the worker's hash chains, as its `BlockStored` events carry it) other than this indexer's
+    /// (another cache identity: its hashes could never match a query). O(len(hashes) + blocks
+    /// held).
+    pub fn apply_snapshot(
+        &mut self,
+        id: WorkerId,
+        seq: u64,
+        hashes: &[BlockHash],
+        hash_root: Option<BlockHash>,
+    ) -> Result<()> {
+        if let Some(root) = hash_root.filter(|r| *r != self.hasher.root()) {
+            return Err(bad(
+                "hash_root",
+                &root.to_hex()[..16],
+                format!(
+                    "the indexer's hash root is {}: the snapshot's worker hashes with another \
+                     algorithm or seed (another cache identity)",
+                    &self.hasher.root().to_hex()[..16]
+                ),
+            ));
+        }
         if self
             .worker(id)
             .is_some_and(|w| w.source == HashSource::Tokens)
@@ -840,7 +860,7 @@ mod tests {
         assert_eq!(ix.worker_hashes(1), vec![h(4), h(5)]);
         let st = ix.worker_status(1).unwrap();
         assert_eq!((st.next_seq, st.gaps, st.num_pending), (Some(6), 1, 0));
-        ix.apply_snapshot(1, 6, &[h(1), h(4)]).unwrap();
+        ix.apply_snapshot(1, 6, &[h(1), h(4)], None).unwrap();
         assert!(!ix.needs_resync(1));
         assert_eq!(ix.worker_hashes(1), vec![h(1), h(4)]);
         assert_eq!(
@@ -930,7 +950,7 @@ mod tests {
         };
         ix.apply_batch(5, 3, vec![orphan]).unwrap();
         assert_eq!(ix.worker_status(5).unwrap().num_blocks, 2);
-        assert!(ix.apply_snapshot(5, 4, &[]).is_err());
+        assert!(ix.apply_snapshot(5, 4, &[], None).is_err());
     }
 
     #[test]
@@ -1061,6 +1081,14 @@ mod tests {
         let other = events_with_seed(b"model-b");
         assert_eq!(ix.apply_batch(2, 0, other).unwrap(), BatchOutcome::Applied);
         assert_eq!(ix.worker_status(2).unwrap().num_blocks, 2);
+        // A snapshot names its worker's root too: a foreign one is refused, nothing changes.
+        let foreign = PrefixHasher::new(HashAlgo::Sha256, b"model-b").root();
+        let err = ix.apply_snapshot(1, 5, &[h(9)], Some(foreign)).unwrap_err();
+        assert!(err.to_string().contains("hash root"), "{err}");
+        assert_eq!(ix.worker_status(1).unwrap().num_blocks, 2);
+        let own = ix.hasher.root();
+        ix.apply_snapshot(1, 5, &[h(9)], Some(own)).unwrap();
+        assert_eq!(ix.worker_status(1).unwrap().num_blocks, 1);
     }
 
     #[test]

@@ -74,6 +74,23 @@ fn wire_hashes(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<BlockH
         .collect()
 }
 
+/// The optional ``hash_root`` argument: None, or exactly 32 bytes.
+fn root_arg(hash_root: Option<&Bound<'_, PyAny>>) -> PyResult<Option<BlockHash>> {
+    let Some(r) = hash_root.filter(|r| !r.is_none()) else {
+        return Ok(None);
+    };
+    let b = bytes_arg(r, "hash_root")?;
+    let arr: [u8; 32] = b.try_into().map_err(|_| {
+        invalid(
+            r.py(),
+            "hash_root",
+            format!("<{} bytes>", b.len()),
+            "expected 32 bytes",
+        )
+    })?;
+    Ok(Some(BlockHash(arr)))
+}
+
 /// The extra keys of a vLLM wire `BlockStored` (`fields`: the event list, `[tag, hashes,
 /// parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, ...]`) as the keys a
 /// pagedkv query hashes with, and how many of its `n_blocks` blocks can be rehashed with them.
@@ -419,21 +436,7 @@ impl PyKvIndexer {
     ) -> PyResult<&'static str> {
         let id = self::worker_id(worker_id)?;
         let seq = uint(seq, "seq", u64::MAX)?;
-        let batch_root = match hash_root.filter(|r| !r.is_none()) {
-            Some(r) => {
-                let b = bytes_arg(r, "hash_root")?;
-                let arr: [u8; 32] = b.try_into().map_err(|_| {
-                    invalid(
-                        py,
-                        "hash_root",
-                        format!("<{} bytes>", b.len()),
-                        "expected 32 bytes",
-                    )
-                })?;
-                Some(BlockHash(arr))
-            }
-            None => None,
-        };
+        let batch_root = root_arg(hash_root)?;
         if events.is_instance_of::<PyString>() || events.is_instance_of::<PyBytes>() {
             return Err(invalid(
                 py,
@@ -452,18 +455,22 @@ impl PyKvIndexer {
             .map(|o| o.name())
     }
 
-    /// Replaces the worker's entries with ``block_hashes`` as of its batch ``seq``.
+    /// Replaces the worker's entries with ``block_hashes`` as of its batch ``seq``; a
+    /// ``hash_root`` (32 bytes) other than the indexer's is refused.
+    #[pyo3(signature = (worker_id, seq, block_hashes, *, hash_root = None))]
     fn apply_snapshot(
         &self,
         py: Python<'_>,
         worker_id: &Bound<'_, PyAny>,
         seq: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
+        hash_root: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let id = self::worker_id(worker_id)?;
         let seq = uint(seq, "seq", u64::MAX)?;
         let hashes = wire_hashes(block_hashes, "block_hashes")?;
-        self.with(py, |ix| ix.apply_snapshot(id, seq, &hashes))
+        let root = root_arg(hash_root)?;
+        self.with(py, |ix| ix.apply_snapshot(id, seq, &hashes, root))
             .py(py)
     }
 
