@@ -133,7 +133,10 @@ fn sha256_in_place(buf: &mut [u8], len: usize) -> [u8; 32] {
     buf[padded - 8..padded].copy_from_slice(&((len as u64) * 8).to_be_bytes());
     let mut state = SHA256_H0;
     for block in buf[..padded].chunks_exact(64) {
-        sha2::compress256(&mut state, std::slice::from_ref(GenericArray::from_slice(block)));
+        sha2::compress256(
+            &mut state,
+            std::slice::from_ref(GenericArray::from_slice(block)),
+        );
     }
     let mut out = [0u8; 32];
     for (chunk, word) in out.chunks_exact_mut(4).zip(state) {

@@ -717,9 +717,9 @@ impl BlockPool {
     /// Locking. Expected O(1) (the candidates for one hash are almost always a single block).
     pub fn lookup(&self, hash: &BlockHash) -> Option<BlockId> {
         let locked = self.locked.lock();
-        locked
-            .index
-            .find(hash, |id| self.refs[id as usize].load(Ordering::Acquire) > 0)
+        locked.index.find(hash, |id| {
+            self.refs[id as usize].load(Ordering::Acquire) > 0
+        })
     }
 
     /// Drops every hash and the whole prefix index; every cached free block becomes an
