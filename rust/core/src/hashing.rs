@@ -334,16 +334,15 @@ impl PrefixHasher {
             && (1..=STACK_TOKENS).contains(&bs)
             && crate::sha256_x2::available();
         let pending = |j: &ChainJob<'_>| j.hashes.len() < j.want;
-        let mut next = 0;
+        // Longest chains first: the lanes then run out of work together, and the part hashed
+        // in one lane at the end (the last chain's tail) is short.
+        let mut order: Vec<usize> = (0..jobs.len()).filter(|&j| pending(&jobs[j])).collect();
+        order.sort_by_key(|&j| std::cmp::Reverse(jobs[j].want - jobs[j].hashes.len()));
+        let mut queue = order.into_iter();
         let mut lanes: [Option<usize>; 2] = [None, None];
         loop {
             for lane in lanes.iter_mut().filter(|l| l.is_none()) {
-                while next < jobs.len() && lane.is_none() {
-                    if pending(&jobs[next]) {
-                        *lane = Some(next);
-                    }
-                    next += 1;
-                }
+                *lane = queue.next();
             }
             match lanes {
                 [None, None] => return,
