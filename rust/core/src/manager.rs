@@ -935,8 +935,8 @@ impl KvCacheManager {
             max_tokens += (req.num_new_tokens[i] as usize)
                 .min((s.tokens.len() + appended).saturating_sub(s.num_computed));
         }
-        out.slot_mapping = token_buffer(max_tokens);
-        out.input_ids = token_buffer(max_tokens);
+        out.slot_mapping.reserve(max_tokens);
+        out.input_ids.reserve(max_tokens);
         self.prehash_prompts(st, req, &slots);
         for (i, (&seq, &slot)) in req.seq_ids.iter().zip(&slots).enumerate() {
             let Some(slot) = slot else {
@@ -1484,42 +1484,6 @@ impl KvCacheManager {
         }
     }
 }
-
-/// Token-indexed outputs of at least this many bytes ask the kernel for transparent huge pages.
-const HUGE_OUTPUT_BYTES: usize = 4 << 20;
-
-/// An empty buffer for `n` token-indexed `i64` outputs (slot mapping, input ids). A prefill of
-/// many long prompts writes tens of megabytes into these fresh buffers, and with 4 KiB pages
-/// every page costs a fault (about a quarter of such a step's CPU time); a buffer of at least
-/// 4 MiB is therefore marked `MADV_HUGEPAGE` before its first write, so the kernel maps it in
-/// 2 MiB pages where transparent huge pages are enabled (`always` or `madvise`; a no-op
-/// otherwise, and outside Linux). The same advice PyTorch's CPU allocator gives large tensors.
-fn token_buffer(n: usize) -> Vec<i64> {
-    let v: Vec<i64> = Vec::with_capacity(n);
-    if n * std::mem::size_of::<i64>() >= HUGE_OUTPUT_BYTES {
-        advise_huge_pages(v.as_ptr().cast(), n * std::mem::size_of::<i64>());
-    }
-    v
-}
-
-/// `madvise(MADV_HUGEPAGE)` on the 2 MiB-aligned part of `[ptr, ptr + len)`. Advice only: a
-/// failure changes nothing and is ignored.
-#[cfg(target_os = "linux")]
-fn advise_huge_pages(ptr: *const u8, len: usize) {
-    const HUGE: usize = 2 << 20;
-    let start = (ptr as usize).next_multiple_of(HUGE);
-    let end = (ptr as usize + len) / HUGE * HUGE;
-    if end > start {
-        // SAFETY: the range lies inside one live allocation owned by the caller; MADV_HUGEPAGE
-        // changes no contents and no access rights, only how the kernel backs the pages.
-        unsafe {
-            libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_HUGEPAGE);
-        }
-    }
-}
-
-#[cfg(not(target_os = "linux"))]
-fn advise_huge_pages(_ptr: *const u8, _len: usize) {}
 
 /// Validates a group argument: known ids, no duplicates, every status accepted by `ok`.
 fn check_group(
