@@ -894,6 +894,8 @@ impl KvCacheManager {
             num_cached_tokens: Vec::with_capacity(n),
             context_lens: Vec::with_capacity(n),
             seq_lens: Vec::with_capacity(n),
+            slot_mapping: Vec::with_capacity(n),
+            input_ids: Vec::with_capacity(n),
             table_start: Vec::with_capacity(n),
             table_version: Vec::with_capacity(n),
             table_delta_indptr: Vec::with_capacity(n + 1),
