@@ -40,8 +40,9 @@ use crate::sync::{
 };
 use crate::{BlockId, NULL_BLOCK};
 
-/// Largest accepted `num_blocks` (2^28): keeps the pool's own metadata (about 64 bytes per
-/// block) under 16 GiB, so an absurd configuration is an error rather than an abort.
+/// Largest accepted `num_blocks` (2^28): keeps the pool's own metadata (about 89 bytes per
+/// block, prefix index included) near 22 GiB of address space, so an absurd configuration is an
+/// error rather than an abort.
 pub const MAX_BLOCKS: u32 = 1 << 28;
 
 /// Uncached blocks released by one `free` call are pushed to the stack in chunks of this many.
@@ -70,17 +71,14 @@ pub struct PoolCounters {
     pub prefix_touches: u64,
 }
 
-/// State behind the pool's mutex: hashes, the prefix index and the LRU of cached free blocks.
+/// State behind the pool's mutex: the prefix index (each block's hash and the blocks of each
+/// hash) and the LRU of cached free blocks.
 ///
 /// The LRU is an intrusive doubly linked list over block ids (`prev` / `next` arrays) with the
 /// null block 0 as the sentinel: `next[0]` is the front (least recently freed), `prev[0]` the
 /// back. Removal of any member is O(1).
-/// Hashes the prefix index has room for at construction (see [`Locked::new`]).
-const INDEX_PRESIZE: usize = 1 << 16;
-
 #[derive(Debug)]
 struct Locked {
-    hashes: Vec<Option<BlockHash>>,
     index: PrefixIndex,
     prev: Vec<BlockId>,
     next: Vec<BlockId>,
@@ -92,12 +90,8 @@ impl Locked {
     fn new(num_blocks: u32) -> Self {
         let n = num_blocks as usize;
         Self {
-            hashes: vec![None; n],
-            // Room for the hashes of up to 64k blocks up front (no rehash inside a step while
-            // the cache fills); a larger pool's index grows by doubling, because a table sized
-            // for a million blocks is touched sparsely at first and page-faults on almost every
-            // insert until it is warm.
-            index: PrefixIndex::with_capacity(n.min(INDEX_PRESIZE)),
+            // Sized for every block at once: it never grows, so no step pays a rehash.
+            index: PrefixIndex::new(num_blocks),
             prev: vec![NULL_BLOCK; n],
             next: vec![NULL_BLOCK; n],
             in_lru: vec![false; n],
@@ -142,7 +136,7 @@ impl Locked {
     fn lru_order(&self) -> Vec<BlockId> {
         let mut out = Vec::with_capacity(self.lru_len);
         let mut cur = self.next[0];
-        while cur != NULL_BLOCK && out.len() <= self.hashes.len() {
+        while cur != NULL_BLOCK && out.len() <= self.prev.len() {
             out.push(cur);
             cur = self.next[cur as usize];
         }
@@ -160,7 +154,7 @@ pub struct BlockPool {
     num_blocks: u32,
     /// Reference count per block; index 0 stays 0 forever.
     refs: Box<[AtomicU32]>,
-    /// `hashed[id]` mirrors `Locked::hashes[id].is_some()`; written only under the lock, read
+    /// `hashed[id]` mirrors `Locked::index.hash_of(id).is_some()`; written only under the lock, read
     /// lock-free by `free` to decide whether a 1 → 0 transition needs the lock.
     hashed: Box<[AtomicBool]>,
     /// Free blocks without a hash, LIFO.
@@ -365,11 +359,11 @@ impl BlockPool {
         unresolvable: &mut Vec<BlockHash>,
     ) -> bool {
         self.hashed[id as usize].store(false, Ordering::Release);
-        let Some(hash) = locked.hashes[id as usize].take() else {
+        let Some((hash, last)) = locked.index.remove(id) else {
             return false;
         };
         // The removed hashes only feed a BlockRemoved event: not collected with events off.
-        if locked.index.remove_reporting(&hash, id) == Some(true) && self.events.enabled() {
+        if last && self.events.enabled() {
             unresolvable.push(hash);
         }
         true
@@ -430,7 +424,7 @@ impl BlockPool {
         let mut revive = Vec::new();
         for (k, &id) in ids.iter().enumerate() {
             let i = self.check_id(id)?;
-            let carried = locked.hashes[i];
+            let carried = locked.index.hash_of(id);
             let want = expected.map(|e| e[k]);
             let stray_free = self.refs[i].load(Ordering::Acquire) == 0 && !locked.in_lru[i];
             if carried.is_none() || (want.is_some() && carried != want) || stray_free {
@@ -649,7 +643,7 @@ impl BlockPool {
             return Ok(Released::StillReferenced);
         }
         match guard.as_mut() {
-            Some(locked) if locked.hashes[i].is_some() => {
+            Some(locked) if locked.index.carries(id) => {
                 locked.lru_push_back(id);
                 Ok(Released::ToLru)
             }
@@ -674,7 +668,7 @@ impl BlockPool {
         if id == NULL_BLOCK || id >= self.num_blocks {
             return None;
         }
-        self.locked.lock().hashes[id as usize]
+        self.locked.lock().index.hash_of(id)
     }
 
     /// Registers the full block `id` under `hash` in the prefix index. The block must be
@@ -699,12 +693,9 @@ impl BlockPool {
                 ),
             });
         }
-        if locked.hashes[i].is_some() {
+        let Some(newly_resolvable) = locked.index.insert(id, hash) else {
             return Ok(false);
-        }
-        let newly_resolvable = locked.index.get_all(&hash).is_empty();
-        locked.hashes[i] = Some(hash);
-        locked.index.insert(hash, id);
+        };
         self.hashed[i].store(true, Ordering::Release);
         Ok(newly_resolvable)
     }
@@ -747,14 +738,13 @@ impl BlockPool {
             }
         }
         for (&id, &hash) in blocks.iter().zip(hashes) {
-            let i = id as usize;
-            if locked.hashes[i].is_some() {
-                newly_resolvable.push(false);
-                continue;
-            }
-            locked.hashes[i] = Some(hash);
-            let first = locked.index.insert_reporting(hash, id).unwrap_or(false);
-            self.hashed[i].store(true, Ordering::Release);
+            let first = match locked.index.insert(id, hash) {
+                None => false, // already carries a hash (its first stays)
+                Some(first) => {
+                    self.hashed[id as usize].store(true, Ordering::Release);
+                    first
+                }
+            };
             newly_resolvable.push(first);
         }
         Ok(())
@@ -766,17 +756,12 @@ impl BlockPool {
     pub fn lookup_chain(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
         let locked = self.locked.lock();
         let mut hits = Vec::with_capacity(hashes.len());
+        let in_use = |id: BlockId| self.refs[id as usize].load(Ordering::Acquire) > 0;
         for hash in hashes {
-            let all = locked.index.get_all(hash);
-            let Some(&first) = all.first() else {
+            let Some(hit) = locked.index.find(hash, in_use) else {
                 break;
             };
-            hits.push(
-                all.iter()
-                    .copied()
-                    .find(|&id| self.refs[id as usize].load(Ordering::Acquire) > 0)
-                    .unwrap_or(first),
-            );
+            hits.push(hit);
         }
         hits
     }
@@ -786,11 +771,9 @@ impl BlockPool {
     /// Locking. Expected O(1) (the candidates for one hash are almost always a single block).
     pub fn lookup(&self, hash: &BlockHash) -> Option<BlockId> {
         let locked = self.locked.lock();
-        let all = locked.index.get_all(hash);
-        all.iter()
-            .copied()
-            .find(|&id| self.refs[id as usize].load(Ordering::Acquire) > 0)
-            .or_else(|| all.first().copied())
+        locked.index.find(hash, |id| {
+            self.refs[id as usize].load(Ordering::Acquire) > 0
+        })
     }
 
     /// Drops every hash and the whole prefix index; every cached free block becomes an
@@ -821,9 +804,7 @@ impl BlockPool {
             order.push(id);
         }
         for id in 1..self.num_blocks {
-            let i = id as usize;
-            locked.hashes[i] = None;
-            self.hashed[i].store(false, Ordering::Release);
+            self.hashed[id as usize].store(false, Ordering::Release);
         }
         locked.index.clear();
         for &id in order.iter().rev() {
@@ -891,7 +872,7 @@ impl BlockPool {
             ));
         }
         if self.refs[0].load(Ordering::Acquire) != 0
-            || locked.hashes[0].is_some()
+            || locked.index.hash_of(NULL_BLOCK).is_some()
             || locked.in_lru[0]
         {
             return Err("null block has a ref count, a hash or an LRU slot".to_string());
@@ -907,7 +888,7 @@ impl BlockPool {
                     seen[i]
                 ));
             }
-            let hash = locked.hashes[i];
+            let hash = locked.index.hash_of(id);
             if hash.is_some() != self.hashed[i].load(Ordering::Acquire) {
                 return Err(format!("block {id}: hashed flag disagrees with its hash"));
             }
@@ -918,33 +899,12 @@ impl BlockPool {
                     hash.is_some()
                 ));
             }
-            if let Some(h) = hash {
-                if !locked.index.contains(&h, id) {
-                    return Err(format!(
-                        "block {id} has a hash the prefix index does not map to it"
-                    ));
-                }
-            }
         }
         if free + used + 1 != n {
             return Err(format!("free {free} + used {used} + 1 != num_blocks {n}"));
         }
-        let mut pairs = 0;
-        for (h, id) in locked.index.iter() {
-            pairs += 1;
-            if id == NULL_BLOCK || id as usize >= n || locked.hashes[id as usize] != Some(*h) {
-                return Err(format!(
-                    "prefix index maps a hash to block {id}, which does not carry it"
-                ));
-            }
-        }
-        let hashed = locked.hashes.iter().filter(|h| h.is_some()).count();
-        if pairs != hashed || locked.index.len() != hashed {
-            return Err(format!(
-                "prefix index holds {pairs} pairs but {hashed} blocks carry a hash"
-            ));
-        }
-        Ok(())
+        // Invariant 3: each block's hash is in the hash → blocks table, and nothing else is.
+        locked.index.check()
     }
 
     /// Cumulative counters (evictions, allocations, frees, prefix touches), in blocks.

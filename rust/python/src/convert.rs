@@ -159,24 +159,72 @@ fn items_values<'py>(
     Ok(out)
 }
 
-/// A 1-D numpy array of dtype `T` converted to `u32`s in one pass (no `u64` staging; a
-/// contiguous one read as a slice), or `None` when it holds a value outside `0..=u32::MAX` (the
-/// general path then reads it again to name the offending value).
-fn array_u32<T>(arr: &Bound<'_, PyUntypedArray>) -> Option<Vec<u32>>
-where
-    T: numpy::Element + Copy + TryInto<u32>,
-{
+/// An integer dtype token ids arrive in: a branch-free range check and the narrowing, so that
+/// a contiguous array converts with vector instructions.
+trait TokenInt: numpy::Element + Copy {
+    /// Whether the value is in `0..=u32::MAX`.
+    fn fits_u32(self) -> bool;
+    /// The value as `u32` (only called after [`TokenInt::fits_u32`]).
+    fn narrow(self) -> u32;
+}
+
+impl TokenInt for i64 {
+    fn fits_u32(self) -> bool {
+        // A negative value becomes a huge u64: one unsigned compare covers both ends.
+        (self as u64) <= u64::from(u32::MAX)
+    }
+    fn narrow(self) -> u32 {
+        self as u32
+    }
+}
+
+impl TokenInt for u64 {
+    fn fits_u32(self) -> bool {
+        self <= u64::from(u32::MAX)
+    }
+    fn narrow(self) -> u32 {
+        self as u32
+    }
+}
+
+impl TokenInt for i32 {
+    fn fits_u32(self) -> bool {
+        self >= 0
+    }
+    fn narrow(self) -> u32 {
+        self as u32
+    }
+}
+
+impl TokenInt for u32 {
+    fn fits_u32(self) -> bool {
+        true
+    }
+    fn narrow(self) -> u32 {
+        self
+    }
+}
+
+/// A 1-D numpy array of dtype `T` converted to `u32`s (no `u64` staging; a contiguous one read
+/// as a slice, checked and then narrowed in two vectorised passes), or `None` when it holds a
+/// value outside `0..=u32::MAX` (the general path then reads it again to name the offending
+/// value).
+fn array_u32<T: TokenInt>(arr: &Bound<'_, PyUntypedArray>) -> Option<Vec<u32>> {
     let a = arr.cast::<PyArray1<T>>().ok()?;
     let ro = a.readonly();
-    let mut out = Vec::with_capacity(a.len());
     if let Ok(slice) = ro.as_slice() {
-        for &x in slice {
-            out.push(x.try_into().ok()?);
+        // `fold`, not `all`: no early exit, so the check vectorises (a bad value is rare).
+        if !slice.iter().fold(true, |ok, &x| ok & x.fits_u32()) {
+            return None;
         }
-    } else {
-        for &x in ro.as_array().iter() {
-            out.push(x.try_into().ok()?);
+        return Some(slice.iter().map(|&x| x.narrow()).collect());
+    }
+    let mut out = Vec::with_capacity(a.len());
+    for &x in ro.as_array().iter() {
+        if !x.fits_u32() {
+            return None;
         }
+        out.push(x.narrow());
     }
     Some(out)
 }
