@@ -40,8 +40,8 @@ use crate::sync::{
 };
 use crate::{BlockId, NULL_BLOCK};
 
-/// Largest accepted `num_blocks` (2^28): keeps the pool's own metadata (about 85 bytes per
-/// block, prefix index included) near 20 GiB of address space, so an absurd configuration is an
+/// Largest accepted `num_blocks` (2^28): keeps the pool's own metadata (about 89 bytes per
+/// block, prefix index included) near 22 GiB of address space, so an absurd configuration is an
 /// error rather than an abort.
 pub const MAX_BLOCKS: u32 = 1 << 28;
 
@@ -148,7 +148,7 @@ impl Locked {
 /// counts, prefix hashes, the free queue and the prefix index. `Send + Sync`; share it in an
 /// `Arc`.
 ///
-/// Memory: O(num_blocks) — about 60 bytes per block of metadata; KV tensors live elsewhere.
+/// Memory: O(num_blocks) — about 64 bytes per block of metadata; KV tensors live elsewhere.
 #[derive(Debug)]
 pub struct BlockPool {
     num_blocks: u32,
@@ -164,6 +164,11 @@ pub struct BlockPool {
     /// Length of the cached LRU; written under the lock, read wait-free.
     cached_free: AtomicUsize,
     locked: Mutex<Locked>,
+    /// Scratch of `free`'s duplicate check: `seen[id]` is the stamp of the last long `free`
+    /// call that read `id` (see `BlockPool::next_stamp`).
+    seen: Box<[AtomicU32]>,
+    /// Source of the per-call stamps written to `seen`.
+    stamps: AtomicU32,
     events: StdArc<EventSink>,
     evictions: AtomicU64,
     allocations: AtomicU64,
@@ -203,6 +208,8 @@ impl BlockPool {
             free: AtomicUsize::new(n - 1),
             cached_free: AtomicUsize::new(0),
             locked: Mutex::new(Locked::new(num_blocks)),
+            seen: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            stamps: AtomicU32::new(0),
             events,
             evictions: AtomicU64::new(0),
             allocations: AtomicU64::new(0),
@@ -282,25 +289,39 @@ impl BlockPool {
     /// are free; nothing is changed then.
     ///
     /// Progress: lock-free while uncached blocks are free (one CAS reservation, then one
-    /// Treiber pop per block); locking when it must evict (one lock hold for all evictions).
-    /// O(n).
+    /// Treiber batch pop for all of them); locking when it must evict (one lock hold for all
+    /// evictions). O(n).
     pub fn allocate(&self, n: usize) -> Result<Vec<BlockId>> {
+        let mut out = Vec::new(); // sized once `n` is known to be free
+        self.allocate_into(n, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`BlockPool::allocate`] appending the `n` block ids to `out` (in the order `allocate`
+    /// returns them) instead of returning a new vector, so a caller that keeps a buffer (a
+    /// sequence's block table, a binding's output) does not allocate. On error `out` is
+    /// unchanged. Same progress and errors as `allocate`. O(n).
+    pub fn allocate_into(&self, n: usize, out: &mut Vec<BlockId>) -> Result<()> {
         if n == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         self.reserve(n)?;
-        let mut out = Vec::with_capacity(n);
-        while out.len() < n {
-            if let Some(id) = self.uncached.pop() {
-                self.refs[id as usize].store(1, Ordering::Release);
-                out.push(id);
+        let start = out.len();
+        let end = start + n;
+        out.reserve(n);
+        while out.len() < end {
+            let before = out.len();
+            if self.uncached.pop_many(end - before, out) > 0 {
+                for &id in &out[before..] {
+                    self.refs[id as usize].store(1, Ordering::Release);
+                }
                 continue;
             }
             // No uncached block left: evict from the LRU front under the lock.
             let mut locked = self.locked.lock();
             let mut unresolvable = Vec::new();
             let mut evicted = 0u64;
-            while out.len() < n {
+            while out.len() < end {
                 let Some(id) = locked.lru_pop_front() else {
                     break;
                 };
@@ -316,7 +337,7 @@ impl BlockPool {
                 });
             }
             drop(locked);
-            if out.len() < n {
+            if out.len() < end {
                 // Our reserved blocks exist but are in transit (another thread moving them
                 // between the lists under the lock, or pushed to the stack after our pop):
                 // retry the stack.
@@ -324,7 +345,7 @@ impl BlockPool {
             }
         }
         self.allocations.fetch_add(n as u64, Ordering::Relaxed);
-        Ok(out)
+        Ok(())
     }
 
     /// Drops the hash of `id` (just unlinked from the LRU) and its index entry. Returns whether
@@ -519,13 +540,13 @@ impl BlockPool {
 
     /// Checks ids and that each block's ref count covers its multiplicity in `ids`.
     fn validate_free(&self, ids: &[BlockId]) -> Result<()> {
-        for &id in ids {
-            self.check_id(id)?;
-        }
         let underflow = |id: BlockId, times: usize| {
             self.refs[id as usize].load(Ordering::Acquire) < times as u32
         };
         if ids.len() <= 16 {
+            for &id in ids {
+                self.check_id(id)?;
+            }
             // Small batches, without allocating: a repeated id (rare) is counted in full.
             for (k, &id) in ids.iter().enumerate() {
                 let times = if ids[..k].contains(&id) {
@@ -537,27 +558,60 @@ impl BlockPool {
                     return Err(Error::RefCountUnderflow { block_id: id });
                 }
             }
-        } else if !has_repeats(ids) {
-            // The common case (a sequence's table, each id once), checked in O(len).
-            for &id in ids {
-                if underflow(id, 1) {
-                    return Err(Error::RefCountUnderflow { block_id: id });
-                }
+            return Ok(());
+        }
+        // The common case (a sequence's table, each id once) in one O(len) pass: ids checked,
+        // repeats looked for (see `next_stamp`), the first free block noted. Invalid ids are
+        // reported before any underflow, as in the other paths.
+        let stamp = self.next_stamp();
+        let mut repeats = false;
+        let mut first_free = None;
+        for &id in ids {
+            let i = self.check_id(id)?;
+            if repeats {
+                continue;
             }
-        } else {
-            let mut sorted = ids.to_vec();
-            sorted.sort_unstable();
-            let mut start = 0;
-            while start < sorted.len() {
-                let id = sorted[start];
-                let times = sorted[start..].iter().take_while(|&&x| x == id).count();
-                if underflow(id, times) {
-                    return Err(Error::RefCountUnderflow { block_id: id });
-                }
-                start += times;
+            let slot = &self.seen[i];
+            if slot.load(Ordering::Relaxed) == stamp {
+                repeats = true;
+                continue;
+            }
+            slot.store(stamp, Ordering::Relaxed);
+            if first_free.is_none() && underflow(id, 1) {
+                first_free = Some(id);
             }
         }
+        if !repeats {
+            return match first_free {
+                Some(id) => Err(Error::RefCountUnderflow { block_id: id }),
+                None => Ok(()),
+            };
+        }
+        let mut sorted = ids.to_vec();
+        sorted.sort_unstable();
+        let mut start = 0;
+        while start < sorted.len() {
+            let id = sorted[start];
+            let times = sorted[start..].iter().take_while(|&&x| x == id).count();
+            if underflow(id, times) {
+                return Err(Error::RefCountUnderflow { block_id: id });
+            }
+            start += times;
+        }
         Ok(())
+    }
+
+    /// A stamp for the duplicate check of one long `free`: `validate_free` compares each id's
+    /// `seen` slot with it, then sets the slot to it, so a repeat finds its own stamp. O(len),
+    /// no allocation (this replaces a sort or a hash set).
+    ///
+    /// Exact for a call that no other thread's `free` overlaps on the same blocks. Otherwise
+    /// the check may report a repeat wrongly (after 2^32 calls a stale stamp can match; the
+    /// exact sort then decides) or miss one whose slot another thread freeing the same block
+    /// overwrote; that thread holds references too, and the release loop's CAS still keeps
+    /// every count from going below zero, as for any concurrent release.
+    fn next_stamp(&self) -> u32 {
+        self.stamps.fetch_add(1, Ordering::Relaxed).wrapping_add(1)
     }
 
     /// Decrements one ref count; queues the block when it reaches 0.
@@ -863,30 +917,4 @@ impl BlockPool {
             prefix_touches: self.prefix_touches.load(Ordering::Relaxed),
         }
     }
-}
-
-/// Whether some id occurs more than once in `ids` (valid, non-null ids): an open-addressed set
-/// of the ids seen so far (Fibonacci hashing, linear probing), O(len) expected. Replaces a sort
-/// in the validation of long frees (a sequence's whole block table).
-fn has_repeats(ids: &[BlockId]) -> bool {
-    if ids.len() > 1 << 30 {
-        return true; // beyond the table's hash range: let the caller sort
-    }
-    let bits = (ids.len() * 2).next_power_of_two().trailing_zeros().max(1);
-    let mask = (1usize << bits) - 1;
-    let mut table = vec![NULL_BLOCK; 1 << bits];
-    for &id in ids {
-        let mut i = (id.wrapping_mul(0x9E37_79B9) >> (32 - bits)) as usize;
-        loop {
-            match table[i] {
-                NULL_BLOCK => {
-                    table[i] = id;
-                    break;
-                }
-                seen if seen == id => return true,
-                _ => i = (i + 1) & mask,
-            }
-        }
-    }
-    false
 }
