@@ -124,14 +124,14 @@ class PoolAdapter:
         """Return blocks (a handle list/array, eviction order)."""
         raise NotImplementedError
 
-    def items(self, blocks: Any) -> Any:
-        """The blocks of one ``allocate`` result one by one (what a decode step hands to each
-        sequence that starts a block)."""
+    def allocate_items(self, n: int) -> Any:
+        """Take ``n`` blocks for ``n`` decoding requests that each start a block; returns an
+        iterable of ``n`` handles, one per request (one batched call into the pool)."""
         raise NotImplementedError
 
     def concat_reversed(self, parts: list[Any]) -> Any:
         """One request's blocks tail first, from ``parts``: its prompt's ``allocate`` result,
-        then one item (from :meth:`items`) per decode block."""
+        then one item (from :meth:`allocate_items`) per decode block."""
         raise NotImplementedError
 
 
@@ -139,7 +139,12 @@ def run_pool(make_pool, trace: OpTrace, repeats: int) -> dict[str, Any]:
     """Replay only the block-pool traffic of ``trace``: per step one ``allocate`` per admitted
     request (its prompt blocks), one batched ``allocate`` for the decoding requests that start
     a new block, and one ``free`` per finished request (its blocks, tail first). Prefix caching
-    plays no part. ``make_pool(num_blocks)`` returns a fresh :class:`PoolAdapter`."""
+    plays no part. ``make_pool(num_blocks)`` returns a fresh :class:`PoolAdapter`.
+
+    Per step only the pool's work and the loop that hands blocks to requests sit between the
+    two reads of the thread's CPU clock; the wall clock is read outside them and the figures
+    are stored after both, so the clocks themselves cost about one ``thread_time_ns`` call
+    per step (as in the Rust replay of the same schedule)."""
     bs = trace.block_size
     admit_at, _ = _schedule(trace)
     p_lens = trace.prompt_lens
@@ -161,17 +166,19 @@ def run_pool(make_pool, trace: OpTrace, repeats: int) -> dict[str, Any]:
         gc.disable()
         try:
             for t, (adm, needs, fin) in enumerate(steps):
-                c0 = time.thread_time_ns()
                 w0 = time.perf_counter_ns()
+                c0 = time.thread_time_ns()
                 if needs:
-                    for r, b in zip(needs, pool.items(pool.allocate(len(needs)))):
+                    for r, b in zip(needs, pool.allocate_items(len(needs))):
                         held[r].append(b)
                 for r, n in adm:
                     held[r] = [pool.allocate(n)]
                 for r in fin:
                     pool.free(pool.concat_reversed(held.pop(r)))
-                wall_ns[t] = time.perf_counter_ns() - w0
-                cpu_ns[t] = time.thread_time_ns() - c0
+                c1 = time.thread_time_ns()
+                w1 = time.perf_counter_ns()
+                cpu_ns[t] = c1 - c0
+                wall_ns[t] = w1 - w0
         finally:
             gc.enable()
         if held:

@@ -12,8 +12,9 @@ from Python ints inside the clock would time the replay's bookkeeping, not paged
 replay (``rust/core/examples/replay.rs``) builds the same inputs before its clock. So two crossings into Rust per step, plus one per new / finished request. ``step`` also builds the slot mapping, token
 ids and block-table changes of the batch (what the model runner needs to keep its block tables,
 ``pagedkv.tensors.BlockTable``), which the other systems' managers leave to their model runners.
-The bare pool replay frees a finished request's blocks tail first in two calls (its decode ids,
-then its prompt's array reversed) rather than concatenating them into one array first.
+The bare pool replay frees a finished request's blocks tail first in two calls (its decode ids
+reversed, then its prompt's array with ``free_table``, which releases it from its end) rather
+than concatenating them into one array first.
 """
 
 from __future__ import annotations
@@ -95,31 +96,30 @@ class PagedKVReplayer(Replayer):
             mgr.free(r)
 
     def pool_adapter(self, num_blocks: int) -> Any:
-        """pagedkv.BlockPool (Rust, GIL released per call), batch allocate / free of int32 ids."""
+        """pagedkv.BlockPool (Rust; calls on up to 1,024 blocks keep the GIL): a prompt's blocks
+        as one int32 array (``allocate``), the decode step's new blocks as a list of ints
+        (``allocate_list``: one per sequence, no array to make and unpack), batch frees."""
         pool = self.pagedkv.BlockPool(num_blocks)
 
         pool_free = pool.free
+        pool_free_table = pool.free_table
 
         class _Pool:
             allocate = staticmethod(pool.allocate)
+            allocate_items = staticmethod(pool.allocate_list)
 
             @staticmethod
-            def free(blocks: Any) -> None:
+            def free(parts: Any) -> None:
                 # Tail first, as one request's table: its decode blocks (ints) last-first, then
-                # its prompt's int32 array reversed. Two calls (the ids are in two containers
-                # already) cost less than concatenating them into one array first.
-                decode_tail, prompt_reversed = blocks
-                if decode_tail:
-                    pool_free(decode_tail)
-                pool_free(prompt_reversed)
-
-            @staticmethod
-            def items(blocks: Any) -> Any:
-                return blocks.tolist()
+                # its prompt's int32 array from its end. Two calls (the ids are in two
+                # containers already) cost less than concatenating them into one array first.
+                if len(parts) > 1:
+                    pool_free(parts[:0:-1])
+                pool_free_table(parts[0])
 
             @staticmethod
             def concat_reversed(parts: list[Any]) -> Any:
-                return parts[:0:-1], parts[0][::-1]
+                return parts  # reversed by free(): no copy
 
         return _Pool()
 

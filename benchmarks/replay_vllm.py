@@ -118,9 +118,7 @@ class VllmReplayer(Replayer):
             allocate = staticmethod(pool.get_new_blocks)
             free = staticmethod(pool.free_blocks)
 
-            @staticmethod
-            def items(blocks: Any) -> Any:
-                return blocks
+            allocate_items = staticmethod(pool.get_new_blocks)
 
             @staticmethod
             def concat_reversed(parts: list[Any]) -> Any:

@@ -15,13 +15,14 @@ What should be flat: ns per block op (work per block) and µs per step divided b
 sequences (work per sequence per step). µs per step itself grows linearly with the batch.
 
 What it shows (see the README row): nothing grows with the algorithmic size -- every step is
-O(blocks touched) -- but the per-op cost rises ~1.5x between 256 and 4,096 running sequences and
-between a 10k- and a 100k-block pool, then stays flat up to 1M blocks. That is the memory
-hierarchy: the prefix index, the per-block arrays and the sequences' tables leave L2 and are
-touched cold (first-touch page faults in a short trace). A prefix index pre-sized to the whole
-pool made the 1M-block point 2.5x slower (every insert faulted a fresh page of a 120 MB table),
-so the index is pre-sized to at most 64k hashes and grows by doubling beyond. The 64-sequence
-point costs more per op through Python only (the Rust column is flat there): each step's fixed
+O(blocks touched) -- but the per-op cost rises ~1.3x between 256 and 4,096 running sequences,
+and by ~1.15x (Python) / ~1.3x (Rust) from a 10k- or 100k-block pool to a 1M-block one. That is
+the memory hierarchy: the prefix index, the per-block arrays and the sequences' tables leave L2
+and are touched cold. The prefix index is sized for the whole pool at construction (8-byte slots
+plus the 32-byte hash per block, pages touched then, never grown); a general hash map of
+~56-byte entries pre-sized to the pool had made the 1M-block point 2.5x slower (every insert
+faulted a fresh page of a 120 MB table), and the same map grown by doubling made the 100k and
+1M points ~1.4x dearer than 10k. The 64-sequence point costs more per op through Python only (the Rust column is flat there): each step's fixed
 cost (two crossings, a dozen small numpy arrays, ~10 µs) is spread over a quarter of the block
 ops of the 256-sequence point.
 

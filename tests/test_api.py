@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -465,13 +466,65 @@ def test_block_pool_eviction_order() -> None:
     assert p.counters()["evictions"] == 1
 
 
+def test_block_pool_allocate_list_and_free_table() -> None:
+    p, q = BlockPool(9), BlockPool(9)
+    ids = p.allocate_list(3)
+    assert type(ids) is list and ids == [1, 2, 3] and all(type(b) is int for b in ids)
+    assert p.allocate_list(0) == [] and p.num_used == 3
+    assert q.allocate(3).tolist() == ids
+    for pool in (p, q):
+        for b in (1, 2):
+            pool.cache_block(b, bytes([b]) * 32)
+    table = ids + p.allocate(2).tolist()  # [1, 2, 3, 4, 5]
+    assert q.allocate(2).tolist() == [4, 5]
+    p.free_table(np.array(table, dtype=np.int32))
+    q.free(table[::-1])
+    # Tail first: 5, 4, 3 (uncached) to the front, LIFO; then 2, 1 (cached) to the LRU back.
+    assert p.free_queue().tolist() == q.free_queue().tolist() == [3, 4, 5, 6, 7, 8, 2, 1]
+    assert p.counters() == q.counters() == {"evictions": 0, "allocations": 5, "frees": 5, "prefix_touches": 0}
+    assert p.allocate_list(8) == [3, 4, 5, 6, 7, 8, 2, 1]  # the last two evicted (LRU first)
+    assert p.counters()["evictions"] == 2 and p.block_hash(2) is None
+    p.check_invariants()
+    q.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [3, 1, 2],
+        (3, 1, 2),
+        np.array([3, 1, 2], dtype=np.int32),
+        np.array([3, 1, 2], dtype=np.int64),
+        np.array([3, 1, 2], dtype=np.uint32),
+        np.array([3, 1, 2], dtype=np.uint64),
+        np.array([3, 1, 2], dtype=np.int16),
+        np.array([3, 1, 2], dtype=">i4"),  # byte-swapped: not read in place
+        np.array([1, 2, 3], dtype=np.int32)[[2, 0, 1]],  # fancy-indexed copy
+        np.array([2, 9, 1, 9, 3], dtype=np.int64)[::-2],  # negative stride, every other item
+        np.array([[3, 1, 2]], dtype=np.int32)[0],  # a row of a 2-D array
+    ],
+    ids=lambda ids: type(ids).__name__ + ("-" + str(ids.dtype) + str(ids.strides) if hasattr(ids, "dtype") else ""),
+)
+def test_block_pool_reads_every_form_of_ids_alike(ids: Any) -> None:
+    p = BlockPool(6)
+    p.allocate(4)
+    p.free(ids)  # 3, then 1, then 2 to the front
+    assert p.free_queue().tolist() == [2, 1, 3, 5]  # 4 still held
+    assert p.ref_count(4) == 1 and p.counters()["frees"] == 3
+    p.allocate(3)
+    p.free_table(ids)  # 2, then 1, then 3
+    assert p.free_queue().tolist() == [3, 1, 2, 5]
+
+
 def test_manager_pool_view_is_read_only() -> None:
     m = make()
     view = m.pool
     assert view.num_free == 15
     for call in (
         lambda: view.allocate(1),
+        lambda: view.allocate_list(1),
         lambda: view.free([1]),
+        lambda: view.free_table([1]),
         lambda: view.incref([1]),
         lambda: view.touch([1]),
         lambda: view.cache_block(1, bytes(32)),

@@ -408,6 +408,29 @@ POOL_ROWS: list[Row] = [
     ("lookup with an int hash", lambda p: p.lookup(5), E.InvalidArgumentError, ("hash", "int")),
     ("cache the null block", lambda p: p.cache_block(0, bytes(32)), E.InvalidBlockError, ("0",)),
     ("reset while in use", lambda p: p.reset_prefix_cache(), E.CacheInUseError, ("3",)),
+    ("allocate_list more than free", lambda p: p.allocate_list(5), E.OutOfBlocksError, ("5", "4")),
+    ("allocate_list negative", lambda p: p.allocate_list(-1), E.InvalidArgumentError, ("-1",)),
+    ("free_table with a ref-0 block", lambda p: p.free_table([1, 2, 5]), E.RefCountUnderflowError, ("5",)),
+    (
+        "free_table double free",
+        lambda p: p.free_table(np.array([2, 2], dtype=np.int32)),
+        E.RefCountUnderflowError,
+        ("2",),
+    ),
+    ("free_table out of range", lambda p: p.free_table([1, 8]), E.InvalidBlockError, ("8",)),
+    ("free_table a str", lambda p: p.free_table("12"), E.InvalidArgumentError, ("table", "str")),
+    ("free bools", lambda p: p.free([True]), E.InvalidArgumentError, ("bool",)),
+    ("free numpy scalars", lambda p: p.free([np.int64(1), np.float64(2.0)]), E.InvalidArgumentError, ("float64",)),
+    ("free an id above u32", lambda p: p.free([1, 2**40]), E.InvalidArgumentError, (str(2**40),)),
+    ("free negative int32", lambda p: p.free(np.array([1, -3], dtype=np.int32)), E.InvalidArgumentError, ("-3",)),
+    (
+        "free uint64 above u32",
+        lambda p: p.free(np.array([2**33], dtype=np.uint64)),
+        E.InvalidArgumentError,
+        (str(2**33),),
+    ),
+    ("free a 2-D array", lambda p: p.free(np.array([[1, 2]], dtype=np.int32)), E.InvalidArgumentError, ("1-D",)),
+    ("free a long list with a repeat", lambda p: p.free([3, 3, 2] + [1] * 14), E.RefCountUnderflowError, ("1",)),
 ]
 
 

@@ -152,14 +152,15 @@ def test_pagedkv_pool_adapter_frees_tail_first():
 
     pool = replay_pagedkv.PagedKVReplayer("sha256").pool_adapter(16)
     prompt = pool.allocate(3)
-    decode = pool.items(pool.allocate(2))
-    decode_tail, prompt_reversed = pool.concat_reversed([prompt, *decode])
-    assert [*decode_tail, *prompt_reversed.tolist()] == [decode[1], decode[0], *prompt.tolist()[::-1]]
-    pool.free((decode_tail, prompt_reversed))
+    decode = list(pool.allocate_items(2))
+    assert all(type(b) is int for b in decode)
+    parts = pool.concat_reversed([prompt, *decode])
+    pool.free(parts)  # decode blocks last-first, then the prompt from its end
     # The free stack is LIFO: the block freed last (the prompt's first) comes back first.
     assert pool.allocate(5).tolist() == [*prompt.tolist(), decode[0], decode[1]]
-    only_prompt = pool.concat_reversed([prompt])
-    assert only_prompt[0] == [] and only_prompt[1].tolist() == prompt.tolist()[::-1]
+    last = pool.allocate(2)
+    pool.free(pool.concat_reversed([last]))  # a request with no decode block: its last block first
+    assert pool.allocate(2).tolist() == last.tolist()
 
 
 def _write(d, name, payload):

@@ -334,3 +334,17 @@ def test_joining_mid_stream_needs_a_snapshot() -> None:
     assert ix.apply(0, 6, []) == "duplicate"
     assert ix.apply(0, 7, [["BlockRemoved", [b"\x02" * 32]]]) == "applied"
     assert ix.worker_hashes(0) == []
+
+
+def test_a_snapshot_of_another_cache_identity_is_refused() -> None:
+    ix = pagedkv.KVIndexer(BLOCK_SIZE, hash_seed=b"model-a")
+    other = pagedkv.KVIndexer(BLOCK_SIZE, hash_seed=b"model-b")
+    assert ix.apply(0, 0, [["BlockStored", [b"\x01" * 32], None, [], BLOCK_SIZE]]) == "applied"
+    with pytest.raises(pagedkv.InvalidArgumentError, match="hash root"):
+        ix.apply_snapshot(0, 1, [b"\x02" * 32], hash_root=other.hash_root)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="32 bytes"):
+        ix.apply_snapshot(0, 1, [b"\x02" * 32], hash_root=b"short")
+    assert ix.worker_hashes(0) == [b"\x01" * 32]  # nothing changed
+    assert ix.worker_status(0)["next_seq"] == 1  # type: ignore[index]
+    ix.apply_snapshot(0, 1, [b"\x02" * 32], hash_root=ix.hash_root)
+    assert ix.worker_hashes(0) == [b"\x02" * 32]

@@ -3,6 +3,8 @@ wire format (msgpack batches) into the indexer."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import pagedkv
@@ -213,6 +215,7 @@ class _MStored(msgspec.Struct, tag="BlockStored"):  # vLLM 0.33's events: maps t
     lora_id: int | None
     medium: str | None
     lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
 
 
 class _MRemoved(msgspec.Struct, tag="BlockRemoved"):
@@ -237,7 +240,7 @@ def test_vllm_map_events_decode_to_the_array_form_and_apply() -> None:
     toks = list(range(1, 13))
     b1 = enc.encode(_MBatch(1.0, [_MStored([11, 12], None, toks[:8], 4, None, "GPU")], 0))
     decoded = wire.decode_event_batch(b1)
-    assert decoded.events == [["BlockStored", [11, 12], None, toks[:8], 4, None, "GPU", None]]
+    assert decoded.events == [["BlockStored", [11, 12], None, toks[:8], 4, None, "GPU", None, None]]
     assert (decoded.ts, decoded.data_parallel_rank, decoded.hash_root) == (1.0, 0, None)
     ix = pagedkv.KVIndexer(4)
     ix.add_worker(9, hash_source="tokens")
@@ -261,6 +264,60 @@ def test_vllm_map_events_decode_to_the_array_form_and_apply() -> None:
         with pytest.raises(wire.WireFormatError, match=match):
             wire.decode_event_batch(msgspec.msgpack.encode([1.0, [bad]]))
     assert ix.worker_status(9)["next_seq"] == 4  # type: ignore[index]
+
+
+def test_vllm_cache_salt_and_lora_name_key_the_rehashed_chain() -> None:
+    """vLLM names a request's cache salt in its first block's extra keys only (the chain carries
+    it) and its LoRA name in every block's: a "tokens" worker's salted blocks, stored over two
+    batches, match a query with that salt and adapter on every block, and nothing else."""
+    enc = msgspec.msgpack.Encoder()
+    toks = list(range(1, 17))
+    ix = pagedkv.KVIndexer(4)
+    ix.add_worker(9, hash_source="tokens")
+    first = _MStored([11, 12], None, toks[:8], 4, 3, "GPU", "sql", [("sql", "tenant-a"), ("sql",)])
+    decoded = wire.decode_event_batch(enc.encode(_MBatch(1.0, [first])))
+    assert decoded.events[0][7:] == ["sql", [["sql", "tenant-a"], ["sql"]]]
+    assert wire.apply_payload(ix, 9, 0, enc.encode(_MBatch(1.0, [first]))) == "applied"
+    later = _MStored([13, 14], 12, toks[8:16], 4, 3, "GPU", "sql", [("sql",), ("sql",)])
+    assert wire.apply_payload(ix, 9, 1, enc.encode(_MBatch(2.0, [later]))) == "applied"
+    query = toks + [0]
+    assert ix.overlap(query, cache_salt="tenant-a", adapter_id="sql") == {9: 4}
+    # The LoRA name is the adapter key (not str(lora_id)); the salt keys every block.
+    assert ix.overlap(query, cache_salt="tenant-a", adapter_id="3") == {9: 0}
+    assert ix.overlap(query, adapter_id="sql") == {9: 0}
+    assert ix.overlap(query, cache_salt="tenant-b", adapter_id="sql") == {9: 0}
+    assert ix.overlap(query) == {9: 0}
+    # Without a LoRA the salt is the only string of the first block.
+    plain = _MStored([21, 22], None, toks[:8], 4, None, "GPU", None, [("tenant-a",), None])
+    assert wire.apply_payload(ix, 9, 2, enc.encode(_MBatch(3.0, [plain]))) == "applied"
+    assert ix.overlap(toks[:8] + [0], cache_salt="tenant-a") == {9: 2}
+    assert ix.overlap(toks[:8] + [0]) == {9: 0}
+
+
+def test_vllm_blocks_with_multimodal_or_embedding_keys_are_not_indexed() -> None:
+    """A block whose vLLM extra keys hold a multimodal item or prompt-embedding digest cannot be
+    rehashed as a query would hash it: it and the rest of its event are left out (the index
+    under-reports), while the blocks before it are indexed."""
+    enc = msgspec.msgpack.Encoder()
+    toks = list(range(1, 13))
+    ix = pagedkv.KVIndexer(4)
+    ix.add_worker(9, hash_source="tokens")
+    mm = _MStored([11, 12, 13], None, toks, 4, None, "GPU", None, [None, (("img-0", 2),), None])
+    assert wire.apply_payload(ix, 9, 0, enc.encode(_MBatch(1.0, [mm]))) == "applied"
+    assert ix.worker_status(9)["num_blocks"] == 1  # type: ignore[index]
+    assert ix.overlap(toks + [0]) == {9: 1}
+    emb = _MStored([21, 22], None, toks[:8], 4, None, "GPU", None, [(b"\x01" * 32,), None])
+    assert wire.apply_payload(ix, 9, 1, enc.encode(_MBatch(2.0, [emb]))) == "applied"
+    assert ix.worker_status(9)["num_blocks"] == 1  # type: ignore[index]
+    # A malformed extra_keys field is refused and changes nothing.
+    bad = _MStored([31], None, toks[:4], 4, None, "GPU", None, None)
+    payload = enc.encode(_MBatch(3.0, [bad]))
+    obj = msgspec.msgpack.decode(payload)
+    obj[1][0]["extra_keys"] = "tenant-a"
+    with pytest.raises(pagedkv.InvalidArgumentError, match="extra_keys"):
+        wire.apply_payload(ix, 9, 2, msgspec.msgpack.encode(obj))
+    assert ix.worker_status(9)["num_blocks"] == 1  # type: ignore[index]
+    assert ix.worker_status(9)["next_seq"] == 2  # type: ignore[index]
 
 
 def test_malformed_payloads() -> None:

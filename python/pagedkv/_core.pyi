@@ -230,7 +230,14 @@ class BlockPool:
     @property
     def num_used(self) -> int: ...
     def allocate(self, n: int) -> _Int32Array: ...
+    def allocate_list(self, n: int) -> list[int]:
+        """Takes ``n`` blocks like ``allocate``, as a list of int block ids (cheaper than an
+        array for a few blocks handed out one by one, as in a decode step). Raises
+        ``OutOfBlocksError`` (nothing taken) when fewer than ``n`` are free.
+        """
     def free(self, ids: _IntArrayLike) -> None: ...
+    def free_table(self, table: _IntArrayLike) -> None:
+        """Releases a block table tail first, as ``free(table[::-1])`` without the copy."""
     def incref(self, ids: _IntArrayLike) -> None: ...
     def touch(self, ids: _IntArrayLike) -> None: ...
     def cache_block(self, block_id: int, hash: bytes) -> bool: ...
@@ -395,18 +402,27 @@ class KVIndexer:
 
         ``events``: pagedkv ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` objects
         or vLLM wire events (``["BlockStored", hashes, parent, token_ids, block_size,
-        lora_id, ...]``, ``["BlockRemoved", hashes, ...]``, ``["AllBlocksCleared"]``; hashes
-        bytes of at most 32 or ints; a LoRA id is hashed as adapter ``str(lora_id)``).
+        lora_id, medium, lora_name, extra_keys, ...]``, ``["BlockRemoved", hashes, ...]``,
+        ``["AllBlocksCleared"]``; hashes bytes of at most 32 or ints). A ``"tokens"`` worker's
+        blocks are rehashed with the LoRA name (else ``str(lora_id)``) as adapter key and the
+        cache salt vLLM names in a request's first block as the salt of its whole chain; a block
+        with multimodal or prompt-embedding keys, and the rest of its event, is not indexed.
         Raises ``InvalidArgumentError`` (and applies nothing) for a malformed event, a
         ``BlockStored`` whose ``block_size`` differs, for an ``"engine"`` worker, whose
-        ``hash_root`` is set and is not :attr:`hash_root` (another cache identity), or, for a
+        ``hash_root`` is set and is not :attr:`hash_root` (another cache identity), an
+        ``extra_keys`` field that is not a list of tuples or None, or, for a
         ``"tokens"`` worker, whose token count is not ``len(block_hashes) * block_size``; and
         for a ``hash_root`` that is not 32 bytes.
         """
-    def apply_snapshot(self, worker_id: int, seq: int, block_hashes: Iterable[_WireHash]) -> None:
+    def apply_snapshot(
+        self, worker_id: int, seq: int, block_hashes: Iterable[_WireHash], *, hash_root: bytes | None = None
+    ) -> None:
         """Sets the worker's entries to ``block_hashes`` (its whole cache) as of its batch
-        ``seq``; later batches continue at ``seq + 1``. Clears ``needs_resync``. Raises
-        ``InvalidArgumentError`` for a ``"tokens"`` worker."""
+        ``seq``; later batches continue at ``seq + 1``. Clears ``needs_resync``. ``hash_root``
+        (32 bytes): the root of the worker's hash chains, as its ``BlockStored`` events carry
+        it. Raises ``InvalidArgumentError`` (nothing changed) for a ``"tokens"`` worker, for a
+        ``hash_root`` other than :attr:`hash_root` (another cache identity) and for one that is
+        not 32 bytes."""
     def block_hashes(
         self,
         token_ids: _IntArrayLike,

@@ -252,3 +252,23 @@ def test_a_loaded_model_served_at_another_dtype_matches_the_files_loaded_at_it(t
     assert stored_hashes(from_object) == stored_hashes(from_files)
     with pytest.raises(EngineConfigError, match="dtype"):
         weights_digest(tiny.hf, "int8")
+
+
+def test_a_replica_snapshot_names_its_root_and_a_foreign_indexer_refuses_it(tiny):
+    """After a gap a router re-reads a replica's whole cache with ``snapshot()``: the snapshot
+    carries the replica's hash root, which the router's indexer checks like a batch's."""
+    pytest.importorskip("msgspec")
+    from pagedkv.cluster.replica import EngineReplica
+
+    replica = EngineReplica(0, str(tiny.path), {"num_kv_blocks": 32, "block_size": 4, "device": "cpu"}, None)
+    replica.run([("r0", PROMPT, SamplingParams(max_tokens=2), False, None)], max_steps=8)
+    seq, hashes, root = replica.snapshot()
+    info = replica.info()
+    own = pagedkv.KVIndexer(4, hash_algo=info["hash_algo"], hash_seed=info["hash_seed"])
+    assert hashes and root == own.hash_root
+    own.apply_snapshot(0, seq, hashes, hash_root=root)
+    assert own.worker_hashes(0) == sorted(hashes)
+    foreign = pagedkv.KVIndexer(4, hash_algo=info["hash_algo"], hash_seed=b"another model")
+    with pytest.raises(pagedkv.InvalidArgumentError, match="hash root"):
+        foreign.apply_snapshot(0, seq, hashes, hash_root=root)
+    assert foreign.worker_status(0) is None

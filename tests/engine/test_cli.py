@@ -311,6 +311,28 @@ def test_cli_output_check_creates_folders_but_leaves_no_file_when_the_run_fails(
     assert out.parent.is_dir() and not out.exists()
 
 
+def test_cli_refused_output_paths_leave_no_folder_behind(tmp_path, capsys):
+    # --output's folders are fine and get created by the check, then --metrics-json is refused:
+    # the command fails and removes the folders it made (only those: tmp_path stays).
+    f = tmp_path / "p.txt"
+    f.write_text("w10\n")
+    blocker = tmp_path / "x.txt"
+    blocker.write_text("a regular file\n")
+    out = tmp_path / "new" / "dir" / "r.jsonl"
+    args = ["--prompts", str(f), "--model", _missing_model(tmp_path), "--output", str(out)]
+    rc = main([*args, "--metrics-json", str(blocker / "m.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--metrics-json" in err and "is a file, not a folder" in err
+    assert not (tmp_path / "new").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.txt", "x.txt"]
+    # A folder that existed before stays even when the check fails.
+    (tmp_path / "kept").mkdir()
+    rc = main([*args[:-1], str(tmp_path / "kept" / "a" / "r.jsonl"), "--metrics-json", str(blocker / "m.json")])
+    assert rc == 2
+    capsys.readouterr()
+    assert (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "a").exists()
+
+
 @pytest.mark.skipif(not __import__("os").path.exists("/dev/full"), reason="needs /dev/full (Linux)")
 def test_cli_write_failure_at_the_end_prints_stats_then_a_clean_error(tiny, tmp_path, capsys):
     # /dev/full opens fine (the early check passes) and fails every write with ENOSPC, like a

@@ -27,12 +27,19 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-# The engine CLI's argparse types, so both CLIs refuse the same values with the same words.
-from pagedkv.engine.cli import _positive, _positive_float
+from pagedkv.engine.cli_options import (
+    add_block_size_option,
+    add_model_options,
+    add_sampling_basics,
+    positive_float,
+    positive_int,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``python -m pagedkv.cluster`` / ``pagedkv-cluster`` argument parser."""
+    from pagedkv import MAX_BLOCK_SIZE  # noqa: PLC0415
+
     ap = argparse.ArgumentParser(
         prog="python -m pagedkv.cluster",
         description=__doc__.split("\n\n")[0],
@@ -42,20 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompts", help="prompts file (.txt: one per line, or .jsonl)")
     src.add_argument("--trace", help="trace file of request lengths (synthetic prompts)")
-    ap.add_argument("--trace-limit", type=_positive, default=None, help="first N trace requests")
-    ap.add_argument("--trace-scale", type=_positive_float, default=1.0, help="multiply trace lengths (> 0)")
-    ap.add_argument("--replicas", type=_positive, default=2, help="engine replicas to start (>= 1)")
+    ap.add_argument("--trace-limit", type=positive_int, default=None, help="first N trace requests")
+    ap.add_argument("--trace-scale", type=positive_float, default=1.0, help="multiply trace lengths (> 0)")
+    ap.add_argument("--replicas", type=positive_int, default=2, help="engine replicas to start (>= 1)")
     ap.add_argument("--address", default=None, help="Ray cluster address (default: a local Ray cluster)")
     ap.add_argument("--num-cpus", type=float, default=1.0, help="Ray CPUs per replica")
     ap.add_argument("--num-gpus", type=float, default=0.0, help="Ray GPUs per replica")
-    ap.add_argument("--model", default=None, help="model path on every node (default: SmolLM2-135M)")
-    ap.add_argument("--device", default=None, help="torch device of the replicas (default: cuda if available)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    ap.add_argument("--kv-blocks", type=_positive, default=None, help="KV blocks per replica")
-    ap.add_argument("--block-size", type=_positive, default=16)
-    ap.add_argument("--max-tokens", type=_positive, default=64, help="default max tokens per request")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
+    add_model_options(ap, where=" (the same path on every node)")
+    ap.add_argument("--kv-blocks", type=positive_int, default=None, help="KV blocks per replica")
+    add_block_size_option(ap, MAX_BLOCK_SIZE)
+    add_sampling_basics(ap, max_tokens=64)
     ap.add_argument("--chat-template", action="store_true", help="apply the tokenizer's chat template")
     ap.add_argument("--policy", default="kv_aware", choices=["kv_aware", "round_robin", "least_loaded"])
     ap.add_argument("--overlap-weight", type=float, default=3.0, help="kv_aware: weight of the uncached share")
@@ -73,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1.25,
         help="kv_aware: skip replicas above max_imbalance * mean + 1 requests (0: no cap)",
     )
-    ap.add_argument("--steps-per-call", type=_positive, default=4, help="engine steps per replica round trip")
+    ap.add_argument("--steps-per-call", type=positive_int, default=4, help="engine steps per replica round trip")
     ap.add_argument("--output", default=None, help="results JSONL (default: stdout)")
     return ap
 

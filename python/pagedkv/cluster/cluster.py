@@ -262,11 +262,11 @@ class ReplicaCluster:
                     batch = _decode(payload)
                     if self.router.apply_events(rid, seq, batch.events, hash_root=batch.hash_root) == "gap":
                         try:
-                            snap_seq, hashes = ray.get(st.actor.snapshot.remote())
+                            snap_seq, hashes, root = ray.get(st.actor.snapshot.remote())
                         except ray.exceptions.RayActorError:
                             self._drop(rid, waiting)
                             continue
-                        self.router.indexer.apply_snapshot(rid, snap_seq, hashes)
+                        self.router.indexer.apply_snapshot(rid, snap_seq, hashes, hash_root=root)
                 if rid in self.replicas:
                     ld = step.load  # plus what was routed here while the call ran
                     self.router.report_load(

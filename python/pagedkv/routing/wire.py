@@ -6,7 +6,8 @@ frames ``[topic, seq (8-byte big-endian), payload]`` and ``payload`` is a msgpac
 Each event is an array whose first item names its type (msgspec tagged, array-like structs, as
 older vLLM releases and pagedkv replicas send them):
 
-- ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, ...]``
+- ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+  lora_name, extra_keys, ...]``
 - ``["BlockRemoved", block_hashes, medium, ...]``
 - ``["AllBlocksCleared"]``
 
@@ -15,7 +16,13 @@ or a map tagged by ``"type"`` (vLLM 0.33's structs are not array-like):
 turns into the array form above (a missing optional field is None).
 
 Block hashes are ints or bytes. Newer engines append fields; decoding keeps the leading ones it
-knows. :meth:`pagedkv.KVIndexer.apply` takes decoded events as they are, so a router watches
+knows. ``extra_keys`` (vLLM 0.33) is one untagged tuple or None per block: the LoRA name, then
+``(mm_identifier, offset)`` pairs, the cache salt (a request's first block only) and
+prompt-embedding digests. A ``"tokens"`` worker's blocks are rehashed with the LoRA name as the
+adapter key and the salt as the cache salt of the whole chain, so a router query with the same
+``cache_salt`` / ``adapter_id`` matches them and one without does not; a block with multimodal
+or prompt-embedding keys (and the rest of its event) is not indexed, since a query could not
+hash it alike. :meth:`pagedkv.KVIndexer.apply` takes decoded events as they are, so a router watches
 vLLM workers with ``apply_payload(indexer, worker, seq, payload)`` (register them with
 ``hash_source="tokens"`` so prompt queries match), and pagedkv replicas publish with
 :func:`encode_event_batch` (their 32-byte hashes as bytes).
@@ -175,7 +182,16 @@ def decode_event_batch(payload: bytes) -> EventBatch:
 # Field order of the array form, per event type, and the fields a map must carry.
 _MAP_FIELDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
     "BlockStored": (
-        ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"),
+        (
+            "block_hashes",
+            "parent_block_hash",
+            "token_ids",
+            "block_size",
+            "lora_id",
+            "medium",
+            "lora_name",
+            "extra_keys",
+        ),
         frozenset({"block_hashes", "token_ids", "block_size"}),
     ),
     "BlockRemoved": (("block_hashes", "medium"), frozenset({"block_hashes"})),

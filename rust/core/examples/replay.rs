@@ -3,7 +3,7 @@
 //! is compared against.
 //!
 //! Run: `cargo run --release -p pagedkv-core --example replay -- TRACE.json TOKENS.bin
-//! [--repeats N] [--hash-algo sha256|xxh3_128] [--mode manager|pool]`.
+//! [--repeats N] [--hash-algo sha256|xxh3_128] [--mode manager|pool] [--phases]`.
 //!
 //! Inputs: `TRACE.json` is `OpTrace.save` (per step the requests admitted / finished, prompt and
 //! output lengths, pool size, block size, the trace's block-op count); `TOKENS.bin` is
@@ -19,7 +19,10 @@
 //! per finished request).
 //!
 //! Prints one JSON object: thread CPU ns per block op (the compared figure, best of the repeats),
-//! wall time, µs per step, and the CPU time split into decode steps, admissions and frees.
+//! wall time, µs per step, and the CPU time split into decode steps, admissions and frees (in
+//! pool mode only with `--phases`: the extra clock reads cost about as much as a small step's
+//! pool work, so by default the pool replay reads the clock at step boundaries only, as the
+//! Python replay does, and counts the whole step as frees).
 
 use pagedkv_core::events::EventSink;
 use pagedkv_core::pool::BlockPool;
@@ -209,7 +212,10 @@ fn replay_manager(tr: &Trace, algo: HashAlgo) -> (Run, u64) {
 /// requests with their prompt block counts, the finished requests.
 type PoolStep<'a> = (Vec<usize>, Vec<(usize, usize)>, &'a Vec<usize>);
 
-fn replay_pool(tr: &Trace) -> Run {
+/// `phases`: also read the clock between the decode allocation, the admissions and the frees
+/// (each read is a system call that lands inside the step's time); without it the clock is
+/// read only at step boundaries, as the Python replay does, and all time counts as frees.
+fn replay_pool(tr: &Trace, phases: bool) -> Run {
     let bs = tr.block_size as usize;
     let mut admit_at = vec![0usize; tr.prompt_lens.len()];
     for (t, adm) in tr.admit.iter().enumerate() {
@@ -247,11 +253,11 @@ fn replay_pool(tr: &Trace) -> Run {
                 held[r].push(b);
             }
         }
-        let c1 = thread_cpu_ns();
+        let c1 = if phases { thread_cpu_ns() } else { c0 };
         for &(r, n) in adm {
             held[r] = pool.allocate(n).expect("prompt blocks");
         }
-        let c2 = thread_cpu_ns();
+        let c2 = if phases { thread_cpu_ns() } else { c0 };
         for &r in fin.iter() {
             let mut blocks = std::mem::take(&mut held[r]);
             blocks.reverse();
@@ -274,6 +280,7 @@ fn main() {
     let mut repeats = 5usize;
     let mut algo = HashAlgo::Sha256;
     let mut mode = "manager".to_string();
+    let mut phases = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -286,11 +293,12 @@ fn main() {
                 }
             }
             "--mode" => mode = it.next().expect("--mode manager|pool").clone(),
+            "--phases" => phases = true,
             _ => positional.push(a.clone()),
         }
     }
     let [trace_path, tokens_path] = positional.as_slice() else {
-        eprintln!("usage: replay TRACE.json TOKENS.bin [--repeats N] [--hash-algo sha256|xxh3_128] [--mode manager|pool]");
+        eprintln!("usage: replay TRACE.json TOKENS.bin [--repeats N] [--hash-algo sha256|xxh3_128] [--mode manager|pool] [--phases]");
         std::process::exit(2);
     };
     let tr = load(trace_path, tokens_path);
@@ -303,7 +311,7 @@ fn main() {
                 cached = c;
                 run
             }
-            "pool" => replay_pool(&tr),
+            "pool" => replay_pool(&tr, phases),
             m => panic!("--mode manager|pool, got {m}"),
         };
         runs.push(run);

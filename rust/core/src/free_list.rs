@@ -160,6 +160,69 @@ impl FreeStack {
         }
     }
 
+    /// Pops up to `max` ids with a single successful CAS and appends them to `out` in the order
+    /// that many [`FreeStack::pop`] calls would return them (top first). Returns how many were
+    /// popped: fewer than `max` only when the stack held fewer. Lock-free, like `pop`. O(max).
+    pub fn pop_many(&self, max: usize, out: &mut Vec<BlockId>) -> usize {
+        if max == 0 {
+            return 0;
+        }
+        let mut head = self.load_head();
+        loop {
+            match self.try_pop_many_from(head, max, out) {
+                Ok(taken) => return taken,
+                Err(current) => {
+                    head = current;
+                    crate::sync::spin_hint();
+                }
+            }
+        }
+    }
+
+    /// One batch-pop attempt against the head snapshot `head`: walks up to `max` links down
+    /// from the snapshot's top, then CASes the head past them. On success appends the ids to
+    /// `out` (top first) and returns how many (0 when the snapshot was empty); on failure
+    /// appends nothing and returns the current head. The walk is trusted only when the CAS
+    /// succeeds: the tagged head then proves that no push or pop happened since the snapshot
+    /// (each bumps the generation), so every link read belonged to the stack as it was. Like
+    /// [`FreeStack::try_pop_from`], exposed so tests can replay a stale snapshot. Wait-free
+    /// (`max` loads, one CAS).
+    pub fn try_pop_many_from(
+        &self,
+        head: u64,
+        max: usize,
+        out: &mut Vec<BlockId>,
+    ) -> Result<usize, u64> {
+        let start = out.len();
+        let (generation, top) = unpack(head);
+        let mut cur = top;
+        while cur != EMPTY && out.len() - start < max {
+            out.push(cur);
+            // A stale snapshot may read links being rewritten; the CAS below then fails.
+            cur = self
+                .next
+                .get(cur as usize)
+                .map_or(EMPTY, |l| l.load(Ordering::Relaxed));
+        }
+        let taken = out.len() - start;
+        if taken == 0 {
+            return Ok(0);
+        }
+        // Acquire on success pairs with the Release of the pushes that linked the chain.
+        match self.head.compare_exchange(
+            head,
+            pack(generation.wrapping_add(1), cur),
+            Ordering::Acquire,
+            Ordering::Acquire,
+        ) {
+            Ok(_) => Ok(taken),
+            Err(current) => {
+                out.truncate(start);
+                Err(current)
+            }
+        }
+    }
+
     /// Snapshot of the tagged head word (`generation << 32 | top`). Wait-free (one load).
     /// Exposed with [`FreeStack::try_pop_from`] so tests can replay the ABA interleaving
     /// deterministically.
@@ -246,6 +309,52 @@ mod tests {
         assert_eq!(s.snapshot(), vec![5, 3, 2, 1, 7]);
         assert_eq!(s.pop(), Some(5));
         assert_eq!(s.pop(), Some(3));
+    }
+
+    #[test]
+    fn pop_many_equals_pops_in_order() {
+        let s = FreeStack::new(10);
+        for id in [4, 9, 2, 7, 1] {
+            s.push(id);
+        }
+        let mut out = vec![42];
+        assert_eq!(s.pop_many(3, &mut out), 3);
+        assert_eq!(
+            out,
+            vec![42, 1, 7, 2],
+            "appended top first after what out held"
+        );
+        assert_eq!(unpack(s.load_head()), (6, 9), "one CAS for the whole batch");
+        assert_eq!(s.pop_many(0, &mut out), 0);
+        assert_eq!(s.pop_many(5, &mut out), 2, "only two left");
+        assert_eq!(out, vec![42, 1, 7, 2, 9, 4]);
+        assert!(s.is_empty());
+        assert_eq!(s.pop_many(4, &mut out), 0);
+        assert_eq!(out.len(), 6);
+        s.push(3);
+        assert_eq!(s.pop(), Some(3));
+    }
+
+    /// A batch pop whose snapshot went stale (another thread popped 1 and 2 and pushed 1 back:
+    /// same top id, new generation) fails without touching `out`, and must not install the
+    /// link it read from the old chain (2, now owned elsewhere).
+    #[test]
+    fn stale_batch_pop_fails_aba() {
+        let s = FreeStack::new(6);
+        for id in [5, 4, 3, 2, 1] {
+            s.push(id);
+        }
+        let stale = s.load_head();
+        assert_eq!(s.pop(), Some(1));
+        assert_eq!(s.pop(), Some(2));
+        s.push(1);
+        let mut out = vec![9];
+        let current = s.try_pop_many_from(stale, 2, &mut out).unwrap_err();
+        assert_eq!(out, vec![9], "a failed attempt appends nothing");
+        assert_eq!(current, s.load_head());
+        assert_eq!(s.try_pop_many_from(current, 2, &mut out), Ok(2));
+        assert_eq!(out, vec![9, 1, 3]);
+        assert_eq!(s.snapshot(), vec![4, 5], "2 must not reappear in the stack");
     }
 
     #[test]

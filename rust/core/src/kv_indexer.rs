@@ -42,6 +42,13 @@
 //! its own [`PrefixHasher`] and keeps a per-worker map from the engine's hash to its own
 //! ([`HashSource::Tokens`]).
 //!
+//! Cache salt on rehashed chains. A pagedkv manager mixes a sequence's cache salt into every
+//! block's hash; vLLM mixes it into the first block only (the chain carries it on) and names it
+//! only in that block's event. So for a [`HashSource::Tokens`] worker the indexer remembers the
+//! salt of each chain it rehashed and applies it to a later event's blocks that name none:
+//! a salted vLLM prefix is indexed under the hashes a salted query computes, and an unsalted
+//! query never matches it.
+//!
 //! Costs: applying a batch is O(blocks named in it) expected (a clear is O(blocks the worker
 //! held), paid once per stored block, so amortised O(1) per block); a query is
 //! O(blocks of the request × ⌈workers / 64⌉) plus O(workers) for the answer, independent of how
@@ -52,7 +59,9 @@ use crate::events::KvEvent;
 use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
 use crate::manager::SequenceSpec;
 use foldhash::HashMap;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 /// Caller-chosen worker (engine replica) id.
 pub type WorkerId = u64;
@@ -178,6 +187,14 @@ impl SlotSet {
     }
 }
 
+/// A rehashed block of a [`HashSource::Tokens`] worker: its indexer-side hash and the cache
+/// salt of its chain (inherited by child blocks whose event names no salt).
+#[derive(Debug, Clone)]
+struct LocalBlock {
+    hash: BlockHash,
+    salt: Option<Arc<str>>,
+}
+
 #[derive(Debug)]
 struct Worker {
     id: WorkerId,
@@ -186,8 +203,8 @@ struct Worker {
     next_seq: Option<u64>,
     /// Indexer-side hash → stores minus removals (> 0).
     blocks: HashMap<BlockHash, u32>,
-    /// `HashSource::Tokens` only: engine hash → indexer hash.
-    engine_to_local: HashMap<BlockHash, BlockHash>,
+    /// `HashSource::Tokens` only: engine hash → indexer hash and the chain's cache salt.
+    engine_to_local: HashMap<BlockHash, LocalBlock>,
     pending: BTreeMap<u64, Vec<KvEvent>>,
     needs_resync: bool,
     gaps: u64,
@@ -465,8 +482,28 @@ impl KvIndexer {
     /// resolvable set) as of its batch `seq`; later batches continue from `seq + 1`, buffered
     /// ones up to `seq` are dropped. Clears the resync flag. Registers unknown workers as
     /// [`HashSource::Engine`]. Errors: `InvalidArgument` for a [`HashSource::Tokens`] worker
-    /// (its engine hashes cannot be mapped without token ids). O(len(hashes) + blocks held).
-    pub fn apply_snapshot(&mut self, id: WorkerId, seq: u64, hashes: &[BlockHash]) -> Result<()> {
+    /// (its engine hashes cannot be mapped without token ids), and for a `hash_root` (the root of
+    /// the worker's hash chains, as its `BlockStored` events carry it) other than this indexer's
+    /// (another cache identity: its hashes could never match a query). O(len(hashes) + blocks
+    /// held).
+    pub fn apply_snapshot(
+        &mut self,
+        id: WorkerId,
+        seq: u64,
+        hashes: &[BlockHash],
+        hash_root: Option<BlockHash>,
+    ) -> Result<()> {
+        if let Some(root) = hash_root.filter(|r| *r != self.hasher.root()) {
+            return Err(bad(
+                "hash_root",
+                &root.to_hex()[..16],
+                format!(
+                    "the indexer's hash root is {}: the snapshot's worker hashes with another \
+                     algorithm or seed (another cache identity)",
+                    &self.hasher.root().to_hex()[..16]
+                ),
+            ));
+        }
         if self
             .worker(id)
             .is_some_and(|w| w.source == HashSource::Tokens)
@@ -550,20 +587,29 @@ impl KvIndexer {
         // Rehash from tokens, chaining from the parent's indexer-side hash. A parent the
         // indexer does not know (its store was lost) breaks the chain: the blocks are skipped,
         // which under-reports and never leaves a stale entry.
-        let mut local_parent = match parent {
-            None => None,
+        let (mut local_parent, inherited_salt) = match parent {
+            None => (None, None),
             Some(p) => match w.engine_to_local.get(p) {
-                Some(l) => Some(*l),
+                Some(l) => (Some(l.hash), l.salt.clone()),
                 None => return,
             },
         };
+        let keys = with_chain_salt(extra, inherited_salt.as_deref());
+        let salt = keys.iter().find_map(|k| match k {
+            ExtraKey::CacheSalt(s) => Some(Arc::<str>::from(s.as_str())),
+            _ => None,
+        });
         let bs = self.block_size as usize;
         for (i, h) in hashes.iter().enumerate() {
             let local =
                 self.hasher
-                    .hash_block(local_parent.as_ref(), &tokens[i * bs..(i + 1) * bs], extra);
+                    .hash_block(local_parent.as_ref(), &tokens[i * bs..(i + 1) * bs], &keys);
             let w = self.slots[slot].as_mut().expect("registered slot");
-            w.engine_to_local.insert(*h, local);
+            let link = LocalBlock {
+                hash: local,
+                salt: salt.clone(),
+            };
+            w.engine_to_local.insert(*h, link);
             self.store(slot, local);
             local_parent = Some(local);
         }
@@ -574,7 +620,7 @@ impl KvIndexer {
         let local = match w.source {
             HashSource::Engine => *engine_hash,
             HashSource::Tokens => match w.engine_to_local.get(engine_hash) {
-                Some(l) => *l,
+                Some(l) => l.hash,
                 None => return,
             },
         };
@@ -696,6 +742,26 @@ impl KvIndexer {
     }
 }
 
+/// `extra` as the keys of a block whose chain carries `salt`: unchanged if `extra` names a
+/// cache salt already or the chain has none, else with `CacheSalt(salt)` placed where a
+/// pagedkv sequence's keys put it (after its adapter keys), so the block hashes as a salted
+/// pagedkv query hashes it.
+fn with_chain_salt<'a>(extra: &'a [ExtraKey], salt: Option<&str>) -> Cow<'a, [ExtraKey]> {
+    let Some(salt) = salt else {
+        return Cow::Borrowed(extra);
+    };
+    if extra.iter().any(|k| matches!(k, ExtraKey::CacheSalt(_))) {
+        return Cow::Borrowed(extra);
+    }
+    let at = extra
+        .iter()
+        .take_while(|k| matches!(k, ExtraKey::Adapter(_)))
+        .count();
+    let mut keys = extra.to_vec();
+    keys.insert(at, ExtraKey::CacheSalt(salt.to_string()));
+    Cow::Owned(keys)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -794,7 +860,7 @@ mod tests {
         assert_eq!(ix.worker_hashes(1), vec![h(4), h(5)]);
         let st = ix.worker_status(1).unwrap();
         assert_eq!((st.next_seq, st.gaps, st.num_pending), (Some(6), 1, 0));
-        ix.apply_snapshot(1, 6, &[h(1), h(4)]).unwrap();
+        ix.apply_snapshot(1, 6, &[h(1), h(4)], None).unwrap();
         assert!(!ix.needs_resync(1));
         assert_eq!(ix.worker_hashes(1), vec![h(1), h(4)]);
         assert_eq!(
@@ -884,7 +950,71 @@ mod tests {
         };
         ix.apply_batch(5, 3, vec![orphan]).unwrap();
         assert_eq!(ix.worker_status(5).unwrap().num_blocks, 2);
-        assert!(ix.apply_snapshot(5, 4, &[]).is_err());
+        assert!(ix.apply_snapshot(5, 4, &[], None).is_err());
+    }
+
+    #[test]
+    fn tokens_chain_keeps_the_salt_its_first_event_named() {
+        // vLLM names a request's cache salt in its first block's event only; the chain carries
+        // it. The indexer must index the child blocks as salted too.
+        let salted = |hs: &[u8], parent: Option<u8>, toks: Vec<u32>, keys: Vec<ExtraKey>| {
+            KvEvent::BlockStored {
+                block_hashes: hs.iter().map(|&i| h(i)).collect(),
+                parent_block_hash: parent.map(h),
+                token_ids: toks,
+                block_size: 2,
+                extra_keys: keys,
+                hash_root: None,
+            }
+        };
+        let mut ix = KvIndexer::new(2, PrefixHasher::default(), 0).unwrap();
+        ix.add_worker(7, HashSource::Tokens).unwrap();
+        let adapter = ExtraKey::Adapter("lora-a".into());
+        let salt = ExtraKey::CacheSalt("tenant".into());
+        let first = salted(
+            &[10, 11],
+            None,
+            vec![1, 2, 3, 4],
+            vec![adapter.clone(), salt.clone()],
+        );
+        let child = salted(&[12], Some(11), vec![5, 6], vec![adapter.clone()]);
+        ix.apply_batch(7, 0, vec![first, child]).unwrap();
+        let tokens = [1, 2, 3, 4, 5, 6, 7];
+        let spec = |keys: Vec<ExtraKey>| SequenceSpec {
+            extra_keys: keys,
+            mm_items: Vec::new(),
+        };
+        // Salted query (pagedkv puts the salt after the adapter on every block): all 3 blocks.
+        let both = spec(vec![adapter.clone(), salt.clone()]);
+        assert_eq!(ix.overlap_tokens(&tokens, &both), vec![(7, 3)]);
+        // The same tokens without the salt, or with another salt, match nothing.
+        assert_eq!(
+            ix.overlap_tokens(&tokens, &spec(vec![adapter.clone()])),
+            vec![(7, 0)]
+        );
+        let other = spec(vec![adapter.clone(), ExtraKey::CacheSalt("x".into())]);
+        assert_eq!(ix.overlap_tokens(&tokens, &other), vec![(7, 0)]);
+        // A grandchild inherits through the child; removing the child's engine hash removes
+        // the salted block it was indexed under.
+        let grandchild = salted(&[13], Some(12), vec![7, 8], vec![adapter.clone()]);
+        ix.apply_batch(7, 1, vec![grandchild]).unwrap();
+        assert_eq!(
+            ix.overlap_tokens(&[1, 2, 3, 4, 5, 6, 7, 8, 9], &both),
+            vec![(7, 4)]
+        );
+        ix.apply_batch(7, 2, vec![removed(&[12])]).unwrap();
+        assert_eq!(
+            ix.overlap_tokens(&[1, 2, 3, 4, 5, 6, 7, 8, 9], &both),
+            vec![(7, 2)]
+        );
+        // An unsalted chain stays unsalted.
+        let plain = salted(&[20], None, vec![9, 9], Vec::new());
+        let plain_child = salted(&[21], Some(20), vec![9, 9], Vec::new());
+        ix.apply_batch(7, 3, vec![plain, plain_child]).unwrap();
+        assert_eq!(
+            ix.overlap_tokens(&[9, 9, 9, 9, 0], &spec(Vec::new())),
+            vec![(7, 2)]
+        );
     }
 
     #[test]
@@ -951,6 +1081,14 @@ mod tests {
         let other = events_with_seed(b"model-b");
         assert_eq!(ix.apply_batch(2, 0, other).unwrap(), BatchOutcome::Applied);
         assert_eq!(ix.worker_status(2).unwrap().num_blocks, 2);
+        // A snapshot names its worker's root too: a foreign one is refused, nothing changes.
+        let foreign = PrefixHasher::new(HashAlgo::Sha256, b"model-b").root();
+        let err = ix.apply_snapshot(1, 5, &[h(9)], Some(foreign)).unwrap_err();
+        assert!(err.to_string().contains("hash root"), "{err}");
+        assert_eq!(ix.worker_status(1).unwrap().num_blocks, 2);
+        let own = ix.hasher.root();
+        ix.apply_snapshot(1, 5, &[h(9)], Some(own)).unwrap();
+        assert_eq!(ix.worker_status(1).unwrap().num_blocks, 1);
     }
 
     #[test]

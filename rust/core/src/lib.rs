@@ -6,7 +6,8 @@
 //! - [`pool`]: the block pool: ref counts, free queue (LIFO uncached + LRU cached), capacity
 //!   reservation, prefix index ownership.
 //! - [`hashing`]: chained prefix hashing of full blocks with typed extra keys.
-//! - [`prefix_index`]: hash → blocks multiset.
+//! - `sha256_x2`: SHA-256 of two independent chains at once (SHA-NI, two lanes), for prefills.
+//! - [`prefix_index`]: each block's hash and the hash → blocks multiset.
 //! - `seq_table`: the manager's slab of sequences keyed by id.
 //! - [`manager`]: per-sequence block tables, slot allocation, fork / copy-on-write, preemption
 //!   (recompute and swap), the batched scheduler-step entry point.
@@ -24,6 +25,7 @@ pub mod metrics;
 pub mod pool;
 pub mod prefix_index;
 mod seq_table;
+mod sha256_x2;
 pub mod sync;
 
 pub use error::{Error, Result};

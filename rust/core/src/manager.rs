@@ -20,7 +20,7 @@
 
 use crate::error::{Error, Result};
 use crate::events::{EventSink, KvEvent};
-use crate::hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
+use crate::hashing::{BlockHash, ChainJob, ExtraKey, HashAlgo, PrefixHasher};
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
 use crate::seq_table::SeqTable;
@@ -939,6 +939,7 @@ impl KvCacheManager {
         }
         out.slot_mapping.reserve(max_tokens);
         out.input_ids.reserve(max_tokens);
+        self.prehash_prompts(st, req, &slots);
         for (i, (&seq, &slot)) in req.seq_ids.iter().zip(&slots).enumerate() {
             let Some(slot) = slot else {
                 out.error = Some(unknown(seq));
@@ -1230,6 +1231,53 @@ impl KvCacheManager {
             s.hashes.push(h);
         }
         s.hashes[k]
+    }
+
+    /// Hashes, ahead of the step's loop, the prompt blocks that the first allocations among
+    /// `req`'s sequences will look up (what [`Self::find_hits`] hashes), two sequences at a
+    /// time ([`PrefixHasher::extend_chains`]): only the memo of hashes changes, so the step
+    /// itself behaves exactly as without it. Sequences with extra keys are left to the loop.
+    /// Skipped unless at least two sequences ask for more than one token (a decode step).
+    fn prehash_prompts(&self, st: &mut State, req: &StepRequest, slots: &[Option<u32>]) {
+        let bs = self.bs();
+        if !self.caching() || req.num_new_tokens.iter().filter(|&&n| n > 1).count() < 2 {
+            return;
+        }
+        let mut taken: Vec<(u32, Vec<BlockHash>, usize)> = Vec::new();
+        for (&slot, &n) in slots
+            .iter()
+            .map_while(|s| s.as_ref())
+            .zip(&req.num_new_tokens)
+        {
+            let s = st.seqs.at_slot_mut(slot);
+            let first = s.blocks.is_empty() && s.num_computed == 0;
+            if n <= 1
+                || !first
+                || s.status == SeqStatus::Swapped
+                || s.spec != SequenceSpec::default()
+            {
+                continue;
+            }
+            let want = (s.tokens.len() - 1) / bs;
+            if s.hashes.len() < want {
+                taken.push((slot, std::mem::take(&mut s.hashes), want));
+            }
+        }
+        if taken.len() >= 2 {
+            let seqs = &st.seqs;
+            let mut jobs: Vec<ChainJob<'_>> = taken
+                .iter_mut()
+                .map(|(slot, hashes, want)| ChainJob {
+                    hashes,
+                    tokens: &seqs.at_slot(*slot).tokens,
+                    want: *want,
+                })
+                .collect();
+            self.hasher.extend_chains(bs, &mut jobs);
+        }
+        for (slot, hashes, _) in taken {
+            st.seqs.at_slot_mut(slot).hashes = hashes;
+        }
     }
 
     /// Longest chain of cached blocks for the sequence's tokens, capped at `num_tokens - 1`.

@@ -40,8 +40,9 @@ use crate::sync::{
 };
 use crate::{BlockId, NULL_BLOCK};
 
-/// Largest accepted `num_blocks` (2^28): keeps the pool's own metadata (about 60 bytes per
-/// block) under 16 GiB, so an absurd configuration is an error rather than an abort.
+/// Largest accepted `num_blocks` (2^28): keeps the pool's own metadata (about 89 bytes per
+/// block, prefix index included) near 22 GiB of address space, so an absurd configuration is an
+/// error rather than an abort.
 pub const MAX_BLOCKS: u32 = 1 << 28;
 
 /// Uncached blocks released by one `free` call are pushed to the stack in chunks of this many.
@@ -70,17 +71,14 @@ pub struct PoolCounters {
     pub prefix_touches: u64,
 }
 
-/// State behind the pool's mutex: hashes, the prefix index and the LRU of cached free blocks.
+/// State behind the pool's mutex: the prefix index (each block's hash and the blocks of each
+/// hash) and the LRU of cached free blocks.
 ///
 /// The LRU is an intrusive doubly linked list over block ids (`prev` / `next` arrays) with the
 /// null block 0 as the sentinel: `next[0]` is the front (least recently freed), `prev[0]` the
 /// back. Removal of any member is O(1).
-/// Hashes the prefix index has room for at construction (see [`Locked::new`]).
-const INDEX_PRESIZE: usize = 1 << 16;
-
 #[derive(Debug)]
 struct Locked {
-    hashes: Vec<Option<BlockHash>>,
     index: PrefixIndex,
     prev: Vec<BlockId>,
     next: Vec<BlockId>,
@@ -92,12 +90,8 @@ impl Locked {
     fn new(num_blocks: u32) -> Self {
         let n = num_blocks as usize;
         Self {
-            hashes: vec![None; n],
-            // Room for the hashes of up to 64k blocks up front (no rehash inside a step while
-            // the cache fills); a larger pool's index grows by doubling, because a table sized
-            // for a million blocks is touched sparsely at first and page-faults on almost every
-            // insert until it is warm.
-            index: PrefixIndex::with_capacity(n.min(INDEX_PRESIZE)),
+            // Sized for every block at once: it never grows, so no step pays a rehash.
+            index: PrefixIndex::new(num_blocks),
             prev: vec![NULL_BLOCK; n],
             next: vec![NULL_BLOCK; n],
             in_lru: vec![false; n],
@@ -142,7 +136,7 @@ impl Locked {
     fn lru_order(&self) -> Vec<BlockId> {
         let mut out = Vec::with_capacity(self.lru_len);
         let mut cur = self.next[0];
-        while cur != NULL_BLOCK && out.len() <= self.hashes.len() {
+        while cur != NULL_BLOCK && out.len() <= self.prev.len() {
             out.push(cur);
             cur = self.next[cur as usize];
         }
@@ -154,13 +148,13 @@ impl Locked {
 /// counts, prefix hashes, the free queue and the prefix index. `Send + Sync`; share it in an
 /// `Arc`.
 ///
-/// Memory: O(num_blocks) — about 60 bytes per block of metadata; KV tensors live elsewhere.
+/// Memory: O(num_blocks) — about 64 bytes per block of metadata; KV tensors live elsewhere.
 #[derive(Debug)]
 pub struct BlockPool {
     num_blocks: u32,
     /// Reference count per block; index 0 stays 0 forever.
     refs: Box<[AtomicU32]>,
-    /// `hashed[id]` mirrors `Locked::hashes[id].is_some()`; written only under the lock, read
+    /// `hashed[id]` mirrors `Locked::index.hash_of(id).is_some()`; written only under the lock, read
     /// lock-free by `free` to decide whether a 1 → 0 transition needs the lock.
     hashed: Box<[AtomicBool]>,
     /// Free blocks without a hash, LIFO.
@@ -170,6 +164,11 @@ pub struct BlockPool {
     /// Length of the cached LRU; written under the lock, read wait-free.
     cached_free: AtomicUsize,
     locked: Mutex<Locked>,
+    /// Scratch of `free`'s duplicate check: `seen[id]` is the stamp of the last long `free`
+    /// call that read `id` (see `BlockPool::next_stamp`).
+    seen: Box<[AtomicU32]>,
+    /// Source of the per-call stamps written to `seen`.
+    stamps: AtomicU32,
     events: StdArc<EventSink>,
     evictions: AtomicU64,
     allocations: AtomicU64,
@@ -209,6 +208,8 @@ impl BlockPool {
             free: AtomicUsize::new(n - 1),
             cached_free: AtomicUsize::new(0),
             locked: Mutex::new(Locked::new(num_blocks)),
+            seen: (0..n).map(|_| AtomicU32::new(0)).collect(),
+            stamps: AtomicU32::new(0),
             events,
             evictions: AtomicU64::new(0),
             allocations: AtomicU64::new(0),
@@ -288,25 +289,39 @@ impl BlockPool {
     /// are free; nothing is changed then.
     ///
     /// Progress: lock-free while uncached blocks are free (one CAS reservation, then one
-    /// Treiber pop per block); locking when it must evict (one lock hold for all evictions).
-    /// O(n).
+    /// Treiber batch pop for all of them); locking when it must evict (one lock hold for all
+    /// evictions). O(n).
     pub fn allocate(&self, n: usize) -> Result<Vec<BlockId>> {
+        let mut out = Vec::new(); // sized once `n` is known to be free
+        self.allocate_into(n, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`BlockPool::allocate`] appending the `n` block ids to `out` (in the order `allocate`
+    /// returns them) instead of returning a new vector, so a caller that keeps a buffer (a
+    /// sequence's block table, a binding's output) does not allocate. On error `out` is
+    /// unchanged. Same progress and errors as `allocate`. O(n).
+    pub fn allocate_into(&self, n: usize, out: &mut Vec<BlockId>) -> Result<()> {
         if n == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         self.reserve(n)?;
-        let mut out = Vec::with_capacity(n);
-        while out.len() < n {
-            if let Some(id) = self.uncached.pop() {
-                self.refs[id as usize].store(1, Ordering::Release);
-                out.push(id);
+        let start = out.len();
+        let end = start + n;
+        out.reserve(n);
+        while out.len() < end {
+            let before = out.len();
+            if self.uncached.pop_many(end - before, out) > 0 {
+                for &id in &out[before..] {
+                    self.refs[id as usize].store(1, Ordering::Release);
+                }
                 continue;
             }
             // No uncached block left: evict from the LRU front under the lock.
             let mut locked = self.locked.lock();
             let mut unresolvable = Vec::new();
             let mut evicted = 0u64;
-            while out.len() < n {
+            while out.len() < end {
                 let Some(id) = locked.lru_pop_front() else {
                     break;
                 };
@@ -322,7 +337,7 @@ impl BlockPool {
                 });
             }
             drop(locked);
-            if out.len() < n {
+            if out.len() < end {
                 // Our reserved blocks exist but are in transit (another thread moving them
                 // between the lists under the lock, or pushed to the stack after our pop):
                 // retry the stack.
@@ -330,7 +345,7 @@ impl BlockPool {
             }
         }
         self.allocations.fetch_add(n as u64, Ordering::Relaxed);
-        Ok(out)
+        Ok(())
     }
 
     /// Drops the hash of `id` (just unlinked from the LRU) and its index entry. Returns whether
@@ -344,11 +359,11 @@ impl BlockPool {
         unresolvable: &mut Vec<BlockHash>,
     ) -> bool {
         self.hashed[id as usize].store(false, Ordering::Release);
-        let Some(hash) = locked.hashes[id as usize].take() else {
+        let Some((hash, last)) = locked.index.remove(id) else {
             return false;
         };
         // The removed hashes only feed a BlockRemoved event: not collected with events off.
-        if locked.index.remove_reporting(&hash, id) == Some(true) && self.events.enabled() {
+        if last && self.events.enabled() {
             unresolvable.push(hash);
         }
         true
@@ -409,7 +424,7 @@ impl BlockPool {
         let mut revive = Vec::new();
         for (k, &id) in ids.iter().enumerate() {
             let i = self.check_id(id)?;
-            let carried = locked.hashes[i];
+            let carried = locked.index.hash_of(id);
             let want = expected.map(|e| e[k]);
             let stray_free = self.refs[i].load(Ordering::Acquire) == 0 && !locked.in_lru[i];
             if carried.is_none() || (want.is_some() && carried != want) || stray_free {
@@ -525,13 +540,13 @@ impl BlockPool {
 
     /// Checks ids and that each block's ref count covers its multiplicity in `ids`.
     fn validate_free(&self, ids: &[BlockId]) -> Result<()> {
-        for &id in ids {
-            self.check_id(id)?;
-        }
         let underflow = |id: BlockId, times: usize| {
             self.refs[id as usize].load(Ordering::Acquire) < times as u32
         };
         if ids.len() <= 16 {
+            for &id in ids {
+                self.check_id(id)?;
+            }
             // Small batches, without allocating: a repeated id (rare) is counted in full.
             for (k, &id) in ids.iter().enumerate() {
                 let times = if ids[..k].contains(&id) {
@@ -543,27 +558,60 @@ impl BlockPool {
                     return Err(Error::RefCountUnderflow { block_id: id });
                 }
             }
-        } else if !has_repeats(ids) {
-            // The common case (a sequence's table, each id once), checked in O(len).
-            for &id in ids {
-                if underflow(id, 1) {
-                    return Err(Error::RefCountUnderflow { block_id: id });
-                }
+            return Ok(());
+        }
+        // The common case (a sequence's table, each id once) in one O(len) pass: ids checked,
+        // repeats looked for (see `next_stamp`), the first free block noted. Invalid ids are
+        // reported before any underflow, as in the other paths.
+        let stamp = self.next_stamp();
+        let mut repeats = false;
+        let mut first_free = None;
+        for &id in ids {
+            let i = self.check_id(id)?;
+            if repeats {
+                continue;
             }
-        } else {
-            let mut sorted = ids.to_vec();
-            sorted.sort_unstable();
-            let mut start = 0;
-            while start < sorted.len() {
-                let id = sorted[start];
-                let times = sorted[start..].iter().take_while(|&&x| x == id).count();
-                if underflow(id, times) {
-                    return Err(Error::RefCountUnderflow { block_id: id });
-                }
-                start += times;
+            let slot = &self.seen[i];
+            if slot.load(Ordering::Relaxed) == stamp {
+                repeats = true;
+                continue;
+            }
+            slot.store(stamp, Ordering::Relaxed);
+            if first_free.is_none() && underflow(id, 1) {
+                first_free = Some(id);
             }
         }
+        if !repeats {
+            return match first_free {
+                Some(id) => Err(Error::RefCountUnderflow { block_id: id }),
+                None => Ok(()),
+            };
+        }
+        let mut sorted = ids.to_vec();
+        sorted.sort_unstable();
+        let mut start = 0;
+        while start < sorted.len() {
+            let id = sorted[start];
+            let times = sorted[start..].iter().take_while(|&&x| x == id).count();
+            if underflow(id, times) {
+                return Err(Error::RefCountUnderflow { block_id: id });
+            }
+            start += times;
+        }
         Ok(())
+    }
+
+    /// A stamp for the duplicate check of one long `free`: `validate_free` compares each id's
+    /// `seen` slot with it, then sets the slot to it, so a repeat finds its own stamp. O(len),
+    /// no allocation (this replaces a sort or a hash set).
+    ///
+    /// Exact for a call that no other thread's `free` overlaps on the same blocks. Otherwise
+    /// the check may report a repeat wrongly (after 2^32 calls a stale stamp can match; the
+    /// exact sort then decides) or miss one whose slot another thread freeing the same block
+    /// overwrote; that thread holds references too, and the release loop's CAS still keeps
+    /// every count from going below zero, as for any concurrent release.
+    fn next_stamp(&self) -> u32 {
+        self.stamps.fetch_add(1, Ordering::Relaxed).wrapping_add(1)
     }
 
     /// Decrements one ref count; queues the block when it reaches 0.
@@ -595,7 +643,7 @@ impl BlockPool {
             return Ok(Released::StillReferenced);
         }
         match guard.as_mut() {
-            Some(locked) if locked.hashes[i].is_some() => {
+            Some(locked) if locked.index.carries(id) => {
                 locked.lru_push_back(id);
                 Ok(Released::ToLru)
             }
@@ -620,7 +668,7 @@ impl BlockPool {
         if id == NULL_BLOCK || id >= self.num_blocks {
             return None;
         }
-        self.locked.lock().hashes[id as usize]
+        self.locked.lock().index.hash_of(id)
     }
 
     /// Registers the full block `id` under `hash` in the prefix index. The block must be
@@ -645,12 +693,9 @@ impl BlockPool {
                 ),
             });
         }
-        if locked.hashes[i].is_some() {
+        let Some(newly_resolvable) = locked.index.insert(id, hash) else {
             return Ok(false);
-        }
-        let newly_resolvable = locked.index.get_all(&hash).is_empty();
-        locked.hashes[i] = Some(hash);
-        locked.index.insert(hash, id);
+        };
         self.hashed[i].store(true, Ordering::Release);
         Ok(newly_resolvable)
     }
@@ -693,14 +738,13 @@ impl BlockPool {
             }
         }
         for (&id, &hash) in blocks.iter().zip(hashes) {
-            let i = id as usize;
-            if locked.hashes[i].is_some() {
-                newly_resolvable.push(false);
-                continue;
-            }
-            locked.hashes[i] = Some(hash);
-            let first = locked.index.insert_reporting(hash, id).unwrap_or(false);
-            self.hashed[i].store(true, Ordering::Release);
+            let first = match locked.index.insert(id, hash) {
+                None => false, // already carries a hash (its first stays)
+                Some(first) => {
+                    self.hashed[id as usize].store(true, Ordering::Release);
+                    first
+                }
+            };
             newly_resolvable.push(first);
         }
         Ok(())
@@ -712,17 +756,12 @@ impl BlockPool {
     pub fn lookup_chain(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
         let locked = self.locked.lock();
         let mut hits = Vec::with_capacity(hashes.len());
+        let in_use = |id: BlockId| self.refs[id as usize].load(Ordering::Acquire) > 0;
         for hash in hashes {
-            let all = locked.index.get_all(hash);
-            let Some(&first) = all.first() else {
+            let Some(hit) = locked.index.find(hash, in_use) else {
                 break;
             };
-            hits.push(
-                all.iter()
-                    .copied()
-                    .find(|&id| self.refs[id as usize].load(Ordering::Acquire) > 0)
-                    .unwrap_or(first),
-            );
+            hits.push(hit);
         }
         hits
     }
@@ -732,11 +771,9 @@ impl BlockPool {
     /// Locking. Expected O(1) (the candidates for one hash are almost always a single block).
     pub fn lookup(&self, hash: &BlockHash) -> Option<BlockId> {
         let locked = self.locked.lock();
-        let all = locked.index.get_all(hash);
-        all.iter()
-            .copied()
-            .find(|&id| self.refs[id as usize].load(Ordering::Acquire) > 0)
-            .or_else(|| all.first().copied())
+        locked.index.find(hash, |id| {
+            self.refs[id as usize].load(Ordering::Acquire) > 0
+        })
     }
 
     /// Drops every hash and the whole prefix index; every cached free block becomes an
@@ -767,9 +804,7 @@ impl BlockPool {
             order.push(id);
         }
         for id in 1..self.num_blocks {
-            let i = id as usize;
-            locked.hashes[i] = None;
-            self.hashed[i].store(false, Ordering::Release);
+            self.hashed[id as usize].store(false, Ordering::Release);
         }
         locked.index.clear();
         for &id in order.iter().rev() {
@@ -837,7 +872,7 @@ impl BlockPool {
             ));
         }
         if self.refs[0].load(Ordering::Acquire) != 0
-            || locked.hashes[0].is_some()
+            || locked.index.hash_of(NULL_BLOCK).is_some()
             || locked.in_lru[0]
         {
             return Err("null block has a ref count, a hash or an LRU slot".to_string());
@@ -853,7 +888,7 @@ impl BlockPool {
                     seen[i]
                 ));
             }
-            let hash = locked.hashes[i];
+            let hash = locked.index.hash_of(id);
             if hash.is_some() != self.hashed[i].load(Ordering::Acquire) {
                 return Err(format!("block {id}: hashed flag disagrees with its hash"));
             }
@@ -864,33 +899,12 @@ impl BlockPool {
                     hash.is_some()
                 ));
             }
-            if let Some(h) = hash {
-                if !locked.index.contains(&h, id) {
-                    return Err(format!(
-                        "block {id} has a hash the prefix index does not map to it"
-                    ));
-                }
-            }
         }
         if free + used + 1 != n {
             return Err(format!("free {free} + used {used} + 1 != num_blocks {n}"));
         }
-        let mut pairs = 0;
-        for (h, id) in locked.index.iter() {
-            pairs += 1;
-            if id == NULL_BLOCK || id as usize >= n || locked.hashes[id as usize] != Some(*h) {
-                return Err(format!(
-                    "prefix index maps a hash to block {id}, which does not carry it"
-                ));
-            }
-        }
-        let hashed = locked.hashes.iter().filter(|h| h.is_some()).count();
-        if pairs != hashed || locked.index.len() != hashed {
-            return Err(format!(
-                "prefix index holds {pairs} pairs but {hashed} blocks carry a hash"
-            ));
-        }
-        Ok(())
+        // Invariant 3: each block's hash is in the hash → blocks table, and nothing else is.
+        locked.index.check()
     }
 
     /// Cumulative counters (evictions, allocations, frees, prefix touches), in blocks.
@@ -903,30 +917,4 @@ impl BlockPool {
             prefix_touches: self.prefix_touches.load(Ordering::Relaxed),
         }
     }
-}
-
-/// Whether some id occurs more than once in `ids` (valid, non-null ids): an open-addressed set
-/// of the ids seen so far (Fibonacci hashing, linear probing), O(len) expected. Replaces a sort
-/// in the validation of long frees (a sequence's whole block table).
-fn has_repeats(ids: &[BlockId]) -> bool {
-    if ids.len() > 1 << 30 {
-        return true; // beyond the table's hash range: let the caller sort
-    }
-    let bits = (ids.len() * 2).next_power_of_two().trailing_zeros().max(1);
-    let mask = (1usize << bits) - 1;
-    let mut table = vec![NULL_BLOCK; 1 << bits];
-    for &id in ids {
-        let mut i = (id.wrapping_mul(0x9E37_79B9) >> (32 - bits)) as usize;
-        loop {
-            match table[i] {
-                NULL_BLOCK => {
-                    table[i] = id;
-                    break;
-                }
-                seen if seen == id => return true,
-                _ => i = (i + 1) & mask,
-            }
-        }
-    }
-    false
 }

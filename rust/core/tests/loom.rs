@@ -114,6 +114,69 @@ fn treiber_push_many_races_pop() {
     });
 }
 
+/// A batch pop of two racing a single pop and a push: every block ends up in exactly one
+/// place (popped by one thread or still in the stack), and a batch is always two adjacent
+/// blocks of one stack state, never a link read from a stale chain.
+#[test]
+fn treiber_pop_many_races_pop_and_push() {
+    loom::model(|| {
+        let s = Arc::new(FreeStack::new(5));
+        for id in [3, 2, 1] {
+            s.push(id); // stack 1, 2, 3 (top first)
+        }
+        let s1 = s.clone();
+        let batcher = thread::spawn(move || {
+            let mut out = Vec::new();
+            let n = s1.pop_many(2, &mut out);
+            assert_eq!(n, out.len());
+            out
+        });
+        let s2 = s.clone();
+        let other = thread::spawn(move || {
+            let got = s2.pop();
+            s2.push(4);
+            got
+        });
+        let batch = batcher.join().unwrap();
+        let single = other.join().unwrap().expect("the stack never runs empty");
+        assert_eq!(
+            batch.len(),
+            2,
+            "four blocks in play, at most one taken elsewhere"
+        );
+        let mut all: Vec<BlockId> = batch.clone();
+        all.push(single);
+        all.extend(s.snapshot());
+        assert_eq!(sorted(all), vec![1, 2, 3, 4], "each block exactly once");
+        let ok = [vec![1, 2], vec![2, 3], vec![4, 2]];
+        assert!(
+            ok.contains(&batch),
+            "batch {batch:?} is not two adjacent blocks"
+        );
+    });
+}
+
+/// An allocation of two (one batch pop) racing the free of a third block on a 4-usable-block
+/// pool: it always gets two distinct blocks that the freeing thread does not hold, and the
+/// pool ends with one free block.
+#[test]
+fn pool_batch_allocate_races_free() {
+    loom::model(|| {
+        let p = new_pool(5);
+        let held = p.allocate(2).unwrap();
+        let p1 = p.clone();
+        let freed = held[0];
+        let freer = thread::spawn(move || p1.free(&[freed]).unwrap());
+        let got = p.allocate(2).expect("two blocks free all along");
+        freer.join().unwrap();
+        assert_ne!(got[0], got[1]);
+        assert!(!got.contains(&held[1]));
+        assert!(got.iter().all(|&b| p.ref_count(b) == 1));
+        assert_eq!(p.num_free(), 1);
+        p.check_invariants().unwrap();
+    });
+}
+
 /// Two threads allocate one block and free it again on a 2-usable-block pool: both always
 /// succeed, get different blocks, and the pool ends whole.
 #[test]

@@ -662,3 +662,66 @@ fn long_free_with_a_repeated_id_is_checked_against_its_ref_count() {
     assert_eq!(p.num_used(), 0);
     ok(&p);
 }
+
+#[test]
+fn allocate_into_appends_what_allocate_returns_and_changes_nothing_on_error() {
+    let (a, _ea) = pool(12);
+    let (b, _eb) = pool(12);
+    // Same history on both pools, so the same free queue.
+    for p in [&a, &b] {
+        let got = p.allocate(6).unwrap();
+        p.free(&[got[4], got[1], got[2]]).unwrap();
+    }
+    let mut out = vec![99];
+    a.allocate_into(5, &mut out).unwrap();
+    let want = b.allocate(5).unwrap();
+    assert_eq!(
+        want,
+        vec![3, 2, 5, 7, 8],
+        "stack first (LIFO), then fresh blocks"
+    );
+    assert_eq!(out[0], 99, "what the buffer held stays");
+    assert_eq!(&out[1..], want.as_slice());
+    assert_eq!(snap(&a), snap(&b));
+    // Too many: refused, buffer and pool unchanged.
+    let before = snap(&a);
+    assert_eq!(
+        a.allocate_into(4, &mut out),
+        Err(Error::OutOfBlocks {
+            requested: 4,
+            available: 3
+        })
+    );
+    assert_eq!(out.len(), 6);
+    assert_eq!(snap(&a), before);
+    a.allocate_into(0, &mut out).unwrap();
+    assert_eq!(out.len(), 6);
+    ok(&a);
+}
+
+#[test]
+fn long_free_reports_an_invalid_id_before_a_free_block() {
+    let (p, _events) = pool(50);
+    let got = p.allocate(30).unwrap();
+    p.free(&got[20..]).unwrap();
+    // 21 ids: a free block (got[25]) first, an id out of range last.
+    let mut ids: Vec<BlockId> = vec![got[25]];
+    ids.extend_from_slice(&got[..19]);
+    ids.push(50);
+    let before = snap(&p);
+    assert_eq!(
+        p.free(&ids),
+        Err(Error::InvalidBlockId {
+            block_id: 50,
+            num_blocks: 50
+        })
+    );
+    ids.pop();
+    assert_eq!(
+        p.free(&ids),
+        Err(Error::RefCountUnderflow { block_id: got[25] })
+    );
+    assert_eq!(snap(&p), before);
+    p.free(&got[..20]).unwrap();
+    ok(&p);
+}

@@ -159,24 +159,72 @@ fn items_values<'py>(
     Ok(out)
 }
 
-/// A 1-D numpy array of dtype `T` converted to `u32`s in one pass (no `u64` staging; a
-/// contiguous one read as a slice), or `None` when it holds a value outside `0..=u32::MAX` (the
-/// general path then reads it again to name the offending value).
-fn array_u32<T>(arr: &Bound<'_, PyUntypedArray>) -> Option<Vec<u32>>
-where
-    T: numpy::Element + Copy + TryInto<u32>,
-{
+/// An integer dtype token ids arrive in: a branch-free range check and the narrowing, so that
+/// a contiguous array converts with vector instructions.
+trait TokenInt: numpy::Element + Copy {
+    /// Whether the value is in `0..=u32::MAX`.
+    fn fits_u32(self) -> bool;
+    /// The value as `u32` (only called after [`TokenInt::fits_u32`]).
+    fn narrow(self) -> u32;
+}
+
+impl TokenInt for i64 {
+    fn fits_u32(self) -> bool {
+        // A negative value becomes a huge u64: one unsigned compare covers both ends.
+        (self as u64) <= u64::from(u32::MAX)
+    }
+    fn narrow(self) -> u32 {
+        self as u32
+    }
+}
+
+impl TokenInt for u64 {
+    fn fits_u32(self) -> bool {
+        self <= u64::from(u32::MAX)
+    }
+    fn narrow(self) -> u32 {
+        self as u32
+    }
+}
+
+impl TokenInt for i32 {
+    fn fits_u32(self) -> bool {
+        self >= 0
+    }
+    fn narrow(self) -> u32 {
+        self as u32
+    }
+}
+
+impl TokenInt for u32 {
+    fn fits_u32(self) -> bool {
+        true
+    }
+    fn narrow(self) -> u32 {
+        self
+    }
+}
+
+/// A 1-D numpy array of dtype `T` converted to `u32`s (no `u64` staging; a contiguous one read
+/// as a slice, checked and then narrowed in two vectorised passes), or `None` when it holds a
+/// value outside `0..=u32::MAX` (the general path then reads it again to name the offending
+/// value).
+fn array_u32<T: TokenInt>(arr: &Bound<'_, PyUntypedArray>) -> Option<Vec<u32>> {
     let a = arr.cast::<PyArray1<T>>().ok()?;
     let ro = a.readonly();
-    let mut out = Vec::with_capacity(a.len());
     if let Ok(slice) = ro.as_slice() {
-        for &x in slice {
-            out.push(x.try_into().ok()?);
+        // `fold`, not `all`: no early exit, so the check vectorises (a bad value is rare).
+        if !slice.iter().fold(true, |ok, &x| ok & x.fits_u32()) {
+            return None;
         }
-    } else {
-        for &x in ro.as_array().iter() {
-            out.push(x.try_into().ok()?);
+        return Some(slice.iter().map(|&x| x.narrow()).collect());
+    }
+    let mut out = Vec::with_capacity(a.len());
+    for &x in ro.as_array().iter() {
+        if !x.fits_u32() {
+            return None;
         }
+        out.push(x.narrow());
     }
     Some(out)
 }
@@ -199,8 +247,104 @@ pub(crate) fn token_ids(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<V
 }
 
 /// Block ids (`0..=u32::MAX`; the core rejects 0 and out-of-pool ids with `InvalidBlockError`).
+///
+/// The pool's calls take a few blocks at a time, so the fixed cost of reading the argument is
+/// most of their cost: a 1-D numpy array of native 32- / 64-bit integers is read straight from
+/// its buffer (any stride: a table reversed with `[::-1]` is not copied), a list of ints item
+/// by item. Anything else, or a value out of range, takes the general path of [`token_ids`],
+/// which names the offending value.
 pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<u32>> {
-    token_ids(obj, arg)
+    let fast = if let Ok(arr) = obj.cast::<PyUntypedArray>() {
+        int_array_u32(arr)
+    } else if let Ok(list) = obj.cast::<PyList>() {
+        int_list_u32(list)
+    } else {
+        None
+    };
+    match fast {
+        Some(v) => Ok(v),
+        None => token_ids(obj, arg),
+    }
+}
+
+/// The values of a 1-D numpy array of native-endian int32 / uint32 / int64 / uint64, or `None`
+/// (other shapes or dtypes, or a value outside `0..=u32::MAX`).
+fn int_array_u32(arr: &Bound<'_, PyUntypedArray>) -> Option<Vec<u32>> {
+    if arr.ndim() != 1 {
+        return None;
+    }
+    let dtype = arr.dtype();
+    if dtype.is_native_byteorder() == Some(false) {
+        return None;
+    }
+    let (len, stride) = (arr.len(), arr.strides()[0]);
+    // SAFETY: a 1-D ndarray holds `len` items of `itemsize` bytes at `data + k * stride` (the
+    // dtype checked below). The GIL is held for the whole read, no Python code runs meanwhile,
+    // and this package never writes an array with the GIL released; nothing borrows the array
+    // past this call. This skips rust-numpy's borrow tracking (a global table lookup per call,
+    // about a third of the cost of a small pool call).
+    unsafe {
+        let data = (*arr.as_array_ptr()).fields.data.cast_const().cast::<u8>();
+        match (dtype.kind(), dtype.itemsize()) {
+            (b'i', 4) => read_strided::<i32>(data, len, stride),
+            (b'u', 4) => read_strided::<u32>(data, len, stride),
+            (b'i', 8) => read_strided::<i64>(data, len, stride),
+            (b'u', 8) => read_strided::<u64>(data, len, stride),
+            _ => None,
+        }
+    }
+}
+
+/// `len` values of type `T` at `data + k * stride`, as `u32`, or `None` if one does not fit.
+///
+/// # Safety
+/// `data + k * stride` must be readable as a `T` for every `k < len` (alignment not needed).
+unsafe fn read_strided<T: Copy + TryInto<u32>>(
+    data: *const u8,
+    len: usize,
+    stride: isize,
+) -> Option<Vec<u32>> {
+    let mut out = Vec::with_capacity(len);
+    let mut at = data;
+    for _ in 0..len {
+        // SAFETY: the caller's contract; `wrapping_offset` keeps the last step in bounds of
+        // the arithmetic even though it is never read.
+        let x = unsafe { at.cast::<T>().read_unaligned() };
+        out.push(x.try_into().ok()?);
+        at = at.wrapping_offset(stride);
+    }
+    Some(out)
+}
+
+/// The values of a list of (exact) Python ints in `0..=u32::MAX`, or `None` (another item
+/// type, bools and numpy scalars included, or a value out of range). Relies on the GIL: the
+/// module does not declare itself free-threading safe, so a free-threaded interpreter keeps
+/// the GIL on while it is loaded.
+fn int_list_u32(list: &Bound<'_, PyList>) -> Option<Vec<u32>> {
+    use pyo3::ffi;
+    let len = list.len();
+    let mut out = Vec::with_capacity(len);
+    let ptr = list.as_ptr();
+    for k in 0..len {
+        // SAFETY: `k < len` and the GIL is held with no Python code run inside the loop (an
+        // exact int converts without calling back into Python), so the list cannot change
+        // under us; the item is borrowed from the list for the two calls below.
+        let v = unsafe {
+            let item = ffi::PyList_GetItem(ptr, k as ffi::Py_ssize_t);
+            if item.is_null() || ffi::Py_TYPE(item) != std::ptr::addr_of_mut!(ffi::PyLong_Type) {
+                ffi::PyErr_Clear();
+                return None;
+            }
+            let v = ffi::PyLong_AsUnsignedLong(item);
+            if v == std::ffi::c_ulong::MAX && !ffi::PyErr_Occurred().is_null() {
+                ffi::PyErr_Clear(); // negative or too large: the general path names it
+                return None;
+            }
+            v
+        };
+        out.push(u32::try_from(v).ok()?);
+    }
+    Some(out)
 }
 
 /// Sequence ids (`0..=u64::MAX`).

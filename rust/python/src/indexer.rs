@@ -74,10 +74,87 @@ fn wire_hashes(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<BlockH
         .collect()
 }
 
+/// The optional ``hash_root`` argument: None, or exactly 32 bytes.
+fn root_arg(hash_root: Option<&Bound<'_, PyAny>>) -> PyResult<Option<BlockHash>> {
+    let Some(r) = hash_root.filter(|r| !r.is_none()) else {
+        return Ok(None);
+    };
+    let b = bytes_arg(r, "hash_root")?;
+    let arr: [u8; 32] = b.try_into().map_err(|_| {
+        invalid(
+            r.py(),
+            "hash_root",
+            format!("<{} bytes>", b.len()),
+            "expected 32 bytes",
+        )
+    })?;
+    Ok(Some(BlockHash(arr)))
+}
+
+/// The extra keys of a vLLM wire `BlockStored` (`fields`: the event list, `[tag, hashes,
+/// parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, ...]`) as the keys a
+/// pagedkv query hashes with, and how many of its `n_blocks` blocks can be rehashed with them.
+///
+/// The adapter key is `lora_name` (vLLM hashes blocks by LoRA name), or `str(lora_id)` from
+/// engines that send no name. `extra_keys` is one untagged tuple (or None) per block: the LoRA
+/// name when the request has an adapter, `(mm_identifier, offset)` pairs, the cache salt (stock
+/// vLLM names it in a request's first block only, pagedkv's vLLM plug-in in every block),
+/// prompt-embedding digests (bytes). The salt becomes `CacheSalt` (the indexer carries it down
+/// the chain; see `KvIndexer`). A block with multimodal, prompt-embedding or unknown keys, or
+/// another salt than the event's first, cannot be rehashed as a pagedkv query would hash it: the
+/// event is cut before that block (its later blocks chain from it), which under-reports and
+/// never matches a query wrongly. Err: why the field is malformed.
+fn wire_stored_keys(
+    fields: &[Bound<'_, PyAny>],
+    n_blocks: usize,
+) -> Result<(Vec<ExtraKey>, usize), String> {
+    let present = |i: usize| fields.get(i).filter(|v| !v.is_none());
+    let text = |v: &Bound<'_, PyAny>| v.str().map(|s| s.to_string()).map_err(|e| e.to_string());
+    let adapter = match (present(7), present(5)) {
+        (Some(name), _) => Some(text(name)?),
+        (None, Some(id)) => Some(text(id)?),
+        (None, None) => None,
+    };
+    let mut keys: Vec<ExtraKey> = adapter.iter().cloned().map(ExtraKey::Adapter).collect();
+    let Some(per_block) = present(8) else {
+        return Ok((keys, n_blocks));
+    };
+    let entries = list_items(per_block, "events")
+        .map_err(|_| "extra_keys must be a list with one tuple or None per block".to_string())?;
+    let mut salt: Option<String> = None;
+    let mut usable = n_blocks;
+    'blocks: for (i, entry) in entries.iter().enumerate().take(n_blocks) {
+        if entry.is_none() {
+            continue;
+        }
+        let parts = list_items(entry, "events")
+            .map_err(|_| format!("extra_keys[{i}] must be a tuple of keys or None"))?;
+        let mut rest = parts.as_slice();
+        if adapter.is_some() && rest.first().is_some_and(|p| p.is_instance_of::<PyString>()) {
+            rest = &rest[1..]; // the LoRA name, already the adapter key
+        }
+        for part in rest {
+            let same_salt = part.is_instance_of::<PyString>()
+                && match &salt {
+                    None => i == 0,
+                    Some(s) => *s == text(part)?,
+                };
+            if !same_salt {
+                usable = i;
+                break 'blocks;
+            }
+            salt = Some(text(part)?);
+        }
+    }
+    keys.extend(salt.map(ExtraKey::CacheSalt));
+    Ok((keys, usable))
+}
+
 /// One event: a pagedkv event object, or a vLLM wire event (a list / tuple whose first item is
 /// the type tag): `["BlockStored", hashes, parent, token_ids, block_size, lora_id, ...]`,
 /// `["BlockRemoved", hashes, ...]`, `["AllBlocksCleared"]`. Trailing fields newer engines add
-/// are ignored; a LoRA id becomes the adapter key `str(lora_id)`. A wire `BlockStored` gets
+/// are ignored; the LoRA name (or id) and the cache salt become extra keys
+/// (`wire_stored_keys`). A wire `BlockStored` gets
 /// `batch_root` as its hash root (the wire events themselves carry none).
 fn event(obj: &Bound<'_, PyAny>, i: usize, batch_root: Option<BlockHash>) -> PyResult<KvEvent> {
     let py = obj.py();
@@ -122,11 +199,15 @@ fn event(obj: &Bound<'_, PyAny>, i: usize, batch_root: Option<BlockHash>) -> PyR
             } else {
                 Some(wire_hash(&fields[2], "events")?)
             };
-            let token_ids = token_ids(&fields[3], "events")?;
+            let mut block_hashes = block_hashes;
+            let mut token_ids = token_ids(&fields[3], "events")?;
             let block_size = uint(&fields[4], "events", u64::from(u32::MAX))? as u32;
-            let mut extra_keys = Vec::new();
-            if let Some(lora) = fields.get(5).filter(|l| !l.is_none()) {
-                extra_keys.push(ExtraKey::Adapter(lora.str()?.to_string()));
+            let (extra_keys, usable) =
+                wire_stored_keys(&fields, block_hashes.len()).map_err(|why| malformed(&why))?;
+            let whole = block_hashes.len() * block_size as usize;
+            if usable < block_hashes.len() && token_ids.len() == whole {
+                block_hashes.truncate(usable);
+                token_ids.truncate(usable * block_size as usize);
             }
             Ok(KvEvent::BlockStored {
                 block_hashes,
@@ -355,21 +436,7 @@ impl PyKvIndexer {
     ) -> PyResult<&'static str> {
         let id = self::worker_id(worker_id)?;
         let seq = uint(seq, "seq", u64::MAX)?;
-        let batch_root = match hash_root.filter(|r| !r.is_none()) {
-            Some(r) => {
-                let b = bytes_arg(r, "hash_root")?;
-                let arr: [u8; 32] = b.try_into().map_err(|_| {
-                    invalid(
-                        py,
-                        "hash_root",
-                        format!("<{} bytes>", b.len()),
-                        "expected 32 bytes",
-                    )
-                })?;
-                Some(BlockHash(arr))
-            }
-            None => None,
-        };
+        let batch_root = root_arg(hash_root)?;
         if events.is_instance_of::<PyString>() || events.is_instance_of::<PyBytes>() {
             return Err(invalid(
                 py,
@@ -388,18 +455,22 @@ impl PyKvIndexer {
             .map(|o| o.name())
     }
 
-    /// Replaces the worker's entries with ``block_hashes`` as of its batch ``seq``.
+    /// Replaces the worker's entries with ``block_hashes`` as of its batch ``seq``; a
+    /// ``hash_root`` (32 bytes) other than the indexer's is refused.
+    #[pyo3(signature = (worker_id, seq, block_hashes, *, hash_root = None))]
     fn apply_snapshot(
         &self,
         py: Python<'_>,
         worker_id: &Bound<'_, PyAny>,
         seq: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
+        hash_root: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let id = self::worker_id(worker_id)?;
         let seq = uint(seq, "seq", u64::MAX)?;
         let hashes = wire_hashes(block_hashes, "block_hashes")?;
-        self.with(py, |ix| ix.apply_snapshot(id, seq, &hashes))
+        let root = root_arg(hash_root)?;
+        self.with(py, |ix| ix.apply_snapshot(id, seq, &hashes, root))
             .py(py)
     }
 

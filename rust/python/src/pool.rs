@@ -3,12 +3,12 @@
 
 use crate::convert::{bad, block_ids, bytes_arg, count, uint};
 use crate::errors::{read_only_pool, to_pyerr, IntoPyResult};
-use numpy::PyArray1;
+use numpy::{PyArray1, PyArrayMethods};
 use pagedkv_core::events::EventSink;
 use pagedkv_core::pool::BlockPool;
 use pagedkv_core::{BlockHash, BlockId, KvCacheManager};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBytes, PyDict, PyList};
 use std::sync::Arc;
 
 /// Who owns the pool: a standalone pool, or the manager whose pool this views.
@@ -50,9 +50,9 @@ impl PyBlockPool {
     }
 
     /// The pool for a mutating call: standalone only.
-    fn writable(&self, op: &str) -> PyResult<Arc<BlockPool>> {
+    fn writable(&self, op: &str) -> PyResult<&BlockPool> {
         match &self.owner {
-            Owner::Standalone(p) => Ok(p.clone()),
+            Owner::Standalone(p) => Ok(p),
             Owner::Manager(_) => Err(Python::attach(|py| read_only_pool(py, op))),
         }
     }
@@ -89,8 +89,16 @@ fn run<T: Send>(py: Python<'_>, blocks: usize, f: impl FnOnce() -> T + Send) -> 
     }
 }
 
-fn id_array(py: Python<'_>, ids: Vec<BlockId>) -> Bound<'_, PyArray1<i32>> {
-    PyArray1::from_vec(py, ids.into_iter().map(|b| b as i32).collect())
+/// `ids` as a new `int32` numpy array (numpy owns its buffer: cheaper to make than an array
+/// over a Rust `Vec`, which needs a Python object to own the `Vec`).
+fn id_array<'py>(py: Python<'py>, ids: &[BlockId]) -> Bound<'py, PyArray1<i32>> {
+    let arr = PyArray1::<i32>::zeros(py, ids.len(), false);
+    // SAFETY: a fresh C-contiguous array nothing else references yet.
+    let dst = unsafe { arr.as_slice_mut() }.expect("a new 1-D array is contiguous");
+    for (d, &id) in dst.iter_mut().zip(ids) {
+        *d = id as i32; // ids are < MAX_BLOCKS = 2^28
+    }
+    arr
 }
 
 /// A 32-byte block hash argument.
@@ -167,7 +175,25 @@ impl PyBlockPool {
         let n = count(n, "n")?;
         let pool = self.writable("allocate")?;
         let ids = run(py, n, || pool.allocate(n)).py(py)?;
-        Ok(id_array(py, ids))
+        Ok(id_array(py, &ids))
+    }
+
+    /// Takes ``n`` blocks like ``allocate``, returned as a ``list[int]`` of block ids instead
+    /// of an array. For a few blocks handed out one by one, for example the decode step that
+    /// gives one new block to each sequence whose last block is full, a list is cheaper to
+    /// make than an array and its items are already Python ints (no ``.tolist()``); for many
+    /// blocks kept together (a prompt's table), ``allocate``'s array is cheaper. Same errors
+    /// (``OutOfBlocksError``, nothing taken) and order as ``allocate``. GIL released above
+    /// 1,024 blocks.
+    fn allocate_list<'py>(
+        &self,
+        py: Python<'py>,
+        n: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let n = count(n, "n")?;
+        let pool = self.writable("allocate_list")?;
+        let ids = run(py, n, || pool.allocate(n)).py(py)?;
+        PyList::new(py, ids)
     }
 
     /// Releases one reference per id, in the given order (pass tables tail-first). A block
@@ -177,6 +203,17 @@ impl PyBlockPool {
     fn free(&self, py: Python<'_>, ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = block_ids(ids, "ids")?;
         let pool = self.writable("free")?;
+        run(py, ids.len(), || pool.free(&ids)).py(py)
+    }
+
+    /// Releases a block table tail first: ``free(table[::-1])`` without the reversed copy. A
+    /// finished sequence returns its blocks this way so that its last (least shared) blocks
+    /// are evicted before the prefix blocks other prompts may still hit. Same validation and
+    /// errors as ``free`` (nothing changed on error). GIL released above 1,024 blocks.
+    fn free_table(&self, py: Python<'_>, table: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut ids = block_ids(table, "table")?;
+        ids.reverse();
+        let pool = self.writable("free_table")?;
         run(py, ids.len(), || pool.free(&ids)).py(py)
     }
 
@@ -252,7 +289,7 @@ impl PyBlockPool {
     /// pool's lock; for tests and invariant checks.
     fn free_queue<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
         let q = py.detach(|| self.pool().free_queue());
-        id_array(py, q)
+        id_array(py, &q)
     }
 
     /// Cumulative counters (blocks): ``evictions``, ``allocations``, ``frees``,

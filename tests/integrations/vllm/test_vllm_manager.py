@@ -321,6 +321,44 @@ def test_events_are_vllm_objects_on_the_wire(monkeypatch: pytest.MonkeyPatch, in
     indexer.add_worker(3, hash_source="tokens")
     assert pagedkv_wire.apply_payload(indexer, 3, 0, wire) == "applied"
     assert indexer.worker_status(3)["num_blocks"] == 4
+    # The request's cache salt keys them: a salted query matches all 4, an unsalted one none.
+    assert indexer.overlap(prompt + [0], cache_salt="t") == {3: 4}
+    assert indexer.overlap(prompt + [0]) == {3: 0}
+
+
+def test_stock_vllm_salted_events_index_under_the_salt() -> None:
+    """vLLM's own scheduler (stock KVCacheManager) publishing a salted request's blocks over
+    several steps (the prompt, then decode blocks chained to it): a router's indexer rehashes them
+    so a query with the same cache salt matches every block and a query without it matches none,
+    while an unsalted request's blocks match only unsalted queries."""
+    from pagedkv.routing import wire as pagedkv_wire
+
+    sched = build_scheduler(Scheduler, make_vllm_config(num_blocks=64, kv_events=True))
+    driver = Driver(sched)
+    salted, plain = list(range(3000, 3040)), list(range(4000, 4040))
+    driver.add(make_request("s", salted, 30, cache_salt="tenant-a"))
+    driver.add(make_request("p", plain, 3))
+    events = _capture_events(sched)  # what update_from_output hands vLLM's publisher
+    payloads = []
+    while sched.has_unfinished_requests():
+        driver.step()
+        if events:
+            payloads.append(msgspec.msgpack.Encoder().encode(KVEventBatch(ts=1.0, events=list(events))))
+            events.clear()
+    assert len(payloads) >= 2  # the salted chain continues in a later batch
+    indexer = pagedkv.KVIndexer(BS)
+    indexer.add_worker(5, hash_source="tokens")
+    for seq, payload in enumerate(payloads):
+        assert pagedkv_wire.apply_payload(indexer, 5, seq, payload) == "applied"
+    out_s = driver.outputs["s"]
+    full_s = salted + out_s
+    blocks_s = (len(full_s) - 1) // BS  # the last token is never computed into the cache
+    assert blocks_s == 4
+    assert indexer.overlap(full_s, cache_salt="tenant-a") == {5: blocks_s}
+    assert indexer.overlap(full_s) == {5: 0}
+    assert indexer.overlap(full_s, cache_salt="tenant-b") == {5: 0}
+    assert indexer.overlap(plain + [0]) == {5: 2}
+    assert indexer.overlap(plain + [0], cache_salt="tenant-a") == {5: 0}
 
 
 def test_events_have_set_semantics_under_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
