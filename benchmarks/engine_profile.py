@@ -7,7 +7,7 @@ Runs one workload of ``engine_throughput.py`` (``trace``: 16 Azure conversation 
 ``torch.profiler`` with the attention and cache-write kernels and the model forward tagged, and
 prints:
 
-- ``GEMM``: self time of ``aten::mm`` / ``addmm`` / ``bmm`` (the linear layers and the LM head;
+- ``GEMM``: self time of ``aten::mm`` / ``addmm`` / ``addmm_`` / ``bmm`` (the linear layers and the LM head;
   what ``engine_roofline.py``'s GEMM floor counts);
 - ``attention``: :func:`pagedkv.kernels.paged_attention` calls, everything inside them;
 - ``cache write``: :func:`pagedkv.kernels.reshape_and_cache` calls;
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from engine_throughput import equal_workload, trace_workload  # noqa: E402
 
-GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm")
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm")
 
 
 def _tagged(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -1,14 +1,20 @@
 """How fast can ANY engine run the trace workload of ``engine_throughput.py`` on this CPU?
 
-A GEMM floor for SmolLM2-135M in fp32 with torch's CPU GEMM (the same MKL ``linear`` every
-system in ``engine_throughput.py`` uses), so the targets there can be checked against what the
-hardware allows rather than against each other.
+A GEMM floor for SmolLM2-135M in fp32 with torch's CPU GEMM (MKL), so the targets there can be
+checked against what the hardware allows rather than against each other.
 
 Measured: ``t(M)``, the wall time of one pass of M tokens through every linear layer of the
-model (fused QKV, output, fused gate/up, down projections of all layers, the model's real
-weights, 1 torch thread), and ``h(M)``, the LM head for M tokens, for M from 1 to 1024. A pass
-streams ~540 MB of weights, so small M is bound by memory bandwidth and large M by FMA
-throughput (``t(M)/M`` falls until the GEMMs become compute bound).
+model, and ``h(M)``, the LM head for M tokens, with the pagedkv engine's own weights and GEMM:
+the tensors its model multiplies (fused QKV, output, fused gate/up, down projections of all
+layers and the LM head, stored ``[in, out]`` with the RMSNorm weights folded in) through its
+``pagedkv.engine.model.linear`` (1 torch thread). MKL runs that layout 1.1-1.45x faster than
+``F.linear``'s ``[out, in]`` at decode sizes, so a floor measured with ``F.linear`` would not be a
+floor for the engine; that table is still measured once and printed as a reference. ``t`` and
+``h`` are measured at every M the staged schedule below uses (MKL's cost is not monotone in M:
+with ``F.linear``, M = 12 cost 22% more than the straight line between M = 8 and 16 that an
+interpolated table assumed) and at powers of two up to 1024 for the plot. A pass streams
+~540 MB of weights, so small M is bound by memory bandwidth and large M by FMA throughput
+(``t(M)/M`` falls until the GEMMs become compute bound).
 
 From these, for the trace workloads (prompt and output lengths of the Azure conversation trace,
 as in ``engine_throughput.py``: ``trace``, 16 requests, and ``trace-large``, 64 requests, where
@@ -19,11 +25,12 @@ continuous batching matters more; every request arrives at t = 0):
   attention, norms, sampling and the fact that each request's decode tokens are sequential).
 - ``pass floor``: tighter and still schedule-free: the longest request needs one forward pass
   per output token (its decode steps are sequential), and a pass costs at least ``t(1)`` plus
-  the best marginal cost ``min (t(M) - t(1)) / (M - 1)`` per further token (same for the LM head).
+  the best marginal cost ``max(0, min (t(M) - t(1)) / (M - 1))`` per further token (same for
+  the LM head; clamped at 0, which a noisy ``t(1)`` above ``t(2)`` used to drive negative).
 - ``staged schedule``: what a continuous-batching engine with a token budget does here (and what
   both pagedkv and transformers' ``generate_batch`` do): the prompts in budget-sized chunked-
   prefill steps, then decode steps whose batch is the number of requests still generating,
-  costed with the measured ``t(M) + h(M)`` (linear interpolation between measured M).
+  costed with the measured ``t(M) + h(M)`` at exactly those M.
 
 The engine against its floor, in one process: ``--engine-rounds`` (2) rounds of the pagedkv
 engine on every workload (the runner of ``engine_throughput.py``), with a GEMM table measured
@@ -31,8 +38,10 @@ before the first round and after each; a round's ``engine share of floor`` is it
 schedule GEMM time (from the mean of the tables just before and after it) divided by its engine
 wall (target >= 90%), so the load of a shared machine hits both sides of the ratio alike; the
 1-minute load average is recorded next to each. Each engine run also times its own ``F.linear``
-calls: their share of its wall is what the floor ratio would be if the engine's GEMMs cost
-exactly the table's, and it moves far less with the load than walls measured minutes apart.
+calls (``pagedkv.engine.model.linear``; the output and down projections there also accumulate
+the residual add): their share of its wall is what the floor ratio would be if the engine's
+GEMMs cost exactly the table's, and it moves far less with the load than walls measured minutes
+apart.
 
 The floors printed use the best GEMM time per M over the tables. Also prints the walls of
 ``benchmarks/results/engine_throughput.json`` (if present, trace workload) and the wall a given
@@ -67,9 +76,25 @@ RESULTS = Path(__file__).resolve().parent / "results"
 SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 
 
-def layer_weights(hf: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The model's linear weights as the pagedkv engine runs them (QKV and gate/up fused), and
-    the LM head weight. fp32, ``[out_features, in_features]``."""
+# A GEMM of the table: (x [M, in], weight) -> [M, out], and the in-features of a weight.
+Gemm = tuple[Any, Any]
+
+
+def engine_gemm(hf: Any) -> tuple[list[torch.Tensor], torch.Tensor, Gemm]:
+    """The projections and LM head exactly as the pagedkv engine's model stores and multiplies
+    them (fp32 ``[in_features, out_features]``, QKV and gate/up fused, norm weights folded in,
+    built by the engine's own constructor), and its GEMM ``pagedkv.engine.model.linear``."""
+    from pagedkv.engine import model as engine_model
+
+    m = engine_model.LlamaForCausalLM.from_hf(hf, device="cpu", dtype=torch.float32)
+    ws = [w for layer in m.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert m.lm_head_t is not None  # the CPU model always keeps a transposed LM head
+    return ws, m.lm_head_t, (lambda x, w: engine_model.linear(x, w), lambda w: w.shape[0])
+
+
+def f_linear_gemm(hf: Any) -> tuple[list[torch.Tensor], torch.Tensor, Gemm]:
+    """The same fused projections in ``nn.Linear``'s ``[out_features, in_features]`` layout
+    through ``F.linear`` (what the floor used before the engine changed layout; a reference)."""
     ws: list[torch.Tensor] = []
     for layer in hf.model.layers:
         a, m = layer.self_attn, layer.mlp
@@ -77,7 +102,8 @@ def layer_weights(hf: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
         ws.append(a.o_proj.weight.detach().float().contiguous())
         ws.append(torch.cat([m.gate_proj.weight, m.up_proj.weight]).detach().float().contiguous())
         ws.append(m.down_proj.weight.detach().float().contiguous())
-    return ws, hf.lm_head.weight.detach().float().contiguous()
+    head = hf.lm_head.weight.detach().float().contiguous()
+    return ws, head, (torch.nn.functional.linear, lambda w: w.shape[1])
 
 
 def best_time(fn: Any, reps: int) -> float:
@@ -90,17 +116,31 @@ def best_time(fn: Any, reps: int) -> float:
     return best
 
 
-def measure(ws: list[torch.Tensor], head: torch.Tensor, sizes: list[int]) -> dict[int, tuple[float, float]]:
-    """{M: (t(M) s, h(M) s)}: best-of-3 wall of all layer linears and of the LM head."""
+def measure(ws: list[torch.Tensor], head: torch.Tensor, gemm: Gemm, sizes: list[int],
+            verbose: bool = True) -> dict[int, tuple[float, float]]:
+    """{M: (t(M) s, h(M) s)}: best-of-3 wall of all layer GEMMs and of the LM head."""
+    mm, in_features = gemm
     out = {}
     for m in sizes:
-        xs = {k: torch.randn(m, k) for k in {w.shape[1] for w in ws}}
-        t = best_time(lambda xs=xs: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in ws], 3)
-        h = best_time(lambda xs=xs: torch.nn.functional.linear(xs[head.shape[1]], head), 3)
+        xs = {k: torch.randn(m, k) for k in {in_features(w) for w in ws}}
+        t = best_time(lambda xs=xs: [mm(xs[in_features(w)], w) for w in ws], 3)
+        h = best_time(lambda xs=xs: mm(xs[in_features(head)], head), 3)
         out[m] = (t, h)
-        print(f"  M={m:5d}: layers {t * 1e3:8.1f} ms  ({t / m * 1e3:6.2f} ms/token)   "
-              f"LM head {h * 1e3:7.1f} ms", file=sys.stderr, flush=True)
+        if verbose:
+            print(f"  M={m:5d}: layers {t * 1e3:8.1f} ms  ({t / m * 1e3:6.2f} ms/token)   "
+                  f"LM head {h * 1e3:7.1f} ms", file=sys.stderr, flush=True)
     return out
+
+
+def schedule_sizes(prompts: list[int], outputs: list[int], budget: int) -> set[int]:
+    """Every M at which :func:`staged_schedule` costs a GEMM pass or an LM head."""
+    sizes = {len(prompts)}
+    left = sum(prompts)
+    while left > 0:
+        sizes.add(min(budget, left))
+        left -= budget
+    sizes |= {sum(1 for o in outputs if o > k) for k in range(1, max(outputs))}
+    return sizes - {0}
 
 
 def interp(table: dict[int, tuple[float, float]], m: int, which: int) -> float:
@@ -134,20 +174,26 @@ def engine_run(hf: Any, tok: Any, work: list[tuple[list[int], int]], a: argparse
     that wall (timed per call; the share GEMMs have of the wall, measured under the same load)."""
     from engine_throughput import run_pagedkv
 
-    linear = torch.nn.functional.linear
+    from pagedkv.engine import model as engine_model
+
     spent = [0.0]
 
-    def timed_linear(*args: Any, **kwargs: Any) -> torch.Tensor:
-        t = time.perf_counter()
-        out = linear(*args, **kwargs)
-        spent[0] += time.perf_counter() - t
-        return out
+    def timed(fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> torch.Tensor:
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            spent[0] += time.perf_counter() - t
+            return out
+        return run
 
-    torch.nn.functional.linear = timed_linear  # the engine's model calls F.linear at call time
+    # The engine's model looks both up at call time: its own linear() for every GEMM on the
+    # CPU, F.linear only for a tied LM head off the CPU.
+    saved = engine_model.linear, torch.nn.functional.linear
+    engine_model.linear, torch.nn.functional.linear = timed(saved[0]), timed(saved[1])
     try:
         wall = run_pagedkv(hf, tok, work, a, on_start=lambda: spent.__setitem__(0, 0.0))["wall_s"]
     finally:
-        torch.nn.functional.linear = linear
+        engine_model.linear, torch.nn.functional.linear = saved
     return wall, spent[0]
 
 
@@ -159,8 +205,8 @@ def floors(prompts: list[int], outputs: list[int], budget: int,
     staged, steps = staged_schedule(prompts, outputs, budget, table)
     passes = max(outputs)
     t1, h1 = table[1]
-    marg = min((t - t1) / (m - 1) for m, (t, _) in table.items() if m > 1)
-    marg_head = min((h - h1) / (m - 1) for m, (_, h) in table.items() if m > 1)
+    marg = max(0.0, min((t - t1) / (m - 1) for m, (t, _) in table.items() if m > 1))
+    marg_head = max(0.0, min((h - h1) / (m - 1) for m, (_, h) in table.items() if m > 1))
     total = sum(prompts) + sum(outputs)
     return {"compute_floor_s": (sum(prompts) + sum(outputs)) * best_tok + sum(outputs) * best_head,
             "pass_floor_s": passes * t1 + (total - passes) * marg + passes * h1 + (sum(outputs) - passes) * marg_head,
@@ -190,18 +236,27 @@ def main(argv: list[str] | None = None) -> int:
     from pagedkv.engine.loader import load_hf_model
 
     hf, tok = load_hf_model()
-    ws, head = layer_weights(hf)
+    ws, head, engine_mm = engine_gemm(hf)
     weight_mb = (sum(w.numel() for w in ws) + head.numel()) * 4 / 1e6
     sizes = {"trace": a.trace_requests, "trace-large": a.large_trace_requests}
     works = {w: trace_workload(sizes[w], a.trace_scale, a.max_prompt, a.max_output, hf.config.vocab_size)
              for w in a.workloads.split(",")}
+    table_sizes = set(SIZES)
+    for work in works.values():
+        table_sizes |= schedule_sizes([len(p) for p, _ in work], [o for _, o in work], a.max_tokens_per_step)
+    all_sizes = sorted(table_sizes)
     rounds: list[dict[str, Any]] = []
 
     def table_now(label: str) -> dict[int, tuple[float, float]]:
-        print(f"{label}: measuring GEMM passes ({weight_mb:.0f} MB of fp32 weights, {a.threads} thread(s)) ...",
-              file=sys.stderr)
-        return measure(ws, head, SIZES)
+        print(f"{label}: measuring the engine's GEMM passes at {len(all_sizes)} sizes ({weight_mb:.0f} MB of "
+              f"fp32 weights, {a.threads} thread(s)) ...", file=sys.stderr)
+        return measure(ws, head, engine_mm, all_sizes, verbose=False)
 
+    print("reference: F.linear with [out, in] weights (the layout before the engine's), powers of two ...",
+          file=sys.stderr)
+    f_ws, f_head, f_gemm = f_linear_gemm(hf)
+    f_linear_table = measure(f_ws, f_head, f_gemm, SIZES)
+    del f_ws, f_head
     tables = [table_now("before round 1")]
     for rnd in range(max(1, a.engine_rounds)):
         walls: dict[str, tuple[float, list[float]]] = {}
@@ -215,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         # The floor of a round: GEMM times averaged over the tables measured just before and just
         # after its engine runs, so a load that drifts during the round hits both sides alike.
         before, after = tables[-2] if walls else tables[-1], tables[-1]
-        table = {m: ((before[m][0] + after[m][0]) / 2, (before[m][1] + after[m][1]) / 2) for m in SIZES}
+        table = {m: ((before[m][0] + after[m][0]) / 2, (before[m][1] + after[m][1]) / 2) for m in all_sizes}
         entry: dict[str, Any] = {}
         for wname, work in works.items():
             prompts, outputs = [len(p) for p, _ in work], [o for _, o in work]
@@ -232,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds.append(entry)
 
     # Floors from the best GEMM time seen at each M over the rounds; engine figures per round.
-    best = {m: (min(t[m][0] for t in tables), min(t[m][1] for t in tables)) for m in SIZES}
+    best = {m: (min(t[m][0] for t in tables), min(t[m][1] for t in tables)) for m in all_sizes}
     measured: dict[str, float] = {}
     if THROUGHPUT_JSON.exists() and "trace" in works:
         tr = json.loads(THROUGHPUT_JSON.read_text()).get("workloads", {}).get("trace", {})
@@ -240,7 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         if tr.get("requests") == len(works["trace"]) and same:
             measured = {k: v["wall_s"] for k, v in tr.get("systems", {}).items() if v.get("wall_s")}
     out: dict[str, Any] = {"benchmark": "engine_roofline", "threads": a.threads, "weights_mb": weight_mb,
+                           "gemm": "pagedkv.engine.model.linear, [in, out] weights",
                            "gemm_pass_s": {str(m): {"layers": t, "lm_head": h} for m, (t, h) in best.items()},
+                           "f_linear_gemm_pass_s": {str(m): {"layers": t, "lm_head": h}
+                                                    for m, (t, h) in f_linear_table.items()},
                            "workloads": {}, "rounds": rounds}
     md_parts = []
     for wname, work in works.items():
@@ -260,9 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         out["workloads"][wname] = w
         print(f"\n{wname} workload: {len(work)} requests, {sum(prompts)} prompt + {sum(outputs)} output tokens; "
               f"token budget {a.max_tokens_per_step}")
+        f_old = floors(prompts, outputs, a.max_tokens_per_step, f_linear_table)
+        w["f_linear_staged_schedule_gemm_s"] = f_old["staged_schedule_gemm_s"]
         rows = [("GEMM compute floor (any schedule)", f["compute_floor_s"]),
                 (f"GEMM pass floor ({max(outputs)} sequential passes)", f["pass_floor_s"]),
-                (f"GEMM time of the staged schedule ({f['staged_steps']} steps)", f["staged_schedule_gemm_s"])]
+                (f"GEMM time of the staged schedule ({f['staged_steps']} steps)", f["staged_schedule_gemm_s"]),
+                ("  same with F.linear [out, in] (reference, 1 table)", f_old["staged_schedule_gemm_s"])]
         if wname == "trace":
             rows += [(f"measured: {k} (engine_throughput.json)", v) for k, v in measured.items()]
         print(f"{'':52} {'wall s':>8} {'out tok/s':>10}")
@@ -290,8 +351,9 @@ def main(argv: list[str] | None = None) -> int:
                     out[f"{x}x_hf_cb_needs_wall_s"] = cb / x
                     print(f"{x}x transformers generate_batch needs a wall of {cb / x:.1f} s")
     out["summary_markdown"] = (
-        f"GEMM floors of SmolLM2-135M fp32 on this CPU ({a.threads} torch thread(s), best GEMM time per M over "
-        f"{len(tables)} table(s)); any engine's wall is at least a GEMM floor plus attention, norms and sampling. "
+        f"GEMM floors of SmolLM2-135M fp32 on this CPU with the engine's own GEMM and weights ({a.threads} torch "
+        f"thread(s), best GEMM time per M over {len(tables)} table(s), measured at every M of the schedule); any "
+        "engine's wall is at least a GEMM floor plus attention, norms and sampling. "
         "The pagedkv engine runs in the same process, in rounds with a GEMM table measured before the first and "
         "after each: engine share of floor = staged-schedule GEMM time (tables around the round) / engine wall."
         "\n\n"
@@ -299,12 +361,13 @@ def main(argv: list[str] | None = None) -> int:
         + "\n\n![GEMM cost per token](engine_roofline.png)\n\nReproduce: `python benchmarks/engine_roofline.py`")
     a.output.parent.mkdir(parents=True, exist_ok=True)
     a.output.write_text(json.dumps(out, indent=2))
-    _plot(best, a.output.with_suffix(".png"), a.threads)
+    _plot(best, f_linear_table, a.output.with_suffix(".png"), a.threads)
     print(f"wrote {a.output} and {a.output.with_suffix('.png')}", file=sys.stderr)
     return 0
 
 
-def _plot(table: dict[int, tuple[float, float]], path: Path, threads: int) -> None:
+def _plot(table: dict[int, tuple[float, float]], reference: dict[int, tuple[float, float]], path: Path,
+          threads: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -314,11 +377,14 @@ def _plot(table: dict[int, tuple[float, float]], path: Path, threads: int) -> No
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot(ms, [table[m][0] / m * 1e3 for m in ms], marker="o", label="all layer linears")
     ax.plot(ms, [table[m][1] / m * 1e3 for m in ms], marker="s", label="LM head")
+    rs = sorted(reference)
+    ax.plot(rs, [reference[m][0] / m * 1e3 for m in rs], ls="--", color="gray",
+            label="all layer linears, F.linear [out, in] (reference)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per forward pass (M)")
     ax.set_ylabel("ms per token")
-    ax.set_title(f"SmolLM2-135M fp32 GEMM cost per token, {threads} CPU thread(s)")
+    ax.set_title(f"SmolLM2-135M fp32 GEMM cost per token, engine's GEMM, {threads} CPU thread(s)", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()

@@ -87,15 +87,20 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
+    plan: AttentionPlan | None = None,
     backend: str = "auto",
 ) -> None:
     """Write ``key``/``value`` ``[T, num_kv_heads, head_size]`` into the per-layer caches
     ``[num_blocks, block_size, num_kv_heads, head_size]`` at int64 ``slot_mapping[T]``
     (slot = block * block_size + row; slots < 0 skipped). In place; see
-    :func:`pagedkv.kernels.reference.reshape_and_cache`."""
+    :func:`pagedkv.kernels.reference.reshape_and_cache`.
+
+    ``plan``: an :class:`AttentionPlan` built with this ``slot_mapping``
+    (``plan_paged_attention(..., slot_mapping=...)``); the torch reference then skips the
+    per-layer value checks. The Triton kernel ignores it."""
     if _use_triton(backend, key_cache, "reshape_and_cache"):
         return _impl("cache_write").reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    return reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, plan=plan)
 
 
 def paged_attention(

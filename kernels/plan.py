@@ -5,9 +5,11 @@ every layer of the model, so everything derived from it -- validation of the val
 sequences are decodes and which are prefills, the cache slots each sequence reads, the causal
 and sliding-window masks -- is built once per step by :func:`plan_paged_attention` and reused
 by every layer's :func:`pagedkv.kernels.reference.paged_attention` call, which is then left
-with O(1) tensor checks, the K/V gathers and the math. This is the plan/run split of
-FlashInfer (Ye et al., 2025: "plan" once per batch, "run" per layer), written for the CPU
-reference.
+with O(1) tensor checks, the K/V gathers and the math. A plan built with the step's
+``slot_mapping`` also carries its value checks, so every layer's
+:func:`pagedkv.kernels.reference.reshape_and_cache` is left with O(1) checks and the writes.
+This is the plan/run split of FlashInfer (Ye et al., 2025: "plan" once per batch, "run" per
+layer), written for the CPU reference.
 
 The Triton kernel reads the metadata on the device and does not use plans.
 """
@@ -100,6 +102,10 @@ class AttentionPlan:
         device: device of the metadata, caches and query.
         prefills: one :class:`PrefillPart` per sequence with ``q_len > 1``.
         decodes: :class:`DecodeGroup` s covering every sequence with ``q_len == 1``.
+        slot_mapping: the int64 ``[num_tokens]`` slot mapping the plan checked (identity is
+            checked per ``reshape_and_cache`` call), or None when built without one.
+        min_slot: its smallest slot when its values were read (on the CPU, not empty; a
+            negative one means padding slots), else None.
     """
 
     block_table: torch.Tensor
@@ -112,6 +118,52 @@ class AttentionPlan:
     device: torch.device
     prefills: tuple[PrefillPart, ...] = field(repr=False)
     decodes: tuple[DecodeGroup, ...] = field(repr=False)
+    slot_mapping: torch.Tensor | None = field(default=None, repr=False)
+    min_slot: int | None = None
+
+    def check_write(
+        self,
+        op: str,
+        key: object,
+        value: object,
+        key_cache: torch.Tensor,
+        value_cache: object,
+        slot_mapping: object,
+    ) -> None:
+        """O(1) check that a per-layer cache write matches this plan, which carries a slot
+        mapping: the same slot mapping tensor, caches of the plan's shape (same dtype and
+        device, contiguous head dim), and ``key``/``value`` ``[num_tokens, num_kv_heads,
+        head_size]`` of the caches' dtype.
+
+        Raises:
+            ValueError: naming the argument that differs from what the plan was built for.
+        """
+        if slot_mapping is not self.slot_mapping:
+            raise V.KernelInputError(
+                f"{op}: slot_mapping is not the tensor the plan was built from, "
+                "expected the same tensor object as passed to plan_paged_attention"
+            )
+        V.check_cache_pair(op, key_cache, value_cache)
+        if tuple(key_cache.shape) != self.cache_shape:
+            raise V.KernelInputError(
+                f"{op}: key_cache has shape {tuple(key_cache.shape)}, expected "
+                f"{self.cache_shape} (the plan's cache_shape)"
+            )
+        if not V.same_device(key_cache.device, self.device):
+            raise V.KernelInputError(
+                f"{op}: key_cache is on device {key_cache.device}, expected device {self.device} (the plan's)"
+            )
+        _, _, hkv, d = self.cache_shape
+        for name, t in (("key", key), ("value", value)):
+            V.check_tensor(
+                op,
+                name,
+                t,
+                dtypes=(key_cache.dtype,),
+                shape=(self.num_tokens, hkv, d),
+                device=key_cache.device,
+                last_dim_contiguous=True,
+            )
 
     def check_call(
         self,
@@ -172,6 +224,7 @@ def plan_paged_attention(
     num_q_heads: int,
     sliding_window: int | None = None,
     num_tokens: int | None = None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> AttentionPlan:
     """Validate one step's attention metadata and precompute what every layer's reference
     attention needs (FlashInfer-style plan; see the module docs).
@@ -187,6 +240,10 @@ def plan_paged_attention(
         sliding_window: optional window in tokens (>= 1), counting the query's own position.
         num_tokens: query rows ``T`` the layers will pass; checked against
             ``query_start_loc[-1]`` when given (default: taken from it).
+        slot_mapping: optional int64 ``[T]`` cache slot of each token, as every layer's
+            :func:`~pagedkv.kernels.reference.reshape_and_cache` will get it: its values are
+            checked here once (slots in the cache, none in the null block 0) and the plan can
+            then be passed to those writes too.
 
     Returns:
         An :class:`AttentionPlan` on ``block_table``'s device.
@@ -194,7 +251,8 @@ def plan_paged_attention(
     Raises:
         ValueError: bad dtype/shape/device, offsets not running 0..T, a query longer than its
             sequence, a block table too narrow or holding ids outside ``[0, num_blocks)``, a
-            bad window or head count (the message names the argument).
+            bad window or head count, a slot past the cache or in the null block (the message
+            names the argument).
 
     Cost: O(B * max_blocks) validation plus O(sum_b G * q_len_b * seq_len_b) mask elements
     for prefills over a cached prefix (none for plain causal prefills), O(B * max_seq_len)
@@ -211,6 +269,7 @@ def plan_paged_attention(
         sliding_window=sliding_window,
         num_tokens=num_tokens,
         device=None,
+        slot_mapping=slot_mapping,
     )
 
 
@@ -225,6 +284,7 @@ def build_plan(
     sliding_window: int | None,
     num_tokens: int | None,
     device: torch.device | None,
+    slot_mapping: torch.Tensor | None = None,
 ) -> AttentionPlan:
     """:func:`plan_paged_attention` with the op name ``op`` in its error messages and the
     metadata expected on ``device`` (default: ``block_table``'s). The plan-less
@@ -256,6 +316,11 @@ def build_plan(
     qsl = query_start_loc.tolist()
     if qsl[0] != 0:  # metadata off the CPU is not value-checked above
         raise V.KernelInputError(f"{op}: query_start_loc starts at {qsl[0]}, expected 0")
+    min_slot = None
+    if slot_mapping is not None:
+        min_slot = V.check_slot_mapping(
+            op, slot_mapping, num_tokens=int(qsl[-1]), num_blocks=num_blocks, block_size=bs, device=dev
+        )
     g = num_q_heads // hkv
     sls = seq_lens.tolist()
     bt_host = block_table.to("cpu", torch.int64)
@@ -287,6 +352,8 @@ def build_plan(
         device=dev,
         prefills=tuple(prefills),
         decodes=_decode_groups(decode, sls, qsl, bt_host, bs, hkv * d, sliding_window, dev),
+        slot_mapping=slot_mapping,
+        min_slot=min_slot,
     )
 
 

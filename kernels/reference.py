@@ -32,6 +32,8 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    plan: AttentionPlan | None = None,
 ) -> None:
     """Write new K/V rows into their cache slots, in place.
 
@@ -40,13 +42,23 @@ def reshape_and_cache(
         key_cache, value_cache: ``[num_blocks, block_size, num_kv_heads, head_size]``.
         slot_mapping: int64 ``[T]``; token ``t`` goes to block ``slot // block_size``, row
             ``slot % block_size``. Slots ``< 0`` (padding) are skipped.
+        plan: the step's :class:`~pagedkv.kernels.plan.AttentionPlan`. Built with this same
+            ``slot_mapping`` (``plan_paged_attention(..., slot_mapping=...)``), its values were
+            checked there and a call only runs O(1) checks (what a model writing every layer
+            should pass); a plan built without one changes nothing (full checks).
 
     Raises:
-        ValueError: bad dtype/shape/device, or a slot past the end of the cache.
+        ValueError: bad dtype/shape/device, a slot past the end of the cache or in the null
+            block, or a plan built from another slot mapping or cache shape.
 
     Cost: O(T * num_kv_heads * head_size).
     """
-    lo = V.check_reshape_and_cache("reshape_and_cache", key, value, key_cache, value_cache, slot_mapping)
+    op = "reshape_and_cache"
+    if plan is None or plan.slot_mapping is None:
+        lo = V.check_reshape_and_cache(op, key, value, key_cache, value_cache, slot_mapping)
+    else:
+        plan.check_write(op, key, value, key_cache, value_cache, slot_mapping)
+        lo = plan.min_slot
     nb, bs, h, d = key_cache.shape
     flat = all(c.stride(0) == bs * c.stride(1) for c in (key_cache, value_cache))
     if lo is None and slot_mapping.numel():
@@ -163,9 +175,14 @@ def paged_attention(
         n = grp.size
         k = k_blocks(grp.blocks).view(n, -1, hkv, d).float().transpose(1, 2)  # [n, Hkv, nb*bs, D]
         v = v_blocks(grp.blocks).view(n, -1, hkv, d).float().transpose(1, 2)
-        q = query[grp.rows].float().reshape(n, hkv, g, d)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=scale)
-        result[grp.rows] = o.reshape(n, hq, d)
+        rows = grp.rows
+        if isinstance(rows, slice):
+            q = query[rows].float().reshape(n, hkv, g, d)
+            result[rows] = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=scale).reshape(n, hq, d)
+        else:  # index_select / index_copy_: several times cheaper on CPU than [rows] get / set
+            q = query.index_select(0, rows).float().reshape(n, hkv, g, d)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=grp.mask, scale=scale)
+            result.index_copy_(0, rows, o.reshape(n, hq, d))
     if not direct:
         out.copy_(result)
     return out

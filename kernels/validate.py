@@ -179,12 +179,30 @@ def check_reshape_and_cache(
         device=dev,
         last_dim_contiguous=True,
     )
-    check_tensor(op, "slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(t,), device=dev)
+    return check_slot_mapping(
+        op, slot_mapping, num_tokens=t, num_blocks=key_cache.shape[0], block_size=block_size, device=dev
+    )
+
+
+def check_slot_mapping(
+    op: str, slot_mapping: object, *, num_tokens: int, num_blocks: int, block_size: int, device: torch.device
+) -> int | None:
+    """Check an int64 ``[num_tokens]`` slot mapping on ``device``; on the CPU also its values:
+    every slot ``< num_blocks * block_size`` and none in the null block 0 (negative slots are
+    padding, skipped by the writes).
+
+    Returns:
+        The smallest slot when the values were read (on the CPU, not empty), else None.
+
+    Raises:
+        KernelInputError: naming the bad slot or property.
+    """
+    check_tensor(op, "slot_mapping", slot_mapping, dtypes=(torch.int64,), shape=(num_tokens,), device=device)
     assert isinstance(slot_mapping, torch.Tensor)
-    if slot_mapping.device.type != "cpu" or t == 0:
+    if slot_mapping.device.type != "cpu" or num_tokens == 0:
         return None
-    n_slots = key_cache.shape[0] * block_size
-    # One read for both bounds: the model calls this once per layer with the step's mapping.
+    n_slots = num_blocks * block_size
+    # One read for both bounds.
     lo, hi = (int(x) for x in torch.aminmax(slot_mapping))
     if hi >= n_slots:
         raise KernelInputError(

@@ -249,3 +249,64 @@ def test_triton_backend_accepts_and_ignores_plan():
     plan = _plan(case, window=4)
     got = kernels.paged_attention(*case.attn_args(), softmax_scale=0.2, plan=plan, backend="triton")
     torch.testing.assert_close(got, dense_attention(case, 0.2, 4), atol=1e-5, rtol=1e-4)
+
+
+# ---- cache writes through a plan built with the step's slot mapping ---------------------------
+
+
+def _write_case(num_tokens=12, num_blocks=9, bs=4, hkv=2, d=8, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    kc, vc = torch.zeros(num_blocks, bs, hkv, d), torch.zeros(num_blocks, bs, hkv, d)
+    slots = torch.randperm((num_blocks - 1) * bs, generator=g)[:num_tokens] + bs  # never the null block
+    key = torch.randn(num_tokens, hkv, d, generator=g)
+    value = torch.randn(num_tokens, hkv, d, generator=g)
+    # One sequence of num_tokens tokens over the blocks its slots use (the metadata the plan needs).
+    bt = torch.arange(1, num_blocks, dtype=torch.int32).unsqueeze(0)
+    meta = (bt, torch.tensor([num_tokens], dtype=torch.int32), torch.tensor([0, num_tokens], dtype=torch.int32))
+    return kc, vc, slots, key, value, meta
+
+
+def _write_plan(kc, meta, slots, num_q_heads=2):
+    return kernels.plan_paged_attention(*meta, cache_shape=tuple(kc.shape), num_q_heads=num_q_heads, slot_mapping=slots)
+
+
+def test_cache_write_with_plan_equals_plain_write():
+    kc, vc, slots, key, value, meta = _write_case()
+    plan = _write_plan(kc, meta, slots)
+    assert plan.slot_mapping is slots and plan.min_slot == int(slots.min())
+    kernels.reshape_and_cache(key, value, kc, vc, slots, plan=plan, backend="torch")
+    want_k, want_v = torch.zeros_like(kc), torch.zeros_like(vc)
+    reference.reshape_and_cache(key, value, want_k, want_v, slots)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    flat = kc.view(-1, *kc.shape[2:])
+    assert torch.equal(flat[slots], key)  # every row landed at its own slot
+
+
+def test_cache_write_refuses_a_plan_of_another_slot_mapping_or_cache():
+    kc, vc, slots, key, value, meta = _write_case()
+    plan = _write_plan(kc, meta, slots)
+    before = kc.clone()
+    with pytest.raises(ValueError, match="slot_mapping is not the tensor the plan was built from"):
+        reference.reshape_and_cache(key, value, kc, vc, slots.clone(), plan=plan)
+    small_k, small_v = torch.zeros(5, *kc.shape[1:]), torch.zeros(5, *kc.shape[1:])
+    with pytest.raises(ValueError, match=r"key_cache has shape \(5, 4, 2, 8\), expected \(9, 4, 2, 8\)"):
+        reference.reshape_and_cache(key, value, small_k, small_v, slots, plan=plan)
+    with pytest.raises(ValueError, match=r"key has shape \(11, 2, 8\), expected \(12, 2, 8\)"):
+        reference.reshape_and_cache(key[:11], value, kc, vc, slots, plan=plan)
+    assert torch.equal(kc, before)  # nothing written
+
+
+def test_plan_checks_slot_values_once():
+    kc, vc, slots, key, value, meta = _write_case()
+    bad = slots.clone()
+    bad[5] = 2  # a slot in the null block 0
+    with pytest.raises(ValueError, match=r"plan_paged_attention: slot_mapping\[5\] is 2, a slot in the null block 0"):
+        _write_plan(kc, meta, bad)
+    bad[5] = kc.shape[0] * kc.shape[1]  # one past the cache
+    with pytest.raises(ValueError, match="plan_paged_attention: slot_mapping has slot 36, expected slots < "):
+        _write_plan(kc, meta, bad)
+    # A plan built without a slot mapping leaves the write to its full checks, which catch it.
+    plan = kernels.plan_paged_attention(*meta, cache_shape=tuple(kc.shape), num_q_heads=2)
+    assert plan.slot_mapping is None
+    with pytest.raises(ValueError, match="reshape_and_cache: slot_mapping has slot 36"):
+        reference.reshape_and_cache(key, value, kc, vc, bad, plan=plan)

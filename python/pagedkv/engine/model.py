@@ -16,7 +16,14 @@ KV cache: one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, hea
 (index 0 = K, 1 = V), so copy-on-write block copies and swaps are one call for all layers.
 
 The weights come from transformers' own model (see :mod:`pagedkv.engine.loader`), so the same
-numbers feed both this model and the transformers oracle in the tests.
+numbers feed both this model and the transformers oracle in the tests. They are stored for the
+GEMM, not as transformers keeps them: every projection transposed (``[in_features,
+out_features]``, contiguous; :func:`linear` computes ``x @ weight_t``), because MKL's fp32 GEMM
+runs that layout 1.1-1.45x faster than ``F.linear``'s ``[out, in]`` at decode batch sizes (4 to
+64 rows) and as fast at prefill sizes, and each RMSNorm's weight folded into the rows of the
+projection that reads its output (``rmsnorm(x) * w @ W^T == rmsnorm_unit(x) @ (w[:, None] *
+W^T)``), which spares a full pass over the activations per norm. The fold changes roundings
+by about one float ulp, not the results: the engine's greedy tokens stay those of transformers.
 """
 
 from __future__ import annotations
@@ -35,19 +42,73 @@ from pagedkv.tensors import BatchTensors
 
 from .rope import RotaryEmbedding, context_length
 
-__all__ = ["LlamaForCausalLM"]
+__all__ = ["LlamaForCausalLM", "linear"]
+
+
+def linear(
+    x: torch.Tensor,
+    weight_t: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ weight_t (+ bias) (+ residual)``: the engine's one GEMM (every projection and the
+    LM head).
+
+    Args:
+        x: ``[M, in_features]``, unit stride along the features (rows may be strided).
+        weight_t: ``[in_features, out_features]``, contiguous (a transposed ``nn.Linear``
+            weight; see the module docs for why this layout).
+        bias: optional ``[out_features]``.
+        residual: optional ``[M, out_features]`` that the product is added to *in place*
+            (the GEMM accumulates into it, ``beta = 1``: no temporary and no separate pass
+            for a residual add).
+
+    Returns:
+        ``[M, out_features]``: ``residual`` itself when given, else a fresh tensor.
+
+    The model looks this function up at call time, so a benchmark can wrap it to time the
+    engine's GEMMs (``benchmarks/engine_roofline.py`` does).
+    """
+    if residual is not None:
+        residual.addmm_(x, weight_t)
+        return residual if bias is None else residual.add_(bias)
+    if bias is None:
+        return torch.mm(x, weight_t)
+    return torch.addmm(bias, x, weight_t)
+
+
+def _interleave_rotary_halves(weight_t: torch.Tensor, num_heads: int, head_size: int) -> torch.Tensor:
+    """Reorder the output columns of ``num_heads`` leading heads of ``weight_t`` ``[in, out]``
+    (or of a bias ``[out]``) from rotate-half order ``(x_0..x_{D/2-1}, x_{D/2}..x_{D-1})`` to
+    pairs ``(x_0, x_{D/2}, x_1, x_{D/2+1}, ...)``, so that RoPE is one complex multiply per
+    pair. Applied to q and k alike it leaves every q.k (hence attention) unchanged."""
+    half = head_size // 2
+    per_head = torch.arange(head_size).view(2, half).t().reshape(-1)  # 0, h, 1, h+1, ...
+    cols = (torch.arange(num_heads)[:, None] * head_size + per_head).reshape(-1)
+    rest = torch.arange(num_heads * head_size, weight_t.shape[-1])
+    return weight_t.index_select(-1, torch.cat([cols, rest]).to(weight_t.device)).contiguous()
+
+
+def _projection(weight: torch.Tensor, norm: torch.Tensor | None = None) -> torch.Tensor:
+    """``nn.Linear`` weight ``[out, in]`` -> contiguous ``[in, out]`` for :func:`linear`, with an
+    RMSNorm weight ``[in]`` folded into its rows (product taken in fp32, then cast back)."""
+    w = weight.t()
+    if norm is not None:
+        w = (w.float() * norm.float()[:, None]).to(weight.dtype)
+    return w.contiguous()
 
 
 @dataclass
 class _Layer:
-    """Weights of one decoder layer (q/k/v and gate/up fused along the output dim)."""
+    """Weights of one decoder layer in :func:`linear`'s layout ``[in, out]``: q/k/v and
+    gate/up fused along the output dim, the input norm's weight folded into ``qkv`` and the
+    post-attention norm's into ``gate_up``."""
 
-    in_norm: torch.Tensor
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
     o: torch.Tensor
     o_bias: torch.Tensor | None
-    post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
 
@@ -108,24 +169,45 @@ class LlamaForCausalLM:
             biases = [opt(a + f"{x}_proj.bias") for x in "qkv"]
             self.layers.append(
                 _Layer(
-                    in_norm=w(p + "input_layernorm.weight"),
-                    qkv=torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]),
+                    qkv=_projection(
+                        torch.cat([w(a + f"{x}_proj.weight") for x in "qkv"]), w(p + "input_layernorm.weight")
+                    ),
                     qkv_bias=torch.cat([b for b in biases if b is not None])
                     if all(b is not None for b in biases)
                     else None,  # Qwen2 has q/k/v biases
-                    o=w(a + "o_proj.weight"),
+                    o=_projection(w(a + "o_proj.weight")),
                     o_bias=opt(a + "o_proj.bias"),
-                    post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-                    down=w(p + "mlp.down_proj.weight"),
+                    gate_up=_projection(
+                        torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                        w(p + "post_attention_layernorm.weight"),
+                    ),
+                    down=_projection(w(p + "mlp.down_proj.weight")),
                 )
             )
+        # fp32: RoPE as one in-place complex multiply (see _rope_complex), for which q and k
+        # heads are stored with their rotary halves interleaved. Other dtypes (complex32 is
+        # barely supported) keep transformers' rotate-half layout.
+        self.interleaved_rope = dtype == torch.float32 and self.head_size % 2 == 0
+        if self.interleaved_rope:
+            qk_heads = self.num_heads + self.num_kv_heads
+            for layer in self.layers:
+                layer.qkv = _interleave_rotary_halves(layer.qkv, qk_heads, self.head_size)
+                if layer.qkv_bias is not None:
+                    layer.qkv_bias = _interleave_rotary_halves(layer.qkv_bias, qk_heads, self.head_size)
         self.norm = w("model.norm.weight")
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
-        self.lm_head = self.embed if tied else w("lm_head.weight")
+        # The LM head in linear()'s layout. A tied head is a transposed copy of the embedding
+        # (the gather needs the [vocab, hidden] rows) on the CPU, where the layout pays; on other
+        # devices a tied head stays the embedding itself, run through F.linear (no second copy).
+        head = self.embed if tied else w("lm_head.weight")
+        transpose_head = not tied or self.device.type == "cpu"
+        self.lm_head_t: torch.Tensor | None = _projection(head) if transpose_head else None
+        self.lm_head: torch.Tensor | None = None if transpose_head else head
         # cos/sin for every position, computed exactly as transformers does (fp32, then cast).
         self.rope = RotaryEmbedding(config, self.head_size, self.max_model_len, device=self.device, dtype=dtype)
         self.cos, self.sin = self.rope.cos, self.rope.sin
+        # cos + i sin of every position's rotary pairs (both halves of cos/sin are equal).
+        self.rope_cis = self._cis(self.cos, self.sin) if self.interleaved_rope else None
 
     @classmethod
     def from_hf(cls, hf_model: Any, *, device: Any = "cpu", dtype: torch.dtype | None = None) -> LlamaForCausalLM:
@@ -159,14 +241,19 @@ class LlamaForCausalLM:
 
     # ---- forward -----------------------------------------------------------------------------
 
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 like transformers' LlamaRMSNorm (Zhang & Sennrich 2019). In fp32
-        # torch's rms_norm is the same arithmetic in one op (bit-identical; fewer dispatches).
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        # RMSNorm (Zhang & Sennrich 2019) in fp32 like transformers' LlamaRMSNorm; ``weight``
+        # None when it is folded into the next projection.
         if x.dtype == torch.float32:
-            return F.rms_norm(x, weight.shape, weight, self.eps)
+            if weight is not None:
+                return F.rms_norm(x, x.shape[-1:], weight, self.eps)
+            # Two passes over x (a norm, then one scale) instead of rms_norm's four on CPU;
+            # the mean square comes from the norm, about one ulp from transformers' x.pow(2).mean().
+            ms: torch.Tensor = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1])
+            return x * ms.add_(self.eps).rsqrt_()
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * xf.to(x.dtype)
+        xf = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return xf if weight is None else weight * xf
 
     @staticmethod
     def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -179,6 +266,20 @@ class LlamaForCausalLM:
         out[..., :half] -= x2 * sin[..., :half]
         out[..., half:] += x1 * sin[..., half:]
         return out
+
+    @staticmethod
+    def _cis(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """complex64 ``cos + i sin`` of the rotary pairs from ``[..., D]`` rotate-half tables."""
+        half = cos.shape[-1] // 2
+        return torch.complex(cos[..., :half].float().contiguous(), sin[..., :half].float().contiguous())
+
+    @staticmethod
+    def _rope_complex(x: torch.Tensor, cis: torch.Tensor) -> None:
+        # x: [T, H, D] fp32 with interleaved rotary pairs (a view into the QKV output, fresh
+        # each layer), rotated in place: (x1 + i x2) * (cos + i sin) gives transformers'
+        # x1 cos - x2 sin and x2 cos + x1 sin in one pass, no temporaries.
+        xc = torch.view_as_complex(x.unflatten(-1, (-1, 2)))
+        xc.mul_(cis)
 
     @torch.inference_mode()
     def forward(
@@ -212,20 +313,33 @@ class LlamaForCausalLM:
         """
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        cis = None
         if self.rope.length_dependent:
             cos, sin = self.rope.lookup(positions, rope_lens)
-        else:  # the common case: one gather from the precomputed tables
+            if self.interleaved_rope:
+                cis = self._cis(cos, sin)
+        elif self.rope_cis is not None:  # the common case: one gather from a precomputed table
+            cis = self.rope_cis[positions]
+        else:
             cos, sin = self.cos[positions], self.sin[positions]
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
+        if cis is not None:
+            cis = cis.unsqueeze(1)  # [T, 1, D/2]
+        else:
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
         x = self.embed[input_ids]  # [T, hidden]
         for li, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.in_norm)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = linear(self._rms_norm(x), layer.qkv, layer.qkv_bias)  # input norm's weight folded in
             qk, v = qkv.split([(hq + hkv) * d, hkv * d], dim=-1)
-            qk = self._rope(qk.reshape(t, hq + hkv, d), cos, sin)  # q and k heads in one go
+            qk = qk.view(t, hq + hkv, d)
+            if cis is not None:
+                self._rope_complex(qk, cis)  # q and k heads in one go, in place
+            else:
+                qk = self._rope(qk, cos, sin)
             q, k = qk.split([hq, hkv], dim=1)
             key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
-            kernels.reshape_and_cache(k, v.reshape(t, hkv, d), key_cache, value_cache, meta.slot_mapping)
+            kernels.reshape_and_cache(
+                k, v.reshape(t, hkv, d), key_cache, value_cache, meta.slot_mapping, plan=meta.attn_plan
+            )
             o = kernels.paged_attention(
                 q,
                 key_cache,
@@ -239,11 +353,14 @@ class LlamaForCausalLM:
                 sliding_window=self.sliding_window,
                 plan=meta.attn_plan,
             )
-            # x is this forward's own tensor (from the embedding gather): residual adds and the
-            # SwiGLU product run in place, sparing a fresh [T, *] buffer each (page faults at large T).
-            x += F.linear(o.view(t, hq * d), layer.o, layer.o_bias)
-            h = self._rms_norm(x, layer.post_norm)
-            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
-            x += F.linear(torch.mul(F.silu(gate, inplace=True), up), layer.down)
+            # x is this forward's own tensor (from the embedding gather): the residual adds are
+            # the GEMMs' own accumulation into it, and SwiGLU runs in place in the gate half of
+            # the gate/up output (no fresh [T, *] buffers: page faults at large T).
+            linear(o.view(t, hq * d), layer.o, layer.o_bias, residual=x)
+            gate, up = linear(self._rms_norm(x), layer.gate_up).chunk(2, dim=-1)  # post-norm weight folded in
+            linear(F.silu(gate, inplace=True).mul_(up), layer.down, residual=x)
         x = self._rms_norm(x[logits_indices], self.norm)
+        if self.lm_head_t is not None:
+            return linear(x, self.lm_head_t).float()
+        assert self.lm_head is not None  # a tied head off the CPU: the embedding itself
         return F.linear(x, self.lm_head).float()

@@ -87,6 +87,7 @@ class ModelRunner:
             cache_shape=tuple(self.kv_cache.shape[2:]),
             num_q_heads=self.model.num_heads,
             sliding_window=self.model.sliding_window,
+            slot_mapping=bt.slot_mapping,  # checked once here, not by every layer's cache write
         )
         return bt
 
