@@ -97,7 +97,7 @@ fmt-check:
 	cargo fmt --all --check
 
 # The Python paths ruff formats and lints (config in pyproject.toml).
-RUFF_PATHS ?= python/pagedkv kernels scripts tests
+RUFF_PATHS ?= python/pagedkv kernels scripts tests benchmarks
 
 fmt: deps ## Format the Rust code and the Python code (RUFF_PATHS) in place
 	cargo fmt --all

@@ -47,13 +47,23 @@ RUST_MANAGER = "core alone, Rust (sha256)"
 RUST_POOL = "core BlockPool, Rust"
 
 
-def run_replay(script: str, python: str, trace_file: Path, repeats: int, extra: list[str],
-               timeout: float) -> dict[str, Any]:
+def run_replay(
+    script: str, python: str, trace_file: Path, repeats: int, extra: list[str], timeout: float
+) -> dict[str, Any]:
     """Run one replay subprocess; returns its result dict, or ``{"skipped": reason}``."""
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = Path(f.name)
-    cmd = [python, str(HERE / script), "--trace-file", str(trace_file), "--out", str(out),
-           "--repeats", str(repeats), *extra]
+    cmd = [
+        python,
+        str(HERE / script),
+        "--trace-file",
+        str(trace_file),
+        "--out",
+        str(out),
+        "--repeats",
+        str(repeats),
+        *extra,
+    ]
     env = dict(os.environ)
     env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     try:
@@ -84,8 +94,9 @@ def build_rust_replay() -> tuple[str | None, str]:
     return str(target / "release" / "examples" / "replay"), ""
 
 
-def run_rust_replay(binary: str, trace_file: Path, tokens_file: Path, repeats: int, extra: list[str],
-                    timeout: float) -> dict[str, Any]:
+def run_rust_replay(
+    binary: str, trace_file: Path, tokens_file: Path, repeats: int, extra: list[str], timeout: float
+) -> dict[str, Any]:
     """Run the Rust replay of the same trace; returns its result dict or ``{"skipped": reason}``."""
     cmd = [binary, str(trace_file), str(tokens_file), "--repeats", str(repeats), *extra]
     try:
@@ -116,8 +127,13 @@ def measure_trace(a: argparse.Namespace, name: str) -> dict[str, Any]:
         ("pagedkv (sha256)", sys.executable, "replay_pagedkv.py", ["--hash-algo", "sha256"], a.repeats),
         ("pagedkv (xxh3_128)", sys.executable, "replay_pagedkv.py", ["--hash-algo", "xxh3_128"], a.repeats),
         ("vLLM V1 KVCacheManager", a.vllm_python, "replay_vllm.py", [], a.baseline_repeats),
-        ("nano-vllm BlockManager", a.nanovllm_python if a.nanovllm_path else None, "replay_nanovllm.py",
-         ["--lib-path", a.nanovllm_path] if a.nanovllm_path else [], a.baseline_repeats),
+        (
+            "nano-vllm BlockManager",
+            a.nanovllm_python if a.nanovllm_path else None,
+            "replay_nanovllm.py",
+            ["--lib-path", a.nanovllm_path] if a.nanovllm_path else [],
+            a.baseline_repeats,
+        ),
         # The bare block pools on the same trace's block traffic (no hashing, no sequences).
         ("pagedkv BlockPool", sys.executable, "replay_pagedkv.py", ["--mode", "pool"], a.repeats),
         ("vLLM BlockPool", a.vllm_python, "replay_vllm.py", ["--mode", "pool"], a.baseline_repeats),
@@ -158,49 +174,86 @@ def measure_trace(a: argparse.Namespace, name: str) -> dict[str, Any]:
         ratio = b["ns_per_block_op"] / ref["ns_per_block_op"] if ref else None
         v = r["version"]
         ver = v.get("version") or (v.get("commit") or "")[:12]
-        rows.append([label, b["us_per_step_mean"], b["us_per_step_p50"], b["us_per_step_p99"],
-                     b["ns_per_block_op"], ratio, b["wall_ns_per_block_op"], r["counters"].get("cached_prompt_tokens"),
-                     f"{ver} hash={v.get('hash')}"])
+        rows.append(
+            [
+                label,
+                b["us_per_step_mean"],
+                b["us_per_step_p50"],
+                b["us_per_step_p99"],
+                b["ns_per_block_op"],
+                ratio,
+                b["wall_ns_per_block_op"],
+                r["counters"].get("cached_prompt_tokens"),
+                f"{ver} hash={v.get('hash')}",
+            ]
+        )
     common.print_table(
         f"Allocator speed: {trace.num_steps} steps of the {trace.workload} trace, "
-        f"{trace.mean_running:.0f} running seqs on average, {trace.block_ops:,} block ops, block size {trace.block_size}",
-        ["system", "CPU µs/step mean", "µs/step p50", "µs/step p99", "CPU ns/block op", "x pagedkv",
-         "wall ns/block op", "cached prompt tokens", "version / hash"],
+        f"{trace.mean_running:.0f} running seqs on average, {trace.block_ops:,} block ops, "
+        f"block size {trace.block_size}",
+        [
+            "system",
+            "CPU µs/step mean",
+            "µs/step p50",
+            "µs/step p99",
+            "CPU ns/block op",
+            "x pagedkv",
+            "wall ns/block op",
+            "cached prompt tokens",
+            "version / hash",
+        ],
         rows,
         footnote="Same trace, same machine, same run; each system in its own subprocess; best of the repeats. "
-                 "CPU = thread CPU time (robust on a shared machine); wall = elapsed. 'x pagedkv': against "
-                 "pagedkv (sha256) for managers, against pagedkv BlockPool for the bare pools. "
-                 "The 'Rust' rows replay the same trace through the core with no Python "
-                 "(rust/core/examples/replay.rs). Targets: vLLM >= 20x and nano-vllm >= 5x pagedkv's ns per "
-                 "block op; vLLM BlockPool >= 5x pagedkv BlockPool; Python <= 2x Rust.",
+        "CPU = thread CPU time (robust on a shared machine); wall = elapsed. 'x pagedkv': against "
+        "pagedkv (sha256) for managers, against pagedkv BlockPool for the bare pools. "
+        "The 'Rust' rows replay the same trace through the core with no Python "
+        "(rust/core/examples/replay.rs). Targets: vLLM >= 20x and nano-vllm >= 5x pagedkv's ns per "
+        "block op; vLLM BlockPool >= 5x pagedkv BlockPool; Python <= 2x Rust.",
     )
     python_over_rust = {}
     for py_label, rust_label in (("pagedkv (sha256)", RUST_MANAGER), ("pagedkv BlockPool", RUST_POOL)):
         if "best" in results[py_label] and "best" in results[rust_label]:
-            python_over_rust[py_label] = (results[py_label]["best"]["ns_per_block_op"]
-                                          / results[rust_label]["best"]["ns_per_block_op"])
+            python_over_rust[py_label] = (
+                results[py_label]["best"]["ns_per_block_op"] / results[rust_label]["best"]["ns_per_block_op"]
+            )
     if python_over_rust:
-        print("Through Python / Rust core alone (ns per block op): "
-              + ", ".join(f"{k} {v:.2f}x" for k, v in python_over_rust.items()) + "  (target <= 2x)")
+        print(
+            "Through Python / Rust core alone (ns per block op): "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in python_over_rust.items())
+            + "  (target <= 2x)"
+        )
     return {
         "python_over_rust": python_over_rust,
-        "trace": {"workload": w.describe(), "steps": trace.num_steps, "requests": len(trace.prompt_lens),
-                  "block_ops": trace.block_ops, "mean_running": trace.mean_running,
-                  "max_running": trace.max_running, "block_size": trace.block_size,
-                  "pool_blocks": trace.num_blocks, "arrival_rate_per_step": trace.arrival_rate_per_step,
-                  "seed": trace.seed},
+        "trace": {
+            "workload": w.describe(),
+            "steps": trace.num_steps,
+            "requests": len(trace.prompt_lens),
+            "block_ops": trace.block_ops,
+            "mean_running": trace.mean_running,
+            "max_running": trace.max_running,
+            "block_size": trace.block_size,
+            "pool_blocks": trace.num_blocks,
+            "arrival_rate_per_step": trace.arrival_rate_per_step,
+            "seed": trace.seed,
+        },
         "results": results,
         "ratios_vs_pagedkv_sha256": {
             k: r["best"]["ns_per_block_op"] / ref_of(k)["ns_per_block_op"]
-            for k, r in results.items() if "best" in r and ref_of(k)
+            for k, r in results.items()
+            if "best" in r and ref_of(k)
         },
     }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--traces", nargs="+", default=["mooncake", "azure_conv"],
-                    choices=["mooncake", "azure_conv", "azure_code"], help="workloads to build traces from")
+    ap.add_argument(
+        "--traces",
+        nargs="+",
+        default=["mooncake", "azure_conv"],
+        choices=["mooncake", "azure_conv", "azure_code"],
+        help="workloads to build traces from",
+    )
     ap.add_argument("--traces-dir", default=None, help="folder with the full traces (default: bundled excerpts)")
     ap.add_argument("--steps", type=int, default=400, help="scheduler steps in each trace")
     ap.add_argument("--max-running", type=int, default=256)
@@ -209,10 +262,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--baseline-repeats", type=int, default=1, help="runs of each baseline replay")
     ap.add_argument("--vllm-python", default=None, help="python of an environment with vllm installed")
     ap.add_argument("--nanovllm-path", default=None, help="nano-vllm checkout (outside this repo)")
-    ap.add_argument("--nanovllm-python", default=sys.executable,
-                    help="python with numpy and xxhash for the nano-vllm replay (default: this one)")
-    ap.add_argument("--rust-replay", default=None,
-                    help="the built core replay binary (default: cargo builds rust/core/examples/replay.rs)")
+    ap.add_argument(
+        "--nanovllm-python",
+        default=sys.executable,
+        help="python with numpy and xxhash for the nano-vllm replay (default: this one)",
+    )
+    ap.add_argument(
+        "--rust-replay",
+        default=None,
+        help="the built core replay binary (default: cargo builds rust/core/examples/replay.rs)",
+    )
     ap.add_argument("--timeout", type=float, default=900, help="seconds per replay subprocess")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="300 steps per trace (for run_all)")
@@ -237,16 +296,28 @@ def plot(per_trace: dict[str, dict[str, Any]], path: Path) -> Path:
     """Per trace, bar charts (log scale) of CPU ns per block op and CPU µs per step."""
     plt = common.pyplot()
     fig, axes = plt.subplots(len(per_trace), 2, figsize=(11, 4.0 * len(per_trace)), squeeze=False)
-    colors = {"pagedkv (sha256)": "#1971c2", "pagedkv (xxh3_128)": "#4dabf7",
-              "vLLM V1 KVCacheManager": "#e8590c", "nano-vllm BlockManager": "#2f9e44",
-              "pagedkv BlockPool": "#a5d8ff", "vLLM BlockPool": "#ffc078"}
+    colors = {
+        "pagedkv (sha256)": "#1971c2",
+        "pagedkv (xxh3_128)": "#4dabf7",
+        "vLLM V1 KVCacheManager": "#e8590c",
+        "nano-vllm BlockManager": "#2f9e44",
+        "pagedkv BlockPool": "#a5d8ff",
+        "vLLM BlockPool": "#ffc078",
+    }
     for row, (name, d) in zip(axes, per_trace.items()):
         done = [(k, r["best"]) for k, r in d["results"].items() if "best" in r]
-        labels = [k.replace(" KVCacheManager", "\nKVCacheManager").replace(" BlockManager", "\nBlockManager")
-                  .replace(" BlockPool", "\nBlockPool").replace(" (", "\n(") for k, _ in done]
+        labels = [
+            k.replace(" KVCacheManager", "\nKVCacheManager")
+            .replace(" BlockManager", "\nBlockManager")
+            .replace(" BlockPool", "\nBlockPool")
+            .replace(" (", "\n(")
+            for k, _ in done
+        ]
         tr = d["trace"]
-        for ax, key, title in ((row[0], "ns_per_block_op", "CPU ns per block operation"),
-                               (row[1], "us_per_step_mean", "CPU µs per scheduler step (mean)")):
+        for ax, key, title in (
+            (row[0], "ns_per_block_op", "CPU ns per block operation"),
+            (row[1], "us_per_step_mean", "CPU µs per scheduler step (mean)"),
+        ):
             vals = [b[key] for _, b in done]
             ax.bar(range(len(done)), vals, color=[colors.get(k, "#868e96") for k, _ in done])
             for i, v in enumerate(vals):
@@ -254,8 +325,11 @@ def plot(per_trace: dict[str, dict[str, Any]], path: Path) -> Path:
             ax.set_yscale("log")
             ax.set_xticks(range(len(done)))
             ax.set_xticklabels(labels, fontsize=7)
-            ax.set_title(f"{name}: {title}\n({tr['steps']} steps, ~{tr['mean_running']:.0f} running seqs, "
-                         f"block size {tr['block_size']})", fontsize=9)
+            ax.set_title(
+                f"{name}: {title}\n({tr['steps']} steps, ~{tr['mean_running']:.0f} running seqs, "
+                f"block size {tr['block_size']})",
+                fontsize=9,
+            )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -112,8 +112,7 @@ class Replica:
             num_waiting=len(self.waiting),
             kv_blocks_used=int(st.used),
             kv_blocks_total=int(st.num_blocks) - 1,
-            num_prefill_tokens=sum(r.prefill_left for r in self.prefilling)
-            + sum(len(r.tokens) for r in self.waiting),
+            num_prefill_tokens=sum(r.prefill_left for r in self.prefilling) + sum(len(r.tokens) for r in self.waiting),
         )
 
     def _admit(self) -> None:
@@ -203,9 +202,7 @@ def simulate(
         router = Router(pagedkv.KVIndexer(block_size, hash_algo=hash_algo), policy_by_name(policy, **(weights or {})))
         for rep in replicas:
             router.add_worker(rep.rid)
-    reqs = [
-        Request(i, float(arrivals[i]), prompts[i], int(w.output_lens[i])) for i in range(len(prompts))
-    ]
+    reqs = [Request(i, float(arrivals[i]), prompts[i], int(w.output_lens[i])) for i in range(len(prompts))]
     heap: list[tuple[float, int, int]] = []  # (time, kind 0=step end 1=arrival, id)
     for r in reqs:
         heapq.heappush(heap, (r.arrival, 1, r.idx))
@@ -272,12 +269,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prefill-us-per-token", type=float, default=40.0)
     ap.add_argument("--decode-us-per-seq", type=float, default=150.0)
     ap.add_argument("--step-tokens", type=int, default=4096, help="prefill token budget per step")
-    ap.add_argument("--rate-per-replica", type=float, default=1.0,
-                    help="mean arrivals per second per replica; the trace's timestamps are scaled to it")
+    ap.add_argument(
+        "--rate-per-replica",
+        type=float,
+        default=1.0,
+        help="mean arrivals per second per replica; the trace's timestamps are scaled to it",
+    )
     ap.add_argument("--policies", nargs="+", default=POLICIES, choices=POLICIES)
     ap.add_argument("--no-bound", action="store_true", help="skip the one-big-cache run")
-    ap.add_argument("--overlap-weight", type=float, default=None, help="kv_aware: weight of the uncached share "
-                    "(default: KVAwarePolicy's)")
+    ap.add_argument(
+        "--overlap-weight",
+        type=float,
+        default=None,
+        help="kv_aware: weight of the uncached share (default: KVAwarePolicy's)",
+    )
     ap.add_argument("--load-weight", type=float, default=None, help="kv_aware: weight of the relative load")
     ap.add_argument("--prefill-weight", type=float, default=None, help="kv_aware: weight of queued prefill tokens")
     ap.add_argument("--hash-algo", default="xxh3_128", choices=["sha256", "xxh3_128"])
@@ -287,8 +292,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     w = common.load_workload("mooncake", args.traces_dir, n=args.requests)
     prompts = expand_prompts(w)
     span = float(w.arrival_s[-1] - w.arrival_s[0]) or 1.0
-    tm = TimeModel(args.step_base_ms / 1e3, args.prefill_us_per_token / 1e6,
-                   args.decode_us_per_seq / 1e6, args.step_tokens)
+    tm = TimeModel(
+        args.step_base_ms / 1e3, args.prefill_us_per_token / 1e6, args.decode_us_per_seq / 1e6, args.step_tokens
+    )
     blocks = args.kv_tokens_per_replica // args.block_size + 1
     rows: list[dict[str, Any]] = []
     for n in args.replicas:
@@ -296,30 +302,61 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         speedup = args.rate_per_replica * n * span / len(w)
         arrivals = (w.arrival_s - w.arrival_s[0]) / speedup
         for pol in args.policies:
-            weights = {k: getattr(args, k) for k in ("overlap_weight", "load_weight", "prefill_weight")
-                       if getattr(args, k) is not None}
-            res = simulate(w, prompts, arrivals, n, pol, blocks, args.block_size, tm, args.hash_algo,
-                           weights if pol == "kv_aware" else {})
+            weights = {
+                k: getattr(args, k)
+                for k in ("overlap_weight", "load_weight", "prefill_weight")
+                if getattr(args, k) is not None
+            }
+            res = simulate(
+                w,
+                prompts,
+                arrivals,
+                n,
+                pol,
+                blocks,
+                args.block_size,
+                tm,
+                args.hash_algo,
+                weights if pol == "kv_aware" else {},
+            )
             res["speedup"] = speedup
             rows.append(res)
             print(f"{n} replicas {pol}: {res}", file=sys.stderr)
         if args.no_bound:
             continue
-        big = simulate(w, prompts, arrivals, 1, None, (blocks - 1) * n + 1, args.block_size,
-                       tm.scaled(n), args.hash_algo)
+        big = simulate(
+            w, prompts, arrivals, 1, None, (blocks - 1) * n + 1, args.block_size, tm.scaled(n), args.hash_algo
+        )
         big["replicas"] = n
         big["speedup"] = speedup
         rows.append(big)
         print(f"{n} replicas one big cache: {big}", file=sys.stderr)
 
-    cols = ["replicas", "policy", "hit rate", "vs one big cache", "TTFT p50 s", "TTFT p99 s",
-            "max/mean load", "route us/req"]
+    cols = [
+        "replicas",
+        "policy",
+        "hit rate",
+        "vs one big cache",
+        "TTFT p50 s",
+        "TTFT p99 s",
+        "max/mean load",
+        "route us/req",
+    ]
     table = []
     for r in rows:
         bound = next(b for b in rows if b["replicas"] == r["replicas"] and b["policy"] == "one_big_cache")
-        table.append([r["replicas"], r["policy"], f"{100 * r['hit_rate']:.1f}%",
-                      f"{100 * r['hit_rate'] / bound['hit_rate']:.1f}%", r["ttft_p50_s"], r["ttft_p99_s"],
-                      r["load_max_over_mean"], r["route_us_per_request"]])
+        table.append(
+            [
+                r["replicas"],
+                r["policy"],
+                f"{100 * r['hit_rate']:.1f}%",
+                f"{100 * r['hit_rate'] / bound['hit_rate']:.1f}%",
+                r["ttft_p50_s"],
+                r["ttft_p99_s"],
+                r["load_max_over_mean"],
+                r["route_us_per_request"],
+            ]
+        )
     common.print_table(f"Cluster routing on Mooncake ({len(w)} requests)", cols, table)
     payload = {
         "workload": w.describe(),
@@ -339,8 +376,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     ns = sorted({r["replicas"] for r in rows})
     pols = POLICIES + ["one_big_cache"]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    metrics = [("hit_rate", "prefix hit rate"), ("ttft_p99_s", "TTFT p99 (s)"),
-               ("load_max_over_mean", "max/mean running+waiting")]
+    metrics = [
+        ("hit_rate", "prefix hit rate"),
+        ("ttft_p99_s", "TTFT p99 (s)"),
+        ("load_max_over_mean", "max/mean running+waiting"),
+    ]
     width = 0.8 / len(pols)
     for ax, (key, label) in zip(axes, metrics):
         for j, pol in enumerate(pols):

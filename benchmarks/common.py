@@ -14,10 +14,11 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -66,7 +67,7 @@ class Workload:
     def __len__(self) -> int:
         return int(self.prompt_lens.shape[0])
 
-    def head(self, n: int) -> "Workload":
+    def head(self, n: int) -> Workload:
         """The first ``n`` requests (all of them when ``n`` is larger)."""
         n = min(n, len(self))
         return Workload(
@@ -151,9 +152,7 @@ def _trace_rows(path: Path) -> list[Any]:
     return read_trace_rows(path)
 
 
-def lognormal_lengths(
-    rng: np.random.Generator, n: int, mean: float, sigma: float, max_len: int
-) -> np.ndarray:
+def lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float, max_len: int) -> np.ndarray:
     """``n`` integer lengths from a log-normal with shape ``sigma``, clipped to ``[1, max_len]``,
     whose realised mean is ``mean`` within 1% (the scale is corrected after clipping)."""
     mu = np.log(mean) - sigma * sigma / 2.0
@@ -193,8 +192,9 @@ def paper_like(
     )
 
 
-def load_workload(name: str, traces_dir: str | os.PathLike | None = None, n: int | None = None,
-                  seed: int = 0) -> Workload:
+def load_workload(
+    name: str, traces_dir: str | os.PathLike | None = None, n: int | None = None, seed: int = 0
+) -> Workload:
     """Load a workload by name: ``azure_conv``, ``azure_code``, ``mooncake``, ``sharegpt_like``,
     ``alpaca_like`` (the latter two synthetic, ``n`` requests, default 2000)."""
     if name == "azure_conv":
@@ -226,8 +226,13 @@ def _mix64(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def expand_hash_ids(hash_ids: Sequence[int], num_tokens: int, vocab_size: int = 32000,
-                    block_tokens: int = MOONCAKE_HASH_BLOCK_TOKENS, seed: int = 0) -> np.ndarray:
+def expand_hash_ids(
+    hash_ids: Sequence[int],
+    num_tokens: int,
+    vocab_size: int = 32000,
+    block_tokens: int = MOONCAKE_HASH_BLOCK_TOKENS,
+    seed: int = 0,
+) -> np.ndarray:
     """Deterministic token ids (int64[num_tokens]) for a Mooncake prompt.
 
     Each hash id stands for ``block_tokens`` tokens; token j of id h is a hash of (seed, h, j), so
@@ -235,9 +240,7 @@ def expand_hash_ids(hash_ids: Sequence[int], num_tokens: int, vocab_size: int = 
     last id may be partial (the prompt is cut at ``num_tokens``).
     """
     if num_tokens > len(hash_ids) * block_tokens:
-        raise ValueError(
-            f"num_tokens={num_tokens} exceeds {len(hash_ids)} hash ids x {block_tokens} tokens"
-        )
+        raise ValueError(f"num_tokens={num_tokens} exceeds {len(hash_ids)} hash ids x {block_tokens} tokens")
     ids = np.asarray(hash_ids, dtype=np.uint64)
     pos = np.arange(block_tokens, dtype=np.uint64)
     keys = (ids[:, None] << np.uint64(20)) ^ pos[None, :] ^ (np.uint64(seed) << np.uint64(52))
@@ -259,8 +262,7 @@ def unique_tokens(request_index: int, num_tokens: int, vocab_size: int = 32000, 
 def git_commit(path: str | os.PathLike = REPO_DIR) -> str | None:
     """The HEAD commit of the git checkout at ``path`` (None if not a checkout)."""
     try:
-        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(["git", "-C", str(path), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -323,8 +325,7 @@ def _json_default(o: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
 
 
-def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]],
-                footnote: str | None = None) -> None:
+def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], footnote: str | None = None) -> None:
     """Print a table with rich (falls back to plain text when rich is missing)."""
     rows = [[_fmt(c) for c in r] for r in rows]
     try:
@@ -401,7 +402,7 @@ class Timer:
         self.ns = 0
         self._t0 = 0
 
-    def __enter__(self) -> "Timer":
+    def __enter__(self) -> Timer:
         self._t0 = time.perf_counter_ns()
         return self
 

@@ -26,8 +26,9 @@ import platform
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pagedkv
 
@@ -94,7 +95,9 @@ def run(workload: Callable[[Any, int, int], int], target: Any, threads: int, ops
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS.parent, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=RESULTS.parent, capture_output=True, text=True, timeout=10
+        )
         return out.stdout.strip() or "unknown"
     except OSError:
         return "unknown"

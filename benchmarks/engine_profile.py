@@ -67,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
 
     hf, tok = load_hf_model()
     vocab = hf.config.vocab_size
-    work = (equal_workload(32, 32, 64, vocab) if a.workload == "equal"
-            else trace_workload(16 if a.workload == "trace" else 64, 0.25, 256, 64, vocab))
+    work = (
+        equal_workload(32, 32, 64, vocab)
+        if a.workload == "equal"
+        else trace_workload(16 if a.workload == "trace" else 64, 0.25, 256, 64, vocab)
+    )
     engine = LLMEngine(hf, tokenizer=tok, num_kv_blocks=1024, block_size=16, max_tokens_per_step=1024, device="cpu")
     engine.generate([work[0][0][:8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     params = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in work]
@@ -91,10 +94,17 @@ def main(argv: list[str] | None = None) -> int:
 
     gemm = sum(ops[k].self_cpu_time_total / 1e6 for k in GEMM_OPS if k in ops)
     attn, write, fwd = total("pagedkv::attention"), total("pagedkv::cache_write"), total("pagedkv::forward")
-    parts = {"GEMM": gemm, "attention": attn, "cache write": write,
-             "other forward": fwd - gemm - attn - write, "outside forward": wall - fwd}
-    print(f"pagedkv engine, {a.workload} workload ({len(work)} requests), {a.threads} thread(s): "
-          f"wall {wall:.2f} s under the profiler")
+    parts = {
+        "GEMM": gemm,
+        "attention": attn,
+        "cache write": write,
+        "other forward": fwd - gemm - attn - write,
+        "outside forward": wall - fwd,
+    }
+    print(
+        f"pagedkv engine, {a.workload} workload ({len(work)} requests), {a.threads} thread(s): "
+        f"wall {wall:.2f} s under the profiler"
+    )
     for name, sec in parts.items():
         print(f"  {name:16s} {sec:7.2f} s  {sec / wall:6.1%}")
     if a.top:

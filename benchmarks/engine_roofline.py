@@ -116,8 +116,9 @@ def best_time(fn: Any, reps: int) -> float:
     return best
 
 
-def measure(ws: list[torch.Tensor], head: torch.Tensor, gemm: Gemm, sizes: list[int],
-            verbose: bool = True) -> dict[int, tuple[float, float]]:
+def measure(
+    ws: list[torch.Tensor], head: torch.Tensor, gemm: Gemm, sizes: list[int], verbose: bool = True
+) -> dict[int, tuple[float, float]]:
     """{M: (t(M) s, h(M) s)}: best-of-3 wall of all layer GEMMs and of the LM head."""
     mm, in_features = gemm
     out = {}
@@ -127,8 +128,11 @@ def measure(ws: list[torch.Tensor], head: torch.Tensor, gemm: Gemm, sizes: list[
         h = best_time(lambda xs=xs: mm(xs[in_features(head)], head), 3)
         out[m] = (t, h)
         if verbose:
-            print(f"  M={m:5d}: layers {t * 1e3:8.1f} ms  ({t / m * 1e3:6.2f} ms/token)   "
-                  f"LM head {h * 1e3:7.1f} ms", file=sys.stderr, flush=True)
+            print(
+                f"  M={m:5d}: layers {t * 1e3:8.1f} ms  ({t / m * 1e3:6.2f} ms/token)   LM head {h * 1e3:7.1f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
     return out
 
 
@@ -148,8 +152,9 @@ def interp(table: dict[int, tuple[float, float]], m: int, which: int) -> float:
     return float(np.interp(m, ms, [table[k][which] for k in ms]))
 
 
-def staged_schedule(prompts: list[int], outputs: list[int], budget: int,
-                    table: dict[int, tuple[float, float]]) -> tuple[float, int]:
+def staged_schedule(
+    prompts: list[int], outputs: list[int], budget: int, table: dict[int, tuple[float, float]]
+) -> tuple[float, int]:
     """GEMM time and step count of chunked prefill in budget-sized steps, then batched decode.
     The first output token of a request comes from its last prefill chunk."""
     total_prompt = sum(prompts)
@@ -184,6 +189,7 @@ def engine_run(hf: Any, tok: Any, work: list[tuple[list[int], int]], a: argparse
             out = fn(*args, **kwargs)
             spent[0] += time.perf_counter() - t
             return out
+
         return run
 
     # The engine's model looks both up at call time: its own linear() for every GEMM on the
@@ -197,8 +203,9 @@ def engine_run(hf: Any, tok: Any, work: list[tuple[list[int], int]], a: argparse
     return wall, spent[0]
 
 
-def floors(prompts: list[int], outputs: list[int], budget: int,
-           table: dict[int, tuple[float, float]]) -> dict[str, float]:
+def floors(
+    prompts: list[int], outputs: list[int], budget: int, table: dict[int, tuple[float, float]]
+) -> dict[str, float]:
     """The three GEMM floors of a workload from one GEMM table (see the module docs), seconds."""
     best_tok = min(t / m for m, (t, _) in table.items())
     best_head = min(h / m for m, (_, h) in table.items())
@@ -208,9 +215,12 @@ def floors(prompts: list[int], outputs: list[int], budget: int,
     marg = max(0.0, min((t - t1) / (m - 1) for m, (t, _) in table.items() if m > 1))
     marg_head = max(0.0, min((h - h1) / (m - 1) for m, (_, h) in table.items() if m > 1))
     total = sum(prompts) + sum(outputs)
-    return {"compute_floor_s": (sum(prompts) + sum(outputs)) * best_tok + sum(outputs) * best_head,
-            "pass_floor_s": passes * t1 + (total - passes) * marg + passes * h1 + (sum(outputs) - passes) * marg_head,
-            "staged_schedule_gemm_s": staged, "staged_steps": steps}
+    return {
+        "compute_floor_s": (sum(prompts) + sum(outputs)) * best_tok + sum(outputs) * best_head,
+        "pass_floor_s": passes * t1 + (total - passes) * marg + passes * h1 + (sum(outputs) - passes) * marg_head,
+        "staged_schedule_gemm_s": staged,
+        "staged_steps": steps,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,10 +233,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompt", type=int, default=256)
     ap.add_argument("--max-output", type=int, default=64)
     ap.add_argument("--workloads", default="trace,trace-large", help="comma-separated: trace, trace-large")
-    ap.add_argument("--engine-rounds", type=int, default=2,
-                    help="rounds of the pagedkv engine on every workload in this process, a GEMM table measured "
-                    "before the first and after each; a round's engine wall is divided by the floor from the "
-                    "tables around it (0: floors only, one table)")
+    ap.add_argument(
+        "--engine-rounds",
+        type=int,
+        default=2,
+        help="rounds of the pagedkv engine on every workload in this process, a GEMM table measured "
+        "before the first and after each; a round's engine wall is divided by the floor from the "
+        "tables around it (0: floors only, one table)",
+    )
     ap.add_argument("--kv-blocks", type=int, default=1024, help="engine KV blocks (as engine_throughput.py)")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--output", type=Path, default=RESULTS / "engine_roofline.json")
@@ -239,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     ws, head, engine_mm = engine_gemm(hf)
     weight_mb = (sum(w.numel() for w in ws) + head.numel()) * 4 / 1e6
     sizes = {"trace": a.trace_requests, "trace-large": a.large_trace_requests}
-    works = {w: trace_workload(sizes[w], a.trace_scale, a.max_prompt, a.max_output, hf.config.vocab_size)
-             for w in a.workloads.split(",")}
+    works = {
+        w: trace_workload(sizes[w], a.trace_scale, a.max_prompt, a.max_output, hf.config.vocab_size)
+        for w in a.workloads.split(",")
+    }
     table_sizes = set(SIZES)
     for work in works.values():
         table_sizes |= schedule_sizes([len(p) for p, _ in work], [o for _, o in work], a.max_tokens_per_step)
@@ -248,12 +264,17 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict[str, Any]] = []
 
     def table_now(label: str) -> dict[int, tuple[float, float]]:
-        print(f"{label}: measuring the engine's GEMM passes at {len(all_sizes)} sizes ({weight_mb:.0f} MB of "
-              f"fp32 weights, {a.threads} thread(s)) ...", file=sys.stderr)
+        print(
+            f"{label}: measuring the engine's GEMM passes at {len(all_sizes)} sizes ({weight_mb:.0f} MB of "
+            f"fp32 weights, {a.threads} thread(s)) ...",
+            file=sys.stderr,
+        )
         return measure(ws, head, engine_mm, all_sizes, verbose=False)
 
-    print("reference: F.linear with [out, in] weights (the layout before the engine's), powers of two ...",
-          file=sys.stderr)
+    print(
+        "reference: F.linear with [out, in] weights (the layout before the engine's), powers of two ...",
+        file=sys.stderr,
+    )
     f_ws, f_head, f_gemm = f_linear_gemm(hf)
     f_linear_table = measure(f_ws, f_head, f_gemm, SIZES)
     del f_ws, f_head
@@ -277,12 +298,19 @@ def main(argv: list[str] | None = None) -> int:
             f = floors(prompts, outputs, a.max_tokens_per_step, table)
             if wname in walls:
                 wall, gemm, load_avg = walls[wname]
-                f |= {"engine_wall_s": wall, "engine_share_of_floor": f["staged_schedule_gemm_s"] / wall,
-                      "engine_gemm_s": gemm, "engine_gemm_share": gemm / wall, "load_1min": load_avg}
-                print(f"  {wname}: engine {wall:.1f} s against a staged GEMM floor of "
-                      f"{f['staged_schedule_gemm_s']:.1f} s: {f['engine_share_of_floor']:.0%} of the floor; "
-                      f"its own GEMMs {gemm:.1f} s = {gemm / wall:.0%} of its wall (load {load_avg[0]:.1f})",
-                      file=sys.stderr)
+                f |= {
+                    "engine_wall_s": wall,
+                    "engine_share_of_floor": f["staged_schedule_gemm_s"] / wall,
+                    "engine_gemm_s": gemm,
+                    "engine_gemm_share": gemm / wall,
+                    "load_1min": load_avg,
+                }
+                print(
+                    f"  {wname}: engine {wall:.1f} s against a staged GEMM floor of "
+                    f"{f['staged_schedule_gemm_s']:.1f} s: {f['engine_share_of_floor']:.0%} of the floor; "
+                    f"its own GEMMs {gemm:.1f} s = {gemm / wall:.0%} of its wall (load {load_avg[0]:.1f})",
+                    file=sys.stderr,
+                )
             entry[wname] = f
         rounds.append(entry)
 
@@ -294,12 +322,16 @@ def main(argv: list[str] | None = None) -> int:
         same = tr.get("prompt_tokens") == sum(len(p) for p, _ in works["trace"])
         if tr.get("requests") == len(works["trace"]) and same:
             measured = {k: v["wall_s"] for k, v in tr.get("systems", {}).items() if v.get("wall_s")}
-    out: dict[str, Any] = {"benchmark": "engine_roofline", "threads": a.threads, "weights_mb": weight_mb,
-                           "gemm": "pagedkv.engine.model.linear, [in, out] weights",
-                           "gemm_pass_s": {str(m): {"layers": t, "lm_head": h} for m, (t, h) in best.items()},
-                           "f_linear_gemm_pass_s": {str(m): {"layers": t, "lm_head": h}
-                                                    for m, (t, h) in f_linear_table.items()},
-                           "workloads": {}, "rounds": rounds}
+    out: dict[str, Any] = {
+        "benchmark": "engine_roofline",
+        "threads": a.threads,
+        "weights_mb": weight_mb,
+        "gemm": "pagedkv.engine.model.linear, [in, out] weights",
+        "gemm_pass_s": {str(m): {"layers": t, "lm_head": h} for m, (t, h) in best.items()},
+        "f_linear_gemm_pass_s": {str(m): {"layers": t, "lm_head": h} for m, (t, h) in f_linear_table.items()},
+        "workloads": {},
+        "rounds": rounds,
+    }
     md_parts = []
     for wname, work in works.items():
         prompts, outputs = [len(p) for p, _ in work], [o for _, o in work]
@@ -309,42 +341,60 @@ def main(argv: list[str] | None = None) -> int:
             per = [r[wname] for r in rounds]
             # Medians, not the best round: a round whose load fell between its tables and its
             # engine run can show any share, even over 100%.
-            w |= {"engine_walls_s": [r["engine_wall_s"] for r in per],
-                  "engine_gemm_share_per_round": [r["engine_gemm_share"] for r in per],
-                  "engine_share_of_floor_per_round": [r["engine_share_of_floor"] for r in per],
-                  "engine_share_of_floor": statistics.median(r["engine_share_of_floor"] for r in per),
-                  "engine_gemm_share": statistics.median(r["engine_gemm_share"] for r in per),
-                  "load_1min_per_round": [r["load_1min"] for r in per]}
+            w |= {
+                "engine_walls_s": [r["engine_wall_s"] for r in per],
+                "engine_gemm_share_per_round": [r["engine_gemm_share"] for r in per],
+                "engine_share_of_floor_per_round": [r["engine_share_of_floor"] for r in per],
+                "engine_share_of_floor": statistics.median(r["engine_share_of_floor"] for r in per),
+                "engine_gemm_share": statistics.median(r["engine_gemm_share"] for r in per),
+                "load_1min_per_round": [r["load_1min"] for r in per],
+            }
         out["workloads"][wname] = w
-        print(f"\n{wname} workload: {len(work)} requests, {sum(prompts)} prompt + {sum(outputs)} output tokens; "
-              f"token budget {a.max_tokens_per_step}")
+        print(
+            f"\n{wname} workload: {len(work)} requests, {sum(prompts)} prompt + {sum(outputs)} output tokens; "
+            f"token budget {a.max_tokens_per_step}"
+        )
         f_old = floors(prompts, outputs, a.max_tokens_per_step, f_linear_table)
         w["f_linear_staged_schedule_gemm_s"] = f_old["staged_schedule_gemm_s"]
-        rows = [("GEMM compute floor (any schedule)", f["compute_floor_s"]),
-                (f"GEMM pass floor ({max(outputs)} sequential passes)", f["pass_floor_s"]),
-                (f"GEMM time of the staged schedule ({f['staged_steps']} steps)", f["staged_schedule_gemm_s"]),
-                ("  same with F.linear [out, in] (reference, 1 table)", f_old["staged_schedule_gemm_s"])]
+        rows = [
+            ("GEMM compute floor (any schedule)", f["compute_floor_s"]),
+            (f"GEMM pass floor ({max(outputs)} sequential passes)", f["pass_floor_s"]),
+            (f"GEMM time of the staged schedule ({f['staged_steps']} steps)", f["staged_schedule_gemm_s"]),
+            ("  same with F.linear [out, in] (reference, 1 table)", f_old["staged_schedule_gemm_s"]),
+        ]
         if wname == "trace":
             rows += [(f"measured: {k} (engine_throughput.json)", v) for k, v in measured.items()]
         print(f"{'':52} {'wall s':>8} {'out tok/s':>10}")
         for name, wall in rows:
             print(f"{name:52} {wall:8.1f} {sum(outputs) / wall:10.1f}")
-        md = [f"**{wname}** ({len(work)} requests, {sum(prompts)} prompt + {sum(outputs)} output tokens)", "",
-              "| wall | s | output tokens/s |", "|---|---:|---:|"]
+        md = [
+            f"**{wname}** ({len(work)} requests, {sum(prompts)} prompt + {sum(outputs)} output tokens)",
+            "",
+            "| wall | s | output tokens/s |",
+            "|---|---:|---:|",
+        ]
         md += [f"| {name} | {wall:.1f} | {sum(outputs) / wall:.1f} |" for name, wall in rows]
         if a.engine_rounds > 0:
-            runs = ", ".join(f"{r['engine_wall_s']:.1f} s vs floor {r['staged_schedule_gemm_s']:.1f} s = "
-                             f"{r['engine_share_of_floor']:.0%}, own GEMMs {r['engine_gemm_share']:.0%} of the wall "
-                             f"(load {r['load_1min'][0]:.1f})" for r in per)
-            line = (f"pagedkv engine in the same process, per round: {runs}; median "
-                    f"{w['engine_share_of_floor']:.0%} of the staged GEMM floor (target >= 90%), its own GEMMs "
-                    f"a median {w['engine_gemm_share']:.0%} of its wall")
+            runs = ", ".join(
+                f"{r['engine_wall_s']:.1f} s vs floor {r['staged_schedule_gemm_s']:.1f} s = "
+                f"{r['engine_share_of_floor']:.0%}, own GEMMs {r['engine_gemm_share']:.0%} of the wall "
+                f"(load {r['load_1min'][0]:.1f})"
+                for r in per
+            )
+            line = (
+                f"pagedkv engine in the same process, per round: {runs}; median "
+                f"{w['engine_share_of_floor']:.0%} of the staged GEMM floor (target >= 90%), its own GEMMs "
+                f"a median {w['engine_gemm_share']:.0%} of its wall"
+            )
             print(line)
             md += ["", line]
         md_parts.append("\n".join(md))
         if wname == "trace":  # the trace figures stay at the top level, as before
-            out |= {"trace": {k: w[k] for k in ("requests", "prompt_tokens", "output_tokens")}, **f,
-                    "measured_walls_s": measured}
+            out |= {
+                "trace": {k: w[k] for k in ("requests", "prompt_tokens", "output_tokens")},
+                **f,
+                "measured_walls_s": measured,
+            }
             cb = measured.get("hf-cb")
             if cb:
                 for x in (1.5, 3.0):
@@ -358,7 +408,8 @@ def main(argv: list[str] | None = None) -> int:
         "after each: engine share of floor = staged-schedule GEMM time (tables around the round) / engine wall."
         "\n\n"
         + "\n\n".join(md_parts)
-        + "\n\n![GEMM cost per token](engine_roofline.png)\n\nReproduce: `python benchmarks/engine_roofline.py`")
+        + "\n\n![GEMM cost per token](engine_roofline.png)\n\nReproduce: `python benchmarks/engine_roofline.py`"
+    )
     a.output.parent.mkdir(parents=True, exist_ok=True)
     a.output.write_text(json.dumps(out, indent=2))
     _plot(best, f_linear_table, a.output.with_suffix(".png"), a.threads)
@@ -366,8 +417,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _plot(table: dict[int, tuple[float, float]], reference: dict[int, tuple[float, float]], path: Path,
-          threads: int) -> None:
+def _plot(
+    table: dict[int, tuple[float, float]], reference: dict[int, tuple[float, float]], path: Path, threads: int
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -378,8 +430,13 @@ def _plot(table: dict[int, tuple[float, float]], reference: dict[int, tuple[floa
     ax.plot(ms, [table[m][0] / m * 1e3 for m in ms], marker="o", label="all layer linears")
     ax.plot(ms, [table[m][1] / m * 1e3 for m in ms], marker="s", label="LM head")
     rs = sorted(reference)
-    ax.plot(rs, [reference[m][0] / m * 1e3 for m in rs], ls="--", color="gray",
-            label="all layer linears, F.linear [out, in] (reference)")
+    ax.plot(
+        rs,
+        [reference[m][0] / m * 1e3 for m in rs],
+        ls="--",
+        color="gray",
+        label="all layer linears, F.linear [out, in] (reference)",
+    )
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per forward pass (M)")

@@ -59,8 +59,9 @@ import platform
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -89,14 +90,21 @@ def equal_workload(n: int, prompt_len: int, out_len: int, vocab: int) -> Workloa
     return [(synthetic_prompt(prompt_len, vocab, 5000 + i), out_len) for i in range(n)]
 
 
-def run_pagedkv(hf: Any, tok: Any, work: Workload, args: argparse.Namespace,
-                on_start: Callable[[], None] | None = None) -> dict[str, Any]:
+def run_pagedkv(
+    hf: Any, tok: Any, work: Workload, args: argparse.Namespace, on_start: Callable[[], None] | None = None
+) -> dict[str, Any]:
     """The pagedkv engine on ``work``; ``on_start`` is called after the warm-up, right before
     the timed run."""
     from pagedkv.engine import LLMEngine, SamplingParams
 
-    engine = LLMEngine(hf, tokenizer=tok, num_kv_blocks=args.kv_blocks, block_size=args.block_size,
-                       max_tokens_per_step=args.max_tokens_per_step, device="cpu")
+    engine = LLMEngine(
+        hf,
+        tokenizer=tok,
+        num_kv_blocks=args.kv_blocks,
+        block_size=args.block_size,
+        max_tokens_per_step=args.max_tokens_per_step,
+        device="cpu",
+    )
     engine.generate([work[0][0][:8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     engine.reset_metrics()
     if on_start is not None:
@@ -108,10 +116,18 @@ def run_pagedkv(hf: Any, tok: Any, work: Workload, args: argparse.Namespace,
     got = sum(len(o.token_ids) for o in outs)
     assert got == sum(o for _, o in work), (got, sum(o for _, o in work))
     m = engine.metrics()
-    return {"wall_s": wall, "ttft_s": [o.first_token_time - t for o in outs],
-            "tpot_s": [o.tpot_s for o in outs],
-            "extra": {"steps": m.num_steps, "peak_blocks": m.peak_blocks_used, "preemptions": m.preemptions,
-                      "ttft_p50_s": m.ttft_p50_s, "tpot_p50_s": m.tpot_p50_s}}
+    return {
+        "wall_s": wall,
+        "ttft_s": [o.first_token_time - t for o in outs],
+        "tpot_s": [o.tpot_s for o in outs],
+        "extra": {
+            "steps": m.num_steps,
+            "peak_blocks": m.peak_blocks_used,
+            "preemptions": m.preemptions,
+            "ttft_p50_s": m.ttft_p50_s,
+            "tpot_p50_s": m.tpot_p50_s,
+        },
+    }
 
 
 class _StepClock(StoppingCriteria):
@@ -132,23 +148,34 @@ def run_hf_static(hf: Any, tok: Any, work: Workload, args: argparse.Namespace) -
     ids = torch.full((len(work), longest), pad, dtype=torch.int64)
     mask = torch.zeros_like(ids)
     for i, (p, _) in enumerate(work):  # left padding
-        ids[i, longest - len(p):] = torch.tensor(p)
-        mask[i, longest - len(p):] = 1
+        ids[i, longest - len(p) :] = torch.tensor(p)
+        mask[i, longest - len(p) :] = 1
     new = max(o for _, o in work)
     step_ends = _StepClock()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf.generate(ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=2, do_sample=False,
-                    pad_token_id=pad)  # warm-up
+        hf.generate(
+            ids[:1, -8:], attention_mask=mask[:1, -8:], max_new_tokens=2, do_sample=False, pad_token_id=pad
+        )  # warm-up
         t = time.perf_counter()
-        out = hf.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                          pad_token_id=pad, stopping_criteria=StoppingCriteriaList([step_ends]))
+        out = hf.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=pad,
+            stopping_criteria=StoppingCriteriaList([step_ends]),
+        )
         wall = time.perf_counter() - t
     assert out.shape[1] == longest + new and len(step_ends.times) == new, (out.shape, len(step_ends.times))
     ends = step_ends.times  # ends[k]: the batch's (k+1)-th token of every row exists
-    return {"wall_s": wall, "ttft_s": [ends[0] - t] * len(work),
-            "tpot_s": [time_per_output_token(ends[0], ends[o - 1], o) for _, o in work],
-            "extra": {"padded_prompt": longest, "steps": new}}
+    return {
+        "wall_s": wall,
+        "ttft_s": [ends[0] - t] * len(work),
+        "tpot_s": [time_per_output_token(ends[0], ends[o - 1], o) for _, o in work],
+        "extra": {"padded_prompt": longest, "steps": new},
+    }
 
 
 def run_hf_cb(hf: Any, tok: Any, work: Workload, args: argparse.Namespace) -> dict[str, Any]:
@@ -156,20 +183,38 @@ def run_hf_cb(hf: Any, tok: Any, work: Workload, args: argparse.Namespace) -> di
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     if not hasattr(hf, "continuous_batching_context_manager"):
-        return {"wall_s": None, "ttft_s": [], "tpot_s": [],
-                "extra": {"skipped": "transformers has no continuous batching"}}
-    gc = GenerationConfig(do_sample=False, max_new_tokens=max(o for _, o in work),
-                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    cbc = ContinuousBatchingConfig(num_blocks=args.kv_blocks, page_size=args.block_size,
-                                   max_batch_tokens=args.max_tokens_per_step)
+        return {
+            "wall_s": None,
+            "ttft_s": [],
+            "tpot_s": [],
+            "extra": {"skipped": "transformers has no continuous batching"},
+        }
+    gc = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max(o for _, o in work),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    cbc = ContinuousBatchingConfig(
+        num_blocks=args.kv_blocks, page_size=args.block_size, max_batch_tokens=args.max_tokens_per_step
+    )
 
     def serve(items: Workload) -> list[tuple[int, list[float]]]:
         """(generated tokens, per-token timestamps) of each request, in ``items`` order."""
         finished: dict[str, tuple[int, list[float]]] = {}
-        with hf.continuous_batching_context_manager(generation_config=gc, continuous_batching_config=cbc,
-                                                    block=True, timeout=5, warmup=False) as manager:
-            ids = [manager.add_request(p, request_id=f"r{i}", max_new_tokens=o, eos_token_id=-1,  # -1: no EOS
-                                       record_timestamps=True) for i, (p, o) in enumerate(items)]
+        with hf.continuous_batching_context_manager(
+            generation_config=gc, continuous_batching_config=cbc, block=True, timeout=5, warmup=False
+        ) as manager:
+            ids = [
+                manager.add_request(
+                    p,
+                    request_id=f"r{i}",
+                    max_new_tokens=o,
+                    eos_token_id=-1,  # -1: no EOS
+                    record_timestamps=True,
+                )
+                for i, (p, o) in enumerate(items)
+            ]
             while len(finished) < len(items):
                 r = manager.get_result(timeout=1)
                 if r is not None and r.is_finished():
@@ -185,9 +230,12 @@ def run_hf_cb(hf: Any, tok: Any, work: Workload, args: argparse.Namespace) -> di
         done = serve(work)
         wall = time.perf_counter() - t
     assert all(len(ts) == n >= 1 for n, ts in done), [(n, len(ts)) for n, ts in done]
-    return {"wall_s": wall, "ttft_s": [ts[0] - t for _, ts in done],
-            "tpot_s": [time_per_output_token(ts[0], ts[-1], n) for n, ts in done],
-            "extra": {"generated": sum(n for n, _ in done)}}
+    return {
+        "wall_s": wall,
+        "ttft_s": [ts[0] - t for _, ts in done],
+        "tpot_s": [time_per_output_token(ts[0], ts[-1], n) for n, ts in done],
+        "extra": {"generated": sum(n for n, _ in done)},
+    }
 
 
 SYSTEMS: dict[str, Callable[..., dict[str, Any]]] = {
@@ -199,10 +247,13 @@ SYSTEMS: dict[str, Callable[..., dict[str, Any]]] = {
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch CPU threads for every system (1 is fastest on a shared 2-core machine)")
-    ap.add_argument("--rounds", type=int, default=2, help="runs per system (best wall time counts; "
-                    "hf-cb runs once)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads for every system (1 is fastest on a shared 2-core machine)",
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="runs per system (best wall time counts; hf-cb runs once)")
     ap.add_argument("--trace-requests", type=int, default=16)
     ap.add_argument("--trace-scale", type=float, default=0.25)
     ap.add_argument("--max-prompt", type=int, default=256)
@@ -218,10 +269,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens-per-step", type=int, default=1024)
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
     ap.add_argument("--workloads", default="trace,trace-large,equal")
-    ap.add_argument("--slo-ttft", type=float, default=10.0,
-                    help="goodput's time-to-first-token target, seconds (from the run's start)")
-    ap.add_argument("--slo-tpot", type=float, default=0.5,
-                    help="goodput's time-per-output-token target, seconds")
+    ap.add_argument(
+        "--slo-ttft",
+        type=float,
+        default=10.0,
+        help="goodput's time-to-first-token target, seconds (from the run's start)",
+    )
+    ap.add_argument("--slo-tpot", type=float, default=0.5, help="goodput's time-per-output-token target, seconds")
     ap.add_argument("--output", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     try:
@@ -236,28 +290,43 @@ def main(argv: list[str] | None = None) -> int:
     vocab = hf.config.vocab_size
     workloads = {
         "trace": trace_workload(args.trace_requests, args.trace_scale, args.max_prompt, args.max_output, vocab),
-        "trace-large": trace_workload(args.large_trace_requests, args.trace_scale, args.max_prompt,
-                                      args.max_output, vocab),
+        "trace-large": trace_workload(
+            args.large_trace_requests, args.trace_scale, args.max_prompt, args.max_output, vocab
+        ),
         "equal": equal_workload(args.equal_requests, args.equal_prompt, args.equal_output, vocab),
     }
     rounds = {"trace": args.rounds, "trace-large": args.large_rounds, "equal": args.equal_rounds}
-    results: dict[str, Any] = {"machine": {"python": sys.version.split()[0], "torch": torch.__version__,
-                                           "platform": platform.platform(), "threads": args.threads},
-                               "config": vars(args) | {"output": str(args.output)},
-                               "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s}, "workloads": {}}
-    plan = {"trace": ["hf-static", "hf-cb", "pagedkv"], "trace-large": ["hf-static", "pagedkv"],
-            "equal": ["hf-static", "pagedkv"]}
+    results: dict[str, Any] = {
+        "machine": {
+            "python": sys.version.split()[0],
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "threads": args.threads,
+        },
+        "config": vars(args) | {"output": str(args.output)},
+        "slo": {"ttft_s": slo.ttft_s, "tpot_s": slo.tpot_s},
+        "workloads": {},
+    }
+    plan = {
+        "trace": ["hf-static", "hf-cb", "pagedkv"],
+        "trace-large": ["hf-static", "pagedkv"],
+        "equal": ["hf-static", "pagedkv"],
+    }
     wanted = args.systems.split(",")
     for wname in args.workloads.split(","):
         work = workloads[wname]
         useful = sum(o for _, o in work)
-        entry: dict[str, Any] = {"requests": len(work), "prompt_tokens": sum(len(p) for p, _ in work),
-                                 "output_tokens": useful, "systems": {}}
+        entry: dict[str, Any] = {
+            "requests": len(work),
+            "prompt_tokens": sum(len(p) for p, _ in work),
+            "output_tokens": useful,
+            "systems": {},
+        }
         names = [n for n in plan[wname] if n in wanted]
         best: dict[str, dict[str, Any]] = {}  # system -> its run with the best wall time
         for rnd in range(rounds[wname]):
             # alternate the order each round so slow drifts of a shared machine's load even out
-            for sname in (names if rnd % 2 == 0 else names[::-1]):
+            for sname in names if rnd % 2 == 0 else names[::-1]:
                 if rnd > 0 and sname == "hf-cb":
                     continue  # one round: it is the slowest and only the trace target needs it
                 print(f"[{wname}] round {rnd + 1}: {sname} ...", file=sys.stderr, flush=True)
@@ -282,8 +351,10 @@ def main(argv: list[str] | None = None) -> int:
                 pairs = list(zip(entry["systems"][other]["walls_s"], entry["systems"]["pagedkv"]["walls_s"]))
                 if len(pairs) > 1:
                     entry[f"speedup_vs_{other}_per_round"] = [ow / pw for ow, pw in pairs]
-                    print(f"[{wname}] pagedkv vs {other} per round: "
-                          + ", ".join(f"{ow / pw:.2f}x" for ow, pw in pairs), file=sys.stderr)
+                    print(
+                        f"[{wname}] pagedkv vs {other} per round: " + ", ".join(f"{ow / pw:.2f}x" for ow, pw in pairs),
+                        file=sys.stderr,
+                    )
         results["workloads"][wname] = entry
 
     _print_table(results)
@@ -297,11 +368,16 @@ def _latency_summary(run: dict[str, Any], slo: ServiceLevelObjective) -> dict[st
     """TTFT / TPOT medians and goodput of one run (per-request ``ttft_s`` / ``tpot_s`` lists)."""
     g = goodput(run["ttft_s"], run["tpot_s"], slo, run["wall_s"])
     tpot = [x for x in run["tpot_s"] if x is not None]
-    return {"ttft_p50_s": float(np.median(run["ttft_s"])), "tpot_p50_s": float(np.median(tpot)) if tpot else None,
-            "good_requests": g.good_requests, "goodput_share": g.share, "goodput_requests_per_s": g.requests_per_s,
-            # per request, in workload order (None: a one-token output), to judge other targets later
-            "requests_ttft_s": [round(x, 4) for x in run["ttft_s"]],
-            "requests_tpot_s": [None if x is None else round(x, 5) for x in run["tpot_s"]]}
+    return {
+        "ttft_p50_s": float(np.median(run["ttft_s"])),
+        "tpot_p50_s": float(np.median(tpot)) if tpot else None,
+        "good_requests": g.good_requests,
+        "goodput_share": g.share,
+        "goodput_requests_per_s": g.requests_per_s,
+        # per request, in workload order (None: a one-token output), to judge other targets later
+        "requests_ttft_s": [round(x, 4) for x in run["ttft_s"]],
+        "requests_tpot_s": [None if x is None else round(x, 5) for x in run["tpot_s"]],
+    }
 
 
 # How each system's per-request token times are obtained (printed under the table).
@@ -320,11 +396,26 @@ def _print_table(results: dict[str, Any]) -> None:
 
     slo = results["slo"]
     t = Table(title="engine throughput and goodput, SmolLM2-135M fp32 on CPU")
-    for col in ("workload", "requests", "system", "wall s", "out tok/s", "pagedkv speedup", "target",
-                "TTFT p50 s", "TPOT p50 s", "goodput", "good req/s"):
+    for col in (
+        "workload",
+        "requests",
+        "system",
+        "wall s",
+        "out tok/s",
+        "pagedkv speedup",
+        "target",
+        "TTFT p50 s",
+        "TPOT p50 s",
+        "goodput",
+        "good req/s",
+    ):
         t.add_column(col, justify="right" if col not in ("workload", "system") else "left")
-    targets = {("trace", "hf-static"): 1.5, ("trace", "hf-cb"): 3.0, ("trace-large", "hf-static"): 1.5,
-               ("equal", "hf-static"): 1.0}
+    targets = {
+        ("trace", "hf-static"): 1.5,
+        ("trace", "hf-cb"): 3.0,
+        ("trace-large", "hf-static"): 1.5,
+        ("equal", "hf-static"): 1.0,
+    }
     for wname, w in results["workloads"].items():
         for sname, r in w["systems"].items():
             sp = w.get(f"speedup_vs_{sname}")
@@ -336,19 +427,28 @@ def _print_table(results: dict[str, Any]) -> None:
                 if per:
                     verdict += f" (per round: {', '.join(f'{x:.2f}x' for x in per)})"
             has = "goodput_share" in r
-            t.add_row(wname, str(w["requests"]), sname, f"{r['wall_s']:.1f}" if r["wall_s"] else "-",
-                      f"{r['output_tokens_per_s']:.1f}" if r["output_tokens_per_s"] else "-",
-                      f"{sp:.2f}x" if sp else "", verdict,
-                      f"{r['ttft_p50_s']:.2f}" if has else "-",
-                      f"{r['tpot_p50_s']:.3f}" if has and r["tpot_p50_s"] is not None else "-",
-                      f"{r['goodput_share']:.0%} ({r['good_requests']}/{w['requests']})" if has else "-",
-                      f"{r['goodput_requests_per_s']:.2f}" if has else "-")
+            t.add_row(
+                wname,
+                str(w["requests"]),
+                sname,
+                f"{r['wall_s']:.1f}" if r["wall_s"] else "-",
+                f"{r['output_tokens_per_s']:.1f}" if r["output_tokens_per_s"] else "-",
+                f"{sp:.2f}x" if sp else "",
+                verdict,
+                f"{r['ttft_p50_s']:.2f}" if has else "-",
+                f"{r['tpot_p50_s']:.3f}" if has and r["tpot_p50_s"] is not None else "-",
+                f"{r['goodput_share']:.0%} ({r['good_requests']}/{w['requests']})" if has else "-",
+                f"{r['goodput_requests_per_s']:.2f}" if has else "-",
+            )
     console = Console(width=max(Console().width, 150))  # the table's 11 columns, also when piped
     console.print(t)
-    console.print(f"goodput: requests with TTFT <= {slo['ttft_s']:g} s and TPOT <= {slo['tpot_s']:g} s "
-                  "(--slo-ttft / --slo-tpot); good req/s over the run's wall time. Every request is "
-                  "submitted at the run's start; TTFT counts from there, TPOT = (last - first token time) / "
-                  "(tokens - 1), a one-token request judged on TTFT alone. Token times:", highlight=False)
+    console.print(
+        f"goodput: requests with TTFT <= {slo['ttft_s']:g} s and TPOT <= {slo['tpot_s']:g} s "
+        "(--slo-ttft / --slo-tpot); good req/s over the run's wall time. Every request is "
+        "submitted at the run's start; TTFT counts from there, TPOT = (last - first token time) / "
+        "(tokens - 1), a one-token request judged on TTFT alone. Token times:",
+        highlight=False,
+    )
     for sname in sorted({s for w in results["workloads"].values() for s in w["systems"]}):
         console.print(f"  {sname}: {TOKEN_TIMES[sname]}", highlight=False)
 

@@ -94,6 +94,7 @@ def sdpa_fn(q, k, v, is_causal):
 
 # ----------------------------------------------------------------------------- correctness
 
+
 def check_correctness(kernels, reference, rows):
     """Triton vs reference on the GPU; returns True when all pass."""
     from kernels import attention
@@ -104,8 +105,11 @@ def check_correctness(kernels, reference, rows):
         name = str(dtype).replace("torch.", "")
         # paged attention: mixed batch of prefill-with-context, chunk and decodes.
         for d, hq, hkv, bs, window, splits in (
-            (128, 32, 8, 16, None, None), (80, 12, 4, 32, None, 3), (256, 8, 1, 8, 100, None),
-            (128, 24, 8, 128, 64, 4), (64, 8, 8, 64, None, None),
+            (128, 32, 8, 16, None, None),
+            (80, 12, 4, 32, None, 3),
+            (256, 8, 1, 8, 100, None),
+            (128, 24, 8, 128, 64, 4),
+            (64, 8, 8, 64, None, None),
         ):
             lens = [(0, 300), (700, 1), (1500, 1), (200, 77), (33, 1), (4000, 1)]
             nblk = [-(-(c + q) // bs) for c, q in lens]
@@ -116,21 +120,34 @@ def check_correctness(kernels, reference, rows):
             bt = torch.zeros(len(lens), max(nblk), dtype=torch.int32, device="cuda")
             used = 0
             for i, n in enumerate(nblk):
-                bt[i, :n] = ids[used:used + n]
+                bt[i, :n] = ids[used : used + n]
                 used += n
             sl = torch.tensor([c + q for c, q in lens], dtype=torch.int32, device="cuda")
-            qsl = torch.tensor([0] + list(torch.cumsum(torch.tensor([q for _, q in lens]), 0)),
-                               dtype=torch.int32, device="cuda")
+            qsl = torch.tensor(
+                [0] + list(torch.cumsum(torch.tensor([q for _, q in lens]), 0)), dtype=torch.int32, device="cuda"
+            )
             q = torch.randn(int(qsl[-1]), hq, d, dtype=dtype, device="cuda")
-            scale = d ** -0.5
+            scale = d**-0.5
             ref = reference.paged_attention(q, kc, vc, bt, sl, qsl, softmax_scale=scale, sliding_window=window)
-            out = attention.paged_attention(q, kc, vc, bt, sl, qsl, softmax_scale=scale,
-                                            sliding_window=window, num_kv_splits=splits)
+            out = attention.paged_attention(
+                q, kc, vc, bt, sl, qsl, softmax_scale=scale, sliding_window=window, num_kv_splits=splits
+            )
             err = (out.float() - ref.float()).abs().max().item()
             ok = err <= tol[dtype] * max(1.0, ref.float().abs().max().item())
             ok_all &= ok
-            rows.append(dict(op="paged_attention", dtype=name, head_size=d, heads=f"{hq}/{hkv}",
-                             block_size=bs, window=window, splits=splits, max_abs_err=err, ok=ok))
+            rows.append(
+                dict(
+                    op="paged_attention",
+                    dtype=name,
+                    head_size=d,
+                    heads=f"{hq}/{hkv}",
+                    block_size=bs,
+                    window=window,
+                    splits=splits,
+                    max_abs_err=err,
+                    ok=ok,
+                )
+            )
         # reshape_and_cache
         kc = torch.randn(64, 16, 8, 128, dtype=dtype, device="cuda")
         vc = torch.randn_like(kc)
@@ -174,6 +191,7 @@ def check_correctness(kernels, reference, rows):
 
 # ----------------------------------------------------------------------------- measurements
 
+
 def bench_d2d(rows):
     n = 1 << 30  # 1 GiB each way
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -195,11 +213,12 @@ def bench_decode(kernels, rows, batches, contexts, d2d):
                 continue
             q, kc, vc, bt, sl, qsl = make_paged(batch, ctx - 1, 1, hq, hkv, d, bs, dtype)
             out = torch.empty_like(q)
-            scale = d ** -0.5
+            scale = d**-0.5
 
             def paged():
-                kernels.paged_attention(q, kc, vc, bt, sl, qsl, softmax_scale=scale, max_query_len=1,
-                                        max_seq_len=ctx, out=out)
+                kernels.paged_attention(
+                    q, kc, vc, bt, sl, qsl, softmax_scale=scale, max_query_len=1, max_seq_len=ctx, out=out
+                )
 
             ms = bench_ms(paged)
             kk = contiguous_kv(kc, bt, ctx)
@@ -211,8 +230,18 @@ def bench_decode(kernels, rows, batches, contexts, d2d):
                 sdpa_ms = float("nan")
                 print(f"  sdpa unavailable for batch {batch} ctx {ctx}: {e}", file=sys.stderr)
             gbps = kv_bytes / ms / 1e6
-            rows.append(dict(op="decode", batch=batch, context=ctx, ms=ms, gb_s=gbps,
-                             pct_of_d2d=100 * gbps / d2d, sdpa_ms=sdpa_ms, ratio_to_sdpa=ms / sdpa_ms))
+            rows.append(
+                dict(
+                    op="decode",
+                    batch=batch,
+                    context=ctx,
+                    ms=ms,
+                    gb_s=gbps,
+                    pct_of_d2d=100 * gbps / d2d,
+                    sdpa_ms=sdpa_ms,
+                    ratio_to_sdpa=ms / sdpa_ms,
+                )
+            )
             del q, kc, vc, bt, kk, vv, out
             torch.cuda.empty_cache()
 
@@ -227,11 +256,32 @@ def bench_decode_sweep(kernels, rows, batch=64, ctx=8192):
         for splits in (None, 1, 2, 4):
             if _left() < 10:
                 return
-            ms = bench_ms(lambda: attention.paged_attention(
-                q, kc, vc, bt, sl, qsl, softmax_scale=0.088, max_query_len=1, max_seq_len=ctx,
-                block_n=bn, num_kv_splits=splits))
-            rows.append(dict(op="decode_sweep", batch=batch, context=ctx, block_n=bn, splits=splits,
-                             ms=ms, gb_s=kv_bytes / ms / 1e6))
+            ms = bench_ms(
+                lambda: attention.paged_attention(
+                    q,
+                    kc,
+                    vc,
+                    bt,
+                    sl,
+                    qsl,
+                    softmax_scale=0.088,
+                    max_query_len=1,
+                    max_seq_len=ctx,
+                    block_n=bn,
+                    num_kv_splits=splits,
+                )
+            )
+            rows.append(
+                dict(
+                    op="decode_sweep",
+                    batch=batch,
+                    context=ctx,
+                    block_n=bn,
+                    splits=splits,
+                    ms=ms,
+                    gb_s=kv_bytes / ms / 1e6,
+                )
+            )
 
 
 def bench_prefill(kernels, rows):
@@ -241,9 +291,12 @@ def bench_prefill(kernels, rows):
             rows.append(dict(op="prefill", batch=batch, context=ctx, query=q_len, skipped="time"))
             continue
         q, kc, vc, bt, sl, qsl = make_paged(batch, ctx, q_len, hq, hkv, d, bs, dtype)
-        scale = d ** -0.5
-        ms = bench_ms(lambda: kernels.paged_attention(q, kc, vc, bt, sl, qsl, softmax_scale=scale,
-                                                      max_query_len=q_len, max_seq_len=ctx + q_len))
+        scale = d**-0.5
+        ms = bench_ms(
+            lambda: kernels.paged_attention(
+                q, kc, vc, bt, sl, qsl, softmax_scale=scale, max_query_len=q_len, max_seq_len=ctx + q_len
+            )
+        )
         # Visible (query, key) pairs: each query i sees ctx + i + 1 keys.
         pairs = batch * (q_len * ctx + q_len * (q_len + 1) / 2)
         tflops = 4 * pairs * d * hq / ms / 1e9
@@ -269,7 +322,7 @@ def bench_copy_swap(kernels, rows):
     block_bytes = bs * hkv * d * kv.element_size()
     perm = torch.randperm(nb - 1) + 1
     for pairs in (64, 512):
-        mapping = torch.stack([perm[:pairs], perm[pairs:2 * pairs]], 1)
+        mapping = torch.stack([perm[:pairs], perm[pairs : 2 * pairs]], 1)
         gpu_map = mapping.cuda()
         ms = bench_ms(lambda: kernels.copy_blocks(kv, gpu_map))
         moved = 2 * pairs * layers * 2 * block_bytes  # read + write
@@ -298,8 +351,9 @@ def bench_copy_swap(kernels, rows):
                 swap()
             ms = (time.perf_counter() - t) * 1e3 / reps
             moved = n * layers * 2 * block_bytes
-            rows.append(dict(op="swap_blocks", direction=direction, mapping=kind, blocks=n,
-                             ms=ms, gb_s=moved / ms / 1e6))
+            rows.append(
+                dict(op="swap_blocks", direction=direction, mapping=kind, blocks=n, ms=ms, gb_s=moved / ms / 1e6)
+            )
     del kv, cpu
     torch.cuda.empty_cache()
 
@@ -333,8 +387,11 @@ def main():
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "kernels.json"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU; none is visible (torch.cuda.is_available() is "
-              "False). Nothing was measured.", file=sys.stderr)
+        print(
+            "benchmarks/kernels.py needs a CUDA GPU; none is visible (torch.cuda.is_available() is "
+            "False). Nothing was measured.",
+            file=sys.stderr,
+        )
         sys.exit(2)
     try:
         import triton  # noqa: F401
@@ -345,9 +402,13 @@ def main():
     from kernels import reference
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    result: dict = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=__import__("triton").__version__, python=platform.python_version(),
-                  started=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    result: dict = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        python=platform.python_version(),
+        started=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
     sections: dict = {}
     print(f"device: {result['device']}")
 
@@ -376,7 +437,8 @@ def main():
         rows=len(target),
         min_pct_of_d2d=min((r["pct_of_d2d"] for r in target), default=None),
         max_ratio_to_sdpa=max((r["ratio_to_sdpa"] for r in target), default=None),
-        target_pct_of_d2d=80.0, target_ratio_to_sdpa=1.15,
+        target_pct_of_d2d=80.0,
+        target_ratio_to_sdpa=1.15,
     )
     rows = []
     if not args.quick:
@@ -402,8 +464,10 @@ def main():
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(_clean(result), indent=1))
     t = result["decode_targets"]
-    print(f"decode targets (batch>=64, ctx>=8k): min {t['min_pct_of_d2d']} % of d2d (target >= 80), "
-          f"max {t['max_ratio_to_sdpa']} x SDPA (target <= 1.15)")
+    print(
+        f"decode targets (batch>=64, ctx>=8k): min {t['min_pct_of_d2d']} % of d2d (target >= 80), "
+        f"max {t['max_ratio_to_sdpa']} x SDPA (target <= 1.15)"
+    )
     print(f"correctness: {'PASS' if ok else 'FAIL'}; wrote {out} in {result['elapsed_s']:.0f} s")
     sys.exit(0 if ok else 1)
 

@@ -41,17 +41,27 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     report, md = aot.full_report(a.quick, a.arch, a.jobs)
     head = md.split("\n\nAttention kernels")[0]
-    tr = md[md.index("Decode attention memory traffic"):].split("\n")[0]
-    report["summary_markdown"] = (head + "\n\n" + tr + "\n\nFull tables: `benchmarks/results/kernels_aot.md`"
-                                  + (f"\n\n{len(report['problems'])} problems: " + "; ".join(report["problems"][:5])
-                                     if report["problems"] else "\n\nNo kernel spills or uses stack."))
+    tr = md[md.index("Decode attention memory traffic") :].split("\n")[0]
+    report["summary_markdown"] = (
+        head
+        + "\n\n"
+        + tr
+        + "\n\nFull tables: `benchmarks/results/kernels_aot.md`"
+        + (
+            f"\n\n{len(report['problems'])} problems: " + "; ".join(report["problems"][:5])
+            if report["problems"]
+            else "\n\nNo kernel spills or uses stack."
+        )
+    )
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     out.with_suffix(".md").write_text("# AOT compile report (`python benchmarks/kernels_aot.py`)\n\n" + md)
     print(md)
-    print(f"{report['distinct_kernels']} distinct kernels ({report['compiled_now']} compiled now) for "
-          f"{report['launches']} launches of {report['cases']} cases in {report['total_s']} s; wrote {out}")
+    print(
+        f"{report['distinct_kernels']} distinct kernels ({report['compiled_now']} compiled now) for "
+        f"{report['launches']} launches of {report['cases']} cases in {report['total_s']} s; wrote {out}"
+    )
     for p in report["problems"]:
         print("PROBLEM:", p)
     return 1 if report["problems"] else 0

@@ -12,8 +12,8 @@ Systems:
 - ``pagedkv bs=N``: the real pagedkv Python API (``KVCacheManager.add_sequence`` / ``step`` /
   ``preempt`` / ``free``, prefix caching off so no block is shared) at block size N; admission
   keeps ``--watermark`` of the blocks free (default 0, vLLM V1's default; V0 kept 1%); when a
-  decode step lacks blocks the newest request is preempted by recompute (vLLM's policy). Each step the blocks in use reported by the
-  pool are checked against ``sum(ceil(kv_tokens / N))`` over running requests.
+  decode step lacks blocks the newest request is preempted by recompute (vLLM's policy). Each
+  step the blocks in use reported by the pool are checked against ``sum(ceil(kv_tokens / N))`` over running requests.
 - ``contiguous <policy>``: one contiguous range per request, reserved at admission for the
   request's lifetime (``max`` / ``pow2`` / ``oracle``, see ``contiguous.py``), placed first-fit in
   a linear address space so external fragmentation shows.
@@ -35,8 +35,6 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -157,8 +155,9 @@ def simulate_contiguous(w: common.Workload, policy: str, budget: int, max_len: i
     return acc.result(steps, 0)
 
 
-def simulate_paged(w: common.Workload, block_size: int, budget: int, watermark: float = 0.0,
-                   check: bool = True) -> Breakdown:
+def simulate_paged(
+    w: common.Workload, block_size: int, budget: int, watermark: float = 0.0, check: bool = True
+) -> Breakdown:
     """Replay ``w`` through pagedkv's Python API with ``budget // block_size`` usable blocks.
 
     Prefix caching is off (each request's prompt tokens are unique anyway), so blocks in use
@@ -169,9 +168,7 @@ def simulate_paged(w: common.Workload, block_size: int, budget: int, watermark: 
 
     bs = block_size
     usable = budget // bs
-    mgr = pagedkv.KVCacheManager(
-        pagedkv.CacheConfig(num_blocks=usable + 1, block_size=bs, enable_prefix_caching=False)
-    )
+    mgr = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=usable + 1, block_size=bs, enable_prefix_caching=False))
     pool = mgr.pool
     wm = int(watermark * usable)
     p = w.prompt_lens.tolist()
@@ -252,8 +249,7 @@ def simulate_paged(w: common.Workload, block_size: int, budget: int, watermark: 
             sampled[r] = g + 1
         running.extend(admitted)
         if check and pool.num_used != blocks_sum:
-            raise AssertionError(
-                f"step {steps}: pool reports {pool.num_used} blocks in use, expected {blocks_sum}")
+            raise AssertionError(f"step {steps}: pool reports {pool.num_used} blocks in use, expected {blocks_sum}")
         if waiting:
             acc.add(written_sum, 0, blocks_sum * bs, len(running))
         done = [r for r in running if sampled[r] == o[r]]
@@ -279,7 +275,9 @@ def max_len_for(w: common.Workload) -> int:
     return max(2048, 1 << (longest - 1).bit_length())
 
 
-def load_workloads(names: list[str], traces_dir: str | None, n_synth: int, n_trace: int | None) -> list[common.Workload]:
+def load_workloads(
+    names: list[str], traces_dir: str | None, n_synth: int, n_trace: int | None
+) -> list[common.Workload]:
     """The workloads by name; synthetic ones get ``n_synth`` requests, traces their first ``n_trace``."""
     out = []
     for name in names:
@@ -295,12 +293,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--traces-dir", default=None, help="folder with the full traces (default: bundled excerpts)")
     ap.add_argument("--workloads", nargs="+", default=WORKLOADS, choices=WORKLOADS)
     ap.add_argument("--block-sizes", nargs="+", type=int, default=BLOCK_SIZES)
-    ap.add_argument("--budget-max-lens", type=int, default=16,
-                    help="KV budget in units of the workload's max context length (default 16)")
+    ap.add_argument(
+        "--budget-max-lens",
+        type=int,
+        default=16,
+        help="KV budget in units of the workload's max context length (default 16)",
+    )
     ap.add_argument("--requests", type=int, default=None, help="requests per trace (default: all in the file)")
     ap.add_argument("--synthetic-requests", type=int, default=4000)
-    ap.add_argument("--watermark", type=float, default=0.0,
-                    help="fraction of blocks kept free at admission (vLLM V1 default 0; V0 used 0.01)")
+    ap.add_argument(
+        "--watermark",
+        type=float,
+        default=0.0,
+        help="fraction of blocks kept free at admission (vLLM V1 default 0; V0 used 0.01)",
+    )
     ap.add_argument("--quick", action="store_true", help="fewer requests (for run_all)")
     ap.add_argument("--results-dir", default=str(common.RESULTS_DIR))
     a = ap.parse_args(argv)
@@ -335,31 +341,61 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         else:
             b = simulate_paged(w, param, budget, a.watermark)
             system = f"pagedkv bs={param}"
-        results.append({
-            "workload": w.name, "system": system, "kind": kind, "param": param,
-            "max_len": max_len, "budget_tokens": budget, "seconds": time.perf_counter() - t0,
-            **b.as_dict(),
-        })
+        results.append(
+            {
+                "workload": w.name,
+                "system": system,
+                "kind": kind,
+                "param": param,
+                "max_len": max_len,
+                "budget_tokens": budget,
+                "seconds": time.perf_counter() - t0,
+                **b.as_dict(),
+            }
+        )
         bar.update(1)
     bar.close()
     rows = []
     for r in results:
-        rows.append([r["workload"], r["system"], 100 * r["token_states"], 100 * r["reservation"],
-                     100 * r["internal_frag"], 100 * r["external_other"], r["concurrency"],
-                     r["preemptions"], r["budget_tokens"]])
+        rows.append(
+            [
+                r["workload"],
+                r["system"],
+                100 * r["token_states"],
+                100 * r["reservation"],
+                100 * r["internal_frag"],
+                100 * r["external_other"],
+                r["concurrency"],
+                r["preemptions"],
+                r["budget_tokens"],
+            ]
+        )
     common.print_table(
         "KV memory efficiency under a fixed budget (% of the KV budget, averaged over saturated steps)",
-        ["workload", "system", "token states %", "reservation %", "internal frag %",
-         "external frag & other %", "concurrent reqs", "preemptions", "budget (tokens)"],
+        [
+            "workload",
+            "system",
+            "token states %",
+            "reservation %",
+            "internal frag %",
+            "external frag & other %",
+            "concurrent reqs",
+            "preemptions",
+            "budget (tokens)",
+        ],
         rows,
         footnote="Paper Fig. 2 (OPT-13B, ShareGPT): token states 20.4% (Orca max), 26.8% (pow2), "
-                 "38.2% (oracle), 96.3% (vLLM).",
+        "38.2% (oracle), 96.3% (vLLM).",
     )
     payload = {
         "description": __doc__.split("\n\n")[0],
         "workloads": [w.describe() for w in workloads],
-        "settings": {"budget_max_lens": a.budget_max_lens, "watermark": a.watermark,
-                     "block_sizes": a.block_sizes, "pagedkv_version": common.pagedkv_version()},
+        "settings": {
+            "budget_max_lens": a.budget_max_lens,
+            "watermark": a.watermark,
+            "block_sizes": a.block_sizes,
+            "pagedkv_version": common.pagedkv_version(),
+        },
         "paper_fig2_token_states_pct": PAPER_FIG2,
         "results": results,
     }
@@ -376,8 +412,12 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
     workloads = list(dict.fromkeys(r["workload"] for r in results))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(15, 5.5), gridspec_kw={"width_ratios": [2.2, 1]})
     systems = ["contiguous max", "contiguous pow2", "contiguous oracle", "pagedkv bs=16"]
-    parts = [("token_states", "token states", "#2b8a3e"), ("reservation", "reservation", "#f59f00"),
-             ("internal_frag", "internal frag.", "#e03131"), ("external_other", "external frag. & other", "#868e96")]
+    parts = [
+        ("token_states", "token states", "#2b8a3e"),
+        ("reservation", "reservation", "#f59f00"),
+        ("internal_frag", "internal frag.", "#e03131"),
+        ("external_other", "external frag. & other", "#868e96"),
+    ]
     width = 0.8 / len(systems)
     for si, sysname in enumerate(systems):
         for wi, wl in enumerate(workloads):
@@ -388,11 +428,26 @@ def plot(results: list[dict[str, Any]], path: Path) -> Path:
             x = wi + (si - (len(systems) - 1) / 2) * width
             for key, label, color in parts:
                 v = 100 * row[key]
-                ax1.bar(x, v, width * 0.95, bottom=bottom, color=color,
-                        label=label if (si == 0 and wi == 0) else None, edgecolor="white", linewidth=0.3)
+                ax1.bar(
+                    x,
+                    v,
+                    width * 0.95,
+                    bottom=bottom,
+                    color=color,
+                    label=label if (si == 0 and wi == 0) else None,
+                    edgecolor="white",
+                    linewidth=0.3,
+                )
                 bottom += v
-            ax1.text(x, 101, sysname.replace("contiguous ", "").replace("pagedkv bs=16", "paged"),
-                     rotation=90, ha="center", va="bottom", fontsize=7)
+            ax1.text(
+                x,
+                101,
+                sysname.replace("contiguous ", "").replace("pagedkv bs=16", "paged"),
+                rotation=90,
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
     ax1.set_xticks(range(len(workloads)))
     ax1.set_xticklabels(workloads)
     ax1.set_ylim(0, 125)

@@ -92,7 +92,7 @@ class OpTrace:
                 f.write(self.output_tokens(r).astype("<u4").tobytes())
 
     @classmethod
-    def load(cls, path: str | Path) -> "OpTrace":
+    def load(cls, path: str | Path) -> OpTrace:
         """Read a trace written by :meth:`save`."""
         return cls(**json.loads(Path(path).read_text()))
 
@@ -105,8 +105,16 @@ def count_block_ops(prompt_len: int, output_len: int, block_size: int) -> int:
     return 2 * (-(-kv_tokens // block_size))
 
 
-def build(workload: common.Workload, *, num_steps: int, block_size: int = 16, max_running: int = 256,
-          load: float = 1.05, seed: int = 0, headroom: float = 1.25) -> OpTrace:
+def build(
+    workload: common.Workload,
+    *,
+    num_steps: int,
+    block_size: int = 16,
+    max_running: int = 256,
+    load: float = 1.05,
+    seed: int = 0,
+    headroom: float = 1.25,
+) -> OpTrace:
     """Build an operation trace of ``num_steps`` steps from a workload's lengths.
 
     Args:
@@ -204,8 +212,10 @@ def main() -> None:  # pragma: no cover - debugging aid
     a = ap.parse_args()
     tr = build(common.load_workload(a.trace, a.traces_dir), num_steps=a.steps, block_size=a.block_size)
     tr.save(a.out)
-    print(f"{tr.num_steps} steps, {len(tr.prompt_lens)} requests, {tr.block_ops} block ops, "
-          f"mean running {tr.mean_running:.1f}, pool {tr.num_blocks} blocks")
+    print(
+        f"{tr.num_steps} steps, {len(tr.prompt_lens)} requests, {tr.block_ops} block ops, "
+        f"mean running {tr.mean_running:.1f}, pool {tr.num_blocks} blocks"
+    )
 
 
 if __name__ == "__main__":  # pragma: no cover

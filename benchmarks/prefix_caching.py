@@ -60,15 +60,17 @@ def ideal_hits(w: common.Workload, block_size: int) -> tuple[int, int]:
     return total, cached
 
 
-def replay(w: common.Workload, *, block_size: int, budget_tokens: int, caching: bool,
-           max_running: int, hash_algo: str) -> dict[str, Any]:
+def replay(
+    w: common.Workload, *, block_size: int, budget_tokens: int, caching: bool, max_running: int, hash_algo: str
+) -> dict[str, Any]:
     """Replay the workload through pagedkv; returns counters (see module docstring)."""
     import pagedkv  # noqa: PLC0415
 
     bs = block_size
     usable = budget_tokens // bs
-    mgr = pagedkv.KVCacheManager(pagedkv.CacheConfig(
-        num_blocks=usable + 1, block_size=bs, enable_prefix_caching=caching, hash_algo=hash_algo))
+    mgr = pagedkv.KVCacheManager(
+        pagedkv.CacheConfig(num_blocks=usable + 1, block_size=bs, enable_prefix_caching=caching, hash_algo=hash_algo)
+    )
     pool = mgr.pool
     p = w.prompt_lens.tolist()
     o = w.output_lens.tolist()
@@ -132,7 +134,7 @@ def replay(w: common.Workload, *, block_size: int, budget_tokens: int, caching: 
             raise RuntimeError(f"pagedkv step {steps} failed: {out.error!r}")
         nrun = len(running)
         q = out.query_start_loc
-        for i, r in enumerate(running):
+        for r in running:
             written[r] += 1
             sampled[r] += 1
         for j, r in enumerate(admitted):
@@ -193,30 +195,75 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bar = common.progress(total=len(runs), desc="prefix caching")
     for budget, caching in runs:
         bar.set_postfix_str(f"budget {budget} caching {'on' if caching else 'off'}")
-        results.append(replay(w, block_size=a.block_size, budget_tokens=budget, caching=caching,
-                              max_running=a.max_running, hash_algo=a.hash_algo))
+        results.append(
+            replay(
+                w,
+                block_size=a.block_size,
+                budget_tokens=budget,
+                caching=caching,
+                max_running=a.max_running,
+                hash_algo=a.hash_algo,
+            )
+        )
         bar.update(1)
     bar.close()
-    rows = [["unbounded cache (bound)", "on", None, total, total - ideal, ideal, 100 * ideal / total, 100 * ideal / total, None, None]]
+    rows = [
+        [
+            "unbounded cache (bound)",
+            "on",
+            None,
+            total,
+            total - ideal,
+            ideal,
+            100 * ideal / total,
+            100 * ideal / total,
+            None,
+            None,
+        ]
+    ]
     for r in results:
-        rows.append([f"pagedkv bs={r['block_size']}", "on" if r["caching"] else "off", r["budget_tokens"],
-                     r["prompt_tokens"], r["prefill_tokens_computed"], r["cached_tokens"],
-                     100 * r["first_admission_hit_rate"], 100 * r["prefill_saved_frac"],
-                     r["evictions"], r["preemptions"]])
+        rows.append(
+            [
+                f"pagedkv bs={r['block_size']}",
+                "on" if r["caching"] else "off",
+                r["budget_tokens"],
+                r["prompt_tokens"],
+                r["prefill_tokens_computed"],
+                r["cached_tokens"],
+                100 * r["first_admission_hit_rate"],
+                100 * r["prefill_saved_frac"],
+                r["evictions"],
+                r["preemptions"],
+            ]
+        )
     common.print_table(
         f"Prefix caching on the Mooncake conversation trace ({len(w)} requests, "
         f"{w.prompt_lens.mean():.0f} prompt tokens on average)",
-        ["system", "caching", "KV budget (tokens)", "prompt tokens", "prefill tokens computed",
-         "cached tokens", "hit rate %", "prefill saved %", "evictions", "preemptions"],
+        [
+            "system",
+            "caching",
+            "KV budget (tokens)",
+            "prompt tokens",
+            "prefill tokens computed",
+            "cached tokens",
+            "hit rate %",
+            "prefill saved %",
+            "evictions",
+            "preemptions",
+        ],
         rows,
         footnote="hit rate: cached tokens at each request's first admission / prompt tokens. prefill saved: "
-                 "1 - computed prefill tokens (re-prefills after preemption included) / prompt tokens.",
+        "1 - computed prefill tokens (re-prefills after preemption included) / prompt tokens.",
     )
     payload = {
         "description": __doc__.split("\n\n")[0],
         "workload": w.describe(),
-        "settings": {"block_size": a.block_size, "max_running": a.max_running, "hash_algo": a.hash_algo,
-                     "pagedkv_version": common.pagedkv_version()},
+        "settings": {
+            "block_size": a.block_size,
+            "max_running": a.max_running,
+            "hash_algo": a.hash_algo,
+            "pagedkv_version": common.pagedkv_version(),
+        },
         "ideal": {"prompt_tokens": total, "cached_tokens": ideal, "hit_rate": ideal / total},
         "results": results,
     }

@@ -22,7 +22,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import numpy as np  # noqa: E402
-
 from op_trace import OpTrace  # noqa: E402
 
 
@@ -89,19 +88,21 @@ def run(replayer: Replayer, trace: OpTrace, repeats: int, token_format: str) -> 
         finally:
             gc.enable()
         counters = replayer.counters()
-        runs.append({
-            # CPU time of the replaying thread: robust against other processes on a shared
-            # machine (the systems under test are single-threaded; pagedkv works in the caller's
-            # thread with the GIL released).
-            "cpu_total_ns": int(cpu_ns.sum()),
-            "us_per_step_mean": cpu_ns.sum() / trace.num_steps / 1e3,
-            "us_per_step_p50": float(np.percentile(cpu_ns, 50)) / 1e3,
-            "us_per_step_p99": float(np.percentile(cpu_ns, 99)) / 1e3,
-            "ns_per_block_op": cpu_ns.sum() / trace.block_ops,
-            "wall_total_ns": int(wall_ns.sum()),
-            "wall_us_per_step_mean": wall_ns.sum() / trace.num_steps / 1e3,
-            "wall_ns_per_block_op": wall_ns.sum() / trace.block_ops,
-        })
+        runs.append(
+            {
+                # CPU time of the replaying thread: robust against other processes on a shared
+                # machine (the systems under test are single-threaded; pagedkv works in the caller's
+                # thread with the GIL released).
+                "cpu_total_ns": int(cpu_ns.sum()),
+                "us_per_step_mean": cpu_ns.sum() / trace.num_steps / 1e3,
+                "us_per_step_p50": float(np.percentile(cpu_ns, 50)) / 1e3,
+                "us_per_step_p99": float(np.percentile(cpu_ns, 99)) / 1e3,
+                "ns_per_block_op": cpu_ns.sum() / trace.block_ops,
+                "wall_total_ns": int(wall_ns.sum()),
+                "wall_us_per_step_mean": wall_ns.sum() / trace.num_steps / 1e3,
+                "wall_ns_per_block_op": wall_ns.sum() / trace.block_ops,
+            }
+        )
     best = min(runs, key=lambda r: r["cpu_total_ns"])
     return {
         "system": replayer.name,
@@ -183,16 +184,18 @@ def run_pool(make_pool, trace: OpTrace, repeats: int) -> dict[str, Any]:
             gc.enable()
         if held:
             raise AssertionError(f"{len(held)} requests still hold blocks after the pool replay")
-        runs.append({
-            "cpu_total_ns": int(cpu_ns.sum()),
-            "us_per_step_mean": cpu_ns.sum() / trace.num_steps / 1e3,
-            "us_per_step_p50": float(np.percentile(cpu_ns, 50)) / 1e3,
-            "us_per_step_p99": float(np.percentile(cpu_ns, 99)) / 1e3,
-            "ns_per_block_op": cpu_ns.sum() / trace.block_ops,
-            "wall_total_ns": int(wall_ns.sum()),
-            "wall_us_per_step_mean": wall_ns.sum() / trace.num_steps / 1e3,
-            "wall_ns_per_block_op": wall_ns.sum() / trace.block_ops,
-        })
+        runs.append(
+            {
+                "cpu_total_ns": int(cpu_ns.sum()),
+                "us_per_step_mean": cpu_ns.sum() / trace.num_steps / 1e3,
+                "us_per_step_p50": float(np.percentile(cpu_ns, 50)) / 1e3,
+                "us_per_step_p99": float(np.percentile(cpu_ns, 99)) / 1e3,
+                "ns_per_block_op": cpu_ns.sum() / trace.block_ops,
+                "wall_total_ns": int(wall_ns.sum()),
+                "wall_us_per_step_mean": wall_ns.sum() / trace.num_steps / 1e3,
+                "wall_ns_per_block_op": wall_ns.sum() / trace.block_ops,
+            }
+        )
     return {"best": min(runs, key=lambda r: r["cpu_total_ns"]), "runs": runs, "repeats": repeats}
 
 
@@ -214,14 +217,22 @@ def main(replayer_factory) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--lib-path", default=None, help="checkout of the system under test, if any")
     ap.add_argument("--hash-algo", default=None, help="prefix hash of the system, where it has a choice")
-    ap.add_argument("--mode", choices=["manager", "pool"], default="manager",
-                    help="manager: the whole KV cache manager; pool: the bare block pool only")
+    ap.add_argument(
+        "--mode",
+        choices=["manager", "pool"],
+        default="manager",
+        help="manager: the whole KV cache manager; pool: the bare block pool only",
+    )
     a = ap.parse_args()
     trace = OpTrace.load(a.trace_file)
     replayer, token_format = replayer_factory(a)
     if a.mode == "pool":
-        res = {"system": replayer.name, "version": {**replayer.version(), "hash": "none (bare pool)"}, "counters": {},
-               **run_pool(replayer.pool_adapter, trace, a.repeats)}
+        res = {
+            "system": replayer.name,
+            "version": {**replayer.version(), "hash": "none (bare pool)"},
+            "counters": {},
+            **run_pool(replayer.pool_adapter, trace, a.repeats),
+        }
     else:
         res = run(replayer, trace, a.repeats, token_format)
     Path(a.out).write_text(json.dumps(res, indent=2))

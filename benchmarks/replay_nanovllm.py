@@ -47,8 +47,12 @@ class NanoVllmReplayer(Replayer):
             commit = r.stdout.strip() or None
         import xxhash  # noqa: PLC0415
 
-        return {"path": str(self.root), "commit": commit, "hash": f"xxh64 (xxhash {xxhash.VERSION})",
-                "python": sys.version.split()[0]}
+        return {
+            "path": str(self.root),
+            "commit": commit,
+            "hash": f"xxh64 (xxhash {xxhash.VERSION})",
+            "python": sys.version.split()[0],
+        }
 
     def prepare(self, trace: OpTrace, prompts: list[Any], outputs: list[Any]) -> None:
         self.Sequence.block_size = trace.block_size  # a class attribute in nano-vllm

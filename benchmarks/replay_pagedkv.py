@@ -9,8 +9,9 @@ for the finished ones. The per-step input arrays (the batch's sequence ids and s
 the admitted prompts' lengths) are built before the clock starts, as the token lists are for
 every system: an engine holds them as arrays from its scheduler and sampler, so building them
 from Python ints inside the clock would time the replay's bookkeeping, not pagedkv. The Rust
-replay (``rust/core/examples/replay.rs``) builds the same inputs before its clock. So two crossings into Rust per step, plus one per new / finished request. ``step`` also builds the slot mapping, token
-ids and block-table changes of the batch (what the model runner needs to keep its block tables,
+replay (``rust/core/examples/replay.rs``) builds the same inputs before its clock. So two
+crossings into Rust per step, plus one per new / finished request. ``step`` also builds the
+slot mapping, token ids and block-table changes of the batch (what the model runner needs to keep its block tables,
 ``pagedkv.tensors.BlockTable``), which the other systems' managers leave to their model runners.
 The bare pool replay frees a finished request's blocks tail first in two calls (its decode ids
 reversed, then its prompt's array with ``free_table``, which releases it from its end) rather
@@ -23,7 +24,6 @@ import sys
 from typing import Any
 
 import numpy as np
-
 from replay_common import OpTrace, Replayer, main
 
 
@@ -44,12 +44,17 @@ class PagedKVReplayer(Replayer):
 
         root = Path(__file__).resolve().parent.parent
         r = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
-        return {"version": getattr(self.pagedkv, "__version__", "unknown"), "commit": r.stdout.strip() or None,
-                "hash": self.hash_algo, "python": sys.version.split()[0]}
+        return {
+            "version": getattr(self.pagedkv, "__version__", "unknown"),
+            "commit": r.stdout.strip() or None,
+            "hash": self.hash_algo,
+            "python": sys.version.split()[0],
+        }
 
     def prepare(self, trace: OpTrace, prompts: list[Any], outputs: list[Any]) -> None:
-        cfg = self.pagedkv.CacheConfig(trace.num_blocks, trace.block_size, enable_prefix_caching=True,
-                                       hash_algo=self.hash_algo)
+        cfg = self.pagedkv.CacheConfig(
+            trace.num_blocks, trace.block_size, enable_prefix_caching=True, hash_algo=self.hash_algo
+        )
         self.mgr = self.pagedkv.KVCacheManager(cfg)
         self.prompts = prompts
         self.cached_tokens = 0

@@ -55,18 +55,24 @@ class VllmReplayer(Replayer):
         self.get_request_block_hasher = get_request_block_hasher
 
     def version(self) -> dict[str, Any]:
-        return {"version": f"vllm {self.vllm.__version__}", "hash": self.hash_algo,
-                "python": sys.version.split()[0], "torch": self.torch.__version__,
-                "modules": "vllm.v1.core.kv_cache_manager.KVCacheManager (+ block_pool.BlockPool)"}
+        return {
+            "version": f"vllm {self.vllm.__version__}",
+            "hash": self.hash_algo,
+            "python": sys.version.split()[0],
+            "torch": self.torch.__version__,
+            "modules": "vllm.v1.core.kv_cache_manager.KVCacheManager (+ block_pool.BlockPool)",
+        }
 
     def prepare(self, trace: OpTrace, prompts: list[Any], outputs: list[Any]) -> None:
         bs = trace.block_size
         spec = self.FullAttentionSpec(block_size=bs, num_kv_heads=1, head_size=1, dtype=self.torch.float32)
-        cfg = self.KVCacheConfig(num_blocks=trace.num_blocks, kv_cache_tensors=[],
-                                 kv_cache_groups=[self.KVCacheGroupSpec(["layer"], spec)])
+        cfg = self.KVCacheConfig(
+            num_blocks=trace.num_blocks, kv_cache_tensors=[], kv_cache_groups=[self.KVCacheGroupSpec(["layer"], spec)]
+        )
         max_len = max(p + o for p, o in zip(trace.prompt_lens, trace.output_lens))
-        self.kvm = self.KVCacheManager(cfg, max_model_len=max_len + bs, scheduler_block_size=bs,
-                                       hash_block_size=bs, enable_caching=True)
+        self.kvm = self.KVCacheManager(
+            cfg, max_model_len=max_len + bs, scheduler_block_size=bs, hash_block_size=bs, enable_caching=True
+        )
         self.hasher = self.get_request_block_hasher(bs, self.hash_fn)
         self.params = [self.SamplingParams(max_tokens=o) for o in trace.output_lens]
         self.prompts = prompts
@@ -86,11 +92,14 @@ class VllmReplayer(Replayer):
             if kvm.allocate_slots(req, 1) is None:
                 raise RuntimeError(f"vLLM: out of blocks for a decode of request {r} at step {t}")
         for r in admit:
-            req = self.Request(str(r), self.prompts[r], self.params[r], None, arrival_time=0.0,
-                               block_hasher=self.hasher)
+            req = self.Request(
+                str(r), self.prompts[r], self.params[r], None, arrival_time=0.0, block_hasher=self.hasher
+            )
             blocks, n, _ = kvm.get_computed_blocks(req)
-            if kvm.allocate_slots(req, req.num_tokens - n, num_new_computed_tokens=n,
-                                  new_computed_blocks=blocks) is None:
+            if (
+                kvm.allocate_slots(req, req.num_tokens - n, num_new_computed_tokens=n, new_computed_blocks=blocks)
+                is None
+            ):
                 raise RuntimeError(f"vLLM: out of blocks admitting request {r} at step {t}")
             req.status = self.RUNNING
             req.num_computed_tokens = n
@@ -131,8 +140,10 @@ class VllmReplayer(Replayer):
 
     def counters(self) -> dict[str, Any]:
         pool = self.kvm.block_pool
-        return {"cached_prompt_tokens": self.cached_tokens,
-                "blocks_in_use_at_end": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()}
+        return {
+            "cached_prompt_tokens": self.cached_tokens,
+            "blocks_in_use_at_end": pool.num_gpu_blocks - 1 - pool.get_num_free_blocks(),
+        }
 
 
 def _factory(args):

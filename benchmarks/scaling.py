@@ -22,9 +22,9 @@ and are touched cold. The prefix index is sized for the whole pool at constructi
 plus the 32-byte hash per block, pages touched then, never grown); a general hash map of
 ~56-byte entries pre-sized to the pool had made the 1M-block point 2.5x slower (every insert
 faulted a fresh page of a 120 MB table), and the same map grown by doubling made the 100k and
-1M points ~1.4x dearer than 10k. The 64-sequence point costs more per op through Python only (the Rust column is flat there): each step's fixed
-cost (two crossings, a dozen small numpy arrays, ~10 µs) is spread over a quarter of the block
-ops of the 256-sequence point.
+1M points ~1.4x dearer than 10k. The 64-sequence point costs more per op through Python only
+(the Rust column is flat there): each step's fixed cost (two crossings, a dozen small numpy
+arrays, ~10 µs) is spread over a quarter of the block ops of the 256-sequence point.
 
 Usage: ``python benchmarks/scaling.py [--quick] [--running 64 256 1024 4096]
 [--pools 10000 100000 1000000]``
@@ -52,8 +52,13 @@ def synthetic_workload(num_requests: int, prompt_mean: float, output_mean: float
     rng = np.random.default_rng(seed)
     prompts = common.lognormal_lengths(rng, num_requests, prompt_mean, 1.0, 8 * int(prompt_mean))
     outputs = common.lognormal_lengths(rng, num_requests, output_mean, 0.8, 8 * int(output_mean))
-    return common.Workload("synthetic", prompts, outputs, np.zeros(num_requests),
-                           source=f"log-normal, prompt mean {prompt_mean}, output mean {output_mean}")
+    return common.Workload(
+        "synthetic",
+        prompts,
+        outputs,
+        np.zeros(num_requests),
+        source=f"log-normal, prompt mean {prompt_mean}, output mean {output_mean}",
+    )
 
 
 def measure_point(a: argparse.Namespace, running: int, pool_blocks: int | None) -> dict[str, Any]:
@@ -71,26 +76,41 @@ def measure_point(a: argparse.Namespace, running: int, pool_blocks: int | None) 
     tr.save(trace_file)
     tr.save_tokens(tokens_file)
     try:
-        py = allocator_speed.run_replay("replay_pagedkv.py", sys.executable, trace_file, a.repeats,
-                                        ["--hash-algo", "sha256"], a.timeout)
-        rust = (allocator_speed.run_rust_replay(a.rust_replay, trace_file, tokens_file, a.repeats,
-                                                ["--hash-algo", "sha256"], a.timeout)
-                if a.rust_replay else {"skipped": "no Rust replay binary"})
+        py = allocator_speed.run_replay(
+            "replay_pagedkv.py", sys.executable, trace_file, a.repeats, ["--hash-algo", "sha256"], a.timeout
+        )
+        rust = (
+            allocator_speed.run_rust_replay(
+                a.rust_replay, trace_file, tokens_file, a.repeats, ["--hash-algo", "sha256"], a.timeout
+            )
+            if a.rust_replay
+            else {"skipped": "no Rust replay binary"}
+        )
     finally:
         trace_file.unlink(missing_ok=True)
         tokens_file.unlink(missing_ok=True)
         tdir.rmdir()
-    point: dict[str, Any] = {"running": running, "mean_running": tr.mean_running, "pool_blocks": tr.num_blocks,
-                             "steps": tr.num_steps, "block_ops": tr.block_ops, "requests": len(tr.prompt_lens)}
+    point: dict[str, Any] = {
+        "running": running,
+        "mean_running": tr.mean_running,
+        "pool_blocks": tr.num_blocks,
+        "steps": tr.num_steps,
+        "block_ops": tr.block_ops,
+        "requests": len(tr.prompt_lens),
+    }
     for key, res in (("python", py), ("rust", rust)):
         if "best" not in res:
             point[key] = {"skipped": res.get("skipped")}
-            print(f"{key} replay skipped at running={running} pool={tr.num_blocks}: {res.get('skipped')}",
-                  file=sys.stderr)
+            print(
+                f"{key} replay skipped at running={running} pool={tr.num_blocks}: {res.get('skipped')}", file=sys.stderr
+            )
             continue
         b = res["best"]
-        point[key] = {"ns_per_block_op": b["ns_per_block_op"], "us_per_step_mean": b["us_per_step_mean"],
-                      "us_per_step_per_seq": b["us_per_step_mean"] / tr.mean_running}
+        point[key] = {
+            "ns_per_block_op": b["ns_per_block_op"],
+            "us_per_step_mean": b["us_per_step_mean"],
+            "us_per_step_per_seq": b["us_per_step_mean"] / tr.mean_running,
+        }
     return point
 
 
@@ -127,25 +147,54 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def cell(p: dict[str, Any], side: str, key: str) -> float | None:
         return p[side].get(key)
 
-    for sweep, title in (("running", "running sequences (pool fitted to the trace)"),
-                         ("pool", f"pool size ({a.pool_running} running sequences)")):
-        rows = [[p["running"], p["pool_blocks"], p["block_ops"],
-                 cell(p, "python", "ns_per_block_op"), cell(p, "rust", "ns_per_block_op"),
-                 cell(p, "python", "us_per_step_mean"), cell(p, "python", "us_per_step_per_seq"),
-                 cell(p, "rust", "us_per_step_per_seq")] for p in sweeps[sweep]]
+    for sweep, title in (
+        ("running", "running sequences (pool fitted to the trace)"),
+        ("pool", f"pool size ({a.pool_running} running sequences)"),
+    ):
+        rows = [
+            [
+                p["running"],
+                p["pool_blocks"],
+                p["block_ops"],
+                cell(p, "python", "ns_per_block_op"),
+                cell(p, "rust", "ns_per_block_op"),
+                cell(p, "python", "us_per_step_mean"),
+                cell(p, "python", "us_per_step_per_seq"),
+                cell(p, "rust", "us_per_step_per_seq"),
+            ]
+            for p in sweeps[sweep]
+        ]
         common.print_table(
-            f"Cost against {title}: {a.steps} steps, prompts ~{a.prompt_mean:.0f} / outputs ~{a.output_mean:.0f} tokens",
-            ["running", "pool blocks", "block ops", "Python ns/block op", "Rust ns/block op",
-             "Python µs/step", "Python µs/step/seq", "Rust µs/step/seq"],
+            f"Cost against {title}: {a.steps} steps, "
+            f"prompts ~{a.prompt_mean:.0f} / outputs ~{a.output_mean:.0f} tokens",
+            [
+                "running",
+                "pool blocks",
+                "block ops",
+                "Python ns/block op",
+                "Rust ns/block op",
+                "Python µs/step",
+                "Python µs/step/seq",
+                "Rust µs/step/seq",
+            ],
             rows,
             footnote="Thread CPU time, best of the repeats. Flat ns/block op and µs/step/seq mean the cost per "
-                     "unit of work does not grow with the batch or the pool.",
+            "unit of work does not grow with the batch or the pool.",
         )
-    payload = {"description": __doc__.split("\n\n")[0],
-               "settings": {"steps": a.steps, "prompt_mean": a.prompt_mean, "output_mean": a.output_mean,
-                            "repeats": a.repeats, "pool_running": a.pool_running, "block_size": 16,
-                            "hash": "sha256", "pagedkv_version": common.pagedkv_version()},
-               "sweeps": sweeps}
+    payload = {
+        "description": __doc__.split("\n\n")[0],
+        "settings": {
+            "steps": a.steps,
+            "prompt_mean": a.prompt_mean,
+            "output_mean": a.output_mean,
+            "repeats": a.repeats,
+            "pool_running": a.pool_running,
+            "block_size": 16,
+            "hash": "sha256",
+            "pagedkv_version": common.pagedkv_version(),
+        },
+        "sweeps": sweeps,
+    }
     path = common.write_json("scaling", payload, Path(a.results_dir))
     png = plot(sweeps, Path(a.results_dir) / "scaling.png")
     print(f"wrote {path} and {png}")
@@ -157,18 +206,25 @@ def plot(sweeps: dict[str, list[dict[str, Any]]], path: Path) -> Path:
     and against pool size (log x)."""
     plt = common.pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(10, 7))
-    for col, (sweep, xkey, xlabel) in enumerate((("running", "running", "running sequences"),
-                                                 ("pool", "pool_blocks", "KV pool size (blocks)"))):
+    for col, (sweep, xkey, xlabel) in enumerate(
+        (("running", "running", "running sequences"), ("pool", "pool_blocks", "KV pool size (blocks)"))
+    ):
         pts = sweeps[sweep]
         xs = [p[xkey] for p in pts]
-        for row, (key, ylabel) in enumerate((("ns_per_block_op", "CPU ns per block op"),
-                                             ("us_per_step_per_seq", "CPU µs per step per running seq"))):
+        for row, (key, ylabel) in enumerate(
+            (("ns_per_block_op", "CPU ns per block op"), ("us_per_step_per_seq", "CPU µs per step per running seq"))
+        ):
             ax = axes[row][col]
             for side, color in (("python", "#1971c2"), ("rust", "#364fc7")):
                 ys = [p[side].get(key) for p in pts]
                 if all(y is not None for y in ys):
-                    ax.plot(xs, ys, "o-" if side == "python" else "s--", color=color,
-                            label="through Python" if side == "python" else "Rust core alone")
+                    ax.plot(
+                        xs,
+                        ys,
+                        "o-" if side == "python" else "s--",
+                        color=color,
+                        label="through Python" if side == "python" else "Rust core alone",
+                    )
             ax.set_xscale("log")
             ax.set_ylim(bottom=0)
             ax.set_xlabel(xlabel)

@@ -74,8 +74,9 @@ def _manager(num_blocks: int, bs: int):
     import pagedkv  # noqa: PLC0415
 
     # Prefix caching off: only fork sharing is measured (prompts are unique anyway).
-    return pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=num_blocks, block_size=bs,
-                                                      enable_prefix_caching=False))
+    return pagedkv.KVCacheManager(
+        pagedkv.CacheConfig(num_blocks=num_blocks, block_size=bs, enable_prefix_caching=False)
+    )
 
 
 def parallel_sampling(n: int, requests: int, *, bs: int = 16, max_running: int = 64, seed: int = 0) -> dict[str, Any]:
@@ -123,9 +124,16 @@ def parallel_sampling(n: int, requests: int, *, bs: int = 16, max_running: int =
             mgr.free(sid)
             del live[sid]
     mgr.check_invariants()
-    return {"mode": "parallel sampling", "k": n, "saving": meter.saving(), "steps": meter.steps,
-            "copies": copies, "peak_physical_blocks": meter.peak_physical,
-            "peak_unshared_blocks": meter.peak_logical, "source": "pagedkv manager, Alpaca-like lengths"}
+    return {
+        "mode": "parallel sampling",
+        "k": n,
+        "saving": meter.saving(),
+        "steps": meter.steps,
+        "copies": copies,
+        "peak_physical_blocks": meter.peak_physical,
+        "peak_unshared_blocks": meter.peak_logical,
+        "source": "pagedkv manager, Alpaca-like lengths",
+    }
 
 
 def _tok(sid: int, k: int) -> int:
@@ -133,8 +141,16 @@ def _tok(sid: int, k: int) -> int:
     return int((sid * 7919 + k * 104729 + 17) % 32000)
 
 
-def beam_search_simulated(width: int, requests: int, *, bs: int = 16, vocab: int = 1000,
-                          logit_std: float = 3.0, seed: int = 0, max_running: int = 16) -> dict[str, Any]:
+def beam_search_simulated(
+    width: int,
+    requests: int,
+    *,
+    bs: int = 16,
+    vocab: int = 1000,
+    logit_std: float = 3.0,
+    seed: int = 0,
+    max_running: int = 16,
+) -> dict[str, Any]:
     """Beam search of width ``width`` over random log-probabilities, replayed through the
     manager's fork / copy-on-write / free (see module docstring)."""
     rng = np.random.default_rng(seed)
@@ -150,7 +166,7 @@ def beam_search_simulated(width: int, requests: int, *, bs: int = 16, vocab: int
     copies = 0
     while waiting or active:
         ids, num_new, app = [], [], []
-        for r, st in active.items():
+        for st in active.values():
             for b in st["beams"]:
                 ids.append(b[0])
                 num_new.append(1)
@@ -210,10 +226,16 @@ def beam_search_simulated(width: int, requests: int, *, bs: int = 16, vocab: int
     mgr.check_invariants()
     if mgr.pool.num_used:
         raise AssertionError(f"{mgr.pool.num_used} blocks leaked")
-    return {"mode": "beam search", "k": width, "saving": meter.saving(), "steps": meter.steps,
-            "copies": copies, "peak_physical_blocks": meter.peak_physical,
-            "peak_unshared_blocks": meter.peak_logical,
-            "source": f"simulated beam search (random log-probs, std {logit_std}, vocab {vocab}) via pagedkv manager"}
+    return {
+        "mode": "beam search",
+        "k": width,
+        "saving": meter.saving(),
+        "steps": meter.steps,
+        "copies": copies,
+        "peak_physical_blocks": meter.peak_physical,
+        "peak_unshared_blocks": meter.peak_logical,
+        "source": f"simulated beam search (random log-probs, std {logit_std}, vocab {vocab}) via pagedkv manager",
+    }
 
 
 #: Short Alpaca-style instructions written for this benchmark (Alpaca prompts average ~19 tokens).
@@ -245,8 +267,9 @@ INSTRUCTIONS = [
 ]
 
 
-def beam_search_engine(width: int, requests: int, *, bs: int = 16, max_tokens: int = 64,
-                       engine_model: Any = None, **_: Any) -> dict[str, Any]:
+def beam_search_engine(
+    width: int, requests: int, *, bs: int = 16, max_tokens: int = 64, engine_model: Any = None, **_: Any
+) -> dict[str, Any]:
     """Beam search of width ``width`` on the pagedkv reference engine (``pagedkv.engine``,
     default model SmolLM2-135M-Instruct, fp32 CPU, chat template, greedy beam search, EOS on,
     ``max_tokens`` new tokens at most, prefix caching off so only beam sharing counts).
@@ -276,13 +299,20 @@ def beam_search_engine(width: int, requests: int, *, bs: int = 16, max_tokens: i
         raise AssertionError(f"{mgr.pool.num_used} blocks leaked by the engine")
     out_lens = [len(o.outputs[0].token_ids) for o in outs]
     prompt_lens = [len(o.prompt_token_ids) for o in outs]
-    return {"mode": "beam search", "k": width, "saving": meter.saving(), "steps": meter.steps,
-            "copies": copies, "peak_physical_blocks": meter.peak_physical,
-            "peak_unshared_blocks": meter.peak_logical,
-            "prompt_tokens_mean": float(np.mean(prompt_lens)), "output_tokens_mean": float(np.mean(out_lens)),
-            "example_output": outs[0].outputs[0].text[:200],
-            "source": f"pagedkv.engine, SmolLM2-135M-Instruct (fp32 CPU), {requests} instructions, "
-                      f"max {max_tokens} new tokens"}
+    return {
+        "mode": "beam search",
+        "k": width,
+        "saving": meter.saving(),
+        "steps": meter.steps,
+        "copies": copies,
+        "peak_physical_blocks": meter.peak_physical,
+        "peak_unshared_blocks": meter.peak_logical,
+        "prompt_tokens_mean": float(np.mean(prompt_lens)),
+        "output_tokens_mean": float(np.mean(out_lens)),
+        "example_output": outs[0].outputs[0].text[:200],
+        "source": f"pagedkv.engine, SmolLM2-135M-Instruct (fp32 CPU), {requests} instructions, "
+        f"max {max_tokens} new tokens",
+    }
 
 
 def _metered_engine(model: Any, tok: Any, num_kv_blocks: int, bs: int) -> tuple[Any, _Meter]:
@@ -298,8 +328,12 @@ def _metered_engine(model: Any, tok: Any, num_kv_blocks: int, bs: int) -> tuple[
     orig = eng.runner.execute
 
     def execute(batch: Any) -> Any:
-        tables = [len(mgr.block_table(s.seq_id)) for r in eng.requests for s in r.seqs
-                  if mgr.num_tokens(s.seq_id) and mgr.status(s.seq_id) == "running"]
+        tables = [
+            len(mgr.block_table(s.seq_id))
+            for r in eng.requests
+            for s in r.seqs
+            if mgr.num_tokens(s.seq_id) and mgr.status(s.seq_id) == "running"
+        ]
         phys = mgr.pool.num_used
         meter.physical += phys
         meter.logical += sum(tables)
@@ -312,9 +346,18 @@ def _metered_engine(model: Any, tok: Any, num_kv_blocks: int, bs: int) -> tuple[
     return eng, meter
 
 
-def parallel_sampling_engine(n: int, requests: int, *, bs: int = 16, max_tokens: int = 64,
-                             temperature: float = 0.8, arrivals_per_step: float = 0.25, seed: int = 0,
-                             engine_model: Any = None, **_: Any) -> dict[str, Any]:
+def parallel_sampling_engine(
+    n: int,
+    requests: int,
+    *,
+    bs: int = 16,
+    max_tokens: int = 64,
+    temperature: float = 0.8,
+    arrivals_per_step: float = 0.25,
+    seed: int = 0,
+    engine_model: Any = None,
+    **_: Any,
+) -> dict[str, Any]:
     """Parallel sampling with ``n`` samples per request served by the pagedkv reference engine
     (SmolLM2-135M-Instruct, fp32 CPU, chat template, EOS on, ``temperature``, at most
     ``max_tokens`` new tokens per sample): the paper's measurement (Fig. 15), a served workload
@@ -345,8 +388,11 @@ def parallel_sampling_engine(n: int, requests: int, *, bs: int = 16, max_tokens:
     nxt, t = 0, 0
     while nxt < requests or eng.has_unfinished():
         while nxt < requests and arrive[nxt] <= t:
-            eng.add_request(prompts[nxt], SamplingParams(n=n, temperature=temperature, seed=seed + nxt,
-                                                         max_tokens=max_tokens), chat_template=True)
+            eng.add_request(
+                prompts[nxt],
+                SamplingParams(n=n, temperature=temperature, seed=seed + nxt, max_tokens=max_tokens),
+                chat_template=True,
+            )
             nxt += 1
         if eng.has_unfinished():
             outs.extend(eng.step())
@@ -357,13 +403,21 @@ def parallel_sampling_engine(n: int, requests: int, *, bs: int = 16, max_tokens:
         raise AssertionError(f"{mgr.pool.num_used} blocks leaked by the engine")
     out_lens = [len(c.token_ids) for o in outs for c in o.outputs]
     prompt_lens = [len(o.prompt_token_ids) for o in outs]
-    return {"mode": "parallel sampling", "k": n, "saving": meter.saving(), "steps": meter.steps,
-            "copies": copies, "peak_physical_blocks": meter.peak_physical,
-            "peak_unshared_blocks": meter.peak_logical,
-            "prompt_tokens_mean": float(np.mean(prompt_lens)), "output_tokens_mean": float(np.mean(out_lens)),
-            "engine_steps": t, "arrivals_per_step": arrivals_per_step,
-            "source": f"pagedkv.engine, SmolLM2-135M-Instruct (fp32 CPU), {requests} instructions arriving "
-                      f"{arrivals_per_step:g}/step, temperature {temperature:g}, max {max_tokens} new tokens"}
+    return {
+        "mode": "parallel sampling",
+        "k": n,
+        "saving": meter.saving(),
+        "steps": meter.steps,
+        "copies": copies,
+        "peak_physical_blocks": meter.peak_physical,
+        "peak_unshared_blocks": meter.peak_logical,
+        "prompt_tokens_mean": float(np.mean(prompt_lens)),
+        "output_tokens_mean": float(np.mean(out_lens)),
+        "engine_steps": t,
+        "arrivals_per_step": arrivals_per_step,
+        "source": f"pagedkv.engine, SmolLM2-135M-Instruct (fp32 CPU), {requests} instructions arriving "
+        f"{arrivals_per_step:g}/step, temperature {temperature:g}, max {max_tokens} new tokens",
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -371,10 +425,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--requests", type=int, default=1000, help="requests per configuration")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--ks", nargs="+", type=int, default=[2, 4, 6], help="samples n / beam widths")
-    ap.add_argument("--beam-source", choices=["auto", "engine", "simulated"], default="auto",
-                    help="auto: the engine when it offers beam search, else simulated")
-    ap.add_argument("--beam-requests", type=int, default=None,
-                    help="prompts for engine beam search (default 24, 8 with --quick)")
+    ap.add_argument(
+        "--beam-source",
+        choices=["auto", "engine", "simulated"],
+        default="auto",
+        help="auto: the engine when it offers beam search, else simulated",
+    )
+    ap.add_argument(
+        "--beam-requests", type=int, default=None, help="prompts for engine beam search (default 24, 8 with --quick)"
+    )
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads for the engine")
     ap.add_argument("--beam-max-tokens", type=int, default=64, help="max new tokens per beam search request")
     ap.add_argument("--logit-std", type=float, default=3.0)
@@ -420,11 +479,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             if use_engine:
                 r["mode"] = "parallel sampling, simulated lengths"
         elif mode == "parallel":
-            r = parallel_sampling_engine(k, beam_requests, bs=a.block_size, max_tokens=a.beam_max_tokens,
-                                         engine_model=engine_model)
+            r = parallel_sampling_engine(
+                k, beam_requests, bs=a.block_size, max_tokens=a.beam_max_tokens, engine_model=engine_model
+            )
         elif use_engine:
-            r = beam_search_engine(k, beam_requests, bs=a.block_size, max_tokens=a.beam_max_tokens,
-                                   engine_model=engine_model)
+            r = beam_search_engine(
+                k, beam_requests, bs=a.block_size, max_tokens=a.beam_max_tokens, engine_model=engine_model
+            )
         else:
             r = beam_search_simulated(k, a.requests, bs=a.block_size, vocab=a.vocab, logit_std=a.logit_std)
         r["seconds"] = time.perf_counter() - t0
@@ -432,19 +493,46 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         results.append(r)
         bar.update(1)
     bar.close()
-    rows = [[r["mode"], r["k"], 100 * r["saving"], r["paper_saving_pct"], r["copies"],
-             r["peak_physical_blocks"], r["peak_unshared_blocks"], r["source"]] for r in results]
+    rows = [
+        [
+            r["mode"],
+            r["k"],
+            100 * r["saving"],
+            r["paper_saving_pct"],
+            r["copies"],
+            r["peak_physical_blocks"],
+            r["peak_unshared_blocks"],
+            r["source"],
+        ]
+        for r in results
+    ]
     common.print_table(
-        "Blocks saved by sharing (pagedkv, block size %d)" % a.block_size,
-        ["mode", "n / width", "saved %", "paper % (OPT-13B, Alpaca)", "COW copies",
-         "peak blocks", "peak blocks unshared", "source"],
+        f"Blocks saved by sharing (pagedkv, block size {a.block_size})",
+        [
+            "mode",
+            "n / width",
+            "saved %",
+            "paper % (OPT-13B, Alpaca)",
+            "COW copies",
+            "peak blocks",
+            "peak blocks unshared",
+            "source",
+        ],
         rows,
         footnote="saved = 1 - physical blocks / unshared blocks, summed over all steps. " + " ".join(notes),
     )
-    payload = {"description": __doc__.split("\n\n")[0], "notes": notes,
-               "settings": {"requests": a.requests, "beam_requests": beam_requests, "block_size": a.block_size,
-                            "pagedkv_version": common.pagedkv_version()},
-               "paper_fig15": {"parallel": PAPER_PARALLEL, "beam": PAPER_BEAM}, "results": results}
+    payload = {
+        "description": __doc__.split("\n\n")[0],
+        "notes": notes,
+        "settings": {
+            "requests": a.requests,
+            "beam_requests": beam_requests,
+            "block_size": a.block_size,
+            "pagedkv_version": common.pagedkv_version(),
+        },
+        "paper_fig15": {"parallel": PAPER_PARALLEL, "beam": PAPER_BEAM},
+        "results": results,
+    }
     path = common.write_json("sharing", payload, Path(a.results_dir))
     png = plot(results, Path(a.results_dir) / "sharing.png")
     print(f"wrote {path} and {png}")

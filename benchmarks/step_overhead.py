@@ -36,8 +36,9 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     samples: dict[str, list[float]] = {name: [] for name, _, _ in variants}
     cpu: dict[str, list[float]] = {name: [] for name, _, _ in variants}
     rounds = 10  # interleave the variants in rounds so load spikes hit all of them
-    for r in range(rounds):
+    for _ in range(rounds):
         for name, fn, k in variants:
             chunk = k // rounds
             for _ in range(chunk):
@@ -169,68 +170,109 @@ def main(argv: list[str] | None = None) -> None:
         med = statistics.median(xs)
         p90 = xs[int(0.9 * (len(xs) - 1))]
         cpu_med = statistics.median(cpu[name])
-        rows.append({"variant": name, "steps": len(xs), "us_per_step_median": med, "us_per_step_p90": p90,
-                     "cpu_us_per_step_median": cpu_med, "ns_per_seq_median": med * 1e3 / n})
+        rows.append(
+            {
+                "variant": name,
+                "steps": len(xs),
+                "us_per_step_median": med,
+                "us_per_step_p90": p90,
+                "cpu_us_per_step_median": cpu_med,
+                "ns_per_seq_median": med * 1e3 / n,
+            }
+        )
     for r_ in rows:
         r_["old_us_per_step_median"] = OLD_US.get(r_["variant"])
-    header = (f"{'variant':34} {'steps':>6} {'µs/step p50':>12} {'µs/step p90':>12} {'CPU µs p50':>11} "
-              f"{'ns/seq p50':>11} {'old µs p50':>11}")
-    print(f"pagedkv step overhead: {n} running decode sequences, block size {bs}, lengths "
-          f"{a.min_len}..{a.max_len} tokens (mean block table {mean_blocks:.1f} blocks)")
+    header = (
+        f"{'variant':34} {'steps':>6} {'µs/step p50':>12} {'µs/step p90':>12} {'CPU µs p50':>11} "
+        f"{'ns/seq p50':>11} {'old µs p50':>11}"
+    )
+    print(
+        f"pagedkv step overhead: {n} running decode sequences, block size {bs}, lengths "
+        f"{a.min_len}..{a.max_len} tokens (mean block table {mean_blocks:.1f} blocks)"
+    )
     print(header)
     print("-" * len(header))
     for r_ in rows:
         old = r_["old_us_per_step_median"]
-        print(f"{r_['variant']:34} {r_['steps']:6d} {r_['us_per_step_median']:12.1f} "
-              f"{r_['us_per_step_p90']:12.1f} {r_['cpu_us_per_step_median']:11.1f} {r_['ns_per_seq_median']:11.0f} "
-              f"{'-' if old is None else f'{old:.1f}':>11}")
+        print(
+            f"{r_['variant']:34} {r_['steps']:6d} {r_['us_per_step_median']:12.1f} "
+            f"{r_['us_per_step_p90']:12.1f} {r_['cpu_us_per_step_median']:11.1f} {r_['ns_per_seq_median']:11.0f} "
+            f"{'-' if old is None else f'{old:.1f}':>11}"
+        )
     batched = rows[0]["us_per_step_median"]
     batched_cpu = rows[0]["cpu_us_per_step_median"]
     verdict = "meets" if batched < TARGET_US else "MISSES"
-    print(f"\nbatched step: {batched:.1f} µs per step wall ({batched_cpu:.1f} µs CPU) -> {verdict} the "
-          f"{TARGET_US:.0f} µs target (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    print(
+        f"\nbatched step: {batched:.1f} µs per step wall ({batched_cpu:.1f} µs CPU) -> {verdict} the "
+        f"{TARGET_US:.0f} µs target (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
+    )
     whole = next((r_ for r_ in rows if r_["variant"] == "step + BatchTensors (torch cpu)"), None)
     ratio = None
     if whole is not None:
         ratio = whole["us_per_step_median"] / batched
-        print(f"whole path (step + kernel-ready torch tensors): {whole['us_per_step_median']:.1f} µs = "
-              f"{ratio:.2f}x the bare step -> {'meets' if ratio <= TARGET_RATIO else 'MISSES'} the "
-              f"{TARGET_RATIO}x target (was {OLD_US['step + BatchTensors (torch cpu)']:.0f} µs = "
-              f"{OLD_US['step + BatchTensors (torch cpu)'] / OLD_US['step (numpy appends)']:.2f}x)")
+        print(
+            f"whole path (step + kernel-ready torch tensors): {whole['us_per_step_median']:.1f} µs = "
+            f"{ratio:.2f}x the bare step -> {'meets' if ratio <= TARGET_RATIO else 'MISSES'} the "
+            f"{TARGET_RATIO}x target (was {OLD_US['step + BatchTensors (torch cpu)']:.0f} µs = "
+            f"{OLD_US['step + BatchTensors (torch cpu)'] / OLD_US['step (numpy appends)']:.2f}x)"
+        )
 
-    md_rows = ["| variant | µs / step (p50) | µs / step (p90) | CPU µs / step (p50) | ns / sequence (p50) "
-               "| before (µs p50) |", "|---|---:|---:|---:|---:|---:|"]
-    md_rows += [f"| {r_['variant']} | {r_['us_per_step_median']:.1f} | {r_['us_per_step_p90']:.1f} | "
-                f"{r_['cpu_us_per_step_median']:.1f} | {r_['ns_per_seq_median']:.0f} | "
-                f"{'-' if r_['old_us_per_step_median'] is None else r_['old_us_per_step_median']} |" for r_ in rows]
-    md = (f"{n} running decode sequences (lengths {a.min_len}..{a.max_len} tokens), block size {bs}: "
-          f"one batched `step` costs "
-          f"{batched:.1f} µs wall, {batched_cpu:.1f} µs CPU (target < {TARGET_US:.0f} µs; load average "
-          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores during the run)."
-          + (f" The whole path to kernel-ready torch tensors (`BatchTensors.from_steps`) costs "
-             f"{ratio:.2f}x the bare step (target <= {TARGET_RATIO}x; {OLD_US['step + BatchTensors (torch cpu)']:.0f} "
-             f"µs = {OLD_US['step + BatchTensors (torch cpu)'] / OLD_US['step (numpy appends)']:.1f}x before "
-             "the one-path change)." if ratio is not None else "")
-          + "\n\n" + "\n".join(md_rows) +
-          "\n\nReproduce: `python benchmarks/step_overhead.py`")
+    md_rows = [
+        "| variant | µs / step (p50) | µs / step (p90) | CPU µs / step (p50) | ns / sequence (p50) | before (µs p50) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    md_rows += [
+        f"| {r_['variant']} | {r_['us_per_step_median']:.1f} | {r_['us_per_step_p90']:.1f} | "
+        f"{r_['cpu_us_per_step_median']:.1f} | {r_['ns_per_seq_median']:.0f} | "
+        f"{'-' if r_['old_us_per_step_median'] is None else r_['old_us_per_step_median']} |"
+        for r_ in rows
+    ]
+    md = (
+        f"{n} running decode sequences (lengths {a.min_len}..{a.max_len} tokens), block size {bs}: "
+        f"one batched `step` costs "
+        f"{batched:.1f} µs wall, {batched_cpu:.1f} µs CPU (target < {TARGET_US:.0f} µs; load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores during the run)."
+        + (
+            f" The whole path to kernel-ready torch tensors (`BatchTensors.from_steps`) costs "
+            f"{ratio:.2f}x the bare step (target <= {TARGET_RATIO}x; {OLD_US['step + BatchTensors (torch cpu)']:.0f} "
+            f"µs = {OLD_US['step + BatchTensors (torch cpu)'] / OLD_US['step (numpy appends)']:.1f}x before "
+            "the one-path change)."
+            if ratio is not None
+            else ""
+        )
+        + "\n\n"
+        + "\n".join(md_rows)
+        + "\n\nReproduce: `python benchmarks/step_overhead.py`"
+    )
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps({
-        "benchmark": "step_overhead",
-        "num_seqs": n,
-        "block_size": bs,
-        "min_len": a.min_len,
-        "max_len": a.max_len,
-        "mean_block_table_blocks": mean_blocks,
-        "target_us_per_step": TARGET_US,
-        "target_whole_path_ratio": TARGET_RATIO,
-        "whole_path_ratio": ratio,
-        "results": rows,
-        "machine": {"python": platform.python_version(), "platform": platform.platform(),
-                    "cpus": os.cpu_count(), "loadavg_1min": os.getloadavg()[0],
-                    "pagedkv": pagedkv.__version__, "numpy": np.__version__,
-                    "torch": getattr(torch, "__version__", None)},
-        "summary_markdown": md,
-    }, indent=2) + "\n")
+    a.out.write_text(
+        json.dumps(
+            {
+                "benchmark": "step_overhead",
+                "num_seqs": n,
+                "block_size": bs,
+                "min_len": a.min_len,
+                "max_len": a.max_len,
+                "mean_block_table_blocks": mean_blocks,
+                "target_us_per_step": TARGET_US,
+                "target_whole_path_ratio": TARGET_RATIO,
+                "whole_path_ratio": ratio,
+                "results": rows,
+                "machine": {
+                    "python": platform.python_version(),
+                    "platform": platform.platform(),
+                    "cpus": os.cpu_count(),
+                    "loadavg_1min": os.getloadavg()[0],
+                    "pagedkv": pagedkv.__version__,
+                    "numpy": np.__version__,
+                    "torch": getattr(torch, "__version__", None),
+                },
+                "summary_markdown": md,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {a.out}")
 
 

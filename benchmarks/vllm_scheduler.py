@@ -199,9 +199,7 @@ class KVSampler:
 
 
 def _requests_decode(n: int, prompt_len: int, out_len: int) -> list[tuple[int, Any]]:
-    return [
-        (0, (f"d{i}", unique_tokens(i, prompt_len, 4000).tolist(), out_len)) for i in range(n)
-    ]
+    return [(0, (f"d{i}", unique_tokens(i, prompt_len, 4000).tolist(), out_len)) for i in range(n)]
 
 
 def _requests_trace(name: str, n: int, max_prompt: int) -> list[tuple[int, Any]]:
@@ -357,8 +355,16 @@ def _workloads() -> dict[str, dict[str, Any]]:
 
 
 def _run(cls: Any, w: dict[str, Any], specs: Any, steps: int, sample: bool) -> dict[str, float]:
-    return run_one(cls, specs, num_blocks=w["num_blocks"], max_running=256, warmup_steps=w["warmup_steps"],
-                   steps=steps, sample=sample, wait_all_decoding=w["wait_all_decoding"])
+    return run_one(
+        cls,
+        specs,
+        num_blocks=w["num_blocks"],
+        max_running=256,
+        warmup_steps=w["warmup_steps"],
+        steps=steps,
+        sample=sample,
+        wait_all_decoding=w["wait_all_decoding"],
+    )
 
 
 def main() -> None:
@@ -420,19 +426,36 @@ def main() -> None:
             print(f"{wname:10s} {vname:22s} {best}", file=sys.stderr, flush=True)
         base = results[wname].get("vLLM stock")
         for vname, r in results[wname].items():
-            rows.append([
-                wname, vname, f"{r['scheduled_reqs_per_step']:.0f}",
-                f"{r['schedule_us']:.0f}", f"{r['update_us']:.0f}", f"{r['total_us']:.0f}",
-                f"{base['total_us'] / r['total_us']:.2f}x" if base else "-",
-                f"{r['kv_us']:.0f}",
-                f"{100 * r['kv_share']:.1f}% ({r['samples']})",
-                f"{base['kv_share'] / r['kv_share']:.1f}x" if base and r["kv_share"] else "-",
-                " / ".join(f"{100 * r[f'kv_share_{k}']:.1f}" for k in ("manager", "blocks", "hashing")),
-            ])
+            rows.append(
+                [
+                    wname,
+                    vname,
+                    f"{r['scheduled_reqs_per_step']:.0f}",
+                    f"{r['schedule_us']:.0f}",
+                    f"{r['update_us']:.0f}",
+                    f"{r['total_us']:.0f}",
+                    f"{base['total_us'] / r['total_us']:.2f}x" if base else "-",
+                    f"{r['kv_us']:.0f}",
+                    f"{100 * r['kv_share']:.1f}% ({r['samples']})",
+                    f"{base['kv_share'] / r['kv_share']:.1f}x" if base and r["kv_share"] else "-",
+                    " / ".join(f"{100 * r[f'kv_share_{k}']:.1f}" for k in ("manager", "blocks", "hashing")),
+                ]
+            )
     print_table(
         "vLLM Scheduler CPU time per step (us), stock vs PagedKVScheduler",
-        ["workload", "scheduler", "reqs/step", "schedule", "update", "total", "speed-up",
-         "KV us", "KV share (samples)", "share ratio", "manager / blocks / hashing %"],
+        [
+            "workload",
+            "scheduler",
+            "reqs/step",
+            "schedule",
+            "update",
+            "total",
+            "speed-up",
+            "KV us",
+            "KV share (samples)",
+            "share ratio",
+            "manager / blocks / hashing %",
+        ],
         rows,
         footnote=f"{BOUND!r} is no scheduler: decodes answered by a no-op, KV state not kept "
         "(vLLM's own cost around a free KV manager). Load average (1 min) "
@@ -441,26 +464,29 @@ def main() -> None:
     if not args.no_write:
         import vllm
 
-        path = write_json("vllm_scheduler", {
-            "benchmark": "vllm_scheduler",
-            "vllm": vllm.__version__,
-            "steps": args.steps,
-            "repeats": args.repeats,
-            "sample_runs": args.sample_runs,
-            "machine": machine_info(),
-            "load_average_1_5_15min": {"start": list(load_start), "end": list(os.getloadavg())},
-            "results": results,
-            "hashing": hashing,
-            "notes": [
-                "CPU time (thread_time) per step, best of the timed runs",
-                "KV work = kv_cache_manager calls + KVCacheBlocks.get_block_ids + "
-                "Request.update_block_hashes, in both schedulers",
-                "kv_share: SIGPROF (CPU-time) samples over sample_runs separate runs, fraction of "
-                "schedule()/update_from_output() samples in KV frames; kv_us = kv_share * total_us",
-                f"{BOUND}: no scheduler; decodes answered by a no-op (vLLM's own cost)",
-                "requests (and the engine core's Python prompt hashing) built before timing",
-            ],
-        })
+        path = write_json(
+            "vllm_scheduler",
+            {
+                "benchmark": "vllm_scheduler",
+                "vllm": vllm.__version__,
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "sample_runs": args.sample_runs,
+                "machine": machine_info(),
+                "load_average_1_5_15min": {"start": list(load_start), "end": list(os.getloadavg())},
+                "results": results,
+                "hashing": hashing,
+                "notes": [
+                    "CPU time (thread_time) per step, best of the timed runs",
+                    "KV work = kv_cache_manager calls + KVCacheBlocks.get_block_ids + "
+                    "Request.update_block_hashes, in both schedulers",
+                    "kv_share: SIGPROF (CPU-time) samples over sample_runs separate runs, fraction of "
+                    "schedule()/update_from_output() samples in KV frames; kv_us = kv_share * total_us",
+                    f"{BOUND}: no scheduler; decodes answered by a no-op (vLLM's own cost)",
+                    "requests (and the engine core's Python prompt hashing) built before timing",
+                ],
+            },
+        )
         print(f"wrote {path}")
 
 
