@@ -294,6 +294,48 @@ def test_vllm_cache_salt_and_lora_name_key_the_rehashed_chain() -> None:
     assert ix.overlap(toks[:8] + [0]) == {9: 0}
 
 
+def test_vllm_extra_keys_that_disagree_with_the_event_are_never_matched() -> None:
+    """A "tokens" worker's event whose extra keys do not fit its blocks is refused (one entry per
+    block, a str lora_name) with nothing applied; a LoRA event's block without the LoRA name
+    first (None, or another name, here hiding a salt) is cut there: under-reporting, never a
+    match for a query vLLM would not hit."""
+    toks = list(range(1, 9))
+    query = toks + [0]
+
+    def stored(lora_name: Any, extra_keys: Any) -> list[Any]:
+        return ["BlockStored", [11, 12], None, toks, 4, None, "GPU", lora_name, extra_keys]
+
+    ix = pagedkv.KVIndexer(4)
+    ix.add_worker(9, hash_source="tokens")
+    for lora_name, extra_keys, match in (
+        (None, [("s",)], "1 entries for 2 blocks"),
+        (None, [None, None, None], "3 entries for 2 blocks"),
+        (None, [], "0 entries for 2 blocks"),
+        (5, None, "lora_name must be a str or None, got int"),
+    ):
+        with pytest.raises(pagedkv.InvalidArgumentError, match=match):
+            ix.apply(9, 0, [["BlockStored", [1], None, toks[:4], 4], stored(lora_name, extra_keys)])
+        assert ix.worker_status(9) == {
+            "worker_id": 9,
+            "hash_source": "tokens",
+            "num_blocks": 0,
+            "next_seq": None,
+            "num_pending": 0,
+            "needs_resync": False,
+            "gaps": 0,
+        }
+    # The salt "tenant" where the LoRA name "sql" belongs: nothing is indexed (it was read as
+    # the name and dropped, so an unsalted "sql" query matched blocks vLLM keyed by the salt).
+    assert ix.apply(9, 0, [stored("sql", [("tenant",), ("sql",)])]) == "applied"
+    assert ix.worker_status(9)["num_blocks"] == 0  # type: ignore[index]
+    assert ix.overlap(query, adapter_id="sql") == {9: 0}
+    # A LoRA event's second block without the name was hashed without the LoRA: cut there.
+    assert ix.apply(9, 1, [stored("sql", [("sql", "tenant"), None])]) == "applied"
+    assert ix.worker_status(9)["num_blocks"] == 1  # type: ignore[index]
+    assert ix.overlap(query, adapter_id="sql", cache_salt="tenant") == {9: 1}
+    assert ix.overlap(query, adapter_id="sql") == {9: 0}
+
+
 def test_vllm_blocks_with_multimodal_or_embedding_keys_are_not_indexed() -> None:
     """A block whose vLLM extra keys hold a multimodal item or prompt-embedding digest cannot be
     rehashed as a query would hash it: it and the rest of its event are left out (the index

@@ -141,16 +141,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.device is not None:
         engine_kwargs["device"] = args.device
     t0 = time.perf_counter()
-    cluster = ReplicaCluster(
-        args.replicas,
-        args.model,
-        engine_kwargs=engine_kwargs,
-        policy=policy,
-        address=args.address,
-        num_cpus=args.num_cpus,
-        num_gpus=args.num_gpus,
-        steps_per_call=args.steps_per_call,
-    )
+    try:
+        cluster = ReplicaCluster(
+            args.replicas,
+            args.model,
+            engine_kwargs=engine_kwargs,
+            policy=policy,
+            address=args.address,
+            num_cpus=args.num_cpus,
+            num_gpus=args.num_gpus,
+            steps_per_call=args.steps_per_call,
+        )
+    except (EngineError, ValueError) as e:
+        # A replica's engine refused --model / --device / --block-size... where it runs (the
+        # driver may lack the replicas' GPU). Ray re-raises it as a subclass whose text is the
+        # whole remote traceback; its `cause` is the engine's own error, one line.
+        return _fail(str(getattr(e, "cause", None) or e))
     start_s = time.perf_counter() - t0
     if trace is not None:
         vocab = 32000

@@ -56,11 +56,20 @@ class EngineReplica:
         import torch  # noqa: PLC0415
 
         from pagedkv.engine import LLMEngine  # noqa: PLC0415
+        from pagedkv.engine.errors import EngineError  # noqa: PLC0415
 
         if torch_threads is not None:
             torch.set_num_threads(torch_threads)
         self.replica_id = replica_id
-        self.engine = LLMEngine(model, enable_kv_events=True, **(engine_kwargs or {}))
+        # An engine refusing its settings (model path, device, block size) is re-raised by
+        # `info`, the first call the cluster makes: an error raised here reaches the driver as
+        # Ray's ActorDiedError, which keeps the engine's error only as remote traceback text.
+        self._startup_error: EngineError | None = None
+        try:
+            self.engine = LLMEngine(model, enable_kv_events=True, **(engine_kwargs or {}))
+        except EngineError as e:
+            self._startup_error = e
+            return
         self._seq = 0
         self._held: set[bytes] = set()  # resolvable hashes, mirrored from the published events
         self._hash_root: bytes | None = None  # the root the published BlockStored events carry
@@ -71,9 +80,11 @@ class EngineReplica:
     def info(self) -> dict[str, Any]:
         """``replica_id``, ``block_size``, ``hash_algo``, ``hash_seed`` (the engine's cache
         identity digest as bytes), ``cache_identity`` (that digest, hex), ``num_kv_blocks``,
-        ``pid``."""
+        ``pid``. Raises the engine's ``EngineError`` when it refused its settings."""
         import os  # noqa: PLC0415
 
+        if self._startup_error is not None:
+            raise self._startup_error
         cfg = self.engine.manager.config
         return {
             "replica_id": self.replica_id,

@@ -4,7 +4,7 @@
 //! Events are converted while holding the GIL; the core call runs with the GIL released under
 //! the indexer's mutex.
 
-use crate::convert::{bad, bytes_arg, list_items, opt_str, repr, token_ids, uint};
+use crate::convert::{bad, bytes_arg, list_items, opt_str, repr, token_ids, type_name, uint};
 use crate::errors::IntoPyResult;
 use crate::events::{PyAllBlocksCleared, PyBlockRemoved, PyBlockStored};
 use crate::manager::sequence_spec;
@@ -101,17 +101,29 @@ fn root_arg(hash_root: Option<&Bound<'_, PyAny>>) -> PyResult<Option<BlockHash>>
 /// vLLM names it in a request's first block only, pagedkv's vLLM plug-in in every block),
 /// prompt-embedding digests (bytes). The salt becomes `CacheSalt` (the indexer carries it down
 /// the chain; see `KvIndexer`). A block with multimodal, prompt-embedding or unknown keys, or
-/// another salt than the event's first, cannot be rehashed as a pagedkv query would hash it: the
-/// event is cut before that block (its later blocks chain from it), which under-reports and
-/// never matches a query wrongly. Err: why the field is malformed.
+/// another salt than the event's first, or, in a LoRA request's event, without the LoRA name
+/// first (another name than `lora_name`), cannot be rehashed as a pagedkv query would hash it:
+/// the event is cut before that block (its later blocks chain from it), which under-reports and
+/// never matches a query wrongly. Err: why the fields are malformed (a `lora_name` that is not a
+/// str, an `extra_keys` that is not one tuple or None per block).
 fn wire_stored_keys(
     fields: &[Bound<'_, PyAny>],
     n_blocks: usize,
 ) -> Result<(Vec<ExtraKey>, usize), String> {
     let present = |i: usize| fields.get(i).filter(|v| !v.is_none());
     let text = |v: &Bound<'_, PyAny>| v.str().map(|s| s.to_string()).map_err(|e| e.to_string());
-    let adapter = match (present(7), present(5)) {
-        (Some(name), _) => Some(text(name)?),
+    let lora_name = match present(7) {
+        Some(name) if name.is_instance_of::<PyString>() => Some(text(name)?),
+        Some(name) => {
+            return Err(format!(
+                "lora_name must be a str or None, got {}",
+                type_name(name)
+            ))
+        }
+        None => None,
+    };
+    let adapter = match (&lora_name, present(5)) {
+        (Some(name), _) => Some(name.clone()),
         (None, Some(id)) => Some(text(id)?),
         (None, None) => None,
     };
@@ -121,17 +133,36 @@ fn wire_stored_keys(
     };
     let entries = list_items(per_block, "events")
         .map_err(|_| "extra_keys must be a list with one tuple or None per block".to_string())?;
+    // One entry per block: with fewer, a block's own keys (a multimodal item) would be unknown.
+    if entries.len() != n_blocks {
+        return Err(format!(
+            "extra_keys has {} entries for {n_blocks} blocks (one tuple or None per block)",
+            entries.len()
+        ));
+    }
     let mut salt: Option<String> = None;
     let mut usable = n_blocks;
-    'blocks: for (i, entry) in entries.iter().enumerate().take(n_blocks) {
-        if entry.is_none() {
-            continue;
-        }
-        let parts = list_items(entry, "events")
-            .map_err(|_| format!("extra_keys[{i}] must be a tuple of keys or None"))?;
+    'blocks: for (i, entry) in entries.iter().enumerate() {
+        let parts = if entry.is_none() {
+            Vec::new()
+        } else {
+            list_items(entry, "events")
+                .map_err(|_| format!("extra_keys[{i}] must be a tuple of keys or None"))?
+        };
         let mut rest = parts.as_slice();
-        if adapter.is_some() && rest.first().is_some_and(|p| p.is_instance_of::<PyString>()) {
-            rest = &rest[1..]; // the LoRA name, already the adapter key
+        if adapter.is_some() {
+            // vLLM keys every block of a LoRA request by its name, first: a block without it
+            // (or, when the event names the LoRA, with another name) was hashed otherwise.
+            let first_is_name = match (rest.first(), &lora_name) {
+                (Some(p), Some(name)) => p.is_instance_of::<PyString>() && text(p)? == *name,
+                (Some(p), None) => p.is_instance_of::<PyString>(),
+                (None, _) => false,
+            };
+            if !first_is_name {
+                usable = i;
+                break 'blocks;
+            }
+            rest = &rest[1..];
         }
         for part in rest {
             let same_salt = part.is_instance_of::<PyString>()
