@@ -240,7 +240,7 @@ def test_vllm_map_events_decode_to_the_array_form_and_apply() -> None:
     toks = list(range(1, 13))
     b1 = enc.encode(_MBatch(1.0, [_MStored([11, 12], None, toks[:8], 4, None, "GPU")], 0))
     decoded = wire.decode_event_batch(b1)
-    assert decoded.events == [["BlockStored", [11, 12], None, toks[:8], 4, None, "GPU", None, None]]
+    assert decoded.events == [["BlockStored", [11, 12], None, toks[:8], 4, None, "GPU", *[None] * 9]]
     assert (decoded.ts, decoded.data_parallel_rank, decoded.hash_root) == (1.0, 0, None)
     ix = pagedkv.KVIndexer(4)
     ix.add_worker(9, hash_source="tokens")
@@ -276,7 +276,7 @@ def test_vllm_cache_salt_and_lora_name_key_the_rehashed_chain() -> None:
     ix.add_worker(9, hash_source="tokens")
     first = _MStored([11, 12], None, toks[:8], 4, 3, "GPU", "sql", [("sql", "tenant-a"), ("sql",)])
     decoded = wire.decode_event_batch(enc.encode(_MBatch(1.0, [first])))
-    assert decoded.events[0][7:] == ["sql", [["sql", "tenant-a"], ["sql"]]]
+    assert decoded.events[0][7:9] == ["sql", [["sql", "tenant-a"], ["sql"]]]
     assert wire.apply_payload(ix, 9, 0, enc.encode(_MBatch(1.0, [first]))) == "applied"
     later = _MStored([13, 14], 12, toks[8:16], 4, 3, "GPU", "sql", [("sql",), ("sql",)])
     assert wire.apply_payload(ix, 9, 1, enc.encode(_MBatch(2.0, [later]))) == "applied"
@@ -360,6 +360,35 @@ def test_vllm_blocks_with_multimodal_or_embedding_keys_are_not_indexed() -> None
         wire.apply_payload(ix, 9, 2, msgspec.msgpack.encode(obj))
     assert ix.worker_status(9)["num_blocks"] == 1  # type: ignore[index]
     assert ix.worker_status(9)["next_seq"] == 2  # type: ignore[index]
+
+
+def test_vllm_blocks_hashed_with_lookahead_tokens_are_not_indexed() -> None:
+    """vLLM can hash a block together with tokens after it (``lookahead_token_ids``): a query
+    hashing the block's own tokens would match where vLLM would not, so from the first such block
+    on the event is left out; a malformed field is refused with nothing applied."""
+    toks = list(range(1, 13))
+    ix = pagedkv.KVIndexer(4)
+    ix.add_worker(9, hash_source="tokens")
+    ev = {
+        "type": "BlockStored",
+        "block_hashes": [11, 12, 13],
+        "parent_block_hash": None,
+        "token_ids": toks,
+        "block_size": 4,
+        "lookahead_token_ids": [[], [9], [10]],
+    }
+    payload = msgspec.msgpack.encode([1.0, [ev]])
+    assert wire.decode_event_batch(payload).events[0][15] == [[], [9], [10]]
+    assert wire.apply_payload(ix, 9, 0, payload) == "applied"
+    assert ix.overlap(toks + [0]) == {9: 1}
+    for bad in ("x", [[]], [[], 5, []]):
+        with pytest.raises(pagedkv.InvalidArgumentError, match="lookahead_token_ids"):
+            wire.apply_payload(ix, 9, 1, msgspec.msgpack.encode([1.0, [{**ev, "lookahead_token_ids": bad}]]))
+    assert ix.worker_status(9)["num_blocks"] == 1  # type: ignore[index]
+    assert ix.worker_status(9)["next_seq"] == 1  # type: ignore[index]
+    off = {**ev, "block_hashes": [21, 22, 23], "lookahead_token_ids": None}
+    assert wire.apply_payload(ix, 9, 1, msgspec.msgpack.encode([1.0, [off]])) == "applied"
+    assert ix.overlap(toks + [0]) == {9: 3}
 
 
 def test_malformed_payloads() -> None:

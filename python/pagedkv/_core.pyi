@@ -408,12 +408,13 @@ class KVIndexer:
         cache salt vLLM names in a request's first block as the salt of its whole chain; a block
         with multimodal or prompt-embedding keys, and the rest of its event, is not indexed.
         A LoRA event's block whose keys do not start with the LoRA name (vLLM puts it first in
-        every block's) is not indexed either, nor is the rest of its event.
+        every block's) is not indexed either, nor is the rest of its event, and likewise a
+        block whose vLLM hash covers tokens after it (``lookahead_token_ids``, field 15).
         Raises ``InvalidArgumentError`` (and applies nothing) for a malformed event, a
         ``BlockStored`` whose ``block_size`` differs, for an ``"engine"`` worker, whose
         ``hash_root`` is set and is not :attr:`hash_root` (another cache identity), an
         ``extra_keys`` field that is not one tuple or None per block, a ``lora_name`` that is
-        not a str or None, or, for a
+        not a str or None, a ``lookahead_token_ids`` that is not one list per block, or, for a
         ``"tokens"`` worker, whose token count is not ``len(block_hashes) * block_size``; and
         for a ``hash_root`` that is not 32 bytes.
         """

@@ -22,8 +22,11 @@ prompt-embedding digests. A ``"tokens"`` worker's blocks are rehashed with the L
 adapter key and the salt as the cache salt of the whole chain, so a router query with the same
 ``cache_salt`` / ``adapter_id`` matches them and one without does not; a block with multimodal
 or prompt-embedding keys (and the rest of its event) is not indexed, since a query could not
-hash it alike. :meth:`pagedkv.KVIndexer.apply` takes decoded events as they are, so a router watches
-vLLM workers with ``apply_payload(indexer, worker, seq, payload)`` (register them with
+hash it alike. A block whose vLLM hash also covers the tokens after it (``lookahead_token_ids``)
+is left out for the same reason, with the rest of its event.
+
+:meth:`pagedkv.KVIndexer.apply` takes decoded events as they are, so a router watches vLLM
+workers with ``apply_payload(indexer, worker, seq, payload)`` (register them with
 ``hash_source="tokens"`` so prompt queries match), and pagedkv replicas publish with
 :func:`encode_event_batch` (their 32-byte hashes as bytes).
 
@@ -191,6 +194,13 @@ _MAP_FIELDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
             "medium",
             "lora_name",
             "extra_keys",
+            "group_idx",
+            "kv_cache_spec_kind",
+            "kv_cache_spec_sliding_window",
+            "locality",
+            "ownership",
+            "session_id",
+            "lookahead_token_ids",
         ),
         frozenset({"block_hashes", "token_ids", "block_size"}),
     ),

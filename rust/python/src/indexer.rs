@@ -181,6 +181,35 @@ fn wire_stored_keys(
     Ok((keys, usable))
 }
 
+/// How many blocks of a vLLM wire `BlockStored` precede the first one whose hash also covers
+/// tokens after the block (`lookahead_token_ids`, field 15: one list per block, None when
+/// lookahead hashing is off). Such a block cannot be rehashed from its own tokens as a query
+/// hashes it (a query would match where vLLM needs the following tokens too), so the event is
+/// cut there. Err: why the field is malformed.
+fn lookahead_cut(fields: &[Bound<'_, PyAny>], n_blocks: usize) -> Result<usize, String> {
+    let Some(per_block) = fields.get(15).filter(|v| !v.is_none()) else {
+        return Ok(n_blocks);
+    };
+    let malformed = || "lookahead_token_ids must be a list with one list of token ids per block";
+    let entries = list_items(per_block, "events").map_err(|_| malformed().to_string())?;
+    if entries.len() != n_blocks {
+        return Err(format!(
+            "lookahead_token_ids has {} entries for {n_blocks} blocks",
+            entries.len()
+        ));
+    }
+    for (i, entry) in entries.iter().enumerate() {
+        if !entry.is_none()
+            && !list_items(entry, "events")
+                .map_err(|_| malformed().to_string())?
+                .is_empty()
+        {
+            return Ok(i);
+        }
+    }
+    Ok(n_blocks)
+}
+
 /// One event: a pagedkv event object, or a vLLM wire event (a list / tuple whose first item is
 /// the type tag): `["BlockStored", hashes, parent, token_ids, block_size, lora_id, ...]`,
 /// `["BlockRemoved", hashes, ...]`, `["AllBlocksCleared"]`. Trailing fields newer engines add
@@ -233,8 +262,14 @@ fn event(obj: &Bound<'_, PyAny>, i: usize, batch_root: Option<BlockHash>) -> PyR
             let mut block_hashes = block_hashes;
             let mut token_ids = token_ids(&fields[3], "events")?;
             let block_size = uint(&fields[4], "events", u64::from(u32::MAX))? as u32;
-            let (extra_keys, usable) =
-                wire_stored_keys(&fields, block_hashes.len()).map_err(|why| malformed(&why))?;
+            let (extra_keys, usable) = wire_stored_keys(&fields, block_hashes.len())
+                .and_then(|(keys, usable)| {
+                    Ok((
+                        keys,
+                        usable.min(lookahead_cut(&fields, block_hashes.len())?),
+                    ))
+                })
+                .map_err(|why| malformed(&why))?;
             let whole = block_hashes.len() * block_size as usize;
             if usable < block_hashes.len() && token_ids.len() == whole {
                 block_hashes.truncate(usable);
