@@ -88,21 +88,7 @@ def run(replayer: Replayer, trace: OpTrace, repeats: int, token_format: str) -> 
         finally:
             gc.enable()
         counters = replayer.counters()
-        runs.append(
-            {
-                # CPU time of the replaying thread: robust against other processes on a shared
-                # machine (the systems under test are single-threaded; pagedkv works in the caller's
-                # thread with the GIL released).
-                "cpu_total_ns": int(cpu_ns.sum()),
-                "us_per_step_mean": cpu_ns.sum() / trace.num_steps / 1e3,
-                "us_per_step_p50": float(np.percentile(cpu_ns, 50)) / 1e3,
-                "us_per_step_p99": float(np.percentile(cpu_ns, 99)) / 1e3,
-                "ns_per_block_op": cpu_ns.sum() / trace.block_ops,
-                "wall_total_ns": int(wall_ns.sum()),
-                "wall_us_per_step_mean": wall_ns.sum() / trace.num_steps / 1e3,
-                "wall_ns_per_block_op": wall_ns.sum() / trace.block_ops,
-            }
-        )
+        runs.append(_run_figures(trace, cpu_ns, wall_ns))
     best = min(runs, key=lambda r: r["cpu_total_ns"])
     return {
         "system": replayer.name,
@@ -134,6 +120,23 @@ class PoolAdapter:
         """One request's blocks tail first, from ``parts``: its prompt's ``allocate`` result,
         then one item (from :meth:`allocate_items`) per decode block."""
         raise NotImplementedError
+
+
+def _run_figures(trace: OpTrace, cpu_ns: np.ndarray, wall_ns: np.ndarray) -> dict[str, Any]:
+    """One replay's figures from its per-step thread CPU and wall nanoseconds. CPU time of the
+    replaying thread is the compared figure: robust against other processes on a shared machine
+    (the systems under test are single-threaded; pagedkv works in the caller's thread with the
+    GIL released)."""
+    return {
+        "cpu_total_ns": int(cpu_ns.sum()),
+        "us_per_step_mean": cpu_ns.sum() / trace.num_steps / 1e3,
+        "us_per_step_p50": float(np.percentile(cpu_ns, 50)) / 1e3,
+        "us_per_step_p99": float(np.percentile(cpu_ns, 99)) / 1e3,
+        "ns_per_block_op": cpu_ns.sum() / trace.block_ops,
+        "wall_total_ns": int(wall_ns.sum()),
+        "wall_us_per_step_mean": wall_ns.sum() / trace.num_steps / 1e3,
+        "wall_ns_per_block_op": wall_ns.sum() / trace.block_ops,
+    }
 
 
 def run_pool(make_pool, trace: OpTrace, repeats: int) -> dict[str, Any]:
@@ -184,18 +187,7 @@ def run_pool(make_pool, trace: OpTrace, repeats: int) -> dict[str, Any]:
             gc.enable()
         if held:
             raise AssertionError(f"{len(held)} requests still hold blocks after the pool replay")
-        runs.append(
-            {
-                "cpu_total_ns": int(cpu_ns.sum()),
-                "us_per_step_mean": cpu_ns.sum() / trace.num_steps / 1e3,
-                "us_per_step_p50": float(np.percentile(cpu_ns, 50)) / 1e3,
-                "us_per_step_p99": float(np.percentile(cpu_ns, 99)) / 1e3,
-                "ns_per_block_op": cpu_ns.sum() / trace.block_ops,
-                "wall_total_ns": int(wall_ns.sum()),
-                "wall_us_per_step_mean": wall_ns.sum() / trace.num_steps / 1e3,
-                "wall_ns_per_block_op": wall_ns.sum() / trace.block_ops,
-            }
-        )
+        runs.append(_run_figures(trace, cpu_ns, wall_ns))
     return {"best": min(runs, key=lambda r: r["cpu_total_ns"]), "runs": runs, "repeats": repeats}
 
 
