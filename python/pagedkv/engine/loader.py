@@ -13,6 +13,10 @@ Parsing and dequantizing a GGUF file is slow (about a minute for the 135M model 
 so the first load writes the converted model (config.json, model.safetensors, tokenizer) to a
 cache folder, ``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv/gguf/``, keyed by the GGUF file's
 path, size and mtime; later loads read that folder in seconds. ``convert_cache=False`` skips it.
+Each converted folder records its source file; a conversion (a cache miss) first removes the
+folders whose source is gone or has changed since (a reinstalled package, a deleted virtual
+environment), so the cache holds about one ~0.5 GB folder per GGUF file on disk, not one per
+install.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -123,6 +128,50 @@ def _cache_folder(src: ModelSource) -> Path:
     return _cache_root() / f"{Path(src.gguf_file).stem}-{key}"
 
 
+#: Name of the file in a converted folder that records which GGUF file it came from.
+_SOURCE_RECORD = "pagedkv-source.json"
+#: A converted folder's name: the GGUF file's stem, a dash, 16 hex digits of the key.
+_CONVERTED_NAME = re.compile(r".+-[0-9a-f]{16}")
+
+
+def _source_stamp(f: Path) -> dict[str, Any]:
+    """What identifies a GGUF file's version on disk: resolved path, size, mtime (ns)."""
+    st = f.stat()
+    return {"path": str(f.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def _is_stale(entry: Path) -> bool:
+    """Whether ``entry`` is a converted folder (ours) whose GGUF source is gone or changed.
+
+    A folder named like ours with converted files but no source record (written by an older
+    pagedkv) counts as stale; anything else in the cache root is not ours and is kept."""
+    if not (entry.is_dir() and _CONVERTED_NAME.fullmatch(entry.name)):
+        return False
+    record_file = entry / _SOURCE_RECORD
+    if not record_file.is_file():
+        return (entry / "model.safetensors").is_file()
+    try:
+        record = json.loads(record_file.read_text())
+        return bool(_source_stamp(Path(record["path"])) != record)
+    except (OSError, ValueError, KeyError, TypeError):  # source gone, or a damaged record
+        return True
+
+
+def _prune_stale_conversions(root: Path) -> list[Path]:
+    """Remove every converted folder under ``root`` whose source GGUF file is gone or changed
+    (see :func:`_is_stale`); folders being written (``*.tmp*``) are left alone.
+
+    Returns:
+        The folders removed.
+    """
+    removed = []
+    for entry in sorted(root.iterdir()) if root.is_dir() else []:
+        if _is_stale(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
 def _quiet_transformers() -> None:
     """Silence transformers' info/progress chatter (conversion progress bars, load reports)."""
     try:
@@ -152,6 +201,7 @@ def _convert_gguf(src: ModelSource, dest: Path) -> None:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    assert src.gguf_file is not None
     print(f"pagedkv: converting {src.describe()} once (cached in {dest})", file=sys.stderr)
     model = _from_pretrained(AutoModelForCausalLM, src, dtype=torch.float32)
     tok = _from_pretrained(AutoTokenizer, src)
@@ -162,6 +212,7 @@ def _convert_gguf(src: ModelSource, dest: Path) -> None:
         cfg.pop("quantization_config", None)  # the weights below are plain fp32
         cfg["torch_dtype"] = cfg["dtype"] = "float32"
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        (tmp / _SOURCE_RECORD).write_text(json.dumps(_source_stamp(src.folder / src.gguf_file)))
         save_model(model, str(tmp / "model.safetensors"))  # drops the tied lm_head duplicate
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -181,6 +232,7 @@ def _usable_source(src: ModelSource, convert_cache: bool) -> ModelSource:
         return src
     dest = _cache_folder(src)
     if not (dest / "model.safetensors").is_file():
+        _prune_stale_conversions(dest.parent)
         _convert_gguf(src, dest)
     return ModelSource(dest)
 
