@@ -14,6 +14,12 @@ Also the bare block pools (``pagedkv.BlockPool`` vs vLLM's ``BlockPool`` with ca
 the same trace's block traffic: one allocate per admitted request, one batched allocate for the
 decodes that start a block, one free per finished request (``replay_common.run_pool``).
 
+What pagedkv's manager row computes per step is what vLLM's KV cache manager returns: each
+sequence's new block ids (plus lengths and block-table deltas); vLLM's model runner builds the
+per-token slot mapping on the GPU from its block tables. The row "+ per-token arrays" is the same
+replay with steps that also write the kernel-ready per-token slot mapping and input ids
+(``step(..., token_arrays=True)``, pagedkv's engine path; 16 bytes per scheduled token).
+
 Reported: µs per scheduler step (everything the system does for the step, see
 ``replay_common.py``) and ns per block operation, where the block operations of the trace are
 counted once, identically for every system (each block of each request obtained once and
@@ -44,6 +50,8 @@ import op_trace  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RUST_MANAGER = "core alone, Rust (sha256)"
+#: pagedkv's manager whose steps also write the per-token slot mapping and input ids.
+WITH_TOKEN_ARRAYS = "pagedkv (sha256) + per-token arrays"
 RUST_POOL = "core BlockPool, Rust"
 
 
@@ -126,6 +134,13 @@ def measure_trace(a: argparse.Namespace, name: str) -> dict[str, Any]:
     systems: list[tuple[str, str | None, str, list[str], int]] = [
         ("pagedkv (sha256)", sys.executable, "replay_pagedkv.py", ["--hash-algo", "sha256"], a.repeats),
         ("pagedkv (xxh3_128)", sys.executable, "replay_pagedkv.py", ["--hash-algo", "xxh3_128"], a.repeats),
+        (
+            WITH_TOKEN_ARRAYS,
+            sys.executable,
+            "replay_pagedkv.py",
+            ["--hash-algo", "sha256", "--token-arrays"],
+            a.repeats,
+        ),
         ("vLLM V1 KVCacheManager", a.vllm_python, "replay_vllm.py", [], a.baseline_repeats),
         (
             "nano-vllm BlockManager",
@@ -205,7 +220,9 @@ def measure_trace(a: argparse.Namespace, name: str) -> dict[str, Any]:
         rows,
         footnote="Same trace, same machine, same run; each system in its own subprocess; best of the repeats. "
         "CPU = thread CPU time (robust on a shared machine); wall = elapsed. 'x pagedkv': against "
-        "pagedkv (sha256) for managers, against pagedkv BlockPool for the bare pools. "
+        "pagedkv (sha256) for managers, against pagedkv BlockPool for the bare pools. pagedkv's "
+        "manager rows return block ids and table deltas (what vLLM's KV cache manager returns); "
+        "'+ per-token arrays' also writes the per-token slot mapping and input ids. "
         "The 'Rust' rows replay the same trace through the core with no Python "
         "(rust/core/examples/replay.rs). Targets: vLLM >= 20x and nano-vllm >= 5x pagedkv's ns per "
         "block op; vLLM BlockPool >= 5x pagedkv BlockPool; Python <= 2x Rust.",
@@ -299,6 +316,7 @@ def plot(per_trace: dict[str, dict[str, Any]], path: Path) -> Path:
     colors = {
         "pagedkv (sha256)": "#1971c2",
         "pagedkv (xxh3_128)": "#4dabf7",
+        WITH_TOKEN_ARRAYS: "#74c0fc",
         "vLLM V1 KVCacheManager": "#e8590c",
         "nano-vllm BlockManager": "#2f9e44",
         "pagedkv BlockPool": "#a5d8ff",

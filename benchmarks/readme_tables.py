@@ -507,7 +507,11 @@ def allocator_table(sources: dict[str, Source], run: dict[str, Any] | None) -> s
         f"commit `{(m.get('pagedkv_commit') or '?')[:12]}`, {m.get('when', 'date not recorded')}, "
         f"{m.get('cpus', '?')} CPUs, load average {load_s}; {vllm_ver} and nano-vllm beside it in the same run. "
         "CPU ns per block op (thread CPU time, best of the repeats), ~256 running sequences, block size 16, "
-        "prefix caching on (SHA-256); the ratio is the baseline's time over pagedkv's.",
+        "prefix caching on (SHA-256); the ratio is the baseline's time over pagedkv's. pagedkv's manager "
+        "returns what vLLM's KV cache manager returns (new block ids, lengths, block-table deltas; vLLM's "
+        "model runner builds slot mappings on the GPU); in brackets, the same steps also writing the "
+        "kernel-ready per-token slot mapping and input ids (`step(..., token_arrays=True)`, pagedkv's "
+        "engine path).",
         "",
         "| trace | pagedkv manager | vLLM KVCacheManager | nano-vllm | pagedkv BlockPool | vLLM BlockPool "
         "| Rust core alone: manager / pool | through Python ÷ Rust: manager / pool |",
@@ -516,9 +520,11 @@ def allocator_table(sources: dict[str, Source], run: dict[str, Any] | None) -> s
     for t in order:
         pk, vl, nv = best(t, "pagedkv (sha256)"), best(t, "vLLM V1 KVCacheManager"), best(t, "nano-vllm BlockManager")
         pp, vp = best(t, "pagedkv BlockPool"), best(t, "vLLM BlockPool")
+        pa = best(t, "pagedkv (sha256) + per-token arrays")
+        pk_cell = f"{_n(pk)} ({_n(pa)})" if pa else _n(pk)
         rm, rp = best(t, "core alone, Rust (sha256)"), best(t, "core BlockPool, Rust")
         lines.append(
-            f"| {names[t]} | {_n(pk)} | {_n(vl)} ({ratio(pk, vl)}) | {_n(nv)} ({ratio(pk, nv)}) | {_n(pp)} "
+            f"| {names[t]} | {pk_cell} | {_n(vl)} ({ratio(pk, vl)}) | {_n(nv)} ({ratio(pk, nv)}) | {_n(pp)} "
             f"| {_n(vp)} ({ratio(pp, vp)}) | {_n(rm)} / {_n(rp)} | "
             f"{(pk / rm if pk and rm else 0):.2f} / {(pp / rp if pp and rp else 0):.2f} |"
         )

@@ -197,13 +197,15 @@ def _schedule(trace: OpTrace) -> tuple[dict[int, int], dict[int, int]]:
     return a, f
 
 
-def main(replayer_factory) -> None:
+def main(replayer_factory, add_arguments=None) -> None:
     """Command-line entry of a replay script: parse args, replay, write the JSON result.
 
     ``replayer_factory(args)`` returns ``(Replayer, token_format)``; ``args`` has ``lib_path``
-    and ``hash_algo``.
+    and ``hash_algo``, plus whatever ``add_arguments(parser)`` adds (a system's own options).
     """
     ap = argparse.ArgumentParser()
+    if add_arguments is not None:
+        add_arguments(ap)
     ap.add_argument("--trace-file", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--repeats", type=int, default=3)

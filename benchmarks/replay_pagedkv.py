@@ -10,9 +10,13 @@ the admitted prompts' lengths) are built before the clock starts, as the token l
 every system: an engine holds them as arrays from its scheduler and sampler, so building them
 from Python ints inside the clock would time the replay's bookkeeping, not pagedkv. The Rust
 replay (``rust/core/examples/replay.rs``) builds the same inputs before its clock. So two
-crossings into Rust per step, plus one per new / finished request. ``step`` also builds the
-slot mapping, token ids and block-table changes of the batch (what the model runner needs to keep its block tables,
-``pagedkv.tensors.BlockTable``), which the other systems' managers leave to their model runners.
+crossings into Rust per step, plus one per new / finished request. ``step`` returns each
+sequence's new block ids, lengths and block-table changes (what a model runner needs to keep its
+block tables, ``pagedkv.tensors.BlockTable``): the output of vLLM's KV cache manager, whose
+model runner builds the per-token slot mapping on the GPU from its block tables. With
+``--token-arrays`` it also writes the kernel-ready per-token slot mapping and input ids (16 bytes
+per scheduled token, ``step(..., token_arrays=True)``, what pagedkv's own engine uses), which the
+other systems' managers leave to their model runners.
 The bare pool replay frees a finished request's blocks tail first in two calls (its decode ids
 reversed, then its prompt's array with ``free_table``, which releases it from its end) rather
 than concatenating them into one array first.
@@ -32,11 +36,12 @@ class PagedKVReplayer(Replayer):
 
     name = "pagedkv"
 
-    def __init__(self, hash_algo: str) -> None:
+    def __init__(self, hash_algo: str, token_arrays: bool = False) -> None:
         import pagedkv  # noqa: PLC0415
 
         self.pagedkv = pagedkv
         self.hash_algo = hash_algo
+        self.token_arrays = token_arrays
 
     def version(self) -> dict[str, Any]:
         import subprocess  # noqa: PLC0415
@@ -48,6 +53,7 @@ class PagedKVReplayer(Replayer):
             "version": getattr(self.pagedkv, "__version__", "unknown"),
             "commit": r.stdout.strip() or None,
             "hash": self.hash_algo,
+            "token_arrays": self.token_arrays,
             "python": sys.version.split()[0],
         }
 
@@ -86,14 +92,14 @@ class PagedKVReplayer(Replayer):
             ids, toks = dec
             if len(ids) != len(decode):
                 raise AssertionError(f"step {t}: prebuilt decode batch of {len(ids)}, replay has {len(decode)}")
-            out = mgr.step(ids, 1, toks)
+            out = mgr.step(ids, 1, toks, token_arrays=self.token_arrays)
             if out.error is not None:
                 raise RuntimeError(f"pagedkv decode step {t} failed: {out.error!r}")
         if admit:
             prompts = self.prompts
             for r in admit:
                 mgr.add_sequence(r, prompts[r])
-            out = mgr.step(admit, self.admit_lens[t])
+            out = mgr.step(admit, self.admit_lens[t], token_arrays=self.token_arrays)
             if out.error is not None:
                 raise RuntimeError(f"pagedkv prefill step {t} failed: {out.error!r}")
             self.cached_tokens += int(out.num_cached_tokens.sum())
@@ -134,8 +140,16 @@ class PagedKVReplayer(Replayer):
 
 
 def _factory(args):
-    return PagedKVReplayer(args.hash_algo or "sha256"), "numpy"
+    return PagedKVReplayer(args.hash_algo or "sha256", args.token_arrays), "numpy"
+
+
+def _arguments(ap) -> None:
+    ap.add_argument(
+        "--token-arrays",
+        action="store_true",
+        help="steps also write the per-token slot mapping and input ids (pagedkv's engine path)",
+    )
 
 
 if __name__ == "__main__":
-    main(_factory)
+    main(_factory, _arguments)

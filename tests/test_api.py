@@ -332,6 +332,48 @@ def test_step_decode_batch() -> None:
     assert [m.token_ids(s).tolist()[-1] for s in (1, 2, 3)] == [7, 8, 9]
 
 
+def test_step_without_token_arrays() -> None:
+    """``token_arrays=False``: the same blocks, lengths and table deltas as a full step, the
+    per-token arrays empty (``num_tokens`` still counts the scheduled tokens), and kernel inputs
+    refuse such a step without touching the block tables."""
+    full, lean = make(32, 4), make(32, 4)
+    for m in (full, lean):
+        m.add_sequence(1, list(range(10)))
+        m.add_sequence(2, list(range(6)))  # its first block is a prefix hit on seq 1's
+    outs = []
+    for m, token_arrays in ((full, True), (lean, False)):
+        prefill = m.step([1], 10, token_arrays=token_arrays)
+        hit = m.step([2], 6, token_arrays=token_arrays)
+        decode = m.step([1, 2], 1, [[10], [6]], token_arrays=token_arrays)
+        outs.append((prefill, hit, decode))
+    for a, b in zip(*outs):
+        assert b.error is None and b.num_scheduled == a.num_scheduled
+        assert b.num_tokens == a.num_tokens == a.slot_mapping.size
+        assert b.slot_mapping.size == 0 and b.input_ids.size == 0 and b.slot_mapping.dtype == np.int64
+        for name in (
+            "num_cached_tokens",
+            "query_start_loc",
+            "seq_lens",
+            "context_lens",
+            "new_block_ids",
+            "table_delta",
+        ):
+            assert getattr(b, name).tolist() == getattr(a, name).tolist(), name
+    assert [o.num_tokens for o in outs[1]] == [10, 2, 2]
+    assert outs[1][1].num_cached_tokens.tolist() == [4]
+    assert "num_tokens=10" in repr(outs[1][0])
+    for s in (1, 2):
+        assert lean.block_table(s).tolist() == full.block_table(s).tolist()
+    assert repr(lean.stats()) == repr(full.stats())
+
+    from pagedkv.tensors import BatchTensors, BlockTable
+
+    table = BlockTable(lean)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="token_arrays=False"):
+        BatchTensors.from_steps(outs[1][2], block_tables=table)
+    assert table.num_rows == 0
+
+
 def test_step_prefill_with_lists_and_per_seq_limits() -> None:
     m = make(32, 4)
     m.add_sequence(10, list(range(6)))

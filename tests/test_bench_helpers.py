@@ -3,6 +3,7 @@ the reservation policies, Mooncake token expansion and the operation-trace build
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -390,6 +391,11 @@ def test_readme_allocator_vllm_and_cluster_blocks(tmp_path):
     assert "load average 5.0 / 5.1 / 4.2" in alloc
     assert "| Mooncake | 100 | 2,500 (25.0×) | 600 (6.0×) | 20.0 | 110 (5.5×) | 80.0 / 10.0 | 1.25 / 2.00 |" in alloc
     assert "Cost against scale: not run (`benchmarks/scaling.py`)." in alloc
+    # The same steps also writing per-token arrays, when measured, in brackets after pagedkv's figure.
+    spd = json.loads((tmp_path / "allocator_speed.json").read_text())
+    spd["traces"]["mooncake"]["results"]["pagedkv (sha256) + per-token arrays"] = {"best": {"ns_per_block_op": 130.0}}
+    _write(tmp_path, "allocator_speed", spd)
+    assert "| Mooncake | 100 (130) | 2,500 (25.0×) |" in rt.readme_blocks(tmp_path, None, {})["allocator"]
     vs = blocks["vllm_scheduler"]
     assert "| 256 decoding requests | vLLM 0.33.0 stock | 2,000 | 1,000 | 3,000 | 50.0% (1,500) |" in vs
     assert "| | `PagedKVScheduler` | 1,000 | 500 | 1,500 (2.00×) | 12.5% (188), 4.0× lower |" in vs
@@ -449,5 +455,5 @@ def test_run_all_summary_only_rewrites_every_readme_block_from_the_committed_res
     if "allocator_speed" in names:
         spd = json.loads((tmp_path / "allocator_speed.json").read_text())
         ns = spd["traces"]["mooncake"]["results"]["pagedkv (sha256)"]["best"]["ns_per_block_op"]
-        assert f"| Mooncake | {run_all.readme_tables._n(ns)} |" in text
+        assert f"| Mooncake | {run_all.readme_tables._n(ns)} " in text
     assert (tmp_path / "SUMMARY.md").exists()

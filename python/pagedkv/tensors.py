@@ -400,8 +400,9 @@ class BatchTensors:
                 ``swap_in`` run in this step (``None``: none); kept on the host.
 
         Raises:
-            InvalidArgumentError: a step that is not a core :class:`pagedkv.StepOutput`, or
-                ``block_tables`` that is not a :class:`BlockTable`.
+            InvalidArgumentError: a step that is not a core :class:`pagedkv.StepOutput` or
+                has no per-token arrays (made with ``token_arrays=False``), or
+                ``block_tables`` that is not a :class:`BlockTable`; nothing changed.
         """
         parts = [steps] if isinstance(steps, StepOutput) else list(steps)
         for i, p in enumerate(parts):
@@ -411,6 +412,14 @@ class BatchTensors:
                     p,
                     "expected a pagedkv.StepOutput (build kernel inputs from "
                     "other arrays with dense_block_table, slot_mapping, ...)",
+                )
+            if p.slot_mapping.size != p.num_tokens:
+                raise _bad(
+                    f"steps[{i}]",
+                    p,
+                    f"it schedules {p.num_tokens} tokens but has {p.slot_mapping.size} "
+                    "slots: a step made with token_arrays=False has no per-token arrays to build "
+                    "kernel inputs from",
                 )
         if not isinstance(block_tables, BlockTable):
             raise _bad("block_tables", block_tables, "expected a pagedkv.tensors.BlockTable")

@@ -3,7 +3,7 @@
 //! is compared against.
 //!
 //! Run: `cargo run --release -p pagedkv-core --example replay -- TRACE.json TOKENS.bin
-//! [--repeats N] [--hash-algo sha256|xxh3_128] [--mode manager|pool] [--phases]`.
+//! [--repeats N] [--hash-algo sha256|xxh3_128] [--mode manager|pool] [--token-arrays] [--phases]`.
 //!
 //! Inputs: `TRACE.json` is `OpTrace.save` (per step the requests admitted / finished, prompt and
 //! output lengths, pool size, block size, the trace's block-op count); `TOKENS.bin` is
@@ -11,7 +11,9 @@
 //! output tokens.
 //!
 //! The calls per step are those of the Python replay (block tables as deltas, no dense copy:
-//! [`StepOptions::skip_block_table`], the binding's default): one batched [`KvCacheManager::step`] for
+//! [`StepOptions::skip_block_table`], the binding's default; no per-token slot mapping and input
+//! ids unless `--token-arrays`: [`StepOptions::skip_token_arrays`], as the Python replay's
+//! default): one batched [`KvCacheManager::step`] for
 //! the running sequences (one appended token and one slot each), `add_sequence` + one batched
 //! `step` for the admitted prompts, `free` for the finished ones. `--mode pool` replays only the
 //! block traffic on a bare [`BlockPool`] (`replay_common.run_pool`'s schedule: one allocate per
@@ -133,7 +135,7 @@ impl Run {
     }
 }
 
-fn replay_manager(tr: &Trace, algo: HashAlgo) -> (Run, u64) {
+fn replay_manager(tr: &Trace, algo: HashAlgo, token_arrays: bool) -> (Run, u64) {
     let mut cfg = CacheConfig::new(tr.num_blocks, tr.block_size);
     cfg.hash_algo = algo;
     let mgr = KvCacheManager::new(cfg).expect("config");
@@ -141,9 +143,10 @@ fn replay_manager(tr: &Trace, algo: HashAlgo) -> (Run, u64) {
     let mut sampled = vec![0usize; tr.prompt_lens.len()];
     let mut run = Run::default();
     let mut cached_tokens = 0u64;
-    // As the Python binding's default: block tables as deltas only, no dense copy.
+    // As the Python replay: block tables as deltas only, no dense copy.
     let delta_only = StepOptions {
         skip_block_table: true,
+        skip_token_arrays: !token_arrays,
     };
     let wall = Instant::now();
     for (adm, fin) in tr.admit.iter().zip(&tr.finish) {
@@ -281,6 +284,7 @@ fn main() {
     let mut algo = HashAlgo::Sha256;
     let mut mode = "manager".to_string();
     let mut phases = false;
+    let mut token_arrays = false;
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
@@ -294,11 +298,12 @@ fn main() {
             }
             "--mode" => mode = it.next().expect("--mode manager|pool").clone(),
             "--phases" => phases = true,
+            "--token-arrays" => token_arrays = true,
             _ => positional.push(a.clone()),
         }
     }
     let [trace_path, tokens_path] = positional.as_slice() else {
-        eprintln!("usage: replay TRACE.json TOKENS.bin [--repeats N] [--hash-algo sha256|xxh3_128] [--mode manager|pool] [--phases]");
+        eprintln!("usage: replay TRACE.json TOKENS.bin [--repeats N] [--hash-algo sha256|xxh3_128] [--mode manager|pool] [--token-arrays] [--phases]");
         std::process::exit(2);
     };
     let tr = load(trace_path, tokens_path);
@@ -307,7 +312,7 @@ fn main() {
     for _ in 0..repeats.max(1) {
         let run = match mode.as_str() {
             "manager" => {
-                let (run, c) = replay_manager(&tr, algo);
+                let (run, c) = replay_manager(&tr, algo, token_arrays);
                 cached = c;
                 run
             }
@@ -323,6 +328,7 @@ fn main() {
         "system": "pagedkv-core (Rust, no Python)",
         "mode": mode,
         "hash": if mode == "pool" { "none (bare pool)" } else { algo.name() },
+        "token_arrays": token_arrays,
         "repeats": runs.len(),
         "best": {
             "cpu_total_ns": best.cpu_ns(),

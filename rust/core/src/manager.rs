@@ -256,6 +256,11 @@ pub struct StepOptions {
     /// [`StepOutput::table_delta`]), copying every scheduled table out each step would be
     /// O(scheduled sequences x longest table) wasted work.
     pub skip_block_table: bool,
+    /// Leave the per-token arrays [`StepOutput::slot_mapping`] and [`StepOutput::input_ids`]
+    /// empty: for callers that build them on the device from the block tables and positions
+    /// (as vLLM's model runner does), or that need only the block ids (a scheduler). A long
+    /// prefill otherwise writes 16 bytes per token into fresh memory.
+    pub skip_token_arrays: bool,
 }
 
 impl StepOutput {
@@ -894,8 +899,8 @@ impl KvCacheManager {
             num_cached_tokens: Vec::with_capacity(n),
             context_lens: Vec::with_capacity(n),
             seq_lens: Vec::with_capacity(n),
-            slot_mapping: Vec::with_capacity(n),
-            input_ids: Vec::with_capacity(n),
+            slot_mapping: Vec::with_capacity(if opts.skip_token_arrays { 0 } else { n }),
+            input_ids: Vec::with_capacity(if opts.skip_token_arrays { 0 } else { n }),
             table_start: Vec::with_capacity(n),
             table_version: Vec::with_capacity(n),
             table_delta_indptr: Vec::with_capacity(n + 1),
@@ -925,20 +930,22 @@ impl KvCacheManager {
         }
         // Size the token-indexed outputs once: a prefill of long prompts would otherwise grow
         // them by repeated doubling (copies and page faults inside the step).
-        let mut max_tokens = 0usize;
-        for (i, slot) in slots.iter().enumerate() {
-            let Some(slot) = *slot else { break };
-            let s = st.seqs.at_slot(slot);
-            let appended = if req.append_indptr.is_empty() {
-                0
-            } else {
-                (req.append_indptr[i + 1] - req.append_indptr[i]) as usize
-            };
-            max_tokens += (req.num_new_tokens[i] as usize)
-                .min((s.tokens.len() + appended).saturating_sub(s.num_computed));
+        if !opts.skip_token_arrays {
+            let mut max_tokens = 0usize;
+            for (i, slot) in slots.iter().enumerate() {
+                let Some(slot) = *slot else { break };
+                let s = st.seqs.at_slot(slot);
+                let appended = if req.append_indptr.is_empty() {
+                    0
+                } else {
+                    (req.append_indptr[i + 1] - req.append_indptr[i]) as usize
+                };
+                max_tokens += (req.num_new_tokens[i] as usize)
+                    .min((s.tokens.len() + appended).saturating_sub(s.num_computed));
+            }
+            out.slot_mapping.reserve(max_tokens);
+            out.input_ids.reserve(max_tokens);
         }
-        out.slot_mapping.reserve(max_tokens);
-        out.input_ids.reserve(max_tokens);
         self.prehash_prompts(st, req, &slots);
         for (i, (&seq, &slot)) in req.seq_ids.iter().zip(&slots).enumerate() {
             let Some(slot) = slot else {
@@ -975,17 +982,19 @@ impl KvCacheManager {
             out.query_start_loc.push(out.query_start_loc[i] + q as i32);
             out.context_lens.push(ctx as i32);
             out.seq_lens.push((ctx + q) as i32);
-            // Block by block: each run of consecutive slots costs one division, not one per token.
-            let mut pos = ctx;
-            while pos < ctx + q {
-                let off = pos % bs;
-                let run = (bs - off).min(ctx + q - pos);
-                let base = i64::from(s.blocks[pos / bs]) * bs as i64 + off as i64;
-                out.slot_mapping.extend((0..run as i64).map(|j| base + j));
-                pos += run;
+            if !opts.skip_token_arrays {
+                // Block by block: each run of consecutive slots costs one division, not one per token.
+                let mut pos = ctx;
+                while pos < ctx + q {
+                    let off = pos % bs;
+                    let run = (bs - off).min(ctx + q - pos);
+                    let base = i64::from(s.blocks[pos / bs]) * bs as i64 + off as i64;
+                    out.slot_mapping.extend((0..run as i64).map(|j| base + j));
+                    pos += run;
+                }
+                out.input_ids
+                    .extend(s.tokens[ctx..ctx + q].iter().map(|&t| i64::from(t)));
             }
-            out.input_ids
-                .extend(s.tokens[ctx..ctx + q].iter().map(|&t| i64::from(t)));
             out.new_block_ids
                 .extend(alloc.new_block_ids.iter().map(|&b| b as i32));
             out.new_block_indptr.push(out.new_block_ids.len() as i32);

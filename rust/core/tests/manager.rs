@@ -508,6 +508,7 @@ fn multimodal_items_key_the_blocks_they_overlap() {
 fn step_without_block_table_takes_the_same_blocks() {
     let skip = StepOptions {
         skip_block_table: true,
+        ..Default::default()
     };
     let full = manager(16, 4);
     let lean = manager(16, 4);
@@ -542,6 +543,59 @@ fn step_without_block_table_takes_the_same_blocks() {
     }
     assert_eq!(lean.block_table(1).unwrap(), vec![1, 2]);
     assert_eq!(lean.block_table(2).unwrap(), vec![3]);
+}
+
+/// Without the per-token arrays a step takes the same blocks, reports the same tables and
+/// lengths, and leaves the same state (a prefix hit and decodes that start blocks included).
+#[test]
+fn step_without_token_arrays_takes_the_same_blocks() {
+    let skip = StepOptions {
+        skip_token_arrays: true,
+        ..Default::default()
+    };
+    let full = manager(16, 4);
+    let lean = manager(16, 4);
+    for m in [&full, &lean] {
+        m.add_sequence(1, &toks(0, 6), spec()).unwrap();
+        m.add_sequence(2, &toks(0, 7), spec()).unwrap();
+    }
+    let first = StepRequest {
+        seq_ids: vec![1],
+        num_new_tokens: vec![6],
+        ..Default::default()
+    };
+    let second = StepRequest {
+        seq_ids: vec![2],
+        num_new_tokens: vec![7],
+        ..Default::default()
+    };
+    let decode = StepRequest {
+        seq_ids: vec![1, 2],
+        num_new_tokens: vec![1, 1],
+        append_indptr: vec![0, 1, 2],
+        append_tokens: vec![7, 8],
+    };
+    for req in [&first, &second, &decode, &decode] {
+        let a = full.step(req);
+        let b = lean.step_with(req, skip);
+        assert!(!a.slot_mapping.is_empty() && a.error.is_none());
+        assert_eq!(
+            StepOutput {
+                slot_mapping: Vec::new(),
+                input_ids: Vec::new(),
+                ..a
+            },
+            b
+        );
+    }
+    for seq in [1, 2] {
+        assert_eq!(
+            full.block_table(seq).unwrap(),
+            lean.block_table(seq).unwrap()
+        );
+    }
+    assert_eq!(full.stats(), lean.stats());
+    lean.check_invariants().unwrap();
 }
 
 /// The table delta of each step: a decode that starts a block reports only it, a fork child

@@ -116,13 +116,18 @@ pub(crate) struct PyStepOutput {
     /// ``int32[S]`` tokens with KV present before this step.
     #[pyo3(get)]
     context_lens: Py<PyArray1<i32>>,
+    /// Tokens scheduled in this step (``query_start_loc[-1]``), also when the per-token arrays
+    /// were left empty (``step(..., token_arrays=False)``).
+    #[pyo3(get)]
+    num_tokens: usize,
     /// The longest ``seq_lens`` entry (tokens; 0 when nothing was scheduled).
     #[pyo3(get)]
     max_seq_len: usize,
     /// The longest query (``query_start_loc`` step; tokens; 0 when nothing was scheduled).
     #[pyo3(get)]
     max_query_len: usize,
-    /// ``int64[T]`` KV slot of each scheduled token: ``block_id * block_size + offset``.
+    /// ``int64[T]`` KV slot of each scheduled token: ``block_id * block_size + offset``
+    /// (``T`` = ``num_tokens``; empty after ``step(..., token_arrays=False)``).
     #[pyo3(get)]
     slot_mapping: Py<PyArray1<i64>>,
     /// ``int32[S + 1]`` CSR offsets into ``new_block_ids``.
@@ -134,7 +139,8 @@ pub(crate) struct PyStepOutput {
     /// ``int32[c, 2]`` copy-on-write ``(src, dst)`` pairs, to run before the K/V writes.
     #[pyo3(get)]
     copies: Py<PyArray2<i32>>,
-    /// ``int64[T]`` token id of each scheduled token, in ``slot_mapping`` order.
+    /// ``int64[T]`` token id of each scheduled token, in ``slot_mapping`` order (empty after
+    /// ``step(..., token_arrays=False)``).
     #[pyo3(get)]
     input_ids: Py<PyArray1<i64>>,
     /// ``int32[S, W]`` the scheduled sequences' full block tables, one row each, padded with
@@ -180,7 +186,7 @@ impl PyStepOutput {
         format!(
             "StepOutput(num_scheduled={}, num_tokens={}, new_blocks={}, copies={}, error={})",
             self.num_scheduled,
-            self.slot_mapping.bind(py).len(),
+            self.num_tokens,
             self.new_block_ids.bind(py).len(),
             self.copies.bind(py).shape()[0],
             match &self.error {
@@ -587,7 +593,11 @@ impl PyKvCacheManager {
     /// ``block_table=True`` also copies out every scheduled sequence's whole table as one dense
     /// padded ``int32[S, W]`` matrix (``StepOutput.block_table``; O(S x longest table)); by
     /// default it is empty (shape ``(0, 0)``).
-    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, block_table = false))]
+    /// ``token_arrays=False`` leaves the per-token ``slot_mapping`` and ``input_ids`` empty
+    /// (``int64[0]``): for a caller that needs only block ids and lengths (a scheduler, or a
+    /// model runner that builds slot mappings on the device from the block tables), it saves
+    /// 16 bytes of fresh memory per scheduled token.
+    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, block_table = false, token_arrays = true))]
     fn step(
         &self,
         py: Python<'_>,
@@ -595,6 +605,7 @@ impl PyKvCacheManager {
         num_new_tokens: &Bound<'_, PyAny>,
         append_token_ids: Option<&Bound<'_, PyAny>>,
         block_table: bool,
+        token_arrays: bool,
     ) -> PyResult<PyStepOutput> {
         let seq_ids = crate::convert::seq_ids(seq_ids, "seq_ids")?;
         let num_new_tokens = step_num_new_tokens(num_new_tokens, seq_ids.len())?;
@@ -608,6 +619,7 @@ impl PyKvCacheManager {
         let m = &self.inner;
         let opts = StepOptions {
             skip_block_table: !block_table,
+            skip_token_arrays: !token_arrays,
         };
         let out = py.detach(|| m.step_with(&req, opts));
         let error = match &out.error {
@@ -623,6 +635,7 @@ impl PyKvCacheManager {
             .unwrap_or(0)
             .max(0) as usize;
         Ok(PyStepOutput {
+            num_tokens: out.query_start_loc.last().copied().unwrap_or(0).max(0) as usize,
             max_seq_len,
             max_query_len,
             num_scheduled: out.num_scheduled,

@@ -689,7 +689,7 @@ class PagedKVCacheManager:
         (context lengths, new block ids, their CSR offsets), or None when ``seqs`` repeats a
         sequence (the step refuses that as a whole, changing nothing). Raises
         ``RuntimeError`` if pagedkv refuses anything else."""
-        out = self._kvm.step(seqs, [len(r) for r in rows], rows, block_table=False)
+        out = self._kvm.step(seqs, [len(r) for r in rows], rows, token_arrays=False)
         if out.num_scheduled == 0 and len(set(seqs)) != len(seqs):
             return None
         if out.num_scheduled != len(seqs):
