@@ -18,6 +18,26 @@ pub(crate) fn bad(
     to_pyerr(py, &bad_arg(arg, value, reason))
 }
 
+/// A keyword flag: a Python bool or numpy.bool_, ``default`` when absent or None; anything
+/// else (``0``, ``"no"``) is an ``InvalidArgumentError`` naming ``arg``, not a silent truthiness.
+pub(crate) fn flag(
+    obj: Option<&Bound<'_, PyAny>>,
+    arg: &'static str,
+    default: bool,
+) -> PyResult<bool> {
+    match obj.filter(|o| !o.is_none()) {
+        None => Ok(default),
+        Some(o) => o.extract::<bool>().map_err(|_| {
+            bad(
+                o.py(),
+                arg,
+                repr(o),
+                format!("expected a bool, got {}", type_name(o)),
+            )
+        }),
+    }
+}
+
 pub(crate) fn repr(obj: &Bound<'_, PyAny>) -> String {
     obj.repr()
         .map(|r| r.to_string())

@@ -596,17 +596,23 @@ impl PyKvCacheManager {
     /// ``token_arrays=False`` leaves the per-token ``slot_mapping`` and ``input_ids`` empty
     /// (``int64[0]``): for a caller that needs only block ids and lengths (a scheduler, or a
     /// model runner that builds slot mappings on the device from the block tables), it saves
-    /// 16 bytes of fresh memory per scheduled token.
-    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, block_table = false, token_arrays = true))]
+    /// 16 bytes of fresh memory per scheduled token. Either flag takes a bool or numpy.bool_
+    /// (None: its default); anything else is an ``InvalidArgumentError``.
+    // The flags are read by hand so that a wrong type (``token_arrays=0``) is an
+    // InvalidArgumentError naming the argument, as for every other argument of ``step``.
+    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, block_table = None, token_arrays = None),
+           text_signature = "(self, seq_ids, num_new_tokens, append_token_ids=None, *, block_table=False, token_arrays=True)")]
     fn step(
         &self,
         py: Python<'_>,
         seq_ids: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
         append_token_ids: Option<&Bound<'_, PyAny>>,
-        block_table: bool,
-        token_arrays: bool,
+        block_table: Option<&Bound<'_, PyAny>>,
+        token_arrays: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyStepOutput> {
+        let block_table = crate::convert::flag(block_table, "block_table", false)?;
+        let token_arrays = crate::convert::flag(token_arrays, "token_arrays", true)?;
         let seq_ids = crate::convert::seq_ids(seq_ids, "seq_ids")?;
         let num_new_tokens = step_num_new_tokens(num_new_tokens, seq_ids.len())?;
         let (append_indptr, append_tokens) = step_appends(append_token_ids, seq_ids.len())?;
