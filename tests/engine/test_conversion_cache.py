@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,8 @@ def test_conversions_of_deleted_files_go_and_live_ones_stay(tmp_path: Path, cach
     # A conversion written by an older pagedkv (no source record) is stale.
     legacy = cache_root / "model-fedcba9876543210"
     legacy.mkdir()
-    (legacy / "model.safetensors").write_bytes(b"old")
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (legacy / name).write_bytes(b"old")
     # A damaged record counts as stale too.
     damaged = cache_root / "model-00000000000000aa"
     damaged.mkdir()
@@ -104,3 +106,103 @@ def test_convert_cache_false_neither_converts_nor_prunes(tmp_path: Path, cache_r
     src = _gguf(tmp_path / "m")
     assert loader._usable_source(src, convert_cache=False) == src
     assert conversions == [] and legacy.exists()
+
+
+def _user_folder(path: Path, *names: str) -> Path:
+    path.mkdir(parents=True)
+    for name in names:
+        (path / name).write_bytes(b"user data")
+    return path
+
+
+def test_prune_never_removes_what_it_did_not_convert(tmp_path: Path, cache_root: Path):
+    """PAGEDKV_CACHE_DIR pointed at a folder of the user's: folders named like a conversion
+    (a model id plus a 16-hex commit prefix) but holding anything a conversion does not write,
+    symlinks to folders elsewhere, files, and a stale conversion's symlinks are all kept."""
+    elsewhere = _user_folder(tmp_path / "models" / "m-0123456789abcdef", "config.json", "model.safetensors")
+    kept = [
+        # a model snapshot of the user's: a conversion's files plus a README
+        _user_folder(cache_root / "mymodel-1a2b3c4d5e6f7a8b", "config.json", "model.safetensors", "README.md"),
+        _user_folder(cache_root / "foo-0123456789abcdef", "notes.txt"),  # no weights
+        _user_folder(cache_root / "w-00000000000000cd", "model.safetensors"),  # no config.json
+        _user_folder(cache_root / "x-00000000000000ce", "config.json", "model-00001-of-00002.safetensors"),
+    ]
+    nested = _user_folder(cache_root / "y-00000000000000cf", "config.json", "model.safetensors")
+    _user_folder(nested / "checkpoints", "model.safetensors")  # a subfolder: not a conversion
+    kept.append(nested)
+    link = cache_root / "link-00000000000000ab"
+    link.symlink_to(elsewhere)  # looks like a legacy conversion through the link; still kept
+    file = cache_root / "bar-00000000000000ac"
+    file.write_text("a file, not a folder")
+    # A stale conversion of ours holding a symlink out: the link goes, never its target.
+    stale = _user_folder(cache_root / "model-00000000000000ad", "config.json", "model.safetensors")
+    (stale / loader._SOURCE_RECORD).write_text(
+        json.dumps({"path": str(tmp_path / "gone.gguf"), "size": 1, "mtime_ns": 1})
+    )
+    (stale / "escape").symlink_to(elsewhere)
+    # Another process's conversion of that same gone file, not yet renamed into place.
+    in_flight = Path(tempfile.mkdtemp(prefix=stale.name + ".tmp", dir=cache_root))
+    for f in stale.iterdir():
+        if f.is_file() and not f.is_symlink():
+            (in_flight / f.name).write_bytes(f.read_bytes())
+
+    assert loader._prune_stale_conversions(cache_root) == [stale]
+    assert sorted(cache_root.iterdir()) == sorted([*kept, link, file, in_flight])
+    assert len(list(in_flight.iterdir())) == 3
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["config.json", "model.safetensors"]
+    assert all(sorted(p.name for p in k.iterdir()) for k in kept)
+
+
+def test_a_source_that_cannot_be_read_is_not_taken_for_gone(
+    tmp_path: Path, cache_root: Path, monkeypatch: pytest.MonkeyPatch
+):
+    src = _gguf(tmp_path / "m")
+    conversion = _user_folder(cache_root / "model-0123456789abcdef", "config.json", "model.safetensors")
+    (conversion / loader._SOURCE_RECORD).write_text(json.dumps(loader._source_stamp(src.folder / "model.gguf")))
+    real_stamp = loader._source_stamp
+
+    def no_permission(f: Path) -> dict[str, object]:
+        raise PermissionError(13, "Permission denied", str(f))
+
+    monkeypatch.setattr(loader, "_source_stamp", no_permission)
+    assert loader._prune_stale_conversions(cache_root) == [] and conversion.exists()
+    monkeypatch.setattr(loader, "_source_stamp", real_stamp)
+    (src.folder / "model.gguf").unlink()
+    assert loader._prune_stale_conversions(cache_root) == [conversion]
+
+
+def test_a_cache_it_cannot_prune_does_not_fail_the_load(
+    tmp_path: Path, cache_root: Path, conversions: list[Path], monkeypatch: pytest.MonkeyPatch
+):
+    """A read-only cache (rmtree fails) or an unreadable one (listing fails): nothing is
+    reported removed and the conversion goes ahead."""
+    stale = _user_folder(cache_root / "model-0123456789abcdef", "config.json", "model.safetensors")
+    monkeypatch.setattr(loader.shutil, "rmtree", lambda path, ignore_errors=False: None)
+    assert loader._prune_stale_conversions(cache_root) == [] and stale.exists()
+
+    def unreadable(self: Path) -> object:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "iterdir", unreadable)
+    assert loader._prune_stale_conversions(cache_root) == []
+    src = _gguf(tmp_path / "m")
+    assert loader._usable_source(src, convert_cache=True).folder == conversions[0]
+
+
+def test_a_source_through_a_symlink_or_a_relative_path_keeps_its_conversion(
+    tmp_path: Path, cache_root: Path, conversions: list[Path], monkeypatch: pytest.MonkeyPatch
+):
+    real = _gguf(tmp_path / "store")
+    (tmp_path / "venv").mkdir()
+    (tmp_path / "venv" / "model.gguf").symlink_to(real.folder / "model.gguf")
+    monkeypatch.chdir(tmp_path)
+    through_link = loader._usable_source(ModelSource(Path("venv"), "model.gguf"), convert_cache=True).folder
+    # The record names the real file, absolute: a later prune from elsewhere keeps it.
+    record = json.loads((through_link / loader._SOURCE_RECORD).read_text())
+    assert record["path"] == str((real.folder / "model.gguf").resolve())
+    monkeypatch.chdir(cache_root)
+    assert loader._prune_stale_conversions(cache_root) == []
+    assert loader._usable_source(real, convert_cache=True).folder == through_link  # same key
+    # The link removed, the real file stays: the conversion is still of a live file.
+    (tmp_path / "venv" / "model.gguf").unlink()
+    assert loader._prune_stale_conversions(cache_root) == [] and conversions == [through_link]

@@ -132,6 +132,15 @@ def _cache_folder(src: ModelSource) -> Path:
 _SOURCE_RECORD = "pagedkv-source.json"
 #: A converted folder's name: the GGUF file's stem, a dash, 16 hex digits of the key.
 _CONVERTED_NAME = re.compile(r".+-[0-9a-f]{16}")
+#: The files a conversion writes besides the record: the config, the weights and what a
+#: tokenizer's ``save_pretrained`` leaves. A folder without a record is taken for a conversion
+#: by an older pagedkv only if it holds these and nothing else (a user's own model folder has
+#: a README, a .gitattributes, sharded weights...).
+_CONVERTED_FILE = re.compile(
+    r"config\.json|model\.safetensors|generation_config\.json|chat_template\.jinja"
+    r"|special_tokens_map\.json|added_tokens\.json|vocab\.json|merges\.txt|tokenizer(_config)?\.json"
+    r"|tokenizer\.model"
+)
 
 
 def _source_stamp(f: Path) -> dict[str, Any]:
@@ -140,34 +149,62 @@ def _source_stamp(f: Path) -> dict[str, Any]:
     return {"path": str(f.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
+def _is_legacy_conversion(entry: Path) -> bool:
+    """Whether ``entry`` (no source record) holds exactly what an older pagedkv's conversion
+    wrote: config.json and model.safetensors, plus only tokenizer files, as plain files."""
+    files = list(entry.iterdir())
+    names = {f.name for f in files}
+    return (
+        {"config.json", "model.safetensors"} <= names
+        and all(_CONVERTED_FILE.fullmatch(f.name) for f in files)
+        and all(f.is_file() and not f.is_symlink() for f in files)
+    )
+
+
 def _is_stale(entry: Path) -> bool:
     """Whether ``entry`` is a converted folder (ours) whose GGUF source is gone or changed.
 
-    A folder named like ours with converted files but no source record (written by an older
-    pagedkv) counts as stale; anything else in the cache root is not ours and is kept."""
-    if not (entry.is_dir() and _CONVERTED_NAME.fullmatch(entry.name)):
+    Ours means: a real folder (not a symlink) named like ours holding a source record, or,
+    written by an older pagedkv without one, holding only the files a conversion writes (see
+    :func:`_is_legacy_conversion`); such a folder counts as stale. A source that exists but
+    cannot be read (no permission) is not taken for gone. Anything else is kept."""
+    if entry.is_symlink() or not (entry.is_dir() and _CONVERTED_NAME.fullmatch(entry.name)):
         return False
     record_file = entry / _SOURCE_RECORD
     if not record_file.is_file():
-        return (entry / "model.safetensors").is_file()
+        return _is_legacy_conversion(entry)
     try:
         record = json.loads(record_file.read_text())
-        return bool(_source_stamp(Path(record["path"])) != record)
-    except (OSError, ValueError, KeyError, TypeError):  # source gone, or a damaged record
+        source = Path(record["path"])
+    except (ValueError, KeyError, TypeError):  # a damaged record
+        return True
+    try:
+        return bool(_source_stamp(source) != record)
+    except (FileNotFoundError, NotADirectoryError):  # the source is gone
         return True
 
 
 def _prune_stale_conversions(root: Path) -> list[Path]:
     """Remove every converted folder under ``root`` whose source GGUF file is gone or changed
-    (see :func:`_is_stale`); folders being written (``*.tmp*``) are left alone.
+    (see :func:`_is_stale`); folders being written (``*.tmp*``) are left alone. Best effort:
+    an entry that cannot be read or removed (a read-only cache) is skipped, never raised.
 
     Returns:
         The folders removed.
     """
+    try:
+        entries = sorted(root.iterdir()) if root.is_dir() else []
+    except OSError:
+        return []
     removed = []
-    for entry in sorted(root.iterdir()) if root.is_dir() else []:
-        if _is_stale(entry):
-            shutil.rmtree(entry, ignore_errors=True)
+    for entry in entries:
+        try:
+            if not _is_stale(entry):
+                continue
+        except OSError:  # unreadable: not ours to judge
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        if not os.path.lexists(entry):
             removed.append(entry)
     return removed
 
