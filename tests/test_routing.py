@@ -249,7 +249,7 @@ def test_vllm_map_events_decode_to_the_array_form_and_apply() -> None:
     assert wire.apply_payload(ix, 9, 1, b2) == "applied"
     assert ix.overlap(toks + [0]) == {9: 2}  # the third block was stored under LoRA 7
     assert wire.decode_event_batch(enc.encode(_MBatch(3.0, [_MRemoved([12], "GPU")]))).events == [
-        ["BlockRemoved", [12], "GPU"]
+        ["BlockRemoved", [12], "GPU", None, None, None]
     ]
     assert wire.apply_payload(ix, 9, 2, enc.encode(_MBatch(3.0, [_MRemoved([12], "GPU")]))) == "applied"
     assert ix.overlap(toks + [0]) == {9: 1}
@@ -389,6 +389,44 @@ def test_vllm_blocks_hashed_with_lookahead_tokens_are_not_indexed() -> None:
     off = {**ev, "block_hashes": [21, 22, 23], "lookahead_token_ids": None}
     assert wire.apply_payload(ix, 9, 1, msgspec.msgpack.encode([1.0, [off]])) == "applied"
     assert ix.overlap(toks + [0]) == {9: 3}
+
+
+def test_only_the_first_kv_cache_group_of_a_vllm_worker_is_indexed() -> None:
+    """A hybrid model publishes each block once per KV cache group (``group_idx``) under the
+    same hash; a sliding-window group frees early blocks the full-attention group still holds.
+    Events of groups other than the first change nothing; a malformed ``group_idx`` is refused
+    with nothing applied, whatever the group."""
+    toks = list(range(1, 13))
+    ix = pagedkv.KVIndexer(4)
+    ix.add_worker(9, hash_source="tokens")
+    stored = {
+        "type": "BlockStored",
+        "block_hashes": [11, 12, 13],
+        "parent_block_hash": None,
+        "token_ids": toks,
+        "block_size": 4,
+    }
+
+    def send(seq: int, *events: dict[str, object]) -> str:
+        return wire.apply_payload(ix, 9, seq, msgspec.msgpack.encode([1.0, list(events)]))
+
+    assert send(0, {**stored, "group_idx": 1}) == "applied"  # another group only: not indexed
+    assert ix.overlap(toks + [0]) == {9: 0} and ix.worker_status(9)["next_seq"] == 1  # type: ignore[index]
+    assert send(1, {**stored, "group_idx": 0}, {**stored, "group_idx": 1}) == "applied"
+    assert ix.overlap(toks + [0]) == {9: 3}
+    removed = {"type": "BlockRemoved", "block_hashes": [11, 12], "medium": "GPU", "group_idx": 1}
+    assert wire.decode_event_batch(msgspec.msgpack.encode([1.0, [removed]])).events[0][3] == 1
+    assert send(2, removed) == "applied"  # the sliding-window group let go of them, group 0 did not
+    assert ix.overlap(toks + [0]) == {9: 3}
+    for bad in ("1", 1.5, True, -1):
+        for ev in ({**stored, "group_idx": bad}, {**removed, "group_idx": bad}):
+            with pytest.raises(pagedkv.InvalidArgumentError, match="group_idx"):
+                send(3, ev)
+    with pytest.raises(pagedkv.InvalidArgumentError):  # malformed tokens in another group's event
+        send(3, {**stored, "group_idx": 2, "token_ids": "x"})
+    assert ix.worker_status(9)["next_seq"] == 3  # type: ignore[index]
+    assert send(3, {**removed, "group_idx": None}) == "applied"  # None: the only group
+    assert ix.overlap(toks + [0]) == {9: 0}
 
 
 def test_malformed_payloads() -> None:

@@ -204,7 +204,7 @@ _MAP_FIELDS: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
         ),
         frozenset({"block_hashes", "token_ids", "block_size"}),
     ),
-    "BlockRemoved": (("block_hashes", "medium"), frozenset({"block_hashes"})),
+    "BlockRemoved": (("block_hashes", "medium", "group_idx", "locality", "ownership"), frozenset({"block_hashes"})),
     "AllBlocksCleared": ((), frozenset()),
 }
 

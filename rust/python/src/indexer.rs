@@ -13,7 +13,7 @@ use pagedkv_core::{
     BlockHash, ExtraKey, HashAlgo, HashSource, KvIndexer, PrefixHasher, WorkerId, WorkerStatus,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PyString};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString};
 use std::sync::Mutex;
 
 fn invalid(py: Python<'_>, arg: &'static str, value: String, reason: impl Into<String>) -> PyErr {
@@ -210,22 +210,50 @@ fn lookahead_cut(fields: &[Bound<'_, PyAny>], n_blocks: usize) -> Result<usize, 
     Ok(n_blocks)
 }
 
+/// Field of a wire `BlockStored` / `BlockRemoved` holding `group_idx` (vLLM 0.33 order).
+const STORED_GROUP_FIELD: usize = 9;
+const REMOVED_GROUP_FIELD: usize = 3;
+
+/// Whether a wire event belongs to the first KV cache group: its `group_idx` field is absent,
+/// None or 0. A hybrid model (full and sliding-window attention layers, say) publishes one
+/// event per group for the same block hashes; a sliding-window group frees a prompt's early
+/// blocks long before the full-attention group does, so reading its removals as the first
+/// group's would drop prefixes the worker still holds. Only the first group is indexed.
+/// Err: a `group_idx` that is not an int >= 0 or None.
+fn in_first_group(fields: &[Bound<'_, PyAny>], at: usize) -> Result<bool, String> {
+    match fields.get(at).filter(|g| !g.is_none()) {
+        None => Ok(true),
+        Some(g) if g.is_instance_of::<PyBool>() => {
+            Err(format!("group_idx must be an int, got {}", repr(g)))
+        }
+        Some(g) => g
+            .extract::<u64>()
+            .map(|idx| idx == 0)
+            .map_err(|_| format!("group_idx must be an int >= 0 or None, got {}", repr(g))),
+    }
+}
+
 /// One event: a pagedkv event object, or a vLLM wire event (a list / tuple whose first item is
 /// the type tag): `["BlockStored", hashes, parent, token_ids, block_size, lora_id, ...]`,
 /// `["BlockRemoved", hashes, ...]`, `["AllBlocksCleared"]`. Trailing fields newer engines add
 /// are ignored; the LoRA name (or id) and the cache salt become extra keys
 /// (`wire_stored_keys`). A wire `BlockStored` gets
-/// `batch_root` as its hash root (the wire events themselves carry none).
-fn event(obj: &Bound<'_, PyAny>, i: usize, batch_root: Option<BlockHash>) -> PyResult<KvEvent> {
+/// `batch_root` as its hash root (the wire events themselves carry none). `None`: a wire event
+/// of another KV cache group than the first (see `in_first_group`), not indexed.
+fn event(
+    obj: &Bound<'_, PyAny>,
+    i: usize,
+    batch_root: Option<BlockHash>,
+) -> PyResult<Option<KvEvent>> {
     let py = obj.py();
     if let Ok(ev) = obj.cast::<PyBlockStored>() {
-        return Ok(ev.get().to_core());
+        return Ok(Some(ev.get().to_core()));
     }
     if let Ok(ev) = obj.cast::<PyBlockRemoved>() {
-        return Ok(ev.get().to_core());
+        return Ok(Some(ev.get().to_core()));
     }
     if obj.cast::<PyAllBlocksCleared>().is_ok() {
-        return Ok(KvEvent::AllBlocksCleared);
+        return Ok(Some(KvEvent::AllBlocksCleared));
     }
     let malformed = |why: &str| {
         invalid(
@@ -253,6 +281,9 @@ fn event(obj: &Bound<'_, PyAny>, i: usize, batch_root: Option<BlockHash>) -> PyR
                     "BlockStored needs block_hashes, parent_block_hash, token_ids, block_size",
                 ));
             }
+            // Read in full whatever its group, so a malformed event is refused alike.
+            let first =
+                in_first_group(&fields, STORED_GROUP_FIELD).map_err(|why| malformed(&why))?;
             let block_hashes = wire_hashes(&fields[1], "events")?;
             let parent_block_hash = if fields[2].is_none() {
                 None
@@ -275,24 +306,25 @@ fn event(obj: &Bound<'_, PyAny>, i: usize, batch_root: Option<BlockHash>) -> PyR
                 block_hashes.truncate(usable);
                 token_ids.truncate(usable * block_size as usize);
             }
-            Ok(KvEvent::BlockStored {
+            Ok(first.then_some(KvEvent::BlockStored {
                 block_hashes,
                 parent_block_hash,
                 token_ids,
                 block_size,
                 extra_keys,
                 hash_root: batch_root,
-            })
+            }))
         }
         "BlockRemoved" => {
             let hashes = fields
                 .get(1)
                 .ok_or_else(|| malformed("BlockRemoved needs block_hashes"))?;
-            Ok(KvEvent::BlockRemoved {
-                block_hashes: wire_hashes(hashes, "events")?,
-            })
+            let block_hashes = wire_hashes(hashes, "events")?;
+            let first =
+                in_first_group(&fields, REMOVED_GROUP_FIELD).map_err(|why| malformed(&why))?;
+            Ok(first.then_some(KvEvent::BlockRemoved { block_hashes }))
         }
-        "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
+        "AllBlocksCleared" => Ok(Some(KvEvent::AllBlocksCleared)),
         _ => Err(malformed(
             "unknown event type (expected BlockStored, BlockRemoved or AllBlocksCleared)",
         )),
@@ -515,7 +547,10 @@ impl PyKvIndexer {
             .iter()
             .enumerate()
             .map(|(i, e)| event(e, i, batch_root))
-            .collect::<PyResult<_>>()?;
+            .collect::<PyResult<Vec<_>>>()?
+            .into_iter()
+            .flatten()
+            .collect();
         self.with(py, |ix| ix.apply_batch(id, seq, events))
             .py(py)
             .map(|o| o.name())
