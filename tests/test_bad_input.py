@@ -388,8 +388,8 @@ def pool_snapshot(p: pagedkv.BlockPool) -> tuple[Any, ...]:
 
 
 POOL_ROWS: list[Row] = [
-    ("free a block with ref 0", lambda p: p.free([5]), E.RefCountUnderflowError, ("5", "ref count 0")),
-    ("double free in one call", lambda p: p.free([1, 1]), E.RefCountUnderflowError, ("1",)),
+    ("free a block with ref 0", lambda p: p.free([5]), E.RefCountUnderflowError, ("5", "freed more times")),
+    ("double free in one call", lambda p: p.free([1, 1]), E.RefCountUnderflowError, ("block 1 is freed more times",)),
     ("free ref-2 block three times", lambda p: p.free([3, 3, 3]), E.RefCountUnderflowError, ("3",)),
     ("free valid then ref 0", lambda p: p.free([2, 6]), E.RefCountUnderflowError, ("6",)),
     ("free the null block", lambda p: p.free([0]), E.InvalidBlockError, ("0", "null")),

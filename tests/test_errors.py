@@ -437,7 +437,7 @@ def pool_snapshot(p: pagedkv.BlockPool) -> tuple[object, ...]:
         (
             lambda p: p.free([5]),
             errors.RefCountUnderflowError,
-            r"reference count underflow: block 5 has ref count 0",
+            r"reference count underflow: block 5 is freed more times than it is referenced",
             {"block_id": 5},
         ),
         (lambda p: p.free([2, 2]), errors.RefCountUnderflowError, r"block 2", {"block_id": 2}),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,29 @@ def test_a_source_through_a_symlink_or_a_relative_path_keeps_its_conversion(
     # The link removed, the real file stays: the conversion is still of a live file.
     (tmp_path / "venv" / "model.gguf").unlink()
     assert loader._prune_stale_conversions(cache_root) == [] and conversions == [through_link]
+
+
+def test_a_killed_conversions_temporary_folder_goes_after_an_hour(tmp_path: Path, cache_root: Path):
+    """A conversion killed midway leaves its ``*.tmp*`` folder (up to 0.5 GB); one untouched for
+    over an hour is removed, a recent one (a conversion in progress) and look-alikes are kept."""
+    cache_root.mkdir()
+    old = time.time() - loader.ABANDONED_AFTER_S - 60
+
+    def folder(name: str, mtime: float) -> Path:
+        path = cache_root / name
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"half written")
+        os.utime(path, (mtime, mtime))
+        return path
+
+    abandoned = folder("model-0123456789abcdef.tmpk2j4x_1", old)
+    in_progress = folder("model-fedcba9876543210.tmpa8b7c6", time.time())
+    not_ours = folder("notes.tmpold", old)  # not named after a conversion
+    elsewhere = folder("elsewhere", old)
+    link = cache_root / "model-00000000000000aa.tmplink"
+    link.symlink_to(elsewhere)
+    a_file = cache_root / "model-00000000000000bb.tmpfile"
+    a_file.write_bytes(b"x")
+    os.utime(a_file, (old, old))
+    assert loader._prune_stale_conversions(cache_root) == [abandoned]
+    assert sorted(cache_root.iterdir()) == sorted([in_progress, not_ours, elsewhere, link, a_file])

@@ -15,8 +15,8 @@ cache folder, ``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv/gguf/``, keyed by the
 path, size and mtime; later loads read that folder in seconds. ``convert_cache=False`` skips it.
 Each converted folder records its source file; a conversion (a cache miss) first removes the
 folders whose source is gone or has changed since (a reinstalled package, a deleted virtual
-environment), so the cache holds about one ~0.5 GB folder per GGUF file on disk, not one per
-install.
+environment) and those a killed conversion left half-written, so the cache holds about one
+~0.5 GB folder per GGUF file on disk, not one per install.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import re
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,9 +185,28 @@ def _is_stale(entry: Path) -> bool:
         return True
 
 
+#: A conversion in progress: ``_convert_gguf``'s temporary folder next to its destination.
+_CONVERTING_NAME = re.compile(r".+-[0-9a-f]{16}\.tmp\w+")
+#: A temporary folder untouched this long (seconds) is a killed conversion's: a conversion
+#: takes about a minute.
+ABANDONED_AFTER_S = 3600.0
+
+
+def _is_abandoned(entry: Path, now: float) -> bool:
+    """Whether ``entry`` is a conversion's temporary folder (a real folder, not a symlink)
+    left untouched for :data:`ABANDONED_AFTER_S`: its process was killed mid-conversion."""
+    return (
+        _CONVERTING_NAME.fullmatch(entry.name) is not None
+        and not entry.is_symlink()
+        and entry.is_dir()
+        and now - entry.stat().st_mtime > ABANDONED_AFTER_S
+    )
+
+
 def _prune_stale_conversions(root: Path) -> list[Path]:
     """Remove every converted folder under ``root`` whose source GGUF file is gone or changed
-    (see :func:`_is_stale`); folders being written (``*.tmp*``) are left alone. Best effort:
+    (see :func:`_is_stale`), and the temporary folders of conversions killed midway (untouched
+    for an hour, :func:`_is_abandoned`); conversions in progress are left alone. Best effort:
     an entry that cannot be read or removed (a read-only cache) is skipped, never raised.
 
     Returns:
@@ -197,9 +217,10 @@ def _prune_stale_conversions(root: Path) -> list[Path]:
     except OSError:
         return []
     removed = []
+    now = time.time()
     for entry in entries:
         try:
-            if not _is_stale(entry):
+            if not (_is_stale(entry) or _is_abandoned(entry, now)):
                 continue
         except OSError:  # unreadable: not ours to judge
             continue

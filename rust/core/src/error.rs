@@ -22,8 +22,9 @@ pub enum Error {
         max = .num_blocks.saturating_sub(1)
     )]
     InvalidBlockId { block_id: BlockId, num_blocks: u32 },
-    /// Decrementing a block whose reference count is already 0.
-    #[error("reference count underflow: block {block_id} has ref count 0 and cannot be freed")]
+    /// A free that would take a block's reference count below 0: the block is free already, or
+    /// listed in one call more times than it is referenced.
+    #[error("reference count underflow: block {block_id} is freed more times than it is referenced (free already, or listed more times than its ref count)")]
     RefCountUnderflow { block_id: BlockId },
     /// The sequence id is not registered with the manager.
     #[error("unknown sequence id {seq_id}")]

@@ -501,8 +501,9 @@ fn s4_raw_double_free_is_an_error_without_state_change() {
         let err = p.free(&[id]).unwrap_err();
         assert_eq!(err, Error::RefCountUnderflow { block_id: id });
         assert!(
-            err.to_string()
-                .contains(&format!("block {id} has ref count 0")),
+            err.to_string().contains(&format!(
+                "block {id} is freed more times than it is referenced"
+            )),
             "{err}"
         );
         assert_eq!(snap(&p), before);
