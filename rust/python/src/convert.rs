@@ -179,16 +179,16 @@ fn items_values<'py>(
     Ok(out)
 }
 
-/// An integer dtype token ids arrive in: a branch-free range check and the narrowing, so that
+/// A native integer dtype ids arrive in: a branch-free range check and the narrowing, so that
 /// a contiguous array converts with vector instructions.
-trait TokenInt: numpy::Element + Copy {
+trait IdInt: Copy {
     /// Whether the value is in `0..=u32::MAX`.
     fn fits_u32(self) -> bool;
-    /// The value as `u32` (only called after [`TokenInt::fits_u32`]).
+    /// The value as `u32` (only called after [`IdInt::fits_u32`]).
     fn narrow(self) -> u32;
 }
 
-impl TokenInt for i64 {
+impl IdInt for i64 {
     fn fits_u32(self) -> bool {
         // A negative value becomes a huge u64: one unsigned compare covers both ends.
         (self as u64) <= u64::from(u32::MAX)
@@ -198,7 +198,7 @@ impl TokenInt for i64 {
     }
 }
 
-impl TokenInt for u64 {
+impl IdInt for u64 {
     fn fits_u32(self) -> bool {
         self <= u64::from(u32::MAX)
     }
@@ -207,7 +207,7 @@ impl TokenInt for u64 {
     }
 }
 
-impl TokenInt for i32 {
+impl IdInt for i32 {
     fn fits_u32(self) -> bool {
         self >= 0
     }
@@ -216,7 +216,7 @@ impl TokenInt for i32 {
     }
 }
 
-impl TokenInt for u32 {
+impl IdInt for u32 {
     fn fits_u32(self) -> bool {
         true
     }
@@ -225,55 +225,14 @@ impl TokenInt for u32 {
     }
 }
 
-/// A 1-D numpy array of dtype `T` converted to `u32`s (no `u64` staging; a contiguous one read
-/// as a slice, checked and then narrowed in two vectorised passes), or `None` when it holds a
-/// value outside `0..=u32::MAX` (the general path then reads it again to name the offending
-/// value).
-fn array_u32<T: TokenInt>(arr: &Bound<'_, PyUntypedArray>) -> Option<Vec<u32>> {
-    let a = arr.cast::<PyArray1<T>>().ok()?;
-    let ro = a.readonly();
-    if let Ok(slice) = ro.as_slice() {
-        // `fold`, not `all`: no early exit, so the check vectorises (a bad value is rare).
-        if !slice.iter().fold(true, |ok, &x| ok & x.fits_u32()) {
-            return None;
-        }
-        return Some(slice.iter().map(|&x| x.narrow()).collect());
-    }
-    let mut out = Vec::with_capacity(a.len());
-    for &x in ro.as_array().iter() {
-        if !x.fits_u32() {
-            return None;
-        }
-        out.push(x.narrow());
-    }
-    Some(out)
-}
-
-/// Token ids (`0..=u32::MAX`). A 1-D numpy array of int64 / int32 / uint32 / uint64 is
-/// converted in one pass straight into the `Vec<u32>` the core keeps (a prompt of 100k tokens
-/// would otherwise be staged through a `u64` buffer twice its size: fresh pages to fault in).
-pub(crate) fn token_ids(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<u32>> {
-    if let Ok(arr) = obj.cast::<PyUntypedArray>() {
-        let fast = array_u32::<i64>(arr)
-            .or_else(|| array_u32::<u32>(arr))
-            .or_else(|| array_u32::<i32>(arr))
-            .or_else(|| array_u32::<u64>(arr));
-        if let Some(v) = fast {
-            return Ok(v);
-        }
-    }
-    let v = uint_array(obj, arg, u64::from(u32::MAX))?;
-    Ok(v.into_iter().map(|x| x as u32).collect())
-}
-
-/// Block ids (`0..=u32::MAX`; the core rejects 0 and out-of-pool ids with `InvalidBlockError`).
+/// Token ids (`0..=u32::MAX`), converted straight into the `Vec<u32>` the core keeps (a prompt
+/// of 100k tokens staged through a `u64` buffer would fault in fresh pages twice its size).
 ///
-/// The pool's calls take a few blocks at a time, so the fixed cost of reading the argument is
-/// most of their cost: a 1-D numpy array of native 32- / 64-bit integers is read straight from
-/// its buffer (any stride: a table reversed with `[::-1]` is not copied), a list of ints item
-/// by item. Anything else, or a value out of range, takes the general path of [`token_ids`],
-/// which names the offending value.
-pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<u32>> {
+/// Fast paths: a 1-D numpy array of native-endian int32 / uint32 / int64 / uint64 is read from
+/// its buffer (any stride: a table reversed with `[::-1]` is not copied; a contiguous one checked
+/// and narrowed in two vectorised passes), a list of ints item by item. Anything else, or a
+/// value out of range, takes the general path, which names the offending value.
+pub(crate) fn token_ids(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<u32>> {
     let fast = if let Ok(arr) = obj.cast::<PyUntypedArray>() {
         int_array_u32(arr)
     } else if let Ok(list) = obj.cast::<PyList>() {
@@ -283,8 +242,18 @@ pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<V
     };
     match fast {
         Some(v) => Ok(v),
-        None => token_ids(obj, arg),
+        None => {
+            let v = uint_array(obj, arg, u64::from(u32::MAX))?;
+            Ok(v.into_iter().map(|x| x as u32).collect())
+        }
     }
+}
+
+/// Block ids (`0..=u32::MAX`; the core rejects 0 and out-of-pool ids with `InvalidBlockError`),
+/// read as [`token_ids`]. The pool's calls take a few blocks at a time, so the fixed cost of
+/// reading the argument is most of their cost: hence the fast paths there.
+pub(crate) fn block_ids(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<u32>> {
+    token_ids(obj, arg)
 }
 
 /// The values of a 1-D numpy array of native-endian int32 / uint32 / int64 / uint64, or `None`
@@ -298,6 +267,9 @@ fn int_array_u32(arr: &Bound<'_, PyUntypedArray>) -> Option<Vec<u32>> {
         return None;
     }
     let (len, stride) = (arr.len(), arr.strides()[0]);
+    if len == 0 {
+        return Some(Vec::new());
+    }
     // SAFETY: a 1-D ndarray holds `len` items of `itemsize` bytes at `data + k * stride` (the
     // dtype checked below). The GIL is held for the whole read, no Python code runs meanwhile,
     // and this package never writes an array with the GIL released; nothing borrows the array
@@ -306,31 +278,41 @@ fn int_array_u32(arr: &Bound<'_, PyUntypedArray>) -> Option<Vec<u32>> {
     unsafe {
         let data = (*arr.as_array_ptr()).fields.data.cast_const().cast::<u8>();
         match (dtype.kind(), dtype.itemsize()) {
-            (b'i', 4) => read_strided::<i32>(data, len, stride),
-            (b'u', 4) => read_strided::<u32>(data, len, stride),
-            (b'i', 8) => read_strided::<i64>(data, len, stride),
-            (b'u', 8) => read_strided::<u64>(data, len, stride),
+            (b'i', 4) => read_ints::<i32>(data, len, stride),
+            (b'u', 4) => read_ints::<u32>(data, len, stride),
+            (b'i', 8) => read_ints::<i64>(data, len, stride),
+            (b'u', 8) => read_ints::<u64>(data, len, stride),
             _ => None,
         }
     }
 }
 
-/// `len` values of type `T` at `data + k * stride`, as `u32`, or `None` if one does not fit.
+/// `len >= 1` values of type `T` at `data + k * stride`, as `u32`, or `None` if one does not
+/// fit. A contiguous, aligned run is read as a slice (vectorised check, then narrowing).
 ///
 /// # Safety
 /// `data + k * stride` must be readable as a `T` for every `k < len` (alignment not needed).
-unsafe fn read_strided<T: Copy + TryInto<u32>>(
-    data: *const u8,
-    len: usize,
-    stride: isize,
-) -> Option<Vec<u32>> {
+unsafe fn read_ints<T: IdInt>(data: *const u8, len: usize, stride: isize) -> Option<Vec<u32>> {
+    let size = std::mem::size_of::<T>();
+    if stride == size as isize && (data as usize) % std::mem::align_of::<T>() == 0 {
+        // SAFETY: contiguous and aligned, `len` items readable (the caller's contract).
+        let slice = unsafe { std::slice::from_raw_parts(data.cast::<T>(), len) };
+        // `fold`, not `all`: no early exit, so the check vectorises (a bad value is rare).
+        if !slice.iter().fold(true, |ok, &x| ok & x.fits_u32()) {
+            return None;
+        }
+        return Some(slice.iter().map(|&x| x.narrow()).collect());
+    }
     let mut out = Vec::with_capacity(len);
     let mut at = data;
     for _ in 0..len {
         // SAFETY: the caller's contract; `wrapping_offset` keeps the last step in bounds of
         // the arithmetic even though it is never read.
         let x = unsafe { at.cast::<T>().read_unaligned() };
-        out.push(x.try_into().ok()?);
+        if !x.fits_u32() {
+            return None;
+        }
+        out.push(x.narrow());
         at = at.wrapping_offset(stride);
     }
     Some(out)
