@@ -40,8 +40,8 @@ use crate::sync::{
 };
 use crate::{BlockId, NULL_BLOCK};
 
-/// Largest accepted `num_blocks` (2^28): keeps the pool's own metadata (about 89 bytes per
-/// block, prefix index included) near 22 GiB of address space, so an absurd configuration is an
+/// Largest accepted `num_blocks` (2^28): keeps the pool's own metadata (at most about 87 bytes
+/// per block, prefix index included) near 22 GiB of address space, so an absurd configuration is an
 /// error rather than an abort.
 pub const MAX_BLOCKS: u32 = 1 << 28;
 
@@ -148,7 +148,9 @@ impl Locked {
 /// counts, prefix hashes, the free queue and the prefix index. `Send + Sync`; share it in an
 /// `Arc`.
 ///
-/// Memory: O(num_blocks) — about 64 bytes per block of metadata; KV tensors live elsewhere.
+/// Memory: O(num_blocks) — about 71 to 87 bytes per block of metadata (22 for the pool's own
+/// arrays, 49 to 65 for the prefix index, whose slot table rounds up to a power of two); KV
+/// tensors live elsewhere.
 #[derive(Debug)]
 pub struct BlockPool {
     num_blocks: u32,
