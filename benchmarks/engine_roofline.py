@@ -37,11 +37,11 @@ engine on every workload (the runner of ``engine_throughput.py``), with a GEMM t
 before the first round and after each; a round's ``engine share of floor`` is its staged-
 schedule GEMM time (from the mean of the tables just before and after it) divided by its engine
 wall (target >= 90%), so the load of a shared machine hits both sides of the ratio alike; the
-1-minute load average is recorded next to each. Each engine run also times its own ``F.linear``
-calls (``pagedkv.engine.model.linear``; the output and down projections there also accumulate
-the residual add): their share of its wall is what the floor ratio would be if the engine's
-GEMMs cost exactly the table's, and it moves far less with the load than walls measured minutes
-apart.
+1-minute load average is recorded next to each. Each engine run also times its own GEMM calls
+(``pagedkv.engine.model.linear``; the output and down projections there also accumulate the
+residual add, which the table's plain products leave out): their share of its wall is what the
+floor ratio would be if the engine's GEMMs cost exactly the table's, and it moves far less with
+the load than walls measured minutes apart.
 
 The floors printed use the best GEMM time per M over the tables. Also prints the walls of
 ``benchmarks/results/engine_throughput.json`` (if present, trace workload) and the wall a given
@@ -69,6 +69,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import common  # noqa: E402
 from engine_throughput import RESULTS as THROUGHPUT_JSON  # noqa: E402
 from engine_throughput import trace_workload  # noqa: E402
 
@@ -89,7 +90,7 @@ def engine_gemm(hf: Any) -> tuple[list[torch.Tensor], torch.Tensor, Gemm]:
     m = engine_model.LlamaForCausalLM.from_hf(hf, device="cpu", dtype=torch.float32)
     ws = [w for layer in m.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
     assert m.lm_head_t is not None  # the CPU model always keeps a transposed LM head
-    return ws, m.lm_head_t, (lambda x, w: engine_model.linear(x, w), lambda w: w.shape[0])
+    return ws, m.lm_head_t, (engine_model.linear, lambda w: w.shape[0])
 
 
 def f_linear_gemm(hf: Any) -> tuple[list[torch.Tensor], torch.Tensor, Gemm]:
@@ -175,8 +176,9 @@ def staged_schedule(
 
 
 def engine_run(hf: Any, tok: Any, work: list[tuple[list[int], int]], a: argparse.Namespace) -> tuple[float, float]:
-    """Wall of the pagedkv engine on ``work`` and the time its ``F.linear`` calls took inside
-    that wall (timed per call; the share GEMMs have of the wall, measured under the same load)."""
+    """Wall of the pagedkv engine on ``work`` and the time its GEMM calls
+    (``pagedkv.engine.model.linear``) took inside that wall (timed per call; the share GEMMs
+    have of the wall, measured under the same load)."""
     from engine_throughput import run_pagedkv
 
     from pagedkv.engine import model as engine_model
@@ -354,13 +356,13 @@ def main(argv: list[str] | None = None) -> int:
             f"\n{wname} workload: {len(work)} requests, {sum(prompts)} prompt + {sum(outputs)} output tokens; "
             f"token budget {a.max_tokens_per_step}"
         )
-        f_old = floors(prompts, outputs, a.max_tokens_per_step, f_linear_table)
-        w["f_linear_staged_schedule_gemm_s"] = f_old["staged_schedule_gemm_s"]
+        f_old = staged_schedule(prompts, outputs, a.max_tokens_per_step, f_linear_table)[0]
+        w["f_linear_staged_schedule_gemm_s"] = f_old
         rows = [
             ("GEMM compute floor (any schedule)", f["compute_floor_s"]),
             (f"GEMM pass floor ({max(outputs)} sequential passes)", f["pass_floor_s"]),
             (f"GEMM time of the staged schedule ({f['staged_steps']} steps)", f["staged_schedule_gemm_s"]),
-            ("  same with F.linear [out, in] (reference, 1 table)", f_old["staged_schedule_gemm_s"]),
+            ("  F.linear [out, in] (reference: 1 table, powers of 2)", f_old),
         ]
         if wname == "trace":
             rows += [(f"measured: {k} (engine_throughput.json)", v) for k, v in measured.items()]
@@ -420,11 +422,7 @@ def main(argv: list[str] | None = None) -> int:
 def _plot(
     table: dict[int, tuple[float, float]], reference: dict[int, tuple[float, float]], path: Path, threads: int
 ) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     ms = sorted(table)
     fig, ax = plt.subplots(figsize=(6, 3.6))
     ax.plot(ms, [table[m][0] / m * 1e3 for m in ms], marker="o", label="all layer linears")

@@ -76,11 +76,15 @@ def run(replayer: Replayer, trace: OpTrace, repeats: int, token_format: str) -> 
             for t in range(trace.num_steps):
                 admit = trace.admit[t]
                 fin = trace.finish[t]
+                # The wall clock is read outside the CPU interval and the figures stored after
+                # both (as in run_pool and the Rust replay): the CPU interval holds the step.
+                w0 = time.perf_counter_ns()
                 c0 = time.thread_time_ns()
-                t0 = time.perf_counter_ns()
                 replayer.step(t, admit, running, fin)
-                wall_ns[t] = time.perf_counter_ns() - t0
-                cpu_ns[t] = time.thread_time_ns() - c0
+                c1 = time.thread_time_ns()
+                w1 = time.perf_counter_ns()
+                cpu_ns[t] = c1 - c0
+                wall_ns[t] = w1 - w0
                 if fin:
                     done = set(fin)
                     running = [r for r in running if r not in done]
@@ -107,18 +111,16 @@ class PoolAdapter:
         """Take ``n`` blocks; returns a handle list/array (``n`` items)."""
         raise NotImplementedError
 
-    def free(self, blocks: Any) -> None:
-        """Return blocks (a handle list/array, eviction order)."""
-        raise NotImplementedError
-
     def allocate_items(self, n: int) -> Any:
         """Take ``n`` blocks for ``n`` decoding requests that each start a block; returns an
         iterable of ``n`` handles, one per request (one batched call into the pool)."""
         raise NotImplementedError
 
-    def concat_reversed(self, parts: list[Any]) -> Any:
-        """One request's blocks tail first, from ``parts``: its prompt's ``allocate`` result,
-        then one item (from :meth:`allocate_items`) per decode block."""
+    def free_request(self, parts: list[Any]) -> None:
+        """Free one finished request's blocks tail first (its last block is evicted first), as
+        the system's own manager releases a request: ``parts`` is its prompt's ``allocate``
+        result, then one item (from :meth:`allocate_items`) per decode block. No copy that the
+        system's manager would not make."""
         raise NotImplementedError
 
 
@@ -178,7 +180,7 @@ def run_pool(make_pool, trace: OpTrace, repeats: int) -> dict[str, Any]:
                 for r, n in adm:
                     held[r] = [pool.allocate(n)]
                 for r in fin:
-                    pool.free(pool.concat_reversed(held.pop(r)))
+                    pool.free_request(held.pop(r))
                 c1 = time.thread_time_ns()
                 w1 = time.perf_counter_ns()
                 cpu_ns[t] = c1 - c0

@@ -120,17 +120,13 @@ class PagedKVReplayer(Replayer):
             allocate_items = staticmethod(pool.allocate_list)
 
             @staticmethod
-            def free(parts: Any) -> None:
+            def free_request(parts: list[Any]) -> None:
                 # Tail first, as one request's table: its decode blocks (ints) last-first, then
                 # its prompt's int32 array from its end. Two calls (the ids are in two
                 # containers already) cost less than concatenating them into one array first.
                 if len(parts) > 1:
                     pool_free(parts[:0:-1])
                 pool_free_table(parts[0])
-
-            @staticmethod
-            def concat_reversed(parts: list[Any]) -> Any:
-                return parts  # reversed by free(): no copy
 
         return _Pool()
 

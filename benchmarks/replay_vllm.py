@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+from itertools import chain
 from typing import Any
 
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -123,18 +124,17 @@ class VllmReplayer(Replayer):
 
         pool = BlockPool(num_blocks, enable_caching=False, hash_block_size=16)
 
+        free_blocks = pool.free_blocks
+
         class _Pool:
             allocate = staticmethod(pool.get_new_blocks)
-            free = staticmethod(pool.free_blocks)
-
             allocate_items = staticmethod(pool.get_new_blocks)
 
             @staticmethod
-            def concat_reversed(parts: list[Any]) -> Any:
-                out = list(parts[0])
-                out.extend(parts[1:])
-                out.reverse()
-                return out
+            def free_request(parts: list[Any]) -> None:
+                # Tail first without building a list, as vLLM's manager frees a request
+                # (free_blocks walks any iterable once): decode blocks last-first, then the prompt's.
+                free_blocks(chain(parts[:0:-1], reversed(parts[0])))
 
         return _Pool()
 

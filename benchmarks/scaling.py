@@ -15,8 +15,9 @@ What should be flat: ns per block op (work per block) and µs per step divided b
 sequences (work per sequence per step). µs per step itself grows linearly with the batch.
 
 What it shows (see the README row): nothing grows with the algorithmic size -- every step is
-O(blocks touched) -- but the per-op cost rises ~1.3x between 256 and 4,096 running sequences,
-and by ~1.15x (Python) / ~1.3x (Rust) from a 10k- or 100k-block pool to a 1M-block one. That is
+O(blocks touched) -- but the per-op cost rises between 256 and 4,096 running sequences, ~1.3x
+through Python and ~1.7x in Rust alone (whose smaller base shows the same extra ns more), and by
+~1.1x (Python) / ~1.25x (Rust) from a 10k-block pool to a 1M-block one. That is
 the memory hierarchy: the prefix index, the per-block arrays and the sequences' tables leave L2
 and are touched cold. The prefix index is sized for the whole pool at construction (8-byte slots
 plus the 32-byte hash per block, pages touched then, never grown); a general hash map of

@@ -155,12 +155,11 @@ def test_pagedkv_pool_adapter_frees_tail_first():
     prompt = pool.allocate(3)
     decode = list(pool.allocate_items(2))
     assert all(type(b) is int for b in decode)
-    parts = pool.concat_reversed([prompt, *decode])
-    pool.free(parts)  # decode blocks last-first, then the prompt from its end
+    pool.free_request([prompt, *decode])  # decode blocks last-first, then the prompt from its end
     # The free stack is LIFO: the block freed last (the prompt's first) comes back first.
     assert pool.allocate(5).tolist() == [*prompt.tolist(), decode[0], decode[1]]
     last = pool.allocate(2)
-    pool.free(pool.concat_reversed([last]))  # a request with no decode block: its last block first
+    pool.free_request([last])  # a request with no decode block: its last block first
     assert pool.allocate(2).tolist() == last.tolist()
 
 
