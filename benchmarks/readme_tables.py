@@ -513,8 +513,8 @@ def allocator_table(sources: dict[str, Source], run: dict[str, Any] | None) -> s
         "kernel-ready per-token slot mapping and input ids (`step(..., token_arrays=True)`, pagedkv's "
         "engine path).",
         "",
-        "| trace | pagedkv manager (with per-token arrays) | vLLM KVCacheManager | nano-vllm | pagedkv BlockPool | vLLM BlockPool "
-        "| Rust core alone: manager / pool | through Python ÷ Rust: manager / pool |",
+        "| trace | pagedkv manager (with per-token arrays) | vLLM KVCacheManager | nano-vllm | pagedkv BlockPool "
+        "| vLLM BlockPool | Rust core alone: manager / pool | through Python ÷ Rust: manager / pool |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for t in order:
