@@ -211,6 +211,32 @@ def test_weights_digest_cache_is_keyed_by_the_files(tiny, tmp_path, monkeypatch)
     assert len(kept) == 4 and all(str(tmp_path / "gone") not in f[0] for f in kept)
 
 
+def test_a_checkpoint_rewritten_in_place_with_size_and_mtime_kept_gets_a_new_digest(tmp_path):
+    """``cp -p`` / ``tar x`` / a reproducible build rewrite a weights file and restore its
+    mtime; the size is the same for the same architecture. The cached digest of the old
+    weights must not be served for the new ones (the two models would share block hashes)."""
+    from safetensors.torch import save_model
+
+    folder = tmp_path / "model"
+    old = build_tiny_model(folder)
+    old_digest = cached_weights_digest(old.hf, folder, torch.float32)
+    new_hf = copy.deepcopy(old.hf)
+    with torch.no_grad():
+        next(new_hf.parameters()).add_(1.0)  # another checkpoint of the same shapes
+    save_model(new_hf, str(tmp_path / "new.safetensors"))
+    target = folder / "model.safetensors"
+    before = target.stat()
+    data = (tmp_path / "new.safetensors").read_bytes()
+    assert len(data) == before.st_size and data != target.read_bytes()
+    with open(target, "r+b") as f:  # in place: same inode, same size
+        f.write(data)
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = target.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    new_digest = cached_weights_digest(new_hf, folder, torch.float32)
+    assert new_digest == weights_digest(new_hf, torch.float32) != old_digest
+
+
 def test_bad_identity_input_is_a_typed_error(tiny):
     good = dict(_engine(tiny.hf, tiny.tokenizer).cache_identity.parts)
     for bad in ({k: v for k, v in good.items() if k != "tokenizer"}, {**good, "device": "cpu"}, {**good, "rope": ""}):

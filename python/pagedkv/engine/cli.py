@@ -123,7 +123,7 @@ hashes only when all of these agree:
   kv_dtype       the KV cache dtype (--dtype)
   rope           the RoPE type, theta and scaling from the model config
   The weights digest of a model loaded from files is cached next to the GGUF
-  conversion cache, keyed by the files' paths, sizes and mtimes.
+  conversion cache, keyed by the files' paths, inodes, sizes, mtimes and ctimes.
 """
 
 

@@ -42,7 +42,8 @@ which already give different hashes (and the indexer checks the block size).
 
 Cost: hashing the weights reads every tensor once (0.4 to 1.0 s, by machine load, for
 SmolLM2-135M's 513 MiB of fp32 tensors on one core). For a model loaded from files the weights
-digest is cached, keyed by the loaded files' paths, sizes and mtimes, the dtype and the
+digest is cached, keyed by the loaded files' paths, inodes, sizes, mtimes and ctimes (a file
+rewritten in place with its size and mtime restored still has a new ctime), the dtype and the
 transformers version, next to the loader's GGUF conversion cache (``$PAGEDKV_CACHE_DIR`` or
 ``~/.cache/pagedkv/gguf/``, folder ``weights-digests/``), so later starts skip it.
 """
@@ -278,12 +279,28 @@ def _source_files(model_path: Any, convert_cache: bool = True) -> list[Path] | N
     return sorted(p for p in src.folder.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
+def _file_version(path: Path) -> tuple[str, int, int, int, int, int]:
+    """What tells one version of a file from another without reading it: resolved path,
+    device and inode, size, mtime and ctime (ns).
+
+    Size and mtime alone are not enough: a file rewritten in place keeps both when the writer
+    restores the mtime (``cp -p``, ``tar x``, ``rsync -t``, reproducible builds), and then two
+    different checkpoints would share a digest, hence block hashes. The ctime cannot be set
+    from user space (``utime`` itself moves it to now) and changes on every write and on every
+    metadata change, so no rewrite keeps it; a file replaced by rename has a new inode too.
+    The cost of a false change (``chmod``, ``touch``, a copied folder) is one recomputed
+    digest. Hashing the file bytes instead would cost as much as the digest it caches.
+    """
+    st = path.stat()
+    return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _digest_cache_file(files: list[Path], dtype: Any) -> Path:
     import transformers
 
     from .loader import _cache_root
 
-    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    stats = [_file_version(f) for f in files]
     key = _sha256_hex(_canonical([IDENTITY_FORMAT, str(dtype), transformers.__version__, stats]))
     return _cache_root() / "weights-digests" / f"{key[:32]}.json"
 
