@@ -42,14 +42,20 @@ class PrefillPart:
         seq: index of the sequence in the batch.
         q_start, q_end: its query rows ``query[q_start:q_end]`` (``q_len = q_end - q_start``).
         seq_len: ``S``, its cached positions, this step's included.
-        blocks: int64 ``[ceil(S / block_size)]`` its physical blocks in position order (the
-            reference gathers whole blocks, then keeps the first ``S`` rows).
+        kv_start: the first position any of its queries sees (0 without a sliding window;
+            else the window start of its first query). Positions before it are not read, as
+            the Triton kernel does not read them: a sliding-window cache may have released
+            their blocks.
+        blocks: int64 ``[ceil(S / block_size) - kv_start // block_size]`` its physical blocks
+            in position order from the one holding ``kv_start`` (the reference gathers whole
+            blocks, then keeps positions ``kv_start..S`` only: the tail of the last block and
+            the head of the first are never used, whatever they hold).
         mask: None when the part is plain causal attention (a prompt with no cached prefix:
             ``q_len == S``, and no window shorter than ``q_len``), which the reference runs as
             ``is_causal`` -- no mask, and the score tiles above the diagonal are skipped. Else
-            an additive fp32 mask ``[G * q_len, S]`` (see :func:`additive_mask`): row
-            ``g * q_len + i`` (query ``i`` of any query head in a KV group of ``G`` heads) may
-            see position ``j`` (causal, and inside the window) where it is 0.
+            an additive fp32 mask ``[G * q_len, S - kv_start]`` (see :func:`additive_mask`):
+            row ``g * q_len + i`` (query ``i`` of any query head in a KV group of ``G`` heads)
+            may see position ``kv_start + j`` (causal, and inside the window) where it is 0.
     """
 
     seq: int
@@ -58,6 +64,7 @@ class PrefillPart:
     seq_len: int
     blocks: torch.Tensor
     mask: torch.Tensor | None
+    kv_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -71,11 +78,17 @@ class DecodeGroup:
             to the group's longest sequence (``nb`` blocks) with block 0 (masked out).
         mask: additive fp32 ``[n, 1, 1, nb * block_size]`` (see :func:`additive_mask`), 0
             where the sequence's single query sees the position.
+        hidden: int64 ``[h]`` the gathered positions no query sees, as flat indices into
+            ``n * nb * block_size`` (sequence-major): the unused tail of each last block, the
+            padding blocks, positions before the window. The reference zeroes their gathered
+            K/V rows before the math, so whatever an unwritten slot holds (NaN or inf in a
+            cache made with ``torch.empty``) cannot reach the output through ``0 * NaN``.
     """
 
     rows: slice | torch.Tensor
     blocks: torch.Tensor
     mask: torch.Tensor
+    hidden: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     @property
     def size(self) -> int:
@@ -331,16 +344,18 @@ def build_plan(
         if q_len == 1:
             decode.append(b)
         elif q_len > 1:
-            blocks = bt_host[b, : -(-sl // bs)]
+            # Positions before the first query's window are seen by no query: not gathered.
+            kv_start = 0 if sliding_window is None else max(0, sl - q_len - sliding_window + 1)
+            blocks = bt_host[b, kv_start // bs : -(-sl // bs)]
             mask = None
             if sl != q_len or (sliding_window is not None and sliding_window < q_len):
-                pos = torch.arange(sl)
+                pos = torch.arange(kv_start, sl)
                 qpos = torch.arange(sl - q_len, sl).unsqueeze(1)
                 mask = pos.unsqueeze(0) <= qpos
                 if sliding_window is not None:
                     mask &= pos.unsqueeze(0) > qpos - sliding_window
                 mask = additive_mask(mask.repeat(g, 1)).to(dev)
-            prefills.append(PrefillPart(b, qsl[b], qsl[b + 1], sl, blocks.to(dev), mask))
+            prefills.append(PrefillPart(b, qsl[b], qsl[b + 1], sl, blocks.to(dev), mask, kv_start))
     return AttentionPlan(
         block_table=block_table,
         seq_lens=seq_lens,
@@ -405,6 +420,7 @@ def _decode_groups(
                 rows=slice(row_list[0], row_list[0] + len(row_list)) if run else torch.tensor(row_list).to(dev),
                 blocks=blocks.to(dev),
                 mask=additive_mask(mask[:, None, None, :]).to(dev),
+                hidden=(~mask).reshape(-1).nonzero().squeeze(1).to(dev),
             )
         )
     return tuple(groups)

@@ -7,7 +7,10 @@ mask for a prompt with no cached prefix), and decode sequences (query length 1) 
 together in length-sorted groups, never a Python loop over tokens. Attention's per-step work
 (metadata validation, block indices, masks, decode groups) lives in an
 :class:`~pagedkv.kernels.plan.AttentionPlan` that a model builds once per step and passes to
-every layer.
+every layer. Like the Triton kernel, the result never depends on cache slots no query sees
+(the unused tail of a last block, padding block 0, positions before a sliding window): a
+prefill drops them from its gather and a decode group zeroes them, so a cache made with
+``torch.empty`` (NaN or inf in unwritten slots) gives the same output as a zeroed one.
 
 Cache layout (PagedAttention, Kwon et al., SOSP'23): one tensor for all layers
 ``kv_cache[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]`` (index 0 = K,
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import validate as V
-from .plan import AttentionPlan, build_plan
+from .plan import AttentionPlan, DecodeGroup, build_plan
 
 
 def reshape_and_cache(
@@ -157,9 +160,13 @@ def paged_attention(
     result = out if direct else torch.empty(t, hq, d, dtype=torch.float32, device=query.device)
     k_blocks, v_blocks = _cache_blocks(key_cache), _cache_blocks(value_cache)
     for part in plan.prefills:
-        q_len, s = part.q_end - part.q_start, part.seq_len
-        k = k_blocks(part.blocks).reshape(-1, hkv, d)[:s].float().transpose(0, 1)  # [Hkv, S, D]
-        v = v_blocks(part.blocks).reshape(-1, hkv, d)[:s].float().transpose(0, 1)
+        q_len = part.q_end - part.q_start
+        # Only the positions some query sees, kv_start..S: the unused ends of the first and
+        # last gathered blocks are sliced off (the mask covers exactly these).
+        lo = part.kv_start % plan.cache_shape[1]
+        s = part.seq_len - part.kv_start
+        k = k_blocks(part.blocks).reshape(-1, hkv, d)[lo : lo + s].float().transpose(0, 1)  # [Hkv, S, D]
+        v = v_blocks(part.blocks).reshape(-1, hkv, d)[lo : lo + s].float().transpose(0, 1)
         q = query[part.q_start : part.q_end].float().reshape(q_len, hkv, g, d).permute(1, 2, 0, 3)  # [Hkv, G, q, D]
         if part.mask is None:
             # Plain causal prompt (q_len == S): is_causal, K/V broadcast over the G query heads
@@ -173,8 +180,7 @@ def paged_attention(
         result[part.q_start : part.q_end] = o.reshape(hkv, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
     for grp in plan.decodes:
         n = grp.size
-        k = k_blocks(grp.blocks).view(n, -1, hkv, d).float().transpose(1, 2)  # [n, Hkv, nb*bs, D]
-        v = v_blocks(grp.blocks).view(n, -1, hkv, d).float().transpose(1, 2)
+        k, v = _gather_visible(k_blocks, grp), _gather_visible(v_blocks, grp)  # [n, Hkv, nb*bs, D]
         rows = grp.rows
         if isinstance(rows, slice):
             q = query[rows].float().reshape(n, hkv, g, d)
@@ -186,6 +192,20 @@ def paged_attention(
     if not direct:
         out.copy_(result)
     return out
+
+
+def _gather_visible(blocks_of: Callable[[torch.Tensor], torch.Tensor], grp: DecodeGroup) -> torch.Tensor:
+    """A decode group's padded K or V ``[n, num_kv_heads, nb * block_size, head_size]`` in
+    fp32, with the positions no query sees (``grp.hidden``) zeroed.
+
+    The -inf mask alone does not keep them out: a NaN or inf there gives a NaN score, and even
+    a weight of exactly 0 times a NaN value is NaN. The gather is a fresh tensor, so it is
+    zeroed in place; only the hidden rows are written."""
+    n = grp.size
+    x = blocks_of(grp.blocks)
+    if grp.hidden.numel():
+        x.view(-1, x.shape[-2] * x.shape[-1]).index_fill_(0, grp.hidden, 0)
+    return x.view(n, -1, *x.shape[-2:]).float().transpose(1, 2)
 
 
 def _cache_blocks(cache: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:

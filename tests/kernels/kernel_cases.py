@@ -102,6 +102,20 @@ def dense_attention(case: PagedCase, scale: float, sliding_window: int | None = 
     return torch.cat(outs)
 
 
+def poison_unread_slots(case: PagedCase, fill: float, sliding_window: int | None = None) -> None:
+    """Fill every cache slot that attention must not read with ``fill`` (NaN or inf, as a
+    cache made with ``torch.empty`` may hold): the null block 0, each last block's unused tail,
+    spare blocks, and with a window the positions before the first query's window."""
+    bs = case.key_cache.shape[1]
+    read = torch.zeros(case.key_cache.shape[0] * bs, dtype=torch.bool)
+    for b, (c, _) in enumerate(case.seqs):
+        lo = 0 if sliding_window is None else max(0, c - sliding_window + 1)
+        pos = torch.arange(lo, int(case.seq_lens[b]))
+        read[case.block_table[b, pos // bs].long() * bs + pos % bs] = True
+    for cache in (case.key_cache, case.value_cache):
+        cache.view(-1, *cache.shape[2:])[~read] = fill
+
+
 def random_seqs(kind: str, n: int, *, max_ctx: int, max_q: int, seed: int) -> list[tuple[int, int]]:
     """(context, query) lengths: decode (q=1), prefill (context 0) or mixed (includes a
     prefill-with-context and a decode at the extremes)."""

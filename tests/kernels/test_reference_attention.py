@@ -3,7 +3,7 @@ Triton kernel) against dense SDPA over contiguous K/V."""
 
 import pytest
 import torch
-from kernel_cases import dense_attention, make_case, random_seqs
+from kernel_cases import dense_attention, make_case, poison_unread_slots, random_seqs
 
 from kernels import reference
 
@@ -77,3 +77,21 @@ def test_reference_large_batch_dense():
     case = make_case(seqs, block_size=16, num_kv_heads=4, group=8, head_size=128)
     out = reference.paged_attention(*case.attn_args(), softmax_scale=128**-0.5)
     torch.testing.assert_close(out, dense_attention(case, 128**-0.5), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fill", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 8])
+def test_reference_ignores_slots_it_does_not_read(fill, dtype, window):
+    # Decodes gather whole blocks (the last block's unused tail, block 0 for padding) and mask
+    # them out; a NaN or inf there, or before the window, must not reach the output: the
+    # Triton kernel never reads those slots. Decodes of different lengths share one padded
+    # group here; the prefills with and without a cached prefix gather whole blocks too.
+    seqs = [(37, 1), (5, 1), (90, 1), (0, 13), (21, 9), (0, 1)]
+    case = make_case(seqs, block_size=16, num_kv_heads=2, group=2, head_size=32, dtype=dtype, seed=5)
+    want = dense_attention(case, 0.125, window)
+    poison_unread_slots(case, fill, window)
+    got = reference.paged_attention(*case.attn_args(), softmax_scale=0.125, sliding_window=window)
+    assert torch.isfinite(got).all()
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)

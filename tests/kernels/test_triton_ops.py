@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import dense_attention, make_case  # noqa: E402
+from kernel_cases import dense_attention, make_case, poison_unread_slots  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import attention, block_copy, cache_write, reference  # noqa: E402
@@ -119,6 +119,17 @@ def test_attention_sliding_window(window):
     ref = reference.paged_attention(*case.attn_args(), softmax_scale=0.3, sliding_window=window)
     out = attention.paged_attention(*case.attn_args(), softmax_scale=0.3, sliding_window=window)
     _close(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("window", [None, 8])
+def test_attention_and_reference_ignore_unread_slots(window):
+    # NaN in every slot attention must not read (block 0, the tails of last blocks, slots
+    # before the window): the kernel and the reference both give the dense result.
+    case = make_case([(37, 1), (5, 1), (21, 9), (0, 13)], block_size=16, num_kv_heads=1, group=2, head_size=32)
+    want = dense_attention(case, 0.2, window)
+    poison_unread_slots(case, float("nan"), window)
+    for op in (attention.paged_attention, reference.paged_attention):
+        _close(op(*case.attn_args(), softmax_scale=0.2, sliding_window=window), want, torch.float32)
 
 
 @pytest.mark.parametrize("splits", [2, 5])
