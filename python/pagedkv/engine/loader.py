@@ -12,11 +12,15 @@ Sources (never the Hugging Face hub; every call passes ``local_files_only=True``
 Parsing and dequantizing a GGUF file is slow (about a minute for the 135M model on 2 cores),
 so the first load writes the converted model (config.json, model.safetensors, tokenizer) to a
 cache folder, ``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv/gguf/``, keyed by the GGUF file's
-path, size and mtime; later loads read that folder in seconds. ``convert_cache=False`` skips it.
+path, size and mtime and by :data:`CONVERSION_FORMAT`; later loads read that folder in seconds.
+``convert_cache=False`` skips it. The folder is a plain Hugging Face model folder that any
+safetensors loader (vLLM included) reads: ``config.json`` names the architecture, and tied
+weights are stored under the input embedding's name, as ``save_pretrained`` does.
 Each converted folder records its source file; a conversion (a cache miss) first removes the
 folders whose source is gone or has changed since (a reinstalled package, a deleted virtual
-environment) and those a killed conversion left half-written, so the cache holds about one
-~0.5 GB folder per GGUF file on disk, not one per install.
+environment), those an older conversion format wrote, and those a killed conversion left
+half-written, so the cache holds about one ~0.5 GB folder per GGUF file on disk, not one per
+install.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ModelNotFoundError
+from .errors import EngineConfigError, ModelNotFoundError
 
 __all__ = [
     "DEFAULT_MODEL_PACKAGE",
@@ -120,12 +124,22 @@ def _cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedkv" / "gguf"
 
 
+#: Version of what a conversion writes, part of the cache key and of the source record: a
+#: change to the converted folder's layout bumps it, so folders written before are converted
+#: again and the prune removes them. 2: ``config.json`` names the architecture and tied weights
+#: are stored as the input embedding (1 had ``"architectures": null`` and only ``lm_head.weight``,
+#: which vLLM loaded as a headless ``LlamaModel`` generating from uniform logits).
+CONVERSION_FORMAT = 2
+
+
 def _cache_folder(src: ModelSource) -> Path:
-    """Cache folder of a converted GGUF file, keyed by its path, size and mtime."""
+    """Cache folder of a converted GGUF file, keyed by its path, size, mtime and
+    :data:`CONVERSION_FORMAT`."""
     assert src.gguf_file is not None
     f = src.folder / src.gguf_file
     st = f.stat()
-    key = hashlib.sha256(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    ident = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|format={CONVERSION_FORMAT}"
+    key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return _cache_root() / f"{Path(src.gguf_file).stem}-{key}"
 
 
@@ -145,9 +159,11 @@ _CONVERTED_FILE = re.compile(
 
 
 def _source_stamp(f: Path) -> dict[str, Any]:
-    """What identifies a GGUF file's version on disk: resolved path, size, mtime (ns)."""
+    """What identifies a conversion of the GGUF file ``f``: the file's version on disk (resolved
+    path, size, mtime in ns) and :data:`CONVERSION_FORMAT`. A record that differs, an older
+    format's included, marks its folder stale."""
     st = f.stat()
-    return {"path": str(f.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    return {"path": str(f.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "format": CONVERSION_FORMAT}
 
 
 def _is_legacy_conversion(entry: Path) -> bool:
@@ -253,10 +269,43 @@ def _from_pretrained(cls: Any, src: ModelSource, **kwargs: Any) -> Any:
         return cls.from_pretrained(str(src.folder), **extra, **kwargs)
 
 
+def _weights_to_save(model: Any) -> dict[str, Any]:
+    """``model``'s weights as a converted folder stores them (name -> contiguous tensor).
+
+    With ``tie_word_embeddings`` on, the output embedding (``lm_head.weight``) is the input
+    embedding (``model.embed_tokens.weight``) and is stored once, under the input embedding's
+    name, as ``save_pretrained`` does: loaders tie the head to the embedding, while a folder
+    holding only the head's name leaves their embedding unset. With it off, every weight is
+    stored under its own name (a copy where two share memory: safetensors refuses that).
+
+    Raises:
+        EngineConfigError: (a ``ValueError``) ``tie_word_embeddings`` is on but the head is not the
+            input embedding (the folder would load as another model).
+    """
+    state = dict(model.state_dict())
+    head = model.get_output_embeddings()
+    if getattr(model.config, "tie_word_embeddings", False) and head is not None:
+        if head.weight is not model.get_input_embeddings().weight:
+            raise EngineConfigError(
+                f"{type(model).__name__}'s config has tie_word_embeddings on but its output embedding "
+                "is not its input embedding; the converted folder would load as another model"
+            )
+        for name, module in model.named_modules(remove_duplicate=False):
+            if module is head:
+                state.pop(f"{name}.weight", None)
+    out: dict[str, Any] = {}
+    storages: set[int] = set()
+    for name, tensor in state.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if ptr in storages else tensor.contiguous()
+        storages.add(ptr)
+    return out
+
+
 def _convert_gguf(src: ModelSource, dest: Path) -> None:
     """Dequantize ``src`` (GGUF) once and save config.json + model.safetensors + tokenizer."""
     import torch
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert src.gguf_file is not None
@@ -269,9 +318,12 @@ def _convert_gguf(src: ModelSource, dest: Path) -> None:
         cfg = model.config.to_dict()
         cfg.pop("quantization_config", None)  # the weights below are plain fp32
         cfg["torch_dtype"] = cfg["dtype"] = "float32"
+        # A GGUF-made config names no architecture; loaders that pick the model class from it
+        # (vLLM) would otherwise take the headless base model.
+        cfg["architectures"] = [type(model).__name__]
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
         (tmp / _SOURCE_RECORD).write_text(json.dumps(_source_stamp(src.folder / src.gguf_file)))
-        save_model(model, str(tmp / "model.safetensors"))  # drops the tied lm_head duplicate
+        save_file(_weights_to_save(model), str(tmp / "model.safetensors"), metadata={"format": "pt"})
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tok.save_pretrained(str(tmp))
