@@ -11,6 +11,9 @@
 //! - `seq_table`: the manager's slab of sequences keyed by id.
 //! - [`manager`]: per-sequence block tables, slot allocation, fork / copy-on-write, preemption
 //!   (recompute and swap), the batched scheduler-step entry point.
+//! - [`kv_groups`]: KV cache groups (full attention, sliding window, chunked local): what each
+//!   reads, and the configuration of several groups in one pool.
+//! - [`hybrid`]: the manager of several KV cache groups over one pool (hybrid models).
 //! - [`metrics`], [`events`]: counters and KV events for routers.
 //! - [`kv_indexer`]: the routers' side of the events: which worker holds which block, and
 //!   each worker's cached-prefix overlap with a request.
@@ -19,6 +22,8 @@ pub mod error;
 pub mod events;
 pub mod free_list;
 pub mod hashing;
+pub mod hybrid;
+pub mod kv_groups;
 pub mod kv_indexer;
 pub mod manager;
 pub mod metrics;
@@ -30,6 +35,8 @@ pub mod sync;
 
 pub use error::{Error, Result};
 pub use hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
+pub use hybrid::{BlockDemand, GroupEvent, HybridManager, HybridStepOutput};
+pub use kv_groups::{AttentionKind, GroupSpec, HybridConfig};
 pub use kv_indexer::{BatchOutcome, HashSource, KvIndexer, WorkerId, WorkerStatus};
 pub use manager::{
     CacheConfig, KvCacheManager, MmItem, SeqStatus, SequenceSpec, SlotAllocation, StepOptions,

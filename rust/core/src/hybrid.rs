@@ -1,0 +1,1649 @@
+//! The KV cache manager of hybrid models: several KV cache groups (full attention, sliding
+//! window, chunked local; see [`crate::kv_groups`]) with one block table per group per
+//! sequence, all over one [`BlockPool`] of equal-size pages.
+//!
+//! What differs from the one-group [`crate::manager::KvCacheManager`]:
+//! - **Release out of the window.** At each allocation of a sequence whose KV is known up to
+//!   `context` tokens, a windowed group releases every block no query at `context` or later can
+//!   read (table slot set to the null block). With sparse retention it holds on a little longer,
+//!   to the window of the older of the last two hit-unit boundaries (the *latest replayable
+//!   point*, so a request that extends the same turn and diverges inside its last block still
+//!   hits: vLLM #57610).
+//! - **Retention.** Full-attention blocks are cached once full, as in the one-group manager. A
+//!   windowed group with `retention_interval == 0` caches every full block too; with an interval
+//!   `N`, only the blocks a hit at a multiple of `N` needs, plus, when the sequence is freed or
+//!   preempted, the blocks it still holds (its latest replayable point). Everything else leaves
+//!   uncached and is reused first, so a long request's transient window blocks do not push other
+//!   requests' cached prefixes out of the LRU (the collapse of hybrid prefix hits to 0 in vLLM
+//!   #48435, fixed there by a retention interval, #43447 / #52216).
+//! - **Prefix lookup.** A hit is the longest prefix every group can serve, a multiple of the hit
+//!   unit (LCM of block sizes): full-attention groups scan their chain left to right; a windowed
+//!   group at a candidate `p` needs the blocks holding `[first_read(p), p)` present (for a
+//!   sliding window, the last `ceil((W - 1) / block_size)` blocks before `p`), and the candidate
+//!   shrinks until every group agrees.
+//! - **Hashes keyed by group.** The plain chain hash of a block (what the one-group manager and
+//!   routers compute) is the index key of group 0; group `g > 0` keys its blocks by a hash of the
+//!   plain hash and `g`, so groups never share a cached page. Events carry the plain hashes and
+//!   name their group ([`GroupEvent`]).
+//! - **Exact demand.** An allocation takes `take` blocks from the free pool (fresh blocks, hits
+//!   on free cached blocks, copy-on-write copies) and gives back `release` (out-of-window blocks
+//!   it held alone); it succeeds exactly when `take <= free + release`, and
+//!   [`HybridManager::num_blocks_needed`] returns both numbers before the call. An admission that
+//!   predicts one number and takes another hangs or fails (vLLM #39734, #41282, #45856).
+//!
+//! Concurrency: one mutex over the per-sequence state per call, as the one-group manager; the
+//! pool must not be mutated behind the manager's back. Every failing call changes nothing.
+
+use crate::error::{Error, Result};
+use crate::events::{EventSink, KvEvent};
+use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
+use crate::kv_groups::{retained_at_interval, GroupSpec, HybridConfig};
+use crate::manager::{SeqStatus, SequenceSpec, StepRequest};
+use crate::pool::BlockPool;
+use crate::sync::Mutex;
+use crate::{BlockId, SeqId, NULL_BLOCK};
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+
+/// A block that exists only in a demand simulation (registered by an earlier member of a
+/// group in [`HybridManager::num_blocks_owed`]); never a real id (ids are below 2^28).
+const VIRTUAL: BlockId = u32::MAX;
+
+/// A KV event of one group, or of every group (`group == None`: the cache was reset).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupEvent {
+    /// The KV cache group the event is about; `None` for [`KvEvent::AllBlocksCleared`].
+    pub group: Option<u32>,
+    /// The event; its hashes are the plain chain hashes (as a one-group manager with the same
+    /// seed and that group's block size computes them). Set semantics hold per group; the
+    /// parent of a windowed group's `BlockStored` may not be cached (sparse retention).
+    pub event: KvEvent,
+}
+
+/// What one call produced for the event buffer, applied in order by `absorb`.
+#[derive(Debug)]
+enum Pending {
+    /// A group event for the caller.
+    Group(GroupEvent),
+    /// Index key `.0` now resolves and stands for group `.1`'s plain hash `.2`.
+    Owner(BlockHash, u32, BlockHash),
+    /// An event of the pool (keys, not plain hashes).
+    Pool(KvEvent),
+}
+
+/// Blocks one allocation takes from and gives back to the free pool. It succeeds exactly
+/// when `take <= free + release`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BlockDemand {
+    /// Blocks taken: fresh blocks, prefix hits on free (ref 0) cached blocks, copy-on-write
+    /// destinations, over every group.
+    pub take: usize,
+    /// Blocks given back: out-of-window blocks the sequence held alone (ref 1), released
+    /// before the new ones are taken.
+    pub release: usize,
+}
+
+impl BlockDemand {
+    /// `take - release`: the change of used blocks (negative when the call frees more than it
+    /// takes).
+    pub fn net(&self) -> isize {
+        self.take as isize - self.release as isize
+    }
+}
+
+/// One group's part of a [`HybridAllocation`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupAllocation {
+    /// Blocks newly taken from the free pool for this group, in block-table order.
+    pub new_block_ids: Vec<BlockId>,
+    /// Copy-on-write `(src, dst)` pairs of this group (at most one).
+    pub copies: Vec<(BlockId, BlockId)>,
+    /// Blocks released out of the window by this call (their table slots now null).
+    pub released: Vec<BlockId>,
+}
+
+/// The result of [`HybridManager::allocate_slots`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HybridAllocation {
+    /// Tokens scheduled (the query length).
+    pub num_scheduled_tokens: usize,
+    /// Tokens served from the prefix cache (first allocation only; a multiple of the hit unit).
+    pub num_cached_tokens: usize,
+    /// Tokens with KV present before the scheduled ones.
+    pub num_context_tokens: usize,
+    /// Per group, in group order.
+    pub groups: Vec<GroupAllocation>,
+}
+
+/// Output of [`HybridManager::step`]: flat arrays with a group dimension. `S` scheduled
+/// sequences, `T` scheduled tokens, `G` groups.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HybridStepOutput {
+    /// Sequences scheduled (a prefix of the request).
+    pub num_scheduled: usize,
+    /// The failure that stopped processing (that sequence unchanged), if any.
+    pub error: Option<Error>,
+    /// `G`.
+    pub num_groups: usize,
+    /// Per scheduled seq: prefix-hit tokens of its first allocation, else 0.
+    pub num_cached_tokens: Vec<i32>,
+    /// Length `S + 1`: cumulative query lengths.
+    pub query_start_loc: Vec<i32>,
+    /// Per scheduled seq: context + query tokens.
+    pub seq_lens: Vec<i32>,
+    /// Per scheduled seq: tokens with KV present before this step.
+    pub context_lens: Vec<i32>,
+    /// Per scheduled token: its token id.
+    pub input_ids: Vec<i64>,
+    /// Row-major `G x T`: row `g` holds each token's slot in group `g`'s layers,
+    /// `block_id * block_size_g + offset`.
+    pub slot_mapping: Vec<i64>,
+    /// Row-major `G x S x W`: each group's block tables, rows padded with (and released
+    /// entries set to) the null block 0.
+    pub block_table: Vec<i32>,
+    /// `W`: the longest table over every group, at least 1.
+    pub block_table_width: usize,
+    /// Length `S * G + 1`: CSR offsets into `new_block_ids`, entry `k * G + g` for sequence
+    /// `k`, group `g`.
+    pub new_block_indptr: Vec<i32>,
+    /// Blocks newly taken, per (sequence, group).
+    pub new_block_ids: Vec<i32>,
+    /// Copy-on-write plan, row-major `(group, src, dst)` triples.
+    pub copies: Vec<i32>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct GroupTable {
+    /// Logical block -> physical block, [`NULL_BLOCK`] where released or skipped.
+    blocks: Vec<BlockId>,
+    /// Entries below this are null (released or never taken).
+    live_from: usize,
+    /// Leading logical blocks the fill-time registration has considered.
+    scanned: usize,
+}
+
+#[derive(Debug, Clone)]
+struct Seq {
+    tokens: Vec<u32>,
+    spec: SequenceSpec,
+    status: SeqStatus,
+    num_computed: usize,
+    /// Context of the last allocation: every query since reads from its window on.
+    last_context: usize,
+    tables: Vec<GroupTable>,
+    /// Per block-size class, the memo of plain chain hashes.
+    chains: Vec<Vec<BlockHash>>,
+    /// Per group, the memo of index keys.
+    keys: Vec<Vec<BlockHash>>,
+}
+
+impl Seq {
+    fn is_first(&self) -> bool {
+        self.num_computed == 0 && self.tables.iter().all(|t| t.blocks.is_empty())
+    }
+
+    fn held(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.tables
+            .iter()
+            .flat_map(|t| t.blocks.iter().copied())
+            .filter(|&b| b != NULL_BLOCK)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct CpuPool {
+    refs: Vec<u32>,
+    free: Vec<BlockId>,
+}
+
+#[derive(Debug)]
+struct State {
+    seqs: HashMap<SeqId, Seq>,
+    cpu: CpuPool,
+    events: Vec<GroupEvent>,
+    /// Index key -> (group, plain hash), for the keys that resolve (events on only): names
+    /// the group of the pool's `BlockRemoved`.
+    key_owner: HashMap<BlockHash, (u32, BlockHash)>,
+}
+
+/// The KV cache manager over several KV cache groups sharing one block pool (see the module
+/// docs). `Send + Sync`.
+#[derive(Debug)]
+pub struct HybridManager {
+    cfg: HybridConfig,
+    /// Hit unit in tokens (LCM of block sizes).
+    unit: usize,
+    /// Per group, its block-size class (groups of one block size share a plain chain).
+    class_of: Vec<usize>,
+    class_bs: Vec<usize>,
+    hasher: PrefixHasher,
+    pool_events: Arc<EventSink>,
+    pool: BlockPool,
+    state: Mutex<State>,
+}
+
+/// Per-group plan of one allocation.
+#[derive(Debug, Clone, Default)]
+struct GroupPlan {
+    /// First allocation: the table prefix from the cache (nulls before the window).
+    hits: Vec<BlockId>,
+    /// Logical indexes released out of the window.
+    release: Vec<usize>,
+    fresh: usize,
+    cow: bool,
+    /// The new `live_from`.
+    live_from: usize,
+}
+
+#[derive(Debug, Clone)]
+struct Plan {
+    first: bool,
+    context: usize,
+    q: usize,
+    groups: Vec<GroupPlan>,
+    hits_free: usize,
+    demand: BlockDemand,
+}
+
+/// The pool as an allocation will find it: the real pool plus the effects of earlier
+/// (simulated) allocations. Empty for a single call, so a plan and the call agree exactly.
+struct Sim<'a> {
+    pool: &'a BlockPool,
+    refs: HashMap<BlockId, u32>,
+    registered: HashSet<BlockHash>,
+    evicted: HashSet<BlockId>,
+    hashed: HashSet<BlockId>,
+    uncached: usize,
+    /// The LRU of cached free blocks, read from the pool on the first simulated eviction.
+    lru: Option<VecDeque<BlockId>>,
+    /// Blocks that entered (`true`) or left the LRU before it was read.
+    lru_moves: Vec<(BlockId, bool)>,
+}
+
+impl<'a> Sim<'a> {
+    fn new(pool: &'a BlockPool) -> Self {
+        Self {
+            pool,
+            refs: HashMap::new(),
+            registered: HashSet::new(),
+            evicted: HashSet::new(),
+            hashed: HashSet::new(),
+            uncached: pool.num_free() - pool.num_cached_free(),
+            lru: None,
+            lru_moves: Vec::new(),
+        }
+    }
+
+    fn refc(&self, b: BlockId) -> u32 {
+        if b == VIRTUAL {
+            return 1;
+        }
+        self.refs
+            .get(&b)
+            .copied()
+            .unwrap_or_else(|| self.pool.ref_count(b))
+    }
+
+    fn lookup(&self, key: &BlockHash) -> Option<BlockId> {
+        if self.registered.contains(key) {
+            return Some(VIRTUAL);
+        }
+        self.pool.lookup(key).filter(|b| !self.evicted.contains(b))
+    }
+
+    fn is_hashed(&self, b: BlockId) -> bool {
+        !self.evicted.contains(&b) && (self.pool.is_hashed(b) || self.hashed.contains(&b))
+    }
+
+    fn lru_push(&mut self, b: BlockId) {
+        match self.lru.as_mut() {
+            Some(l) => l.push_back(b),
+            None => self.lru_moves.push((b, true)),
+        }
+    }
+
+    fn lru_take(&mut self, b: BlockId) {
+        match self.lru.as_mut() {
+            Some(l) => l.retain(|&x| x != b),
+            None => self.lru_moves.push((b, false)),
+        }
+    }
+
+    /// Simulates one allocation's effects on the pool (releases, touches, `n` fresh blocks).
+    fn apply(&mut self, released: &[BlockId], touched: &[BlockId], n: usize, cow_src: &[BlockId]) {
+        for &b in released {
+            let r = self.refc(b) - 1;
+            self.refs.insert(b, r);
+            if r == 0 {
+                if self.is_hashed(b) {
+                    self.lru_push(b);
+                } else {
+                    self.uncached += 1;
+                }
+            }
+        }
+        for &b in touched {
+            let r = self.refc(b);
+            if r == 0 {
+                self.lru_take(b);
+            }
+            self.refs.insert(b, r + 1);
+        }
+        for &b in cow_src {
+            let r = self.refc(b) - 1;
+            self.refs.insert(b, r);
+        }
+        let from_uncached = n.min(self.uncached);
+        self.uncached -= from_uncached;
+        let mut rest = n - from_uncached;
+        if rest == 0 {
+            return;
+        }
+        if self.lru.is_none() {
+            let fq = self.pool.free_queue();
+            let mut l: VecDeque<BlockId> = fq[fq.len() - self.pool.num_cached_free()..]
+                .iter()
+                .copied()
+                .collect();
+            for (b, enter) in std::mem::take(&mut self.lru_moves) {
+                if enter {
+                    l.push_back(b);
+                } else {
+                    l.retain(|&x| x != b);
+                }
+            }
+            self.lru = Some(l);
+        }
+        let l = self.lru.as_mut().expect("read");
+        while rest > 0 {
+            let Some(b) = l.pop_front() else { break };
+            self.evicted.insert(b);
+            self.refs.insert(b, 1);
+            rest -= 1;
+        }
+    }
+}
+
+fn unknown(seq_id: SeqId) -> Error {
+    Error::UnknownSequence { seq_id }
+}
+
+fn bad_state(
+    seq_id: SeqId,
+    status: SeqStatus,
+    operation: &'static str,
+    expected: &'static str,
+) -> Error {
+    Error::InvalidSequenceState {
+        seq_id,
+        state: status.name(),
+        operation,
+        expected,
+    }
+}
+
+impl HybridManager {
+    /// A manager over a fresh pool of `cfg.num_blocks` pages shared by `cfg.groups`. Errors:
+    /// [`Error::InvalidConfig`] (see [`HybridConfig::validate`]); nothing is built then.
+    /// O(num_blocks + num_cpu_blocks).
+    pub fn new(cfg: HybridConfig) -> Result<Self> {
+        cfg.validate()?;
+        let unit = cfg.hit_unit().expect("validated") as usize;
+        let mut class_bs: Vec<usize> = Vec::new();
+        let class_of = cfg
+            .groups
+            .iter()
+            .map(|g| {
+                let bs = g.block_size as usize;
+                match class_bs.iter().position(|&b| b == bs) {
+                    Some(c) => c,
+                    None => {
+                        class_bs.push(bs);
+                        class_bs.len() - 1
+                    }
+                }
+            })
+            .collect();
+        let pool_events = Arc::new(EventSink::new(cfg.enable_events));
+        let pool = BlockPool::new(cfg.num_blocks, pool_events.clone())?;
+        let hasher = PrefixHasher::new(cfg.hash_algo, &cfg.hash_seed);
+        let n = cfg.num_cpu_blocks;
+        let state = State {
+            seqs: HashMap::new(),
+            cpu: CpuPool {
+                refs: vec![0; n as usize],
+                free: (0..n).rev().collect(),
+            },
+            events: Vec::new(),
+            key_owner: HashMap::new(),
+        };
+        Ok(Self {
+            cfg,
+            unit,
+            class_of,
+            class_bs,
+            hasher,
+            pool_events,
+            pool,
+            state: Mutex::new(state),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &HybridConfig {
+        &self.cfg
+    }
+
+    /// The shared block pool, for inspection.
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    /// Number of KV cache groups.
+    pub fn num_groups(&self) -> usize {
+        self.cfg.groups.len()
+    }
+
+    /// The hit unit in tokens: prefix hits are multiples of it (LCM of the block sizes).
+    pub fn hit_unit(&self) -> usize {
+        self.unit
+    }
+
+    /// Registers a sequence with its prompt. Errors: [`Error::SequenceExists`];
+    /// [`Error::InvalidArgument`] for an empty prompt or a malformed multimodal item. O(prompt).
+    pub fn add_sequence(&self, seq: SeqId, prompt: Vec<u32>, spec: SequenceSpec) -> Result<()> {
+        if prompt.is_empty() {
+            return Err(Error::InvalidArgument {
+                arg: "prompt",
+                value: "[]".into(),
+                reason: "a sequence needs at least one token".into(),
+            });
+        }
+        for item in &spec.mm_items {
+            if item.len == 0
+                || item.start.checked_add(item.len).is_none()
+                || item.start > i64::MAX as u64
+            {
+                return Err(Error::InvalidArgument {
+                    arg: "mm_items",
+                    value: format!("start={} len={}", item.start, item.len),
+                    reason: "a multimodal item needs len >= 1 and a range that fits in i64".into(),
+                });
+            }
+        }
+        let mut st = self.state.lock();
+        if st.seqs.contains_key(&seq) {
+            return Err(Error::SequenceExists { seq_id: seq });
+        }
+        let g = self.num_groups();
+        st.seqs.insert(
+            seq,
+            Seq {
+                tokens: prompt,
+                spec,
+                status: SeqStatus::Running,
+                num_computed: 0,
+                last_context: 0,
+                tables: vec![GroupTable::default(); g],
+                chains: vec![Vec::new(); self.class_bs.len()],
+                keys: vec![Vec::new(); g],
+            },
+        );
+        Ok(())
+    }
+
+    /// Appends finalized tokens. Errors: [`Error::UnknownSequence`]. O(tokens).
+    pub fn append_tokens(&self, seq: SeqId, tokens: &[u32]) -> Result<()> {
+        let mut st = self.state.lock();
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        s.tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    /// Tokens a first allocation of `seq` would take from the prefix cache now: the longest
+    /// prefix every group can serve, a multiple of the hit unit, at most `num_tokens - 1`.
+    /// No side effects. Errors: [`Error::UnknownSequence`].
+    pub fn lookup_prefix(&self, seq: SeqId) -> Result<usize> {
+        let mut st = self.state.lock();
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        let sim = Sim::new(&self.pool);
+        Ok(self.find_hits(s, &sim).0)
+    }
+
+    /// Exactly what the next [`Self::allocate_slots`]`(seq, num_new_tokens)` takes from and
+    /// gives back to the free pool, over every group. Errors as `allocate_slots` except
+    /// `OutOfBlocks`. No side effects.
+    pub fn num_blocks_needed(&self, seq: SeqId, num_new_tokens: usize) -> Result<BlockDemand> {
+        let mut st = self.state.lock();
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        let sim = Sim::new(&self.pool);
+        Ok(self.plan(seq, s, num_new_tokens, &sim)?.demand)
+    }
+
+    /// Free blocks a group of sequences needs so that scheduling all of their uncomputed tokens
+    /// now, in the given order, succeeds for every member: the largest running total of
+    /// `take - release` over the members (each member's allocation sees the pool as the earlier
+    /// ones leave it: blocks they registered, touched, released or evicted), plus the distinct
+    /// CPU blocks of swapped-out members (what swapping them in takes). With exactly this many
+    /// blocks free every member's allocation succeeds; with one fewer one fails. No side
+    /// effects. Errors: [`Error::UnknownSequence`]; [`Error::InvalidArgument`] for an id listed
+    /// twice.
+    pub fn num_blocks_owed(&self, seqs: &[SeqId]) -> Result<usize> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        check_ids(st, seqs)?;
+        let mut sim = Sim::new(&self.pool);
+        let (mut net, mut peak) = (0isize, 0isize);
+        let mut swapped: HashSet<BlockId> = HashSet::new();
+        for id in seqs {
+            let s = st.seqs.get_mut(id).expect("checked");
+            if s.status == SeqStatus::Swapped {
+                swapped.extend(s.held());
+                continue;
+            }
+            if s.tokens.len() == s.num_computed {
+                continue;
+            }
+            let n = s.tokens.len() - s.num_computed;
+            let plan = self.plan(*id, s, n, &sim)?;
+            net += plan.demand.net();
+            peak = peak.max(net);
+            // What the allocation does to the pool, for the members after it.
+            let mut released = Vec::new();
+            let mut touched = Vec::new();
+            let mut cow_src = Vec::new();
+            let mut fresh = 0;
+            for (g, gp) in plan.groups.iter().enumerate() {
+                let t = &s.tables[g];
+                released.extend(gp.release.iter().map(|&j| t.blocks[j]));
+                touched.extend(
+                    gp.hits
+                        .iter()
+                        .copied()
+                        .filter(|&b| b != NULL_BLOCK && b != VIRTUAL),
+                );
+                if gp.cow {
+                    cow_src.push(*t.blocks.last().expect("cow needs a block"));
+                }
+                fresh += gp.fresh + usize::from(gp.cow);
+            }
+            touched.sort_unstable();
+            touched.dedup();
+            sim.apply(&released, &touched, fresh, &cow_src);
+            // Blocks it registers become hits (in use) for later members.
+            let end = plan.context + plan.q;
+            for (g, gp) in plan.groups.iter().enumerate() {
+                let spec = &self.cfg.groups[g];
+                let bs = spec.block_size as usize;
+                let full = end / bs;
+                let start = if plan.first {
+                    gp.hits.len()
+                } else {
+                    s.tables[g].scanned
+                };
+                for j in start..full {
+                    if self.registers_at_fill(spec, j) {
+                        let key = self.key_at(s, g, j);
+                        if j < s.tables[g].blocks.len() && s.tables[g].blocks[j] != NULL_BLOCK {
+                            sim.hashed.insert(s.tables[g].blocks[j]);
+                        }
+                        sim.registered.insert(key);
+                    }
+                }
+            }
+        }
+        Ok(peak.max(0) as usize + swapped.len())
+    }
+
+    /// Schedules `q = min(num_new_tokens, uncomputed)` tokens of `seq` in every group: on a
+    /// first allocation the cached prefix every group can serve is taken first; then each
+    /// windowed group releases the blocks no query from the context on can read, every group
+    /// gets blocks for `context + q` tokens (a shared partially filled last block is copied:
+    /// copy-on-write), and newly full blocks are cached by the retention rule.
+    ///
+    /// Errors (state unchanged): [`Error::UnknownSequence`]; [`Error::InvalidSequenceState`]
+    /// (swapped out); [`Error::InvalidArgument`] (`num_new_tokens == 0`, nothing left);
+    /// [`Error::OutOfBlocks`] `{requested: take, available: free + release}`.
+    pub fn allocate_slots(&self, seq: SeqId, num_new_tokens: usize) -> Result<HybridAllocation> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        let mut out = Vec::new();
+        let a = self.allocate_locked(seq, s, num_new_tokens, &mut out)?;
+        self.absorb(st, out);
+        Ok(a)
+    }
+
+    /// Forks `parent` into `child`: every group's table is shared (ref counts + 1), nothing
+    /// allocated. Errors: [`Error::UnknownSequence`], [`Error::SequenceExists`],
+    /// [`Error::InvalidSequenceState`] (swapped-out parent).
+    pub fn fork(&self, parent: SeqId, child: SeqId) -> Result<()> {
+        let mut st = self.state.lock();
+        let p = st.seqs.get(&parent).ok_or_else(|| unknown(parent))?;
+        if p.status == SeqStatus::Swapped {
+            return Err(bad_state(parent, p.status, "fork", "running or preempted"));
+        }
+        if st.seqs.contains_key(&child) {
+            return Err(Error::SequenceExists { seq_id: child });
+        }
+        let c = p.clone();
+        let held: Vec<BlockId> = c.held().collect();
+        if !held.is_empty() {
+            self.pool.incref(&held)?;
+        }
+        st.seqs.insert(child, c);
+        Ok(())
+    }
+
+    /// Frees `seq` and forgets it; with sparse retention its windowed blocks are cached first
+    /// (its latest replayable point). Returns `false` for an unknown id. O(blocks).
+    pub fn free(&self, seq: SeqId) -> bool {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let Some(mut s) = st.seqs.remove(&seq) else {
+            return false;
+        };
+        let mut ev = Vec::new();
+        if s.status == SeqStatus::Swapped {
+            let held: Vec<BlockId> = s.held().collect();
+            cpu_release(&mut st.cpu, &held);
+        } else {
+            self.cache_latest(&mut s, &mut ev);
+            self.release_all(&s);
+        }
+        self.absorb(st, ev);
+        true
+    }
+
+    /// Preemption by recompute, all-or-nothing over the group: every group's blocks are
+    /// released (cached ones keep their hashes; with sparse retention the windowed blocks are
+    /// cached first), tokens kept, `num_computed = 0`. Errors (nothing changed):
+    /// [`Error::UnknownSequence`], [`Error::InvalidArgument`] (duplicate id),
+    /// [`Error::InvalidSequenceState`] (swapped out).
+    pub fn preempt_recompute(&self, seqs: &[SeqId]) -> Result<()> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        check_ids(st, seqs)?;
+        for id in seqs {
+            let s = &st.seqs[id];
+            if s.status == SeqStatus::Swapped {
+                return Err(bad_state(
+                    *id,
+                    s.status,
+                    "preempt_recompute",
+                    "running or preempted",
+                ));
+            }
+        }
+        let mut ev = Vec::new();
+        for id in seqs {
+            let mut s = st.seqs.remove(id).expect("checked");
+            self.cache_latest(&mut s, &mut ev);
+            self.release_all(&s);
+            for t in &mut s.tables {
+                *t = GroupTable::default();
+            }
+            s.num_computed = 0;
+            s.last_context = 0;
+            s.status = SeqStatus::Preempted;
+            st.seqs.insert(*id, s);
+        }
+        self.absorb(st, ev);
+        Ok(())
+    }
+
+    /// Swaps a group out: each distinct GPU block held by any group of any member is planned
+    /// once onto a CPU block (null entries stay null), the GPU blocks are released. Returns
+    /// the `(gpu, cpu)` plan in order of first appearance (member, group, table order).
+    /// Errors (nothing changed): [`Error::UnknownSequence`], [`Error::InvalidArgument`]
+    /// (duplicate id), [`Error::InvalidSequenceState`] (not running),
+    /// [`Error::OutOfSwapSpace`].
+    pub fn swap_out(&self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        check_ids(st, seqs)?;
+        let mut order = Vec::new();
+        let mut uses: HashMap<BlockId, u32> = HashMap::new();
+        for id in seqs {
+            let s = &st.seqs[id];
+            if s.status != SeqStatus::Running {
+                return Err(bad_state(*id, s.status, "swap_out", "running"));
+            }
+            for b in s.held() {
+                let n = uses.entry(b).or_insert(0);
+                if *n == 0 {
+                    order.push(b);
+                }
+                *n += 1;
+            }
+        }
+        if order.len() > st.cpu.free.len() {
+            return Err(Error::OutOfSwapSpace {
+                requested: order.len(),
+                available: st.cpu.free.len(),
+            });
+        }
+        for id in seqs {
+            self.release_all(&st.seqs[id]);
+        }
+        let mut map = HashMap::with_capacity(order.len());
+        let mut plan = Vec::with_capacity(order.len());
+        for &g in &order {
+            let c = st.cpu.free.pop().expect("checked");
+            st.cpu.refs[c as usize] = uses[&g];
+            map.insert(g, c);
+            plan.push((g, c));
+        }
+        for id in seqs {
+            let s = st.seqs.get_mut(id).expect("checked");
+            for t in &mut s.tables {
+                for b in &mut t.blocks {
+                    if *b != NULL_BLOCK {
+                        *b = map[b];
+                    }
+                }
+            }
+            s.status = SeqStatus::Swapped;
+        }
+        Ok(plan)
+    }
+
+    /// Swaps a group back in: one fresh GPU block per distinct CPU block, sharing kept; the
+    /// full computed blocks are cached again by the retention rule. Returns the `(cpu, gpu)`
+    /// plan. Errors (nothing changed): [`Error::UnknownSequence`], [`Error::InvalidArgument`],
+    /// [`Error::InvalidSequenceState`] (not swapped), [`Error::OutOfBlocks`].
+    pub fn swap_in(&self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        check_ids(st, seqs)?;
+        let mut order = Vec::new();
+        let mut seen = HashSet::new();
+        let mut extra = Vec::new();
+        for id in seqs {
+            let s = &st.seqs[id];
+            if s.status != SeqStatus::Swapped {
+                return Err(bad_state(*id, s.status, "swap_in", "swapped"));
+            }
+            for c in s.held() {
+                if seen.insert(c) {
+                    order.push(c);
+                } else {
+                    extra.push(c);
+                }
+            }
+        }
+        let gpu = self.pool.allocate(order.len())?;
+        let mut ev = Vec::new();
+        self.drain_pool(&mut ev);
+        let map: HashMap<BlockId, BlockId> =
+            order.iter().copied().zip(gpu.iter().copied()).collect();
+        if !extra.is_empty() {
+            let e: Vec<BlockId> = extra.iter().map(|c| map[c]).collect();
+            self.pool.incref(&e)?;
+        }
+        for id in seqs {
+            let s = st.seqs.get_mut(id).expect("checked");
+            let held: Vec<BlockId> = s.held().collect();
+            cpu_release(&mut st.cpu, &held);
+            for t in &mut s.tables {
+                for b in &mut t.blocks {
+                    if *b != NULL_BLOCK {
+                        *b = map[b];
+                    }
+                }
+                t.scanned = 0;
+            }
+            s.status = SeqStatus::Running;
+            self.cache_full(s, &mut ev);
+        }
+        self.absorb(st, ev);
+        Ok(order.into_iter().zip(gpu).collect())
+    }
+
+    /// Drops every prefix-cache entry of every group. Errors: [`Error::CacheInUse`] while any
+    /// block is referenced (nothing changed).
+    pub fn reset_prefix_cache(&self) -> Result<()> {
+        let mut guard = self.state.lock();
+        self.pool.reset_prefix_cache()?;
+        let mut ev = Vec::new();
+        self.drain_pool(&mut ev);
+        self.absorb(&mut guard, ev);
+        Ok(())
+    }
+
+    /// The block tables of `seq`, one per group (null entries for released blocks; CPU ids
+    /// while swapped). Errors: [`Error::UnknownSequence`].
+    pub fn block_tables(&self, seq: SeqId) -> Result<Vec<Vec<BlockId>>> {
+        let st = self.state.lock();
+        let s = st.seqs.get(&seq).ok_or_else(|| unknown(seq))?;
+        Ok(s.tables.iter().map(|t| t.blocks.clone()).collect())
+    }
+
+    /// Blocks `seq` holds per group (non-null table entries). Errors: [`Error::UnknownSequence`].
+    pub fn num_blocks_held(&self, seq: SeqId) -> Result<Vec<usize>> {
+        let st = self.state.lock();
+        let s = st.seqs.get(&seq).ok_or_else(|| unknown(seq))?;
+        Ok(s.tables
+            .iter()
+            .map(|t| t.blocks.iter().filter(|&&b| b != NULL_BLOCK).count())
+            .collect())
+    }
+
+    /// Known tokens of `seq`. Errors: [`Error::UnknownSequence`].
+    pub fn num_tokens(&self, seq: SeqId) -> Result<usize> {
+        let st = self.state.lock();
+        Ok(st.seqs.get(&seq).ok_or_else(|| unknown(seq))?.tokens.len())
+    }
+
+    /// Tokens of `seq` whose KV is (scheduled to be) written. Errors: [`Error::UnknownSequence`].
+    pub fn num_computed_tokens(&self, seq: SeqId) -> Result<usize> {
+        let st = self.state.lock();
+        Ok(st.seqs.get(&seq).ok_or_else(|| unknown(seq))?.num_computed)
+    }
+
+    /// Status of `seq`. Errors: [`Error::UnknownSequence`].
+    pub fn status(&self, seq: SeqId) -> Result<SeqStatus> {
+        let st = self.state.lock();
+        Ok(st.seqs.get(&seq).ok_or_else(|| unknown(seq))?.status)
+    }
+
+    /// Registered sequences.
+    pub fn num_sequences(&self) -> usize {
+        self.state.lock().seqs.len()
+    }
+
+    /// Drains the buffered group events, oldest first (empty with events off).
+    pub fn take_events(&self) -> Vec<GroupEvent> {
+        std::mem::take(&mut self.state.lock().events)
+    }
+
+    /// One scheduler step: for each sequence in order, append its tokens (CSR slice of
+    /// `append_tokens`) and [`Self::allocate_slots`] it; stop at the first failure (that
+    /// sequence unchanged, appended tokens removed again). A malformed request (lengths, CSR
+    /// offsets, an id listed twice) schedules nothing. Returns every group's slot mapping and
+    /// dense block tables. O(tokens scheduled x groups + G x S x W).
+    pub fn step(&self, req: &StepRequest) -> HybridStepOutput {
+        let n = req.seq_ids.len();
+        let ng = self.num_groups();
+        let mut out = HybridStepOutput {
+            num_groups: ng,
+            block_table_width: 1,
+            ..Default::default()
+        };
+        out.query_start_loc.push(0);
+        out.new_block_indptr.push(0);
+        if let Err(e) = validate_step(req) {
+            out.error = Some(e);
+            return out;
+        }
+        let mut seen = HashSet::with_capacity(n);
+        if let Some(&dup) = req.seq_ids.iter().find(|&&id| !seen.insert(id)) {
+            out.error = Some(Error::InvalidArgument {
+                arg: "seq_ids",
+                value: dup.to_string(),
+                reason: format!("sequence {dup} appears more than once in one step"),
+            });
+            return out;
+        }
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let mut slots: Vec<Vec<i64>> = vec![Vec::new(); ng];
+        let mut ev = Vec::new();
+        for (i, &seq) in req.seq_ids.iter().enumerate() {
+            let Some(s) = st.seqs.get_mut(&seq) else {
+                out.error = Some(unknown(seq));
+                break;
+            };
+            let old_len = s.tokens.len();
+            if !req.append_indptr.is_empty() {
+                let (a, b) = (
+                    req.append_indptr[i] as usize,
+                    req.append_indptr[i + 1] as usize,
+                );
+                s.tokens.extend_from_slice(&req.append_tokens[a..b]);
+            }
+            let alloc = match self.allocate_locked(seq, s, req.num_new_tokens[i] as usize, &mut ev)
+            {
+                Ok(a) => a,
+                Err(e) => {
+                    s.tokens.truncate(old_len);
+                    for c in 0..self.class_bs.len() {
+                        s.chains[c].truncate(old_len / self.class_bs[c]);
+                    }
+                    for g in 0..ng {
+                        s.keys[g].truncate(old_len / self.cfg.groups[g].block_size as usize);
+                    }
+                    out.error = Some(e);
+                    break;
+                }
+            };
+            let ctx = alloc.num_context_tokens;
+            let q = alloc.num_scheduled_tokens;
+            out.num_scheduled += 1;
+            out.num_cached_tokens.push(alloc.num_cached_tokens as i32);
+            out.query_start_loc.push(out.query_start_loc[i] + q as i32);
+            out.context_lens.push(ctx as i32);
+            out.seq_lens.push((ctx + q) as i32);
+            out.input_ids
+                .extend(s.tokens[ctx..ctx + q].iter().map(|&t| i64::from(t)));
+            for (g, ga) in alloc.groups.iter().enumerate() {
+                let bs = self.cfg.groups[g].block_size as usize;
+                let t = &s.tables[g].blocks;
+                slots[g].extend(
+                    (ctx..ctx + q).map(|p| i64::from(t[p / bs]) * bs as i64 + (p % bs) as i64),
+                );
+                out.new_block_ids
+                    .extend(ga.new_block_ids.iter().map(|&b| b as i32));
+                out.new_block_indptr.push(out.new_block_ids.len() as i32);
+                for &(src, dst) in &ga.copies {
+                    out.copies.extend([g as i32, src as i32, dst as i32]);
+                }
+            }
+        }
+        self.absorb(st, ev);
+        for row in slots {
+            out.slot_mapping.extend(row);
+        }
+        let scheduled = &req.seq_ids[..out.num_scheduled];
+        let width = scheduled
+            .iter()
+            .flat_map(|id| st.seqs[id].tables.iter().map(|t| t.blocks.len()))
+            .max()
+            .unwrap_or(0)
+            .max(1);
+        out.block_table = Vec::with_capacity(ng * scheduled.len() * width);
+        for g in 0..ng {
+            for id in scheduled {
+                let t = &st.seqs[id].tables[g].blocks;
+                out.block_table.extend(t.iter().map(|&b| b as i32));
+                out.block_table
+                    .resize(out.block_table.len() + width - t.len(), NULL_BLOCK as i32);
+            }
+        }
+        out.block_table_width = width;
+        out
+    }
+
+    /// Checks the invariants of docs/design.md ("KV cache groups") over every group: the pool's
+    /// own; every block's ref count equals the running tables holding it; no block twice in a
+    /// sequence's tables; each running table covers `ceil(num_computed / block_size)` logical
+    /// blocks, with real blocks from the window of its last context on and null entries before
+    /// its keep boundary (released as soon as unreadable), full-attention tables without nulls;
+    /// a cached block carries its own group's key, the blocks the retention rule caches at fill
+    /// time are cached, full-attention chains are closed; preempted sequences hold nothing;
+    /// CPU ref counts match swapped tables. Returns a message naming the first violation.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        self.pool.check_invariants()?;
+        let caching = self.cfg.enable_prefix_caching;
+        let mut gpu_refs: HashMap<BlockId, u32> = HashMap::new();
+        let mut cpu_refs = vec![0u32; st.cpu.refs.len()];
+        let ids: Vec<SeqId> = st.seqs.keys().copied().collect();
+        for id in ids {
+            let s = st.seqs.get_mut(&id).expect("listed");
+            if s.num_computed > s.tokens.len() {
+                return Err(format!("seq {id}: num_computed > num_tokens"));
+            }
+            match s.status {
+                SeqStatus::Preempted => {
+                    if s.held().next().is_some() || s.num_computed != 0 {
+                        return Err(format!("seq {id}: preempted but holds blocks"));
+                    }
+                }
+                SeqStatus::Swapped => {
+                    for c in s.held() {
+                        match cpu_refs.get_mut(c as usize) {
+                            Some(r) => *r += 1,
+                            None => return Err(format!("seq {id}: CPU block {c} out of range")),
+                        }
+                    }
+                }
+                SeqStatus::Running => {
+                    let mut distinct = HashSet::new();
+                    for g in 0..self.num_groups() {
+                        let spec = self.cfg.groups[g];
+                        let bs = spec.block_size as usize;
+                        let t = s.tables[g].clone();
+                        if t.blocks.len() != s.num_computed.div_ceil(bs) {
+                            return Err(format!(
+                                "seq {id} group {g}: {} blocks for {} computed tokens",
+                                t.blocks.len(),
+                                s.num_computed
+                            ));
+                        }
+                        let read_from = spec.first_read(s.last_context) / bs;
+                        let keep_from = if s.num_computed == s.last_context {
+                            0
+                        } else {
+                            self.keep_from(&spec, s.last_context) / bs
+                        };
+                        for (j, &b) in t.blocks.iter().enumerate() {
+                            if b == NULL_BLOCK {
+                                if j >= read_from {
+                                    return Err(format!(
+                                        "seq {id} group {g}: entry {j} is null but a query from {} reads it",
+                                        s.last_context
+                                    ));
+                                }
+                                continue;
+                            }
+                            if j < keep_from.max(t.live_from) {
+                                return Err(format!(
+                                    "seq {id} group {g}: entry {j} (block {b}) is out of every future window but still held"
+                                ));
+                            }
+                            if b >= self.cfg.num_blocks {
+                                return Err(format!("seq {id} group {g}: invalid block {b}"));
+                            }
+                            if !distinct.insert(b) {
+                                return Err(format!(
+                                    "seq {id}: block {b} appears twice in its tables"
+                                ));
+                            }
+                            *gpu_refs.entry(b).or_insert(0) += 1;
+                            let h = self.pool.block_hash(b);
+                            if (j + 1) * bs > s.num_computed {
+                                continue; // not full yet
+                            }
+                            let want = self.key_at(s, g, j);
+                            match h {
+                                Some(h) if h != want => {
+                                    return Err(format!(
+                                        "seq {id} group {g}: block {b} carries a foreign hash"
+                                    ))
+                                }
+                                None if caching
+                                    && j < t.scanned
+                                    && self.registers_at_fill(&spec, j) =>
+                                {
+                                    return Err(format!(
+                                        "seq {id} group {g}: full block {j} (block {b}) not cached"
+                                    ))
+                                }
+                                _ => {}
+                            }
+                            if !spec.is_windowed()
+                                && h.is_some()
+                                && j > 0
+                                && self.pool.block_hash(t.blocks[j - 1]).is_none()
+                            {
+                                return Err(format!(
+                                    "seq {id} group {g}: block {j} cached but block {} is not",
+                                    j - 1
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for b in 1..self.cfg.num_blocks {
+            let want = gpu_refs.get(&b).copied().unwrap_or(0);
+            let got = self.pool.ref_count(b);
+            if want != got {
+                return Err(format!(
+                    "block {b}: ref count {got}, held by {want} table(s)"
+                ));
+            }
+            if !caching && self.pool.block_hash(b).is_some() {
+                return Err(format!("block {b} has a hash with prefix caching off"));
+            }
+        }
+        if cpu_refs != st.cpu.refs {
+            return Err("CPU swap-block ref counts do not match swapped tables".into());
+        }
+        if st.cpu.free.len() != st.cpu.refs.iter().filter(|&&r| r == 0).count() {
+            return Err("CPU free list disagrees with CPU ref counts".into());
+        }
+        Ok(())
+    }
+
+    // ---- internals -------------------------------------------------------------------------
+
+    fn sparse(&self) -> bool {
+        self.cfg.enable_prefix_caching && self.cfg.retention_interval > 0
+    }
+
+    /// First token a windowed group must keep once KV is known up to `ctx`: the window of
+    /// `ctx` itself, or with sparse retention the window of the older of the last two hit-unit
+    /// boundaries at or below `ctx` (the latest replayable point).
+    fn keep_from(&self, spec: &GroupSpec, ctx: usize) -> usize {
+        if !spec.is_windowed() {
+            return 0;
+        }
+        if !self.sparse() {
+            return spec.first_read(ctx);
+        }
+        let last = ctx / self.unit * self.unit;
+        spec.first_read(last.saturating_sub(self.unit))
+    }
+
+    /// Whether logical block `j` of a group is cached as soon as it is full.
+    fn registers_at_fill(&self, spec: &GroupSpec, j: usize) -> bool {
+        let n = self.cfg.retention_interval as usize;
+        !spec.is_windowed() || n == 0 || retained_at_interval(spec, j, n)
+    }
+
+    /// Plain chain hash of logical block `k` of block-size class `c` (memoised).
+    fn plain_at(&self, s: &mut Seq, c: usize, k: usize) -> BlockHash {
+        let bs = self.class_bs[c];
+        while s.chains[c].len() <= k {
+            let j = s.chains[c].len();
+            let keys = s.spec.block_keys(bs, j);
+            let h =
+                self.hasher
+                    .hash_block(s.chains[c].last(), &s.tokens[j * bs..(j + 1) * bs], &keys);
+            s.chains[c].push(h);
+        }
+        s.chains[c][k]
+    }
+
+    /// Index key of logical block `k` of group `g` (memoised): the plain hash for group 0, a
+    /// hash of the plain hash and `g` otherwise.
+    fn key_at(&self, s: &mut Seq, g: usize, k: usize) -> BlockHash {
+        let c = self.class_of[g];
+        while s.keys[g].len() <= k {
+            let j = s.keys[g].len();
+            let plain = self.plain_at(s, c, j);
+            let key = if g == 0 {
+                plain
+            } else {
+                let tag = ExtraKey::Tagged {
+                    tag: "kv_cache_group".into(),
+                    value: (g as u32).to_le_bytes().to_vec(),
+                };
+                self.hasher.hash_block(Some(&plain), &[], &[tag])
+            };
+            s.keys[g].push(key);
+        }
+        s.keys[g][k]
+    }
+
+    /// The longest prefix every group serves (tokens) and each group's table prefix for it.
+    fn find_hits(&self, s: &mut Seq, sim: &Sim<'_>) -> (usize, Vec<Vec<BlockId>>) {
+        let ng = self.num_groups();
+        let unit = self.unit;
+        let mut l = (s.tokens.len() - 1) / unit * unit;
+        if !self.cfg.enable_prefix_caching || l == 0 {
+            return (0, vec![Vec::new(); ng]);
+        }
+        // Full attention: the chain from the left.
+        for g in 0..ng {
+            let spec = self.cfg.groups[g];
+            if spec.is_windowed() {
+                continue;
+            }
+            let bs = spec.block_size as usize;
+            let mut n = 0;
+            while n < l / bs {
+                let key = self.key_at(s, g, n);
+                if sim.lookup(&key).is_none() {
+                    break;
+                }
+                n += 1;
+            }
+            l = l.min(n * bs / unit * unit);
+        }
+        // Windowed groups: shrink until every group agrees.
+        loop {
+            let mut changed = false;
+            for g in 0..ng {
+                let spec = self.cfg.groups[g];
+                if !spec.is_windowed() {
+                    continue;
+                }
+                let p = self.window_hit(s, g, l, sim);
+                if p < l {
+                    l = p;
+                    changed = true;
+                }
+            }
+            if !changed || l == 0 {
+                break;
+            }
+        }
+        let mut hits = Vec::with_capacity(ng);
+        for g in 0..ng {
+            let spec = self.cfg.groups[g];
+            let (lo, hi) = spec.hit_blocks(l);
+            let mut t = vec![NULL_BLOCK; lo];
+            for j in lo..hi {
+                let key = self.key_at(s, g, j);
+                t.push(sim.lookup(&key).expect("checked present"));
+            }
+            hits.push(t);
+        }
+        (l, hits)
+    }
+
+    /// The largest hit-unit multiple `p <= l` at which windowed group `g` has every block of
+    /// `[first_read(p), p)` cached. Scans right to left; a miss at block `j` moves the
+    /// candidate to the boundary at or below `j`'s start.
+    fn window_hit(&self, s: &mut Seq, g: usize, l: usize, sim: &Sim<'_>) -> usize {
+        let spec = self.cfg.groups[g];
+        let bs = spec.block_size as usize;
+        let mut p = l;
+        'outer: while p > 0 {
+            let (lo, hi) = spec.hit_blocks(p);
+            for j in (lo..hi).rev() {
+                let key = self.key_at(s, g, j);
+                if sim.lookup(&key).is_none() {
+                    p = j * bs / self.unit * self.unit;
+                    continue 'outer;
+                }
+            }
+            return p;
+        }
+        0
+    }
+
+    fn plan(&self, seq: SeqId, s: &mut Seq, num_new_tokens: usize, sim: &Sim<'_>) -> Result<Plan> {
+        if s.status == SeqStatus::Swapped {
+            return Err(bad_state(
+                seq,
+                s.status,
+                "allocate_slots",
+                "running or preempted (swap it in first)",
+            ));
+        }
+        if num_new_tokens == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "num_new_tokens",
+                value: "0".into(),
+                reason: "must schedule at least one token".into(),
+            });
+        }
+        let first = s.is_first();
+        let (context, hits) = if first {
+            self.find_hits(s, sim)
+        } else {
+            (s.num_computed, vec![Vec::new(); self.num_groups()])
+        };
+        let remaining = s.tokens.len() - context;
+        if remaining == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "num_new_tokens",
+                value: num_new_tokens.to_string(),
+                reason: format!(
+                    "sequence {seq} has no uncomputed token (all {} computed)",
+                    s.tokens.len()
+                ),
+            });
+        }
+        let q = num_new_tokens.min(remaining);
+        let mut demand = BlockDemand::default();
+        let mut hit_free = HashSet::new();
+        let mut groups = Vec::with_capacity(self.num_groups());
+        for (g, hits) in hits.into_iter().enumerate() {
+            let spec = self.cfg.groups[g];
+            let bs = spec.block_size as usize;
+            let t = &s.tables[g];
+            let mut gp = GroupPlan::default();
+            if first {
+                for &b in &hits {
+                    if b != NULL_BLOCK && b != VIRTUAL && sim.refc(b) == 0 {
+                        hit_free.insert(b);
+                    }
+                }
+                gp.live_from = spec.hit_blocks(context).0;
+                gp.fresh = (context + q).div_ceil(bs) - hits.len();
+                gp.hits = hits;
+            } else {
+                let keep = self.keep_from(&spec, context) / bs;
+                gp.live_from = t.live_from.max(keep);
+                for j in t.live_from..keep.min(t.blocks.len()) {
+                    let b = t.blocks[j];
+                    if b != NULL_BLOCK {
+                        gp.release.push(j);
+                        if sim.refc(b) == 1 {
+                            demand.release += 1;
+                        }
+                    }
+                }
+                gp.fresh = (context + q).div_ceil(bs) - t.blocks.len();
+                gp.cow = context % bs != 0 && t.blocks.last().is_some_and(|&b| sim.refc(b) > 1);
+            }
+            demand.take += gp.fresh + usize::from(gp.cow);
+            groups.push(gp);
+        }
+        demand.take += hit_free.len();
+        Ok(Plan {
+            first,
+            context,
+            q,
+            groups,
+            hits_free: hit_free.len(),
+            demand,
+        })
+    }
+
+    fn allocate_locked(
+        &self,
+        seq: SeqId,
+        s: &mut Seq,
+        num_new_tokens: usize,
+        ev: &mut Vec<Pending>,
+    ) -> Result<HybridAllocation> {
+        let plan = {
+            let sim = Sim::new(&self.pool);
+            self.plan(seq, s, num_new_tokens, &sim)?
+        };
+        let available = self.pool.num_free() + plan.demand.release;
+        if plan.demand.take > available {
+            return Err(Error::OutOfBlocks {
+                requested: plan.demand.take,
+                available,
+            });
+        }
+        let mut out = HybridAllocation {
+            num_scheduled_tokens: plan.q,
+            num_cached_tokens: if plan.first { plan.context } else { 0 },
+            num_context_tokens: plan.context,
+            groups: vec![GroupAllocation::default(); self.num_groups()],
+        };
+        // Release first (tail first), so the blocks given back can be taken again.
+        let mut released = Vec::new();
+        for (g, gp) in plan.groups.iter().enumerate() {
+            for &j in gp.release.iter().rev() {
+                let t = &mut s.tables[g];
+                let b = std::mem::replace(&mut t.blocks[j], NULL_BLOCK);
+                released.push(b);
+                out.groups[g].released.push(b);
+            }
+            s.tables[g].live_from = gp.live_from;
+        }
+        if !released.is_empty() {
+            self.pool.free(&released)?;
+        }
+        let mut touched: Vec<BlockId> = plan
+            .groups
+            .iter()
+            .flat_map(|gp| gp.hits.iter().copied())
+            .filter(|&b| b != NULL_BLOCK)
+            .collect();
+        touched.sort_unstable();
+        if !touched.is_empty() {
+            self.pool.touch(&touched)?;
+        }
+        let n_new = plan.demand.take - plan.hits_free;
+        let new = self.pool.allocate(n_new)?;
+        self.drain_pool(ev);
+        let mut fresh = new.into_iter();
+        for (g, gp) in plan.groups.into_iter().enumerate() {
+            let t = &mut s.tables[g];
+            let ga = &mut out.groups[g];
+            if plan.first {
+                t.scanned = gp.hits.len();
+                t.blocks = gp.hits;
+            }
+            if gp.cow {
+                let dst = fresh.next().expect("allocated");
+                let last = t.blocks.len() - 1;
+                let src = std::mem::replace(&mut t.blocks[last], dst);
+                self.pool.free(&[src])?;
+                ga.copies.push((src, dst));
+                ga.new_block_ids.push(dst);
+            }
+            for _ in 0..gp.fresh {
+                let b = fresh.next().expect("allocated");
+                t.blocks.push(b);
+                ga.new_block_ids.push(b);
+            }
+        }
+        s.last_context = plan.context;
+        s.num_computed = plan.context + plan.q;
+        s.status = SeqStatus::Running;
+        self.cache_full(s, ev);
+        Ok(out)
+    }
+
+    /// Caches every newly full computed block the fill-time rule selects, per group.
+    fn cache_full(&self, s: &mut Seq, ev: &mut Vec<Pending>) {
+        if !self.cfg.enable_prefix_caching {
+            return;
+        }
+        for g in 0..self.num_groups() {
+            let spec = self.cfg.groups[g];
+            let full = s.num_computed / spec.block_size as usize;
+            let start = s.tables[g].scanned;
+            if full <= start {
+                continue;
+            }
+            let picked: Vec<usize> = (start..full)
+                .filter(|&j| {
+                    s.tables[g].blocks[j] != NULL_BLOCK && self.registers_at_fill(&spec, j)
+                })
+                .collect();
+            s.tables[g].scanned = full;
+            self.register(s, g, &picked, ev);
+        }
+    }
+
+    /// With sparse retention, caches the full blocks a windowed group still holds (the latest
+    /// replayable point) before the sequence lets them go.
+    fn cache_latest(&self, s: &mut Seq, ev: &mut Vec<Pending>) {
+        if !self.sparse() || s.status != SeqStatus::Running {
+            return;
+        }
+        for g in 0..self.num_groups() {
+            let spec = self.cfg.groups[g];
+            if !spec.is_windowed() {
+                continue;
+            }
+            let full = s.num_computed / spec.block_size as usize;
+            let t = &s.tables[g];
+            let picked: Vec<usize> = (t.live_from..full)
+                .filter(|&j| t.blocks[j] != NULL_BLOCK && !self.pool.is_hashed(t.blocks[j]))
+                .collect();
+            self.register(s, g, &picked, ev);
+        }
+    }
+
+    /// Registers logical blocks `picked` of group `g` under their keys; emits `BlockStored`
+    /// (plain hashes, consecutive blocks in one event) for keys that became resolvable.
+    fn register(&self, s: &mut Seq, g: usize, picked: &[usize], ev: &mut Vec<Pending>) {
+        if picked.is_empty() {
+            return;
+        }
+        let keys: Vec<BlockHash> = picked.iter().map(|&j| self.key_at(s, g, j)).collect();
+        let blocks: Vec<BlockId> = picked.iter().map(|&j| s.tables[g].blocks[j]).collect();
+        let mut newly = Vec::with_capacity(picked.len());
+        let cached = self.pool.cache_blocks(&blocks, &keys, &mut newly);
+        debug_assert!(cached.is_ok(), "{cached:?}");
+        if !self.cfg.enable_events {
+            return;
+        }
+        let spec = self.cfg.groups[g];
+        let bs = spec.block_size as usize;
+        let c = self.class_of[g];
+        let mut pending: Option<(usize, KvEvent)> = None;
+        for (i, &j) in picked.iter().enumerate() {
+            if !newly[i] {
+                continue;
+            }
+            let plain = self.plain_at(s, c, j);
+            let toks = &s.tokens[j * bs..(j + 1) * bs];
+            let keys_j = s.spec.block_keys(bs, j).into_owned();
+            if let Some((
+                last_j,
+                KvEvent::BlockStored {
+                    block_hashes,
+                    token_ids,
+                    extra_keys,
+                    ..
+                },
+            )) = pending.as_mut()
+            {
+                if *last_j + 1 == j && *extra_keys == keys_j {
+                    block_hashes.push(plain);
+                    token_ids.extend_from_slice(toks);
+                    *last_j = j;
+                    self.note_owner(keys[i], g, plain, ev);
+                    continue;
+                }
+            }
+            if let Some((_, e)) = pending.take() {
+                ev.push(Pending::Group(GroupEvent {
+                    group: Some(g as u32),
+                    event: e,
+                }));
+            }
+            let parent = j.checked_sub(1).map(|p| s.chains[c][p]);
+            pending = Some((
+                j,
+                KvEvent::BlockStored {
+                    block_hashes: vec![plain],
+                    parent_block_hash: parent,
+                    token_ids: toks.to_vec(),
+                    block_size: spec.block_size,
+                    extra_keys: keys_j,
+                    hash_root: Some(self.hasher.root()),
+                },
+            ));
+            self.note_owner(keys[i], g, plain, ev);
+        }
+        if let Some((_, e)) = pending {
+            ev.push(Pending::Group(GroupEvent {
+                group: Some(g as u32),
+                event: e,
+            }));
+        }
+    }
+
+    /// Remembers which group and plain hash an index key stands for (read by
+    /// [`Self::absorb`] when the pool reports the key removed).
+    fn note_owner(&self, key: BlockHash, g: usize, plain: BlockHash, ev: &mut Vec<Pending>) {
+        ev.push(Pending::Owner(key, g as u32, plain));
+    }
+
+    /// Moves the pool's pending events (evictions, resets) into `ev`, for `absorb` to
+    /// translate into group events.
+    fn drain_pool(&self, ev: &mut Vec<Pending>) {
+        if !self.cfg.enable_events {
+            return;
+        }
+        for e in self.pool_events.drain() {
+            ev.push(Pending::Pool(e));
+        }
+    }
+
+    /// Applies the events of one call in order: owner entries update the key table, pool
+    /// events become group events (keys back to plain hashes), group events are buffered.
+    fn absorb(&self, st: &mut State, ev: Vec<Pending>) {
+        if !self.cfg.enable_events {
+            return;
+        }
+        for e in ev {
+            match e {
+                Pending::Owner(key, g, plain) => {
+                    st.key_owner.insert(key, (g, plain));
+                }
+                Pending::Pool(KvEvent::BlockRemoved { block_hashes }) => {
+                    let mut per_group: Vec<(u32, Vec<BlockHash>)> = Vec::new();
+                    for key in block_hashes {
+                        let Some((g, plain)) = st.key_owner.remove(&key) else {
+                            continue;
+                        };
+                        match per_group.iter_mut().find(|(x, _)| *x == g) {
+                            Some((_, v)) => v.push(plain),
+                            None => per_group.push((g, vec![plain])),
+                        }
+                    }
+                    for (g, hashes) in per_group {
+                        st.events.push(GroupEvent {
+                            group: Some(g),
+                            event: KvEvent::BlockRemoved {
+                                block_hashes: hashes,
+                            },
+                        });
+                    }
+                }
+                Pending::Pool(event) => {
+                    if event == KvEvent::AllBlocksCleared {
+                        st.key_owner.clear();
+                    }
+                    st.events.push(GroupEvent { group: None, event });
+                }
+                Pending::Group(e) => st.events.push(e),
+            }
+        }
+    }
+
+    /// Releases every GPU block the sequence holds, tail first, table by table.
+    fn release_all(&self, s: &Seq) {
+        let mut tail_first = Vec::new();
+        for t in &s.tables {
+            tail_first.extend(t.blocks.iter().rev().copied().filter(|&b| b != NULL_BLOCK));
+        }
+        if !tail_first.is_empty() {
+            let freed = self.pool.free(&tail_first);
+            debug_assert!(freed.is_ok(), "{freed:?}");
+        }
+    }
+}
+
+fn check_ids(st: &State, seqs: &[SeqId]) -> Result<()> {
+    let mut seen = HashSet::with_capacity(seqs.len());
+    for &id in seqs {
+        if !seen.insert(id) {
+            return Err(Error::InvalidArgument {
+                arg: "seq_ids",
+                value: id.to_string(),
+                reason: "sequence listed twice in one group".into(),
+            });
+        }
+        if !st.seqs.contains_key(&id) {
+            return Err(unknown(id));
+        }
+    }
+    Ok(())
+}
+
+fn cpu_release(cpu: &mut CpuPool, table: &[BlockId]) {
+    for &c in table.iter().rev() {
+        let r = &mut cpu.refs[c as usize];
+        *r -= 1;
+        if *r == 0 {
+            cpu.free.push(c);
+        }
+    }
+}
+
+fn validate_step(req: &StepRequest) -> Result<()> {
+    let n = req.seq_ids.len();
+    if req.num_new_tokens.len() != n {
+        return Err(Error::InvalidArgument {
+            arg: "num_new_tokens",
+            value: format!("len {}", req.num_new_tokens.len()),
+            reason: format!("must have one entry per sequence ({n})"),
+        });
+    }
+    if req.append_indptr.is_empty() {
+        if !req.append_tokens.is_empty() {
+            return Err(Error::InvalidArgument {
+                arg: "append_indptr",
+                value: "[]".into(),
+                reason: "append_tokens given without offsets".into(),
+            });
+        }
+        return Ok(());
+    }
+    let p = &req.append_indptr;
+    if p.len() != n + 1
+        || p[0] != 0
+        || p.windows(2).any(|w| w[0] > w[1])
+        || p[n] as usize != req.append_tokens.len()
+    {
+        return Err(Error::InvalidArgument {
+            arg: "append_indptr",
+            value: format!("{p:?}"),
+            reason: format!(
+                "must be {} non-decreasing offsets from 0 to len(append_tokens) = {}",
+                n + 1,
+                req.append_tokens.len()
+            ),
+        });
+    }
+    Ok(())
+}

@@ -1,0 +1,361 @@
+//! KV cache groups: what each kind of attention layer reads, and the configuration of a
+//! [`crate::hybrid::HybridManager`] whose groups share one block pool.
+//!
+//! Models that mix attention kinds (sliding-window layers interleaved with full-attention
+//! ones, chunked-local layers) keep one block table per *KV cache group* (layers with the same
+//! attention kind and page layout). Every group's pages come from one pool of equal-size pages,
+//! so a block id names one page of every layer of one group. What a group must keep follows
+//! from the first position a query reads ([`GroupSpec::first_read`]):
+//! - full attention: a query at position `p` reads `[0, p]`;
+//! - sliding window `W` (Beltagy et al., "Longformer", 2020; Gemma 2/3): `(p - W, p]`;
+//! - chunked local `C` (Llama 4's local layers): `[floor(p / C) * C, p]`.
+//!
+//! Positions are token indices, windows and chunks are in tokens, page sizes in bytes.
+
+use crate::error::{Error, Result};
+use crate::hashing::HashAlgo;
+use crate::manager::MAX_BLOCK_SIZE;
+
+/// Largest accepted hit unit (the LCM of the groups' block sizes), in tokens: block sizes
+/// whose LCM exceeds it would make prefix hits so coarse that caching is pointless
+/// (vLLM #54607: block-size floors from the LCM of group sizes).
+pub const MAX_HIT_UNIT: u32 = 1 << 16;
+
+/// The attention kind of a KV cache group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttentionKind {
+    /// Every query reads every earlier position.
+    Full,
+    /// A query at `p` reads `(p - window, p]` (`window` >= 1 tokens, the query included).
+    SlidingWindow { window: u32 },
+    /// A query at `p` reads `[floor(p / chunk) * chunk, p]` (`chunk` >= 1 tokens).
+    ChunkedLocal { chunk: u32 },
+}
+
+impl AttentionKind {
+    /// `"full"`, `"sliding_window"` or `"chunked_local"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            AttentionKind::Full => "full",
+            AttentionKind::SlidingWindow { .. } => "sliding_window",
+            AttentionKind::ChunkedLocal { .. } => "chunked_local",
+        }
+    }
+}
+
+/// One KV cache group: its attention kind and page layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GroupSpec {
+    /// What a query of this group's layers reads.
+    pub kind: AttentionKind,
+    /// Tokens per block of this group, `1..=MAX_BLOCK_SIZE`.
+    pub block_size: u32,
+    /// Bytes one token takes in one layer of the group (K and V of every KV head:
+    /// `2 * num_kv_heads * head_size * dtype_bytes`). A page is `block_size *
+    /// bytes_per_token` bytes; every group's page must have the same size to share one pool.
+    pub bytes_per_token: u64,
+}
+
+impl GroupSpec {
+    /// A full-attention group.
+    pub fn full(block_size: u32, bytes_per_token: u64) -> Self {
+        Self {
+            kind: AttentionKind::Full,
+            block_size,
+            bytes_per_token,
+        }
+    }
+
+    /// A sliding-window group of `window` tokens.
+    pub fn sliding_window(block_size: u32, bytes_per_token: u64, window: u32) -> Self {
+        Self {
+            kind: AttentionKind::SlidingWindow { window },
+            block_size,
+            bytes_per_token,
+        }
+    }
+
+    /// A chunked-local group of `chunk` tokens.
+    pub fn chunked_local(block_size: u32, bytes_per_token: u64, chunk: u32) -> Self {
+        Self {
+            kind: AttentionKind::ChunkedLocal { chunk },
+            block_size,
+            bytes_per_token,
+        }
+    }
+
+    /// Page size in bytes (`block_size * bytes_per_token`), `None` on overflow.
+    pub fn page_bytes(&self) -> Option<u64> {
+        u64::from(self.block_size).checked_mul(self.bytes_per_token)
+    }
+
+    /// Whether the group reads only a bounded range before each query (sliding window or
+    /// chunked local), so its older blocks can be released.
+    pub fn is_windowed(&self) -> bool {
+        !matches!(self.kind, AttentionKind::Full)
+    }
+
+    /// The first position a query at position `p` reads. Monotone non-decreasing in `p`.
+    pub fn first_read(&self, p: usize) -> usize {
+        match self.kind {
+            AttentionKind::Full => 0,
+            AttentionKind::SlidingWindow { window } => (p + 1).saturating_sub(window as usize),
+            AttentionKind::ChunkedLocal { chunk } => p / chunk as usize * chunk as usize,
+        }
+    }
+
+    /// Logical blocks `[lo, hi)` a prefix hit of `p` tokens (a multiple of the block size)
+    /// needs present: the blocks holding `[first_read(p), p)`. For a sliding window that is
+    /// the last `ceil((W - 1) / block_size)` blocks before `p` (fewer near the start); for a
+    /// chunked-local group at a chunk boundary, none.
+    pub fn hit_blocks(&self, p: usize) -> (usize, usize) {
+        let bs = self.block_size as usize;
+        let hi = p / bs;
+        (self.first_read(p).min(p) / bs, hi)
+    }
+
+    fn validate(&self, g: usize) -> Result<()> {
+        let field = "groups";
+        if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
+            return Err(Error::InvalidConfig {
+                field,
+                value: format!("group {g} block_size {}", self.block_size),
+                reason: format!("must be in 1..={MAX_BLOCK_SIZE} tokens"),
+            });
+        }
+        if self.bytes_per_token == 0 {
+            return Err(Error::InvalidConfig {
+                field,
+                value: format!("group {g} bytes_per_token 0"),
+                reason: "a token takes at least one byte".into(),
+            });
+        }
+        match self.kind {
+            AttentionKind::SlidingWindow { window: 0 } => Err(Error::InvalidConfig {
+                field,
+                value: format!("group {g} window 0"),
+                reason: "a sliding window holds at least 1 token".into(),
+            }),
+            AttentionKind::ChunkedLocal { chunk: 0 } => Err(Error::InvalidConfig {
+                field,
+                value: format!("group {g} chunk 0"),
+                reason: "a local-attention chunk holds at least 1 token".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Configuration of a [`crate::hybrid::HybridManager`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HybridConfig {
+    /// Physical blocks (pages) shared by every group, the null block 0 included; >= 2.
+    pub num_blocks: u32,
+    /// The KV cache groups, at least one.
+    pub groups: Vec<GroupSpec>,
+    /// Per model layer, the index of its group in `groups`. Every layer names a group and every
+    /// group has at least one layer.
+    pub layer_groups: Vec<u32>,
+    /// Whether full blocks are hashed, cached and reused across sequences.
+    pub enable_prefix_caching: bool,
+    /// Retention interval of windowed groups, in tokens (0: dense, every full block of a
+    /// windowed group is cached). Otherwise a multiple of [`Self::hit_unit`]: an out-of-window
+    /// block stays cached for prefix reuse only if a hit at some multiple of this interval
+    /// needs it, or it belongs to the window of a sequence's latest replayable point when the
+    /// sequence is freed or preempted; every other out-of-window block is released uncached
+    /// (reused first, so the transient window blocks of a long request never flush other
+    /// requests' cached prefixes: vLLM #43447).
+    pub retention_interval: u32,
+    /// Hash function of the prefix cache.
+    pub hash_algo: HashAlgo,
+    /// Chain seed of the block hashes.
+    pub hash_seed: Vec<u8>,
+    /// CPU swap-space blocks (0 disables swapping).
+    pub num_cpu_blocks: u32,
+    /// Whether KV events are buffered for [`crate::hybrid::HybridManager::take_events`].
+    pub enable_events: bool,
+}
+
+impl HybridConfig {
+    /// `num_blocks` pages for `groups`, with `layer_groups[i]` the group of layer `i`; prefix
+    /// caching on, dense retention, SHA-256, an empty seed, no swap space, events off. Not
+    /// validated until [`Self::validate`].
+    pub fn new(num_blocks: u32, groups: Vec<GroupSpec>, layer_groups: Vec<u32>) -> Self {
+        Self {
+            num_blocks,
+            groups,
+            layer_groups,
+            enable_prefix_caching: true,
+            retention_interval: 0,
+            hash_algo: HashAlgo::Sha256,
+            hash_seed: Vec::new(),
+            num_cpu_blocks: 0,
+            enable_events: false,
+        }
+    }
+
+    /// The LCM of the groups' block sizes: prefix hits are multiples of it (every group's
+    /// table must end a hit on a block boundary). `None` if it exceeds [`MAX_HIT_UNIT`].
+    pub fn hit_unit(&self) -> Option<u32> {
+        let mut l: u64 = 1;
+        for g in &self.groups {
+            let b = u64::from(g.block_size.max(1));
+            l = l / gcd(l, b) * b;
+            if l > u64::from(MAX_HIT_UNIT) {
+                return None;
+            }
+        }
+        Some(l as u32)
+    }
+
+    /// Checks every field. Errors: [`Error::InvalidConfig`] naming the field when
+    /// `num_blocks < 2`; no group, a block size outside `1..=MAX_BLOCK_SIZE`, a window or chunk
+    /// < 1, zero bytes per token; page sizes that differ between groups (they cannot share one
+    /// pool); an LCM of block sizes above [`MAX_HIT_UNIT`]; no layer, a layer mapped to no
+    /// group, a group without layers; a retention interval that is not a multiple of the hit
+    /// unit.
+    pub fn validate(&self) -> Result<()> {
+        if self.num_blocks < 2 {
+            return Err(Error::InvalidConfig {
+                field: "num_blocks",
+                value: self.num_blocks.to_string(),
+                reason: "need at least 2 blocks (block 0 is the null block)".into(),
+            });
+        }
+        if self.groups.is_empty() {
+            return Err(Error::InvalidConfig {
+                field: "groups",
+                value: "[]".into(),
+                reason: "need at least one KV cache group".into(),
+            });
+        }
+        for (g, spec) in self.groups.iter().enumerate() {
+            spec.validate(g)?;
+        }
+        let page = self.groups[0].page_bytes();
+        for (g, spec) in self.groups.iter().enumerate() {
+            if page.is_none() || spec.page_bytes() != page {
+                return Err(Error::InvalidConfig {
+                    field: "groups",
+                    value: format!(
+                        "group {g} page {} x {} bytes",
+                        spec.block_size, spec.bytes_per_token
+                    ),
+                    reason: format!(
+                        "every group's page (block_size x bytes_per_token) must have the same size to share one pool; group 0's is {} x {} = {:?} bytes",
+                        self.groups[0].block_size, self.groups[0].bytes_per_token, page
+                    ),
+                });
+            }
+        }
+        let Some(unit) = self.hit_unit() else {
+            return Err(Error::InvalidConfig {
+                field: "groups",
+                value: format!(
+                    "block sizes {:?}",
+                    self.groups.iter().map(|g| g.block_size).collect::<Vec<_>>()
+                ),
+                reason: format!("their least common multiple exceeds {MAX_HIT_UNIT} tokens"),
+            });
+        };
+        if self.layer_groups.is_empty() {
+            return Err(Error::InvalidConfig {
+                field: "layer_groups",
+                value: "[]".into(),
+                reason: "need at least one layer".into(),
+            });
+        }
+        for (layer, &g) in self.layer_groups.iter().enumerate() {
+            if g as usize >= self.groups.len() {
+                return Err(Error::InvalidConfig {
+                    field: "layer_groups",
+                    value: format!("layer {layer} -> group {g}"),
+                    reason: format!(
+                        "layer mapped to no group (there are {} groups)",
+                        self.groups.len()
+                    ),
+                });
+            }
+        }
+        for g in 0..self.groups.len() {
+            if !self.layer_groups.contains(&(g as u32)) {
+                return Err(Error::InvalidConfig {
+                    field: "layer_groups",
+                    value: format!("group {g}"),
+                    reason: "a group without layers".into(),
+                });
+            }
+        }
+        if self.retention_interval % unit != 0 {
+            return Err(Error::InvalidConfig {
+                field: "retention_interval",
+                value: self.retention_interval.to_string(),
+                reason: format!(
+                    "must be 0 (dense) or a multiple of the hit unit {unit} (LCM of the block sizes)"
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+/// Whether logical block `k` of a windowed group is needed by a prefix hit at some multiple of
+/// `interval` tokens (the sparse retention rule; `interval` > 0). A hit at `p` needs the
+/// blocks holding `[first_read(p), p)`; the smallest candidate `p` after the block is the only
+/// one to try, since `first_read` is monotone.
+pub fn retained_at_interval(spec: &GroupSpec, k: usize, interval: usize) -> bool {
+    let end = (k + 1) * spec.block_size as usize;
+    let p = end.div_ceil(interval) * interval;
+    spec.first_read(p) < end
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn first_read_of_each_kind() {
+        let sw = GroupSpec::sliding_window(4, 8, 5);
+        assert_eq!(sw.first_read(0), 0);
+        assert_eq!(sw.first_read(4), 0);
+        assert_eq!(sw.first_read(5), 1);
+        assert_eq!(sw.first_read(9), 5);
+        let cl = GroupSpec::chunked_local(4, 8, 6);
+        assert_eq!(cl.first_read(5), 0);
+        assert_eq!(cl.first_read(6), 6);
+        assert_eq!(cl.first_read(13), 12);
+        assert_eq!(GroupSpec::full(4, 8).first_read(100), 0);
+    }
+
+    #[test]
+    fn hit_blocks_is_ceil_window_minus_one_over_block_size() {
+        for w in 1..20u32 {
+            let sw = GroupSpec::sliding_window(4, 8, w);
+            for p in (40..80).step_by(4) {
+                let (lo, hi) = sw.hit_blocks(p);
+                assert_eq!(hi - lo, (w as usize - 1).div_ceil(4), "w={w} p={p}");
+            }
+        }
+        let cl = GroupSpec::chunked_local(4, 8, 8);
+        assert_eq!(cl.hit_blocks(16), (4, 4)); // a chunk boundary needs nothing
+        assert_eq!(cl.hit_blocks(20), (4, 5));
+    }
+
+    #[test]
+    fn retention_interval_rule() {
+        let sw = GroupSpec::sliding_window(4, 8, 9); // a hit needs 2 blocks
+        let kept: Vec<usize> = (0..8)
+            .filter(|&k| retained_at_interval(&sw, k, 16))
+            .collect();
+        // hits at 16 need blocks 2, 3; at 32 blocks 6, 7.
+        assert_eq!(kept, vec![2, 3, 6, 7]);
+    }
+}
