@@ -49,6 +49,10 @@ use std::sync::Arc;
 /// group in [`HybridManager::num_blocks_owed`]); never a real id (ids are below 2^28).
 const VIRTUAL: BlockId = u32::MAX;
 
+/// A released table entry of a swapped-out sequence (CPU block ids start at 0, so the null
+/// block id cannot mark it there).
+pub const CPU_NULL: BlockId = u32::MAX;
+
 /// A KV event of one group, or of every group (`group == None`: the cache was reset).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupEvent {
@@ -182,11 +186,22 @@ impl Seq {
         self.num_computed == 0 && self.tables.iter().all(|t| t.blocks.is_empty())
     }
 
+    /// The blocks the tables hold: GPU ids, or CPU ids while swapped out.
     fn held(&self) -> impl Iterator<Item = BlockId> + '_ {
+        let none = self.null_entry();
         self.tables
             .iter()
             .flat_map(|t| t.blocks.iter().copied())
-            .filter(|&b| b != NULL_BLOCK)
+            .filter(move |&b| b != none)
+    }
+
+    /// What a released table entry holds: the null block, or [`CPU_NULL`] while swapped.
+    fn null_entry(&self) -> BlockId {
+        if self.status == SeqStatus::Swapped {
+            CPU_NULL
+        } else {
+            NULL_BLOCK
+        }
     }
 }
 
@@ -738,9 +753,7 @@ impl HybridManager {
             let s = st.seqs.get_mut(id).expect("checked");
             for t in &mut s.tables {
                 for b in &mut t.blocks {
-                    if *b != NULL_BLOCK {
-                        *b = map[b];
-                    }
+                    *b = if *b == NULL_BLOCK { CPU_NULL } else { map[b] };
                 }
             }
             s.status = SeqStatus::Swapped;
@@ -787,9 +800,7 @@ impl HybridManager {
             cpu_release(&mut st.cpu, &held);
             for t in &mut s.tables {
                 for b in &mut t.blocks {
-                    if *b != NULL_BLOCK {
-                        *b = map[b];
-                    }
+                    *b = if *b == CPU_NULL { NULL_BLOCK } else { map[b] };
                 }
                 t.scanned = 0;
             }
@@ -812,7 +823,7 @@ impl HybridManager {
     }
 
     /// The block tables of `seq`, one per group (null entries for released blocks; CPU ids
-    /// while swapped). Errors: [`Error::UnknownSequence`].
+    /// while swapped, with [`CPU_NULL`] for released entries). Errors: [`Error::UnknownSequence`].
     pub fn block_tables(&self, seq: SeqId) -> Result<Vec<Vec<BlockId>>> {
         let st = self.state.lock();
         let s = st.seqs.get(&seq).ok_or_else(|| unknown(seq))?;
