@@ -114,8 +114,8 @@ clippy: ## clippy on every crate and target, warnings are errors
 # (through the python/pagedkv/kernels symlink, so they are checked as pagedkv.kernels) and the
 # integrations (vLLM's types are Any where vLLM is not installed).
 MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv/_optional.py python/pagedkv/tensors.py \
-	python/pagedkv/_repr.py python/pagedkv/_core.pyi python/pagedkv/engine python/pagedkv/kernels \
-	python/pagedkv/integrations python/pagedkv/routing
+	python/pagedkv/_repr.py python/pagedkv/_core.pyi python/pagedkv/block_identity.py python/pagedkv/engine \
+	python/pagedkv/kernels python/pagedkv/integrations python/pagedkv/routing python/pagedkv/cluster
 
 mypy: deps ## Type-check the Python package (API, _core stub, engine, kernels)
 	$(PYTHON) -m mypy $(MYPY_PATHS)

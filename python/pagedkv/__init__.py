@@ -17,6 +17,10 @@ Allocator API (needs numpy only):
   :class:`BlockRemoved`, :class:`AllBlocksCleared` -- results.
 - :class:`KVIndexer` -- the routers' side of the events: which worker holds which block, and
   each worker's cached-prefix overlap with a request (KV-aware routing over replicas).
+- :class:`SequenceSpec`, :class:`HashScheme` -- a block's cache identity besides its tokens:
+  the request's keys (cache salt, adapter, typed extra keys, multimodal items) and the
+  engine's hash scheme (block size, hash algorithm, seed), one value each
+  (:mod:`pagedkv.block_identity`).
 - Exceptions (:mod:`pagedkv.errors`): :class:`PagedKVError` and its subclasses, each also a
   builtin (``MemoryError``, ``KeyError``, ``ValueError``, ``RuntimeError``,
   ``ModuleNotFoundError``).
@@ -51,6 +55,7 @@ from pagedkv._core import (
     StepOutput,
     __version__,
 )
+from pagedkv.block_identity import HashScheme, SequenceSpec
 from pagedkv.errors import (
     CacheInUseError,
     EngineError,
@@ -85,6 +90,7 @@ __all__ = [
     "CacheInUseError",
     "CacheStats",
     "EngineError",
+    "HashScheme",
     "InvalidArgumentError",
     "InvalidBlockError",
     "InvalidConfigError",
@@ -100,6 +106,7 @@ __all__ = [
     "ReadOnlyPoolError",
     "RefCountUnderflowError",
     "SequenceExistsError",
+    "SequenceSpec",
     "SlotAllocation",
     "StepOutput",
     "UnknownSequenceError",

@@ -6,6 +6,7 @@ ones; the weights digest cache; bad input."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -290,11 +291,13 @@ def test_a_replica_snapshot_names_its_root_and_a_foreign_indexer_refuses_it(tiny
     replica.run([("r0", PROMPT, SamplingParams(max_tokens=2), False, None)], max_steps=8)
     seq, hashes, root = replica.snapshot()
     info = replica.info()
-    own = pagedkv.KVIndexer(4, hash_algo=info["hash_algo"], hash_seed=info["hash_seed"])
+    scheme = info["hash_scheme"]
+    assert scheme == pagedkv.HashScheme(4, "sha256", replica.engine.cache_identity.seed)
+    own = scheme.indexer()
     assert hashes and root == own.hash_root
     own.apply_snapshot(0, seq, hashes, hash_root=root)
     assert own.worker_hashes(0) == sorted(hashes)
-    foreign = pagedkv.KVIndexer(4, hash_algo=info["hash_algo"], hash_seed=b"another model")
+    foreign = dataclasses.replace(scheme, hash_seed=b"another model").indexer()
     with pytest.raises(pagedkv.InvalidArgumentError, match="hash root"):
         foreign.apply_snapshot(0, seq, hashes, hash_root=root)
     assert foreign.worker_status(0) is None

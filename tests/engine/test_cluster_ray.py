@@ -20,6 +20,7 @@ with warnings.catch_warnings():
 
 from engine_helpers import ModelBundle  # noqa: E402
 
+from pagedkv.cluster import ReplicaCluster  # noqa: E402
 from pagedkv.engine import LLMEngine, SamplingParams  # noqa: E402
 
 BLOCK = 4
@@ -40,8 +41,6 @@ def ray_local():
 
 
 def _cluster(tiny: ModelBundle, n: int):  # type: ignore[no-untyped-def]
-    from pagedkv.cluster import ReplicaCluster
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return ReplicaCluster(n, str(tiny.path), engine_kwargs=ENGINE_KW, steps_per_call=2)
@@ -83,6 +82,39 @@ def test_two_replicas_match_one_engine_and_compute_each_prefix_once(tiny: ModelB
     assert [r.output.num_cached_tokens for r in got] == [o.num_cached_tokens for o in ref]
     assert [r.output.num_cached_tokens for r in wave2.values()] == [12, 12, 12, 12]
     assert all(r.attempts == 1 and r.error is None for r in got)
+
+
+def test_a_long_prompt_of_a_length_dependent_rope_model_is_routed_to_its_cached_blocks(
+    tmp_path_factory: pytest.TempPathFactory, ray_local: None
+) -> None:
+    """Dynamic NTK RoPE past its 32-token threshold: the engine keys a 40-token prompt's blocks
+    with its RoPE variant; the router hashes it with the same keys, so the second request for
+    it goes where it is cached with an overlap of all 9 cacheable blocks (the router used to
+    hash it without the RoPE key: overlap 0, placed by load)."""
+    from engine_helpers import build_tiny_model
+
+    from pagedkv.cluster import ClusterRequest
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dynamic = build_tiny_model(
+            tmp_path_factory.mktemp("tiny-dynamic-cluster"),
+            max_position_embeddings=32,
+            rope_parameters=dict(rope_type="dynamic", factor=2.0, rope_theta=10000.0),
+        )
+        cluster = ReplicaCluster(2, str(dynamic.path), engine_kwargs=ENGINE_KW, steps_per_call=2)
+    long_prompt = list(range(100, 140))  # 40 tokens: (40 - 1) // 4 = 9 cacheable blocks
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    try:
+        first = cluster.serve([ClusterRequest("a", long_prompt, params)])["a"]
+        again = cluster.serve([ClusterRequest("b", long_prompt, params)])["b"]
+    finally:
+        cluster.shutdown()
+    assert first.overlap_blocks == 0 and first.output.num_cached_tokens == 0
+    assert again.replica == first.replica
+    assert again.overlap_blocks == 9
+    assert again.output.num_cached_tokens == 36
+    assert again.output.outputs[0].token_ids == first.output.outputs[0].token_ids
 
 
 def test_killed_replica_loses_no_request_and_answers_none_twice(tiny: ModelBundle, ray_local: None) -> None:

@@ -318,7 +318,7 @@ def dynamic_engine_factory(tmp_path_factory):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         bundle = build_tiny_model(tmp_path_factory.mktemp("tiny-dynamic-salt"), **CONFIGS["dynamic"])
-    return lambda: _engine(bundle, max_num_seqs=1)
+    return lambda **kw: _engine(bundle, max_num_seqs=1, **kw)
 
 
 def test_a_salt_spelling_the_rope_tag_shares_nothing_with_a_tagged_prompt(dynamic_engine_factory):
@@ -353,9 +353,10 @@ def test_no_salt_makes_engine_derived_keys_collide(dynamic_engine_factory, salt_
     eng = _derived_keys_engine(dynamic_engine_factory)
     base = list(range(100, 100 + max(len_a, len_b)))
     m = pagedkv.KVCacheManager(pagedkv.CacheConfig(64, 4))
-    m.add_sequence(1, base[:len_a], cache_salt=salt_a, extra_keys=eng._derived_block_keys(len_a))
+    a, b = base[:len_a], base[:20] + [7] * (len_b - 20)
+    m.add_sequence(1, a, **eng.sequence_spec(a, salt_a).keywords())
     m.allocate_slots(1, 64)
-    m.add_sequence(2, base[:20] + [7] * (len_b - 20), cache_salt=salt_b, extra_keys=eng._derived_block_keys(len_b))
+    m.add_sequence(2, b, **eng.sequence_spec(b, salt_b).keywords())
     same_identity = salt_a == salt_b and eng.model.rope.prefix_cache_tag(len_a) == eng.model.rope.prefix_cache_tag(
         len_b
     )
@@ -368,3 +369,29 @@ _ENGINES: dict[int, LLMEngine] = {}
 def _derived_keys_engine(factory) -> LLMEngine:
     """One engine per factory, reused across hypothesis examples (only its key derivation is used)."""
     return _ENGINES.setdefault(id(factory), factory())
+
+
+def test_a_router_finds_a_long_prompts_blocks_with_the_engines_spec(dynamic_engine_factory):
+    """Past the threshold the engine keys a prompt's blocks with its RoPE variant; the
+    ``SequenceSpec`` it derives for a router (``prompt_spec``) carries that key, so the router
+    finds all 9 cacheable blocks of a 40-token prompt on the engine that computed them. Hashed
+    with the salt alone, as routers did before, the overlap is 0."""
+    from pagedkv.routing import Router
+
+    engine = dynamic_engine_factory(enable_kv_events=True)
+    prompt = list(range(100, 140))
+    engine.generate([{"prompt": prompt, "cache_salt": "tenant"}], SamplingParams(max_tokens=2))
+    router = Router(pagedkv.HashScheme.of(engine.manager.config).indexer())
+    router.add_worker(0)
+    router.add_worker(1)
+    assert router.apply_events(0, 0, engine.manager.take_events()) == "applied"
+    tokens, spec = engine.prompt_spec({"prompt": prompt, "cache_salt": "tenant"})
+    assert tokens == prompt
+    assert spec == pagedkv.SequenceSpec(cache_salt="tenant", extra_keys=(("rope", b"dynamic:40"),))
+    assert spec == engine.sequence_spec(prompt, "tenant")  # what add_request registered
+    d = router.route(tokens, spec=spec)
+    assert (d.worker, d.overlap_blocks, d.num_blocks) == (0, 9, 9)
+    assert router.route(tokens, spec=pagedkv.SequenceSpec(cache_salt="tenant")).overlap_blocks == 0
+    assert router.route(tokens, spec=engine.sequence_spec(prompt, "other")).overlap_blocks == 0
+    # Up to the threshold there is no RoPE key: the spec is the salt alone.
+    assert engine.prompt_spec(prompt[:32])[1] == pagedkv.SequenceSpec()

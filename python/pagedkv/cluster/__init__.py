@@ -13,11 +13,25 @@
 Needs ``ray`` and the engine's packages (``pip install "pagedkv[ray]"`` brings both), imported
 on first use: a :class:`ReplicaCluster` without Ray raises :class:`pagedkv.MissingDependencyError`
 naming the extra.
+
+Errors (:mod:`pagedkv.cluster.errors`) are :class:`pagedkv.PagedKVError` subclasses that are also the
+builtin a caller would catch: :class:`~pagedkv.cluster.errors.ReplicaMismatchError`
+(``ValueError``), :class:`~pagedkv.cluster.errors.NoLiveReplicaError` (``RuntimeError``), and
+:class:`pagedkv.InvalidArgumentError` for bad arguments.
 """
 
 from __future__ import annotations
 
 from pagedkv.cluster.cluster import ClusterRequest, ClusterResult, ReplicaCluster
+from pagedkv.cluster.errors import ClusterError, NoLiveReplicaError, ReplicaMismatchError
 from pagedkv.cluster.replica import EngineReplica
 
-__all__ = ["ClusterRequest", "ClusterResult", "EngineReplica", "ReplicaCluster"]
+__all__ = [
+    "ClusterError",
+    "ClusterRequest",
+    "ClusterResult",
+    "EngineReplica",
+    "NoLiveReplicaError",
+    "ReplicaCluster",
+    "ReplicaMismatchError",
+]

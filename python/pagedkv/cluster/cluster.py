@@ -11,7 +11,13 @@ Failures: a call that fails because the actor died (``ray.exceptions.RayActorErr
 killed, node lost) drops the replica from the router and the index and sends every request
 routed to it and not yet answered back to routing, on the other replicas. Results are only taken
 from completed calls and keyed by request id, so a request is never answered twice; the loop ends
-when every request is answered, and raises when no replica is left.
+when every request is answered, and raises :class:`~pagedkv.cluster.errors.NoLiveReplicaError`
+when no replica is left.
+
+Cache identity: the router hashes each prompt with the :class:`pagedkv.SequenceSpec` a replica's
+engine derives for it (``EngineReplica.prompt_specs``: the cache salt, a dict's own salt winning,
+and the engine's keys such as a length-dependent RoPE's), the value the replica's engine
+registers, and indexes the replicas under their common :class:`pagedkv.HashScheme`.
 
 The same code runs on one machine (``address=None`` starts a local Ray cluster) and on a
 multi-node Ray cluster (``address="auto"`` or ``"ray://host:port"``); replicas are placed by Ray
@@ -25,8 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import pagedkv
 from pagedkv._optional import optional_imports
+from pagedkv.block_identity import HashScheme, SequenceSpec
+from pagedkv.cluster.errors import NoLiveReplicaError, ReplicaMismatchError
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.routing import Router, RoutingPolicy, WorkerLoad
 
 __all__ = ["ClusterRequest", "ClusterResult", "ReplicaCluster"]
@@ -68,8 +76,8 @@ def _ray() -> Any:
 @dataclass
 class _Pending:
     req: ClusterRequest
-    tokens: list[int]
-    cache_salt: str | None
+    tokens: list[int]  # as the engine tokenizes the prompt ([] for a prompt it refuses)
+    spec: SequenceSpec | None  # as the engine derives it (None: refused; routed by load alone)
     attempts: int = 0
     overlap: int = 0
 
@@ -97,7 +105,8 @@ class ReplicaCluster:
         steps_per_call: engine steps per ``run`` call (more: fewer round trips, coarser routing).
 
     Raises:
-        ValueError: ``num_replicas < 1``; replicas disagreeing on block size or hashing.
+        pagedkv.InvalidArgumentError: ``num_replicas`` is not an int >= 1 (a ``ValueError``).
+        ReplicaMismatchError: replicas disagreeing on block size or hashing (a ``ValueError``).
         pagedkv.MissingDependencyError: Ray is not installed (an ``ImportError``; the message
             names the ``ray`` extra).
     """
@@ -116,7 +125,13 @@ class ReplicaCluster:
         steps_per_call: int = 4,
     ) -> None:
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
+            reason = "expected an int >= 1"
+            raise InvalidArgumentError(
+                f"num_replicas={num_replicas!r} is invalid: {reason}",
+                arg="num_replicas",
+                value=repr(num_replicas),
+                reason=reason,
+            )
         ray = _ray()
         if not ray.is_initialized():
             kw = {"include_dashboard": False, "log_to_driver": False, **(ray_init_kwargs or {})}
@@ -131,16 +146,17 @@ class ReplicaCluster:
         }
         infos = ray.get([r.actor.info.remote() for r in self.replicas.values()])
         first = infos[0]
+        scheme: HashScheme = first["hash_scheme"]
         for info in infos[1:]:
-            if (info["block_size"], info["hash_algo"], info["hash_seed"]) != (
-                first["block_size"],
-                first["hash_algo"],
-                first["hash_seed"],
-            ):
-                raise ValueError(f"replicas disagree on KV hashing: {first} vs {info}")
+            if info["hash_scheme"] != scheme:
+                raise ReplicaMismatchError(
+                    f"replicas disagree on KV hashing: replica {first['replica_id']} has {scheme}, "
+                    f"replica {info['replica_id']} {info['hash_scheme']}",
+                    replica_id=info["replica_id"],
+                    first_id=first["replica_id"],
+                )
         self.infos = {info["replica_id"]: info for info in infos}
-        indexer = pagedkv.KVIndexer(first["block_size"], hash_algo=first["hash_algo"], hash_seed=first["hash_seed"])
-        self.router = Router(indexer, policy)
+        self.router = Router(scheme.indexer(), policy)
         for i in self.replicas:
             self.router.add_worker(i)
         self.dead: list[int] = []
@@ -168,57 +184,62 @@ class ReplicaCluster:
             self.router.finished(p.req.request_id)
             waiting.appendleft(p)
 
-    def _tokenize(
+    def _no_replica(self, unanswered: int) -> NoLiveReplicaError:
+        return NoLiveReplicaError(
+            f"every replica died ({self.dead}); {unanswered} request(s) unanswered",
+            dead=list(self.dead),
+            unanswered=unanswered,
+        )
+
+    def _prompt_specs(
         self, requests: Sequence[ClusterRequest], waiting: collections.deque[_Pending]
-    ) -> dict[str, list[int]]:
-        """Token ids for routing, from a live replica's tokenizer (the engines' own
-        tokenization); a replica found dead here is dropped."""
+    ) -> list[tuple[list[int], SequenceSpec] | None]:
+        """Token ids and :class:`pagedkv.SequenceSpec` of each request for routing, derived by
+        a live replica's engine exactly as it registers them (``None`` for a prompt it
+        refuses); a replica found dead here is dropped."""
         ray = self._ray
-        groups: dict[bool, list[ClusterRequest]] = {False: [], True: []}
-        for r in requests:
-            groups[r.chat_template].append(r)
-        tokens: dict[str, list[int]] = {}
-        for chat, group in groups.items():
-            while group:
-                if not self.replicas:
-                    raise RuntimeError(f"every replica died ({self.dead})")
-                rid = self.live_replicas[0]
-                try:
-                    toks = ray.get(self.replicas[rid].actor.tokenize.remote([g.prompt for g in group], chat))
-                except ray.exceptions.RayActorError:
-                    self._drop(rid, waiting)
-                    continue
-                tokens.update({g.request_id: t for g, t in zip(group, toks)})
-                break
-        return tokens
+        args = [(r.prompt, r.chat_template, r.cache_salt) for r in requests]
+        while True:
+            if not self.replicas:
+                raise self._no_replica(len(requests))
+            rid = self.live_replicas[0]
+            try:
+                return list(ray.get(self.replicas[rid].actor.prompt_specs.remote(args)))
+            except ray.exceptions.RayActorError:
+                self._drop(rid, waiting)
 
     def serve(
         self, requests: Sequence[ClusterRequest], on_result: Callable[[ClusterResult], None] | None = None
     ) -> dict[str, ClusterResult]:
         """Serves ``requests`` to completion; returns ``{request_id: result}`` (every request,
         exactly once). ``on_result`` is called as each result arrives (tests kill replicas from
-        it). Raises ValueError for duplicate request ids, RuntimeError when every replica died."""
+        it). A prompt the engines refuse is answered with its ``error``.
+
+        Raises:
+            pagedkv.InvalidArgumentError: duplicate request ids (a ``ValueError``).
+            NoLiveReplicaError: every replica died (a ``RuntimeError``).
+        """
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
-            raise ValueError("request ids must be unique")
+            dup = next(i for i, n in collections.Counter(ids).items() if n > 1)
+            reason = "request ids must be unique"
+            raise InvalidArgumentError(
+                f"request_id={dup!r} is invalid: {reason}", arg="request_id", value=repr(dup), reason=reason
+            )
         ray = self._ray
         if not self.replicas:
-            raise RuntimeError("no live replica")
+            raise self._no_replica(len(requests))
         waiting: collections.deque[_Pending] = collections.deque()
-        tokens = self._tokenize(requests, waiting)
-        for r in requests:
-            salt = r.prompt.get("cache_salt", r.cache_salt) if isinstance(r.prompt, dict) else r.cache_salt
-            waiting.append(_Pending(r, tokens[r.request_id], salt if isinstance(salt, str) else None))
+        for r, keys in zip(requests, self._prompt_specs(requests, waiting)):
+            waiting.append(_Pending(r, [], None) if keys is None else _Pending(r, keys[0], keys[1]))
         results: dict[str, ClusterResult] = {}
         while len(results) < len(requests):
             if not self.replicas:
-                raise RuntimeError(
-                    f"every replica died ({self.dead}); {len(requests) - len(results)} request(s) unanswered"
-                )
+                raise self._no_replica(len(requests) - len(results))
             while waiting:
                 p = waiting.popleft()
                 p.attempts += 1
-                d = self.router.route(p.tokens, cache_salt=p.cache_salt, request_id=p.req.request_id)
+                d = self.router.route(p.tokens, spec=p.spec, request_id=p.req.request_id)
                 p.overlap = d.overlap_blocks
                 st = self.replicas[d.worker]
                 st.outbox.append(p)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pagedkv.block_identity import HashScheme, SequenceSpec
 from pagedkv.routing.policy import WorkerLoad
 
 __all__ = ["EngineReplica", "ReplicaStep"]
@@ -78,9 +79,10 @@ class EngineReplica:
         self._has_chat_template = getattr(self.engine.tokenizer, "chat_template", None) is not None
 
     def info(self) -> dict[str, Any]:
-        """``replica_id``, ``block_size``, ``hash_algo``, ``hash_seed`` (the engine's cache
-        identity digest as bytes), ``cache_identity`` (that digest, hex), ``num_kv_blocks``,
-        ``pid``. Raises the engine's ``EngineError`` when it refused its settings."""
+        """``replica_id``, ``hash_scheme`` (the engine's :class:`pagedkv.HashScheme`: block
+        size, hash algorithm, and its cache identity digest as the seed), ``cache_identity``
+        (that digest, hex), ``num_kv_blocks``, ``pid``. Raises the engine's ``EngineError``
+        when it refused its settings."""
         import os  # noqa: PLC0415
 
         if self._startup_error is not None:
@@ -88,18 +90,30 @@ class EngineReplica:
         cfg = self.engine.manager.config
         return {
             "replica_id": self.replica_id,
-            "block_size": cfg.block_size,
-            "hash_algo": cfg.hash_algo,
-            "hash_seed": cfg.hash_seed,
+            "hash_scheme": HashScheme.of(cfg),
             "cache_identity": self.engine.cache_identity.digest,
             "num_kv_blocks": cfg.num_blocks,
             "pid": os.getpid(),
         }
 
-    def tokenize(self, prompts: list[Any], chat_template: bool = False) -> list[list[int]]:
-        """Token ids of each prompt, as the engine will see them (for routing)."""
-        chat = chat_template and self._has_chat_template
-        return [list(self.engine.tokenize(p, chat_template=chat)[1]) for p in prompts]
+    def prompt_specs(self, requests: list[tuple[Any, bool, str | None]]) -> list[tuple[list[int], SequenceSpec] | None]:
+        """For each ``(prompt, chat_template, cache_salt)``: the token ids and
+        :class:`pagedkv.SequenceSpec` the engine will register for it
+        (:meth:`pagedkv.engine.LLMEngine.prompt_spec`), which the router hashes; ``None`` for
+        a prompt the engine refuses (:meth:`run` then reports the engine's error)."""
+        from pagedkv.engine import EngineError  # noqa: PLC0415
+
+        out: list[tuple[list[int], SequenceSpec] | None] = []
+        for prompt, chat, salt in requests:
+            try:
+                out.append(self.engine.prompt_spec(prompt, cache_salt=salt, chat_template=self._chat(chat)))
+            except EngineError:
+                out.append(None)
+        return out
+
+    def _chat(self, chat_template: bool) -> bool:
+        """A chat template is applied only when the tokenizer has one (as the engine CLI does)."""
+        return chat_template and self._has_chat_template
 
     def _mirror(self, events: list[Any]) -> None:
         import pagedkv  # noqa: PLC0415
@@ -129,9 +143,7 @@ class EngineReplica:
         failed: list[tuple[str, str]] = []
         for rid, prompt, params, chat, salt in requests:
             try:
-                self.engine.add_request(
-                    prompt, params, request_id=rid, cache_salt=salt, chat_template=chat and self._has_chat_template
-                )
+                self.engine.add_request(prompt, params, request_id=rid, cache_salt=salt, chat_template=self._chat(chat))
             except EngineError as e:
                 failed.append((rid, f"{type(e).__name__}: {e}"))
             else:

@@ -35,6 +35,7 @@ with optional_imports("pagedkv.engine", "engine"):
     import torch
 
 import pagedkv
+from pagedkv.block_identity import SequenceSpec
 
 from .config import EngineConfig, torch_dtype
 from .errors import EngineConfigError
@@ -204,19 +205,45 @@ class LLMEngine:
         """Register a prepared request with the manager and the scheduler; returns its id."""
         params = prepared.params
         beam = self.outputs.beam_search(params) if params.use_beam_search else None
-        return self.requests.add(prepared, beam, self._derived_block_keys(len(prepared.token_ids)))
+        return self.requests.add(prepared, beam, self.sequence_spec(prepared.token_ids, prepared.cache_salt))
 
-    def _derived_block_keys(self, num_prompt_tokens: int) -> list[tuple[str, bytes]] | None:
-        """The parts of a block's identity the engine derives (besides tokens and the user's
-        cache salt), each as its own typed extra key: the core hashes a tagged key under a
-        different kind tag than the cache salt, so no salt a user picks can collide with it.
+    def sequence_spec(self, prompt_token_ids: Sequence[int], cache_salt: str | None = None) -> SequenceSpec:
+        """The :class:`pagedkv.SequenceSpec` of a request with these prompt token ids and cache
+        salt: what its blocks' hashes mix in besides the tokens (the engine-wide part is the
+        :class:`pagedkv.HashScheme` of ``manager.config``). The one place the engine derives it;
+        :meth:`add_request` registers it and a router hashes it (:meth:`prompt_spec`).
 
-        Today that is the RoPE variant of a length-dependent RoPE (dynamic NTK, longrope): a
-        prompt past the threshold computes its K/V with other frequencies, so only prompts
-        with the same tag may share blocks. ``None`` when there is nothing to add.
+        Besides the salt it holds the keys the engine derives, each a typed extra key (the
+        core hashes a tagged key under another kind tag than the salt, so no salt a user picks
+        can collide with it). Today that is the RoPE variant of a length-dependent RoPE
+        (dynamic NTK, longrope): a prompt past the threshold computes its K/V with other
+        frequencies, so only prompts with the same tag may share blocks.
+
+        Raises:
+            pagedkv.InvalidArgumentError: ``cache_salt`` is not a str or None.
         """
-        rope_tag = self.model.rope.prefix_cache_tag(num_prompt_tokens)
-        return None if rope_tag is None else [(ROPE_KEY_TAG, rope_tag.encode())]
+        rope_tag = self.model.rope.prefix_cache_tag(len(prompt_token_ids))
+        derived = () if rope_tag is None else ((ROPE_KEY_TAG, rope_tag.encode()),)
+        return SequenceSpec(cache_salt=cache_salt, extra_keys=derived)
+
+    def prompt_spec(
+        self,
+        prompt: PromptType,
+        *,
+        cache_salt: str | None = None,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+    ) -> tuple[list[int], SequenceSpec]:
+        """The prompt token ids and :meth:`sequence_spec` that :meth:`add_request` would derive
+        for these arguments (a dict's own ``"cache_salt"`` wins), without queueing anything:
+        what a router hashes to find the request's cached blocks
+        (``Router.route(token_ids, spec=spec)``).
+
+        Raises:
+            InvalidRequestError: what :meth:`add_request` raises for a bad prompt or salt.
+        """
+        prepared = self.prompts.prepare(prompt, None, None, cache_salt, chat_template, system_prompt)
+        return list(prepared.token_ids), self.sequence_spec(prepared.token_ids, prepared.cache_salt)
 
     def has_unfinished(self) -> bool:
         """True while any request is queued or running."""

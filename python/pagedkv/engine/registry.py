@@ -18,6 +18,7 @@ with optional_imports("pagedkv.engine", "engine"):
     import torch
 
 from pagedkv import KVCacheManager
+from pagedkv.block_identity import SequenceSpec
 
 from .beam_search import BeamSearch
 from .errors import InvalidRequestError
@@ -77,11 +78,11 @@ class RequestRegistry:
         self,
         prepared: PreparedRequest,
         beam: BeamSearch | None,
-        extra_keys: list[tuple[str, bytes]] | None = None,
+        spec: SequenceSpec,
     ) -> str:
         """Register a prepared request's first sequence with the manager (its prefix hashes
-        use the request's cache salt and ``extra_keys``, typed ``(tag, value)`` keys) and queue
-        it. Returns its id (default: the arrival number).
+        mix in ``spec``, the request's :class:`pagedkv.SequenceSpec`) and queue it. Returns its
+        id (default: the arrival number).
 
         Raises:
             InvalidRequestError: the id is already in use (nothing registered).
@@ -97,7 +98,7 @@ class RequestRegistry:
         )
         req = Request(rid, prepared.text, ids, params, arrival, time.perf_counter(), seed, beam=beam)
         first = self.new_sequence(req, ids, 0)
-        self.manager.add_sequence(first.seq_id, ids, cache_salt=prepared.cache_salt, extra_keys=extra_keys)
+        self.manager.add_sequence(first.seq_id, ids, **spec.keywords())
         req.seqs.append(first)
         self._live[rid] = req
         self.scheduler.add(req)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedkv import KVIndexer
+from pagedkv.block_identity import HashScheme, SequenceSpec
 from pagedkv.routing.policy import KVAwarePolicy, RoutingPolicy, WorkerLoad
 
 __all__ = ["Router", "RoutingDecision"]
@@ -27,8 +28,8 @@ class Router:
     """Routes requests to workers by a policy over the indexer's overlaps and reported loads.
 
     Args:
-        indexer: the block index (its block size, hash algorithm and seed must match the
-            workers' ``CacheConfig``).
+        indexer: the block index (its :class:`pagedkv.HashScheme`, block size, hash algorithm
+            and seed, must be the workers').
         policy: a routing policy (default :class:`KVAwarePolicy` with its default weights).
 
     Requests routed with a ``request_id`` count as cached on their worker until
@@ -45,7 +46,8 @@ class Router:
         self.indexer = indexer
         self.policy: RoutingPolicy = policy if policy is not None else KVAwarePolicy()
         self._loads: dict[int, WorkerLoad] = {}
-        self._predicted = KVIndexer(indexer.block_size, hash_algo=indexer.hash_algo, hash_seed=indexer.hash_seed)
+        self.hash_scheme = HashScheme.of(indexer)
+        self._predicted: KVIndexer = self.hash_scheme.indexer()
         self._predicted_seq: dict[int, int] = {}
         self._inflight: dict[str, tuple[int, list[bytes]]] = {}
 
@@ -110,15 +112,17 @@ class Router:
         self,
         token_ids: Any,
         *,
+        spec: SequenceSpec | None = None,
         exclude: Iterable[int] = (),
-        cache_salt: str | None = None,
-        adapter_id: str | None = None,
         request_id: str | None = None,
     ) -> RoutingDecision:
-        """Picks a worker for a prompt (token ids; the keys as for ``add_sequence``), among the
-        live workers not in ``exclude``; with a ``request_id`` its blocks count as predicted on
-        that worker until :meth:`finished`. Raises RuntimeError when no worker is left,
-        ValueError for a ``request_id`` already in flight."""
+        """Picks a worker for a prompt (token ids) whose blocks hash with ``spec``, the
+        request's :class:`pagedkv.SequenceSpec` as its engine derives it (``None``: no keys;
+        for a pagedkv engine ``LLMEngine.prompt_spec``, which carries the cache salt and the
+        engine's own keys such as a length-dependent RoPE's), among the live workers not in
+        ``exclude``; with a ``request_id`` its blocks count as predicted on that worker until
+        :meth:`finished`. Raises RuntimeError when no worker is left, ValueError for a
+        ``request_id`` already in flight."""
         skip = set(exclude)
         workers = [w for w in sorted(self._loads) if w not in skip]
         if not workers:
@@ -126,9 +130,8 @@ class Router:
         if request_id is not None and request_id in self._inflight:
             raise ValueError(f"request {request_id!r} is already routed (call finished first)")
         num_blocks = max(len(token_ids) - 1, 0) // self.indexer.block_size
-        hashes = self.indexer.block_hashes(
-            token_ids, num_blocks=num_blocks, cache_salt=cache_salt, adapter_id=adapter_id
-        )
+        keys = (spec if spec is not None else SequenceSpec()).keywords()
+        hashes = self.indexer.block_hashes(token_ids, num_blocks=num_blocks, **keys)
         overlaps = self.indexer.overlap_hashes(hashes)
         if self._inflight:
             for w, n in self._predicted.overlap_hashes(hashes).items():

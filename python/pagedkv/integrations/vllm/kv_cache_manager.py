@@ -318,26 +318,19 @@ class PagedKVCacheManager:
             if lora is not None:
                 adapter = lora.lora_name
                 self._lora_ids[adapter] = lora.lora_int_id
-            mm_items = None
-            if request.mm_features:
-                mm_items = [
-                    (str(f.identifier).encode(), f.mm_position.offset, f.mm_position.length)
-                    for f in request.mm_features
-                ]
-            extra_keys = None
+            mm_items = [
+                (str(f.identifier).encode(), f.mm_position.offset, f.mm_position.length)
+                for f in request.mm_features or ()
+            ]
+            extra_keys: list[tuple[str, bytes]] = []
             if request.skip_reading_prefix_cache:
                 # vLLM must not read the cache for this request (prompt logprobs, pooling);
                 # pagedkv always reads on a first allocation, so the request gets keys of its
                 # own that nothing else can hit.
                 extra_keys = [("no_prefix_read", rid.encode())]
-            self._kvm.add_sequence(
-                seq,
-                request.all_token_ids[:],
-                cache_salt=request.cache_salt,
-                adapter_id=adapter,
-                extra_keys=extra_keys,
-                mm_items=mm_items,
-            )
+            # The request's block identity, derived once here (pagedkv.SequenceSpec).
+            spec = pagedkv.SequenceSpec(request.cache_salt, adapter, extra_keys, mm_items)
+            self._kvm.add_sequence(seq, request.all_token_ids[:], **spec.keywords())
             self._next_seq_id += 1
             self._seq_of[rid] = seq
             self._requests[rid] = request
