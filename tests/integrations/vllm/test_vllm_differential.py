@@ -7,6 +7,8 @@ scheduled request ids and token counts, prefix-hit tokens of new and resumed req
 preempted and finished requests, new tokens, and blocks held per scheduled request. Under
 eviction pressure the two free-queue orders differ by design (pagedkv's free list vs vLLM's LRU
 queue), so there every request must still finish with the same output and no block may leak.
+The other difference by design, which copy a hit takes when one block is cached twice, is shown
+step by step by its own test.
 
 Runs only where vLLM is installed (``make test-vllm`` builds that environment).
 """
@@ -295,6 +297,43 @@ def test_priority_policy_and_watermark_match_step_by_step() -> None:
     )
     assert any(a["preempted"] for a, _ in records), "the pool must force preemption"
     assert paged.outputs == stock.outputs
+    _check_no_leak(stock, paged)
+
+
+def test_a_block_cached_twice_vllm_hits_the_first_copy_pagedkv_the_copy_in_use() -> None:
+    # The second known difference, by design: "a" caches blocks 0 and 1 of a 32-token prompt
+    # and finishes; "b", the same prompt, hits block 0 and recomputes block 1 (the last prompt
+    # token is always computed), so block 1's contents are cached twice: a's copy, now free,
+    # and b's, in use. "c" extends the prompt and hits both blocks. vLLM's hit takes the first
+    # cached copy (a's, out of the free queue), pagedkv's takes the copy in use (b's, shared),
+    # so vLLM holds one block more for the same hits, blocks per request and outputs.
+    prompt = list(range(1000, 1032))
+    stock, paged = _pair(num_blocks=64)
+    records = []
+    for arrivals in (
+        [_req("a", prompt, 2)],
+        [_req("b", prompt, 40)],
+        [],
+        [],
+        [_req("c", prompt + list(range(2000, 2008)), 4)],
+    ):
+        for factory in arrivals:
+            stock.add(factory())
+            paged.add(factory())
+        records.append((stock.step(), paged.step()))
+        assert records[-1][0] == records[-1][1], f"step {len(records) - 1} differs"
+    assert stock.finish_reasons == paged.finish_reasons == {"a": "length"}
+    assert stock.prefix_hits == paged.prefix_hits == {"a": 0, "b": 16, "c": 32}
+    vkv, pkv = stock.scheduler.kv_cache_manager, paged.scheduler.kv_cache_manager
+    a_copy = 2  # a's block 1: both pools hand out blocks 1, 2, 3... in order here
+    assert vkv.get_block_ids("b")[0][:2] == pkv.get_block_ids("b")[0][:2] == [1, 4]
+    assert vkv.get_block_ids("c")[0][:2] == [1, a_copy]  # vLLM: the first cached copy, free
+    assert pkv.get_block_ids("c")[0][:2] == [1, 4]  # pagedkv: b's copy, in use
+    usable = 63
+    assert round(vkv.usage * usable) == round(pkv.usage * usable) + 1 == 5
+    stock.run()
+    paged.run()
+    assert stock.outputs == paged.outputs
     _check_no_leak(stock, paged)
 
 

@@ -24,9 +24,12 @@ How vLLM's request maps onto a pagedkv sequence:
   freed and forgotten.
 
 Prefix hits, block counts and the all-or-nothing allocation follow vLLM's ``KVCacheManager``
-(the last prompt token is always recomputed; hits are whole blocks); which free cached block is
-evicted first differs (pagedkv's free list vs vLLM's LRU queue), so block ids and hits can
-differ once blocks are evicted.
+(the last prompt token is always recomputed; hits are whole blocks). Two differences, by
+design: which free cached block is evicted first (pagedkv's free list vs vLLM's LRU queue), so
+block ids and hits can differ once blocks are evicted; and, when one block's contents are cached
+twice, vLLM's hit takes the first cached copy even if it is free while pagedkv's takes the copy
+in use, so vLLM can hold one block more for the same hits, and under pressure admission and
+preemption can diverge later (hits and outputs do not).
 
 Invariant checked on every allocation (and on every flush or catch-up of deferred and lagging
 decodes): pagedkv's computed-token count for the request equals ``request.num_computed_tokens``
