@@ -448,3 +448,29 @@ fn step_returns_every_groups_slots_and_tables() {
     assert_eq!(bad.num_scheduled, 0);
     assert!(matches!(bad.error, Some(Error::InvalidArgument { .. })));
 }
+
+/// `num_blocks_owed` sees what the earlier members do to the pool: here the first member's
+/// fresh blocks evict a cached block of the second member's prefix, which shortens the second
+/// member's hit and makes its sliding-window group allocate one more block.
+#[test]
+fn owed_follows_evictions_by_earlier_members() {
+    let m = HybridManager::new(cfg(22, 8)).unwrap();
+    let a = toks(33, 0);
+    m.add_sequence(1, a.clone(), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(1, 33).unwrap();
+    m.free(1);
+    m.add_sequence(2, toks(12, 1), SequenceSpec::default())
+        .unwrap();
+    m.add_sequence(3, a, SequenceSpec::default()).unwrap();
+    assert_eq!(m.lookup_prefix(3).unwrap(), 32);
+    let owed = m.num_blocks_owed(&[2, 3]).unwrap();
+    let free0 = m.pool().num_free();
+    m.allocate_slots(2, 12).unwrap();
+    assert_eq!(m.lookup_prefix(3).unwrap(), 28);
+    let a3 = m.allocate_slots(3, 33).unwrap();
+    assert_eq!(a3.num_cached_tokens, 28);
+    assert_eq!(free0 - m.pool().num_free(), owed);
+    assert_eq!(owed, 19);
+    m.check_invariants().unwrap();
+}

@@ -1,0 +1,514 @@
+//! Proptest state machines of `HybridManager` (docs/design.md, "KV cache groups"):
+//! 1. random operations on random group layouts against a small model of each sequence
+//!    (tokens, computed count, status), checking after every operation the invariants
+//!    (`check_invariants`), that a failed call changes nothing, that the predicted demand is
+//!    exactly what a call takes and gives back, that `num_blocks_owed` is exactly the peak
+//!    demand of scheduling a group, and that freeing everything leaves the pool whole;
+//! 2. with one full-attention group, the same operations on `KvCacheManager` as the oracle:
+//!    block tables, prefix hits and demands must agree.
+
+use pagedkv_core::hybrid::CPU_NULL;
+use pagedkv_core::{
+    BlockId, CacheConfig, Error, GroupSpec, HybridConfig, HybridManager, KvCacheManager, SeqId,
+    SeqStatus, SequenceSpec, StepRequest, NULL_BLOCK,
+};
+use proptest::prelude::*;
+use std::collections::{HashMap, HashSet};
+
+#[derive(Debug, Clone)]
+enum Op {
+    Add {
+        family: u8,
+        len: u8,
+    },
+    Append {
+        seq: usize,
+        n: u8,
+    },
+    Allocate {
+        seq: usize,
+        n: u8,
+    },
+    Step {
+        seqs: Vec<usize>,
+        n: u8,
+        append: bool,
+    },
+    Fork {
+        seq: usize,
+    },
+    Free {
+        seq: usize,
+    },
+    Preempt {
+        seq: usize,
+    },
+    SwapOut {
+        seq: usize,
+    },
+    SwapIn {
+        seq: usize,
+    },
+    Lookup {
+        seq: usize,
+    },
+    Owed {
+        seqs: Vec<usize>,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0u8..3, 1u8..40).prop_map(|(family, len)| Op::Add { family, len }),
+        2 => (any::<usize>(), 1u8..8).prop_map(|(seq, n)| Op::Append { seq, n }),
+        4 => (any::<usize>(), 1u8..24).prop_map(|(seq, n)| Op::Allocate { seq, n }),
+        2 => (prop::collection::vec(any::<usize>(), 1..4), 1u8..12, any::<bool>())
+            .prop_map(|(seqs, n, append)| Op::Step { seqs, n, append }),
+        1 => any::<usize>().prop_map(|seq| Op::Fork { seq }),
+        1 => any::<usize>().prop_map(|seq| Op::Free { seq }),
+        1 => any::<usize>().prop_map(|seq| Op::Preempt { seq }),
+        1 => any::<usize>().prop_map(|seq| Op::SwapOut { seq }),
+        1 => any::<usize>().prop_map(|seq| Op::SwapIn { seq }),
+        1 => any::<usize>().prop_map(|seq| Op::Lookup { seq }),
+        1 => prop::collection::vec(any::<usize>(), 1..4).prop_map(|seqs| Op::Owed { seqs }),
+    ]
+}
+
+/// Group layouts: Gemma-like, Llama-4-like, window only, mixed block sizes, three groups.
+fn layout(k: u8) -> (Vec<GroupSpec>, Vec<u32>) {
+    match k % 5 {
+        0 => (
+            vec![GroupSpec::full(4, 8), GroupSpec::sliding_window(4, 8, 6)],
+            vec![1, 1, 0],
+        ),
+        1 => (
+            vec![GroupSpec::full(4, 8), GroupSpec::chunked_local(4, 8, 8)],
+            vec![0, 1, 1],
+        ),
+        2 => (vec![GroupSpec::sliding_window(2, 8, 5)], vec![0]),
+        3 => (
+            vec![GroupSpec::full(4, 4), GroupSpec::sliding_window(2, 8, 7)],
+            vec![0, 1],
+        ),
+        _ => (
+            vec![
+                GroupSpec::full(2, 8),
+                GroupSpec::sliding_window(2, 8, 3),
+                GroupSpec::chunked_local(2, 8, 6),
+            ],
+            vec![0, 1, 2],
+        ),
+    }
+}
+
+fn prompt(family: u8, len: u8, salt: u64) -> Vec<u32> {
+    // Families share prefixes; the tail differs per sequence.
+    let mut p: Vec<u32> = (0..len as u32)
+        .map(|i| u32::from(family) * 100 + i)
+        .collect();
+    if len > 6 {
+        let n = p.len();
+        p[n - 1] = 10_000 + salt as u32;
+    }
+    p
+}
+
+/// Everything a failed call must leave unchanged.
+type Snapshot = (
+    Vec<BlockId>,
+    Vec<(SeqId, Vec<Vec<BlockId>>, usize, usize, SeqStatus)>,
+);
+
+fn snapshot(m: &HybridManager, ids: &[SeqId]) -> Snapshot {
+    let mut seqs = Vec::new();
+    for &id in ids {
+        if let Ok(t) = m.block_tables(id) {
+            seqs.push((
+                id,
+                t,
+                m.num_tokens(id).unwrap(),
+                m.num_computed_tokens(id).unwrap(),
+                m.status(id).unwrap(),
+            ));
+        }
+    }
+    (m.pool().free_queue(), seqs)
+}
+
+fn pick(ids: &[SeqId], i: usize) -> Option<SeqId> {
+    (!ids.is_empty()).then(|| ids[i % ids.len()])
+}
+
+fn distinct_cpu(m: &HybridManager, seqs: &[SeqId]) -> usize {
+    let mut set = HashSet::new();
+    for &s in seqs {
+        if m.status(s).unwrap() == SeqStatus::Swapped {
+            for t in m.block_tables(s).unwrap() {
+                set.extend(t.into_iter().filter(|&b| b != CPU_NULL));
+            }
+        }
+    }
+    set.len()
+}
+
+fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>) {
+    let (groups, layers) = layout(layout_k);
+    let mut cfg = HybridConfig::new(num_blocks, groups, layers);
+    cfg.enable_prefix_caching = caching;
+    cfg.num_cpu_blocks = 24;
+    cfg.enable_events = true;
+    let unit = cfg.hit_unit().unwrap();
+    cfg.retention_interval = if sparse { 2 * unit } else { 0 };
+    let unit = unit as usize;
+    let m = HybridManager::new(cfg).unwrap();
+    let mut ids: Vec<SeqId> = Vec::new();
+    let mut next: SeqId = 1;
+    // Model: tokens and computed counts per sequence.
+    let mut model: HashMap<SeqId, (usize, usize)> = HashMap::new();
+    for op in ops {
+        let before = snapshot(&m, &ids);
+        let free0 = m.pool().num_free();
+        let failed = match op {
+            Op::Add { family, len } => {
+                m.add_sequence(next, prompt(family, len, next), SequenceSpec::default())
+                    .unwrap();
+                model.insert(next, (len as usize, 0));
+                ids.push(next);
+                next += 1;
+                false
+            }
+            Op::Append { seq, n } => {
+                let Some(id) = pick(&ids, seq) else { continue };
+                m.append_tokens(id, &vec![7; n as usize]).unwrap();
+                model.get_mut(&id).unwrap().0 += n as usize;
+                false
+            }
+            Op::Allocate { seq, n } => {
+                let Some(id) = pick(&ids, seq) else { continue };
+                let need = m.num_blocks_needed(id, n as usize);
+                let (tokens, computed) = model[&id];
+                match m.allocate_slots(id, n as usize) {
+                    Ok(a) => {
+                        let d = need.unwrap();
+                        assert!(d.take <= free0 + d.release);
+                        assert_eq!(
+                            free0 as isize - m.pool().num_free() as isize,
+                            d.net(),
+                            "demand {d:?}"
+                        );
+                        let new: usize = a.groups.iter().map(|g| g.new_block_ids.len()).sum();
+                        assert!(new <= d.take);
+                        if computed > 0 {
+                            assert_eq!(a.num_context_tokens, computed);
+                        } else {
+                            assert_eq!(a.num_context_tokens, a.num_cached_tokens);
+                            assert_eq!(a.num_cached_tokens % unit, 0);
+                            assert!(a.num_cached_tokens < tokens);
+                        }
+                        let q = (n as usize).min(tokens - a.num_context_tokens);
+                        assert_eq!(a.num_scheduled_tokens, q);
+                        model.get_mut(&id).unwrap().1 = a.num_context_tokens + q;
+                        false
+                    }
+                    Err(Error::OutOfBlocks {
+                        requested,
+                        available,
+                    }) => {
+                        let d = need.unwrap();
+                        assert_eq!((requested, available), (d.take, free0 + d.release));
+                        assert!(d.take > free0 + d.release);
+                        true
+                    }
+                    Err(e) => {
+                        assert_eq!(need.unwrap_err(), e);
+                        true
+                    }
+                }
+            }
+            Op::Step { seqs, n, append } => {
+                let mut chosen: Vec<SeqId> = Vec::new();
+                for s in seqs {
+                    if let Some(id) = pick(&ids, s) {
+                        if !chosen.contains(&id) {
+                            chosen.push(id);
+                        }
+                    }
+                }
+                if chosen.is_empty() {
+                    continue;
+                }
+                let k = chosen.len();
+                let req = StepRequest {
+                    seq_ids: chosen.clone(),
+                    num_new_tokens: vec![n as u32; k],
+                    append_indptr: if append {
+                        (0..=k as u32).collect()
+                    } else {
+                        vec![]
+                    },
+                    append_tokens: if append { vec![3; k] } else { vec![] },
+                };
+                let out = m.step(&req);
+                for (i, &id) in chosen[..out.num_scheduled].iter().enumerate() {
+                    let e = model.get_mut(&id).unwrap();
+                    if append {
+                        e.0 += 1;
+                    }
+                    e.1 = out.seq_lens[i] as usize;
+                    assert_eq!(m.num_computed_tokens(id).unwrap(), e.1);
+                }
+                // Slot mapping: each group's row, from that group's tables.
+                let t = out.query_start_loc[out.num_scheduled] as usize;
+                assert_eq!(out.slot_mapping.len(), out.num_groups * t);
+                let w = out.block_table_width;
+                for g in 0..out.num_groups {
+                    let bs = m.config().groups[g].block_size as i64;
+                    for k in 0..out.num_scheduled {
+                        let row = &out.block_table[(g * out.num_scheduled + k) * w..][..w];
+                        for tok in out.query_start_loc[k]..out.query_start_loc[k + 1] {
+                            let pos = (out.context_lens[k] + tok - out.query_start_loc[k]) as i64;
+                            let slot = out.slot_mapping[g * t + tok as usize];
+                            assert_eq!(slot, row[(pos / bs) as usize] as i64 * bs + pos % bs);
+                            assert_ne!(slot / bs, NULL_BLOCK as i64);
+                        }
+                    }
+                }
+                false
+            }
+            Op::Fork { seq } => {
+                let Some(id) = pick(&ids, seq) else { continue };
+                match m.fork(id, next) {
+                    Ok(()) => {
+                        model.insert(next, model[&id]);
+                        ids.push(next);
+                        next += 1;
+                        false
+                    }
+                    Err(_) => true,
+                }
+            }
+            Op::Free { seq } => {
+                let Some(id) = pick(&ids, seq) else { continue };
+                assert!(m.free(id));
+                assert!(!m.free(id));
+                ids.retain(|&x| x != id);
+                model.remove(&id);
+                false
+            }
+            Op::Preempt { seq } => {
+                let Some(id) = pick(&ids, seq) else { continue };
+                match m.preempt_recompute(&[id]) {
+                    Ok(()) => {
+                        model.get_mut(&id).unwrap().1 = 0;
+                        false
+                    }
+                    Err(_) => true,
+                }
+            }
+            Op::SwapOut { seq } => {
+                let Some(id) = pick(&ids, seq) else { continue };
+                m.swap_out(&[id]).is_err()
+            }
+            Op::SwapIn { seq } => {
+                let Some(id) = pick(&ids, seq) else { continue };
+                let owed = m.num_blocks_owed(&[id]).unwrap();
+                let r = m.swap_in(&[id]);
+                if r.is_ok() {
+                    assert_eq!(free0 - m.pool().num_free(), owed);
+                }
+                r.is_err()
+            }
+            Op::Lookup { seq } => {
+                let Some(id) = pick(&ids, seq) else { continue };
+                let hit = m.lookup_prefix(id).unwrap();
+                assert_eq!(hit % unit, 0);
+                assert!(hit < m.num_tokens(id).unwrap());
+                if !caching {
+                    assert_eq!(hit, 0);
+                }
+                false
+            }
+            Op::Owed { seqs } => {
+                let mut chosen: Vec<SeqId> = Vec::new();
+                for s in seqs {
+                    if let Some(id) = pick(&ids, s) {
+                        if !chosen.contains(&id) {
+                            chosen.push(id);
+                        }
+                    }
+                }
+                if chosen.is_empty() {
+                    continue;
+                }
+                let owed = m.num_blocks_owed(&chosen).unwrap();
+                let owed = owed - distinct_cpu(&m, &chosen);
+                // Schedule every uncomputed token of each member, in order: the peak of the
+                // running demand must be exactly `owed`.
+                let (mut net, mut peak, mut ok) = (0isize, 0isize, true);
+                for &id in &chosen {
+                    if m.status(id).unwrap() == SeqStatus::Swapped {
+                        continue;
+                    }
+                    let (tokens, computed) = model[&id];
+                    if tokens == computed {
+                        continue;
+                    }
+                    let f = m.pool().num_free() as isize;
+                    match m.allocate_slots(id, tokens - computed) {
+                        Ok(_) => {
+                            net += f - m.pool().num_free() as isize;
+                            peak = peak.max(net);
+                            model.get_mut(&id).unwrap().1 = tokens;
+                        }
+                        Err(Error::OutOfBlocks { .. }) => {
+                            ok = false;
+                            break;
+                        }
+                        Err(e) => panic!("{e:?}"),
+                    }
+                    m.check_invariants().unwrap();
+                }
+                if ok {
+                    assert_eq!(peak as usize, owed, "owed for {chosen:?}");
+                } else {
+                    assert!(owed > free0, "owed {owed} but free {free0} failed");
+                }
+                false
+            }
+        };
+        if failed {
+            assert_eq!(
+                before,
+                snapshot(&m, &ids),
+                "a failed call changed the state"
+            );
+        }
+        m.check_invariants().unwrap();
+        for (&id, &(tokens, computed)) in &model {
+            assert_eq!(m.num_tokens(id).unwrap(), tokens);
+            if m.status(id).unwrap() != SeqStatus::Swapped {
+                assert_eq!(m.num_computed_tokens(id).unwrap(), computed);
+            }
+        }
+    }
+    for id in ids {
+        assert!(m.free(id));
+    }
+    m.check_invariants().unwrap();
+    assert_eq!(m.pool().num_free(), num_blocks as usize - 1);
+    assert_eq!(m.num_sequences(), 0);
+}
+
+/// `allocate_slots` on both managers: same demand, same result.
+fn both_allocate(
+    h: &HybridManager,
+    k: &KvCacheManager,
+    ids: &[SeqId],
+    seq: usize,
+    n: u8,
+) -> Result<(), TestCaseError> {
+    let Some(id) = pick(ids, seq) else {
+        return Ok(());
+    };
+    let dh = h.num_blocks_needed(id, n as usize).map(|d| d.take);
+    prop_assert_eq!(dh, k.num_blocks_needed(id, n as usize));
+    match (
+        h.allocate_slots(id, n as usize),
+        k.allocate_slots(id, n as usize),
+    ) {
+        (Ok(a), Ok(b)) => {
+            prop_assert_eq!(a.num_cached_tokens, b.num_cached_tokens);
+            prop_assert_eq!(&a.groups[0].new_block_ids, &b.new_block_ids);
+            prop_assert_eq!(&a.groups[0].copies, &b.copies);
+        }
+        (Err(a), Err(b)) => prop_assert_eq!(a, b),
+        (a, b) => prop_assert!(false, "{a:?} vs {b:?}"),
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    #[test]
+    fn groups_against_the_model(
+        layout_k in 0u8..5,
+        num_blocks in 8u32..40,
+        sparse in any::<bool>(),
+        caching in prop::bool::weighted(0.85),
+        ops in prop::collection::vec(op(), 1..60),
+    ) {
+        run(layout_k, num_blocks, sparse, caching, ops);
+    }
+
+    /// One full-attention group is the one-group manager.
+    #[test]
+    fn one_full_group_is_the_one_group_manager(
+        num_blocks in 6u32..30,
+        ops in prop::collection::vec(op(), 1..60),
+    ) {
+        let h = HybridManager::new(HybridConfig::new(num_blocks, vec![GroupSpec::full(4, 8)], vec![0; 4])).unwrap();
+        let mut c = CacheConfig::new(num_blocks, 4);
+        c.num_cpu_blocks = 0;
+        let k = KvCacheManager::new(c).unwrap();
+        let mut ids: Vec<SeqId> = Vec::new();
+        let mut next: SeqId = 1;
+        for op in ops {
+            match op {
+                Op::Add { family, len } => {
+                    let p = prompt(family, len, next);
+                    h.add_sequence(next, p.clone(), SequenceSpec::default()).unwrap();
+                    k.add_sequence(next, &p, SequenceSpec::default()).unwrap();
+                    ids.push(next);
+                    next += 1;
+                }
+                Op::Append { seq, n } => {
+                    let Some(id) = pick(&ids, seq) else { continue };
+                    h.append_tokens(id, &vec![5; n as usize]).unwrap();
+                    k.append_tokens(id, &vec![5; n as usize]).unwrap();
+                }
+                Op::Allocate { seq, n } => both_allocate(&h, &k, &ids, seq, n)?,
+                Op::Step { seqs, n, .. } => both_allocate(&h, &k, &ids, seqs[0], n)?,
+                Op::Fork { seq } => {
+                    let Some(id) = pick(&ids, seq) else { continue };
+                    h.fork(id, next).unwrap();
+                    k.fork(id, next).unwrap();
+                    ids.push(next);
+                    next += 1;
+                }
+                Op::Free { seq } => {
+                    let Some(id) = pick(&ids, seq) else { continue };
+                    h.free(id);
+                    k.free(id);
+                    ids.retain(|&x| x != id);
+                }
+                Op::Preempt { seq } => {
+                    let Some(id) = pick(&ids, seq) else { continue };
+                    h.preempt_recompute(&[id]).unwrap();
+                    k.preempt_recompute(&[id]).unwrap();
+                }
+                Op::Lookup { seq } => {
+                    let Some(id) = pick(&ids, seq) else { continue };
+                    prop_assert_eq!(h.lookup_prefix(id).unwrap(), k.lookup_prefix(id).unwrap());
+                }
+                Op::Owed { seqs } => {
+                    let mut chosen: Vec<SeqId> = Vec::new();
+                    for s in seqs {
+                        if let Some(id) = pick(&ids, s) {
+                            if !chosen.contains(&id) {
+                                chosen.push(id);
+                            }
+                        }
+                    }
+                    prop_assert_eq!(h.num_blocks_owed(&chosen).unwrap(), k.num_blocks_owed(&chosen).unwrap());
+                }
+                _ => {}
+            }
+            for &id in &ids {
+                prop_assert_eq!(&h.block_tables(id).unwrap()[0], &k.block_table(id).unwrap());
+            }
+            prop_assert_eq!(h.pool().free_queue(), k.pool().free_queue());
+            h.check_invariants().unwrap();
+        }
+    }
+}
