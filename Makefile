@@ -20,7 +20,7 @@ RUN_ARGS ?= --prompts examples/prompts.jsonl --output target/run/results.jsonl
         lint fmt fmt-check ruff clippy mypy bench loom kernels-aot
 
 help: ## Show this list of targets
-	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | \
+	@grep -E '^[a-zA-Z0-9_.-]+:.*?## ' $(MAKEFILE_LIST) | \
 		awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
 
 $(SETUP_STAMP): pyproject.toml
@@ -59,26 +59,46 @@ loom: ## loom models of every core lock and atomic (rust/core/tests/loom.rs)
 test-python: setup ## pytest (hypothesis profile from HYPOTHESIS_PROFILE, default ci; Triton interpreted on CPU)
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest
 
-# The vLLM integration suite runs in its own virtual environment: vLLM pins its own torch and
-# many other packages, which must not replace the main environment's. pagedkv comes from this
-# checkout (the extension `setup` built in python/pagedkv, found through a .pth file), so the
-# suite tests exactly the working tree. The venv is created once and reused.
-.PHONY: test-vllm vllm-venv
+# The vLLM integration suite runs in its own virtual environment per supported vLLM release:
+# vLLM pins its own torch and many other packages, which must not replace the main environment's.
+# pagedkv comes from this checkout (the extension `setup` built in python/pagedkv, found through a
+# .pth file), so the suite tests exactly the working tree. Each venv is created once and reused
+# (about 9.5 GB each). The scheduler runs on CPU without a model, so the CUDA wheels serve.
+# Supported releases: 0.32 and 0.33 (pagedkv.integrations.vllm.versions); target/vllm-venv is
+# the newest, which `bench` also uses.
+.PHONY: test-vllm test-vllm-0.33 test-vllm-0.32 vllm-venv vllm-venv-0.32
 VLLM_VERSION ?= 0.33.0
 VLLM_VENV ?= target/vllm-venv
 VLLM_STAMP := $(VLLM_VENV)/.pagedkv-vllm-$(VLLM_VERSION)
+VLLM032_VERSION ?= 0.32.0
+VLLM032_VENV ?= target/vllm-0.32-venv
+VLLM032_STAMP := $(VLLM032_VENV)/.pagedkv-vllm-$(VLLM032_VERSION)
+
+# $(call vllm_venv,FOLDER,VERSION): the venv, vLLM VERSION + pytest, pagedkv from this checkout.
+define vllm_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install $(PIP_FLAGS) "vllm==$(2)" "pytest>=8" "hypothesis>=6.100"
+	$(1)/bin/python -c "import sysconfig, pathlib; \
+		pathlib.Path(sysconfig.get_paths()['purelib'], 'pagedkv-checkout.pth').write_text('$(CURDIR)/python\n')"
+	@touch $(1)/.pagedkv-vllm-$(2)
+endef
 
 $(VLLM_STAMP):
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install $(PIP_FLAGS) "vllm==$(VLLM_VERSION)" "pytest>=8" "hypothesis>=6.100"
-	$(VLLM_VENV)/bin/python -c "import sysconfig, pathlib; \
-		pathlib.Path(sysconfig.get_paths()['purelib'], 'pagedkv-checkout.pth').write_text('$(CURDIR)/python\n')"
-	@touch $@
+	$(call vllm_venv,$(VLLM_VENV),$(VLLM_VERSION))
 
-vllm-venv: $(VLLM_STAMP) ## Create target/vllm-venv: vLLM (pinned) + pytest, pagedkv from this checkout
+$(VLLM032_STAMP):
+	$(call vllm_venv,$(VLLM032_VENV),$(VLLM032_VERSION))
 
-test-vllm: setup vllm-venv ## Differential suite: vLLM's Scheduler stock vs PagedKVScheduler (own venv)
+vllm-venv: $(VLLM_STAMP) ## Create target/vllm-venv: vLLM 0.33 (pinned) + pytest, pagedkv from this checkout
+vllm-venv-0.32: $(VLLM032_STAMP) ## Create target/vllm-0.32-venv: vLLM 0.32 + pytest, pagedkv from this checkout
+
+test-vllm: test-vllm-0.33 test-vllm-0.32 ## Differential suite against each supported vLLM (0.33, 0.32), own venvs
+
+test-vllm-0.33: setup vllm-venv ## The vLLM suite (tests/integrations/vllm) under vLLM 0.33
 	$(VLLM_VENV)/bin/python -m pytest -q tests/integrations/vllm
+
+test-vllm-0.32: setup vllm-venv-0.32 ## The vLLM suite (tests/integrations/vllm) under vLLM 0.32
+	$(VLLM032_VENV)/bin/python -m pytest -q tests/integrations/vllm
 
 stubtest: setup ## Check the hand-written _core.pyi against the built extension
 	$(PYTHON) -m mypy.stubtest pagedkv._core
@@ -115,7 +135,8 @@ clippy: ## clippy on every crate and target, warnings are errors
 # integrations (vLLM's types are Any where vLLM is not installed).
 MYPY_PATHS ?= python/pagedkv/__init__.py python/pagedkv/errors.py python/pagedkv/_optional.py python/pagedkv/tensors.py \
 	python/pagedkv/_repr.py python/pagedkv/_core.pyi python/pagedkv/block_identity.py python/pagedkv/engine \
-	python/pagedkv/kernels python/pagedkv/integrations python/pagedkv/routing python/pagedkv/cluster
+	python/pagedkv/kernels python/pagedkv/integrations python/pagedkv/routing python/pagedkv/cluster \
+	python/pagedkv/testing
 
 mypy: deps ## Type-check the Python package (API, _core stub, engine, kernels)
 	$(PYTHON) -m mypy $(MYPY_PATHS)

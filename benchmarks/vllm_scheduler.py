@@ -2,7 +2,7 @@
 
 Needs an environment with vLLM and pagedkv (``make vllm-venv``, then
 ``target/vllm-venv/bin/python benchmarks/vllm_scheduler.py``). No GPU, no model: the scheduler
-is vLLM's real one (``pagedkv.integrations.vllm.cpu_harness`` builds it from a tiny local model
+is vLLM's real one (``pagedkv.testing.vllm_scheduler`` builds it from a tiny local model
 config), and a fake model samples one token per request per step.
 
 Workloads (each scheduler gets the same request stream):
@@ -62,7 +62,7 @@ from common import (  # noqa: E402
 )
 
 from pagedkv.integrations.vllm import PagedKVScheduler  # noqa: E402
-from pagedkv.integrations.vllm.cpu_harness import (  # noqa: E402
+from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     build_scheduler,
     fake_model_output,
     make_request,

@@ -8,7 +8,9 @@ tokens (the token depends only on the request id and its position), and
 ``update_from_output()`` consumes it. ``Driver.step`` records what one step did in a plain dict
 so two schedulers (stock and ``PagedKVScheduler``) can be compared step by step.
 
-Used by the vLLM differential tests, ``benchmarks/vllm_scheduler.py`` and the README example.
+Used by the vLLM differential tests, ``benchmarks/vllm_scheduler.py`` and the README example; a
+testing helper, not part of the plug-in (``pagedkv.integrations.vllm``). Needs the ``vllm``
+extra: without vLLM, importing it raises :class:`pagedkv.MissingDependencyError`.
 Importing it sets ``VLLM_LOGGING_LEVEL=ERROR`` and ``VLLM_TARGET_DEVICE=cpu`` unless they are
 already set (they only take effect if vLLM was not imported before).
 """
@@ -26,28 +28,34 @@ from typing import Any
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
-import torch  # noqa: E402
-from vllm.config import (  # noqa: E402
-    CacheConfig,
-    DeviceConfig,
-    KVEventsConfig,
-    LoRAConfig,
-    ModelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
-from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-)
-from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request, RequestStatus  # noqa: E402
-from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from pagedkv._optional import optional_imports  # noqa: E402
+
+# vLLM first, alone: it brings torch, so a missing vLLM is reported as such.
+with optional_imports("pagedkv.testing.vllm_scheduler", "vllm"):
+    import vllm  # noqa: F401
+with optional_imports("pagedkv.testing.vllm_scheduler", "vllm"):
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVEventsConfig,
+        LoRAConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+    )
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+    from vllm.v1.structured_output import StructuredOutputManager
 
 VOCAB = 4096
 EOS = 2

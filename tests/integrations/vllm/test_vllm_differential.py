@@ -1,6 +1,6 @@
 """vLLM's real V1 Scheduler, stock vs ``PagedKVScheduler``, on the same request streams.
 
-Both run with the deterministic fake model of ``pagedkv.integrations.vllm.cpu_harness`` (a
+Both run with the deterministic fake model of ``pagedkv.testing.vllm_scheduler`` (a
 sampled token depends only on the request id and its position). Where no cached block is
 evicted, every step must agree:
 scheduled request ids and token counts, prefix-hit tokens of new and resumed requests,
@@ -27,7 +27,7 @@ pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from pagedkv.integrations.vllm import PagedKVScheduler  # noqa: E402
-from pagedkv.integrations.vllm.cpu_harness import (  # noqa: E402
+from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     Driver,
     build_scheduler,
     fake_token,

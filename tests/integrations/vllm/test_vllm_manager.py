@@ -39,7 +39,7 @@ from pagedkv.integrations.vllm import (  # noqa: E402
     UnsupportedVllmConfigError,
     check_supported_config,
 )
-from pagedkv.integrations.vllm.cpu_harness import (  # noqa: E402
+from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     Driver,
     build_scheduler,
     make_kv_cache_config,

@@ -9,8 +9,9 @@ own (same admission, chunked prefill, preemption and output handling); only its
 ``kv_cache_manager`` is replaced by :class:`PagedKVCacheManager`, whose block pool, prefix
 cache (chained SHA-256 block hashes computed in Rust) and block tables are pagedkv's.
 
-Needs the optional extra ``pagedkv[vllm]`` (the vLLM release range in ``pyproject.toml``); without
-vLLM, importing it raises :class:`pagedkv.MissingDependencyError` naming that extra.
+Needs the optional extra ``pagedkv[vllm]`` (vLLM 0.32 or 0.33, :data:`SUPPORTED_VLLM_RELEASES`);
+without vLLM, importing it raises :class:`pagedkv.MissingDependencyError` naming that extra, and
+building the scheduler under another release raises :class:`UnsupportedVllmVersionError`.
 Configurations the adapter cannot serve exactly raise :class:`UnsupportedVllmConfigError`
 naming the setting when the scheduler is built (see :func:`check_supported_config`).
 """
@@ -23,19 +24,31 @@ from pagedkv._optional import optional_imports
 with optional_imports("pagedkv.integrations.vllm", "vllm"):
     import vllm  # noqa: F401
 
-    from pagedkv.integrations.vllm.config_check import (
+    from pagedkv.integrations.vllm.config_check import check_supported_config
+    from pagedkv.integrations.vllm.coordinator import CoordinatorView, GroupManagerView
+    from pagedkv.integrations.vllm.errors import (
+        UnsupportedVllmCallError,
         UnsupportedVllmConfigError,
-        check_supported_config,
+        UnsupportedVllmVersionError,
+        VllmStateMismatchError,
     )
     from pagedkv.integrations.vllm.events import to_vllm_events
     from pagedkv.integrations.vllm.kv_cache_manager import PagedKVBlocks, PagedKVCacheManager
     from pagedkv.integrations.vllm.scheduler import PagedKVScheduler
+    from pagedkv.integrations.vllm.versions import SUPPORTED_VLLM_RELEASES, check_supported_version
 
 __all__ = [
+    "SUPPORTED_VLLM_RELEASES",
+    "CoordinatorView",
+    "GroupManagerView",
     "PagedKVBlocks",
     "PagedKVCacheManager",
     "PagedKVScheduler",
+    "UnsupportedVllmCallError",
     "UnsupportedVllmConfigError",
+    "UnsupportedVllmVersionError",
+    "VllmStateMismatchError",
     "check_supported_config",
+    "check_supported_version",
     "to_vllm_events",
 ]

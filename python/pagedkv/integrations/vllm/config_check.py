@@ -14,18 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedkv.errors import InvalidConfigError
+from pagedkv.integrations.vllm.errors import UnsupportedVllmConfigError
 
 __all__ = ["UnsupportedVllmConfigError", "check_supported_config"]
-
-
-class UnsupportedVllmConfigError(InvalidConfigError):
-    """A vLLM setting the pagedkv scheduler does not support (also a ``ValueError``).
-
-    Raised by :func:`check_supported_config` when ``PagedKVScheduler`` is built, before any state
-    exists. Attributes: ``field`` (the vLLM setting, e.g. ``"speculative_config"``), ``value``
-    (its value, as text) and ``reason``.
-    """
 
 
 def _refuse(field: str, value: Any, reason: str) -> UnsupportedVllmConfigError:

@@ -39,7 +39,7 @@ table.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import pagedkv
@@ -48,6 +48,8 @@ from pagedkv.errors import (
     OutOfBlocksError,
     UnknownSequenceError,
 )
+from pagedkv.integrations.vllm.coordinator import CoordinatorView
+from pagedkv.integrations.vllm.errors import UnsupportedVllmCallError
 
 __all__ = ["PagedKVBlocks", "PagedKVCacheManager"]
 
@@ -186,6 +188,11 @@ class PagedKVCacheManager:
         enable_kv_cache_events: record KV events for ``take_events``.
         watermark: fraction of blocks kept free when admitting waiting / preempted requests.
         spec_kind: the group's kind for ``BlockStored.kv_cache_spec_kind``.
+        kv_cache_config: the scheduler's ``vllm.v1.kv_cache_interface.KVCacheConfig`` (one
+            group; its ``num_blocks`` and group block size must equal ``num_blocks`` and
+            ``block_size``, else ``InvalidConfigError``). Read by vLLM through
+            :attr:`coordinator`; ``None`` for a manager used outside a scheduler.
+        max_model_len: the scheduler's ``max_model_len`` in tokens (``None`` outside one).
 
     Errors are pagedkv's typed errors (``pagedkv.errors``); a failing call changes nothing.
     """
@@ -201,6 +208,8 @@ class PagedKVCacheManager:
         enable_kv_cache_events: bool = False,
         watermark: float = 0.0,
         spec_kind: str | None = None,
+        kv_cache_config: Any = None,
+        max_model_len: int | None = None,
     ) -> None:
         from vllm.v1.metrics.stats import PrefixCacheStats
         from vllm.v1.request import RequestStatus
@@ -213,6 +222,20 @@ class PagedKVCacheManager:
                 value=str(hash_algo),
                 reason=f"supported: {sorted(_HASH_ALGOS)}",
             )
+        spec = None
+        if kv_cache_config is not None:
+            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+            for name, theirs, ours in (
+                ("kv_cache_config.num_blocks", kv_cache_config.num_blocks, num_blocks),
+                ("kv_cache_spec.block_size", spec.block_size, block_size),
+            ):
+                if theirs != ours:
+                    raise pagedkv.InvalidConfigError(
+                        f"{name} is {theirs}, the manager was given {ours}",
+                        field=name,
+                        value=str(theirs),
+                        reason=f"must equal {ours}",
+                    )
         self._config = pagedkv.CacheConfig(
             num_blocks,
             block_size,
@@ -239,6 +262,14 @@ class PagedKVCacheManager:
         self._RUNNING = RequestStatus.RUNNING
         self.spec_kind = spec_kind
         self.medium = "GPU"
+        #: The scheduler's ``KVCacheConfig``, its one group's ``KVCacheSpec`` and its
+        #: ``max_model_len`` (``None`` for a manager built outside a scheduler).
+        self.kv_cache_config = kv_cache_config
+        self.kv_cache_spec = spec
+        self.max_model_len = max_model_len
+        #: Mamba prefix checkpoints: never (Mamba layers are refused).
+        self.mamba_shared_prefix_checkpoint = False
+        self._coordinator = CoordinatorView(self)
 
         self._num_usable = num_blocks - 1
         # request id -> pagedkv sequence id, and how many of its tokens pagedkv holds (read
@@ -278,6 +309,14 @@ class PagedKVCacheManager:
         self.num_batch_stops = 0
 
     # ---- properties vLLM reads -------------------------------------------------------------
+
+    @property
+    def coordinator(self) -> CoordinatorView:
+        """vLLM's ``kv_cache_manager.coordinator`` as a read-only view of this manager
+        (``single_type_managers[0].block_size / .kv_cache_spec``, ``kv_cache_config``,
+        ``get_num_blocks_to_allocate``...): what vLLM's engine core and scheduler read through
+        it (docs/design.md, "vLLM seam")."""
+        return self._coordinator
 
     @property
     def manager(self) -> pagedkv.KVCacheManager:
@@ -811,26 +850,28 @@ class PagedKVCacheManager:
         return []
 
     def _connector_only(self, name: str) -> Any:
-        raise NotImplementedError(
-            f"PagedKVCacheManager.{name} is used by KV connectors, which PagedKVScheduler refuses"
+        raise UnsupportedVllmCallError(
+            f"PagedKVCacheManager.{name} is used by KV connectors, which PagedKVScheduler refuses",
+            operation=name,
+            feature="KV connectors",
         )
 
     def get_computed_blocks_for_connector(self, *args: Any, **kwargs: Any) -> Any:
-        """KV connectors only (refused): raises ``NotImplementedError``."""
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
         return self._connector_only("get_computed_blocks_for_connector")
 
     def truncate_computed_blocks(self, *args: Any, **kwargs: Any) -> Any:
-        """KV connectors only (refused): raises ``NotImplementedError``."""
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
         return self._connector_only("truncate_computed_blocks")
 
     def pop_blocks_for_free(self, *args: Any, **kwargs: Any) -> Any:
-        """KV connectors only (refused): raises ``NotImplementedError``."""
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
         return self._connector_only("pop_blocks_for_free")
 
-    def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        """KV connectors only (refused): raises ``NotImplementedError``."""
+    def evict_blocks(self, *args: Any, **kwargs: Any) -> None:
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
         self._connector_only("evict_blocks")
 
     def record_blocks_for_zeroing(self, *args: Any, **kwargs: Any) -> None:
-        """KV connectors only (refused): raises ``NotImplementedError``."""
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
         self._connector_only("record_blocks_for_zeroing")

@@ -22,8 +22,9 @@ vLLM's own code; the KV cache calls go to :class:`PagedKVCacheManager`. Two chan
   ``update_from_output``). Set ``keep_vllm_block_hashes = True`` on a subclass to keep
   ``request.block_hashes`` growing (nothing in the supported configurations reads them).
 
-Unsupported configurations raise ``UnsupportedVllmConfigError`` from ``__init__`` before vLLM's
-scheduler is built (see :func:`check_supported_config`); streaming-input (resumable) requests
+A vLLM release outside 0.32 / 0.33 raises ``UnsupportedVllmVersionError`` and unsupported
+configurations raise ``UnsupportedVllmConfigError`` from ``__init__``, before vLLM's scheduler
+is built (see :func:`check_supported_version`, :func:`check_supported_config`); streaming-input (resumable) requests
 raise ``InvalidArgumentError`` from ``add_request``.
 """
 
@@ -37,6 +38,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.integrations.vllm.config_check import check_supported_config
 from pagedkv.integrations.vllm.kv_cache_manager import PagedKVCacheManager
+from pagedkv.integrations.vllm.versions import check_supported_version
 
 __all__ = ["PagedKVScheduler"]
 
@@ -47,8 +49,9 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
     """vLLM V1 ``Scheduler`` whose ``kv_cache_manager`` is a :class:`PagedKVCacheManager`.
 
     Takes exactly the constructor arguments of ``vllm.v1.core.sched.scheduler.Scheduler``.
-    Raises ``pagedkv.integrations.vllm.UnsupportedVllmConfigError`` (a ``ValueError``) naming
-    the first unsupported setting, before anything is built.
+    Raises ``pagedkv.integrations.vllm.UnsupportedVllmVersionError`` (a ``ValueError``) under a
+    vLLM release other than 0.32 / 0.33, and ``UnsupportedVllmConfigError`` (a ``ValueError``)
+    naming the first unsupported setting, before anything is built.
     """
 
     #: Keep vLLM's Python block hashes growing on output tokens (off: pagedkv hashes in Rust).
@@ -57,6 +60,7 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
     batch_decode: bool = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        check_supported_version()
         bound = _BASE_INIT.bind(self, *args, **kwargs)
         bound.apply_defaults()
         a = bound.arguments
@@ -75,6 +79,8 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
             enable_kv_cache_events=self.enable_kv_cache_events,
             watermark=self.scheduler_config.watermark,
             spec_kind=get_kv_cache_spec_kind(spec).value,
+            kv_cache_config=self.kv_cache_config,
+            max_model_len=self.max_model_len,
         )
         self.kv_cache_manager.defer_decodes = self.batch_decode
 

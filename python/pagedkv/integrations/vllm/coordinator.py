@@ -1,0 +1,167 @@
+"""Read-only views of ``PagedKVCacheManager`` in the shape of vLLM's KV cache coordinator.
+
+vLLM's own ``KVCacheManager`` is a facade over a ``KVCacheCoordinator``, which holds one
+``SingleTypeKVCacheManager`` per KV cache group. Code outside the scheduler reads through that
+structure: the engine core computes the attention block size at start-up from
+``kv_cache_manager.coordinator.single_type_managers[*].block_size / .kv_cache_spec``
+(``EngineCore._initialize_effective_attention_block_size``), and
+``EngineCore.get_kv_cache_group_metadata`` reports each group's ``block_size`` to event
+consumers. pagedkv has one pool for one group and no coordinator, so
+:class:`CoordinatorView` answers those reads from the manager's configuration and state. Each
+view is read-only (attributes are properties, assignment raises ``AttributeError``); nothing
+in it allocates or frees. docs/design.md ("vLLM seam") lists every read and where it is
+answered.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pagedkv.errors import InvalidArgumentError, UnknownSequenceError
+
+if TYPE_CHECKING:
+    from pagedkv.integrations.vllm.kv_cache_manager import PagedKVCacheManager
+
+__all__ = ["CoordinatorView", "GroupManagerView"]
+
+
+class GroupManagerView:
+    """What vLLM reads from one entry of ``coordinator.single_type_managers``: the one KV cache
+    group pagedkv manages (full attention).
+
+    Attributes (read-only): ``kv_cache_group_id`` (0), ``block_size`` (tokens per block, the
+    manager's), ``kv_cache_spec`` (the group's ``vllm.v1.kv_cache_interface.KVCacheSpec`` from
+    the scheduler's ``KVCacheConfig``; ``None`` for a manager built without one, outside a
+    scheduler), ``enable_caching`` (prefix caching on).
+    """
+
+    __slots__ = ("_manager",)
+
+    def __init__(self, manager: PagedKVCacheManager) -> None:
+        self._manager = manager
+
+    @property
+    def kv_cache_group_id(self) -> int:
+        """0: pagedkv manages exactly one KV cache group."""
+        return 0
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self._manager.block_size
+
+    @property
+    def kv_cache_spec(self) -> Any:
+        """The group's vLLM ``KVCacheSpec`` (``FullAttentionSpec`` / ``MLAAttentionSpec``)."""
+        return self._manager.kv_cache_spec
+
+    @property
+    def enable_caching(self) -> bool:
+        """Whether prefix caching is on."""
+        return self._manager.enable_caching
+
+    def __repr__(self) -> str:
+        spec = type(self.kv_cache_spec).__name__
+        return f"GroupManagerView(kv_cache_group_id=0, block_size={self.block_size}, kv_cache_spec={spec})"
+
+
+class CoordinatorView:
+    """``PagedKVCacheManager.coordinator``: the attributes and queries vLLM reads from its
+    ``KVCacheCoordinator``, answered from pagedkv.
+
+    Attributes (read-only): ``single_type_managers`` (a 1-tuple of :class:`GroupManagerView`),
+    ``num_single_type_manager`` (1), ``kv_cache_config`` (as the scheduler passed it; ``None``
+    outside a scheduler), ``block_size``, ``enable_partial_hash_hits`` (False: pagedkv hashes
+    whole blocks, the config check refuses ``hash_block_size != block_size``),
+    ``num_reprefillable_tokens`` (0: no sliding-window replay).
+    """
+
+    __slots__ = ("_manager", "_groups")
+
+    def __init__(self, manager: PagedKVCacheManager) -> None:
+        self._manager = manager
+        self._groups = (GroupManagerView(manager),)
+
+    @property
+    def single_type_managers(self) -> tuple[GroupManagerView, ...]:
+        """One view per KV cache group: ``(GroupManagerView,)``."""
+        return self._groups
+
+    @property
+    def num_single_type_manager(self) -> int:
+        """1: one KV cache group."""
+        return 1
+
+    @property
+    def kv_cache_config(self) -> Any:
+        """The scheduler's ``KVCacheConfig`` (``None`` outside a scheduler)."""
+        return self._manager.kv_cache_config
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block (one group, so also the scheduler's block size)."""
+        return self._manager.block_size
+
+    @property
+    def enable_partial_hash_hits(self) -> bool:
+        """False: hits are whole blocks (``hash_block_size == block_size``)."""
+        return False
+
+    @property
+    def num_reprefillable_tokens(self) -> int:
+        """0: no group replays tokens before its prefix hit (no sliding window)."""
+        return 0
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Any = None,
+        num_encoder_tokens: int = 0,
+        total_computed_tokens: int = 0,
+        num_local_computed_tokens: int = 0,
+        num_tokens_main_model: int | None = None,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        """Blocks the request still needs to give slots to ``num_tokens`` tokens in total
+        (vLLM's ``KVCacheCoordinator.get_num_blocks_to_allocate`` for one full-attention group):
+        ``ceil(num_tokens / block_size)`` minus the blocks its pagedkv block table holds, at
+        least 0; a request pagedkv does not hold needs them all. Reads only.
+
+        vLLM's scheduler asks this with no prefix-hit blocks (``new_computed_blocks`` empty);
+        hit blocks are taken by ``allocate_slots`` itself, so a non-empty one raises
+        ``InvalidArgumentError``, as does ``num_tokens < 0`` or ``num_encoder_tokens > 0``
+        (cross-attention is refused). The remaining arguments change nothing for full
+        attention.
+        """
+        if num_tokens < 0:
+            raise InvalidArgumentError(
+                f"num_tokens must be >= 0 (got {num_tokens})",
+                arg="num_tokens",
+                value=str(num_tokens),
+                reason="a token count",
+            )
+        if num_encoder_tokens:
+            raise InvalidArgumentError(
+                f"num_encoder_tokens={num_encoder_tokens}: cross-attention is not managed",
+                arg="num_encoder_tokens",
+                value=str(num_encoder_tokens),
+                reason="refused by check_supported_config",
+            )
+        if new_computed_blocks is not None and any(len(group) for group in new_computed_blocks):
+            raise InvalidArgumentError(
+                "new_computed_blocks must be empty: PagedKVCacheManager takes prefix-hit blocks in allocate_slots",
+                arg="new_computed_blocks",
+                value=f"{sum(len(g) for g in new_computed_blocks)} blocks",
+                reason="prefix hits are taken by allocate_slots",
+            )
+        manager = self._manager
+        try:
+            (held,) = manager.get_block_ids(request_id)
+        except UnknownSequenceError:
+            held = []
+        return max(0, -(-num_tokens // manager.block_size) - len(held))
+
+    def __repr__(self) -> str:
+        return f"CoordinatorView(single_type_managers={self._groups!r})"

@@ -1,0 +1,428 @@
+"""The seam between ``PagedKVScheduler`` and the rest of vLLM: every read vLLM makes of
+``scheduler.kv_cache_manager`` (and through it) outside the scheduler's own calls, answered from
+pagedkv's state, tested the way vLLM makes it.
+
+- vLLM's real ``EngineCore`` starts with ``PagedKVScheduler`` (a model executor that reports a
+  KV cache spec and memory but runs no model) and serves requests through ``EngineCore.step``
+  exactly as with the stock scheduler;
+- ``EngineCore._initialize_effective_attention_block_size`` and
+  ``EngineCore.get_kv_cache_group_metadata`` (both read
+  ``kv_cache_manager.coordinator.single_type_managers``) give the stock results;
+- every read listed in docs/design.md ("vLLM seam") resolves on pagedkv's manager, the table
+  names every ``kv_cache_manager.*`` read in the installed vLLM's source, and the paths only KV
+  connectors reach stay unreached;
+- a vLLM release outside 0.32 / 0.33 is refused when the scheduler is built.
+
+Runs only where vLLM is installed (``make test-vllm`` runs it under each supported release).
+"""
+
+from __future__ import annotations
+
+import re
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this suite)")
+
+import torch  # noqa: E402
+import vllm  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.engine.core import EngineCore  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+
+import pagedkv  # noqa: E402
+from pagedkv.integrations.vllm import (  # noqa: E402
+    SUPPORTED_VLLM_RELEASES,
+    PagedKVCacheManager,
+    PagedKVScheduler,
+    UnsupportedVllmCallError,
+    UnsupportedVllmConfigError,
+    UnsupportedVllmVersionError,
+    check_supported_version,
+)
+from pagedkv.testing.vllm_scheduler import (  # noqa: E402
+    Driver,
+    build_scheduler,
+    fake_model_output,
+    fake_token,
+    make_request,
+    make_vllm_config,
+)
+
+BS = 16
+DESIGN = Path(__file__).resolve().parents[3] / "docs" / "design.md"
+
+# ---- vLLM's EngineCore, started and stepped without a model --------------------------------
+
+NUM_LAYERS = 2
+NUM_KV_HEADS = 2
+HEAD_SIZE = 16
+
+
+class NoModelExecutor:
+    """A vLLM model executor with no model: reports one full-attention KV cache spec per layer
+    and memory for ``NUM_BLOCKS`` blocks (the engine core sizes the pool from them, as it does
+    after profiling a real model), and answers ``execute_model`` with the harness's fake model
+    (the token depends only on the request id and position)."""
+
+    NUM_BLOCKS = 64
+    scheduler: Any = None
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        self.kv_cache_configs: Any = None
+        self.supported_tasks = ("generate",)
+
+    def _spec(self) -> Any:
+        bs = self.vllm_config.cache_config.block_size
+        return FullAttentionSpec(block_size=bs, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float32)
+
+    def register_failure_callback(self, callback: Any) -> None:
+        pass
+
+    def collective_rpc(self, method: Any, timeout: Any = None, args: tuple = (), kwargs: Any = None) -> list[Any]:
+        return []
+
+    def get_kv_cache_specs(self) -> list[dict[str, Any]]:
+        return [{f"model.layers.{i}.self_attn.attn": self._spec() for i in range(NUM_LAYERS)}]
+
+    def get_supported_kv_cache_layouts(self) -> list[list[str]]:
+        return [["NHD"]]
+
+    def set_kv_cache_layout(self, *args: Any) -> None:
+        pass
+
+    def determine_available_memory(self) -> list[int]:
+        # One block more than the pool: vLLM keeps block 0 as its null block.
+        return [(self.NUM_BLOCKS + 1) * self._spec().page_size_bytes * NUM_LAYERS]
+
+    def initialize_from_config(self, kv_cache_configs: Any) -> None:
+        self.kv_cache_configs = kv_cache_configs
+
+    def compile_or_warm_up_model(self) -> None:
+        pass
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        out = fake_model_output(self.scheduler, scheduler_output)
+        if not non_block:
+            return out
+        future: Future[Any] = Future()
+        future.set_result(out)
+        return future
+
+    def sample_tokens(self, grammar_output: Any) -> Any:
+        raise AssertionError("execute_model always returns the output")
+
+    def take_draft_token_ids(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _engine_core(scheduler_cls: type) -> Any:
+    cfg = make_vllm_config(num_blocks=NoModelExecutor.NUM_BLOCKS, scheduler_cls=scheduler_cls, max_model_len=1024)
+    cfg.cache_config.num_gpu_blocks = None  # sized by the engine core from the executor
+    core = EngineCore(cfg, NoModelExecutor, log_stats=True)
+    core.model_executor.scheduler = core.scheduler
+    return core
+
+
+def _serve(core: Any, requests: list[Any]) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Add ``requests`` and step the engine core until none is left: the new tokens of each
+    request, and the prefix-cache stats the scheduler reported (summed)."""
+    for request in requests:
+        core.add_request(request)
+    tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
+    stats = {"requests": 0, "queries": 0, "hits": 0}
+    for _ in range(1000):
+        if not core.scheduler.has_requests():
+            break
+        outputs, _ = core.step()
+        for eco in outputs.values():
+            for o in eco.outputs:
+                tokens[o.request_id].extend(o.new_token_ids)
+            prefix = eco.scheduler_stats.prefix_cache_stats if eco.scheduler_stats else None
+            if prefix is not None:
+                for key in stats:
+                    stats[key] += getattr(prefix, key)
+    assert not core.scheduler.has_requests()
+    return tokens, stats
+
+
+def _requests(tag: str) -> list[Any]:
+    system = list(range(1000, 1000 + 3 * BS))
+    return [make_request(f"{tag}{i}", system + [7 + i] * (i + 1), max_tokens=6) for i in range(4)]
+
+
+def test_engine_core_starts_and_serves_with_pagedkv_scheduler() -> None:
+    # vLLM's EngineCore.__init__ builds the scheduler from the configured class, then reads
+    # kv_cache_manager.coordinator.single_type_managers (start-up failed with AttributeError
+    # before the coordinator view existed).
+    stock = _engine_core(Scheduler)
+    paged = _engine_core(PagedKVScheduler)
+    assert type(paged.scheduler) is PagedKVScheduler
+    assert isinstance(paged.scheduler.kv_cache_manager, PagedKVCacheManager)
+    # The engine core sized the pool from the executor's memory, for both.
+    assert paged.scheduler.kv_cache_config.num_blocks == stock.scheduler.kv_cache_config.num_blocks
+    assert paged.scheduler.kv_cache_manager.num_blocks == paged.scheduler.kv_cache_config.num_blocks
+    assert paged.vllm_config.cache_config.effective_attention_block_size == BS
+    assert (
+        paged.vllm_config.cache_config.effective_attention_block_size
+        == stock.vllm_config.cache_config.effective_attention_block_size
+    )
+    assert paged.get_kv_cache_group_metadata() == stock.get_kv_cache_group_metadata()
+
+    # The first request alone, then three sharing its 3-block system prompt.
+    results = {}
+    for name, core in (("stock", stock), ("paged", paged)):
+        first = _serve(core, _requests("r")[:1])
+        rest = _serve(core, _requests("r")[1:])
+        results[name] = (first, rest)
+    assert results["paged"] == results["stock"]
+    (tokens, first_stats), (rest_tokens, rest_stats) = results["paged"]
+    assert tokens["r0"] == [fake_token("r0", 3 * BS + 1 + k) for k in range(6)]
+    assert all(len(t) == 6 for t in rest_tokens.values())
+    assert first_stats["hits"] == 0 and rest_stats["hits"] == 3 * 3 * BS
+    # The engine core's own entry points into the manager.
+    assert paged.scheduler.get_kv_cache_usage() == stock.scheduler.get_kv_cache_usage() == 0.0
+    assert paged.reset_prefix_cache() is True and stock.reset_prefix_cache() is True
+    _, after_reset = _serve(paged, [make_request("again", _requests("x")[0].prompt_token_ids, max_tokens=2)])
+    assert after_reset["queries"] > 0 and after_reset["hits"] == 0
+
+
+def test_initialize_effective_attention_block_size_on_built_scheduler() -> None:
+    # The exact function vLLM's engine core calls right after building the scheduler.
+    for block_size in (16, 32):
+        results = {}
+        for cls in (Scheduler, PagedKVScheduler):
+            cfg = make_vllm_config(num_blocks=64, block_size=block_size)
+            core = EngineCore.__new__(EngineCore)
+            core.vllm_config = cfg
+            core.scheduler = build_scheduler(cls, cfg)
+            cfg.cache_config.effective_attention_block_size = -1
+            EngineCore._initialize_effective_attention_block_size(core)
+            results[cls] = (
+                cfg.cache_config.effective_attention_block_size,
+                EngineCore.get_kv_cache_group_metadata(core),
+            )
+        assert results[PagedKVScheduler] == results[Scheduler]
+        assert results[PagedKVScheduler][0] == block_size
+
+
+# ---- the coordinator view ------------------------------------------------------------------
+
+
+def _pair(**config: Any) -> tuple[Any, Any]:
+    return (
+        build_scheduler(Scheduler, make_vllm_config(**config)),
+        build_scheduler(PagedKVScheduler, make_vllm_config(**config)),
+    )
+
+
+def test_coordinator_view_matches_vllms_coordinator() -> None:
+    stock, paged = _pair(num_blocks=64, enable_prefix_caching=False)
+    theirs, ours = stock.kv_cache_manager.coordinator, paged.kv_cache_manager.coordinator
+    assert len(ours.single_type_managers) == len(theirs.single_type_managers) == 1
+    (group,), (their_group,) = ours.single_type_managers, theirs.single_type_managers
+    assert group.block_size == their_group.block_size == BS
+    assert group.kv_cache_spec == their_group.kv_cache_spec
+    assert group.kv_cache_spec is paged.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    assert group.kv_cache_group_id == their_group.kv_cache_group_id == 0
+    assert group.enable_caching is False
+    assert ours.enable_partial_hash_hits == theirs.enable_partial_hash_hits is False
+    assert ours.num_reprefillable_tokens == theirs.num_reprefillable_tokens == 0
+    assert ours.kv_cache_config is paged.kv_cache_config
+    assert ours.block_size == BS
+    assert paged.kv_cache_manager.kv_cache_config is paged.kv_cache_config
+    assert paged.kv_cache_manager.max_model_len == stock.kv_cache_manager.max_model_len
+    assert paged.kv_cache_manager.mamba_shared_prefix_checkpoint is False
+    assert stock.kv_cache_manager.mamba_shared_prefix_checkpoint is False
+
+
+def test_coordinator_view_is_read_only() -> None:
+    _, paged = _pair(num_blocks=64)
+    kvm = paged.kv_cache_manager
+    with pytest.raises(AttributeError):
+        kvm.coordinator = None
+    with pytest.raises(AttributeError):
+        kvm.coordinator.block_size = 32
+    with pytest.raises(AttributeError):
+        kvm.coordinator.single_type_managers[0].block_size = 32
+    with pytest.raises(AttributeError):
+        kvm.coordinator.single_type_managers[0].kv_cache_spec = None
+    assert kvm.coordinator.block_size == BS
+
+
+def test_get_num_blocks_to_allocate_matches_vllm_every_step() -> None:
+    # Both coordinators asked as vLLM's scheduler asks (no hit blocks), for every live request
+    # after every step of a stream with chunked prefill, prefix hits and preemption.
+    stock, paged = _pair(num_blocks=25, max_num_batched_tokens=96)
+    drivers = Driver(stock), Driver(paged)
+    system = list(range(2000, 2000 + 2 * BS))
+    for d in drivers:
+        for i in range(6):
+            d.add(make_request(f"q{i}", system + list(range(3000 + 50 * i, 3000 + 50 * i + 9 + i)), max_tokens=40))
+    asked = 0
+    for _ in range(400):
+        if not stock.has_unfinished_requests():
+            break
+        for d in drivers:
+            d.step()
+        for rid, request in stock.requests.items():
+            for extra in (0, 1, BS, 3 * BS + 5):
+                kw = dict(
+                    request_id=rid,
+                    num_tokens=request.num_tokens + extra,
+                    new_computed_blocks=stock.kv_cache_manager.empty_kv_cache_blocks.blocks,
+                    num_encoder_tokens=0,
+                    total_computed_tokens=request.num_computed_tokens,
+                    num_local_computed_tokens=request.num_computed_tokens,
+                    num_tokens_main_model=request.num_tokens + extra,
+                )
+                want = stock.kv_cache_manager.coordinator.get_num_blocks_to_allocate(**kw)
+                kw["new_computed_blocks"] = paged.kv_cache_manager.empty_kv_cache_blocks.blocks
+                assert paged.kv_cache_manager.coordinator.get_num_blocks_to_allocate(**kw) == want, (rid, extra)
+                asked += 1
+    assert not paged.has_unfinished_requests()
+    assert asked > 200
+    assert drivers[0].outputs == drivers[1].outputs
+
+
+def test_get_num_blocks_to_allocate_bad_input() -> None:
+    _, paged = _pair(num_blocks=64)
+    view = paged.kv_cache_manager.coordinator
+    assert view.get_num_blocks_to_allocate("never-seen", 33) == 3
+    with pytest.raises(pagedkv.InvalidArgumentError, match="num_tokens"):
+        view.get_num_blocks_to_allocate("x", -1)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="cross-attention"):
+        view.get_num_blocks_to_allocate("x", 4, num_encoder_tokens=4)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="new_computed_blocks"):
+        view.get_num_blocks_to_allocate("x", 4, new_computed_blocks=([object()],))
+
+
+def test_manager_refuses_a_kv_cache_config_it_does_not_match() -> None:
+    stock, _ = _pair(num_blocks=64)
+    for args in ((32, BS), (64, 32)):
+        with pytest.raises(pagedkv.InvalidConfigError) as err:
+            PagedKVCacheManager(*args, kv_cache_config=stock.kv_cache_config)
+        assert err.value.field in ("kv_cache_config.num_blocks", "kv_cache_spec.block_size")
+    standalone = PagedKVCacheManager(64, BS)
+    assert standalone.coordinator.single_type_managers[0].kv_cache_spec is None
+    assert standalone.coordinator.kv_cache_config is None
+
+
+# ---- every read, listed and answered ------------------------------------------------------
+
+_READ = re.compile(r"kv_cache_manager\)?\.([A-Za-z_]+(?:\.[A-Za-z_]+)?)")
+
+
+def _seam_table() -> dict[str, str]:
+    """``{read path: how it is answered}`` from docs/design.md's "vLLM seam" table."""
+    text = DESIGN.read_text(encoding="utf-8")
+    section = text.split("## vLLM seam", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and cells[0].startswith("`") and cells[0] != "`read`":
+            rows[cells[0].strip("`")] = cells[2]
+    return rows
+
+
+def _installed_reads() -> set[str]:
+    """Every ``kv_cache_manager.X`` / ``kv_cache_manager.X.Y`` in the installed vLLM's source,
+    except the definition module of vLLM's own manager."""
+    root = Path(vllm.__file__).parent
+    found = set()
+    for path in root.rglob("*.py"):
+        if path.name == "kv_cache_manager.py":
+            continue
+        for m in _READ.finditer(path.read_text(encoding="utf-8", errors="replace")):
+            if m.group(1) != "py":
+                found.add(m.group(1))
+    return found
+
+
+def test_docs_list_every_read_in_the_installed_vllm() -> None:
+    table = _seam_table()
+    missing = sorted(_installed_reads() - set(table))
+    assert not missing, f"vLLM {vllm.__version__} reads kv_cache_manager.{missing}, not in docs/design.md"
+
+
+def _resolve(obj: Any, path: str) -> Any:
+    for name in path.split("."):
+        if isinstance(obj, tuple):
+            obj = obj[0]
+        obj = getattr(obj, name)
+    return obj
+
+
+def test_every_answered_read_resolves_on_pagedkv() -> None:
+    _, paged = _pair(num_blocks=64)
+    kvm = paged.kv_cache_manager
+    table = _seam_table()
+    answered = [p for p, how in table.items() if not how.startswith("not reached")]
+    unreached = [p for p, how in table.items() if how.startswith("not reached")]
+    assert len(answered) >= 25 and unreached
+    for path in answered:
+        _resolve(kvm, path)
+    # The paths nothing but a refused feature reaches: KV connector calls raise a typed error,
+    # and vLLM's block pool is not there to be written behind pagedkv's back.
+    for path in unreached:
+        head = path.split(".")[0]
+        if hasattr(kvm, head):
+            with pytest.raises(UnsupportedVllmCallError) as err:
+                getattr(kvm, head)([])
+            assert err.value.feature == "KV connectors" and isinstance(err.value, NotImplementedError)
+        else:
+            assert head == "block_pool", path
+
+
+def test_block_pool_paths_stay_unreached_under_preemption() -> None:
+    # vLLM writes kv_cache_manager.block_pool only when freeing blocks it deferred (a KV
+    # connector with overlapping batches) or copy-on-write retentions (copies pagedkv never
+    # plans): neither queue ever fills.
+    stock, paged = _pair(num_blocks=25, max_num_batched_tokens=256)
+    driver = Driver(paged)
+    for i in range(6):
+        driver.add(make_request(f"p{i}", list(range(100 * i, 100 * i + 40)), max_tokens=40))
+    records = []
+    while paged.has_unfinished_requests():
+        records.append(driver.step())
+        assert not paged.deferred_frees
+        assert paged.kv_cache_manager.take_kv_cache_block_copies() == ([], [])
+    assert any(r["preempted"] for r in records)
+    assert paged.defer_block_free is False and paged.connector is None
+
+
+# ---- supported releases --------------------------------------------------------------------
+
+
+def test_installed_vllm_is_a_supported_release() -> None:
+    assert check_supported_version() in SUPPORTED_VLLM_RELEASES == ("0.32", "0.33")
+
+
+@pytest.mark.parametrize(
+    ("version", "release"),
+    [("0.32.0", "0.32"), ("0.32.0+cpu", "0.32"), ("0.33.2", "0.33"), ("0.33.0rc1", "0.33")],
+)
+def test_supported_versions(version: str, release: str) -> None:
+    assert check_supported_version(version) == release
+
+
+@pytest.mark.parametrize("version", ["0.31.9", "0.34.0", "1.0.0", "0.3.3", "0.330.1", "dev", ""])
+def test_scheduler_refuses_an_unsupported_vllm(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
+    monkeypatch.setattr(vllm, "__version__", version)
+    cfg = make_vllm_config(num_blocks=64)
+    with pytest.raises(UnsupportedVllmVersionError) as err:
+        build_scheduler(PagedKVScheduler, cfg)
+    e = err.value
+    assert isinstance(e, ValueError) and isinstance(e, UnsupportedVllmConfigError)
+    assert isinstance(e, pagedkv.PagedKVError)
+    assert e.value == version and e.supported == ("0.32", "0.33")
+    assert "0.32" in str(e) and "0.33" in str(e) and f"vLLM {version} " in str(e)
+    # The stock scheduler is unaffected by the fake version.
+    build_scheduler(Scheduler, cfg)
