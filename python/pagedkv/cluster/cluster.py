@@ -186,7 +186,7 @@ class ReplicaCluster:
 
     def _no_replica(self, unanswered: int) -> NoLiveReplicaError:
         return NoLiveReplicaError(
-            f"every replica died ({self.dead}); {unanswered} request(s) unanswered",
+            f"no live replica (died: {self.dead or 'none; shut down'}); {unanswered} request(s) unanswered",
             dead=list(self.dead),
             unanswered=unanswered,
         )
@@ -217,7 +217,8 @@ class ReplicaCluster:
 
         Raises:
             pagedkv.InvalidArgumentError: duplicate request ids (a ``ValueError``).
-            NoLiveReplicaError: every replica died (a ``RuntimeError``).
+            NoLiveReplicaError: no replica is left: each died, or after :meth:`shutdown` (a
+                ``RuntimeError``).
         """
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):

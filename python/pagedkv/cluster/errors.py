@@ -8,7 +8,8 @@ class                        also a           raised when
                                               (block size, hash algorithm or seed: another
                                               model or settings), so one index cannot serve
                                               them
-``NoLiveReplicaError``       ``RuntimeError`` every replica died, with requests unanswered
+``NoLiveReplicaError``       ``RuntimeError`` no replica is left (each died, or the cluster
+                                              was shut down) with requests unanswered
 ============================ ================ ===============================================
 """
 
