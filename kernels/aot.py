@@ -105,14 +105,17 @@ def cases(quick: bool = False) -> list[Case]:
 
     ``quick``: the subset ``make test`` compiles -- every attention tile of the table (bf16 for
     both half types, and fp32; one head size per padded BLOCK_D; decode and prefill) without
-    split-KV or window, the half-precision decode tiles also with both on (ptxas allocates each
-    variant differently: one does not stand for another), their merge kernels, one cache write
-    and one block copy.
+    split-KV or window, the same tiles with the sliding window on (a hybrid model's local layers:
+    the window bounds the KV loop, so the variant is its own kernel), the half-precision decode
+    tiles also with both split-KV and window on (ptxas allocates each variant differently: one
+    does not stand for another), their merge kernels, one cache write and one block copy.
     """
     out: list[Case] = []
     if quick:
-        for dt, hs, ph in itertools.product(("bf16", "fp32"), (64, 128, 256), ("decode", "prefill")):
-            out.append(Case("attention", dt, hs, 16, group=3, num_kv_heads=3, phase=ph))
+        for dt, hs, ph, win in itertools.product(
+            ("bf16", "fp32"), (64, 128, 256), ("decode", "prefill"), (False, True)
+        ):
+            out.append(Case("attention", dt, hs, 16, group=3, num_kv_heads=3, phase=ph, window=win))
         for hs in (64, 128, 256):
             out.append(Case("attention", "bf16", hs, 16, group=3, num_kv_heads=3, split=True, window=True))
         out.append(Case("cache_write", "bf16", 128, 16, num_kv_heads=8))

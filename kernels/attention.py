@@ -15,6 +15,11 @@ head-count-bound. KV tiles are ``BLOCK_N`` token positions; each position's page
 up in the block table, so the manager's block size and the kernel tile are independent.
 Page offsets are computed in int64 (scenario S11).
 
+Sliding window (``USE_WINDOW``): a tile's KV loop starts at the window start of its first row,
+so no position before it is read -- neither its block table entry nor its page. A hybrid
+model's sliding-window KV cache group may release those blocks (their entries pointing at the
+null block, their pages reused): each layer passes its own group's block table and window.
+
 Tiles, warps and pipeline depth come from :mod:`.configs` (one table, checked ahead of time
 for every configuration by :mod:`.aot`). Arguments that change from step to step (token
 counts, tiles, splits, window, block-table stride) and the model's group/heads/block size are

@@ -93,6 +93,22 @@ def test_quick_subset_covers_every_attention_tile(quick_report):
             assert (dt, arch, t.block_m, t.block_n, bd, t.num_warps, t.num_stages) in seen
 
 
+def test_quick_subset_compiles_the_sliding_window_variant(quick_report):
+    # A hybrid model's local layers launch the window variant (USE_WINDOW, no split) for decode
+    # and prefill; every tile of the table compiles in it too, beside the full-attention one.
+    _, report, _ = quick_report
+    by_window: dict[bool, set] = {False: set(), True: set()}
+    for r in report["kernels"]:
+        if r["kernel"] == "_paged_attn_kernel" and not r["constexprs"]["SPLIT"]:
+            c = r["constexprs"]
+            by_window[c["USE_WINDOW"]].add((r["dtype"], r["arch"], c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_D"]))
+    assert by_window[True] == by_window[False]
+    for (prec, bd, _phase), t in C.ATTENTION_TILES.items():
+        dt = "fp32" if prec == "fp32" else "bf16"
+        for arch in (80, 90):
+            assert (dt, arch, t.block_m, t.block_n, bd) in by_window[True]
+
+
 def test_launcher_selects_from_the_table():
     # The launch the attention launcher builds carries the table's tile for its shape.
     from kernels import aot
