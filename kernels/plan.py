@@ -74,10 +74,11 @@ class DecodeGroup:
     Attributes:
         rows: query row of each of the ``n`` sequences: a ``slice`` when they are one
             contiguous run (cheaper to read and write), else an int64 ``[n]`` tensor.
-        blocks: int64 ``[n, nb]`` physical blocks of each sequence in position order, padded
-            to the group's longest sequence (``nb`` blocks) with block 0 (masked out).
+        blocks: int64 ``[n, nb]`` physical blocks of each sequence in position order from the
+            one holding its window's first position (its first block without a window),
+            padded to the group's widest gather (``nb`` blocks) with block 0 (masked out).
         mask: additive fp32 ``[n, 1, 1, nb * block_size]`` (see :func:`additive_mask`), 0
-            where the sequence's single query sees the position.
+            where the sequence's single query sees the gathered position.
         hidden: int64 ``[h]`` the gathered positions no query sees, as flat indices into
             ``n * nb * block_size`` (sequence-major): the unused tail of each last block, the
             padding blocks, positions before the window. The reference zeroes their gathered
@@ -392,27 +393,36 @@ def _decode_groups(
 ) -> tuple[DecodeGroup, ...]:
     """Decode sequences cut into groups (``elems_per_pos`` = num_kv_heads * head_size).
 
-    One group in batch order when that is cheapest; else length-sorted groups chosen by
-    :func:`_split_sorted` to minimise padded positions plus
-    :data:`DECODE_GROUP_COST_POSITIONS` per group, each group's padded K gather under
-    :data:`DECODE_GROUP_ELEMS` elements."""
+    Each sequence's gather starts at the block holding its window's first position (block 0
+    without a window), so a sliding-window decode reads ``ceil(W / block_size) + 1`` blocks at
+    most, whatever its length, and never a block before its window (a sliding-window KV cache
+    group may have released those). One group in batch order when that is cheapest; else
+    groups sorted by blocks gathered, chosen by :func:`_split_sorted` to minimise padded
+    positions plus :data:`DECODE_GROUP_COST_POSITIONS` per group, each group's padded K gather
+    under :data:`DECODE_GROUP_ELEMS` elements."""
     if not decode:
         return ()
-    order = sorted(decode, key=lambda b: sls[b])
-    nblocks = [-(-sls[b] // bs) for b in order]
+    # First gathered block and blocks gathered, per sequence (the query sits at len - 1).
+    first = {b: 0 if sliding_window is None else max(0, sls[b] - sliding_window) // bs for b in decode}
+    span = {b: -(-sls[b] // bs) - first[b] for b in decode}
+    order = sorted(decode, key=lambda b: (span[b], sls[b]))
+    nblocks = [span[b] for b in order]
     cuts = _split_sorted(nblocks, bs, max(1, DECODE_GROUP_ELEMS // (bs * elems_per_pos)))
     groups_of = [decode] if len(cuts) == 1 else [order[i:j] for i, j in cuts]  # one group: batch order
     groups = []
     for grp in groups_of:
-        nb = max(-(-sls[b] // bs) for b in grp)
+        nb = max(span[b] for b in grp)
         idx = torch.tensor(grp)
-        pos = torch.arange(nb * bs)
+        start = torch.tensor([first[b] for b in grp]).unsqueeze(1)  # [n, 1] first block
+        cols = start + torch.arange(nb).unsqueeze(0)  # [n, nb] block table columns gathered
+        live_blocks = torch.arange(nb).unsqueeze(0) < torch.tensor([span[b] for b in grp]).unsqueeze(1)
+        table = bt_host[idx].gather(1, cols.clamp(max=bt_host.shape[1] - 1))
+        blocks = torch.where(live_blocks, table, torch.zeros((), dtype=torch.int64))  # pad: block 0
+        pos = start * bs + torch.arange(nb * bs).unsqueeze(0)  # [n, nb * bs] absolute positions
         lens = torch.tensor([sls[b] for b in grp]).unsqueeze(1)
-        live_blocks = torch.arange(nb).unsqueeze(0) < (lens + bs - 1) // bs
-        blocks = torch.where(live_blocks, bt_host[idx, :nb], torch.zeros((), dtype=torch.int64))  # pad: block 0
-        mask = pos.unsqueeze(0) < lens  # the query sits at position len-1: causal == inside
+        mask = pos < lens  # the query sits at position len-1: causal == inside
         if sliding_window is not None:
-            mask &= pos.unsqueeze(0) > lens - 1 - sliding_window
+            mask &= pos > lens - 1 - sliding_window
         row_list = [qsl[b] for b in grp]
         run = row_list == list(range(row_list[0], row_list[0] + len(row_list)))
         groups.append(

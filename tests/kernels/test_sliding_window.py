@@ -147,3 +147,25 @@ def test_each_layer_reads_its_group_block_table(backend):
     if use_plan:
         with pytest.raises(ValueError, match="block_table is not the tensor the plan was built from"):
             kernels.paged_attention(*args, local_table, *meta, softmax_scale=0.3, plan=plans["full"])
+
+
+def test_reference_decode_gathers_only_the_window_blocks():
+    # A sliding-window decode gathers from the block holding its window's first position: at
+    # most ceil(W / block_size) + 1 blocks whatever the sequence's length, none before.
+    window, bs = 16, 8
+    case = make_case([(500, 1), (37, 1), (3, 1), (16, 1)], block_size=bs, num_kv_heads=1, group=2, head_size=16)
+    plan = kernels.plan_paged_attention(
+        case.block_table,
+        case.seq_lens,
+        case.query_start_loc,
+        cache_shape=tuple(case.key_cache.shape),
+        num_q_heads=2,
+        sliding_window=window,
+    )
+    gathered = torch.cat([g.blocks.reshape(-1) for g in plan.decodes])
+    assert max(g.blocks.shape[1] for g in plan.decodes) <= -(-window // bs) + 1
+    for b, sl in enumerate(case.seq_lens.tolist()):
+        before = case.block_table[b, : max(0, sl - window) // bs]
+        assert not torch.isin(before.long(), gathered).any()
+    out = reference.paged_attention(*case.attn_args(), softmax_scale=0.5, plan=plan)
+    _close(out, dense_attention(case, 0.5, window), torch.float32)
