@@ -162,10 +162,17 @@ def test_conversions_of_an_older_format_are_redone_and_pruned(tmp_path: Path, mo
     assert json.loads((new / loader._SOURCE_RECORD).read_text())["format"] == loader.CONVERSION_FORMAT
 
 
+def test_model_folder_of_a_model_folder_is_that_folder(tiny: ModelBundle, tmp_path: Path):
+    assert loader.model_folder(tiny.path) == tiny.path.resolve()
+    with pytest.raises(loader.ModelNotFoundError, match="does not exist"):
+        loader.model_folder(tmp_path / "nothing")
+
+
 @pytest.mark.slow
 def test_the_converted_smollm2_folder_names_its_architecture_and_embedding(smol: ModelBundle):
     """The real conversion of the default model (the folder the vLLM end-to-end suite serves)."""
-    folder = loader._usable_source(loader.resolve_model_path(None), convert_cache=True).folder
+    folder = loader.model_folder()
+    assert folder.parent == loader._cache_root()
     config, weights = _saved(folder)
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is True
     assert "model.embed_tokens.weight" in weights and "lm_head.weight" not in weights

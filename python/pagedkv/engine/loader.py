@@ -46,6 +46,7 @@ __all__ = [
     "ModelSource",
     "default_model_path",
     "resolve_model_path",
+    "model_folder",
     "load_tokenizer",
     "load_hf_model",
 ]
@@ -345,6 +346,18 @@ def _usable_source(src: ModelSource, convert_cache: bool) -> ModelSource:
         _prune_stale_conversions(dest.parent)
         _convert_gguf(src, dest)
     return ModelSource(dest)
+
+
+def model_folder(path: os.PathLike[str] | str | None = None) -> Path:
+    """A model folder (config.json + model.safetensors + tokenizer) that other stacks load as
+    they are, e.g. ``vllm serve "$(python -c '...print(model_folder())')"``: for a GGUF source
+    (``None``: the default SmolLM2-135M-Instruct) the converted cache folder, converted once
+    (about a minute) on the first call; for a model folder, that folder.
+
+    Raises:
+        ModelNotFoundError: see :func:`resolve_model_path`.
+    """
+    return _usable_source(resolve_model_path(path), convert_cache=True).folder
 
 
 def load_tokenizer(path: os.PathLike[str] | str | None = None, *, convert_cache: bool = True) -> Any:
