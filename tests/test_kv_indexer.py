@@ -6,7 +6,9 @@ publishes the worker's events as one numbered batch, and delivery rules hand bat
 indexer in order, reordered (the next two swapped) or dropped. After every step, for every
 worker, the indexer's hash set must equal the worker's resolvable set as of the last batch the
 indexer applied (a subset while a gap awaits its snapshot), and overlaps of probe prompts must
-equal the leading blocks that the manager's own ``lookup_prefix`` would serve.
+equal the leading blocks that the manager's own ``lookup_prefix`` would serve. A restarted
+worker's undelivered batches stay in flight, named with its old incarnation, and are delivered
+late: each must be refused as stale and change nothing.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def lookup_blocks(m: pagedkv.KVCacheManager, prompt: list[int]) -> int:
 
 
 class Worker:
-    def __init__(self) -> None:
+    def __init__(self, incarnation: int) -> None:
+        self.incarnation = incarnation  # the indexer's number for this registration
         self.m = new_manager()
         self.seqs: list[int] = []
         self.next_seq = 0  # next batch number to publish
@@ -67,9 +70,9 @@ class IndexerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.ix = pagedkv.KVIndexer(BLOCK_SIZE, max_pending=MAX_PENDING)
-        self.workers = [Worker() for _ in range(NUM_WORKERS)]
-        for w in range(NUM_WORKERS):
-            self.ix.add_worker(w)
+        self.workers = [Worker(self.ix.add_worker(w)) for w in range(NUM_WORKERS)]
+        # Batches of restarted workers' earlier incarnations, still in flight.
+        self.late: list[tuple[int, int, int, list[object]]] = []
         self.next_sid = 1
 
     # ---- worker operations (each publishes one batch) --------------------------------------
@@ -147,15 +150,18 @@ class IndexerMachine(RuleBasedStateMachine):
 
     @rule(w=st.integers(0, NUM_WORKERS - 1))
     def restart(self, w: int) -> None:
-        """The worker dies and comes back empty: the router drops it and re-registers it."""
-        self.workers[w] = Worker()
+        """The worker dies and comes back empty: the router drops it and re-registers it; its
+        undelivered batches are still in flight."""
+        old = self.workers[w]
+        self.late += [(w, old.incarnation, seq, events) for seq, events in old.outbox]
         assert self.ix.remove_worker(w)
-        self.ix.add_worker(w)
+        self.workers[w] = Worker(self.ix.add_worker(w))
+        assert self.workers[w].incarnation > old.incarnation
 
     # ---- delivery --------------------------------------------------------------------------
 
     def _deliver(self, w: int, seq: int, events: list[object]) -> None:
-        outcome = self.ix.apply(w, seq, events)
+        outcome = self.ix.apply(w, seq, events, incarnation=self.workers[w].incarnation)
         assert outcome in ("applied", "buffered", "duplicate", "gap")
         if outcome == "gap":
             assert self.ix.needs_resync(w)
@@ -182,6 +188,15 @@ class IndexerMachine(RuleBasedStateMachine):
         w = data.draw(st.sampled_from([i for i, wk in enumerate(self.workers) if wk.outbox]))
         self.workers[w].outbox.pop(0)
 
+    @precondition(lambda self: bool(self.late))
+    @rule(data=st.data())
+    def deliver_late(self, data: st.DataObject) -> None:
+        """A batch of a restarted worker's old incarnation arrives after the re-add."""
+        w, inc, seq, events = self.late.pop(data.draw(st.integers(0, len(self.late) - 1)))
+        before = (self.ix.worker_status(w), self.ix.worker_hashes(w))
+        assert self.ix.apply(w, seq, events, incarnation=inc) == "stale"
+        assert (self.ix.worker_status(w), self.ix.worker_hashes(w)) == before
+
     @rule(w=st.integers(0, NUM_WORKERS - 1))
     def resync_if_needed(self, w: int) -> None:
         """What a replica does when the router reports a gap: a snapshot numbered in its stream."""
@@ -190,7 +205,7 @@ class IndexerMachine(RuleBasedStateMachine):
             return
         self._publish(w)  # the snapshot takes the next number; batches before it are stale
         seq, _ = wk.outbox.pop()
-        self.ix.apply_snapshot(w, seq, sorted(wk.truth[seq]))
+        assert self.ix.apply_snapshot(w, seq, sorted(wk.truth[seq]), incarnation=wk.incarnation) == "applied"
         assert not self.ix.needs_resync(w)
 
     # ---- checks ----------------------------------------------------------------------------
@@ -315,6 +330,7 @@ def test_bad_input_raises_typed_errors_and_changes_nothing() -> None:
         ix.block_hashes([1, 2, 3], num_blocks=1)
     assert ix.worker_status(3) == {
         "worker_id": 3,
+        "incarnation": 1,
         "hash_source": "tokens",
         "num_blocks": 0,
         "next_seq": None,
@@ -348,3 +364,56 @@ def test_a_snapshot_of_another_cache_identity_is_refused() -> None:
     assert ix.worker_status(0)["next_seq"] == 1  # type: ignore[index]
     ix.apply_snapshot(0, 1, [b"\x02" * 32], hash_root=ix.hash_root)
     assert ix.worker_hashes(0) == [b"\x02" * 32]
+
+
+def test_a_block_re_announced_by_vllm_full_report_mode_is_held_once() -> None:
+    """vLLM's per-request ``kv_cache_report_mode="full"`` stores a prefix hit's blocks again
+    (one more ``BlockStored``, no ``BlockRemoved`` to match): the worker holds each hash once, so
+    after vLLM evicts the prefix (one ``BlockRemoved`` per block) the index no longer claims it."""
+    toks = list(range(1, 9))
+    for source, hashes in (("tokens", [11, 12]), ("engine", [b"\x0b" * 32, b"\x0c" * 32])):
+        ix = pagedkv.KVIndexer(BLOCK_SIZE)
+        ix.add_worker(9, hash_source=source)
+        stored = ["BlockStored", hashes, None, toks, BLOCK_SIZE, None, "GPU"]
+        assert ix.apply(9, 0, [stored]) == "applied"  # first request computes the prefix
+        assert ix.apply(9, 1, [stored]) == "applied"  # a second request hits it: re-announced
+        assert ix.worker_status(9)["num_blocks"] == 2  # type: ignore[index]
+        held = ix.overlap(toks + [0]) if source == "tokens" else ix.overlap_hashes(hashes)
+        assert held == {9: 2}
+        evict = [["BlockRemoved", [hashes[1]], "GPU"], ["BlockRemoved", [hashes[0]], "GPU"]]
+        assert ix.apply(9, 2, evict) == "applied"
+        assert ix.worker_hashes(9) == [] and ix.num_hashes == 0
+        held = ix.overlap(toks + [0]) if source == "tokens" else ix.overlap_hashes(hashes)
+        assert held == {9: 0}
+
+
+def test_a_re_added_worker_refuses_its_old_incarnations_late_batches() -> None:
+    """A worker removed and re-added under its id: a late batch (and snapshot) of its old
+    incarnation is refused as stale, and the new incarnation's batches 0, 1, ... apply (they
+    were dropped as duplicates of the old incarnation's numbers); no snapshot needed."""
+    toks = list(range(1, 13))
+    ix = pagedkv.KVIndexer(BLOCK_SIZE, max_pending=4)
+    old = ix.add_worker(3, hash_source="tokens")
+    for seq in range(57):
+        assert ix.apply(3, seq, [], incarnation=old) == "applied"
+    assert ix.remove_worker(3)
+    # Late before the re-add: stale, and the removed worker is not registered again.
+    assert ix.apply(3, 57, [["BlockStored", [1], None, toks[:4], BLOCK_SIZE]], incarnation=old) == "stale"
+    assert ix.worker_ids() == []
+    new = ix.add_worker(3, hash_source="tokens")
+    assert new > old and ix.worker_status(3)["incarnation"] == new  # type: ignore[index]
+    old_batch = [["BlockStored", [21, 22], None, toks[4:12], BLOCK_SIZE]]
+    assert ix.apply(3, 58, old_batch, incarnation=old) == "stale"
+    assert ix.apply_snapshot(3, 59, [], incarnation=old) == "stale"
+    assert ix.worker_status(3)["next_seq"] is None and ix.worker_hashes(3) == []  # type: ignore[index]
+    assert ix.apply(3, 0, [["BlockStored", [31, 32], None, toks[:8], BLOCK_SIZE]], incarnation=new) == "applied"
+    assert ix.apply(3, 1, [["BlockStored", [33], 32, toks[8:12], BLOCK_SIZE]], incarnation=new) == "applied"
+    assert ix.overlap(toks + [0]) == {3: 3}
+    assert not ix.needs_resync(3)
+    assert ix.apply(3, 2, [], incarnation=None) == "applied"  # None: the current incarnation
+    # An incarnation never issued to this id: refused, nothing changed.
+    with pytest.raises(pagedkv.InvalidArgumentError, match="incarnation"):
+        ix.apply(3, 3, [], incarnation=new + 1)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="incarnation"):
+        ix.apply(3, 3, [], incarnation=-1)
+    assert ix.worker_status(3)["next_seq"] == 3  # type: ignore[index]

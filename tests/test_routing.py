@@ -5,15 +5,23 @@ from __future__ import annotations
 
 from typing import Any
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 import pagedkv
 from pagedkv.routing import (
     KVAwarePolicy,
     LeastLoadedPolicy,
+    NotAKVEventError,
+    NoWorkerError,
     RoundRobinPolicy,
     Router,
+    RoutingError,
+    UnknownWorkerError,
+    WireFormatError,
     WorkerLoad,
+    load_bound,
     policy_by_name,
     wire,
 )
@@ -37,7 +45,8 @@ def test_kv_aware_cost_by_hand() -> None:
 
 
 def test_kv_aware_imbalance_cap_and_kv_usage() -> None:
-    # Loads 9 / 1 / 2 (mean 4): cap 1.25 * 4 + 1 = 6 excludes worker 0 despite its full overlap.
+    # Loads 9 / 1 / 2: bound 1.25 * (12 + 1) / 3 = 5.42, so only workers that hold at most 5 after
+    # taking the request (loads <= 4) are candidates: worker 0 is out despite its full overlap.
     loads = {0: L(9), 1: L(1), 2: L(2)}
     p = KVAwarePolicy(overlap_weight=10.0, load_weight=0.0, max_imbalance=1.25)
     assert set(p.costs([0, 1, 2], {0: 4}, 4, loads)) == {1, 2}
@@ -65,18 +74,86 @@ def test_baselines() -> None:
 
 
 def test_bad_policy_arguments() -> None:
-    with pytest.raises(ValueError, match="overlap_weight"):
-        KVAwarePolicy(overlap_weight=-1)
-    with pytest.raises(ValueError, match="max_imbalance"):
-        KVAwarePolicy(max_imbalance=0.5)
-    with pytest.raises(ValueError, match="unknown routing policy"):
-        policy_by_name("random")
-    with pytest.raises(ValueError, match="takes no weights"):
-        policy_by_name("round_robin", load_weight=1.0)
-    with pytest.raises(ValueError, match="num_running"):
-        WorkerLoad(num_running=-1)
-    with pytest.raises(ValueError, match="no worker"):
-        LeastLoadedPolicy().choose([], {}, 0, {})
+    """Every bad argument is a pagedkv error that is also the builtin ValueError."""
+    cases: list[tuple[Any, type[pagedkv.PagedKVError], str]] = [
+        (lambda: KVAwarePolicy(overlap_weight=-1), pagedkv.InvalidConfigError, "overlap_weight"),
+        (lambda: KVAwarePolicy(load_weight=True), pagedkv.InvalidConfigError, "load_weight"),
+        (lambda: KVAwarePolicy(max_imbalance=0.5), pagedkv.InvalidConfigError, "max_imbalance"),
+        (lambda: policy_by_name("random"), pagedkv.InvalidArgumentError, "unknown routing policy"),
+        (lambda: policy_by_name("round_robin", load_weight=1.0), pagedkv.InvalidArgumentError, "takes no weights"),
+        (lambda: policy_by_name("kv_aware", load_wieght=1.0), pagedkv.InvalidArgumentError, "no weights"),
+        (lambda: WorkerLoad(num_running=-1), pagedkv.InvalidArgumentError, "num_running"),
+        (lambda: LeastLoadedPolicy().choose([], {}, 0, {}), pagedkv.InvalidArgumentError, "no worker"),
+        (lambda: KVAwarePolicy().choose([], {}, 0, {}), pagedkv.InvalidArgumentError, "no worker"),
+    ]
+    for call, cls, match in cases:
+        with pytest.raises(cls, match=match) as info:
+            call()
+        assert isinstance(info.value, ValueError)
+
+
+def test_routing_errors_are_pagedkv_errors_and_the_builtins() -> None:
+    router = Router(pagedkv.KVIndexer(4))
+    with pytest.raises(UnknownWorkerError, match="unknown worker 5") as unknown:
+        router.report_load(5, WorkerLoad())
+    assert isinstance(unknown.value, KeyError) and unknown.value.worker_id == 5
+    with pytest.raises(UnknownWorkerError):
+        router.load(5)
+    with pytest.raises(NoWorkerError, match="no live worker") as none:
+        router.route([1, 2, 3])
+    assert isinstance(none.value, RuntimeError)
+    router.add_worker(0)
+    router.route([1] * 9, request_id="a")
+    with pytest.raises(pagedkv.InvalidArgumentError, match="already routed"):
+        router.route([1] * 9, request_id="a")
+    with pytest.raises(WireFormatError) as bad_payload:
+        wire.decode_event_batch(b"\xc1")
+    assert isinstance(bad_payload.value, ValueError)
+    with pytest.raises(NotAKVEventError) as not_event:
+        wire.events_to_wire([object()])  # type: ignore[list-item]
+    assert isinstance(not_event.value, TypeError)
+    for cls in (UnknownWorkerError, NoWorkerError, WireFormatError, NotAKVEventError):
+        assert issubclass(cls, RoutingError) and issubclass(cls, pagedkv.PagedKVError)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    loads=st.lists(st.integers(0, 40), min_size=1, max_size=17),
+    holder=st.integers(0, 16),
+    imbalance=st.sampled_from([1.0, 1.1, 1.25, 1.5, 2.0]),
+)
+def test_the_chosen_worker_never_passes_the_load_bound(loads: list[int], holder: int, imbalance: float) -> None:
+    """Bounded loads: whatever the overlaps (here one worker holds the whole prompt), the chosen
+    worker holds at most floor(max(c * (Q + 1) / n, min q + 1)) requests after admission."""
+    workers = list(range(len(loads)))
+    overlaps = {holder % len(loads): 8}
+    p = KVAwarePolicy(overlap_weight=100.0, max_imbalance=imbalance)
+    w = p.choose(workers, overlaps, 8, {i: L(q) for i, q in enumerate(loads)})
+    n, total = len(loads), sum(loads)
+    bound = max(imbalance * (total + 1) / n, min(loads) + 1)
+    assert load_bound(loads, imbalance) == pytest.approx(bound)
+    assert loads[w] + 1 <= bound + 1e-9
+    assert loads[w] + 1 <= max(imbalance * (total + 1) / n, min(loads) + 1) + 1e-9
+
+
+def test_the_load_bound_has_no_additive_slack() -> None:
+    """80 requests all cached on worker 0 of 8 (no departures): worker 0 fills to 1.25 x the mean
+    and no further (12 at mean 10; the earlier bound, q <= 1.25 * mean + 1, let it reach 13), and
+    the others take the rest least-loaded first."""
+    loads = [0] * 8
+    p = KVAwarePolicy(overlap_weight=100.0, load_weight=0.0, prefill_weight=0.0)
+    for _ in range(80):
+        w = p.choose(list(range(8)), {0: 8}, 8, {i: L(q) for i, q in enumerate(loads)})
+        loads[w] += 1
+        mean = sum(loads) / 8
+        assert max(loads) <= max(1.25 * mean, min(loads) + 1) + 1e-9
+    assert loads[0] == 12 and sum(loads) == 80 and max(loads[1:]) - min(loads[1:]) <= 1
+    # At a low mean the least loaded worker may always take one: 8 requests, 8 idle workers.
+    loads = [0] * 8
+    for _ in range(8):
+        w = p.choose(list(range(8)), {0: 8}, 8, {i: L(q) for i, q in enumerate(loads)})
+        loads[w] += 1
+    assert loads == [1] * 8
 
 
 def _engine_like(block_size: int = 4) -> pagedkv.KVCacheManager:
@@ -101,7 +178,7 @@ def test_router_follows_the_prefix_then_the_load() -> None:
     assert router.remove_worker(1)
     assert router.workers == [0]
     assert router.route(shared + [7]).overlap_blocks == 0
-    assert router.apply_events(1, 1, []) == "duplicate"  # a dead worker's late batch
+    assert router.apply_events(1, 1, []) == "stale"  # a dead worker's late batch
     with pytest.raises(RuntimeError, match="no live worker"):
         router.route(shared, exclude=[0])
     with pytest.raises(KeyError):
@@ -317,6 +394,7 @@ def test_vllm_extra_keys_that_disagree_with_the_event_are_never_matched() -> Non
             ix.apply(9, 0, [["BlockStored", [1], None, toks[:4], 4], stored(lora_name, extra_keys)])
         assert ix.worker_status(9) == {
             "worker_id": 9,
+            "incarnation": 1,
             "hash_source": "tokens",
             "num_blocks": 0,
             "next_seq": None,
@@ -476,3 +554,28 @@ def test_readme_routing_example_runs_and_prints_what_it_says() -> None:
     res = subprocess.run([sys.executable, "-c", code.group(1)], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "RoutingDecision(worker=0, overlap_blocks=6, num_blocks=6)"
+
+
+def test_router_refuses_a_re_added_workers_old_incarnation() -> None:
+    """A replica restarted under its id: its old incarnation's late batch is stale; the new
+    incarnation's batches from 0 apply."""
+    router = Router(pagedkv.KVIndexer(4))
+    old = router.add_worker(0)
+    m = _engine_like()
+    m.add_sequence(1, list(range(13)))
+    m.allocate_slots(1, 13)
+    assert router.apply_events(0, 0, m.take_events(), incarnation=old) == "applied"
+    router.remove_worker(0)
+    new = router.add_worker(0)
+    assert new > old
+    m.free(1)
+    m.add_sequence(2, list(range(100, 113)))
+    m.allocate_slots(2, 13)
+    late = m.take_events()
+    assert router.apply_events(0, 1, late, incarnation=old) == "stale"
+    fresh = _engine_like()
+    fresh.add_sequence(1, list(range(50, 63)))
+    fresh.allocate_slots(1, 13)
+    assert router.apply_events(0, 0, fresh.take_events(), incarnation=new) == "applied"
+    assert router.route(list(range(50, 63))).overlap_blocks == 3
+    assert router.route(list(range(100, 113))).overlap_blocks == 0

@@ -14,13 +14,29 @@ unknown)::
            + kv_weight      * u_w                         # memory pressure (eviction, preemption)
            + prefill_weight * p_w / (mean_v p_v + 1)      # prefill tokens queued ahead, relative
 
-and picks ``argmin cost_w`` among the workers whose load ``q_w`` is at most
-``max_imbalance * mean_v q_v + 1`` (all workers when ``max_imbalance`` is None). Ties go to the
-fewer requests, then the lower worker id. The defaults (``overlap_weight = 3``,
-``load_weight = 1``, ``prefill_weight = 0.5``, ``kv_weight = 0``, ``max_imbalance = 1.25``) are
-the best of a small sweep in ``benchmarks/cluster_sim.py`` (Mooncake trace): a worker holding
-the whole prompt wins over an empty-cache one until it runs about three mean loads more requests,
-and queued prefill tokens keep long prompts from piling up behind each other (p99 TTFT).
+and picks ``argmin cost_w`` among the workers that may take one more request under the load
+bound (all workers when ``max_imbalance`` is None). Ties go to the fewer requests, then the lower
+worker id.
+
+Load bound (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam, SODA
+2018, applied to requests in flight): with ``Q`` requests on the ``n`` candidate workers and the
+new one, the mean after admission is ``(Q + 1) / n``; worker ``w`` may take the request when
+
+    q_w + 1 <= max(max_imbalance * (Q + 1) / n,  min_v q_v + 1)
+
+so no worker is pushed past ``max_imbalance`` times the mean, except the least loaded one when
+even it would be (at a low mean, where one request is a large share of it). The bound has no
+additive slack: the earlier ``q_w <= max_imbalance * mean + 1`` let a worker take about
+``1.35 x`` the mean at 10 requests in flight per worker. At every admission the chosen worker's
+load afterwards is at most ``max(max_imbalance * (Q + 1) / n, min_v q_v + 1)``.
+
+The defaults (``overlap_weight = 3``, ``load_weight = 1``, ``prefill_weight = 0.5``,
+``kv_weight = 0``, ``max_imbalance = DEFAULT_MAX_IMBALANCE``) were tuned in
+``benchmarks/routing_balance.py`` on the Mooncake trace and checked there on two held-out
+workloads (a multi-tenant chat and the Azure conversation trace with application prompts), at 8
+and 16 replicas and a low and a high load: a worker holding the whole prompt wins over an
+empty-cache one until it runs about three mean loads more requests (or hits the load bound), and
+queued prefill tokens keep long prompts from piling up behind each other (p99 TTFT).
 Peers: NVIDIA Dynamo's KV router (prefill blocks + active blocks, weighted), SGLang's
 cache-aware router (prefix match unless the load imbalance passes a threshold), llm-d's
 prefix-cache + load scorers.
@@ -36,14 +52,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from pagedkv.errors import InvalidArgumentError, InvalidConfigError
+
 __all__ = [
+    "DEFAULT_MAX_IMBALANCE",
     "KVAwarePolicy",
     "LeastLoadedPolicy",
     "RoundRobinPolicy",
     "RoutingPolicy",
     "WorkerLoad",
+    "load_bound",
     "policy_by_name",
 ]
+
+#: Default ``KVAwarePolicy.max_imbalance`` (see the module docs for how it was chosen).
+DEFAULT_MAX_IMBALANCE = 1.25
 
 
 @dataclass(frozen=True)
@@ -68,7 +91,12 @@ class WorkerLoad:
         for name in ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "num_prefill_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"WorkerLoad.{name} must be an int >= 0, got {v!r}")
+                raise InvalidArgumentError(
+                    f"WorkerLoad.{name} must be an int >= 0, got {v!r}",
+                    arg=f"WorkerLoad.{name}",
+                    value=repr(v),
+                    reason="must be an int >= 0",
+                )
 
     @property
     def num_requests(self) -> int:
@@ -103,7 +131,25 @@ class RoutingPolicy(Protocol):
 
 def _check_workers(workers: Sequence[int]) -> None:
     if len(workers) == 0:
-        raise ValueError("no worker to route to")
+        raise InvalidArgumentError(
+            "no worker to route to: workers is empty", arg="workers", value="[]", reason="needs at least one worker"
+        )
+
+
+def load_bound(loads: Sequence[int], max_imbalance: float) -> float:
+    """The most requests a worker may hold after taking one more, under the bounded-load rule
+    of the module docs: ``max(max_imbalance * (sum(loads) + 1) / len(loads), min(loads) + 1)``.
+
+    Args:
+        loads: requests (running + waiting) on each candidate worker, before admission
+            (non-empty, each >= 0).
+        max_imbalance: the bound on max / mean after admission (>= 1).
+
+    Returns:
+        A float: worker ``w`` may take the request iff ``loads[w] + 1 <= load_bound(...)``. The
+        least loaded worker always may.
+    """
+    return max(max_imbalance * (sum(loads) + 1) / len(loads), min(loads) + 1)
 
 
 _IDLE = WorkerLoad()
@@ -118,28 +164,39 @@ class KVAwarePolicy:
         load_weight: weight of the relative request load (>= 0).
         kv_weight: weight of the KV usage fraction (>= 0).
         prefill_weight: weight of the relative queued prefill tokens (>= 0).
-        max_imbalance: workers with more than ``max_imbalance * mean + 1`` requests are not
-            candidates (>= 1, or None for no cap).
+        max_imbalance: bound on a worker's load after admission relative to the mean (>= 1, or
+            None for no bound): only workers with ``q_w + 1 <= load_bound(q, max_imbalance)``
+            are candidates (see the module docs).
 
     Raises:
-        ValueError: a negative or non-finite weight, or ``max_imbalance < 1``.
+        pagedkv.InvalidConfigError: a negative or non-finite weight, or ``max_imbalance < 1``.
     """
 
     overlap_weight: float = 3.0
     load_weight: float = 1.0
     kv_weight: float = 0.0
-    max_imbalance: float | None = 1.25
+    max_imbalance: float | None = DEFAULT_MAX_IMBALANCE
     prefill_weight: float = 0.5
     name: str = "kv_aware"
 
     def __post_init__(self) -> None:
-        for field in ("overlap_weight", "load_weight", "kv_weight", "prefill_weight"):
-            v = getattr(self, field)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"KVAwarePolicy.{field} must be a finite number >= 0, got {v!r}")
+        for name in ("overlap_weight", "load_weight", "kv_weight", "prefill_weight"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise InvalidConfigError(
+                    f"KVAwarePolicy.{name} must be a finite number >= 0, got {v!r}",
+                    field=f"KVAwarePolicy.{name}",
+                    value=repr(v),
+                    reason="must be a finite number >= 0",
+                )
         m = self.max_imbalance
-        if m is not None and not (isinstance(m, (int, float)) and math.isfinite(m) and m >= 1):
-            raise ValueError(f"KVAwarePolicy.max_imbalance must be >= 1 or None, got {m!r}")
+        if m is not None and (isinstance(m, bool) or not (isinstance(m, (int, float)) and math.isfinite(m) and m >= 1)):
+            raise InvalidConfigError(
+                f"KVAwarePolicy.max_imbalance must be a finite number >= 1 or None, got {m!r}",
+                field="KVAwarePolicy.max_imbalance",
+                value=repr(m),
+                reason="must be a finite number >= 1 or None",
+            )
 
     def costs(
         self,
@@ -148,14 +205,33 @@ class KVAwarePolicy:
         num_blocks: int,
         loads: Mapping[int, WorkerLoad],
     ) -> dict[int, float]:
-        """``{worker: cost}`` for the candidate workers (after the ``max_imbalance`` cap)."""
+        """``{worker: cost}`` for the candidate workers: those whose load after taking the
+        request is at most ``floor(load_bound(...))`` (loads are whole requests). Raises
+        ``pagedkv.InvalidArgumentError`` for an empty ``workers``."""
         _check_workers(workers)
+        return self._costs(workers, overlaps, num_blocks, loads, self._limit(workers, loads)[0])
+
+    def _limit(self, workers: Sequence[int], loads: Mapping[int, WorkerLoad]) -> tuple[int | None, float]:
+        """``(floor(bound), bound - floor(bound))``: the most requests a worker may hold after
+        admission, and the fractional part of the bound; ``(None, 0)`` without a bound."""
+        if self.max_imbalance is None:
+            return None, 0.0
+        bound = load_bound([loads.get(w, _IDLE).num_requests for w in workers], self.max_imbalance)
+        # Relative slack: c * (Q + 1) / n is rarely exact in binary (1.25 * 8 / 8 is).
+        whole = math.floor(bound * (1 + 1e-12))
+        return whole, max(0.0, bound - whole)
+
+    def _costs(
+        self,
+        workers: Sequence[int],
+        overlaps: Mapping[int, int],
+        num_blocks: int,
+        loads: Mapping[int, WorkerLoad],
+        limit: int | None,
+    ) -> dict[int, float]:
         q = {w: loads.get(w, _IDLE).num_requests for w in workers}
         mean = sum(q.values()) / len(workers)
-        cand = list(workers)
-        if self.max_imbalance is not None:
-            cap = self.max_imbalance * mean + 1
-            cand = [w for w in workers if q[w] <= cap] or list(workers)
+        cand = [w for w in workers if limit is None or q[w] + 1 <= limit]
         n = max(num_blocks, 1)
         p = {w: loads.get(w, _IDLE).num_prefill_tokens for w in workers}
         mean_p = sum(p.values()) / len(workers)
@@ -174,7 +250,9 @@ class KVAwarePolicy:
         num_blocks: int,
         loads: Mapping[int, WorkerLoad],
     ) -> int:
-        """The candidate of least cost (ties: fewer requests, then lower id)."""
+        """The candidate of least cost (ties: fewer requests, then lower id) among those the
+        load bound admits (see :meth:`costs`). Raises ``pagedkv.InvalidArgumentError`` for an
+        empty ``workers``."""
         costs = self.costs(workers, overlaps, num_blocks, loads)
         return min(costs, key=lambda w: (costs[w], loads.get(w, _IDLE).num_requests, w))
 
@@ -224,13 +302,32 @@ class LeastLoadedPolicy:
 
 def policy_by_name(name: str, **weights: float | None) -> RoutingPolicy:
     """``"kv_aware"`` (``weights`` passed to :class:`KVAwarePolicy`), ``"round_robin"`` or
-    ``"least_loaded"``. Raises ValueError for another name, or weights for a baseline."""
+    ``"least_loaded"``. Raises ``pagedkv.InvalidArgumentError`` for another name, weights for a
+    baseline or a weight :class:`KVAwarePolicy` does not have (``pagedkv.InvalidConfigError``
+    for a bad weight value)."""
     if name == "kv_aware":
+        known = {"overlap_weight", "load_weight", "kv_weight", "max_imbalance", "prefill_weight"}
+        unknown = sorted(set(weights) - known)
+        if unknown:
+            raise InvalidArgumentError(
+                f"KVAwarePolicy has no weights {unknown} (it has {sorted(known)})",
+                arg="weights",
+                value=repr(unknown),
+                reason=f"expected some of {sorted(known)}",
+            )
         return KVAwarePolicy(**weights)  # type: ignore[arg-type]
+    if name not in ("round_robin", "least_loaded"):
+        raise InvalidArgumentError(
+            f"unknown routing policy {name!r}: expected kv_aware, round_robin or least_loaded",
+            arg="name",
+            value=repr(name),
+            reason="expected kv_aware, round_robin or least_loaded",
+        )
     if weights:
-        raise ValueError(f"policy {name!r} takes no weights, got {sorted(weights)}")
-    if name == "round_robin":
-        return RoundRobinPolicy()
-    if name == "least_loaded":
-        return LeastLoadedPolicy()
-    raise ValueError(f"unknown routing policy {name!r}: expected kv_aware, round_robin or least_loaded")
+        raise InvalidArgumentError(
+            f"policy {name!r} takes no weights, got {sorted(weights)}",
+            arg="weights",
+            value=repr(sorted(weights)),
+            reason=f"{name} takes no weights",
+        )
+    return RoundRobinPolicy() if name == "round_robin" else LeastLoadedPolicy()

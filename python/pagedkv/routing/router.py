@@ -9,6 +9,8 @@ from typing import Any
 
 from pagedkv import KVIndexer
 from pagedkv.block_identity import HashScheme, SequenceSpec
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.routing.errors import NoWorkerError, UnknownWorkerError
 from pagedkv.routing.policy import KVAwarePolicy, RoutingPolicy, WorkerLoad
 
 __all__ = ["Router", "RoutingDecision"]
@@ -56,13 +58,15 @@ class Router:
         """Live workers, sorted."""
         return sorted(self._loads)
 
-    def add_worker(self, worker_id: int, *, hash_source: str = "engine") -> None:
-        """Registers a worker (idle, empty cache). Raises ``InvalidArgumentError`` if known."""
-        self.indexer.add_worker(worker_id, hash_source=hash_source)
+    def add_worker(self, worker_id: int, *, hash_source: str = "engine") -> int:
+        """Registers a worker (idle, empty cache); returns the registration's incarnation number
+        (see :meth:`apply_events`). Raises ``InvalidArgumentError`` if known."""
+        incarnation = self.indexer.add_worker(worker_id, hash_source=hash_source)
         self._predicted.remove_worker(worker_id)
         self._predicted.add_worker(worker_id)
         self._predicted_seq[worker_id] = 0
         self._loads[worker_id] = WorkerLoad()
+        return incarnation
 
     def remove_worker(self, worker_id: int) -> bool:
         """Drops a dead worker: no more routing to it, its index entries cleared."""
@@ -90,23 +94,39 @@ class Router:
         return True
 
     def report_load(self, worker_id: int, load: WorkerLoad) -> None:
-        """The worker's current load. Raises KeyError for an unknown worker."""
-        if worker_id not in self._loads:
-            raise KeyError(f"unknown worker {worker_id}")
+        """The worker's current load. Raises :class:`~pagedkv.routing.errors.UnknownWorkerError`
+        (a ``KeyError``) for an unknown worker."""
+        self._check_known(worker_id)
         self._loads[worker_id] = load
 
     def load(self, worker_id: int) -> WorkerLoad:
-        """Last known load of a worker (KeyError if unknown)."""
+        """Last known load of a worker. Raises
+        :class:`~pagedkv.routing.errors.UnknownWorkerError` (a ``KeyError``) if unknown."""
+        self._check_known(worker_id)
         return self._loads[worker_id]
 
-    def apply_events(self, worker_id: int, seq: int, events: Iterable[Any], *, hash_root: bytes | None = None) -> str:
+    def _check_known(self, worker_id: int) -> None:
+        if worker_id not in self._loads:
+            raise UnknownWorkerError(f"unknown worker {worker_id} (never added, or removed)", worker_id=worker_id)
+
+    def apply_events(
+        self,
+        worker_id: int,
+        seq: int,
+        events: Iterable[Any],
+        *,
+        hash_root: bytes | None = None,
+        incarnation: int | None = None,
+    ) -> str:
         """Applies one numbered event batch of a live worker (see ``KVIndexer.apply``;
-        ``hash_root`` is a wire batch's root, :attr:`pagedkv.routing.wire.EventBatch.hash_root`);
-        a batch of a removed worker is ignored (``"duplicate"``). Raises
+        ``hash_root`` is a wire batch's root, :attr:`pagedkv.routing.wire.EventBatch.hash_root`;
+        ``incarnation`` the number :meth:`add_worker` returned for the registration the batch
+        came from, None: the current one). A batch of a removed worker, or of an earlier
+        incarnation of a re-added one, is ignored (``"stale"``). Raises
         ``InvalidArgumentError`` for a batch of another cache identity (nothing applied)."""
         if worker_id not in self._loads:
-            return "duplicate"
-        return self.indexer.apply(worker_id, seq, events, hash_root=hash_root)
+            return "stale"
+        return self.indexer.apply(worker_id, seq, events, hash_root=hash_root, incarnation=incarnation)
 
     def route(
         self,
@@ -121,14 +141,20 @@ class Router:
         for a pagedkv engine ``LLMEngine.prompt_spec``, which carries the cache salt and the
         engine's own keys such as a length-dependent RoPE's), among the live workers not in
         ``exclude``; with a ``request_id`` its blocks count as predicted on that worker until
-        :meth:`finished`. Raises RuntimeError when no worker is left, ValueError for a
-        ``request_id`` already in flight."""
+        :meth:`finished`. Raises :class:`~pagedkv.routing.errors.NoWorkerError` (a
+        ``RuntimeError``) when no worker is left, ``InvalidArgumentError`` (a ``ValueError``) for
+        a ``request_id`` already in flight."""
         skip = set(exclude)
         workers = [w for w in sorted(self._loads) if w not in skip]
         if not workers:
-            raise RuntimeError("no live worker to route to")
+            raise NoWorkerError(f"no live worker to route to (live: {sorted(self._loads)}, excluded: {sorted(skip)})")
         if request_id is not None and request_id in self._inflight:
-            raise ValueError(f"request {request_id!r} is already routed (call finished first)")
+            raise InvalidArgumentError(
+                f"request {request_id!r} is already routed (call finished first)",
+                arg="request_id",
+                value=repr(request_id),
+                reason="already routed and not finished",
+            )
         num_blocks = max(len(token_ids) - 1, 0) // self.indexer.block_size
         keys = (spec if spec is not None else SequenceSpec()).keywords()
         hashes = self.indexer.block_hashes(token_ids, num_blocks=num_blocks, **keys)

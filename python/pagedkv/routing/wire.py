@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedkv._optional import optional_imports
+from pagedkv.routing.errors import NotAKVEventError, WireFormatError
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, KVIndexer
@@ -62,10 +63,6 @@ __all__ = [
     "encode_event_batch",
     "events_to_wire",
 ]
-
-
-class WireFormatError(ValueError):
-    """A payload or frame list that is not a KV event batch."""
 
 
 @dataclass(frozen=True)
@@ -90,7 +87,8 @@ def events_to_wire(
     events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
 ) -> list[list[Any]]:
     """pagedkv event objects as wire events (hashes as 32-byte bytes, ``lora_id`` and
-    ``medium`` None). Raises TypeError for anything else."""
+    ``medium`` None). Raises :class:`~pagedkv.routing.errors.NotAKVEventError` (a
+    ``TypeError``) for anything else."""
     from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: PLC0415
 
     out: list[list[Any]] = []
@@ -112,7 +110,7 @@ def events_to_wire(
         elif isinstance(ev, AllBlocksCleared):
             out.append(["AllBlocksCleared"])
         else:
-            raise TypeError(f"not a pagedkv KV event: {ev!r}")
+            raise NotAKVEventError(f"not a pagedkv KV event: {ev!r}"[:200])
     return out
 
 
@@ -127,7 +125,8 @@ def encode_event_batch(
     docs; absent when no event names one).
 
     Raises:
-        TypeError: an item that is not a pagedkv event.
+        pagedkv.routing.errors.NotAKVEventError: an item that is not a pagedkv event (a
+            ``TypeError``).
         pagedkv.InvalidArgumentError: ``BlockStored`` events with different hash roots (events
             of two managers in one batch).
     """
@@ -236,11 +235,13 @@ def decode_zmq_frames(frames: Sequence[bytes]) -> tuple[int, EventBatch]:
     return int.from_bytes(seq_b, "big"), decode_event_batch(payload)
 
 
-def apply_payload(indexer: KVIndexer, worker_id: int, seq: int, payload: bytes) -> str:
-    """Decodes ``payload`` and applies it as batch ``seq`` of ``worker_id``; returns
-    :meth:`KVIndexer.apply`'s outcome (``"applied"``, ``"buffered"``, ``"duplicate"``,
-    ``"gap"``). Raises :class:`WireFormatError` for a malformed payload and
-    ``pagedkv.InvalidArgumentError`` for a batch the indexer refuses (a hash root other than
-    its own: another cache identity)."""
+def apply_payload(
+    indexer: KVIndexer, worker_id: int, seq: int, payload: bytes, *, incarnation: int | None = None
+) -> str:
+    """Decodes ``payload`` and applies it as batch ``seq`` of ``worker_id``'s registration
+    ``incarnation`` (None: the current one); returns :meth:`KVIndexer.apply`'s outcome
+    (``"applied"``, ``"buffered"``, ``"duplicate"``, ``"gap"``, ``"stale"``). Raises
+    :class:`WireFormatError` for a malformed payload and ``pagedkv.InvalidArgumentError`` for a
+    batch the indexer refuses (a hash root other than its own: another cache identity)."""
     batch = decode_event_batch(payload)
-    return indexer.apply(worker_id, seq, batch.events, hash_root=batch.hash_root)
+    return indexer.apply(worker_id, seq, batch.events, hash_root=batch.hash_root, incarnation=incarnation)

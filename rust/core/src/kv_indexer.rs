@@ -14,11 +14,13 @@
 //!
 //! Event contract. pagedkv managers emit set semantics per cache: `BlockStored` when a hash
 //! becomes resolvable (once while it stays resolvable), `BlockRemoved` when it stops being
-//! resolvable, `AllBlocksCleared` on a reset. Engines that store one hash in two physical blocks
-//! (vLLM can) emit one `BlockStored` per block and one `BlockRemoved` per eviction; the indexer
-//! therefore counts, per worker and hash, stores minus removals and holds the hash while the
-//! count is positive. Under set semantics the count is 0 or 1, so both kinds of stream give the
-//! exact resolvable set.
+//! resolvable, `AllBlocksCleared` on a reset. The indexer keeps the same set semantics per
+//! worker: a worker holds a hash or not. A `BlockStored` of a hash the worker holds already
+//! changes nothing: vLLM's per-request `kv_cache_report_mode="full"` (vLLM PR #45261)
+//! re-announces the prefix-cache hits of a request that way, with no `BlockRemoved` to match,
+//! so counting stores would keep a hash after vLLM evicted it. A `BlockRemoved` drops the hash.
+//! An engine that caches one hash in two physical blocks (vLLM can) and evicts one of them is
+//! then under-reported until it stores the hash again: a missed hit, never a stale entry.
 //!
 //! Sequence numbers. A batch with the expected number is applied; an older one is a duplicate
 //! and ignored; a newer one waits in a per-worker reorder buffer of at most `max_pending`
@@ -29,6 +31,14 @@
 //! its cache arrives ([`KvIndexer::apply_snapshot`]). The index of a worker is therefore always
 //! a subset of that worker's cache as of its last applied batch, and equal to it while no batch
 //! has been lost since the last snapshot (or since `seq` 0).
+//!
+//! Incarnations. Every registration of a worker id ([`KvIndexer::add_worker`], or a first batch
+//! of an unknown id) gets a new [`Incarnation`] number, increasing over the indexer's life, and
+//! starts a new sequence (its first batch may be `seq` 0 again). A worker removed and re-added
+//! under the same id (a restarted replica) can still have batches of its old incarnation in
+//! flight; a caller that names the incarnation a batch came from
+//! ([`KvIndexer::apply_batch`]'s `incarnation`) has the old ones refused as
+//! [`BatchOutcome::Stale`], so they neither enter the index nor move the new sequence on.
 //!
 //! Identity. Hashes of engines with different cache identities (chain seeds) never coincide,
 //! so they never merge here; and a pagedkv engine's `BlockStored` names its hash root, which
@@ -54,17 +64,23 @@
 //! O(blocks of the request × ⌈workers / 64⌉) plus O(workers) for the answer, independent of how
 //! many blocks the workers hold.
 
+pub mod vllm_event;
+
 use crate::error::{Error, Result};
 use crate::events::KvEvent;
 use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
 use crate::manager::SequenceSpec;
-use foldhash::HashMap;
+use foldhash::{HashMap, HashSet};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Caller-chosen worker (engine replica) id.
 pub type WorkerId = u64;
+
+/// Number of one registration of a worker id (see the module docs): unique over the indexer's
+/// life and increasing, so a later registration of an id has a larger one.
+pub type Incarnation = u64;
 
 /// Where a worker's hashes come from (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -109,16 +125,20 @@ pub enum BatchOutcome {
     /// Batches were lost: the worker's entries were cleared, the buffered batches applied, and
     /// the worker needs a resync.
     Gap,
+    /// A batch of an incarnation of the worker that is no longer registered (the worker was
+    /// removed, and maybe re-added since): ignored.
+    Stale,
 }
 
 impl BatchOutcome {
-    /// `"applied"`, `"buffered"`, `"duplicate"` or `"gap"`.
+    /// `"applied"`, `"buffered"`, `"duplicate"`, `"gap"` or `"stale"`.
     pub fn name(self) -> &'static str {
         match self {
             BatchOutcome::Applied => "applied",
             BatchOutcome::Buffered => "buffered",
             BatchOutcome::Duplicate => "duplicate",
             BatchOutcome::Gap => "gap",
+            BatchOutcome::Stale => "stale",
         }
     }
 }
@@ -198,11 +218,12 @@ struct LocalBlock {
 #[derive(Debug)]
 struct Worker {
     id: WorkerId,
+    incarnation: Incarnation,
     source: HashSource,
     /// Sequence number of the next batch to apply; `None` before the first batch.
     next_seq: Option<u64>,
-    /// Indexer-side hash → stores minus removals (> 0).
-    blocks: HashMap<BlockHash, u32>,
+    /// Indexer-side hashes held.
+    blocks: HashSet<BlockHash>,
     /// `HashSource::Tokens` only: engine hash → indexer hash and the chain's cache salt.
     engine_to_local: HashMap<BlockHash, LocalBlock>,
     pending: BTreeMap<u64, Vec<KvEvent>>,
@@ -215,6 +236,8 @@ struct Worker {
 pub struct WorkerStatus {
     /// The worker's id.
     pub id: WorkerId,
+    /// Its current registration.
+    pub incarnation: Incarnation,
     /// Where its hashes come from.
     pub source: HashSource,
     /// Distinct block hashes held.
@@ -239,6 +262,7 @@ pub struct KvIndexer {
     holders: HashMap<BlockHash, SlotSet>,
     slots: Vec<Option<Worker>>,
     slot_of: HashMap<WorkerId, usize>,
+    next_incarnation: Incarnation,
 }
 
 fn bad(arg: &'static str, value: impl ToString, reason: impl Into<String>) -> Error {
@@ -264,6 +288,7 @@ impl KvIndexer {
             holders: HashMap::default(),
             slots: Vec::new(),
             slot_of: HashMap::default(),
+            next_incarnation: 1,
         })
     }
 
@@ -292,22 +317,35 @@ impl KvIndexer {
         self.slots.iter().flatten().map(|w| w.id).collect()
     }
 
-    /// Registers `id` with its hash source. Errors: `InvalidArgument` if already registered.
-    /// O(1). Workers are also registered (as [`HashSource::Engine`]) by their first batch.
-    pub fn add_worker(&mut self, id: WorkerId, source: HashSource) -> Result<()> {
+    /// Registers `id` with its hash source and returns the new registration's
+    /// [`Incarnation`] (larger than any earlier one: see the module docs); its batches start a
+    /// new sequence. Errors: `InvalidArgument` if already registered. O(1). Workers are also
+    /// registered (as [`HashSource::Engine`]) by their first batch.
+    pub fn add_worker(&mut self, id: WorkerId, source: HashSource) -> Result<Incarnation> {
         if self.slot_of.contains_key(&id) {
             return Err(bad("worker_id", id, "worker is already registered"));
         }
-        self.insert_worker(id, source);
-        Ok(())
+        let slot = self.insert_worker(id, source);
+        Ok(self.slots[slot]
+            .as_ref()
+            .expect("registered slot")
+            .incarnation)
+    }
+
+    /// The current [`Incarnation`] of worker `id`, `None` if unknown.
+    pub fn incarnation(&self, id: WorkerId) -> Option<Incarnation> {
+        self.worker(id).map(|w| w.incarnation)
     }
 
     fn insert_worker(&mut self, id: WorkerId, source: HashSource) -> usize {
+        let incarnation = self.next_incarnation;
+        self.next_incarnation += 1;
         let worker = Worker {
             id,
+            incarnation,
             source,
             next_seq: None,
-            blocks: HashMap::default(),
+            blocks: HashSet::default(),
             engine_to_local: HashMap::default(),
             pending: BTreeMap::new(),
             needs_resync: false,
@@ -344,6 +382,7 @@ impl KvIndexer {
         let w = self.worker(id)?;
         Some(WorkerStatus {
             id,
+            incarnation: w.incarnation,
             source: w.source,
             num_blocks: w.blocks.len(),
             next_seq: w.next_seq,
@@ -364,7 +403,7 @@ impl KvIndexer {
     pub fn worker_hashes(&self, id: WorkerId) -> Vec<BlockHash> {
         let mut v: Vec<BlockHash> = self
             .worker(id)
-            .map(|w| w.blocks.keys().copied().collect())
+            .map(|w| w.blocks.iter().copied().collect())
             .unwrap_or_default();
         v.sort_unstable();
         v
@@ -429,18 +468,52 @@ impl KvIndexer {
         Ok(())
     }
 
-    /// Applies batch `seq` of worker `id` (registering it as [`HashSource::Engine`] if
-    /// unknown). See the module docs for the sequence-number rules. Errors (nothing changed):
-    /// `InvalidArgument` for a `BlockStored` whose block size differs from the indexer's, for
-    /// an `Engine` worker, whose `hash_root` is set and differs from the indexer's hasher's
-    /// root (its hashes belong to another cache identity and would never match a query), or,
-    /// for a `Tokens` worker, whose token count is not `blocks × block_size`.
+    /// Whether a batch or snapshot of worker `id` from `incarnation` (`None`: the current
+    /// one) is of a registration that is gone: [`BatchOutcome::Stale`]. Errors:
+    /// `InvalidArgument` for an incarnation never issued to this id (later than its current
+    /// one, or never issued at all).
+    fn is_stale(&self, id: WorkerId, incarnation: Option<Incarnation>) -> Result<bool> {
+        let Some(inc) = incarnation else {
+            return Ok(false);
+        };
+        let current = self.incarnation(id);
+        if current == Some(inc) {
+            return Ok(false);
+        }
+        if inc >= self.next_incarnation || current.is_some_and(|c| inc > c) {
+            return Err(bad(
+                "incarnation",
+                inc,
+                match current {
+                    Some(c) => format!(
+                        "worker {id} is at incarnation {c}; {inc} is not one of its registrations"
+                    ),
+                    None => format!("no registration of worker {id} had incarnation {inc}"),
+                },
+            ));
+        }
+        Ok(true)
+    }
+
+    /// Applies batch `seq` of worker `id` from its registration `incarnation` (`None`: the
+    /// current one; an unknown worker is then registered as [`HashSource::Engine`]). A batch of
+    /// an earlier incarnation, or of a removed worker, is [`BatchOutcome::Stale`] and changes
+    /// nothing. See the module docs for the sequence-number rules. Errors (nothing changed):
+    /// `InvalidArgument` for an `incarnation` never issued to `id`, for a `BlockStored` whose
+    /// block size differs from the indexer's, for an `Engine` worker, whose `hash_root` is set
+    /// and differs from the indexer's hasher's root (its hashes belong to another cache
+    /// identity and would never match a query), or, for a `Tokens` worker, whose token count is
+    /// not `blocks × block_size`.
     pub fn apply_batch(
         &mut self,
         id: WorkerId,
+        incarnation: Option<Incarnation>,
         seq: u64,
         events: Vec<KvEvent>,
     ) -> Result<BatchOutcome> {
+        if self.is_stale(id, incarnation)? {
+            return Ok(BatchOutcome::Stale);
+        }
         let source = self.worker(id).map_or(HashSource::Engine, |w| w.source);
         self.validate(source, &events)?;
         let slot = match self.slot_of.get(&id) {
@@ -484,15 +557,21 @@ impl KvIndexer {
     /// [`HashSource::Engine`]. Errors: `InvalidArgument` for a [`HashSource::Tokens`] worker
     /// (its engine hashes cannot be mapped without token ids), and for a `hash_root` (the root of
     /// the worker's hash chains, as its `BlockStored` events carry it) other than this indexer's
-    /// (another cache identity: its hashes could never match a query). O(len(hashes) + blocks
-    /// held).
+    /// (another cache identity: its hashes could never match a query), or an `incarnation`
+    /// never issued to `id`. A snapshot of an earlier incarnation (`incarnation`, `None`: the
+    /// current one) is [`BatchOutcome::Stale`] and changes nothing; otherwise
+    /// [`BatchOutcome::Applied`]. O(len(hashes) + blocks held).
     pub fn apply_snapshot(
         &mut self,
         id: WorkerId,
+        incarnation: Option<Incarnation>,
         seq: u64,
         hashes: &[BlockHash],
         hash_root: Option<BlockHash>,
-    ) -> Result<()> {
+    ) -> Result<BatchOutcome> {
+        if self.is_stale(id, incarnation)? {
+            return Ok(BatchOutcome::Stale);
+        }
         if let Some(root) = hash_root.filter(|r| *r != self.hasher.root()) {
             return Err(bad(
                 "hash_root",
@@ -527,7 +606,7 @@ impl KvIndexer {
         w.needs_resync = false;
         w.pending = w.pending.split_off(&(seq + 1));
         self.drain_pending(slot);
-        Ok(())
+        Ok(BatchOutcome::Applied)
     }
 
     /// Applies buffered batches while the next expected one is there.
@@ -624,25 +703,19 @@ impl KvIndexer {
                 None => return,
             },
         };
-        let Some(count) = w.blocks.get_mut(&local) else {
-            return; // never seen (stored before we joined or in a lost batch)
-        };
-        *count -= 1;
-        if *count > 0 {
-            return;
-        }
-        w.blocks.remove(&local);
         if w.source == HashSource::Tokens {
             w.engine_to_local.remove(engine_hash);
         }
-        self.unhold(slot, &local);
+        // Not held: stored before we joined, in a lost batch, or removed already.
+        if w.blocks.remove(&local) {
+            self.unhold(slot, &local);
+        }
     }
 
     fn store(&mut self, slot: usize, local: BlockHash) {
         let w = self.slots[slot].as_mut().expect("registered slot");
-        let count = w.blocks.entry(local).or_insert(0);
-        *count += 1;
-        if *count == 1 {
+        // A hash held already (re-announced) changes nothing: see the module docs.
+        if w.blocks.insert(local) {
             self.holders.entry(local).or_default().insert(slot);
         }
     }
@@ -661,7 +734,7 @@ impl KvIndexer {
         let w = self.slots[slot].as_mut().expect("registered slot");
         let blocks = std::mem::take(&mut w.blocks);
         w.engine_to_local.clear();
-        for h in blocks.keys() {
+        for h in &blocks {
             self.unhold(slot, h);
         }
     }
@@ -798,82 +871,168 @@ mod tests {
     #[test]
     fn leading_overlap_per_worker() {
         let mut ix = idx(0);
-        ix.apply_batch(7, 0, vec![stored(&[1, 2, 3])]).unwrap();
-        ix.apply_batch(9, 0, vec![stored(&[1, 2]), stored(&[4])])
+        ix.apply_batch(7, None, 0, vec![stored(&[1, 2, 3])])
+            .unwrap();
+        ix.apply_batch(9, None, 0, vec![stored(&[1, 2]), stored(&[4])])
             .unwrap();
         assert_eq!(overlap(&ix, &[1, 2, 3, 4]), vec![(7, 3), (9, 2)]);
         // A hole stops the count even if later blocks are held.
         assert_eq!(overlap(&ix, &[4, 3]), vec![(7, 0), (9, 1)]);
         assert_eq!(overlap(&ix, &[5, 1]), vec![(7, 0), (9, 0)]);
-        ix.apply_batch(7, 1, vec![removed(&[2])]).unwrap();
+        ix.apply_batch(7, None, 1, vec![removed(&[2])]).unwrap();
         assert_eq!(overlap(&ix, &[1, 2, 3]), vec![(7, 1), (9, 2)]);
-        ix.apply_batch(9, 1, vec![KvEvent::AllBlocksCleared])
+        ix.apply_batch(9, None, 1, vec![KvEvent::AllBlocksCleared])
             .unwrap();
         assert_eq!(overlap(&ix, &[1, 2, 3]), vec![(7, 1), (9, 0)]);
         assert_eq!(ix.num_hashes(), 2);
     }
 
     #[test]
-    fn store_counts_survive_one_removal() {
-        // An engine that holds one hash in two blocks stores it twice and removes it twice.
+    fn a_re_announced_block_is_held_once() {
+        // vLLM's kv_cache_report_mode="full" stores a prefix hit's blocks again, with no
+        // removal to match: the worker holds each hash or not, so one removal drops it.
         let mut ix = idx(0);
-        ix.apply_batch(1, 0, vec![stored(&[1]), stored(&[1]), removed(&[1])])
+        ix.apply_batch(1, None, 0, vec![stored(&[1, 2]), stored(&[1, 2])])
             .unwrap();
-        assert_eq!(overlap(&ix, &[1]), vec![(1, 1)]);
-        ix.apply_batch(1, 1, vec![removed(&[1]), removed(&[1])])
+        assert_eq!(overlap(&ix, &[1, 2]), vec![(1, 2)]);
+        assert_eq!(ix.worker_status(1).unwrap().num_blocks, 2);
+        ix.apply_batch(1, None, 1, vec![stored(&[1]), removed(&[1, 2])])
             .unwrap();
-        assert_eq!(overlap(&ix, &[1]), vec![(1, 0)]);
+        assert_eq!(overlap(&ix, &[1, 2]), vec![(1, 0)]);
         assert_eq!(ix.num_hashes(), 0);
+        // A removal of a hash not held (removed already) changes nothing.
+        ix.apply_batch(1, None, 2, vec![stored(&[3]), removed(&[1])])
+            .unwrap();
+        assert_eq!(ix.worker_hashes(1), vec![h(3)]);
+        // The same for a tokens worker, whose engine hashes map to rehashed ones.
+        let mut ix = KvIndexer::new(2, PrefixHasher::default(), 0).unwrap();
+        ix.add_worker(5, HashSource::Tokens).unwrap();
+        let ev = || KvEvent::BlockStored {
+            block_hashes: vec![h(100)],
+            parent_block_hash: None,
+            token_ids: vec![1, 2],
+            block_size: 2,
+            extra_keys: Vec::new(),
+            hash_root: None,
+        };
+        ix.apply_batch(5, None, 0, vec![ev(), ev()]).unwrap();
+        ix.apply_batch(5, None, 1, vec![removed(&[100])]).unwrap();
+        assert_eq!(ix.worker_status(5).unwrap().num_blocks, 0);
+        assert_eq!(
+            ix.overlap_tokens(&[1, 2, 3], &SequenceSpec::default()),
+            vec![(5, 0)]
+        );
+    }
+
+    #[test]
+    fn a_re_added_worker_refuses_its_old_incarnations_batches() {
+        let mut ix = idx(0);
+        let old = ix.add_worker(4, HashSource::Engine).unwrap();
+        for seq in 0..3 {
+            ix.apply_batch(4, Some(old), seq, vec![stored(&[seq as u8 + 1])])
+                .unwrap();
+        }
+        assert!(ix.remove_worker(4));
+        // A removed worker's late batch is stale, and does not register it again.
+        assert_eq!(
+            ix.apply_batch(4, Some(old), 3, vec![stored(&[9])]).unwrap(),
+            BatchOutcome::Stale
+        );
+        assert!(ix.worker_ids().is_empty());
+        let new = ix.add_worker(4, HashSource::Engine).unwrap();
+        assert!(new > old);
+        assert_eq!(ix.incarnation(4), Some(new));
+        // The old incarnation's late batch after the re-add: refused, the new sequence intact.
+        assert_eq!(
+            ix.apply_batch(4, Some(old), 57, vec![stored(&[9])])
+                .unwrap(),
+            BatchOutcome::Stale
+        );
+        assert_eq!(
+            ix.apply_snapshot(4, Some(old), 58, &[h(9)], None).unwrap(),
+            BatchOutcome::Stale
+        );
+        let st = ix.worker_status(4).unwrap();
+        assert_eq!((st.next_seq, st.num_blocks, st.incarnation), (None, 0, new));
+        for seq in 0..2 {
+            assert_eq!(
+                ix.apply_batch(4, Some(new), seq, vec![stored(&[20 + seq as u8])])
+                    .unwrap(),
+                BatchOutcome::Applied
+            );
+        }
+        assert_eq!(ix.worker_hashes(4), vec![h(20), h(21)]);
+        assert!(!ix.needs_resync(4));
+        // No incarnation: the current one.
+        assert_eq!(
+            ix.apply_batch(4, None, 2, vec![]).unwrap(),
+            BatchOutcome::Applied
+        );
+        // An incarnation never issued to this id is a caller error, nothing changed.
+        let other = ix.add_worker(8, HashSource::Engine).unwrap();
+        assert!(ix.apply_batch(4, Some(other), 3, vec![]).is_err());
+        assert!(ix.apply_batch(4, Some(other + 10), 3, vec![]).is_err());
+        assert!(ix.apply_batch(77, Some(other + 10), 0, vec![]).is_err());
+        assert!(ix
+            .apply_snapshot(4, Some(other + 10), 3, &[], None)
+            .is_err());
+        assert_eq!(ix.worker_status(4).unwrap().next_seq, Some(3));
+        // A first batch of an unknown id registers a new incarnation too.
+        ix.apply_batch(30, None, 0, vec![]).unwrap();
+        assert!(ix.incarnation(30).unwrap() > other);
     }
 
     #[test]
     fn reorder_buffer_then_gap() {
         let mut ix = idx(1);
         assert_eq!(
-            ix.apply_batch(1, 0, vec![stored(&[1])]).unwrap(),
+            ix.apply_batch(1, None, 0, vec![stored(&[1])]).unwrap(),
             BatchOutcome::Applied
         );
         assert_eq!(
-            ix.apply_batch(1, 2, vec![stored(&[3])]).unwrap(),
+            ix.apply_batch(1, None, 2, vec![stored(&[3])]).unwrap(),
             BatchOutcome::Buffered
         );
         assert_eq!(overlap(&ix, &[1, 2, 3]), vec![(1, 1)]);
         assert_eq!(
-            ix.apply_batch(1, 1, vec![stored(&[2])]).unwrap(),
+            ix.apply_batch(1, None, 1, vec![stored(&[2])]).unwrap(),
             BatchOutcome::Applied
         );
         assert_eq!(overlap(&ix, &[1, 2, 3]), vec![(1, 3)]);
         assert_eq!(
-            ix.apply_batch(1, 1, vec![removed(&[1])]).unwrap(),
+            ix.apply_batch(1, None, 1, vec![removed(&[1])]).unwrap(),
             BatchOutcome::Duplicate
         );
         // Batch 3 lost: 4 is buffered, 5 overflows the buffer -> gap.
         assert_eq!(
-            ix.apply_batch(1, 4, vec![stored(&[4])]).unwrap(),
+            ix.apply_batch(1, None, 4, vec![stored(&[4])]).unwrap(),
             BatchOutcome::Buffered
         );
         assert_eq!(
-            ix.apply_batch(1, 5, vec![stored(&[5])]).unwrap(),
+            ix.apply_batch(1, None, 5, vec![stored(&[5])]).unwrap(),
             BatchOutcome::Gap
         );
         assert!(ix.needs_resync(1));
         assert_eq!(ix.worker_hashes(1), vec![h(4), h(5)]);
         let st = ix.worker_status(1).unwrap();
         assert_eq!((st.next_seq, st.gaps, st.num_pending), (Some(6), 1, 0));
-        ix.apply_snapshot(1, 6, &[h(1), h(4)], None).unwrap();
+        ix.apply_snapshot(1, None, 6, &[h(1), h(4)], None).unwrap();
         assert!(!ix.needs_resync(1));
         assert_eq!(ix.worker_hashes(1), vec![h(1), h(4)]);
         assert_eq!(
-            ix.apply_batch(1, 6, vec![]).unwrap(),
+            ix.apply_batch(1, None, 6, vec![]).unwrap(),
             BatchOutcome::Duplicate
         );
-        assert_eq!(ix.apply_batch(1, 7, vec![]).unwrap(), BatchOutcome::Applied);
+        assert_eq!(
+            ix.apply_batch(1, None, 7, vec![]).unwrap(),
+            BatchOutcome::Applied
+        );
     }
 
     #[test]
     fn joining_mid_stream_needs_resync_and_remove_worker_drops_entries() {
         let mut ix = idx(0);
-        ix.apply_batch(3, 10, vec![stored(&[1])]).unwrap();
+        ix.apply_batch(3, None, 10, vec![stored(&[1])]).unwrap();
         assert!(ix.needs_resync(3));
         assert!(ix.remove_worker(3));
         assert!(!ix.remove_worker(3));
@@ -887,7 +1046,7 @@ mod tests {
         for w in 0..150u64 {
             let n = (w % 4) as u8;
             let hs: Vec<u8> = (1..=n).collect();
-            ix.apply_batch(w, 0, vec![stored(&hs)]).unwrap();
+            ix.apply_batch(w, None, 0, vec![stored(&hs)]).unwrap();
         }
         let got = overlap(&ix, &[1, 2, 3, 4]);
         assert_eq!(got.len(), 150);
@@ -896,7 +1055,7 @@ mod tests {
         }
         ix.remove_worker(130);
         assert_eq!(
-            ix.apply_batch(1000, 0, vec![stored(&[1])]).unwrap(),
+            ix.apply_batch(1000, None, 0, vec![stored(&[1])]).unwrap(),
             BatchOutcome::Applied
         );
         // Slot 130 is reused by the new worker.
@@ -917,7 +1076,7 @@ mod tests {
             extra_keys: Vec::new(),
             hash_root: None,
         };
-        ix.apply_batch(5, 0, vec![ev]).unwrap();
+        ix.apply_batch(5, None, 0, vec![ev]).unwrap();
         let child = KvEvent::BlockStored {
             block_hashes: vec![h(102)],
             parent_block_hash: Some(h(101)),
@@ -926,7 +1085,7 @@ mod tests {
             extra_keys: Vec::new(),
             hash_root: None,
         };
-        ix.apply_batch(5, 1, vec![child]).unwrap();
+        ix.apply_batch(5, None, 1, vec![child]).unwrap();
         let spec = SequenceSpec::default();
         assert_eq!(
             ix.overlap_tokens(&[1, 2, 3, 4, 5, 6, 7], &spec),
@@ -934,7 +1093,7 @@ mod tests {
         );
         // The last token is never served from the cache.
         assert_eq!(ix.overlap_tokens(&[1, 2, 3, 4], &spec), vec![(5, 1)]);
-        ix.apply_batch(5, 2, vec![removed(&[101])]).unwrap();
+        ix.apply_batch(5, None, 2, vec![removed(&[101])]).unwrap();
         assert_eq!(
             ix.overlap_tokens(&[1, 2, 3, 4, 5, 6, 7], &spec),
             vec![(5, 1)]
@@ -948,9 +1107,9 @@ mod tests {
             extra_keys: Vec::new(),
             hash_root: None,
         };
-        ix.apply_batch(5, 3, vec![orphan]).unwrap();
+        ix.apply_batch(5, None, 3, vec![orphan]).unwrap();
         assert_eq!(ix.worker_status(5).unwrap().num_blocks, 2);
-        assert!(ix.apply_snapshot(5, 4, &[], None).is_err());
+        assert!(ix.apply_snapshot(5, None, 4, &[], None).is_err());
     }
 
     #[test]
@@ -978,7 +1137,7 @@ mod tests {
             vec![adapter.clone(), salt.clone()],
         );
         let child = salted(&[12], Some(11), vec![5, 6], vec![adapter.clone()]);
-        ix.apply_batch(7, 0, vec![first, child]).unwrap();
+        ix.apply_batch(7, None, 0, vec![first, child]).unwrap();
         let tokens = [1, 2, 3, 4, 5, 6, 7];
         let spec = |keys: Vec<ExtraKey>| SequenceSpec {
             extra_keys: keys,
@@ -997,12 +1156,12 @@ mod tests {
         // A grandchild inherits through the child; removing the child's engine hash removes
         // the salted block it was indexed under.
         let grandchild = salted(&[13], Some(12), vec![7, 8], vec![adapter.clone()]);
-        ix.apply_batch(7, 1, vec![grandchild]).unwrap();
+        ix.apply_batch(7, None, 1, vec![grandchild]).unwrap();
         assert_eq!(
             ix.overlap_tokens(&[1, 2, 3, 4, 5, 6, 7, 8, 9], &both),
             vec![(7, 4)]
         );
-        ix.apply_batch(7, 2, vec![removed(&[12])]).unwrap();
+        ix.apply_batch(7, None, 2, vec![removed(&[12])]).unwrap();
         assert_eq!(
             ix.overlap_tokens(&[1, 2, 3, 4, 5, 6, 7, 8, 9], &both),
             vec![(7, 2)]
@@ -1010,7 +1169,8 @@ mod tests {
         // An unsalted chain stays unsalted.
         let plain = salted(&[20], None, vec![9, 9], Vec::new());
         let plain_child = salted(&[21], Some(20), vec![9, 9], Vec::new());
-        ix.apply_batch(7, 3, vec![plain, plain_child]).unwrap();
+        ix.apply_batch(7, None, 3, vec![plain, plain_child])
+            .unwrap();
         assert_eq!(
             ix.overlap_tokens(&[9, 9, 9, 9, 0], &spec(Vec::new())),
             vec![(7, 2)]
@@ -1029,7 +1189,7 @@ mod tests {
             hash_root: None,
         };
         let err = ix
-            .apply_batch(1, 0, vec![stored(&[2]), wrong_bs])
+            .apply_batch(1, None, 0, vec![stored(&[2]), wrong_bs])
             .unwrap_err();
         assert!(err.to_string().contains("block_size 8"), "{err}");
         assert!(ix.worker_ids().is_empty());
@@ -1042,7 +1202,7 @@ mod tests {
             extra_keys: vec![],
             hash_root: None,
         };
-        assert!(ix.apply_batch(2, 0, vec![short]).is_err());
+        assert!(ix.apply_batch(2, None, 0, vec![short]).is_err());
         assert_eq!(ix.worker_status(2).unwrap().next_seq, None);
         assert!(ix.add_worker(2, HashSource::Engine).is_err());
         assert!(KvIndexer::new(0, PrefixHasher::default(), 0).is_err());
@@ -1069,25 +1229,33 @@ mod tests {
         };
         let mut ix = KvIndexer::new(4, PrefixHasher::new(HashAlgo::Sha256, b"model-a"), 0).unwrap();
         let err = ix
-            .apply_batch(1, 0, events_with_seed(b"model-b"))
+            .apply_batch(1, None, 0, events_with_seed(b"model-b"))
             .unwrap_err();
         assert!(err.to_string().contains("hash root"), "{err}");
         assert!(ix.worker_ids().is_empty() && ix.num_hashes() == 0);
         let ok = events_with_seed(b"model-a");
-        assert_eq!(ix.apply_batch(1, 0, ok).unwrap(), BatchOutcome::Applied);
+        assert_eq!(
+            ix.apply_batch(1, None, 0, ok).unwrap(),
+            BatchOutcome::Applied
+        );
         assert_eq!(ix.num_hashes(), 2);
         // A tokens worker is rehashed with the indexer's own hasher: its root is not checked.
         ix.add_worker(2, HashSource::Tokens).unwrap();
         let other = events_with_seed(b"model-b");
-        assert_eq!(ix.apply_batch(2, 0, other).unwrap(), BatchOutcome::Applied);
+        assert_eq!(
+            ix.apply_batch(2, None, 0, other).unwrap(),
+            BatchOutcome::Applied
+        );
         assert_eq!(ix.worker_status(2).unwrap().num_blocks, 2);
         // A snapshot names its worker's root too: a foreign one is refused, nothing changes.
         let foreign = PrefixHasher::new(HashAlgo::Sha256, b"model-b").root();
-        let err = ix.apply_snapshot(1, 5, &[h(9)], Some(foreign)).unwrap_err();
+        let err = ix
+            .apply_snapshot(1, None, 5, &[h(9)], Some(foreign))
+            .unwrap_err();
         assert!(err.to_string().contains("hash root"), "{err}");
         assert_eq!(ix.worker_status(1).unwrap().num_blocks, 2);
         let own = ix.hasher.root();
-        ix.apply_snapshot(1, 5, &[h(9)], Some(own)).unwrap();
+        ix.apply_snapshot(1, None, 5, &[h(9)], Some(own)).unwrap();
         assert_eq!(ix.worker_status(1).unwrap().num_blocks, 1);
     }
 
@@ -1109,7 +1277,7 @@ mod tests {
         m.add_sequence(1, &prompt, spec.clone()).unwrap();
         m.allocate_slots(1, 13).unwrap();
         let mut ix = idx(0);
-        ix.apply_batch(0, 0, m.take_events()).unwrap();
+        ix.apply_batch(0, None, 0, m.take_events()).unwrap();
         assert_eq!(ix.overlap_tokens(&prompt, &spec), vec![(0, 3)]);
         assert_eq!(
             ix.overlap_tokens(&prompt, &SequenceSpec::default()),

@@ -1,77 +1,84 @@
 //! `pagedkv.KVIndexer`: the cluster-wide index of cached blocks per worker, fed by KV event
 //! batches (pagedkv event objects or vLLM's wire form, already msgpack-decoded into lists).
 //!
-//! Events are converted while holding the GIL; the core call runs with the GIL released under
-//! the indexer's mutex.
+//! Events are moved into the core's types while holding the GIL (pagedkv event objects as they
+//! are, wire events as `WireValue` trees read by the core's `vllm_event`); the core call runs
+//! with the GIL released under the indexer's mutex.
 
-use crate::convert::{bad, bytes_arg, list_items, opt_str, repr, token_ids, type_name, uint};
+use crate::convert::{bad, bytes_arg, list_items, opt_str, repr, type_name, uint};
 use crate::errors::IntoPyResult;
 use crate::events::{PyAllBlocksCleared, PyBlockRemoved, PyBlockStored};
 use crate::manager::sequence_spec;
+use numpy::PyUntypedArray;
 use pagedkv_core::events::KvEvent;
+use pagedkv_core::kv_indexer::vllm_event::{self, WireValue};
 use pagedkv_core::{
-    BlockHash, ExtraKey, HashAlgo, HashSource, KvIndexer, PrefixHasher, WorkerId, WorkerStatus,
+    BlockHash, HashAlgo, HashSource, KvIndexer, PrefixHasher, WorkerId, WorkerStatus,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyList, PyString};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use std::sync::Mutex;
 
 fn invalid(py: Python<'_>, arg: &'static str, value: String, reason: impl Into<String>) -> PyErr {
     bad(py, arg, value, reason)
 }
 
-/// A block hash from the wire: 32 bytes as they are (pagedkv), shorter bytes zero-padded, or an
-/// int in the signed / unsigned 128-bit range stored little-endian in the first 16 bytes (vLLM
-/// publishes 64-bit ints or bytes). Each engine uses one form, so the forms never meet in one
-/// worker's key space.
-fn wire_hash(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<BlockHash> {
-    let py = obj.py();
-    let mut out = [0u8; 32];
-    if let Ok(b) = obj.cast::<PyBytes>() {
-        let bytes = b.as_bytes();
-        if bytes.len() > 32 {
-            return Err(invalid(
-                py,
-                arg,
-                format!("<{} bytes>", bytes.len()),
-                "block hashes are at most 32 bytes",
-            ));
-        }
-        out[..bytes.len()].copy_from_slice(bytes);
-        return Ok(BlockHash(out));
+/// Deepest nesting read from an event (vLLM's are 4 deep); deeper values are refused.
+const MAX_DEPTH: usize = 16;
+
+/// A decoded wire value as the core's [`WireValue`]: data moved as it is (None, bool, int,
+/// float, str, bytes, list / tuple, a 1-D numpy array as its list); anything else is
+/// `WireValue::Other` with its type name and repr, which the core refuses where a typed field
+/// is read. Ints outside the signed and unsigned 128-bit ranges are `Other` too.
+fn wire_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<WireValue> {
+    let other = |obj: &Bound<'_, PyAny>| WireValue::Other {
+        type_name: type_name(obj),
+        repr: repr(obj),
+    };
+    if obj.is_none() {
+        return Ok(WireValue::Nil);
+    }
+    if let Ok(b) = obj.cast::<PyBool>() {
+        return Ok(WireValue::Bool(b.is_true()));
     }
     if obj.is_instance_of::<PyInt>() {
-        let v: i128 = match obj.extract::<i128>() {
-            Ok(v) => v,
+        return Ok(match obj.extract::<i128>() {
+            Ok(v) => WireValue::Int(v),
+            // Unsigned above i128::MAX: the same 128 bits (a hash's bytes are what matter).
             Err(_) => obj
                 .extract::<u128>()
-                .map(|u| u as i128)
-                .map_err(|_| invalid(py, arg, repr(obj), "int block hashes fit in 128 bits"))?,
-        };
-        out[..16].copy_from_slice(&v.to_le_bytes());
-        return Ok(BlockHash(out));
+                .map_or_else(|_| other(obj), |u| WireValue::Int(u as i128)),
+        });
     }
-    Err(invalid(
-        py,
-        arg,
-        repr(obj),
-        "expected a block hash (bytes or int)",
-    ))
+    if let Ok(f) = obj.cast::<PyFloat>() {
+        return Ok(WireValue::Float(f.value()));
+    }
+    if let Ok(t) = obj.cast::<PyString>() {
+        return Ok(WireValue::Str(t.to_cow()?.into_owned()));
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(WireValue::Bytes(b.as_bytes().to_vec()));
+    }
+    let items = if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        list_items(obj, "events")?
+    } else if obj.is_instance_of::<PyUntypedArray>() {
+        list_items(&obj.call_method0("tolist")?, "events")?
+    } else {
+        return Ok(other(obj));
+    };
+    if depth >= MAX_DEPTH {
+        return Ok(other(obj));
+    }
+    items
+        .iter()
+        .map(|item| wire_value(item, depth + 1))
+        .collect::<PyResult<Vec<_>>>()
+        .map(WireValue::List)
 }
 
-fn wire_hashes(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<BlockHash>> {
-    if obj.is_instance_of::<PyBytes>() || obj.is_instance_of::<PyString>() {
-        return Err(invalid(
-            obj.py(),
-            arg,
-            repr(obj),
-            "expected a list of block hashes",
-        ));
-    }
-    list_items(obj, arg)?
-        .iter()
-        .map(|h| wire_hash(h, arg))
-        .collect()
+/// A list of block hashes argument (bytes or ints; see the core's `wire_hash`).
+fn hashes_arg(obj: &Bound<'_, PyAny>, arg: &'static str) -> PyResult<Vec<BlockHash>> {
+    vllm_event::hashes_arg(&wire_value(obj, 0)?, arg).py(obj.py())
 }
 
 /// The optional ``hash_root`` argument: None, or exactly 32 bytes.
@@ -91,161 +98,14 @@ fn root_arg(hash_root: Option<&Bound<'_, PyAny>>) -> PyResult<Option<BlockHash>>
     Ok(Some(BlockHash(arr)))
 }
 
-/// The extra keys of a vLLM wire `BlockStored` (`fields`: the event list, `[tag, hashes,
-/// parent, token_ids, block_size, lora_id, medium, lora_name, extra_keys, ...]`) as the keys a
-/// pagedkv query hashes with, and how many of its `n_blocks` blocks can be rehashed with them.
-///
-/// The adapter key is `lora_name` (vLLM hashes blocks by LoRA name), or `str(lora_id)` from
-/// engines that send no name. `extra_keys` is one untagged tuple (or None) per block: the LoRA
-/// name when the request has an adapter, `(mm_identifier, offset)` pairs, the cache salt (stock
-/// vLLM names it in a request's first block only, pagedkv's vLLM plug-in in every block),
-/// prompt-embedding digests (bytes). The salt becomes `CacheSalt` (the indexer carries it down
-/// the chain; see `KvIndexer`). A block with multimodal, prompt-embedding or unknown keys, or
-/// another salt than the event's first, or, in a LoRA request's event, without the LoRA name
-/// first (another name than `lora_name`), cannot be rehashed as a pagedkv query would hash it:
-/// the event is cut before that block (its later blocks chain from it), which under-reports and
-/// never matches a query wrongly. Err: why the fields are malformed (a `lora_name` that is not a
-/// str, an `extra_keys` that is not one tuple or None per block).
-fn wire_stored_keys(
-    fields: &[Bound<'_, PyAny>],
-    n_blocks: usize,
-) -> Result<(Vec<ExtraKey>, usize), String> {
-    let present = |i: usize| fields.get(i).filter(|v| !v.is_none());
-    let text = |v: &Bound<'_, PyAny>| v.str().map(|s| s.to_string()).map_err(|e| e.to_string());
-    let lora_name = match present(7) {
-        Some(name) if name.is_instance_of::<PyString>() => Some(text(name)?),
-        Some(name) => {
-            return Err(format!(
-                "lora_name must be a str or None, got {}",
-                type_name(name)
-            ))
-        }
-        None => None,
-    };
-    let adapter = match (&lora_name, present(5)) {
-        (Some(name), _) => Some(name.clone()),
-        (None, Some(id)) => Some(text(id)?),
-        (None, None) => None,
-    };
-    let mut keys: Vec<ExtraKey> = adapter.iter().cloned().map(ExtraKey::Adapter).collect();
-    let Some(per_block) = present(8) else {
-        return Ok((keys, n_blocks));
-    };
-    let entries = list_items(per_block, "events")
-        .map_err(|_| "extra_keys must be a list with one tuple or None per block".to_string())?;
-    // One entry per block: with fewer, a block's own keys (a multimodal item) would be unknown.
-    if entries.len() != n_blocks {
-        return Err(format!(
-            "extra_keys has {} entries for {n_blocks} blocks (one tuple or None per block)",
-            entries.len()
-        ));
-    }
-    let mut salt: Option<String> = None;
-    let mut usable = n_blocks;
-    'blocks: for (i, entry) in entries.iter().enumerate() {
-        let parts = if entry.is_none() {
-            Vec::new()
-        } else {
-            list_items(entry, "events")
-                .map_err(|_| format!("extra_keys[{i}] must be a tuple of keys or None"))?
-        };
-        let mut rest = parts.as_slice();
-        if adapter.is_some() {
-            // vLLM keys every block of a LoRA request by its name, first: a block without it
-            // (or, when the event names the LoRA, with another name) was hashed otherwise.
-            let first_is_name = match (rest.first(), &lora_name) {
-                (Some(p), Some(name)) => p.is_instance_of::<PyString>() && text(p)? == *name,
-                (Some(p), None) => p.is_instance_of::<PyString>(),
-                (None, _) => false,
-            };
-            if !first_is_name {
-                usable = i;
-                break 'blocks;
-            }
-            rest = &rest[1..];
-        }
-        for part in rest {
-            let same_salt = part.is_instance_of::<PyString>()
-                && match &salt {
-                    None => i == 0,
-                    Some(s) => *s == text(part)?,
-                };
-            if !same_salt {
-                usable = i;
-                break 'blocks;
-            }
-            salt = Some(text(part)?);
-        }
-    }
-    keys.extend(salt.map(ExtraKey::CacheSalt));
-    Ok((keys, usable))
-}
-
-/// How many blocks of a vLLM wire `BlockStored` precede the first one whose hash also covers
-/// tokens after the block (`lookahead_token_ids`, field 15: one list per block, None when
-/// lookahead hashing is off). Such a block cannot be rehashed from its own tokens as a query
-/// hashes it (a query would match where vLLM needs the following tokens too), so the event is
-/// cut there. Err: why the field is malformed.
-fn lookahead_cut(fields: &[Bound<'_, PyAny>], n_blocks: usize) -> Result<usize, String> {
-    let Some(per_block) = fields.get(15).filter(|v| !v.is_none()) else {
-        return Ok(n_blocks);
-    };
-    let malformed = || "lookahead_token_ids must be a list with one list of token ids per block";
-    let entries = list_items(per_block, "events").map_err(|_| malformed().to_string())?;
-    if entries.len() != n_blocks {
-        return Err(format!(
-            "lookahead_token_ids has {} entries for {n_blocks} blocks",
-            entries.len()
-        ));
-    }
-    for (i, entry) in entries.iter().enumerate() {
-        if !entry.is_none()
-            && !list_items(entry, "events")
-                .map_err(|_| malformed().to_string())?
-                .is_empty()
-        {
-            return Ok(i);
-        }
-    }
-    Ok(n_blocks)
-}
-
-/// Field of a wire `BlockStored` / `BlockRemoved` holding `group_idx` (vLLM 0.33 order).
-const STORED_GROUP_FIELD: usize = 9;
-const REMOVED_GROUP_FIELD: usize = 3;
-
-/// Whether a wire event belongs to the first KV cache group: its `group_idx` field is absent,
-/// None or 0. A hybrid model (full and sliding-window attention layers, say) publishes one
-/// event per group for the same block hashes; a sliding-window group frees a prompt's early
-/// blocks long before the full-attention group does, so reading its removals as the first
-/// group's would drop prefixes the worker still holds. Only the first group is indexed.
-/// Err: a `group_idx` that is not an int >= 0 or None.
-fn in_first_group(fields: &[Bound<'_, PyAny>], at: usize) -> Result<bool, String> {
-    match fields.get(at).filter(|g| !g.is_none()) {
-        None => Ok(true),
-        Some(g) if g.is_instance_of::<PyBool>() => {
-            Err(format!("group_idx must be an int, got {}", repr(g)))
-        }
-        Some(g) => g
-            .extract::<u64>()
-            .map(|idx| idx == 0)
-            .map_err(|_| format!("group_idx must be an int >= 0 or None, got {}", repr(g))),
-    }
-}
-
-/// One event: a pagedkv event object, or a vLLM wire event (a list / tuple whose first item is
-/// the type tag): `["BlockStored", hashes, parent, token_ids, block_size, lora_id, ...]`,
-/// `["BlockRemoved", hashes, ...]`, `["AllBlocksCleared"]`. Trailing fields newer engines add
-/// are ignored; the LoRA name (or id) and the cache salt become extra keys
-/// (`wire_stored_keys`). A wire `BlockStored` gets
-/// `batch_root` as its hash root (the wire events themselves carry none). `None`: a wire event
-/// of another KV cache group than the first (see `in_first_group`), not indexed.
+/// One event: a pagedkv event object as it is, or a vLLM wire event (a list / tuple whose first
+/// item is the type tag) read by the core's `vllm_event::parse_event` (with `batch_root` as a
+/// `BlockStored`'s hash root). `None`: a wire event of another KV cache group, not indexed.
 fn event(
     obj: &Bound<'_, PyAny>,
     i: usize,
     batch_root: Option<BlockHash>,
 ) -> PyResult<Option<KvEvent>> {
-    let py = obj.py();
     if let Ok(ev) = obj.cast::<PyBlockStored>() {
         return Ok(Some(ev.get().to_core()));
     }
@@ -255,89 +115,24 @@ fn event(
     if obj.cast::<PyAllBlocksCleared>().is_ok() {
         return Ok(Some(KvEvent::AllBlocksCleared));
     }
-    let malformed = |why: &str| {
-        invalid(
-            py,
-            "events",
-            format!("{} at index {i}", repr(obj)),
-            why.to_string(),
-        )
-    };
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() {
-        return Err(malformed(
-            "expected an event object or a [tag, fields...] list",
-        ));
-    }
-    let fields: Vec<Bound<'_, PyAny>> = list_items(obj, "events")
-        .map_err(|_| malformed("expected an event object or a [tag, fields...] list"))?;
-    let tag: String = fields
-        .first()
-        .and_then(|t| t.extract().ok())
-        .ok_or_else(|| malformed("the first item must be the event type name"))?;
-    match tag.as_str() {
-        "BlockStored" => {
-            if fields.len() < 5 {
-                return Err(malformed(
-                    "BlockStored needs block_hashes, parent_block_hash, token_ids, block_size",
-                ));
-            }
-            // Read in full whatever its group, so a malformed event is refused alike.
-            let first =
-                in_first_group(&fields, STORED_GROUP_FIELD).map_err(|why| malformed(&why))?;
-            let block_hashes = wire_hashes(&fields[1], "events")?;
-            let parent_block_hash = if fields[2].is_none() {
-                None
-            } else {
-                Some(wire_hash(&fields[2], "events")?)
-            };
-            let mut block_hashes = block_hashes;
-            let mut token_ids = token_ids(&fields[3], "events")?;
-            let block_size = uint(&fields[4], "events", u64::from(u32::MAX))? as u32;
-            let (extra_keys, usable) = wire_stored_keys(&fields, block_hashes.len())
-                .and_then(|(keys, usable)| {
-                    Ok((
-                        keys,
-                        usable.min(lookahead_cut(&fields, block_hashes.len())?),
-                    ))
-                })
-                .map_err(|why| malformed(&why))?;
-            let whole = block_hashes.len() * block_size as usize;
-            if usable < block_hashes.len() && token_ids.len() == whole {
-                block_hashes.truncate(usable);
-                token_ids.truncate(usable * block_size as usize);
-            }
-            Ok(first.then_some(KvEvent::BlockStored {
-                block_hashes,
-                parent_block_hash,
-                token_ids,
-                block_size,
-                extra_keys,
-                hash_root: batch_root,
-            }))
-        }
-        "BlockRemoved" => {
-            let hashes = fields
-                .get(1)
-                .ok_or_else(|| malformed("BlockRemoved needs block_hashes"))?;
-            let block_hashes = wire_hashes(hashes, "events")?;
-            let first =
-                in_first_group(&fields, REMOVED_GROUP_FIELD).map_err(|why| malformed(&why))?;
-            Ok(first.then_some(KvEvent::BlockRemoved { block_hashes }))
-        }
-        "AllBlocksCleared" => Ok(Some(KvEvent::AllBlocksCleared)),
-        _ => Err(malformed(
-            "unknown event type (expected BlockStored, BlockRemoved or AllBlocksCleared)",
-        )),
-    }
+    vllm_event::parse_event(&wire_value(obj, 0)?, i, batch_root).py(obj.py())
 }
 
 fn worker_id(obj: &Bound<'_, PyAny>) -> PyResult<WorkerId> {
     uint(obj, "worker_id", u64::MAX)
 }
 
+/// An optional int >= 0 keyword argument (None when absent or None).
+fn opt_uint(obj: Option<&Bound<'_, PyAny>>, arg: &'static str) -> PyResult<Option<u64>> {
+    obj.filter(|o| !o.is_none())
+        .map(|o| uint(o, arg, u64::MAX))
+        .transpose()
+}
+
 fn status_dict<'py>(py: Python<'py>, st: &WorkerStatus) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     d.set_item("worker_id", st.id)?;
+    d.set_item("incarnation", st.incarnation)?;
     d.set_item("hash_source", st.source.name())?;
     d.set_item("num_blocks", st.num_blocks)?;
     d.set_item("next_seq", st.next_seq)?;
@@ -455,8 +250,9 @@ impl PyKvIndexer {
     }
 
     /// Registers ``worker_id`` with ``hash_source`` ``"engine"`` (its event hashes are used as
-    /// they are) or ``"tokens"`` (blocks rehashed from their token ids). Raises
-    /// ``InvalidArgumentError`` if it is registered already.
+    /// they are) or ``"tokens"`` (blocks rehashed from their token ids); returns the
+    /// registration's incarnation number. Raises ``InvalidArgumentError`` if it is registered
+    /// already.
     #[pyo3(signature = (worker_id, *, hash_source = None),
            text_signature = "($self, worker_id, *, hash_source='engine')")]
     fn add_worker(
@@ -464,7 +260,7 @@ impl PyKvIndexer {
         py: Python<'_>,
         worker_id: &Bound<'_, PyAny>,
         hash_source: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
+    ) -> PyResult<u64> {
         let id = self::worker_id(worker_id)?;
         let hash_source = opt_str(hash_source, "hash_source")?.unwrap_or_else(|| "engine".into());
         let source = HashSource::from_name(&hash_source).ok_or_else(|| {
@@ -519,11 +315,12 @@ impl PyKvIndexer {
         PyList::new(py, hashes.iter().map(|h| PyBytes::new(py, &h.0)))
     }
 
-    /// Applies event batch ``seq`` of ``worker_id``; returns ``"applied"``, ``"buffered"``,
-    /// ``"duplicate"`` or ``"gap"``. ``hash_root`` is the batch's hash root for wire events
-    /// (which carry none). Raises ``InvalidArgumentError`` (nothing applied) for a malformed
-    /// event, or an engine worker's event whose hash root is not the indexer's.
-    #[pyo3(signature = (worker_id, seq, events, *, hash_root = None))]
+    /// Applies event batch ``seq`` of ``worker_id``'s registration ``incarnation`` (None: the
+    /// current one); returns ``"applied"``, ``"buffered"``, ``"duplicate"``, ``"gap"`` or
+    /// ``"stale"`` (an earlier incarnation's). ``hash_root`` is the batch's hash root for wire
+    /// events (which carry none). Raises ``InvalidArgumentError`` (nothing applied) for a
+    /// malformed event, or an engine worker's event whose hash root is not the indexer's.
+    #[pyo3(signature = (worker_id, seq, events, *, hash_root = None, incarnation = None))]
     fn apply(
         &self,
         py: Python<'_>,
@@ -531,9 +328,11 @@ impl PyKvIndexer {
         seq: &Bound<'_, PyAny>,
         events: &Bound<'_, PyAny>,
         hash_root: Option<&Bound<'_, PyAny>>,
+        incarnation: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<&'static str> {
         let id = self::worker_id(worker_id)?;
         let seq = uint(seq, "seq", u64::MAX)?;
+        let incarnation = opt_uint(incarnation, "incarnation")?;
         let batch_root = root_arg(hash_root)?;
         if events.is_instance_of::<PyString>() || events.is_instance_of::<PyBytes>() {
             return Err(invalid(
@@ -551,14 +350,15 @@ impl PyKvIndexer {
             .into_iter()
             .flatten()
             .collect();
-        self.with(py, |ix| ix.apply_batch(id, seq, events))
+        self.with(py, |ix| ix.apply_batch(id, incarnation, seq, events))
             .py(py)
             .map(|o| o.name())
     }
 
     /// Replaces the worker's entries with ``block_hashes`` as of its batch ``seq``; a
-    /// ``hash_root`` (32 bytes) other than the indexer's is refused.
-    #[pyo3(signature = (worker_id, seq, block_hashes, *, hash_root = None))]
+    /// ``hash_root`` (32 bytes) other than the indexer's is refused. Returns ``"applied"``, or
+    /// ``"stale"`` for a snapshot of an earlier ``incarnation`` (nothing changed).
+    #[pyo3(signature = (worker_id, seq, block_hashes, *, hash_root = None, incarnation = None))]
     fn apply_snapshot(
         &self,
         py: Python<'_>,
@@ -566,13 +366,18 @@ impl PyKvIndexer {
         seq: &Bound<'_, PyAny>,
         block_hashes: &Bound<'_, PyAny>,
         hash_root: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
+        incarnation: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<&'static str> {
         let id = self::worker_id(worker_id)?;
         let seq = uint(seq, "seq", u64::MAX)?;
-        let hashes = wire_hashes(block_hashes, "block_hashes")?;
+        let hashes = hashes_arg(block_hashes, "block_hashes")?;
         let root = root_arg(hash_root)?;
-        self.with(py, |ix| ix.apply_snapshot(id, seq, &hashes, root))
-            .py(py)
+        let incarnation = opt_uint(incarnation, "incarnation")?;
+        self.with(py, |ix| {
+            ix.apply_snapshot(id, incarnation, seq, &hashes, root)
+        })
+        .py(py)
+        .map(|o| o.name())
     }
 
     /// Chained 32-byte hashes of the prompt's first ``num_blocks`` full blocks, as a manager
@@ -634,7 +439,7 @@ impl PyKvIndexer {
         py: Python<'py>,
         block_hashes: &Bound<'_, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let hashes = wire_hashes(block_hashes, "block_hashes")?;
+        let hashes = hashes_arg(block_hashes, "block_hashes")?;
         let pairs = self.with(py, |ix| ix.overlap_hashes(&hashes));
         overlap_dict(py, pairs)
     }
