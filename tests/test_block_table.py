@@ -227,3 +227,24 @@ def test_batch_tensors_reuse_the_table_tensor_while_the_shape_holds() -> None:
     assert c.block_table.tolist() == [m.block_table(s).tolist() for s in (1, 2)]
     assert c.copies.dtype == torch.int32 and c.copies.shape == (0, 2)
     assert (c.max_seq_len, c.max_query_len) == (9, 1)
+
+
+def test_a_reused_sequence_id_never_takes_a_delta_meant_for_its_new_sequence() -> None:
+    # Sequence 1 reported once (version 1) and freed; a new sequence under id 1 whose first
+    # output is skipped: its second delta must not be applied to the old sequence's row (the
+    # row would keep the freed blocks before table_start).
+    m = make(enable_prefix_caching=False)
+    tables = BlockTable(m)
+    m.add_sequence(1, [1] * 6)
+    m.add_sequence(2, [2] * 6)
+    step(m, tables, [1, 2], 6)
+    m.free(1)
+    m.add_sequence(1, [3] * 6)  # takes other blocks than the freed ones
+    m.step(np.array([1], np.uint64), 6)  # its full table: skipped
+    out, kept = step(m, tables, [1], 1, np.array([7]))  # an empty delta from logical block 2
+    assert out.table_start.tolist() == [2] and out.table_version.tolist() == [3]
+    assert tables.num_table_reads == 1
+    # versions keep rising for every new sequence: a fork child starts above them too
+    m.fork(1, 3)
+    out, kept = step(m, tables, [3, 2], 1, np.array([8, 9]))
+    assert out.table_version.tolist() == [4, 2] and out.table_version.dtype == np.uint64

@@ -76,6 +76,7 @@ class MSeq:
     computed: int = 0
     table: list[int] = field(default_factory=list)
     ncached: int = 0
+    stale: bool = False  # its KV predates the last reset (swapped out then): never cached
 
 
 @dataclass
@@ -198,7 +199,7 @@ class Oracle:
         return keys, cands
 
     def cache_full_blocks(self, s: MSeq) -> None:
-        if not self.caching:
+        if not self.caching or s.stale:
             return
         full = s.computed // self.bs
         for k in range(s.ncached, full):
@@ -255,7 +256,7 @@ class Oracle:
             s.table = list(hit_ids)
             s.computed = p.context
             s.ncached = len(hit_ids)
-            if self.caching:
+            if self.caching and s.status != "preempted":  # a resume is not a new lookup
                 self.counters["prefix_queries_tokens"] += len(s.tokens)
                 self.counters["prefix_hits_tokens"] += p.context
         rest = list(new)
@@ -295,7 +296,7 @@ class Oracle:
             s = self.seqs[i]
             if s.status == "running":
                 self.counters["preemptions"] += 1
-            s.table, s.computed, s.ncached, s.status = [], 0, 0, "preempted"
+            s.table, s.computed, s.ncached, s.status, s.stale = [], 0, 0, "preempted", False
 
     def swap_out(self, seqs: list[int]) -> list[tuple[int, int]]:
         self.check_group(seqs, {"running"})
@@ -370,6 +371,8 @@ class Oracle:
         self.key = [None] * self.n
         self.index.clear()
         self.events.append(("cleared",))
+        for s in self.seqs.values():  # swapped-out KV predates the reset: never cached again
+            s.stale = s.stale or (s.status == "swapped" and s.computed > 0)
 
 
 def snapshot(m: pagedkv.KVCacheManager, ids: list[int]) -> tuple[Any, ...]:
@@ -681,7 +684,9 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.m.pool.num_free == free, "fork allocated"
         for b in p.table:
             self.o.refs[b] += 1
-        self.o.seqs[child] = MSeq(list(p.tokens), p.salt, p.status, p.computed, list(p.table), p.ncached)
+        self.o.seqs[child] = MSeq(
+            list(p.tokens), p.salt, p.status, p.computed, list(p.table), p.ncached, p.stale
+        )
         self.next_id += 1
 
     @precondition(lambda self: self.o is not None and bool(self.o.seqs))

@@ -14,10 +14,13 @@
 //! - [`kv_groups`]: KV cache groups (full attention, sliding window, chunked local): what each
 //!   reads, and the configuration of several groups in one pool.
 //! - [`hybrid`]: the manager of several KV cache groups over one pool (hybrid models).
+//! - [`block_tables`]: the consumer's side of the step outputs' block-table deltas: tables
+//!   kept across steps in one buffer, updated in place.
 //! - [`metrics`], [`events`]: counters and KV events for routers.
 //! - [`kv_indexer`]: the routers' side of the events: which worker holds which block, and
 //!   each worker's cached-prefix overlap with a request.
 
+pub mod block_tables;
 pub mod error;
 pub mod events;
 pub mod free_list;

@@ -236,11 +236,15 @@ pub struct StepOutput {
     /// `table_delta`. The delta form of the block table: a consumer keeping tables across
     /// steps (as vLLM's GPU model runner keeps its block table) applies only these changes.
     pub table_start: Vec<i32>,
-    /// Per scheduled seq: how many step outputs have reported its table, this one included
-    /// (1 for its first). A consumer holding version `v` of a table may apply this delta only
-    /// when this is `v + 1` (or `table_start` is 0); otherwise it missed an output and must
-    /// re-read the whole table ([`KvCacheManager::block_table`]).
-    pub table_version: Vec<u32>,
+    /// Per scheduled seq: the version of its table this output reports, one more than its
+    /// previous report's. A sequence's first report is one more than the highest version any
+    /// earlier output of this manager carried, so versions never repeat under one id, even
+    /// when the id is reused by a new sequence. A consumer holding version `v` of an id's
+    /// table may apply this delta only when this is `v + 1` (or `table_start` is 0);
+    /// otherwise it missed an output (or holds a freed sequence's table under a reused id)
+    /// and must re-read the whole table ([`KvCacheManager::block_table`]); this is what
+    /// [`crate::block_tables::BlockTables`] does.
+    pub table_version: Vec<u64>,
     /// Length `S + 1`: CSR offsets into `table_delta`.
     pub table_delta_indptr: Vec<i32>,
     /// Per scheduled seq, its table entries from `table_start` to its end (block ids).
@@ -289,8 +293,13 @@ struct Sequence {
     /// Leading entries of `blocks` that a step output has reported and that have not changed
     /// since (the next step's table delta starts here).
     table_reported: usize,
-    /// Step outputs that have reported this sequence's table (its table version).
-    table_version: u32,
+    /// The version of its table the last step output reported (see
+    /// [`StepOutput::table_version`]).
+    table_version: u64,
+    /// Its KV predates the last prefix-cache reset (it was swapped out then): none of its
+    /// blocks is registered in the prefix cache until a recompute preemption computes the KV
+    /// afresh (docs/design.md, "Invariants", 8).
+    stale_kv: bool,
 }
 
 impl Sequence {
@@ -343,6 +352,9 @@ struct State {
     seqs: SeqTable<Sequence>,
     cpu: CpuPool,
     counters: ManagerCounters,
+    /// The highest table version any step output has carried: a new sequence's versions
+    /// continue above it, so a reused id never repeats a version.
+    table_versions: u64,
 }
 
 /// The paged KV cache manager. `Send + Sync`; every method locks one mutex over the
@@ -386,6 +398,7 @@ impl KvCacheManager {
             seqs: SeqTable::default(),
             cpu: CpuPool::new(cfg.num_cpu_blocks),
             counters: ManagerCounters::default(),
+            table_versions: 0,
         };
         Ok(Self {
             cfg,
@@ -451,6 +464,7 @@ impl KvCacheManager {
         if st.seqs.contains_key(&seq) {
             return Err(Error::SequenceExists { seq_id: seq });
         }
+        let table_version = st.table_versions;
         st.seqs.insert(
             seq,
             Sequence {
@@ -462,7 +476,8 @@ impl KvCacheManager {
                 num_cached_blocks: 0,
                 hashes: Vec::new(),
                 table_reported: 0,
-                table_version: 0,
+                table_version,
+                stale_kv: false,
             },
         );
         Ok(())
@@ -539,7 +554,7 @@ impl KvCacheManager {
         let mut c = p.clone();
         // The child's table is new to every consumer of step outputs.
         c.table_reported = 0;
-        c.table_version = 0;
+        c.table_version = st.table_versions;
         if !c.blocks.is_empty() {
             self.pool.incref(&c.blocks)?;
         }
@@ -604,6 +619,7 @@ impl KvCacheManager {
             s.num_computed = 0;
             s.num_cached_blocks = 0;
             s.status = SeqStatus::Preempted;
+            s.stale_kv = false; // its KV is computed again on resume
         }
         Ok(())
     }
@@ -667,8 +683,9 @@ impl KvCacheManager {
 
     /// Brings a swapped-out group back: takes one fresh GPU block per distinct CPU block of the
     /// group (sharing kept as GPU ref counts), returns the CPU blocks and re-registers the
-    /// full computed blocks in the prefix cache. Returns the `(cpu, gpu)` copy plan in order of
-    /// first appearance.
+    /// full computed blocks in the prefix cache, unless the prefix cache was reset while they
+    /// were out (their KV predates the reset: see [`Self::reset_prefix_cache`]). Returns the
+    /// `(cpu, gpu)` copy plan in order of first appearance.
     ///
     /// All-or-nothing. Errors: [`Error::UnknownSequence`]; [`Error::InvalidArgument`] for a
     /// duplicate id; [`Error::InvalidSequenceState`] unless every sequence is swapped;
@@ -713,11 +730,21 @@ impl KvCacheManager {
         Ok(order.into_iter().zip(gpu).collect())
     }
 
-    /// Drops every prefix-cache entry (emitting [`KvEvent::AllBlocksCleared`]). Errors:
-    /// [`Error::CacheInUse`] while any block is referenced (nothing changed). O(num_blocks).
+    /// Drops every prefix-cache entry (emitting [`KvEvent::AllBlocksCleared`]), those of
+    /// blocks swapped out to the CPU pool included: a swapped-out sequence's KV predates the
+    /// reset, so after its swap-in none of its blocks is registered or announced (not even
+    /// the blocks it fills later, whose parents are not cached) until a recompute preemption
+    /// computes its KV again. Errors: [`Error::CacheInUse`] while any GPU block is referenced
+    /// (nothing changed). O(num_blocks + sequences).
     pub fn reset_prefix_cache(&self) -> Result<()> {
-        let _st = self.state.lock();
-        self.pool.reset_prefix_cache()
+        let mut guard = self.state.lock();
+        self.pool.reset_prefix_cache()?;
+        for s in guard.seqs.values_mut() {
+            if s.status == SeqStatus::Swapped && s.num_computed > 0 {
+                s.stale_kv = true;
+            }
+        }
+        Ok(())
     }
 
     /// The sequence's block table: GPU block ids for running / preempted (empty) sequences, CPU
@@ -868,7 +895,7 @@ impl KvCacheManager {
                 s.blocks.len()
             };
             owed += len.div_ceil(bs) - held;
-            if caching {
+            if caching && !s.stale_kv {
                 for k in 0..len / bs {
                     registered.insert(self.block_hash_at(s, k));
                 }
@@ -1003,7 +1030,8 @@ impl KvCacheManager {
             }
             // The table delta: entries rewritten or added since this sequence's last report.
             let start = s.table_reported.min(s.blocks.len());
-            s.table_version = s.table_version.wrapping_add(1);
+            s.table_version += 1;
+            st.table_versions = st.table_versions.max(s.table_version);
             s.table_reported = s.blocks.len();
             out.table_start.push(start as i32);
             out.table_version.push(s.table_version);
@@ -1172,7 +1200,15 @@ impl KvCacheManager {
                             }
                         }
                     }
-                    if caching && s.num_cached_blocks != s.num_computed / bs {
+                    if s.stale_kv
+                        && (s.num_cached_blocks != 0
+                            || s.blocks.iter().any(|&b| self.pool.block_hash(b).is_some()))
+                    {
+                        return Err(format!(
+                            "seq {id}: its KV predates the last reset but a block is cached"
+                        ));
+                    }
+                    if caching && !s.stale_kv && s.num_cached_blocks != s.num_computed / bs {
                         return Err(format!(
                             "seq {id}: {} blocks cached, {} full computed blocks",
                             s.num_cached_blocks,
@@ -1400,7 +1436,9 @@ impl KvCacheManager {
             s.table_rewritten_from(0);
             s.num_computed = plan.context;
             s.num_cached_blocks = plan.hits.len();
-            if self.caching() {
+            // A resume after a recompute preemption finds its own blocks again: not a new
+            // lookup, so it counts neither queries nor hits (vLLM #25780).
+            if self.caching() && s.status != SeqStatus::Preempted {
                 counters.prefix_queries_tokens += s.tokens.len() as u64;
                 counters.prefix_hits_tokens += plan.context as u64;
             }
@@ -1432,7 +1470,7 @@ impl KvCacheManager {
     /// Registers every block full of computed tokens that is not cached yet, and emits
     /// BlockStored events (consecutive blocks with equal extra keys share one event).
     fn cache_full_blocks(&self, s: &mut Sequence) {
-        if !self.caching() {
+        if !self.caching() || s.stale_kv {
             return;
         }
         let bs = self.bs();

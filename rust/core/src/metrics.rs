@@ -7,7 +7,10 @@
 /// never moves them). Plain integers updated under the manager's lock.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ManagerCounters {
-    /// Tokens of sequences that went through a prefix lookup on their first allocation.
+    /// Tokens of sequences that went through a prefix lookup on their first allocation. A
+    /// resume after a recompute preemption looks its own blocks up again and is not counted
+    /// (nor are its hits), so a request without sharing reports a hit rate of 0 however often
+    /// it is preempted (as vLLM counts since #25780).
     pub prefix_queries_tokens: u64,
     /// Of those, tokens served from the prefix cache.
     pub prefix_hits_tokens: u64,

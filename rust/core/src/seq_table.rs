@@ -107,6 +107,13 @@ impl<T> SeqTable<T> {
     pub(crate) fn values(&self) -> impl Iterator<Item = &T> {
         self.iter().map(|(_, v)| v)
     }
+
+    /// Live entries in slot order, mutably.
+    pub(crate) fn values_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.slots
+            .iter_mut()
+            .filter_map(|e| e.as_mut().map(|(_, v)| v))
+    }
 }
 
 impl<T> std::ops::Index<&SeqId> for SeqTable<T> {

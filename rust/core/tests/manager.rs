@@ -269,6 +269,77 @@ fn preempt_recompute_keeps_hashes_and_resume_hits_own_prefix() {
     m.check_invariants().unwrap();
 }
 
+/// vLLM #25780: a recompute resume looks its own blocks up again; counting that as a new
+/// lookup made a lone request with no sharing report hits. The resume still reuses them.
+#[test]
+fn a_resume_after_preemption_is_not_a_new_prefix_lookup() {
+    let m = manager(32, 4);
+    m.add_sequence(1, &toks(0, 10), spec()).unwrap();
+    m.allocate_slots(1, 10).unwrap();
+    for t in 50..60 {
+        m.append_tokens(1, &[t]).unwrap();
+        m.allocate_slots(1, 1).unwrap();
+    }
+    m.append_tokens(1, &[60]).unwrap();
+    m.preempt_recompute(&[1]).unwrap();
+    let a = m.allocate_slots(1, 100).unwrap();
+    assert_eq!((a.num_cached_tokens, a.num_scheduled_tokens), (20, 1));
+    let s = m.stats();
+    assert_eq!((s.prefix_queries_tokens, s.prefix_hits_tokens), (10, 0));
+    assert_eq!(s.prefix_hit_rate(), 0.0);
+    // A fork child of a preempted request resumes with it: no new lookup either.
+    m.preempt_recompute(&[1]).unwrap();
+    m.fork(1, 2).unwrap();
+    m.allocate_slots(2, 100).unwrap();
+    assert_eq!(m.stats().prefix_queries_tokens, 10);
+    // A new request with the same prompt is a lookup, and its hits count.
+    m.add_sequence(3, &toks(0, 10), spec()).unwrap();
+    m.allocate_slots(3, 10).unwrap();
+    let s = m.stats();
+    assert_eq!((s.prefix_queries_tokens, s.prefix_hits_tokens), (20, 8));
+    m.check_invariants().unwrap();
+}
+
+/// A reset drops every prefix hash, those of blocks swapped out to the CPU pool included: the
+/// swapped-in KV was computed before the reset (maybe under other weights), so it is neither
+/// registered nor announced again, nor are the blocks its decode fills later (their parents
+/// are not cached). A recompute preemption computes the KV afresh and caches it again.
+#[test]
+fn reset_drops_the_hashes_of_swapped_out_blocks() {
+    let m = manager_with(16, 4, 8);
+    m.add_sequence(1, &toks(0, 10), spec()).unwrap();
+    m.allocate_slots(1, 10).unwrap();
+    m.swap_out(&[1]).unwrap();
+    m.reset_prefix_cache().unwrap();
+    assert_eq!(m.take_events().last(), Some(&KvEvent::AllBlocksCleared));
+    m.swap_in(&[1]).unwrap();
+    assert_eq!(m.take_events(), vec![]);
+    assert!((0..16).all(|b| m.pool().block_hash(b).is_none()));
+    m.add_sequence(2, &toks(0, 10), spec()).unwrap();
+    assert_eq!(m.lookup_prefix(2).unwrap(), 0);
+    m.check_invariants().unwrap();
+    m.append_tokens(1, &[90, 91, 92]).unwrap();
+    m.allocate_slots(1, 3).unwrap(); // fills block 2, starts block 3
+    assert!((0..16).all(|b| m.pool().block_hash(b).is_none()));
+    assert_eq!(m.num_blocks_owed(&[2]).unwrap(), 3);
+    m.check_invariants().unwrap();
+    // Swapped out again and back: still nothing to register.
+    m.swap_out(&[1]).unwrap();
+    m.swap_in(&[1]).unwrap();
+    assert_eq!(m.take_events(), vec![]);
+    m.preempt_recompute(&[1]).unwrap();
+    m.allocate_slots(1, 100).unwrap();
+    let table = m.block_table(1).unwrap();
+    assert!(table[..3].iter().all(|&b| m.pool().block_hash(b).is_some()));
+    assert_eq!(m.lookup_prefix(2).unwrap(), 8);
+    m.check_invariants().unwrap();
+    // A sequence swapped out after the reset is cached again on swap-in as usual.
+    m.swap_out(&[1]).unwrap();
+    m.swap_in(&[1]).unwrap();
+    assert_eq!(m.lookup_prefix(2).unwrap(), 8);
+    m.check_invariants().unwrap();
+}
+
 #[test]
 fn swap_out_and_in_keep_group_sharing() {
     let m = manager_with(16, 4, 4);
@@ -600,7 +671,7 @@ fn step_without_token_arrays_takes_the_same_blocks() {
 
 /// The table delta of each step: a decode that starts a block reports only it, a fork child
 /// and a swapped-in table come whole, a copy-on-write reports from the rewritten block on, and
-/// the version counts the outputs that reported the table.
+/// the version goes up by one per output that reports the table.
 #[test]
 fn step_reports_block_table_deltas() {
     let m = manager_with(16, 4, 8);
@@ -640,7 +711,8 @@ fn step_reports_block_table_deltas() {
     assert_eq!(out.copies.len(), 2);
     let dst = out.copies[1];
     assert_eq!(out.table_start, vec![1, 0]);
-    assert_eq!(out.table_version, vec![3, 1]);
+    // The child's versions continue above every version reported before (2, its parent's).
+    assert_eq!(out.table_version, vec![3, 3]);
     assert_eq!(out.table_delta, vec![dst, 1, 2]);
     // Block 2 of seq 2 is now full: its next token starts a block, reported alone.
     m.fork(2, 3).unwrap();
@@ -670,6 +742,32 @@ fn step_reports_block_table_deltas() {
     });
     assert_eq!(out.table_start, vec![0]);
     assert_eq!(out.table_delta.len(), m.block_table(3).unwrap().len());
+}
+
+/// A freed sequence's id reused by a new sequence: the new one's table versions continue
+/// above every version reported before, so a consumer still holding the old table under that
+/// id can never take the new sequence's delta for the next version of the old one.
+#[test]
+fn a_reused_id_never_repeats_a_table_version() {
+    let m = manager(32, 4);
+    let one = |seq: u64, n: u32| StepRequest {
+        seq_ids: vec![seq],
+        num_new_tokens: vec![n],
+        ..Default::default()
+    };
+    m.add_sequence(1, &toks(0, 6), spec()).unwrap();
+    m.add_sequence(2, &toks(50, 6), spec()).unwrap();
+    assert_eq!(m.step(&one(1, 3)).table_version, vec![1]);
+    assert_eq!(m.step(&one(1, 3)).table_version, vec![2]);
+    assert_eq!(m.step(&one(2, 6)).table_version, vec![1]);
+    m.free(1);
+    m.add_sequence(1, &toks(100, 6), spec()).unwrap();
+    let out = m.step(&one(1, 3));
+    assert_eq!((out.table_start, out.table_version), (vec![0], vec![3]));
+    assert_eq!(m.step(&one(1, 3)).table_version, vec![4]);
+    m.fork(2, 3).unwrap();
+    m.append_tokens(3, &[7]).unwrap();
+    assert_eq!(m.step(&one(3, 1)).table_version, vec![5]);
 }
 
 #[test]

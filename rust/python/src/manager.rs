@@ -160,10 +160,12 @@ pub(crate) struct PyStepOutput {
     /// ``pagedkv.BlockTable`` applies these deltas to tables it keeps across steps.
     #[pyo3(get)]
     pub(crate) table_start: Py<PyArray1<i32>>,
-    /// ``uint32[S]`` how many step outputs have reported each sequence's table, this one
-    /// included: a delta applies to the version before it (``table_version - 1``) only.
+    /// ``uint64[S]`` the version of each sequence's table this output reports: one more than
+    /// its previous report's, and a sequence's first report is above every version this
+    /// manager reported before (so a reused id never repeats one). A delta applies to the
+    /// version before it (``table_version - 1``) only.
     #[pyo3(get)]
-    pub(crate) table_version: Py<PyArray1<u32>>,
+    pub(crate) table_version: Py<PyArray1<u64>>,
     /// ``int32[S + 1]`` CSR offsets into ``table_delta``.
     #[pyo3(get)]
     pub(crate) table_delta_indptr: Py<PyArray1<i32>>,
