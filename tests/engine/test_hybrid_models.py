@@ -1,0 +1,227 @@
+"""Hybrid models and the architecture check, on tiny random models (fast).
+
+- A tiny random Gemma 3 (sliding-window and full-attention layers, window 8, QK-norm, GeGLU,
+  two RoPE bases) is served greedy-token-identical to transformers' ``generate``, on prompts
+  shorter and much longer than its window, under chunked prefill, preemption and prefix
+  caching; with the window ignored it is not (so the window is what the check checks).
+- Each layer's window comes from the config (``layer_types``, Gemma's
+  ``sliding_window_pattern``, Mistral's model-wide window, Qwen2's ``max_window_layers``).
+- A model of an architecture the engine does not implement is refused with
+  ``EngineConfigError`` naming it (before, a Qwen3 or Gemma 3 loaded as a Llama and generated
+  garbage).
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from engine_helpers import TINY_VOCAB, ModelBundle, _tiny_tokenizer, assert_no_leak, hf_greedy
+
+from pagedkv.engine import EngineConfigError, LLMEngine, SamplingParams
+from pagedkv.engine.kv_groups import KVCacheGroup, kv_cache_groups, layer_windows
+
+WINDOW = 8
+MAX_NEW = 16
+PROMPT_LENS = (3, 7, 8, 9, 30, 61)  # shorter than, equal to, just past and far past the window
+
+
+def _tiny_gemma3(folder, **overrides: Any) -> ModelBundle:
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    fields: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,  # not head_dim: the scale must come from the config
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        initializer_range=0.25,
+    )
+    fields.update(overrides)
+    cfg = Gemma3TextConfig(**fields)
+    torch.manual_seed(4321)
+    model = Gemma3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # Gemma's norms start at w = 0 (scale 1): give them values to get wrong
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(str(folder))
+    save_model(model, str(folder / "model.safetensors"))
+    _tiny_tokenizer(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    return ModelBundle(hf, tok, folder)
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory) -> ModelBundle:
+    return _tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, TINY_VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def refs(gemma) -> list[list[int]]:
+    out = []
+    for p in _prompts():
+        toks = hf_greedy(gemma, p, MAX_NEW)
+        out.append(toks[: toks.index(1) + 1] if 1 in toks else toks)
+    return out
+
+
+def test_tiny_gemma3_is_a_hybrid_model(gemma):
+    engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, num_kv_blocks=64, block_size=4)
+    assert type(engine.model).__name__ == "Gemma3ForCausalLM"
+    assert engine.model.kv_groups == (KVCacheGroup(WINDOW, (0, 2, 3)), KVCacheGroup(None, (1,)))
+    assert engine.model.layer_group == (0, 1, 0, 0)
+    assert engine.model.scale == 24**-0.5
+
+
+REGIMES = {
+    "one-batch": dict(),
+    "chunked-prefill": dict(max_tokens_per_step=5),
+    "recompute-preemption": dict(num_kv_blocks=24),
+    "swap-preemption": dict(num_kv_blocks=24, preemption="swap"),
+    "block-size-16": dict(block_size=16, num_kv_blocks=32),
+    "batch-size-1": dict(max_num_seqs=1),
+}
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_tiny_gemma3_greedy_token_identical_to_transformers(gemma, refs, regime):
+    kw = dict(block_size=4, num_kv_blocks=256) | REGIMES[regime]
+    engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, **kw)
+    outs = engine.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW))
+    for prompt_len, out, want in zip(PROMPT_LENS, outs, refs):
+        assert list(out.token_ids) == want, (regime, prompt_len)
+    if regime.endswith("preemption"):
+        assert engine.stats().preemptions > 0
+    assert_no_leak(engine)
+
+
+def test_tiny_gemma3_prefix_hit_past_the_window(gemma):
+    # The second request shares the first one's 60-token prompt: its sliding layers read the
+    # cached K/V of the last WINDOW positions of the hit, its full layer every position.
+    base = _prompts()[-1]
+    tail = [5, 6, 7, 8]
+    want = hf_greedy(gemma, base + tail, MAX_NEW)
+    engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, block_size=4, num_kv_blocks=128)
+    engine.generate([base], SamplingParams(max_tokens=1))
+    out = engine.generate([base + tail], SamplingParams(max_tokens=MAX_NEW))[0]
+    assert engine.stats().prefix_hits_tokens >= 56
+    assert list(out.token_ids) == want[: len(out.token_ids)] and len(out.token_ids) == len(want)
+
+
+def test_tiny_gemma3_differs_when_the_window_is_ignored(gemma, refs):
+    # The check above can fail: with every layer on full attention the prompts past the window
+    # get other tokens than transformers gives.
+    engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, block_size=4, num_kv_blocks=256)
+    engine.model.layer_windows = (None,) * 4
+    engine.model._init_kv_groups()
+    outs = engine.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW))
+    differ = [n for n, out, want in zip(PROMPT_LENS, outs, refs) if list(out.token_ids) != want]
+    assert differ and min(differ) > WINDOW
+
+
+def test_gemma3_configs_the_engine_does_not_implement_are_refused(tmp_path):
+    for overrides, needle in (
+        (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
+        (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ):
+        bundle = _tiny_gemma3(tmp_path / needle, **overrides)
+        with pytest.raises(EngineConfigError, match=needle):
+            LLMEngine(bundle.hf, tokenizer=bundle.tokenizer, num_kv_blocks=16)
+
+
+# ---------------------------------------------------------------- layer windows from configs
+
+
+def _cfg(**kw: Any) -> SimpleNamespace:
+    return SimpleNamespace(num_hidden_layers=kw.pop("n", 4), **kw)
+
+
+def test_layer_windows_from_each_config_form():
+    assert layer_windows(_cfg(sliding_window=None)) == (None,) * 4  # Llama
+    assert layer_windows(_cfg(sliding_window=32)) == (32,) * 4  # Mistral: every layer
+    assert layer_windows(_cfg(sliding_window=32, use_sliding_window=False)) == (None,) * 4
+    assert layer_windows(_cfg(n=6, sliding_window=5, sliding_window_pattern=3)) == (5, 5, None, 5, 5, None)
+    types = ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]  # Qwen2
+    assert layer_windows(_cfg(sliding_window=7, layer_types=types)) == (None, None, 7, 7)
+    assert kv_cache_groups((7, None, 7, 9)) == (
+        KVCacheGroup(7, (0, 2)),
+        KVCacheGroup(None, (1,)),
+        KVCacheGroup(9, (3,)),
+    )
+
+
+def test_qwen2_window_only_from_max_window_layers():
+    from transformers import Qwen2Config
+
+    cfg = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=16, max_window_layers=2)
+    assert layer_windows(cfg) == (None, None, 16, 16)
+
+
+@pytest.mark.parametrize(
+    "kw,needle",
+    [
+        (dict(layer_types=["full_attention", "chunked_attention", "full_attention", "full_attention"]),
+         "layer 1 has attention type 'chunked_attention'"),
+        (dict(layer_types=["full_attention"] * 3), "layer_types has 3 entries, expected num_hidden_layers=4"),
+        (dict(sliding_window=0, layer_types=["sliding_attention"] * 4), "sliding_window is 0"),
+        (dict(sliding_window=None, layer_types=["sliding_attention"] * 4), "sliding_window is None"),
+    ],
+)  # fmt: skip
+def test_layer_windows_refuse_what_the_engine_does_not_implement(kw, needle):
+    with pytest.raises(EngineConfigError, match=needle):
+        layer_windows(_cfg(**kw))
+
+
+# ---------------------------------------------------------------- architecture check
+
+
+def test_unsupported_architecture_is_refused_naming_it(tiny, tmp_path):
+    # Qwen3's weights carry Llama's names (plus a QK-norm): without the check it loaded as a
+    # Llama and generated garbage.
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+    )  # fmt: skip
+    model = Qwen3ForCausalLM(cfg).eval()
+    with pytest.raises(EngineConfigError, match=r"architecture 'Qwen3ForCausalLM' \(model_type 'qwen3'\)"):
+        LLMEngine(model, tokenizer=tiny.tokenizer, num_kv_blocks=16)
+    # A headless model is no causal LM either, whatever its weights.
+    with pytest.raises(EngineConfigError, match="architecture 'LlamaModel'"):
+        LLMEngine(tiny.hf.model, tokenizer=tiny.tokenizer, num_kv_blocks=16)
+    # From a folder too: refused after the load, before any KV allocation.
+    folder = tmp_path / "qwen3"
+    model.save_pretrained(str(folder))
+    tiny.tokenizer.save_pretrained(str(folder))
+    with pytest.raises(EngineConfigError, match="Qwen3ForCausalLM"):
+        LLMEngine(str(folder), num_kv_blocks=16)
