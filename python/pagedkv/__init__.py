@@ -12,6 +12,10 @@ Allocator API (needs numpy only):
 - :class:`KVCacheManager` -- per-sequence block tables: ``add_sequence``, ``allocate_slots``,
   ``fork``, ``free``, ``preempt``, ``swap_out`` / ``swap_in``, the batched ``step``, ``stats``,
   ``take_events``, ``check_invariants``.
+- :class:`HybridKVCacheManager`, :class:`KVCacheGroupSpec`, :class:`HybridStepOutput` -- KV
+  cache groups of hybrid models (full-attention, sliding-window and chunked-local layers) in
+  one block pool: one block table per group per sequence, out-of-window blocks released, one
+  ``step`` giving every group's slot mapping and block tables.
 - :class:`BlockPool` -- the block pool alone (thread-safe, GIL released in every call).
 - :class:`SlotAllocation`, :class:`StepOutput`, :class:`CacheStats`, :class:`BlockStored`,
   :class:`BlockRemoved`, :class:`AllBlocksCleared` -- results.
@@ -49,6 +53,9 @@ from pagedkv._core import (
     BlockStored,
     CacheConfig,
     CacheStats,
+    HybridKVCacheManager,
+    HybridStepOutput,
+    KVCacheGroupSpec,
     KVCacheManager,
     KVIndexer,
     SlotAllocation,
@@ -91,11 +98,14 @@ __all__ = [
     "CacheStats",
     "EngineError",
     "HashScheme",
+    "HybridKVCacheManager",
+    "HybridStepOutput",
     "InvalidArgumentError",
     "InvalidBlockError",
     "InvalidConfigError",
     "InvalidSequenceStateError",
     "InvariantViolationError",
+    "KVCacheGroupSpec",
     "KVCacheManager",
     "KVIndexer",
     "KernelInputError",

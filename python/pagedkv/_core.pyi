@@ -24,6 +24,9 @@ __all__ = [
     "AllBlocksCleared",
     "KVIndexer",
     "BlockTable",
+    "KVCacheGroupSpec",
+    "HybridKVCacheManager",
+    "HybridStepOutput",
 ]
 
 __version__: str
@@ -122,7 +125,7 @@ class StepOutput:
     @property
     def table_start(self) -> _Int32Array: ...
     @property
-    def table_version(self) -> npt.NDArray[np.uint64]: ...
+    def table_version(self) -> npt.NDArray[np.uint32]: ...
     @property
     def table_delta_indptr(self) -> _Int32Array: ...
     @property
@@ -334,16 +337,8 @@ class KVIndexer:
     A worker's index is always a subset of its cache as of its last applied batch (never a
     stale entry) and equal to it while nothing was lost since the last snapshot or ``seq`` 0.
 
-    Incarnations: every registration of a worker id (``add_worker``, or a first ``apply`` of
-    an unknown id) gets a new incarnation number, larger than any before, and starts a new
-    sequence. A batch or snapshot sent with ``incarnation=`` an earlier registration's number
-    (a restarted worker's old batches still in flight) is refused as ``"stale"`` and changes
-    nothing.
-
-    A worker holds a hash or not: a ``BlockStored`` of a hash it holds already changes nothing
-    (vLLM's ``kv_cache_report_mode="full"`` re-announces prefix-cache hits so), and a
-    ``BlockRemoved`` drops it (an engine caching one hash in two blocks and evicting one is
-    under-reported, never over-reported). Workers with
+    Per worker and hash the indexer counts stores minus removals (pagedkv managers emit set
+    semantics, so 0 or 1; vLLM may store one hash in two blocks). Workers with
     ``hash_source="engine"`` (the default; pagedkv engines with this ``hash_algo`` and
     ``hash_seed``) are indexed by their event hashes; ``"tokens"`` workers (vLLM) are rehashed
     from each ``BlockStored``'s token ids and parent, so token queries match them too.
@@ -387,10 +382,8 @@ class KVIndexer:
     @property
     def num_hashes(self) -> int:
         """Distinct block hashes held by at least one worker."""
-    def add_worker(self, worker_id: int, *, hash_source: str = "engine") -> int:
-        """Registers ``worker_id`` (``hash_source`` ``"engine"`` or ``"tokens"``); returns the
-        registration's incarnation number (pass it to ``apply`` with that registration's
-        batches).
+    def add_worker(self, worker_id: int, *, hash_source: str = "engine") -> None:
+        """Registers ``worker_id`` (``hash_source`` ``"engine"`` or ``"tokens"``).
 
         Workers are also registered as ``"engine"`` by their first ``apply``. Raises
         ``InvalidArgumentError`` if already registered or for another ``hash_source``.
@@ -400,27 +393,18 @@ class KVIndexer:
     def worker_ids(self) -> list[int]:
         """Registered workers."""
     def worker_status(self, worker_id: int) -> dict[str, Any] | None:
-        """``worker_id``, ``incarnation``, ``hash_source``, ``num_blocks``, ``next_seq``,
-        ``num_pending``, ``needs_resync``, ``gaps``; None for an unknown worker."""
+        """``worker_id``, ``hash_source``, ``num_blocks``, ``next_seq``, ``num_pending``,
+        ``needs_resync``, ``gaps``; None for an unknown worker."""
     def needs_resync(self, worker_id: int) -> bool:
         """True after a gap (or a first batch with ``seq > 0``) until ``apply_snapshot``."""
     def worker_hashes(self, worker_id: int) -> list[bytes]:
         """The (indexer-side, 32-byte) hashes the worker holds, sorted; [] if unknown."""
     def apply(
-        self,
-        worker_id: int,
-        seq: int,
-        events: Iterable[_IndexerEvent],
-        *,
-        hash_root: bytes | None = None,
-        incarnation: int | None = None,
+        self, worker_id: int, seq: int, events: Iterable[_IndexerEvent], *, hash_root: bytes | None = None
     ) -> str:
         """Applies batch ``seq`` of ``worker_id``; returns ``"applied"``, ``"buffered"``,
-        ``"duplicate"``, ``"gap"`` or ``"stale"``. ``hash_root`` (32 bytes) is the hash root of
-        the batch's wire ``BlockStored`` events, which carry none themselves (event objects
-        keep theirs). ``incarnation``: the registration the batch came from (``add_worker``'s
-        number; None: the current one); a batch of an earlier one, or of a removed worker, is
-        ``"stale"`` and changes nothing.
+        ``"duplicate"`` or ``"gap"``. ``hash_root`` (32 bytes) is the hash root of the batch's
+        wire ``BlockStored`` events, which carry none themselves (event objects keep theirs).
 
         ``events``: pagedkv ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` objects
         or vLLM wire events (``["BlockStored", hashes, parent, token_ids, block_size,
@@ -437,27 +421,18 @@ class KVIndexer:
         ``hash_root`` is set and is not :attr:`hash_root` (another cache identity), an
         ``extra_keys`` field that is not one tuple or None per block, a ``lora_name`` that is
         not a str or None, a ``lookahead_token_ids`` that is not one list per block, or, for a
-        ``"tokens"`` worker, whose token count is not ``len(block_hashes) * block_size``; for
-        a ``hash_root`` that is not 32 bytes; and for an ``incarnation`` never issued to
-        ``worker_id``.
+        ``"tokens"`` worker, whose token count is not ``len(block_hashes) * block_size``; and
+        for a ``hash_root`` that is not 32 bytes.
         """
     def apply_snapshot(
-        self,
-        worker_id: int,
-        seq: int,
-        block_hashes: Iterable[_WireHash],
-        *,
-        hash_root: bytes | None = None,
-        incarnation: int | None = None,
-    ) -> str:
+        self, worker_id: int, seq: int, block_hashes: Iterable[_WireHash], *, hash_root: bytes | None = None
+    ) -> None:
         """Sets the worker's entries to ``block_hashes`` (its whole cache) as of its batch
         ``seq``; later batches continue at ``seq + 1``. Clears ``needs_resync``. ``hash_root``
         (32 bytes): the root of the worker's hash chains, as its ``BlockStored`` events carry
-        it. Returns ``"applied"``, or ``"stale"`` (nothing changed) for a snapshot of an
-        earlier ``incarnation`` (as for ``apply``). Raises ``InvalidArgumentError`` (nothing
-        changed) for a ``"tokens"`` worker, for a ``hash_root`` other than :attr:`hash_root`
-        (another cache identity), for one that is not 32 bytes and for an ``incarnation`` never
-        issued to ``worker_id``."""
+        it. Raises ``InvalidArgumentError`` (nothing changed) for a ``"tokens"`` worker, for a
+        ``hash_root`` other than :attr:`hash_root` (another cache identity) and for one that is
+        not 32 bytes."""
     def block_hashes(
         self,
         token_ids: _IntArrayLike,
@@ -500,3 +475,138 @@ class BlockTable:
     @property
     def num_table_reads(self) -> int: ...
     def update(self, steps: StepOutput | list[StepOutput] | tuple[StepOutput, ...]) -> _Int32Array: ...
+
+@final
+class KVCacheGroupSpec:
+    """One KV cache group: attention kind (full, sliding window, chunked local) and page layout."""
+
+    def __new__(
+        cls,
+        kind: str,
+        block_size: int,
+        bytes_per_token: int,
+        *,
+        window: int | None = None,
+        chunk: int | None = None,
+    ) -> KVCacheGroupSpec: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def bytes_per_token(self) -> int: ...
+    @property
+    def window(self) -> int | None: ...
+    @property
+    def chunk(self) -> int | None: ...
+    @property
+    def page_bytes(self) -> int | None: ...
+
+@final
+class HybridStepOutput:
+    """The result of one ``HybridKVCacheManager.step``: kernel inputs with a group dimension."""
+
+    @property
+    def num_scheduled(self) -> int: ...
+    @property
+    def error(self) -> PagedKVError | None: ...
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def max_seq_len(self) -> int: ...
+    @property
+    def max_query_len(self) -> int: ...
+    @property
+    def seq_ids(self) -> npt.NDArray[np.uint64]: ...
+    @property
+    def num_cached_tokens(self) -> _Int32Array: ...
+    @property
+    def query_start_loc(self) -> _Int32Array: ...
+    @property
+    def seq_lens(self) -> _Int32Array: ...
+    @property
+    def context_lens(self) -> _Int32Array: ...
+    @property
+    def input_ids(self) -> _Int64Array: ...
+    @property
+    def slot_mapping(self) -> _Int64Array: ...
+    @property
+    def block_table(self) -> _Int32Array: ...
+    @property
+    def new_block_indptr(self) -> _Int32Array: ...
+    @property
+    def new_block_ids(self) -> _Int32Array: ...
+    @property
+    def copies(self) -> _Int32Array: ...
+    def raise_for_error(self) -> None: ...
+
+@final
+class HybridKVCacheManager:
+    """KV cache manager of a hybrid model: several KV cache groups in one block pool."""
+
+    def __new__(
+        cls,
+        groups: list[KVCacheGroupSpec] | tuple[KVCacheGroupSpec, ...],
+        layer_groups: list[int] | tuple[int, ...],
+        num_blocks: int,
+        *,
+        enable_prefix_caching: bool = True,
+        retention_interval: int = 0,
+        hash_algo: str = "sha256",
+        hash_seed: bytes | None = None,
+        num_cpu_blocks: int = 0,
+        enable_events: bool = False,
+    ) -> HybridKVCacheManager: ...
+    @property
+    def groups(self) -> list[KVCacheGroupSpec]: ...
+    @property
+    def layer_groups(self) -> list[int]: ...
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def hit_unit(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def retention_interval(self) -> int: ...
+    @property
+    def num_sequences(self) -> int: ...
+    def add_sequence(
+        self,
+        seq_id: int,
+        prompt_token_ids: _IntArrayLike,
+        *,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+        extra_keys: list[tuple[str, bytes]] | None = None,
+        mm_items: list[tuple[bytes, int, int]] | None = None,
+    ) -> None: ...
+    def append_tokens(self, seq_id: int, token_ids: _IntArrayLike) -> None: ...
+    def lookup_prefix(self, seq_id: int) -> int: ...
+    def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> tuple[int, int]: ...
+    def num_blocks_owed(self, seq_ids: _IntArrayLike) -> int: ...
+    def fork(self, parent_id: int, child_id: int) -> None: ...
+    def free(self, seq_id: int) -> bool: ...
+    def preempt(self, seq_ids: _IntArrayLike) -> None: ...
+    def swap_out(self, seq_ids: _IntArrayLike) -> _Int32Array: ...
+    def swap_in(self, seq_ids: _IntArrayLike) -> _Int32Array: ...
+    def reset_prefix_cache(self) -> None: ...
+    def block_tables(self, seq_id: int) -> list[_Int32Array]: ...
+    def num_blocks_held(self, seq_id: int) -> list[int]: ...
+    def num_tokens(self, seq_id: int) -> int: ...
+    def num_computed_tokens(self, seq_id: int) -> int: ...
+    def status(self, seq_id: int) -> str: ...
+    def step(
+        self,
+        seq_ids: _IntArrayLike,
+        num_new_tokens: int | _IntArrayLike,
+        append_token_ids: _IntArrayLike | list[_IntArrayLike] | None = None,
+    ) -> HybridStepOutput: ...
+    def take_events(
+        self,
+    ) -> list[tuple[int | None, BlockStored | BlockRemoved | AllBlocksCleared]]: ...
+    def check_invariants(self) -> None: ...

@@ -242,8 +242,10 @@ impl HybridConfig {
                         spec.block_size, spec.bytes_per_token
                     ),
                     reason: format!(
-                        "every group's page (block_size x bytes_per_token) must have the same size to share one pool; group 0's is {} x {} = {:?} bytes",
-                        self.groups[0].block_size, self.groups[0].bytes_per_token, page
+                        "every group's page (block_size x bytes_per_token) must have the same size to share one pool; group 0's is {} x {} = {} bytes",
+                        self.groups[0].block_size,
+                        self.groups[0].bytes_per_token,
+                        page.map_or("more than 2^64".into(), |p| p.to_string())
                     ),
                 });
             }
@@ -271,7 +273,7 @@ impl HybridConfig {
                     field: "layer_groups",
                     value: format!("layer {layer} -> group {g}"),
                     reason: format!(
-                        "layer mapped to no group (there are {} groups)",
+                        "layer mapped to no group (groups are 0..{})",
                         self.groups.len()
                     ),
                 });

@@ -78,7 +78,7 @@ fn bad_group_specs_are_refused_at_construction() {
         ],
         vec![0, 1],
     );
-    assert!(4091 * 4093 > MAX_HIT_UNIT);
+    const _: () = assert!(4091 * 4093 > MAX_HIT_UNIT);
     assert!(config_err(c).1.contains("least common multiple"));
 }
 
@@ -430,14 +430,11 @@ fn step_returns_every_groups_slots_and_tables() {
     assert_eq!(w, 3);
     assert_eq!(out.block_table.len(), 2 * 2 * w);
     let tables = m.block_tables(1).unwrap();
-    for g in 0..2 {
+    for (g, table) in tables.iter().enumerate() {
         let row = &out.block_table[(g * 2) * w..(g * 2 + 1) * w];
-        assert_eq!(row, tables[g].iter().map(|&b| b as i32).collect::<Vec<_>>());
+        assert_eq!(row, table.iter().map(|&b| b as i32).collect::<Vec<_>>());
         // Slot of token 9 of seq 1 in group g.
-        assert_eq!(
-            out.slot_mapping[g * 15 + 9],
-            i64::from(tables[g][2]) * 4 + 1
-        );
+        assert_eq!(out.slot_mapping[g * 15 + 9], i64::from(table[2]) * 4 + 1);
     }
     // A duplicate id schedules nothing.
     let bad = m.step(&StepRequest {

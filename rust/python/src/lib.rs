@@ -11,6 +11,7 @@ mod config;
 mod convert;
 mod errors;
 mod events;
+mod hybrid;
 mod indexer;
 mod manager;
 mod pool;
@@ -37,5 +38,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<events::PyAllBlocksCleared>()?;
     m.add_class::<indexer::PyKvIndexer>()?;
     m.add_class::<block_table::PyBlockTable>()?;
+    m.add_class::<hybrid::PyGroupSpec>()?;
+    m.add_class::<hybrid::PyHybridManager>()?;
+    m.add_class::<hybrid::PyHybridStepOutput>()?;
     Ok(())
 }
