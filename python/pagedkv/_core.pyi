@@ -125,7 +125,7 @@ class StepOutput:
     @property
     def table_start(self) -> _Int32Array: ...
     @property
-    def table_version(self) -> npt.NDArray[np.uint32]: ...
+    def table_version(self) -> npt.NDArray[np.uint64]: ...
     @property
     def table_delta_indptr(self) -> _Int32Array: ...
     @property
@@ -337,8 +337,16 @@ class KVIndexer:
     A worker's index is always a subset of its cache as of its last applied batch (never a
     stale entry) and equal to it while nothing was lost since the last snapshot or ``seq`` 0.
 
-    Per worker and hash the indexer counts stores minus removals (pagedkv managers emit set
-    semantics, so 0 or 1; vLLM may store one hash in two blocks). Workers with
+    Incarnations: every registration of a worker id (``add_worker``, or a first ``apply`` of
+    an unknown id) gets a new incarnation number, larger than any before, and starts a new
+    sequence. A batch or snapshot sent with ``incarnation=`` an earlier registration's number
+    (a restarted worker's old batches still in flight) is refused as ``"stale"`` and changes
+    nothing.
+
+    A worker holds a hash or not: a ``BlockStored`` of a hash it holds already changes nothing
+    (vLLM's ``kv_cache_report_mode="full"`` re-announces prefix-cache hits so), and a
+    ``BlockRemoved`` drops it (an engine caching one hash in two blocks and evicting one is
+    under-reported, never over-reported). Workers with
     ``hash_source="engine"`` (the default; pagedkv engines with this ``hash_algo`` and
     ``hash_seed``) are indexed by their event hashes; ``"tokens"`` workers (vLLM) are rehashed
     from each ``BlockStored``'s token ids and parent, so token queries match them too.
@@ -382,8 +390,10 @@ class KVIndexer:
     @property
     def num_hashes(self) -> int:
         """Distinct block hashes held by at least one worker."""
-    def add_worker(self, worker_id: int, *, hash_source: str = "engine") -> None:
-        """Registers ``worker_id`` (``hash_source`` ``"engine"`` or ``"tokens"``).
+    def add_worker(self, worker_id: int, *, hash_source: str = "engine") -> int:
+        """Registers ``worker_id`` (``hash_source`` ``"engine"`` or ``"tokens"``); returns the
+        registration's incarnation number (pass it to ``apply`` with that registration's
+        batches).
 
         Workers are also registered as ``"engine"`` by their first ``apply``. Raises
         ``InvalidArgumentError`` if already registered or for another ``hash_source``.
@@ -393,18 +403,27 @@ class KVIndexer:
     def worker_ids(self) -> list[int]:
         """Registered workers."""
     def worker_status(self, worker_id: int) -> dict[str, Any] | None:
-        """``worker_id``, ``hash_source``, ``num_blocks``, ``next_seq``, ``num_pending``,
-        ``needs_resync``, ``gaps``; None for an unknown worker."""
+        """``worker_id``, ``incarnation``, ``hash_source``, ``num_blocks``, ``next_seq``,
+        ``num_pending``, ``needs_resync``, ``gaps``; None for an unknown worker."""
     def needs_resync(self, worker_id: int) -> bool:
         """True after a gap (or a first batch with ``seq > 0``) until ``apply_snapshot``."""
     def worker_hashes(self, worker_id: int) -> list[bytes]:
         """The (indexer-side, 32-byte) hashes the worker holds, sorted; [] if unknown."""
     def apply(
-        self, worker_id: int, seq: int, events: Iterable[_IndexerEvent], *, hash_root: bytes | None = None
+        self,
+        worker_id: int,
+        seq: int,
+        events: Iterable[_IndexerEvent],
+        *,
+        hash_root: bytes | None = None,
+        incarnation: int | None = None,
     ) -> str:
         """Applies batch ``seq`` of ``worker_id``; returns ``"applied"``, ``"buffered"``,
-        ``"duplicate"`` or ``"gap"``. ``hash_root`` (32 bytes) is the hash root of the batch's
-        wire ``BlockStored`` events, which carry none themselves (event objects keep theirs).
+        ``"duplicate"``, ``"gap"`` or ``"stale"``. ``hash_root`` (32 bytes) is the hash root of
+        the batch's wire ``BlockStored`` events, which carry none themselves (event objects
+        keep theirs). ``incarnation``: the registration the batch came from (``add_worker``'s
+        number; None: the current one); a batch of an earlier one, or of a removed worker, is
+        ``"stale"`` and changes nothing.
 
         ``events``: pagedkv ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` objects
         or vLLM wire events (``["BlockStored", hashes, parent, token_ids, block_size,
@@ -421,18 +440,27 @@ class KVIndexer:
         ``hash_root`` is set and is not :attr:`hash_root` (another cache identity), an
         ``extra_keys`` field that is not one tuple or None per block, a ``lora_name`` that is
         not a str or None, a ``lookahead_token_ids`` that is not one list per block, or, for a
-        ``"tokens"`` worker, whose token count is not ``len(block_hashes) * block_size``; and
-        for a ``hash_root`` that is not 32 bytes.
+        ``"tokens"`` worker, whose token count is not ``len(block_hashes) * block_size``; for
+        a ``hash_root`` that is not 32 bytes; and for an ``incarnation`` never issued to
+        ``worker_id``.
         """
     def apply_snapshot(
-        self, worker_id: int, seq: int, block_hashes: Iterable[_WireHash], *, hash_root: bytes | None = None
-    ) -> None:
+        self,
+        worker_id: int,
+        seq: int,
+        block_hashes: Iterable[_WireHash],
+        *,
+        hash_root: bytes | None = None,
+        incarnation: int | None = None,
+    ) -> str:
         """Sets the worker's entries to ``block_hashes`` (its whole cache) as of its batch
         ``seq``; later batches continue at ``seq + 1``. Clears ``needs_resync``. ``hash_root``
         (32 bytes): the root of the worker's hash chains, as its ``BlockStored`` events carry
-        it. Raises ``InvalidArgumentError`` (nothing changed) for a ``"tokens"`` worker, for a
-        ``hash_root`` other than :attr:`hash_root` (another cache identity) and for one that is
-        not 32 bytes."""
+        it. Returns ``"applied"``, or ``"stale"`` (nothing changed) for a snapshot of an
+        earlier ``incarnation`` (as for ``apply``). Raises ``InvalidArgumentError`` (nothing
+        changed) for a ``"tokens"`` worker, for a ``hash_root`` other than :attr:`hash_root`
+        (another cache identity), for one that is not 32 bytes and for an ``incarnation`` never
+        issued to ``worker_id``."""
     def block_hashes(
         self,
         token_ids: _IntArrayLike,
