@@ -47,10 +47,12 @@ def _cluster(tiny: ModelBundle, n: int):  # type: ignore[no-untyped-def]
 
 
 def _prompts() -> tuple[list[list[int]], list[list[int]]]:
-    """Two groups of token prompts; each group shares a 3-block (12-token) prefix."""
+    """Two groups of token prompts; each group shares a 3-block (12-token) prefix. The second
+    wave alternates the groups, so each replica takes one request of its group at a time (the
+    KV-aware policy's load bound keeps two idle replicas within one request of each other)."""
     a, b = list(range(10, 22)), list(range(200, 212))
     first = [a + [30, 31], b + [40, 41]]
-    second = [a + [32, 33, 34], a + [35], b + [42, 43, 44], b + [45]]
+    second = [a + [32, 33, 34], b + [42, 43, 44], a + [35], b + [45]]
     return first, second
 
 
@@ -75,7 +77,7 @@ def test_two_replicas_match_one_engine_and_compute_each_prefix_once(tiny: ModelB
     # cached prefix (3 blocks) in wave 2.
     ra, rb = wave1["w1-0"].replica, wave1["w1-1"].replica
     assert ra != rb
-    assert [wave2[f"w2-{i}"].replica for i in range(4)] == [ra, ra, rb, rb]
+    assert [wave2[f"w2-{i}"].replica for i in range(4)] == [ra, rb, ra, rb]
     assert [wave2[f"w2-{i}"].overlap_blocks for i in range(4)] == [3, 3, 3, 3]
     # Each shared prefix was computed once: every second-wave request found it cached, exactly
     # as on the single engine.
