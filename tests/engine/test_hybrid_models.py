@@ -225,3 +225,90 @@ def test_unsupported_architecture_is_refused_naming_it(tiny, tmp_path):
     tiny.tokenizer.save_pretrained(str(folder))
     with pytest.raises(EngineConfigError, match="Qwen3ForCausalLM"):
         LLMEngine(str(folder), num_kv_blocks=16)
+
+
+# ---------------------------------------------------------------- per-group block tables
+
+
+def _hybrid_meta(out: Any) -> SimpleNamespace:
+    """Kernel inputs of a hybrid manager's step: one block table and slot mapping per group."""
+    qsl = torch.from_numpy(out.query_start_loc.copy())
+    seq_lens = torch.from_numpy(out.seq_lens.copy())
+    q_lens = (qsl[1:] - qsl[:-1]).long()
+    starts = (seq_lens.long() - q_lens).repeat_interleave(q_lens)
+    offsets = torch.arange(int(qsl[-1])) - qsl[:-1].long().repeat_interleave(q_lens)
+    return SimpleNamespace(
+        block_table=torch.from_numpy(out.block_table.copy()),  # [groups, B, max_blocks]
+        slot_mapping=torch.from_numpy(out.slot_mapping.copy()),  # [groups, T]
+        seq_lens=seq_lens,
+        query_start_loc=qsl,
+        input_ids=torch.from_numpy(out.input_ids.copy()),
+        positions=starts + offsets,
+        max_query_len=out.max_query_len,
+        max_seq_len=out.max_seq_len,
+        attn_plan=None,
+    )
+
+
+def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
+    # The model on a hybrid KV cache manager's steps (one table and slot mapping per group):
+    # the sliding-window group releases its blocks behind the window (table entries -> the
+    # null block, poisoned with NaN here), the full-attention group keeps them all, and the
+    # greedy tokens are transformers'. Chunked prefill in 16-token chunks, then decodes.
+    import numpy as np
+
+    import pagedkv
+
+    if not hasattr(pagedkv, "HybridKVCacheManager"):
+        pytest.skip("this build of pagedkv has no HybridKVCacheManager")
+    from pagedkv.engine.gemma3 import Gemma3ForCausalLM
+
+    model = Gemma3ForCausalLM.from_hf(gemma.hf)
+    bs, num_blocks = 4, 64
+    per_token = 2 * model.num_kv_heads * model.head_size * 4
+    specs = [
+        pagedkv.KVCacheGroupSpec("full", bs, per_token)
+        if g.sliding_window is None
+        else pagedkv.KVCacheGroupSpec("sliding_window", bs, per_token, window=g.sliding_window)
+        for g in model.kv_groups
+    ]
+    manager = pagedkv.HybridKVCacheManager(specs, list(model.layer_group), num_blocks)
+    kv_cache = model.allocate_kv_cache(num_blocks, bs)
+    kv_cache[:, :, 0] = float("nan")  # the null block: released entries point here
+    prompt = _prompts()[-1]
+    want = hf_greedy(gemma, prompt, MAX_NEW)
+    manager.add_sequence(1, prompt)
+    got: list[int] = []
+    done = 0
+    while not got or (len(got) < len(want) and got[-1] != 1):
+        if done < len(prompt):
+            n = min(16, len(prompt) - done)
+            out = manager.step([1], [n])
+            done += n
+            if done < len(prompt):
+                out.raise_for_error()
+                meta = _hybrid_meta(out)
+                meta.attn_plan = model.plan_attention(meta, tuple(kv_cache.shape[2:]))
+                model.forward(meta.input_ids, meta.positions, kv_cache, meta, torch.tensor([n - 1]))
+                continue
+        else:
+            out = manager.step([1], [1], [np.array([got[-1]])])
+        out.raise_for_error()
+        meta = _hybrid_meta(out)
+        meta.attn_plan = model.plan_attention(meta, tuple(kv_cache.shape[2:]))
+        logits = model.forward(
+            meta.input_ids, meta.positions, kv_cache, meta, torch.tensor([meta.input_ids.shape[0] - 1])
+        )
+        assert torch.isfinite(logits).all()
+        got.append(int(logits[0].argmax()))
+    assert got == want
+    held = manager.num_blocks_held(1)
+    total = manager.num_tokens(1)
+    sliding = [g for g, grp in enumerate(model.kv_groups) if grp.sliding_window is not None][0]
+    assert held[1 - sliding] == -(-total // bs)  # full attention: every block
+    assert held[sliding] <= -(-WINDOW // bs) + 1 < -(-total // bs)  # bounded by the window
+    table = manager.block_tables(1)[sliding]
+    assert (table[: (total - WINDOW) // bs] == 0).all()  # released: the (poisoned) null block
+    manager.free(1)
+    manager.check_invariants()
+    assert manager.num_free_blocks == num_blocks - 1  # every block back (block 0 is the null block)

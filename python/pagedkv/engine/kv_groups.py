@@ -9,12 +9,15 @@ every block. :func:`layer_windows` reads each layer's kind from the transformers
 :func:`kv_cache_groups` groups the layers, and :func:`plan_groups` builds the step's attention
 plans, one per group, each from that group's block table (:func:`group_block_table`).
 
-One block table today. The KV cache manager (the core) keeps one block table per sequence, so
-every group reads it: a sliding-window layer reads only the blocks inside its window, and the
-blocks before the window stay allocated (the local layers' KV memory is not bounded by the window
-yet). :func:`group_block_table` is where a per-group table from the core takes over: a group
-whose table has the out-of-window entries at the null block is read correctly by the kernels
-already (they never read before the window, tests/kernels/test_sliding_window.py).
+One block table or one per group. The engine's KV cache manager keeps one block table per
+sequence, so every group reads it: a sliding-window layer reads only the blocks inside its
+window, and the blocks before the window stay allocated (the local layers' KV memory is not
+bounded by the window in the engine yet). A hybrid manager (``pagedkv.HybridKVCacheManager``)
+steps out one table and one slot mapping per group, releasing a sliding-window group's blocks
+once they fall out of every future window (their entries then the null block 0);
+:func:`group_block_table` and :func:`group_slot_mapping` take either form, and the kernels never
+read before a window (tests/kernels/test_sliding_window.py), so the model runs on both
+(tests/engine/test_hybrid_models.py drives it from a hybrid manager's steps).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from pagedkv.tensors import BatchTensors
 
 from .errors import EngineConfigError
 
-__all__ = ["KVCacheGroup", "layer_windows", "kv_cache_groups", "group_block_table", "plan_groups"]
+__all__ = ["KVCacheGroup", "layer_windows", "kv_cache_groups", "group_block_table", "group_slot_mapping", "plan_groups"]
 
 #: transformers' ``config.layer_types`` entries the engine implements.
 FULL_ATTENTION = "full_attention"
@@ -121,20 +124,29 @@ def group_block_table(meta: BatchTensors, group: int) -> torch.Tensor:
     """The block table the layers of KV cache group ``group`` read this step:
     int32 ``[B, max_blocks]``.
 
-    Today the step's one block table, for every group (the core keeps one table per sequence).
-    The seam for per-group tables: a core that returns one table per group from one step hands
-    group ``group``'s table here, and nothing else in the model changes."""
-    del group  # one table for all groups until the core has per-group tables
+    ``meta.block_table`` is either one table ``[B, max_blocks]`` for every group (what the
+    engine's KV cache manager gives today) or one per group, ``[num_groups, B, max_blocks]``
+    (a hybrid manager's step output, ``pagedkv.HybridKVCacheManager``): row ``group`` of it.
+    A sliding-window group's table may hold the null block 0 before the window; nothing there
+    is read."""
     table: torch.Tensor = meta.block_table
-    return table
+    return table[group] if table.dim() == 3 else table
+
+
+def group_slot_mapping(meta: BatchTensors, group: int) -> torch.Tensor:
+    """The cache slots the layers of KV cache group ``group`` write this step: int64 ``[T]``,
+    from ``meta.slot_mapping`` ``[T]`` (one for every group) or ``[num_groups, T]`` (one per
+    group, as :func:`group_block_table` reads the tables)."""
+    slots: torch.Tensor = meta.slot_mapping
+    return slots[group] if slots.dim() == 2 else slots
 
 
 def plan_groups(
     groups: Sequence[KVCacheGroup], meta: BatchTensors, *, cache_shape: Sequence[int], num_q_heads: int
 ) -> tuple[kernels.AttentionPlan, ...]:
     """The step's attention plans, one per KV cache group (same order), for the torch reference
-    attention: each built from its group's block table and window, and checking the step's slot
-    mapping once, for every layer's cache write.
+    attention: each built from its group's block table, window and slot mapping, checking the
+    slot mapping once for every layer's cache write.
 
     Args:
         groups: the model's KV cache groups.
@@ -153,7 +165,7 @@ def plan_groups(
             cache_shape=tuple(cache_shape),
             num_q_heads=num_q_heads,
             sliding_window=grp.sliding_window,
-            slot_mapping=meta.slot_mapping,
+            slot_mapping=group_slot_mapping(meta, g),
         )
         for g, grp in enumerate(groups)
     )

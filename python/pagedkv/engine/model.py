@@ -43,7 +43,14 @@ with optional_imports("pagedkv.engine", "engine"):
 from pagedkv import kernels
 from pagedkv.tensors import BatchTensors
 
-from .kv_groups import KVCacheGroup, group_block_table, kv_cache_groups, layer_windows, plan_groups
+from .kv_groups import (
+    KVCacheGroup,
+    group_block_table,
+    group_slot_mapping,
+    kv_cache_groups,
+    layer_windows,
+    plan_groups,
+)
 from .rope import RotaryEmbedding, context_length
 
 __all__ = ["PagedCausalLM", "LlamaForCausalLM", "linear", "rope_rotate_half"]
@@ -223,19 +230,26 @@ class PagedCausalLM:
         meta: BatchTensors,
         softmax_scale: float,
     ) -> torch.Tensor:
-        """Layer ``li``: write ``k``/``v`` ``[T, num_kv_heads, head_size]`` at the step's slots,
+        """Layer ``li``: write ``k``/``v`` ``[T, num_kv_heads, head_size]`` at its group's slots,
         then attend ``q`` ``[T, num_heads, head_size]`` over its group's block table and window
-        (with the group's plan when ``meta.attn_plan`` holds one per group). Returns
+        (with the group's plan when ``meta.attn_plan`` holds one per group; one table and slot
+        mapping for all groups or one per group, see
+        :func:`~pagedkv.engine.kv_groups.group_block_table`). Returns
         ``[T, num_heads, head_size]``."""
         g = self.layer_group[li]
-        plan = meta.attn_plan[g] if meta.attn_plan is not None else None
         key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
-        kernels.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping, plan=plan)
+        if meta.attn_plan is not None:  # the group's plan holds the group's table and slots
+            plan = meta.attn_plan[g]
+            table = plan.block_table
+            slots = plan.slot_mapping if plan.slot_mapping is not None else group_slot_mapping(meta, g)
+        else:
+            plan, table, slots = None, group_block_table(meta, g), group_slot_mapping(meta, g)
+        kernels.reshape_and_cache(k, v, key_cache, value_cache, slots, plan=plan)
         return kernels.paged_attention(
             q,
             key_cache,
             value_cache,
-            group_block_table(meta, g),
+            table,
             meta.seq_lens,
             meta.query_start_loc,
             softmax_scale=softmax_scale,
