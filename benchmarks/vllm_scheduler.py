@@ -127,11 +127,14 @@ KV_FILES = (
     "/vllm/v1/core/block_pool.py",
     "/vllm/v1/core/kv_cache_utils.py",
     "/pagedkv/integrations/vllm/kv_cache_manager.py",
+    "/pagedkv/integrations/vllm/decode_deferral.py",
+    "/pagedkv/integrations/vllm/blocks.py",
+    "/pagedkv/integrations/vllm/coordinator.py",
     "/pagedkv/integrations/vllm/events.py",
 )
 KV_FUNCTIONS = ("Request.update_block_hashes",)
 # Qualified-name prefixes of the KVCacheBlocks results (vLLM's and pagedkv's).
-BLOCKS_CLASSES = ("KVCacheBlocks.", "_make_blocks_class.<locals>.PagedKVBlocksImpl.", "_DeferredBlocks.")
+BLOCKS_CLASSES = ("KVCacheBlocks.", "_make_blocks_class.<locals>.PagedKVBlocksImpl.", "DeferredBlocks.", "PrefixHit.")
 
 
 class KVSampler:

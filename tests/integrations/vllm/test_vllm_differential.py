@@ -269,7 +269,7 @@ def test_pagedkv_holds_vllms_tokens_after_every_step_lagging_decodes_brought_in(
             break
         a, b = stock.step(), paged.step()
         assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
-        lagged += len(kv._lag)
+        lagged += len(kv.decodes.lag)
         preempted += len(a["preempted"])
         manager = kv.manager
         for request in paged.scheduler.running:

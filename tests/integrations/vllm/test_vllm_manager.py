@@ -37,6 +37,7 @@ from pagedkv.integrations.vllm import (  # noqa: E402
     PagedKVCacheManager,
     PagedKVScheduler,
     UnsupportedVllmConfigError,
+    VllmStateMismatchError,
     check_supported_config,
 )
 from pagedkv.testing.vllm_scheduler import (  # noqa: E402
@@ -438,13 +439,13 @@ def test_deferred_decodes_flush_in_order_and_stop_where_the_pool_runs_out() -> N
     seq_a = kv.seq_id("a")
     got_a = kv.allocate_slots(a, 1)
     # Answered without calling into Rust: pagedkv has not seen a's token yet.
-    assert kv._pending_seqs == [seq_a]
+    assert kv.decodes.pending_seqs == [seq_a]
     assert kv._kvm.num_computed_tokens(seq_a) == BS
     # b needs a block too, but a's decode was counted against the last free one: b takes the
     # per-request path, which flushes a first, then fails as vLLM's own manager would.
     assert kv.allocate_slots(b, 1) is None
     assert kv.num_batch_stops == 1 and kv.num_batched_allocations == 1
-    assert not kv._pending_seqs and kv._kvm.pool.num_free == 0
+    assert not kv.decodes.pending_seqs and kv._kvm.pool.num_free == 0
     (ids_a,) = got_a.get_block_ids()
     assert kv.get_block_ids("a") == ([kv.get_block_ids("a")[0][0], ids_a[0]],) and len(ids_a) == 1
     # a's sampled token went in with its slot: 17 tokens, all computed.
@@ -468,19 +469,19 @@ def test_decodes_inside_the_tail_block_lag_until_one_fills_it() -> None:
     _decode(kv, a)  # slot 16 opens block 2 (deferred)
     assert kv.flush_decodes() == 1
     # pagedkv holds 17 computed tokens: slots 17..30 lie in its tail block without filling it.
-    assert kv._lag_window == {"a": (17, 31)}
+    assert kv.decodes.lag_window == {"a": (17, 31)}
     free = kv._kvm.pool.num_free
     for pos in range(17, 31):  # slots 17..30: inside block 2, none fills it
         got = _decode(kv, a)
         assert got.get_block_ids(allow_none=True) is None
         # Nothing pending, nothing sent to pagedkv: only the end of vLLM's slots is kept.
-        assert not kv._pending_seqs and kv._lag == {"a": pos + 1}
+        assert not kv.decodes.pending_seqs and kv.decodes.lag == {"a": pos + 1}
         assert kv._kvm.num_computed_tokens(seq) == 17
     assert kv._kvm.pool.num_free == free and kv.usage == 1.0 - free / 7
     # Slot 31 fills block 2: deferred with the 14 lagging tokens, so the block is cached
     # in the step that fills it, as vLLM caches it.
     _decode(kv, a)
-    assert not kv._lag and kv._pending_tokens == [a.all_token_ids[17:32]]
+    assert not kv.decodes.lag and kv.decodes.pending_tokens == [a.all_token_ids[17:32]]
     assert kv.flush_decodes() == 15
     assert kv._kvm.num_computed_tokens(seq) == 32
     assert kv._kvm.token_ids(seq).tolist() == a.all_token_ids[:32]
@@ -494,14 +495,14 @@ def test_lagging_decodes_reach_pagedkv_before_preemption_inspection_or_another_p
     seq = kv.seq_id("a")
     for _ in range(4):  # slot 16 opens block 2, slots 17..19 lag
         _decode(kv, a)
-    assert kv._lag == {"a": 20}
+    assert kv.decodes.lag == {"a": 20}
     # Inspection through ``manager`` brings everything in.
-    assert kv.manager.num_computed_tokens(seq) == 20 and not kv._lag
+    assert kv.manager.num_computed_tokens(seq) == 20 and not kv.decodes.lag
     _decode(kv, a)
-    assert kv._lag == {"a": 21}
+    assert kv.decodes.lag == {"a": 21}
     # A preemption (free while RUNNING) gives pagedkv the tokens before releasing the blocks.
     kv.free(a)
-    assert not kv._lag and kv._kvm.token_ids(seq).tolist() == a.all_token_ids[:21]
+    assert not kv.decodes.lag and kv._kvm.token_ids(seq).tolist() == a.all_token_ids[:21]
     assert kv._kvm.num_computed_tokens(seq) == 0
     # Resumed as vLLM resumes it: the whole of its tokens again, from its prefix hit.
     a.num_computed_tokens = 0
@@ -513,16 +514,74 @@ def test_lagging_decodes_reach_pagedkv_before_preemption_inspection_or_another_p
     a.num_computed_tokens = a.num_tokens
     a.append_output_token_ids(9)
     _decode(kv, a)  # slot 22 inside block 2
-    assert kv._lag == {"a": 23}
+    assert kv.decodes.lag == {"a": 23}
     # A call the deferred path does not take (two tokens: here a forged one) catches up first.
     a.append_output_token_ids(10)
     assert kv.allocate_slots(a, 2) is not None
-    assert not kv._lag and kv._kvm.num_computed_tokens(seq) == 25
+    assert not kv.decodes.lag and kv._kvm.num_computed_tokens(seq) == 25
     # A finished request is freed without catching up (its partial block is never cached).
     a.num_computed_tokens += 2
     a.append_output_token_ids(11)
     _decode(kv, a)
-    assert kv._lag == {"a": 26}
+    assert kv.decodes.lag == {"a": 26}
     a.status = RequestStatus.FINISHED_STOPPED
     kv.free(a)
-    assert not kv._lag and kv.manager.num_sequences == 0 and kv.usage == 0.0
+    assert not kv.decodes.lag and kv.manager.num_sequences == 0 and kv.usage == 0.0
+
+
+# ---- typed errors when pagedkv and vLLM disagree ------------------------------------------
+
+
+def test_prefix_hit_block_ids_before_allocation_is_a_typed_error() -> None:
+    kv = PagedKVCacheManager(64, BS)
+    prompt = list(range(500, 540))
+    first = make_request("first", prompt, 2)
+    assert kv.allocate_slots(first, first.num_tokens) is not None
+    second = make_request("second", prompt, 2)
+    hit, tokens, _ = kv.get_computed_blocks(second)
+    assert tokens == 32
+    with pytest.raises(pagedkv.InvalidSequenceStateError, match="after allocate_slots") as err:
+        hit.get_block_ids()
+    assert isinstance(err.value, RuntimeError) and isinstance(err.value, pagedkv.PagedKVError)
+    assert err.value.seq_id == kv.seq_id("second") and err.value.operation == "get_block_ids"
+    # Nothing changed: the hit is still taken by allocate_slots.
+    new = kv.allocate_slots(second, second.num_tokens - tokens, tokens, hit)
+    assert new is not None and kv.get_block_ids("second")[0][:2] == kv.get_block_ids("first")[0][:2]
+
+
+def test_computed_token_mismatch_is_a_typed_error() -> None:
+    # The caller claims a shorter prefix hit than pagedkv takes: pagedkv's computed-token count
+    # then differs from vLLM's, which must never be served as a block table.
+    kv = PagedKVCacheManager(64, BS)
+    prompt = list(range(600, 640))
+    assert kv.allocate_slots(make_request("a", prompt, 2), len(prompt)) is not None
+    b = make_request("b", prompt, 2)
+    hit, tokens, _ = kv.get_computed_blocks(b)
+    assert tokens == 32
+    with pytest.raises(VllmStateMismatchError) as err:
+        kv.allocate_slots(b, b.num_tokens - 16, 16, hit)
+    e = err.value
+    assert isinstance(e, RuntimeError) and isinstance(e, pagedkv.PagedKVError)
+    assert (e.request_id, e.quantity, e.expected, e.got) == ("b", "num_computed_tokens", "16", "32")
+
+
+def test_deferred_and_lagging_decode_mismatches_are_typed_errors() -> None:
+    kv = PagedKVCacheManager(8, BS)
+    a = _decoding(kv, "a", 100)
+    assert kv.allocate_slots(a, 1) is not None  # slot 16 opens a block: deferred
+    assert kv.decodes.pending_context == [BS]
+    kv.decodes.pending_context[0] += 1  # the deferral's record no longer matches pagedkv's
+    with pytest.raises(VllmStateMismatchError, match="deferred decodes") as err:
+        kv.flush_decodes()
+    assert err.value.quantity == "num_computed_tokens" and isinstance(err.value, RuntimeError)
+    assert (err.value.expected, err.value.got) == (f"[{BS + 1}]", f"[{BS}]")
+
+    b = _decoding(kv, "b", 300)
+    _decode(kv, b)  # slot 16 opens block 2 (deferred)
+    kv.flush_decodes()
+    _decode(kv, b)  # slot 17 lags inside it
+    assert kv.decodes.lag == {"b": BS + 2}
+    kv._num_known["b"] -= 1  # forget one token pagedkv holds: the catch-up would re-send it
+    with pytest.raises(VllmStateMismatchError, match="lagging decodes") as err:
+        kv.decodes.catch_up(["b"])
+    assert err.value.request_id == "b" and isinstance(err.value, pagedkv.PagedKVError)

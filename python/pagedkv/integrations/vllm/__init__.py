@@ -24,8 +24,10 @@ from pagedkv._optional import optional_imports
 with optional_imports("pagedkv.integrations.vllm", "vllm"):
     import vllm  # noqa: F401
 
+    from pagedkv.integrations.vllm.blocks import PagedKVBlocks
     from pagedkv.integrations.vllm.config_check import check_supported_config
     from pagedkv.integrations.vllm.coordinator import CoordinatorView, GroupManagerView
+    from pagedkv.integrations.vllm.decode_deferral import DecodeDeferral
     from pagedkv.integrations.vllm.errors import (
         UnsupportedVllmCallError,
         UnsupportedVllmConfigError,
@@ -33,13 +35,14 @@ with optional_imports("pagedkv.integrations.vllm", "vllm"):
         VllmStateMismatchError,
     )
     from pagedkv.integrations.vllm.events import to_vllm_events
-    from pagedkv.integrations.vllm.kv_cache_manager import PagedKVBlocks, PagedKVCacheManager
+    from pagedkv.integrations.vllm.kv_cache_manager import PagedKVCacheManager
     from pagedkv.integrations.vllm.scheduler import PagedKVScheduler
     from pagedkv.integrations.vllm.versions import SUPPORTED_VLLM_RELEASES, check_supported_version
 
 __all__ = [
     "SUPPORTED_VLLM_RELEASES",
     "CoordinatorView",
+    "DecodeDeferral",
     "GroupManagerView",
     "PagedKVBlocks",
     "PagedKVCacheManager",

@@ -1,20 +1,25 @@
 """``PagedKVCacheManager``: the object vLLM's V1 scheduler calls as ``kv_cache_manager``.
 
-It offers the methods and attributes the pinned vLLM ``Scheduler`` uses on its
+A facade, as vLLM's own ``KVCacheManager`` is one over its coordinator: it offers the methods
+and attributes vLLM's ``Scheduler`` and engine core use on
 ``vllm.v1.core.kv_cache_manager.KVCacheManager`` (lookup, slot allocation, free, block ids,
-usage, prefix-cache stats, reset, events, common-prefix count and the per-step hooks), with
-pagedkv's ``KVCacheManager`` (Rust) as the block pool, prefix cache and block tables.
+usage, prefix-cache stats, reset, events, the per-step hooks, and ``coordinator``: the
+read-only view in :mod:`pagedkv.integrations.vllm.coordinator`), with pagedkv's
+``KVCacheManager`` (Rust) as the block pool, prefix cache and block tables. The decode fast path
+lives in :mod:`pagedkv.integrations.vllm.decode_deferral`, the ``KVCacheBlocks`` results in
+:mod:`pagedkv.integrations.vllm.blocks`.
 
 How vLLM's request maps onto a pagedkv sequence:
 
 - each ``Request`` becomes one sequence (an int id) on its first lookup or allocation; its
   finalized tokens (``request.all_token_ids``) are appended to it lazily, right before the next
   allocation, so pagedkv hashes exactly the tokens vLLM would;
-- decodes of running requests are answered in Python (``allocate_slots``): one inside
-  pagedkv's tail block that does not fill it only records where vLLM's slots end (the
-  sequence lags: no block, hash or event would change); one that fills or opens a block is
-  deferred with the tokens it lagged by, and the deferred ones reach pagedkv in one batched
-  call (``flush_decodes``) before anything else reads or changes pagedkv;
+- decodes of running requests are answered in Python (``allocate_slots``, through
+  :class:`~pagedkv.integrations.vllm.decode_deferral.DecodeDeferral`): one inside pagedkv's
+  tail block that does not fill it only records where vLLM's slots end (the sequence lags: no
+  block, hash or event would change); one that fills or opens a block is deferred with the
+  tokens it lagged by, and the deferred ones reach pagedkv in one batched call
+  (``flush_decodes``) before anything else reads or changes pagedkv;
 - request identity becomes pagedkv's typed extra keys, mixed into every block hash: the cache
   salt (``cache_salt``), the LoRA adapter (``adapter_id`` = the LoRA name), and each multimodal
   feature (``mm_items``: the feature's identifier with its placeholder position and length), so
@@ -33,14 +38,13 @@ preemption can diverge later (hits and outputs do not).
 
 Invariant checked on every allocation (and on every flush or catch-up of deferred and lagging
 decodes): pagedkv's computed-token count for the request equals ``request.num_computed_tokens``
-plus the prefix hit; a mismatch raises ``RuntimeError`` rather than serving a wrong block
-table.
+plus the prefix hit; a mismatch raises :class:`~pagedkv.integrations.vllm.VllmStateMismatchError`
+(a ``RuntimeError``) rather than serving a wrong block table.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import pagedkv
 from pagedkv.errors import (
@@ -48,13 +52,12 @@ from pagedkv.errors import (
     OutOfBlocksError,
     UnknownSequenceError,
 )
+from pagedkv.integrations.vllm.blocks import PagedKVBlocks, PrefixHit
 from pagedkv.integrations.vllm.coordinator import CoordinatorView
-from pagedkv.integrations.vllm.errors import UnsupportedVllmCallError
+from pagedkv.integrations.vllm.decode_deferral import NO_WINDOW, DecodeDeferral
+from pagedkv.integrations.vllm.errors import UnsupportedVllmCallError, VllmStateMismatchError
 
-__all__ = ["PagedKVBlocks", "PagedKVCacheManager"]
-
-# The lag window of a request that has none: no slot ``pos`` satisfies ``1 <= pos < 0``.
-_NO_WINDOW = (1, 0)
+__all__ = ["PagedKVCacheManager"]
 
 # vLLM's prefix_caching_hash_algo -> pagedkv's hash. pagedkv hashes its own canonical byte
 # encoding (not vLLM's pickle / CBOR), so only the family matters.
@@ -64,115 +67,6 @@ _HASH_ALGOS = {
     "xxhash": "xxh3_128",
     "xxhash_cbor": "xxh3_128",
 }
-
-
-def _kv_cache_blocks_type() -> type:
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-
-    return cast(type, KVCacheBlocks)
-
-
-def _make_blocks_class() -> type:
-    KVCacheBlocks = _kv_cache_blocks_type()
-
-    class PagedKVBlocksImpl(KVCacheBlocks):  # type: ignore[misc, valid-type]
-        """vLLM ``KVCacheBlocks`` backed by a list of pagedkv block ids (one KV cache group).
-
-        The scheduler only asks for ids (``get_block_ids``) and concatenates results; those
-        work on the id list without building a Python object per block. ``blocks`` builds
-        ``KVCacheBlock`` views on demand (id only: ref counts and hashes live in pagedkv).
-        """
-
-        def __init__(self, ids: list[int]) -> None:
-            self.ids = ids
-
-        @property  # type: ignore[override, unused-ignore]
-        def blocks(self) -> tuple[list[Any], ...]:
-            """One group of vLLM ``KVCacheBlock`` views (block id only), built per access."""
-            from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
-            return ([KVCacheBlock(block_id=b) for b in self.ids],)
-
-        def get_block_ids(
-            self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
-        ) -> tuple[list[int], ...] | None:
-            """Block ids per KV cache group, as vLLM's ``KVCacheBlocks.get_block_ids``: one group
-            (``([id, ...],)``); ``None`` when ``allow_none`` and there are no blocks; empty lists
-            for requested groups other than 0."""
-            if allow_none and not self.ids:
-                return None
-            if group_ids is not None and list(group_ids) != [0]:
-                return tuple([] if g != 0 else list(self.ids) for g in group_ids)
-            return (list(self.ids),)
-
-        def get_unhashed_block_ids(self) -> list[int]:
-            """Every block id (vLLM's API; pagedkv tracks hashes itself, so all are listed)."""
-            return list(self.ids)
-
-        def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
-            """``[get_unhashed_block_ids()]``: the one KV cache group."""
-            return [list(self.ids)]
-
-        def __add__(self, other: Any) -> Any:
-            other_ids = other.get_block_ids()[0] if other is not None else []
-            return PagedKVBlocksImpl(self.ids + list(other_ids))
-
-        def new_empty(self) -> Any:
-            """vLLM's empty ``KVCacheBlocks`` (one group, no blocks)."""
-            return KVCacheBlocks(((),))
-
-        def __eq__(self, other: object) -> bool:
-            if isinstance(other, KVCacheBlocks):
-                theirs: Any = other
-                return bool(theirs.get_block_ids() == self.get_block_ids())
-            return NotImplemented
-
-        __hash__ = None  # type: ignore[assignment]
-
-        def __repr__(self) -> str:
-            return f"PagedKVBlocks(block_ids={self.ids})"
-
-    PagedKVBlocksImpl.__name__ = PagedKVBlocksImpl.__qualname__ = "PagedKVBlocks"
-    return PagedKVBlocksImpl
-
-
-PagedKVBlocks: Any = _make_blocks_class()
-
-
-class _DeferredBlocks(PagedKVBlocks):  # type: ignore[misc, valid-type, unused-ignore]
-    """The new block of a deferred decode (see ``PagedKVCacheManager.allocate_slots``): its id
-    is known once the pending decodes are flushed into pagedkv, which reading ``ids`` does."""
-
-    def __init__(self, manager: PagedKVCacheManager) -> None:
-        self._manager = manager
-        self._ids: list[int] = []
-
-    @property
-    def ids(self) -> list[int]:
-        """The new block's id (flushes the pending decodes into pagedkv first)."""
-        if self._manager._pending_seqs:
-            self._manager.flush_decodes()
-        return self._ids
-
-
-class _PrefixHit:
-    """What ``get_computed_blocks`` returns for a hit: the scheduler passes it back to
-    ``allocate_slots`` unchanged (pagedkv takes the hit blocks itself while allocating), so only
-    the hit length is kept; ids exist once allocated (``get_blocks``)."""
-
-    __slots__ = ("num_tokens", "blocks")
-
-    def __init__(self, num_tokens: int, num_blocks: int) -> None:
-        self.num_tokens = num_tokens
-        self.blocks = ((None,) * num_blocks,)
-
-    def get_block_ids(self, allow_none: bool = False, **_: Any) -> Any:
-        """Always raises ``RuntimeError``: a hit's physical block ids exist only once
-        ``allocate_slots`` has taken the blocks (read them with ``get_blocks(request_id)``)."""
-        raise RuntimeError("block ids of a prefix hit are known after allocate_slots; use get_blocks(request_id)")
-
-    def __add__(self, other: Any) -> Any:
-        return other
 
 
 class PagedKVCacheManager:
@@ -194,7 +88,10 @@ class PagedKVCacheManager:
             :attr:`coordinator`; ``None`` for a manager used outside a scheduler.
         max_model_len: the scheduler's ``max_model_len`` in tokens (``None`` outside one).
 
-    Errors are pagedkv's typed errors (``pagedkv.errors``); a failing call changes nothing.
+    Errors are pagedkv's typed errors (``pagedkv.errors``, ``pagedkv.integrations.vllm.errors``);
+    a failing call changes nothing, except ``VllmStateMismatchError``: raised once pagedkv's
+    record of a request is found to differ from vLLM's (after the allocation that showed it), it
+    means the two no longer agree and the manager must not serve further steps.
     """
 
     def __init__(
@@ -278,35 +175,23 @@ class PagedKVCacheManager:
         self._num_known: dict[str, int] = {}
         self._next_seq_id = 0
         self._lora_ids: dict[str, int] = {}
-        #: Defer plain decodes of running requests and allocate them in one batched call
-        #: (``flush_decodes``); off: one call into Rust per ``allocate_slots``.
-        self.defer_decodes = True
         # Live requests by id (their token lists feed the catch-up of lagging decodes).
         self._requests: dict[str, Any] = {}
-        # Lagging requests: request id -> end of the slots vLLM holds for it. Its decodes since
-        # pagedkv last saw it all fell inside pagedkv's tail block without filling it, so they
-        # change no block, no hash and no event; pagedkv gets those tokens with the decode
-        # that fills or opens a block, or before anything else touches the sequence.
-        self._lag: dict[str, int] = {}
-        # Request id -> (first, end): the slots ``first <= pos < end`` its next decodes may
-        # take while lagging (see _set_window); two ints, so the per-decode check is two
-        # comparisons.
-        self._lag_window: dict[str, tuple[int, int]] = {}
-        # Deferred decodes not yet in pagedkv, in call order: sequence, tokens to append (the
-        # lagging ones and the decoded one), the computed-token count pagedkv must report,
-        # and (index, _DeferredBlocks) of those that take a new block.
-        self._pending_seqs: list[int] = []
-        self._pending_tokens: list[list[int]] = []
-        self._pending_context: list[int] = []
-        self._pending_new: list[tuple[int, Any]] = []
-        # Free blocks left for deferred decodes (None: read the pool on next need).
-        self._deferred_free: int | None = None
-        #: Decode slots carried into pagedkv by the batched path so far (a lagging run of
-        #: decodes counts each of its tokens).
-        self.num_batched_allocations = 0
-        #: Deferred decodes refused because no free block was left for them (they took the
-        #: per-request path, where vLLM's loop preempts).
-        self.num_batch_stops = 0
+        #: The decode fast path: lagging and deferred decodes (see ``allocate_slots``).
+        self.decodes = DecodeDeferral(
+            self._kvm,
+            block_size,
+            self._seq_of,
+            self._num_known,
+            self._requests,
+            self.empty_kv_cache_blocks,
+            self._RUNNING,
+        )
+        # The fast path's state, read inline by allocate_slots once per decode (the same
+        # dicts as the deferral's), and its pre-call sync.
+        self._lag = self.decodes.lag
+        self._lag_window = self.decodes.lag_window
+        self._sync = self.decodes.sync
 
     # ---- properties vLLM reads -------------------------------------------------------------
 
@@ -319,13 +204,35 @@ class PagedKVCacheManager:
         return self._coordinator
 
     @property
+    def defer_decodes(self) -> bool:
+        """Defer plain decodes of running requests and allocate them in one batched call
+        (``flush_decodes``); off: one call into Rust per ``allocate_slots``."""
+        return self.decodes.enabled
+
+    @defer_decodes.setter
+    def defer_decodes(self, on: bool) -> None:
+        self.decodes.enabled = bool(on)
+
+    @property
+    def num_batched_allocations(self) -> int:
+        """Decode slots carried into pagedkv by the batched path so far (a lagging run of
+        decodes counts each of its tokens)."""
+        return self.decodes.num_batched_allocations
+
+    @property
+    def num_batch_stops(self) -> int:
+        """Decodes not deferred because no free block was left for them (they took the
+        per-request path, where vLLM's loop preempts)."""
+        return self.decodes.num_batch_stops
+
+    @property
     def manager(self) -> pagedkv.KVCacheManager:
         """The underlying ``pagedkv.KVCacheManager`` (inspection, invariant checks), with every
         deferred and lagging decode brought in first, so its token and computed-token counts
         are vLLM's."""
         self._sync()
         if self._lag:
-            self._catch_up(list(self._lag))
+            self.decodes.catch_up(list(self._lag))
         return self._kvm
 
     @property
@@ -379,13 +286,13 @@ class PagedKVCacheManager:
             self._num_known[rid] = request.num_tokens
             return seq
         if rid in self._lag:
-            self._catch_up([rid])
+            self.decodes.catch_up([rid])
         known = self._num_known[rid]
         n = request.num_tokens
         if n > known:
             self._kvm.append_tokens(seq, request.all_token_ids[known:])
             self._num_known[rid] = n
-            self._lag_window.pop(rid, None)
+            self.decodes.close_window(rid)
         return seq
 
     # ---- prefix cache ----------------------------------------------------------------------
@@ -417,7 +324,7 @@ class PagedKVCacheManager:
             )
         if hit == 0:
             return self.empty_kv_cache_blocks, 0, 0
-        return _PrefixHit(hit, hit // self.block_size), hit, 0
+        return PrefixHit(hit, hit // self.block_size, seq), hit, 0
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
         """Counts one admitted request's lookup (tokens queried, tokens hit) when logging."""
@@ -482,7 +389,8 @@ class PagedKVCacheManager:
 
         Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` or a feature the config
         check refuses (lookahead slots, external / encoder tokens, delayed caching), and
-        ``RuntimeError`` if pagedkv's computed-token count disagrees with the request's.
+        ``VllmStateMismatchError`` (a ``RuntimeError``) if pagedkv's computed-token count
+        disagrees with the request's.
         """
         if num_new_tokens == 1 and not (
             num_lookahead_tokens
@@ -499,12 +407,12 @@ class PagedKVCacheManager:
             # before it as computed, and only with defer_decodes on).
             rid = request.request_id
             pos = request.num_computed_tokens
-            first, end = self._lag_window.get(rid, _NO_WINDOW)
+            first, end = self._lag_window.get(rid, NO_WINDOW)
             if first <= pos < end and len(request._all_token_ids) == pos + 1 and not request.num_output_placeholders:
                 self._lag[rid] = pos + 1
                 return self.empty_kv_cache_blocks
-            if self.defer_decodes:
-                blocks = self._defer_decode(request, rid, pos)
+            if self.decodes.enabled:
+                blocks = self.decodes.defer(request, rid, pos)
                 if blocks is not None:
                     return blocks
         return self._allocate(
@@ -576,169 +484,28 @@ class PagedKVCacheManager:
             return None
         expected_context = request.num_computed_tokens + (num_new_computed_tokens if first else 0)
         if alloc.num_context_tokens != expected_context:
-            raise RuntimeError(
+            raise VllmStateMismatchError(
                 f"request {rid!r}: pagedkv holds {alloc.num_context_tokens} computed tokens, "
                 f"vLLM expects {expected_context} (num_computed_tokens="
-                f"{request.num_computed_tokens}, prefix hit {num_new_computed_tokens})"
+                f"{request.num_computed_tokens}, prefix hit {num_new_computed_tokens})",
+                request_id=rid,
+                quantity="num_computed_tokens",
+                expected=str(expected_context),
+                got=str(alloc.num_context_tokens),
             )
         computed = expected_context + num_new_tokens
         if computed == self._num_known[rid]:
-            self._set_window(rid, computed)
+            self.decodes.set_window(rid, computed)
         ids = alloc.new_block_ids
         if len(ids) == 0:
             return self.empty_kv_cache_blocks
         return PagedKVBlocks(ids.tolist())
 
-    def _set_window(self, rid: str, num_tokens: int) -> None:
-        """pagedkv holds the first ``num_tokens`` tokens of ``rid``, all computed: its next
-        decodes lag while their slots stay inside the tail block without filling it."""
-        bs = self.block_size
-        end = num_tokens - num_tokens % bs + bs - 1  # the slot that fills the tail block
-        if self.defer_decodes and num_tokens % bs and num_tokens < end:
-            self._lag_window[rid] = (num_tokens, end)
-        else:
-            self._lag_window.pop(rid, None)
-
-    def _defer_decode(self, request: Any, rid: str, pos: int) -> Any:
-        """A plain decode at slot ``pos`` that fills or opens a block (or lags outside a known
-        window), deferred to the next ``flush_decodes`` with the tokens it lagged by; None
-        when it is no plain decode or no free block is left for it (the per-request path
-        decides then)."""
-        synced = self._num_known.get(rid)
-        tokens = request._all_token_ids
-        if (
-            synced is None
-            or not synced <= pos == len(tokens) - 1
-            or request.num_output_placeholders
-            or request.status is not self._RUNNING
-        ):
-            return None
-        bs = self.block_size
-        new_end = pos + 1  # vLLM's slots for the request once this decode is placed
-        offset = new_end % bs  # tokens in the tail block after it (0: the block is full)
-        start = new_end - (offset or bs)  # first slot of the block ``pos`` lies in
-        if synced > start:
-            # pagedkv holds that block.
-            if offset:
-                self._lag[rid] = new_end
-                return self.empty_kv_cache_blocks
-            # The token fills it: pagedkv gets it this step, so the block is cached (with its
-            # event) in the step vLLM caches it.
-            blocks = self.empty_kv_cache_blocks
-        elif synced > start - bs:
-            # It opens a new block: its id is known after the flush (a _DeferredBlocks),
-            # taken only while the pool still has a free block for it (counted here, so the
-            # flush cannot run out); with none left the per-request path fails and vLLM
-            # preempts, exactly as stock.
-            free = self._deferred_free
-            if free is None:
-                free = self._pool.num_free
-            if free <= 0:
-                self._deferred_free = free
-                self.num_batch_stops += 1
-                return None
-            self._deferred_free = free - 1
-            blocks = _DeferredBlocks(self)
-            self._pending_new.append((len(self._pending_seqs), blocks))
-        else:
-            return None
-        self._pending_seqs.append(self._seq_of[rid])
-        self._pending_tokens.append(tokens[synced:new_end])
-        self._pending_context.append(synced)
-        self._num_known[rid] = new_end
-        if self._lag:
-            self._lag.pop(rid, None)
-        # _set_window(rid, new_end), inline: pagedkv will hold every token up to new_end.
-        if offset and offset < bs - 1:
-            self._lag_window[rid] = (new_end, new_end - offset + bs - 1)
-        else:
-            self._lag_window.pop(rid, None)
-        return blocks
-
     def flush_decodes(self) -> int:
-        """Allocates the deferred decodes (appending each one's tokens: those it lagged by and
-        the decoded one) in one call into Rust (``pagedkv.KVCacheManager.step``), in the order
-        ``allocate_slots`` deferred them, and fills in the ids of their new blocks. Returns how
-        many decode slots went in. Raises ``RuntimeError`` if pagedkv refuses one or disagrees
-        on a computed-token count (the deferral's bookkeeping would be wrong; never
-        expected)."""
-        seqs = self._pending_seqs
-        if not seqs:
-            return 0
-        rows, context, new = self._pending_tokens, self._pending_context, self._pending_new
-        self._pending_seqs, self._pending_tokens, self._pending_context, self._pending_new = [], [], [], []
-        self._deferred_free = None
-        n = len(seqs)
-        got = self._step_decodes(seqs, rows)
-        if got is not None:
-            got_context, ids, bounds = got
-        else:
-            # A request decoded twice between flushes (a caller driving the manager without
-            # the scheduler, whose schedule() flushes every step): one step per run of
-            # distinct sequences, in order.
-            got_context, ids, bounds = [], [], [0]
-            start = 0
-            while start < n:
-                end, seen = start, set()
-                while end < n and seqs[end] not in seen:
-                    seen.add(seqs[end])
-                    end += 1
-                run = self._step_decodes(seqs[start:end], rows[start:end])
-                assert run is not None
-                run_context, run_ids, run_bounds = run
-                got_context += run_context
-                bounds += [len(ids) + x for x in run_bounds[1:]]
-                ids += run_ids
-                start = end
-        if got_context != context:
-            raise RuntimeError("deferred decodes: pagedkv's computed-token counts differ from vLLM's")
-        if len(ids) != len(new):
-            raise RuntimeError(f"deferred decodes: pagedkv took {len(ids)} new blocks, {len(new)} expected")
-        for i, blocks in new:
-            blocks._ids = ids[bounds[i] : bounds[i + 1]]
-        slots = sum(map(len, rows))
-        self.num_batched_allocations += slots
-        return slots
-
-    def _catch_up(self, request_ids: list[str]) -> None:
-        """Brings the lagging decodes of ``request_ids`` into pagedkv (one ``step``): their
-        tokens are appended and given the slots vLLM holds for them, inside blocks pagedkv
-        already holds. Raises ``RuntimeError`` as ``flush_decodes``."""
-        self._sync()
-        seqs, rows, context = [], [], []
-        for rid in request_ids:
-            end = self._lag.pop(rid)
-            synced = self._num_known[rid]
-            seqs.append(self._seq_of[rid])
-            rows.append(self._requests[rid]._all_token_ids[synced:end])
-            context.append(synced)
-            self._num_known[rid] = end
-            self._set_window(rid, end)
-        got = self._step_decodes(seqs, rows)
-        if got is None or got[0] != context or got[1]:
-            raise RuntimeError("lagging decodes: pagedkv's computed-token counts or blocks differ from vLLM's")
-        self.num_batched_allocations += sum(map(len, rows))
-
-    def _step_decodes(self, seqs: list[int], rows: list[list[int]]) -> tuple[list[int], list[int], list[int]] | None:
-        """One ``step`` appending ``rows[i]`` to ``seqs[i]`` and allocating their slots:
-        (context lengths, new block ids, their CSR offsets), or None when ``seqs`` repeats a
-        sequence (the step refuses that as a whole, changing nothing). Raises
-        ``RuntimeError`` if pagedkv refuses anything else."""
-        out = self._kvm.step(seqs, [len(r) for r in rows], rows, token_arrays=False)
-        if out.num_scheduled == 0 and len(set(seqs)) != len(seqs):
-            return None
-        if out.num_scheduled != len(seqs):
-            raise RuntimeError(f"deferred decodes: pagedkv scheduled {out.num_scheduled} of {len(seqs)}: {out.error!r}")
-        ids = out.new_block_ids
-        bounds = out.new_block_indptr.tolist()
-        return out.context_lens.tolist(), ids.tolist(), bounds
-
-    def _sync(self) -> None:
-        """Brings pagedkv up to date before any other call reads or changes it: flushes the
-        deferred decodes and forgets the free-block count they were counted against."""
-        if self._pending_seqs:
-            self.flush_decodes()
-        self._deferred_free = None
+        """Allocates the deferred decodes in one call into Rust
+        (:meth:`DecodeDeferral.flush`); returns how many decode slots went in. Raises
+        ``VllmStateMismatchError`` if pagedkv disagrees with vLLM (never expected)."""
+        return self.decodes.flush()
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """No-op: pagedkv registers full blocks in the prefix cache as it allocates them."""
@@ -769,13 +536,12 @@ class PagedKVCacheManager:
             del self._seq_of[rid]
             del self._num_known[rid]
             del self._requests[rid]
-            self._lag.pop(rid, None)
-            self._lag_window.pop(rid, None)
+            self.decodes.forget(rid)
         else:
             if rid in self._lag:
-                self._catch_up([rid])
+                self.decodes.catch_up([rid])
             self._kvm.preempt([seq])
-            self._lag_window.pop(rid, None)
+            self.decodes.close_window(rid)
 
     def remove_skipped_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> None:
         """No-op: full attention never skips blocks."""
