@@ -540,8 +540,8 @@ impl HybridManager {
     /// `take - release` over the members (each member's allocation sees the pool as the earlier
     /// ones leave it: blocks they registered, touched, released or evicted), plus the distinct
     /// CPU blocks of swapped-out members (what swapping them in takes). With exactly this many
-    /// blocks free every member's allocation succeeds; with one fewer one fails. No side
-    /// effects. Errors: [`Error::UnknownSequence`]; [`Error::InvalidArgument`] for an id listed
+    /// blocks free every member's allocation succeeds (the peak is where the first one would
+    /// fail). No side effects. Errors: [`Error::UnknownSequence`]; [`Error::InvalidArgument`] for an id listed
     /// twice.
     pub fn num_blocks_owed(&self, seqs: &[SeqId]) -> Result<usize> {
         let mut guard = self.state.lock();

@@ -1,0 +1,283 @@
+//! Fuzz target `hybrid_ops`: arbitrary bytes -> a KV cache group layout (full attention,
+//! sliding window, chunked local; any block sizes, windows, page sizes, layer mapping,
+//! retention interval, some of them invalid on purpose) and a sequence of operations on
+//! [`HybridManager`] with unknown and duplicate sequence ids.
+//!
+//! An invalid layout must be refused with `InvalidConfig`. Otherwise two managers with the same
+//! configuration run in lockstep: `m` gets the batched `step`, the `twin` the same work as
+//! `append_tokens` + `allocate_slots` calls, so block tables must agree exactly. After every
+//! operation:
+//! - `check_invariants()` holds on both (docs/design.md, "KV cache groups");
+//! - a failed call left the observable state unchanged;
+//! - an allocation changed the free count by exactly `take - release` of `num_blocks_needed`,
+//!   and failed with `OutOfBlocks` exactly when `take > free + release`;
+//! - the events keep set semantics per group: a `BlockStored` names hashes its group does not
+//!   hold, a `BlockRemoved` hashes it holds.
+//!
+//! At the end every sequence is freed and the pool must be whole.
+
+#![no_main]
+
+use arbitrary::Arbitrary;
+use libfuzzer_sys::fuzz_target;
+use pagedkv_core::events::KvEvent;
+use pagedkv_core::{
+    BlockHash, BlockId, Error, GroupSpec, HybridConfig, HybridManager, SeqId, SequenceSpec,
+    StepRequest,
+};
+use std::collections::HashSet;
+
+const ID_SPACE: u8 = 8;
+const MAX_OPS: usize = 96;
+
+#[derive(Arbitrary, Debug)]
+struct Group {
+    kind: u8,
+    block_size: u8,
+    bytes_per_token: u8,
+    span: u8,
+}
+
+#[derive(Arbitrary, Debug)]
+struct Cfg {
+    num_blocks: u8,
+    groups: Vec<Group>,
+    layers: Vec<u8>,
+    retention_units: u8,
+    caching: bool,
+    cpu_blocks: u8,
+}
+
+#[derive(Arbitrary, Debug)]
+enum Op {
+    Add { seq: u8, family: u8, len: u8 },
+    Append { seq: u8, n: u8 },
+    Allocate { seq: u8, n: u8 },
+    Step { seqs: Vec<u8>, n: u8, append: bool },
+    Fork { parent: u8, child: u8 },
+    Free { seq: u8 },
+    Preempt { seqs: Vec<u8> },
+    SwapOut { seqs: Vec<u8> },
+    SwapIn { seqs: Vec<u8> },
+    Lookup { seq: u8 },
+    Owed { seqs: Vec<u8> },
+    Reset,
+}
+
+#[derive(Arbitrary, Debug)]
+struct Input {
+    cfg: Cfg,
+    ops: Vec<Op>,
+}
+
+fn config(c: &Cfg) -> HybridConfig {
+    let groups = c
+        .groups
+        .iter()
+        .take(4)
+        .map(|g| {
+            let bs = u32::from(g.block_size % 9);
+            let bpt = u64::from(g.bytes_per_token % 3) * 8;
+            let span = u32::from(g.span % 24);
+            match g.kind % 3 {
+                0 => GroupSpec::full(bs, bpt),
+                1 => GroupSpec::sliding_window(bs, bpt, span),
+                _ => GroupSpec::chunked_local(bs, bpt, span),
+            }
+        })
+        .collect::<Vec<_>>();
+    let layers = c.layers.iter().take(8).map(|&l| u32::from(l % 5)).collect();
+    let mut cfg = HybridConfig::new(u32::from(c.num_blocks % 48), groups, layers);
+    cfg.enable_prefix_caching = c.caching;
+    cfg.num_cpu_blocks = u32::from(c.cpu_blocks % 16);
+    cfg.enable_events = true;
+    // Mostly a multiple of the hit unit, sometimes not (refused).
+    let unit = cfg.hit_unit().unwrap_or(1);
+    cfg.retention_interval =
+        u32::from(c.retention_units % 4) * unit + u32::from(c.retention_units >= 250);
+    cfg
+}
+
+type Snapshot = (Vec<BlockId>, Vec<(SeqId, Vec<Vec<BlockId>>, usize, usize)>);
+
+fn snapshot(m: &HybridManager) -> Snapshot {
+    let mut seqs = Vec::new();
+    for id in 0..u64::from(ID_SPACE) {
+        if let Ok(t) = m.block_tables(id) {
+            seqs.push((
+                id,
+                t,
+                m.num_tokens(id).unwrap(),
+                m.num_computed_tokens(id).unwrap(),
+            ));
+        }
+    }
+    (m.pool().free_queue(), seqs)
+}
+
+fn ids(v: &[u8]) -> Vec<SeqId> {
+    v.iter().take(4).map(|&s| u64::from(s % ID_SPACE)).collect()
+}
+
+/// Replays one manager's events into per-group hash sets, checking set semantics.
+fn replay(sets: &mut Vec<HashSet<BlockHash>>, m: &HybridManager) {
+    for e in m.take_events() {
+        match (e.group, e.event) {
+            (None, KvEvent::AllBlocksCleared) => sets.iter_mut().for_each(|s| s.clear()),
+            (Some(g), KvEvent::BlockStored { block_hashes, .. }) => {
+                for h in block_hashes {
+                    assert!(sets[g as usize].insert(h), "group {g}: hash stored twice");
+                }
+            }
+            (Some(g), KvEvent::BlockRemoved { block_hashes }) => {
+                for h in block_hashes {
+                    assert!(
+                        sets[g as usize].remove(&h),
+                        "group {g}: removed an unknown hash"
+                    );
+                }
+            }
+            (g, e) => panic!("unexpected event {e:?} for group {g:?}"),
+        }
+    }
+}
+
+fuzz_target!(|input: Input| {
+    let cfg = config(&input.cfg);
+    let m = match HybridManager::new(cfg.clone()) {
+        Ok(m) => m,
+        Err(Error::InvalidConfig { .. }) => {
+            assert!(cfg.validate().is_err());
+            return;
+        }
+        Err(e) => panic!("construction failed with {e:?}"),
+    };
+    let twin = HybridManager::new(cfg.clone()).unwrap();
+    let mut sets = vec![HashSet::new(); cfg.groups.len()];
+    let mut twin_sets = sets.clone();
+    for op in input.ops.into_iter().take(MAX_OPS) {
+        let before = snapshot(&m);
+        let free0 = m.pool().num_free();
+        let failed = match op {
+            Op::Add { seq, family, len } => {
+                let id = u64::from(seq % ID_SPACE);
+                let p: Vec<u32> = (0..u32::from(len % 64))
+                    .map(|i| u32::from(family % 3) * 100 + i)
+                    .collect();
+                let r = m.add_sequence(id, p.clone(), SequenceSpec::default());
+                assert_eq!(r, twin.add_sequence(id, p, SequenceSpec::default()));
+                r.is_err()
+            }
+            Op::Append { seq, n } => {
+                let id = u64::from(seq % ID_SPACE);
+                let t = vec![9; usize::from(n % 8)];
+                let r = m.append_tokens(id, &t);
+                assert_eq!(r, twin.append_tokens(id, &t));
+                r.is_err()
+            }
+            Op::Allocate { seq, n } => {
+                let id = u64::from(seq % ID_SPACE);
+                let n = usize::from(n % 40);
+                let need = m.num_blocks_needed(id, n);
+                let r = m.allocate_slots(id, n);
+                let r2 = twin.allocate_slots(id, n);
+                assert_eq!(r, r2);
+                match (&need, &r) {
+                    (Ok(d), Ok(_)) => {
+                        assert!(d.take <= free0 + d.release);
+                        assert_eq!(free0 as isize - m.pool().num_free() as isize, d.net());
+                    }
+                    (Ok(d), Err(Error::OutOfBlocks { .. })) => assert!(d.take > free0 + d.release),
+                    (Err(a), Err(b)) => assert_eq!(a, b),
+                    (a, b) => panic!("demand {a:?} but allocation {b:?}"),
+                }
+                r.is_err()
+            }
+            Op::Step { seqs, n, append } => {
+                let seq_ids = ids(&seqs);
+                let k = seq_ids.len();
+                let n = u32::from(n % 24);
+                let req = StepRequest {
+                    seq_ids: seq_ids.clone(),
+                    num_new_tokens: vec![n; k],
+                    append_indptr: if append {
+                        (0..=k as u32).collect()
+                    } else {
+                        vec![]
+                    },
+                    append_tokens: if append { vec![4; k] } else { vec![] },
+                };
+                let out = m.step(&req);
+                // The twin does the scheduled sequences' work one call at a time; the one that
+                // failed (if any) was left unchanged by the step, so the twin skips it.
+                for &id in &seq_ids[..out.num_scheduled] {
+                    if append {
+                        twin.append_tokens(id, &[4]).unwrap();
+                    }
+                    twin.allocate_slots(id, n as usize).unwrap();
+                }
+                out.num_scheduled == 0 && out.error.is_some()
+            }
+            Op::Fork { parent, child } => {
+                let (p, c) = (u64::from(parent % ID_SPACE), u64::from(child % ID_SPACE));
+                let r = m.fork(p, c);
+                assert_eq!(r, twin.fork(p, c));
+                r.is_err()
+            }
+            Op::Free { seq } => {
+                let id = u64::from(seq % ID_SPACE);
+                assert_eq!(m.free(id), twin.free(id));
+                false
+            }
+            Op::Preempt { seqs } => {
+                let r = m.preempt_recompute(&ids(&seqs));
+                assert_eq!(r, twin.preempt_recompute(&ids(&seqs)));
+                r.is_err()
+            }
+            Op::SwapOut { seqs } => {
+                let r = m.swap_out(&ids(&seqs));
+                assert_eq!(r, twin.swap_out(&ids(&seqs)));
+                r.is_err()
+            }
+            Op::SwapIn { seqs } => {
+                let r = m.swap_in(&ids(&seqs));
+                assert_eq!(r, twin.swap_in(&ids(&seqs)));
+                r.is_err()
+            }
+            Op::Lookup { seq } => {
+                let id = u64::from(seq % ID_SPACE);
+                if let Ok(hit) = m.lookup_prefix(id) {
+                    assert_eq!(hit % m.hit_unit(), 0);
+                }
+                false
+            }
+            Op::Owed { seqs } => {
+                let _ = m.num_blocks_owed(&ids(&seqs));
+                false
+            }
+            Op::Reset => {
+                let r = m.reset_prefix_cache();
+                assert_eq!(r, twin.reset_prefix_cache());
+                r.is_err()
+            }
+        };
+        if failed {
+            assert_eq!(before, snapshot(&m), "a failed call changed the state");
+        }
+        m.check_invariants().unwrap();
+        twin.check_invariants().unwrap();
+        replay(&mut sets, &m);
+        replay(&mut twin_sets, &twin);
+        assert_eq!(
+            snapshot(&m).1,
+            snapshot(&twin).1,
+            "step and per-sequence calls disagree"
+        );
+    }
+    for id in 0..u64::from(ID_SPACE) {
+        m.free(id);
+    }
+    m.check_invariants().unwrap();
+    assert_eq!(m.pool().num_free(), m.pool().num_usable());
+    replay(&mut sets, &m);
+});
