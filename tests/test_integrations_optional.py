@@ -36,7 +36,7 @@ def _run(blocked: list[str], code: str) -> subprocess.CompletedProcess[str]:
 
 def test_import_pagedkv_needs_no_optional_package() -> None:
     code = (
-        "import pagedkv, pagedkv.integrations, pagedkv.routing, pagedkv.cluster\n"
+        "import pagedkv, pagedkv.integrations, pagedkv.routing, pagedkv.cluster, pagedkv.testing\n"
         "import pagedkv.engine, pagedkv.engine.errors, pagedkv.engine.goodput, pagedkv.engine.inputs\n"
         "import pagedkv.engine.chat, pagedkv.engine.cli\n"
         "from pagedkv import tensors\n"
@@ -72,6 +72,7 @@ PARTS = [
     (["tqdm"], "import pagedkv.engine.engine as e\ne.LLMEngine.run(None)", "tqdm", "pagedkv.engine", "engine"),
     (["vllm"], "import pagedkv.integrations.vllm", "vllm", "pagedkv.integrations.vllm", "vllm"),
     (["vllm"], "import pagedkv.integrations.vllm.scheduler", "vllm", "pagedkv.integrations.vllm", "vllm"),
+    (["vllm"], "import pagedkv.testing.vllm_scheduler", "vllm", "pagedkv.testing.vllm_scheduler", "vllm"),
     (["ray"], "from pagedkv.cluster import ReplicaCluster\nReplicaCluster(1)", "ray", "pagedkv.cluster", "ray"),
     (
         ["msgspec"],
