@@ -146,7 +146,10 @@ fuzz_target!(|input: Input| {
                     }
                 }
                 if ops.iter().all(|op| !matches!(op, Op::Raw(_))) {
-                    assert_eq!(ix.worker_hashes(1), model.iter().copied().collect::<Vec<_>>());
+                    assert_eq!(
+                        ix.worker_hashes(1),
+                        model.iter().copied().collect::<Vec<_>>()
+                    );
                 } else {
                     model = ix.worker_hashes(1).into_iter().collect(); // raw events applied too
                 }
