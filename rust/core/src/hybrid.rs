@@ -289,6 +289,11 @@ impl<'a> Sim<'a> {
         }
     }
 
+    /// Whether nothing was simulated yet (the sim is the real pool).
+    fn is_empty(&self) -> bool {
+        self.refs.is_empty() && self.registered.is_empty() && self.evicted.is_empty()
+    }
+
     fn refc(&self, b: BlockId) -> u32 {
         if b == VIRTUAL {
             return 1;
@@ -1186,14 +1191,21 @@ impl HybridManager {
                 continue;
             }
             let bs = spec.block_size as usize;
-            let mut n = 0;
-            while n < l / bs {
-                let key = self.key_at(s, g, n);
-                if sim.lookup(&key).is_none() {
-                    break;
+            let n = if sim.is_empty() && l / bs > 0 {
+                // The real pool: the whole chain under one lock hold.
+                self.key_at(s, g, l / bs - 1);
+                self.pool.lookup_chain(&s.keys[g][..l / bs]).len()
+            } else {
+                let mut n = 0;
+                while n < l / bs {
+                    let key = self.key_at(s, g, n);
+                    if sim.lookup(&key).is_none() {
+                        break;
+                    }
+                    n += 1;
                 }
-                n += 1;
-            }
+                n
+            };
             l = l.min(n * bs / unit * unit);
         }
         // Windowed groups: shrink until every group agrees.
