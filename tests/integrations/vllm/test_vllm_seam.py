@@ -131,13 +131,14 @@ def _engine_core(scheduler_cls: type) -> Any:
     return core
 
 
-def _serve(core: Any, requests: list[Any]) -> tuple[dict[str, list[int]], dict[str, int]]:
+def _serve(core: Any, requests: list[Any]) -> tuple[dict[str, list[int]], dict[str, Any]]:
     """Add ``requests`` and step the engine core until none is left: the new tokens of each
-    request, and the prefix-cache stats the scheduler reported (summed)."""
+    request, and the stats the scheduler reported (prefix-cache counts summed, KV cache usage
+    per step: ``Scheduler.make_stats`` reads both from the manager)."""
     for request in requests:
         core.add_request(request)
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
-    stats = {"requests": 0, "queries": 0, "hits": 0}
+    stats: dict[str, Any] = {"requests": 0, "queries": 0, "hits": 0, "usage": []}
     for _ in range(1000):
         if not core.scheduler.has_requests():
             break
@@ -145,9 +146,12 @@ def _serve(core: Any, requests: list[Any]) -> tuple[dict[str, list[int]], dict[s
         for eco in outputs.values():
             for o in eco.outputs:
                 tokens[o.request_id].extend(o.new_token_ids)
-            prefix = eco.scheduler_stats.prefix_cache_stats if eco.scheduler_stats else None
+            if eco.scheduler_stats is None:
+                continue
+            stats["usage"].append(eco.scheduler_stats.kv_cache_usage)
+            prefix = eco.scheduler_stats.prefix_cache_stats
             if prefix is not None:
-                for key in stats:
+                for key in ("requests", "queries", "hits"):
                     stats[key] += getattr(prefix, key)
     assert not core.scheduler.has_requests()
     return tokens, stats
@@ -187,10 +191,12 @@ def test_engine_core_starts_and_serves_with_pagedkv_scheduler() -> None:
     assert tokens["r0"] == [fake_token("r0", 3 * BS + 1 + k) for k in range(6)]
     assert all(len(t) == 6 for t in rest_tokens.values())
     assert first_stats["hits"] == 0 and rest_stats["hits"] == 3 * 3 * BS
+    assert max(rest_stats["usage"]) > 0.0
     # The engine core's own entry points into the manager.
     assert paged.scheduler.get_kv_cache_usage() == stock.scheduler.get_kv_cache_usage() == 0.0
     assert paged.reset_prefix_cache() is True and stock.reset_prefix_cache() is True
-    _, after_reset = _serve(paged, [make_request("again", _requests("x")[0].prompt_token_ids, max_tokens=2)])
+    system = list(range(1000, 1000 + 3 * BS))
+    _, after_reset = _serve(paged, [make_request("again", [*system, 7], max_tokens=2)])
     assert after_reset["queries"] > 0 and after_reset["hits"] == 0
 
 
