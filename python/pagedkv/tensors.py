@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv._core import BlockTable, StepOutput
+from pagedkv._core import BlockTable, HybridStepOutput, StepOutput
 from pagedkv._optional import optional_imports
 from pagedkv._repr import short_repr
 from pagedkv.errors import InvalidArgumentError
@@ -60,6 +60,7 @@ else:
 __all__ = [
     "BatchTensors",
     "BlockTable",
+    "GroupBatchTensors",
     "block_table_csr",
     "csr_block_table",
     "dense_block_table",
@@ -544,3 +545,106 @@ def _merge(parts: list[StepOutput]) -> tuple[npt.NDArray[Any], ...]:
         np.concatenate(qsl),
         np.concatenate([p.copies for p in parts]),
     )
+
+
+@dataclass(eq=False, slots=True)
+class GroupBatchTensors:
+    """Every kernel input of one scheduler step of a hybrid model (KV cache groups), built by
+    :meth:`from_steps` from :class:`pagedkv.HybridStepOutput` (docs/design.md, "KV cache groups").
+
+    Attributes (``G`` groups, ``S`` sequences, ``T`` tokens; on ``device`` as in
+    :class:`BatchTensors`): ``block_tables`` ``int32[G, S, W]`` (group ``g``'s dense tables,
+    padded and released entries the null block 0; a layer of group ``g`` reads
+    ``block_tables[g]``), ``slot_mapping`` ``int64[G, T]`` (row ``g``: each token's slot in group
+    ``g``'s layers), ``input_ids`` / ``positions`` ``int64[T]``, ``seq_lens`` / ``context_lens``
+    ``int32[S]``, ``query_start_loc`` ``int32[S + 1]``, ``copies`` ``int32[C, 3]``
+    copy-on-write ``(group, src, dst)`` rows to run in that group's layers before the K/V
+    writes, ``max_query_len`` / ``max_seq_len`` in tokens, and ``positions_host`` /
+    ``query_start_loc_host`` / ``context_lens_host``, the host arrays behind them.
+    """
+
+    block_tables: Any
+    slot_mapping: Any
+    input_ids: Any
+    positions: Any
+    seq_lens: Any
+    context_lens: Any
+    query_start_loc: Any
+    copies: Any
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_host: npt.NDArray[np.int32]
+    context_lens_host: npt.NDArray[np.int32]
+    positions_host: npt.NDArray[np.int64]
+
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups (the leading dimension of ``block_tables`` and ``slot_mapping``)."""
+        return int(self.block_tables.shape[0])
+
+    @classmethod
+    def from_steps(
+        cls, steps: HybridStepOutput | Sequence[HybridStepOutput], device: Device = "cpu"
+    ) -> GroupBatchTensors:
+        """The kernel inputs of one scheduler step from one or more ``HybridKVCacheManager.step``
+        outputs of the same manager (merged in order). With one step every array crosses to
+        torch with ``torch.from_numpy`` (no host copy; do not modify the step output while the
+        result is in use), then moves to ``device`` once; several are concatenated once (block
+        tables padded to the widest). ``positions`` is computed here. O(G x (S x W + T)).
+
+        Raises:
+            InvalidArgumentError: a step that is not a :class:`pagedkv.HybridStepOutput`, or
+                steps with different group counts; nothing changed.
+        """
+        parts = [steps] if isinstance(steps, HybridStepOutput) else list(steps)
+        for i, p in enumerate(parts):
+            if not isinstance(p, HybridStepOutput):
+                raise _bad(f"steps[{i}]", p, "expected a pagedkv.HybridStepOutput")
+        groups = {p.num_groups for p in parts}
+        if len(groups) > 1:
+            raise _bad("steps", [p.num_groups for p in parts], "steps of one manager have one group count")
+        if len(parts) == 1:
+            p = parts[0]
+            tables, slots, ids, lens, ctx, qsl, copies = (
+                p.block_table,
+                p.slot_mapping,
+                p.input_ids,
+                p.seq_lens,
+                p.context_lens,
+                p.query_start_loc,
+                p.copies,
+            )
+        else:
+            g = groups.pop() if groups else 0
+            width = max([p.block_table.shape[2] for p in parts] + [1])
+            tables = np.zeros((g, sum(p.num_scheduled for p in parts), width), dtype=np.int32)
+            row = 0
+            for p in parts:
+                tables[:, row : row + p.num_scheduled, : p.block_table.shape[2]] = p.block_table
+                row += p.num_scheduled
+            slots = np.concatenate([p.slot_mapping for p in parts], axis=1) if parts else np.zeros((0, 0), np.int64)
+            ids = np.concatenate([p.input_ids for p in parts]) if parts else np.zeros(0, np.int64)
+            lens = np.concatenate([p.seq_lens for p in parts]) if parts else np.zeros(0, np.int32)
+            ctx = np.concatenate([p.context_lens for p in parts]) if parts else np.zeros(0, np.int32)
+            offsets = np.cumsum([0] + [p.num_tokens for p in parts], dtype=np.int32)
+            qsl = np.concatenate(
+                [np.zeros(1, np.int32)] + [p.query_start_loc[1:] + off for p, off in zip(parts, offsets, strict=False)]
+            ).astype(np.int32)
+            copies = np.concatenate([p.copies for p in parts]) if parts else np.zeros((0, 3), np.int32)
+        qlens = np.diff(qsl)
+        positions = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat((ctx - qsl[:-1]).astype(np.int64), qlens)
+        return cls(
+            block_tables=_place(tables, device),
+            slot_mapping=_place(slots, device),
+            input_ids=_place(ids, device),
+            positions=_place(positions, device),
+            seq_lens=_place(lens, device),
+            context_lens=_place(ctx, device),
+            query_start_loc=_place(qsl, device),
+            copies=_place(copies, device),
+            max_query_len=int(qlens.max()) if qlens.size else 0,
+            max_seq_len=int(lens.max()) if lens.size else 0,
+            query_start_loc_host=qsl,
+            context_lens_host=ctx,
+            positions_host=positions,
+        )
