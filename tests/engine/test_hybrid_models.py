@@ -312,3 +312,12 @@ def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
     manager.free(1)
     manager.check_invariants()
     assert manager.num_free_blocks == num_blocks - 1  # every block back (block 0 is the null block)
+
+
+def test_tiny_gemma3_without_plans_as_the_triton_path_calls(gemma, refs):
+    # On CUDA the runner attaches no plans (the Triton kernel reads the metadata itself): each
+    # layer then passes its group's table and window on every call. Same tokens.
+    engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, block_size=4, num_kv_blocks=256, max_tokens_per_step=16)
+    engine.runner._triton_attention = True  # what prepare() checks: no plan per group
+    outs = engine.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW))
+    assert [list(o.token_ids) for o in outs] == refs

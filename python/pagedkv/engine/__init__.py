@@ -1,5 +1,5 @@
-"""pagedkv's reference engine: continuous batching on a real Llama-family model through the
-paged KV cache manager and the pagedkv kernels.
+"""pagedkv's reference engine: continuous batching on a real model (the Llama family, Gemma 3)
+through the paged KV cache manager and the pagedkv kernels.
 
 Quick use::
 
@@ -12,7 +12,9 @@ Modules: :mod:`.engine` (:class:`LLMEngine`: wiring and the step loop) over one 
 concern -- :mod:`.prompts` and :mod:`.chat` (request intake and checks), :mod:`.registry`
 (request lifecycle, aborts), :mod:`.scheduler` (FCFS continuous batching, token budget, chunked
 prefill, preemption), :mod:`.runner` (kernel inputs through :mod:`pagedkv.tensors`, block plans,
-forward), :mod:`.model` and :mod:`.rope` (the forward pass over the paged cache), :mod:`.groups`
+forward), :mod:`.model`, :mod:`.gemma3` and :mod:`.rope` (the forward passes over the paged
+cache), :mod:`.architectures` (which model serves which architecture; the others are refused),
+:mod:`.kv_groups` (layers grouped by attention kind, each group's table and plan), :mod:`.groups`
 with :mod:`.sampling` and :mod:`.beam_search` (sampling, forks, beams), :mod:`.outputs` (stop
 strings, results) -- plus :mod:`.config`, :mod:`.request`, :mod:`.metrics` with :mod:`.goodput`
 (TTFT / TPOT targets, goodput), :mod:`.errors`, :mod:`.resources`, :mod:`.loader`, the readers of

@@ -56,11 +56,6 @@ class KVCacheGroup:
     sliding_window: int | None
     layers: tuple[int, ...]
 
-    @property
-    def kind(self) -> str:
-        """``"sliding_window"`` or ``"full_attention"``."""
-        return "full_attention" if self.sliding_window is None else "sliding_window"
-
 
 def layer_windows(config: Any) -> tuple[int | None, ...]:
     """Each decoder layer's sliding window in tokens (``None``: full attention).

@@ -1,4 +1,5 @@
-"""Find and load a Llama-family model: config, weights and tokenizer, all through transformers.
+"""Find and load a model (the Llama family, Gemma 3; see :mod:`pagedkv.engine.architectures`):
+config, weights and tokenizer, all through transformers.
 
 Sources (never the Hugging Face hub; every call passes ``local_files_only=True``):
 
@@ -378,7 +379,8 @@ def load_hf_model(
     convert_cache: bool = True,
 ) -> tuple[Any, Any]:
     """transformers' own model and tokenizer: the weight source of
-    :class:`pagedkv.engine.model.LlamaForCausalLM` and the oracle in tests and benchmarks.
+    the engine's model (:func:`pagedkv.engine.architectures.build_model`) and the oracle in tests
+    and benchmarks.
 
     Args:
         path: GGUF file, model folder, or ``None`` for the default SmolLM2-135M-Instruct.
