@@ -435,6 +435,39 @@ def test_step_batch_tensors_match_python() -> None:
 # Stats
 
 
+def test_a_lone_request_preempted_and_resumed_reports_no_prefix_hits() -> None:
+    # vLLM #25780: the recompute resume finds the request's own blocks again; that is not a new
+    # lookup, so a request sharing nothing reports 0 %, however often it is preempted.
+    m = make(64, 4)
+    m.add_sequence(1, list(range(10)))
+    m.allocate_slots(1, 10)
+    for t in range(20):
+        m.append_tokens(1, [100 + t])
+        m.allocate_slots(1, 1)
+        if t % 7 == 6:
+            m.preempt([1])
+            assert m.allocate_slots(1, 100).num_cached_tokens > 0  # it still reuses them
+    s = m.stats()
+    assert s.preemptions == 2 and (s.prefix_queries_tokens, s.prefix_hits_tokens) == (10, 0)
+    assert s.prefix_hit_rate == 0.0
+
+
+def test_reset_drops_the_prefix_hashes_of_swapped_out_blocks() -> None:
+    # The swapped-out KV predates the reset: swapped back in, it is neither registered nor
+    # announced, and a new request with the same prompt does not hit it.
+    m = make(16, 4, num_cpu_blocks=8, enable_events=True)
+    m.add_sequence(1, list(range(10)))
+    m.allocate_slots(1, 10)
+    m.swap_out([1])
+    m.reset_prefix_cache()
+    m.take_events()
+    m.swap_in([1])
+    assert m.take_events() == []
+    m.add_sequence(2, list(range(10)))
+    assert m.lookup_prefix(2) == 0 and m.allocate_slots(2, 10).num_cached_tokens == 0
+    m.check_invariants()
+
+
 def test_stats_snapshot_values() -> None:
     m = make(16, 4)
     m.add_sequence(1, list(range(9)))

@@ -238,13 +238,17 @@ def test_a_reused_sequence_id_never_takes_a_delta_meant_for_its_new_sequence() -
     m.add_sequence(1, [1] * 6)
     m.add_sequence(2, [2] * 6)
     step(m, tables, [1, 2], 6)
+    freed = m.block_table(1).tolist()
     m.free(1)
-    m.add_sequence(1, [3] * 6)  # takes other blocks than the freed ones
-    m.step(np.array([1], np.uint64), 6)  # its full table: skipped
+    m.add_sequence(4, [4] * 8)
+    m.step(np.array([4], np.uint64), 8)  # takes the freed blocks (output not applied)
+    m.add_sequence(1, [3] * 6)
+    m.step(np.array([1], np.uint64), 6)  # the new sequence's whole table: skipped
+    assert not set(m.block_table(1).tolist()) & set(freed)
     out, kept = step(m, tables, [1], 1, np.array([7]))  # an empty delta from logical block 2
-    assert out.table_start.tolist() == [2] and out.table_version.tolist() == [3]
+    assert out.table_start.tolist() == [2] and out.table_version.tolist() == [4]
     assert tables.num_table_reads == 1
     # versions keep rising for every new sequence: a fork child starts above them too
     m.fork(1, 3)
     out, kept = step(m, tables, [3, 2], 1, np.array([8, 9]))
-    assert out.table_version.tolist() == [4, 2] and out.table_version.dtype == np.uint64
+    assert out.table_version.tolist() == [5, 2] and out.table_version.dtype == np.uint64

@@ -684,9 +684,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.m.pool.num_free == free, "fork allocated"
         for b in p.table:
             self.o.refs[b] += 1
-        self.o.seqs[child] = MSeq(
-            list(p.tokens), p.salt, p.status, p.computed, list(p.table), p.ncached, p.stale
-        )
+        self.o.seqs[child] = MSeq(list(p.tokens), p.salt, p.status, p.computed, list(p.table), p.ncached, p.stale)
         self.next_id += 1
 
     @precondition(lambda self: self.o is not None and bool(self.o.seqs))

@@ -7,9 +7,12 @@ re-validating, casting or copying on the host (``torch.from_numpy``), then one t
 tensor to the device. The block tables come from a :class:`BlockTable` the caller keeps across
 steps: the core reports only what changed in each table (the step output's table delta), as
 vLLM's GPU model runner keeps its block table across steps and applies only the changes.
-:class:`BlockTable` (``pagedkv._core.BlockTable``, in Rust) does the whole per-step update in one
-call: the seq-id -> row bookkeeping, the deltas, and the batch's dense table, which is a view of
-its persistent buffer (rows kept in batch order, so a steady decode batch needs no gather). The
+:class:`BlockTable` (``pagedkv._core.BlockTable``, in Rust: the core's ``BlockTables`` over a
+numpy buffer) does the whole per-step update in one call: the seq-id -> row bookkeeping, the
+deltas (a delta that does not follow the version a row holds -- a skipped output, a sequence id
+reused by a new sequence -- makes it read that table whole), and the batch's dense table, which
+is a view of its persistent buffer (rows kept in batch order, so a steady decode batch needs no
+gather). The
 engine's runner, the tests and ``benchmarks/step_overhead.py`` all use it. The other builders
 here are the validating entry for arrays that did *not* come from the core (a caller's own block
 tables): they check their input once and copy.

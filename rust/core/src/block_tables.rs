@@ -58,9 +58,9 @@ impl<'a> TableDeltas<'a> {
         }
     }
 
-    /// Checks that the arrays agree with each other (lengths, offsets running from 0 to the
-    /// end of `table_delta` without going back, starts >= 0), so that applying them cannot
-    /// index out of bounds. O(S).
+    /// Checks the arrays' lengths and the first and last offset, O(1); [`Self::check_entry`]
+    /// checks each sequence's offsets and start as they are read, so that applying them cannot
+    /// index out of bounds.
     fn validate(&self) -> Result<()> {
         let n = self.seq_ids.len();
         let bad = |arg: &'static str, reason: String| Error::InvalidArgument {
@@ -79,27 +79,44 @@ impl<'a> TableDeltas<'a> {
             ));
         }
         let p = self.table_delta_indptr;
-        if p.len() != n + 1
-            || p[0] != 0
-            || p.windows(2).any(|w| w[0] > w[1])
-            || p[n] as usize != self.table_delta.len()
-        {
-            return Err(bad(
-                "table_delta_indptr",
-                format!(
-                    "expected {} non-decreasing offsets from 0 to len(table_delta) = {}",
-                    n + 1,
-                    self.table_delta.len()
-                ),
-            ));
-        }
-        if self.table_start.iter().any(|&s| s < 0) {
-            return Err(bad("table_start", "table starts must be >= 0".into()));
+        if p.len() != n + 1 || p[0] != 0 || p[n] as usize != self.table_delta.len() {
+            return Err(self.bad_indptr());
         }
         Ok(())
     }
 
+    /// Sequence `j`'s offsets do not go back or past `table_delta`, and its start is >= 0
+    /// (after [`Self::validate`]).
+    #[inline]
+    fn check_entry(&self, j: usize) -> Result<()> {
+        let (a, b) = (self.table_delta_indptr[j], self.table_delta_indptr[j + 1]);
+        if a > b || b as usize > self.table_delta.len() {
+            return Err(self.bad_indptr());
+        }
+        if self.table_start[j] < 0 {
+            return Err(Error::InvalidArgument {
+                arg: "table_start",
+                value: self.table_start[j].to_string(),
+                reason: "table starts must be >= 0".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn bad_indptr(&self) -> Error {
+        Error::InvalidArgument {
+            arg: "table_delta_indptr",
+            value: format!("{} sequences", self.seq_ids.len()),
+            reason: format!(
+                "expected {} non-decreasing offsets from 0 to len(table_delta) = {}",
+                self.seq_ids.len() + 1,
+                self.table_delta.len()
+            ),
+        }
+    }
+
     /// Entries of sequence `j`'s delta.
+    #[inline]
     fn entries(&self, j: usize) -> &'a [i32] {
         let (a, b) = (
             self.table_delta_indptr[j] as usize,
@@ -203,6 +220,15 @@ impl BlockTables {
         parts: &'a [TableDeltas<'a>],
         mut read_whole: impl FnMut(SeqId) -> Result<Vec<BlockId>>,
     ) -> Result<PendingUpdate<'a>> {
+        // The loop is compiled here once (not per caller), so its helpers inline.
+        self.prepare_dyn(parts, &mut read_whole)
+    }
+
+    fn prepare_dyn<'a>(
+        &self,
+        parts: &'a [TableDeltas<'a>],
+        read_whole: &mut dyn FnMut(SeqId) -> Result<Vec<BlockId>>,
+    ) -> Result<PendingUpdate<'a>> {
         for p in parts {
             p.validate()?;
         }
@@ -227,6 +253,7 @@ impl BlockTables {
         let mut in_order = true;
         for p in parts {
             for (j, &id) in p.seq_ids.iter().enumerate() {
+                p.check_entry(j)?;
                 let row = self.row(k, id);
                 new_seqs += usize::from(row.is_none());
                 in_order &= row == Some(k);
@@ -358,27 +385,29 @@ impl BlockTables {
         // The deltas (or whole tables), each into its row; stale entries past the new end
         // (a preempted sequence restarting shorter) are zeroed.
         let (mut width, mut k) = (0usize, 0usize);
-        let mut rereads = rereads.into_iter().peekable();
+        // rereads are in batch order: the next one's batch index, usize::MAX after the last
+        // (a plain index: a peekable iterator here costs a store-forwarding stall per sequence)
+        let (mut next, mut reread_at) = (0, rereads.first().map_or(usize::MAX, |r| r.0));
         for p in parts {
             for j in 0..p.seq_ids.len() {
                 let row = &mut table[k * cols..(k + 1) * cols];
-                let end = match rereads.next_if(|(at, _)| *at == k) {
-                    Some((_, whole)) => {
-                        self.num_table_reads += 1;
-                        row[..whole.len()].copy_from_slice(&whole);
-                        whole.len()
+                let end = if k == reread_at {
+                    let whole = &rereads[next].1;
+                    next += 1;
+                    reread_at = rereads.get(next).map_or(usize::MAX, |r| r.0);
+                    self.num_table_reads += 1;
+                    row[..whole.len()].copy_from_slice(whole);
+                    whole.len()
+                } else {
+                    let start = p.table_start[j] as usize;
+                    let entries = p.entries(j);
+                    // most decode deltas are empty or one new block: no memcpy call
+                    match entries.len() {
+                        0 => {}
+                        1 => row[start] = entries[0],
+                        m => row[start..start + m].copy_from_slice(entries),
                     }
-                    None => {
-                        let start = p.table_start[j] as usize;
-                        let entries = p.entries(j);
-                        // most decode deltas are empty or one new block: no memcpy call
-                        match entries.len() {
-                            0 => {}
-                            1 => row[start] = entries[0],
-                            m => row[start..start + m].copy_from_slice(entries),
-                        }
-                        start + entries.len()
-                    }
+                    start + entries.len()
                 };
                 if end < self.lens[k] {
                     row[end..self.lens[k]].fill(NULL_BLOCK as i32);
@@ -393,6 +422,7 @@ impl BlockTables {
     }
 
     /// The row holding `id` (checked at row `k` first: the steady state), if any.
+    #[inline]
     fn row(&self, k: usize, id: SeqId) -> Option<usize> {
         if self.seqs.get(k) == Some(&Some(id)) {
             return Some(k);
