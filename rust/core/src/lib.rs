@@ -42,8 +42,8 @@ pub use hybrid::{BlockDemand, GroupEvent, HybridManager, HybridStepOutput};
 pub use kv_groups::{AttentionKind, GroupSpec, HybridConfig};
 pub use kv_indexer::{BatchOutcome, HashSource, KvIndexer, WorkerId, WorkerStatus};
 pub use manager::{
-    CacheConfig, KvCacheManager, MmItem, SeqStatus, SequenceSpec, SlotAllocation, StepOptions,
-    StepOutput, StepRequest,
+    CacheConfig, KvCacheManager, MmItem, SeqStatus, SequenceSpec, SlotAllocation, StepDrafts,
+    StepOptions, StepOutput, StepRequest,
 };
 pub use metrics::{CacheStats, ManagerCounters};
 

@@ -1,6 +1,7 @@
 //! The KV cache manager: per-sequence block tables over a [`BlockPool`], prefix caching, slot
 //! allocation, fork with copy-on-write, preemption by recompute or swap, and the batched
-//! scheduler-step entry point.
+//! scheduler-step entry point, with speculative decoding's draft tokens (lookahead slots that
+//! are written but never hashed until accepted).
 //!
 //! Algorithms: paged KV memory with block tables, reference-counted sharing and copy-on-write
 //! (PagedAttention, Kwon et al., SOSP'23, §4.2–4.5); automatic prefix caching with chained
@@ -179,6 +180,10 @@ pub struct SlotAllocation {
     /// Copy-on-write plan: `(src, dst)` block pairs the kernel must copy before writing
     /// (at most one per call).
     pub copies: Vec<(BlockId, BlockId)>,
+    /// Draft tokens given slots after the scheduled ones (speculative decoding): they occupy
+    /// positions `num_context_tokens + num_scheduled_tokens ..` `+ num_draft_tokens`, pending
+    /// until [`KvCacheManager::accept_drafts`].
+    pub num_draft_tokens: usize,
 }
 
 /// Input of the batched [`KvCacheManager::step`]: one entry per sequence, processed in order.
@@ -194,6 +199,17 @@ pub struct StepRequest {
     pub append_tokens: Vec<u32>,
 }
 
+/// Draft tokens of a speculative-decoding step ([`KvCacheManager::step_with_drafts`]), CSR
+/// over the request's sequences: sequence `i` proposes
+/// `tokens[indptr[i]..indptr[i + 1]]`. Empty `indptr` (the default) means no drafts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StepDrafts {
+    /// CSR offsets into `tokens` (length `seq_ids.len() + 1`), or empty for no drafts.
+    pub indptr: Vec<u32>,
+    /// Proposed (draft) token ids, not yet verified.
+    pub tokens: Vec<u32>,
+}
+
 /// Output of [`KvCacheManager::step`], flat integer arrays ready to become kernel tensors.
 /// `S` = `num_scheduled`; per-token arrays have one entry per scheduled token.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -205,6 +221,9 @@ pub struct StepOutput {
     pub error: Option<Error>,
     /// Per scheduled seq: prefix-hit tokens of its first allocation, else 0.
     pub num_cached_tokens: Vec<i32>,
+    /// Per scheduled seq: draft tokens scheduled after its finalized ones (the last
+    /// `num_draft_tokens[k]` of its query; empty when the step had no drafts).
+    pub num_draft_tokens: Vec<i32>,
     /// Length `S + 1`: cumulative query lengths (tokens).
     pub query_start_loc: Vec<i32>,
     /// Per scheduled seq: context + query tokens.
@@ -300,6 +319,10 @@ struct Sequence {
     /// blocks is registered in the prefix cache until a recompute preemption computes the KV
     /// afresh (docs/design.md, "Invariants", 8).
     stale_kv: bool,
+    /// Draft tokens (speculative decoding) whose KV the last allocation gave slots at
+    /// positions `num_computed..num_computed + drafts.len()`: never hashed, cached or
+    /// announced; resolved by [`KvCacheManager::accept_drafts`].
+    drafts: Vec<u32>,
 }
 
 impl Sequence {
@@ -339,6 +362,15 @@ struct Plan {
     q: usize,
     fresh: usize,
     cow: bool,
+}
+
+fn drafts_pending(seq_id: SeqId, operation: &'static str) -> Error {
+    Error::InvalidSequenceState {
+        seq_id,
+        state: "running with pending draft tokens",
+        operation,
+        expected: "without them (call accept_drafts first)",
+    }
 }
 
 impl Plan {
@@ -478,16 +510,21 @@ impl KvCacheManager {
                 table_reported: 0,
                 table_version,
                 stale_kv: false,
+                drafts: Vec::new(),
             },
         );
         Ok(())
     }
 
     /// Appends newly sampled (finalized) tokens; allowed in every state. Errors:
-    /// [`Error::UnknownSequence`]. O(len(tokens)).
+    /// [`Error::UnknownSequence`]; [`Error::InvalidSequenceState`] while draft tokens are
+    /// pending (they would sit between the old tokens and the new ones). O(len(tokens)).
     pub fn append_tokens(&self, seq: SeqId, tokens: &[u32]) -> Result<()> {
         let mut st = self.state.lock();
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        if !s.drafts.is_empty() {
+            return Err(drafts_pending(seq, "append_tokens"));
+        }
         s.tokens.extend_from_slice(tokens);
         Ok(())
     }
@@ -511,7 +548,7 @@ impl KvCacheManager {
     pub fn num_blocks_needed(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize> {
         let mut st = self.state.lock();
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        Ok(self.plan(seq, s, num_new_tokens)?.blocks_taken())
+        Ok(self.plan(seq, s, num_new_tokens, 0)?.blocks_taken())
     }
 
     /// Schedules `q = min(num_new_tokens, num_tokens - num_computed)` tokens of `seq` and
@@ -534,7 +571,83 @@ impl KvCacheManager {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        self.allocate_locked(seq, s, &mut st.counters, num_new_tokens)
+        self.allocate_locked(seq, s, &mut st.counters, num_new_tokens, &[])
+    }
+
+    /// Speculative decoding's verify step: [`Self::allocate_slots`] plus lookahead slots for
+    /// `draft_tokens` (k proposed tokens) right after the scheduled ones, in the same call.
+    /// The drafts' KV is written at positions `num_computed .. num_computed + k` but they are
+    /// not tokens of the sequence: nothing is hashed, cached or announced for them, and the
+    /// sequence stays pending until [`Self::accept_drafts`] says how many were accepted.
+    /// With no drafts this is `allocate_slots`.
+    ///
+    /// Errors (state unchanged): those of `allocate_slots` (`OutOfBlocks` counts the
+    /// lookahead blocks too); [`Error::InvalidArgument`] (`draft_tokens`) when the scheduled
+    /// tokens do not reach the sequence's last token (drafts follow it);
+    /// [`Error::InvalidSequenceState`] when drafts are pending already. O(blocks + k).
+    pub fn allocate_slots_with_drafts(
+        &self,
+        seq: SeqId,
+        num_new_tokens: usize,
+        draft_tokens: &[u32],
+    ) -> Result<SlotAllocation> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        self.allocate_locked(seq, s, &mut st.counters, num_new_tokens, draft_tokens)
+    }
+
+    /// Resolves the pending drafts of `seq` after verification: the first `num_accepted`
+    /// (`m <= k`) become tokens of the sequence with their KV computed (the token the verify
+    /// step samples after them is appended as usual, by [`Self::append_tokens`] or the next
+    /// step); the rejected tail's slots are free for the next step, and every block that held
+    /// only rejected drafts is released (tail-first; they were never hashed). Blocks now full
+    /// of accepted tokens are hashed and cached (emitting [`KvEvent::BlockStored`]), exactly as
+    /// if those tokens had been decoded one by one. Returns the released block ids, in
+    /// release order.
+    ///
+    /// Errors (state unchanged): [`Error::UnknownSequence`]; [`Error::InvalidSequenceState`]
+    /// when the sequence has no pending drafts; [`Error::InvalidArgument`] (`num_accepted`)
+    /// for more accepted than proposed. O(k + released blocks) plus hashing of filled blocks.
+    pub fn accept_drafts(&self, seq: SeqId, num_accepted: usize) -> Result<Vec<BlockId>> {
+        let mut guard = self.state.lock();
+        let s = guard.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        if s.drafts.is_empty() {
+            return Err(Error::InvalidSequenceState {
+                seq_id: seq,
+                state: s.status.name(),
+                operation: "accept_drafts",
+                expected: "with pending draft tokens (allocated with drafts)",
+            });
+        }
+        let k = s.drafts.len();
+        if num_accepted > k {
+            return Err(Error::InvalidArgument {
+                arg: "num_accepted",
+                value: num_accepted.to_string(),
+                reason: format!("sequence {seq} has only {k} draft token(s) pending"),
+            });
+        }
+        let keep = (s.num_computed + num_accepted).div_ceil(self.bs());
+        let released: Vec<BlockId> = s.blocks[keep..].iter().rev().copied().collect();
+        if !released.is_empty() {
+            // Cannot fail: lookahead blocks are private (ref 1) and held by this sequence.
+            self.pool.free(&released)?;
+        }
+        let drafts = std::mem::take(&mut s.drafts);
+        s.tokens.extend_from_slice(&drafts[..num_accepted]);
+        s.num_computed += num_accepted;
+        s.blocks.truncate(keep);
+        s.table_rewritten_from(keep);
+        self.cache_full_blocks(s);
+        Ok(released)
+    }
+
+    /// Draft tokens pending on `seq` (0 unless its last allocation had drafts that
+    /// [`Self::accept_drafts`] has not resolved). Errors: [`Error::UnknownSequence`]. O(1).
+    pub fn num_draft_tokens(&self, seq: SeqId) -> Result<usize> {
+        let st = self.state.lock();
+        Ok(st.seqs.get(&seq).ok_or_else(|| unknown(seq))?.drafts.len())
     }
 
     /// Forks `parent` into a new sequence `child` (parallel sampling, beam search): the child
@@ -547,6 +660,9 @@ impl KvCacheManager {
         let p = st.seqs.get(&parent).ok_or_else(|| unknown(parent))?;
         if p.status == SeqStatus::Swapped {
             return Err(bad_state(parent, p.status, "fork", "running or preempted"));
+        }
+        if !p.drafts.is_empty() {
+            return Err(drafts_pending(parent, "fork"));
         }
         if st.seqs.contains_key(&child) {
             return Err(Error::SequenceExists { seq_id: child });
@@ -619,6 +735,7 @@ impl KvCacheManager {
             s.num_computed = 0;
             s.num_cached_blocks = 0;
             s.status = SeqStatus::Preempted;
+            s.drafts.clear(); // their lookahead blocks went with the rest
             s.stale_kv = false; // its KV is computed again on resume
         }
         Ok(())
@@ -637,6 +754,9 @@ impl KvCacheManager {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         check_group(st, seqs, "swap_out", |s| s == SeqStatus::Running, "running")?;
+        if let Some(&id) = seqs.iter().find(|id| !st.seqs[id].drafts.is_empty()) {
+            return Err(drafts_pending(id, "swap_out"));
+        }
         let mut order: Vec<BlockId> = Vec::new();
         let mut uses: HashMap<BlockId, u32> = HashMap::new();
         for id in seqs {
@@ -894,7 +1014,8 @@ impl KvCacheManager {
                 }
                 s.blocks.len()
             };
-            owed += len.div_ceil(bs) - held;
+            // Lookahead blocks of pending drafts may exceed what the finalized tokens need.
+            owed += len.div_ceil(bs).saturating_sub(held);
             if caching && !s.stale_kv {
                 for k in 0..len / bs {
                     registered.insert(self.block_hash_at(s, k));
@@ -917,6 +1038,22 @@ impl KvCacheManager {
 
     /// [`Self::step`] with [`StepOptions`] (e.g. without the dense block table).
     pub fn step_with(&self, req: &StepRequest, opts: StepOptions) -> StepOutput {
+        self.step_with_drafts(req, &StepDrafts::default(), opts)
+    }
+
+    /// [`Self::step_with`] for speculative decoding: sequence `i` also gets lookahead slots for
+    /// its draft tokens (`drafts`' CSR slice `i`), as [`Self::allocate_slots_with_drafts`]. Its
+    /// query is then its scheduled tokens followed by the drafts (`query_start_loc`,
+    /// `seq_lens`, `slot_mapping` and `input_ids` include them; `num_draft_tokens` says how
+    /// many), and it stays pending until [`Self::accept_drafts`]. Malformed draft offsets are
+    /// reported in `error` with nothing scheduled; a sequence whose drafts are refused stops
+    /// the step like any failed allocation.
+    pub fn step_with_drafts(
+        &self,
+        req: &StepRequest,
+        drafts: &StepDrafts,
+        opts: StepOptions,
+    ) -> StepOutput {
         // Sized for the common decode step (one token per sequence) so the hot loop rarely
         // reallocates; prefill chunks grow the token-indexed vectors as needed.
         let n = req.seq_ids.len();
@@ -937,10 +1074,17 @@ impl KvCacheManager {
         out.query_start_loc.push(0);
         out.new_block_indptr.push(0);
         out.table_delta_indptr.push(0);
-        if let Err(e) = validate_step(req) {
+        if let Err(e) = validate_step(req).and_then(|()| validate_drafts(req, drafts)) {
             out.error = Some(e);
             return out;
         }
+        let drafts_of = |i: usize| -> &[u32] {
+            if drafts.indptr.is_empty() {
+                &[]
+            } else {
+                &drafts.tokens[drafts.indptr[i] as usize..drafts.indptr[i + 1] as usize]
+            }
+        };
         let bs = self.bs();
         let mut guard = self.state.lock();
         let st = &mut *guard;
@@ -968,7 +1112,8 @@ impl KvCacheManager {
                     (req.append_indptr[i + 1] - req.append_indptr[i]) as usize
                 };
                 max_tokens += (req.num_new_tokens[i] as usize)
-                    .min((s.tokens.len() + appended).saturating_sub(s.num_computed));
+                    .min((s.tokens.len() + appended).saturating_sub(s.num_computed))
+                    + drafts_of(i).len();
             }
             out.slot_mapping.reserve(max_tokens);
             out.input_ids.reserve(max_tokens);
@@ -993,6 +1138,7 @@ impl KvCacheManager {
                 s,
                 &mut st.counters,
                 req.num_new_tokens[i] as usize,
+                drafts_of(i),
             ) {
                 Ok(a) => a,
                 Err(e) => {
@@ -1003,9 +1149,14 @@ impl KvCacheManager {
                 }
             };
             let ctx = alloc.num_context_tokens;
-            let q = alloc.num_scheduled_tokens;
+            let q_final = alloc.num_scheduled_tokens;
+            // The query: the scheduled tokens, then the drafts in their lookahead slots.
+            let q = q_final + alloc.num_draft_tokens;
             out.num_scheduled += 1;
             out.num_cached_tokens.push(alloc.num_cached_tokens as i32);
+            if !drafts.indptr.is_empty() {
+                out.num_draft_tokens.push(alloc.num_draft_tokens as i32);
+            }
             out.query_start_loc.push(out.query_start_loc[i] + q as i32);
             out.context_lens.push(ctx as i32);
             out.seq_lens.push((ctx + q) as i32);
@@ -1020,7 +1171,8 @@ impl KvCacheManager {
                     pos += run;
                 }
                 out.input_ids
-                    .extend(s.tokens[ctx..ctx + q].iter().map(|&t| i64::from(t)));
+                    .extend(s.tokens[ctx..ctx + q_final].iter().map(|&t| i64::from(t)));
+                out.input_ids.extend(s.drafts.iter().map(|&t| i64::from(t)));
             }
             out.new_block_ids
                 .extend(alloc.new_block_ids.iter().map(|&b| b as i32));
@@ -1142,6 +1294,9 @@ impl KvCacheManager {
                 ));
             }
             match s.status {
+                SeqStatus::Preempted | SeqStatus::Swapped if !s.drafts.is_empty() => {
+                    return Err(format!("seq {id}: {} with pending drafts", s.status.name()));
+                }
                 SeqStatus::Preempted => {
                     if !s.blocks.is_empty() || s.num_computed != 0 {
                         return Err(format!(
@@ -1159,12 +1314,30 @@ impl KvCacheManager {
                     }
                 }
                 SeqStatus::Running => {
-                    if s.blocks.len() != s.num_computed.div_ceil(bs) {
+                    let slots = s.num_computed + s.drafts.len();
+                    if s.blocks.len() != slots.div_ceil(bs) {
                         return Err(format!(
-                            "seq {id}: {} blocks for {} computed tokens (block size {bs})",
+                            "seq {id}: {} blocks for {} computed tokens and {} drafts (block size {bs})",
                             s.blocks.len(),
-                            s.num_computed
+                            s.num_computed,
+                            s.drafts.len()
                         ));
+                    }
+                    if !s.drafts.is_empty() && s.num_computed != s.tokens.len() {
+                        return Err(format!(
+                            "seq {id}: drafts pending but {} of {} tokens computed",
+                            s.num_computed,
+                            s.tokens.len()
+                        ));
+                    }
+                    // Lookahead blocks (only draft slots): private, never hashed.
+                    for &b in &s.blocks[s.num_computed.div_ceil(bs).min(s.blocks.len())..] {
+                        if self.pool.ref_count(b) != 1 || self.pool.block_hash(b).is_some() {
+                            return Err(format!(
+                                "seq {id}: lookahead block {b} is shared or hashed (ref {})",
+                                self.pool.ref_count(b)
+                            ));
+                        }
                     }
                     let mut distinct = HashSet::new();
                     for (k, &b) in s.blocks.iter().enumerate() {
@@ -1337,7 +1510,13 @@ impl KvCacheManager {
         self.pool.lookup_chain(&s.hashes[..max_blocks])
     }
 
-    fn plan(&self, seq: SeqId, s: &mut Sequence, num_new_tokens: usize) -> Result<Plan> {
+    fn plan(
+        &self,
+        seq: SeqId,
+        s: &mut Sequence,
+        num_new_tokens: usize,
+        num_drafts: usize,
+    ) -> Result<Plan> {
         if s.status == SeqStatus::Swapped {
             return Err(bad_state(
                 seq,
@@ -1352,6 +1531,9 @@ impl KvCacheManager {
                 value: "0".into(),
                 reason: "must schedule at least one token".into(),
             });
+        }
+        if !s.drafts.is_empty() {
+            return Err(drafts_pending(seq, "allocate_slots"));
         }
         let bs = self.bs();
         let first = s.blocks.is_empty() && s.num_computed == 0;
@@ -1377,8 +1559,18 @@ impl KvCacheManager {
             });
         }
         let q = num_new_tokens.min(remaining);
+        if num_drafts > 0 && q < remaining {
+            return Err(Error::InvalidArgument {
+                arg: "draft_tokens",
+                value: format!("{num_drafts} token(s)"),
+                reason: format!(
+                    "drafts follow the last token: schedule all {remaining} uncomputed token(s) \
+                     of sequence {seq} ({q} scheduled)"
+                ),
+            });
+        }
         let table_len = if first { hits.len() } else { s.blocks.len() };
-        let fresh = (context + q).div_ceil(bs) - table_len;
+        let fresh = (context + q + num_drafts).div_ceil(bs) - table_len;
         let cow = !first
             && context % bs != 0
             && s.blocks.last().is_some_and(|&b| self.pool.ref_count(b) > 1);
@@ -1399,8 +1591,9 @@ impl KvCacheManager {
         s: &mut Sequence,
         counters: &mut ManagerCounters,
         num_new_tokens: usize,
+        drafts: &[u32],
     ) -> Result<SlotAllocation> {
-        let plan = self.plan(seq, s, num_new_tokens)?;
+        let plan = self.plan(seq, s, num_new_tokens, drafts.len())?;
         let need = plan.blocks_taken();
         // Check before any pool call so that a failure changes nothing (touching hits and then
         // failing would move them in the LRU).
@@ -1457,6 +1650,8 @@ impl KvCacheManager {
         s.blocks.extend(fresh);
         s.num_computed += plan.q;
         s.status = SeqStatus::Running;
+        s.drafts.extend_from_slice(drafts);
+        // Only blocks full of computed, finalized tokens: drafts never reach the cache.
         self.cache_full_blocks(s);
         Ok(SlotAllocation {
             num_scheduled_tokens: plan.q,
@@ -1464,6 +1659,7 @@ impl KvCacheManager {
             num_context_tokens: plan.context,
             new_block_ids: new,
             copies,
+            num_draft_tokens: drafts.len(),
         })
     }
 
@@ -1623,6 +1819,37 @@ fn validate_step(req: &StepRequest) -> Result<()> {
                 "must be {} non-decreasing offsets from 0 to len(append_tokens) = {}",
                 n + 1,
                 req.append_tokens.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+fn validate_drafts(req: &StepRequest, drafts: &StepDrafts) -> Result<()> {
+    let n = req.seq_ids.len();
+    let p = &drafts.indptr;
+    if p.is_empty() {
+        if !drafts.tokens.is_empty() {
+            return Err(Error::InvalidArgument {
+                arg: "draft_indptr",
+                value: "[]".into(),
+                reason: "draft_tokens given without offsets".into(),
+            });
+        }
+        return Ok(());
+    }
+    if p.len() != n + 1
+        || p[0] != 0
+        || p.windows(2).any(|w| w[0] > w[1])
+        || p[n] as usize != drafts.tokens.len()
+    {
+        return Err(Error::InvalidArgument {
+            arg: "draft_indptr",
+            value: format!("{p:?}"),
+            reason: format!(
+                "must be {} non-decreasing offsets from 0 to len(draft_tokens) = {}",
+                n + 1,
+                drafts.tokens.len()
             ),
         });
     }
