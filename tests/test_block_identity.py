@@ -28,7 +28,7 @@ SPECS = [
 
 def _stored(spec: SequenceSpec) -> list[bytes]:
     m = pagedkv.KVCacheManager(pagedkv.CacheConfig(32, 4, enable_events=True))
-    m.add_sequence(1, PROMPT, **spec.keywords())
+    m.add_sequence(1, PROMPT, spec=spec)
     m.allocate_slots(1, len(PROMPT))
     return [h for ev in m.take_events() if isinstance(ev, pagedkv.BlockStored) for h in ev.block_hashes]
 
@@ -36,7 +36,36 @@ def _stored(spec: SequenceSpec) -> list[bytes]:
 @pytest.mark.parametrize("spec", SPECS, ids=repr)
 def test_the_indexer_hashes_a_spec_as_the_manager_does(spec: SequenceSpec) -> None:
     ix = HashScheme(4).indexer()
-    assert ix.block_hashes(PROMPT, **spec.keywords()) == _stored(spec)
+    assert ix.block_hashes(PROMPT, spec=spec) == ix.block_hashes(PROMPT, **spec.keywords()) == _stored(spec)
+    m = pagedkv.KVCacheManager(pagedkv.CacheConfig(32, 4, enable_events=True))
+    m.add_sequence(1, PROMPT, **spec.keywords())  # the separate keys: the same blocks
+    m.allocate_slots(1, len(PROMPT))
+    events = m.take_events()
+    assert [h for ev in events if isinstance(ev, pagedkv.BlockStored) for h in ev.block_hashes] == _stored(spec)
+    ix.add_worker(3)
+    assert ix.apply(3, 0, events) == "applied"
+    assert ix.overlap(PROMPT, spec=spec) == ix.overlap(PROMPT, **spec.keywords()) == {3: 4}
+    other = spec.for_group(spec.kv_group + 1)
+    assert ix.overlap(PROMPT, spec=other) == {3: 0}
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda spec, **kw: pagedkv.KVCacheManager(pagedkv.CacheConfig(8, 4)).add_sequence(1, PROMPT, spec=spec, **kw),
+        lambda spec, **kw: HashScheme(4).indexer().block_hashes(PROMPT, spec=spec, **kw),
+        lambda spec, **kw: HashScheme(4).indexer().overlap(PROMPT, spec=spec, **kw),
+    ],
+    ids=["add_sequence", "block_hashes", "overlap"],
+)
+def test_a_spec_with_separate_keys_or_a_non_spec_is_refused(call: Any) -> None:
+    spec = SequenceSpec(cache_salt="t")
+    for key in ({"cache_salt": "t"}, {"adapter_id": "a"}, {"extra_keys": [("k", b"v")]}, {"mm_items": []}):
+        with pytest.raises(pagedkv.InvalidArgumentError, match="either spec or the separate"):
+            call(spec, **key)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="expected a pagedkv.SequenceSpec, got dict"):
+        call({"cache_salt": "t"})
+    call(None, cache_salt="t")  # spec=None: the separate keys as before
 
 
 def test_specs_differing_in_any_field_share_no_block() -> None:

@@ -6,6 +6,7 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
+from pagedkv.block_identity import SequenceSpec
 from pagedkv.errors import PagedKVError
 
 __all__ = [
@@ -280,6 +281,7 @@ class KVCacheManager:
         seq_id: int,
         prompt_token_ids: _IntArrayLike,
         *,
+        spec: SequenceSpec | None = None,
         cache_salt: str | None = None,
         adapter_id: str | None = None,
         extra_keys: list[tuple[str, bytes]] | None = None,
@@ -466,19 +468,22 @@ class KVIndexer:
         token_ids: _IntArrayLike,
         *,
         num_blocks: int | None = None,
+        spec: SequenceSpec | None = None,
         cache_salt: str | None = None,
         adapter_id: str | None = None,
         extra_keys: list[tuple[str, bytes]] | None = None,
         mm_items: list[tuple[bytes, int, int]] | None = None,
     ) -> list[bytes]:
         """Chained hashes (32 bytes) of the first ``num_blocks`` (default: all) full blocks of
-        ``token_ids`` with the keys of ``KVCacheManager.add_sequence``: exactly the hashes a
-        manager with this hash algorithm and seed computes. Raises ``InvalidArgumentError``
+        ``token_ids`` with the keys of ``KVCacheManager.add_sequence`` (``spec``, a
+        :class:`pagedkv.SequenceSpec`, or the separate keys): exactly the hashes a manager with
+        this hash algorithm and seed computes. Raises ``InvalidArgumentError``
         when ``num_blocks`` exceeds the full blocks."""
     def overlap(
         self,
         token_ids: _IntArrayLike,
         *,
+        spec: SequenceSpec | None = None,
         cache_salt: str | None = None,
         adapter_id: str | None = None,
         extra_keys: list[tuple[str, bytes]] | None = None,
@@ -608,6 +613,7 @@ class HybridKVCacheManager:
         seq_id: int,
         prompt_token_ids: _IntArrayLike,
         *,
+        spec: SequenceSpec | None = None,
         cache_salt: str | None = None,
         adapter_id: str | None = None,
         extra_keys: list[tuple[str, bytes]] | None = None,

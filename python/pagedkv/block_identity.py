@@ -13,8 +13,10 @@ Two values, one per level at which they are fixed:
 
 A request's spec is derived once, by whoever owns the request (the engine's
 :meth:`pagedkv.engine.LLMEngine.sequence_spec`, the vLLM plug-in from vLLM's ``Request``), and
-the same value is what the manager registers (``add_sequence(..., **spec.keywords())``) and
-what a router hashes (:meth:`pagedkv.routing.Router.route`), so the two cannot disagree.
+the same value is what the manager registers (``add_sequence(..., spec=spec)``) and what a
+router hashes (:meth:`pagedkv.routing.Router.route`, ``KVIndexer.block_hashes(..., spec=spec)``),
+so the two cannot disagree. The binding reads a spec through :meth:`SequenceSpec.keywords`, in
+one place (``call_spec`` in ``rust/python/src/manager.rs``).
 
 Room for KV cache groups (hybrid models) and speculative decoding: :meth:`SequenceSpec.for_group`
 derives the spec of one group's blocks; group 0 hashes exactly like the request itself.
@@ -72,7 +74,8 @@ def _mm_items(value: Iterable[Any]) -> tuple[tuple[bytes, int, int], ...]:
 @dataclass(frozen=True)
 class SequenceSpec:
     """The per-request part of a block's cache identity: what ``KVCacheManager.add_sequence``,
-    ``KVIndexer.block_hashes`` and ``KVIndexer.overlap`` mix into every block hash.
+    ``KVIndexer.block_hashes`` and ``KVIndexer.overlap`` mix into every block hash (pass it as
+    their ``spec=``).
 
     Args:
         cache_salt: prefix-cache salt (tenant isolation), or ``None``.

@@ -354,9 +354,9 @@ def test_no_salt_makes_engine_derived_keys_collide(dynamic_engine_factory, salt_
     base = list(range(100, 100 + max(len_a, len_b)))
     m = pagedkv.KVCacheManager(pagedkv.CacheConfig(64, 4))
     a, b = base[:len_a], base[:20] + [7] * (len_b - 20)
-    m.add_sequence(1, a, **eng.sequence_spec(a, salt_a).keywords())
+    m.add_sequence(1, a, spec=eng.sequence_spec(a, salt_a))
     m.allocate_slots(1, 64)
-    m.add_sequence(2, b, **eng.sequence_spec(b, salt_b).keywords())
+    m.add_sequence(2, b, spec=eng.sequence_spec(b, salt_b))
     same_identity = salt_a == salt_b and eng.model.rope.prefix_cache_tag(len_a) == eng.model.rope.prefix_cache_tag(
         len_b
     )

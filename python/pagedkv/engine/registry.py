@@ -98,7 +98,7 @@ class RequestRegistry:
         )
         req = Request(rid, prepared.text, ids, params, arrival, time.perf_counter(), seed, beam=beam)
         first = self.new_sequence(req, ids, 0)
-        self.manager.add_sequence(first.seq_id, ids, **spec.keywords())
+        self.manager.add_sequence(first.seq_id, ids, spec=spec)
         req.seqs.append(first)
         self._live[rid] = req
         self.scheduler.add(req)

@@ -156,8 +156,7 @@ class Router:
                 reason="already routed and not finished",
             )
         num_blocks = max(len(token_ids) - 1, 0) // self.indexer.block_size
-        keys = (spec if spec is not None else SequenceSpec()).keywords()
-        hashes = self.indexer.block_hashes(token_ids, num_blocks=num_blocks, **keys)
+        hashes = self.indexer.block_hashes(token_ids, num_blocks=num_blocks, spec=spec)
         overlaps = self.indexer.overlap_hashes(hashes)
         if self._inflight:
             for w, n in self._predicted.overlap_hashes(hashes).items():

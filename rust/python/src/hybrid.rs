@@ -3,10 +3,10 @@
 //! models. One `step` call returns every group's slot mapping and block tables as numpy
 //! arrays with a leading group dimension (C-contiguous, so `torch.from_numpy` shares them).
 
-use crate::convert::{bad, count, opt_str, repr, token_ids, type_name, uint};
+use crate::convert::{bad, count, repr, token_ids, type_name, uint};
 use crate::errors::{error_instance, to_pyerr, IntoPyResult};
 use crate::events::event_object;
-use crate::manager::sequence_spec;
+use crate::manager::call_spec;
 use numpy::ndarray::{Array2, Array3};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArray3};
 use pagedkv_core::{
@@ -493,15 +493,16 @@ impl PyHybridManager {
     }
 
     /// Registers sequence ``seq_id`` with its prompt (list or 1-D integer array). The keys are
-    /// as ``KVCacheManager.add_sequence``'s. Raises ``SequenceExistsError``,
-    /// ``InvalidArgumentError``.
-    #[pyo3(signature = (seq_id, prompt_token_ids, *, cache_salt = None, adapter_id = None, extra_keys = None, mm_items = None))]
+    /// as ``KVCacheManager.add_sequence``'s (``spec``: a ``pagedkv.SequenceSpec`` carrying
+    /// them as one value). Raises ``SequenceExistsError``, ``InvalidArgumentError``.
+    #[pyo3(signature = (seq_id, prompt_token_ids, *, spec = None, cache_salt = None, adapter_id = None, extra_keys = None, mm_items = None))]
     #[allow(clippy::too_many_arguments)]
     fn add_sequence(
         &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
         prompt_token_ids: &Bound<'_, PyAny>,
+        spec: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         adapter_id: Option<&Bound<'_, PyAny>>,
         extra_keys: Option<&Bound<'_, PyAny>>,
@@ -509,12 +510,7 @@ impl PyHybridManager {
     ) -> PyResult<()> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let prompt = token_ids(prompt_token_ids, "prompt_token_ids")?;
-        let spec = sequence_spec(
-            opt_str(cache_salt, "cache_salt")?,
-            opt_str(adapter_id, "adapter_id")?,
-            extra_keys,
-            mm_items,
-        )?;
+        let spec = call_spec(spec, cache_salt, adapter_id, extra_keys, mm_items)?;
         let m = &self.inner;
         py.detach(|| m.add_sequence(seq, prompt, spec)).py(py)
     }

@@ -8,7 +8,7 @@
 use crate::convert::{bad, bytes_arg, list_items, opt_str, repr, type_name, uint};
 use crate::errors::IntoPyResult;
 use crate::events::{PyAllBlocksCleared, PyBlockRemoved, PyBlockStored};
-use crate::manager::sequence_spec;
+use crate::manager::call_spec;
 use numpy::PyUntypedArray;
 use pagedkv_core::events::KvEvent;
 use pagedkv_core::kv_indexer::vllm_event::{self, WireValue};
@@ -382,25 +382,21 @@ impl PyKvIndexer {
 
     /// Chained 32-byte hashes of the prompt's first ``num_blocks`` full blocks, as a manager
     /// computes them.
-    #[pyo3(signature = (token_ids, *, num_blocks = None, cache_salt = None, adapter_id = None, extra_keys = None, mm_items = None))]
+    #[pyo3(signature = (token_ids, *, num_blocks = None, spec = None, cache_salt = None, adapter_id = None, extra_keys = None, mm_items = None))]
     #[allow(clippy::too_many_arguments)]
     fn block_hashes<'py>(
         &self,
         py: Python<'py>,
         token_ids: &Bound<'_, PyAny>,
         num_blocks: Option<&Bound<'_, PyAny>>,
+        spec: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         adapter_id: Option<&Bound<'_, PyAny>>,
         extra_keys: Option<&Bound<'_, PyAny>>,
         mm_items: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let tokens = crate::convert::token_ids(token_ids, "token_ids")?;
-        let spec = sequence_spec(
-            opt_str(cache_salt, "cache_salt")?,
-            opt_str(adapter_id, "adapter_id")?,
-            extra_keys,
-            mm_items,
-        )?;
+        let spec = call_spec(spec, cache_salt, adapter_id, extra_keys, mm_items)?;
         let n = match num_blocks {
             Some(n) => uint(n, "num_blocks", u64::from(u32::MAX))? as usize,
             None => tokens.len() / self.block_size(py) as usize,
@@ -412,23 +408,20 @@ impl PyKvIndexer {
     }
 
     /// ``{worker_id: leading cached blocks}`` of a prompt for every worker.
-    #[pyo3(signature = (token_ids, *, cache_salt = None, adapter_id = None, extra_keys = None, mm_items = None))]
+    #[pyo3(signature = (token_ids, *, spec = None, cache_salt = None, adapter_id = None, extra_keys = None, mm_items = None))]
+    #[allow(clippy::too_many_arguments)]
     fn overlap<'py>(
         &self,
         py: Python<'py>,
         token_ids: &Bound<'_, PyAny>,
+        spec: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         adapter_id: Option<&Bound<'_, PyAny>>,
         extra_keys: Option<&Bound<'_, PyAny>>,
         mm_items: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let tokens = crate::convert::token_ids(token_ids, "token_ids")?;
-        let spec = sequence_spec(
-            opt_str(cache_salt, "cache_salt")?,
-            opt_str(adapter_id, "adapter_id")?,
-            extra_keys,
-            mm_items,
-        )?;
+        let spec = call_spec(spec, cache_salt, adapter_id, extra_keys, mm_items)?;
         let pairs = self.with(py, |ix| ix.overlap_tokens(&tokens, &spec));
         overlap_dict(py, pairs)
     }

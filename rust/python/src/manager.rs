@@ -18,7 +18,7 @@ use pagedkv_core::{
     BlockId, ExtraKey, KvCacheManager, MmItem, SequenceSpec, StepOptions, StepRequest,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyList};
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
 use std::sync::Arc;
 
 /// Block ids as an ``int32`` array. Ids are below `MAX_BLOCKS` (2**28), so the cast is exact;
@@ -216,10 +216,55 @@ pub(crate) struct PyKvCacheManager {
     pool: Py<PyBlockPool>,
 }
 
+/// The hashing inputs of one call (`add_sequence`, `KVIndexer.block_hashes` / `overlap`), read
+/// in one place: a `pagedkv.SequenceSpec` passed as `spec` (read through its `keywords()`, the
+/// request's one value), or the separate `cache_salt` / `adapter_id` / `extra_keys` /
+/// `mm_items` keys. Both at once is an `InvalidArgumentError` (which would win is a guess), as
+/// is a `spec` without `keywords()` returning a dict.
+pub(crate) fn call_spec(
+    spec: Option<&Bound<'_, PyAny>>,
+    cache_salt: Option<&Bound<'_, PyAny>>,
+    adapter_id: Option<&Bound<'_, PyAny>>,
+    extra_keys: Option<&Bound<'_, PyAny>>,
+    mm_items: Option<&Bound<'_, PyAny>>,
+) -> PyResult<SequenceSpec> {
+    let Some(spec) = spec.filter(|s| !s.is_none()) else {
+        let salt = opt_str(cache_salt, "cache_salt")?;
+        return sequence_spec(
+            salt,
+            opt_str(adapter_id, "adapter_id")?,
+            extra_keys,
+            mm_items,
+        );
+    };
+    let py = spec.py();
+    let given = [cache_salt, adapter_id, extra_keys, mm_items];
+    if given.iter().any(|k| k.is_some_and(|k| !k.is_none())) {
+        let reason =
+            "pass either spec or the separate cache_salt / adapter_id / extra_keys / mm_items";
+        return Err(bad(py, "spec", repr(spec), reason));
+    }
+    let refuse = || {
+        let reason = format!("expected a pagedkv.SequenceSpec, got {}", type_name(spec));
+        bad(py, "spec", repr(spec), reason)
+    };
+    let keywords = spec.call_method0("keywords").map_err(|_| refuse())?;
+    let keywords = keywords.cast::<PyDict>().map_err(|_| refuse())?;
+    let get = |key: &str| keywords.get_item(key);
+    let (salt, adapter) = (get("cache_salt")?, get("adapter_id")?);
+    let (keys, items) = (get("extra_keys")?, get("mm_items")?);
+    sequence_spec(
+        opt_str(salt.as_ref(), "cache_salt")?,
+        opt_str(adapter.as_ref(), "adapter_id")?,
+        keys.as_ref().filter(|k| !k.is_none()),
+        items.as_ref().filter(|k| !k.is_none()),
+    )
+}
+
 /// Hashing inputs of `add_sequence`: the salt and adapter as extra keys, `(tag, bytes)` extra
 /// keys, `(item_hash, start_token, num_tokens)` multimodal items.
-/// Shared with `KVIndexer`, whose queries must hash exactly like the manager.
-pub(crate) fn sequence_spec(
+/// Shared with `KVIndexer` through [`call_spec`]: its queries must hash exactly like the manager.
+fn sequence_spec(
     cache_salt: Option<String>,
     adapter_id: Option<String>,
     extra_keys: Option<&Bound<'_, PyAny>>,
@@ -361,17 +406,19 @@ impl PyKvCacheManager {
     /// array; no blocks yet). ``cache_salt`` / ``adapter_id`` / ``extra_keys`` ((tag, bytes)
     /// pairs) are mixed into every block hash, so sequences that differ in any of them never
     /// share cached blocks; ``mm_items`` are ``(item_hash, start_token, num_tokens)`` multimodal
-    /// items keying the blocks they overlap.
+    /// items keying the blocks they overlap. ``spec``, a ``pagedkv.SequenceSpec``, carries all
+    /// of them as one value (then pass none of the separate keys).
     ///
     /// Raises: ``SequenceExistsError``; ``InvalidArgumentError`` (empty prompt, negative or
-    /// non-integer ids, malformed keys / items).
-    #[pyo3(signature = (seq_id, prompt_token_ids, *, cache_salt = None, adapter_id = None, extra_keys = None, mm_items = None))]
+    /// non-integer ids, malformed keys / items, ``spec`` together with a separate key).
+    #[pyo3(signature = (seq_id, prompt_token_ids, *, spec = None, cache_salt = None, adapter_id = None, extra_keys = None, mm_items = None))]
     #[allow(clippy::too_many_arguments)]
     fn add_sequence(
         &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
         prompt_token_ids: &Bound<'_, PyAny>,
+        spec: Option<&Bound<'_, PyAny>>,
         cache_salt: Option<&Bound<'_, PyAny>>,
         adapter_id: Option<&Bound<'_, PyAny>>,
         extra_keys: Option<&Bound<'_, PyAny>>,
@@ -379,12 +426,7 @@ impl PyKvCacheManager {
     ) -> PyResult<()> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let prompt = token_ids(prompt_token_ids, "prompt_token_ids")?;
-        let spec = sequence_spec(
-            opt_str(cache_salt, "cache_salt")?,
-            opt_str(adapter_id, "adapter_id")?,
-            extra_keys,
-            mm_items,
-        )?;
+        let spec = call_spec(spec, cache_salt, adapter_id, extra_keys, mm_items)?;
         let m = &self.inner;
         py.detach(|| m.add_sequence_owned(seq, prompt, spec)).py(py)
     }

@@ -279,7 +279,7 @@ class PagedKVCacheManager:
                 extra_keys = [("no_prefix_read", rid.encode())]
             # The request's block identity, derived once here (pagedkv.SequenceSpec).
             spec = pagedkv.SequenceSpec(request.cache_salt, adapter, extra_keys, mm_items)
-            self._kvm.add_sequence(seq, request.all_token_ids[:], **spec.keywords())
+            self._kvm.add_sequence(seq, request.all_token_ids[:], spec=spec)
             self._next_seq_id += 1
             self._seq_of[rid] = seq
             self._requests[rid] = request
