@@ -230,26 +230,6 @@ def test_unsupported_architecture_is_refused_naming_it(tiny, tmp_path):
 # ---------------------------------------------------------------- per-group block tables
 
 
-def _hybrid_meta(out: Any) -> SimpleNamespace:
-    """Kernel inputs of a hybrid manager's step: one block table and slot mapping per group."""
-    qsl = torch.from_numpy(out.query_start_loc.copy())
-    seq_lens = torch.from_numpy(out.seq_lens.copy())
-    q_lens = (qsl[1:] - qsl[:-1]).long()
-    starts = (seq_lens.long() - q_lens).repeat_interleave(q_lens)
-    offsets = torch.arange(int(qsl[-1])) - qsl[:-1].long().repeat_interleave(q_lens)
-    return SimpleNamespace(
-        block_table=torch.from_numpy(out.block_table.copy()),  # [groups, B, max_blocks]
-        slot_mapping=torch.from_numpy(out.slot_mapping.copy()),  # [groups, T]
-        seq_lens=seq_lens,
-        query_start_loc=qsl,
-        input_ids=torch.from_numpy(out.input_ids.copy()),
-        positions=starts + offsets,
-        max_query_len=out.max_query_len,
-        max_seq_len=out.max_seq_len,
-        attn_plan=None,
-    )
-
-
 def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
     # The model on a hybrid KV cache manager's steps (one table and slot mapping per group):
     # the sliding-window group releases its blocks behind the window (table entries -> the
@@ -262,6 +242,7 @@ def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
     if not hasattr(pagedkv, "HybridKVCacheManager"):
         pytest.skip("this build of pagedkv has no HybridKVCacheManager")
     from pagedkv.engine.gemma3 import Gemma3ForCausalLM
+    from pagedkv.tensors import GroupBatchTensors
 
     model = Gemma3ForCausalLM.from_hf(gemma.hf)
     bs, num_blocks = 4, 64
@@ -280,27 +261,30 @@ def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
     manager.add_sequence(1, prompt)
     got: list[int] = []
     done = 0
+    cache_shape = tuple(kv_cache.shape[2:])
+
+    def next_token(meta: GroupBatchTensors, plans: Any) -> int:
+        last = torch.tensor([meta.input_ids.shape[0] - 1])
+        logits = model.forward(meta.input_ids, meta.positions, kv_cache, meta, last, plans=plans)
+        assert torch.isfinite(logits).all()
+        return int(logits[0].argmax())
+
     while not got or (len(got) < len(want) and got[-1] != 1):
-        if done < len(prompt):
+        if done < len(prompt):  # chunked prefill, 16 tokens a step
             n = min(16, len(prompt) - done)
             out = manager.step([1], [n])
             done += n
-            if done < len(prompt):
-                out.raise_for_error()
-                meta = _hybrid_meta(out)
-                meta.attn_plan = model.plan_attention(meta, tuple(kv_cache.shape[2:]))
-                model.forward(meta.input_ids, meta.positions, kv_cache, meta, torch.tensor([n - 1]))
-                continue
         else:
             out = manager.step([1], [1], [np.array([got[-1]])])
         out.raise_for_error()
-        meta = _hybrid_meta(out)
-        meta.attn_plan = model.plan_attention(meta, tuple(kv_cache.shape[2:]))
-        logits = model.forward(
-            meta.input_ids, meta.positions, kv_cache, meta, torch.tensor([meta.input_ids.shape[0] - 1])
-        )
-        assert torch.isfinite(logits).all()
-        got.append(int(logits[0].argmax()))
+        meta = GroupBatchTensors.from_steps(out)
+        assert meta.block_tables.shape[0] == meta.slot_mapping.shape[0] == 2
+        before = kv_cache.clone()
+        tok = next_token(meta, model.plan_attention(meta, cache_shape))  # one plan per group
+        kv_cache.copy_(before)  # the same step without plans: the Triton path's calls
+        assert next_token(meta, None) == tok
+        if done == len(prompt):
+            got.append(tok)
     assert got == want
     held = manager.num_blocks_held(1)
     total = manager.num_tokens(1)

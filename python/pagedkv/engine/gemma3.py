@@ -33,6 +33,7 @@ as in its state dict (``model.layers.{i}.self_attn.q_norm.weight``...).
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,10 +43,10 @@ with optional_imports("pagedkv.engine", "engine"):
     import torch
     import torch.nn.functional as F
 
-from pagedkv.tensors import BatchTensors
+from pagedkv import kernels
 
 from .errors import EngineConfigError
-from .kv_groups import FULL_ATTENTION, SLIDING_ATTENTION, layer_windows
+from .kv_groups import FULL_ATTENTION, SLIDING_ATTENTION, StepTensors, layer_windows
 from .model import PagedCausalLM, _projection, linear, rope_rotate_half
 from .rope import LENGTH_DEPENDENT_ROPE, context_length
 
@@ -244,9 +245,11 @@ class Gemma3ForCausalLM(PagedCausalLM):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: BatchTensors,
+        meta: StepTensors,
         logits_indices: torch.Tensor,
         rope_lens: torch.Tensor | None = None,
+        *,
+        plans: Sequence[kernels.AttentionPlan] | None = None,
     ) -> torch.Tensor:
         """Run the flat token batch and return next-token logits for selected tokens.
 
@@ -255,15 +258,19 @@ class Gemma3ForCausalLM(PagedCausalLM):
             positions: int64 ``[T]`` position of each token in its sequence (0-based).
             kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``;
                 the new K/V of every token is written at ``meta.slot_mapping`` (in place).
-            meta: this step's kernel inputs with, for the torch reference attention,
-                ``attn_plan`` set to :meth:`plan_attention`'s plans (one per KV cache group).
+            meta: this step's kernel inputs: a :class:`~pagedkv.tensors.BatchTensors` (one block
+                table for both KV cache groups) or a :class:`~pagedkv.tensors.GroupBatchTensors`
+                (one per group).
             logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted.
             rope_lens: unused (Gemma 3's RoPE is position-only); accepted for the runner's call.
+            plans: :meth:`plan_attention`'s plans, one per group (default ``meta.attn_plan``
+                where ``meta`` has one; none: each attention call plans for itself).
 
         Returns:
             fp32 ``[L, vocab_size]`` logits.
         """
         del rope_lens
+        plans = plans if plans is not None else getattr(meta, "attn_plan", None)
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         rot = {lt: self._cos_sin(positions, lt) for lt in self._inv_freq}
@@ -274,7 +281,7 @@ class Gemma3ForCausalLM(PagedCausalLM):
             cos, sin = rot[self._layer_type[li]]
             q = rope_rotate_half(self._norm(q.view(t, hq, d), layer.q_norm), cos, sin)
             k = rope_rotate_half(self._norm(k.view(t, hkv, d), layer.k_norm), cos, sin)
-            o = self._attend(li, q, k, v.reshape(t, hkv, d), kv_cache, meta, self.scale)
+            o = self._attend(li, q, k, v.reshape(t, hkv, d), kv_cache, meta, self.scale, plans)
             x = x + self._norm(linear(o.view(t, hq * d), layer.o), layer.post_attention_norm)
             gate, up = linear(self._norm(x, layer.pre_feedforward_norm), layer.gate_up).chunk(2, dim=-1)
             mlp = linear(F.gelu(gate, approximate="tanh") * up, layer.down)

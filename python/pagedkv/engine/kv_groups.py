@@ -12,12 +12,13 @@ plans, one per group, each from that group's block table (:func:`group_block_tab
 One block table or one per group. The engine's KV cache manager keeps one block table per
 sequence, so every group reads it: a sliding-window layer reads only the blocks inside its
 window, and the blocks before the window stay allocated (the local layers' KV memory is not
-bounded by the window in the engine yet). A hybrid manager (``pagedkv.HybridKVCacheManager``)
-steps out one table and one slot mapping per group, releasing a sliding-window group's blocks
-once they fall out of every future window (their entries then the null block 0);
-:func:`group_block_table` and :func:`group_slot_mapping` take either form, and the kernels never
-read before a window (tests/kernels/test_sliding_window.py), so the model runs on both
-(tests/engine/test_hybrid_models.py drives it from a hybrid manager's steps).
+bounded by the window in the engine yet). A hybrid manager (``pagedkv.HybridKVCacheManager``,
+its steps as :class:`~pagedkv.tensors.GroupBatchTensors`) has one table and one slot mapping
+per group, releasing a sliding-window group's blocks once they fall out of every future window
+(their entries then the null block 0); :func:`group_block_table` and :func:`group_slot_mapping`
+read either, and the kernels never read before a window (tests/kernels/test_sliding_window.py),
+so the model runs on both (tests/engine/test_hybrid_models.py drives it from a hybrid
+manager's steps).
 """
 
 from __future__ import annotations
@@ -32,11 +33,19 @@ with optional_imports("pagedkv.engine", "engine"):
     import torch
 
 from pagedkv import kernels
-from pagedkv.tensors import BatchTensors
+from pagedkv.tensors import BatchTensors, GroupBatchTensors
 
 from .errors import EngineConfigError
 
-__all__ = ["KVCacheGroup", "layer_windows", "kv_cache_groups", "group_block_table", "group_slot_mapping", "plan_groups"]
+__all__ = [
+    "StepTensors",
+    "KVCacheGroup",
+    "layer_windows",
+    "kv_cache_groups",
+    "group_block_table",
+    "group_slot_mapping",
+    "plan_groups",
+]
 
 #: transformers' ``config.layer_types`` entries the engine implements.
 FULL_ATTENTION = "full_attention"
@@ -115,29 +124,34 @@ def kv_cache_groups(windows: Sequence[int | None]) -> tuple[KVCacheGroup, ...]:
     return tuple(KVCacheGroup(w, tuple(layers)) for w, layers in order.items())
 
 
-def group_block_table(meta: BatchTensors, group: int) -> torch.Tensor:
+StepTensors = BatchTensors | GroupBatchTensors
+"""A step's kernel inputs: :class:`~pagedkv.tensors.BatchTensors` (one block table and slot
+mapping for every group) or :class:`~pagedkv.tensors.GroupBatchTensors` (one per group)."""
+
+
+def group_block_table(meta: StepTensors, group: int) -> torch.Tensor:
     """The block table the layers of KV cache group ``group`` read this step:
     int32 ``[B, max_blocks]``.
 
-    ``meta.block_table`` is either one table ``[B, max_blocks]`` for every group (what the
-    engine's KV cache manager gives today) or one per group, ``[num_groups, B, max_blocks]``
-    (a hybrid manager's step output, ``pagedkv.HybridKVCacheManager``): row ``group`` of it.
-    A sliding-window group's table may hold the null block 0 before the window; nothing there
-    is read."""
-    table: torch.Tensor = meta.block_table
-    return table[group] if table.dim() == 3 else table
+    From a :class:`~pagedkv.tensors.BatchTensors` (the engine's ``KVCacheManager``: one table
+    for every group) its ``block_table``; from a :class:`~pagedkv.tensors.GroupBatchTensors` (a
+    ``pagedkv.HybridKVCacheManager`` step) row ``group`` of its ``block_tables``
+    ``[num_groups, B, max_blocks]``, where a sliding-window group's entries before the window
+    may be the null block 0 (nothing there is read)."""
+    table: torch.Tensor = meta.block_tables[group] if isinstance(meta, GroupBatchTensors) else meta.block_table
+    return table
 
 
-def group_slot_mapping(meta: BatchTensors, group: int) -> torch.Tensor:
+def group_slot_mapping(meta: StepTensors, group: int) -> torch.Tensor:
     """The cache slots the layers of KV cache group ``group`` write this step: int64 ``[T]``,
-    from ``meta.slot_mapping`` ``[T]`` (one for every group) or ``[num_groups, T]`` (one per
-    group, as :func:`group_block_table` reads the tables)."""
-    slots: torch.Tensor = meta.slot_mapping
-    return slots[group] if slots.dim() == 2 else slots
+    ``meta.slot_mapping`` itself (:class:`~pagedkv.tensors.BatchTensors`) or its row ``group``
+    (:class:`~pagedkv.tensors.GroupBatchTensors`, ``[num_groups, T]``)."""
+    slots: torch.Tensor = meta.slot_mapping[group] if isinstance(meta, GroupBatchTensors) else meta.slot_mapping
+    return slots
 
 
 def plan_groups(
-    groups: Sequence[KVCacheGroup], meta: BatchTensors, *, cache_shape: Sequence[int], num_q_heads: int
+    groups: Sequence[KVCacheGroup], meta: StepTensors, *, cache_shape: Sequence[int], num_q_heads: int
 ) -> tuple[kernels.AttentionPlan, ...]:
     """The step's attention plans, one per KV cache group (same order), for the torch reference
     attention: each built from its group's block table, window and slot mapping, checking the

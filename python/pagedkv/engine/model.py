@@ -31,6 +31,7 @@ by about one float ulp, not the results: the engine's greedy tokens stay those o
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,10 +42,10 @@ with optional_imports("pagedkv.engine", "engine"):
     import torch.nn.functional as F
 
 from pagedkv import kernels
-from pagedkv.tensors import BatchTensors
 
 from .kv_groups import (
     KVCacheGroup,
+    StepTensors,
     group_block_table,
     group_slot_mapping,
     kv_cache_groups,
@@ -174,9 +175,11 @@ class PagedCausalLM:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: BatchTensors,
+        meta: StepTensors,
         logits_indices: torch.Tensor,
         rope_lens: torch.Tensor | None = None,
+        *,
+        plans: Sequence[kernels.AttentionPlan] | None = None,
     ) -> torch.Tensor:
         """Next-token fp32 logits ``[L, vocab_size]`` of the rows ``logits_indices`` of a flat
         token batch (see :meth:`LlamaForCausalLM.forward` for the arguments)."""
@@ -213,9 +216,9 @@ class PagedCausalLM:
 
     # ---- attention ---------------------------------------------------------------------------
 
-    def plan_attention(self, meta: BatchTensors, cache_shape: tuple[int, ...]) -> tuple[kernels.AttentionPlan, ...]:
+    def plan_attention(self, meta: StepTensors, cache_shape: tuple[int, ...]) -> tuple[kernels.AttentionPlan, ...]:
         """The step's attention plans for the torch reference attention, one per KV cache group
-        (``meta.attn_plan`` of :meth:`forward`; :func:`pagedkv.engine.kv_groups.plan_groups`).
+        (``plans`` of :meth:`forward`; :func:`pagedkv.engine.kv_groups.plan_groups`).
         ``cache_shape``: the per-layer cache shape ``(num_blocks, block_size, num_kv_heads,
         head_size)``."""
         return plan_groups(self.kv_groups, meta, cache_shape=cache_shape, num_q_heads=self.num_heads)
@@ -227,19 +230,20 @@ class PagedCausalLM:
         k: torch.Tensor,
         v: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: BatchTensors,
+        meta: StepTensors,
         softmax_scale: float,
+        plans: Sequence[kernels.AttentionPlan] | None,
     ) -> torch.Tensor:
         """Layer ``li``: write ``k``/``v`` ``[T, num_kv_heads, head_size]`` at its group's slots,
         then attend ``q`` ``[T, num_heads, head_size]`` over its group's block table and window
-        (with the group's plan when ``meta.attn_plan`` holds one per group; one table and slot
-        mapping for all groups or one per group, see
+        (with the group's plan when ``plans`` holds one per group; one table and slot mapping
+        for all groups or one per group, see
         :func:`~pagedkv.engine.kv_groups.group_block_table`). Returns
         ``[T, num_heads, head_size]``."""
         g = self.layer_group[li]
         key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
-        if meta.attn_plan is not None:  # the group's plan holds the group's table and slots
-            plan = meta.attn_plan[g]
+        if plans is not None:  # the group's plan holds the group's table and slots
+            plan = plans[g]
             table = plan.block_table
             slots = plan.slot_mapping if plan.slot_mapping is not None else group_slot_mapping(meta, g)
         else:
@@ -404,9 +408,11 @@ class LlamaForCausalLM(PagedCausalLM):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
-        meta: BatchTensors,
+        meta: StepTensors,
         logits_indices: torch.Tensor,
         rope_lens: torch.Tensor | None = None,
+        *,
+        plans: Sequence[kernels.AttentionPlan] | None = None,
     ) -> torch.Tensor:
         """Run the flat token batch and return next-token logits for selected tokens.
 
@@ -415,14 +421,17 @@ class LlamaForCausalLM(PagedCausalLM):
             positions: int64 ``[T]`` position of each token in its sequence (0-based).
             kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``;
                 the new K/V of every token is written at ``meta.slot_mapping`` (in place).
-            meta: this step's kernel inputs (block table, lengths, slot mapping) with, for the
-                torch reference attention, ``attn_plan`` set to :meth:`plan_attention`'s plans
-                (one per KV cache group; ``None``: each call plans for itself).
+            meta: this step's kernel inputs (block tables, lengths, slot mappings): a
+                :class:`~pagedkv.tensors.BatchTensors` (one table for every KV cache group) or a
+                :class:`~pagedkv.tensors.GroupBatchTensors` (one per group).
             logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted (the last
                 scheduled token of each sequence that samples this step).
             rope_lens: int64 ``[T]`` rope length of each token (any device;
                 :func:`pagedkv.engine.rope.rope_lengths`), which picks its RoPE frequencies;
                 needed only when ``self.rope.length_dependent``, ignored otherwise.
+            plans: :meth:`plan_attention`'s plans (one per KV cache group) for the torch
+                reference attention; default ``meta.attn_plan`` where ``meta`` has one, else
+                none (each attention call plans for itself; what the Triton kernel wants).
 
         Returns:
             fp32 ``[L, vocab_size]`` logits.
@@ -432,6 +441,7 @@ class LlamaForCausalLM(PagedCausalLM):
         """
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
+        plans = plans if plans is not None else getattr(meta, "attn_plan", None)
         cis = None
         if self.rope.length_dependent:
             cos, sin = self.rope.lookup(positions, rope_lens)
@@ -455,7 +465,7 @@ class LlamaForCausalLM(PagedCausalLM):
             else:
                 qk = self._rope(qk, cos, sin)
             q, k = qk.split([hq, hkv], dim=1)
-            o = self._attend(li, q, k, v.reshape(t, hkv, d), kv_cache, meta, self.scale)
+            o = self._attend(li, q, k, v.reshape(t, hkv, d), kv_cache, meta, self.scale, plans)
             # x is this forward's own tensor (from the embedding gather): the residual adds are
             # the GEMMs' own accumulation into it, and SwiGLU runs in place in the gate half of
             # the gate/up output (no fresh [T, *] buffers: page faults at large T).
