@@ -1,7 +1,7 @@
 //! Fuzz target `manager_ops`: arbitrary bytes -> a cache configuration and a sequence of
-//! operations on [`KvCacheManager`] (add / append / allocate_slots / step / fork / free /
-//! preempt / swap_out / swap_in / reset / lookup / events), with unknown and duplicate
-//! sequence ids on purpose.
+//! operations on [`KvCacheManager`] (add / append / allocate_slots / step, with speculative
+//! decoding's draft tokens or without / accept_drafts / fork / free / preempt / swap_out /
+//! swap_in / reset / lookup / events), with unknown and duplicate sequence ids on purpose.
 //!
 //! Two managers with the same configuration are driven in lockstep: `m` gets the batched
 //! `step`, the `twin` gets the same work as single `append_tokens` + `allocate_slots` calls, so
@@ -13,7 +13,10 @@
 //! - an allocation took exactly the number of blocks `num_blocks_needed` predicted
 //!   (invariant 6), and failed with `OutOfBlocks` exactly when that number exceeded the free
 //!   blocks;
-//! - the expected outcome (success or which error) matches what the arguments imply.
+//! - the expected outcome (success or which error) matches what the arguments imply;
+//! - draft tokens: a verify step's query ends with them in lookahead slots, nothing is hashed
+//!   for them, and acceptance keeps a prefix of them and releases exactly the blocks that held
+//!   only rejected ones (the twin gets `allocate_slots_with_drafts`).
 //!
 //! At the end every sequence is freed: the pool must be whole (invariant 7) and a prefix-cache
 //! reset must succeed and leave no hash (invariant 8).
@@ -23,8 +26,8 @@
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedkv_core::{
-    BlockHash, BlockId, CacheConfig, CacheStats, Error, ExtraKey, HashAlgo, KvCacheManager,
-    MmItem, SeqId, SeqStatus, SequenceSpec, StepRequest,
+    BlockHash, BlockId, CacheConfig, CacheStats, Error, ExtraKey, HashAlgo, KvCacheManager, MmItem,
+    SeqId, SeqStatus, SequenceSpec, StepDrafts, StepOptions, StepRequest,
 };
 use std::collections::HashSet;
 
@@ -61,8 +64,13 @@ enum Op {
         num_new: u8,
     },
     Step {
-        entries: Vec<(u8, u8, Vec<u8>)>,
+        entries: Vec<(u8, u8, Vec<u8>, Vec<u8>)>,
         with_appends: bool,
+        with_drafts: bool,
+    },
+    Accept {
+        seq: u8,
+        num_accepted: u8,
     },
     Fork {
         parent: u8,
@@ -98,6 +106,7 @@ struct SeqSnap {
     blocks: Vec<BlockId>,
     tokens: Vec<u32>,
     computed: usize,
+    drafts: usize,
     status: SeqStatus,
 }
 
@@ -117,6 +126,7 @@ fn seq_snap(m: &KvCacheManager, id: SeqId) -> Option<SeqSnap> {
         blocks: m.block_table(id).ok()?,
         tokens: m.tokens(id).ok()?,
         computed: m.num_computed_tokens(id).ok()?,
+        drafts: m.num_draft_tokens(id).ok()?,
         status: m.status(id).ok()?,
     })
 }
@@ -209,7 +219,11 @@ fn allocate_checked(
     let first = s
         .as_ref()
         .is_some_and(|s| s.blocks.is_empty() && s.computed == 0 && s.status != SeqStatus::Swapped);
-    let looked_up = if first { m.lookup_prefix(seq).ok() } else { None };
+    let looked_up = if first {
+        m.lookup_prefix(seq).ok()
+    } else {
+        None
+    };
     let free_before = m.pool().num_free();
     let result = both(m, twin, &before, |x| x.allocate_slots(seq, num_new));
     match (predicted, result) {
@@ -218,14 +232,21 @@ fn allocate_checked(
             let after = snap(m);
             assert_eq!(free_before - m.pool().num_free(), p, "predicted != taken");
             assert!(a.copies.len() <= 1);
-            let context = if first { a.num_cached_tokens } else { s.computed };
+            let context = if first {
+                a.num_cached_tokens
+            } else {
+                s.computed
+            };
             assert_eq!(a.num_context_tokens, context);
             if let Some(l) = looked_up {
                 assert_eq!(a.num_cached_tokens, l, "lookup_prefix != cached tokens");
             } else {
                 assert_eq!(a.num_cached_tokens, 0);
             }
-            assert_eq!(a.num_scheduled_tokens, num_new.min(s.tokens.len() - context));
+            assert_eq!(
+                a.num_scheduled_tokens,
+                num_new.min(s.tokens.len() - context)
+            );
             let bs = m.config().block_size as usize;
             let ns = after.seqs[seq as usize].as_ref().unwrap();
             assert_eq!(ns.computed, context + a.num_scheduled_tokens);
@@ -255,7 +276,13 @@ fn allocate_checked(
             }
             Some(a)
         }
-        (Ok(p), Err(Error::OutOfBlocks { requested, available })) => {
+        (
+            Ok(p),
+            Err(Error::OutOfBlocks {
+                requested,
+                available,
+            }),
+        ) => {
             assert_eq!((requested, available), (p, free_before));
             assert!(p > free_before, "failed although {p} <= {free_before} free");
             None
@@ -265,7 +292,8 @@ fn allocate_checked(
             match e1 {
                 Error::UnknownSequence { .. } => assert!(s.is_none()),
                 Error::InvalidSequenceState { .. } => {
-                    assert_eq!(s.unwrap().status, SeqStatus::Swapped)
+                    let s = s.unwrap();
+                    assert!(s.status == SeqStatus::Swapped || s.drafts > 0)
                 }
                 Error::InvalidArgument { .. } => {
                     let s = s.unwrap();
@@ -292,9 +320,16 @@ fn check_all(m: &KvCacheManager, twin: &KvCacheManager) {
 
 fn run(input: Input) {
     let c = &input.cfg;
-    let mut cfg = CacheConfig::new(2 + u32::from(c.num_blocks % 23), 1 + u32::from(c.block_size % 8));
+    let mut cfg = CacheConfig::new(
+        2 + u32::from(c.num_blocks % 23),
+        1 + u32::from(c.block_size % 8),
+    );
     cfg.enable_prefix_caching = c.caching || c.num_blocks & 0x80 != 0;
-    cfg.hash_algo = if c.xxh3 { HashAlgo::Xxh3_128 } else { HashAlgo::Sha256 };
+    cfg.hash_algo = if c.xxh3 {
+        HashAlgo::Xxh3_128
+    } else {
+        HashAlgo::Sha256
+    };
     cfg.hash_seed = vec![c.seed % 2];
     cfg.num_cpu_blocks = u32::from(c.cpu_blocks % 10);
     cfg.enable_events = true;
@@ -305,7 +340,13 @@ fn run(input: Input) {
     for op in input.ops.into_iter().take(MAX_OPS) {
         let before = snap(&m);
         match op {
-            Op::Add { seq, family, len, salt, mm } => {
+            Op::Add {
+                seq,
+                family,
+                len,
+                salt,
+                mm,
+            } => {
                 let seq = id(seq);
                 // Prompts of one family share prefixes, so prefix hits happen.
                 let prompt: Vec<u32> = (0..u32::from(len % 40))
@@ -313,7 +354,9 @@ fn run(input: Input) {
                     .collect();
                 let spec = spec_for(salt, mm);
                 let bad_mm = spec.mm_items.iter().any(|i| i.len == 0);
-                let r = both(&m, &twin, &before, |x| x.add_sequence(seq, &prompt, spec.clone()));
+                let r = both(&m, &twin, &before, |x| {
+                    x.add_sequence(seq, &prompt, spec.clone())
+                });
                 let known = before.seqs[seq as usize].is_some();
                 match r {
                     Ok(()) => assert!(!known && !prompt.is_empty() && !bad_mm),
@@ -326,7 +369,8 @@ fn run(input: Input) {
                 let seq = id(seq);
                 let t = toks(&tokens);
                 let r = both(&m, &twin, &before, |x| x.append_tokens(seq, &t));
-                assert_eq!(r.is_ok(), before.seqs[seq as usize].is_some());
+                let s = before.seqs[seq as usize].as_ref();
+                assert_eq!(r.is_ok(), s.is_some_and(|s| s.drafts == 0), "{r:?}");
                 if r.is_ok() {
                     let mut want = before.seqs[seq as usize].clone().unwrap().tokens;
                     want.extend(&t);
@@ -336,11 +380,56 @@ fn run(input: Input) {
             Op::Allocate { seq, num_new } => {
                 allocate_checked(&m, &twin, id(seq), usize::from(num_new % 48));
             }
-            Op::Step { entries, with_appends } => {
-                let entries: Vec<(SeqId, u32, Vec<u32>)> = entries
+            Op::Accept { seq, num_accepted } => {
+                let seq = id(seq);
+                let n = usize::from(num_accepted % 10);
+                let r = both(&m, &twin, &before, |x| x.accept_drafts(seq, n));
+                let s = before.seqs[seq as usize].clone();
+                match r {
+                    Ok(released) => {
+                        let s = s.unwrap();
+                        assert!(n <= s.drafts);
+                        let ns = seq_snap(&m, seq).unwrap();
+                        assert_eq!(ns.computed, s.computed + n);
+                        assert_eq!(ns.tokens.len(), s.tokens.len() + n);
+                        assert_eq!(ns.tokens[..s.tokens.len()], s.tokens[..]);
+                        assert_eq!(ns.drafts, 0);
+                        assert_eq!(ns.blocks.len(), ns.computed.div_ceil(bs));
+                        assert_eq!(ns.blocks[..], s.blocks[..ns.blocks.len()]);
+                        let mut gone: Vec<BlockId> = s.blocks[ns.blocks.len()..].to_vec();
+                        gone.reverse();
+                        assert_eq!(released, gone, "released = the tail, tail first");
+                        for &b in &released {
+                            assert_eq!(m.pool().ref_count(b), 0);
+                            assert_eq!(m.pool().block_hash(b), None, "a draft block was hashed");
+                        }
+                    }
+                    Err(Error::UnknownSequence { .. }) => assert!(s.is_none()),
+                    Err(Error::InvalidSequenceState { .. }) => assert_eq!(s.unwrap().drafts, 0),
+                    Err(Error::InvalidArgument { .. }) => {
+                        let s = s.unwrap();
+                        assert!(s.drafts > 0 && n > s.drafts);
+                    }
+                    Err(e) => panic!("accept_drafts: unexpected {e}"),
+                }
+            }
+            Op::Step {
+                entries,
+                with_appends,
+                with_drafts,
+            } => {
+                let entries: Vec<(SeqId, u32, Vec<u32>, Vec<u32>)> = entries
                     .iter()
                     .take(4)
-                    .map(|(s, n, t)| (id(*s), u32::from(n % 20), toks(t)))
+                    .map(|(s, n, t, d)| {
+                        let d = if with_drafts { toks(d) } else { Vec::new() };
+                        (
+                            id(*s),
+                            u32::from(n % 20),
+                            toks(t),
+                            d.into_iter().take(9).collect(),
+                        )
+                    })
                     .collect();
                 let mut req = StepRequest {
                     seq_ids: entries.iter().map(|e| e.0).collect(),
@@ -354,7 +443,15 @@ fn run(input: Input) {
                         req.append_indptr.push(req.append_tokens.len() as u32);
                     }
                 }
-                let out = m.step(&req);
+                let mut drafts = StepDrafts::default();
+                if with_drafts {
+                    drafts.indptr.push(0);
+                    for e in &entries {
+                        drafts.tokens.extend(&e.3);
+                        drafts.indptr.push(drafts.tokens.len() as u32);
+                    }
+                }
+                let out = m.step_with_drafts(&req, &drafts, StepOptions::default());
                 // The twin does the same work one sequence at a time.
                 let mut qsl = 0i32;
                 assert_eq!(out.query_start_loc.len(), out.num_scheduled + 1);
@@ -365,28 +462,49 @@ fn run(input: Input) {
                 assert_eq!(out.new_block_indptr.len(), out.num_scheduled + 1);
                 assert_eq!(out.num_cached_tokens.len(), out.num_scheduled);
                 let mut copy_k = 0;
-                for (k, (seq, n, t)) in entries.iter().enumerate().take(out.num_scheduled) {
+                for (k, (seq, n, t, d)) in entries.iter().enumerate().take(out.num_scheduled) {
                     if with_appends {
                         twin.append_tokens(*seq, t).expect("scheduled seq is known");
                     }
                     let a = twin
-                        .allocate_slots(*seq, *n as usize)
-                        .unwrap_or_else(|e| panic!("step scheduled seq {seq} but twin failed: {e}"));
+                        .allocate_slots_with_drafts(*seq, *n as usize, d)
+                        .unwrap_or_else(|e| {
+                            panic!("step scheduled seq {seq} but twin failed: {e}")
+                        });
+                    assert_eq!(a.num_draft_tokens, d.len());
+                    if with_drafts {
+                        assert_eq!(out.num_draft_tokens[k] as usize, d.len());
+                    }
+                    // The query ends with the drafts, in lookahead slots after the scheduled ones.
+                    let q_end = out.query_start_loc[k] as usize
+                        + a.num_scheduled_tokens
+                        + a.num_draft_tokens;
+                    let want_drafts: Vec<i64> = d.iter().map(|&x| i64::from(x)).collect();
+                    assert_eq!(out.input_ids[q_end - d.len()..q_end], want_drafts[..]);
+                    let ts = seq_snap(&twin, *seq).unwrap();
+                    assert_eq!(ts.drafts, d.len());
+                    assert_eq!(ts.computed, a.num_context_tokens + a.num_scheduled_tokens);
+                    assert_eq!(ts.blocks.len(), (ts.computed + d.len()).div_ceil(bs));
+                    for &b in &ts.blocks[ts.computed.div_ceil(bs)..] {
+                        assert_eq!(twin.pool().block_hash(b), None, "lookahead block hashed");
+                    }
                     assert_eq!(out.num_cached_tokens[k] as usize, a.num_cached_tokens);
                     assert_eq!(out.context_lens[k] as usize, a.num_context_tokens);
                     assert_eq!(
                         out.seq_lens[k] as usize,
-                        a.num_context_tokens + a.num_scheduled_tokens
+                        a.num_context_tokens + a.num_scheduled_tokens + a.num_draft_tokens
                     );
                     assert_eq!(out.query_start_loc[k], qsl);
-                    qsl += a.num_scheduled_tokens as i32;
+                    qsl += (a.num_scheduled_tokens + a.num_draft_tokens) as i32;
                     assert_eq!(out.query_start_loc[k + 1], qsl);
                     let (lo, hi) = (
                         out.new_block_indptr[k] as usize,
                         out.new_block_indptr[k + 1] as usize,
                     );
-                    let new: Vec<BlockId> =
-                        out.new_block_ids[lo..hi].iter().map(|&b| b as BlockId).collect();
+                    let new: Vec<BlockId> = out.new_block_ids[lo..hi]
+                        .iter()
+                        .map(|&b| b as BlockId)
+                        .collect();
                     assert_eq!(new, a.new_block_ids);
                     for &(src, dst) in &a.copies {
                         assert_eq!(
@@ -402,7 +520,7 @@ fn run(input: Input) {
                     assert_eq!(got, table);
                     assert!(row[table.len()..].iter().all(|&b| b == 0), "padding");
                     for (j, pos) in (a.num_context_tokens
-                        ..a.num_context_tokens + a.num_scheduled_tokens)
+                        ..a.num_context_tokens + a.num_scheduled_tokens + a.num_draft_tokens)
                         .enumerate()
                     {
                         let slot = out.slot_mapping[out.query_start_loc[k] as usize + j];
@@ -418,17 +536,20 @@ fn run(input: Input) {
                     None => assert_eq!(out.num_scheduled, entries.len()),
                     Some(e) => {
                         assert!(out.num_scheduled < entries.len());
-                        let (seq, n, t) = &entries[out.num_scheduled];
+                        let (seq, n, t, _) = &entries[out.num_scheduled];
                         let s = seq_snap(&m, *seq);
                         match e {
                             Error::UnknownSequence { seq_id } => {
                                 assert_eq!(seq_id, seq);
                                 assert!(s.is_none());
                             }
-                            Error::OutOfBlocks { requested, available } => {
+                            Error::OutOfBlocks {
+                                requested,
+                                available,
+                            } => {
                                 assert_eq!(*available, m.pool().num_free());
                                 assert!(requested > available);
-                                if !with_appends || t.is_empty() {
+                                if (!with_appends || t.is_empty()) && !with_drafts {
                                     // Unchanged sequence: the prediction names the same need.
                                     assert_eq!(
                                         m.num_blocks_needed(*seq, *n as usize).as_ref(),
@@ -437,7 +558,8 @@ fn run(input: Input) {
                                 }
                             }
                             Error::InvalidSequenceState { .. } => {
-                                assert_eq!(s.unwrap().status, SeqStatus::Swapped)
+                                let s = s.unwrap();
+                                assert!(s.status == SeqStatus::Swapped || s.drafts > 0)
                             }
                             Error::InvalidArgument { .. } => {}
                             other => panic!("step: unexpected error {other}"),
@@ -449,7 +571,7 @@ fn run(input: Input) {
                 let (p, ch) = (id(parent), id(child));
                 let r = both(&m, &twin, &before, |x| x.fork(p, ch));
                 let ps = before.seqs[p as usize].as_ref();
-                let expect_ok = ps.is_some_and(|s| s.status != SeqStatus::Swapped)
+                let expect_ok = ps.is_some_and(|s| s.status != SeqStatus::Swapped && s.drafts == 0)
                     && before.seqs[ch as usize].is_none();
                 assert_eq!(r.is_ok(), expect_ok, "fork({p}, {ch}) -> {r:?}");
                 if r.is_ok() {
@@ -477,7 +599,7 @@ fn run(input: Input) {
                 if r.is_ok() {
                     for &i in &ids {
                         let s = seq_snap(&m, i).unwrap();
-                        assert!(s.blocks.is_empty() && s.computed == 0);
+                        assert!(s.blocks.is_empty() && s.computed == 0 && s.drafts == 0);
                         assert_eq!(s.status, SeqStatus::Preempted);
                         assert_eq!(s.tokens, before.seqs[i as usize].as_ref().unwrap().tokens);
                     }
@@ -486,7 +608,10 @@ fn run(input: Input) {
             Op::SwapOut { seqs } => {
                 let ids = group(&seqs);
                 let r = both(&m, &twin, &before, |x| x.swap_out(&ids));
-                let valid = group_valid(&before, &ids, |s| s == SeqStatus::Running);
+                let valid = group_valid(&before, &ids, |s| s == SeqStatus::Running)
+                    && ids
+                        .iter()
+                        .all(|&i| before.seqs[i as usize].as_ref().unwrap().drafts == 0);
                 let distinct: Vec<BlockId> = {
                     let mut seen = HashSet::new();
                     let mut v = Vec::new();
@@ -508,7 +633,10 @@ fn run(input: Input) {
                         let cpu: HashSet<BlockId> = plan.iter().map(|p| p.1).collect();
                         assert_eq!(cpu.len(), plan.len(), "CPU block planned twice");
                     }
-                    Err(Error::OutOfSwapSpace { requested, available }) => {
+                    Err(Error::OutOfSwapSpace {
+                        requested,
+                        available,
+                    }) => {
                         assert!(valid);
                         assert_eq!((requested, available), (distinct.len(), cpu_free));
                         assert!(requested > available);
@@ -541,7 +669,10 @@ fn run(input: Input) {
                             }
                         }
                     }
-                    Err(Error::OutOfBlocks { requested, available }) => {
+                    Err(Error::OutOfBlocks {
+                        requested,
+                        available,
+                    }) => {
                         assert!(valid);
                         assert_eq!((requested, available), (distinct.len(), before.stats.free));
                         assert!(requested > available);
@@ -558,7 +689,9 @@ fn run(input: Input) {
                     }
                     Err(e) => assert_eq!(
                         e,
-                        Error::CacheInUse { blocks_in_use: before.stats.used }
+                        Error::CacheInUse {
+                            blocks_in_use: before.stats.used
+                        }
                     ),
                 }
             }
