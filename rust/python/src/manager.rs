@@ -15,7 +15,7 @@ use crate::stats::PyCacheStats;
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyUntypedArray, PyUntypedArrayMethods};
 use pagedkv_core::{
-    BlockId, ExtraKey, KvCacheManager, MmItem, SequenceSpec, StepOptions, StepRequest,
+    BlockId, ExtraKey, KvCacheManager, MmItem, SequenceSpec, StepDrafts, StepOptions, StepRequest,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
@@ -64,6 +64,10 @@ pub(crate) struct PySlotAllocation {
     /// ``int32[c, 2]`` copy-on-write plan: ``(src, dst)`` block pairs to copy before writing.
     #[pyo3(get)]
     copies: Py<PyArray2<i32>>,
+    /// Draft tokens (speculative decoding) given lookahead slots right after the scheduled
+    /// ones, pending until ``KVCacheManager.accept_drafts``; 0 without drafts.
+    #[pyo3(get)]
+    num_draft_tokens: usize,
 }
 
 #[pymethods]
@@ -107,6 +111,10 @@ pub(crate) struct PyStepOutput {
     /// ``int32[S]`` prefix-hit tokens of each first allocation, else 0.
     #[pyo3(get)]
     num_cached_tokens: Py<PyArray1<i32>>,
+    /// ``int32[S]`` draft tokens (speculative decoding) at the end of each sequence's query,
+    /// in lookahead slots; all 0 for a step without ``draft_token_ids``.
+    #[pyo3(get)]
+    num_draft_tokens: Py<PyArray1<i32>>,
     /// ``int32[S + 1]`` cumulative query lengths (tokens).
     #[pyo3(get)]
     query_start_loc: Py<PyArray1<i32>>,
@@ -327,25 +335,29 @@ fn step_num_new_tokens(obj: &Bound<'_, PyAny>, n: usize) -> PyResult<Vec<u32>> {
     Ok(v.into_iter().map(|x| x as u32).collect())
 }
 
-/// `step`'s `append_token_ids` as CSR `(indptr, tokens)`: None; a 1-D integer array of `n`
-/// tokens (one per sequence, the decode case); or a list / tuple of `n` array-likes of tokens.
-fn step_appends(obj: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<(Vec<u32>, Vec<u32>)> {
-    const ARG: &str = "append_token_ids";
+/// `step`'s `append_token_ids` (or `draft_token_ids`: `arg` names it) as CSR `(indptr,
+/// tokens)`: None; a 1-D integer array of `n` tokens (one per sequence, the decode case); or a
+/// list / tuple of `n` array-likes of tokens.
+fn step_appends(
+    obj: Option<&Bound<'_, PyAny>>,
+    n: usize,
+    arg: &'static str,
+) -> PyResult<(Vec<u32>, Vec<u32>)> {
     let Some(obj) = obj.filter(|o| !o.is_none()) else {
         return Ok((Vec::new(), Vec::new()));
     };
     let wrong_len = |got: usize| {
         let reason = format!("expected one per sequence ({n})");
-        bad(obj.py(), ARG, format!("{got} entries"), reason)
+        bad(obj.py(), arg, format!("{got} entries"), reason)
     };
     if obj.is_instance_of::<PyUntypedArray>() {
-        let tokens = token_ids(obj, ARG)?;
+        let tokens = token_ids(obj, arg)?;
         if tokens.len() != n {
             return Err(wrong_len(tokens.len()));
         }
         return Ok(((0..=n as u32).collect(), tokens));
     }
-    let rows = list_items(obj, ARG)?;
+    let rows = list_items(obj, arg)?;
     if rows.len() != n {
         return Err(wrong_len(rows.len()));
     }
@@ -353,11 +365,11 @@ fn step_appends(obj: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<(Vec<u32>,
     indptr.push(0u32);
     let mut tokens = Vec::new();
     for row in &rows {
-        tokens.extend(token_ids(row, ARG)?);
+        tokens.extend(token_ids(row, arg)?);
         let end = u32::try_from(tokens.len()).map_err(|_| {
             bad(
                 obj.py(),
-                ARG,
+                arg,
                 format!("{} tokens", tokens.len()),
                 "too many tokens",
             )
@@ -474,26 +486,69 @@ impl PyKvCacheManager {
     /// private copy of a shared partially filled last block (copy-on-write). Newly full blocks
     /// are hashed into the prefix cache. All or nothing.
     ///
-    /// Raises: ``UnknownSequenceError``; ``InvalidSequenceStateError`` (swapped out);
-    /// ``InvalidArgumentError`` (``num_new_tokens == 0`` or nothing left to compute);
-    /// ``OutOfBlocksError``.
+    /// ``draft_token_ids`` (speculative decoding's verify step: ``k`` proposed tokens, list
+    /// or 1-D integer array) also gives the drafts lookahead slots at positions
+    /// ``num_computed_tokens .. + k`` in the same call; they are not tokens of the sequence
+    /// (nothing hashed, cached or announced for them) until ``accept_drafts`` keeps a prefix.
+    ///
+    /// Raises: ``UnknownSequenceError``; ``InvalidSequenceStateError`` (swapped out, or drafts
+    /// pending); ``InvalidArgumentError`` (``num_new_tokens == 0``, nothing left to compute, or
+    /// drafts while the scheduled tokens do not reach the last token); ``OutOfBlocksError``.
+    #[pyo3(signature = (seq_id, num_new_tokens, draft_token_ids = None))]
     fn allocate_slots(
         &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
+        draft_token_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PySlotAllocation> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let q = count(num_new_tokens, "num_new_tokens")?;
+        let drafts = match draft_token_ids.filter(|d| !d.is_none()) {
+            Some(d) => token_ids(d, "draft_token_ids")?,
+            None => Vec::new(),
+        };
         let m = &self.inner;
-        let a = py.detach(|| m.allocate_slots(seq, q)).py(py)?;
+        let a = py
+            .detach(|| m.allocate_slots_with_drafts(seq, q, &drafts))
+            .py(py)?;
         Ok(PySlotAllocation {
             num_scheduled_tokens: a.num_scheduled_tokens,
             num_cached_tokens: a.num_cached_tokens,
             num_context_tokens: a.num_context_tokens,
             new_block_ids: block_array(py, a.new_block_ids),
             copies: pairs_array(py, &a.copies),
+            num_draft_tokens: a.num_draft_tokens,
         })
+    }
+
+    /// Resolves the pending drafts of ``seq_id`` after verification: the first
+    /// ``num_accepted`` become tokens of the sequence (KV computed); the rejected tail's slots
+    /// are free for the next step and blocks that held only rejected drafts are released.
+    /// Blocks filled by accepted tokens are hashed and cached. The token sampled after them is
+    /// appended as usual. Returns the released blocks as ``int32[r]`` (tail first).
+    ///
+    /// Raises: ``UnknownSequenceError``; ``InvalidSequenceStateError`` (no drafts pending);
+    /// ``InvalidArgumentError`` (``num_accepted`` negative, not an int, or more than proposed).
+    fn accept_drafts<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: &Bound<'py, PyAny>,
+        num_accepted: &Bound<'py, PyAny>,
+    ) -> PyResult<Py<PyArray1<i32>>> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let n = count(num_accepted, "num_accepted")?;
+        let m = &self.inner;
+        let released = py.detach(|| m.accept_drafts(seq, n)).py(py)?;
+        Ok(block_array(py, released))
+    }
+
+    /// Draft tokens pending on ``seq_id`` (0 unless its last allocation had drafts not yet
+    /// resolved by ``accept_drafts``). Raises ``UnknownSequenceError``.
+    fn num_draft_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let m = &self.inner;
+        py.detach(|| m.num_draft_tokens(seq)).py(py)
     }
 
     /// Forks ``parent_id`` into a new sequence ``child_id`` sharing every block (ref counts
@@ -542,7 +597,8 @@ impl PyKvCacheManager {
         Ok(pairs_array(py, &plan))
     }
 
-    /// Swaps a group back in, all or nothing. Returns ``int32[k, 2]`` ``(cpu_block, gpu_block)``
+    /// Swaps a group back in, all or nothing; its full blocks are cached again, unless the prefix
+    /// cache was reset while they were out. Returns ``int32[k, 2]`` ``(cpu_block, gpu_block)``
     /// rows. Raises ``OutOfBlocksError``, ``UnknownSequenceError``, ``InvalidSequenceStateError``.
     fn swap_in<'py>(
         &self,
@@ -555,7 +611,9 @@ impl PyKvCacheManager {
         Ok(pairs_array(py, &plan))
     }
 
-    /// Drops every prefix hash. Raises ``CacheInUseError`` while any block is in use.
+    /// Drops every prefix hash, those of swapped-out blocks included: a sequence swapped out now
+    /// caches none of its blocks after its swap-in (its KV predates the reset) until a
+    /// recompute preemption. Raises ``CacheInUseError`` while any block is in use.
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<()> {
         let m = &self.inner;
         py.detach(|| m.reset_prefix_cache()).py(py)
@@ -644,14 +702,22 @@ impl PyKvCacheManager {
     /// (None: its default); anything else is an ``InvalidArgumentError``.
     // The flags are read by hand so that a wrong type (``token_arrays=0``) is an
     // InvalidArgumentError naming the argument, as for every other argument of ``step``.
-    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, block_table = None, token_arrays = None),
-           text_signature = "(self, seq_ids, num_new_tokens, append_token_ids=None, *, block_table=False, token_arrays=True)")]
+    ///
+    /// ``draft_token_ids`` (speculative decoding's verify step; None, or as
+    /// ``append_token_ids``: ``S`` rows of proposed tokens) gives each sequence lookahead slots
+    /// for its drafts after its scheduled tokens, as ``allocate_slots(..., draft_token_ids)``:
+    /// its query is its tokens then its drafts (``StepOutput.num_draft_tokens``), nothing is
+    /// hashed for them, and it stays pending until ``accept_drafts``.
+    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, draft_token_ids = None, block_table = None, token_arrays = None),
+           text_signature = "(self, seq_ids, num_new_tokens, append_token_ids=None, *, draft_token_ids=None, block_table=False, token_arrays=True)")]
+    #[allow(clippy::too_many_arguments)]
     fn step(
         &self,
         py: Python<'_>,
         seq_ids: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
         append_token_ids: Option<&Bound<'_, PyAny>>,
+        draft_token_ids: Option<&Bound<'_, PyAny>>,
         block_table: Option<&Bound<'_, PyAny>>,
         token_arrays: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyStepOutput> {
@@ -659,7 +725,14 @@ impl PyKvCacheManager {
         let token_arrays = crate::convert::flag(token_arrays, "token_arrays", true)?;
         let seq_ids = crate::convert::seq_ids(seq_ids, "seq_ids")?;
         let num_new_tokens = step_num_new_tokens(num_new_tokens, seq_ids.len())?;
-        let (append_indptr, append_tokens) = step_appends(append_token_ids, seq_ids.len())?;
+        let (append_indptr, append_tokens) =
+            step_appends(append_token_ids, seq_ids.len(), "append_token_ids")?;
+        let (draft_indptr, draft_tokens) =
+            step_appends(draft_token_ids, seq_ids.len(), "draft_token_ids")?;
+        let drafts = StepDrafts {
+            indptr: draft_indptr,
+            tokens: draft_tokens,
+        };
         let req = StepRequest {
             seq_ids,
             num_new_tokens,
@@ -671,7 +744,7 @@ impl PyKvCacheManager {
             skip_block_table: !block_table,
             skip_token_arrays: !token_arrays,
         };
-        let out = py.detach(|| m.step_with(&req, opts));
+        let out = py.detach(|| m.step_with_drafts(&req, &drafts, opts));
         let error = match &out.error {
             Some(e) => Some(error_instance(py, e)?.unbind()),
             None => None,
@@ -690,6 +763,11 @@ impl PyKvCacheManager {
             max_query_len,
             num_scheduled: out.num_scheduled,
             error,
+            num_draft_tokens: arr(if out.num_draft_tokens.is_empty() {
+                vec![0; out.num_scheduled]
+            } else {
+                out.num_draft_tokens
+            }),
             num_cached_tokens: arr(out.num_cached_tokens),
             query_start_loc: arr(out.query_start_loc),
             seq_lens: arr(out.seq_lens),

@@ -67,7 +67,8 @@ getters! {
     usage: f64;
     /// Token slots holding computed tokens / allocated slots over live sequences' distinct blocks.
     kv_utilization: f64;
-    /// Prompt tokens that went through a prefix lookup (first allocations).
+    /// Prompt tokens that went through a prefix lookup (first allocations; not a resume after
+    /// a recompute preemption, vLLM #25780).
     prefix_queries_tokens: u64;
     /// Of those, tokens served from the prefix cache.
     prefix_hits_tokens: u64;
