@@ -182,7 +182,7 @@ def expand_prompts(w: common.Workload) -> list[np.ndarray]:
 
 
 def simulate(
-    w: common.Workload,
+    output_lens: np.ndarray,
     prompts: list[np.ndarray],
     arrivals: np.ndarray,
     n_replicas: int,
@@ -191,10 +191,13 @@ def simulate(
     block_size: int,
     tm: TimeModel,
     hash_algo: str,
-    weights: dict[str, float] | None = None,
+    weights: dict[str, float | None] | None = None,
 ) -> dict[str, Any]:
-    """Replays the trace on ``n_replicas`` replicas routed by ``policy`` (None: one replica,
-    for the single-cache bound). Returns hit rate, TTFT percentiles and load balance."""
+    """Replays the requests (``prompts[i]`` token ids, ``output_lens[i]`` tokens out, arriving at
+    ``arrivals[i]`` seconds) on ``n_replicas`` replicas routed by ``policy`` (None: one replica,
+    for the single-cache bound; ``weights`` go to :class:`KVAwarePolicy`). Returns hit rate,
+    TTFT percentiles, load balance (mean over arrivals of max / mean running + waiting) and the
+    mean requests in flight per replica."""
     cfg = pagedkv.CacheConfig(blocks_per_replica, block_size, hash_algo=hash_algo, enable_events=True)
     replicas = [Replica(i, pagedkv.KVCacheManager(cfg), block_size, tm) for i in range(n_replicas)]
     router = None
@@ -202,11 +205,12 @@ def simulate(
         router = Router(pagedkv.KVIndexer(block_size, hash_algo=hash_algo), policy_by_name(policy, **(weights or {})))
         for rep in replicas:
             router.add_worker(rep.rid)
-    reqs = [Request(i, float(arrivals[i]), prompts[i], int(w.output_lens[i])) for i in range(len(prompts))]
+    reqs = [Request(i, float(arrivals[i]), prompts[i], int(output_lens[i])) for i in range(len(prompts))]
     heap: list[tuple[float, int, int]] = []  # (time, kind 0=step end 1=arrival, id)
     for r in reqs:
         heapq.heappush(heap, (r.arrival, 1, r.idx))
     imbalance: list[float] = []
+    in_flight: list[float] = []
     t_wall = time.perf_counter()
     route_s = 0.0
     while heap:
@@ -219,6 +223,7 @@ def simulate(
                 for x in replicas:
                     router.report_load(x.rid, x.load())
                 q = np.array([x.num_requests for x in replicas], dtype=np.float64)
+                in_flight.append(float(q.mean()))
                 if q.mean() > 0:
                     imbalance.append(float(q.max() / q.mean()))
                 t0 = time.perf_counter()
@@ -253,6 +258,7 @@ def simulate(
         "ttft_p99_s": float(np.percentile(ttft, 99)),
         "ttft_mean_s": float(ttft.mean()),
         "load_max_over_mean": float(np.mean(imbalance)) if imbalance else None,
+        "in_flight_per_replica": float(np.mean(in_flight)) if in_flight else None,
         "route_us_per_request": 1e6 * route_s / len(reqs) if router is not None else None,
         "sim_wall_s": time.perf_counter() - t_wall,
     }
@@ -308,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if getattr(args, k) is not None
             }
             res = simulate(
-                w,
+                w.output_lens,
                 prompts,
                 arrivals,
                 n,
@@ -325,7 +331,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.no_bound:
             continue
         big = simulate(
-            w, prompts, arrivals, 1, None, (blocks - 1) * n + 1, args.block_size, tm.scaled(n), args.hash_algo
+            w.output_lens,
+            prompts,
+            arrivals,
+            1,
+            None,
+            (blocks - 1) * n + 1,
+            args.block_size,
+            tm.scaled(n),
+            args.hash_algo,
         )
         big["replicas"] = n
         big["speedup"] = speedup

@@ -141,7 +141,7 @@ def test_the_load_bound_has_no_additive_slack() -> None:
     and no further (12 at mean 10; the earlier bound, q <= 1.25 * mean + 1, let it reach 13), and
     the others take the rest least-loaded first."""
     loads = [0] * 8
-    p = KVAwarePolicy(overlap_weight=100.0, load_weight=0.0, prefill_weight=0.0)
+    p = KVAwarePolicy(overlap_weight=100.0, load_weight=0.0, prefill_weight=0.0, max_imbalance=1.25)
     for _ in range(80):
         w = p.choose(list(range(8)), {0: 8}, 8, {i: L(q) for i, q in enumerate(loads)})
         loads[w] += 1
