@@ -166,7 +166,8 @@ class Server:
 
 
 def kv_events_config(port: int, topic: str = "kv") -> str:
-    """``--kv-events-config``: vLLM's ZMQ publisher bound to 127.0.0.1:``port`` only."""
+    """``--kv-events-config``: vLLM's ZMQ publisher sends to 127.0.0.1:``port`` (it connects to
+    a non-wildcard endpoint: the subscriber binds it, on loopback only)."""
     return json.dumps(
         {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": topic}
     )
