@@ -350,6 +350,7 @@ def test_bad_calls_are_typed_and_change_nothing() -> None:
     # 3 blocks per group for 9 tokens: 6 of the 7 usable pages.
     take, release = m.num_blocks_needed(1, 9)
     assert (take, release) == (6, 0)
+    assert m.num_blocks_needed_per_group(1, 9) == [(3, 0), (3, 0)]
     m.add_sequence(2, list(range(100, 120)))
     before = m.num_free_blocks
     out = m.step([1, 2], 20)

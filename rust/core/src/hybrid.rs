@@ -77,7 +77,7 @@ enum Pending {
 
 /// Blocks one allocation takes from and gives back to the free pool. It succeeds exactly
 /// when `take <= free + release`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct BlockDemand {
     /// Blocks taken: fresh blocks, prefix hits on free (ref 0) cached blocks, copy-on-write
     /// destinations, over every group.
@@ -85,6 +85,8 @@ pub struct BlockDemand {
     /// Blocks given back: out-of-window blocks the sequence held alone (ref 1), released
     /// before the new ones are taken.
     pub release: usize,
+    /// Per group, in group order, its part of `take` and of `release` (they sum to them).
+    pub per_group: Vec<(usize, usize)>,
 }
 
 impl BlockDemand {
@@ -1295,7 +1297,10 @@ impl HybridManager {
             });
         }
         let q = num_new_tokens.min(remaining);
-        let mut demand = BlockDemand::default();
+        let mut demand = BlockDemand {
+            per_group: Vec::with_capacity(self.num_groups()),
+            ..BlockDemand::default()
+        };
         let mut hit_free = HashSet::new();
         let mut groups = Vec::with_capacity(self.num_groups());
         for (g, hits) in hits.into_iter().enumerate() {
@@ -1303,10 +1308,11 @@ impl HybridManager {
             let bs = spec.block_size as usize;
             let t = &s.tables[g];
             let mut gp = GroupPlan::default();
+            let (mut take, mut release) = (0, 0);
             if first {
                 for &b in &hits {
-                    if b != NULL_BLOCK && b != VIRTUAL && sim.refc(b) == 0 {
-                        hit_free.insert(b);
+                    if b != NULL_BLOCK && b != VIRTUAL && sim.refc(b) == 0 && hit_free.insert(b) {
+                        take += 1;
                     }
                 }
                 gp.live_from = spec.hit_blocks(context).0;
@@ -1320,17 +1326,19 @@ impl HybridManager {
                     if b != NULL_BLOCK {
                         gp.release.push(j);
                         if sim.refc(b) == 1 {
-                            demand.release += 1;
+                            release += 1;
                         }
                     }
                 }
                 gp.fresh = (context + q).div_ceil(bs) - t.blocks.len();
                 gp.cow = context % bs != 0 && t.blocks.last().is_some_and(|&b| sim.refc(b) > 1);
             }
-            demand.take += gp.fresh + usize::from(gp.cow);
+            take += gp.fresh + usize::from(gp.cow);
+            demand.take += take;
+            demand.release += release;
+            demand.per_group.push((take, release));
             groups.push(gp);
         }
-        demand.take += hit_free.len();
         Ok(Plan {
             first,
             context,

@@ -253,6 +253,7 @@ fn demand_is_exactly_what_the_call_takes_and_gives_back() {
     m.append_tokens(1, &[1, 2, 3, 4]).unwrap();
     let d = m.num_blocks_needed(1, 4).unwrap();
     assert_eq!((d.take, d.release), (2, 4));
+    assert_eq!(d.per_group, vec![(1, 0), (1, 4)]);
     let free0 = m.pool().num_free() as isize;
     m.allocate_slots(1, 4).unwrap();
     assert_eq!(free0 - m.pool().num_free() as isize, d.net());

@@ -198,6 +198,34 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
                         );
                         let new: usize = a.groups.iter().map(|g| g.new_block_ids.len()).sum();
                         assert!(new <= d.take);
+                        // Per group: the parts sum to the totals; a group's take is its new
+                        // blocks (plus its hits on free cached blocks, first allocation only);
+                        // its release is the released blocks that reached ref 0 (some of them
+                        // taken again by this very call).
+                        let sum = d
+                            .per_group
+                            .iter()
+                            .fold((0, 0), |a, p| (a.0 + p.0, a.1 + p.1));
+                        assert_eq!(sum, (d.take, d.release));
+                        let all_new: HashSet<BlockId> = a
+                            .groups
+                            .iter()
+                            .flat_map(|g| g.new_block_ids.iter().copied())
+                            .collect();
+                        for (g, ga) in a.groups.iter().enumerate() {
+                            let (take, release) = d.per_group[g];
+                            if computed > 0 {
+                                assert_eq!(take, ga.new_block_ids.len(), "group {g}");
+                            } else {
+                                assert!(take >= ga.new_block_ids.len(), "group {g}");
+                            }
+                            let freed = ga
+                                .released
+                                .iter()
+                                .filter(|&&b| m.pool().ref_count(b) == 0 || all_new.contains(&b))
+                                .count();
+                            assert_eq!(release, freed, "group {g}");
+                        }
                         if computed > 0 {
                             assert_eq!(a.num_context_tokens, computed);
                         } else {

@@ -554,6 +554,20 @@ impl PyHybridManager {
         Ok((d.take, d.release))
     }
 
+    /// ``num_blocks_needed`` per group: one ``(take, release)`` pair per group, in group order
+    /// (they sum to ``num_blocks_needed``'s). Same errors, no side effects.
+    fn num_blocks_needed_per_group(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<(usize, usize)>> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let q = count(num_new_tokens, "num_new_tokens")?;
+        let m = &self.inner;
+        Ok(py.detach(|| m.num_blocks_needed(seq, q)).py(py)?.per_group)
+    }
+
     /// Free blocks the group ``seq_ids`` needs so that scheduling all their uncomputed tokens
     /// now, in this order, succeeds for every member (the peak of ``take - release`` over the
     /// members, plus the CPU blocks of swapped-out members). For admission control. No side
