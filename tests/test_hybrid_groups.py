@@ -429,3 +429,40 @@ def test_group_batch_tensors_from_steps() -> None:
     with pytest.raises(pagedkv.InvalidArgumentError):
         GroupBatchTensors.from_steps([running, "not a step"])  # type: ignore[list-item]
     assert isinstance(one.slot_mapping, torch.Tensor)
+
+
+def test_reset_drops_the_hashes_of_swapped_out_blocks() -> None:
+    """issue 22.5 in every KV cache group: a request swapped out across ``reset_prefix_cache``
+    comes back with KV that predates the reset, so swap-in neither caches nor announces it, and
+    a new request with the same prompt misses; a recompute preemption caches it again."""
+    m = HybridKVCacheManager(
+        [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=8)],
+        [0, 1],
+        64,
+        num_cpu_blocks=32,
+        enable_events=True,
+    )
+    prompt = list(range(1, 19))
+    m.add_sequence(1, prompt)
+    m.step([1], 18).raise_for_error()
+    m.swap_out([1])
+    m.reset_prefix_cache()
+    assert [(g, type(e).__name__) for g, e in m.take_events()][-1] == (None, "AllBlocksCleared")
+    m.swap_in([1])
+    assert m.take_events() == []
+    m.add_sequence(2, prompt)
+    assert m.lookup_prefix(2) == 0
+    m.append_tokens(1, [90])
+    m.step([1], 1).raise_for_error()
+    assert m.take_events() == []
+    out = m.step([2], 18)
+    out.raise_for_error()
+    assert out.num_cached_tokens.tolist() == [0]
+    m.check_invariants()
+    # Recomputed after a preemption: cached again, so a third request hits 16 tokens.
+    m.free(2)
+    m.preempt([1])
+    m.step([1], 100).raise_for_error()
+    m.add_sequence(3, prompt)
+    assert m.lookup_prefix(3) == 16
+    m.check_invariants()

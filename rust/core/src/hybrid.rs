@@ -181,6 +181,10 @@ struct Seq {
     chains: Vec<Vec<BlockHash>>,
     /// Per group, the memo of index keys.
     keys: Vec<Vec<BlockHash>>,
+    /// Its KV predates the last prefix-cache reset (it was swapped out then): no block of any
+    /// group is registered in the prefix cache until a recompute preemption computes the KV
+    /// afresh (docs/design.md, "KV cache groups").
+    stale_kv: bool,
 }
 
 impl Seq {
@@ -509,6 +513,7 @@ impl HybridManager {
                 tables: vec![GroupTable::default(); g],
                 chains: vec![Vec::new(); self.class_bs.len()],
                 keys: vec![Vec::new(); g],
+                stale_kv: false,
             },
         );
         Ok(())
@@ -593,6 +598,9 @@ impl HybridManager {
             touched.dedup();
             sim.apply(&released, &touched, fresh, &cow_src);
             // Blocks it registers become hits (in use) for later members.
+            if s.stale_kv {
+                continue;
+            }
             let end = plan.context + plan.q;
             for (g, gp) in plan.groups.iter().enumerate() {
                 let spec = &self.cfg.groups[g];
@@ -708,6 +716,7 @@ impl HybridManager {
             s.num_computed = 0;
             s.last_context = 0;
             s.status = SeqStatus::Preempted;
+            s.stale_kv = false; // its KV is computed again on resume
             st.seqs.insert(*id, s);
         }
         self.absorb(st, ev);
@@ -769,7 +778,9 @@ impl HybridManager {
     }
 
     /// Swaps a group back in: one fresh GPU block per distinct CPU block, sharing kept; the
-    /// full computed blocks are cached again by the retention rule. Returns the `(cpu, gpu)`
+    /// full computed blocks are cached again by the retention rule, unless the prefix cache
+    /// was reset while they were out (their KV predates the reset: see
+    /// [`Self::reset_prefix_cache`]). Returns the `(cpu, gpu)`
     /// plan. Errors (nothing changed): [`Error::UnknownSequence`], [`Error::InvalidArgument`],
     /// [`Error::InvalidSequenceState`] (not swapped), [`Error::OutOfBlocks`].
     pub fn swap_in(&self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>> {
@@ -818,11 +829,20 @@ impl HybridManager {
         Ok(order.into_iter().zip(gpu).collect())
     }
 
-    /// Drops every prefix-cache entry of every group. Errors: [`Error::CacheInUse`] while any
-    /// block is referenced (nothing changed).
+    /// Drops every prefix-cache entry of every group (emitting [`KvEvent::AllBlocksCleared`]),
+    /// those of blocks swapped out to the CPU pool included: a swapped-out sequence's KV
+    /// predates the reset, so after its swap-in no block of it is registered or announced (not
+    /// even the blocks it fills later, whose parents are not cached) until a recompute
+    /// preemption computes its KV again. Errors: [`Error::CacheInUse`] while any GPU block is
+    /// referenced (nothing changed). O(num_blocks + sequences).
     pub fn reset_prefix_cache(&self) -> Result<()> {
         let mut guard = self.state.lock();
         self.pool.reset_prefix_cache()?;
+        for s in guard.seqs.values_mut() {
+            if s.status == SeqStatus::Swapped && s.num_computed > 0 {
+                s.stale_kv = true;
+            }
+        }
         let mut ev = Vec::new();
         self.drain_pool(&mut ev);
         self.absorb(&mut guard, ev);
@@ -989,6 +1009,7 @@ impl HybridManager {
     /// its keep boundary (released as soon as unreadable), full-attention tables without nulls;
     /// a cached block carries its own group's key, the blocks the retention rule caches at fill
     /// time are cached, full-attention chains are closed; preempted sequences hold nothing;
+    /// a sequence whose KV predates the last reset (swapped out then) has no block cached;
     /// CPU ref counts match swapped tables. Returns a message naming the first violation.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let mut guard = self.state.lock();
@@ -1018,6 +1039,11 @@ impl HybridManager {
                     }
                 }
                 SeqStatus::Running => {
+                    if s.stale_kv && s.held().any(|b| self.pool.block_hash(b).is_some()) {
+                        return Err(format!(
+                            "seq {id}: its KV predates the last reset but a block is cached"
+                        ));
+                    }
                     let mut distinct = HashSet::new();
                     for g in 0..self.num_groups() {
                         let spec = self.cfg.groups[g];
@@ -1072,6 +1098,7 @@ impl HybridManager {
                                     ))
                                 }
                                 None if caching
+                                    && !s.stale_kv
                                     && j < t.scanned
                                     && self.registers_at_fill(&spec, j) =>
                                 {
@@ -1431,7 +1458,7 @@ impl HybridManager {
 
     /// Caches every newly full computed block the fill-time rule selects, per group.
     fn cache_full(&self, s: &mut Seq, ev: &mut Vec<Pending>) {
-        if !self.cfg.enable_prefix_caching {
+        if !self.cfg.enable_prefix_caching || s.stale_kv {
             return;
         }
         for g in 0..self.num_groups() {
@@ -1454,7 +1481,7 @@ impl HybridManager {
     /// With sparse retention, caches the full blocks a windowed group still holds (the latest
     /// replayable point) before the sequence lets them go.
     fn cache_latest(&self, s: &mut Seq, ev: &mut Vec<Pending>) {
-        if !self.sparse() || s.status != SeqStatus::Running {
+        if !self.sparse() || s.status != SeqStatus::Running || s.stale_kv {
             return;
         }
         for g in 0..self.num_groups() {

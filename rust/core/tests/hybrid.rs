@@ -472,3 +472,60 @@ fn owed_follows_evictions_by_earlier_members() {
     assert_eq!(owed, 19);
     m.check_invariants().unwrap();
 }
+
+/// A reset drops every prefix hash of every group, those of blocks swapped out to the CPU
+/// pool included: the swapped-in KV predates the reset, so swap-in neither registers nor
+/// announces it again, nor the blocks its decode fills later; a new request with the same
+/// prompt misses. A recompute preemption computes the KV afresh and caches it again.
+#[test]
+fn reset_drops_the_hashes_of_swapped_out_blocks_in_every_group() {
+    let mut c = cfg(64, 8);
+    c.num_cpu_blocks = 32;
+    c.enable_events = true;
+    let m = HybridManager::new(c).unwrap();
+    let p = toks(18, 0);
+    m.add_sequence(1, p.clone(), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(1, 18).unwrap();
+    m.swap_out(&[1]).unwrap();
+    m.reset_prefix_cache().unwrap();
+    let ev = m.take_events();
+    assert_eq!(
+        ev.last().map(|e| &e.event),
+        Some(&KvEvent::AllBlocksCleared)
+    );
+    m.swap_in(&[1]).unwrap();
+    assert_eq!(m.take_events(), vec![]);
+    assert!((0..64).all(|b| m.pool().block_hash(b).is_none()));
+    m.add_sequence(2, p.clone(), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix(2).unwrap(), 0);
+    m.check_invariants().unwrap();
+    // Its decode fills block 4 of each group: what request 2 owes after it counts no hit on
+    // request 1's blocks (5 fresh blocks per group), and nothing is cached or announced.
+    m.append_tokens(1, &[90, 91, 92]).unwrap();
+    assert_eq!(m.num_blocks_owed(&[1, 2]).unwrap(), 10);
+    m.allocate_slots(1, 3).unwrap();
+    assert_eq!(m.take_events(), vec![]);
+    assert!((0..64).all(|b| m.pool().block_hash(b).is_none()));
+    m.check_invariants().unwrap();
+    // Out and back again: nothing; freeing it caches nothing either.
+    m.swap_out(&[1]).unwrap();
+    m.swap_in(&[1]).unwrap();
+    assert_eq!(m.take_events(), vec![]);
+    m.fork(1, 3).unwrap();
+    m.free(3);
+    assert_eq!(m.take_events(), vec![]);
+    m.check_invariants().unwrap();
+    // A recompute preemption computes the KV again: cached and announced as usual.
+    m.preempt_recompute(&[1]).unwrap();
+    m.allocate_slots(1, 100).unwrap();
+    assert!(!m.take_events().is_empty());
+    assert_eq!(m.lookup_prefix(2).unwrap(), 16);
+    m.check_invariants().unwrap();
+    // A sequence swapped out after the reset is cached again on swap-in as usual.
+    m.swap_out(&[1]).unwrap();
+    m.swap_in(&[1]).unwrap();
+    assert_eq!(m.lookup_prefix(2).unwrap(), 16);
+    m.check_invariants().unwrap();
+}

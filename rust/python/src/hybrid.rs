@@ -617,7 +617,9 @@ impl PyHybridManager {
         Ok(pairs(py, &plan))
     }
 
-    /// Swaps a group back in: ``int32[k, 2]`` ``(cpu_block, gpu_block)`` rows. Raises
+    /// Swaps a group back in: ``int32[k, 2]`` ``(cpu_block, gpu_block)`` rows. Its full blocks
+    /// are cached again, unless ``reset_prefix_cache`` ran while it was out (its KV predates
+    /// the reset: nothing of it is cached or announced until a recompute preemption). Raises
     /// ``OutOfBlocksError``, ``UnknownSequenceError``, ``InvalidSequenceStateError``.
     fn swap_in(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<Py<PyArray2<i32>>> {
         let seqs = crate::convert::seq_ids(seq_ids, "seq_ids")?;
@@ -626,7 +628,8 @@ impl PyHybridManager {
         Ok(pairs(py, &plan))
     }
 
-    /// Drops every prefix hash. Raises ``CacheInUseError`` while any block is in use.
+    /// Drops every prefix hash of every group, those of swapped-out blocks included. Raises
+    /// ``CacheInUseError`` while any block is in use (nothing changed).
     fn reset_prefix_cache(&self, py: Python<'_>) -> PyResult<()> {
         let m = &self.inner;
         py.detach(|| m.reset_prefix_cache()).py(py)
