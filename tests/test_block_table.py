@@ -6,6 +6,9 @@ add / step / allocate / fork / COW / preempt / swap / free / reset sequences) li
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -143,6 +146,28 @@ def test_bad_arguments_are_refused_with_typed_errors() -> None:
         with pytest.raises(InvalidArgumentError, match="steps"):
             tables.update(bad)  # type: ignore[arg-type]
     assert tables.num_rows == 0
+
+
+def test_an_initial_capacity_too_large_to_allocate_is_refused_not_a_crash() -> None:
+    """``rows`` / ``width`` are capacity hints; one too large to allocate (``rows=2**40``
+    aborted the interpreter: the buffer's allocation failed in Rust) is an
+    ``InvalidArgumentError`` naming it. Run in a child process so a crash is a failure."""
+    code = (
+        "import pagedkv\n"
+        "from pagedkv.tensors import BlockTable\n"
+        "m = pagedkv.KVCacheManager(pagedkv.CacheConfig(8, 4))\n"
+        "for kw in ({'rows': 2**40}, {'width': 2**40}, {'rows': 2**20 + 1},\n"
+        "           {'width': pagedkv.MAX_BLOCKS + 1}, {'rows': 2**14, 'width': 2**15}):\n"
+        "    try:\n"
+        "        BlockTable(m, **kw)\n"
+        "    except pagedkv.InvalidArgumentError as e:\n"
+        "        print(isinstance(e, ValueError), sorted(kw)[0] in str(e))\n"
+        "t = BlockTable(m, rows=2**20, width=64)\n"
+        "print(t.num_rows)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split("\n") == ["True True"] * 5 + ["0", ""]
 
 
 def test_refused_updates_change_nothing() -> None:

@@ -43,11 +43,12 @@ use std::sync::Arc;
 ///
 /// Args:
 ///     manager: the ``KVCacheManager`` whose step outputs are applied.
-///     rows, width: initial capacity (sequences x blocks, each >= 1); both grow on demand.
+///     rows, width: initial capacity (sequences x blocks; 0 counts as 1), at most ``2**20``
+///         rows, ``MAX_BLOCKS`` columns and ``2**28`` entries; both grow on demand.
 ///
 /// Raises:
 ///     InvalidArgumentError: ``manager`` is not a ``KVCacheManager``, or ``rows`` / ``width``
-///         is not a non-negative int.
+///         is not a non-negative int or is above those bounds.
 #[pyclass(module = "pagedkv._core", name = "BlockTable")]
 pub(crate) struct PyBlockTable {
     manager: Arc<KvCacheManager>,
@@ -60,6 +61,13 @@ pub(crate) struct PyBlockTable {
     /// reuse what they built on it (a torch tensor sharing it).
     view: Option<(usize, usize, Py<PyArray2<i32>>)>,
 }
+
+/// Largest initial `rows` (sequences) a `BlockTable` allocates at construction.
+const MAX_ROWS: usize = 1 << 20;
+/// Largest initial `width`: no table holds more blocks than a pool has.
+const MAX_WIDTH: usize = pagedkv_core::pool::MAX_BLOCKS as usize;
+/// Largest initial buffer, in int32 entries (1 GiB).
+const MAX_ENTRIES: usize = 1 << 28;
 
 #[pymethods]
 impl PyBlockTable {
@@ -80,6 +88,21 @@ impl PyBlockTable {
         };
         let rows = rows.map_or(Ok(64), |r| count(r, "rows"))?;
         let cols = width.map_or(Ok(64), |w| count(w, "width"))?;
+        // Capacity hints are allocated at once: one too large to allocate would abort the
+        // process, so each is bounded (both still grow on demand past the hint).
+        for (arg, value, max) in [("rows", rows, MAX_ROWS), ("width", cols, MAX_WIDTH)] {
+            if value > max {
+                let reason = format!("an initial capacity of at most {max}");
+                return Err(bad(py, arg, value.to_string(), reason));
+            }
+        }
+        if rows.saturating_mul(cols) > MAX_ENTRIES {
+            let reason = format!(
+                "rows x width = {} entries; an initial capacity of at most {MAX_ENTRIES}",
+                rows * cols
+            );
+            return Err(bad(py, "rows", rows.to_string(), reason));
+        }
         let tables = BlockTables::new(rows, cols);
         Ok(Self {
             manager: m.get().inner.clone(),
