@@ -116,6 +116,39 @@ def test_routing_errors_are_pagedkv_errors_and_the_builtins() -> None:
         assert issubclass(cls, RoutingError) and issubclass(cls, pagedkv.PagedKVError)
 
 
+def test_bad_router_calls_are_typed_errors_and_change_nothing() -> None:
+    """``route`` took ``len(token_ids)`` before validating them and ``set(exclude)`` as given,
+    so an int, None or an iterator of tokens and an int ``exclude`` were bare TypeErrors;
+    ``report_load`` stored any object as a load, breaking every later ``route`` with an
+    AttributeError. Each is now an ``InvalidArgumentError`` (a ValueError) naming the argument,
+    and the router is unchanged after it."""
+    router = Router(pagedkv.KVIndexer(4))
+    router.add_worker(0)
+    router.add_worker(1)
+    router.report_load(1, WorkerLoad(3))
+    router.route([1] * 9, request_id="a")
+
+    def snapshot() -> tuple[Any, ...]:
+        return (router.workers, [router.load(w) for w in router.workers], sorted(router._inflight))
+
+    before = snapshot()
+    cases: list[tuple[Any, str]] = [
+        (lambda: router.route(5), "token_ids"),
+        (lambda: router.route(None), "token_ids"),
+        (lambda: router.route(iter(range(9)), request_id="b"), "token_ids"),
+        (lambda: router.route([1] * 9, exclude=5), "exclude"),
+        (lambda: router.route([1] * 9, exclude=None, request_id="b"), "exclude"),
+        (lambda: router.report_load(1, "busy"), "load"),
+        (lambda: router.report_load(1, None), "load"),
+    ]
+    for call, arg in cases:
+        with pytest.raises(pagedkv.InvalidArgumentError, match=arg) as info:
+            call()
+        assert isinstance(info.value, ValueError) and info.value.arg == arg
+        assert snapshot() == before
+    assert router.route([2] * 9).worker == 0  # still routes
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     loads=st.lists(st.integers(0, 40), min_size=1, max_size=17),

@@ -95,8 +95,11 @@ class Router:
 
     def report_load(self, worker_id: int, load: WorkerLoad) -> None:
         """The worker's current load. Raises :class:`~pagedkv.routing.errors.UnknownWorkerError`
-        (a ``KeyError``) for an unknown worker."""
+        (a ``KeyError``) for an unknown worker, ``InvalidArgumentError`` (a ``ValueError``) for
+        a ``load`` that is not a :class:`WorkerLoad`."""
         self._check_known(worker_id)
+        if not isinstance(load, WorkerLoad):
+            raise _bad_argument("load", load, "expected a pagedkv.routing.WorkerLoad")
         self._loads[worker_id] = load
 
     def load(self, worker_id: int) -> WorkerLoad:
@@ -143,8 +146,17 @@ class Router:
         ``exclude``; with a ``request_id`` its blocks count as predicted on that worker until
         :meth:`finished`. Raises :class:`~pagedkv.routing.errors.NoWorkerError` (a
         ``RuntimeError``) when no worker is left, ``InvalidArgumentError`` (a ``ValueError``) for
-        a ``request_id`` already in flight."""
-        skip = set(exclude)
+        a ``request_id`` already in flight, ``token_ids`` that are not a 1-D integer array or
+        list of ints (token ids in ``0..2**32``), a ``spec`` that is not a ``SequenceSpec`` or an
+        ``exclude`` that is not iterable; nothing changes then."""
+        try:
+            num_tokens = len(token_ids)
+        except TypeError:
+            raise _bad_argument("token_ids", token_ids, "expected a 1-D integer array or a list of ints") from None
+        try:
+            skip = set(exclude)
+        except TypeError:
+            raise _bad_argument("exclude", exclude, "expected an iterable of worker ids") from None
         workers = [w for w in sorted(self._loads) if w not in skip]
         if not workers:
             raise NoWorkerError(f"no live worker to route to (live: {sorted(self._loads)}, excluded: {sorted(skip)})")
@@ -155,7 +167,7 @@ class Router:
                 value=repr(request_id),
                 reason="already routed and not finished",
             )
-        num_blocks = max(len(token_ids) - 1, 0) // self.indexer.block_size
+        num_blocks = max(num_tokens - 1, 0) // self.indexer.block_size
         hashes = self.indexer.block_hashes(token_ids, num_blocks=num_blocks, spec=spec)
         overlaps = self.indexer.overlap_hashes(hashes)
         if self._inflight:
@@ -167,3 +179,9 @@ class Router:
             if hashes:
                 self._predict(w, ["BlockStored", hashes, None, [], self.indexer.block_size])
         return RoutingDecision(w, overlaps.get(w, 0), num_blocks)
+
+
+def _bad_argument(arg: str, value: Any, reason: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"invalid argument {arg} = {value!r}: {reason}", arg=arg, value=repr(value), reason=reason
+    )
