@@ -132,3 +132,23 @@ def test_a_bad_hash_scheme_is_a_typed_error(args: tuple[Any, ...], arg: str) -> 
         HashScheme.of(object())
     with pytest.raises(pagedkv.InvalidArgumentError):
         HashScheme(4, "md5").indexer()
+
+
+@pytest.mark.parametrize("keys", [5, None, b"ab", [("tag", "not bytes")], [("only-a-tag",)]])
+def test_with_extra_keys_of_bad_keys_is_a_typed_error(keys: Any) -> None:
+    """``with_extra_keys(5)`` unpacked the int and raised a bare TypeError; bad keys are an
+    ``InvalidArgumentError`` (a ValueError) naming ``extra_keys``, as the constructor's."""
+    spec = SequenceSpec(cache_salt="s", extra_keys=[("a", b"1")])
+    with pytest.raises(pagedkv.InvalidArgumentError, match="extra_keys") as info:
+        spec.with_extra_keys(keys)
+    assert isinstance(info.value, ValueError)
+    assert spec.with_extra_keys([("b", b"2")]).extra_keys == (("a", b"1"), ("b", b"2"))
+
+
+@pytest.mark.parametrize("kwargs", [{"extra_keys": 5}, {"extra_keys": None}, {"mm_items": 5}, {"mm_items": None}])
+def test_a_spec_field_that_is_not_a_sequence_is_a_typed_error(kwargs: dict[str, Any]) -> None:
+    """``SequenceSpec(extra_keys=5)`` (or None) ran ``tuple(5)``: a bare TypeError."""
+    (arg,) = kwargs
+    with pytest.raises(pagedkv.InvalidArgumentError, match=f"^{arg}=") as info:
+        SequenceSpec(**kwargs)
+    assert isinstance(info.value, ValueError) and info.value.arg == arg

@@ -49,10 +49,18 @@ def _optional_str(arg: str, value: Any) -> str | None:
     return value
 
 
+def _as_tuple(arg: str, value: Any, reason: str) -> tuple[Any, ...]:
+    # A non-iterable (None, an int) is a typed error naming the field, not a bare TypeError.
+    try:
+        return tuple(value)
+    except TypeError:
+        raise _bad(arg, value, reason) from None
+
+
 def _extra_keys(value: Iterable[Any]) -> tuple[tuple[str, bytes], ...]:
     if isinstance(value, (str, bytes)):
         raise _bad("extra_keys", value, "expected a sequence of (tag: str, value: bytes) tuples")
-    keys = tuple(value)
+    keys = _as_tuple("extra_keys", value, "expected a sequence of (tag: str, value: bytes) tuples")
     for key in keys:
         if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], bytes)):
             raise _bad("extra_keys", key, "expected (tag: str, value: bytes) tuples")
@@ -62,7 +70,7 @@ def _extra_keys(value: Iterable[Any]) -> tuple[tuple[str, bytes], ...]:
 def _mm_items(value: Iterable[Any]) -> tuple[tuple[bytes, int, int], ...]:
     if isinstance(value, (str, bytes)):
         raise _bad("mm_items", value, "expected a sequence of (item_hash, start_token, num_tokens) tuples")
-    items = tuple(value)
+    items = _as_tuple("mm_items", value, "expected a sequence of (item_hash, start_token, num_tokens) tuples")
     for item in items:
         ok = isinstance(item, tuple) and len(item) == 3 and isinstance(item[0], bytes)
         ok = ok and all(isinstance(n, int) and not isinstance(n, bool) for n in item[1:])
@@ -129,7 +137,9 @@ class SequenceSpec:
 
     def with_extra_keys(self, keys: Iterable[tuple[str, bytes]]) -> SequenceSpec:
         """This spec with ``keys`` appended to its typed extra keys (an engine adding the keys
-        it derives to a request's own)."""
+        it derives to a request's own). Raises ``InvalidArgumentError`` for keys that are not
+        such tuples."""
+        keys = _extra_keys(keys)
         return SequenceSpec(self.cache_salt, self.adapter_id, (*self.extra_keys, *keys), self.mm_items, self.kv_group)
 
 
