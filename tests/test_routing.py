@@ -149,6 +149,29 @@ def test_bad_router_calls_are_typed_errors_and_change_nothing() -> None:
     assert router.route([2] * 9).worker == 0  # still routes
 
 
+def test_bad_wire_inputs_are_typed_errors() -> None:
+    """The wire helpers let builtins escape: ``decode_zmq_frames`` of a non-list or of str
+    frames (TypeError), ``events_to_wire`` / ``encode_event_batch`` of a non-iterable
+    (TypeError) and ``encode_event_batch(ts="x")`` (ValueError from float())."""
+    ok = wire.encode_event_batch([], ts=1.0)
+    for frames in (5, None, ["t", "12345678", ok], [b"t", 7, ok]):
+        with pytest.raises(WireFormatError) as bad_frames:
+            wire.decode_zmq_frames(frames)  # type: ignore[arg-type]
+        assert isinstance(bad_frames.value, ValueError)
+    assert wire.decode_zmq_frames([b"t", (7).to_bytes(8, "big"), ok])[0] == 7
+    assert wire.decode_zmq_frames((bytearray((7).to_bytes(8, "big")), ok))[0] == 7
+    for events in (None, 5):
+        for call in (wire.events_to_wire, wire.encode_event_batch):
+            with pytest.raises(NotAKVEventError) as not_events:
+                call(events)  # type: ignore[operator]
+            assert isinstance(not_events.value, TypeError)
+    for kw in ({"ts": "x"}, {"ts": True}, {"data_parallel_rank": "0"}, {"data_parallel_rank": 1.5}):
+        with pytest.raises(pagedkv.InvalidArgumentError, match=next(iter(kw))) as bad_arg:
+            wire.encode_event_batch([], **kw)  # type: ignore[arg-type]
+        assert isinstance(bad_arg.value, ValueError)
+    assert wire.decode_event_batch(wire.encode_event_batch([], ts=2, data_parallel_rank=3)).ts == 2.0
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     loads=st.lists(st.integers(0, 40), min_size=1, max_size=17),

@@ -92,7 +92,7 @@ def events_to_wire(
     from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: PLC0415
 
     out: list[list[Any]] = []
-    for ev in events:
+    for ev in _event_list(events):
         if isinstance(ev, BlockStored):
             out.append(
                 [
@@ -114,6 +114,13 @@ def events_to_wire(
     return out
 
 
+def _event_list(events: Any) -> list[Any]:
+    try:
+        return list(events)
+    except TypeError:
+        raise NotAKVEventError(f"expected an iterable of pagedkv KV events, got {type(events).__name__}") from None
+
+
 def encode_event_batch(
     events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
     *,
@@ -128,11 +135,28 @@ def encode_event_batch(
         pagedkv.routing.errors.NotAKVEventError: an item that is not a pagedkv event (a
             ``TypeError``).
         pagedkv.InvalidArgumentError: ``BlockStored`` events with different hash roots (events
-            of two managers in one batch).
+            of two managers in one batch), a ``ts`` that is not a number or a
+            ``data_parallel_rank`` that is not an int.
     """
     from pagedkv import BlockStored, InvalidArgumentError  # noqa: PLC0415
 
-    events = list(events)
+    events = _event_list(events)
+    if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float))):
+        raise InvalidArgumentError(
+            f"ts is invalid: {ts!r}; expected seconds since the epoch (a number) or None",
+            arg="ts",
+            value=repr(ts),
+            reason="expected a number or None",
+        )
+    if data_parallel_rank is not None and (
+        isinstance(data_parallel_rank, bool) or not isinstance(data_parallel_rank, int)
+    ):
+        raise InvalidArgumentError(
+            f"data_parallel_rank is invalid: {data_parallel_rank!r}; expected an int or None",
+            arg="data_parallel_rank",
+            value=repr(data_parallel_rank),
+            reason="expected an int or None",
+        )
     roots = {ev.hash_root for ev in events if isinstance(ev, BlockStored) and ev.hash_root is not None}
     if len(roots) > 1:
         shown = sorted(r.hex()[:16] for r in roots)
@@ -227,9 +251,15 @@ def _event_from_map(i: int, ev: dict[Any, Any]) -> list[Any]:
 def decode_zmq_frames(frames: Sequence[bytes]) -> tuple[int, EventBatch]:
     """``(seq, batch)`` from one ZMQ message ``[topic, seq (8 bytes, big-endian), payload]``
     (or ``[seq, payload]`` without a topic). Raises :class:`WireFormatError`."""
+    if not isinstance(frames, (list, tuple)):
+        raise WireFormatError(f"expected a list of ZMQ frames, got {type(frames).__name__}")
     if len(frames) not in (2, 3):
         raise WireFormatError(f"expected [topic,] seq, payload frames, got {len(frames)} frames")
     seq_b, payload = frames[-2], frames[-1]
+    try:
+        seq_b = bytes(memoryview(seq_b))  # bytes, or a zmq.Frame (buffer protocol)
+    except TypeError:
+        raise WireFormatError(f"sequence frame must be bytes, got {type(seq_b).__name__}") from None
     if len(seq_b) != 8:
         raise WireFormatError(f"sequence frame must be 8 bytes, got {len(seq_b)}")
     return int.from_bytes(seq_b, "big"), decode_event_batch(payload)
