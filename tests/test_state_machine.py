@@ -4,7 +4,10 @@ A hypothesis ``RuleBasedStateMachine`` drives ``pagedkv.KVCacheManager`` through
 sequences of: adding sequences whose prompts share prefixes (so prefix hits happen), single
 allocations and batched ``step`` calls (with appended tokens), token appends, forks and the
 appends that then trigger copy-on-write, frees (also of unknown ids), recompute and swap
-preemption, swap-in, prefix-cache resets, prefix lookups and event draining.
+preemption, swap-in, prefix-cache resets, prefix lookups and event draining, and speculative
+decoding: verify steps with draft tokens in lookahead slots (single allocations and batched
+steps) and acceptances of a prefix of them (also invalid ones: no drafts, more than proposed,
+negative counts).
 
 ``Oracle`` below is a small model of the semantics in docs/design.md and the core API contract,
 written independently of the Rust code (it lives only here, never in the package). It
@@ -77,6 +80,7 @@ class MSeq:
     table: list[int] = field(default_factory=list)
     ncached: int = 0
     stale: bool = False  # its KV predates the last reset (swapped out then): never cached
+    drafts: list[int] = field(default_factory=list)  # pending draft tokens (lookahead slots)
 
 
 @dataclass
@@ -219,12 +223,15 @@ class Oracle:
             raise Expected(E.UnknownSequenceError, seq_id=seq)
         return self.seqs[seq]
 
-    def plan(self, seq: int, num_new: int) -> Plan:
+    def plan(self, seq: int, num_new: int, drafts: list[int] | None = None) -> Plan:
+        k = len(drafts or [])
         s = self.get(seq)
         if s.status == "swapped":
             raise Expected(E.InvalidSequenceStateError)
         if num_new == 0:
             raise Expected(E.InvalidArgumentError)
+        if s.drafts:
+            raise Expected(E.InvalidSequenceStateError, seq_id=seq)
         first = not s.table and s.computed == 0
         keys, cands = self.find_hits(s) if first else ([], [])
         # A hit picks a block in use when one carries the hash, so the count is determined.
@@ -234,8 +241,10 @@ class Oracle:
         if remaining == 0:
             raise Expected(E.InvalidArgumentError)
         q = min(num_new, remaining)
+        if k and q < remaining:  # drafts follow the last token
+            raise Expected(E.InvalidArgumentError, arg="draft_tokens")
         table_len = len(keys) if first else len(s.table)
-        fresh = -(-(context + q) // self.bs) - table_len
+        fresh = -(-(context + q + k) // self.bs) - table_len
         cow = (not first) and context % self.bs != 0 and self.refs[s.table[-1]] > 1
         return Plan(first, keys, cands, hits_free, context, q, fresh, cow)
 
@@ -243,7 +252,9 @@ class Oracle:
         if p.taken > self.free:
             raise Expected(E.OutOfBlocksError, requested=p.taken, available=self.free)
 
-    def apply_allocation(self, seq: int, p: Plan, hit_ids: list[int]) -> dict[str, Any]:
+    def apply_allocation(
+        self, seq: int, p: Plan, hit_ids: list[int], drafts: list[int] | None = None
+    ) -> dict[str, Any]:
         """Applies a successful allocation; `hit_ids` are the blocks the manager picked."""
         s = self.seqs[seq]
         assert len(hit_ids) == len(p.hit_keys)
@@ -270,6 +281,7 @@ class Oracle:
         s.table.extend(rest)
         s.computed += p.q
         s.status = "running"
+        s.drafts = list(drafts or [])
         self.cache_full_blocks(s)
         return dict(
             num_scheduled_tokens=p.q,
@@ -278,6 +290,26 @@ class Oracle:
             new_block_ids=new,
             copies=copies,
         )
+
+    def accept(self, seq: int, num_accepted: int) -> list[int]:
+        """accept_drafts: keep the first `num_accepted` drafts, release blocks holding only
+        rejected ones (tail first), cache blocks the accepted tokens fill."""
+        if num_accepted < 0:  # refused while reading the arguments, before any lookup
+            raise Expected(E.InvalidArgumentError, arg="num_accepted")
+        s = self.get(seq)
+        if not s.drafts:
+            raise Expected(E.InvalidSequenceStateError, seq_id=seq)
+        if num_accepted > len(s.drafts):
+            raise Expected(E.InvalidArgumentError, arg="num_accepted")
+        keep = -(-(s.computed + num_accepted) // self.bs)
+        released = list(reversed(s.table[keep:]))
+        self.release(released)
+        s.tokens.extend(s.drafts[:num_accepted])
+        s.computed += num_accepted
+        s.table = s.table[:keep]
+        s.drafts = []
+        self.cache_full_blocks(s)
+        return released
 
     def check_group(self, seqs: list[int], ok: set[str]) -> None:
         seen: set[int] = set()
@@ -297,9 +329,12 @@ class Oracle:
             if s.status == "running":
                 self.counters["preemptions"] += 1
             s.table, s.computed, s.ncached, s.status, s.stale = [], 0, 0, "preempted", False
+            s.drafts = []
 
     def swap_out(self, seqs: list[int]) -> list[tuple[int, int]]:
         self.check_group(seqs, {"running"})
+        if any(self.seqs[i].drafts for i in seqs):
+            raise Expected(E.InvalidSequenceStateError)
         order: list[int] = []
         uses: dict[int, int] = defaultdict(int)
         for i in seqs:
@@ -389,6 +424,7 @@ def snapshot(m: pagedkv.KVCacheManager, ids: list[int]) -> tuple[Any, ...]:
                     m.token_ids(i).tolist(),
                     m.num_computed_tokens(i),
                     m.status(i),
+                    m.num_draft_tokens(i),
                 )
             )
         except E.UnknownSequenceError:
@@ -450,28 +486,31 @@ class ManagerMachine(RuleBasedStateMachine):
         assert snapshot(self.m, self.ids()) == before, f"failed call {exc.cls.__name__} changed state"
         assert self.m.take_events() == [], "failed call emitted events"
 
-    def allocate(self, seq: int, num_new: int) -> None:
+    def allocate(self, seq: int, num_new: int, drafts: list[int] | None = None) -> None:
         assert self.m is not None and self.o is not None
         m, o = self.m, self.o
         try:
-            p = o.plan(seq, num_new)
+            p = o.plan(seq, num_new, drafts)
         except Expected as exc:
-            self.expect_failure(exc, lambda: m.num_blocks_needed(seq, num_new))
-            self.expect_failure(exc, lambda: m.allocate_slots(seq, num_new))
+            if not drafts:
+                self.expect_failure(exc, lambda: m.num_blocks_needed(seq, num_new))
+            self.expect_failure(exc, lambda: m.allocate_slots(seq, num_new, drafts))
             return
-        assert m.num_blocks_needed(seq, num_new) == p.taken
+        if not drafts:
+            assert m.num_blocks_needed(seq, num_new) == p.taken
         if p.first and o.caching:
             assert m.lookup_prefix(seq) == p.context
         try:
             o.check_capacity(p)
         except Expected as exc:
-            self.expect_failure(exc, lambda: m.allocate_slots(seq, num_new))
+            self.expect_failure(exc, lambda: m.allocate_slots(seq, num_new, drafts))
             return
         free_before = m.pool.num_free
-        a = m.allocate_slots(seq, num_new)
+        a = m.allocate_slots(seq, num_new, drafts)
         assert free_before - m.pool.num_free == p.taken, "predicted != taken"
+        assert a.num_draft_tokens == len(drafts or [])
         hit_ids = m.block_table(seq).tolist()[: len(p.hit_keys)] if p.first else []
-        want = o.apply_allocation(seq, p, hit_ids)
+        want = o.apply_allocation(seq, p, hit_ids, drafts)
         got = dict(
             num_scheduled_tokens=a.num_scheduled_tokens,
             num_cached_tokens=a.num_cached_tokens,
@@ -564,7 +603,9 @@ class ManagerMachine(RuleBasedStateMachine):
         """A decode step of a running sequence: finish its prefill or append one sampled token
         and schedule it (after a fork this is what triggers copy-on-write)."""
         assert self.m is not None and self.o is not None
-        ids = [k for k, s in self.o.seqs.items() if s.status == "running" and s.table]
+        ids = [k for k, s in self.o.seqs.items() if s.status == "running" and s.table and not s.drafts]
+        if not ids:
+            return
         seq = ids[i % len(ids)]
         s = self.o.seqs[seq]
         if s.computed == len(s.tokens):
@@ -581,6 +622,10 @@ class ManagerMachine(RuleBasedStateMachine):
         except Expected as exc:
             self.expect_failure(exc, lambda: self.m.append_tokens(seq, tokens))
             return
+        if s.drafts:
+            exc = Expected(E.InvalidSequenceStateError, seq_id=seq)
+            self.expect_failure(exc, lambda: self.m.append_tokens(seq, tokens))
+            return
         self.m.append_tokens(seq, tokens)
         s.tokens.extend(tokens)
 
@@ -588,16 +633,31 @@ class ManagerMachine(RuleBasedStateMachine):
         picks=st.lists(st.integers(0, 100), min_size=1, max_size=4),
         num_new=st.lists(NUM_NEW, min_size=4, max_size=4),
         appends=st.one_of(st.none(), st.lists(st.lists(st.integers(0, 2), max_size=3), min_size=4, max_size=4)),
+        drafts=st.one_of(st.none(), st.lists(st.lists(st.integers(0, 2), max_size=5), min_size=4, max_size=4)),
     )
-    def step(self, picks: list[int], num_new: list[int], appends: list[list[int]] | None) -> None:
-        """One batched step; the oracle replays it as appends + single allocations."""
+    def step(
+        self,
+        picks: list[int],
+        num_new: list[int],
+        appends: list[list[int]] | None,
+        drafts: list[list[int]] | None,
+    ) -> None:
+        """One batched step (a verify step when it carries drafts); the oracle replays it as
+        appends + single allocations."""
         assert self.m is not None and self.o is not None
         m, o = self.m, self.o
         seqs = [self.pick(i) for i in picks]
         mx = num_new[: len(seqs)]
         app = appends[: len(seqs)] if appends is not None else None
+        dr = drafts[: len(seqs)] if drafts is not None else None
         before = snapshot(m, self.ids())
-        out = m.step(np.asarray(seqs, dtype=np.uint64), np.asarray(mx, dtype=np.int32), app, block_table=True)
+        out = m.step(
+            np.asarray(seqs, dtype=np.uint64),
+            np.asarray(mx, dtype=np.int32),
+            app,
+            draft_token_ids=dr,
+            block_table=True,
+        )
         kept = self.tables.update([out])
         assert kept.dtype == np.int32 and kept.shape == out.block_table.shape
         assert kept.tolist() == out.block_table.tolist()
@@ -621,7 +681,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 old_len = len(s.tokens)
                 s.tokens.extend(added)
                 try:
-                    p = o.plan(seq, mx[k])
+                    p = o.plan(seq, mx[k], dr[k] if dr is not None else None)
                     o.check_capacity(p)
                 except Expected:
                     del s.tokens[old_len:]
@@ -631,7 +691,10 @@ class ManagerMachine(RuleBasedStateMachine):
                 break
             table = out.block_table[k, : -(-int(out.seq_lens[k]) // o.bs)].tolist()
             hit_ids = table[: len(p.hit_keys)] if p.first else []
-            expected_rows.append((o.apply_allocation(seq, p, hit_ids), list(o.seqs[seq].table)))
+            d = dr[k] if dr is not None else []
+            want_row = o.apply_allocation(seq, p, hit_ids, d)
+            want_row["drafts"] = d
+            expected_rows.append((want_row, list(o.seqs[seq].table)))
             n_ok += 1
         assert out.num_scheduled == n_ok
         if error is None:
@@ -650,16 +713,59 @@ class ManagerMachine(RuleBasedStateMachine):
             assert out.new_block_ids[lo:hi].tolist() == want["new_block_ids"]
             assert int(out.num_cached_tokens[k]) == want["num_cached_tokens"]
             assert int(out.context_lens[k]) == want["num_context_tokens"]
-            assert int(out.seq_lens[k]) == want["num_context_tokens"] + want["num_scheduled_tokens"]
-            qsl.append(qsl[-1] + want["num_scheduled_tokens"])
+            nq = want["num_scheduled_tokens"] + len(want["drafts"])
+            assert int(out.seq_lens[k]) == want["num_context_tokens"] + nq
+            assert int(out.num_draft_tokens[k]) == len(want["drafts"])
+            qsl.append(qsl[-1] + nq)
             bs = o.bs
             start = want["num_context_tokens"]
-            slots = [table[pos // bs] * bs + pos % bs for pos in range(start, start + want["num_scheduled_tokens"])]
+            slots = [table[pos // bs] * bs + pos % bs for pos in range(start, start + nq)]
             assert out.slot_mapping[qsl[-2] : qsl[-1]].tolist() == slots
+            # The query's tokens: the scheduled ones, then the drafts in their lookahead slots.
+            seq_tokens = o.seqs[out.seq_ids[k].item()].tokens
+            want_ids = seq_tokens[start : start + want["num_scheduled_tokens"]] + want["drafts"]
+            assert out.input_ids[qsl[-2] : qsl[-1]].tolist() == want_ids
         assert out.query_start_loc.tolist() == qsl
+        assert out.num_draft_tokens.dtype == np.int32 and len(out.num_draft_tokens) == out.num_scheduled
         assert out.slot_mapping.dtype == np.int64
         copies = [c for want, _ in expected_rows for c in want["copies"]]
         assert [tuple(r) for r in out.copies.tolist()] == copies
+
+    @rule(
+        i=st.integers(0, 100),
+        token=st.integers(0, 2),
+        drafts=st.lists(st.integers(0, 2), max_size=7),
+        num_new=st.sampled_from([1, 1, 2, 64]),
+    )
+    def verify(self, i: int, token: int, drafts: list[int], num_new: int) -> None:
+        """Speculative decoding's verify step on one sequence: append the sampled token, then
+        schedule it with `drafts` in lookahead slots (refused when drafts are pending, the
+        sequence is swapped, or the scheduled tokens stop short of the last one)."""
+        assert self.m is not None and self.o is not None
+        seq = self.pick_in(i, {"running", "preempted"})
+        s = self.o.seqs.get(seq)
+        if s is not None and not s.drafts:
+            self.m.append_tokens(seq, [token])
+            s.tokens.append(token)
+        self.allocate(seq, num_new, drafts)
+
+    @rule(i=st.integers(0, 100), num_accepted=st.integers(-1, 8))
+    def accept_drafts(self, i: int, num_accepted: int) -> None:
+        """The verifier keeps a prefix of the drafts (or a bad count is refused)."""
+        assert self.m is not None and self.o is not None
+        with_drafts = [k for k, s in self.o.seqs.items() if s.drafts]
+        seq = with_drafts[i % len(with_drafts)] if with_drafts and i % 5 else self.pick(i)
+        saved = self._save()
+        try:
+            want = self.o.accept(seq, num_accepted)
+        except Expected as exc:
+            self._restore(saved)
+            self.expect_failure(exc, lambda: self.m.accept_drafts(seq, num_accepted))
+            return
+        free = self.m.pool.num_free
+        got = self.m.accept_drafts(seq, num_accepted)
+        assert got.dtype == np.int32 and got.tolist() == want
+        assert self.m.pool.num_free == free + len(want)
 
     @rule(i=st.integers(0, 100), child_known=st.integers(0, 5))
     def fork(self, i: int, child_known: int) -> None:
@@ -672,7 +778,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.m is not None and self.o is not None
         try:
             p = self.o.get(parent)
-            if p.status == "swapped":
+            if p.status == "swapped" or p.drafts:
                 raise Expected(E.InvalidSequenceStateError)
             if child in self.o.seqs:
                 raise Expected(E.SequenceExistsError, seq_id=child)
@@ -696,7 +802,9 @@ class ManagerMachine(RuleBasedStateMachine):
         """Parallel sampling: fork a running sequence, then one side samples a token. When the
         last block is partially filled this must plan exactly one copy-on-write."""
         assert self.m is not None and self.o is not None
-        ids = [k for k, s in self.o.seqs.items() if s.status == "running" and s.table]
+        ids = [k for k, s in self.o.seqs.items() if s.status == "running" and s.table and not s.drafts]
+        if not ids:
+            return
         parent = ids[i % len(ids)]
         child = self.next_id
         self.do_fork(parent, child)
@@ -872,6 +980,7 @@ class ManagerMachine(RuleBasedStateMachine):
             assert m.num_tokens(i) == len(s.tokens)
             assert m.token_ids(i).tolist() == s.tokens
             assert m.num_computed_tokens(i) == s.computed
+            assert m.num_draft_tokens(i) == len(s.drafts)
             assert m.block_table(i).tolist() == s.table
         stats = m.stats()
         for name, value in o.counters.items():
