@@ -443,3 +443,84 @@ def test_wire_values_are_moved_as_they_are() -> None:
     assert ix.apply(1, 2, [["BlockStored", [8], None, [1, 2, 3, 4], BLOCK_SIZE, None, None, None, [deep]]]) == "applied"
     assert ix.worker_status(1)["num_blocks"] == 0  # type: ignore[index]
     assert ix.overlap_hashes(np.array([3, 4], dtype=np.uint64)) == {1: 0}
+
+
+def test_only_full_attention_groups_count_toward_the_overlap() -> None:
+    """llm-d-router #2362: a hybrid worker's sliding-window group holds a prefix's last window
+    only and serves no prefix; an indexer that counted it (vLLM orders groups by its own rules,
+    so the sliding-window group may be group 0) routed to workers that cannot serve the prefix.
+    A worker registered with its groups has only its first full-attention group indexed."""
+    groups = [pagedkv.KVCacheGroupSpec("sliding_window", 4, 8, window=8), pagedkv.KVCacheGroupSpec("full", 4, 8)]
+    m = pagedkv.HybridKVCacheManager(groups, [0, 1], 65, enable_events=True)
+    prompt = list(range(1, 18))
+    m.add_sequence(1, prompt)
+    m.step([1], 17).raise_for_error()
+    events = m.take_events()
+    assert {g for g, _ in events} == {0, 1}
+    ix = pagedkv.KVIndexer(BLOCK_SIZE)
+    ix.add_worker(1, groups=groups)  # receives only the sliding-window group's blocks
+    ix.add_worker(2, groups=["sliding_window", "full"])  # receives every group's
+    ix.add_worker(3, groups=["sliding_window"])  # no group serves a prefix
+    assert ix.apply(1, 0, [(g, e) for g, e in events if g == 0]) == "applied"
+    assert ix.apply(2, 0, events) == "applied"
+    assert ix.apply(3, 0, events) == "applied"
+    probe = prompt + [99]
+    assert ix.overlap(probe) == {1: 0, 2: 4, 3: 0}
+    # Evicted by another request: the sliding-window group's removals leave the prefix, the
+    # full-attention group's cut it.
+    m.free(1)
+    m.add_sequence(2, list(range(1000, 1128)))
+    m.step([2], 128).raise_for_error()
+    removed = [(g, e) for g, e in m.take_events() if isinstance(e, pagedkv.BlockRemoved)]
+    assert {g for g, _ in removed} == {0, 1}
+    assert ix.apply(2, 1, [(g, e) for g, e in removed if g == 0]) == "applied"
+    assert ix.overlap(probe)[2] == 4
+    assert ix.apply(2, 2, [(g, e) for g, e in removed if g == 1]) == "applied"
+    assert ix.overlap(probe)[2] == 0
+
+    # vLLM wire events name the group in group_idx (field 9 / 3): group 0 sliding here.
+    toks = list(range(1, 13))
+    stored = ["BlockStored", [11, 12, 13], None, toks, BLOCK_SIZE, None, "GPU", None, None]
+    vx = pagedkv.KVIndexer(BLOCK_SIZE)
+    vx.add_worker(7, hash_source="tokens", groups=["sliding_window", "full"])
+    vx.add_worker(8, hash_source="tokens")  # one full-attention group: group 0
+    assert vx.apply(7, 0, [stored + [0]]) == "applied"
+    assert vx.apply(8, 0, [stored + [0]]) == "applied"
+    assert vx.overlap(toks + [0]) == {7: 0, 8: 3}
+    assert vx.apply(7, 1, [stored + [1], ["BlockRemoved", [11, 12], "GPU", 0]]) == "applied"
+    assert vx.overlap(toks + [0]) == {7: 3, 8: 3}
+
+
+def test_bad_worker_groups_are_refused() -> None:
+    ix = pagedkv.KVIndexer(BLOCK_SIZE)
+    for bad in ([], ["global"], "full", [1], None.__class__):
+        with pytest.raises(pagedkv.InvalidArgumentError, match="groups"):
+            ix.add_worker(1, groups=bad)  # type: ignore[arg-type]
+    assert ix.worker_ids() == []
+    ix.add_worker(1, groups=["full"])
+    m = pagedkv.HybridKVCacheManager([pagedkv.KVCacheGroupSpec("full", 4, 8)], [0], 8, enable_events=True)
+    m.add_sequence(1, [1, 2, 3, 4, 5])
+    m.step([1], 5).raise_for_error()
+    [(group, stored)] = m.take_events()
+    assert group == 0
+    for bad_group in (-1, "0", 1.5):
+        with pytest.raises(pagedkv.InvalidArgumentError, match="group must be an int"):
+            ix.apply(1, 0, [(0, stored), (bad_group, stored)])
+    assert ix.worker_status(1)["next_seq"] is None  # type: ignore[index]
+
+
+def test_router_registers_a_workers_groups() -> None:
+    """``Router.add_worker(groups=...)`` hands the group kinds to its indexer: a worker whose
+    sliding-window group 0 holds a prefix has no overlap there, its full-attention group does."""
+    from pagedkv.routing import Router
+
+    router = Router(pagedkv.KVIndexer(BLOCK_SIZE))
+    router.add_worker(1, hash_source="tokens", groups=["sliding_window", "full"])
+    toks = list(range(1, 9))
+    stored = ["BlockStored", [11, 12], None, toks, BLOCK_SIZE, None, "GPU", None, None]
+    router.apply_events(1, 0, [stored + [0]])
+    assert router.indexer.overlap(toks + [0]) == {1: 0}
+    router.apply_events(1, 1, [stored + [1]])
+    assert router.indexer.overlap(toks + [0]) == {1: 2}
+    with pytest.raises(pagedkv.InvalidArgumentError, match="groups"):
+        router.add_worker(2, groups=[])

@@ -1,6 +1,6 @@
 """Type stubs of the Rust extension ``pagedkv._core`` (hand-written; checked by mypy.stubtest)."""
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, final
 
 import numpy as np
@@ -401,13 +401,24 @@ class KVIndexer:
     @property
     def num_hashes(self) -> int:
         """Distinct block hashes held by at least one worker."""
-    def add_worker(self, worker_id: int, *, hash_source: str = "engine") -> int:
+    def add_worker(
+        self,
+        worker_id: int,
+        *,
+        hash_source: str = "engine",
+        groups: Sequence[KVCacheGroupSpec | str] | None = None,
+    ) -> int:
         """Registers ``worker_id`` (``hash_source`` ``"engine"`` or ``"tokens"``); returns the
         registration's incarnation number (pass it to ``apply`` with that registration's
         batches).
 
-        Workers are also registered as ``"engine"`` by their first ``apply``. Raises
-        ``InvalidArgumentError`` if already registered or for another ``hash_source``.
+        ``groups``: the attention kinds of the worker's KV cache groups in its engine's order
+        (``KVCacheGroupSpec`` objects or ``"full"`` / ``"sliding_window"`` /
+        ``"chunked_local"``; None: one full-attention group). Only the first full-attention
+        group's events are indexed: a sliding-window or chunked-local group's blocks serve no
+        prefix (llm-d-router #2362). Workers are also registered as ``"engine"`` with one
+        full-attention group by their first ``apply``. Raises ``InvalidArgumentError`` if
+        already registered, for another ``hash_source``, an empty ``groups`` or another kind.
         """
     def remove_worker(self, worker_id: int) -> bool:
         """Drops the worker and all its entries (dead or restarted); False if unknown."""
@@ -436,10 +447,13 @@ class KVIndexer:
         number; None: the current one); a batch of an earlier one, or of a removed worker, is
         ``"stale"`` and changes nothing.
 
-        ``events``: pagedkv ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` objects
-        or vLLM wire events (``["BlockStored", hashes, parent, token_ids, block_size,
+        ``events``: pagedkv ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` objects,
+        ``(group, event)`` pairs of them (``HybridKVCacheManager.take_events``), or vLLM wire
+        events (``["BlockStored", hashes, parent, token_ids, block_size,
         lora_id, medium, lora_name, extra_keys, ...]``, ``["BlockRemoved", hashes, ...]``,
-        ``["AllBlocksCleared"]``; hashes bytes of at most 32 or ints). A ``"tokens"`` worker's
+        ``["AllBlocksCleared"]``; hashes bytes of at most 32 or ints). Only the events of the
+        worker's first full-attention KV cache group (``add_worker``'s ``groups``; an unnamed
+        group, ``group_idx`` None, is group 0) and clears are indexed. A ``"tokens"`` worker's
         blocks are rehashed with the LoRA name (else ``str(lora_id)``) as adapter key and the
         cache salt vLLM names in a request's first block as the salt of its whole chain; a block
         with multimodal or prompt-embedding keys, and the rest of its event, is not indexed.

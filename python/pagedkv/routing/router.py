@@ -3,11 +3,11 @@ reports, and a :mod:`routing policy <pagedkv.routing.policy>` that picks the wor
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedkv import KVIndexer
+from pagedkv import KVCacheGroupSpec, KVIndexer
 from pagedkv.block_identity import HashScheme, SequenceSpec
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.routing.errors import NoWorkerError, UnknownWorkerError
@@ -58,10 +58,19 @@ class Router:
         """Live workers, sorted."""
         return sorted(self._loads)
 
-    def add_worker(self, worker_id: int, *, hash_source: str = "engine") -> int:
+    def add_worker(
+        self,
+        worker_id: int,
+        *,
+        hash_source: str = "engine",
+        groups: Sequence[KVCacheGroupSpec | str] | None = None,
+    ) -> int:
         """Registers a worker (idle, empty cache); returns the registration's incarnation number
-        (see :meth:`apply_events`). Raises ``InvalidArgumentError`` if known."""
-        incarnation = self.indexer.add_worker(worker_id, hash_source=hash_source)
+        (see :meth:`apply_events`). ``groups``: the attention kinds of its KV cache groups in its
+        engine's order (None: one full-attention group); only a full-attention group's blocks
+        count toward its overlap (see :meth:`pagedkv.KVIndexer.add_worker`). Raises
+        ``InvalidArgumentError`` if known or for bad ``groups``."""
+        incarnation = self.indexer.add_worker(worker_id, hash_source=hash_source, groups=groups)
         self._predicted.remove_worker(worker_id)
         self._predicted.add_worker(worker_id)
         self._predicted_seq[worker_id] = 0

@@ -23,9 +23,11 @@ adapter key and the salt as the cache salt of the whole chain, so a router query
 ``cache_salt`` / ``adapter_id`` matches them and one without does not; a block with multimodal
 or prompt-embedding keys (and the rest of its event) is not indexed, since a query could not
 hash it alike. A block whose vLLM hash also covers the tokens after it (``lookahead_token_ids``)
-is left out for the same reason, with the rest of its event. Only the first KV cache group's
-events (``group_idx`` None or 0) are indexed: a hybrid model publishes each block once per group,
-and a sliding-window group's early removals would drop prefixes the worker still holds.
+is left out for the same reason, with the rest of its event. Only the events of a worker's first
+full-attention KV cache group (``group_idx``; None is group 0; the worker's group kinds are given
+to ``add_worker(..., groups=...)``, default one full-attention group) are indexed: a hybrid model
+publishes each block once per group, and a sliding-window group holds only the last window of a
+prefix and lets earlier blocks go while the full-attention group keeps them.
 
 :meth:`pagedkv.KVIndexer.apply` takes decoded events as they are, so a router watches vLLM
 workers with ``apply_payload(indexer, worker, seq, payload)`` (register them with

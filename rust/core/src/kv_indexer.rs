@@ -59,6 +59,19 @@
 //! a salted vLLM prefix is indexed under the hashes a salted query computes, and an unsalted
 //! query never matches it.
 //!
+//! KV cache groups. A hybrid engine (sliding-window or chunked-local layers beside
+//! full-attention ones) publishes each block once per KV cache group, each event naming its
+//! group. Only a full-attention group's blocks serve a prefix: a sliding-window group holds
+//! the blocks of the last window only and lets earlier ones go while the full-attention group
+//! keeps them, so counting its residency as prefix residency (llm-d-router #2362) or its
+//! removals as the worker's would misreport the overlap. A worker registered with its groups'
+//! attention kinds ([`KvIndexer::add_worker_with_groups`]; default: one full-attention group)
+//! has the events of its first full-attention group indexed and every other group's ignored
+//! ([`KvIndexer::apply_group_batch`]); a worker without one holds nothing. Other full-attention
+//! groups publish the same chain and are not read: an engine hit needs every group, so when
+//! one of them evicts a block the indexed group still holds, the overlap over-reports until
+//! that group lets the block go as well.
+//!
 //! Costs: applying a batch is O(blocks named in it) expected (a clear is O(blocks the worker
 //! held), paid once per stored block, so amortised O(1) per block); a query is
 //! O(blocks of the request × ⌈workers / 64⌉) plus O(workers) for the answer, independent of how
@@ -69,6 +82,7 @@ pub mod vllm_event;
 use crate::error::{Error, Result};
 use crate::events::KvEvent;
 use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
+use crate::kv_groups::AttentionKind;
 use crate::manager::SequenceSpec;
 use foldhash::{HashMap, HashSet};
 use std::borrow::Cow;
@@ -220,6 +234,10 @@ struct Worker {
     id: WorkerId,
     incarnation: Incarnation,
     source: HashSource,
+    /// Attention kind of each of its KV cache groups, in the engine's group order.
+    groups: Vec<AttentionKind>,
+    /// The group whose events are indexed: the first full-attention one (`None`: none).
+    indexed_group: Option<u64>,
     /// Sequence number of the next batch to apply; `None` before the first batch.
     next_seq: Option<u64>,
     /// Indexer-side hashes held.
@@ -322,10 +340,30 @@ impl KvIndexer {
     /// new sequence. Errors: `InvalidArgument` if already registered. O(1). Workers are also
     /// registered (as [`HashSource::Engine`]) by their first batch.
     pub fn add_worker(&mut self, id: WorkerId, source: HashSource) -> Result<Incarnation> {
+        self.add_worker_with_groups(id, source, &[AttentionKind::Full])
+    }
+
+    /// As [`Self::add_worker`], for a worker whose engine has KV cache groups of the attention
+    /// kinds `groups` (in the engine's group order, as its events' group indexes count them):
+    /// only its first full-attention group's events are indexed (see the module docs).
+    /// Errors: `InvalidArgument` if already registered or for an empty `groups`. O(groups).
+    pub fn add_worker_with_groups(
+        &mut self,
+        id: WorkerId,
+        source: HashSource,
+        groups: &[AttentionKind],
+    ) -> Result<Incarnation> {
         if self.slot_of.contains_key(&id) {
             return Err(bad("worker_id", id, "worker is already registered"));
         }
-        let slot = self.insert_worker(id, source);
+        if groups.is_empty() {
+            return Err(bad(
+                "groups",
+                "[]",
+                "a worker has at least one KV cache group",
+            ));
+        }
+        let slot = self.insert_worker(id, source, groups);
         Ok(self.slots[slot]
             .as_ref()
             .expect("registered slot")
@@ -337,13 +375,29 @@ impl KvIndexer {
         self.worker(id).map(|w| w.incarnation)
     }
 
-    fn insert_worker(&mut self, id: WorkerId, source: HashSource) -> usize {
+    /// The attention kinds of worker `id`'s KV cache groups, `None` if unknown.
+    pub fn worker_groups(&self, id: WorkerId) -> Option<&[AttentionKind]> {
+        self.worker(id).map(|w| w.groups.as_slice())
+    }
+
+    fn insert_worker(
+        &mut self,
+        id: WorkerId,
+        source: HashSource,
+        groups: &[AttentionKind],
+    ) -> usize {
         let incarnation = self.next_incarnation;
         self.next_incarnation += 1;
+        let indexed_group = groups
+            .iter()
+            .position(|k| *k == AttentionKind::Full)
+            .map(|g| g as u64);
         let worker = Worker {
             id,
             incarnation,
             source,
+            groups: groups.to_vec(),
+            indexed_group,
             next_seq: None,
             blocks: HashSet::default(),
             engine_to_local: HashMap::default(),
@@ -518,7 +572,7 @@ impl KvIndexer {
         self.validate(source, &events)?;
         let slot = match self.slot_of.get(&id) {
             Some(&s) => s,
-            None => self.insert_worker(id, HashSource::Engine),
+            None => self.insert_worker(id, HashSource::Engine, &[AttentionKind::Full]),
         };
         let max_pending = self.max_pending;
         let w = self.slots[slot].as_mut().expect("registered slot");
@@ -549,6 +603,29 @@ impl KvIndexer {
         self.slots[slot].as_mut().expect("registered slot").next_seq = Some(seq + 1);
         self.drain_pending(slot);
         Ok(BatchOutcome::Applied)
+    }
+
+    /// As [`Self::apply_batch`], for events that name their KV cache group (`None`: group 0,
+    /// the only group of a one-group engine; an `AllBlocksCleared` clears every group): only
+    /// the events of the worker's indexed group (its first full-attention group, see the
+    /// module docs) and clears are applied, the others are left out before the batch is
+    /// checked (another group may have another block size). An unknown worker is registered
+    /// with one full-attention group, as by `apply_batch`. Errors and outcomes as
+    /// `apply_batch`.
+    pub fn apply_group_batch(
+        &mut self,
+        id: WorkerId,
+        incarnation: Option<Incarnation>,
+        seq: u64,
+        events: Vec<(Option<u64>, KvEvent)>,
+    ) -> Result<BatchOutcome> {
+        let indexed = self.worker(id).map_or(Some(0), |w| w.indexed_group);
+        let events = events
+            .into_iter()
+            .filter(|(g, e)| *e == KvEvent::AllBlocksCleared || indexed == Some(g.unwrap_or(0)))
+            .map(|(_, e)| e)
+            .collect();
+        self.apply_batch(id, incarnation, seq, events)
     }
 
     /// Replaces worker `id`'s entries with `hashes` (indexer-side hashes: the worker's whole
@@ -595,7 +672,7 @@ impl KvIndexer {
         }
         let slot = match self.slot_of.get(&id) {
             Some(&s) => s,
-            None => self.insert_worker(id, HashSource::Engine),
+            None => self.insert_worker(id, HashSource::Engine, &[AttentionKind::Full]),
         };
         self.clear_slot(slot);
         for h in hashes {
@@ -885,6 +962,64 @@ mod tests {
             .unwrap();
         assert_eq!(overlap(&ix, &[1, 2, 3]), vec![(7, 1), (9, 0)]);
         assert_eq!(ix.num_hashes(), 2);
+    }
+
+    /// llm-d-router #2362: a hybrid worker's sliding-window group holds the last window's
+    /// blocks of a prefix only; counting them as prefix residency routes to a worker that
+    /// cannot serve the prefix. Only the first full-attention group is indexed, wherever the
+    /// engine orders it.
+    #[test]
+    fn only_a_full_attention_group_counts_toward_the_overlap() {
+        let sw = AttentionKind::SlidingWindow { window: 8 };
+        let mut ix = idx(0);
+        ix.add_worker_with_groups(1, HashSource::Engine, &[sw, AttentionKind::Full])
+            .unwrap();
+        ix.add_worker_with_groups(2, HashSource::Engine, &[sw, AttentionKind::Full])
+            .unwrap();
+        ix.add_worker_with_groups(3, HashSource::Engine, &[sw])
+            .unwrap();
+        assert_eq!(ix.worker_groups(1), Some(&[sw, AttentionKind::Full][..]));
+        // Worker 1 holds only the sliding-window blocks of the prefix (group 0).
+        ix.apply_group_batch(1, None, 0, vec![(Some(0), stored(&[1, 2, 3]))])
+            .unwrap();
+        // Worker 2 holds the full-attention blocks (group 1), the window's too.
+        ix.apply_group_batch(
+            2,
+            None,
+            0,
+            vec![(Some(1), stored(&[1, 2, 3])), (Some(0), stored(&[3]))],
+        )
+        .unwrap();
+        ix.apply_group_batch(3, None, 0, vec![(Some(0), stored(&[1, 2, 3]))])
+            .unwrap();
+        assert_eq!(overlap(&ix, &[1, 2, 3]), vec![(1, 0), (2, 3), (3, 0)]);
+        // The window moves on: group 0 lets its blocks go, the prefix stays.
+        ix.apply_group_batch(2, None, 1, vec![(Some(0), removed(&[3]))])
+            .unwrap();
+        assert_eq!(overlap(&ix, &[1, 2, 3]), vec![(1, 0), (2, 3), (3, 0)]);
+        ix.apply_group_batch(2, None, 2, vec![(Some(1), removed(&[2]))])
+            .unwrap();
+        assert_eq!(overlap(&ix, &[1, 2, 3]), vec![(1, 0), (2, 1), (3, 0)]);
+        // A clear names no group and clears the worker.
+        ix.apply_group_batch(2, None, 3, vec![(None, KvEvent::AllBlocksCleared)])
+            .unwrap();
+        assert_eq!(overlap(&ix, &[1]), vec![(1, 0), (2, 0), (3, 0)]);
+        // Default workers: one full-attention group, group 0 (or unnamed).
+        ix.apply_group_batch(
+            4,
+            None,
+            0,
+            vec![(None, stored(&[1])), (Some(1), stored(&[2]))],
+        )
+        .unwrap();
+        assert_eq!(ix.worker_groups(4), Some(&[AttentionKind::Full][..]));
+        assert_eq!(ix.worker_hashes(4), vec![h(1)]);
+        assert!(ix
+            .add_worker_with_groups(5, HashSource::Engine, &[])
+            .unwrap_err()
+            .to_string()
+            .contains("at least one KV cache group"));
+        assert!(ix.worker(5).is_none());
     }
 
     #[test]

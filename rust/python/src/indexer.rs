@@ -8,9 +8,11 @@
 use crate::convert::{bad, bytes_arg, list_items, opt_str, repr, type_name, uint};
 use crate::errors::IntoPyResult;
 use crate::events::{PyAllBlocksCleared, PyBlockRemoved, PyBlockStored};
+use crate::hybrid::PyGroupSpec;
 use crate::manager::call_spec;
 use numpy::PyUntypedArray;
 use pagedkv_core::events::KvEvent;
+use pagedkv_core::kv_groups::AttentionKind;
 use pagedkv_core::kv_indexer::vllm_event::{self, WireValue};
 use pagedkv_core::{
     BlockHash, HashAlgo, HashSource, KvIndexer, PrefixHasher, WorkerId, WorkerStatus,
@@ -98,24 +100,87 @@ fn root_arg(hash_root: Option<&Bound<'_, PyAny>>) -> PyResult<Option<BlockHash>>
     Ok(Some(BlockHash(arr)))
 }
 
-/// One event: a pagedkv event object as it is, or a vLLM wire event (a list / tuple whose first
-/// item is the type tag) read by the core's `vllm_event::parse_event` (with `batch_root` as a
-/// `BlockStored`'s hash root). `None`: a wire event of another KV cache group, not indexed.
+/// A pagedkv event object as the core's event, `None` for anything else.
+fn pagedkv_event(obj: &Bound<'_, PyAny>) -> Option<KvEvent> {
+    if let Ok(ev) = obj.cast::<PyBlockStored>() {
+        return Some(ev.get().to_core());
+    }
+    if let Ok(ev) = obj.cast::<PyBlockRemoved>() {
+        return Some(ev.get().to_core());
+    }
+    obj.cast::<PyAllBlocksCleared>()
+        .is_ok()
+        .then_some(KvEvent::AllBlocksCleared)
+}
+
+/// One event with the KV cache group it names (`None`: unnamed, group 0): a pagedkv event
+/// object as it is, a `(group, event)` pair of one (as `HybridKVCacheManager.take_events`
+/// gives them; group an int >= 0 or None), or a vLLM wire event (a list / tuple whose first
+/// item is the type tag) read by the core's `vllm_event::parse_group_event` (with
+/// `batch_root` as a `BlockStored`'s hash root).
 fn event(
     obj: &Bound<'_, PyAny>,
     i: usize,
     batch_root: Option<BlockHash>,
-) -> PyResult<Option<KvEvent>> {
-    if let Ok(ev) = obj.cast::<PyBlockStored>() {
-        return Ok(Some(ev.get().to_core()));
+) -> PyResult<(Option<u64>, KvEvent)> {
+    if let Some(ev) = pagedkv_event(obj) {
+        return Ok((None, ev));
     }
-    if let Ok(ev) = obj.cast::<PyBlockRemoved>() {
-        return Ok(Some(ev.get().to_core()));
+    if let Ok(pair) = obj.cast::<PyTuple>() {
+        if pair.len() == 2 {
+            if let Some(ev) = pagedkv_event(&pair.get_item(1)?) {
+                let g = pair.get_item(0)?;
+                let group = if g.is_none() {
+                    None
+                } else {
+                    Some(uint(&g, "events", u64::MAX).map_err(|_| {
+                        invalid(
+                            obj.py(),
+                            "events",
+                            format!("{} at index {i}", repr(obj)),
+                            "a (group, event) pair's group must be an int >= 0 or None",
+                        )
+                    })?)
+                };
+                return Ok((group, ev));
+            }
+        }
     }
-    if obj.cast::<PyAllBlocksCleared>().is_ok() {
-        return Ok(Some(KvEvent::AllBlocksCleared));
+    vllm_event::parse_group_event(&wire_value(obj, 0)?, i, batch_root).py(obj.py())
+}
+
+/// The attention kinds of a worker's KV cache groups: a list of ``KVCacheGroupSpec`` or kind
+/// names (``"full"``, ``"sliding_window"``, ``"chunked_local"``; a name's window or chunk is
+/// not needed and reads 0).
+fn group_kinds(obj: &Bound<'_, PyAny>) -> PyResult<Vec<AttentionKind>> {
+    let py = obj.py();
+    if obj.is_instance_of::<PyString>() {
+        return Err(invalid(
+            py,
+            "groups",
+            repr(obj),
+            "expected a list of KV cache group kinds",
+        ));
     }
-    vllm_event::parse_event(&wire_value(obj, 0)?, i, batch_root).py(obj.py())
+    list_items(obj, "groups")?
+        .iter()
+        .map(|g| {
+            if let Ok(spec) = g.cast::<PyGroupSpec>() {
+                return Ok(spec.get().inner.kind);
+            }
+            match g.extract::<String>().ok().as_deref() {
+                Some("full") => Ok(AttentionKind::Full),
+                Some("sliding_window") => Ok(AttentionKind::SlidingWindow { window: 0 }),
+                Some("chunked_local") => Ok(AttentionKind::ChunkedLocal { chunk: 0 }),
+                _ => Err(invalid(
+                    py,
+                    "groups",
+                    repr(g),
+                    "expected a KVCacheGroupSpec or \"full\", \"sliding_window\", \"chunked_local\"",
+                )),
+            }
+        })
+        .collect()
 }
 
 fn worker_id(obj: &Bound<'_, PyAny>) -> PyResult<WorkerId> {
@@ -251,15 +316,20 @@ impl PyKvIndexer {
 
     /// Registers ``worker_id`` with ``hash_source`` ``"engine"`` (its event hashes are used as
     /// they are) or ``"tokens"`` (blocks rehashed from their token ids); returns the
-    /// registration's incarnation number. Raises ``InvalidArgumentError`` if it is registered
-    /// already.
-    #[pyo3(signature = (worker_id, *, hash_source = None),
-           text_signature = "($self, worker_id, *, hash_source='engine')")]
+    /// registration's incarnation number. ``groups``: the attention kinds of the worker's KV
+    /// cache groups in its engine's order (``KVCacheGroupSpec`` objects or kind names; None:
+    /// one full-attention group); only the first full-attention group's events are indexed,
+    /// since a sliding-window or chunked-local group's blocks serve no prefix. Raises
+    /// ``InvalidArgumentError`` if it is registered already, for an empty ``groups`` or an
+    /// unknown kind.
+    #[pyo3(signature = (worker_id, *, hash_source = None, groups = None),
+           text_signature = "($self, worker_id, *, hash_source='engine', groups=None)")]
     fn add_worker(
         &self,
         py: Python<'_>,
         worker_id: &Bound<'_, PyAny>,
         hash_source: Option<&Bound<'_, PyAny>>,
+        groups: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<u64> {
         let id = self::worker_id(worker_id)?;
         let hash_source = opt_str(hash_source, "hash_source")?.unwrap_or_else(|| "engine".into());
@@ -271,7 +341,12 @@ impl PyKvIndexer {
                 "expected \"engine\" or \"tokens\"",
             )
         })?;
-        self.with(py, |ix| ix.add_worker(id, source)).py(py)
+        let kinds = match groups.filter(|g| !g.is_none()) {
+            Some(g) => group_kinds(g)?,
+            None => vec![AttentionKind::Full],
+        };
+        self.with(py, |ix| ix.add_worker_with_groups(id, source, &kinds))
+            .py(py)
     }
 
     /// Drops the worker and all its entries; False if it was unknown.
@@ -318,8 +393,11 @@ impl PyKvIndexer {
     /// Applies event batch ``seq`` of ``worker_id``'s registration ``incarnation`` (None: the
     /// current one); returns ``"applied"``, ``"buffered"``, ``"duplicate"``, ``"gap"`` or
     /// ``"stale"`` (an earlier incarnation's). ``hash_root`` is the batch's hash root for wire
-    /// events (which carry none). Raises ``InvalidArgumentError`` (nothing applied) for a
-    /// malformed event, or an engine worker's event whose hash root is not the indexer's.
+    /// events (which carry none). An event is a pagedkv event object, a ``(group, event)``
+    /// pair of one (``HybridKVCacheManager.take_events``) or a vLLM wire event; only the
+    /// worker's first full-attention KV cache group (see ``add_worker``; an unnamed group is
+    /// group 0) and clears are indexed. Raises ``InvalidArgumentError`` (nothing applied) for
+    /// a malformed event, or an engine worker's event whose hash root is not the indexer's.
     #[pyo3(signature = (worker_id, seq, events, *, hash_root = None, incarnation = None))]
     fn apply(
         &self,
@@ -342,15 +420,12 @@ impl PyKvIndexer {
                 "expected a list of events (decode a wire payload first)",
             ));
         }
-        let events: Vec<KvEvent> = list_items(events, "events")?
+        let events: Vec<(Option<u64>, KvEvent)> = list_items(events, "events")?
             .iter()
             .enumerate()
             .map(|(i, e)| event(e, i, batch_root))
-            .collect::<PyResult<Vec<_>>>()?
-            .into_iter()
-            .flatten()
-            .collect();
-        self.with(py, |ix| ix.apply_batch(id, incarnation, seq, events))
+            .collect::<PyResult<Vec<_>>>()?;
+        self.with(py, |ix| ix.apply_group_batch(id, incarnation, seq, events))
             .py(py)
             .map(|o| o.name())
     }

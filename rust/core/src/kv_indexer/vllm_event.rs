@@ -24,9 +24,12 @@
 //!   first, cuts the event before it (its later blocks chain from it).
 //! - A block whose vLLM hash also covers the tokens after it (`lookahead_token_ids`) cuts the
 //!   event the same way ([`lookahead_cut`]).
-//! - Only the first KV cache group is indexed (`group_idx` absent, None or 0): a hybrid model
-//!   publishes each block once per group, and a sliding-window group's early removals would
-//!   drop prefixes the full-attention group still holds ([`in_first_group`]).
+//! - Each event names its KV cache group (`group_idx`; absent or None: group 0, the only group
+//!   of a one-group engine) ([`group_of`], [`parse_group_event`]). A hybrid model publishes
+//!   each block once per group; the indexer keeps one full-attention group of the worker
+//!   ([`super::KvIndexer::add_worker_with_groups`]), since a sliding-window group's residency
+//!   is no prefix residency and its early removals would drop prefixes the full-attention
+//!   group still holds.
 //!
 //! Malformed events (wrong types, one `extra_keys` entry per block violated...) are an
 //! `InvalidArgument` error naming the event and why, so the caller can apply nothing.
@@ -324,27 +327,45 @@ pub fn lookahead_cut(fields: &[WireValue], n_blocks: usize) -> std::result::Resu
     Ok(n_blocks)
 }
 
-/// Whether an event belongs to the first KV cache group: its `group_idx` field (`at`) is
-/// absent, None or 0 (see the module docs). Err: a `group_idx` that is not an int >= 0 or None.
-pub fn in_first_group(fields: &[WireValue], at: usize) -> std::result::Result<bool, String> {
+/// The KV cache group an event names in its `group_idx` field (`at`): `None` when absent or
+/// None (the only group of a one-group engine). Err: a `group_idx` that is not an int in
+/// `0..=u64::MAX` or None.
+pub fn group_of(fields: &[WireValue], at: usize) -> std::result::Result<Option<u64>, String> {
     match fields.get(at) {
-        None | Some(WireValue::Nil) => Ok(true),
-        Some(WireValue::Int(i)) if *i >= 0 && *i <= i128::from(u64::MAX) => Ok(*i == 0),
+        None | Some(WireValue::Nil) => Ok(None),
+        Some(WireValue::Int(i)) if *i >= 0 && *i <= i128::from(u64::MAX) => Ok(Some(*i as u64)),
         Some(g @ WireValue::Bool(_)) => Err(format!("group_idx must be an int, got {g}")),
         Some(g) => Err(format!("group_idx must be an int >= 0 or None, got {g}")),
     }
 }
 
-/// Event `index` of a batch in the wire form, as the indexer's [`KvEvent`]: a `BlockStored`
-/// gets `batch_root` as its hash root (wire events carry none) and is cut as the module docs
-/// say. `Ok(None)`: an event of another KV cache group than the first, not indexed. Errors:
-/// `InvalidArgument` (arg `"events"`, naming the event and its index) for anything malformed,
-/// whatever its group.
+/// Whether an event belongs to the first KV cache group: its `group_idx` field (`at`) is
+/// absent, None or 0. Err: as [`group_of`].
+pub fn in_first_group(fields: &[WireValue], at: usize) -> std::result::Result<bool, String> {
+    Ok(group_of(fields, at)?.unwrap_or(0) == 0)
+}
+
+/// Event `index` of a batch in the wire form, as the indexer's [`KvEvent`] of the first KV
+/// cache group: as [`parse_group_event`], with `Ok(None)` for an event of another group.
 pub fn parse_event(
     event: &WireValue,
     index: usize,
     batch_root: Option<BlockHash>,
 ) -> Result<Option<KvEvent>> {
+    let (group, ev) = parse_group_event(event, index, batch_root)?;
+    Ok((group.unwrap_or(0) == 0).then_some(ev))
+}
+
+/// Event `index` of a batch in the wire form, as the indexer's [`KvEvent`] with the KV cache
+/// group it names (`None`: absent or None, and for `AllBlocksCleared`, which clears every
+/// group): a `BlockStored` gets `batch_root` as its hash root (wire events carry none) and is
+/// cut as the module docs say. Errors: `InvalidArgument` (arg `"events"`, naming the event and
+/// its index) for anything malformed, whatever its group.
+pub fn parse_group_event(
+    event: &WireValue,
+    index: usize,
+    batch_root: Option<BlockHash>,
+) -> Result<(Option<u64>, KvEvent)> {
     let malformed = |why: String| bad("events", format!("{event} at index {index}"), why);
     let WireValue::List(fields) = event else {
         return Err(malformed(
@@ -365,7 +386,7 @@ pub fn parse_event(
                 ));
             }
             // Read in full whatever its group, so a malformed event is refused alike.
-            let first = in_first_group(fields, STORED_GROUP_FIELD).map_err(malformed)?;
+            let group = group_of(fields, STORED_GROUP_FIELD).map_err(malformed)?;
             let mut block_hashes = wire_hash_list(&fields[1]).map_err(malformed)?;
             let parent_block_hash = match &fields[2] {
                 WireValue::Nil => None,
@@ -390,24 +411,27 @@ pub fn parse_event(
                 block_hashes.truncate(usable);
                 token_ids.truncate(usable * block_size as usize);
             }
-            Ok(first.then_some(KvEvent::BlockStored {
-                block_hashes,
-                parent_block_hash,
-                token_ids,
-                block_size,
-                extra_keys,
-                hash_root: batch_root,
-            }))
+            Ok((
+                group,
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size,
+                    extra_keys,
+                    hash_root: batch_root,
+                },
+            ))
         }
         "BlockRemoved" => {
             let hashes = fields
                 .get(1)
                 .ok_or_else(|| malformed("BlockRemoved needs block_hashes".into()))?;
             let block_hashes = wire_hash_list(hashes).map_err(malformed)?;
-            let first = in_first_group(fields, REMOVED_GROUP_FIELD).map_err(malformed)?;
-            Ok(first.then_some(KvEvent::BlockRemoved { block_hashes }))
+            let group = group_of(fields, REMOVED_GROUP_FIELD).map_err(malformed)?;
+            Ok((group, KvEvent::BlockRemoved { block_hashes }))
         }
-        "AllBlocksCleared" => Ok(Some(KvEvent::AllBlocksCleared)),
+        "AllBlocksCleared" => Ok((None, KvEvent::AllBlocksCleared)),
         _ => Err(malformed(
             "unknown event type (expected BlockStored, BlockRemoved or AllBlocksCleared)".into(),
         )),
@@ -586,6 +610,28 @@ mod tests {
         assert!(reason(&stored(vec![Nil, Nil, Nil, s("t")])).contains("extra_keys must be a list"));
         assert!(
             reason(&stored(vec![Nil, Nil, Nil, List(vec![Int(1), Nil])])).contains("extra_keys[0]")
+        );
+    }
+
+    #[test]
+    fn events_name_their_group() {
+        let mut g = vec![Nil; 4];
+        g.push(Int(3));
+        assert_eq!(
+            parse_group_event(&stored(g.clone()), 0, None).unwrap().0,
+            Some(3)
+        );
+        g[4] = Nil;
+        assert_eq!(parse_group_event(&stored(g), 0, None).unwrap().0, None);
+        assert_eq!(parse_group_event(&stored(vec![]), 0, None).unwrap().0, None);
+        let removed = List(vec![s("BlockRemoved"), ints([1]), Nil, Int(2)]);
+        let (group, ev) = parse_group_event(&removed, 0, None).unwrap();
+        assert_eq!(group, Some(2));
+        assert!(matches!(ev, KvEvent::BlockRemoved { .. }));
+        let cleared = List(vec![s("AllBlocksCleared")]);
+        assert_eq!(
+            parse_group_event(&cleared, 0, None).unwrap(),
+            (None, KvEvent::AllBlocksCleared)
         );
     }
 
