@@ -330,6 +330,12 @@ fn pairs(py: Python<'_>, p: &[(BlockId, BlockId)]) -> Py<PyArray2<i32>> {
 ///     groups: the ``KVCacheGroupSpec`` of each group (list or tuple, at least one).
 ///     layer_groups: per model layer, the index of its group.
 ///     num_blocks: pages in the pool, the null block included.
+///     enable_prefix_caching: cache full blocks by their chained hashes (default True).
+///     retention_interval: tokens, 0 (default) or a multiple of ``hit_unit`` (see above).
+///     hash_algo, hash_seed: ``"sha256"`` (default) or ``"xxh3_128"``, and the chain seed
+///         (bytes), as ``CacheConfig``'s.
+///     num_cpu_blocks: CPU swap blocks for ``swap_out`` (default 0: no swapping).
+///     enable_events: buffer KV events for ``take_events`` (default False).
 ///
 /// Raises ``InvalidConfigError`` (nothing built) for page sizes that differ between groups, a
 /// window or chunk < 1, a layer mapped to no group, a group without layers, a retention
