@@ -62,6 +62,35 @@ def test_a_reinstalled_gguf_replaces_its_old_conversion(tmp_path: Path, cache_ro
     assert sorted(cache_root.iterdir()) == [second]
 
 
+def test_a_gguf_rewritten_in_place_with_size_and_mtime_kept_is_converted_again(
+    tmp_path: Path, cache_root: Path, conversions: list[Path]
+):
+    """``cp -p`` / ``tar x`` / a reproducible build rewrite a GGUF file in place and restore its
+    mtime, and another quantization of the same model can have the same size: keyed by path,
+    size and mtime, the old model's conversion was served for the new file. The ctime (which
+    no user-space call can set back) and the inode key it now, and the old conversion is
+    pruned when the new one is made."""
+    src = _gguf(tmp_path / "venv", b"GGUF old weights")
+    target = src.folder / "model.gguf"
+    first = loader._usable_source(src, convert_cache=True).folder
+    before = target.stat()
+    with open(target, "r+b") as f:  # in place: same inode, same size, other bytes
+        f.write(b"GGUF new weights")
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    # The ctime moves on at the kernel's clock tick: wait for it rather than race it.
+    while target.stat().st_ctime_ns == before.st_ctime_ns:
+        time.sleep(0.01)
+        os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = target.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    second = loader._usable_source(src, convert_cache=True).folder
+    assert second != first
+    assert conversions == [first, second]
+    assert sorted(cache_root.iterdir()) == [second]
+    assert loader._usable_source(src, convert_cache=True).folder == second  # then a hit again
+    assert conversions == [first, second]
+
+
 def test_conversions_of_deleted_files_go_and_live_ones_stay(tmp_path: Path, cache_root: Path, conversions: list[Path]):
     kept = loader._usable_source(_gguf(tmp_path / "a"), convert_cache=True).folder
     gone_src = _gguf(tmp_path / "b", b"other model")

@@ -279,7 +279,7 @@ def _source_files(model_path: Any, convert_cache: bool = True) -> list[Path] | N
     return sorted(p for p in src.folder.iterdir() if p.is_file() and not p.name.startswith("."))
 
 
-def _file_version(path: Path) -> tuple[str, int, int, int, int, int]:
+def file_version(path: Path) -> tuple[str, int, int, int, int, int]:
     """What tells one version of a file from another without reading it: resolved path,
     device and inode, size, mtime and ctime (ns).
 
@@ -289,7 +289,11 @@ def _file_version(path: Path) -> tuple[str, int, int, int, int, int]:
     from user space (``utime`` itself moves it to now) and changes on every write and on every
     metadata change, so no rewrite keeps it; a file replaced by rename has a new inode too.
     The cost of a false change (``chmod``, ``touch``, a copied folder) is one recomputed
-    digest. Hashing the file bytes instead would cost as much as the digest it caches.
+    digest. Hashing the file bytes instead would cost as much as the digest it caches. The
+    loader's GGUF conversion cache is keyed by it too.
+
+    Raises:
+        OSError: ``path`` cannot be stat'ed (``FileNotFoundError`` when it is gone).
     """
     st = path.stat()
     return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
@@ -300,7 +304,7 @@ def _digest_cache_file(files: list[Path], dtype: Any) -> Path:
 
     from .loader import _cache_root
 
-    stats = [_file_version(f) for f in files]
+    stats = [file_version(f) for f in files]
     key = _sha256_hex(_canonical([IDENTITY_FORMAT, str(dtype), transformers.__version__, stats]))
     return _cache_root() / "weights-digests" / f"{key[:32]}.json"
 

@@ -13,7 +13,9 @@ Sources (never the Hugging Face hub; every call passes ``local_files_only=True``
 Parsing and dequantizing a GGUF file is slow (about a minute for the 135M model on 2 cores),
 so the first load writes the converted model (config.json, model.safetensors, tokenizer) to a
 cache folder, ``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv/gguf/``, keyed by the GGUF file's
-path, size and mtime and by :data:`CONVERSION_FORMAT`; later loads read that folder in seconds.
+version on disk (path, device, inode, size, mtime and ctime: :func:`identity.file_version`, so a
+file rewritten in place with its size and mtime restored is converted again) and by
+:data:`CONVERSION_FORMAT`; later loads read that folder in seconds.
 ``convert_cache=False`` skips it. The folder is a plain Hugging Face model folder that any
 safetensors loader (vLLM included) reads: ``config.json`` names the architecture, and tied
 weights are stored under the input embedding's name, as ``save_pretrained`` does.
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import EngineConfigError, ModelNotFoundError
+from .identity import file_version
 
 __all__ = [
     "DEFAULT_MODEL_PACKAGE",
@@ -135,12 +138,12 @@ CONVERSION_FORMAT = 2
 
 
 def _cache_folder(src: ModelSource) -> Path:
-    """Cache folder of a converted GGUF file, keyed by its path, size, mtime and
+    """Cache folder of a converted GGUF file, keyed by its version on disk
+    (:func:`identity.file_version`: path, device, inode, size, mtime, ctime) and
     :data:`CONVERSION_FORMAT`."""
     assert src.gguf_file is not None
-    f = src.folder / src.gguf_file
-    st = f.stat()
-    ident = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|format={CONVERSION_FORMAT}"
+    version = file_version(src.folder / src.gguf_file)
+    ident = "|".join(map(str, version)) + f"|format={CONVERSION_FORMAT}"
     key = hashlib.sha256(ident.encode()).hexdigest()[:16]
     return _cache_root() / f"{Path(src.gguf_file).stem}-{key}"
 
@@ -161,11 +164,13 @@ _CONVERTED_FILE = re.compile(
 
 
 def _source_stamp(f: Path) -> dict[str, Any]:
-    """What identifies a conversion of the GGUF file ``f``: the file's version on disk (resolved
-    path, size, mtime in ns) and :data:`CONVERSION_FORMAT`. A record that differs, an older
-    format's included, marks its folder stale."""
-    st = f.stat()
-    return {"path": str(f.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "format": CONVERSION_FORMAT}
+    """What identifies a conversion of the GGUF file ``f``: the file's version on disk
+    (:func:`identity.file_version`: resolved path, device, inode, size, mtime and ctime in ns;
+    size and mtime alone survive an in-place rewrite) and :data:`CONVERSION_FORMAT`. A record
+    that differs, an older format's or one without the device, inode and ctime included, marks
+    its folder stale. Raises ``OSError`` when ``f`` cannot be stat'ed."""
+    names = ("path", "device", "inode", "size", "mtime_ns", "ctime_ns")
+    return {**dict(zip(names, file_version(f), strict=True)), "format": CONVERSION_FORMAT}
 
 
 def _is_legacy_conversion(entry: Path) -> bool:
