@@ -122,3 +122,16 @@ def test_step_draft_rows_must_match_the_sequences() -> None:
         m.step([1], 1, [[7]], draft_token_ids=[[1], [2]])
     assert info.value.arg == "draft_token_ids"
     assert state(m) == before
+
+
+def test_release_blocks_false_keeps_the_rejected_blocks_as_spares() -> None:
+    m = manager()
+    m.step([1], 1, [[100]], draft_token_ids=[[101, 102, 103, 104, 105, 106]])
+    t = m.block_table(1).tolist()
+    assert m.accept_drafts(1, 1, release_blocks=False).tolist() == []
+    assert m.block_table(1).tolist() == t and m.num_computed_tokens(1) == 8
+    out = m.step([1], 1, [[7]], draft_token_ids=[[8, 9, 10, 11, 12]])
+    assert out.new_block_ids.tolist() == [] and out.seq_lens.tolist() == [14]
+    with pytest.raises(E.InvalidArgumentError):
+        m.accept_drafts(1, 0, release_blocks=1)
+    m.check_invariants()

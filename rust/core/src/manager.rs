@@ -323,6 +323,10 @@ struct Sequence {
     /// positions `num_computed..num_computed + drafts.len()`: never hashed, cached or
     /// announced; resolved by [`KvCacheManager::accept_drafts`].
     drafts: Vec<u32>,
+    /// Trailing blocks past `ceil((num_computed + drafts) / block_size)` kept by
+    /// [`KvCacheManager::accept_drafts_keeping_blocks`] for the next allocation (private,
+    /// never hashed until computed tokens fill them).
+    spare_blocks: usize,
 }
 
 impl Sequence {
@@ -511,6 +515,7 @@ impl KvCacheManager {
                 table_version,
                 stale_kv: false,
                 drafts: Vec::new(),
+                spare_blocks: 0,
             },
         );
         Ok(())
@@ -610,6 +615,30 @@ impl KvCacheManager {
     /// when the sequence has no pending drafts; [`Error::InvalidArgument`] (`num_accepted`)
     /// for more accepted than proposed. O(k + released blocks) plus hashing of filled blocks.
     pub fn accept_drafts(&self, seq: SeqId, num_accepted: usize) -> Result<Vec<BlockId>> {
+        self.accept_drafts_with(seq, num_accepted, true)
+    }
+
+    /// [`Self::accept_drafts`] that keeps the blocks which held only rejected drafts in the
+    /// sequence's table, as spare lookahead blocks the next allocations fill before taking
+    /// fresh ones: for a consumer whose copy of the block table only grows while a request
+    /// runs (vLLM's model runner appends the new blocks of each step), where a released block
+    /// would leave a stale entry behind. Nothing is released (the result is empty); spare
+    /// blocks are private and unhashed, a fork does not share them, and preemption or free
+    /// releases them with the rest. Same errors.
+    pub fn accept_drafts_keeping_blocks(
+        &self,
+        seq: SeqId,
+        num_accepted: usize,
+    ) -> Result<Vec<BlockId>> {
+        self.accept_drafts_with(seq, num_accepted, false)
+    }
+
+    fn accept_drafts_with(
+        &self,
+        seq: SeqId,
+        num_accepted: usize,
+        release: bool,
+    ) -> Result<Vec<BlockId>> {
         let mut guard = self.state.lock();
         let s = guard.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         if s.drafts.is_empty() {
@@ -629,7 +658,11 @@ impl KvCacheManager {
             });
         }
         let keep = (s.num_computed + num_accepted).div_ceil(self.bs());
-        let released: Vec<BlockId> = s.blocks[keep..].iter().rev().copied().collect();
+        let released: Vec<BlockId> = if release {
+            s.blocks[keep..].iter().rev().copied().collect()
+        } else {
+            Vec::new()
+        };
         if !released.is_empty() {
             // Cannot fail: lookahead blocks are private (ref 1) and held by this sequence.
             self.pool.free(&released)?;
@@ -637,8 +670,11 @@ impl KvCacheManager {
         let drafts = std::mem::take(&mut s.drafts);
         s.tokens.extend_from_slice(&drafts[..num_accepted]);
         s.num_computed += num_accepted;
-        s.blocks.truncate(keep);
-        s.table_rewritten_from(keep);
+        if release {
+            s.blocks.truncate(keep);
+            s.table_rewritten_from(keep);
+        }
+        s.spare_blocks = s.blocks.len() - keep;
         self.cache_full_blocks(s);
         Ok(released)
     }
@@ -668,6 +704,9 @@ impl KvCacheManager {
             return Err(Error::SequenceExists { seq_id: child });
         }
         let mut c = p.clone();
+        // Spare lookahead blocks stay the parent's: the child's table ends with its tokens.
+        c.blocks.truncate(c.blocks.len() - c.spare_blocks);
+        c.spare_blocks = 0;
         // The child's table is new to every consumer of step outputs.
         c.table_reported = 0;
         c.table_version = st.table_versions;
@@ -731,6 +770,7 @@ impl KvCacheManager {
                 st.counters.preemptions += 1;
             }
             s.blocks.clear();
+            s.spare_blocks = 0;
             s.table_rewritten_from(0);
             s.num_computed = 0;
             s.num_cached_blocks = 0;
@@ -1315,12 +1355,13 @@ impl KvCacheManager {
                 }
                 SeqStatus::Running => {
                     let slots = s.num_computed + s.drafts.len();
-                    if s.blocks.len() != slots.div_ceil(bs) {
+                    if s.blocks.len() != slots.div_ceil(bs) + s.spare_blocks {
                         return Err(format!(
-                            "seq {id}: {} blocks for {} computed tokens and {} drafts (block size {bs})",
+                            "seq {id}: {} blocks for {} computed tokens, {} drafts and {} spare blocks (block size {bs})",
                             s.blocks.len(),
                             s.num_computed,
-                            s.drafts.len()
+                            s.drafts.len(),
+                            s.spare_blocks
                         ));
                     }
                     if !s.drafts.is_empty() && s.num_computed != s.tokens.len() {
@@ -1570,10 +1611,16 @@ impl KvCacheManager {
             });
         }
         let table_len = if first { hits.len() } else { s.blocks.len() };
-        let fresh = (context + q + num_drafts).div_ceil(bs) - table_len;
+        // Spare lookahead blocks (kept after an acceptance) are filled before fresh ones.
+        let fresh = (context + q + num_drafts)
+            .div_ceil(bs)
+            .saturating_sub(table_len);
+        // The block the next token is written into, when partially filled: copied if shared.
         let cow = !first
             && context % bs != 0
-            && s.blocks.last().is_some_and(|&b| self.pool.ref_count(b) > 1);
+            && s.blocks
+                .get(context / bs)
+                .is_some_and(|&b| self.pool.ref_count(b) > 1);
         Ok(Plan {
             first,
             hits,
@@ -1639,7 +1686,7 @@ impl KvCacheManager {
         let mut fresh = new.iter().copied();
         if plan.cow {
             let dst = fresh.next().expect("allocated");
-            let last = s.blocks.len() - 1;
+            let last = plan.context / self.bs();
             let src = std::mem::replace(&mut s.blocks[last], dst);
             s.table_rewritten_from(last);
             // src is shared (ref > 1): this only drops our reference.
@@ -1651,6 +1698,7 @@ impl KvCacheManager {
         s.num_computed += plan.q;
         s.status = SeqStatus::Running;
         s.drafts.extend_from_slice(drafts);
+        s.spare_blocks = s.blocks.len() - (s.num_computed + drafts.len()).div_ceil(self.bs());
         // Only blocks full of computed, finalized tokens: drafts never reach the cache.
         self.cache_full_blocks(s);
         Ok(SlotAllocation {

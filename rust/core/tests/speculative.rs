@@ -394,3 +394,36 @@ fn drafts_on_a_shared_partial_block_copy_it_first() {
         "the sibling's table is untouched"
     );
 }
+
+#[test]
+fn keeping_rejected_blocks_leaves_the_table_growing_only() {
+    let m = prefilled();
+    verify_step(&m, 100, &[101, 102, 103, 104, 105, 106]);
+    let t = m.block_table(1).unwrap();
+    let free = m.pool().num_free();
+    // One of six accepted: 8 tokens, 2 blocks needed, the other two kept as spares.
+    assert!(m.accept_drafts_keeping_blocks(1, 1).unwrap().is_empty());
+    assert_eq!(m.block_table(1).unwrap(), t);
+    assert_eq!(m.pool().num_free(), free);
+    assert_eq!(m.num_computed_tokens(1).unwrap(), 8);
+    // Block 1 is full of accepted tokens: cached; the spares are not.
+    assert_eq!(stored_tokens(&m.take_events()), vec![vec![4, 5, 100, 101]]);
+    assert_eq!(m.pool().block_hash(t[2]), None);
+    m.check_invariants().unwrap();
+    // The next verify step fills the spares before taking a fresh block.
+    let out = verify_step(&m, 7, &[8, 9, 10, 11, 12]);
+    assert_eq!(out.error, None);
+    assert!(
+        out.new_block_ids.is_empty(),
+        "spares used: 14 slots in 4 blocks"
+    );
+    assert_eq!(out.table_start, vec![4], "no entry changed");
+    m.check_invariants().unwrap();
+    // A fork does not share the spares; a full acceptance fills what it can.
+    m.accept_drafts_keeping_blocks(1, 0).unwrap();
+    m.fork(1, 2).unwrap();
+    assert_eq!(m.block_table(2).unwrap(), t[..3].to_vec());
+    m.check_invariants().unwrap();
+    assert!(m.free(1) && m.free(2));
+    m.check_invariants().unwrap();
+}

@@ -23,7 +23,7 @@ enum Op {
     Add { family: u8, len: u8 },
     Prefill { seq: usize },
     Verify { seqs: Vec<usize>, k: u8, right: u8 },
-    Accept { seq: usize, m: u8 },
+    Accept { seq: usize, m: u8, keep: bool },
     Decode { seq: usize },
     Fork { seq: usize },
     Preempt { seq: usize },
@@ -38,7 +38,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => any::<usize>().prop_map(|seq| Op::Prefill { seq }),
         5 => (proptest::collection::vec(any::<usize>(), 1..4), 0u8..7, 0u8..7)
             .prop_map(|(seqs, k, right)| Op::Verify { seqs, k, right }),
-        5 => (any::<usize>(), 0u8..8).prop_map(|(seq, m)| Op::Accept { seq, m }),
+        5 => (any::<usize>(), 0u8..8, any::<bool>()).prop_map(|(seq, m, keep)| Op::Accept { seq, m, keep }),
         2 => any::<usize>().prop_map(|seq| Op::Decode { seq }),
         1 => any::<usize>().prop_map(|seq| Op::Fork { seq }),
         1 => any::<usize>().prop_map(|seq| Op::Preempt { seq }),
@@ -239,7 +239,7 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                     }
                 }
             }
-            Op::Accept { seq, m: n } => {
+            Op::Accept { seq, m: n, keep } => {
                 let Some(i) = pick(seq, &model) else { continue };
                 let s = &mut model[i];
                 let before = snapshot(&m, std::slice::from_ref(s));
@@ -250,11 +250,23 @@ fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
                 }
                 let free = m.pool().num_free();
                 let blocks = m.block_table(s.id).unwrap().len();
-                match m.accept_drafts(s.id, n) {
+                let r = if keep {
+                    m.accept_drafts_keeping_blocks(s.id, n)
+                } else {
+                    m.accept_drafts(s.id, n)
+                };
+                match r {
                     Ok(released) => {
                         prop_assert!(!s.drafts.is_empty() && n <= s.drafts.len());
-                        let keep = (s.computed + n).div_ceil(BS);
-                        prop_assert_eq!(released.len(), blocks - keep);
+                        let needed = (s.computed + n).div_ceil(BS);
+                        let after = m.block_table(s.id).unwrap().len();
+                        if keep {
+                            prop_assert!(released.is_empty());
+                            prop_assert_eq!(after, blocks, "kept blocks stay in the table");
+                        } else {
+                            prop_assert_eq!(released.len(), blocks - after);
+                            prop_assert_eq!(after, needed);
+                        }
                         prop_assert_eq!(m.pool().num_free(), free + released.len());
                         s.tokens.extend(s.drafts.drain(..).take(n));
                         s.computed += n;

@@ -528,18 +528,34 @@ impl PyKvCacheManager {
     /// Blocks filled by accepted tokens are hashed and cached. The token sampled after them is
     /// appended as usual. Returns the released blocks as ``int32[r]`` (tail first).
     ///
+    /// ``release_blocks=False`` keeps those blocks in the table as spare lookahead blocks that
+    /// the next allocations fill first (nothing released; for a consumer whose copy of the
+    /// table only grows while a request runs, as vLLM's model runner); a flag like ``step``'s.
+    ///
     /// Raises: ``UnknownSequenceError``; ``InvalidSequenceStateError`` (no drafts pending);
     /// ``InvalidArgumentError`` (``num_accepted`` negative, not an int, or more than proposed).
+    #[pyo3(signature = (seq_id, num_accepted, *, release_blocks = None),
+           text_signature = "(self, seq_id, num_accepted, *, release_blocks=True)")]
     fn accept_drafts<'py>(
         &self,
         py: Python<'py>,
         seq_id: &Bound<'py, PyAny>,
         num_accepted: &Bound<'py, PyAny>,
+        release_blocks: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Py<PyArray1<i32>>> {
+        let release = crate::convert::flag(release_blocks, "release_blocks", true)?;
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let n = count(num_accepted, "num_accepted")?;
         let m = &self.inner;
-        let released = py.detach(|| m.accept_drafts(seq, n)).py(py)?;
+        let released = py
+            .detach(|| {
+                if release {
+                    m.accept_drafts(seq, n)
+                } else {
+                    m.accept_drafts_keeping_blocks(seq, n)
+                }
+            })
+            .py(py)?;
         Ok(block_array(py, released))
     }
 
