@@ -24,6 +24,7 @@ from pagedkv.engine.identity import (
     IDENTITY_PARTS,
     CacheIdentity,
     cached_weights_digest,
+    source_file_versions,
     tokenizer_digest,
     weights_digest,
 )
@@ -190,7 +191,7 @@ def test_weights_digest_cache_is_keyed_by_the_files(tiny, tmp_path, monkeypatch)
     cached_weights_digest(bundle.hf, folder, torch.bfloat16)  # another dtype: another entry
     assert len(calls) == 2
     assert len(list((tmp_path / "cache" / "weights-digests").iterdir())) == 2
-    entry = identity._digest_cache_file(identity._source_files(folder) or [], torch.float32)
+    entry = identity._digest_cache_file(identity.source_file_versions(folder) or [], torch.float32)
     assert json.loads(entry.read_text())["weights"] == first
     entry.write_text("not json")  # a damaged entry is recomputed, not trusted
     assert cached_weights_digest(bundle.hf, folder, torch.float32) == first and len(calls) == 3
@@ -236,6 +237,32 @@ def test_a_checkpoint_rewritten_in_place_with_size_and_mtime_kept_gets_a_new_dig
     assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
     new_digest = cached_weights_digest(new_hf, folder, torch.float32)
     assert new_digest == weights_digest(new_hf, torch.float32) != old_digest
+
+
+def test_a_checkpoint_rewritten_during_the_load_is_not_cached_under_its_new_version(tmp_path):
+    """The file versions are taken before the load. If a file changed while the model was
+    loading, the loaded weights may be the old ones: their digest must not be stored under
+    the new file's version, or the next engine loading the new weights would be served the
+    old digest (two models sharing block hashes)."""
+    folder = tmp_path / "model"
+    old = build_tiny_model(folder)
+    versions = source_file_versions(folder)
+    assert versions is not None
+    target = folder / "model.safetensors"
+    before = target.stat()
+    data = target.read_bytes()
+    with open(target, "r+b") as f:  # a rewrite during the load (same bytes, moved ctime)
+        f.write(data)
+    os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    while target.stat().st_ctime_ns == before.st_ctime_ns:  # coarse kernel clock: wait a tick
+        os.utime(target, ns=(before.st_atime_ns, before.st_mtime_ns))
+    entries = tmp_path / "cache" / "weights-digests"
+    digest = cached_weights_digest(old.hf, folder, torch.float32, versions)
+    assert digest == weights_digest(old.hf, torch.float32)
+    assert not entries.exists() or not any(entries.iterdir())  # nothing stored
+    # Unchanged during the load: stored as before.
+    cached_weights_digest(old.hf, folder, torch.float32, source_file_versions(folder))
+    assert len(list(entries.iterdir())) == 1
 
 
 def test_bad_identity_input_is_a_typed_error(tiny):

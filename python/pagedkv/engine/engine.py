@@ -42,7 +42,7 @@ from .config import EngineConfig, torch_dtype
 from .errors import EngineConfigError
 from .goodput import DEFAULT_SLO, ServiceLevelObjective
 from .groups import SequenceGroups
-from .identity import CacheIdentity, cached_weights_digest
+from .identity import CacheIdentity, cached_weights_digest, source_file_versions
 from .loader import load_hf_model
 from .metrics import EngineMetrics, MetricsCollector
 from .model import PagedCausalLM
@@ -135,6 +135,8 @@ class LLMEngine:
         if not loaded:  # the loader imports transformers lazily: name the extra before it starts
             with optional_imports("pagedkv.engine", "engine"):
                 import transformers  # noqa: F401
+        # Taken before the load: a file rewritten while loading must not get a cached digest.
+        versions = None if loaded else source_file_versions(model)
         hf_model, tokenizer = (model, tokenizer) if loaded else load_hf_model(model, dtype=dtype)
         self.tokenizer = tokenizer
         self.model = build_model(hf_model, device=device, dtype=dtype)  # refuses unknown architectures
@@ -142,7 +144,7 @@ class LLMEngine:
         self.config = config = config.resolved(per_block)
         num_kv_blocks, num_cpu_blocks = config.pools()
         check_kv_fits(self.model.device, num_kv_blocks, num_cpu_blocks, per_block)
-        weights = None if loaded else cached_weights_digest(hf_model, model, dtype)
+        weights = None if loaded else cached_weights_digest(hf_model, model, dtype, versions)
         self.cache_identity = CacheIdentity.of_engine_inputs(
             hf_model, tokenizer, kv_dtype=dtype, rope=rope_parameters(hf_model.config), weights=weights
         )

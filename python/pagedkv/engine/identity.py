@@ -66,6 +66,7 @@ __all__ = [
     "IDENTITY_PARTS",
     "CacheIdentity",
     "cached_weights_digest",
+    "source_file_versions",
     "chat_template_digest",
     "tokenizer_digest",
     "weights_digest",
@@ -299,20 +300,43 @@ def file_version(path: Path) -> tuple[str, int, int, int, int, int]:
     return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def _digest_cache_file(files: list[Path], dtype: Any) -> Path:
+def source_file_versions(model_path: Any) -> list[tuple[str, int, int, int, int, int]] | None:
+    """:func:`file_version` of every file a load of ``model_path`` reads, or ``None`` when
+    they cannot be told. Taken before the load, it lets :func:`cached_weights_digest` see a
+    file rewritten while the model was loading (the loaded weights are then of neither
+    version the cache could name)."""
+    files = _source_files(model_path)
+    if not files:
+        return None
+    try:
+        return [file_version(f) for f in files]
+    except OSError:
+        return None
+
+
+def _digest_cache_file(stats: list[tuple[str, int, int, int, int, int]], dtype: Any) -> Path:
     import transformers
 
     from .loader import _cache_root
 
-    stats = [file_version(f) for f in files]
     key = _sha256_hex(_canonical([IDENTITY_FORMAT, str(dtype), transformers.__version__, stats]))
     return _cache_root() / "weights-digests" / f"{key[:32]}.json"
 
 
-def cached_weights_digest(hf_model: Any, model_path: Any, dtype: Any) -> str:
+def cached_weights_digest(
+    hf_model: Any,
+    model_path: Any,
+    dtype: Any,
+    versions_before_load: list[tuple[str, int, int, int, int, int]] | None = None,
+) -> str:
     """:func:`weights_digest` of a model loaded from ``model_path`` (``None``: the default
     model) at ``dtype``, read from the digest cache when the files are unchanged (see the
     module docs), else computed and stored. A cache that cannot be read or written is skipped.
+
+    ``versions_before_load`` is :func:`source_file_versions` taken before the model was
+    loaded. When the files differ from it now, one of them changed during the load: the
+    digest is computed and neither read from nor stored in the cache, since the cache key
+    (the versions now) may not name the weights that were loaded.
 
     Raises:
         EngineConfigError: see :func:`weights_digest`.
@@ -321,9 +345,12 @@ def cached_weights_digest(hf_model: Any, model_path: Any, dtype: Any) -> str:
     if not files:
         return weights_digest(hf_model, dtype)
     try:
-        path = _digest_cache_file(files, dtype)
+        stats = [file_version(f) for f in files]
     except OSError:  # a file vanished since the load: no cache entry
         return weights_digest(hf_model, dtype)
+    if versions_before_load is not None and versions_before_load != stats:
+        return weights_digest(hf_model, dtype)  # rewritten during the load
+    path = _digest_cache_file(stats, dtype)
     try:
         cached = json.loads(path.read_text())["weights"]
         if isinstance(cached, str) and len(cached) == 64 and all(c in "0123456789abcdef" for c in cached):
