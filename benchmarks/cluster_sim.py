@@ -192,10 +192,14 @@ def simulate(
     tm: TimeModel,
     hash_algo: str,
     weights: dict[str, float | None] | None = None,
+    parents: np.ndarray | None = None,
 ) -> dict[str, Any]:
     """Replays the requests (``prompts[i]`` token ids, ``output_lens[i]`` tokens out, arriving at
     ``arrivals[i]`` seconds) on ``n_replicas`` replicas routed by ``policy`` (None: one replica,
-    for the single-cache bound; ``weights`` go to :class:`KVAwarePolicy`). Returns hit rate,
+    for the single-cache bound; ``weights`` go to :class:`KVAwarePolicy`). ``parents[i]``: the
+    request whose prompt and reply request ``i``'s prompt continues (a conversation's previous
+    turn; -1: none): request ``i`` then arrives at ``arrivals[i]`` or when its parent finishes,
+    whichever is later (a user sends the next turn after reading the reply). Returns hit rate,
     TTFT percentiles, load balance (mean over arrivals of max / mean running + waiting) and the
     mean requests in flight per replica."""
     cfg = pagedkv.CacheConfig(blocks_per_replica, block_size, hash_algo=hash_algo, enable_events=True)
@@ -207,8 +211,13 @@ def simulate(
             router.add_worker(rep.rid)
     reqs = [Request(i, float(arrivals[i]), prompts[i], int(output_lens[i])) for i in range(len(prompts))]
     heap: list[tuple[float, int, int]] = []  # (time, kind 0=step end 1=arrival, id)
+    children: dict[int, list[int]] = {}
     for r in reqs:
-        heapq.heappush(heap, (r.arrival, 1, r.idx))
+        parent = -1 if parents is None else int(parents[r.idx])
+        if parent >= 0:
+            children.setdefault(parent, []).append(r.idx)
+        else:
+            heapq.heappush(heap, (r.arrival, 1, r.idx))
     imbalance: list[float] = []
     in_flight: list[float] = []
     t_wall = time.perf_counter()
@@ -234,7 +243,11 @@ def simulate(
             rep = replicas[i]
             rep.busy = False
         if not rep.busy and rep.num_requests > 0:
-            end, _ = rep.step(now)
+            end, finished = rep.step(now)
+            for f in finished:  # the next turns of finished requests may now arrive
+                for c in children.pop(f.idx, []):
+                    reqs[c].arrival = max(reqs[c].arrival, end)
+                    heapq.heappush(heap, (reqs[c].arrival, 1, c))
             if router is not None:
                 events = rep.manager.take_events()
                 if events:

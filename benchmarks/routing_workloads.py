@@ -51,6 +51,9 @@ class RoutingWorkload:
         output_lens: int64[N] generated tokens per request (>= 1).
         arrival_s: float64[N] arrival times, seconds from the first (rescaled by the benchmark).
         notes: how it was built, for the result JSON.
+        parents: int64[N], the conversation's previous turn of each request (-1: none), or None
+            (no request continues another). The simulation holds a turn until its parent has
+            finished: a user sends the next message after the reply.
     """
 
     name: str
@@ -58,6 +61,7 @@ class RoutingWorkload:
     output_lens: np.ndarray
     arrival_s: np.ndarray
     notes: list[str] = field(default_factory=list)
+    parents: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.prompts)
@@ -93,6 +97,7 @@ def _zipf_probs(n: int, s: float) -> np.ndarray:
 class _Conversation:
     tokens: np.ndarray  # the prompt so far, the last reply included
     turns_left: int
+    last: int = -1  # the request of the previous turn
 
 
 def multi_tenant_chat(
@@ -122,6 +127,7 @@ def multi_tenant_chat(
     unique_lens = common.lognormal_lengths(rng, n, 900.0, 0.8, 6000)
     open_convs: list[_Conversation] = []
     prompts: list[np.ndarray] = []
+    parents = np.full(n, -1, dtype=np.int64)
     unique = 0
     for i in range(n):
         user = common.unique_tokens(i, int(user_lens[i]), salt=_SALT_USER)
@@ -139,6 +145,8 @@ def multi_tenant_chat(
             c = len(open_convs) - 1
         prompt = np.concatenate([conv.tokens, user])
         prompts.append(prompt)
+        parents[i] = conv.last
+        conv.last = i
         reply = common.unique_tokens(i, int(out_lens[i]))  # what the simulated engine decodes
         conv.tokens = np.concatenate([prompt, reply])
         conv.turns_left -= 1
@@ -149,7 +157,7 @@ def multi_tenant_chat(
         f"seed {seed}; {num_tenants} tenants, system prompts {lo}-{hi} tokens log-uniform, Zipf({zipf_s}); "
         f"{unique} unique prompts; conversations of mean {mean_turns} turns, at most {active_conversations} open"
     ]
-    return RoutingWorkload("multi_tenant_chat", prompts, out_lens, arrivals, notes)
+    return RoutingWorkload("multi_tenant_chat", prompts, out_lens, arrivals, notes, parents)
 
 
 def azure_conv_apps(

@@ -456,3 +456,27 @@ def test_run_all_summary_only_rewrites_every_readme_block_from_the_committed_res
         ns = spd["traces"]["mooncake"]["results"]["pagedkv (sha256)"]["best"]["ns_per_block_op"]
         assert f"| Mooncake | {run_all.readme_tables._n(ns)} " in text
     assert (tmp_path / "SUMMARY.md").exists()
+
+
+def test_cluster_sim_holds_a_turn_until_its_previous_turn_finishes():
+    """A conversation's next turn (``parents``) whose trace time falls before its previous turn
+    finished arrives when that turn finishes: it then hits the previous prompt and reply, and
+    its TTFT counts from that arrival. Without ``parents`` the same trace sends it while the
+    previous turn is still being prefilled, so it hits the prompt alone."""
+    import cluster_sim  # noqa: PLC0415
+
+    bs = 4
+    first = np.arange(100, 116, dtype=np.int64)  # 16 tokens, 4 blocks
+    reply = common.unique_tokens(0, 8)  # what the simulated engine decodes for request 0
+    second = np.concatenate([first, reply, np.arange(500, 504, dtype=np.int64)])
+    tm = cluster_sim.TimeModel(0.01, 0.0, 0.0, 4)  # 4 prefill tokens per step
+    args = (np.array([8, 2]), [first, second], np.array([0.0, 0.005]), 1, "kv_aware", 64, bs, tm, "xxh3_128")
+    held = cluster_sim.simulate(*args, parents=np.array([-1, 0]))
+    free = cluster_sim.simulate(*args)
+    # Held: the 16 prompt and 8 reply tokens hit (6 full blocks). Not held: the turn comes while
+    # request 0 is still prefilling and hits its 4 prompt blocks only.
+    assert held["hit_rate"] == pytest.approx(24 / 44)
+    assert free["hit_rate"] == pytest.approx(16 / 44)
+    # Request 0: 4 prefill steps of 10 ms (TTFT 0.04 s), then 7 decode steps; the held turn
+    # arrives when it finishes and prefills its 4 uncached tokens in one step (TTFT 0.01 s).
+    assert held["ttft_mean_s"] == pytest.approx((0.04 + 0.01) / 2)

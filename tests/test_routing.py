@@ -11,6 +11,7 @@ from hypothesis import given, settings
 
 import pagedkv
 from pagedkv.routing import (
+    DEFAULT_MAX_IMBALANCE,
     KVAwarePolicy,
     LeastLoadedPolicy,
     NotAKVEventError,
@@ -25,6 +26,7 @@ from pagedkv.routing import (
     policy_by_name,
     wire,
 )
+from pagedkv.routing.policy import IMBALANCE_MEMORY
 
 msgspec = pytest.importorskip("msgspec")
 
@@ -210,6 +212,73 @@ def test_the_load_bound_has_no_additive_slack() -> None:
         w = p.choose(list(range(8)), {0: 8}, 8, {i: L(q) for i, q in enumerate(loads)})
         loads[w] += 1
     assert loads == [1] * 8
+
+
+def test_target_imbalance_tightens_the_bound_only_while_the_mean_is_above_it() -> None:
+    """37 requests on 8 workers: the bound after admission is floor(1.3 x 4.75) = 6 but
+    floor(1.25 x 4.75) = 5. Worker 0 (load 5) holds the prompt: with no excess recorded it may
+    go to 6; after a history above the target (excess > 0) it may not, and the request goes to
+    a worker at 4. ``costs`` records nothing; ``choose`` adds max/mean - target (5 / 4.625 -
+    1.25) to the excess."""
+    workers = list(range(8))
+    loads = {w: L(q) for w, q in enumerate([5, 5, 5, 5, 5, 4, 4, 4])}
+    p = KVAwarePolicy(overlap_weight=100.0, max_imbalance=1.3, target_imbalance=1.25)
+    assert p.imbalance() == 1.3 and 0 in p.costs(workers, {0: 8}, 8, loads)
+    assert p.imbalance_excess == 0.0
+    assert p.choose(workers, {0: 8}, 8, loads) == 0
+    assert p.imbalance_excess == pytest.approx(5 / 4.625 - 1.25)
+    p.imbalance_excess = 1.0  # the recent loads ran above 1.25x the mean
+    assert p.imbalance() == 1.25 and 0 not in p.costs(workers, {0: 8}, 8, loads)
+    assert p.choose(workers, {0: 8}, 8, loads) in (5, 6, 7)
+    assert p.imbalance_excess == pytest.approx(1.0 + 5 / 4.625 - 1.25)
+    # Credit is clipped (a balanced spell: max/mean 1 < 1.25 each time), debt is not.
+    p.imbalance_excess = 0.0
+    for _ in range(100):
+        p.choose(workers, {}, 8, {w: L(5) for w in workers})
+    assert p.imbalance_excess == -IMBALANCE_MEMORY
+    p.imbalance_excess = 0.0
+    for _ in range(100):
+        p.choose(workers, {}, 8, {0: L(40)})
+    assert p.imbalance_excess == pytest.approx(100 * (8 - 1.25))
+    free = KVAwarePolicy(overlap_weight=100.0, max_imbalance=None)
+    free.imbalance_excess = 5.0
+    assert free.imbalance() is None and free.choose(workers, {0: 8}, 8, {0: L(40)}) == 0
+    assert KVAwarePolicy(max_imbalance=1.2, target_imbalance=1.5).imbalance() == 1.2
+    with pytest.raises(pagedkv.InvalidConfigError, match="target_imbalance"):
+        KVAwarePolicy(target_imbalance=0.9)
+    assert policy_by_name("kv_aware", target_imbalance=None).imbalance() == DEFAULT_MAX_IMBALANCE  # type: ignore[attr-defined]
+
+
+def _mean_imbalance(policy: KVAwarePolicy, in_flight: int, steps: int = 3000) -> float:
+    """Mean over arrivals of max/mean load (before each arrival) when every request's prompt is
+    cached on worker 0 only: 8 workers, one departure (uniform over the requests in flight) per
+    arrival once ``in_flight`` are in flight."""
+    import random
+
+    rng = random.Random(7)
+    loads = [0] * 8
+    ratios = []
+    for _ in range(steps):
+        if sum(loads) >= in_flight:
+            k = rng.randrange(sum(loads))
+            w = next(i for i in range(8) if (k := k - loads[i]) < 0)
+            loads[w] -= 1
+        if sum(loads) > 0:
+            ratios.append(max(loads) / (sum(loads) / 8))
+        loads[policy.choose(list(range(8)), {0: 8}, 8, {i: L(q) for i, q in enumerate(loads)})] += 1
+    return sum(ratios) / len(ratios)
+
+
+@pytest.mark.parametrize("in_flight", [37, 44])
+def test_target_imbalance_holds_the_mean_max_over_mean_at_the_target(in_flight: int) -> None:
+    """The guarantee of the feedback rule: with every request pulled to one worker, the hard
+    bound 1.3 alone lets the mean max/mean settle above 1.25 (whole requests: 6 at a mean of
+    4.6, 7 at 5.5); with the target 1.25 the mean stays at it (the excess, the sum of
+    max/mean - 1.25, ends within a few decisions' worth of 0)."""
+    hard = _mean_imbalance(KVAwarePolicy(overlap_weight=100.0, max_imbalance=1.3, target_imbalance=None), in_flight)
+    steered = _mean_imbalance(KVAwarePolicy(overlap_weight=100.0, max_imbalance=1.3, target_imbalance=1.25), in_flight)
+    assert hard > 1.26
+    assert steered <= 1.25 + 1e-3
 
 
 def _engine_like(block_size: int = 4) -> pagedkv.KVCacheManager:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from pagedkv.routing.errors import NotAKVEventError, NoWorkerError, RoutingError, UnknownWorkerError, WireFormatError
 from pagedkv.routing.policy import (
     DEFAULT_MAX_IMBALANCE,
+    DEFAULT_TARGET_IMBALANCE,
     KVAwarePolicy,
     LeastLoadedPolicy,
     RoundRobinPolicy,
@@ -31,6 +32,7 @@ from pagedkv.routing.router import Router, RoutingDecision
 
 __all__ = [
     "DEFAULT_MAX_IMBALANCE",
+    "DEFAULT_TARGET_IMBALANCE",
     "KVAwarePolicy",
     "LeastLoadedPolicy",
     "NoWorkerError",
