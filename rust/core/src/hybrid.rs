@@ -271,7 +271,9 @@ struct Plan {
 struct Sim<'a> {
     pool: &'a BlockPool,
     refs: HashMap<BlockId, u32>,
-    registered: HashSet<BlockHash>,
+    /// Per key, the holders earlier members registered, in order ([`VIRTUAL`] for a block
+    /// they take in the simulation); newer than every holder in the pool, and in use.
+    registered: HashMap<BlockHash, Vec<BlockId>>,
     evicted: HashSet<BlockId>,
     hashed: HashSet<BlockId>,
     uncached: usize,
@@ -286,7 +288,7 @@ impl<'a> Sim<'a> {
         Self {
             pool,
             refs: HashMap::new(),
-            registered: HashSet::new(),
+            registered: HashMap::new(),
             evicted: HashSet::new(),
             hashed: HashSet::new(),
             uncached: pool.num_free() - pool.num_cached_free(),
@@ -310,11 +312,22 @@ impl<'a> Sim<'a> {
             .unwrap_or_else(|| self.pool.ref_count(b))
     }
 
+    /// The block a lookup of `key` finds, picked as the pool's index picks it under the
+    /// simulated ref counts: the oldest holder in use, else the oldest holder. Holders the
+    /// simulation registered come after the pool's own (less the evicted ones).
     fn lookup(&self, key: &BlockHash) -> Option<BlockId> {
-        if self.registered.contains(key) {
-            return Some(VIRTUAL);
+        if self.is_empty() {
+            return self.pool.lookup(key);
         }
-        self.pool.lookup(key).filter(|b| !self.evicted.contains(b))
+        let mut pooled = self.pool.holders(key);
+        pooled.retain(|b| !self.evicted.contains(b));
+        let added = self.registered.get(key).map_or(&[][..], Vec::as_slice);
+        pooled
+            .iter()
+            .chain(added)
+            .copied()
+            .find(|&b| self.refc(b) > 0)
+            .or_else(|| pooled.first().copied())
     }
 
     fn is_hashed(&self, b: BlockId) -> bool {
@@ -611,14 +624,27 @@ impl HybridManager {
                 } else {
                     s.tables[g].scanned
                 };
+                // Blocks it held before the call keep their ids (a later member's hit on one
+                // adds a reference a sibling's release then sees); the new ones (fresh,
+                // copy-on-write destination) are virtual.
+                let kept = s.tables[g].blocks.len() - usize::from(gp.cow);
                 for j in start..full {
-                    if self.registers_at_fill(spec, j) {
-                        let key = self.key_at(s, g, j);
-                        if j < s.tables[g].blocks.len() && s.tables[g].blocks[j] != NULL_BLOCK {
-                            sim.hashed.insert(s.tables[g].blocks[j]);
-                        }
-                        sim.registered.insert(key);
+                    if !self.registers_at_fill(spec, j) {
+                        continue;
                     }
+                    let b = if j < kept {
+                        s.tables[g].blocks[j]
+                    } else {
+                        VIRTUAL
+                    };
+                    if b == NULL_BLOCK || (b != VIRTUAL && sim.is_hashed(b)) {
+                        continue; // nothing to cache, or it keeps its first hash
+                    }
+                    if b != VIRTUAL {
+                        sim.hashed.insert(b);
+                    }
+                    let key = self.key_at(s, g, j);
+                    sim.registered.entry(key).or_default().push(b);
                 }
             }
         }

@@ -768,6 +768,14 @@ impl BlockPool {
         hits
     }
 
+    /// Every block carrying `hash`, oldest first: the order in which [`BlockPool::lookup`]
+    /// looks for one in use. For a simulation that replays lookups under ref counts of its own
+    /// (`HybridManager::num_blocks_owed`). No side effects. Locking. Expected O(1).
+    pub fn holders(&self, hash: &BlockHash) -> Vec<BlockId> {
+        let locked = self.locked.lock();
+        locked.index.holders(hash).collect()
+    }
+
     /// A block carrying `hash`, preferring one that is in use (ref > 0) so a hit does not take
     /// free capacity when it need not; `None` if no block carries it. No side effects.
     /// Locking. Expected O(1) (the candidates for one hash are almost always a single block).

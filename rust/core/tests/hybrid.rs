@@ -529,3 +529,44 @@ fn reset_drops_the_hashes_of_swapped_out_blocks_in_every_group() {
     assert_eq!(m.lookup_prefix(2).unwrap(), 16);
     m.check_invariants().unwrap();
 }
+
+/// `num_blocks_owed` resolves a key that an earlier member registers again as the pool's
+/// lookup does: the oldest in-use holder wins. Here request 1 (decoding, not first) fills and
+/// registers blocks whose keys request 2's window blocks already carry; request 3's hit on
+/// key 13 takes request 2's block (ref 2), so request 2's out-of-window release of it at its
+/// next allocation frees nothing. Counting the hit on request 1's new block instead predicted
+/// that release and owed one block too few (proptest hybrid_model, layout 2).
+#[test]
+fn owed_hits_the_oldest_in_use_holder_of_a_key_registered_again() {
+    let mut c = HybridConfig::new(64, vec![GroupSpec::sliding_window(2, 8, 5)], vec![0]);
+    c.retention_interval = 4;
+    let m = HybridManager::new(c).unwrap();
+    let p = toks(32, 0);
+    let with = |tail: &[u32]| [&p[..], tail].concat();
+    m.add_sequence(1, with(&[1]), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(1, 1).unwrap();
+    m.add_sequence(2, with(&[2, 3]), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(2, 32).unwrap();
+    m.allocate_slots(2, 2).unwrap();
+    m.append_tokens(2, &[4]).unwrap();
+    m.add_sequence(3, [&p[..28], &[5]].concat(), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix(3).unwrap(), 28);
+    let b13 = m.block_tables(2).unwrap()[0][13];
+    assert_ne!(b13, NULL_BLOCK);
+    // 16 fresh blocks for request 1, 1 for request 3 (a 28-token hit), 1 for request 2.
+    let owed = m.num_blocks_owed(&[1, 3, 2]).unwrap();
+    let free0 = m.pool().num_free();
+    m.allocate_slots(1, 32).unwrap();
+    let a3 = m.allocate_slots(3, 29).unwrap();
+    assert_eq!(a3.num_cached_tokens, 28);
+    assert_eq!(m.block_tables(3).unwrap()[0][13], b13);
+    let a2 = m.allocate_slots(2, 1).unwrap();
+    assert_eq!(a2.groups[0].released, vec![b13]);
+    assert_eq!(m.pool().ref_count(b13), 1);
+    assert_eq!(free0 - m.pool().num_free(), 18);
+    assert_eq!(owed, 18);
+    m.check_invariants().unwrap();
+}

@@ -540,3 +540,65 @@ proptest! {
         }
     }
 }
+
+/// The proptest case (CI rehearsal) behind
+/// `owed_hits_the_oldest_in_use_holder_of_a_key_registered_again` in tests/hybrid.rs: a
+/// decoding fork re-registers keys another member's window blocks carry; `num_blocks_owed`
+/// took the later member's hit to be on the new block and owed 18 where scheduling took 19.
+#[test]
+fn replay_owed_forked_members() {
+    use Op::*;
+    run(
+        2,
+        27,
+        true,
+        true,
+        vec![
+            Add { family: 2, len: 32 },
+            Fork { seq: 0 },
+            Step {
+                seqs: vec![3602547625798120572],
+                n: 1,
+                append: false,
+            },
+            Owed {
+                seqs: vec![23539795102401131],
+            },
+            Append {
+                seq: 3177818874295755451,
+                n: 2,
+            },
+            Append {
+                seq: 1816253536190836550,
+                n: 1,
+            },
+            Add { family: 2, len: 29 },
+            Allocate {
+                seq: 5479767155288152528,
+                n: 2,
+            },
+            Add { family: 0, len: 1 },
+            Append {
+                seq: 12685461765038449637,
+                n: 1,
+            },
+            Append { seq: 0, n: 1 },
+            Preempt {
+                seq: 2242648704774426174,
+            },
+            Fork {
+                seq: 93701587210264346,
+            },
+            Fork {
+                seq: 291739246583355630,
+            },
+            Owed {
+                seqs: vec![
+                    8596098061540104827,
+                    7029480143774145098,
+                    4036450269373819819,
+                ],
+            },
+        ],
+    );
+}
