@@ -42,6 +42,7 @@ with optional_imports("pagedkv.testing.vllm_scheduler", "vllm"):
         LoRAConfig,
         ModelConfig,
         SchedulerConfig,
+        SpeculativeConfig,
         VllmConfig,
     )
     from vllm.lora.request import LoRARequest
@@ -53,7 +54,7 @@ with optional_imports("pagedkv.testing.vllm_scheduler", "vllm"):
         KVCacheConfig,
         KVCacheGroupSpec,
     )
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -146,6 +147,32 @@ def make_vllm_config(
     return VllmConfig(**kwargs)
 
 
+def ngram_speculative_config(vllm_config: VllmConfig, num_speculative_tokens: int) -> SpeculativeConfig:
+    """An n-gram (prompt lookup) ``SpeculativeConfig`` of ``num_speculative_tokens`` drafts for
+    ``vllm_config``'s model; pass it as ``make_vllm_config(..., speculative_config=...)``. The
+    drafts themselves come from :func:`fake_drafts` (the harness runs no proposer)."""
+    return SpeculativeConfig(
+        method="ngram",
+        num_speculative_tokens=num_speculative_tokens,
+        prompt_lookup_max=3,
+        prompt_lookup_min=1,
+        target_model_config=vllm_config.model_config,
+        target_parallel_config=vllm_config.parallel_config,
+    )
+
+
+def fake_drafts(request_id: str, position: int, k: int) -> list[int]:
+    """``k`` deterministic draft tokens for positions ``position ..``: the fake model's own
+    token (so it is accepted) unless the position's hash says otherwise (about one in three
+    is wrong, so acceptance stops there)."""
+    out = []
+    for p in range(position, position + k):
+        t = fake_token(request_id, p)
+        wrong = zlib.crc32(f"draft:{request_id}@{p}".encode()) % 3 == 0
+        out.append(FIRST_TOKEN + (t - FIRST_TOKEN + 1) % (VOCAB - FIRST_TOKEN) if wrong else t)
+    return out
+
+
 def make_kv_cache_config(num_blocks: int, block_size: int = 16) -> KVCacheConfig:
     """One full-attention KV cache group of ``num_blocks`` blocks (tensor shape irrelevant)."""
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
@@ -221,13 +248,26 @@ def make_request(
 def fake_model_output(scheduler: Any, sched_output: Any) -> ModelRunnerOutput:
     """What the fake model returns for ``sched_output``: one token for each request whose
     scheduled tokens reach its known length (a finished prefill or a decode), none for a
-    partial prefill chunk."""
+    partial prefill chunk. A verify step (speculative decoding) samples as a greedy verifier:
+    each draft equal to the model's token at its position is accepted, the first other one
+    is replaced by the model's token, and all accepted give one bonus token, so the output
+    tokens are those of decoding without drafts."""
     req_ids = list(sched_output.num_scheduled_tokens)
+    spec = sched_output.scheduled_spec_decode_tokens
     sampled: list[list[int]] = []
     for rid in req_ids:
         request = scheduler.requests[rid]
         if request.num_computed_tokens >= request.num_tokens:
-            sampled.append([fake_token(rid, request.num_tokens)])
+            pos = request.num_tokens
+            toks = []
+            for draft in spec.get(rid, ()):
+                toks.append(fake_token(rid, pos))
+                if draft != toks[-1]:
+                    break
+                pos += 1
+            else:
+                toks.append(fake_token(rid, pos))
+            sampled.append(toks)
         else:
             sampled.append([])
     return ModelRunnerOutput(
@@ -243,8 +283,15 @@ def fake_model_output(scheduler: Any, sched_output: Any) -> ModelRunnerOutput:
 class Driver:
     """Runs one scheduler step by step and records what each step did."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, *, num_drafts: int = 0) -> None:
+        """``num_drafts`` > 0: after each step every running request gets that many draft
+        tokens from :func:`fake_drafts` (``update_draft_token_ids``, as the engine core does
+        after a proposer ran); the scheduler needs a ``speculative_config``."""
         self.scheduler = scheduler
+        self.num_drafts = num_drafts
+        #: Draft tokens scheduled and accepted over the run (speculative decoding).
+        self.drafts_scheduled = 0
+        self.drafts_accepted = 0
         self.outputs: dict[str, list[int]] = {}
         self.finish_reasons: dict[str, str] = {}
         self.prefix_hits: dict[str, int] = {}
@@ -277,7 +324,18 @@ class Driver:
         scheduled = dict(out.num_scheduled_tokens)
         blocks_held = {rid: len(sched.kv_cache_manager.get_block_ids(rid)[0]) for rid in sorted(scheduled)}
         model_out = fake_model_output(sched, out)
+        for rid, drafts in out.scheduled_spec_decode_tokens.items():
+            self.drafts_scheduled += len(drafts)
+            self.drafts_accepted += len(model_out.sampled_token_ids[model_out.req_id_to_index[rid]]) - 1
         engine_outputs = sched.update_from_output(out, model_out)
+        if self.num_drafts:
+            running = [r.request_id for r in sched.running if not r.is_finished()]
+            sched.update_draft_token_ids(
+                DraftTokenIds(
+                    running,
+                    [fake_drafts(rid, sched.requests[rid].num_tokens, self.num_drafts) for rid in running],
+                )
+            )
         new_tokens: dict[str, list[int]] = {}
         finished: dict[str, str] = {}
         for eco in engine_outputs.values():

@@ -113,7 +113,7 @@ class _Stand:
 @pytest.mark.parametrize(
     ("field", "value", "named"),
     [
-        ("speculative_config", _Stand(method="eagle"), "speculative_config"),
+        ("num_lookahead_tokens", 3, "num_lookahead_tokens"),
         ("kv_transfer_config", _Stand(kv_connector="x"), "kv_transfer_config"),
         ("model_config", _Stand(is_encoder_decoder=True), "is_encoder_decoder"),
         ("model_config", _Stand(enable_prompt_embeds=True), "enable_prompt_embeds"),
@@ -127,7 +127,7 @@ def test_unsupported_settings_are_named(field: str, value: Any, named: str) -> N
     real = make_vllm_config(num_blocks=64)
     check_supported_config(real, make_kv_cache_config(64), BS)  # the base config is accepted
     fields = {f: getattr(real, f) for f in ("model_config", "parallel_config", "observability_config")}
-    fields.update(speculative_config=None, kv_transfer_config=None, aux_output_config=None)
+    fields.update(speculative_config=None, kv_transfer_config=None, aux_output_config=None, num_lookahead_tokens=0)
     fields[field] = value
     stand = _Stand(**fields)
     with pytest.raises(UnsupportedVllmConfigError, match=named) as err:

@@ -5,9 +5,10 @@ tokens whose ids are known (it hashes them as it allocates). Everything in vLLM 
 of those two assumptions is refused here, with the setting named, instead of being served
 subtly wrong later: hybrid models (several KV cache groups, sliding window, Mamba), cross
 attention, KV connectors (they adopt and evict blocks behind the manager's back), context
-parallelism (blocks sharded across ranks), speculative decoding and lookahead slots (slots for
-tokens not yet known), prompt embeddings (no token ids to hash), sub-block hash granularity,
-and the metrics / aux-output hooks that read vLLM's own block pool.
+parallelism (blocks sharded across ranks), lookahead slots for tokens not yet known (EAGLE /
+MTP drafters; n-gram and other proposers whose draft tokens are scheduled are served, see
+``PagedKVCacheManager.allocate_slots``), prompt embeddings (no token ids to hash), sub-block
+hash granularity, and the metrics / aux-output hooks that read vLLM's own block pool.
 """
 
 from __future__ import annotations
@@ -48,10 +49,12 @@ def check_supported_config(
 
     Accepted: exactly one KV cache group whose spec is plain ``FullAttentionSpec`` or
     ``MLAAttentionSpec`` with no sliding window or chunked-local window, decoder-only model, no
-    KV connector, no context parallelism, no speculative decoding or lookahead slots, no prompt
-    embeddings, ``hash_block_size == block_size``, no KV-cache metrics sampling, no aux-output
-    connector. Prefix caching on or off, chunked prefill, FCFS and priority policies, LoRA,
-    multimodal inputs, cache salts, KV events and the watermark are all supported.
+    KV connector, no context parallelism, no lookahead slots (n-gram speculative decoding and
+    other proposers without them are served), no prompt embeddings, ``hash_block_size ==
+    block_size``, no KV-cache metrics sampling, no aux-output connector. Prefix caching on or
+    off, chunked prefill, FCFS and priority policies, LoRA, multimodal inputs, cache salts, KV
+    events, the watermark and speculative decoding with scheduled draft tokens are all
+    supported.
     """
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
 
@@ -126,13 +129,6 @@ def check_supported_config(
                 _attr(parallel, cp),
                 "context parallelism shards each block across ranks",
             )
-    if _attr(vllm_config, "speculative_config") is not None:
-        raise _refuse(
-            "speculative_config",
-            _attr(vllm_config.speculative_config, "method", "set"),
-            "speculative decoding schedules draft tokens whose ids are not final; pagedkv "
-            "allocates slots only for known tokens",
-        )
     for lookahead in (
         "num_lookahead_tokens",
         "num_hash_lookahead_tokens",

@@ -192,6 +192,11 @@ class PagedKVCacheManager:
         self._lag = self.decodes.lag
         self._lag_window = self.decodes.lag_window
         self._sync = self.decodes.sync
+        # Speculative decoding: request id -> (the computed count its draft tokens start at,
+        # the drafts) for a verify step whose acceptance vLLM has not reported yet. vLLM
+        # reports it by rolling num_computed_tokens back over the rejected drafts; the
+        # request's next allocation (or free) reads it from there.
+        self._drafts_pending: dict[str, tuple[int, list[int]]] = {}
 
     # ---- properties vLLM reads -------------------------------------------------------------
 
@@ -287,6 +292,8 @@ class PagedKVCacheManager:
             return seq
         if rid in self._lag:
             self.decodes.catch_up([rid])
+        if self._drafts_pending and rid in self._drafts_pending:
+            self._accept_drafts(request, seq)
         known = self._num_known[rid]
         n = request.num_tokens
         if n > known:
@@ -294,6 +301,28 @@ class PagedKVCacheManager:
             self._num_known[rid] = n
             self.decodes.close_window(rid)
         return seq
+
+    def _accept_drafts(self, request: Any, seq: int) -> None:
+        """Resolves the request's verify step: vLLM rolled ``num_computed_tokens`` back over
+        the rejected drafts, so the accepted ones are those still counted as computed. Their
+        blocks stay in the table (vLLM's model runner only appends to it); the rejected slots
+        are written again by the next step. Raises ``VllmStateMismatchError`` when the counts
+        or the accepted tokens disagree with the drafts."""
+        rid = request.request_id
+        base, drafts = self._drafts_pending.pop(rid)
+        accepted = request.num_computed_tokens - base
+        tokens = request.all_token_ids[base : base + max(accepted, 0)]
+        if not 0 <= accepted <= len(drafts) or list(tokens) != drafts[:accepted]:
+            raise VllmStateMismatchError(
+                f"request {rid!r}: {accepted} draft token(s) accepted of {len(drafts)} "
+                f"proposed at position {base}, tokens {list(tokens)} vs drafts {drafts}",
+                request_id=rid,
+                quantity="accepted_draft_tokens",
+                expected=f"0..{len(drafts)} of {drafts}",
+                got=str(list(tokens)),
+            )
+        self._kvm.accept_drafts(seq, accepted, release_blocks=False)
+        self._num_known[rid] += accepted
 
     # ---- prefix cache ----------------------------------------------------------------------
 
@@ -382,6 +411,13 @@ class PagedKVCacheManager:
         scheduled; ``full_sequence_must_fit`` admits a request only if all its tokens fit.
         Every full block of computed tokens is registered in the prefix cache.
 
+        Speculative decoding: the tokens scheduled past the request's known ones are its
+        drafts (``request.spec_token_ids``); they get lookahead slots in the same call and are
+        never hashed. vLLM reports their verification by rolling ``num_computed_tokens`` back
+        over the rejected ones; the request's next allocation reads the accepted count from
+        there (``KVCacheManager.accept_drafts(..., release_blocks=False)``: vLLM's model runner
+        keeps the blocks, so pagedkv does too, and the next steps fill them).
+
         A plain decode of a running request (one token, no other option) is answered without
         calling into Rust (``defer_decodes``): inside pagedkv's tail block without filling it,
         it returns the shared empty result and only records where vLLM's slots end (a lagging
@@ -393,7 +429,8 @@ class PagedKVCacheManager:
         disagrees with the request's.
         """
         if num_new_tokens == 1 and not (
-            num_lookahead_tokens
+            (self._drafts_pending and request.request_id in self._drafts_pending)
+            or num_lookahead_tokens
             or num_new_computed_tokens
             or full_sequence_must_fit
             or reserved_blocks
@@ -466,6 +503,15 @@ class PagedKVCacheManager:
                 )
         seq = self._register(request)
         first = request.num_computed_tokens == 0
+        # A verify step (speculative decoding): the tokens past the request's known ones are
+        # its draft tokens (request.spec_token_ids), given lookahead slots and never hashed.
+        num_drafts = 0
+        drafts: list[int] | None = None
+        spec = getattr(request, "spec_token_ids", None)
+        if spec and not first:
+            num_drafts = max(0, min(len(spec), request.num_computed_tokens + num_new_tokens - request.num_tokens))
+            # Grammar-invalidated drafts arrive as -1; they are never accepted.
+            drafts = [max(int(t), 0) for t in spec[:num_drafts]] or None
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
             free = self._pool.num_free
@@ -479,7 +525,7 @@ class PagedKVCacheManager:
             ) + watermark > free - reserved_blocks:
                 return None
         try:
-            alloc = self._kvm.allocate_slots(seq, num_new_tokens)
+            alloc = self._kvm.allocate_slots(seq, num_new_tokens - num_drafts, drafts)
         except OutOfBlocksError:
             return None
         expected_context = request.num_computed_tokens + (num_new_computed_tokens if first else 0)
@@ -494,7 +540,9 @@ class PagedKVCacheManager:
                 got=str(alloc.num_context_tokens),
             )
         computed = expected_context + num_new_tokens
-        if computed == self._num_known[rid]:
+        if drafts:
+            self._drafts_pending[rid] = (computed - num_drafts, drafts)
+        elif computed == self._num_known[rid]:
             self.decodes.set_window(rid, computed)
         ids = alloc.new_block_ids
         if len(ids) == 0:
@@ -521,6 +569,9 @@ class PagedKVCacheManager:
         self._sync()
         rid = request.request_id
         seq = self._seq_of.get(rid)
+        # Pending drafts go with the blocks (finished) or the recompute preemption; a
+        # preempted request's accepted tokens reach pagedkv as known tokens on resume.
+        self._drafts_pending.pop(rid, None)
         if seq is None:
             if request.num_computed_tokens > 0:
                 raise UnknownSequenceError(
