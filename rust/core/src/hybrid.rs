@@ -595,7 +595,8 @@ impl HybridManager {
             let mut fresh = 0;
             for (g, gp) in plan.groups.iter().enumerate() {
                 let t = &s.tables[g];
-                released.extend(gp.release.iter().map(|&j| t.blocks[j]));
+                // Tail first, as the call releases them: the LRU order decides what is evicted.
+                released.extend(gp.release.iter().rev().map(|&j| t.blocks[j]));
                 touched.extend(
                     gp.hits
                         .iter()

@@ -570,3 +570,35 @@ fn owed_hits_the_oldest_in_use_holder_of_a_key_registered_again() {
     assert_eq!(owed, 18);
     m.check_invariants().unwrap();
 }
+
+/// `num_blocks_owed` releases an earlier member's out-of-window blocks tail first, as the call
+/// does: the LRU order decides which cached block that member's fresh blocks evict. Request
+/// 1 releases logical blocks 0..6 and takes 11 fresh blocks, one more than the uncached ones,
+/// so it evicts its own block 5 (released first); request 2's hit shrinks from 14 to 10
+/// tokens. Releasing them head first evicted block 0 in the simulation, kept the 14-token
+/// hit and owed 7 where scheduling took 10 (proptest hybrid_model, layout 2).
+#[test]
+fn owed_releases_out_of_window_blocks_tail_first() {
+    let mut c = HybridConfig::new(19, vec![GroupSpec::sliding_window(2, 8, 5)], vec![0]);
+    c.retention_interval = 0;
+    let m = HybridManager::new(c).unwrap();
+    let p = toks(37, 0);
+    m.add_sequence(1, p.clone(), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(1, 16).unwrap();
+    m.add_sequence(2, [&p[..14], &[9]].concat(), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix(2).unwrap(), 14);
+    let owed = m.num_blocks_owed(&[1, 2]).unwrap();
+    let free0 = m.pool().num_free();
+    assert_eq!(free0, 10);
+    let a1 = m.allocate_slots(1, 21).unwrap();
+    assert_eq!(a1.groups[0].released.len(), 6);
+    assert_eq!(a1.groups[0].new_block_ids.len(), 11);
+    assert_eq!(m.lookup_prefix(2).unwrap(), 10);
+    let a2 = m.allocate_slots(2, 15).unwrap();
+    assert_eq!(a2.num_cached_tokens, 10);
+    assert_eq!(free0 - m.pool().num_free(), 10);
+    assert_eq!(owed, 10);
+    m.check_invariants().unwrap();
+}

@@ -13,6 +13,7 @@ use pagedkv_core::{
     SeqStatus, SequenceSpec, StepRequest, NULL_BLOCK,
 };
 use proptest::prelude::*;
+use proptest::test_runner::FileFailurePersistence;
 use std::collections::{HashMap, HashSet};
 
 #[derive(Debug, Clone)]
@@ -455,8 +456,22 @@ fn both_allocate(
     Ok(())
 }
 
+/// 300 cases, or `PROPTEST_CASES` when set (an explicit `cases` would override it).
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+    // Failures are saved to, and replayed first from, hybrid_model.proptest-regressions next
+    // to this file (the default looks for a lib.rs above tests/ and warns when it finds none).
+    #![proptest_config(ProptestConfig {
+        cases: cases(),
+        failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn groups_against_the_model(
@@ -599,6 +614,48 @@ fn replay_owed_forked_members() {
                     4036450269373819819,
                 ],
             },
+        ],
+    );
+}
+
+/// The proptest case behind `owed_releases_out_of_window_blocks_tail_first` in
+/// tests/hybrid.rs (seq indexes already reduced): `num_blocks_owed` said 10 with 10 free, and
+/// the second member's allocation failed.
+#[test]
+fn replay_owed_release_order() {
+    use Op::*;
+    run(
+        2,
+        33,
+        false,
+        true,
+        vec![
+            Add { family: 0, len: 6 },
+            Fork { seq: 0 },
+            Add { family: 1, len: 27 },
+            Step {
+                seqs: vec![2, 1],
+                n: 1,
+                append: false,
+            },
+            Step {
+                seqs: vec![0, 1],
+                n: 7,
+                append: true,
+            },
+            Allocate { seq: 2, n: 8 },
+            Allocate { seq: 2, n: 5 },
+            Allocate { seq: 2, n: 13 },
+            Add { family: 0, len: 37 },
+            Fork { seq: 0 },
+            Add { family: 0, len: 1 },
+            Step {
+                seqs: vec![3],
+                n: 10,
+                append: false,
+            },
+            Add { family: 0, len: 15 },
+            Owed { seqs: vec![3, 6] },
         ],
     );
 }
