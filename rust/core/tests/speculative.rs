@@ -427,3 +427,22 @@ fn keeping_rejected_blocks_leaves_the_table_growing_only() {
     assert!(m.free(1) && m.free(2));
     m.check_invariants().unwrap();
 }
+
+#[test]
+fn copy_on_write_before_spare_blocks_copies_the_partial_block() {
+    let m = prefilled();
+    verify_step(&m, 100, &[101, 102, 103, 104, 105, 106]);
+    m.accept_drafts_keeping_blocks(1, 0).unwrap();
+    let t = m.block_table(1).unwrap();
+    assert_eq!(t.len(), 4, "7 tokens in 2 blocks, 2 spares");
+    m.fork(1, 2).unwrap();
+    m.append_tokens(1, &[9]).unwrap();
+    let a = m.allocate_slots(1, 1).unwrap();
+    // Position 7 is in shared block 1: that block is copied, the spares stay in place.
+    assert_eq!(a.copies.len(), 1);
+    let (src, dst) = a.copies[0];
+    assert_eq!(src, t[1]);
+    assert_eq!(m.block_table(1).unwrap(), vec![t[0], dst, t[2], t[3]]);
+    assert_eq!(m.block_table(2).unwrap(), t[..2].to_vec());
+    m.check_invariants().unwrap();
+}
