@@ -10,7 +10,8 @@ times; the benchmark scales the times to its target rate):
 - ``multi_tenant_chat`` (synthetic, held out): 40 tenants whose system prompts span 220 to
   5,600 tokens (log-uniform), Zipf(1.1) tenant popularity, multi-turn conversations (each turn's
   prompt is the system prompt, every earlier turn's user message and reply, and a new message),
-  15 % unique prompts, Poisson arrivals.
+  15 % unique prompts, Poisson arrivals; each turn names its previous turn
+  (``RoutingWorkload.parents``) and the simulation sends it no earlier than that one finishes.
 - ``azure_conv_apps`` (real arrivals and lengths, held out): the Azure LLM inference trace's
   conversation excerpt (Patel et al., ISCA'24): its timestamps (bursty) and its context /
   generated token counts; each request belongs to one of 30 applications (Zipf(1.0)) whose

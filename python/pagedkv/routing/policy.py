@@ -47,15 +47,18 @@ the tighter bound until it is paid back; set ``imbalance_excess = 0`` to forget 
 
 The defaults (``overlap_weight = 3``, ``load_weight = 1``, ``prefill_weight = 0.5``,
 ``kv_weight = 0``, ``max_imbalance = DEFAULT_MAX_IMBALANCE = 1.3``,
-``target_imbalance = DEFAULT_TARGET_IMBALANCE = 1.25``): the weights were tuned in
+``target_imbalance = DEFAULT_TARGET_IMBALANCE = 1.24``): the weights were tuned in
 ``benchmarks/cluster_sim.py`` on the Mooncake trace; ``max_imbalance`` in
 ``benchmarks/routing_balance.py`` on the same trace (1.25 kept max/mean at 1.17 to 1.22 but, at 5
 requests in flight per replica, the floor of ``1.25 x 5.1`` is 6, and the hit share fell to 77 to
-88 %; 1.35 passed 1.25 max/mean on the held-out workloads); ``target_imbalance`` is not
-tuned: it is the load-balance target itself (max/mean <= 1.25), and ``IMBALANCE_MEMORY`` a round
-16 decisions' worth of a whole unit of imbalance. All were then checked on two held-out
-workloads (a multi-tenant chat and the Azure conversation trace with application prompts) at 8
-and 16 replicas and 5 and 10 requests in flight per replica, 6 seeds each (``docs/routing.md``).
+88 %; 1.35 passed 1.25 max/mean on the held-out workloads); ``target_imbalance`` is the
+load-balance bar (max/mean <= 1.25) less 0.01: the mean over ``T`` decisions is at most the
+setpoint plus ``E_T / T``, the debt left at the end (up to 0.01 on the held-out workloads, where
+loads above the tighter bound wait for departures; with the setpoint at 1.25 one seed reached
+1.2508), and ``IMBALANCE_MEMORY`` is a round 16 decisions' worth of a whole unit of imbalance.
+All were then checked on two held-out workloads (a multi-tenant chat and the Azure conversation
+trace with application prompts) at 8 and 16 replicas and 5 and 10 requests in flight per
+replica, seeds 0-2 and then seeds 3-8 not used in any choice (``docs/routing.md``).
 A worker holding the whole prompt wins over an empty-cache one until it runs about three mean
 loads more requests (or reaches the load bound), and queued prefill tokens keep long prompts from
 piling up behind each other (p99 TTFT).
@@ -92,8 +95,9 @@ __all__ = [
 #: Default ``KVAwarePolicy.max_imbalance`` (see the module docs for how it was chosen).
 DEFAULT_MAX_IMBALANCE = 1.3
 
-#: Default ``KVAwarePolicy.target_imbalance``: the mean max/mean load the policy steers to.
-DEFAULT_TARGET_IMBALANCE = 1.25
+#: Default ``KVAwarePolicy.target_imbalance``: the mean max/mean load the policy steers to (the
+#: 1.25 bar less a margin for the debt left at the end of a run, see the module docs).
+DEFAULT_TARGET_IMBALANCE = 1.24
 
 #: Least ``KVAwarePolicy.imbalance_excess`` (sum of max/mean - target): the most credit banked.
 IMBALANCE_MEMORY = 16.0
