@@ -58,7 +58,7 @@ loads above the tighter bound wait for departures; with the setpoint at 1.25 one
 1.2508), and ``IMBALANCE_MEMORY`` is a round 16 decisions' worth of a whole unit of imbalance.
 All were then checked on two held-out workloads (a multi-tenant chat and the Azure conversation
 trace with application prompts) at 8 and 16 replicas and 5 and 10 requests in flight per
-replica, seeds 0-2 and then seeds 3-8 not used in any choice (``docs/routing.md``).
+replica, seeds 0-2, then 3-8 (6-8 used in no choice; ``docs/routing.md``).
 A worker holding the whole prompt wins over an empty-cache one until it runs about three mean
 loads more requests (or reaches the load bound), and queued prefill tokens keep long prompts from
 piling up behind each other (p99 TTFT).
