@@ -602,3 +602,40 @@ fn owed_releases_out_of_window_blocks_tail_first() {
     assert_eq!(owed, 10);
     m.check_invariants().unwrap();
 }
+
+/// `num_blocks_owed` finds a key that two blocks carry in its other holder when an earlier
+/// member evicts the oldest one, as the pool's lookup does. Requests 1 and 2 computed the same
+/// prompt (2 not as a prefix hit), so each key has two free cached holders, request 1's
+/// older; request 3's fresh blocks evict request 1's blocks 7 and 6, and request 4's 16-token
+/// hit takes request 2's (2 hits + 1 fresh). Taking the oldest holder as the only one saw a
+/// miss and shrank the hit to 12 tokens (2 hits + 3 fresh): owed 17 where scheduling took 15
+/// (proptest hybrid_model, layout 1).
+#[test]
+fn owed_finds_a_key_in_its_other_holder_after_an_eviction() {
+    let mut c = HybridConfig::new(27, vec![GroupSpec::sliding_window(2, 8, 5)], vec![0]);
+    c.retention_interval = 0;
+    let m = HybridManager::new(c).unwrap();
+    let p = toks(17, 0);
+    for id in [1, 2, 4] {
+        m.add_sequence(id, p.clone(), SequenceSpec::default())
+            .unwrap();
+    }
+    m.allocate_slots(2, 1).unwrap();
+    m.allocate_slots(1, 17).unwrap();
+    m.allocate_slots(2, 16).unwrap();
+    let theirs = m.block_tables(2).unwrap()[0].clone();
+    m.free(1);
+    m.free(2);
+    m.add_sequence(3, toks(24, 5), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.pool().num_cached_free(), 16);
+    let owed = m.num_blocks_owed(&[3, 4]).unwrap();
+    let free0 = m.pool().num_free();
+    m.allocate_slots(3, 24).unwrap();
+    let a4 = m.allocate_slots(4, 17).unwrap();
+    assert_eq!(a4.num_cached_tokens, 16);
+    assert_eq!(m.block_tables(4).unwrap()[0][6..8], theirs[6..8]);
+    assert_eq!(free0 - m.pool().num_free(), 15);
+    assert_eq!(owed, 15);
+    m.check_invariants().unwrap();
+}
