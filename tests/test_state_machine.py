@@ -81,6 +81,7 @@ class MSeq:
     ncached: int = 0
     stale: bool = False  # its KV predates the last reset (swapped out then): never cached
     drafts: list[int] = field(default_factory=list)  # pending draft tokens (lookahead slots)
+    looked_up: bool = False  # its first lookup is counted; later first allocations are resumes
 
 
 @dataclass
@@ -267,9 +268,10 @@ class Oracle:
             s.table = list(hit_ids)
             s.computed = p.context
             s.ncached = len(hit_ids)
-            if self.caching and s.status != "preempted":  # a resume is not a new lookup
+            if self.caching and not s.looked_up:  # a resume is not a new lookup
                 self.counters["prefix_queries_tokens"] += len(s.tokens)
                 self.counters["prefix_hits_tokens"] += p.context
+            s.looked_up = True
         rest = list(new)
         if p.cow:
             dst = rest.pop(0)
@@ -790,7 +792,9 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.m.pool.num_free == free, "fork allocated"
         for b in p.table:
             self.o.refs[b] += 1
-        self.o.seqs[child] = MSeq(list(p.tokens), p.salt, p.status, p.computed, list(p.table), p.ncached, p.stale)
+        self.o.seqs[child] = MSeq(
+            list(p.tokens), p.salt, p.status, p.computed, list(p.table), p.ncached, p.stale, looked_up=p.looked_up
+        )
         self.next_id += 1
 
     @precondition(lambda self: self.o is not None and bool(self.o.seqs))

@@ -319,6 +319,11 @@ struct Sequence {
     /// blocks is registered in the prefix cache until a recompute preemption computes the KV
     /// afresh (docs/design.md, "Invariants", 8).
     stale_kv: bool,
+    /// Its first prefix-cache lookup has been counted in the hit-rate counters. Every later
+    /// first allocation (a resume after a recompute preemption) finds its own blocks again and
+    /// is not a new lookup (vLLM #25780); one preempted before its first allocation has not
+    /// looked up yet, so its status alone cannot tell. A fork child inherits it.
+    looked_up: bool,
     /// Draft tokens (speculative decoding) whose KV the last allocation gave slots at
     /// positions `num_computed..num_computed + drafts.len()`: never hashed, cached or
     /// announced; resolved by [`KvCacheManager::accept_drafts`].
@@ -514,6 +519,7 @@ impl KvCacheManager {
                 table_reported: 0,
                 table_version,
                 stale_kv: false,
+                looked_up: false,
                 drafts: Vec::new(),
                 spare_blocks: 0,
             },
@@ -1676,12 +1682,13 @@ impl KvCacheManager {
             s.table_rewritten_from(0);
             s.num_computed = plan.context;
             s.num_cached_blocks = plan.hits.len();
-            // A resume after a recompute preemption finds its own blocks again: not a new
-            // lookup, so it counts neither queries nor hits (vLLM #25780).
-            if self.caching() && s.status != SeqStatus::Preempted {
+            // Counted once per sequence: a resume after a recompute preemption finds its own
+            // blocks again, not a new lookup (vLLM #25780).
+            if self.caching() && !s.looked_up {
                 counters.prefix_queries_tokens += s.tokens.len() as u64;
                 counters.prefix_hits_tokens += plan.context as u64;
             }
+            s.looked_up = true;
         }
         let mut fresh = new.iter().copied();
         if plan.cow {

@@ -272,6 +272,29 @@ fn preempt_recompute_keeps_hashes_and_resume_hits_own_prefix() {
 /// vLLM #25780: a recompute resume looks its own blocks up again; counting that as a new
 /// lookup made a lone request with no sharing report hits. The resume still reuses them.
 #[test]
+fn a_request_preempted_before_its_first_allocation_still_counts_its_lookup() {
+    // Its first allocation after the preemption is its first lookup, not a resume: the
+    // status alone (preempted) cannot tell the two apart.
+    let m = manager(64, 4);
+    m.add_sequence(1, &toks(0, 10), spec()).unwrap();
+    m.allocate_slots(1, 10).unwrap();
+    m.free(1);
+    m.add_sequence(2, &toks(0, 10), spec()).unwrap();
+    m.preempt_recompute(&[2]).unwrap();
+    m.fork(2, 3).unwrap(); // a child of a parent that has not looked up yet
+    m.allocate_slots(2, 10).unwrap();
+    m.allocate_slots(3, 10).unwrap();
+    let s = m.stats();
+    // Three lookups of 10 tokens; 2 and 3 each hit the 2 full blocks 1 left cached.
+    assert_eq!((s.prefix_queries_tokens, s.prefix_hits_tokens), (30, 16));
+    // A resume of 2 after all this is still no new lookup.
+    m.preempt_recompute(&[2]).unwrap();
+    m.allocate_slots(2, 10).unwrap();
+    assert_eq!(m.stats().prefix_queries_tokens, 30);
+    m.check_invariants().unwrap();
+}
+
+#[test]
 fn a_resume_after_preemption_is_not_a_new_prefix_lookup() {
     let m = manager(32, 4);
     m.add_sequence(1, &toks(0, 10), spec()).unwrap();
