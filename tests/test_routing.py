@@ -75,6 +75,21 @@ def test_baselines() -> None:
     assert policy_by_name("kv_aware", load_weight=2.0).load_weight == 2.0  # type: ignore[attr-defined]
 
 
+def test_a_router_refuses_what_is_not_an_indexer_or_a_policy() -> None:
+    """Checked at construction: before, ``Router(indexer, policy=5)`` failed with an
+    AttributeError at the first route."""
+    indexer = pagedkv.KVIndexer(block_size=4)
+    for args, kwargs, match in (
+        ((indexer,), {"policy": 5}, "policy must be a routing policy"),
+        ((indexer,), {"policy": "kv_aware"}, "policy must be a routing policy"),
+        ((object(),), {}, "indexer must be a pagedkv.KVIndexer"),
+    ):
+        with pytest.raises(pagedkv.InvalidArgumentError, match=match) as ei:
+            Router(*args, **kwargs)
+        assert isinstance(ei.value, ValueError)
+    assert isinstance(Router(indexer, policy=LeastLoadedPolicy()).policy, LeastLoadedPolicy)
+
+
 def test_bad_policy_arguments() -> None:
     """Every bad argument is a pagedkv error that is also the builtin ValueError."""
     cases: list[tuple[Any, type[pagedkv.PagedKVError], str]] = [

@@ -34,6 +34,10 @@ class Router:
             and seed, must be the workers').
         policy: a routing policy (default :class:`KVAwarePolicy` with its default weights).
 
+    Raises:
+        InvalidArgumentError: ``indexer`` is not a :class:`pagedkv.KVIndexer` or ``policy`` has
+            no callable ``choose``.
+
     Requests routed with a ``request_id`` count as cached on their worker until
     :meth:`finished` (or until the worker's own events report the blocks): their blocks are kept
     in a second index of predicted blocks, so requests sharing a prefix that arrive together
@@ -45,6 +49,10 @@ class Router:
     """
 
     def __init__(self, indexer: KVIndexer, policy: RoutingPolicy | None = None) -> None:
+        if not isinstance(indexer, KVIndexer):
+            raise _bad_argument("indexer", indexer, "indexer must be a pagedkv.KVIndexer")
+        if policy is not None and not callable(getattr(policy, "choose", None)):
+            raise _bad_argument("policy", policy, "policy must be a routing policy (an object with a choose method)")
         self.indexer = indexer
         self.policy: RoutingPolicy = policy if policy is not None else KVAwarePolicy()
         self._loads: dict[int, WorkerLoad] = {}
