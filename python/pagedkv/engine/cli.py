@@ -202,6 +202,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="share KV blocks of identical prompt prefixes across requests",
     )
 
+    sp = ap.add_argument_group("speculative decoding")
+    sp.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help="ngram: prompt-lookup speculative decoding (drafts copied from where the last 3..1 "
+        "tokens occurred before in the prompt + output, verified in one step; greedy decoding "
+        "only, outputs unchanged; off by default)",
+    )
+    sp.add_argument(
+        "--num-speculative-tokens",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="most draft tokens per sequence and step, with --speculative (default 3)",
+    )
+
     s = ap.add_argument_group("sampling")
     add_sampling_basics(s, max_tokens=128)
     s.add_argument("--n", type=int, default=1, help="parallel samples per prompt")
@@ -268,6 +285,19 @@ def _check_pool_args(args: argparse.Namespace) -> str | None:
     except pagedkv.InvalidConfigError as e:
         option = _POOL_OPTIONS.get(e.field)
         return f"{option} {e.value}: {e.reason}" if option else str(e)
+    return None
+
+
+def _check_speculative_args(args: argparse.Namespace) -> str | None:
+    """The error for speculative options that do not fit together or with the sampling
+    options (speculation verifies greedily), or ``None``. Runs before the model loads."""
+    if args.speculative is None:
+        return "--num-speculative-tokens needs --speculative ngram" if args.num_speculative_tokens else None
+    if args.temperature != 0 or args.n != 1 or args.beam_width != 1:
+        return (
+            f"--speculative {args.speculative} supports greedy decoding only (--temperature 0, --n 1, "
+            f"--beam-width 1), got --temperature {args.temperature:g} --n {args.n} --beam-width {args.beam_width}"
+        )
     return None
 
 
@@ -388,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             prompts = prompts[: args.limit]
     except (PromptFileError, InvalidRequestError, EngineError) as e:
         return _fail(str(e))
-    problem = _check_pool_args(args) or _check_output_paths(args)
+    problem = _check_pool_args(args) or _check_speculative_args(args) or _check_output_paths(args)
     if problem:
         return _fail(problem)
 
@@ -407,6 +437,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=args.device,
             dtype=getattr(torch, args.dtype),
             seed=args.seed,
+            speculative=args.speculative,
+            num_speculative_tokens=args.num_speculative_tokens,
         )
     except (EngineError, ValueError, MemoryError) as e:
         return _fail(str(e))
@@ -527,6 +559,8 @@ def _print_report(
         f"{cfg.num_kv_blocks} blocks x {cfg.block_size} tokens ({engine.runner.kv_cache_bytes() / 2**20:.0f} MiB)",
     )
     table.add_row("preemption / prefix caching", f"{cfg.preemption} / {'on' if cfg.enable_prefix_caching else 'off'}")
+    if cfg.speculative is not None:
+        table.add_row("speculative decoding", f"{cfg.speculative}, {cfg.draft_tokens_per_step} draft tokens per step")
     if rejected:
         table.add_row("rejected requests", str(len(rejected)))
     for label, value in metrics.table_rows():

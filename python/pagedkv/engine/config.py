@@ -18,7 +18,10 @@ import pagedkv
 from .errors import EngineConfigError
 from .scheduler import SchedulerConfig
 
-__all__ = ["EngineConfig", "torch_dtype"]
+__all__ = ["EngineConfig", "torch_dtype", "DEFAULT_NUM_SPECULATIVE_TOKENS"]
+
+#: Draft tokens per step with ``speculative="ngram"`` and no ``num_speculative_tokens``.
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,12 @@ class EngineConfig:
         enable_prefix_caching: share KV of identical prompt prefixes across requests.
         hash_algo: ``"sha256"`` (default) or ``"xxh3_128"`` for prefix hashes.
         seed: engine seed; requests without a seed derive theirs from it.
+        speculative: ``None`` (default, off) or ``"ngram"``: prompt-lookup speculative
+            decoding (:mod:`~pagedkv.engine.speculative`). It applies to greedy requests
+            (temperature 0, ``n == 1``, no beam search), whose outputs it leaves unchanged;
+            other requests are decoded one token per step as without it.
+        num_speculative_tokens: most draft tokens per sequence and step, >= 1 (default 3
+            with ``speculative="ngram"``); only with ``speculative``.
 
     Raises:
         EngineConfigError: a field of the wrong type or out of range; the message names it.
@@ -55,6 +64,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     hash_algo: str = "sha256"
     seed: int = 0
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, want: str) -> None:
@@ -92,6 +103,17 @@ class EngineConfig:
         check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "True or False")
         check(self.hash_algo in ("sha256", "xxh3_128"), "hash_algo", "'sha256' or 'xxh3_128'")
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "an integer")
+        check(self.speculative in (None, "ngram"), "speculative", "None or 'ngram' (prompt lookup)")
+        check(
+            self.num_speculative_tokens is None or at_least(self.num_speculative_tokens, 1),
+            "num_speculative_tokens",
+            "None or an integer >= 1 (draft tokens per step)",
+        )
+        check(
+            self.num_speculative_tokens is None or self.speculative is not None,
+            "num_speculative_tokens",
+            "None unless speculative is set (speculative='ngram')",
+        )
 
     def check_core_limits(self) -> None:
         """Check the sizes given explicitly (``block_size``, ``num_kv_blocks``,
@@ -160,9 +182,22 @@ class EngineConfig:
         assert self.num_kv_blocks is not None and self.num_cpu_blocks is not None, "resolve the pool sizes first"
         return self.num_kv_blocks, self.num_cpu_blocks
 
+    @property
+    def draft_tokens_per_step(self) -> int:
+        """Most draft tokens per sequence and step: 0 with speculation off."""
+        if self.speculative is None:
+            return 0
+        return DEFAULT_NUM_SPECULATIVE_TOKENS if self.num_speculative_tokens is None else self.num_speculative_tokens
+
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The scheduler's limits for a model of ``max_model_len`` tokens of context."""
-        return SchedulerConfig(self.max_tokens_per_step, self.max_num_seqs, self.preemption, max_model_len)
+        return SchedulerConfig(
+            self.max_tokens_per_step,
+            self.max_num_seqs,
+            self.preemption,
+            max_model_len,
+            num_speculative_tokens=self.draft_tokens_per_step,
+        )
 
 
 #: The weight / activation / KV dtypes the engine runs, by name.

@@ -78,6 +78,10 @@ class LLMEngine:
             limits and seed; see :class:`EngineConfig` (``self.config``, pool sizes resolved).
         enable_kv_events: buffer the KV cache manager's events (``engine.manager.take_events()``)
             for a router's :class:`pagedkv.KVIndexer`; whoever enables them must drain them.
+        speculative, num_speculative_tokens: prompt-lookup speculative decoding
+            (``speculative="ngram"``, up to ``num_speculative_tokens`` drafts per step, default
+            3); greedy requests only, others decode as without it; see :class:`EngineConfig`.
+            Drafts proposed and accepted are counted in :meth:`metrics`.
 
     Attributes:
         cache_identity: the :class:`~pagedkv.engine.identity.CacheIdentity` derived from what
@@ -120,10 +124,13 @@ class LLMEngine:
         dtype: torch.dtype | str | None = torch.float32,
         seed: int = 0,
         enable_kv_events: bool = False,
+        speculative: str | None = None,
+        num_speculative_tokens: int | None = None,
     ) -> None:
         # Every argument is checked before the (slow) model load.
         config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
-                              preemption, num_cpu_blocks, enable_prefix_caching, hash_algo, seed)  # fmt: skip
+                              preemption, num_cpu_blocks, enable_prefix_caching, hash_algo, seed,
+                              speculative, num_speculative_tokens)  # fmt: skip
         config.check_core_limits()
         dtype = torch_dtype(dtype)
         device = check_device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
@@ -290,10 +297,27 @@ class LLMEngine:
                 return finished
             self.metrics_collector.on_step(self.manager.stats())
             logits = self.runner.execute(batch)  # 2. execute
-            rows = [(r, s) for r, s, want in zip(batch.requests, batch.seqs, batch.sample) if want]
+            rows, verify, plain = [], [], []
+            at = 0  # logits row of the next sampling sequence
+            for r, s, want, drafts in zip(batch.requests, batch.seqs, batch.sample, batch.drafts):
+                if want and drafts:
+                    verify.append((r, s, drafts))
+                    at += len(drafts) + 1
+                elif want:
+                    rows.append((r, s))
+                    plain.append(at)
+                    at += 1
+            verify_logits = logits
+            if verify:  # split the verify steps' rows (k + 1 per sequence) off
+                keep = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+                keep[plain] = False
+                logits, verify_logits = logits[plain], logits[keep]
             tokens = self.groups.sample(rows, logits)  # 3. sample
             now = time.perf_counter()
-            for req in self.groups.update(rows, tokens, logits, now):  # 4. update
+            done = self.groups.update(rows, tokens, logits, now)  # 4. update
+            if verify:  # speculative sequences: accept drafts, emit accepted + bonus tokens
+                done += self.groups.verify(verify, verify_logits, now, self.metrics_collector)
+            for req in done:
                 self.requests.finish(req)
                 finished.append(self.outputs.request_output(req, now))
                 self.metrics_collector.on_finished(finished[-1])

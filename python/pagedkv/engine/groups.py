@@ -11,10 +11,12 @@ with optional_imports("pagedkv.engine", "engine"):
 
 from pagedkv import KVCacheManager
 
+from .metrics import MetricsCollector
 from .outputs import OutputProcessor
 from .registry import RequestRegistry
 from .request import Request, Sequence
 from .sampling import sample_tokens
+from .speculative import num_accepted
 
 __all__ = ["SequenceGroups", "Row"]
 
@@ -66,6 +68,38 @@ class SequenceGroups:
                 self._beam_step(req, now)
         return [r for r in {id(r): r for r, _ in rows}.values() if not r.seqs]
 
+    def verify(
+        self,
+        items: list[tuple[Request, Sequence, list[int]]],
+        logits: torch.Tensor,
+        now: float,
+        metrics: MetricsCollector | None = None,
+    ) -> list[Request]:
+        """Greedy verification of a speculative step (:mod:`.speculative`): per item
+        ``(request, sequence, k drafts)``, in order, ``k + 1`` rows of ``logits``. Accepts the
+        longest draft prefix matching the argmax at each position (``manager.accept_drafts``
+        rolls the rejected drafts' slots and blocks back), then emits the accepted drafts and
+        the bonus token one by one with the usual stop checks, so EOS, stop strings and
+        ``max_tokens`` cut exactly where plain decoding would. Returns the requests left with
+        no live sequence."""
+        done: list[Request] = []
+        row = 0
+        for req, seq, drafts in items:
+            k = len(drafts)
+            targets = sample_tokens(logits[row : row + k + 1], [req.params] * (k + 1), [None] * (k + 1))
+            row += k + 1
+            m = num_accepted(drafts, targets)
+            self.manager.accept_drafts(seq.seq_id, m)
+            if metrics is not None:
+                metrics.on_verify(k, m)
+            for i, tok in enumerate(targets[: m + 1]):
+                # The accepted drafts already have KV in the manager; only the bonus is pending.
+                if self._append(req, seq, tok, now, pending=i == m):
+                    break
+            if not req.seqs:
+                done.append(req)
+        return done
+
     def _fork_samples(self, req: Request, parent: Sequence, row: torch.Tensor, now: float) -> None:
         """First token of an ``n > 1`` request: fork the prompt's sequence n-1 times (blocks
         shared) and give each child its own sample from the same logits."""
@@ -75,9 +109,14 @@ class SequenceGroups:
             req.seqs.append(child)
             self._append(req, child, sample_tokens(row[None], [req.params], [child.generator])[0], now)
 
-    def _append(self, req: Request, seq: Sequence, tok: int, now: float) -> None:
-        """Add a sampled token; finish the sequence (freeing its KV) when it stops."""
-        seq.add_token(tok)
+    def _append(self, req: Request, seq: Sequence, tok: int, now: float, *, pending: bool = True) -> bool:
+        """Add a sampled token (``pending=False``: an accepted draft, already a token of the
+        manager's sequence); finish the sequence (freeing its KV) when it stops. Returns
+        whether it stopped."""
+        if pending:
+            seq.add_token(tok)
+        else:
+            seq.token_ids.append(tok)
         if req.first_token_time is None:
             req.first_token_time = now
         reason = self.outputs.finish_reason(seq, req.params)
@@ -86,6 +125,8 @@ class SequenceGroups:
             self.manager.free(seq.seq_id)
             req.seqs.remove(seq)
             req.finished_seqs.append(seq)
+            return True
+        return False
 
     def _beam_step(self, req: Request, now: float) -> None:
         """One beam search step over all beams of ``req`` (fork continued beams, free dropped)."""

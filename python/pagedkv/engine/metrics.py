@@ -43,6 +43,13 @@ class EngineMetrics:
         swapped_out_blocks, swapped_in_blocks: blocks moved by swap preemption.
         preemptions: preemptions (recompute + swap).
         num_steps: scheduler steps.
+        spec_verifies: speculative decoding: sequence verify steps (a sequence scored with at
+            least one draft token in a step).
+        spec_draft_tokens: draft tokens proposed and verified.
+        spec_accepted_tokens: draft tokens accepted (each saves one decode step).
+        spec_acceptance_rate: ``spec_accepted_tokens / spec_draft_tokens`` (0.0 without drafts).
+        spec_tokens_per_verify: tokens emitted per verify step, the bonus token included
+            (``1 + accepted / spec_verifies``; 0.0 without verifies).
     """
 
     num_requests: int
@@ -70,6 +77,11 @@ class EngineMetrics:
     swapped_in_blocks: int
     preemptions: int
     num_steps: int
+    spec_verifies: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_tokens_per_verify: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready)."""
@@ -102,7 +114,17 @@ class EngineMetrics:
             ("swapped out / in (blocks)", f"{self.swapped_out_blocks} / {self.swapped_in_blocks}"),
             ("preemptions", f"{self.preemptions}"),
             ("steps", f"{self.num_steps}"),
-        ]
+        ] + (
+            [
+                (
+                    "speculative drafts: accepted / proposed",
+                    f"{self.spec_accepted_tokens} / {self.spec_draft_tokens} ({self.spec_acceptance_rate:.1%}), "
+                    f"{self.spec_tokens_per_verify:.2f} tokens per verify",
+                )
+            ]
+            if self.spec_verifies
+            else []
+        )
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -124,6 +146,15 @@ class MetricsCollector:
         self.util: list[float] = []
         self.used: list[int] = []
         self.outputs: list[RequestOutput] = []
+        self.spec_verifies = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
+
+    def on_verify(self, num_drafts: int, num_accepted: int) -> None:
+        """Record one sequence's verify step: ``num_drafts`` proposed, ``num_accepted`` kept."""
+        self.spec_verifies += 1
+        self.spec_draft_tokens += num_drafts
+        self.spec_accepted_tokens += num_accepted
 
     def on_step(self, stats: Any) -> None:
         """Record one step's cache stats (a :class:`pagedkv.CacheStats`)."""
@@ -184,4 +215,9 @@ class MetricsCollector:
             swapped_in_blocks=int(stats.swaps_in_blocks),
             preemptions=int(stats.preemptions),
             num_steps=self.steps,
+            spec_verifies=self.spec_verifies,
+            spec_draft_tokens=self.spec_draft_tokens,
+            spec_accepted_tokens=self.spec_accepted_tokens,
+            spec_acceptance_rate=self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0,
+            spec_tokens_per_verify=1 + self.spec_accepted_tokens / self.spec_verifies if self.spec_verifies else 0.0,
         )

@@ -41,6 +41,9 @@ class Sequence:
         stop_text: the output text cut before the stop string that ended it, else ``None``.
         logprobs: beam search only: the fp32 ``[vocab]`` log-probs of the next token, kept until
             every beam of the request has them.
+        drafts: speculative decoding only: the draft tokens the scheduler proposes for this
+            step's verify (set and consumed within one ``schedule`` call; see
+            :attr:`ScheduledBatch.drafts <pagedkv.engine.scheduler.ScheduledBatch.drafts>`).
     """
 
     seq_id: int
@@ -52,6 +55,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_text: str | None = None
     logprobs: torch.Tensor | None = None
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:

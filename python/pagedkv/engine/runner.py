@@ -103,8 +103,9 @@ class ModelRunner:
         """Run one step.
 
         Returns:
-            fp32 ``[L, vocab]`` logits, one row per sequence with ``batch.sample[i]`` set, in
-            batch order.
+            fp32 ``[L, vocab]`` logits in batch order: per sequence with ``batch.sample[i]``
+            set, ``k + 1`` rows for its ``k = len(batch.drafts[i])`` drafts (a verify step: the
+            logits after its last token and after each draft; one row without drafts).
         """
         bt = self.prepare(batch)
         self.apply_block_plans(bt)
@@ -119,7 +120,12 @@ class ModelRunner:
                 )
             )
         ends = bt.query_start_loc_host[1:].tolist()
-        rows = [end - 1 for end, want in zip(ends, batch.sample) if want]
+        rows = [
+            row
+            for end, want, drafts in zip(ends, batch.sample, batch.drafts)
+            if want
+            for row in range(end - 1 - len(drafts), end)
+        ]
         return self.model.forward(
             bt.input_ids,
             bt.positions,

@@ -25,6 +25,12 @@ refused by :meth:`Scheduler.check_fits` before it is queued; every other request
 pool, and since admission only waits on blocks held by running requests, the engine is never
 idle while work waits.
 
+With prompt-lookup speculation on (``num_speculative_tokens > 0``), each greedy decoding
+sequence also gets up to ``k`` draft tokens (:func:`.speculative.propose_ngram`) from the
+budget left after every running sequence's own tokens, as lookahead slots of the same
+``manager.step`` call; when the pool runs dry, the drafts are dropped before anyone is
+preempted.
+
 The result of a step is a :class:`ScheduledBatch`: the scheduled sequences in batch order, the
 manager's step outputs and the swap plans, which :meth:`pagedkv.tensors.BatchTensors.from_steps`
 turns into kernel inputs. The scheduler keeps no copy of what the manager owns (computed tokens,
@@ -43,6 +49,7 @@ from pagedkv import KVCacheManager, OutOfBlocksError, OutOfSwapSpaceError, StepO
 from .errors import EngineConfigError, RequestTooLargeError
 from .request import Request, Sequence
 from .sampling import SamplingParams
+from .speculative import propose_ngram
 
 __all__ = ["SchedulerConfig", "ScheduledBatch", "Scheduler", "blocks_for_request"]
 
@@ -60,6 +67,8 @@ class SchedulerConfig:
         reserve_prefill: admit a request only when its whole remaining prefill plus decode
             headroom fits, and keep those blocks reserved (the anti-thrash guard of the module docs). ``False``
             admits on the first chunk alone, as naive schedulers do; for experiments only.
+        num_speculative_tokens: most draft tokens per decoding sequence and step (prompt
+            lookup, :mod:`.speculative`); 0 turns speculation off.
     """
 
     max_tokens_per_step: int = 1024
@@ -67,6 +76,7 @@ class SchedulerConfig:
     preemption: str = "recompute"
     max_model_len: int = 8192
     reserve_prefill: bool = True
+    num_speculative_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.max_tokens_per_step < 1:
@@ -75,6 +85,8 @@ class SchedulerConfig:
             raise EngineConfigError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
         if self.preemption not in ("recompute", "swap"):
             raise EngineConfigError(f"preemption={self.preemption!r} must be 'recompute' or 'swap'")
+        if self.num_speculative_tokens < 0:
+            raise EngineConfigError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 0")
 
 
 @dataclass
@@ -86,6 +98,8 @@ class ScheduledBatch:
         requests: the request of each scheduled sequence.
         sample: per sequence, whether its last scheduled token produces logits to sample from
             (its prefill is complete).
+        drafts: per sequence, the draft tokens scheduled after its last token (``[]`` for
+            none); a sequence with ``k`` drafts samples from its last ``k + 1`` query rows.
         steps: the ``manager.step`` outputs whose scheduled parts make the batch, in order.
         swap_out: ``int32[K, 2]`` (device block, CPU block) pairs to copy *first* (victims
             swapped out this step), or ``None``.
@@ -96,6 +110,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)
     steps: list[StepOutput] = field(default_factory=list)
     swap_out: np.ndarray | None = None
     swap_in: np.ndarray | None = None
@@ -202,19 +217,44 @@ class Scheduler:
         batch = ScheduledBatch()
         self._swap_out = []
         items: list[_Item] = []
+        complete: list[bool] = []  # per item: it schedules all the sequence's remaining tokens
         live = [(r, s) for r in self.running for s in r.seqs]  # 1. running requests, oldest first
         for (req, seq), todo in zip(live, self._uncomputed([s for _, s in live])):
             if budget == 0 or len(items) >= self.config.max_num_seqs:
                 break
             if todo > 0:
                 items.append((req, seq, min(todo, budget)))
+                complete.append(todo <= budget)
                 budget -= items[-1][2]
+        if self.config.num_speculative_tokens:
+            budget -= self._propose_drafts(items, complete, budget)
         budget += self._run_step(items, batch, allow_preempt=True)
         admitted, swap_in = self._admit(budget, len(batch.seqs))  # 2. waiting requests
         self._run_step(admitted, batch, allow_preempt=False)
         batch.swap_out = np.concatenate(self._swap_out) if self._swap_out else None
         batch.swap_in = np.concatenate(swap_in) if swap_in else None
         return batch
+
+    def _propose_drafts(self, items: list[_Item], complete: list[bool], budget: int) -> int:
+        """Set ``seq.drafts`` of each item (prompt-lookup drafts, oldest request first, from
+        the token ``budget`` left); returns the draft tokens proposed.
+
+        Only a greedy single-sequence request (temperature 0, ``n == 1``, no beam search) whose
+        item schedules all its remaining tokens and has an output token gets drafts; ``k`` is
+        capped so that the ``k + 1`` tokens a verify step can emit stay within ``max_tokens``
+        and the model context.
+        """
+        used = 0
+        for (req, seq, _), whole in zip(items, complete):
+            k = min(self.config.num_speculative_tokens, budget - used)
+            p = req.params
+            out = len(seq.token_ids) - seq.num_prompt_tokens
+            if k <= 0 or not whole or out == 0 or not p.greedy or p.n != 1 or p.use_beam_search:
+                continue
+            k = min(k, p.max_tokens - out - 1, self.config.max_model_len - len(seq.token_ids) - 1)
+            seq.drafts = propose_ngram(seq.token_ids, k)
+            used += len(seq.drafts)
+        return used
 
     def _admit(self, budget: int, num_seqs: int) -> tuple[list[_Item], list[np.ndarray]]:
         """Move waiting requests to running, oldest first, while the budget, the sequence
@@ -280,8 +320,12 @@ class Scheduler:
         back by items that were not scheduled."""
         unused = 0
         while items:
+            drafts = [s.drafts for _, s, _ in items] if any(s.drafts for _, s, _ in items) else None
             out = self.manager.step(
-                [s.seq_id for _, s, _ in items], [t for _, _, t in items], [s.pending for _, s, _ in items]
+                [s.seq_id for _, s, _ in items],
+                [t for _, _, t in items],
+                [s.pending for _, s, _ in items],
+                draft_token_ids=drafts,
             )
             n = int(out.num_scheduled)
             self._record(items[:n], out, batch)
@@ -290,14 +334,24 @@ class Scheduler:
                 break
             if not isinstance(out.error, OutOfBlocksError):
                 raise out.error
+            if drafts is not None and any(s.drafts for _, s, _ in items):
+                # Drafts are an optimisation: drop them before preempting anyone for their blocks.
+                for _, s, _ in items:
+                    unused += len(s.drafts)
+                    s.drafts = []
+                continue
             victim = self._pick_victim(scheduled={id(r) for r in batch.requests}) if allow_preempt else None
             if victim is None:
                 # Nothing may be preempted now: the rest waits for the next step (requests
                 # admitted this step stay running and are scheduled first next time).
-                unused += sum(t for _, _, t in items)
+                unused += sum(t + len(s.drafts) for _, s, t in items)
+                for _, s, _ in items:
+                    s.drafts = []
                 break
             self.preempt(victim)
-            unused += sum(t for r, _, t in items if r is victim)
+            unused += sum(t + len(s.drafts) for r, s, t in items if r is victim)
+            for s in victim.seqs:
+                s.drafts = []
             items = [it for it in items if it[0] is not victim]
         return unused
 
@@ -308,13 +362,16 @@ class Scheduler:
         batch.steps.append(out)
         lens = out.seq_lens.tolist()
         cached = out.num_cached_tokens.tolist()
-        for (req, seq, _), seq_len, hit in zip(items, lens, cached):
+        num_drafts = out.num_draft_tokens.tolist()
+        for (req, seq, _), seq_len, hit, k in zip(items, lens, cached, num_drafts):
             seq.pending.clear()  # handed to the manager by this step
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = hit
             batch.seqs.append(seq)
             batch.requests.append(req)
-            batch.sample.append(seq_len == len(seq.token_ids))
+            batch.sample.append(seq_len - k == len(seq.token_ids))
+            batch.drafts.append(seq.drafts[:k])
+            seq.drafts = []
         for r in {id(r): r for r, _, _ in items}.values():
             if r.prefill_reserved and not any(self._uncomputed(r.seqs)):
                 r.prefill_reserved = False
