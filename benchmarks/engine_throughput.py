@@ -49,6 +49,17 @@ other targets without a rerun.
 
 Run: ``python benchmarks/engine_throughput.py`` (about 10-15 minutes on 2 cores). Prints a table
 and writes ``benchmarks/results/engine_throughput.json``.
+
+``--speculative K`` runs another comparison instead: the engine with prompt-lookup speculation
+(``speculative="ngram"``, ``K`` drafts) against the same engine without it, greedy, on
+``--spec-requests`` prompts of each of two workloads: ``copy`` (text the model is asked to
+repeat: numbered lines, then their first lines again, so the continuation is in the prompt;
+where prompt lookup pays) and ``random`` (the synthetic random-token prompts of ``equal``: the
+continuation is not in the prompt; where it should not pay). Both systems must produce the same
+tokens (checked). Prints the acceptance rate, tokens per verify, output tokens per step and the
+wall-time ratio (plain / speculative: above 1 is a speedup) and writes
+``benchmarks/results/engine_speculative.json``. ``--model tiny`` uses a random 2-layer Llama
+built on the fly (the engine tests' tiny model) instead of SmolLM2.
 """
 
 from __future__ import annotations
@@ -91,12 +102,20 @@ def equal_workload(n: int, prompt_len: int, out_len: int, vocab: int) -> Workloa
 
 
 def run_pagedkv(
-    hf: Any, tok: Any, work: Workload, args: argparse.Namespace, on_start: Callable[[], None] | None = None
+    hf: Any,
+    tok: Any,
+    work: Workload,
+    args: argparse.Namespace,
+    on_start: Callable[[], None] | None = None,
+    *,
+    num_speculative_tokens: int = 0,
 ) -> dict[str, Any]:
     """The pagedkv engine on ``work``; ``on_start`` is called after the warm-up, right before
-    the timed run."""
+    the timed run; ``num_speculative_tokens > 0`` turns on n-gram speculation with that many
+    drafts (and returns the output token ids under ``"tokens"``)."""
     from pagedkv.engine import LLMEngine, SamplingParams
 
+    spec = {"speculative": "ngram", "num_speculative_tokens": num_speculative_tokens} if num_speculative_tokens else {}
     engine = LLMEngine(
         hf,
         tokenizer=tok,
@@ -104,6 +123,7 @@ def run_pagedkv(
         block_size=args.block_size,
         max_tokens_per_step=args.max_tokens_per_step,
         device="cpu",
+        **spec,
     )
     engine.generate([work[0][0][:8]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     engine.reset_metrics()
@@ -120,14 +140,114 @@ def run_pagedkv(
         "wall_s": wall,
         "ttft_s": [o.first_token_time - t for o in outs],
         "tpot_s": [o.tpot_s for o in outs],
+        "tokens": [list(o.token_ids) for o in outs],
         "extra": {
             "steps": m.num_steps,
             "peak_blocks": m.peak_blocks_used,
             "preemptions": m.preemptions,
             "ttft_p50_s": m.ttft_p50_s,
             "tpot_p50_s": m.tpot_p50_s,
+            "spec_verifies": m.spec_verifies,
+            "spec_draft_tokens": m.spec_draft_tokens,
+            "spec_accepted_tokens": m.spec_accepted_tokens,
+            "spec_acceptance_rate": m.spec_acceptance_rate,
+            "spec_tokens_per_verify": m.spec_tokens_per_verify,
         },
     }
+
+
+SPEC_RESULTS = REPO / "benchmarks" / "results" / "engine_speculative.json"
+
+
+def copy_workload(tok: Any, n: int, out_len: int) -> Workload:
+    """``n`` prompts of 12 numbered lines of words, then the request to write them again and the
+    first line's opening: the continuation is in the prompt (where prompt lookup pays)."""
+    rng = np.random.default_rng(7)
+    words = "river stone apple cloud green table seven quiet orange paper window silver".split()
+    work: Workload = []
+    for _ in range(n):
+        lines = [f"{j + 1}. " + " ".join(rng.choice(words, size=6)) for j in range(12)]
+        text = "\n".join(lines) + "\n\nThe same list again, exactly:\n1."
+        work.append((list(tok(text)["input_ids"]), out_len))
+    return work
+
+
+def tiny_model() -> tuple[Any, Any]:
+    """The engine tests' tiny random Llama (tests/engine/engine_helpers.py), built in a temp dir."""
+    import tempfile
+
+    sys.path.insert(0, str(REPO / "tests" / "engine"))
+    from engine_helpers import build_tiny_model
+
+    b = build_tiny_model(Path(tempfile.mkdtemp(prefix="pagedkv-tiny-")))
+    return b.hf, b.tokenizer
+
+
+def run_speculative(hf: Any, tok: Any, args: argparse.Namespace) -> int:
+    """The ``--speculative K`` comparison (see the module docs); returns the exit status."""
+    k = args.speculative
+    vocab = hf.config.vocab_size
+    workloads = {
+        "copy": copy_workload(tok, args.spec_requests, args.spec_output),
+        "random": equal_workload(args.spec_requests, args.equal_prompt, args.spec_output, vocab),
+    }
+    results: dict[str, Any] = {
+        "machine": {"python": sys.version.split()[0], "torch": torch.__version__, "threads": args.threads},
+        "config": vars(args) | {"output": str(args.output)},
+        "workloads": {},
+    }
+    for wname, work in workloads.items():
+        walls: dict[str, list[float]] = {"plain": [], "ngram": []}
+        runs: dict[str, dict[str, Any]] = {}
+        for rnd in range(args.rounds):
+            for sname in ("plain", "ngram") if rnd % 2 == 0 else ("ngram", "plain"):
+                r = run_pagedkv(hf, tok, work, args, num_speculative_tokens=k if sname == "ngram" else 0)
+                walls[sname].append(r["wall_s"])
+                runs[sname] = r
+                print(f"[{wname}] round {rnd + 1}: {sname} {r['wall_s']:.2f} s", file=sys.stderr, flush=True)
+        if runs["plain"]["tokens"] != runs["ngram"]["tokens"]:
+            print(f"[{wname}] speculative outputs differ from plain decoding", file=sys.stderr)
+            return 1
+        out_tokens = sum(o for _, o in work)
+        x = runs["ngram"]["extra"]
+        results["workloads"][wname] = {
+            "requests": len(work),
+            "prompt_tokens": sum(len(p) for p, _ in work),
+            "output_tokens": out_tokens,
+            "walls_s": walls,
+            "wall_s": {s: min(w) for s, w in walls.items()},
+            "steps": {s: runs[s]["extra"]["steps"] for s in runs},
+            "output_tokens_per_step": {s: out_tokens / runs[s]["extra"]["steps"] for s in runs},
+            "acceptance_rate": x["spec_acceptance_rate"],
+            "draft_tokens": x["spec_draft_tokens"],
+            "accepted_tokens": x["spec_accepted_tokens"],
+            "tokens_per_verify": x["spec_tokens_per_verify"],
+            "wall_ratio_plain_over_ngram": min(walls["plain"]) / min(walls["ngram"]),
+        }
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"n-gram speculation (K={k}) vs plain greedy decoding, {args.model}, CPU, best of {args.rounds}")
+    for col in ("workload", "requests", "accepted / drafts", "tokens/verify", "tokens/step plain -> ngram",
+                "wall s plain / ngram", "speedup"):  # fmt: skip
+        t.add_column(col, justify="left" if col == "workload" else "right")
+    for wname, w in results["workloads"].items():
+        tps = w["output_tokens_per_step"]
+        t.add_row(
+            wname,
+            str(w["requests"]),
+            f"{w['accepted_tokens']} / {w['draft_tokens']} ({w['acceptance_rate']:.1%})",
+            f"{w['tokens_per_verify']:.2f}",
+            f"{tps['plain']:.2f} -> {tps['ngram']:.2f}",
+            f"{w['wall_s']['plain']:.2f} / {w['wall_s']['ngram']:.2f}",
+            f"{w['wall_ratio_plain_over_ngram']:.2f}x",
+        )
+    Console(width=max(Console().width, 150)).print(t)
+    out = SPEC_RESULTS if args.output == RESULTS else args.output
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
 
 
 class _StepClock(StoppingCriteria):
@@ -277,6 +397,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--slo-tpot", type=float, default=0.5, help="goodput's time-per-output-token target, seconds")
     ap.add_argument("--output", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="K",
+        help="instead: compare n-gram speculation with K drafts against plain greedy decoding "
+        "(writes benchmarks/results/engine_speculative.json unless --output)",
+    )
+    ap.add_argument("--spec-requests", type=int, default=8, help="prompts per workload of --speculative")
+    ap.add_argument("--spec-output", type=int, default=64, help="output tokens per request of --speculative")
+    ap.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2", help="model of --speculative")
     args = ap.parse_args(argv)
     try:
         slo = ServiceLevelObjective(ttft_s=args.slo_ttft, tpot_s=args.slo_tpot)
@@ -286,6 +417,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from pagedkv.engine.loader import load_hf_model
 
+    if args.speculative:
+        hf, tok = tiny_model() if args.model == "tiny" else load_hf_model()
+        return run_speculative(hf, tok, args)
     hf, tok = load_hf_model()
     vocab = hf.config.vocab_size
     workloads = {
