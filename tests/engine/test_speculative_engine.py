@@ -69,6 +69,35 @@ def test_greedy_outputs_identical_to_plain_decoding(tiny, plain, regime):
     assert_no_leak(engine)
 
 
+def test_drafts_are_dropped_before_anyone_is_preempted(tiny, plain):
+    # Small pool: when a step's drafts do not fit, the scheduler retries without drafts before it
+    # preempts a request for their blocks.
+    engine = _speculative(tiny, num_kv_blocks=40)
+    manager, events = engine.manager, []
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(manager, name)
+
+        def step(self, *a: Any, **kw: Any) -> Any:
+            out = manager.step(*a, **kw)
+            events.append(("step", kw.get("draft_token_ids") is not None, out.error is not None))
+            return out
+
+        def preempt(self, ids: Any) -> None:
+            events.append(("preempt", False, False))
+            manager.preempt(ids)
+
+    engine.scheduler.manager = Spy()  # type: ignore[assignment]
+    outs = engine.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW))
+    assert [list(o.token_ids) for o in outs] == plain
+    failed_with_drafts = [i for i, e in enumerate(events) if e == ("step", True, True)]
+    assert failed_with_drafts, "the pool never ran dry on a verify step"
+    assert all(events[i + 1][:2] == ("step", False) for i in failed_with_drafts), events
+    assert any(e[0] == "preempt" for e in events)
+    assert_no_leak(engine)
+
+
 @pytest.mark.parametrize("max_tokens", [1, 2, 3, 5, 6, 9])
 def test_max_tokens_cuts_exactly(tiny, max_tokens):
     prompts = [[12] * 12, [13] * 12]
