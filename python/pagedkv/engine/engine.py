@@ -8,6 +8,8 @@ One :meth:`LLMEngine.step`, end to end::
                                            #   varlen forward over the paged cache
     tokens = groups.sample(rows, logits)   # greedy / temperature / top-k / top-p; beam log-probs
     done   = groups.update(rows, tokens)   # append, fork n > 1 / beams, stop checks, free KV
+    done  += groups.verify(...)            # speculative="ngram" only: accept drafts, emit
+                                           #   accepted + bonus tokens (:mod:`.speculative`)
 
 The engine is wired from one module per concern: :mod:`.prompts` (intake and checks),
 :mod:`.registry` (request lifecycle and aborts), :mod:`.scheduler`, :mod:`.runner`,
