@@ -120,5 +120,23 @@ def test_verify_step_sliding_window(backend, block_size, window):
         out = reference.paged_attention(*case.attn_args(), softmax_scale=0.25, sliding_window=window)
     assert torch.isfinite(out).all()
     _close(out, want, torch.float32)
-    # The window does cut into these contexts (the case differs from full causal attention).
-    assert not torch.allclose(want, dense_attention(case, 0.25, None), atol=1e-3)
+    # The case tells per-row windows apart: every row of a sequence cut at its first row's
+    # window start (what a kernel masking only by its tile's KV range would compute) differs.
+    assert not torch.allclose(want, _dense_first_row_window(case, 0.25, window), atol=1e-3)
+
+
+def _dense_first_row_window(case, scale: float, window: int) -> torch.Tensor:
+    """Causal attention where every query row of a sequence sees from its first row's window
+    start on (a wrong answer the per-row window must not give), fp32 ``[T, Hq, D]``."""
+    outs = []
+    for b, (c, q) in enumerate(case.seqs):
+        s0 = int(case.query_start_loc[b])
+        rep = case.query.shape[1] // case.keys[b].shape[1]
+        k = case.keys[b].float().transpose(0, 1).repeat_interleave(rep, 0)
+        v = case.values[b].float().transpose(0, 1).repeat_interleave(rep, 0)
+        pos = torch.arange(c, c + q).unsqueeze(1)
+        kpos = torch.arange(c + q).unsqueeze(0)
+        mask = (kpos <= pos) & (kpos > c - window)
+        qq = case.query[s0 : s0 + q].float().transpose(0, 1)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(qq, k, v, attn_mask=mask, scale=scale))
+    return torch.cat([o.transpose(0, 1) for o in outs])
