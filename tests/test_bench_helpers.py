@@ -480,3 +480,61 @@ def test_cluster_sim_holds_a_turn_until_its_previous_turn_finishes():
     # Request 0: 4 prefill steps of 10 ms (TTFT 0.04 s), then 7 decode steps; the held turn
     # arrives when it finishes and prefills its 4 uncached tokens in one step (TTFT 0.01 s).
     assert held["ttft_mean_s"] == pytest.approx((0.04 + 0.01) / 2)
+
+
+def _hybrid_stream(n: int, shared: bool) -> common.Workload:
+    """``n`` requests of 600-2,100 prompt tokens (past Gemma 3's 512 window); with ``shared``,
+    Mooncake-style hash ids whose first two 512-token blocks are common to every request."""
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(600, 2100, n).astype(np.int64)
+    output = rng.integers(1, 40, n).astype(np.int64)
+    hash_ids = [[0, 1] + [1000 * r + k for k in range(2, -(-int(p) // 512))] for r, p in enumerate(prompt)]
+    return common.Workload(
+        "synthetic_shared" if shared else "synthetic_unique",
+        prompt,
+        output,
+        np.zeros(n),
+        hash_ids if shared else None,
+        "test",
+    )
+
+
+def test_hybrid_benchmark_quick_invariants():
+    """benchmarks/hybrid.py on tiny synthetic streams: a full-attention-only request holds
+    exactly ceil(tokens / 16) blocks of 18 layers; a hybrid one no more than its full group's
+    blocks plus 5 windows of blocks; hybrid <= full-only bytes and >= its concurrency in the same
+    pool; hit rates in [0, 1], dense retention serving the shared 1,024-token prefix."""
+    import hybrid  # noqa: PLC0415
+
+    unique, shared = _hybrid_stream(40, False), _hybrid_stream(40, True)
+    payload = hybrid.run([unique, shared], 64 * 2**20, use_vllm=False)
+    assert payload["hybrid_num_blocks"] == 64 * 2**20 // (3 * 16 * 1024)
+    assert payload["full_num_blocks"] == 64 * 2**20 // (18 * 16 * 1024)
+    tokens = unique.prompt_lens + unique.output_lens - 1
+    full_blocks = -(-tokens // 16)
+    res = payload["results"]["synthetic_unique"]["systems"]
+    assert res["vLLM hybrid"] is None  # not requested: its row is skipped
+    assert res["pagedkv full-only"]["kv_bytes_mean"] == pytest.approx(full_blocks.mean() * 18 * 16 * 1024)
+    window_blocks = -(-511 // 16) + 2
+    # A request with one output token leaves right after its prefill (one chunk), which wrote
+    # every prompt block of every group; later ones have released what fell out of the window.
+    sliding = np.where(unique.output_lens == 1, full_blocks, np.minimum(full_blocks, window_blocks))
+    bound = (full_blocks + 5 * sliding) * 3 * 16 * 1024
+    for name in ("pagedkv hybrid r=0", "pagedkv hybrid r=512", "pagedkv hybrid r=1024"):
+        assert res[name]["kv_bytes_p99"] <= np.percentile(bound, 99)
+        assert res[name]["kv_bytes_mean"] <= bound.mean()
+    for r in payload["results"].values():
+        systems = r["systems"]
+        full = systems["pagedkv full-only"]
+        for name in ("pagedkv hybrid r=0", "pagedkv hybrid r=512", "pagedkv hybrid r=1024"):
+            h = systems[name]
+            assert h["kv_bytes_mean"] <= full["kv_bytes_mean"]
+            assert h["kv_bytes_p99"] <= full["kv_bytes_p99"]
+            assert h["max_concurrent"] >= full["max_concurrent"]
+            assert 0.0 <= h["hit_rate"] <= 1.0 and h["ns_per_block_op"] > 0
+        assert 0.0 <= full["hit_rate"] <= 1.0
+    assert payload["results"]["synthetic_unique"]["systems"]["pagedkv hybrid r=0"]["hit_rate"] == 0.0
+    # 39 of the 40 requests can hit the 1,024 shared tokens (the first computes them).
+    dense = payload["results"]["synthetic_shared"]["systems"]["pagedkv hybrid r=0"]["hit_rate"]
+    assert dense >= 0.9 * 39 * 1024 / shared.prompt_lens.sum()
+    assert hybrid.goal(payload) == {"synthetic_unique": None, "synthetic_shared": None}
