@@ -50,7 +50,9 @@ Figures per system and trace:
   plus freed, ``2 * groups * ceil(tokens / 16)`` per request for the 6-group managers, the same
   denominator for pagedkv hybrid and vLLM, so their ratio is the ratio of manager CPU time.
   pagedkv's decodes go through one batched ``step`` per scheduler step; vLLM's through
-  ``allocate_slots`` per request as its scheduler calls it.
+  ``allocate_slots`` per request as its scheduler calls it. vLLM's timed admission includes
+  building its ``Request``, which hashes the prompt's blocks (pagedkv's ``add_sequence`` hashes
+  them too); both use sha256.
 
 Usage: ``target/vllm-venv/bin/python benchmarks/hybrid.py [--quick] [--requests N]
 [--pool-gib G] [--traces-dir DIR] [--no-vllm]``; writes ``results/hybrid.json`` and ``results/hybrid.png``.
