@@ -38,7 +38,7 @@ use crate::error::{Error, Result};
 use crate::events::{EventSink, KvEvent};
 use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
 use crate::kv_groups::{retained_at_interval, GroupSpec, HybridConfig};
-use crate::manager::{SeqStatus, SequenceSpec, StepRequest};
+use crate::manager::{validate_step, SeqStatus, SequenceSpec, StepRequest};
 use crate::pool::BlockPool;
 use crate::sync::Mutex;
 use crate::{BlockId, SeqId, NULL_BLOCK};
@@ -1693,42 +1693,4 @@ fn cpu_release(cpu: &mut CpuPool, table: &[BlockId]) {
             cpu.free.push(c);
         }
     }
-}
-
-fn validate_step(req: &StepRequest) -> Result<()> {
-    let n = req.seq_ids.len();
-    if req.num_new_tokens.len() != n {
-        return Err(Error::InvalidArgument {
-            arg: "num_new_tokens",
-            value: format!("len {}", req.num_new_tokens.len()),
-            reason: format!("must have one entry per sequence ({n})"),
-        });
-    }
-    if req.append_indptr.is_empty() {
-        if !req.append_tokens.is_empty() {
-            return Err(Error::InvalidArgument {
-                arg: "append_indptr",
-                value: "[]".into(),
-                reason: "append_tokens given without offsets".into(),
-            });
-        }
-        return Ok(());
-    }
-    let p = &req.append_indptr;
-    if p.len() != n + 1
-        || p[0] != 0
-        || p.windows(2).any(|w| w[0] > w[1])
-        || p[n] as usize != req.append_tokens.len()
-    {
-        return Err(Error::InvalidArgument {
-            arg: "append_indptr",
-            value: format!("{p:?}"),
-            reason: format!(
-                "must be {} non-decreasing offsets from 0 to len(append_tokens) = {}",
-                n + 1,
-                req.append_tokens.len()
-            ),
-        });
-    }
-    Ok(())
 }

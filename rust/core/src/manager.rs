@@ -1842,7 +1842,9 @@ fn duplicate_id(ids: &[SeqId], slots: &[Option<u32>], num_slots: usize) -> Optio
     None
 }
 
-fn validate_step(req: &StepRequest) -> Result<()> {
+/// Checks a [`StepRequest`]'s array lengths and offsets (shared by [`KvCacheManager`] and the
+/// KV cache groups manager).
+pub(crate) fn validate_step(req: &StepRequest) -> Result<()> {
     let n = req.seq_ids.len();
     if req.num_new_tokens.len() != n {
         return Err(Error::InvalidArgument {
