@@ -38,7 +38,7 @@ use crate::error::{Error, Result};
 use crate::events::{EventSink, KvEvent};
 use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
 use crate::kv_groups::{retained_at_interval, GroupSpec, HybridConfig};
-use crate::manager::{validate_step, SeqStatus, SequenceSpec, StepRequest};
+use crate::manager::{validate_new_sequence, validate_step, SeqStatus, SequenceSpec, StepRequest};
 use crate::pool::BlockPool;
 use crate::sync::Mutex;
 use crate::{BlockId, SeqId, NULL_BLOCK};
@@ -491,25 +491,7 @@ impl HybridManager {
     /// Registers a sequence with its prompt. Errors: [`Error::SequenceExists`];
     /// [`Error::InvalidArgument`] for an empty prompt or a malformed multimodal item. O(prompt).
     pub fn add_sequence(&self, seq: SeqId, prompt: Vec<u32>, spec: SequenceSpec) -> Result<()> {
-        if prompt.is_empty() {
-            return Err(Error::InvalidArgument {
-                arg: "prompt",
-                value: "[]".into(),
-                reason: "a sequence needs at least one token".into(),
-            });
-        }
-        for item in &spec.mm_items {
-            if item.len == 0
-                || item.start.checked_add(item.len).is_none()
-                || item.start > i64::MAX as u64
-            {
-                return Err(Error::InvalidArgument {
-                    arg: "mm_items",
-                    value: format!("start={} len={}", item.start, item.len),
-                    reason: "a multimodal item needs len >= 1 and a range that fits in i64".into(),
-                });
-            }
-        }
+        validate_new_sequence(&prompt, &spec)?;
         let mut st = self.state.lock();
         if st.seqs.contains_key(&seq) {
             return Err(Error::SequenceExists { seq_id: seq });

@@ -482,25 +482,7 @@ impl KvCacheManager {
         prompt: Vec<u32>,
         spec: SequenceSpec,
     ) -> Result<()> {
-        if prompt.is_empty() {
-            return Err(Error::InvalidArgument {
-                arg: "prompt",
-                value: "[]".into(),
-                reason: "a sequence needs at least one token".into(),
-            });
-        }
-        for item in &spec.mm_items {
-            if item.len == 0
-                || item.start.checked_add(item.len).is_none()
-                || item.start > i64::MAX as u64
-            {
-                return Err(Error::InvalidArgument {
-                    arg: "mm_items",
-                    value: format!("start={} len={}", item.start, item.len),
-                    reason: "a multimodal item needs len >= 1 and a range that fits in i64".into(),
-                });
-            }
-        }
+        validate_new_sequence(&prompt, &spec)?;
         let mut st = self.state.lock();
         if st.seqs.contains_key(&seq) {
             return Err(Error::SequenceExists { seq_id: seq });
@@ -1840,6 +1822,31 @@ fn duplicate_id(ids: &[SeqId], slots: &[Option<u32>], num_slots: usize) -> Optio
         }
     }
     None
+}
+
+/// Checks a new sequence's prompt (at least one token) and its multimodal items (len >= 1, a
+/// range that fits in i64), shared by [`KvCacheManager`] and the KV cache groups manager.
+pub(crate) fn validate_new_sequence(prompt: &[u32], spec: &SequenceSpec) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(Error::InvalidArgument {
+            arg: "prompt",
+            value: "[]".into(),
+            reason: "a sequence needs at least one token".into(),
+        });
+    }
+    for item in &spec.mm_items {
+        if item.len == 0
+            || item.start.checked_add(item.len).is_none()
+            || item.start > i64::MAX as u64
+        {
+            return Err(Error::InvalidArgument {
+                arg: "mm_items",
+                value: format!("start={} len={}", item.start, item.len),
+                reason: "a multimodal item needs len >= 1 and a range that fits in i64".into(),
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Checks a [`StepRequest`]'s array lengths and offsets (shared by [`KvCacheManager`] and the
