@@ -129,7 +129,7 @@ fn replay(sets: &mut Vec<HashSet<BlockHash>>, m: &HybridManager) {
                     assert!(sets[g as usize].insert(h), "group {g}: hash stored twice");
                 }
             }
-            (Some(g), KvEvent::BlockRemoved { block_hashes }) => {
+            (Some(g), KvEvent::BlockRemoved { block_hashes, .. }) => {
                 for h in block_hashes {
                     assert!(
                         sets[g as usize].remove(&h),

@@ -10,7 +10,7 @@
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use pagedkv_core::events::{EventSink, KvEvent};
+use pagedkv_core::events::{EventSink, KvEvent, Tier};
 use pagedkv_core::pool::{BlockPool, PoolCounters};
 use pagedkv_core::{BlockHash, BlockId, Error};
 use std::collections::VecDeque;
@@ -169,7 +169,7 @@ fn run(input: Input) {
                     }
                     m.counters.evictions += evictions;
                     if !unresolvable.is_empty() {
-                        want_events.push(KvEvent::BlockRemoved { block_hashes: unresolvable });
+                        want_events.push(KvEvent::BlockRemoved { block_hashes: unresolvable, tier: Tier::Device });
                     }
                     if k > 0 {
                         m.counters.allocations += k as u64;

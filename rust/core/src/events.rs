@@ -23,6 +23,39 @@
 use crate::hashing::{BlockHash, ExtraKey};
 use crate::sync::Mutex;
 
+/// The tier of the prefix cache an event is about: the device pool (the blocks the kernels
+/// read) or the host-memory second tier ([`crate::host_tier`]). The set semantics of the
+/// contract hold per tier: a hash can be resolvable on the device, on the host, or both, and
+/// each tier announces its own `BlockStored` / `BlockRemoved`. vLLM's events name the same
+/// thing `medium` (`"GPU"` / `"CPU"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Tier {
+    /// The device block pool.
+    #[default]
+    Device,
+    /// The host-memory tier.
+    Host,
+}
+
+impl Tier {
+    /// `"device"` or `"host"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+        }
+    }
+
+    /// Parses `"device"` or `"host"`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "device" => Some(Tier::Device),
+            "host" => Some(Tier::Host),
+            _ => None,
+        }
+    }
+}
+
 /// One KV cache event.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
@@ -39,10 +72,17 @@ pub enum KvEvent {
         /// names its hash algorithm and seed (the engine's cache identity). `None` for events
         /// from engines that do not say (vLLM's wire events).
         hash_root: Option<BlockHash>,
+        /// The tier in which the hashes became resolvable.
+        tier: Tier,
     },
-    /// Hashes stopped being resolvable: the last block carrying each was evicted.
-    BlockRemoved { block_hashes: Vec<BlockHash> },
-    /// The prefix cache was reset.
+    /// Hashes stopped being resolvable in `tier`: the last block carrying each there was
+    /// evicted.
+    BlockRemoved {
+        block_hashes: Vec<BlockHash>,
+        /// The tier the hashes left.
+        tier: Tier,
+    },
+    /// The prefix cache was reset: every tier (device and host) is empty.
     AllBlocksCleared,
 }
 

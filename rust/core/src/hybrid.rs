@@ -35,7 +35,7 @@
 //! pool must not be mutated behind the manager's back. Every failing call changes nothing.
 
 use crate::error::{Error, Result};
-use crate::events::{EventSink, KvEvent};
+use crate::events::{EventSink, KvEvent, Tier};
 use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
 use crate::kv_groups::{retained_at_interval, GroupSpec, HybridConfig};
 use crate::manager::{validate_new_sequence, validate_step, SeqStatus, SequenceSpec, StepRequest};
@@ -1566,6 +1566,7 @@ impl HybridManager {
                     block_size: spec.block_size,
                     extra_keys: keys_j,
                     hash_root: Some(self.hasher.root()),
+                    tier: Tier::Device,
                 },
             ));
             self.note_owner(keys[i], g, plain, ev);
@@ -1606,7 +1607,7 @@ impl HybridManager {
                 Pending::Owner(key, g, plain) => {
                     st.key_owner.insert(key, (g, plain));
                 }
-                Pending::Pool(KvEvent::BlockRemoved { block_hashes }) => {
+                Pending::Pool(KvEvent::BlockRemoved { block_hashes, .. }) => {
                     let mut per_group: Vec<(u32, Vec<BlockHash>)> = Vec::new();
                     for key in block_hashes {
                         let Some((g, plain)) = st.key_owner.remove(&key) else {
@@ -1622,6 +1623,7 @@ impl HybridManager {
                             group: Some(g),
                             event: KvEvent::BlockRemoved {
                                 block_hashes: hashes,
+                                tier: Tier::Device,
                             },
                         });
                     }

@@ -80,7 +80,7 @@
 pub mod vllm_event;
 
 use crate::error::{Error, Result};
-use crate::events::KvEvent;
+use crate::events::{KvEvent, Tier};
 use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
 use crate::kv_groups::AttentionKind;
 use crate::manager::SequenceSpec;
@@ -193,6 +193,18 @@ impl SlotSet {
         self.lo == 0 && self.hi.iter().all(|&w| w == 0)
     }
 
+    /// `self ∪ other`.
+    fn union(&self, other: &SlotSet) -> SlotSet {
+        let n = self.hi.len().max(other.hi.len());
+        let word = |v: &Vec<u64>, i: usize| v.get(i).copied().unwrap_or(0);
+        SlotSet {
+            lo: self.lo | other.lo,
+            hi: (0..n)
+                .map(|i| word(&self.hi, i) | word(&other.hi, i))
+                .collect(),
+        }
+    }
+
     /// `self ∩ other` into `keep` and `self \ other` into `drop`.
     fn split(&self, other: &SlotSet, keep: &mut SlotSet, drop: &mut SlotSet) {
         keep.lo = self.lo & other.lo;
@@ -240,8 +252,11 @@ struct Worker {
     indexed_group: Option<u64>,
     /// Sequence number of the next batch to apply; `None` before the first batch.
     next_seq: Option<u64>,
-    /// Indexer-side hashes held.
+    /// Indexer-side hashes held on the device ([`Tier::Device`] events).
     blocks: HashSet<BlockHash>,
+    /// Indexer-side hashes held in the worker's host tier only as far as its
+    /// [`Tier::Host`] events say (a hash may be in both sets).
+    host_blocks: HashSet<BlockHash>,
     /// `HashSource::Tokens` only: engine hash → indexer hash and the chain's cache salt.
     engine_to_local: HashMap<BlockHash, LocalBlock>,
     pending: BTreeMap<u64, Vec<KvEvent>>,
@@ -258,8 +273,10 @@ pub struct WorkerStatus {
     pub incarnation: Incarnation,
     /// Where its hashes come from.
     pub source: HashSource,
-    /// Distinct block hashes held.
+    /// Distinct block hashes held on the device.
     pub num_blocks: usize,
+    /// Distinct block hashes held in the worker's host tier ([`Tier::Host`] events).
+    pub num_host_blocks: usize,
     /// Sequence number of the next batch expected (`None` before the first).
     pub next_seq: Option<u64>,
     /// Batches waiting in the reorder buffer.
@@ -278,6 +295,8 @@ pub struct KvIndexer {
     block_size: u32,
     max_pending: usize,
     holders: HashMap<BlockHash, SlotSet>,
+    /// As `holders`, for the workers' host tiers.
+    host_holders: HashMap<BlockHash, SlotSet>,
     slots: Vec<Option<Worker>>,
     slot_of: HashMap<WorkerId, usize>,
     next_incarnation: Incarnation,
@@ -304,6 +323,7 @@ impl KvIndexer {
             block_size,
             max_pending,
             holders: HashMap::default(),
+            host_holders: HashMap::default(),
             slots: Vec::new(),
             slot_of: HashMap::default(),
             next_incarnation: 1,
@@ -400,6 +420,7 @@ impl KvIndexer {
             indexed_group,
             next_seq: None,
             blocks: HashSet::default(),
+            host_blocks: HashSet::default(),
             engine_to_local: HashMap::default(),
             pending: BTreeMap::new(),
             needs_resync: false,
@@ -439,6 +460,7 @@ impl KvIndexer {
             incarnation: w.incarnation,
             source: w.source,
             num_blocks: w.blocks.len(),
+            num_host_blocks: w.host_blocks.len(),
             next_seq: w.next_seq,
             num_pending: w.pending.len(),
             needs_resync: w.needs_resync,
@@ -676,7 +698,7 @@ impl KvIndexer {
         };
         self.clear_slot(slot);
         for h in hashes {
-            self.store(slot, *h);
+            self.store(slot, Tier::Device, *h);
         }
         let w = self.slots[slot].as_mut().expect("registered slot");
         w.next_seq = Some(seq + 1);
@@ -707,17 +729,19 @@ impl KvIndexer {
                     parent_block_hash,
                     token_ids,
                     extra_keys,
+                    tier,
                     ..
                 } => self.apply_stored(
                     slot,
+                    *tier,
                     block_hashes,
                     parent_block_hash.as_ref(),
                     token_ids,
                     extra_keys,
                 ),
-                KvEvent::BlockRemoved { block_hashes } => {
+                KvEvent::BlockRemoved { block_hashes, tier } => {
                     for h in block_hashes {
-                        self.apply_removed(slot, h);
+                        self.apply_removed(slot, *tier, h);
                     }
                 }
                 KvEvent::AllBlocksCleared => self.clear_slot(slot),
@@ -728,6 +752,7 @@ impl KvIndexer {
     fn apply_stored(
         &mut self,
         slot: usize,
+        tier: Tier,
         hashes: &[BlockHash],
         parent: Option<&BlockHash>,
         tokens: &[u32],
@@ -736,7 +761,7 @@ impl KvIndexer {
         let w = self.slots[slot].as_ref().expect("registered slot");
         if w.source == HashSource::Engine {
             for h in hashes {
-                self.store(slot, *h);
+                self.store(slot, tier, *h);
             }
             return;
         }
@@ -766,12 +791,12 @@ impl KvIndexer {
                 salt: salt.clone(),
             };
             w.engine_to_local.insert(*h, link);
-            self.store(slot, local);
+            self.store(slot, tier, local);
             local_parent = Some(local);
         }
     }
 
-    fn apply_removed(&mut self, slot: usize, engine_hash: &BlockHash) {
+    fn apply_removed(&mut self, slot: usize, tier: Tier, engine_hash: &BlockHash) {
         let w = self.slots[slot].as_mut().expect("registered slot");
         let local = match w.source {
             HashSource::Engine => *engine_hash,
@@ -780,39 +805,60 @@ impl KvIndexer {
                 None => return,
             },
         };
-        if w.source == HashSource::Tokens {
+        let blocks = match tier {
+            Tier::Device => &mut w.blocks,
+            Tier::Host => &mut w.host_blocks,
+        };
+        // Not held: stored before we joined, in a lost batch, or removed already.
+        let held = blocks.remove(&local);
+        // The engine -> indexer hash link serves both tiers: kept while either holds it.
+        if w.source == HashSource::Tokens
+            && !w.blocks.contains(&local)
+            && !w.host_blocks.contains(&local)
+        {
             w.engine_to_local.remove(engine_hash);
         }
-        // Not held: stored before we joined, in a lost batch, or removed already.
-        if w.blocks.remove(&local) {
-            self.unhold(slot, &local);
+        if held {
+            self.unhold(slot, tier, &local);
         }
     }
 
-    fn store(&mut self, slot: usize, local: BlockHash) {
+    fn store(&mut self, slot: usize, tier: Tier, local: BlockHash) {
         let w = self.slots[slot].as_mut().expect("registered slot");
+        let (blocks, holders) = match tier {
+            Tier::Device => (&mut w.blocks, &mut self.holders),
+            Tier::Host => (&mut w.host_blocks, &mut self.host_holders),
+        };
         // A hash held already (re-announced) changes nothing: see the module docs.
-        if w.blocks.insert(local) {
-            self.holders.entry(local).or_default().insert(slot);
+        if blocks.insert(local) {
+            holders.entry(local).or_default().insert(slot);
         }
     }
 
-    fn unhold(&mut self, slot: usize, local: &BlockHash) {
-        if let Some(set) = self.holders.get_mut(local) {
+    fn unhold(&mut self, slot: usize, tier: Tier, local: &BlockHash) {
+        let holders = match tier {
+            Tier::Device => &mut self.holders,
+            Tier::Host => &mut self.host_holders,
+        };
+        if let Some(set) = holders.get_mut(local) {
             set.remove(slot);
             if set.is_empty() {
-                self.holders.remove(local);
+                holders.remove(local);
             }
         }
     }
 
-    /// Drops every entry of the worker in `slot` (keeps its sequence state).
+    /// Drops every entry of the worker in `slot`, both tiers (keeps its sequence state).
     fn clear_slot(&mut self, slot: usize) {
         let w = self.slots[slot].as_mut().expect("registered slot");
         let blocks = std::mem::take(&mut w.blocks);
+        let host_blocks = std::mem::take(&mut w.host_blocks);
         w.engine_to_local.clear();
         for h in &blocks {
-            self.unhold(slot, h);
+            self.unhold(slot, Tier::Device, h);
+        }
+        for h in &host_blocks {
+            self.unhold(slot, Tier::Host, h);
         }
     }
 
@@ -820,19 +866,57 @@ impl KvIndexer {
     /// block hashes, in order) it holds: `(worker, blocks)` pairs in slot order, zeros
     /// included. O(len(hashes) × ⌈workers/64⌉ + workers).
     pub fn overlap_hashes(&self, hashes: &[BlockHash]) -> Vec<(WorkerId, usize)> {
+        let depth = self.depths(hashes, |h| self.holders.get(h).map(Cow::Borrowed));
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(s, w)| w.as_ref().map(|w| (w.id, depth[s])))
+            .collect()
+    }
+
+    /// Per tier, for every registered worker: `(worker, device, any_tier)`, where `device` is
+    /// [`Self::overlap_hashes`]'s figure (leading blocks held on the device) and `any_tier`
+    /// the leading blocks held on the device or in the worker's host tier (a pagedkv lookup
+    /// continues past its device hits into its host tier and loads those blocks instead of
+    /// recomputing them: see docs/design.md, "Host tier"). `any_tier >= device`; in slot
+    /// order, zeros included. O(len(hashes) × ⌈workers/64⌉ + workers).
+    pub fn overlap_hashes_by_tier(&self, hashes: &[BlockHash]) -> Vec<(WorkerId, usize, usize)> {
+        let device = self.depths(hashes, |h| self.holders.get(h).map(Cow::Borrowed));
+        let any = self.depths(hashes, |h| {
+            match (self.holders.get(h), self.host_holders.get(h)) {
+                (None, None) => None,
+                (Some(d), None) => Some(Cow::Borrowed(d)),
+                (None, Some(x)) => Some(Cow::Borrowed(x)),
+                (Some(d), Some(x)) => Some(Cow::Owned(d.union(x))),
+            }
+        });
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(s, w)| w.as_ref().map(|w| (w.id, device[s], any[s])))
+            .collect()
+    }
+
+    /// Per slot, how many leading hashes it holds, with `holders_of` giving the slots that
+    /// hold one hash (`None`: no slot).
+    fn depths<'a>(
+        &'a self,
+        hashes: &[BlockHash],
+        holders_of: impl Fn(&BlockHash) -> Option<Cow<'a, SlotSet>>,
+    ) -> Vec<usize> {
         let mut depth = vec![0usize; self.slots.len()];
-        let mut active = match hashes.first().and_then(|h| self.holders.get(h)) {
-            Some(set) => set.clone(),
+        let mut active = match hashes.first().and_then(&holders_of) {
+            Some(set) => set.into_owned(),
             None => SlotSet::default(),
         };
         let (mut keep, mut dropped) = (SlotSet::default(), SlotSet::default());
         // Invariant: every slot in `active` holds hashes[..k].
         let mut k = 1;
         while !active.is_empty() && k < hashes.len() {
-            match self.holders.get(&hashes[k]) {
+            match holders_of(&hashes[k]) {
                 None => break,
                 Some(set) => {
-                    active.split(set, &mut keep, &mut dropped);
+                    active.split(&set, &mut keep, &mut dropped);
                     dropped.for_each(|s| depth[s] = k);
                     std::mem::swap(&mut active, &mut keep);
                 }
@@ -840,11 +924,7 @@ impl KvIndexer {
             k += 1;
         }
         active.for_each(|s| depth[s] = k);
-        self.slots
-            .iter()
-            .enumerate()
-            .filter_map(|(s, w)| w.as_ref().map(|w| (w.id, depth[s])))
-            .collect()
+        depth
     }
 
     /// Chained hashes of the first `num_blocks` full blocks of `tokens` with `spec`'s extra
@@ -928,12 +1008,14 @@ mod tests {
             block_size: 4,
             extra_keys: Vec::new(),
             hash_root: None,
+            tier: Tier::Device,
         }
     }
 
     fn removed(hs: &[u8]) -> KvEvent {
         KvEvent::BlockRemoved {
             block_hashes: hs.iter().map(|&i| h(i)).collect(),
+            tier: Tier::Device,
         }
     }
 
@@ -943,6 +1025,63 @@ mod tests {
 
     fn overlap(ix: &KvIndexer, hs: &[u8]) -> Vec<(WorkerId, usize)> {
         ix.overlap_hashes(&hs.iter().map(|&i| h(i)).collect::<Vec<_>>())
+    }
+
+    fn on_host(ev: KvEvent) -> KvEvent {
+        match ev {
+            KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                extra_keys,
+                hash_root,
+                ..
+            } => KvEvent::BlockStored {
+                block_hashes,
+                parent_block_hash,
+                token_ids,
+                block_size,
+                extra_keys,
+                hash_root,
+                tier: Tier::Host,
+            },
+            KvEvent::BlockRemoved { block_hashes, .. } => KvEvent::BlockRemoved {
+                block_hashes,
+                tier: Tier::Host,
+            },
+            e => e,
+        }
+    }
+
+    fn by_tier(ix: &KvIndexer, hs: &[u8]) -> Vec<(WorkerId, usize, usize)> {
+        ix.overlap_hashes_by_tier(&hs.iter().map(|&i| h(i)).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn host_residency_is_a_separate_figure() {
+        let mut ix = idx(0);
+        // Worker 7: blocks 1, 2 on the device, 3 only in its host tier. Worker 9: 1 on host.
+        ix.apply_batch(7, None, 0, vec![stored(&[1, 2]), on_host(stored(&[2, 3]))])
+            .unwrap();
+        ix.apply_batch(9, None, 0, vec![on_host(stored(&[1]))])
+            .unwrap();
+        // Device figures unchanged by host events.
+        assert_eq!(overlap(&ix, &[1, 2, 3]), vec![(7, 2), (9, 0)]);
+        assert_eq!(by_tier(&ix, &[1, 2, 3]), vec![(7, 2, 3), (9, 0, 1)]);
+        assert_eq!(ix.worker_status(7).unwrap().num_blocks, 2);
+        assert_eq!(ix.worker_status(7).unwrap().num_host_blocks, 2);
+        // A host removal leaves the device copy; a device removal leaves the host copy.
+        ix.apply_batch(7, None, 1, vec![on_host(removed(&[2])), removed(&[1])])
+            .unwrap();
+        assert_eq!(by_tier(&ix, &[1, 2, 3]), vec![(7, 0, 0), (9, 0, 1)]);
+        assert_eq!(by_tier(&ix, &[2, 3]), vec![(7, 1, 2), (9, 0, 0)]);
+        // A reset clears both tiers.
+        ix.apply_batch(7, None, 2, vec![KvEvent::AllBlocksCleared])
+            .unwrap();
+        assert_eq!(by_tier(&ix, &[2, 3]), vec![(7, 0, 0), (9, 0, 0)]);
+        assert_eq!(ix.worker_status(7).unwrap().num_host_blocks, 0);
+        assert_eq!(ix.num_hashes(), 0);
     }
 
     #[test]
@@ -1049,6 +1188,7 @@ mod tests {
             block_size: 2,
             extra_keys: Vec::new(),
             hash_root: None,
+            tier: Tier::Device,
         };
         ix.apply_batch(5, None, 0, vec![ev(), ev()]).unwrap();
         ix.apply_batch(5, None, 1, vec![removed(&[100])]).unwrap();
@@ -1210,6 +1350,7 @@ mod tests {
             block_size: 2,
             extra_keys: Vec::new(),
             hash_root: None,
+            tier: Tier::Device,
         };
         ix.apply_batch(5, None, 0, vec![ev]).unwrap();
         let child = KvEvent::BlockStored {
@@ -1219,6 +1360,7 @@ mod tests {
             block_size: 2,
             extra_keys: Vec::new(),
             hash_root: None,
+            tier: Tier::Device,
         };
         ix.apply_batch(5, None, 1, vec![child]).unwrap();
         let spec = SequenceSpec::default();
@@ -1241,6 +1383,7 @@ mod tests {
             block_size: 2,
             extra_keys: Vec::new(),
             hash_root: None,
+            tier: Tier::Device,
         };
         ix.apply_batch(5, None, 3, vec![orphan]).unwrap();
         assert_eq!(ix.worker_status(5).unwrap().num_blocks, 2);
@@ -1259,6 +1402,7 @@ mod tests {
                 block_size: 2,
                 extra_keys: keys,
                 hash_root: None,
+                tier: Tier::Device,
             }
         };
         let mut ix = KvIndexer::new(2, PrefixHasher::default(), 0).unwrap();
@@ -1322,6 +1466,7 @@ mod tests {
             block_size: 8,
             extra_keys: vec![],
             hash_root: None,
+            tier: Tier::Device,
         };
         let err = ix
             .apply_batch(1, None, 0, vec![stored(&[2]), wrong_bs])
@@ -1336,6 +1481,7 @@ mod tests {
             block_size: 4,
             extra_keys: vec![],
             hash_root: None,
+            tier: Tier::Device,
         };
         assert!(ix.apply_batch(2, None, 0, vec![short]).is_err());
         assert_eq!(ix.worker_status(2).unwrap().next_seq, None);

@@ -20,7 +20,7 @@
 //! [`BlockId`]s (GPU ids `1..num_blocks`, CPU swap ids `0..num_cpu_blocks`).
 
 use crate::error::{Error, Result};
-use crate::events::{EventSink, KvEvent};
+use crate::events::{EventSink, KvEvent, Tier};
 use crate::hashing::{BlockHash, ChainJob, ExtraKey, HashAlgo, PrefixHasher};
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
@@ -1759,6 +1759,7 @@ impl KvCacheManager {
                 block_size: self.cfg.block_size,
                 extra_keys: keys.into_owned(),
                 hash_root: Some(self.hasher.root()),
+                tier: Tier::Device,
             });
         }
         if let Some(ev) = pending {

@@ -31,7 +31,7 @@
 use std::sync::Arc as StdArc;
 
 use crate::error::{Error, Result};
-use crate::events::{EventSink, KvEvent};
+use crate::events::{EventSink, KvEvent, Tier};
 use crate::free_list::FreeStack;
 use crate::hashing::BlockHash;
 use crate::prefix_index::PrefixIndex;
@@ -336,6 +336,7 @@ impl BlockPool {
             if !unresolvable.is_empty() {
                 self.events.push(KvEvent::BlockRemoved {
                     block_hashes: unresolvable,
+                    tier: Tier::Device,
                 });
             }
             drop(locked);

@@ -389,7 +389,7 @@ fn events_name_their_group_and_full_attention_hashes_match_the_one_group_manager
     let mut gone: Vec<(u32, usize)> = removed
         .iter()
         .map(|e| match &e.event {
-            KvEvent::BlockRemoved { block_hashes } => (e.group.unwrap(), block_hashes.len()),
+            KvEvent::BlockRemoved { block_hashes, .. } => (e.group.unwrap(), block_hashes.len()),
             _ => unreachable!(),
         })
         .collect();
@@ -401,7 +401,7 @@ fn events_name_their_group_and_full_attention_hashes_match_the_one_group_manager
         .iter()
         .filter(|e| e.group == Some(0))
         .flat_map(|e| match &e.event {
-            KvEvent::BlockRemoved { block_hashes } => block_hashes.clone(),
+            KvEvent::BlockRemoved { block_hashes, .. } => block_hashes.clone(),
             _ => vec![],
         })
         .collect();

@@ -1,7 +1,7 @@
 //! Unit tests for each manager rule: prefix hits, chunked prefill, errors, fork, preemption,
 //! swap, reset, events, the batched step and stats. Exact values throughout.
 
-use pagedkv_core::events::KvEvent;
+use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::{
     BlockHash, BlockId, CacheConfig, Error, ExtraKey, KvCacheManager, MmItem, PrefixHasher,
     SeqStatus, SequenceSpec, StepOptions, StepOutput, StepRequest,
@@ -508,6 +508,7 @@ fn block_stored_events_carry_the_hash_chain() {
             block_size: 4,
             extra_keys: salt.clone(),
             hash_root: Some(h.root()),
+            tier: Tier::Device,
         }]
     );
     m.append_tokens(1, &[20, 21, 22]).unwrap();
@@ -522,6 +523,7 @@ fn block_stored_events_carry_the_hash_chain() {
             block_size: 4,
             extra_keys: salt,
             hash_root: Some(h.root()),
+            tier: Tier::Device,
         }]
     );
     assert_eq!(m.pool().block_hash(3), Some(h2));

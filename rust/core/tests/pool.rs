@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use pagedkv_core::events::{EventSink, KvEvent};
+use pagedkv_core::events::{EventSink, KvEvent, Tier};
 use pagedkv_core::hashing::BlockHash;
 use pagedkv_core::pool::{BlockPool, PoolCounters, MAX_BLOCKS};
 use pagedkv_core::{BlockId, Error, NULL_BLOCK};
@@ -122,7 +122,8 @@ fn cached_blocks_go_to_lru_back_and_are_evicted_from_the_front_only_when_no_unca
     assert_eq!(
         events.drain(),
         vec![KvEvent::BlockRemoved {
-            block_hashes: vec![h(3)]
+            block_hashes: vec![h(3)],
+            tier: Tier::Device
         }]
     );
     assert_eq!(p.free_queue(), vec![2, 1]);
@@ -138,7 +139,8 @@ fn cached_blocks_go_to_lru_back_and_are_evicted_from_the_front_only_when_no_unca
     assert_eq!(
         events.drain(),
         vec![KvEvent::BlockRemoved {
-            block_hashes: vec![h(2), h(1), h(5)]
+            block_hashes: vec![h(2), h(1), h(5)],
+            tier: Tier::Device
         }]
     );
     assert_eq!(p.counters().evictions, 4);
@@ -477,7 +479,8 @@ fn s2_reused_block_carries_no_stale_hash() {
     assert_eq!(
         events.drain(),
         vec![KvEvent::BlockRemoved {
-            block_hashes: vec![h(0xAB)]
+            block_hashes: vec![h(0xAB)],
+            tier: Tier::Device
         }]
     );
     ok(&p);

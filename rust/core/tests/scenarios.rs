@@ -1,6 +1,6 @@
 //! Regression scenarios S1, S2, S3, S4, S7, S8 (docs/design.md, "Regression scenarios"), each asserting exact values.
 
-use pagedkv_core::events::KvEvent;
+use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::{BlockHash, BlockId, CacheConfig, Error, KvCacheManager, SequenceSpec};
 
 fn manager(num_blocks: u32, block_size: u32, caching: bool) -> KvCacheManager {
@@ -131,7 +131,8 @@ fn s2_reused_block_carries_no_stale_hash() {
     assert_eq!(
         events[0],
         KvEvent::BlockRemoved {
-            block_hashes: vec![old]
+            block_hashes: vec![old],
+            tier: Tier::Device
         }
     );
     m.check_invariants().unwrap();

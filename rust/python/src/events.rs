@@ -1,7 +1,7 @@
 //! KV cache events as frozen Python objects: `BlockStored`, `BlockRemoved`, `AllBlocksCleared`
 //! (the schema serving routers consume). Hashes are 32-byte `bytes`.
 
-use pagedkv_core::events::KvEvent;
+use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::{BlockHash, ExtraKey};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
@@ -42,6 +42,7 @@ pub(crate) struct PyBlockStored {
     block_size: u32,
     extra_keys: Vec<ExtraKey>,
     hash_root: Option<BlockHash>,
+    tier: Tier,
 }
 
 #[pymethods]
@@ -89,18 +90,26 @@ impl PyBlockStored {
         self.hash_root.as_ref().map(|h| hash_bytes(py, h))
     }
 
+    /// The prefix-cache tier the blocks became resolvable in: ``"device"`` (the block pool)
+    /// or ``"host"`` (the host-memory tier; vLLM's ``medium`` ``"CPU"``).
+    #[getter]
+    fn tier(&self) -> &'static str {
+        self.tier.name()
+    }
+
     fn __repr__(&self) -> String {
         let short = |h: Option<BlockHash>| {
             h.map(|h| h.to_hex()[..16].to_string())
                 .unwrap_or_else(|| "None".into())
         };
         format!(
-            "BlockStored(blocks={}, block_size={}, parent={}, extra_keys={}, hash_root={})",
+            "BlockStored(blocks={}, block_size={}, parent={}, extra_keys={}, hash_root={}, tier={:?})",
             self.hashes.len(),
             self.block_size,
             short(self.parent),
             self.extra_keys.len(),
-            short(self.hash_root)
+            short(self.hash_root),
+            self.tier.name()
         )
     }
 }
@@ -110,6 +119,7 @@ impl PyBlockStored {
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PyBlockRemoved {
     hashes: Vec<BlockHash>,
+    tier: Tier,
 }
 
 #[pymethods]
@@ -120,12 +130,22 @@ impl PyBlockRemoved {
         PyList::new(py, self.hashes.iter().map(|h| hash_bytes(py, h)))
     }
 
+    /// The prefix-cache tier the hashes left: ``"device"`` or ``"host"``.
+    #[getter]
+    fn tier(&self) -> &'static str {
+        self.tier.name()
+    }
+
     fn __repr__(&self) -> String {
-        format!("BlockRemoved(blocks={})", self.hashes.len())
+        format!(
+            "BlockRemoved(blocks={}, tier={:?})",
+            self.hashes.len(),
+            self.tier.name()
+        )
     }
 }
 
-/// The prefix cache was reset (every hash dropped).
+/// The prefix cache was reset: every hash dropped, in every tier (device and host).
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "AllBlocksCleared")]
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PyAllBlocksCleared {}
@@ -147,6 +167,7 @@ impl PyBlockStored {
             block_size: self.block_size,
             extra_keys: self.extra_keys.clone(),
             hash_root: self.hash_root,
+            tier: self.tier,
         }
     }
 }
@@ -156,6 +177,7 @@ impl PyBlockRemoved {
     pub(crate) fn to_core(&self) -> KvEvent {
         KvEvent::BlockRemoved {
             block_hashes: self.hashes.clone(),
+            tier: self.tier,
         }
     }
 }
@@ -170,6 +192,7 @@ pub(crate) fn event_object(py: Python<'_>, event: KvEvent) -> PyResult<Py<PyAny>
             block_size,
             extra_keys,
             hash_root,
+            tier,
         } => Py::new(
             py,
             PyBlockStored {
@@ -179,13 +202,15 @@ pub(crate) fn event_object(py: Python<'_>, event: KvEvent) -> PyResult<Py<PyAny>
                 block_size,
                 extra_keys,
                 hash_root,
+                tier,
             },
         )?
         .into_any(),
-        KvEvent::BlockRemoved { block_hashes } => Py::new(
+        KvEvent::BlockRemoved { block_hashes, tier } => Py::new(
             py,
             PyBlockRemoved {
                 hashes: block_hashes,
+                tier,
             },
         )?
         .into_any(),

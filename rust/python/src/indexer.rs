@@ -200,6 +200,7 @@ fn status_dict<'py>(py: Python<'py>, st: &WorkerStatus) -> PyResult<Bound<'py, P
     d.set_item("incarnation", st.incarnation)?;
     d.set_item("hash_source", st.source.name())?;
     d.set_item("num_blocks", st.num_blocks)?;
+    d.set_item("num_host_blocks", st.num_host_blocks)?;
     d.set_item("next_seq", st.next_seq)?;
     d.set_item("num_pending", st.num_pending)?;
     d.set_item("needs_resync", st.needs_resync)?;
@@ -499,6 +500,35 @@ impl PyKvIndexer {
         let spec = call_spec(spec, cache_salt, adapter_id, extra_keys, mm_items)?;
         let pairs = self.with(py, |ix| ix.overlap_tokens(&tokens, &spec));
         overlap_dict(py, pairs)
+    }
+
+    /// ``{worker_id: (device, any_tier)}`` leading blocks of a prompt per worker: ``device`` is
+    /// ``overlap``'s figure, ``any_tier`` counts blocks held on the device or in the worker's
+    /// host tier (loaded instead of recomputed). Same arguments as ``overlap``.
+    #[pyo3(signature = (token_ids, *, spec = None, cache_salt = None, adapter_id = None, extra_keys = None, mm_items = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn overlap_by_tier<'py>(
+        &self,
+        py: Python<'py>,
+        token_ids: &Bound<'_, PyAny>,
+        spec: Option<&Bound<'_, PyAny>>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        adapter_id: Option<&Bound<'_, PyAny>>,
+        extra_keys: Option<&Bound<'_, PyAny>>,
+        mm_items: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let tokens = crate::convert::token_ids(token_ids, "token_ids")?;
+        let spec = call_spec(spec, cache_salt, adapter_id, extra_keys, mm_items)?;
+        let rows = self.with(py, |ix| {
+            let n = tokens.len().saturating_sub(1) / ix.block_size() as usize;
+            let hashes = ix.block_hashes(&tokens, &spec, n)?;
+            Ok::<_, pagedkv_core::Error>(ix.overlap_hashes_by_tier(&hashes))
+        });
+        let d = PyDict::new(py);
+        for (w, device, any) in rows.py(py)? {
+            d.set_item(w, (device, any))?;
+        }
+        Ok(d)
     }
 
     /// ``{worker_id: leading blocks held}`` for a list of block hashes.

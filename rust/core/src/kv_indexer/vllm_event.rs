@@ -36,7 +36,7 @@
 
 use super::bad;
 use crate::error::Result;
-use crate::events::KvEvent;
+use crate::events::{KvEvent, Tier};
 use crate::hashing::{BlockHash, ExtraKey};
 use std::fmt;
 
@@ -153,6 +153,9 @@ fn write_repr(v: &WireValue, out: &mut String) {
 /// Field of a `BlockStored` / `BlockRemoved` holding `group_idx` (vLLM 0.33 order).
 const STORED_GROUP_FIELD: usize = 9;
 const REMOVED_GROUP_FIELD: usize = 3;
+/// Field of a `BlockStored` / `BlockRemoved` holding `medium` (`"GPU"`, `"CPU"`, or None).
+const STORED_MEDIUM_FIELD: usize = 6;
+const REMOVED_MEDIUM_FIELD: usize = 2;
 /// Fields of a `BlockStored`: `lora_id`, `lora_name`, `extra_keys`, `lookahead_token_ids`.
 const LORA_ID_FIELD: usize = 5;
 const LORA_NAME_FIELD: usize = 7;
@@ -339,6 +342,19 @@ pub fn group_of(fields: &[WireValue], at: usize) -> std::result::Result<Option<u
     }
 }
 
+/// The tier an event's `medium` field (`at`) names: absent, None or `"GPU"` is the device,
+/// any other medium (`"CPU"`, the offloading connectors' host tier, or a slower one) is
+/// [`Tier::Host`]: blocks the engine can load but does not hold on the device, which must not
+/// count as device residency. Err: a medium that is not a str or None.
+pub fn medium_of(fields: &[WireValue], at: usize) -> std::result::Result<Tier, String> {
+    match fields.get(at) {
+        None | Some(WireValue::Nil) => Ok(Tier::Device),
+        Some(WireValue::Str(m)) if m.eq_ignore_ascii_case("gpu") => Ok(Tier::Device),
+        Some(WireValue::Str(_)) => Ok(Tier::Host),
+        Some(m) => Err(format!("medium must be a str or None, got {m}")),
+    }
+}
+
 /// Whether an event belongs to the first KV cache group: its `group_idx` field (`at`) is
 /// absent, None or 0. Err: as [`group_of`].
 pub fn in_first_group(fields: &[WireValue], at: usize) -> std::result::Result<bool, String> {
@@ -387,6 +403,7 @@ pub fn parse_group_event(
             }
             // Read in full whatever its group, so a malformed event is refused alike.
             let group = group_of(fields, STORED_GROUP_FIELD).map_err(malformed)?;
+            let tier = medium_of(fields, STORED_MEDIUM_FIELD).map_err(malformed)?;
             let mut block_hashes = wire_hash_list(&fields[1]).map_err(malformed)?;
             let parent_block_hash = match &fields[2] {
                 WireValue::Nil => None,
@@ -420,6 +437,7 @@ pub fn parse_group_event(
                     block_size,
                     extra_keys,
                     hash_root: batch_root,
+                    tier,
                 },
             ))
         }
@@ -429,7 +447,8 @@ pub fn parse_group_event(
                 .ok_or_else(|| malformed("BlockRemoved needs block_hashes".into()))?;
             let block_hashes = wire_hash_list(hashes).map_err(malformed)?;
             let group = group_of(fields, REMOVED_GROUP_FIELD).map_err(malformed)?;
-            Ok((group, KvEvent::BlockRemoved { block_hashes }))
+            let tier = medium_of(fields, REMOVED_MEDIUM_FIELD).map_err(malformed)?;
+            Ok((group, KvEvent::BlockRemoved { block_hashes, tier }))
         }
         "AllBlocksCleared" => Ok((None, KvEvent::AllBlocksCleared)),
         _ => Err(malformed(
@@ -487,6 +506,22 @@ mod tests {
     }
 
     #[test]
+    fn medium_names_the_tier() {
+        let tier = |ev: &WireValue| match parsed(ev) {
+            KvEvent::BlockStored { tier, .. } | KvEvent::BlockRemoved { tier, .. } => tier,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(tier(&stored(vec![Nil, s("GPU")])), Tier::Device);
+        assert_eq!(tier(&stored(vec![Nil, Nil])), Tier::Device);
+        assert_eq!(tier(&stored(vec![])), Tier::Device);
+        assert_eq!(tier(&stored(vec![Nil, s("CPU")])), Tier::Host);
+        let removed = |m| List(vec![s("BlockRemoved"), ints([11]), m]);
+        assert_eq!(tier(&removed(s("CPU"))), Tier::Host);
+        assert_eq!(tier(&removed(s("GPU"))), Tier::Device);
+        assert!(reason(&removed(Int(3))).contains("medium must be a str or None"));
+    }
+
+    #[test]
     fn stored_removed_cleared() {
         let root = Some(BlockHash([5; 32]));
         match parse_event(&stored(vec![Nil, s("GPU")]), 0, root)
@@ -500,6 +535,7 @@ mod tests {
                 block_size,
                 extra_keys,
                 hash_root,
+                ..
             } => {
                 assert_eq!(block_hashes.len(), 2);
                 assert_eq!(parent_block_hash, None);
@@ -510,7 +546,7 @@ mod tests {
         }
         let removed = List(vec![s("BlockRemoved"), ints([11]), s("GPU")]);
         assert!(
-            matches!(parsed(&removed), KvEvent::BlockRemoved { block_hashes } if block_hashes.len() == 1)
+            matches!(parsed(&removed), KvEvent::BlockRemoved { block_hashes, .. } if block_hashes.len() == 1)
         );
         assert_eq!(
             parsed(&List(vec![s("AllBlocksCleared")])),
