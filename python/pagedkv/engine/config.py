@@ -17,6 +17,7 @@ import pagedkv
 
 from .errors import EngineConfigError
 from .scheduler import SchedulerConfig
+from .virtual_memory import PAGE_SIZES
 
 __all__ = ["EngineConfig", "torch_dtype", "DEFAULT_NUM_SPECULATIVE_TOKENS"]
 
@@ -47,6 +48,19 @@ class EngineConfig:
             other requests are decoded one token per step as without it.
         num_speculative_tokens: most draft tokens per sequence and step, >= 1 (default 3
             with ``speculative="ngram"``); only with ``speculative``.
+        host_cache_bytes: size in bytes of the prefix cache's host-memory tier (cached blocks
+            evicted from the device pool are copied there and loaded back instead of
+            recomputed; docs/design.md, "Host tier"); ``None`` (default): no host tier.
+            ``num_host_blocks = host_cache_bytes // KV bytes per block``.
+        num_host_blocks: host tier size in blocks; wins over ``host_cache_bytes``; 0: none.
+        kv_layout: ``"paged"`` (default: blocks and block tables) or ``"virtual"`` (each
+            sequence's K/V contiguous in reserved virtual memory, pages committed on demand,
+            vAttention; :mod:`~pagedkv.engine.virtual_layout`). ``"virtual"`` has the paged
+            pool's bytes as its physical budget, runs without cross-request prefix caching,
+            and refuses swap preemption (here), ``n > 1`` / beam search (per request) and
+            sliding-window models (at load).
+        page_size: the virtual layout's commit granularity in bytes: 4096, 65536 (default)
+            or 2097152 (transparent huge pages); checked with either layout.
 
     Raises:
         EngineConfigError: a field of the wrong type or out of range; the message names it.
@@ -66,6 +80,10 @@ class EngineConfig:
     seed: int = 0
     speculative: str | None = None
     num_speculative_tokens: int | None = None
+    kv_layout: str = "paged"
+    page_size: int = 65536
+    host_cache_bytes: int | None = None
+    num_host_blocks: int | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, want: str) -> None:
@@ -114,11 +132,53 @@ class EngineConfig:
             "num_speculative_tokens",
             "None unless speculative is set (speculative='ngram')",
         )
+        check(
+            self.host_cache_bytes is None or at_least(self.host_cache_bytes, 1),
+            "host_cache_bytes",
+            "None or an integer number of bytes >= 1",
+        )
+        check(
+            self.num_host_blocks is None or at_least(self.num_host_blocks, 0),
+            "num_host_blocks",
+            "None or an integer >= 0 blocks",
+        )
+        check(self.kv_layout in ("paged", "virtual"), "kv_layout", "'paged' or 'virtual'")
+        check(
+            isinstance(self.page_size, int) and not isinstance(self.page_size, bool) and self.page_size in PAGE_SIZES,
+            "page_size",
+            "4096, 65536 or 2097152 bytes (4 KiB, 64 KiB, 2 MiB)",
+        )
+        check(
+            self.kv_layout == "paged" or self.preemption == "recompute",
+            "preemption",
+            "'recompute' with kv_layout='virtual' (swap preemption is paged-only)",
+        )
+        if self.num_host_blocks or (self.num_host_blocks is None and self.host_cache_bytes is not None):
+            # The host tier is the prefix cache's second tier: nothing to keep without the first.
+            name = "num_host_blocks" if self.num_host_blocks else "host_cache_bytes"
+            check(self.enable_prefix_caching, name, "no host tier (None or 0) with enable_prefix_caching=False")
+            check(self.kv_layout == "paged", name, "no host tier (None or 0) with kv_layout='virtual'")
+
+    def check_host_memory(self, available_bytes: int) -> None:
+        """Check the host tier asked for in bytes fits the host memory available now
+        (``available_bytes``, e.g. :func:`pagedkv.engine.resources.available_memory` of the
+        CPU). Run before the model load; the host tier sized in blocks is checked with the
+        other pools after it (:func:`pagedkv.engine.resources.check_kv_fits`).
+
+        Raises:
+            EngineConfigError: ``host_cache_bytes`` above ``available_bytes``; names both.
+        """
+        if self.num_host_blocks is None and self.host_cache_bytes is not None and self.host_cache_bytes > available_bytes:
+            raise EngineConfigError(
+                f"host_cache_bytes={self.host_cache_bytes} is invalid: the host tier of {self.host_cache_bytes} "
+                f"bytes ({self.host_cache_bytes / 2**30:.2f} GiB) is larger than the {available_bytes} bytes "
+                f"({available_bytes / 2**30:.2f} GiB) of host memory available; lower --host-cache-bytes"
+            )
 
     def check_core_limits(self) -> None:
         """Check the sizes given explicitly (``block_size``, ``num_kv_blocks``,
-        ``num_cpu_blocks``) against the core's upper bounds, asking :class:`pagedkv.CacheConfig`
-        (the one validator). Run before the model load, so that a block size the core refuses
+        ``num_cpu_blocks``, ``num_host_blocks``) against the core's upper bounds, asking
+        :class:`pagedkv.CacheConfig` (the one validator). Run before the model load, so that a block size the core refuses
         is not first reported as a KV cache that does not fit.
 
         Raises:
@@ -129,6 +189,7 @@ class EngineConfig:
                 num_blocks=self.num_kv_blocks or 2,
                 block_size=self.block_size,
                 num_cpu_blocks=self.num_cpu_blocks or 0,
+                **({"num_host_blocks": self.num_host_blocks} if self.num_host_blocks else {}),
             )
         except pagedkv.InvalidConfigError as e:
             name = {"num_blocks": "num_kv_blocks"}.get(e.field, e.field)
@@ -140,8 +201,12 @@ class EngineConfig:
         ``kv_bytes``, else 1024 blocks; the swap pool from ``num_cpu_blocks``, else as many
         blocks as the device pool with swap preemption, else 0.
 
+        The host tier gets ``num_host_blocks``, else ``host_cache_bytes // kv_bytes_per_block``,
+        else 0.
+
         Raises:
-            EngineConfigError: ``kv_bytes`` holds fewer than 2 blocks.
+            EngineConfigError: ``kv_bytes`` holds fewer than 2 blocks, or ``host_cache_bytes``
+                less than one block.
         """
         num_kv_blocks = self.num_kv_blocks
         if num_kv_blocks is None and self.kv_bytes is not None:
@@ -155,7 +220,19 @@ class EngineConfig:
         num_cpu_blocks = self.num_cpu_blocks
         if num_cpu_blocks is None:
             num_cpu_blocks = num_kv_blocks if self.preemption == "swap" else 0
-        return dataclasses.replace(self, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks)
+        num_host_blocks = self.num_host_blocks
+        if num_host_blocks is None:
+            num_host_blocks = 0
+            if self.host_cache_bytes is not None:
+                num_host_blocks = int(self.host_cache_bytes) // kv_bytes_per_block
+                if num_host_blocks < 1:
+                    raise EngineConfigError(
+                        f"host_cache_bytes={self.host_cache_bytes} is invalid: it holds no block of "
+                        f"{kv_bytes_per_block} bytes; need at least one block"
+                    )
+        return dataclasses.replace(
+            self, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks, num_host_blocks=num_host_blocks
+        )
 
     def cache_config(self, *, enable_events: bool = False, hash_seed: bytes | None = None) -> pagedkv.CacheConfig:
         """The KV cache manager's configuration (call on a :meth:`resolved` config);
@@ -167,6 +244,8 @@ class EngineConfig:
             pagedkv.InvalidConfigError: a size above the core's limits.
         """
         num_kv_blocks, num_cpu_blocks = self.pools()
+        # Only a host tier passes its size: 0 host blocks is the core's default (no tier).
+        host = {"num_host_blocks": self.num_host_blocks} if self.num_host_blocks else {}
         return pagedkv.CacheConfig(
             num_blocks=num_kv_blocks,
             block_size=self.block_size,
@@ -175,6 +254,7 @@ class EngineConfig:
             num_cpu_blocks=num_cpu_blocks,
             enable_events=bool(enable_events),
             hash_seed=hash_seed,
+            **host,
         )
 
     def pools(self) -> tuple[int, int]:

@@ -52,7 +52,7 @@ from .outputs import OutputProcessor
 from .prompts import PreparedRequest, PromptProcessor, PromptType, batch_items, check_unique_ids
 from .registry import RequestRegistry
 from .request import RequestOutput
-from .resources import check_device, check_kv_fits
+from .resources import available_memory, check_device, check_kv_fits
 from .rope import rope_parameters
 from .runner import ModelRunner
 from .sampling import SamplingParams
@@ -84,6 +84,13 @@ class LLMEngine:
             (``speculative="ngram"``, up to ``num_speculative_tokens`` drafts per step, default
             3); greedy requests only, others decode as without it; see :class:`EngineConfig`.
             Drafts proposed and accepted are counted in :meth:`metrics`.
+        kv_layout, page_size: ``"paged"`` (default) or ``"virtual"`` (contiguous per-sequence
+            K/V in reserved virtual memory, pages of ``page_size`` bytes committed on demand;
+            ``self.layout`` then holds it); see :class:`EngineConfig`.
+        host_cache_bytes, num_host_blocks: the prefix cache's host-memory tier, in bytes or in
+            blocks (default: none): cached blocks evicted from the device pool are copied to
+            host memory and loaded back on a prefix hit instead of recomputed; see
+            :class:`EngineConfig`. Its hits and copies are counted in :meth:`metrics`.
 
     Attributes:
         cache_identity: the :class:`~pagedkv.engine.identity.CacheIdentity` derived from what
@@ -95,8 +102,10 @@ class LLMEngine:
     Raises:
         ModelNotFoundError: no model at ``model`` (or the default package is missing).
         EngineConfigError: a bad argument (size, mode, dtype, missing ``tokenizer``...) or an
-            explicit size above the core's limits (``block_size`` > 4096...), checked before
-            the model load; or ``kv_bytes`` holding fewer than 2 blocks of this model; or a
+            explicit size above the core's limits (``block_size`` > 4096...), or a host tier
+            (``host_cache_bytes``) larger than the host memory available, checked before
+            the model load; or ``kv_bytes`` holding fewer than 2 blocks of this model or
+            ``host_cache_bytes`` less than one; or a
             model architecture the engine does not implement (after the load, before any
             allocation; :func:`pagedkv.engine.architectures.build_model`). The message names
             the value.
@@ -104,8 +113,8 @@ class LLMEngine:
             (when it fits the free memory).
         DeviceUnavailableError: ``device`` is CUDA but CUDA is not available (checked before
             the model load).
-        KVCacheTooLargeError: the KV pool (and CPU swap pool) exceeds the free memory, or
-            allocating it failed; names the size in blocks and bytes.
+        KVCacheTooLargeError: the KV pool (and CPU swap pool, host tier) exceeds the free
+            memory, or allocating it failed; names the size in blocks and bytes.
     """
 
     def __init__(
@@ -128,12 +137,20 @@ class LLMEngine:
         enable_kv_events: bool = False,
         speculative: str | None = None,
         num_speculative_tokens: int | None = None,
+        kv_layout: str = "paged",
+        page_size: int = 65536,
+        host_cache_bytes: int | None = None,
+        num_host_blocks: int | None = None,
     ) -> None:
         # Every argument is checked before the (slow) model load.
         config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
                               preemption, num_cpu_blocks, enable_prefix_caching, hash_algo, seed,
-                              speculative, num_speculative_tokens)  # fmt: skip
+                              speculative, num_speculative_tokens, kv_layout=kv_layout,
+                              page_size=page_size, host_cache_bytes=host_cache_bytes,
+                              num_host_blocks=num_host_blocks)  # fmt: skip
         config.check_core_limits()
+        if host_cache_bytes is not None:
+            config.check_host_memory(available_memory(torch.device("cpu")))
         dtype = torch_dtype(dtype)
         device = check_device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
         loaded = not (model is None or isinstance(model, (str, os.PathLike)))
@@ -152,16 +169,33 @@ class LLMEngine:
         per_block = self.model.kv_bytes_per_block(block_size)
         self.config = config = config.resolved(per_block)
         num_kv_blocks, num_cpu_blocks = config.pools()
-        check_kv_fits(self.model.device, num_kv_blocks, num_cpu_blocks, per_block)
+        check_kv_fits(self.model.device, num_kv_blocks, num_cpu_blocks, per_block, config.num_host_blocks or 0)
         weights = None if loaded else cached_weights_digest(hf_model, model, dtype, versions)
         self.cache_identity = CacheIdentity.of_engine_inputs(
             hf_model, tokenizer, kv_dtype=dtype, rope=rope_parameters(hf_model.config), weights=weights
         )
-        self.manager = pagedkv.KVCacheManager(
-            config.cache_config(enable_events=enable_kv_events, hash_seed=self.cache_identity.seed)
-        )
-        self.scheduler = Scheduler(self.manager, config.scheduler_config(self.model.max_model_len))
-        self.runner = ModelRunner(self.model, num_kv_blocks, block_size, num_cpu_blocks, manager=self.manager)
+        if config.kv_layout == "virtual":  # contiguous K/V in reserved virtual memory
+            from .virtual_manager import VirtualScheduler, build_virtual_manager
+            from .virtual_runner import VirtualModelRunner
+
+            self.manager, self.layout = build_virtual_manager(
+                self.model, config, hash_seed=self.cache_identity.seed, enable_events=enable_kv_events
+            )
+            self.scheduler = VirtualScheduler(self.manager, config.scheduler_config(self.model.max_model_len))
+            self.runner = VirtualModelRunner(self.model, self.layout, manager=self.manager.inner)
+        else:
+            self.manager = pagedkv.KVCacheManager(
+                config.cache_config(enable_events=enable_kv_events, hash_seed=self.cache_identity.seed)
+            )
+            self.scheduler = Scheduler(self.manager, config.scheduler_config(self.model.max_model_len))
+            self.runner = ModelRunner(
+                self.model,
+                num_kv_blocks,
+                block_size,
+                num_cpu_blocks,
+                manager=self.manager,
+                num_host_blocks=config.num_host_blocks or 0,
+            )
         self.prompts = PromptProcessor(tokenizer, self.model.vocab_size)
         self.outputs = OutputProcessor(tokenizer, _eos_ids(hf_model, self.model, tokenizer), self.model.max_model_len)
         self.requests = RequestRegistry(self.manager, self.scheduler, seed)
@@ -297,7 +331,7 @@ class LLMEngine:
                         f"(free blocks {self.manager.pool.num_free})"
                     )
                 return finished
-            self.metrics_collector.on_step(self.manager.stats())
+            self.metrics_collector.on_step(self.manager.stats(), batch.num_prefill_tokens)
             logits = self.runner.execute(batch)  # 2. execute
             rows, verify, plain = [], [], []
             at = 0  # logits row of the next sampling sequence

@@ -240,6 +240,9 @@ class PagedCausalLM:
         for all groups or one per group, see
         :func:`~pagedkv.engine.kv_groups.group_block_table`). Returns
         ``[T, num_heads, head_size]``."""
+        contiguous = getattr(meta, "contiguous_attend", None)
+        if contiguous is not None:  # the virtual KV layout: contiguous K/V, no block table
+            return contiguous(li, q, k, v, softmax_scale)  # type: ignore[no-any-return]
         g = self.layer_group[li]
         key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
         if plans is not None:  # the group's plan holds the group's table and slots
