@@ -27,9 +27,15 @@ pub enum AttentionKind {
     /// Every query reads every earlier position.
     Full,
     /// A query at `p` reads `(p - window, p]` (`window` >= 1 tokens, the query included).
-    SlidingWindow { window: u32 },
+    SlidingWindow {
+        /// Tokens a query reads back, itself included (>= 1).
+        window: u32,
+    },
     /// A query at `p` reads `[floor(p / chunk) * chunk, p]` (`chunk` >= 1 tokens).
-    ChunkedLocal { chunk: u32 },
+    ChunkedLocal {
+        /// Tokens per attention chunk (>= 1).
+        chunk: u32,
+    },
 }
 
 impl AttentionKind {
