@@ -201,6 +201,21 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="share KV blocks of identical prompt prefixes across requests",
     )
+    kv.add_argument(
+        "--kv-layout",
+        choices=["paged", "virtual"],
+        default="paged",
+        help="paged: blocks and block tables; virtual: each request's K/V contiguous in reserved virtual "
+        "memory, pages committed on demand (vAttention; same physical budget, no prefix caching, "
+        "recompute preemption only, one sequence per request, full-attention models only)",
+    )
+    kv.add_argument(
+        "--page-size",
+        type=int,
+        choices=[4096, 65536, 2097152],
+        default=65536,
+        help="commit granularity of --kv-layout virtual, in bytes (2097152: transparent huge pages)",
+    )
 
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument(
@@ -439,6 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             speculative=args.speculative,
             num_speculative_tokens=args.num_speculative_tokens,
+            kv_layout=args.kv_layout,
+            page_size=args.page_size,
         )
     except (EngineError, ValueError, MemoryError) as e:
         return _fail(str(e))
