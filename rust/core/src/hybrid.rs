@@ -39,6 +39,7 @@ use crate::events::{EventSink, KvEvent, Tier};
 use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
 use crate::kv_groups::{retained_at_interval, GroupSpec, HybridConfig};
 use crate::manager::{validate_new_sequence, validate_step, SeqStatus, SequenceSpec, StepRequest};
+use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
 use crate::sync::Mutex;
 use crate::{BlockId, SeqId, NULL_BLOCK};
@@ -185,6 +186,9 @@ struct Seq {
     /// group is registered in the prefix cache until a recompute preemption computes the KV
     /// afresh (docs/design.md, "KV cache groups").
     stale_kv: bool,
+    /// Its first prefix lookup is counted in the hit-rate counters (inherited by a fork
+    /// child; a resume after a recompute preemption is not counted again, vLLM #25780).
+    looked_up: bool,
 }
 
 impl Seq {
@@ -241,6 +245,9 @@ pub struct HybridManager {
     pool_events: Arc<EventSink>,
     pool: BlockPool,
     state: Mutex<State>,
+    /// Running counters, taken only under the state lock (lock order: state, then counters)
+    /// and only when a call has something to count.
+    counters: Mutex<ManagerCounters>,
 }
 
 /// Per-group plan of one allocation.
@@ -465,6 +472,7 @@ impl HybridManager {
             pool_events,
             pool,
             state: Mutex::new(state),
+            counters: Mutex::new(ManagerCounters::default()),
         })
     }
 
@@ -509,6 +517,7 @@ impl HybridManager {
                 chains: vec![Vec::new(); self.class_bs.len()],
                 keys: vec![Vec::new(); g],
                 stale_kv: false,
+                looked_up: false,
             },
         );
         Ok(())
@@ -714,6 +723,13 @@ impl HybridManager {
                 ));
             }
         }
+        let running = seqs
+            .iter()
+            .filter(|id| st.seqs[id].status == SeqStatus::Running)
+            .count();
+        if running > 0 {
+            self.counters.lock().preemptions += running as u64;
+        }
         let mut ev = Vec::new();
         for id in seqs {
             let mut s = st.seqs.remove(id).expect("checked");
@@ -783,6 +799,9 @@ impl HybridManager {
             }
             s.status = SeqStatus::Swapped;
         }
+        let mut c = self.counters.lock();
+        c.swaps_out_blocks += plan.len() as u64;
+        c.preemptions += seqs.len() as u64;
         Ok(plan)
     }
 
@@ -835,6 +854,7 @@ impl HybridManager {
             self.cache_full(s, &mut ev);
         }
         self.absorb(st, ev);
+        self.counters.lock().swaps_in_blocks += order.len() as u64;
         Ok(order.into_iter().zip(gpu).collect())
     }
 
@@ -866,14 +886,84 @@ impl HybridManager {
         Ok(s.tables.iter().map(|t| t.blocks.clone()).collect())
     }
 
-    /// Blocks `seq` holds per group (non-null table entries). Errors: [`Error::UnknownSequence`].
+    /// Blocks `seq` holds per group (non-null table entries: GPU blocks, or CPU blocks while
+    /// swapped out). Errors: [`Error::UnknownSequence`].
     pub fn num_blocks_held(&self, seq: SeqId) -> Result<Vec<usize>> {
         let st = self.state.lock();
         let s = st.seqs.get(&seq).ok_or_else(|| unknown(seq))?;
+        let none = s.null_entry();
         Ok(s.tables
             .iter()
-            .map(|t| t.blocks.iter().filter(|&&b| b != NULL_BLOCK).count())
+            .map(|t| t.blocks.iter().filter(|&&b| b != none).count())
             .collect())
+    }
+
+    /// Per sequence, in order: tokens known but not yet scheduled, `num_tokens -
+    /// num_computed_tokens` (in every state; a preempted sequence owes all of its tokens).
+    /// `i32` like the step's other per-sequence lengths. Errors: [`Error::UnknownSequence`]
+    /// for the first unknown id. O(len(seqs)).
+    pub fn num_uncomputed_tokens(&self, seqs: &[SeqId]) -> Result<Vec<i32>> {
+        let st = self.state.lock();
+        seqs.iter()
+            .map(|id| {
+                let s = st.seqs.get(id).ok_or_else(|| unknown(*id))?;
+                Ok((s.tokens.len() - s.num_computed) as i32)
+            })
+            .collect()
+    }
+
+    /// The manager's running counters (prefix queries and hits, copies, swaps, preemptions).
+    pub fn counters(&self) -> ManagerCounters {
+        let _st = self.state.lock();
+        *self.counters.lock()
+    }
+
+    /// A snapshot of usage and counters over the whole pool (every group's pages).
+    /// `block_size` is group 0's; `kv_utilization` is the computed tokens over the token
+    /// slots of the distinct blocks running sequences hold (each block in its own group's
+    /// block size, its fullest holder counting). O(blocks of running sequences).
+    pub fn stats(&self) -> CacheStats {
+        let st = self.state.lock();
+        let mut fill: HashMap<BlockId, (usize, usize)> = HashMap::new();
+        for s in st.seqs.values().filter(|s| s.status == SeqStatus::Running) {
+            for (g, t) in s.tables.iter().enumerate() {
+                let bs = self.cfg.groups[g].block_size as usize;
+                for (k, &b) in t.blocks.iter().enumerate() {
+                    if b == NULL_BLOCK {
+                        continue;
+                    }
+                    let in_block = s.num_computed.saturating_sub(k * bs).min(bs);
+                    let e = fill.entry(b).or_insert((0, bs));
+                    e.0 = e.0.max(in_block);
+                }
+            }
+        }
+        let slots: usize = fill.values().map(|&(_, bs)| bs).sum();
+        let kv_utilization = if slots == 0 {
+            0.0
+        } else {
+            fill.values().map(|&(f, _)| f).sum::<usize>() as f64 / slots as f64
+        };
+        let used = self.pool.num_used();
+        let c = *self.counters.lock();
+        CacheStats {
+            num_blocks: self.cfg.num_blocks,
+            block_size: self.cfg.groups[0].block_size,
+            used,
+            free: self.pool.num_free(),
+            cached_free: self.pool.num_cached_free(),
+            usage: used as f64 / self.pool.num_usable() as f64,
+            kv_utilization,
+            prefix_queries_tokens: c.prefix_queries_tokens,
+            prefix_hits_tokens: c.prefix_hits_tokens,
+            evictions: self.pool.counters().evictions,
+            copies: c.copies,
+            swaps_out_blocks: c.swaps_out_blocks,
+            swaps_in_blocks: c.swaps_in_blocks,
+            preemptions: c.preemptions,
+            num_cpu_blocks: self.cfg.num_cpu_blocks,
+            cpu_used: st.cpu.refs.iter().filter(|&&r| r > 0).count(),
+        }
     }
 
     /// Known tokens of `seq`. Errors: [`Error::UnknownSequence`].
@@ -1461,6 +1551,19 @@ impl HybridManager {
         s.last_context = plan.context;
         s.num_computed = plan.context + plan.q;
         s.status = SeqStatus::Running;
+        // Counted once per sequence: a resume after a recompute preemption finds its own
+        // blocks again, not a new lookup (vLLM #25780).
+        let lookup = plan.first && self.cfg.enable_prefix_caching && !s.looked_up;
+        let copies: usize = out.groups.iter().map(|g| g.copies.len()).sum();
+        if lookup || copies > 0 {
+            let mut c = self.counters.lock();
+            if lookup {
+                c.prefix_queries_tokens += s.tokens.len() as u64;
+                c.prefix_hits_tokens += plan.context as u64;
+            }
+            c.copies += copies as u64;
+        }
+        s.looked_up |= plan.first;
         self.cache_full(s, ev);
         Ok(out)
     }

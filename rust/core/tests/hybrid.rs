@@ -639,3 +639,50 @@ fn owed_finds_a_key_in_its_other_holder_after_an_eviction() {
     assert_eq!(owed, 15);
     m.check_invariants().unwrap();
 }
+
+#[test]
+fn stats_count_lookups_copies_swaps_and_preemptions_as_the_one_group_manager() {
+    let mut c = cfg(64, 6);
+    c.num_cpu_blocks = 32;
+    let m = HybridManager::new(c).unwrap();
+    m.add_sequence(1, toks(10, 0), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.num_uncomputed_tokens(&[1]).unwrap(), vec![10]);
+    m.allocate_slots(1, 10).unwrap();
+    assert_eq!(m.num_uncomputed_tokens(&[1]).unwrap(), vec![0]);
+    assert!(m.num_uncomputed_tokens(&[1, 9]).is_err());
+    // A second request with the same 10 tokens hits the two full blocks of every group.
+    m.add_sequence(2, toks(10, 0), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(2, 10).unwrap();
+    let s = m.stats();
+    assert_eq!((s.prefix_queries_tokens, s.prefix_hits_tokens), (20, 8));
+    assert_eq!(s.used, m.pool().num_used());
+    assert_eq!(s.used + s.free, 63);
+    // Fork + divergent write: one copy per group with a shared partial last block.
+    m.fork(1, 3).unwrap();
+    m.append_tokens(3, &[77]).unwrap();
+    m.allocate_slots(3, 1).unwrap();
+    assert_eq!(m.stats().copies, 2);
+    // The child's first lookup was its parent's: not counted again.
+    assert_eq!(m.stats().prefix_queries_tokens, 20);
+    // Swap-out counts distinct blocks and one preemption per member; swap-in the blocks back.
+    let held: usize = m.num_blocks_held(2).unwrap().iter().sum();
+    let out = m.swap_out(&[2]).unwrap();
+    let s = m.stats();
+    assert_eq!((s.swaps_out_blocks, s.preemptions), (out.len() as u64, 1));
+    assert_eq!(s.cpu_used, held);
+    assert_eq!(m.num_blocks_held(2).unwrap().iter().sum::<usize>(), held); // CPU blocks
+    m.swap_in(&[2]).unwrap();
+    assert_eq!(m.stats().swaps_in_blocks, out.len() as u64);
+    // Recompute preemption: one per running member; the resume's lookup is not counted.
+    m.preempt_recompute(&[1, 3]).unwrap();
+    assert_eq!(m.stats().preemptions, 3);
+    m.preempt_recompute(&[1]).unwrap(); // already preempted: nothing more
+    assert_eq!(m.stats().preemptions, 3);
+    m.allocate_slots(1, 100).unwrap();
+    let s = m.stats();
+    assert_eq!((s.prefix_queries_tokens, s.prefix_hits_tokens), (20, 8));
+    assert!(s.kv_utilization > 0.0 && s.kv_utilization <= 1.0);
+    m.check_invariants().unwrap();
+}

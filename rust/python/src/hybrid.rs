@@ -7,6 +7,7 @@ use crate::convert::{bad, count, repr, token_ids, type_name, uint};
 use crate::errors::{error_instance, to_pyerr, IntoPyResult};
 use crate::events::event_object;
 use crate::manager::call_spec;
+use crate::stats::PyCacheStats;
 use numpy::ndarray::{Array2, Array3};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArray3};
 use pagedkv_core::{
@@ -498,6 +499,41 @@ impl PyHybridManager {
         self.inner.config().retention_interval
     }
 
+    /// Whether full blocks are cached by their chained hashes (prefix caching).
+    #[getter]
+    fn enable_prefix_caching(&self) -> bool {
+        self.inner.config().enable_prefix_caching
+    }
+
+    /// CPU swap blocks (0: no swapping).
+    #[getter]
+    fn num_cpu_blocks(&self) -> u32 {
+        self.inner.config().num_cpu_blocks
+    }
+
+    /// A snapshot of usage and counters over the whole pool (``CacheStats``; every group's
+    /// pages count; ``block_size`` is group 0's; prefix queries and hits in tokens, each
+    /// sequence's first lookup counted once; preemptions by recompute and swap).
+    fn stats(&self, py: Python<'_>) -> PyCacheStats {
+        let m = &self.inner;
+        PyCacheStats {
+            inner: py.detach(|| m.stats()),
+        }
+    }
+
+    /// Per sequence, in order: ``num_tokens - num_computed_tokens`` (tokens known but not yet
+    /// scheduled), as ``int32[n]``. Raises ``UnknownSequenceError`` (nothing changed).
+    fn num_uncomputed_tokens(
+        &self,
+        py: Python<'_>,
+        seq_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyArray1<i32>>> {
+        let seqs = crate::convert::seq_ids(seq_ids, "seq_ids")?;
+        let m = &self.inner;
+        let v = py.detach(|| m.num_uncomputed_tokens(&seqs)).py(py)?;
+        Ok(PyArray1::from_vec(py, v).unbind())
+    }
+
     /// Registers sequence ``seq_id`` with its prompt (list or 1-D integer array). The keys are
     /// as ``KVCacheManager.add_sequence``'s (``spec``: a ``pagedkv.SequenceSpec`` carrying
     /// them as one value). Raises ``SequenceExistsError``, ``InvalidArgumentError``.
@@ -658,7 +694,8 @@ impl PyHybridManager {
             .collect())
     }
 
-    /// Blocks ``seq_id`` holds in each group (its non-null table entries). Raises
+    /// Blocks ``seq_id`` holds in each group (its non-null table entries; CPU blocks while
+    /// swapped out). Raises
     /// ``UnknownSequenceError``.
     fn num_blocks_held(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
