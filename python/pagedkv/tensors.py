@@ -330,6 +330,11 @@ class BatchTensors:
             kernel reads the plan there to issue its copies), or ``None``; run first.
         swap_in: ``int32[K, 2]`` (CPU block, device block) pairs, on the host, or ``None``;
             run after ``swap_out``.
+        transfers: the block copies between the device pool and host memory to run before
+            ``copies``, in order: ``(kind, int32[K, 2] plan on the host)`` with kind
+            ``"host_store"`` (device block, host tier block), ``"swap_out"``, ``"swap_in"`` or
+            ``"host_load"`` (host tier block, device block); by default ``swap_out`` then
+            ``swap_in``.
         query_start_loc_host, context_lens_host, positions_host: the host (numpy) arrays
             behind ``query_start_loc``, ``context_lens`` and ``positions``, for host-side
             bookkeeping without a device sync (the same memory as the tensors on the CPU).
@@ -350,6 +355,7 @@ class BatchTensors:
     copies: Any
     swap_out: Any
     swap_in: Any
+    transfers: tuple[tuple[str, Any], ...]
     query_start_loc_host: npt.NDArray[np.int32]
     context_lens_host: npt.NDArray[np.int32]
     positions_host: npt.NDArray[np.int64]
@@ -374,6 +380,7 @@ class BatchTensors:
         block_tables: BlockTable,
         swap_out: npt.NDArray[np.int32] | None = None,
         swap_in: npt.NDArray[np.int32] | None = None,
+        transfers: Sequence[tuple[str, npt.NDArray[np.int32]]] | None = None,
     ) -> BatchTensors:
         """The kernel inputs of one scheduler step: the one path from the allocator to the kernels.
 
@@ -402,6 +409,9 @@ class BatchTensors:
                 the caller across steps (every step output of the manager goes through it).
             swap_out, swap_in: the ``int32[K, 2]`` plans of ``KVCacheManager.swap_out`` /
                 ``swap_in`` run in this step (``None``: none); kept on the host.
+            transfers: every device <-> host block copy of the step in execution order
+                (``(kind, plan)``, kinds as in the attribute; the host tier's stores and
+                loads with the swaps between them); ``None``: ``swap_out`` then ``swap_in``.
 
         Raises:
             InvalidArgumentError: a step that is not a core :class:`pagedkv.StepOutput` or
@@ -461,6 +471,13 @@ class BatchTensors:
             copies=to_dev(copies) if copies.size else table_to_dev.no_copies,
             swap_out=None if swap_out is None else to_host(swap_out),
             swap_in=None if swap_in is None else to_host(swap_in),
+            transfers=tuple(
+                (kind, to_host(plan))
+                for kind, plan in (
+                    transfers if transfers is not None else (("swap_out", swap_out), ("swap_in", swap_in))
+                )
+                if plan is not None and len(plan)
+            ),
             query_start_loc_host=qsl,
             context_lens_host=ctx,
             positions_host=positions,

@@ -216,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=65536,
         help="commit granularity of --kv-layout virtual, in bytes (2097152: transparent huge pages)",
     )
+    kv.add_argument(
+        "--host-cache-bytes",
+        type=parse_size,
+        default=None,
+        metavar="BYTES",
+        help="host-memory tier of the prefix cache (e.g. 2G): cached blocks evicted from the KV pool are "
+        "copied there and loaded back on a prefix hit instead of recomputed (default: none)",
+    )
 
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument(
@@ -456,6 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             num_speculative_tokens=args.num_speculative_tokens,
             kv_layout=args.kv_layout,
             page_size=args.page_size,
+            host_cache_bytes=args.host_cache_bytes,
         )
     except (EngineError, ValueError, MemoryError) as e:
         return _fail(str(e))
@@ -576,6 +585,11 @@ def _print_report(
         f"{cfg.num_kv_blocks} blocks x {cfg.block_size} tokens ({engine.runner.kv_cache_bytes() / 2**20:.0f} MiB)",
     )
     table.add_row("preemption / prefix caching", f"{cfg.preemption} / {'on' if cfg.enable_prefix_caching else 'off'}")
+    if cfg.num_host_blocks:
+        table.add_row(
+            "prefix cache host tier",
+            f"{cfg.num_host_blocks} blocks ({engine.runner.host_cache_bytes() / 2**20:.0f} MiB)",
+        )
     if cfg.speculative is not None:
         table.add_row("speculative decoding", f"{cfg.speculative}, {cfg.draft_tokens_per_step} draft tokens per step")
     if rejected:

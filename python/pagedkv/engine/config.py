@@ -168,7 +168,11 @@ class EngineConfig:
         Raises:
             EngineConfigError: ``host_cache_bytes`` above ``available_bytes``; names both.
         """
-        if self.num_host_blocks is None and self.host_cache_bytes is not None and self.host_cache_bytes > available_bytes:
+        if (
+            self.num_host_blocks is None
+            and self.host_cache_bytes is not None
+            and self.host_cache_bytes > available_bytes
+        ):
             raise EngineConfigError(
                 f"host_cache_bytes={self.host_cache_bytes} is invalid: the host tier of {self.host_cache_bytes} "
                 f"bytes ({self.host_cache_bytes / 2**30:.2f} GiB) is larger than the {available_bytes} bytes "
@@ -178,8 +182,8 @@ class EngineConfig:
     def check_core_limits(self) -> None:
         """Check the sizes given explicitly (``block_size``, ``num_kv_blocks``,
         ``num_cpu_blocks``, ``num_host_blocks``) against the core's upper bounds, asking
-        :class:`pagedkv.CacheConfig` (the one validator). Run before the model load, so that a block size the core refuses
-        is not first reported as a KV cache that does not fit.
+        :class:`pagedkv.CacheConfig` (the one validator). Run before the model load, so that a
+        block size the core refuses is not first reported as a KV cache that does not fit.
 
         Raises:
             EngineConfigError: a size above the core's limit; names the field and value.

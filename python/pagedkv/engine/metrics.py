@@ -1,6 +1,7 @@
 """Serving metrics of an engine run: throughput, latency percentiles, goodput against a service
 level objective (:mod:`.goodput`) and what the KV cache manager did (utilisation, peak blocks,
-prefix hits, copies, swaps, preemptions)."""
+prefix hits in either tier, prefill tokens computed, copies, swaps, host tier stores and loads,
+preemptions)."""
 
 from __future__ import annotations
 
@@ -50,6 +51,13 @@ class EngineMetrics:
         spec_acceptance_rate: ``spec_accepted_tokens / spec_draft_tokens`` (0.0 without drafts).
         spec_tokens_per_verify: tokens emitted per verify step, the bonus token included
             (``1 + accepted / spec_verifies``; 0.0 without verifies).
+        prefill_tokens: tokens the forward pass computed that were not decodes of a sampled
+            token: prompt tokens not served from the prefix cache, plus everything a
+            recompute-preempted request prefilled again (what a larger cache saves).
+        host_hit_tokens: prompt tokens served from the prefix cache's host tier (loaded back
+            instead of recomputed; included in ``prefix_hit_tokens``); 0 without a host tier.
+        host_stored_blocks, host_loaded_blocks: blocks copied device -> host tier and back.
+        host_blocks: host tier capacity in blocks (0: no host tier).
     """
 
     num_requests: int
@@ -82,6 +90,11 @@ class EngineMetrics:
     spec_accepted_tokens: int = 0
     spec_acceptance_rate: float = 0.0
     spec_tokens_per_verify: float = 0.0
+    prefill_tokens: int = 0
+    host_hit_tokens: int = 0
+    host_stored_blocks: int = 0
+    host_loaded_blocks: int = 0
+    host_blocks: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready)."""
@@ -90,6 +103,17 @@ class EngineMetrics:
     def table_rows(self) -> list[tuple[str, str]]:
         """(label, formatted value) rows for a stats table."""
         ms = 1000.0
+        host = (
+            [
+                (
+                    "host tier: hit tokens / blocks stored / loaded",
+                    f"{self.host_hit_tokens} / {self.host_stored_blocks} / {self.host_loaded_blocks} "
+                    f"({self.host_blocks} blocks)",
+                )
+            ]
+            if self.host_blocks
+            else []
+        )
         return [
             ("requests", f"{self.num_requests}"),
             ("output tokens", f"{self.num_output_tokens}"),
@@ -110,6 +134,8 @@ class EngineMetrics:
                 f"{self.mean_blocks_used:.0f} / {self.peak_blocks_used} / {self.usable_blocks}",
             ),
             ("prefix hit rate", f"{self.prefix_hit_rate:.1%} ({self.prefix_hit_tokens} tokens)"),
+            ("prefill tokens computed", f"{self.prefill_tokens}"),
+            *host,
             ("copy-on-write copies", f"{self.copies}"),
             ("swapped out / in (blocks)", f"{self.swapped_out_blocks} / {self.swapped_in_blocks}"),
             ("preemptions", f"{self.preemptions}"),
@@ -149,6 +175,7 @@ class MetricsCollector:
         self.spec_verifies = 0
         self.spec_draft_tokens = 0
         self.spec_accepted_tokens = 0
+        self.prefill_tokens = 0
 
     def on_verify(self, num_drafts: int, num_accepted: int) -> None:
         """Record one sequence's verify step: ``num_drafts`` proposed, ``num_accepted`` kept."""
@@ -156,11 +183,14 @@ class MetricsCollector:
         self.spec_draft_tokens += num_drafts
         self.spec_accepted_tokens += num_accepted
 
-    def on_step(self, stats: Any) -> None:
-        """Record one step's cache stats (a :class:`pagedkv.CacheStats`)."""
+    def on_step(self, stats: Any, prefill_tokens: int = 0) -> None:
+        """Record one step's cache stats (a :class:`pagedkv.CacheStats`) and the prefill tokens
+        it computes (:attr:`ScheduledBatch.num_prefill_tokens
+        <pagedkv.engine.scheduler.ScheduledBatch.num_prefill_tokens>`)."""
         if self.start is None:
             self.start = time.perf_counter()
         self.steps += 1
+        self.prefill_tokens += prefill_tokens
         self.util.append(float(stats.kv_utilization))
         self.used.append(int(stats.used))
 
@@ -220,4 +250,10 @@ class MetricsCollector:
             spec_accepted_tokens=self.spec_accepted_tokens,
             spec_acceptance_rate=self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0,
             spec_tokens_per_verify=1 + self.spec_accepted_tokens / self.spec_verifies if self.spec_verifies else 0.0,
+            prefill_tokens=self.prefill_tokens,
+            # The host tier's counters exist only where the core has the tier.
+            host_hit_tokens=int(getattr(stats, "host_hits_tokens", 0)),
+            host_stored_blocks=int(getattr(stats, "host_stores_blocks", 0)),
+            host_loaded_blocks=int(getattr(stats, "host_loads_blocks", 0)),
+            host_blocks=int(getattr(stats, "num_host_blocks", 0)),
         )

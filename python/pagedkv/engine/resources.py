@@ -47,40 +47,60 @@ def check_device(device: Any) -> torch.device:
     return dev
 
 
+#: Where Linux reports ``MemAvailable`` (free memory plus page cache the kernel can reclaim).
+MEMINFO = "/proc/meminfo"
+
+
 def available_memory(dev: torch.device) -> int:
-    """Bytes free for a new allocation on ``dev``: ``torch.cuda.mem_get_info`` on CUDA, the
-    host's available memory (psutil, else ``os.sysconf``) otherwise."""
+    """Bytes free for a new allocation on ``dev``: ``torch.cuda.mem_get_info`` on CUDA; on the
+    host psutil's available memory, else Linux's ``MemAvailable`` (:data:`MEMINFO`), else
+    ``os.sysconf`` free pages. Free pages alone (``MemFree``) leave out the page cache the
+    kernel gives back on demand, often most of a machine's memory."""
     if dev.type == "cuda":
         return int(torch.cuda.mem_get_info(dev)[0])
     try:
         import psutil
 
         return int(psutil.virtual_memory().available)
-    except ImportError:  # pragma: no cover - psutil is a dependency
-        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except ImportError:  # psutil is optional
+        pass
+    try:
+        with open(MEMINFO, encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the value is in kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
 
 
 def _fmt_bytes(n: int) -> str:
     return f"{n} bytes ({n / 2**30:.2f} GiB)"
 
 
-def check_kv_fits(dev: torch.device, num_blocks: int, num_cpu_blocks: int, bytes_per_block: int) -> None:
-    """Check the device KV pool (``num_blocks``) and the CPU swap pool (``num_cpu_blocks``) fit
-    the memory free now. When ``dev`` is the CPU both pools share host memory. O(1).
+def check_kv_fits(
+    dev: torch.device, num_blocks: int, num_cpu_blocks: int, bytes_per_block: int, num_host_blocks: int = 0
+) -> None:
+    """Check the device KV pool (``num_blocks``), the CPU swap pool (``num_cpu_blocks``) and the
+    prefix cache's host tier (``num_host_blocks``) fit the memory free now. The swap pool and
+    the host tier live in host memory; when ``dev`` is the CPU all three share it. O(1).
 
     Raises:
         KVCacheTooLargeError: naming the pool size in blocks and bytes and the free memory.
     """
     dev_bytes = num_blocks * bytes_per_block
-    cpu_bytes = num_cpu_blocks * bytes_per_block
+    cpu_bytes = (num_cpu_blocks + num_host_blocks) * bytes_per_block
+    host_pools = (f" + CPU swap pool {num_cpu_blocks} blocks" if num_cpu_blocks else "") + (
+        f" + host tier {num_host_blocks} blocks" if num_host_blocks else ""
+    )
     if dev.type == "cpu":
         free = available_memory(dev)
         if dev_bytes + cpu_bytes > free:
-            swap = f" + CPU swap pool {num_cpu_blocks} blocks" if num_cpu_blocks else ""
             raise KVCacheTooLargeError(
-                f"KV cache of {num_blocks} blocks{swap} x {bytes_per_block} bytes = "
+                f"KV cache of {num_blocks} blocks{host_pools} x {bytes_per_block} bytes = "
                 f"{_fmt_bytes(dev_bytes + cpu_bytes)} does not fit the {_fmt_bytes(free)} of free host "
                 "memory; lower num_kv_blocks / kv_bytes (--kv-blocks / --kv-bytes)"
+                + (" or the host tier (--host-cache-bytes)" if num_host_blocks else "")
             )
         return
     free = available_memory(dev)
@@ -89,12 +109,13 @@ def check_kv_fits(dev: torch.device, num_blocks: int, num_cpu_blocks: int, bytes
             f"KV cache of {num_blocks} blocks x {bytes_per_block} bytes = {_fmt_bytes(dev_bytes)} does not "
             f"fit the {_fmt_bytes(free)} free on {dev}; lower num_kv_blocks / kv_bytes (--kv-blocks / --kv-bytes)"
         )
-    if num_cpu_blocks:
+    if num_cpu_blocks or num_host_blocks:
         host = available_memory(torch.device("cpu"))
         if cpu_bytes > host:
             raise KVCacheTooLargeError(
-                f"CPU swap pool of {num_cpu_blocks} blocks x {bytes_per_block} bytes = {_fmt_bytes(cpu_bytes)} "
+                f"{host_pools.removeprefix(' + ')} x {bytes_per_block} bytes = {_fmt_bytes(cpu_bytes)} "
                 f"does not fit the {_fmt_bytes(host)} of free host memory; lower num_cpu_blocks (--cpu-blocks)"
+                + (" or the host tier (--host-cache-bytes)" if num_host_blocks else "")
             )
 
 

@@ -1,10 +1,12 @@
 """Model runner: turns a :class:`~pagedkv.engine.scheduler.ScheduledBatch` into kernel inputs
 (:meth:`pagedkv.tensors.BatchTensors.from_steps`, the one allocator-to-kernel path), applies
-the block plans (swap out, swap in, copy-on-write) and runs the forward pass.
+the block plans (host stores, swap out, swap in, host loads, copy-on-write) and runs the
+forward pass.
 
 Owns the KV cache tensors: the device cache ``[num_layers, 2, num_blocks, block_size,
-num_kv_heads, head_size]`` and, for swap preemption, a CPU cache of ``num_cpu_blocks`` blocks of
-the same per-block shape (pinned when CUDA is present).
+num_kv_heads, head_size]``, for swap preemption a CPU cache of ``num_cpu_blocks`` blocks of the
+same per-block shape, and for the prefix cache's host tier a host cache of ``num_host_blocks``
+blocks (both pinned when CUDA is present, so their copies are asynchronous).
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ class ModelRunner:
         num_cpu_blocks: CPU swap blocks (0 disables the CPU cache).
         manager: the KV cache manager whose step outputs the batches carry (the runner keeps
             its block tables across steps, :class:`pagedkv.tensors.BlockTable`).
+        num_host_blocks: blocks of the prefix cache's host tier (0: none); a tensor of its own,
+            apart from the swap pool, as the manager numbers host blocks apart from swap blocks.
 
     Raises:
-        KVCacheTooLargeError: allocating either cache failed (names blocks and bytes).
+        KVCacheTooLargeError: allocating a cache failed (names blocks and bytes).
     """
 
     def __init__(
@@ -51,6 +55,7 @@ class ModelRunner:
         num_cpu_blocks: int = 0,
         *,
         manager: pagedkv.KVCacheManager,
+        num_host_blocks: int = 0,
     ) -> None:
         self.model = model
         self.block_tables = BlockTable(manager)
@@ -68,6 +73,16 @@ class ModelRunner:
             if num_cpu_blocks > 0
             else None
         )
+        self.host_cache = (
+            guard_allocation(
+                "host tier",
+                num_host_blocks,
+                per_block,
+                lambda: model.allocate_kv_cache(num_host_blocks, block_size, device="cpu", pin_memory=True),
+            )
+            if num_host_blocks > 0
+            else None
+        )
         self.device = model.device
         # "auto" dispatch runs the Triton kernel on CUDA when Triton is installed; it needs no plan.
         self._triton_attention = self.device.type == "cuda" and kernels.triton_available()
@@ -76,7 +91,12 @@ class ModelRunner:
         """The kernel inputs of ``batch`` on the model's device, with the reference attention's
         per-step plans (one per KV cache group) attached where that kernel runs."""
         bt = BatchTensors.from_steps(
-            batch.steps, self.device, block_tables=self.block_tables, swap_out=batch.swap_out, swap_in=batch.swap_in
+            batch.steps,
+            self.device,
+            block_tables=self.block_tables,
+            swap_out=batch.swap_out,
+            swap_in=batch.swap_in,
+            transfers=batch.transfers,
         )
         if self._triton_attention or not batch.seqs:
             return bt
@@ -85,17 +105,25 @@ class ModelRunner:
         return bt
 
     def apply_block_plans(self, bt: BatchTensors) -> None:
-        """Swap out (device -> CPU), then swap in (CPU -> device), then copy-on-write copies,
-        in that order: a block freed by a swap-out may be reused by the later plans."""
-        for plan, src, dst in (
-            (bt.swap_out, self.kv_cache, self.cpu_cache),
-            (bt.swap_in, self.cpu_cache, self.kv_cache),
-        ):
-            if plan is not None and len(plan):
-                assert src is not None and dst is not None, "swap planned without a CPU cache"
-                event = kernels.swap_blocks(src, dst, plan)
-                if event is not None:
-                    event.synchronize()
+        """The step's device <-> host copies in the order given (``bt.transfers``: per manager
+        call its host stores, the swaps since the previous call, its host loads; see
+        :attr:`ScheduledBatch.transfers <pagedkv.engine.scheduler.ScheduledBatch.transfers>`),
+        then the copy-on-write copies. A store reads a device block before a swap-in or load
+        overwrites it, a swap-out reads a victim's block before a load reuses it. Each plan is
+        one batched :func:`pagedkv.kernels.swap_blocks` (asynchronous on CUDA, on the current
+        stream, which the copies and the forward pass share)."""
+        for kind, plan in bt.transfers:
+            src, dst = {
+                "host_store": (self.kv_cache, self.host_cache),
+                "swap_out": (self.kv_cache, self.cpu_cache),
+                "swap_in": (self.cpu_cache, self.kv_cache),
+                "host_load": (self.host_cache, self.kv_cache),
+            }[kind]
+            assert src is not None and dst is not None, f"{kind} planned without its host cache"
+            for part in _without_repeated_targets(plan):
+                event = kernels.swap_blocks(src, dst, part)
+                if event is not None and kind.startswith("swap"):
+                    event.synchronize()  # as before: swap plans complete before the step goes on
         if len(bt.copies):
             kernels.copy_blocks(self.kv_cache, bt.copies)
 
@@ -138,3 +166,26 @@ class ModelRunner:
     def kv_cache_bytes(self) -> int:
         """Bytes of the device KV cache."""
         return self.kv_cache.numel() * self.kv_cache.element_size()
+
+    def host_cache_bytes(self) -> int:
+        """Bytes of the host tier's cache (0 without a host tier)."""
+        c = self.host_cache
+        return 0 if c is None else c.numel() * c.element_size()
+
+
+def _without_repeated_targets(plan: torch.Tensor) -> list[torch.Tensor]:
+    """``plan`` (``int[K, 2]`` (src, dst) rows, to run in order) cut into consecutive parts
+    whose destinations are distinct: one batched copy scatters a part at once, and a block
+    stored twice in one plan (a host block reused within one manager call) must end with the
+    later row's contents. Almost always one part, ``plan`` itself."""
+    dst = plan[:, 1].tolist()
+    if len(set(dst)) == len(dst):
+        return [plan]
+    parts, start, seen = [], 0, set()
+    for i, d in enumerate(dst):
+        if d in seen:
+            parts.append(plan[start:i])
+            start, seen = i, set()
+        seen.add(d)
+    parts.append(plan[start:])
+    return parts

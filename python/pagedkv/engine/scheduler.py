@@ -32,9 +32,11 @@ budget left after every running sequence's own tokens, as lookahead slots of the
 preempted.
 
 The result of a step is a :class:`ScheduledBatch`: the scheduled sequences in batch order, the
-manager's step outputs and the swap plans, which :meth:`pagedkv.tensors.BatchTensors.from_steps`
-turns into kernel inputs. The scheduler keeps no copy of what the manager owns (computed tokens,
-blocks held, swap state): it asks the manager.
+manager's step outputs and the block copies to run before the forward pass (swap plans and,
+with the prefix cache's host tier, host stores and loads; :attr:`ScheduledBatch.transfers`),
+which :meth:`pagedkv.tensors.BatchTensors.from_steps` turns into kernel inputs. The scheduler
+keeps no copy of what the manager owns (computed tokens, blocks held, swap state): it asks the
+manager.
 """
 
 from __future__ import annotations
@@ -105,6 +107,18 @@ class ScheduledBatch:
             swapped out this step), or ``None``.
         swap_in: ``int32[K, 2]`` (CPU block, device block) pairs to copy after ``swap_out``,
             or ``None``.
+        transfers: every block copy between the device pool and host memory this step, in
+            the order to run them (before copy-on-write and the forward pass): per
+            ``manager.step`` call, its ``("host_store", int32[n, 2] (device, host))`` plan (the
+            stores of the calls since the previous step call included), then the
+            ``("swap_out", ...)`` and ``("swap_in", ...)`` plans made since the previous step
+            call, then its ``("host_load", int32[n, 2] (host, device))`` plan: the host tier's
+            order (stores, swap out, swap in, loads) per call, calls in order, so a host block
+            a call loads from is read before a later call may store over it. Without a host
+            tier: ``swap_out`` then ``swap_in``, as the two fields above.
+        num_prefill_tokens: scheduled tokens that are not a decode of a sampled token: prompt
+            tokens not served from the prefix cache (either tier), and everything a recompute
+            resume prefills again.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -114,6 +128,8 @@ class ScheduledBatch:
     steps: list[StepOutput] = field(default_factory=list)
     swap_out: np.ndarray | None = None
     swap_in: np.ndarray | None = None
+    transfers: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    num_prefill_tokens: int = 0
 
 
 def blocks_for_request(num_prompt_tokens: int, max_tokens: int, num_seqs: int, block_size: int) -> int:
@@ -148,6 +164,11 @@ class Scheduler:
         self.running: list[Request] = []  # arrival order
         self.waiting: list[Request] = []  # arrival order (new, recompute-preempted, swapped)
         self._swap_out: list[np.ndarray] = []
+        # Block copies of the step being scheduled (ScheduledBatch.transfers), and the swap
+        # plans made since the last manager.step call (they run after that call's host stores).
+        self._transfers: list[tuple[str, np.ndarray]] = []
+        self._pending_swaps: list[tuple[str, np.ndarray]] = []
+        self._host_tier = bool(getattr(manager.config, "num_host_blocks", 0))
 
     # ---- queue -------------------------------------------------------------------------------
 
@@ -216,6 +237,7 @@ class Scheduler:
         budget = self.config.max_tokens_per_step
         batch = ScheduledBatch()
         self._swap_out = []
+        self._transfers, self._pending_swaps = [], []
         items: list[_Item] = []
         complete: list[bool] = []  # per item: it schedules all the sequence's remaining tokens
         live = [(r, s) for r in self.running for s in r.seqs]  # 1. running requests, oldest first
@@ -231,9 +253,25 @@ class Scheduler:
         budget += self._run_step(items, batch, allow_preempt=True)
         admitted, swap_in = self._admit(budget, len(batch.seqs))  # 2. waiting requests
         self._run_step(admitted, batch, allow_preempt=False)
+        if self._pending_swaps and self._host_tier:
+            # A swap made after the last step call may have evicted cached blocks: the empty
+            # call hands over their host stores, which must run before the swap overwrites them.
+            self._collect(self.manager.step([], []))
+        self._transfers += self._pending_swaps
         batch.swap_out = np.concatenate(self._swap_out) if self._swap_out else None
         batch.swap_in = np.concatenate(swap_in) if swap_in else None
+        batch.transfers = self._transfers
         return batch
+
+    def _collect(self, out: StepOutput) -> None:
+        """Append one ``manager.step`` output's block copies to the step's transfers: its host
+        stores, the swaps made since the previous call, its host loads (the host tier's order)."""
+        if self._host_tier and len(out.host_stores):
+            self._transfers.append(("host_store", out.host_stores))
+        self._transfers += self._pending_swaps
+        self._pending_swaps = []
+        if self._host_tier and len(out.host_loads):
+            self._transfers.append(("host_load", out.host_loads))
 
     def _propose_drafts(self, items: list[_Item], complete: list[bool], budget: int) -> int:
         """Set ``seq.drafts`` of each item (prompt-lookup drafts, oldest request first, from
@@ -282,6 +320,7 @@ class Scheduler:
                 except OutOfBlocksError:
                     break
                 swap_in.append(plan)
+                self._pending_swaps.append(("swap_in", plan))
                 free -= len(plan)
             else:
                 # the whole remaining prefill (guard) or just this step's chunk (no guard)
@@ -327,6 +366,7 @@ class Scheduler:
                 [s.pending for _, s, _ in items],
                 draft_token_ids=drafts,
             )
+            self._collect(out)
             n = int(out.num_scheduled)
             self._record(items[:n], out, batch)
             items = items[n:]
@@ -363,7 +403,8 @@ class Scheduler:
         lens = out.seq_lens.tolist()
         cached = out.num_cached_tokens.tolist()
         num_drafts = out.num_draft_tokens.tolist()
-        for (req, seq, _), seq_len, hit, k in zip(items, lens, cached, num_drafts):
+        for (req, seq, todo), seq_len, hit, k in zip(items, lens, cached, num_drafts):
+            batch.num_prefill_tokens += todo - len(seq.pending)
             seq.pending.clear()  # handed to the manager by this step
             if req.num_cached_tokens is None:
                 req.num_cached_tokens = hit
@@ -398,6 +439,7 @@ class Scheduler:
         if self.config.preemption == "swap":
             try:
                 self._swap_out.append(self.manager.swap_out(ids))
+                self._pending_swaps.append(("swap_out", self._swap_out[-1]))
                 swapped = True
             except OutOfSwapSpaceError:
                 swapped = False
