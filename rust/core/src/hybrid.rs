@@ -38,7 +38,10 @@ use crate::error::{Error, Result};
 use crate::events::{EventSink, KvEvent, Tier};
 use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
 use crate::kv_groups::{retained_at_interval, GroupSpec, HybridConfig};
-use crate::manager::{validate_new_sequence, validate_step, SeqStatus, SequenceSpec, StepRequest};
+use crate::manager::{
+    drafts_pending, validate_drafts, validate_new_sequence, validate_step, SeqStatus, SequenceSpec,
+    StepDrafts, StepRequest,
+};
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
 use crate::sync::Mutex;
@@ -118,6 +121,10 @@ pub struct HybridAllocation {
     pub num_cached_tokens: usize,
     /// Tokens with KV present before the scheduled ones.
     pub num_context_tokens: usize,
+    /// Draft tokens given lookahead slots after the scheduled ones (positions
+    /// `num_context_tokens + num_scheduled_tokens ..` `+ num_draft_tokens`), pending until
+    /// [`HybridManager::accept_drafts`].
+    pub num_draft_tokens: usize,
     /// Per group, in group order.
     pub groups: Vec<GroupAllocation>,
 }
@@ -142,6 +149,9 @@ pub struct HybridStepOutput {
     pub context_lens: Vec<i32>,
     /// Per scheduled token: its token id.
     pub input_ids: Vec<i64>,
+    /// Per scheduled seq: draft tokens at the end of its query (lookahead slots); empty when
+    /// the step had no drafts.
+    pub num_draft_tokens: Vec<i32>,
     /// Row-major `G x T`: row `g` holds each token's slot in group `g`'s layers,
     /// `block_id * block_size_g + offset`.
     pub slot_mapping: Vec<i64>,
@@ -167,6 +177,10 @@ struct GroupTable {
     live_from: usize,
     /// Leading logical blocks the fill-time registration has considered.
     scanned: usize,
+    /// Trailing blocks past `ceil((num_computed + drafts) / block_size)` kept by
+    /// [`HybridManager::accept_drafts_keeping_blocks`] for the next allocations (private,
+    /// unhashed).
+    spare: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -189,6 +203,10 @@ struct Seq {
     /// Its first prefix lookup is counted in the hit-rate counters (inherited by a fork
     /// child; a resume after a recompute preemption is not counted again, vLLM #25780).
     looked_up: bool,
+    /// Pending draft tokens of a verify step, in lookahead slots at positions
+    /// `num_computed .. num_computed + drafts.len()` of every group: never hashed, cached or
+    /// announced; resolved by [`HybridManager::accept_drafts`].
+    drafts: Vec<u32>,
 }
 
 impl Seq {
@@ -518,15 +536,20 @@ impl HybridManager {
                 keys: vec![Vec::new(); g],
                 stale_kv: false,
                 looked_up: false,
+                drafts: Vec::new(),
             },
         );
         Ok(())
     }
 
-    /// Appends finalized tokens. Errors: [`Error::UnknownSequence`]. O(tokens).
+    /// Appends finalized tokens. Errors: [`Error::UnknownSequence`];
+    /// [`Error::InvalidSequenceState`] while draft tokens are pending. O(tokens).
     pub fn append_tokens(&self, seq: SeqId, tokens: &[u32]) -> Result<()> {
         let mut st = self.state.lock();
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        if !s.drafts.is_empty() {
+            return Err(drafts_pending(seq, "append_tokens"));
+        }
         s.tokens.extend_from_slice(tokens);
         Ok(())
     }
@@ -595,7 +618,7 @@ impl HybridManager {
                         .filter(|&b| b != NULL_BLOCK && b != VIRTUAL),
                 );
                 if gp.cow {
-                    cow_src.push(*t.blocks.last().expect("cow needs a block"));
+                    cow_src.push(t.blocks[plan.context / self.cfg.groups[g].block_size as usize]);
                 }
                 fresh += gp.fresh + usize::from(gp.cow);
             }
@@ -619,12 +642,12 @@ impl HybridManager {
                 // Blocks it held before the call keep their ids (a later member's hit on one
                 // adds a reference a sibling's release then sees); the new ones (fresh,
                 // copy-on-write destination) are virtual.
-                let kept = s.tables[g].blocks.len() - usize::from(gp.cow);
+                let cow_at = gp.cow.then_some(plan.context / bs);
                 for j in start..full {
                     if !self.registers_at_fill(spec, j) {
                         continue;
                     }
-                    let b = if j < kept {
+                    let b = if j < s.tables[g].blocks.len() && cow_at != Some(j) {
                         s.tables[g].blocks[j]
                     } else {
                         VIRTUAL
@@ -662,6 +685,87 @@ impl HybridManager {
         Ok(a)
     }
 
+    /// Speculative decoding's verify step: [`Self::allocate_slots`] plus lookahead slots for
+    /// `draft_tokens` (`k` proposed tokens) right after the scheduled ones, in every group, in
+    /// the same call. The drafts' KV is written at positions `num_computed .. num_computed + k`
+    /// but they are not tokens of the sequence: nothing is hashed, cached or announced for
+    /// them, and the sequence stays pending until [`Self::accept_drafts`]. A windowed group
+    /// releases out of the window by the committed context only (the verify query's first
+    /// token reads `W - 1` tokens back from it: the block a later query row no longer reads
+    /// stays), never by the lookahead positions (vLLM #44082). With no drafts this is
+    /// `allocate_slots`.
+    ///
+    /// Errors (state unchanged): those of `allocate_slots` (`OutOfBlocks` counts the
+    /// lookahead blocks too); [`Error::InvalidArgument`] (`draft_tokens`) when the scheduled
+    /// tokens do not reach the sequence's last token; [`Error::InvalidSequenceState`] when
+    /// drafts are pending already.
+    pub fn allocate_slots_with_drafts(
+        &self,
+        seq: SeqId,
+        num_new_tokens: usize,
+        draft_tokens: &[u32],
+    ) -> Result<HybridAllocation> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        let mut out = Vec::new();
+        let a = self.allocate_locked_with_drafts(seq, s, num_new_tokens, draft_tokens, &mut out)?;
+        self.absorb(st, out);
+        Ok(a)
+    }
+
+    /// Exactly what the next [`Self::allocate_slots_with_drafts`] with `num_drafts` drafts
+    /// takes from and gives back to the free pool. Errors as that call except `OutOfBlocks`.
+    /// No side effects.
+    pub fn num_blocks_needed_with_drafts(
+        &self,
+        seq: SeqId,
+        num_new_tokens: usize,
+        num_drafts: usize,
+    ) -> Result<BlockDemand> {
+        let mut st = self.state.lock();
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        let sim = Sim::new(&self.pool);
+        Ok(self
+            .plan_with_drafts(seq, s, num_new_tokens, num_drafts, &sim)?
+            .demand)
+    }
+
+    /// Resolves the pending drafts of `seq` after verification: the first `num_accepted`
+    /// (`m <= k`) become tokens with their KV computed (the token the verify step samples
+    /// after them is appended as usual); in every group the rejected tail's slots are free for
+    /// the next step and each block that held only rejected drafts is released (tail first,
+    /// never hashed). Blocks now full of accepted tokens are cached by the retention rule, as
+    /// if the tokens had been decoded one by one. Nothing is released out of a window here:
+    /// the next allocation does it from the committed context. Returns, per group, the
+    /// released block ids in release order.
+    ///
+    /// Errors (state unchanged): [`Error::UnknownSequence`]; [`Error::InvalidSequenceState`]
+    /// without pending drafts; [`Error::InvalidArgument`] (`num_accepted`) for more accepted
+    /// than proposed.
+    pub fn accept_drafts(&self, seq: SeqId, num_accepted: usize) -> Result<Vec<Vec<BlockId>>> {
+        self.accept_drafts_with(seq, num_accepted, true)
+    }
+
+    /// [`Self::accept_drafts`] that keeps the blocks which held only rejected drafts as spare
+    /// lookahead blocks the next allocations fill before taking fresh ones (for a consumer
+    /// whose copy of the block tables only grows while a request runs). Nothing is released
+    /// (every group's list is empty); spare blocks are private and unhashed, a fork does not
+    /// share them, and preemption or free releases them with the rest. Same errors.
+    pub fn accept_drafts_keeping_blocks(
+        &self,
+        seq: SeqId,
+        num_accepted: usize,
+    ) -> Result<Vec<Vec<BlockId>>> {
+        self.accept_drafts_with(seq, num_accepted, false)
+    }
+
+    /// Draft tokens pending on `seq`. Errors: [`Error::UnknownSequence`].
+    pub fn num_draft_tokens(&self, seq: SeqId) -> Result<usize> {
+        let st = self.state.lock();
+        Ok(st.seqs.get(&seq).ok_or_else(|| unknown(seq))?.drafts.len())
+    }
+
     /// Forks `parent` into `child`: every group's table is shared (ref counts + 1), nothing
     /// allocated. Errors: [`Error::UnknownSequence`], [`Error::SequenceExists`],
     /// [`Error::InvalidSequenceState`] (swapped-out parent).
@@ -671,10 +775,19 @@ impl HybridManager {
         if p.status == SeqStatus::Swapped {
             return Err(bad_state(parent, p.status, "fork", "running or preempted"));
         }
+        if !p.drafts.is_empty() {
+            return Err(drafts_pending(parent, "fork"));
+        }
         if st.seqs.contains_key(&child) {
             return Err(Error::SequenceExists { seq_id: child });
         }
-        let c = p.clone();
+        let mut c = p.clone();
+        // Spare lookahead blocks stay the parent's: the child's tables end with its tokens.
+        for t in &mut c.tables {
+            let n = t.blocks.len() - t.spare;
+            t.blocks.truncate(n);
+            t.spare = 0;
+        }
         let held: Vec<BlockId> = c.held().collect();
         if !held.is_empty() {
             self.pool.incref(&held)?;
@@ -742,6 +855,7 @@ impl HybridManager {
             s.last_context = 0;
             s.status = SeqStatus::Preempted;
             s.stale_kv = false; // its KV is computed again on resume
+            s.drafts.clear(); // their lookahead blocks went with the rest
             st.seqs.insert(*id, s);
         }
         self.absorb(st, ev);
@@ -764,6 +878,9 @@ impl HybridManager {
             let s = &st.seqs[id];
             if s.status != SeqStatus::Running {
                 return Err(bad_state(*id, s.status, "swap_out", "running"));
+            }
+            if !s.drafts.is_empty() {
+                return Err(drafts_pending(*id, "swap_out"));
             }
             for b in s.held() {
                 let n = uses.entry(b).or_insert(0);
@@ -1000,6 +1117,16 @@ impl HybridManager {
     /// offsets, an id listed twice) schedules nothing. Returns every group's slot mapping and
     /// dense block tables. O(tokens scheduled x groups + G x S x W).
     pub fn step(&self, req: &StepRequest) -> HybridStepOutput {
+        self.step_with_drafts(req, &StepDrafts::default())
+    }
+
+    /// [`Self::step`] for speculative decoding: sequence `i` also gets lookahead slots for its
+    /// draft tokens (`drafts`' CSR slice `i`), as [`Self::allocate_slots_with_drafts`]. Its
+    /// query is then its scheduled tokens followed by the drafts (`query_start_loc`,
+    /// `seq_lens`, `slot_mapping` and `input_ids` include them; `num_draft_tokens` says how
+    /// many), and it stays pending until [`Self::accept_drafts`]. Malformed draft offsets are
+    /// reported in `error` with nothing scheduled.
+    pub fn step_with_drafts(&self, req: &StepRequest, drafts: &StepDrafts) -> HybridStepOutput {
         let n = req.seq_ids.len();
         let ng = self.num_groups();
         let mut out = HybridStepOutput {
@@ -1009,7 +1136,7 @@ impl HybridManager {
         };
         out.query_start_loc.push(0);
         out.new_block_indptr.push(0);
-        if let Err(e) = validate_step(req) {
+        if let Err(e) = validate_step(req).and_then(|()| validate_drafts(req, drafts)) {
             out.error = Some(e);
             return out;
         }
@@ -1025,6 +1152,13 @@ impl HybridManager {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let mut slots: Vec<Vec<i64>> = vec![Vec::new(); ng];
+        let drafts_of = |i: usize| -> &[u32] {
+            if drafts.indptr.is_empty() {
+                &[]
+            } else {
+                &drafts.tokens[drafts.indptr[i] as usize..drafts.indptr[i + 1] as usize]
+            }
+        };
         let mut ev = Vec::new();
         for (i, &seq) in req.seq_ids.iter().enumerate() {
             let Some(s) = st.seqs.get_mut(&seq) else {
@@ -1039,8 +1173,13 @@ impl HybridManager {
                 );
                 s.tokens.extend_from_slice(&req.append_tokens[a..b]);
             }
-            let alloc = match self.allocate_locked(seq, s, req.num_new_tokens[i] as usize, &mut ev)
-            {
+            let alloc = match self.allocate_locked_with_drafts(
+                seq,
+                s,
+                req.num_new_tokens[i] as usize,
+                drafts_of(i),
+                &mut ev,
+            ) {
                 Ok(a) => a,
                 Err(e) => {
                     s.tokens.truncate(old_len);
@@ -1055,14 +1194,20 @@ impl HybridManager {
                 }
             };
             let ctx = alloc.num_context_tokens;
-            let q = alloc.num_scheduled_tokens;
+            let q_final = alloc.num_scheduled_tokens;
+            // The query: the scheduled tokens, then the drafts in their lookahead slots.
+            let q = q_final + alloc.num_draft_tokens;
             out.num_scheduled += 1;
             out.num_cached_tokens.push(alloc.num_cached_tokens as i32);
             out.query_start_loc.push(out.query_start_loc[i] + q as i32);
             out.context_lens.push(ctx as i32);
             out.seq_lens.push((ctx + q) as i32);
+            if !drafts.indptr.is_empty() {
+                out.num_draft_tokens.push(alloc.num_draft_tokens as i32);
+            }
             out.input_ids
-                .extend(s.tokens[ctx..ctx + q].iter().map(|&t| i64::from(t)));
+                .extend(s.tokens[ctx..ctx + q_final].iter().map(|&t| i64::from(t)));
+            out.input_ids.extend(s.drafts.iter().map(|&t| i64::from(t)));
             for (g, ga) in alloc.groups.iter().enumerate() {
                 let bs = self.cfg.groups[g].block_size as usize;
                 let t = &s.tables[g].blocks;
@@ -1124,6 +1269,9 @@ impl HybridManager {
                 return Err(format!("seq {id}: num_computed > num_tokens"));
             }
             match s.status {
+                SeqStatus::Preempted | SeqStatus::Swapped if !s.drafts.is_empty() => {
+                    return Err(format!("seq {id}: {} with pending drafts", s.status.name()));
+                }
                 SeqStatus::Preempted => {
                     if s.held().next().is_some() || s.num_computed != 0 {
                         return Err(format!("seq {id}: preempted but holds blocks"));
@@ -1138,6 +1286,13 @@ impl HybridManager {
                     }
                 }
                 SeqStatus::Running => {
+                    if !s.drafts.is_empty() && s.num_computed != s.tokens.len() {
+                        return Err(format!(
+                            "seq {id}: drafts pending but {} of {} tokens computed",
+                            s.num_computed,
+                            s.tokens.len()
+                        ));
+                    }
                     if s.stale_kv && s.held().any(|b| self.pool.block_hash(b).is_some()) {
                         return Err(format!(
                             "seq {id}: its KV predates the last reset but a block is cached"
@@ -1148,12 +1303,27 @@ impl HybridManager {
                         let spec = self.cfg.groups[g];
                         let bs = spec.block_size as usize;
                         let t = s.tables[g].clone();
-                        if t.blocks.len() != s.num_computed.div_ceil(bs) {
+                        let slots = s.num_computed + s.drafts.len();
+                        if t.blocks.len() != slots.div_ceil(bs) + t.spare {
                             return Err(format!(
-                                "seq {id} group {g}: {} blocks for {} computed tokens",
+                                "seq {id} group {g}: {} blocks for {} computed tokens, {} drafts and {} spare blocks",
                                 t.blocks.len(),
-                                s.num_computed
+                                s.num_computed,
+                                s.drafts.len(),
+                                t.spare
                             ));
+                        }
+                        // Lookahead blocks (only draft slots, or spare): private, never hashed.
+                        for &b in &t.blocks[s.num_computed.div_ceil(bs)..] {
+                            if b == NULL_BLOCK
+                                || self.pool.ref_count(b) != 1
+                                || self.pool.block_hash(b).is_some()
+                            {
+                                return Err(format!(
+                                    "seq {id} group {g}: lookahead block {b} is null, shared or hashed (ref {})",
+                                    self.pool.ref_count(b)
+                                ));
+                            }
                         }
                         let read_from = spec.first_read(s.last_context) / bs;
                         let keep_from = if s.num_computed == s.last_context {
@@ -1390,6 +1560,20 @@ impl HybridManager {
     }
 
     fn plan(&self, seq: SeqId, s: &mut Seq, num_new_tokens: usize, sim: &Sim<'_>) -> Result<Plan> {
+        self.plan_with_drafts(seq, s, num_new_tokens, 0, sim)
+    }
+
+    /// The plan of an allocation of `num_new_tokens` plus `num_drafts` lookahead slots.
+    /// Windowed groups release by the committed context only: the lookahead positions never
+    /// move a window (the verify query's first row still reads from `first_read(context)`).
+    fn plan_with_drafts(
+        &self,
+        seq: SeqId,
+        s: &mut Seq,
+        num_new_tokens: usize,
+        num_drafts: usize,
+        sim: &Sim<'_>,
+    ) -> Result<Plan> {
         if s.status == SeqStatus::Swapped {
             return Err(bad_state(
                 seq,
@@ -1404,6 +1588,9 @@ impl HybridManager {
                 value: "0".into(),
                 reason: "must schedule at least one token".into(),
             });
+        }
+        if !s.drafts.is_empty() {
+            return Err(drafts_pending(seq, "allocate_slots"));
         }
         let first = s.is_first();
         let (context, hits) = if first {
@@ -1423,6 +1610,18 @@ impl HybridManager {
             });
         }
         let q = num_new_tokens.min(remaining);
+        if num_drafts > 0 && q < remaining {
+            return Err(Error::InvalidArgument {
+                arg: "draft_tokens",
+                value: format!("{num_drafts} token(s)"),
+                reason: format!(
+                    "drafts follow the last token: schedule all {remaining} uncomputed token(s) \
+                     of sequence {seq} ({q} scheduled)"
+                ),
+            });
+        }
+        // Slots up to here: the scheduled tokens, then the lookahead slots of the drafts.
+        let end = context + q + num_drafts;
         let mut demand = BlockDemand {
             per_group: Vec::with_capacity(self.num_groups()),
             ..BlockDemand::default()
@@ -1442,7 +1641,7 @@ impl HybridManager {
                     }
                 }
                 gp.live_from = spec.hit_blocks(context).0;
-                gp.fresh = (context + q).div_ceil(bs) - hits.len();
+                gp.fresh = end.div_ceil(bs) - hits.len();
                 gp.hits = hits;
             } else {
                 let keep = self.keep_from(&spec, context) / bs;
@@ -1456,8 +1655,11 @@ impl HybridManager {
                         }
                     }
                 }
-                gp.fresh = (context + q).div_ceil(bs) - t.blocks.len();
-                gp.cow = context % bs != 0 && t.blocks.last().is_some_and(|&b| sim.refc(b) > 1);
+                // Spare lookahead blocks (kept after an acceptance) are filled before fresh ones.
+                gp.fresh = end.div_ceil(bs).saturating_sub(t.blocks.len());
+                // The block the next token goes into (spares may follow it).
+                gp.cow = context % bs != 0
+                    && t.blocks.get(context / bs).is_some_and(|&b| sim.refc(b) > 1);
             }
             take += gp.fresh + usize::from(gp.cow);
             demand.take += take;
@@ -1482,9 +1684,20 @@ impl HybridManager {
         num_new_tokens: usize,
         ev: &mut Vec<Pending>,
     ) -> Result<HybridAllocation> {
+        self.allocate_locked_with_drafts(seq, s, num_new_tokens, &[], ev)
+    }
+
+    fn allocate_locked_with_drafts(
+        &self,
+        seq: SeqId,
+        s: &mut Seq,
+        num_new_tokens: usize,
+        drafts: &[u32],
+        ev: &mut Vec<Pending>,
+    ) -> Result<HybridAllocation> {
         let plan = {
             let sim = Sim::new(&self.pool);
-            self.plan(seq, s, num_new_tokens, &sim)?
+            self.plan_with_drafts(seq, s, num_new_tokens, drafts.len(), &sim)?
         };
         let available = self.pool.num_free() + plan.demand.release;
         if plan.demand.take > available {
@@ -1497,6 +1710,7 @@ impl HybridManager {
             num_scheduled_tokens: plan.q,
             num_cached_tokens: if plan.first { plan.context } else { 0 },
             num_context_tokens: plan.context,
+            num_draft_tokens: drafts.len(),
             groups: vec![GroupAllocation::default(); self.num_groups()],
         };
         // Release first (tail first), so the blocks given back can be taken again.
@@ -1536,8 +1750,8 @@ impl HybridManager {
             }
             if gp.cow {
                 let dst = fresh.next().expect("allocated");
-                let last = t.blocks.len() - 1;
-                let src = std::mem::replace(&mut t.blocks[last], dst);
+                let at = plan.context / self.cfg.groups[g].block_size as usize;
+                let src = std::mem::replace(&mut t.blocks[at], dst);
                 self.pool.free(&[src])?;
                 ga.copies.push((src, dst));
                 ga.new_block_ids.push(dst);
@@ -1564,8 +1778,70 @@ impl HybridManager {
             c.copies += copies as u64;
         }
         s.looked_up |= plan.first;
+        s.drafts = drafts.to_vec();
+        for (g, t) in s.tables.iter_mut().enumerate() {
+            let bs = self.cfg.groups[g].block_size as usize;
+            t.spare = t.blocks.len() - (s.num_computed + drafts.len()).div_ceil(bs);
+        }
+        // Only blocks full of computed, finalized tokens: drafts never reach the cache.
         self.cache_full(s, ev);
         Ok(out)
+    }
+
+    fn accept_drafts_with(
+        &self,
+        seq: SeqId,
+        num_accepted: usize,
+        release: bool,
+    ) -> Result<Vec<Vec<BlockId>>> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        if s.drafts.is_empty() {
+            return Err(Error::InvalidSequenceState {
+                seq_id: seq,
+                state: s.status.name(),
+                operation: "accept_drafts",
+                expected: "with pending draft tokens (allocated with drafts)",
+            });
+        }
+        let k = s.drafts.len();
+        if num_accepted > k {
+            return Err(Error::InvalidArgument {
+                arg: "num_accepted",
+                value: num_accepted.to_string(),
+                reason: format!("sequence {seq} has only {k} draft token(s) pending"),
+            });
+        }
+        let end = s.num_computed + num_accepted;
+        let keep: Vec<usize> = (0..self.num_groups())
+            .map(|g| end.div_ceil(self.cfg.groups[g].block_size as usize))
+            .collect();
+        let mut released = vec![Vec::new(); self.num_groups()];
+        if release {
+            for (g, t) in s.tables.iter().enumerate() {
+                released[g] = t.blocks[keep[g]..].iter().rev().copied().collect();
+            }
+            let all: Vec<BlockId> = released.iter().flatten().copied().collect();
+            if !all.is_empty() {
+                // Cannot fail: lookahead blocks are private (ref 1) and held by this sequence.
+                self.pool.free(&all)?;
+            }
+        }
+        for (g, t) in s.tables.iter_mut().enumerate() {
+            if release {
+                t.blocks.truncate(keep[g]);
+            }
+            t.spare = t.blocks.len() - keep[g];
+        }
+        let drafts = std::mem::take(&mut s.drafts);
+        s.tokens.extend_from_slice(&drafts[..num_accepted]);
+        s.num_computed = end;
+        let mut ev = Vec::new();
+        self.drain_pool(&mut ev);
+        self.cache_full(s, &mut ev);
+        self.absorb(st, ev);
+        Ok(released)
     }
 
     /// Caches every newly full computed block the fill-time rule selects, per group.

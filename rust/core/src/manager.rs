@@ -22,6 +22,7 @@
 use crate::error::{Error, Result};
 use crate::events::{EventSink, KvEvent, Tier};
 use crate::hashing::{BlockHash, ChainJob, ExtraKey, HashAlgo, PrefixHasher};
+use crate::host_tier::{BlockMeta, HostEviction, HostTier, MAX_HOST_BLOCKS};
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
 use crate::seq_table::SeqTable;
@@ -51,6 +52,16 @@ pub struct CacheConfig {
     pub num_cpu_blocks: u32,
     /// Whether KV events are buffered for [`KvCacheManager::take_events`].
     pub enable_events: bool,
+    /// Host-memory blocks of the prefix cache's second tier ([`crate::host_tier`]; 0: no
+    /// host tier, and nothing of it runs). Needs prefix caching on. Host block ids are
+    /// `0..num_host_blocks`; the executor owns the host tensors (bytes are checked there).
+    pub num_host_blocks: u32,
+    /// Uses (registrations of computed blocks and prefix hits) a block hash needs before the
+    /// device pool's eviction of it stores it to the host tier; 1 stores every evicted
+    /// block. At least 1.
+    pub host_admission_min_seen: u32,
+    /// Which host block a full host tier evicts for a store.
+    pub host_eviction: HostEviction,
 }
 
 impl CacheConfig {
@@ -66,12 +77,40 @@ impl CacheConfig {
             hash_seed: Vec::new(),
             num_cpu_blocks: 0,
             enable_events: false,
+            num_host_blocks: 0,
+            host_admission_min_seen: 2,
+            host_eviction: HostEviction::Lru,
         }
     }
 
     /// Checks every field. Errors: [`Error::InvalidConfig`] naming the field when
-    /// `num_blocks < 2` or `block_size` is outside `1..=MAX_BLOCK_SIZE`.
+    /// `num_blocks < 2`, `block_size` is outside `1..=MAX_BLOCK_SIZE`, `num_host_blocks`
+    /// exceeds [`MAX_HOST_BLOCKS`] or is set with prefix caching off (the host tier keys
+    /// blocks by their prefix hash), or `host_admission_min_seen == 0`.
     pub fn validate(&self) -> Result<()> {
+        if self.host_admission_min_seen == 0 {
+            return Err(Error::InvalidConfig {
+                field: "host_admission_min_seen",
+                value: "0".into(),
+                reason: "must be at least 1 (1 stores every evicted block)".into(),
+            });
+        }
+        if self.num_host_blocks > MAX_HOST_BLOCKS {
+            return Err(Error::InvalidConfig {
+                field: "num_host_blocks",
+                value: self.num_host_blocks.to_string(),
+                reason: format!("at most {MAX_HOST_BLOCKS} blocks"),
+            });
+        }
+        if self.num_host_blocks > 0 && !self.enable_prefix_caching {
+            return Err(Error::InvalidConfig {
+                field: "num_host_blocks",
+                value: self.num_host_blocks.to_string(),
+                reason: "a host tier needs enable_prefix_caching: it keys blocks by the \
+                         device tier's prefix hashes"
+                    .into(),
+            });
+        }
         if self.num_blocks < 2 {
             return Err(Error::InvalidConfig {
                 field: "num_blocks",
@@ -242,6 +281,16 @@ pub struct StepOutput {
     /// Per scheduled token: its token id (the tokens the model reads this step, in the order
     /// of `slot_mapping`).
     pub input_ids: Vec<i64>,
+    /// Host-tier stores, row-major `(device block, host block)` pairs: the executor copies
+    /// these FIRST in the step (before swaps, host loads, copy-on-write and the forward
+    /// pass), since the device blocks are about to be reused. Includes the stores planned by
+    /// calls since the previous hand-out (docs/design.md, "Host tier"). Empty without a host
+    /// tier.
+    pub host_stores: Vec<i32>,
+    /// Host-tier loads, row-major `(host block, device block)` pairs: copied after the
+    /// stores and swaps, before copy-on-write and the forward pass. Their host blocks stay
+    /// pinned until the next step call returns. Empty without a host tier.
+    pub host_loads: Vec<i32>,
     /// The scheduled seqs' full block tables as one dense row-major `S x block_table_width`
     /// matrix, rows padded with the null block 0: the layout paged-attention kernels index
     /// (row `k` holds `ceil(seq_lens[k] / block_size)` real entries).
@@ -365,7 +414,11 @@ impl CpuPool {
 #[derive(Debug, Clone)]
 struct Plan {
     first: bool,
+    /// The prefix hit per logical block: a device block, or [`NULL_BLOCK`] where the hit is
+    /// on host (the load's device block is allocated by the call).
     hits: Vec<BlockId>,
+    /// Host-tier hits: `(logical block, host block)`, in table order.
+    host_hits: Vec<(usize, BlockId)>,
     hits_free: usize,
     context: usize,
     q: usize,
@@ -373,7 +426,7 @@ struct Plan {
     cow: bool,
 }
 
-fn drafts_pending(seq_id: SeqId, operation: &'static str) -> Error {
+pub(crate) fn drafts_pending(seq_id: SeqId, operation: &'static str) -> Error {
     Error::InvalidSequenceState {
         seq_id,
         state: "running with pending draft tokens",
@@ -384,7 +437,7 @@ fn drafts_pending(seq_id: SeqId, operation: &'static str) -> Error {
 
 impl Plan {
     fn blocks_taken(&self) -> usize {
-        self.hits_free + self.fresh + usize::from(self.cow)
+        self.hits_free + self.host_hits.len() + self.fresh + usize::from(self.cow)
     }
 }
 
@@ -392,6 +445,10 @@ impl Plan {
 struct State {
     seqs: SeqTable<Sequence>,
     cpu: CpuPool,
+    /// The prefix cache's host tier (`None` with `num_host_blocks == 0`). Each planned load
+    /// holds one extra reference on its device block until it is handed out, so the block
+    /// is not reused before the executor has filled it.
+    host: Option<HostTier>,
     counters: ManagerCounters,
     /// The highest table version any step output has carried: a new sequence's versions
     /// continue above it, so a reused id never repeats a version.
@@ -435,9 +492,20 @@ impl KvCacheManager {
         let events = Arc::new(EventSink::new(cfg.enable_events));
         let pool = BlockPool::new(cfg.num_blocks, events.clone())?;
         let hasher = PrefixHasher::new(cfg.hash_algo, &cfg.hash_seed);
+        let host = match cfg.num_host_blocks {
+            0 => None,
+            n => Some(HostTier::new(
+                n,
+                cfg.host_admission_min_seen,
+                cfg.host_eviction,
+                cfg.num_blocks,
+                cfg.enable_events,
+            )?),
+        };
         let state = State {
             seqs: SeqTable::default(),
             cpu: CpuPool::new(cfg.num_cpu_blocks),
+            host,
             counters: ManagerCounters::default(),
             table_versions: 0,
         };
@@ -529,9 +597,10 @@ impl KvCacheManager {
     /// hashes are memoised). Errors: [`Error::UnknownSequence`]. O(hit blocks + 1) lookups,
     /// plus hashing of blocks not hashed before.
     pub fn lookup_prefix(&self, seq: SeqId) -> Result<usize> {
-        let mut st = self.state.lock();
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        Ok(self.find_hits(s).len() * self.bs())
+        Ok(self.find_hits(s, st.host.as_ref()).0.len() * self.bs())
     }
 
     /// Exactly the number of blocks the next [`Self::allocate_slots`]`(seq, num_new_tokens)`
@@ -539,9 +608,12 @@ impl KvCacheManager {
     /// blocks, plus one if a copy-on-write is needed. Errors as `allocate_slots` except `OutOfBlocks`. No
     /// side effects. O(blocks of the sequence).
     pub fn num_blocks_needed(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize> {
-        let mut st = self.state.lock();
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        Ok(self.plan(seq, s, num_new_tokens, 0)?.blocks_taken())
+        Ok(self
+            .plan(seq, s, num_new_tokens, 0, st.host.as_ref())?
+            .blocks_taken())
     }
 
     /// Schedules `q = min(num_new_tokens, num_tokens - num_computed)` tokens of `seq` and
@@ -564,7 +636,8 @@ impl KvCacheManager {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        self.allocate_locked(seq, s, &mut st.counters, num_new_tokens, &[])
+        let host = st.host.as_mut();
+        self.allocate_locked(seq, s, &mut st.counters, host, num_new_tokens, &[])
     }
 
     /// Speculative decoding's verify step: [`Self::allocate_slots`] plus lookahead slots for
@@ -587,7 +660,8 @@ impl KvCacheManager {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        self.allocate_locked(seq, s, &mut st.counters, num_new_tokens, draft_tokens)
+        let host = st.host.as_mut();
+        self.allocate_locked(seq, s, &mut st.counters, host, num_new_tokens, draft_tokens)
     }
 
     /// Resolves the pending drafts of `seq` after verification: the first `num_accepted`
@@ -628,7 +702,8 @@ impl KvCacheManager {
         release: bool,
     ) -> Result<Vec<BlockId>> {
         let mut guard = self.state.lock();
-        let s = guard.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         if s.drafts.is_empty() {
             return Err(Error::InvalidSequenceState {
                 seq_id: seq,
@@ -663,7 +738,7 @@ impl KvCacheManager {
             s.table_rewritten_from(keep);
         }
         s.spare_blocks = s.blocks.len() - keep;
-        self.cache_full_blocks(s);
+        self.cache_full_blocks(s, st.host.as_mut(), 0);
         Ok(released)
     }
 
@@ -857,7 +932,7 @@ impl KvCacheManager {
         let gpu = if order.is_empty() {
             Vec::new()
         } else {
-            self.pool.allocate(order.len())?
+            self.allocate_storing(order.len(), st.host.as_mut())?
         };
         let map: HashMap<BlockId, BlockId> =
             order.iter().copied().zip(gpu.iter().copied()).collect();
@@ -872,7 +947,8 @@ impl KvCacheManager {
             s.table_rewritten_from(0);
             s.num_cached_blocks = 0;
             s.status = SeqStatus::Running;
-            self.cache_full_blocks(s);
+            // Re-registered, not recomputed: not a new use for the host tier's admission.
+            self.cache_full_blocks(s, st.host.as_mut(), usize::MAX);
         }
         st.counters.swaps_in_blocks += order.len() as u64;
         Ok(order.into_iter().zip(gpu).collect())
@@ -882,11 +958,17 @@ impl KvCacheManager {
     /// blocks swapped out to the CPU pool included: a swapped-out sequence's KV predates the
     /// reset, so after its swap-in none of its blocks is registered or announced (not even
     /// the blocks it fills later, whose parents are not cached) until a recompute preemption
-    /// computes its KV again. Errors: [`Error::CacheInUse`] while any GPU block is referenced
-    /// (nothing changed). O(num_blocks + sequences).
+    /// computes its KV again. The host tier is cleared too (one `AllBlocksCleared` covers
+    /// both tiers); host blocks pinned by loads become free when their loads are released.
+    /// Errors: [`Error::CacheInUse`] while any GPU block is referenced, a planned host load's
+    /// destination included until the next step hands it out (nothing changed).
+    /// O(num_blocks + num_host_blocks + sequences).
     pub fn reset_prefix_cache(&self) -> Result<()> {
         let mut guard = self.state.lock();
         self.pool.reset_prefix_cache()?;
+        if let Some(host) = guard.host.as_mut() {
+            host.clear();
+        }
         for s in guard.seqs.values_mut() {
             if s.status == SeqStatus::Swapped && s.num_computed > 0 {
                 s.stale_kv = true;
@@ -980,7 +1062,7 @@ impl KvCacheManager {
     /// tokens now, in the given order, would take (fresh blocks, prefix hits on free cached
     /// blocks, copy-on-write copies), with the group's own sharing counted once: a cached block
     /// touched by an earlier member, or a full block an earlier member would register, costs a
-    /// later member nothing. Swapped-out members count the distinct CPU blocks of their tables
+    /// later member nothing; a host-tier hit costs the device block it is loaded into. Swapped-out members count the distinct CPU blocks of their tables
     /// (what [`Self::swap_in`] takes). A scheduler reserves this for an admitted group
     /// (admission control) and for a swapped group before swapping it in. No side effects.
     ///
@@ -1023,6 +1105,10 @@ impl KvCacheManager {
                                     if self.pool.ref_count(b) == 0 && touched.insert(b) {
                                         owed += 1;
                                     }
+                                }
+                                // A host hit is loaded into a freshly allocated block.
+                                None if st.host.as_ref().is_some_and(|t| t.lookup(&h).is_some()) => {
+                                    owed += 1;
                                 }
                                 None => break,
                             }
@@ -1077,6 +1163,52 @@ impl KvCacheManager {
     /// reported in `error` with nothing scheduled; a sequence whose drafts are refused stops
     /// the step like any failed allocation.
     pub fn step_with_drafts(
+        &self,
+        req: &StepRequest,
+        drafts: &StepDrafts,
+        opts: StepOptions,
+    ) -> StepOutput {
+        if self.cfg.num_host_blocks == 0 {
+            return self.step_inner(req, drafts, opts);
+        }
+        // The executor has run the previous step's plans: blocks registered before now hold
+        // their KV, and the loads handed out then are done.
+        if let Some(host) = self.state.lock().host.as_mut() {
+            host.begin_step();
+        }
+        let mut out = self.step_inner(req, drafts, opts);
+        let mut guard = self.state.lock();
+        if let Some(host) = guard.host.as_mut() {
+            host.release_in_flight();
+            let (stores, loads) = self.hand_out(host);
+            out.host_stores = stores
+                .iter()
+                .flat_map(|&(d, h)| [d as i32, h as i32])
+                .collect();
+            out.host_loads = loads
+                .iter()
+                .flat_map(|&(h, d)| [h as i32, d as i32])
+                .collect();
+        }
+        out
+    }
+
+    /// The host-tier copies planned since the last hand-out, for a caller that allocates
+    /// outside [`Self::step`] (which hands them out in [`StepOutput::host_stores`] /
+    /// [`StepOutput::host_loads`]): `(stores as (device, host), loads as (host, device))`.
+    /// The caller runs them in the step order (stores first, loads before the forward pass
+    /// that reads the loaded blocks); the loads' host blocks stay pinned until the next step
+    /// call returns. Empty without a host tier. O(plans).
+    #[allow(clippy::type_complexity)]
+    pub fn take_host_transfers(&self) -> (Vec<(BlockId, BlockId)>, Vec<(BlockId, BlockId)>) {
+        let mut guard = self.state.lock();
+        match guard.host.as_mut() {
+            Some(host) => self.hand_out(host),
+            None => (Vec::new(), Vec::new()),
+        }
+    }
+
+    fn step_inner(
         &self,
         req: &StepRequest,
         drafts: &StepDrafts,
@@ -1165,6 +1297,7 @@ impl KvCacheManager {
                 seq,
                 s,
                 &mut st.counters,
+                st.host.as_mut(),
                 req.num_new_tokens[i] as usize,
                 drafts_of(i),
             ) {
@@ -1285,6 +1418,11 @@ impl KvCacheManager {
             preemptions: c.preemptions,
             num_cpu_blocks: self.cfg.num_cpu_blocks,
             cpu_used: st.cpu.used(),
+            num_host_blocks: self.cfg.num_host_blocks,
+            host_used: st.host.as_ref().map_or(0, HostTier::num_used),
+            host_hits_tokens: c.host_hits_tokens,
+            host_stores_blocks: st.host.as_ref().map_or(0, |h| h.counters().stores),
+            host_loads_blocks: st.host.as_ref().map_or(0, |h| h.counters().loads),
         }
     }
 
@@ -1298,8 +1436,9 @@ impl KvCacheManager {
         self.events.drain()
     }
 
-    /// Checks invariants 1–4 of docs/design.md: the pool's own (1–3), plus: every GPU block's ref count
-    /// equals the number of running sequences whose table holds it (so free + used + 1 ==
+    /// Checks invariants 1–4 and 9 of docs/design.md: the pool's own (1–3), the host tier's
+    /// (9, [`HostTier::check`]), plus: every GPU block's ref count equals the number of
+    /// running sequences whose table holds it plus the planned host loads into it (so free + used + 1 ==
     /// num_blocks follows), tables never hold the null block and cover exactly
     /// `ceil(num_computed / block_size)` blocks, preempted sequences hold nothing, CPU ref
     /// counts match swapped tables, cached blocks carry the sequence's own chained hash, and
@@ -1313,6 +1452,20 @@ impl KvCacheManager {
         let caching = self.cfg.enable_prefix_caching;
         let mut gpu_refs: HashMap<BlockId, u32> = HashMap::new();
         let mut cpu_refs = vec![0u32; st.cpu.refs.len()];
+        if let Some(host) = st.host.as_ref() {
+            let n = self.cfg.num_blocks;
+            host.check(|d| d != NULL_BLOCK && d < n)?;
+            // A planned load holds one reference on its destination, which carries the
+            // loaded hash in the device prefix index.
+            for &(h, d) in host.pending().1 {
+                *gpu_refs.entry(d).or_insert(0) += 1;
+                if self.pool.block_hash(d) != host.key_of(h) && host.key_of(h).is_some() {
+                    return Err(format!(
+                        "planned load ({h}, {d}): the device block does not carry the host block's hash"
+                    ));
+                }
+            }
+        }
         for (&id, s) in st.seqs.iter() {
             if s.num_computed > s.tokens.len() {
                 return Err(format!(
@@ -1890,7 +2043,7 @@ pub(crate) fn validate_step(req: &StepRequest) -> Result<()> {
     Ok(())
 }
 
-fn validate_drafts(req: &StepRequest, drafts: &StepDrafts) -> Result<()> {
+pub(crate) fn validate_drafts(req: &StepRequest, drafts: &StepDrafts) -> Result<()> {
     let n = req.seq_ids.len();
     let p = &drafts.indptr;
     if p.is_empty() {
