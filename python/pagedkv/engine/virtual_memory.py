@@ -140,6 +140,10 @@ class VirtualArena:
         self.base_address = whole.data_ptr()
         self._start = (-self.base_address) % _HUGE if self.huge else 0
         self.bytes = whole[self._start : self._start + self.size]
+        # A flag of its own keeps the kernel from merging the range with a neighbouring
+        # anonymous mapping (whose pages would then count in this range's resident set); not
+        # dumping KV into core files is right anyway.
+        self._map.madvise(mmap.MADV_DONTDUMP, 0, self.size + pad)
         if self.huge:
             self._map.madvise(mmap.MADV_HUGEPAGE, self._start, self.size)
         self.committed_bytes = 0
