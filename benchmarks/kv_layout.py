@@ -1,0 +1,491 @@
+"""Paged vs virtual KV layout on one runtime (issue 27; vAttention, Prabhu et al., arXiv
+2405.04437, against PagedAttention, Kwon et al., SOSP'23), at equal physical budgets.
+
+Two parts, each labelled in the output:
+
+1. **Allocator replay** (no model) of the ShareGPT-like, Azure conversation and Mooncake traces:
+   one FCFS chunked-prefill scheduler with the engine's admission rule (whole prompt plus one
+   unit of headroom per running request) and recompute preemption of the newest request, over
+   (a) paged blocks (``--block-size``) and (b) the real :class:`VirtualKVLayout` (its arena's
+   pages are committed by touch and returned with ``MADV_DONTNEED``, so its page faults are the
+   OS's own ``ru_minflt``), with SmolLM2-135M's KV shape (30 layers, 3 KV heads x 64, fp32:
+   768 bytes per token per layer's K or V). Per step: committed bytes vs bytes holding tokens
+   (waste: tail of block for paged, tail of page for virtual), admissions, preemptions; TTFT and
+   TPOT in *steps* (no model, so no seconds). Mooncake's ``hash_ids`` give the prefix each
+   request shares with earlier ones: the bytes each layout could share (whole blocks vs whole
+   pages) are reported beside it.
+2. **Engine runs** (real model, SmolLM2 fp32 CPU, 1 torch thread) of ``examples/prompts.jsonl``
+   through ``LLMEngine`` with ``kv_layout="paged"`` and ``"virtual"`` at equal ``num_kv_blocks``:
+   TTFT, TPOT, goodput, preemptions, minor faults of the run, attention time per step (paged:
+   the reference kernels' cache write + attention; virtual: the layout's write + attention).
+
+Writes ``results/kv_layout.json`` and ``results/kv_layout.png``.
+
+    python benchmarks/kv_layout.py                      # default, about 4-5 minutes on 2 cores
+    python benchmarks/kv_layout.py --quick              # fewer requests, no engine run
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import RESULTS_DIR, load_workload, print_table, pyplot, write_json  # noqa: E402
+
+GiB = 1024**3
+# SmolLM2-135M's KV: 30 layers, 3 KV heads x 64 dims, fp32
+LAYERS, KV_HEADS, HEAD, ELEM = 30, 3, 64, 4
+SEG_BYTES_PER_TOKEN = KV_HEADS * HEAD * ELEM  # one layer's K (or V)
+TOKEN_BYTES = 2 * LAYERS * SEG_BYTES_PER_TOKEN  # all layers, K and V
+
+
+def minflt() -> int:
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+
+
+# ------------------------------------------------------------------------------ allocator replay
+
+
+class PagedCapacity:
+    """Blocks of ``block_size`` tokens per sequence (what the paged pool holds), exact counts."""
+
+    def __init__(self, budget: int, block_size: int) -> None:
+        self.bs = block_size
+        self.total = budget // (block_size * TOKEN_BYTES)
+        self.used = 0
+        self.held: dict[int, int] = {}
+        self.unit_bytes = block_size * TOKEN_BYTES
+
+    def units(self, tokens: int) -> int:
+        return -(-tokens // self.bs)
+
+    def grow(self, rid: int, tokens: int) -> bool:
+        need = self.units(tokens) - self.held.get(rid, 0)
+        if need > self.total - self.used:
+            return False
+        if need > 0:
+            self.used += need
+            self.held[rid] = self.held.get(rid, 0) + need
+        return True
+
+    def owed(self, rid: int, tokens: int) -> int:
+        return max(0, self.units(tokens) - self.held.get(rid, 0))
+
+    def release(self, rid: int) -> None:
+        self.used -= self.held.pop(rid, 0)
+
+    @property
+    def free(self) -> int:
+        return self.total - self.used
+
+    def committed_bytes(self) -> int:
+        return self.used * self.unit_bytes
+
+    def faults(self) -> int:
+        return 0  # the pool is allocated (and faulted in) once, before serving
+
+
+class VirtualCapacity:
+    """The engine's :class:`VirtualKVLayout` itself (real reserved memory, real faults)."""
+
+    def __init__(self, budget: int, page_size: int, max_seqs: int, max_len: int) -> None:
+        import torch
+
+        from pagedkv.engine.virtual_layout import VirtualKVLayout
+
+        self.lay = VirtualKVLayout(
+            num_layers=LAYERS,
+            num_kv_heads=KV_HEADS,
+            head_size=HEAD,
+            dtype=torch.float32,
+            page_size=page_size,
+            budget_bytes=budget,
+            max_seqs=max_seqs,
+            max_seq_len=max_len,
+        )
+        self.unit_bytes = page_size
+
+    def grow(self, rid: int, tokens: int) -> bool:
+        return self.lay.ensure(rid, tokens)
+
+    def owed(self, rid: int, tokens: int) -> int:
+        return self.lay.pages_to_grow(rid, tokens)
+
+    def release(self, rid: int) -> None:
+        self.lay.release(rid)
+
+    @property
+    def free(self) -> int:
+        return self.lay.num_free_pages
+
+    def committed_bytes(self) -> int:
+        return self.lay.used_pages * self.lay.page_size
+
+    def faults(self) -> int:
+        return self.lay.arena.faults
+
+
+@dataclass
+class Req:
+    rid: int
+    prompt: int
+    output: int
+    computed: int = 0
+    generated: int = 0
+    first_step: int | None = None
+    last_step: int | None = None
+    arrival_step: int = 0
+    preemptions: int = 0
+    reserved: bool = False
+    tokens_seen: list[int] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:  # tokens the request has (prompt + generated)
+        return self.prompt + self.generated
+
+
+def replay(
+    cap: PagedCapacity | VirtualCapacity, prompts: np.ndarray, outputs: np.ndarray, budget_tokens: int, max_seqs: int
+) -> dict:
+    """Serve every request to completion (all queued at step 0); returns the layout's figures."""
+    waiting = deque(Req(i, int(p), int(o)) for i, (p, o) in enumerate(zip(prompts, outputs)))
+    running: list[Req] = []
+    done: list[Req] = []
+    step = admissions = preemptions = 0
+    committed, holding = [], []
+    f0 = cap.faults()
+    t0 = time.perf_counter()
+    while waiting or running:
+        budget = budget_tokens
+        sched: list[tuple[Req, int]] = []
+        # 1. running requests, oldest first: a decode or the next prefill chunk
+        for r in list(running):
+            if budget == 0:
+                break
+            if r not in running:  # preempted earlier in this step
+                continue
+            n = min(r.total - r.computed, budget)
+            if n <= 0:
+                continue
+            while not cap.grow(r.rid, r.computed + n):
+                scheduled = {id(s) for s, _ in sched}
+                victims = [v for v in running if v is not r and id(v) not in scheduled]
+                if not victims:
+                    n = 0
+                    break
+                v = ([v for v in victims if not v.reserved] or victims)[-1]  # the newest
+                cap.release(v.rid)
+                running.remove(v)
+                v.computed, v.reserved = 0, False
+                v.preemptions += 1
+                preemptions += 1
+                waiting = deque(sorted([*waiting, v], key=lambda x: x.rid))  # FCFS by arrival
+            if n:
+                sched.append((r, n))
+                budget -= n
+        # 2. admission: whole remaining prefill + one unit per running request
+        free = cap.free - sum(cap.owed(r.rid, r.total) for r in running if r.reserved)
+        headroom = len(running)
+        while waiting and budget > 0 and len(running) < max_seqs:
+            r = waiting[0]
+            need = cap.owed(r.rid, r.total)
+            if need + headroom > free and running:
+                break
+            waiting.popleft()
+            running.append(r)
+            running.sort(key=lambda x: x.rid)
+            r.reserved = True
+            admissions += 1
+            free -= need
+            headroom += 1
+            n = min(r.total, budget)
+            if cap.grow(r.rid, n):
+                sched.append((r, n))
+                budget -= n
+        # 3. the step: prefill chunks and decodes advance; a completed prefill samples a token
+        for r, n in sched:
+            r.computed += n
+            if r.computed == r.total:
+                r.reserved = False
+                r.generated += 1
+                r.first_step = step if r.first_step is None else r.first_step
+                r.last_step = step
+                if r.generated >= r.output:
+                    cap.release(r.rid)
+                    running.remove(r)
+                    done.append(r)
+        committed.append(cap.committed_bytes())
+        holding.append(sum(r.computed for r in running) * TOKEN_BYTES)
+        step += 1
+    elapsed = time.perf_counter() - t0
+    c, h = np.asarray(committed, dtype=np.float64), np.asarray(holding, dtype=np.float64)
+    busy = c > 0
+    ttft = np.asarray([r.first_step for r in done], dtype=np.float64)
+    tpot = np.asarray(
+        [(r.last_step - r.first_step) / (r.generated - 1) for r in done if r.generated > 1], dtype=np.float64
+    )
+    return {
+        "steps": step,
+        "admissions": admissions,
+        "preemptions": preemptions,
+        "mean_committed_mib": float(c[busy].mean() / 2**20),
+        "mean_token_mib": float(h[busy].mean() / 2**20),
+        "waste_share": float(1 - h[busy].sum() / c[busy].sum()),
+        "page_faults": cap.faults() - f0,
+        "ttft_p50_steps": float(np.percentile(ttft, 50)),
+        "tpot_mean_steps": float(tpot.mean()) if tpot.size else None,
+        "replay_s": elapsed,
+    }
+
+
+def sharing(hash_ids: list[list[int]], prompts: np.ndarray, block_size: int, page_size: int) -> dict:
+    """Mooncake: bytes of prompt prefixes seen in earlier requests (512-token hash blocks) that
+    each layout can share: whole blocks (paged) or whole pages of each segment (virtual)."""
+    seen: set[int] = set()
+    shared_tokens = paged = virtual = total = 0
+    for ids, p in zip(hash_ids, prompts):
+        k = 0
+        while k < len(ids) and ids[k] in seen:
+            k += 1
+        s = min(k * 512, int(p) - 1)
+        shared_tokens += s
+        paged += (s // block_size) * block_size * TOKEN_BYTES
+        virtual += (s * SEG_BYTES_PER_TOKEN // page_size) * page_size * 2 * LAYERS
+        total += int(p) * TOKEN_BYTES
+        seen.update(ids)
+    return {
+        "shared_prefix_share": shared_tokens * TOKEN_BYTES / total,
+        "paged_sharable_share": paged / total,
+        "virtual_sharable_share": virtual / total,
+    }
+
+
+# ------------------------------------------------------------------------------ engine runs
+
+
+def engine_runs(args: argparse.Namespace) -> list[dict]:
+    import torch
+
+    from pagedkv import kernels
+    from pagedkv.engine import LLMEngine, SamplingParams
+    from pagedkv.engine.inputs import read_prompts
+    from pagedkv.engine.loader import load_hf_model
+
+    torch.set_num_threads(1)
+    hf, tok = load_hf_model()
+    prompts = read_prompts(Path(__file__).resolve().parent.parent / "examples" / "prompts.jsonl")[: args.prompts]
+    prompts = [{**p, "max_tokens": min(p.get("max_tokens", args.max_tokens), args.max_tokens)} for p in prompts]
+    timed = {"s": 0.0}
+    orig = (kernels.reshape_and_cache, kernels.paged_attention)
+
+    def timing(fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                timed["s"] += time.perf_counter() - t
+
+        return wrapper
+
+    rows = []
+    for layout, page in [("paged", None)] + [("virtual", p) for p in args.engine_pages]:
+        kw = dict(num_kv_blocks=args.kv_blocks, block_size=16, enable_prefix_caching=False)
+        if layout == "virtual":
+            kw.update(kv_layout="virtual", page_size=page)
+        engine = LLMEngine(hf, tokenizer=tok, **kw)
+        timed["s"] = 0.0
+        kernels.reshape_and_cache, kernels.paged_attention = (timing(f) for f in orig)
+        f0 = minflt()
+        try:
+            outs = engine.generate(prompts, SamplingParams(max_tokens=args.max_tokens), chat_template=True)
+        finally:
+            kernels.reshape_and_cache, kernels.paged_attention = orig
+        faults = minflt() - f0
+        m = engine.metrics()
+        attn = timed["s"] if layout == "paged" else engine.layout.stats().attention_s
+        row = {
+            "layout": layout if page is None else f"virtual {page // 1024} KiB",
+            "requests": m.num_requests,
+            "preemptions": m.preemptions,
+            "steps": m.num_steps,
+            "ttft_p50_s": m.ttft_p50_s,
+            "tpot_p50_s": m.tpot_p50_s,
+            "goodput_share": m.goodput_share,
+            "goodput_requests_per_s": m.goodput_requests_per_s,
+            "output_tokens_per_s": m.output_tokens_per_s,
+            "attention_ms_per_step": 1000 * attn / max(1, m.num_steps),
+            "minor_faults": faults,
+            "tokens": [list(o.token_ids) for o in outs],
+        }
+        if layout == "virtual":
+            st = engine.layout.stats()
+            row["layout_faults"] = st.page_faults
+            row["peak_committed_mib"] = st.peak_committed_bytes / 2**20
+            row["resident_after_mib"] = st.resident_bytes / 2**20
+        rows.append(row)
+        print(f"engine {row['layout']}: {m.elapsed_s:.1f} s", file=sys.stderr)
+    same = all(r["tokens"] == rows[0]["tokens"] for r in rows)
+    for r in rows:
+        r["tokens_equal_paged"] = same
+        del r["tokens"]
+    return rows
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=120, help="requests taken from each trace")
+    ap.add_argument("--budget-gib", type=float, default=1.0, help="physical KV budget of the replay")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--pages", type=int, nargs="+", default=[4096, 65536, 2 * 1024 * 1024])
+    ap.add_argument("--max-seqs", type=int, default=128)
+    ap.add_argument("--step-tokens", type=int, default=2048, help="token budget per step (chunked prefill)")
+    ap.add_argument("--traces-dir", default=None)
+    ap.add_argument("--prompts", type=int, default=16, help="examples/prompts.jsonl lines for the engine runs")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--kv-blocks", type=int, default=64, help="engine pool (both layouts' budget), blocks of 16")
+    ap.add_argument("--engine-pages", type=int, nargs="+", default=[65536, 4096])
+    ap.add_argument("--quick", action="store_true", help="40 requests per trace, no engine run")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests = 40
+    budget = int(args.budget_gib * GiB)
+    traces = {}
+    for name in ("sharegpt_like", "azure_conv", "mooncake"):
+        w = load_workload(name, args.traces_dir, n=args.requests if name == "sharegpt_like" else None)
+        w = w.head(args.requests)
+        # clip to what the budget can hold alone (one request must always fit)
+        cap_tokens = budget // TOKEN_BYTES - 2 * args.block_size
+        p = np.minimum(w.prompt_lens, cap_tokens // 2)
+        o = np.minimum(w.output_lens, cap_tokens - p)
+        traces[name] = (w, p, o)
+    replay_rows = []
+    for name, (_w, p, o) in traces.items():
+        max_len = int((p + o).max()) + 1
+        res = replay(PagedCapacity(budget, args.block_size), p, o, args.step_tokens, args.max_seqs)
+        replay_rows.append({"trace": name, "layout": f"paged bs={args.block_size}", **res})
+        for page in args.pages:
+            cap = VirtualCapacity(budget, page, args.max_seqs, max_len)
+            res = replay(cap, p, o, args.step_tokens, args.max_seqs)
+            res["resident_after_mib"] = cap.lay.stats().resident_bytes / 2**20
+            cap.lay.close()
+            replay_rows.append({"trace": name, "layout": f"virtual {page // 1024} KiB", **res})
+        print(f"replayed {name}", file=sys.stderr)
+    w, p, _ = traces["mooncake"]
+    share = {page: sharing(w.hash_ids or [], p, args.block_size, page) for page in args.pages}
+    cols = ["trace", "layout", "steps", "admissions", "preemptions", "committed MiB", "holding tokens MiB",
+            "waste", "page faults", "TTFT p50 (steps)", "TPOT (steps)"]  # fmt: skip
+    print_table(
+        f"Allocator replay (no model), {args.budget_gib:g} GiB budget, SmolLM2 KV shape, {args.requests} requests",
+        cols,
+        [
+            [
+                r["trace"],
+                r["layout"],
+                r["steps"],
+                r["admissions"],
+                r["preemptions"],
+                r["mean_committed_mib"],
+                r["mean_token_mib"],
+                f"{100 * r['waste_share']:.2f}%",
+                r["page_faults"],
+                r["ttft_p50_steps"],
+                r["tpot_mean_steps"],
+            ]  # fmt: skip
+            for r in replay_rows
+        ],
+        footnote="waste: paged = tail of each request's last block; virtual = tail of the last page of each of "
+        "its 60 segments (30 layers x K, V). Paged faults: 0 per request (pool faulted in once).",
+    )
+    print_table(
+        "Mooncake prefix sharing (prompt bytes shared with earlier requests, 512-token hash blocks)",
+        ["page", "shared prefix", f"paged sharable (bs={args.block_size})", "virtual sharable (whole pages)"],
+        [
+            [
+                f"{pg // 1024} KiB",
+                f"{100 * s['shared_prefix_share']:.1f}%",
+                f"{100 * s['paged_sharable_share']:.1f}%",
+                f"{100 * s['virtual_sharable_share']:.1f}%",
+            ]
+            for pg, s in share.items()
+        ],  # fmt: skip
+    )
+    eng = [] if args.quick else engine_runs(args)
+    if eng:
+        print_table(
+            f"Engine runs (SmolLM2 fp32, 1 thread): examples/prompts.jsonl first {args.prompts}, max_tokens "
+            f"{args.max_tokens}, {args.kv_blocks} blocks of 16 = equal budget",
+            [
+                "layout",
+                "steps",
+                "preemptions",
+                "TTFT p50 s",
+                "TPOT p50 s",
+                "goodput",
+                "tok/s",
+                "attn ms/step",
+                "minor faults",
+                "same tokens",
+            ],  # fmt: skip
+            [
+                [
+                    r["layout"],
+                    r["steps"],
+                    r["preemptions"],
+                    r["ttft_p50_s"],
+                    r["tpot_p50_s"],
+                    f"{100 * r['goodput_share']:.0f}%",
+                    r["output_tokens_per_s"],
+                    r["attention_ms_per_step"],
+                    r["minor_faults"],
+                    r["tokens_equal_paged"],
+                ]
+                for r in eng
+            ],  # fmt: skip
+        )
+    path = write_json("kv_layout", {"args": vars(args), "replay": replay_rows, "mooncake_sharing": share,
+                                    "engine": eng})  # fmt: skip
+    plot(replay_rows, args, RESULTS_DIR / "kv_layout.png")
+    print(f"wrote {path}")
+
+
+def plot(rows: list[dict], args: argparse.Namespace, out: Path) -> None:
+    plt = pyplot()
+    traces = list(dict.fromkeys(r["trace"] for r in rows))
+    layouts = list(dict.fromkeys(r["layout"] for r in rows))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, key, label in [
+        (axes[0], "waste_share", "committed bytes not holding tokens"),
+        (axes[1], "preemptions", "preemptions"),
+        (axes[2], "page_faults", "minor page faults (replay)"),
+    ]:
+        x = np.arange(len(traces))
+        wdt = 0.8 / len(layouts)
+        for j, lay in enumerate(layouts):
+            ys = [next(r[key] for r in rows if r["trace"] == t and r["layout"] == lay) for t in traces]
+            ys = [100 * y for y in ys] if key == "waste_share" else ys
+            ax.bar(x + j * wdt, ys, wdt, label=lay)
+        ax.set_xticks(x + 0.4 - wdt / 2, traces)
+        ax.set_title(label + (" (%)" if key == "waste_share" else ""))
+        if key == "page_faults":
+            ax.set_yscale("symlog")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"Paged vs virtual KV layout, allocator replay at {args.budget_gib:g} GiB (SmolLM2 KV shape)")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
