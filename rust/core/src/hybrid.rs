@@ -1080,6 +1080,12 @@ impl HybridManager {
             preemptions: c.preemptions,
             num_cpu_blocks: self.cfg.num_cpu_blocks,
             cpu_used: st.cpu.refs.iter().filter(|&&r| r > 0).count(),
+            // No host tier for KV cache groups yet (docs/design.md, "Host tier").
+            num_host_blocks: 0,
+            host_used: 0,
+            host_hits_tokens: 0,
+            host_stores_blocks: 0,
+            host_loads_blocks: 0,
         }
     }
 

@@ -25,6 +25,7 @@ pub mod error;
 pub mod events;
 pub mod free_list;
 pub mod hashing;
+pub mod host_tier;
 pub mod hybrid;
 pub mod kv_groups;
 pub mod kv_indexer;

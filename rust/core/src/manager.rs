@@ -22,7 +22,7 @@
 use crate::error::{Error, Result};
 use crate::events::{EventSink, KvEvent, Tier};
 use crate::hashing::{BlockHash, ChainJob, ExtraKey, HashAlgo, PrefixHasher};
-use crate::host_tier::{BlockMeta, HostEviction, HostTier, MAX_HOST_BLOCKS};
+use crate::host_tier::{BlockMeta, HostEviction, HostTier, HostTransfers, MAX_HOST_BLOCKS};
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
 use crate::seq_table::SeqTable;
@@ -1107,7 +1107,11 @@ impl KvCacheManager {
                                     }
                                 }
                                 // A host hit is loaded into a freshly allocated block.
-                                None if st.host.as_ref().is_some_and(|t| t.lookup(&h).is_some()) => {
+                                None if st
+                                    .host
+                                    .as_ref()
+                                    .is_some_and(|t| t.lookup(&h).is_some()) =>
+                                {
                                     owed += 1;
                                 }
                                 None => break,
@@ -1180,7 +1184,7 @@ impl KvCacheManager {
         let mut guard = self.state.lock();
         if let Some(host) = guard.host.as_mut() {
             host.release_in_flight();
-            let (stores, loads) = self.hand_out(host);
+            let HostTransfers { stores, loads } = self.hand_out(host);
             out.host_stores = stores
                 .iter()
                 .flat_map(|&(d, h)| [d as i32, h as i32])
@@ -1195,25 +1199,19 @@ impl KvCacheManager {
 
     /// The host-tier copies planned since the last hand-out, for a caller that allocates
     /// outside [`Self::step`] (which hands them out in [`StepOutput::host_stores`] /
-    /// [`StepOutput::host_loads`]): `(stores as (device, host), loads as (host, device))`.
+    /// [`StepOutput::host_loads`]): stores as `(device, host)`, loads as `(host, device)`.
     /// The caller runs them in the step order (stores first, loads before the forward pass
     /// that reads the loaded blocks); the loads' host blocks stay pinned until the next step
     /// call returns. Empty without a host tier. O(plans).
-    #[allow(clippy::type_complexity)]
-    pub fn take_host_transfers(&self) -> (Vec<(BlockId, BlockId)>, Vec<(BlockId, BlockId)>) {
+    pub fn take_host_transfers(&self) -> HostTransfers {
         let mut guard = self.state.lock();
         match guard.host.as_mut() {
             Some(host) => self.hand_out(host),
-            None => (Vec::new(), Vec::new()),
+            None => HostTransfers::default(),
         }
     }
 
-    fn step_inner(
-        &self,
-        req: &StepRequest,
-        drafts: &StepDrafts,
-        opts: StepOptions,
-    ) -> StepOutput {
+    fn step_inner(&self, req: &StepRequest, drafts: &StepDrafts, opts: StepOptions) -> StepOutput {
         // Sized for the common decode step (one token per sequence) so the hot loop rarely
         // reallocates; prefill chunks grow the token-indexed vectors as needed.
         let n = req.seq_ids.len();
@@ -1680,16 +1678,96 @@ impl KvCacheManager {
         }
     }
 
-    /// Longest chain of cached blocks for the sequence's tokens, capped at `num_tokens - 1`.
-    fn find_hits(&self, s: &mut Sequence) -> Vec<BlockId> {
+    /// Longest chain of cached blocks for the sequence's tokens, capped at `num_tokens - 1`:
+    /// per logical block a device hit, or with a host tier, where the device has none, a
+    /// host hit (`NULL_BLOCK` in the first vector, `(block, host block)` in the second).
+    fn find_hits(
+        &self,
+        s: &mut Sequence,
+        host: Option<&HostTier>,
+    ) -> (Vec<BlockId>, Vec<(usize, BlockId)>) {
         let max_blocks = (s.tokens.len() - 1) / self.bs();
         if !self.caching() || max_blocks == 0 {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
         // Hash every eligible block first (they are all hashed once computed anyway, and the
         // hashes are memoised), then resolve the chain under one pool lock hold.
         self.block_hash_at(s, max_blocks - 1);
-        self.pool.lookup_chain(&s.hashes[..max_blocks])
+        let mut hits = self.pool.lookup_chain(&s.hashes[..max_blocks]);
+        let mut host_hits = Vec::new();
+        let Some(host) = host else {
+            return (hits, host_hits);
+        };
+        // Past the device chain: the same chained hashes, device first, then host.
+        for k in hits.len()..max_blocks {
+            let h = &s.hashes[k];
+            if let Some(b) = self.pool.lookup(h) {
+                hits.push(b);
+            } else if let Some(hb) = host.lookup(h) {
+                hits.push(NULL_BLOCK);
+                host_hits.push((k, hb));
+            } else {
+                break;
+            }
+        }
+        (hits, host_hits)
+    }
+
+    /// Allocates `n` device blocks; with a host tier, the cached blocks the allocation
+    /// evicts are offered to it for a store first ([`Self::store_evicted`]).
+    fn allocate_storing(&self, n: usize, host: Option<&mut HostTier>) -> Result<Vec<BlockId>> {
+        let Some(host) = host else {
+            return self.pool.allocate(n);
+        };
+        let mut out = Vec::new();
+        let mut evicted = Vec::new();
+        self.pool
+            .allocate_into_reporting(n, &mut out, &mut evicted)?;
+        for (d, hash) in evicted {
+            self.store_evicted(host, d, hash);
+        }
+        Ok(out)
+    }
+
+    /// Offers the device block `d`, whose hash `hash` the pool just evicted (its last device
+    /// copy), to the host tier, and emits the host tier's events: `BlockRemoved` for a host
+    /// block evicted to make room, `BlockStored` for the store.
+    fn store_evicted(&self, host: &mut HostTier, d: BlockId, hash: BlockHash) {
+        let out = host.plan_store(d, hash);
+        if !self.events.enabled() {
+            return;
+        }
+        if let Some(old) = out.evicted {
+            self.events.push(KvEvent::BlockRemoved {
+                block_hashes: vec![old],
+                tier: Tier::Host,
+            });
+        }
+        if let Some(h) = out.stored {
+            let meta = host.host_meta(h);
+            self.events.push(KvEvent::BlockStored {
+                block_hashes: vec![hash],
+                parent_block_hash: meta.and_then(|m| m.parent),
+                token_ids: meta.map(|m| m.tokens.to_vec()).unwrap_or_default(),
+                block_size: self.cfg.block_size,
+                extra_keys: meta.map(|m| m.extra_keys.clone()).unwrap_or_default(),
+                hash_root: Some(self.hasher.root()),
+                tier: Tier::Host,
+            });
+        }
+    }
+
+    /// Hands out the host tier's planned copies and drops the references the loads held on
+    /// their device blocks (the executor fills them before anything later can reuse them).
+    fn hand_out(&self, host: &mut HostTier) -> HostTransfers {
+        let plans = host.take_plans();
+        let loads = &plans.loads;
+        if !loads.is_empty() {
+            let held: Vec<BlockId> = loads.iter().rev().map(|&(_, d)| d).collect();
+            let freed = self.pool.free(&held);
+            debug_assert!(freed.is_ok(), "{freed:?}");
+        }
+        plans
     }
 
     fn plan(
@@ -1698,6 +1776,7 @@ impl KvCacheManager {
         s: &mut Sequence,
         num_new_tokens: usize,
         num_drafts: usize,
+        host: Option<&HostTier>,
     ) -> Result<Plan> {
         if s.status == SeqStatus::Swapped {
             return Err(bad_state(
@@ -1719,10 +1798,14 @@ impl KvCacheManager {
         }
         let bs = self.bs();
         let first = s.blocks.is_empty() && s.num_computed == 0;
-        let hits = if first { self.find_hits(s) } else { Vec::new() };
+        let (hits, host_hits) = if first {
+            self.find_hits(s, host)
+        } else {
+            (Vec::new(), Vec::new())
+        };
         let hits_free = hits
             .iter()
-            .filter(|&&b| self.pool.ref_count(b) == 0)
+            .filter(|&&b| b != NULL_BLOCK && self.pool.ref_count(b) == 0)
             .count();
         let context = if first {
             hits.len() * bs
@@ -1765,6 +1848,7 @@ impl KvCacheManager {
         Ok(Plan {
             first,
             hits,
+            host_hits,
             hits_free,
             context,
             q,
@@ -1778,10 +1862,11 @@ impl KvCacheManager {
         seq: SeqId,
         s: &mut Sequence,
         counters: &mut ManagerCounters,
+        mut host: Option<&mut HostTier>,
         num_new_tokens: usize,
         drafts: &[u32],
     ) -> Result<SlotAllocation> {
-        let plan = self.plan(seq, s, num_new_tokens, drafts.len())?;
+        let plan = self.plan(seq, s, num_new_tokens, drafts.len(), host.as_deref())?;
         let need = plan.blocks_taken();
         // Check before any pool call so that a failure changes nothing (touching hits and then
         // failing would move them in the LRU).
@@ -1792,20 +1877,43 @@ impl KvCacheManager {
                 available,
             });
         }
-        if !plan.hits.is_empty() {
-            self.pool.touch(&plan.hits)?;
+        // Host hits are pinned before the allocation, whose evictions may store to the host
+        // tier and must not take a block this call loads from.
+        if let Some(host) = host.as_deref_mut() {
+            for &(_, hb) in &plan.host_hits {
+                host.pin(hb)?;
+            }
         }
-        let n_new = plan.fresh + usize::from(plan.cow);
+        let device_hits: Cow<'_, [BlockId]> = if plan.host_hits.is_empty() {
+            Cow::Borrowed(&plan.hits)
+        } else {
+            Cow::Owned(
+                plan.hits
+                    .iter()
+                    .copied()
+                    .filter(|&b| b != NULL_BLOCK)
+                    .collect(),
+            )
+        };
+        if !device_hits.is_empty() {
+            self.pool.touch(&device_hits)?;
+        }
+        let n_new = plan.host_hits.len() + plan.fresh + usize::from(plan.cow);
         let new = if n_new == 0 {
             Vec::new()
         } else {
-            match self.pool.allocate(n_new) {
+            match self.allocate_storing(n_new, host.as_deref_mut()) {
                 Ok(v) => v,
                 Err(e) => {
                     // Only reachable if someone mutates the pool behind the manager's back.
-                    if !plan.hits.is_empty() {
-                        let undo: Vec<BlockId> = plan.hits.iter().rev().copied().collect();
+                    if !device_hits.is_empty() {
+                        let undo: Vec<BlockId> = device_hits.iter().rev().copied().collect();
                         let _ = self.pool.free(&undo);
+                    }
+                    if let Some(host) = host.as_deref_mut() {
+                        for &(_, hb) in &plan.host_hits {
+                            host.unpin(hb);
+                        }
                     }
                     return Err(e);
                 }
@@ -1814,18 +1922,37 @@ impl KvCacheManager {
         let mut copies = Vec::new();
         if plan.first {
             s.blocks = plan.hits.clone();
+            // The first blocks allocated are the loads' destinations, in table order; each
+            // load holds one more reference until it is handed out.
+            for (&(k, hb), &d) in plan.host_hits.iter().zip(&new) {
+                s.blocks[k] = d;
+                if let Some(host) = host.as_deref_mut() {
+                    host.plan_load(hb, d);
+                }
+            }
+            if !plan.host_hits.is_empty() {
+                self.pool.incref(&new[..plan.host_hits.len()])?;
+            }
             s.table_rewritten_from(0);
             s.num_computed = plan.context;
-            s.num_cached_blocks = plan.hits.len();
+            // Blocks from the first host hit on are registered below (the loaded ones
+            // become resolvable on the device now).
+            s.num_cached_blocks = plan.host_hits.first().map_or(plan.hits.len(), |&(k, _)| k);
             // Counted once per sequence: a resume after a recompute preemption finds its own
             // blocks again, not a new lookup (vLLM #25780).
             if self.caching() && !s.looked_up {
                 counters.prefix_queries_tokens += s.tokens.len() as u64;
                 counters.prefix_hits_tokens += plan.context as u64;
+                counters.host_hits_tokens += (plan.host_hits.len() * self.bs()) as u64;
             }
             s.looked_up = true;
+            if let Some(host) = host.as_deref_mut() {
+                for &h in &s.hashes[..plan.hits.len()] {
+                    host.note_seen(h);
+                }
+            }
         }
-        let mut fresh = new.iter().copied();
+        let mut fresh = new[plan.host_hits.len()..].iter().copied();
         if plan.cow {
             let dst = fresh.next().expect("allocated");
             let last = plan.context / self.bs();
@@ -1842,7 +1969,7 @@ impl KvCacheManager {
         s.drafts.extend_from_slice(drafts);
         s.spare_blocks = s.blocks.len() - (s.num_computed + drafts.len()).div_ceil(self.bs());
         // Only blocks full of computed, finalized tokens: drafts never reach the cache.
-        self.cache_full_blocks(s);
+        self.cache_full_blocks(s, host, plan.hits.len());
         Ok(SlotAllocation {
             num_scheduled_tokens: plan.q,
             num_cached_tokens: if plan.first { plan.context } else { 0 },
@@ -1854,8 +1981,11 @@ impl KvCacheManager {
     }
 
     /// Registers every block full of computed tokens that is not cached yet, and emits
-    /// BlockStored events (consecutive blocks with equal extra keys share one event).
-    fn cache_full_blocks(&self, s: &mut Sequence) {
+    /// BlockStored events (consecutive blocks with equal extra keys share one event). With a
+    /// host tier, notes each registered block's step (and event metadata) and counts a use,
+    /// for admission, of each logical block from `seen_from` on (the prefix hits before it
+    /// were counted as hits).
+    fn cache_full_blocks(&self, s: &mut Sequence, host: Option<&mut HostTier>, seen_from: usize) {
         if !self.caching() || s.stale_kv {
             return;
         }
@@ -1874,6 +2004,20 @@ impl KvCacheManager {
                 .cache_blocks(&s.blocks[start..full], &s.hashes[start..full], &mut newly);
         debug_assert!(cached.is_ok(), "{cached:?}");
         s.num_cached_blocks = full;
+        if let Some(host) = host {
+            let meta = host.keeps_meta();
+            for k in start..full {
+                let m = meta.then(|| BlockMeta {
+                    parent: k.checked_sub(1).map(|j| s.hashes[j]),
+                    tokens: s.tokens[k * bs..(k + 1) * bs].into(),
+                    extra_keys: self.block_keys(&s.spec, k).into_owned(),
+                });
+                host.note_registered(s.blocks[k], m);
+                if k >= seen_from {
+                    host.note_seen(s.hashes[k]);
+                }
+            }
+        }
         if !self.events.enabled() {
             return;
         }

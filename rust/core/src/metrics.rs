@@ -22,12 +22,15 @@ pub struct ManagerCounters {
     pub swaps_in_blocks: u64,
     /// Sequences preempted (recompute or swap), counted once per sequence per preemption.
     pub preemptions: u64,
+    /// Of `prefix_hits_tokens`, tokens served from the host tier (loaded, not recomputed).
+    pub host_hits_tokens: u64,
 }
 
 /// A snapshot of the KV cache's state and counters, from [`crate::manager::KvCacheManager::stats`].
 ///
 /// Units: `num_blocks`, `used`, `free`, `cached_free`, `num_cpu_blocks`, `cpu_used`,
-/// `evictions`, `copies`, `swaps_*` are blocks; `block_size` and `prefix_*` are tokens;
+/// `evictions`, `copies`, `swaps_*`, `num_host_blocks`, `host_used`, `host_*_blocks` are
+/// blocks; `host_hits_tokens` is tokens; `block_size` and `prefix_*` are tokens;
 /// `usage` and `kv_utilization` are fractions in `[0, 1]`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CacheStats {
@@ -65,6 +68,16 @@ pub struct CacheStats {
     pub num_cpu_blocks: u32,
     /// CPU blocks holding swapped-out KV.
     pub cpu_used: usize,
+    /// Host-tier blocks of the prefix cache (0: no host tier).
+    pub num_host_blocks: u32,
+    /// Host-tier blocks holding a cached block or pinned by a load.
+    pub host_used: usize,
+    /// See [`ManagerCounters::host_hits_tokens`].
+    pub host_hits_tokens: u64,
+    /// Device -> host copies planned (stores of evicted cached blocks).
+    pub host_stores_blocks: u64,
+    /// Host -> device copies planned (loads of host-tier prefix hits).
+    pub host_loads_blocks: u64,
 }
 
 impl CacheStats {
@@ -102,6 +115,11 @@ mod tests {
             preemptions: 0,
             num_cpu_blocks: 0,
             cpu_used: 0,
+            num_host_blocks: 0,
+            host_used: 0,
+            host_hits_tokens: 0,
+            host_stores_blocks: 0,
+            host_loads_blocks: 0,
         };
         assert_eq!(s.prefix_hit_rate(), 0.0);
         s.prefix_queries_tokens = 8;

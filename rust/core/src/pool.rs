@@ -304,6 +304,29 @@ impl BlockPool {
     /// sequence's block table, a binding's output) does not allocate. On error `out` is
     /// unchanged. Same progress and errors as `allocate`. O(n).
     pub fn allocate_into(&self, n: usize, out: &mut Vec<BlockId>) -> Result<()> {
+        self.allocate_impl(n, out, None)
+    }
+
+    /// [`BlockPool::allocate_into`] that also reports, in `evicted`, each cached block it
+    /// evicted whose hash stopped resolving (its last copy): `(block, hash)`, in eviction
+    /// order. The host tier of the prefix cache stores those blocks' KV before they are
+    /// overwritten (docs/design.md, "Host tier"). Same progress and errors; on error neither
+    /// `out` nor `evicted` changes. O(n).
+    pub fn allocate_into_reporting(
+        &self,
+        n: usize,
+        out: &mut Vec<BlockId>,
+        evicted: &mut Vec<(BlockId, BlockHash)>,
+    ) -> Result<()> {
+        self.allocate_impl(n, out, Some(evicted))
+    }
+
+    fn allocate_impl(
+        &self,
+        n: usize,
+        out: &mut Vec<BlockId>,
+        mut report: Option<&mut Vec<(BlockId, BlockHash)>>,
+    ) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -327,7 +350,12 @@ impl BlockPool {
                 let Some(id) = locked.lru_pop_front() else {
                     break;
                 };
-                evicted += u64::from(self.evict_locked(&mut locked, id, &mut unresolvable));
+                evicted += u64::from(self.evict_locked(
+                    &mut locked,
+                    id,
+                    &mut unresolvable,
+                    report.as_deref_mut(),
+                ));
                 self.refs[id as usize].store(1, Ordering::Release);
                 out.push(id);
             }
@@ -360,11 +388,15 @@ impl BlockPool {
         locked: &mut Locked,
         id: BlockId,
         unresolvable: &mut Vec<BlockHash>,
+        report: Option<&mut Vec<(BlockId, BlockHash)>>,
     ) -> bool {
         self.hashed[id as usize].store(false, Ordering::Release);
         let Some((hash, last)) = locked.index.remove(id) else {
             return false;
         };
+        if let Some(r) = report.filter(|_| last) {
+            r.push((id, hash));
+        }
         // The removed hashes only feed a BlockRemoved event: not collected with events off.
         if last && self.events.enabled() {
             unresolvable.push(hash);

@@ -1,0 +1,694 @@
+//! The host-memory second tier of the prefix cache: a pool of host blocks holding KV that the
+//! device pool evicted, keyed by the same chained block hash, so that a later prefix lookup
+//! loads the blocks back (a host -> device copy) instead of recomputing them.
+//!
+//! This module is the tier's bookkeeping only; the KV bytes live in the executor's host
+//! tensors, and [`crate::manager::KvCacheManager`] calls in here (docs/design.md, "Host tier"):
+//!
+//! - **Store.** When the device pool evicts the last device copy of a hash for reuse, the
+//!   manager asks [`HostTier::plan_store`]: a hash seen at least `admission_min_seen` times
+//!   and not on host yet gets a host block (a free one, else the least recently used unpinned
+//!   one is evicted) and a `(device block, host block)` copy is planned.
+//! - **Load.** A prefix lookup continues past its device hits into this tier
+//!   ([`HostTier::lookup`]); each host hit is pinned ([`HostTier::pin`]) and, once a device
+//!   block is allocated for it, a `(host block, device block)` copy is planned
+//!   ([`HostTier::plan_load`]).
+//! - **Hand-out.** The planned copies are handed out once per scheduler step
+//!   ([`HostTier::take_plans`]); a host block being loaded stays pinned (never evicted, never a
+//!   store destination) until the step after the one that handed its load out
+//!   ([`HostTier::release_in_flight`]).
+//!
+//! Admission follows TinyLFU's frequency filter (Einziger, Friedman and Manes, "TinyLFU: A
+//! Highly Efficient Cache Admission Policy", ACM ToS 2017): a per-hash seen count, halved for
+//! every hash when the table outgrows its bound (the "reset" that ages old counts), so one-off
+//! blocks (a prompt used once) do not push reused ones out of the host tier.
+//!
+//! Keys. Blocks are keyed by [`HostKey`], today the block hash. The tier never looks inside a
+//! key, so the KV cache groups manager can later key blocks by `(group, hash)` by changing
+//! that one type; nothing else here assumes one group.
+//!
+//! Host block ids are `0..num_blocks` (no null block: the kernels never read host blocks).
+//! Not synchronised: the manager keeps it under its own mutex.
+
+use crate::error::{Error, Result};
+use crate::hashing::{BlockHash, ExtraKey};
+use crate::BlockId;
+use std::collections::HashMap;
+
+/// What the tier keys a block by: the chained block hash (the device prefix index's key).
+/// A KV cache group id can be added here (`(group, hash)`) without touching the tier's logic.
+pub type HostKey = BlockHash;
+
+/// Largest accepted number of host blocks (2^28, as for the device pool).
+pub const MAX_HOST_BLOCKS: u32 = crate::pool::MAX_BLOCKS;
+
+/// How the tier picks the host block to evict when it is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum HostEviction {
+    /// Least recently used (stored, loaded or re-evicted from the device) first.
+    #[default]
+    Lru,
+}
+
+impl HostEviction {
+    /// `"lru"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            HostEviction::Lru => "lru",
+        }
+    }
+
+    /// Parses `"lru"`; `None` for any other name.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name {
+            "lru" => Some(HostEviction::Lru),
+            _ => None,
+        }
+    }
+}
+
+/// What a `BlockStored` event of a block carries besides its hash: the parent hash, the
+/// block's token ids and extra keys. Kept only while KV events are enabled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockMeta {
+    /// Hash of the block before it in its chain (`None` for a first block).
+    pub parent: Option<BlockHash>,
+    /// The block's `block_size` token ids.
+    pub tokens: Box<[u32]>,
+    /// Extra keys hashed into the block.
+    pub extra_keys: Vec<ExtraKey>,
+}
+
+/// Block-id pairs of copy plans: `(source, destination)`.
+pub type BlockPairs = [(BlockId, BlockId)];
+
+/// The copies the tier hands out at once ([`HostTier::take_plans`]), in planning order.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HostTransfers {
+    /// `(device block, host block)` stores: run first in a step.
+    pub stores: Vec<(BlockId, BlockId)>,
+    /// `(host block, device block)` loads: run after stores and swaps, before
+    /// copy-on-write and the forward pass.
+    pub loads: Vec<(BlockId, BlockId)>,
+}
+
+/// What [`HostTier::plan_store`] did.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StoreOutcome {
+    /// The host block the device block is copied to, `None` when nothing was stored (not
+    /// admitted, on host already, or every host block pinned).
+    pub stored: Option<BlockId>,
+    /// The key whose host block was evicted to make room (it is no longer on host).
+    pub evicted: Option<HostKey>,
+}
+
+/// Cumulative counters of the tier, in blocks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HostCounters {
+    /// Stores planned (device -> host copies).
+    pub stores: u64,
+    /// Loads planned (host -> device copies).
+    pub loads: u64,
+    /// Host blocks evicted to make room for a store.
+    pub evictions: u64,
+}
+
+/// The host tier: host blocks, their keys, an LRU of unpinned cached blocks, pins, the seen
+/// counts of admission and the copies planned since the last hand-out. Memory: about 80
+/// bytes per host block plus the seen table (bounded by `2 × (device + host blocks)` keys)
+/// and, with events on, one [`BlockMeta`] per cached block of either tier.
+#[derive(Debug, Clone)]
+pub struct HostTier {
+    num_blocks: u32,
+    admission_min_seen: u32,
+    eviction: HostEviction,
+    /// Key of each host block (`None`: free, or pinned after a reset).
+    key_of: Vec<Option<HostKey>>,
+    /// Key -> its host block (one host copy per key).
+    index: HashMap<HostKey, BlockId>,
+    /// Intrusive LRU over host ids with sentinel `num_blocks`: `next[sentinel]` is the front
+    /// (next to evict), `prev[sentinel]` the back (most recently used).
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    in_lru: Vec<bool>,
+    lru_len: usize,
+    /// Host blocks without a key and without a pin, LIFO.
+    free: Vec<BlockId>,
+    /// Loads reading each host block that are planned or handed out and not yet released.
+    pins: Vec<u32>,
+    /// Admission counts per key (see the module docs), at most `seen_cap` keys.
+    seen: HashMap<HostKey, u32>,
+    seen_cap: usize,
+    /// `(device block, host block)` copies planned since the last hand-out.
+    stores: Vec<(BlockId, BlockId)>,
+    /// `(host block, device block)` copies planned since the last hand-out.
+    loads: Vec<(BlockId, BlockId)>,
+    /// Host blocks of the loads handed out by the last hand-out: pinned until the next
+    /// [`Self::release_in_flight`].
+    in_flight: Vec<BlockId>,
+    /// Step number (advanced by [`Self::begin_step`]) and, per device block, the step in
+    /// which its hash was last registered: a block registered in the current step may not
+    /// hold its KV yet (the forward pass that writes it has not run), so it is not stored.
+    step: u64,
+    registered_in: Vec<u64>,
+    /// Event metadata per device block and per host block (empty with events off).
+    device_meta: Vec<Option<BlockMeta>>,
+    host_meta: Vec<Option<BlockMeta>>,
+    counters: HostCounters,
+}
+
+impl HostTier {
+    /// A tier of `num_blocks` host blocks (all free) beside a device pool of
+    /// `num_device_blocks` blocks; `with_meta` keeps [`BlockMeta`] for KV events.
+    ///
+    /// Errors: [`Error::InvalidConfig`] for `num_blocks` outside `1..=MAX_HOST_BLOCKS`
+    /// (`num_host_blocks`) or `admission_min_seen == 0` (`host_admission_min_seen`).
+    /// O(num_blocks + num_device_blocks).
+    pub fn new(
+        num_blocks: u32,
+        admission_min_seen: u32,
+        eviction: HostEviction,
+        num_device_blocks: u32,
+        with_meta: bool,
+    ) -> Result<Self> {
+        if num_blocks == 0 || num_blocks > MAX_HOST_BLOCKS {
+            return Err(Error::InvalidConfig {
+                field: "num_host_blocks",
+                value: num_blocks.to_string(),
+                reason: format!("a host tier needs 1..={MAX_HOST_BLOCKS} blocks"),
+            });
+        }
+        if admission_min_seen == 0 {
+            return Err(Error::InvalidConfig {
+                field: "host_admission_min_seen",
+                value: "0".into(),
+                reason: "must be at least 1 (1 stores every evicted block)".into(),
+            });
+        }
+        let n = num_blocks as usize;
+        let d = num_device_blocks as usize;
+        Ok(Self {
+            num_blocks,
+            admission_min_seen,
+            eviction,
+            key_of: vec![None; n],
+            index: HashMap::with_capacity(n),
+            prev: vec![num_blocks; n + 1],
+            next: vec![num_blocks; n + 1],
+            in_lru: vec![false; n],
+            lru_len: 0,
+            // Block 0 is handed out first.
+            free: (0..num_blocks).rev().collect(),
+            pins: vec![0; n],
+            seen: HashMap::new(),
+            seen_cap: 2 * (n + d),
+            stores: Vec::new(),
+            loads: Vec::new(),
+            in_flight: Vec::new(),
+            step: 1,
+            registered_in: vec![0; d],
+            device_meta: if with_meta { vec![None; d] } else { Vec::new() },
+            host_meta: if with_meta { vec![None; n] } else { Vec::new() },
+            counters: HostCounters::default(),
+        })
+    }
+
+    /// Host blocks.
+    pub fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    /// The admission threshold (seen count a key needs to be stored).
+    pub fn admission_min_seen(&self) -> u32 {
+        self.admission_min_seen
+    }
+
+    /// The eviction policy.
+    pub fn eviction(&self) -> HostEviction {
+        self.eviction
+    }
+
+    /// Host blocks holding a key or pinned by a load (`num_blocks - free`).
+    pub fn num_used(&self) -> usize {
+        self.num_blocks as usize - self.free.len()
+    }
+
+    /// Host blocks pinned by planned or handed-out loads.
+    pub fn num_pinned(&self) -> usize {
+        self.pins.iter().filter(|&&p| p > 0).count()
+    }
+
+    /// Cumulative counters.
+    pub fn counters(&self) -> HostCounters {
+        self.counters
+    }
+
+    /// The host block holding `key`, if any. No side effects. Expected O(1).
+    pub fn lookup(&self, key: &HostKey) -> Option<BlockId> {
+        self.index.get(key).copied()
+    }
+
+    /// The key host block `id` holds (`None` when free or out of range).
+    pub fn key_of(&self, id: BlockId) -> Option<HostKey> {
+        self.key_of.get(id as usize).copied().flatten()
+    }
+
+    /// The seen count of `key` (0 when never seen or aged out).
+    pub fn seen_count(&self, key: &HostKey) -> u32 {
+        self.seen.get(key).copied().unwrap_or(0)
+    }
+
+    /// The host LRU, front (next to evict) to back. O(len).
+    pub fn lru_order(&self) -> Vec<BlockId> {
+        let s = self.num_blocks;
+        let mut out = Vec::with_capacity(self.lru_len);
+        let mut cur = self.next[s as usize];
+        while cur != s && out.len() <= self.key_of.len() {
+            out.push(cur);
+            cur = self.next[cur as usize];
+        }
+        out
+    }
+
+    /// Copies planned since the last hand-out: `(device, host)` stores and `(host, device)`
+    /// loads, in planning order.
+    pub fn pending(&self) -> (&BlockPairs, &BlockPairs) {
+        (&self.stores, &self.loads)
+    }
+
+    /// Counts one use of `key` (a computed block registered, or a prefix hit) for admission.
+    /// Ages every count (halves it, dropping zeros) when the table exceeds its bound.
+    /// Amortised O(1).
+    pub fn note_seen(&mut self, key: HostKey) {
+        let c = self.seen.entry(key).or_insert(0);
+        *c = c.saturating_add(1);
+        while self.seen.len() > self.seen_cap {
+            self.seen.retain(|_, c| {
+                *c /= 2;
+                *c > 0
+            });
+        }
+    }
+
+    /// Starts a scheduler step: blocks registered from now on belong to this step.
+    pub fn begin_step(&mut self) {
+        self.step += 1;
+    }
+
+    /// Notes that device block `device` was (re)registered under a hash now, with the event
+    /// metadata when events are on. O(1).
+    pub fn note_registered(&mut self, device: BlockId, meta: Option<BlockMeta>) {
+        if let Some(slot) = self.registered_in.get_mut(device as usize) {
+            *slot = self.step;
+        }
+        if let (Some(slot), Some(meta)) = (self.device_meta.get_mut(device as usize), meta) {
+            *slot = Some(meta);
+        }
+    }
+
+    /// Whether event metadata is kept (KV events on).
+    pub fn keeps_meta(&self) -> bool {
+        !self.host_meta.is_empty()
+    }
+
+    /// The event metadata of host block `id`, if kept.
+    pub fn host_meta(&self, id: BlockId) -> Option<&BlockMeta> {
+        self.host_meta.get(id as usize).and_then(Option::as_ref)
+    }
+
+    /// Plans storing the KV of device block `device`, whose hash `key` the device pool has
+    /// just evicted (its last device copy) to reuse the block. Stored when `key` has been
+    /// seen `admission_min_seen` times, is not on host already, and the block's KV was
+    /// written before this step (see `registered_in`); a key on host already moves to the
+    /// LRU back instead. The destination is a free host block, else the LRU front (evicted,
+    /// reported in [`StoreOutcome::evicted`]); pinned blocks are never taken, so with every
+    /// host block pinned nothing is stored. O(1) expected.
+    pub fn plan_store(&mut self, device: BlockId, key: HostKey) -> StoreOutcome {
+        let mut out = StoreOutcome::default();
+        if let Some(&h) = self.index.get(&key) {
+            if self.in_lru[h as usize] {
+                self.lru_remove(h);
+                self.lru_push_back(h);
+            }
+            return out;
+        }
+        let written = self
+            .registered_in
+            .get(device as usize)
+            .is_some_and(|&s| s < self.step);
+        if !written || self.seen_count(&key) < self.admission_min_seen {
+            return out;
+        }
+        let h = match self.free.pop() {
+            Some(h) => h,
+            None => {
+                let Some(h) = self.lru_pop_front() else {
+                    return out; // every host block pinned
+                };
+                let old = self.key_of[h as usize]
+                    .take()
+                    .expect("LRU blocks hold a key");
+                self.index.remove(&old);
+                self.counters.evictions += 1;
+                out.evicted = Some(old);
+                h
+            }
+        };
+        self.key_of[h as usize] = Some(key);
+        self.index.insert(key, h);
+        self.lru_push_back(h);
+        if self.keeps_meta() {
+            self.host_meta[h as usize] = self.device_meta[device as usize].clone();
+        }
+        self.stores.push((device, h));
+        self.counters.stores += 1;
+        out.stored = Some(h);
+        out
+    }
+
+    /// Pins host block `h` for a load (it leaves the LRU: not evictable, not a store
+    /// destination). Errors: [`Error::InvalidArgument`] unless `h` holds a key. O(1).
+    pub fn pin(&mut self, h: BlockId) -> Result<()> {
+        if self.key_of(h).is_none() {
+            return Err(Error::InvalidArgument {
+                arg: "host_block",
+                value: h.to_string(),
+                reason: "only a host block holding a cached block can be loaded".into(),
+            });
+        }
+        if self.in_lru[h as usize] {
+            self.lru_remove(h);
+        }
+        self.pins[h as usize] += 1;
+        Ok(())
+    }
+
+    /// Drops one pin of `h` (taken by [`Self::pin`] for a load that is then not planned).
+    pub fn unpin(&mut self, h: BlockId) {
+        let i = h as usize;
+        debug_assert!(self.pins[i] > 0, "unpin of unpinned host block {h}");
+        self.pins[i] -= 1;
+        if self.pins[i] == 0 {
+            match self.key_of[i] {
+                Some(_) => self.lru_push_back(h),
+                None => self.free.push(h),
+            }
+        }
+    }
+
+    /// Plans the copy of pinned host block `h` into device block `device`.
+    pub fn plan_load(&mut self, h: BlockId, device: BlockId) {
+        debug_assert!(
+            self.pins[h as usize] > 0,
+            "load from unpinned host block {h}"
+        );
+        self.loads.push((h, device));
+        self.counters.loads += 1;
+    }
+
+    /// Unpins the host blocks of the loads the previous hand-out gave out (the executor has
+    /// run them: the contract is that it runs a step's plans before the next step call).
+    pub fn release_in_flight(&mut self) {
+        for h in std::mem::take(&mut self.in_flight) {
+            self.unpin(h);
+        }
+    }
+
+    /// Hands out the copies planned since the last hand-out. The loads'
+    /// host blocks stay pinned until the next [`Self::release_in_flight`].
+    pub fn take_plans(&mut self) -> HostTransfers {
+        let stores = std::mem::take(&mut self.stores);
+        let loads = std::mem::take(&mut self.loads);
+        self.in_flight.extend(loads.iter().map(|&(h, _)| h));
+        HostTransfers { stores, loads }
+    }
+
+    /// Drops every key (the prefix cache is reset): unpinned blocks become free, pinned ones
+    /// become free when their loads are released. Planned copies stay planned (a store into
+    /// a block that no longer holds a key is harmless). The seen counts are kept (they
+    /// describe the workload, not cached KV). O(num_blocks).
+    pub fn clear(&mut self) {
+        while self.lru_pop_front().is_some() {}
+        self.index.clear();
+        self.free.clear();
+        for (i, key) in self.key_of.iter_mut().enumerate() {
+            *key = None;
+            if self.pins[i] == 0 {
+                self.free.push(i as BlockId);
+            }
+        }
+        self.free.reverse();
+        for m in &mut self.host_meta {
+            *m = None;
+        }
+    }
+
+    /// Checks the tier's invariants (docs/design.md, "Invariants", 9): index and keys agree;
+    /// every host block is exactly one of free (no key, no pin), cached in the LRU (key, no
+    /// pin) or pinned; no block is free and mapped; each block's pin count equals the
+    /// planned and handed-out loads reading it; planned copies name valid blocks. `device_ok`
+    /// says whether a device id is valid. Returns the first violation. O(num_blocks).
+    pub fn check(&self, device_ok: impl Fn(BlockId) -> bool) -> std::result::Result<(), String> {
+        let n = self.num_blocks as usize;
+        let mut mapped = 0;
+        for (i, key) in self.key_of.iter().enumerate() {
+            if let Some(k) = key {
+                mapped += 1;
+                if self.index.get(k) != Some(&(i as BlockId)) {
+                    return Err(format!(
+                        "host block {i} holds a key the index maps elsewhere"
+                    ));
+                }
+            }
+        }
+        if mapped != self.index.len() {
+            return Err(format!(
+                "host index has {} keys, {mapped} host blocks hold one",
+                self.index.len()
+            ));
+        }
+        let mut is_free = vec![false; n];
+        for &h in &self.free {
+            let i = h as usize;
+            if i >= n || is_free[i] {
+                return Err(format!("host free list holds {h} twice or out of range"));
+            }
+            is_free[i] = true;
+        }
+        let lru = self.lru_order();
+        if lru.len() != self.lru_len {
+            return Err(format!(
+                "host LRU walk found {}, lru_len {}",
+                lru.len(),
+                self.lru_len
+            ));
+        }
+        let mut want_pins = vec![0u32; n];
+        for &(h, d) in &self.loads {
+            if h as usize >= n || !device_ok(d) {
+                return Err(format!("planned load ({h}, {d}) names an invalid block"));
+            }
+            want_pins[h as usize] += 1;
+        }
+        for &h in &self.in_flight {
+            want_pins[h as usize] += 1;
+        }
+        for &(d, h) in &self.stores {
+            if h as usize >= n || !device_ok(d) {
+                return Err(format!("planned store ({d}, {h}) names an invalid block"));
+            }
+        }
+        for i in 0..n {
+            let (key, pinned) = (self.key_of[i].is_some(), self.pins[i] > 0);
+            if self.pins[i] != want_pins[i] {
+                return Err(format!(
+                    "host block {i}: {} pin(s), {} load(s) planned or in flight",
+                    self.pins[i], want_pins[i]
+                ));
+            }
+            if is_free[i] && (key || pinned) {
+                return Err(format!(
+                    "host block {i} is free but mapped ({key}) or pinned ({pinned})"
+                ));
+            }
+            if self.in_lru[i] != (key && !pinned) {
+                return Err(format!(
+                    "host block {i}: in LRU = {} but key {key}, pinned {pinned}",
+                    self.in_lru[i]
+                ));
+            }
+            if !is_free[i] && !key && !pinned {
+                return Err(format!("host block {i} is neither free, cached nor pinned"));
+            }
+        }
+        Ok(())
+    }
+
+    fn lru_push_back(&mut self, h: BlockId) {
+        let s = self.num_blocks as usize;
+        let (i, back) = (h as usize, self.prev[s]);
+        self.prev[i] = back;
+        self.next[i] = self.num_blocks;
+        self.next[back as usize] = h;
+        self.prev[s] = h;
+        self.in_lru[i] = true;
+        self.lru_len += 1;
+    }
+
+    fn lru_remove(&mut self, h: BlockId) {
+        let i = h as usize;
+        let (p, nx) = (self.prev[i], self.next[i]);
+        self.next[p as usize] = nx;
+        self.prev[nx as usize] = p;
+        self.in_lru[i] = false;
+        self.lru_len -= 1;
+    }
+
+    fn lru_pop_front(&mut self) -> Option<BlockId> {
+        let front = self.next[self.num_blocks as usize];
+        if front == self.num_blocks {
+            return None;
+        }
+        self.lru_remove(front);
+        Some(front)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn k(i: u8) -> HostKey {
+        BlockHash([i; 32])
+    }
+
+    /// A tier of `n` host blocks beside 8 device blocks, admission after `seen` uses, with
+    /// every device block's KV written (a step has begun since).
+    fn tier(n: u32, seen: u32) -> HostTier {
+        let mut t = HostTier::new(n, seen, HostEviction::Lru, 8, false).unwrap();
+        t.begin_step();
+        t
+    }
+
+    #[test]
+    fn rejects_bad_config() {
+        let e = HostTier::new(0, 2, HostEviction::Lru, 8, false).unwrap_err();
+        assert!(matches!(
+            e,
+            Error::InvalidConfig {
+                field: "num_host_blocks",
+                ..
+            }
+        ));
+        let e = HostTier::new(4, 0, HostEviction::Lru, 8, false).unwrap_err();
+        assert!(matches!(
+            e,
+            Error::InvalidConfig {
+                field: "host_admission_min_seen",
+                ..
+            }
+        ));
+        assert_eq!(HostEviction::from_name("lru"), Some(HostEviction::Lru));
+        assert_eq!(HostEviction::from_name("lfu"), None);
+    }
+
+    #[test]
+    fn stores_only_after_the_admission_count() {
+        let mut t = tier(4, 2);
+        t.note_seen(k(1));
+        assert_eq!(t.plan_store(3, k(1)), StoreOutcome::default());
+        t.note_seen(k(1));
+        assert_eq!(t.plan_store(3, k(1)).stored, Some(0));
+        assert_eq!(t.lookup(&k(1)), Some(0));
+        // On host already: nothing more.
+        assert_eq!(t.plan_store(5, k(1)).stored, None);
+        assert_eq!(t.pending().0, &[(3, 0)]);
+        t.check(|d| d < 8).unwrap();
+    }
+
+    #[test]
+    fn a_block_registered_in_this_step_is_not_stored() {
+        let mut t = tier(4, 1);
+        t.note_seen(k(1));
+        t.note_registered(3, None);
+        assert_eq!(t.plan_store(3, k(1)).stored, None);
+        t.begin_step();
+        assert_eq!(t.plan_store(3, k(1)).stored, Some(0));
+    }
+
+    #[test]
+    fn evicts_least_recently_used_and_never_a_pinned_block() {
+        let mut t = tier(2, 1);
+        for i in 1..=3 {
+            t.note_seen(k(i));
+        }
+        assert_eq!(t.plan_store(1, k(1)).stored, Some(0));
+        assert_eq!(t.plan_store(2, k(2)).stored, Some(1));
+        // Re-evicting k(1) from the device refreshes it: k(2) is now the LRU front.
+        t.plan_store(4, k(1));
+        assert_eq!(t.lru_order(), vec![1, 0]);
+        let out = t.plan_store(3, k(3));
+        assert_eq!(
+            out,
+            StoreOutcome {
+                stored: Some(1),
+                evicted: Some(k(2))
+            }
+        );
+        assert_eq!(t.lookup(&k(2)), None);
+        // Pin both: nothing can be stored.
+        t.pin(0).unwrap();
+        t.pin(1).unwrap();
+        t.plan_load(0, 5);
+        t.plan_load(1, 6);
+        t.note_seen(k(4));
+        assert_eq!(t.plan_store(7, k(4)), StoreOutcome::default());
+        t.check(|d| d < 8).unwrap();
+        // Handed out, pins held until the next release.
+        let HostTransfers { stores, loads } = t.take_plans();
+        assert_eq!(stores, vec![(1, 0), (2, 1), (3, 1)]);
+        assert_eq!(loads, vec![(0, 5), (1, 6)]);
+        assert_eq!(t.num_pinned(), 2);
+        assert_eq!(t.plan_store(7, k(4)).stored, None);
+        t.release_in_flight();
+        assert_eq!(t.num_pinned(), 0);
+        assert_eq!(t.lru_order(), vec![0, 1]);
+        assert_eq!(t.plan_store(7, k(4)).evicted, Some(k(1)));
+        t.check(|d| d < 8).unwrap();
+    }
+
+    #[test]
+    fn clear_frees_unpinned_blocks_and_pinned_ones_on_release() {
+        let mut t = tier(3, 1);
+        t.note_seen(k(1));
+        t.note_seen(k(2));
+        t.plan_store(1, k(1));
+        t.plan_store(2, k(2));
+        t.pin(0).unwrap();
+        t.plan_load(0, 4);
+        t.clear();
+        assert_eq!((t.lookup(&k(1)), t.num_used()), (None, 1));
+        t.check(|d| d < 8).unwrap();
+        t.take_plans();
+        t.release_in_flight();
+        assert_eq!(t.num_used(), 0);
+        assert!(t.pin(1).is_err());
+        t.check(|d| d < 8).unwrap();
+    }
+
+    #[test]
+    fn seen_counts_age_when_the_table_is_full() {
+        // Bound 2 * (1 + 8) = 18 keys.
+        let mut t = tier(1, 2);
+        for _ in 0..4 {
+            t.note_seen(k(0));
+        }
+        for i in 1..=18 {
+            t.note_seen(k(i));
+        }
+        // The 19th key halved every count: the one-off keys are gone, k(0) kept half.
+        assert!(t.seen.len() <= 18);
+        assert_eq!(t.seen_count(&k(0)), 2);
+        assert_eq!(t.seen_count(&k(1)), 0);
+    }
+}
