@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from pagedkv._optional import optional_imports
 
@@ -174,15 +174,20 @@ class LLMEngine:
         self.cache_identity = CacheIdentity.of_engine_inputs(
             hf_model, tokenizer, kv_dtype=dtype, rope=rope_parameters(hf_model.config), weights=weights
         )
+        self.manager: pagedkv.KVCacheManager
+        self.scheduler: Scheduler
+        self.runner: ModelRunner
         if config.kv_layout == "virtual":  # contiguous K/V in reserved virtual memory
             from .virtual_manager import VirtualScheduler, build_virtual_manager
             from .virtual_runner import VirtualModelRunner
 
-            self.manager, self.layout = build_virtual_manager(
+            proxy, self.layout = build_virtual_manager(
                 self.model, config, hash_seed=self.cache_identity.seed, enable_events=enable_kv_events
             )
+            # The proxy answers every call the scheduler, registry and groups make on a manager.
+            self.manager = cast(pagedkv.KVCacheManager, proxy)
             self.scheduler = VirtualScheduler(self.manager, config.scheduler_config(self.model.max_model_len))
-            self.runner = VirtualModelRunner(self.model, self.layout, manager=self.manager.inner)
+            self.runner = cast(ModelRunner, VirtualModelRunner(self.model, self.layout, manager=proxy.inner))
         else:
             self.manager = pagedkv.KVCacheManager(
                 config.cache_config(enable_events=enable_kv_events, hash_seed=self.cache_identity.seed)

@@ -129,10 +129,9 @@ class VirtualKVManager:
         )
         if fit == 0:
             return _CutStep(None, error)
-        cut = lambda xs: None if xs is None else xs[:fit]  # noqa: E731
-        out = self.inner.step(
-            seq_ids[:fit], num_new_tokens[:fit], cut(append_token_ids), draft_token_ids=cut(draft_token_ids)
-        )
+        appends = None if append_token_ids is None else append_token_ids[:fit]
+        draft_ids = None if draft_token_ids is None else draft_token_ids[:fit]
+        out = self.inner.step(seq_ids[:fit], num_new_tokens[:fit], appends, draft_token_ids=draft_ids)
         return out if out.error is not None else _CutStep(out, error)
 
     def preempt(self, seq_ids: Any) -> None:
