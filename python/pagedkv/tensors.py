@@ -580,7 +580,11 @@ class GroupBatchTensors:
     ``int32[S]``, ``query_start_loc`` ``int32[S + 1]``, ``copies`` ``int32[C, 3]``
     copy-on-write ``(group, src, dst)`` rows to run in that group's layers before the K/V
     writes, ``max_query_len`` / ``max_seq_len`` in tokens, and ``positions_host`` /
-    ``query_start_loc_host`` / ``context_lens_host``, the host arrays behind them.
+    ``query_start_loc_host`` / ``context_lens_host``, the host arrays behind them. As in
+    :class:`BatchTensors`: ``swap_out`` / ``swap_in`` ``int32[K, 2]`` plans on the host (or
+    ``None``), ``transfers`` the non-empty ones in the order to run them (``("swap_out",
+    plan)`` then ``("swap_in", plan)``), and ``attn_plan``, the per-step attention plans a
+    caller attaches (one per group), or ``None``.
     """
 
     block_tables: Any
@@ -596,6 +600,10 @@ class GroupBatchTensors:
     query_start_loc_host: npt.NDArray[np.int32]
     context_lens_host: npt.NDArray[np.int32]
     positions_host: npt.NDArray[np.int64]
+    swap_out: Any = None
+    swap_in: Any = None
+    transfers: tuple[tuple[str, Any], ...] = ()
+    attn_plan: Any = None
 
     @property
     def num_groups(self) -> int:
@@ -604,13 +612,20 @@ class GroupBatchTensors:
 
     @classmethod
     def from_steps(
-        cls, steps: HybridStepOutput | Sequence[HybridStepOutput], device: Device = "cpu"
+        cls,
+        steps: HybridStepOutput | Sequence[HybridStepOutput],
+        device: Device = "cpu",
+        *,
+        swap_out: npt.NDArray[np.int32] | None = None,
+        swap_in: npt.NDArray[np.int32] | None = None,
     ) -> GroupBatchTensors:
         """The kernel inputs of one scheduler step from one or more ``HybridKVCacheManager.step``
         outputs of the same manager (merged in order). With one step every array crosses to
         torch with ``torch.from_numpy`` (no host copy; do not modify the step output while the
         result is in use), then moves to ``device`` once; several are concatenated once (block
         tables padded to the widest). ``positions`` is computed here. O(G x (S x W + T)).
+        ``swap_out`` / ``swap_in``: the ``int32[K, 2]`` plans of ``HybridKVCacheManager.swap_out``
+        / ``swap_in`` run in this step (``None``: none), kept on the host.
 
         Raises:
             InvalidArgumentError: a step that is not a :class:`pagedkv.HybridStepOutput`, or
@@ -652,6 +667,7 @@ class GroupBatchTensors:
             ).astype(np.int32)
             copies = np.concatenate([p.copies for p in parts]) if parts else np.zeros((0, 3), np.int32)
         qlens = np.diff(qsl)
+        host = None if device is None else "cpu"  # swap plans stay on the host
         positions = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat((ctx - qsl[:-1]).astype(np.int64), qlens)
         return cls(
             block_tables=_place(tables, device),
@@ -667,4 +683,11 @@ class GroupBatchTensors:
             query_start_loc_host=qsl,
             context_lens_host=ctx,
             positions_host=positions,
+            swap_out=None if swap_out is None else _place(swap_out, host),
+            swap_in=None if swap_in is None else _place(swap_in, host),
+            transfers=tuple(
+                (kind, _place(plan, host))
+                for kind, plan in (("swap_out", swap_out), ("swap_in", swap_in))
+                if plan is not None and len(plan)
+            ),
         )

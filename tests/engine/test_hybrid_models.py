@@ -95,18 +95,31 @@ def refs(gemma) -> list[list[int]]:
 
 
 def test_tiny_gemma3_is_a_hybrid_model(gemma):
+    import pagedkv
+
     engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, num_kv_blocks=64, block_size=4)
-    assert type(engine.model).__name__ == "Gemma3ForCausalLM"
-    assert engine.model.kv_groups == (KVCacheGroup(WINDOW, (0, 2, 3)), KVCacheGroup(None, (1,)))
-    assert engine.model.layer_group == (0, 1, 0, 0)
-    assert engine.model.scale == 24**-0.5
+    m = engine.model
+    assert type(m).__name__ == "Gemma3ForCausalLM"
+    # 3 sliding layers and 1 full one: groups of 1 layer (equal layer counts), one KV slot.
+    assert m.kv_groups == tuple(KVCacheGroup(w, (i,)) for i, w in enumerate((WINDOW, None, WINDOW, WINDOW)))
+    assert (m.layer_group, m.layer_slot, m.num_kv_slots) == ((0, 1, 2, 3), (0, 0, 0, 0), 1)
+    assert m.scale == 24**-0.5
+    assert isinstance(engine.manager, pagedkv.HybridKVCacheManager)
+    assert [(g.kind, g.window) for g in engine.manager.groups] == [
+        ("sliding_window", WINDOW), ("full", None), ("sliding_window", WINDOW), ("sliding_window", WINDOW)
+    ]  # fmt: skip
+    assert engine.manager.layer_groups == [0, 1, 2, 3]
+    assert tuple(engine.runner.kv_cache.shape) == (1, 2, 64, 4, 2, 16)
 
 
 REGIMES = {
     "one-batch": dict(),
     "chunked-prefill": dict(max_tokens_per_step=5),
-    "recompute-preemption": dict(num_kv_blocks=24),
-    "swap-preemption": dict(num_kv_blocks=24, preemption="swap"),
+    # Pages of one group's layer (4 groups of 1 layer). In 8-token chunks a sliding-window
+    # group holds at most 5 blocks, so 40 pages hold the longest request (76 tokens: 19 blocks
+    # of full attention, 3 x 5 windowed) but not every request at once.
+    "recompute-preemption": dict(num_kv_blocks=40, max_tokens_per_step=8),
+    "swap-preemption": dict(num_kv_blocks=40, max_tokens_per_step=8, preemption="swap"),
     "block-size-16": dict(block_size=16, num_kv_blocks=32),
     "batch-size-1": dict(max_num_seqs=1),
 }
@@ -137,12 +150,14 @@ def test_tiny_gemma3_prefix_hit_past_the_window(gemma):
     assert list(out.token_ids) == want[: len(out.token_ids)] and len(out.token_ids) == len(want)
 
 
-def test_tiny_gemma3_differs_when_the_window_is_ignored(gemma, refs):
+def test_tiny_gemma3_differs_when_the_window_is_ignored(gemma, refs, monkeypatch):
     # The check above can fail: with every layer on full attention the prompts past the window
     # get other tokens than transformers gives.
+    import pagedkv.engine.gemma3 as gemma3
+
+    monkeypatch.setattr(gemma3, "layer_windows", lambda config: (None,) * config.num_hidden_layers)
     engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, block_size=4, num_kv_blocks=256)
-    engine.model.layer_windows = (None,) * 4
-    engine.model._init_kv_groups()
+    assert not engine.model.is_hybrid
     outs = engine.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW))
     differ = [n for n, out, want in zip(PROMPT_LENS, outs, refs) if list(out.token_ids) != want]
     assert differ and min(differ) > WINDOW
@@ -172,11 +187,27 @@ def test_layer_windows_from_each_config_form():
     assert layer_windows(_cfg(n=6, sliding_window=5, sliding_window_pattern=3)) == (5, 5, None, 5, 5, None)
     types = ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]  # Qwen2
     assert layer_windows(_cfg(sliding_window=7, layer_types=types)) == (None, None, 7, 7)
+    # Groups of equal layer counts (the smallest kind's), in order of their first layer.
     assert kv_cache_groups((7, None, 7, 9)) == (
+        KVCacheGroup(7, (0,)),
+        KVCacheGroup(None, (1,)),
+        KVCacheGroup(7, (2,)),
+        KVCacheGroup(9, (3,)),
+    )
+    assert kv_cache_groups((7, None, 7, 9), split=False) == (
         KVCacheGroup(7, (0, 2)),
         KVCacheGroup(None, (1,)),
         KVCacheGroup(9, (3,)),
     )
+    gemma = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))  # Gemma 3 270M
+    assert [(g.sliding_window, g.layers) for g in kv_cache_groups(gemma)] == [
+        (512, (0, 1, 2)), (512, (3, 4, 6)), (None, (5, 11, 17)), (512, (7, 8, 9)),
+        (512, (10, 12, 13)), (512, (14, 15, 16)),
+    ]  # fmt: skip
+    # Kinds within 25 % of each other share one size (the larger: the smaller kind's one group
+    # padded); Mistral-like (one kind) gets one group of every layer.
+    assert [len(g.layers) for g in kv_cache_groups((None,) * 5 + (5,) * 6)] == [5, 6]
+    assert kv_cache_groups((32,) * 4) == (KVCacheGroup(32, (0, 1, 2, 3)),)
 
 
 def test_qwen2_window_only_from_max_window_layers():
@@ -278,7 +309,7 @@ def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
             out = manager.step([1], [1], [np.array([got[-1]])])
         out.raise_for_error()
         meta = GroupBatchTensors.from_steps(out)
-        assert meta.block_tables.shape[0] == meta.slot_mapping.shape[0] == 2
+        assert meta.block_tables.shape[0] == meta.slot_mapping.shape[0] == len(model.kv_groups) == 4
         before = kv_cache.clone()
         tok = next_token(meta, model.plan_attention(meta, cache_shape))  # one plan per group
         kv_cache.copy_(before)  # the same step without plans: the Triton path's calls
@@ -288,11 +319,13 @@ def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
     assert got == want
     held = manager.num_blocks_held(1)
     total = manager.num_tokens(1)
-    sliding = [g for g, grp in enumerate(model.kv_groups) if grp.sliding_window is not None][0]
-    assert held[1 - sliding] == -(-total // bs)  # full attention: every block
-    assert held[sliding] <= -(-WINDOW // bs) + 1 < -(-total // bs)  # bounded by the window
-    table = manager.block_tables(1)[sliding]
-    assert (table[: (total - WINDOW) // bs] == 0).all()  # released: the (poisoned) null block
+    for g, grp in enumerate(model.kv_groups):
+        if grp.sliding_window is None:
+            assert held[g] == -(-total // bs)  # full attention: every block
+        else:
+            assert held[g] <= -(-WINDOW // bs) + 1 < -(-total // bs)  # bounded by the window
+            table = manager.block_tables(1)[g]
+            assert (table[: (total - WINDOW) // bs] == 0).all()  # released: the (poisoned) null block
     manager.free(1)
     manager.check_invariants()
     assert manager.num_free_blocks == num_blocks - 1  # every block back (block 0 is the null block)
@@ -305,3 +338,134 @@ def test_tiny_gemma3_without_plans_as_the_triton_path_calls(gemma, refs):
     engine.runner._triton_attention = True  # what prepare() checks: no plan per group
     outs = engine.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW))
     assert [list(o.token_ids) for o in outs] == refs
+
+
+# ---------------------------------------------------------------- the engine on the hybrid manager
+
+
+def _held_while_decoding(engine: LLMEngine, prompt: list[int], max_tokens: int) -> list[tuple[int, list[int]]]:
+    """Serve one request step by step; after each step of its decode, (computed tokens, blocks
+    held per KV cache group)."""
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
+    seq = engine.requests.get(rid).seqs[0].seq_id
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        if engine.has_unfinished() and engine.manager.num_computed_tokens(seq) >= len(prompt):
+            held = engine.manager.num_blocks_held(seq)
+            seen.append((engine.manager.num_computed_tokens(seq), list(held) if isinstance(held, list) else [held]))
+    return seen
+
+
+def test_window_groups_hold_only_the_window(gemma):
+    # A 61-token prompt decoding 30 tokens past it (window 8, 4-token blocks): each sliding
+    # group holds exactly the blocks from the window of the last context on,
+    # ceil(n / 4) - floor((n - 8) / 4) <= ceil(8 / 4) + 1 = 3, the full group every block; the
+    # full-attention allocation of the same model (one table for every layer) holds every
+    # block of all 4 layers.
+    bs = 4
+    engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, block_size=bs, num_kv_blocks=256)
+    seen = _held_while_decoding(engine, _prompts()[-1], 30)
+    assert len(seen) >= 25
+    # Right after the prefill (one allocation at context 0) every group holds the prompt's
+    # 16 blocks: the manager releases at the next allocation, from the window of its context.
+    assert seen[0] == (61, [16, 16, 16, 16])
+    groups = engine.model.kv_groups
+    for n, held in seen[1:]:
+        for g, grp in zip(held, groups):
+            want = -(-n // bs) if grp.sliding_window is None else -(-n // bs) - (n - WINDOW) // bs
+            assert g == want, (n, held)
+            assert grp.sliding_window is None or g <= -(-WINDOW // bs) + 1
+    page = engine.model.kv_bytes_per_block(bs)  # one layer slot: one group's page
+    n, held = seen[-1]
+    hybrid_bytes = sum(held) * page
+    assert sum(held) == -(-n // bs) + 3 * 3 and hybrid_bytes == (23 + 9) * 4 * 2 * 2 * 16 * 4
+    assert_no_leak(engine)
+
+
+def test_full_attention_allocation_of_the_same_model_keeps_every_block(gemma, refs, monkeypatch):
+    # The comparison allocation: PagedCausalLM.per_group_tables = False serves the hybrid model
+    # through one block table (KVCacheManager): same tokens, every block of every layer held.
+    from pagedkv.engine.model import PagedCausalLM
+
+    monkeypatch.setattr(PagedCausalLM, "per_group_tables", False)
+    bs = 4
+    engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, block_size=bs, num_kv_blocks=256)
+    assert not engine.model.is_hybrid and engine.model.num_kv_slots == 4
+    seen = []
+    rid = engine.add_request(_prompts()[-1], SamplingParams(max_tokens=30))
+    seq = engine.requests.get(rid).seqs[0].seq_id
+    while engine.has_unfinished():
+        engine.step()
+        if engine.has_unfinished():
+            seen.append((engine.manager.num_computed_tokens(seq), len(engine.manager.block_table(seq))))
+    n, blocks = seen[-1]
+    assert blocks == -(-n // bs) == 23  # x 4 layers a block: 92 layer pages, against 32 hybrid
+    outs = engine.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW))
+    assert [list(o.token_ids) for o in outs] == refs
+
+
+def test_admission_fits_a_pool_that_full_attention_allocation_cannot(gemma):
+    # 72 pages of one layer: a 61-token prompt + 16 tokens needs 19 blocks x 4 layers = 76 pages
+    # under full-attention allocation (refused: it can never fit), but in 8-token chunks only
+    # 19 full-attention blocks + 3 x 5 window blocks = 34 pages on the hybrid manager, so two
+    # such requests run at once. Admission reserves what the hybrid manager predicts, not the
+    # full-attention figure (else it would admit one at a time, or hang; vLLM #39734).
+    from pagedkv.engine import RequestTooLargeError
+    from pagedkv.engine.model import PagedCausalLM
+
+    bs, pages = 4, 72
+    prompts = [_prompts()[-1], _prompts()[-1][::-1], _prompts()[-1][1:] + [9], _prompts()[-1][2:] + [9, 9]]
+    want = [hf_greedy(gemma, p, MAX_NEW) for p in prompts]
+    want = [w[: w.index(1) + 1] if 1 in w else w for w in want]
+    engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, block_size=bs, num_kv_blocks=pages, max_tokens_per_step=8)
+    assert engine.scheduler.max_blocks(61, MAX_NEW) == 34
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=MAX_NEW))
+    most, outs = 0, {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id] = list(o.token_ids)
+        most = max(most, len(engine.scheduler.running))
+    assert [outs[str(i)] for i in range(4)] == want
+    assert most >= 2
+    assert_no_leak(engine)
+    # The same bytes as a full-attention allocation of the same model: 18 blocks of 4 layers.
+    kv_bytes = pages * engine.model.kv_bytes_per_block(bs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PagedCausalLM, "per_group_tables", False)
+        full = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, block_size=bs, kv_bytes=kv_bytes, max_tokens_per_step=8)
+        assert full.config.num_kv_blocks == pages // 4
+        with pytest.raises(RequestTooLargeError, match="needs 19 KV blocks"):
+            full.add_request(prompts[0], SamplingParams(max_tokens=MAX_NEW))
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_forks_and_beams_copy_on_write_per_group(gemma, monkeypatch, prefix_caching):
+    # n > 1 samples and beam search fork the prompt's sequence: every group's blocks are
+    # shared and a shared partial last block is copied per group (one (group, src, dst) row
+    # each, one copy call). Same outputs as on the full-attention allocation of the model.
+    from pagedkv.engine.model import PagedCausalLM
+
+    prompts = [_prompts()[2], _prompts()[-1]]
+    params = [
+        SamplingParams(max_tokens=MAX_NEW, n=3, temperature=0.9, seed=5),
+        SamplingParams(max_tokens=MAX_NEW, beam_width=3),
+    ]
+    kw = dict(tokenizer=gemma.tokenizer, block_size=4, num_kv_blocks=256, enable_prefix_caching=prefix_caching)
+
+    def run() -> tuple[list[list[list[int]]], Any]:
+        engine = LLMEngine(gemma.hf, **kw)
+        got = [[list(o.token_ids) for o in r.outputs] for p in params for r in engine.generate(prompts, p)]
+        assert_no_leak(engine)
+        return got, engine.stats()
+
+    hybrid, stats = run()
+    assert stats.copies > 0
+    monkeypatch.setattr(PagedCausalLM, "per_group_tables", False)
+    assert run()[0] == hybrid
+
+
+def test_speculative_decoding_is_refused_on_a_hybrid_model(gemma):
+    with pytest.raises(EngineConfigError, match="speculative='ngram' is not supported on a hybrid model"):
+        LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, num_kv_blocks=64, speculative="ngram")

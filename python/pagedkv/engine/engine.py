@@ -45,6 +45,7 @@ from .errors import EngineConfigError
 from .goodput import DEFAULT_SLO, ServiceLevelObjective
 from .groups import SequenceGroups
 from .identity import CacheIdentity, cached_weights_digest, source_file_versions
+from .kv_groups import check_hybrid_config, hybrid_manager
 from .loader import load_hf_model
 from .metrics import EngineMetrics, MetricsCollector
 from .model import PagedCausalLM
@@ -189,9 +190,24 @@ class LLMEngine:
             self.scheduler = VirtualScheduler(self.manager, config.scheduler_config(self.model.max_model_len))
             self.runner = cast(ModelRunner, VirtualModelRunner(self.model, self.layout, manager=proxy.inner))
         else:
-            self.manager = pagedkv.KVCacheManager(
-                config.cache_config(enable_events=enable_kv_events, hash_seed=self.cache_identity.seed)
-            )
+            if self.model.is_hybrid:  # sliding-window layers: one block table per KV cache group
+                check_hybrid_config(config)
+                self.manager = hybrid_manager(
+                    self.model.kv_groups,
+                    self.model.num_layers,
+                    num_blocks=num_kv_blocks,
+                    block_size=block_size,
+                    bytes_per_token=self.model.kv_bytes_per_token(),
+                    enable_prefix_caching=config.enable_prefix_caching,
+                    hash_algo=config.hash_algo,
+                    hash_seed=self.cache_identity.seed,
+                    num_cpu_blocks=num_cpu_blocks,
+                    enable_events=enable_kv_events,
+                )
+            else:
+                self.manager = pagedkv.KVCacheManager(
+                    config.cache_config(enable_events=enable_kv_events, hash_seed=self.cache_identity.seed)
+                )
             self.scheduler = Scheduler(self.manager, config.scheduler_config(self.model.max_model_len))
             self.runner = ModelRunner(
                 self.model,
@@ -333,7 +349,7 @@ class LLMEngine:
                 if self.scheduler.has_work():
                     raise RuntimeError(
                         "scheduler made no progress while requests are waiting "
-                        f"(free blocks {self.manager.pool.num_free})"
+                        f"(free blocks {self.scheduler.num_free_blocks()})"
                     )
                 return finished
             self.metrics_collector.on_step(self.manager.stats(), batch.num_prefill_tokens)
@@ -432,7 +448,7 @@ class LLMEngine:
                 finished += (done := self.step())
                 bar.update(len(done))
                 if progress:
-                    bar.set_postfix(blocks=self.manager.pool.num_used)
+                    bar.set_postfix(blocks=self.scheduler.num_used_blocks())
         return finished
 
     # ---- introspection -----------------------------------------------------------------------

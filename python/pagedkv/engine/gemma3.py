@@ -1,5 +1,6 @@
 """pagedkv's own forward pass of Gemma 3 (text) over a paged KV cache: a hybrid model whose
-sliding-window and full-attention layers form two KV cache groups.
+sliding-window and full-attention layers form KV cache groups of equal layer counts
+(five sliding-window groups and one full-attention group of 3 layers each in the 270M model).
 
 Architecture (Gemma Team, "Gemma 3 Technical Report", 2025), per decoder layer::
 
@@ -123,9 +124,10 @@ class Gemma3ForCausalLM(PagedCausalLM):
         config: the transformers config (``Gemma3TextConfig``).
         num_layers, num_heads, num_kv_heads, head_size, vocab_size, hidden_size: model sizes.
         max_model_len: context length in tokens (``max_position_embeddings``).
-        layer_windows, kv_groups, layer_group: see
-            :class:`~pagedkv.engine.model.PagedCausalLM` (the 270M model: two groups, 15
-            sliding-window layers of window 512 and 3 full-attention layers).
+        layer_windows, kv_groups, layer_group, layer_slot, num_kv_slots: see
+            :class:`~pagedkv.engine.model.PagedCausalLM` (the 270M model: six groups of 3
+            layers, five of sliding-window layers with window 512 and one of the 3
+            full-attention layers).
         rope: :class:`StaticRope` (no length-dependent RoPE).
         scale: the attention softmax scale, ``query_pre_attn_scalar ** -0.5``.
         dtype, device: of weights, activations and the KV cache.
@@ -256,11 +258,13 @@ class Gemma3ForCausalLM(PagedCausalLM):
         Args:
             input_ids: int64 ``[T]`` token ids of the scheduled tokens, sequence after sequence.
             positions: int64 ``[T]`` position of each token in its sequence (0-based).
-            kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``;
-                the new K/V of every token is written at ``meta.slot_mapping`` (in place).
-            meta: this step's kernel inputs: a :class:`~pagedkv.tensors.BatchTensors` (one block
-                table for both KV cache groups) or a :class:`~pagedkv.tensors.GroupBatchTensors`
-                (one per group).
+            kv_cache: ``[num_kv_slots, 2, num_blocks, block_size, num_kv_heads, head_size]``
+                (layer ``i`` in slot ``layer_slot[i]``); the new K/V of every token is written at
+                its group's slot mapping (in place).
+            meta: this step's kernel inputs: a :class:`~pagedkv.tensors.GroupBatchTensors` (one
+                block table and slot mapping per KV cache group, from
+                ``pagedkv.HybridKVCacheManager``) or a :class:`~pagedkv.tensors.BatchTensors`
+                (one for every group).
             logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted.
             rope_lens: unused (Gemma 3's RoPE is position-only); accepted for the runner's call.
             plans: :meth:`plan_attention`'s plans, one per group (default ``meta.attn_plan``

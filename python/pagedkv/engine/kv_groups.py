@@ -2,23 +2,31 @@
 attention reads in a step.
 
 A hybrid model mixes attention kinds: Gemma 3 interleaves sliding-window layers (window 512) with
-full-attention ones, 5 to 1. Layers of one kind read the same KV positions, so they form one
-*KV cache group* (vLLM V1's term; its hybrid KV cache manager keeps one block table per group):
-a sliding-window group needs the blocks of the last ``W`` positions only, a full-attention group
-every block. :func:`layer_windows` reads each layer's kind from the transformers config,
-:func:`kv_cache_groups` groups the layers, and :func:`plan_groups` builds the step's attention
-plans, one per group, each from that group's block table (:func:`group_block_table`).
+full-attention ones, 5 to 1. Layers of one kind read the same KV positions, so they can share
+one *KV cache group* (vLLM V1's term; its hybrid KV cache manager keeps one block table per
+group): a sliding-window group needs the blocks of the last ``W`` positions only, a
+full-attention group every block. :func:`layer_windows` reads each layer's kind from the
+transformers config, :func:`kv_cache_groups` groups the layers, and :func:`plan_groups` builds
+the step's attention plans, one per group, each from that group's block table
+(:func:`group_block_table`).
 
-One block table or one per group. The engine's KV cache manager keeps one block table per
-sequence, so every group reads it: a sliding-window layer reads only the blocks inside its
-window, and the blocks before the window stay allocated (the local layers' KV memory is not
-bounded by the window in the engine yet). A hybrid manager (``pagedkv.HybridKVCacheManager``,
-its steps as :class:`~pagedkv.tensors.GroupBatchTensors`) has one table and one slot mapping
-per group, releasing a sliding-window group's blocks once they fall out of every future window
-(their entries then the null block 0); :func:`group_block_table` and :func:`group_slot_mapping`
-read either, and the kernels never read before a window (tests/kernels/test_sliding_window.py),
-so the model runs on both (tests/engine/test_hybrid_models.py drives it from a hybrid
-manager's steps).
+Groups of equal layer counts. All groups share one pool of equal-size pages, and a block id
+names one page in every layer of the group that holds it. The KV cache is one tensor per
+*layer slot* (``[layers_per_group, 2, num_blocks, ...]``, layer ``i`` at its index within its
+group, :attr:`KVCacheGroup.layers`), so a page costs the same in every group only when every
+group has the same number of layers: :func:`kv_cache_groups` splits each kind into groups of
+``layers_per_group`` layers (as vLLM's hybrid allocator does). Gemma 3 270M's 15 sliding and 3
+full layers become five sliding-window groups of 3 layers and one full-attention group of 3,
+and one block holds ``block_size`` tokens of K and V of 3 layers.
+
+One block table or one per group. A model without sliding-window layers has one group of every
+layer and runs on ``pagedkv.KVCacheManager`` (one block table per sequence,
+:class:`~pagedkv.tensors.BatchTensors`). A model with them runs on
+``pagedkv.HybridKVCacheManager`` (:func:`hybrid_manager`; its steps as
+:class:`~pagedkv.tensors.GroupBatchTensors`): one table and one slot mapping per group, a
+sliding-window group's blocks released once they fall out of every future window (their entries
+then the null block 0). :func:`group_block_table` and :func:`group_slot_mapping` read either,
+and the kernels never read before a window (tests/kernels/test_sliding_window.py).
 """
 
 from __future__ import annotations
@@ -42,6 +50,9 @@ __all__ = [
     "KVCacheGroup",
     "layer_windows",
     "kv_cache_groups",
+    "layers_per_group",
+    "hybrid_manager",
+    "check_hybrid_config",
     "group_block_table",
     "group_slot_mapping",
     "plan_groups",
@@ -54,12 +65,13 @@ SLIDING_ATTENTION = "sliding_attention"
 
 @dataclass(frozen=True)
 class KVCacheGroup:
-    """Layers whose attention reads the same KV positions.
+    """Layers whose attention reads the same KV positions and shares one block table.
 
     Attributes:
         sliding_window: window ``W`` in tokens (a query at position ``p`` sees positions in
             ``(p - W, p]``), or ``None`` for full attention.
-        layers: indices of the decoder layers in the group, ascending.
+        layers: indices of the decoder layers in the group, ascending; layer ``layers[j]``
+            keeps its K/V in layer slot ``j`` of the KV cache.
     """
 
     sliding_window: int | None
@@ -112,16 +124,107 @@ def layer_windows(config: Any) -> tuple[int | None, ...]:
     return tuple(out)
 
 
-def kv_cache_groups(windows: Sequence[int | None]) -> tuple[KVCacheGroup, ...]:
-    """The layers grouped by window, groups in order of their first layer.
+def layers_per_group(windows: Sequence[int | None]) -> int:
+    """Layers per KV cache group: the layer count of the smallest attention kind (layers of one
+    window), or the largest kind's when it is within 25 % of the smallest (then every kind fits
+    one group, the last groups of the other kinds padded). One kind: all its layers. vLLM's
+    hybrid allocator sizes its groups the same way, so no page is left unused in a kind that
+    divides evenly (Gemma 3 270M: 15 sliding and 3 full layers -> groups of 3)."""
+    counts: dict[int | None, int] = {}
+    for w in windows:
+        counts[w] = counts.get(w, 0) + 1
+    if not counts:
+        return 0
+    low, high = min(counts.values()), max(counts.values())
+    return high if high < 1.25 * low else low
+
+
+def kv_cache_groups(windows: Sequence[int | None], *, split: bool = True) -> tuple[KVCacheGroup, ...]:
+    """The layers grouped by window into groups of :func:`layers_per_group` layers (the last
+    group of a kind may hold fewer), groups in order of their first layer.
 
     ``windows``: each layer's sliding window (``None``: full attention), as from
-    :func:`layer_windows`. Layers with equal windows share a group.
+    :func:`layer_windows`. Only layers with equal windows share a group; a model of one kind
+    gets one group of every layer. ``split=False``: one group per window, unsplit (for one
+    block table shared by every layer, where groups only pick each layer's window).
     """
+    size = layers_per_group(windows) if split else len(windows)
     order: dict[int | None, list[int]] = {}
     for i, w in enumerate(windows):
         order.setdefault(w, []).append(i)
-    return tuple(KVCacheGroup(w, tuple(layers)) for w, layers in order.items())
+    groups = [
+        KVCacheGroup(w, tuple(layers[k : k + size])) for w, layers in order.items() for k in range(0, len(layers), size)
+    ]
+    return tuple(sorted(groups, key=lambda g: g.layers[0]))
+
+
+def check_hybrid_config(config: Any) -> None:
+    """Refuse, for a hybrid model (sliding-window layers, served through
+    ``pagedkv.HybridKVCacheManager``), the engine settings that manager does not serve yet:
+    prompt-lookup speculative decoding (``config.speculative``: its step takes no draft
+    tokens) and the prefix cache's host tier (``config.num_host_blocks``). Swap and recompute
+    preemption, ``n > 1`` and beam search (fork and copy-on-write per group) are served.
+
+    Raises:
+        EngineConfigError: naming the setting.
+    """
+    if getattr(config, "speculative", None) is not None:
+        raise EngineConfigError(
+            f"speculative={config.speculative!r} is not supported on a hybrid model (sliding-window "
+            "layers, one block table per KV cache group): its KV cache manager schedules no draft tokens"
+        )
+    if getattr(config, "num_host_blocks", None):
+        raise EngineConfigError(
+            "a host tier (host_cache_bytes / num_host_blocks) is not supported on a hybrid model "
+            "(sliding-window layers, one block table per KV cache group)"
+        )
+
+
+def hybrid_manager(
+    groups: Sequence[KVCacheGroup],
+    num_layers: int,
+    *,
+    num_blocks: int,
+    block_size: int,
+    bytes_per_token: int,
+    enable_prefix_caching: bool = True,
+    hash_algo: str = "sha256",
+    hash_seed: bytes | None = None,
+    num_cpu_blocks: int = 0,
+    enable_events: bool = False,
+) -> Any:
+    """The ``pagedkv.HybridKVCacheManager`` of a model with these KV cache groups: one
+    ``KVCacheGroupSpec`` per group (``"full"`` or ``"sliding_window"`` with its window), all
+    of ``block_size`` tokens and ``bytes_per_token`` bytes per token and layer
+    (``2 * num_kv_heads * head_size * dtype bytes``), each layer mapped to its group, and
+    ``num_blocks`` pages (the null block included). Retention interval 0: a windowed group
+    caches every full block (so a prefix hit can end at any block boundary).
+
+    Raises:
+        pagedkv.InvalidConfigError: a size above the core's limits (names it).
+    """
+    import pagedkv
+
+    specs = [
+        pagedkv.KVCacheGroupSpec("full", block_size, bytes_per_token)
+        if g.sliding_window is None
+        else pagedkv.KVCacheGroupSpec("sliding_window", block_size, bytes_per_token, window=g.sliding_window)
+        for g in groups
+    ]
+    layer_groups = [0] * num_layers
+    for gi, g in enumerate(groups):
+        for li in g.layers:
+            layer_groups[li] = gi
+    return pagedkv.HybridKVCacheManager(
+        specs,
+        layer_groups,
+        num_blocks,
+        enable_prefix_caching=enable_prefix_caching,
+        hash_algo=hash_algo,
+        hash_seed=hash_seed,
+        num_cpu_blocks=num_cpu_blocks,
+        enable_events=enable_events,
+    )
 
 
 StepTensors = BatchTensors | GroupBatchTensors

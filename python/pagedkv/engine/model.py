@@ -12,11 +12,16 @@ new K/V rows are written into their cache slots by ``slot_mapping``
 tokens through the block table (:func:`pagedkv.kernels.paged_attention`; the torch reference on
 CPU, Triton on CUDA) -- PagedAttention, Kwon et al., SOSP'23.
 
-KV cache: one tensor ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``
-(index 0 = K, 1 = V), so copy-on-write block copies and swaps are one call for all layers.
-Layers are grouped into KV cache groups by attention kind (:mod:`pagedkv.engine.kv_groups`):
-each layer reads its group's block table and window, through its group's attention plan
-(:class:`PagedCausalLM`, the part every model of the engine shares).
+KV cache: one tensor ``[num_kv_slots, 2, num_blocks, block_size, num_kv_heads, head_size]``
+(index 0 = K, 1 = V). Layers are grouped into KV cache groups of equal layer counts by
+attention kind (:mod:`pagedkv.engine.kv_groups`); layer ``i`` keeps its K/V in slot
+``layer_slot[i]`` (its index within its group) and reads its group's block table, slot mapping
+and window, through its group's attention plan (:class:`PagedCausalLM`, the part every model of
+the engine shares). A block id belongs to one group at a time, so ``kv_cache[:, :, b]`` is the
+page of block ``b`` in every layer of its group: copy-on-write copies and swaps stay one call
+for all layers and groups. A model without sliding-window layers has one group of every layer
+(``num_kv_slots == num_layers``, layer ``i`` in slot ``i``); Gemma 3 270M has six groups of 3
+layers (``num_kv_slots == 3``), so a block costs 3 layers' pages, not 18.
 
 The weights come from transformers' own model (see :mod:`pagedkv.engine.loader`), so the same
 numbers feed both this model and the transformers oracle in the tests. They are stored for the
@@ -154,8 +159,10 @@ class PagedCausalLM:
     Attributes:
         layer_windows: each layer's sliding window, or ``None``.
         kv_groups: the :class:`~pagedkv.engine.kv_groups.KVCacheGroup` s (layers sharing a
-            window), in order of their first layer.
+            window, equal layer counts), in order of their first layer.
         layer_group: index into ``kv_groups`` of each layer's group.
+        layer_slot: each layer's slot in the KV cache tensor (its index within its group).
+        num_kv_slots: layer slots of the KV cache tensor (the largest group's layer count).
     """
 
     num_layers: int
@@ -185,22 +192,48 @@ class PagedCausalLM:
         token batch (see :meth:`LlamaForCausalLM.forward` for the arguments)."""
         raise NotImplementedError
 
+    #: Whether a model with sliding-window layers gets one block table per KV cache group
+    #: (``pagedkv.HybridKVCacheManager``, blocks behind a window released). ``False`` (set on
+    #: the class before building a model) gives it one block table for every layer instead
+    #: (``pagedkv.KVCacheManager``: the full-attention allocation, for comparisons).
+    per_group_tables: bool = True
+
     def _init_kv_groups(self) -> None:
-        self.kv_groups: tuple[KVCacheGroup, ...] = kv_cache_groups(self.layer_windows)
-        self.layer_group = tuple(
-            next(g for g, grp in enumerate(self.kv_groups) if li in grp.layers) for li in range(self.num_layers)
-        )
+        hybrid = self.is_hybrid
+        self.kv_groups: tuple[KVCacheGroup, ...] = kv_cache_groups(self.layer_windows, split=hybrid)
+        group, slot = [0] * self.num_layers, list(range(self.num_layers))
+        for g, grp in enumerate(self.kv_groups):
+            for j, li in enumerate(grp.layers):
+                group[li] = g
+                if hybrid:  # slot j of the group's pages; one table: every layer its own slot
+                    slot[li] = j
+        self.layer_group: tuple[int, ...] = tuple(group)
+        self.layer_slot: tuple[int, ...] = tuple(slot)
+        self.num_kv_slots = max(len(g.layers) for g in self.kv_groups) if hybrid else self.num_layers
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layer has a sliding window (and :attr:`per_group_tables`): the engine
+        then drives ``pagedkv.HybridKVCacheManager`` (one block table per KV cache group) and
+        the windowed groups' blocks behind the window are released."""
+        return self.per_group_tables and any(w is not None for w in self.layer_windows)
 
     # ---- KV cache ----------------------------------------------------------------------------
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """``(num_layers, 2, num_blocks, block_size, num_kv_heads, head_size)``."""
-        return (self.num_layers, 2, num_blocks, block_size, self.num_kv_heads, self.head_size)
+        """``(num_kv_slots, 2, num_blocks, block_size, num_kv_heads, head_size)``."""
+        return (self.num_kv_slots, 2, num_blocks, block_size, self.num_kv_heads, self.head_size)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token's K and V take in one layer (``2 * num_kv_heads * head_size * dtype
+        bytes``)."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_kv_heads * self.head_size * elem
 
     def kv_bytes_per_block(self, block_size: int) -> int:
-        """Bytes one block occupies across all layers, K and V."""
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return self.num_layers * 2 * block_size * self.num_kv_heads * self.head_size * elem
+        """Bytes one block occupies, K and V, in every layer slot (all layers of a model with
+        one KV cache group; one group's layers of a hybrid model)."""
+        return self.num_kv_slots * block_size * self.kv_bytes_per_token()
 
     def allocate_kv_cache(
         self, num_blocks: int, block_size: int, *, device: Any = None, pin_memory: bool = False
@@ -244,7 +277,8 @@ class PagedCausalLM:
         if contiguous is not None:  # the virtual KV layout: contiguous K/V, no block table
             return contiguous(li, q, k, v, softmax_scale)  # type: ignore[no-any-return]
         g = self.layer_group[li]
-        key_cache, value_cache = kv_cache[li, 0], kv_cache[li, 1]
+        slot = self.layer_slot[li]
+        key_cache, value_cache = kv_cache[slot, 0], kv_cache[slot, 1]
         if plans is not None:  # the group's plan holds the group's table and slots
             plan = plans[g]
             table = plan.block_table
@@ -422,8 +456,9 @@ class LlamaForCausalLM(PagedCausalLM):
         Args:
             input_ids: int64 ``[T]`` token ids of the scheduled tokens, sequence after sequence.
             positions: int64 ``[T]`` position of each token in its sequence (0-based).
-            kv_cache: ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_size]``;
-                the new K/V of every token is written at ``meta.slot_mapping`` (in place).
+            kv_cache: ``[num_kv_slots, 2, num_blocks, block_size, num_kv_heads, head_size]``
+                (layer ``i`` in slot ``layer_slot[i]``); the new K/V of every token is written at
+                its group's ``meta.slot_mapping`` (in place).
             meta: this step's kernel inputs (block tables, lengths, slot mappings): a
                 :class:`~pagedkv.tensors.BatchTensors` (one table for every KV cache group) or a
                 :class:`~pagedkv.tensors.GroupBatchTensors` (one per group).

@@ -17,7 +17,7 @@ from pagedkv._optional import optional_imports
 with optional_imports("pagedkv.engine", "engine"):
     import torch
 
-from pagedkv import KVCacheManager
+from pagedkv import HybridKVCacheManager, KVCacheManager
 from pagedkv.block_identity import SequenceSpec
 
 from .beam_search import BeamSearch
@@ -39,7 +39,7 @@ class RequestRegistry:
         seed: engine seed; a request without a seed draws its own from it.
     """
 
-    def __init__(self, manager: KVCacheManager, scheduler: Scheduler, seed: int) -> None:
+    def __init__(self, manager: KVCacheManager | HybridKVCacheManager, scheduler: Scheduler, seed: int) -> None:
         self.manager = manager
         self.scheduler = scheduler
         self._live: dict[str, Request] = {}
@@ -139,7 +139,7 @@ class RequestRegistry:
         cache (no block of the failed step may be hit later) and note on ``exc`` the requests
         dropped (``lost``: those that finished within the failed step)."""
         aborted = self.abort_holding_kv()
-        if self.manager.config.enable_prefix_caching:
+        if self.scheduler.prefix_caching:
             self.manager.reset_prefix_cache()  # legal now: no block is referenced
         if hasattr(exc, "add_note"):  # Python >= 3.11
             exc.add_note(
@@ -162,6 +162,11 @@ class RequestRegistry:
         """True for a request queued with no KV: waiting, and the manager counts neither a
         computed token nor a block (device or swap) for any of its sequences."""
         return req in self.scheduler.waiting and all(
-            self.manager.num_computed_tokens(s.seq_id) == 0 and len(self.manager.block_table(s.seq_id)) == 0
-            for s in req.seqs
+            self.manager.num_computed_tokens(s.seq_id) == 0 and self._num_blocks(s.seq_id) == 0 for s in req.seqs
         )
+
+    def _num_blocks(self, seq_id: int) -> int:
+        """Blocks (device or swap) the manager holds for ``seq_id``, over every KV cache group."""
+        if isinstance(self.manager, HybridKVCacheManager):
+            return sum(self.manager.num_blocks_held(seq_id))
+        return len(self.manager.block_table(seq_id))

@@ -1,12 +1,19 @@
 """Model runner: turns a :class:`~pagedkv.engine.scheduler.ScheduledBatch` into kernel inputs
-(:meth:`pagedkv.tensors.BatchTensors.from_steps`, the one allocator-to-kernel path), applies
-the block plans (host stores, swap out, swap in, host loads, copy-on-write) and runs the
-forward pass.
+(:meth:`pagedkv.tensors.BatchTensors.from_steps`, the one allocator-to-kernel path, or
+:meth:`pagedkv.tensors.GroupBatchTensors.from_steps` for a hybrid model's
+``pagedkv.HybridKVCacheManager``), applies the block plans (host stores, swap out, swap in,
+host loads, copy-on-write) and runs the forward pass.
 
-Owns the KV cache tensors: the device cache ``[num_layers, 2, num_blocks, block_size,
-num_kv_heads, head_size]``, for swap preemption a CPU cache of ``num_cpu_blocks`` blocks of the
-same per-block shape, and for the prefix cache's host tier a host cache of ``num_host_blocks``
-blocks (both pinned when CUDA is present, so their copies are asynchronous).
+Owns the KV cache tensors: the device cache ``[num_kv_slots, 2, num_blocks, block_size,
+num_kv_heads, head_size]`` (:meth:`PagedCausalLM.kv_cache_shape
+<pagedkv.engine.model.PagedCausalLM.kv_cache_shape>`: one slot per layer of a model with one
+KV cache group; on a hybrid model one slot per layer of a group, every group's pages in one
+pool), for swap preemption a CPU cache of ``num_cpu_blocks`` blocks of the same per-block
+shape, and for the prefix cache's host tier a host cache of ``num_host_blocks`` blocks (both
+pinned when CUDA is present, so their copies are asynchronous). A block id belongs to one KV
+cache group at a time, so a hybrid copy-on-write row ``(group, src, dst)`` and a swap row are
+still one :func:`pagedkv.kernels.copy_blocks` / :func:`pagedkv.kernels.swap_blocks` call over
+every slot.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ with optional_imports("pagedkv.engine", "engine"):
 
 import pagedkv
 from pagedkv import kernels
-from pagedkv.tensors import BatchTensors, BlockTable
+from pagedkv.tensors import BatchTensors, BlockTable, GroupBatchTensors
 
 from .model import PagedCausalLM
 from .resources import guard_allocation
@@ -38,8 +45,10 @@ class ModelRunner:
         num_blocks: device KV blocks, null block included.
         block_size: tokens per block.
         num_cpu_blocks: CPU swap blocks (0 disables the CPU cache).
-        manager: the KV cache manager whose step outputs the batches carry (the runner keeps
-            its block tables across steps, :class:`pagedkv.tensors.BlockTable`).
+        manager: the KV cache manager whose step outputs the batches carry: a
+            ``pagedkv.KVCacheManager`` (the runner keeps its block tables across steps,
+            :class:`pagedkv.tensors.BlockTable`) or a ``pagedkv.HybridKVCacheManager`` (every
+            step carries each group's dense tables).
         num_host_blocks: blocks of the prefix cache's host tier (0: none); a tensor of its own,
             apart from the swap pool, as the manager numbers host blocks apart from swap blocks.
 
@@ -54,11 +63,11 @@ class ModelRunner:
         block_size: int,
         num_cpu_blocks: int = 0,
         *,
-        manager: pagedkv.KVCacheManager,
+        manager: pagedkv.KVCacheManager | pagedkv.HybridKVCacheManager,
         num_host_blocks: int = 0,
     ) -> None:
         self.model = model
-        self.block_tables = BlockTable(manager)
+        self.block_tables = None if isinstance(manager, pagedkv.HybridKVCacheManager) else BlockTable(manager)
         per_block = model.kv_bytes_per_block(block_size)
         self.kv_cache = guard_allocation(
             "KV cache", num_blocks, per_block, lambda: model.allocate_kv_cache(num_blocks, block_size)
@@ -87,24 +96,28 @@ class ModelRunner:
         # "auto" dispatch runs the Triton kernel on CUDA when Triton is installed; it needs no plan.
         self._triton_attention = self.device.type == "cuda" and kernels.triton_available()
 
-    def prepare(self, batch: ScheduledBatch) -> BatchTensors:
+    def prepare(self, batch: ScheduledBatch) -> BatchTensors | GroupBatchTensors:
         """The kernel inputs of ``batch`` on the model's device, with the reference attention's
         per-step plans (one per KV cache group) attached where that kernel runs."""
-        bt = BatchTensors.from_steps(
-            batch.steps,
-            self.device,
-            block_tables=self.block_tables,
-            swap_out=batch.swap_out,
-            swap_in=batch.swap_in,
-            transfers=batch.transfers,
-        )
+        bt: BatchTensors | GroupBatchTensors
+        if self.block_tables is None:  # hybrid: one block table and slot mapping per group
+            bt = GroupBatchTensors.from_steps(batch.steps, self.device, swap_out=batch.swap_out, swap_in=batch.swap_in)
+        else:
+            bt = BatchTensors.from_steps(
+                batch.steps,
+                self.device,
+                block_tables=self.block_tables,
+                swap_out=batch.swap_out,
+                swap_in=batch.swap_in,
+                transfers=batch.transfers,
+            )
         if self._triton_attention or not batch.seqs:
             return bt
         # One plan per KV cache group; each checks the slot mapping once, not every layer's write.
         bt.attn_plan = self.model.plan_attention(bt, tuple(self.kv_cache.shape[2:]))
         return bt
 
-    def apply_block_plans(self, bt: BatchTensors) -> None:
+    def apply_block_plans(self, bt: BatchTensors | GroupBatchTensors) -> None:
         """The step's device <-> host copies in the order given (``bt.transfers``: per manager
         call its host stores, the swaps since the previous call, its host loads; see
         :attr:`ScheduledBatch.transfers <pagedkv.engine.scheduler.ScheduledBatch.transfers>`),
@@ -125,7 +138,10 @@ class ModelRunner:
                 if event is not None and kind.startswith("swap"):
                     event.synchronize()  # as before: swap plans complete before the step goes on
         if len(bt.copies):
-            kernels.copy_blocks(self.kv_cache, bt.copies)
+            # A hybrid row is (group, src, dst); src belongs to that group alone, so copying
+            # every slot of it copies exactly that group's layers.
+            pairs = bt.copies[:, 1:].contiguous() if bt.copies.shape[1] == 3 else bt.copies
+            kernels.copy_blocks(self.kv_cache, pairs)
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one step.
@@ -181,7 +197,8 @@ def _without_repeated_targets(plan: torch.Tensor) -> list[torch.Tensor]:
     dst = plan[:, 1].tolist()
     if len(set(dst)) == len(dst):
         return [plan]
-    parts, start, seen = [], 0, set()
+    parts: list[torch.Tensor] = []
+    start, seen = 0, set[int]()
     for i, d in enumerate(dst):
         if d in seen:
             parts.append(plan[start:i])

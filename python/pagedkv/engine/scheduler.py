@@ -43,10 +43,18 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from pagedkv import KVCacheManager, OutOfBlocksError, OutOfSwapSpaceError, StepOutput
+from pagedkv import (
+    HybridKVCacheManager,
+    HybridStepOutput,
+    KVCacheManager,
+    OutOfBlocksError,
+    OutOfSwapSpaceError,
+    StepOutput,
+)
 
 from .errors import EngineConfigError, RequestTooLargeError
 from .request import Request, Sequence
@@ -125,7 +133,7 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
-    steps: list[StepOutput] = field(default_factory=list)
+    steps: list[Any] = field(default_factory=list)  # StepOutput, or HybridStepOutput (hybrid)
     swap_out: np.ndarray | None = None
     swap_in: np.ndarray | None = None
     transfers: list[tuple[str, np.ndarray]] = field(default_factory=list)
@@ -152,15 +160,28 @@ class Scheduler:
     """FCFS continuous-batching scheduler (see the module docs).
 
     Args:
-        manager: the KV cache manager (owns the block pool and every sequence's KV state).
+        manager: the KV cache manager (owns the block pool and every sequence's KV state): a
+            ``pagedkv.KVCacheManager``, or a ``pagedkv.HybridKVCacheManager`` for a hybrid
+            model (KV cache groups of one block size; admission then asks it for each group's
+            blocks, the windowed groups' releases included: see :meth:`max_blocks` and
+            :meth:`prefill_owed`).
         config: limits and preemption mode.
     """
 
-    def __init__(self, manager: KVCacheManager, config: SchedulerConfig) -> None:
+    def __init__(self, manager: KVCacheManager | HybridKVCacheManager, config: SchedulerConfig) -> None:
         self.manager = manager
         self.config = config
-        self.block_size = int(manager.config.block_size)
-        self.usable_blocks = int(manager.config.num_blocks) - 1  # block 0 is the null block
+        self.hybrid = isinstance(manager, HybridKVCacheManager)
+        if isinstance(manager, HybridKVCacheManager):
+            self.block_size = int(manager.groups[0].block_size)
+            num_blocks, self.prefix_caching = int(manager.num_blocks), bool(manager.enable_prefix_caching)
+            #: Each KV cache group's sliding window (None: full attention), in group order.
+            self.group_windows: tuple[int | None, ...] = tuple(g.window for g in manager.groups)
+        else:
+            self.block_size = int(manager.config.block_size)
+            num_blocks, self.prefix_caching = int(manager.config.num_blocks), bool(manager.config.enable_prefix_caching)
+            self.group_windows = (None,)
+        self.usable_blocks = num_blocks - 1  # block 0 is the null block
         self.running: list[Request] = []  # arrival order
         self.waiting: list[Request] = []  # arrival order (new, recompute-preempted, swapped)
         self._swap_out: list[np.ndarray] = []
@@ -168,7 +189,9 @@ class Scheduler:
         # plans made since the last manager.step call (they run after that call's host stores).
         self._transfers: list[tuple[str, np.ndarray]] = []
         self._pending_swaps: list[tuple[str, np.ndarray]] = []
-        self._host_tier = bool(getattr(manager.config, "num_host_blocks", 0))
+        self._host_tier = (
+            False if isinstance(manager, HybridKVCacheManager) else bool(getattr(manager.config, "num_host_blocks", 0))
+        )
 
     # ---- queue -------------------------------------------------------------------------------
 
@@ -186,10 +209,7 @@ class Scheduler:
                 f"{self.config.max_model_len} tokens (at least one token must be generated)"
             )
         width = max(params.n, params.beam_width)
-        need = blocks_for_request(num_prompt_tokens, params.max_tokens, width, self.block_size)
-        if width > 1 and not self.manager.config.enable_prefix_caching:
-            # Without prefix caching a group resumed by recompute cannot share its prompt blocks.
-            need = width * blocks_for_request(num_prompt_tokens, params.max_tokens, 1, self.block_size)
+        need = self.max_blocks(num_prompt_tokens, params.max_tokens, width)
         if need > self.usable_blocks:
             raise RequestTooLargeError(
                 f"request needs {need} KV blocks ({num_prompt_tokens} prompt tokens + "
@@ -198,6 +218,69 @@ class Scheduler:
                 + f", block_size={self.block_size}) but the pool has only {self.usable_blocks} "
                 f"usable blocks; it can never fit"
             )
+
+    def max_blocks(self, num_prompt_tokens: int, max_tokens: int, width: int = 1) -> int:
+        """Blocks a request of ``width`` sequences holds at most when it runs alone, over every
+        KV cache group.
+
+        A full-attention group holds :func:`blocks_for_request` (times ``width`` without prefix
+        caching: a group resumed by recompute cannot share its prompt blocks). A sliding-window
+        group of window ``W`` holds, after an allocation of ``q <= max_tokens_per_step`` tokens
+        at context ``c``, the blocks from ``first_read(c) = c - W + 1`` to ``c + q``: at most
+        ``ceil((max_tokens_per_step + W - 1) / block_size) + 1`` per sequence (the manager
+        releases the rest; docs/design.md, "KV cache groups"), and never more than full
+        attention would.
+        """
+        bs = self.block_size
+        full = blocks_for_request(num_prompt_tokens, max_tokens, width, bs)
+        if width > 1 and not self.prefix_caching:
+            full = width * blocks_for_request(num_prompt_tokens, max_tokens, 1, bs)
+        q = min(self.config.max_tokens_per_step, num_prompt_tokens + max_tokens - 1)
+        return sum(full if w is None else min(full, width * (-(-(q + w - 1) // bs) + 1)) for w in self.group_windows)
+
+    def prefill_owed(self, seqs: list[Sequence]) -> int:
+        """Free blocks the remaining prefill of one request's sequences still takes (what
+        admission reserves, see the module docs).
+
+        ``KVCacheManager``: its ``num_blocks_owed`` (exact). ``HybridKVCacheManager``: its
+        ``num_blocks_owed`` (exact: the rest allocated at once, every group's takes and
+        out-of-window releases, the group's own sharing counted once) when the rest fits one
+        step's budget; a longer rest is prefilled in chunks of at most ``max_tokens_per_step``
+        tokens, so a sliding-window group never holds more than the window of a chunk's
+        context plus the chunk, and the owed figure is, per group and sequence, the most it
+        will hold (:meth:`max_blocks`' window rule, or every block for full attention) less
+        what it holds now (an upper bound: it counts prefix hits as taken).
+        """
+        ids = [s.seq_id for s in seqs]
+        todo = self._uncomputed(seqs)
+        if not self.hybrid or sum(todo) <= self.config.max_tokens_per_step:
+            return int(self.manager.num_blocks_owed(ids))
+        assert isinstance(self.manager, HybridKVCacheManager)
+        bs, q = self.block_size, self.config.max_tokens_per_step
+        owed = 0
+        for seq, rest in zip(seqs, todo):
+            if rest == 0:
+                continue
+            total = len(seq.token_ids)
+            start = total - rest  # context of the next allocation
+            for w, held in zip(self.group_windows, self.manager.num_blocks_held(seq.seq_id)):
+                most = -(-total // bs)
+                if w is not None:
+                    most = min(most - max(0, start - w + 1) // bs, -(-(q + w - 1) // bs) + 1)
+                owed += max(0, most - held)
+        return owed
+
+    def num_free_blocks(self) -> int:
+        """Free blocks of the device pool now (uncached and evictable cached ones)."""
+        if isinstance(self.manager, HybridKVCacheManager):
+            return int(self.manager.num_free_blocks)
+        return int(self.manager.pool.num_free)
+
+    def num_used_blocks(self) -> int:
+        """Blocks of the device pool in use now (reference count > 0)."""
+        if isinstance(self.manager, HybridKVCacheManager):
+            return self.usable_blocks - int(self.manager.num_free_blocks)
+        return int(self.manager.pool.num_used)
 
     def add(self, req: Request) -> None:
         """Queue a request (its sequences already registered in the manager)."""
@@ -263,9 +346,13 @@ class Scheduler:
         batch.transfers = self._transfers
         return batch
 
-    def _collect(self, out: StepOutput) -> None:
+    def _collect(self, out: StepOutput | HybridStepOutput) -> None:
         """Append one ``manager.step`` output's block copies to the step's transfers: its host
         stores, the swaps made since the previous call, its host loads (the host tier's order)."""
+        if not isinstance(out, StepOutput):  # a hybrid manager's step: no host tier
+            self._transfers += self._pending_swaps
+            self._pending_swaps = []
+            return
         if self._host_tier and len(out.host_stores):
             self._transfers.append(("host_store", out.host_stores))
         self._transfers += self._pending_swaps
@@ -301,7 +388,7 @@ class Scheduler:
         swap_in: list[np.ndarray] = []
         if not self.waiting:  # steady-state decode: no crossing into the core for admission
             return admitted, swap_in
-        free = self.manager.pool.num_free - self._reserved_blocks()
+        free = self.num_free_blocks() - self._reserved_blocks()
         guard = self.config.reserve_prefill
         headroom = sum(len(r.seqs) for r in self.running) if guard else 0
         for req in list(self.waiting):
@@ -325,9 +412,9 @@ class Scheduler:
             else:
                 # the whole remaining prefill (guard) or just this step's chunk (no guard)
                 need = (
-                    self.manager.num_blocks_owed(ids)
+                    self.prefill_owed(req.seqs)
                     if guard
-                    else sum(self.manager.num_blocks_needed(s.seq_id, min(len(s.token_ids), budget)) for s in req.seqs)
+                    else sum(self._chunk_blocks(s.seq_id, min(len(s.token_ids), budget)) for s in req.seqs)
                 )
                 if need + headroom > free and not idle:
                     break
@@ -349,9 +436,15 @@ class Scheduler:
                 num_seqs += 1
         return admitted, swap_in
 
+    def _chunk_blocks(self, seq_id: int, num_new_tokens: int) -> int:
+        """Free blocks the next allocation of ``num_new_tokens`` takes (the hybrid manager's
+        ``take - release``: it succeeds exactly when that fits the free pool)."""
+        need = self.manager.num_blocks_needed(seq_id, num_new_tokens)
+        return int(need[0] - need[1]) if isinstance(need, tuple) else int(need)
+
     def _reserved_blocks(self) -> int:
         """Blocks still to be allocated for admitted prefills (reserved, see the module docs)."""
-        return sum(self.manager.num_blocks_owed([s.seq_id for s in r.seqs]) for r in self.running if r.prefill_reserved)
+        return sum(self.prefill_owed(r.seqs) for r in self.running if r.prefill_reserved)
 
     def _run_step(self, items: list[_Item], batch: ScheduledBatch, *, allow_preempt: bool) -> int:
         """Allocate slots for ``items`` with batched ``manager.step`` calls; on running out of
@@ -360,12 +453,15 @@ class Scheduler:
         unused = 0
         while items:
             drafts = [s.drafts for _, s, _ in items] if any(s.drafts for _, s, _ in items) else None
-            out = self.manager.step(
+            ids, counts, pending = (
                 [s.seq_id for _, s, _ in items],
                 [t for _, _, t in items],
                 [s.pending for _, s, _ in items],
-                draft_token_ids=drafts,
             )
+            if drafts is None or isinstance(self.manager, HybridKVCacheManager):  # (no drafts there)
+                out = self.manager.step(ids, counts, pending)
+            else:
+                out = self.manager.step(ids, counts, pending, draft_token_ids=drafts)
             self._collect(out)
             n = int(out.num_scheduled)
             self._record(items[:n], out, batch)
@@ -395,14 +491,15 @@ class Scheduler:
             items = [it for it in items if it[0] is not victim]
         return unused
 
-    def _record(self, items: list[_Item], out: StepOutput, batch: ScheduledBatch) -> None:
+    def _record(self, items: list[_Item], out: StepOutput | HybridStepOutput, batch: ScheduledBatch) -> None:
         """Add the scheduled prefix ``items`` of step output ``out`` to the batch."""
         if not items:
             return
         batch.steps.append(out)
         lens = out.seq_lens.tolist()
         cached = out.num_cached_tokens.tolist()
-        num_drafts = out.num_draft_tokens.tolist()
+        drafts = getattr(out, "num_draft_tokens", None)  # a hybrid step schedules no drafts
+        num_drafts = drafts.tolist() if drafts is not None else [0] * len(items)
         for (req, seq, todo), seq_len, hit, k in zip(items, lens, cached, num_drafts):
             batch.num_prefill_tokens += todo - len(seq.pending)
             seq.pending.clear()  # handed to the manager by this step
