@@ -229,14 +229,23 @@ def test_batched_with_preemption_outputs_match_a_large_pool(tiny, preemption):
         shared + torch.randint(5, 512, (int(n),), generator=g).tolist()
         for n in torch.randint(1, 30, (24,), generator=g)
     ]
-    prompts = prompts + prompts[:12]  # second visits, after eviction
-    ref = _run(_engine(tiny, num_kv_blocks=1024), prompts, 12)
+    ref_engine = _engine(tiny, num_kv_blocks=1024)
     eng = _engine(tiny, num_kv_blocks=48, num_host_blocks=256, preemption=preemption, max_tokens_per_step=64)
-    assert _run(eng, prompts, 12) == ref
+    kinds: list[set[str]] = []
+    run_plans = eng.runner.apply_block_plans
+
+    def recording(bt: Any) -> None:
+        kinds.append({k for k, _ in bt.transfers})
+        run_plans(bt)
+
+    eng.runner.apply_block_plans = recording  # type: ignore[method-assign]
+    for _ in range(3):  # seen twice (admitted to the host tier), evicted, then loaded back
+        assert _run(eng, prompts, 12) == _run(ref_engine, prompts, 12)
     st = eng.stats()
     assert st.preemptions > 0 and st.host_loads_blocks > 0
-    if preemption == "swap":
+    if preemption == "swap":  # steps whose swaps sit between host copies
         assert st.swaps_out_blocks > 0
+        assert any("host_store" in k and ("swap_in" in k or "swap_out" in k) for k in kinds)
     assert_no_leak(eng)
     eng.manager.check_invariants()
 
