@@ -50,9 +50,11 @@ with optional_imports("pagedkv.testing.vllm_scheduler", "vllm"):
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        SlidingWindowSpec,
     )
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
     from vllm.v1.request import Request, RequestStatus
@@ -183,13 +185,55 @@ def make_kv_cache_config(num_blocks: int, block_size: int = 16) -> KVCacheConfig
     )
 
 
-def build_scheduler(cls: type, vllm_config: VllmConfig, *, log_stats: bool = True) -> Any:
-    """``cls`` (vLLM's ``Scheduler`` or a subclass) built as the engine core builds it."""
+#: Gemma 3's layer pattern as KV cache groups: one full-attention group and five sliding-window
+#: groups (window 512), as vLLM groups its 1-in-6 full layers.
+GEMMA3_GROUPS: tuple[tuple[str, int | None], ...] = (("full", None),) + (("sliding_window", 512),) * 5
+
+
+def make_hybrid_kv_cache_config(
+    num_blocks: int,
+    groups: Sequence[tuple[str, int | None]],
+    block_size: int = 16,
+    *,
+    layers_per_group: int = 3,
+    retention_interval: int | None = None,
+) -> KVCacheConfig:
+    """A hybrid ``KVCacheConfig``: one group per ``(kind, span)`` of ``groups`` (kind
+    ``"full"`` (span None), ``"sliding_window"`` (span = window) or ``"chunked_local"`` (span =
+    chunk)), ``layers_per_group`` layers each, one pool of ``num_blocks`` equal pages.
+    ``retention_interval`` is vLLM's ``prefix_cache_retention_interval`` (None: dense)."""
+    kw: dict[str, Any] = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    out = []
+    layer = 0
+    for kind, span in groups:
+        if kind == "full":
+            spec: Any = FullAttentionSpec(**kw)
+        elif kind == "sliding_window":
+            spec = SlidingWindowSpec(sliding_window=span, **kw)
+        elif kind == "chunked_local":
+            spec = ChunkedLocalAttentionSpec(attention_chunk_size=span, **kw)
+        else:
+            raise ValueError(f"unknown group kind {kind!r}")
+        names = [f"layers.{layer + i}.self_attn" for i in range(layers_per_group)]
+        layer += layers_per_group
+        out.append(KVCacheGroupSpec(names, spec))
+    config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=out)
+    config.prefix_cache_retention_interval = retention_interval
+    return config
+
+
+def build_scheduler(
+    cls: type, vllm_config: VllmConfig, *, log_stats: bool = True, kv_cache_config: KVCacheConfig | None = None
+) -> Any:
+    """``cls`` (vLLM's ``Scheduler`` or a subclass) built as the engine core builds it, with
+    ``kv_cache_config`` (default: one full-attention group of the config's blocks)."""
     num_blocks = vllm_config.cache_config.num_gpu_blocks
     block_size = vllm_config.cache_config.block_size
+    if kv_cache_config is None:
+        kv_cache_config = make_kv_cache_config(num_blocks, block_size)
     return cls(
         vllm_config=vllm_config,
-        kv_cache_config=make_kv_cache_config(num_blocks, block_size),
+        kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=block_size,
         log_stats=log_stats,
@@ -280,6 +324,14 @@ def fake_model_output(scheduler: Any, sched_output: Any) -> ModelRunnerOutput:
     )
 
 
+def _held(tables: Sequence[Sequence[int]]) -> Any:
+    """A request's block count (one group) or, per group, its table length and the real
+    (non-null) blocks in it (several groups; null block 0 marks a released entry)."""
+    if len(tables) == 1:
+        return len(tables[0])
+    return tuple((len(t), sum(1 for b in t if b != 0)) for t in tables)
+
+
 class Driver:
     """Runs one scheduler step by step and records what each step did."""
 
@@ -322,7 +374,7 @@ class Driver:
             rid: n for rid, n in zip(cached.req_ids, cached.num_computed_tokens) if rid in cached.resumed_req_ids
         }
         scheduled = dict(out.num_scheduled_tokens)
-        blocks_held = {rid: len(sched.kv_cache_manager.get_block_ids(rid)[0]) for rid in sorted(scheduled)}
+        blocks_held = {rid: _held(sched.kv_cache_manager.get_block_ids(rid)) for rid in sorted(scheduled)}
         model_out = fake_model_output(sched, out)
         for rid, drafts in out.scheduled_spec_decode_tokens.items():
             self.drafts_scheduled += len(drafts)

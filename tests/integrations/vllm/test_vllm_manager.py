@@ -34,6 +34,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 import pagedkv  # noqa: E402
 from pagedkv.integrations.vllm import (  # noqa: E402
+    HybridPagedKVCacheManager,
     PagedKVCacheManager,
     PagedKVScheduler,
     UnsupportedVllmConfigError,
@@ -68,17 +69,18 @@ def _spec(**kw: Any) -> Any:
     return FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, **kw)
 
 
-def test_two_kv_cache_groups_refused() -> None:
+def test_two_kv_cache_groups_build_the_hybrid_manager() -> None:
+    # Several groups were refused before the hybrid manager; now they are served by it
+    # (tests/integrations/vllm/test_vllm_hybrid.py covers it in depth).
     cfg = make_vllm_config(num_blocks=64)
     kv = KVCacheConfig(
         num_blocks=64,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["a"], _spec()), KVCacheGroupSpec(["b"], _spec())],
     )
-    with pytest.raises(UnsupportedVllmConfigError, match="kv_cache_groups") as err:
-        _build(cfg, kv)
-    assert err.value.field == "kv_cache_config.kv_cache_groups"
-    assert isinstance(err.value, ValueError)
+    sched = _build(cfg, kv)
+    assert isinstance(sched.kv_cache_manager, HybridPagedKVCacheManager)
+    assert sched.kv_cache_manager.manager.num_groups == 2
 
 
 def test_sliding_window_refused() -> None:

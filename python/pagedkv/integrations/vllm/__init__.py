@@ -6,8 +6,10 @@ Use it from the command line::
 
 or from code, ``SchedulerConfig(scheduler_cls=PagedKVScheduler, ...)``. The scheduler is vLLM's
 own (same admission, chunked prefill, preemption and output handling); only its
-``kv_cache_manager`` is replaced by :class:`PagedKVCacheManager`, whose block pool, prefix
-cache (chained SHA-256 block hashes computed in Rust) and block tables are pagedkv's.
+``kv_cache_manager`` is replaced by :class:`PagedKVCacheManager` (one KV cache group) or
+:class:`HybridPagedKVCacheManager` (several: full attention, sliding window, chunked local),
+whose block pool, prefix cache (chained SHA-256 block hashes computed in Rust) and block tables
+are pagedkv's.
 
 Needs the optional extra ``pagedkv[vllm]`` (vLLM 0.32 or 0.33, :data:`SUPPORTED_VLLM_RELEASES`);
 without vLLM, importing it raises :class:`pagedkv.MissingDependencyError` naming that extra, and
@@ -35,6 +37,7 @@ with optional_imports("pagedkv.integrations.vllm", "vllm"):
         VllmStateMismatchError,
     )
     from pagedkv.integrations.vllm.events import to_vllm_events
+    from pagedkv.integrations.vllm.hybrid_kv_cache_manager import HybridPagedKVCacheManager
     from pagedkv.integrations.vllm.kv_cache_manager import PagedKVCacheManager
     from pagedkv.integrations.vllm.scheduler import PagedKVScheduler
     from pagedkv.integrations.vllm.versions import SUPPORTED_VLLM_RELEASES, check_supported_version
@@ -44,6 +47,7 @@ __all__ = [
     "CoordinatorView",
     "DecodeDeferral",
     "GroupManagerView",
+    "HybridPagedKVCacheManager",
     "PagedKVBlocks",
     "PagedKVCacheManager",
     "PagedKVScheduler",

@@ -5,6 +5,7 @@ vLLM's scheduler reads a ``KVCacheBlocks`` per allocation (``get_block_ids``, co
 (one KV cache group) instead of one Python ``KVCacheBlock`` per block:
 
 - :data:`PagedKVBlocks`: a subclass of vLLM's ``KVCacheBlocks`` over a list of block ids;
+- :data:`GroupedBlocks`: the same over one id list per KV cache group (hybrid models);
 - :class:`DeferredBlocks`: the new block of a deferred decode, whose id exists once the
   deferred decodes are flushed into pagedkv (reading it flushes them);
 - :class:`PrefixHit`: a prefix hit between ``get_computed_blocks`` and ``allocate_slots`` (its
@@ -21,7 +22,7 @@ from pagedkv.errors import InvalidSequenceStateError
 if TYPE_CHECKING:
     from pagedkv.integrations.vllm.decode_deferral import DecodeDeferral
 
-__all__ = ["DeferredBlocks", "PagedKVBlocks", "PrefixHit"]
+__all__ = ["DeferredBlocks", "GroupedBlocks", "PagedKVBlocks", "PrefixHit"]
 
 
 def _kv_cache_blocks_type() -> type:
@@ -97,6 +98,68 @@ def _make_blocks_class() -> type:
 PagedKVBlocks: Any = _make_blocks_class()
 
 
+def _make_grouped_class() -> type:
+    KVCacheBlocks = _kv_cache_blocks_type()
+
+    class GroupedBlocksImpl(KVCacheBlocks):  # type: ignore[misc, valid-type]
+        """vLLM ``KVCacheBlocks`` over one list of pagedkv block ids per KV cache group (the
+        hybrid manager's results; the null block 0 marks a released sliding-window entry, as
+        vLLM's own null block does)."""
+
+        def __init__(self, groups: tuple[list[int], ...]) -> None:
+            self.groups = groups
+
+        @property  # type: ignore[override, unused-ignore]
+        def blocks(self) -> tuple[list[Any], ...]:
+            """Per group, vLLM ``KVCacheBlock`` views (block id only), built per access."""
+            from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+            return tuple([KVCacheBlock(block_id=b) for b in ids] for ids in self.groups)
+
+        def get_block_ids(
+            self, allow_none: bool = False, *, group_ids: Sequence[int] | None = None
+        ) -> tuple[list[int], ...] | None:
+            """Block ids per KV cache group (all groups, or ``group_ids``); ``None`` when
+            ``allow_none`` and every selected group is empty."""
+            groups = self.groups if group_ids is None else tuple(self.groups[g] for g in group_ids)
+            if allow_none and not any(groups):
+                return None
+            return tuple(list(ids) for ids in groups)
+
+        def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+            """Every non-null block id per group (pagedkv tracks hashes itself)."""
+            return [[b for b in ids if b != 0] for ids in self.groups]
+
+        def __add__(self, other: Any) -> Any:
+            theirs = other.get_block_ids() if other is not None else ()
+            return GroupedBlocksImpl(
+                tuple(ids + list(more) for ids, more in zip(self.groups, theirs, strict=False))
+                if theirs
+                else self.groups
+            )
+
+        def new_empty(self) -> Any:
+            """vLLM's empty ``KVCacheBlocks`` with this result's number of groups."""
+            return KVCacheBlocks(tuple(() for _ in self.groups))
+
+        def __eq__(self, other: object) -> bool:
+            if isinstance(other, KVCacheBlocks):
+                theirs: Any = other
+                return bool(theirs.get_block_ids() == self.get_block_ids())
+            return NotImplemented
+
+        __hash__ = None  # type: ignore[assignment]
+
+        def __repr__(self) -> str:
+            return f"GroupedBlocks(block_ids={self.groups})"
+
+    GroupedBlocksImpl.__name__ = GroupedBlocksImpl.__qualname__ = "GroupedBlocks"
+    return GroupedBlocksImpl
+
+
+GroupedBlocks: Any = _make_grouped_class()
+
+
 class DeferredBlocks(PagedKVBlocks):  # type: ignore[misc, valid-type, unused-ignore]
     """The new block of a deferred decode (:class:`~pagedkv.integrations.vllm.decode_deferral.
     DecodeDeferral`): its id is known once the pending decodes are flushed into pagedkv, which
@@ -119,16 +182,18 @@ class PrefixHit:
     ``allocate_slots`` unchanged (pagedkv takes the hit blocks itself while allocating), so only
     the hit length is kept; ids exist once allocated (``get_blocks``).
 
-    Attributes: ``num_tokens`` (hit tokens, whole blocks), ``blocks`` (one group of
-    ``num_tokens / block_size`` placeholders, for vLLM's length checks), ``seq_id`` (the
-    request's pagedkv sequence).
+    Attributes: ``num_tokens`` (hit tokens, whole blocks), ``blocks`` (per KV cache group,
+    ``num_tokens / block_size`` placeholders of that group, for vLLM's length checks),
+    ``seq_id`` (the request's pagedkv sequence).
     """
 
     __slots__ = ("num_tokens", "blocks", "seq_id")
 
-    def __init__(self, num_tokens: int, num_blocks: int, seq_id: int) -> None:
+    def __init__(self, num_tokens: int, num_blocks: int | Sequence[int], seq_id: int) -> None:
+        """``num_blocks``: the hit's blocks in the one group, or one count per group."""
         self.num_tokens = num_tokens
-        self.blocks = ((None,) * num_blocks,)
+        counts = (num_blocks,) if isinstance(num_blocks, int) else tuple(num_blocks)
+        self.blocks = tuple((None,) * n for n in counts)
         self.seq_id = seq_id
 
     def get_block_ids(self, allow_none: bool = False, **_: Any) -> Any:

@@ -1,9 +1,10 @@
 """Which vLLM configurations the pagedkv scheduler serves, checked before anything is built.
 
-pagedkv manages one pool of equally sized blocks for one attention type, and it schedules only
+pagedkv manages one pool of equally sized blocks for full-attention, sliding-window and
+chunked-local KV cache groups, and it schedules only
 tokens whose ids are known (it hashes them as it allocates). Everything in vLLM that breaks one
 of those two assumptions is refused here, with the setting named, instead of being served
-subtly wrong later: hybrid models (several KV cache groups, sliding window, Mamba), cross
+subtly wrong later: Mamba layers, speculative decoding with several KV cache groups, cross
 attention, KV connectors (they adopt and evict blocks behind the manager's back), context
 parallelism (blocks sharded across ranks), lookahead slots for tokens not yet known (EAGLE /
 MTP drafters; n-gram and other proposers whose draft tokens are scheduled are served, see
@@ -47,8 +48,12 @@ def check_supported_config(
         block_size: the scheduler's block size in tokens.
         hash_block_size: the prefix-hash granularity in tokens (None = ``block_size``).
 
-    Accepted: exactly one KV cache group whose spec is plain ``FullAttentionSpec`` or
-    ``MLAAttentionSpec`` with no sliding window or chunked-local window, decoder-only model, no
+    Accepted: one KV cache group whose spec is plain ``FullAttentionSpec`` or
+    ``MLAAttentionSpec`` (no sliding window or chunked-local window), or several groups (a
+    hybrid model, served by ``HybridPagedKVCacheManager``) each ``FullAttentionSpec``,
+    ``MLAAttentionSpec``, ``SlidingWindowSpec`` or ``ChunkedLocalAttentionSpec``, every group's
+    block size the scheduler's (Mamba groups are refused, naming them; so is speculative
+    decoding with several groups); decoder-only model, no
     KV connector, no context parallelism, no lookahead slots (n-gram speculative decoding and
     other proposers without them are served), no prompt embeddings, ``hash_block_size ==
     block_size``, no KV-cache metrics sampling, no aux-output connector. Prefix caching on or
@@ -56,35 +61,55 @@ def check_supported_config(
     events, the watermark and speculative decoding with scheduled draft tokens are all
     supported.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     groups = list(_attr(kv_cache_config, "kv_cache_groups", []))
-    if len(groups) != 1:
-        raise _refuse(
-            "kv_cache_config.kv_cache_groups",
-            f"{len(groups)} groups",
-            "exactly one KV cache group is supported (hybrid models with several attention "
-            "types, sliding window or Mamba layers need vLLM's hybrid KV cache manager)",
-        )
-    spec = groups[0].kv_cache_spec
-    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
-        raise _refuse(
-            "kv_cache_spec",
-            type(spec).__name__,
-            "only FullAttentionSpec / MLAAttentionSpec layers are supported",
-        )
-    for window in ("sliding_window", "attention_chunk_size"):
-        if _attr(spec, window) is not None:
+    if not groups:
+        raise _refuse("kv_cache_config.kv_cache_groups", "0 groups", "at least one KV cache group is needed")
+    windowed = (SlidingWindowSpec, ChunkedLocalAttentionSpec) if len(groups) > 1 else ()
+    for g, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
             raise _refuse(
-                f"kv_cache_spec.{window}",
-                _attr(spec, window),
-                "windowed attention frees blocks outside the window, which pagedkv does not do",
+                f"kv_cache_config.kv_cache_groups[{g}].kv_cache_spec",
+                type(spec).__name__,
+                "Mamba (state-space) layers are not managed: their per-request state blocks "
+                "are not KV blocks of a token range",
             )
-    if _attr(spec, "block_size") != block_size:
+        if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, *windowed):
+            raise _refuse(
+                "kv_cache_spec",
+                type(spec).__name__,
+                "one group must be FullAttentionSpec / MLAAttentionSpec; several groups may "
+                "also be SlidingWindowSpec / ChunkedLocalAttentionSpec",
+            )
+        if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+            for window in ("sliding_window", "attention_chunk_size"):
+                if _attr(spec, window) is not None:
+                    raise _refuse(
+                        f"kv_cache_spec.{window}",
+                        _attr(spec, window),
+                        "a windowed FullAttentionSpec (vLLM's hybrid KV cache manager disabled) "
+                        "keeps every block in vLLM, which pagedkv does not model",
+                    )
+        if _attr(spec, "block_size") != block_size:
+            raise _refuse(
+                "kv_cache_spec.block_size",
+                _attr(spec, "block_size"),
+                f"must equal the scheduler block size {block_size}",
+            )
+    if len(groups) > 1 and _attr(vllm_config, "speculative_config") is not None:
         raise _refuse(
-            "kv_cache_spec.block_size",
-            _attr(spec, "block_size"),
-            f"must equal the scheduler block size {block_size}",
+            "speculative_config",
+            type(vllm_config.speculative_config).__name__,
+            "speculative decoding is served with one KV cache group only (draft tokens in "
+            "several groups are not supported yet)",
         )
     if hash_block_size is not None and hash_block_size != block_size:
         raise _refuse(

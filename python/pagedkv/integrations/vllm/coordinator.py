@@ -6,7 +6,7 @@ structure: the engine core computes the attention block size at start-up from
 ``kv_cache_manager.coordinator.single_type_managers[*].block_size / .kv_cache_spec``
 (``EngineCore._initialize_effective_attention_block_size``), and
 ``EngineCore.get_kv_cache_group_metadata`` reports each group's ``block_size`` to event
-consumers. pagedkv has one pool for one group and no coordinator, so
+consumers. pagedkv has no coordinator (one manager serves every group), so
 :class:`CoordinatorView` answers those reads from the manager's configuration and state. Each
 view is read-only (attributes are properties, assignment raises ``AttributeError``); nothing
 in it allocates or frees. docs/design.md ("vLLM seam") lists every read and where it is
@@ -26,71 +26,78 @@ __all__ = ["CoordinatorView", "GroupManagerView"]
 
 
 class GroupManagerView:
-    """What vLLM reads from one entry of ``coordinator.single_type_managers``: the one KV cache
-    group pagedkv manages (full attention).
+    """What vLLM reads from one entry of ``coordinator.single_type_managers``: one KV cache group
+    of the manager (the only one of ``PagedKVCacheManager``, or one of
+    ``HybridPagedKVCacheManager``'s).
 
-    Attributes (read-only): ``kv_cache_group_id`` (0), ``block_size`` (tokens per block, the
-    manager's), ``kv_cache_spec`` (the group's ``vllm.v1.kv_cache_interface.KVCacheSpec`` from
-    the scheduler's ``KVCacheConfig``; ``None`` for a manager built without one, outside a
-    scheduler), ``enable_caching`` (prefix caching on).
+    Attributes (read-only): ``kv_cache_group_id`` (the group's index), ``block_size`` (tokens
+    per block of that group), ``kv_cache_spec`` (the group's
+    ``vllm.v1.kv_cache_interface.KVCacheSpec`` from the scheduler's ``KVCacheConfig``; ``None``
+    for a manager built without one, outside a scheduler), ``enable_caching`` (prefix caching
+    on).
     """
 
-    __slots__ = ("_manager",)
+    __slots__ = ("_manager", "_group")
 
-    def __init__(self, manager: PagedKVCacheManager) -> None:
+    def __init__(self, manager: Any, group: int = 0) -> None:
         self._manager = manager
+        self._group = group
 
     @property
     def kv_cache_group_id(self) -> int:
-        """0: pagedkv manages exactly one KV cache group."""
-        return 0
+        """The group's index in the scheduler's ``KVCacheConfig.kv_cache_groups``."""
+        return self._group
 
     @property
     def block_size(self) -> int:
-        """Tokens per block."""
-        return self._manager.block_size
+        """Tokens per block of this group."""
+        return int(self._manager.group_block_sizes[self._group])
 
     @property
     def kv_cache_spec(self) -> Any:
-        """The group's vLLM ``KVCacheSpec`` (``FullAttentionSpec`` / ``MLAAttentionSpec``)."""
-        return self._manager.kv_cache_spec
+        """The group's vLLM ``KVCacheSpec`` (``FullAttentionSpec``, ``SlidingWindowSpec``...)."""
+        config = self._manager.kv_cache_config
+        if config is None:
+            return self._manager.kv_cache_spec
+        return config.kv_cache_groups[self._group].kv_cache_spec
 
     @property
     def enable_caching(self) -> bool:
         """Whether prefix caching is on."""
-        return self._manager.enable_caching
+        return bool(self._manager.enable_caching)
 
     def __repr__(self) -> str:
         spec = type(self.kv_cache_spec).__name__
-        return f"GroupManagerView(kv_cache_group_id=0, block_size={self.block_size}, kv_cache_spec={spec})"
+        return f"GroupManagerView(kv_cache_group_id={self._group}, block_size={self.block_size}, kv_cache_spec={spec})"
 
 
 class CoordinatorView:
     """``PagedKVCacheManager.coordinator``: the attributes and queries vLLM reads from its
     ``KVCacheCoordinator``, answered from pagedkv.
 
-    Attributes (read-only): ``single_type_managers`` (a 1-tuple of :class:`GroupManagerView`),
-    ``num_single_type_manager`` (1), ``kv_cache_config`` (as the scheduler passed it; ``None``
-    outside a scheduler), ``block_size``, ``enable_partial_hash_hits`` (False: pagedkv hashes
-    whole blocks, the config check refuses ``hash_block_size != block_size``),
-    ``num_reprefillable_tokens`` (0: no sliding-window replay).
+    Attributes (read-only): ``single_type_managers`` (one :class:`GroupManagerView` per KV cache
+    group), ``num_single_type_manager`` (the number of groups), ``kv_cache_config`` (as the
+    scheduler passed it; ``None`` outside a scheduler), ``block_size``,
+    ``enable_partial_hash_hits`` (False: pagedkv hashes whole blocks, the config check refuses
+    ``hash_block_size != block_size``), ``num_reprefillable_tokens`` (0: no multi-token
+    re-prefill).
     """
 
     __slots__ = ("_manager", "_groups")
 
-    def __init__(self, manager: PagedKVCacheManager) -> None:
+    def __init__(self, manager: PagedKVCacheManager | Any) -> None:
         self._manager = manager
-        self._groups = (GroupManagerView(manager),)
+        self._groups = tuple(GroupManagerView(manager, g) for g in range(len(manager.group_block_sizes)))
 
     @property
     def single_type_managers(self) -> tuple[GroupManagerView, ...]:
-        """One view per KV cache group: ``(GroupManagerView,)``."""
+        """One view per KV cache group, in group order."""
         return self._groups
 
     @property
     def num_single_type_manager(self) -> int:
-        """1: one KV cache group."""
-        return 1
+        """The number of KV cache groups."""
+        return len(self._groups)
 
     @property
     def kv_cache_config(self) -> Any:
@@ -99,7 +106,7 @@ class CoordinatorView:
 
     @property
     def block_size(self) -> int:
-        """Tokens per block (one group, so also the scheduler's block size)."""
+        """The scheduler's block size in tokens (the groups' hit unit)."""
         return self._manager.block_size
 
     @property
@@ -109,7 +116,7 @@ class CoordinatorView:
 
     @property
     def num_reprefillable_tokens(self) -> int:
-        """0: no group replays tokens before its prefix hit (no sliding window)."""
+        """0: no group re-prefills tokens before its prefix hit."""
         return 0
 
     def get_num_blocks_to_allocate(
@@ -125,9 +132,10 @@ class CoordinatorView:
         prefill_end: int = 0,
     ) -> int:
         """Blocks the request still needs to give slots to ``num_tokens`` tokens in total
-        (vLLM's ``KVCacheCoordinator.get_num_blocks_to_allocate`` for one full-attention group):
-        ``ceil(num_tokens / block_size)`` minus the blocks its pagedkv block table holds, at
-        least 0; a request pagedkv does not hold needs them all. Reads only.
+        (vLLM's ``KVCacheCoordinator.get_num_blocks_to_allocate`` for a running request): per
+        group, ``ceil(num_tokens / block_size)`` minus the entries of its pagedkv block table
+        (released sliding-window entries count, as vLLM's null blocks do), at least 0, summed
+        over the groups; a request pagedkv does not hold needs them all. Reads only.
 
         vLLM's scheduler asks this with no prefix-hit blocks (``new_computed_blocks`` empty);
         hit blocks are taken by ``allocate_slots`` itself, so a non-empty one raises
@@ -157,11 +165,12 @@ class CoordinatorView:
                 reason="prefix hits are taken by allocate_slots",
             )
         manager = self._manager
+        sizes = manager.group_block_sizes
         try:
-            (held,) = manager.get_block_ids(request_id)
+            tables = manager.get_block_ids(request_id)
         except UnknownSequenceError:
-            held = []
-        return max(0, -(-num_tokens // manager.block_size) - len(held))
+            tables = tuple([] for _ in sizes)
+        return sum(max(0, -(-num_tokens // bs) - len(t)) for bs, t in zip(sizes, tables, strict=True))
 
     def __repr__(self) -> str:
         return f"CoordinatorView(single_type_managers={self._groups!r})"

@@ -70,6 +70,7 @@ def to_vllm_events(
     lora_ids: Mapping[str, int] | None = None,
     spec_kind: str | None = None,
     medium: str = "GPU",
+    group_idx: int = 0,
 ) -> list[Any]:
     """Converts pagedkv events (oldest first) to ``vllm.distributed.kv_events`` structs.
 
@@ -78,8 +79,9 @@ def to_vllm_events(
         lora_ids: LoRA name -> vLLM ``lora_int_id``, to fill the deprecated ``lora_id`` field.
         spec_kind: the KV cache group's kind as vLLM names it (``"full_attention"``...).
         medium: the ``medium`` field (``"GPU"``).
+        group_idx: the KV cache group the events are about (0 with one group).
 
-    Returns one vLLM event per pagedkv event: ``BlockStored`` (group 0, one ``extra_keys``
+    Returns one vLLM event per pagedkv event: ``BlockStored`` (``group_idx``, one ``extra_keys``
     entry per block), ``BlockRemoved`` or ``AllBlocksCleared``.
     """
     from vllm import envs
@@ -105,7 +107,7 @@ def to_vllm_events(
                     medium=medium,
                     lora_name=lora_name,
                     extra_keys=None if per_block is None else [per_block] * len(hashes),
-                    group_idx=0,
+                    group_idx=group_idx,
                     kv_cache_spec_kind=spec_kind,
                 )
             )
@@ -114,7 +116,7 @@ def to_vllm_events(
                 BlockRemoved(
                     block_hashes=[fold(h) for h in ev.block_hashes],
                     medium=medium,
-                    group_idx=0,
+                    group_idx=group_idx,
                 )
             )
         else:

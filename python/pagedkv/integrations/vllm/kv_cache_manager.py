@@ -57,7 +57,7 @@ from pagedkv.integrations.vllm.coordinator import CoordinatorView
 from pagedkv.integrations.vllm.decode_deferral import NO_WINDOW, DecodeDeferral
 from pagedkv.integrations.vllm.errors import UnsupportedVllmCallError, VllmStateMismatchError
 
-__all__ = ["PagedKVCacheManager"]
+__all__ = ["PagedKVCacheManager", "request_sequence_spec"]
 
 # vLLM's prefix_caching_hash_algo -> pagedkv's hash. pagedkv hashes its own canonical byte
 # encoding (not vLLM's pickle / CBOR), so only the family matters.
@@ -67,6 +67,27 @@ _HASH_ALGOS = {
     "xxhash": "xxh3_128",
     "xxhash_cbor": "xxh3_128",
 }
+
+
+def request_sequence_spec(request: Any, lora_ids: dict[str, int]) -> pagedkv.SequenceSpec:
+    """The block identity of a vLLM ``Request`` as a ``pagedkv.SequenceSpec``: its cache salt,
+    LoRA adapter (its name; ``lora_ids`` records name -> ``lora_int_id`` for KV events),
+    multimodal features (identifier, placeholder offset, length), and, for a request that must
+    not read the prefix cache, a key of its own that nothing else can hit."""
+    lora = request.lora_request
+    adapter = None
+    if lora is not None:
+        adapter = lora.lora_name
+        lora_ids[adapter] = lora.lora_int_id
+    mm_items = [
+        (str(f.identifier).encode(), f.mm_position.offset, f.mm_position.length) for f in request.mm_features or ()
+    ]
+    extra_keys: list[tuple[str, bytes]] = []
+    if request.skip_reading_prefix_cache:
+        # vLLM must not read the cache for this request (prompt logprobs, pooling); pagedkv
+        # always reads on a first allocation, so the request gets keys of its own.
+        extra_keys = [("no_prefix_read", request.request_id.encode())]
+    return pagedkv.SequenceSpec(request.cache_salt, adapter, extra_keys, mm_items)
 
 
 class PagedKVCacheManager:
@@ -152,6 +173,8 @@ class PagedKVCacheManager:
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
         self.num_kv_cache_groups = 1
+        #: Tokens per block of each KV cache group (read by the coordinator view).
+        self.group_block_sizes = (block_size,)
         self.watermark_blocks = int(watermark * num_blocks)
         # A PagedKVBlocks, so the scheduler's per-request ``get_block_ids(allow_none=True)`` on
         # it is one check (vLLM's own KVCacheBlocks walks its groups).
@@ -267,23 +290,7 @@ class PagedKVCacheManager:
         seq = self._seq_of.get(rid)
         if seq is None:
             seq = self._next_seq_id
-            lora = request.lora_request
-            adapter = None
-            if lora is not None:
-                adapter = lora.lora_name
-                self._lora_ids[adapter] = lora.lora_int_id
-            mm_items = [
-                (str(f.identifier).encode(), f.mm_position.offset, f.mm_position.length)
-                for f in request.mm_features or ()
-            ]
-            extra_keys: list[tuple[str, bytes]] = []
-            if request.skip_reading_prefix_cache:
-                # vLLM must not read the cache for this request (prompt logprobs, pooling);
-                # pagedkv always reads on a first allocation, so the request gets keys of its
-                # own that nothing else can hit.
-                extra_keys = [("no_prefix_read", rid.encode())]
-            # The request's block identity, derived once here (pagedkv.SequenceSpec).
-            spec = pagedkv.SequenceSpec(request.cache_salt, adapter, extra_keys, mm_items)
+            spec = request_sequence_spec(request, self._lora_ids)
             self._kvm.add_sequence(seq, request.all_token_ids[:], spec=spec)
             self._next_seq_id += 1
             self._seq_of[rid] = seq

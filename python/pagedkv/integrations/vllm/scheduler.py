@@ -37,6 +37,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.integrations.vllm.config_check import check_supported_config
+from pagedkv.integrations.vllm.hybrid_kv_cache_manager import HybridPagedKVCacheManager
 from pagedkv.integrations.vllm.kv_cache_manager import PagedKVCacheManager
 from pagedkv.integrations.vllm.versions import check_supported_version
 
@@ -46,7 +47,9 @@ _BASE_INIT = inspect.signature(Scheduler.__init__)
 
 
 class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
-    """vLLM V1 ``Scheduler`` whose ``kv_cache_manager`` is a :class:`PagedKVCacheManager`.
+    """vLLM V1 ``Scheduler`` whose ``kv_cache_manager`` is a :class:`PagedKVCacheManager` (one KV
+    cache group), or a :class:`HybridPagedKVCacheManager` (several: full attention, sliding
+    window, chunked local; no batched decode path there).
 
     Takes exactly the constructor arguments of ``vllm.v1.core.sched.scheduler.Scheduler``.
     Raises ``pagedkv.integrations.vllm.UnsupportedVllmVersionError`` (a ``ValueError``) under a
@@ -68,9 +71,23 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
         super().__init__(*args, **kwargs)
         from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
 
-        spec = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        groups = self.kv_cache_config.kv_cache_groups
+        spec = groups[0].kv_cache_spec
         # Replaces the stock manager vLLM built (it held no request yet).
-        self.kv_cache_manager: Any = PagedKVCacheManager(
+        if len(groups) > 1:
+            self.kv_cache_manager: Any = HybridPagedKVCacheManager(
+                self.kv_cache_config,
+                self.block_size,
+                enable_caching=bool(self.cache_config.enable_prefix_caching),
+                hash_algo=self.cache_config.prefix_caching_hash_algo,
+                log_stats=self.log_stats,
+                enable_kv_cache_events=self.enable_kv_cache_events,
+                watermark=self.scheduler_config.watermark,
+                max_model_len=self.max_model_len,
+                max_in_flight_tokens=getattr(self.vllm_config, "max_in_flight_tokens", None),
+            )
+            return
+        self.kv_cache_manager = PagedKVCacheManager(
             self.kv_cache_config.num_blocks,
             self.block_size,
             enable_caching=bool(self.cache_config.enable_prefix_caching),

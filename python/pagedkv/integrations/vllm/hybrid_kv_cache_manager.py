@@ -1,0 +1,571 @@
+"""``HybridPagedKVCacheManager``: vLLM's ``kv_cache_manager`` for hybrid models, backed by
+``pagedkv.HybridKVCacheManager`` (several KV cache groups in one block pool).
+
+``PagedKVScheduler`` builds it when the scheduler's ``KVCacheConfig`` has more than one KV cache
+group (full attention, sliding window, chunked local; see
+:func:`~pagedkv.integrations.vllm.check_supported_config`). It answers the calls of
+:class:`~pagedkv.integrations.vllm.PagedKVCacheManager` with one block table per group:
+
+- ``KVCacheBlocks`` results carry one id list per group (:data:`GroupedBlocks`); a released
+  sliding-window or chunked-local entry is the null block 0, as vLLM's own null block;
+- a prefix hit is the longest prefix every group serves (pagedkv's ``lookup_prefix``: full
+  attention scanned left to right, a sliding-window group needing the blocks of its window
+  before the hit point);
+- blocks that no future query can read are released as the sequence grows, inside the
+  allocation that moves the window (vLLM frees them in ``allocate_slots`` too, before it counts
+  the blocks it needs), so ``remove_skipped_blocks`` has nothing left to do;
+- admission (``full_sequence_must_fit``) counts, per windowed group, at most vLLM's own
+  recycling-aware cap (the spec's ``max_admission_blocks_per_request``), so requests vLLM admits
+  are admitted here.
+
+Retention: vLLM's ``KVCacheConfig.prefix_cache_retention_interval`` ``None`` (dense: every
+full block of every group cached) maps to pagedkv's ``retention_interval=0`` (dense too); a
+positive interval ``N`` to pagedkv's ``N``; ``0`` (vLLM: only the replay boundary and
+shared-prefix junctions) to an interval past ``max_model_len``, so only each sequence's latest
+replayable point is kept. vLLM also pins shared-prefix junctions (its ``shared_prefix_boundary``),
+which pagedkv does not: hits under sparse retention can differ by design
+(``tests/integrations/vllm/test_vllm_hybrid.py`` asserts and reports both).
+
+Not served with several groups (refused when the scheduler is built): speculative decoding
+(draft tokens in a hybrid manager are not bound to Python yet), Mamba groups, and group block
+sizes other than the scheduler's. Decodes are allocated one call per request (no batched decode
+path).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pagedkv
+from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, UnknownSequenceError
+from pagedkv.integrations.vllm.blocks import GroupedBlocks, PrefixHit
+from pagedkv.integrations.vllm.coordinator import CoordinatorView
+from pagedkv.integrations.vllm.errors import UnsupportedVllmCallError, VllmStateMismatchError
+from pagedkv.integrations.vllm.kv_cache_manager import _HASH_ALGOS, request_sequence_spec
+
+__all__ = ["HybridPagedKVCacheManager", "group_spec_of"]
+
+
+def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
+    """pagedkv's ``KVCacheGroupSpec`` for one vLLM KV cache group spec.
+
+    ``FullAttentionSpec`` / ``MLAAttentionSpec`` (without a window) -> ``"full"``,
+    ``SlidingWindowSpec`` -> ``"sliding_window"`` (its ``sliding_window``),
+    ``ChunkedLocalAttentionSpec`` -> ``"chunked_local"`` (its ``attention_chunk_size``).
+    ``page_bytes`` is the common page size given to every group (pagedkv checks pages are
+    equal; the plug-in does not use their size otherwise), a multiple of the block size.
+    Raises ``InvalidConfigError`` for any other spec.
+    """
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    bs = int(spec.block_size)
+    bpt = page_bytes // bs
+    kind = type(spec)
+    if kind is SlidingWindowSpec:
+        return pagedkv.KVCacheGroupSpec("sliding_window", bs, bpt, window=int(spec.sliding_window))
+    if kind is ChunkedLocalAttentionSpec:
+        return pagedkv.KVCacheGroupSpec("chunked_local", bs, bpt, chunk=int(spec.attention_chunk_size))
+    if kind in (FullAttentionSpec, MLAAttentionSpec) and getattr(spec, "sliding_window", None) is None:
+        if getattr(spec, "attention_chunk_size", None) is None:
+            return pagedkv.KVCacheGroupSpec("full", bs, bpt)
+    raise pagedkv.InvalidConfigError(
+        f"KV cache group spec {kind.__name__} has no pagedkv equivalent",
+        field="kv_cache_spec",
+        value=kind.__name__,
+        reason="full attention, sliding window or chunked local attention only",
+    )
+
+
+def _skipped_tokens(spec: pagedkv.KVCacheGroupSpec, num_computed: int) -> int:
+    """Tokens before the first one a query after ``num_computed`` computed tokens reads."""
+    if spec.window is not None:
+        return max(0, num_computed - spec.window + 1)
+    if spec.chunk is not None:
+        return num_computed // spec.chunk * spec.chunk
+    return 0
+
+
+class HybridPagedKVCacheManager:
+    """vLLM V1 ``kv_cache_manager`` backed by ``pagedkv.HybridKVCacheManager`` (several KV cache
+    groups sharing one pool).
+
+    Args:
+        kv_cache_config: the scheduler's ``vllm.v1.kv_cache_interface.KVCacheConfig`` (at least
+            one group; every group's ``block_size`` equal to ``block_size``).
+        block_size: the scheduler's block size in tokens.
+        enable_caching: vLLM's ``enable_prefix_caching``.
+        hash_algo: vLLM's ``prefix_caching_hash_algo`` (``sha256*`` -> SHA-256, ``xxhash*`` ->
+            xxh3-128).
+        log_stats: keep ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
+        enable_kv_cache_events: record KV events for ``take_events``.
+        watermark: fraction of blocks kept free when admitting waiting / preempted requests.
+        max_model_len: the scheduler's ``max_model_len`` in tokens.
+        max_in_flight_tokens: tokens scheduled but not yet settled (vLLM's
+            ``VllmConfig.max_in_flight_tokens``), for the windowed groups' admission cap;
+            ``None``: ``max_model_len``.
+
+    Raises ``InvalidConfigError`` (nothing built) for a group spec with no pagedkv equivalent,
+    a group block size other than ``block_size``, or an unknown hash algorithm. Other errors are
+    pagedkv's typed errors; a failing call changes nothing, except ``VllmStateMismatchError``
+    (pagedkv's record of a request disagrees with vLLM's: a bug, the manager must not serve on).
+    """
+
+    def __init__(
+        self,
+        kv_cache_config: Any,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+        log_stats: bool = False,
+        enable_kv_cache_events: bool = False,
+        watermark: float = 0.0,
+        max_model_len: int | None = None,
+        max_in_flight_tokens: int | None = None,
+    ) -> None:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+        from vllm.v1.metrics.stats import PrefixCacheStats
+        from vllm.v1.request import RequestStatus
+
+        algo = _HASH_ALGOS.get(hash_algo)
+        if algo is None:
+            raise pagedkv.InvalidConfigError(
+                f"prefix_caching_hash_algo {hash_algo!r} has no pagedkv equivalent (supported: {sorted(_HASH_ALGOS)})",
+                field="prefix_caching_hash_algo",
+                value=str(hash_algo),
+                reason=f"supported: {sorted(_HASH_ALGOS)}",
+            )
+        groups = list(kv_cache_config.kv_cache_groups)
+        for g in groups:
+            if g.kv_cache_spec.block_size != block_size:
+                raise pagedkv.InvalidConfigError(
+                    f"KV cache group block size {g.kv_cache_spec.block_size} differs from the "
+                    f"scheduler block size {block_size}",
+                    field="kv_cache_spec.block_size",
+                    value=str(g.kv_cache_spec.block_size),
+                    reason=f"must equal {block_size}",
+                )
+        self._specs = [group_spec_of(g.kv_cache_spec, block_size) for g in groups]
+        layer_groups = [i for i, g in enumerate(groups) for _ in (g.layer_names or [None])]
+        num_blocks = int(kv_cache_config.num_blocks)
+        retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+        if retention is None:
+            interval = 0
+        elif retention > 0:
+            interval = int(retention)
+        else:
+            # vLLM's 0: no periodic checkpoint; one interval past any position a sequence
+            # reaches leaves only each sequence's latest replayable point cached.
+            horizon = max_model_len or (1 << 20)
+            interval = (horizon // block_size + 1) * block_size
+        self._kvm = pagedkv.HybridKVCacheManager(
+            self._specs,
+            layer_groups,
+            num_blocks,
+            enable_prefix_caching=enable_caching,
+            retention_interval=interval,
+            hash_algo=algo,
+            enable_events=enable_kv_cache_events,
+        )
+        self._PrefixCacheStats = PrefixCacheStats
+        self._waiting_states = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.log_stats = log_stats
+        self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
+        self.num_kv_cache_groups = len(groups)
+        #: Tokens per block of each KV cache group (read by the coordinator view).
+        self.group_block_sizes = tuple(s.block_size for s in self._specs)
+        #: pagedkv's retention interval in tokens (0: dense).
+        self.retention_interval = interval
+        self.watermark_blocks = int(watermark * num_blocks)
+        self.empty_kv_cache_blocks = GroupedBlocks(tuple([] for _ in groups))
+        self.kv_cache_config = kv_cache_config
+        self.kv_cache_spec = groups[0].kv_cache_spec
+        self.max_model_len = max_model_len
+        self.spec_kinds = [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in groups]
+        self.medium = "GPU"
+        self.mamba_shared_prefix_checkpoint = False
+        self.defer_decodes = False
+        self.num_batched_allocations = 0
+        self.num_batch_stops = 0
+        # Per group, vLLM's recycling-aware admission cap in blocks (None: no cap).
+        in_flight = max_in_flight_tokens if max_in_flight_tokens is not None else (max_model_len or 0)
+        self._admission_caps: list[int | None] = []
+        for g, spec in zip(groups, self._specs, strict=True):
+            cap = None
+            if spec.kind != "full" and max_model_len is not None:
+                cap = int(g.kv_cache_spec.max_admission_blocks_per_request(in_flight, max_model_len))
+            self._admission_caps.append(cap)
+        self._coordinator = CoordinatorView(self)
+        self._num_usable = num_blocks - 1
+        self._seq_of: dict[str, int] = {}
+        self._num_known: dict[str, int] = {}
+        self._next_seq_id = 0
+        self._lora_ids: dict[str, int] = {}
+
+    # ---- properties vLLM reads -------------------------------------------------------------
+
+    @property
+    def coordinator(self) -> CoordinatorView:
+        """vLLM's ``kv_cache_manager.coordinator`` as a read-only view: one
+        ``GroupManagerView`` per KV cache group."""
+        return self._coordinator
+
+    @property
+    def manager(self) -> pagedkv.HybridKVCacheManager:
+        """The underlying ``pagedkv.HybridKVCacheManager`` (inspection, invariant checks)."""
+        return self._kvm
+
+    @property
+    def usage(self) -> float:
+        """KV cache usage in [0, 1]: ``1 - free / (num_blocks - 1)`` (free includes evictable
+        cached blocks), as vLLM's block pool."""
+        if not self._num_usable:
+            return 0.0
+        return 1.0 - self._kvm.num_free_blocks / self._num_usable
+
+    def seq_id(self, request_id: str) -> int:
+        """The pagedkv sequence id of ``request_id``. Raises ``UnknownSequenceError``."""
+        seq = self._seq_of.get(request_id)
+        if seq is None:
+            raise UnknownSequenceError(
+                f"unknown request id {request_id!r} (never looked up or allocated, or freed)",
+                seq_id=-1,
+            )
+        return seq
+
+    def flush_decodes(self) -> int:
+        """0: decodes are allocated one call per request (no batched decode path)."""
+        return 0
+
+    # ---- request registration --------------------------------------------------------------
+
+    def _register(self, request: Any) -> int:
+        rid = request.request_id
+        seq = self._seq_of.get(rid)
+        if seq is None:
+            seq = self._next_seq_id
+            spec = request_sequence_spec(request, self._lora_ids)
+            self._kvm.add_sequence(seq, request.all_token_ids[:], spec=spec)
+            self._next_seq_id += 1
+            self._seq_of[rid] = seq
+            self._num_known[rid] = request.num_tokens
+            return seq
+        known = self._num_known[rid]
+        n = request.num_tokens
+        if n > known:
+            self._kvm.append_tokens(seq, request.all_token_ids[known:])
+            self._num_known[rid] = n
+        return seq
+
+    # ---- prefix cache ----------------------------------------------------------------------
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        """Whether a prefix-cache lookup runs for ``request`` (caching on, reads allowed)."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
+        """Prefix hit of a waiting request: ``(blocks, hit tokens, 0)``, the hit being the
+        longest prefix every group serves (whole blocks, at most ``num_tokens - 1``).
+        ``blocks`` is an opaque token for ``allocate_slots``. Raises ``InvalidArgumentError``
+        for a ``max_cache_hit_length`` below the hit, changing nothing."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        seq = self._register(request)
+        hit = self._kvm.lookup_prefix(seq)
+        if max_cache_hit_length is not None and hit > max_cache_hit_length:
+            raise InvalidArgumentError(
+                f"max_cache_hit_length {max_cache_hit_length} is below the prefix hit of "
+                f"{hit} tokens; capping hits is not supported",
+                arg="max_cache_hit_length",
+                value=str(max_cache_hit_length),
+                reason="capping hits is not supported",
+            )
+        if hit == 0:
+            return self.empty_kv_cache_blocks, 0, 0
+        return PrefixHit(hit, [hit // bs for bs in self.group_block_sizes], seq), hit, 0
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        """Counts one admitted request's lookup (tokens queried, tokens hit) when logging."""
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    def make_prefix_cache_stats(self) -> Any:
+        """The prefix-cache stats since the last call (then reset), or None without logging."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = self._PrefixCacheStats()
+        return stats
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        """Tokens of ``request`` covered by whole computed blocks (every group caches its
+        full blocks as they fill, so the shortest group prefix is the computed one)."""
+        seq = self._seq_of.get(request.request_id)
+        if seq is None or not self.enable_caching:
+            return 0
+        computed = min(self._kvm.num_computed_tokens(seq), request.num_tokens)
+        return computed - computed % self.block_size
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    def _full_sequence_demand(self, request: Any, seq: int, hit: int, num_new_tokens: int) -> int:
+        """Blocks vLLM's admission gate asks free for the whole request (per group its blocks
+        for every token, a windowed group at most its admission cap, less the hit's blocks,
+        plus the hit blocks that leave the free pool)."""
+        total = min(request.num_tokens, self.max_model_len or request.num_tokens)
+        per_group = self._kvm.num_blocks_needed_per_group(seq, num_new_tokens)
+        demand = 0
+        for g, spec in enumerate(self._specs):
+            bs = spec.block_size
+            required = -(-total // bs)
+            cap = self._admission_caps[g]
+            if cap is not None:
+                required = min(required, cap)
+            hit_blocks = hit // bs
+            fresh_now = -(-(hit + num_new_tokens) // bs) - hit_blocks
+            evictable_hits = max(0, per_group[g][0] - fresh_now)
+            demand += max(required - max(_skipped_tokens(spec, hit) // bs, hit_blocks), 0) + evictable_hits
+        return demand
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> Any:
+        """Slots for ``num_new_tokens`` more tokens of ``request`` in every group (prefix hit
+        first for a new or resumed request); returns the newly taken blocks per group, or None
+        when they do not fit (nothing changed then).
+
+        As vLLM: all or nothing; out-of-window blocks are given back in the same call and
+        count as free for it; waiting / preempted requests also leave ``watermark_blocks``
+        free when others are scheduled; ``full_sequence_must_fit`` admits a request only if
+        all its tokens fit (a windowed group counted up to its admission cap).
+
+        Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` or a feature the config
+        check refuses (lookahead slots, external / encoder tokens, delayed caching, draft
+        tokens), and ``VllmStateMismatchError`` (a ``RuntimeError``) if pagedkv's computed-token
+        count disagrees with the request's.
+        """
+        rid = request.request_id
+        if num_new_tokens <= 0:
+            raise InvalidArgumentError(
+                f"num_new_tokens must be >= 1 (got {num_new_tokens}) for request {rid!r}",
+                arg="num_new_tokens",
+                value=str(num_new_tokens),
+                reason="must schedule at least one token",
+            )
+        for name, value in (
+            ("num_lookahead_tokens", num_lookahead_tokens),
+            ("num_external_computed_tokens", num_external_computed_tokens),
+            ("num_encoder_tokens", num_encoder_tokens),
+            ("delay_cache_blocks", int(delay_cache_blocks)),
+        ):
+            if value:
+                raise InvalidArgumentError(
+                    f"{name}={value} is not supported by HybridPagedKVCacheManager",
+                    arg=name,
+                    value=str(value),
+                    reason="refused by check_supported_config",
+                )
+        first = request.num_computed_tokens == 0
+        hit = num_new_computed_tokens if first else 0
+        if request.num_computed_tokens + hit + num_new_tokens > request.num_tokens:
+            raise InvalidArgumentError(
+                f"request {rid!r}: {num_new_tokens} tokens scheduled past its "
+                f"{request.num_tokens} known tokens (draft tokens are not served with several "
+                "KV cache groups)",
+                arg="num_new_tokens",
+                value=str(num_new_tokens),
+                reason="draft tokens need speculative decoding, refused with several groups",
+            )
+        seq = self._register(request)
+        watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
+        if full_sequence_must_fit or watermark or reserved_blocks:
+            free = self._kvm.num_free_blocks
+            take, release = self._kvm.num_blocks_needed(seq, num_new_tokens)
+            if (
+                full_sequence_must_fit
+                and self._full_sequence_demand(request, seq, hit, num_new_tokens) + watermark > free + release
+            ):
+                return None
+            if take + watermark > free + release - reserved_blocks:
+                return None
+        out = self._kvm.step([seq], [num_new_tokens])
+        if out.error is not None:
+            if isinstance(out.error, OutOfBlocksError):
+                return None
+            out.raise_for_error()
+        expected = request.num_computed_tokens + hit
+        got = int(out.context_lens[0])
+        if got != expected:
+            raise VllmStateMismatchError(
+                f"request {rid!r}: pagedkv holds {got} computed tokens, vLLM expects {expected} "
+                f"(num_computed_tokens={request.num_computed_tokens}, prefix hit {hit})",
+                request_id=rid,
+                quantity="num_computed_tokens",
+                expected=str(expected),
+                got=str(got),
+            )
+        indptr = out.new_block_indptr.tolist()
+        ids = out.new_block_ids.tolist()
+        if indptr[-1] == 0:
+            return self.empty_kv_cache_blocks
+        return GroupedBlocks(tuple(ids[indptr[g] : indptr[g + 1]] for g in range(self.num_kv_cache_groups)))
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """No-op: pagedkv registers full blocks in the prefix cache as it allocates them."""
+
+    def free(self, request: Any) -> None:
+        """Releases ``request``'s blocks in every group. A finished request is forgotten; one
+        still ``RUNNING`` is being preempted by the scheduler and keeps its tokens (preemption
+        by recompute). A request never allocated is a no-op, as in vLLM. Raises
+        ``UnknownSequenceError`` for a request freed before that still claims computed
+        tokens, changing nothing."""
+        rid = request.request_id
+        seq = self._seq_of.get(rid)
+        if seq is None:
+            if request.num_computed_tokens > 0:
+                raise UnknownSequenceError(
+                    f"request {rid!r} holds no KV blocks (already freed?) but claims "
+                    f"{request.num_computed_tokens} computed tokens",
+                    seq_id=-1,
+                )
+            return
+        if request.is_finished():
+            self._kvm.free(seq)
+            del self._seq_of[rid]
+            del self._num_known[rid]
+        else:
+            self._kvm.preempt([seq])
+
+    def remove_skipped_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> None:
+        """No-op: pagedkv releases out-of-window blocks in the allocation that moves the
+        window, before it counts the blocks it needs (as vLLM's ``allocate_slots``)."""
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every group's prefix-cache entries; False (nothing changed) while any block is
+        in use."""
+        try:
+            self._kvm.reset_prefix_cache()
+        except pagedkv.CacheInUseError:
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    # ---- block tables ----------------------------------------------------------------------
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """One id list per group (0 for released entries). Raises ``UnknownSequenceError``."""
+        return tuple(t.tolist() for t in self._kvm.block_tables(self.seq_id(request_id)))
+
+    def get_blocks(self, request_id: str) -> Any:
+        """The request's block tables as one ``KVCacheBlocks``. Raises
+        ``UnknownSequenceError``."""
+        tables = self.get_block_ids(request_id)
+        return GroupedBlocks(tables) if any(tables) else self.empty_kv_cache_blocks
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
+        """Each group's first ``ceil(num_computed_tokens / block_size)`` ids."""
+        return tuple(
+            ids[: -(-num_computed_tokens // bs)]
+            for ids, bs in zip(self.get_block_ids(request_id), self.group_block_sizes, strict=True)
+        )
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """``[0]`` per group: cascade attention is gone from vLLM."""
+        return [0] * self.num_kv_cache_groups
+
+    # ---- per-step hooks --------------------------------------------------------------------
+
+    def new_step_starts(self) -> None:
+        """No per-step state to reset."""
+
+    def take_events(self) -> list[Any]:
+        """KV events since the last call as ``vllm.distributed.kv_events`` objects, each
+        naming its group (``group_idx``) and that group's spec kind."""
+        if not self.enable_kv_cache_events:
+            return []
+        from pagedkv.integrations.vllm.events import to_vllm_events
+
+        out: list[Any] = []
+        for group, event in self._kvm.take_events():
+            kind = None if group is None else self.spec_kinds[group]
+            out.extend(
+                to_vllm_events(
+                    [event],
+                    lora_ids=self._lora_ids,
+                    spec_kind=kind,
+                    medium=self.medium,
+                    group_idx=0 if group is None else group,
+                )
+            )
+        return out
+
+    def take_new_block_ids(self) -> list[int]:
+        """``[]``: no block zeroing (Mamba is refused)."""
+        return []
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        """``([], [])``: vLLM requests never share a partially filled block."""
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """``{}``: no Mamba boundary states."""
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        """``[]``: no Mamba boundary states."""
+        return []
+
+    def _connector_only(self, name: str) -> Any:
+        raise UnsupportedVllmCallError(
+            f"HybridPagedKVCacheManager.{name} is used by KV connectors, which PagedKVScheduler refuses",
+            operation=name,
+            feature="KV connectors",
+        )
+
+    def get_computed_blocks_for_connector(self, *args: Any, **kwargs: Any) -> Any:
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
+        return self._connector_only("get_computed_blocks_for_connector")
+
+    def truncate_computed_blocks(self, *args: Any, **kwargs: Any) -> Any:
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
+        return self._connector_only("truncate_computed_blocks")
+
+    def pop_blocks_for_free(self, *args: Any, **kwargs: Any) -> Any:
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
+        return self._connector_only("pop_blocks_for_free")
+
+    def evict_blocks(self, *args: Any, **kwargs: Any) -> None:
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
+        self._connector_only("evict_blocks")
+
+    def record_blocks_for_zeroing(self, *args: Any, **kwargs: Any) -> None:
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
+        self._connector_only("record_blocks_for_zeroing")

@@ -1,0 +1,266 @@
+"""Run vLLM's own scheduler unit tests stock and with pagedkv's scheduler plug-in in place.
+
+The vLLM wheel ships no tests; its source distribution on PyPI does. This script downloads the
+sdist of the vLLM release installed in ``--python``'s environment (from PyPI's simple index,
+checked against the index's SHA-256), extracts its ``tests/`` folder under ``--work-dir``, and
+runs the chosen test files twice with that interpreter: once stock, once with this file loaded
+as a pytest plugin (``-p run_vllm_scheduler_tests``) that substitutes
+``pagedkv.integrations.vllm.PagedKVScheduler`` for vLLM's ``Scheduler`` (and a PagedKV variant of
+``AsyncScheduler``) wherever the tests build one. It prints pass / fail / skip / error counts per
+mode, and the tests whose outcome differs between the two, and writes the JUnit reports under
+``--work-dir``. vLLM's code is downloaded to ``--work-dir`` only; nothing of it is kept here.
+
+Offline: the tests name Hugging Face models (``facebook/opt-125m`` mostly). Only that model's
+``config.json`` is needed (the scheduler loads no weights); the script writes one (OPT-125m's
+published architecture values) into a private ``HF_HOME`` and runs with ``HF_HUB_OFFLINE=1``.
+Tests that need other models' configs fail in both modes (reported as such). vLLM's top-level
+``tests/conftest.py`` needs packages the scheduler venv lacks (``tblib``, ...), so it is not
+loaded (``--noconftest``); the one fixture of it the scheduler tests use, ``caplog_vllm``, is
+provided by the plugin.
+
+Usage (see ``make test-vllm-upstream``)::
+
+    python scripts/run_vllm_scheduler_tests.py --python target/vllm-venv/bin/python
+    python scripts/run_vllm_scheduler_tests.py --mode plugin -- -k spec   # extra pytest args
+
+Not part of ``make test``: it downloads ~47 MB and runs for several minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import urllib.request
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TESTS = (
+    "tests/v1/core/test_scheduler.py",
+    "tests/v1/core/test_async_scheduler.py",
+    "tests/v1/core/test_swa_inflight_window_free.py",
+    "tests/v1/core/test_prefix_replay.py",
+    "tests/v1/core/test_priority_preemption_bug.py",
+    "tests/v1/core/test_priority_scheduler_random.py",
+)
+SIMPLE_INDEX = "https://pypi.org/simple/vllm/"
+# OPT-125m's published architecture (the scheduler reads max_position_embeddings = 2048).
+OPT_125M_CONFIG = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 768,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "ffn_dim": 3072,
+    "max_position_embeddings": 2048,
+    "vocab_size": 50272,
+    "word_embed_proj_dim": 768,
+    "do_layer_norm_before": True,
+    "activation_function": "relu",
+    "bos_token_id": 2,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
+    "torch_dtype": "float16",
+    "enable_bias": True,
+    "layer_norm_elementwise_affine": True,
+}
+_SNAPSHOT = "0" * 40
+
+
+# ---- the pytest plugin (loaded in the test process with -p run_vllm_scheduler_tests) ----------
+
+
+def pytest_configure(config: Any) -> None:
+    """Substitutes the plug-in's schedulers before any test module imports vLLM's."""
+    if os.environ.get("PAGEDKV_UPSTREAM_MODE") != "plugin":
+        return
+    import vllm.v1.core.sched.async_scheduler as async_mod
+    import vllm.v1.core.sched.scheduler as sched_mod
+
+    from pagedkv.integrations.vllm import PagedKVScheduler
+
+    class PagedKVAsyncScheduler(PagedKVScheduler, async_mod.AsyncScheduler):  # type: ignore[misc]
+        """vLLM's ``AsyncScheduler`` with pagedkv's KV cache manager."""
+
+    sched_mod.Scheduler = PagedKVScheduler  # type: ignore[misc]
+    async_mod.AsyncScheduler = PagedKVAsyncScheduler  # type: ignore[misc]
+
+
+def _caplog_vllm_fixture() -> Any:
+    import pytest
+
+    @pytest.fixture()
+    def caplog_vllm(caplog: Any) -> Any:
+        """vLLM's log records through pytest's caplog (vLLM's logger propagates to the root)."""
+        logger = logging.getLogger("vllm")
+        old = logger.propagate
+        logger.propagate = True
+        try:
+            with caplog.at_level(logging.INFO):
+                yield caplog
+        finally:
+            logger.propagate = old
+
+    return caplog_vllm
+
+
+if "pytest" in sys.modules:
+    caplog_vllm = _caplog_vllm_fixture()
+
+
+# ---- the runner ------------------------------------------------------------------------------
+
+
+def _installed_version(python: str) -> str:
+    out = subprocess.run(
+        [python, "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out.stdout.strip()
+
+
+def fetch_sdist(version: str, dest: Path) -> Path:
+    """The sdist ``vllm-VERSION.tar.gz`` in ``dest``, downloaded from PyPI's simple index and
+    checked against its SHA-256 unless already there. Raises ``RuntimeError`` if the index has
+    no sdist of that version or the digest differs."""
+    dest.mkdir(parents=True, exist_ok=True)
+    name = f"vllm-{version}.tar.gz"
+    path = dest / name
+    if path.exists():
+        return path
+    with urllib.request.urlopen(SIMPLE_INDEX, timeout=60) as resp:
+        index = resp.read().decode()
+    match = re.search(r'href="([^"#]*/' + re.escape(name) + r')#sha256=([0-9a-f]{64})"', index)
+    if match is None:
+        raise RuntimeError(f"{SIMPLE_INDEX} lists no {name}")
+    url, digest = match.groups()
+    tmp = path.with_suffix(".part")
+    with urllib.request.urlopen(url, timeout=600) as resp, tmp.open("wb") as f:
+        h = hashlib.sha256()
+        while chunk := resp.read(1 << 20):
+            h.update(chunk)
+            f.write(chunk)
+    if h.hexdigest() != digest:
+        tmp.unlink()
+        raise RuntimeError(f"{name}: sha256 {h.hexdigest()} != index {digest}")
+    tmp.rename(path)
+    return path
+
+
+def extract_tests(sdist: Path, dest: Path) -> Path:
+    """The sdist's ``tests/`` folder extracted under ``dest`` (once); returns the folder
+    holding ``tests``."""
+    root = dest / sdist.name.removesuffix(".tar.gz")
+    if not (root / "tests").is_dir():
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(f"{root.name}/tests/")]
+            tar.extractall(dest, members=members, filter="data")
+    return root
+
+
+def offline_hf_home(dest: Path) -> Path:
+    """A Hugging Face cache holding only facebook/opt-125m's ``config.json``."""
+    repo = dest / "hub" / "models--facebook--opt-125m"
+    snap = repo / "snapshots" / _SNAPSHOT
+    snap.mkdir(parents=True, exist_ok=True)
+    (repo / "refs").mkdir(exist_ok=True)
+    (repo / "refs" / "main").write_text(_SNAPSHOT)
+    (snap / "config.json").write_text(json.dumps(OPT_125M_CONFIG))
+    return dest
+
+
+def run_mode(python: str, root: Path, tests: list[str], mode: str, hf_home: Path, extra: list[str]) -> Path:
+    """Runs pytest in ``root`` in ``mode`` (``stock`` / ``plugin``); returns its JUnit XML."""
+    report = root.parent / f"junit-{mode}.xml"
+    env = dict(os.environ)
+    env.update(
+        PAGEDKV_UPSTREAM_MODE=mode,
+        HF_HOME=str(hf_home),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_LOGGING_LEVEL="ERROR",
+        VLLM_TARGET_DEVICE="cpu",
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), str(root)]),
+    )
+    cmd = [
+        python,
+        "-m",
+        "pytest",
+        "-q",
+        "--noconftest",
+        "-p",
+        "run_vllm_scheduler_tests",
+        "-p",
+        "no:cacheprovider",
+        "-W",
+        "ignore",
+        "--rootdir",
+        str(root),
+        f"--junitxml={report}",
+        *tests,
+        *extra,
+    ]
+    print(f"== {mode}: {' '.join(cmd)}", flush=True)
+    subprocess.run(cmd, cwd=root, env=env, check=False)
+    return report
+
+
+def outcomes(report: Path) -> dict[str, tuple[str, str]]:
+    """``test id -> (outcome, first line of the failure message)`` from a JUnit report."""
+    out: dict[str, tuple[str, str]] = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        tid = f"{case.get('classname')}::{case.get('name')}"
+        status, msg = "passed", ""
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                status = {"failure": "failed", "error": "error", "skipped": "skipped"}[child.tag]
+                msg = (child.get("message") or "").splitlines()[0][:200] if child.get("message") else ""
+        out[tid] = (status, msg)
+    return out
+
+
+def _counts(res: dict[str, tuple[str, str]]) -> str:
+    names = ("passed", "failed", "error", "skipped")
+    return ", ".join(f"{sum(1 for s, _ in res.values() if s == n)} {n}" for n in names)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns 0 (the counts are the result, not an exit status)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--python", default="target/vllm-venv/bin/python", help="interpreter with vLLM + pytest")
+    ap.add_argument("--work-dir", default="/tmp/pagedkv-vllm-upstream", help="where the sdist and reports go")
+    ap.add_argument("--mode", choices=("both", "stock", "plugin"), default="both")
+    ap.add_argument("--tests", nargs="*", default=list(DEFAULT_TESTS), help="test files inside the sdist")
+    ap.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    args = ap.parse_args(argv)
+    work = Path(args.work_dir)
+    # Not resolved (a venv's python is a symlink to the base interpreter): made absolute only.
+    python = str(Path(args.python).absolute())
+    version = _installed_version(python)
+    root = extract_tests(fetch_sdist(version, work), work)
+    hf_home = offline_hf_home(work / "hf-home")
+    modes = ["stock", "plugin"] if args.mode == "both" else [args.mode]
+    results = {m: outcomes(run_mode(python, root, args.tests, m, hf_home, args.pytest_args)) for m in modes}
+    print(f"\nvLLM {version}: {', '.join(args.tests)}")
+    for mode, res in results.items():
+        print(f"  {mode:6s}: {_counts(res)}")
+    if len(results) == 2:
+        stock, plugin = results["stock"], results["plugin"]
+        differ = sorted(t for t in stock if t in plugin and stock[t][0] != plugin[t][0])
+        print(f"\n{len(differ)} tests whose outcome differs (stock -> plug-in):")
+        for t in differ:
+            print(f"  {t}: {stock[t][0]} -> {plugin[t][0]}  {plugin[t][1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
