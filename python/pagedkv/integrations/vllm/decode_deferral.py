@@ -62,6 +62,9 @@ class DecodeDeferral:
         num_batched_allocations: decode slots carried into pagedkv by :meth:`flush` and
             :meth:`catch_up` so far (a lagging run counts each of its tokens).
         num_batch_stops: decodes not deferred because no free block was left for them.
+        held_end: request id -> end of the slots its blocks in pagedkv cover when that is past
+            its tokens: lookahead blocks a verify step kept (speculative decoding,
+            ``accept_drafts(release_blocks=False)``); a decode opening such a block takes none.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class DecodeDeferral:
         self._deferred_free: int | None = None
         self.num_batched_allocations = 0
         self.num_batch_stops = 0
+        self.held_end: dict[str, int] = {}
 
     def set_window(self, rid: str, num_tokens: int) -> None:
         """pagedkv holds the first ``num_tokens`` tokens of ``rid``, all computed: its next
@@ -115,6 +119,17 @@ class DecodeDeferral:
         never cached, so they need not reach pagedkv) and its window."""
         self.lag.pop(rid, None)
         self.lag_window.pop(rid, None)
+        self.held_end.pop(rid, None)
+
+    def keep_lookahead(self, rid: str, slots_end: int) -> None:
+        """A verify step of ``rid`` had slots up to ``slots_end`` and pagedkv kept their blocks
+        (vLLM's model runner keeps them too): decodes opening one of them take no new block."""
+        bs = self._block_size
+        self.held_end[rid] = max(self.held_end.get(rid, 0), -(-slots_end // bs) * bs)
+
+    def drop_lookahead(self, rid: str) -> None:
+        """``rid`` released its blocks (preemption by recompute): no lookahead block is kept."""
+        self.held_end.pop(rid, None)
 
     def defer(self, request: Any, rid: str, pos: int) -> Any:
         """A plain decode at slot ``pos`` that fills or opens a block (or lags outside a known
@@ -142,6 +157,9 @@ class DecodeDeferral:
                 return self._empty
             # The token fills it: pagedkv gets it this step, so the block is cached (with its
             # event) in the step vLLM caches it.
+            blocks = self._empty
+        elif synced > start - bs and self.held_end and self.held_end.get(rid, 0) > start:
+            # It opens a lookahead block a verify step kept: pagedkv and vLLM hold it already.
             blocks = self._empty
         elif synced > start - bs:
             # It opens a new block: its id is known after the flush (a DeferredBlocks), taken

@@ -330,6 +330,8 @@ class PagedKVCacheManager:
             )
         self._kvm.accept_drafts(seq, accepted, release_blocks=False)
         self._num_known[rid] += accepted
+        # The blocks of the rejected drafts' slots stay: decodes that open them take none.
+        self.decodes.keep_lookahead(rid, base + len(drafts))
 
     # ---- prefix cache ----------------------------------------------------------------------
 
@@ -600,6 +602,7 @@ class PagedKVCacheManager:
                 self.decodes.catch_up([rid])
             self._kvm.preempt([seq])
             self.decodes.close_window(rid)
+            self.decodes.drop_lookahead(rid)
 
     def remove_skipped_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> None:
         """No-op: full attention never skips blocks."""
