@@ -193,7 +193,7 @@ class EngineConfig:
                 num_blocks=self.num_kv_blocks or 2,
                 block_size=self.block_size,
                 num_cpu_blocks=self.num_cpu_blocks or 0,
-                **({"num_host_blocks": self.num_host_blocks} if self.num_host_blocks else {}),
+                num_host_blocks=self.num_host_blocks or 0,
             )
         except pagedkv.InvalidConfigError as e:
             name = {"num_blocks": "num_kv_blocks"}.get(e.field, e.field)
@@ -248,8 +248,6 @@ class EngineConfig:
             pagedkv.InvalidConfigError: a size above the core's limits.
         """
         num_kv_blocks, num_cpu_blocks = self.pools()
-        # Only a host tier passes its size: 0 host blocks is the core's default (no tier).
-        host = {"num_host_blocks": self.num_host_blocks} if self.num_host_blocks else {}
         return pagedkv.CacheConfig(
             num_blocks=num_kv_blocks,
             block_size=self.block_size,
@@ -258,7 +256,7 @@ class EngineConfig:
             num_cpu_blocks=num_cpu_blocks,
             enable_events=bool(enable_events),
             hash_seed=hash_seed,
-            **host,
+            num_host_blocks=self.num_host_blocks or 0,
         )
 
     def pools(self) -> tuple[int, int]:
