@@ -19,11 +19,12 @@ group (full attention, sliding window, chunked local; see
   are admitted here.
 
 Retention: vLLM's ``KVCacheConfig.prefix_cache_retention_interval`` ``None`` (dense: every
-full block of every group cached) maps to pagedkv's ``retention_interval=0`` (dense too); a
-positive interval ``N`` to pagedkv's ``N``; ``0`` (vLLM: only the replay boundary and
-shared-prefix junctions) to an interval past ``max_model_len``, so only each sequence's latest
-replayable point is kept. vLLM also pins shared-prefix junctions (its ``shared_prefix_boundary``),
-which pagedkv does not: hits under sparse retention can differ by design
+full block of every group cached) and ``0`` (vLLM's default: only the replay boundary and the
+shared-prefix junctions it detects at lookup, its ``shared_prefix_boundary``) map to pagedkv's
+``retention_interval=0`` (dense): pagedkv detects no junction, and keeping only each sequence's
+latest replayable point would lose the hits of every sibling of a shared prompt. A positive
+interval ``N`` maps to pagedkv's ``N`` (hits at multiples of ``N`` plus each sequence's latest
+replayable point). Hits under vLLM's sparse retention therefore differ by design
 (``tests/integrations/vllm/test_vllm_hybrid.py`` asserts and reports both).
 
 Not served with several groups (refused when the scheduler is built): speculative decoding
@@ -153,16 +154,10 @@ class HybridPagedKVCacheManager:
         self._specs = [group_spec_of(g.kv_cache_spec, block_size) for g in groups]
         layer_groups = [i for i, g in enumerate(groups) for _ in (g.layer_names or [None])]
         num_blocks = int(kv_cache_config.num_blocks)
-        retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
-        if retention is None:
-            interval = 0
-        elif retention > 0:
-            interval = int(retention)
-        else:
-            # vLLM's 0: no periodic checkpoint; one interval past any position a sequence
-            # reaches leaves only each sequence's latest replayable point cached.
-            horizon = max_model_len or (1 << 20)
-            interval = (horizon // block_size + 1) * block_size
+        # vLLM's None (dense) and 0 (replay boundary + shared-prefix junctions) are both dense
+        # here: pagedkv pins no junction, and caching only the latest replayable point would
+        # lose every sibling's hit on a shared prompt that vLLM's junction serves.
+        interval = int(getattr(kv_cache_config, "prefix_cache_retention_interval", None) or 0)
         self._kvm = pagedkv.HybridKVCacheManager(
             self._specs,
             layer_groups,
