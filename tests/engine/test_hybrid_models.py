@@ -469,3 +469,17 @@ def test_forks_and_beams_copy_on_write_per_group(gemma, monkeypatch, prefix_cach
 def test_speculative_decoding_is_refused_on_a_hybrid_model(gemma):
     with pytest.raises(EngineConfigError, match="speculative='ngram' is not supported on a hybrid model"):
         LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, num_kv_blocks=64, speculative="ngram")
+
+
+def test_a_model_without_windows_keeps_the_one_group_manager(tiny):
+    # Llama (SmolLM2's architecture): one KV cache group of every layer, KVCacheManager, one
+    # slot per layer in the cache, BatchTensors with the persistent BlockTable.
+    import pagedkv
+
+    engine = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, num_kv_blocks=32, block_size=4)
+    m = engine.model
+    assert not m.is_hybrid and type(engine.manager) is pagedkv.KVCacheManager
+    assert m.kv_groups == (KVCacheGroup(None, tuple(range(m.num_layers))),)
+    assert m.layer_slot == tuple(range(m.num_layers)) and m.num_kv_slots == m.num_layers
+    assert engine.runner.block_tables is not None
+    assert tuple(engine.runner.kv_cache.shape[:3]) == (m.num_layers, 2, 32)
