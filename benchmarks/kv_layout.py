@@ -21,7 +21,8 @@ Two parts, each labelled in the output:
 
 Writes ``results/kv_layout.json`` and ``results/kv_layout.png``.
 
-    python benchmarks/kv_layout.py                      # default, about 4-5 minutes on 2 cores
+    python benchmarks/kv_layout.py                      # default, about 5 minutes on 2 quiet cores
+    python benchmarks/kv_layout.py --requests 120 --prompts 16   # the figures in docs/design.md
     python benchmarks/kv_layout.py --quick              # fewer requests, no engine run
 """
 
@@ -361,14 +362,14 @@ def engine_runs(args: argparse.Namespace) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=120, help="requests taken from each trace")
+    ap.add_argument("--requests", type=int, default=100, help="requests taken from each trace")
     ap.add_argument("--budget-gib", type=float, default=1.0, help="physical KV budget of the replay")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--pages", type=int, nargs="+", default=[4096, 65536, 2 * 1024 * 1024])
     ap.add_argument("--max-seqs", type=int, default=128)
     ap.add_argument("--step-tokens", type=int, default=2048, help="token budget per step (chunked prefill)")
     ap.add_argument("--traces-dir", default=None)
-    ap.add_argument("--prompts", type=int, default=16, help="examples/prompts.jsonl lines for the engine runs")
+    ap.add_argument("--prompts", type=int, default=12, help="examples/prompts.jsonl lines for the engine runs")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--kv-blocks", type=int, default=64, help="engine pool (both layouts' budget), blocks of 16")
     ap.add_argument("--engine-pages", type=int, nargs="+", default=[65536, 4096])
