@@ -11,7 +11,8 @@ use crate::stats::PyCacheStats;
 use numpy::ndarray::{Array2, Array3};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArray3};
 use pagedkv_core::{
-    AttentionKind, BlockId, Error, GroupSpec, HashAlgo, HybridConfig, HybridManager, StepRequest,
+    AttentionKind, BlockId, Error, GroupSpec, HashAlgo, HybridConfig, HybridManager, StepDrafts,
+    StepRequest,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
@@ -227,6 +228,10 @@ pub(crate) struct PyHybridStepOutput {
     /// ``int64[T]`` token id of each scheduled token.
     #[pyo3(get)]
     input_ids: Py<PyArray1<i64>>,
+    /// ``int32[S]`` draft tokens (speculative decoding) at the end of each sequence's query,
+    /// in lookahead slots; all 0 for a step without ``draft_token_ids``.
+    #[pyo3(get)]
+    num_draft_tokens: Py<PyArray1<i32>>,
     /// ``int64[G, T]`` KV slot of each scheduled token in each group's layers:
     /// ``block_id * block_size_g + offset``.
     #[pyo3(get)]
@@ -272,33 +277,42 @@ impl PyHybridStepOutput {
 /// `step`'s `append_token_ids` as CSR `(indptr, tokens)`: None; a 1-D integer array of `n`
 /// tokens (one per sequence); or a list / tuple of `n` array-likes of tokens.
 fn appends(obj: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<(Vec<u32>, Vec<u32>)> {
-    const ARG: &str = "append_token_ids";
+    rows_csr(obj, n, "append_token_ids")
+}
+
+/// `obj` (argument `arg` of `step`: append or draft tokens) as CSR `(indptr, tokens)`, in the
+/// forms `appends` takes.
+fn rows_csr(
+    obj: Option<&Bound<'_, PyAny>>,
+    n: usize,
+    arg: &'static str,
+) -> PyResult<(Vec<u32>, Vec<u32>)> {
     let Some(obj) = obj.filter(|o| !o.is_none()) else {
         return Ok((Vec::new(), Vec::new()));
     };
     let wrong_len = |got: usize| {
         let reason = format!("expected one per sequence ({n})");
-        bad(obj.py(), ARG, format!("{got} entries"), reason)
+        bad(obj.py(), arg, format!("{got} entries"), reason)
     };
     if obj.is_instance_of::<numpy::PyUntypedArray>() {
-        let tokens = token_ids(obj, ARG)?;
+        let tokens = token_ids(obj, arg)?;
         if tokens.len() != n {
             return Err(wrong_len(tokens.len()));
         }
         return Ok(((0..=n as u32).collect(), tokens));
     }
-    let rows = crate::convert::list_items(obj, ARG)?;
+    let rows = crate::convert::list_items(obj, arg)?;
     if rows.len() != n {
         return Err(wrong_len(rows.len()));
     }
     let mut indptr = vec![0u32];
     let mut tokens = Vec::new();
     for row in &rows {
-        tokens.extend(token_ids(row, ARG)?);
+        tokens.extend(token_ids(row, arg)?);
         let end = u32::try_from(tokens.len()).map_err(|_| {
             bad(
                 obj.py(),
-                ARG,
+                arg,
                 format!("{} tokens", tokens.len()),
                 "too many tokens",
             )
@@ -596,6 +610,75 @@ impl PyHybridManager {
         Ok((d.take, d.release))
     }
 
+    /// ``(take, release)`` of a verify step: ``num_blocks_needed`` with lookahead slots for
+    /// ``num_draft_tokens`` drafts after the ``num_new_tokens`` scheduled ones (as ``step``
+    /// with ``draft_token_ids`` takes them). Same errors, plus ``InvalidArgumentError`` when
+    /// the scheduled tokens do not reach the last token. No side effects.
+    fn num_blocks_needed_with_drafts(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_new_tokens: &Bound<'_, PyAny>,
+        num_draft_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<(usize, usize)> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let q = count(num_new_tokens, "num_new_tokens")?;
+        let k = count(num_draft_tokens, "num_draft_tokens")?;
+        let m = &self.inner;
+        let d = py
+            .detach(|| m.num_blocks_needed_with_drafts(seq, q, k))
+            .py(py)?;
+        Ok((d.take, d.release))
+    }
+
+    /// Resolves the pending drafts of ``seq_id`` after its verify step: the first
+    /// ``num_accepted`` become tokens (KV computed); in every group the rejected tail's slots
+    /// are free for the next step and blocks that held only rejected drafts are released
+    /// (never hashed); blocks filled by accepted tokens are cached by the retention rule. No
+    /// block leaves a window here (the next step releases by the committed context). Returns
+    /// one ``int32[r_g]`` array of released blocks per group (tail first).
+    ///
+    /// ``release_blocks=False`` keeps those blocks as spare lookahead blocks the next steps
+    /// fill first (nothing released), for a consumer whose copy of the tables only grows.
+    ///
+    /// Raises: ``UnknownSequenceError``; ``InvalidSequenceStateError`` (no drafts pending);
+    /// ``InvalidArgumentError`` (``num_accepted`` negative, not an int, or more than proposed).
+    #[pyo3(signature = (seq_id, num_accepted, *, release_blocks = None),
+           text_signature = "(self, seq_id, num_accepted, *, release_blocks=True)")]
+    fn accept_drafts(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_accepted: &Bound<'_, PyAny>,
+        release_blocks: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<Py<PyArray1<i32>>>> {
+        let release = crate::convert::flag(release_blocks, "release_blocks", true)?;
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let n = count(num_accepted, "num_accepted")?;
+        let m = &self.inner;
+        let released = py
+            .detach(|| {
+                if release {
+                    m.accept_drafts(seq, n)
+                } else {
+                    m.accept_drafts_keeping_blocks(seq, n)
+                }
+            })
+            .py(py)?;
+        Ok(released
+            .into_iter()
+            .map(|g| PyArray1::from_vec(py, g.into_iter().map(|b| b as i32).collect()).unbind())
+            .collect())
+    }
+
+    /// Draft tokens pending on ``seq_id`` (0 unless its last step gave it drafts not yet
+    /// resolved by ``accept_drafts``). Raises ``UnknownSequenceError``.
+    fn num_draft_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let m = &self.inner;
+        py.detach(|| m.num_draft_tokens(seq)).py(py)
+    }
+
     /// ``num_blocks_needed`` per group: one ``(take, release)`` pair per group, in group order
     /// (they sum to ``num_blocks_needed``'s). Same errors, no side effects.
     fn num_blocks_needed_per_group(
@@ -740,15 +823,22 @@ impl PyHybridManager {
     ///     num_new_tokens: one int for all, or ``S`` ints.
     ///     append_token_ids: None; a 1-D integer array of ``S`` tokens (one per sequence); or
     ///         ``S`` lists / arrays of tokens.
+    ///     draft_token_ids: None, or per sequence its draft tokens (speculative decoding's
+    ///         verify step; forms as ``append_token_ids``): they get lookahead slots after the
+    ///         scheduled tokens in every group, the query is the tokens then the drafts
+    ///         (``num_draft_tokens``), nothing is hashed for them, and the sequence stays
+    ///         pending until ``accept_drafts``. A windowed group releases by the committed
+    ///         context only (the first query row reads ``W - 1`` tokens back).
     ///
     /// Raises ``InvalidArgumentError`` for arguments it cannot read (nothing done).
-    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None))]
+    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, draft_token_ids = None))]
     fn step(
         &self,
         py: Python<'_>,
         seq_ids: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
         append_token_ids: Option<&Bound<'_, PyAny>>,
+        draft_token_ids: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyHybridStepOutput> {
         let seq_ids = crate::convert::seq_ids(seq_ids, "seq_ids")?;
         let n = seq_ids.len();
@@ -769,14 +859,19 @@ impl PyHybridManager {
             v.into_iter().map(|x| x as u32).collect()
         };
         let (append_indptr, append_tokens) = appends(append_token_ids, n)?;
+        let (draft_indptr, draft_tokens) = rows_csr(draft_token_ids, n, "draft_token_ids")?;
         let req = StepRequest {
             seq_ids,
             num_new_tokens,
             append_indptr,
             append_tokens,
         };
+        let drafts = StepDrafts {
+            indptr: draft_indptr,
+            tokens: draft_tokens,
+        };
         let m = &self.inner;
-        let out = py.detach(|| m.step(&req));
+        let out = py.detach(|| m.step_with_drafts(&req, &drafts));
         let error = match &out.error {
             Some(e) => Some(error_instance(py, e)?.unbind()),
             None => None,
@@ -814,6 +909,11 @@ impl PyHybridManager {
             seq_lens: arr(out.seq_lens),
             context_lens: arr(out.context_lens),
             input_ids: PyArray1::from_vec(py, out.input_ids).unbind(),
+            num_draft_tokens: arr(if out.num_draft_tokens.is_empty() {
+                vec![0; s]
+            } else {
+                out.num_draft_tokens
+            }),
             slot_mapping: Array2::from_shape_vec((g, t), out.slot_mapping)
                 .expect("G x T")
                 .into_pyarray(py)
