@@ -39,11 +39,14 @@ requests of ``--op-blocks`` full blocks of tokens unique to each, hashed by page
   so each allocation evicts the previous request's cached blocks into the host tier; timed: the
   loop's manager calls (``step``, ``free``), minus the same loop on a manager without host
   tier, divided by the host stores planned. *lookup*: each request is added again under a new id
-  (hashing not timed) and ``lookup_prefix`` is called on all of them (every block a host hit);
-  timed: the ``lookup_prefix`` calls / blocks found. *load*: each such request's first
-  ``step`` allocation (``op-blocks + 1`` device blocks, the host hits planned as loads, the
-  evicted device blocks stored when admissible) and its ``free``; timed / blocks loaded;
-  it includes the device allocation, which vLLM's side does not have.
+  and ``lookup_prefix`` is called on all of them twice (every block a host hit); the first pass
+  hashes each prompt's blocks (reported as ``hash_and_lookup``; vLLM's engine core hashes
+  before its scheduler runs, so its side has no hashing), timed: the second pass / blocks
+  found; ``device_lookup`` is the same second pass on a device pool that holds every block
+  (no host tier), for comparison. *load*: each such request's first ``step`` allocation (``op-blocks + 1`` device
+  blocks, the host hits planned as loads, the evicted device blocks stored when admissible)
+  and its ``free``; timed / blocks loaded; it includes the device allocation, which vLLM's
+  side does not have.
 - vLLM (``--vllm-python``, default ``target/vllm-venv/bin/python`` when present, in a
   subprocess; :mod:`host_tier_vllm`): ``vllm.v1.kv_offload.cpu.manager.CPUOffloadingManager``
   (LRU, no store threshold) of as many chunks, one block per chunk, keys
@@ -206,6 +209,36 @@ def chat_workload(
             "output_mean": float(o.mean()),
         },
     )
+
+
+def mooncake_conversations(
+    w: common.Workload, count: int, *, min_turns: int = 3, max_ids: int | None = None
+) -> list[int]:
+    """Indices (in trace order) of the requests of the trace's first ``count`` multi-turn
+    conversations with at least ``min_turns`` requests: each request joins the conversation of
+    the earlier request it shares its longest hash-id prefix with, when that prefix is at least
+    2 ids (every request shares id 0, the system prompt); conversations whose longest request
+    has more than ``max_ids`` ids are left out."""
+    assert w.hash_ids is not None, "a trace with hash_ids"
+    owner: dict[tuple[int, ...], int] = {}
+    root = list(range(len(w)))
+    for r, ids in enumerate(w.hash_ids):
+        k = 0
+        while k < len(ids) and tuple(ids[: k + 1]) in owner:
+            k += 1
+        if k >= 2:
+            root[r] = root[owner[tuple(ids[:k])]]
+        for j in range(1, len(ids) + 1):
+            owner.setdefault(tuple(ids[:j]), r)
+    convs: dict[int, list[int]] = {}
+    for r in range(len(w)):
+        convs.setdefault(root[r], []).append(r)
+    chosen = [
+        c
+        for c in convs.values()
+        if len(c) >= min_turns and (max_ids is None or max(len(w.hash_ids[r]) for r in c) <= max_ids)
+    ]
+    return sorted(r for c in sorted(chosen, key=lambda c: c[0])[:count] for r in c)
 
 
 def ideal_hits(s: Stream, block_size: int) -> int:
@@ -445,6 +478,10 @@ def pagedkv_ops(prompts: list[np.ndarray], blocks: int, repeats: int) -> dict[st
             for r, p in enumerate(prompts):
                 mgr.add_sequence(n + r, p)
             c = tick()
+            for r in range(n):  # the first lookup hashes the prompt's blocks
+                mgr.lookup_prefix(n + r)
+            hash_and_lookup_ns = tick() - c
+            c = tick()
             found = sum(mgr.lookup_prefix(n + r) for r in range(n)) // BLOCK_SIZE
             lookup_ns = tick() - c
             loaded = 0
@@ -455,12 +492,25 @@ def pagedkv_ops(prompts: list[np.ndarray], blocks: int, repeats: int) -> dict[st
                 loaded += len(out.host_loads)
             load_ns = tick() - c
             mgr.check_invariants()
-        if not (stores and found and loaded):
+        # The same lookups on a device pool that holds every block: the device-only baseline.
+        dev = make_manager(n * (blocks + 1) + 1, 0)
+        for r, p in enumerate(prompts):
+            dev.add_sequence(r, p)
+            dev.step([r], [len(p)])
+            dev.free(r)
+            dev.add_sequence(n + r, p)
+            dev.lookup_prefix(n + r)  # hashes the prompt
+        c = tick()
+        dev_found = sum(dev.lookup_prefix(n + r) for r in range(n)) // BLOCK_SIZE
+        device_lookup_ns = tick() - c
+        if not (stores and found and loaded and dev_found == found):
             raise RuntimeError(f"host tier did nothing: {stores} stores, {found} blocks found, {loaded} loads")
         figures = {
             "store": (loops[True] - loops[False]) / stores,
             "lookup": lookup_ns / found,
             "load": load_ns / loaded,
+            "hash_and_lookup": hash_and_lookup_ns / found,
+            "device_lookup": device_lookup_ns / dev_found,
         }
         counts = {"store": stores, "lookup": found, "load": loaded}
         for k, v in figures.items():
@@ -550,9 +600,11 @@ def print_ops(ops: dict[str, Any]) -> None:
     ):
         vv = None if "skipped" in v else v["ns_per_block"][k]
         rows.append([k, what_p, p[k], what_v, vv, None if vv is None else vv / p[k]])
-    tp = sum(p.values())
+    tp = p["store"] + p["lookup"] + p["load"]
     tv = None if "skipped" in v else sum(v["ns_per_block"].values())
     rows.append(["store + lookup + load", "", tp, "", tv, None if tv is None else tv / tp])
+    rows.append(["(lookup with hashing)", "first lookup_prefix", p["hash_and_lookup"], "", None, None])
+    rows.append(["(device-only lookup)", "lookup_prefix, no host tier", p["device_lookup"], "", None, None])
     common.print_table(
         f"CPU per block op, {ops['requests']} requests x {ops['blocks']} blocks, same hashes"
         + ("" if "skipped" not in v else f" (vLLM skipped: {v['skipped']})"),
@@ -619,7 +671,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--engine", action="store_true", help="run the reference engine comparison instead")
     a, rest = ap.parse_known_args(argv)
     if a.engine:
-        return engine_main(rest)
+        return engine_main([*rest, "--results-dir", a.results_dir])
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
     sweeps = QUICK_SWEEPS if a.quick else SWEEPS
@@ -686,13 +738,16 @@ def engine_main(argv: list[str]) -> dict[str, Any]:
     """``--engine``: the reference engine on SmolLM2 (CPU, fp32, one torch thread) with and
     without a host tier, on a device pool too small for the working set: prefix-hit tokens,
     host-hit tokens, prefill tokens computed, TTFT, goodput and wall time; the outputs of the
-    two runs are compared token by token. Workloads: the first ``--mooncake-requests`` requests
-    of the Mooncake excerpt with every 512-token hash id shrunk to ``--mooncake-id-tokens``
-    tokens (the sharing structure kept, lengths cut to fit a CPU run) and token ids folded into
-    the model's vocabulary, ``--max-tokens`` output tokens each; and :func:`chat_workload`'s
+    two runs are compared token by token. Workloads: the requests of the Mooncake excerpt's
+    first ``--mooncake-conversations`` multi-turn conversations (:func:`mooncake_conversations`,
+    in trace order, all submitted at once) with every 512-token hash id shrunk to
+    ``--mooncake-id-tokens`` tokens (the sharing structure kept, lengths cut to fit a CPU run)
+    and token ids folded into the model's vocabulary, ``--max-tokens`` output tokens each; and :func:`chat_workload`'s
     conversations with user messages and answers shortened (``--chat-*``), every turn's answer
     the model's own greedy output (the next turn's prompt carries it, so this workload runs
-    turn by turn in waves: all open conversations' next turns are submitted together)."""
+    turn by turn in waves: all open conversations' next turns are submitted together). The
+    tier's admission threshold defaults to 1 use here (``--host-min-seen``): the sweep shows
+    the default of 2 stores too little of a conversation's history before its next turn."""
     import torch  # noqa: PLC0415
 
     from pagedkv.engine import LLMEngine, SamplingParams  # noqa: PLC0415
@@ -701,8 +756,9 @@ def engine_main(argv: list[str]) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="host_tier.py --engine")
     ap.add_argument("--kv-blocks", type=int, default=96, help="device pool, blocks of 16 tokens (null included)")
     ap.add_argument("--host-cache-bytes", type=int, default=1 << 30)
-    ap.add_argument("--mooncake-requests", type=int, default=48)
-    ap.add_argument("--mooncake-id-tokens", type=int, default=32)
+    ap.add_argument("--host-min-seen", type=int, default=1, help="host tier admission threshold (uses)")
+    ap.add_argument("--mooncake-conversations", type=int, default=10)
+    ap.add_argument("--mooncake-id-tokens", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--chat-conversations", type=int, default=12)
     ap.add_argument("--chat-turns", type=int, default=4)
@@ -718,7 +774,10 @@ def engine_main(argv: list[str]) -> dict[str, Any]:
     engines = {
         "no host tier": LLMEngine(num_kv_blocks=a.kv_blocks, max_tokens_per_step=a.max_tokens_per_step),
         "host tier": LLMEngine(
-            num_kv_blocks=a.kv_blocks, max_tokens_per_step=a.max_tokens_per_step, host_cache_bytes=a.host_cache_bytes
+            num_kv_blocks=a.kv_blocks,
+            max_tokens_per_step=a.max_tokens_per_step,
+            host_cache_bytes=a.host_cache_bytes,
+            host_admission_min_seen=a.host_min_seen,
         ),
     }
     vocab = engines["host tier"].model.vocab_size
@@ -733,15 +792,16 @@ def engine_main(argv: list[str]) -> dict[str, Any]:
             before = eng.stats()
             t0 = time.perf_counter()
             if wname == "mooncake":
-                w = common.load_workload("mooncake", None, a.mooncake_requests)
+                w = common.load_workload("mooncake")
+                idt = a.mooncake_id_tokens
+                room = (a.kv_blocks - 1) * BLOCK_SIZE - a.max_tokens
+                picked = mooncake_conversations(w, a.mooncake_conversations, max_ids=room // idt)
+                hash_ids = w.hash_ids or []
                 prompts = [
-                    (
-                        common.expand_hash_ids(h, len(h) * a.mooncake_id_tokens, block_tokens=a.mooncake_id_tokens)
-                        % vocab
-                    )
+                    (common.expand_hash_ids(hash_ids[r], len(hash_ids[r]) * idt, block_tokens=idt) % vocab)
                     .astype(np.int64)
                     .tolist()
-                    for h in w.hash_ids or []
+                    for r in picked
                 ]
                 got = eng.generate(prompts, params)
                 tokens = [o.token_ids for o in got]

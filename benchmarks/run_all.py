@@ -4,7 +4,7 @@ kernels_aot run with an empty compile cache) and write
 
 Runs, each in its own subprocess with a time limit: ``allocator_speed.py`` (Mooncake, Azure
 conversation and Azure code traces), ``scaling.py``, ``memory_efficiency.py``, ``sharing.py``,
-``prefix_caching.py`` (each with ``--quick``), ``cluster_sim.py`` (about 3 minutes),
+``prefix_caching.py``, ``host_tier.py`` (each with ``--quick``), ``cluster_sim.py`` (about 3 minutes),
 ``vllm_scheduler.py`` (with ``--vllm-python``, run by that interpreter), and
 ``step_overhead.py`` / ``engine_throughput.py`` / ``engine_roofline.py`` when present, and
 ``kernels_aot.py`` (every Triton kernel configuration compiled for sm_80/90/100 without a GPU;
@@ -62,6 +62,11 @@ def plan(a: argparse.Namespace) -> list[tuple[str, list[str], float]]:
         ("memory_efficiency", [py, str(HERE / "memory_efficiency.py"), "--quick"], 300),
         ("sharing", [py, str(HERE / "sharing.py"), "--quick"], 900),
         ("prefix_caching", [py, str(HERE / "prefix_caching.py"), "--quick"], 240),
+        (
+            "host_tier",
+            [py, str(HERE / "host_tier.py"), "--quick", *(["--vllm-python", a.vllm_python] if a.vllm_python else [])],
+            300,
+        ),
         ("cluster_sim", [py, str(HERE / "cluster_sim.py")], 600),
     ]
     if a.vllm_python:

@@ -103,6 +103,7 @@ def test_host_cache_bytes_larger_than_memory_is_refused_before_the_load(tmp_path
         (dict(host_cache_bytes=True), "host_cache_bytes=True is invalid"),
         (dict(host_cache_bytes=1.5), "host_cache_bytes=1.5 is invalid"),
         (dict(num_host_blocks=-1), "num_host_blocks=-1 is invalid"),
+        (dict(num_host_blocks=4, host_admission_min_seen=0), "host_admission_min_seen=0 is invalid"),
         (dict(num_host_blocks=4, enable_prefix_caching=False), "num_host_blocks=4 is invalid.*prefix_caching"),
         (dict(host_cache_bytes=1 << 20, enable_prefix_caching=False), "host_cache_bytes=1048576 is invalid"),
         (dict(num_host_blocks=4, kv_layout="virtual"), "num_host_blocks=4 is invalid.*virtual"),
@@ -172,6 +173,23 @@ def test_host_hit_replaces_recompute_by_exact_amounts(tiny):
     assert pm.prefill_tokens == 33 + 1 + 45 + 33  # the second X hits 32 tokens on the device
     assert_no_leak(tiered)
     tiered.manager.check_invariants()
+
+
+@needs_host_tier
+@pytest.mark.parametrize("min_seen, hits", [(1, 32), (2, 0)])
+def test_admission_threshold(tiny, min_seen, hits):
+    """X used once, then evicted by Y, then asked again: only a tier storing blocks used once
+    serves it (8 blocks, 32 tokens); the default threshold of two uses stores nothing."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(5, 512, (33,), generator=g).tolist()
+    y = torch.randint(5, 512, (45,), generator=g).tolist()
+    eng = _engine(tiny, num_kv_blocks=13, num_host_blocks=16, host_admission_min_seen=min_seen)
+    for p in (x, y, x):
+        _run(eng, [p])
+    st = eng.stats()
+    assert eng.manager.config.host_admission_min_seen == min_seen
+    assert st.host_hits_tokens == hits and st.host_loads_blocks == hits // 4
+    assert eng.metrics().prefill_tokens == 33 + 45 + 33 - hits
 
 
 def _conversations(vocab: int, n: int, seed: int) -> list[list[int]]:
@@ -263,6 +281,8 @@ def test_cli_host_cache_bytes(tiny, tmp_path, capsys):
             str(f),
             "--host-cache-bytes",
             "1M",
+            "--host-min-seen",
+            "1",
             "--max-tokens",
             "4",
             "--no-progress",
@@ -276,7 +296,8 @@ def test_cli_host_cache_bytes(tiny, tmp_path, capsys):
     m = json.loads(metrics.read_text())
     per_block = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, num_kv_blocks=8).model.kv_bytes_per_block(16)
     assert m["host_blocks"] == (1 << 20) // per_block
-    assert "prefix cache host tier" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "prefix cache host tier" in out and "used >= 1 times" in out
 
 
 # ---- SmolLM2 -------------------------------------------------------------------------------------

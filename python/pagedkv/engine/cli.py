@@ -224,6 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="host-memory tier of the prefix cache (e.g. 2G): cached blocks evicted from the KV pool are "
         "copied there and loaded back on a prefix hit instead of recomputed (default: none)",
     )
+    kv.add_argument(
+        "--host-min-seen",
+        type=positive_int,
+        default=2,
+        metavar="N",
+        help="with --host-cache-bytes: store an evicted block only when its prefix was used at least N times "
+        "(1: every evicted block)",
+    )
 
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument(
@@ -465,6 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             kv_layout=args.kv_layout,
             page_size=args.page_size,
             host_cache_bytes=args.host_cache_bytes,
+            host_admission_min_seen=args.host_min_seen,
         )
     except (EngineError, ValueError, MemoryError) as e:
         return _fail(str(e))
@@ -588,7 +597,8 @@ def _print_report(
     if cfg.num_host_blocks:
         table.add_row(
             "prefix cache host tier",
-            f"{cfg.num_host_blocks} blocks ({engine.runner.host_cache_bytes() / 2**20:.0f} MiB)",
+            f"{cfg.num_host_blocks} blocks ({engine.runner.host_cache_bytes() / 2**20:.0f} MiB), "
+            f"stores blocks used >= {cfg.host_admission_min_seen} times",
         )
     if cfg.speculative is not None:
         table.add_row("speculative decoding", f"{cfg.speculative}, {cfg.draft_tokens_per_step} draft tokens per step")

@@ -53,6 +53,9 @@ class EngineConfig:
             recomputed; docs/design.md, "Host tier"); ``None`` (default): no host tier.
             ``num_host_blocks = host_cache_bytes // KV bytes per block``.
         num_host_blocks: host tier size in blocks; wins over ``host_cache_bytes``; 0: none.
+        host_admission_min_seen: the host tier stores an evicted block only when its hash was
+            used (registered or looked up) at least this many times, >= 1 (default 2: a prompt
+            used once does not push reused blocks out; 1 stores every evicted block).
         kv_layout: ``"paged"`` (default: blocks and block tables) or ``"virtual"`` (each
             sequence's K/V contiguous in reserved virtual memory, pages committed on demand,
             vAttention; :mod:`~pagedkv.engine.virtual_layout`). ``"virtual"`` has the paged
@@ -84,6 +87,7 @@ class EngineConfig:
     page_size: int = 65536
     host_cache_bytes: int | None = None
     num_host_blocks: int | None = None
+    host_admission_min_seen: int = 2
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, want: str) -> None:
@@ -142,6 +146,7 @@ class EngineConfig:
             "num_host_blocks",
             "None or an integer >= 0 blocks",
         )
+        check(at_least(self.host_admission_min_seen, 1), "host_admission_min_seen", "an integer >= 1 (uses)")
         check(self.kv_layout in ("paged", "virtual"), "kv_layout", "'paged' or 'virtual'")
         check(
             isinstance(self.page_size, int) and not isinstance(self.page_size, bool) and self.page_size in PAGE_SIZES,
@@ -257,6 +262,7 @@ class EngineConfig:
             enable_events=bool(enable_events),
             hash_seed=hash_seed,
             num_host_blocks=self.num_host_blocks or 0,
+            host_admission_min_seen=self.host_admission_min_seen,
         )
 
     def pools(self) -> tuple[int, int]:

@@ -88,10 +88,11 @@ class LLMEngine:
         kv_layout, page_size: ``"paged"`` (default) or ``"virtual"`` (contiguous per-sequence
             K/V in reserved virtual memory, pages of ``page_size`` bytes committed on demand;
             ``self.layout`` then holds it); see :class:`EngineConfig`.
-        host_cache_bytes, num_host_blocks: the prefix cache's host-memory tier, in bytes or in
-            blocks (default: none): cached blocks evicted from the device pool are copied to
-            host memory and loaded back on a prefix hit instead of recomputed; see
-            :class:`EngineConfig`. Its hits and copies are counted in :meth:`metrics`.
+        host_cache_bytes, num_host_blocks, host_admission_min_seen: the prefix cache's
+            host-memory tier, in bytes or in blocks (default: none), and its admission threshold:
+            cached blocks evicted from the device pool are copied to host memory and loaded back
+            on a prefix hit instead of recomputed; see :class:`EngineConfig`. Its hits and
+            copies are counted in :meth:`metrics`.
 
     Attributes:
         cache_identity: the :class:`~pagedkv.engine.identity.CacheIdentity` derived from what
@@ -142,13 +143,15 @@ class LLMEngine:
         page_size: int = 65536,
         host_cache_bytes: int | None = None,
         num_host_blocks: int | None = None,
+        host_admission_min_seen: int = 2,
     ) -> None:
         # Every argument is checked before the (slow) model load.
         config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
                               preemption, num_cpu_blocks, enable_prefix_caching, hash_algo, seed,
                               speculative, num_speculative_tokens, kv_layout=kv_layout,
                               page_size=page_size, host_cache_bytes=host_cache_bytes,
-                              num_host_blocks=num_host_blocks)  # fmt: skip
+                              num_host_blocks=num_host_blocks,
+                              host_admission_min_seen=host_admission_min_seen)  # fmt: skip
         config.check_core_limits()
         if host_cache_bytes is not None:
             config.check_host_memory(available_memory(torch.device("cpu")))
