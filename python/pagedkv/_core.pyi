@@ -54,7 +54,15 @@ class CacheConfig:
         hash_seed: bytes | None = None,
         num_cpu_blocks: int | None = None,
         enable_events: bool = False,
-    ) -> CacheConfig: ...
+        num_host_blocks: int = 0,
+        host_admission_min_seen: int = 2,
+        host_eviction: str = "lru",
+    ) -> CacheConfig:
+        """``num_host_blocks`` > 0 adds the prefix cache's host tier (docs/design.md, "Host
+        tier"): cached blocks the device pool evicts are stored to host blocks once their hash
+        was used ``host_admission_min_seen`` times, and prefix lookups load them back.
+        ``host_eviction``: ``"lru"``. Raises ``CacheConfigError`` naming the field for a host
+        tier with prefix caching off, ``host_admission_min_seen=0`` or an unknown policy."""
     @property
     def num_blocks(self) -> int: ...
     @property
@@ -69,6 +77,12 @@ class CacheConfig:
     def num_cpu_blocks(self) -> int: ...
     @property
     def enable_events(self) -> bool: ...
+    @property
+    def num_host_blocks(self) -> int: ...
+    @property
+    def host_admission_min_seen(self) -> int: ...
+    @property
+    def host_eviction(self) -> str: ...
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
 
@@ -135,6 +149,13 @@ class StepOutput:
     def table_delta_indptr(self) -> _Int32Array: ...
     @property
     def table_delta(self) -> _Int32Array: ...
+    @property
+    def host_stores(self) -> _Int32Array:
+        """``int32[s, 2]`` ``(device_block, host_block)`` host-tier stores: run first."""
+    @property
+    def host_loads(self) -> _Int32Array:
+        """``int32[l, 2]`` ``(host_block, device_block)`` host-tier loads: after stores and
+        swaps, before copy-on-write and the forward pass."""
     def raise_for_error(self) -> None: ...
 
 @final
@@ -174,6 +195,16 @@ class CacheStats:
     @property
     def cpu_used(self) -> int: ...
     @property
+    def num_host_blocks(self) -> int: ...
+    @property
+    def host_used(self) -> int: ...
+    @property
+    def host_hits_tokens(self) -> int: ...
+    @property
+    def host_stores_blocks(self) -> int: ...
+    @property
+    def host_loads_blocks(self) -> int: ...
+    @property
     def prefix_hit_rate(self) -> float: ...
     def as_dict(self) -> dict[str, int | float]: ...
     def __eq__(self, other: object, /) -> bool: ...
@@ -201,6 +232,9 @@ class BlockStored:
     def extra_keys(self) -> list[tuple[Any, ...]]: ...
     @property
     def hash_root(self) -> bytes | None: ...
+    @property
+    def tier(self) -> str:
+        """``"device"`` or ``"host"`` (the host tier; vLLM's ``medium`` ``"CPU"``)."""
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
 
@@ -210,6 +244,9 @@ class BlockRemoved:
 
     @property
     def block_hashes(self) -> list[bytes]: ...
+    @property
+    def tier(self) -> str:
+        """``"device"`` or ``"host"``: the tier the hashes left."""
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
 
@@ -322,6 +359,9 @@ class KVCacheManager:
         block_table: bool = False,
         token_arrays: bool = True,
     ) -> StepOutput: ...
+    def take_host_transfers(self) -> tuple[_Int32Array, _Int32Array]:
+        """Host-tier ``(stores, loads)`` planned since the last hand-out, for callers
+        allocating outside ``step``."""
     def stats(self) -> CacheStats: ...
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...
     def check_invariants(self) -> None: ...
@@ -515,6 +555,18 @@ class KVIndexer:
         """``{worker_id: blocks}`` for every worker: how many leading blocks of the prompt it
         holds, counting only the full blocks before the last prompt token (what the worker's
         ``lookup_prefix`` could serve; the last token is always computed)."""
+    def overlap_by_tier(
+        self,
+        token_ids: _IntArrayLike,
+        *,
+        spec: SequenceSpec | None = None,
+        cache_salt: str | None = None,
+        adapter_id: str | None = None,
+        extra_keys: list[tuple[str, bytes]] | None = None,
+        mm_items: list[tuple[bytes, int, int]] | None = None,
+    ) -> dict[int, tuple[int, int]]:
+        """``{worker_id: (device, any_tier)}``: ``device`` is ``overlap``'s figure,
+        ``any_tier`` the leading blocks held on the device or in the worker's host tier."""
     def overlap_hashes(self, block_hashes: Iterable[_WireHash]) -> dict[int, int]:
         """``{worker_id: blocks}``: leading blocks of ``block_hashes`` (in order) each worker
         holds."""

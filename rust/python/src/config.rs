@@ -2,6 +2,7 @@
 
 use crate::convert::{repr, type_name, uint};
 use crate::errors::to_pyerr;
+use pagedkv_core::host_tier::{HostEviction, MAX_HOST_BLOCKS};
 use pagedkv_core::manager::MAX_BLOCK_SIZE;
 use pagedkv_core::pool::MAX_BLOCKS;
 use pagedkv_core::{CacheConfig, Error, HashAlgo};
@@ -67,8 +68,9 @@ impl PyCacheConfig {
     // The typed fields are read by hand (so a wrong type is an InvalidConfigError naming the
     // field); the text signature shows their real defaults.
     #[pyo3(signature = (num_blocks, block_size, *, enable_prefix_caching = None, hash_algo = None,
-                        hash_seed = None, num_cpu_blocks = None, enable_events = None),
-           text_signature = "(num_blocks, block_size, *, enable_prefix_caching=True, hash_algo='sha256', hash_seed=None, num_cpu_blocks=None, enable_events=False)")]
+                        hash_seed = None, num_cpu_blocks = None, enable_events = None,
+                        num_host_blocks = None, host_admission_min_seen = None, host_eviction = None),
+           text_signature = "(num_blocks, block_size, *, enable_prefix_caching=True, hash_algo='sha256', hash_seed=None, num_cpu_blocks=None, enable_events=False, num_host_blocks=0, host_admission_min_seen=2, host_eviction='lru')")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -79,6 +81,9 @@ impl PyCacheConfig {
         hash_seed: Option<&Bound<'_, PyAny>>,
         num_cpu_blocks: Option<&Bound<'_, PyAny>>,
         enable_events: Option<&Bound<'_, PyAny>>,
+        num_host_blocks: Option<&Bound<'_, PyAny>>,
+        host_admission_min_seen: Option<&Bound<'_, PyAny>>,
+        host_eviction: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let flag = |obj: Option<&Bound<'_, PyAny>>, field, default| match obj {
             // pyo3's bool extraction also takes numpy.bool_.
@@ -121,6 +126,24 @@ impl PyCacheConfig {
             None => 0,
         };
         cfg.enable_events = enable_events;
+        if let Some(n) = num_host_blocks.filter(|n| !n.is_none()) {
+            cfg.num_host_blocks = u32_field(n, "num_host_blocks", (0, MAX_HOST_BLOCKS), "blocks")?;
+        }
+        if let Some(n) = host_admission_min_seen {
+            cfg.host_admission_min_seen =
+                u32_field(n, "host_admission_min_seen", (1, u32::MAX), "uses")?;
+        }
+        if let Some(o) = host_eviction {
+            let name = typed_field::<PyString>(o, "host_eviction", "a str")?.to_str()?;
+            cfg.host_eviction = HostEviction::from_name(name).ok_or_else(|| {
+                config_error(
+                    py,
+                    "host_eviction",
+                    format!("{name:?}"),
+                    "expected \"lru\"".into(),
+                )
+            })?;
+        }
         if cfg.num_blocks > MAX_BLOCKS {
             return Err(config_error(
                 py,
@@ -175,11 +198,30 @@ impl PyCacheConfig {
         self.inner.enable_events
     }
 
+    /// Host-memory blocks of the prefix cache's second tier (0: no host tier).
+    #[getter]
+    fn num_host_blocks(&self) -> u32 {
+        self.inner.num_host_blocks
+    }
+
+    /// Uses (computed registrations and prefix hits) a block hash needs before an eviction
+    /// stores it to the host tier (1: every evicted cached block).
+    #[getter]
+    fn host_admission_min_seen(&self) -> u32 {
+        self.inner.host_admission_min_seen
+    }
+
+    /// The host tier's eviction policy: ``"lru"``.
+    #[getter]
+    fn host_eviction(&self) -> &'static str {
+        self.inner.host_eviction.name()
+    }
+
     fn __repr__(&self) -> String {
         let c = &self.inner;
         format!(
             "CacheConfig(num_blocks={}, block_size={}, enable_prefix_caching={}, hash_algo={:?}, \
-             hash_seed=<{} bytes>, num_cpu_blocks={}, enable_events={})",
+             hash_seed=<{} bytes>, num_cpu_blocks={}, enable_events={}{})",
             c.num_blocks,
             c.block_size,
             if c.enable_prefix_caching {
@@ -191,6 +233,17 @@ impl PyCacheConfig {
             c.hash_seed.len(),
             c.num_cpu_blocks,
             if c.enable_events { "True" } else { "False" },
+            // The host tier's fields only when there is one (the one-tier repr is unchanged).
+            if c.num_host_blocks == 0 {
+                String::new()
+            } else {
+                format!(
+                    ", num_host_blocks={}, host_admission_min_seen={}, host_eviction={:?}",
+                    c.num_host_blocks,
+                    c.host_admission_min_seen,
+                    c.host_eviction.name()
+                )
+            },
         )
     }
 }

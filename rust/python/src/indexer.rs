@@ -200,7 +200,6 @@ fn status_dict<'py>(py: Python<'py>, st: &WorkerStatus) -> PyResult<Bound<'py, P
     d.set_item("incarnation", st.incarnation)?;
     d.set_item("hash_source", st.source.name())?;
     d.set_item("num_blocks", st.num_blocks)?;
-    d.set_item("num_host_blocks", st.num_host_blocks)?;
     d.set_item("next_seq", st.next_seq)?;
     d.set_item("num_pending", st.num_pending)?;
     d.set_item("needs_resync", st.needs_resync)?;

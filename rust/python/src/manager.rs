@@ -180,6 +180,17 @@ pub(crate) struct PyStepOutput {
     /// ``int32[n]`` per sequence, its table entries from ``table_start`` to its end.
     #[pyo3(get)]
     pub(crate) table_delta: Py<PyArray1<i32>>,
+    /// ``int32[s, 2]`` host-tier stores ``(device_block, host_block)``: copy these FIRST in
+    /// the step (before swap-out, swap-in, host loads, copy-on-write and the forward pass):
+    /// the device blocks are about to be reused. Includes the stores of calls made since the
+    /// previous step (e.g. ``swap_in``). Shape ``(0, 2)`` without a host tier.
+    #[pyo3(get)]
+    host_stores: Py<PyArray2<i32>>,
+    /// ``int32[l, 2]`` host-tier loads ``(host_block, device_block)``: copy after the stores
+    /// and swaps, before copy-on-write and the forward pass. Their host blocks stay pinned
+    /// until the next ``step`` call returns. Shape ``(0, 2)`` without a host tier.
+    #[pyo3(get)]
+    host_loads: Py<PyArray2<i32>>,
 }
 
 #[pymethods]
@@ -803,6 +814,8 @@ impl PyKvCacheManager {
             table_version: PyArray1::from_vec(py, out.table_version).unbind(),
             table_delta_indptr: arr(out.table_delta_indptr),
             table_delta: arr(out.table_delta),
+            host_stores: matrix(py, out.host_stores, 2),
+            host_loads: matrix(py, out.host_loads, 2),
         })
     }
 
@@ -831,6 +844,19 @@ impl PyKvCacheManager {
         py.detach(|| m.num_blocks_owed(&seqs)).py(py)
     }
 
+    /// The host-tier copies planned since the last hand-out, for callers that allocate with
+    /// ``allocate_slots`` / ``swap_in`` outside ``step`` (which hands them out itself in
+    /// ``StepOutput.host_stores`` / ``host_loads``): ``(stores, loads)``, ``int32[s, 2]``
+    /// ``(device_block, host_block)`` and ``int32[l, 2]`` ``(host_block, device_block)``. Run
+    /// the stores first, the loads before the forward pass that reads them; the loads' host
+    /// blocks stay pinned until the next ``step`` call returns. Both ``(0, 2)`` without a
+    /// host tier.
+    fn take_host_transfers<'py>(&self, py: Python<'py>) -> (Py<PyArray2<i32>>, Py<PyArray2<i32>>) {
+        let m = &self.inner;
+        let t = py.detach(|| m.take_host_transfers());
+        (pairs_array(py, &t.stores), pairs_array(py, &t.loads))
+    }
+
     /// A snapshot of usage and counters (``CacheStats``).
     fn stats(&self, py: Python<'_>) -> PyCacheStats {
         let m = &self.inner;
@@ -851,7 +877,7 @@ impl PyKvCacheManager {
         PyList::new(py, objs)
     }
 
-    /// Checks invariants 1-4 of docs/design.md (the pool's included); raises
+    /// Checks invariants 1-4 and 9 (the host tier) of docs/design.md (the pool's included); raises
     /// ``InvariantViolationError`` (an ``AssertionError``) naming the first violation. O(num_blocks + blocks of all sequences).
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
         let m = &self.inner;

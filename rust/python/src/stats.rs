@@ -7,8 +7,9 @@ use pyo3::types::PyDict;
 /// A point-in-time snapshot of the KV cache (from ``KVCacheManager.stats()``).
 ///
 /// Units: ``num_blocks``, ``used``, ``free``, ``cached_free``, ``evictions``, ``copies``,
-/// ``swaps_out_blocks``, ``swaps_in_blocks``, ``num_cpu_blocks``, ``cpu_used`` are blocks;
-/// ``block_size``, ``prefix_queries_tokens``, ``prefix_hits_tokens`` are tokens;
+/// ``swaps_out_blocks``, ``swaps_in_blocks``, ``num_cpu_blocks``, ``cpu_used``,
+/// ``num_host_blocks``, ``host_used``, ``host_stores_blocks``, ``host_loads_blocks`` are blocks;
+/// ``block_size``, ``prefix_queries_tokens``, ``prefix_hits_tokens``, ``host_hits_tokens`` are tokens;
 /// ``preemptions`` counts sequences; ``usage`` and ``kv_utilization`` are fractions in [0, 1].
 /// Snapshots compare equal when every field is equal.
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "CacheStats")]
@@ -86,4 +87,14 @@ getters! {
     num_cpu_blocks: u32;
     /// CPU blocks holding swapped-out KV.
     cpu_used: usize;
+    /// Host-tier blocks of the prefix cache (0: no host tier).
+    num_host_blocks: u32;
+    /// Host-tier blocks holding a cached block or pinned by a load.
+    host_used: usize;
+    /// Of ``prefix_hits_tokens``, tokens served from the host tier (loaded, not recomputed).
+    host_hits_tokens: u64;
+    /// Device -> host copies planned (stores of evicted cached blocks).
+    host_stores_blocks: u64;
+    /// Host -> device copies planned (loads of host-tier prefix hits).
+    host_loads_blocks: u64;
 }
