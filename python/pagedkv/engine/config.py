@@ -32,7 +32,10 @@ class EngineConfig:
 
     Attributes:
         num_kv_blocks: KV pool size in blocks, the null block included (usable =
-            ``num_kv_blocks - 1``). Default: from ``kv_bytes``, else 1024.
+            ``num_kv_blocks - 1``). Default: from ``kv_bytes``, else 1024. A block holds
+            ``block_size`` tokens of every layer, or on a model with sliding-window layers
+            (served through ``pagedkv.HybridKVCacheManager``) of one KV cache group's layers
+            only (3 of Gemma 3 270M's 18): the same bytes hold that many more blocks.
         kv_bytes: KV pool size in bytes (all layers, K and V); ignored if ``num_kv_blocks``.
         block_size: tokens per block.
         max_tokens_per_step: token budget per step; longer prefills are chunked.
