@@ -80,7 +80,9 @@ class LLMEngine:
             num_cpu_blocks, enable_prefix_caching, hash_algo, seed: the KV pool, scheduling
             limits and seed; see :class:`EngineConfig` (``self.config``, pool sizes resolved).
         enable_kv_events: buffer the KV cache manager's events (``engine.manager.take_events()``)
-            for a router's :class:`pagedkv.KVIndexer`; whoever enables them must drain them.
+            for a router's :class:`pagedkv.KVIndexer`; whoever enables them must drain them. On
+            a model with sliding-window layers they are ``(group, event)`` pairs
+            (``pagedkv.HybridKVCacheManager.take_events``).
         speculative, num_speculative_tokens: prompt-lookup speculative decoding
             (``speculative="ngram"``, up to ``num_speculative_tokens`` drafts per step, default
             3); greedy requests only, others decode as without it; see :class:`EngineConfig`.
@@ -93,6 +95,11 @@ class LLMEngine:
             cached blocks evicted from the device pool are copied to host memory and loaded back
             on a prefix hit instead of recomputed; see :class:`EngineConfig`. Its hits and
             copies are counted in :meth:`metrics`.
+
+    A model with sliding-window layers (Gemma 3) is served through
+    ``pagedkv.HybridKVCacheManager`` (``self.manager``): one block table per KV cache group, the
+    blocks behind a window released (:mod:`pagedkv.engine.kv_groups`); others through
+    ``pagedkv.KVCacheManager``.
 
     Attributes:
         cache_identity: the :class:`~pagedkv.engine.identity.CacheIdentity` derived from what
@@ -109,8 +116,9 @@ class LLMEngine:
             the model load; or ``kv_bytes`` holding fewer than 2 blocks of this model or
             ``host_cache_bytes`` less than one; or a
             model architecture the engine does not implement (after the load, before any
-            allocation; :func:`pagedkv.engine.architectures.build_model`). The message names
-            the value.
+            allocation; :func:`pagedkv.engine.architectures.build_model`); or speculative
+            decoding or a host tier on a model with sliding-window layers
+            (:func:`pagedkv.engine.kv_groups.check_hybrid_config`). The message names the value.
         pagedkv.InvalidConfigError: a pool sized by ``kv_bytes`` above the core's block limit
             (when it fits the free memory).
         DeviceUnavailableError: ``device`` is CUDA but CUDA is not available (checked before
