@@ -123,13 +123,22 @@ class _Stand:
         ("parallel_config", _Stand(prefill_context_parallel_size=2), "prefill_context_parallel_size"),
         ("observability_config", _Stand(kv_cache_metrics=True), "kv_cache_metrics"),
         ("aux_output_config", _Stand(enabled=True), "aux_output_config.enabled"),
+        # Found by vLLM's own scheduler tests (scripts/run_vllm_scheduler_tests.py): accepted
+        # before, it failed mid-step with "num_new_tokens = 0" from allocate_slots.
+        ("diffusion_config", _Stand(canvas_length=8), "diffusion_config"),
     ],
 )
 def test_unsupported_settings_are_named(field: str, value: Any, named: str) -> None:
     real = make_vllm_config(num_blocks=64)
     check_supported_config(real, make_kv_cache_config(64), BS)  # the base config is accepted
     fields = {f: getattr(real, f) for f in ("model_config", "parallel_config", "observability_config")}
-    fields.update(speculative_config=None, kv_transfer_config=None, aux_output_config=None, num_lookahead_tokens=0)
+    fields.update(
+        speculative_config=None,
+        kv_transfer_config=None,
+        aux_output_config=None,
+        diffusion_config=None,
+        num_lookahead_tokens=0,
+    )
     fields[field] = value
     stand = _Stand(**fields)
     with pytest.raises(UnsupportedVllmConfigError, match=named) as err:

@@ -8,7 +8,8 @@ subtly wrong later: Mamba layers, speculative decoding with several KV cache gro
 attention, KV connectors (they adopt and evict blocks behind the manager's back), context
 parallelism (blocks sharded across ranks), lookahead slots for tokens not yet known (EAGLE /
 MTP drafters; n-gram and other proposers whose draft tokens are scheduled are served, see
-``PagedKVCacheManager.allocate_slots``), prompt embeddings (no token ids to hash), sub-block
+``PagedKVCacheManager.allocate_slots``), diffusion decoding (a canvas rewritten in place),
+prompt embeddings (no token ids to hash), sub-block
 hash granularity, and the metrics / aux-output hooks that read vLLM's own block pool.
 """
 
@@ -55,7 +56,8 @@ def check_supported_config(
     block size the scheduler's (Mamba groups are refused, naming them; so is speculative
     decoding with several groups); decoder-only model, no
     KV connector, no context parallelism, no lookahead slots (n-gram speculative decoding and
-    other proposers without them are served), no prompt embeddings, ``hash_block_size ==
+    other proposers without them are served), no diffusion decoding (``diffusion_config``), no
+    prompt embeddings, ``hash_block_size ==
     block_size``, no KV-cache metrics sampling, no aux-output connector. Prefix caching on or
     off, chunked prefill, FCFS and priority policies, LoRA, multimodal inputs, cache salts, KV
     events, the watermark and speculative decoding with scheduled draft tokens are all
@@ -161,6 +163,14 @@ def check_supported_config(
     ):
         if (_attr(vllm_config, lookahead, 0) or 0) > 0:
             raise _refuse(lookahead, _attr(vllm_config, lookahead), "lookahead slots are not managed")
+    diffusion = _attr(vllm_config, "diffusion_config")
+    if diffusion is not None:
+        raise _refuse(
+            "diffusion_config",
+            type(diffusion).__name__,
+            "diffusion decoding rewrites a canvas of tokens in place and schedules steps of "
+            "no new token; pagedkv's sequences only grow",
+        )
     observability = _attr(vllm_config, "observability_config")
     if _attr(observability, "kv_cache_metrics", False):
         raise _refuse(
