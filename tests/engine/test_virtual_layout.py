@@ -98,6 +98,7 @@ def _layout(budget_pages: int, page: int = 4096, **kw) -> VirtualKVLayout:
         budget_bytes=budget_pages * page,
         max_seqs=kw.get("max_seqs", 4),
         max_seq_len=kw.get("max_seq_len", 256),
+        device=kw.get("device"),
     )
 
 
@@ -229,3 +230,21 @@ def test_virtual_layout_token_identical_on_smollm2(smol):
         engine = LLMEngine(smol.hf, tokenizer=smol.tokenizer, kv_layout="virtual", **{"num_kv_blocks": 256, **kw})
         assert [list(o.token_ids) for o in engine.generate(ids, params)] == want
         assert engine.layout.stats().resident_bytes == 0
+
+
+def test_cuda_arena_without_a_gpu_is_a_clear_typed_error():
+    from pagedkv.engine.errors import DeviceUnavailableError
+    from pagedkv.engine.virtual_memory_cuda import CudaVirtualArena
+
+    if torch.cuda.is_available():  # pragma: no cover - written on a machine without a GPU
+        arena = CudaVirtualArena(64 * MiB, 2 * MiB)
+        arena.commit(0, 4 * MiB)
+        arena.bytes[: 4 * MiB].fill_(3)
+        assert int(arena.bytes[4 * MiB - 1]) == 3 and arena.resident_bytes() == 4 * MiB
+        arena.release(0, 4 * MiB)
+        arena.close()
+        return
+    with pytest.raises(DeviceUnavailableError, match="GPU|cuda-python"):
+        CudaVirtualArena(64 * MiB, 2 * MiB)
+    with pytest.raises(DeviceUnavailableError):
+        _layout(16, device="cuda")

@@ -76,11 +76,15 @@ class VirtualKVLayout:
         budget_bytes: physical bytes the layout may commit, >= one page per segment.
         max_seqs: slots (most sequences holding KV at once), >= 1.
         max_seq_len: tokens each slot's segments are reserved for, >= 1.
+        device: ``None`` or a CPU device (an anonymous ``mmap``), or a CUDA device (the driver's
+            virtual memory API, :class:`~pagedkv.engine.virtual_memory_cuda.CudaVirtualArena`;
+            untested: written without a GPU).
 
     Raises:
         EngineConfigError: a bad page size, a budget too small for one token of one sequence,
             or a bad count (the message names the value).
         HugePagesUnavailableError: 2 MiB pages without transparent huge pages.
+        DeviceUnavailableError: a CUDA device without a GPU, driver or cuda-python.
     """
 
     def __init__(
@@ -94,6 +98,7 @@ class VirtualKVLayout:
         budget_bytes: int,
         max_seqs: int,
         max_seq_len: int,
+        device: torch.device | str | None = None,
     ) -> None:
         self.page_size = check_page_size(page_size)
         for name, v in (("max_seqs", max_seqs), ("max_seq_len", max_seq_len)):
@@ -115,7 +120,15 @@ class VirtualKVLayout:
                 f"bytes, fewer than the {self.num_segments} (one per layer's K and V) a one-token sequence needs"
             )
         self.budget_bytes = budget_bytes
-        self.arena = VirtualArena(max_seqs * self.slot_bytes, page_size)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        if dev.type == "cuda":
+            from .virtual_memory_cuda import CudaVirtualArena
+
+            self.arena: VirtualArena | CudaVirtualArena = CudaVirtualArena(
+                max_seqs * self.slot_bytes, page_size, dev.index or 0
+            )
+        else:
+            self.arena = VirtualArena(max_seqs * self.slot_bytes, page_size)
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self._slot: dict[int, int] = {}  # seq id -> slot
         self._pages: dict[int, int] = {}  # seq id -> committed pages per segment

@@ -223,6 +223,7 @@ def build_virtual_manager(
         budget_bytes=budget,
         max_seqs=config.max_num_seqs,
         max_seq_len=model.max_model_len,
+        device=model.device,
     )
     # Tokens the budget can hold, in blocks, plus a partial block per sequence: the bookkeeping
     # pool never runs out before the layout's pages do.

@@ -16,8 +16,8 @@ mapping; ``MAP_PRIVATE``: copy-on-write per OS page on the first write). Python'
 cannot place a mapping at a fixed address inside a reserved range (no ``MAP_FIXED``), so a
 shared prefix is its own mapping beside the request's private range, not spliced into it.
 
-Not here: the CUDA driver's virtual memory API (``cuMemAddressReserve`` / ``cuMemCreate`` /
-``cuMemMap``); see docs/design.md for why.
+The same interface on a GPU, through the CUDA driver's virtual memory API, is
+:class:`pagedkv.engine.virtual_memory_cuda.CudaVirtualArena` (untested: written without a GPU).
 """
 
 from __future__ import annotations
