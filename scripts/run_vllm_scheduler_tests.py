@@ -86,11 +86,11 @@ def pytest_configure(config: Any) -> None:
 
     from pagedkv.integrations.vllm import PagedKVScheduler
 
-    class PagedKVAsyncScheduler(PagedKVScheduler, async_mod.AsyncScheduler):  # type: ignore[misc]
+    class PagedKVAsyncScheduler(PagedKVScheduler, async_mod.AsyncScheduler):  # type: ignore[misc, unused-ignore]
         """vLLM's ``AsyncScheduler`` with pagedkv's KV cache manager."""
 
-    sched_mod.Scheduler = PagedKVScheduler  # type: ignore[misc]
-    async_mod.AsyncScheduler = PagedKVAsyncScheduler  # type: ignore[misc]
+    sched_mod.Scheduler = PagedKVScheduler  # type: ignore[misc, unused-ignore]
+    async_mod.AsyncScheduler = PagedKVAsyncScheduler  # type: ignore[misc, unused-ignore]
 
 
 def _caplog_vllm_fixture() -> Any:

@@ -314,7 +314,7 @@ class HybridPagedKVCacheManager:
         if seq is None or not self.enable_caching:
             return 0
         computed = min(self._kvm.num_computed_tokens(seq), request.num_tokens)
-        return computed - computed % self.block_size
+        return int(computed - computed % self.block_size)
 
     # ---- allocation ------------------------------------------------------------------------
 
