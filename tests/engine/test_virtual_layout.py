@@ -248,3 +248,15 @@ def test_cuda_arena_without_a_gpu_is_a_clear_typed_error():
         CudaVirtualArena(64 * MiB, 2 * MiB)
     with pytest.raises(DeviceUnavailableError):
         _layout(16, device="cuda")
+
+
+def test_virtual_layout_refuses_a_host_tier_and_sliding_windows():
+    from types import SimpleNamespace
+
+    from pagedkv.engine.virtual_manager import build_virtual_manager
+
+    full, windowed = SimpleNamespace(layer_windows=(None, None)), SimpleNamespace(layer_windows=(None, 512))
+    with pytest.raises(EngineConfigError, match="host tier"):
+        build_virtual_manager(full, SimpleNamespace(num_host_blocks=8), hash_seed=None, enable_events=False)
+    with pytest.raises(EngineConfigError, match="sliding-window"):
+        build_virtual_manager(windowed, SimpleNamespace(num_host_blocks=None), hash_seed=None, enable_events=False)

@@ -200,7 +200,8 @@ def build_virtual_manager(
 
     Raises:
         EngineConfigError: a model with sliding-window layers (not supported by this layout), a
-            budget below one page per layer's K and V, a bad page size.
+            host tier of the prefix cache, a budget below one page per layer's K and V, a bad
+            page size.
         HugePagesUnavailableError: 2 MiB pages without transparent huge pages.
     """
     import dataclasses
@@ -211,6 +212,11 @@ def build_virtual_manager(
         raise EngineConfigError(
             "kv_layout='virtual' is invalid for this model: it has sliding-window layers, which the "
             "virtual layout does not support (use kv_layout='paged')"
+        )
+    if getattr(config, "num_host_blocks", None) or getattr(config, "host_cache_bytes", None):
+        raise EngineConfigError(
+            "kv_layout='virtual' is invalid with a host tier of the prefix cache: the virtual layout "
+            "runs without prefix caching (use kv_layout='paged')"
         )
     per_block = model.kv_bytes_per_block(config.block_size)
     budget = (config.num_kv_blocks - 1) * per_block
