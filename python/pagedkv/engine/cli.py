@@ -594,6 +594,14 @@ def _print_report(
         f"{cfg.num_kv_blocks} blocks x {cfg.block_size} tokens ({engine.runner.kv_cache_bytes() / 2**20:.0f} MiB)",
     )
     table.add_row("preemption / prefix caching", f"{cfg.preemption} / {'on' if cfg.enable_prefix_caching else 'off'}")
+    layout = getattr(engine, "layout", None)
+    if layout is not None:  # --kv-layout virtual: the block rows below are its token bookkeeping
+        st = layout.stats()
+        table.add_row(
+            "virtual KV layout",
+            f"{layout.page_size // 1024} KiB pages, peak {st.peak_committed_bytes / 2**20:.1f} of "
+            f"{st.budget_bytes / 2**20:.1f} MiB committed, {st.page_faults} page faults, prefix caching off",
+        )
     if cfg.num_host_blocks:
         table.add_row(
             "prefix cache host tier",

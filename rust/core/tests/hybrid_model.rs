@@ -6,6 +6,9 @@
 //!    demand of scheduling a group, and that freeing everything leaves the pool whole;
 //! 2. with one full-attention group, the same operations on `KvCacheManager` as the oracle:
 //!    block tables, prefix hits and demands must agree.
+//!
+//! Both drive speculative decoding's verify steps (`Verify`: lookahead slots for `k` drafts)
+//! and their acceptance (`Accept`, releasing or keeping the rejected drafts' blocks).
 
 use pagedkv_core::hybrid::CPU_NULL;
 use pagedkv_core::{
@@ -56,6 +59,16 @@ enum Op {
     Owed {
         seqs: Vec<usize>,
     },
+    Verify {
+        seq: usize,
+        n: u8,
+        k: u8,
+    },
+    Accept {
+        seq: usize,
+        m: u8,
+        keep: bool,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -72,6 +85,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => any::<usize>().prop_map(|seq| Op::SwapIn { seq }),
         1 => any::<usize>().prop_map(|seq| Op::Lookup { seq }),
         1 => prop::collection::vec(any::<usize>(), 1..4).prop_map(|seqs| Op::Owed { seqs }),
+        2 => (any::<usize>(), 1u8..24, 1u8..7).prop_map(|(seq, n, k)| Op::Verify { seq, n, k }),
+        2 => (any::<usize>(), 0u8..8, any::<bool>()).prop_map(|(seq, m, keep)| Op::Accept { seq, m, keep }),
     ]
 }
 
@@ -166,6 +181,8 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
     let mut next: SeqId = 1;
     // Model: tokens and computed counts per sequence.
     let mut model: HashMap<SeqId, (usize, usize)> = HashMap::new();
+    // Pending draft tokens per sequence.
+    let mut pending: HashMap<SeqId, usize> = HashMap::new();
     for op in ops {
         let before = snapshot(&m, &ids);
         let free0 = m.pool().num_free();
@@ -180,9 +197,18 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
             }
             Op::Append { seq, n } => {
                 let Some(id) = pick(&ids, seq) else { continue };
-                m.append_tokens(id, &vec![7; n as usize]).unwrap();
-                model.get_mut(&id).unwrap().0 += n as usize;
-                false
+                let r = m.append_tokens(id, &vec![7; n as usize]);
+                if pending.get(&id).copied().unwrap_or(0) > 0 {
+                    assert!(
+                        matches!(r, Err(Error::InvalidSequenceState { .. })),
+                        "{r:?}"
+                    );
+                    true
+                } else {
+                    r.unwrap();
+                    model.get_mut(&id).unwrap().0 += n as usize;
+                    false
+                }
             }
             Op::Allocate { seq, n } => {
                 let Some(id) = pick(&ids, seq) else { continue };
@@ -322,6 +348,7 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
                 assert!(!m.free(id));
                 ids.retain(|&x| x != id);
                 model.remove(&id);
+                pending.remove(&id);
                 false
             }
             Op::Preempt { seq } => {
@@ -329,9 +356,88 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
                 match m.preempt_recompute(&[id]) {
                     Ok(()) => {
                         model.get_mut(&id).unwrap().1 = 0;
+                        pending.remove(&id); // dropped with the rest
                         false
                     }
                     Err(_) => true,
+                }
+            }
+            Op::Verify { seq, n, k } => {
+                let Some(id) = pick(&ids, seq) else { continue };
+                let drafts: Vec<u32> = (0..k as u32).map(|i| 50 + i).collect();
+                let need = m.num_blocks_needed_with_drafts(id, n as usize, drafts.len());
+                match m.allocate_slots_with_drafts(id, n as usize, &drafts) {
+                    Ok(a) => {
+                        let d = need.unwrap();
+                        assert_eq!(
+                            free0 as isize - m.pool().num_free() as isize,
+                            d.net(),
+                            "verify demand {d:?}"
+                        );
+                        let (tokens, _) = model[&id];
+                        assert_eq!(a.num_draft_tokens, k as usize);
+                        assert_eq!(a.num_context_tokens + a.num_scheduled_tokens, tokens);
+                        model.get_mut(&id).unwrap().1 = tokens;
+                        pending.insert(id, k as usize);
+                        // A windowed group keeps every block its first query row reads.
+                        for (g, t) in m.block_tables(id).unwrap().iter().enumerate() {
+                            let spec = m.config().groups[g];
+                            let bs = spec.block_size as usize;
+                            let from = spec.first_read(a.num_context_tokens) / bs;
+                            assert!(t.len() >= (tokens + k as usize).div_ceil(bs));
+                            assert!(
+                                t[from..].iter().all(|&b| b != NULL_BLOCK),
+                                "group {g}: {t:?}"
+                            );
+                        }
+                        false
+                    }
+                    Err(Error::OutOfBlocks {
+                        requested,
+                        available,
+                    }) => {
+                        let d = need.unwrap();
+                        assert_eq!((requested, available), (d.take, free0 + d.release));
+                        true
+                    }
+                    Err(e) => {
+                        assert_eq!(need.unwrap_err(), e);
+                        true
+                    }
+                }
+            }
+            Op::Accept { seq, m: acc, keep } => {
+                let Some(id) = pick(&ids, seq) else { continue };
+                let k = pending.get(&id).copied().unwrap_or(0);
+                let acc = acc as usize;
+                let r = if keep {
+                    m.accept_drafts_keeping_blocks(id, acc)
+                } else {
+                    m.accept_drafts(id, acc)
+                };
+                match r {
+                    Ok(released) => {
+                        assert!(k > 0 && acc <= k);
+                        let e = model.get_mut(&id).unwrap();
+                        e.0 += acc;
+                        e.1 += acc;
+                        pending.remove(&id);
+                        let n: usize = released.iter().map(Vec::len).sum();
+                        assert_eq!(m.pool().num_free(), free0 + n);
+                        if keep {
+                            assert_eq!(n, 0);
+                        }
+                        false
+                    }
+                    Err(Error::InvalidSequenceState { .. }) => {
+                        assert_eq!(k, 0);
+                        true
+                    }
+                    Err(Error::InvalidArgument { .. }) => {
+                        assert!(acc > k);
+                        true
+                    }
+                    Err(e) => panic!("{e:?}"),
                 }
             }
             Op::SwapOut { seq } => {
@@ -414,6 +520,10 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
         }
         m.check_invariants().unwrap();
         for (&id, &(tokens, computed)) in &model {
+            assert_eq!(
+                m.num_draft_tokens(id).unwrap(),
+                pending.get(&id).copied().unwrap_or(0)
+            );
             assert_eq!(m.num_tokens(id).unwrap(), tokens);
             if m.status(id).unwrap() != SeqStatus::Swapped {
                 assert_eq!(m.num_computed_tokens(id).unwrap(), computed);
@@ -507,17 +617,46 @@ proptest! {
                 }
                 Op::Append { seq, n } => {
                     let Some(id) = pick(&ids, seq) else { continue };
-                    h.append_tokens(id, &vec![5; n as usize]).unwrap();
-                    k.append_tokens(id, &vec![5; n as usize]).unwrap();
+                    prop_assert_eq!(
+                        h.append_tokens(id, &vec![5; n as usize]),
+                        k.append_tokens(id, &vec![5; n as usize])
+                    );
                 }
                 Op::Allocate { seq, n } => both_allocate(&h, &k, &ids, seq, n)?,
                 Op::Step { seqs, n, .. } => both_allocate(&h, &k, &ids, seqs[0], n)?,
                 Op::Fork { seq } => {
                     let Some(id) = pick(&ids, seq) else { continue };
-                    h.fork(id, next).unwrap();
-                    k.fork(id, next).unwrap();
-                    ids.push(next);
-                    next += 1;
+                    let r = h.fork(id, next);
+                    prop_assert_eq!(&r, &k.fork(id, next));
+                    if r.is_ok() {
+                        ids.push(next);
+                        next += 1;
+                    }
+                }
+                Op::Verify { seq, n, k: nd } => {
+                    let Some(id) = pick(&ids, seq) else { continue };
+                    let drafts: Vec<u32> = (0..nd as u32).map(|i| 50 + i).collect();
+                    match (
+                        h.allocate_slots_with_drafts(id, n as usize, &drafts),
+                        k.allocate_slots_with_drafts(id, n as usize, &drafts),
+                    ) {
+                        (Ok(a), Ok(b)) => {
+                            prop_assert_eq!(a.num_draft_tokens, b.num_draft_tokens);
+                            prop_assert_eq!(&a.groups[0].new_block_ids, &b.new_block_ids);
+                            prop_assert_eq!(&a.groups[0].copies, &b.copies);
+                        }
+                        (Err(a), Err(b)) => prop_assert_eq!(a, b),
+                        (a, b) => prop_assert!(false, "{a:?} vs {b:?}"),
+                    }
+                }
+                Op::Accept { seq, m, keep } => {
+                    let Some(id) = pick(&ids, seq) else { continue };
+                    let (a, b) = if keep {
+                        (h.accept_drafts_keeping_blocks(id, m as usize), k.accept_drafts_keeping_blocks(id, m as usize))
+                    } else {
+                        (h.accept_drafts(id, m as usize), k.accept_drafts(id, m as usize))
+                    };
+                    prop_assert_eq!(a.map(|r| r[0].clone()), b);
                 }
                 Op::Free { seq } => {
                     let Some(id) = pick(&ids, seq) else { continue };
