@@ -593,9 +593,10 @@ def _print_report(
         "KV pool",
         f"{cfg.num_kv_blocks} blocks x {cfg.block_size} tokens ({engine.runner.kv_cache_bytes() / 2**20:.0f} MiB)",
     )
-    table.add_row("preemption / prefix caching", f"{cfg.preemption} / {'on' if cfg.enable_prefix_caching else 'off'}")
-    layout = getattr(engine, "layout", None)
-    if layout is not None:  # --kv-layout virtual: the block rows below are its token bookkeeping
+    layout = getattr(engine, "layout", None)  # --kv-layout virtual (runs without prefix caching)
+    caching = cfg.enable_prefix_caching and layout is None
+    table.add_row("preemption / prefix caching", f"{cfg.preemption} / {'on' if caching else 'off'}")
+    if layout is not None:  # the block rows below are its token bookkeeping
         st = layout.stats()
         table.add_row(
             "virtual KV layout",
