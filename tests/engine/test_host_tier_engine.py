@@ -192,17 +192,21 @@ def test_admission_threshold(tiny, min_seen, hits):
     assert eng.metrics().prefill_tokens == 33 + 45 + 33 - hits
 
 
-def _conversations(vocab: int, n: int, seed: int) -> list[list[int]]:
+def _conversations(vocab: int, n: int, seed: int, lengths: tuple[int, int] = (6, 20)) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [
-        torch.randint(5, vocab, (int(torch.randint(6, 20, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+        torch.randint(5, vocab, (int(torch.randint(*lengths, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
     ]
 
 
-def _multi_turn(engine: LLMEngine, convs: int, turns: int, vocab: int, max_tokens: int) -> list[list[int]]:
+def _multi_turn(
+    engine: LLMEngine, convs: int, turns: int, vocab: int, max_tokens: int, lengths: tuple[int, int]
+) -> list[list[int]]:
     """``convs`` conversations, ``turns`` turns each, served turn by turn (each request alone):
-    turn t's prompt is turn t-1's prompt + its answer + a new user message."""
-    user = _conversations(vocab, convs * turns, seed=3)
+    turn t's prompt is turn t-1's prompt + its answer + a new user message of ``lengths``
+    (low, high) tokens."""
+    user = _conversations(vocab, convs * turns, seed=3, lengths=lengths)
     history: list[list[int]] = [[] for _ in range(convs)]
     outs = []
     for t in range(turns):
@@ -214,12 +218,14 @@ def _multi_turn(engine: LLMEngine, convs: int, turns: int, vocab: int, max_token
     return outs
 
 
-def _compare_tiers(bundle, *, convs: int, turns: int, max_tokens: int, **kw: Any) -> None:
+def _compare_tiers(
+    bundle, *, convs: int, turns: int, max_tokens: int, lengths: tuple[int, int] = (6, 20), **kw: Any
+) -> None:
     vocab = bundle.hf.config.vocab_size
     got = {}
     for name, tier in (("plain", None), ("tier", 4096)):
         eng = _engine(bundle, num_host_blocks=tier, **kw)
-        outs = _multi_turn(eng, convs, turns, vocab, max_tokens)
+        outs = _multi_turn(eng, convs, turns, vocab, max_tokens, lengths)
         got[name] = (outs, eng.metrics(), eng)
     (po, pm, _), (to, tm, teng) = got["plain"], got["tier"]
     assert po == to, "outputs differ with the host tier"
@@ -308,4 +314,13 @@ def test_cli_host_cache_bytes(tiny, tmp_path, capsys):
 def test_smollm2_multi_turn_outputs_identical_with_and_without_host_tier(smol):
     """The real model, a device pool too small for six conversations' histories: token-identical
     answers with and without the host tier, host hits exactly replacing recomputed tokens."""
-    _compare_tiers(smol, convs=6, turns=3, max_tokens=8, num_kv_blocks=24, block_size=16)
+    _compare_tiers(
+        smol,
+        convs=6,
+        turns=3,
+        max_tokens=8,
+        lengths=(40, 80),
+        num_kv_blocks=24,
+        block_size=16,
+        host_admission_min_seen=1,
+    )
