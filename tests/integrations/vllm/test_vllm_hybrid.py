@@ -274,3 +274,25 @@ def test_speculative_decoding_with_several_groups_refused() -> None:
     with pytest.raises(UnsupportedVllmConfigError, match="speculative") as err:
         _build(kv, speculative_config=spec)
     assert err.value.field == "speculative_config"
+
+
+def test_kv_events_name_their_group_and_kind() -> None:
+    from vllm.distributed.kv_events import BlockStored
+
+    groups = (("full", None), ("sliding_window", 32))
+    kv = make_hybrid_kv_cache_config(256, groups, BS)
+    sched = build_scheduler(PagedKVScheduler, make_vllm_config(num_blocks=256, kv_events=True), kv_cache_config=kv)
+    sched.add_request(make_request("a", list(range(200, 264)), 2, block_size=BS))
+    sched.schedule()  # allocates and caches; update_from_output would publish the events
+    stored = [e for e in sched.kv_cache_manager.take_events() if isinstance(e, BlockStored)]
+    by_group = {e.group_idx: e for e in stored}
+    assert set(by_group) == {0, 1}
+    assert by_group[0].kv_cache_spec_kind == "full_attention"
+    assert by_group[1].kv_cache_spec_kind == "sliding_window"
+    # The 64 prompt tokens fill 4 blocks of 16 in each group (dense retention caches every
+    # one); both groups announce the same plain chain hashes (hashes name the tokens).
+    for g in (0, 1):
+        assert sum(len(e.block_hashes) for e in stored if e.group_idx == g) == 4
+    assert [h for e in stored if e.group_idx == 0 for h in e.block_hashes] == [
+        h for e in stored if e.group_idx == 1 for h in e.block_hashes
+    ]
