@@ -57,6 +57,47 @@ def metric_value(llm: Any, name: str) -> float:
     return float(sum(values))
 
 
+def spec_decode_counts(llm: Any) -> dict[str, Any]:
+    """vLLM's speculative-decoding counters of ``llm`` now (engines summed): ``drafts`` (draft
+    proposals verified), ``draft_tokens`` (tokens proposed), ``accepted`` (tokens accepted) and
+    ``accepted_per_position`` (accepted at draft position 0, 1, ...)."""
+    per_pos = [m.values for m in llm.get_metrics() if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert per_pos, "vLLM reports no per-position acceptance counts"
+    return {
+        "drafts": metric_value(llm, "vllm:spec_decode_num_drafts"),
+        "draft_tokens": metric_value(llm, "vllm:spec_decode_num_draft_tokens"),
+        "accepted": metric_value(llm, "vllm:spec_decode_num_accepted_tokens"),
+        "accepted_per_position": [float(sum(v)) for v in zip(*per_pos)],
+    }
+
+
+def counts_since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """``after - before`` of two :func:`spec_decode_counts` readings."""
+    return {
+        key: [b - a for a, b in zip(before[key], value)] if isinstance(value, list) else value - before[key]
+        for key, value in after.items()
+    }
+
+
+def chat(prompt: str, system: str | None = None) -> list[dict[str, str]]:
+    """One chat conversation: an optional system message, then ``prompt`` from the user."""
+    msgs = [{"role": "system", "content": system}] if system else []
+    return [*msgs, {"role": "user", "content": prompt}]
+
+
+def outputs_data(results: list[Any]) -> list[dict[str, Any]]:
+    """Plain data of ``LLM.generate`` / ``LLM.chat`` results: per request, its prompt length,
+    cached prompt tokens and every sample's token ids, text and finish reason."""
+    return [
+        {
+            "num_prompt_tokens": len(r.prompt_token_ids),
+            "num_cached_tokens": r.num_cached_tokens,
+            "samples": [(list(o.token_ids), o.text, o.finish_reason) for o in r.outputs],
+        }
+        for r in results
+    ]
+
+
 def shut_down(llm: Any) -> None:
     """Stops ``llm``'s engine core processes now (not at garbage collection)."""
     llm.llm_engine.engine_core.shutdown()

@@ -29,7 +29,9 @@ from e2e_helpers import (  # noqa: E402
     BLOCK_SIZE,
     ENGINE_ARGS,
     NUM_BLOCKS,
+    chat,
     metric_value,
+    outputs_data,
     shut_down,
     skip_unless_vllm_runs_models,
     vllm_children,
@@ -67,29 +69,11 @@ SYSTEM = "You are a patient and precise assistant for a public library. " + " ".
 TOPICS = ["astronomy", "gardening", "cooking", "chess", "history of Rome", "sailing"]
 
 
-def _chat(prompt: str, system: str | None = None) -> list[dict[str, str]]:
-    msgs = [{"role": "system", "content": system}] if system else []
-    return [*msgs, {"role": "user", "content": prompt}]
-
-
 def _looks_like_english(text: str) -> bool:
     """At least five words, mostly letters: not empty, not a special token, not byte noise."""
     words = text.split()
     letters = sum(ch.isalpha() or ch.isspace() for ch in text)
     return len(words) >= 5 and letters >= 0.8 * len(text) and "<|" not in text
-
-
-def _outputs(results: list[Any]) -> list[dict[str, Any]]:
-    """Plain data of ``LLM.generate`` / ``LLM.chat`` results: per request, its cached prompt
-    tokens and every sample's token ids, text and finish reason."""
-    return [
-        {
-            "num_prompt_tokens": len(r.prompt_token_ids),
-            "num_cached_tokens": r.num_cached_tokens,
-            "samples": [(list(o.token_ids), o.text, o.finish_reason) for o in r.outputs],
-        }
-        for r in results
-    ]
 
 
 def _scenarios(llm: LLM) -> dict[str, Any]:
@@ -104,39 +88,39 @@ def _scenarios(llm: LLM) -> dict[str, Any]:
         assert llm.reset_prefix_cache() is True  # nothing running: the reset is done
 
     fresh()
-    prompts = [_chat(q) for q, _ in FACTS] + [_chat(p) for p in OPEN]
-    out["greedy"] = _outputs(llm.chat(prompts, greedy, use_tqdm=False))
+    prompts = [chat(q) for q, _ in FACTS] + [chat(p) for p in OPEN]
+    out["greedy"] = outputs_data(llm.chat(prompts, greedy, use_tqdm=False))
     out["greedy_usage"] = usage()
 
     fresh()
-    first = _outputs(llm.chat([_chat("Which shelf has books on painting?", SYSTEM)], greedy, use_tqdm=False))
-    batch = _outputs(
-        llm.chat([_chat(f"Which shelf has books on {t}?", SYSTEM) for t in TOPICS], greedy, use_tqdm=False)
+    first = outputs_data(llm.chat([chat("Which shelf has books on painting?", SYSTEM)], greedy, use_tqdm=False))
+    batch = outputs_data(
+        llm.chat([chat(f"Which shelf has books on {t}?", SYSTEM) for t in TOPICS], greedy, use_tqdm=False)
     )
     out["prefix"] = {"first": first, "batch": batch, "usage": usage()}
 
     fresh()
     sampled = SamplingParams(n=3, temperature=0.8, top_p=0.95, seed=1234, max_tokens=32)
-    out["parallel"] = _outputs(llm.chat([_chat(OPEN[0]), _chat(OPEN[5])], sampled, use_tqdm=False))
+    out["parallel"] = outputs_data(llm.chat([chat(OPEN[0]), chat(OPEN[5])], sampled, use_tqdm=False))
     out["parallel_usage"] = usage()
 
     fresh()
     out["abort"] = _abort_scenario(llm, usage)
 
     fresh()
-    prompt = _chat("Name three famous painters and one painting by each.", SYSTEM)
-    runs = [_outputs(llm.chat([prompt], greedy, use_tqdm=False))[0]]
-    runs.append(_outputs(llm.chat([prompt], greedy, use_tqdm=False))[0])
+    prompt = chat("Name three famous painters and one painting by each.", SYSTEM)
+    runs = [outputs_data(llm.chat([prompt], greedy, use_tqdm=False))[0]]
+    runs.append(outputs_data(llm.chat([prompt], greedy, use_tqdm=False))[0])
     reset_idle = llm.reset_prefix_cache()
-    runs.append(_outputs(llm.chat([prompt], greedy, use_tqdm=False))[0])
+    runs.append(outputs_data(llm.chat([prompt], greedy, use_tqdm=False))[0])
     out["reset"] = {"runs": runs, "reset_idle": reset_idle}
 
     fresh()
     before = metric_value(llm, "vllm:num_preemptions")
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    stories = [_chat(f"Write a long story about {t}, with many characters and places.") for t in TOPICS]
+    stories = [chat(f"Write a long story about {t}, with many characters and places.") for t in TOPICS]
     started = time.monotonic()
-    out["preempt"] = _outputs(llm.chat(stories, long, use_tqdm=False))
+    out["preempt"] = outputs_data(llm.chat(stories, long, use_tqdm=False))
     out["preempt_s"] = time.monotonic() - started
     out["preemptions"] = metric_value(llm, "vllm:num_preemptions") - before
     out["preempt_usage"] = usage()
@@ -152,7 +136,7 @@ def _abort_scenario(llm: LLM, usage: Any) -> dict[str, Any]:
     ids = []
     for topic in ("rivers", "mountains"):
         x = tok.apply_chat_template(
-            _chat(f"Write a long essay about {topic}.", SYSTEM), add_generation_prompt=True, tokenize=True
+            chat(f"Write a long essay about {topic}.", SYSTEM), add_generation_prompt=True, tokenize=True
         )
         ids.append(list(x["input_ids"]) if hasattr(x, "keys") else list(x))  # a BatchEncoding or ids
     long = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
@@ -168,7 +152,7 @@ def _abort_scenario(llm: LLM, usage: Any) -> dict[str, Any]:
     while engine.has_unfinished_requests():
         engine.step()
     greedy = SamplingParams(temperature=0.0, max_tokens=40)
-    after = _outputs(llm.generate([{"prompt_token_ids": x} for x in ids], greedy, use_tqdm=False))
+    after = outputs_data(llm.generate([{"prompt_token_ids": x} for x in ids], greedy, use_tqdm=False))
     return {"aborted": [seen["abort-0"], seen["abort-1"]], "after": after, "usage": usage()}
 
 
@@ -267,7 +251,7 @@ def test_reset_prefix_cache_forgets_the_cached_prompt(runs: dict[str, dict[str, 
     assert _looks_like_english(first["samples"][0][1])
 
 
-def test_a_small_pool_preempts_equally_with_equal_outputs(runs: dict[str, dict[str, Any]]):
+def test_a_small_pool_preempts_equally_with_equaloutputs_data(runs: dict[str, dict[str, Any]]):
     stock, plug = runs["stock"], runs["pagedkv"]
     need = sum(-(-(r["num_prompt_tokens"] + 400) // BLOCK_SIZE) for r in plug["preempt"])
     assert need > NUM_BLOCKS  # the scenario cannot fit without preempting
