@@ -14,6 +14,11 @@
 //! - the events keep set semantics per group: a `BlockStored` names hashes its group does not
 //!   hold, a `BlockRemoved` hashes it holds.
 //!
+//! Speculative decoding: `Verify` is a `step_with_drafts` (the twin: `append_tokens` +
+//! `allocate_slots_with_drafts`) and `Accept` an `accept_drafts` (or the keeping variant) on
+//! both; a verify step's slots must lie in non-null blocks, and so must every position its first
+//! query row reads in each group.
+//!
 //! At the end every sequence is freed and the pool must be whole.
 
 #![no_main]
@@ -23,7 +28,7 @@ use libfuzzer_sys::fuzz_target;
 use pagedkv_core::events::KvEvent;
 use pagedkv_core::{
     BlockHash, BlockId, Error, GroupSpec, HybridConfig, HybridManager, SeqId, SequenceSpec,
-    StepRequest,
+    StepDrafts, StepRequest, NULL_BLOCK,
 };
 use std::collections::HashSet;
 
@@ -62,6 +67,8 @@ enum Op {
     Lookup { seq: u8 },
     Owed { seqs: Vec<u8> },
     Reset,
+    Verify { seqs: Vec<u8>, n: u8, k: u8 },
+    Accept { seq: u8, m: u8, keep: bool },
 }
 
 #[derive(Arbitrary, Debug)]
@@ -258,6 +265,65 @@ fuzz_target!(|input: Input| {
             Op::Reset => {
                 let r = m.reset_prefix_cache();
                 assert_eq!(r, twin.reset_prefix_cache());
+                r.is_err()
+            }
+            Op::Verify { seqs, n, k } => {
+                let seq_ids = ids(&seqs);
+                let ns = seq_ids.len();
+                let n = u32::from(n % 24);
+                let drafts: Vec<u32> = (0..u32::from(k % 7)).map(|i| 70 + i).collect();
+                let req = StepRequest {
+                    seq_ids: seq_ids.clone(),
+                    num_new_tokens: vec![n; ns],
+                    append_indptr: (0..=ns as u32).collect(),
+                    append_tokens: vec![4; ns],
+                };
+                let d = StepDrafts {
+                    indptr: (0..=ns).map(|i| (i * drafts.len()) as u32).collect(),
+                    tokens: drafts.repeat(ns),
+                };
+                let out = m.step_with_drafts(&req, &d);
+                for &id in &seq_ids[..out.num_scheduled] {
+                    twin.append_tokens(id, &[4]).unwrap();
+                    twin.allocate_slots_with_drafts(id, n as usize, &drafts)
+                        .unwrap();
+                }
+                // Every slot of the query, and every position its first row reads, is backed.
+                let t = out.query_start_loc[out.num_scheduled] as usize;
+                let w = out.block_table_width;
+                for g in 0..out.num_groups {
+                    let spec = m.config().groups[g];
+                    let bs = spec.block_size as usize;
+                    for i in 0..out.num_scheduled {
+                        let row = &out.block_table[(g * out.num_scheduled + i) * w..][..w];
+                        let ctx = out.context_lens[i] as usize;
+                        let end = out.seq_lens[i] as usize;
+                        for p in spec.first_read(ctx)..end {
+                            assert_ne!(row[p / bs], NULL_BLOCK as i32, "group {g}: position {p}");
+                        }
+                        for q in out.query_start_loc[i]..out.query_start_loc[i + 1] {
+                            assert!(out.slot_mapping[g * t + q as usize] / bs as i64 > 0);
+                        }
+                    }
+                }
+                out.num_scheduled == 0 && out.error.is_some()
+            }
+            Op::Accept { seq, m: acc, keep } => {
+                let id = u64::from(seq % ID_SPACE);
+                let acc = usize::from(acc % 8);
+                let (r, r2) = if keep {
+                    (
+                        m.accept_drafts_keeping_blocks(id, acc),
+                        twin.accept_drafts_keeping_blocks(id, acc),
+                    )
+                } else {
+                    (m.accept_drafts(id, acc), twin.accept_drafts(id, acc))
+                };
+                assert_eq!(r, r2);
+                if let Ok(released) = &r {
+                    let n: usize = released.iter().map(Vec::len).sum();
+                    assert_eq!(m.pool().num_free(), free0 + n);
+                }
                 r.is_err()
             }
         };
