@@ -466,9 +466,38 @@ def test_forks_and_beams_copy_on_write_per_group(gemma, monkeypatch, prefix_cach
     assert run()[0] == hybrid
 
 
-def test_speculative_decoding_is_refused_on_a_hybrid_model(gemma):
-    with pytest.raises(EngineConfigError, match="speculative='ngram' is not supported on a hybrid model"):
-        LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, num_kv_blocks=64, speculative="ngram")
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"num_kv_blocks": 130},  # preempts by recompute
+        {"num_kv_blocks": 130, "preemption": "swap"},
+        {"max_tokens_per_step": 16},
+    ],
+    ids=["large-pool", "recompute-preemption", "swap-preemption", "chunked-prefill"],
+)
+def test_speculative_decoding_on_a_hybrid_model_equals_plain_decoding(gemma, kw):
+    """Prompt-lookup speculation on the tiny Gemma 3 (window 8, block size 4): drafts get
+    lookahead slots in every KV cache group and each verify row attends through its group's
+    window; greedy outputs equal plain decoding, with drafts accepted."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[12] * 12, [13] * 20, [5, 6, 7, 8, 9] * 8]
+    prompts += [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (5, 17, 33, 61)]
+
+    def run(**extra: Any) -> tuple[LLMEngine, list[list[int]]]:
+        args = {"block_size": 4, "num_kv_blocks": 512, **extra}
+        engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, **args)
+        outs = engine.generate(prompts, SamplingParams(max_tokens=40))
+        return engine, [list(o.token_ids) for o in outs]
+
+    _, plain = run()
+    engine, spec = run(speculative="ngram", num_speculative_tokens=4, **kw)
+    assert spec == plain
+    assert engine.metrics().spec_accepted_tokens > 0
+    if "num_kv_blocks" in kw:
+        assert engine.stats().preemptions > 0
+    engine.manager.check_invariants()
+    assert_no_leak(engine)
 
 
 def test_a_model_without_windows_keeps_the_one_group_manager(tiny):

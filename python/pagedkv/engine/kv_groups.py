@@ -161,18 +161,13 @@ def kv_cache_groups(windows: Sequence[int | None], *, split: bool = True) -> tup
 def check_hybrid_config(config: Any) -> None:
     """Refuse, for a hybrid model (sliding-window layers, served through
     ``pagedkv.HybridKVCacheManager``), the engine settings that manager does not serve yet:
-    prompt-lookup speculative decoding (``config.speculative``: its step takes no draft
-    tokens) and the prefix cache's host tier (``config.num_host_blocks``). Swap and recompute
-    preemption, ``n > 1`` and beam search (fork and copy-on-write per group) are served.
+    the prefix cache's host tier (``config.num_host_blocks``). Swap and recompute preemption,
+    ``n > 1``, beam search (fork and copy-on-write per group) and prompt-lookup speculative
+    decoding (drafts in lookahead slots of every group) are served.
 
     Raises:
         EngineConfigError: naming the setting.
     """
-    if getattr(config, "speculative", None) is not None:
-        raise EngineConfigError(
-            f"speculative={config.speculative!r} is not supported on a hybrid model (sliding-window "
-            "layers, one block table per KV cache group): its KV cache manager schedules no draft tokens"
-        )
     if getattr(config, "num_host_blocks", None):
         raise EngineConfigError(
             "a host tier (host_cache_bytes / num_host_blocks) is not supported on a hybrid model "

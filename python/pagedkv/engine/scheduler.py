@@ -458,7 +458,7 @@ class Scheduler:
                 [t for _, _, t in items],
                 [s.pending for _, s, _ in items],
             )
-            if drafts is None or isinstance(self.manager, HybridKVCacheManager):  # (no drafts there)
+            if drafts is None:
                 out = self.manager.step(ids, counts, pending)
             else:
                 out = self.manager.step(ids, counts, pending, draft_token_ids=drafts)
@@ -498,7 +498,7 @@ class Scheduler:
         batch.steps.append(out)
         lens = out.seq_lens.tolist()
         cached = out.num_cached_tokens.tolist()
-        drafts = getattr(out, "num_draft_tokens", None)  # a hybrid step schedules no drafts
+        drafts = getattr(out, "num_draft_tokens", None)
         num_drafts = drafts.tolist() if drafts is not None else [0] * len(items)
         for (req, seq, todo), seq_len, hit, k in zip(items, lens, cached, num_drafts):
             batch.num_prefill_tokens += todo - len(seq.pending)
