@@ -324,10 +324,11 @@ def fake_model_output(scheduler: Any, sched_output: Any) -> ModelRunnerOutput:
     )
 
 
-def _held(tables: Sequence[Sequence[int]]) -> Any:
-    """A request's block count (one group) or, per group, its table length and the real
-    (non-null) blocks in it (several groups; null block 0 marks a released entry)."""
-    if len(tables) == 1:
+def _held(tables: Sequence[Sequence[int]], per_group: bool) -> Any:
+    """A request's block count (one full-attention group) or, per group, its table length and
+    the real (non-null) blocks in it (``per_group``: several groups or a windowed one; the null
+    block 0 marks a released entry)."""
+    if not per_group:
         return len(tables[0])
     return tuple((len(t), sum(1 for b in t if b != 0)) for t in tables)
 
@@ -341,6 +342,8 @@ class Driver:
         after a proposer ran); the scheduler needs a ``speculative_config``."""
         self.scheduler = scheduler
         self.num_drafts = num_drafts
+        groups = scheduler.kv_cache_config.kv_cache_groups
+        self._per_group = len(groups) > 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec
         #: Draft tokens scheduled and accepted over the run (speculative decoding).
         self.drafts_scheduled = 0
         self.drafts_accepted = 0
@@ -374,7 +377,9 @@ class Driver:
             rid: n for rid, n in zip(cached.req_ids, cached.num_computed_tokens) if rid in cached.resumed_req_ids
         }
         scheduled = dict(out.num_scheduled_tokens)
-        blocks_held = {rid: _held(sched.kv_cache_manager.get_block_ids(rid)) for rid in sorted(scheduled)}
+        blocks_held = {
+            rid: _held(sched.kv_cache_manager.get_block_ids(rid), self._per_group) for rid in sorted(scheduled)
+        }
         model_out = fake_model_output(sched, out)
         for rid, drafts in out.scheduled_spec_decode_tokens.items():
             self.drafts_scheduled += len(drafts)

@@ -83,12 +83,11 @@ def test_two_kv_cache_groups_build_the_hybrid_manager() -> None:
     assert sched.kv_cache_manager.manager.num_groups == 2
 
 
-def test_sliding_window_refused() -> None:
+def test_one_sliding_window_group_builds_the_hybrid_manager_windowed_full_spec_refused() -> None:
     cfg = make_vllm_config(num_blocks=64)
     sw = SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=128)
     kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a"], sw)])
-    with pytest.raises(UnsupportedVllmConfigError, match="SlidingWindowSpec"):
-        _build(cfg, kv)
+    assert isinstance(_build(cfg, kv).kv_cache_manager, HybridPagedKVCacheManager)
     kv2 = KVCacheConfig(
         num_blocks=64,
         kv_cache_tensors=[],

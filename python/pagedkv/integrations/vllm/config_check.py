@@ -19,7 +19,7 @@ from typing import Any
 
 from pagedkv.integrations.vllm.errors import UnsupportedVllmConfigError
 
-__all__ = ["UnsupportedVllmConfigError", "check_supported_config"]
+__all__ = ["UnsupportedVllmConfigError", "check_supported_config", "needs_hybrid_manager"]
 
 
 def _refuse(field: str, value: Any, reason: str) -> UnsupportedVllmConfigError:
@@ -33,6 +33,18 @@ def _refuse(field: str, value: Any, reason: str) -> UnsupportedVllmConfigError:
 
 def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default) if obj is not None else default
+
+
+def needs_hybrid_manager(kv_cache_config: Any) -> bool:
+    """Whether ``kv_cache_config`` needs the KV cache groups manager
+    (``HybridPagedKVCacheManager``): several groups, or one sliding-window / chunked-local
+    group."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    groups = list(_attr(kv_cache_config, "kv_cache_groups", []))
+    return len(groups) > 1 or any(
+        type(g.kv_cache_spec) in (SlidingWindowSpec, ChunkedLocalAttentionSpec) for g in groups
+    )
 
 
 def check_supported_config(
@@ -49,12 +61,11 @@ def check_supported_config(
         block_size: the scheduler's block size in tokens.
         hash_block_size: the prefix-hash granularity in tokens (None = ``block_size``).
 
-    Accepted: one KV cache group whose spec is plain ``FullAttentionSpec`` or
-    ``MLAAttentionSpec`` (no sliding window or chunked-local window), or several groups (a
-    hybrid model, served by ``HybridPagedKVCacheManager``) each ``FullAttentionSpec``,
-    ``MLAAttentionSpec``, ``SlidingWindowSpec`` or ``ChunkedLocalAttentionSpec``, every group's
-    block size the scheduler's (Mamba groups are refused, naming them; so is speculative
-    decoding with several groups); decoder-only model, no
+    Accepted: KV cache groups whose specs are plain ``FullAttentionSpec`` /
+    ``MLAAttentionSpec`` (no window), ``SlidingWindowSpec`` or ``ChunkedLocalAttentionSpec``,
+    every group's block size the scheduler's; several groups or a windowed one are served by
+    ``HybridPagedKVCacheManager`` (see :func:`needs_hybrid_manager`; speculative decoding is
+    refused there). Mamba groups are refused, naming them. Decoder-only model, no
     KV connector, no context parallelism, no lookahead slots (n-gram speculative decoding and
     other proposers without them are served), no diffusion decoding (``diffusion_config``), no
     prompt embeddings, ``hash_block_size ==
@@ -74,7 +85,7 @@ def check_supported_config(
     groups = list(_attr(kv_cache_config, "kv_cache_groups", []))
     if not groups:
         raise _refuse("kv_cache_config.kv_cache_groups", "0 groups", "at least one KV cache group is needed")
-    windowed = (SlidingWindowSpec, ChunkedLocalAttentionSpec) if len(groups) > 1 else ()
+    windowed = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
@@ -88,8 +99,8 @@ def check_supported_config(
             raise _refuse(
                 "kv_cache_spec",
                 type(spec).__name__,
-                "one group must be FullAttentionSpec / MLAAttentionSpec; several groups may "
-                "also be SlidingWindowSpec / ChunkedLocalAttentionSpec",
+                "only FullAttentionSpec / MLAAttentionSpec / SlidingWindowSpec / "
+                "ChunkedLocalAttentionSpec groups are supported",
             )
         if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
             for window in ("sliding_window", "attention_chunk_size"):
@@ -106,12 +117,12 @@ def check_supported_config(
                 _attr(spec, "block_size"),
                 f"must equal the scheduler block size {block_size}",
             )
-    if len(groups) > 1 and _attr(vllm_config, "speculative_config") is not None:
+    if needs_hybrid_manager(kv_cache_config) and _attr(vllm_config, "speculative_config") is not None:
         raise _refuse(
             "speculative_config",
             type(vllm_config.speculative_config).__name__,
-            "speculative decoding is served with one KV cache group only (draft tokens in "
-            "several groups are not supported yet)",
+            "speculative decoding is served with one full-attention KV cache group only (draft "
+            "tokens in sliding-window / chunked-local groups are not supported yet)",
         )
     if hash_block_size is not None and hash_block_size != block_size:
         raise _refuse(

@@ -36,7 +36,7 @@ from typing import Any
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.integrations.vllm.config_check import check_supported_config
+from pagedkv.integrations.vllm.config_check import check_supported_config, needs_hybrid_manager
 from pagedkv.integrations.vllm.hybrid_kv_cache_manager import HybridPagedKVCacheManager
 from pagedkv.integrations.vllm.kv_cache_manager import PagedKVCacheManager
 from pagedkv.integrations.vllm.versions import check_supported_version
@@ -48,8 +48,9 @@ _BASE_INIT = inspect.signature(Scheduler.__init__)
 
 class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
     """vLLM V1 ``Scheduler`` whose ``kv_cache_manager`` is a :class:`PagedKVCacheManager` (one KV
-    cache group), or a :class:`HybridPagedKVCacheManager` (several: full attention, sliding
-    window, chunked local; no batched decode path there).
+    cache group of full attention), or a :class:`HybridPagedKVCacheManager` (several groups of
+    full attention, sliding window, chunked local, or one windowed group; no batched decode
+    path there).
 
     Takes exactly the constructor arguments of ``vllm.v1.core.sched.scheduler.Scheduler``.
     Raises ``pagedkv.integrations.vllm.UnsupportedVllmVersionError`` (a ``ValueError``) under a
@@ -74,7 +75,7 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
         groups = self.kv_cache_config.kv_cache_groups
         spec = groups[0].kv_cache_spec
         # Replaces the stock manager vLLM built (it held no request yet).
-        if len(groups) > 1:
+        if needs_hybrid_manager(self.kv_cache_config):
             self.kv_cache_manager: Any = HybridPagedKVCacheManager(
                 self.kv_cache_config,
                 self.block_size,
