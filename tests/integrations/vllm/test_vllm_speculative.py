@@ -149,3 +149,33 @@ class _Lookahead:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cfg, name)
+
+
+@pytest.mark.parametrize("cls", [PagedKVScheduler, PerRequestPagedKVScheduler])
+@pytest.mark.parametrize("max_tokens", [4, 5])
+def test_request_finished_by_a_verify_step_caches_its_accepted_blocks(cls: type, max_tokens: int) -> None:
+    # Found by vLLM's own test_finished_spec_request_caches_completed_blocks: a request that
+    # finishes in a verify step had its pending drafts dropped by free(), so the block its
+    # accepted drafts filled was never cached (a repeat hit 0 tokens where stock hits 16).
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+
+    hits = {}
+    for sched_cls in (Scheduler, cls):
+        sched = build_scheduler(sched_cls, _config(3, num_blocks=64))
+        prompt = list(range(300, 314))  # 14 tokens: the first sample at 14, drafts at 15..17
+        req = make_request("producer", prompt, max_tokens, block_size=BS)
+        sched.add_request(req)
+        out = sched.schedule()
+        sched.update_from_output(out, ModelRunnerOutput(["producer"], {"producer": 0}, sampled_token_ids=[[7]]))
+        sched.update_draft_token_ids(DraftTokenIds(["producer"], [[8, 9, 10]]))
+        out = sched.schedule()
+        assert out.scheduled_spec_decode_tokens["producer"] == [8, 9, 10]
+        # All three drafts accepted plus a bonus token: max_tokens ends the request here.
+        sched.update_from_output(
+            out, ModelRunnerOutput(["producer"], {"producer": 0}, sampled_token_ids=[[8, 9, 10, 11]])
+        )
+        assert req.is_finished()
+        probe = make_request("probe", list(req.all_token_ids) + [99] * BS, 1, block_size=BS)
+        hits[sched_cls] = sched.kv_cache_manager.get_computed_blocks(probe)[1]
+    # Tokens 0..15 (prompt, the first sample, the first draft) fill the first block.
+    assert hits[cls] == hits[Scheduler] == 16

@@ -578,8 +578,12 @@ class PagedKVCacheManager:
         self._sync()
         rid = request.request_id
         seq = self._seq_of.get(rid)
-        # Pending drafts go with the blocks (finished) or the recompute preemption; a
-        # preempted request's accepted tokens reach pagedkv as known tokens on resume.
+        if seq is not None and request.is_finished() and rid in self._drafts_pending:
+            # The verify step that finished it: its accepted drafts are computed tokens, so
+            # the blocks they fill are cached before the free, as vLLM caches them.
+            self._accept_drafts(request, seq)
+        # Other pending drafts go with the recompute preemption; a preempted request's
+        # accepted tokens reach pagedkv as known tokens on resume.
         self._drafts_pending.pop(rid, None)
         if seq is None:
             if request.num_computed_tokens > 0:
