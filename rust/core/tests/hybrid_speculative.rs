@@ -101,7 +101,8 @@ fn live_range(m: &HybridManager, seq: u64, g: usize) -> (usize, usize) {
 #[test]
 fn verify_step_keeps_the_block_its_first_row_reads() {
     let m = manager(64, 32, 0);
-    m.add_sequence(1, toks(110, 1), SequenceSpec::default()).unwrap();
+    m.add_sequence(1, toks(110, 1), SequenceSpec::default())
+        .unwrap();
     step1(&m, 1, 512, &[], &[]);
     // The sampled token, then 4 drafts: query 110..=114.
     let out = step1(&m, 1, 1, &[5], &[6, 7, 8, 9]);
@@ -215,13 +216,7 @@ fn speculative_decode_matches_plain_decode_and_its_prefix_hits() {
             let k = k.min(rest);
             let ok = ok.min(k);
             let drafts: Vec<u32> = (0..k)
-                .map(|j| {
-                    if j < ok {
-                        target[pos + 1 + j]
-                    } else {
-                        1
-                    }
-                })
+                .map(|j| if j < ok { target[pos + 1 + j] } else { 1 })
                 .collect();
             let out = step1(&spec_m, 1, 1, &[target[pos]], &drafts);
             assert_reads_backed(&spec_m, &out);
@@ -245,7 +240,11 @@ fn speculative_decode_matches_plain_decode_and_its_prefix_hits() {
         }
         let hit = plain.lookup_prefix(2).unwrap();
         assert!(hit > 0, "w {w} retention {retention}");
-        assert_eq!(spec_m.lookup_prefix(2).unwrap(), hit, "w {w} retention {retention}");
+        assert_eq!(
+            spec_m.lookup_prefix(2).unwrap(),
+            hit,
+            "w {w} retention {retention}"
+        );
     }
 }
 
@@ -255,7 +254,8 @@ fn speculative_decode_matches_plain_decode_and_its_prefix_hits() {
 #[test]
 fn kept_lookahead_blocks_are_filled_first_and_not_forked() {
     let m = manager(64, 32, 0);
-    m.add_sequence(1, toks(110, 4), SequenceSpec::default()).unwrap();
+    m.add_sequence(1, toks(110, 4), SequenceSpec::default())
+        .unwrap();
     step1(&m, 1, 512, &[], &[]);
     step1(&m, 1, 1, &[5], &[6, 7, 8, 9]);
     let tables = m.block_tables(1).unwrap();
@@ -286,7 +286,8 @@ fn kept_lookahead_blocks_are_filled_first_and_not_forked() {
 #[test]
 fn bad_acceptances_and_calls_with_pending_drafts_are_refused() {
     let m = manager(64, 32, 0);
-    m.add_sequence(1, toks(40, 5), SequenceSpec::default()).unwrap();
+    m.add_sequence(1, toks(40, 5), SequenceSpec::default())
+        .unwrap();
     assert!(matches!(
         m.allocate_slots_with_drafts(1, 8, &[1, 2]),
         Err(Error::InvalidArgument {
@@ -334,7 +335,8 @@ fn bad_acceptances_and_calls_with_pending_drafts_are_refused() {
 #[test]
 fn verify_demand_is_exact_and_a_failed_verify_changes_nothing() {
     let m = manager(12, 32, 0);
-    m.add_sequence(1, toks(47, 6), SequenceSpec::default()).unwrap();
+    m.add_sequence(1, toks(47, 6), SequenceSpec::default())
+        .unwrap();
     step1(&m, 1, 512, &[], &[]); // 3 + 3 blocks
     m.append_tokens(1, &[9]).unwrap();
     // 47 computed + 1 + 4 drafts = 52 slots: block 3 in each group; the window group
