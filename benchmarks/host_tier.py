@@ -620,20 +620,23 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
     fig, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 7), squeeze=False)
     for col, name in enumerate(names):
         res = payload["sweeps"][name]
-        runs = [r for r in res["runs"] if r["host_tokens"] == 0 or r["min_seen"] == res["runs"][-1]["min_seen"]]
-        x = [max(r["host_tokens"], 1 << 12) for r in runs]
-        ax = axes[0][col]
-        ax.plot(x, [100 * r["hit_rate"] for r in runs], marker="o", label="pagedkv device + host tier")
-        ax.axhline(100 * res["ideal"]["hit_rate"], color="k", ls="--", lw=0.8, label="unbounded cache")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{name}: device pool {res['device_tokens']:,} tokens")
-        ax.set_ylabel("prefix hit rate %")
-        ax.legend(fontsize=7)
-        ax = axes[1][col]
-        ax.plot(x, [r["recomputed_tokens"] / 1e6 for r in runs], marker="s", color="C1")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("host tier (tokens; leftmost point: none)")
-        ax.set_ylabel("recomputed tokens (millions)")
+        base = [r for r in res["runs"] if r["host_tokens"] == 0]
+        top, bottom = axes[0][col], axes[1][col]
+        # One line per (admission threshold, eviction policy), each from the no-tier point.
+        for key in dict.fromkeys((r["min_seen"], r["eviction"]) for r in res["runs"] if r["host_tokens"]):
+            runs = base + [r for r in res["runs"] if r["host_tokens"] and (r["min_seen"], r["eviction"]) == key]
+            x = [max(r["host_tokens"], 1 << 12) for r in runs]
+            label = f"min_seen {key[0]}, {key[1]}"
+            top.plot(x, [100 * r["hit_rate"] for r in runs], marker="o", label=label)
+            bottom.plot(x, [r["recomputed_tokens"] / 1e6 for r in runs], marker="s", label=label)
+        top.axhline(100 * res["ideal"]["hit_rate"], color="k", ls="--", lw=0.8, label="unbounded cache")
+        top.set_title(f"{name}: device pool {res['device_tokens']:,} tokens")
+        top.set_ylabel("prefix hit rate %")
+        top.legend(fontsize=7)
+        bottom.set_xlabel("host tier (tokens; leftmost point: none)")
+        bottom.set_ylabel("recomputed tokens (millions)")
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
