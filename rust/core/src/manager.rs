@@ -417,8 +417,8 @@ struct Plan {
     /// The prefix hit per logical block: a device block, or [`NULL_BLOCK`] where the hit is
     /// on host (the load's device block is allocated by the call).
     hits: Vec<BlockId>,
-    /// Host-tier hits: `(logical block, host block)`, in table order.
-    host_hits: Vec<(usize, BlockId)>,
+    /// Blocks the hits take from the free pool: free cached device hits and host hits (each
+    /// loaded into a fresh block; `ref_count(NULL_BLOCK)` is 0, so they count alike).
     hits_free: usize,
     context: usize,
     q: usize,
@@ -437,7 +437,7 @@ pub(crate) fn drafts_pending(seq_id: SeqId, operation: &'static str) -> Error {
 
 impl Plan {
     fn blocks_taken(&self) -> usize {
-        self.hits_free + self.host_hits.len() + self.fresh + usize::from(self.cow)
+        self.hits_free + self.fresh + usize::from(self.cow)
     }
 }
 
@@ -448,7 +448,7 @@ struct State {
     /// The prefix cache's host tier (`None` with `num_host_blocks == 0`). Each planned load
     /// holds one extra reference on its device block until it is handed out, so the block
     /// is not reused before the executor has filled it.
-    host: Option<HostTier>,
+    host: Option<Box<HostTier>>,
     counters: ManagerCounters,
     /// The highest table version any step output has carried: a new sequence's versions
     /// continue above it, so a reused id never repeats a version.
@@ -494,13 +494,13 @@ impl KvCacheManager {
         let hasher = PrefixHasher::new(cfg.hash_algo, &cfg.hash_seed);
         let host = match cfg.num_host_blocks {
             0 => None,
-            n => Some(HostTier::new(
+            n => Some(Box::new(HostTier::new(
                 n,
                 cfg.host_admission_min_seen,
                 cfg.host_eviction,
                 cfg.num_blocks,
                 cfg.enable_events,
-            )?),
+            )?)),
         };
         let state = State {
             seqs: SeqTable::default(),
@@ -593,26 +593,28 @@ impl KvCacheManager {
     /// Tokens that would be served from the prefix cache if `seq` were allocated now from
     /// scratch: the longest chain of cached full blocks, stopping at the first miss, capped at
     /// `num_tokens - 1` so the last token is always recomputed (its logits are needed). A
-    /// multiple of `block_size`; 0 with prefix caching off. No observable side effects (block
-    /// hashes are memoised). Errors: [`Error::UnknownSequence`]. O(hit blocks + 1) lookups,
+    /// multiple of `block_size`; 0 with prefix caching off. With a host tier the chain
+    /// continues past the device hits into it (those blocks would be loaded, not recomputed).
+    /// No observable side effects (block hashes are memoised). Errors: [`Error::UnknownSequence`]. O(hit blocks + 1) lookups,
     /// plus hashing of blocks not hashed before.
     pub fn lookup_prefix(&self, seq: SeqId) -> Result<usize> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        Ok(self.find_hits(s, st.host.as_ref()).0.len() * self.bs())
+        Ok(self.find_hits(s, st.host.as_deref()).len() * self.bs())
     }
 
     /// Exactly the number of blocks the next [`Self::allocate_slots`]`(seq, num_new_tokens)`
     /// would take from the free pool: fresh blocks, plus prefix hits on free (ref 0) cached
-    /// blocks, plus one if a copy-on-write is needed. Errors as `allocate_slots` except `OutOfBlocks`. No
+    /// blocks, plus one device block per host-tier hit (its load's destination), plus one if
+    /// a copy-on-write is needed. Errors as `allocate_slots` except `OutOfBlocks`. No
     /// side effects. O(blocks of the sequence).
     pub fn num_blocks_needed(&self, seq: SeqId, num_new_tokens: usize) -> Result<usize> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         Ok(self
-            .plan(seq, s, num_new_tokens, 0, st.host.as_ref())?
+            .plan(seq, s, num_new_tokens, 0, st.host.as_deref())?
             .blocks_taken())
     }
 
@@ -620,7 +622,9 @@ impl KvCacheManager {
     /// makes room for their KV.
     ///
     /// On the first allocation of a sequence (no blocks, nothing computed: new or preempted
-    /// by recompute) the cached prefix is taken first ([`Self::lookup_prefix`]). Blocks are
+    /// by recompute) the cached prefix is taken first ([`Self::lookup_prefix`]); a host-tier
+    /// hit gets a fresh device block, listed in `new_block_ids`, and a planned load handed out
+    /// with the next step ([`StepOutput::host_loads`], docs/design.md, "Host tier"). Blocks are
     /// added for `num_computed + q` slots; a partially filled last block shared with another
     /// sequence (ref > 1) is replaced by a private block and one `(src, dst)` copy is planned
     /// (full shared blocks are never copied). Then `num_computed += q` and every block now full
@@ -636,7 +640,7 @@ impl KvCacheManager {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        let host = st.host.as_mut();
+        let host = st.host.as_deref_mut();
         self.allocate_locked(seq, s, &mut st.counters, host, num_new_tokens, &[])
     }
 
@@ -660,7 +664,7 @@ impl KvCacheManager {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        let host = st.host.as_mut();
+        let host = st.host.as_deref_mut();
         self.allocate_locked(seq, s, &mut st.counters, host, num_new_tokens, draft_tokens)
     }
 
@@ -738,7 +742,7 @@ impl KvCacheManager {
             s.table_rewritten_from(keep);
         }
         s.spare_blocks = s.blocks.len() - keep;
-        self.cache_full_blocks(s, st.host.as_mut(), 0);
+        self.cache_full_blocks(s, st.host.as_deref_mut(), 0);
         Ok(released)
     }
 
@@ -932,7 +936,7 @@ impl KvCacheManager {
         let gpu = if order.is_empty() {
             Vec::new()
         } else {
-            self.allocate_storing(order.len(), st.host.as_mut())?
+            self.allocate_storing(order.len(), st.host.as_deref_mut())?
         };
         let map: HashMap<BlockId, BlockId> =
             order.iter().copied().zip(gpu.iter().copied()).collect();
@@ -948,7 +952,7 @@ impl KvCacheManager {
             s.num_cached_blocks = 0;
             s.status = SeqStatus::Running;
             // Re-registered, not recomputed: not a new use for the host tier's admission.
-            self.cache_full_blocks(s, st.host.as_mut(), usize::MAX);
+            self.cache_full_blocks(s, st.host.as_deref_mut(), usize::MAX);
         }
         st.counters.swaps_in_blocks += order.len() as u64;
         Ok(order.into_iter().zip(gpu).collect())
@@ -966,7 +970,7 @@ impl KvCacheManager {
     pub fn reset_prefix_cache(&self) -> Result<()> {
         let mut guard = self.state.lock();
         self.pool.reset_prefix_cache()?;
-        if let Some(host) = guard.host.as_mut() {
+        if let Some(host) = guard.host.as_deref_mut() {
             host.clear();
         }
         for s in guard.seqs.values_mut() {
@@ -1182,7 +1186,7 @@ impl KvCacheManager {
         }
         let mut out = self.step_inner(req, drafts, opts);
         let mut guard = self.state.lock();
-        if let Some(host) = guard.host.as_mut() {
+        if let Some(host) = guard.host.as_deref_mut() {
             host.release_in_flight();
             let HostTransfers { stores, loads } = self.hand_out(host);
             out.host_stores = stores
@@ -1205,7 +1209,7 @@ impl KvCacheManager {
     /// call returns. Empty without a host tier. O(plans).
     pub fn take_host_transfers(&self) -> HostTransfers {
         let mut guard = self.state.lock();
-        match guard.host.as_mut() {
+        match guard.host.as_deref_mut() {
             Some(host) => self.hand_out(host),
             None => HostTransfers::default(),
         }
@@ -1295,7 +1299,7 @@ impl KvCacheManager {
                 seq,
                 s,
                 &mut st.counters,
-                st.host.as_mut(),
+                st.host.as_deref_mut(),
                 req.num_new_tokens[i] as usize,
                 drafts_of(i),
             ) {
@@ -1417,10 +1421,10 @@ impl KvCacheManager {
             num_cpu_blocks: self.cfg.num_cpu_blocks,
             cpu_used: st.cpu.used(),
             num_host_blocks: self.cfg.num_host_blocks,
-            host_used: st.host.as_ref().map_or(0, HostTier::num_used),
+            host_used: st.host.as_deref().map_or(0, HostTier::num_used),
             host_hits_tokens: c.host_hits_tokens,
-            host_stores_blocks: st.host.as_ref().map_or(0, |h| h.counters().stores),
-            host_loads_blocks: st.host.as_ref().map_or(0, |h| h.counters().loads),
+            host_stores_blocks: st.host.as_deref().map_or(0, |h| h.counters().stores),
+            host_loads_blocks: st.host.as_deref().map_or(0, |h| h.counters().loads),
         }
     }
 
@@ -1450,7 +1454,7 @@ impl KvCacheManager {
         let caching = self.cfg.enable_prefix_caching;
         let mut gpu_refs: HashMap<BlockId, u32> = HashMap::new();
         let mut cpu_refs = vec![0u32; st.cpu.refs.len()];
-        if let Some(host) = st.host.as_ref() {
+        if let Some(host) = st.host.as_deref() {
             let n = self.cfg.num_blocks;
             host.check(|d| d != NULL_BLOCK && d < n)?;
             // A planned load holds one reference on its destination, which carries the
@@ -1681,36 +1685,52 @@ impl KvCacheManager {
     /// Longest chain of cached blocks for the sequence's tokens, capped at `num_tokens - 1`:
     /// per logical block a device hit, or with a host tier, where the device has none, a
     /// host hit (`NULL_BLOCK` in the first vector, `(block, host block)` in the second).
-    fn find_hits(
-        &self,
-        s: &mut Sequence,
-        host: Option<&HostTier>,
-    ) -> (Vec<BlockId>, Vec<(usize, BlockId)>) {
+    fn find_hits(&self, s: &mut Sequence, host: Option<&HostTier>) -> Vec<BlockId> {
         let max_blocks = (s.tokens.len() - 1) / self.bs();
         if !self.caching() || max_blocks == 0 {
-            return (Vec::new(), Vec::new());
+            return Vec::new();
         }
         // Hash every eligible block first (they are all hashed once computed anyway, and the
         // hashes are memoised), then resolve the chain under one pool lock hold.
         self.block_hash_at(s, max_blocks - 1);
         let mut hits = self.pool.lookup_chain(&s.hashes[..max_blocks]);
-        let mut host_hits = Vec::new();
-        let Some(host) = host else {
-            return (hits, host_hits);
-        };
-        // Past the device chain: the same chained hashes, device first, then host.
-        for k in hits.len()..max_blocks {
-            let h = &s.hashes[k];
+        if let Some(host) = host.filter(|_| hits.len() < max_blocks) {
+            self.find_host_hits(&s.hashes[..max_blocks], &mut hits, host);
+        }
+        hits
+    }
+
+    /// Past the device chain `hits` of `hashes`: per block the device index first, then the
+    /// host tier ([`NULL_BLOCK`] marks a host hit), until neither holds the hash. Out of
+    /// line: without a host tier the hot path never comes here.
+    #[cold]
+    #[inline(never)]
+    fn find_host_hits(&self, hashes: &[BlockHash], hits: &mut Vec<BlockId>, host: &HostTier) {
+        for h in &hashes[hits.len()..] {
             if let Some(b) = self.pool.lookup(h) {
                 hits.push(b);
-            } else if let Some(hb) = host.lookup(h) {
+            } else if host.lookup(h).is_some() {
                 hits.push(NULL_BLOCK);
-                host_hits.push((k, hb));
             } else {
                 break;
             }
         }
-        (hits, host_hits)
+    }
+
+    /// The host hits of a first allocation's plan: `(logical block, host block)` for each
+    /// [`NULL_BLOCK`] entry of `hits` (looked up again under the same lock as the plan).
+    #[cold]
+    #[inline(never)]
+    fn host_hits_of(
+        hits: &[BlockId],
+        hashes: &[BlockHash],
+        host: &HostTier,
+    ) -> Vec<(usize, BlockId)> {
+        hits.iter()
+            .enumerate()
+            .filter(|(_, &b)| b == NULL_BLOCK)
+            .map(|(k, _)| (k, host.lookup(&hashes[k]).expect("planned host hit")))
+            .collect()
     }
 
     /// Allocates `n` device blocks; with a host tier, the cached blocks the allocation
@@ -1798,14 +1818,15 @@ impl KvCacheManager {
         }
         let bs = self.bs();
         let first = s.blocks.is_empty() && s.num_computed == 0;
-        let (hits, host_hits) = if first {
+        let hits = if first {
             self.find_hits(s, host)
         } else {
-            (Vec::new(), Vec::new())
+            Vec::new()
         };
+        // Host hits (NULL_BLOCK, ref count 0) count like free device hits: one block each.
         let hits_free = hits
             .iter()
-            .filter(|&&b| b != NULL_BLOCK && self.pool.ref_count(b) == 0)
+            .filter(|&&b| self.pool.ref_count(b) == 0)
             .count();
         let context = if first {
             hits.len() * bs
@@ -1848,7 +1869,6 @@ impl KvCacheManager {
         Ok(Plan {
             first,
             hits,
-            host_hits,
             hits_free,
             context,
             q,
@@ -1877,14 +1897,16 @@ impl KvCacheManager {
                 available,
             });
         }
+        let host_hits = match host.as_deref() {
+            Some(h) if plan.first => Self::host_hits_of(&plan.hits, &s.hashes, h),
+            _ => Vec::new(),
+        };
         // Host hits are pinned before the allocation, whose evictions may store to the host
         // tier and must not take a block this call loads from.
-        if let Some(host) = host.as_deref_mut() {
-            for &(_, hb) in &plan.host_hits {
-                host.pin(hb)?;
-            }
+        if !host_hits.is_empty() {
+            pin_host_hits(host.as_deref_mut(), &host_hits)?;
         }
-        let device_hits: Cow<'_, [BlockId]> = if plan.host_hits.is_empty() {
+        let device_hits: Cow<'_, [BlockId]> = if host_hits.is_empty() {
             Cow::Borrowed(&plan.hits)
         } else {
             Cow::Owned(
@@ -1898,11 +1920,15 @@ impl KvCacheManager {
         if !device_hits.is_empty() {
             self.pool.touch(&device_hits)?;
         }
-        let n_new = plan.host_hits.len() + plan.fresh + usize::from(plan.cow);
+        let n_new = host_hits.len() + plan.fresh + usize::from(plan.cow);
         let new = if n_new == 0 {
             Vec::new()
         } else {
-            match self.allocate_storing(n_new, host.as_deref_mut()) {
+            let allocated = match host.as_deref_mut() {
+                None => self.pool.allocate(n_new),
+                Some(host) => self.allocate_storing(n_new, Some(host)),
+            };
+            match allocated {
                 Ok(v) => v,
                 Err(e) => {
                     // Only reachable if someone mutates the pool behind the manager's back.
@@ -1911,7 +1937,7 @@ impl KvCacheManager {
                         let _ = self.pool.free(&undo);
                     }
                     if let Some(host) = host.as_deref_mut() {
-                        for &(_, hb) in &plan.host_hits {
+                        for &(_, hb) in &host_hits {
                             host.unpin(hb);
                         }
                     }
@@ -1922,37 +1948,27 @@ impl KvCacheManager {
         let mut copies = Vec::new();
         if plan.first {
             s.blocks = plan.hits.clone();
-            // The first blocks allocated are the loads' destinations, in table order; each
-            // load holds one more reference until it is handed out.
-            for (&(k, hb), &d) in plan.host_hits.iter().zip(&new) {
-                s.blocks[k] = d;
-                if let Some(host) = host.as_deref_mut() {
-                    host.plan_load(hb, d);
-                }
-            }
-            if !plan.host_hits.is_empty() {
-                self.pool.incref(&new[..plan.host_hits.len()])?;
+            if !host_hits.is_empty() {
+                self.plan_loads(s, host.as_deref_mut(), &host_hits, &new)?;
             }
             s.table_rewritten_from(0);
             s.num_computed = plan.context;
             // Blocks from the first host hit on are registered below (the loaded ones
             // become resolvable on the device now).
-            s.num_cached_blocks = plan.host_hits.first().map_or(plan.hits.len(), |&(k, _)| k);
+            s.num_cached_blocks = host_hits.first().map_or(plan.hits.len(), |&(k, _)| k);
             // Counted once per sequence: a resume after a recompute preemption finds its own
             // blocks again, not a new lookup (vLLM #25780).
             if self.caching() && !s.looked_up {
                 counters.prefix_queries_tokens += s.tokens.len() as u64;
                 counters.prefix_hits_tokens += plan.context as u64;
-                counters.host_hits_tokens += (plan.host_hits.len() * self.bs()) as u64;
+                counters.host_hits_tokens += (host_hits.len() * self.bs()) as u64;
             }
             s.looked_up = true;
             if let Some(host) = host.as_deref_mut() {
-                for &h in &s.hashes[..plan.hits.len()] {
-                    host.note_seen(h);
-                }
+                note_hits_seen(host, &s.hashes[..plan.hits.len()]);
             }
         }
-        let mut fresh = new[plan.host_hits.len()..].iter().copied();
+        let mut fresh = new[host_hits.len()..].iter().copied();
         if plan.cow {
             let dst = fresh.next().expect("allocated");
             let last = plan.context / self.bs();
@@ -1980,6 +1996,52 @@ impl KvCacheManager {
         })
     }
 
+    /// Gives the loads' destinations (the first blocks of `new`, in table order) their table
+    /// slots, plans the loads, and takes the reference each load holds until handed out.
+    #[cold]
+    #[inline(never)]
+    fn plan_loads(
+        &self,
+        s: &mut Sequence,
+        mut host: Option<&mut HostTier>,
+        host_hits: &[(usize, BlockId)],
+        new: &[BlockId],
+    ) -> Result<()> {
+        for (&(k, hb), &d) in host_hits.iter().zip(new) {
+            s.blocks[k] = d;
+            if let Some(host) = host.as_deref_mut() {
+                host.plan_load(hb, d);
+            }
+        }
+        self.pool.incref(&new[..host_hits.len()])
+    }
+
+    /// The host tier's bookkeeping of newly registered blocks `start..full` of `s`: each
+    /// block's step and event metadata, and a use of each from `seen_from` on.
+    #[inline(never)]
+    fn note_registered(
+        &self,
+        s: &Sequence,
+        host: &mut HostTier,
+        start: usize,
+        full: usize,
+        seen_from: usize,
+    ) {
+        let bs = self.bs();
+        let meta = host.keeps_meta();
+        for k in start..full {
+            let m = meta.then(|| BlockMeta {
+                parent: k.checked_sub(1).map(|j| s.hashes[j]),
+                tokens: s.tokens[k * bs..(k + 1) * bs].into(),
+                extra_keys: self.block_keys(&s.spec, k).into_owned(),
+            });
+            host.note_registered(s.blocks[k], m);
+            if k >= seen_from {
+                host.note_seen(s.hashes[k]);
+            }
+        }
+    }
+
     /// Registers every block full of computed tokens that is not cached yet, and emits
     /// BlockStored events (consecutive blocks with equal extra keys share one event). With a
     /// host tier, notes each registered block's step (and event metadata) and counts a use,
@@ -2005,18 +2067,7 @@ impl KvCacheManager {
         debug_assert!(cached.is_ok(), "{cached:?}");
         s.num_cached_blocks = full;
         if let Some(host) = host {
-            let meta = host.keeps_meta();
-            for k in start..full {
-                let m = meta.then(|| BlockMeta {
-                    parent: k.checked_sub(1).map(|j| s.hashes[j]),
-                    tokens: s.tokens[k * bs..(k + 1) * bs].into(),
-                    extra_keys: self.block_keys(&s.spec, k).into_owned(),
-                });
-                host.note_registered(s.blocks[k], m);
-                if k >= seen_from {
-                    host.note_seen(s.hashes[k]);
-                }
-            }
+            self.note_registered(s, host, start, full, seen_from);
         }
         if !self.events.enabled() {
             return;
@@ -2062,6 +2113,27 @@ impl KvCacheManager {
         if let Some(ev) = pending {
             self.events.push(ev);
         }
+    }
+}
+
+/// Pins the host blocks of a call's host hits (before its allocation may store to the tier).
+#[cold]
+#[inline(never)]
+fn pin_host_hits(host: Option<&mut HostTier>, host_hits: &[(usize, BlockId)]) -> Result<()> {
+    if let Some(host) = host {
+        for &(_, hb) in host_hits {
+            host.pin(hb)?;
+        }
+    }
+    Ok(())
+}
+
+/// Counts one use of each prefix-hit hash for the host tier's admission.
+#[cold]
+#[inline(never)]
+fn note_hits_seen(host: &mut HostTier, hashes: &[BlockHash]) {
+    for &h in hashes {
+        host.note_seen(h);
     }
 }
 
