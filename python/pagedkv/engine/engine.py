@@ -116,8 +116,8 @@ class LLMEngine:
             the model load; or ``kv_bytes`` holding fewer than 2 blocks of this model or
             ``host_cache_bytes`` less than one; or a
             model architecture the engine does not implement (after the load, before any
-            allocation; :func:`pagedkv.engine.architectures.build_model`); or speculative
-            decoding or a host tier on a model with sliding-window layers
+            allocation; :func:`pagedkv.engine.architectures.build_model`); or a host tier
+            on a model with sliding-window layers
             (:func:`pagedkv.engine.kv_groups.check_hybrid_config`). The message names the value.
         pagedkv.InvalidConfigError: a pool sized by ``kv_bytes`` above the core's block limit
             (when it fits the free memory).
