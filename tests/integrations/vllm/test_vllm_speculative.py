@@ -177,5 +177,9 @@ def test_request_finished_by_a_verify_step_caches_its_accepted_blocks(cls: type,
         assert req.is_finished()
         probe = make_request("probe", list(req.all_token_ids) + [99] * BS, 1, block_size=BS)
         hits[sched_cls] = sched.kv_cache_manager.get_computed_blocks(probe)[1]
-    # Tokens 0..15 (prompt, the first sample, the first draft) fill the first block.
-    assert hits[cls] == hits[Scheduler] == 16
+    # Tokens 0..15 (prompt, the first sample, the first draft) fill the first block; vLLM 0.33
+    # caches it before the free, 0.32 does not, and the plug-in follows the installed release.
+    import vllm
+
+    want = 0 if vllm.__version__.startswith("0.32") else 16
+    assert hits[cls] == hits[Scheduler] == want

@@ -220,6 +220,12 @@ class PagedKVCacheManager:
         # reports it by rolling num_computed_tokens back over the rejected drafts; the
         # request's next allocation (or free) reads it from there.
         self._drafts_pending: dict[str, tuple[int, list[int]]] = {}
+        # vLLM 0.33 caches the blocks a request's last verify step completed before freeing
+        # it; 0.32 does not (pagedkv follows the installed release).
+        import vllm
+
+        release = tuple(int(x) for x in str(vllm.__version__).split(".")[:2] if x.isdigit())
+        self._cache_finished_drafts = release >= (0, 33)
 
     # ---- properties vLLM reads -------------------------------------------------------------
 
@@ -578,10 +584,18 @@ class PagedKVCacheManager:
         self._sync()
         rid = request.request_id
         seq = self._seq_of.get(rid)
-        if seq is not None and request.is_finished() and rid in self._drafts_pending:
-            # The verify step that finished it: its accepted drafts are computed tokens, so
-            # the blocks they fill are cached before the free, as vLLM caches them.
-            self._accept_drafts(request, seq)
+        if self._cache_finished_drafts and seq is not None and request.is_finished() and rid in self._drafts_pending:
+            # The verify step that finished it (vLLM 0.33 caches the blocks it completed): its
+            # accepted drafts that became tokens of the request are computed, so the blocks
+            # they fill are cached before the free. Tokens past a stop are not there.
+            base, drafts = self._drafts_pending.pop(rid)
+            tokens = request.all_token_ids[base : base + len(drafts)]
+            m = 0
+            limit = max(0, min(request.num_computed_tokens - base, len(tokens)))
+            while m < limit and tokens[m] == drafts[m]:
+                m += 1
+            self._kvm.accept_drafts(seq, m, release_blocks=False)
+            self._num_known[rid] += m
         # Other pending drafts go with the recompute preemption; a preempted request's
         # accepted tokens reach pagedkv as known tokens on resume.
         self._drafts_pending.pop(rid, None)
