@@ -280,13 +280,44 @@ def test_mamba_group_refused_by_name() -> None:
     assert isinstance(err.value, ValueError)
 
 
-def test_speculative_decoding_with_several_groups_refused() -> None:
-    kv = make_hybrid_kv_cache_config(64, GEMMA3_GROUPS, BS)
-    base = make_vllm_config(num_blocks=64)
-    spec = ngram_speculative_config(base, 3)
-    with pytest.raises(UnsupportedVllmConfigError, match="speculative") as err:
-        _build(kv, speculative_config=spec)
-    assert err.value.field == "speculative_config"
+@pytest.mark.parametrize("k", [2, 4])
+def test_speculative_decoding_with_windowed_groups_matches_stock(k: int) -> None:
+    # n-gram speculation on a hybrid model (refused before the groups manager took drafts):
+    # drafts get lookahead slots in every group; stock and plug-in agree step by step, and the
+    # outputs equal decoding without drafts.
+    rng = random.Random(9)
+    prefix = _tokens(rng, 70)
+    stream = _shared_prefix_stream(rng, prefix, 8, (1, 100), 6)
+    runs = []
+    for cls in (Scheduler, PagedKVScheduler):
+        base = make_vllm_config(num_blocks=400, max_num_batched_tokens=128)
+        cfg = make_vllm_config(
+            num_blocks=400, max_num_batched_tokens=128, speculative_config=ngram_speculative_config(base, k)
+        )
+        kv = make_hybrid_kv_cache_config(400, CHUNKED_GROUPS, BS)
+        d = Driver(build_scheduler(cls, cfg, kv_cache_config=kv), num_drafts=k)
+        records = []
+        for step in range(3000):
+            for rid, prompt, max_tokens in stream.get(step, []):
+                d.add(make_request(rid, prompt, max_tokens, block_size=BS))
+            if step > max(stream) and not d.scheduler.has_unfinished_requests():
+                break
+            records.append(d.step())
+        runs.append((d, records))
+    (stock, a), (paged, b) = runs
+    assert b == a
+    assert paged.drafts_accepted == stock.drafts_accepted > 0
+    kvm = paged.scheduler.kv_cache_manager.manager
+    kvm.check_invariants()
+    assert kvm.num_sequences == 0
+    plain, _ = _pair(CHUNKED_GROUPS, 400, max_num_batched_tokens=128)
+    for step in range(3000):
+        for rid, prompt, max_tokens in stream.get(step, []):
+            plain.add(make_request(rid, prompt, max_tokens, block_size=BS))
+        if step > max(stream) and not plain.scheduler.has_unfinished_requests():
+            break
+        plain.step()
+    assert paged.outputs == plain.outputs
 
 
 def test_kv_events_name_their_group_and_kind() -> None:

@@ -4,7 +4,7 @@ pagedkv manages one pool of equally sized blocks for full-attention, sliding-win
 chunked-local KV cache groups, and it schedules only
 tokens whose ids are known (it hashes them as it allocates). Everything in vLLM that breaks one
 of those two assumptions is refused here, with the setting named, instead of being served
-subtly wrong later: Mamba layers, speculative decoding with several KV cache groups, cross
+subtly wrong later: Mamba layers, cross
 attention, KV connectors (they adopt and evict blocks behind the manager's back), context
 parallelism (blocks sharded across ranks), lookahead slots for tokens not yet known (EAGLE /
 MTP drafters; n-gram and other proposers whose draft tokens are scheduled are served, see
@@ -64,8 +64,8 @@ def check_supported_config(
     Accepted: KV cache groups whose specs are plain ``FullAttentionSpec`` /
     ``MLAAttentionSpec`` (no window), ``SlidingWindowSpec`` or ``ChunkedLocalAttentionSpec``,
     every group's block size the scheduler's; several groups or a windowed one are served by
-    ``HybridPagedKVCacheManager`` (see :func:`needs_hybrid_manager`; speculative decoding is
-    refused there). Mamba groups are refused, naming them. Decoder-only model, no
+    ``HybridPagedKVCacheManager`` (see :func:`needs_hybrid_manager`). Mamba groups are refused,
+    naming them. Decoder-only model, no
     KV connector, no context parallelism, no lookahead slots (n-gram speculative decoding and
     other proposers without them are served), no diffusion decoding (``diffusion_config``), no
     prompt embeddings, ``hash_block_size ==
@@ -117,13 +117,6 @@ def check_supported_config(
                 _attr(spec, "block_size"),
                 f"must equal the scheduler block size {block_size}",
             )
-    if needs_hybrid_manager(kv_cache_config) and _attr(vllm_config, "speculative_config") is not None:
-        raise _refuse(
-            "speculative_config",
-            type(vllm_config.speculative_config).__name__,
-            "speculative decoding is served with one full-attention KV cache group only (draft "
-            "tokens in sliding-window / chunked-local groups are not supported yet)",
-        )
     if hash_block_size is not None and hash_block_size != block_size:
         raise _refuse(
             "hash_block_size",

@@ -27,10 +27,12 @@ interval ``N`` maps to pagedkv's ``N`` (hits at multiples of ``N`` plus each seq
 replayable point). Hits under vLLM's sparse retention therefore differ by design
 (``tests/integrations/vllm/test_vllm_hybrid.py`` asserts and reports both).
 
-Not served with several groups (refused when the scheduler is built): speculative decoding
-(draft tokens in a hybrid manager are not bound to Python yet), Mamba groups, and group block
-sizes other than the scheduler's. Decodes are allocated one call per request (no batched decode
-path).
+Speculative decoding with scheduled draft tokens (n-gram) is served as by
+``PagedKVCacheManager``: the drafts get lookahead slots in every group in the same ``step``
+call, and vLLM's rollback of ``num_computed_tokens`` resolves them at the request's next
+allocation (``accept_drafts(release_blocks=False)``). Refused when the scheduler is built:
+Mamba groups and group block sizes other than the scheduler's. Decodes are allocated one call
+per request (no batched decode path).
 """
 
 from __future__ import annotations
@@ -206,6 +208,13 @@ class HybridPagedKVCacheManager:
         self._num_known: dict[str, int] = {}
         self._next_seq_id = 0
         self._lora_ids: dict[str, int] = {}
+        # Speculative decoding: request id -> (the computed count its drafts start at, the
+        # drafts) until vLLM reports the verification (see PagedKVCacheManager).
+        self._drafts_pending: dict[str, tuple[int, list[int]]] = {}
+        import vllm
+
+        release = tuple(int(x) for x in str(vllm.__version__).split(".")[:2] if x.isdigit())
+        self._cache_finished_drafts = release >= (0, 33)
 
     # ---- properties vLLM reads -------------------------------------------------------------
 
@@ -255,12 +264,42 @@ class HybridPagedKVCacheManager:
             self._seq_of[rid] = seq
             self._num_known[rid] = request.num_tokens
             return seq
+        if rid in self._drafts_pending:
+            self._accept_drafts(request, seq, strict=True)
         known = self._num_known[rid]
         n = request.num_tokens
         if n > known:
             self._kvm.append_tokens(seq, request.all_token_ids[known:])
             self._num_known[rid] = n
         return seq
+
+    def _accept_drafts(self, request: Any, seq: int, *, strict: bool) -> None:
+        """Resolves the request's verify step from vLLM's rollback of ``num_computed_tokens``
+        (as ``PagedKVCacheManager``: blocks kept, ``accept_drafts(release_blocks=False)``).
+        ``strict``: a count or tokens that disagree with the drafts raise
+        ``VllmStateMismatchError``; otherwise (a finished request, whose stop may cut the
+        verify short) only the drafts that became its tokens are accepted."""
+        rid = request.request_id
+        base, drafts = self._drafts_pending.pop(rid)
+        tokens = list(request.all_token_ids[base : base + len(drafts)])
+        accepted = request.num_computed_tokens - base
+        if strict:
+            if not 0 <= accepted <= len(drafts) or tokens[: max(accepted, 0)] != drafts[: max(accepted, 0)]:
+                raise VllmStateMismatchError(
+                    f"request {rid!r}: {accepted} draft token(s) accepted of {len(drafts)} "
+                    f"proposed at position {base}, tokens {tokens} vs drafts {drafts}",
+                    request_id=rid,
+                    quantity="accepted_draft_tokens",
+                    expected=f"0..{len(drafts)} of {drafts}",
+                    got=str(tokens),
+                )
+        else:
+            limit = max(0, min(accepted, len(tokens)))
+            accepted = 0
+            while accepted < limit and tokens[accepted] == drafts[accepted]:
+                accepted += 1
+        self._kvm.accept_drafts(seq, accepted, release_blocks=False)
+        self._num_known[rid] += accepted
 
     # ---- prefix cache ----------------------------------------------------------------------
 
@@ -361,10 +400,13 @@ class HybridPagedKVCacheManager:
         free when others are scheduled; ``full_sequence_must_fit`` admits a request only if
         all its tokens fit (a windowed group counted up to its admission cap).
 
-        Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` or a feature the config
-        check refuses (lookahead slots, external / encoder tokens, delayed caching, draft
-        tokens), and ``VllmStateMismatchError`` (a ``RuntimeError``) if pagedkv's computed-token
-        count disagrees with the request's.
+        A verify step's draft tokens (``request.spec_token_ids``, scheduled past the known
+        tokens) get lookahead slots in every group and are never hashed.
+
+        Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0``, tokens past the known
+        ones that are not drafts, or a feature the config check refuses (lookahead slots,
+        external / encoder tokens, delayed caching), and ``VllmStateMismatchError`` (a
+        ``RuntimeError``) if pagedkv's computed-token count disagrees with the request's.
         """
         rid = request.request_id
         if num_new_tokens <= 0:
@@ -389,20 +431,29 @@ class HybridPagedKVCacheManager:
                 )
         first = request.num_computed_tokens == 0
         hit = num_new_computed_tokens if first else 0
-        if request.num_computed_tokens + hit + num_new_tokens > request.num_tokens:
-            raise InvalidArgumentError(
-                f"request {rid!r}: {num_new_tokens} tokens scheduled past its "
-                f"{request.num_tokens} known tokens (draft tokens are not served with several "
-                "KV cache groups)",
-                arg="num_new_tokens",
-                value=str(num_new_tokens),
-                reason="draft tokens need speculative decoding, refused with several groups",
-            )
         seq = self._register(request)
+        # A verify step (speculative decoding): the tokens past the request's known ones are
+        # its drafts (request.spec_token_ids), given lookahead slots in every group.
+        num_drafts = 0
+        drafts: list[int] | None = None
+        spec = getattr(request, "spec_token_ids", None)
+        past = request.num_computed_tokens + hit + num_new_tokens - request.num_tokens
+        if past > 0:
+            if not spec or first or past > len(spec):
+                raise InvalidArgumentError(
+                    f"request {rid!r}: {num_new_tokens} tokens scheduled past its "
+                    f"{request.num_tokens} known tokens without as many draft tokens",
+                    arg="num_new_tokens",
+                    value=str(num_new_tokens),
+                    reason="only draft tokens may be scheduled past the known tokens",
+                )
+            num_drafts = past
+            # Grammar-invalidated drafts arrive as -1; they are never accepted.
+            drafts = [max(int(t), 0) for t in spec[:num_drafts]]
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
             free = self._kvm.num_free_blocks
-            take, release = self._kvm.num_blocks_needed(seq, num_new_tokens)
+            take, release = self._kvm.num_blocks_needed(seq, num_new_tokens - num_drafts)
             if (
                 full_sequence_must_fit
                 and self._full_sequence_demand(request, seq, hit, num_new_tokens) + watermark > free + release
@@ -410,7 +461,10 @@ class HybridPagedKVCacheManager:
                 return None
             if take + watermark > free + release - reserved_blocks:
                 return None
-        out = self._kvm.step([seq], [num_new_tokens])
+        if drafts:
+            out = self._kvm.step([seq], [num_new_tokens - num_drafts], draft_token_ids=[drafts])
+        else:
+            out = self._kvm.step([seq], [num_new_tokens])
         if out.error is not None:
             if isinstance(out.error, OutOfBlocksError):
                 return None
@@ -426,6 +480,8 @@ class HybridPagedKVCacheManager:
                 expected=str(expected),
                 got=str(got),
             )
+        if drafts:
+            self._drafts_pending[rid] = (expected + num_new_tokens - num_drafts, drafts)
         indptr = out.new_block_indptr.tolist()
         ids = out.new_block_ids.tolist()
         if indptr[-1] == 0:
@@ -443,6 +499,10 @@ class HybridPagedKVCacheManager:
         tokens, changing nothing."""
         rid = request.request_id
         seq = self._seq_of.get(rid)
+        if seq is not None and request.is_finished() and rid in self._drafts_pending and self._cache_finished_drafts:
+            # vLLM 0.33 caches the blocks a request's last verify step completed.
+            self._accept_drafts(request, seq, strict=False)
+        self._drafts_pending.pop(rid, None)
         if seq is None:
             if request.num_computed_tokens > 0:
                 raise UnknownSequenceError(
