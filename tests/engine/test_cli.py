@@ -542,3 +542,19 @@ def test_cli_help_states_the_slo_unit_and_defaults():
     assert "--slo-ttft SECONDS" in text and "--slo-tpot SECONDS" in text
     assert "in seconds (queueing included) (default: 2.0)" in text
     assert "judged on TTFT alone) (default: 0.1)" in text
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        (["--page-size", "4096"], "--page-size needs --kv-layout virtual"),
+        (["--host-min-seen", "1"], "--host-min-seen needs --host-cache-bytes"),
+    ],
+)
+def test_cli_options_of_an_unselected_feature_are_refused(tiny, tmp_path, capsys, extra, needle):
+    # Silently ignored before: a run measured the paged layout / no host tier while the
+    # command line asked for a page size / an admission threshold.
+    f = tmp_path / "p.txt"
+    f.write_text("w5\n")
+    assert main(["--prompts", str(f), "--model", str(tiny.path), *extra]) == 2
+    assert needle in capsys.readouterr().err

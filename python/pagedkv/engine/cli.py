@@ -41,6 +41,7 @@ from pagedkv.engine.cli_options import (
     positive_float,
     positive_int,
 )
+from pagedkv.engine.config import EngineConfig
 
 __all__ = ["main", "build_parser", "parse_size", "SAMPLING_OPTIONS"]
 
@@ -213,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--page-size",
         type=int,
         choices=[4096, 65536, 2097152],
-        default=65536,
-        help="commit granularity of --kv-layout virtual, in bytes (2097152: transparent huge pages)",
+        default=None,
+        help="commit granularity of --kv-layout virtual, in bytes (2097152: transparent huge pages) (default: 65536)",
     )
     kv.add_argument(
         "--host-cache-bytes",
@@ -227,10 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument(
         "--host-min-seen",
         type=positive_int,
-        default=2,
+        default=None,
         metavar="N",
         help="with --host-cache-bytes: store an evicted block only when its prefix was used at least N times "
-        "(1: every evicted block)",
+        "(1: every evicted block) (default: 2)",
     )
 
     sp = ap.add_argument_group("speculative decoding")
@@ -316,6 +317,16 @@ def _check_pool_args(args: argparse.Namespace) -> str | None:
     except pagedkv.InvalidConfigError as e:
         option = _POOL_OPTIONS.get(e.field)
         return f"{option} {e.value}: {e.reason}" if option else str(e)
+    return None
+
+
+def _check_layout_and_tier_args(args: argparse.Namespace) -> str | None:
+    """The error for a ``--page-size`` without ``--kv-layout virtual`` or a ``--host-min-seen``
+    without ``--host-cache-bytes`` (the run would silently measure without them), or ``None``."""
+    if args.page_size is not None and args.kv_layout != "virtual":
+        return f"--page-size needs --kv-layout virtual (got --kv-layout {args.kv_layout})"
+    if args.host_min_seen is not None and not args.host_cache_bytes:
+        return "--host-min-seen needs --host-cache-bytes"
     return None
 
 
@@ -449,7 +460,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             prompts = prompts[: args.limit]
     except (PromptFileError, InvalidRequestError, EngineError) as e:
         return _fail(str(e))
-    problem = _check_pool_args(args) or _check_speculative_args(args) or _check_output_paths(args)
+    problem = (
+        _check_pool_args(args)
+        or _check_layout_and_tier_args(args)
+        or _check_speculative_args(args)
+        or _check_output_paths(args)
+    )
     if problem:
         return _fail(problem)
 
@@ -471,9 +487,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             speculative=args.speculative,
             num_speculative_tokens=args.num_speculative_tokens,
             kv_layout=args.kv_layout,
-            page_size=args.page_size,
+            page_size=EngineConfig.page_size if args.page_size is None else args.page_size,
             host_cache_bytes=args.host_cache_bytes,
-            host_admission_min_seen=args.host_min_seen,
+            host_admission_min_seen=(
+                EngineConfig.host_admission_min_seen if args.host_min_seen is None else args.host_min_seen
+            ),
         )
     except (EngineError, ValueError, MemoryError) as e:
         return _fail(str(e))
