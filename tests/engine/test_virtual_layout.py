@@ -59,12 +59,16 @@ def test_bad_page_size_is_a_typed_error(bad):
 
 
 def test_arena_refuses_ranges_that_are_not_whole_pages():
+    # A pagedkv error that is also the builtin ValueError (it was a bare ValueError).
     arena = VirtualArena(MiB, 65536)
-    with pytest.raises(ValueError, match="whole pages"):
+    with pytest.raises(pagedkv.errors.InvalidArgumentError, match="whole pages"):
         arena.commit(4096, 65536)
-    with pytest.raises(ValueError, match="whole pages"):
+    with pytest.raises(pagedkv.errors.InvalidArgumentError, match="whole pages"):
         arena.commit(0, 2 * MiB)
-    assert arena.committed_bytes == 0
+    with pytest.raises(pagedkv.errors.InvalidArgumentError, match="whole pages"):
+        arena.release(-65536, 65536)
+    assert isinstance(pytest.raises(ValueError, arena.commit, 1, 65536).value, pagedkv.PagedKVError)
+    assert (arena.committed_bytes, arena.commits, arena.releases) == (0, 0, 0)
     arena.close()
 
 

@@ -32,6 +32,8 @@ from pagedkv._optional import optional_imports
 with optional_imports("pagedkv.engine", "engine"):
     import torch
 
+from pagedkv.errors import InvalidArgumentError
+
 from .errors import EngineConfigError
 
 __all__ = [
@@ -155,11 +157,19 @@ class VirtualArena:
     def _check_range(self, offset: int, length: int) -> None:
         p = self.page_size
         if offset % p or length % p or offset < 0 or length < 0 or offset + length > self.size:
-            raise ValueError(f"range [{offset}, {offset + length}) is not whole pages of {p} inside {self.size}")
+            value, reason = f"[{offset}, {offset + length})", f"not whole pages of {p} inside {self.size}"
+            raise InvalidArgumentError(
+                f"invalid argument range = {value}: {reason}", arg="range", value=value, reason=reason
+            )
 
     def commit(self, offset: int, length: int) -> None:
         """Commit the pages of ``[offset, offset + length)`` (bytes, whole pages, not yet
-        committed): one write per OS page faults each in. Counts the faults."""
+        committed): one write per OS page faults each in. Counts the faults.
+
+        Raises:
+            InvalidArgumentError: a range that is not whole pages inside the arena (nothing
+                committed).
+        """
         self._check_range(offset, length)
         if not length:
             return
@@ -172,7 +182,12 @@ class VirtualArena:
 
     def release(self, offset: int, length: int) -> None:
         """Give the pages of ``[offset, offset + length)`` (committed, whole pages) back to the
-        OS with ``madvise(MADV_DONTNEED)``; their contents read as zeros afterwards."""
+        OS with ``madvise(MADV_DONTNEED)``; their contents read as zeros afterwards.
+
+        Raises:
+            InvalidArgumentError: a range that is not whole pages inside the arena (nothing
+                released).
+        """
         self._check_range(offset, length)
         if not length:
             return
