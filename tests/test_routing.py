@@ -719,3 +719,34 @@ def test_router_refuses_a_re_added_workers_old_incarnation() -> None:
     assert router.apply_events(0, 0, fresh.take_events(), incarnation=new) == "applied"
     assert router.route(list(range(50, 63))).overlap_blocks == 3
     assert router.route(list(range(100, 113))).overlap_blocks == 0
+
+
+def test_group_event_pairs_keep_their_group_on_the_wire() -> None:
+    """A hybrid manager's ``(group, event)`` pairs (an engine on a model with sliding-window
+    layers) encode with their group in ``group_idx`` (field 9 / 3), so an indexer registered
+    with the worker's groups counts only the full-attention group; without it a receiver could
+    not tell the sliding-window group 0's blocks from prefix blocks (llm-d-router #2362)."""
+    groups = [pagedkv.KVCacheGroupSpec("sliding_window", 4, 8, window=8), pagedkv.KVCacheGroupSpec("full", 4, 8)]
+    m = pagedkv.HybridKVCacheManager(groups, [0, 1], 65, enable_events=True)
+    prompt = list(range(1, 18))
+    m.add_sequence(1, prompt)
+    m.step([1], 17).raise_for_error()
+    m.free(1)
+    m.add_sequence(2, list(range(1000, 1128)))  # evicts the first prompt's blocks
+    m.step([2], 128).raise_for_error()
+    events = m.take_events()
+    batch = wire.decode_event_batch(wire.encode_event_batch(events, ts=1.0))
+    assert [(ev[0], ev[9] if ev[0] == "BlockStored" else ev[3]) for ev in batch.events] == [
+        (type(e).__name__, g) for g, e in events
+    ]
+    assert batch.hash_root is not None and batch.hash_root == events[0][1].hash_root
+    ix = pagedkv.KVIndexer(4)
+    ix.add_worker(1, groups=groups)
+    stored = [ev for ev in batch.events if ev[0] == "BlockStored"]
+    assert ix.apply(1, 0, stored[:2], hash_root=batch.hash_root) == "applied"  # prompt 1, both groups
+    assert ix.overlap(prompt + [99]) == {1: 4}
+    sliding_removed = [ev for ev in batch.events if ev[0] == "BlockRemoved" and ev[3] == 0]
+    assert sliding_removed and ix.apply(1, 1, sliding_removed) == "applied"
+    assert ix.overlap(prompt + [99]) == {1: 4}
+    with pytest.raises(NotAKVEventError, match="group"):
+        wire.encode_event_batch([(-1, events[0][1])])

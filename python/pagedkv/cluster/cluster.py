@@ -157,8 +157,8 @@ class ReplicaCluster:
                 )
         self.infos = {info["replica_id"]: info for info in infos}
         self.router = Router(scheme.indexer(), policy)
-        for i in self.replicas:
-            self.router.add_worker(i)
+        for i in self.replicas:  # only a full-attention KV cache group's blocks count toward overlap
+            self.router.add_worker(i, groups=self.infos[i].get("kv_groups"))  # None: one full group
         self.dead: list[int] = []
 
     @property

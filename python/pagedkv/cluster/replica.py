@@ -72,6 +72,12 @@ class EngineReplica:
             self._startup_error = e
             return
         self._seq = 0
+        # The KV cache groups' attention kinds (a model with sliding-window layers runs on
+        # HybridKVCacheManager, whose events are (group, event) pairs): the router registers
+        # them, and only the first full-attention group's blocks serve a prefix.
+        groups = getattr(self.engine.manager, "groups", None)
+        self._group_kinds: list[str] = ["full"] if groups is None else [str(g.kind) for g in groups]
+        self._prefix_group = self._group_kinds.index("full") if "full" in self._group_kinds else None
         self._held: set[bytes] = set()  # resolvable hashes, mirrored from the published events
         self._hash_root: bytes | None = None  # the root the published BlockStored events carry
         self._inflight: set[str] = set()
@@ -81,18 +87,26 @@ class EngineReplica:
     def info(self) -> dict[str, Any]:
         """``replica_id``, ``hash_scheme`` (the engine's :class:`pagedkv.HashScheme`: block
         size, hash algorithm, and its cache identity digest as the seed), ``cache_identity``
-        (that digest, hex), ``num_kv_blocks``, ``pid``. Raises the engine's ``EngineError``
-        when it refused its settings."""
+        (that digest, hex), ``num_kv_blocks`` (the pool, null block included), ``kv_groups``
+        (the attention kinds of its KV cache groups in its manager's order, ``"full"`` /
+        ``"sliding_window"``: the ``groups`` of ``Router.add_worker``), ``pid``. Raises the
+        engine's ``EngineError`` when it refused its settings."""
         import os  # noqa: PLC0415
 
         if self._startup_error is not None:
             raise self._startup_error
-        cfg = self.engine.manager.config
+        manager = self.engine.manager
+        # HybridKVCacheManager has no CacheConfig: the scheme comes from the engine, whose
+        # cache identity seeds every manager's hashes.
+        scheme = HashScheme(
+            self.engine.config.block_size, self.engine.config.hash_algo, self.engine.cache_identity.seed
+        )
         return {
             "replica_id": self.replica_id,
-            "hash_scheme": HashScheme.of(cfg),
+            "hash_scheme": scheme,
             "cache_identity": self.engine.cache_identity.digest,
-            "num_kv_blocks": cfg.num_blocks,
+            "num_kv_blocks": int(manager.stats().num_blocks),
+            "kv_groups": list(self._group_kinds),
             "pid": os.getpid(),
         }
 
@@ -118,14 +132,17 @@ class EngineReplica:
     def _mirror(self, events: list[Any]) -> None:
         import pagedkv  # noqa: PLC0415
 
-        for ev in events:
-            if isinstance(ev, pagedkv.BlockStored):
+        for item in events:
+            group, ev = item if isinstance(item, tuple) else (None, item)
+            if isinstance(ev, pagedkv.AllBlocksCleared):
+                self._held.clear()
+            elif (0 if group is None else group) != self._prefix_group:
+                continue  # a sliding-window group's blocks serve no prefix (not in a snapshot)
+            elif isinstance(ev, pagedkv.BlockStored):
                 self._held.update(ev.block_hashes)
                 self._hash_root = ev.hash_root
             elif isinstance(ev, pagedkv.BlockRemoved):
                 self._held.difference_update(ev.block_hashes)
-            else:
-                self._held.clear()
 
     def load(self) -> WorkerLoad:
         """Requests added and not finished; KV blocks in use / usable."""

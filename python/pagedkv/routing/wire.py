@@ -56,6 +56,10 @@ from pagedkv.routing.errors import NotAKVEventError, WireFormatError
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, KVIndexer
 
+    # A pagedkv event, or a (group, event) pair of one (HybridKVCacheManager.take_events).
+    _Event = BlockStored | BlockRemoved | AllBlocksCleared
+    _GroupEvent = _Event | tuple[int | None, _Event]
+
 __all__ = [
     "EventBatch",
     "WireFormatError",
@@ -86,34 +90,41 @@ def _msgpack() -> Any:
 
 
 def events_to_wire(
-    events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
+    events: Iterable[_GroupEvent],
 ) -> list[list[Any]]:
     """pagedkv event objects as wire events (hashes as 32-byte bytes, ``lora_id`` and
-    ``medium`` None). Raises :class:`~pagedkv.routing.errors.NotAKVEventError` (a
-    ``TypeError``) for anything else."""
+    ``medium`` None). An item may be a ``(group, event)`` pair
+    (``HybridKVCacheManager.take_events``, the engine's events on a model with sliding-window
+    layers): its group goes in the event's ``group_idx`` field (vLLM's field 9 of a
+    ``BlockStored``, 3 of a ``BlockRemoved``) so the indexer counts only a full-attention
+    group's blocks. Raises :class:`~pagedkv.routing.errors.NotAKVEventError` (a ``TypeError``)
+    for anything else."""
     from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: PLC0415
 
     out: list[list[Any]] = []
-    for ev in _event_list(events):
+    for item in _event_list(events):
+        group, ev = _split_group(item)
         if isinstance(ev, BlockStored):
-            out.append(
-                [
-                    "BlockStored",
-                    ev.block_hashes,
-                    ev.parent_block_hash,
-                    ev.token_ids,
-                    ev.block_size,
-                    None,
-                    None,
-                ]
-            )
+            wire = ["BlockStored", ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None, None]
+            out.append(wire if group is None else [*wire, None, None, group])
         elif isinstance(ev, BlockRemoved):
-            out.append(["BlockRemoved", ev.block_hashes, None])
+            out.append(["BlockRemoved", ev.block_hashes, None] + ([] if group is None else [group]))
         elif isinstance(ev, AllBlocksCleared):
             out.append(["AllBlocksCleared"])
         else:
             raise NotAKVEventError(f"not a pagedkv KV event: {ev!r}"[:200])
     return out
+
+
+def _split_group(item: Any) -> tuple[int | None, Any]:
+    """``(group, event)`` of a ``(group, event)`` pair (group an int >= 0 or None), else
+    ``(None, item)``."""
+    if isinstance(item, tuple) and len(item) == 2:
+        group, ev = item
+        if group is None or (isinstance(group, int) and not isinstance(group, bool) and group >= 0):
+            return group, ev
+        raise NotAKVEventError(f"a (group, event) pair's group must be an int >= 0 or None: {item!r}"[:200])
+    return None, item
 
 
 def _event_list(events: Any) -> list[Any]:
@@ -124,14 +135,15 @@ def _event_list(events: Any) -> list[Any]:
 
 
 def encode_event_batch(
-    events: Iterable[BlockStored | BlockRemoved | AllBlocksCleared],
+    events: Iterable[_GroupEvent],
     *,
     ts: float | None = None,
     data_parallel_rank: int | None = None,
 ) -> bytes:
-    """One msgpack payload in vLLM's batch format for pagedkv events (``ts`` defaults to now),
-    with the ``BlockStored`` events' ``hash_root`` as the batch's fourth item (see the module
-    docs; absent when no event names one).
+    """One msgpack payload in vLLM's batch format for pagedkv events or ``(group, event)``
+    pairs (as :func:`events_to_wire`; ``ts`` defaults to now), with the ``BlockStored``
+    events' ``hash_root`` as the batch's fourth item (see the module docs; absent when no
+    event names one).
 
     Raises:
         pagedkv.routing.errors.NotAKVEventError: an item that is not a pagedkv event (a
@@ -159,7 +171,8 @@ def encode_event_batch(
             value=repr(data_parallel_rank),
             reason="expected an int or None",
         )
-    roots = {ev.hash_root for ev in events if isinstance(ev, BlockStored) and ev.hash_root is not None}
+    unpaired = [_split_group(item)[1] for item in events]
+    roots = {ev.hash_root for ev in unpaired if isinstance(ev, BlockStored) and ev.hash_root is not None}
     if len(roots) > 1:
         shown = sorted(r.hex()[:16] for r in roots)
         raise InvalidArgumentError(

@@ -1,0 +1,91 @@
+"""KV-aware routing over engines on a model with sliding-window layers (issue 24, item 6).
+
+The tiny Gemma-3-like model of test_hybrid_models (layers sliding, full, sliding, sliding;
+window 8) runs on ``HybridKVCacheManager``: its KV events are ``(group, event)`` pairs and every
+group stores the same block hashes, so an indexer that counted a sliding-window group (here
+group 0) would count residency that serves no prefix (llm-d-router #2362). Ray-free: the
+replica is driven in-process, as ``ReplicaCluster``'s actors run it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from engine_helpers import ModelBundle
+from test_hybrid_models import _tiny_gemma3
+
+from pagedkv.block_identity import HashScheme
+from pagedkv.cluster.replica import EngineReplica
+from pagedkv.engine import LLMEngine, SamplingParams
+from pagedkv.routing import Router, wire
+
+pytest.importorskip("msgspec")
+
+BLOCK = 4
+KW: dict[str, Any] = {"num_kv_blocks": 128, "block_size": BLOCK, "device": "cpu"}
+KINDS = ["sliding_window", "full", "sliding_window", "sliding_window"]
+PROMPT = list(range(10, 40))  # 30 tokens: 7 full blocks before the last prompt token
+FULL_BLOCKS = 7
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> ModelBundle:
+    return _tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3-routing"))
+
+
+def test_engine_events_route_a_repeated_prompt_by_its_full_attention_blocks(gemma: ModelBundle) -> None:
+    """An engine's (group, event) pairs fed to a router whose workers are registered with the
+    model's groups: the worker holding the prompt's blocks in every group gets its whole
+    prefix, one holding only its sliding-window groups' blocks none."""
+    engine = LLMEngine(str(gemma.path), enable_kv_events=True, **KW)
+    manager: Any = engine.manager  # a HybridKVCacheManager
+    assert [g.kind for g in manager.groups] == KINDS
+    engine.generate([PROMPT], SamplingParams(max_tokens=1))
+    events = manager.take_events()
+    stored = {g: e.block_hashes for g, e in events}
+    assert sorted(stored) == [0, 1, 2, 3] and len(stored[1]) == FULL_BLOCKS
+    assert stored[0] == stored[1]  # equal hashes in every group: only the group tells them apart
+    router = Router(HashScheme(BLOCK, "sha256", engine.cache_identity.seed).indexer())
+    router.add_worker(0, groups=manager.groups)
+    router.add_worker(1, groups=KINDS)
+    assert router.apply_events(0, 0, events) == "applied"
+    assert router.apply_events(1, 0, [(g, e) for g, e in events if KINDS[g] != "full"]) == "applied"
+    tokens, spec = engine.prompt_spec(PROMPT)
+    assert router.indexer.overlap(tokens, spec=spec) == {0: FULL_BLOCKS, 1: 0}
+    d = router.route(tokens, spec=spec)
+    assert (d.worker, d.overlap_blocks, d.num_blocks) == (0, FULL_BLOCKS, FULL_BLOCKS)
+
+
+def test_hybrid_replica_publishes_its_groups_and_is_routed_to(gemma: ModelBundle) -> None:
+    """``EngineReplica`` on the hybrid model: ``info`` (which read the one-group manager's
+    config) gives its scheme, pool and groups; its wire batches keep each event's group, so a
+    router registered with those groups sends the repeated prompt to it, not to a worker
+    holding only the sliding-window blocks; its snapshot holds the full-attention blocks."""
+    replica = EngineReplica(0, str(gemma.path), engine_kwargs=KW)
+    info = replica.info()
+    scheme = HashScheme(BLOCK, "sha256", replica.engine.cache_identity.seed)
+    assert (info["hash_scheme"], info["num_kv_blocks"], info["kv_groups"]) == (scheme, 128, KINDS)
+    router = Router(info["hash_scheme"].indexer())
+    for w in (0, 1):
+        router.add_worker(w, groups=info["kv_groups"])
+    [(tokens, spec)] = replica.prompt_specs([(PROMPT, False, None)])  # type: ignore[misc]
+    step = replica.run([("a", PROMPT, SamplingParams(max_tokens=1), False, None)], max_steps=4)
+    assert [o.request_id for o in step.outputs] == ["a"] and step.load.kv_blocks_total == 127
+    assert step.events is not None
+    seq, payload = step.events
+    batch = wire.decode_event_batch(payload)
+    assert sorted(ev[9] for ev in batch.events) == [0, 1, 2, 3]  # one BlockStored per group
+    assert router.apply_events(0, seq, batch.events, hash_root=batch.hash_root) == "applied"
+    sliding = [ev for ev in batch.events if KINDS[ev[9]] != "full"]
+    assert router.apply_events(1, seq, sliding, hash_root=batch.hash_root) == "applied"
+    assert router.indexer.overlap(tokens, spec=spec) == {0: FULL_BLOCKS, 1: 0}
+    d = router.route(tokens, spec=spec)
+    assert (d.worker, d.overlap_blocks, d.num_blocks) == (0, FULL_BLOCKS, FULL_BLOCKS)
+
+    snap_seq, hashes, root = replica.snapshot()
+    assert hashes == router.indexer.worker_hashes(0) and len(hashes) == FULL_BLOCKS
+    resynced = scheme.indexer()
+    resynced.add_worker(0, groups=KINDS)
+    assert resynced.apply_snapshot(0, snap_seq, hashes, hash_root=root) == "applied"
+    assert resynced.overlap(tokens, spec=spec) == {0: FULL_BLOCKS}
