@@ -61,8 +61,10 @@ class CacheConfig:
         """``num_host_blocks`` > 0 adds the prefix cache's host tier (docs/design.md, "Host
         tier"): cached blocks the device pool evicts are stored to host blocks once their hash
         was used ``host_admission_min_seen`` times, and prefix lookups load them back.
-        ``host_eviction``: ``"lru"``. Raises ``CacheConfigError`` naming the field for a host
-        tier with prefix caching off, ``host_admission_min_seen=0`` or an unknown policy."""
+        ``num_host_blocks``: blocks, 0..=2**28 (0: no host tier); ``host_admission_min_seen``:
+        uses, 1..=2**32 - 1; ``host_eviction``: ``"lru"``. Raises ``InvalidConfigError`` (a
+        ``ValueError``) naming the field for a host tier with prefix caching off, a value of
+        the wrong type or out of those ranges, or an unknown policy."""
     @property
     def num_blocks(self) -> int: ...
     @property
