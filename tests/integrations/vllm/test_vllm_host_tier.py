@@ -146,7 +146,8 @@ def _vllm_serve(monkeypatch: pytest.MonkeyPatch, *, offload: bool) -> tuple[Any,
 
         def record(request: Any, num_computed_tokens: int) -> Any:
             n, is_async = matched(request, num_computed_tokens)
-            external.setdefault(request.request_id, n or 0)
+            if n is not None:  # None: the connector asks to be asked again later
+                external.setdefault(request.request_id, n)
             return n, is_async
 
         sched.connector.get_num_new_matched_tokens = record
