@@ -650,6 +650,8 @@ def default_vllm_python() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Parse ``argv``, run the sweeps (or the engine comparison with ``--engine``), print the
+    tables, write the JSON and plot under the results folder; returns the JSON payload."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer host sizes and op requests (for run_all)")
     ap.add_argument("--traces-dir", default=None, help="folder with the full traces (default: bundled excerpts)")

@@ -50,6 +50,7 @@ TOKEN_BYTES = 2 * LAYERS * SEG_BYTES_PER_TOKEN  # all layers, K and V
 
 
 def minflt() -> int:
+    """This process's minor page faults so far (``ru_minflt``)."""
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
 
 
@@ -137,6 +138,8 @@ class VirtualCapacity:
 
 @dataclass
 class Req:
+    """One replayed request: ``prompt`` and ``output`` lengths in tokens, ``computed`` so far."""
+
     rid: int
     prompt: int
     output: int
@@ -282,6 +285,9 @@ def sharing(hash_ids: list[list[int]], prompts: np.ndarray, block_size: int, pag
 
 
 def engine_runs(args: argparse.Namespace) -> list[dict]:
+    """SmolLM2 over ``examples/prompts.jsonl`` through the paged layout and the virtual one at
+    each page size of ``--engine-pages``, at one KV budget; one row per run (TTFT, TPOT, goodput, attention ms per
+    step, page faults, token identity with the paged run)."""
     import torch
 
     from pagedkv import kernels
@@ -361,6 +367,8 @@ def engine_runs(args: argparse.Namespace) -> list[dict]:
 
 
 def main() -> None:
+    """Parse the flags, run the replay (and the engine unless ``--quick``), print the tables,
+    write ``results/kv_layout.json`` and the plot."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=100, help="requests taken from each trace")
     ap.add_argument("--budget-gib", type=float, default=1.0, help="physical KV budget of the replay")
@@ -484,6 +492,7 @@ def main() -> None:
 
 
 def plot(rows: list[dict], args: argparse.Namespace, out: Path) -> None:
+    """Bars of the replay's waste, preemptions and page faults per trace and layout, to ``out`` (PNG)."""
     plt = pyplot()
     traces = list(dict.fromkeys(r["trace"] for r in rows))
     layouts = list(dict.fromkeys(r["layout"] for r in rows))
