@@ -40,11 +40,16 @@ from __future__ import annotations
 from typing import Any
 
 import pagedkv
-from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, UnknownSequenceError
+from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
 from pagedkv.integrations.vllm.blocks import GroupedBlocks, PrefixHit
 from pagedkv.integrations.vllm.coordinator import CoordinatorView
-from pagedkv.integrations.vllm.errors import UnsupportedVllmCallError, VllmStateMismatchError
-from pagedkv.integrations.vllm.kv_cache_manager import _HASH_ALGOS, request_sequence_spec
+from pagedkv.integrations.vllm.errors import VllmStateMismatchError
+from pagedkv.integrations.vllm.kv_cache_manager import request_sequence_spec
+from pagedkv.integrations.vllm.manager_interface import (
+    SharedManagerCalls,
+    caches_finished_drafts,
+    pagedkv_hash_algo,
+)
 
 __all__ = ["HybridPagedKVCacheManager", "group_spec_of"]
 
@@ -93,7 +98,7 @@ def _skipped_tokens(spec: pagedkv.KVCacheGroupSpec, num_computed: int) -> int:
     return 0
 
 
-class HybridPagedKVCacheManager:
+class HybridPagedKVCacheManager(SharedManagerCalls):
     """vLLM V1 ``kv_cache_manager`` backed by ``pagedkv.HybridKVCacheManager`` (several KV cache
     groups sharing one pool).
 
@@ -135,14 +140,7 @@ class HybridPagedKVCacheManager:
         from vllm.v1.metrics.stats import PrefixCacheStats
         from vllm.v1.request import RequestStatus
 
-        algo = _HASH_ALGOS.get(hash_algo)
-        if algo is None:
-            raise pagedkv.InvalidConfigError(
-                f"prefix_caching_hash_algo {hash_algo!r} has no pagedkv equivalent (supported: {sorted(_HASH_ALGOS)})",
-                field="prefix_caching_hash_algo",
-                value=str(hash_algo),
-                reason=f"supported: {sorted(_HASH_ALGOS)}",
-            )
+        algo = pagedkv_hash_algo(hash_algo)
         groups = list(kv_cache_config.kv_cache_groups)
         for g in groups:
             if g.kv_cache_spec.block_size != block_size:
@@ -211,18 +209,9 @@ class HybridPagedKVCacheManager:
         # Speculative decoding: request id -> (the computed count its drafts start at, the
         # drafts) until vLLM reports the verification (see PagedKVCacheManager).
         self._drafts_pending: dict[str, tuple[int, list[int]]] = {}
-        import vllm
-
-        release = tuple(int(x) for x in str(vllm.__version__).split(".")[:2] if x.isdigit())
-        self._cache_finished_drafts = release >= (0, 33)
+        self._cache_finished_drafts = caches_finished_drafts()
 
     # ---- properties vLLM reads -------------------------------------------------------------
-
-    @property
-    def coordinator(self) -> CoordinatorView:
-        """vLLM's ``kv_cache_manager.coordinator`` as a read-only view: one
-        ``GroupManagerView`` per KV cache group."""
-        return self._coordinator
 
     @property
     def manager(self) -> pagedkv.HybridKVCacheManager:
@@ -236,16 +225,6 @@ class HybridPagedKVCacheManager:
         if not self._num_usable:
             return 0.0
         return 1.0 - self._kvm.num_free_blocks / self._num_usable
-
-    def seq_id(self, request_id: str) -> int:
-        """The pagedkv sequence id of ``request_id``. Raises ``UnknownSequenceError``."""
-        seq = self._seq_of.get(request_id)
-        if seq is None:
-            raise UnknownSequenceError(
-                f"unknown request id {request_id!r} (never looked up or allocated, or freed)",
-                seq_id=-1,
-            )
-        return seq
 
     def flush_decodes(self) -> int:
         """0: decodes are allocated one call per request (no batched decode path)."""
@@ -303,10 +282,6 @@ class HybridPagedKVCacheManager:
 
     # ---- prefix cache ----------------------------------------------------------------------
 
-    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
-        """Whether a prefix-cache lookup runs for ``request`` (caching on, reads allowed)."""
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
         """Prefix hit of a waiting request: ``(blocks, hit tokens, 0)``, the hit being the
         longest prefix every group serves (whole blocks, at most ``num_tokens - 1``).
@@ -316,35 +291,10 @@ class HybridPagedKVCacheManager:
             return self.empty_kv_cache_blocks, 0, 0
         seq = self._register(request)
         hit = self._kvm.lookup_prefix(seq)
-        if max_cache_hit_length is not None and hit > max_cache_hit_length:
-            raise InvalidArgumentError(
-                f"max_cache_hit_length {max_cache_hit_length} is below the prefix hit of "
-                f"{hit} tokens; capping hits is not supported",
-                arg="max_cache_hit_length",
-                value=str(max_cache_hit_length),
-                reason="capping hits is not supported",
-            )
+        self._check_hit_cap(hit, max_cache_hit_length)
         if hit == 0:
             return self.empty_kv_cache_blocks, 0, 0
         return PrefixHit(hit, [hit // bs for bs in self.group_block_sizes], seq), hit, 0
-
-    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
-        """Counts one admitted request's lookup (tokens queried, tokens hit) when logging."""
-        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
-            return
-        self.prefix_cache_stats.record(
-            num_tokens=request.num_tokens,
-            num_hits=num_hits,
-            preempted=request.num_preemptions > 0,
-        )
-
-    def make_prefix_cache_stats(self) -> Any:
-        """The prefix-cache stats since the last call (then reset), or None without logging."""
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = self._PrefixCacheStats()
-        return stats
 
     def estimate_cached_tokens(self, request: Any) -> int:
         """Tokens of ``request`` covered by whole computed blocks (every group caches its
@@ -409,26 +359,14 @@ class HybridPagedKVCacheManager:
         ``RuntimeError``) if pagedkv's computed-token count disagrees with the request's.
         """
         rid = request.request_id
-        if num_new_tokens <= 0:
-            raise InvalidArgumentError(
-                f"num_new_tokens must be >= 1 (got {num_new_tokens}) for request {rid!r}",
-                arg="num_new_tokens",
-                value=str(num_new_tokens),
-                reason="must schedule at least one token",
-            )
-        for name, value in (
-            ("num_lookahead_tokens", num_lookahead_tokens),
-            ("num_external_computed_tokens", num_external_computed_tokens),
-            ("num_encoder_tokens", num_encoder_tokens),
-            ("delay_cache_blocks", int(delay_cache_blocks)),
-        ):
-            if value:
-                raise InvalidArgumentError(
-                    f"{name}={value} is not supported by HybridPagedKVCacheManager",
-                    arg=name,
-                    value=str(value),
-                    reason="refused by check_supported_config",
-                )
+        self._check_allocation_args(
+            rid,
+            num_new_tokens,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            num_encoder_tokens,
+            delay_cache_blocks,
+        )
         first = request.num_computed_tokens == 0
         hit = num_new_computed_tokens if first else 0
         seq = self._register(request)
@@ -488,9 +426,6 @@ class HybridPagedKVCacheManager:
             return self.empty_kv_cache_blocks
         return GroupedBlocks(tuple(ids[indptr[g] : indptr[g + 1]] for g in range(self.num_kv_cache_groups)))
 
-    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
-        """No-op: pagedkv registers full blocks in the prefix cache as it allocates them."""
-
     def free(self, request: Any) -> None:
         """Releases ``request``'s blocks in every group. A finished request is forgotten; one
         still ``RUNNING`` is being preempted by the scheduler and keeps its tokens (preemption
@@ -504,12 +439,7 @@ class HybridPagedKVCacheManager:
             self._accept_drafts(request, seq, strict=False)
         self._drafts_pending.pop(rid, None)
         if seq is None:
-            if request.num_computed_tokens > 0:
-                raise UnknownSequenceError(
-                    f"request {rid!r} holds no KV blocks (already freed?) but claims "
-                    f"{request.num_computed_tokens} computed tokens",
-                    seq_id=-1,
-                )
+            self._check_unallocated_free(request)
             return
         if request.is_finished():
             self._kvm.free(seq)
@@ -552,14 +482,7 @@ class HybridPagedKVCacheManager:
             for ids, bs in zip(self.get_block_ids(request_id), self.group_block_sizes, strict=True)
         )
 
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """``[0]`` per group: cascade attention is gone from vLLM."""
-        return [0] * self.num_kv_cache_groups
-
     # ---- per-step hooks --------------------------------------------------------------------
-
-    def new_step_starts(self) -> None:
-        """No per-step state to reset."""
 
     def take_events(self) -> list[Any]:
         """KV events since the last call as ``vllm.distributed.kv_events`` objects, each
@@ -581,46 +504,3 @@ class HybridPagedKVCacheManager:
                 )
             )
         return out
-
-    def take_new_block_ids(self) -> list[int]:
-        """``[]``: no block zeroing (Mamba is refused)."""
-        return []
-
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        """``([], [])``: vLLM requests never share a partially filled block."""
-        return [], []
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """``{}``: no Mamba boundary states."""
-        return {}
-
-    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
-        """``[]``: no Mamba boundary states."""
-        return []
-
-    def _connector_only(self, name: str) -> Any:
-        raise UnsupportedVllmCallError(
-            f"HybridPagedKVCacheManager.{name} is used by KV connectors, which PagedKVScheduler refuses",
-            operation=name,
-            feature="KV connectors",
-        )
-
-    def get_computed_blocks_for_connector(self, *args: Any, **kwargs: Any) -> Any:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        return self._connector_only("get_computed_blocks_for_connector")
-
-    def truncate_computed_blocks(self, *args: Any, **kwargs: Any) -> Any:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        return self._connector_only("truncate_computed_blocks")
-
-    def pop_blocks_for_free(self, *args: Any, **kwargs: Any) -> Any:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        return self._connector_only("pop_blocks_for_free")
-
-    def evict_blocks(self, *args: Any, **kwargs: Any) -> None:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        self._connector_only("evict_blocks")
-
-    def record_blocks_for_zeroing(self, *args: Any, **kwargs: Any) -> None:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        self._connector_only("record_blocks_for_zeroing")

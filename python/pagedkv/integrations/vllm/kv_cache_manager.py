@@ -48,25 +48,19 @@ from typing import Any
 
 import pagedkv
 from pagedkv.errors import (
-    InvalidArgumentError,
     OutOfBlocksError,
-    UnknownSequenceError,
 )
 from pagedkv.integrations.vllm.blocks import PagedKVBlocks, PrefixHit
 from pagedkv.integrations.vllm.coordinator import CoordinatorView
 from pagedkv.integrations.vllm.decode_deferral import NO_WINDOW, DecodeDeferral
-from pagedkv.integrations.vllm.errors import UnsupportedVllmCallError, VllmStateMismatchError
+from pagedkv.integrations.vllm.errors import VllmStateMismatchError
+from pagedkv.integrations.vllm.manager_interface import (
+    SharedManagerCalls,
+    caches_finished_drafts,
+    pagedkv_hash_algo,
+)
 
 __all__ = ["PagedKVCacheManager", "request_sequence_spec"]
-
-# vLLM's prefix_caching_hash_algo -> pagedkv's hash. pagedkv hashes its own canonical byte
-# encoding (not vLLM's pickle / CBOR), so only the family matters.
-_HASH_ALGOS = {
-    "sha256": "sha256",
-    "sha256_cbor": "sha256",
-    "xxhash": "xxh3_128",
-    "xxhash_cbor": "xxh3_128",
-}
 
 
 def request_sequence_spec(request: Any, lora_ids: dict[str, int]) -> pagedkv.SequenceSpec:
@@ -90,7 +84,7 @@ def request_sequence_spec(request: Any, lora_ids: dict[str, int]) -> pagedkv.Seq
     return pagedkv.SequenceSpec(request.cache_salt, adapter, extra_keys, mm_items)
 
 
-class PagedKVCacheManager:
+class PagedKVCacheManager(SharedManagerCalls):
     """vLLM V1 ``kv_cache_manager`` backed by ``pagedkv.KVCacheManager`` (one KV cache group).
 
     Args:
@@ -132,14 +126,7 @@ class PagedKVCacheManager:
         from vllm.v1.metrics.stats import PrefixCacheStats
         from vllm.v1.request import RequestStatus
 
-        algo = _HASH_ALGOS.get(hash_algo)
-        if algo is None:
-            raise pagedkv.InvalidConfigError(
-                f"prefix_caching_hash_algo {hash_algo!r} has no pagedkv equivalent (supported: {sorted(_HASH_ALGOS)})",
-                field="prefix_caching_hash_algo",
-                value=str(hash_algo),
-                reason=f"supported: {sorted(_HASH_ALGOS)}",
-            )
+        algo = pagedkv_hash_algo(hash_algo)
         spec = None
         if kv_cache_config is not None:
             spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -222,20 +209,9 @@ class PagedKVCacheManager:
         self._drafts_pending: dict[str, tuple[int, list[int]]] = {}
         # vLLM 0.33 caches the blocks a request's last verify step completed before freeing
         # it; 0.32 does not (pagedkv follows the installed release).
-        import vllm
-
-        release = tuple(int(x) for x in str(vllm.__version__).split(".")[:2] if x.isdigit())
-        self._cache_finished_drafts = release >= (0, 33)
+        self._cache_finished_drafts = caches_finished_drafts()
 
     # ---- properties vLLM reads -------------------------------------------------------------
-
-    @property
-    def coordinator(self) -> CoordinatorView:
-        """vLLM's ``kv_cache_manager.coordinator`` as a read-only view of this manager
-        (``single_type_managers[0].block_size / .kv_cache_spec``, ``kv_cache_config``,
-        ``get_num_blocks_to_allocate``...): what vLLM's engine core and scheduler read through
-        it (docs/design.md, "vLLM seam")."""
-        return self._coordinator
 
     @property
     def defer_decodes(self) -> bool:
@@ -277,16 +253,6 @@ class PagedKVCacheManager:
             return 0.0
         self._sync()
         return 1.0 - self._pool.num_free / self._num_usable
-
-    def seq_id(self, request_id: str) -> int:
-        """The pagedkv sequence id of ``request_id``. Raises ``UnknownSequenceError``."""
-        seq = self._seq_of.get(request_id)
-        if seq is None:
-            raise UnknownSequenceError(
-                f"unknown request id {request_id!r} (never looked up or allocated, or freed)",
-                seq_id=-1,
-            )
-        return seq
 
     # ---- request registration --------------------------------------------------------------
 
@@ -341,10 +307,6 @@ class PagedKVCacheManager:
 
     # ---- prefix cache ----------------------------------------------------------------------
 
-    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
-        """Whether a prefix-cache lookup runs for ``request`` (caching on, reads allowed)."""
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
         """Prefix hit of a waiting request: ``(blocks, hit tokens, 0)``.
 
@@ -358,35 +320,10 @@ class PagedKVCacheManager:
         self._sync()
         seq = self._register(request)
         hit = self._kvm.lookup_prefix(seq)
-        if max_cache_hit_length is not None and hit > max_cache_hit_length:
-            raise InvalidArgumentError(
-                f"max_cache_hit_length {max_cache_hit_length} is below the prefix hit of "
-                f"{hit} tokens; capping hits is not supported",
-                arg="max_cache_hit_length",
-                value=str(max_cache_hit_length),
-                reason="capping hits is not supported",
-            )
+        self._check_hit_cap(hit, max_cache_hit_length)
         if hit == 0:
             return self.empty_kv_cache_blocks, 0, 0
         return PrefixHit(hit, hit // self.block_size, seq), hit, 0
-
-    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
-        """Counts one admitted request's lookup (tokens queried, tokens hit) when logging."""
-        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
-            return
-        self.prefix_cache_stats.record(
-            num_tokens=request.num_tokens,
-            num_hits=num_hits,
-            preempted=request.num_preemptions > 0,
-        )
-
-    def make_prefix_cache_stats(self) -> Any:
-        """The prefix-cache stats since the last call (then reset), or None without logging."""
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = self._PrefixCacheStats()
-        return stats
 
     def estimate_cached_tokens(self, request: Any) -> int:
         """Tokens of ``request`` covered by blocks registered in the prefix cache (pagedkv
@@ -496,26 +433,14 @@ class PagedKVCacheManager:
         """``allocate_slots`` through one call into Rust (the per-request path)."""
         self._sync()
         rid = request.request_id
-        if num_new_tokens <= 0:
-            raise InvalidArgumentError(
-                f"num_new_tokens must be >= 1 (got {num_new_tokens}) for request {rid!r}",
-                arg="num_new_tokens",
-                value=str(num_new_tokens),
-                reason="must schedule at least one token",
-            )
-        for name, value in (
-            ("num_lookahead_tokens", num_lookahead_tokens),
-            ("num_external_computed_tokens", num_external_computed_tokens),
-            ("num_encoder_tokens", num_encoder_tokens),
-            ("delay_cache_blocks", int(delay_cache_blocks)),
-        ):
-            if value:
-                raise InvalidArgumentError(
-                    f"{name}={value} is not supported by PagedKVCacheManager",
-                    arg=name,
-                    value=str(value),
-                    reason="refused by check_supported_config",
-                )
+        self._check_allocation_args(
+            rid,
+            num_new_tokens,
+            num_lookahead_tokens,
+            num_external_computed_tokens,
+            num_encoder_tokens,
+            delay_cache_blocks,
+        )
         seq = self._register(request)
         first = request.num_computed_tokens == 0
         # A verify step (speculative decoding): the tokens past the request's known ones are
@@ -570,9 +495,6 @@ class PagedKVCacheManager:
         ``VllmStateMismatchError`` if pagedkv disagrees with vLLM (never expected)."""
         return self.decodes.flush()
 
-    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
-        """No-op: pagedkv registers full blocks in the prefix cache as it allocates them."""
-
     def free(self, request: Any) -> None:
         """Releases ``request``'s blocks (tail first, so deep blocks are evicted first).
 
@@ -600,12 +522,7 @@ class PagedKVCacheManager:
         # accepted tokens reach pagedkv as known tokens on resume.
         self._drafts_pending.pop(rid, None)
         if seq is None:
-            if request.num_computed_tokens > 0:
-                raise UnknownSequenceError(
-                    f"request {rid!r} holds no KV blocks (already freed?) but claims "
-                    f"{request.num_computed_tokens} computed tokens",
-                    seq_id=-1,
-                )
+            self._check_unallocated_free(request)
             return
         if request.is_finished():
             # Lagging tokens need not reach pagedkv: they sit in a partial block, which is
@@ -654,14 +571,7 @@ class PagedKVCacheManager:
         (ids,) = self.get_block_ids(request_id)
         return (ids[: -(-num_computed_tokens // self.block_size)],)
 
-    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
-        """``[0]``: cascade attention is gone from vLLM; kept for schedulers that still ask."""
-        return [0]
-
     # ---- per-step hooks --------------------------------------------------------------------
-
-    def new_step_starts(self) -> None:
-        """No per-step state to reset."""
 
     def take_events(self) -> list[Any]:
         """KV events since the last call as ``vllm.distributed.kv_events`` objects."""
@@ -676,47 +586,3 @@ class PagedKVCacheManager:
             spec_kind=self.spec_kind,
             medium=self.medium,
         )
-
-    def take_new_block_ids(self) -> list[int]:
-        """``[]``: no block zeroing (Mamba is refused)."""
-        return []
-
-    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        """``([], [])``: vLLM requests never share a partially filled block, so pagedkv plans no
-        copy-on-write for them."""
-        return [], []
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        """``{}``: no Mamba boundary states."""
-        return {}
-
-    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
-        """``[]``: no Mamba boundary states."""
-        return []
-
-    def _connector_only(self, name: str) -> Any:
-        raise UnsupportedVllmCallError(
-            f"PagedKVCacheManager.{name} is used by KV connectors, which PagedKVScheduler refuses",
-            operation=name,
-            feature="KV connectors",
-        )
-
-    def get_computed_blocks_for_connector(self, *args: Any, **kwargs: Any) -> Any:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        return self._connector_only("get_computed_blocks_for_connector")
-
-    def truncate_computed_blocks(self, *args: Any, **kwargs: Any) -> Any:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        return self._connector_only("truncate_computed_blocks")
-
-    def pop_blocks_for_free(self, *args: Any, **kwargs: Any) -> Any:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        return self._connector_only("pop_blocks_for_free")
-
-    def evict_blocks(self, *args: Any, **kwargs: Any) -> None:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        self._connector_only("evict_blocks")
-
-    def record_blocks_for_zeroing(self, *args: Any, **kwargs: Any) -> None:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        self._connector_only("record_blocks_for_zeroing")

@@ -1,0 +1,236 @@
+"""The parts of vLLM's ``KVCacheManager`` interface that both pagedkv managers answer the same way.
+
+:class:`~pagedkv.integrations.vllm.PagedKVCacheManager` (one KV cache group) and
+:class:`~pagedkv.integrations.vllm.HybridPagedKVCacheManager` (several groups) differ in how they
+allocate, free and report blocks. What depends on neither the groups nor the decode fast path
+is written once here and inherited by both (:class:`SharedManagerCalls`): the request-id lookup,
+the prefix-cache stats, the checks of a capped hit, of refused ``allocate_slots`` options and of
+a double free, the no-op hooks (block caching, zeroing, copy-on-write, Mamba boundary states) and
+the refused KV-connector calls; plus the two constructor facts both read
+(:func:`pagedkv_hash_algo`, :func:`caches_finished_drafts`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pagedkv
+from pagedkv.errors import InvalidArgumentError, UnknownSequenceError
+from pagedkv.integrations.vllm.coordinator import CoordinatorView
+from pagedkv.integrations.vllm.errors import UnsupportedVllmCallError
+
+__all__ = ["SharedManagerCalls", "caches_finished_drafts", "pagedkv_hash_algo"]
+
+# vLLM's prefix_caching_hash_algo -> pagedkv's hash. pagedkv hashes its own canonical byte
+# encoding (not vLLM's pickle / CBOR), so only the family matters.
+_HASH_ALGOS = {
+    "sha256": "sha256",
+    "sha256_cbor": "sha256",
+    "xxhash": "xxh3_128",
+    "xxhash_cbor": "xxh3_128",
+}
+
+
+def pagedkv_hash_algo(hash_algo: str) -> str:
+    """pagedkv's block hash for vLLM's ``prefix_caching_hash_algo``: ``sha256*`` -> ``"sha256"``,
+    ``xxhash*`` -> ``"xxh3_128"``. Raises ``InvalidConfigError`` for anything else."""
+    algo = _HASH_ALGOS.get(hash_algo)
+    if algo is None:
+        raise pagedkv.InvalidConfigError(
+            f"prefix_caching_hash_algo {hash_algo!r} has no pagedkv equivalent (supported: {sorted(_HASH_ALGOS)})",
+            field="prefix_caching_hash_algo",
+            value=str(hash_algo),
+            reason=f"supported: {sorted(_HASH_ALGOS)}",
+        )
+    return algo
+
+
+def caches_finished_drafts() -> bool:
+    """Whether the installed vLLM caches the blocks a request's last verify step completed
+    before freeing it: 0.33 does, 0.32 does not (the managers follow the installed release)."""
+    import vllm
+
+    release = tuple(int(x) for x in str(vllm.__version__).split(".")[:2] if x.isdigit())
+    return release >= (0, 33)
+
+
+class SharedManagerCalls:
+    """The ``kv_cache_manager`` calls both pagedkv managers answer alike (inherited by
+    ``PagedKVCacheManager`` and ``HybridPagedKVCacheManager``; not a manager by itself).
+
+    Reads the attributes the managers set in ``__init__``: ``_seq_of`` (request id -> pagedkv
+    sequence id), ``_coordinator``, ``enable_caching``, ``log_stats``, ``prefix_cache_stats``,
+    ``_PrefixCacheStats`` (vLLM's stats class) and ``num_kv_cache_groups``. Errors name the
+    concrete manager class.
+    """
+
+    _seq_of: dict[str, int]
+    _coordinator: CoordinatorView
+    _PrefixCacheStats: Any
+    enable_caching: bool
+    log_stats: bool
+    prefix_cache_stats: Any
+    num_kv_cache_groups: int
+
+    @property
+    def coordinator(self) -> CoordinatorView:
+        """vLLM's ``kv_cache_manager.coordinator`` as a read-only view of this manager: one
+        ``GroupManagerView`` per KV cache group (``single_type_managers[g].block_size /
+        .kv_cache_spec``, ``kv_cache_config``, ``get_num_blocks_to_allocate``...), what vLLM's
+        engine core and scheduler read through it (docs/design.md, "vLLM seam")."""
+        return self._coordinator
+
+    def seq_id(self, request_id: str) -> int:
+        """The pagedkv sequence id of ``request_id``. Raises ``UnknownSequenceError``."""
+        seq = self._seq_of.get(request_id)
+        if seq is None:
+            raise UnknownSequenceError(
+                f"unknown request id {request_id!r} (never looked up or allocated, or freed)",
+                seq_id=-1,
+            )
+        return seq
+
+    # ---- prefix cache ----------------------------------------------------------------------
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        """Whether a prefix-cache lookup runs for ``request`` (caching on, reads allowed)."""
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        """Counts one admitted request's lookup (tokens queried, tokens hit) when logging."""
+        if self.prefix_cache_stats is None or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    def make_prefix_cache_stats(self) -> Any:
+        """The prefix-cache stats since the last call (then reset), or None without logging."""
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = self._PrefixCacheStats()
+        return stats
+
+    @staticmethod
+    def _check_hit_cap(hit: int, max_cache_hit_length: int | None) -> None:
+        """Raises ``InvalidArgumentError`` for a ``max_cache_hit_length`` below the prefix hit
+        of ``hit`` tokens (pagedkv takes the whole hit when it allocates)."""
+        if max_cache_hit_length is not None and hit > max_cache_hit_length:
+            raise InvalidArgumentError(
+                f"max_cache_hit_length {max_cache_hit_length} is below the prefix hit of "
+                f"{hit} tokens; capping hits is not supported",
+                arg="max_cache_hit_length",
+                value=str(max_cache_hit_length),
+                reason="capping hits is not supported",
+            )
+
+    # ---- allocation ------------------------------------------------------------------------
+
+    def _check_allocation_args(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        num_encoder_tokens: int,
+        delay_cache_blocks: bool,
+    ) -> None:
+        """Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` or an ``allocate_slots``
+        option the config check refuses (lookahead slots, external / encoder tokens, delayed
+        caching)."""
+        if num_new_tokens <= 0:
+            raise InvalidArgumentError(
+                f"num_new_tokens must be >= 1 (got {num_new_tokens}) for request {request_id!r}",
+                arg="num_new_tokens",
+                value=str(num_new_tokens),
+                reason="must schedule at least one token",
+            )
+        for name, value in (
+            ("num_lookahead_tokens", num_lookahead_tokens),
+            ("num_external_computed_tokens", num_external_computed_tokens),
+            ("num_encoder_tokens", num_encoder_tokens),
+            ("delay_cache_blocks", int(delay_cache_blocks)),
+        ):
+            if value:
+                raise InvalidArgumentError(
+                    f"{name}={value} is not supported by {type(self).__name__}",
+                    arg=name,
+                    value=str(value),
+                    reason="refused by check_supported_config",
+                )
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """No-op: pagedkv registers full blocks in the prefix cache as it allocates them."""
+
+    @staticmethod
+    def _check_unallocated_free(request: Any) -> None:
+        """The free of a request that holds no pagedkv sequence: a no-op, as in vLLM, unless the
+        request still claims computed tokens (freed before: a double free), which raises
+        ``UnknownSequenceError``."""
+        if request.num_computed_tokens > 0:
+            raise UnknownSequenceError(
+                f"request {request.request_id!r} holds no KV blocks (already freed?) but claims "
+                f"{request.num_computed_tokens} computed tokens",
+                seq_id=-1,
+            )
+
+    # ---- block tables ----------------------------------------------------------------------
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        """``[0]`` per KV cache group: cascade attention is gone from vLLM; kept for schedulers
+        that still ask."""
+        return [0] * self.num_kv_cache_groups
+
+    # ---- per-step hooks --------------------------------------------------------------------
+
+    def new_step_starts(self) -> None:
+        """No per-step state to reset."""
+
+    def take_new_block_ids(self) -> list[int]:
+        """``[]``: no block zeroing (Mamba is refused)."""
+        return []
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        """``([], [])``: vLLM requests never share a partially filled block, so pagedkv plans no
+        copy-on-write for them."""
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """``{}``: no Mamba boundary states."""
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        """``[]``: no Mamba boundary states."""
+        return []
+
+    # ---- KV connectors (refused) -----------------------------------------------------------
+
+    def _connector_only(self, name: str) -> Any:
+        raise UnsupportedVllmCallError(
+            f"{type(self).__name__}.{name} is used by KV connectors, which PagedKVScheduler refuses",
+            operation=name,
+            feature="KV connectors",
+        )
+
+    def get_computed_blocks_for_connector(self, *args: Any, **kwargs: Any) -> Any:
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
+        return self._connector_only("get_computed_blocks_for_connector")
+
+    def truncate_computed_blocks(self, *args: Any, **kwargs: Any) -> Any:
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
+        return self._connector_only("truncate_computed_blocks")
+
+    def pop_blocks_for_free(self, *args: Any, **kwargs: Any) -> Any:
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
+        return self._connector_only("pop_blocks_for_free")
+
+    def evict_blocks(self, *args: Any, **kwargs: Any) -> None:
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
+        self._connector_only("evict_blocks")
+
+    def record_blocks_for_zeroing(self, *args: Any, **kwargs: Any) -> None:
+        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
+        self._connector_only("record_blocks_for_zeroing")
