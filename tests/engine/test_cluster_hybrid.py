@@ -89,3 +89,41 @@ def test_hybrid_replica_publishes_its_groups_and_is_routed_to(gemma: ModelBundle
     resynced.add_worker(0, groups=KINDS)
     assert resynced.apply_snapshot(0, snap_seq, hashes, hash_root=root) == "applied"
     assert resynced.overlap(tokens, spec=spec) == {0: FULL_BLOCKS}
+
+
+def test_a_hybrid_cluster_on_ray_sends_a_repeated_prompt_to_its_cached_prefix(gemma: ModelBundle) -> None:
+    """Two Ray replicas of the hybrid model as a user runs them (``ReplicaCluster`` used to
+    die in ``info``): the workers are registered with the model's groups, and a prompt
+    extending an answered one goes to that replica with its 7 full-attention blocks cached."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ray = pytest.importorskip("ray")
+    from pagedkv.cluster import ClusterRequest, ReplicaCluster
+
+    started = not ray.is_initialized()
+    if started:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cluster = ReplicaCluster(2, str(gemma.path), engine_kwargs=KW, steps_per_call=2)
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        try:
+            first = cluster.serve([ClusterRequest("a", PROMPT, params)])["a"]
+            second = cluster.serve([ClusterRequest("b", PROMPT + [50, 51], params)])["b"]
+            status = [cluster.router.indexer.worker_status(w) for w in (0, 1)]
+        finally:
+            cluster.shutdown()
+    finally:
+        if started:
+            ray.shutdown()
+    assert [cluster.infos[w]["kv_groups"] for w in (0, 1)] == [KINDS, KINDS]
+    assert first.error is None and second.error is None
+    assert (second.replica, second.overlap_blocks) == (first.replica, FULL_BLOCKS)
+    assert second.output.num_cached_tokens == FULL_BLOCKS * BLOCK
+    # Its index holds the full-attention group's blocks: a's 7 and b's 8th (tokens 28..31).
+    assert [s["num_blocks"] for s in status if s is not None] == [8 if w == first.replica else 0 for w in (0, 1)]
