@@ -41,7 +41,6 @@ from pagedkv.engine.cli_options import (
     positive_float,
     positive_int,
 )
-from pagedkv.engine.config import EngineConfig
 
 __all__ = ["main", "build_parser", "parse_size", "SAMPLING_OPTIONS"]
 
@@ -419,6 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             import rich  # noqa: F401
             import torch
 
+            from .config import EngineConfig
             from .engine import LLMEngine
     except MissingDependencyError as e:
         return _fail(str(e))
