@@ -39,8 +39,8 @@ use crate::events::{EventSink, KvEvent, Tier};
 use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
 use crate::kv_groups::{retained_at_interval, GroupSpec, HybridConfig};
 use crate::manager::{
-    drafts_pending, validate_drafts, validate_new_sequence, validate_step, SeqStatus, SequenceSpec,
-    StepDrafts, StepRequest,
+    drafts_pending, validate_accept, validate_drafts, validate_new_sequence, validate_step,
+    SeqStatus, SequenceSpec, StepDrafts, StepRequest,
 };
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
@@ -1803,22 +1803,7 @@ impl HybridManager {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        if s.drafts.is_empty() {
-            return Err(Error::InvalidSequenceState {
-                seq_id: seq,
-                state: s.status.name(),
-                operation: "accept_drafts",
-                expected: "with pending draft tokens (allocated with drafts)",
-            });
-        }
-        let k = s.drafts.len();
-        if num_accepted > k {
-            return Err(Error::InvalidArgument {
-                arg: "num_accepted",
-                value: num_accepted.to_string(),
-                reason: format!("sequence {seq} has only {k} draft token(s) pending"),
-            });
-        }
+        validate_accept(seq, s.status, s.drafts.len(), num_accepted)?;
         let end = s.num_computed + num_accepted;
         let keep: Vec<usize> = (0..self.num_groups())
             .map(|g| end.div_ceil(self.cfg.groups[g].block_size as usize))

@@ -708,22 +708,7 @@ impl KvCacheManager {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
-        if s.drafts.is_empty() {
-            return Err(Error::InvalidSequenceState {
-                seq_id: seq,
-                state: s.status.name(),
-                operation: "accept_drafts",
-                expected: "with pending draft tokens (allocated with drafts)",
-            });
-        }
-        let k = s.drafts.len();
-        if num_accepted > k {
-            return Err(Error::InvalidArgument {
-                arg: "num_accepted",
-                value: num_accepted.to_string(),
-                reason: format!("sequence {seq} has only {k} draft token(s) pending"),
-            });
-        }
+        validate_accept(seq, s.status, s.drafts.len(), num_accepted)?;
         let keep = (s.num_computed + num_accepted).div_ceil(self.bs());
         let released: Vec<BlockId> = if release {
             s.blocks[keep..].iter().rev().copied().collect()
@@ -2192,6 +2177,36 @@ fn duplicate_id(ids: &[SeqId], slots: &[Option<u32>], num_slots: usize) -> Optio
         }
     }
     None
+}
+
+/// Checks an `accept_drafts(seq, num_accepted)` call against the sequence's `pending` draft
+/// tokens, shared by [`KvCacheManager`] and the KV cache groups manager.
+///
+/// # Errors
+/// [`Error::InvalidSequenceState`] when no drafts are pending; [`Error::InvalidArgument`] when
+/// `num_accepted > pending`.
+pub(crate) fn validate_accept(
+    seq: SeqId,
+    status: SeqStatus,
+    pending: usize,
+    num_accepted: usize,
+) -> Result<()> {
+    if pending == 0 {
+        return Err(Error::InvalidSequenceState {
+            seq_id: seq,
+            state: status.name(),
+            operation: "accept_drafts",
+            expected: "with pending draft tokens (allocated with drafts)",
+        });
+    }
+    if num_accepted > pending {
+        return Err(Error::InvalidArgument {
+            arg: "num_accepted",
+            value: num_accepted.to_string(),
+            reason: format!("sequence {seq} has only {pending} draft token(s) pending"),
+        });
+    }
+    Ok(())
 }
 
 /// Checks a new sequence's prompt (at least one token) and its multimodal items (len >= 1, a
