@@ -23,9 +23,9 @@
 //! every hash when the table outgrows its bound (the "reset" that ages old counts), so one-off
 //! blocks (a prompt used once) do not push reused ones out of the host tier.
 //!
-//! Keys. Blocks are keyed by [`HostKey`], today the block hash. The tier never looks inside a
-//! key, so the KV cache groups manager can later key blocks by `(group, hash)` by changing
-//! that one type; nothing else here assumes one group.
+//! Keys. Blocks are keyed by [`HostKey`]: the block hash and its KV cache group, so a
+//! full-attention block and a sliding-window block of the same tokens are different host
+//! entries (the one-group manager uses group 0). The tier never looks inside a key.
 //!
 //! Host block ids are `0..num_blocks` (no null block: the kernels never read host blocks).
 //! Not synchronised: the manager keeps it under its own mutex.
@@ -35,9 +35,29 @@ use crate::hashing::{BlockHash, ExtraKey};
 use crate::BlockId;
 use std::collections::HashMap;
 
-/// What the tier keys a block by: the chained block hash (the device prefix index's key).
-/// A KV cache group id can be added here (`(group, hash)`) without touching the tier's logic.
-pub type HostKey = BlockHash;
+/// What the tier keys a block by: the block's device prefix-index key (its chained block
+/// hash) and the KV cache group whose layers the KV belongs to (0 for a one-group manager).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HostKey {
+    /// The device prefix index's key of the block.
+    pub hash: BlockHash,
+    /// The KV cache group (index into the manager's groups).
+    pub group: u32,
+}
+
+impl HostKey {
+    /// The key of `hash` in KV cache group `group`.
+    pub fn new(hash: BlockHash, group: u32) -> Self {
+        Self { hash, group }
+    }
+}
+
+impl From<BlockHash> for HostKey {
+    /// The key of `hash` in group 0 (the one-group manager's only group).
+    fn from(hash: BlockHash) -> Self {
+        Self { hash, group: 0 }
+    }
+}
 
 /// Largest accepted number of host blocks (2^28, as for the device pool).
 pub const MAX_HOST_BLOCKS: u32 = crate::pool::MAX_BLOCKS;
@@ -559,7 +579,7 @@ mod tests {
     use super::*;
 
     fn k(i: u8) -> HostKey {
-        BlockHash([i; 32])
+        HostKey::new(BlockHash([i; 32]), 0)
     }
 
     /// A tier of `n` host blocks beside 8 device blocks, admission after `seen` uses, with

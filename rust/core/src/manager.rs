@@ -22,7 +22,9 @@
 use crate::error::{Error, Result};
 use crate::events::{EventSink, KvEvent, Tier};
 use crate::hashing::{BlockHash, ChainJob, ExtraKey, HashAlgo, PrefixHasher};
-use crate::host_tier::{BlockMeta, HostEviction, HostTier, HostTransfers, MAX_HOST_BLOCKS};
+use crate::host_tier::{
+    BlockMeta, HostEviction, HostKey, HostTier, HostTransfers, MAX_HOST_BLOCKS,
+};
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
 use crate::seq_table::SeqTable;
@@ -1099,7 +1101,7 @@ impl KvCacheManager {
                                 None if st
                                     .host
                                     .as_ref()
-                                    .is_some_and(|t| t.lookup(&h).is_some()) =>
+                                    .is_some_and(|t| t.lookup(&HostKey::from(h)).is_some()) =>
                                 {
                                     owed += 1;
                                 }
@@ -1446,7 +1448,8 @@ impl KvCacheManager {
             // loaded hash in the device prefix index.
             for &(h, d) in host.pending().1 {
                 *gpu_refs.entry(d).or_insert(0) += 1;
-                if self.pool.block_hash(d) != host.key_of(h) && host.key_of(h).is_some() {
+                let key = host.key_of(h).map(|k| k.hash);
+                if self.pool.block_hash(d) != key && key.is_some() {
                     return Err(format!(
                         "planned load ({h}, {d}): the device block does not carry the host block's hash"
                     ));
@@ -1694,7 +1697,7 @@ impl KvCacheManager {
         for h in &hashes[hits.len()..] {
             if let Some(b) = self.pool.lookup(h) {
                 hits.push(b);
-            } else if host.lookup(h).is_some() {
+            } else if host.lookup(&HostKey::from(*h)).is_some() {
                 hits.push(NULL_BLOCK);
             } else {
                 break;
@@ -1714,7 +1717,10 @@ impl KvCacheManager {
         hits.iter()
             .enumerate()
             .filter(|(_, &b)| b == NULL_BLOCK)
-            .map(|(k, _)| (k, host.lookup(&hashes[k]).expect("planned host hit")))
+            .map(|(k, _)| {
+                let key = HostKey::from(hashes[k]);
+                (k, host.lookup(&key).expect("planned host hit"))
+            })
             .collect()
     }
 
@@ -1738,13 +1744,13 @@ impl KvCacheManager {
     /// copy), to the host tier, and emits the host tier's events: `BlockRemoved` for a host
     /// block evicted to make room, `BlockStored` for the store.
     fn store_evicted(&self, host: &mut HostTier, d: BlockId, hash: BlockHash) {
-        let out = host.plan_store(d, hash);
+        let out = host.plan_store(d, HostKey::from(hash));
         if !self.events.enabled() {
             return;
         }
         if let Some(old) = out.evicted {
             self.events.push(KvEvent::BlockRemoved {
-                block_hashes: vec![old],
+                block_hashes: vec![old.hash],
                 tier: Tier::Host,
             });
         }
@@ -2022,7 +2028,7 @@ impl KvCacheManager {
             });
             host.note_registered(s.blocks[k], m);
             if k >= seen_from {
-                host.note_seen(s.hashes[k]);
+                host.note_seen(HostKey::from(s.hashes[k]));
             }
         }
     }
@@ -2118,7 +2124,7 @@ fn pin_host_hits(host: Option<&mut HostTier>, host_hits: &[(usize, BlockId)]) ->
 #[inline(never)]
 fn note_hits_seen(host: &mut HostTier, hashes: &[BlockHash]) {
     for &h in hashes {
-        host.note_seen(h);
+        host.note_seen(HostKey::from(h));
     }
 }
 
