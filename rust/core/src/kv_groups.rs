@@ -14,6 +14,7 @@
 
 use crate::error::{Error, Result};
 use crate::hashing::HashAlgo;
+use crate::host_tier::HostEviction;
 use crate::manager::MAX_BLOCK_SIZE;
 
 /// Largest accepted hit unit (the LCM of the groups' block sizes), in tokens: block sizes
@@ -180,11 +181,20 @@ pub struct HybridConfig {
     pub num_cpu_blocks: u32,
     /// Whether KV events are buffered for [`crate::hybrid::HybridManager::take_events`].
     pub enable_events: bool,
+    /// Host-memory blocks of the prefix cache's second tier, shared by every group (0: no
+    /// host tier). Needs prefix caching on; as `CacheConfig::num_host_blocks`.
+    pub num_host_blocks: u32,
+    /// Times a `(group, hash)` must be seen before its eviction from the device stores it to
+    /// the host tier; as `CacheConfig::host_admission_min_seen`.
+    pub host_admission_min_seen: u32,
+    /// Which host block a full host tier evicts for a store.
+    pub host_eviction: HostEviction,
 }
 
 impl HybridConfig {
     /// `num_blocks` pages for `groups`, with `layer_groups[i]` the group of layer `i`; prefix
-    /// caching on, dense retention, SHA-256, an empty seed, no swap space, events off. Not
+    /// caching on, dense retention, SHA-256, an empty seed, no swap space, events off, no host
+    /// tier. Not
     /// validated until [`Self::validate`].
     pub fn new(num_blocks: u32, groups: Vec<GroupSpec>, layer_groups: Vec<u32>) -> Self {
         Self {
@@ -197,6 +207,9 @@ impl HybridConfig {
             hash_seed: Vec::new(),
             num_cpu_blocks: 0,
             enable_events: false,
+            num_host_blocks: 0,
+            host_admission_min_seen: 2,
+            host_eviction: HostEviction::Lru,
         }
     }
 
@@ -219,8 +232,13 @@ impl HybridConfig {
     /// < 1, zero bytes per token; page sizes that differ between groups (they cannot share one
     /// pool); an LCM of block sizes above [`MAX_HIT_UNIT`]; no layer, a layer mapped to no
     /// group, a group without layers; a retention interval that is not a multiple of the hit
-    /// unit.
+    /// unit; the host-tier fields as `CacheConfig::validate` checks them.
     pub fn validate(&self) -> Result<()> {
+        crate::manager::validate_host_tier(
+            self.num_host_blocks,
+            self.host_admission_min_seen,
+            self.enable_prefix_caching,
+        )?;
         if self.num_blocks < 2 {
             return Err(Error::InvalidConfig {
                 field: "num_blocks",

@@ -90,29 +90,11 @@ impl CacheConfig {
     /// exceeds [`MAX_HOST_BLOCKS`] or is set with prefix caching off (the host tier keys
     /// blocks by their prefix hash), or `host_admission_min_seen == 0`.
     pub fn validate(&self) -> Result<()> {
-        if self.host_admission_min_seen == 0 {
-            return Err(Error::InvalidConfig {
-                field: "host_admission_min_seen",
-                value: "0".into(),
-                reason: "must be at least 1 (1 stores every evicted block)".into(),
-            });
-        }
-        if self.num_host_blocks > MAX_HOST_BLOCKS {
-            return Err(Error::InvalidConfig {
-                field: "num_host_blocks",
-                value: self.num_host_blocks.to_string(),
-                reason: format!("at most {MAX_HOST_BLOCKS} blocks"),
-            });
-        }
-        if self.num_host_blocks > 0 && !self.enable_prefix_caching {
-            return Err(Error::InvalidConfig {
-                field: "num_host_blocks",
-                value: self.num_host_blocks.to_string(),
-                reason: "a host tier needs enable_prefix_caching: it keys blocks by the \
-                         device tier's prefix hashes"
-                    .into(),
-            });
-        }
+        validate_host_tier(
+            self.num_host_blocks,
+            self.host_admission_min_seen,
+            self.enable_prefix_caching,
+        )?;
         if self.num_blocks < 2 {
             return Err(Error::InvalidConfig {
                 field: "num_blocks",
@@ -2105,6 +2087,41 @@ impl KvCacheManager {
             self.events.push(ev);
         }
     }
+}
+
+/// Checks the host-tier fields of a manager's configuration (both managers take the same
+/// ones). Errors: [`Error::InvalidConfig`] naming `host_admission_min_seen` when it is 0, or
+/// `num_host_blocks` above [`MAX_HOST_BLOCKS`] or set with prefix caching off (the host tier
+/// keys blocks by their prefix hash).
+pub(crate) fn validate_host_tier(
+    num_host_blocks: u32,
+    admission_min_seen: u32,
+    enable_prefix_caching: bool,
+) -> Result<()> {
+    if admission_min_seen == 0 {
+        return Err(Error::InvalidConfig {
+            field: "host_admission_min_seen",
+            value: "0".into(),
+            reason: "must be at least 1 (1 stores every evicted block)".into(),
+        });
+    }
+    if num_host_blocks > MAX_HOST_BLOCKS {
+        return Err(Error::InvalidConfig {
+            field: "num_host_blocks",
+            value: num_host_blocks.to_string(),
+            reason: format!("at most {MAX_HOST_BLOCKS} blocks"),
+        });
+    }
+    if num_host_blocks > 0 && !enable_prefix_caching {
+        return Err(Error::InvalidConfig {
+            field: "num_host_blocks",
+            value: num_host_blocks.to_string(),
+            reason: "a host tier needs enable_prefix_caching: it keys blocks by the \
+                     device tier's prefix hashes"
+                .into(),
+        });
+    }
+    Ok(())
 }
 
 /// Pins the host blocks of a call's host hits (before its allocation may store to the tier).
