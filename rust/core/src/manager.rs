@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::events::{EventSink, KvEvent, Tier};
 use crate::hashing::{BlockHash, ChainJob, ExtraKey, HashAlgo, PrefixHasher};
 use crate::host_tier::{
-    BlockMeta, HostEviction, HostKey, HostTier, HostTransfers, MAX_HOST_BLOCKS,
+    BlockMeta, HostEviction, HostKey, HostTier, HostTransfers, StoreOutcome, MAX_HOST_BLOCKS,
 };
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
@@ -1726,41 +1726,21 @@ impl KvCacheManager {
     /// copy), to the host tier, and emits the host tier's events: `BlockRemoved` for a host
     /// block evicted to make room, `BlockStored` for the store.
     fn store_evicted(&self, host: &mut HostTier, d: BlockId, hash: BlockHash) {
-        let out = host.plan_store(d, HostKey::from(hash));
+        let key = HostKey::from(hash);
+        let out = host.plan_store(d, key);
         if !self.events.enabled() {
             return;
         }
-        if let Some(old) = out.evicted {
-            self.events.push(KvEvent::BlockRemoved {
-                block_hashes: vec![old.hash],
-                tier: Tier::Host,
-            });
-        }
-        if let Some(h) = out.stored {
-            let meta = host.host_meta(h);
-            self.events.push(KvEvent::BlockStored {
-                block_hashes: vec![hash],
-                parent_block_hash: meta.and_then(|m| m.parent),
-                token_ids: meta.map(|m| m.tokens.to_vec()).unwrap_or_default(),
-                block_size: self.cfg.block_size,
-                extra_keys: meta.map(|m| m.extra_keys.clone()).unwrap_or_default(),
-                hash_root: Some(self.hasher.root()),
-                tier: Tier::Host,
-            });
+        let root = self.hasher.root();
+        for e in host_store_events(host, &out, key, self.cfg.block_size, root) {
+            self.events.push(e);
         }
     }
 
     /// Hands out the host tier's planned copies and drops the references the loads held on
     /// their device blocks (the executor fills them before anything later can reuse them).
     fn hand_out(&self, host: &mut HostTier) -> HostTransfers {
-        let plans = host.take_plans();
-        let loads = &plans.loads;
-        if !loads.is_empty() {
-            let held: Vec<BlockId> = loads.iter().rev().map(|&(_, d)| d).collect();
-            let freed = self.pool.free(&held);
-            debug_assert!(freed.is_ok(), "{freed:?}");
-        }
-        plans
+        hand_out_host_plans(&self.pool, host)
     }
 
     fn plan(
@@ -2124,10 +2104,57 @@ pub(crate) fn validate_host_tier(
     Ok(())
 }
 
+/// The host tier's events of one store attempt ([`HostTier::plan_store`] of `key` gave
+/// `out`): `BlockRemoved` for the host block evicted to make room, `BlockStored` for the
+/// store (from the metadata the tier kept). Hashes are the keys' `hash`; both managers emit
+/// these (the groups manager names the key's group beside them).
+pub(crate) fn host_store_events(
+    host: &HostTier,
+    out: &StoreOutcome,
+    key: HostKey,
+    block_size: u32,
+    root: BlockHash,
+) -> impl Iterator<Item = KvEvent> {
+    let removed = out.evicted.map(|old| KvEvent::BlockRemoved {
+        block_hashes: vec![old.hash],
+        tier: Tier::Host,
+    });
+    let stored = out.stored.map(|h| {
+        let meta = host.host_meta(h);
+        KvEvent::BlockStored {
+            block_hashes: vec![key.hash],
+            parent_block_hash: meta.and_then(|m| m.parent),
+            token_ids: meta.map(|m| m.tokens.to_vec()).unwrap_or_default(),
+            block_size,
+            extra_keys: meta.map(|m| m.extra_keys.clone()).unwrap_or_default(),
+            hash_root: Some(root),
+            tier: Tier::Host,
+        }
+    });
+    removed.into_iter().chain(stored)
+}
+
+/// Hands out `host`'s planned copies and drops the reference each load held on its device
+/// block (taken when the load was planned, so nothing reuses the block before the executor
+/// fills it). Shared by both managers. O(plans).
+pub(crate) fn hand_out_host_plans(pool: &BlockPool, host: &mut HostTier) -> HostTransfers {
+    let plans = host.take_plans();
+    let loads = &plans.loads;
+    if !loads.is_empty() {
+        let held: Vec<BlockId> = loads.iter().rev().map(|&(_, d)| d).collect();
+        let freed = pool.free(&held);
+        debug_assert!(freed.is_ok(), "{freed:?}");
+    }
+    plans
+}
+
 /// Pins the host blocks of a call's host hits (before its allocation may store to the tier).
 #[cold]
 #[inline(never)]
-fn pin_host_hits(host: Option<&mut HostTier>, host_hits: &[(usize, BlockId)]) -> Result<()> {
+pub(crate) fn pin_host_hits(
+    host: Option<&mut HostTier>,
+    host_hits: &[(usize, BlockId)],
+) -> Result<()> {
     if let Some(host) = host {
         for &(_, hb) in host_hits {
             host.pin(hb)?;
@@ -2139,7 +2166,7 @@ fn pin_host_hits(host: Option<&mut HostTier>, host_hits: &[(usize, BlockId)]) ->
 /// Counts one use of each prefix-hit hash for the host tier's admission.
 #[cold]
 #[inline(never)]
-fn note_hits_seen(host: &mut HostTier, hashes: &[BlockHash]) {
+pub(crate) fn note_hits_seen(host: &mut HostTier, hashes: &[BlockHash]) {
     for &h in hashes {
         host.note_seen(HostKey::from(h));
     }
