@@ -7,8 +7,9 @@
 //!
 //! - **Store.** When the device pool evicts the last device copy of a hash for reuse, the
 //!   manager asks [`HostTier::plan_store`]: a hash seen at least `admission_min_seen` times
-//!   and not on host yet gets a host block (a free one, else the least recently used unpinned
-//!   one is evicted) and a `(device block, host block)` copy is planned.
+//!   and not on host yet gets a host block (a free one, else an unpinned one the eviction
+//!   policy picks, [`HostEviction`]: LRU or ARC) and a `(device block, host block)` copy is
+//!   planned.
 //! - **Load.** A prefix lookup continues past its device hits into this tier
 //!   ([`HostTier::lookup`]); each host hit is pinned ([`HostTier::pin`]) and, once a device
 //!   block is allocated for it, a `(host block, device block)` copy is planned
@@ -33,7 +34,7 @@
 use crate::error::{Error, Result};
 use crate::hashing::{BlockHash, ExtraKey};
 use crate::BlockId;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 /// What the tier keys a block by: the block's device prefix-index key (its chained block
 /// hash) and the KV cache group whose layers the KV belongs to (0 for a one-group manager).
@@ -62,28 +63,96 @@ impl From<BlockHash> for HostKey {
 /// Largest accepted number of host blocks (2^28, as for the device pool).
 pub const MAX_HOST_BLOCKS: u32 = crate::pool::MAX_BLOCKS;
 
-/// How the tier picks the host block to evict when it is full.
+/// How the tier picks the host block to evict when it is full. Either way a pinned block (a
+/// load planned or in flight) is never evicted. A block is *used* when it is stored, loaded
+/// (pinned by a prefix hit) or re-evicted from the device while on host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum HostEviction {
-    /// Least recently used (stored, loaded or re-evicted from the device) first.
+    /// Least recently used first.
     #[default]
     Lru,
+    /// Adaptive Replacement Cache (Megiddo and Modha, "ARC: A Self-Tuning, Low Overhead
+    /// Replacement Cache", FAST'03). Cached blocks are in one of two LRU lists: T1, used once
+    /// since they were stored, and T2, used again since. Ghost lists B1 and B2 keep the keys
+    /// (no KV) most recently evicted from each. Storing a key found in B1 raises T1's target
+    /// size `p`, storing one found in B2 lowers it (each by `max(1, |other ghost| / |own
+    /// ghost|)`), and such a key goes straight to T2. A full tier evicts T1's LRU block while
+    /// `|T1| > p` (or `|T1| == p` for a key from B2), else T2's (the paper's REPLACE), into
+    /// the matching ghost list; `|T1| + |B1| <= num_blocks` and
+    /// `|on host| + |B1| + |B2| <= 2 num_blocks` (ghosts dropped LRU first). So a run of
+    /// one-off blocks (a long prompt never asked for again) cycles through T1 and does not
+    /// flush the blocks that came back (T2). Pinned blocks are out of both lists; a load's
+    /// block rejoins at T2's back when its pin is released.
+    Arc,
 }
 
 impl HostEviction {
-    /// `"lru"`.
+    /// Every policy, in the order error messages list them.
+    pub const ALL: [HostEviction; 2] = [HostEviction::Lru, HostEviction::Arc];
+
+    /// `"lru"` or `"arc"`.
     pub fn name(self) -> &'static str {
         match self {
             HostEviction::Lru => "lru",
+            HostEviction::Arc => "arc",
         }
     }
 
-    /// Parses `"lru"`; `None` for any other name.
+    /// Parses a [`Self::name`] (`"lru"`, `"arc"`); `None` for any other name.
     pub fn from_name(name: &str) -> Option<Self> {
-        match name {
-            "lru" => Some(HostEviction::Lru),
-            _ => None,
+        Self::ALL.into_iter().find(|e| e.name() == name)
+    }
+}
+
+/// Marks a host block in no list (free or pinned).
+const NO_LIST: u8 = u8::MAX;
+
+/// ARC's adaptive target and ghost lists ([`HostEviction::Arc`]); empty with LRU.
+#[derive(Debug, Clone, Default)]
+struct ArcState {
+    /// Target size of T1 in blocks (the paper's `p`), `0..=num_blocks`.
+    target_t1: usize,
+    /// Ghost key -> (its list: 0 = B1, 1 = B2; the stamp of its queue entry).
+    ghosts: HashMap<HostKey, (u8, u64)>,
+    /// Per ghost list, its keys LRU first with their stamps. An entry whose stamp `ghosts` no
+    /// longer holds is stale (its key was stored again) and skipped.
+    queues: [VecDeque<(HostKey, u64)>; 2],
+    ghost_len: [usize; 2],
+    next_stamp: u64,
+}
+
+impl ArcState {
+    /// Appends `key` at the MRU end of ghost list `list`.
+    fn push(&mut self, list: u8, key: HostKey) {
+        self.next_stamp += 1;
+        self.ghosts.insert(key, (list, self.next_stamp));
+        self.queues[list as usize].push_back((key, self.next_stamp));
+        self.ghost_len[list as usize] += 1;
+    }
+
+    /// Removes `key` from its ghost list; returns the list.
+    fn take(&mut self, key: &HostKey) -> Option<u8> {
+        let (list, _) = self.ghosts.remove(key)?;
+        let l = list as usize;
+        self.ghost_len[l] -= 1;
+        // Compact once stale entries outnumber live ones (amortised O(1)).
+        if self.queues[l].len() > 2 * self.ghost_len[l] + 64 {
+            let ghosts = &self.ghosts;
+            self.queues[l].retain(|(k, s)| ghosts.get(k) == Some(&(list, *s)));
         }
+        Some(list)
+    }
+
+    /// Drops the LRU key of ghost list `list`; false when it is empty.
+    fn pop_front(&mut self, list: u8) -> bool {
+        while let Some((k, s)) = self.queues[list as usize].pop_front() {
+            if self.ghosts.get(&k) == Some(&(list, s)) {
+                self.ghosts.remove(&k);
+                self.ghost_len[list as usize] -= 1;
+                return true;
+            }
+        }
+        false
     }
 }
 
@@ -133,10 +202,11 @@ pub struct HostCounters {
     pub evictions: u64,
 }
 
-/// The host tier: host blocks, their keys, an LRU of unpinned cached blocks, pins, the seen
-/// counts of admission and the copies planned since the last hand-out. Memory: about 80
-/// bytes per host block plus the seen table (bounded by `2 × (device + host blocks)` keys)
-/// and, with events on, one [`BlockMeta`] per cached block of either tier.
+/// The host tier: host blocks, their keys, the eviction lists of unpinned cached blocks, pins,
+/// the seen counts of admission and the copies planned since the last hand-out. Memory: about
+/// 80 bytes per host block plus the seen table (bounded by `2 × (device + host blocks)` keys),
+/// with ARC up to `num_blocks` ghost keys (about 100 bytes each), and, with events on, one
+/// [`BlockMeta`] per cached block of either tier.
 #[derive(Debug, Clone)]
 pub struct HostTier {
     num_blocks: u32,
@@ -146,12 +216,15 @@ pub struct HostTier {
     key_of: Vec<Option<HostKey>>,
     /// Key -> its host block (one host copy per key).
     index: HashMap<HostKey, BlockId>,
-    /// Intrusive LRU over host ids with sentinel `num_blocks`: `next[sentinel]` is the front
-    /// (next to evict), `prev[sentinel]` the back (most recently used).
+    /// Two intrusive LRU lists over the unpinned cached host blocks, list `l` with sentinel
+    /// `num_blocks + l`: `next[sentinel]` is its front (next to evict), `prev[sentinel]` its
+    /// back (most recently used). LRU uses list 0 only; ARC keeps T1 in 0 and T2 in 1.
     prev: Vec<u32>,
     next: Vec<u32>,
-    in_lru: Vec<bool>,
-    lru_len: usize,
+    /// The list each host block is in ([`NO_LIST`]: free or pinned).
+    list_of: Vec<u8>,
+    list_len: [usize; 2],
+    arc: ArcState,
     /// Host blocks without a key and without a pin, LIFO.
     free: Vec<BlockId>,
     /// Loads reading each host block that are planned or handed out and not yet released.
@@ -207,16 +280,20 @@ impl HostTier {
         }
         let n = num_blocks as usize;
         let d = num_device_blocks as usize;
+        // Each list's sentinel starts linked to itself.
+        let mut links = vec![num_blocks; n + 2];
+        links[n + 1] = num_blocks + 1;
         Ok(Self {
             num_blocks,
             admission_min_seen,
             eviction,
             key_of: vec![None; n],
             index: HashMap::with_capacity(n),
-            prev: vec![num_blocks; n + 1],
-            next: vec![num_blocks; n + 1],
-            in_lru: vec![false; n],
-            lru_len: 0,
+            prev: links.clone(),
+            next: links,
+            list_of: vec![NO_LIST; n],
+            list_len: [0, 0],
+            arc: ArcState::default(),
             // Block 0 is handed out first.
             free: (0..num_blocks).rev().collect(),
             pins: vec![0; n],
@@ -278,10 +355,18 @@ impl HostTier {
         self.seen.get(key).copied().unwrap_or(0)
     }
 
-    /// The host LRU, front (next to evict) to back. O(len).
+    /// The unpinned cached host blocks, front (next to evict) to back: with LRU the LRU
+    /// order; with ARC T1's LRU order, then T2's. O(len).
     pub fn lru_order(&self) -> Vec<BlockId> {
-        let s = self.num_blocks;
-        let mut out = Vec::with_capacity(self.lru_len);
+        let mut out = self.list_order(0);
+        out.extend(self.list_order(1));
+        out
+    }
+
+    /// List `l`'s blocks, front to back (bounded walk: a corrupt list cannot loop forever).
+    fn list_order(&self, l: usize) -> Vec<BlockId> {
+        let s = self.num_blocks + l as u32;
+        let mut out = Vec::with_capacity(self.list_len[l]);
         let mut cur = self.next[s as usize];
         while cur != s && out.len() <= self.key_of.len() {
             out.push(cur);
@@ -339,16 +424,17 @@ impl HostTier {
     /// Plans storing the KV of device block `device`, whose hash `key` the device pool has
     /// just evicted (its last device copy) to reuse the block. Stored when `key` has been
     /// seen `admission_min_seen` times, is not on host already, and the block's KV was
-    /// written before this step (see `registered_in`); a key on host already moves to the
-    /// LRU back instead. The destination is a free host block, else the LRU front (evicted,
-    /// reported in [`StoreOutcome::evicted`]); pinned blocks are never taken, so with every
-    /// host block pinned nothing is stored. O(1) expected.
+    /// written before this step (see `registered_in`); a key on host already counts as used
+    /// instead (LRU: to the back; ARC: to T2's back). The destination is a free host block,
+    /// else the block [`HostEviction`] picks (evicted, reported in
+    /// [`StoreOutcome::evicted`]); pinned blocks are never taken, so with every host block
+    /// pinned nothing is stored (and nothing changes). O(1) expected (amortised with ARC).
     pub fn plan_store(&mut self, device: BlockId, key: HostKey) -> StoreOutcome {
         let mut out = StoreOutcome::default();
         if let Some(&h) = self.index.get(&key) {
-            if self.in_lru[h as usize] {
-                self.lru_remove(h);
-                self.lru_push_back(h);
+            if self.list_of[h as usize] != NO_LIST {
+                self.list_remove(h);
+                self.list_push_back(h, self.reuse_list());
             }
             return out;
         }
@@ -359,16 +445,25 @@ impl HostTier {
         if !written || self.seen_count(&key) < self.admission_min_seen {
             return out;
         }
+        if self.free.is_empty() && self.list_len == [0, 0] {
+            return out; // every host block pinned
+        }
+        let ghost = match self.eviction {
+            HostEviction::Lru => None,
+            HostEviction::Arc => self.arc_ghost_hit(&key),
+        };
         let h = match self.free.pop() {
             Some(h) => h,
             None => {
-                let Some(h) = self.lru_pop_front() else {
-                    return out; // every host block pinned
-                };
+                let l = self.victim_list(ghost == Some(1));
+                let h = self.list_pop_front(l).expect("a cached block to evict");
                 let old = self.key_of[h as usize]
                     .take()
-                    .expect("LRU blocks hold a key");
+                    .expect("listed blocks hold a key");
                 self.index.remove(&old);
+                if self.eviction == HostEviction::Arc {
+                    self.arc.push(l, old);
+                }
                 self.counters.evictions += 1;
                 out.evicted = Some(old);
                 h
@@ -376,7 +471,11 @@ impl HostTier {
         };
         self.key_of[h as usize] = Some(key);
         self.index.insert(key, h);
-        self.lru_push_back(h);
+        // A key back from a ghost list was used before: ARC's T2.
+        self.list_push_back(h, u8::from(ghost.is_some()));
+        if self.eviction == HostEviction::Arc {
+            self.arc_trim_ghosts();
+        }
         if self.keeps_meta() {
             self.host_meta[h as usize] = self.device_meta[device as usize].clone();
         }
@@ -386,8 +485,8 @@ impl HostTier {
         out
     }
 
-    /// Pins host block `h` for a load (it leaves the LRU: not evictable, not a store
-    /// destination). Errors: [`Error::InvalidArgument`] unless `h` holds a key. O(1).
+    /// Pins host block `h` for a load (it leaves the eviction lists: not evictable, not a
+    /// store destination). Errors: [`Error::InvalidArgument`] unless `h` holds a key. O(1).
     pub fn pin(&mut self, h: BlockId) -> Result<()> {
         if self.key_of(h).is_none() {
             return Err(Error::InvalidArgument {
@@ -396,21 +495,22 @@ impl HostTier {
                 reason: "only a host block holding a cached block can be loaded".into(),
             });
         }
-        if self.in_lru[h as usize] {
-            self.lru_remove(h);
+        if self.list_of[h as usize] != NO_LIST {
+            self.list_remove(h);
         }
         self.pins[h as usize] += 1;
         Ok(())
     }
 
     /// Drops one pin of `h` (taken by [`Self::pin`] for a load that is then not planned).
+    /// The last pin puts a cached block back as used (LRU: at the back; ARC: T2's back).
     pub fn unpin(&mut self, h: BlockId) {
         let i = h as usize;
         debug_assert!(self.pins[i] > 0, "unpin of unpinned host block {h}");
         self.pins[i] -= 1;
         if self.pins[i] == 0 {
             match self.key_of[i] {
-                Some(_) => self.lru_push_back(h),
+                Some(_) => self.list_push_back(h, self.reuse_list()),
                 None => self.free.push(h),
             }
         }
@@ -446,9 +546,12 @@ impl HostTier {
     /// Drops every key (the prefix cache is reset): unpinned blocks become free, pinned ones
     /// become free when their loads are released. Planned copies stay planned (a store into
     /// a block that no longer holds a key is harmless). The seen counts are kept (they
-    /// describe the workload, not cached KV). O(num_blocks).
+    /// describe the workload, not cached KV); ARC's ghosts and target are reset.
+    /// O(num_blocks).
     pub fn clear(&mut self) {
-        while self.lru_pop_front().is_some() {}
+        while self.list_pop_front(0).is_some() {}
+        while self.list_pop_front(1).is_some() {}
+        self.arc = ArcState::default();
         self.index.clear();
         self.free.clear();
         for (i, key) in self.key_of.iter_mut().enumerate() {
@@ -464,10 +567,12 @@ impl HostTier {
     }
 
     /// Checks the tier's invariants (docs/design.md, "Invariants", 9): index and keys agree;
-    /// every host block is exactly one of free (no key, no pin), cached in the LRU (key, no
-    /// pin) or pinned; no block is free and mapped; each block's pin count equals the
-    /// planned and handed-out loads reading it; planned copies name valid blocks. `device_ok`
-    /// says whether a device id is valid. Returns the first violation. O(num_blocks).
+    /// every host block is exactly one of free (no key, no pin), cached in an eviction list
+    /// (key, no pin; LRU uses one list) or pinned; no block is free and mapped; each block's
+    /// pin count equals the planned and handed-out loads reading it; planned copies name
+    /// valid blocks; ARC's ghosts are keys not on host, counted right, within their bounds
+    /// (`|T1| + |B1| <= n`, `|on host| + |B1| + |B2| <= 2n`, `p <= n`). `device_ok` says
+    /// whether a device id is valid. Returns the first violation. O(num_blocks + ghosts).
     pub fn check(&self, device_ok: impl Fn(BlockId) -> bool) -> std::result::Result<(), String> {
         let n = self.num_blocks as usize;
         let mut mapped = 0;
@@ -495,14 +600,22 @@ impl HostTier {
             }
             is_free[i] = true;
         }
-        let lru = self.lru_order();
-        if lru.len() != self.lru_len {
-            return Err(format!(
-                "host LRU walk found {}, lru_len {}",
-                lru.len(),
-                self.lru_len
-            ));
+        for l in 0..2 {
+            let walk = self.list_order(l);
+            if walk.len() != self.list_len[l] {
+                return Err(format!(
+                    "host list {l} walk found {}, length {}",
+                    walk.len(),
+                    self.list_len[l]
+                ));
+            }
+            if let Some(h) = walk.iter().find(|&&h| self.list_of[h as usize] != l as u8) {
+                return Err(format!(
+                    "host block {h} walked in list {l}, tagged otherwise"
+                ));
+            }
         }
+        self.check_arc()?;
         let mut want_pins = vec![0u32; n];
         for &(h, d) in &self.loads {
             if h as usize >= n || !device_ok(d) {
@@ -531,10 +644,10 @@ impl HostTier {
                     "host block {i} is free but mapped ({key}) or pinned ({pinned})"
                 ));
             }
-            if self.in_lru[i] != (key && !pinned) {
+            if (self.list_of[i] != NO_LIST) != (key && !pinned) {
                 return Err(format!(
-                    "host block {i}: in LRU = {} but key {key}, pinned {pinned}",
-                    self.in_lru[i]
+                    "host block {i}: in list {} but key {key}, pinned {pinned}",
+                    self.list_of[i]
                 ));
             }
             if !is_free[i] && !key && !pinned {
@@ -544,32 +657,118 @@ impl HostTier {
         Ok(())
     }
 
-    fn lru_push_back(&mut self, h: BlockId) {
-        let s = self.num_blocks as usize;
-        let (i, back) = (h as usize, self.prev[s]);
-        self.prev[i] = back;
-        self.next[i] = self.num_blocks;
-        self.next[back as usize] = h;
-        self.prev[s] = h;
-        self.in_lru[i] = true;
-        self.lru_len += 1;
+    /// ARC's ghost structures against their invariants (see [`Self::check`]).
+    fn check_arc(&self) -> std::result::Result<(), String> {
+        let a = &self.arc;
+        if self.eviction == HostEviction::Lru {
+            if self.list_len[1] != 0 || !a.ghosts.is_empty() || a.target_t1 != 0 {
+                return Err("LRU host tier with T2 blocks, ghosts or a target".into());
+            }
+            return Ok(());
+        }
+        let mut per = [0usize; 2];
+        for (k, &(l, _)) in &a.ghosts {
+            if self.index.contains_key(k) {
+                return Err("a key is both on host and in a ghost list".into());
+            }
+            per[l as usize] += 1;
+        }
+        for (l, (queue, &keys)) in a.queues.iter().zip(&per).enumerate() {
+            let live = queue
+                .iter()
+                .filter(|(k, s)| a.ghosts.get(k) == Some(&(l as u8, *s)))
+                .count();
+            if keys != a.ghost_len[l] || live != keys {
+                return Err(format!(
+                    "ghost list {l}: {keys} keys, {live} live queue entries, length {}",
+                    a.ghost_len[l]
+                ));
+            }
+        }
+        let n = self.num_blocks as usize;
+        let [b1, b2] = a.ghost_len;
+        if a.target_t1 > n || self.list_len[0] + b1 > n || self.index.len() + b1 + b2 > 2 * n {
+            return Err(format!(
+                "ARC bounds: p {}, |T1| {} + |B1| {b1}, on host {} + |B2| {b2}, {n} blocks",
+                a.target_t1,
+                self.list_len[0],
+                self.index.len()
+            ));
+        }
+        Ok(())
     }
 
-    fn lru_remove(&mut self, h: BlockId) {
+    /// The list a used cached block goes to: LRU's one list, ARC's T2.
+    fn reuse_list(&self) -> u8 {
+        match self.eviction {
+            HostEviction::Lru => 0,
+            HostEviction::Arc => 1,
+        }
+    }
+
+    /// The list a full tier evicts from (its front), at least one list being non-empty: LRU's
+    /// one list; ARC's REPLACE (T1 while `|T1| > p`, or `== p` for a key from B2; else T2,
+    /// falling back to the other list when the chosen one is empty: all pinned).
+    fn victim_list(&self, key_from_b2: bool) -> u8 {
+        if self.eviction == HostEviction::Lru {
+            return 0;
+        }
+        let (t1, p) = (self.list_len[0], self.arc.target_t1);
+        let from_t1 = t1 > 0 && (t1 > p || (key_from_b2 && t1 == p));
+        u8::from(!from_t1 && self.list_len[1] > 0)
+    }
+
+    /// ARC: a store of `key` found in a ghost list adapts the target (B1 raises it, B2 lowers
+    /// it) and takes the key out; returns its list.
+    fn arc_ghost_hit(&mut self, key: &HostKey) -> Option<u8> {
+        let &(list, _) = self.arc.ghosts.get(key)?;
+        let [b1, b2] = self.arc.ghost_len;
+        let a = &mut self.arc;
+        if list == 0 {
+            a.target_t1 = (a.target_t1 + (b2 / b1).max(1)).min(self.num_blocks as usize);
+        } else {
+            a.target_t1 = a.target_t1.saturating_sub((b1 / b2).max(1));
+        }
+        a.take(key)
+    }
+
+    /// ARC: drops ghost keys, LRU first, until `|T1| + |B1| <= n` and
+    /// `|on host| + |B1| + |B2| <= 2n`.
+    fn arc_trim_ghosts(&mut self) {
+        let n = self.num_blocks as usize;
+        while self.list_len[0] + self.arc.ghost_len[0] > n && self.arc.pop_front(0) {}
+        while self.index.len() + self.arc.ghost_len[0] + self.arc.ghost_len[1] > 2 * n
+            && (self.arc.pop_front(1) || self.arc.pop_front(0))
+        {}
+    }
+
+    fn list_push_back(&mut self, h: BlockId, l: u8) {
+        let s = self.num_blocks as usize + l as usize;
+        let (i, back) = (h as usize, self.prev[s]);
+        self.prev[i] = back;
+        self.next[i] = s as u32;
+        self.next[back as usize] = h;
+        self.prev[s] = h;
+        self.list_of[i] = l;
+        self.list_len[l as usize] += 1;
+    }
+
+    fn list_remove(&mut self, h: BlockId) {
         let i = h as usize;
         let (p, nx) = (self.prev[i], self.next[i]);
         self.next[p as usize] = nx;
         self.prev[nx as usize] = p;
-        self.in_lru[i] = false;
-        self.lru_len -= 1;
+        self.list_len[self.list_of[i] as usize] -= 1;
+        self.list_of[i] = NO_LIST;
     }
 
-    fn lru_pop_front(&mut self) -> Option<BlockId> {
-        let front = self.next[self.num_blocks as usize];
-        if front == self.num_blocks {
+    fn list_pop_front(&mut self, l: u8) -> Option<BlockId> {
+        let s = self.num_blocks + u32::from(l);
+        let front = self.next[s as usize];
+        if front == s {
             return None;
         }
-        self.lru_remove(front);
+        self.list_remove(front);
         Some(front)
     }
 }
@@ -694,6 +893,178 @@ mod tests {
         assert_eq!(t.num_used(), 0);
         assert!(t.pin(1).is_err());
         t.check(|d| d < 8).unwrap();
+    }
+
+    /// A tier of `n` host blocks with ARC, admission after one use, every device block written.
+    fn arc_tier(n: u32) -> HostTier {
+        let mut t = HostTier::new(n, 1, HostEviction::Arc, 8, false).unwrap();
+        t.begin_step();
+        t
+    }
+
+    /// Stores `key` (one use noted first) from device block 0; returns the evicted key.
+    fn store(t: &mut HostTier, key: HostKey) -> Option<HostKey> {
+        t.note_seen(key);
+        let out = t.plan_store(0, key);
+        t.check(|d| d < 8).unwrap();
+        out.evicted
+    }
+
+    /// ARC's lists as (T1 keys, T2 keys, B1 keys, B2 keys), LRU first.
+    fn arc_lists(t: &HostTier) -> [Vec<HostKey>; 4] {
+        let keys = |l: usize| -> Vec<HostKey> {
+            t.list_order(l)
+                .iter()
+                .map(|&h| t.key_of(h).unwrap())
+                .collect()
+        };
+        let ghosts = |l: usize| -> Vec<HostKey> {
+            t.arc.queues[l]
+                .iter()
+                .filter(|(k, s)| t.arc.ghosts.get(k) == Some(&(l as u8, *s)))
+                .map(|&(k, _)| k)
+                .collect()
+        };
+        [keys(0), keys(1), ghosts(0), ghosts(1)]
+    }
+
+    #[test]
+    fn parses_every_policy_name() {
+        for e in HostEviction::ALL {
+            assert_eq!(HostEviction::from_name(e.name()), Some(e));
+        }
+        assert_eq!(HostEviction::from_name("arc"), Some(HostEviction::Arc));
+        assert_eq!(HostEviction::from_name("ARC"), None);
+    }
+
+    #[test]
+    fn arc_evicts_as_the_paper_replaces() {
+        // Worked by hand with the FAST'03 algorithm, 3 host blocks, p = 0 at first
+        // (A..F = k(1)..k(6); lists LRU first):
+        //  1 A      miss, free block 0           T1 [A]
+        //  2 B      miss, free block 1           T1 [A B]
+        //  3 A      on host: used again          T1 [B]      T2 [A]
+        //  4 C      miss, free block 2           T1 [B C]    T2 [A]
+        //  5 D      miss, full: |T1| 2 > p 0     evict B (T1 LRU) -> B1 [B]; T1 [C D]
+        //  6 E      miss: |T1| 2 > 0             evict C -> B1 [B C]; T1 [D E]; |T1|+|B1| = 4 > 3
+        //                                        drops B1's LRU: B1 [C]
+        //  7 C      in B1: p += max(|B2|/|B1|, 1) = 1; |T1| 2 > 1: evict D -> B1 [D];
+        //                                        C to T2: T1 [E], T2 [A C]
+        //  8 F      miss: |T1| 1 = p 1, F not from B2: evict T2's LRU A -> B2 [A];
+        //                                        T1 [E F], T2 [C]
+        //  9 A      in B2: p -= max(|B1|/|B2|, 1) = 0; |T1| 2 > 0: evict E -> B1 [D E];
+        //                                        A to T2: T1 [F], T2 [C A]
+        // LRU on the same sequence: 5 D evicts B ([A C D]), 6 E evicts A, the block used
+        // twice ([C D E]), 7 C is on host ([D E C]), 8 F evicts D, 9 A evicts E: [C F A].
+        let mut lru = tier(3, 1);
+        let evicted: Vec<Option<HostKey>> = [1, 2, 1, 3, 4, 5, 3, 6, 1]
+            .iter()
+            .map(|&i| store(&mut lru, k(i)))
+            .collect();
+        let want = [
+            None,
+            None,
+            None,
+            None,
+            Some(k(2)),
+            Some(k(1)),
+            None,
+            Some(k(4)),
+            Some(k(5)),
+        ];
+        assert_eq!(evicted, want);
+        let mut t = arc_tier(3);
+        let evicted: Vec<Option<HostKey>> = [1, 2, 1, 3, 4, 5, 3, 6, 1]
+            .iter()
+            .map(|&i| store(&mut t, k(i)))
+            .collect();
+        assert_eq!(
+            evicted,
+            vec![
+                None,
+                None,
+                None,
+                None,
+                Some(k(2)),
+                Some(k(3)),
+                Some(k(4)),
+                Some(k(1)),
+                Some(k(5))
+            ]
+        );
+        assert_eq!(
+            arc_lists(&t),
+            [vec![k(6)], vec![k(3), k(1)], vec![k(4), k(5)], vec![]]
+        );
+        assert_eq!(t.arc.target_t1, 0);
+        // Block ids: A 0, B 1, C 2; D took B's, E C's, C D's, F A's, A E's.
+        assert_eq!(
+            (t.lookup(&k(6)), t.lookup(&k(3)), t.lookup(&k(1))),
+            (Some(0), Some(1), Some(2))
+        );
+        assert_eq!(t.lru_order(), vec![0, 1, 2]);
+        assert_eq!(t.counters().evictions, 5);
+    }
+
+    #[test]
+    fn a_one_off_scan_does_not_flush_the_reused_blocks_under_arc() {
+        for (eviction, kept) in [(HostEviction::Lru, false), (HostEviction::Arc, true)] {
+            let mut t = HostTier::new(4, 1, eviction, 8, false).unwrap();
+            t.begin_step();
+            // A and B stored, then used again (re-evicted from the device).
+            for i in [1, 2, 1, 2] {
+                store(&mut t, k(i));
+            }
+            // A scan of 20 one-off blocks.
+            for i in 10..30 {
+                store(&mut t, k(i));
+            }
+            let on_host = t.lookup(&k(1)).is_some() && t.lookup(&k(2)).is_some();
+            assert_eq!(on_host, kept, "{eviction:?}");
+            // The last scan blocks are on host either way (LRU: all four slots).
+            assert!(t.lookup(&k(29)).is_some() && t.lookup(&k(28)).is_some());
+            assert_eq!(t.lookup(&k(27)).is_some(), !kept);
+        }
+    }
+
+    #[test]
+    fn arc_never_evicts_a_pinned_block_and_a_load_counts_as_reuse() {
+        let mut t = arc_tier(2);
+        store(&mut t, k(1));
+        store(&mut t, k(2));
+        // Pin A (in T1) for a load: the next store must take B.
+        t.pin(0).unwrap();
+        t.plan_load(0, 5);
+        assert_eq!(store(&mut t, k(3)), Some(k(2)));
+        // Pin C too: every block pinned, a store (even a ghost hit of B) changes nothing.
+        t.pin(1).unwrap();
+        t.plan_load(1, 6);
+        let before = (arc_lists(&t), t.arc.target_t1);
+        assert_eq!(t.plan_store(0, k(2)), StoreOutcome::default());
+        assert_eq!((arc_lists(&t), t.arc.target_t1), before);
+        t.check(|d| d < 8).unwrap();
+        t.take_plans();
+        t.release_in_flight();
+        // Both loads released: A and C were used again, both in T2.
+        assert_eq!(arc_lists(&t)[1], vec![k(1), k(3)]);
+        t.clear();
+        assert_eq!(arc_lists(&t), [vec![], vec![], vec![], vec![]]);
+        t.check(|d| d < 8).unwrap();
+    }
+
+    #[test]
+    fn arc_ghosts_stay_bounded_on_a_long_scan() {
+        let mut t = arc_tier(4);
+        for i in 0..200u32 {
+            let mut key = [0u8; 32];
+            key[..4].copy_from_slice(&i.to_le_bytes());
+            let key = HostKey::new(BlockHash(key), 0);
+            t.note_seen(key);
+            t.plan_store(0, key);
+        }
+        t.check(|d| d < 8).unwrap();
+        assert!(t.arc.ghost_len[0] + t.list_len[0] <= 4);
+        assert!(t.arc.queues[0].len() <= 2 * t.arc.ghost_len[0] + 64 + 1);
     }
 
     #[test]
