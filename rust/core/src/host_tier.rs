@@ -516,6 +516,26 @@ impl HostTier {
         }
     }
 
+    /// Drops `key` from the tier without evicting it (a store that failed: its host block never
+    /// received the KV): no eviction counted, no ARC ghost. The block is free at once when
+    /// unpinned, else when its last pin is released ([`Self::unpin`]). Returns the host block,
+    /// `None` (nothing changed) when `key` is not on host. O(1).
+    pub fn discard(&mut self, key: &HostKey) -> Option<BlockId> {
+        let h = self.index.remove(key)?;
+        let i = h as usize;
+        self.key_of[i] = None;
+        if let Some(m) = self.host_meta.get_mut(i) {
+            *m = None;
+        }
+        if self.pins[i] == 0 {
+            if self.list_of[i] != NO_LIST {
+                self.list_remove(h);
+            }
+            self.free.push(h);
+        }
+        Some(h)
+    }
+
     /// Plans the copy of pinned host block `h` into device block `device`.
     pub fn plan_load(&mut self, h: BlockId, device: BlockId) {
         debug_assert!(
@@ -873,6 +893,27 @@ mod tests {
         assert_eq!(t.num_pinned(), 0);
         assert_eq!(t.lru_order(), vec![0, 1]);
         assert_eq!(t.plan_store(7, k(4)).evicted, Some(k(1)));
+        t.check(|d| d < 8).unwrap();
+    }
+
+    #[test]
+    fn discard_frees_a_block_without_an_eviction() {
+        let mut t = tier(2, 1);
+        t.note_seen(k(1));
+        t.note_seen(k(2));
+        t.plan_store(1, k(1));
+        t.plan_store(2, k(2));
+        // Unpinned: free at once.
+        assert_eq!(t.discard(&k(1)), Some(0));
+        assert_eq!((t.lookup(&k(1)), t.num_used()), (None, 1));
+        assert_eq!(t.discard(&k(1)), None);
+        t.check(|d| d < 8).unwrap();
+        // Pinned: free when the pin is released.
+        t.pin(1).unwrap();
+        assert_eq!(t.discard(&k(2)), Some(1));
+        assert_eq!(t.num_used(), 1);
+        t.unpin(1);
+        assert_eq!((t.num_used(), t.counters().evictions), (0, 0));
         t.check(|d| d < 8).unwrap();
     }
 
