@@ -36,7 +36,8 @@
 
 use crate::error::{Error, Result};
 use crate::events::{EventSink, KvEvent, Tier};
-use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
+use crate::hashing::{BlockHash, PrefixHasher};
+use crate::host_tier::HostTier;
 use crate::kv_groups::{retained_at_interval, GroupSpec, HybridConfig};
 use crate::manager::{
     drafts_pending, validate_accept, validate_drafts, validate_new_sequence, validate_step,
@@ -48,6 +49,10 @@ use crate::sync::Mutex;
 use crate::{BlockId, SeqId, NULL_BLOCK};
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
+
+mod host;
+pub use host::GroupHostTransfers;
+use host::{HostSide, HOST_HIT};
 
 /// A block that exists only in a demand simulation (registered by an earlier member of a
 /// group in [`HybridManager::num_blocks_owed`]); never a real id (ids are below 2^28).
@@ -167,6 +172,50 @@ pub struct HybridStepOutput {
     pub new_block_ids: Vec<i32>,
     /// Copy-on-write plan, row-major `(group, src, dst)` triples.
     pub copies: Vec<i32>,
+    /// Host-tier stores, row-major `(group, device block, host block)` triples: the executor
+    /// copies these FIRST in the step (before swaps, host loads, copy-on-write and the forward
+    /// pass), from group `group`'s device cache to its host cache. Planned by the allocations
+    /// since the previous hand-out (docs/design.md, "Host tier"). Empty without a host tier.
+    pub host_stores: Vec<i32>,
+    /// Host-tier loads, row-major `(group, host block, device block)` triples: copied after
+    /// the stores and swaps, before copy-on-write and the forward pass. Their host blocks stay
+    /// pinned until the next step call returns. Empty without a host tier.
+    pub host_loads: Vec<i32>,
+    /// Length `S * G`, entry `k * G + g`: the first logical block of sequence `k`'s group-`g`
+    /// table that changed since the last step output that reported it (0 for a table new to
+    /// the outputs: first allocation, a resumed preemption, a swap-in, a fork child). Entries
+    /// before it are unchanged since that output; the table is now `previous[..start]`
+    /// followed by its slice of `table_delta`. Blocks released out of a window count as
+    /// changed (their entries are the null block 0 in the delta), as do a copy-on-write's
+    /// replaced entry and a table cut short by rejected drafts. The delta form of the block
+    /// tables, for a consumer that keeps them across steps (per group, as
+    /// [`crate::block_tables::BlockTables`] keeps one group's).
+    pub table_start: Vec<i32>,
+    /// Per scheduled seq: the version of its tables (every group's) this output reports, one
+    /// more than its previous report's; a sequence's first report is above every version an
+    /// earlier output of this manager carried, so versions never repeat under one id. A
+    /// consumer holding version `v` may apply a delta only when this is `v + 1` (or its
+    /// `table_start` is 0); otherwise it re-reads the tables ([`HybridManager::block_tables`]).
+    pub table_version: Vec<u64>,
+    /// Length `S * G + 1`: CSR offsets into `table_delta`, entry `k * G + g`.
+    pub table_delta_indptr: Vec<i32>,
+    /// Per (sequence, group), its table entries from `table_start` to its end (block ids).
+    pub table_delta: Vec<i32>,
+}
+
+/// Options of [`HybridManager::step_with`]; the default is what [`HybridManager::step`]
+/// returns.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HybridStepOptions {
+    /// Leave [`HybridStepOutput::block_table`] empty (`block_table_width` 0): for callers that
+    /// keep the tables from the deltas ([`HybridStepOutput::table_start`] /
+    /// [`HybridStepOutput::table_delta`]); the dense `G x S x W` copy is O(groups x scheduled
+    /// sequences x longest table) per step, most of a decode step's cost for long contexts.
+    pub skip_block_table: bool,
+    /// Leave the per-token arrays [`HybridStepOutput::slot_mapping`] and
+    /// [`HybridStepOutput::input_ids`] empty: for callers that build them on the device from
+    /// the block tables and positions, or that need only block ids (a scheduler).
+    pub skip_token_arrays: bool,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -181,6 +230,16 @@ struct GroupTable {
     /// [`HybridManager::accept_drafts_keeping_blocks`] for the next allocations (private,
     /// unhashed).
     spare: usize,
+    /// Leading entries a step output has reported and that have not changed since (the next
+    /// table delta starts here).
+    reported: usize,
+}
+
+impl GroupTable {
+    /// Notes that the entries from logical block `k` on changed other than by appending.
+    fn rewritten_from(&mut self, k: usize) {
+        self.reported = self.reported.min(k);
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -207,6 +266,9 @@ struct Seq {
     /// `num_computed .. num_computed + drafts.len()` of every group: never hashed, cached or
     /// announced; resolved by [`HybridManager::accept_drafts`].
     drafts: Vec<u32>,
+    /// The version of its tables the last step output reported
+    /// ([`HybridStepOutput::table_version`]).
+    table_version: u64,
 }
 
 impl Seq {
@@ -247,6 +309,9 @@ struct State {
     /// Index key -> (group, plain hash), for the keys that resolve (events on only): names
     /// the group of the pool's `BlockRemoved`.
     key_owner: HashMap<BlockHash, (u32, BlockHash)>,
+    /// The highest table version any step output reported (a new sequence's first report is
+    /// above it).
+    table_versions: u64,
 }
 
 /// The KV cache manager over several KV cache groups sharing one block pool (see the module
@@ -266,6 +331,9 @@ pub struct HybridManager {
     /// Running counters, taken only under the state lock (lock order: state, then counters)
     /// and only when a call has something to count.
     counters: Mutex<ManagerCounters>,
+    /// The prefix cache's host tier (`None` with `num_host_blocks == 0`: nothing of it runs),
+    /// taken only under the state lock (lock order: state, host, counters).
+    host: Option<Mutex<HostSide>>,
 }
 
 /// Per-group plan of one allocation.
@@ -470,6 +538,19 @@ impl HybridManager {
             .collect();
         let pool_events = Arc::new(EventSink::new(cfg.enable_events));
         let pool = BlockPool::new(cfg.num_blocks, pool_events.clone())?;
+        let host = match cfg.num_host_blocks {
+            0 => None,
+            n => {
+                let tier = HostTier::new(
+                    n,
+                    cfg.host_admission_min_seen,
+                    cfg.host_eviction,
+                    cfg.num_blocks,
+                    cfg.enable_events,
+                )?;
+                Some(Mutex::new(HostSide::new(tier, cfg.num_blocks)))
+            }
+        };
         let hasher = PrefixHasher::new(cfg.hash_algo, &cfg.hash_seed);
         let n = cfg.num_cpu_blocks;
         let state = State {
@@ -480,6 +561,7 @@ impl HybridManager {
             },
             events: Vec::new(),
             key_owner: HashMap::new(),
+            table_versions: 0,
         };
         Ok(Self {
             cfg,
@@ -491,6 +573,7 @@ impl HybridManager {
             pool,
             state: Mutex::new(state),
             counters: Mutex::new(ManagerCounters::default()),
+            host,
         })
     }
 
@@ -523,6 +606,7 @@ impl HybridManager {
             return Err(Error::SequenceExists { seq_id: seq });
         }
         let g = self.num_groups();
+        let table_version = st.table_versions;
         st.seqs.insert(
             seq,
             Seq {
@@ -537,6 +621,7 @@ impl HybridManager {
                 stale_kv: false,
                 looked_up: false,
                 drafts: Vec::new(),
+                table_version,
             },
         );
         Ok(())
@@ -615,12 +700,14 @@ impl HybridManager {
                     gp.hits
                         .iter()
                         .copied()
-                        .filter(|&b| b != NULL_BLOCK && b != VIRTUAL),
+                        .filter(|&b| b != NULL_BLOCK && b != VIRTUAL && b != HOST_HIT),
                 );
                 if gp.cow {
                     cow_src.push(t.blocks[plan.context / self.cfg.groups[g].block_size as usize]);
                 }
-                fresh += gp.fresh + usize::from(gp.cow);
+                // A host hit is loaded into a fresh block.
+                let loads = gp.hits.iter().filter(|&&b| b == HOST_HIT).count();
+                fresh += gp.fresh + usize::from(gp.cow) + loads;
             }
             touched.sort_unstable();
             touched.dedup();
@@ -643,6 +730,9 @@ impl HybridManager {
                 // adds a reference a sibling's release then sees); the new ones (fresh,
                 // copy-on-write destination) are virtual.
                 let cow_at = gp.cow.then_some(plan.context / bs);
+                if self.host.is_some() {
+                    self.sim_register_loads(s, g, &gp.hits, &mut sim);
+                }
                 for j in start..full {
                     if !self.registers_at_fill(spec, j) {
                         continue;
@@ -787,7 +877,9 @@ impl HybridManager {
             let n = t.blocks.len() - t.spare;
             t.blocks.truncate(n);
             t.spare = 0;
+            t.reported = 0; // new to the outputs
         }
+        c.table_version = st.table_versions;
         let held: Vec<BlockId> = c.held().collect();
         if !held.is_empty() {
             self.pool.incref(&held)?;
@@ -948,8 +1040,11 @@ impl HybridManager {
                 }
             }
         }
-        let gpu = self.pool.allocate(order.len())?;
         let mut ev = Vec::new();
+        let gpu = {
+            let mut host = self.host.as_ref().map(|h| h.lock());
+            self.allocate_storing(order.len(), host.as_deref_mut(), &mut ev)?
+        };
         self.drain_pool(&mut ev);
         let map: HashMap<BlockId, BlockId> =
             order.iter().copied().zip(gpu.iter().copied()).collect();
@@ -966,9 +1061,10 @@ impl HybridManager {
                     *b = if *b == CPU_NULL { NULL_BLOCK } else { map[b] };
                 }
                 t.scanned = 0;
+                t.reported = 0; // every entry has a new GPU id
             }
             s.status = SeqStatus::Running;
-            self.cache_full(s, &mut ev);
+            self.cache_full(s, &mut ev, false);
         }
         self.absorb(st, ev);
         self.counters.lock().swaps_in_blocks += order.len() as u64;
@@ -984,6 +1080,9 @@ impl HybridManager {
     pub fn reset_prefix_cache(&self) -> Result<()> {
         let mut guard = self.state.lock();
         self.pool.reset_prefix_cache()?;
+        if let Some(host) = self.host.as_ref() {
+            host.lock().clear();
+        }
         for s in guard.seqs.values_mut() {
             if s.status == SeqStatus::Swapped && s.num_computed > 0 {
                 s.stale_kv = true;
@@ -1062,6 +1161,7 @@ impl HybridManager {
             fill.values().map(|&(f, _)| f).sum::<usize>() as f64 / slots as f64
         };
         let used = self.pool.num_used();
+        let host = self.host.as_ref().map(|h| h.lock());
         let c = *self.counters.lock();
         CacheStats {
             num_blocks: self.cfg.num_blocks,
@@ -1080,12 +1180,11 @@ impl HybridManager {
             preemptions: c.preemptions,
             num_cpu_blocks: self.cfg.num_cpu_blocks,
             cpu_used: st.cpu.refs.iter().filter(|&&r| r > 0).count(),
-            // No host tier for KV cache groups yet (docs/design.md, "Host tier").
-            num_host_blocks: 0,
-            host_used: 0,
-            host_hits_tokens: 0,
-            host_stores_blocks: 0,
-            host_loads_blocks: 0,
+            num_host_blocks: self.cfg.num_host_blocks,
+            host_used: host.as_ref().map_or(0, |h| h.tier.num_used()),
+            host_hits_tokens: c.host_hits_tokens,
+            host_stores_blocks: host.as_ref().map_or(0, |h| h.tier.counters().stores),
+            host_loads_blocks: host.as_ref().map_or(0, |h| h.tier.counters().loads),
         }
     }
 
@@ -1112,6 +1211,20 @@ impl HybridManager {
         self.state.lock().seqs.len()
     }
 
+    /// The host-tier copies planned since the last hand-out, for a caller that allocates
+    /// outside [`Self::step`] (which hands them out in [`HybridStepOutput::host_stores`] /
+    /// [`HybridStepOutput::host_loads`]): `(group, device, host)` stores and `(group, host,
+    /// device)` loads, run in the step order (stores first, loads before the forward pass that
+    /// reads the loaded blocks); the loads' host blocks stay pinned until the next step call
+    /// returns. Empty without a host tier. O(plans).
+    pub fn take_host_transfers(&self) -> GroupHostTransfers {
+        let _st = self.state.lock();
+        match self.host.as_ref() {
+            Some(h) => h.lock().hand_out(&self.pool),
+            None => GroupHostTransfers::default(),
+        }
+    }
+
     /// Drains the buffered group events, oldest first (empty with events off).
     pub fn take_events(&self) -> Vec<GroupEvent> {
         std::mem::take(&mut self.state.lock().events)
@@ -1133,15 +1246,65 @@ impl HybridManager {
     /// many), and it stays pending until [`Self::accept_drafts`]. Malformed draft offsets are
     /// reported in `error` with nothing scheduled.
     pub fn step_with_drafts(&self, req: &StepRequest, drafts: &StepDrafts) -> HybridStepOutput {
+        self.step_with(req, drafts, HybridStepOptions::default())
+    }
+
+    /// [`Self::step_with_drafts`] with [`HybridStepOptions`]: without the dense block tables
+    /// (callers keeping them from the table deltas) and / or the per-token arrays. O(tokens
+    /// scheduled x groups + changed table entries), plus G x S x W for the dense tables.
+    ///
+    /// With a host tier, the step first marks the previous step's plans as run (blocks
+    /// registered before it hold their KV; the loads handed out then are done and their host
+    /// blocks unpinned when it returns) and hands out the copies planned since the last
+    /// hand-out in [`HybridStepOutput::host_stores`] / [`HybridStepOutput::host_loads`].
+    pub fn step_with(
+        &self,
+        req: &StepRequest,
+        drafts: &StepDrafts,
+        opts: HybridStepOptions,
+    ) -> HybridStepOutput {
+        let Some(host) = self.host.as_ref() else {
+            return self.step_groups(req, drafts, opts);
+        };
+        {
+            let _st = self.state.lock();
+            host.lock().tier.begin_step();
+        }
+        let mut out = self.step_groups(req, drafts, opts);
+        let _st = self.state.lock();
+        let mut h = host.lock();
+        h.tier.release_in_flight();
+        let plans = h.hand_out(&self.pool);
+        out.host_stores = plans
+            .stores
+            .iter()
+            .flat_map(|&(g, d, hb)| [g as i32, d as i32, hb as i32])
+            .collect();
+        out.host_loads = plans
+            .loads
+            .iter()
+            .flat_map(|&(g, hb, d)| [g as i32, hb as i32, d as i32])
+            .collect();
+        out
+    }
+
+    /// The scheduling part of [`Self::step_with`] (everything but the host tier's hand-out).
+    fn step_groups(
+        &self,
+        req: &StepRequest,
+        drafts: &StepDrafts,
+        opts: HybridStepOptions,
+    ) -> HybridStepOutput {
         let n = req.seq_ids.len();
         let ng = self.num_groups();
         let mut out = HybridStepOutput {
             num_groups: ng,
-            block_table_width: 1,
+            block_table_width: usize::from(!opts.skip_block_table),
             ..Default::default()
         };
         out.query_start_loc.push(0);
         out.new_block_indptr.push(0);
+        out.table_delta_indptr.push(0);
         if let Err(e) = validate_step(req).and_then(|()| validate_drafts(req, drafts)) {
             out.error = Some(e);
             return out;
@@ -1157,7 +1320,11 @@ impl HybridManager {
         }
         let mut guard = self.state.lock();
         let st = &mut *guard;
-        let mut slots: Vec<Vec<i64>> = vec![Vec::new(); ng];
+        let mut slots: Vec<Vec<i64>> = if opts.skip_token_arrays {
+            Vec::new()
+        } else {
+            vec![Vec::new(); ng]
+        };
         let drafts_of = |i: usize| -> &[u32] {
             if drafts.indptr.is_empty() {
                 &[]
@@ -1211,15 +1378,35 @@ impl HybridManager {
             if !drafts.indptr.is_empty() {
                 out.num_draft_tokens.push(alloc.num_draft_tokens as i32);
             }
-            out.input_ids
-                .extend(s.tokens[ctx..ctx + q_final].iter().map(|&t| i64::from(t)));
-            out.input_ids.extend(s.drafts.iter().map(|&t| i64::from(t)));
+            if !opts.skip_token_arrays {
+                out.input_ids
+                    .extend(s.tokens[ctx..ctx + q_final].iter().map(|&t| i64::from(t)));
+                out.input_ids.extend(s.drafts.iter().map(|&t| i64::from(t)));
+            }
+            s.table_version += 1;
+            st.table_versions = st.table_versions.max(s.table_version);
+            out.table_version.push(s.table_version);
             for (g, ga) in alloc.groups.iter().enumerate() {
                 let bs = self.cfg.groups[g].block_size as usize;
-                let t = &s.tables[g].blocks;
-                slots[g].extend(
-                    (ctx..ctx + q).map(|p| i64::from(t[p / bs]) * bs as i64 + (p % bs) as i64),
-                );
+                let t = &mut s.tables[g];
+                if !opts.skip_token_arrays {
+                    // Block by block: one division per run of consecutive slots.
+                    let (row, mut pos) = (&mut slots[g], ctx);
+                    while pos < ctx + q {
+                        let off = pos % bs;
+                        let run = (bs - off).min(ctx + q - pos);
+                        let base = i64::from(t.blocks[pos / bs]) * bs as i64 + off as i64;
+                        row.extend((0..run as i64).map(|j| base + j));
+                        pos += run;
+                    }
+                }
+                // The table delta: entries changed or added since this table's last report.
+                let start = t.reported.min(t.blocks.len());
+                t.reported = t.blocks.len();
+                out.table_start.push(start as i32);
+                out.table_delta
+                    .extend(t.blocks[start..].iter().map(|&b| b as i32));
+                out.table_delta_indptr.push(out.table_delta.len() as i32);
                 out.new_block_ids
                     .extend(ga.new_block_ids.iter().map(|&b| b as i32));
                 out.new_block_indptr.push(out.new_block_ids.len() as i32);
@@ -1231,6 +1418,9 @@ impl HybridManager {
         self.absorb(st, ev);
         for row in slots {
             out.slot_mapping.extend(row);
+        }
+        if opts.skip_block_table {
+            return out;
         }
         let scheduled = &req.seq_ids[..out.num_scheduled];
         let width = scheduled
@@ -1268,6 +1458,9 @@ impl HybridManager {
         let caching = self.cfg.enable_prefix_caching;
         let mut gpu_refs: HashMap<BlockId, u32> = HashMap::new();
         let mut cpu_refs = vec![0u32; st.cpu.refs.len()];
+        if let Some(host) = self.host.as_ref() {
+            self.check_host(&host.lock(), &mut gpu_refs)?;
+        }
         let ids: Vec<SeqId> = st.seqs.keys().copied().collect();
         for id in ids {
             let s = st.seqs.get_mut(&id).expect("listed");
@@ -1466,15 +1659,7 @@ impl HybridManager {
         while s.keys[g].len() <= k {
             let j = s.keys[g].len();
             let plain = self.plain_at(s, c, j);
-            let key = if g == 0 {
-                plain
-            } else {
-                let tag = ExtraKey::Tagged {
-                    tag: "kv_cache_group".into(),
-                    value: (g as u32).to_le_bytes().to_vec(),
-                };
-                self.hasher.hash_block(Some(&plain), &[], &[tag])
-            };
+            let key = self.index_key(plain, g as u32);
             s.keys[g].push(key);
         }
         s.keys[g][k]
@@ -1488,6 +1673,9 @@ impl HybridManager {
         if !self.cfg.enable_prefix_caching || l == 0 {
             return (0, vec![Vec::new(); ng]);
         }
+        // With a host tier a block is served from either tier (`HOST_HIT` in the table).
+        let host_guard = self.host.as_ref().map(|h| h.lock());
+        let host = host_guard.as_deref();
         // Full attention: the chain from the left.
         for g in 0..ng {
             let spec = self.cfg.groups[g];
@@ -1510,6 +1698,10 @@ impl HybridManager {
                 }
                 n
             };
+            let n = match host {
+                Some(_) => self.served_from(host, s, g, n, l / bs, sim),
+                None => n,
+            };
             l = l.min(n * bs / unit * unit);
         }
         // Windowed groups: shrink until every group agrees.
@@ -1520,7 +1712,7 @@ impl HybridManager {
                 if !spec.is_windowed() {
                     continue;
                 }
-                let p = self.window_hit(s, g, l, sim);
+                let p = self.window_hit(s, g, l, sim, host);
                 if p < l {
                     l = p;
                     changed = true;
@@ -1537,7 +1729,12 @@ impl HybridManager {
             let mut t = vec![NULL_BLOCK; lo];
             for j in lo..hi {
                 let key = self.key_at(s, g, j);
-                t.push(sim.lookup(&key).expect("checked present"));
+                let b = sim.lookup(&key).unwrap_or(HOST_HIT);
+                debug_assert!(
+                    b != HOST_HIT || self.on_host(host, s, g, j),
+                    "checked present"
+                );
+                t.push(b);
             }
             hits.push(t);
         }
@@ -1545,9 +1742,17 @@ impl HybridManager {
     }
 
     /// The largest hit-unit multiple `p <= l` at which windowed group `g` has every block of
-    /// `[first_read(p), p)` cached. Scans right to left; a miss at block `j` moves the
-    /// candidate to the boundary at or below `j`'s start.
-    fn window_hit(&self, s: &mut Seq, g: usize, l: usize, sim: &Sim<'_>) -> usize {
+    /// `[first_read(p), p)` cached (on the device, or with a host tier on either tier). Scans
+    /// right to left; a miss at block `j` moves the candidate to the boundary at or below
+    /// `j`'s start.
+    fn window_hit(
+        &self,
+        s: &mut Seq,
+        g: usize,
+        l: usize,
+        sim: &Sim<'_>,
+        host: Option<&HostSide>,
+    ) -> usize {
         let spec = self.cfg.groups[g];
         let bs = spec.block_size as usize;
         let mut p = l;
@@ -1555,7 +1760,7 @@ impl HybridManager {
             let (lo, hi) = spec.hit_blocks(p);
             for j in (lo..hi).rev() {
                 let key = self.key_at(s, g, j);
-                if sim.lookup(&key).is_none() {
+                if sim.lookup(&key).is_none() && !self.on_host(host, s, g, j) {
                     p = j * bs / self.unit * self.unit;
                     continue 'outer;
                 }
@@ -1642,7 +1847,13 @@ impl HybridManager {
             let (mut take, mut release) = (0, 0);
             if first {
                 for &b in &hits {
-                    if b != NULL_BLOCK && b != VIRTUAL && sim.refc(b) == 0 && hit_free.insert(b) {
+                    if b == HOST_HIT {
+                        take += 1; // loaded into a fresh block
+                    } else if b != NULL_BLOCK
+                        && b != VIRTUAL
+                        && sim.refc(b) == 0
+                        && hit_free.insert(b)
+                    {
                         take += 1;
                     }
                 }
@@ -1725,6 +1936,7 @@ impl HybridManager {
             for &j in gp.release.iter().rev() {
                 let t = &mut s.tables[g];
                 let b = std::mem::replace(&mut t.blocks[j], NULL_BLOCK);
+                t.rewritten_from(j);
                 released.push(b);
                 out.groups[g].released.push(b);
             }
@@ -1737,14 +1949,20 @@ impl HybridManager {
             .groups
             .iter()
             .flat_map(|gp| gp.hits.iter().copied())
-            .filter(|&b| b != NULL_BLOCK)
+            .filter(|&b| b != NULL_BLOCK && b != HOST_HIT)
             .collect();
         touched.sort_unstable();
         if !touched.is_empty() {
             self.pool.touch(&touched)?;
         }
         let n_new = plan.demand.take - plan.hits_free;
-        let new = self.pool.allocate(n_new)?;
+        let mut host = self.host.as_ref().map(|h| h.lock());
+        let loads = match host.as_deref_mut() {
+            Some(h) if plan.first => self.pin_loads(h, s, &plan.groups)?,
+            _ => Vec::new(),
+        };
+        let new = self.allocate_storing(n_new, host.as_deref_mut(), ev)?;
+        drop(host);
         self.drain_pool(ev);
         let mut fresh = new.into_iter();
         for (g, gp) in plan.groups.into_iter().enumerate() {
@@ -1753,11 +1971,16 @@ impl HybridManager {
             if plan.first {
                 t.scanned = gp.hits.len();
                 t.blocks = gp.hits;
+                t.reported = 0;
+                if !loads.is_empty() {
+                    host::take_load_blocks(t, ga, &mut fresh);
+                }
             }
             if gp.cow {
                 let dst = fresh.next().expect("allocated");
                 let at = plan.context / self.cfg.groups[g].block_size as usize;
                 let src = std::mem::replace(&mut t.blocks[at], dst);
+                t.rewritten_from(at);
                 self.pool.free(&[src])?;
                 ga.copies.push((src, dst));
                 ga.new_block_ids.push(dst);
@@ -1784,13 +2007,19 @@ impl HybridManager {
             c.copies += copies as u64;
         }
         s.looked_up |= plan.first;
+        if self.host.is_some() && plan.first {
+            self.note_hits_seen(s, plan.context);
+            if !loads.is_empty() {
+                self.finish_loads(s, &loads, lookup, ev)?;
+            }
+        }
         s.drafts = drafts.to_vec();
         for (g, t) in s.tables.iter_mut().enumerate() {
             let bs = self.cfg.groups[g].block_size as usize;
             t.spare = t.blocks.len() - (s.num_computed + drafts.len()).div_ceil(bs);
         }
         // Only blocks full of computed, finalized tokens: drafts never reach the cache.
-        self.cache_full(s, ev);
+        self.cache_full(s, ev, true);
         Ok(out)
     }
 
@@ -1822,6 +2051,7 @@ impl HybridManager {
         for (g, t) in s.tables.iter_mut().enumerate() {
             if release {
                 t.blocks.truncate(keep[g]);
+                t.rewritten_from(keep[g]); // the next block there is a new one
             }
             t.spare = t.blocks.len() - keep[g];
         }
@@ -1830,13 +2060,13 @@ impl HybridManager {
         s.num_computed = end;
         let mut ev = Vec::new();
         self.drain_pool(&mut ev);
-        self.cache_full(s, &mut ev);
+        self.cache_full(s, &mut ev, true);
         self.absorb(st, ev);
         Ok(released)
     }
 
     /// Caches every newly full computed block the fill-time rule selects, per group.
-    fn cache_full(&self, s: &mut Seq, ev: &mut Vec<Pending>) {
+    fn cache_full(&self, s: &mut Seq, ev: &mut Vec<Pending>, seen: bool) {
         if !self.cfg.enable_prefix_caching || s.stale_kv {
             return;
         }
@@ -1853,7 +2083,7 @@ impl HybridManager {
                 })
                 .collect();
             s.tables[g].scanned = full;
-            self.register(s, g, &picked, ev);
+            self.register(s, g, &picked, ev, seen);
         }
     }
 
@@ -1873,13 +2103,15 @@ impl HybridManager {
             let picked: Vec<usize> = (t.live_from..full)
                 .filter(|&j| t.blocks[j] != NULL_BLOCK && !self.pool.is_hashed(t.blocks[j]))
                 .collect();
-            self.register(s, g, &picked, ev);
+            self.register(s, g, &picked, ev, true);
         }
     }
 
     /// Registers logical blocks `picked` of group `g` under their keys; emits `BlockStored`
     /// (plain hashes, consecutive blocks in one event) for keys that became resolvable.
-    fn register(&self, s: &mut Seq, g: usize, picked: &[usize], ev: &mut Vec<Pending>) {
+    /// With a host tier, notes them there too (`seen`: one use each for its admission; not
+    /// for blocks re-registered without being computed or hit again).
+    fn register(&self, s: &mut Seq, g: usize, picked: &[usize], ev: &mut Vec<Pending>, seen: bool) {
         if picked.is_empty() {
             return;
         }
@@ -1888,6 +2120,9 @@ impl HybridManager {
         let mut newly = Vec::with_capacity(picked.len());
         let cached = self.pool.cache_blocks(&blocks, &keys, &mut newly);
         debug_assert!(cached.is_ok(), "{cached:?}");
+        if let Some(host) = self.host.as_ref() {
+            self.host_note_registered(&mut host.lock(), s, g, picked, seen);
+        }
         if !self.cfg.enable_events {
             return;
         }
