@@ -94,6 +94,47 @@ def tiny_model_dir() -> Path:
     return _MODEL_DIR
 
 
+#: Gemma 3's attention pattern in :func:`tiny_gemma3_model_dir`: 18 layers, every sixth full
+#: attention (layers 5, 11, 17), the others a sliding window of ``GEMMA3_WINDOW`` tokens.
+GEMMA3_NUM_LAYERS = 18
+GEMMA3_WINDOW = 512
+
+_GEMMA3_DIR: Path | None = None
+
+
+def tiny_gemma3_model_dir() -> Path:
+    """A folder with a tiny Gemma 3 text ``config.json`` (``Gemma3ForCausalLM``, written once
+    per process by transformers' ``Gemma3TextConfig.save_pretrained``, offline): Gemma 3 270M's
+    layer pattern (:data:`GEMMA3_NUM_LAYERS` layers, every sixth full attention, the others a
+    sliding window of :data:`GEMMA3_WINDOW` tokens, one KV head of 16), a 4096-token vocabulary.
+    No weights: for vLLM's config and engine core without a model."""
+    global _GEMMA3_DIR
+    if _GEMMA3_DIR is None:
+        from transformers import Gemma3TextConfig
+
+        d = Path(tempfile.mkdtemp(prefix="pagedkv-vllm-gemma3-"))
+        layer_types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(GEMMA3_NUM_LAYERS)]
+        config = Gemma3TextConfig(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=GEMMA3_NUM_LAYERS,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            sliding_window=GEMMA3_WINDOW,
+            layer_types=layer_types,
+            max_position_embeddings=131072,
+            bos_token_id=1,
+            eos_token_id=EOS,
+            pad_token_id=0,
+        )
+        config.architectures = ["Gemma3ForCausalLM"]
+        config.save_pretrained(str(d))
+        _GEMMA3_DIR = d
+    return _GEMMA3_DIR
+
+
 def make_vllm_config(
     *,
     num_blocks: int,
@@ -108,11 +149,13 @@ def make_vllm_config(
     scheduler_cls: Any = None,
     policy: str = "fcfs",
     watermark: float = 0.0,
+    model_dir: Path | None = None,
     **overrides: Any,
 ) -> VllmConfig:
-    """A ``VllmConfig`` for the tiny local model, CPU device, ``num_blocks`` KV blocks."""
+    """A ``VllmConfig`` for the tiny local model (``model_dir``, default
+    :func:`tiny_model_dir`'s Llama), CPU device, ``num_blocks`` KV blocks."""
     model_config = ModelConfig(
-        model=str(tiny_model_dir()),
+        model=str(model_dir or tiny_model_dir()),
         skip_tokenizer_init=True,
         max_model_len=max_model_len,
         dtype="float32",

@@ -5,6 +5,11 @@ pagedkv's state, tested the way vLLM makes it.
 - vLLM's real ``EngineCore`` starts with ``PagedKVScheduler`` (a model executor that reports a
   KV cache spec and memory but runs no model) and serves requests through ``EngineCore.step``
   exactly as with the stock scheduler;
+- the same for a hybrid model: the engine core groups a tiny Gemma 3 config's layers (their
+  sliding-window and full-attention specs) into six KV cache groups that reach
+  ``HybridPagedKVCacheManager``; requests past the window, prefix hits and preemption are
+  served as stock step by step, and a model runner's block tables, rebuilt from each
+  ``SchedulerOutput`` as vLLM's runner does, are the manager's;
 - ``EngineCore._initialize_effective_attention_block_size`` and
   ``EngineCore.get_kv_cache_group_metadata`` (both read
   ``kv_cache_manager.coordinator.single_type_managers``) give the stock results;
@@ -31,11 +36,12 @@ import torch  # noqa: E402
 import vllm  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.engine.core import EngineCore  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 
 import pagedkv  # noqa: E402
 from pagedkv.integrations.vllm import (  # noqa: E402
     SUPPORTED_VLLM_RELEASES,
+    HybridPagedKVCacheManager,
     PagedKVCacheManager,
     PagedKVScheduler,
     UnsupportedVllmCallError,
@@ -44,12 +50,15 @@ from pagedkv.integrations.vllm import (  # noqa: E402
     check_supported_version,
 )
 from pagedkv.testing.vllm_scheduler import (  # noqa: E402
+    GEMMA3_NUM_LAYERS,
+    GEMMA3_WINDOW,
     Driver,
     build_scheduler,
     fake_model_output,
     fake_token,
     make_request,
     make_vllm_config,
+    tiny_gemma3_model_dir,
 )
 
 BS = 16
@@ -131,7 +140,7 @@ def _engine_core(scheduler_cls: type) -> Any:
     return core
 
 
-def _serve(core: Any, requests: list[Any]) -> tuple[dict[str, list[int]], dict[str, Any]]:
+def _serve(core: Any, requests: list[Any], max_steps: int = 1000) -> tuple[dict[str, list[int]], dict[str, Any]]:
     """Add ``requests`` and step the engine core until none is left: the new tokens of each
     request, and the stats the scheduler reported (prefix-cache counts summed, KV cache usage
     per step: ``Scheduler.make_stats`` reads both from the manager)."""
@@ -139,7 +148,7 @@ def _serve(core: Any, requests: list[Any]) -> tuple[dict[str, list[int]], dict[s
         core.add_request(request)
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     stats: dict[str, Any] = {"requests": 0, "queries": 0, "hits": 0, "usage": []}
-    for _ in range(1000):
+    for _ in range(max_steps):
         if not core.scheduler.has_requests():
             break
         outputs, _ = core.step()
@@ -217,6 +226,286 @@ def test_initialize_effective_attention_block_size_on_built_scheduler() -> None:
             )
         assert results[PagedKVScheduler] == results[Scheduler]
         assert results[PagedKVScheduler][0] == block_size
+
+
+# ---- a hybrid model (Gemma 3's layer pattern) in the engine core ---------------------------
+
+
+class WorkerTables:
+    """The block tables a vLLM model runner keeps per request and KV cache group, rebuilt from
+    each ``SchedulerOutput`` exactly as its ``_update_states`` does: a new request's
+    ``block_ids``; a scheduled cached request's ``new_block_ids`` appended (replacing the table
+    when it resumes from preemption); finished requests dropped."""
+
+    def __init__(self) -> None:
+        self.tables: dict[str, list[list[int]]] = {}
+
+    def update(self, out: Any) -> None:
+        for rid in out.finished_req_ids:
+            self.tables.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
+        cached = out.scheduled_cached_reqs
+        for rid, new_ids in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            if rid in cached.resumed_req_ids:
+                assert new_ids is not None
+                self.tables[rid] = [list(ids) for ids in new_ids]
+            elif new_ids is not None:
+                for table, more in zip(self.tables[rid], new_ids, strict=True):
+                    table.extend(more)
+
+
+class HybridNoModelExecutor(NoModelExecutor):
+    """``NoModelExecutor`` for the tiny Gemma 3 config (:func:`tiny_gemma3_model_dir`): each
+    layer reports the spec vLLM's attention layer reports for it (``SlidingWindowSpec`` of the
+    config's window for a sliding layer, ``FullAttentionSpec`` for a full one, as the config's
+    ``layer_types`` say), memory for ``NUM_BLOCKS`` blocks of the six groups vLLM forms. Each
+    step it mirrors the model runner's block tables (:class:`WorkerTables`) and checks them
+    against ``kv_cache_manager.get_block_ids``: what the worker reads is the manager's table
+    (an entry the manager released out of the window may still hold the old id there, as it
+    does in vLLM's runner; the attention never reads it). It records per step the preempted
+    requests, the new requests' prefix hits (their ``num_computed_tokens``) and, per scheduled
+    request, each group's table length and real blocks."""
+
+    NUM_BLOCKS = 1024
+
+    def __init__(self, vllm_config: Any) -> None:
+        super().__init__(vllm_config)
+        self.worker = WorkerTables()
+        self.steps: list[dict[str, Any]] = []
+
+    def _layer_specs(self) -> dict[str, Any]:
+        text = self.vllm_config.model_config.hf_text_config
+        bs = self.vllm_config.cache_config.block_size
+        kw: dict[str, Any] = dict(block_size=bs, num_kv_heads=1, head_size=16, dtype=torch.float32)
+        return {
+            f"model.layers.{i}.self_attn.attn": (
+                SlidingWindowSpec(sliding_window=text.sliding_window, **kw)
+                if kind == "sliding_attention"
+                else FullAttentionSpec(**kw)
+            )
+            for i, kind in enumerate(text.layer_types)
+        }
+
+    def get_kv_cache_specs(self) -> list[dict[str, Any]]:
+        return [self._layer_specs()]
+
+    def determine_available_memory(self) -> list[int]:
+        # vLLM packs each of its six groups' three layers in one page per block; block 0 is
+        # its null block.
+        page = FullAttentionSpec(
+            block_size=self.vllm_config.cache_config.block_size, num_kv_heads=1, head_size=16, dtype=torch.float32
+        ).page_size_bytes
+        return [(self.NUM_BLOCKS + 1) * page * GEMMA3_NUM_LAYERS // 6]
+
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        kvm = self.scheduler.kv_cache_manager
+        self.worker.update(scheduler_output)
+        held = {}
+        for rid in sorted(scheduler_output.num_scheduled_tokens):
+            theirs = kvm.get_block_ids(rid)
+            ours = self.worker.tables[rid]
+            assert [len(t) for t in ours] == [len(t) for t in theirs], rid
+            for g, (w, m) in enumerate(zip(ours, theirs, strict=True)):
+                assert all(b == 0 or a == b for a, b in zip(w, m, strict=True)), (rid, g, w, m)
+            held[rid] = tuple((len(t), sum(1 for b in t if b)) for t in theirs)
+        self.steps.append(
+            {
+                "new_prefix_hits": {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs},
+                "preempted": sorted(scheduler_output.preempted_req_ids or ()),
+                "held": held,
+            }
+        )
+        return super().execute_model(scheduler_output, non_block)
+
+
+def _hybrid_engine_core(
+    scheduler_cls: type, num_blocks: int = 1024, retention: int | None = None, max_model_len: int = 4096
+) -> Any:
+    """vLLM's ``EngineCore`` on the tiny Gemma 3 config with ``scheduler_cls``, the pool sized
+    by the engine core for ``num_blocks`` blocks; ``retention`` is vLLM's
+    ``prefix_cache_retention_interval`` (None: dense, every window block cached, where
+    pagedkv's hits equal vLLM's; 0: vLLM's default sparse retention)."""
+    executor = type("Executor", (HybridNoModelExecutor,), {"NUM_BLOCKS": num_blocks})
+    cfg = make_vllm_config(
+        num_blocks=num_blocks,
+        scheduler_cls=scheduler_cls,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=256,
+        model_dir=tiny_gemma3_model_dir(),
+    )
+    cfg.cache_config.num_gpu_blocks = None  # sized by the engine core from the executor
+    cfg.cache_config.prefix_cache_retention_interval = retention
+    core = EngineCore(cfg, executor, log_stats=True)
+    core.model_executor.scheduler = core.scheduler
+    return core
+
+
+def _long_prompt(seed: int, n: int) -> list[int]:
+    return [100 + (seed * 7919 + 31 * i) % 3900 for i in range(n)]
+
+
+def test_engine_core_groups_a_gemma3_model_into_the_hybrid_manager() -> None:
+    stock = _hybrid_engine_core(Scheduler)
+    paged = _hybrid_engine_core(PagedKVScheduler)
+    kv = paged.scheduler.kv_cache_config
+    # vLLM's engine core formed Gemma 3's groups from the layers' specs: the full-attention
+    # layers 5, 11, 17 in one group, the 15 sliding-window layers in five of three.
+    kinds = [
+        (type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None)) for g in kv.kv_cache_groups
+    ]
+    assert kinds == [
+        (type(g.kv_cache_spec).__name__, getattr(g.kv_cache_spec, "sliding_window", None))
+        for g in stock.scheduler.kv_cache_config.kv_cache_groups
+    ]
+    assert sorted(kinds, key=str) == sorted(
+        [("FullAttentionSpec", None)] + [("SlidingWindowSpec", GEMMA3_WINDOW)] * 5, key=str
+    )
+    full = [g for g in kv.kv_cache_groups if type(g.kv_cache_spec) is FullAttentionSpec]
+    assert [sorted(g.layer_names) for g in full] == [[f"model.layers.{i}.self_attn.attn" for i in (11, 17, 5)]]
+    assert all(len(g.layer_names) == 3 for g in kv.kv_cache_groups)
+    kvm = paged.scheduler.kv_cache_manager
+    assert isinstance(kvm, HybridPagedKVCacheManager)
+    assert kvm.num_kv_cache_groups == kvm.manager.num_groups == 6
+    assert [s.kind for s in kvm.manager.groups] == ["full" if k[1] is None else "sliding_window" for k in kinds]
+    assert kv.num_blocks == stock.scheduler.kv_cache_config.num_blocks == kvm.num_blocks
+    assert paged.vllm_config.cache_config.effective_attention_block_size == BS
+    assert paged.get_kv_cache_group_metadata() == stock.get_kv_cache_group_metadata()
+    assert len(paged.get_kv_cache_group_metadata()) == 6
+
+
+def _hybrid_pair(num_blocks: int = 1024, retention: int | None = None, **kw: Any) -> dict[str, Any]:
+    return {
+        "stock": _hybrid_engine_core(Scheduler, num_blocks, retention, **kw),
+        "paged": _hybrid_engine_core(PagedKVScheduler, num_blocks, retention, **kw),
+    }
+
+
+LONG = _long_prompt(1, 700)
+
+
+def _serve_past_the_window(retention: int | None) -> dict[str, dict[str, Any]]:
+    """A prompt past the 512-token window; the same prompt again with a short prompt that is
+    its first 40 tokens; two prompts sharing its first 600 tokens: served through
+    ``EngineCore.add_request`` / ``step`` on stock and plug-in engine cores (the worker's
+    tables checked against the manager's every step)."""
+    results = {}
+    for name, core in _hybrid_pair(retention=retention).items():
+        first = _serve(core, [make_request("long", LONG, max_tokens=20)])
+        again = _serve(
+            core, [make_request("again", LONG, max_tokens=20), make_request("short", LONG[:40], max_tokens=5)]
+        )
+        share = _serve(core, [make_request(f"s{i}", LONG[:600] + [9 + i] * (30 + i), max_tokens=8) for i in range(2)])
+        groups = core.scheduler.kv_cache_config.kv_cache_groups
+        steps = core.model_executor.steps
+        results[name] = {
+            "tokens": {**first[0], **again[0], **share[0]},
+            "hits": {rid: n for step in steps for rid, n in step["new_prefix_hits"].items()},
+            "stats": [{k: v for k, v in run[1].items() if k != "usage"} for run in (first, again, share)],
+            "usage": [run[1]["usage"] for run in (first, again, share)],
+            "steps": steps,
+            "freed": _freed(core),
+            "full_groups": [g for g, x in enumerate(groups) if type(x.kv_cache_spec) is FullAttentionSpec],
+        }
+    tokens = results["paged"]["tokens"]
+    assert tokens == results["stock"]["tokens"]
+    assert tokens["long"] == [fake_token("long", 700 + k) for k in range(20)]
+    assert tokens["again"] == [fake_token("again", 700 + k) for k in range(20)]
+    assert tokens["short"] == [fake_token("short", 40 + k) for k in range(5)]
+    assert all(tokens[f"s{i}"] == [fake_token(f"s{i}", 630 + i + k) for k in range(8)] for i in range(2))
+    for r in results.values():
+        assert r["freed"] == (0.0, 0)  # every block back (cached ones count as free)
+    return results
+
+
+def test_engine_core_serves_a_gemma3_model_past_its_window_as_stock() -> None:
+    # Dense retention (vLLM's prefix_cache_retention_interval=None): step by step the same
+    # hits, per-group holdings, scheduler stats and KV cache usage as stock.
+    results = _serve_past_the_window(None)
+    stock, paged = results["stock"], results["paged"]
+    assert paged["hits"] == stock["hits"]
+    # The repeat hits all but its last block (699 tokens: 43 blocks of 16) in every group, the
+    # 40-token prefix 2 blocks, each sibling the 600 shared tokens' 37 whole blocks.
+    assert paged["hits"] == {"long": 0, "again": 43 * BS, "short": 2 * BS, "s0": 37 * BS, "s1": 37 * BS}
+    assert paged["stats"] == stock["stats"]
+    assert [s["hits"] for s in paged["stats"]] == [0, 45 * BS, 74 * BS]
+    assert paged["usage"] == stock["usage"]
+    assert paged["steps"] == stock["steps"]
+    # The sliding-window groups released blocks behind the window (null entries) and never
+    # held more than the window's blocks plus a chunk's; the full-attention group none.
+    full = _full_group(paged)
+    released = set()
+    for step in paged["steps"]:
+        for held in step["held"].values():
+            for g, (length, real) in enumerate(held):
+                if g == full:
+                    assert real == length
+                else:
+                    assert real <= -(-(GEMMA3_WINDOW - 1 + 256) // BS) + 1
+                    if real < length:
+                        released.add(g)
+    assert released == set(range(6)) - {full}
+
+
+def test_engine_core_gemma3_hits_under_vllms_default_retention() -> None:
+    # vLLM's default sparse retention (0) keeps only the first request's replay boundary of the
+    # window groups, pagedkv (retention 0 = dense, by design) every block: the outputs agree,
+    # the hits are asserted and reported for both.
+    results = _serve_past_the_window(0)
+    stock, paged = results["stock"], results["paged"]
+    print(f"default retention: prefix hits stock {stock['hits']}, pagedkv {paged['hits']}")
+    assert paged["hits"] == {"long": 0, "again": 43 * BS, "short": 2 * BS, "s0": 37 * BS, "s1": 37 * BS}
+    assert stock["hits"]["long"] == 0 and stock["hits"]["again"] == 43 * BS
+    # vLLM kept no window block at the short prompt's hit point; the first sibling hits only
+    # the short prompt's own 2 blocks (its replay boundary); the second the junction the
+    # first pinned.
+    assert stock["hits"]["short"] == 0 and stock["hits"]["s0"] == 2 * BS and stock["hits"]["s1"] == 37 * BS
+
+
+def _full_group(result: dict[str, Any]) -> int:
+    (g,) = result["full_groups"]
+    return int(g)
+
+
+def _freed(core: Any) -> tuple[float, int]:
+    """After the requests finished: KV cache usage (cached blocks count as free) and the
+    requests the manager still holds blocks for (pagedkv's sequences; stock: none tracked)."""
+    kvm = core.scheduler.kv_cache_manager
+    if isinstance(kvm, HybridPagedKVCacheManager):
+        kvm.manager.check_invariants()
+        return kvm.usage, kvm.manager.num_sequences
+    return kvm.usage, 0
+
+
+def test_engine_core_preempts_a_gemma3_model_under_a_small_pool() -> None:
+    # 300 blocks for six requests growing to 600-700 tokens, past the window (a request then
+    # holds 44 full-attention blocks and up to 34 in each sliding-window group): running
+    # requests are preempted and resumed by recompute, as stock; every request ends with its
+    # tokens and nothing stays held.
+    results = {}
+    for name, core in _hybrid_pair(num_blocks=300, retention=None, max_model_len=704).items():
+        requests = [make_request(f"p{i}", _long_prompt(10 + i, 100 + 20 * i), max_tokens=500) for i in range(6)]
+        tokens, stats = _serve(core, requests, max_steps=5000)
+        steps = core.model_executor.steps
+        results[name] = {
+            "tokens": tokens,
+            "hits": stats["hits"],
+            "preempted": [s["preempted"] for s in steps],
+            "steps": steps,
+            "freed": _freed(core),
+        }
+    stock, paged = results["stock"], results["paged"]
+    for i in range(6):
+        assert paged["tokens"][f"p{i}"] == [fake_token(f"p{i}", 100 + 20 * i + k) for k in range(500)]
+    assert paged["tokens"] == stock["tokens"]
+    preempted = sum(map(len, paged["preempted"]))
+    print(
+        f"hybrid preemption: preempted stock {sum(map(len, stock['preempted']))}, pagedkv {preempted}; "
+        f"hit tokens stock {stock['hits']}, pagedkv {paged['hits']}"
+    )
+    assert preempted > 0 and paged["preempted"] == stock["preempted"]
+    assert paged["steps"] == stock["steps"]
+    assert paged["freed"] == stock["freed"] == (0.0, 0)
 
 
 # ---- the coordinator view ------------------------------------------------------------------
