@@ -374,6 +374,9 @@ struct Sim<'a> {
     lru: Option<VecDeque<BlockId>>,
     /// Blocks that entered (`true`) or left the LRU before it was read.
     lru_moves: Vec<(BlockId, bool)>,
+    /// The earlier members' evictions may have stored blocks over host entries (more
+    /// evictions than free host blocks): host hits are not counted on for later members.
+    host_unsure: bool,
 }
 
 impl<'a> Sim<'a> {
@@ -387,6 +390,7 @@ impl<'a> Sim<'a> {
             uncached: pool.num_free() - pool.num_cached_free(),
             lru: None,
             lru_moves: Vec::new(),
+            host_unsure: false,
         }
     }
 
@@ -712,6 +716,10 @@ impl HybridManager {
             touched.sort_unstable();
             touched.dedup();
             sim.apply(&released, &touched, fresh, &cow_src);
+            if let Some(host) = self.host.as_ref() {
+                let t = &host.lock().tier;
+                sim.host_unsure |= sim.evicted.len() > t.num_blocks() as usize - t.num_used();
+            }
             // Blocks it registers become hits (in use) for later members.
             if s.stale_kv {
                 continue;
@@ -1731,7 +1739,7 @@ impl HybridManager {
                 let key = self.key_at(s, g, j);
                 let b = sim.lookup(&key).unwrap_or(HOST_HIT);
                 debug_assert!(
-                    b != HOST_HIT || self.on_host(host, s, g, j),
+                    b != HOST_HIT || self.on_host(host, s, g, j, sim),
                     "checked present"
                 );
                 t.push(b);
@@ -1760,7 +1768,7 @@ impl HybridManager {
             let (lo, hi) = spec.hit_blocks(p);
             for j in (lo..hi).rev() {
                 let key = self.key_at(s, g, j);
-                if sim.lookup(&key).is_none() && !self.on_host(host, s, g, j) {
+                if sim.lookup(&key).is_none() && !self.on_host(host, s, g, j, sim) {
                     p = j * bs / self.unit * self.unit;
                     continue 'outer;
                 }

@@ -108,8 +108,19 @@ impl HybridManager {
     }
 
     /// Whether the host tier holds logical block `k` of group `g` (false without a tier).
-    pub(super) fn on_host(&self, host: Option<&HostSide>, s: &mut Seq, g: usize, k: usize) -> bool {
+    /// In a demand simulation whose earlier members' stores may have evicted host entries
+    /// ([`Sim::host_unsure`]), none is counted on: a shorter hit never needs fewer blocks, so
+    /// `num_blocks_owed` stays an upper bound (exact while no store can evict).
+    pub(super) fn on_host(
+        &self,
+        host: Option<&HostSide>,
+        s: &mut Seq,
+        g: usize,
+        k: usize,
+        sim: &Sim<'_>,
+    ) -> bool {
         match host {
+            Some(_) if sim.host_unsure => false,
             Some(h) => {
                 let key = self.host_key_at(s, g, k);
                 h.tier.lookup(&key).is_some()
@@ -134,7 +145,7 @@ impl HybridManager {
     ) -> usize {
         while n < max {
             let key = self.key_at(s, g, n);
-            if sim.lookup(&key).is_none() && !self.on_host(host, s, g, n) {
+            if sim.lookup(&key).is_none() && !self.on_host(host, s, g, n, sim) {
                 break;
             }
             n += 1;
