@@ -117,6 +117,58 @@ def test_host_eviction_is_lru_and_announced() -> None:
     m.check_invariants()
 
 
+def run_once(m: pagedkv.KVCacheManager, seq: int, prompt: list[int]) -> None:
+    """``prompt`` computed in one step, the executor runs the step's plans, then freed."""
+    m.add_sequence(seq, prompt)
+    assert m.step([seq], [len(prompt)]).error is None
+    empty_step(m)
+    m.free(seq)
+
+
+@pytest.mark.parametrize(("eviction", "hit_after_scan"), [("lru", 0), ("arc", 8)])
+def test_a_one_off_scan_flushes_a_reused_prefix_under_lru_only(eviction: str, hit_after_scan: int) -> None:
+    # Four host blocks. A goes to host (evicted by B) and comes back (loaded: used twice);
+    # then six one-off prompts of two full blocks each pass through, 12 blocks stored.
+    cfg = pagedkv.CacheConfig(4, 4, num_host_blocks=4, host_admission_min_seen=1, host_eviction=eviction)
+    m = pagedkv.KVCacheManager(cfg)
+    run_once(m, 1, A)
+    run_once(m, 2, B)
+    m.add_sequence(3, A)
+    assert m.lookup_prefix(3) == 8
+    assert m.step([3], [9]).host_loads.shape == (2, 2)
+    empty_step(m)
+    m.free(3)
+    for i in range(6):
+        run_once(m, 10 + i, [1000 * (i + 1) + j for j in range(9)])
+    # LRU evicted A's blocks to the scan; ARC kept them in T2 (the scan cycles through T1).
+    m.add_sequence(99, A)
+    assert m.lookup_prefix(99) == hit_after_scan
+    assert m.stats().host_used == 4
+    m.check_invariants()
+
+
+def test_host_hits_count_first_lookups_and_loads_count_every_copy() -> None:
+    # host_hits_tokens is part of prefix_hits_tokens (a sequence's first lookup only, so a
+    # recompute preemption does not inflate the hit rate, vLLM #25780); host_loads_blocks
+    # counts every copy planned, a resume's included.
+    m = manager()
+    a_evicted_to_host(m)
+    m.add_sequence(3, A)
+    assert m.step([3], [9]).host_loads.tolist() == [[1, 1], [0, 2]]
+    empty_step(m)
+    s = m.stats()
+    assert (s.host_hits_tokens, s.prefix_hits_tokens, s.host_loads_blocks) == (8, 8, 2)
+    m.preempt([3])
+    run_once(m, 4, list(range(21, 30)))  # evicts A's blocks from the device again
+    out = m.step([3], [9])  # the resume finds A on host and loads it again
+    assert out.host_loads.tolist() == [[1, 1], [0, 2]] and out.num_cached_tokens.tolist() == [8]
+    empty_step(m)
+    s = m.stats()
+    assert (s.host_hits_tokens, s.prefix_hits_tokens, s.host_loads_blocks) == (8, 8, 4)
+    assert s.prefix_queries_tokens == 4 * 9  # A, B, A, C: the resume is not a new query
+    m.check_invariants()
+
+
 def test_stores_only_after_the_admission_count() -> None:
     m = manager(min_seen=2)
     assert a_evicted_to_host(m) == []  # A was used once: not admitted
@@ -226,6 +278,11 @@ def test_config_fields_and_bad_values() -> None:
     c = pagedkv.CacheConfig(8, 4, num_host_blocks=16, host_admission_min_seen=3)
     assert (c.num_host_blocks, c.host_admission_min_seen, c.host_eviction) == (16, 3, "lru")
     assert 'num_host_blocks=16, host_admission_min_seen=3, host_eviction="lru"' in repr(c)
+    a = pagedkv.CacheConfig(8, 4, num_host_blocks=16, host_eviction="arc")
+    assert a.host_eviction == "arc" and 'host_eviction="arc"' in repr(a)
+    assert a != pagedkv.CacheConfig(8, 4, num_host_blocks=16)
+    with pytest.raises(E.InvalidConfigError, match='expected one of "lru", "arc"'):
+        pagedkv.CacheConfig(8, 4, num_host_blocks=4, host_eviction="LRU")
     d = pagedkv.CacheConfig(8, 4)
     assert (d.num_host_blocks, d.host_admission_min_seen, d.host_eviction) == (0, 2, "lru")
     assert "host" not in repr(d)

@@ -1,7 +1,7 @@
 """Stateful property test of the prefix cache's host tier, with a simulated executor.
 
 A hypothesis ``RuleBasedStateMachine`` drives a ``pagedkv.KVCacheManager`` with a small device
-pool, a small host tier and a few CPU swap blocks through random adds (prompts that share
+pool, a small host tier (LRU or ARC eviction) and a few CPU swap blocks through random adds (prompts that share
 block-aligned prefixes, with or without a cache salt), single and batched steps with appended
 tokens, frees, recompute and swap preemption, swap-ins, prefix-cache resets and empty steps.
 
@@ -56,14 +56,16 @@ class HostTierMachine(RuleBasedStateMachine):
         num_host=st.integers(1, 8),
         min_seen=st.sampled_from([1, 1, 2, 3]),
         events=st.booleans(),
+        eviction=st.sampled_from(["lru", "arc"]),
     )
-    def setup(self, num_blocks: int, num_host: int, min_seen: int, events: bool) -> None:
+    def setup(self, num_blocks: int, num_host: int, min_seen: int, events: bool, eviction: str) -> None:
         cfg = pagedkv.CacheConfig(
             num_blocks,
             BS,
             num_cpu_blocks=4,
             num_host_blocks=num_host,
             host_admission_min_seen=min_seen,
+            host_eviction=eviction,
             enable_events=events,
         )
         self.m = pagedkv.KVCacheManager(cfg)

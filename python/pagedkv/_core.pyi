@@ -62,9 +62,11 @@ class CacheConfig:
         tier"): cached blocks the device pool evicts are stored to host blocks once their hash
         was used ``host_admission_min_seen`` times, and prefix lookups load them back.
         ``num_host_blocks``: blocks, 0..=2**28 (0: no host tier); ``host_admission_min_seen``:
-        uses, 1..=2**32 - 1; ``host_eviction``: ``"lru"``. Raises ``InvalidConfigError`` (a
-        ``ValueError``) naming the field for a host tier with prefix caching off, a value of
-        the wrong type or out of those ranges, or an unknown policy."""
+        uses, 1..=2**32 - 1; ``host_eviction``: ``"lru"`` or ``"arc"`` (ARC, Megiddo and
+        Modha, FAST'03: a one-off run of blocks does not flush reused ones). Raises
+        ``InvalidConfigError`` (a ``ValueError``) naming the field for a host tier with prefix
+        caching off, a value of the wrong type or out of those ranges, or an unknown policy
+        (the message lists the accepted names)."""
     @property
     def num_blocks(self) -> int: ...
     @property

@@ -23,6 +23,9 @@ pub struct ManagerCounters {
     /// Sequences preempted (recompute or swap), counted once per sequence per preemption.
     pub preemptions: u64,
     /// Of `prefix_hits_tokens`, tokens served from the host tier (loaded, not recomputed).
+    /// Counted like `prefix_hits_tokens`, at a sequence's first lookup only, so it stays a
+    /// part of the hit rate's numerator; a resume after a recompute preemption that loads its
+    /// blocks from host again adds to `host_loads_blocks` (copies planned), not here.
     pub host_hits_tokens: u64,
 }
 
@@ -76,7 +79,9 @@ pub struct CacheStats {
     pub host_hits_tokens: u64,
     /// Device -> host copies planned (stores of evicted cached blocks).
     pub host_stores_blocks: u64,
-    /// Host -> device copies planned (loads of host-tier prefix hits).
+    /// Host -> device copies planned (loads of host-tier prefix hits), every one: resumes
+    /// after a recompute preemption included, so `host_loads_blocks * block_size` can exceed
+    /// `host_hits_tokens` (see [`ManagerCounters::host_hits_tokens`]).
     pub host_loads_blocks: u64,
 }
 

@@ -140,7 +140,12 @@ impl PyCacheConfig {
                     py,
                     "host_eviction",
                     format!("{name:?}"),
-                    "expected \"lru\"".into(),
+                    format!(
+                        "expected one of {}",
+                        HostEviction::ALL
+                            .map(|e| format!("{:?}", e.name()))
+                            .join(", ")
+                    ),
                 )
             })?;
         }
@@ -211,7 +216,7 @@ impl PyCacheConfig {
         self.inner.host_admission_min_seen
     }
 
-    /// The host tier's eviction policy: ``"lru"``.
+    /// The host tier's eviction policy: ``"lru"`` or ``"arc"`` (docs/design.md, "Host tier").
     #[getter]
     fn host_eviction(&self) -> &'static str {
         self.inner.host_eviction.name()

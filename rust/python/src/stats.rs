@@ -91,10 +91,13 @@ getters! {
     num_host_blocks: u32;
     /// Host-tier blocks holding a cached block or pinned by a load.
     host_used: usize;
-    /// Of ``prefix_hits_tokens``, tokens served from the host tier (loaded, not recomputed).
+    /// Of ``prefix_hits_tokens``, tokens served from the host tier (loaded, not recomputed),
+    /// counted at a sequence's first lookup only, as ``prefix_hits_tokens`` is.
     host_hits_tokens: u64;
     /// Device -> host copies planned (stores of evicted cached blocks).
     host_stores_blocks: u64;
-    /// Host -> device copies planned (loads of host-tier prefix hits).
+    /// Host -> device copies planned (loads of host-tier prefix hits), every one, including a
+    /// resume's after a recompute preemption (so ``host_loads_blocks * block_size`` may
+    /// exceed ``host_hits_tokens``).
     host_loads_blocks: u64;
 }
