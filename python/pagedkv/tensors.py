@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv._core import BlockTable, HybridStepOutput, StepOutput
+from pagedkv._core import BlockTable, HybridKVCacheManager, HybridStepOutput, StepOutput
 from pagedkv._optional import optional_imports
 from pagedkv._repr import short_repr
 from pagedkv.errors import InvalidArgumentError
@@ -64,6 +64,7 @@ __all__ = [
     "BatchTensors",
     "BlockTable",
     "GroupBatchTensors",
+    "GroupBlockTables",
     "block_table_csr",
     "csr_block_table",
     "dense_block_table",
@@ -138,6 +139,19 @@ def _place(arr: npt.NDArray[Any], device: Device) -> Any:
         import torch  # lazy: `import pagedkv` must work without torch
 
     tensor = torch.from_numpy(np.ascontiguousarray(arr))
+    target = device if isinstance(device, torch.device) else torch.device(device)
+    return tensor if target.type == "cpu" else tensor.to(target)
+
+
+def _place_view(arr: npt.NDArray[Any], device: Device) -> Any:
+    """As :func:`_place` for a strided view (a kept buffer's batch rows): on the CPU the tensor
+    shares the view with its strides (no copy), elsewhere one transfer."""
+    if device is None:
+        return arr
+    with _TORCH_IMPORT:
+        import torch  # lazy: `import pagedkv` must work without torch
+
+    tensor = torch.from_numpy(arr)
     target = device if isinstance(device, torch.device) else torch.device(device)
     return tensor if target.type == "cpu" else tensor.to(target)
 
@@ -618,6 +632,7 @@ class GroupBatchTensors:
         *,
         swap_out: npt.NDArray[np.int32] | None = None,
         swap_in: npt.NDArray[np.int32] | None = None,
+        block_tables: GroupBlockTables | None = None,
     ) -> GroupBatchTensors:
         """The kernel inputs of one scheduler step from one or more ``HybridKVCacheManager.step``
         outputs of the same manager (merged in order). With one step every array crosses to
@@ -627,17 +642,32 @@ class GroupBatchTensors:
         ``swap_out`` / ``swap_in``: the ``int32[K, 2]`` plans of ``HybridKVCacheManager.swap_out``
         / ``swap_in`` run in this step (``None``: none), kept on the host.
 
+        ``block_tables``: a :class:`GroupBlockTables` of the manager, kept by the caller across
+        steps (every step output of the manager goes through it): the tables then come from the
+        steps' table deltas (the steps may be made with ``block_table=False``), as a view of its
+        buffer (valid until its next update), O(G x S + changed entries) instead of
+        O(G x S x W). ``None``: the steps' dense ``block_table``.
+
         Raises:
-            InvalidArgumentError: a step that is not a :class:`pagedkv.HybridStepOutput`, or
-                steps with different group counts; nothing changed.
+            InvalidArgumentError: a step that is not a :class:`pagedkv.HybridStepOutput`, steps
+                with different group counts, a step without per-token arrays
+                (``token_arrays=False``), or one without dense tables (``block_table=False``)
+                and no ``block_tables``; nothing changed.
         """
         parts = [steps] if isinstance(steps, HybridStepOutput) else list(steps)
         for i, p in enumerate(parts):
             if not isinstance(p, HybridStepOutput):
                 raise _bad(f"steps[{i}]", p, "expected a pagedkv.HybridStepOutput")
+            if p.slot_mapping.shape[1] != p.num_tokens:
+                raise _bad(f"steps[{i}]", p, "made with token_arrays=False: no per-token arrays")
+            if block_tables is None and p.block_table.shape[0] != p.num_groups:
+                raise _bad(f"steps[{i}]", p, "made with block_table=False: pass block_tables")
         groups = {p.num_groups for p in parts}
         if len(groups) > 1:
             raise _bad("steps", [p.num_groups for p in parts], "steps of one manager have one group count")
+        if block_tables is not None and not isinstance(block_tables, GroupBlockTables):
+            raise _bad("block_tables", block_tables, "expected a pagedkv.tensors.GroupBlockTables")
+        delta_tables = None if block_tables is None else block_tables.update(parts)
         if len(parts) == 1:
             p = parts[0]
             tables, slots, ids, lens, ctx, qsl, copies = (
@@ -651,12 +681,13 @@ class GroupBatchTensors:
             )
         else:
             g = groups.pop() if groups else 0
-            width = max([p.block_table.shape[2] for p in parts] + [1])
-            tables = np.zeros((g, sum(p.num_scheduled for p in parts), width), dtype=np.int32)
-            row = 0
-            for p in parts:
-                tables[:, row : row + p.num_scheduled, : p.block_table.shape[2]] = p.block_table
-                row += p.num_scheduled
+            if delta_tables is None:
+                width = max([p.block_table.shape[2] for p in parts] + [1])
+                tables = np.zeros((g, sum(p.num_scheduled for p in parts), width), dtype=np.int32)
+                row = 0
+                for p in parts:
+                    tables[:, row : row + p.num_scheduled, : p.block_table.shape[2]] = p.block_table
+                    row += p.num_scheduled
             slots = np.concatenate([p.slot_mapping for p in parts], axis=1) if parts else np.zeros((0, 0), np.int64)
             ids = np.concatenate([p.input_ids for p in parts]) if parts else np.zeros(0, np.int64)
             lens = np.concatenate([p.seq_lens for p in parts]) if parts else np.zeros(0, np.int32)
@@ -666,11 +697,13 @@ class GroupBatchTensors:
                 [np.zeros(1, np.int32)] + [p.query_start_loc[1:] + off for p, off in zip(parts, offsets, strict=False)]
             ).astype(np.int32)
             copies = np.concatenate([p.copies for p in parts]) if parts else np.zeros((0, 3), np.int32)
+        if delta_tables is not None:
+            tables = delta_tables
         qlens = np.diff(qsl)
         host = None if device is None else "cpu"  # swap plans stay on the host
         positions = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat((ctx - qsl[:-1]).astype(np.int64), qlens)
         return cls(
-            block_tables=_place(tables, device),
+            block_tables=_place(tables, device) if delta_tables is None else _place_view(tables, device),
             slot_mapping=_place(slots, device),
             input_ids=_place(ids, device),
             positions=_place(positions, device),
@@ -691,3 +724,188 @@ class GroupBatchTensors:
                 if plan is not None and len(plan)
             ),
         )
+
+
+#: Absent sequences a :class:`GroupBlockTables` keeps beyond the batch before releasing them all
+#: (as :class:`BlockTable`'s core keeps ``S + 64``).
+_KEEP_ABSENT = 64
+
+
+class GroupBlockTables:
+    """Every KV cache group's block tables kept across scheduler steps, updated from the
+    :class:`pagedkv.HybridStepOutput` table deltas (``table_start`` / ``table_delta``, per
+    sequence and group): the hybrid counterpart of :class:`BlockTable` (PagedAttention's block
+    tables, Kwon et al., SOSP'23, kept on the consumer side as vLLM's GPU model runner keeps
+    one per KV cache group and applies the scheduler's new block ids).
+
+    One persistent C-contiguous ``int32[G, rows, cols]`` buffer; rows ``0..S`` hold the last
+    batch's sequences in batch order, so the batch's dense tables are the view
+    ``buffer[:, :S, :W]`` (no gather, no copy; ``torch.from_numpy`` shares it). A sequence that
+    changes position costs one row swap (all groups); a delta that does not follow the
+    version a row holds (a new object, a skipped output, an id reused by a new sequence, a
+    row released while absent) makes it read the sequence's tables whole
+    (``HybridKVCacheManager.block_tables``), so every row ends as the manager's current
+    tables. Window releases arrive in the deltas as null entries. Sequences missing from a
+    batch keep their rows while at most ``S + 64`` are absent, else all absent ones are
+    released. Feed it every step output of its manager, in order, before the next ``step``.
+    Not thread-safe.
+
+    Args:
+        manager: the :class:`pagedkv.HybridKVCacheManager` whose step outputs are applied.
+        rows, width: initial capacity (sequences x blocks, at least 1); both grow on demand.
+
+    Raises:
+        InvalidArgumentError: ``manager`` is not a ``HybridKVCacheManager``, or ``rows`` /
+            ``width`` is not a positive int.
+    """
+
+    __slots__ = ("_manager", "_buf", "_seqs", "_row_of", "_lens", "_versions", "_held", "num_table_reads")
+
+    def __init__(self, manager: HybridKVCacheManager, *, rows: int = 64, width: int = 64) -> None:
+        if not isinstance(manager, HybridKVCacheManager):
+            raise _bad("manager", manager, "expected a pagedkv.HybridKVCacheManager")
+        for arg, v in (("rows", rows), ("width", width)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= 1 << 20:
+                raise _bad(arg, v, "expected an int in 1..2**20")
+        self._manager = manager
+        g = manager.num_groups
+        self._buf = np.zeros((g, int(rows), int(width)), dtype=np.int32)
+        self._seqs: list[int | None] = [None] * int(rows)
+        self._row_of: dict[int, int] = {}
+        self._lens = np.zeros((int(rows), g), dtype=np.int64)  # entries held per row and group
+        self._versions = np.zeros(int(rows), dtype=np.uint64)  # 0: none, no delta follows it
+        self._held = 0
+        #: Sequences read whole so far (their previous report was not applied here).
+        self.num_table_reads = 0
+
+    @property
+    def num_rows(self) -> int:
+        """Sequences whose tables are held (the last batch, plus recently absent ones)."""
+        return self._held
+
+    def update(self, steps: HybridStepOutput | Sequence[HybridStepOutput]) -> npt.NDArray[np.int32]:
+        """Applies the table deltas of ``steps`` (one scheduler step's outputs, in batch order)
+        and returns the batch's dense tables ``int32[G, S, W]``: ``[g, k]`` is the ``k``-th
+        scheduled sequence's group-``g`` table padded (and, for released window entries, set)
+        with the null block 0, ``W`` the longest table of any group (at least 1). A view of
+        this object's buffer, valid until the next ``update``; do not write to it.
+        O(S x G + changed entries) for a batch in the last one's order, plus one row swap per
+        sequence that moved and one manager read per sequence read whole.
+
+        Raises:
+            InvalidArgumentError: a step that is not a ``HybridStepOutput``, of another group
+                count, or a sequence scheduled twice.
+            UnknownSequenceError: a table to read whole belongs to a sequence the manager no
+                longer holds.
+
+        On error nothing changes.
+        """
+        parts = [steps] if isinstance(steps, HybridStepOutput) else list(steps)
+        g = self._buf.shape[0]
+        ids: list[int] = []
+        for i, p in enumerate(parts):
+            if not isinstance(p, HybridStepOutput):
+                raise _bad(f"steps[{i}]", p, "expected a pagedkv.HybridStepOutput")
+            if p.num_groups != g:
+                raise _bad(f"steps[{i}]", p, f"has {p.num_groups} groups; the manager has {g}")
+            ids.extend(p.seq_ids.tolist())
+        n = len(ids)
+        if len(set(ids)) != n:
+            raise _bad("steps", ids, "a sequence is scheduled twice in one batch")
+        # Plan (reads only): per sequence either its deltas or its whole tables.
+        # (table_start row, table_delta, its offsets, version, the tables read whole or None)
+        plan: list[tuple[Any, Any, list[int], int, list[npt.NDArray[np.int32]] | None]] = []
+        cols, new_rows, k = 1, 0, 0
+        for p in parts:
+            starts, versions = p.table_start, p.table_version.tolist()
+            indptr, delta = p.table_delta_indptr.tolist(), p.table_delta
+            for j in range(p.num_scheduled):
+                row = self._row_of.get(ids[k])
+                new_rows += row is None
+                held_v = 0 if row is None else int(self._versions[row])
+                start = starts[j]
+                ends = [int(start[x]) + indptr[j * g + x + 1] - indptr[j * g + x] for x in range(g)]
+                follows = bool(held_v) and held_v + 1 == versions[j]
+                if not start.any() or (follows and bool(np.all(start <= self._lens[row]))):
+                    plan.append((start, delta, indptr[j * g : (j + 1) * g + 1], versions[j], None))
+                    cols = max(cols, *ends)
+                else:
+                    read = self._manager.block_tables(ids[k])
+                    plan.append((start, delta, [], versions[j], read))
+                    cols = max(cols, *(len(t) for t in read))
+                k += 1
+        self._grow(self._held + new_rows, cols)
+        buf = self._buf
+        # Rows in batch order: row k takes the k-th sequence (rows before k hold the batch).
+        for k, sid in enumerate(ids):
+            if self._seqs[k] != sid:
+                r = self._row_of.get(sid)
+                if r is None:
+                    r = self._held
+                    self._held += 1
+                    self._seqs[r], self._row_of[sid] = sid, r
+                    self._lens[r] = 0
+                    self._versions[r] = 0
+                self._swap(k, r)
+        if self._held - n > n + _KEEP_ABSENT:
+            for r in range(n, self._held):
+                buf[:, r, : int(self._lens[r].max())] = 0
+                self._row_of.pop(self._seqs[r], None)  # type: ignore[arg-type]
+                self._seqs[r] = None
+                self._lens[r] = 0
+                self._versions[r] = 0
+            self._held = n
+        lens = self._lens
+        for k, (start, delta, ip, version, whole) in enumerate(plan):
+            if whole is not None:
+                self.num_table_reads += 1
+                for x in range(g):
+                    t = whole[x]
+                    old = int(lens[k, x])
+                    buf[x, k, : t.size] = t
+                    if t.size < old:
+                        buf[x, k, t.size : old] = 0
+                    lens[k, x] = t.size
+                self._versions[k] = version
+                continue
+            for x in range(g):
+                s, a, b = int(start[x]), ip[x], ip[x + 1]
+                end = s + b - a
+                if b > a:
+                    buf[x, k, s:end] = delta[a:b]
+                old = int(lens[k, x])
+                if end < old:
+                    buf[x, k, end:old] = 0
+                lens[k, x] = end
+            self._versions[k] = version
+        width = max(int(lens[:n].max()) if n else 0, 1)
+        return buf[:, :n, :width]
+
+    def _grow(self, rows: int, cols: int) -> None:
+        """Replaces the buffer by a larger one (each growing dimension at least doubles)."""
+        g, old_rows, old_cols = self._buf.shape
+        if rows <= old_rows and cols <= old_cols:
+            return
+        rows = max(rows, 2 * old_rows) if rows > old_rows else old_rows
+        cols = max(cols, 2 * old_cols) if cols > old_cols else old_cols
+        buf = np.zeros((g, rows, cols), dtype=np.int32)
+        buf[:, :old_rows, :old_cols] = self._buf
+        self._buf = buf  # views handed out earlier keep the old buffer alive
+        self._seqs.extend([None] * (rows - old_rows))
+        self._lens = np.concatenate([self._lens, np.zeros((rows - old_rows, g), np.int64)])
+        self._versions = np.concatenate([self._versions, np.zeros(rows - old_rows, np.uint64)])
+
+    def _swap(self, a: int, b: int) -> None:
+        """Swaps rows ``a`` and ``b`` of every group with their bookkeeping."""
+        if a == b:
+            return
+        used = int(max(self._lens[a].max(), self._lens[b].max()))
+        buf = self._buf
+        buf[:, [a, b], :used] = buf[:, [b, a], :used]
+        self._lens[[a, b]] = self._lens[[b, a]]
+        self._versions[[a, b]] = self._versions[[b, a]]
+        self._seqs[a], self._seqs[b] = self._seqs[b], self._seqs[a]
+        for r in (a, b):
+            sid = self._seqs[r]
+            if sid is not None:
+                self._row_of[sid] = r

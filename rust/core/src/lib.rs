@@ -39,7 +39,7 @@ pub mod sync;
 
 pub use error::{Error, Result};
 pub use hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
-pub use hybrid::{BlockDemand, GroupEvent, HybridManager, HybridStepOutput};
+pub use hybrid::{BlockDemand, GroupEvent, HybridManager, HybridStepOptions, HybridStepOutput};
 pub use kv_groups::{AttentionKind, GroupSpec, HybridConfig};
 pub use kv_indexer::{BatchOutcome, HashSource, KvIndexer, WorkerId, WorkerStatus};
 pub use manager::{

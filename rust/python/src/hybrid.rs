@@ -11,8 +11,8 @@ use crate::stats::PyCacheStats;
 use numpy::ndarray::{Array2, Array3};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArray3};
 use pagedkv_core::{
-    AttentionKind, BlockId, Error, GroupSpec, HashAlgo, HybridConfig, HybridManager, StepDrafts,
-    StepRequest,
+    AttentionKind, BlockId, Error, GroupSpec, HashAlgo, HybridConfig, HybridManager,
+    HybridStepOptions, StepDrafts, StepRequest,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList, PyTuple};
@@ -237,9 +237,29 @@ pub(crate) struct PyHybridStepOutput {
     #[pyo3(get)]
     slot_mapping: Py<PyArray2<i64>>,
     /// ``int32[G, S, W]`` every group's block tables, padded with the null block 0; a
-    /// windowed group's released entries are 0 too.
+    /// windowed group's released entries are 0 too. Shape ``(0, 0, 0)`` after
+    /// ``step(..., block_table=False)``.
     #[pyo3(get)]
     block_table: Py<PyArray3<i32>>,
+    /// ``int32[S, G]`` the block-table deltas: entry ``[k, g]`` is the first logical block of
+    /// sequence ``k``'s group-``g`` table that changed since the last step output that
+    /// reported it (0 for a table new to the outputs: first allocation, resumed preemption,
+    /// swap-in, fork child). That table is now its previous one up to ``table_start[k, g]``,
+    /// then ``table_delta[table_delta_indptr[k * G + g]:table_delta_indptr[k * G + g + 1]]``.
+    /// A window release counts as a change: the released entries come as the null block 0.
+    #[pyo3(get)]
+    table_start: Py<PyArray2<i32>>,
+    /// ``uint64[S]`` the version of each sequence's tables this output reports (all groups):
+    /// one more than its previous report's; a sequence's first report is above every version
+    /// this manager reported before. A delta applies to the version before it only.
+    #[pyo3(get)]
+    table_version: Py<PyArray1<u64>>,
+    /// ``int32[S * G + 1]`` CSR offsets into ``table_delta``, entry ``k * G + g``.
+    #[pyo3(get)]
+    table_delta_indptr: Py<PyArray1<i32>>,
+    /// ``int32[n]`` per (sequence, group), its table entries from ``table_start`` to its end.
+    #[pyo3(get)]
+    table_delta: Py<PyArray1<i32>>,
     /// ``int32[S * G + 1]`` CSR offsets into ``new_block_ids``, entry ``k * G + g`` for
     /// sequence ``k`` and group ``g``.
     #[pyo3(get)]
@@ -830,8 +850,19 @@ impl PyHybridManager {
     ///         pending until ``accept_drafts``. A windowed group releases by the committed
     ///         context only (the first query row reads ``W - 1`` tokens back).
     ///
+    ///     block_table: copy every group's dense tables out (``HybridStepOutput.block_table``,
+    ///         ``int32[G, S, W]``; default True). A caller that keeps the tables across steps
+    ///         from the deltas (``table_start`` / ``table_delta``, e.g.
+    ///         ``GroupBatchTensors.from_steps(..., block_tables=GroupBlockTables(...))``)
+    ///         passes False: the dense copy is O(G x S x longest table) per step.
+    ///     token_arrays: fill the per-token ``slot_mapping`` and ``input_ids`` (default True);
+    ///         False leaves them empty (``int64[G, 0]`` / ``int64[0]``), for a caller that needs
+    ///         only block ids and lengths (a scheduler).
+    ///
     /// Raises ``InvalidArgumentError`` for arguments it cannot read (nothing done).
-    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, draft_token_ids = None))]
+    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, draft_token_ids = None, block_table = None, token_arrays = None),
+           text_signature = "(self, seq_ids, num_new_tokens, append_token_ids=None, *, draft_token_ids=None, block_table=True, token_arrays=True)")]
+    #[allow(clippy::too_many_arguments)]
     fn step(
         &self,
         py: Python<'_>,
@@ -839,7 +870,13 @@ impl PyHybridManager {
         num_new_tokens: &Bound<'_, PyAny>,
         append_token_ids: Option<&Bound<'_, PyAny>>,
         draft_token_ids: Option<&Bound<'_, PyAny>>,
+        block_table: Option<&Bound<'_, PyAny>>,
+        token_arrays: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyHybridStepOutput> {
+        let opts = HybridStepOptions {
+            skip_block_table: !crate::convert::flag(block_table, "block_table", true)?,
+            skip_token_arrays: !crate::convert::flag(token_arrays, "token_arrays", true)?,
+        };
         let seq_ids = crate::convert::seq_ids(seq_ids, "seq_ids")?;
         let n = seq_ids.len();
         let num_new_tokens = if num_new_tokens.is_instance_of::<PyInt>() {
@@ -871,7 +908,7 @@ impl PyHybridManager {
             tokens: draft_tokens,
         };
         let m = &self.inner;
-        let out = py.detach(|| m.step_with_drafts(&req, &drafts));
+        let out = py.detach(|| m.step_with(&req, &drafts, opts));
         let error = match &out.error {
             Some(e) => Some(error_instance(py, e)?.unbind()),
             None => None,
@@ -914,14 +951,28 @@ impl PyHybridManager {
             } else {
                 out.num_draft_tokens
             }),
-            slot_mapping: Array2::from_shape_vec((g, t), out.slot_mapping)
-                .expect("G x T")
+            slot_mapping: Array2::from_shape_vec(
+                (g, if opts.skip_token_arrays { 0 } else { t }),
+                out.slot_mapping,
+            )
+            .expect("G x T")
+            .into_pyarray(py)
+            .unbind(),
+            block_table: if opts.skip_block_table {
+                Array3::<i32>::zeros((0, 0, 0)).into_pyarray(py).unbind()
+            } else {
+                Array3::from_shape_vec((g, s, w), out.block_table)
+                    .expect("G x S x W")
+                    .into_pyarray(py)
+                    .unbind()
+            },
+            table_start: Array2::from_shape_vec((s, g), out.table_start)
+                .expect("S x G")
                 .into_pyarray(py)
                 .unbind(),
-            block_table: Array3::from_shape_vec((g, s, w), out.block_table)
-                .expect("G x S x W")
-                .into_pyarray(py)
-                .unbind(),
+            table_version: PyArray1::from_vec(py, out.table_version).unbind(),
+            table_delta_indptr: arr(out.table_delta_indptr),
+            table_delta: arr(out.table_delta),
             new_block_indptr: arr(out.new_block_indptr),
             new_block_ids: arr(out.new_block_ids),
             copies,

@@ -1,0 +1,263 @@
+"""Per-group block-table deltas of ``HybridKVCacheManager.step`` and their consumer,
+``pagedkv.tensors.GroupBlockTables`` / ``GroupBatchTensors.from_steps(..., block_tables=...)``.
+
+A hypothesis state machine drives random group layouts through adds with shared prefixes,
+batched steps (prefill chunks, decodes with appends, verify steps with drafts then
+``accept_drafts`` releasing or keeping the lookahead blocks), forks, frees, recompute and swap
+preemption and swap-in. After every step: each (sequence, group) delta applied to a mirror of
+its previous table gives the manager's table (window releases arrive as null entries); a
+``GroupBlockTables`` fed every output returns exactly the step's dense ``block_table`` (or the
+manager's tables when the step skipped it), one fed only some outputs too (it re-reads what it
+missed); and ``GroupBatchTensors`` built from the deltas equals the one built from the dense
+tables.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import pagedkv
+from pagedkv import HybridKVCacheManager, KVCacheGroupSpec
+from pagedkv.tensors import GroupBatchTensors, GroupBlockTables
+
+LAYOUTS = [
+    ([("full", 4, None), ("sliding_window", 4, 6)], [1, 1, 0]),
+    ([("full", 4, None), ("chunked_local", 4, 8)], [1, 0]),
+    ([("full", 2, None), ("sliding_window", 2, 3), ("sliding_window", 2, 9), ("chunked_local", 2, 6)], [0, 1, 2, 3]),
+]
+
+
+def spec(kind: str, bs: int, span: int | None) -> KVCacheGroupSpec:
+    if kind == "sliding_window":
+        return KVCacheGroupSpec(kind, bs, 8, window=span)
+    if kind == "chunked_local":
+        return KVCacheGroupSpec(kind, bs, 8, chunk=span)
+    return KVCacheGroupSpec(kind, bs, 8)
+
+
+def dense(tables: list[list[np.ndarray]]) -> np.ndarray:
+    """``int32[G, S, W]`` from per-sequence per-group tables (W the longest, at least 1)."""
+    g = len(tables[0]) if tables else 0
+    w = max([len(t) for row in tables for t in row] + [1])
+    out = np.zeros((g, len(tables), w), np.int32)
+    for k, row in enumerate(tables):
+        for x, t in enumerate(row):
+            out[x, k, : len(t)] = t
+    return out
+
+
+class TableDeltas(RuleBasedStateMachine):
+    @initialize(layout=st.sampled_from(LAYOUTS), num_blocks=st.integers(24, 80), retention=st.sampled_from([0, 4]))
+    def setup(self, layout, num_blocks: int, retention: int) -> None:
+        groups, layers = layout
+        unit = 4
+        self.m = HybridKVCacheManager(
+            [spec(*g) for g in groups],
+            layers,
+            num_blocks,
+            retention_interval=retention if retention % unit == 0 else 0,
+            num_cpu_blocks=64,
+        )
+        self.g = len(groups)
+        self.mirror: dict[int, tuple[int, list[np.ndarray]]] = {}  # seq -> (version, tables)
+        self.every = GroupBlockTables(self.m, rows=1, width=1)
+        self.some = GroupBlockTables(self.m, rows=2, width=3)
+        self.seqs: set[int] = set()
+        self.next_id = 0
+        self.drafted: set[int] = set()
+        for length in (5, 17, 30):  # a few sequences to start with, so most rules act
+            self.add(length, True)
+
+    def _status(self, s: int) -> str:
+        return self.m.status(s)
+
+    @rule(length=st.integers(1, 30), shared=st.booleans())
+    def add_sequence(self, length: int, shared: bool) -> None:
+        self.add(length, shared)
+
+    def add(self, length: int, shared: bool) -> None:
+        prompt = [7] * min(length, 12) + list(range(self.next_id * 100, self.next_id * 100 + length))
+        if not shared:
+            prompt = prompt[12:] or [1]
+        self.m.add_sequence(self.next_id, prompt[:length] if shared else prompt)
+        self.seqs.add(self.next_id)
+        self.next_id += 1
+
+    def _check_step(self, out: pagedkv.HybridStepOutput, dense_on: bool, fed_some: bool) -> None:
+        s, g = out.num_scheduled, self.g
+        ids = out.seq_ids.tolist()
+        assert out.table_start.shape == (s, g)
+        assert out.table_delta_indptr.shape == (s * g + 1,)
+        for k, sid in enumerate(ids):
+            version, old = self.mirror.get(sid, (0, [np.zeros(0, np.int32)] * g))
+            new = []
+            for x in range(g):
+                a, b = out.table_delta_indptr[k * g + x], out.table_delta_indptr[k * g + x + 1]
+                start = int(out.table_start[k, x])
+                if version + 1 != int(out.table_version[k]):
+                    assert start == 0, "a sequence new to the outputs reports its tables whole"
+                assert start <= len(old[x])
+                new.append(np.concatenate([old[x][:start], out.table_delta[a:b]]).astype(np.int32))
+            truth = self.m.block_tables(sid)
+            for x in range(g):
+                np.testing.assert_array_equal(new[x], truth[x])
+            self.mirror[sid] = (int(out.table_version[k]), new)
+        want = dense([self.m.block_tables(sid) for sid in ids])
+        if dense_on:
+            np.testing.assert_array_equal(out.block_table, want)
+        got = self.every.update(out)
+        np.testing.assert_array_equal(got, want)
+        if fed_some:
+            np.testing.assert_array_equal(self.some.update(out), want)
+        if dense_on and out.slot_mapping.shape[1] == out.num_tokens:
+            a = GroupBatchTensors.from_steps(out, None)
+            b = GroupBatchTensors.from_steps(
+                out, None, block_tables=self.some if fed_some else GroupBlockTables(self.m)
+            )
+            np.testing.assert_array_equal(a.block_tables, b.block_tables)
+            np.testing.assert_array_equal(a.slot_mapping, b.slot_mapping)
+            np.testing.assert_array_equal(a.positions, b.positions)
+
+    @rule(
+        data=st.data(),
+        n=st.integers(1, 12),
+        dense_on=st.booleans(),
+        tokens=st.booleans(),
+        fed_some=st.booleans(),
+    )
+    def step(self, data, n: int, dense_on: bool, tokens: bool, fed_some: bool) -> None:
+        live = sorted(s for s in self.seqs if self._status(s) != "swapped" and s not in self.drafted)
+        if not live:
+            return
+        batch = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=4, unique=True))
+        appends = []
+        for s in batch:
+            done = self.m.num_computed_tokens(s) == self.m.num_tokens(s)
+            appends.append([s % 50 + 3] if done else [])
+        out = self.m.step(batch, n, appends, block_table=dense_on, token_arrays=tokens or dense_on)
+        if out.num_scheduled:
+            self._check_step(out, dense_on, fed_some)
+
+    @rule(data=st.data(), k=st.integers(1, 3))
+    def verify_drafts(self, data, k: int) -> None:
+        live = sorted(
+            s
+            for s in self.seqs
+            if self._status(s) != "swapped"
+            and s not in self.drafted
+            and self.m.num_computed_tokens(s) == self.m.num_tokens(s)
+        )
+        if not live:
+            return
+        s = data.draw(st.sampled_from(live))
+        out = self.m.step([s], 1, [[5]], draft_token_ids=[[9] * k])
+        if out.num_scheduled:
+            self.drafted.add(s)
+            self._check_step(out, True, True)
+
+    @precondition(lambda self: bool(getattr(self, "drafted", None)))
+    @rule(data=st.data(), release=st.booleans())
+    def accept(self, data, release: bool) -> None:
+        s = data.draw(st.sampled_from(sorted(self.drafted)))
+        k = self.m.num_draft_tokens(s)
+        self.m.accept_drafts(s, data.draw(st.integers(0, k)), release_blocks=release)
+        self.drafted.discard(s)
+
+    @rule(data=st.data())
+    def fork(self, data) -> None:
+        live = sorted(s for s in self.seqs if self._status(s) != "swapped" and s not in self.drafted)
+        if live:
+            self.m.fork(data.draw(st.sampled_from(live)), self.next_id)
+            self.seqs.add(self.next_id)
+            self.next_id += 1
+
+    @rule(data=st.data())
+    def free(self, data) -> None:
+        if self.seqs:
+            s = data.draw(st.sampled_from(sorted(self.seqs)))
+            self.m.free(s)
+            self.seqs.discard(s)
+            self.drafted.discard(s)
+            self.mirror.pop(s, None)
+
+    @rule(data=st.data())
+    def preempt(self, data) -> None:
+        live = sorted(s for s in self.seqs if self._status(s) != "swapped")
+        if live:
+            s = data.draw(st.sampled_from(live))
+            self.m.preempt([s])
+            self.drafted.discard(s)
+
+    @rule(data=st.data())
+    def swap(self, data) -> None:
+        running = sorted(s for s in self.seqs if self._status(s) == "running" and s not in self.drafted)
+        swapped = sorted(s for s in self.seqs if self._status(s) == "swapped")
+        if running and data.draw(st.booleans()):
+            try:
+                self.m.swap_out([data.draw(st.sampled_from(running))])
+            except pagedkv.OutOfSwapSpaceError:
+                pass
+        elif swapped:
+            try:
+                self.m.swap_in([data.draw(st.sampled_from(swapped))])
+            except pagedkv.OutOfBlocksError:
+                pass
+
+    @invariant()
+    def invariants(self) -> None:
+        if hasattr(self, "m"):
+            self.m.check_invariants()
+
+
+TableDeltas.TestCase.settings = settings(max_examples=300, stateful_step_count=50, deadline=None)
+test_table_deltas = TableDeltas.TestCase
+
+
+def test_decode_delta_is_the_new_block_and_a_release_nulls_its_entries() -> None:
+    """Gemma-like pair (full + window 32, block 16): a decode step that fills no block reports
+    nothing; one that crosses into a new block reports that block; the step whose context
+    leaves a window block reports the released entries as 0 from the first released on."""
+    m = HybridKVCacheManager(
+        [KVCacheGroupSpec("full", 16, 8), KVCacheGroupSpec("sliding_window", 16, 8, window=32)], [0, 1], 64
+    )
+    m.add_sequence(1, list(range(64)))
+    first = m.step([1], 64, block_table=False, token_arrays=False)
+    assert first.table_start.tolist() == [[0, 0]]
+    assert first.block_table.shape == (0, 0, 0) and first.slot_mapping.shape == (2, 0)
+    np.testing.assert_array_equal(first.table_delta, np.concatenate(m.block_tables(1)))
+    out = m.step([1], 1, np.array([5]), block_table=False)
+    # the decode at position 64 needs block 4 in both groups; the window (33..64] released block 0 and 1
+    full, win = m.block_tables(1)
+    assert out.table_start.tolist() == [[4, 0]]
+    assert out.table_delta.tolist() == [int(full[4])] + [0, 0] + [int(b) for b in win[2:]]
+    assert out.table_version.tolist() == [first.table_version[0] + 1]
+    quiet = m.step([1], 1, np.array([6]), block_table=False)
+    assert quiet.table_start.tolist() == [[5, 5]] and quiet.table_delta.size == 0
+
+
+def test_flags_are_typed() -> None:
+    m = HybridKVCacheManager([KVCacheGroupSpec("full", 4, 8)], [0], 8)
+    m.add_sequence(1, [1, 2, 3])
+    with pytest.raises(pagedkv.InvalidArgumentError):
+        m.step([1], 3, block_table=0)
+    with pytest.raises(pagedkv.InvalidArgumentError):
+        m.step([1], 3, token_arrays="no")
+    assert m.num_computed_tokens(1) == 0  # nothing done
+
+
+def test_from_steps_refuses_a_step_without_what_it_needs() -> None:
+    m = HybridKVCacheManager([KVCacheGroupSpec("full", 4, 8)], [0], 8)
+    m.add_sequence(1, [1, 2, 3])
+    out = m.step([1], 3, block_table=False)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="block_tables"):
+        GroupBatchTensors.from_steps(out, None)
+    bt = GroupBatchTensors.from_steps(out, None, block_tables=GroupBlockTables(m))
+    np.testing.assert_array_equal(bt.block_tables[0, 0], m.block_tables(1)[0])
+    m.add_sequence(2, [1, 2, 3])
+    no_tokens = m.step([2], 3, token_arrays=False)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="token_arrays"):
+        GroupBatchTensors.from_steps(no_tokens, None)
