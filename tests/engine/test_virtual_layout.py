@@ -189,7 +189,11 @@ def test_virtual_layout_outputs_equal_paged_and_memory_goes_back(tiny, kw):
     st = engine.layout.stats()
     assert st.peak_committed_bytes > 0 and st.page_faults > 0
     assert st.committed_bytes == 0 and st.sequences == 0 and engine.manager.pool.num_free == engine.layout.total_pages
-    assert st.resident_bytes == 0  # every page went back to the OS
+    # the prefix cache holds the finished sequences' full page groups, each page once; the rest went back
+    assert st.resident_bytes == st.cached_pages * page_size
+    engine.manager.reset_prefix_cache()
+    st = engine.layout.stats()
+    assert st.resident_bytes == 0 and st.cached_pages == 0  # every page went back to the OS
     assert st.pages_committed == st.pages_released
     assert_no_leak(engine)
 
@@ -206,20 +210,36 @@ def test_virtual_layout_small_budget_preempts_and_returns_pages(tiny):
     outs = engine.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
     assert engine.stats().preemptions > 0  # 20 + 30 tokens cross a page: someone is preempted
     assert sum(o.num_preemptions for o in outs) > 0
-    assert engine.layout.stats().committed_bytes == 0 and engine.layout.stats().resident_bytes == 0
+    st = engine.layout.stats()
+    assert st.committed_bytes == 0 and st.resident_bytes == st.cached_pages * 4096  # the prefix cache's
+    assert st.prefix_hit_tokens > 0  # a preempted request resumed on its own cached pages
+    engine.manager.reset_prefix_cache()
+    assert engine.layout.stats().resident_bytes == 0
     paged = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, num_kv_blocks=64, enable_prefix_caching=False)
     assert [o.token_ids for o in outs] == [
         o.token_ids for o in paged.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
     ]
 
 
-def test_virtual_layout_refuses_forks_and_requests_that_never_fit(tiny):
+def test_virtual_layout_refuses_requests_that_never_fit_and_forks_without_sharing(tiny):
     engine = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, kv_layout="virtual", page_size=4096, num_kv_blocks=9)
-    with pytest.raises(InvalidRequestError, match="forks"):
-        engine.add_request([5, 6, 7], SamplingParams(max_tokens=4, n=2))
     with pytest.raises(RequestTooLargeError, match="pages"):
         engine.add_request([5] * 40, SamplingParams(max_tokens=200))
+    # 8 usable blocks of 16 tokens x 512 B = 16 pages; 39 tokens hold 2 pages in each of the 4
+    # segments, and a 30-token prompt has no full page to share: 3 samples need 3 x 8 > 16
+    assert engine.layout.total_pages == 16
+    with pytest.raises(RequestTooLargeError, match="pages"):
+        engine.add_request([5] * 30, SamplingParams(max_tokens=10, n=3))
     assert not engine.has_unfinished()
+    (out,) = engine.generate([[5] * 30], SamplingParams(max_tokens=10, n=2, ignore_eos=True))  # 2 x 8 fits
+    assert [len(c.token_ids) for c in out.outputs] == [10, 10]
+    lay = _layout(16)  # no sharing (what a CUDA device gets): forks are refused
+    inner = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=64, block_size=16, enable_prefix_caching=False))
+    mgr = VirtualKVManager(inner, lay)
+    mgr.add_sequence(1, [1, 2, 3])
+    with pytest.raises(InvalidRequestError, match="does not fork"):
+        mgr.fork(1, 2)
+    lay.close()
 
 
 @pytest.mark.slow
@@ -264,3 +284,254 @@ def test_virtual_layout_refuses_a_host_tier_and_sliding_windows():
         build_virtual_manager(full, SimpleNamespace(num_host_blocks=8), hash_seed=None, enable_events=False)
     with pytest.raises(EngineConfigError, match="sliding-window"):
         build_virtual_manager(windowed, SimpleNamespace(num_host_blocks=None), hash_seed=None, enable_events=False)
+
+
+# ---- sharing: page accounting, prefix caching, forks (issue 27, item 2) ----------------------------
+
+
+def test_arenas_refuse_a_double_commit_and_releasing_what_is_not_committed():
+    from pagedkv.engine.virtual_memory import PageStateError
+
+    # VirtualArena committed a page twice without noticing (its count went above the range)
+    arena = VirtualArena(MiB, 65536)
+    arena.commit(0, 2 * 65536)
+    with pytest.raises(PageStateError, match="page 1 .*already committed"):
+        arena.commit(65536, 2 * 65536)
+    with pytest.raises(PageStateError, match="page 2 .*not committed"):
+        arena.release(0, 4 * 65536)
+    assert isinstance(PageStateError("x", arg="range", value="v", reason="r"), ValueError)
+    assert (arena.committed_bytes, arena.commits, arena.releases) == (2 * 65536, 2, 0)  # nothing moved
+    arena.release(0, 2 * 65536)
+    arena.close()
+
+
+def test_cuda_arena_checks_ranges_before_any_driver_call():
+    # CudaVirtualArena passed any offset to cuMemMap; the check runs before the driver is touched,
+    # so an arena without a driver (None) shows it on a machine without a GPU.
+    from pagedkv.engine.virtual_memory import PageStateError, _PageLedger
+    from pagedkv.engine.virtual_memory_cuda import CudaVirtualArena
+
+    arena = CudaVirtualArena.__new__(CudaVirtualArena)
+    arena._cu, arena.page_size, arena.size = None, 2 * MiB, 8 * MiB
+    arena._ledger = _PageLedger(arena.size, arena.page_size)
+    with pytest.raises(pagedkv.errors.InvalidArgumentError, match="whole pages"):
+        arena.commit(6 * MiB, 4 * MiB)  # past the reservation
+    with pytest.raises(pagedkv.errors.InvalidArgumentError, match="whole pages"):
+        arena.commit(MiB, 2 * MiB)  # not page-aligned
+    with pytest.raises(PageStateError, match="not committed"):
+        arena.release(0, 2 * MiB)
+    arena._ledger.mark(range(0, 1), True)  # as if page 0 were mapped
+    with pytest.raises(PageStateError, match="already committed"):
+        arena.commit(0, 2 * MiB)
+
+
+@pytest.mark.parametrize("page", PAGE_SIZES)
+def test_shared_arena_maps_one_physical_page_in_two_places_and_punches_it_out_at_refcount_zero(page):
+    from pagedkv.engine.virtual_memory import PageStateError, SharedArena
+
+    arena = SharedArena(16 * page, page, num_frames=4)
+    assert arena.resident_bytes() == 0
+    arena.commit(0, 2 * page)
+    frames = [arena.frame_at(0), arena.frame_at(page)]
+    arena.map_frames(8 * page, frames)  # the same two frames, eight pages further on
+    assert [arena.refcount(f) for f in frames] == [2, 2]
+    assert arena.resident_bytes() == 2 * page and arena.committed_bytes == 2 * page  # once, not twice
+    arena.bytes[page + 5] = 77  # write through one view ...
+    assert int(arena.bytes[9 * page + 5]) == 77  # ... read through the other
+    arena.bytes[8 * page] = 11
+    assert int(arena.bytes[0]) == 11
+    with pytest.raises(PageStateError, match="already committed"):
+        arena.map_frames(page, frames[:1])
+    with pytest.raises(pagedkv.OutOfBlocksError):
+        arena.commit(4 * page, 3 * page)  # 2 frames free
+    arena.release(0, 2 * page)  # one view gone: the frames live on in the other
+    assert arena.resident_bytes() == 2 * page and int(arena.bytes[9 * page + 5]) == 77
+    arena.release(8 * page, 2 * page)  # refcount 0: holes punched, memory back to the OS
+    assert arena.resident_bytes() == 0 and arena.committed_bytes == 0
+    assert (arena.commits, arena.releases, arena.num_free_frames) == (2, 2, 4)
+    arena.commit(0, page)  # a reused frame reads zeros
+    assert int(arena.bytes[:page].max()) == 0
+    arena.release(0, page)
+    arena.close()
+
+
+def _odd_layout(budget_pages: int = 64, **kw) -> VirtualKVLayout:
+    # 1 layer x 2 KV heads x 12 dims fp32: 96 bytes per token, a 4 KiB page holds 42.67 tokens,
+    # so page boundaries fall inside tokens (as SmolLM2's 768-byte tokens in 4 KiB pages)
+    return VirtualKVLayout(
+        num_layers=1,
+        num_kv_heads=2,
+        head_size=12,
+        dtype=torch.float32,
+        page_size=4096,
+        budget_bytes=budget_pages * 4096,
+        max_seqs=4,
+        max_seq_len=512,
+        sharing=True,
+        **kw,
+    )
+
+
+def test_prefix_hit_maps_whole_pages_and_copies_the_page_straddling_the_hit():
+    lay = _odd_layout()
+    bpt, page = lay.bytes_per_token, lay.page_size
+    tokens = list(range(1000, 1300))
+    assert lay.ensure(1, 200, start=0)
+    for seg in lay.segments(1):
+        seg[:200] = torch.arange(200 * 24, dtype=torch.float32).view(200, 2, 12)
+    added = lay.register(1, tokens, 200, b"root")
+    assert added == 200 * bpt // page == 4  # full pages of 200 tokens
+    prompt = tokens[:150] + [7] * 30  # shares 150 tokens
+    # page p is decided by tokens [0, ceil((p + 1) * page / bpt)): 43, 86, 128, 171 -> 3 pages match
+    full_pages = sum(1 for p in range(10) if -(-(p + 1) * page // bpt) <= 150)
+    want = full_pages * page // bpt
+    assert (full_pages, want) == (3, 128)
+    assert lay.lookup(prompt, b"other root") == (0, [])  # another salt: nothing
+    assert lay.share_prefix(2, prompt, b"root") == want
+    s1, s2 = lay.segments(1), lay.segments(2)
+    assert torch.equal(s2[0][:want], s1[0][:want]) and torch.equal(s2[1][:want], s1[1][:want])
+    arena = lay.arena
+    # the same physical pages: a write through sequence 1's view shows through sequence 2's
+    s1[0][5, 0, 0] = -1.0
+    assert float(s2[0][5, 0, 0]) == -1.0
+    s1[0][5, 0, 0] = 5 * 24.0
+    # token 128 starts inside page 2 (128 * 96 = 12288 = 3 pages exactly: no straddle here);
+    # a hit of 85 tokens would end inside page 1: check the straddling case on a shorter prompt
+    assert lay.ensure(2, 180, start=want)
+    assert lay.stats().cow_pages == 0  # page-aligned hit: nothing to copy
+    lay.release(2)
+    short = tokens[:100] + [9] * 20  # pages 0, 1 match: hit floor(2 * 4096 / 96) = 85 tokens
+    hit = lay.share_prefix(3, short, b"root")
+    assert hit == 2 * page // bpt == 85
+    before = [arena.frame_at(lay._offset(lay._slot[3], 0, p)) for p in (0, 1)]
+    assert before == [arena.frame_at(lay._offset(lay._slot[1], 0, p)) for p in (0, 1)]
+    assert lay.ensure(3, 120, start=hit)  # token 85 is written into page 1: copied first
+    after = [arena.frame_at(lay._offset(lay._slot[3], 0, p)) for p in (0, 1)]
+    assert after[0] == before[0] and after[1] != before[1]  # page 0 still shared, page 1 private
+    assert lay.stats().cow_pages == lay.num_segments
+    s3 = lay.segments(3)
+    assert torch.equal(s3[0][:hit], s1[0][:hit]) and torch.equal(s3[1][:hit], s1[1][:hit])  # the copy holds the prefix
+    s3[0][85:120] = 0.5  # the private writes leave the cached page alone
+    assert torch.equal(s1[0][85:86], torch.full((1, 2, 12), 85 * 24.0) + torch.arange(24.0).view(1, 2, 12))
+    for s in (1, 3):
+        lay.release(s)
+    st = lay.stats()
+    assert st.committed_bytes == 0 and st.resident_bytes == st.cached_pages * page == 4 * lay.num_segments * page
+    lay.reset_cache()
+    assert lay.stats().resident_bytes == 0
+    lay.close()
+
+
+def test_fork_shares_the_prompt_pages_and_each_copies_the_page_it_diverges_in():
+    lay = _odd_layout()
+    page = lay.page_size
+    assert lay.ensure(1, 100, start=0)  # 100 tokens: pages 0, 1 full, page 2 partly (9600 bytes)
+    lay.segments(1)[0][:100] = 1.0
+    assert lay.fork(1, 2, 100) == 3
+    assert lay.stats().resident_bytes == 3 * lay.num_segments * page  # shared, once
+    assert lay.num_free_pages == 64 - 3 * lay.num_segments
+    assert lay.ensure(1, 101, start=100)  # the parent writes token 100 into page 2: copy-on-write
+    assert lay.ensure(2, 101, start=100)  # the child is the last holder: writes in place
+    assert lay.stats().cow_pages == lay.num_segments
+    assert lay.stats().resident_bytes == 4 * lay.num_segments * page
+    lay.segments(1)[0][100] = 3.0
+    lay.segments(2)[0][100] = 4.0
+    assert float(lay.segments(2)[0][100, 0, 0]) == 4.0 and float(lay.segments(1)[0][99, 0, 0]) == 1.0
+    assert float(lay.segments(2)[0][99, 0, 0]) == 1.0
+    lay.release(1)
+    assert lay.stats().resident_bytes == 3 * lay.num_segments * page  # the child keeps the shared ones
+    lay.release(2)
+    assert lay.stats().resident_bytes == 0 and lay.num_free_pages == 64
+    lay.close()
+
+
+def test_cached_pages_are_evicted_when_the_budget_needs_them():
+    lay = _odd_layout(budget_pages=8)  # 4 page groups (K and V)
+    tokens = list(range(400))
+    assert lay.ensure(1, 170, start=0)
+    lay.register(1, tokens, 170, b"r")
+    lay.release(1)
+    assert lay.stats().cached_pages == 2 * 3 and lay.num_free_pages == 8  # cached but evictable
+    assert lay.ensure(2, 300 * 0 + 170, start=0)  # needs all 8 frames: the cache is evicted
+    assert lay.stats().cached_pages == 0
+    lay.release(2)
+    lay.close()
+
+
+def _repeat_prompts() -> list[list[int]]:
+    return [[3 + (11 * i + 7 * j) % 500 for j in range(n)] for i, n in enumerate((40, 70, 100, 33))]
+
+
+def _expected_hit(n: int, page: int, bytes_per_token: int) -> int:
+    """Tokens a repeated n-token prompt skips: the pages decided by prompt tokens only
+    (ceil((p + 1) * page / bytes_per_token) <= n), as whole tokens, at most n - 1."""
+    full = sum(1 for p in range(n) if -(-(p + 1) * page // bytes_per_token) <= n)
+    return min(full * page // bytes_per_token, n - 1)
+
+
+@pytest.mark.parametrize("page_size", [4096, 65536])
+def test_prefix_caching_repeated_prompts_equal_paged_and_hit_the_page_aligned_prefix(tiny, page_size):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompts = _repeat_prompts()
+    paged = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, num_kv_blocks=64, block_size=16)
+    want = [list(o.token_ids) for o in paged.generate(prompts, params)]
+    assert [list(o.token_ids) for o in paged.generate(prompts, params)] == want
+    engine = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, kv_layout="virtual", page_size=page_size, num_kv_blocks=64)
+    first = engine.generate(prompts, params)
+    assert [list(o.token_ids) for o in first] == want
+    assert all(o.num_cached_tokens == 0 for o in first)
+    second = engine.generate(prompts, params)
+    assert [list(o.token_ids) for o in second] == want
+    bpt = engine.layout.bytes_per_token
+    assert bpt == 128  # 2 KV heads x 16 dims x fp32
+    hits = [_expected_hit(len(p), page_size, bpt) for p in prompts]
+    assert hits == ([32, 64, 96, 32] if page_size == 4096 else [0, 0, 0, 0])  # 64 KiB = 512 tokens a page
+    assert [o.num_cached_tokens for o in second] == hits
+    st = engine.layout.stats()
+    assert st.prefix_hit_tokens == sum(hits)
+    assert st.shared_pages == engine.layout.num_segments * sum(-(-h * bpt // page_size) for h in hits)
+    assert st.committed_bytes == 0 and st.resident_bytes == st.cached_pages * page_size
+    engine.manager.reset_prefix_cache()
+    assert engine.layout.stats().resident_bytes == 0
+    assert_no_leak(engine)
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_forks_share_the_prompt_pages_and_equal_paged(tiny, caching):
+    prompts = _repeat_prompts()
+    params = SamplingParams(max_tokens=10, n=3, temperature=0.8, seed=7, ignore_eos=True)
+    paged = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, num_kv_blocks=128, enable_prefix_caching=caching)
+    want = [[list(c.token_ids) for c in o.outputs] for o in paged.generate(prompts, params)]
+    assert any(len({tuple(c) for c in w}) > 1 for w in want)  # the samples diverge
+    engine = LLMEngine(
+        tiny.hf,
+        tokenizer=tiny.tokenizer,
+        kv_layout="virtual",
+        page_size=4096,
+        num_kv_blocks=128,
+        enable_prefix_caching=caching,
+    )
+    got = [[list(c.token_ids) for c in o.outputs] for o in engine.generate(prompts, params)]
+    assert got == want
+    st = engine.layout.stats()
+    bpt, nseg = engine.layout.bytes_per_token, engine.layout.num_segments
+    # each of the 2 children maps every page holding a prompt token
+    assert st.shared_pages == nseg * 2 * sum(-(-len(p) * bpt // 4096) for p in prompts)
+    # the prompts' last pages are partial (40, 70, 100, 33 tokens of 32 a page): each diverging
+    # write into one copies it, 2 of the 3 holders copy, the last writes in place
+    assert st.cow_pages == nseg * 2 * len(prompts)
+    assert st.committed_bytes == 0 and st.resident_bytes == st.cached_pages * 4096
+    if not caching:
+        assert st.cached_pages == 0 and st.resident_bytes == 0
+    assert_no_leak(engine)
+
+
+def test_beam_search_on_the_virtual_layout_equals_paged(tiny):
+    prompts = _repeat_prompts()[:2]
+    params = SamplingParams(max_tokens=8, beam_width=3, n=2)
+    paged = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, num_kv_blocks=128)
+    want = [[list(c.token_ids) for c in o.outputs] for o in paged.generate(prompts, params)]
+    engine = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, kv_layout="virtual", page_size=4096, num_kv_blocks=128)
+    assert [[list(c.token_ids) for c in o.outputs] for o in engine.generate(prompts, params)] == want
+    assert engine.layout.stats().shared_pages > 0 and engine.layout.stats().committed_bytes == 0
+    assert_no_leak(engine)

@@ -23,16 +23,25 @@ The decode headroom of admission (one block per running sequence in the paged la
 unit of ``pool.num_free`` per running sequence here, i.e. one page: the scheduler's formula is
 kept as it is. :class:`VirtualScheduler` sizes the "can never fit" check in pages.
 
-Not supported with this layout (refused with a typed error): swap preemption, ``n > 1`` and
-beam search (a fork would copy the parent's range: sharing whole pages needs the shared
-mappings of :class:`~pagedkv.engine.virtual_memory.SharedPages`, not wired into the engine),
-and cross-request prefix caching (the bookkeeping manager runs with it off: a prefix hit's KV
-would sit in paged blocks that do not exist).
+Sharing (a layout built with ``sharing=True``, the engine's on the CPU): prefix caching and
+forks map page groups (:mod:`pagedkv.engine.virtual_layout`), the bookkeeping manager runs with
+its own prefix caching off. ``lookup_prefix`` maps the cached groups of a new sequence's
+longest cached prefix and returns the hit ``H``; the next ``step`` schedules those ``H`` tokens
+in the bookkeeping (``allocate_slots``, no KV computed) before the step, reports them as the
+sequence's ``num_cached_tokens`` and computes only the rest. A sequence's full page groups are
+registered at each step, at preemption and at free. ``fork`` maps the parent's pages into the
+child; the first write into a page either still shares is a copy (copy-on-write).
+
+Not supported with this layout (refused with a typed error): swap preemption, a host tier, and
+on a CUDA device ``n > 1``, beam search and prefix caching (shared mappings are CPU only).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
+
+import numpy as np
 
 import pagedkv
 from pagedkv import OutOfBlocksError
@@ -42,7 +51,10 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .virtual_layout import VirtualKVLayout
 
-__all__ = ["VirtualKVManager", "VirtualScheduler"]
+__all__ = ["VirtualKVManager", "VirtualScheduler", "FORK_SLOTS"]
+
+#: Slots per ``max_num_seqs`` of a sharing layout (forks of ``n > 1`` / beams may outnumber it).
+FORK_SLOTS = 8
 
 
 class _PagePool:
@@ -61,16 +73,28 @@ class _PagePool:
 
 
 class _CutStep:
-    """A step output cut at the first sequence whose pages did not fit: the scheduled prefix's
-    output (``inner``, None when nothing was scheduled) with ``error`` set."""
+    """A step output as the scheduler sees it: the bookkeeping output (``inner``, None when
+    nothing was scheduled) with ``error`` set when it was cut at the first sequence whose pages
+    did not fit, and ``num_cached_tokens`` counting the layout's prefix hits."""
 
-    def __init__(self, inner: Any, error: OutOfBlocksError) -> None:
+    def __init__(self, inner: Any, error: OutOfBlocksError | None, cached: np.ndarray | None = None) -> None:
         self.inner = inner
-        self.error = error
+        self.error = error if error is not None else (None if inner is None else inner.error)
         self.num_scheduled = 0 if inner is None else inner.num_scheduled
+        if cached is not None:
+            self.num_cached_tokens = cached
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def _root(spec: Any) -> bytes:
+    """The hash root of a sequence's page groups: what its KV depends on besides the tokens
+    (cache salt, adapter, extra keys of its :class:`pagedkv.SequenceSpec`)."""
+    if spec is None:
+        return b"pagedkv-virtual-root"
+    parts = repr((spec.cache_salt, spec.adapter_id, [(t, bytes(v)) for t, v in spec.extra_keys]))
+    return hashlib.blake2b(parts.encode(), digest_size=16).digest()
 
 
 class VirtualKVManager:
@@ -82,15 +106,50 @@ class VirtualKVManager:
         inner: the bookkeeping manager, prefix caching off, a pool larger than the layout's
             budget can fill.
         layout: the :class:`~pagedkv.engine.virtual_layout.VirtualKVLayout`.
+        prefix_caching: share cached page groups with new sequences (needs a sharing layout).
     """
 
-    def __init__(self, inner: pagedkv.KVCacheManager, layout: VirtualKVLayout) -> None:
+    def __init__(self, inner: pagedkv.KVCacheManager, layout: VirtualKVLayout, *, prefix_caching: bool = False) -> None:
         self.inner = inner
         self.layout = layout
         self.pool = _PagePool(layout)
+        self.prefix_caching = bool(prefix_caching) and layout.sharing
+        self._roots: dict[int, bytes] = {}  # seq id -> hash root of its page groups
+        self._hits: dict[int, int] = {}  # seq id -> hit mapped, not yet in the bookkeeping
+        self._unreported: dict[int, int] = {}  # seq id -> hit not yet in a scheduled step output
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+    def add_sequence(self, seq_id: int, prompt_token_ids: Any, *, spec: Any = None, **kw: Any) -> None:
+        """Register a sequence in the bookkeeping; its page groups hash under ``spec``."""
+        self.inner.add_sequence(seq_id, prompt_token_ids, spec=spec, **kw)
+        self._roots[seq_id] = _root(spec)
+
+    def lookup_prefix(self, seq_id: int) -> int:
+        """Tokens of a new sequence served by cached page groups, which are mapped into its
+        range now (the scheduler asks once, at admission, then steps it). 0 without prefix
+        caching or once it has computed tokens."""
+        if seq_id in self._hits:
+            return self._hits[seq_id]
+        if not self.prefix_caching or self.inner.num_computed_tokens(seq_id) or self.layout.pages_held(seq_id):
+            return 0
+        hit = self.layout.share_prefix(seq_id, self.inner.token_ids(seq_id), self._roots.get(seq_id, _root(None)))
+        if hit:
+            self._hits[seq_id] = hit
+        return hit
+
+    def _register(self, seq_id: int) -> None:
+        """Put the sequence's full page groups in the layout's prefix cache."""
+        if self.prefix_caching and seq_id in self._roots:
+            computed = self.inner.num_computed_tokens(seq_id)
+            if self.layout.needs_register(seq_id, computed):
+                self.layout.register(seq_id, self.inner.token_ids(seq_id), computed, self._roots[seq_id])
+
+    def reset_prefix_cache(self) -> None:
+        """Drop the bookkeeping's and the layout's prefix caches."""
+        self.inner.reset_prefix_cache()
+        self.layout.reset_cache()
 
     def num_blocks_owed(self, seq_ids: Any) -> int:
         """Pages still to commit for the whole token list of each sequence (its remaining prefill)."""
@@ -98,7 +157,7 @@ class VirtualKVManager:
 
     def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
         """Pages to commit for ``num_new_tokens`` more computed tokens."""
-        target = self.inner.num_computed_tokens(seq_id) + num_new_tokens
+        target = self.inner.num_computed_tokens(seq_id) + self._hits.get(seq_id, 0) + num_new_tokens
         return self.layout.pages_to_grow(seq_id, min(target, self.inner.num_tokens(seq_id)))
 
     def step(
@@ -110,16 +169,25 @@ class VirtualKVManager:
         draft_token_ids: list[list[int]] | None = None,
     ) -> Any:
         """Commit pages for each sequence's tokens after this step (computed + new + drafts),
-        in order, then the bookkeeping step of those that fit (see the module docs)."""
+        in order, then the bookkeeping step of those that fit (see the module docs). A prefix
+        hit mapped by :meth:`lookup_prefix` enters the bookkeeping first; full page groups of
+        earlier steps are registered in the prefix cache."""
+        for s in seq_ids:
+            hit = self._hits.pop(s, 0)
+            if hit:
+                self.inner.allocate_slots(s, hit)  # the hit's tokens: computed, no KV to write
+                self._unreported[s] = hit
+            self._register(s)
         fit = 0
         for i, (s, n) in enumerate(zip(seq_ids, num_new_tokens)):
             drafts = len(draft_token_ids[i]) if draft_token_ids is not None else 0
-            target = self.inner.num_computed_tokens(s) + n + drafts
-            if not self.layout.ensure(s, target):
+            computed = self.inner.num_computed_tokens(s)
+            if not self.layout.ensure(s, computed + n + drafts, start=computed):
                 break
             fit += 1
         if fit == len(seq_ids):
-            return self.inner.step(seq_ids, num_new_tokens, append_token_ids, draft_token_ids=draft_token_ids)
+            out = self.inner.step(seq_ids, num_new_tokens, append_token_ids, draft_token_ids=draft_token_ids)
+            return self._report(out, seq_ids, None)
         s, n = seq_ids[fit], num_new_tokens[fit]
         want = self.layout.pages_to_grow(s, self.inner.num_computed_tokens(s) + n)
         error = OutOfBlocksError(
@@ -132,22 +200,57 @@ class VirtualKVManager:
         appends = None if append_token_ids is None else append_token_ids[:fit]
         draft_ids = None if draft_token_ids is None else draft_token_ids[:fit]
         out = self.inner.step(seq_ids[:fit], num_new_tokens[:fit], appends, draft_token_ids=draft_ids)
-        return out if out.error is not None else _CutStep(out, error)
+        return self._report(out, seq_ids[:fit], None if out.error is not None else error)
+
+    def _report(self, out: Any, seq_ids: list[int], error: OutOfBlocksError | None) -> Any:
+        """``out`` as the scheduler sees it: cut with ``error``, prefix hits not yet reported
+        in ``num_cached_tokens``."""
+        if not self._unreported or not any(s in self._unreported for s in seq_ids[: out.num_scheduled]):
+            return out if error is None else _CutStep(out, error)
+        cached = np.array(out.num_cached_tokens, dtype=np.int32, copy=True)
+        for i, s in enumerate(seq_ids[: out.num_scheduled]):
+            cached[i] += self._unreported.pop(s, 0)
+        return _CutStep(out, error, cached)
 
     def preempt(self, seq_ids: Any) -> None:
-        """Return the sequences' pages, then preempt them (recompute) in the bookkeeping."""
+        """Register the sequences' full page groups, return their pages, then preempt them
+        (recompute) in the bookkeeping."""
         for s in seq_ids:
+            self._register(int(s))
             self.layout.release(int(s))
+            self._hits.pop(int(s), None)
+            self._unreported.pop(int(s), None)
         self.inner.preempt(seq_ids)
 
     def free(self, seq_id: int) -> bool:
-        """Return the sequence's pages, then free it (idempotent, as the paged manager's)."""
+        """Register the sequence's full page groups, return its pages, then free it
+        (idempotent, as the paged manager's)."""
+        self._register(seq_id)  # a sequence freed already has no root: nothing to register
         self.layout.release(seq_id)
+        self._hits.pop(seq_id, None)
+        self._unreported.pop(seq_id, None)
+        self._roots.pop(seq_id, None)
         return bool(self.inner.free(seq_id))
 
     def fork(self, parent_id: int, child_id: int) -> None:
-        """Refused: see the module docs."""
-        raise InvalidRequestError("kv_layout='virtual' does not fork sequences (n > 1, beam search)")
+        """Fork in the bookkeeping, then map the parent's computed pages into the child
+        (copy-on-write at the first divergent write).
+
+        Raises:
+            InvalidRequestError: a layout without sharing (a CUDA device).
+        """
+        if not self.layout.sharing:
+            raise InvalidRequestError(
+                "kv_layout='virtual' on this device does not fork sequences (n > 1, beam search): "
+                "forks need shared pages"
+            )
+        self.layout.fork(parent_id, child_id, self.inner.num_computed_tokens(parent_id))
+        try:
+            self.inner.fork(parent_id, child_id)
+        except BaseException:
+            self.layout.release(child_id)
+            raise
+        self._roots[child_id] = self._roots.get(parent_id, _root(None))
 
 
 class VirtualScheduler(Scheduler):
@@ -161,22 +264,25 @@ class VirtualScheduler(Scheduler):
 
         Raises:
             RequestTooLargeError: the prompt does not fit the model context, or prompt +
-                ``max_tokens - 1`` tokens need more pages than the budget holds.
-            InvalidRequestError: ``n > 1`` or beam search (not supported by this layout).
+                ``max_tokens - 1`` tokens need more pages than the budget holds (``n`` or
+                ``beam_width`` sequences: the prompt's full pages once, the rest each).
+            InvalidRequestError: ``n > 1`` or beam search on a layout without sharing (CUDA).
         """
         if num_prompt_tokens >= self.config.max_model_len:
             raise RequestTooLargeError(
                 f"prompt of {num_prompt_tokens} tokens does not fit the model context of "
                 f"{self.config.max_model_len} tokens (at least one token must be generated)"
             )
-        if params.n > 1 or params.beam_width > 1:
-            raise InvalidRequestError(
-                f"n={params.n}, beam_width={params.beam_width}: kv_layout='virtual' serves one sequence per "
-                "request (forks are not supported)"
-            )
         layout: VirtualKVLayout = self.manager.layout
+        width = max(params.n, params.beam_width)
+        if width > 1 and not layout.sharing:
+            raise InvalidRequestError(
+                f"n={params.n}, beam_width={params.beam_width}: kv_layout='virtual' on this device serves one "
+                "sequence per request (forks are not supported without shared pages)"
+            )
         tokens = min(num_prompt_tokens + params.max_tokens - 1, self.config.max_model_len)
-        need = layout.pages_for(tokens)
+        shared = layout.num_segments * (num_prompt_tokens * layout.bytes_per_token // layout.page_size)
+        need = layout.pages_for(tokens) + (width - 1) * (layout.pages_for(tokens) - shared)
         if need > layout.total_pages:
             raise RequestTooLargeError(
                 f"request needs {need} KV pages of {layout.page_size} bytes ({num_prompt_tokens} prompt tokens + "
@@ -189,9 +295,11 @@ def build_virtual_manager(
     model: Any, config: Any, *, hash_seed: bytes | None, enable_events: bool
 ) -> tuple[VirtualKVManager, VirtualKVLayout]:
     """The manager and layout of an engine with ``kv_layout="virtual"``: a budget of the paged
-    pool's usable bytes (``(num_kv_blocks - 1)`` blocks), one slot per ``max_num_seqs``, each
-    reserved for ``model.max_model_len`` tokens, and a bookkeeping pool its pages can never
-    outgrow.
+    pool's usable bytes (``(num_kv_blocks - 1)`` blocks), slots each reserved for
+    ``model.max_model_len`` tokens (one per ``max_num_seqs``; on the CPU a sharing layout with
+    :data:`FORK_SLOTS` times as many, address space only, as forks may outnumber
+    ``max_num_seqs``), the engine's prefix caching on that layout, and a bookkeeping pool its
+    pages can never outgrow.
 
     Args:
         model: the engine's :class:`~pagedkv.engine.model.PagedCausalLM`.
@@ -215,11 +323,17 @@ def build_virtual_manager(
         )
     if getattr(config, "num_host_blocks", None) or getattr(config, "host_cache_bytes", None):
         raise EngineConfigError(
-            "kv_layout='virtual' is invalid with a host tier of the prefix cache: the virtual layout "
-            "runs without prefix caching (use kv_layout='paged')"
+            "kv_layout='virtual' is invalid with a host tier of the prefix cache: the virtual layout's "
+            "prefix cache keeps pages in memory only (use kv_layout='paged')"
         )
     per_block = model.kv_bytes_per_block(config.block_size)
     budget = (config.num_kv_blocks - 1) * per_block
+    sharing = getattr(model.device, "type", "cpu") == "cpu"
+    max_seqs = config.max_num_seqs
+    if sharing:  # address space only: at most 1 TiB of reservation
+        seg = -(-model.max_model_len * model.kv_bytes_per_token() // (2 * model.num_layers) // config.page_size)
+        slot = 2 * model.num_layers * (seg + 1) * config.page_size
+        max_seqs = max(max_seqs, min(FORK_SLOTS * max_seqs, 2**40 // slot))
     layout = VirtualKVLayout(
         num_layers=model.num_layers,
         num_kv_heads=model.num_kv_heads,
@@ -227,9 +341,10 @@ def build_virtual_manager(
         dtype=model.dtype,
         page_size=config.page_size,
         budget_bytes=budget,
-        max_seqs=config.max_num_seqs,
+        max_seqs=max_seqs,
         max_seq_len=model.max_model_len,
         device=model.device,
+        sharing=sharing,
     )
     # Tokens the budget can hold, in blocks, plus a partial block per sequence: the bookkeeping
     # pool never runs out before the layout's pages do.
@@ -237,4 +352,4 @@ def build_virtual_manager(
     blocks = min(tokens // config.block_size + config.max_num_seqs + 2, pagedkv.MAX_BLOCKS)
     bookkeeping = dataclasses.replace(config, num_kv_blocks=blocks, enable_prefix_caching=False)
     inner = pagedkv.KVCacheManager(bookkeeping.cache_config(enable_events=enable_events, hash_seed=hash_seed))
-    return VirtualKVManager(inner, layout), layout
+    return VirtualKVManager(inner, layout, prefix_caching=config.enable_prefix_caching), layout

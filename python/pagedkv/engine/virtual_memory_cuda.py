@@ -19,6 +19,7 @@ with optional_imports("pagedkv.engine", "engine"):
     import torch
 
 from .errors import DeviceUnavailableError, EngineConfigError
+from .virtual_memory import _PageLedger
 
 __all__ = ["CudaVirtualArena"]
 
@@ -97,12 +98,21 @@ class CudaVirtualArena:
         self.base_address = self._ptr
         self.bytes = torch.as_tensor(_DeviceRange(self._ptr, self.size), device=f"cuda:{device_index}")
         self._handles: dict[int, Any] = {}  # page offset -> physical allocation
+        self._ledger = _PageLedger(self.size, page_size)
         self.committed_bytes = self.peak_committed_bytes = 0
         self.faults = 0  # no page faults: pages are mapped explicitly
         self.commits = self.releases = 0
 
     def commit(self, offset: int, length: int) -> None:
-        """Create and map a physical allocation for each page of ``[offset, offset + length)``."""
+        """Create and map a physical allocation for each page of ``[offset, offset + length)``.
+
+        Raises:
+            InvalidArgumentError: not whole pages inside the reservation (checked before any
+                driver call: nothing mapped).
+            PageStateError: a page of the range is mapped already (nothing mapped).
+        """
+        pages = self._ledger.check(offset, length, committed=False)
+        self._ledger.mark(pages, True)
         cu, p = self._cu, self.page_size
         for off in range(offset, offset + length, p):
             handle = _ok(cu, cu.cuMemCreate(p, self._prop, 0), "cuMemCreate")
@@ -114,7 +124,14 @@ class CudaVirtualArena:
         self.commits += length // p
 
     def release(self, offset: int, length: int) -> None:
-        """Unmap and free the pages of ``[offset, offset + length)``."""
+        """Unmap and free the pages of ``[offset, offset + length)``.
+
+        Raises:
+            InvalidArgumentError: not whole pages inside the reservation (nothing released).
+            PageStateError: a page of the range is not mapped (nothing released).
+        """
+        pages = self._ledger.check(offset, length, committed=True)
+        self._ledger.mark(pages, False)
         cu, p = self._cu, self.page_size
         for off in range(offset, offset + length, p):
             _ok(cu, cu.cuMemUnmap(self._ptr + off, p), "cuMemUnmap")
