@@ -1,5 +1,6 @@
 //! Fuzz target `host_tier_ops`: arbitrary bytes -> a cache configuration with a host tier
-//! (0-7 host blocks, admission after 0-3 uses: 0 must be refused, events on or off) and up
+//! (0-7 host blocks, LRU or ARC eviction, admission after 0-3 uses: 0 must be refused, events
+//! on or off) and up
 //! to 96 operations on [`KvCacheManager`]: add (shared-prefix prompts, cache salts),
 //! allocate_slots (its host copies taken at once with take_host_transfers), step (one or
 //! several sequences, with appends), empty steps, free, preempt, swap_out, swap_in, reset,
@@ -27,6 +28,7 @@
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedkv_core::events::{KvEvent, Tier};
+use pagedkv_core::host_tier::HostEviction;
 use pagedkv_core::{
     BlockHash, BlockId, CacheConfig, CacheStats, Error, ExtraKey, KvCacheManager, SeqId, SeqStatus,
     SequenceSpec, StepOutput, StepRequest,
@@ -248,6 +250,12 @@ fuzz_target!(|input: Input| {
         u32::from(c.block_size % 4) + 1,
     );
     cfg.num_host_blocks = u32::from(c.host_blocks % 8);
+    // Bit 3 of the same byte picks the policy (the committed seeds keep their layout).
+    cfg.host_eviction = if c.host_blocks & 8 != 0 {
+        HostEviction::Arc
+    } else {
+        HostEviction::Lru
+    };
     cfg.host_admission_min_seen = u32::from(c.min_seen % 4);
     cfg.num_cpu_blocks = u32::from(c.cpu_blocks % 6);
     cfg.enable_events = c.events;
