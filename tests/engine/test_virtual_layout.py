@@ -253,7 +253,27 @@ def test_virtual_layout_token_identical_on_smollm2(smol):
     for kw in (dict(page_size=65536), dict(page_size=4096, num_kv_blocks=17, block_size=8, max_tokens_per_step=8)):
         engine = LLMEngine(smol.hf, tokenizer=smol.tokenizer, kv_layout="virtual", **{"num_kv_blocks": 256, **kw})
         assert [list(o.token_ids) for o in engine.generate(ids, params)] == want
+        st = engine.layout.stats()
+        assert st.committed_bytes == 0 and st.resident_bytes == st.cached_pages * kw["page_size"]
+        engine.manager.reset_prefix_cache()
         assert engine.layout.stats().resident_bytes == 0
+    # Prefix caching with 768-byte tokens in 4 KiB pages: every page boundary falls inside a token,
+    # so each hit ends in a page that is copied before the first private write.
+    engine = LLMEngine(smol.hf, tokenizer=smol.tokenizer, kv_layout="virtual", page_size=4096, num_kv_blocks=256)
+    assert [list(o.token_ids) for o in engine.generate(ids, params)] == want
+    again = engine.generate(ids, params)
+    assert [list(o.token_ids) for o in again] == want
+    bpt = engine.layout.bytes_per_token
+    assert bpt == 3 * 64 * 4
+    hits = [_expected_hit(len(p), 4096, bpt) for p in ids]
+    assert [o.num_cached_tokens for o in again] == hits and sum(hits) > 0
+    straddling = sum(1 for h in hits if h and h * bpt % 4096)
+    assert straddling > 0 and engine.layout.stats().cow_pages == engine.layout.num_segments * straddling
+    forks = SamplingParams(max_tokens=8, n=2)
+    paged_n2 = [[list(c.token_ids) for c in o.outputs] for o in paged.generate(ids[:3], forks)]
+    assert [[list(c.token_ids) for c in o.outputs] for o in engine.generate(ids[:3], forks)] == paged_n2
+    engine.manager.reset_prefix_cache()
+    assert engine.layout.stats().resident_bytes == 0
 
 
 def test_cuda_arena_without_a_gpu_is_a_clear_typed_error():
@@ -452,7 +472,7 @@ def test_cached_pages_are_evicted_when_the_budget_needs_them():
     lay.register(1, tokens, 170, b"r")
     lay.release(1)
     assert lay.stats().cached_pages == 2 * 3 and lay.num_free_pages == 8  # cached but evictable
-    assert lay.ensure(2, 300 * 0 + 170, start=0)  # needs all 8 frames: the cache is evicted
+    assert lay.ensure(2, 170, start=0)  # 4 pages x 2 segments: all 8 frames: the cache is evicted
     assert lay.stats().cached_pages == 0
     lay.release(2)
     lay.close()
@@ -488,7 +508,8 @@ def test_prefix_caching_repeated_prompts_equal_paged_and_hit_the_page_aligned_pr
     assert hits == ([32, 64, 96, 32] if page_size == 4096 else [0, 0, 0, 0])  # 64 KiB = 512 tokens a page
     assert [o.num_cached_tokens for o in second] == hits
     st = engine.layout.stats()
-    assert st.prefix_hit_tokens == sum(hits)
+    assert st.prefix_hit_tokens == sum(hits) == engine.metrics().prefix_hit_tokens  # the engine's metrics count them
+    assert engine.metrics().prefix_hit_rate == pytest.approx(sum(hits) / (2 * sum(map(len, prompts))))
     assert st.shared_pages == engine.layout.num_segments * sum(-(-h * bpt // page_size) for h in hits)
     assert st.committed_bytes == 0 and st.resident_bytes == st.cached_pages * page_size
     engine.manager.reset_prefix_cache()

@@ -88,6 +88,20 @@ class _CutStep:
         return getattr(self.inner, name)
 
 
+class _VirtualStats:
+    """The bookkeeping manager's :class:`pagedkv.CacheStats` with the prefix-cache counters of
+    the layout (the bookkeeping runs with its own prefix caching off)."""
+
+    def __init__(self, inner: Any, hits: int, queries: int) -> None:
+        self._inner = inner
+        self.prefix_hits_tokens = hits
+        self.prefix_queries_tokens = queries
+        self.prefix_hit_rate = hits / queries if queries else 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 def _root(spec: Any) -> bytes:
     """The hash root of a sequence's page groups: what its KV depends on besides the tokens
     (cache salt, adapter, extra keys of its :class:`pagedkv.SequenceSpec`)."""
@@ -117,6 +131,7 @@ class VirtualKVManager:
         self._roots: dict[int, bytes] = {}  # seq id -> hash root of its page groups
         self._hits: dict[int, int] = {}  # seq id -> hit mapped, not yet in the bookkeeping
         self._unreported: dict[int, int] = {}  # seq id -> hit not yet in a scheduled step output
+        self._queried_tokens = 0  # prompt tokens looked up in the layout's prefix cache
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -134,7 +149,9 @@ class VirtualKVManager:
             return self._hits[seq_id]
         if not self.prefix_caching or self.inner.num_computed_tokens(seq_id) or self.layout.pages_held(seq_id):
             return 0
-        hit = self.layout.share_prefix(seq_id, self.inner.token_ids(seq_id), self._roots.get(seq_id, _root(None)))
+        token_ids = self.inner.token_ids(seq_id)
+        self._queried_tokens += len(token_ids)
+        hit = self.layout.share_prefix(seq_id, token_ids, self._roots.get(seq_id, _root(None)))
         if hit:
             self._hits[seq_id] = hit
         return hit
@@ -145,6 +162,10 @@ class VirtualKVManager:
             computed = self.inner.num_computed_tokens(seq_id)
             if self.layout.needs_register(seq_id, computed):
                 self.layout.register(seq_id, self.inner.token_ids(seq_id), computed, self._roots[seq_id])
+
+    def stats(self) -> Any:
+        """The bookkeeping's cache stats, prefix hits and queries counted by the layout."""
+        return _VirtualStats(self.inner.stats(), self.layout.prefix_hit_tokens, self._queried_tokens)
 
     def reset_prefix_cache(self) -> None:
         """Drop the bookkeeping's and the layout's prefix caches."""
