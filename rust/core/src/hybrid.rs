@@ -22,8 +22,9 @@
 //!   sliding window, the last `ceil((W - 1) / block_size)` blocks before `p`), and the candidate
 //!   shrinks until every group agrees.
 //! - **Hashes keyed by group.** The plain chain hash of a block (what the one-group manager and
-//!   routers compute) is the index key of group 0; group `g > 0` keys its blocks by a hash of the
-//!   plain hash and `g`, so groups never share a cached page. Events carry the plain hashes and
+//!   routers compute) is the index key of group 0; group `g > 0` keys its blocks by the plain
+//!   hash with `g` mixed in (XORed into two words, no second hash), so groups never share a
+//!   cached page. Events carry the plain hashes and
 //!   name their group ([`GroupEvent`]).
 //! - **Exact demand.** An allocation takes `take` blocks from the free pool (fresh blocks, hits
 //!   on free cached blocks, copy-on-write copies) and gives back `release` (out-of-window blocks

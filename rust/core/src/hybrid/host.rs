@@ -373,17 +373,19 @@ impl HybridManager {
         Ok(())
     }
 
-    /// The index key group `g` gives plain hash `plain` (as [`Self::key_at`] derives it).
+    /// The index key group `g` gives plain hash `plain` (as [`Self::key_at`] derives it): the
+    /// plain hash with `g` XORed into bytes 0..4 (inside the 16 bytes the prefix index
+    /// fingerprints) and 16..20 (zero in every xxh3-128 hash, so no two groups' xxh3 keys can
+    /// be equal; for SHA-256 two keys of different groups agree only on a 224-bit partial
+    /// collision). The group id joins the hash as vLLM's `BlockHashWithGroupId` appends it,
+    /// without a second hash per block and group (that was most of a hybrid admission's CPU).
     pub(super) fn index_key(&self, plain: BlockHash, g: u32) -> BlockHash {
-        if g == 0 {
-            plain
-        } else {
-            let tag = crate::hashing::ExtraKey::Tagged {
-                tag: "kv_cache_group".into(),
-                value: g.to_le_bytes().to_vec(),
-            };
-            self.hasher.hash_block(Some(&plain), &[], &[tag])
+        let mut key = plain;
+        for (i, b) in g.to_le_bytes().into_iter().enumerate() {
+            key.0[i] ^= b;
+            key.0[16 + i] ^= b;
         }
+        key
     }
 }
 
