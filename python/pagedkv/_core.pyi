@@ -311,6 +311,40 @@ class BlockPool:
     def check_invariants(self) -> None: ...
 
 @final
+class HostBlockPool:
+    """The prefix cache's host tier on its own, shaped for an offloading connector's scheduler
+    side (``pagedkv.integrations.vllm.offloading``). Keys are ``bytes`` of any length (36
+    bytes, vLLM's ``OffloadKey``, used exactly; others by their SHA-256). Keys are passed head
+    to tail and enter the eviction order tail first. Bad input raises
+    ``InvalidArgumentError`` and changes nothing.
+    """
+
+    def __new__(cls, num_blocks: int, *, admission_min_seen: int = 1, eviction: str = "lru") -> HostBlockPool: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def admission_min_seen(self) -> int: ...
+    @property
+    def eviction(self) -> str: ...
+    @property
+    def num_used(self) -> int: ...
+    @property
+    def num_held(self) -> int: ...
+    def counters(self) -> dict[str, int]: ...
+    def lookup(self, hashes: Iterable[bytes]) -> int:
+        """Number of leading ``hashes`` that are readable (stored and completed)."""
+    def state(self, hash: bytes) -> int:
+        """0: not on host, 1: a store in flight, 2: readable."""
+    def prepare_load(self, hashes: Iterable[bytes]) -> _Int32Array:
+        """Pins readable blocks for loads; their host block ids."""
+    def complete_load(self, hashes: Iterable[bytes]) -> None: ...
+    def touch(self, hashes: Iterable[bytes]) -> None: ...
+    def prepare_store(self, hashes: Iterable[bytes]) -> tuple[list[bytes], _Int32Array, list[bytes]] | None:
+        """``(to_store, host block ids, evicted)``, or ``None`` when the admitted keys do not fit."""
+    def complete_store(self, hashes: Iterable[bytes], success: bool = True) -> None: ...
+    def reset(self) -> None: ...
+    def check_invariants(self) -> None: ...
+
 class KVCacheManager:
     """The paged KV cache manager."""
 
@@ -662,6 +696,13 @@ class HybridStepOutput:
     def table_delta_indptr(self) -> _Int32Array: ...
     @property
     def table_delta(self) -> _Int32Array: ...
+    @property
+    def host_stores(self) -> _Int32Array:
+        """``int32[n, 3]`` host-tier stores ``(group, device block, host block)``, run first."""
+    @property
+    def host_loads(self) -> _Int32Array:
+        """``int32[n, 3]`` host-tier loads ``(group, host block, device block)``, run after
+        stores and swaps, before copy-on-write and the forward pass."""
     def raise_for_error(self) -> None: ...
 
 @final
@@ -680,7 +721,12 @@ class HybridKVCacheManager:
         hash_seed: bytes | None = None,
         num_cpu_blocks: int = 0,
         enable_events: bool = False,
-    ) -> HybridKVCacheManager: ...
+        num_host_blocks: int = 0,
+        host_admission_min_seen: int = 2,
+        host_eviction: str = "lru",
+    ) -> HybridKVCacheManager:
+        """The host-tier fields are ``CacheConfig``'s (same ranges; ``InvalidConfigError``
+        naming the field); one host tier serves every group, keyed by (hash, group)."""
     @property
     def groups(self) -> list[KVCacheGroupSpec]: ...
     @property
@@ -745,6 +791,11 @@ class HybridKVCacheManager:
         block_table: bool = True,
         token_arrays: bool = True,
     ) -> HybridStepOutput: ...
+    @property
+    def num_host_blocks(self) -> int: ...
+    def take_host_transfers(self) -> tuple[_Int32Array, _Int32Array]:
+        """Host-tier ``(stores, loads)`` ``int32[n, 3]`` rows with their group, planned since
+        the last hand-out, for callers allocating outside ``step``."""
     def take_events(
         self,
     ) -> list[tuple[int | None, BlockStored | BlockRemoved | AllBlocksCleared]]: ...

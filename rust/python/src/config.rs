@@ -62,6 +62,41 @@ fn typed_field<'a, 'py, T: pyo3::PyTypeCheck>(
     })
 }
 
+/// The host-tier keywords both managers take (`num_host_blocks`, `host_admission_min_seen`,
+/// `host_eviction`), each None or absent for its default (0, 2, ``"lru"``). Errors:
+/// `InvalidConfigError` naming the field for a wrong type, a value out of range or an unknown
+/// policy; the ranges against the rest of the configuration are checked by the core.
+pub(crate) fn host_tier_fields(
+    num_host_blocks: Option<&Bound<'_, PyAny>>,
+    host_admission_min_seen: Option<&Bound<'_, PyAny>>,
+    host_eviction: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(u32, u32, HostEviction)> {
+    let mut fields = (0, 2, HostEviction::Lru);
+    if let Some(n) = num_host_blocks.filter(|n| !n.is_none()) {
+        fields.0 = u32_field(n, "num_host_blocks", (0, MAX_HOST_BLOCKS), "blocks")?;
+    }
+    if let Some(n) = host_admission_min_seen {
+        fields.1 = u32_field(n, "host_admission_min_seen", (1, u32::MAX), "uses")?;
+    }
+    if let Some(o) = host_eviction {
+        let name = typed_field::<PyString>(o, "host_eviction", "a str")?.to_str()?;
+        fields.2 = HostEviction::from_name(name).ok_or_else(|| {
+            config_error(
+                o.py(),
+                "host_eviction",
+                format!("{name:?}"),
+                format!(
+                    "expected one of {}",
+                    HostEviction::ALL
+                        .map(|e| format!("{:?}", e.name()))
+                        .join(", ")
+                ),
+            )
+        })?;
+    }
+    Ok(fields)
+}
+
 #[pymethods]
 impl PyCacheConfig {
     #[new]
@@ -126,29 +161,11 @@ impl PyCacheConfig {
             None => 0,
         };
         cfg.enable_events = enable_events;
-        if let Some(n) = num_host_blocks.filter(|n| !n.is_none()) {
-            cfg.num_host_blocks = u32_field(n, "num_host_blocks", (0, MAX_HOST_BLOCKS), "blocks")?;
-        }
-        if let Some(n) = host_admission_min_seen {
-            cfg.host_admission_min_seen =
-                u32_field(n, "host_admission_min_seen", (1, u32::MAX), "uses")?;
-        }
-        if let Some(o) = host_eviction {
-            let name = typed_field::<PyString>(o, "host_eviction", "a str")?.to_str()?;
-            cfg.host_eviction = HostEviction::from_name(name).ok_or_else(|| {
-                config_error(
-                    py,
-                    "host_eviction",
-                    format!("{name:?}"),
-                    format!(
-                        "expected one of {}",
-                        HostEviction::ALL
-                            .map(|e| format!("{:?}", e.name()))
-                            .join(", ")
-                    ),
-                )
-            })?;
-        }
+        (
+            cfg.num_host_blocks,
+            cfg.host_admission_min_seen,
+            cfg.host_eviction,
+        ) = host_tier_fields(num_host_blocks, host_admission_min_seen, host_eviction)?;
         if cfg.num_blocks > MAX_BLOCKS {
             return Err(config_error(
                 py,

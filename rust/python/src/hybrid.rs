@@ -3,6 +3,7 @@
 //! models. One `step` call returns every group's slot mapping and block tables as numpy
 //! arrays with a leading group dimension (C-contiguous, so `torch.from_numpy` shares them).
 
+use crate::config::host_tier_fields;
 use crate::convert::{bad, count, repr, token_ids, type_name, uint};
 use crate::errors::{error_instance, to_pyerr, IntoPyResult};
 use crate::events::event_object;
@@ -271,6 +272,16 @@ pub(crate) struct PyHybridStepOutput {
     /// layers) before the K/V writes.
     #[pyo3(get)]
     copies: Py<PyArray2<i32>>,
+    /// ``int32[n, 3]`` host-tier stores ``(group, device block, host block)``: copy FIRST in
+    /// the step, from that group's device cache to its host cache (before swaps, host loads,
+    /// copy-on-write and the forward pass). Shape ``(0, 3)`` without a host tier.
+    #[pyo3(get)]
+    host_stores: Py<PyArray2<i32>>,
+    /// ``int32[n, 3]`` host-tier loads ``(group, host block, device block)``: copy after the
+    /// stores and swaps, before copy-on-write and the forward pass. Their host blocks stay
+    /// pinned until the next ``step`` returns. Shape ``(0, 3)`` without a host tier.
+    #[pyo3(get)]
+    host_loads: Py<PyArray2<i32>>,
 }
 
 #[pymethods]
@@ -342,6 +353,15 @@ fn rows_csr(
     Ok((indptr, tokens))
 }
 
+/// A flat row-major vector of triples as an ``int32[n, 3]`` array.
+fn triples(py: Python<'_>, v: Vec<i32>) -> Py<PyArray2<i32>> {
+    let n = v.len() / 3;
+    Array2::from_shape_vec((n, 3), v)
+        .expect("triples")
+        .into_pyarray(py)
+        .unbind()
+}
+
 fn pairs(py: Python<'_>, p: &[(BlockId, BlockId)]) -> Py<PyArray2<i32>> {
     let flat: Vec<i32> = p.iter().flat_map(|&(a, b)| [a as i32, b as i32]).collect();
     Array2::from_shape_vec((p.len(), 2), flat)
@@ -402,8 +422,9 @@ impl PyHybridManager {
     #[new]
     #[pyo3(signature = (groups, layer_groups, num_blocks, *, enable_prefix_caching = None,
                         retention_interval = None, hash_algo = None, hash_seed = None,
-                        num_cpu_blocks = None, enable_events = None),
-           text_signature = "(groups, layer_groups, num_blocks, *, enable_prefix_caching=True, retention_interval=0, hash_algo='sha256', hash_seed=None, num_cpu_blocks=0, enable_events=False)")]
+                        num_cpu_blocks = None, enable_events = None, num_host_blocks = None,
+                        host_admission_min_seen = None, host_eviction = None),
+           text_signature = "(groups, layer_groups, num_blocks, *, enable_prefix_caching=True, retention_interval=0, hash_algo='sha256', hash_seed=None, num_cpu_blocks=0, enable_events=False, num_host_blocks=0, host_admission_min_seen=2, host_eviction='lru')")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -416,6 +437,9 @@ impl PyHybridManager {
         hash_seed: Option<&Bound<'_, PyAny>>,
         num_cpu_blocks: Option<&Bound<'_, PyAny>>,
         enable_events: Option<&Bound<'_, PyAny>>,
+        num_host_blocks: Option<&Bound<'_, PyAny>>,
+        host_admission_min_seen: Option<&Bound<'_, PyAny>>,
+        host_eviction: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let flag = |o: Option<&Bound<'_, PyAny>>, field: &'static str, default: bool| match o
             .filter(|o| !o.is_none())
@@ -484,6 +508,11 @@ impl PyHybridManager {
             )
         })?;
         cfg.hash_seed = hash_seed;
+        (
+            cfg.num_host_blocks,
+            cfg.host_admission_min_seen,
+            cfg.host_eviction,
+        ) = host_tier_fields(num_host_blocks, host_admission_min_seen, host_eviction)?;
         let inner = py.detach(|| HybridManager::new(cfg)).py(py)?;
         Ok(Self {
             inner: Arc::new(inner),
@@ -926,13 +955,9 @@ impl PyHybridManager {
             .unwrap_or(0)
             .max(0) as usize;
         let arr = |v: Vec<i32>| PyArray1::from_vec(py, v).unbind();
-        let copies = {
-            let c = out.copies.len() / 3;
-            Array2::from_shape_vec((c, 3), out.copies)
-                .expect("triples")
-                .into_pyarray(py)
-                .unbind()
-        };
+        let copies = triples(py, out.copies);
+        let host_stores = triples(py, out.host_stores);
+        let host_loads = triples(py, out.host_loads);
         Ok(PyHybridStepOutput {
             num_scheduled: s,
             error,
@@ -976,7 +1001,32 @@ impl PyHybridManager {
             new_block_indptr: arr(out.new_block_indptr),
             new_block_ids: arr(out.new_block_ids),
             copies,
+            host_stores,
+            host_loads,
         })
+    }
+
+    /// The host-tier copies planned since the last hand-out, as ``(stores, loads)``:
+    /// ``int32[n, 3]`` ``(group, device block, host block)`` and ``(group, host block, device
+    /// block)`` rows, for a caller that allocates outside ``step`` (which hands them out in
+    /// ``HybridStepOutput.host_stores`` / ``host_loads``). Run stores first, loads before the
+    /// forward pass that reads the loaded blocks; the loads' host blocks stay pinned until the
+    /// next ``step`` returns. Empty without a host tier.
+    fn take_host_transfers(&self, py: Python<'_>) -> (Py<PyArray2<i32>>, Py<PyArray2<i32>>) {
+        let m = &self.inner;
+        let t = py.detach(|| m.take_host_transfers());
+        let flat = |v: Vec<(u32, u32, u32)>| -> Vec<i32> {
+            v.into_iter()
+                .flat_map(|(g, a, b)| [g as i32, a as i32, b as i32])
+                .collect()
+        };
+        (triples(py, flat(t.stores)), triples(py, flat(t.loads)))
+    }
+
+    /// Host-memory blocks of the prefix cache's second tier (0: none).
+    #[getter]
+    fn num_host_blocks(&self) -> u32 {
+        self.inner.config().num_host_blocks
     }
 
     /// Drains the buffered KV events, oldest first, as ``(group, event)`` pairs: ``group`` is
