@@ -556,3 +556,25 @@ def test_beam_search_on_the_virtual_layout_equals_paged(tiny):
     assert [[list(c.token_ids) for c in o.outputs] for o in engine.generate(prompts, params)] == want
     assert engine.layout.stats().shared_pages > 0 and engine.layout.stats().committed_bytes == 0
     assert_no_leak(engine)
+
+
+def test_cli_virtual_layout_reports_prefix_caching_and_its_hits(tiny, tmp_path, capsys):
+    import json
+
+    from pagedkv.engine.cli import main
+
+    words = " ".join(f"w{10 + i % 7}" for i in range(60))
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"id": f"r{i}", "prompt": words}) + "\n" for i in range(2)))
+    out = tmp_path / "r.jsonl"
+    args = ["--model", str(tiny.path), "--prompts", str(f), "--no-chat-template", "--max-tokens", "4"]
+    rc = main([*args, "--kv-layout", "virtual", "--page-size", "4096", "--max-num-seqs", "1", "--no-progress"]
+              + ["--output", str(out)])  # fmt: skip
+    assert rc == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    shown = capsys.readouterr().out
+    assert "prefix caching" in shown and "/ on" in shown
+    hit = rows[1]["cached_prompt_tokens"]  # the second waits for the first (one sequence at a time)
+    assert hit > 0 and hit % 32 == 0  # whole 4 KiB pages of 128-byte tokens
+    flat = " ".join(shown.replace("│", " ").split())
+    assert f"{hit} prefix-hit tokens" in flat, flat

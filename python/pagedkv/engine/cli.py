@@ -611,15 +611,16 @@ def _print_report(
         "KV pool",
         f"{cfg.num_kv_blocks} blocks x {cfg.block_size} tokens ({engine.runner.kv_cache_bytes() / 2**20:.0f} MiB)",
     )
-    layout = getattr(engine, "layout", None)  # --kv-layout virtual (runs without prefix caching)
-    caching = cfg.enable_prefix_caching and layout is None
+    layout = getattr(engine, "layout", None)  # --kv-layout virtual (prefix caching by shared pages, CPU only)
+    caching = cfg.enable_prefix_caching and (layout is None or layout.sharing)
     table.add_row("preemption / prefix caching", f"{cfg.preemption} / {'on' if caching else 'off'}")
     if layout is not None:  # the block rows below are its token bookkeeping
         st = layout.stats()
         table.add_row(
             "virtual KV layout",
             f"{layout.page_size // 1024} KiB pages, peak {st.peak_committed_bytes / 2**20:.1f} of "
-            f"{st.budget_bytes / 2**20:.1f} MiB committed, {st.page_faults} page faults, prefix caching off",
+            f"{st.budget_bytes / 2**20:.1f} MiB committed, {st.page_faults} page faults, "
+            f"{st.prefix_hit_tokens} prefix-hit tokens, {st.shared_pages} pages shared, {st.cow_pages} copied",
         )
     if cfg.num_host_blocks:
         table.add_row(

@@ -79,6 +79,8 @@ class LayoutStats:
         shared_pages: pages mapped from existing frames (prefix hits and forks, all segments).
         cow_pages: pages copied before a write into a page another holder maps.
         cached_pages: frames the prefix cache holds now (all segments).
+        peak_used_bytes: the most held by sequences at once (shared pages once; the cache's
+            unmapped pages, free on demand, not counted); ``peak_committed_bytes`` counts them.
     """
 
     committed_bytes: int
@@ -95,6 +97,7 @@ class LayoutStats:
     shared_pages: int = 0
     cow_pages: int = 0
     cached_pages: int = 0
+    peak_used_bytes: int = 0
 
 
 class VirtualKVLayout:
@@ -181,6 +184,7 @@ class VirtualKVLayout:
         self._entry_of: dict[int, bytes] = {}  # first segment's frame -> hash
         self._evictable: OrderedDict[bytes, None] = OrderedDict()  # groups only the cache holds, LRU first
         self.prefix_hit_tokens = self.shared_pages = self.cow_pages = 0
+        self.peak_used_pages = 0
 
     @property
     def used_pages(self) -> int:
@@ -240,6 +244,7 @@ class VirtualKVLayout:
                 self._private_used += self.num_segments * (want - have)
             self._pages[seq_id] = want
         self._tokens[seq_id] = max(self._tokens.get(seq_id, 0), tokens)
+        self.peak_used_pages = max(self.peak_used_pages, self.used_pages)
         return True
 
     def _offset(self, slot: int, seg: int, page: int) -> int:
@@ -486,6 +491,7 @@ class VirtualKVLayout:
             shared_pages=self.shared_pages,
             cow_pages=self.cow_pages,
             cached_pages=len(self._cache) * self.num_segments,
+            peak_used_bytes=self.peak_used_pages * self.page_size,
         )
 
     # ---- K/V access and attention ---------------------------------------------------------------
