@@ -107,7 +107,7 @@ class _PageLedger:
 
     def __init__(self, size: int, page_size: int) -> None:
         self.size, self.page_size = size, page_size
-        self.committed = bytearray(size // page_size)
+        self.committed: set[int] = set()  # page indices (sparse: a reservation may span terabytes)
 
     def pages(self, offset: int, length: int) -> range:
         """Page indices of ``[offset, offset + length)``.
@@ -139,7 +139,7 @@ class _PageLedger:
         """
         pages = self.pages(offset, length)
         for i in pages:
-            if bool(self.committed[i]) != committed:
+            if (i in self.committed) != committed:
                 value = f"[{offset}, {offset + length})"
                 reason = f"page {i} (offset {i * self.page_size}) is " + (
                     "not committed" if committed else "already committed"
@@ -151,7 +151,10 @@ class _PageLedger:
 
     def mark(self, pages: range, committed: bool) -> None:
         """Record ``pages`` as committed or not."""
-        self.committed[pages.start : pages.stop] = (b"\x01" if committed else b"\x00") * len(pages)
+        if committed:
+            self.committed.update(pages)
+        else:
+            self.committed.difference_update(pages)
 
 
 class VirtualArena:
