@@ -23,12 +23,28 @@ request per step, output tokens unique per request (so they are hashed and cache
 generated text); recompute preemption of the newest request when a decode step lacks blocks.
 The host tier's copy plans (``StepOutput.host_stores`` / ``host_loads``) are counted, not run.
 
+Eviction (``--eviction lru arc``, both by default): LRU against ARC (Megiddo and Modha, FAST'03;
+``CacheConfig(host_eviction="arc")``). Measured with ``python benchmarks/host_tier.py --min-seen 1 2
+--eviction lru arc`` (results/host_tier.json, the plot's third row: ARC's hit rate minus LRU's),
+ARC pays only where the host tier is well below the working set: chat with ``min_seen=1`` at 2,048
+and 4,096 host blocks, hit rate 36.7 / 61.4 % against LRU's 33.8 / 59.8 % (recomputed tokens -5.2 /
+-5.0 %), Mooncake with ``min_seen=1`` at 65,536 and 524,288 blocks (-2.5 / -6.5 % recomputed). It
+loses near the working set (chat at 8,192 and 16,384 blocks: 88.6 / 89.8 % against 89.7 / 90.7 %;
+with ``min_seen=2`` at 4,096-16,384 blocks: 1.1-1.4 points lower, 58.9 against 60.3 % at 4,096), and at
+262,144 Mooncake blocks (+4.8 % recomputed), likely because a finished conversation's history, loaded once and
+so in ARC's T2, outlives the open conversations' newest turns in T1. Mooncake with ``min_seen=2`` and
+azure_conv (no hits possible) are identical under both. So the default stays LRU; ARC is kept for
+host tiers much smaller than the reuse set.
+
 Figures per run: hit rate (prefix-hit tokens, either tier, at each request's first admission /
 prompt tokens), prefill tokens computed (every (re)admission's scheduled prompt tokens,
 re-prefills after preemption included), recomputed tokens (prefill tokens computed beyond what an
 unbounded cache that saw everything earlier would compute, :func:`ideal_hits`), the host tier's
 hit tokens, blocks stored and loaded (from the manager's stats), evictions, preemptions, and the
-manager's CPU time (``time.thread_time_ns`` around its calls).
+manager's CPU time (``time.thread_time_ns`` around its calls). Host hit tokens are counted at a
+request's first admission only (they are part of the hit rate), loaded blocks at every load: on
+azure_conv every load is a resume after a recompute preemption (0 host hit tokens, 11,720 blocks
+loaded at 65,536 host blocks, ``min_seen=1``).
 
 Part 2, CPU cost per block op (``--no-ops`` skips it). The same block hashes (``--op-requests``
 requests of ``--op-blocks`` full blocks of tokens unique to each, hashed by pagedkv's
@@ -60,7 +76,10 @@ requests of ``--op-blocks`` full blocks of tokens unique to each, hashed by page
 Each timing is the best of ``--op-repeats`` runs. ns per block op = CPU time / blocks.
 
 Usage: ``python benchmarks/host_tier.py [--quick] [--traces-dir DIR] [--trace FILE]
-[--vllm-python PY] [--no-ops]``; writes ``results/host_tier.json`` and ``results/host_tier.png``.
+[--eviction lru arc] [--min-seen 1 2] [--vllm-python PY] [--no-ops] [--out JSON]``; writes
+``results/host_tier.json`` and ``results/host_tier.png`` (``--quick``: ``results/host_tier_quick.*``,
+so a quick run never replaces the committed full results; ``--out`` names the JSON, the plot
+goes beside it).
 ``--engine`` runs the reference engine instead (:func:`engine_main`, SmolLM2 on CPU): prefix-hit
 tokens, prefill tokens, TTFT and goodput with and without a host tier, outputs compared.
 """
@@ -614,21 +633,32 @@ def print_ops(ops: dict[str, Any]) -> None:
 
 
 def plot(payload: dict[str, Any], path: Path) -> Path:
-    """Hit rate and recomputed tokens against host tier size, one panel pair per workload."""
+    """Hit rate and recomputed tokens against host tier size, one column per workload; with both
+    eviction policies swept, a third row: ARC's hit rate minus LRU's (percentage points), per
+    admission threshold."""
     plt = common.pyplot()
     names = [n for n, r in payload["sweeps"].items() if r]
-    fig, axes = plt.subplots(2, len(names), figsize=(5 * len(names), 7), squeeze=False)
+    both = {"lru", "arc"} <= {r["eviction"] for n in names for r in payload["sweeps"][n]["runs"]}
+    rows = 3 if both else 2
+    fig, axes = plt.subplots(rows, len(names), figsize=(5 * len(names), 3.5 * rows), squeeze=False)
     for col, name in enumerate(names):
         res = payload["sweeps"][name]
         base = [r for r in res["runs"] if r["host_tokens"] == 0]
         top, bottom = axes[0][col], axes[1][col]
         # One line per (admission threshold, eviction policy), each from the no-tier point.
-        for key in dict.fromkeys((r["min_seen"], r["eviction"]) for r in res["runs"] if r["host_tokens"]):
+        # Colour: admission threshold; line style: eviction policy (LRU solid, ARC dashed).
+        keys = list(dict.fromkeys((r["min_seen"], r["eviction"]) for r in res["runs"] if r["host_tokens"]))
+        colours = {m: f"C{i}" for i, m in enumerate(dict.fromkeys(m for m, _ in keys))}
+        for key in keys:
             runs = base + [r for r in res["runs"] if r["host_tokens"] and (r["min_seen"], r["eviction"]) == key]
             x = [max(r["host_tokens"], 1 << 12) for r in runs]
-            label = f"min_seen {key[0]}, {key[1]}"
-            top.plot(x, [100 * r["hit_rate"] for r in runs], marker="o", label=label)
-            bottom.plot(x, [r["recomputed_tokens"] / 1e6 for r in runs], marker="s", label=label)
+            style = {
+                "color": colours[key[0]],
+                "ls": "--" if key[1] == "arc" else "-",
+                "label": f"min_seen {key[0]}, {key[1]}",
+            }
+            top.plot(x, [100 * r["hit_rate"] for r in runs], marker="o", **style)
+            bottom.plot(x, [r["recomputed_tokens"] / 1e6 for r in runs], marker="s", **style)
         top.axhline(100 * res["ideal"]["hit_rate"], color="k", ls="--", lw=0.8, label="unbounded cache")
         top.set_title(f"{name}: device pool {res['device_tokens']:,} tokens")
         top.set_ylabel("prefix hit rate %")
@@ -637,6 +667,18 @@ def plot(payload: dict[str, Any], path: Path) -> Path:
         bottom.set_ylabel("recomputed tokens (millions)")
         for ax in (top, bottom):
             ax.set_xscale("log", base=2)
+        if both:
+            diff = axes[2][col]
+            by = {(r["host_tokens"], r["min_seen"], r["eviction"]): r["hit_rate"] for r in res["runs"]}
+            for m in colours:
+                hs = [h for (h, mm, e) in by if mm == m and e == "lru" and (h, m, "arc") in by]
+                pp = [100 * (by[(h, m, "arc")] - by[(h, m, "lru")]) for h in hs]
+                diff.plot(hs, pp, marker="d", color=colours[m], label=f"min_seen {m}")
+            diff.axhline(0, color="k", lw=0.8)
+            diff.set_xscale("log", base=2)
+            diff.set_xlabel("host tier (tokens)")
+            diff.set_ylabel("ARC - LRU hit rate (points)")
+            diff.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -664,7 +706,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--workloads", nargs="+", default=["mooncake", "azure_conv", "chat"])
     ap.add_argument("--requests", type=int, default=None, help="first N requests of each trace")
     ap.add_argument("--min-seen", nargs="+", type=int, default=[2], help="host admission thresholds to sweep")
-    ap.add_argument("--evictions", nargs="+", default=["lru"], help="host eviction policies to sweep")
+    ap.add_argument(
+        "--eviction",
+        "--evictions",
+        dest="evictions",
+        nargs="+",
+        choices=["lru", "arc"],
+        default=["lru", "arc"],
+        help="host eviction policies to sweep",
+    )
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--op-requests", type=int, default=2000)
     ap.add_argument("--op-blocks", type=int, default=64)
@@ -672,6 +722,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-ops", action="store_true", help="skip the CPU per block op comparison")
     ap.add_argument("--vllm-python", default=default_vllm_python(), help="interpreter with vLLM (part 2)")
     ap.add_argument("--results-dir", default=str(common.RESULTS_DIR))
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="result JSON (the plot beside it, .png); default RESULTS_DIR/host_tier.json, "
+        "with --quick RESULTS_DIR/host_tier_quick.json (a quick run never replaces the full results)",
+    )
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--engine", action="store_true", help="run the reference engine comparison instead")
     a, rest = ap.parse_known_args(argv)
@@ -729,10 +786,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
         payload["ops"] = ops
         print_ops(ops)
-    path = common.write_json("host_tier", payload, Path(a.results_dir))
+    out = a.out or Path(a.results_dir) / ("host_tier_quick.json" if a.quick else "host_tier.json")
+    path = common.write_json(out.stem, payload, out.parent)
     print(f"wrote {path}")
     if not a.no_plot:
-        print(f"wrote {plot(payload, Path(a.results_dir) / 'host_tier.png')}")
+        print(f"wrote {plot(payload, out.with_suffix('.png'))}")
     return payload
 
 
