@@ -304,7 +304,9 @@ struct CpuPool {
 
 #[derive(Debug)]
 struct State {
-    seqs: HashMap<SeqId, Seq>,
+    /// Per sequence id (foldhash: a step looks every scheduled id up, SipHash was a tenth of a
+    /// decode step).
+    seqs: foldhash::HashMap<SeqId, Seq>,
     cpu: CpuPool,
     events: Vec<GroupEvent>,
     /// Index key -> (group, plain hash), for the keys that resolve (events on only): names
@@ -403,6 +405,9 @@ impl<'a> Sim<'a> {
     fn refc(&self, b: BlockId) -> u32 {
         if b == VIRTUAL {
             return 1;
+        }
+        if self.refs.is_empty() {
+            return self.pool.ref_count(b); // a single call's plan: no hashing
         }
         self.refs
             .get(&b)
@@ -559,7 +564,7 @@ impl HybridManager {
         let hasher = PrefixHasher::new(cfg.hash_algo, &cfg.hash_seed);
         let n = cfg.num_cpu_blocks;
         let state = State {
-            seqs: HashMap::new(),
+            seqs: foldhash::HashMap::default(),
             cpu: CpuPool {
                 refs: vec![0; n as usize],
                 free: (0..n).rev().collect(),
@@ -1318,7 +1323,7 @@ impl HybridManager {
             out.error = Some(e);
             return out;
         }
-        let mut seen = HashSet::with_capacity(n);
+        let mut seen = foldhash::HashSet::with_capacity_and_hasher(n, Default::default());
         if let Some(&dup) = req.seq_ids.iter().find(|&&id| !seen.insert(id)) {
             out.error = Some(Error::InvalidArgument {
                 arg: "seq_ids",
@@ -1693,9 +1698,22 @@ impl HybridManager {
             }
             let bs = spec.block_size as usize;
             let n = if sim.is_empty() && l / bs > 0 {
-                // The real pool: the whole chain under one lock hold.
-                self.key_at(s, g, l / bs - 1);
-                self.pool.lookup_chain(&s.keys[g][..l / bs]).len()
+                // The real pool: the chain in runs of doubling length, one lock hold each,
+                // hashing only as far as the hits go. The blocks past the first miss are
+                // hashed when they fill, so an admission the pool refuses (the head of a
+                // full pool's queue, retried every step) hashes only its hit prefix.
+                let (mut n, mut run) = (0, 32);
+                while n < l / bs {
+                    let end = (n + run).min(l / bs);
+                    self.key_at(s, g, end - 1);
+                    let hit = self.pool.lookup_chain(&s.keys[g][n..end]).len();
+                    n += hit;
+                    if n < end {
+                        break;
+                    }
+                    run *= 2;
+                }
+                n
             } else {
                 let mut n = 0;
                 while n < l / bs {
