@@ -205,8 +205,9 @@ pub struct HostCounters {
 /// The host tier: host blocks, their keys, the eviction lists of unpinned cached blocks, pins,
 /// the seen counts of admission and the copies planned since the last hand-out. Memory: about
 /// 80 bytes per host block plus the seen table (bounded by `2 × (device + host blocks)` keys),
-/// with ARC up to `num_blocks` ghost keys (about 100 bytes each), and, with events on, one
-/// [`BlockMeta`] per cached block of either tier.
+/// with ARC ghost keys (at most `2 × num_blocks` less the keys on host, about `num_blocks` once
+/// the tier is full; about 100 bytes each), and, with events on, one [`BlockMeta`] per cached
+/// block of either tier.
 #[derive(Debug, Clone)]
 pub struct HostTier {
     num_blocks: u32,
