@@ -18,10 +18,16 @@ Two parts, each labelled in the output:
    through ``LLMEngine`` with ``kv_layout="paged"`` and ``"virtual"`` at equal ``num_kv_blocks``:
    TTFT, TPOT, goodput, preemptions, minor faults of the run, attention time per step (paged:
    the reference kernels' cache write + attention; virtual: the layout's write + attention).
+3. **Engine sharing** (same model, prefix caching on): the prompts of part 2 sent twice
+   (repeats), behind one long shared system prompt, and with ``n = 4`` samples each (forks),
+   through the paged layout and the virtual one at each ``--share-pages`` page size: prefix-hit
+   tokens (the engine's ``num_cached_tokens``), the virtual layout's shared pages (mapped, not
+   copied), copy-on-write pages and peak committed bytes, tokens equal to the paged run.
 
-Writes ``results/kv_layout.json`` and ``results/kv_layout.png``.
+Writes ``results/kv_layout.json`` and ``results/kv_layout.png`` (``--quick``:
+``results/kv_layout_quick.*``, so a quick run never replaces the full figures).
 
-    python benchmarks/kv_layout.py                      # default, about 5 minutes on 2 quiet cores
+    python benchmarks/kv_layout.py                      # default, about 8 minutes on 2 quiet cores
     python benchmarks/kv_layout.py --requests 120 --prompts 16   # the figures in docs/design.md
     python benchmarks/kv_layout.py --quick              # fewer requests, no engine run
 """
@@ -363,7 +369,117 @@ def engine_runs(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
+def engine_sharing(args: argparse.Namespace) -> list[dict]:
+    """SmolLM2 with prefix caching on, paged vs virtual at each page of ``--share-pages``, at
+    one budget, over the first ``--prompts`` lines of ``examples/prompts.jsonl`` in the chat
+    template (the library lines share one system prompt): per workload (``repeat``: the prompts
+    twice, figures of the second pass; ``system``: one warm-up request, then every prompt, so
+    the shared system prompt is cached; ``fork``: ``n = 4`` samples per prompt) the prefix-hit
+    tokens, the prompt tokens, and for the virtual layout the pages shared and copied and the
+    peak committed MiB. One row per layout and workload; ``tokens_equal_paged`` compares the
+    completions with the paged run's."""
+    import torch
+
+    from pagedkv.engine import LLMEngine, SamplingParams
+    from pagedkv.engine.errors import RequestTooLargeError
+    from pagedkv.engine.inputs import read_prompts
+    from pagedkv.engine.loader import load_hf_model
+
+    torch.set_num_threads(1)
+    hf, tok = load_hf_model()
+    lines = read_prompts(Path(__file__).resolve().parent.parent / "examples" / "prompts.jsonl")[: args.prompts]
+    plain = [{k: v for k, v in p.items() if k != "max_tokens"} for p in lines]  # --share-tokens for all
+    greedy = SamplingParams(max_tokens=args.share_tokens)
+    sampled = SamplingParams(max_tokens=args.share_tokens, n=4, temperature=0.8, seed=3)
+    rows, reference = [], {}
+    for page in [None, *args.share_pages]:
+        layout = "paged" if page is None else f"virtual {page // 1024} KiB"
+        for workload in ("repeat", "system", "fork"):
+            kw = dict(num_kv_blocks=args.share_kv_blocks, block_size=16, enable_prefix_caching=True)
+            if page is not None:
+                kw.update(kv_layout="virtual", page_size=page)
+            engine = LLMEngine(hf, tokenizer=tok, **kw)
+            if workload == "repeat":
+                engine.generate(plain, greedy, chat_template=True)
+                outs = engine.generate(plain, greedy, chat_template=True)
+            elif workload == "system":
+                engine.generate(plain[:1], greedy, chat_template=True)  # caches the shared system prompt
+                outs = engine.generate(plain, greedy, chat_template=True)
+            else:
+                try:
+                    outs = engine.generate(plain, sampled, chat_template=True)
+                except RequestTooLargeError as e:  # 2 MiB: every sample needs its own 60 pages
+                    rows.append({"layout": layout, "workload": workload, "refused": str(e)})
+                    print(f"sharing {layout} {workload}: refused ({e})", file=sys.stderr)
+                    continue
+            tokens = [[list(c.token_ids) for c in o.outputs] for o in outs]
+            reference.setdefault(workload, tokens)
+            row = {
+                "layout": layout,
+                "workload": workload,
+                "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+                "hit_tokens": sum(o.num_cached_tokens for o in outs),
+                "tokens_equal_paged": tokens == reference[workload],
+            }
+            if page is not None:
+                st = engine.layout.stats()
+                row.update(
+                    shared_pages=st.shared_pages,
+                    cow_pages=st.cow_pages,
+                    peak_committed_mib=st.peak_committed_bytes / 2**20,
+                    peak_used_mib=st.peak_used_bytes / 2**20,
+                    bytes_per_token=engine.layout.bytes_per_token,
+                    tokens_per_page=page / engine.layout.bytes_per_token,
+                )
+                engine.layout.close()
+            else:
+                row["peak_blocks"] = engine.metrics().peak_blocks_used
+                row["peak_used_mib"] = row["peak_blocks"] * 16 * TOKEN_BYTES / 2**20
+            rows.append(row)
+            print(f"sharing {layout} {workload}: {row['hit_tokens']} hit tokens", file=sys.stderr)
+    return rows
+
+
 # ------------------------------------------------------------------------------ main
+
+
+def print_sharing(shares: list[dict], args: argparse.Namespace) -> None:
+    """Print the engine sharing rows of :func:`engine_sharing` as a table."""
+    print_table(
+        f"Engine sharing (SmolLM2 fp32, prefix caching on, {args.share_kv_blocks} blocks of 16): prefix-hit "
+        "tokens, pages mapped into a second range (shared) and copied before a write (copy-on-write)",
+        [
+            "layout",
+            "workload",
+            "prompt tokens",
+            "hit tokens",
+            "shared pages",
+            "COW pages",
+            "peak MiB in use",
+            "tokens / page",
+            "same tokens",
+        ],  # fmt: skip
+        [
+            [r["layout"], r["workload"], "refused (never fits)", *["-"] * 6]
+            if "refused" in r
+            else [
+                r["layout"],
+                r["workload"],
+                r["prompt_tokens"],
+                r["hit_tokens"],
+                r.get("shared_pages", "-"),
+                r.get("cow_pages", "-"),
+                r["peak_used_mib"],
+                f"{r['tokens_per_page']:.1f}" if "tokens_per_page" in r else "-",
+                "yes" if r["tokens_equal_paged"] else "NO",
+            ]
+            for r in shares
+        ],  # fmt: skip
+        footnote="repeat: second pass of the same prompts; system: every prompt behind one shared system "
+        "prompt (cached by a warm-up request); fork: n = 4 samples. Paged hits are whole blocks of 16 tokens; "
+        "virtual hits are the whole tokens of the matched page groups (at most prompt - 1). Peak MiB in use: "
+        "held by sequences (paged: blocks referenced; virtual: pages mapped, shared ones once).",
+    )
 
 
 def main() -> None:
@@ -382,6 +498,9 @@ def main() -> None:
     ap.add_argument("--kv-blocks", type=int, default=64, help="engine pool (both layouts' budget), blocks of 16")
     ap.add_argument("--engine-pages", type=int, nargs="+", default=[65536, 4096])
     ap.add_argument("--repeats", type=int, default=2, help="engine runs per layout (best attention time shown)")
+    ap.add_argument("--share-pages", type=int, nargs="+", default=[4096, 65536, 2 * 1024 * 1024])
+    ap.add_argument("--share-kv-blocks", type=int, default=512, help="sharing runs' pool, blocks of 16")
+    ap.add_argument("--share-tokens", type=int, default=8, help="max_tokens of the sharing runs")
     ap.add_argument("--quick", action="store_true", help="40 requests per trace, no engine run")
     args = ap.parse_args()
     if args.quick:
@@ -485,9 +604,13 @@ def main() -> None:
                 for r in eng
             ],  # fmt: skip
         )
-    path = write_json("kv_layout", {"args": vars(args), "replay": replay_rows, "mooncake_sharing": share,
-                                    "engine": eng})  # fmt: skip
-    plot(replay_rows, args, RESULTS_DIR / "kv_layout.png")
+    shares = [] if args.quick else engine_sharing(args)
+    if shares:
+        print_sharing(shares, args)
+    name = "kv_layout_quick" if args.quick else "kv_layout"  # a quick run keeps the full figures
+    path = write_json(name, {"args": vars(args), "replay": replay_rows, "mooncake_sharing": share,
+                             "engine": eng, "engine_sharing": shares})  # fmt: skip
+    plot(replay_rows, args, RESULTS_DIR / f"{name}.png")
     print(f"wrote {path}")
 
 
