@@ -50,9 +50,15 @@ Figures per system and trace:
   plus freed, ``2 * groups * ceil(tokens / 16)`` per request for the 6-group managers, the same
   denominator for pagedkv hybrid and vLLM, so their ratio is the ratio of manager CPU time.
   pagedkv's decodes go through one batched ``step`` per scheduler step; vLLM's through
-  ``allocate_slots`` per request as its scheduler calls it. vLLM's timed admission includes
-  building its ``Request``, which hashes the prompt's blocks (pagedkv's ``add_sequence`` hashes
-  them too); both use sha256.
+  ``allocate_slots`` per request as its scheduler calls it. Both managers return the same
+  kind of output: each group's new block ids (pagedkv's steps run with ``block_table=False,
+  token_arrays=False``: table deltas and lengths, no dense ``[G, S, W]`` tables and no
+  per-token slot mapping, which vLLM's ``KVCacheManager`` does not build either; its model
+  runner does). Admission checks the watermark inside the manager on both sides (vLLM's
+  ``allocate_slots`` with ``watermark=``, pagedkv's ``step(..., reserve_blocks=)``). vLLM's
+  timed admission includes building its ``Request``, which hashes the prompt's blocks;
+  pagedkv's hashes them in ``step`` (the hit prefix at once, the rest as the blocks fill); a
+  refused admission is retried from scratch on both sides; both use sha256.
 
 Usage: ``target/vllm-venv/bin/python benchmarks/hybrid.py [--quick] [--requests N]
 [--pool-gib G] [--traces-dir DIR] [--no-vllm]``; writes ``results/hybrid.json`` and ``results/hybrid.png``.
@@ -116,6 +122,11 @@ def layer_groups() -> list[int]:
 
 
 # ----------------------------------------------------------------------------- adapters
+# pagedkv's steps return what vLLM's allocate_slots returns (each group's new block ids) plus the
+# block-table deltas and lengths: no dense [G, S, W] tables and no per-token slot mapping, which
+# vLLM's KVCacheManager does not build either (its model runner does, from the new block ids).
+SCHEDULER_OUTPUT = dict(block_table=False, token_arrays=False)
+
 # Each adapter: admit(r, prompt) -> hit tokens or None (nothing changed), decode(rs, toks) ->
 # number of leading requests decoded, free(r), held(r) -> blocks held, cpu_ns (manager calls).
 
@@ -130,33 +141,32 @@ class PagedKVHybrid:
         self.reserve = math.ceil(WATERMARK * num_blocks)
         self.cpu_ns = 0
 
-    def _fits(self, r: int, chunk: int) -> bool:
-        take, release = self.m.num_blocks_needed(r, chunk)
-        return take - release <= self.m.num_free_blocks - self.reserve
-
     def admit(self, r: int, prompt: np.ndarray, chunk: int) -> tuple[int, int] | None:
         m = self.m
         t0 = time.thread_time_ns()
         m.add_sequence(r, prompt)
-        if not self._fits(r, chunk):
+        # The watermark inside the step (as vLLM's allocate_slots checks its own): take - release
+        # <= free - reserve, one prefix lookup, no num_blocks_needed call first.
+        out = m.step([r], chunk, reserve_blocks=self.reserve, **SCHEDULER_OUTPUT)
+        if out.num_scheduled == 0:
             m.free(r)
             self.cpu_ns += time.thread_time_ns() - t0
+            if not isinstance(out.error, pagedkv.OutOfBlocksError):
+                out.raise_for_error()
             return None
-        out = m.step([r], chunk)
         self.cpu_ns += time.thread_time_ns() - t0
-        out.raise_for_error()
         qsl = out.query_start_loc
         return int(out.num_cached_tokens[0]), int(qsl[1] - qsl[0])
 
     def prefill(self, r: int, chunk: int) -> bool:
         t0 = time.thread_time_ns()
-        out = self.m.step([r], chunk)
+        out = self.m.step([r], chunk, **SCHEDULER_OUTPUT)
         self.cpu_ns += time.thread_time_ns() - t0
         return out.num_scheduled == 1
 
     def decode(self, rs: list[int], toks: np.ndarray) -> int:
         t0 = time.thread_time_ns()
-        out = self.m.step(np.asarray(rs, dtype=np.uint64), 1, toks)
+        out = self.m.step(np.asarray(rs, dtype=np.uint64), 1, toks, **SCHEDULER_OUTPUT)
         self.cpu_ns += time.thread_time_ns() - t0
         return int(out.num_scheduled)
 
@@ -177,6 +187,20 @@ class PagedKVFull(PagedKVHybrid):
         self.m = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE))
         self.reserve = math.ceil(WATERMARK * num_blocks)
         self.cpu_ns = 0
+
+    def admit(self, r: int, prompt: np.ndarray, chunk: int) -> tuple[int, int] | None:
+        m = self.m
+        t0 = time.thread_time_ns()
+        m.add_sequence(r, prompt)
+        if not self._fits(r, chunk):
+            m.free(r)
+            self.cpu_ns += time.thread_time_ns() - t0
+            return None
+        out = m.step([r], chunk, **SCHEDULER_OUTPUT)
+        self.cpu_ns += time.thread_time_ns() - t0
+        out.raise_for_error()
+        qsl = out.query_start_loc
+        return int(out.num_cached_tokens[0]), int(qsl[1] - qsl[0])
 
     def _fits(self, r: int, chunk: int) -> bool:
         return self.m.num_blocks_needed(r, chunk) <= self.m.pool.num_free - self.reserve

@@ -261,3 +261,35 @@ def test_from_steps_refuses_a_step_without_what_it_needs() -> None:
     no_tokens = m.step([2], 3, token_arrays=False)
     with pytest.raises(pagedkv.InvalidArgumentError, match="token_arrays"):
         GroupBatchTensors.from_steps(no_tokens, None)
+
+
+def test_reserve_blocks_is_an_admission_watermark() -> None:
+    """``step(reserve_blocks=k)`` schedules a sequence exactly when ``take + k <= free +
+    release`` (``num_blocks_needed``'s figures); a refusal is an ``OutOfBlocksError`` in
+    ``error`` counting the reserve, with nothing changed."""
+    groups = [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=6)]
+    m = HybridKVCacheManager(groups, [0, 1], 21)  # 20 usable blocks
+    m.add_sequence(1, list(range(40)))
+    take, release = m.num_blocks_needed(1, 40)
+    free = m.num_free_blocks
+    assert (take, release, free) == (20, 0, 20)
+    out = m.step([1], 40, reserve_blocks=1)
+    assert out.num_scheduled == 0
+    assert isinstance(out.error, pagedkv.OutOfBlocksError)
+    assert "21" in str(out.error) and "20" in str(out.error)  # requested take + reserve, available
+    assert m.num_computed_tokens(1) == 0 and m.num_free_blocks == free
+    m.check_invariants()
+    out = m.step([1], 40, reserve_blocks=0)
+    assert out.num_scheduled == 1 and m.num_free_blocks == 0
+    # A chunk whose releases pay for it passes the same watermark.
+    m2 = HybridKVCacheManager(groups, [0, 1], 41)
+    m2.add_sequence(1, list(range(80)))
+    m2.step([1], 40)
+    take, release = m2.num_blocks_needed(1, 8)
+    k = m2.num_free_blocks + release - take
+    assert release > 0 and k >= 0
+    refused = m2.step([1], 8, reserve_blocks=k + 1)
+    assert refused.num_scheduled == 0 and isinstance(refused.error, pagedkv.OutOfBlocksError)
+    assert m2.step([1], 8, reserve_blocks=k).num_scheduled == 1
+    with pytest.raises(pagedkv.InvalidArgumentError):
+        m2.step([1], 8, reserve_blocks=-1)

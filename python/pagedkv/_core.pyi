@@ -790,6 +790,7 @@ class HybridKVCacheManager:
         draft_token_ids: _IntArrayLike | list[_IntArrayLike] | None = None,
         block_table: bool = True,
         token_arrays: bool = True,
+        reserve_blocks: int = 0,
     ) -> HybridStepOutput: ...
     @property
     def num_host_blocks(self) -> int: ...

@@ -217,6 +217,12 @@ pub struct HybridStepOptions {
     /// [`HybridStepOutput::input_ids`] empty: for callers that build them on the device from
     /// the block tables and positions, or that need only block ids (a scheduler).
     pub skip_token_arrays: bool,
+    /// Blocks that must stay free after each sequence's allocation (an admission watermark,
+    /// as vLLM's `KVCacheManager(watermark=)`): a sequence whose allocation would leave fewer
+    /// fails with [`Error::OutOfBlocks`] `{requested: take + reserve_blocks, available: free
+    /// + release}` and the step stops there, so admission control is the step itself (no
+    /// separate [`HybridManager::num_blocks_needed`] call, one prefix lookup). 0: none.
+    pub reserve_blocks: usize,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -1360,11 +1366,12 @@ impl HybridManager {
                 );
                 s.tokens.extend_from_slice(&req.append_tokens[a..b]);
             }
-            let alloc = match self.allocate_locked_with_drafts(
+            let alloc = match self.allocate_reserving(
                 seq,
                 s,
                 req.num_new_tokens[i] as usize,
                 drafts_of(i),
+                opts.reserve_blocks,
                 &mut ev,
             ) {
                 Ok(a) => a,
@@ -1939,14 +1946,29 @@ impl HybridManager {
         drafts: &[u32],
         ev: &mut Vec<Pending>,
     ) -> Result<HybridAllocation> {
+        self.allocate_reserving(seq, s, num_new_tokens, drafts, 0, ev)
+    }
+
+    /// [`Self::allocate_locked_with_drafts`] refused (nothing changed) unless `reserve` blocks
+    /// stay free after it ([`HybridStepOptions::reserve_blocks`]).
+    fn allocate_reserving(
+        &self,
+        seq: SeqId,
+        s: &mut Seq,
+        num_new_tokens: usize,
+        drafts: &[u32],
+        reserve: usize,
+        ev: &mut Vec<Pending>,
+    ) -> Result<HybridAllocation> {
         let plan = {
             let sim = Sim::new(&self.pool);
             self.plan_with_drafts(seq, s, num_new_tokens, drafts.len(), &sim)?
         };
         let available = self.pool.num_free() + plan.demand.release;
-        if plan.demand.take > available {
+        let requested = plan.demand.take.saturating_add(reserve);
+        if requested > available {
             return Err(Error::OutOfBlocks {
-                requested: plan.demand.take,
+                requested,
                 available,
             });
         }

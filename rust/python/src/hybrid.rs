@@ -887,10 +887,15 @@ impl PyHybridManager {
     ///     token_arrays: fill the per-token ``slot_mapping`` and ``input_ids`` (default True);
     ///         False leaves them empty (``int64[G, 0]`` / ``int64[0]``), for a caller that needs
     ///         only block ids and lengths (a scheduler).
+    ///     reserve_blocks: blocks that must stay free after each sequence's allocation (an
+    ///         admission watermark, as vLLM's ``KVCacheManager(watermark=)``; default 0): a
+    ///         sequence that would leave fewer stops the step with ``OutOfBlocksError`` in
+    ///         ``error`` (``requested`` counts the reserve), so admitting a request is one
+    ///         ``step`` without a ``num_blocks_needed`` call first.
     ///
     /// Raises ``InvalidArgumentError`` for arguments it cannot read (nothing done).
-    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, draft_token_ids = None, block_table = None, token_arrays = None),
-           text_signature = "(self, seq_ids, num_new_tokens, append_token_ids=None, *, draft_token_ids=None, block_table=True, token_arrays=True)")]
+    #[pyo3(signature = (seq_ids, num_new_tokens, append_token_ids = None, *, draft_token_ids = None, block_table = None, token_arrays = None, reserve_blocks = None),
+           text_signature = "(self, seq_ids, num_new_tokens, append_token_ids=None, *, draft_token_ids=None, block_table=True, token_arrays=True, reserve_blocks=0)")]
     #[allow(clippy::too_many_arguments)]
     fn step(
         &self,
@@ -901,10 +906,15 @@ impl PyHybridManager {
         draft_token_ids: Option<&Bound<'_, PyAny>>,
         block_table: Option<&Bound<'_, PyAny>>,
         token_arrays: Option<&Bound<'_, PyAny>>,
+        reserve_blocks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyHybridStepOutput> {
         let opts = HybridStepOptions {
             skip_block_table: !crate::convert::flag(block_table, "block_table", true)?,
             skip_token_arrays: !crate::convert::flag(token_arrays, "token_arrays", true)?,
+            reserve_blocks: match reserve_blocks.filter(|r| !r.is_none()) {
+                Some(r) => count(r, "reserve_blocks")?,
+                None => 0,
+            },
         };
         let seq_ids = crate::convert::seq_ids(seq_ids, "seq_ids")?;
         let n = seq_ids.len();
