@@ -13,6 +13,9 @@ Workloads (each scheduler gets the same request stream):
   token ids), closed loop: new requests are admitted whenever fewer than 256 are unfinished.
 - ``mooncake``: the Mooncake conversation trace, prompts built from its ``hash_ids`` (equal ids
   give equal 512-token blocks, so requests share prefixes), same closed loop.
+- ``gemma3_decode128``: a hybrid model, Gemma 3's KV cache groups (one full-attention and five
+  sliding-window groups, window 512; ``HybridPagedKVCacheManager`` in the plug-in): 128
+  requests with distinct 600-token prompts (past the window), measured once all are decoding.
 
 Reported per step (mean over the measured steps, CPU time of this thread): ``schedule()``,
 ``update_from_output()`` and their sum. The KV-manager share counts the same kinds of work in
@@ -63,8 +66,10 @@ from common import (  # noqa: E402
 
 from pagedkv.integrations.vllm import PagedKVScheduler  # noqa: E402
 from pagedkv.testing.vllm_scheduler import (  # noqa: E402
+    GEMMA3_GROUPS,
     build_scheduler,
     fake_model_output,
+    make_hybrid_kv_cache_config,
     make_request,
     make_vllm_config,
 )
@@ -127,6 +132,7 @@ KV_FILES = (
     "/vllm/v1/core/block_pool.py",
     "/vllm/v1/core/kv_cache_utils.py",
     "/pagedkv/integrations/vllm/kv_cache_manager.py",
+    "/pagedkv/integrations/vllm/hybrid_kv_cache_manager.py",
     "/pagedkv/integrations/vllm/decode_deferral.py",
     "/pagedkv/integrations/vllm/blocks.py",
     "/pagedkv/integrations/vllm/coordinator.py",
@@ -134,7 +140,14 @@ KV_FILES = (
 )
 KV_FUNCTIONS = ("Request.update_block_hashes",)
 # Qualified-name prefixes of the KVCacheBlocks results (vLLM's and pagedkv's).
-BLOCKS_CLASSES = ("KVCacheBlocks.", "_make_blocks_class.<locals>.PagedKVBlocksImpl.", "DeferredBlocks.", "PrefixHit.")
+BLOCKS_CLASSES = (
+    "KVCacheBlocks.",
+    "_make_blocks_class.<locals>.PagedKVBlocksImpl.",
+    "_make_grouped_class.<locals>.GroupedBlocksImpl.",
+    "DeferredBlocks.",
+    "DeferredGroupedBlocks.",
+    "PrefixHit.",
+)
 
 
 class KVSampler:
@@ -251,8 +264,11 @@ def run_one(
     steps: int,
     sample: bool,
     wait_all_decoding: bool,
+    groups: Any = None,
 ) -> dict[str, float]:
-    """Drives ``cls`` over the request specs; returns per-step means in microseconds."""
+    """Drives ``cls`` over the request specs (``groups``: hybrid KV cache groups as
+    ``make_hybrid_kv_cache_config`` takes them; None: one full-attention group); returns
+    per-step means in microseconds."""
     cfg = make_vllm_config(
         num_blocks=num_blocks,
         block_size=BS,
@@ -260,7 +276,8 @@ def run_one(
         max_num_batched_tokens=8192,
         max_model_len=32768,
     )
-    sched = build_scheduler(cls, cfg, log_stats=False)
+    kv = make_hybrid_kv_cache_config(num_blocks, groups, BS) if groups else None
+    sched = build_scheduler(cls, cfg, log_stats=False, kv_cache_config=kv)
     reqs = [make_request(rid, prompt, out, block_size=BS) for _, (rid, prompt, out) in specs]
     pending = list(reversed(reqs))
 
@@ -354,6 +371,14 @@ def _workloads() -> dict[str, dict[str, Any]]:
             warmup_steps=300,
             wait_all_decoding=False,
         ),
+        "gemma3_decode128": dict(
+            specs=lambda: _requests_decode(128, 600, 100_000),
+            num_blocks=128 * 6 * 48 + 1,
+            warmup_steps=5,
+            wait_all_decoding=True,
+            groups=GEMMA3_GROUPS,
+            max_running=128,
+        ),
     }
 
 
@@ -362,11 +387,12 @@ def _run(cls: Any, w: dict[str, Any], specs: Any, steps: int, sample: bool) -> d
         cls,
         specs,
         num_blocks=w["num_blocks"],
-        max_running=256,
+        max_running=w.get("max_running", 256),
         warmup_steps=w["warmup_steps"],
         steps=steps,
         sample=sample,
         wait_all_decoding=w["wait_all_decoding"],
+        groups=w.get("groups"),
     )
 
 

@@ -340,3 +340,83 @@ def test_kv_events_name_their_group_and_kind() -> None:
     assert [h for e in stored if e.group_idx == 0 for h in e.block_hashes] == [
         h for e in stored if e.group_idx == 1 for h in e.block_hashes
     ]
+
+
+class _CountingManager:
+    """A ``pagedkv.HybridKVCacheManager`` wrapper counting its ``step`` calls (crossings into
+    Rust that allocate)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.steps = 0
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        self.steps += 1
+        return self._inner.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _PerRequestDecodes(PagedKVScheduler):
+    batch_decode = False
+
+
+def _run_counted(cls: type, stream: Any, num_blocks: int, **config: Any) -> tuple[Driver, list[Any], list[int]]:
+    """``stream`` on ``cls`` alone: the records, and per scheduler step the ``step`` calls."""
+    kv = make_hybrid_kv_cache_config(num_blocks, GEMMA3_GROUPS, BS)
+    d = Driver(build_scheduler(cls, make_vllm_config(num_blocks=num_blocks, **config), kv_cache_config=kv))
+    kvm = d.scheduler.kv_cache_manager
+    counter = _CountingManager(kvm._kvm)
+    kvm._kvm = counter
+    records, crossings = [], []
+    for step in range(5000):
+        for rid, prompt, max_tokens in stream.get(step, []):
+            d.add(make_request(rid, prompt, max_tokens, block_size=BS))
+        if step > max(stream) and not d.scheduler.has_unfinished_requests():
+            break
+        before = counter.steps
+        records.append(d.step())
+        crossings.append(counter.steps - before)
+    kvm._kvm = counter._inner
+    kvm.manager.check_invariants()
+    assert kvm.manager.num_sequences == 0
+    return d, records, crossings
+
+
+def test_batched_decodes_match_per_request_decodes_in_one_call_per_step() -> None:
+    # 24 requests past the window decoding together (Gemma 3's groups): the batched path gives
+    # the records of the per-request path (itself stock's) step by step, with one allocating
+    # call into Rust per decode-only step instead of one per request.
+    rng = random.Random(17)
+    prefix = _tokens(rng, 530)
+    stream = _shared_prefix_stream(rng, prefix, 24, (1, 200), 3)
+    batched, b_records, b_cross = _run_counted(PagedKVScheduler, stream, 4096, max_num_batched_tokens=1024)
+    per_req, p_records, p_cross = _run_counted(_PerRequestDecodes, stream, 4096, max_num_batched_tokens=1024)
+    assert b_records == p_records
+    assert batched.outputs == per_req.outputs
+    kvm = batched.scheduler.kv_cache_manager
+    assert kvm.num_batched_allocations > 0 and per_req.scheduler.kv_cache_manager.num_batched_allocations == 0
+    decode_only = [
+        i for i, r in enumerate(b_records) if r["scheduled"] and all(n == 1 for n in r["scheduled"].values())
+    ]
+    assert len(decode_only) > 10
+    assert all(b_cross[i] == 1 for i in decode_only)
+    assert [p_cross[i] for i in decode_only] == [len(b_records[i]["scheduled"]) for i in decode_only]
+    print(f"allocating calls into Rust: batched {sum(b_cross)}, per request {sum(p_cross)}")
+
+
+def test_batched_decodes_under_pressure_stop_where_blocks_run_out() -> None:
+    # A pool too small for every decode to open its blocks: the free count stops deferring
+    # (num_batch_stops) and those decodes take the per-request path, where vLLM preempts as
+    # stock: step by step equal to stock.
+    rng = random.Random(23)
+    prefix = _tokens(rng, 40)
+    stream = _shared_prefix_stream(rng, prefix, 10, (1, 60), 4)
+    for reqs in stream.values():
+        reqs[:] = [(rid, prompt, 200) for rid, prompt, _ in reqs]
+    stock, paged, records = _lockstep(GEMMA3_GROUPS, stream, num_blocks=400, max_num_batched_tokens=256)
+    assert paged.outputs == stock.outputs
+    assert any(b["preempted"] for _, b in records)
+    kvm = paged.scheduler.kv_cache_manager
+    assert kvm.num_batched_allocations > 0 and kvm.num_batch_stops > 0

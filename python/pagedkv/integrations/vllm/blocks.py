@@ -8,13 +8,15 @@ vLLM's scheduler reads a ``KVCacheBlocks`` per allocation (``get_block_ids``, co
 - :data:`GroupedBlocks`: the same over one id list per KV cache group (hybrid models);
 - :class:`DeferredBlocks`: the new block of a deferred decode, whose id exists once the
   deferred decodes are flushed into pagedkv (reading it flushes them);
+- :class:`DeferredGroupedBlocks`: the same for a deferred decode of the hybrid manager (one
+  new block per KV cache group);
 - :class:`PrefixHit`: a prefix hit between ``get_computed_blocks`` and ``allocate_slots`` (its
   length only: pagedkv takes the hit blocks itself when it allocates).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from pagedkv.errors import InvalidSequenceStateError
@@ -22,7 +24,7 @@ from pagedkv.errors import InvalidSequenceStateError
 if TYPE_CHECKING:
     from pagedkv.integrations.vllm.decode_deferral import DecodeDeferral
 
-__all__ = ["DeferredBlocks", "GroupedBlocks", "PagedKVBlocks", "PrefixHit"]
+__all__ = ["DeferredBlocks", "DeferredGroupedBlocks", "GroupedBlocks", "PagedKVBlocks", "PrefixHit"]
 
 
 def _kv_cache_blocks_type() -> type:
@@ -175,6 +177,24 @@ class DeferredBlocks(PagedKVBlocks):  # type: ignore[misc, valid-type, unused-ig
         if self._deferral.pending_seqs:
             self._deferral.flush()
         return self._ids
+
+
+class DeferredGroupedBlocks(GroupedBlocks):  # type: ignore[misc, valid-type, unused-ignore]
+    """The new blocks (one per KV cache group) of a decode ``HybridPagedKVCacheManager``
+    deferred: their ids are known once the deferred decodes are flushed into pagedkv, which
+    reading ``groups`` does (``flush`` is the manager's ``flush_decodes``)."""
+
+    def __init__(self, flush: Callable[[], Any]) -> None:
+        self._flush = flush
+        self._groups: tuple[list[int], ...] | None = None
+
+    @property
+    def groups(self) -> tuple[list[int], ...]:
+        """One id list per group (flushes the deferred decodes into pagedkv first)."""
+        if self._groups is None:
+            self._flush()
+        assert self._groups is not None, "the flush fills in every deferred decode's blocks"
+        return self._groups
 
 
 class PrefixHit:

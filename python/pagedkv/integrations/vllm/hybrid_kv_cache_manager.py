@@ -31,17 +31,33 @@ Speculative decoding with scheduled draft tokens (n-gram) is served as by
 ``PagedKVCacheManager``: the drafts get lookahead slots in every group in the same ``step``
 call, and vLLM's rollback of ``num_computed_tokens`` resolves them at the request's next
 allocation (``accept_drafts(release_blocks=False)``). Refused when the scheduler is built:
-Mamba groups and group block sizes other than the scheduler's. Decodes are allocated one call
-per request (no batched decode path).
+Mamba groups and group block sizes other than the scheduler's.
+
+Batched decode (``defer_decodes``, on under ``PagedKVScheduler``): vLLM calls
+``allocate_slots(request, 1)`` once per running request per step. Such a plain decode is
+answered in Python and deferred: one inside the tail block takes no block in any group and
+returns the empty result; one opening a block takes one in every group (all groups share the
+block size), counted against the pool's free blocks, and returns a
+:class:`~pagedkv.integrations.vllm.blocks.DeferredGroupedBlocks`. The deferred decodes reach
+pagedkv in one ``HybridKVCacheManager.step``, in call order, before anything else reads or
+changes pagedkv (every other call flushes first), at the latest when ``schedule`` returns, so
+pagedkv's state is what one call per decode would have made: the blocks a sliding-window
+group releases as the window moves go back in that step, and nothing reads the pool before.
+The free count ignores those releases, so it can only under-count: a decode it cannot cover,
+and any decode of a request whose verify steps kept lookahead blocks (speculative decoding),
+takes the per-request path, which fails where vLLM's own manager fails, so vLLM preempts where
+stock vLLM preempts.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 import pagedkv
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
-from pagedkv.integrations.vllm.blocks import GroupedBlocks, PrefixHit
+from pagedkv.integrations.vllm.blocks import DeferredGroupedBlocks, GroupedBlocks, PrefixHit
 from pagedkv.integrations.vllm.coordinator import CoordinatorView
 from pagedkv.integrations.vllm.errors import VllmStateMismatchError
 from pagedkv.integrations.vllm.kv_cache_manager import request_sequence_spec
@@ -189,9 +205,26 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         self.spec_kinds = [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in groups]
         self.medium = "GPU"
         self.mamba_shared_prefix_checkpoint = False
+        #: Defer plain decodes of running requests and allocate them in one batched call
+        #: (``flush_decodes``); off: one call into Rust per ``allocate_slots``.
         self.defer_decodes = False
+        #: Decode slots carried into pagedkv by the batched path so far.
         self.num_batched_allocations = 0
+        #: Decodes not deferred because the free count could not cover their blocks.
         self.num_batch_stops = 0
+        self._RUNNING = RequestStatus.RUNNING
+        # The deferred decodes not yet in pagedkv, in call order: sequence, its decoded token,
+        # the computed-token count pagedkv must report for it; (index, result) of those that
+        # open a block; their request ids; the free blocks left for them (None: read the pool).
+        self._pending_seqs: list[int] = []
+        self._pending_tokens: list[int] = []
+        self._pending_context: list[int] = []
+        self._pending_new: list[tuple[int, Any]] = []
+        self._pending_rids: set[str] = set()
+        self._deferred_free: int | None = None
+        # Requests that had a verify step: their tables may hold lookahead blocks past their
+        # tokens, so their decodes take the per-request path.
+        self._had_drafts: set[str] = set()
         # Per group, vLLM's recycling-aware admission cap in blocks (None: no cap).
         in_flight = max_in_flight_tokens if max_in_flight_tokens is not None else (max_model_len or 0)
         self._admission_caps: list[int | None] = []
@@ -215,7 +248,9 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
 
     @property
     def manager(self) -> pagedkv.HybridKVCacheManager:
-        """The underlying ``pagedkv.HybridKVCacheManager`` (inspection, invariant checks)."""
+        """The underlying ``pagedkv.HybridKVCacheManager`` (inspection, invariant checks), with
+        the deferred decodes brought in first."""
+        self._sync()
         return self._kvm
 
     @property
@@ -224,11 +259,92 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         cached blocks), as vLLM's block pool."""
         if not self._num_usable:
             return 0.0
+        self._sync()
         return 1.0 - self._kvm.num_free_blocks / self._num_usable
 
+    # ---- batched decode --------------------------------------------------------------------
+
+    def _defer_decode(self, request: Any) -> Any:
+        """A plain one-token decode of a running request, deferred to the next
+        :meth:`flush_decodes`: the empty result (no block taken) or a ``DeferredGroupedBlocks``
+        (a block in every group); None when it is no plain decode, its request had a verify
+        step or is already deferred, or the free count cannot cover it (the per-request path
+        decides then)."""
+        rid = request.request_id
+        pos = request.num_computed_tokens
+        tokens = request._all_token_ids
+        if (
+            self._num_known.get(rid) != pos
+            or len(tokens) != pos + 1
+            or request.num_output_placeholders
+            or request.status is not self._RUNNING
+            or rid in self._pending_rids
+            or rid in self._drafts_pending
+            or rid in self._had_drafts
+        ):
+            return None
+        if pos % self.block_size:
+            blocks = self.empty_kv_cache_blocks
+        else:
+            # The token opens a block in every group; the pool must hold one for each (the
+            # blocks a window releases in the same step are not counted: an under-count).
+            free = self._deferred_free
+            if free is None:
+                free = self._kvm.num_free_blocks
+            need = self.num_kv_cache_groups
+            if free < need:
+                self._deferred_free = free
+                self.num_batch_stops += 1
+                return None
+            self._deferred_free = free - need
+            blocks = DeferredGroupedBlocks(self.flush_decodes)
+            self._pending_new.append((len(self._pending_seqs), blocks))
+        self._pending_seqs.append(self._seq_of[rid])
+        self._pending_tokens.append(int(tokens[pos]))
+        self._pending_context.append(pos)
+        self._pending_rids.add(rid)
+        self._num_known[rid] = pos + 1
+        return blocks
+
     def flush_decodes(self) -> int:
-        """0: decodes are allocated one call per request (no batched decode path)."""
-        return 0
+        """Allocates the deferred decodes (appending each one's token) in one call into Rust
+        (``HybridKVCacheManager.step``), in the order they were deferred, and fills in the
+        new blocks of those that opened one. Returns how many decode slots went in. Raises
+        ``VllmStateMismatchError`` if pagedkv refuses one or disagrees on a computed-token
+        count or the blocks taken (the deferral's bookkeeping would be wrong; never
+        expected)."""
+        seqs = self._pending_seqs
+        self._deferred_free = None
+        if not seqs:
+            return 0
+        tokens, context, new = self._pending_tokens, self._pending_context, self._pending_new
+        self._pending_seqs, self._pending_tokens, self._pending_context, self._pending_new = [], [], [], []
+        self._pending_rids.clear()
+        n = len(seqs)
+        # vLLM reads only the new blocks: no dense tables, slot mappings or token ids.
+        out = self._kvm.step(seqs, 1, np.array(tokens, dtype=np.int64), block_table=False, token_arrays=False)
+        if out.error is not None or out.num_scheduled != n:
+            raise _mismatch("deferred decodes", "scheduled decodes", n, f"{out.num_scheduled} ({out.error!r})")
+        got = out.context_lens.tolist()
+        if got != context:
+            raise _mismatch("deferred decodes", "num_computed_tokens", context, got)
+        g = self.num_kv_cache_groups
+        indptr = out.new_block_indptr.tolist()
+        ids = out.new_block_ids.tolist()
+        opened = [i for i in range(n) if indptr[(i + 1) * g] > indptr[i * g]]
+        if opened != [i for i, _ in new] or len(ids) != g * len(new):
+            raise _mismatch("deferred decodes", "decodes taking blocks", [i for i, _ in new], opened)
+        for i, blocks in new:
+            blocks._groups = tuple(ids[indptr[i * g + k] : indptr[i * g + k + 1]] for k in range(g))
+        self.num_batched_allocations += n
+        return n
+
+    def _sync(self) -> None:
+        """Brings pagedkv up to date before any other call reads or changes it (flushes the
+        deferred decodes, forgets the free count they were counted against)."""
+        if self._pending_seqs:
+            self.flush_decodes()
+        self._deferred_free = None
 
     # ---- request registration --------------------------------------------------------------
 
@@ -289,6 +405,7 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         for a ``max_cache_hit_length`` below the hit, changing nothing."""
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
+        self._sync()
         seq = self._register(request)
         hit = self._kvm.lookup_prefix(seq)
         self._check_hit_cap(hit, max_cache_hit_length)
@@ -302,6 +419,7 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         seq = self._seq_of.get(request.request_id)
         if seq is None or not self.enable_caching:
             return 0
+        self._sync()
         computed = min(self._kvm.num_computed_tokens(seq), request.num_tokens)
         return int(computed - computed % self.block_size)
 
@@ -357,7 +475,27 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         ones that are not drafts, or a feature the config check refuses (lookahead slots,
         external / encoder tokens, delayed caching), and ``VllmStateMismatchError`` (a
         ``RuntimeError``) if pagedkv's computed-token count disagrees with the request's.
+
+        A plain decode of a running request (one token, no other option) is deferred to the
+        next ``flush_decodes`` when ``defer_decodes`` is on (see the module docs).
         """
+        if (
+            num_new_tokens == 1
+            and self.defer_decodes
+            and not (
+                num_new_computed_tokens
+                or num_lookahead_tokens
+                or full_sequence_must_fit
+                or reserved_blocks
+                or num_external_computed_tokens
+                or num_encoder_tokens
+                or delay_cache_blocks
+            )
+        ):
+            blocks = self._defer_decode(request)
+            if blocks is not None:
+                return blocks
+        self._sync()
         rid = request.request_id
         self._check_allocation_args(
             rid,
@@ -399,10 +537,17 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
                 return None
             if take + watermark > free + release - reserved_blocks:
                 return None
+        # vLLM reads only the new blocks and the context: no dense tables or per-token arrays.
         if drafts:
-            out = self._kvm.step([seq], [num_new_tokens - num_drafts], draft_token_ids=[drafts])
+            out = self._kvm.step(
+                [seq],
+                [num_new_tokens - num_drafts],
+                draft_token_ids=[drafts],
+                block_table=False,
+                token_arrays=False,
+            )
         else:
-            out = self._kvm.step([seq], [num_new_tokens])
+            out = self._kvm.step([seq], [num_new_tokens], block_table=False, token_arrays=False)
         if out.error is not None:
             if isinstance(out.error, OutOfBlocksError):
                 return None
@@ -420,6 +565,7 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
             )
         if drafts:
             self._drafts_pending[rid] = (expected + num_new_tokens - num_drafts, drafts)
+            self._had_drafts.add(rid)
         indptr = out.new_block_indptr.tolist()
         ids = out.new_block_ids.tolist()
         if indptr[-1] == 0:
@@ -432,6 +578,7 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         by recompute). A request never allocated is a no-op, as in vLLM. Raises
         ``UnknownSequenceError`` for a request freed before that still claims computed
         tokens, changing nothing."""
+        self._sync()
         rid = request.request_id
         seq = self._seq_of.get(rid)
         if seq is not None and request.is_finished() and rid in self._drafts_pending and self._cache_finished_drafts:
@@ -445,6 +592,7 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
             self._kvm.free(seq)
             del self._seq_of[rid]
             del self._num_known[rid]
+            self._had_drafts.discard(rid)
         else:
             self._kvm.preempt([seq])
 
@@ -455,6 +603,7 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
     def reset_prefix_cache(self) -> bool:
         """Drops every group's prefix-cache entries; False (nothing changed) while any block is
         in use."""
+        self._sync()
         try:
             self._kvm.reset_prefix_cache()
         except pagedkv.CacheInUseError:
@@ -467,6 +616,7 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """One id list per group (0 for released entries). Raises ``UnknownSequenceError``."""
+        self._sync()
         return tuple(t.tolist() for t in self._kvm.block_tables(self.seq_id(request_id)))
 
     def get_blocks(self, request_id: str) -> Any:
@@ -489,6 +639,7 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         naming its group (``group_idx``) and that group's spec kind."""
         if not self.enable_kv_cache_events:
             return []
+        self._sync()
         from pagedkv.integrations.vllm.events import to_vllm_events
 
         out: list[Any] = []
@@ -504,3 +655,13 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
                 )
             )
         return out
+
+
+def _mismatch(what: str, quantity: str, expected: Any, got: Any) -> VllmStateMismatchError:
+    return VllmStateMismatchError(
+        f"{what}: pagedkv's {quantity} ({got}) differ from vLLM's ({expected})",
+        request_id="",
+        quantity=quantity,
+        expected=str(expected),
+        got=str(got),
+    )

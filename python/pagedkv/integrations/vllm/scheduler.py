@@ -15,7 +15,8 @@ vLLM's own code; the KV cache calls go to :class:`PagedKVCacheManager`. Two chan
   together in one call (``PagedKVCacheManager.flush_decodes``) before anything else reads or
   changes pagedkv, at the latest when ``schedule`` returns. A decode that needs a block when
   none is left takes the per-request path, so preemption happens exactly where stock vLLM
-  preempts.
+  preempts. The hybrid manager batches them the same way (a decode inside the tail block, or
+  opening a block in every group, deferred and allocated in one call).
 - no double hashing: pagedkv hashes blocks in Rust as it caches them, so by default the
   request's Python block hasher is dropped when a request is added (vLLM's engine core has
   already hashed the prompt; output blocks are no longer hashed in Python in
@@ -49,8 +50,7 @@ _BASE_INIT = inspect.signature(Scheduler.__init__)
 class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
     """vLLM V1 ``Scheduler`` whose ``kv_cache_manager`` is a :class:`PagedKVCacheManager` (one KV
     cache group of full attention), or a :class:`HybridPagedKVCacheManager` (several groups of
-    full attention, sliding window, chunked local, or one windowed group; no batched decode
-    path there).
+    full attention, sliding window, chunked local, or one windowed group).
 
     Takes exactly the constructor arguments of ``vllm.v1.core.sched.scheduler.Scheduler``.
     Raises ``pagedkv.integrations.vllm.UnsupportedVllmVersionError`` (a ``ValueError``) under a
@@ -87,6 +87,7 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
                 max_model_len=self.max_model_len,
                 max_in_flight_tokens=getattr(self.vllm_config, "max_in_flight_tokens", None),
             )
+            self.kv_cache_manager.defer_decodes = self.batch_decode
             return
         self.kv_cache_manager = PagedKVCacheManager(
             self.kv_cache_config.num_blocks,
