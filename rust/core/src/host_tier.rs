@@ -412,6 +412,16 @@ impl HostTier {
         }
     }
 
+    /// Notes that device block `device` receives its KV by a copy the executor runs after the
+    /// next step call's stores (a swap-in planned between step calls): that call must not
+    /// store it (the store would read the block's old bytes), so it is stored from the step
+    /// after on. Call after any [`Self::note_registered`] of it. O(1).
+    pub fn note_copied_in(&mut self, device: BlockId) {
+        if let Some(slot) = self.registered_in.get_mut(device as usize) {
+            *slot = self.step + 1;
+        }
+    }
+
     /// Whether event metadata is kept (KV events on).
     pub fn keeps_meta(&self) -> bool {
         !self.host_meta.is_empty()

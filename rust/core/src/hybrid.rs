@@ -1086,6 +1086,13 @@ impl HybridManager {
             s.status = SeqStatus::Running;
             self.cache_full(s, &mut ev, false);
         }
+        if let Some(host) = self.host.as_ref() {
+            // Their KV arrives by the swap-in copy, run after the next step call's stores.
+            let mut host = host.lock();
+            for &d in &gpu {
+                host.tier.note_copied_in(d);
+            }
+        }
         self.absorb(st, ev);
         self.counters.lock().swaps_in_blocks += order.len() as u64;
         Ok(order.into_iter().zip(gpu).collect())

@@ -923,6 +923,12 @@ impl KvCacheManager {
             // Re-registered, not recomputed: not a new use for the host tier's admission.
             self.cache_full_blocks(s, st.host.as_deref_mut(), usize::MAX);
         }
+        if let Some(host) = st.host.as_deref_mut() {
+            // Their KV arrives by the swap-in copy, run after the next step call's stores.
+            for &d in &gpu {
+                host.note_copied_in(d);
+            }
+        }
         st.counters.swaps_in_blocks += order.len() as u64;
         Ok(order.into_iter().zip(gpu).collect())
     }

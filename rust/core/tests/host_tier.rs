@@ -301,3 +301,39 @@ fn without_a_host_tier_steps_carry_no_host_plans() {
     assert_eq!(m.take_host_transfers(), HostTransfers::default());
     assert_eq!(m.stats().num_host_blocks, 0);
 }
+
+/// A block swapped in between two step calls gets its KV from the swap-in copy, which the
+/// executor runs after the next step call's host stores: that call must not store it (the
+/// store would copy the block's old bytes to the host, and a later hit would load them).
+#[test]
+fn a_block_swapped_in_since_the_last_step_is_not_stored_before_its_copy_runs() {
+    let mut cfg = CacheConfig::new(6, 4);
+    cfg.num_cpu_blocks = 4;
+    cfg.num_host_blocks = 4;
+    cfg.host_admission_min_seen = 1;
+    let m = KvCacheManager::new(cfg).unwrap();
+    add(&m, 1, &[1, 2, 3, 4, 5]);
+    m.allocate_slots(1, 5).unwrap();
+    step(&m);
+    step(&m);
+    m.swap_out(&[1]).unwrap();
+    let swapped_in = m.swap_in(&[1]).unwrap();
+    // Its first block, cached again on device block `d` (KV arriving by the swap-in).
+    let d = swapped_in[0].1;
+    m.preempt_recompute(&[1]).unwrap();
+    add(&m, 2, &(20..40).collect::<Vec<u32>>());
+    // Seq 2 scheduled by the next step call evicts `d`: in this step the executor runs the
+    // swap-in copy after the stores.
+    let out = m.step(&StepRequest {
+        seq_ids: vec![2],
+        num_new_tokens: vec![20],
+        ..StepRequest::default()
+    });
+    assert_eq!(out.num_scheduled, 1);
+    let stores = out.host_stores;
+    assert!(
+        !stores.chunks(2).any(|p| p[0] as u32 == d),
+        "stored block {d} before its swap-in copy ran: {stores:?}"
+    );
+    m.check_invariants().unwrap();
+}

@@ -294,3 +294,45 @@ fn host_config_is_checked_as_for_one_group() {
         })
     ));
 }
+
+/// As for one group: a block swapped in since the last step call gets its KV from the swap-in
+/// copy, which runs after the next step call's stores, so that call does not store it (found
+/// by tests/test_hybrid_host_tier.py: a later host hit loaded the block's old bytes).
+#[test]
+fn a_block_swapped_in_since_the_last_step_is_not_stored_before_its_copy_runs() {
+    let mut c = HybridConfig::new(
+        9,
+        vec![GroupSpec::full(BS, 8), GroupSpec::sliding_window(BS, 8, W)],
+        vec![1, 0],
+    );
+    c.num_host_blocks = 4;
+    c.host_admission_min_seen = 1;
+    c.num_cpu_blocks = 6;
+    let m = HybridManager::new(c).unwrap();
+    m.add_sequence(1, toks(5, 1), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(1, 5).unwrap();
+    step(&m);
+    step(&m);
+    m.swap_out(&[1]).unwrap();
+    let swapped_in: Vec<u32> = m.swap_in(&[1]).unwrap().iter().map(|p| p.1).collect();
+    m.preempt_recompute(&[1]).unwrap();
+    m.add_sequence(2, toks(16, 2), SequenceSpec::default())
+        .unwrap();
+    // Seq 2 scheduled by the next step call: its allocation evicts the swapped-in blocks, and
+    // in this step the executor runs the swap-in copy after the stores.
+    let out = m.step(&StepRequest {
+        seq_ids: vec![2],
+        num_new_tokens: vec![16],
+        ..StepRequest::default()
+    });
+    assert_eq!(out.num_scheduled, 1);
+    let stores = triples(&out.host_stores);
+    for (_, d, _) in &stores {
+        assert!(
+            !swapped_in.contains(d),
+            "stored block {d} before its swap-in copy ran: {stores:?}"
+        );
+    }
+    m.check_invariants().unwrap();
+}
