@@ -45,7 +45,7 @@ from .errors import EngineConfigError
 from .goodput import DEFAULT_SLO, ServiceLevelObjective
 from .groups import SequenceGroups
 from .identity import CacheIdentity, cached_weights_digest, source_file_versions
-from .kv_groups import check_hybrid_config, hybrid_manager
+from .kv_groups import hybrid_manager
 from .loader import load_hf_model
 from .metrics import EngineMetrics, MetricsCollector
 from .model import PagedCausalLM
@@ -116,9 +116,8 @@ class LLMEngine:
             the model load; or ``kv_bytes`` holding fewer than 2 blocks of this model or
             ``host_cache_bytes`` less than one; or a
             model architecture the engine does not implement (after the load, before any
-            allocation; :func:`pagedkv.engine.architectures.build_model`); or a host tier
-            on a model with sliding-window layers
-            (:func:`pagedkv.engine.kv_groups.check_hybrid_config`). The message names the value.
+            allocation; :func:`pagedkv.engine.architectures.build_model`). The message names
+            the value.
         pagedkv.InvalidConfigError: a pool sized by ``kv_bytes`` above the core's block limit
             (when it fits the free memory).
         DeviceUnavailableError: ``device`` is CUDA but CUDA is not available (checked before
@@ -202,7 +201,6 @@ class LLMEngine:
             self.runner = cast(ModelRunner, VirtualModelRunner(self.model, self.layout, manager=proxy.inner))
         else:
             if self.model.is_hybrid:  # sliding-window layers: one block table per KV cache group
-                check_hybrid_config(config)
                 self.manager = hybrid_manager(
                     self.model.kv_groups,
                     self.model.num_layers,
@@ -214,6 +212,8 @@ class LLMEngine:
                     hash_seed=self.cache_identity.seed,
                     num_cpu_blocks=num_cpu_blocks,
                     enable_events=enable_kv_events,
+                    num_host_blocks=config.num_host_blocks or 0,
+                    host_admission_min_seen=config.host_admission_min_seen,
                 )
             else:
                 self.manager = pagedkv.KVCacheManager(

@@ -52,7 +52,6 @@ __all__ = [
     "kv_cache_groups",
     "layers_per_group",
     "hybrid_manager",
-    "check_hybrid_config",
     "group_block_table",
     "group_slot_mapping",
     "plan_groups",
@@ -158,23 +157,6 @@ def kv_cache_groups(windows: Sequence[int | None], *, split: bool = True) -> tup
     return tuple(sorted(groups, key=lambda g: g.layers[0]))
 
 
-def check_hybrid_config(config: Any) -> None:
-    """Refuse, for a hybrid model (sliding-window layers, served through
-    ``pagedkv.HybridKVCacheManager``), the engine settings that manager does not serve yet:
-    the prefix cache's host tier (``config.num_host_blocks``). Swap and recompute preemption,
-    ``n > 1``, beam search (fork and copy-on-write per group) and prompt-lookup speculative
-    decoding (drafts in lookahead slots of every group) are served.
-
-    Raises:
-        EngineConfigError: naming the setting.
-    """
-    if getattr(config, "num_host_blocks", None):
-        raise EngineConfigError(
-            "a host tier (host_cache_bytes / num_host_blocks) is not supported on a hybrid model "
-            "(sliding-window layers, one block table per KV cache group)"
-        )
-
-
 def hybrid_manager(
     groups: Sequence[KVCacheGroup],
     num_layers: int,
@@ -187,13 +169,18 @@ def hybrid_manager(
     hash_seed: bytes | None = None,
     num_cpu_blocks: int = 0,
     enable_events: bool = False,
+    num_host_blocks: int = 0,
+    host_admission_min_seen: int = 2,
 ) -> Any:
     """The ``pagedkv.HybridKVCacheManager`` of a model with these KV cache groups: one
     ``KVCacheGroupSpec`` per group (``"full"`` or ``"sliding_window"`` with its window), all
     of ``block_size`` tokens and ``bytes_per_token`` bytes per token and layer
     (``2 * num_kv_heads * head_size * dtype bytes``), each layer mapped to its group, and
     ``num_blocks`` pages (the null block included). Retention interval 0: a windowed group
-    caches every full block (so a prefix hit can end at any block boundary).
+    caches every full block (so a prefix hit can end at any block boundary). ``num_host_blocks``
+    > 0: the prefix cache's host tier, one for every group (its blocks keyed by hash and
+    group), storing a block evicted from the device once it was used ``host_admission_min_seen``
+    times.
 
     Raises:
         pagedkv.InvalidConfigError: a size above the core's limits (names it).
@@ -219,6 +206,8 @@ def hybrid_manager(
         hash_seed=hash_seed,
         num_cpu_blocks=num_cpu_blocks,
         enable_events=enable_events,
+        num_host_blocks=num_host_blocks,
+        host_admission_min_seen=host_admission_min_seen,
     )
 
 

@@ -102,6 +102,15 @@ class ModelRunner:
         bt: BatchTensors | GroupBatchTensors
         if self.block_tables is None:  # hybrid: one block table and slot mapping per group
             bt = GroupBatchTensors.from_steps(batch.steps, self.device, swap_out=batch.swap_out, swap_in=batch.swap_in)
+            if self.host_cache is not None and batch.transfers:
+                # Host stores and loads interleaved with the swaps. A host row is (group, src,
+                # dst); a block id belongs to one group at a time and every group's pages share
+                # the cache's slots, so copying every slot of it copies that group's layers.
+                bt.transfers = tuple(
+                    (kind, torch.from_numpy(np.ascontiguousarray(plan[:, -2:])))
+                    for kind, plan in batch.transfers
+                    if len(plan)
+                )
         else:
             bt = BatchTensors.from_steps(
                 batch.steps,

@@ -189,8 +189,10 @@ class Scheduler:
         # plans made since the last manager.step call (they run after that call's host stores).
         self._transfers: list[tuple[str, np.ndarray]] = []
         self._pending_swaps: list[tuple[str, np.ndarray]] = []
-        self._host_tier = (
-            False if isinstance(manager, HybridKVCacheManager) else bool(getattr(manager.config, "num_host_blocks", 0))
+        self._host_tier = bool(
+            manager.num_host_blocks
+            if isinstance(manager, HybridKVCacheManager)
+            else getattr(manager.config, "num_host_blocks", 0)
         )
 
     # ---- queue -------------------------------------------------------------------------------
@@ -348,11 +350,8 @@ class Scheduler:
 
     def _collect(self, out: StepOutput | HybridStepOutput) -> None:
         """Append one ``manager.step`` output's block copies to the step's transfers: its host
-        stores, the swaps made since the previous call, its host loads (the host tier's order)."""
-        if not isinstance(out, StepOutput):  # a hybrid manager's step: no host tier
-            self._transfers += self._pending_swaps
-            self._pending_swaps = []
-            return
+        stores, the swaps made since the previous call, its host loads (the host tier's order).
+        A hybrid manager's host rows carry their group first (``(group, src, dst)``)."""
         if self._host_tier and len(out.host_stores):
             self._transfers.append(("host_store", out.host_stores))
         self._transfers += self._pending_swaps
