@@ -3,7 +3,8 @@ of each layer live in one contiguous virtual range, reserved for the longest seq
 engine serves, with physical pages committed as the sequence grows and given back when it
 finishes or is preempted. Attention reads the contiguous K/V slice directly: no block table.
 
-Memory: one :class:`~pagedkv.engine.virtual_memory.VirtualArena` holds ``max_seqs`` *slots*;
+Memory: one arena (:class:`~pagedkv.engine.virtual_memory.VirtualArena`, or
+:class:`~pagedkv.engine.virtual_memory.SharedArena` with ``sharing``) holds ``max_seqs`` *slots*;
 a slot is ``2 * num_layers`` *segments* (layer ``l``'s K, then its V), each
 ``ceil(max_seq_len * bytes_per_token / page) * page`` bytes, page-aligned, so a segment's
 pages are committed from its start. A sequence of ``t`` tokens holds ``ceil(t *
