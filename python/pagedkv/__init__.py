@@ -17,6 +17,7 @@ Allocator API (needs numpy only):
   one block pool: one block table per group per sequence, out-of-window blocks released, one
   ``step`` giving every group's slot mapping and block tables.
 - :class:`BlockPool` -- the block pool alone (thread-safe, GIL released in every call).
+- :class:`HostBlockPool` -- the prefix cache's host tier alone, for offloading connectors.
 - :class:`SlotAllocation`, :class:`StepOutput`, :class:`CacheStats`, :class:`BlockStored`,
   :class:`BlockRemoved`, :class:`AllBlocksCleared` -- results.
 - :class:`KVIndexer` -- the routers' side of the events: which worker holds which block, and
@@ -53,6 +54,7 @@ from pagedkv._core import (
     BlockStored,
     CacheConfig,
     CacheStats,
+    HostBlockPool,
     HybridKVCacheManager,
     HybridStepOutput,
     KVCacheGroupSpec,
@@ -97,6 +99,7 @@ __all__ = [
     "CacheInUseError",
     "CacheStats",
     "EngineError",
+    "HostBlockPool",
     "HashScheme",
     "HybridKVCacheManager",
     "HybridStepOutput",

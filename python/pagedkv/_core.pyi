@@ -19,6 +19,7 @@ __all__ = [
     "SlotAllocation",
     "StepOutput",
     "BlockPool",
+    "HostBlockPool",
     "CacheStats",
     "BlockStored",
     "BlockRemoved",
@@ -345,6 +346,7 @@ class HostBlockPool:
     def reset(self) -> None: ...
     def check_invariants(self) -> None: ...
 
+@final
 class KVCacheManager:
     """The paged KV cache manager."""
 

@@ -11,6 +11,7 @@ mod config;
 mod convert;
 mod errors;
 mod events;
+mod host_pool;
 mod hybrid;
 mod indexer;
 mod manager;
@@ -32,6 +33,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PySlotAllocation>()?;
     m.add_class::<manager::PyStepOutput>()?;
     m.add_class::<pool::PyBlockPool>()?;
+    m.add_class::<host_pool::PyHostBlockPool>()?;
     m.add_class::<stats::PyCacheStats>()?;
     m.add_class::<events::PyBlockStored>()?;
     m.add_class::<events::PyBlockRemoved>()?;
