@@ -366,3 +366,19 @@ def test_spec_refuses_a_host_tier_without_a_chunk(monkeypatch: pytest.MonkeyPatc
     )
     with pytest.raises(pagedkv.InvalidConfigError, match="cpu_bytes_to_use"):
         vs.build_scheduler(Scheduler, vs.make_vllm_config(num_blocks=NUM_BLOCKS, block_size=BS, kv_transfer_config=kv))
+
+
+def test_spec_refuses_an_unsupported_vllm_release(monkeypatch: pytest.MonkeyPatch) -> None:
+    import vllm
+
+    from pagedkv.integrations.vllm import UnsupportedVllmVersionError
+
+    monkeypatch.setattr(vllm, "__version__", "0.31.2")
+    kv = KVTransferConfig(
+        kv_connector="OffloadingConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"cpu_bytes_to_use": 1 << 20, **SPEC},
+    )
+    with pytest.raises(UnsupportedVllmVersionError, match="0.31.2") as e:
+        vs.build_scheduler(Scheduler, vs.make_vllm_config(num_blocks=NUM_BLOCKS, block_size=BS, kv_transfer_config=kv))
+    assert e.value.supported == ("0.32", "0.33")
