@@ -9,6 +9,8 @@
 //! Layout, chosen for the scheduler's hot path (one insert per filled block, one removal per
 //! eviction, one lookup per prompt block):
 //! - `hash_of[block]`: the 32-byte hash per block id (the keys live here, once).
+//! - `fp_of[block]`: its fingerprint (4 bytes), so a removal starts probing without waiting
+//!   for the 32-byte hash to load.
 //! - `slots`: an open-addressed table with linear probing whose 8-byte slots pack a 32-bit
 //!   fingerprint of the hash and `block + 1` (0 = empty). It has a power-of-two number of slots,
 //!   at least twice the number of blocks, and a block carries at most one hash, so the load
@@ -50,6 +52,10 @@ pub struct PrefixIndex {
     hash_of: Vec<[u8; 32]>,
     /// Per block id: whether it carries a hash.
     carries: Vec<bool>,
+    /// Per block id: the fingerprint of the hash it carries (meaningful where `carries[id]`).
+    /// A removal reads it from this small array to start its probe at once, while the
+    /// 32-byte hash (a likely cache miss in a pool-sized array) is still being loaded.
+    fp_of: Vec<u32>,
     /// `fingerprint << 32 | (block + 1)`, or [`EMPTY`]. The home slot of a hash is
     /// `fingerprint & mask`.
     slots: Vec<u64>,
@@ -69,7 +75,7 @@ impl Default for PrefixIndex {
 }
 
 impl PrefixIndex {
-    /// An empty index for block ids `0..num_blocks`. Memory: 33 bytes per block plus 16 per
+    /// An empty index for block ids `0..num_blocks`. Memory: 37 bytes per block plus 16 per
     /// block of slots (rounded up to a power of two). Every page is touched here, once: zeroed
     /// memory from the OS is mapped lazily, and a fresh page faulted in by the first hash stored
     /// on it would otherwise cost a page fault inside a scheduler step. O(num_blocks).
@@ -79,6 +85,7 @@ impl PrefixIndex {
         let mut index = Self {
             hash_of: vec![[0u8; 32]; n],
             carries: vec![false; n],
+            fp_of: vec![0; n],
             slots: vec![EMPTY; slots],
             mask: slots - 1,
             entries: 0,
@@ -87,6 +94,7 @@ impl PrefixIndex {
         };
         prefault(&mut index.hash_of);
         prefault(&mut index.carries);
+        prefault(&mut index.fp_of);
         prefault(&mut index.slots);
         index
     }
@@ -153,6 +161,7 @@ impl PrefixIndex {
         // Appending at the end of the run keeps the holders of one hash in insertion order.
         self.slots[i] = (u64::from(fp) << 32) | u64::from(block + 1);
         self.hash_of[b] = hash.0;
+        self.fp_of[b] = fp;
         self.carries[b] = true;
         self.entries += 1;
         self.distinct += usize::from(first);
@@ -167,8 +176,8 @@ impl PrefixIndex {
         if !self.carries(block) {
             return None;
         }
+        let fp = self.fp_of[b];
         let hash = BlockHash(self.hash_of[b]);
-        let fp = self.fingerprint(&hash);
         let own = (u64::from(fp) << 32) | u64::from(block + 1);
         // Walk the whole run from the home slot: find our slot and any other holder of `hash`.
         let mut i = fp as usize & self.mask;
@@ -309,6 +318,9 @@ impl PrefixIndex {
                 return Err(format!(
                     "index slot {i}: fingerprint does not match block {b}'s hash"
                 ));
+            }
+            if self.fp_of[b] != fp {
+                return Err(format!("block {b}'s kept fingerprint does not match its hash"));
             }
             // Reachable: no empty slot between the home slot and this one; the first holder of
             // a hash along that path counts it as distinct.
