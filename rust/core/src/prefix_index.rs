@@ -320,7 +320,9 @@ impl PrefixIndex {
                 ));
             }
             if self.fp_of[b] != fp {
-                return Err(format!("block {b}'s kept fingerprint does not match its hash"));
+                return Err(format!(
+                    "block {b}'s kept fingerprint does not match its hash"
+                ));
             }
             // Reachable: no empty slot between the home slot and this one; the first holder of
             // a hash along that path counts it as distinct.
