@@ -9,8 +9,9 @@ with an offloaded hit waits in ``WAITING_FOR_REMOTE_KVS`` for ever).
 (b) pagedkv's host tier (``CacheConfig(num_host_blocks=...)``), driven on a
 ``pagedkv.KVCacheManager`` the way a scheduler drives it: one ``step`` per forward pass, the
 sampled token appended by the next. Not ``PagedKVScheduler``: the plug-in refuses a
-``kv_transfer_config`` and does not expose the host tier (issue 26, item 4), so the manager
-itself is the one side of pagedkv that has it.
+``kv_transfer_config``; vLLM reaches pagedkv's tier through its own ``OffloadingConnector``
+with ``PagedKVCPUOffloadingSpec``, compared with vLLM's CPU spec in
+``test_vllm_offloading_manager.py``. This file compares the tier inside pagedkv's own manager.
 
 Stream: conversations whose histories together overflow a small device pool, one turn at a
 time, each turn's prompt the whole history plus new user tokens; a turn runs to completion
