@@ -260,8 +260,6 @@ struct Seq {
     tables: Vec<GroupTable>,
     /// Per block-size class, the memo of plain chain hashes.
     chains: Vec<Vec<BlockHash>>,
-    /// Per group, the memo of index keys.
-    keys: Vec<Vec<BlockHash>>,
     /// Its KV predates the last prefix-cache reset (it was swapped out then): no block of any
     /// group is registered in the prefix cache until a recompute preemption computes the KV
     /// afresh (docs/design.md, "KV cache groups").
@@ -633,7 +631,6 @@ impl HybridManager {
                 last_context: 0,
                 tables: vec![GroupTable::default(); g],
                 chains: vec![Vec::new(); self.class_bs.len()],
-                keys: vec![Vec::new(); g],
                 stale_kv: false,
                 looked_up: false,
                 drafts: Vec::new(),
@@ -1387,9 +1384,6 @@ impl HybridManager {
                     for c in 0..self.class_bs.len() {
                         s.chains[c].truncate(old_len / self.class_bs[c]);
                     }
-                    for g in 0..ng {
-                        s.keys[g].truncate(old_len / self.cfg.groups[g].block_size as usize);
-                    }
                     out.error = Some(e);
                     break;
                 }
@@ -1680,17 +1674,12 @@ impl HybridManager {
         s.chains[c][k]
     }
 
-    /// Index key of logical block `k` of group `g` (memoised): the plain hash for group 0, a
-    /// hash of the plain hash and `g` otherwise.
+    /// Index key of logical block `k` of group `g`: its plain hash (memoised) with the group
+    /// id mixed in by [`Self::index_key`]. Not memoised per group: the mix is a few XORs,
+    /// cheaper than keeping 32 bytes per block and group.
     fn key_at(&self, s: &mut Seq, g: usize, k: usize) -> BlockHash {
-        let c = self.class_of[g];
-        while s.keys[g].len() <= k {
-            let j = s.keys[g].len();
-            let plain = self.plain_at(s, c, j);
-            let key = self.index_key(plain, g as u32);
-            s.keys[g].push(key);
-        }
-        s.keys[g][k]
+        let plain = self.plain_at(s, self.class_of[g], k);
+        self.index_key(plain, g as u32)
     }
 
     /// The longest prefix every group serves (tokens) and each group's table prefix for it.
@@ -1719,8 +1708,8 @@ impl HybridManager {
                 let (mut n, mut run) = (0, 32);
                 while n < l / bs {
                     let end = (n + run).min(l / bs);
-                    self.key_at(s, g, end - 1);
-                    let hit = self.pool.lookup_chain(&s.keys[g][n..end]).len();
+                    let keys: Vec<BlockHash> = (n..end).map(|j| self.key_at(s, g, j)).collect();
+                    let hit = self.pool.lookup_chain(&keys).len();
                     n += hit;
                     if n < end {
                         break;
