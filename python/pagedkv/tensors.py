@@ -743,7 +743,8 @@ class GroupBlockTables:
     ``buffer[:, :S, :W]`` (no gather, no copy; ``torch.from_numpy`` shares it). A sequence that
     changes position costs one row swap (all groups); a delta that does not follow the
     version a row holds (a new object, a skipped output, an id reused by a new sequence, a
-    row released while absent) makes it read the sequence's tables whole
+    row released while absent), or a whole report older than the row's (an output fed twice
+    or out of order), makes it read the sequence's tables whole
     (``HybridKVCacheManager.block_tables``), so every row ends as the manager's current
     tables. Window releases arrive in the deltas as null entries. Sequences missing from a
     batch keep their rows while at most ``S + 64`` are absent, else all absent ones are
@@ -826,7 +827,10 @@ class GroupBlockTables:
                 start = starts[j]
                 ends = [int(start[x]) + indptr[j * g + x + 1] - indptr[j * g + x] for x in range(g)]
                 follows = bool(held_v) and held_v + 1 == versions[j]
-                if not start.any() or (follows and bool(np.all(start <= self._lens[row]))):
+                # A whole report older than the row's version (an output fed again or out of
+                # order) is stale: read the current tables instead.
+                whole_new = not start.any() and versions[j] > held_v
+                if whole_new or (follows and bool(np.all(start <= self._lens[row]))):
                     plan.append((start, delta, indptr[j * g : (j + 1) * g + 1], versions[j], None))
                     cols = max(cols, *ends)
                 else:
