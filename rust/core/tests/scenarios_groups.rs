@@ -1,0 +1,576 @@
+//! Regression scenarios S1, S3, S4, S5, S7 and S8 (docs/design.md, "Regression scenarios") on
+//! the KV cache groups manager (`HybridManager`): with the prefix cache's host tier, the step's
+//! admission watermark (`reserve_blocks`) and per-group block-table deltas. Exact values.
+
+use pagedkv_core::hybrid::HybridStepOptions;
+use pagedkv_core::{
+    BlockHash, BlockId, Error, GroupSpec, HybridConfig, HybridManager, SeqStatus, SequenceSpec,
+    StepDrafts, StepRequest, NULL_BLOCK,
+};
+use std::collections::HashMap;
+
+const BS: u32 = 4;
+/// Window 5: a hit at `p` needs the one block before `p`.
+const W: u32 = 5;
+
+/// Full attention (group 0) and a sliding window of 5 (group 1), block size 4, events on.
+fn manager(num_blocks: u32, host: u32) -> HybridManager {
+    let mut c = HybridConfig::new(
+        num_blocks,
+        vec![GroupSpec::full(BS, 8), GroupSpec::sliding_window(BS, 8, W)],
+        vec![1, 1, 0],
+    );
+    c.num_host_blocks = host;
+    c.host_admission_min_seen = 1;
+    c.num_cpu_blocks = 32;
+    c.enable_events = true;
+    HybridManager::new(c).unwrap()
+}
+
+fn toks(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| i * 7 + salt * 1000 + 1).collect()
+}
+
+type Snapshot = (Vec<u32>, Vec<Option<BlockHash>>, Vec<BlockId>);
+
+/// Every observable bit of pool state: ref counts, hashes, free-queue order.
+fn snapshot(m: &HybridManager) -> Snapshot {
+    let p = m.pool();
+    let n = p.num_blocks();
+    (
+        (0..n).map(|b| p.ref_count(b)).collect(),
+        (0..n).map(|b| p.block_hash(b)).collect(),
+        p.free_queue(),
+    )
+}
+
+/// An empty step (the executor ran the previous plans): its host `(stores, loads)` row counts.
+fn host_step(m: &HybridManager) -> (usize, usize) {
+    let out = m.step(&StepRequest::default());
+    assert!(out.error.is_none());
+    // S8: a store never reads, a load never writes, the null block.
+    assert!(out.host_stores.chunks(3).all(|r| r[1] != NULL_BLOCK as i32));
+    assert!(out.host_loads.chunks(3).all(|r| r[2] != NULL_BLOCK as i32));
+    (out.host_stores.len() / 3, out.host_loads.len() / 3)
+}
+
+/// Seq 1 computes A = `toks(13, 1)` (three full blocks per group), is freed; seq 2 computes 13
+/// other tokens in the 8 usable blocks, evicting A's six cached blocks to the host, and is
+/// freed. The stores are handed out.
+fn a_on_host(m: &HybridManager) {
+    m.add_sequence(1, toks(13, 1), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(1, 13).unwrap();
+    host_step(m);
+    m.free(1);
+    m.add_sequence(2, toks(13, 2), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(2, 13).unwrap();
+    m.free(2);
+    assert_eq!(host_step(m), (6, 0));
+    assert_eq!(m.stats().host_used, 6);
+}
+
+/// S1 with the host tier: an allocation that would load A's blocks from the host and fails
+/// for want of device blocks leaves the pool, the host tier, the stats and the events as they
+/// were, plans no store or load, and the retry after the blocker is freed loads them.
+#[test]
+fn s1_failed_allocation_with_host_hits_leaks_nothing() {
+    let m = manager(9, 16);
+    a_on_host(&m);
+    // Blocker D: 8 tokens = 2 blocks per group (its window group keeps both: 4 taken).
+    m.add_sequence(4, toks(8, 4), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(4, 8).unwrap();
+    assert_eq!(m.pool().num_free(), 4);
+    // D's blocks evicted two of seq 2's cached ones: stored to the host too.
+    assert_eq!(host_step(&m), (2, 0));
+    // C = A's 13 tokens + 4: hit 12 on the host; full attention 3 loads + 2 fresh, the window
+    // (queries 12..17 read from 8) 1 load + 2 fresh: 8 > 4 free.
+    m.add_sequence(3, toks(17, 1), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix(3).unwrap(), 12);
+    let d = m.num_blocks_needed(3, 17).unwrap();
+    assert_eq!((d.take, d.release), (8, 0));
+    assert_eq!(d.per_group, vec![(5, 0), (3, 0)]);
+    m.take_events();
+    let before = snapshot(&m);
+    let stats = m.stats();
+    let err = m.allocate_slots(3, 17).unwrap_err();
+    assert_eq!(
+        err,
+        Error::OutOfBlocks {
+            requested: 8,
+            available: 4
+        }
+    );
+    assert_eq!(snapshot(&m), before, "pool changed by a failed call");
+    assert_eq!(m.stats(), stats, "stats changed by a failed call");
+    assert!(m.take_events().is_empty());
+    assert_eq!(m.block_tables(3).unwrap(), vec![Vec::<BlockId>::new(); 2]);
+    assert_eq!(m.num_computed_tokens(3).unwrap(), 0);
+    m.check_invariants().unwrap();
+    assert_eq!(host_step(&m), (0, 0), "a failed call planned host copies");
+    // The same through the step, and with a watermark that the take alone would pass.
+    let req = StepRequest {
+        seq_ids: vec![3],
+        num_new_tokens: vec![17],
+        ..Default::default()
+    };
+    let out = m.step(&req);
+    assert_eq!(
+        (out.num_scheduled, out.error.clone()),
+        (
+            0,
+            Some(Error::OutOfBlocks {
+                requested: 8,
+                available: 4
+            })
+        )
+    );
+    assert!(out.host_loads.is_empty() && out.host_stores.is_empty());
+    assert_eq!(snapshot(&m), before);
+    assert_eq!(m.stats(), stats);
+    // D still decodes (a new block per group; the window group releases its block 0).
+    m.append_tokens(4, &[99]).unwrap();
+    let a = m.allocate_slots(4, 1).unwrap();
+    assert_eq!(
+        a.groups
+            .iter()
+            .map(|g| g.new_block_ids.len())
+            .sum::<usize>(),
+        2
+    );
+    assert_eq!(a.groups[1].released.len(), 1);
+    assert!(m.free(4));
+    m.check_invariants().unwrap();
+    host_step(&m);
+    // Retry of C with a watermark: 8 fit the 8 free blocks, 8 + 1 do not.
+    let opts = HybridStepOptions {
+        reserve_blocks: 1,
+        ..Default::default()
+    };
+    let before = snapshot(&m);
+    let stats = m.stats();
+    let out = m.step_with(&req, &StepDrafts::default(), opts);
+    assert_eq!(
+        out.error,
+        Some(Error::OutOfBlocks {
+            requested: 9,
+            available: 8
+        })
+    );
+    assert_eq!(snapshot(&m), before, "a refused watermark changed the pool");
+    assert_eq!(m.stats(), stats);
+    assert!(out.host_loads.is_empty());
+    // Without the watermark C is served: 12 tokens from the host, 4 loads.
+    let out = m.step_with(&req, &StepDrafts::default(), HybridStepOptions::default());
+    assert_eq!((out.num_scheduled, out.error), (1, None));
+    assert_eq!(out.num_cached_tokens, vec![12]);
+    assert_eq!(m.pool().num_free(), 0);
+    // The step hands out its own loads.
+    assert_eq!(out.host_loads.len() / 3, 4);
+    assert!(out.host_loads.chunks(3).all(|r| r[2] != NULL_BLOCK as i32));
+    assert_eq!(m.stats().host_loads_blocks, 4);
+    m.check_invariants().unwrap();
+}
+
+/// A tiny xorshift so the workloads are fixed.
+fn rng(seed: u64) -> impl FnMut(u64) -> u64 {
+    let mut s = seed;
+    move |n| {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        s % n
+    }
+}
+
+/// Applies one step output's deltas to `kept` (per sequence, per group) and checks them
+/// against the manager's tables (S8 in the deltas: the null block only where a window released
+/// an entry, never a full-attention entry or a new block).
+fn apply_deltas(
+    m: &HybridManager,
+    ids: &[u64],
+    out: &pagedkv_core::HybridStepOutput,
+    kept: &mut HashMap<u64, (u64, Vec<Vec<i32>>)>,
+) {
+    let g = out.num_groups;
+    assert!(out.new_block_ids.iter().all(|&b| b != NULL_BLOCK as i32));
+    for (k, id) in ids.iter().take(out.num_scheduled).enumerate() {
+        let version = out.table_version[k];
+        let (v, tables) = kept
+            .entry(*id)
+            .or_insert_with(|| (version - 1, vec![Vec::new(); g]));
+        assert_eq!(*v + 1, version, "seq {id}: versions skip");
+        *v = version;
+        for (gi, table) in tables.iter_mut().enumerate() {
+            let e = k * g + gi;
+            let start = out.table_start[e] as usize;
+            let (lo, hi) = (
+                out.table_delta_indptr[e] as usize,
+                out.table_delta_indptr[e + 1] as usize,
+            );
+            assert!(
+                start <= table.len(),
+                "seq {id} group {gi}: start {start} past the kept table"
+            );
+            table.truncate(start);
+            table.extend_from_slice(&out.table_delta[lo..hi]);
+        }
+        let want = m.block_tables(*id).unwrap();
+        for (gi, table) in tables.iter().enumerate() {
+            let w: Vec<i32> = want[gi].iter().map(|&b| b as i32).collect();
+            assert_eq!(table, &w, "seq {id} group {gi} delta");
+            if gi == 0 {
+                assert!(!table.contains(&0), "null block in a full-attention table");
+            } else {
+                // Null entries only as a released prefix.
+                let live = table.iter().position(|&b| b != 0).unwrap_or(table.len());
+                assert!(table[live..].iter().all(|&b| b != 0), "{table:?}");
+            }
+        }
+    }
+}
+
+/// S3 (and S8 in the deltas) with the host tier: random prefills, decodes, chunks of
+/// 4/8/12/16, prefix hits on free cached device blocks and on host blocks, forks, frees and
+/// swap preemptions; predicted `take - release` == the change of the free pool, every time,
+/// through `allocate_slots` and through `step_with` (watermark, no dense tables or token
+/// arrays), whose kept tables from the deltas equal the manager's.
+#[test]
+fn s3_capacity_check_predicts_exactly_what_is_taken_with_host_loads_and_deltas() {
+    let m = manager(20, 12);
+    let mut next = rng(0x2545_f491);
+    let mut live: Vec<u64> = Vec::new();
+    let mut kept: HashMap<u64, (u64, Vec<Vec<i32>>)> = HashMap::new();
+    let mut next_id = 10u64;
+    let (mut checked, mut via_step, mut host_hits, mut refused) = (0, 0, 0, 0);
+    for _ in 0..2500 {
+        match next(8) {
+            0 | 1 if live.len() < 5 => {
+                let len = 1 + next(24) as usize;
+                m.add_sequence(next_id, toks(len, next(3) as u32), SequenceSpec::default())
+                    .unwrap();
+                live.push(next_id);
+                next_id += 1;
+            }
+            2 if !live.is_empty() => {
+                let id = live.swap_remove(next(live.len() as u64) as usize);
+                assert!(m.free(id));
+                kept.remove(&id);
+            }
+            3 if !live.is_empty() && live.len() < 7 => {
+                let parent = live[next(live.len() as u64) as usize];
+                if m.status(parent).unwrap() == SeqStatus::Running {
+                    m.fork(parent, next_id).unwrap();
+                    live.push(next_id);
+                    next_id += 1;
+                }
+            }
+            4 if !live.is_empty() => {
+                let id = live[next(live.len() as u64) as usize];
+                let running = m.status(id).unwrap() == SeqStatus::Running;
+                if running && m.num_blocks_held(id).unwrap().iter().sum::<usize>() > 0 {
+                    let before = snapshot(&m);
+                    match m.swap_out(&[id]) {
+                        Ok(_) => {
+                            kept.remove(&id);
+                        }
+                        Err(Error::OutOfSwapSpace { .. }) => assert_eq!(snapshot(&m), before),
+                        Err(e) => panic!("{e}"),
+                    }
+                } else if m.status(id).unwrap() == SeqStatus::Swapped {
+                    let _ = m.swap_in(&[id]);
+                }
+            }
+            _ if !live.is_empty() => {
+                let id = live[next(live.len() as u64) as usize];
+                if m.status(id).unwrap() == SeqStatus::Swapped {
+                    continue;
+                }
+                let left = m.num_tokens(id).unwrap() - m.num_computed_tokens(id).unwrap();
+                if left == 0 {
+                    m.append_tokens(id, &[next(50) as u32]).unwrap();
+                }
+                let chunk = [1usize, 4, 8, 12, 16][next(5) as usize];
+                let use_step = next(2) == 0;
+                if use_step {
+                    // A step first hands out (and unpins) the plans of earlier calls; run
+                    // those first so the step's own change is what is measured.
+                    host_step(&m);
+                }
+                let d = m.num_blocks_needed(id, chunk).unwrap();
+                let free_before = m.pool().num_free();
+                let hits_before = m.stats().host_hits_tokens;
+                let before = snapshot(&m);
+                let reserve = if use_step { next(3) as usize } else { 0 };
+                let result = if use_step {
+                    let out = m.step_with(
+                        &StepRequest {
+                            seq_ids: vec![id],
+                            num_new_tokens: vec![chunk as u32],
+                            ..Default::default()
+                        },
+                        &StepDrafts::default(),
+                        HybridStepOptions {
+                            skip_block_table: true,
+                            skip_token_arrays: true,
+                            reserve_blocks: reserve,
+                        },
+                    );
+                    assert!(out.block_table.is_empty() && out.slot_mapping.is_empty());
+                    apply_deltas(&m, &[id], &out, &mut kept);
+                    match out.error {
+                        None => Ok(()),
+                        Some(e) => Err(e),
+                    }
+                } else {
+                    // The next step's delta still covers what this call changed.
+                    m.allocate_slots(id, chunk).map(|_| ())
+                };
+                match result {
+                    Ok(()) => {
+                        assert_eq!(
+                            free_before as isize - m.pool().num_free() as isize,
+                            d.net(),
+                            "seq {id} chunk {chunk} demand {d:?}"
+                        );
+                        checked += 1;
+                        via_step += usize::from(use_step);
+                        host_hits += usize::from(m.stats().host_hits_tokens > hits_before);
+                    }
+                    Err(Error::OutOfBlocks {
+                        requested,
+                        available,
+                    }) => {
+                        assert_eq!(
+                            (requested, available),
+                            (d.take + reserve, free_before + d.release)
+                        );
+                        assert!(d.take + reserve > free_before + d.release);
+                        assert_eq!(
+                            snapshot(&m),
+                            before,
+                            "a refused allocation changed the pool"
+                        );
+                        refused += 1;
+                    }
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            _ => {}
+        }
+        if next(4) == 0 {
+            host_step(&m);
+        }
+        m.check_invariants().unwrap();
+    }
+    assert!(checked > 400, "{checked}");
+    assert!(via_step > 150, "{via_step}");
+    assert!(host_hits > 5, "{host_hits}");
+    assert!(refused > 20, "{refused}");
+}
+
+/// S4 with the host tier: freeing a sequence twice or an unknown one changes nothing (no
+/// second store planned, no block twice in the free queue); a sequence freed before its host
+/// loads are handed out keeps their destination blocks out of other sequences' hands until
+/// the hand-out, and a swapped-out sequence's free returns its CPU blocks.
+#[test]
+fn s4_double_free_with_host_tier_changes_nothing() {
+    let m = manager(9, 16);
+    a_on_host(&m);
+    m.add_sequence(3, toks(13, 1), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(3, 13).unwrap();
+    let loaded: Vec<BlockId> = {
+        let t = m.block_tables(3).unwrap();
+        // Full attention loads blocks 0..3, the window its block 2.
+        vec![t[0][0], t[0][1], t[0][2], t[1][2]]
+    };
+    assert!(m.free(3));
+    let after_first = snapshot(&m);
+    let stats = m.stats();
+    assert!(!m.free(3));
+    assert!(!m.free(42));
+    assert_eq!(snapshot(&m), after_first);
+    assert_eq!(m.stats(), stats);
+    let mut q = m.pool().free_queue();
+    let n = q.len();
+    q.sort_unstable();
+    q.dedup();
+    assert_eq!(q.len(), n, "a block twice in the free queue");
+    // The loads are still to be handed out: their destinations stay referenced.
+    for &b in &loaded {
+        assert_eq!(m.pool().ref_count(b), 1, "load destination {b}");
+    }
+    m.add_sequence(4, toks(16, 5), SequenceSpec::default())
+        .unwrap();
+    let before = m.pool().num_free();
+    match m.allocate_slots(4, 16) {
+        Ok(a) => {
+            for g in &a.groups {
+                assert!(g.new_block_ids.iter().all(|b| !loaded.contains(b)));
+            }
+        }
+        Err(Error::OutOfBlocks { available, .. }) => assert_eq!(available, before),
+        Err(e) => panic!("{e}"),
+    }
+    let (_, loads) = host_step(&m);
+    assert_eq!(loads, 4);
+    m.check_invariants().unwrap();
+    // A swapped-out sequence: free gives its CPU blocks back, once.
+    m.free(4);
+    m.add_sequence(5, toks(9, 6), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(5, 9).unwrap();
+    let plan = m.swap_out(&[5]).unwrap();
+    assert_eq!(m.stats().cpu_used, plan.len());
+    assert!(m.free(5));
+    assert_eq!(m.stats().cpu_used, 0);
+    assert!(!m.free(5));
+    assert_eq!(m.stats().cpu_used, 0);
+    host_step(&m);
+    assert_eq!(m.pool().num_free(), 8);
+    assert!((0..9).all(|b| m.pool().ref_count(b) == 0));
+    m.check_invariants().unwrap();
+}
+
+/// S7 per group: bs 8, prompt lengths {1, 16, 129}, fork, append {1, 16, 129} to the parent
+/// or the child. In each group exactly one copy, at logical block len / 8, iff len % 8 != 0;
+/// no full block is copied; the other side's tables are unchanged; the free pool moves by the
+/// predicted `take - release`; after freeing both, the pool is whole.
+#[test]
+fn s7_copy_on_write_per_group_after_fork() {
+    for plen in [1u32, 16, 129] {
+        for alen in [1u32, 16, 129] {
+            for write_child in [false, true] {
+                let mut c = HybridConfig::new(
+                    97,
+                    vec![GroupSpec::full(8, 8), GroupSpec::sliding_window(8, 8, 32)],
+                    vec![0, 1],
+                );
+                c.num_host_blocks = 8;
+                let m = HybridManager::new(c).unwrap();
+                m.add_sequence(1, toks(plen as usize, 0), SequenceSpec::default())
+                    .unwrap();
+                m.allocate_slots(1, plen as usize).unwrap();
+                let free0 = m.pool().num_free();
+                m.fork(1, 2).unwrap();
+                assert_eq!(m.pool().num_free(), free0, "fork allocated");
+                let t0 = m.block_tables(1).unwrap();
+                let (writer, other) = if write_child { (2, 1) } else { (1, 2) };
+                m.append_tokens(writer, &toks(alen as usize, 9)).unwrap();
+                let d = m.num_blocks_needed(writer, alen as usize).unwrap();
+                let a = m.allocate_slots(writer, alen as usize).unwrap();
+                let case = format!("plen {plen} alen {alen} child {write_child}");
+                assert_eq!(
+                    free0 as isize - m.pool().num_free() as isize,
+                    d.net(),
+                    "{case}"
+                );
+                let cow = plen % 8 != 0;
+                let fresh = ((plen + alen).div_ceil(8) - plen.div_ceil(8)) as usize;
+                // Full attention takes every new block and the copy.
+                assert_eq!(d.per_group[0], (fresh + usize::from(cow), 0), "{case}");
+                assert_eq!(
+                    m.block_tables(other).unwrap(),
+                    t0,
+                    "{case}: other side changed"
+                );
+                let wt = m.block_tables(writer).unwrap();
+                let k = (plen / 8) as usize;
+                for g in 0..2 {
+                    let copies = &a.groups[g].copies;
+                    if cow {
+                        assert_eq!(copies, &vec![(t0[g][k], wt[g][k])], "{case} group {g}");
+                        assert_ne!(t0[g][k], wt[g][k]);
+                        assert_eq!(m.pool().ref_count(t0[g][k]), 1);
+                    } else {
+                        assert!(copies.is_empty(), "{case} group {g}: {copies:?}");
+                    }
+                    // Full blocks stay shared (or were released out of the window).
+                    for j in 0..k {
+                        assert!(wt[g][j] == t0[g][j] || wt[g][j] == NULL_BLOCK, "{case}");
+                    }
+                }
+                assert_eq!(m.stats().copies, 2 * u64::from(cow), "{case}");
+                m.check_invariants().unwrap();
+                assert!(m.free(1) && m.free(2));
+                assert_eq!(m.pool().num_free(), 96, "{case}");
+                assert!((0..97).all(|b| m.pool().ref_count(b) == 0), "{case}");
+                m.check_invariants().unwrap();
+            }
+        }
+    }
+}
+
+/// S8 on KV cache groups: 11 blocks = 10 usable; window releases set table entries to the
+/// null block and give the block back; block 0 is never handed out, counted free, cached or
+/// freed, and a full pool refuses the next block with `available: 0`.
+#[test]
+fn s8_null_block_is_never_capacity_in_any_group() {
+    let m = manager(11, 0);
+    assert_eq!((m.stats().free, m.pool().num_usable()), (10, 10));
+    m.add_sequence(1, toks(20, 0), SequenceSpec::default())
+        .unwrap();
+    let opts = HybridStepOptions {
+        skip_block_table: true,
+        ..Default::default()
+    };
+    let prefill = StepRequest {
+        seq_ids: vec![1],
+        num_new_tokens: vec![20],
+        ..Default::default()
+    };
+    let out = m.step_with(&prefill, &StepDrafts::default(), opts);
+    // Every query of the prefill reads its window: 5 blocks per group, the pool is full.
+    assert_eq!((out.num_scheduled, m.pool().num_free()), (1, 0));
+    assert!(out.new_block_ids.iter().all(|&b| b != 0));
+    // A decode at 20 reads 16..=20: the window gives its blocks 0..4 back (null entries) and
+    // each group opens block 5.
+    let decode = StepRequest {
+        seq_ids: vec![1],
+        num_new_tokens: vec![1],
+        append_indptr: vec![0, 1],
+        append_tokens: vec![5],
+    };
+    let out = m.step_with(&decode, &StepDrafts::default(), opts);
+    assert_eq!(out.num_scheduled, 1);
+    let t = m.block_tables(1).unwrap();
+    assert!(!t[0].contains(&NULL_BLOCK));
+    assert_eq!(t[1][..4], [NULL_BLOCK; 4]);
+    assert!(t[1][4] != NULL_BLOCK && t[1][5] != NULL_BLOCK);
+    assert_eq!(m.pool().num_free(), 2);
+    assert!(!m.pool().free_queue().contains(&NULL_BLOCK));
+    assert!(out.new_block_ids.iter().all(|&b| b != 0));
+    assert_eq!(m.pool().ref_count(NULL_BLOCK), 0);
+    assert_eq!(m.pool().block_hash(NULL_BLOCK), None);
+    // The window group's delta re-reports from its first released entry, as null entries.
+    assert_eq!(out.table_start, vec![5, 0]);
+    let (lo, hi) = (
+        out.table_delta_indptr[1] as usize,
+        out.table_delta_indptr[2] as usize,
+    );
+    assert_eq!(
+        out.table_delta[lo..hi],
+        [0, 0, 0, 0, t[1][4] as i32, t[1][5] as i32]
+    );
+    m.add_sequence(2, toks(8, 3), SequenceSpec::default())
+        .unwrap();
+    let d = m.num_blocks_needed(2, 8).unwrap();
+    let free = m.pool().num_free();
+    assert_eq!(
+        m.allocate_slots(2, 8).unwrap_err(),
+        Error::OutOfBlocks {
+            requested: d.take,
+            available: free
+        }
+    );
+    assert_eq!((d.take, free), (4, 2));
+    assert!(m.free(1));
+    assert_eq!(m.pool().num_free(), 10);
+    assert!(!m.pool().free_queue().contains(&NULL_BLOCK));
+    assert_eq!(m.pool().ref_count(NULL_BLOCK), 0);
+    m.check_invariants().unwrap();
+}
