@@ -55,3 +55,24 @@ def test_group_block_tables_reread_another_managers_whole_report() -> None:
     want = m.block_tables(1)
     for g in range(m.num_groups):
         np.testing.assert_array_equal(out[g, 0, : len(want[g])], want[g])
+
+
+def test_block_table_ignores_a_stale_whole_report() -> None:
+    """The one-group ``BlockTable``: the prefill's whole report fed again after decodes
+    opened a block must not shorten the kept table."""
+    from pagedkv.tensors import BlockTable
+
+    m = pagedkv.KVCacheManager(pagedkv.CacheConfig(64, 4))
+    m.add_sequence(1, list(range(10)))
+    steps = [m.step([1], [10])]
+    steps += [m.step([1], [1], [[7]]) for _ in range(3)]
+    tables = BlockTable(m)
+    for s in steps:
+        tables.update(s)
+    out = tables.update(steps[0])
+    assert out[0].tolist() == m.block_table(1).tolist() and len(m.block_table(1)) == 4
+
+
+def test_host_block_pool_names_the_accepted_policies() -> None:
+    with pytest.raises(pagedkv.InvalidConfigError, match='expected one of "lru", "arc"'):
+        pagedkv.HostBlockPool(4, eviction="fifo")

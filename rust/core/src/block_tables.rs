@@ -17,8 +17,9 @@
 //! writes. A delta applies only to the version of the table it follows
 //! ([`StepOutput::table_version`]): a sequence whose previous report was not applied here (new
 //! to this object, released while absent, an output skipped, or an id reused by a new sequence,
-//! whose versions continue above every earlier one) is read whole, so every row ends as the
-//! manager's current table.
+//! whose versions continue above every earlier one) is read whole, and so is one whose whole
+//! report is older than the version held (an output fed twice or out of order), so every row
+//! ends as the manager's current table.
 
 use crate::error::{Error, Result};
 use crate::manager::StepOutput;
@@ -260,7 +261,10 @@ impl BlockTables {
                 let (len, version) = row.map_or((0, 0), |r| (self.lens[r], self.versions[r]));
                 let start = p.table_start[j] as usize;
                 let follows = version != 0 && version.checked_add(1) == Some(p.table_version[j]);
-                if start == 0 || (follows && start <= len) {
+                // A whole report older than the row's version (an output fed twice or out of
+                // order) is stale: the table is read whole instead.
+                let whole_new = start == 0 && p.table_version[j] > version;
+                if whole_new || (follows && start <= len) {
                     cols = cols.max(start + p.entries(j).len());
                 } else {
                     let whole = read_whole(id)?;

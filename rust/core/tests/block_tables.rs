@@ -174,6 +174,26 @@ fn a_skipped_output_or_a_reused_id_reads_the_table_whole() {
 }
 
 #[test]
+fn a_whole_report_fed_again_does_not_bring_back_an_older_table() {
+    let m = manager(32, false, 0);
+    let mut kept = Kept::new(2, 2);
+    m.add_sequence(1, &[1; 6], SequenceSpec::default()).unwrap();
+    let first = step(&m, &[1], 6);
+    assert_eq!(first.1.table_start, vec![0], "a whole report");
+    kept.update(&m, std::slice::from_ref(&first)).unwrap();
+    for _ in 0..3 {
+        let out = step(&m, &[1], 1); // the third decode opens block 3
+        kept.update(&m, &[out]).unwrap();
+    }
+    assert_eq!(table(&m, 1).len(), 3);
+    // The first output again (twice, or late): the row keeps the current table.
+    assert_eq!(kept.update(&m, &[first]).unwrap(), dense(&m, &[1]));
+    let out = step(&m, &[1], 1);
+    assert_eq!(kept.update(&m, &[out]).unwrap(), dense(&m, &[1]));
+    kept.check_padding(1..=1);
+}
+
+#[test]
 fn a_shorter_table_is_zero_padded_and_growth_keeps_the_rows() {
     let m = manager(64, false, 0);
     let mut kept = Kept::new(1, 1);

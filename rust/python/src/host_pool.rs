@@ -517,7 +517,12 @@ impl PyHostBlockPool {
                         config_err(
                             "host_eviction",
                             repr(o),
-                            "expected the name of a host eviction policy (e.g. 'lru')".into(),
+                            format!(
+                                "expected one of {}",
+                                HostEviction::ALL
+                                    .map(|e| format!("{:?}", e.name()))
+                                    .join(", ")
+                            ),
                         )
                     })?
             }
