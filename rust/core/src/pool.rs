@@ -350,6 +350,11 @@ impl BlockPool {
                 let Some(id) = locked.lru_pop_front() else {
                     break;
                 };
+                if out.len() + 1 < end {
+                    // The next victim's index slot loads while this one is evicted.
+                    let next = locked.next[0];
+                    locked.index.prefetch_remove(next);
+                }
                 evicted += u64::from(self.evict_locked(
                     &mut locked,
                     id,
@@ -772,7 +777,11 @@ impl BlockPool {
                 });
             }
         }
-        for (&id, &hash) in blocks.iter().zip(hashes) {
+        for (k, (&id, &hash)) in blocks.iter().zip(hashes).enumerate() {
+            if let Some(next) = hashes.get(k + 1) {
+                // The next hash's home slot loads while this one is inserted.
+                locked.index.prefetch_insert(next);
+            }
             let first = match locked.index.insert(id, hash) {
                 None => false, // already carries a hash (its first stays)
                 Some(first) => {
