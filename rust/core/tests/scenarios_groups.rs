@@ -574,3 +574,213 @@ fn s8_null_block_is_never_capacity_in_any_group() {
     assert_eq!(m.pool().ref_count(NULL_BLOCK), 0);
     m.check_invariants().unwrap();
 }
+
+/// Rolling hash of a token prefix: what the KV of position `pos` depends on.
+fn prefix_hashes(tokens: &[u32]) -> Vec<u64> {
+    let mut h = 0xcbf2_9ce4_8422_2325_u64;
+    tokens
+        .iter()
+        .map(|&t| {
+            h = (h ^ u64::from(t))
+                .wrapping_mul(0x0100_0000_01b3)
+                .rotate_left(7);
+            h
+        })
+        .collect()
+}
+
+/// The executor's caches: per device / CPU / host block, per slot, the prefix hash whose KV
+/// it holds (a block id belongs to one group at a time, so no group dimension).
+#[derive(Default)]
+struct Executor {
+    dev: HashMap<BlockId, Vec<u64>>,
+    cpu: HashMap<BlockId, Vec<u64>>,
+    host: HashMap<u32, Vec<u64>>,
+    /// Swap plans returned between steps, `(to_cpu, src, dst)`, run in the next step.
+    swaps: Vec<(bool, BlockId, BlockId)>,
+}
+
+impl Executor {
+    /// Runs one step output in the documented order: host stores, swaps, host loads,
+    /// copy-on-write, then the forward pass writing each scheduled token's KV.
+    fn run(
+        &mut self,
+        out: &pagedkv_core::HybridStepOutput,
+        ids: &[u64],
+        seqs: &HashMap<u64, Vec<u64>>,
+    ) {
+        let empty = vec![0u64; BS as usize];
+        for r in out.host_stores.chunks(3) {
+            let v = self
+                .dev
+                .get(&(r[1] as u32))
+                .cloned()
+                .unwrap_or_else(|| empty.clone());
+            self.host.insert(r[2] as u32, v);
+        }
+        for (to_cpu, src, dst) in self.swaps.drain(..) {
+            let (from, to) = if to_cpu {
+                (&self.dev, &mut self.cpu)
+            } else {
+                (&self.cpu, &mut self.dev)
+            };
+            let v = from.get(&src).cloned().unwrap_or_else(|| empty.clone());
+            to.insert(dst, v);
+        }
+        for r in out.host_loads.chunks(3) {
+            let v = self.host[&(r[1] as u32)].clone();
+            self.dev.insert(r[2] as u32, v);
+        }
+        for r in out.copies.chunks(3) {
+            let v = self
+                .dev
+                .get(&(r[1] as u32))
+                .cloned()
+                .unwrap_or_else(|| empty.clone());
+            self.dev.insert(r[2] as u32, v);
+        }
+        let g = out.num_groups;
+        let t_total = *out.query_start_loc.last().unwrap_or(&0) as usize;
+        for (k, id) in ids.iter().take(out.num_scheduled).enumerate() {
+            let h = &seqs[id];
+            let q0 = out.query_start_loc[k] as usize;
+            let ctx = out.context_lens[k] as usize;
+            for t in q0..out.query_start_loc[k + 1] as usize {
+                let pos = ctx + t - q0;
+                for gi in 0..g {
+                    let slot = out.slot_mapping[gi * t_total + t] as u32;
+                    let e = self.dev.entry(slot / BS).or_insert_with(|| empty.clone());
+                    e[(slot % BS) as usize] = h[pos];
+                }
+            }
+        }
+    }
+
+    /// Every computed position of every table entry holds its sequence's own prefix: the
+    /// device blocks of running sequences, the CPU blocks of swapped ones.
+    fn check(&self, m: &HybridManager, seqs: &HashMap<u64, Vec<u64>>) {
+        for (&id, h) in seqs {
+            let cache = match m.status(id).unwrap() {
+                SeqStatus::Running => &self.dev,
+                SeqStatus::Swapped => &self.cpu,
+                _ => continue,
+            };
+            let computed = m.num_computed_tokens(id).unwrap();
+            let null = if m.status(id).unwrap() == SeqStatus::Swapped {
+                None
+            } else {
+                Some(NULL_BLOCK)
+            };
+            for (gi, table) in m.block_tables(id).unwrap().iter().enumerate() {
+                for (j, &b) in table.iter().enumerate() {
+                    if Some(b) == null || cache.get(&b).is_none() && null.is_none() {
+                        continue;
+                    }
+                    for off in 0..BS as usize {
+                        let pos = j * BS as usize + off;
+                        if pos < computed {
+                            assert_eq!(
+                                cache.get(&b).map(|v| v[off]),
+                                Some(h[pos]),
+                                "seq {id} group {gi} block {j} (id {b}) position {pos}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// S5 with the host tier: swap and recompute preemption among sequences that share prefixes
+/// on a small device pool with a host tier, through an executor model that runs each step's
+/// plans in order. After every step every block a sequence's tables hold carries that
+/// sequence's own KV: a swapped-in sequence gets back the KV it swapped out, block for block,
+/// and a host hit loads the KV its prefix computed.
+#[test]
+fn s5_swap_preemption_with_host_tier_restores_the_same_kv() {
+    let m = manager(14, 10);
+    let mut next = rng(0x9e37_79b9);
+    let mut ex = Executor::default();
+    let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
+    let mut hashes: HashMap<u64, Vec<u64>> = HashMap::new();
+    let mut next_id = 1u64;
+    let (mut swapped_in, mut host_loads, mut steps) = (0, 0, 0);
+    for _ in 0..1500 {
+        let live: Vec<u64> = {
+            let mut v: Vec<u64> = tokens.keys().copied().collect();
+            v.sort_unstable();
+            v
+        };
+        match next(10) {
+            0 if live.len() < 4 => {
+                let t = toks(4 + next(14) as usize, next(2) as u32);
+                m.add_sequence(next_id, t.clone(), SequenceSpec::default())
+                    .unwrap();
+                hashes.insert(next_id, prefix_hashes(&t));
+                tokens.insert(next_id, t);
+                next_id += 1;
+            }
+            1 if !live.is_empty() => {
+                let id = live[next(live.len() as u64) as usize];
+                assert!(m.free(id));
+                tokens.remove(&id);
+                hashes.remove(&id);
+            }
+            2 | 3 if !live.is_empty() => {
+                let id = live[next(live.len() as u64) as usize];
+                match m.status(id).unwrap() {
+                    SeqStatus::Running if m.num_computed_tokens(id).unwrap() > 0 => {
+                        if next(3) == 0 {
+                            m.preempt_recompute(&[id]).unwrap();
+                        } else if let Ok(plan) = m.swap_out(&[id]) {
+                            ex.swaps.extend(plan.into_iter().map(|(g, c)| (true, g, c)));
+                        }
+                    }
+                    SeqStatus::Swapped => {
+                        if let Ok(plan) = m.swap_in(&[id]) {
+                            swapped_in += 1;
+                            ex.swaps
+                                .extend(plan.into_iter().map(|(c, g)| (false, c, g)));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            _ => {
+                let mut ids = Vec::new();
+                let mut n_new = Vec::new();
+                for &id in &live {
+                    if m.status(id).unwrap() == SeqStatus::Swapped || next(3) == 0 {
+                        continue;
+                    }
+                    if m.num_tokens(id).unwrap() == m.num_computed_tokens(id).unwrap() {
+                        if tokens[&id].len() >= 40 {
+                            continue;
+                        }
+                        let t = next(30) as u32;
+                        m.append_tokens(id, &[t]).unwrap();
+                        let v = tokens.get_mut(&id).unwrap();
+                        v.push(t);
+                        hashes.insert(id, prefix_hashes(v));
+                    }
+                    ids.push(id);
+                    n_new.push(1 + next(8) as u32);
+                }
+                let out = m.step(&StepRequest {
+                    seq_ids: ids.clone(),
+                    num_new_tokens: n_new,
+                    ..Default::default()
+                });
+                host_loads += out.host_loads.len() / 3;
+                ex.run(&out, &ids, &hashes);
+                steps += 1;
+                ex.check(&m, &hashes);
+            }
+        }
+        m.check_invariants().unwrap();
+    }
+    assert!(steps > 500, "{steps}");
+    assert!(swapped_in > 20, "{swapped_in}");
+    assert!(host_loads > 10, "{host_loads}");
+}
