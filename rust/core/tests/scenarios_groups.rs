@@ -2,6 +2,7 @@
 //! the KV cache groups manager (`HybridManager`): with the prefix cache's host tier, the step's
 //! admission watermark (`reserve_blocks`) and per-group block-table deltas. Exact values.
 
+use pagedkv_core::host_tier::HostEviction;
 use pagedkv_core::hybrid::HybridStepOptions;
 use pagedkv_core::{
     BlockHash, BlockId, Error, GroupSpec, HybridConfig, HybridManager, SeqStatus, SequenceSpec,
@@ -15,6 +16,11 @@ const W: u32 = 5;
 
 /// Full attention (group 0) and a sliding window of 5 (group 1), block size 4, events on.
 fn manager(num_blocks: u32, host: u32) -> HybridManager {
+    manager_evicting(num_blocks, host, HostEviction::Lru)
+}
+
+/// [`manager`] with the host tier's eviction policy.
+fn manager_evicting(num_blocks: u32, host: u32, eviction: HostEviction) -> HybridManager {
     let mut c = HybridConfig::new(
         num_blocks,
         vec![GroupSpec::full(BS, 8), GroupSpec::sliding_window(BS, 8, W)],
@@ -24,6 +30,7 @@ fn manager(num_blocks: u32, host: u32) -> HybridManager {
     c.host_admission_min_seen = 1;
     c.num_cpu_blocks = 32;
     c.enable_events = true;
+    c.host_eviction = eviction;
     HybridManager::new(c).unwrap()
 }
 
@@ -240,7 +247,13 @@ fn apply_deltas(
 /// arrays), whose kept tables from the deltas equal the manager's.
 #[test]
 fn s3_capacity_check_predicts_exactly_what_is_taken_with_host_loads_and_deltas() {
-    let m = manager(20, 12);
+    for eviction in HostEviction::ALL {
+        s3_workload(eviction);
+    }
+}
+
+fn s3_workload(eviction: HostEviction) {
+    let m = manager_evicting(20, 12, eviction);
     let mut next = rng(0x2545_f491);
     let mut live: Vec<u64> = Vec::new();
     let mut kept: HashMap<u64, (u64, Vec<Vec<i32>>)> = HashMap::new();
@@ -366,7 +379,7 @@ fn s3_capacity_check_predicts_exactly_what_is_taken_with_host_loads_and_deltas()
         }
         m.check_invariants().unwrap();
     }
-    assert!(checked > 400, "{checked}");
+    assert!(checked > 400, "{eviction:?} {checked}");
     assert!(via_step > 150, "{via_step}");
     assert!(host_hits > 5, "{host_hits}");
     assert!(refused > 20, "{refused}");
@@ -699,7 +712,13 @@ impl Executor {
 /// and a host hit loads the KV its prefix computed.
 #[test]
 fn s5_swap_preemption_with_host_tier_restores_the_same_kv() {
-    let m = manager(14, 10);
+    for eviction in HostEviction::ALL {
+        s5_workload(eviction);
+    }
+}
+
+fn s5_workload(eviction: HostEviction) {
+    let m = manager_evicting(14, 10, eviction);
     let mut next = rng(0x9e37_79b9);
     let mut ex = Executor::default();
     let mut tokens: HashMap<u64, Vec<u32>> = HashMap::new();
@@ -782,5 +801,5 @@ fn s5_swap_preemption_with_host_tier_restores_the_same_kv() {
     }
     assert!(steps > 500, "{steps}");
     assert!(swapped_in > 20, "{swapped_in}");
-    assert!(host_loads > 10, "{host_loads}");
+    assert!(host_loads > 10, "{eviction:?} {host_loads}");
 }
