@@ -79,3 +79,92 @@ def test_s4_release_twice_or_unknown_changes_nothing() -> None:
     assert not lay.release(2)
     assert lay.stats().resident_bytes == 0 and lay.num_free_pages == 64
     lay.close()
+
+
+# ---- S5 on a hybrid model with the host tier ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    from test_hybrid_models import _tiny_gemma3
+
+    return _tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3-scenarios"))
+
+
+def _waves(vocab: int) -> list[list[list[int]]]:
+    """Three waves of four concurrent prompts: the first and last share a 24-token prefix per
+    prompt (so the last hits what the middle wave's prompts pushed out to the host)."""
+    g = torch.Generator().manual_seed(11)
+
+    def rand(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+    prefixes = [rand(24) for _ in range(4)]
+    first = [p + rand(6) for p in prefixes]
+    middle = [rand(30) for _ in range(4)]
+    last = [p + rand(5) for p in prefixes]
+    return [first, middle, last]
+
+
+def test_s5_swap_preemption_with_host_tier_on_a_hybrid_model_equals_the_unpreempted_run(gemma):
+    """Tiny Gemma 3 (window 8 and full attention, one block table per group): four concurrent
+    requests per wave on a pool that forces swap preemption, with a host tier the last wave
+    hits: every answer equals the run on a pool large enough for everything, without a host
+    tier."""
+    from engine_helpers import assert_no_leak
+
+    from pagedkv.engine import LLMEngine, SamplingParams
+    from pagedkv.engine import runner as runner_module
+    from pagedkv.engine.runner import ModelRunner
+
+    vocab = gemma.hf.config.vocab_size
+    params = SamplingParams(max_tokens=24)
+
+    def run(**kw):
+        eng = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, block_size=4, max_tokens_per_step=16, **kw)
+        outs = [[list(o.token_ids) for o in eng.generate(w, params)] for w in _waves(vocab)]
+        return outs, eng
+
+    want, ref = run(num_kv_blocks=512)
+    assert ref.stats().preemptions == 0
+    # Block for block: a swap-out copies the victim's KV as it was, a swap-in brings it back
+    # (the tiny model's greedy tokens alone may not notice a wrong block).
+    saved: dict[int, torch.Tensor] = {}
+    checked: list[int] = []
+    runners: list[ModelRunner] = []
+    plans, copy = ModelRunner.apply_block_plans, runner_module.kernels.swap_blocks
+
+    def note_runner(runner, bt):
+        runners[:] = [runner]
+        plans(runner, bt)
+
+    def checked_copy(src, dst, part):
+        r = runners[0]
+        rows = part.tolist()
+        out = src is r.kv_cache and dst is r.cpu_cache
+        before = {gpu: src[:, :, gpu].clone() for gpu, _ in rows} if out else {}
+        event = copy(src, dst, part)
+        for gpu, cpu in rows if out else []:
+            assert torch.equal(dst[:, :, cpu], before[gpu])
+            saved[cpu] = before[gpu]
+        if src is r.cpu_cache and dst is r.kv_cache:
+            for cpu, gpu in rows:
+                assert torch.equal(dst[:, :, gpu], saved[cpu]), (cpu, gpu)
+                checked.append(gpu)
+        return event
+
+    ModelRunner.apply_block_plans = note_runner  # type: ignore[method-assign]
+    runner_module.kernels.swap_blocks = checked_copy
+    try:
+        got, eng = run(num_kv_blocks=64, preemption="swap", num_host_blocks=2048, host_admission_min_seen=1)
+    finally:
+        ModelRunner.apply_block_plans = plans  # type: ignore[method-assign]
+        runner_module.kernels.swap_blocks = copy
+    st = eng.stats()
+    assert len(checked) == st.swaps_in_blocks > 0
+    assert st.preemptions > 0 and st.swaps_in_blocks > 0, st
+    assert st.host_loads_blocks > 0 and st.host_hits_tokens > 0, st
+    assert got == want
+    assert st.cpu_used == 0
+    assert_no_leak(eng)
+    eng.manager.check_invariants()
