@@ -1,6 +1,7 @@
-"""Regression scenarios S4 and S7 (docs/design.md, "Regression scenarios") on the virtual KV
-layout's page sharing (``VirtualKVLayout(sharing=True)``): copy-on-write at page granularity
-after a fork, and release twice."""
+"""Regression scenarios (docs/design.md, "Regression scenarios") on what the engine gained: S4
+and S7 on the virtual KV layout's page sharing (``VirtualKVLayout(sharing=True)``: release
+twice, copy-on-write at page granularity after a fork), and S5 on a hybrid model with the host
+tier (swap preemption, KV back block for block)."""
 
 from __future__ import annotations
 
