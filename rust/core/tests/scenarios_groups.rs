@@ -1,4 +1,4 @@
-//! Regression scenarios S1, S3, S4, S5, S7 and S8 (docs/design.md, "Regression scenarios") on
+//! Regression scenarios S1 to S5, S7 and S8 (docs/design.md, "Regression scenarios") on
 //! the KV cache groups manager (`HybridManager`): with the prefix cache's host tier, the step's
 //! admission watermark (`reserve_blocks`) and per-group block-table deltas. Exact values.
 
@@ -802,4 +802,91 @@ fn s5_workload(eviction: HostEviction) {
     assert!(steps > 500, "{steps}");
     assert!(swapped_in > 20, "{swapped_in}");
     assert!(host_loads > 10, "{eviction:?} {host_loads}");
+}
+
+/// S2 on KV cache groups with the host tier: 4 usable blocks, caching on. A full block cached
+/// in each group, freed, then another sequence's blocks take every id, the two cached ones
+/// included: those carry no stale hash (none, or the new holder's own), the index no longer
+/// finds the old keys, and the evicted blocks went to the host under their old keys (a later
+/// copy of the prompt hits there, not on the reused ids). With caching off no block is ever
+/// hashed.
+#[test]
+fn s2_reused_block_carries_no_stale_hash_in_any_group() {
+    let m = manager(5, 4);
+    m.add_sequence(1, toks(4, 1), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(1, 4).unwrap();
+    let t = m.block_tables(1).unwrap();
+    let (b0, b1) = (t[0][0], t[1][0]);
+    let keys = [
+        m.pool().block_hash(b0).unwrap(),
+        m.pool().block_hash(b1).unwrap(),
+    ];
+    assert_ne!(keys[0], keys[1], "the groups' keys differ");
+    host_step(&m);
+    assert!(m.free(1));
+    assert_eq!(m.pool().num_cached_free(), 2);
+    // 7 tokens: two blocks per group, the second partial: all four ids.
+    m.add_sequence(2, toks(7, 2), SequenceSpec::default())
+        .unwrap();
+    let a = m.allocate_slots(2, 7).unwrap();
+    let got: Vec<BlockId> = a
+        .groups
+        .iter()
+        .flat_map(|g| g.new_block_ids.clone())
+        .collect();
+    assert!(got.contains(&b0) && got.contains(&b1), "{got:?}");
+    let t2 = m.block_tables(2).unwrap();
+    for g in 0..2 {
+        assert_eq!(
+            m.pool().block_hash(t2[g][1]),
+            None,
+            "a partial block is hashed"
+        );
+    }
+    for b in [b0, b1] {
+        let h = m.pool().block_hash(b);
+        assert!(
+            h.is_none() || !keys.contains(&h.unwrap()),
+            "block {b} kept its old hash"
+        );
+    }
+    for k in &keys {
+        assert_eq!(m.pool().lookup(k), None);
+    }
+    assert_eq!(host_step(&m), (2, 0));
+    m.check_invariants().unwrap();
+    // A copy of seq 1's prompt + 1 token hits 4 tokens from the host, not the reused ids.
+    assert!(m.free(2));
+    m.add_sequence(3, toks(5, 1), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix(3).unwrap(), 4);
+    let a = m.allocate_slots(3, 5).unwrap();
+    assert_eq!(a.num_cached_tokens, 4);
+    let out = m.step(&StepRequest::default());
+    assert_eq!(out.host_loads.len() / 3, 2);
+    let t = m.block_tables(3).unwrap();
+    assert_eq!(m.pool().block_hash(t[0][0]), Some(keys[0]));
+    assert_eq!(m.pool().block_hash(t[1][0]), Some(keys[1]));
+    m.check_invariants().unwrap();
+
+    // Caching off: nothing hashed, nothing stored.
+    let mut c = HybridConfig::new(
+        5,
+        vec![GroupSpec::full(BS, 8), GroupSpec::sliding_window(BS, 8, W)],
+        vec![0, 1],
+    );
+    c.enable_prefix_caching = false;
+    let m = HybridManager::new(c).unwrap();
+    m.add_sequence(1, toks(8, 1), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(1, 8).unwrap();
+    assert!((0..5).all(|b| m.pool().block_hash(b).is_none()));
+    m.free(1);
+    m.add_sequence(2, toks(8, 1), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix(2).unwrap(), 0);
+    assert_eq!(m.allocate_slots(2, 8).unwrap().num_cached_tokens, 0);
+    assert!((0..5).all(|b| m.pool().block_hash(b).is_none()));
+    m.check_invariants().unwrap();
 }
