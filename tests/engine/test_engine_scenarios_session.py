@@ -1,7 +1,7 @@
 """Regression scenarios (docs/design.md, "Regression scenarios") on what the engine gained: S4
 and S7 on the virtual KV layout's page sharing (``VirtualKVLayout(sharing=True)``: release
-twice, copy-on-write at page granularity after a fork), and S5 on a hybrid model with the host
-tier (swap preemption, KV back block for block)."""
+twice, copy-on-write at page granularity after a fork), and S5 / S6 on a hybrid model with the host
+tier (swap preemption with the KV back block for block; no preemption thrash)."""
 
 from __future__ import annotations
 
@@ -169,3 +169,41 @@ def test_s5_swap_preemption_with_host_tier_on_a_hybrid_model_equals_the_unpreemp
     assert st.cpu_used == 0
     assert_no_leak(eng)
     eng.manager.check_invariants()
+
+
+# ---- S6 on a hybrid model with the host tier ---------------------------------------------------
+
+
+def test_s6_hybrid_model_with_host_tier_long_prompt_is_not_preempted_repeatedly(gemma):
+    """Tiny Gemma 3 with a host tier: a 100-token prompt behind two growing requests on a
+    60-block pool, 8 tokens per step. The resume waits until its whole remaining prefill fits,
+    so the long prompt is preempted once; admitting on the first chunk alone preempts it again
+    and again. Answers equal a pool large enough for everything."""
+    import dataclasses
+
+    from engine_helpers import assert_no_leak
+
+    from pagedkv.engine import LLMEngine, SamplingParams
+
+    vocab = gemma.hf.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    long_prompt = torch.randint(3, vocab, (100,), generator=g).tolist()
+    a, b = [torch.randint(3, vocab, (4,), generator=g).tolist() for _ in range(2)]
+    params = [SamplingParams(max_tokens=60), SamplingParams(max_tokens=60), SamplingParams(max_tokens=20)]
+
+    def run(reserve_prefill: bool, **kw):
+        eng = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, block_size=4, max_tokens_per_step=8, **kw)
+        eng.scheduler.config = dataclasses.replace(eng.scheduler.config, reserve_prefill=reserve_prefill)
+        outs = eng.generate([a, b, long_prompt], params)
+        assert_no_leak(eng)
+        return [list(o.token_ids) for o in outs], [o.num_preemptions for o in outs]
+
+    want, none = run(True, num_kv_blocks=512)
+    assert none == [0, 0, 0]
+    tier = dict(num_kv_blocks=60, num_host_blocks=512, host_admission_min_seen=1)
+    got, preemptions = run(True, **tier)
+    assert got == want
+    assert preemptions == [0, 0, 1]
+    got, thrash = run(False, **tier)
+    assert got == want
+    assert thrash[2] >= 3
