@@ -1,7 +1,8 @@
 """Regression scenarios (docs/design.md, "Regression scenarios") on what the engine gained: S4
 and S7 on the virtual KV layout's page sharing (``VirtualKVLayout(sharing=True)``: release
-twice, copy-on-write at page granularity after a fork), and S5 / S6 on a hybrid model with the host
-tier (swap preemption with the KV back block for block; no preemption thrash)."""
+twice, copy-on-write at page granularity after a fork), and S5 / S6 / S9 on a hybrid model with the host
+tier (swap preemption with the KV back block for block; no preemption thrash; host blocks are
+no device capacity)."""
 
 from __future__ import annotations
 
@@ -207,3 +208,32 @@ def test_s6_hybrid_model_with_host_tier_long_prompt_is_not_preempted_repeatedly(
     got, thrash = run(False, **tier)
     assert got == want
     assert thrash[2] >= 3
+
+
+# ---- S9 on a hybrid model with the host tier ---------------------------------------------------
+
+
+def test_s9_hybrid_model_host_blocks_are_no_device_capacity(gemma):
+    """Tiny Gemma 3, 29 usable device blocks and a 512-block host tier: a request whose prompt
+    and output need 39 blocks (in 8-token chunks) is refused at admission naming the sizes (the
+    host tier holds no KV a query reads); one needing exactly 29 is served, as is a small one
+    after the refusal."""
+    from engine_helpers import assert_no_leak
+
+    from pagedkv.engine import LLMEngine, RequestTooLargeError, SamplingParams
+
+    eng = LLMEngine(
+        gemma.hf,
+        tokenizer=gemma.tokenizer,
+        block_size=4,
+        num_kv_blocks=30,
+        max_tokens_per_step=8,
+        num_host_blocks=512,
+        host_admission_min_seen=1,
+    )
+    assert (eng.scheduler.max_blocks(40, 16), eng.scheduler.max_blocks(80, 16)) == (29, 39)
+    with pytest.raises(RequestTooLargeError, match=r"needs 39 KV blocks \(80 prompt tokens \+ max_tokens=16.*only 29"):
+        eng.add_request(list(range(3, 83)), SamplingParams(max_tokens=16))
+    outs = eng.generate([list(range(3, 43)), list(range(5, 15))], SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [16, 16]
+    assert_no_leak(eng)
