@@ -229,7 +229,9 @@ class PagedKVCPUOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]  # vLLM
     workers are vLLM's; the spec adds ``host_admission_min_seen`` and passes
     ``eviction_policy`` to the core tier (see the module docs). Raises
     :class:`UnsupportedVllmVersionError` under a vLLM release other than 0.32 / 0.33 and
-    ``pagedkv.InvalidConfigError`` (a ``ValueError``) when ``cpu_bytes_to_use`` holds no chunk.
+    ``pagedkv.InvalidConfigError`` (a ``ValueError``) naming the extra-config key when
+    ``cpu_bytes_to_use`` holds no chunk, ``host_admission_min_seen`` / ``store_threshold`` is
+    not an int (or the former below 1) or ``eviction_policy`` is not a core policy's name.
     """
 
     _manager: OffloadingManager | None
@@ -255,14 +257,45 @@ class PagedKVCPUOffloadingSpec(CPUOffloadingSpec):  # type: ignore[misc]  # vLLM
                     reason="smaller than one chunk",
                 )
             extra = self.extra_config
-            threshold = int(extra.get("store_threshold", 0))
-            min_seen = int(extra.get("host_admission_min_seen", threshold if threshold >= 2 else 1))
+            threshold = _int_option(extra, "store_threshold", 0)
+            min_seen = _int_option(extra, "host_admission_min_seen", threshold if threshold >= 2 else 1)
             info = getattr(self, "cpu_info", None)
-            self._manager = PagedKVOffloadingManager(
-                self.num_chunks,
-                admission_min_seen=min_seen,
-                eviction=str(self.eviction_policy),
-                enable_events=self.kv_events_config.enable_kv_cache_events,
-                config_info=dict(info.as_config_info()) if info is not None else None,
-            )
+            try:
+                manager = PagedKVOffloadingManager(
+                    self.num_chunks,
+                    admission_min_seen=min_seen,
+                    eviction=str(self.eviction_policy),
+                    enable_events=self.kv_events_config.enable_kv_cache_events,
+                    config_info=dict(info.as_config_info()) if info is not None else None,
+                )
+            except InvalidConfigError as e:
+                # Name the extra-config key the user wrote, not the core tier's field.
+                key = {"host_eviction": "eviction_policy"}.get(e.field, e.field)
+                raise InvalidConfigError(
+                    f"kv_connector_extra_config {key} = {e.value}: {e.reason}",
+                    field=key,
+                    value=e.value,
+                    reason=e.reason,
+                ) from e
+            self._manager = manager
         return self._manager
+
+
+def _int_option(extra: dict[str, Any], key: str, default: int) -> int:
+    """``extra[key]`` as an int (an int, or a str of one: JSON or CLI config), else
+    ``default``; anything else (a bool, a float, other text) raises ``InvalidConfigError``
+    naming ``key``."""
+    value = extra.get(key, default)
+    if isinstance(value, str):
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    elif isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise InvalidConfigError(
+        f"kv_connector_extra_config {key} = {value!r}: expected an int",
+        field=key,
+        value=repr(value),
+        reason="expected an int",
+    )
