@@ -76,3 +76,15 @@ def test_block_table_ignores_a_stale_whole_report() -> None:
 def test_host_block_pool_names_the_accepted_policies() -> None:
     with pytest.raises(pagedkv.InvalidConfigError, match='expected one of "lru", "arc"'):
         pagedkv.HostBlockPool(4, eviction="fifo")
+
+
+def test_kv_layout_help_says_the_virtual_layout_shares_pages() -> None:
+    """``--kv-layout``'s help said the virtual layout had no prefix caching and one sequence
+    per request, which page sharing (prefix caching, n > 1, beam search on the CPU) ended."""
+    pytest.importorskip("torch")
+    from pagedkv.engine.cli import build_parser
+
+    (action,) = [a for a in build_parser()._actions if "--kv-layout" in a.option_strings]
+    text = action.help or ""
+    assert "no prefix caching" not in text and "one sequence per request" not in text
+    assert "prefix caching" in text and "share pages" in text and "no host tier" in text

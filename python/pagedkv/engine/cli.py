@@ -206,8 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["paged", "virtual"],
         default="paged",
         help="paged: blocks and block tables; virtual: each request's K/V contiguous in reserved virtual "
-        "memory, pages committed on demand (vAttention; same physical budget, no prefix caching, "
-        "recompute preemption only, one sequence per request, full-attention models only)",
+        "memory, pages committed on demand (vAttention; same physical budget; on the CPU, prefix caching, "
+        "--n and beam search share pages; recompute preemption only, no host tier, full-attention "
+        "models only)",
     )
     kv.add_argument(
         "--page-size",
