@@ -890,3 +890,61 @@ fn s2_reused_block_carries_no_stale_hash_in_any_group() {
     assert!((0..5).all(|b| m.pool().block_hash(b).is_none()));
     m.check_invariants().unwrap();
 }
+
+/// S1, the host tier's own state: a failed allocation whose lookup hit host blocks must not
+/// change their recency (LRU) or list (ARC: a hit moves T1 -> T2). Two managers run the same
+/// calls, one of them also the failed allocation; every later step's host stores and loads,
+/// and the later hits, are the same on both.
+#[test]
+fn s1_failed_allocation_leaves_host_eviction_order_unchanged() {
+    for eviction in HostEviction::ALL {
+        let run = |with_failure: bool| {
+            // Host of 10: A's six blocks, seq 2's two evicted by D, then two more.
+            let m = manager_evicting(9, 10, eviction);
+            a_on_host(&m);
+            m.add_sequence(4, toks(8, 4), SequenceSpec::default())
+                .unwrap();
+            m.allocate_slots(4, 8).unwrap();
+            let mut log = vec![m.step(&StepRequest::default())];
+            if with_failure {
+                m.add_sequence(3, toks(17, 1), SequenceSpec::default())
+                    .unwrap();
+                assert!(matches!(
+                    m.allocate_slots(3, 17),
+                    Err(Error::OutOfBlocks { .. })
+                ));
+                assert!(m.free(3));
+            }
+            assert!(m.free(4));
+            // A new prompt pushes stores through the full host tier: which entries it evicts
+            // (here A's deeper blocks, the oldest) depends on the recency and lists the
+            // failed call must not have changed.
+            m.add_sequence(5, toks(5, 5), SequenceSpec::default())
+                .unwrap();
+            m.allocate_slots(5, 5).unwrap();
+            log.push(m.step(&StepRequest::default()));
+            assert!(m.free(5));
+            // Then A again and seq 2's prompt: their hits show what survived.
+            let mut hits = Vec::new();
+            for (id, salt) in [(8u64, 1u32), (9, 2)] {
+                m.add_sequence(id, toks(13, salt), SequenceSpec::default())
+                    .unwrap();
+                hits.push(m.lookup_prefix(id).unwrap());
+                m.allocate_slots(id, 13).unwrap();
+                log.push(m.step(&StepRequest::default()));
+                assert!(m.free(id));
+            }
+            m.check_invariants().unwrap();
+            let copies: Vec<(Vec<i32>, Vec<i32>)> = log
+                .into_iter()
+                .map(|o| (o.host_stores, o.host_loads))
+                .collect();
+            (copies, hits, m.stats().host_hits_tokens)
+        };
+        let (with, without) = (run(true), run(false));
+        assert_eq!(
+            with, without,
+            "{eviction:?}: the failed call changed the host tier"
+        );
+    }
+}
