@@ -204,6 +204,9 @@ fn apply_deltas(
 ) {
     let g = out.num_groups;
     assert!(out.new_block_ids.iter().all(|&b| b != NULL_BLOCK as i32));
+    assert!(out.copies.chunks(3).all(|r| r[1] != 0 && r[2] != 0));
+    assert!(out.host_stores.chunks(3).all(|r| r[1] != 0));
+    assert!(out.host_loads.chunks(3).all(|r| r[2] != 0));
     for (k, id) in ids.iter().take(out.num_scheduled).enumerate() {
         let version = out.table_version[k];
         let (v, tables) = kept
