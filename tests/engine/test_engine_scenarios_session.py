@@ -1,8 +1,8 @@
-"""Regression scenarios (docs/design.md, "Regression scenarios") on what the engine gained: S4
-and S7 on the virtual KV layout's page sharing (``VirtualKVLayout(sharing=True)``: release
-twice, copy-on-write at page granularity after a fork), and S5 / S6 / S9 on a hybrid model with the host
-tier (swap preemption with the KV back block for block; no preemption thrash; host blocks are
-no device capacity)."""
+"""Regression scenarios (docs/design.md, "Regression scenarios") on what the engine gained:
+S1, S4 and S7 on the virtual KV layout's page sharing (``VirtualKVLayout(sharing=True)``: a
+refused write into a shared page, release twice, copy-on-write at page granularity after a
+fork), and S5 / S6 / S9 on a hybrid model with the host tier (swap preemption with the KV back
+block for block; no preemption thrash; host blocks are no device capacity)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ PAGE = 4096
 BYTES_PER_TOKEN = 96
 
 
-def _layout() -> VirtualKVLayout:
+def _layout(budget_pages: int = 64) -> VirtualKVLayout:
     return VirtualKVLayout(
         num_layers=1,
         num_kv_heads=2,
         head_size=12,
         dtype=torch.float32,
         page_size=PAGE,
-        budget_bytes=64 * PAGE,
+        budget_bytes=budget_pages * PAGE,
         max_seqs=4,
         max_seq_len=512,
         sharing=True,
@@ -80,6 +80,43 @@ def test_s4_release_twice_or_unknown_changes_nothing() -> None:
     assert lay.release(2)
     assert not lay.release(2)
     assert lay.stats().resident_bytes == 0 and lay.num_free_pages == 64
+    lay.close()
+
+
+def test_s1_a_refused_write_into_a_shared_page_changes_nothing() -> None:
+    """S1 on the virtual layout: the copy-on-write page counts in the capacity check. 8 pages
+    (4 per segment); a 100-token parent (3 pages per segment) forked: 2 pages free. The parent
+    writing tokens 100..130 needs its shared page 2 copied (2 pages) and page 3 (2 more):
+    refused with every page, mapping and byte as before; the child's one-token write (the copy
+    alone) fits exactly."""
+    lay = _layout(budget_pages=8)
+    segs = lay.num_segments
+    assert segs == 2
+    assert lay.ensure(1, 100, start=0)
+    for seg in lay.segments(1):
+        seg[:100] = 7.0
+    assert lay.fork(1, 2, 100) == 3
+    assert lay.num_free_pages == 2
+
+    def state() -> tuple[object, ...]:
+        st = lay.stats()
+        data = tuple(bool((seg[:100] == 7.0).all()) for q in (1, 2) for seg in lay.segments(q))
+        return (lay.num_free_pages, st.cow_pages, st.resident_bytes, lay.pages_held(1), lay.pages_held(2), data)
+
+    before = state()
+    assert not lay.can_hold(1, 131, start=100)
+    assert not lay.ensure(1, 131, start=100)
+    assert state() == before
+    assert lay.ensure(2, 101, start=100)  # the copy alone: 2 pages
+    assert (lay.num_free_pages, lay.stats().cow_pages) == (0, segs)
+    # The parent's page 2 is its own now; growing still needs 2 pages: refused, unchanged.
+    before = state()
+    assert not lay.ensure(1, 131, start=100)
+    assert state() == before
+    assert lay.release(2)
+    assert lay.ensure(1, 131, start=100)
+    assert lay.stats().cow_pages == segs
+    assert lay.release(1) and lay.num_free_pages == 8
     lay.close()
 
 
