@@ -1,8 +1,9 @@
 """Regression scenarios (docs/design.md, "Regression scenarios") on what the engine gained:
-S1, S4 and S7 on the virtual KV layout's page sharing (``VirtualKVLayout(sharing=True)``: a
-refused write into a shared page, release twice, copy-on-write at page granularity after a
-fork), and S5 / S6 / S9 on a hybrid model with the host tier (swap preemption with the KV back
-block for block; no preemption thrash; host blocks are no device capacity)."""
+S1, S2, S4 and S7 on the virtual KV layout's page sharing (``VirtualKVLayout(sharing=True)``:
+a refused write into a shared page, an evicted page group's key, release twice, copy-on-write
+at page granularity after a fork), and S5 / S6 / S9 on a hybrid model with the host tier (swap
+preemption with the KV back block for block; no preemption thrash; host blocks are no device
+capacity)."""
 
 from __future__ import annotations
 
@@ -117,6 +118,36 @@ def test_s1_a_refused_write_into_a_shared_page_changes_nothing() -> None:
     assert lay.ensure(1, 131, start=100)
     assert lay.stats().cow_pages == segs
     assert lay.release(1) and lay.num_free_pages == 8
+    lay.close()
+
+
+def test_s2_an_evicted_page_group_is_never_matched_by_its_old_key() -> None:
+    """S2 on the virtual layout's prefix cache: 8 pages. A (170 tokens, 4 pages per segment)
+    caches its 3 full page groups and is released; B (85 tokens, 2 pages per segment) needs 4
+    frames of which 2 are free: the deepest cached group (A's page 2) is evicted and its frames
+    reused for B. A's prompt then hits only pages 0 and 1 (85 whole tokens), mapped with A's
+    bytes, never B's."""
+    lay = _layout(budget_pages=8)
+    tokens = list(range(3, 400))
+    assert lay.ensure(1, 170, start=0)
+    for s, seg in enumerate(lay.segments(1)):
+        seg[:170] = torch.arange(170, dtype=torch.float32).view(-1, 1, 1) + 1000 * s
+    assert lay.register(1, tokens, 170, b"r") == 3
+    assert lay.lookup(tokens[:171], b"r")[0] == 3 * PAGE // BYTES_PER_TOKEN  # 128
+    assert lay.release(1)
+    assert (lay.stats().cached_pages, lay.num_free_pages) == (6, 8)
+    assert lay.ensure(2, 85, start=0)
+    for seg in lay.segments(2):
+        seg[:85] = -5.0
+    assert lay.stats().cached_pages == 4
+    hit, keys = lay.lookup(tokens[:171], b"r")
+    assert (hit, len(keys)) == (2 * PAGE // BYTES_PER_TOKEN, 2)  # 85 tokens, pages 0 and 1
+    assert lay.release(2)
+    assert lay.share_prefix(3, tokens[:171], b"r") == 85
+    for s, seg in enumerate(lay.segments(3)):
+        want = torch.arange(85, dtype=torch.float32).view(-1, 1, 1) + 1000 * s
+        assert torch.equal(seg[:85], want.expand_as(seg[:85]))
+    assert lay.release(3)
     lay.close()
 
 
