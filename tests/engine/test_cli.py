@@ -549,6 +549,7 @@ def test_cli_help_states_the_slo_unit_and_defaults():
     [
         (["--page-size", "4096"], "--page-size needs --kv-layout virtual"),
         (["--host-min-seen", "1"], "--host-min-seen needs --host-cache-bytes"),
+        (["--host-eviction", "arc"], "--host-eviction needs --host-cache-bytes"),
     ],
 )
 def test_cli_options_of_an_unselected_feature_are_refused(tiny, tmp_path, capsys, extra, needle):

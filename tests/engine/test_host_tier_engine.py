@@ -6,6 +6,7 @@ multi-turn chat, marked ``slow``)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from engine_helpers import assert_no_leak
 import pagedkv
 from pagedkv.engine import LLMEngine, SamplingParams, resources
 from pagedkv.engine.cli import main
+from pagedkv.engine.cli_options import host_evictions
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.errors import EngineConfigError
 from pagedkv.engine.runner import ModelRunner
@@ -112,6 +114,32 @@ def test_host_cache_bytes_larger_than_memory_is_refused_before_the_load(tmp_path
 def test_bad_host_tier_config(kw, needle):
     with pytest.raises(EngineConfigError, match=needle):
         EngineConfig(**kw)
+
+
+def test_host_eviction_config():
+    assert EngineConfig().host_eviction == "lru"
+    assert EngineConfig(num_host_blocks=4, host_eviction="arc").resolved(1000).cache_config().host_eviction == "arc"
+    assert EngineConfig(num_host_blocks=4).resolved(1000).cache_config().host_eviction == "lru"
+    # The names come from the core's refusal (the engine keeps no list of its own).
+    with pytest.raises(
+        EngineConfigError, match=re.escape('host_eviction=\'fifo\' is invalid: expected one of "lru", "arc"')
+    ):
+        EngineConfig(host_eviction="fifo")
+    assert host_evictions() == ["lru", "arc"]  # --host-eviction's choices, read from the same refusal
+    for bad in (None, 1, "ARC"):
+        with pytest.raises(EngineConfigError, match=f"host_eviction={bad!r} is invalid"):
+            EngineConfig(host_eviction=bad)  # type: ignore[arg-type]
+
+
+def test_hybrid_manager_takes_the_host_eviction():
+    from pagedkv.engine.kv_groups import KVCacheGroup, hybrid_manager
+
+    groups = [KVCacheGroup(None, (0,)), KVCacheGroup(8, (1,))]
+    kw: dict[str, Any] = dict(num_blocks=16, block_size=4, bytes_per_token=64, num_host_blocks=8)
+    assert hybrid_manager(groups, 2, host_eviction="arc", **kw).num_host_blocks == 8
+    with pytest.raises(pagedkv.InvalidConfigError, match="host_eviction") as e:
+        hybrid_manager(groups, 2, host_eviction="fifo", **kw)
+    assert e.value.field == "host_eviction"
 
 
 def test_host_tier_size_from_bytes():
@@ -243,6 +271,26 @@ def test_multi_turn_outputs_identical_with_and_without_host_tier_tiny(tiny):
 
 
 @needs_host_tier
+def test_arc_host_eviction_outputs_identical_to_lru_and_no_tier(tiny):
+    """A host tier far below the reuse set (8 blocks) so that its eviction policy runs: ARC's
+    answers equal LRU's and those without a tier, and ARC still hits."""
+    vocab = tiny.hf.config.vocab_size
+    outs, hits = {}, {}
+    for policy, tier in (("none", None), ("lru", 8), ("arc", 8)):
+        kw: dict[str, Any] = {} if tier is None else dict(num_host_blocks=tier, host_eviction=policy)
+        eng = _engine(tiny, num_kv_blocks=24, host_admission_min_seen=1, **kw)
+        if tier is not None:
+            assert eng.manager.config.host_eviction == policy
+        outs[policy] = _multi_turn(eng, 4, 3, vocab, 4, (6, 14))
+        hits[policy] = eng.metrics().host_hit_tokens
+        assert_no_leak(eng)
+        eng.manager.check_invariants()
+    assert outs["arc"] == outs["lru"] == outs["none"]
+    assert hits["none"] == 0 and hits["lru"] > 0 and hits["arc"] > 0
+    assert eng.stats().host_stores_blocks > 8, "the 8-block ARC tier never evicted"
+
+
+@needs_host_tier
 @pytest.mark.parametrize("preemption", ["recompute", "swap"])
 def test_batched_with_preemption_outputs_match_a_large_pool(tiny, preemption):
     """Many requests at once on a small pool (preemption, swaps between host stores and
@@ -275,7 +323,8 @@ def test_batched_with_preemption_outputs_match_a_large_pool(tiny, preemption):
 
 
 @needs_host_tier
-def test_cli_host_cache_bytes(tiny, tmp_path, capsys):
+@pytest.mark.parametrize(("eviction", "shown"), [([], "lru"), (["--host-eviction", "arc"], "arc")])
+def test_cli_host_cache_bytes(tiny, tmp_path, capsys, eviction, shown):
     f = tmp_path / "p.txt"
     f.write_text("w7 w8 w9 w10 w11\nw7 w8 w9 w10 w12\n")
     metrics = tmp_path / "m.json"
@@ -289,6 +338,7 @@ def test_cli_host_cache_bytes(tiny, tmp_path, capsys):
             "1M",
             "--host-min-seen",
             "1",
+            *eviction,
             "--max-tokens",
             "4",
             "--no-progress",
@@ -303,7 +353,7 @@ def test_cli_host_cache_bytes(tiny, tmp_path, capsys):
     per_block = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, num_kv_blocks=8).model.kv_bytes_per_block(16)
     assert m["host_blocks"] == (1 << 20) // per_block
     out = capsys.readouterr().out
-    assert "prefix cache host tier" in out and "used >= 1 times" in out
+    assert "prefix cache host tier" in out and f"used >= 1 times, {shown} eviction" in out
 
 
 # ---- SmolLM2 -------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from pagedkv.engine.cli_options import (
     add_block_size_option,
     add_model_options,
     add_sampling_basics,
+    host_evictions,
     non_negative_int,
     parse_size,
     positive_float,
@@ -233,6 +234,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --host-cache-bytes: store an evicted block only when its prefix was used at least N times "
         "(1: every evicted block) (default: 2)",
     )
+    kv.add_argument(
+        "--host-eviction",
+        choices=host_evictions(),
+        default=None,
+        help="with --host-cache-bytes: the host tier's eviction policy (arc: ARC, which keeps blocks used "
+        "again ahead of one-off ones; see docs/design.md, Host tier) (default: lru)",
+    )
 
     sp = ap.add_argument_group("speculative decoding")
     sp.add_argument(
@@ -322,11 +330,14 @@ def _check_pool_args(args: argparse.Namespace) -> str | None:
 
 def _check_layout_and_tier_args(args: argparse.Namespace) -> str | None:
     """The error for a ``--page-size`` without ``--kv-layout virtual`` or a ``--host-min-seen``
-    without ``--host-cache-bytes`` (the run would silently measure without them), or ``None``."""
+    or ``--host-eviction`` without ``--host-cache-bytes`` (the run would silently measure
+    without them), or ``None``."""
     if args.page_size is not None and args.kv_layout != "virtual":
         return f"--page-size needs --kv-layout virtual (got --kv-layout {args.kv_layout})"
     if args.host_min_seen is not None and not args.host_cache_bytes:
         return "--host-min-seen needs --host-cache-bytes"
+    if args.host_eviction is not None and not args.host_cache_bytes:
+        return "--host-eviction needs --host-cache-bytes"
     return None
 
 
@@ -493,6 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             host_admission_min_seen=(
                 EngineConfig.host_admission_min_seen if args.host_min_seen is None else args.host_min_seen
             ),
+            host_eviction=EngineConfig.host_eviction if args.host_eviction is None else args.host_eviction,
         )
     except (EngineError, ValueError, MemoryError) as e:
         return _fail(str(e))
@@ -627,7 +639,7 @@ def _print_report(
         table.add_row(
             "prefix cache host tier",
             f"{cfg.num_host_blocks} blocks ({engine.runner.host_cache_bytes() / 2**20:.0f} MiB), "
-            f"stores blocks used >= {cfg.host_admission_min_seen} times",
+            f"stores blocks used >= {cfg.host_admission_min_seen} times, {cfg.host_eviction} eviction",
         )
     if cfg.speculative is not None:
         table.add_row("speculative decoding", f"{cfg.speculative}, {cfg.draft_tokens_per_step} draft tokens per step")

@@ -59,6 +59,9 @@ class EngineConfig:
         host_admission_min_seen: the host tier stores an evicted block only when its hash was
             used (registered or looked up) at least this many times, >= 1 (default 2: a prompt
             used once does not push reused blocks out; 1 stores every evicted block).
+        host_eviction: the host tier's eviction policy, a name the core accepts: ``"lru"``
+            (default) or ``"arc"`` (ARC, Megiddo and Modha, FAST'03; docs/design.md, "Host
+            tier"); without a host tier it has no effect.
         kv_layout: ``"paged"`` (default: blocks and block tables) or ``"virtual"`` (each
             sequence's K/V contiguous in reserved virtual memory, pages committed on demand,
             vAttention; :mod:`~pagedkv.engine.virtual_layout`). ``"virtual"`` has the paged
@@ -91,6 +94,7 @@ class EngineConfig:
     host_cache_bytes: int | None = None
     num_host_blocks: int | None = None
     host_admission_min_seen: int = 2
+    host_eviction: str = "lru"
 
     def __post_init__(self) -> None:
         def check(ok: bool, name: str, want: str) -> None:
@@ -150,6 +154,11 @@ class EngineConfig:
             "None or an integer >= 0 blocks",
         )
         check(at_least(self.host_admission_min_seen, 1), "host_admission_min_seen", "an integer >= 1 (uses)")
+        check(isinstance(self.host_eviction, str), "host_eviction", "a str (a policy name)")
+        try:  # the core holds the list of policies (its message names them)
+            pagedkv.CacheConfig(num_blocks=2, block_size=1, host_eviction=self.host_eviction)
+        except pagedkv.InvalidConfigError as e:
+            raise EngineConfigError(f"host_eviction={self.host_eviction!r} is invalid: {e.reason}") from None
         check(self.kv_layout in ("paged", "virtual"), "kv_layout", "'paged' or 'virtual'")
         check(
             isinstance(self.page_size, int) and not isinstance(self.page_size, bool) and self.page_size in PAGE_SIZES,
@@ -266,6 +275,7 @@ class EngineConfig:
             hash_seed=hash_seed,
             num_host_blocks=self.num_host_blocks or 0,
             host_admission_min_seen=self.host_admission_min_seen,
+            host_eviction=self.host_eviction,
         )
 
     def pools(self) -> tuple[int, int]:

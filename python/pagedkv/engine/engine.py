@@ -95,6 +95,8 @@ class LLMEngine:
             cached blocks evicted from the device pool are copied to host memory and loaded back
             on a prefix hit instead of recomputed; see :class:`EngineConfig`. Its hits and
             copies are counted in :meth:`metrics`.
+        host_eviction: the host tier's eviction policy, ``"lru"`` (default) or ``"arc"``;
+            see :class:`EngineConfig`.
 
     A model with sliding-window layers (Gemma 3) is served through
     ``pagedkv.HybridKVCacheManager`` (``self.manager``): one block table per KV cache group, the
@@ -151,6 +153,7 @@ class LLMEngine:
         host_cache_bytes: int | None = None,
         num_host_blocks: int | None = None,
         host_admission_min_seen: int = 2,
+        host_eviction: str = "lru",
     ) -> None:
         # Every argument is checked before the (slow) model load.
         config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
@@ -158,7 +161,8 @@ class LLMEngine:
                               speculative, num_speculative_tokens, kv_layout=kv_layout,
                               page_size=page_size, host_cache_bytes=host_cache_bytes,
                               num_host_blocks=num_host_blocks,
-                              host_admission_min_seen=host_admission_min_seen)  # fmt: skip
+                              host_admission_min_seen=host_admission_min_seen,
+                              host_eviction=host_eviction)  # fmt: skip
         config.check_core_limits()
         if host_cache_bytes is not None:
             config.check_host_memory(available_memory(torch.device("cpu")))
@@ -214,6 +218,7 @@ class LLMEngine:
                     enable_events=enable_kv_events,
                     num_host_blocks=config.num_host_blocks or 0,
                     host_admission_min_seen=config.host_admission_min_seen,
+                    host_eviction=config.host_eviction,
                 )
             else:
                 self.manager = pagedkv.KVCacheManager(

@@ -171,6 +171,7 @@ def hybrid_manager(
     enable_events: bool = False,
     num_host_blocks: int = 0,
     host_admission_min_seen: int = 2,
+    host_eviction: str = "lru",
 ) -> Any:
     """The ``pagedkv.HybridKVCacheManager`` of a model with these KV cache groups: one
     ``KVCacheGroupSpec`` per group (``"full"`` or ``"sliding_window"`` with its window), all
@@ -180,7 +181,7 @@ def hybrid_manager(
     caches every full block (so a prefix hit can end at any block boundary). ``num_host_blocks``
     > 0: the prefix cache's host tier, one for every group (its blocks keyed by hash and
     group), storing a block evicted from the device once it was used ``host_admission_min_seen``
-    times.
+    times and evicting by ``host_eviction`` (``"lru"`` or ``"arc"``).
 
     Raises:
         pagedkv.InvalidConfigError: a size above the core's limits (names it).
@@ -208,6 +209,7 @@ def hybrid_manager(
         enable_events=enable_events,
         num_host_blocks=num_host_blocks,
         host_admission_min_seen=host_admission_min_seen,
+        host_eviction=host_eviction,
     )
 
 
