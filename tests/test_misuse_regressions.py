@@ -88,3 +88,18 @@ def test_kv_layout_help_says_the_virtual_layout_shares_pages() -> None:
     text = action.help or ""
     assert "no prefix caching" not in text and "one sequence per request" not in text
     assert "prefix caching" in text and "share pages" in text and "no host tier" in text
+
+
+@pytest.mark.parametrize("success", ["no", 0, 1.0])
+def test_host_block_pool_complete_store_refuses_a_non_bool_success(success: object) -> None:
+    """``success`` must be a bool: anything else is an ``InvalidArgumentError`` (it was
+    pyo3's bare ``TypeError``), with the store still in flight."""
+    p = pagedkv.HostBlockPool(4)
+    p.prepare_store([b"a"])
+    before = (p.state(b"a"), p.num_held, p.counters())
+    with pytest.raises(pagedkv.InvalidArgumentError, match="success"):
+        p.complete_store([b"a"], success)  # type: ignore[arg-type]
+    assert (p.state(b"a"), p.num_held, p.counters()) == before == (1, 1, before[2])
+    p.complete_store([b"a"], False)
+    assert p.state(b"a") == 0
+    p.check_invariants()

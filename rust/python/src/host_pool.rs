@@ -668,14 +668,17 @@ impl PyHostBlockPool {
     /// Ends the stores of ``hashes``: ``success=True`` makes them readable (tail first into the
     /// eviction order), ``False`` drops them and frees their blocks. Raises
     /// ``InvalidArgumentError``, changing nothing, for a key without a store in flight
-    /// (absent, readable already, or repeated).
-    #[pyo3(signature = (hashes, success = true))]
+    /// (absent, readable already, or repeated) or a ``success`` that is not a bool.
+    #[pyo3(signature = (hashes, success = None), text_signature = "(hashes, success=True)")]
     fn complete_store(
         &mut self,
         py: Python<'_>,
         hashes: &Bound<'_, PyAny>,
-        success: bool,
+        success: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        // A bool (None: the default); anything else is an InvalidArgumentError, as for every
+        // pagedkv flag, not pyo3's bare TypeError.
+        let success = crate::convert::flag(success, "success", true)?;
         let items = keys_arg(hashes)?;
         self.pool
             .complete_store(&host_keys(&items), success)
