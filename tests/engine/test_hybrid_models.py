@@ -512,3 +512,51 @@ def test_a_model_without_windows_keeps_the_one_group_manager(tiny):
     assert m.layer_slot == tuple(range(m.num_layers)) and m.num_kv_slots == m.num_layers
     assert engine.runner.block_tables is not None
     assert tuple(engine.runner.kv_cache.shape[:3]) == (m.num_layers, 2, 32)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"num_kv_blocks": 100},  # preempts by recompute
+        {"num_kv_blocks": 100, "preemption": "swap"},
+        {"num_kv_blocks": 48, "max_tokens_per_step": 16, "num_host_blocks": 64, "host_admission_min_seen": 1},
+    ],
+    ids=["recompute-preemption", "swap-preemption", "chunked-prefill-host-tier"],
+)
+def test_runner_keeps_group_block_tables_from_the_table_deltas(gemma, refs, kw):
+    """The hybrid manager's steps carry no dense tables: the runner's GroupBlockTables applies
+    each step's per-group table deltas, and every scheduled sequence's row of every group
+    equals the manager's table (padded with the null block) in every step, through window
+    releases, preemption, swaps, chunked prefill and host loads. Greedy tokens: transformers'."""
+    import numpy as np
+
+    from pagedkv.tensors import GroupBlockTables
+
+    engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, block_size=4, **kw)
+    assert isinstance(engine.runner.block_tables, GroupBlockTables)
+    prepare = engine.runner.prepare
+    checked = [0]
+
+    def checking(batch: Any) -> Any:
+        assert all(s.block_table.size == 0 for s in batch.steps)  # block_table=False
+        bt = prepare(batch)
+        tables = bt.block_tables.cpu().numpy()
+        for k, seq in enumerate(batch.seqs):
+            for g, want in enumerate(engine.manager.block_tables(seq.seq_id)):
+                np.testing.assert_array_equal(tables[g, k, : len(want)], want)
+                assert not tables[g, k, len(want) :].any()
+        checked[0] += len(batch.seqs)
+        return bt
+
+    engine.runner.prepare = checking  # type: ignore[method-assign]
+    for _ in range(2):  # the second round hits the prefix cache (and the host tier)
+        outs = engine.generate(_prompts(), SamplingParams(max_tokens=MAX_NEW))
+        assert [list(o.token_ids) for o in outs] == refs
+    st = engine.stats()
+    assert checked[0] > 0 and st.preemptions > 0
+    if kw.get("preemption") == "swap":
+        assert st.swaps_out_blocks > 0
+    if "num_host_blocks" in kw:
+        assert st.host_loads_blocks > 0
+    engine.manager.check_invariants()
+    assert_no_leak(engine)
