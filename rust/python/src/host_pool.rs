@@ -669,7 +669,7 @@ impl PyHostBlockPool {
     /// eviction order), ``False`` drops them and frees their blocks. Raises
     /// ``InvalidArgumentError``, changing nothing, for a key without a store in flight
     /// (absent, readable already, or repeated) or a ``success`` that is not a bool.
-    #[pyo3(signature = (hashes, success = None), text_signature = "(hashes, success=True)")]
+    #[pyo3(signature = (hashes, success = None), text_signature = "($self, hashes, success=True)")]
     fn complete_store(
         &mut self,
         py: Python<'_>,
