@@ -45,6 +45,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from pagedkv._core import (
+    HOST_EVICTIONS,
     MAX_BLOCK_SIZE,
     MAX_BLOCKS,
     NULL_BLOCK,
@@ -89,6 +90,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 __all__ = [
     "MAX_BLOCKS",
+    "HOST_EVICTIONS",
     "MAX_BLOCK_SIZE",
     "NULL_BLOCK",
     "AllBlocksCleared",

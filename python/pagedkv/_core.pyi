@@ -14,6 +14,7 @@ __all__ = [
     "NULL_BLOCK",
     "MAX_BLOCK_SIZE",
     "MAX_BLOCKS",
+    "HOST_EVICTIONS",
     "CacheConfig",
     "KVCacheManager",
     "SlotAllocation",
@@ -35,6 +36,9 @@ __version__: str
 NULL_BLOCK: int
 MAX_BLOCK_SIZE: int
 MAX_BLOCKS: int
+HOST_EVICTIONS: tuple[str, ...]
+"""The host tier's eviction policies ``CacheConfig(host_eviction=)`` and
+``HybridKVCacheManager(host_eviction=)`` accept, default first: ``("lru", "arc")``."""
 
 _Int32Array = npt.NDArray[np.int32]
 _Int64Array = npt.NDArray[np.int64]

@@ -125,7 +125,10 @@ def test_host_eviction_config():
         EngineConfigError, match=re.escape('host_eviction=\'fifo\' is invalid: expected one of "lru", "arc"')
     ):
         EngineConfig(host_eviction="fifo")
-    assert host_evictions() == ["lru", "arc"]  # --host-eviction's choices, read from the same refusal
+    # --host-eviction's choices are the core's names, each accepted by the core's config.
+    assert host_evictions() == list(pagedkv.HOST_EVICTIONS) == ["lru", "arc"]
+    for name in pagedkv.HOST_EVICTIONS:
+        assert pagedkv.CacheConfig(num_blocks=2, block_size=1, host_eviction=name).host_eviction == name
     for bad in (None, 1, "ARC"):
         with pytest.raises(EngineConfigError, match=f"host_eviction={bad!r} is invalid"):
             EngineConfig(host_eviction=bad)  # type: ignore[arg-type]

@@ -28,6 +28,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NULL_BLOCK", pagedkv_core::NULL_BLOCK)?;
     m.add("MAX_BLOCK_SIZE", pagedkv_core::manager::MAX_BLOCK_SIZE)?;
     m.add("MAX_BLOCKS", pagedkv_core::pool::MAX_BLOCKS)?;
+    // The host tier's eviction policy names, so callers (the engine's CLI) keep no second list.
+    let evictions = pagedkv_core::host_tier::HostEviction::ALL.map(|e| e.name());
+    m.add(
+        "HOST_EVICTIONS",
+        pyo3::types::PyTuple::new(m.py(), evictions)?,
+    )?;
     m.add_class::<config::PyCacheConfig>()?;
     m.add_class::<manager::PyKvCacheManager>()?;
     m.add_class::<manager::PySlotAllocation>()?;
