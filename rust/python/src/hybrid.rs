@@ -1019,8 +1019,9 @@ impl PyHybridManager {
     /// The host-tier copies planned since the last hand-out, as ``(stores, loads)``:
     /// ``int32[n, 3]`` ``(group, device block, host block)`` and ``(group, host block, device
     /// block)`` rows, for a caller that allocates outside ``step`` (which hands them out in
-    /// ``HybridStepOutput.host_stores`` / ``host_loads``). Run stores first, loads before the
-    /// forward pass that reads the loaded blocks; the loads' host blocks stay pinned until the
+    /// ``HybridStepOutput.host_stores`` / ``host_loads``). Run stores first, before any
+    /// ``swap_in`` copy planned since (a store may read an evicted block that a swap-in
+    /// destination reuses), loads before the forward pass that reads the loaded blocks; the loads' host blocks stay pinned until the
     /// next ``step`` returns. Empty without a host tier.
     fn take_host_transfers(&self, py: Python<'_>) -> (Py<PyArray2<i32>>, Py<PyArray2<i32>>) {
         let m = &self.inner;

@@ -848,7 +848,9 @@ impl PyKvCacheManager {
     /// ``allocate_slots`` / ``swap_in`` outside ``step`` (which hands them out itself in
     /// ``StepOutput.host_stores`` / ``host_loads``): ``(stores, loads)``, ``int32[s, 2]``
     /// ``(device_block, host_block)`` and ``int32[l, 2]`` ``(host_block, device_block)``. Run
-    /// the stores first, the loads before the forward pass that reads them; the loads' host
+    /// the stores first, before any ``swap_in`` copy planned since (a store may read an evicted
+    /// block that a swap-in destination reuses), the loads before the forward pass that reads
+    /// them; the loads' host
     /// blocks stay pinned until the next ``step`` call returns. Both ``(0, 2)`` without a
     /// host tier.
     fn take_host_transfers<'py>(&self, py: Python<'py>) -> (Py<PyArray2<i32>>, Py<PyArray2<i32>>) {
