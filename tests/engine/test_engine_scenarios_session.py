@@ -176,7 +176,8 @@ def _waves(vocab: int) -> list[list[list[int]]]:
     return [first, middle, last]
 
 
-def test_s5_swap_preemption_with_host_tier_on_a_hybrid_model_equals_the_unpreempted_run(gemma):
+@pytest.mark.parametrize("host_eviction", ["lru", "arc"])
+def test_s5_swap_preemption_with_host_tier_on_a_hybrid_model_equals_the_unpreempted_run(gemma, host_eviction):
     """Tiny Gemma 3 (window 8 and full attention, one block table per group): four concurrent
     requests per wave on a pool that forces swap preemption, with a host tier the last wave
     hits: every answer equals the run on a pool large enough for everything, without a host
@@ -226,7 +227,13 @@ def test_s5_swap_preemption_with_host_tier_on_a_hybrid_model_equals_the_unpreemp
     ModelRunner.apply_block_plans = note_runner  # type: ignore[method-assign]
     runner_module.kernels.swap_blocks = checked_copy
     try:
-        got, eng = run(num_kv_blocks=64, preemption="swap", num_host_blocks=2048, host_admission_min_seen=1)
+        got, eng = run(
+            num_kv_blocks=64,
+            preemption="swap",
+            num_host_blocks=2048,
+            host_admission_min_seen=1,
+            host_eviction=host_eviction,
+        )
     finally:
         ModelRunner.apply_block_plans = plans  # type: ignore[method-assign]
         runner_module.kernels.swap_blocks = copy
