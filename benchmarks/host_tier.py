@@ -624,6 +624,10 @@ def print_ops(ops: dict[str, Any]) -> None:
     rows.append(["store + lookup + load", "", tp, "", tv, None if tv is None else tv / tp])
     rows.append(["(lookup with hashing)", "first lookup_prefix", p["hash_and_lookup"], "", None, None])
     rows.append(["(device-only lookup)", "lookup_prefix, no host tier", p["device_lookup"], "", None, None])
+    # pagedkv's manager behind vLLM's offloading interface, timed by host_tier_vllm.py on the same calls.
+    for k, ns in ({} if "skipped" in v else v.get("pagedkv_ns_per_block", {})).items():
+        vv = v["ns_per_block"][k]
+        rows.append([f"{k} (offloading API)", "PagedKVOffloadingManager", ns, "same calls", vv, vv / ns])
     common.print_table(
         f"CPU per block op, {ops['requests']} requests x {ops['blocks']} blocks, same hashes"
         + ("" if "skipped" not in v else f" (vLLM skipped: {v['skipped']})"),
