@@ -27,7 +27,7 @@ with optional_imports("pagedkv.engine", "engine"):
 
 import pagedkv
 from pagedkv import kernels
-from pagedkv.tensors import BatchTensors, BlockTable, GroupBatchTensors, GroupBlockTables
+from pagedkv.tensors import BatchTensors, BlockTable, GroupBatchTensors
 
 from .model import PagedCausalLM
 from .resources import guard_allocation
@@ -46,10 +46,9 @@ class ModelRunner:
         block_size: tokens per block.
         num_cpu_blocks: CPU swap blocks (0 disables the CPU cache).
         manager: the KV cache manager whose step outputs the batches carry: a
-            ``pagedkv.KVCacheManager`` or a ``pagedkv.HybridKVCacheManager``; the runner keeps
-            its block tables across steps (:class:`pagedkv.tensors.BlockTable`, or per KV cache
-            group :class:`pagedkv.tensors.GroupBlockTables`), updated from the steps' table
-            deltas (the scheduler asks the hybrid manager for no dense tables).
+            ``pagedkv.KVCacheManager`` (the runner keeps its block tables across steps,
+            :class:`pagedkv.tensors.BlockTable`) or a ``pagedkv.HybridKVCacheManager`` (every
+            step carries each group's dense tables).
         num_host_blocks: blocks of the prefix cache's host tier (0: none); a tensor of its own,
             apart from the swap pool, as the manager numbers host blocks apart from swap blocks.
 
@@ -68,10 +67,7 @@ class ModelRunner:
         num_host_blocks: int = 0,
     ) -> None:
         self.model = model
-        # Block tables kept across steps, updated from each step's table deltas.
-        self.block_tables: BlockTable | GroupBlockTables = (
-            GroupBlockTables(manager) if isinstance(manager, pagedkv.HybridKVCacheManager) else BlockTable(manager)
-        )
+        self.block_tables = None if isinstance(manager, pagedkv.HybridKVCacheManager) else BlockTable(manager)
         per_block = model.kv_bytes_per_block(block_size)
         self.kv_cache = guard_allocation(
             "KV cache", num_blocks, per_block, lambda: model.allocate_kv_cache(num_blocks, block_size)
@@ -104,14 +100,8 @@ class ModelRunner:
         """The kernel inputs of ``batch`` on the model's device, with the reference attention's
         per-step plans (one per KV cache group) attached where that kernel runs."""
         bt: BatchTensors | GroupBatchTensors
-        if isinstance(self.block_tables, GroupBlockTables):  # hybrid: a table and slot mapping per group
-            bt = GroupBatchTensors.from_steps(
-                batch.steps,
-                self.device,
-                swap_out=batch.swap_out,
-                swap_in=batch.swap_in,
-                block_tables=self.block_tables,
-            )
+        if self.block_tables is None:  # hybrid: one block table and slot mapping per group
+            bt = GroupBatchTensors.from_steps(batch.steps, self.device, swap_out=batch.swap_out, swap_in=batch.swap_in)
             if self.host_cache is not None and batch.transfers:
                 # Host stores and loads interleaved with the swaps. A host row is (group, src,
                 # dst); a block id belongs to one group at a time and every group's pages share

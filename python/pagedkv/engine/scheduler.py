@@ -457,11 +457,10 @@ class Scheduler:
                 [t for _, _, t in items],
                 [s.pending for _, s, _ in items],
             )
-            # Hybrid: no dense tables, the runner's GroupBlockTables applies the table deltas.
-            kw: dict[str, Any] = {"block_table": False} if self.hybrid else {}
-            if drafts is not None:
-                kw["draft_token_ids"] = drafts
-            out = self.manager.step(ids, counts, pending, **kw)
+            if drafts is None:
+                out = self.manager.step(ids, counts, pending)
+            else:
+                out = self.manager.step(ids, counts, pending, draft_token_ids=drafts)
             self._collect(out)
             n = int(out.num_scheduled)
             self._record(items[:n], out, batch)
