@@ -221,6 +221,22 @@ def test_virtual_layout_small_budget_preempts_and_returns_pages(tiny):
     ]
 
 
+def test_virtual_layout_resumes_are_not_prefix_lookups_as_on_the_paged_layout(tiny):
+    # Distinct prompts (no shared prefix) and a budget that preempts: the resumes hit their own
+    # cached pages, yet both layouts report 0 hit tokens of the 80 prompt tokens queried.
+    prompts = [[3 + (7 * i + j) % 500 for j in range(20)] for i in range(4)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    counters = []
+    for kw in (dict(kv_layout="virtual", page_size=4096), dict()):
+        engine = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, num_kv_blocks=13, block_size=8, **kw)
+        engine.generate(prompts, params)
+        assert engine.stats().preemptions > 0
+        st, m = engine.stats(), engine.metrics()
+        counters.append((st.prefix_hits_tokens, st.prefix_queries_tokens, m.prefix_hit_tokens, m.prefix_hit_rate))
+    assert engine.stats().prefix_hits_tokens == 0  # the paged layout: a resume is not a lookup
+    assert counters == [(0, 80, 0, 0.0), (0, 80, 0, 0.0)]
+
+
 def test_virtual_layout_refuses_requests_that_never_fit_and_forks_without_sharing(tiny):
     engine = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, kv_layout="virtual", page_size=4096, num_kv_blocks=9)
     with pytest.raises(RequestTooLargeError, match="pages"):
@@ -437,6 +453,39 @@ def test_prefix_hit_maps_whole_pages_and_copies_the_page_straddling_the_hit():
         lay.release(s)
     st = lay.stats()
     assert st.committed_bytes == 0 and st.resident_bytes == st.cached_pages * page == 4 * lay.num_segments * page
+    lay.reset_cache()
+    assert lay.stats().resident_bytes == 0
+    lay.close()
+
+
+def test_manager_counts_a_recompute_resume_as_no_new_prefix_lookup():
+    # A 100-token prompt decodes to 110 tokens, is preempted (recompute) and resumes on its own
+    # cached pages: the resume maps them again, but the hit-rate counters count each sequence's
+    # first lookup only, as the paged manager's CacheStats do (before: 85 hits of 210 queried).
+    lay = _odd_layout()
+    inner = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=256, block_size=16, enable_prefix_caching=False))
+    mgr = VirtualKVManager(inner, lay, prefix_caching=True)
+    prompt = list(range(1000, 1100))
+    mgr.add_sequence(1, prompt)
+    assert mgr.lookup_prefix(1) == 0
+    assert mgr.step([1], [100], [[2000]]).error is None
+    for t in range(2001, 2010):
+        assert mgr.step([1], [1], [[t]]).error is None
+    assert inner.num_tokens(1) == 110
+    mgr.preempt([1])
+    hit = mgr.lookup_prefix(1)
+    assert hit == 2 * lay.page_size // lay.bytes_per_token == 85  # the resume maps its own pages
+    assert mgr.step([1], [110 - hit], [[]]).num_cached_tokens[0] == hit
+    st = mgr.stats()
+    assert (st.prefix_hits_tokens, st.prefix_queries_tokens, st.prefix_hit_rate) == (0, 100, 0.0)
+    assert lay.stats().prefix_hit_tokens == 85  # the layout's own count: every mapped hit
+    # a new request with the same prompt is a first lookup: it counts, hit and query
+    mgr.add_sequence(2, prompt)
+    assert mgr.lookup_prefix(2) == 85
+    st = mgr.stats()
+    assert (st.prefix_hits_tokens, st.prefix_queries_tokens) == (85, 200)
+    mgr.free(1)
+    mgr.free(2)
     lay.reset_cache()
     assert lay.stats().resident_bytes == 0
     lay.close()

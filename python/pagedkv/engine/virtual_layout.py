@@ -76,7 +76,8 @@ class LayoutStats:
         pages_committed, pages_released: totals since construction.
         sequences: sequences holding a slot.
         attention_s: seconds spent in :meth:`VirtualKVLayout.attend` (writes + attention).
-        prefix_hit_tokens: tokens served by mapped cached pages (sum of the hits).
+        prefix_hit_tokens: tokens served by mapped cached pages (sum of the hits, recompute
+            resumes included; the manager's hit-rate counters count first lookups only).
         shared_pages: pages mapped from existing frames (prefix hits and forks, all segments).
         cow_pages: pages copied before a write into a page another holder maps.
         cached_pages: frames the prefix cache holds now (all segments).

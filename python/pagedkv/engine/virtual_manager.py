@@ -131,7 +131,11 @@ class VirtualKVManager:
         self._roots: dict[int, bytes] = {}  # seq id -> hash root of its page groups
         self._hits: dict[int, int] = {}  # seq id -> hit mapped, not yet in the bookkeeping
         self._unreported: dict[int, int] = {}  # seq id -> hit not yet in a scheduled step output
-        self._queried_tokens = 0  # prompt tokens looked up in the layout's prefix cache
+        # The hit-rate counters count a sequence's first lookup only: a recompute resume maps its
+        # own cached pages again but is not a new prefix query (as the paged manager's CacheStats).
+        self._looked_up: set[int] = set()  # seq ids whose first lookup is counted
+        self._queried_tokens = 0  # prompt tokens of first lookups
+        self._hit_tokens = 0  # tokens those first lookups found cached
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -142,16 +146,21 @@ class VirtualKVManager:
         self._roots[seq_id] = _root(spec)
 
     def lookup_prefix(self, seq_id: int) -> int:
-        """Tokens of a new sequence served by cached page groups, which are mapped into its
-        range now (the scheduler asks once, at admission, then steps it). 0 without prefix
-        caching or once it has computed tokens."""
+        """Tokens of a new or resumed sequence served by cached page groups, which are mapped
+        into its range now (the scheduler asks once, at admission, then steps it). 0 without
+        prefix caching or once it has computed tokens. Only a sequence's first lookup enters
+        :meth:`stats`' hit-rate counters; a resume after a recompute preemption is not a new
+        query."""
         if seq_id in self._hits:
             return self._hits[seq_id]
         if not self.prefix_caching or self.inner.num_computed_tokens(seq_id) or self.layout.pages_held(seq_id):
             return 0
         token_ids = self.inner.token_ids(seq_id)
-        self._queried_tokens += len(token_ids)
         hit = self.layout.share_prefix(seq_id, token_ids, self._roots.get(seq_id, _root(None)))
+        if seq_id not in self._looked_up:
+            self._looked_up.add(seq_id)
+            self._queried_tokens += len(token_ids)
+            self._hit_tokens += hit
         if hit:
             self._hits[seq_id] = hit
         return hit
@@ -164,8 +173,10 @@ class VirtualKVManager:
                 self.layout.register(seq_id, self.inner.token_ids(seq_id), computed, self._roots[seq_id])
 
     def stats(self) -> Any:
-        """The bookkeeping's cache stats, prefix hits and queries counted by the layout."""
-        return _VirtualStats(self.inner.stats(), self.layout.prefix_hit_tokens, self._queried_tokens)
+        """The bookkeeping's cache stats with the prefix hits and queries of each sequence's
+        first lookup in the layout (a resume's hit counts in the layout's own
+        ``prefix_hit_tokens`` only)."""
+        return _VirtualStats(self.inner.stats(), self._hit_tokens, self._queried_tokens)
 
     def reset_prefix_cache(self) -> None:
         """Drop the bookkeeping's and the layout's prefix caches."""
@@ -251,6 +262,7 @@ class VirtualKVManager:
         self._hits.pop(seq_id, None)
         self._unreported.pop(seq_id, None)
         self._roots.pop(seq_id, None)
+        self._looked_up.discard(seq_id)
         return bool(self.inner.free(seq_id))
 
     def fork(self, parent_id: int, child_id: int) -> None:
