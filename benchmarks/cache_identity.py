@@ -1,4 +1,4 @@
-"""What the engine's cache identity costs (``pagedkv.engine.identity``), on SmolLM2-135M-Instruct.
+"""What the engine's cache identity costs (``pagedkv.engine.models.identity``), on SmolLM2-135M-Instruct.
 
 Prints, best of ``--repeat`` runs each:
 
@@ -44,15 +44,15 @@ def main() -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     import pagedkv
-    from pagedkv.engine.identity import (
+    from pagedkv.engine.models.identity import (
         CacheIdentity,
         cached_weights_digest,
         chat_template_digest,
         tokenizer_digest,
         weights_digest,
     )
-    from pagedkv.engine.loader import load_hf_model
-    from pagedkv.engine.rope import rope_parameters
+    from pagedkv.engine.models.loader import load_hf_model
+    from pagedkv.engine.models.rope import rope_parameters
 
     hf, tok = load_hf_model(None, dtype=torch.float32)
     unique = {t.data_ptr(): t for t in hf.state_dict().values()}  # a tied LM head is hashed once

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pagedkv import kernels
     from pagedkv.engine import LLMEngine, SamplingParams
-    from pagedkv.engine.loader import load_hf_model
+    from pagedkv.engine.models.loader import load_hf_model
 
     hf, tok = load_hf_model()
     vocab = hf.config.vocab_size

@@ -7,7 +7,7 @@ Measured: ``t(M)``, the wall time of one pass of M tokens through every linear l
 model, and ``h(M)``, the LM head for M tokens, with the pagedkv engine's own weights and GEMM:
 the tensors its model multiplies (fused QKV, output, fused gate/up, down projections of all
 layers and the LM head, stored ``[in, out]`` with the RMSNorm weights folded in) through its
-``pagedkv.engine.model.linear`` (1 torch thread). MKL runs that layout 1.1-1.45x faster than
+``pagedkv.engine.models.model.linear`` (1 torch thread). MKL runs that layout 1.1-1.45x faster than
 ``F.linear``'s ``[out, in]`` at decode sizes, so a floor measured with ``F.linear`` would not be a
 floor for the engine; that table is still measured once and printed as a reference. ``t`` and
 ``h`` are measured at every M the staged schedule below uses (MKL's cost is not monotone in M:
@@ -38,7 +38,7 @@ before the first round and after each; a round's ``engine share of floor`` is it
 schedule GEMM time (from the mean of the tables just before and after it) divided by its engine
 wall (target >= 90%), so the load of a shared machine hits both sides of the ratio alike; the
 1-minute load average is recorded next to each. Each engine run also times its own GEMM calls
-(``pagedkv.engine.model.linear``; the output and down projections there also accumulate the
+(``pagedkv.engine.models.model.linear``; the output and down projections there also accumulate the
 residual add, which the table's plain products leave out): their share of its wall is what the
 floor ratio would be if the engine's GEMMs cost exactly the table's, and it moves far less with
 the load than walls measured minutes apart.
@@ -84,8 +84,8 @@ Gemm = tuple[Any, Any]
 def engine_gemm(hf: Any) -> tuple[list[torch.Tensor], torch.Tensor, Gemm]:
     """The projections and LM head exactly as the pagedkv engine's model stores and multiplies
     them (fp32 ``[in_features, out_features]``, QKV and gate/up fused, norm weights folded in,
-    built by the engine's own constructor), and its GEMM ``pagedkv.engine.model.linear``."""
-    from pagedkv.engine import model as engine_model
+    built by the engine's own constructor), and its GEMM ``pagedkv.engine.models.model.linear``."""
+    from pagedkv.engine.models import model as engine_model
 
     m = engine_model.LlamaForCausalLM.from_hf(hf, device="cpu", dtype=torch.float32)
     ws = [w for layer in m.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -177,11 +177,11 @@ def staged_schedule(
 
 def engine_run(hf: Any, tok: Any, work: list[tuple[list[int], int]], a: argparse.Namespace) -> tuple[float, float]:
     """Wall of the pagedkv engine on ``work`` and the time its GEMM calls
-    (``pagedkv.engine.model.linear``) took inside that wall (timed per call; the share GEMMs
+    (``pagedkv.engine.models.model.linear``) took inside that wall (timed per call; the share GEMMs
     have of the wall, measured under the same load)."""
     from engine_throughput import run_pagedkv
 
-    from pagedkv.engine import model as engine_model
+    from pagedkv.engine.models import model as engine_model
 
     spent = [0.0]
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
 
-    from pagedkv.engine.loader import load_hf_model
+    from pagedkv.engine.models.loader import load_hf_model
 
     hf, tok = load_hf_model()
     ws, head, engine_mm = engine_gemm(hf)
@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "engine_roofline",
         "threads": a.threads,
         "weights_mb": weight_mb,
-        "gemm": "pagedkv.engine.model.linear, [in, out] weights",
+        "gemm": "pagedkv.engine.models.model.linear, [in, out] weights",
         "gemm_pass_s": {str(m): {"layers": t, "lm_head": h} for m, (t, h) in best.items()},
         "f_linear_gemm_pass_s": {str(m): {"layers": t, "lm_head": h} for m, (t, h) in f_linear_table.items()},
         "workloads": {},

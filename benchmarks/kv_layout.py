@@ -108,7 +108,7 @@ class VirtualCapacity:
     def __init__(self, budget: int, page_size: int, max_seqs: int, max_len: int) -> None:
         import torch
 
-        from pagedkv.engine.virtual_layout import VirtualKVLayout
+        from pagedkv.engine.virtual.layout import VirtualKVLayout
 
         self.lay = VirtualKVLayout(
             num_layers=LAYERS,
@@ -299,7 +299,7 @@ def engine_runs(args: argparse.Namespace) -> list[dict]:
     from pagedkv import kernels
     from pagedkv.engine import LLMEngine, SamplingParams
     from pagedkv.engine.inputs import read_prompts
-    from pagedkv.engine.loader import load_hf_model
+    from pagedkv.engine.models.loader import load_hf_model
 
     torch.set_num_threads(1)
     hf, tok = load_hf_model()
@@ -383,7 +383,7 @@ def engine_sharing(args: argparse.Namespace) -> list[dict]:
     from pagedkv.engine import LLMEngine, SamplingParams
     from pagedkv.engine.errors import RequestTooLargeError
     from pagedkv.engine.inputs import read_prompts
-    from pagedkv.engine.loader import load_hf_model
+    from pagedkv.engine.models.loader import load_hf_model
 
     torch.set_num_threads(1)
     hf, tok = load_hf_model()

@@ -281,7 +281,7 @@ def beam_search_engine(
     """
     try:
         from pagedkv.engine import SamplingParams  # noqa: PLC0415
-        from pagedkv.engine.loader import load_hf_model  # noqa: PLC0415
+        from pagedkv.engine.models.loader import load_hf_model  # noqa: PLC0415
     except Exception as e:  # noqa: BLE001 - any failure means "engine not usable here"
         raise RuntimeError(f"pagedkv.engine not importable: {e}") from e
     try:
@@ -371,7 +371,7 @@ def parallel_sampling_engine(
     """
     try:
         from pagedkv.engine import SamplingParams  # noqa: PLC0415
-        from pagedkv.engine.loader import load_hf_model  # noqa: PLC0415
+        from pagedkv.engine.models.loader import load_hf_model  # noqa: PLC0415
     except Exception as e:  # noqa: BLE001 - any failure means "engine not usable here"
         raise RuntimeError(f"pagedkv.engine not importable: {e}") from e
     try:
@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             # One intra-op thread: on a shared 2-core machine torch's OpenMP threads spin
             # against other processes (measured ~12x slower with 2 threads under load).
             torch.set_num_threads(a.torch_threads)
-            from pagedkv.engine.loader import load_hf_model  # noqa: PLC0415
+            from pagedkv.engine.models.loader import load_hf_model  # noqa: PLC0415
 
             engine_model = load_hf_model()
         except Exception as e:  # noqa: BLE001 - any failure means "engine not usable here"

@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", choices=["stock", "pagedkv", "engine"], action="append", help="run only these systems")
     args = p.parse_args(argv)
     if args.model is None:
-        from pagedkv.engine.loader import model_folder
+        from pagedkv.engine.models.loader import model_folder
 
         args.model = model_folder()
     requests = workload(args.requests, args.systems)

@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from engine_helpers import ModelBundle, build_tiny_model  # noqa: E402
+from helpers.engine import ModelBundle, build_tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -36,7 +36,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> ModelBundle:
 
 @pytest.fixture(scope="session")
 def smol() -> ModelBundle:
-    from pagedkv.engine.loader import default_model_path, load_hf_model
+    from pagedkv.engine.models.loader import default_model_path, load_hf_model
 
     hf, tok = load_hf_model()
     return ModelBundle(hf, tok, default_model_path())

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import assert_no_leak
+from helpers.engine import assert_no_leak
 
 from pagedkv.engine import LLMEngine, RequestTooLargeError, SamplingParams
 from pagedkv.engine.scheduler import blocks_for_request

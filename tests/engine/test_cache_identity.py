@@ -1,4 +1,4 @@
-"""The engine's cache identity (pagedkv.engine.identity): engines that differ in exactly one part
+"""The engine's cache identity (pagedkv.engine.models.identity): engines that differ in exactly one part
 (weights, tokenizer, chat template, adapter, KV dtype, RoPE config) give disjoint block hashes
 for the same prompt; engines started separately (another process) on the same files give equal
 ones; the weights digest cache; bad input."""
@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import ModelBundle, build_tiny_model
+from helpers.engine import ModelBundle, build_tiny_model
 
 import pagedkv
 from pagedkv.engine import EngineConfigError, LLMEngine, SamplingParams
-from pagedkv.engine.identity import (
+from pagedkv.engine.models.identity import (
     IDENTITY_PARTS,
     CacheIdentity,
     cached_weights_digest,
@@ -173,7 +173,7 @@ def test_engines_started_separately_on_the_same_files_agree(tiny, base_hashes):
 
 
 def test_weights_digest_cache_is_keyed_by_the_files(tiny, tmp_path, monkeypatch):
-    import pagedkv.engine.identity as identity
+    import pagedkv.engine.models.identity as identity
 
     folder = tmp_path / "model"
     bundle = build_tiny_model(folder)

@@ -267,7 +267,7 @@ def test_cli_help_documents_every_option_once():
     assert "(default: None)" not in text
     assert "falls back to recompute" in " ".join(text.split())
     # The help says what the cache identity is made of: every part, by name.
-    from pagedkv.engine.identity import IDENTITY_PARTS
+    from pagedkv.engine.models.identity import IDENTITY_PARTS
 
     section = text.split("cache identity (printed at startup")[1]
     assert [p for p in IDENTITY_PARTS if f"\n  {p} " not in section] == []
@@ -366,7 +366,7 @@ def test_cli_write_failure_at_the_end_prints_stats_then_a_clean_error(tiny, tmp_
     assert "Traceback" not in cap.err
     metrics = json.loads((tmp_path / "m.json").read_text())  # the other output was still written
     # The cache identity is printed at startup, shown in the table and recorded with the metrics.
-    from pagedkv.engine.identity import IDENTITY_PARTS
+    from pagedkv.engine.models.identity import IDENTITY_PARTS
 
     ident = metrics["cache_identity"]
     assert tuple(ident["parts"]) == IDENTITY_PARTS and len(ident["digest"]) == 64

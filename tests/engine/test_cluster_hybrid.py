@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engine_helpers import ModelBundle
+from helpers.engine import ModelBundle
 from test_hybrid_models import _tiny_gemma3
 
 from pagedkv.block_identity import HashScheme

@@ -18,7 +18,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     ray = pytest.importorskip("ray")
 
-from engine_helpers import ModelBundle  # noqa: E402
+from helpers.engine import ModelBundle  # noqa: E402
 
 from pagedkv.cluster import ReplicaCluster  # noqa: E402
 from pagedkv.engine import LLMEngine, SamplingParams  # noqa: E402
@@ -93,7 +93,7 @@ def test_a_long_prompt_of_a_length_dependent_rope_model_is_routed_to_its_cached_
     with its RoPE variant; the router hashes it with the same keys, so the second request for
     it goes where it is cached with an overlap of all 9 cacheable blocks (the router used to
     hash it without the RoPE key: overlap 0, placed by load)."""
-    from engine_helpers import build_tiny_model
+    from helpers.engine import build_tiny_model
 
     from pagedkv.cluster import ClusterRequest
 

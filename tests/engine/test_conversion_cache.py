@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.engine import loader
-from pagedkv.engine.loader import ModelSource
+from pagedkv.engine.models import loader
+from pagedkv.engine.models.loader import ModelSource
 
 
 @pytest.fixture

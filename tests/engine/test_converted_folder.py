@@ -19,12 +19,12 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import ModelBundle
+from helpers.engine import ModelBundle
 from safetensors import safe_open
 
-from pagedkv.engine import loader
 from pagedkv.engine.errors import EngineConfigError
-from pagedkv.engine.loader import ModelSource
+from pagedkv.engine.models import loader
+from pagedkv.engine.models.loader import ModelSource
 
 
 def _gguf_like_model(tie: bool) -> Any:

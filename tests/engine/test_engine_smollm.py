@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from engine_helpers import assert_no_leak, hf_greedy
+from helpers.engine import assert_no_leak, hf_greedy
 
 from pagedkv.engine import LLMEngine, SamplingParams
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import assert_no_leak, hf_greedy
+from helpers.engine import assert_no_leak, hf_greedy
 
 from pagedkv.engine import (
     InvalidRequestError,

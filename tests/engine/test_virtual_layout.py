@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import assert_no_leak
+from helpers.engine import assert_no_leak
 
 import pagedkv
 from pagedkv.engine import LLMEngine, SamplingParams
 from pagedkv.engine.errors import EngineConfigError, InvalidRequestError, RequestTooLargeError
-from pagedkv.engine.virtual_layout import VirtualKVLayout
-from pagedkv.engine.virtual_manager import VirtualKVManager
-from pagedkv.engine.virtual_memory import OS_PAGE, PAGE_SIZES, SharedPages, VirtualArena, minor_faults
+from pagedkv.engine.virtual.layout import VirtualKVLayout
+from pagedkv.engine.virtual.manager import VirtualKVManager
+from pagedkv.engine.virtual.memory import OS_PAGE, PAGE_SIZES, SharedPages, VirtualArena, minor_faults
 
 MiB = 1024 * 1024
 
@@ -294,7 +294,7 @@ def test_virtual_layout_token_identical_on_smollm2(smol):
 
 def test_cuda_arena_without_a_gpu_is_a_clear_typed_error():
     from pagedkv.engine.errors import DeviceUnavailableError
-    from pagedkv.engine.virtual_memory_cuda import CudaVirtualArena
+    from pagedkv.engine.virtual.memory_cuda import CudaVirtualArena
 
     if torch.cuda.is_available():  # pragma: no cover - written on a machine without a GPU
         arena = CudaVirtualArena(64 * MiB, 2 * MiB)
@@ -313,7 +313,7 @@ def test_cuda_arena_without_a_gpu_is_a_clear_typed_error():
 def test_virtual_layout_refuses_a_host_tier_and_sliding_windows():
     from types import SimpleNamespace
 
-    from pagedkv.engine.virtual_manager import build_virtual_manager
+    from pagedkv.engine.virtual.manager import build_virtual_manager
 
     full, windowed = SimpleNamespace(layer_windows=(None, None)), SimpleNamespace(layer_windows=(None, 512))
     with pytest.raises(EngineConfigError, match="host tier"):
@@ -326,7 +326,7 @@ def test_virtual_layout_refuses_a_host_tier_and_sliding_windows():
 
 
 def test_arenas_refuse_a_double_commit_and_releasing_what_is_not_committed():
-    from pagedkv.engine.virtual_memory import PageStateError
+    from pagedkv.engine.virtual.memory import PageStateError
 
     # VirtualArena committed a page twice without noticing (its count went above the range)
     arena = VirtualArena(MiB, 65536)
@@ -344,8 +344,8 @@ def test_arenas_refuse_a_double_commit_and_releasing_what_is_not_committed():
 def test_cuda_arena_checks_ranges_before_any_driver_call():
     # CudaVirtualArena passed any offset to cuMemMap; the check runs before the driver is touched,
     # so an arena without a driver (None) shows it on a machine without a GPU.
-    from pagedkv.engine.virtual_memory import PageStateError, _PageLedger
-    from pagedkv.engine.virtual_memory_cuda import CudaVirtualArena
+    from pagedkv.engine.virtual.memory import PageStateError, _PageLedger
+    from pagedkv.engine.virtual.memory_cuda import CudaVirtualArena
 
     arena = CudaVirtualArena.__new__(CudaVirtualArena)
     arena._cu, arena.page_size, arena.size = None, 2 * MiB, 8 * MiB
@@ -363,7 +363,7 @@ def test_cuda_arena_checks_ranges_before_any_driver_call():
 
 @pytest.mark.parametrize("page", PAGE_SIZES)
 def test_shared_arena_maps_one_physical_page_in_two_places_and_punches_it_out_at_refcount_zero(page):
-    from pagedkv.engine.virtual_memory import PageStateError, SharedArena
+    from pagedkv.engine.virtual.memory import PageStateError, SharedArena
 
     arena = SharedArena(16 * page, page, num_frames=4)
     assert arena.resident_bytes() == 0

@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 import torch
-from kernel_cases import dense_attention, make_case
+from helpers.kernel_cases import dense_attention, make_case
 
 import kernels
 from kernels import plan as plan_mod

@@ -3,7 +3,7 @@ Triton kernel) against dense SDPA over contiguous K/V."""
 
 import pytest
 import torch
-from kernel_cases import dense_attention, make_case, poison_unread_slots, random_seqs
+from helpers.kernel_cases import dense_attention, make_case, poison_unread_slots, random_seqs
 
 from kernels import reference
 

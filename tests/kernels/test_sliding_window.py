@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import dense_attention, make_case  # noqa: E402
+from helpers.kernel_cases import dense_attention, make_case  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import attention, reference  # noqa: E402

@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import dense_attention, make_case, poison_unread_slots  # noqa: E402
+from helpers.kernel_cases import dense_attention, make_case, poison_unread_slots  # noqa: E402
 
 import kernels  # noqa: E402
 from kernels import attention, block_copy, cache_write, reference  # noqa: E402

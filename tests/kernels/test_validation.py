@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 import torch
-from kernel_cases import make_case
+from helpers.kernel_cases import make_case
 
 import kernels
 

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import dense_attention, make_case, poison_unread_slots  # noqa: E402
+from helpers.kernel_cases import dense_attention, make_case, poison_unread_slots  # noqa: E402
 
 from kernels import attention, reference  # noqa: E402
 

@@ -12,13 +12,17 @@ Modules: :mod:`.engine` (:class:`LLMEngine`: wiring and the step loop) over one 
 concern -- :mod:`.prompts` and :mod:`.chat` (request intake and checks), :mod:`.registry`
 (request lifecycle, aborts), :mod:`.scheduler` (FCFS continuous batching, token budget, chunked
 prefill, preemption), :mod:`.runner` (kernel inputs through :mod:`pagedkv.tensors`, block plans,
-forward), :mod:`.model`, :mod:`.gemma3` and :mod:`.rope` (the forward passes over the paged
-cache), :mod:`.architectures` (which model serves which architecture; the others are refused),
-:mod:`.kv_groups` (layers grouped by attention kind, each group's table and plan), :mod:`.groups`
-with :mod:`.sampling` and :mod:`.beam_search` (sampling, forks, beams), :mod:`.outputs` (stop
-strings, results) -- plus :mod:`.config`, :mod:`.request`, :mod:`.metrics` with :mod:`.goodput`
-(TTFT / TPOT targets, goodput), :mod:`.errors`, :mod:`.resources`, :mod:`.loader`, the readers of
-:mod:`.inputs` and the ``pagedkv-engine`` command in :mod:`.cli`.
+forward), :mod:`.kv_groups` (layers grouped by attention kind, each group's table and plan),
+:mod:`.groups` with :mod:`.sampling` and :mod:`.beam_search` (sampling, forks, beams),
+:mod:`.outputs` (stop strings, results) -- plus :mod:`.config`, :mod:`.request`, :mod:`.metrics`
+with :mod:`.goodput` (TTFT / TPOT targets, goodput), :mod:`.errors`, :mod:`.resources`, the
+readers of :mod:`.inputs` and the ``pagedkv-engine`` command in :mod:`.cli`.
+
+Sub-packages: :mod:`.models` (the model code: the forward passes over the paged cache in
+:mod:`.models.model` and :mod:`.models.gemma3`, RoPE in :mod:`.models.rope`, which model serves
+which architecture in :mod:`.models.architectures`, finding and converting weights in
+:mod:`.models.loader`, the cache identity of the weights in :mod:`.models.identity`) and
+:mod:`.virtual` (the virtual KV layout, ``kv_layout="virtual"``: arenas, layout, manager, runner).
 
 The names below that need torch are imported on first use, so the torch-free modules
 (:mod:`.errors`, :mod:`.goodput`, :mod:`.inputs`, :mod:`.chat`) import without it.

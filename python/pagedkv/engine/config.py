@@ -17,7 +17,7 @@ import pagedkv
 
 from .errors import EngineConfigError
 from .scheduler import SchedulerConfig
-from .virtual_memory import PAGE_SIZES
+from .virtual.memory import PAGE_SIZES
 
 __all__ = ["EngineConfig", "torch_dtype", "DEFAULT_NUM_SPECULATIVE_TOKENS"]
 
@@ -64,7 +64,7 @@ class EngineConfig:
             tier"); without a host tier it has no effect.
         kv_layout: ``"paged"`` (default: blocks and block tables) or ``"virtual"`` (each
             sequence's K/V contiguous in reserved virtual memory, pages committed on demand,
-            vAttention; :mod:`~pagedkv.engine.virtual_layout`). ``"virtual"`` has the paged
+            vAttention; :mod:`~pagedkv.engine.virtual.layout`). ``"virtual"`` has the paged
             pool's bytes as its physical budget, runs without cross-request prefix caching,
             and refuses swap preemption (here), ``n > 1`` / beam search (per request) and
             sliding-window models (at load).
@@ -259,7 +259,7 @@ class EngineConfig:
         """The KV cache manager's configuration (call on a :meth:`resolved` config);
         ``enable_events`` buffers its KV events (for a router's :class:`pagedkv.KVIndexer`);
         ``hash_seed`` is the chain seed of the prefix hashes (the engine's cache identity,
-        :attr:`~pagedkv.engine.identity.CacheIdentity.seed`; ``None``: empty).
+        :attr:`~pagedkv.engine.models.identity.CacheIdentity.seed`; ``None``: empty).
 
         Raises:
             pagedkv.InvalidConfigError: a size above the core's limits.

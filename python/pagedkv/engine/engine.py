@@ -39,22 +39,22 @@ with optional_imports("pagedkv.engine", "engine"):
 import pagedkv
 from pagedkv.block_identity import SequenceSpec
 
-from .architectures import build_model
 from .config import EngineConfig, torch_dtype
 from .errors import EngineConfigError
 from .goodput import DEFAULT_SLO, ServiceLevelObjective
 from .groups import SequenceGroups
-from .identity import CacheIdentity, cached_weights_digest, source_file_versions
 from .kv_groups import hybrid_manager
-from .loader import load_hf_model
 from .metrics import EngineMetrics, MetricsCollector
-from .model import PagedCausalLM
+from .models.architectures import build_model
+from .models.identity import CacheIdentity, cached_weights_digest, source_file_versions
+from .models.loader import load_hf_model
+from .models.model import PagedCausalLM
+from .models.rope import rope_parameters
 from .outputs import OutputProcessor
 from .prompts import PreparedRequest, PromptProcessor, PromptType, batch_items, check_unique_ids
 from .registry import RequestRegistry
 from .request import RequestOutput
 from .resources import available_memory, check_device, check_kv_fits
-from .rope import rope_parameters
 from .runner import ModelRunner
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -104,7 +104,7 @@ class LLMEngine:
     ``pagedkv.KVCacheManager``.
 
     Attributes:
-        cache_identity: the :class:`~pagedkv.engine.identity.CacheIdentity` derived from what
+        cache_identity: the :class:`~pagedkv.engine.models.identity.CacheIdentity` derived from what
             was loaded (weights, tokenizer, chat template, adapter, KV dtype, RoPE); its 32
             digest bytes are the ``hash_seed`` of ``manager.config``, so the prefix-cache block
             hashes (and the KV events carrying them) of engines with different identities never
@@ -118,7 +118,7 @@ class LLMEngine:
             the model load; or ``kv_bytes`` holding fewer than 2 blocks of this model or
             ``host_cache_bytes`` less than one; or a
             model architecture the engine does not implement (after the load, before any
-            allocation; :func:`pagedkv.engine.architectures.build_model`). The message names
+            allocation; :func:`pagedkv.engine.models.architectures.build_model`). The message names
             the value.
         pagedkv.InvalidConfigError: a pool sized by ``kv_bytes`` above the core's block limit
             (when it fits the free memory).
@@ -193,8 +193,8 @@ class LLMEngine:
         self.scheduler: Scheduler
         self.runner: ModelRunner
         if config.kv_layout == "virtual":  # contiguous K/V in reserved virtual memory
-            from .virtual_manager import VirtualScheduler, build_virtual_manager
-            from .virtual_runner import VirtualModelRunner
+            from .virtual.manager import VirtualScheduler, build_virtual_manager
+            from .virtual.runner import VirtualModelRunner
 
             proxy, self.layout = build_virtual_manager(
                 self.model, config, hash_seed=self.cache_identity.seed, enable_events=enable_kv_events

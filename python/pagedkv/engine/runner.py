@@ -6,7 +6,7 @@ host loads, copy-on-write) and runs the forward pass.
 
 Owns the KV cache tensors: the device cache ``[num_kv_slots, 2, num_blocks, block_size,
 num_kv_heads, head_size]`` (:meth:`PagedCausalLM.kv_cache_shape
-<pagedkv.engine.model.PagedCausalLM.kv_cache_shape>`: one slot per layer of a model with one
+<pagedkv.engine.models.model.PagedCausalLM.kv_cache_shape>`: one slot per layer of a model with one
 KV cache group; on a hybrid model one slot per layer of a group, every group's pages in one
 pool), for swap preemption a CPU cache of ``num_cpu_blocks`` blocks of the same per-block
 shape, and for the prefix cache's host tier a host cache of ``num_host_blocks`` blocks (both
@@ -29,16 +29,16 @@ import pagedkv
 from pagedkv import kernels
 from pagedkv.tensors import BatchTensors, BlockTable, GroupBatchTensors
 
-from .model import PagedCausalLM
+from .models.model import PagedCausalLM
+from .models.rope import rope_lengths
 from .resources import guard_allocation
-from .rope import rope_lengths
 from .scheduler import ScheduledBatch
 
 __all__ = ["ModelRunner"]
 
 
 class ModelRunner:
-    """Runs scheduled batches on a model of the engine (:class:`~pagedkv.engine.model.PagedCausalLM`).
+    """Runs scheduled batches on a model of the engine (:class:`~pagedkv.engine.models.model.PagedCausalLM`).
 
     Args:
         model: the model (its device and dtype are the cache's).

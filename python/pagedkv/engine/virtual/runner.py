@@ -1,7 +1,7 @@
 """Model runner of the virtual KV layout (``kv_layout="virtual"``): the same step inputs as
 :class:`~pagedkv.engine.runner.ModelRunner` (token ids, positions, lengths from
 :meth:`pagedkv.tensors.BatchTensors.from_steps`), but each layer writes and reads K/V in the
-sequence's contiguous range of a :class:`~pagedkv.engine.virtual_layout.VirtualKVLayout`; no
+sequence's contiguous range of a :class:`~pagedkv.engine.virtual.layout.VirtualKVLayout`; no
 block table reaches the attention."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ with optional_imports("pagedkv.engine", "engine"):
 import pagedkv
 from pagedkv.tensors import BatchTensors, BlockTable
 
-from .model import PagedCausalLM
-from .rope import rope_lengths
-from .scheduler import ScheduledBatch
-from .virtual_layout import VirtualKVLayout
+from ..models.model import PagedCausalLM
+from ..models.rope import rope_lengths
+from ..scheduler import ScheduledBatch
+from .layout import VirtualKVLayout
 
 __all__ = ["VirtualModelRunner", "ContiguousStep"]
 

@@ -3,7 +3,7 @@
 Architecture (Llama 2/3, SmolLM, Qwen2, Mistral): token embedding -> N x [RMSNorm -> attention
 with RoPE and grouped-query heads (GQA) -> residual -> RMSNorm -> SwiGLU MLP -> residual] ->
 RMSNorm -> LM head (tied to the embedding when the config says so). RoPE frequencies, static
-or length-dependent (``dynamic``, ``longrope``), come from :mod:`pagedkv.engine.rope`.
+or length-dependent (``dynamic``, ``longrope``), come from :mod:`pagedkv.engine.models.rope`.
 
 The batch is one flat varlen token list (no padding): prefills, chunked prefills, prefills
 over a cached prefix and decodes of many sequences together, ``T`` tokens in all. Per layer the
@@ -23,7 +23,7 @@ for all layers and groups. A model without sliding-window layers has one group o
 (``num_kv_slots == num_layers``, layer ``i`` in slot ``i``); Gemma 3 270M has six groups of 3
 layers (``num_kv_slots == 3``), so a block costs 3 layers' pages, not 18.
 
-The weights come from transformers' own model (see :mod:`pagedkv.engine.loader`), so the same
+The weights come from transformers' own model (see :mod:`pagedkv.engine.models.loader`), so the same
 numbers feed both this model and the transformers oracle in the tests. They are stored for the
 GEMM, not as transformers keeps them: every projection transposed (``[in_features,
 out_features]``, contiguous; :func:`linear` computes ``x @ weight_t``), because MKL's fp32 GEMM
@@ -48,7 +48,7 @@ with optional_imports("pagedkv.engine", "engine"):
 
 from pagedkv import kernels
 
-from .kv_groups import (
+from ..kv_groups import (
     KVCacheGroup,
     StepTensors,
     group_block_table,
@@ -154,7 +154,7 @@ class PagedCausalLM:
     tokens, ``None`` for full attention), then calls :meth:`_init_kv_groups`; and what the
     engine reads: ``config`` (the transformers config), ``vocab_size``, ``max_model_len``
     (tokens), ``rope`` (``length_dependent`` and ``prefix_cache_tag(num_prompt_tokens)``, as
-    :class:`~pagedkv.engine.rope.RotaryEmbedding` has them) and :meth:`forward`.
+    :class:`~pagedkv.engine.models.rope.RotaryEmbedding` has them) and :meth:`forward`.
 
     Attributes:
         layer_windows: each layer's sliding window, or ``None``.
@@ -310,8 +310,8 @@ class LlamaForCausalLM(PagedCausalLM):
         config: the transformers config.
         num_layers, num_heads, num_kv_heads, head_size, vocab_size: model sizes.
         max_model_len: context length in tokens (``max_position_embeddings``; times the
-            scaling factor for ``dynamic`` RoPE, see :func:`pagedkv.engine.rope.context_length`).
-        rope: the :class:`~pagedkv.engine.rope.RotaryEmbedding` (cos/sin tables; per-token
+            scaling factor for ``dynamic`` RoPE, see :func:`pagedkv.engine.models.rope.context_length`).
+        rope: the :class:`~pagedkv.engine.models.rope.RotaryEmbedding` (cos/sin tables; per-token
             frequencies for the length-dependent ``dynamic`` / ``longrope`` types).
         dtype, device: of weights, activations and the KV cache.
     """
@@ -465,7 +465,7 @@ class LlamaForCausalLM(PagedCausalLM):
             logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted (the last
                 scheduled token of each sequence that samples this step).
             rope_lens: int64 ``[T]`` rope length of each token (any device;
-                :func:`pagedkv.engine.rope.rope_lengths`), which picks its RoPE frequencies;
+                :func:`pagedkv.engine.models.rope.rope_lengths`), which picks its RoPE frequencies;
                 needed only when ``self.rope.length_dependent``, ignored otherwise.
             plans: :meth:`plan_attention`'s plans (one per KV cache group) for the torch
                 reference attention; default ``meta.attn_plan`` where ``meta`` has one, else

@@ -19,7 +19,7 @@ last reference gone, the frame goes back to the OS with ``fallocate(FALLOC_FL_PU
 :class:`SharedPages` is the plain form (one ``memfd`` mapped at new addresses).
 
 The same interface on a GPU, through the CUDA driver's virtual memory API, is
-:class:`pagedkv.engine.virtual_memory_cuda.CudaVirtualArena` (untested: written without a GPU).
+:class:`pagedkv.engine.virtual.memory_cuda.CudaVirtualArena` (untested: written without a GPU).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ with optional_imports("pagedkv.engine", "engine"):
 
 from pagedkv.errors import InvalidArgumentError
 
-from .errors import EngineConfigError
+from ..errors import EngineConfigError
 
 __all__ = [
     "PAGE_SIZES",
@@ -184,7 +184,7 @@ class VirtualArena:
     """
 
     def __init__(self, size: int, page_size: int) -> None:
-        from .errors import KVCacheTooLargeError
+        from ..errors import KVCacheTooLargeError
 
         self.page_size = check_page_size(page_size)
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
@@ -344,7 +344,7 @@ class SharedArena:
     """
 
     def __init__(self, size: int, page_size: int, num_frames: int) -> None:
-        from .errors import KVCacheTooLargeError
+        from ..errors import KVCacheTooLargeError
 
         self.page_size = check_page_size(page_size)
         for name, v, low in (("size", size, 1), ("num_frames", num_frames, 1)):

@@ -1,10 +1,10 @@
 """Stateful property test of the host tier under KV cache groups, with a simulated executor.
 
-The one-group machine of tests/test_host_tier_state_machine.py (its rules: adds with shared
+The one-group machine of tests/core/test_host_tier_state_machine.py (its rules: adds with shared
 prefixes and cache salts, single and batched steps with appends, whole requests served one
 after another, frees, recompute and swap preemption, swap-ins, resets, empty steps) drives a
 ``pagedkv.HybridKVCacheManager`` instead: a full-attention group and a sliding-window or
-chunked-local group (tests/test_hybrid_groups.py's layouts) over a small device pool, a small
+chunked-local group (tests/core/test_hybrid_groups.py's layouts) over a small device pool, a small
 host tier (LRU or ARC) and dense or sparse retention. The executor model keeps, per group
 cache and per block, the token prefix (and salt) whose KV it holds, and runs each step
 output in the executor's order: host stores ``(group, device, host)``, the swaps since the

@@ -586,7 +586,7 @@ def _engine_rows(tmp_path: Path) -> list[Row]:
     pytest.importorskip("torch")
     from pagedkv.engine import errors as EE
     from pagedkv.engine.inputs import read_prompts
-    from pagedkv.engine.loader import resolve_model_path
+    from pagedkv.engine.models.loader import resolve_model_path
     from pagedkv.engine.sampling import SamplingParams
 
     malformed = tmp_path / "bad.jsonl"

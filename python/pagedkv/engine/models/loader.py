@@ -1,4 +1,4 @@
-"""Find and load a model (the Llama family, Gemma 3; see :mod:`pagedkv.engine.architectures`):
+"""Find and load a model (the Llama family, Gemma 3; see :mod:`pagedkv.engine.models.architectures`):
 config, weights and tokenizer, all through transformers.
 
 Sources (never the Hugging Face hub; every call passes ``local_files_only=True``):
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import EngineConfigError, ModelNotFoundError
+from ..errors import EngineConfigError, ModelNotFoundError
 from .identity import file_version
 
 __all__ = [
@@ -384,7 +384,7 @@ def load_hf_model(
     convert_cache: bool = True,
 ) -> tuple[Any, Any]:
     """transformers' own model and tokenizer: the weight source of
-    the engine's model (:func:`pagedkv.engine.architectures.build_model`) and the oracle in tests
+    the engine's model (:func:`pagedkv.engine.models.architectures.build_model`) and the oracle in tests
     and benchmarks.
 
     Args:

@@ -34,7 +34,7 @@ folded once into the root of every hash chain (``rust/core/src/hashing.rs``), so
 hash costs the same as before and engines with different identities produce unrelated hash
 families. Two engines started separately on the same files at the same settings compute the
 same identity, hence the same block hashes. (The per-prompt RoPE variant of length-dependent
-RoPE stays a per-block extra key, see :mod:`pagedkv.engine.rope`.)
+RoPE stays a per-block extra key, see :mod:`pagedkv.engine.models.rope`.)
 
 Left out on purpose: the device and attention kernel (CPU reference vs Triton), whose K/V
 differ only by float rounding, as batch composition does; the block size and hash algorithm,
@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import EngineConfigError
+from ..errors import EngineConfigError
 
 __all__ = [
     "IDENTITY_FORMAT",
@@ -161,7 +161,7 @@ class CacheIdentity:
     ) -> CacheIdentity:
         """The identity of an engine serving ``hf_model`` (a transformers causal LM) with
         ``tokenizer`` and a KV cache of ``kv_dtype`` (a torch dtype or its name); ``rope`` is
-        the config's RoPE parameters (:func:`pagedkv.engine.rope.rope_parameters`);
+        the config's RoPE parameters (:func:`pagedkv.engine.models.rope.rope_parameters`);
         ``weights`` a precomputed :func:`weights_digest` (computed here when ``None``).
 
         Raises:
@@ -192,7 +192,7 @@ def weights_digest(hf_model: Any, dtype: Any = None) -> str:
     """
     import torch
 
-    from .config import torch_dtype
+    from ..config import torch_dtype
 
     target = None if dtype is None else torch_dtype(dtype)
 

@@ -24,7 +24,7 @@ unit of ``pool.num_free`` per running sequence here, i.e. one page: the schedule
 kept as it is. :class:`VirtualScheduler` sizes the "can never fit" check in pages.
 
 Sharing (a layout built with ``sharing=True``, the engine's on the CPU): prefix caching and
-forks map page groups (:mod:`pagedkv.engine.virtual_layout`), the bookkeeping manager runs with
+forks map page groups (:mod:`pagedkv.engine.virtual.layout`), the bookkeeping manager runs with
 its own prefix caching off. ``lookup_prefix`` maps the cached groups of a new sequence's
 longest cached prefix and returns the hit ``H``; the next ``step`` schedules those ``H`` tokens
 in the bookkeeping (``allocate_slots``, no KV computed) before the step, reports them as the
@@ -46,10 +46,10 @@ import numpy as np
 import pagedkv
 from pagedkv import OutOfBlocksError
 
-from .errors import InvalidRequestError, RequestTooLargeError
-from .sampling import SamplingParams
-from .scheduler import Scheduler
-from .virtual_layout import VirtualKVLayout
+from ..errors import InvalidRequestError, RequestTooLargeError
+from ..sampling import SamplingParams
+from ..scheduler import Scheduler
+from .layout import VirtualKVLayout
 
 __all__ = ["VirtualKVManager", "VirtualScheduler", "FORK_SLOTS"]
 
@@ -119,7 +119,7 @@ class VirtualKVManager:
     Args:
         inner: the bookkeeping manager, prefix caching off, a pool larger than the layout's
             budget can fill.
-        layout: the :class:`~pagedkv.engine.virtual_layout.VirtualKVLayout`.
+        layout: the :class:`~pagedkv.engine.virtual.layout.VirtualKVLayout`.
         prefix_caching: share cached page groups with new sequences (needs a sharing layout).
     """
 
@@ -335,7 +335,7 @@ def build_virtual_manager(
     pages can never outgrow.
 
     Args:
-        model: the engine's :class:`~pagedkv.engine.model.PagedCausalLM`.
+        model: the engine's :class:`~pagedkv.engine.models.model.PagedCausalLM`.
         config: the engine's resolved :class:`~pagedkv.engine.config.EngineConfig`.
         hash_seed, enable_events: as for the paged manager.
 
@@ -347,7 +347,7 @@ def build_virtual_manager(
     """
     import dataclasses
 
-    from .errors import EngineConfigError
+    from ..errors import EngineConfigError
 
     if any(w is not None for w in model.layer_windows):
         raise EngineConfigError(

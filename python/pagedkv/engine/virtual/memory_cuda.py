@@ -18,8 +18,8 @@ from pagedkv._optional import optional_imports
 with optional_imports("pagedkv.engine", "engine"):
     import torch
 
-from .errors import DeviceUnavailableError, EngineConfigError
-from .virtual_memory import _PageLedger
+from ..errors import DeviceUnavailableError, EngineConfigError
+from .memory import _PageLedger
 
 __all__ = ["CudaVirtualArena"]
 
@@ -59,7 +59,7 @@ class _DeviceRange:
 
 
 class CudaVirtualArena:
-    """:class:`~pagedkv.engine.virtual_memory.VirtualArena`'s interface on GPU ``device_index``.
+    """:class:`~pagedkv.engine.virtual.memory.VirtualArena`'s interface on GPU ``device_index``.
 
     Args:
         size: bytes to reserve (rounded up to a whole page).

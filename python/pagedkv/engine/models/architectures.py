@@ -1,7 +1,7 @@
 """Which transformers architectures the engine implements, and the architecture check at load.
 
-The engine runs its own forward pass (:mod:`pagedkv.engine.model` for the Llama family,
-:mod:`pagedkv.engine.gemma3` for Gemma 3) on weights taken from transformers' model. A model of
+The engine runs its own forward pass (:mod:`pagedkv.engine.models.model` for the Llama family,
+:mod:`pagedkv.engine.models.gemma3` for Gemma 3) on weights taken from transformers' model. A model of
 another architecture often has weights of the same names (Gemma 3's ``q_proj``,
 ``input_layernorm``... are Llama's), so without a check it would load and generate garbage;
 :func:`build_model` refuses it, naming the architecture, before anything is allocated.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import EngineConfigError
+from ..errors import EngineConfigError
 from .gemma3 import Gemma3ForCausalLM
 from .model import LlamaForCausalLM, PagedCausalLM
 

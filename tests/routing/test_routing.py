@@ -687,7 +687,7 @@ def test_readme_routing_example_runs_and_prints_what_it_says() -> None:
     import sys
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     section = text.split("## Past one engine", 1)[1].split("\n## ", 1)[0]
     code = re.search(r"```python\n(.*?)```", section, re.S)
     assert code, "README's 'Past one engine' section lost its Python example"

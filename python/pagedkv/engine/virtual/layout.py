@@ -3,8 +3,8 @@ of each layer live in one contiguous virtual range, reserved for the longest seq
 engine serves, with physical pages committed as the sequence grows and given back when it
 finishes or is preempted. Attention reads the contiguous K/V slice directly: no block table.
 
-Memory: one arena (:class:`~pagedkv.engine.virtual_memory.VirtualArena`, or
-:class:`~pagedkv.engine.virtual_memory.SharedArena` with ``sharing``) holds ``max_seqs`` *slots*;
+Memory: one arena (:class:`~pagedkv.engine.virtual.memory.VirtualArena`, or
+:class:`~pagedkv.engine.virtual.memory.SharedArena` with ``sharing``) holds ``max_seqs`` *slots*;
 a slot is ``2 * num_layers`` *segments* (layer ``l``'s K, then its V), each
 ``ceil(max_seq_len * bytes_per_token / page) * page`` bytes, page-aligned, so a segment's
 pages are committed from its start. A sequence of ``t`` tokens holds ``ceil(t *
@@ -14,9 +14,9 @@ segments is the layout's waste, where the paged layout wastes the tail of one bl
 
 Accounting: :class:`VirtualKVLayout` commits against a physical budget in pages (the paged
 pool's bytes at equal budget), all or nothing per sequence, and answers the scheduler's
-capacity questions in pages (:mod:`pagedkv.engine.virtual_manager`).
+capacity questions in pages (:mod:`pagedkv.engine.virtual.manager`).
 
-Sharing (``sharing=True``, a :class:`~pagedkv.engine.virtual_memory.SharedArena`): the unit is a
+Sharing (``sharing=True``, a :class:`~pagedkv.engine.virtual.memory.SharedArena`): the unit is a
 *page group*, page ``p`` of all ``2 * num_layers`` segments (every segment of a sequence holds
 the same tokens at the same offsets). Page ``p`` holds bytes ``[p * page, (p + 1) * page)`` of
 each segment, i.e. the tokens ``[0, end(p))``, ``end(p) = ceil((p + 1) * page /
@@ -51,8 +51,8 @@ with optional_imports("pagedkv.engine", "engine"):
     import torch
     import torch.nn.functional as F
 
-from .errors import EngineConfigError
-from .virtual_memory import SharedArena, VirtualArena, check_page_size
+from ..errors import EngineConfigError
+from .memory import SharedArena, VirtualArena, check_page_size
 
 __all__ = ["VirtualKVLayout", "LayoutStats", "pages_per_segment"]
 
@@ -113,10 +113,10 @@ class VirtualKVLayout:
         max_seqs: slots (most sequences holding KV at once), >= 1.
         max_seq_len: tokens each slot's segments are reserved for, >= 1.
         device: ``None`` or a CPU device (an anonymous ``mmap``), or a CUDA device (the driver's
-            virtual memory API, :class:`~pagedkv.engine.virtual_memory_cuda.CudaVirtualArena`;
+            virtual memory API, :class:`~pagedkv.engine.virtual.memory_cuda.CudaVirtualArena`;
             untested: written without a GPU).
         sharing: pages mappable into several sequences' ranges (prefix caching, forks; a
-            :class:`~pagedkv.engine.virtual_memory.SharedArena`); CPU only.
+            :class:`~pagedkv.engine.virtual.memory.SharedArena`); CPU only.
 
     Raises:
         EngineConfigError: a bad page size, a budget too small for one token of one sequence,
@@ -168,7 +168,7 @@ class VirtualKVLayout:
                 max_seqs * self.slot_bytes, page_size, self.total_pages
             )
         elif dev.type == "cuda":
-            from .virtual_memory_cuda import CudaVirtualArena
+            from .memory_cuda import CudaVirtualArena
 
             self.arena = CudaVirtualArena(max_seqs * self.slot_bytes, page_size, dev.index or 0)
         else:
