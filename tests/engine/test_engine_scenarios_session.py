@@ -156,9 +156,9 @@ def test_s2_an_evicted_page_group_is_never_matched_by_its_old_key() -> None:
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    from test_hybrid_models import _tiny_gemma3
+    from helpers.engine import tiny_gemma3
 
-    return _tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3-scenarios"))
+    return tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3-scenarios"))
 
 
 def _waves(vocab: int) -> list[list[list[int]]]:

@@ -9,14 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers.engine import assert_no_leak
+from helpers.engine import assert_no_leak, tiny_gemma3
 from test_host_tier_engine import _engine, _multi_turn
-from test_hybrid_models import _tiny_gemma3
 
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    return _tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3-host"))
+    return tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3-host"))
 
 
 def _compare(bundle, *, convs: int, turns: int, max_tokens: int, lengths: tuple[int, int], **kw: Any) -> Any:

@@ -13,71 +13,24 @@
 
 from __future__ import annotations
 
-import warnings
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
-from helpers.engine import TINY_VOCAB, ModelBundle, _tiny_tokenizer, assert_no_leak, hf_greedy
+from helpers.engine import TINY_GEMMA3_WINDOW, TINY_VOCAB, ModelBundle, assert_no_leak, hf_greedy, tiny_gemma3
 
 from pagedkv.engine import EngineConfigError, LLMEngine, SamplingParams
 from pagedkv.engine.kv_groups import KVCacheGroup, kv_cache_groups, layer_windows
 
-WINDOW = 8
+WINDOW = TINY_GEMMA3_WINDOW
 MAX_NEW = 16
 PROMPT_LENS = (3, 7, 8, 9, 30, 61)  # shorter than, equal to, just past and far past the window
 
 
-def _tiny_gemma3(folder, **overrides: Any) -> ModelBundle:
-    from safetensors.torch import save_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
-
-    fields: dict[str, Any] = dict(
-        vocab_size=TINY_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        query_pre_attn_scalar=24,  # not head_dim: the scale must come from the config
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-        },
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        bos_token_id=2,
-        eos_token_id=1,
-        pad_token_id=0,
-        initializer_range=0.25,
-    )
-    fields.update(overrides)
-    cfg = Gemma3TextConfig(**fields)
-    torch.manual_seed(4321)
-    model = Gemma3ForCausalLM(cfg).float().eval()
-    with torch.no_grad():  # Gemma's norms start at w = 0 (scale 1): give them values to get wrong
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(-0.5, 0.5)
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg.save_pretrained(str(folder))
-    save_model(model, str(folder / "model.safetensors"))
-    _tiny_tokenizer(folder)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
-        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-    return ModelBundle(hf, tok, folder)
-
-
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory) -> ModelBundle:
-    return _tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
+    return tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"))
 
 
 def _prompts() -> list[list[int]]:
@@ -168,7 +121,7 @@ def test_gemma3_configs_the_engine_does_not_implement_are_refused(tmp_path):
         (dict(attn_logit_softcapping=50.0), "attn_logit_softcapping"),
         (dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ):
-        bundle = _tiny_gemma3(tmp_path / needle, **overrides)
+        bundle = tiny_gemma3(tmp_path / needle, **overrides)
         with pytest.raises(EngineConfigError, match=needle):
             LLMEngine(bundle.hf, tokenizer=bundle.tokenizer, num_kv_blocks=16)
 

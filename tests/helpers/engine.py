@@ -1,5 +1,6 @@
-"""Helpers of the engine tests: the tiny random Llama model folder, transformers' greedy
-oracle and the no-leak check (imported by the test modules and conftest.py)."""
+"""Helpers of the engine and cluster tests: the tiny random Llama and Gemma 3 model folders,
+transformers' greedy oracle and the no-leak check (imported by the test modules and the
+conftest.py files)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 import torch
 
 TINY_VOCAB = 512
+#: The sliding window of :func:`tiny_gemma3`'s sliding layers.
+TINY_GEMMA3_WINDOW = 8
 
 
 @dataclass
@@ -95,3 +98,52 @@ def hf_greedy(bundle: ModelBundle, prompt_ids: list[int], max_new_tokens: int, *
             **kw,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def tiny_gemma3(folder: Path, **overrides: Any) -> ModelBundle:
+    """A tiny random Gemma 3 (layers sliding, full, sliding, sliding; window
+    :data:`TINY_GEMMA3_WINDOW`, QK-norm, GeGLU, two RoPE bases) saved to ``folder`` and loaded
+    back; ``overrides`` replace Gemma3TextConfig fields."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    fields: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=24,  # not head_dim: the scale must come from the config
+        sliding_window=TINY_GEMMA3_WINDOW,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        initializer_range=0.25,
+    )
+    fields.update(overrides)
+    cfg = Gemma3TextConfig(**fields)
+    torch.manual_seed(4321)
+    model = Gemma3ForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # Gemma's norms start at w = 0 (scale 1): give them values to get wrong
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(str(folder))
+    save_model(model, str(folder / "model.safetensors"))
+    _tiny_tokenizer(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    return ModelBundle(hf, tok, folder)

@@ -12,8 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from helpers.engine import ModelBundle
-from test_hybrid_models import _tiny_gemma3
+from helpers.engine import ModelBundle, tiny_gemma3
 
 from pagedkv.block_identity import HashScheme
 from pagedkv.cluster.replica import EngineReplica
@@ -31,7 +30,7 @@ FULL_BLOCKS = 7
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory: pytest.TempPathFactory) -> ModelBundle:
-    return _tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3-routing"))
+    return tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3-routing"))
 
 
 def test_engine_events_route_a_repeated_prompt_by_its_full_attention_blocks(gemma: ModelBundle) -> None:
