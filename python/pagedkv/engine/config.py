@@ -25,10 +25,12 @@ __all__ = ["EngineConfig", "torch_dtype", "DEFAULT_NUM_SPECULATIVE_TOKENS"]
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Engine configuration: the KV pool, scheduling limits and seed of an
-    :class:`~pagedkv.engine.LLMEngine` (its keyword arguments of the same names).
+    :class:`~pagedkv.engine.LLMEngine` (its keyword arguments of the same names). Every field
+    is keyword-only (``EngineConfig(block_size=16, max_num_seqs=64)``): with this many sizes
+    and limits, a positional call could swap two of them silently.
 
     Attributes:
         num_kv_blocks: KV pool size in blocks, the null block included (usable =

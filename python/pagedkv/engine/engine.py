@@ -156,13 +156,26 @@ class LLMEngine:
         host_eviction: str = "lru",
     ) -> None:
         # Every argument is checked before the (slow) model load.
-        config = EngineConfig(num_kv_blocks, kv_bytes, block_size, max_tokens_per_step, max_num_seqs,
-                              preemption, num_cpu_blocks, enable_prefix_caching, hash_algo, seed,
-                              speculative, num_speculative_tokens, kv_layout=kv_layout,
-                              page_size=page_size, host_cache_bytes=host_cache_bytes,
-                              num_host_blocks=num_host_blocks,
-                              host_admission_min_seen=host_admission_min_seen,
-                              host_eviction=host_eviction)  # fmt: skip
+        config = EngineConfig(
+            num_kv_blocks=num_kv_blocks,
+            kv_bytes=kv_bytes,
+            block_size=block_size,
+            max_tokens_per_step=max_tokens_per_step,
+            max_num_seqs=max_num_seqs,
+            preemption=preemption,
+            num_cpu_blocks=num_cpu_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            hash_algo=hash_algo,
+            seed=seed,
+            speculative=speculative,
+            num_speculative_tokens=num_speculative_tokens,
+            kv_layout=kv_layout,
+            page_size=page_size,
+            host_cache_bytes=host_cache_bytes,
+            num_host_blocks=num_host_blocks,
+            host_admission_min_seen=host_admission_min_seen,
+            host_eviction=host_eviction,
+        )
         config.check_core_limits()
         if host_cache_bytes is not None:
             config.check_host_memory(available_memory(torch.device("cpu")))

@@ -60,6 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EngineConfigError
+from . import loader
+from .loader import file_version
 
 __all__ = [
     "IDENTITY_FORMAT",
@@ -269,35 +271,13 @@ def chat_template_digest(tokenizer: Any) -> str:
 def _source_files(model_path: Any, convert_cache: bool = True) -> list[Path] | None:
     """The files a load of ``model_path`` reads weights and config from (the converted folder's
     files for a cached GGUF), or ``None`` when that cannot be told."""
-    from .loader import _usable_source, resolve_model_path
-
     try:
-        src = _usable_source(resolve_model_path(model_path), convert_cache)
+        src = loader._usable_source(loader.resolve_model_path(model_path), convert_cache)
     except Exception:  # the load itself reports these
         return None
     if src.gguf_file:
         return [src.folder / src.gguf_file]
     return sorted(p for p in src.folder.iterdir() if p.is_file() and not p.name.startswith("."))
-
-
-def file_version(path: Path) -> tuple[str, int, int, int, int, int]:
-    """What tells one version of a file from another without reading it: resolved path,
-    device and inode, size, mtime and ctime (ns).
-
-    Size and mtime alone are not enough: a file rewritten in place keeps both when the writer
-    restores the mtime (``cp -p``, ``tar x``, ``rsync -t``, reproducible builds), and then two
-    different checkpoints would share a digest, hence block hashes. The ctime cannot be set
-    from user space (``utime`` itself moves it to now) and changes on every write and on every
-    metadata change, so no rewrite keeps it; a file replaced by rename has a new inode too.
-    The cost of a false change (``chmod``, ``touch``, a copied folder) is one recomputed
-    digest. Hashing the file bytes instead would cost as much as the digest it caches. The
-    loader's GGUF conversion cache is keyed by it too.
-
-    Raises:
-        OSError: ``path`` cannot be stat'ed (``FileNotFoundError`` when it is gone).
-    """
-    st = path.stat()
-    return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def source_file_versions(model_path: Any) -> list[tuple[str, int, int, int, int, int]] | None:
@@ -317,10 +297,8 @@ def source_file_versions(model_path: Any) -> list[tuple[str, int, int, int, int,
 def _digest_cache_file(stats: list[tuple[str, int, int, int, int, int]], dtype: Any) -> Path:
     import transformers
 
-    from .loader import _cache_root
-
     key = _sha256_hex(_canonical([IDENTITY_FORMAT, str(dtype), transformers.__version__, stats]))
-    return _cache_root() / "weights-digests" / f"{key[:32]}.json"
+    return loader._cache_root() / "weights-digests" / f"{key[:32]}.json"
 
 
 def cached_weights_digest(

@@ -13,7 +13,7 @@ Sources (never the Hugging Face hub; every call passes ``local_files_only=True``
 Parsing and dequantizing a GGUF file is slow (about a minute for the 135M model on 2 cores),
 so the first load writes the converted model (config.json, model.safetensors, tokenizer) to a
 cache folder, ``$PAGEDKV_CACHE_DIR`` or ``~/.cache/pagedkv/gguf/``, keyed by the GGUF file's
-version on disk (path, device, inode, size, mtime and ctime: :func:`identity.file_version`, so a
+version on disk (path, device, inode, size, mtime and ctime: :func:`file_version`, so a
 file rewritten in place with its size and mtime restored is converted again) and by
 :data:`CONVERSION_FORMAT`; later loads read that folder in seconds.
 ``convert_cache=False`` skips it. The folder is a plain Hugging Face model folder that any
@@ -43,13 +43,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import EngineConfigError, ModelNotFoundError
-from .identity import file_version
 
 __all__ = [
     "DEFAULT_MODEL_PACKAGE",
     "ModelSource",
     "default_model_path",
     "resolve_model_path",
+    "file_version",
     "model_folder",
     "load_tokenizer",
     "load_hf_model",
@@ -124,6 +124,26 @@ def resolve_model_path(path: os.PathLike[str] | str | None = None) -> ModelSourc
     )
 
 
+def file_version(path: Path) -> tuple[str, int, int, int, int, int]:
+    """What tells one version of a file from another without reading it: resolved path,
+    device and inode, size, mtime and ctime (ns).
+
+    Size and mtime alone are not enough: a file rewritten in place keeps both when the writer
+    restores the mtime (``cp -p``, ``tar x``, ``rsync -t``, reproducible builds), and then two
+    different checkpoints would share a digest, hence block hashes. The ctime cannot be set
+    from user space (``utime`` itself moves it to now) and changes on every write and on every
+    metadata change, so no rewrite keeps it; a file replaced by rename has a new inode too.
+    The cost of a false change (``chmod``, ``touch``, a copied folder) is one recomputed
+    digest. Hashing the file bytes instead would cost as much as the digest it caches. Both
+    the GGUF conversion cache here and :mod:`.identity`'s cache of weights digests are keyed by it.
+
+    Raises:
+        OSError: ``path`` cannot be stat'ed (``FileNotFoundError`` when it is gone).
+    """
+    st = path.stat()
+    return (str(path.resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def _cache_root() -> Path:
     env = os.environ.get("PAGEDKV_CACHE_DIR")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "pagedkv" / "gguf"
@@ -139,7 +159,7 @@ CONVERSION_FORMAT = 2
 
 def _cache_folder(src: ModelSource) -> Path:
     """Cache folder of a converted GGUF file, keyed by its version on disk
-    (:func:`identity.file_version`: path, device, inode, size, mtime, ctime) and
+    (:func:`file_version`: path, device, inode, size, mtime, ctime) and
     :data:`CONVERSION_FORMAT`."""
     assert src.gguf_file is not None
     version = file_version(src.folder / src.gguf_file)
@@ -165,7 +185,7 @@ _CONVERTED_FILE = re.compile(
 
 def _source_stamp(f: Path) -> dict[str, Any]:
     """What identifies a conversion of the GGUF file ``f``: the file's version on disk
-    (:func:`identity.file_version`: resolved path, device, inode, size, mtime and ctime in ns;
+    (:func:`file_version`: resolved path, device, inode, size, mtime and ctime in ns;
     size and mtime alone survive an in-place rewrite) and :data:`CONVERSION_FORMAT`. A record
     that differs, an older format's or one without the device, inode and ctime included, marks
     its folder stale. Raises ``OSError`` when ``f`` cannot be stat'ed."""
