@@ -28,7 +28,7 @@ Writes ``results/kv_layout.json`` and ``results/kv_layout.png`` (``--quick``:
 ``results/kv_layout_quick.*``, so a quick run never replaces the full figures).
 
     python benchmarks/kv_layout.py                      # default, about 8 minutes on 2 quiet cores
-    python benchmarks/kv_layout.py --requests 120 --prompts 16   # the figures in docs/design.md
+    python benchmarks/kv_layout.py --requests 120 --prompts 16   # the figures in docs/design/virtual-layout.md
     python benchmarks/kv_layout.py --quick              # fewer requests, no engine run
 """
 

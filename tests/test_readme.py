@@ -49,3 +49,53 @@ def test_readme_names_every_extra_and_what_make_setup_installs() -> None:
     setup = re.search(r"`make setup`: (.*?) extras", text, re.S)
     assert setup
     assert set(re.findall(r"`(\w+)`", setup.group(1))) == set(installed.group(1).split(","))
+
+
+def _docs() -> dict[str, str]:
+    """README.md and every Markdown file under docs/, by repository-relative path."""
+    root = README.parent
+    paths = [README, *sorted((root / "docs").rglob("*.md"))]
+    return {p.relative_to(root).as_posix(): p.read_text(encoding="utf-8") for p in paths}
+
+
+def test_docs_name_only_engine_modules_and_source_files_that_exist() -> None:
+    # Moving a module must update the prose that names it: every `pagedkv.engine.X[.Y]` whose
+    # X is lower-case must be a module or sub-package there (or a name pagedkv.engine exports),
+    # and every repository path of a Python or Markdown file must exist.
+    import pagedkv.engine
+
+    root = README.parent
+    engine = root / "python" / "pagedkv" / "engine"
+    missing = []
+    for doc, text in _docs().items():
+        for dotted in set(re.findall(r"pagedkv\.engine\.([a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)?)", text)):
+            head, _, sub = dotted.partition(".")
+            if head in pagedkv.engine.__all__:
+                continue
+            pkg = engine / head
+            if (engine / f"{head}.py").exists():
+                continue  # sub is an attribute of the module
+            if pkg.is_dir() and (not sub or (pkg / f"{sub}.py").exists()):
+                continue
+            missing.append(f"{doc}: pagedkv.engine.{dotted}")
+        for path in set(
+            re.findall(r"\b((?:python|tests|benchmarks|scripts|kernels|docs|examples)/[\w/.-]+\.(?:py|md))", text)
+        ):
+            if not (root / path).exists():
+                missing.append(f"{doc}: {path}")
+        for path in set(re.findall(r"(?<![\w/])(pagedkv/[\w/]+\.py)", text)):
+            if not (root / "python" / path).exists():
+                missing.append(f"{doc}: {path}")
+    assert not missing, missing
+
+
+def test_design_index_lists_every_chapter_and_each_chapter_is_one_section() -> None:
+    root = README.parent
+    index = (root / "docs" / "design.md").read_text(encoding="utf-8")
+    listed = re.findall(r"\| ([^|]+?) \| \[design/([\w-]+\.md)\]\(design/\2\) \|", index)
+    chapters = sorted(p.name for p in (root / "docs" / "design").glob("*.md"))
+    assert sorted(name for _, name in listed) == chapters
+    for section, name in listed:
+        text = (root / "docs" / "design" / name).read_text(encoding="utf-8")
+        assert text.startswith(f"# {section}\n"), name
+        assert not re.search(r"(?m)^# ", text.split("\n", 1)[1]), f"{name} holds more than one section"

@@ -13,7 +13,7 @@ pagedkv's state, tested the way vLLM makes it.
 - ``EngineCore._initialize_effective_attention_block_size`` and
   ``EngineCore.get_kv_cache_group_metadata`` (both read
   ``kv_cache_manager.coordinator.single_type_managers``) give the stock results;
-- every read listed in docs/design.md ("vLLM seam") resolves on pagedkv's manager, the table
+- every read listed in docs/design/vllm-seam.md ("vLLM seam") resolves on pagedkv's manager, the table
   names every ``kv_cache_manager.*`` read in the installed vLLM's source, and the paths only KV
   connectors reach stay unreached;
 - a vLLM release outside 0.32 / 0.33 is refused when the scheduler is built.
@@ -62,7 +62,7 @@ from pagedkv.testing.vllm_scheduler import (  # noqa: E402
 )
 
 BS = 16
-DESIGN = Path(__file__).resolve().parents[3] / "docs" / "design.md"
+DESIGN = Path(__file__).resolve().parents[3] / "docs" / "design" / "vllm-seam.md"
 
 # ---- vLLM's EngineCore, started and stepped without a model --------------------------------
 
@@ -616,9 +616,8 @@ _READ = re.compile(r"kv_cache_manager\)?\.([A-Za-z_]+(?:\.[A-Za-z_]+)?)")
 
 
 def _seam_table() -> dict[str, str]:
-    """``{read path: how it is answered}`` from docs/design.md's "vLLM seam" table."""
-    text = DESIGN.read_text(encoding="utf-8")
-    section = text.split("## vLLM seam", 1)[1].split("\n## ", 1)[0]
+    """``{read path: how it is answered}`` from docs/design/vllm-seam.md's table."""
+    section = DESIGN.read_text(encoding="utf-8")  # the chapter file holds the section alone
     rows = {}
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -644,7 +643,7 @@ def _installed_reads() -> set[str]:
 def test_docs_list_every_read_in_the_installed_vllm() -> None:
     table = _seam_table()
     missing = sorted(_installed_reads() - set(table))
-    assert not missing, f"vLLM {vllm.__version__} reads kv_cache_manager.{missing}, not in docs/design.md"
+    assert not missing, f"vLLM {vllm.__version__} reads kv_cache_manager.{missing}, not in docs/design/vllm-seam.md"
 
 
 def _resolve(obj: Any, path: str) -> Any:
