@@ -484,8 +484,15 @@ def test_manager_counts_a_recompute_resume_as_no_new_prefix_lookup():
     assert mgr.lookup_prefix(2) == 85
     st = mgr.stats()
     assert (st.prefix_hits_tokens, st.prefix_queries_tokens) == (85, 200)
-    mgr.free(1)
-    mgr.free(2)
+    # a fork of it (n > 1, beams) is no new request either: its resume is not counted
+    assert mgr.step([2], [100 - 85], [[3000]]).error is None
+    mgr.fork(2, 3)
+    mgr.preempt([3])
+    assert mgr.lookup_prefix(3) == 85
+    st = mgr.stats()
+    assert (st.prefix_hits_tokens, st.prefix_queries_tokens) == (85, 200)
+    for s in (1, 2, 3):
+        mgr.free(s)
     lay.reset_cache()
     assert lay.stats().resident_bytes == 0
     lay.close()

@@ -284,6 +284,8 @@ class VirtualKVManager:
             self.layout.release(child_id)
             raise
         self._roots[child_id] = self._roots.get(parent_id, _root(None))
+        if parent_id in self._looked_up:  # a fork is no new request: its resumes are no lookups
+            self._looked_up.add(child_id)
 
 
 class VirtualScheduler(Scheduler):
