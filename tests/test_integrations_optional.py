@@ -117,25 +117,28 @@ def test_missing_package_names_itself_and_the_extra(
 
 
 def test_every_engine_module_without_torch_names_the_engine_extra() -> None:
-    """Whichever engine module is imported first, a missing torch is explained; the torch-free
-    ones (errors, goodput, inputs, chat, the CLI's parser) import."""
+    """Whichever engine module is imported first, sub-packages' modules included, a missing
+    torch is explained; the torch-free ones (errors, goodput, inputs, chat, the CLI's parser,
+    the loader, the sub-packages themselves) import."""
     code = """
 import importlib, json, pkgutil, pagedkv.engine as pkg
 result = {}
-for info in pkgutil.iter_modules(pkg.__path__):
+for info in pkgutil.walk_packages(pkg.__path__, prefix="pagedkv.engine."):
+    name = info.name.removeprefix("pagedkv.engine.")
     try:
-        importlib.import_module(f"pagedkv.engine.{info.name}")
-        result[info.name] = "ok"
+        importlib.import_module(info.name)
+        result[name] = "ok"
     except ModuleNotFoundError as e:
-        result[info.name] = f"{type(e).__name__}: {e}"
+        result[name] = f"{type(e).__name__}: {e}"
 print(json.dumps(result))
 """
     res = _run(["torch"], code)
     assert res.returncode == 0, res.stderr
     result = json.loads(res.stdout)
-    assert {"errors", "goodput", "inputs", "chat", "cli"} <= {m for m, r in result.items() if r == "ok"}
+    ok = {m for m, r in result.items() if r == "ok"}
+    assert {"errors", "goodput", "inputs", "chat", "cli", "models", "virtual", "models.loader"} <= ok
     failing = {m: r for m, r in result.items() if r != "ok"}
-    assert {"engine", "model", "runner", "sampling", "config"} <= set(failing)
+    assert {"engine", "models.model", "virtual.manager", "runner", "sampling", "config"} <= set(failing)
     expected = (
         'MissingDependencyError: pagedkv.engine needs torch, which is not installed: pip install "pagedkv[engine]"'
     )
