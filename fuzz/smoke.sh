@@ -18,7 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 SECONDS_PER_TARGET="${FUZZ_SECONDS:-60}"
-TARGETS="${FUZZ_TARGETS:-manager_ops pool_ops hashing_extra_keys block_tables hybrid_ops indexer_events host_tier_ops hybrid_host_ops}"
+TARGETS="${FUZZ_TARGETS:-manager_ops pool_ops hashing_extra_keys block_tables hybrid_ops indexer_events host_tier_ops hybrid_host_ops host_pool_ops}"
 
 if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "fuzz-smoke: cargo-fuzz not found, installing it (cargo install cargo-fuzz --locked)"

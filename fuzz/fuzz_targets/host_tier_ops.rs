@@ -12,6 +12,7 @@
 //! host and CPU block holds the token prefix (and salt) whose KV it contains. After every
 //! operation:
 //! - `check_invariants()` holds (docs/design.md, "Invariants" 1-4 and 9: both tiers);
+//! - no hand-out (step output or `take_host_transfers`) stores into one host block twice;
 //! - every block of a sequence the last plans scheduled holds exactly that sequence's
 //!   prefix (a prefix hit or a host load that serves other or stale KV fails it);
 //! - an allocation takes exactly the blocks `num_blocks_needed` predicted, fails with
@@ -142,7 +143,14 @@ impl Kv {
         scheduled: &[(SeqId, usize, usize)],
     ) {
         let none = || (false, Vec::new());
+        // One hand-out copies into a host block at most once (no store overwritten by a
+        // later one of the same output).
+        let mut dests = HashSet::new();
         for &(d, h) in stores {
+            assert!(
+                dests.insert(h),
+                "host block {h} stored twice in one hand-out"
+            );
             self.host
                 .insert(h, self.device.get(&d).cloned().unwrap_or_else(none));
         }

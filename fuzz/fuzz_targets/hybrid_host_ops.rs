@@ -7,6 +7,7 @@
 //! holds, and runs each step output in the executor's order (host stores, the swaps since the
 //! previous step, host loads, copy-on-write copies, the forward pass). After every operation:
 //! - `check_invariants()` holds (both tiers);
+//! - no step output stores into one host block twice;
 //! - every block a scheduled query reads in each group holds that sequence's own prefix (a
 //!   host load of another prompt's or stale KV fails it);
 //! - a single-sequence step changed the free count by exactly `take - release` of
@@ -85,7 +86,15 @@ impl Exec {
     /// Runs a step output's plans in the executor's order, then checks what each query reads.
     fn run(&mut self, m: &HybridManager, out: &pagedkv_core::HybridStepOutput, seqs: &[SeqId]) {
         let ng = m.num_groups() as u32;
+        // One output copies into a host block at most once (no store overwritten by a later
+        // one of the same output).
+        let mut dests = HashSet::new();
         for r in out.host_stores.chunks(3) {
+            assert!(
+                dests.insert(r[2]),
+                "host block {} stored twice in one output",
+                r[2]
+            );
             let c = self
                 .device
                 .get(&(r[0] as u32, r[1] as u32))

@@ -9,7 +9,9 @@
 //!   manager asks [`HostTier::plan_store`]: a hash seen at least `admission_min_seen` times
 //!   and not on host yet gets a host block (a free one, else an unpinned one the eviction
 //!   policy picks, [`HostEviction`]: LRU or ARC) and a `(device block, host block)` copy is
-//!   planned.
+//!   planned. A planned store whose host block a later store of the same hand-out takes is
+//!   withdrawn (its copy would be overwritten unread), so a hand-out holds at most one store
+//!   per host block: the ones the policy keeps.
 //! - **Load.** A prefix lookup continues past its device hits into this tier
 //!   ([`HostTier::lookup`]); each host hit is pinned ([`HostTier::pin`]) and, once a device
 //!   block is allocated for it, a `(host block, device block)` copy is planned
@@ -189,12 +191,22 @@ pub struct StoreOutcome {
     pub stored: Option<BlockId>,
     /// The key whose host block was evicted to make room (it is no longer on host).
     pub evicted: Option<HostKey>,
+    /// The device block of a store into the same host block planned since the last hand-out
+    /// (the evicted key's own store, or one into a block a reset freed): it is withdrawn, not
+    /// handed out, since this store would overwrite its copy before anything read it.
+    pub withdrawn: Option<BlockId>,
 }
+
+/// Marks a withdrawn entry of the planned stores (never a device block id: ids are below 2^28).
+const WITHDRAWN: BlockId = BlockId::MAX;
+
+/// Marks a host block without a store planned since the last hand-out.
+const NO_STORE: u32 = u32::MAX;
 
 /// Cumulative counters of the tier, in blocks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HostCounters {
-    /// Stores planned (device -> host copies).
+    /// Stores planned and not withdrawn (device -> host copies handed out or to be).
     pub stores: u64,
     /// Loads planned (host -> device copies).
     pub loads: u64,
@@ -233,8 +245,15 @@ pub struct HostTier {
     /// Admission counts per key (see the module docs), at most `seen_cap` keys.
     seen: HashMap<HostKey, u32>,
     seen_cap: usize,
-    /// `(device block, host block)` copies planned since the last hand-out.
+    /// `(device block, host block)` copies planned since the last hand-out, a withdrawn one's
+    /// device block set to [`WITHDRAWN`]; with `store_groups`, the group of each one's key.
     stores: Vec<(BlockId, BlockId)>,
+    store_groups: Vec<u32>,
+    /// Per host block, the index in `stores` of its store planned since the last hand-out
+    /// ([`NO_STORE`]: none); at most one live store per host block, so a hand-out holds at most
+    /// `num_blocks` stores.
+    store_at: Vec<u32>,
+    withdrawn: usize,
     /// `(host block, device block)` copies planned since the last hand-out.
     loads: Vec<(BlockId, BlockId)>,
     /// Host blocks of the loads handed out by the last hand-out: pinned until the next
@@ -301,6 +320,9 @@ impl HostTier {
             seen: HashMap::new(),
             seen_cap: 2 * (n + d),
             stores: Vec::new(),
+            store_groups: Vec::new(),
+            store_at: vec![NO_STORE; n],
+            withdrawn: 0,
             loads: Vec::new(),
             in_flight: Vec::new(),
             step: 1,
@@ -376,10 +398,19 @@ impl HostTier {
         out
     }
 
-    /// Copies planned since the last hand-out: `(device, host)` stores and `(host, device)`
-    /// loads, in planning order.
-    pub fn pending(&self) -> (&BlockPairs, &BlockPairs) {
-        (&self.stores, &self.loads)
+    /// Copies planned since the last hand-out: `(device, host)` stores (withdrawn ones left
+    /// out) and `(host, device)` loads, in planning order. O(plans).
+    pub fn pending(&self) -> (Vec<(BlockId, BlockId)>, &BlockPairs) {
+        (self.live_stores().map(|(s, _)| s).collect(), &self.loads)
+    }
+
+    /// The planned stores not withdrawn, with the group of each one's key.
+    fn live_stores(&self) -> impl Iterator<Item = ((BlockId, BlockId), u32)> + '_ {
+        self.stores
+            .iter()
+            .zip(&self.store_groups)
+            .filter(|(s, _)| s.0 != WITHDRAWN)
+            .map(|(&s, &g)| (s, g))
     }
 
     /// Counts one use of `key` (a computed block registered, or a prefix hit) for admission.
@@ -439,7 +470,11 @@ impl HostTier {
     /// instead (LRU: to the back; ARC: to T2's back). The destination is a free host block,
     /// else the block [`HostEviction`] picks (evicted, reported in
     /// [`StoreOutcome::evicted`]); pinned blocks are never taken, so with every host block
-    /// pinned nothing is stored (and nothing changes). O(1) expected (amortised with ARC).
+    /// pinned nothing is stored (and nothing changes). When the victim's own store is still
+    /// planned (not handed out), that store is withdrawn ([`StoreOutcome::withdrawn`]): one
+    /// hand-out never copies into a host block twice, so an allocation evicting more blocks
+    /// than the tier holds plans at most `num_blocks` stores, the ones the policy keeps.
+    /// O(1) expected (amortised with ARC and with withdrawals).
     pub fn plan_store(&mut self, device: BlockId, key: HostKey) -> StoreOutcome {
         let mut out = StoreOutcome::default();
         if let Some(&h) = self.index.get(&key) {
@@ -480,6 +515,9 @@ impl HostTier {
                 h
             }
         };
+        // A free block may still be the destination of a store planned before a reset or a
+        // discard freed it; either way that copy would be overwritten by this one.
+        out.withdrawn = self.withdraw_store(h);
         self.key_of[h as usize] = Some(key);
         self.index.insert(key, h);
         // A key back from a ghost list was used before: ARC's T2.
@@ -490,10 +528,36 @@ impl HostTier {
         if self.keeps_meta() {
             self.host_meta[h as usize] = self.device_meta[device as usize].clone();
         }
+        self.store_at[h as usize] = self.stores.len() as u32;
         self.stores.push((device, h));
+        self.store_groups.push(key.group);
         self.counters.stores += 1;
         out.stored = Some(h);
         out
+    }
+
+    /// Withdraws the store into host block `h` planned since the last hand-out, if any (its
+    /// key has just been evicted: the copy would only be overwritten); returns its device
+    /// block. Compacts the plan list once withdrawn entries outnumber live ones (amortised
+    /// O(1)).
+    fn withdraw_store(&mut self, h: BlockId) -> Option<BlockId> {
+        let i = std::mem::replace(&mut self.store_at[h as usize], NO_STORE);
+        if i == NO_STORE {
+            return None;
+        }
+        let d = std::mem::replace(&mut self.stores[i as usize].0, WITHDRAWN);
+        self.withdrawn += 1;
+        self.counters.stores -= 1;
+        if self.withdrawn > self.stores.len() - self.withdrawn + 64 {
+            let live: Vec<_> = self.live_stores().collect();
+            self.stores = live.iter().map(|&(s, _)| s).collect();
+            self.store_groups = live.iter().map(|&(_, g)| g).collect();
+            self.withdrawn = 0;
+            for (i, &(_, h)) in self.stores.iter().enumerate() {
+                self.store_at[h as usize] = i as u32;
+            }
+        }
+        Some(d)
     }
 
     /// Pins host block `h` for a load (it leaves the eviction lists: not evictable, not a
@@ -565,13 +629,24 @@ impl HostTier {
         }
     }
 
-    /// Hands out the copies planned since the last hand-out. The loads'
-    /// host blocks stay pinned until the next [`Self::release_in_flight`].
+    /// Hands out the copies planned since the last hand-out (withdrawn stores left out). The
+    /// loads' host blocks stay pinned until the next [`Self::release_in_flight`].
     pub fn take_plans(&mut self) -> HostTransfers {
-        let stores = std::mem::take(&mut self.stores);
+        self.take_plans_with_groups().0
+    }
+
+    /// [`Self::take_plans`] with the KV cache group of each store's key, in store order.
+    pub fn take_plans_with_groups(&mut self) -> (HostTransfers, Vec<u32>) {
+        let (stores, groups): (Vec<_>, Vec<_>) = self.live_stores().unzip();
+        for &(_, h) in &stores {
+            self.store_at[h as usize] = NO_STORE;
+        }
+        self.stores.clear();
+        self.store_groups.clear();
+        self.withdrawn = 0;
         let loads = std::mem::take(&mut self.loads);
         self.in_flight.extend(loads.iter().map(|&(h, _)| h));
-        HostTransfers { stores, loads }
+        (HostTransfers { stores, loads }, groups)
     }
 
     /// Drops every key (the prefix cache is reset): unpinned blocks become free, pinned ones
@@ -605,6 +680,17 @@ impl HostTier {
     /// (`|T1| + |B1| <= n`, `|on host| + |B1| + |B2| <= 2n`, `p <= n`). `device_ok` says
     /// whether a device id is valid. Returns the first violation. O(num_blocks + ghosts).
     pub fn check(&self, device_ok: impl Fn(BlockId) -> bool) -> std::result::Result<(), String> {
+        self.check_held(device_ok, &[])
+    }
+
+    /// [`Self::check`] for an owner that also pins host blocks itself ([`Self::pin`] without
+    /// a planned load, as [`crate::host_pool::HostPool`] does): `held[h]` is the number of
+    /// such pins on block `h` (missing entries count 0), expected on top of the loads'.
+    pub fn check_held(
+        &self,
+        device_ok: impl Fn(BlockId) -> bool,
+        held: &[u32],
+    ) -> std::result::Result<(), String> {
         let n = self.num_blocks as usize;
         let mut mapped = 0;
         for (i, key) in self.key_of.iter().enumerate() {
@@ -648,6 +734,9 @@ impl HostTier {
         }
         self.check_arc()?;
         let mut want_pins = vec![0u32; n];
+        for (w, &h) in want_pins.iter_mut().zip(held) {
+            *w = h;
+        }
         for &(h, d) in &self.loads {
             if h as usize >= n || !device_ok(d) {
                 return Err(format!("planned load ({h}, {d}) names an invalid block"));
@@ -657,16 +746,12 @@ impl HostTier {
         for &h in &self.in_flight {
             want_pins[h as usize] += 1;
         }
-        for &(d, h) in &self.stores {
-            if h as usize >= n || !device_ok(d) {
-                return Err(format!("planned store ({d}, {h}) names an invalid block"));
-            }
-        }
+        self.check_stores(&device_ok)?;
         for i in 0..n {
             let (key, pinned) = (self.key_of[i].is_some(), self.pins[i] > 0);
             if self.pins[i] != want_pins[i] {
                 return Err(format!(
-                    "host block {i}: {} pin(s), {} load(s) planned or in flight",
+                    "host block {i}: {} pin(s), {} load(s) planned or in flight or held",
                     self.pins[i], want_pins[i]
                 ));
             }
@@ -684,6 +769,45 @@ impl HostTier {
             if !is_free[i] && !key && !pinned {
                 return Err(format!("host block {i} is neither free, cached nor pinned"));
             }
+        }
+        Ok(())
+    }
+
+    /// The planned stores (see [`Self::check`]): valid blocks, one group each, at most one
+    /// live store per host block, indexed by `store_at`, withdrawn ones counted.
+    fn check_stores(
+        &self,
+        device_ok: &impl Fn(BlockId) -> bool,
+    ) -> std::result::Result<(), String> {
+        let n = self.num_blocks as usize;
+        if self.store_groups.len() != self.stores.len() {
+            return Err("planned stores and their groups disagree in number".into());
+        }
+        let mut live = 0;
+        for (i, &(d, h)) in self.stores.iter().enumerate() {
+            if h as usize >= n {
+                return Err(format!("planned store ({d}, {h}) names an invalid block"));
+            }
+            if d == WITHDRAWN {
+                continue;
+            }
+            live += 1;
+            if !device_ok(d) {
+                return Err(format!("planned store ({d}, {h}) names an invalid block"));
+            }
+            if self.store_at[h as usize] != i as u32 {
+                return Err(format!(
+                    "planned store ({d}, {h}) is not the host block's one live store"
+                ));
+            }
+        }
+        let indexed = self.store_at.iter().filter(|&&i| i != NO_STORE).count();
+        if indexed != live || live + self.withdrawn != self.stores.len() {
+            return Err(format!(
+                "{live} live planned stores, {indexed} indexed, {} withdrawn of {}",
+                self.withdrawn,
+                self.stores.len()
+            ));
         }
         Ok(())
     }
@@ -877,12 +1001,14 @@ mod tests {
         // Re-evicting k(1) from the device refreshes it: k(2) is now the LRU front.
         t.plan_store(4, k(1));
         assert_eq!(t.lru_order(), vec![1, 0]);
+        // k(2)'s store into host block 1 is not handed out yet: k(3)'s replaces it.
         let out = t.plan_store(3, k(3));
         assert_eq!(
             out,
             StoreOutcome {
                 stored: Some(1),
-                evicted: Some(k(2))
+                evicted: Some(k(2)),
+                withdrawn: Some(2),
             }
         );
         assert_eq!(t.lookup(&k(2)), None);
@@ -896,7 +1022,7 @@ mod tests {
         t.check(|d| d < 8).unwrap();
         // Handed out, pins held until the next release.
         let HostTransfers { stores, loads } = t.take_plans();
-        assert_eq!(stores, vec![(1, 0), (2, 1), (3, 1)]);
+        assert_eq!(stores, vec![(1, 0), (3, 1)]);
         assert_eq!(loads, vec![(0, 5), (1, 6)]);
         assert_eq!(t.num_pinned(), 2);
         assert_eq!(t.plan_store(7, k(4)).stored, None);
@@ -1133,5 +1259,78 @@ mod tests {
         assert!(t.seen.len() <= 18);
         assert_eq!(t.seen_count(&k(0)), 2);
         assert_eq!(t.seen_count(&k(1)), 0);
+    }
+
+    /// The key of number `i` (any `u32`).
+    fn key_n(i: u32) -> HostKey {
+        let mut h = [0u8; 32];
+        h[..4].copy_from_slice(&i.to_le_bytes());
+        HostKey::new(BlockHash(h), i % 3)
+    }
+
+    #[test]
+    fn one_hand_out_stores_at_most_what_the_tier_keeps() {
+        // 60 evicted blocks offered to 8 host blocks before one hand-out: before the fix 60
+        // stores were handed out, 52 of them overwritten by later ones of the same hand-out.
+        for eviction in HostEviction::ALL {
+            let mut t = HostTier::new(8, 1, eviction, 64, false).unwrap();
+            t.begin_step();
+            for i in 0..60 {
+                t.note_seen(key_n(i));
+                let out = t.plan_store(i, key_n(i));
+                assert!(out.stored.is_some());
+                assert_eq!(out.withdrawn, i.checked_sub(8), "{eviction:?} store {i}");
+                t.check(|d| d < 64).unwrap();
+            }
+            assert_eq!(t.pending().0.len(), 8);
+            let (HostTransfers { stores, loads }, groups) = t.take_plans_with_groups();
+            assert!(loads.is_empty());
+            // The policy keeps the 8 last stored (LRU; ARC: all in T1, a scan), each copied
+            // once, in planning order, with its key's group.
+            let want: Vec<(BlockId, BlockId)> = (52..60)
+                .map(|i| (i, t.lookup(&key_n(i)).unwrap()))
+                .collect();
+            assert_eq!(stores, want, "{eviction:?}");
+            assert_eq!(groups, (52..60).map(|i| i % 3).collect::<Vec<_>>());
+            let c = t.counters();
+            assert_eq!((c.stores, c.evictions), (8, 52), "{eviction:?}");
+            t.check(|d| d < 64).unwrap();
+            // A store after the hand-out evicts a block whose copy was handed out: nothing
+            // is withdrawn.
+            t.note_seen(key_n(60));
+            let out = t.plan_store(60, key_n(60));
+            assert_eq!((out.evicted, out.withdrawn), (Some(key_n(52)), None));
+        }
+    }
+
+    #[test]
+    fn a_store_into_a_block_a_reset_freed_withdraws_the_old_one() {
+        let mut t = tier(2, 1);
+        t.note_seen(k(1));
+        t.note_seen(k(2));
+        assert_eq!(t.plan_store(1, k(1)).stored, Some(0));
+        t.clear();
+        let out = t.plan_store(2, k(2));
+        assert_eq!(
+            (out.stored, out.evicted, out.withdrawn),
+            (Some(0), None, Some(1))
+        );
+        t.check(|d| d < 8).unwrap();
+        assert_eq!(t.take_plans().stores, vec![(2, 0)]);
+    }
+
+    #[test]
+    fn withdrawn_entries_are_compacted() {
+        // 1 host block, 1,000 stores before a hand-out: the plan list stays bounded.
+        let mut t = HostTier::new(1, 1, HostEviction::Lru, 8, false).unwrap();
+        t.begin_step();
+        for i in 0..1000 {
+            t.note_seen(key_n(i));
+            t.plan_store(i % 8, key_n(i));
+            assert!(t.stores.len() <= 2 + 64, "{}", t.stores.len());
+        }
+        t.check(|d| d < 8).unwrap();
+        assert_eq!(t.take_plans().stores, vec![(999 % 8, 0)]);
+        assert_eq!(t.counters().stores, 1);
     }
 }

@@ -14,6 +14,9 @@
 //! - [`kv_groups`]: KV cache groups (full attention, sliding window, chunked local): what each
 //!   reads, and the configuration of several groups in one pool.
 //! - [`hybrid`]: the manager of several KV cache groups over one pool (hybrid models).
+//! - [`host_tier`]: the prefix cache's host-memory tier (admission, eviction, copy plans);
+//!   [`host_pool`]: that tier on its own for an offloading connector (stores in flight,
+//!   load pins, all-or-nothing store preparation, bytes keys).
 //! - [`block_tables`]: the consumer's side of the step outputs' block-table deltas: tables
 //!   kept across steps in one buffer, updated in place.
 //! - [`metrics`], [`events`]: counters and KV events for routers.
@@ -25,6 +28,7 @@ pub mod error;
 pub mod events;
 pub mod free_list;
 pub mod hashing;
+pub mod host_pool;
 pub mod host_tier;
 pub mod hybrid;
 pub mod kv_groups;

@@ -1746,7 +1746,7 @@ impl KvCacheManager {
     /// Hands out the host tier's planned copies and drops the references the loads held on
     /// their device blocks (the executor fills them before anything later can reuse them).
     fn hand_out(&self, host: &mut HostTier) -> HostTransfers {
-        hand_out_host_plans(&self.pool, host)
+        hand_out_host_plans(&self.pool, host).0
     }
 
     fn plan(
@@ -2140,18 +2140,21 @@ pub(crate) fn host_store_events(
     removed.into_iter().chain(stored)
 }
 
-/// Hands out `host`'s planned copies and drops the reference each load held on its device
-/// block (taken when the load was planned, so nothing reuses the block before the executor
-/// fills it). Shared by both managers. O(plans).
-pub(crate) fn hand_out_host_plans(pool: &BlockPool, host: &mut HostTier) -> HostTransfers {
-    let plans = host.take_plans();
+/// Hands out `host`'s planned copies, with the group of each store, and drops the reference
+/// each load held on its device block (taken when the load was planned, so nothing reuses the
+/// block before the executor fills it). Shared by both managers. O(plans).
+pub(crate) fn hand_out_host_plans(
+    pool: &BlockPool,
+    host: &mut HostTier,
+) -> (HostTransfers, Vec<u32>) {
+    let (plans, store_groups) = host.take_plans_with_groups();
     let loads = &plans.loads;
     if !loads.is_empty() {
         let held: Vec<BlockId> = loads.iter().rev().map(|&(_, d)| d).collect();
         let freed = pool.free(&held);
         debug_assert!(freed.is_ok(), "{freed:?}");
     }
-    plans
+    (plans, store_groups)
 }
 
 /// Pins the host blocks of a call's host hits (before its allocation may store to the tier).

@@ -1,391 +1,15 @@
-//! `pagedkv.HostBlockPool`: the host tier of the prefix cache on its own, shaped for a
+//! `pagedkv.HostBlockPool`: the core's [`HostPool`] (the host tier on its own, with stores in
+//! flight, load pins and all-or-nothing store preparation; `pagedkv_core::host_pool`) for a
 //! scheduler-side offloading manager (vLLM's `OffloadingManager`,
-//! `pagedkv.integrations.vllm.offloading`): lookups of block-hash chains, loads pinned until
-//! they complete, stores prepared (host blocks chosen, evictions made) and then completed or
-//! rolled back.
-//!
-//! The blocks, their keys, admission and eviction are the core's [`HostTier`] (the tier the
-//! `KVCacheManager` uses); this module adds what an asynchronous offloading connector needs on
-//! top: a *store in flight* state (the host block is allocated but the KV is not copied yet:
-//! neither readable nor evictable), load pins that are checked on release, all-or-nothing
-//! store preparation, and bytes keys of any length.
-//!
-//! Order within a chain. Keys are passed head (first block of the prompt) to tail; the pool
-//! enters them into the eviction order tail first, so when the tier is full a chain loses its
-//! tail before its head (a prefix lookup cannot use a tail whose head is gone).
+//! `pagedkv.integrations.vllm.offloading`). This module only converts arguments and results.
 
 use crate::convert::{bad, repr, type_name, uint};
 use crate::errors::{invariant_violation, IntoPyResult};
 use numpy::PyArray1;
-use pagedkv_core::host_tier::{HostEviction, HostKey, HostTier, MAX_HOST_BLOCKS};
-use pagedkv_core::{BlockHash, BlockId, HashAlgo, PrefixHasher};
+use pagedkv_core::host_pool::{HostPool, KeyRefused};
+use pagedkv_core::host_tier::{HostEviction, MAX_HOST_BLOCKS};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
-use std::collections::{HashMap, HashSet};
-
-/// The "device blocks" the tier is told it sits beside. This pool has no device pool: the
-/// number only sizes the tier's seen table (`2 x (host + device blocks)` keys, so at least
-/// 64,000 keys, the size of vLLM's store-threshold tracker); plan_store's "KV written" check
-/// reads device block 0, which never registers, so it always passes.
-const SEEN_DEVICE_BLOCKS: u32 = 32_000;
-
-/// The group id marking a key that was hashed (not a 36-byte vLLM offload key).
-const HASHED_GROUP: u32 = u32::MAX;
-
-/// Chain seed of the SHA-256 that turns a key of another length into a [`HostKey`].
-const KEY_DOMAIN: &[u8] = b"pagedkv.HostBlockPool.key";
-
-/// The host key of `bytes` and whether it was hashed. A 36-byte key (vLLM's `OffloadKey`: a
-/// 32-byte block hash then the KV cache group as 4 big-endian bytes) maps exactly to
-/// `(hash, group)`; any other key (or a group of `u32::MAX`) maps to the SHA-256 of its bytes
-/// under [`KEY_DOMAIN`], in group `u32::MAX`. The pool keeps a hashed key's bytes to report
-/// it back.
-fn host_key(bytes: &[u8]) -> (HostKey, bool) {
-    if bytes.len() == 36 {
-        let group = u32::from_be_bytes(bytes[32..].try_into().expect("4 bytes"));
-        if group != HASHED_GROUP {
-            let hash: [u8; 32] = bytes[..32].try_into().expect("32 bytes");
-            return (HostKey::new(BlockHash(hash), group), false);
-        }
-    }
-    let mut seeded = Vec::with_capacity(KEY_DOMAIN.len() + bytes.len());
-    seeded.extend_from_slice(KEY_DOMAIN);
-    seeded.extend_from_slice(bytes);
-    let hash = PrefixHasher::new(HashAlgo::Sha256, &seeded).root();
-    (HostKey::new(hash, HASHED_GROUP), true)
-}
-
-/// Cumulative counters of a [`HostPool`], in blocks.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct PoolCounters {
-    stores_prepared: u64,
-    stores_completed: u64,
-    stores_failed: u64,
-    loads: u64,
-    evictions: u64,
-    stores_refused: u64,
-}
-
-/// What [`HostPool::prepare_store`] decided: the keys to copy (head to tail), their host
-/// blocks, and the keys evicted to make room.
-#[derive(Debug, Default)]
-struct StorePlan {
-    keys: Vec<HostKey>,
-    blocks: Vec<BlockId>,
-    evicted: Vec<Vec<u8>>,
-}
-
-/// Host blocks with stores in flight and load pins over a [`HostTier`] (see the module docs).
-/// Not synchronised: the Python class holds it behind PyO3's borrow flag.
-#[derive(Debug)]
-struct HostPool {
-    tier: HostTier,
-    /// Bytes of the hashed keys on host (see [`host_key`]).
-    originals: HashMap<HostKey, Box<[u8]>>,
-    /// Per host block: a store is in flight (allocated, KV not written yet).
-    storing: Vec<bool>,
-    /// Per host block: loads prepared and not completed.
-    load_pins: Vec<u32>,
-    /// Host blocks storing or load-pinned (neither evictable nor store destinations).
-    held: usize,
-    counters: PoolCounters,
-}
-
-impl HostPool {
-    /// Errors: the tier's `InvalidConfig` for `num_blocks` outside `1..=MAX_HOST_BLOCKS` or
-    /// `admission_min_seen == 0`.
-    fn new(
-        num_blocks: u32,
-        admission_min_seen: u32,
-        eviction: HostEviction,
-    ) -> pagedkv_core::Result<Self> {
-        let tier = HostTier::new(
-            num_blocks,
-            admission_min_seen,
-            eviction,
-            SEEN_DEVICE_BLOCKS,
-            false,
-        )?;
-        let n = num_blocks as usize;
-        Ok(Self {
-            tier,
-            originals: HashMap::new(),
-            storing: vec![false; n],
-            load_pins: vec![0; n],
-            held: 0,
-            counters: PoolCounters::default(),
-        })
-    }
-
-    /// The bytes of `key` (exact keys rebuilt, hashed ones from [`Self::originals`]).
-    fn key_bytes(&self, key: &HostKey) -> Vec<u8> {
-        if key.group == HASHED_GROUP {
-            return self
-                .originals
-                .get(key)
-                .map(|b| b.to_vec())
-                .unwrap_or_default();
-        }
-        let mut out = Vec::with_capacity(36);
-        out.extend_from_slice(&key.hash.0);
-        out.extend_from_slice(&key.group.to_be_bytes());
-        out
-    }
-
-    /// 0: not on host; 1: a store in flight; 2: readable.
-    fn state(&self, key: &HostKey) -> u8 {
-        match self.tier.lookup(key) {
-            None => 0,
-            Some(h) if self.storing[h as usize] => 1,
-            Some(_) => 2,
-        }
-    }
-
-    /// Leading keys of `keys` that are readable.
-    fn lookup(&self, keys: &[HostKey]) -> usize {
-        keys.iter().take_while(|k| self.state(k) == 2).count()
-    }
-
-    fn hold(&mut self, h: BlockId) {
-        let i = h as usize;
-        if !self.storing[i] && self.load_pins[i] == 0 {
-            self.held += 1;
-        }
-    }
-
-    fn release(&mut self, h: BlockId) {
-        let i = h as usize;
-        if !self.storing[i] && self.load_pins[i] == 0 {
-            self.held -= 1;
-        }
-    }
-
-    /// Pins the readable blocks of `keys` for loads; returns their host blocks. Errors (nothing
-    /// pinned): `Err(index)` of the first key that is not readable.
-    fn prepare_load(&mut self, keys: &[HostKey]) -> Result<Vec<BlockId>, usize> {
-        let mut blocks = Vec::with_capacity(keys.len());
-        for (i, k) in keys.iter().enumerate() {
-            match self.tier.lookup(k) {
-                Some(h) if !self.storing[h as usize] => blocks.push(h),
-                _ => return Err(i),
-            }
-        }
-        for &h in &blocks {
-            self.hold(h);
-            self.load_pins[h as usize] += 1;
-            self.tier.pin(h).expect("a readable block holds a key");
-        }
-        self.counters.loads += blocks.len() as u64;
-        Ok(blocks)
-    }
-
-    /// Releases one load pin per key, tail first. Errors (nothing released): `Err(index)` of
-    /// the first key without a load pin left (not on host, or more completes than prepares).
-    fn complete_load(&mut self, keys: &[HostKey]) -> Result<(), usize> {
-        let mut blocks = Vec::with_capacity(keys.len());
-        let mut taken: HashMap<BlockId, u32> = HashMap::new();
-        for (i, k) in keys.iter().enumerate() {
-            let Some(h) = self.tier.lookup(k) else {
-                return Err(i);
-            };
-            let t = taken.entry(h).or_insert(0);
-            if *t >= self.load_pins[h as usize] {
-                return Err(i);
-            }
-            *t += 1;
-            blocks.push(h);
-        }
-        for &h in blocks.iter().rev() {
-            self.load_pins[h as usize] -= 1;
-            self.release(h);
-            self.tier.unpin(h);
-        }
-        Ok(())
-    }
-
-    /// Marks the readable, unpinned blocks of `keys` used, tail first (the eviction policy's
-    /// "use": LRU moves them to the back). Other keys are ignored.
-    fn touch(&mut self, keys: &[HostKey]) {
-        for k in keys.iter().rev() {
-            if let Some(h) = self.tier.lookup(k) {
-                let i = h as usize;
-                if !self.storing[i] && self.load_pins[i] == 0 {
-                    // On host already: plan_store only records the use.
-                    self.tier.plan_store(0, *k);
-                }
-            }
-        }
-    }
-
-    /// Prepares storing `keys` (head to tail, duplicates ignored). Each offer counts toward
-    /// admission. A key not on host whose seen count reached `admission_min_seen` is a store
-    /// candidate; keys on host (readable or storing) are not stored again. `None` (nothing
-    /// allocated, nothing evicted) when the candidates do not fit in the free and evictable
-    /// blocks, not counting the offered keys already on host, which are never evicted by
-    /// their own offer. Otherwise every candidate gets a host block (free, else the eviction
-    /// policy's victim), and is *storing* until [`Self::complete_store`]; the offered readable
-    /// keys are used (as [`Self::touch`]).
-    fn prepare_store(&mut self, keys: &[HostKey], raw: &[&[u8]]) -> Option<StorePlan> {
-        let min_seen = self.tier.admission_min_seen();
-        let mut seen = HashSet::with_capacity(keys.len());
-        let mut candidates = Vec::new();
-        let mut protect = Vec::new();
-        for (i, k) in keys.iter().enumerate() {
-            if !seen.insert(*k) {
-                continue;
-            }
-            // Admission is decided right after the key's own offer is counted (noting later
-            // keys may age this count).
-            self.tier.note_seen(*k);
-            if self.tier.seen_count(k) == 0 {
-                // This very offer aged the table and was halved away: count it again.
-                self.tier.note_seen(*k);
-            }
-            match self.tier.lookup(k) {
-                Some(h) if !self.storing[h as usize] && self.load_pins[h as usize] == 0 => {
-                    protect.push(h);
-                }
-                Some(_) => {}
-                None if self.tier.seen_count(k) >= min_seen => candidates.push(i),
-                None => {}
-            }
-        }
-        let room = self.tier.num_blocks() as usize - self.held - protect.len();
-        if candidates.len() > room {
-            self.counters.stores_refused += candidates.len() as u64;
-            return None;
-        }
-        // Offered keys on host stay out of the eviction lists while the candidates are placed.
-        for &h in protect.iter().rev() {
-            self.tier.pin(h).expect("a listed block holds a key");
-        }
-        let mut plan = StorePlan::default();
-        let mut placed = Vec::with_capacity(candidates.len());
-        for &i in candidates.iter().rev() {
-            let k = keys[i];
-            // Admitted above; noting a later key may have aged this count since: restore it
-            // (an admission decision is not undone halfway through one call).
-            while self.tier.seen_count(&k) < min_seen {
-                self.tier.note_seen(k);
-            }
-            let out = self.tier.plan_store(0, k);
-            let h = out.stored.expect("room was checked");
-            if let Some(old) = out.evicted {
-                plan.evicted.push(self.key_bytes(&old));
-                self.originals.remove(&old);
-                self.counters.evictions += 1;
-            }
-            if k.group == HASHED_GROUP {
-                self.originals.insert(k, raw[i].into());
-            }
-            self.tier.pin(h).expect("a stored block holds a key");
-            self.hold(h);
-            self.storing[h as usize] = true;
-            placed.push((k, h));
-        }
-        for &h in protect.iter().rev() {
-            self.tier.unpin(h);
-        }
-        // The tier's copy plans are the manager's business; this pool's caller copies.
-        let _ = self.tier.take_plans();
-        placed.reverse();
-        plan.keys = placed.iter().map(|&(k, _)| k).collect();
-        plan.blocks = placed.iter().map(|&(_, h)| h).collect();
-        self.counters.stores_prepared += plan.keys.len() as u64;
-        Some(plan)
-    }
-
-    /// Ends the stores of `keys`: with `success` their blocks become readable and evictable
-    /// (entered tail first), else they are dropped and their blocks freed. Errors (nothing
-    /// changed): `Err(index)` of the first key without a store in flight (or repeated).
-    fn complete_store(&mut self, keys: &[HostKey], success: bool) -> Result<(), usize> {
-        let mut blocks = Vec::with_capacity(keys.len());
-        let mut done = HashSet::with_capacity(keys.len());
-        for (i, k) in keys.iter().enumerate() {
-            match self.tier.lookup(k) {
-                Some(h) if self.storing[h as usize] && done.insert(h) => blocks.push(h),
-                _ => return Err(i),
-            }
-        }
-        for (&h, k) in blocks.iter().zip(keys).rev() {
-            self.storing[h as usize] = false;
-            self.release(h);
-            if !success {
-                self.tier.discard(k);
-                self.originals.remove(k);
-            }
-            self.tier.unpin(h);
-        }
-        let n = blocks.len() as u64;
-        if success {
-            self.counters.stores_completed += n;
-        } else {
-            self.counters.stores_failed += n;
-        }
-        Ok(())
-    }
-
-    /// Drops every block (stores and loads in flight included: their completions must not
-    /// come). The counters are kept.
-    fn reset(&mut self) {
-        let tier = HostTier::new(
-            self.tier.num_blocks(),
-            self.tier.admission_min_seen(),
-            self.tier.eviction(),
-            SEEN_DEVICE_BLOCKS,
-            false,
-        )
-        .expect("the same config was accepted");
-        let n = self.storing.len();
-        *self = Self {
-            tier,
-            originals: HashMap::new(),
-            storing: vec![false; n],
-            load_pins: vec![0; n],
-            held: 0,
-            counters: self.counters,
-        };
-    }
-
-    /// The pool's invariants: `held` counts the storing or load-pinned blocks; those hold a
-    /// key that maps back to them; the hashed keys kept are the hashed keys on host.
-    fn check(&self) -> Result<(), String> {
-        let mut held = 0;
-        let mut hashed = 0;
-        for h in 0..self.storing.len() {
-            let key = self.tier.key_of(h as BlockId);
-            if let Some(k) = key {
-                if self.tier.lookup(&k) != Some(h as BlockId) {
-                    return Err(format!("host block {h}: its key maps elsewhere"));
-                }
-                if k.group == HASHED_GROUP {
-                    hashed += 1;
-                    if !self.originals.contains_key(&k) {
-                        return Err(format!("host block {h}: hashed key without its bytes"));
-                    }
-                }
-            }
-            if self.storing[h] || self.load_pins[h] > 0 {
-                held += 1;
-                if key.is_none() {
-                    return Err(format!(
-                        "host block {h} is storing or pinned but holds no key"
-                    ));
-                }
-            }
-        }
-        if held != self.held {
-            return Err(format!("{held} host blocks held, counted {}", self.held));
-        }
-        if hashed != self.originals.len() {
-            return Err(format!(
-                "{} hashed keys kept, {hashed} on host",
-                self.originals.len()
-            ));
-        }
-        Ok(())
-    }
-}
 
 /// The keys of a list / tuple / iterable of `bytes` (each any length), with their bytes.
 fn keys_arg<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
@@ -425,17 +49,23 @@ fn keys_arg<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyBytes>>> 
     it.map(|o| item(o?)).collect()
 }
 
-fn host_keys(items: &[Bound<'_, PyBytes>]) -> Vec<HostKey> {
-    items.iter().map(|b| host_key(b.as_bytes()).0).collect()
+/// The byte strings of `items`.
+fn raw<'a>(items: &'a [Bound<'_, PyBytes>]) -> Vec<&'a [u8]> {
+    items.iter().map(|b| b.as_bytes()).collect()
 }
 
-/// `InvalidArgumentError` naming key `index` of `items`.
-fn bad_key(py: Python<'_>, items: &[Bound<'_, PyBytes>], index: usize, reason: &str) -> PyErr {
+/// `InvalidArgumentError` naming the refused key of `items`.
+fn bad_key(py: Python<'_>, items: &[Bound<'_, PyBytes>], e: KeyRefused) -> PyErr {
     let value = items
-        .get(index)
+        .get(e.index)
         .map(|b| repr(b.as_any()))
         .unwrap_or_default();
-    bad(py, "hashes", value, format!("hashes[{index}]: {reason}"))
+    bad(
+        py,
+        "hashes",
+        value,
+        format!("hashes[{}]: {}", e.index, e.reason),
+    )
 }
 
 /// A host-memory block pool for an offloading connector: the prefix cache's host tier
@@ -534,38 +164,38 @@ impl PyHostBlockPool {
     /// Host blocks.
     #[getter]
     fn num_blocks(&self) -> u32 {
-        self.pool.tier.num_blocks()
+        self.pool.num_blocks()
     }
 
     /// Offers a key needs before it is stored.
     #[getter]
     fn admission_min_seen(&self) -> u32 {
-        self.pool.tier.admission_min_seen()
+        self.pool.admission_min_seen()
     }
 
     /// The eviction policy's name.
     #[getter]
     fn eviction(&self) -> &'static str {
-        self.pool.tier.eviction().name()
+        self.pool.eviction().name()
     }
 
     /// Host blocks holding a key (readable or storing).
     #[getter]
     fn num_used(&self) -> usize {
-        self.pool.tier.num_used()
+        self.pool.num_used()
     }
 
     /// Host blocks storing or pinned by loads (not evictable).
     #[getter]
     fn num_held(&self) -> usize {
-        self.pool.held
+        self.pool.num_held()
     }
 
     /// Cumulative counters in blocks: ``stores_prepared``, ``stores_completed``,
     /// ``stores_failed``, ``stores_refused`` (candidates of a ``prepare_store`` that returned
     /// ``None``), ``loads`` (blocks pinned by ``prepare_load``) and ``evictions``.
     fn counters<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.pool.counters;
+        let c = self.pool.counters();
         let d = PyDict::new(py);
         d.set_item("stores_prepared", c.stores_prepared)?;
         d.set_item("stores_completed", c.stores_completed)?;
@@ -579,14 +209,14 @@ impl PyHostBlockPool {
     /// Number of leading ``hashes`` (head to tail) that are readable. No side effects.
     fn lookup(&self, hashes: &Bound<'_, PyAny>) -> PyResult<usize> {
         let items = keys_arg(hashes)?;
-        Ok(self.pool.lookup(&host_keys(&items)))
+        Ok(self.pool.lookup(&raw(&items)))
     }
 
     /// One key's state: 0 not on host, 1 storing (a store in flight), 2 readable. Raises
     /// ``InvalidArgumentError`` unless ``hash`` is bytes.
     fn state(&self, hash: &Bound<'_, PyAny>) -> PyResult<u8> {
         let b = crate::convert::bytes_arg(hash, "hash")?;
-        Ok(self.pool.state(&host_key(b).0))
+        Ok(self.pool.state(b) as u8)
     }
 
     /// Pins the blocks of ``hashes`` (each readable) for loads and returns their host block
@@ -599,14 +229,10 @@ impl PyHostBlockPool {
         hashes: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let items = keys_arg(hashes)?;
-        let blocks = self.pool.prepare_load(&host_keys(&items)).map_err(|i| {
-            bad_key(
-                py,
-                &items,
-                i,
-                "not readable on host (absent or still storing)",
-            )
-        })?;
+        let blocks = self
+            .pool
+            .prepare_load(&raw(&items))
+            .map_err(|e| bad_key(py, &items, e))?;
         Ok(PyArray1::from_vec(
             py,
             blocks.into_iter().map(|h| h as i32).collect(),
@@ -618,15 +244,15 @@ impl PyHostBlockPool {
     fn complete_load(&mut self, py: Python<'_>, hashes: &Bound<'_, PyAny>) -> PyResult<()> {
         let items = keys_arg(hashes)?;
         self.pool
-            .complete_load(&host_keys(&items))
-            .map_err(|i| bad_key(py, &items, i, "no load of this key is in flight"))
+            .complete_load(&raw(&items))
+            .map_err(|e| bad_key(py, &items, e))
     }
 
     /// Marks the readable, unpinned blocks of ``hashes`` used (tail first); other keys are
     /// ignored.
     fn touch(&mut self, hashes: &Bound<'_, PyAny>) -> PyResult<()> {
         let items = keys_arg(hashes)?;
-        self.pool.touch(&host_keys(&items));
+        self.pool.touch(&raw(&items));
         Ok(())
     }
 
@@ -643,16 +269,12 @@ impl PyHostBlockPool {
         hashes: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let items = keys_arg(hashes)?;
-        let raw: Vec<&[u8]> = items.iter().map(|b| b.as_bytes()).collect();
-        let keys = host_keys(&items);
-        let Some(plan) = self.pool.prepare_store(&keys, &raw) else {
+        let Some(plan) = self.pool.prepare_store(&raw(&items)) else {
             return Ok(None);
         };
-        let index: HashMap<HostKey, usize> =
-            keys.iter().enumerate().map(|(i, k)| (*k, i)).collect();
         let to_store = PyList::empty(py);
-        for k in &plan.keys {
-            to_store.append(&items[index[k]])?;
+        for &i in &plan.indices {
+            to_store.append(&items[i])?;
         }
         let evicted = PyList::empty(py);
         for b in &plan.evicted {
@@ -681,8 +303,8 @@ impl PyHostBlockPool {
         let success = crate::convert::flag(success, "success", true)?;
         let items = keys_arg(hashes)?;
         self.pool
-            .complete_store(&host_keys(&items), success)
-            .map_err(|i| bad_key(py, &items, i, "no store of this key is in flight"))
+            .complete_store(&raw(&items), success)
+            .map_err(|e| bad_key(py, &items, e))
     }
 
     /// Drops every block, stores and loads in flight included (their completions must not be
@@ -700,10 +322,10 @@ impl PyHostBlockPool {
     fn __repr__(&self) -> String {
         format!(
             "HostBlockPool(num_blocks={}, used={}, held={}, eviction='{}')",
-            self.pool.tier.num_blocks(),
-            self.pool.tier.num_used(),
-            self.pool.held,
-            self.pool.tier.eviction().name()
+            self.pool.num_blocks(),
+            self.pool.num_used(),
+            self.pool.num_held(),
+            self.pool.eviction().name()
         )
     }
 }

@@ -51,9 +51,8 @@ pub(super) struct HostSide {
     /// Per device block, the host key of the `(plain hash, group)` it is registered under
     /// (set when the block is registered; read when the pool evicts it).
     pub(super) dev_key: Vec<Option<HostKey>>,
-    /// The group of each planned store and load, in planning order (the tier's plans carry
-    /// block ids only).
-    store_groups: Vec<u32>,
+    /// The group of each planned load, in planning order (the tier's load plans carry block
+    /// ids only; its stores carry their key's group).
     load_groups: Vec<u32>,
 }
 
@@ -62,20 +61,18 @@ impl HostSide {
         Self {
             tier,
             dev_key: vec![None; num_device_blocks as usize],
-            store_groups: Vec::new(),
             load_groups: Vec::new(),
         }
     }
 
     /// Hands out the planned copies with their groups and drops the loads' device references.
     pub(super) fn hand_out(&mut self, pool: &BlockPool) -> GroupHostTransfers {
-        let HostTransfers { stores, loads } = hand_out_host_plans(pool, &mut self.tier);
-        debug_assert_eq!(stores.len(), self.store_groups.len());
+        let (HostTransfers { stores, loads }, store_groups) =
+            hand_out_host_plans(pool, &mut self.tier);
         debug_assert_eq!(loads.len(), self.load_groups.len());
         GroupHostTransfers {
-            stores: self
-                .store_groups
-                .drain(..)
+            stores: store_groups
+                .into_iter()
                 .zip(stores)
                 .map(|(g, (d, h))| (g, d, h))
                 .collect(),
@@ -176,9 +173,6 @@ impl HybridManager {
                 continue;
             };
             let got = host.tier.plan_store(d, key);
-            if got.stored.is_some() {
-                host.store_groups.push(key.group);
-            }
             if self.cfg.enable_events {
                 let bs = self.cfg.groups[key.group as usize].block_size;
                 let root = self.hasher.root();
@@ -330,7 +324,8 @@ impl HybridManager {
     }
 
     /// The host tier's part of [`Self::check_invariants`]: the tier's own invariants
-    /// ([`HostTier::check`]); one group per planned store and load; each planned load holds
+    /// ([`HostTier::check`], which covers the stores' groups); one group per planned load;
+    /// each planned load holds
     /// one reference on its destination (added to `gpu_refs`), which carries the loaded
     /// block's index key in the device prefix index; every hashed device block's host key
     /// gives back its index key.
@@ -341,9 +336,9 @@ impl HybridManager {
     ) -> std::result::Result<(), String> {
         let n = self.cfg.num_blocks;
         host.tier.check(|d| d != crate::NULL_BLOCK && d < n)?;
-        let (stores, loads) = host.tier.pending();
-        if stores.len() != host.store_groups.len() || loads.len() != host.load_groups.len() {
-            return Err("host plans and their groups disagree in number".into());
+        let loads = host.tier.pending().1;
+        if loads.len() != host.load_groups.len() {
+            return Err("planned host loads and their groups disagree in number".into());
         }
         for (&(h, d), &g) in loads.iter().zip(&host.load_groups) {
             *gpu_refs.entry(d).or_insert(0) += 1;
