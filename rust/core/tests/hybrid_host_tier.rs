@@ -298,7 +298,7 @@ fn host_config_is_checked_as_for_one_group() {
 
 /// As for one group: a block swapped in since the last step call gets its KV from the swap-in
 /// copy, which runs after the next step call's stores, so that call does not store it (found
-/// by tests/test_hybrid_host_tier.py: a later host hit loaded the block's old bytes).
+/// by tests/core/test_hybrid_host_tier.py: a later host hit loaded the block's old bytes).
 #[test]
 fn a_block_swapped_in_since_the_last_step_is_not_stored_before_its_copy_runs() {
     let mut c = HybridConfig::new(
