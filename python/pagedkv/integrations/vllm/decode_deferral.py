@@ -139,12 +139,7 @@ class DecodeDeferral:
         decides then)."""
         synced = self._num_known.get(rid)
         tokens = request._all_token_ids
-        if (
-            synced is None
-            or not synced <= pos == len(tokens) - 1
-            or request.num_output_placeholders
-            or request.status is not self._running
-        ):
+        if synced is None or not synced <= pos == len(tokens) - 1 or request.status is not self._running:
             return None
         bs = self._block_size
         new_end = pos + 1  # vLLM's slots for the request once this decode is placed
