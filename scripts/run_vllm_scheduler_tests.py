@@ -187,7 +187,10 @@ def run_mode(python: str, root: Path, tests: list[str], mode: str, hf_home: Path
         TRANSFORMERS_OFFLINE="1",
         VLLM_LOGGING_LEVEL="ERROR",
         VLLM_TARGET_DEVICE="cpu",
-        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), str(root)]),
+        # The caller's PYTHONPATH is kept (a checkout's sources ahead of an installed pagedkv).
+        PYTHONPATH=os.pathsep.join(
+            [str(Path(__file__).resolve().parent), str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
     )
     cmd = [
         python,
