@@ -313,3 +313,72 @@ def test_hybrid_groups_match_stock_step_by_step(groups: Any) -> None:
     kvm.check_invariants()
     assert kvm.num_sequences == 0 and paged.scheduler.kv_cache_manager.usage == 0.0
     assert not paged.scheduler.kv_cache_manager._unknown
+
+
+def test_kv_events_and_cached_blocks_never_include_unknown_tokens() -> None:
+    # Prompts of 2 * 16 - 1 tokens: the first decode slot opens block 2 while its token is in
+    # flight (a placeholder lookahead slot in pagedkv). Requests are aborted, preempted and
+    # stopped with such slots outstanding. The KV events of the run (blocks stored with their
+    # tokens, blocks removed) equal stock vLLM's, every stored block holds known tokens only,
+    # and nothing stays held.
+    events: dict[str, list[Any]] = {"stock": [], "paged": []}
+
+    def record(name: str, driver: AsyncDriver) -> None:
+        manager = driver.scheduler.kv_cache_manager
+        take = manager.take_events
+
+        def take_events() -> list[Any]:
+            got = take()
+            events[name].extend(got)
+            return got
+
+        manager.take_events = take_events
+
+    rng = random.Random(17)
+    prompts = [_tokens(rng, 2 * BS - 1) for _ in range(6)]
+    stream: dict[int, list[Any]] = {0: []}
+    for i, p in enumerate(prompts):
+        stop = [fake_token(f"k{i}", len(p) + 1)] if i == 2 else []
+        stream[0].append(_req(f"k{i}", p, 24, stop_token_ids=stop))
+    stream[5] = [_req("again", prompts[0] + [fake_token("k0", 2 * BS - 1 + j) for j in range(20)], 2)]
+
+    def abort(driver: AsyncDriver) -> None:
+        driver.abort(["k1"])
+
+    stock, paged = _pair(num_blocks=16, kv_events=True)
+    record("stock", stock)
+    record("paged", paged)
+    for step in range(400):
+        for factory in stream.get(step, []):
+            stock.add(factory())
+            paged.add(factory())
+        if step == 2:
+            abort(stock)
+            abort(paged)
+        if step > 5 and not stock.has_work():
+            assert not paged.has_work()
+            break
+        a, b = stock.step(), paged.step()
+        assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
+    assert paged.finish_reasons["k1"] == "abort"
+    assert paged.finish_reasons["k2"] == "stop"
+
+    def summary(evs: list[Any]) -> list[tuple[str, Any]]:
+        out: list[tuple[str, Any]] = []
+        for e in evs:
+            if type(e).__name__ == "BlockStored":
+                out.append(("stored", tuple(e.token_ids)))
+            elif type(e).__name__ == "BlockRemoved":
+                out.append(("removed", len(e.block_hashes)))
+        return out
+
+    stored = [t for kind, t in summary(events["paged"]) if kind == "stored"]
+    assert stored, "blocks must be stored"
+    # The same blocks stored (which cached block is evicted first, and so when a block is
+    # removed and stored again, differs by design: pagedkv's free list vs vLLM's LRU queue).
+    stock_stored = [t for kind, t in summary(events["stock"]) if kind == "stored"]
+    assert set(stored) == set(stock_stored)
+    # No placeholder id (pagedkv's 0, vLLM's -1) in any stored block.
+    flat = [tok for toks in stored for tok in toks]
+    assert -1 not in flat and 0 not in flat
+    _check_no_leak(stock, paged)
