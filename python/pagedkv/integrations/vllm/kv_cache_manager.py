@@ -422,18 +422,23 @@ class PagedKVCacheManager(SharedManagerCalls):
                     blocks = self.decodes.defer(request, rid, pos)
                     if blocks is not None:
                         return blocks
-            elif len(request._all_token_ids) == pos and not (self._unknown and rid in self._unknown):
+            elif len(request._all_token_ids) == pos and self.decodes.enabled:
                 # Async scheduling: the slot's token is the one the step in flight samples.
                 # pagedkv computes the last known token (slot pos - 1) as a plain decode; the
-                # slot pos lies in the same block unless it opens one (that takes the
-                # per-request path, which gives it a lookahead slot).
-                if first < pos <= end:
+                # slot pos lies in the same block, or opens one: then it gets a placeholder
+                # lookahead slot in the same batched step.
+                if self._unknown and rid in self._unknown:
+                    # The previous slot's placeholder: its token is known now. The block stays.
+                    self._settle_unknown(rid, self._seq_of[rid])
+                elif first < pos <= end:
                     self._lag[rid] = pos
                     return self.empty_kv_cache_blocks
-                if self.decodes.enabled and pos % self.block_size:
-                    blocks = self.decodes.defer(request, rid, pos - 1)
-                    if blocks is not None:
-                        return blocks
+                placeholder = not pos % self.block_size
+                blocks = self.decodes.defer(request, rid, pos - 1, placeholder)
+                if blocks is not None:
+                    if placeholder:
+                        self._unknown[rid] = pos + 1
+                    return blocks
         return self._allocate(
             request,
             num_new_tokens,
@@ -591,14 +596,18 @@ class PagedKVCacheManager(SharedManagerCalls):
         vLLM caches it; otherwise a no-op (pagedkv caches blocks as it allocates them)."""
         if not self.async_scheduling:
             return
+        # Runs once per decoding request per step: the common case (no block completed past
+        # what pagedkv holds) is two dict lookups and a comparison.
         rid = request.request_id
         known = self._lag.get(rid)
         if known is None:
             known = self._num_known.get(rid)
             if known is None:
                 return
-        target = min(num_computed_tokens, request.num_tokens)
         bs = self.block_size
+        if num_computed_tokens // bs <= known // bs:
+            return
+        target = min(num_computed_tokens, request.num_tokens)
         if target // bs <= known // bs:
             return
         self._sync()
