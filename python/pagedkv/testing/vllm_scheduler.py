@@ -509,8 +509,14 @@ class AsyncDriver(Driver):
     #: Batches in flight at most (vLLM's ``max_concurrent_batches`` with async scheduling).
     depth = 2
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, *, num_drafts: int = 0) -> None:
+        """``num_drafts`` > 0: speculative decoding (the scheduler needs a
+        ``speculative_config``): the scheduler schedules placeholder drafts, and a batch's
+        output is made when it is consumed, as a verifier that checks :func:`fake_drafts` of
+        that many tokens after the request's known tokens (its drafter runs on the device, so
+        the scheduler never sees the drafts)."""
         super().__init__(scheduler)
+        self.spec_drafts = num_drafts
         self._in_flight: list[tuple[Any, Any]] = []
 
     def has_work(self) -> bool:
@@ -548,12 +554,19 @@ class AsyncDriver(Driver):
                 rid: _held(sched.kv_cache_manager.get_block_ids(rid), self._per_group)
                 for rid in sorted(out.num_scheduled_tokens)
             }
-            self._in_flight.append((out, fake_async_model_output(sched, out)))
+            if self.spec_drafts:
+                # Which requests sample in this batch (a partial prefill chunk does not).
+                samples = {rid: not sched.requests[rid].is_prefill_chunk for rid in out.num_scheduled_tokens}
+                self._in_flight.append((out, samples))
+            else:
+                self._in_flight.append((out, fake_async_model_output(sched, out)))
             if len(self._in_flight) < self.depth and (scheduled_any or sched.has_unfinished_requests()):
                 return record
         if not self._in_flight:
             return record
         out, model_out = self._in_flight.pop(0)
+        if self.spec_drafts:
+            model_out = self._verify(out, model_out)
         engine_outputs = sched.update_from_output(out, model_out)
         for eco in engine_outputs.values():
             stats = getattr(eco, "scheduler_stats", None)
@@ -568,6 +581,39 @@ class AsyncDriver(Driver):
                     record["finished"][o.request_id] = str(o.finish_reason)
                     self.finish_reasons[o.request_id] = str(o.finish_reason)
         return record
+
+    def _verify(self, out: Any, samples: dict[str, bool]) -> ModelRunnerOutput:
+        """The output of a batch with placeholder drafts, made when it is consumed: each
+        sampling request verifies the drafts after its known tokens as a greedy verifier
+        (accepted while equal to the fake model's token, then one more token)."""
+        req_ids = list(out.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            request = self.scheduler.requests.get(rid)
+            if request is None or not samples[rid]:
+                sampled.append([])
+                continue
+            k = len(out.scheduled_spec_decode_tokens.get(rid, ()))
+            pos = request.num_tokens
+            toks = []
+            for draft in fake_drafts(rid, pos, k):
+                toks.append(fake_token(rid, pos))
+                if draft != toks[-1]:
+                    break
+                pos += 1
+            else:
+                toks.append(fake_token(rid, pos))
+            self.drafts_scheduled += k
+            self.drafts_accepted += len(toks) - 1
+            sampled.append(toks)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+        )
 
     def run(self, max_steps: int = 10_000) -> list[dict[str, Any]]:
         """Steps until no request is left and no batch is in flight (at most ``max_steps``)."""

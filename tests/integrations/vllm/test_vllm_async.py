@@ -382,3 +382,47 @@ def test_kv_events_and_cached_blocks_never_include_unknown_tokens() -> None:
     flat = [tok for toks in stored for tok in toks]
     assert -1 not in flat and 0 not in flat
     _check_no_leak(stock, paged)
+
+
+# ---- speculative decoding under async scheduling ----------------------------------------------
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_ngram_placeholder_drafts_match_stock_step_by_step(k: int) -> None:
+    # vLLM's placeholder drafts: each decode schedules 1 + k slots whose token ids are unknown
+    # (the drafter runs on the device); rejections roll vLLM's counts back a step later.
+    # Shared prefixes and a pool small enough to preempt.
+    from pagedkv.testing.vllm_scheduler import ngram_speculative_config
+
+    rng = random.Random(19 + k)
+    system = _tokens(rng, 40)
+    stream: dict[int, list[Any]] = {}
+    prompts = {f"s{i}": system + _tokens(rng, rng.randrange(3, 40)) for i in range(8)}
+    for rid, prompt in prompts.items():
+        stream.setdefault(rng.randrange(0, 8), []).append(_req(rid, prompt, rng.randrange(10, 40)))
+    drivers = []
+    for cls in (AsyncScheduler, PagedKVScheduler):
+        cfg = make_vllm_config(num_blocks=22, async_scheduling=True, max_num_batched_tokens=256)
+        cfg.speculative_config = ngram_speculative_config(cfg, k)
+        drivers.append(AsyncDriver(build_scheduler(cls, cfg), num_drafts=k))
+    stock, paged = drivers
+    records = []
+    for step in range(2000):
+        for factory in stream.get(step, []):
+            stock.add(factory())
+            paged.add(factory())
+        if step > max(stream) and not stock.has_work():
+            assert not paged.has_work()
+            break
+        a, b = stock.step(), paged.step()
+        assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
+        assert paged.scheduler.kv_cache_manager.usage == pytest.approx(stock.scheduler.kv_cache_manager.usage)
+        records.append(a)
+    assert paged.outputs == stock.outputs
+    # The greedy verifier's tokens are the fake model's: those of decoding without drafts.
+    for rid, out in paged.outputs.items():
+        assert out == [fake_token(rid, len(prompts[rid]) + i) for i in range(len(out))]
+    assert any(r["preempted"] for r in records), "the pool must force preemption"
+    assert paged.drafts_scheduled == stock.drafts_scheduled > 0
+    assert 0 < paged.drafts_accepted == stock.drafts_accepted < paged.drafts_scheduled
+    _check_no_leak(stock, paged)
