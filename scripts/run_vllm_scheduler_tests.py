@@ -46,6 +46,7 @@ from typing import Any
 DEFAULT_TESTS = (
     "tests/v1/core/test_scheduler.py",
     "tests/v1/core/test_async_scheduler.py",
+    "tests/v1/core/test_deferred_block_free.py",
     "tests/v1/core/test_swa_inflight_window_free.py",
     "tests/v1/core/test_prefix_replay.py",
     "tests/v1/core/test_priority_preemption_bug.py",
