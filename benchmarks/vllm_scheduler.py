@@ -34,6 +34,14 @@ Request objects (and the engine core's prompt hashing inside them) are built bef
 starts. The runs go round-robin over the variants (timed, then sampled, per round), so a change
 in a shared machine's load hits every variant alike; the best timed run of each is reported.
 
+Async scheduling (``--async-scheduling``, vLLM's default on a GPU): the same workloads with
+``scheduler_config.async_scheduling`` on, stock ``AsyncScheduler`` against ``PagedKVScheduler``
+(which then builds ``PagedKVAsyncScheduler``), driven as the engine core's batch queue drives
+them: each step schedules the next batch while the previous one is in flight, then consumes the
+oldest batch's output (``fake_async_model_output``, taken when its batch was scheduled), so a
+running request is scheduled while its previous token is still a placeholder. Results go to
+``benchmarks/results/vllm_scheduler_async.json``.
+
 Variants: pagedkv with the batched decode path off, with vLLM's Python block hashes kept (the
 "hash twice" alternative), and, at 256 decodes only, a bound that is no scheduler: pagedkv
 whose ``allocate_slots`` answers every decode with the empty result and does nothing else (KV
@@ -68,6 +76,7 @@ from pagedkv.integrations.vllm import PagedKVScheduler  # noqa: E402
 from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     GEMMA3_GROUPS,
     build_scheduler,
+    fake_async_model_output,
     fake_model_output,
     make_hybrid_kv_cache_config,
     make_request,
@@ -107,16 +116,20 @@ class FreeDecodesBound(PagedKVScheduler):
             return real(request, num_new_tokens, *rest, **kw)
 
         manager.allocate_slots = allocate_slots
+        # Async scheduling: nothing to catch up either (the state is not kept).
+        manager.cache_blocks = lambda request, num_computed_tokens: None
 
 
 BOUND = "bound: free decodes"
 
 
-def _variants() -> dict[str, Any]:
+def _variants(async_scheduling: bool = False) -> dict[str, Any]:
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    # Under async scheduling the pagedkv classes build their AsyncScheduler variants themselves.
     return {
-        "vLLM stock": Scheduler,
+        "vLLM stock": AsyncScheduler if async_scheduling else Scheduler,
         "pagedkv": PagedKVScheduler,
         "pagedkv per-request": PagedKVPerRequest,
         "pagedkv + vLLM hashes": PagedKVHashTwice,
@@ -232,24 +245,40 @@ def _requests_trace(name: str, n: int, max_prompt: int) -> list[tuple[int, Any]]
     return out
 
 
-def _measured_steps(sched: Any, steps: int, top_up: Callable[[], None]) -> tuple[float, float, float, float, int]:
+def _one_step(sched: Any, in_flight: list[Any] | None) -> tuple[float, float, float, float, int]:
+    """One engine step: ``schedule()`` and ``update_from_output()`` (``in_flight`` not None:
+    async scheduling, the output consumed is the oldest of two batches in flight). CPU and wall
+    seconds of each, and the requests scheduled."""
+    c0, w0 = time.thread_time(), time.perf_counter()
+    out = sched.schedule()
+    c1, w1 = time.thread_time(), time.perf_counter()
+    if in_flight is None:
+        model_out = fake_model_output(sched, out)
+    else:
+        in_flight.append((out, fake_async_model_output(sched, out)))
+        if len(in_flight) < 2:
+            return c1 - c0, 0.0, w1 - w0, 0.0, len(out.num_scheduled_tokens)
+        done, model_out = in_flight.pop(0)
+    c2, w2 = time.thread_time(), time.perf_counter()
+    sched.update_from_output(out if in_flight is None else done, model_out)
+    c3, w3 = time.thread_time(), time.perf_counter()
+    return c1 - c0, c3 - c2, w1 - w0, w3 - w2, len(out.num_scheduled_tokens)
+
+
+def _measured_steps(
+    sched: Any, steps: int, top_up: Callable[[], None], in_flight: list[Any] | None = None
+) -> tuple[float, float, float, float, int]:
     """The timed steps (the sampled share counts the samples under this frame): CPU and wall
     seconds in ``schedule()`` and ``update_from_output()``, and requests scheduled."""
     t_sched = t_upd = wall_sched = wall_upd = 0.0
     scheduled_reqs = 0
     for _ in range(steps):
-        c0, w0 = time.thread_time(), time.perf_counter()
-        out = sched.schedule()
-        c1, w1 = time.thread_time(), time.perf_counter()
-        model_out = fake_model_output(sched, out)
-        c2, w2 = time.thread_time(), time.perf_counter()
-        sched.update_from_output(out, model_out)
-        c3, w3 = time.thread_time(), time.perf_counter()
-        t_sched += c1 - c0
-        t_upd += c3 - c2
-        wall_sched += w1 - w0
-        wall_upd += w3 - w2
-        scheduled_reqs += len(out.num_scheduled_tokens)
+        a, b, c, d, n = _one_step(sched, in_flight)
+        t_sched += a
+        t_upd += b
+        wall_sched += c
+        wall_upd += d
+        scheduled_reqs += n
         top_up()
     return t_sched, t_upd, wall_sched, wall_upd, scheduled_reqs
 
@@ -265,17 +294,20 @@ def run_one(
     sample: bool,
     wait_all_decoding: bool,
     groups: Any = None,
+    async_scheduling: bool = False,
 ) -> dict[str, float]:
     """Drives ``cls`` over the request specs (``groups``: hybrid KV cache groups as
-    ``make_hybrid_kv_cache_config`` takes them; None: one full-attention group); returns
-    per-step means in microseconds."""
+    ``make_hybrid_kv_cache_config`` takes them; None: one full-attention group;
+    ``async_scheduling``: two batches in flight); returns per-step means in microseconds."""
     cfg = make_vllm_config(
         num_blocks=num_blocks,
         block_size=BS,
         max_num_seqs=max_running,
         max_num_batched_tokens=8192,
         max_model_len=32768,
+        async_scheduling=async_scheduling,
     )
+    in_flight: list[Any] | None = [] if async_scheduling else None
     kv = make_hybrid_kv_cache_config(num_blocks, groups, BS) if groups else None
     sched = build_scheduler(cls, cfg, log_stats=False, kv_cache_config=kv)
     reqs = [make_request(rid, prompt, out, block_size=BS) for _, (rid, prompt, out) in specs]
@@ -292,21 +324,20 @@ def run_one(
         and any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running)
         or (wait_all_decoding and len(sched.running) < max_running)
     ):
-        out = sched.schedule()
-        sched.update_from_output(out, fake_model_output(sched, out))
+        _one_step(sched, in_flight)
         top_up()
         done_warmup += 1
         if done_warmup > 10_000:
             raise RuntimeError("warm-up did not reach steady state")
-    sampler = KVSampler(cls) if sample else None
+    sampler = KVSampler(type(sched)) if sample else None
     gc.collect()
     gc.disable()
     try:
         if sampler is not None:
             with sampler:
-                t_sched, t_upd, wall_sched, wall_upd, scheduled_reqs = _measured_steps(sched, steps, top_up)
+                t_sched, t_upd, wall_sched, wall_upd, scheduled_reqs = _measured_steps(sched, steps, top_up, in_flight)
         else:
-            t_sched, t_upd, wall_sched, wall_upd, scheduled_reqs = _measured_steps(sched, steps, top_up)
+            t_sched, t_upd, wall_sched, wall_upd, scheduled_reqs = _measured_steps(sched, steps, top_up, in_flight)
     finally:
         gc.enable()
     res = {
@@ -382,7 +413,9 @@ def _workloads() -> dict[str, dict[str, Any]]:
     }
 
 
-def _run(cls: Any, w: dict[str, Any], specs: Any, steps: int, sample: bool) -> dict[str, float]:
+def _run(
+    cls: Any, w: dict[str, Any], specs: Any, steps: int, sample: bool, async_scheduling: bool = False
+) -> dict[str, float]:
     return run_one(
         cls,
         specs,
@@ -393,6 +426,7 @@ def _run(cls: Any, w: dict[str, Any], specs: Any, steps: int, sample: bool) -> d
         sample=sample,
         wait_all_decoding=w["wait_all_decoding"],
         groups=w.get("groups"),
+        async_scheduling=async_scheduling,
     )
 
 
@@ -409,8 +443,14 @@ def main() -> None:
     )
     ap.add_argument("--sample-runs", type=int, default=5, help="CPU-time sampled runs per variant (KV share)")
     ap.add_argument("--no-write", action="store_true", help="do not write the results JSON")
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="async scheduling: stock AsyncScheduler vs the plug-in's async variant, two batches in flight",
+    )
     args = ap.parse_args()
-    variants = _variants()
+    mode = args.async_scheduling
+    variants = _variants(mode)
     workloads = _workloads()
     if args.variants:
         variants = {k: variants[k] for k in args.variants.split(",")}
@@ -438,9 +478,9 @@ def main() -> None:
         for rep in range(max(args.repeats, args.sample_runs)):
             for vname, cls in chosen.items():
                 if rep < args.repeats:
-                    timed[vname].append(_run(cls, w, specs, args.steps, sample=False))
+                    timed[vname].append(_run(cls, w, specs, args.steps, sample=False, async_scheduling=mode))
                 if rep < args.sample_runs:
-                    sampled[vname].append(_run(cls, w, specs, args.steps, sample=True))
+                    sampled[vname].append(_run(cls, w, specs, args.steps, sample=True, async_scheduling=mode))
         for vname in chosen:
             best = min(timed[vname], key=lambda r: r["total_us"])
             best["runs_total_us"] = [r["total_us"] for r in timed[vname]]
@@ -471,7 +511,8 @@ def main() -> None:
                 ]
             )
     print_table(
-        "vLLM Scheduler CPU time per step (us), stock vs PagedKVScheduler",
+        "vLLM Scheduler CPU time per step (us), stock vs PagedKVScheduler"
+        + (" (async scheduling: AsyncScheduler, two batches in flight)" if mode else ""),
         [
             "workload",
             "scheduler",
@@ -493,10 +534,12 @@ def main() -> None:
     if not args.no_write:
         import vllm
 
+        name = "vllm_scheduler_async" if mode else "vllm_scheduler"
         path = write_json(
-            "vllm_scheduler",
+            name,
             {
-                "benchmark": "vllm_scheduler",
+                "benchmark": name,
+                "async_scheduling": mode,
                 "vllm": vllm.__version__,
                 "steps": args.steps,
                 "repeats": args.repeats,

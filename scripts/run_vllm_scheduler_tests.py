@@ -5,9 +5,10 @@ sdist of the vLLM release installed in ``--python``'s environment (from PyPI's s
 checked against the index's SHA-256), extracts its ``tests/`` folder under ``--work-dir``, and
 runs the chosen test files twice with that interpreter: once stock, once with this file loaded
 as a pytest plugin (``-p run_vllm_scheduler_tests``) that substitutes
-``pagedkv.integrations.vllm.PagedKVScheduler`` for vLLM's ``Scheduler`` (and a PagedKV variant of
-``AsyncScheduler``) wherever the tests build one. It prints pass / fail / skip / error counts per
-mode, and the tests whose outcome differs between the two, and writes the JUnit reports under
+``pagedkv.integrations.vllm.PagedKVScheduler`` for vLLM's ``Scheduler`` (and
+``PagedKVAsyncScheduler`` for ``AsyncScheduler``) wherever the tests build one. It prints pass /
+fail / skip / error counts per mode, and the tests whose outcome differs between the two, and
+writes the JUnit reports under
 ``--work-dir``. vLLM's code is downloaded to ``--work-dir`` only; nothing of it is kept here.
 
 Offline: the tests name Hugging Face models (``facebook/opt-125m`` mostly). Only that model's
@@ -45,6 +46,7 @@ from typing import Any
 DEFAULT_TESTS = (
     "tests/v1/core/test_scheduler.py",
     "tests/v1/core/test_async_scheduler.py",
+    "tests/v1/core/test_deferred_block_free.py",
     "tests/v1/core/test_swa_inflight_window_free.py",
     "tests/v1/core/test_prefix_replay.py",
     "tests/v1/core/test_priority_preemption_bug.py",
@@ -84,10 +86,7 @@ def pytest_configure(config: Any) -> None:
     import vllm.v1.core.sched.async_scheduler as async_mod
     import vllm.v1.core.sched.scheduler as sched_mod
 
-    from pagedkv.integrations.vllm import PagedKVScheduler
-
-    class PagedKVAsyncScheduler(PagedKVScheduler, async_mod.AsyncScheduler):  # type: ignore[misc, unused-ignore]
-        """vLLM's ``AsyncScheduler`` with pagedkv's KV cache manager."""
+    from pagedkv.integrations.vllm import PagedKVAsyncScheduler, PagedKVScheduler
 
     sched_mod.Scheduler = PagedKVScheduler  # type: ignore[misc, unused-ignore]
     async_mod.AsyncScheduler = PagedKVAsyncScheduler  # type: ignore[misc, unused-ignore]
@@ -189,7 +188,10 @@ def run_mode(python: str, root: Path, tests: list[str], mode: str, hf_home: Path
         TRANSFORMERS_OFFLINE="1",
         VLLM_LOGGING_LEVEL="ERROR",
         VLLM_TARGET_DEVICE="cpu",
-        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parent), str(root)]),
+        # The caller's PYTHONPATH is kept (a checkout's sources ahead of an installed pagedkv).
+        PYTHONPATH=os.pathsep.join(
+            [str(Path(__file__).resolve().parent), str(root), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
     )
     cmd = [
         python,

@@ -150,10 +150,13 @@ def make_vllm_config(
     policy: str = "fcfs",
     watermark: float = 0.0,
     model_dir: Path | None = None,
+    async_scheduling: bool = False,
     **overrides: Any,
 ) -> VllmConfig:
     """A ``VllmConfig`` for the tiny local model (``model_dir``, default
-    :func:`tiny_model_dir`'s Llama), CPU device, ``num_blocks`` KV blocks."""
+    :func:`tiny_model_dir`'s Llama), CPU device, ``num_blocks`` KV blocks; ``async_scheduling``
+    is ``scheduler_config.async_scheduling`` (drive such a scheduler with
+    :class:`AsyncDriver`)."""
     model_config = ModelConfig(
         model=str(model_dir or tiny_model_dir()),
         skip_tokenizer_init=True,
@@ -173,7 +176,7 @@ def make_vllm_config(
         long_prefill_token_threshold=long_prefill_token_threshold,
         enable_chunked_prefill=True,
         is_encoder_decoder=False,
-        async_scheduling=False,
+        async_scheduling=async_scheduling,
         scheduler_cls=scheduler_cls,
         policy=policy,
         watermark=watermark,
@@ -189,7 +192,12 @@ def make_vllm_config(
     if max_loras:
         kwargs["lora_config"] = LoRAConfig(max_loras=max_loras, max_lora_rank=8)
     kwargs.update(overrides)
-    return VllmConfig(**kwargs)
+    config = VllmConfig(**kwargs)
+    if async_scheduling:
+        # vLLM's CPU platform turns async scheduling off while the config is built; the harness
+        # stands for a GPU machine, where it stays on.
+        config.scheduler_config.async_scheduling = True
+    return config
 
 
 def ngram_speculative_config(vllm_config: VllmConfig, num_speculative_tokens: int) -> SpeculativeConfig:
@@ -367,6 +375,27 @@ def fake_model_output(scheduler: Any, sched_output: Any) -> ModelRunnerOutput:
     )
 
 
+def fake_async_model_output(scheduler: Any, sched_output: Any) -> ModelRunnerOutput:
+    """What the fake model returns for ``sched_output`` under async scheduling, computed right
+    after ``schedule()`` (the scheduler has advanced ``num_computed_tokens`` over the scheduled
+    tokens, and the ids of tokens still in flight are not known): one token, at the request's
+    computed count, for each request whose step is not a partial prefill chunk (the same
+    tokens as :func:`fake_model_output`; no draft tokens)."""
+    req_ids = list(sched_output.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for rid in req_ids:
+        request = scheduler.requests[rid]
+        sampled.append([] if request.is_prefill_chunk else [fake_token(rid, request.num_computed_tokens)])
+    return ModelRunnerOutput(
+        req_ids=req_ids,
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
 def _held(tables: Sequence[Sequence[int]], per_group: bool) -> Any:
     """A request's block count (one full-attention group) or, per group, its table length and
     the real (non-null) blocks in it (``per_group``: several groups or a windowed one; the null
@@ -465,6 +494,132 @@ class Driver:
         records = []
         for _ in range(max_steps):
             if not self.scheduler.has_unfinished_requests():
+                break
+            records.append(self.step())
+        return records
+
+
+class AsyncDriver(Driver):
+    """Runs an async scheduler (vLLM's ``AsyncScheduler`` or ``PagedKVAsyncScheduler``) as the
+    engine core's batch queue does with two batches in flight: each :meth:`step` schedules the
+    next batch while the previous one is still running, then consumes the oldest batch's
+    output (:func:`fake_async_model_output`, taken when its batch was scheduled). A step's
+    record holds what was scheduled in it and the outputs consumed in it."""
+
+    #: Batches in flight at most (vLLM's ``max_concurrent_batches`` with async scheduling).
+    depth = 2
+
+    def __init__(self, scheduler: Any, *, num_drafts: int = 0) -> None:
+        """``num_drafts`` > 0: speculative decoding (the scheduler needs a
+        ``speculative_config``): the scheduler schedules placeholder drafts, and a batch's
+        output is made when it is consumed, as a verifier that checks :func:`fake_drafts` of
+        that many tokens after the request's known tokens (its drafter runs on the device, so
+        the scheduler never sees the drafts)."""
+        super().__init__(scheduler)
+        self.spec_drafts = num_drafts
+        self._in_flight: list[tuple[Any, Any]] = []
+
+    def has_work(self) -> bool:
+        """Whether a request is unfinished or a batch is still in flight."""
+        return bool(self._in_flight) or self.scheduler.has_unfinished_requests()
+
+    def step(self) -> dict[str, Any]:
+        """Schedules one batch (if any request is left) and, once ``depth`` batches are in
+        flight or nothing more can be scheduled, consumes the oldest one's output."""
+        sched = self.scheduler
+        record: dict[str, Any] = {
+            "scheduled": {},
+            "new_prefix_hits": {},
+            "resumed": {},
+            "preempted": [],
+            "finished": {},
+            "new_tokens": {},
+            "blocks_held": {},
+        }
+        scheduled_any = False
+        if sched.has_unfinished_requests():
+            out = sched.schedule()
+            scheduled_any = out.total_num_scheduled_tokens > 0
+            new_hits = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+            for rid, hit in new_hits.items():
+                self.prefix_hits.setdefault(rid, hit)
+            cached = out.scheduled_cached_reqs
+            record["scheduled"] = dict(out.num_scheduled_tokens)
+            record["new_prefix_hits"] = new_hits
+            record["resumed"] = {
+                rid: n for rid, n in zip(cached.req_ids, cached.num_computed_tokens) if rid in cached.resumed_req_ids
+            }
+            record["preempted"] = sorted(getattr(out, "preempted_req_ids", None) or [])
+            record["blocks_held"] = {
+                rid: _held(sched.kv_cache_manager.get_block_ids(rid), self._per_group)
+                for rid in sorted(out.num_scheduled_tokens)
+            }
+            if self.spec_drafts:
+                # Which requests sample in this batch (a partial prefill chunk does not).
+                samples = {rid: not sched.requests[rid].is_prefill_chunk for rid in out.num_scheduled_tokens}
+                self._in_flight.append((out, samples))
+            else:
+                self._in_flight.append((out, fake_async_model_output(sched, out)))
+            if len(self._in_flight) < self.depth and (scheduled_any or sched.has_unfinished_requests()):
+                return record
+        if not self._in_flight:
+            return record
+        out, model_out = self._in_flight.pop(0)
+        if self.spec_drafts:
+            model_out = self._verify(out, model_out)
+        engine_outputs = sched.update_from_output(out, model_out)
+        for eco in engine_outputs.values():
+            stats = getattr(eco, "scheduler_stats", None)
+            if stats is not None and stats.prefix_cache_stats is not None:
+                for key in self.prefix_cache_stats:
+                    self.prefix_cache_stats[key] += getattr(stats.prefix_cache_stats, key)
+            for o in eco.outputs:
+                if o.new_token_ids:
+                    record["new_tokens"][o.request_id] = list(o.new_token_ids)
+                    self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    record["finished"][o.request_id] = str(o.finish_reason)
+                    self.finish_reasons[o.request_id] = str(o.finish_reason)
+        return record
+
+    def _verify(self, out: Any, samples: dict[str, bool]) -> ModelRunnerOutput:
+        """The output of a batch with placeholder drafts, made when it is consumed: each
+        sampling request verifies the drafts after its known tokens as a greedy verifier
+        (accepted while equal to the fake model's token, then one more token)."""
+        req_ids = list(out.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            request = self.scheduler.requests.get(rid)
+            if request is None or not samples[rid]:
+                sampled.append([])
+                continue
+            k = len(out.scheduled_spec_decode_tokens.get(rid, ()))
+            pos = request.num_tokens
+            toks = []
+            for draft in fake_drafts(rid, pos, k):
+                toks.append(fake_token(rid, pos))
+                if draft != toks[-1]:
+                    break
+                pos += 1
+            else:
+                toks.append(fake_token(rid, pos))
+            self.drafts_scheduled += k
+            self.drafts_accepted += len(toks) - 1
+            sampled.append(toks)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+        )
+
+    def run(self, max_steps: int = 10_000) -> list[dict[str, Any]]:
+        """Steps until no request is left and no batch is in flight (at most ``max_steps``)."""
+        records = []
+        for _ in range(max_steps):
+            if not self.has_work():
                 break
             records.append(self.step())
         return records

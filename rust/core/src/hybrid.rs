@@ -1823,7 +1823,10 @@ impl HybridManager {
                 "running or preempted (swap it in first)",
             ));
         }
-        if num_new_tokens == 0 {
+        // Lookahead only: no token scheduled, slots for drafts after the computed ones (an
+        // asynchronous scheduler's slots for tokens whose ids are not known yet).
+        let lookahead_only = num_new_tokens == 0 && num_drafts > 0;
+        if num_new_tokens == 0 && !lookahead_only {
             return Err(Error::InvalidArgument {
                 arg: "num_new_tokens",
                 value: "0".into(),
@@ -1840,7 +1843,17 @@ impl HybridManager {
             (s.num_computed, vec![Vec::new(); self.num_groups()])
         };
         let remaining = s.tokens.len() - context;
-        if remaining == 0 {
+        if lookahead_only && (first || remaining > 0) {
+            return Err(Error::InvalidArgument {
+                arg: "num_new_tokens",
+                value: "0".into(),
+                reason: format!(
+                    "lookahead slots alone follow the last computed token of a running sequence \
+                     ({remaining} of sequence {seq}'s tokens uncomputed)"
+                ),
+            });
+        }
+        if remaining == 0 && !lookahead_only {
             return Err(Error::InvalidArgument {
                 arg: "num_new_tokens",
                 value: num_new_tokens.to_string(),

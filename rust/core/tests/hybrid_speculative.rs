@@ -364,3 +364,52 @@ fn verify_demand_is_exact_and_a_failed_verify_changes_nothing() {
     assert_eq!(a.num_draft_tokens, 4);
     m.check_invariants().unwrap();
 }
+
+/// Lookahead-only step (no token scheduled, drafts after the computed tokens): an asynchronous
+/// scheduler's slot for a token whose id is not known yet opens a block in every group, nothing
+/// is hashed for it, the window does not move; the placeholder is rejected keeping the blocks
+/// and the real token is computed into them.
+#[test]
+fn lookahead_only_step_opens_blocks_for_an_unknown_token() {
+    let m = manager(64, 32, 0);
+    m.add_sequence(1, toks(64, 6), SequenceSpec::default())
+        .unwrap();
+    step1(&m, 1, 64, &[], &[]);
+    m.take_events();
+    let tables = m.block_tables(1).unwrap();
+    let out = step1(&m, 1, 0, &[], &[0]);
+    assert_eq!(out.num_draft_tokens, vec![1]);
+    assert_eq!(out.context_lens, vec![64]);
+    let after = m.block_tables(1).unwrap();
+    for g in 0..2 {
+        assert_eq!(
+            after[g].len(),
+            tables[g].len() + 1,
+            "group {g}: slot 64 opens block 4"
+        );
+    }
+    assert_eq!(after[0][..4], tables[0][..]);
+    // The window group releases by the committed context (64: blocks 0 and 1 left the window).
+    assert_eq!(
+        after[1][..4],
+        [NULL_BLOCK, NULL_BLOCK, tables[1][2], tables[1][3]]
+    );
+    assert!(
+        m.take_events().is_empty(),
+        "nothing hashed for a placeholder"
+    );
+    assert_reads_backed(&m, &out);
+    assert_eq!(
+        m.accept_drafts_keeping_blocks(1, 0).unwrap(),
+        vec![Vec::<BlockId>::new(); 2]
+    );
+    let out = step1(&m, 1, 1, &[99], &[]);
+    assert_eq!(
+        out.new_block_indptr.last(),
+        Some(&0),
+        "the kept blocks hold slot 64"
+    );
+    assert_eq!(m.block_tables(1).unwrap()[0], after[0]);
+    assert!(m.free(1));
+    m.check_invariants().unwrap();
+}

@@ -446,3 +446,71 @@ fn copy_on_write_before_spare_blocks_copies_the_partial_block() {
     assert_eq!(m.block_table(2).unwrap(), t[..2].to_vec());
     m.check_invariants().unwrap();
 }
+
+/// Lookahead-only allocation (no token scheduled, slots for drafts after the computed ones):
+/// an asynchronous scheduler's slots for tokens whose ids a step in flight has not reported.
+/// The block it opens is never hashed; the placeholders are rejected, the block kept as a spare
+/// and the real token computed into it. Refused for a first allocation or with uncomputed
+/// tokens left, state unchanged.
+#[test]
+fn lookahead_only_allocation_holds_a_block_for_an_unknown_token() {
+    let m = manager(16, 4);
+    m.add_sequence(1, &[0, 1, 2, 3, 4, 5, 6, 7], SequenceSpec::default())
+        .unwrap();
+    // First allocation: refused (the prefix hit is taken by scheduling tokens).
+    let before = (snapshot(&m), seq_state(&m, 1));
+    assert!(matches!(
+        m.allocate_slots_with_drafts(1, 0, &[0]),
+        Err(Error::InvalidArgument {
+            arg: "num_new_tokens",
+            ..
+        })
+    ));
+    assert_eq!((snapshot(&m), seq_state(&m, 1)), before);
+    m.allocate_slots(1, 8).unwrap();
+    assert_eq!(
+        stored_tokens(&m.take_events()),
+        vec![(0..8).collect::<Vec<u32>>()]
+    );
+    // Nothing without drafts.
+    assert!(matches!(
+        m.allocate_slots(1, 0),
+        Err(Error::InvalidArgument {
+            arg: "num_new_tokens",
+            ..
+        })
+    ));
+    // Slot 8 (token unknown) opens block 2.
+    let a = m.allocate_slots_with_drafts(1, 0, &[0]).unwrap();
+    assert_eq!(a.num_scheduled_tokens, 0);
+    assert_eq!(a.num_context_tokens, 8);
+    assert_eq!(a.new_block_ids.len(), 1);
+    let spare = a.new_block_ids[0];
+    assert_eq!(m.num_computed_tokens(1).unwrap(), 8);
+    assert_eq!(m.num_draft_tokens(1).unwrap(), 1);
+    assert!(
+        m.take_events().is_empty(),
+        "nothing hashed for a placeholder"
+    );
+    assert_eq!(m.pool().block_hash(spare), None);
+    // The token arrives: placeholder rejected, block kept, token computed into it.
+    assert!(m.accept_drafts_keeping_blocks(1, 0).unwrap().is_empty());
+    m.append_tokens(1, &[100]).unwrap();
+    // Uncomputed tokens left: lookahead alone is refused, state unchanged.
+    let before = (snapshot(&m), seq_state(&m, 1));
+    assert!(matches!(
+        m.allocate_slots_with_drafts(1, 0, &[0]),
+        Err(Error::InvalidArgument {
+            arg: "num_new_tokens",
+            ..
+        })
+    ));
+    assert_eq!((snapshot(&m), seq_state(&m, 1)), before);
+    let b = m.allocate_slots_with_drafts(1, 1, &[0]).unwrap();
+    assert!(b.new_block_ids.is_empty(), "the spare holds slots 8 and 9");
+    assert_eq!(m.block_table(1).unwrap()[2], spare);
+    assert_eq!(m.num_computed_tokens(1).unwrap(), 9);
+    m.check_invariants().unwrap();
+    assert!(m.free(1));
+    m.check_invariants().unwrap();
+}

@@ -16,6 +16,9 @@ pagedkv's state, tested the way vLLM makes it.
 - every read listed in docs/design/vllm-seam.md ("vLLM seam") resolves on pagedkv's manager, the table
   names every ``kv_cache_manager.*`` read in the installed vLLM's source, and the paths only KV
   connectors reach stay unreached;
+- with ``async_scheduling=True`` the engine core runs ``step_with_batch_queue`` (two batches
+  in flight, the executor answering with futures) with the plug-in's async variant, equal to
+  stock ``AsyncScheduler``;
 - a vLLM release outside 0.32 / 0.33 is refused when the scheduler is built.
 
 Runs only where vLLM is installed (``make test-vllm`` runs it under each supported release).
@@ -34,6 +37,7 @@ pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this
 
 import torch  # noqa: E402
 import vllm  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.engine.core import EngineCore  # noqa: E402
 from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
@@ -42,6 +46,7 @@ import pagedkv  # noqa: E402
 from pagedkv.integrations.vllm import (  # noqa: E402
     SUPPORTED_VLLM_RELEASES,
     HybridPagedKVCacheManager,
+    PagedKVAsyncScheduler,
     PagedKVCacheManager,
     PagedKVScheduler,
     UnsupportedVllmCallError,
@@ -54,6 +59,7 @@ from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     GEMMA3_WINDOW,
     Driver,
     build_scheduler,
+    fake_async_model_output,
     fake_model_output,
     fake_token,
     make_request,
@@ -75,7 +81,12 @@ class NoModelExecutor:
     """A vLLM model executor with no model: reports one full-attention KV cache spec per layer
     and memory for ``NUM_BLOCKS`` blocks (the engine core sizes the pool from them, as it does
     after profiling a real model), and answers ``execute_model`` with the harness's fake model
-    (the token depends only on the request id and position)."""
+    (the token depends only on the request id and position).
+
+    Async-capable (``supports_async_scheduling``): with the config's async scheduling on,
+    ``execute_model(non_block=True)`` returns a future of None and ``sample_tokens`` a future
+    of the output (taken when the batch was scheduled), as vLLM's executors answer
+    ``step_with_batch_queue``."""
 
     NUM_BLOCKS = 64
     scheduler: Any = None
@@ -114,16 +125,28 @@ class NoModelExecutor:
     def compile_or_warm_up_model(self) -> None:
         pass
 
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return True
+
     def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        future: Future[Any] = Future()
+        if self.vllm_config.scheduler_config.async_scheduling:
+            self._sampled = fake_async_model_output(self.scheduler, scheduler_output)
+            # An empty batch is answered by execute_model itself (nothing to sample).
+            future.set_result(None if scheduler_output.total_num_scheduled_tokens else self._sampled)
+            return future
         out = fake_model_output(self.scheduler, scheduler_output)
         if not non_block:
             return out
-        future: Future[Any] = Future()
         future.set_result(out)
         return future
 
-    def sample_tokens(self, grammar_output: Any) -> Any:
-        raise AssertionError("execute_model always returns the output")
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+        assert self.vllm_config.scheduler_config.async_scheduling, "execute_model returned the output"
+        future: Future[Any] = Future()
+        future.set_result(self._sampled)
+        return future
 
     def take_draft_token_ids(self) -> None:
         return None
@@ -132,8 +155,13 @@ class NoModelExecutor:
         pass
 
 
-def _engine_core(scheduler_cls: type) -> Any:
-    cfg = make_vllm_config(num_blocks=NoModelExecutor.NUM_BLOCKS, scheduler_cls=scheduler_cls, max_model_len=1024)
+def _engine_core(scheduler_cls: type, async_scheduling: bool = False) -> Any:
+    cfg = make_vllm_config(
+        num_blocks=NoModelExecutor.NUM_BLOCKS,
+        scheduler_cls=scheduler_cls,
+        max_model_len=1024,
+        async_scheduling=async_scheduling,
+    )
     cfg.cache_config.num_gpu_blocks = None  # sized by the engine core from the executor
     core = EngineCore(cfg, NoModelExecutor, log_stats=True)
     core.model_executor.scheduler = core.scheduler
@@ -149,10 +177,11 @@ def _serve(core: Any, requests: list[Any], max_steps: int = 1000) -> tuple[dict[
     tokens: dict[str, list[int]] = {r.request_id: [] for r in requests}
     stats: dict[str, Any] = {"requests": 0, "queries": 0, "hits": 0, "usage": []}
     for _ in range(max_steps):
-        if not core.scheduler.has_requests():
+        if not core.scheduler.has_requests() and not core.batch_queue:
             break
-        outputs, _ = core.step()
-        for eco in outputs.values():
+        # The engine core's own choice: step_with_batch_queue under async scheduling.
+        outputs, _ = core.step_fn()
+        for eco in (outputs or {}).values():
             for o in eco.outputs:
                 tokens[o.request_id].extend(o.new_token_ids)
             if eco.scheduler_stats is None:
@@ -207,6 +236,30 @@ def test_engine_core_starts_and_serves_with_pagedkv_scheduler() -> None:
     system = list(range(1000, 1000 + 3 * BS))
     _, after_reset = _serve(paged, [make_request("again", [*system, 7], max_tokens=2)])
     assert after_reset["queries"] > 0 and after_reset["hits"] == 0
+
+
+def test_engine_core_with_async_scheduling_runs_the_async_variant_equal_to_stock() -> None:
+    # vLLM's EngineCore with async_scheduling=True: a batch queue of two, step_with_batch_queue
+    # scheduling step N+1 before step N's output is consumed. --scheduler-cls PagedKVScheduler
+    # builds the async variant; the engine's outputs and stats equal stock AsyncScheduler's.
+    stock = _engine_core(AsyncScheduler, async_scheduling=True)
+    paged = _engine_core(PagedKVScheduler, async_scheduling=True)
+    assert type(paged.scheduler) is PagedKVAsyncScheduler
+    assert paged.batch_queue is not None and paged.batch_queue.maxlen == 2
+    assert paged.step_fn == paged.step_with_batch_queue
+    results = {}
+    for name, core in (("stock", stock), ("paged", paged)):
+        first = _serve(core, _requests("r")[:1])
+        rest = _serve(core, _requests("r")[1:])
+        results[name] = (first, rest)
+    assert results["paged"] == results["stock"]
+    (tokens, _), (rest_tokens, rest_stats) = results["paged"]
+    assert tokens["r0"] == [fake_token("r0", 3 * BS + 1 + k) for k in range(6)]
+    assert all(len(t) == 6 for t in rest_tokens.values())
+    assert rest_stats["hits"] == 3 * 3 * BS
+    manager = paged.scheduler.kv_cache_manager
+    assert manager.async_scheduling and not manager._unknown
+    assert manager.manager.num_sequences == 0 and manager.usage == 0.0
 
 
 def test_initialize_effective_attention_block_size_on_built_scheduler() -> None:

@@ -4,8 +4,10 @@ Use it from the command line::
 
     vllm serve MODEL --scheduler-cls pagedkv.integrations.vllm.PagedKVScheduler
 
-or from code, ``SchedulerConfig(scheduler_cls=PagedKVScheduler, ...)``. The scheduler is vLLM's
-own (same admission, chunked prefill, preemption and output handling); only its
+or from code, ``SchedulerConfig(scheduler_cls=PagedKVScheduler, ...)``. With async scheduling on
+(vLLM's default on a GPU) that name builds :class:`PagedKVAsyncScheduler`, vLLM's
+``AsyncScheduler`` with the same manager; with it off, the synchronous scheduler. The scheduler
+is vLLM's own (same admission, chunked prefill, preemption and output handling); only its
 ``kv_cache_manager`` is replaced by :class:`PagedKVCacheManager` (one KV cache group) or
 :class:`HybridPagedKVCacheManager` (several: full attention, sliding window, chunked local),
 whose block pool, prefix cache (chained SHA-256 block hashes computed in Rust) and block tables
@@ -39,7 +41,7 @@ with optional_imports("pagedkv.integrations.vllm", "vllm"):
     from pagedkv.integrations.vllm.events import to_vllm_events
     from pagedkv.integrations.vllm.hybrid_kv_cache_manager import HybridPagedKVCacheManager
     from pagedkv.integrations.vllm.kv_cache_manager import PagedKVCacheManager
-    from pagedkv.integrations.vllm.scheduler import PagedKVScheduler
+    from pagedkv.integrations.vllm.scheduler import PagedKVAsyncScheduler, PagedKVScheduler, async_variant
     from pagedkv.integrations.vllm.versions import SUPPORTED_VLLM_RELEASES, check_supported_version
 
 __all__ = [
@@ -49,12 +51,14 @@ __all__ = [
     "GroupManagerView",
     "HybridPagedKVCacheManager",
     "PagedKVBlocks",
+    "PagedKVAsyncScheduler",
     "PagedKVCacheManager",
     "PagedKVScheduler",
     "UnsupportedVllmCallError",
     "UnsupportedVllmConfigError",
     "UnsupportedVllmVersionError",
     "VllmStateMismatchError",
+    "async_variant",
     "check_supported_config",
     "check_supported_version",
     "to_vllm_events",

@@ -61,6 +61,7 @@ def check_supported_config(
         block_size: the scheduler's block size in tokens.
         hash_block_size: the prefix-hash granularity in tokens (None = ``block_size``).
 
+    Async scheduling is served (two batches in flight), except with pipeline parallelism.
     Accepted: KV cache groups whose specs are plain ``FullAttentionSpec`` /
     ``MLAAttentionSpec`` (no window), ``SlidingWindowSpec`` or ``ChunkedLocalAttentionSpec``,
     every group's block size the scheduler's; several groups or a windowed one are served by
@@ -160,6 +161,15 @@ def check_supported_config(
                 _attr(parallel, cp),
                 "context parallelism shards each block across ranks",
             )
+    pp = _attr(parallel, "pipeline_parallel_size", 1) or 1
+    if pp > 1 and _attr(_attr(vllm_config, "scheduler_config"), "async_scheduling", False):
+        raise _refuse(
+            "parallel_config.pipeline_parallel_size",
+            pp,
+            "with async scheduling on, pipeline parallelism keeps more than two batches in "
+            "flight, which the plug-in's placeholder slots are not tested with "
+            "(use --no-async-scheduling)",
+        )
     for lookahead in (
         "num_lookahead_tokens",
         "num_hash_lookahead_tokens",

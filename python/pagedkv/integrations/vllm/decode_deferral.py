@@ -91,6 +91,10 @@ class DecodeDeferral:
         self.pending_seqs: list[int] = []
         self.pending_tokens: list[list[int]] = []
         self.pending_context: list[int] = []
+        # Per deferred decode, the placeholder drafts after its token (async scheduling: [0]
+        # for a slot whose token is in flight and opens a block; [] otherwise).
+        self.pending_drafts: list[list[int]] = []
+        self._any_drafts = False
         # (index into pending_*, DeferredBlocks) of the deferred decodes that take a new block.
         self._pending_new: list[tuple[int, Any]] = []
         # Free blocks left for deferred decodes (None: read the pool on next need).
@@ -131,26 +135,29 @@ class DecodeDeferral:
         """``rid`` released its blocks (preemption by recompute): no lookahead block is kept."""
         self.held_end.pop(rid, None)
 
-    def defer(self, request: Any, rid: str, pos: int) -> Any:
+    def defer(self, request: Any, rid: str, pos: int, placeholder: bool = False) -> Any:
         """A plain decode at slot ``pos`` that fills or opens a block (or lags outside a known
         window), deferred to the next :meth:`flush` with the tokens it lagged by: returns the
         ``KVCacheBlocks`` result (empty, or a :class:`DeferredBlocks` for a new block), or None
         when it is no plain decode or no free block is left for it (the per-request path
-        decides then)."""
+        decides then). ``placeholder`` (async scheduling): the decode fills its block and the
+        next slot, whose token is in flight, opens one: it gets a placeholder lookahead slot
+        (a draft ``0``, never hashed) in the same flush and the new block is returned."""
         synced = self._num_known.get(rid)
         tokens = request._all_token_ids
-        if (
-            synced is None
-            or not synced <= pos == len(tokens) - 1
-            or request.num_output_placeholders
-            or request.status is not self._running
-        ):
+        if synced is None or not synced <= pos == len(tokens) - 1 or request.status is not self._running:
             return None
         bs = self._block_size
         new_end = pos + 1  # vLLM's slots for the request once this decode is placed
         offset = new_end % bs  # tokens in the tail block after it (0: the block is full)
         start = new_end - (offset or bs)  # first slot of the block ``pos`` lies in
-        if synced > start:
+        if placeholder:
+            if offset or synced <= start:
+                return None
+            blocks = self._take_block()
+            if blocks is None:
+                return None
+        elif synced > start:
             # pagedkv holds that block.
             if offset:
                 self.lag[rid] = new_end
@@ -166,21 +173,19 @@ class DecodeDeferral:
             # only while the pool still has a free block for it (counted here, so the flush
             # cannot run out); with none left the per-request path fails and vLLM preempts,
             # exactly as stock.
-            free = self._deferred_free
-            if free is None:
-                free = self._pool.num_free
-            if free <= 0:
-                self._deferred_free = free
-                self.num_batch_stops += 1
+            blocks = self._take_block()
+            if blocks is None:
                 return None
-            self._deferred_free = free - 1
-            blocks = DeferredBlocks(self)
-            self._pending_new.append((len(self.pending_seqs), blocks))
         else:
             return None
         self.pending_seqs.append(self._seq_of[rid])
         self.pending_tokens.append(tokens[synced:new_end])
         self.pending_context.append(synced)
+        if placeholder:
+            self.pending_drafts.append([0])
+            self._any_drafts = True
+        else:
+            self.pending_drafts.append([])
         self._num_known[rid] = new_end
         if self.lag:
             self.lag.pop(rid, None)
@@ -189,6 +194,21 @@ class DecodeDeferral:
             self.lag_window[rid] = (new_end, new_end - offset + bs - 1)
         else:
             self.lag_window.pop(rid, None)
+        return blocks
+
+    def _take_block(self) -> Any:
+        """A :class:`DeferredBlocks` for one new block of the decode being deferred, counted
+        against the pool's free blocks; None (a batch stop) when none is left."""
+        free = self._deferred_free
+        if free is None:
+            free = self._pool.num_free
+        if free <= 0:
+            self._deferred_free = free
+            self.num_batch_stops += 1
+            return None
+        self._deferred_free = free - 1
+        blocks = DeferredBlocks(self)
+        self._pending_new.append((len(self.pending_seqs), blocks))
         return blocks
 
     def flush(self) -> int:
@@ -202,10 +222,12 @@ class DecodeDeferral:
         if not seqs:
             return 0
         rows, context, new = self.pending_tokens, self.pending_context, self._pending_new
+        drafts = self.pending_drafts if self._any_drafts else None
         self.pending_seqs, self.pending_tokens, self.pending_context, self._pending_new = [], [], [], []
+        self.pending_drafts, self._any_drafts = [], False
         self._deferred_free = None
         n = len(seqs)
-        got = self._step(seqs, rows)
+        got = self._step(seqs, rows, drafts)
         if got is not None:
             got_context, ids, bounds = got
         else:
@@ -219,7 +241,7 @@ class DecodeDeferral:
                 while end < n and seqs[end] not in seen:
                     seen.add(seqs[end])
                     end += 1
-                run = self._step(seqs[start:end], rows[start:end])
+                run = self._step(seqs[start:end], rows[start:end], drafts and drafts[start:end])
                 assert run is not None
                 run_context, run_ids, run_bounds = run
                 got_context += run_context
@@ -265,12 +287,18 @@ class DecodeDeferral:
             self.flush()
         self._deferred_free = None
 
-    def _step(self, seqs: list[int], rows: list[list[int]]) -> tuple[list[int], list[int], list[int]] | None:
-        """One ``step`` appending ``rows[i]`` to ``seqs[i]`` and allocating their slots:
-        (context lengths, new block ids, their CSR offsets), or None when ``seqs`` repeats a
-        sequence (the step refuses that as a whole, changing nothing). Raises
-        :class:`VllmStateMismatchError` if pagedkv refuses anything else."""
-        out = self._kvm.step(seqs, [len(r) for r in rows], rows, token_arrays=False)
+    def _step(
+        self, seqs: list[int], rows: list[list[int]], drafts: list[list[int]] | None = None
+    ) -> tuple[list[int], list[int], list[int]] | None:
+        """One ``step`` appending ``rows[i]`` to ``seqs[i]`` and allocating their slots (and
+        the placeholder ``drafts[i]`` after them): (context lengths, new block ids, their CSR
+        offsets), or None when ``seqs`` repeats a sequence (the step refuses that as a whole,
+        changing nothing). Raises :class:`VllmStateMismatchError` if pagedkv refuses anything
+        else."""
+        if drafts:
+            out = self._kvm.step(seqs, [len(r) for r in rows], rows, draft_token_ids=drafts, token_arrays=False)
+        else:
+            out = self._kvm.step(seqs, [len(r) for r in rows], rows, token_arrays=False)
         if out.num_scheduled == 0 and len(set(seqs)) != len(seqs):
             return None
         if out.num_scheduled != len(seqs):

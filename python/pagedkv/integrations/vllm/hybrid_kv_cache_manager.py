@@ -243,6 +243,10 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         # drafts) until vLLM reports the verification (see PagedKVCacheManager).
         self._drafts_pending: dict[str, tuple[int, list[int]]] = {}
         self._cache_finished_drafts = caches_finished_drafts()
+        #: Async scheduling (set by ``PagedKVAsyncScheduler``; see ``PagedKVCacheManager``).
+        self.async_scheduling = False
+        # Async scheduling: requests whose unknown tokens hold placeholder lookahead slots.
+        self._unknown: set[str] = set()
 
     # ---- properties vLLM reads -------------------------------------------------------------
 
@@ -281,6 +285,7 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
             or rid in self._pending_rids
             or rid in self._drafts_pending
             or rid in self._had_drafts
+            or rid in self._unknown
         ):
             return None
         if pos % self.block_size:
@@ -359,6 +364,10 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
             self._seq_of[rid] = seq
             self._num_known[rid] = request.num_tokens
             return seq
+        if self._unknown and rid in self._unknown:
+            # Async scheduling: the placeholders go, their lookahead blocks stay (filled next).
+            self._unknown.discard(rid)
+            self._kvm.accept_drafts(seq, 0, release_blocks=False)
         if rid in self._drafts_pending:
             self._accept_drafts(request, seq, strict=True)
         known = self._num_known[rid]
@@ -508,6 +517,8 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         first = request.num_computed_tokens == 0
         hit = num_new_computed_tokens if first else 0
         seq = self._register(request)
+        if self.async_scheduling and not first:
+            return self._allocate_async(request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks)
         # A verify step (speculative decoding): the tokens past the request's known ones are
         # its drafts (request.spec_token_ids), given lookahead slots in every group.
         num_drafts = 0
@@ -572,6 +583,88 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
             return self.empty_kv_cache_blocks
         return GroupedBlocks(tuple(ids[indptr[g] : indptr[g + 1]] for g in range(self.num_kv_cache_groups)))
 
+    def _allocate_async(
+        self, request: Any, seq: int, num_new_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int
+    ) -> Any:
+        """``allocate_slots`` of a running or resumed request under async scheduling (as
+        ``PagedKVCacheManager``): the known tokens are computed, the slots of tokens whose ids
+        a step in flight has not reported get placeholder lookahead slots in every group where
+        the blocks held end before them. Windowed groups release by pagedkv's computed count,
+        vLLM's processed one (its computed tokens less those in flight). Raises
+        ``VllmStateMismatchError`` when pagedkv holds more computed tokens than vLLM counts."""
+        rid = request.request_id
+        bs = self.block_size
+        computed = request.num_computed_tokens
+        held = self._kvm.num_computed_tokens(seq)
+        if held > computed:
+            raise VllmStateMismatchError(
+                f"request {rid!r}: pagedkv holds {held} computed tokens, vLLM counts {computed}",
+                request_id=rid,
+                quantity="num_computed_tokens",
+                expected=f"<= {computed}",
+                got=str(held),
+            )
+        end = computed + num_new_tokens
+        known_end = min(end, request.num_tokens)
+        num_known_new = known_end - held
+        num_unknown = end - known_end if -(-end // bs) > -(-known_end // bs) else 0
+        if num_known_new == 0 and num_unknown == 0:
+            return self.empty_kv_cache_blocks
+        if full_sequence_must_fit or reserved_blocks:
+            free = self._kvm.num_free_blocks
+            take, release = self._kvm.num_blocks_needed(seq, max(num_known_new, 1))
+            if take > free + release - reserved_blocks:
+                return None
+        out = self._kvm.step(
+            [seq],
+            [num_known_new],
+            draft_token_ids=[[0] * num_unknown] if num_unknown else None,
+            block_table=False,
+            token_arrays=False,
+        )
+        if out.error is not None:
+            if isinstance(out.error, OutOfBlocksError):
+                return None
+            out.raise_for_error()
+        if num_unknown:
+            self._unknown.add(rid)
+        indptr = out.new_block_indptr.tolist()
+        ids = out.new_block_ids.tolist()
+        if indptr[-1] == 0:
+            return self.empty_kv_cache_blocks
+        return GroupedBlocks(tuple(ids[indptr[g] : indptr[g + 1]] for g in range(self.num_kv_cache_groups)))
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """vLLM's ``update_from_output`` hook (as ``PagedKVCacheManager.cache_blocks``): under
+        async scheduling, the blocks filled by ``request``'s first ``num_computed_tokens``
+        (computed and known) are cached now if pagedkv has not cached them yet."""
+        if not self.async_scheduling:
+            return
+        rid = request.request_id
+        seq = self._seq_of.get(rid)
+        if seq is None:
+            return
+        target = min(num_computed_tokens, request.num_tokens)
+        bs = self.block_size
+        self._sync()
+        held = self._kvm.num_computed_tokens(seq)
+        if target // bs <= held // bs:
+            return
+        seq = self._register(request)
+        end = target - target % bs
+        out = self._kvm.step([seq], [end - held], block_table=False, token_arrays=False)
+        if out.error is not None:
+            out.raise_for_error()
+        if len(out.new_block_ids):
+            raise VllmStateMismatchError(
+                f"request {rid!r}: caching its computed tokens up to {end} took "
+                f"{len(out.new_block_ids)} new block(s); vLLM holds them already",
+                request_id=rid,
+                quantity="new blocks",
+                expected="0",
+                got=str(len(out.new_block_ids)),
+            )
+
     def free(self, request: Any) -> None:
         """Releases ``request``'s blocks in every group. A finished request is forgotten; one
         still ``RUNNING`` is being preempted by the scheduler and keeps its tokens (preemption
@@ -585,6 +678,8 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
             # vLLM 0.33 caches the blocks a request's last verify step completed.
             self._accept_drafts(request, seq, strict=False)
         self._drafts_pending.pop(rid, None)
+        # Placeholder lookahead slots (async scheduling) go with the free or preemption.
+        self._unknown.discard(rid)
         if seq is None:
             self._check_unallocated_free(request)
             return

@@ -210,6 +210,13 @@ class PagedKVCacheManager(SharedManagerCalls):
         # vLLM 0.33 caches the blocks a request's last verify step completed before freeing
         # it; 0.32 does not (pagedkv follows the installed release).
         self._cache_finished_drafts = caches_finished_drafts()
+        #: Async scheduling (set by ``PagedKVAsyncScheduler``): slots past a request's known
+        #: tokens are for tokens whose ids a step in flight has not reported yet.
+        self.async_scheduling = False
+        # Async scheduling: request id -> end of the slots pagedkv holds for it, for a request
+        # whose unknown tokens took lookahead slots (placeholder drafts, never hashed); its
+        # next allocation, cache_blocks or free settles them.
+        self._unknown: dict[str, int] = {}
 
     # ---- properties vLLM reads -------------------------------------------------------------
 
@@ -271,6 +278,8 @@ class PagedKVCacheManager(SharedManagerCalls):
             return seq
         if rid in self._lag:
             self.decodes.catch_up([rid])
+        if self._unknown and rid in self._unknown:
+            self._settle_unknown(rid, seq)
         if self._drafts_pending and rid in self._drafts_pending:
             self._accept_drafts(request, seq)
         known = self._num_known[rid]
@@ -280,6 +289,14 @@ class PagedKVCacheManager(SharedManagerCalls):
             self._num_known[rid] = n
             self.decodes.close_window(rid)
         return seq
+
+    def _settle_unknown(self, rid: str, seq: int) -> None:
+        """Async scheduling: drops the placeholder drafts of ``rid``'s unknown tokens, keeping
+        their lookahead blocks (vLLM's model runner holds them); the tokens, once known, are
+        appended and computed into those blocks by the next allocation."""
+        end = self._unknown.pop(rid)
+        self._kvm.accept_drafts(seq, 0, release_blocks=False)
+        self.decodes.keep_lookahead(rid, end)
 
     def _accept_drafts(self, request: Any, seq: int) -> None:
         """Resolves the request's verify step: vLLM rolled ``num_computed_tokens`` back over
@@ -397,12 +414,30 @@ class PagedKVCacheManager(SharedManagerCalls):
             rid = request.request_id
             pos = request.num_computed_tokens
             first, end = self._lag_window.get(rid, NO_WINDOW)
-            if first <= pos < end and len(request._all_token_ids) == pos + 1 and not request.num_output_placeholders:
-                self._lag[rid] = pos + 1
-                return self.empty_kv_cache_blocks
-            if self.decodes.enabled:
-                blocks = self.decodes.defer(request, rid, pos)
+            if not request.num_output_placeholders:
+                if first <= pos < end and len(request._all_token_ids) == pos + 1:
+                    self._lag[rid] = pos + 1
+                    return self.empty_kv_cache_blocks
+                if self.decodes.enabled:
+                    blocks = self.decodes.defer(request, rid, pos)
+                    if blocks is not None:
+                        return blocks
+            elif len(request._all_token_ids) == pos and self.decodes.enabled:
+                # Async scheduling: the slot's token is the one the step in flight samples.
+                # pagedkv computes the last known token (slot pos - 1) as a plain decode; the
+                # slot pos lies in the same block, or opens one: then it gets a placeholder
+                # lookahead slot in the same batched step.
+                if self._unknown and rid in self._unknown:
+                    # The previous slot's placeholder: its token is known now. The block stays.
+                    self._settle_unknown(rid, self._seq_of[rid])
+                elif first < pos <= end:
+                    self._lag[rid] = pos
+                    return self.empty_kv_cache_blocks
+                placeholder = not pos % self.block_size
+                blocks = self.decodes.defer(request, rid, pos - 1, placeholder)
                 if blocks is not None:
+                    if placeholder:
+                        self._unknown[rid] = pos + 1
                     return blocks
         return self._allocate(
             request,
@@ -443,6 +478,10 @@ class PagedKVCacheManager(SharedManagerCalls):
         )
         seq = self._register(request)
         first = request.num_computed_tokens == 0
+        if self.async_scheduling and not first:
+            return self._allocate_async(
+                request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs
+            )
         # A verify step (speculative decoding): the tokens past the request's known ones are
         # its draft tokens (request.spec_token_ids), given lookahead slots and never hashed.
         num_drafts = 0
@@ -489,6 +528,109 @@ class PagedKVCacheManager(SharedManagerCalls):
             return self.empty_kv_cache_blocks
         return PagedKVBlocks(ids.tolist())
 
+    def _allocate_async(
+        self,
+        request: Any,
+        seq: int,
+        num_new_tokens: int,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> Any:
+        """``_allocate`` of a running or resumed request under async scheduling.
+
+        vLLM's slots end at ``num_computed_tokens + num_new_tokens``; the tokens known by now
+        (``request.num_tokens``) are computed in pagedkv (hashed and cached as their blocks
+        fill), and the slots past them, whose token ids a step in flight has not reported
+        (output placeholders, placeholder drafts), get placeholder lookahead slots only where
+        the blocks pagedkv holds end before them (never hashed; settled by the next
+        allocation). Raises ``VllmStateMismatchError`` when pagedkv holds more computed tokens
+        than vLLM counts.
+        """
+        rid = request.request_id
+        bs = self.block_size
+        computed = request.num_computed_tokens
+        held = self._kvm.num_computed_tokens(seq)
+        if held > computed:
+            raise VllmStateMismatchError(
+                f"request {rid!r}: pagedkv holds {held} computed tokens, vLLM counts {computed}",
+                request_id=rid,
+                quantity="num_computed_tokens",
+                expected=f"<= {computed}",
+                got=str(held),
+            )
+        end = computed + num_new_tokens
+        known_end = min(end, request.num_tokens)
+        num_known_new = known_end - held
+        covered = max(-(-known_end // bs) * bs, self.decodes.held_end.get(rid, 0))
+        num_unknown = end - known_end if end > covered else 0
+        if full_sequence_must_fit or reserved_blocks:
+            free = self._pool.num_free
+            if full_sequence_must_fit and self._kvm.num_blocks_needed(seq, max(request.num_tokens - held, 1)) > free:
+                return None
+            if reserved_blocks and -(-end // bs) - -(-held // bs) > free - reserved_blocks:
+                return None
+        if num_known_new == 0 and num_unknown == 0:
+            # Every slot lies in blocks pagedkv holds already.
+            return self.empty_kv_cache_blocks
+        try:
+            alloc = self._kvm.allocate_slots(seq, num_known_new, [0] * num_unknown if num_unknown else None)
+        except OutOfBlocksError:
+            return None
+        if num_unknown:
+            self._unknown[rid] = end
+            self.decodes.close_window(rid)
+        elif known_end == self._num_known[rid]:
+            self.decodes.set_window(rid, known_end)
+        else:
+            self.decodes.close_window(rid)
+        ids = alloc.new_block_ids
+        if len(ids) == 0:
+            return self.empty_kv_cache_blocks
+        return PagedKVBlocks(ids.tolist())
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """vLLM's ``update_from_output`` hook: ``request``'s first ``num_computed_tokens`` are
+        computed and known. Under async scheduling, a block they fill that pagedkv has not
+        cached yet (the request's tokens arrived after its last allocation) is cached now, as
+        vLLM caches it; otherwise a no-op (pagedkv caches blocks as it allocates them)."""
+        if not self.async_scheduling:
+            return
+        # Runs once per decoding request per step: the common case (no block completed past
+        # what pagedkv holds) is two dict lookups and a comparison.
+        rid = request.request_id
+        known = self._lag.get(rid)
+        if known is None:
+            known = self._num_known.get(rid)
+            if known is None:
+                return
+        bs = self.block_size
+        if num_computed_tokens // bs <= known // bs:
+            return
+        target = min(num_computed_tokens, request.num_tokens)
+        if target // bs <= known // bs:
+            return
+        self._sync()
+        seq = self._register(request)
+        held = self._kvm.num_computed_tokens(seq)
+        if target // bs <= held // bs:
+            return
+        end = target - target % bs
+        alloc = self._kvm.allocate_slots(seq, end - held)
+        if len(alloc.new_block_ids):
+            raise VllmStateMismatchError(
+                f"request {rid!r}: caching its computed tokens up to {end} took "
+                f"{len(alloc.new_block_ids)} new block(s); vLLM holds them already",
+                request_id=rid,
+                quantity="new blocks",
+                expected="0",
+                got=str(len(alloc.new_block_ids)),
+            )
+        if end == self._num_known[rid]:
+            self.decodes.set_window(rid, end)
+        else:
+            self.decodes.close_window(rid)
+
     def flush_decodes(self) -> int:
         """Allocates the deferred decodes in one call into Rust
         (:meth:`DecodeDeferral.flush`); returns how many decode slots went in. Raises
@@ -519,8 +661,11 @@ class PagedKVCacheManager(SharedManagerCalls):
             self._kvm.accept_drafts(seq, m, release_blocks=False)
             self._num_known[rid] += m
         # Other pending drafts go with the recompute preemption; a preempted request's
-        # accepted tokens reach pagedkv as known tokens on resume.
+        # accepted tokens reach pagedkv as known tokens on resume. Placeholder drafts of
+        # unknown tokens (async scheduling) go with the free or preemption too.
         self._drafts_pending.pop(rid, None)
+        if self._unknown:
+            self._unknown.pop(rid, None)
         if seq is None:
             self._check_unallocated_free(request)
             return

@@ -4,6 +4,11 @@ Usable wherever vLLM takes a scheduler class::
 
     vllm serve MODEL --scheduler-cls pagedkv.integrations.vllm.PagedKVScheduler
 
+It keeps the scheduling mode vLLM chose: with ``scheduler_config.async_scheduling`` on (vLLM's
+default on a GPU) constructing ``PagedKVScheduler`` builds a :class:`PagedKVAsyncScheduler`
+(vLLM's ``AsyncScheduler`` with the same KV cache manager), so the next step is scheduled while
+the forward pass of the previous one runs; with it off, the synchronous scheduler.
+
 Scheduling decisions (admission, chunked prefill, preemption order, stop handling, outputs) are
 vLLM's own code; the KV cache calls go to :class:`PagedKVCacheManager`. Two changes on top:
 
@@ -34,6 +39,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from pagedkv.errors import InvalidArgumentError
@@ -42,9 +48,11 @@ from pagedkv.integrations.vllm.hybrid_kv_cache_manager import HybridPagedKVCache
 from pagedkv.integrations.vllm.kv_cache_manager import PagedKVCacheManager
 from pagedkv.integrations.vllm.versions import check_supported_version
 
-__all__ = ["PagedKVScheduler"]
+__all__ = ["PagedKVAsyncScheduler", "PagedKVScheduler", "async_variant"]
 
 _BASE_INIT = inspect.signature(Scheduler.__init__)
+# Subclass of PagedKVScheduler -> its AsyncScheduler variant (built once per class).
+_ASYNC_VARIANTS: dict[type, type] = {}
 
 
 class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
@@ -56,7 +64,19 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
     Raises ``pagedkv.integrations.vllm.UnsupportedVllmVersionError`` (a ``ValueError``) under a
     vLLM release other than 0.32 / 0.33, and ``UnsupportedVllmConfigError`` (a ``ValueError``)
     naming the first unsupported setting, before anything is built.
+
+    With ``vllm_config.scheduler_config.async_scheduling`` true, ``PagedKVScheduler(...)`` (and
+    any subclass that is not already an ``AsyncScheduler``) returns an instance of its async
+    variant (:func:`async_variant`; :class:`PagedKVAsyncScheduler` for this class), so the
+    one ``--scheduler-cls`` name serves both modes.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        if not issubclass(cls, AsyncScheduler):
+            bound = _BASE_INIT.bind(None, *args, **kwargs)
+            if getattr(bound.arguments["vllm_config"].scheduler_config, "async_scheduling", False):
+                cls = async_variant(cls)
+        return super().__new__(cls)
 
     #: Keep vLLM's Python block hashes growing on output tokens (off: pagedkv hashes in Rust).
     keep_vllm_block_hashes: bool = False
@@ -88,6 +108,7 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
                 max_in_flight_tokens=getattr(self.vllm_config, "max_in_flight_tokens", None),
             )
             self.kv_cache_manager.defer_decodes = self.batch_decode
+            self.kv_cache_manager.async_scheduling = isinstance(self, AsyncScheduler)
             return
         self.kv_cache_manager = PagedKVCacheManager(
             self.kv_cache_config.num_blocks,
@@ -102,6 +123,8 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
             max_model_len=self.max_model_len,
         )
         self.kv_cache_manager.defer_decodes = self.batch_decode
+        # Slots past a request's known tokens are output placeholders (see the module docs).
+        self.kv_cache_manager.async_scheduling = isinstance(self, AsyncScheduler)
 
     def add_request(self, request: Any) -> None:
         """Queues ``request`` (vLLM's ``add_request``). Raises ``InvalidArgumentError`` for a
@@ -124,3 +147,42 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
             return super().schedule(*args, **kwargs)
         finally:
             self.kv_cache_manager.flush_decodes()
+
+
+class PagedKVAsyncScheduler(PagedKVScheduler, AsyncScheduler):  # type: ignore[misc, unused-ignore]
+    """vLLM's ``AsyncScheduler`` (async scheduling: step N+1 is scheduled while step N runs)
+    with pagedkv as its KV cache manager; what ``PagedKVScheduler(...)`` builds when
+    ``scheduler_config.async_scheduling`` is on. Same constructor arguments and errors as
+    :class:`PagedKVScheduler`.
+
+    A running request is scheduled again before the token ids of its step in flight are known
+    (vLLM's output placeholders). pagedkv holds only known tokens: the slots of tokens whose
+    ids are still unknown lie in blocks pagedkv already holds for the request, or in lookahead
+    blocks taken for them (never hashed); the tokens are appended, marked computed and their
+    full blocks cached once vLLM reports them (the request's next allocation, or
+    ``cache_blocks`` from ``update_from_output``). Blocks are released as stock vLLM releases
+    them (the GPU stream orders an in-flight step's writes before the next step's).
+    """
+
+
+_ASYNC_VARIANTS[PagedKVScheduler] = PagedKVAsyncScheduler
+
+
+def async_variant(cls: type) -> type:
+    """The ``AsyncScheduler`` variant of ``cls`` (``PagedKVScheduler`` or a subclass): ``cls``
+    itself when it already is one, else a subclass of ``(cls, AsyncScheduler)`` built once and
+    reused. Raises ``InvalidArgumentError`` for a class that is no ``PagedKVScheduler``."""
+    if not (isinstance(cls, type) and issubclass(cls, PagedKVScheduler)):
+        raise InvalidArgumentError(
+            f"{cls!r} is not a PagedKVScheduler subclass",
+            arg="cls",
+            value=repr(cls),
+            reason="must subclass PagedKVScheduler",
+        )
+    if issubclass(cls, AsyncScheduler):
+        return cls
+    variant = _ASYNC_VARIANTS.get(cls)
+    if variant is None:
+        variant = type(f"{cls.__name__}Async", (cls, AsyncScheduler), {"__module__": cls.__module__})
+        _ASYNC_VARIANTS[cls] = variant
+    return variant
