@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 
 import pagedkv
-from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
+from pagedkv.errors import OutOfBlocksError
 from pagedkv.integrations.vllm.blocks import DeferredGroupedBlocks, GroupedBlocks, PrefixHit
 from pagedkv.integrations.vllm.coordinator import CoordinatorView
 from pagedkv.integrations.vllm.errors import VllmStateMismatchError
@@ -469,12 +469,15 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         all its tokens fit (a windowed group counted up to its admission cap).
 
         A verify step's draft tokens (``request.spec_token_ids``, scheduled past the known
-        tokens) get lookahead slots in every group and are never hashed.
+        tokens) get lookahead slots in every group and are never hashed. Tokens scheduled past
+        the known ones and the drafts (vLLM's placeholder drafts when it pads a new or resumed
+        request with one token left to a verify-sized step) get no slots: pagedkv schedules the
+        known tokens, as ``PagedKVCacheManager`` does, and vLLM rolls the placeholders back.
 
-        Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0``, tokens past the known
-        ones that are not drafts, or a feature the config check refuses (lookahead slots,
-        external / encoder tokens, delayed caching), and ``VllmStateMismatchError`` (a
-        ``RuntimeError``) if pagedkv's computed-token count disagrees with the request's.
+        Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` or a feature the config
+        check refuses (lookahead slots, external / encoder tokens, delayed caching), and
+        ``VllmStateMismatchError`` (a ``RuntimeError``) if pagedkv's computed-token count
+        disagrees with the request's.
 
         A plain decode of a running request (one token, no other option) is deferred to the
         next ``flush_decodes`` when ``defer_decodes`` is on (see the module docs).
@@ -514,18 +517,14 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         drafts: list[int] | None = None
         spec = getattr(request, "spec_token_ids", None)
         past = request.num_computed_tokens + hit + num_new_tokens - request.num_tokens
-        if past > 0:
-            if not spec or first or past > len(spec):
-                raise InvalidArgumentError(
-                    f"request {rid!r}: {num_new_tokens} tokens scheduled past its "
-                    f"{request.num_tokens} known tokens without as many draft tokens",
-                    arg="num_new_tokens",
-                    value=str(num_new_tokens),
-                    reason="only draft tokens may be scheduled past the known tokens",
-                )
-            num_drafts = past
+        if past > 0 and spec and not first:
+            num_drafts = min(past, len(spec))
             # Grammar-invalidated drafts arrive as -1; they are never accepted.
             drafts = [max(int(t), 0) for t in spec[:num_drafts]]
+        # Scheduled tokens past the known ones and the drafts are vLLM's placeholders (a new or
+        # resumed request with one token left, padded to a verify-sized step): pagedkv has no
+        # ids for them and schedules the known ones only, as PagedKVCacheManager; vLLM rejects
+        # the placeholders and rolls them back.
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
             free = self._kvm.num_free_blocks
