@@ -527,8 +527,13 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
             drafts = [max(int(t), 0) for t in spec[:num_drafts]]
         # Scheduled tokens past the known ones and the drafts are vLLM's placeholders (a new or
         # resumed request with one token left, padded to a verify-sized step): pagedkv has no
-        # ids for them and schedules the known ones only, as PagedKVCacheManager; vLLM rejects
-        # the placeholders and rolls them back.
+        # ids for them and schedules the known ones only, as PagedKVCacheManager, with slots
+        # for them only where they spill past the last token's block; vLLM rejects the
+        # placeholders and rolls them back.
+        extra = self._placeholder_slots(request, past, num_drafts)
+        if extra:
+            drafts = (drafts or []) + [UNWRITTEN_TOKEN] * extra
+            num_drafts += extra
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
             free = self._kvm.num_free_blocks

@@ -450,10 +450,22 @@ class PagedKVCacheManager(SharedManagerCalls):
         num_drafts = 0
         drafts: list[int] | None = None
         spec = getattr(request, "spec_token_ids", None)
+        past = (
+            request.num_computed_tokens
+            + (num_new_computed_tokens if first else 0)
+            + num_new_tokens
+            - request.num_tokens
+        )
         if spec and not first:
-            num_drafts = max(0, min(len(spec), request.num_computed_tokens + num_new_tokens - request.num_tokens))
+            num_drafts = max(0, min(len(spec), past))
             # Grammar-invalidated drafts arrive as -1; they are never accepted.
             drafts = [max(int(t), 0) for t in spec[:num_drafts]] or None
+        # vLLM's placeholder drafts of a padded verify step: slots only where they spill past
+        # the last token's block; pagedkv has no ids for them (vLLM rolls them back).
+        extra = self._placeholder_slots(request, past, num_drafts)
+        if extra:
+            drafts = (drafts or []) + [UNWRITTEN_TOKEN] * extra
+            num_drafts += extra
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
             free = self._pool.num_free

@@ -69,7 +69,7 @@ class SharedManagerCalls:
 
     Reads the attributes the managers set in ``__init__``: ``_seq_of`` (request id -> pagedkv
     sequence id), ``_coordinator``, ``enable_caching``, ``log_stats``, ``prefix_cache_stats``,
-    ``_PrefixCacheStats`` (vLLM's stats class) and ``num_kv_cache_groups``. Errors name the
+    ``_PrefixCacheStats`` (vLLM's stats class), ``num_kv_cache_groups`` and ``block_size``. Errors name the
     concrete manager class.
     """
 
@@ -80,6 +80,7 @@ class SharedManagerCalls:
     log_stats: bool
     prefix_cache_stats: Any
     num_kv_cache_groups: int
+    block_size: int
     #: Verify steps whose accepted tokens differed from the drafts the model runner was fed,
     #: and the accepted tokens that differed (see :meth:`_check_accepted_drafts`).
     num_draft_mismatches: int = 0
@@ -247,6 +248,21 @@ class SharedManagerCalls:
                 self.num_mismatched_draft_tokens,
             )
         return accepted, past
+
+    def _placeholder_slots(self, request: Any, past: int, num_drafts: int) -> int:
+        """How many of the tokens scheduled ``past`` the request's known ones, beyond its
+        ``num_drafts`` drafts, need lookahead slots: vLLM's placeholder drafts of a padded
+        verify step (a new or resumed request with one token left, padded to ``1 + k`` tokens;
+        they are in no ``spec_token_ids``). They lie in the block of the request's last token
+        while ``k < block_size`` (none then: that block is allocated for the token); when any
+        lies beyond it, all of them, as the blocks vLLM's own manager allocates for them, so the
+        model runner never writes their KV through a table entry the request does not hold.
+        Async scheduling's output placeholders are not counted here."""
+        n = past - num_drafts
+        if n <= 0 or request.num_output_placeholders:
+            return 0
+        last = request.num_tokens - 1
+        return n if (last + n) // self.block_size != last // self.block_size else 0
 
     def _forget_if_diverged(self, request: Any) -> bool:
         """Whether ``request``, preempted, must be forgotten rather than kept for recompute:
