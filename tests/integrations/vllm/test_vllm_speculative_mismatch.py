@@ -190,6 +190,51 @@ def test_more_tokens_accepted_than_drafted_are_served_and_never_cached(
 
 
 @pytest.mark.parametrize("groups", [None, FULL_AND_WINDOW], ids=["one-group", "full+window"])
+@pytest.mark.parametrize("cls", [PagedKVScheduler, PerRequestPagedKVScheduler])
+def test_accepted_placeholder_drafts_of_a_padded_step_are_served_and_never_cached(
+    cls: type, groups: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A one-token prompt admitted while another request decodes is padded with two placeholder
+    # drafts (-1); a runner that "accepts" both (three tokens back) makes vLLM count positions
+    # 1 and 2 as computed, their KV being the placeholders'. The hybrid manager raised
+    # VllmStateMismatchError; the one-group one cached that KV under vLLM's tokens.
+    runs = {}
+    for sched_cls in (Scheduler, cls):
+        sched = _scheduler(sched_cls, groups)
+        sched.add_request(make_request("a", list(range(300, 320)), 40, block_size=BS))
+        out = sched.schedule()
+        sched.update_from_output(out, ModelRunnerOutput(["a"], {"a": 0}, sampled_token_ids=[[7]]))
+        req = make_request("r", [400], 40, block_size=BS)
+        sched.add_request(req)
+        out = sched.schedule()
+        assert out.num_scheduled_tokens["r"] == 3 and out.scheduled_spec_decode_tokens["r"] == [-1, -1]
+        with caplog.at_level(logging.WARNING, logger="pagedkv.integrations.vllm"):
+            sched.update_from_output(
+                out, ModelRunnerOutput(["a", "r"], {"a": 0, "r": 1}, sampled_token_ids=[[8], [500, 501, 502]])
+            )
+        assert req.num_computed_tokens == 3 and req.num_tokens == 4
+        for t in range(20):
+            out = sched.schedule()
+            ids = list(out.num_scheduled_tokens)
+            sched.update_from_output(
+                out, ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, sampled_token_ids=[[600 + t]] * len(ids))
+            )
+        runs[sched_cls] = sched, req
+    (stock, stock_req), (paged, req) = runs[Scheduler], runs[cls]
+    assert list(req.all_token_ids) == list(stock_req.all_token_ids) and req.num_tokens == 24
+    assert paged.kv_cache_manager.get_block_ids("r") == stock.kv_cache_manager.get_block_ids("r")
+    mgr = paged.kv_cache_manager
+    assert (mgr.num_draft_mismatches, mgr.num_mismatched_draft_tokens) == (1, 2)
+    warnings = [r.getMessage() for r in caplog.records if r.name == "pagedkv.integrations.vllm"]
+    assert len(warnings) == 1 and "accepted 2 token(s) for 2 draft(s): 2 differ" in warnings[0], warnings
+    real = list(req.all_token_ids[:BS])
+    assert _hit(stock, real) == BS
+    assert _hit(paged, real) == 0
+    assert real not in paged.announced
+    mgr.manager.check_invariants()
+
+
+@pytest.mark.parametrize("groups", [None, FULL_AND_WINDOW], ids=["one-group", "full+window"])
 def test_an_accepted_count_outside_the_drafts_still_raises(groups: Any) -> None:
     # An accepted count outside 0..k is no token mismatch: pagedkv cannot tell which slots
     # vLLM keeps, so it refuses to serve on (as before).

@@ -4,8 +4,9 @@ With a speculative config, vLLM pads a request admitted with one token left to c
 of ``m * block_size + 1`` tokens sent again, or a preempted request resumed with its blocks
 still cached) to a verify-sized step: ``1 + k`` scheduled tokens, the ``k`` past its known ones
 being placeholder drafts (``-1``) that are not in ``request.spec_token_ids``. Both pagedkv
-managers schedule the known token and let vLLM roll the placeholders back; the hybrid one raised
-``InvalidArgumentError`` inside ``schedule()`` before. Every step must agree with stock vLLM
+managers give the placeholders lookahead slots as drafts (of ids no request has) and read vLLM's
+rollback of them; the hybrid one raised ``InvalidArgumentError`` inside ``schedule()`` before,
+and with ``k >= block_size`` both held one block less than stock. Every step must agree with stock vLLM
 (scheduled tokens, hits, preemptions, tokens, blocks held per group) and the outputs must equal
 decoding without drafts.
 

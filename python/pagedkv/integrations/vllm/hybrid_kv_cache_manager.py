@@ -471,10 +471,10 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         all its tokens fit (a windowed group counted up to its admission cap).
 
         A verify step's draft tokens (``request.spec_token_ids``, scheduled past the known
-        tokens) get lookahead slots in every group and are never hashed. Tokens scheduled past
-        the known ones and the drafts (vLLM's placeholder drafts when it pads a new or resumed
-        request with one token left to a verify-sized step) get no slots: pagedkv schedules the
-        known tokens, as ``PagedKVCacheManager`` does, and vLLM rolls the placeholders back.
+        tokens) get lookahead slots in every group and are never hashed. So do the tokens
+        scheduled past the known ones and the drafts (vLLM's placeholder drafts when it pads a
+        new or resumed request with one token left to a verify-sized step), as drafts of
+        ``UNWRITTEN_TOKEN`` ids; vLLM rolls them back.
 
         Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` or a feature the config
         check refuses (lookahead slots, external / encoder tokens, delayed caching), and
@@ -527,11 +527,14 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
             drafts = [max(int(t), 0) for t in spec[:num_drafts]]
         # Scheduled tokens past the known ones and the drafts are vLLM's placeholders (a new or
         # resumed request with one token left, padded to a verify-sized step): pagedkv has no
-        # ids for them and schedules the known ones only, as PagedKVCacheManager, with slots
-        # for them only where they spill past the last token's block; vLLM rejects the
-        # placeholders and rolls them back.
-        extra = self._placeholder_slots(request, past, num_drafts)
+        # ids for them; as drafts, vLLM's rollback of them is read like any verify step's.
+        # Only real drafts, or placeholders past the last token's block, leave lookahead blocks
+        # that keep the request's decodes off the batched path.
+        lookahead_blocks = num_drafts > 0
+        extra = self._placeholder_drafts(request, past, num_drafts)
         if extra:
+            last = request.num_tokens - 1
+            lookahead_blocks = lookahead_blocks or (last + extra) // self.block_size != last // self.block_size
             drafts = (drafts or []) + [UNWRITTEN_TOKEN] * extra
             num_drafts += extra
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
@@ -575,7 +578,8 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
             )
         if drafts:
             self._drafts_pending[rid] = (expected + num_new_tokens - num_drafts, drafts)
-            self._had_drafts.add(rid)
+            if lookahead_blocks:
+                self._had_drafts.add(rid)
         indptr = out.new_block_indptr.tolist()
         ids = out.new_block_ids.tolist()
         if indptr[-1] == 0:

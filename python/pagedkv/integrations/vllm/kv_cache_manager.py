@@ -460,9 +460,9 @@ class PagedKVCacheManager(SharedManagerCalls):
             num_drafts = max(0, min(len(spec), past))
             # Grammar-invalidated drafts arrive as -1; they are never accepted.
             drafts = [max(int(t), 0) for t in spec[:num_drafts]] or None
-        # vLLM's placeholder drafts of a padded verify step: slots only where they spill past
-        # the last token's block; pagedkv has no ids for them (vLLM rolls them back).
-        extra = self._placeholder_slots(request, past, num_drafts)
+        # vLLM's placeholder drafts of a padded verify step: pagedkv has no ids for them; as
+        # drafts, vLLM's rollback of them is read like any verify step's.
+        extra = self._placeholder_drafts(request, past, num_drafts)
         if extra:
             drafts = (drafts or []) + [UNWRITTEN_TOKEN] * extra
             num_drafts += extra

@@ -23,15 +23,16 @@ from pagedkv.integrations.vllm.errors import UnsupportedVllmCallError, VllmState
 
 __all__ = ["UNWRITTEN_TOKEN", "SharedManagerCalls", "caches_finished_drafts", "pagedkv_hash_algo"]
 
-# vLLM's prefix_caching_hash_algo -> pagedkv's hash. pagedkv hashes its own canonical byte
-# encoding (not vLLM's pickle / CBOR), so only the family matters.
 logger = logging.getLogger("pagedkv.integrations.vllm")
 
-#: pagedkv's token id for a position vLLM counts as computed though no KV was written there (a
-#: verify step that accepted more tokens than it had drafts): no vLLM token id is this large, so
-#: no request hits a block that holds it.
+#: pagedkv's token id for a position whose KV no token of the request was computed for: one
+#: vLLM counts as computed though no KV was written there (a verify step that accepted more
+#: tokens than it had drafts), or vLLM's placeholder drafts of a padded verify step. No vLLM token id
+#: is this large, so no request hits a block that holds it.
 UNWRITTEN_TOKEN = 2**32 - 1
 
+# vLLM's prefix_caching_hash_algo -> pagedkv's hash. pagedkv hashes its own canonical byte
+# encoding (not vLLM's pickle / CBOR), so only the family matters.
 _HASH_ALGOS = {
     "sha256": "sha256",
     "sha256_cbor": "sha256",
@@ -69,8 +70,8 @@ class SharedManagerCalls:
 
     Reads the attributes the managers set in ``__init__``: ``_seq_of`` (request id -> pagedkv
     sequence id), ``_coordinator``, ``enable_caching``, ``log_stats``, ``prefix_cache_stats``,
-    ``_PrefixCacheStats`` (vLLM's stats class), ``num_kv_cache_groups`` and ``block_size``. Errors name the
-    concrete manager class.
+    ``_PrefixCacheStats`` (vLLM's stats class), ``num_kv_cache_groups``, ``block_size``,
+    ``_diverged`` and ``_unwritten``. Errors name the concrete manager class.
     """
 
     _seq_of: dict[str, int]
@@ -81,8 +82,8 @@ class SharedManagerCalls:
     prefix_cache_stats: Any
     num_kv_cache_groups: int
     block_size: int
-    #: Verify steps whose accepted tokens differed from the drafts the model runner was fed,
-    #: and the accepted tokens that differed (see :meth:`_check_accepted_drafts`).
+    #: Verify steps whose accepted tokens differed from the drafts the model runner was fed or
+    #: outnumbered them, and those tokens (see :meth:`_check_accepted_drafts`).
     num_draft_mismatches: int = 0
     num_mismatched_draft_tokens: int = 0
     #: Requests whose pagedkv tokens are not vLLM's (drafts vLLM replaced, unwritten positions);
@@ -249,20 +250,20 @@ class SharedManagerCalls:
             )
         return accepted, past
 
-    def _placeholder_slots(self, request: Any, past: int, num_drafts: int) -> int:
+    def _placeholder_drafts(self, request: Any, past: int, num_drafts: int) -> int:
         """How many of the tokens scheduled ``past`` the request's known ones, beyond its
-        ``num_drafts`` drafts, need lookahead slots: vLLM's placeholder drafts of a padded
-        verify step (a new or resumed request with one token left, padded to ``1 + k`` tokens;
-        they are in no ``spec_token_ids``). They lie in the block of the request's last token
-        while ``k < block_size`` (none then: that block is allocated for the token); when any
-        lies beyond it, all of them, as the blocks vLLM's own manager allocates for them, so the
-        model runner never writes their KV through a table entry the request does not hold.
-        Async scheduling's output placeholders are not counted here."""
+        ``num_drafts`` drafts, are vLLM's placeholder drafts: a new or resumed request with one
+        token left is padded to a verify-sized step of ``1 + k`` tokens, the ``k`` placeholders
+        in no ``spec_token_ids``. The caller gives them lookahead slots as drafts of
+        :data:`UNWRITTEN_TOKEN` ids, so vLLM's rollback of them is read like any verify step's
+        (a runner that "accepts" one leaves an id no request hits), and where they reach past
+        the block of the request's last token the request holds the blocks vLLM's own manager
+        gives them (the model runner writes their KV there). Async scheduling's output
+        placeholders are not counted here."""
         n = past - num_drafts
         if n <= 0 or request.num_output_placeholders:
             return 0
-        last = request.num_tokens - 1
-        return n if (last + n) // self.block_size != last // self.block_size else 0
+        return n
 
     def _forget_if_diverged(self, request: Any) -> bool:
         """Whether ``request``, preempted, must be forgotten rather than kept for recompute:
