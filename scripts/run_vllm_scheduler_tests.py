@@ -11,10 +11,13 @@ fail / skip / error counts per mode, and the tests whose outcome differs between
 writes the JUnit reports under
 ``--work-dir``. vLLM's code is downloaded to ``--work-dir`` only; nothing of it is kept here.
 
-Offline: the tests name Hugging Face models (``facebook/opt-125m`` mostly). Only that model's
-``config.json`` is needed (the scheduler loads no weights); the script writes one (OPT-125m's
-published architecture values) into a private ``HF_HOME`` and runs with ``HF_HUB_OFFLINE=1``.
-Tests that need other models' configs fail in both modes (reported as such). vLLM's top-level
+Offline: the tests name Hugging Face models (``facebook/opt-125m`` mostly). Only the models'
+configs are needed (the scheduler loads no weights); the script writes OPT-125m's ``config.json``
+and, for the randomized priority "blast" workload, Qwen2.5-VL-3B-Instruct's ``config.json`` and
+``preprocessor_config.json`` (the multimodal encoder budget reads the image processor), with
+their published values, into a private ``HF_HOME`` and runs with ``HF_HUB_OFFLINE=1``. Tests
+that need other models' configs fail in both modes (reported as such). pagedkv is imported from
+the caller's ``PYTHONPATH`` when set (a worktree's ``python/`` before the venv's own install). vLLM's top-level
 ``tests/conftest.py`` needs packages the scheduler venv lacks (``tblib``, ...), so it is not
 loaded (``--noconftest``); the one fixture of it the scheduler tests use, ``caplog_vllm``, is
 provided by the plugin.
@@ -72,6 +75,61 @@ OPT_125M_CONFIG = {
     "torch_dtype": "float16",
     "enable_bias": True,
     "layer_norm_elementwise_affine": True,
+}
+# Qwen2.5-VL-3B-Instruct's published text / vision architecture and image processor values.
+QWEN25_VL_3B_CONFIG = {
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"],
+    "model_type": "qwen2_5_vl",
+    "hidden_size": 2048,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "hidden_act": "silu",
+    "max_position_embeddings": 128000,
+    "max_window_layers": 70,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "sliding_window": 32768,
+    "use_sliding_window": False,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "vocab_size": 151936,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+    "vision_token_id": 151654,
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_config": {
+        "depth": 32,
+        "hidden_act": "silu",
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "in_chans": 3,
+        "out_hidden_size": 2048,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "spatial_patch_size": 14,
+        "window_size": 112,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "tokens_per_second": 2,
+        "temporal_patch_size": 2,
+    },
+}
+QWEN25_VL_PREPROCESSOR = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2_5_VLProcessor",
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
 }
 _SNAPSHOT = "0" * 40
 
@@ -167,13 +225,23 @@ def extract_tests(sdist: Path, dest: Path) -> Path:
 
 
 def offline_hf_home(dest: Path) -> Path:
-    """A Hugging Face cache holding only facebook/opt-125m's ``config.json``."""
-    repo = dest / "hub" / "models--facebook--opt-125m"
-    snap = repo / "snapshots" / _SNAPSHOT
-    snap.mkdir(parents=True, exist_ok=True)
-    (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(_SNAPSHOT)
-    (snap / "config.json").write_text(json.dumps(OPT_125M_CONFIG))
+    """A Hugging Face cache holding only facebook/opt-125m's ``config.json`` and
+    Qwen/Qwen2.5-VL-3B-Instruct's ``config.json`` and ``preprocessor_config.json``."""
+    models = {
+        "models--facebook--opt-125m": {"config.json": OPT_125M_CONFIG},
+        "models--Qwen--Qwen2.5-VL-3B-Instruct": {
+            "config.json": QWEN25_VL_3B_CONFIG,
+            "preprocessor_config.json": QWEN25_VL_PREPROCESSOR,
+        },
+    }
+    for name, files in models.items():
+        repo = dest / "hub" / name
+        snap = repo / "snapshots" / _SNAPSHOT
+        snap.mkdir(parents=True, exist_ok=True)
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(_SNAPSHOT)
+        for file, content in files.items():
+            (snap / file).write_text(json.dumps(content))
     return dest
 
 

@@ -56,12 +56,13 @@ from typing import Any
 import numpy as np
 
 import pagedkv
-from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
+from pagedkv.errors import OutOfBlocksError
 from pagedkv.integrations.vllm.blocks import DeferredGroupedBlocks, GroupedBlocks, PrefixHit
 from pagedkv.integrations.vllm.coordinator import CoordinatorView
 from pagedkv.integrations.vllm.errors import VllmStateMismatchError
 from pagedkv.integrations.vllm.kv_cache_manager import request_sequence_spec
 from pagedkv.integrations.vllm.manager_interface import (
+    UNWRITTEN_TOKEN,
     SharedManagerCalls,
     caches_finished_drafts,
     pagedkv_hash_algo,
@@ -242,6 +243,8 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         # Speculative decoding: request id -> (the computed count its drafts start at, the
         # drafts) until vLLM reports the verification (see PagedKVCacheManager).
         self._drafts_pending: dict[str, tuple[int, list[int]]] = {}
+        self._diverged: set[str] = set()
+        self._unwritten: dict[str, int] = {}
         self._cache_finished_drafts = caches_finished_drafts()
         #: Async scheduling (set by ``PagedKVAsyncScheduler``; see ``PagedKVCacheManager``).
         self.async_scheduling = False
@@ -380,30 +383,29 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
     def _accept_drafts(self, request: Any, seq: int, *, strict: bool) -> None:
         """Resolves the request's verify step from vLLM's rollback of ``num_computed_tokens``
         (as ``PagedKVCacheManager``: blocks kept, ``accept_drafts(release_blocks=False)``).
-        ``strict``: a count or tokens that disagree with the drafts raise
-        ``VllmStateMismatchError``; otherwise (a finished request, whose stop may cut the
-        verify short) only the drafts that became its tokens are accepted."""
+        ``strict``: a negative count raises ``VllmStateMismatchError``, accepted tokens other
+        than the drafts, or past them, are logged and the ids the KV was computed for kept
+        (:meth:`SharedManagerCalls._check_accepted_drafts`); otherwise (a finished request,
+        whose stop may cut the verify short) only the drafts that became its tokens are
+        accepted."""
         rid = request.request_id
         base, drafts = self._drafts_pending.pop(rid)
-        tokens = list(request.all_token_ids[base : base + len(drafts)])
-        accepted = request.num_computed_tokens - base
+        unwritten = 0
         if strict:
-            if not 0 <= accepted <= len(drafts) or tokens[: max(accepted, 0)] != drafts[: max(accepted, 0)]:
-                raise VllmStateMismatchError(
-                    f"request {rid!r}: {accepted} draft token(s) accepted of {len(drafts)} "
-                    f"proposed at position {base}, tokens {tokens} vs drafts {drafts}",
-                    request_id=rid,
-                    quantity="accepted_draft_tokens",
-                    expected=f"0..{len(drafts)} of {drafts}",
-                    got=str(tokens),
-                )
+            accepted, unwritten = self._check_accepted_drafts(rid, base, drafts, request)
         else:
-            limit = max(0, min(accepted, len(tokens)))
+            tokens = list(request.all_token_ids[base : base + len(drafts)])
+            limit = max(0, min(request.num_computed_tokens - base, len(tokens)))
             accepted = 0
             while accepted < limit and tokens[accepted] == drafts[accepted]:
                 accepted += 1
         self._kvm.accept_drafts(seq, accepted, release_blocks=False)
         self._num_known[rid] += accepted
+        if unwritten:
+            # Positions vLLM counts as computed past the drafts: computed by the next allocation.
+            self._kvm.append_tokens(seq, [UNWRITTEN_TOKEN] * unwritten)
+            self._num_known[rid] += unwritten
+            self._unwritten[rid] = unwritten
 
     # ---- prefix cache ----------------------------------------------------------------------
 
@@ -478,12 +480,15 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         all its tokens fit (a windowed group counted up to its admission cap).
 
         A verify step's draft tokens (``request.spec_token_ids``, scheduled past the known
-        tokens) get lookahead slots in every group and are never hashed.
+        tokens) get lookahead slots in every group and are never hashed. So do the tokens
+        scheduled past the known ones and the drafts (vLLM's placeholder drafts when it pads a
+        new or resumed request with one token left to a verify-sized step), as drafts of
+        ``UNWRITTEN_TOKEN`` ids; vLLM rolls them back.
 
-        Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0``, tokens past the known
-        ones that are not drafts, or a feature the config check refuses (lookahead slots,
-        external / encoder tokens, delayed caching), and ``VllmStateMismatchError`` (a
-        ``RuntimeError``) if pagedkv's computed-token count disagrees with the request's.
+        Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` or a feature the config
+        check refuses (lookahead slots, external / encoder tokens, delayed caching), and
+        ``VllmStateMismatchError`` (a ``RuntimeError``) if pagedkv's computed-token count
+        disagrees with the request's.
 
         A plain decode of a running request (one token, no other option) is deferred to the
         next ``flush_decodes`` when ``defer_decodes`` is on (see the module docs).
@@ -519,28 +524,34 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         seq = self._register(request)
         if self.async_scheduling and not first:
             return self._allocate_async(request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks)
+        # Positions vLLM counts as computed that pagedkv holds uncomputed (see _accept_drafts).
+        unwritten = self._unwritten.get(rid, 0)
         # A verify step (speculative decoding): the tokens past the request's known ones are
         # its drafts (request.spec_token_ids), given lookahead slots in every group.
         num_drafts = 0
         drafts: list[int] | None = None
         spec = getattr(request, "spec_token_ids", None)
         past = request.num_computed_tokens + hit + num_new_tokens - request.num_tokens
-        if past > 0:
-            if not spec or first or past > len(spec):
-                raise InvalidArgumentError(
-                    f"request {rid!r}: {num_new_tokens} tokens scheduled past its "
-                    f"{request.num_tokens} known tokens without as many draft tokens",
-                    arg="num_new_tokens",
-                    value=str(num_new_tokens),
-                    reason="only draft tokens may be scheduled past the known tokens",
-                )
-            num_drafts = past
+        if past > 0 and spec and not first:
+            num_drafts = min(past, len(spec))
             # Grammar-invalidated drafts arrive as -1; they are never accepted.
             drafts = [max(int(t), 0) for t in spec[:num_drafts]]
+        # Scheduled tokens past the known ones and the drafts are vLLM's placeholders (a new or
+        # resumed request with one token left, padded to a verify-sized step): pagedkv has no
+        # ids for them; as drafts, vLLM's rollback of them is read like any verify step's.
+        # Only real drafts, or placeholders past the last token's block, leave lookahead blocks
+        # that keep the request's decodes off the batched path.
+        lookahead_blocks = num_drafts > 0
+        extra = self._placeholder_drafts(request, past, num_drafts)
+        if extra:
+            last = request.num_tokens - 1
+            lookahead_blocks = lookahead_blocks or (last + extra) // self.block_size != last // self.block_size
+            drafts = (drafts or []) + [UNWRITTEN_TOKEN] * extra
+            num_drafts += extra
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
             free = self._kvm.num_free_blocks
-            take, release = self._kvm.num_blocks_needed(seq, num_new_tokens - num_drafts)
+            take, release = self._kvm.num_blocks_needed(seq, num_new_tokens - num_drafts + unwritten)
             if (
                 full_sequence_must_fit
                 and self._full_sequence_demand(request, seq, hit, num_new_tokens) + watermark > free + release
@@ -552,19 +563,21 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         if drafts:
             out = self._kvm.step(
                 [seq],
-                [num_new_tokens - num_drafts],
+                [num_new_tokens - num_drafts + unwritten],
                 draft_token_ids=[drafts],
                 block_table=False,
                 token_arrays=False,
             )
         else:
-            out = self._kvm.step([seq], [num_new_tokens], block_table=False, token_arrays=False)
+            out = self._kvm.step([seq], [num_new_tokens + unwritten], block_table=False, token_arrays=False)
         if out.error is not None:
             if isinstance(out.error, OutOfBlocksError):
                 return None
             out.raise_for_error()
+        if unwritten:
+            del self._unwritten[rid]
         expected = request.num_computed_tokens + hit
-        got = int(out.context_lens[0])
+        got = int(out.context_lens[0]) + unwritten
         if got != expected:
             raise VllmStateMismatchError(
                 f"request {rid!r}: pagedkv holds {got} computed tokens, vLLM expects {expected} "
@@ -576,7 +589,8 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
             )
         if drafts:
             self._drafts_pending[rid] = (expected + num_new_tokens - num_drafts, drafts)
-            self._had_drafts.add(rid)
+            if lookahead_blocks:
+                self._had_drafts.add(rid)
         indptr = out.new_block_indptr.tolist()
         ids = out.new_block_ids.tolist()
         if indptr[-1] == 0:
@@ -668,7 +682,8 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
     def free(self, request: Any) -> None:
         """Releases ``request``'s blocks in every group. A finished request is forgotten; one
         still ``RUNNING`` is being preempted by the scheduler and keeps its tokens (preemption
-        by recompute). A request never allocated is a no-op, as in vLLM. Raises
+        by recompute), unless its pagedkv tokens are not vLLM's (unverified drafts: forgotten
+        too, re-registered from vLLM's tokens on resume). A request never allocated is a no-op, as in vLLM. Raises
         ``UnknownSequenceError`` for a request freed before that still claims computed
         tokens, changing nothing."""
         self._sync()
@@ -680,14 +695,16 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         self._drafts_pending.pop(rid, None)
         # Placeholder lookahead slots (async scheduling) go with the free or preemption.
         self._unknown.discard(rid)
+        self._unwritten.pop(rid, None)
         if seq is None:
             self._check_unallocated_free(request)
             return
-        if request.is_finished():
+        if request.is_finished() or self._forget_if_diverged(request):
             self._kvm.free(seq)
             del self._seq_of[rid]
             del self._num_known[rid]
             self._had_drafts.discard(rid)
+            self._diverged.discard(rid)
         else:
             self._kvm.preempt([seq])
 

@@ -55,6 +55,7 @@ from pagedkv.integrations.vllm.coordinator import CoordinatorView
 from pagedkv.integrations.vllm.decode_deferral import NO_WINDOW, DecodeDeferral
 from pagedkv.integrations.vllm.errors import VllmStateMismatchError
 from pagedkv.integrations.vllm.manager_interface import (
+    UNWRITTEN_TOKEN,
     SharedManagerCalls,
     caches_finished_drafts,
     pagedkv_hash_algo,
@@ -207,6 +208,8 @@ class PagedKVCacheManager(SharedManagerCalls):
         # reports it by rolling num_computed_tokens back over the rejected drafts; the
         # request's next allocation (or free) reads it from there.
         self._drafts_pending: dict[str, tuple[int, list[int]]] = {}
+        self._diverged: set[str] = set()
+        self._unwritten: dict[str, int] = {}
         # vLLM 0.33 caches the blocks a request's last verify step completed before freeing
         # it; 0.32 does not (pagedkv follows the installed release).
         self._cache_finished_drafts = caches_finished_drafts()
@@ -302,25 +305,21 @@ class PagedKVCacheManager(SharedManagerCalls):
         """Resolves the request's verify step: vLLM rolled ``num_computed_tokens`` back over
         the rejected drafts, so the accepted ones are those still counted as computed. Their
         blocks stay in the table (vLLM's model runner only appends to it); the rejected slots
-        are written again by the next step. Raises ``VllmStateMismatchError`` when the counts
-        or the accepted tokens disagree with the drafts."""
+        are written again by the next step. Raises ``VllmStateMismatchError`` when the count
+        is negative; accepted tokens other than the drafts, or past them, are logged and the ids
+        the KV was computed for kept (:meth:`SharedManagerCalls._check_accepted_drafts`)."""
         rid = request.request_id
         base, drafts = self._drafts_pending.pop(rid)
-        accepted = request.num_computed_tokens - base
-        tokens = request.all_token_ids[base : base + max(accepted, 0)]
-        if not 0 <= accepted <= len(drafts) or list(tokens) != drafts[:accepted]:
-            raise VllmStateMismatchError(
-                f"request {rid!r}: {accepted} draft token(s) accepted of {len(drafts)} "
-                f"proposed at position {base}, tokens {list(tokens)} vs drafts {drafts}",
-                request_id=rid,
-                quantity="accepted_draft_tokens",
-                expected=f"0..{len(drafts)} of {drafts}",
-                got=str(list(tokens)),
-            )
+        accepted, unwritten = self._check_accepted_drafts(rid, base, drafts, request)
         self._kvm.accept_drafts(seq, accepted, release_blocks=False)
         self._num_known[rid] += accepted
         # The blocks of the rejected drafts' slots stay: decodes that open them take none.
         self.decodes.keep_lookahead(rid, base + len(drafts))
+        if unwritten:
+            # Positions vLLM counts as computed past the drafts: computed by the next allocation.
+            self._kvm.append_tokens(seq, [UNWRITTEN_TOKEN] * unwritten)
+            self._num_known[rid] += unwritten
+            self._unwritten[rid] = unwritten
 
     # ---- prefix cache ----------------------------------------------------------------------
 
@@ -399,6 +398,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         """
         if num_new_tokens == 1 and not (
             (self._drafts_pending and request.request_id in self._drafts_pending)
+            or (self._unwritten and request.request_id in self._unwritten)
             or num_lookahead_tokens
             or num_new_computed_tokens
             or full_sequence_must_fit
@@ -482,15 +482,29 @@ class PagedKVCacheManager(SharedManagerCalls):
             return self._allocate_async(
                 request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs
             )
+        # Positions vLLM counts as computed that pagedkv holds uncomputed (see _accept_drafts).
+        unwritten = self._unwritten.get(rid, 0)
         # A verify step (speculative decoding): the tokens past the request's known ones are
         # its draft tokens (request.spec_token_ids), given lookahead slots and never hashed.
         num_drafts = 0
         drafts: list[int] | None = None
         spec = getattr(request, "spec_token_ids", None)
+        past = (
+            request.num_computed_tokens
+            + (num_new_computed_tokens if first else 0)
+            + num_new_tokens
+            - request.num_tokens
+        )
         if spec and not first:
-            num_drafts = max(0, min(len(spec), request.num_computed_tokens + num_new_tokens - request.num_tokens))
+            num_drafts = max(0, min(len(spec), past))
             # Grammar-invalidated drafts arrive as -1; they are never accepted.
             drafts = [max(int(t), 0) for t in spec[:num_drafts]] or None
+        # vLLM's placeholder drafts of a padded verify step: pagedkv has no ids for them; as
+        # drafts, vLLM's rollback of them is read like any verify step's.
+        extra = self._placeholder_drafts(request, past, num_drafts)
+        if extra:
+            drafts = (drafts or []) + [UNWRITTEN_TOKEN] * extra
+            num_drafts += extra
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
             free = self._pool.num_free
@@ -504,11 +518,13 @@ class PagedKVCacheManager(SharedManagerCalls):
             ) + watermark > free - reserved_blocks:
                 return None
         try:
-            alloc = self._kvm.allocate_slots(seq, num_new_tokens - num_drafts, drafts)
+            alloc = self._kvm.allocate_slots(seq, num_new_tokens - num_drafts + unwritten, drafts)
         except OutOfBlocksError:
             return None
+        if unwritten:
+            del self._unwritten[rid]
         expected_context = request.num_computed_tokens + (num_new_computed_tokens if first else 0)
-        if alloc.num_context_tokens != expected_context:
+        if alloc.num_context_tokens + unwritten != expected_context:
             raise VllmStateMismatchError(
                 f"request {rid!r}: pagedkv holds {alloc.num_context_tokens} computed tokens, "
                 f"vLLM expects {expected_context} (num_computed_tokens="
@@ -641,9 +657,11 @@ class PagedKVCacheManager(SharedManagerCalls):
         """Releases ``request``'s blocks (tail first, so deep blocks are evicted first).
 
         A finished request is forgotten; one still ``RUNNING`` is being preempted by the
-        scheduler and keeps its tokens (preemption by recompute). A request never allocated is
-        a no-op, as in vLLM. Raises ``UnknownSequenceError`` for a request freed before that
-        still claims computed tokens (a double free), changing nothing.
+        scheduler and keeps its tokens (preemption by recompute), unless its pagedkv tokens are
+        not vLLM's (unverified drafts: then it is forgotten too, and re-registered from vLLM's
+        tokens on resume). A request never allocated is a no-op, as in vLLM. Raises
+        ``UnknownSequenceError`` for a request freed before that still claims computed tokens
+        (a double free), changing nothing.
         """
         self._sync()
         rid = request.request_id
@@ -666,10 +684,11 @@ class PagedKVCacheManager(SharedManagerCalls):
         self._drafts_pending.pop(rid, None)
         if self._unknown:
             self._unknown.pop(rid, None)
+        self._unwritten.pop(rid, None)
         if seq is None:
             self._check_unallocated_free(request)
             return
-        if request.is_finished():
+        if request.is_finished() or self._forget_if_diverged(request):
             # Lagging tokens need not reach pagedkv: they sit in a partial block, which is
             # never cached.
             self._kvm.free(seq)
@@ -677,6 +696,7 @@ class PagedKVCacheManager(SharedManagerCalls):
             del self._num_known[rid]
             del self._requests[rid]
             self.decodes.forget(rid)
+            self._diverged.discard(rid)
         else:
             if rid in self._lag:
                 self.decodes.catch_up([rid])

@@ -6,20 +6,30 @@ allocate, free and report blocks. What depends on neither the groups nor the dec
 is written once here and inherited by both (:class:`SharedManagerCalls`): the request-id lookup,
 the prefix-cache stats, the checks of a capped hit, of refused ``allocate_slots`` options and of
 a double free, the no-op hooks (block caching, zeroing, copy-on-write, Mamba boundary states) and
-the refused KV-connector calls; plus the two constructor facts both read
-(:func:`pagedkv_hash_algo`, :func:`caches_finished_drafts`).
+the refused KV-connector calls, the resolution of a verify step whose accepted tokens are not
+its drafts; plus the two constructor facts both read (:func:`pagedkv_hash_algo`,
+:func:`caches_finished_drafts`).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pagedkv
 from pagedkv.errors import InvalidArgumentError, UnknownSequenceError
 from pagedkv.integrations.vllm.coordinator import CoordinatorView
-from pagedkv.integrations.vllm.errors import UnsupportedVllmCallError
+from pagedkv.integrations.vllm.errors import UnsupportedVllmCallError, VllmStateMismatchError
 
-__all__ = ["SharedManagerCalls", "caches_finished_drafts", "pagedkv_hash_algo"]
+__all__ = ["UNWRITTEN_TOKEN", "SharedManagerCalls", "caches_finished_drafts", "pagedkv_hash_algo"]
+
+logger = logging.getLogger("pagedkv.integrations.vllm")
+
+#: pagedkv's token id for a position whose KV no token of the request was computed for: one
+#: vLLM counts as computed though no KV was written there (a verify step that accepted more
+#: tokens than it had drafts), or vLLM's placeholder drafts of a padded verify step. No vLLM token id
+#: is this large, so no request hits a block that holds it.
+UNWRITTEN_TOKEN = 2**32 - 1
 
 # vLLM's prefix_caching_hash_algo -> pagedkv's hash. pagedkv hashes its own canonical byte
 # encoding (not vLLM's pickle / CBOR), so only the family matters.
@@ -60,8 +70,8 @@ class SharedManagerCalls:
 
     Reads the attributes the managers set in ``__init__``: ``_seq_of`` (request id -> pagedkv
     sequence id), ``_coordinator``, ``enable_caching``, ``log_stats``, ``prefix_cache_stats``,
-    ``_PrefixCacheStats`` (vLLM's stats class) and ``num_kv_cache_groups``. Errors name the
-    concrete manager class.
+    ``_PrefixCacheStats`` (vLLM's stats class), ``num_kv_cache_groups``, ``block_size``,
+    ``_diverged`` and ``_unwritten``. Errors name the concrete manager class.
     """
 
     _seq_of: dict[str, int]
@@ -71,6 +81,17 @@ class SharedManagerCalls:
     log_stats: bool
     prefix_cache_stats: Any
     num_kv_cache_groups: int
+    block_size: int
+    #: Verify steps whose accepted tokens differed from the drafts the model runner was fed or
+    #: outnumbered them, and those tokens (see :meth:`_check_accepted_drafts`).
+    num_draft_mismatches: int = 0
+    num_mismatched_draft_tokens: int = 0
+    #: Requests whose pagedkv tokens are not vLLM's (drafts vLLM replaced, unwritten positions);
+    #: one preempted is forgotten (see :meth:`_forget_if_diverged`).
+    _diverged: set[str]
+    #: Request id -> unwritten positions appended but not yet allocated (its next allocation
+    #: computes them with the scheduled tokens).
+    _unwritten: dict[str, int]
 
     @property
     def coordinator(self) -> CoordinatorView:
@@ -176,6 +197,80 @@ class SharedManagerCalls:
                 f"{request.num_computed_tokens} computed tokens",
                 seq_id=-1,
             )
+
+    # ---- speculative decoding --------------------------------------------------------------
+
+    def _check_accepted_drafts(self, rid: str, base: int, drafts: list[int], request: Any) -> tuple[int, int]:
+        """The verify step of ``rid`` (drafts at positions ``base ..``) as vLLM resolved it, read
+        from its rollback of ``num_computed_tokens``: ``(drafts accepted, positions counted as
+        computed past the drafts)``.
+
+        A model runner or drafter that does not verify (vLLM counts accepted drafts from the
+        length of what the runner returns and appends those tokens) can leave accepted tokens
+        other than the drafts, or more accepted than proposed, whose positions vLLM then counts
+        as computed though the step wrote no KV there. Either is logged with counts and the
+        request marked diverged; the caller keeps the drafts' ids for the accepted positions
+        (their KV was computed for them) and :data:`UNWRITTEN_TOKEN` past them, so pagedkv
+        never hashes, caches or announces a block under tokens its KV was not computed for.
+        Raises ``VllmStateMismatchError`` for a rollback past the first draft (a negative
+        count: pagedkv cannot tell which slots vLLM keeps).
+        """
+        accepted = request.num_computed_tokens - base
+        if accepted < 0:
+            raise VllmStateMismatchError(
+                f"request {rid!r}: {accepted} draft token(s) accepted of {len(drafts)} proposed at position {base}",
+                request_id=rid,
+                quantity="accepted_draft_tokens",
+                expected=f">= 0 of {len(drafts)}",
+                got=str(accepted),
+            )
+        past = max(accepted - len(drafts), 0)
+        accepted -= past
+        tokens = list(request.all_token_ids[base : base + accepted])
+        differ = sum(1 for t, d in zip(tokens, drafts, strict=False) if t != d)
+        if differ or past:
+            self.num_draft_mismatches += 1
+            self.num_mismatched_draft_tokens += differ + past
+            self._diverged.add(rid)
+            logger.warning(
+                "request %r: the verify step at position %d accepted %d token(s) for %d draft(s): "
+                "%d differ from their draft (tokens %s vs drafts %s), %d have none; pagedkv keeps "
+                "the ids the KV was computed for and caches no block under other tokens "
+                "(%d such verify step(s), %d token(s) so far)",
+                rid,
+                base,
+                accepted + past,
+                len(drafts),
+                differ,
+                tokens,
+                drafts[:accepted],
+                past,
+                self.num_draft_mismatches,
+                self.num_mismatched_draft_tokens,
+            )
+        return accepted, past
+
+    def _placeholder_drafts(self, request: Any, past: int, num_drafts: int) -> int:
+        """How many of the tokens scheduled ``past`` the request's known ones, beyond its
+        ``num_drafts`` drafts, are vLLM's placeholder drafts: a new or resumed request with one
+        token left is padded to a verify-sized step of ``1 + k`` tokens, the ``k`` placeholders
+        in no ``spec_token_ids``. The caller gives them lookahead slots as drafts of
+        :data:`UNWRITTEN_TOKEN` ids, so vLLM's rollback of them is read like any verify step's
+        (a runner that "accepts" one leaves an id no request hits), and where they reach past
+        the block of the request's last token the request holds the blocks vLLM's own manager
+        gives them (the model runner writes their KV there). Async scheduling's output
+        placeholders are not counted here."""
+        n = past - num_drafts
+        if n <= 0 or request.num_output_placeholders:
+            return 0
+        return n
+
+    def _forget_if_diverged(self, request: Any) -> bool:
+        """Whether ``request``, preempted, must be forgotten rather than kept for recompute:
+        its pagedkv tokens are not vLLM's (see :meth:`_check_accepted_drafts`), and vLLM
+        recomputes its own tokens on resume (a kept sequence would cache that KV under the
+        other tokens' hashes). It re-registers from vLLM's tokens on resume."""
+        return request.request_id in self._diverged
 
     # ---- block tables ----------------------------------------------------------------------
 
