@@ -81,7 +81,8 @@ def test_docs_name_only_engine_modules_and_source_files_that_exist() -> None:
         for path in set(
             re.findall(r"\b((?:python|tests|benchmarks|scripts|kernels|docs|examples)/[\w/.-]+\.(?:py|md))", text)
         ):
-            if not (root / path).exists():
+            # tests/v1/...: vLLM's own test files, inside its sdist (make test-vllm-upstream).
+            if not (root / path).exists() and not path.startswith("tests/v1/"):
                 missing.append(f"{doc}: {path}")
         for path in set(re.findall(r"(?<![\w/])(pagedkv/[\w/]+\.py)", text)):
             if not (root / "python" / path).exists():
