@@ -1,4 +1,4 @@
-"""Shared pytest configuration: hypothesis profiles, the `gpu` marker, pytest-xdist groups.
+"""Shared pytest configuration: hypothesis profiles, the `gpu` marker, one Ray cluster at a time.
 
 Profiles (chosen by the HYPOTHESIS_PROFILE environment variable, default "ci"):
 - "ci": at least 200 examples per property, state machines of up to 50 steps, derandomized so a
@@ -6,15 +6,17 @@ Profiles (chosen by the HYPOTHESIS_PROFILE environment variable, default "ci"):
 - "long": for one-off soak runs (thousands of examples, random seeds).
 HYPOTHESIS_MAX_EXAMPLES=N caps max_examples of the chosen profile (soak runs of a set length).
 
-`make test` runs pytest in two processes (pytest-xdist, `--dist loadgroup`): a test that uses a
-module- or class-scoped fixture joins its module's group, so that value is computed once. The
-"ci" profile is derandomized, which turns hypothesis' example database off, so the workers share
-no file.
+`make test` runs pytest in two processes (pytest-xdist, `--dist loadfile`: one file's tests on one
+worker, so a module-scoped value such as a model's reference outputs is computed once). The "ci"
+profile is derandomized, which turns hypothesis' example database off, so the workers share no
+file; `one_ray_cluster` keeps the workers from starting two Ray clusters at once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -54,34 +56,28 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-#: Fixture scopes whose value one module's tests share: under pytest-xdist such tests stay on one
-#: worker, or each worker would compute the value again (reference outputs of a model, the AOT
-#: kernel compile).
-_SHARED_SCOPES = frozenset({"class", "module", "package"})
-
-
-def _uses_a_shared_fixture(item: pytest.Item) -> bool:
-    info = getattr(item, "_fixtureinfo", None)
-    if info is None:
-        return False
-    for name in info.names_closure:
-        defs = info.name2fixturedefs.get(name)
-        if defs and defs[-1].scope in _SHARED_SCOPES:
-            return True
-    return False
-
-
-# tryfirst: the markers must be in place before pytest-xdist reads them (`--dist loadgroup`).
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip tests marked `gpu` when no CUDA device is present (the reason says so), and put each
-    test that uses a module- or class-scoped fixture in its module's `xdist_group` (unless it
-    names a group itself), so that `--dist loadgroup` runs those tests on one worker."""
+    """Skip tests marked `gpu` when no CUDA device is present (the reason says so)."""
     if any(item.get_closest_marker("gpu") for item in items) and not _cuda_available():
         skip = pytest.mark.skip(reason="needs a CUDA device; none present")
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None and _uses_a_shared_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+
+
+@pytest.fixture(scope="module")
+def one_ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Hold a lock that the pytest-xdist workers of this run share while a module starts and uses
+    a Ray cluster, so that a second worker's cluster waits instead of competing for the same two
+    cores (Ray's start-up has timeouts). Outside pytest-xdist it holds nothing."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield
+        return
+    # Each worker's base temporary folder is popen-gwN inside the run's own one.
+    lock_path = tmp_path_factory.getbasetemp().parent / "one-ray-cluster.lock"
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

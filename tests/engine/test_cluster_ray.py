@@ -23,15 +23,12 @@ from engine_helpers import ModelBundle  # noqa: E402
 from pagedkv.cluster import ReplicaCluster  # noqa: E402
 from pagedkv.engine import LLMEngine, SamplingParams  # noqa: E402
 
-# One Ray cluster on the machine at a time: under pytest-xdist one worker runs the group.
-pytestmark = pytest.mark.xdist_group("ray")
-
 BLOCK = 4
 ENGINE_KW = {"num_kv_blocks": 96, "block_size": BLOCK, "device": "cpu", "max_tokens_per_step": 256}
 
 
 @pytest.fixture(scope="module")
-def ray_local():
+def ray_local(one_ray_cluster: None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ray.init(
