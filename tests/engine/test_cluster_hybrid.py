@@ -91,6 +91,7 @@ def test_hybrid_replica_publishes_its_groups_and_is_routed_to(gemma: ModelBundle
     assert resynced.overlap(tokens, spec=spec) == {0: FULL_BLOCKS}
 
 
+@pytest.mark.slow
 def test_a_hybrid_cluster_on_ray_sends_a_repeated_prompt_to_its_cached_prefix(
     gemma: ModelBundle, one_ray_cluster: None
 ) -> None:
