@@ -1,15 +1,22 @@
-"""Shared pytest configuration: hypothesis profiles and the `gpu` marker.
+"""Shared pytest configuration: hypothesis profiles, the `gpu` marker, one Ray cluster at a time.
 
 Profiles (chosen by the HYPOTHESIS_PROFILE environment variable, default "ci"):
 - "ci": at least 200 examples per property, state machines of up to 50 steps, derandomized so a
   CI run is reproducible, no per-example deadline (CI machines are shared and slow).
 - "long": for one-off soak runs (thousands of examples, random seeds).
 HYPOTHESIS_MAX_EXAMPLES=N caps max_examples of the chosen profile (soak runs of a set length).
+
+`make test` runs pytest in two processes (pytest-xdist, `--dist loadfile`: one file's tests on one
+worker, so a module-scoped value such as a model's reference outputs is computed once). The "ci"
+profile is derandomized, which turns hypothesis' example database off, so the workers share no
+file; `one_ray_cluster` keeps the workers from starting two Ray clusters at once.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -56,3 +63,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if item.get_closest_marker("gpu"):
                 item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Hold a lock that the pytest-xdist workers of this run share while a module starts and uses
+    a Ray cluster, so that a second worker's cluster waits instead of competing for the same two
+    cores (Ray's start-up has timeouts). Outside pytest-xdist it holds nothing."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield
+        return
+    # Each worker's base temporary folder is popen-gwN inside the run's own one.
+    lock_path = tmp_path_factory.getbasetemp().parent / "one-ray-cluster.lock"
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -90,7 +90,10 @@ def test_hybrid_replica_publishes_its_groups_and_is_routed_to(gemma: ModelBundle
     assert resynced.overlap(tokens, spec=spec) == {0: FULL_BLOCKS}
 
 
-def test_a_hybrid_cluster_on_ray_sends_a_repeated_prompt_to_its_cached_prefix(gemma: ModelBundle) -> None:
+@pytest.mark.slow
+def test_a_hybrid_cluster_on_ray_sends_a_repeated_prompt_to_its_cached_prefix(
+    gemma: ModelBundle, one_ray_cluster: None
+) -> None:
     """Two Ray replicas of the hybrid model as a user runs them (``ReplicaCluster`` used to
     die in ``info``): the workers are registered with the model's groups, and a prompt
     extending an answered one goes to that replica with its 7 full-attention blocks cached."""

@@ -28,7 +28,7 @@ ENGINE_KW = {"num_kv_blocks": 96, "block_size": BLOCK, "device": "cpu", "max_tok
 
 
 @pytest.fixture(scope="module")
-def ray_local():
+def ray_local(one_ray_cluster: None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ray.init(
@@ -56,6 +56,7 @@ def _prompts() -> tuple[list[list[int]], list[list[int]]]:
     return first, second
 
 
+@pytest.mark.slow
 def test_two_replicas_match_one_engine_and_compute_each_prefix_once(tiny: ModelBundle, ray_local: None) -> None:
     from pagedkv.cluster import ClusterRequest
 
@@ -86,6 +87,7 @@ def test_two_replicas_match_one_engine_and_compute_each_prefix_once(tiny: ModelB
     assert all(r.attempts == 1 and r.error is None for r in got)
 
 
+@pytest.mark.slow
 def test_a_long_prompt_of_a_length_dependent_rope_model_is_routed_to_its_cached_blocks(
     tmp_path_factory: pytest.TempPathFactory, ray_local: None
 ) -> None:
@@ -119,6 +121,7 @@ def test_a_long_prompt_of_a_length_dependent_rope_model_is_routed_to_its_cached_
     assert again.output.outputs[0].token_ids == first.output.outputs[0].token_ids
 
 
+@pytest.mark.slow
 def test_killed_replica_loses_no_request_and_answers_none_twice(tiny: ModelBundle, ray_local: None) -> None:
     from pagedkv.cluster import ClusterRequest
 

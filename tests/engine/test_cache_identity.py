@@ -157,6 +157,7 @@ print(json.dumps({{"digest": e.cache_identity.digest, "hashes": hashes}}))
 """
 
 
+@pytest.mark.slow
 def test_engines_started_separately_on_the_same_files_agree(tiny, base_hashes):
     """Another process loads the same model folder: same identity, same block hashes as this
     process's engine (built from the folder, and from the already loaded model)."""
