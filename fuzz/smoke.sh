@@ -14,8 +14,8 @@
 # crash is written to fuzz/artifacts/<target>/ and printed in readable form.
 #
 # A libFuzzer run is one process on one core, so FUZZ_PARALLEL targets (default: the number of
-# cores, `nproc`) run side by side, each for its full FUZZ_SECONDS: on 2 cores the 8 targets take
-# 4 minutes of wall time instead of 8, with the same fuzzing time per target. Each run's output
+# cores, `nproc`) run side by side, each for its full FUZZ_SECONDS: on 2 cores the 9 targets take
+# 5 minutes of wall time instead of 9, with the same fuzzing time per target. Each run's output
 # goes to its own log, printed in target order once all have finished.
 #
 # Toolchain: cargo-fuzz needs unstable rustc flags (-Z sanitizer, coverage options). A nightly
