@@ -587,7 +587,13 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
                 expected=str(expected),
                 got=str(got),
             )
-        if drafts:
+        if drafts and self.async_scheduling:
+            # Only a first allocation gets here under async scheduling, so its drafts are all
+            # placeholders; the step in flight reports its tokens later, and vLLM's computed
+            # count already includes them: they are unknown tokens, settled as such (not read
+            # as a verify step's rollback, which has not happened yet).
+            self._unknown.add(rid)
+        elif drafts:
             self._drafts_pending[rid] = (expected + num_new_tokens - num_drafts, drafts)
             if lookahead_blocks:
                 self._had_drafts.add(rid)

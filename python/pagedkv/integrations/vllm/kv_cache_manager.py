@@ -535,7 +535,13 @@ class PagedKVCacheManager(SharedManagerCalls):
                 got=str(alloc.num_context_tokens),
             )
         computed = expected_context + num_new_tokens
-        if drafts:
+        if drafts and self.async_scheduling:
+            # Under async scheduling only a first allocation gets here, so its drafts are all
+            # placeholders of a padded verify step; their tokens arrive with the step in flight
+            # and vLLM already counts them computed: unknown tokens, settled as such.
+            self._unknown[rid] = computed
+            self.decodes.close_window(rid)
+        elif drafts:
             self._drafts_pending[rid] = (computed - num_drafts, drafts)
         elif computed == self._num_known[rid]:
             self.decodes.set_window(rid, computed)
