@@ -426,3 +426,48 @@ def test_ngram_placeholder_drafts_match_stock_step_by_step(k: int) -> None:
     assert paged.drafts_scheduled == stock.drafts_scheduled > 0
     assert 0 < paged.drafts_accepted == stock.drafts_accepted < paged.drafts_scheduled
     _check_no_leak(stock, paged)
+
+
+@pytest.mark.parametrize(
+    "groups", [None, (("full", None), ("sliding_window", 32)), CHUNKED_GROUPS], ids=["one_group", "sw", "chunked_local"]
+)
+@pytest.mark.parametrize("k", [2, 3])
+def test_padded_verify_step_of_a_prefix_hit_under_async_scheduling(groups: Any, k: int) -> None:
+    # With speculation on, vLLM pads a request admitted with one token left to compute (a
+    # 2 * 16 + 1 token prompt sent again while another request decodes) to a verify step of
+    # 1 + k tokens whose k placeholder drafts are async output placeholders: the next step is
+    # scheduled before vLLM rolls them back, with num_computed_tokens counting them. They must
+    # not be taken for accepted drafts (pagedkv then held more computed tokens than known ones
+    # and the next allocation raised InvalidArgumentError inside schedule()).
+    from pagedkv.testing.vllm_scheduler import ngram_speculative_config
+
+    rng = random.Random(29 + k)
+    prompt = _tokens(rng, 2 * BS + 1)
+    other = _tokens(rng, 2 * BS + 1)
+    stream = {0: [_req("first", prompt, 12)], 1: [_req("decoding", other, 30)], 5: [_req("again", prompt, 12)]}
+    drivers = []
+    for cls in (AsyncScheduler, PagedKVScheduler):
+        cfg = make_vllm_config(num_blocks=64, async_scheduling=True, max_num_batched_tokens=128)
+        cfg.speculative_config = ngram_speculative_config(cfg, k)
+        kv = None if groups is None else make_hybrid_kv_cache_config(64, groups, BS, retention_interval=None)
+        drivers.append(AsyncDriver(build_scheduler(cls, cfg, kv_cache_config=kv), num_drafts=k))
+    stock, paged = drivers
+    for step in range(500):
+        for factory in stream.get(step, []):
+            stock.add(factory())
+            paged.add(factory())
+        if step > max(stream) and not stock.has_work():
+            assert not paged.has_work()
+            break
+        a, b = stock.step(), paged.step()
+        if groups is not None:
+            a.pop("blocks_held"), b.pop("blocks_held")
+        assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
+    assert paged.prefix_hits["again"] == stock.prefix_hits["again"] == 2 * BS
+    assert paged.outputs == stock.outputs
+    assert paged.outputs["again"] == [fake_token("again", len(prompt) + i) for i in range(12)]
+    manager = paged.scheduler.kv_cache_manager
+    assert not manager._unknown and not manager._drafts_pending
+    kvm = manager.manager
+    kvm.check_invariants()
+    assert kvm.num_sequences == 0 and manager.usage == 0.0
