@@ -471,3 +471,63 @@ def test_padded_verify_step_of_a_prefix_hit_under_async_scheduling(groups: Any, 
     kvm = manager.manager
     kvm.check_invariants()
     assert kvm.num_sequences == 0 and manager.usage == 0.0
+
+
+@pytest.mark.parametrize("groups", [None, (("full", None), ("sliding_window", 32))], ids=["one_group", "sw"])
+@pytest.mark.parametrize(("k", "abort_step"), [(0, 6), (2, 6), (3, 7)])
+def test_abort_of_a_padded_request_with_placeholders_outstanding(groups: Any, k: int, abort_step: int) -> None:
+    # 'again' (a 2 * 16 + 1 token prompt sent again, hit 32) is admitted at step 5, with
+    # speculation padded to 1 + k slots whose ids are in flight; it is aborted one or two
+    # steps later, its placeholders outstanding. Step by step equal to stock AsyncScheduler,
+    # the same blocks stored in KV events, none holding a placeholder id, nothing left held
+    # or pending.
+    from pagedkv.testing.vllm_scheduler import ngram_speculative_config
+
+    rng = random.Random(5)
+    prompt, other = _tokens(rng, 2 * BS + 1), _tokens(rng, 2 * BS + 1)
+    stream = {0: [_req("first", prompt, 12)], 1: [_req("decoding", other, 30)], 5: [_req("again", prompt, 12)]}
+    events: list[list[Any]] = [[], []]
+    drivers = []
+    for i, cls in enumerate((AsyncScheduler, PagedKVScheduler)):
+        cfg = make_vllm_config(num_blocks=64, async_scheduling=True, max_num_batched_tokens=128, kv_events=True)
+        if k:
+            cfg.speculative_config = ngram_speculative_config(cfg, k)
+        kv = None if groups is None else make_hybrid_kv_cache_config(64, groups, BS, retention_interval=None)
+        driver = AsyncDriver(build_scheduler(cls, cfg, kv_cache_config=kv), num_drafts=k)
+        manager = driver.scheduler.kv_cache_manager
+
+        def take_events(take: Any = manager.take_events, sink: list[Any] = events[i]) -> list[Any]:
+            got = take()
+            sink.extend(got)
+            return got
+
+        manager.take_events = take_events
+        drivers.append(driver)
+    stock, paged = drivers
+    for step in range(500):
+        for factory in stream.get(step, []):
+            stock.add(factory())
+            paged.add(factory())
+        if step == abort_step:
+            stock.abort(["again"])
+            paged.abort(["again"])
+        if step > max(stream) and not stock.has_work():
+            assert not paged.has_work()
+            break
+        a, b = stock.step(), paged.step()
+        if groups is not None:
+            a.pop("blocks_held"), b.pop("blocks_held")
+        assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
+    assert paged.finish_reasons["again"] == "abort"
+    assert paged.outputs == stock.outputs
+
+    def stored(evs: list[Any]) -> set[tuple[int, ...]]:
+        return {tuple(e.token_ids) for e in evs if type(e).__name__ == "BlockStored"}
+
+    assert stored(events[1]) == stored(events[0]) != set()
+    assert not any(t in (-1, 0) for toks in stored(events[1]) for t in toks)
+    manager = paged.scheduler.kv_cache_manager
+    assert not manager._unknown and not manager._drafts_pending
+    kvm = manager.manager
+    kvm.check_invariants()
+    assert kvm.num_sequences == 0 and manager.usage == 0.0
