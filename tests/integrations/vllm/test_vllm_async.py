@@ -531,3 +531,45 @@ def test_abort_of_a_padded_request_with_placeholders_outstanding(groups: Any, k:
     kvm = manager.manager
     kvm.check_invariants()
     assert kvm.num_sequences == 0 and manager.usage == 0.0
+
+
+@pytest.mark.parametrize(("k", "num_blocks", "seed"), [(2, 18, 11), (3, 16, 16), (4, 20, 14)])
+def test_ngram_drafts_prefix_hits_preemption_and_aborts_match_stock(k: int, num_blocks: int, seed: int) -> None:
+    # Shared 32-token prefixes (some prompts 2 * 16 + 1 tokens: padded verify steps when sent
+    # again or resumed), a pool small enough to preempt, aborts with placeholders outstanding.
+    from pagedkv.testing.vllm_scheduler import ngram_speculative_config
+
+    rng = random.Random(seed)
+    prefix = _tokens(rng, 2 * BS)
+    stream: dict[int, list[Any]] = {}
+    prompts = {}
+    for i in range(8):
+        prompts[f"h{i}"] = prefix + _tokens(rng, rng.choice([1, 17, 33, rng.randrange(1, 60)]))
+        stream.setdefault(rng.randrange(0, 12), []).append(_req(f"h{i}", prompts[f"h{i}"], rng.randrange(5, 60)))
+    stream.setdefault(14, []).append(_req("again", prompts["h0"], 10))
+    aborts = {6: ["h1"], 9: ["h3", "again"], 15: ["again"]}
+    drivers = []
+    for cls in (AsyncScheduler, PagedKVScheduler):
+        cfg = make_vllm_config(num_blocks=num_blocks, async_scheduling=True, max_num_batched_tokens=128)
+        cfg.speculative_config = ngram_speculative_config(cfg, k)
+        drivers.append(AsyncDriver(build_scheduler(cls, cfg), num_drafts=k))
+    stock, paged = drivers
+    preempted = 0
+    for step in range(3000):
+        for factory in stream.get(step, []):
+            stock.add(factory())
+            paged.add(factory())
+        if step in aborts:
+            stock.abort(aborts[step])
+            paged.abort(aborts[step])
+        if step > max(stream) and not stock.has_work():
+            assert not paged.has_work()
+            break
+        a, b = stock.step(), paged.step()
+        assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
+        assert paged.scheduler.kv_cache_manager.usage == pytest.approx(stock.scheduler.kv_cache_manager.usage)
+        preempted += bool(a["preempted"])
+    assert preempted, "the pool must force preemption"
+    assert paged.outputs == stock.outputs
+    _check_no_leak(stock, paged)
+    assert not paged.scheduler.kv_cache_manager._drafts_pending
