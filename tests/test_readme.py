@@ -100,3 +100,11 @@ def test_design_index_lists_every_chapter_and_each_chapter_is_one_section() -> N
         text = (root / "docs" / "design" / name).read_text(encoding="utf-8")
         assert text.startswith(f"# {section}\n"), name
         assert not re.search(r"(?m)^# ", text.split("\n", 1)[1]), f"{name} holds more than one section"
+
+
+def test_docs_hold_no_merge_leftovers() -> None:
+    # A merge tool's backup of a conflicted chapter (``*.orig``, ``*.rej``) is no chapter: the
+    # index test above only globs ``*.md``, so a stale copy of old text would ship unnoticed.
+    docs = README.parent / "docs"
+    leftovers = sorted(str(p.relative_to(docs)) for p in docs.rglob("*") if p.suffix in (".orig", ".rej", ".BACKUP"))
+    assert leftovers == []

@@ -60,3 +60,21 @@ def test_every_engine_config_field_is_an_llm_engine_keyword_with_the_same_defaul
         p = params[f.name]
         assert p.kind is inspect.Parameter.KEYWORD_ONLY, f.name
         assert p.default == f.default, f.name
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_engine_config_refuses_a_seed_torch_cannot_take(seed: int) -> None:
+    # LLMEngine seeds a torch.Generator with it after the model loads: a seed outside 64 bits
+    # must be refused with the config, before anything is loaded.
+    from pagedkv.engine import EngineConfigError
+
+    with pytest.raises(EngineConfigError, match="seed"):
+        EngineConfig(seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, -1, -(2**63), 2**63, 2**64 - 1])
+def test_engine_config_takes_every_seed_torch_takes(seed: int) -> None:
+    import torch
+
+    assert EngineConfig(seed=seed).seed == seed
+    torch.Generator().manual_seed(seed)

@@ -46,7 +46,8 @@ class EngineConfig:
         num_cpu_blocks: CPU swap blocks (default: ``num_kv_blocks`` with swap, else 0).
         enable_prefix_caching: share KV of identical prompt prefixes across requests.
         hash_algo: ``"sha256"`` (default) or ``"xxh3_128"`` for prefix hashes.
-        seed: engine seed; requests without a seed derive theirs from it.
+        seed: engine seed, an integer in ``[-2**63, 2**64)`` (torch's generator seed range);
+            requests without a seed derive theirs from it.
         speculative: ``None`` (default, off) or ``"ngram"``: prompt-lookup speculative
             decoding (:mod:`~pagedkv.engine.speculative`). It applies to greedy requests
             (temperature 0, ``n == 1``, no beam search), whose outputs it leaves unchanged;
@@ -133,7 +134,13 @@ class EngineConfig:
         )
         check(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "True or False")
         check(self.hash_algo in ("sha256", "xxh3_128"), "hash_algo", "'sha256' or 'xxh3_128'")
-        check(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", "an integer")
+        # torch.Generator.manual_seed takes a 64-bit seed (signed or unsigned); a wider one
+        # failed only at LLMEngine construction, after the model had loaded.
+        check(
+            isinstance(self.seed, int) and not isinstance(self.seed, bool) and -(2**63) <= self.seed < 2**64,
+            "seed",
+            "an integer in [-2**63, 2**64)",
+        )
         check(self.speculative in (None, "ngram"), "speculative", "None or 'ngram' (prompt lookup)")
         check(
             self.num_speculative_tokens is None or at_least(self.num_speculative_tokens, 1),

@@ -428,6 +428,153 @@ def test_ngram_placeholder_drafts_match_stock_step_by_step(k: int) -> None:
     _check_no_leak(stock, paged)
 
 
+@pytest.mark.parametrize(
+    "groups", [None, (("full", None), ("sliding_window", 32)), CHUNKED_GROUPS], ids=["one_group", "sw", "chunked_local"]
+)
+@pytest.mark.parametrize("k", [2, 3])
+def test_padded_verify_step_of_a_prefix_hit_under_async_scheduling(groups: Any, k: int) -> None:
+    # With speculation on, vLLM pads a request admitted with one token left to compute (a
+    # 2 * 16 + 1 token prompt sent again while another request decodes) to a verify step of
+    # 1 + k tokens whose k placeholder drafts are async output placeholders: the next step is
+    # scheduled before vLLM rolls them back, with num_computed_tokens counting them. They must
+    # not be taken for accepted drafts (pagedkv then held more computed tokens than known ones
+    # and the next allocation raised InvalidArgumentError inside schedule()).
+    from pagedkv.testing.vllm_scheduler import ngram_speculative_config
+
+    rng = random.Random(29 + k)
+    prompt = _tokens(rng, 2 * BS + 1)
+    other = _tokens(rng, 2 * BS + 1)
+    stream = {0: [_req("first", prompt, 12)], 1: [_req("decoding", other, 30)], 5: [_req("again", prompt, 12)]}
+    drivers = []
+    for cls in (AsyncScheduler, PagedKVScheduler):
+        cfg = make_vllm_config(num_blocks=64, async_scheduling=True, max_num_batched_tokens=128)
+        cfg.speculative_config = ngram_speculative_config(cfg, k)
+        kv = None if groups is None else make_hybrid_kv_cache_config(64, groups, BS, retention_interval=None)
+        drivers.append(AsyncDriver(build_scheduler(cls, cfg, kv_cache_config=kv), num_drafts=k))
+    stock, paged = drivers
+    for step in range(500):
+        for factory in stream.get(step, []):
+            stock.add(factory())
+            paged.add(factory())
+        if step > max(stream) and not stock.has_work():
+            assert not paged.has_work()
+            break
+        a, b = stock.step(), paged.step()
+        if groups is not None:
+            a.pop("blocks_held"), b.pop("blocks_held")
+        assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
+    assert paged.prefix_hits["again"] == stock.prefix_hits["again"] == 2 * BS
+    assert paged.outputs == stock.outputs
+    assert paged.outputs["again"] == [fake_token("again", len(prompt) + i) for i in range(12)]
+    manager = paged.scheduler.kv_cache_manager
+    assert not manager._unknown and not manager._drafts_pending
+    kvm = manager.manager
+    kvm.check_invariants()
+    assert kvm.num_sequences == 0 and manager.usage == 0.0
+
+
+@pytest.mark.parametrize("groups", [None, (("full", None), ("sliding_window", 32))], ids=["one_group", "sw"])
+@pytest.mark.parametrize(("k", "abort_step"), [(0, 6), (2, 6), (3, 7)])
+def test_abort_of_a_padded_request_with_placeholders_outstanding(groups: Any, k: int, abort_step: int) -> None:
+    # 'again' (a 2 * 16 + 1 token prompt sent again, hit 32) is admitted at step 5, with
+    # speculation padded to 1 + k slots whose ids are in flight; it is aborted one or two
+    # steps later, its placeholders outstanding. Step by step equal to stock AsyncScheduler,
+    # the same blocks stored in KV events, none holding a placeholder id, nothing left held
+    # or pending.
+    from pagedkv.testing.vllm_scheduler import ngram_speculative_config
+
+    rng = random.Random(5)
+    prompt, other = _tokens(rng, 2 * BS + 1), _tokens(rng, 2 * BS + 1)
+    stream = {0: [_req("first", prompt, 12)], 1: [_req("decoding", other, 30)], 5: [_req("again", prompt, 12)]}
+    events: list[list[Any]] = [[], []]
+    drivers = []
+    for i, cls in enumerate((AsyncScheduler, PagedKVScheduler)):
+        cfg = make_vllm_config(num_blocks=64, async_scheduling=True, max_num_batched_tokens=128, kv_events=True)
+        if k:
+            cfg.speculative_config = ngram_speculative_config(cfg, k)
+        kv = None if groups is None else make_hybrid_kv_cache_config(64, groups, BS, retention_interval=None)
+        driver = AsyncDriver(build_scheduler(cls, cfg, kv_cache_config=kv), num_drafts=k)
+        manager = driver.scheduler.kv_cache_manager
+
+        def take_events(take: Any = manager.take_events, sink: list[Any] = events[i]) -> list[Any]:
+            got = take()
+            sink.extend(got)
+            return got
+
+        manager.take_events = take_events
+        drivers.append(driver)
+    stock, paged = drivers
+    for step in range(500):
+        for factory in stream.get(step, []):
+            stock.add(factory())
+            paged.add(factory())
+        if step == abort_step:
+            stock.abort(["again"])
+            paged.abort(["again"])
+        if step > max(stream) and not stock.has_work():
+            assert not paged.has_work()
+            break
+        a, b = stock.step(), paged.step()
+        if groups is not None:
+            a.pop("blocks_held"), b.pop("blocks_held")
+        assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
+    assert paged.finish_reasons["again"] == "abort"
+    assert paged.outputs == stock.outputs
+
+    def stored(evs: list[Any]) -> set[tuple[int, ...]]:
+        return {tuple(e.token_ids) for e in evs if type(e).__name__ == "BlockStored"}
+
+    assert stored(events[1]) == stored(events[0]) != set()
+    assert not any(t in (-1, 0) for toks in stored(events[1]) for t in toks)
+    manager = paged.scheduler.kv_cache_manager
+    assert not manager._unknown and not manager._drafts_pending
+    kvm = manager.manager
+    kvm.check_invariants()
+    assert kvm.num_sequences == 0 and manager.usage == 0.0
+
+
+@pytest.mark.parametrize(("k", "num_blocks", "seed"), [(2, 18, 11), (3, 16, 16), (4, 20, 14)])
+def test_ngram_drafts_prefix_hits_preemption_and_aborts_match_stock(k: int, num_blocks: int, seed: int) -> None:
+    # Shared 32-token prefixes (some prompts 2 * 16 + 1 tokens: padded verify steps when sent
+    # again or resumed), a pool small enough to preempt, aborts with placeholders outstanding.
+    from pagedkv.testing.vllm_scheduler import ngram_speculative_config
+
+    rng = random.Random(seed)
+    prefix = _tokens(rng, 2 * BS)
+    stream: dict[int, list[Any]] = {}
+    prompts = {}
+    for i in range(8):
+        prompts[f"h{i}"] = prefix + _tokens(rng, rng.choice([1, 17, 33, rng.randrange(1, 60)]))
+        stream.setdefault(rng.randrange(0, 12), []).append(_req(f"h{i}", prompts[f"h{i}"], rng.randrange(5, 60)))
+    stream.setdefault(14, []).append(_req("again", prompts["h0"], 10))
+    aborts = {6: ["h1"], 9: ["h3", "again"], 15: ["again"]}
+    drivers = []
+    for cls in (AsyncScheduler, PagedKVScheduler):
+        cfg = make_vllm_config(num_blocks=num_blocks, async_scheduling=True, max_num_batched_tokens=128)
+        cfg.speculative_config = ngram_speculative_config(cfg, k)
+        drivers.append(AsyncDriver(build_scheduler(cls, cfg), num_drafts=k))
+    stock, paged = drivers
+    preempted = 0
+    for step in range(3000):
+        for factory in stream.get(step, []):
+            stock.add(factory())
+            paged.add(factory())
+        if step in aborts:
+            stock.abort(aborts[step])
+            paged.abort(aborts[step])
+        if step > max(stream) and not stock.has_work():
+            assert not paged.has_work()
+            break
+        a, b = stock.step(), paged.step()
+        assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
+        assert paged.scheduler.kv_cache_manager.usage == pytest.approx(stock.scheduler.kv_cache_manager.usage)
+        preempted += bool(a["preempted"])
+    assert preempted, "the pool must force preemption"
+    assert paged.outputs == stock.outputs
+    _check_no_leak(stock, paged)
+    assert not paged.scheduler.kv_cache_manager._drafts_pending
+
+
 @pytest.mark.parametrize("k", [2, 5])
 @pytest.mark.parametrize("groups", [None, GEMMA3_GROUPS], ids=["one_group", "gemma3"])
 def test_placeholder_drafts_of_resumed_requests_match_stock(groups: Any, k: int) -> None:

@@ -543,10 +543,14 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
         # that keep the request's decodes off the batched path.
         lookahead_blocks = num_drafts > 0
         extra = self._placeholder_drafts(request, past, num_drafts)
+        # Under async scheduling they are output placeholders too: the next step is scheduled
+        # before vLLM rolls them back (its num_computed_tokens counts them), so they are
+        # unknown slots settled like any token in flight, never read as accepted drafts.
+        unknown = bool(extra) and self.async_scheduling
         if extra:
             last = request.num_tokens - 1
             lookahead_blocks = lookahead_blocks or (last + extra) // self.block_size != last // self.block_size
-            drafts = (drafts or []) + [UNWRITTEN_TOKEN] * extra
+            drafts = (drafts or []) + [0 if unknown else UNWRITTEN_TOKEN] * extra
             num_drafts += extra
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
@@ -587,11 +591,7 @@ class HybridPagedKVCacheManager(SharedManagerCalls):
                 expected=str(expected),
                 got=str(got),
             )
-        if drafts and self.async_scheduling:
-            # Only a first allocation gets here under async scheduling, so its drafts are all
-            # placeholders; the step in flight reports its tokens later, and vLLM's computed
-            # count already includes them: they are unknown tokens, settled as such (not read
-            # as a verify step's rollback, which has not happened yet).
+        if unknown:
             self._unknown.add(rid)
         elif drafts:
             self._drafts_pending[rid] = (expected + num_new_tokens - num_drafts, drafts)

@@ -502,8 +502,12 @@ class PagedKVCacheManager(SharedManagerCalls):
         # vLLM's placeholder drafts of a padded verify step: pagedkv has no ids for them; as
         # drafts, vLLM's rollback of them is read like any verify step's.
         extra = self._placeholder_drafts(request, past, num_drafts)
+        # Under async scheduling they are output placeholders too: the next step is scheduled
+        # before vLLM rolls them back (its num_computed_tokens counts them), so they are
+        # unknown slots settled like any token in flight, never read as accepted drafts.
+        unknown = extra if extra and self.async_scheduling else 0
         if extra:
-            drafts = (drafts or []) + [UNWRITTEN_TOKEN] * extra
+            drafts = (drafts or []) + [0 if unknown else UNWRITTEN_TOKEN] * extra
             num_drafts += extra
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
@@ -535,10 +539,7 @@ class PagedKVCacheManager(SharedManagerCalls):
                 got=str(alloc.num_context_tokens),
             )
         computed = expected_context + num_new_tokens
-        if drafts and self.async_scheduling:
-            # Under async scheduling only a first allocation gets here, so its drafts are all
-            # placeholders of a padded verify step; their tokens arrive with the step in flight
-            # and vLLM already counts them computed: unknown tokens, settled as such.
+        if unknown:
             self._unknown[rid] = computed
             self.decodes.close_window(rid)
         elif drafts:
