@@ -71,6 +71,28 @@ def _lockstep(
     be equal."""
     stock, paged = _pair(paged_cls, **config)
     records = []
+    for step, a, b in _drive_in_lockstep(stock, paged, stream, max_steps, actions):
+        if strict:
+            assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
+            usage = (stock.scheduler.kv_cache_manager.usage, paged.scheduler.kv_cache_manager.usage)
+            assert usage[1] == pytest.approx(usage[0]), f"step {step}: usage {usage}"
+        records.append((a, b))
+    paged.scheduler.kv_cache_manager.manager.check_invariants()
+    return stock, paged, records
+
+
+def _drive_in_lockstep(
+    stock: AsyncDriver,
+    paged: AsyncDriver,
+    stream: dict[int, list[Any]],
+    max_steps: int = 2000,
+    actions: dict[int, Any] | None = None,
+) -> Any:
+    """Yields ``(step, stock_record, paged_record)`` of both schedulers driven in lockstep:
+    each step's arrivals from ``stream`` (step -> request factories), then ``actions[step]``
+    (called with each driver), then one step of each; stops once stock has no work left after
+    the last arrival (the plug-in must have none either). Raises ``AssertionError`` when the
+    streams do not finish within ``max_steps``."""
     last_arrival = max(stream) if stream else 0
     for step in range(max_steps):
         for factory in stream.get(step, []):
@@ -81,17 +103,9 @@ def _lockstep(
             actions[step](paged)
         if step > last_arrival and not stock.has_work():
             assert not paged.has_work()
-            break
-        a, b = stock.step(), paged.step()
-        if strict:
-            assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
-            usage = (stock.scheduler.kv_cache_manager.usage, paged.scheduler.kv_cache_manager.usage)
-            assert usage[1] == pytest.approx(usage[0]), f"step {step}: usage {usage}"
-        records.append((a, b))
-    else:  # pragma: no cover - a hang is a failure
-        raise AssertionError("streams did not finish")
-    paged.scheduler.kv_cache_manager.manager.check_invariants()
-    return stock, paged, records
+            return
+        yield step, stock.step(), paged.step()
+    raise AssertionError("streams did not finish")
 
 
 def _check_no_leak(stock: AsyncDriver, paged: AsyncDriver) -> None:
@@ -287,14 +301,7 @@ def test_hybrid_groups_match_stock_step_by_step(groups: Any) -> None:
     stock, paged = drivers
     assert isinstance(paged.scheduler.kv_cache_manager, HybridPagedKVCacheManager)
     early_release = [0]
-    for step in range(2000):
-        for factory in stream.get(step, []):
-            stock.add(factory())
-            paged.add(factory())
-        if step > max(stream) and not stock.has_work():
-            assert not paged.has_work()
-            break
-        a, b = stock.step(), paged.step()
+    for step, a, b in _drive_in_lockstep(stock, paged, stream):
         held_a, held_b = a.pop("blocks_held"), b.pop("blocks_held")
         assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
         # Table lengths equal; real blocks equal, except that pagedkv may already have
@@ -407,14 +414,7 @@ def test_ngram_placeholder_drafts_match_stock_step_by_step(k: int) -> None:
         drivers.append(AsyncDriver(build_scheduler(cls, cfg), num_drafts=k))
     stock, paged = drivers
     records = []
-    for step in range(2000):
-        for factory in stream.get(step, []):
-            stock.add(factory())
-            paged.add(factory())
-        if step > max(stream) and not stock.has_work():
-            assert not paged.has_work()
-            break
-        a, b = stock.step(), paged.step()
+    for step, a, b in _drive_in_lockstep(stock, paged, stream):
         assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
         assert paged.scheduler.kv_cache_manager.usage == pytest.approx(stock.scheduler.kv_cache_manager.usage)
         records.append(a)
@@ -452,14 +452,7 @@ def test_padded_verify_step_of_a_prefix_hit_under_async_scheduling(groups: Any, 
         kv = None if groups is None else make_hybrid_kv_cache_config(64, groups, BS, retention_interval=None)
         drivers.append(AsyncDriver(build_scheduler(cls, cfg, kv_cache_config=kv), num_drafts=k))
     stock, paged = drivers
-    for step in range(500):
-        for factory in stream.get(step, []):
-            stock.add(factory())
-            paged.add(factory())
-        if step > max(stream) and not stock.has_work():
-            assert not paged.has_work()
-            break
-        a, b = stock.step(), paged.step()
+    for step, a, b in _drive_in_lockstep(stock, paged, stream, 500):
         if groups is not None:
             a.pop("blocks_held"), b.pop("blocks_held")
         assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
@@ -504,17 +497,8 @@ def test_abort_of_a_padded_request_with_placeholders_outstanding(groups: Any, k:
         manager.take_events = take_events
         drivers.append(driver)
     stock, paged = drivers
-    for step in range(500):
-        for factory in stream.get(step, []):
-            stock.add(factory())
-            paged.add(factory())
-        if step == abort_step:
-            stock.abort(["again"])
-            paged.abort(["again"])
-        if step > max(stream) and not stock.has_work():
-            assert not paged.has_work()
-            break
-        a, b = stock.step(), paged.step()
+    abort = {abort_step: lambda d: d.abort(["again"])}
+    for step, a, b in _drive_in_lockstep(stock, paged, stream, 500, abort):
         if groups is not None:
             a.pop("blocks_held"), b.pop("blocks_held")
         assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
@@ -555,17 +539,8 @@ def test_ngram_drafts_prefix_hits_preemption_and_aborts_match_stock(k: int, num_
         drivers.append(AsyncDriver(build_scheduler(cls, cfg), num_drafts=k))
     stock, paged = drivers
     preempted = 0
-    for step in range(3000):
-        for factory in stream.get(step, []):
-            stock.add(factory())
-            paged.add(factory())
-        if step in aborts:
-            stock.abort(aborts[step])
-            paged.abort(aborts[step])
-        if step > max(stream) and not stock.has_work():
-            assert not paged.has_work()
-            break
-        a, b = stock.step(), paged.step()
+    actions = {st: lambda d, ids=ids: d.abort(ids) for st, ids in aborts.items()}
+    for step, a, b in _drive_in_lockstep(stock, paged, stream, 3000, actions):
         assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
         assert paged.scheduler.kv_cache_manager.usage == pytest.approx(stock.scheduler.kv_cache_manager.usage)
         preempted += bool(a["preempted"])
@@ -602,14 +577,7 @@ def test_placeholder_drafts_of_resumed_requests_match_stock(groups: Any, k: int)
         drivers.append(AsyncDriver(sched, num_drafts=k))
     stock, paged = drivers
     records = []
-    for step in range(2000):
-        for factory in stream.get(step, []):
-            stock.add(factory())
-            paged.add(factory())
-        if step > max(stream) and not stock.has_work():
-            assert not paged.has_work()
-            break
-        a, b = stock.step(), paged.step()
+    for step, a, b in _drive_in_lockstep(stock, paged, stream):
         held_a, held_b = a.pop("blocks_held"), b.pop("blocks_held")
         assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
         if groups is None:
