@@ -2,7 +2,8 @@
 //! (lengths spread over 64..576 tokens at block size 16, a sequence reaching 576 freed and
 //! replaced by a 64-token prompt outside the timed region), on the groups manager
 //! (`HybridManager` with one group) beside `KvCacheManager`, interleaved so machine load hits
-//! both alike. Prints the median µs per step; no timing assertions.
+//! both alike; and one prefill step of 256 distinct 512-token prompts on a fresh manager. Prints
+//! medians; no timing assertions.
 //! Run: `cargo bench -p pagedkv-core --bench one_group`.
 
 use pagedkv_core::{
@@ -19,12 +20,28 @@ const STEPS: usize = 4000;
 
 /// The two managers behind one interface: add, schedule, free.
 trait Subject {
+    /// Registers the prompt only.
+    fn register(&self, id: u64, prompt: Vec<u32>);
+    /// One step scheduling every listed sequence's whole prompt (the prefill).
+    fn prefill(&self, ids: &[u64], len: u32);
     fn add(&self, id: u64, prompt: Vec<u32>);
     fn decode(&self, req: &StepRequest);
     fn free(&self, id: u64);
 }
 
 impl Subject for KvCacheManager {
+    fn register(&self, id: u64, prompt: Vec<u32>) {
+        self.add_sequence(id, &prompt, SequenceSpec::default())
+            .unwrap();
+    }
+    fn prefill(&self, ids: &[u64], len: u32) {
+        let out = self.step(&StepRequest {
+            seq_ids: ids.to_vec(),
+            num_new_tokens: vec![len; ids.len()],
+            ..Default::default()
+        });
+        assert!(out.error.is_none());
+    }
     fn add(&self, id: u64, prompt: Vec<u32>) {
         let n = prompt.len() as u32;
         self.add_sequence(id, &prompt, SequenceSpec::default())
@@ -50,6 +67,18 @@ impl Subject for KvCacheManager {
 }
 
 impl Subject for HybridManager {
+    fn register(&self, id: u64, prompt: Vec<u32>) {
+        self.add_sequence(id, prompt, SequenceSpec::default())
+            .unwrap();
+    }
+    fn prefill(&self, ids: &[u64], len: u32) {
+        let out = self.step(&StepRequest {
+            seq_ids: ids.to_vec(),
+            num_new_tokens: vec![len; ids.len()],
+            ..Default::default()
+        });
+        assert!(out.error.is_none());
+    }
     fn add(&self, id: u64, prompt: Vec<u32>) {
         let n = prompt.len() as u32;
         self.add_sequence(id, prompt, SequenceSpec::default())
@@ -144,11 +173,67 @@ impl<M: Subject> Workload<M> {
     }
 }
 
+/// Ms of one prefill step of `SEQS` distinct 512-token prompts on a fresh manager.
+fn prefill_ms<M: Subject>(make: impl Fn() -> M, round: u32) -> f64 {
+    const LEN: u32 = 512;
+    let m = make();
+    let ids: Vec<u64> = (0..SEQS as u64).collect();
+    for &id in &ids {
+        let base = (round * 1000 + id as u32) * LEN;
+        m.register(id, (base..base + LEN).collect());
+    }
+    let t = Instant::now();
+    m.prefill(&ids, LEN);
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
 fn main() {
     let num_blocks = (SEQS * (MAX_LEN / BS as usize + 2) + 1) as u32;
-    let mut one = Workload::new(KvCacheManager::new(CacheConfig::new(num_blocks, BS)).unwrap());
+    let make_one = || KvCacheManager::new(CacheConfig::new(num_blocks, BS)).unwrap();
     let cfg = HybridConfig::new(num_blocks, vec![GroupSpec::full(BS, 64)], vec![0]);
-    let mut groups = Workload::new(HybridManager::new(cfg).unwrap());
+    let make_groups = || HybridManager::new(cfg.clone()).unwrap();
+    // PAGEDKV_BENCH_ONLY=prefill-one|prefill-groups: only that prefill, 35 rounds.
+    match std::env::var("PAGEDKV_BENCH_ONLY").as_deref() {
+        Ok("prefill-one") => {
+            return println!(
+                "{:.2} ms",
+                median((0..35).map(|r| prefill_ms(make_one, r)).collect())
+            );
+        }
+        Ok("prefill-groups") => {
+            let ms = median((0..35).map(|r| prefill_ms(make_groups, r)).collect());
+            return println!("{ms:.2} ms");
+        }
+        _ => {}
+    }
+    if std::env::var("PAGEDKV_BENCH_ONLY").is_err() {
+        // Rounds interleaved (the allocator's first touches hit whichever runs first), the
+        // first pair discarded.
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for r in 0..12 {
+            let (x, y) = (
+                prefill_ms(make_one, 2 * r),
+                prefill_ms(make_groups, 2 * r + 1),
+            );
+            if r > 0 {
+                a.push(x);
+                b.push(y);
+            }
+        }
+        println!(
+            "prefill step of {SEQS} x 512 tokens, one full-attention group: KvCacheManager {:.2} ms, \
+             HybridManager {:.2} ms (median of 11)",
+            median(a),
+            median(b)
+        );
+    }
+    let mut one = Workload::new(make_one());
+    let mut groups = Workload::new(make_groups());
     // PAGEDKV_BENCH_ONLY=one|groups: time only that manager (for `perf stat` of one side).
     let only = std::env::var("PAGEDKV_BENCH_ONLY").unwrap_or_default();
     for _ in 0..STEPS {

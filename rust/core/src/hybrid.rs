@@ -37,7 +37,7 @@
 
 use crate::error::{Error, Result};
 use crate::events::{EventSink, KvEvent, Tier};
-use crate::hashing::{BlockHash, PrefixHasher};
+use crate::hashing::{BlockHash, ChainJob, PrefixHasher};
 use crate::host_tier::HostTier;
 use crate::kv_groups::{retained_at_interval, GroupSpec, HybridConfig};
 use crate::manager::{
@@ -1407,18 +1407,38 @@ impl HybridManager {
             });
             return out;
         }
-        // Group 0's slots go straight into the output; the other groups' rows follow it.
-        let mut rows: Vec<Vec<i64>> = if opts.skip_token_arrays {
-            Vec::new()
-        } else {
-            (1..ng).map(|_| Vec::with_capacity(n)).collect()
-        };
+        self.prehash_prompts(st, req, &seq_slots);
         let drafts_of = |i: usize| -> &[u32] {
             if drafts.indptr.is_empty() {
                 &[]
             } else {
                 &drafts.tokens[drafts.indptr[i] as usize..drafts.indptr[i + 1] as usize]
             }
+        };
+        // Size the token-indexed outputs once: a prefill of long prompts would otherwise grow
+        // them by repeated doubling (copies and page faults inside the step).
+        let mut max_tokens = 0usize;
+        if !opts.skip_token_arrays {
+            for (i, slot) in seq_slots.iter().enumerate() {
+                let Some(slot) = *slot else { break };
+                let s = st.seqs.at_slot(slot);
+                let appended = if req.append_indptr.is_empty() {
+                    0
+                } else {
+                    (req.append_indptr[i + 1] - req.append_indptr[i]) as usize
+                };
+                max_tokens += (req.num_new_tokens[i] as usize)
+                    .min((s.tokens.len() + appended).saturating_sub(s.num_computed))
+                    + drafts_of(i).len();
+            }
+            out.slot_mapping.reserve(ng * max_tokens);
+            out.input_ids.reserve(max_tokens);
+        }
+        // Group 0's slots go straight into the output; the other groups' rows follow it.
+        let mut rows: Vec<Vec<i64>> = if opts.skip_token_arrays {
+            Vec::new()
+        } else {
+            (1..ng).map(|_| Vec::with_capacity(max_tokens)).collect()
         };
         let mut ev = Vec::new();
         for (i, (&seq, &slot)) in req.seq_ids.iter().zip(&seq_slots).enumerate() {
@@ -2158,6 +2178,54 @@ impl HybridManager {
         // Only blocks full of computed, finalized tokens: drafts never reach the cache.
         self.cache_full(s, ev, true);
         Ok(out)
+    }
+
+    /// Hashes the prompt blocks of the step's first allocations before the loop, two chains at
+    /// a time ([`PrefixHasher::extend_chains`]): their lookups and their cached blocks read
+    /// these memoised plain hashes. Only when two or more prompts (without extra keys) arrive
+    /// in one step; a lone prompt is hashed as its lookup goes.
+    fn prehash_prompts(&self, st: &mut State, req: &StepRequest, slots: &[Option<u32>]) {
+        if !self.cfg.enable_prefix_caching
+            || req.num_new_tokens.iter().filter(|&&n| n > 1).count() < 2
+        {
+            return;
+        }
+        for (c, &bs) in self.class_bs.iter().enumerate() {
+            let mut taken: Vec<(u32, Vec<BlockHash>, usize)> = Vec::new();
+            for (&slot, &n) in slots
+                .iter()
+                .map_while(|s| s.as_ref())
+                .zip(&req.num_new_tokens)
+            {
+                let s = st.seqs.at_slot_mut(slot);
+                if n <= 1
+                    || !s.is_first()
+                    || s.status == SeqStatus::Swapped
+                    || s.spec != SequenceSpec::default()
+                {
+                    continue;
+                }
+                let want = (s.tokens.len() - 1) / bs;
+                if s.chains[c].len() < want {
+                    taken.push((slot, std::mem::take(&mut s.chains[c]), want));
+                }
+            }
+            if taken.len() >= 2 {
+                let seqs = &st.seqs;
+                let mut jobs: Vec<ChainJob<'_>> = taken
+                    .iter_mut()
+                    .map(|(slot, hashes, want)| ChainJob {
+                        hashes,
+                        tokens: &seqs.at_slot(*slot).tokens,
+                        want: *want,
+                    })
+                    .collect();
+                self.hasher.extend_chains(bs, &mut jobs);
+            }
+            for (slot, hashes, _) in taken {
+                st.seqs.at_slot_mut(slot).chains[c] = hashes;
+            }
+        }
     }
 
     /// The common step of a running sequence (a decode, a prefill chunk) without the general

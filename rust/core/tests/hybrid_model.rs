@@ -107,7 +107,10 @@ fn layout(k: u8) -> (Vec<GroupSpec>, Vec<u32>) {
             vec![GroupSpec::full(4, 4), GroupSpec::sliding_window(2, 8, 7)],
             vec![0, 1],
         ),
-        5 => (vec![GroupSpec::full(4, 4), GroupSpec::full(2, 8)], vec![0, 1]),
+        5 => (
+            vec![GroupSpec::full(4, 4), GroupSpec::full(2, 8)],
+            vec![0, 1],
+        ),
         _ => (
             vec![
                 GroupSpec::full(2, 8),
