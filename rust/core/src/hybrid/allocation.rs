@@ -1,0 +1,322 @@
+//! Allocation as the step loop and the single-sequence calls run it: a plan from the
+//! coordinator carried out (releases, hits, fresh blocks, copy-on-write, host loads, the
+//! blocks newly full cached), the common running step without a plan
+//! ([`HybridManager::extend_running`]), and the resolution of speculative drafts.
+
+use super::coordinator::Sim;
+use super::*;
+
+/// A [`HybridAllocation`] as the step loop uses it: the per-group parts inline for one group,
+/// so its decode step allocates nothing on the heap for them.
+#[derive(Debug, Default)]
+pub(super) struct Alloc {
+    pub(super) num_scheduled_tokens: usize,
+    pub(super) num_cached_tokens: usize,
+    pub(super) num_context_tokens: usize,
+    pub(super) num_draft_tokens: usize,
+    pub(super) groups: SmallVec<[GroupAllocation; 1]>,
+}
+
+impl From<Alloc> for HybridAllocation {
+    fn from(a: Alloc) -> Self {
+        Self {
+            num_scheduled_tokens: a.num_scheduled_tokens,
+            num_cached_tokens: a.num_cached_tokens,
+            num_context_tokens: a.num_context_tokens,
+            num_draft_tokens: a.num_draft_tokens,
+            groups: a.groups.into_vec(),
+        }
+    }
+}
+
+/// `n` default values in a one-inline `SmallVec`, built in the caller's frame (`collect`
+/// from an iterator, then the move out of a call, cost a tenth of a one-group decode step).
+#[inline(always)]
+pub(super) fn filled<T: Default>(n: usize) -> SmallVec<[T; 1]> {
+    if n == 1 {
+        SmallVec::from_buf([T::default()])
+    } else {
+        (0..n).map(|_| T::default()).collect()
+    }
+}
+
+impl HybridManager {
+    pub(super) fn allocate_locked(
+        &self,
+        seq: SeqId,
+        s: &mut Seq,
+        num_new_tokens: usize,
+        ev: &mut Vec<Pending>,
+    ) -> Result<Alloc> {
+        self.allocate_locked_with_drafts(seq, s, num_new_tokens, &[], ev)
+    }
+
+    pub(super) fn allocate_locked_with_drafts(
+        &self,
+        seq: SeqId,
+        s: &mut Seq,
+        num_new_tokens: usize,
+        drafts: &[u32],
+        ev: &mut Vec<Pending>,
+    ) -> Result<Alloc> {
+        self.allocate_reserving(seq, s, num_new_tokens, drafts, 0, ev)
+    }
+
+    /// [`Self::allocate_locked_with_drafts`] refused (nothing changed) unless `reserve` blocks
+    /// stay free after it ([`HybridStepOptions::reserve_blocks`]).
+    pub(super) fn allocate_reserving(
+        &self,
+        seq: SeqId,
+        s: &mut Seq,
+        num_new_tokens: usize,
+        drafts: &[u32],
+        reserve: usize,
+        ev: &mut Vec<Pending>,
+    ) -> Result<Alloc> {
+        if let Some(done) = self.extend_running(s, num_new_tokens, drafts, reserve, ev) {
+            return done;
+        }
+        let plan = {
+            let sim = Sim::new(&self.pool);
+            self.plan_with_drafts(seq, s, num_new_tokens, drafts.len(), &sim)?
+        };
+        let available = self.pool.num_free() + plan.release;
+        let requested = plan.take.saturating_add(reserve);
+        if requested > available {
+            return Err(Error::OutOfBlocks {
+                requested,
+                available,
+            });
+        }
+        let mut out = Alloc {
+            num_scheduled_tokens: plan.q,
+            num_cached_tokens: if plan.first { plan.context } else { 0 },
+            num_context_tokens: plan.context,
+            num_draft_tokens: drafts.len(),
+            groups: filled(self.num_groups()),
+        };
+        // Release first (tail first), so the blocks given back can be taken again.
+        let mut released = Vec::new();
+        for (g, gp) in plan.groups.iter().enumerate() {
+            for &j in gp.release.iter().rev() {
+                let t = &mut s.tables[g];
+                let b = std::mem::replace(&mut t.blocks[j], NULL_BLOCK);
+                t.rewritten_from(j);
+                released.push(b);
+                out.groups[g].released.push(b);
+            }
+            s.tables[g].live_from = gp.live_from;
+        }
+        if !released.is_empty() {
+            self.pool.free(&released)?;
+        }
+        let mut touched: Vec<BlockId> = plan
+            .groups
+            .iter()
+            .flat_map(|gp| gp.hits.iter().copied())
+            .filter(|&b| b != NULL_BLOCK && b != HOST_HIT)
+            .collect();
+        touched.sort_unstable();
+        if !touched.is_empty() {
+            self.pool.touch(&touched)?;
+        }
+        let n_new = plan.take - plan.hits_free;
+        let mut host = self.host.as_ref().map(|h| h.lock());
+        let loads = match host.as_deref_mut() {
+            Some(h) if plan.first => self.pin_loads(h, s, &plan.groups)?,
+            _ => Vec::new(),
+        };
+        let new = self.allocate_storing(n_new, host.as_deref_mut(), ev)?;
+        drop(host);
+        self.drain_pool(ev);
+        let mut fresh = new.into_iter();
+        for (g, gp) in plan.groups.into_iter().enumerate() {
+            let t = &mut s.tables[g];
+            let ga = &mut out.groups[g];
+            if plan.first {
+                t.scanned = gp.hits.len();
+                t.blocks = gp.hits;
+                t.reported = 0;
+                if !loads.is_empty() {
+                    host::take_load_blocks(t, ga, &mut fresh);
+                }
+            }
+            if gp.cow {
+                let dst = fresh.next().expect("allocated");
+                let at = plan.context / self.cfg.groups[g].block_size as usize;
+                let src = std::mem::replace(&mut t.blocks[at], dst);
+                t.rewritten_from(at);
+                self.pool.free(&[src])?;
+                ga.copies.push((src, dst));
+                ga.new_block_ids.push(dst);
+            }
+            for _ in 0..gp.fresh {
+                let b = fresh.next().expect("allocated");
+                t.blocks.push(b);
+                ga.new_block_ids.push(b);
+            }
+        }
+        s.last_context = plan.context;
+        s.num_computed = plan.context + plan.q;
+        s.status = SeqStatus::Running;
+        // Counted once per sequence: a resume after a recompute preemption finds its own
+        // blocks again, not a new lookup (vLLM #25780).
+        let lookup = plan.first && self.cfg.enable_prefix_caching && !s.looked_up;
+        let copies: usize = out.groups.iter().map(|g| g.copies.len()).sum();
+        if lookup || copies > 0 {
+            let mut c = self.counters.lock();
+            if lookup {
+                c.prefix_queries_tokens += s.tokens.len() as u64;
+                c.prefix_hits_tokens += plan.context as u64;
+            }
+            c.copies += copies as u64;
+        }
+        s.looked_up |= plan.first;
+        if self.host.is_some() && plan.first {
+            self.note_hits_seen(s, plan.context);
+            if !loads.is_empty() {
+                self.finish_loads(s, &loads, lookup, ev)?;
+            }
+        }
+        s.drafts = drafts.to_vec();
+        for (g, t) in s.tables.iter_mut().enumerate() {
+            let bs = self.cfg.groups[g].block_size as usize;
+            t.spare = t.blocks.len() - (s.num_computed + drafts.len()).div_ceil(bs);
+        }
+        // Only blocks full of computed, finalized tokens: drafts never reach the cache.
+        self.cache_full(s, ev, true);
+        Ok(out)
+    }
+
+    /// The common step of a running sequence (a decode, a prefill chunk) without the general
+    /// plan, when it cannot differ from it: every group full attention (nothing leaves a
+    /// window), no drafts pending or proposed, no shared last block to copy, blocks enough.
+    /// `None` otherwise: the general path then decides, errors included. Same effects as the
+    /// general path (the hybrid proptests drive both); it keeps a one-group decode step as cheap
+    /// as a manager without groups (`cargo bench --bench one_group`).
+    pub(super) fn extend_running(
+        &self,
+        s: &mut Seq,
+        num_new_tokens: usize,
+        drafts: &[u32],
+        reserve: usize,
+        ev: &mut Vec<Pending>,
+    ) -> Option<Result<Alloc>> {
+        if !self.all_full
+            || s.status != SeqStatus::Running
+            || s.num_computed == 0
+            || num_new_tokens == 0
+            || !drafts.is_empty()
+            || !s.drafts.is_empty()
+        {
+            return None;
+        }
+        let context = s.num_computed;
+        let q = num_new_tokens.min(s.tokens.len() - context);
+        if q == 0 {
+            return None;
+        }
+        let end = context + q;
+        let mut take = 0;
+        for (t, spec) in s.tables.iter().zip(&self.cfg.groups) {
+            let bs = spec.block_size as usize;
+            let shared = |&b: &BlockId| self.pool.ref_count(b) > 1;
+            if context % bs != 0 && t.blocks.get(context / bs).is_some_and(shared) {
+                return None; // copy-on-write
+            }
+            take += end.div_ceil(bs).saturating_sub(t.blocks.len());
+        }
+        if take.saturating_add(reserve) > self.pool.num_free() {
+            return None;
+        }
+        let new = if take == 0 {
+            Vec::new()
+        } else {
+            let mut host = self.host.as_ref().map(|h| h.lock());
+            match self.allocate_storing(take, host.as_deref_mut(), ev) {
+                Ok(new) => new,
+                Err(e) => return Some(Err(e)),
+            }
+        };
+        self.drain_pool(ev);
+        let mut out = Alloc {
+            num_scheduled_tokens: q,
+            num_context_tokens: context,
+            groups: filled(self.num_groups()),
+            ..Alloc::default()
+        };
+        let mut fresh = new.into_iter();
+        for ((t, spec), ga) in s
+            .tables
+            .iter_mut()
+            .zip(&self.cfg.groups)
+            .zip(&mut out.groups)
+        {
+            let blocks = end.div_ceil(spec.block_size as usize);
+            while t.blocks.len() < blocks {
+                let b = fresh.next().expect("allocated");
+                t.blocks.push(b);
+                ga.new_block_ids.push(b);
+            }
+            t.spare = t.blocks.len() - blocks;
+        }
+        s.last_context = context;
+        s.num_computed = end;
+        self.cache_full(s, ev, true);
+        Some(Ok(out))
+    }
+
+    pub(super) fn accept_drafts_with(
+        &self,
+        seq: SeqId,
+        num_accepted: usize,
+        release: bool,
+    ) -> Result<Vec<Vec<BlockId>>> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        validate_accept(seq, s.status, s.drafts.len(), num_accepted)?;
+        let end = s.num_computed + num_accepted;
+        let keep: Vec<usize> = (0..self.num_groups())
+            .map(|g| end.div_ceil(self.cfg.groups[g].block_size as usize))
+            .collect();
+        let mut released = vec![Vec::new(); self.num_groups()];
+        if release {
+            for (g, t) in s.tables.iter().enumerate() {
+                released[g] = t.blocks[keep[g]..].iter().rev().copied().collect();
+            }
+            let all: Vec<BlockId> = released.iter().flatten().copied().collect();
+            if !all.is_empty() {
+                // Cannot fail: lookahead blocks are private (ref 1) and held by this sequence.
+                self.pool.free(&all)?;
+            }
+        }
+        for (g, t) in s.tables.iter_mut().enumerate() {
+            if release {
+                t.blocks.truncate(keep[g]);
+                t.rewritten_from(keep[g]); // the next block there is a new one
+            }
+            t.spare = t.blocks.len() - keep[g];
+        }
+        let drafts = std::mem::take(&mut s.drafts);
+        s.tokens.extend_from_slice(&drafts[..num_accepted]);
+        s.num_computed = end;
+        let mut ev = Vec::new();
+        self.drain_pool(&mut ev);
+        self.cache_full(s, &mut ev, true);
+        self.absorb(st, ev);
+        Ok(released)
+    }
+
+    /// Releases every GPU block the sequence holds, tail first, table by table.
+    pub(super) fn release_all(&self, s: &Seq) {
+        let mut tail_first = Vec::new();
+        for t in &s.tables {
+            tail_first.extend(t.blocks.iter().rev().copied().filter(|&b| b != NULL_BLOCK));
+        }
+        if !tail_first.is_empty() {
+            let freed = self.pool.free(&tail_first);
+            debug_assert!(freed.is_ok(), "{freed:?}");
+        }
+    }
+}

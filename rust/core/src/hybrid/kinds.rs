@@ -1,0 +1,32 @@
+//! Per-kind rules of the KV cache groups: which blocks a group must keep readable (a window's
+//! first read position, with sparse retention the latest replayable point) and which full
+//! blocks it caches at fill time. Full attention keeps and caches everything; sliding-window
+//! and chunked-local groups answer from their [`GroupSpec`].
+
+use super::*;
+
+impl HybridManager {
+    pub(super) fn sparse(&self) -> bool {
+        self.cfg.enable_prefix_caching && self.cfg.retention_interval > 0
+    }
+
+    /// First token a windowed group must keep once KV is known up to `ctx`: the window of
+    /// `ctx` itself, or with sparse retention the window of the older of the last two hit-unit
+    /// boundaries at or below `ctx` (the latest replayable point).
+    pub(super) fn keep_from(&self, spec: &GroupSpec, ctx: usize) -> usize {
+        if !spec.is_windowed() {
+            return 0;
+        }
+        if !self.sparse() {
+            return spec.first_read(ctx);
+        }
+        let last = ctx / self.unit * self.unit;
+        spec.first_read(last.saturating_sub(self.unit))
+    }
+
+    /// Whether logical block `j` of a group is cached as soon as it is full.
+    pub(super) fn registers_at_fill(&self, spec: &GroupSpec, j: usize) -> bool {
+        let n = self.cfg.retention_interval as usize;
+        !spec.is_windowed() || n == 0 || retained_at_interval(spec, j, n)
+    }
+}
