@@ -34,7 +34,9 @@
 //! Not synchronised: the manager keeps it under its own mutex.
 
 use crate::error::{Error, Result};
+use crate::events::{KvEvent, Tier};
 use crate::hashing::{BlockHash, ExtraKey};
+use crate::pool::BlockPool;
 use crate::BlockId;
 use std::collections::{HashMap, VecDeque};
 
@@ -925,6 +927,114 @@ impl HostTier {
         }
         self.list_remove(front);
         Some(front)
+    }
+}
+
+// Manager-side helpers of the host tier, shared by both KV cache managers.
+
+/// Checks the host-tier fields of a manager's configuration (both managers take the same
+/// ones). Errors: [`Error::InvalidConfig`] naming `host_admission_min_seen` when it is 0, or
+/// `num_host_blocks` above [`MAX_HOST_BLOCKS`] or set with prefix caching off (the host tier
+/// keys blocks by their prefix hash).
+pub(crate) fn validate_host_tier(
+    num_host_blocks: u32,
+    admission_min_seen: u32,
+    enable_prefix_caching: bool,
+) -> Result<()> {
+    if admission_min_seen == 0 {
+        return Err(Error::InvalidConfig {
+            field: "host_admission_min_seen",
+            value: "0".into(),
+            reason: "must be at least 1 (1 stores every evicted block)".into(),
+        });
+    }
+    if num_host_blocks > MAX_HOST_BLOCKS {
+        return Err(Error::InvalidConfig {
+            field: "num_host_blocks",
+            value: num_host_blocks.to_string(),
+            reason: format!("at most {MAX_HOST_BLOCKS} blocks"),
+        });
+    }
+    if num_host_blocks > 0 && !enable_prefix_caching {
+        return Err(Error::InvalidConfig {
+            field: "num_host_blocks",
+            value: num_host_blocks.to_string(),
+            reason: "a host tier needs enable_prefix_caching: it keys blocks by the \
+                     device tier's prefix hashes"
+                .into(),
+        });
+    }
+    Ok(())
+}
+
+/// The host tier's events of one store attempt ([`HostTier::plan_store`] of `key` gave
+/// `out`): `BlockRemoved` for the host block evicted to make room, `BlockStored` for the
+/// store (from the metadata the tier kept). Hashes are the keys' `hash`; both managers emit
+/// these (the groups manager names the key's group beside them).
+pub(crate) fn host_store_events(
+    host: &HostTier,
+    out: &StoreOutcome,
+    key: HostKey,
+    block_size: u32,
+    root: BlockHash,
+) -> impl Iterator<Item = KvEvent> {
+    let removed = out.evicted.map(|old| KvEvent::BlockRemoved {
+        block_hashes: vec![old.hash],
+        tier: Tier::Host,
+    });
+    let stored = out.stored.map(|h| {
+        let meta = host.host_meta(h);
+        KvEvent::BlockStored {
+            block_hashes: vec![key.hash],
+            parent_block_hash: meta.and_then(|m| m.parent),
+            token_ids: meta.map(|m| m.tokens.to_vec()).unwrap_or_default(),
+            block_size,
+            extra_keys: meta.map(|m| m.extra_keys.clone()).unwrap_or_default(),
+            hash_root: Some(root),
+            tier: Tier::Host,
+        }
+    });
+    removed.into_iter().chain(stored)
+}
+
+/// Hands out `host`'s planned copies, with the group of each store, and drops the reference
+/// each load held on its device block (taken when the load was planned, so nothing reuses the
+/// block before the executor fills it). Shared by both managers. O(plans).
+pub(crate) fn hand_out_host_plans(
+    pool: &BlockPool,
+    host: &mut HostTier,
+) -> (HostTransfers, Vec<u32>) {
+    let (plans, store_groups) = host.take_plans_with_groups();
+    let loads = &plans.loads;
+    if !loads.is_empty() {
+        let held: Vec<BlockId> = loads.iter().rev().map(|&(_, d)| d).collect();
+        let freed = pool.free(&held);
+        debug_assert!(freed.is_ok(), "{freed:?}");
+    }
+    (plans, store_groups)
+}
+
+/// Pins the host blocks of a call's host hits (before its allocation may store to the tier).
+#[cold]
+#[inline(never)]
+pub(crate) fn pin_host_hits(
+    host: Option<&mut HostTier>,
+    host_hits: &[(usize, BlockId)],
+) -> Result<()> {
+    if let Some(host) = host {
+        for &(_, hb) in host_hits {
+            host.pin(hb)?;
+        }
+    }
+    Ok(())
+}
+
+/// Counts one use of each prefix-hit hash for the host tier's admission.
+#[cold]
+#[inline(never)]
+pub(crate) fn note_hits_seen(host: &mut HostTier, hashes: &[BlockHash]) {
+    for &h in hashes {
+        host.note_seen(HostKey::from(h));
     }
 }
 

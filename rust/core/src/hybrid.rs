@@ -45,12 +45,12 @@ use crate::events::{EventSink, KvEvent, Tier};
 use crate::hashing::{BlockHash, ChainJob, PrefixHasher};
 use crate::host_tier::HostTier;
 use crate::kv_groups::{retained_at_interval, GroupSpec, HybridConfig};
-use crate::manager::{
+use crate::metrics::{CacheStats, ManagerCounters};
+use crate::pool::BlockPool;
+use crate::request::{
     drafts_pending, validate_accept, validate_drafts, validate_new_sequence, validate_step,
     SeqStatus, SequenceSpec, StepDrafts, StepRequest,
 };
-use crate::metrics::{CacheStats, ManagerCounters};
-use crate::pool::BlockPool;
 use crate::seq_table::{duplicate_id, SeqTable};
 use crate::sync::Mutex;
 use crate::{BlockId, SeqId, NULL_BLOCK};

@@ -234,7 +234,7 @@ impl HybridConfig {
     /// group, a group without layers; a retention interval that is not a multiple of the hit
     /// unit; the host-tier fields as `CacheConfig::validate` checks them.
     pub fn validate(&self) -> Result<()> {
-        crate::manager::validate_host_tier(
+        crate::host_tier::validate_host_tier(
             self.num_host_blocks,
             self.host_admission_min_seen,
             self.enable_prefix_caching,

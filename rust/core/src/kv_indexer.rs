@@ -83,7 +83,7 @@ use crate::error::{Error, Result};
 use crate::events::{KvEvent, Tier};
 use crate::hashing::{BlockHash, ExtraKey, PrefixHasher};
 use crate::kv_groups::AttentionKind;
-use crate::manager::SequenceSpec;
+use crate::request::SequenceSpec;
 use foldhash::{HashMap, HashSet};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -1549,7 +1549,7 @@ mod tests {
         let prompt: Vec<u32> = (0..13).collect();
         let spec = SequenceSpec {
             extra_keys: vec![ExtraKey::CacheSalt("t".into())],
-            mm_items: vec![crate::manager::MmItem {
+            mm_items: vec![crate::request::MmItem {
                 item_hash: vec![1, 2],
                 start: 3,
                 len: 3,

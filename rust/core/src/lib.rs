@@ -9,6 +9,7 @@
 //! - `sha256_x2`: SHA-256 of two independent chains at once (SHA-NI, two lanes), for prefills.
 //! - [`prefix_index`]: each block's hash and the hash → blocks multiset.
 //! - `seq_table`: the manager's slab of sequences keyed by id.
+//! - [`request`]: what callers hand the managers: sequence specs, step batches, drafts.
 //! - [`manager`]: per-sequence block tables, slot allocation, fork / copy-on-write, preemption
 //!   (recompute and swap), the batched scheduler-step entry point.
 //! - [`kv_groups`]: KV cache groups (full attention, sliding window, chunked local): what each
@@ -37,6 +38,7 @@ pub mod manager;
 pub mod metrics;
 pub mod pool;
 pub mod prefix_index;
+pub mod request;
 mod seq_table;
 mod sha256_x2;
 pub mod sync;
@@ -46,11 +48,9 @@ pub use hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
 pub use hybrid::{BlockDemand, GroupEvent, HybridManager, HybridStepOptions, HybridStepOutput};
 pub use kv_groups::{AttentionKind, GroupSpec, HybridConfig};
 pub use kv_indexer::{BatchOutcome, HashSource, KvIndexer, WorkerId, WorkerStatus};
-pub use manager::{
-    CacheConfig, KvCacheManager, MmItem, SeqStatus, SequenceSpec, SlotAllocation, StepDrafts,
-    StepOptions, StepOutput, StepRequest,
-};
+pub use manager::{CacheConfig, KvCacheManager, SlotAllocation, StepOptions, StepOutput};
 pub use metrics::{CacheStats, ManagerCounters};
+pub use request::{MmItem, SeqStatus, SequenceSpec, StepDrafts, StepRequest};
 
 /// Physical block id. `0` is the null block: never allocated, hashed, ref-counted or counted
 /// as capacity; padded block-table entries point at it.

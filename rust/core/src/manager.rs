@@ -23,10 +23,15 @@ use crate::error::{Error, Result};
 use crate::events::{EventSink, KvEvent, Tier};
 use crate::hashing::{BlockHash, ChainJob, ExtraKey, HashAlgo, PrefixHasher};
 use crate::host_tier::{
-    BlockMeta, HostEviction, HostKey, HostTier, HostTransfers, StoreOutcome, MAX_HOST_BLOCKS,
+    hand_out_host_plans, host_store_events, note_hits_seen, pin_host_hits, validate_host_tier,
+    BlockMeta, HostEviction, HostKey, HostTier, HostTransfers,
 };
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
+use crate::request::{
+    drafts_pending, validate_accept, validate_drafts, validate_new_sequence, validate_step,
+    SeqStatus, SequenceSpec, StepDrafts, StepRequest,
+};
 use crate::seq_table::{duplicate_id, SeqTable};
 use crate::sync::Mutex;
 use crate::{BlockId, SeqId, NULL_BLOCK};
@@ -87,7 +92,7 @@ impl CacheConfig {
 
     /// Checks every field. Errors: [`Error::InvalidConfig`] naming the field when
     /// `num_blocks < 2`, `block_size` is outside `1..=MAX_BLOCK_SIZE`, `num_host_blocks`
-    /// exceeds [`MAX_HOST_BLOCKS`] or is set with prefix caching off (the host tier keys
+    /// exceeds [`crate::host_tier::MAX_HOST_BLOCKS`] or is set with prefix caching off (the host tier keys
     /// blocks by their prefix hash), or `host_admission_min_seen == 0`.
     pub fn validate(&self) -> Result<()> {
         validate_host_tier(
@@ -113,78 +118,6 @@ impl CacheConfig {
     }
 }
 
-/// A multimodal item embedded in a sequence's tokens: its content hash and the token range
-/// `[start, start + len)` it occupies. Every full block overlapping the range gets an
-/// [`ExtraKey::Multimodal`] key (item hash + start offset relative to the block), so two
-/// prompts with the same placeholder tokens but different images never share cached KV.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct MmItem {
-    /// Content hash of the item (any bytes, typically a SHA-256 of the pixels / audio).
-    pub item_hash: Vec<u8>,
-    /// Position, in tokens, of the item's first token in the sequence.
-    pub start: u64,
-    /// Number of tokens the item occupies (>= 1).
-    pub len: u64,
-}
-
-/// Per-sequence inputs to prefix hashing.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
-pub struct SequenceSpec {
-    /// Keys mixed into the hash of every block of the sequence, in this order: model / adapter
-    /// identity ([`ExtraKey::Adapter`]), cache salt ([`ExtraKey::CacheSalt`]), tagged keys.
-    pub extra_keys: Vec<ExtraKey>,
-    /// Multimodal items; each adds a per-block key to the blocks it overlaps (after
-    /// `extra_keys`, in this list's order).
-    pub mm_items: Vec<MmItem>,
-}
-
-impl SequenceSpec {
-    /// Extra keys hashed into logical block `k` (tokens `k*block_size..(k+1)*block_size`): the
-    /// sequence keys, then one [`ExtraKey::Multimodal`] per item overlapping the block (offset =
-    /// item start minus block start). The manager and [`crate::kv_indexer`] both hash with this,
-    /// so a router computes the same block hashes as the engines. O(keys + items).
-    pub fn block_keys(&self, block_size: usize, k: usize) -> Cow<'_, [ExtraKey]> {
-        if self.mm_items.is_empty() {
-            return Cow::Borrowed(&self.extra_keys);
-        }
-        let (lo, hi) = ((k * block_size) as u64, ((k + 1) * block_size) as u64);
-        let mut keys = self.extra_keys.clone();
-        for item in self
-            .mm_items
-            .iter()
-            .filter(|m| m.start < hi && m.start + m.len > lo)
-        {
-            keys.push(ExtraKey::Multimodal {
-                item_hash: item.item_hash.clone(),
-                offset: item.start as i64 - lo as i64,
-            });
-        }
-        Cow::Owned(keys)
-    }
-}
-
-/// Where a sequence's KV lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum SeqStatus {
-    /// On the GPU (possibly with no blocks yet, before the first allocation).
-    Running,
-    /// Preempted by recompute: no blocks, tokens kept, `num_computed_tokens == 0`.
-    Preempted,
-    /// Swapped out: the block table holds CPU swap-block ids.
-    Swapped,
-}
-
-impl SeqStatus {
-    /// Lower-case name used in error messages (`"running"`, `"preempted"`, `"swapped"`).
-    pub fn name(self) -> &'static str {
-        match self {
-            SeqStatus::Running => "running",
-            SeqStatus::Preempted => "preempted",
-            SeqStatus::Swapped => "swapped",
-        }
-    }
-}
-
 /// The result of one [`KvCacheManager::allocate_slots`] call.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct SlotAllocation {
@@ -207,30 +140,6 @@ pub struct SlotAllocation {
     /// positions `num_context_tokens + num_scheduled_tokens ..` `+ num_draft_tokens`, pending
     /// until [`KvCacheManager::accept_drafts`].
     pub num_draft_tokens: usize,
-}
-
-/// Input of the batched [`KvCacheManager::step`]: one entry per sequence, processed in order.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct StepRequest {
-    /// Sequences to schedule.
-    pub seq_ids: Vec<SeqId>,
-    /// Per sequence, the most tokens to schedule (same length as `seq_ids`).
-    pub num_new_tokens: Vec<u32>,
-    /// CSR offsets into `append_tokens` (length `seq_ids.len() + 1`), or empty for no appends.
-    pub append_indptr: Vec<u32>,
-    /// Newly sampled tokens to append to each sequence before scheduling it.
-    pub append_tokens: Vec<u32>,
-}
-
-/// Draft tokens of a speculative-decoding step ([`KvCacheManager::step_with_drafts`]), CSR
-/// over the request's sequences: sequence `i` proposes
-/// `tokens[indptr[i]..indptr[i + 1]]`. Empty `indptr` (the default) means no drafts.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct StepDrafts {
-    /// CSR offsets into `tokens` (length `seq_ids.len() + 1`), or empty for no drafts.
-    pub indptr: Vec<u32>,
-    /// Proposed (draft) token ids, not yet verified.
-    pub tokens: Vec<u32>,
 }
 
 /// Output of [`KvCacheManager::step`], flat integer arrays ready to become kernel tensors.
@@ -408,15 +317,6 @@ struct Plan {
     q: usize,
     fresh: usize,
     cow: bool,
-}
-
-pub(crate) fn drafts_pending(seq_id: SeqId, operation: &'static str) -> Error {
-    Error::InvalidSequenceState {
-        seq_id,
-        state: "running with pending draft tokens",
-        operation,
-        expected: "without them (call accept_drafts first)",
-    }
 }
 
 impl Plan {
@@ -2088,112 +1988,6 @@ impl KvCacheManager {
     }
 }
 
-/// Checks the host-tier fields of a manager's configuration (both managers take the same
-/// ones). Errors: [`Error::InvalidConfig`] naming `host_admission_min_seen` when it is 0, or
-/// `num_host_blocks` above [`MAX_HOST_BLOCKS`] or set with prefix caching off (the host tier
-/// keys blocks by their prefix hash).
-pub(crate) fn validate_host_tier(
-    num_host_blocks: u32,
-    admission_min_seen: u32,
-    enable_prefix_caching: bool,
-) -> Result<()> {
-    if admission_min_seen == 0 {
-        return Err(Error::InvalidConfig {
-            field: "host_admission_min_seen",
-            value: "0".into(),
-            reason: "must be at least 1 (1 stores every evicted block)".into(),
-        });
-    }
-    if num_host_blocks > MAX_HOST_BLOCKS {
-        return Err(Error::InvalidConfig {
-            field: "num_host_blocks",
-            value: num_host_blocks.to_string(),
-            reason: format!("at most {MAX_HOST_BLOCKS} blocks"),
-        });
-    }
-    if num_host_blocks > 0 && !enable_prefix_caching {
-        return Err(Error::InvalidConfig {
-            field: "num_host_blocks",
-            value: num_host_blocks.to_string(),
-            reason: "a host tier needs enable_prefix_caching: it keys blocks by the \
-                     device tier's prefix hashes"
-                .into(),
-        });
-    }
-    Ok(())
-}
-
-/// The host tier's events of one store attempt ([`HostTier::plan_store`] of `key` gave
-/// `out`): `BlockRemoved` for the host block evicted to make room, `BlockStored` for the
-/// store (from the metadata the tier kept). Hashes are the keys' `hash`; both managers emit
-/// these (the groups manager names the key's group beside them).
-pub(crate) fn host_store_events(
-    host: &HostTier,
-    out: &StoreOutcome,
-    key: HostKey,
-    block_size: u32,
-    root: BlockHash,
-) -> impl Iterator<Item = KvEvent> {
-    let removed = out.evicted.map(|old| KvEvent::BlockRemoved {
-        block_hashes: vec![old.hash],
-        tier: Tier::Host,
-    });
-    let stored = out.stored.map(|h| {
-        let meta = host.host_meta(h);
-        KvEvent::BlockStored {
-            block_hashes: vec![key.hash],
-            parent_block_hash: meta.and_then(|m| m.parent),
-            token_ids: meta.map(|m| m.tokens.to_vec()).unwrap_or_default(),
-            block_size,
-            extra_keys: meta.map(|m| m.extra_keys.clone()).unwrap_or_default(),
-            hash_root: Some(root),
-            tier: Tier::Host,
-        }
-    });
-    removed.into_iter().chain(stored)
-}
-
-/// Hands out `host`'s planned copies, with the group of each store, and drops the reference
-/// each load held on its device block (taken when the load was planned, so nothing reuses the
-/// block before the executor fills it). Shared by both managers. O(plans).
-pub(crate) fn hand_out_host_plans(
-    pool: &BlockPool,
-    host: &mut HostTier,
-) -> (HostTransfers, Vec<u32>) {
-    let (plans, store_groups) = host.take_plans_with_groups();
-    let loads = &plans.loads;
-    if !loads.is_empty() {
-        let held: Vec<BlockId> = loads.iter().rev().map(|&(_, d)| d).collect();
-        let freed = pool.free(&held);
-        debug_assert!(freed.is_ok(), "{freed:?}");
-    }
-    (plans, store_groups)
-}
-
-/// Pins the host blocks of a call's host hits (before its allocation may store to the tier).
-#[cold]
-#[inline(never)]
-pub(crate) fn pin_host_hits(
-    host: Option<&mut HostTier>,
-    host_hits: &[(usize, BlockId)],
-) -> Result<()> {
-    if let Some(host) = host {
-        for &(_, hb) in host_hits {
-            host.pin(hb)?;
-        }
-    }
-    Ok(())
-}
-
-/// Counts one use of each prefix-hit hash for the host tier's admission.
-#[cold]
-#[inline(never)]
-pub(crate) fn note_hits_seen(host: &mut HostTier, hashes: &[BlockHash]) {
-    for &h in hashes {
-        host.note_seen(HostKey::from(h));
-    }
-}
-
 /// Validates a group argument: known ids, no duplicates, every status accepted by `ok`.
 fn check_group(
     st: &State,
@@ -2228,130 +2022,4 @@ fn cpu_release(cpu: &mut CpuPool, table: &[BlockId]) {
             cpu.free.push(c);
         }
     }
-}
-
-/// Checks an `accept_drafts(seq, num_accepted)` call against the sequence's `pending` draft
-/// tokens, shared by [`KvCacheManager`] and the KV cache groups manager.
-///
-/// # Errors
-/// [`Error::InvalidSequenceState`] when no drafts are pending; [`Error::InvalidArgument`] when
-/// `num_accepted > pending`.
-pub(crate) fn validate_accept(
-    seq: SeqId,
-    status: SeqStatus,
-    pending: usize,
-    num_accepted: usize,
-) -> Result<()> {
-    if pending == 0 {
-        return Err(Error::InvalidSequenceState {
-            seq_id: seq,
-            state: status.name(),
-            operation: "accept_drafts",
-            expected: "with pending draft tokens (allocated with drafts)",
-        });
-    }
-    if num_accepted > pending {
-        return Err(Error::InvalidArgument {
-            arg: "num_accepted",
-            value: num_accepted.to_string(),
-            reason: format!("sequence {seq} has only {pending} draft token(s) pending"),
-        });
-    }
-    Ok(())
-}
-
-/// Checks a new sequence's prompt (at least one token) and its multimodal items (len >= 1, a
-/// range that fits in i64), shared by [`KvCacheManager`] and the KV cache groups manager.
-pub(crate) fn validate_new_sequence(prompt: &[u32], spec: &SequenceSpec) -> Result<()> {
-    if prompt.is_empty() {
-        return Err(Error::InvalidArgument {
-            arg: "prompt",
-            value: "[]".into(),
-            reason: "a sequence needs at least one token".into(),
-        });
-    }
-    for item in &spec.mm_items {
-        if item.len == 0
-            || item.start.checked_add(item.len).is_none()
-            || item.start > i64::MAX as u64
-        {
-            return Err(Error::InvalidArgument {
-                arg: "mm_items",
-                value: format!("start={} len={}", item.start, item.len),
-                reason: "a multimodal item needs len >= 1 and a range that fits in i64".into(),
-            });
-        }
-    }
-    Ok(())
-}
-
-/// Checks a [`StepRequest`]'s array lengths and offsets (shared by [`KvCacheManager`] and the
-/// KV cache groups manager).
-pub(crate) fn validate_step(req: &StepRequest) -> Result<()> {
-    let n = req.seq_ids.len();
-    if req.num_new_tokens.len() != n {
-        return Err(Error::InvalidArgument {
-            arg: "num_new_tokens",
-            value: format!("len {}", req.num_new_tokens.len()),
-            reason: format!("must have one entry per sequence ({n})"),
-        });
-    }
-    if req.append_indptr.is_empty() {
-        if !req.append_tokens.is_empty() {
-            return Err(Error::InvalidArgument {
-                arg: "append_indptr",
-                value: "[]".into(),
-                reason: "append_tokens given without offsets".into(),
-            });
-        }
-        return Ok(());
-    }
-    let p = &req.append_indptr;
-    if p.len() != n + 1
-        || p[0] != 0
-        || p.windows(2).any(|w| w[0] > w[1])
-        || p[n] as usize != req.append_tokens.len()
-    {
-        return Err(Error::InvalidArgument {
-            arg: "append_indptr",
-            value: format!("{p:?}"),
-            reason: format!(
-                "must be {} non-decreasing offsets from 0 to len(append_tokens) = {}",
-                n + 1,
-                req.append_tokens.len()
-            ),
-        });
-    }
-    Ok(())
-}
-
-pub(crate) fn validate_drafts(req: &StepRequest, drafts: &StepDrafts) -> Result<()> {
-    let n = req.seq_ids.len();
-    let p = &drafts.indptr;
-    if p.is_empty() {
-        if !drafts.tokens.is_empty() {
-            return Err(Error::InvalidArgument {
-                arg: "draft_indptr",
-                value: "[]".into(),
-                reason: "draft_tokens given without offsets".into(),
-            });
-        }
-        return Ok(());
-    }
-    if p.len() != n + 1
-        || p[0] != 0
-        || p.windows(2).any(|w| w[0] > w[1])
-        || p[n] as usize != drafts.tokens.len()
-    {
-        return Err(Error::InvalidArgument {
-            arg: "draft_indptr",
-            value: format!("{p:?}"),
-            reason: format!(
-                "must be {} non-decreasing offsets from 0 to len(draft_tokens) = {}",
-                n + 1,
-                drafts.tokens.len()
-            ),
-        });
-    }
-    Ok(())
 }

@@ -22,8 +22,10 @@ use super::{
 use crate::error::Result;
 use crate::events::KvEvent;
 use crate::hashing::BlockHash;
-use crate::host_tier::{BlockMeta, HostKey, HostTier, HostTransfers};
-use crate::manager::{hand_out_host_plans, host_store_events, pin_host_hits};
+use crate::host_tier::{
+    hand_out_host_plans, host_store_events, pin_host_hits, BlockMeta, HostKey, HostTier,
+    HostTransfers,
+};
 use crate::pool::BlockPool;
 use crate::BlockId;
 
