@@ -1069,6 +1069,18 @@ impl HybridManager {
         Ok(st.seqs.get(&seq).ok_or_else(|| unknown(seq))?.tokens.len())
     }
 
+    /// The sequence's token ids (prompt and appended, drafts excluded). Errors:
+    /// [`Error::UnknownSequence`]. O(tokens).
+    pub fn tokens(&self, seq: SeqId) -> Result<Vec<u32>> {
+        let st = self.state.lock();
+        Ok(st
+            .seqs
+            .get(&seq)
+            .ok_or_else(|| unknown(seq))?
+            .tokens
+            .clone())
+    }
+
     /// Tokens of `seq` whose KV is (scheduled to be) written. Errors: [`Error::UnknownSequence`].
     pub fn num_computed_tokens(&self, seq: SeqId) -> Result<usize> {
         let st = self.state.lock();

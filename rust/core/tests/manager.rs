@@ -1,20 +1,24 @@
 //! Unit tests for each manager rule: prefix hits, chunked prefill, errors, fork, preemption,
-//! swap, reset, events, the batched step and stats. Exact values throughout.
+//! swap, reset, events, the batched step and stats. Exact values throughout, on the one-group
+//! manager and on the groups manager with one full group ([`common::OneGroup`]).
 
+mod common;
+
+use common::{OneGroup, Step};
 use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::{
     BlockHash, BlockId, CacheConfig, Error, ExtraKey, KvCacheManager, MmItem, PrefixHasher,
-    SeqStatus, SequenceSpec, StepOptions, StepOutput, StepRequest,
+    SeqStatus, SequenceSpec, StepOptions, StepRequest,
 };
 
-fn manager_with(num_blocks: u32, block_size: u32, cpu: u32) -> KvCacheManager {
+fn manager_with<M: OneGroup>(num_blocks: u32, block_size: u32, cpu: u32) -> M {
     let mut cfg = CacheConfig::new(num_blocks, block_size);
     cfg.enable_events = true;
     cfg.num_cpu_blocks = cpu;
-    KvCacheManager::new(cfg).unwrap()
+    M::build(cfg).unwrap()
 }
 
-fn manager(num_blocks: u32, block_size: u32) -> KvCacheManager {
+fn manager<M: OneGroup>(num_blocks: u32, block_size: u32) -> M {
     manager_with(num_blocks, block_size, 0)
 }
 
@@ -26,7 +30,7 @@ fn spec() -> SequenceSpec {
     SequenceSpec::default()
 }
 
-fn snapshot(m: &KvCacheManager) -> (Vec<u32>, Vec<Option<BlockHash>>, Vec<BlockId>) {
+fn snapshot<M: OneGroup>(m: &M) -> (Vec<u32>, Vec<Option<BlockHash>>, Vec<BlockId>) {
     let p = m.pool();
     let n = p.num_blocks();
     (
@@ -59,9 +63,8 @@ fn config_validation_names_the_field() {
     KvCacheManager::new(c).unwrap();
 }
 
-#[test]
-fn argument_errors_change_nothing() {
-    let m = manager(8, 4);
+fn argument_errors_change_nothing<M: OneGroup>() {
+    let m: M = manager(8, 4);
     assert_eq!(
         m.add_sequence(1, &[], spec()).unwrap_err().to_string(),
         "invalid argument prompt = []: a sequence needs at least one token"
@@ -129,9 +132,8 @@ fn argument_errors_change_nothing() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn prefix_hit_is_capped_so_the_last_token_is_recomputed() {
-    let m = manager(16, 4);
+fn prefix_hit_is_capped_so_the_last_token_is_recomputed<M: OneGroup>() {
+    let m: M = manager(16, 4);
     m.add_sequence(1, &toks(0, 8), spec()).unwrap();
     assert_eq!(m.allocate_slots(1, 8).unwrap().new_block_ids, vec![1, 2]);
     // Same 8 tokens: only the first block may be served (8 - 1 = 7 tokens -> 1 full block).
@@ -162,9 +164,8 @@ fn prefix_hit_is_capped_so_the_last_token_is_recomputed() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn prefix_lookup_happens_only_on_first_allocation() {
-    let m = manager(16, 4);
+fn prefix_lookup_happens_only_on_first_allocation<M: OneGroup>() {
+    let m: M = manager(16, 4);
     m.add_sequence(1, &toks(0, 8), spec()).unwrap();
     m.allocate_slots(1, 2).unwrap(); // first allocation: nothing cached yet
     m.add_sequence(2, &toks(0, 8), spec()).unwrap();
@@ -182,9 +183,8 @@ fn prefix_lookup_happens_only_on_first_allocation() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn hits_on_free_cached_blocks_consume_capacity() {
-    let m = manager(16, 4);
+fn hits_on_free_cached_blocks_consume_capacity<M: OneGroup>() {
+    let m: M = manager(16, 4);
     m.add_sequence(1, &toks(0, 12), spec()).unwrap();
     m.allocate_slots(1, 12).unwrap();
     m.free(1);
@@ -199,9 +199,8 @@ fn hits_on_free_cached_blocks_consume_capacity() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn chunked_prefill_then_decode() {
-    let m = manager(16, 4);
+fn chunked_prefill_then_decode<M: OneGroup>() {
+    let m: M = manager(16, 4);
     m.add_sequence(1, &toks(0, 10), spec()).unwrap();
     assert_eq!(m.allocate_slots(1, 4).unwrap().num_scheduled_tokens, 4);
     assert_eq!(m.block_table(1).unwrap(), vec![1]);
@@ -225,9 +224,8 @@ fn chunked_prefill_then_decode() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn fork_allocates_nothing_and_increments_refs() {
-    let m = manager(16, 4);
+fn fork_allocates_nothing_and_increments_refs<M: OneGroup>() {
+    let m: M = manager(16, 4);
     m.add_sequence(1, &toks(0, 6), spec()).unwrap();
     m.allocate_slots(1, 6).unwrap();
     let free = m.pool().num_free();
@@ -243,9 +241,8 @@ fn fork_allocates_nothing_and_increments_refs() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn preempt_recompute_keeps_hashes_and_resume_hits_own_prefix() {
-    let m = manager(16, 4);
+fn preempt_recompute_keeps_hashes_and_resume_hits_own_prefix<M: OneGroup>() {
+    let m: M = manager(16, 4);
     m.add_sequence(1, &toks(0, 10), spec()).unwrap();
     m.allocate_slots(1, 10).unwrap();
     m.append_tokens(1, &[50, 51]).unwrap(); // generated tokens
@@ -271,11 +268,10 @@ fn preempt_recompute_keeps_hashes_and_resume_hits_own_prefix() {
 
 /// vLLM #25780: a recompute resume looks its own blocks up again; counting that as a new
 /// lookup made a lone request with no sharing report hits. The resume still reuses them.
-#[test]
-fn a_request_preempted_before_its_first_allocation_still_counts_its_lookup() {
+fn a_request_preempted_before_its_first_allocation_still_counts_its_lookup<M: OneGroup>() {
     // Its first allocation after the preemption is its first lookup, not a resume: the
     // status alone (preempted) cannot tell the two apart.
-    let m = manager(64, 4);
+    let m: M = manager(64, 4);
     m.add_sequence(1, &toks(0, 10), spec()).unwrap();
     m.allocate_slots(1, 10).unwrap();
     m.free(1);
@@ -294,9 +290,8 @@ fn a_request_preempted_before_its_first_allocation_still_counts_its_lookup() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn a_resume_after_preemption_is_not_a_new_prefix_lookup() {
-    let m = manager(32, 4);
+fn a_resume_after_preemption_is_not_a_new_prefix_lookup<M: OneGroup>() {
+    let m: M = manager(32, 4);
     m.add_sequence(1, &toks(0, 10), spec()).unwrap();
     m.allocate_slots(1, 10).unwrap();
     for t in 50..60 {
@@ -327,9 +322,8 @@ fn a_resume_after_preemption_is_not_a_new_prefix_lookup() {
 /// swapped-in KV was computed before the reset (maybe under other weights), so it is neither
 /// registered nor announced again, nor are the blocks its decode fills later (their parents
 /// are not cached). A recompute preemption computes the KV afresh and caches it again.
-#[test]
-fn reset_drops_the_hashes_of_swapped_out_blocks() {
-    let m = manager_with(16, 4, 8);
+fn reset_drops_the_hashes_of_swapped_out_blocks<M: OneGroup>() {
+    let m: M = manager_with(16, 4, 8);
     m.add_sequence(1, &toks(0, 10), spec()).unwrap();
     m.allocate_slots(1, 10).unwrap();
     m.swap_out(&[1]).unwrap();
@@ -363,9 +357,8 @@ fn reset_drops_the_hashes_of_swapped_out_blocks() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn swap_out_and_in_keep_group_sharing() {
-    let m = manager_with(16, 4, 4);
+fn swap_out_and_in_keep_group_sharing<M: OneGroup>() {
+    let m: M = manager_with(16, 4, 4);
     m.add_sequence(1, &toks(0, 6), spec()).unwrap();
     m.allocate_slots(1, 6).unwrap();
     m.fork(1, 2).unwrap();
@@ -417,9 +410,8 @@ fn swap_out_and_in_keep_group_sharing() {
     assert_eq!(m.pool().num_free(), 15);
 }
 
-#[test]
-fn swap_failures_are_all_or_nothing() {
-    let m = manager_with(8, 4, 2);
+fn swap_failures_are_all_or_nothing<M: OneGroup>() {
+    let m: M = manager_with(8, 4, 2);
     m.add_sequence(1, &toks(0, 12), spec()).unwrap();
     m.allocate_slots(1, 12).unwrap();
     let before = snapshot(&m);
@@ -462,9 +454,8 @@ fn swap_failures_are_all_or_nothing() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn reset_prefix_cache_refused_while_in_use() {
-    let m = manager(8, 4);
+fn reset_prefix_cache_refused_while_in_use<M: OneGroup>() {
+    let m: M = manager(8, 4);
     m.add_sequence(1, &toks(0, 8), spec()).unwrap();
     m.allocate_slots(1, 8).unwrap();
     m.take_events();
@@ -482,9 +473,8 @@ fn reset_prefix_cache_refused_while_in_use() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn block_stored_events_carry_the_hash_chain() {
-    let m = manager(16, 4);
+fn block_stored_events_carry_the_hash_chain<M: OneGroup>() {
+    let m: M = manager(16, 4);
     let salt = vec![ExtraKey::CacheSalt("s".into())];
     m.add_sequence(
         1,
@@ -528,15 +518,14 @@ fn block_stored_events_carry_the_hash_chain() {
     );
     assert_eq!(m.pool().block_hash(3), Some(h2));
     // Events off: nothing buffered.
-    let quiet = KvCacheManager::new(CacheConfig::new(8, 4)).unwrap();
+    let quiet = M::build(CacheConfig::new(8, 4)).unwrap();
     quiet.add_sequence(1, &toks(0, 8), spec()).unwrap();
     quiet.allocate_slots(1, 8).unwrap();
     assert!(quiet.take_events().is_empty());
 }
 
-#[test]
-fn extra_keys_isolate_prefixes() {
-    let m = manager(32, 4);
+fn extra_keys_isolate_prefixes<M: OneGroup>() {
+    let m: M = manager(32, 4);
     let with = |k: ExtraKey| SequenceSpec {
         extra_keys: vec![k],
         ..spec()
@@ -557,9 +546,8 @@ fn extra_keys_isolate_prefixes() {
     );
 }
 
-#[test]
-fn multimodal_items_key_the_blocks_they_overlap() {
-    let m = manager(32, 4);
+fn multimodal_items_key_the_blocks_they_overlap<M: OneGroup>() {
+    let m: M = manager(32, 4);
     let img = |h: u8| SequenceSpec {
         mm_items: vec![MmItem {
             item_hash: vec![h],
@@ -600,13 +588,12 @@ fn multimodal_items_key_the_blocks_they_overlap() {
     );
 }
 
-#[test]
-fn step_without_block_table_takes_the_same_blocks() {
+fn step_without_block_table_takes_the_same_blocks<M: OneGroup>() {
     let skip = StepOptions {
         skip_block_table: true,
         ..Default::default()
     };
-    let full = manager(16, 4);
+    let full: M = manager(16, 4);
     let lean = manager(16, 4);
     for m in [&full, &lean] {
         m.add_sequence(1, &toks(0, 6), spec()).unwrap();
@@ -629,7 +616,7 @@ fn step_without_block_table_takes_the_same_blocks() {
         assert!(b.block_table.is_empty());
         assert_eq!(b.block_table_width, 0);
         assert_eq!(
-            StepOutput {
+            Step {
                 block_table: Vec::new(),
                 block_table_width: 0,
                 ..a
@@ -643,13 +630,12 @@ fn step_without_block_table_takes_the_same_blocks() {
 
 /// Without the per-token arrays a step takes the same blocks, reports the same tables and
 /// lengths, and leaves the same state (a prefix hit and decodes that start blocks included).
-#[test]
-fn step_without_token_arrays_takes_the_same_blocks() {
+fn step_without_token_arrays_takes_the_same_blocks<M: OneGroup>() {
     let skip = StepOptions {
         skip_token_arrays: true,
         ..Default::default()
     };
-    let full = manager(16, 4);
+    let full: M = manager(16, 4);
     let lean = manager(16, 4);
     for m in [&full, &lean] {
         m.add_sequence(1, &toks(0, 6), spec()).unwrap();
@@ -676,7 +662,7 @@ fn step_without_token_arrays_takes_the_same_blocks() {
         let b = lean.step_with(req, skip);
         assert!(!a.slot_mapping.is_empty() && a.error.is_none());
         assert_eq!(
-            StepOutput {
+            Step {
                 slot_mapping: Vec::new(),
                 input_ids: Vec::new(),
                 ..a
@@ -697,9 +683,8 @@ fn step_without_token_arrays_takes_the_same_blocks() {
 /// The table delta of each step: a decode that starts a block reports only it, a fork child
 /// and a swapped-in table come whole, a copy-on-write reports from the rewritten block on, and
 /// the version goes up by one per output that reports the table.
-#[test]
-fn step_reports_block_table_deltas() {
-    let m = manager_with(16, 4, 8);
+fn step_reports_block_table_deltas<M: OneGroup>() {
+    let m: M = manager_with(16, 4, 8);
     m.add_sequence(1, &toks(0, 6), spec()).unwrap();
     let one = |seq: u64, tok: u32| StepRequest {
         seq_ids: vec![seq],
@@ -772,9 +757,8 @@ fn step_reports_block_table_deltas() {
 /// A freed sequence's id reused by a new sequence: the new one's table versions continue
 /// above every version reported before, so a consumer still holding the old table under that
 /// id can never take the new sequence's delta for the next version of the old one.
-#[test]
-fn a_reused_id_never_repeats_a_table_version() {
-    let m = manager(32, 4);
+fn a_reused_id_never_repeats_a_table_version<M: OneGroup>() {
+    let m: M = manager(32, 4);
     let one = |seq: u64, n: u32| StepRequest {
         seq_ids: vec![seq],
         num_new_tokens: vec![n],
@@ -795,9 +779,8 @@ fn a_reused_id_never_repeats_a_table_version() {
     assert_eq!(m.step(&one(3, 1)).table_version, vec![5]);
 }
 
-#[test]
-fn step_returns_exact_flat_arrays() {
-    let m = manager(16, 4);
+fn step_returns_exact_flat_arrays<M: OneGroup>() {
+    let m: M = manager(16, 4);
     m.add_sequence(1, &toks(0, 6), spec()).unwrap();
     m.add_sequence(2, &toks(100, 3), spec()).unwrap();
     let out = m.step(&StepRequest {
@@ -932,9 +915,8 @@ fn step_returns_exact_flat_arrays() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn stats_usage_and_kv_utilization() {
-    let m = manager(16, 4);
+fn stats_usage_and_kv_utilization<M: OneGroup>() {
+    let m: M = manager(16, 4);
     m.add_sequence(1, &toks(0, 6), spec()).unwrap();
     m.allocate_slots(1, 6).unwrap();
     let s = m.stats();
@@ -959,9 +941,8 @@ fn stats_usage_and_kv_utilization() {
     );
 }
 
-#[test]
-fn step_refused_as_a_whole_has_an_empty_dense_table() {
-    let m = manager(8, 4);
+fn step_refused_as_a_whole_has_an_empty_dense_table<M: OneGroup>() {
+    let m: M = manager(8, 4);
     m.add_sequence(1, &toks(0, 3), spec()).unwrap();
     let out = m.step(&StepRequest {
         seq_ids: vec![1, 1],
@@ -973,9 +954,8 @@ fn step_refused_as_a_whole_has_an_empty_dense_table() {
     assert_eq!(out.block_table_width, 1);
 }
 
-#[test]
-fn num_uncomputed_tokens_per_sequence_in_every_state() {
-    let m = manager_with(16, 4, 8);
+fn num_uncomputed_tokens_per_sequence_in_every_state<M: OneGroup>() {
+    let m: M = manager_with(16, 4, 8);
     m.add_sequence(1, &toks(0, 10), spec()).unwrap();
     m.add_sequence(2, &toks(100, 5), spec()).unwrap();
     m.allocate_slots(1, 6).unwrap();
@@ -998,9 +978,8 @@ fn num_uncomputed_tokens_per_sequence_in_every_state() {
 /// fresh group, a mid-prefill sequence, a forked pair sharing a partial block (one copy), a
 /// preempted group re-admitted (siblings share the prompt blocks the first one registers) and a
 /// swapped group (distinct CPU blocks).
-#[test]
-fn num_blocks_owed_matches_what_scheduling_takes() {
-    let m = manager_with(32, 4, 16);
+fn num_blocks_owed_matches_what_scheduling_takes<M: OneGroup>() {
+    let m: M = manager_with(32, 4, 16);
     // fresh sequence, 10 tokens: 3 blocks
     m.add_sequence(1, &toks(0, 10), spec()).unwrap();
     assert_eq!(m.num_blocks_owed(&[1]).unwrap(), 3);
@@ -1059,3 +1038,31 @@ fn num_blocks_owed_matches_what_scheduling_takes() {
     ));
     m.check_invariants().unwrap();
 }
+
+on_both_managers!(
+    argument_errors_change_nothing,
+    prefix_hit_is_capped_so_the_last_token_is_recomputed,
+    prefix_lookup_happens_only_on_first_allocation,
+    hits_on_free_cached_blocks_consume_capacity,
+    chunked_prefill_then_decode,
+    fork_allocates_nothing_and_increments_refs,
+    preempt_recompute_keeps_hashes_and_resume_hits_own_prefix,
+    a_request_preempted_before_its_first_allocation_still_counts_its_lookup,
+    a_resume_after_preemption_is_not_a_new_prefix_lookup,
+    reset_drops_the_hashes_of_swapped_out_blocks,
+    swap_out_and_in_keep_group_sharing,
+    swap_failures_are_all_or_nothing,
+    reset_prefix_cache_refused_while_in_use,
+    block_stored_events_carry_the_hash_chain,
+    extra_keys_isolate_prefixes,
+    multimodal_items_key_the_blocks_they_overlap,
+    step_without_block_table_takes_the_same_blocks,
+    step_without_token_arrays_takes_the_same_blocks,
+    step_reports_block_table_deltas,
+    a_reused_id_never_repeats_a_table_version,
+    step_returns_exact_flat_arrays,
+    stats_usage_and_kv_utilization,
+    step_refused_as_a_whole_has_an_empty_dense_table,
+    num_uncomputed_tokens_per_sequence_in_every_state,
+    num_blocks_owed_matches_what_scheduling_takes,
+);

@@ -2,10 +2,15 @@
 //! sequence (tokens, computed count, status), checking docs/design.md's invariants after every op:
 //! 1–4 through `check_invariants`, 5 (a failed call leaves the state bit-identical), 6
 //! (predicted blocks == blocks taken), 7 (everything freed ⇒ pool whole, no sequence left) and
-//! 8 (reset only when nothing is in use; afterwards no hash).
+//! 8 (reset only when nothing is in use; afterwards no hash). Runs on the one-group manager and
+//! on the groups manager with one full-attention group ([`common::OneGroup`]).
 
+mod common;
+
+use common::OneGroup;
 use pagedkv_core::{
-    BlockHash, BlockId, CacheConfig, Error, KvCacheManager, SeqStatus, SequenceSpec, StepRequest,
+    BlockHash, BlockId, CacheConfig, Error, HybridManager, KvCacheManager, SeqStatus, SequenceSpec,
+    StepRequest,
 };
 use proptest::prelude::*;
 
@@ -88,7 +93,7 @@ type Snapshot = (
     Vec<usize>,
 );
 
-fn snapshot(m: &KvCacheManager, model: &[MSeq]) -> Snapshot {
+fn snapshot<M: OneGroup>(m: &M, model: &[MSeq]) -> Snapshot {
     let p = m.pool();
     let n = p.num_blocks();
     (
@@ -101,8 +106,8 @@ fn snapshot(m: &KvCacheManager, model: &[MSeq]) -> Snapshot {
 }
 
 /// Applies one allocation to the model, checking predicted == taken and the computed counts.
-fn check_alloc(
-    m: &KvCacheManager,
+fn check_alloc<M: OneGroup>(
+    m: &M,
     s: &mut MSeq,
     num_new: usize,
     model_snapshot: Snapshot,
@@ -156,11 +161,11 @@ fn check_alloc(
     Ok(())
 }
 
-fn run(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
+fn run<M: OneGroup>(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> {
     let mut cfg = CacheConfig::new(NUM_BLOCKS, BS);
     cfg.num_cpu_blocks = cpu_blocks;
     cfg.enable_events = true;
-    let m = KvCacheManager::new(cfg).unwrap();
+    let m = M::build(cfg).unwrap();
     let mut model: Vec<MSeq> = Vec::new();
     let mut next_id = 0u64;
     let mut tok = 10_000u32;
@@ -428,6 +433,11 @@ proptest! {
 
     #[test]
     fn manager_matches_model_and_keeps_invariants(ops in proptest::collection::vec(op(), 1..80), cpu in 0u32..6) {
-        run(ops, cpu)?;
+        run::<KvCacheManager>(ops, cpu)?;
+    }
+
+    #[test]
+    fn one_full_group_matches_model_and_keeps_invariants(ops in proptest::collection::vec(op(), 1..80), cpu in 0u32..6) {
+        run::<HybridManager>(ops, cpu)?;
     }
 }

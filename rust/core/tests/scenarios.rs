@@ -1,13 +1,18 @@
-//! Regression scenarios S1, S2, S3, S4, S7, S8 (docs/design.md, "Regression scenarios"), each asserting exact values.
+//! Regression scenarios S1, S2, S3, S4, S7, S8 (docs/design.md, "Regression scenarios"), each
+//! asserting exact values, on the one-group manager and on the groups manager with one full
+//! group ([`common::OneGroup`]).
 
+mod common;
+
+use common::OneGroup;
 use pagedkv_core::events::{KvEvent, Tier};
-use pagedkv_core::{BlockHash, BlockId, CacheConfig, Error, KvCacheManager, SequenceSpec};
+use pagedkv_core::{BlockHash, BlockId, CacheConfig, Error, SequenceSpec};
 
-fn manager(num_blocks: u32, block_size: u32, caching: bool) -> KvCacheManager {
+fn manager<M: OneGroup>(num_blocks: u32, block_size: u32, caching: bool) -> M {
     let mut cfg = CacheConfig::new(num_blocks, block_size);
     cfg.enable_prefix_caching = caching;
     cfg.enable_events = true;
-    KvCacheManager::new(cfg).unwrap()
+    M::build(cfg).unwrap()
 }
 
 fn toks(start: u32, n: u32) -> Vec<u32> {
@@ -15,7 +20,7 @@ fn toks(start: u32, n: u32) -> Vec<u32> {
 }
 
 /// Every observable bit of pool state: ref counts, hashes, free-queue order.
-fn snapshot(m: &KvCacheManager) -> (Vec<u32>, Vec<Option<BlockHash>>, Vec<BlockId>) {
+fn snapshot<M: OneGroup>(m: &M) -> (Vec<u32>, Vec<Option<BlockHash>>, Vec<BlockId>) {
     let p = m.pool();
     let n = p.num_blocks();
     (
@@ -25,9 +30,8 @@ fn snapshot(m: &KvCacheManager) -> (Vec<u32>, Vec<Option<BlockHash>>, Vec<BlockI
     )
 }
 
-#[test]
-fn s1_failed_allocation_does_not_leak_prefix_hits() {
-    let m = manager(11, 16, true);
+fn s1_failed_allocation_does_not_leak_prefix_hits<M: OneGroup>() {
+    let m: M = manager(11, 16, true);
     // A: 96 tokens = 6 full blocks, all cached, then freed tail-first.
     m.add_sequence(1, &toks(0, 96), SequenceSpec::default())
         .unwrap();
@@ -101,10 +105,9 @@ fn s1_failed_allocation_does_not_leak_prefix_hits() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn s2_reused_block_carries_no_stale_hash() {
+fn s2_reused_block_carries_no_stale_hash<M: OneGroup>() {
     // Two usable blocks: the second allocation must evict the cached one.
-    let m = manager(3, 4, true);
+    let m: M = manager(3, 4, true);
     m.add_sequence(1, &[1, 2, 3, 4, 5], SequenceSpec::default())
         .unwrap();
     m.allocate_slots(1, 5).unwrap();
@@ -138,7 +141,7 @@ fn s2_reused_block_carries_no_stale_hash() {
     m.check_invariants().unwrap();
 
     // With caching off no block is ever hashed.
-    let m = manager(3, 4, false);
+    let m: M = manager(3, 4, false);
     m.add_sequence(1, &[1, 2, 3, 4, 5, 6, 7, 8], SequenceSpec::default())
         .unwrap();
     m.allocate_slots(1, 8).unwrap();
@@ -157,9 +160,8 @@ fn s2_reused_block_carries_no_stale_hash() {
 
 /// S3 with a fixed pseudo-random workload (the proptest in model_proptest.rs covers random
 /// ones): predicted blocks == blocks removed from the free pool, every time.
-#[test]
-fn s3_capacity_check_predicts_exactly_what_is_taken() {
-    let m = manager(24, 4, true);
+fn s3_capacity_check_predicts_exactly_what_is_taken<M: OneGroup>() {
+    let m: M = manager(24, 4, true);
     let mut rng = 0x2545_f491_u64;
     let mut next = move |n: u64| {
         rng ^= rng << 13;
@@ -228,9 +230,8 @@ fn s3_capacity_check_predicts_exactly_what_is_taken() {
     assert!(with_hits > 20, "{with_hits}");
 }
 
-#[test]
-fn s4_double_free_is_idempotent_and_raw_underflow_is_an_error() {
-    let m = manager(8, 4, true);
+fn s4_double_free_is_idempotent_and_raw_underflow_is_an_error<M: OneGroup>() {
+    let m: M = manager(8, 4, true);
     m.add_sequence(1, &toks(0, 10), SequenceSpec::default())
         .unwrap();
     m.allocate_slots(1, 10).unwrap();
@@ -253,12 +254,11 @@ fn s4_double_free_is_idempotent_and_raw_underflow_is_an_error() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn s7_copy_on_write_after_fork() {
+fn s7_copy_on_write_after_fork<M: OneGroup>() {
     for plen in [1u32, 16, 129] {
         for alen in [1u32, 16, 129] {
             for write_child in [false, true] {
-                let m = manager(64, 8, true);
+                let m: M = manager(64, 8, true);
                 m.add_sequence(1, &toks(0, plen), SequenceSpec::default())
                     .unwrap();
                 m.allocate_slots(1, plen as usize).unwrap();
@@ -313,9 +313,8 @@ fn s7_copy_on_write_after_fork() {
     }
 }
 
-#[test]
-fn s8_null_block_is_never_capacity() {
-    let m = manager(11, 16, true);
+fn s8_null_block_is_never_capacity<M: OneGroup>() {
+    let m: M = manager(11, 16, true);
     assert_eq!(m.stats().free, 10);
     assert_eq!(m.pool().num_usable(), 10);
     m.add_sequence(1, &toks(0, 160), SequenceSpec::default())
@@ -363,3 +362,12 @@ fn s8_null_block_is_never_capacity() {
     assert!(out.block_table.iter().all(|&b| b != 0));
     m.check_invariants().unwrap();
 }
+
+on_both_managers!(
+    s1_failed_allocation_does_not_leak_prefix_hits,
+    s2_reused_block_carries_no_stale_hash,
+    s3_capacity_check_predicts_exactly_what_is_taken,
+    s4_double_free_is_idempotent_and_raw_underflow_is_an_error,
+    s7_copy_on_write_after_fork,
+    s8_null_block_is_never_capacity,
+);
