@@ -328,7 +328,7 @@ impl OneGroup for HybridManager {
     }
     fn take_events(&self) -> Vec<KvEvent> {
         let events = HybridManager::take_events(self);
-        let groups = |e: &pagedkv_core::GroupEvent| e.group.is_none_or(|g| g == 0);
+        let groups = |e: &pagedkv_core::GroupEvent| matches!(e.group, None | Some(0));
         assert!(events.iter().all(groups), "{events:?}");
         events.into_iter().map(|e| e.event).collect()
     }
