@@ -1,23 +1,26 @@
 //! Speculative decoding in the manager: lookahead slots for draft tokens, acceptance of a
 //! prefix of them, rejected slots and blocks given back, nothing hashed or announced for
 //! drafts, prefix reuse equal to decoding without speculation, and bad input refused with the
-//! state unchanged. Exact values throughout.
+//! state unchanged. Exact values throughout, on the one-group manager and on the groups manager
+//! with one full group ([`common::OneGroup`]).
 
+mod common;
+
+use common::OneGroup;
 use pagedkv_core::events::KvEvent;
 use pagedkv_core::{
-    BlockHash, BlockId, CacheConfig, Error, KvCacheManager, SequenceSpec, StepDrafts, StepOptions,
-    StepRequest,
+    BlockHash, BlockId, CacheConfig, Error, SequenceSpec, StepDrafts, StepOptions, StepRequest,
 };
 use std::collections::BTreeSet;
 
-fn manager(num_blocks: u32, block_size: u32) -> KvCacheManager {
+fn manager<M: OneGroup>(num_blocks: u32, block_size: u32) -> M {
     let mut cfg = CacheConfig::new(num_blocks, block_size);
     cfg.enable_events = true;
     cfg.num_cpu_blocks = 8;
-    KvCacheManager::new(cfg).unwrap()
+    M::build(cfg).unwrap()
 }
 
-fn snapshot(m: &KvCacheManager) -> (Vec<u32>, Vec<Option<BlockHash>>, Vec<BlockId>) {
+fn snapshot<M: OneGroup>(m: &M) -> (Vec<u32>, Vec<Option<BlockHash>>, Vec<BlockId>) {
     let p = m.pool();
     let n = p.num_blocks();
     (
@@ -28,7 +31,7 @@ fn snapshot(m: &KvCacheManager) -> (Vec<u32>, Vec<Option<BlockHash>>, Vec<BlockI
 }
 
 /// Per-sequence observable state.
-fn seq_state(m: &KvCacheManager, seq: u64) -> (Vec<u32>, usize, Vec<BlockId>, usize) {
+fn seq_state<M: OneGroup>(m: &M, seq: u64) -> (Vec<u32>, usize, Vec<BlockId>, usize) {
     (
         m.tokens(seq).unwrap(),
         m.num_computed_tokens(seq).unwrap(),
@@ -47,15 +50,15 @@ fn stored_tokens(events: &[KvEvent]) -> Vec<Vec<u32>> {
         .collect()
 }
 
-fn cached_hashes(m: &KvCacheManager) -> BTreeSet<BlockHash> {
+fn cached_hashes<M: OneGroup>(m: &M) -> BTreeSet<BlockHash> {
     (0..m.pool().num_blocks())
         .filter_map(|b| m.pool().block_hash(b))
         .collect()
 }
 
 /// One sequence of 6 prompt tokens prefilled with block size 4 (blocks [0..4), [4..6)).
-fn prefilled() -> KvCacheManager {
-    let m = manager(16, 4);
+fn prefilled<M: OneGroup>() -> M {
+    let m: M = manager(16, 4);
     m.add_sequence(1, &[0, 1, 2, 3, 4, 5], SequenceSpec::default())
         .unwrap();
     m.allocate_slots(1, 6).unwrap();
@@ -63,7 +66,7 @@ fn prefilled() -> KvCacheManager {
     m
 }
 
-fn verify_step(m: &KvCacheManager, sampled: u32, drafts: &[u32]) -> pagedkv_core::StepOutput {
+fn verify_step<M: OneGroup>(m: &M, sampled: u32, drafts: &[u32]) -> common::Step {
     let req = StepRequest {
         seq_ids: vec![1],
         num_new_tokens: vec![1],
@@ -77,9 +80,8 @@ fn verify_step(m: &KvCacheManager, sampled: u32, drafts: &[u32]) -> pagedkv_core
     m.step_with_drafts(&req, &d, StepOptions::default())
 }
 
-#[test]
-fn verify_step_gives_lookahead_slots_in_the_same_call() {
-    let m = prefilled();
+fn verify_step_gives_lookahead_slots_in_the_same_call<M: OneGroup>() {
+    let m: M = prefilled();
     let table = m.block_table(1).unwrap();
     let out = verify_step(&m, 100, &[101, 102, 103, 104, 105, 106]);
     assert_eq!(out.error, None);
@@ -110,9 +112,8 @@ fn verify_step_gives_lookahead_slots_in_the_same_call() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn partial_acceptance_frees_the_rejected_tail_and_hashes_filled_blocks() {
-    let m = prefilled();
+fn partial_acceptance_frees_the_rejected_tail_and_hashes_filled_blocks<M: OneGroup>() {
+    let m: M = prefilled();
     verify_step(&m, 100, &[101, 102, 103, 104, 105, 106]);
     let t = m.block_table(1).unwrap();
     let free_before = m.pool().num_free();
@@ -141,9 +142,8 @@ fn partial_acceptance_frees_the_rejected_tail_and_hashes_filled_blocks() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn rejecting_every_draft_releases_every_lookahead_block() {
-    let m = prefilled();
+fn rejecting_every_draft_releases_every_lookahead_block<M: OneGroup>() {
+    let m: M = prefilled();
     let free0 = m.pool().num_free();
     verify_step(&m, 100, &[101, 102, 103, 104, 105, 106]);
     assert_eq!(m.pool().num_free(), free0 - 2);
@@ -171,8 +171,8 @@ fn rejecting_every_draft_releases_every_lookahead_block() {
 
 /// Decodes `generated` after `prompt` in one manager, `k` drafts per verify step of which the
 /// first `accept` are right (the draft is the true continuation for them, wrong after).
-fn run(prompt: &[u32], generated: &[u32], k: usize, accept: usize) -> KvCacheManager {
-    let m = manager(64, 4);
+fn run<M: OneGroup>(prompt: &[u32], generated: &[u32], k: usize, accept: usize) -> M {
+    let m: M = manager(64, 4);
     m.add_sequence(1, prompt, SequenceSpec::default()).unwrap();
     m.allocate_slots(1, prompt.len()).unwrap();
     let mut done = 0; // generated tokens that are tokens of the sequence
@@ -194,14 +194,13 @@ fn run(prompt: &[u32], generated: &[u32], k: usize, accept: usize) -> KvCacheMan
     m
 }
 
-#[test]
-fn prefix_reuse_with_speculation_equals_reuse_without() {
+fn prefix_reuse_with_speculation_equals_reuse_without<M: OneGroup>() {
     let prompt: Vec<u32> = (0..10).collect();
     let generated: Vec<u32> = (50..77).collect();
     let all_tokens: Vec<u32> = prompt.iter().chain(&generated).copied().collect();
     for (k, accept) in [(3, 0), (3, 1), (3, 3), (5, 2), (8, 8), (1, 1)] {
-        let plain = run(&prompt, &generated, 0, 0);
-        let spec = run(&prompt, &generated, k, accept);
+        let plain: M = run(&prompt, &generated, 0, 0);
+        let spec: M = run(&prompt, &generated, k, accept);
         assert_eq!(spec.tokens(1).unwrap(), all_tokens, "k={k} accept={accept}");
         assert_eq!(
             cached_hashes(&spec),
@@ -225,9 +224,8 @@ fn prefix_reuse_with_speculation_equals_reuse_without() {
     }
 }
 
-#[test]
-fn bad_draft_input_is_refused_with_the_state_unchanged() {
-    let m = prefilled();
+fn bad_draft_input_is_refused_with_the_state_unchanged<M: OneGroup>() {
+    let m: M = prefilled();
     m.append_tokens(1, &[100]).unwrap();
     let before = (snapshot(&m), seq_state(&m, 1));
     // Acceptance with no drafts pending.
@@ -255,7 +253,7 @@ fn bad_draft_input_is_refused_with_the_state_unchanged() {
     ));
     assert_eq!((snapshot(&m), seq_state(&m, 1)), before2);
     // Lookahead blocks count towards capacity: all or nothing.
-    let tiny = manager(3, 4);
+    let tiny: M = manager(3, 4);
     tiny.add_sequence(1, &[1, 2, 3], SequenceSpec::default())
         .unwrap();
     let tb = (snapshot(&tiny), seq_state(&tiny, 1));
@@ -358,9 +356,8 @@ fn bad_draft_input_is_refused_with_the_state_unchanged() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn preemption_and_free_drop_pending_drafts() {
-    let m = prefilled();
+fn preemption_and_free_drop_pending_drafts<M: OneGroup>() {
+    let m: M = prefilled();
     let free0 = m.pool().num_free();
     verify_step(&m, 100, &[101, 102, 103]);
     m.preempt_recompute(&[1]).unwrap();
@@ -376,9 +373,8 @@ fn preemption_and_free_drop_pending_drafts() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn drafts_on_a_shared_partial_block_copy_it_first() {
-    let m = prefilled();
+fn drafts_on_a_shared_partial_block_copy_it_first<M: OneGroup>() {
+    let m: M = prefilled();
     m.fork(1, 2).unwrap();
     let t = m.block_table(1).unwrap();
     m.append_tokens(1, &[100]).unwrap();
@@ -395,9 +391,8 @@ fn drafts_on_a_shared_partial_block_copy_it_first() {
     );
 }
 
-#[test]
-fn keeping_rejected_blocks_leaves_the_table_growing_only() {
-    let m = prefilled();
+fn keeping_rejected_blocks_leaves_the_table_growing_only<M: OneGroup>() {
+    let m: M = prefilled();
     verify_step(&m, 100, &[101, 102, 103, 104, 105, 106]);
     let t = m.block_table(1).unwrap();
     let free = m.pool().num_free();
@@ -428,9 +423,8 @@ fn keeping_rejected_blocks_leaves_the_table_growing_only() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn copy_on_write_before_spare_blocks_copies_the_partial_block() {
-    let m = prefilled();
+fn copy_on_write_before_spare_blocks_copies_the_partial_block<M: OneGroup>() {
+    let m: M = prefilled();
     verify_step(&m, 100, &[101, 102, 103, 104, 105, 106]);
     m.accept_drafts_keeping_blocks(1, 0).unwrap();
     let t = m.block_table(1).unwrap();
@@ -452,9 +446,8 @@ fn copy_on_write_before_spare_blocks_copies_the_partial_block() {
 /// The block it opens is never hashed; the placeholders are rejected, the block kept as a spare
 /// and the real token computed into it. Refused for a first allocation or with uncomputed
 /// tokens left, state unchanged.
-#[test]
-fn lookahead_only_allocation_holds_a_block_for_an_unknown_token() {
-    let m = manager(16, 4);
+fn lookahead_only_allocation_holds_a_block_for_an_unknown_token<M: OneGroup>() {
+    let m: M = manager(16, 4);
     m.add_sequence(1, &[0, 1, 2, 3, 4, 5, 6, 7], SequenceSpec::default())
         .unwrap();
     // First allocation: refused (the prefix hit is taken by scheduling tokens).
@@ -514,3 +507,16 @@ fn lookahead_only_allocation_holds_a_block_for_an_unknown_token() {
     assert!(m.free(1));
     m.check_invariants().unwrap();
 }
+
+on_both_managers!(
+    verify_step_gives_lookahead_slots_in_the_same_call,
+    partial_acceptance_frees_the_rejected_tail_and_hashes_filled_blocks,
+    rejecting_every_draft_releases_every_lookahead_block,
+    prefix_reuse_with_speculation_equals_reuse_without,
+    bad_draft_input_is_refused_with_the_state_unchanged,
+    preemption_and_free_drop_pending_drafts,
+    drafts_on_a_shared_partial_block_copy_it_first,
+    keeping_rejected_blocks_leaves_the_table_growing_only,
+    copy_on_write_before_spare_blocks_copies_the_partial_block,
+    lookahead_only_allocation_holds_a_block_for_an_unknown_token,
+);

@@ -26,6 +26,7 @@ pub struct Alloc {
     pub num_context_tokens: usize,
     pub new_block_ids: Vec<BlockId>,
     pub copies: Vec<(BlockId, BlockId)>,
+    pub num_draft_tokens: usize,
 }
 
 /// A step output as the one-group suites check it (`block_table` row-major `S x width`,
@@ -42,6 +43,7 @@ pub struct Step {
     pub table_version: Vec<u64>,
     pub table_delta_indptr: Vec<i32>,
     pub table_delta: Vec<i32>,
+    pub num_draft_tokens: Vec<i32>,
     pub query_start_loc: Vec<i32>,
     pub seq_lens: Vec<i32>,
     pub context_lens: Vec<i32>,
@@ -85,9 +87,17 @@ pub trait OneGroup: Sized {
     fn status(&self, seq: SeqId) -> Result<SeqStatus>;
     fn num_sequences(&self) -> usize;
     fn step(&self, req: &StepRequest) -> Step {
-        self.step_with(req, StepOptions::default())
+        OneGroup::step_with(self, req, StepOptions::default())
     }
-    fn step_with(&self, req: &StepRequest, opts: StepOptions) -> Step;
+    fn step_with(&self, req: &StepRequest, opts: StepOptions) -> Step {
+        OneGroup::step_with_drafts(self, req, &StepDrafts::default(), opts)
+    }
+    fn step_with_drafts(&self, req: &StepRequest, drafts: &StepDrafts, opts: StepOptions) -> Step;
+    fn allocate_slots_with_drafts(&self, seq: SeqId, n: usize, drafts: &[u32]) -> Result<Alloc>;
+    fn accept_drafts(&self, seq: SeqId, num_accepted: usize) -> Result<Vec<BlockId>>;
+    fn accept_drafts_keeping_blocks(&self, seq: SeqId, num_accepted: usize)
+        -> Result<Vec<BlockId>>;
+    fn num_draft_tokens(&self, seq: SeqId) -> Result<usize>;
     fn tokens(&self, seq: SeqId) -> Result<Vec<u32>>;
     fn stats(&self) -> CacheStats;
     /// The buffered KV events (the groups manager's, all of group 0 or of no group).
@@ -119,14 +129,31 @@ impl OneGroup for KvCacheManager {
         KvCacheManager::num_blocks_owed(self, seqs)
     }
     fn allocate_slots(&self, seq: SeqId, n: usize) -> Result<Alloc> {
-        let a = KvCacheManager::allocate_slots(self, seq, n)?;
+        OneGroup::allocate_slots_with_drafts(self, seq, n, &[])
+    }
+    fn allocate_slots_with_drafts(&self, seq: SeqId, n: usize, drafts: &[u32]) -> Result<Alloc> {
+        let a = KvCacheManager::allocate_slots_with_drafts(self, seq, n, drafts)?;
         Ok(Alloc {
             num_scheduled_tokens: a.num_scheduled_tokens,
             num_cached_tokens: a.num_cached_tokens,
             num_context_tokens: a.num_context_tokens,
             new_block_ids: a.new_block_ids,
             copies: a.copies,
+            num_draft_tokens: a.num_draft_tokens,
         })
+    }
+    fn accept_drafts(&self, seq: SeqId, num_accepted: usize) -> Result<Vec<BlockId>> {
+        KvCacheManager::accept_drafts(self, seq, num_accepted)
+    }
+    fn accept_drafts_keeping_blocks(
+        &self,
+        seq: SeqId,
+        num_accepted: usize,
+    ) -> Result<Vec<BlockId>> {
+        KvCacheManager::accept_drafts_keeping_blocks(self, seq, num_accepted)
+    }
+    fn num_draft_tokens(&self, seq: SeqId) -> Result<usize> {
+        KvCacheManager::num_draft_tokens(self, seq)
     }
     fn fork(&self, parent: SeqId, child: SeqId) -> Result<()> {
         KvCacheManager::fork(self, parent, child)
@@ -167,8 +194,8 @@ impl OneGroup for KvCacheManager {
     fn num_sequences(&self) -> usize {
         KvCacheManager::num_sequences(self)
     }
-    fn step_with(&self, req: &StepRequest, opts: StepOptions) -> Step {
-        let o = KvCacheManager::step_with(self, req, opts);
+    fn step_with_drafts(&self, req: &StepRequest, drafts: &StepDrafts, opts: StepOptions) -> Step {
+        let o = KvCacheManager::step_with_drafts(self, req, drafts, opts);
         Step {
             num_scheduled: o.num_scheduled,
             error: o.error,
@@ -180,6 +207,7 @@ impl OneGroup for KvCacheManager {
             table_version: o.table_version,
             table_delta_indptr: o.table_delta_indptr,
             table_delta: o.table_delta,
+            num_draft_tokens: o.num_draft_tokens,
             query_start_loc: o.query_start_loc,
             seq_lens: o.seq_lens,
             context_lens: o.context_lens,
@@ -245,7 +273,10 @@ impl OneGroup for HybridManager {
         HybridManager::num_blocks_owed(self, seqs)
     }
     fn allocate_slots(&self, seq: SeqId, n: usize) -> Result<Alloc> {
-        let mut a = HybridManager::allocate_slots(self, seq, n)?;
+        OneGroup::allocate_slots_with_drafts(self, seq, n, &[])
+    }
+    fn allocate_slots_with_drafts(&self, seq: SeqId, n: usize, drafts: &[u32]) -> Result<Alloc> {
+        let mut a = HybridManager::allocate_slots_with_drafts(self, seq, n, drafts)?;
         let g = a.groups.pop().expect("one group");
         Ok(Alloc {
             num_scheduled_tokens: a.num_scheduled_tokens,
@@ -253,7 +284,21 @@ impl OneGroup for HybridManager {
             num_context_tokens: a.num_context_tokens,
             new_block_ids: g.new_block_ids,
             copies: g.copies,
+            num_draft_tokens: a.num_draft_tokens,
         })
+    }
+    fn accept_drafts(&self, seq: SeqId, num_accepted: usize) -> Result<Vec<BlockId>> {
+        Ok(HybridManager::accept_drafts(self, seq, num_accepted)?.swap_remove(0))
+    }
+    fn accept_drafts_keeping_blocks(
+        &self,
+        seq: SeqId,
+        num_accepted: usize,
+    ) -> Result<Vec<BlockId>> {
+        Ok(HybridManager::accept_drafts_keeping_blocks(self, seq, num_accepted)?.swap_remove(0))
+    }
+    fn num_draft_tokens(&self, seq: SeqId) -> Result<usize> {
+        HybridManager::num_draft_tokens(self, seq)
     }
     fn fork(&self, parent: SeqId, child: SeqId) -> Result<()> {
         HybridManager::fork(self, parent, child)
@@ -294,13 +339,13 @@ impl OneGroup for HybridManager {
     fn num_sequences(&self) -> usize {
         HybridManager::num_sequences(self)
     }
-    fn step_with(&self, req: &StepRequest, opts: StepOptions) -> Step {
+    fn step_with_drafts(&self, req: &StepRequest, drafts: &StepDrafts, opts: StepOptions) -> Step {
         let opts = HybridStepOptions {
             skip_block_table: opts.skip_block_table,
             skip_token_arrays: opts.skip_token_arrays,
             reserve_blocks: 0,
         };
-        let o = HybridManager::step_with(self, req, &StepDrafts::default(), opts);
+        let o = HybridManager::step_with(self, req, drafts, opts);
         assert_eq!(o.num_groups, 1);
         Step {
             num_scheduled: o.num_scheduled,
@@ -314,6 +359,7 @@ impl OneGroup for HybridManager {
             table_version: o.table_version,
             table_delta_indptr: o.table_delta_indptr,
             table_delta: o.table_delta,
+            num_draft_tokens: o.num_draft_tokens,
             query_start_loc: o.query_start_loc,
             seq_lens: o.seq_lens,
             context_lens: o.context_lens,
