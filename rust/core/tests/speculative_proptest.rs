@@ -6,10 +6,13 @@
 //! ever announced (KV events) holds finalized tokens of a sequence at its own position, never a
 //! draft that was rejected (drafts use token ids no finalized token has).
 
+mod common;
+
+use common::OneGroup;
 use pagedkv_core::events::KvEvent;
 use pagedkv_core::{
-    BlockHash, BlockId, CacheConfig, Error, KvCacheManager, SeqStatus, SequenceSpec, StepDrafts,
-    StepOptions, StepRequest,
+    BlockHash, BlockId, CacheConfig, Error, HybridManager, KvCacheManager, SeqStatus, SequenceSpec,
+    StepDrafts, StepOptions, StepRequest,
 };
 use proptest::prelude::*;
 
@@ -66,7 +69,7 @@ type Snapshot = (
     Vec<Vec<BlockId>>,
 );
 
-fn snapshot(m: &KvCacheManager, model: &[MSeq]) -> Snapshot {
+fn snapshot<M: OneGroup>(m: &M, model: &[MSeq]) -> Snapshot {
     let p = m.pool();
     let n = p.num_blocks();
     (
@@ -79,7 +82,7 @@ fn snapshot(m: &KvCacheManager, model: &[MSeq]) -> Snapshot {
 
 /// Every stored block's tokens are block `k` of some sequence's finalized tokens (the
 /// sequences alive now, or any that ever lived: `history`).
-fn check_events(m: &KvCacheManager, history: &[Vec<u32>]) -> Result<(), TestCaseError> {
+fn check_events<M: OneGroup>(m: &M, history: &[Vec<u32>]) -> Result<(), TestCaseError> {
     for ev in m.take_events() {
         if let KvEvent::BlockStored { token_ids, .. } = ev {
             for block in token_ids.chunks(BS) {
@@ -98,11 +101,11 @@ fn check_events(m: &KvCacheManager, history: &[Vec<u32>]) -> Result<(), TestCase
     Ok(())
 }
 
-fn run(ops: Vec<Op>) -> Result<(), TestCaseError> {
+fn run<M: OneGroup>(ops: Vec<Op>) -> Result<(), TestCaseError> {
     let mut cfg = CacheConfig::new(NUM_BLOCKS, BS as u32);
     cfg.enable_events = true;
     cfg.num_cpu_blocks = 6;
-    let m = KvCacheManager::new(cfg).unwrap();
+    let m = M::build(cfg).unwrap();
     let mut model: Vec<MSeq> = Vec::new();
     let mut history: Vec<Vec<u32>> = Vec::new();
     let mut next_id = 0u64;
@@ -375,6 +378,11 @@ proptest! {
 
     #[test]
     fn speculation_matches_model_and_keeps_invariants(ops in proptest::collection::vec(op(), 1..60)) {
-        run(ops)?;
+        run::<KvCacheManager>(ops)?;
+    }
+
+    #[test]
+    fn one_full_group_speculation_matches_model_and_keeps_invariants(ops in proptest::collection::vec(op(), 1..60)) {
+        run::<HybridManager>(ops)?;
     }
 }
