@@ -447,6 +447,12 @@ impl HybridManager {
         &self.cfg
     }
 
+    /// The prefix hasher (algorithm and seed of the plain chain hashes every group's keys
+    /// derive from).
+    pub fn hasher(&self) -> &PrefixHasher {
+        &self.hasher
+    }
+
     /// The shared block pool, for inspection.
     pub fn pool(&self) -> &BlockPool {
         &self.pool

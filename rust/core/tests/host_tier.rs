@@ -1,27 +1,31 @@
 //! The prefix cache's host tier through the manager (docs/design.md, "Host tier"): stores of
-//! evicted blocks, loads of host hits, admission, pins, reset, events and exact capacity.
+//! evicted blocks, loads of host hits, admission, pins, reset, events and exact capacity; on the
+//! one-group manager and on the groups manager with one full group ([`common::OneGroup`]).
 
+mod common;
+
+use common::OneGroup;
 use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::host_tier::{HostEviction, HostTransfers};
 use pagedkv_core::{CacheConfig, Error, KvCacheManager, SequenceSpec, StepRequest};
 
-fn manager(num_blocks: u32, host: u32, min_seen: u32) -> KvCacheManager {
+fn manager<M: OneGroup>(num_blocks: u32, host: u32, min_seen: u32) -> M {
     let mut cfg = CacheConfig::new(num_blocks, 4);
     cfg.num_host_blocks = host;
     cfg.host_admission_min_seen = min_seen;
     cfg.enable_events = true;
-    KvCacheManager::new(cfg).unwrap()
+    M::build(cfg).unwrap()
 }
 
 /// An empty step: the executor has run the previous plans (blocks registered before hold
 /// their KV); returns its host `(stores, loads)`.
-fn step(m: &KvCacheManager) -> (Vec<i32>, Vec<i32>) {
+fn step<M: OneGroup>(m: &M) -> (Vec<i32>, Vec<i32>) {
     let out = m.step(&StepRequest::default());
     assert!(out.error.is_none());
     (out.host_stores, out.host_loads)
 }
 
-fn add(m: &KvCacheManager, id: u64, prompt: &[u32]) {
+fn add<M: OneGroup>(m: &M, id: u64, prompt: &[u32]) {
     m.add_sequence(id, prompt, SequenceSpec::default()).unwrap();
 }
 
@@ -30,7 +34,7 @@ const B: [u32; 9] = [11, 12, 13, 14, 15, 16, 17, 18, 19];
 
 /// Seq 1 computes A (blocks 1, 2 cached, 3 partial), is freed; seq 2 computes B, evicting
 /// A's two blocks from the device (stored to host blocks 0, 1), and is freed.
-fn a_evicted_to_host(m: &KvCacheManager) {
+fn a_evicted_to_host<M: OneGroup>(m: &M) {
     add(m, 1, &A);
     m.allocate_slots(1, 9).unwrap();
     assert_eq!(m.block_table(1).unwrap(), vec![1, 2, 3]);
@@ -44,9 +48,8 @@ fn a_evicted_to_host(m: &KvCacheManager) {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn an_evicted_prefix_comes_back_as_host_loads() {
-    let m = manager(4, 8, 1);
+fn an_evicted_prefix_comes_back_as_host_loads<M: OneGroup>() {
+    let m: M = manager(4, 8, 1);
     a_evicted_to_host(&m);
     let h = m.hasher();
     let a0 = h.hash_block(None, &A[..4], &[]);
@@ -126,10 +129,9 @@ fn an_evicted_prefix_comes_back_as_host_loads() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn stores_only_hashes_seen_the_admission_count() {
+fn stores_only_hashes_seen_the_admission_count<M: OneGroup>() {
     // Seen twice: A computed once is not stored; computed again (a miss), it is.
-    let m = manager(4, 8, 2);
+    let m: M = manager(4, 8, 2);
     a_evicted_to_host(&m);
     assert_eq!(step(&m), (vec![], vec![]));
     add(&m, 3, &A);
@@ -147,10 +149,9 @@ fn stores_only_hashes_seen_the_admission_count() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn a_pool_that_fits_one_request_with_its_loads_runs_it() {
+fn a_pool_that_fits_one_request_with_its_loads_runs_it<M: OneGroup>() {
     // 3 usable blocks: A's two host loads plus one fresh block use all of them.
-    let m = manager(4, 8, 1);
+    let m: M = manager(4, 8, 1);
     a_evicted_to_host(&m);
     step(&m);
     add(&m, 3, &A);
@@ -180,10 +181,9 @@ fn a_pool_that_fits_one_request_with_its_loads_runs_it() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn a_host_block_being_loaded_is_pinned_until_the_next_step_returns() {
+fn a_host_block_being_loaded_is_pinned_until_the_next_step_returns<M: OneGroup>() {
     // 5 usable device blocks, one host block: it holds A's first block (a0).
-    let m = manager(6, 1, 1);
+    let m: M = manager(6, 1, 1);
     let c: Vec<u32> = (100..120).collect();
     add(&m, 1, &A[..5]);
     m.allocate_slots(1, 5).unwrap(); // blocks 1 (a0, cached), 2 (partial)
@@ -220,10 +220,9 @@ fn a_host_block_being_loaded_is_pinned_until_the_next_step_returns() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn a_block_registered_in_the_current_step_is_not_stored() {
+fn a_block_registered_in_the_current_step_is_not_stored<M: OneGroup>() {
     // Its KV is written by the forward pass that has not run yet.
-    let m = manager(4, 8, 1);
+    let m: M = manager(4, 8, 1);
     add(&m, 1, &A);
     m.allocate_slots(1, 9).unwrap();
     m.free(1);
@@ -233,9 +232,8 @@ fn a_block_registered_in_the_current_step_is_not_stored() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn reset_clears_the_host_tier() {
-    let m = manager(4, 8, 1);
+fn reset_clears_the_host_tier<M: OneGroup>() {
+    let m: M = manager(4, 8, 1);
     a_evicted_to_host(&m);
     m.take_events();
     m.reset_prefix_cache().unwrap();
@@ -246,9 +244,8 @@ fn reset_clears_the_host_tier() {
     m.check_invariants().unwrap();
 }
 
-#[test]
-fn reset_waits_for_planned_loads() {
-    let m = manager(4, 8, 1);
+fn reset_waits_for_planned_loads<M: OneGroup>() {
+    let m: M = manager(4, 8, 1);
     a_evicted_to_host(&m);
     step(&m);
     add(&m, 3, &A);
@@ -288,9 +285,8 @@ fn bad_host_configs_are_refused() {
     assert_eq!(HostEviction::from_name("random"), None);
 }
 
-#[test]
-fn without_a_host_tier_steps_carry_no_host_plans() {
-    let m = KvCacheManager::new(CacheConfig::new(4, 4)).unwrap();
+fn without_a_host_tier_steps_carry_no_host_plans<M: OneGroup>() {
+    let m = M::build(CacheConfig::new(4, 4)).unwrap();
     add(&m, 1, &A);
     m.allocate_slots(1, 9).unwrap();
     step(&m);
@@ -305,13 +301,12 @@ fn without_a_host_tier_steps_carry_no_host_plans() {
 /// A block swapped in between two step calls gets its KV from the swap-in copy, which the
 /// executor runs after the next step call's host stores: that call must not store it (the
 /// store would copy the block's old bytes to the host, and a later hit would load them).
-#[test]
-fn a_block_swapped_in_since_the_last_step_is_not_stored_before_its_copy_runs() {
+fn a_block_swapped_in_since_the_last_step_is_not_stored_before_its_copy_runs<M: OneGroup>() {
     let mut cfg = CacheConfig::new(6, 4);
     cfg.num_cpu_blocks = 4;
     cfg.num_host_blocks = 4;
     cfg.host_admission_min_seen = 1;
-    let m = KvCacheManager::new(cfg).unwrap();
+    let m = M::build(cfg).unwrap();
     add(&m, 1, &[1, 2, 3, 4, 5]);
     m.allocate_slots(1, 5).unwrap();
     step(&m);
@@ -337,3 +332,15 @@ fn a_block_swapped_in_since_the_last_step_is_not_stored_before_its_copy_runs() {
     );
     m.check_invariants().unwrap();
 }
+
+on_both_managers!(
+    an_evicted_prefix_comes_back_as_host_loads,
+    stores_only_hashes_seen_the_admission_count,
+    a_pool_that_fits_one_request_with_its_loads_runs_it,
+    a_host_block_being_loaded_is_pinned_until_the_next_step_returns,
+    a_block_registered_in_the_current_step_is_not_stored,
+    reset_clears_the_host_tier,
+    reset_waits_for_planned_loads,
+    without_a_host_tier_steps_carry_no_host_plans,
+    a_block_swapped_in_since_the_last_step_is_not_stored_before_its_copy_runs,
+);

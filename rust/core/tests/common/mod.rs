@@ -9,11 +9,12 @@
 #![allow(dead_code)] // each suite uses part of the interface
 
 use pagedkv_core::events::KvEvent;
+use pagedkv_core::host_tier::HostTransfers;
 use pagedkv_core::pool::BlockPool;
 use pagedkv_core::{
     BlockId, CacheConfig, CacheStats, Error, GroupSpec, HybridConfig, HybridManager,
-    HybridStepOptions, KvCacheManager, SeqId, SeqStatus, SequenceSpec, StepDrafts, StepOptions,
-    StepRequest,
+    HybridStepOptions, KvCacheManager, PrefixHasher, SeqId, SeqStatus, SequenceSpec, StepDrafts,
+    StepOptions, StepRequest,
 };
 
 type Result<T> = std::result::Result<T, Error>;
@@ -44,6 +45,10 @@ pub struct Step {
     pub table_delta_indptr: Vec<i32>,
     pub table_delta: Vec<i32>,
     pub num_draft_tokens: Vec<i32>,
+    /// `(device, host)` pairs.
+    pub host_stores: Vec<i32>,
+    /// `(host, device)` pairs.
+    pub host_loads: Vec<i32>,
     pub query_start_loc: Vec<i32>,
     pub seq_lens: Vec<i32>,
     pub context_lens: Vec<i32>,
@@ -98,6 +103,8 @@ pub trait OneGroup: Sized {
     fn accept_drafts_keeping_blocks(&self, seq: SeqId, num_accepted: usize)
         -> Result<Vec<BlockId>>;
     fn num_draft_tokens(&self, seq: SeqId) -> Result<usize>;
+    fn take_host_transfers(&self) -> HostTransfers;
+    fn hasher(&self) -> &PrefixHasher;
     fn tokens(&self, seq: SeqId) -> Result<Vec<u32>>;
     fn stats(&self) -> CacheStats;
     /// The buffered KV events (the groups manager's, all of group 0 or of no group).
@@ -155,6 +162,12 @@ impl OneGroup for KvCacheManager {
     fn num_draft_tokens(&self, seq: SeqId) -> Result<usize> {
         KvCacheManager::num_draft_tokens(self, seq)
     }
+    fn take_host_transfers(&self) -> HostTransfers {
+        KvCacheManager::take_host_transfers(self)
+    }
+    fn hasher(&self) -> &PrefixHasher {
+        KvCacheManager::hasher(self)
+    }
     fn fork(&self, parent: SeqId, child: SeqId) -> Result<()> {
         KvCacheManager::fork(self, parent, child)
     }
@@ -208,6 +221,8 @@ impl OneGroup for KvCacheManager {
             table_delta_indptr: o.table_delta_indptr,
             table_delta: o.table_delta,
             num_draft_tokens: o.num_draft_tokens,
+            host_stores: o.host_stores,
+            host_loads: o.host_loads,
             query_start_loc: o.query_start_loc,
             seq_lens: o.seq_lens,
             context_lens: o.context_lens,
@@ -226,6 +241,15 @@ impl OneGroup for KvCacheManager {
     fn check_invariants(&self) -> std::result::Result<(), String> {
         KvCacheManager::check_invariants(self)
     }
+}
+
+/// `(group, a, b)` rows of group 0 as `(a, b)` pairs.
+fn pairs(triples: &[i32]) -> Vec<i32> {
+    assert!(
+        triples.chunks(3).all(|c| c[0] == 0),
+        "one group: {triples:?}"
+    );
+    triples.chunks(3).flat_map(|c| [c[1], c[2]]).collect()
 }
 
 /// The groups manager with one full-attention group: `cfg`'s fields, its block size the
@@ -300,6 +324,20 @@ impl OneGroup for HybridManager {
     fn num_draft_tokens(&self, seq: SeqId) -> Result<usize> {
         HybridManager::num_draft_tokens(self, seq)
     }
+    fn take_host_transfers(&self) -> HostTransfers {
+        let t = HybridManager::take_host_transfers(self);
+        let pair = |&(g, a, b): &(u32, BlockId, BlockId)| {
+            assert_eq!(g, 0, "one group");
+            (a, b)
+        };
+        HostTransfers {
+            stores: t.stores.iter().map(pair).collect(),
+            loads: t.loads.iter().map(pair).collect(),
+        }
+    }
+    fn hasher(&self) -> &PrefixHasher {
+        HybridManager::hasher(self)
+    }
     fn fork(&self, parent: SeqId, child: SeqId) -> Result<()> {
         HybridManager::fork(self, parent, child)
     }
@@ -354,12 +392,14 @@ impl OneGroup for HybridManager {
             new_block_indptr: o.new_block_indptr,
             new_block_ids: o.new_block_ids,
             // (group, src, dst) triples of group 0 -> (src, dst) pairs.
-            copies: o.copies.chunks(3).flat_map(|c| [c[1], c[2]]).collect(),
+            copies: pairs(&o.copies),
             table_start: o.table_start,
             table_version: o.table_version,
             table_delta_indptr: o.table_delta_indptr,
             table_delta: o.table_delta,
             num_draft_tokens: o.num_draft_tokens,
+            host_stores: pairs(&o.host_stores),
+            host_loads: pairs(&o.host_loads),
             query_start_loc: o.query_start_loc,
             seq_lens: o.seq_lens,
             context_lens: o.context_lens,
