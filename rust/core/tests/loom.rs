@@ -1,5 +1,6 @@
 //! loom models of the lock-free free list, the block pool, and the manager with its event sink
-//! (2–3 threads, 2–4 blocks).
+//! (2–3 threads, 2–4 blocks); the manager models run on the one-group manager and on the
+//! groups manager with one full group ([`common::OneGroup`]).
 //!
 //! Run: `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
 //!       cargo test -p pagedkv-core --release --test loom`
@@ -17,7 +18,11 @@ use pagedkv_core::events::KvEvent;
 use pagedkv_core::free_list::FreeStack;
 use pagedkv_core::hashing::BlockHash;
 use pagedkv_core::pool::BlockPool;
-use pagedkv_core::{BlockId, CacheConfig, Error, KvCacheManager, SequenceSpec};
+use pagedkv_core::{BlockId, CacheConfig, Error, SequenceSpec};
+
+mod common;
+
+use common::OneGroup;
 
 fn sorted(mut v: Vec<BlockId>) -> Vec<BlockId> {
     v.sort_unstable();
@@ -345,10 +350,10 @@ fn free_of_cached_block_races_touch() {
     });
 }
 
-fn new_manager() -> Arc<KvCacheManager> {
+fn new_manager<M: OneGroup>() -> Arc<M> {
     let mut cfg = CacheConfig::new(4, 2);
     cfg.enable_events = true;
-    Arc::new(KvCacheManager::new(cfg).unwrap())
+    Arc::new(M::build(cfg).unwrap())
 }
 
 /// The manager's state mutex and the event sink's mutex under contention: T1 schedules a
@@ -356,10 +361,9 @@ fn new_manager() -> Arc<KvCacheManager> {
 /// held) while T2 frees another sequence and drains the events (sink lock only). Every
 /// interleaving ends with the one event delivered exactly once, distinct blocks, and the
 /// manager's invariants intact.
-#[test]
-fn manager_allocate_races_free_and_event_drain() {
+fn manager_allocate_races_free_and_event_drain<M: OneGroup + Send + Sync + 'static>() {
     loom::model(|| {
-        let m = new_manager();
+        let m = new_manager::<M>();
         m.add_sequence(1, &[1, 2, 3], SequenceSpec::default())
             .unwrap();
         m.allocate_slots(1, 3).unwrap();
@@ -395,10 +399,9 @@ fn manager_allocate_races_free_and_event_drain() {
 
 /// Two schedulers step their own sequences at once through the manager mutex on a pool with
 /// exactly enough blocks: both succeed with different blocks whatever the interleaving.
-#[test]
-fn manager_concurrent_steps_take_distinct_blocks() {
+fn manager_concurrent_steps_take_distinct_blocks<M: OneGroup + Send + Sync + 'static>() {
     loom::model(|| {
-        let m = new_manager();
+        let m = new_manager::<M>();
         for id in [1, 2] {
             m.add_sequence(id, &[id as u32 * 10, 1, 2], SequenceSpec::default())
                 .unwrap();
@@ -408,11 +411,14 @@ fn manager_concurrent_steps_take_distinct_blocks() {
             .map(|id| {
                 let m = m.clone();
                 thread::spawn(move || {
-                    let out = m.step(&pagedkv_core::StepRequest {
-                        seq_ids: vec![id],
-                        num_new_tokens: vec![1],
-                        ..Default::default()
-                    });
+                    let out = OneGroup::step(
+                        &*m,
+                        &pagedkv_core::StepRequest {
+                            seq_ids: vec![id],
+                            num_new_tokens: vec![1],
+                            ..Default::default()
+                        },
+                    );
                     assert_eq!(out.error, None);
                     out.new_block_ids
                 })
@@ -428,3 +434,8 @@ fn manager_concurrent_steps_take_distinct_blocks() {
         m.check_invariants().unwrap();
     });
 }
+
+on_both_managers!(
+    manager_allocate_races_free_and_event_drain,
+    manager_concurrent_steps_take_distinct_blocks,
+);
