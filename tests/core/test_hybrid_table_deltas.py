@@ -1,14 +1,14 @@
 """Per-group block-table deltas of ``HybridKVCacheManager.step`` and their consumer,
-``pagedkv.tensors.GroupBlockTables`` / ``GroupBatchTensors.from_steps(..., block_tables=...)``.
+``pagedkv.tensors.BlockTable`` / ``BatchTensors.from_steps(..., block_tables=...)``.
 
 A hypothesis state machine drives random group layouts through adds with shared prefixes,
 batched steps (prefill chunks, decodes with appends, verify steps with drafts then
 ``accept_drafts`` releasing or keeping the lookahead blocks), forks, frees, recompute and swap
 preemption and swap-in. After every step: each (sequence, group) delta applied to a mirror of
 its previous table gives the manager's table (window releases arrive as null entries); a
-``GroupBlockTables`` fed every output returns exactly the step's dense ``block_table`` (or the
+``BlockTable`` fed every output returns exactly the step's dense ``block_table`` (or the
 manager's tables when the step skipped it), one fed only some outputs too (it re-reads what it
-missed); and ``GroupBatchTensors`` built from the deltas equals the one built from the dense
+missed); and ``BatchTensors`` built from the deltas equals the one built from the dense
 tables.
 """
 
@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import pagedkv
 from pagedkv import HybridKVCacheManager, KVCacheGroupSpec
-from pagedkv.tensors import GroupBatchTensors, GroupBlockTables
+from pagedkv.tensors import BatchTensors, BlockTable
 
 LAYOUTS = [
     ([("full", 4, None), ("sliding_window", 4, 6)], [1, 1, 0]),
@@ -64,8 +64,8 @@ class TableDeltas(RuleBasedStateMachine):
         )
         self.g = len(groups)
         self.mirror: dict[int, tuple[int, list[np.ndarray]]] = {}  # seq -> (version, tables)
-        self.every = GroupBlockTables(self.m, rows=1, width=1)
-        self.some = GroupBlockTables(self.m, rows=2, width=3)
+        self.every = BlockTable(self.m, rows=1, width=1)
+        self.some = BlockTable(self.m, rows=2, width=3)
         self.seqs: set[int] = set()
         self.next_id = 0
         self.drafted: set[int] = set()
@@ -114,12 +114,10 @@ class TableDeltas(RuleBasedStateMachine):
         if fed_some:
             np.testing.assert_array_equal(self.some.update(out), want)
         if dense_on and out.slot_mapping.shape[1] == out.num_tokens:
-            a = GroupBatchTensors.from_steps(out, None)
-            b = GroupBatchTensors.from_steps(
-                out, None, block_tables=self.some if fed_some else GroupBlockTables(self.m)
-            )
+            a = BatchTensors.from_steps(out, None)
+            b = BatchTensors.from_steps(out, None, block_tables=self.some if fed_some else BlockTable(self.m))
             np.testing.assert_array_equal(a.block_tables, b.block_tables)
-            np.testing.assert_array_equal(a.slot_mapping, b.slot_mapping)
+            np.testing.assert_array_equal(a.slot_mappings, b.slot_mappings)
             np.testing.assert_array_equal(a.positions, b.positions)
 
     @rule(
@@ -254,13 +252,13 @@ def test_from_steps_refuses_a_step_without_what_it_needs() -> None:
     m.add_sequence(1, [1, 2, 3])
     out = m.step([1], 3, block_table=False)
     with pytest.raises(pagedkv.InvalidArgumentError, match="block_tables"):
-        GroupBatchTensors.from_steps(out, None)
-    bt = GroupBatchTensors.from_steps(out, None, block_tables=GroupBlockTables(m))
+        BatchTensors.from_steps(out, None)
+    bt = BatchTensors.from_steps(out, None, block_tables=BlockTable(m))
     np.testing.assert_array_equal(bt.block_tables[0, 0], m.block_tables(1)[0])
     m.add_sequence(2, [1, 2, 3])
     no_tokens = m.step([2], 3, token_arrays=False)
     with pytest.raises(pagedkv.InvalidArgumentError, match="token_arrays"):
-        GroupBatchTensors.from_steps(no_tokens, None)
+        BatchTensors.from_steps(no_tokens, None)
 
 
 def test_reserve_blocks_is_an_admission_watermark() -> None:

@@ -341,7 +341,7 @@ class Scheduler:
         if self._pending_swaps and self._host_tier:
             # A swap made after the last step call may have evicted cached blocks: the empty
             # call hands over their host stores, which must run before the swap overwrites them.
-            self._collect(self.manager.step([], []))
+            self._collect(self.manager.step([], [], block_table=False))
         self._transfers += self._pending_swaps
         batch.swap_out = np.concatenate(self._swap_out) if self._swap_out else None
         batch.swap_in = np.concatenate(swap_in) if swap_in else None
@@ -457,10 +457,11 @@ class Scheduler:
                 [t for _, _, t in items],
                 [s.pending for _, s, _ in items],
             )
+            # The runner keeps the block tables from the table deltas (BlockTable): no dense copy.
             if drafts is None:
-                out = self.manager.step(ids, counts, pending)
+                out = self.manager.step(ids, counts, pending, block_table=False)
             else:
-                out = self.manager.step(ids, counts, pending, draft_token_ids=drafts)
+                out = self.manager.step(ids, counts, pending, draft_token_ids=drafts, block_table=False)
             self._collect(out)
             n = int(out.num_scheduled)
             self._record(items[:n], out, batch)
