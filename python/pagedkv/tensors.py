@@ -495,9 +495,10 @@ class BatchTensors:
                     "step made with token_arrays=False has no per-token arrays to build kernel "
                     "inputs from",
                 )
-            dense_rows = p.num_groups if isinstance(p, HybridStepOutput) else p.num_scheduled
-            if block_tables is None and p.block_table.shape[0] != dense_rows:
-                raise _bad(f"steps[{i}]", p, "made with block_table=False: pass block_tables")
+            if block_tables is None:
+                dense_rows = p.num_groups if isinstance(p, HybridStepOutput) else p.num_scheduled
+                if p.block_table.shape[0] != dense_rows:
+                    raise _bad(f"steps[{i}]", p, "made with block_table=False: pass block_tables")
         if hybrid and len({p.num_groups for p in parts}) > 1:
             raise _bad("steps", [p.num_groups for p in parts], "steps of one manager have one group count")
         # a BlockTable refuses the outputs of another kind of manager (nothing changed)
@@ -612,7 +613,8 @@ def _movers(device: Device) -> tuple[Callable[[Any], Any], Callable[[Any], Any],
     if movers is not None:
         return movers
     if device is None:
-        movers = (_identity, _identity, _TableToDevice(_identity, reuse=False))
+        # numpy too: a one-group table's [1, S, W] view is built once per array
+        movers = (_identity, _identity, _TableToDevice(_identity, reuse=True))
     else:
         with _TORCH_IMPORT:
             import torch  # lazy: `import pagedkv` must work without torch

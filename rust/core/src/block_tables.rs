@@ -108,7 +108,7 @@ impl<'a> TableDeltas<'a> {
 
     /// Table `i`'s offsets do not go back or past `table_delta`, and its start is >= 0 (after
     /// [`Self::validate`]).
-    #[inline]
+    #[inline(always)]
     fn check_entry(&self, i: usize, groups: usize) -> Result<()> {
         let (a, b) = (self.table_delta_indptr[i], self.table_delta_indptr[i + 1]);
         if a > b || b as usize > self.table_delta.len() {
@@ -138,7 +138,7 @@ impl<'a> TableDeltas<'a> {
     }
 
     /// Entries of table `i`'s delta.
-    #[inline]
+    #[inline(always)]
     fn entries(&self, i: usize) -> &'a [i32] {
         let (a, b) = (
             self.table_delta_indptr[i] as usize,
@@ -368,6 +368,31 @@ impl BlockTables {
                 });
             }
         }
+        // One group: the loops over groups compiled away (the one-group cost is unchanged).
+        let (rereads, cols, new_seqs, in_order) = if g == 1 {
+            self.scan::<1>(parts, read_whole)?
+        } else {
+            self.scan::<0>(parts, read_whole)?
+        };
+        Ok(PendingUpdate {
+            parts,
+            n,
+            rereads,
+            new_seqs,
+            cols,
+            in_order,
+        })
+    }
+
+    /// The per-sequence pass of [`Self::prepare_dyn`]: `(rereads, columns needed, new
+    /// sequences, in order)`. `FIXED`: the group count when known at compile time (1), else 0.
+    #[inline(always)]
+    fn scan<const FIXED: usize>(
+        &self,
+        parts: &[TableDeltas<'_>],
+        read_whole: &mut dyn FnMut(SeqId, &mut Rereads) -> Result<()>,
+    ) -> Result<(Rereads, usize, usize, bool)> {
+        let g = if FIXED == 0 { self.groups } else { FIXED };
         let mut rereads = Rereads::default();
         let (mut cols, mut new_seqs, mut k) = (1usize, 0usize, 0usize);
         let mut in_order = true;
@@ -385,9 +410,11 @@ impl BlockTables {
                     let i = j * g + x;
                     p.check_entry(i, g)?;
                     let start = p.table_start[i] as usize;
-                    fits &= start <= row.map_or(0, |r| self.lens[r * g + x]);
+                    fits &= row.is_some_and(|r| start <= self.lens[r * g + x]);
                     whole &= start == 0;
-                    end = end.max(start + p.entries(i).len());
+                    // checked above: the offsets do not go back
+                    let m = (p.table_delta_indptr[i + 1] - p.table_delta_indptr[i]) as usize;
+                    end = end.max(start + m);
                 }
                 // A whole report older than the row's version (an output fed twice or out of
                 // order) is stale: the tables are read whole instead.
@@ -400,15 +427,8 @@ impl BlockTables {
                 k += 1;
             }
         }
-        cols = cols.max(rereads.longest);
-        Ok(PendingUpdate {
-            parts,
-            n,
-            rereads,
-            new_seqs,
-            cols,
-            in_order,
-        })
+        let cols = cols.max(rereads.longest);
+        Ok((rereads, cols, new_seqs, in_order))
     }
 
     /// The buffer shape `pending` needs when it is larger than [`Self::shape`] (each
@@ -518,8 +538,28 @@ impl BlockTables {
             self.held = n;
         }
 
+        let width = if g == 1 {
+            self.write::<1>(table, parts, &rereads)
+        } else {
+            self.write::<0>(table, parts, &rereads)
+        };
+        (n, width.max(1))
+    }
+
+    /// The deltas pass of [`Self::apply`]; returns the longest table. `FIXED` as in
+    /// [`Self::scan`].
+    #[inline(always)]
+    fn write<const FIXED: usize>(
+        &mut self,
+        table: &mut [i32],
+        parts: &[TableDeltas<'_>],
+        rereads: &Rereads,
+    ) -> usize {
         // The deltas (or whole tables), each into its row; stale entries past the new end
         // (a preempted sequence restarting shorter) are zeroed.
+        let g = if FIXED == 0 { self.groups } else { FIXED };
+        let (rows, cols) = self.shape();
+        let plane = rows * cols;
         let (mut width, mut k) = (0usize, 0usize);
         // rereads are in batch order: the next one's batch index, usize::MAX after the last
         // (a plain index: a peekable iterator here costs a store-forwarding stall per sequence)
@@ -562,7 +602,7 @@ impl BlockTables {
                 k += 1;
             }
         }
-        (n, width.max(1))
+        width
     }
 
     /// The row holding `id` (checked at row `k` first: the steady state), if any.

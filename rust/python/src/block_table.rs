@@ -18,6 +18,7 @@ use numpy::{PyArray3, PyArrayMethods, PyUntypedArray};
 use pagedkv_core::block_tables::{BlockTables, PendingUpdate, TableDeltas};
 use pagedkv_core::{HybridManager, KvCacheManager};
 use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
 use std::sync::Arc;
 
 /// The manager whose step outputs a `BlockTable` applies.
@@ -93,6 +94,13 @@ fn step_list<'py, T: pyo3::PyClass>(
 ) -> PyResult<Vec<Bound<'py, T>>> {
     if let Ok(s) = steps.cast::<T>() {
         return Ok(vec![s.clone()]);
+    }
+    if !steps.is_instance_of::<PyList>() && !steps.is_instance_of::<PyTuple>() {
+        let reason = format!(
+            "expected a {expected} or a list / tuple of them, got {}",
+            type_name(steps)
+        );
+        return Err(bad(steps.py(), "steps", repr(steps), reason));
     }
     list_items(steps, "steps")?
         .iter()
