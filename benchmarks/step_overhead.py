@@ -24,8 +24,26 @@ batched call, and at most 1.5x the bare step for the whole path (step + torch te
 a table with the figures measured before the one-path change beside (``OLD_US``: same workload,
 same machine class) and writes ``benchmarks/results/step_overhead.json``.
 
+``--tables`` measures instead one decode step plus its block tables, the engine's dense path
+against the Rust keeper, at 8 / 32 / 64 sequences of 600 / 600 / 2,000 tokens (lengths spread
+over the next 256 tokens, a sequence reaching the end replaced by a new one, prefilled outside
+the timed region), for one group (``KVCacheManager``) and six (``HybridKVCacheManager`` on Gemma
+3's layout: one full-attention group and five sliding-window groups of window 512), block size
+16. Variants, each on its own manager with the same workload, interleaved in rounds:
+
+- ``dense``: ``step(..., block_table=True)``, the step output's dense ``block_table``;
+- ``keeper``: ``step(..., block_table=False)`` and ``BlockTable.update`` (the deltas applied in
+  Rust, every group in one call);
+- ``dense + BatchTensors`` / ``keeper + BatchTensors``: the same plus every kernel input as CPU
+  torch tensors (``BatchTensors.from_steps``, ``block_tables=None`` / the keeper): the whole
+  path the engine's runner takes.
+
+Prints the median µs per step of each and the keeper / dense ratios, and writes
+``benchmarks/results/step_tables.json``.
+
 Usage: python benchmarks/step_overhead.py [--seqs 256] [--steps 2000] [--block-size 16]
        [--min-len 64] [--max-len 576]
+       python benchmarks/step_overhead.py --tables [--steps 600]
 """
 
 from __future__ import annotations
@@ -85,6 +103,169 @@ class Workload:
             self.lens[i] = self.min_len
 
 
+#: ``--tables`` workloads: (sequences, shortest length in tokens); lengths spread over the next
+#: ``TABLES_SPAN`` tokens.
+TABLES_CONFIGS = ((8, 600), (32, 600), (64, 2000))
+TABLES_SPAN = 256
+#: Gemma 3's layout: one full-attention group and five sliding-window groups (window 512).
+TABLES_WINDOW = 512
+
+
+class TablesWorkload:
+    """``n`` decode sequences of ``length .. length + TABLES_SPAN`` tokens on a manager of
+    ``groups`` KV cache groups (1: ``KVCacheManager``), its block tables dense from each step
+    (``keep=False``) or kept by a :class:`pagedkv.tensors.BlockTable` from the deltas."""
+
+    def __init__(self, groups: int, n: int, length: int, keep: bool, block_size: int = 16) -> None:
+        # a prefill holds every block of its chunk in each group until the next step releases
+        # what fell out of the window
+        blocks = n * groups * ((length + TABLES_SPAN) // block_size + 2) + 1
+        if groups == 1:
+            self.m: Any = pagedkv.KVCacheManager(pagedkv.CacheConfig(blocks, block_size))
+        else:
+            specs = [pagedkv.KVCacheGroupSpec("full", block_size, 8)] + [
+                pagedkv.KVCacheGroupSpec("sliding_window", block_size, 8, window=TABLES_WINDOW)
+            ] * (groups - 1)
+            self.m = pagedkv.HybridKVCacheManager(specs, list(range(groups)), blocks)
+        self.keep = keep
+        self.kept = tensors.BlockTable(self.m) if keep else None
+        self.rng = np.random.default_rng(0)
+        self.length = length
+        self.ids = np.arange(n, dtype=np.uint64)
+        self.next_id = n
+        self.lens = np.linspace(length, length + TABLES_SPAN - 1, n).astype(np.int64)
+        for s, k in zip(self.ids.tolist(), self.lens.tolist()):
+            self._admit(s, k)
+        self.tokens = self.rng.integers(0, 32_000, n)
+
+    def _admit(self, seq: int, n: int) -> None:
+        self.m.add_sequence(seq, self.rng.integers(0, 32_000, n))
+        out = self.m.step([seq], [n], block_table=not self.keep)
+        assert out.error is None
+        if self.kept is not None:  # the keeper sees every output, as the runner's does
+            self.kept.update(out)
+
+    def step(self) -> Any:
+        """One decode step of every sequence and its dense tables."""
+        out = self.m.step(self.ids, 1, self.tokens, block_table=not self.keep)
+        return out.block_table if self.kept is None else self.kept.update(out)
+
+    def step_tensors(self) -> Any:
+        """One decode step of every sequence and every kernel input as CPU torch tensors."""
+        out = self.m.step(self.ids, 1, self.tokens, block_table=not self.keep)
+        return tensors.BatchTensors.from_steps(out, "cpu", block_tables=self.kept)
+
+    def grew(self) -> None:
+        """One token more in every sequence; one at the end of its span is replaced."""
+        self.lens += 1
+        for i in np.nonzero(self.lens >= self.length + TABLES_SPAN)[0].tolist():
+            self.m.free(int(self.ids[i]))
+            self.ids[i] = self.next_id
+            self._admit(self.next_id, self.length)
+            self.next_id += 1
+            self.lens[i] = self.length
+
+
+def tables_main(steps: int, out_path: Path) -> list[dict[str, Any]]:
+    """``--tables``: decode step + block tables, dense vs the Rust keeper (module docs)."""
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+    except ImportError:  # pragma: no cover - torch is optional
+        torch = None
+    rows: list[dict[str, Any]] = []
+    print(
+        "decode step + block tables, dense (step(block_table=True)) vs the Rust keeper "
+        "(step(block_table=False) + BlockTable.update); µs per step, median"
+    )
+    header = (
+        f"{'groups':>6} {'seqs':>5} {'tokens':>11} {'dense':>8} {'keeper':>8} {'ratio':>6}"
+        f" {'dense+BT':>9} {'keeper+BT':>10} {'ratio':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for groups in (1, 6):
+        for n, length in TABLES_CONFIGS:
+            dense = TablesWorkload(groups, n, length, keep=False)
+            kept = TablesWorkload(groups, n, length, keep=True)
+            dense_bt = TablesWorkload(groups, n, length, keep=False)
+            kept_bt = TablesWorkload(groups, n, length, keep=True)
+            variants: list[tuple[str, TablesWorkload, Callable[[], Any]]] = [
+                ("dense", dense, dense.step),
+                ("keeper", kept, kept.step),
+            ]
+            if torch is not None:
+                variants += [
+                    ("dense + BatchTensors", dense_bt, dense_bt.step_tensors),
+                    ("keeper + BatchTensors", kept_bt, kept_bt.step_tensors),
+                ]
+            for _, w, fn in variants:  # warm-up
+                for _ in range(20):
+                    fn()
+                    w.grew()
+            samples: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+            rounds = 10  # interleaved, so load spikes hit every variant alike
+            for _ in range(rounds):
+                for name, w, fn in variants:
+                    for _ in range(max(steps // rounds, 1)):
+                        t0 = time.perf_counter_ns()
+                        fn()
+                        samples[name].append((time.perf_counter_ns() - t0) / 1e3)
+                        w.grew()
+            # the keeper's tables are the manager's: one more step checked entry by entry
+            got = kept.step()
+            got = got if groups > 1 else got[None]
+            for k, s in enumerate(kept.ids.tolist()):
+                want = kept.m.block_tables(s) if groups > 1 else [kept.m.block_table(s)]
+                for g, t in enumerate(want):
+                    assert got[g, k, : len(t)].tolist() == t.tolist() and not got[g, k, len(t) :].any()
+            med = {name: statistics.median(xs) for name, xs in samples.items()}
+            row = {
+                "groups": groups,
+                "seqs": n,
+                "tokens": [length, length + TABLES_SPAN - 1],
+                "steps": steps,
+                "us_per_step_median": med,
+                "keeper_over_dense": med["keeper"] / med["dense"],
+            }
+            if torch is not None:
+                row["keeper_over_dense_batch_tensors"] = med["keeper + BatchTensors"] / med["dense + BatchTensors"]
+            rows.append(row)
+            bt = (
+                f" {med['dense + BatchTensors']:9.1f} {med['keeper + BatchTensors']:10.1f}"
+                f" {row['keeper_over_dense_batch_tensors']:6.2f}"
+                if torch is not None
+                else ""
+            )
+            print(
+                f"{groups:6d} {n:5d} {f'{length}..{length + TABLES_SPAN - 1}':>11} {med['dense']:8.1f} "
+                f"{med['keeper']:8.1f} {row['keeper_over_dense']:6.2f}{bt}"
+            )
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(
+        json.dumps(
+            {
+                "benchmark": "step_tables",
+                "window": TABLES_WINDOW,
+                "block_size": 16,
+                "results": rows,
+                "machine": {
+                    "python": platform.python_version(),
+                    "platform": platform.platform(),
+                    "cpus": os.cpu_count(),
+                    "loadavg_1min": os.getloadavg()[0],
+                    "pagedkv": pagedkv.__version__,
+                },
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)\nwrote {out_path}")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", type=int, default=256)
@@ -92,8 +273,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--min-len", type=int, default=64, help="tokens of a new request's prompt")
     ap.add_argument("--max-len", type=int, default=576, help="a sequence is replaced at this length")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--out", type=Path, default=RESULTS / "step_overhead.json")
+    ap.add_argument("--out", type=Path, default=None, help="JSON results (default under benchmarks/results/)")
+    ap.add_argument("--tables", action="store_true", help="decode step + block tables, dense vs keeper")
     a = ap.parse_args(argv)
+    if a.tables:
+        tables_main(a.steps if a.steps != 2000 else 600, a.out or RESULTS / "step_tables.json")
+        return
+    a.out = a.out or RESULTS / "step_overhead.json"
 
     try:
         import torch

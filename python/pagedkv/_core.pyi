@@ -620,16 +620,30 @@ class KVIndexer:
 
 @final
 class BlockTable:
-    """Block tables kept across scheduler steps, updated from the step outputs' table deltas;
-    ``update`` returns the batch's dense ``int32[S, W]`` table as a view of a persistent buffer
-    (valid until the next ``update``). Documented as ``pagedkv.tensors.BlockTable``."""
+    """Block tables of every KV cache group kept across scheduler steps, updated from the step
+    outputs' table deltas; ``update`` returns the batch's dense tables (``int32[S, W]`` for a
+    ``KVCacheManager``, ``int32[G, S, W]`` for a ``HybridKVCacheManager``) as a view of a
+    persistent buffer (valid until the next ``update``). Documented as
+    ``pagedkv.tensors.BlockTable``."""
 
-    def __new__(cls, manager: KVCacheManager, *, rows: int | None = None, width: int | None = None) -> BlockTable: ...
+    def __new__(
+        cls, manager: KVCacheManager | HybridKVCacheManager, *, rows: int | None = None, width: int | None = None
+    ) -> BlockTable: ...
+    @property
+    def num_groups(self) -> int: ...
     @property
     def num_rows(self) -> int: ...
     @property
     def num_table_reads(self) -> int: ...
-    def update(self, steps: StepOutput | list[StepOutput] | tuple[StepOutput, ...]) -> _Int32Array: ...
+    def update(
+        self,
+        steps: StepOutput
+        | HybridStepOutput
+        | list[StepOutput]
+        | tuple[StepOutput, ...]
+        | list[HybridStepOutput]
+        | tuple[HybridStepOutput, ...],
+    ) -> _Int32Array: ...
 
 @final
 class KVCacheGroupSpec:

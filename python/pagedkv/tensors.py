@@ -1,21 +1,23 @@
 """Kernel inputs built from the allocator's output: block tables, slot mapping, lengths.
 
 One path from the allocator to the kernels: :meth:`BatchTensors.from_steps` takes the
-:class:`pagedkv.StepOutput` of a scheduler step -- whose arrays the core already lays out in the
-kernels' dtypes and shapes -- and hands every kernel input over as torch tensors without
-re-validating, casting or copying on the host (``torch.from_numpy``), then one transfer per
-tensor to the device. The block tables come from a :class:`BlockTable` the caller keeps across
-steps: the core reports only what changed in each table (the step output's table delta), as
-vLLM's GPU model runner keeps its block table across steps and applies only the changes.
-:class:`BlockTable` (``pagedkv._core.BlockTable``, in Rust: the core's ``BlockTables`` over a
-numpy buffer) does the whole per-step update in one call: the seq-id -> row bookkeeping, the
-deltas (a delta that does not follow the version a row holds -- a skipped output, a sequence id
-reused by a new sequence -- makes it read that table whole), and the batch's dense table, which
-is a view of its persistent buffer (rows kept in batch order, so a steady decode batch needs no
-gather). The
-engine's runner, the tests and ``benchmarks/step_overhead.py`` all use it. The other builders
-here are the validating entry for arrays that did *not* come from the core (a caller's own block
-tables): they check their input once and copy.
+:class:`pagedkv.StepOutput` (or :class:`pagedkv.HybridStepOutput`) of a scheduler step -- whose
+arrays the core already lays out in the kernels' dtypes and shapes -- and hands every kernel
+input over as torch tensors without re-validating, casting or copying on the host
+(``torch.from_numpy``), then one transfer per tensor to the device. The block tables come from a
+:class:`BlockTable` the caller keeps across steps: the core reports only what changed in each
+table (the step output's table delta, per KV cache group for a ``HybridKVCacheManager``), as
+vLLM's GPU model runner keeps its block tables across steps and applies only the changes.
+:class:`BlockTable` (``pagedkv._core.BlockTable``, in Rust: the core's ``BlockTables`` over one
+numpy buffer for every group) does the whole per-step update in one call: the seq-id -> row
+bookkeeping, the deltas (a delta that does not follow the version a row holds -- a skipped
+output, a sequence id reused by a new sequence -- makes it read that sequence's tables whole),
+and the batch's dense tables, a view of its persistent buffer (rows kept in batch order, so a
+steady decode batch needs no gather). :class:`BatchTensors` carries them with a group axis
+(``[G, S, W]``, ``G = 1`` for a ``KVCacheManager``). The engine's runner, the tests and
+``benchmarks/step_overhead.py`` all use it. The other builders here are the validating entry for
+arrays that did *not* come from the core (a caller's own block tables): they check their input
+once and copy.
 
 Conventions (PagedAttention, Kwon et al., SOSP'23; the CSR form as used by FlashInfer):
 
@@ -48,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv._core import BlockTable, HybridKVCacheManager, HybridStepOutput, StepOutput
+from pagedkv._core import BlockTable, HybridStepOutput, StepOutput
 from pagedkv._optional import optional_imports
 from pagedkv._repr import short_repr
 from pagedkv.errors import InvalidArgumentError
@@ -63,8 +65,6 @@ else:
 __all__ = [
     "BatchTensors",
     "BlockTable",
-    "GroupBatchTensors",
-    "GroupBlockTables",
     "block_table_csr",
     "csr_block_table",
     "dense_block_table",
@@ -139,19 +139,6 @@ def _place(arr: npt.NDArray[Any], device: Device) -> Any:
         import torch  # lazy: `import pagedkv` must work without torch
 
     tensor = torch.from_numpy(np.ascontiguousarray(arr))
-    target = device if isinstance(device, torch.device) else torch.device(device)
-    return tensor if target.type == "cpu" else tensor.to(target)
-
-
-def _place_view(arr: npt.NDArray[Any], device: Device) -> Any:
-    """As :func:`_place` for a strided view (a kept buffer's batch rows): on the CPU the tensor
-    shares the view with its strides (no copy), elsewhere one transfer."""
-    if device is None:
-        return arr
-    with _TORCH_IMPORT:
-        import torch  # lazy: `import pagedkv` must work without torch
-
-    tensor = torch.from_numpy(arr)
     target = device if isinstance(device, torch.device) else torch.device(device)
     return tensor if target.type == "cpu" else tensor.to(target)
 
@@ -323,14 +310,22 @@ def query_start_loc(query_lens: npt.ArrayLike, *, pad_to: int | None = None, dev
 
 @dataclass(eq=False, slots=True)  # not frozen: building a frozen one costs ~1/3 of the whole path
 class BatchTensors:
-    """Every kernel input of one scheduler step, built by :meth:`from_steps`.
+    """Every kernel input of one scheduler step, built by :meth:`from_steps`, for ``G`` KV cache
+    groups (``G = 1`` for a ``KVCacheManager``; a hybrid model's ``HybridKVCacheManager`` has
+    one per attention kind, docs/design.md, "KV cache groups").
 
     Attributes (``S`` scheduled sequences, ``T`` scheduled tokens; "on ``device``" means a torch
     tensor there, or the numpy array itself when ``device`` is ``None``):
-        block_table: ``int32[S, max_blocks]`` dense, padded with the null block 0 (on ``device``;
-            on the CPU a view of the :class:`BlockTable`'s buffer, row stride >= ``max_blocks``,
-            valid until the next step).
-        slot_mapping: ``int64[T]`` KV-cache slot of each token (``-1`` padded; on ``device``).
+        block_tables: ``int32[G, S, W]`` group ``g``'s dense tables (a layer of group ``g``
+            reads ``block_tables[g]``), padded, and for a window's released entries set, with
+            the null block 0 (on ``device``; on the CPU a view of the :class:`BlockTable`'s
+            buffer, row stride >= ``W``, valid until the next step).
+        block_table: ``int32[S, W]``, the one group's tables (``block_tables[0]``, a view);
+            one group only (raises :class:`~pagedkv.errors.InvalidArgumentError` for more).
+        slot_mappings: ``int64[G, T]`` row ``g``: each token's KV-cache slot in group ``g``'s
+            layers (``-1`` padded; on ``device``).
+        slot_mapping: ``int64[T]``, the one group's slots (``slot_mappings[0]``, a view); one
+            group only (raises :class:`~pagedkv.errors.InvalidArgumentError` for more).
         input_ids: ``int64[T]`` token id of each scheduled token (on ``device``).
         positions: ``int64[T]`` position of each token in its sequence (RoPE; on ``device``).
         seq_lens: ``int32[S]`` context + query tokens (on ``device``).
@@ -338,8 +333,9 @@ class BatchTensors:
         query_start_loc: ``int32[S + 1]`` prefix sums of the query lengths (on ``device``).
         max_query_len: longest query this step (tokens; 0 for an empty batch).
         max_seq_len: longest sequence (tokens; 0 for an empty batch).
-        copies: ``int32[C, 2]`` copy-on-write ``(src, dst)`` block pairs, to run before the
-            K/V writes (on ``device``).
+        copies: copy-on-write block pairs to run before the K/V writes (on ``device``):
+            ``int32[C, 2]`` ``(src, dst)`` for one group, ``int32[C, 3]`` ``(group, src,
+            dst)`` rows for a ``HybridKVCacheManager`` (to run in that group's layers).
         swap_out: ``int32[K, 2]`` (device block, CPU block) pairs, on the host (the swap
             kernel reads the plan there to issue its copies), or ``None``; run first.
         swap_in: ``int32[K, 2]`` (CPU block, device block) pairs, on the host, or ``None``;
@@ -352,13 +348,16 @@ class BatchTensors:
         query_start_loc_host, context_lens_host, positions_host: the host (numpy) arrays
             behind ``query_start_loc``, ``context_lens`` and ``positions``, for host-side
             bookkeeping without a device sync (the same memory as the tensors on the CPU).
-        attn_plan: a per-step attention plan attached by the caller
-            (:func:`pagedkv.kernels.plan_paged_attention`, built once for every layer), or
+        attn_plan: a per-step attention plan attached by the caller (one per group,
+            :func:`pagedkv.kernels.plan_paged_attention`, built once for every layer), or
             ``None`` where the kernel needs none.
     """
 
-    block_table: Any
-    slot_mapping: Any
+    block_tables: Any
+    #: ``[S, W]`` (one group) or None (several): behind :attr:`block_table`.
+    one_table: Any
+    #: ``[T]`` (one group) or ``[G, T]`` (several): behind :attr:`slot_mapping(s)`.
+    slots: Any
     input_ids: Any
     positions: Any
     seq_lens: Any
@@ -376,22 +375,57 @@ class BatchTensors:
     attn_plan: Any = None
 
     @property
+    def num_groups(self) -> int:
+        """``G``: KV cache groups (the leading dimension of ``block_tables`` and
+        ``slot_mappings``)."""
+        return int(self.block_tables.shape[0])
+
+    @property
     def num_seqs(self) -> int:
-        """Sequences in the batch (rows of ``block_table``)."""
-        return int(self.block_table.shape[0])
+        """Sequences in the batch (rows of each group's block table)."""
+        return int(self.block_tables.shape[1])
 
     @property
     def num_tokens(self) -> int:
-        """Scheduled tokens (length of ``slot_mapping``, padding included)."""
-        return int(self.slot_mapping.shape[0])
+        """Scheduled tokens (length of each group's slot mapping, padding included)."""
+        return int(self.slots.shape[-1])
+
+    @property
+    def block_table(self) -> Any:
+        """``int32[S, W]``: the one group's dense block table (a view of ``block_tables[0]``).
+
+        Raises:
+            InvalidArgumentError: the batch has several KV cache groups (use ``block_tables``).
+        """
+        if self.one_table is None:
+            raise _bad("block_table", self.num_groups, "a batch of several KV cache groups: use block_tables[g]")
+        return self.one_table
+
+    @property
+    def slot_mapping(self) -> Any:
+        """``int64[T]``: the one group's slot mapping (a view of ``slot_mappings[0]``).
+
+        Raises:
+            InvalidArgumentError: the batch has several KV cache groups (use ``slot_mappings``).
+        """
+        if self.slots.ndim == 1:
+            return self.slots
+        if self.slots.shape[0] != 1:
+            raise _bad("slot_mapping", self.num_groups, "a batch of several KV cache groups: use slot_mappings[g]")
+        return self.slots[0]
+
+    @property
+    def slot_mappings(self) -> Any:
+        """``int64[G, T]``: every group's slot mapping (for one group a ``[1, T]`` view)."""
+        return self.slots if self.slots.ndim == 2 else self.slots[None]
 
     @classmethod
     def from_steps(
         cls,
-        steps: StepOutput | Sequence[StepOutput],
+        steps: StepOutput | HybridStepOutput | Sequence[StepOutput] | Sequence[HybridStepOutput],
         device: Device = "cpu",
         *,
-        block_tables: BlockTable,
+        block_tables: BlockTable | None = None,
         swap_out: npt.NDArray[np.int32] | None = None,
         swap_in: npt.NDArray[np.int32] | None = None,
         transfers: Sequence[tuple[str, npt.NDArray[np.int32]]] | None = None,
@@ -399,59 +433,77 @@ class BatchTensors:
         """The kernel inputs of one scheduler step: the one path from the allocator to the kernels.
 
         ``steps`` are the :class:`pagedkv.StepOutput` of one or more ``KVCacheManager.step``
-        calls of the same scheduler step (e.g. running sequences, then newly admitted ones);
-        their scheduled parts are merged once, in order. The core's arrays are consistent by
+        calls, or the :class:`pagedkv.HybridStepOutput` of ``HybridKVCacheManager.step`` calls,
+        of the same scheduler step (e.g. running sequences, then newly admitted ones); their
+        scheduled parts are merged once, in order. The core's arrays are consistent by
         construction and already in the kernels' layouts and dtypes (int64 slots and token ids,
         int32 lengths and ``query_start_loc``), so nothing is validated, cast or rebuilt: with
         one step every array crosses to torch with ``torch.from_numpy`` (no copy) and is then
         moved to ``device`` (one transfer each; none on the CPU, where the tensors share the
         step output's memory -- do not modify it while the result is in use). The dense int32
-        block table comes from ``block_tables``, which applies the steps' table deltas to the
-        tables it keeps across steps (:class:`BlockTable`, one call into Rust): on the CPU it is
-        a view of that object's buffer, valid until its next update (the next step); while the
-        batch keeps its shape the same tensor is returned, its contents updated. ``positions``
-        is computed here. O(S + T + changed table entries) for a batch in the last one's order,
-        plus O(longest table) per sequence that moved, vectorised.
+        block tables come from ``block_tables``, which applies the steps' table deltas to the
+        tables it keeps across steps (:class:`BlockTable`, one call into Rust for every group):
+        on the CPU a view of that object's buffer, valid until its next update (the next
+        step); while the batch keeps its shape the same tensors are returned, their contents
+        updated. ``positions`` is computed here. O(S x G + T x G + changed table entries) for a
+        batch in the last one's order, plus O(G x longest table) per sequence that moved.
 
         Arrays made by anything other than the core enter through the validating builders of
         this module (:func:`dense_block_table`, :func:`slot_mapping`, ...).
 
         Args:
-            steps: one step output or a sequence of them (empty: an empty batch).
+            steps: one step output or a sequence of them, all of one manager (empty: an empty
+                batch).
             device: torch device of the result, or ``None`` for numpy arrays (no torch import).
             block_tables: the :class:`BlockTable` of the manager that made ``steps``, kept by
-                the caller across steps (every step output of the manager goes through it).
-            swap_out, swap_in: the ``int32[K, 2]`` plans of ``KVCacheManager.swap_out`` /
-                ``swap_in`` run in this step (``None``: none); kept on the host.
+                the caller across steps (every step output of the manager goes through it; the
+                steps may then be made with ``block_table=False``); ``None``: the steps' own
+                dense tables (made with ``block_table=True``), copied when several are merged,
+                O(G x S x W).
+            swap_out, swap_in: the ``int32[K, 2]`` plans of ``swap_out`` / ``swap_in`` run in
+                this step (``None``: none); kept on the host.
             transfers: every device <-> host block copy of the step in execution order
-                (``(kind, plan)``, kinds as in the attribute; the host tier's stores and
-                loads with the swaps between them); ``None``: ``swap_out`` then ``swap_in``.
+                (``(kind, int32[K, 2] plan)``, kinds as in the attribute; the host tier's
+                stores and loads with the swaps between them); ``None``: ``swap_out`` then
+                ``swap_in``.
 
         Raises:
-            InvalidArgumentError: a step that is not a core :class:`pagedkv.StepOutput` or
-                has no per-token arrays (made with ``token_arrays=False``), or
-                ``block_tables`` that is not a :class:`BlockTable`; nothing changed.
+            InvalidArgumentError: a step that is not a core step output, steps of both kinds
+                or of different group counts, a step without per-token arrays (made with
+                ``token_arrays=False``), ``block_tables`` that is not a :class:`BlockTable`
+                (or of another kind of manager), or no ``block_tables`` and a step without
+                dense tables; nothing changed.
         """
-        parts = [steps] if isinstance(steps, StepOutput) else list(steps)
+        parts: list[Any] = [steps] if isinstance(steps, (StepOutput, HybridStepOutput)) else list(steps)
+        if block_tables is not None and not isinstance(block_tables, BlockTable):
+            raise _bad("block_tables", block_tables, "expected a pagedkv.tensors.BlockTable or None")
+        hybrid = bool(parts) and isinstance(parts[0], HybridStepOutput)
+        kind = HybridStepOutput if hybrid else StepOutput
         for i, p in enumerate(parts):
-            if not isinstance(p, StepOutput):
+            if not isinstance(p, kind):
                 raise _bad(
                     f"steps[{i}]",
                     p,
-                    "expected a pagedkv.StepOutput (build kernel inputs from "
+                    f"expected a pagedkv.{kind.__name__} like steps[0] (build kernel inputs from "
                     "other arrays with dense_block_table, slot_mapping, ...)",
                 )
-            if p.slot_mapping.size != p.num_tokens:
+            if p.input_ids.size != p.num_tokens:
                 raise _bad(
                     f"steps[{i}]",
                     p,
-                    f"it schedules {p.num_tokens} tokens but has {p.slot_mapping.size} "
-                    "slots: a step made with token_arrays=False has no per-token arrays to build "
-                    "kernel inputs from",
+                    f"it schedules {p.num_tokens} tokens but has {p.input_ids.size} token ids: a "
+                    "step made with token_arrays=False has no per-token arrays to build kernel "
+                    "inputs from",
                 )
-        if not isinstance(block_tables, BlockTable):
-            raise _bad("block_tables", block_tables, "expected a pagedkv.tensors.BlockTable")
-        table = block_tables.update(parts)
+            if block_tables is None:
+                dense_rows = p.num_groups if isinstance(p, HybridStepOutput) else p.num_scheduled
+                if p.block_table.shape[0] != dense_rows:
+                    raise _bad(f"steps[{i}]", p, "made with block_table=False: pass block_tables")
+        if hybrid and len({p.num_groups for p in parts}) > 1:
+            raise _bad("steps", [p.num_groups for p in parts], "steps of one manager have one group count")
+        # a BlockTable refuses the outputs of another kind of manager (nothing changed)
+        table = _dense_tables(parts, hybrid) if block_tables is None else block_tables.update(parts)
+        hybrid = table.ndim == 3  # for no parts: the BlockTable's manager says
         if len(parts) == 1:
             p = parts[0]
             slots, ids, lens, ctx, qsl, copies = (
@@ -464,17 +516,19 @@ class BatchTensors:
             )
             max_query_len, max_seq_len = p.max_query_len, p.max_seq_len
         else:
-            slots, ids, lens, ctx, qsl, copies = _merge(parts)
+            slots, ids, lens, ctx, qsl, copies = _merge(parts, hybrid)
             max_query_len = max((p.max_query_len for p in parts), default=0)
             max_seq_len = max((p.max_seq_len for p in parts), default=0)
-        if slots.size == lens.size:  # all decodes: each token sits right after its context
+        if ids.size == lens.size:  # all decodes: each token sits right after its context
             positions = ctx.astype(np.int64)
         else:  # the context length plus the token's index in its query
-            positions = np.arange(slots.size, dtype=np.int64) + np.repeat(ctx - qsl[:-1], np.diff(qsl))
+            positions = np.arange(ids.size, dtype=np.int64) + np.repeat(ctx - qsl[:-1], np.diff(qsl))
         to_dev, to_host, table_to_dev = _movers(device)
+        tables, one_table = table_to_dev(table)
         return cls(
-            block_table=table_to_dev(table),
-            slot_mapping=to_dev(slots),
+            block_tables=tables,
+            one_table=one_table,
+            slots=to_dev(slots),
             input_ids=to_dev(ids),
             positions=to_dev(positions),
             seq_lens=to_dev(lens),
@@ -482,7 +536,7 @@ class BatchTensors:
             query_start_loc=to_dev(qsl),
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
-            copies=to_dev(copies) if copies.size else table_to_dev.no_copies,
+            copies=to_dev(copies) if copies.size else table_to_dev.no_copies[hybrid],
             swap_out=None if swap_out is None else to_host(swap_out),
             swap_in=None if swap_in is None else to_host(swap_in),
             transfers=tuple(
@@ -498,30 +552,53 @@ class BatchTensors:
         )
 
 
+def _dense_tables(parts: list[Any], hybrid: bool) -> npt.NDArray[np.int32]:
+    """The steps' own dense tables (``block_table=True``) as one ``[S, W]`` (one group) or ``[G,
+    S, W]`` array: the step's array itself for one step, else padded to the widest and
+    concatenated; no parts: ``[0, 1]`` (one group) or ``[0, 0, 1]``."""
+    if len(parts) == 1:
+        return parts[0].block_table  # type: ignore[no-any-return]
+    tables = [p.block_table if hybrid else p.block_table[None] for p in parts]
+    g = tables[0].shape[0] if tables else 0
+    width = max([t.shape[2] for t in tables] + [1])
+    out = np.zeros((g, sum(t.shape[1] for t in tables), width), dtype=np.int32)
+    row = 0
+    for t in tables:
+        out[:, row : row + t.shape[1], : t.shape[2]] = t
+        row += t.shape[1]
+    return out if hybrid else out[0] if g else np.zeros((0, 1), np.int32)
+
+
 class _TableToDevice:
-    """``BlockTable.update``'s dense table to ``device``: on the CPU the torch tensor sharing
-    it is built once per array object (the table returns the same array while the batch keeps
-    its shape, its contents updated in place), so a steady decode step builds none."""
+    """A :class:`BlockTable`'s (or the steps') dense tables to ``device``, as ``(int32[G, S, W],
+    int32[S, W] or None)``: on the CPU the torch tensors sharing them are built once per array
+    object (the table returns the same array while the batch keeps its shape, its contents
+    updated in place), so a steady decode step builds none."""
 
     __slots__ = ("_move", "_reuse", "_last", "no_copies")
 
     def __init__(self, move: Callable[[Any], Any], reuse: bool) -> None:
         self._move = move
         self._reuse = reuse
-        # (array, tensor) as one tuple: replaced in one assignment, so threads sharing this
-        # mover never pair one array with another's tensor
-        self._last: tuple[Any, Any] = (None, None)
-        #: The empty ``int32[0, 2]`` copy plan on ``device`` (most steps copy nothing).
-        self.no_copies = move(np.zeros((0, 2), np.int32))
+        # (array, tensors) as one tuple: replaced in one assignment, so threads sharing this
+        # mover never pair one array with another's tensors
+        self._last: tuple[Any, tuple[Any, Any]] = (None, (None, None))
+        #: The empty copy plans on ``device`` (most steps copy nothing): ``int32[0, 2]`` for
+        #: one group (index False), ``int32[0, 3]`` for several (index True).
+        self.no_copies = (move(np.zeros((0, 2), np.int32)), move(np.zeros((0, 3), np.int32)))
 
-    def __call__(self, table: npt.NDArray[np.int32]) -> Any:
+    def __call__(self, table: npt.NDArray[np.int32]) -> tuple[Any, Any]:
         last = self._last
         if table is last[0]:
             return last[1]
-        tensor = self._move(table)
+        moved = self._move(table)
+        if table.ndim == 2:  # one group: the [1, S, W] view of it
+            tensors = (moved[None], moved)
+        else:
+            tensors = (moved, moved[0] if table.shape[0] == 1 else None)
         if self._reuse:
-            self._last = (table, tensor)
-        return tensor
+            self._last = (table, tensors)
+        return tensors
 
 
 _MOVERS: dict[Any, tuple[Callable[[Any], Any], Callable[[Any], Any], _TableToDevice]] = {}
@@ -529,14 +606,15 @@ _MOVERS: dict[Any, tuple[Callable[[Any], Any], Callable[[Any], Any], _TableToDev
 
 def _movers(device: Device) -> tuple[Callable[[Any], Any], Callable[[Any], Any], _TableToDevice]:
     """Functions taking a C-contiguous array made by the core (or from its arrays) to ``device``
-    and to the host, and the block table's mover: identity for ``device=None``;
+    and to the host, and the block tables' mover: identity for ``device=None``;
     ``torch.from_numpy`` (no copy) on the CPU, plus one transfer elsewhere. Built once per
     device (the lazy torch import and the device parsing cost a step's worth of numpy calls)."""
     movers = _MOVERS.get(device)
     if movers is not None:
         return movers
     if device is None:
-        movers = (_identity, _identity, _TableToDevice(_identity, reuse=False))
+        # numpy too: a one-group table's [1, S, W] view is built once per array
+        movers = (_identity, _identity, _TableToDevice(_identity, reuse=True))
     else:
         with _TORCH_IMPORT:
             import torch  # lazy: `import pagedkv` must work without torch
@@ -556,360 +634,26 @@ def _identity(a: Any) -> Any:
     return a
 
 
-def _merge(parts: list[StepOutput]) -> tuple[npt.NDArray[Any], ...]:
+def _merge(parts: list[Any], hybrid: bool) -> tuple[npt.NDArray[Any], ...]:
     """Concatenate the scheduled arrays of several step outputs (offsets shifted), in order; no
-    parts make an empty batch."""
+    parts make an empty batch. Slots are concatenated along the token axis (the last)."""
     if not parts:
         i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
         return (
-            i64,
+            np.zeros((0, 0), np.int64) if hybrid else i64,
             i64.copy(),
             i32,
             i32.copy(),
             np.zeros(1, np.int32),
-            np.zeros((0, 2), np.int32),
+            np.zeros((0, 3 if hybrid else 2), np.int32),
         )
-    tokens = np.cumsum([0] + [p.slot_mapping.size for p in parts[:-1]], dtype=np.int32)
+    tokens = np.cumsum([0] + [p.input_ids.size for p in parts[:-1]], dtype=np.int32)
     qsl = [parts[0].query_start_loc] + [p.query_start_loc[1:] + t for p, t in zip(parts[1:], tokens[1:])]
     return (
-        np.concatenate([p.slot_mapping for p in parts]),
+        np.concatenate([p.slot_mapping for p in parts], axis=-1),
         np.concatenate([p.input_ids for p in parts]),
         np.concatenate([p.seq_lens for p in parts]),
         np.concatenate([p.context_lens for p in parts]),
         np.concatenate(qsl),
         np.concatenate([p.copies for p in parts]),
     )
-
-
-@dataclass(eq=False, slots=True)
-class GroupBatchTensors:
-    """Every kernel input of one scheduler step of a hybrid model (KV cache groups), built by
-    :meth:`from_steps` from :class:`pagedkv.HybridStepOutput` (docs/design.md, "KV cache groups").
-
-    Attributes (``G`` groups, ``S`` sequences, ``T`` tokens; on ``device`` as in
-    :class:`BatchTensors`): ``block_tables`` ``int32[G, S, W]`` (group ``g``'s dense tables,
-    padded and released entries the null block 0; a layer of group ``g`` reads
-    ``block_tables[g]``), ``slot_mapping`` ``int64[G, T]`` (row ``g``: each token's slot in group
-    ``g``'s layers), ``input_ids`` / ``positions`` ``int64[T]``, ``seq_lens`` / ``context_lens``
-    ``int32[S]``, ``query_start_loc`` ``int32[S + 1]``, ``copies`` ``int32[C, 3]``
-    copy-on-write ``(group, src, dst)`` rows to run in that group's layers before the K/V
-    writes, ``max_query_len`` / ``max_seq_len`` in tokens, and ``positions_host`` /
-    ``query_start_loc_host`` / ``context_lens_host``, the host arrays behind them. As in
-    :class:`BatchTensors`: ``swap_out`` / ``swap_in`` ``int32[K, 2]`` plans on the host (or
-    ``None``), ``transfers`` the non-empty ones in the order to run them (``("swap_out",
-    plan)`` then ``("swap_in", plan)``), and ``attn_plan``, the per-step attention plans a
-    caller attaches (one per group), or ``None``.
-    """
-
-    block_tables: Any
-    slot_mapping: Any
-    input_ids: Any
-    positions: Any
-    seq_lens: Any
-    context_lens: Any
-    query_start_loc: Any
-    copies: Any
-    max_query_len: int
-    max_seq_len: int
-    query_start_loc_host: npt.NDArray[np.int32]
-    context_lens_host: npt.NDArray[np.int32]
-    positions_host: npt.NDArray[np.int64]
-    swap_out: Any = None
-    swap_in: Any = None
-    transfers: tuple[tuple[str, Any], ...] = ()
-    attn_plan: Any = None
-
-    @property
-    def num_groups(self) -> int:
-        """KV cache groups (the leading dimension of ``block_tables`` and ``slot_mapping``)."""
-        return int(self.block_tables.shape[0])
-
-    @classmethod
-    def from_steps(
-        cls,
-        steps: HybridStepOutput | Sequence[HybridStepOutput],
-        device: Device = "cpu",
-        *,
-        swap_out: npt.NDArray[np.int32] | None = None,
-        swap_in: npt.NDArray[np.int32] | None = None,
-        block_tables: GroupBlockTables | None = None,
-    ) -> GroupBatchTensors:
-        """The kernel inputs of one scheduler step from one or more ``HybridKVCacheManager.step``
-        outputs of the same manager (merged in order). With one step every array crosses to
-        torch with ``torch.from_numpy`` (no host copy; do not modify the step output while the
-        result is in use), then moves to ``device`` once; several are concatenated once (block
-        tables padded to the widest). ``positions`` is computed here. O(G x (S x W + T)).
-        ``swap_out`` / ``swap_in``: the ``int32[K, 2]`` plans of ``HybridKVCacheManager.swap_out``
-        / ``swap_in`` run in this step (``None``: none), kept on the host.
-
-        ``block_tables``: a :class:`GroupBlockTables` of the manager, kept by the caller across
-        steps (every step output of the manager goes through it): the tables then come from the
-        steps' table deltas (the steps may be made with ``block_table=False``), as a view of its
-        buffer (valid until its next update), O(G x S + changed entries) instead of
-        O(G x S x W). ``None``: the steps' dense ``block_table``.
-
-        Raises:
-            InvalidArgumentError: a step that is not a :class:`pagedkv.HybridStepOutput`, steps
-                with different group counts, a step without per-token arrays
-                (``token_arrays=False``), or one without dense tables (``block_table=False``)
-                and no ``block_tables``; nothing changed.
-        """
-        parts = [steps] if isinstance(steps, HybridStepOutput) else list(steps)
-        for i, p in enumerate(parts):
-            if not isinstance(p, HybridStepOutput):
-                raise _bad(f"steps[{i}]", p, "expected a pagedkv.HybridStepOutput")
-            if p.slot_mapping.shape[1] != p.num_tokens:
-                raise _bad(f"steps[{i}]", p, "made with token_arrays=False: no per-token arrays")
-            if block_tables is None and p.block_table.shape[0] != p.num_groups:
-                raise _bad(f"steps[{i}]", p, "made with block_table=False: pass block_tables")
-        groups = {p.num_groups for p in parts}
-        if len(groups) > 1:
-            raise _bad("steps", [p.num_groups for p in parts], "steps of one manager have one group count")
-        if block_tables is not None and not isinstance(block_tables, GroupBlockTables):
-            raise _bad("block_tables", block_tables, "expected a pagedkv.tensors.GroupBlockTables")
-        delta_tables = None if block_tables is None else block_tables.update(parts)
-        if len(parts) == 1:
-            p = parts[0]
-            tables, slots, ids, lens, ctx, qsl, copies = (
-                p.block_table,
-                p.slot_mapping,
-                p.input_ids,
-                p.seq_lens,
-                p.context_lens,
-                p.query_start_loc,
-                p.copies,
-            )
-        else:
-            g = groups.pop() if groups else 0
-            if delta_tables is None:
-                width = max([p.block_table.shape[2] for p in parts] + [1])
-                tables = np.zeros((g, sum(p.num_scheduled for p in parts), width), dtype=np.int32)
-                row = 0
-                for p in parts:
-                    tables[:, row : row + p.num_scheduled, : p.block_table.shape[2]] = p.block_table
-                    row += p.num_scheduled
-            slots = np.concatenate([p.slot_mapping for p in parts], axis=1) if parts else np.zeros((0, 0), np.int64)
-            ids = np.concatenate([p.input_ids for p in parts]) if parts else np.zeros(0, np.int64)
-            lens = np.concatenate([p.seq_lens for p in parts]) if parts else np.zeros(0, np.int32)
-            ctx = np.concatenate([p.context_lens for p in parts]) if parts else np.zeros(0, np.int32)
-            offsets = np.cumsum([0] + [p.num_tokens for p in parts], dtype=np.int32)
-            qsl = np.concatenate(
-                [np.zeros(1, np.int32)] + [p.query_start_loc[1:] + off for p, off in zip(parts, offsets, strict=False)]
-            ).astype(np.int32)
-            copies = np.concatenate([p.copies for p in parts]) if parts else np.zeros((0, 3), np.int32)
-        if delta_tables is not None:
-            tables = delta_tables
-        qlens = np.diff(qsl)
-        host = None if device is None else "cpu"  # swap plans stay on the host
-        positions = np.arange(int(qsl[-1]), dtype=np.int64) + np.repeat((ctx - qsl[:-1]).astype(np.int64), qlens)
-        return cls(
-            block_tables=_place(tables, device) if delta_tables is None else _place_view(tables, device),
-            slot_mapping=_place(slots, device),
-            input_ids=_place(ids, device),
-            positions=_place(positions, device),
-            seq_lens=_place(lens, device),
-            context_lens=_place(ctx, device),
-            query_start_loc=_place(qsl, device),
-            copies=_place(copies, device),
-            max_query_len=int(qlens.max()) if qlens.size else 0,
-            max_seq_len=int(lens.max()) if lens.size else 0,
-            query_start_loc_host=qsl,
-            context_lens_host=ctx,
-            positions_host=positions,
-            swap_out=None if swap_out is None else _place(swap_out, host),
-            swap_in=None if swap_in is None else _place(swap_in, host),
-            transfers=tuple(
-                (kind, _place(plan, host))
-                for kind, plan in (("swap_out", swap_out), ("swap_in", swap_in))
-                if plan is not None and len(plan)
-            ),
-        )
-
-
-#: Absent sequences a :class:`GroupBlockTables` keeps beyond the batch before releasing them all
-#: (as :class:`BlockTable`'s core keeps ``S + 64``).
-_KEEP_ABSENT = 64
-
-
-class GroupBlockTables:
-    """Every KV cache group's block tables kept across scheduler steps, updated from the
-    :class:`pagedkv.HybridStepOutput` table deltas (``table_start`` / ``table_delta``, per
-    sequence and group): the hybrid counterpart of :class:`BlockTable` (PagedAttention's block
-    tables, Kwon et al., SOSP'23, kept on the consumer side as vLLM's GPU model runner keeps
-    one per KV cache group and applies the scheduler's new block ids).
-
-    One persistent C-contiguous ``int32[G, rows, cols]`` buffer; rows ``0..S`` hold the last
-    batch's sequences in batch order, so the batch's dense tables are the view
-    ``buffer[:, :S, :W]`` (no gather, no copy; ``torch.from_numpy`` shares it). A sequence that
-    changes position costs one row swap (all groups); a delta that does not follow the
-    version a row holds (a new object, a skipped output, an id reused by a new sequence, a
-    row released while absent), or a whole report older than the row's (an output fed twice
-    or out of order), makes it read the sequence's tables whole
-    (``HybridKVCacheManager.block_tables``), so every row ends as the manager's current
-    tables. Window releases arrive in the deltas as null entries. Sequences missing from a
-    batch keep their rows while at most ``S + 64`` are absent, else all absent ones are
-    released. Feed it every step output of its manager, in order, before the next ``step``.
-    Not thread-safe.
-
-    Args:
-        manager: the :class:`pagedkv.HybridKVCacheManager` whose step outputs are applied.
-        rows, width: initial capacity (sequences x blocks, at least 1); both grow on demand.
-
-    Raises:
-        InvalidArgumentError: ``manager`` is not a ``HybridKVCacheManager``, or ``rows`` /
-            ``width`` is not a positive int.
-    """
-
-    __slots__ = ("_manager", "_buf", "_seqs", "_row_of", "_lens", "_versions", "_held", "num_table_reads")
-
-    def __init__(self, manager: HybridKVCacheManager, *, rows: int = 64, width: int = 64) -> None:
-        if not isinstance(manager, HybridKVCacheManager):
-            raise _bad("manager", manager, "expected a pagedkv.HybridKVCacheManager")
-        for arg, v in (("rows", rows), ("width", width)):
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 1 <= v <= 1 << 20:
-                raise _bad(arg, v, "expected an int in 1..2**20")
-        self._manager = manager
-        g = manager.num_groups
-        self._buf = np.zeros((g, int(rows), int(width)), dtype=np.int32)
-        self._seqs: list[int | None] = [None] * int(rows)
-        self._row_of: dict[int, int] = {}
-        self._lens = np.zeros((int(rows), g), dtype=np.int64)  # entries held per row and group
-        self._versions = np.zeros(int(rows), dtype=np.uint64)  # 0: none, no delta follows it
-        self._held = 0
-        #: Sequences read whole so far (their previous report was not applied here).
-        self.num_table_reads = 0
-
-    @property
-    def num_rows(self) -> int:
-        """Sequences whose tables are held (the last batch, plus recently absent ones)."""
-        return self._held
-
-    def update(self, steps: HybridStepOutput | Sequence[HybridStepOutput]) -> npt.NDArray[np.int32]:
-        """Applies the table deltas of ``steps`` (one scheduler step's outputs, in batch order)
-        and returns the batch's dense tables ``int32[G, S, W]``: ``[g, k]`` is the ``k``-th
-        scheduled sequence's group-``g`` table padded (and, for released window entries, set)
-        with the null block 0, ``W`` the longest table of any group (at least 1). A view of
-        this object's buffer, valid until the next ``update``; do not write to it.
-        O(S x G + changed entries) for a batch in the last one's order, plus one row swap per
-        sequence that moved and one manager read per sequence read whole.
-
-        Raises:
-            InvalidArgumentError: a step that is not a ``HybridStepOutput``, of another group
-                count, or a sequence scheduled twice.
-            UnknownSequenceError: a table to read whole belongs to a sequence the manager no
-                longer holds.
-
-        On error nothing changes.
-        """
-        parts = [steps] if isinstance(steps, HybridStepOutput) else list(steps)
-        g = self._buf.shape[0]
-        ids: list[int] = []
-        for i, p in enumerate(parts):
-            if not isinstance(p, HybridStepOutput):
-                raise _bad(f"steps[{i}]", p, "expected a pagedkv.HybridStepOutput")
-            if p.num_groups != g:
-                raise _bad(f"steps[{i}]", p, f"has {p.num_groups} groups; the manager has {g}")
-            ids.extend(p.seq_ids.tolist())
-        n = len(ids)
-        if len(set(ids)) != n:
-            raise _bad("steps", ids, "a sequence is scheduled twice in one batch")
-        # Plan (reads only): per sequence either its deltas or its whole tables.
-        # (table_start row, table_delta, its offsets, version, the tables read whole or None)
-        plan: list[tuple[Any, Any, list[int], int, list[npt.NDArray[np.int32]] | None]] = []
-        cols, new_rows, k = 1, 0, 0
-        for p in parts:
-            starts, versions = p.table_start, p.table_version.tolist()
-            indptr, delta = p.table_delta_indptr.tolist(), p.table_delta
-            for j in range(p.num_scheduled):
-                row = self._row_of.get(ids[k])
-                new_rows += row is None
-                held_v = 0 if row is None else int(self._versions[row])
-                start = starts[j]
-                ends = [int(start[x]) + indptr[j * g + x + 1] - indptr[j * g + x] for x in range(g)]
-                follows = bool(held_v) and held_v + 1 == versions[j]
-                # A whole report older than the row's version (an output fed again or out of
-                # order) is stale: read the current tables instead.
-                whole_new = not start.any() and versions[j] > held_v
-                if whole_new or (follows and bool(np.all(start <= self._lens[row]))):
-                    plan.append((start, delta, indptr[j * g : (j + 1) * g + 1], versions[j], None))
-                    cols = max(cols, *ends)
-                else:
-                    read = self._manager.block_tables(ids[k])
-                    plan.append((start, delta, [], versions[j], read))
-                    cols = max(cols, *(len(t) for t in read))
-                k += 1
-        self._grow(self._held + new_rows, cols)
-        buf = self._buf
-        # Rows in batch order: row k takes the k-th sequence (rows before k hold the batch).
-        for k, sid in enumerate(ids):
-            if self._seqs[k] != sid:
-                r = self._row_of.get(sid)
-                if r is None:
-                    r = self._held
-                    self._held += 1
-                    self._seqs[r], self._row_of[sid] = sid, r
-                    self._lens[r] = 0
-                    self._versions[r] = 0
-                self._swap(k, r)
-        if self._held - n > n + _KEEP_ABSENT:
-            for r in range(n, self._held):
-                buf[:, r, : int(self._lens[r].max())] = 0
-                self._row_of.pop(self._seqs[r], None)  # type: ignore[arg-type]
-                self._seqs[r] = None
-                self._lens[r] = 0
-                self._versions[r] = 0
-            self._held = n
-        lens = self._lens
-        for k, (start, delta, ip, version, whole) in enumerate(plan):
-            if whole is not None:
-                self.num_table_reads += 1
-                for x in range(g):
-                    t = whole[x]
-                    old = int(lens[k, x])
-                    buf[x, k, : t.size] = t
-                    if t.size < old:
-                        buf[x, k, t.size : old] = 0
-                    lens[k, x] = t.size
-                self._versions[k] = version
-                continue
-            for x in range(g):
-                s, a, b = int(start[x]), ip[x], ip[x + 1]
-                end = s + b - a
-                if b > a:
-                    buf[x, k, s:end] = delta[a:b]
-                old = int(lens[k, x])
-                if end < old:
-                    buf[x, k, end:old] = 0
-                lens[k, x] = end
-            self._versions[k] = version
-        width = max(int(lens[:n].max()) if n else 0, 1)
-        return buf[:, :n, :width]
-
-    def _grow(self, rows: int, cols: int) -> None:
-        """Replaces the buffer by a larger one (each growing dimension at least doubles)."""
-        g, old_rows, old_cols = self._buf.shape
-        if rows <= old_rows and cols <= old_cols:
-            return
-        rows = max(rows, 2 * old_rows) if rows > old_rows else old_rows
-        cols = max(cols, 2 * old_cols) if cols > old_cols else old_cols
-        buf = np.zeros((g, rows, cols), dtype=np.int32)
-        buf[:, :old_rows, :old_cols] = self._buf
-        self._buf = buf  # views handed out earlier keep the old buffer alive
-        self._seqs.extend([None] * (rows - old_rows))
-        self._lens = np.concatenate([self._lens, np.zeros((rows - old_rows, g), np.int64)])
-        self._versions = np.concatenate([self._versions, np.zeros(rows - old_rows, np.uint64)])
-
-    def _swap(self, a: int, b: int) -> None:
-        """Swaps rows ``a`` and ``b`` of every group with their bookkeeping."""
-        if a == b:
-            return
-        used = int(max(self._lens[a].max(), self._lens[b].max()))
-        buf = self._buf
-        buf[:, [a, b], :used] = buf[:, [b, a], :used]
-        self._lens[[a, b]] = self._lens[[b, a]]
-        self._versions[[a, b]] = self._versions[[b, a]]
-        self._seqs[a], self._seqs[b] = self._seqs[b], self._seqs[a]
-        for r in (a, b):
-            sid = self._seqs[r]
-            if sid is not None:
-                self._row_of[sid] = r

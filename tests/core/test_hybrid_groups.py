@@ -403,7 +403,7 @@ def test_events_name_the_group() -> None:
 
 def test_group_batch_tensors_from_steps() -> None:
     torch = pytest.importorskip("torch")
-    from pagedkv.tensors import GroupBatchTensors
+    from pagedkv.tensors import BatchTensors
 
     m = HybridKVCacheManager(
         [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=4)], [0, 1], 64
@@ -411,24 +411,28 @@ def test_group_batch_tensors_from_steps() -> None:
     m.add_sequence(1, list(range(10)))
     m.add_sequence(2, list(range(100, 103)))
     running = m.step([1], 10)
-    one = GroupBatchTensors.from_steps(running)
+    one = BatchTensors.from_steps(running)
     assert one.num_groups == 2
     assert one.block_tables.data_ptr() == running.block_table.ctypes.data  # no host copy
     assert one.positions.tolist() == list(range(10))
     admitted = m.step([2], 3)
-    both = GroupBatchTensors.from_steps([running, admitted], device=None)
+    both = BatchTensors.from_steps([running, admitted], device=None)
     assert both.block_tables.shape == (2, 2, 3)
     assert both.block_tables[:, 0].tolist() == running.block_table[:, 0].tolist()
     assert both.block_tables[:, 1, :1].tolist() == admitted.block_table[:, 0].tolist()
     assert (both.block_tables[:, 1, 1:] == 0).all()
-    assert both.slot_mapping.shape == (2, 13)
-    assert both.slot_mapping[:, 10:].tolist() == admitted.slot_mapping.tolist()
+    assert both.slot_mappings.shape == (2, 13)
+    assert both.slot_mappings[:, 10:].tolist() == admitted.slot_mapping.tolist()
+    with pytest.raises(pagedkv.InvalidArgumentError, match="slot_mappings"):
+        _ = both.slot_mapping  # several groups: no one-group view
+    with pytest.raises(pagedkv.InvalidArgumentError, match="block_tables"):
+        _ = both.block_table
     assert both.query_start_loc.tolist() == [0, 10, 13]
     assert both.positions.tolist() == list(range(10)) + [0, 1, 2]
     assert (both.max_query_len, both.max_seq_len) == (10, 10)
     with pytest.raises(pagedkv.InvalidArgumentError):
-        GroupBatchTensors.from_steps([running, "not a step"])  # type: ignore[list-item]
-    assert isinstance(one.slot_mapping, torch.Tensor)
+        BatchTensors.from_steps([running, "not a step"])  # type: ignore[list-item]
+    assert isinstance(one.slot_mappings, torch.Tensor)
 
 
 def test_reset_drops_the_hashes_of_swapped_out_blocks() -> None:

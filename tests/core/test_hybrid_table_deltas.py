@@ -1,14 +1,14 @@
 """Per-group block-table deltas of ``HybridKVCacheManager.step`` and their consumer,
-``pagedkv.tensors.GroupBlockTables`` / ``GroupBatchTensors.from_steps(..., block_tables=...)``.
+``pagedkv.tensors.BlockTable`` / ``BatchTensors.from_steps(..., block_tables=...)``.
 
 A hypothesis state machine drives random group layouts through adds with shared prefixes,
 batched steps (prefill chunks, decodes with appends, verify steps with drafts then
 ``accept_drafts`` releasing or keeping the lookahead blocks), forks, frees, recompute and swap
 preemption and swap-in. After every step: each (sequence, group) delta applied to a mirror of
 its previous table gives the manager's table (window releases arrive as null entries); a
-``GroupBlockTables`` fed every output returns exactly the step's dense ``block_table`` (or the
+``BlockTable`` fed every output returns exactly the step's dense ``block_table`` (or the
 manager's tables when the step skipped it), one fed only some outputs too (it re-reads what it
-missed); and ``GroupBatchTensors`` built from the deltas equals the one built from the dense
+missed); and ``BatchTensors`` built from the deltas equals the one built from the dense
 tables.
 """
 
@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import pagedkv
 from pagedkv import HybridKVCacheManager, KVCacheGroupSpec
-from pagedkv.tensors import GroupBatchTensors, GroupBlockTables
+from pagedkv.tensors import BatchTensors, BlockTable
 
 LAYOUTS = [
     ([("full", 4, None), ("sliding_window", 4, 6)], [1, 1, 0]),
@@ -64,8 +64,8 @@ class TableDeltas(RuleBasedStateMachine):
         )
         self.g = len(groups)
         self.mirror: dict[int, tuple[int, list[np.ndarray]]] = {}  # seq -> (version, tables)
-        self.every = GroupBlockTables(self.m, rows=1, width=1)
-        self.some = GroupBlockTables(self.m, rows=2, width=3)
+        self.every = BlockTable(self.m, rows=1, width=1)
+        self.some = BlockTable(self.m, rows=2, width=3)
         self.seqs: set[int] = set()
         self.next_id = 0
         self.drafted: set[int] = set()
@@ -114,12 +114,10 @@ class TableDeltas(RuleBasedStateMachine):
         if fed_some:
             np.testing.assert_array_equal(self.some.update(out), want)
         if dense_on and out.slot_mapping.shape[1] == out.num_tokens:
-            a = GroupBatchTensors.from_steps(out, None)
-            b = GroupBatchTensors.from_steps(
-                out, None, block_tables=self.some if fed_some else GroupBlockTables(self.m)
-            )
+            a = BatchTensors.from_steps(out, None)
+            b = BatchTensors.from_steps(out, None, block_tables=self.some if fed_some else BlockTable(self.m))
             np.testing.assert_array_equal(a.block_tables, b.block_tables)
-            np.testing.assert_array_equal(a.slot_mapping, b.slot_mapping)
+            np.testing.assert_array_equal(a.slot_mappings, b.slot_mappings)
             np.testing.assert_array_equal(a.positions, b.positions)
 
     @rule(
@@ -254,13 +252,13 @@ def test_from_steps_refuses_a_step_without_what_it_needs() -> None:
     m.add_sequence(1, [1, 2, 3])
     out = m.step([1], 3, block_table=False)
     with pytest.raises(pagedkv.InvalidArgumentError, match="block_tables"):
-        GroupBatchTensors.from_steps(out, None)
-    bt = GroupBatchTensors.from_steps(out, None, block_tables=GroupBlockTables(m))
+        BatchTensors.from_steps(out, None)
+    bt = BatchTensors.from_steps(out, None, block_tables=BlockTable(m))
     np.testing.assert_array_equal(bt.block_tables[0, 0], m.block_tables(1)[0])
     m.add_sequence(2, [1, 2, 3])
     no_tokens = m.step([2], 3, token_arrays=False)
     with pytest.raises(pagedkv.InvalidArgumentError, match="token_arrays"):
-        GroupBatchTensors.from_steps(no_tokens, None)
+        BatchTensors.from_steps(no_tokens, None)
 
 
 def test_reserve_blocks_is_an_admission_watermark() -> None:
@@ -293,3 +291,107 @@ def test_reserve_blocks_is_an_admission_watermark() -> None:
     assert m2.step([1], 8, reserve_blocks=k).num_scheduled == 1
     with pytest.raises(pagedkv.InvalidArgumentError):
         m2.step([1], 8, reserve_blocks=-1)
+
+
+def _gemma_like() -> HybridKVCacheManager:
+    """Full attention and a sliding window of 8 tokens, block size 4."""
+    return HybridKVCacheManager(
+        [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=8)], [0, 1], 64
+    )
+
+
+def test_block_table_keeps_every_group_from_the_deltas_in_one_buffer() -> None:
+    """``BlockTable`` over a ``HybridKVCacheManager``: ``int32[G, S, W]`` equal to the steps'
+    dense tables, decode deltas applied without reading a table, rows following the batch
+    order, and the same array object while the batch keeps its shape."""
+    m = _gemma_like()
+    tables = BlockTable(m, rows=1, width=1)
+    assert (tables.num_groups, tables.num_rows) == (2, 0)
+    for s in (1, 2, 3):
+        m.add_sequence(s, list(range(s * 10, s * 10 + 4 * s)))
+    out = m.step([1, 2, 3], [4, 8, 12])
+    np.testing.assert_array_equal(tables.update(out), out.block_table)
+    views = []
+    for i in range(10):
+        batch = [1, 2, 3] if i % 4 else [3, 1, 2]
+        out = m.step(batch, 1, [[7]] * 3)
+        got = tables.update(out)
+        np.testing.assert_array_equal(got, out.block_table)
+        views.append(got)
+    assert tables.num_table_reads == 0 and tables.num_rows == 3
+    assert (views[-1][1] == 0).any(), "the window released blocks: null entries applied"
+    # 10 steps of one token from 4..12 tokens: the shape held over the last two steps
+    assert views[-1] is views[-2] or views[-1].shape != views[-2].shape
+    assert "num_groups=2" in repr(tables)
+
+
+def test_block_table_refuses_outputs_of_another_kind_of_manager() -> None:
+    """A one-group ``BlockTable`` takes ``StepOutput`` only, a hybrid one ``HybridStepOutput``
+    of its group count only; each refusal is an ``InvalidArgumentError`` and changes nothing."""
+    m = _gemma_like()
+    one = pagedkv.KVCacheManager(pagedkv.CacheConfig(16, 4))
+    three = HybridKVCacheManager(
+        [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=8)] * 1
+        + [KVCacheGroupSpec("chunked_local", 4, 8, chunk=8)],
+        [0, 1, 2],
+        64,
+    )
+    for mgr in (m, one, three):
+        mgr.add_sequence(1, [1, 2, 3, 4, 5])
+    hybrid_out, one_out, three_out = m.step([1], 5), one.step(np.array([1], np.uint64), 5), three.step([1], 5)
+    group_tables, one_tables = BlockTable(m), BlockTable(one)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="HybridStepOutput"):
+        group_tables.update(one_out)  # type: ignore[arg-type]
+    with pytest.raises(pagedkv.InvalidArgumentError, match="StepOutput"):
+        one_tables.update(hybrid_out)  # type: ignore[arg-type]
+    with pytest.raises(pagedkv.InvalidArgumentError, match="3 groups; the manager has 2"):
+        group_tables.update([hybrid_out, three_out])
+    with pytest.raises(pagedkv.InvalidArgumentError, match="HybridKVCacheManager"):
+        BlockTable(object())  # type: ignore[arg-type]
+    assert (group_tables.num_rows, one_tables.num_rows) == (0, 0)
+    # nothing changed: the real outputs still apply
+    np.testing.assert_array_equal(group_tables.update(hybrid_out), hybrid_out.block_table)
+    assert one_tables.update(one_out).tolist() == [one.block_table(1).tolist()]
+
+
+def test_batch_tensors_from_a_hybrid_keeper_equal_the_dense_path() -> None:
+    """``BatchTensors.from_steps`` with a hybrid ``BlockTable`` (steps made with
+    ``block_table=False``) gives the same kernel inputs as from the dense tables, with a group
+    axis; the torch tensor of the tables is reused while the batch keeps its shape."""
+    torch = pytest.importorskip("torch")
+    dense_m, kept_m = _gemma_like(), _gemma_like()
+    tables = BlockTable(kept_m)
+    for mgr in (dense_m, kept_m):
+        mgr.add_sequence(1, list(range(9)))
+        mgr.add_sequence(2, list(range(100, 105)))
+    prev, reused = None, 0
+    for i in range(6):
+        n, appends = ([9, 5], None) if i == 0 else (1, [[3], [4]])
+        dense_out = dense_m.step([1, 2], n, appends)
+        kept_out = kept_m.step([1, 2], n, appends, block_table=False)
+        a = BatchTensors.from_steps(dense_out, None)  # numpy: the CPU tensors' mover untouched
+        b = BatchTensors.from_steps(kept_out, "cpu", block_tables=tables)
+        assert b.num_groups == a.num_groups == 2 and b.block_tables.dtype == torch.int32
+        np.testing.assert_array_equal(a.block_tables, b.block_tables.numpy())
+        np.testing.assert_array_equal(a.slot_mappings, b.slot_mappings.numpy())
+        np.testing.assert_array_equal(a.positions, b.positions.numpy())
+        if prev is not None and prev.block_tables.shape == b.block_tables.shape:
+            assert b.block_tables is prev.block_tables
+            reused += 1
+        prev = b
+    assert reused >= 2
+    with pytest.raises(pagedkv.InvalidArgumentError, match="block_tables"):
+        _ = b.block_table
+
+
+def test_one_group_batch_tensors_have_the_group_axis_as_views() -> None:
+    """A ``KVCacheManager``'s ``BatchTensors``: ``block_tables`` ``[1, S, W]`` and
+    ``slot_mappings`` ``[1, T]`` share memory with ``block_table`` / ``slot_mapping``."""
+    m = pagedkv.KVCacheManager(pagedkv.CacheConfig(32, 4))
+    tables = BlockTable(m)
+    m.add_sequence(1, list(range(6)))
+    bt = BatchTensors.from_steps(m.step(np.array([1], np.uint64), 6), None, block_tables=tables)
+    assert bt.num_groups == 1 and bt.block_tables.shape == (1, 1, 2) and bt.slot_mappings.shape == (1, 6)
+    assert np.shares_memory(bt.block_tables, bt.block_table) and np.shares_memory(bt.slot_mappings, bt.slot_mapping)
+    assert bt.block_table.tolist() == [m.block_table(1).tolist()]
+    assert bt.slot_mappings[0].tolist() == bt.slot_mapping.tolist()

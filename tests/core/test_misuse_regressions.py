@@ -8,7 +8,7 @@ import pytest
 
 import pagedkv
 from pagedkv import HybridKVCacheManager, KVCacheGroupSpec
-from pagedkv.tensors import GroupBlockTables
+from pagedkv.tensors import BlockTable
 
 
 def _hybrid() -> HybridKVCacheManager:
@@ -32,7 +32,7 @@ def test_group_block_tables_ignore_a_stale_whole_report(order: tuple[int, ...]) 
     used to bring back the released window entries)."""
     m = _hybrid()
     steps = _decode_past_window(m)
-    tables = GroupBlockTables(m)
+    tables = BlockTable(m)
     for i in order:
         out = tables.update(steps[i])
     want = m.block_tables(1)
@@ -49,7 +49,7 @@ def test_group_block_tables_reread_another_managers_whole_report() -> None:
     other = _hybrid()
     other.add_sequence(1, list(range(50, 90)))
     foreign = other.step([1], [40])
-    tables = GroupBlockTables(m)
+    tables = BlockTable(m)
     tables.update(steps[-1])
     out = tables.update(foreign)
     want = m.block_tables(1)

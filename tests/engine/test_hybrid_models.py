@@ -226,7 +226,7 @@ def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
     if not hasattr(pagedkv, "HybridKVCacheManager"):
         pytest.skip("this build of pagedkv has no HybridKVCacheManager")
     from pagedkv.engine.models.gemma3 import Gemma3ForCausalLM
-    from pagedkv.tensors import GroupBatchTensors
+    from pagedkv.tensors import BatchTensors
 
     model = Gemma3ForCausalLM.from_hf(gemma.hf)
     bs, num_blocks = 4, 64
@@ -247,7 +247,7 @@ def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
     done = 0
     cache_shape = tuple(kv_cache.shape[2:])
 
-    def next_token(meta: GroupBatchTensors, plans: Any) -> int:
+    def next_token(meta: BatchTensors, plans: Any) -> int:
         last = torch.tensor([meta.input_ids.shape[0] - 1])
         logits = model.forward(meta.input_ids, meta.positions, kv_cache, meta, last, plans=plans)
         assert torch.isfinite(logits).all()
@@ -261,8 +261,8 @@ def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
         else:
             out = manager.step([1], [1], [np.array([got[-1]])])
         out.raise_for_error()
-        meta = GroupBatchTensors.from_steps(out)
-        assert meta.block_tables.shape[0] == meta.slot_mapping.shape[0] == len(model.kv_groups) == 4
+        meta = BatchTensors.from_steps(out)
+        assert meta.block_tables.shape[0] == meta.slot_mappings.shape[0] == len(model.kv_groups) == 4
         before = kv_cache.clone()
         tok = next_token(meta, model.plan_attention(meta, cache_shape))  # one plan per group
         kv_cache.copy_(before)  # the same step without plans: the Triton path's calls

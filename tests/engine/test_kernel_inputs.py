@@ -134,8 +134,10 @@ def test_from_steps_refuses_a_missing_block_table(tiny):
     engine = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, block_size=4, num_kv_blocks=64)
     engine.add_request([5, 6, 7], SamplingParams(max_tokens=2))
     batch = engine.scheduler.schedule()
+    with pytest.raises(InvalidArgumentError, match=r"block_table=False: pass block_tables"):
+        BatchTensors.from_steps(batch.steps, None, block_tables=None)
     with pytest.raises(InvalidArgumentError, match=r"block_tables.*expected a pagedkv.tensors.BlockTable"):
-        BatchTensors.from_steps(batch.steps, None, block_tables=None)  # type: ignore[arg-type]
+        BatchTensors.from_steps(batch.steps, None, block_tables=[])  # type: ignore[arg-type]
 
 
 def test_no_step_outputs_make_an_empty_batch():

@@ -20,13 +20,13 @@ full layers become five sliding-window groups of 3 layers and one full-attention
 and one block holds ``block_size`` tokens of K and V of 3 layers.
 
 One block table or one per group. A model without sliding-window layers has one group of every
-layer and runs on ``pagedkv.KVCacheManager`` (one block table per sequence,
-:class:`~pagedkv.tensors.BatchTensors`). A model with them runs on
-``pagedkv.HybridKVCacheManager`` (:func:`hybrid_manager`; its steps as
-:class:`~pagedkv.tensors.GroupBatchTensors`): one table and one slot mapping per group, a
-sliding-window group's blocks released once they fall out of every future window (their entries
-then the null block 0). :func:`group_block_table` and :func:`group_slot_mapping` read either,
-and the kernels never read before a window (tests/kernels/test_sliding_window.py).
+layer and runs on ``pagedkv.KVCacheManager`` (one block table per sequence: a
+:class:`~pagedkv.tensors.BatchTensors` of one group). A model with them runs on
+``pagedkv.HybridKVCacheManager`` (:func:`hybrid_manager`; its steps as a
+:class:`~pagedkv.tensors.BatchTensors` of ``G`` groups): one table and one slot mapping per
+group, a sliding-window group's blocks released once they fall out of every future window (their
+entries then the null block 0). :func:`group_block_table` and :func:`group_slot_mapping` read
+either, and the kernels never read before a window (tests/kernels/test_sliding_window.py).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ with optional_imports("pagedkv.engine", "engine"):
     import torch
 
 from pagedkv import kernels
-from pagedkv.tensors import BatchTensors, GroupBatchTensors
+from pagedkv.tensors import BatchTensors
 
 from .errors import EngineConfigError
 
@@ -213,29 +213,30 @@ def hybrid_manager(
     )
 
 
-StepTensors = BatchTensors | GroupBatchTensors
-"""A step's kernel inputs: :class:`~pagedkv.tensors.BatchTensors` (one block table and slot
-mapping for every group) or :class:`~pagedkv.tensors.GroupBatchTensors` (one per group)."""
+StepTensors = BatchTensors
+"""A step's kernel inputs: a :class:`~pagedkv.tensors.BatchTensors` with one block table and slot
+mapping per KV cache group of its manager (one for a ``KVCacheManager``, serving every group of
+the model)."""
 
 
 def group_block_table(meta: StepTensors, group: int) -> torch.Tensor:
     """The block table the layers of KV cache group ``group`` read this step:
     int32 ``[B, max_blocks]``.
 
-    From a :class:`~pagedkv.tensors.BatchTensors` (the engine's ``KVCacheManager``: one table
-    for every group) its ``block_table``; from a :class:`~pagedkv.tensors.GroupBatchTensors` (a
-    ``pagedkv.HybridKVCacheManager`` step) row ``group`` of its ``block_tables``
+    From a one-group :class:`~pagedkv.tensors.BatchTensors` (the engine's ``KVCacheManager``: one
+    table for every group of the model) its ``block_table``; from one of a
+    ``pagedkv.HybridKVCacheManager`` step, row ``group`` of its ``block_tables``
     ``[num_groups, B, max_blocks]``, where a sliding-window group's entries before the window
     may be the null block 0 (nothing there is read)."""
-    table: torch.Tensor = meta.block_tables[group] if isinstance(meta, GroupBatchTensors) else meta.block_table
+    table: torch.Tensor = meta.block_table if meta.num_groups == 1 else meta.block_tables[group]
     return table
 
 
 def group_slot_mapping(meta: StepTensors, group: int) -> torch.Tensor:
     """The cache slots the layers of KV cache group ``group`` write this step: int64 ``[T]``,
-    ``meta.slot_mapping`` itself (:class:`~pagedkv.tensors.BatchTensors`) or its row ``group``
-    (:class:`~pagedkv.tensors.GroupBatchTensors`, ``[num_groups, T]``)."""
-    slots: torch.Tensor = meta.slot_mapping[group] if isinstance(meta, GroupBatchTensors) else meta.slot_mapping
+    ``meta.slot_mapping`` (one group) or row ``group`` of ``meta.slot_mappings``
+    (``[num_groups, T]``)."""
+    slots: torch.Tensor = meta.slot_mapping if meta.num_groups == 1 else meta.slot_mappings[group]
     return slots
 
 

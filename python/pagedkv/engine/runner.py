@@ -1,8 +1,9 @@
 """Model runner: turns a :class:`~pagedkv.engine.scheduler.ScheduledBatch` into kernel inputs
-(:meth:`pagedkv.tensors.BatchTensors.from_steps`, the one allocator-to-kernel path, or
-:meth:`pagedkv.tensors.GroupBatchTensors.from_steps` for a hybrid model's
-``pagedkv.HybridKVCacheManager``), applies the block plans (host stores, swap out, swap in,
-host loads, copy-on-write) and runs the forward pass.
+(:meth:`pagedkv.tensors.BatchTensors.from_steps`, the one allocator-to-kernel path, for a
+``pagedkv.KVCacheManager`` and a hybrid model's ``pagedkv.HybridKVCacheManager`` alike, the block
+tables kept from the steps' table deltas by a :class:`pagedkv.tensors.BlockTable`), applies the
+block plans (host stores, swap out, swap in, host loads, copy-on-write) and runs the forward
+pass.
 
 Owns the KV cache tensors: the device cache ``[num_kv_slots, 2, num_blocks, block_size,
 num_kv_heads, head_size]`` (:meth:`PagedCausalLM.kv_cache_shape
@@ -27,7 +28,7 @@ with optional_imports("pagedkv.engine", "engine"):
 
 import pagedkv
 from pagedkv import kernels
-from pagedkv.tensors import BatchTensors, BlockTable, GroupBatchTensors
+from pagedkv.tensors import BatchTensors, BlockTable
 
 from .models.model import PagedCausalLM
 from .models.rope import rope_lengths
@@ -46,9 +47,9 @@ class ModelRunner:
         block_size: tokens per block.
         num_cpu_blocks: CPU swap blocks (0 disables the CPU cache).
         manager: the KV cache manager whose step outputs the batches carry: a
-            ``pagedkv.KVCacheManager`` (the runner keeps its block tables across steps,
-            :class:`pagedkv.tensors.BlockTable`) or a ``pagedkv.HybridKVCacheManager`` (every
-            step carries each group's dense tables).
+            ``pagedkv.KVCacheManager`` or a ``pagedkv.HybridKVCacheManager``; the runner keeps
+            its block tables (every group's) across steps from the steps' table deltas
+            (:class:`pagedkv.tensors.BlockTable`).
         num_host_blocks: blocks of the prefix cache's host tier (0: none); a tensor of its own,
             apart from the swap pool, as the manager numbers host blocks apart from swap blocks.
 
@@ -67,7 +68,8 @@ class ModelRunner:
         num_host_blocks: int = 0,
     ) -> None:
         self.model = model
-        self.block_tables = None if isinstance(manager, pagedkv.HybridKVCacheManager) else BlockTable(manager)
+        self.block_tables = BlockTable(manager)
+        self._hybrid = isinstance(manager, pagedkv.HybridKVCacheManager)
         per_block = model.kv_bytes_per_block(block_size)
         self.kv_cache = guard_allocation(
             "KV cache", num_blocks, per_block, lambda: model.allocate_kv_cache(num_blocks, block_size)
@@ -96,37 +98,35 @@ class ModelRunner:
         # "auto" dispatch runs the Triton kernel on CUDA when Triton is installed; it needs no plan.
         self._triton_attention = self.device.type == "cuda" and kernels.triton_available()
 
-    def prepare(self, batch: ScheduledBatch) -> BatchTensors | GroupBatchTensors:
+    def prepare(self, batch: ScheduledBatch) -> BatchTensors:
         """The kernel inputs of ``batch`` on the model's device, with the reference attention's
         per-step plans (one per KV cache group) attached where that kernel runs."""
-        bt: BatchTensors | GroupBatchTensors
-        if self.block_tables is None:  # hybrid: one block table and slot mapping per group
-            bt = GroupBatchTensors.from_steps(batch.steps, self.device, swap_out=batch.swap_out, swap_in=batch.swap_in)
-            if self.host_cache is not None and batch.transfers:
-                # Host stores and loads interleaved with the swaps. A host row is (group, src,
-                # dst); a block id belongs to one group at a time and every group's pages share
-                # the cache's slots, so copying every slot of it copies that group's layers.
-                bt.transfers = tuple(
-                    (kind, torch.from_numpy(np.ascontiguousarray(plan[:, -2:])))
-                    for kind, plan in batch.transfers
-                    if len(plan)
-                )
-        else:
-            bt = BatchTensors.from_steps(
-                batch.steps,
-                self.device,
-                block_tables=self.block_tables,
-                swap_out=batch.swap_out,
-                swap_in=batch.swap_in,
-                transfers=batch.transfers,
+        transfers: list[tuple[str, np.ndarray]] | None = batch.transfers
+        if self._hybrid:
+            # Host stores and loads interleaved with the swaps (else swap_out then swap_in). A
+            # hybrid host row is (group, src, dst); a block id belongs to one group at a time
+            # and every group's pages share the cache's slots, so copying every slot of it
+            # copies that group's layers.
+            transfers = (
+                [(kind, np.ascontiguousarray(plan[:, -2:])) for kind, plan in batch.transfers]
+                if self.host_cache is not None and batch.transfers
+                else None
             )
+        bt = BatchTensors.from_steps(
+            batch.steps,
+            self.device,
+            block_tables=self.block_tables,
+            swap_out=batch.swap_out,
+            swap_in=batch.swap_in,
+            transfers=transfers,
+        )
         if self._triton_attention or not batch.seqs:
             return bt
         # One plan per KV cache group; each checks the slot mapping once, not every layer's write.
         bt.attn_plan = self.model.plan_attention(bt, tuple(self.kv_cache.shape[2:]))
         return bt
 
-    def apply_block_plans(self, bt: BatchTensors | GroupBatchTensors) -> None:
+    def apply_block_plans(self, bt: BatchTensors) -> None:
         """The step's device <-> host copies in the order given (``bt.transfers``: per manager
         call its host stores, the swaps since the previous call, its host loads; see
         :attr:`ScheduledBatch.transfers <pagedkv.engine.scheduler.ScheduledBatch.transfers>`),

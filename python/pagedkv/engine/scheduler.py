@@ -172,6 +172,9 @@ class Scheduler:
         self.manager = manager
         self.config = config
         self.hybrid = isinstance(manager, HybridKVCacheManager)
+        # The runner keeps the block tables from the steps' table deltas (BlockTable): a hybrid
+        # step skips its dense [G, S, W] copy (a KVCacheManager's step makes none by default).
+        self._step_options: dict[str, bool] = {"block_table": False} if self.hybrid else {}
         if isinstance(manager, HybridKVCacheManager):
             self.block_size = int(manager.groups[0].block_size)
             num_blocks, self.prefix_caching = int(manager.num_blocks), bool(manager.enable_prefix_caching)
@@ -341,7 +344,7 @@ class Scheduler:
         if self._pending_swaps and self._host_tier:
             # A swap made after the last step call may have evicted cached blocks: the empty
             # call hands over their host stores, which must run before the swap overwrites them.
-            self._collect(self.manager.step([], []))
+            self._collect(self.manager.step([], [], **self._step_options))
         self._transfers += self._pending_swaps
         batch.swap_out = np.concatenate(self._swap_out) if self._swap_out else None
         batch.swap_in = np.concatenate(swap_in) if swap_in else None
@@ -458,9 +461,9 @@ class Scheduler:
                 [s.pending for _, s, _ in items],
             )
             if drafts is None:
-                out = self.manager.step(ids, counts, pending)
+                out = self.manager.step(ids, counts, pending, **self._step_options)
             else:
-                out = self.manager.step(ids, counts, pending, draft_token_ids=drafts)
+                out = self.manager.step(ids, counts, pending, draft_token_ids=drafts, **self._step_options)
             self._collect(out)
             n = int(out.num_scheduled)
             self._record(items[:n], out, batch)

@@ -1,65 +1,83 @@
 //! `pagedkv._core.BlockTable`: block tables kept across scheduler steps and updated from the
-//! step outputs' table deltas, as vLLM's GPU model runner keeps its block table and applies
-//! only the changes. The algorithm (seq-id -> row bookkeeping, the version check, row moves,
-//! the deltas) is the core's [`BlockTables`]; this wrapper keeps its buffer as a numpy array,
-//! hands the step outputs' arrays to it and returns the dense table as a view, so a steady
-//! decode step costs O(batch + changed entries).
+//! step outputs' table deltas, as vLLM's GPU model runner keeps its block tables (one per KV
+//! cache group) and applies only the changes. The algorithm (seq-id -> row bookkeeping, the
+//! version check, row moves, the deltas) is the core's [`BlockTables`]; this wrapper keeps its
+//! buffer as a numpy array, hands the step outputs' arrays to it and returns the dense tables
+//! as a view, so a steady decode step costs O(batch x groups + changed entries).
 //!
-//! Layout: one persistent C-contiguous `int32[capacity, cols]` numpy buffer (the core's
-//! [`BlockTables::shape`]); the batch's dense table is the view `buffer[:S, :W]` (no gather,
-//! no copy).
+//! Layout: one persistent C-contiguous `int32[G, capacity, cols]` numpy buffer (`G` = 1 for a
+//! `KVCacheManager`); the batch's dense tables are the view `buffer[:, :S, :W]` (no gather, no
+//! copy), or `buffer[0, :S, :W]` for a `KVCacheManager`.
 
 use crate::convert::{bad, count, list_items, repr, type_name};
 use crate::errors::IntoPyResult;
+use crate::hybrid::{PyHybridManager, PyHybridStepOutput};
 use crate::manager::{PyKvCacheManager, PyStepOutput};
-use numpy::ndarray::{ArrayView2, ShapeBuilder};
-use numpy::{PyArray2, PyArrayMethods};
-use pagedkv_core::block_tables::{BlockTables, TableDeltas};
-use pagedkv_core::KvCacheManager;
+use numpy::ndarray::{ArrayView2, ArrayView3, ShapeBuilder};
+use numpy::{PyArray3, PyArrayMethods, PyUntypedArray};
+use pagedkv_core::block_tables::{BlockTables, PendingUpdate, TableDeltas};
+use pagedkv_core::{HybridManager, KvCacheManager};
 use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
 use std::sync::Arc;
+
+/// The manager whose step outputs a `BlockTable` applies.
+enum Manager {
+    /// One group: `StepOutput`s, 2-D tables.
+    One(Arc<KvCacheManager>),
+    /// KV cache groups: `HybridStepOutput`s, 3-D tables.
+    Groups(Arc<HybridManager>),
+}
 
 /// Block tables kept across scheduler steps, updated from the step outputs' table deltas
 /// (PagedAttention's block tables, Kwon et al., SOSP'23; kept on the consumer side as vLLM's
-/// GPU model runner keeps its block table and applies the scheduler's new block ids).
+/// GPU model runner keeps its block tables, one per KV cache group, and applies the
+/// scheduler's new block ids).
 ///
-/// ``KVCacheManager.step`` reports, per scheduled sequence, only the entries of its block table
-/// that changed since the last step output that reported it (``StepOutput.table_start`` /
-/// ``table_delta``: the blocks appended this step, or the whole table after a first
-/// allocation, a resumed preemption, a swap-in or a fork, or the tail from a copy-on-write
-/// on). ``update`` applies them in one call and returns the batch's dense table. Rows are kept
-/// in batch order, so a batch of the same sequences as the last one costs O(S + changed
-/// entries) and its dense table is a view of the persistent buffer (no copy); a sequence that
-/// changes position costs one row swap.
+/// ``KVCacheManager.step`` / ``HybridKVCacheManager.step`` report, per scheduled sequence (and
+/// group), only the entries of its block table that changed since the last step output that
+/// reported it (``table_start`` / ``table_delta``: the blocks appended this step, or the whole
+/// table after a first allocation, a resumed preemption, a swap-in or a fork, the tail from a
+/// copy-on-write on, or a window release's null entries). ``update`` applies them in one call
+/// and returns the batch's dense tables. Rows are kept in batch order, so a batch of the same
+/// sequences as the last one costs O(S x G + changed entries) and its dense tables are a view
+/// of the persistent buffer (no copy); a sequence that changes position costs one row swap
+/// (every group).
 ///
-/// A delta applies only to the version of the table it follows (``StepOutput.table_version``);
-/// a sequence whose previous report this object did not see (a new ``BlockTable``, a sequence
-/// released while absent, an output skipped, an id reused by a new sequence: its versions
-/// continue above every earlier one) is read whole from the manager, so the result is always
-/// the manager's current table. Feed it every step output of its manager, in order,
-/// before the next ``step``. Sequences missing from a batch keep their rows while at most
-/// ``S + 64`` of them are absent (``S`` = the batch), else all absent ones are released. Not
-/// thread-safe (a concurrent call raises ``RuntimeError``).
+/// A delta applies only to the version of the tables it follows (``table_version``, one per
+/// sequence for every group); a sequence whose previous report this object did not see (a new
+/// ``BlockTable``, a sequence released while absent, an output skipped, an id reused by a new
+/// sequence: its versions continue above every earlier one) is read whole from the manager,
+/// and so is one whose whole report is older than the version held (an output fed twice or
+/// out of order), so the result is always the manager's current tables. Feed it every step
+/// output of its manager, in order, before the next ``step``. Sequences missing from a batch
+/// keep their rows while at most ``S + 64`` of them are absent (``S`` = the batch), else all
+/// absent ones are released. Not thread-safe (a concurrent call raises ``RuntimeError``).
 ///
 /// Args:
-///     manager: the ``KVCacheManager`` whose step outputs are applied.
+///     manager: the ``KVCacheManager`` (one group: ``update`` takes ``StepOutput`` and returns
+///         ``int32[S, W]``) or ``HybridKVCacheManager`` (``num_groups`` groups: ``update``
+///         takes ``HybridStepOutput`` and returns ``int32[G, S, W]``) whose step outputs are
+///         applied.
 ///     rows, width: initial capacity (sequences x blocks; 0 counts as 1), at most ``2**20``
-///         rows, ``MAX_BLOCKS`` columns and ``2**28`` entries; both grow on demand.
+///         rows, ``MAX_BLOCKS`` columns and ``2**28`` entries over every group; both grow on
+///         demand.
 ///
 /// Raises:
-///     InvalidArgumentError: ``manager`` is not a ``KVCacheManager``, or ``rows`` / ``width``
-///         is not a non-negative int or is above those bounds.
+///     InvalidArgumentError: ``manager`` is not a ``KVCacheManager`` or
+///         ``HybridKVCacheManager``, or ``rows`` / ``width`` is not a non-negative int or is
+///         above those bounds.
 #[pyclass(module = "pagedkv._core", name = "BlockTable")]
 pub(crate) struct PyBlockTable {
-    manager: Arc<KvCacheManager>,
-    /// `int32[rows, cols]` of `tables.shape()`, C-contiguous; replaced (not resized) when it
-    /// grows, so views handed out earlier keep their own buffer alive.
-    buffer: Py<PyArray2<i32>>,
+    manager: Manager,
+    /// `int32[G, rows, cols]` of `tables.groups()` x `tables.shape()`, C-contiguous; replaced
+    /// (not resized) when it grows, so views handed out earlier keep their own buffer alive.
+    buffer: Py<PyArray3<i32>>,
     tables: BlockTables,
     /// The last view handed out, `(rows, columns, view)`: the next batch of the same shape
     /// gets the same array object back (its contents updated in place), so consumers can
     /// reuse what they built on it (a torch tensor sharing it).
-    view: Option<(usize, usize, Py<PyArray2<i32>>)>,
+    view: Option<(usize, usize, Py<PyUntypedArray>)>,
 }
 
 /// Largest initial `rows` (sequences) a `BlockTable` allocates at construction.
@@ -68,6 +86,32 @@ const MAX_ROWS: usize = 1 << 20;
 const MAX_WIDTH: usize = pagedkv_core::pool::MAX_BLOCKS as usize;
 /// Largest initial buffer, in int32 entries (1 GiB).
 const MAX_ENTRIES: usize = 1 << 28;
+
+/// `steps` (one output of type `T` or a list / tuple of them) as a list.
+fn step_list<'py, T: pyo3::PyClass>(
+    steps: &Bound<'py, PyAny>,
+    expected: &str,
+) -> PyResult<Vec<Bound<'py, T>>> {
+    if let Ok(s) = steps.cast::<T>() {
+        return Ok(vec![s.clone()]);
+    }
+    if !steps.is_instance_of::<PyList>() && !steps.is_instance_of::<PyTuple>() {
+        let reason = format!(
+            "expected a {expected} or a list / tuple of them, got {}",
+            type_name(steps)
+        );
+        return Err(bad(steps.py(), "steps", repr(steps), reason));
+    }
+    list_items(steps, "steps")?
+        .iter()
+        .map(|s| {
+            s.cast::<T>().cloned().map_err(|_| {
+                let reason = format!("expected a {expected}, got {}", type_name(s));
+                bad(steps.py(), "steps", repr(s), reason)
+            })
+        })
+        .collect()
+}
 
 #[pymethods]
 impl PyBlockTable {
@@ -79,12 +123,20 @@ impl PyBlockTable {
         rows: Option<&Bound<'_, PyAny>>,
         width: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let Ok(m) = manager.cast::<PyKvCacheManager>() else {
+        let manager = if let Ok(m) = manager.cast::<PyKvCacheManager>() {
+            Manager::One(m.get().inner.clone())
+        } else if let Ok(m) = manager.cast::<PyHybridManager>() {
+            Manager::Groups(m.get().inner.clone())
+        } else {
             let reason = format!(
-                "expected a pagedkv.KVCacheManager, got {}",
+                "expected a pagedkv.KVCacheManager or pagedkv.HybridKVCacheManager, got {}",
                 type_name(manager)
             );
             return Err(bad(py, "manager", repr(manager), reason));
+        };
+        let groups = match &manager {
+            Manager::One(_) => 1,
+            Manager::Groups(m) => m.num_groups(),
         };
         let rows = rows.map_or(Ok(64), |r| count(r, "rows"))?;
         let cols = width.map_or(Ok(64), |w| count(w, "width"))?;
@@ -96,20 +148,28 @@ impl PyBlockTable {
                 return Err(bad(py, arg, value.to_string(), reason));
             }
         }
-        if rows.saturating_mul(cols) > MAX_ENTRIES {
+        let entries = rows.saturating_mul(cols).saturating_mul(groups);
+        if entries > MAX_ENTRIES {
             let reason = format!(
-                "rows x width = {} entries; an initial capacity of at most {MAX_ENTRIES}",
-                rows * cols
+                "groups x rows x width = {entries} entries; an initial capacity of at most \
+                 {MAX_ENTRIES}"
             );
             return Err(bad(py, "rows", rows.to_string(), reason));
         }
-        let tables = BlockTables::new(rows, cols);
+        let tables = BlockTables::with_groups(groups, rows, cols);
+        let (r, c) = tables.shape();
         Ok(Self {
-            manager: m.get().inner.clone(),
-            buffer: PyArray2::zeros(py, tables.shape(), false).unbind(),
+            manager,
+            buffer: PyArray3::zeros(py, (groups, r, c), false).unbind(),
             tables,
             view: None,
         })
+    }
+
+    /// ``G``: the KV cache groups whose tables are kept (1 for a ``KVCacheManager``).
+    #[getter]
+    fn num_groups(&self) -> usize {
+        self.tables.groups()
     }
 
     /// Sequences whose tables are held (the last batch, plus recently absent ones).
@@ -118,28 +178,32 @@ impl PyBlockTable {
         self.tables.num_rows()
     }
 
-    /// Whole tables read from the manager so far (sequences whose previous report this object
-    /// did not apply); every other row was updated from its delta alone.
+    /// Sequences read whole from the manager so far (their previous report this object did
+    /// not apply); every other row was updated from its deltas alone.
     #[getter]
     fn num_table_reads(&self) -> u64 {
         self.tables.num_table_reads()
     }
 
-    /// Applies the table deltas of ``steps`` (the ``StepOutput``s of one scheduler step, in
-    /// batch order; one output or a list / tuple of them) and returns the batch's dense block
-    /// table ``int32[S, W]``: row ``k`` is the ``k``-th scheduled sequence's table (physical
-    /// block ids in logical order) padded with the null block 0, ``W`` the longest table (at
-    /// least 1).
+    /// Applies the table deltas of ``steps`` (the step outputs of one scheduler step, in batch
+    /// order; one output or a list / tuple of them: ``StepOutput`` for a ``KVCacheManager``,
+    /// ``HybridStepOutput`` for a ``HybridKVCacheManager``) and returns the batch's dense block
+    /// tables: ``int32[S, W]`` for a ``KVCacheManager``, ``int32[G, S, W]`` for a
+    /// ``HybridKVCacheManager``. Row ``k`` (of group ``g``) is the ``k``-th scheduled
+    /// sequence's table (physical block ids in logical order) padded, and for released window
+    /// entries set, with the null block 0; ``W`` is the longest table of any group (at least
+    /// 1).
     ///
     /// The result is a view of this object's buffer (row stride >= ``W``; ``torch.from_numpy``
     /// shares it): valid until the next ``update``, which may overwrite it; do not write to it.
     /// The next ``update`` of a batch of the same shape returns the same array object.
-    /// O(S + changed entries) when the batch keeps its order, plus one row swap per sequence
-    /// that moved and one manager read per sequence whose previous report was not applied.
+    /// O(S x G + changed entries) when the batch keeps its order, plus one row swap per
+    /// sequence that moved and one manager read per sequence whose previous report was not
+    /// applied.
     ///
     /// Raises:
-    ///     InvalidArgumentError: ``steps`` is not a ``StepOutput`` or a list / tuple of them,
-    ///         or schedules a sequence twice.
+    ///     InvalidArgumentError: ``steps`` is not an output of the manager's kind or a list /
+    ///         tuple of them, or schedules a sequence twice.
     ///     UnknownSequenceError: a table to read whole belongs to a sequence the manager no
     ///         longer holds (an output applied after its sequence was freed).
     ///
@@ -148,43 +212,65 @@ impl PyBlockTable {
         &mut self,
         py: Python<'py>,
         steps: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        let steps: Vec<Bound<'py, PyStepOutput>> = match steps.cast::<PyStepOutput>() {
-            Ok(s) => vec![s.clone()],
-            Err(_) => list_items(steps, "steps")?
-                .iter()
-                .map(|s| {
-                    s.cast::<PyStepOutput>().cloned().map_err(|_| {
-                        let reason = format!("expected a pagedkv.StepOutput, got {}", type_name(s));
-                        bad(py, "steps", repr(s), reason)
-                    })
-                })
-                .collect::<PyResult<_>>()?,
-        };
-        let mut parts = Vec::with_capacity(steps.len());
-        for step in &steps {
-            let s = step.get();
-            // SAFETY: the core made these arrays from Vecs (contiguous), the getters hand out
-            // the same arrays but nothing in the package writes them, the GIL is held and the
-            // slices do not outlive this call (the core checks that they agree in length).
-            unsafe {
-                parts.push(TableDeltas {
-                    seq_ids: s.seq_ids.bind(py).as_slice()?,
-                    table_start: s.table_start.bind(py).as_slice()?,
-                    table_version: s.table_version.bind(py).as_slice()?,
-                    table_delta_indptr: s.table_delta_indptr.bind(py).as_slice()?,
-                    table_delta: s.table_delta.bind(py).as_slice()?,
-                });
-            }
-        }
+    ) -> PyResult<Bound<'py, PyAny>> {
+        // The outputs outlive `parts`, which borrows their arrays.
+        let one_steps: Vec<Bound<'py, PyStepOutput>>;
+        let group_steps: Vec<Bound<'py, PyHybridStepOutput>>;
+        let mut parts = Vec::new();
         // Everything that can fail happens before the first write.
-        let m = &self.manager;
-        let pending = self
-            .tables
-            .prepare(&parts, |id| py.detach(|| m.block_table(id)))
-            .py(py)?;
+        let pending: PendingUpdate<'_> = match &self.manager {
+            Manager::One(m) => {
+                one_steps = step_list::<PyStepOutput>(steps, "pagedkv.StepOutput")?;
+                parts.reserve(one_steps.len());
+                for step in &one_steps {
+                    let s = step.get();
+                    // SAFETY: the core made these arrays from Vecs (contiguous), the getters
+                    // hand out the same arrays but nothing in the package writes them, the GIL
+                    // is held and the slices do not outlive this call (the core checks that
+                    // they agree in length).
+                    unsafe {
+                        parts.push(TableDeltas {
+                            seq_ids: s.seq_ids.bind(py).as_slice()?,
+                            table_start: s.table_start.bind(py).as_slice()?,
+                            table_version: s.table_version.bind(py).as_slice()?,
+                            table_delta_indptr: s.table_delta_indptr.bind(py).as_slice()?,
+                            table_delta: s.table_delta.bind(py).as_slice()?,
+                        });
+                    }
+                }
+                self.tables
+                    .prepare(&parts, |id| py.detach(|| m.block_table(id)))
+                    .py(py)?
+            }
+            Manager::Groups(m) => {
+                group_steps = step_list::<PyHybridStepOutput>(steps, "pagedkv.HybridStepOutput")?;
+                let g = self.tables.groups();
+                parts.reserve(group_steps.len());
+                for (i, step) in group_steps.iter().enumerate() {
+                    let s = step.get();
+                    if s.num_groups != g {
+                        let reason = format!("has {} groups; the manager has {g}", s.num_groups);
+                        return Err(bad(py, "steps", format!("steps[{i}]"), reason));
+                    }
+                    // SAFETY: as above (table_start is a C-contiguous [S, G] array).
+                    unsafe {
+                        parts.push(TableDeltas {
+                            seq_ids: s.seq_ids.bind(py).as_slice()?,
+                            table_start: s.table_start.bind(py).as_slice()?,
+                            table_version: s.table_version.bind(py).as_slice()?,
+                            table_delta_indptr: s.table_delta_indptr.bind(py).as_slice()?,
+                            table_delta: s.table_delta.bind(py).as_slice()?,
+                        });
+                    }
+                }
+                self.tables
+                    .prepare_groups(&parts, |id| py.detach(|| m.block_tables(id)))
+                    .py(py)?
+            }
+        };
+        let g = self.tables.groups();
         if let Some((rows, cols)) = self.tables.grown_shape(&pending) {
-            let grown = PyArray2::<i32>::zeros(py, (rows, cols), false);
+            let grown = PyArray3::<i32>::zeros(py, (g, rows, cols), false);
             // SAFETY: both buffers are C-contiguous and private (the new one just made); GIL held.
             unsafe {
                 let old = self.buffer.bind(py).as_slice()?;
@@ -201,25 +287,37 @@ impl PyBlockTable {
 
         if let Some((rows, cols, view)) = &self.view {
             if (*rows, *cols) == (n, w) {
-                return Ok(view.bind(py).clone());
+                return Ok(view.bind(py).clone().into_any());
             }
         }
-        let cols = self.tables.shape().1;
-        // SAFETY: rows 0..n and columns 0..w lie inside the buffer (n <= capacity, w <= cols),
-        // and the view keeps the buffer alive as its base object; the buffer is never resized
-        // in place (growing replaces it).
-        unsafe {
-            let view = ArrayView2::from_shape_ptr((n, w).strides((cols, 1)), table.as_ptr());
-            let view = PyArray2::borrow_from_array(&view, buffer.into_any());
-            self.view = Some((n, w, view.clone().unbind()));
-            Ok(view)
-        }
+        let (rows, cols) = self.tables.shape();
+        // SAFETY: rows 0..n and columns 0..w of every group lie inside the buffer (n <= rows,
+        // w <= cols), and the view keeps the buffer alive as its base object; the buffer is
+        // never resized in place (growing replaces it).
+        let view = unsafe {
+            match self.manager {
+                Manager::One(_) => {
+                    let v = ArrayView2::from_shape_ptr((n, w).strides((cols, 1)), table.as_ptr());
+                    numpy::PyArray2::borrow_from_array(&v, buffer.into_any()).into_any()
+                }
+                Manager::Groups(_) => {
+                    let v = ArrayView3::from_shape_ptr(
+                        (g, n, w).strides((rows * cols, cols, 1)),
+                        table.as_ptr(),
+                    );
+                    PyArray3::borrow_from_array(&v, buffer.into_any()).into_any()
+                }
+            }
+        };
+        self.view = Some((n, w, view.cast::<PyUntypedArray>()?.clone().unbind()));
+        Ok(view)
     }
 
     fn __repr__(&self) -> String {
         let (rows, cols) = self.tables.shape();
         format!(
-            "BlockTable(num_rows={}, capacity={rows}x{cols}, num_table_reads={})",
+            "BlockTable(num_groups={}, num_rows={}, capacity={rows}x{cols}, num_table_reads={})",
+            self.tables.groups(),
             self.tables.num_rows(),
             self.tables.num_table_reads()
         )

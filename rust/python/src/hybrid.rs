@@ -201,7 +201,7 @@ pub(crate) struct PyHybridStepOutput {
     error: Option<Py<PyAny>>,
     /// ``G``: KV cache groups.
     #[pyo3(get)]
-    num_groups: usize,
+    pub(crate) num_groups: usize,
     /// ``T``: tokens scheduled.
     #[pyo3(get)]
     num_tokens: usize,
@@ -213,7 +213,7 @@ pub(crate) struct PyHybridStepOutput {
     max_query_len: usize,
     /// ``uint64[S]`` scheduled sequence ids, in batch order.
     #[pyo3(get)]
-    seq_ids: Py<PyArray1<u64>>,
+    pub(crate) seq_ids: Py<PyArray1<u64>>,
     /// ``int32[S]`` prefix-hit tokens of each first allocation, else 0.
     #[pyo3(get)]
     num_cached_tokens: Py<PyArray1<i32>>,
@@ -249,18 +249,18 @@ pub(crate) struct PyHybridStepOutput {
     /// then ``table_delta[table_delta_indptr[k * G + g]:table_delta_indptr[k * G + g + 1]]``.
     /// A window release counts as a change: the released entries come as the null block 0.
     #[pyo3(get)]
-    table_start: Py<PyArray2<i32>>,
+    pub(crate) table_start: Py<PyArray2<i32>>,
     /// ``uint64[S]`` the version of each sequence's tables this output reports (all groups):
     /// one more than its previous report's; a sequence's first report is above every version
     /// this manager reported before. A delta applies to the version before it only.
     #[pyo3(get)]
-    table_version: Py<PyArray1<u64>>,
+    pub(crate) table_version: Py<PyArray1<u64>>,
     /// ``int32[S * G + 1]`` CSR offsets into ``table_delta``, entry ``k * G + g``.
     #[pyo3(get)]
-    table_delta_indptr: Py<PyArray1<i32>>,
+    pub(crate) table_delta_indptr: Py<PyArray1<i32>>,
     /// ``int32[n]`` per (sequence, group), its table entries from ``table_start`` to its end.
     #[pyo3(get)]
-    table_delta: Py<PyArray1<i32>>,
+    pub(crate) table_delta: Py<PyArray1<i32>>,
     /// ``int32[S * G + 1]`` CSR offsets into ``new_block_ids``, entry ``k * G + g`` for
     /// sequence ``k`` and group ``g``.
     #[pyo3(get)]
@@ -399,7 +399,7 @@ fn pairs(py: Python<'_>, p: &[(BlockId, BlockId)]) -> Py<PyArray2<i32>> {
 /// state unchanged.
 #[pyclass(frozen, module = "pagedkv._core", name = "HybridKVCacheManager")]
 pub(crate) struct PyHybridManager {
-    inner: Arc<HybridManager>,
+    pub(crate) inner: Arc<HybridManager>,
     groups: Vec<Py<PyGroupSpec>>,
 }
 
@@ -882,7 +882,7 @@ impl PyHybridManager {
     ///     block_table: copy every group's dense tables out (``HybridStepOutput.block_table``,
     ///         ``int32[G, S, W]``; default True). A caller that keeps the tables across steps
     ///         from the deltas (``table_start`` / ``table_delta``, e.g.
-    ///         ``GroupBatchTensors.from_steps(..., block_tables=GroupBlockTables(...))``)
+    ///         ``BatchTensors.from_steps(..., block_tables=BlockTable(manager))``)
     ///         passes False: the dense copy is O(G x S x longest table) per step.
     ///     token_arrays: fill the per-token ``slot_mapping`` and ``input_ids`` (default True);
     ///         False leaves them empty (``int64[G, 0]`` / ``int64[0]``), for a caller that needs

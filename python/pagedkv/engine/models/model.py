@@ -460,8 +460,8 @@ class LlamaForCausalLM(PagedCausalLM):
                 (layer ``i`` in slot ``layer_slot[i]``); the new K/V of every token is written at
                 its group's ``meta.slot_mapping`` (in place).
             meta: this step's kernel inputs (block tables, lengths, slot mappings): a
-                :class:`~pagedkv.tensors.BatchTensors` (one table for every KV cache group) or a
-                :class:`~pagedkv.tensors.GroupBatchTensors` (one per group).
+                :class:`~pagedkv.tensors.BatchTensors` of one table for every KV cache group
+                (``KVCacheManager``) or of one per group (``HybridKVCacheManager``).
             logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted (the last
                 scheduled token of each sequence that samples this step).
             rope_lens: int64 ``[T]`` rope length of each token (any device;
