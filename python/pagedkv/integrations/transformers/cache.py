@@ -381,6 +381,9 @@ class PagedKVAttentionCache(PagedAttentionCache):
         held = sum(self.manager.num_blocks_held(seq))
         usable = self.manager.num_blocks - 1
         if take > usable - held + release:
+            # transformers fails the request (the loop's error path); pagedkv forgets it now, as
+            # a failed waiting request is never freed by transformers.
+            self.free_blocks(rid)
             raise CacheTooSmallError(
                 f"request {rid!r} needs {take} more KV blocks for {target} tokens but the cache has "
                 f"{usable} blocks ({usable - held + release} available with every other request gone): "
