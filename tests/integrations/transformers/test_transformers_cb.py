@@ -106,7 +106,9 @@ def test_cache_too_small_for_one_request_fails_it_by_name(tiny_llama):
 def _smol_prompts(smol) -> list[list[int]]:
     system = "You are a helpful assistant. Answer briefly and precisely, in one sentence. "
     qs = ["What is 2+2?", "Name a colour of the sky.", "Who wrote Hamlet?", "What is the capital of Italy?"]
-    return [smol.tokenizer(system + q)["input_ids"] for q in qs] + [smol.tokenizer("The capital of France is")["input_ids"]]
+    return [smol.tokenizer(system + q)["input_ids"] for q in qs] + [
+        smol.tokenizer("The capital of France is")["input_ids"]
+    ]
 
 
 @pytest.mark.slow
