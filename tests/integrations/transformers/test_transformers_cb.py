@@ -11,8 +11,8 @@ prefix hits, copy-on-write copies (forks), preemptions.
 from __future__ import annotations
 
 import pytest
+from helpers.transformers_cb import Run, generate_batch, stream_with_cancel
 
-from cb_helpers import Run, generate_batch, stream_with_cancel
 from pagedkv.integrations.transformers import is_installed
 
 PREAMBLE = "w10 w11 w12 w13 w14 w15 w16 w17 w18 w19 w20 w21 w22 w23 w24 w25 w26 w27 w28 w29"

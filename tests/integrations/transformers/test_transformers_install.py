@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import transformers
+from helpers.transformers_cb import generate_batch
 from transformers.generation.continuous_batching import cache as cache_module
 from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching.cache_allocators import (
@@ -16,7 +17,6 @@ from transformers.generation.continuous_batching.cache_allocators import (
     SlidingAttentionCacheAllocator,
 )
 
-from cb_helpers import generate_batch
 from pagedkv.errors import InvalidConfigError, PagedKVError
 from pagedkv.integrations.transformers import (
     SUPPORTED_TRANSFORMERS_RELEASES,

@@ -22,16 +22,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
-import torch
-from transformers.generation.continuous_batching.cache import PagedAttentionCache
-from transformers.generation.continuous_batching.cache_allocators import (
-    SLIDING_ATTENTION,
-    CacheAllocator,
-    FullAttentionCacheAllocator,
-    SlidingAttentionCacheAllocator,
-)
 
 import pagedkv
+from pagedkv._optional import optional_imports
+
+with optional_imports("pagedkv.integrations.transformers", "transformers"):
+    import torch
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+    from transformers.generation.continuous_batching.cache_allocators import (
+        SLIDING_ATTENTION,
+        CacheAllocator,
+        FullAttentionCacheAllocator,
+        SlidingAttentionCacheAllocator,
+    )
+
 from pagedkv.errors import OutOfBlocksError
 from pagedkv.integrations.transformers.errors import (
     CacheStateMismatchError,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 
+from pagedkv._optional import optional_imports
 from pagedkv.integrations.transformers.errors import UnsupportedTransformersVersionError
 
 __all__ = ["SUPPORTED_TRANSFORMERS_RELEASES", "check_supported_version"]
@@ -30,7 +31,8 @@ def check_supported_version(version: str | None = None) -> str:
     :data:`SUPPORTED_TRANSFORMERS_RELEASES` when it is outside them or cannot be read.
     """
     if version is None:
-        import transformers
+        with optional_imports("pagedkv.integrations.transformers", "transformers"):
+            import transformers
 
         version = str(getattr(transformers, "__version__", "unknown"))
     match = _RELEASE.match(version)
