@@ -60,7 +60,9 @@ def test_supported_releases_and_refused_ones():
 
 
 def test_install_under_an_unsupported_release_patches_nothing(monkeypatch):
-    monkeypatch.setattr(transformers, "__version__", "5.25.0")
+    # By dotted name: transformers may have put a new module object in sys.modules since this
+    # file imported it (it does during continuous batching), and install() reads that one.
+    monkeypatch.setattr("transformers.__version__", "5.25.0")
     with pytest.raises(UnsupportedTransformersVersionError, match="5.25.0"):
         install()
     assert_stock()

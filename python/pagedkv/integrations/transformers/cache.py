@@ -533,7 +533,7 @@ class PagedKVAttentionCache(PagedAttentionCache):
         """Append the request's rows to each group's read and write index lists (one numpy
         computation per group; the write rows are the read rows' tail)."""
         for group in range(len(self._geometry)):
-            rows = self.group_rows(group, request_id, past_length, query_length)
-            write_index[group].extend(rows[len(rows) - query_length :].tolist())
+            rows = self.group_rows(group, request_id, past_length, query_length).tolist()
+            write_index[group].extend(rows[len(rows) - query_length :])
             if read_index is not None:
-                read_index[group].extend(rows.tolist())
+                read_index[group].extend(rows)

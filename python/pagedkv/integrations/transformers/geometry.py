@@ -17,6 +17,7 @@ transformers. Everything here is numpy over whole token ranges (no per-token Pyt
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import numpy.typing as npt
@@ -60,17 +61,25 @@ class GroupGeometry:
             return 0
         return max(0, past_length - self.window + 1)
 
+    @cached_property
+    def _block_offsets(self) -> npt.NDArray[np.int64]:
+        """Row of each token of a pagedkv block relative to the block's first row
+        (``int64[block_size]``): page ``k`` of the block is transformers block ``first + k``."""
+        pages = np.arange(self.blocks_per_sector, dtype=np.int64)[:, None] * self.row_stride
+        offsets: npt.NDArray[np.int64] = (pages + np.arange(self.page_size, dtype=np.int64)[None, :]).ravel()
+        return offsets
+
     def rows(self, table: npt.NDArray[np.int32], start: int, stop: int) -> npt.NDArray[np.int64]:
         """Row indices (``int64[stop - start]``) of positions ``start .. stop - 1`` in the
         allocator's per-layer token views, read through the group's pagedkv block table
         ``table`` (``int32[n]``, pagedkv block ids, 0 where released). The caller checks that
         no position falls on a released entry (:meth:`reads_released`)."""
-        pos = np.arange(start, stop, dtype=np.int64)
         bs = self.block_size
-        blocks = table[pos // bs].astype(np.int64)
-        within = pos % bs
-        tblock = (blocks + SECTOR_OF_BLOCK) * self.blocks_per_sector + within // self.page_size
-        out: npt.NDArray[np.int64] = tblock * self.row_stride + within % self.page_size
+        first, last = start // bs, (stop - 1) // bs
+        blocks = table[first : last + 1].astype(np.int64)
+        base = (blocks + SECTOR_OF_BLOCK) * (self.blocks_per_sector * self.row_stride)
+        rows = (base[:, None] + self._block_offsets[None, :]).ravel()
+        out: npt.NDArray[np.int64] = rows[start - first * bs : stop - first * bs]
         return out
 
     def reads_released(self, table: npt.NDArray[np.int32], start: int, stop: int) -> bool:
@@ -80,7 +89,7 @@ class GroupGeometry:
             return False
         bs = self.block_size
         first, last = start // bs, (stop - 1) // bs
-        return last >= len(table) or bool(np.any(table[first : last + 1] == 0))
+        return last >= len(table) or not table[first : last + 1].all()
 
     def page_table(self, table: npt.NDArray[np.int32], num_tokens: int, pages_stride: int) -> npt.NDArray[np.int64]:
         """The rows of a kernel block table (transformers' decode fast path) for a request of
