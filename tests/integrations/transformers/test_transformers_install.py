@@ -151,3 +151,41 @@ def test_sliding_window_reads_start_inside_the_window():
     table = np.array([0, 0, 0, 7, 9, 11], dtype=np.int32)  # blocks before the window released
     assert geom.reads_released(table, 11, 24) and not geom.reads_released(table, 12, 24)
     assert geom.rows(table, 13, 24).tolist() == _reference_rows(geom, table.tolist(), 13, 24)
+
+
+def test_cache_calls_answered_from_pagedkv(tiny_llama):
+    """The cache transformers builds under pagedkv, driven call by call as its scheduler does:
+    the kernel block table (decode fast path) names the same rows as the read indices, a request
+    larger than the cache raises CacheTooSmallError and leaves nothing behind, frees empty it."""
+    import torch
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.continuous_batching.requests import RequestState
+
+    gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=4, num_blocks=16, max_batch_tokens=64)
+    with use_pagedkv(tiny_llama.hf) as kv:
+        manager = tiny_llama.hf.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+        try:
+            manager.warmup()  # builds the cache; no generation thread
+            cache = manager.batch_processor.cache
+            assert isinstance(cache, PagedKVAttentionCache) and kv.manager is cache.manager
+            (allocator,) = cache.cache_allocators.values()
+            state = RequestState(request_id="a", initial_tokens=list(range(3, 40)))
+            assert cache.can_store_request_tokens(state, 37)
+            rows = allocator.get_read_indices("a", 0, 37)
+            assert allocator.get_write_indices("a", 30, 7) == rows[30:]
+            table = torch.full((12,), -1, dtype=torch.int32)
+            allocator.fill_block_table("a", 0, 37, table)
+            pages = table[table >= 0].to(torch.int64)
+            ps = allocator.tokens_per_page
+            assert ((pages[:, None] * ps + torch.arange(ps)).ravel()[:37]).tolist() == rows
+            usable = cache.manager.num_blocks - 1
+            big = RequestState(request_id="b", initial_tokens=[5] * (usable * ps + 1))
+            with pytest.raises(CacheTooSmallError) as e:
+                cache.can_store_request_tokens(big, len(big.initial_tokens))
+            assert e.value.request_id == "b" and e.value.num_blocks == usable
+            assert cache.manager.num_sequences == 1
+            cache.free_blocks("a")
+            assert kv.stats().used == 0 and cache.manager.num_sequences == 0
+        finally:
+            manager.stop(block=True)

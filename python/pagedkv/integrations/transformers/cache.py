@@ -407,8 +407,8 @@ class PagedKVAttentionCache(PagedAttentionCache):
         if seq is None:
             return -(-(past_length + query_length) // geom.block_size)
         need = past_length + query_length - self.manager.num_computed_tokens(seq)
-        if need <= 0 or self.manager.status(seq) != "running":
-            return 0 if need <= 0 else -(-(past_length + query_length) // geom.block_size)
+        if need <= 0:
+            return 0
         take, release = self.manager.num_blocks_needed_per_group(seq, need)[group]
         return take - release
 
