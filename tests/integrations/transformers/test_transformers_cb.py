@@ -152,11 +152,29 @@ def test_gemma3_prompts_past_the_sliding_window(gemma):
     prompts = [gemma.tokenizer(doc + q)["input_ids"] for q in (" Summarise day 3.", " Which day had most boats?")]
     prompts.append(gemma.tokenizer("The capital of France is")["input_ids"])
     assert window == 512 and min(len(p) for p in prompts[:2]) > window + 100
-    cb = dict(page_size=16, num_blocks=200, max_batch_tokens=256, max_new_tokens=8)
+    cb = dict(page_size=16, num_blocks=200, max_batch_tokens=256, max_new_tokens=8, n=2)
     stock = generate_batch(gemma.hf, prompts, pagedkv=False, **cb)
     paged = generate_batch(gemma.hf, prompts, pagedkv=True, **cb)
     assert_same(stock, paged)
     kv = paged.kv
     assert [g.kind for g in kv.manager.groups] == ["sliding_window", "full"]
-    assert kv.stats().prefix_hits_tokens > window  # the second prompt reuses the first's window
+    st = kv.stats()
+    assert st.prefix_hits_tokens > window  # the second prompt reuses the first's window
+    assert st.copies > 0  # the forks past the window wrote into shared partial blocks
+    assert_released(paged)
+
+
+@pytest.mark.slow
+def test_gemma3_small_cache_and_streaming_cancel(gemma):
+    qs = ["Name three rivers of Europe.", "What is a harbour?", "Count from one to five.", "Say hello politely."]
+    prompts = [gemma.tokenizer(_travel_log(2) + " " + q)["input_ids"] for q in qs]
+    cb = dict(page_size=8, num_blocks=16, max_new_tokens=32)
+    stock = generate_batch(gemma.hf, prompts, pagedkv=False, **cb)
+    paged = generate_batch(gemma.hf, prompts, pagedkv=True, **cb)
+    assert_same(stock, paged)
+    assert paged.kv.stats().preemptions > 0
+    assert_released(paged)
+    stock = stream_with_cancel(gemma.hf, prompts[:3], pagedkv=False, cancel_after=2, page_size=16, num_blocks=64)
+    paged = stream_with_cancel(gemma.hf, prompts[:3], pagedkv=True, cancel_after=2, page_size=16, num_blocks=64)
+    assert paged.tokens == stock.tokens
     assert_released(paged)
