@@ -37,6 +37,7 @@ def _run(blocked: list[str], code: str) -> subprocess.CompletedProcess[str]:
 def test_import_pagedkv_needs_no_optional_package() -> None:
     code = (
         "import pagedkv, pagedkv.integrations, pagedkv.routing, pagedkv.cluster, pagedkv.testing\n"
+        "import pagedkv.integrations.transformers\n"
         "import pagedkv.engine, pagedkv.engine.errors, pagedkv.engine.goodput, pagedkv.engine.inputs\n"
         "import pagedkv.engine.chat, pagedkv.engine.cli\n"
         "from pagedkv import tensors\n"
@@ -73,6 +74,20 @@ PARTS = [
     (["vllm"], "import pagedkv.integrations.vllm", "vllm", "pagedkv.integrations.vllm", "vllm"),
     (["vllm"], "import pagedkv.integrations.vllm.scheduler", "vllm", "pagedkv.integrations.vllm", "vllm"),
     (["vllm"], "import pagedkv.testing.vllm_scheduler", "vllm", "pagedkv.testing.vllm_scheduler", "vllm"),
+    (
+        ["transformers"],
+        "from pagedkv.integrations.transformers import install\ninstall()",
+        "transformers",
+        "pagedkv.integrations.transformers",
+        "transformers",
+    ),
+    (
+        ["torch"],
+        "import pagedkv.integrations.transformers.cache",
+        "torch",
+        "pagedkv.integrations.transformers",
+        "transformers",
+    ),
     (["ray"], "from pagedkv.cluster import ReplicaCluster\nReplicaCluster(1)", "ray", "pagedkv.cluster", "ray"),
     (
         ["msgspec"],

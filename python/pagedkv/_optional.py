@@ -30,6 +30,7 @@ EXTRA_PACKAGES: dict[str, frozenset[str]] = {
     # pagedkv.cluster runs LLMEngine replicas: its extra brings the engine's packages too.
     "ray": _ENGINE | {"ray", "msgspec"},
     "vllm": frozenset({"vllm"}),
+    "transformers": frozenset({"transformers", "torch"}),
 }
 
 
