@@ -39,12 +39,27 @@ impl HybridManager {
             if full <= start {
                 continue;
             }
+            s.tables[g].scanned = full;
+            if g == 0 && !spec.is_windowed() && !self.cfg.enable_events && self.host.is_none() {
+                // Group 0's index keys are the plain hashes, and a full-attention table holds
+                // no null entry: register the run straight from the memo and the table (no
+                // per-call vectors; the one-group hot path).
+                self.plain_at(s, self.class_of[0], full - 1);
+                let c = self.class_of[0];
+                let mut newly = Vec::with_capacity(full - start);
+                let cached = self.pool.cache_blocks(
+                    &s.tables[0].blocks[start..full],
+                    &s.chains[c][start..full],
+                    &mut newly,
+                );
+                debug_assert!(cached.is_ok(), "{cached:?}");
+                continue;
+            }
             let picked: Vec<usize> = (start..full)
                 .filter(|&j| {
                     s.tables[g].blocks[j] != NULL_BLOCK && self.registers_at_fill(&spec, j)
                 })
                 .collect();
-            s.tables[g].scanned = full;
             self.register(s, g, &picked, ev, seen);
         }
     }
