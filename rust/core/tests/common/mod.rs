@@ -1,7 +1,7 @@
 //! One interface over the two ways to manage one full-attention KV cache group: the one-group
 //! `KvCacheManager` and the groups manager (`HybridManager`) built with one full group. The
 //! one-group suites are written against [`OneGroup`] and run on both, so the groups manager is
-//! held to every one-group behaviour before the one-group manager goes (issue 32).
+//! held to every one-group behaviour before the one-group manager goes.
 //!
 //! Outputs are read into plain structs ([`Alloc`], [`Step`]) with the one-group shapes: a
 //! block table row per sequence, copy-on-write pairs.
