@@ -65,7 +65,7 @@ mod host;
 mod invariants;
 mod kinds;
 
-use allocation::filled;
+use allocation::{filled, Alloc};
 use coordinator::{GroupPlan, Sim};
 pub use host::GroupHostTransfers;
 use host::{HostSide, HOST_HIT};
@@ -1263,6 +1263,8 @@ impl HybridManager {
             (1..ng).map(|_| Vec::with_capacity(max_tokens)).collect()
         };
         let mut ev = Vec::new();
+        // One allocation record for the whole loop (reset per sequence, capacity kept).
+        let mut alloc = Alloc::default();
         for (i, (&seq, &slot)) in req.seq_ids.iter().zip(&seq_slots).enumerate() {
             let Some(slot) = slot else {
                 out.error = Some(unknown(seq));
@@ -1277,24 +1279,22 @@ impl HybridManager {
                 );
                 s.tokens.extend_from_slice(&req.append_tokens[a..b]);
             }
-            let alloc = match self.allocate_reserving(
+            if let Err(e) = self.allocate_reserving(
                 seq,
                 s,
                 req.num_new_tokens[i] as usize,
                 drafts_of(i),
                 opts.reserve_blocks,
                 &mut ev,
+                &mut alloc,
             ) {
-                Ok(a) => a,
-                Err(e) => {
-                    s.tokens.truncate(old_len);
-                    for c in 0..self.class_bs.len() {
-                        s.chains[c].truncate(old_len / self.class_bs[c]);
-                    }
-                    out.error = Some(e);
-                    break;
+                s.tokens.truncate(old_len);
+                for c in 0..self.class_bs.len() {
+                    s.chains[c].truncate(old_len / self.class_bs[c]);
                 }
-            };
+                out.error = Some(e);
+                break;
+            }
             let ctx = alloc.num_context_tokens;
             let q_final = alloc.num_scheduled_tokens;
             // The query: the scheduled tokens, then the drafts in their lookahead slots.

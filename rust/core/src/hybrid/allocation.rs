@@ -7,7 +7,8 @@ use super::coordinator::Sim;
 use super::*;
 
 /// A [`HybridAllocation`] as the step loop uses it: the per-group parts inline for one group,
-/// so its decode step allocates nothing on the heap for them.
+/// and one value reused for every sequence of a step ([`Alloc::reset`] keeps the vectors'
+/// capacity), so a decode step neither allocates nor moves it per sequence.
 #[derive(Debug, Default)]
 pub(super) struct Alloc {
     pub(super) num_scheduled_tokens: usize,
@@ -15,6 +16,25 @@ pub(super) struct Alloc {
     pub(super) num_context_tokens: usize,
     pub(super) num_draft_tokens: usize,
     pub(super) groups: SmallVec<[GroupAllocation; 1]>,
+}
+
+impl Alloc {
+    /// Empty, with one part per group of `num_groups`.
+    pub(super) fn reset(&mut self, num_groups: usize) {
+        self.num_scheduled_tokens = 0;
+        self.num_cached_tokens = 0;
+        self.num_context_tokens = 0;
+        self.num_draft_tokens = 0;
+        if self.groups.len() == num_groups {
+            for g in &mut self.groups {
+                g.new_block_ids.clear();
+                g.copies.clear();
+                g.released.clear();
+            }
+        } else {
+            self.groups = filled(num_groups);
+        }
+    }
 }
 
 impl From<Alloc> for HybridAllocation {
@@ -59,11 +79,15 @@ impl HybridManager {
         drafts: &[u32],
         ev: &mut Vec<Pending>,
     ) -> Result<Alloc> {
-        self.allocate_reserving(seq, s, num_new_tokens, drafts, 0, ev)
+        let mut out = Alloc::default();
+        self.allocate_reserving(seq, s, num_new_tokens, drafts, 0, ev, &mut out)?;
+        Ok(out)
     }
 
-    /// [`Self::allocate_locked_with_drafts`] refused (nothing changed) unless `reserve` blocks
-    /// stay free after it ([`HybridStepOptions::reserve_blocks`]).
+    /// [`Self::allocate_locked_with_drafts`] into `out` (reset first), refused (nothing
+    /// changed) unless `reserve` blocks stay free after it
+    /// ([`HybridStepOptions::reserve_blocks`]).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn allocate_reserving(
         &self,
         seq: SeqId,
@@ -72,8 +96,10 @@ impl HybridManager {
         drafts: &[u32],
         reserve: usize,
         ev: &mut Vec<Pending>,
-    ) -> Result<Alloc> {
-        if let Some(done) = self.extend_running(s, num_new_tokens, drafts, reserve, ev) {
+        out: &mut Alloc,
+    ) -> Result<()> {
+        out.reset(self.num_groups());
+        if let Some(done) = self.extend_running(s, num_new_tokens, drafts, reserve, ev, out) {
             return done;
         }
         let plan = {
@@ -88,13 +114,10 @@ impl HybridManager {
                 available,
             });
         }
-        let mut out = Alloc {
-            num_scheduled_tokens: plan.q,
-            num_cached_tokens: if plan.first { plan.context } else { 0 },
-            num_context_tokens: plan.context,
-            num_draft_tokens: drafts.len(),
-            groups: filled(self.num_groups()),
-        };
+        out.num_scheduled_tokens = plan.q;
+        out.num_cached_tokens = if plan.first { plan.context } else { 0 };
+        out.num_context_tokens = plan.context;
+        out.num_draft_tokens = drafts.len();
         // Release first (tail first), so the blocks given back can be taken again.
         let mut released = Vec::new();
         for (g, gp) in plan.groups.iter().enumerate() {
@@ -185,7 +208,7 @@ impl HybridManager {
         }
         // Only blocks full of computed, finalized tokens: drafts never reach the cache.
         self.cache_full(s, ev, true);
-        Ok(out)
+        Ok(())
     }
 
     /// The common step of a running sequence (a decode, a prefill chunk) without the general
@@ -201,7 +224,8 @@ impl HybridManager {
         drafts: &[u32],
         reserve: usize,
         ev: &mut Vec<Pending>,
-    ) -> Option<Result<Alloc>> {
+        out: &mut Alloc,
+    ) -> Option<Result<()>> {
         if !self.all_full
             || s.status != SeqStatus::Running
             || s.num_computed == 0
@@ -238,13 +262,11 @@ impl HybridManager {
                 Err(e) => return Some(Err(e)),
             }
         };
-        self.drain_pool(ev);
-        let mut out = Alloc {
-            num_scheduled_tokens: q,
-            num_context_tokens: context,
-            groups: filled(self.num_groups()),
-            ..Alloc::default()
-        };
+        if self.cfg.enable_events {
+            self.drain_pool(ev);
+        }
+        out.num_scheduled_tokens = q;
+        out.num_context_tokens = context;
         let mut fresh = new.into_iter();
         for ((t, spec), ga) in s
             .tables
@@ -263,7 +285,7 @@ impl HybridManager {
         s.last_context = context;
         s.num_computed = end;
         self.cache_full(s, ev, true);
-        Some(Ok(out))
+        Some(Ok(()))
     }
 
     pub(super) fn accept_drafts_with(
