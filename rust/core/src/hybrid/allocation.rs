@@ -173,6 +173,9 @@ impl HybridManager {
                 ga.copies.push((src, dst));
                 ga.new_block_ids.push(dst);
             }
+            // Sized once: a prompt's table would otherwise grow by repeated doubling.
+            t.blocks.reserve(gp.fresh);
+            ga.new_block_ids.reserve(gp.fresh);
             for _ in 0..gp.fresh {
                 let b = fresh.next().expect("allocated");
                 t.blocks.push(b);
