@@ -150,7 +150,9 @@ def install(model: Any = None) -> Installation:
 
 def uninstall() -> None:
     """Put transformers' own KV cache back (a no-op when not installed). A model given to
-    :func:`install` loses its cached continuous-batching manager (it holds a pagedkv cache)."""
+    :func:`install` loses its cached continuous-batching manager (it holds a pagedkv cache); a
+    manager kept with ``persistent_manager=True`` by a model not given to :func:`install` keeps
+    its pagedkv cache until ``model.destroy_cached_continuous_batching_manager()``."""
     global _current
     with _lock:
         if _current is None:
