@@ -16,7 +16,7 @@ prints, per model and system:
   are driven from Python by the same scheduler; nested calls are counted once;
 - prefix-hit tokens and preemptions (pagedkv's ``stats()``; stock has no counters).
 
-Workload: ``--requests`` prompts made of a shared instruction preamble (a few hundred tokens)
+Workload: ``--requests`` prompts made of a shared instruction preamble (96 tokens on SmolLM2, 97 on Gemma 3)
 and a distinct question each, ``--max-new`` tokens per request, continuous batching with
 ``page_size`` 16 and ``max_batch_tokens`` 256. transformers' stock cache does no prefix sharing
 on a model with sliding-window layers (Gemma 3); pagedkv does.

@@ -100,6 +100,23 @@ def test_cache_too_small_for_one_request_fails_it_by_name(tiny_llama):
     assert_released(paged)
 
 
+def test_a_request_that_never_fits_fails_alone(tiny_llama):
+    """Only the request too large for the whole cache fails, once the others are done; the
+    requests that fit are served as by stock transformers (its loop fails every request in
+    flight when the cache raises, so pagedkv waits until the oversized one is alone)."""
+    tok = tiny_llama.tokenizer
+    long = tok(" ".join(f"w{i}" for i in range(10, 60)))["input_ids"]
+    short = [tok("w10 w11 w12 w13 w14 w15")["input_ids"], tok("w10 w11 w12 w13 w20")["input_ids"]]
+    stock = generate_batch(tiny_llama.hf, [long, *short], pagedkv=False, max_new_tokens=4, num_blocks=6)
+    paged = generate_batch(tiny_llama.hf, [long, *short], pagedkv=True, max_new_tokens=4, num_blocks=6)
+    assert set(stock.errors) == set(paged.errors) == {"req_0"}
+    assert "request 'req_0' needs" in paged.errors["req_0"] and "the cache has 6 blocks" in paged.errors["req_0"]
+    served = {rid: toks for rid, toks in stock.tokens.items() if rid != "req_0"}
+    assert all(len(toks) == 4 for toks in served.values())
+    assert {rid: paged.tokens[rid] for rid in served} == served
+    assert_released(paged)
+
+
 # ------------------------------------------------------------------ real models (slow)
 
 

@@ -17,7 +17,7 @@ from transformers.generation.continuous_batching.cache_allocators import (
     SlidingAttentionCacheAllocator,
 )
 
-from pagedkv.errors import InvalidConfigError, PagedKVError
+from pagedkv.errors import InvalidArgumentError, InvalidConfigError, PagedKVError
 from pagedkv.integrations.transformers import (
     SUPPORTED_TRANSFORMERS_RELEASES,
     AlreadyInstalledError,
@@ -77,6 +77,22 @@ def test_unserved_attention_type_refused_by_name_before_any_patch():
     with pytest.raises(UnsupportedAttentionTypeError) as e:
         install(model)
     assert e.value.value == "chunked_attention" and "'chunked_attention'" in str(e.value)
+    assert_stock()
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        "HuggingFaceTB/SmolLM2-135M",
+        SimpleNamespace(config=SimpleNamespace(get_text_config=lambda: SimpleNamespace(layer_types=None))),
+    ],
+    ids=["a-name", "no-cb-manager"],
+)
+def test_install_refuses_what_is_not_a_model_before_any_patch(model):
+    with pytest.raises(InvalidArgumentError) as e, use_pagedkv(model):
+        pass
+    assert e.value.arg == "model" and e.value.value == type(model).__name__
+    assert "needs a transformers model" in str(e.value) and isinstance(e.value, ValueError)
     assert_stock()
 
 
@@ -181,11 +197,14 @@ def test_cache_calls_answered_from_pagedkv(tiny_llama):
             assert ((pages[:, None] * ps + torch.arange(ps)).ravel()[:37]).tolist() == rows
             usable = cache.manager.num_blocks - 1
             big = RequestState(request_id="b", initial_tokens=[5] * (usable * ps + 1))
+            held = kv.stats().used
+            # "a" holds blocks: "b" waits (transformers' loop would fail "a" with it)
+            assert not cache.can_store_request_tokens(big, len(big.initial_tokens))
+            assert kv.stats().used == held and cache.manager.num_sequences == 2
+            cache.free_blocks("a")
             with pytest.raises(CacheTooSmallError) as e:
                 cache.can_store_request_tokens(big, len(big.initial_tokens))
             assert e.value.request_id == "b" and e.value.num_blocks == usable
-            assert cache.manager.num_sequences == 1
-            cache.free_blocks("a")
             assert kv.stats().used == 0 and cache.manager.num_sequences == 0
         finally:
             manager.stop(block=True)

@@ -347,7 +347,8 @@ class PagedKVAttentionCache(PagedAttentionCache):
         With ``dry_run`` only say whether it would fit.
 
         Raises:
-            CacheTooSmallError: the request cannot fit even with every other request gone.
+            CacheTooSmallError: the request cannot fit even with every other request gone,
+                and no other request holds a block (until then it waits).
         """
         rid = state.request_id
         target = state.current_len() + request_len
@@ -381,10 +382,18 @@ class PagedKVAttentionCache(PagedAttentionCache):
         return sum(-(-num_tokens // g.block_size) for g in self._geometry)
 
     def _raise_if_never_fits(self, rid: str, seq: int, need: int, target: int) -> None:
+        """Raise :class:`CacheTooSmallError` when the request cannot fit even with every other
+        request gone and no other request holds a block any more. While others hold blocks the
+        request waits (the caller answers ``False``): transformers fails every request in flight when its loop
+        raises, so raising earlier would fail requests that fit (stock transformers fails only
+        the one that never fits, once the others are done)."""
         take, release = self.manager.num_blocks_needed(seq, need)
         held = sum(self.manager.num_blocks_held(seq))
         usable = self.manager.num_blocks - 1
         if take > usable - held + release:
+            others = (s for r, s in self._seq_of.items() if r != rid)
+            if any(sum(self.manager.num_blocks_held(s)) > 0 for s in others):
+                return
             # transformers fails the request (the loop's error path); pagedkv forgets it now, as
             # a failed waiting request is never freed by transformers.
             self.free_blocks(rid)

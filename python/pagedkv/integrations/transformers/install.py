@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import pagedkv
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.integrations.transformers.errors import AlreadyInstalledError
 from pagedkv.integrations.transformers.layer_types import check_layer_types
 from pagedkv.integrations.transformers.versions import check_supported_version
@@ -73,6 +74,24 @@ def is_installed() -> bool:
     return _current is not None
 
 
+def _not_a_model(model: Any, missing: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"install(model) needs a transformers model with continuous batching (a PreTrainedModel); "
+        f"got {type(model).__name__}, which has no {missing}",
+        arg="model",
+        value=type(model).__name__,
+        reason=f"no {missing}",
+    )
+
+
+def _text_config(model: Any) -> Any:
+    """``model.config.get_text_config()``, or :class:`InvalidArgumentError` for a non-model."""
+    get_text_config = getattr(getattr(model, "config", None), "get_text_config", None)
+    if not callable(get_text_config):
+        raise _not_a_model(model, "config.get_text_config()")
+    return get_text_config()
+
+
 def install(model: Any = None) -> Installation:
     """Install pagedkv as the KV cache of transformers' continuous batching (every model's,
     process-wide) until :func:`uninstall`.
@@ -88,13 +107,17 @@ def install(model: Any = None) -> Installation:
     Raises:
         UnsupportedTransformersVersionError: the installed transformers is not supported.
         UnsupportedAttentionTypeError: ``model`` has a layer type pagedkv does not serve.
+        InvalidArgumentError: ``model`` is not a transformers model (no ``config.get_text_config()``
+            or no ``destroy_cached_continuous_batching_manager()``).
         AlreadyInstalledError: already installed.
         Nothing is patched when any of them is raised.
     """
     global _current
     release = check_supported_version()
     if model is not None:
-        check_layer_types(model.config.get_text_config())
+        check_layer_types(_text_config(model))
+        if not callable(getattr(model, "destroy_cached_continuous_batching_manager", None)):
+            raise _not_a_model(model, "destroy_cached_continuous_batching_manager()")
     from pagedkv.integrations.transformers.cache import (
         PagedKVAttentionCache,
         PagedKVFullAttentionAllocator,
@@ -127,7 +150,9 @@ def install(model: Any = None) -> Installation:
 
 def uninstall() -> None:
     """Put transformers' own KV cache back (a no-op when not installed). A model given to
-    :func:`install` loses its cached continuous-batching manager (it holds a pagedkv cache)."""
+    :func:`install` loses its cached continuous-batching manager (it holds a pagedkv cache); a
+    manager kept with ``persistent_manager=True`` by a model not given to :func:`install` keeps
+    its pagedkv cache until ``model.destroy_cached_continuous_batching_manager()``."""
     global _current
     with _lock:
         if _current is None:
