@@ -790,18 +790,14 @@ impl HybridManager {
     pub fn preempt_recompute(&self, seqs: &[SeqId]) -> Result<()> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
-        check_ids(st, seqs)?;
-        for id in seqs {
-            let s = &st.seqs[id];
-            if s.status == SeqStatus::Swapped {
-                return Err(bad_state(
-                    *id,
-                    s.status,
-                    "preempt_recompute",
-                    "running or preempted",
-                ));
-            }
-        }
+        let resumable = |s: SeqStatus| s != SeqStatus::Swapped;
+        check_group(
+            st,
+            seqs,
+            "preempt_recompute",
+            resumable,
+            "running or preempted",
+        )?;
         let running = seqs
             .iter()
             .filter(|id| st.seqs[id].status == SeqStatus::Running)
@@ -837,14 +833,11 @@ impl HybridManager {
     pub fn swap_out(&self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
-        check_ids(st, seqs)?;
+        check_group(st, seqs, "swap_out", |s| s == SeqStatus::Running, "running")?;
         let mut order = Vec::new();
         let mut uses: HashMap<BlockId, u32> = HashMap::new();
         for id in seqs {
             let s = &st.seqs[id];
-            if s.status != SeqStatus::Running {
-                return Err(bad_state(*id, s.status, "swap_out", "running"));
-            }
             if !s.drafts.is_empty() {
                 return Err(drafts_pending(*id, "swap_out"));
             }
@@ -897,15 +890,12 @@ impl HybridManager {
     pub fn swap_in(&self, seqs: &[SeqId]) -> Result<Vec<(BlockId, BlockId)>> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
-        check_ids(st, seqs)?;
+        check_group(st, seqs, "swap_in", |s| s == SeqStatus::Swapped, "swapped")?;
         let mut order = Vec::new();
         let mut seen = HashSet::new();
         let mut extra = Vec::new();
         for id in seqs {
             let s = &st.seqs[id];
-            if s.status != SeqStatus::Swapped {
-                return Err(bad_state(*id, s.status, "swap_in", "swapped"));
-            }
             for c in s.held() {
                 if seen.insert(c) {
                     order.push(c);
@@ -1481,6 +1471,32 @@ impl HybridManager {
             }
         }
     }
+}
+
+/// [`check_ids`] with each member's status checked in the same pass, in list order (the
+/// first duplicate, unknown id or member in a state `ok` refuses is the error).
+fn check_group(
+    st: &State,
+    seqs: &[SeqId],
+    operation: &'static str,
+    ok: impl Fn(SeqStatus) -> bool,
+    expected: &'static str,
+) -> Result<()> {
+    let mut seen = HashSet::with_capacity(seqs.len());
+    for &id in seqs {
+        if !seen.insert(id) {
+            return Err(Error::InvalidArgument {
+                arg: "seq_ids",
+                value: id.to_string(),
+                reason: "sequence listed twice in one group".into(),
+            });
+        }
+        let s = st.seqs.get(&id).ok_or_else(|| unknown(id))?;
+        if !ok(s.status) {
+            return Err(bad_state(id, s.status, operation, expected));
+        }
+    }
+    Ok(())
 }
 
 fn check_ids(st: &State, seqs: &[SeqId]) -> Result<()> {

@@ -191,6 +191,28 @@ pub struct HybridConfig {
     pub host_eviction: HostEviction,
 }
 
+/// A one-group configuration as the groups manager takes it: one full-attention group of
+/// `cfg.block_size`-token blocks and every other field as given (bytes per token do not matter
+/// to one group's bookkeeping and are set to 1).
+impl From<&crate::manager::CacheConfig> for HybridConfig {
+    fn from(cfg: &crate::manager::CacheConfig) -> Self {
+        let mut h = HybridConfig::new(
+            cfg.num_blocks,
+            vec![GroupSpec::full(cfg.block_size, 1)],
+            vec![0],
+        );
+        h.enable_prefix_caching = cfg.enable_prefix_caching;
+        h.hash_algo = cfg.hash_algo;
+        h.hash_seed = cfg.hash_seed.clone();
+        h.num_cpu_blocks = cfg.num_cpu_blocks;
+        h.enable_events = cfg.enable_events;
+        h.num_host_blocks = cfg.num_host_blocks;
+        h.host_admission_min_seen = cfg.host_admission_min_seen;
+        h.host_eviction = cfg.host_eviction;
+        h
+    }
+}
+
 impl HybridConfig {
     /// `num_blocks` pages for `groups`, with `layer_groups[i]` the group of layer `i`; prefix
     /// caching on, dense retention, SHA-256, an empty seed, no swap space, events off, no host

@@ -12,9 +12,9 @@ use pagedkv_core::events::KvEvent;
 use pagedkv_core::host_tier::HostTransfers;
 use pagedkv_core::pool::BlockPool;
 use pagedkv_core::{
-    BlockId, CacheConfig, CacheStats, Error, GroupSpec, HybridConfig, HybridManager,
-    HybridStepOptions, KvCacheManager, PrefixHasher, SeqId, SeqStatus, SequenceSpec, StepDrafts,
-    StepOptions, StepRequest,
+    BlockId, CacheConfig, CacheStats, Error, HybridConfig, HybridManager, HybridStepOptions,
+    KvCacheManager, PrefixHasher, SeqId, SeqStatus, SequenceSpec, StepDrafts, StepOptions,
+    StepRequest,
 };
 
 type Result<T> = std::result::Result<T, Error>;
@@ -252,29 +252,10 @@ fn pairs(triples: &[i32]) -> Vec<i32> {
     triples.chunks(3).flat_map(|c| [c[1], c[2]]).collect()
 }
 
-/// The groups manager with one full-attention group: `cfg`'s fields, its block size the
-/// group's (bytes per token do not matter to the bookkeeping).
-pub fn one_group_config(cfg: CacheConfig) -> HybridConfig {
-    let mut h = HybridConfig::new(
-        cfg.num_blocks,
-        vec![GroupSpec::full(cfg.block_size, 1)],
-        vec![0],
-    );
-    h.enable_prefix_caching = cfg.enable_prefix_caching;
-    h.hash_algo = cfg.hash_algo;
-    h.hash_seed = cfg.hash_seed;
-    h.num_cpu_blocks = cfg.num_cpu_blocks;
-    h.enable_events = cfg.enable_events;
-    h.num_host_blocks = cfg.num_host_blocks;
-    h.host_admission_min_seen = cfg.host_admission_min_seen;
-    h.host_eviction = cfg.host_eviction;
-    h
-}
-
 impl OneGroup for HybridManager {
     const NAME: &'static str = "HybridManager (one full group)";
     fn build(cfg: CacheConfig) -> Result<Self> {
-        HybridManager::new(one_group_config(cfg))
+        HybridManager::new(HybridConfig::from(&cfg))
     }
     fn pool(&self) -> &BlockPool {
         HybridManager::pool(self)
