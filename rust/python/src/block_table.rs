@@ -13,10 +13,11 @@ use crate::convert::{bad, count, list_items, repr, type_name};
 use crate::errors::IntoPyResult;
 use crate::hybrid::{PyHybridManager, PyHybridStepOutput};
 use crate::manager::{PyKvCacheManager, PyStepOutput};
+use crate::one_group::OneGroupManager;
 use numpy::ndarray::{ArrayView2, ArrayView3, ShapeBuilder};
 use numpy::{PyArray3, PyArrayMethods, PyUntypedArray};
 use pagedkv_core::block_tables::{BlockTables, PendingUpdate, TableDeltas};
-use pagedkv_core::{HybridManager, KvCacheManager};
+use pagedkv_core::HybridManager;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use std::sync::Arc;
@@ -24,7 +25,7 @@ use std::sync::Arc;
 /// The manager whose step outputs a `BlockTable` applies.
 enum Manager {
     /// One group: `StepOutput`s, 2-D tables.
-    One(Arc<KvCacheManager>),
+    One(Arc<OneGroupManager>),
     /// KV cache groups: `HybridStepOutput`s, 3-D tables.
     Groups(Arc<HybridManager>),
 }

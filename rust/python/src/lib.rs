@@ -15,6 +15,7 @@ mod host_pool;
 mod hybrid;
 mod indexer;
 mod manager;
+mod one_group;
 mod pool;
 mod stats;
 

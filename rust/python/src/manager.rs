@@ -10,13 +10,12 @@ use crate::convert::{
 };
 use crate::errors::{error_instance, IntoPyResult};
 use crate::events::event_object;
+use crate::one_group::OneGroupManager;
 use crate::pool::PyBlockPool;
 use crate::stats::PyCacheStats;
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyUntypedArray, PyUntypedArrayMethods};
-use pagedkv_core::{
-    BlockId, ExtraKey, KvCacheManager, MmItem, SequenceSpec, StepDrafts, StepOptions, StepRequest,
-};
+use pagedkv_core::{BlockId, ExtraKey, MmItem, SequenceSpec, StepDrafts, StepOptions, StepRequest};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
 use std::sync::Arc;
@@ -229,7 +228,7 @@ impl PyStepOutput {
 /// ids are ``int32`` arrays (GPU ids ``1..num_blocks``; 0 is the null block).
 #[pyclass(frozen, module = "pagedkv._core", name = "KVCacheManager")]
 pub(crate) struct PyKvCacheManager {
-    pub(crate) inner: Arc<KvCacheManager>,
+    pub(crate) inner: Arc<OneGroupManager>,
     config: Py<PyCacheConfig>,
     /// The read-only pool view, built once (the scheduler reads it every step).
     pool: Py<PyBlockPool>,
@@ -403,7 +402,7 @@ impl PyKvCacheManager {
             .clone()
             .unbind();
         let cfg = config.get().inner.clone();
-        let inner = py.detach(|| KvCacheManager::new(cfg)).py(py)?;
+        let inner = py.detach(|| OneGroupManager::new(cfg)).py(py)?;
         let inner = Arc::new(inner);
         let pool = Py::new(py, PyBlockPool::view_of(inner.clone()))?;
         Ok(Self {

@@ -3,10 +3,11 @@
 
 use crate::convert::{bad, block_ids, bytes_arg, count, uint};
 use crate::errors::{read_only_pool, to_pyerr, IntoPyResult};
+use crate::one_group::OneGroupManager;
 use numpy::{PyArray1, PyArrayMethods};
 use pagedkv_core::events::EventSink;
 use pagedkv_core::pool::BlockPool;
-use pagedkv_core::{BlockHash, BlockId, KvCacheManager};
+use pagedkv_core::{BlockHash, BlockId};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use std::sync::Arc;
@@ -15,7 +16,7 @@ use std::sync::Arc;
 #[derive(Debug, Clone)]
 enum Owner {
     Standalone(Arc<BlockPool>),
-    Manager(Arc<KvCacheManager>),
+    Manager(Arc<OneGroupManager>),
 }
 
 /// A pool of ``num_blocks`` fixed-size KV blocks with reference counts, prefix hashes and the
@@ -36,7 +37,7 @@ pub(crate) struct PyBlockPool {
 }
 
 impl PyBlockPool {
-    pub(crate) fn view_of(manager: Arc<KvCacheManager>) -> Self {
+    pub(crate) fn view_of(manager: Arc<OneGroupManager>) -> Self {
         Self {
             owner: Owner::Manager(manager),
         }
