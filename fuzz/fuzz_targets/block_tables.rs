@@ -15,9 +15,8 @@
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedkv_core::block_tables::{BlockTables, TableDeltas};
-use pagedkv_core::{
-    CacheConfig, Error, KvCacheManager, SeqId, SeqStatus, SequenceSpec, StepOutput, StepRequest,
-};
+use pagedkv_core::one_group::OneGroupManager;
+use pagedkv_core::{CacheConfig, Error, SeqId, SeqStatus, SequenceSpec, StepOutput, StepRequest};
 
 /// Sequence ids are taken modulo this, so ids are reused often.
 const ID_SPACE: u8 = 8;
@@ -85,7 +84,7 @@ struct Kept {
 impl Kept {
     fn update(
         &mut self,
-        m: &KvCacheManager,
+        m: &OneGroupManager,
         parts: &[TableDeltas<'_>],
     ) -> Result<Vec<Vec<i32>>, Error> {
         let pending = self.tables.prepare(parts, |id| m.block_table(id))?;
@@ -118,7 +117,7 @@ impl Kept {
     }
 }
 
-fn step(m: &KvCacheManager, ids: &[SeqId], n: u8) -> (Vec<SeqId>, StepOutput) {
+fn step(m: &OneGroupManager, ids: &[SeqId], n: u8) -> (Vec<SeqId>, StepOutput) {
     let mut req = StepRequest {
         seq_ids: ids.to_vec(),
         num_new_tokens: vec![u32::from(n.max(1)); ids.len()],
@@ -135,7 +134,7 @@ fn step(m: &KvCacheManager, ids: &[SeqId], n: u8) -> (Vec<SeqId>, StepOutput) {
     (req.seq_ids, out)
 }
 
-fn schedulable(m: &KvCacheManager, ids: &[u8]) -> Vec<SeqId> {
+fn schedulable(m: &OneGroupManager, ids: &[u8]) -> Vec<SeqId> {
     let mut out: Vec<SeqId> = Vec::new();
     for &id in ids.iter().take(8) {
         let id = SeqId::from(id % ID_SPACE);
@@ -146,7 +145,7 @@ fn schedulable(m: &KvCacheManager, ids: &[u8]) -> Vec<SeqId> {
     out
 }
 
-fn dense(m: &KvCacheManager, ids: &[SeqId]) -> Vec<Vec<i32>> {
+fn dense(m: &OneGroupManager, ids: &[SeqId]) -> Vec<Vec<i32>> {
     let tables: Vec<Vec<i32>> = ids
         .iter()
         .map(|&id| {
@@ -170,7 +169,7 @@ fn dense(m: &KvCacheManager, ids: &[SeqId]) -> Vec<Vec<i32>> {
 fuzz_target!(|input: Input| {
     let mut cfg = CacheConfig::new(24, 4);
     cfg.num_cpu_blocks = 8;
-    let m = KvCacheManager::new(cfg).unwrap();
+    let m = OneGroupManager::new(cfg).unwrap();
     let tables = BlockTables::new(usize::from(input.rows % 8), usize::from(input.cols % 8));
     let (r, c) = tables.shape();
     let mut kept = Kept {

@@ -30,8 +30,14 @@ impl Key {
         match self {
             Key::Adapter(s) => ExtraKey::Adapter(s.clone()),
             Key::CacheSalt(s) => ExtraKey::CacheSalt(s.clone()),
-            Key::Multimodal(h, o) => ExtraKey::Multimodal { item_hash: h.clone(), offset: *o },
-            Key::Tagged(t, v) => ExtraKey::Tagged { tag: t.clone(), value: v.clone() },
+            Key::Multimodal(h, o) => ExtraKey::Multimodal {
+                item_hash: h.clone(),
+                offset: *o,
+            },
+            Key::Tagged(t, v) => ExtraKey::Tagged {
+                tag: t.clone(),
+                value: v.clone(),
+            },
         }
     }
 }
@@ -78,9 +84,18 @@ fn same_payload_kinds(s: &str) -> Vec<ExtraKey> {
     vec![
         ExtraKey::Adapter(s.to_string()),
         ExtraKey::CacheSalt(s.to_string()),
-        ExtraKey::Multimodal { item_hash: s.as_bytes().to_vec(), offset: 0 },
-        ExtraKey::Tagged { tag: s.to_string(), value: Vec::new() },
-        ExtraKey::Tagged { tag: String::new(), value: s.as_bytes().to_vec() },
+        ExtraKey::Multimodal {
+            item_hash: s.as_bytes().to_vec(),
+            offset: 0,
+        },
+        ExtraKey::Tagged {
+            tag: s.to_string(),
+            value: Vec::new(),
+        },
+        ExtraKey::Tagged {
+            tag: String::new(),
+            value: s.as_bytes().to_vec(),
+        },
     ]
 }
 
@@ -89,7 +104,11 @@ fn run(input: Input) {
     let b = core(&input.b);
 
     // Encoding injectivity over key lists.
-    assert_eq!(encode(&a.2) == encode(&b.2), a.2 == b.2, "extra-key encoding not injective");
+    assert_eq!(
+        encode(&a.2) == encode(&b.2),
+        a.2 == b.2,
+        "extra-key encoding not injective"
+    );
 
     let sha = PrefixHasher::new(HashAlgo::Sha256, &input.seed_a);
     let sha_again = PrefixHasher::new(HashAlgo::Sha256, &input.seed_a);
@@ -99,14 +118,21 @@ fn run(input: Input) {
     let norm = |x: &(Option<BlockHash>, Vec<u32>, Vec<ExtraKey>)| {
         (x.0.unwrap_or(sha.root()), x.1.clone(), x.2.clone())
     };
-    assert_eq!(ha == hb, norm(&a) == norm(&b), "SHA-256 block hash equality != input equality");
+    assert_eq!(
+        ha == hb,
+        norm(&a) == norm(&b),
+        "SHA-256 block hash equality != input equality"
+    );
     assert_eq!(ha, hash(&sha_again, &a), "not deterministic");
     assert_eq!(ha, hash(&sha, &a), "not deterministic");
 
     // An explicit parent equal to the root must hash like "no parent" (that is the contract:
     // the first block chains from the root), and nothing else may.
     let via_root = (Some(sha.root()), a.1.clone(), a.2.clone());
-    assert_eq!(hash(&sha, &via_root) == ha, a.0.is_none() || a.0 == Some(sha.root()));
+    assert_eq!(
+        hash(&sha, &via_root) == ha,
+        a.0.is_none() || a.0 == Some(sha.root())
+    );
 
     // Seeds: a different seed gives an unrelated hash family.
     let sha_b = PrefixHasher::new(HashAlgo::Sha256, &input.seed_b);
@@ -124,7 +150,10 @@ fn run(input: Input) {
     // xxh3-128: deterministic, 16 bytes used, never equal to the SHA-256 hash.
     let xx = PrefixHasher::new(HashAlgo::Xxh3_128, &input.seed_a);
     let xa = hash(&xx, &a);
-    assert_eq!(xa, hash(&PrefixHasher::new(HashAlgo::Xxh3_128, &input.seed_a), &a));
+    assert_eq!(
+        xa,
+        hash(&PrefixHasher::new(HashAlgo::Xxh3_128, &input.seed_a), &a)
+    );
     assert!(xa.0[16..].iter().all(|&x| x == 0));
     assert_ne!(xa, ha);
 
@@ -144,7 +173,11 @@ fn run(input: Input) {
             .collect();
         for i in 0..hashes.len() {
             for j in i + 1..hashes.len() {
-                assert_ne!(hashes[i], hashes[j], "{:?} collides with {:?}", kinds[i], kinds[j]);
+                assert_ne!(
+                    hashes[i], hashes[j],
+                    "{:?} collides with {:?}",
+                    kinds[i], kinds[j]
+                );
             }
         }
         // No keys at all differs from any single key, even an empty one.

@@ -1,7 +1,7 @@
 //! Fuzz target `host_tier_ops`: arbitrary bytes -> a cache configuration with a host tier
 //! (0-7 host blocks, LRU or ARC eviction, admission after 0-3 uses: 0 must be refused, events
 //! on or off) and up
-//! to 96 operations on [`KvCacheManager`]: add (shared-prefix prompts, cache salts),
+//! to 96 operations on [`OneGroupManager`]: add (shared-prefix prompts, cache salts),
 //! allocate_slots (its host copies taken at once with take_host_transfers), step (one or
 //! several sequences, with appends), empty steps, free, preempt, swap_out, swap_in, reset,
 //! lookup.
@@ -30,9 +30,10 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::host_tier::HostEviction;
+use pagedkv_core::one_group::OneGroupManager;
 use pagedkv_core::{
-    BlockHash, BlockId, CacheConfig, CacheStats, Error, ExtraKey, KvCacheManager, SeqId, SeqStatus,
-    SequenceSpec, StepOutput, StepRequest,
+    BlockHash, BlockId, CacheConfig, CacheStats, Error, ExtraKey, SeqId, SeqStatus, SequenceSpec,
+    StepOutput, StepRequest,
 };
 use std::collections::{HashMap, HashSet};
 
@@ -101,7 +102,7 @@ struct Snap {
     stats: CacheStats,
 }
 
-fn snap(m: &KvCacheManager) -> Snap {
+fn snap(m: &OneGroupManager) -> Snap {
     let p = m.pool();
     let n = p.num_blocks();
     Snap {
@@ -136,7 +137,7 @@ struct Kv {
 impl Kv {
     fn run(
         &mut self,
-        m: &KvCacheManager,
+        m: &OneGroupManager,
         stores: &[(BlockId, BlockId)],
         loads: &[(BlockId, BlockId)],
         copies: &[(BlockId, BlockId)],
@@ -192,7 +193,7 @@ impl Kv {
         }
     }
 
-    fn run_step(&mut self, m: &KvCacheManager, out: &StepOutput, seqs: &[SeqId]) {
+    fn run_step(&mut self, m: &OneGroupManager, out: &StepOutput, seqs: &[SeqId]) {
         let pairs = |v: &[i32]| -> Vec<(BlockId, BlockId)> {
             v.chunks(2)
                 .map(|p| (p[0] as BlockId, p[1] as BlockId))
@@ -216,7 +217,7 @@ impl Kv {
         );
     }
 
-    fn events(&mut self, m: &KvCacheManager) {
+    fn events(&mut self, m: &OneGroupManager) {
         for e in m.take_events() {
             match e {
                 KvEvent::AllBlocksCleared => self.resolvable.iter_mut().for_each(|s| s.clear()),
@@ -267,7 +268,7 @@ fuzz_target!(|input: Input| {
     cfg.host_admission_min_seen = u32::from(c.min_seen % 4);
     cfg.num_cpu_blocks = u32::from(c.cpu_blocks % 6);
     cfg.enable_events = c.events;
-    let m = match KvCacheManager::new(cfg.clone()) {
+    let m = match OneGroupManager::new(cfg.clone()) {
         Ok(m) => m,
         Err(e) => {
             assert_eq!(

@@ -1,5 +1,5 @@
 //! Fuzz target `manager_ops`: arbitrary bytes -> a cache configuration and a sequence of
-//! operations on [`KvCacheManager`] (add / append / allocate_slots / step, with speculative
+//! operations on [`OneGroupManager`] (add / append / allocate_slots / step, with speculative
 //! decoding's draft tokens or without / accept_drafts / fork / free / preempt / swap_out /
 //! swap_in / reset / lookup / events), with unknown and duplicate sequence ids on purpose.
 //!
@@ -25,9 +25,10 @@
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
+use pagedkv_core::one_group::OneGroupManager;
 use pagedkv_core::{
-    BlockHash, BlockId, CacheConfig, CacheStats, Error, ExtraKey, HashAlgo, KvCacheManager, MmItem,
-    SeqId, SeqStatus, SequenceSpec, StepDrafts, StepOptions, StepRequest,
+    BlockHash, BlockId, CacheConfig, CacheStats, Error, ExtraKey, HashAlgo, MmItem, SeqId,
+    SeqStatus, SequenceSpec, StepDrafts, StepOptions, StepRequest,
 };
 use std::collections::HashSet;
 
@@ -122,7 +123,7 @@ struct Snap {
     stats: CacheStats,
 }
 
-fn seq_snap(m: &KvCacheManager, id: SeqId) -> Option<SeqSnap> {
+fn seq_snap(m: &OneGroupManager, id: SeqId) -> Option<SeqSnap> {
     Some(SeqSnap {
         blocks: m.block_table(id).ok()?,
         tokens: m.tokens(id).ok()?,
@@ -132,7 +133,7 @@ fn seq_snap(m: &KvCacheManager, id: SeqId) -> Option<SeqSnap> {
     })
 }
 
-fn snap(m: &KvCacheManager) -> Snap {
+fn snap(m: &OneGroupManager) -> Snap {
     let p = m.pool();
     let n = p.num_blocks();
     Snap {
@@ -172,10 +173,10 @@ fn group_valid(before: &Snap, ids: &[SeqId], ok: impl Fn(SeqStatus) -> bool) -> 
 
 /// Runs `f` on both managers; the results must agree, and on error nothing may change.
 fn both<T: PartialEq + std::fmt::Debug>(
-    m: &KvCacheManager,
-    twin: &KvCacheManager,
+    m: &OneGroupManager,
+    twin: &OneGroupManager,
     before: &Snap,
-    f: impl Fn(&KvCacheManager) -> Result<T, Error>,
+    f: impl Fn(&OneGroupManager) -> Result<T, Error>,
 ) -> Result<T, Error> {
     let a = f(m);
     let b = f(twin);
@@ -207,8 +208,8 @@ fn spec_for(salt: Option<u8>, mm: Option<(u8, u8, u8)>) -> SequenceSpec {
 /// One `allocate_slots` on both managers with the prediction, lookup and all-or-nothing
 /// checks. Returns the allocation when it succeeded.
 fn allocate_checked(
-    m: &KvCacheManager,
-    twin: &KvCacheManager,
+    m: &OneGroupManager,
+    twin: &OneGroupManager,
     seq: SeqId,
     num_new: usize,
 ) -> Option<pagedkv_core::SlotAllocation> {
@@ -309,7 +310,7 @@ fn allocate_checked(
     }
 }
 
-fn check_all(m: &KvCacheManager, twin: &KvCacheManager) {
+fn check_all(m: &OneGroupManager, twin: &OneGroupManager) {
     if let Err(e) = m.check_invariants() {
         panic!("invariant violated: {e}");
     }
@@ -335,8 +336,8 @@ fn run(input: Input) {
     cfg.hash_seed = vec![c.seed % 2];
     cfg.num_cpu_blocks = u32::from(c.cpu_blocks % 10);
     cfg.enable_events = true;
-    let m = KvCacheManager::new(cfg.clone()).expect("valid config");
-    let twin = KvCacheManager::new(cfg.clone()).expect("valid config");
+    let m = OneGroupManager::new(cfg.clone()).expect("valid config");
+    let twin = OneGroupManager::new(cfg.clone()).expect("valid config");
     let bs = cfg.block_size as usize;
 
     for op in input.ops.into_iter().take(MAX_OPS) {

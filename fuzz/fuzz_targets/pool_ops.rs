@@ -74,19 +74,37 @@ impl Model {
         self.stack.len() + self.lru.len()
     }
     fn free_queue(&self) -> Vec<BlockId> {
-        self.stack.iter().rev().copied().chain(self.lru.iter().copied()).collect()
+        self.stack
+            .iter()
+            .rev()
+            .copied()
+            .chain(self.lru.iter().copied())
+            .collect()
     }
     fn valid(&self, id: BlockId) -> bool {
         id != 0 && id < self.n
     }
     fn bad_id(&self, id: BlockId) -> Error {
-        Error::InvalidBlockId { block_id: id, num_blocks: self.n }
+        Error::InvalidBlockId {
+            block_id: id,
+            num_blocks: self.n,
+        }
     }
     fn resolve(&self, r: IdRef) -> BlockId {
         match r {
             IdRef::Any(x) => BlockId::from(x) % (self.n + 2),
-            IdRef::Used(x) => pick(&(1..self.n).filter(|&b| self.refs[b as usize] > 0).collect::<Vec<_>>(), x),
-            IdRef::Cached(x) => pick(&(1..self.n).filter(|&b| self.hashes[b as usize].is_some()).collect::<Vec<_>>(), x),
+            IdRef::Used(x) => pick(
+                &(1..self.n)
+                    .filter(|&b| self.refs[b as usize] > 0)
+                    .collect::<Vec<_>>(),
+                x,
+            ),
+            IdRef::Cached(x) => pick(
+                &(1..self.n)
+                    .filter(|&b| self.hashes[b as usize].is_some())
+                    .collect::<Vec<_>>(),
+                x,
+            ),
         }
     }
 }
@@ -105,7 +123,10 @@ fn hash(x: u8) -> BlockHash {
 }
 
 /// Observable pool state.
-fn observe(p: &BlockPool, n: u32) -> (Vec<u32>, Vec<Option<BlockHash>>, Vec<BlockId>, usize, usize) {
+fn observe(
+    p: &BlockPool,
+    n: u32,
+) -> (Vec<u32>, Vec<Option<BlockHash>>, Vec<BlockId>, usize, usize) {
     (
         (0..n + 2).map(|b| p.ref_count(b)).collect(),
         (0..n + 2).map(|b| p.block_hash(b)).collect(),
@@ -133,7 +154,13 @@ fn run(input: Input) {
         }
         Err(e) => {
             assert!(raw < 2, "pool of {raw} blocks rejected: {e}");
-            assert!(matches!(e, Error::InvalidConfig { field: "num_blocks", .. }));
+            assert!(matches!(
+                e,
+                Error::InvalidConfig {
+                    field: "num_blocks",
+                    ..
+                }
+            ));
             return;
         }
     };
@@ -145,7 +172,10 @@ fn run(input: Input) {
             Op::Allocate(k) => {
                 let k = usize::from(k % 8);
                 let want = if k > m.free_count() {
-                    Err(Error::OutOfBlocks { requested: k, available: m.free_count() })
+                    Err(Error::OutOfBlocks {
+                        requested: k,
+                        available: m.free_count(),
+                    })
                 } else {
                     let mut out = Vec::new();
                     let mut evictions = 0u64;
@@ -169,7 +199,10 @@ fn run(input: Input) {
                     }
                     m.counters.evictions += evictions;
                     if !unresolvable.is_empty() {
-                        want_events.push(KvEvent::BlockRemoved { block_hashes: unresolvable, tier: Tier::Device });
+                        want_events.push(KvEvent::BlockRemoved {
+                            block_hashes: unresolvable,
+                            tier: Tier::Device,
+                        });
                     }
                     if k > 0 {
                         m.counters.allocations += k as u64;
@@ -188,14 +221,19 @@ fn run(input: Input) {
                     .iter()
                     .copied()
                     .filter(|&b| m.valid(b))
-                    .filter(|&b| ids.iter().filter(|&&x| x == b).count() > m.refs[b as usize] as usize)
+                    .filter(|&b| {
+                        ids.iter().filter(|&&x| x == b).count() > m.refs[b as usize] as usize
+                    })
                     .collect();
                 if let Some(&b) = first_bad {
                     assert_eq!(got, Err(m.bad_id(b)));
                 } else if !underflow.is_empty() {
                     match got {
                         Err(Error::RefCountUnderflow { block_id }) => {
-                            assert!(underflow.contains(&block_id), "named {block_id}, not underflowing")
+                            assert!(
+                                underflow.contains(&block_id),
+                                "named {block_id}, not underflowing"
+                            )
                         }
                         other => panic!("free({ids:?}) double free -> {other:?}"),
                     }
@@ -219,7 +257,9 @@ fn run(input: Input) {
             Op::Incref(refs) => {
                 let ids: Vec<BlockId> = refs.iter().take(8).map(|&r| m.resolve(r)).collect();
                 let got = pool.incref(&ids);
-                let first_bad = ids.iter().find(|&&b| !m.valid(b) || m.refs[b as usize] == 0);
+                let first_bad = ids
+                    .iter()
+                    .find(|&&b| !m.valid(b) || m.refs[b as usize] == 0);
                 match first_bad {
                     Some(&b) if !m.valid(b) => assert_eq!(got, Err(m.bad_id(b))),
                     Some(&b) => assert!(
@@ -239,9 +279,14 @@ fn run(input: Input) {
                 let ids: Vec<BlockId> = refs.iter().take(8).map(|&r| m.resolve(r)).collect();
                 let got = pool.touch(&ids);
                 // A prefix hit must name a block carrying a hash (in use or cached-free).
-                let first_bad = ids.iter().find(|&&b| !m.valid(b) || m.hashes[b as usize].is_none());
-                let mut revive: Vec<BlockId> =
-                    ids.iter().copied().filter(|&b| m.valid(b) && m.refs[b as usize] == 0).collect();
+                let first_bad = ids
+                    .iter()
+                    .find(|&&b| !m.valid(b) || m.hashes[b as usize].is_none());
+                let mut revive: Vec<BlockId> = ids
+                    .iter()
+                    .copied()
+                    .filter(|&b| m.valid(b) && m.refs[b as usize] == 0)
+                    .collect();
                 revive.sort_unstable();
                 revive.dedup();
                 match first_bad {
@@ -252,12 +297,19 @@ fn run(input: Input) {
                     ),
                     None if revive.len() > m.free_count() => assert_eq!(
                         got,
-                        Err(Error::OutOfBlocks { requested: revive.len(), available: m.free_count() })
+                        Err(Error::OutOfBlocks {
+                            requested: revive.len(),
+                            available: m.free_count()
+                        })
                     ),
                     None => {
                         assert_eq!(got, Ok(()), "touch({ids:?})");
                         for b in &revive {
-                            let at = m.lru.iter().position(|x| x == b).expect("cached free block in LRU");
+                            let at = m
+                                .lru
+                                .iter()
+                                .position(|x| x == b)
+                                .expect("cached free block in LRU");
                             m.lru.remove(at);
                         }
                         for &b in &ids {
@@ -274,7 +326,10 @@ fn run(input: Input) {
                 if !m.valid(b) {
                     assert_eq!(got, Err(m.bad_id(b)));
                 } else if m.refs[b as usize] == 0 {
-                    assert!(matches!(got, Err(Error::InvalidArgument { .. })), "cache free block -> {got:?}");
+                    assert!(
+                        matches!(got, Err(Error::InvalidArgument { .. })),
+                        "cache free block -> {got:?}"
+                    );
                 } else {
                     // True exactly when the hash becomes resolvable (no block carried it).
                     let fresh = m.hashes[b as usize].is_none()
@@ -285,8 +340,9 @@ fn run(input: Input) {
                 got.map(|_| ())
             }
             Op::Lookup(h) => {
-                let carriers: Vec<BlockId> =
-                    (1..m.n).filter(|&b| m.hashes[b as usize] == Some(hash(h))).collect();
+                let carriers: Vec<BlockId> = (1..m.n)
+                    .filter(|&b| m.hashes[b as usize] == Some(hash(h)))
+                    .collect();
                 match pool.lookup(&hash(h)) {
                     None => assert!(carriers.is_empty()),
                     Some(b) => {
@@ -302,7 +358,12 @@ fn run(input: Input) {
                 let used = (1..m.n).filter(|&b| m.refs[b as usize] > 0).count();
                 let got = pool.reset_prefix_cache();
                 if used > 0 {
-                    assert_eq!(got, Err(Error::CacheInUse { blocks_in_use: used }));
+                    assert_eq!(
+                        got,
+                        Err(Error::CacheInUse {
+                            blocks_in_use: used
+                        })
+                    );
                 } else {
                     assert_eq!(got, Ok(()));
                     let order = m.free_queue();
@@ -315,9 +376,17 @@ fn run(input: Input) {
             }
         };
         if result.is_err() {
-            assert_eq!(observe(&pool, raw), before, "failed call {result:?} changed the pool");
+            assert_eq!(
+                observe(&pool, raw),
+                before,
+                "failed call {result:?} changed the pool"
+            );
         }
-        assert_eq!(observe(&pool, raw), model_view(&m), "pool and model disagree");
+        assert_eq!(
+            observe(&pool, raw),
+            model_view(&m),
+            "pool and model disagree"
+        );
         assert_eq!(sink.drain(), want_events);
         assert_eq!(pool.counters(), m.counters);
         assert_eq!(pool.num_used() + pool.num_free(), pool.num_usable());

@@ -8,7 +8,7 @@ Two values, one per level at which they are fixed:
   identity digest). Engines and indexers with unequal schemes never share a hash.
 - :class:`SequenceSpec` -- per request: cache salt, LoRA adapter, typed extra keys (an engine's
   derived keys, such as the RoPE variant of a length-dependent RoPE) and multimodal items; the
-  Python face of the core's ``SequenceSpec`` (``rust/core/src/manager.rs``), which hashes them
+  Python face of the core's ``SequenceSpec`` (``rust/core/src/request.rs``), which hashes them
   into every block (:meth:`SequenceSpec.block_keys` there).
 
 A request's spec is derived once, by whoever owns the request (the engine's

@@ -1,11 +1,11 @@
 //! KV cache groups: CPU time of one decode step and blocks held, for a Gemma 3-like layout
 //! (5 sliding-window layers with a 512-token window per full-attention layer, block size 16)
-//! on `HybridManager`, against `KvCacheManager` holding every layer's KV in one group (what a
-//! manager without groups must allocate). Prints figures; no timing assertions.
+//! on `HybridManager`, against the same manager with one full-attention group holding every
+//! layer's KV (what a manager without groups must allocate). Prints figures; no timing assertions.
 //! Run: `cargo bench -p pagedkv-core --bench hybrid`.
 
 use pagedkv_core::{
-    CacheConfig, GroupSpec, HybridConfig, HybridManager, KvCacheManager, SequenceSpec, StepRequest,
+    CacheConfig, GroupSpec, HybridConfig, HybridManager, SequenceSpec, StepRequest,
 };
 use std::time::Instant;
 
@@ -65,13 +65,13 @@ fn main() {
             held[1]
         );
     }
-    let m = KvCacheManager::new(CacheConfig::new(num_blocks, BS)).unwrap();
+    let m = HybridManager::new(HybridConfig::from(&CacheConfig::new(num_blocks, BS))).unwrap();
     let ids: Vec<u64> = (1..=SEQS).collect();
     for &id in &ids {
         let p: Vec<u32> = (0..PROMPT as u32)
             .map(|t| t + id as u32 * 100_000)
             .collect();
-        m.add_sequence(id, &p, SequenceSpec::default()).unwrap();
+        m.add_sequence(id, p, SequenceSpec::default()).unwrap();
     }
     let t = Instant::now();
     m.step(&StepRequest {
@@ -96,6 +96,6 @@ fn main() {
         prefill.as_secs_f64() * 1e3,
         per_step * 1e6,
         per_step * 1e9 / SEQS as f64,
-        m.block_table(1).unwrap().len()
+        m.block_tables(1).unwrap()[0].len()
     );
 }

@@ -5,7 +5,7 @@
 
 use criterion::{black_box, criterion_group, BatchSize, Criterion, Throughput};
 use pagedkv_core::{
-    CacheConfig, HashAlgo, KvCacheManager, PrefixHasher, SequenceSpec, StepRequest,
+    CacheConfig, HashAlgo, HybridConfig, HybridManager, PrefixHasher, SequenceSpec, StepRequest,
 };
 
 const BLOCK: u32 = 16;
@@ -26,14 +26,20 @@ fn hashing(c: &mut Criterion) {
 }
 
 fn lookup(c: &mut Criterion) {
-    let m = KvCacheManager::new(CacheConfig::new(4 * PROMPT_BLOCKS + 2, BLOCK)).unwrap();
+    let m = HybridManager::new(HybridConfig::from(&CacheConfig::new(
+        4 * PROMPT_BLOCKS + 2,
+        BLOCK,
+    )))
+    .unwrap();
     let n = (PROMPT_BLOCKS * BLOCK) as usize;
     // Cache a 64-block prompt (+1 token so all 64 full blocks are eligible for a hit).
     let prompt: Vec<u32> = (0..n as u32 + 1).collect();
-    m.add_sequence(1, &prompt, SequenceSpec::default()).unwrap();
+    m.add_sequence(1, prompt.clone(), SequenceSpec::default())
+        .unwrap();
     m.allocate_slots(1, n + 1).unwrap();
     // A second sequence with the same prompt: its hashes are memoised by the first lookup.
-    m.add_sequence(2, &prompt, SequenceSpec::default()).unwrap();
+    m.add_sequence(2, prompt.clone(), SequenceSpec::default())
+        .unwrap();
     assert_eq!(m.lookup_prefix(2).unwrap(), n);
 
     let mut g = c.benchmark_group("prefix_lookup");
@@ -61,7 +67,7 @@ fn lookup(c: &mut Criterion) {
         b.iter_batched(
             || {
                 id += 1;
-                m.add_sequence(id, &[1, 2, 3], SequenceSpec::default())
+                m.add_sequence(id, vec![1, 2, 3], SequenceSpec::default())
                     .unwrap();
                 m.allocate_slots(id, 3).unwrap();
                 m.append_tokens(id, &[4]).unwrap();
@@ -107,12 +113,18 @@ fn best_of_batches() {
             algo.name()
         );
     }
-    let m = KvCacheManager::new(CacheConfig::new(4 * PROMPT_BLOCKS + 2, BLOCK)).unwrap();
+    let m = HybridManager::new(HybridConfig::from(&CacheConfig::new(
+        4 * PROMPT_BLOCKS + 2,
+        BLOCK,
+    )))
+    .unwrap();
     let n = (PROMPT_BLOCKS * BLOCK) as usize;
     let prompt: Vec<u32> = (0..n as u32 + 1).collect();
-    m.add_sequence(1, &prompt, SequenceSpec::default()).unwrap();
+    m.add_sequence(1, prompt.clone(), SequenceSpec::default())
+        .unwrap();
     m.allocate_slots(1, n + 1).unwrap();
-    m.add_sequence(2, &prompt, SequenceSpec::default()).unwrap();
+    m.add_sequence(2, prompt.clone(), SequenceSpec::default())
+        .unwrap();
     assert_eq!(m.lookup_prefix(2).unwrap(), n);
     let ns = best_ns(100, || {
         black_box(m.lookup_prefix(black_box(2)).unwrap());
@@ -132,7 +144,7 @@ fn batched_step() {
     const MIN: usize = 64;
     const MAX: usize = 576;
     let blocks = SEQS as u32 * (MAX as u32 / BLOCK + 2) + 1;
-    let m = KvCacheManager::new(CacheConfig::new(blocks, BLOCK)).unwrap();
+    let m = HybridManager::new(HybridConfig::from(&CacheConfig::new(blocks, BLOCK))).unwrap();
     let mut next_token = 7u32;
     let mut tok = || {
         next_token = next_token.wrapping_mul(1_103_515_245).wrapping_add(12_345) % 32_000;
@@ -145,7 +157,7 @@ fn batched_step() {
     let mut next_id = SEQS;
     for (&id, &n) in ids.iter().zip(&lens) {
         let prompt: Vec<u32> = (0..n).map(|_| tok()).collect();
-        m.add_sequence(id, &prompt, SequenceSpec::default())
+        m.add_sequence(id, prompt.clone(), SequenceSpec::default())
             .unwrap();
         m.allocate_slots(id, n).unwrap();
     }
@@ -171,7 +183,7 @@ fn batched_step() {
                 ids[i] = next_id;
                 next_id += 1;
                 let prompt: Vec<u32> = (0..MIN).map(|_| tok()).collect();
-                m.add_sequence(ids[i], &prompt, SequenceSpec::default())
+                m.add_sequence(ids[i], prompt.clone(), SequenceSpec::default())
                     .unwrap();
                 m.allocate_slots(ids[i], MIN).unwrap();
                 lens[i] = MIN;

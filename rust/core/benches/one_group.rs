@@ -1,14 +1,12 @@
 //! One full-attention group: CPU time of one decode step of 256 sequences in steady state
 //! (lengths spread over 64..576 tokens at block size 16, a sequence reaching 576 freed and
-//! replaced by a 64-token prompt outside the timed region), on the groups manager
-//! (`HybridManager` with one group) beside `KvCacheManager`, interleaved so machine load hits
-//! both alike; and one prefill step of 256 distinct 512-token prompts on a fresh manager. Prints
-//! medians; no timing assertions.
+//! replaced by a 64-token prompt outside the timed region), and of one prefill step of 256
+//! distinct 512-token prompts on a fresh manager. Prints medians; no timing assertions.
 //! Run: `cargo bench -p pagedkv-core --bench one_group`.
 
 use pagedkv_core::{
-    CacheConfig, GroupSpec, HybridConfig, HybridManager, HybridStepOptions, KvCacheManager,
-    SequenceSpec, StepDrafts, StepOptions, StepRequest,
+    GroupSpec, HybridConfig, HybridManager, HybridStepOptions, SequenceSpec, StepDrafts,
+    StepRequest,
 };
 use std::time::Instant;
 
@@ -18,7 +16,7 @@ const MIN_LEN: usize = 64;
 const MAX_LEN: usize = 576;
 const STEPS: usize = 4000;
 
-/// The two managers behind one interface: add, schedule, free.
+/// The manager as the workload drives it: add, schedule, free.
 trait Subject {
     /// Registers the prompt only.
     fn register(&self, id: u64, prompt: Vec<u32>);
@@ -27,43 +25,6 @@ trait Subject {
     fn add(&self, id: u64, prompt: Vec<u32>);
     fn decode(&self, req: &StepRequest);
     fn free(&self, id: u64);
-}
-
-impl Subject for KvCacheManager {
-    fn register(&self, id: u64, prompt: Vec<u32>) {
-        self.add_sequence(id, &prompt, SequenceSpec::default())
-            .unwrap();
-    }
-    fn prefill(&self, ids: &[u64], len: u32) {
-        let out = self.step(&StepRequest {
-            seq_ids: ids.to_vec(),
-            num_new_tokens: vec![len; ids.len()],
-            ..Default::default()
-        });
-        assert!(out.error.is_none());
-    }
-    fn add(&self, id: u64, prompt: Vec<u32>) {
-        let n = prompt.len() as u32;
-        self.add_sequence(id, &prompt, SequenceSpec::default())
-            .unwrap();
-        let out = self.step(&StepRequest {
-            seq_ids: vec![id],
-            num_new_tokens: vec![n],
-            ..Default::default()
-        });
-        assert!(out.error.is_none());
-    }
-    fn decode(&self, req: &StepRequest) {
-        let opts = StepOptions {
-            skip_block_table: true,
-            ..Default::default()
-        };
-        let out = self.step_with(req, opts);
-        assert!(out.error.is_none(), "{:?}", out.error);
-    }
-    fn free(&self, id: u64) {
-        KvCacheManager::free(self, id);
-    }
 }
 
 impl Subject for HybridManager {
@@ -194,70 +155,21 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let num_blocks = (SEQS * (MAX_LEN / BS as usize + 2) + 1) as u32;
-    let make_one = || KvCacheManager::new(CacheConfig::new(num_blocks, BS)).unwrap();
     let cfg = HybridConfig::new(num_blocks, vec![GroupSpec::full(BS, 64)], vec![0]);
-    let make_groups = || HybridManager::new(cfg.clone()).unwrap();
-    // PAGEDKV_BENCH_ONLY=prefill-one|prefill-groups: only that prefill, 35 rounds.
-    match std::env::var("PAGEDKV_BENCH_ONLY").as_deref() {
-        Ok("prefill-one") => {
-            return println!(
-                "{:.2} ms",
-                median((0..35).map(|r| prefill_ms(make_one, r)).collect())
-            );
-        }
-        Ok("prefill-groups") => {
-            let ms = median((0..35).map(|r| prefill_ms(make_groups, r)).collect());
-            return println!("{ms:.2} ms");
-        }
-        _ => {}
-    }
-    if std::env::var("PAGEDKV_BENCH_ONLY").is_err() {
-        // Rounds interleaved (the allocator's first touches hit whichever runs first), the
-        // first pair discarded.
-        let (mut a, mut b) = (Vec::new(), Vec::new());
-        for r in 0..12 {
-            let (x, y) = (
-                prefill_ms(make_one, 2 * r),
-                prefill_ms(make_groups, 2 * r + 1),
-            );
-            if r > 0 {
-                a.push(x);
-                b.push(y);
-            }
-        }
-        println!(
-            "prefill step of {SEQS} x 512 tokens, one full-attention group: KvCacheManager {:.2} ms, \
-             HybridManager {:.2} ms (median of 11)",
-            median(a),
-            median(b)
-        );
-    }
-    let mut one = Workload::new(make_one());
-    let mut groups = Workload::new(make_groups());
-    // PAGEDKV_BENCH_ONLY=one|groups: time only that manager (for `perf stat` of one side).
-    let only = std::env::var("PAGEDKV_BENCH_ONLY").unwrap_or_default();
+    let make = || HybridManager::new(cfg.clone()).unwrap();
+    // The first round discarded (the allocator's first touches).
+    let prefill: Vec<f64> = (0..12).map(|r| prefill_ms(make, r)).skip(1).collect();
+    println!(
+        "prefill step of {SEQS} x 512 tokens, one full-attention group: {:.2} ms (median of 11)",
+        median(prefill)
+    );
+    let mut w = Workload::new(make());
     for _ in 0..STEPS {
-        if only != "groups" {
-            one.step();
-        }
-        if only != "one" {
-            groups.step();
-        }
-    }
-    if !only.is_empty() {
-        let w = if only == "one" {
-            &mut one.times
-        } else {
-            &mut groups.times
-        };
-        w.sort_by(f64::total_cmp);
-        println!("{only}: {:.1} us (median of {STEPS})", w[w.len() / 2]);
-        return;
+        w.step();
     }
     println!(
-        "decode step of {SEQS} seqs, one full-attention group (block tables as deltas): \
-         KvCacheManager {:.1} us, HybridManager {:.1} us (median of {STEPS})",
-        one.median(),
-        groups.median()
+        "decode step of {SEQS} seqs, one full-attention group (block tables as deltas): {:.1} us \
+         (median of {STEPS})",
+        w.median()
     );
 }

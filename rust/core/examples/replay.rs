@@ -11,9 +11,9 @@
 //! output tokens.
 //!
 //! The calls per step are those of the Python replay (block tables as deltas, no dense copy:
-//! [`StepOptions::skip_block_table`], the binding's default; no per-token slot mapping and input
-//! ids unless `--token-arrays`: [`StepOptions::skip_token_arrays`], as the Python replay's
-//! default): one batched [`KvCacheManager::step`] for
+//! [`HybridStepOptions::skip_block_table`], the binding's default; no per-token slot mapping and input
+//! ids unless `--token-arrays`: [`HybridStepOptions::skip_token_arrays`], as the Python replay's
+//! default): one batched [`HybridManager::step`] for
 //! the running sequences (one appended token and one slot each), `add_sequence` + one batched
 //! `step` for the admitted prompts, `free` for the finished ones. `--mode pool` replays only the
 //! block traffic on a bare [`BlockPool`] (`replay_common.run_pool`'s schedule: one allocate per
@@ -29,7 +29,8 @@
 use pagedkv_core::events::EventSink;
 use pagedkv_core::pool::BlockPool;
 use pagedkv_core::{
-    BlockId, CacheConfig, HashAlgo, KvCacheManager, SequenceSpec, StepOptions, StepRequest,
+    BlockId, CacheConfig, HashAlgo, HybridConfig, HybridManager, HybridStepOptions, SequenceSpec,
+    StepDrafts, StepRequest,
 };
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -138,16 +139,18 @@ impl Run {
 fn replay_manager(tr: &Trace, algo: HashAlgo, token_arrays: bool) -> (Run, u64) {
     let mut cfg = CacheConfig::new(tr.num_blocks, tr.block_size);
     cfg.hash_algo = algo;
-    let mgr = KvCacheManager::new(cfg).expect("config");
+    let mgr = HybridManager::new(HybridConfig::from(&cfg)).expect("config");
     let mut running: Vec<usize> = Vec::new();
     let mut sampled = vec![0usize; tr.prompt_lens.len()];
     let mut run = Run::default();
     let mut cached_tokens = 0u64;
     // As the Python replay: block tables as deltas only, no dense copy.
-    let delta_only = StepOptions {
+    let delta_only = HybridStepOptions {
         skip_block_table: true,
         skip_token_arrays: !token_arrays,
+        reserve_blocks: 0,
     };
+    let no_drafts = StepDrafts::default();
     let wall = Instant::now();
     for (adm, fin) in tr.admit.iter().zip(&tr.finish) {
         // The step's inputs (batch ids, sampled tokens, prompt lengths) are built before the
@@ -170,7 +173,7 @@ fn replay_manager(tr: &Trace, algo: HashAlgo, token_arrays: bool) -> (Run, u64) 
         };
         let c0 = thread_cpu_ns();
         if n > 0 {
-            let out = mgr.step_with(&decode, delta_only);
+            let out = mgr.step_with(&decode, &no_drafts, delta_only);
             assert!(out.error.is_none(), "decode step failed: {:?}", out.error);
         }
         let c1 = thread_cpu_ns();
@@ -178,12 +181,12 @@ fn replay_manager(tr: &Trace, algo: HashAlgo, token_arrays: bool) -> (Run, u64) 
             for &r in adm {
                 mgr.add_sequence(
                     r as u64,
-                    &tr.tokens[r][..tr.prompt_lens[r]],
+                    tr.tokens[r][..tr.prompt_lens[r]].to_vec(),
                     SequenceSpec::default(),
                 )
                 .expect("add_sequence");
             }
-            let out = mgr.step_with(&prefill, delta_only);
+            let out = mgr.step_with(&prefill, &no_drafts, delta_only);
             assert!(out.error.is_none(), "prefill step failed: {:?}", out.error);
             cached_tokens += out.num_cached_tokens.iter().map(|&x| x as u64).sum::<u64>();
         }

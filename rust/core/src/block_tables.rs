@@ -27,7 +27,7 @@
 
 use crate::error::{Error, Result};
 use crate::hybrid::HybridStepOutput;
-use crate::manager::StepOutput;
+use crate::one_group::StepOutput;
 use crate::{BlockId, SeqId, NULL_BLOCK};
 
 /// Absent sequences kept beyond the batch before they are all released: a sequence missing
@@ -289,7 +289,7 @@ impl BlockTables {
     /// Checks `parts` (the step outputs of one scheduler step, in batch order) against the
     /// rows held, without changing anything: which deltas follow the version held, and, for
     /// the others, the whole table from `read_whole` (the manager's
-    /// [`crate::KvCacheManager::block_table`]). One group only ([`Self::prepare_groups`]
+    /// [`crate::HybridManager::block_tables`]). One group only ([`Self::prepare_groups`]
     /// reads every group's tables).
     ///
     /// Errors: [`Error::InvalidArgument`] (`arg` "steps") for a sequence scheduled twice across

@@ -3,7 +3,7 @@
 //! loads the blocks back (a host -> device copy) instead of recomputing them.
 //!
 //! This module is the tier's bookkeeping only; the KV bytes live in the executor's host
-//! tensors, and [`crate::manager::KvCacheManager`] calls in here (docs/design.md, "Host tier"):
+//! tensors, and [`crate::HybridManager`] calls in here (docs/design.md, "Host tier"):
 //!
 //! - **Store.** When the device pool evicts the last device copy of a hash for reuse, the
 //!   manager asks [`HostTier::plan_store`]: a hash seen at least `admission_min_seen` times
@@ -1027,15 +1027,6 @@ pub(crate) fn pin_host_hits(
         }
     }
     Ok(())
-}
-
-/// Counts one use of each prefix-hit hash for the host tier's admission.
-#[cold]
-#[inline(never)]
-pub(crate) fn note_hits_seen(host: &mut HostTier, hashes: &[BlockHash]) {
-    for &h in hashes {
-        host.note_seen(HostKey::from(h));
-    }
 }
 
 #[cfg(test)]

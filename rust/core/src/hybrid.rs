@@ -1,15 +1,19 @@
-//! The KV cache manager of hybrid models: several KV cache groups (full attention, sliding
-//! window, chunked local; see [`crate::kv_groups`]) with one block table per group per
-//! sequence, all over one [`BlockPool`] of equal-size pages.
+//! The KV cache manager: one or several KV cache groups (full attention, sliding window,
+//! chunked local; see [`crate::kv_groups`]) with one block table per group per sequence, all
+//! over one [`BlockPool`] of equal-size pages. One full-attention group is PagedAttention's
+//! manager (Kwon et al., SOSP'23, §4.2–4.5: block tables, reference-counted sharing,
+//! copy-on-write, recompute and swap preemption) with automatic prefix caching by chained block
+//! hashes, observable behaviour as vLLM V1's `KVCacheManager`; a single group costs what a
+//! manager without groups would (`cargo bench -p pagedkv-core --bench one_group`).
 //!
-//! What differs from the one-group [`crate::manager::KvCacheManager`]:
+//! What groups add to one full-attention group:
 //! - **Release out of the window.** At each allocation of a sequence whose KV is known up to
 //!   `context` tokens, a windowed group releases every block no query at `context` or later can
 //!   read (table slot set to the null block). With sparse retention it holds on a little longer,
 //!   to the window of the older of the last two hit-unit boundaries (the *latest replayable
 //!   point*, so a request that extends the same turn and diverges inside its last block still
 //!   hits: vLLM #57610).
-//! - **Retention.** Full-attention blocks are cached once full, as in the one-group manager. A
+//! - **Retention.** Full-attention blocks are cached once full. A
 //!   windowed group with `retention_interval == 0` caches every full block too; with an interval
 //!   `N`, only the blocks a hit at a multiple of `N` needs, plus, when the sequence is freed or
 //!   preempted, the blocks it still holds (its latest replayable point). Everything else leaves
@@ -21,7 +25,7 @@
 //!   group at a candidate `p` needs the blocks holding `[first_read(p), p)` present (for a
 //!   sliding window, the last `ceil((W - 1) / block_size)` blocks before `p`), and the candidate
 //!   shrinks until every group agrees.
-//! - **Hashes keyed by group.** The plain chain hash of a block (what the one-group manager and
+//! - **Hashes keyed by group.** The plain chain hash of a block (what a single group and the
 //!   routers compute) is the index key of group 0; group `g > 0` keys its blocks by the plain
 //!   hash with `g` mixed in (XORed into two words, no second hash), so groups never share a
 //!   cached page. Events carry the plain hashes and
@@ -32,7 +36,8 @@
 //!   [`HybridManager::num_blocks_needed`] returns both numbers before the call. An admission that
 //!   predicts one number and takes another hangs or fails (vLLM #39734, #41282, #45856).
 //!
-//! Concurrency: one mutex over the per-sequence state per call, as the one-group manager; the
+//! Concurrency: one mutex over the per-sequence state per call (the [`crate::sync`] mutex, so
+//! loom models see it), the pool's own hot paths lock-free; the
 //! pool must not be mutated behind the manager's back. Every failing call changes nothing.
 //!
 //! Layout: this module is the facade (configuration, state, the public calls, the step loop,

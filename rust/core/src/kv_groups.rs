@@ -15,7 +15,7 @@
 use crate::error::{Error, Result};
 use crate::hashing::HashAlgo;
 use crate::host_tier::HostEviction;
-use crate::manager::MAX_BLOCK_SIZE;
+use crate::one_group::MAX_BLOCK_SIZE;
 
 /// Largest accepted hit unit (the LCM of the groups' block sizes), in tokens: block sizes
 /// whose LCM exceeds it would make prefix hits so coarse that caching is pointless
@@ -194,8 +194,8 @@ pub struct HybridConfig {
 /// A one-group configuration as the groups manager takes it: one full-attention group of
 /// `cfg.block_size`-token blocks and every other field as given (bytes per token do not matter
 /// to one group's bookkeeping and are set to 1).
-impl From<&crate::manager::CacheConfig> for HybridConfig {
-    fn from(cfg: &crate::manager::CacheConfig) -> Self {
+impl From<&crate::one_group::CacheConfig> for HybridConfig {
+    fn from(cfg: &crate::one_group::CacheConfig) -> Self {
         let mut h = HybridConfig::new(
             cfg.num_blocks,
             vec![GroupSpec::full(cfg.block_size, 1)],

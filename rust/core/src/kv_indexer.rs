@@ -1492,16 +1492,17 @@ mod tests {
     #[test]
     fn events_of_another_cache_identity_are_refused() {
         use crate::hashing::HashAlgo;
-        use crate::manager::{CacheConfig, KvCacheManager};
+        use crate::one_group::CacheConfig;
+        use crate::{HybridConfig, HybridManager};
         let events_with_seed = |seed: &[u8]| {
             let mut cfg = CacheConfig::new(32, 4);
             cfg.enable_events = true;
             cfg.hash_seed = seed.to_vec();
-            let m = KvCacheManager::new(cfg).unwrap();
-            m.add_sequence(1, &(0..9).collect::<Vec<u32>>(), SequenceSpec::default())
+            let m = HybridManager::new(HybridConfig::from(&cfg)).unwrap();
+            m.add_sequence(1, (0..9).collect(), SequenceSpec::default())
                 .unwrap();
             m.allocate_slots(1, 9).unwrap();
-            let ev = m.take_events();
+            let ev: Vec<KvEvent> = m.take_events().into_iter().map(|e| e.event).collect();
             assert!(
                 matches!(&ev[0], KvEvent::BlockStored { hash_root: Some(r), .. }
                 if *r == PrefixHasher::new(HashAlgo::Sha256, seed).root())
@@ -1542,10 +1543,11 @@ mod tests {
 
     #[test]
     fn query_hashes_match_the_manager() {
-        use crate::manager::{CacheConfig, KvCacheManager};
+        use crate::one_group::CacheConfig;
+        use crate::{HybridConfig, HybridManager};
         let mut cfg = CacheConfig::new(32, 4);
         cfg.enable_events = true;
-        let m = KvCacheManager::new(cfg).unwrap();
+        let m = HybridManager::new(HybridConfig::from(&cfg)).unwrap();
         let prompt: Vec<u32> = (0..13).collect();
         let spec = SequenceSpec {
             extra_keys: vec![ExtraKey::CacheSalt("t".into())],
@@ -1555,10 +1557,11 @@ mod tests {
                 len: 3,
             }],
         };
-        m.add_sequence(1, &prompt, spec.clone()).unwrap();
+        m.add_sequence(1, prompt.clone(), spec.clone()).unwrap();
         m.allocate_slots(1, 13).unwrap();
         let mut ix = idx(0);
-        ix.apply_batch(0, None, 0, m.take_events()).unwrap();
+        let events = m.take_events().into_iter().map(|e| e.event).collect();
+        ix.apply_batch(0, None, 0, events).unwrap();
         assert_eq!(ix.overlap_tokens(&prompt, &spec), vec![(0, 3)]);
         assert_eq!(
             ix.overlap_tokens(&prompt, &SequenceSpec::default()),

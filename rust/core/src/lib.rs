@@ -10,11 +10,13 @@
 //! - [`prefix_index`]: each block's hash and the hash → blocks multiset.
 //! - `seq_table`: the manager's slab of sequences keyed by id.
 //! - [`request`]: what callers hand the managers: sequence specs, step batches, drafts.
-//! - [`manager`]: per-sequence block tables, slot allocation, fork / copy-on-write, preemption
-//!   (recompute and swap), the batched scheduler-step entry point.
+//! - [`one_group`]: the configuration of one full-attention group and the one-group result
+//!   shapes (one block table per sequence) that callers of a single group read.
 //! - [`kv_groups`]: KV cache groups (full attention, sliding window, chunked local): what each
 //!   reads, and the configuration of several groups in one pool.
-//! - [`hybrid`]: the manager of several KV cache groups over one pool (hybrid models).
+//! - [`hybrid`]: the KV cache manager: per-sequence block tables of one or several KV cache
+//!   groups over one pool, slot allocation, prefix caching, fork / copy-on-write, preemption
+//!   (recompute and swap), speculative lookahead, the batched scheduler-step entry point.
 //! - [`host_tier`]: the prefix cache's host-memory tier (admission, eviction, copy plans);
 //!   [`host_pool`]: that tier on its own for an offloading connector (stores in flight,
 //!   load pins, all-or-nothing store preparation, bytes keys).
@@ -34,8 +36,8 @@ pub mod host_tier;
 pub mod hybrid;
 pub mod kv_groups;
 pub mod kv_indexer;
-pub mod manager;
 pub mod metrics;
+pub mod one_group;
 pub mod pool;
 pub mod prefix_index;
 pub mod request;
@@ -48,8 +50,8 @@ pub use hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
 pub use hybrid::{BlockDemand, GroupEvent, HybridManager, HybridStepOptions, HybridStepOutput};
 pub use kv_groups::{AttentionKind, GroupSpec, HybridConfig};
 pub use kv_indexer::{BatchOutcome, HashSource, KvIndexer, WorkerId, WorkerStatus};
-pub use manager::{CacheConfig, KvCacheManager, SlotAllocation, StepOptions, StepOutput};
 pub use metrics::{CacheStats, ManagerCounters};
+pub use one_group::{CacheConfig, SlotAllocation, StepOptions, StepOutput};
 pub use request::{MmItem, SeqStatus, SequenceSpec, StepDrafts, StepRequest};
 
 /// Physical block id. `0` is the null block: never allocated, hashed, ref-counted or counted

@@ -80,7 +80,7 @@ impl SeqStatus {
     }
 }
 
-/// Input of the batched [`crate::KvCacheManager::step`]: one entry per sequence, processed in order.
+/// Input of the batched [`crate::HybridManager::step`]: one entry per sequence, processed in order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepRequest {
     /// Sequences to schedule.
@@ -93,7 +93,7 @@ pub struct StepRequest {
     pub append_tokens: Vec<u32>,
 }
 
-/// Draft tokens of a speculative-decoding step ([`crate::KvCacheManager::step_with_drafts`]), CSR
+/// Draft tokens of a speculative-decoding step ([`crate::HybridManager::step_with_drafts`]), CSR
 /// over the request's sequences: sequence `i` proposes
 /// `tokens[indptr[i]..indptr[i + 1]]`. Empty `indptr` (the default) means no drafts.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -114,7 +114,7 @@ pub(crate) fn drafts_pending(seq_id: SeqId, operation: &'static str) -> Error {
 }
 
 /// Checks an `accept_drafts(seq, num_accepted)` call against the sequence's `pending` draft
-/// tokens, shared by [`KvCacheManager`] and the KV cache groups manager.
+/// tokens, checked by the KV cache manager.
 ///
 /// # Errors
 /// [`Error::InvalidSequenceState`] when no drafts are pending; [`Error::InvalidArgument`] when
@@ -144,7 +144,7 @@ pub(crate) fn validate_accept(
 }
 
 /// Checks a new sequence's prompt (at least one token) and its multimodal items (len >= 1, a
-/// range that fits in i64), shared by [`KvCacheManager`] and the KV cache groups manager.
+/// range that fits in i64), checked by the KV cache manager.
 pub(crate) fn validate_new_sequence(prompt: &[u32], spec: &SequenceSpec) -> Result<()> {
     if prompt.is_empty() {
         return Err(Error::InvalidArgument {
@@ -168,7 +168,7 @@ pub(crate) fn validate_new_sequence(prompt: &[u32], spec: &SequenceSpec) -> Resu
     Ok(())
 }
 
-/// Checks a [`StepRequest`]'s array lengths and offsets (shared by [`KvCacheManager`] and the
+/// Checks a [`StepRequest`]'s array lengths and offsets (checked by the
 /// KV cache groups manager).
 pub(crate) fn validate_step(req: &StepRequest) -> Result<()> {
     let n = req.seq_ids.len();

@@ -1,15 +1,18 @@
 //! `BlockTables`, the consumer's side of the step outputs' block-table deltas: each delta
 //! kind, the recovery paths (skipped outputs, reused ids, released rows, late outputs), the
-//! refused updates, and proptests driving a manager (`KvCacheManager`, one group) and a
-//! `HybridManager` (full-attention, sliding-window and chunked-local groups, tables kept in one
+//! refused updates, and proptests driving the manager with one full-attention group (in the one-group words of
+//! `common::OneGroup`) and with (full-attention, sliding-window and chunked-local groups, tables kept in one
 //! `[G, rows, cols]` buffer) through random operations with outputs applied, skipped, merged
 //! or replayed, checking every applied batch against the manager's own tables and the buffer's
 //! zero padding.
 
+mod common;
+
+use common::OneGroup;
 use pagedkv_core::block_tables::{BlockTables, PendingUpdate, TableDeltas, KEEP_ABSENT};
 use pagedkv_core::{
-    CacheConfig, Error, GroupSpec, HybridConfig, HybridManager, HybridStepOutput, KvCacheManager,
-    SeqId, SeqStatus, SequenceSpec, StepOutput, StepRequest,
+    CacheConfig, Error, GroupSpec, HybridConfig, HybridManager, HybridStepOutput, SeqId, SeqStatus,
+    SequenceSpec, StepOutput, StepRequest,
 };
 use proptest::prelude::*;
 
@@ -32,7 +35,7 @@ impl Kept {
     /// Applies `outs` (request ids, output) as one batch; returns the dense rows.
     fn update(
         &mut self,
-        m: &KvCacheManager,
+        m: &impl OneGroup,
         outs: &[(Vec<SeqId>, StepOutput)],
     ) -> Result<Vec<Vec<i32>>, Error> {
         let parts: Vec<TableDeltas<'_>> = outs
@@ -72,16 +75,16 @@ impl Kept {
     }
 }
 
-fn manager(num_blocks: u32, caching: bool, cpu: u32) -> KvCacheManager {
+fn manager(num_blocks: u32, caching: bool, cpu: u32) -> impl OneGroup {
     let mut cfg = CacheConfig::new(num_blocks, 4);
     cfg.enable_prefix_caching = caching;
     cfg.num_cpu_blocks = cpu;
-    KvCacheManager::new(cfg).unwrap()
+    <HybridManager as OneGroup>::build(cfg).unwrap()
 }
 
 /// One step of `ids`, each scheduling up to `n` tokens (a decode appends one token first
 /// when nothing is left to compute).
-fn step(m: &KvCacheManager, ids: &[SeqId], n: u32) -> (Vec<SeqId>, StepOutput) {
+fn step(m: &impl OneGroup, ids: &[SeqId], n: u32) -> (Vec<SeqId>, StepOutput) {
     let mut req = StepRequest {
         seq_ids: ids.to_vec(),
         num_new_tokens: vec![n; ids.len()],
@@ -99,7 +102,7 @@ fn step(m: &KvCacheManager, ids: &[SeqId], n: u32) -> (Vec<SeqId>, StepOutput) {
     (req.seq_ids, out)
 }
 
-fn table(m: &KvCacheManager, id: SeqId) -> Vec<i32> {
+fn table(m: &impl OneGroup, id: SeqId) -> Vec<i32> {
     m.block_table(id)
         .unwrap()
         .iter()
@@ -108,7 +111,7 @@ fn table(m: &KvCacheManager, id: SeqId) -> Vec<i32> {
 }
 
 /// The dense rows the manager's tables of `ids` make: padded to the longest (at least 1).
-fn dense(m: &KvCacheManager, ids: &[SeqId]) -> Vec<Vec<i32>> {
+fn dense(m: &impl OneGroup, ids: &[SeqId]) -> Vec<Vec<i32>> {
     let tables: Vec<Vec<i32>> = ids.iter().map(|&id| table(m, id)).collect();
     let w = tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
     tables
@@ -333,7 +336,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 /// The ids of a step: known, not swapped out, each once.
-fn schedulable(m: &KvCacheManager, ids: &[u8]) -> Vec<SeqId> {
+fn schedulable(m: &impl OneGroup, ids: &[u8]) -> Vec<SeqId> {
     let mut out: Vec<SeqId> = Vec::new();
     for &id in ids {
         let id = SeqId::from(id);
@@ -723,7 +726,7 @@ fn one_group_is_the_same_keeper() {
         (b.groups(), b.shape(), b.buffer_len())
     );
     assert_eq!((a.shape(), a.buffer_len()), ((3, 5), 15));
-    // A one-group HybridManager's outputs go through prepare_groups like a KvCacheManager's.
+    // A one-group HybridManager's outputs go through prepare_groups too.
     let m =
         HybridManager::new(HybridConfig::new(32, vec![GroupSpec::full(4, 8)], vec![0])).unwrap();
     let mut kept = GroupKept::new(1, 1, 1);

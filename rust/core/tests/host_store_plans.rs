@@ -2,12 +2,15 @@
 //! allocation that evicts more cached blocks than the host tier holds hands out at most one
 //! store per host block, those the tier's eviction policy keeps; before, every evicted block
 //! got a store and the later ones overwrote the earlier ones in the same output (60 stores
-//! onto 8 host blocks). Both managers.
+//! onto 8 host blocks). One group (in the one-group words of `common::OneGroup`) and two.
 
+mod common;
+
+use common::OneGroup;
 use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::host_tier::HostEviction;
 use pagedkv_core::{
-    CacheConfig, GroupSpec, HybridConfig, HybridManager, KvCacheManager, SequenceSpec, StepRequest,
+    CacheConfig, GroupSpec, HybridConfig, HybridManager, SequenceSpec, StepRequest,
 };
 use std::collections::HashSet;
 
@@ -47,6 +50,11 @@ fn rows(v: &[i32], width: usize) -> Vec<Vec<i32>> {
     v.chunks(width).map(<[i32]>::to_vec).collect()
 }
 
+/// The manager with one full-attention group, asked in one-group words.
+fn one_group(cfg: CacheConfig) -> impl OneGroup {
+    <HybridManager as OneGroup>::build(cfg).unwrap()
+}
+
 #[test]
 fn one_step_output_stores_at_most_the_host_blocks_one_group() {
     for eviction in HostEviction::ALL {
@@ -55,7 +63,7 @@ fn one_step_output_stores_at_most_the_host_blocks_one_group() {
         cfg.host_admission_min_seen = 1;
         cfg.host_eviction = eviction;
         cfg.enable_events = true;
-        let m = KvCacheManager::new(cfg).unwrap();
+        let m = one_group(cfg);
         // Seq 1 computes 60 full blocks (all cached), is freed.
         let a = toks(60 * BS as usize, 1);
         m.add_sequence(1, &a, SequenceSpec::default()).unwrap();

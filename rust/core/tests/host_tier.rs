@@ -1,13 +1,13 @@
 //! The prefix cache's host tier through the manager (docs/design.md, "Host tier"): stores of
-//! evicted blocks, loads of host hits, admission, pins, reset, events and exact capacity; on the
-//! one-group manager and on the groups manager with one full group ([`common::OneGroup`]).
+//! evicted blocks, loads of host hits, admission, pins, reset, events and exact capacity; on the KV cache
+//! manager with one full-attention group ([`common::OneGroup`]).
 
 mod common;
 
 use common::OneGroup;
 use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::host_tier::{HostEviction, HostTransfers};
-use pagedkv_core::{CacheConfig, Error, KvCacheManager, SequenceSpec, StepRequest};
+use pagedkv_core::{CacheConfig, Error, HybridManager, SequenceSpec, StepRequest};
 
 fn manager<M: OneGroup>(num_blocks: u32, host: u32, min_seen: u32) -> M {
     let mut cfg = CacheConfig::new(num_blocks, 4);
@@ -266,7 +266,7 @@ fn bad_host_configs_are_refused() {
     let mut cfg = CacheConfig::new(8, 4);
     cfg.host_admission_min_seen = 0;
     assert!(matches!(
-        KvCacheManager::new(cfg).unwrap_err(),
+        <HybridManager as OneGroup>::build(cfg).unwrap_err(),
         Error::InvalidConfig {
             field: "host_admission_min_seen",
             ..
@@ -276,7 +276,7 @@ fn bad_host_configs_are_refused() {
     cfg.num_host_blocks = 4;
     cfg.enable_prefix_caching = false;
     assert!(matches!(
-        KvCacheManager::new(cfg).unwrap_err(),
+        <HybridManager as OneGroup>::build(cfg).unwrap_err(),
         Error::InvalidConfig {
             field: "num_host_blocks",
             ..
@@ -333,7 +333,7 @@ fn a_block_swapped_in_since_the_last_step_is_not_stored_before_its_copy_runs<M: 
     m.check_invariants().unwrap();
 }
 
-on_both_managers!(
+one_group_tests!(
     an_evicted_prefix_comes_back_as_host_loads,
     stores_only_hashes_seen_the_admission_count,
     a_pool_that_fits_one_request_with_its_loads_runs_it,

@@ -3,17 +3,16 @@
 //!    (tokens, computed count, status), checking after every operation the invariants
 //!    (`check_invariants`), that a failed call changes nothing, that the predicted demand is
 //!    exactly what a call takes and gives back, that `num_blocks_owed` is exactly the peak
-//!    demand of scheduling a group, and that freeing everything leaves the pool whole;
-//! 2. with one full-attention group, the same operations on `KvCacheManager` as the oracle:
-//!    block tables, prefix hits and demands must agree.
+//!    demand of scheduling a group, and that freeing everything leaves the pool whole. (One
+//!    full-attention group is held to the one-group suites through `common::OneGroup`.)
 //!
-//! Both drive speculative decoding's verify steps (`Verify`: lookahead slots for `k` drafts)
+//! It drives speculative decoding's verify steps (`Verify`: lookahead slots for `k` drafts)
 //! and their acceptance (`Accept`, releasing or keeping the rejected drafts' blocks).
 
 use pagedkv_core::hybrid::CPU_NULL;
 use pagedkv_core::{
-    BlockId, CacheConfig, Error, GroupSpec, HybridConfig, HybridManager, KvCacheManager, SeqId,
-    SeqStatus, SequenceSpec, StepRequest, NULL_BLOCK,
+    BlockId, Error, GroupSpec, HybridConfig, HybridManager, SeqId, SeqStatus, SequenceSpec,
+    StepRequest, NULL_BLOCK,
 };
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
@@ -543,34 +542,6 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
     assert_eq!(m.num_sequences(), 0);
 }
 
-/// `allocate_slots` on both managers: same demand, same result.
-fn both_allocate(
-    h: &HybridManager,
-    k: &KvCacheManager,
-    ids: &[SeqId],
-    seq: usize,
-    n: u8,
-) -> Result<(), TestCaseError> {
-    let Some(id) = pick(ids, seq) else {
-        return Ok(());
-    };
-    let dh = h.num_blocks_needed(id, n as usize).map(|d| d.take);
-    prop_assert_eq!(dh, k.num_blocks_needed(id, n as usize));
-    match (
-        h.allocate_slots(id, n as usize),
-        k.allocate_slots(id, n as usize),
-    ) {
-        (Ok(a), Ok(b)) => {
-            prop_assert_eq!(a.num_cached_tokens, b.num_cached_tokens);
-            prop_assert_eq!(&a.groups[0].new_block_ids, &b.new_block_ids);
-            prop_assert_eq!(&a.groups[0].copies, &b.copies);
-        }
-        (Err(a), Err(b)) => prop_assert_eq!(a, b),
-        (a, b) => prop_assert!(false, "{a:?} vs {b:?}"),
-    }
-    Ok(())
-}
-
 /// 300 cases, or `PROPTEST_CASES` when set (an explicit `cases` would override it).
 fn cases() -> u32 {
     std::env::var("PROPTEST_CASES")
@@ -597,106 +568,6 @@ proptest! {
         ops in prop::collection::vec(op(), 1..60),
     ) {
         run(layout_k, num_blocks, sparse, caching, ops);
-    }
-
-    /// One full-attention group is the one-group manager.
-    #[test]
-    fn one_full_group_is_the_one_group_manager(
-        num_blocks in 6u32..30,
-        ops in prop::collection::vec(op(), 1..60),
-    ) {
-        let h = HybridManager::new(HybridConfig::new(num_blocks, vec![GroupSpec::full(4, 8)], vec![0; 4])).unwrap();
-        let mut c = CacheConfig::new(num_blocks, 4);
-        c.num_cpu_blocks = 0;
-        let k = KvCacheManager::new(c).unwrap();
-        let mut ids: Vec<SeqId> = Vec::new();
-        let mut next: SeqId = 1;
-        for op in ops {
-            match op {
-                Op::Add { family, len } => {
-                    let p = prompt(family, len, next);
-                    h.add_sequence(next, p.clone(), SequenceSpec::default()).unwrap();
-                    k.add_sequence(next, &p, SequenceSpec::default()).unwrap();
-                    ids.push(next);
-                    next += 1;
-                }
-                Op::Append { seq, n } => {
-                    let Some(id) = pick(&ids, seq) else { continue };
-                    prop_assert_eq!(
-                        h.append_tokens(id, &vec![5; n as usize]),
-                        k.append_tokens(id, &vec![5; n as usize])
-                    );
-                }
-                Op::Allocate { seq, n } => both_allocate(&h, &k, &ids, seq, n)?,
-                Op::Step { seqs, n, .. } => both_allocate(&h, &k, &ids, seqs[0], n)?,
-                Op::Fork { seq } => {
-                    let Some(id) = pick(&ids, seq) else { continue };
-                    let r = h.fork(id, next);
-                    prop_assert_eq!(&r, &k.fork(id, next));
-                    if r.is_ok() {
-                        ids.push(next);
-                        next += 1;
-                    }
-                }
-                Op::Verify { seq, n, k: nd } => {
-                    let Some(id) = pick(&ids, seq) else { continue };
-                    let drafts: Vec<u32> = (0..nd as u32).map(|i| 50 + i).collect();
-                    match (
-                        h.allocate_slots_with_drafts(id, n as usize, &drafts),
-                        k.allocate_slots_with_drafts(id, n as usize, &drafts),
-                    ) {
-                        (Ok(a), Ok(b)) => {
-                            prop_assert_eq!(a.num_draft_tokens, b.num_draft_tokens);
-                            prop_assert_eq!(&a.groups[0].new_block_ids, &b.new_block_ids);
-                            prop_assert_eq!(&a.groups[0].copies, &b.copies);
-                        }
-                        (Err(a), Err(b)) => prop_assert_eq!(a, b),
-                        (a, b) => prop_assert!(false, "{a:?} vs {b:?}"),
-                    }
-                }
-                Op::Accept { seq, m, keep } => {
-                    let Some(id) = pick(&ids, seq) else { continue };
-                    let (a, b) = if keep {
-                        (h.accept_drafts_keeping_blocks(id, m as usize), k.accept_drafts_keeping_blocks(id, m as usize))
-                    } else {
-                        (h.accept_drafts(id, m as usize), k.accept_drafts(id, m as usize))
-                    };
-                    prop_assert_eq!(a.map(|r| r[0].clone()), b);
-                }
-                Op::Free { seq } => {
-                    let Some(id) = pick(&ids, seq) else { continue };
-                    h.free(id);
-                    k.free(id);
-                    ids.retain(|&x| x != id);
-                }
-                Op::Preempt { seq } => {
-                    let Some(id) = pick(&ids, seq) else { continue };
-                    h.preempt_recompute(&[id]).unwrap();
-                    k.preempt_recompute(&[id]).unwrap();
-                }
-                Op::Lookup { seq } => {
-                    let Some(id) = pick(&ids, seq) else { continue };
-                    prop_assert_eq!(h.lookup_prefix(id).unwrap(), k.lookup_prefix(id).unwrap());
-                }
-                Op::Owed { seqs } => {
-                    let mut chosen: Vec<SeqId> = Vec::new();
-                    for s in seqs {
-                        if let Some(id) = pick(&ids, s) {
-                            if !chosen.contains(&id) {
-                                chosen.push(id);
-                            }
-                        }
-                    }
-                    prop_assert_eq!(h.num_blocks_owed(&chosen).unwrap(), k.num_blocks_owed(&chosen).unwrap());
-                }
-                _ => {}
-            }
-            for &id in &ids {
-                prop_assert_eq!(&h.block_tables(id).unwrap()[0], &k.block_table(id).unwrap());
-            }
-            prop_assert_eq!(h.pool().free_queue(), k.pool().free_queue());
-            h.check_invariants().unwrap();
-        }
     }
 }
 

@@ -1,6 +1,5 @@
 //! loom models of the lock-free free list, the block pool, and the manager with its event sink
-//! (2–3 threads, 2–4 blocks); the manager models run on the one-group manager and on the
-//! groups manager with one full group ([`common::OneGroup`]).
+//! (2–3 threads, 2–4 blocks); the manager models run on the KV cache manager with one full-attention group ([`common::OneGroup`]).
 //!
 //! Run: `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR=target/loom \
 //!       cargo test -p pagedkv-core --release --test loom`
@@ -435,7 +434,7 @@ fn manager_concurrent_steps_take_distinct_blocks<M: OneGroup + Send + Sync + 'st
     });
 }
 
-on_both_managers!(
+one_group_tests!(
     manager_allocate_races_free_and_event_drain,
     manager_concurrent_steps_take_distinct_blocks,
 );

@@ -1,13 +1,13 @@
 //! Unit tests for each manager rule: prefix hits, chunked prefill, errors, fork, preemption,
-//! swap, reset, events, the batched step and stats. Exact values throughout, on the one-group
-//! manager and on the groups manager with one full group ([`common::OneGroup`]).
+//! swap, reset, events, the batched step and stats. Exact values throughout, on the manager with
+//! one full-attention group ([`common::OneGroup`]).
 
 mod common;
 
 use common::{OneGroup, Step};
 use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::{
-    BlockHash, BlockId, CacheConfig, Error, ExtraKey, KvCacheManager, MmItem, PrefixHasher,
+    BlockHash, BlockId, CacheConfig, Error, ExtraKey, HybridManager, MmItem, PrefixHasher,
     SeqStatus, SequenceSpec, StepOptions, StepRequest,
 };
 
@@ -48,7 +48,7 @@ fn config_validation_names_the_field() {
         (8, 0, "block_size"),
         (8, 4097, "block_size"),
     ] {
-        match KvCacheManager::new(CacheConfig::new(nb, bs)) {
+        match <HybridManager as OneGroup>::build(CacheConfig::new(nb, bs)) {
             Err(Error::InvalidConfig { field: f, .. }) => assert_eq!(f, field),
             other => panic!("{other:?}"),
         }
@@ -60,7 +60,7 @@ fn config_validation_names_the_field() {
             && c.num_cpu_blocks == 0
             && c.hash_seed.is_empty()
     );
-    KvCacheManager::new(c).unwrap();
+    <HybridManager as OneGroup>::build(c).unwrap();
 }
 
 fn argument_errors_change_nothing<M: OneGroup>() {
@@ -1039,7 +1039,7 @@ fn num_blocks_owed_matches_what_scheduling_takes<M: OneGroup>() {
     m.check_invariants().unwrap();
 }
 
-on_both_managers!(
+one_group_tests!(
     argument_errors_change_nothing,
     prefix_hit_is_capped_so_the_last_token_is_recomputed,
     prefix_lookup_happens_only_on_first_allocation,

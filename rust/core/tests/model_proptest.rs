@@ -2,15 +2,13 @@
 //! sequence (tokens, computed count, status), checking docs/design.md's invariants after every op:
 //! 1–4 through `check_invariants`, 5 (a failed call leaves the state bit-identical), 6
 //! (predicted blocks == blocks taken), 7 (everything freed ⇒ pool whole, no sequence left) and
-//! 8 (reset only when nothing is in use; afterwards no hash). Runs on the one-group manager and
-//! on the groups manager with one full-attention group ([`common::OneGroup`]).
+//! 8 (reset only when nothing is in use; afterwards no hash). Runs on the KV cache manager with one full-attention group ([`common::OneGroup`]).
 
 mod common;
 
 use common::OneGroup;
 use pagedkv_core::{
-    BlockHash, BlockId, CacheConfig, Error, HybridManager, KvCacheManager, SeqStatus, SequenceSpec,
-    StepRequest,
+    BlockHash, BlockId, CacheConfig, Error, HybridManager, SeqStatus, SequenceSpec, StepRequest,
 };
 use proptest::prelude::*;
 
@@ -430,11 +428,6 @@ fn run<M: OneGroup>(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> 
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
-
-    #[test]
-    fn manager_matches_model_and_keeps_invariants(ops in proptest::collection::vec(op(), 1..80), cpu in 0u32..6) {
-        run::<KvCacheManager>(ops, cpu)?;
-    }
 
     #[test]
     fn one_full_group_matches_model_and_keeps_invariants(ops in proptest::collection::vec(op(), 1..80), cpu in 0u32..6) {

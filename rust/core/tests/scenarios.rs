@@ -1,6 +1,5 @@
 //! Regression scenarios S1, S2, S3, S4, S7, S8 (docs/design.md, "Regression scenarios"), each
-//! asserting exact values, on the one-group manager and on the groups manager with one full
-//! group ([`common::OneGroup`]).
+//! asserting exact values, on the KV cache manager with one full-attention group ([`common::OneGroup`]).
 
 mod common;
 
@@ -363,7 +362,7 @@ fn s8_null_block_is_never_capacity<M: OneGroup>() {
     m.check_invariants().unwrap();
 }
 
-on_both_managers!(
+one_group_tests!(
     s1_failed_allocation_does_not_leak_prefix_hits,
     s2_reused_block_carries_no_stale_hash,
     s3_capacity_check_predicts_exactly_what_is_taken,

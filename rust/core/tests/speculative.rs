@@ -1,8 +1,8 @@
 //! Speculative decoding in the manager: lookahead slots for draft tokens, acceptance of a
 //! prefix of them, rejected slots and blocks given back, nothing hashed or announced for
 //! drafts, prefix reuse equal to decoding without speculation, and bad input refused with the
-//! state unchanged. Exact values throughout, on the one-group manager and on the groups manager
-//! with one full group ([`common::OneGroup`]).
+//! state unchanged. Exact values throughout, on the KV cache manager with one full-attention
+//! group ([`common::OneGroup`]).
 
 mod common;
 
@@ -508,7 +508,7 @@ fn lookahead_only_allocation_holds_a_block_for_an_unknown_token<M: OneGroup>() {
     m.check_invariants().unwrap();
 }
 
-on_both_managers!(
+one_group_tests!(
     verify_step_gives_lookahead_slots_in_the_same_call,
     partial_acceptance_frees_the_rejected_tail_and_hashes_filled_blocks,
     rejecting_every_draft_releases_every_lookahead_block,

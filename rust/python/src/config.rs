@@ -3,7 +3,7 @@
 use crate::convert::{repr, type_name, uint};
 use crate::errors::to_pyerr;
 use pagedkv_core::host_tier::{HostEviction, MAX_HOST_BLOCKS};
-use pagedkv_core::manager::MAX_BLOCK_SIZE;
+use pagedkv_core::one_group::MAX_BLOCK_SIZE;
 use pagedkv_core::pool::MAX_BLOCKS;
 use pagedkv_core::{CacheConfig, Error, HashAlgo};
 use pyo3::prelude::*;

@@ -15,7 +15,6 @@ mod host_pool;
 mod hybrid;
 mod indexer;
 mod manager;
-mod one_group;
 mod pool;
 mod stats;
 
@@ -27,7 +26,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::init(m.py())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("NULL_BLOCK", pagedkv_core::NULL_BLOCK)?;
-    m.add("MAX_BLOCK_SIZE", pagedkv_core::manager::MAX_BLOCK_SIZE)?;
+    m.add("MAX_BLOCK_SIZE", pagedkv_core::one_group::MAX_BLOCK_SIZE)?;
     m.add("MAX_BLOCKS", pagedkv_core::pool::MAX_BLOCKS)?;
     // The host tier's eviction policy names, so callers (the engine's CLI) keep no second list.
     let evictions = pagedkv_core::host_tier::HostEviction::ALL.map(|e| e.name());

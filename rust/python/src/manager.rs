@@ -10,11 +10,11 @@ use crate::convert::{
 };
 use crate::errors::{error_instance, IntoPyResult};
 use crate::events::event_object;
-use crate::one_group::OneGroupManager;
 use crate::pool::PyBlockPool;
 use crate::stats::PyCacheStats;
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyUntypedArray, PyUntypedArrayMethods};
+use pagedkv_core::one_group::OneGroupManager;
 use pagedkv_core::{BlockId, ExtraKey, MmItem, SequenceSpec, StepDrafts, StepOptions, StepRequest};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList};

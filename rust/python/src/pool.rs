@@ -3,9 +3,9 @@
 
 use crate::convert::{bad, block_ids, bytes_arg, count, uint};
 use crate::errors::{read_only_pool, to_pyerr, IntoPyResult};
-use crate::one_group::OneGroupManager;
 use numpy::{PyArray1, PyArrayMethods};
 use pagedkv_core::events::EventSink;
+use pagedkv_core::one_group::OneGroupManager;
 use pagedkv_core::pool::BlockPool;
 use pagedkv_core::{BlockHash, BlockId};
 use pyo3::prelude::*;
