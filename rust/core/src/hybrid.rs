@@ -46,8 +46,10 @@ use crate::manager::{
 };
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
+use crate::seq_table::{duplicate_id, SeqTable};
 use crate::sync::Mutex;
 use crate::{BlockId, SeqId, NULL_BLOCK};
+use smallvec::SmallVec;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
@@ -257,9 +259,10 @@ struct Seq {
     num_computed: usize,
     /// Context of the last allocation: every query since reads from its window on.
     last_context: usize,
-    tables: Vec<GroupTable>,
+    /// Per group; inline for one group (no pointer chase per sequence in a step).
+    tables: SmallVec<[GroupTable; 1]>,
     /// Per block-size class, the memo of plain chain hashes.
-    chains: Vec<Vec<BlockHash>>,
+    chains: SmallVec<[Vec<BlockHash>; 1]>,
     /// Its KV predates the last prefix-cache reset (it was swapped out then): no block of any
     /// group is registered in the prefix cache until a recompute preemption computes the KV
     /// afresh (docs/design.md, "KV cache groups").
@@ -308,9 +311,8 @@ struct CpuPool {
 
 #[derive(Debug)]
 struct State {
-    /// Per sequence id (foldhash: a step looks every scheduled id up, SipHash was a tenth of a
-    /// decode step).
-    seqs: foldhash::HashMap<SeqId, Seq>,
+    /// Per sequence id, in a slab: a step resolves every scheduled id to its slot once.
+    seqs: SeqTable<Seq>,
     cpu: CpuPool,
     events: Vec<GroupEvent>,
     /// Index key -> (group, plain hash), for the keys that resolve (events on only): names
@@ -328,6 +330,8 @@ pub struct HybridManager {
     cfg: HybridConfig,
     /// Hit unit in tokens (LCM of block sizes).
     unit: usize,
+    /// Every group is full attention (nothing ever leaves a window).
+    all_full: bool,
     /// Per group, its block-size class (groups of one block size share a plain chain).
     class_of: Vec<usize>,
     class_bs: Vec<usize>,
@@ -341,6 +345,29 @@ pub struct HybridManager {
     /// The prefix cache's host tier (`None` with `num_host_blocks == 0`: nothing of it runs),
     /// taken only under the state lock (lock order: state, host, counters).
     host: Option<Mutex<HostSide>>,
+}
+
+/// A [`HybridAllocation`] as the step loop uses it: the per-group parts inline for one group,
+/// so its decode step allocates nothing on the heap for them.
+#[derive(Debug, Default)]
+struct Alloc {
+    num_scheduled_tokens: usize,
+    num_cached_tokens: usize,
+    num_context_tokens: usize,
+    num_draft_tokens: usize,
+    groups: SmallVec<[GroupAllocation; 1]>,
+}
+
+impl From<Alloc> for HybridAllocation {
+    fn from(a: Alloc) -> Self {
+        Self {
+            num_scheduled_tokens: a.num_scheduled_tokens,
+            num_cached_tokens: a.num_cached_tokens,
+            num_context_tokens: a.num_context_tokens,
+            num_draft_tokens: a.num_draft_tokens,
+            groups: a.groups.into_vec(),
+        }
+    }
 }
 
 /// Per-group plan of one allocation.
@@ -361,21 +388,40 @@ struct Plan {
     first: bool,
     context: usize,
     q: usize,
-    groups: Vec<GroupPlan>,
+    /// Per group; inline for one group (no heap hop on its decode step).
+    groups: SmallVec<[GroupPlan; 1]>,
     hits_free: usize,
-    demand: BlockDemand,
+    /// Blocks taken from and given back to the free pool, in all and per group.
+    take: usize,
+    release: usize,
+    per_group: SmallVec<[(usize, usize); 1]>,
 }
+
+impl Plan {
+    fn demand(&self) -> BlockDemand {
+        BlockDemand {
+            take: self.take,
+            release: self.release,
+            per_group: self.per_group.to_vec(),
+        }
+    }
+}
+
+type FixedMap<K, V> = HashMap<K, V, foldhash::fast::FixedState>;
+type FixedSet<K> = HashSet<K, foldhash::fast::FixedState>;
 
 /// The pool as an allocation will find it: the real pool plus the effects of earlier
 /// (simulated) allocations. Empty for a single call, so a plan and the call agree exactly.
 struct Sim<'a> {
     pool: &'a BlockPool,
-    refs: HashMap<BlockId, u32>,
+    // Fixed-seed maps: a sim is built per allocation, and seeding each map (std's RandomState,
+    // foldhash's per-map seed) cost a tenth of a one-group decode step.
+    refs: FixedMap<BlockId, u32>,
     /// Per key, the holders earlier members registered, in order ([`VIRTUAL`] for a block
     /// they take in the simulation); newer than every holder in the pool, and in use.
-    registered: HashMap<BlockHash, Vec<BlockId>>,
-    evicted: HashSet<BlockId>,
-    hashed: HashSet<BlockId>,
+    registered: FixedMap<BlockHash, Vec<BlockId>>,
+    evicted: FixedSet<BlockId>,
+    hashed: FixedSet<BlockId>,
     uncached: usize,
     /// The LRU of cached free blocks, read from the pool on the first simulated eviction.
     lru: Option<VecDeque<BlockId>>,
@@ -390,10 +436,10 @@ impl<'a> Sim<'a> {
     fn new(pool: &'a BlockPool) -> Self {
         Self {
             pool,
-            refs: HashMap::new(),
-            registered: HashMap::new(),
-            evicted: HashSet::new(),
-            hashed: HashSet::new(),
+            refs: FixedMap::default(),
+            registered: FixedMap::default(),
+            evicted: FixedSet::default(),
+            hashed: FixedSet::default(),
             uncached: pool.num_free() - pool.num_cached_free(),
             lru: None,
             lru_moves: Vec::new(),
@@ -568,7 +614,7 @@ impl HybridManager {
         let hasher = PrefixHasher::new(cfg.hash_algo, &cfg.hash_seed);
         let n = cfg.num_cpu_blocks;
         let state = State {
-            seqs: foldhash::HashMap::default(),
+            seqs: SeqTable::default(),
             cpu: CpuPool {
                 refs: vec![0; n as usize],
                 free: (0..n).rev().collect(),
@@ -578,6 +624,7 @@ impl HybridManager {
             table_versions: 0,
         };
         Ok(Self {
+            all_full: cfg.groups.iter().all(|g| !g.is_windowed()),
             cfg,
             unit,
             class_of,
@@ -629,8 +676,8 @@ impl HybridManager {
                 status: SeqStatus::Running,
                 num_computed: 0,
                 last_context: 0,
-                tables: vec![GroupTable::default(); g],
-                chains: vec![Vec::new(); self.class_bs.len()],
+                tables: filled(g),
+                chains: filled(self.class_bs.len()),
                 stale_kv: false,
                 looked_up: false,
                 drafts: Vec::new(),
@@ -669,7 +716,7 @@ impl HybridManager {
         let mut st = self.state.lock();
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         let sim = Sim::new(&self.pool);
-        Ok(self.plan(seq, s, num_new_tokens, &sim)?.demand)
+        Ok(self.plan(seq, s, num_new_tokens, &sim)?.demand())
     }
 
     /// Free blocks a group of sequences needs so that scheduling all of their uncomputed tokens
@@ -698,7 +745,7 @@ impl HybridManager {
             }
             let n = s.tokens.len() - s.num_computed;
             let plan = self.plan(*id, s, n, &sim)?;
-            net += plan.demand.net();
+            net += plan.take as isize - plan.release as isize;
             peak = peak.max(net);
             // What the allocation does to the pool, for the members after it.
             let mut released = Vec::new();
@@ -789,7 +836,7 @@ impl HybridManager {
         let mut out = Vec::new();
         let a = self.allocate_locked(seq, s, num_new_tokens, &mut out)?;
         self.absorb(st, out);
-        Ok(a)
+        Ok(a.into())
     }
 
     /// Speculative decoding's verify step: [`Self::allocate_slots`] plus lookahead slots for
@@ -818,7 +865,7 @@ impl HybridManager {
         let mut out = Vec::new();
         let a = self.allocate_locked_with_drafts(seq, s, num_new_tokens, draft_tokens, &mut out)?;
         self.absorb(st, out);
-        Ok(a)
+        Ok(a.into())
     }
 
     /// Exactly what the next [`Self::allocate_slots_with_drafts`] with `num_drafts` drafts
@@ -835,7 +882,7 @@ impl HybridManager {
         let sim = Sim::new(&self.pool);
         Ok(self
             .plan_with_drafts(seq, s, num_new_tokens, num_drafts, &sim)?
-            .demand)
+            .demand())
     }
 
     /// Resolves the pending drafts of `seq` after verification: the first `num_accepted`
@@ -1319,11 +1366,24 @@ impl HybridManager {
         drafts: &StepDrafts,
         opts: HybridStepOptions,
     ) -> HybridStepOutput {
+        // Sized for the common decode step (one token per sequence) so the hot loop rarely
+        // reallocates; prefill chunks grow the token-indexed vectors as needed.
         let n = req.seq_ids.len();
         let ng = self.num_groups();
+        let tokens = if opts.skip_token_arrays { 0 } else { n };
         let mut out = HybridStepOutput {
             num_groups: ng,
             block_table_width: usize::from(!opts.skip_block_table),
+            num_cached_tokens: Vec::with_capacity(n),
+            query_start_loc: Vec::with_capacity(n + 1),
+            seq_lens: Vec::with_capacity(n),
+            context_lens: Vec::with_capacity(n),
+            input_ids: Vec::with_capacity(tokens),
+            slot_mapping: Vec::with_capacity(ng * tokens),
+            new_block_indptr: Vec::with_capacity(n * ng + 1),
+            table_start: Vec::with_capacity(n * ng),
+            table_version: Vec::with_capacity(n),
+            table_delta_indptr: Vec::with_capacity(n * ng + 1),
             ..Default::default()
         };
         out.query_start_loc.push(0);
@@ -1333,8 +1393,13 @@ impl HybridManager {
             out.error = Some(e);
             return out;
         }
-        let mut seen = foldhash::HashSet::with_capacity_and_hasher(n, Default::default());
-        if let Some(&dup) = req.seq_ids.iter().find(|&&id| !seen.insert(id)) {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        // Resolve every id to its slot once; a sequence listed twice would get two overlapping
+        // slot ranges in one step, so that is refused before anything is scheduled.
+        let seq_slots: Vec<Option<u32>> =
+            req.seq_ids.iter().map(|&id| st.seqs.slot_of(id)).collect();
+        if let Some(dup) = duplicate_id(&req.seq_ids, &seq_slots, st.seqs.num_slots()) {
             out.error = Some(Error::InvalidArgument {
                 arg: "seq_ids",
                 value: dup.to_string(),
@@ -1342,12 +1407,11 @@ impl HybridManager {
             });
             return out;
         }
-        let mut guard = self.state.lock();
-        let st = &mut *guard;
-        let mut slots: Vec<Vec<i64>> = if opts.skip_token_arrays {
+        // Group 0's slots go straight into the output; the other groups' rows follow it.
+        let mut rows: Vec<Vec<i64>> = if opts.skip_token_arrays {
             Vec::new()
         } else {
-            vec![Vec::new(); ng]
+            (1..ng).map(|_| Vec::with_capacity(n)).collect()
         };
         let drafts_of = |i: usize| -> &[u32] {
             if drafts.indptr.is_empty() {
@@ -1357,11 +1421,12 @@ impl HybridManager {
             }
         };
         let mut ev = Vec::new();
-        for (i, &seq) in req.seq_ids.iter().enumerate() {
-            let Some(s) = st.seqs.get_mut(&seq) else {
+        for (i, (&seq, &slot)) in req.seq_ids.iter().zip(&seq_slots).enumerate() {
+            let Some(slot) = slot else {
                 out.error = Some(unknown(seq));
                 break;
             };
+            let s = st.seqs.at_slot_mut(slot);
             let old_len = s.tokens.len();
             if !req.append_indptr.is_empty() {
                 let (a, b) = (
@@ -1413,7 +1478,12 @@ impl HybridManager {
                 let t = &mut s.tables[g];
                 if !opts.skip_token_arrays {
                     // Block by block: one division per run of consecutive slots.
-                    let (row, mut pos) = (&mut slots[g], ctx);
+                    let row = if g == 0 {
+                        &mut out.slot_mapping
+                    } else {
+                        &mut rows[g - 1]
+                    };
+                    let mut pos = ctx;
                     while pos < ctx + q {
                         let off = pos % bs;
                         let run = (bs - off).min(ctx + q - pos);
@@ -1438,28 +1508,32 @@ impl HybridManager {
             }
         }
         self.absorb(st, ev);
-        for row in slots {
+        for row in rows {
             out.slot_mapping.extend(row);
         }
         if opts.skip_block_table {
             return out;
         }
-        let scheduled = &req.seq_ids[..out.num_scheduled];
-        let width = scheduled
-            .iter()
-            .flat_map(|id| st.seqs[id].tables.iter().map(|t| t.blocks.len()))
+        let num_scheduled = out.num_scheduled;
+        let scheduled = || {
+            seq_slots[..num_scheduled]
+                .iter()
+                .map(|slot| st.seqs.at_slot(slot.expect("scheduled")))
+        };
+        let width = scheduled()
+            .flat_map(|s| s.tables.iter().map(|t| t.blocks.len()))
             .max()
             .unwrap_or(0)
             .max(1);
-        out.block_table = Vec::with_capacity(ng * scheduled.len() * width);
+        let mut dense = Vec::with_capacity(ng * num_scheduled * width);
         for g in 0..ng {
-            for id in scheduled {
-                let t = &st.seqs[id].tables[g].blocks;
-                out.block_table.extend(t.iter().map(|&b| b as i32));
-                out.block_table
-                    .resize(out.block_table.len() + width - t.len(), NULL_BLOCK as i32);
+            for s in scheduled() {
+                let t = &s.tables[g].blocks;
+                dense.extend(t.iter().map(|&b| b as i32));
+                dense.resize(dense.len() + width - t.len(), NULL_BLOCK as i32);
             }
         }
+        out.block_table = dense;
         out.block_table_width = width;
         out
     }
@@ -1807,6 +1881,7 @@ impl HybridManager {
     /// The plan of an allocation of `num_new_tokens` plus `num_drafts` lookahead slots.
     /// Windowed groups release by the committed context only: the lookahead positions never
     /// move a window (the verify query's first row still reads from `first_read(context)`).
+    #[inline(always)] // built in place in the caller's frame: a decode step moves no plan
     fn plan_with_drafts(
         &self,
         seq: SeqId,
@@ -1837,10 +1912,11 @@ impl HybridManager {
             return Err(drafts_pending(seq, "allocate_slots"));
         }
         let first = s.is_first();
-        let (context, hits) = if first {
-            self.find_hits(s, sim)
+        let (context, hits): (usize, SmallVec<[Vec<BlockId>; 1]>) = if first {
+            let (context, hits) = self.find_hits(s, sim);
+            (context, SmallVec::from_vec(hits))
         } else {
-            (s.num_computed, vec![Vec::new(); self.num_groups()])
+            (s.num_computed, filled(self.num_groups()))
         };
         let remaining = s.tokens.len() - context;
         if lookahead_only && (first || remaining > 0) {
@@ -1876,12 +1952,10 @@ impl HybridManager {
         }
         // Slots up to here: the scheduled tokens, then the lookahead slots of the drafts.
         let end = context + q + num_drafts;
-        let mut demand = BlockDemand {
-            per_group: Vec::with_capacity(self.num_groups()),
-            ..BlockDemand::default()
-        };
-        let mut hit_free = HashSet::new();
-        let mut groups = Vec::with_capacity(self.num_groups());
+        let (mut take_all, mut release_all) = (0, 0);
+        let mut per_group = SmallVec::new();
+        let mut hit_free = FixedSet::default();
+        let mut groups = SmallVec::new();
         for (g, hits) in hits.into_iter().enumerate() {
             let spec = self.cfg.groups[g];
             let bs = spec.block_size as usize;
@@ -1922,9 +1996,9 @@ impl HybridManager {
                     && t.blocks.get(context / bs).is_some_and(|&b| sim.refc(b) > 1);
             }
             take += gp.fresh + usize::from(gp.cow);
-            demand.take += take;
-            demand.release += release;
-            demand.per_group.push((take, release));
+            take_all += take;
+            release_all += release;
+            per_group.push((take, release));
             groups.push(gp);
         }
         Ok(Plan {
@@ -1933,7 +2007,9 @@ impl HybridManager {
             q,
             groups,
             hits_free: hit_free.len(),
-            demand,
+            take: take_all,
+            release: release_all,
+            per_group,
         })
     }
 
@@ -1943,7 +2019,7 @@ impl HybridManager {
         s: &mut Seq,
         num_new_tokens: usize,
         ev: &mut Vec<Pending>,
-    ) -> Result<HybridAllocation> {
+    ) -> Result<Alloc> {
         self.allocate_locked_with_drafts(seq, s, num_new_tokens, &[], ev)
     }
 
@@ -1954,7 +2030,7 @@ impl HybridManager {
         num_new_tokens: usize,
         drafts: &[u32],
         ev: &mut Vec<Pending>,
-    ) -> Result<HybridAllocation> {
+    ) -> Result<Alloc> {
         self.allocate_reserving(seq, s, num_new_tokens, drafts, 0, ev)
     }
 
@@ -1968,25 +2044,28 @@ impl HybridManager {
         drafts: &[u32],
         reserve: usize,
         ev: &mut Vec<Pending>,
-    ) -> Result<HybridAllocation> {
+    ) -> Result<Alloc> {
+        if let Some(done) = self.extend_running(s, num_new_tokens, drafts, reserve, ev) {
+            return done;
+        }
         let plan = {
             let sim = Sim::new(&self.pool);
             self.plan_with_drafts(seq, s, num_new_tokens, drafts.len(), &sim)?
         };
-        let available = self.pool.num_free() + plan.demand.release;
-        let requested = plan.demand.take.saturating_add(reserve);
+        let available = self.pool.num_free() + plan.release;
+        let requested = plan.take.saturating_add(reserve);
         if requested > available {
             return Err(Error::OutOfBlocks {
                 requested,
                 available,
             });
         }
-        let mut out = HybridAllocation {
+        let mut out = Alloc {
             num_scheduled_tokens: plan.q,
             num_cached_tokens: if plan.first { plan.context } else { 0 },
             num_context_tokens: plan.context,
             num_draft_tokens: drafts.len(),
-            groups: vec![GroupAllocation::default(); self.num_groups()],
+            groups: filled(self.num_groups()),
         };
         // Release first (tail first), so the blocks given back can be taken again.
         let mut released = Vec::new();
@@ -2013,7 +2092,7 @@ impl HybridManager {
         if !touched.is_empty() {
             self.pool.touch(&touched)?;
         }
-        let n_new = plan.demand.take - plan.hits_free;
+        let n_new = plan.take - plan.hits_free;
         let mut host = self.host.as_ref().map(|h| h.lock());
         let loads = match host.as_deref_mut() {
             Some(h) if plan.first => self.pin_loads(h, s, &plan.groups)?,
@@ -2079,6 +2158,84 @@ impl HybridManager {
         // Only blocks full of computed, finalized tokens: drafts never reach the cache.
         self.cache_full(s, ev, true);
         Ok(out)
+    }
+
+    /// The common step of a running sequence (a decode, a prefill chunk) without the general
+    /// plan, when it cannot differ from it: every group full attention (nothing leaves a
+    /// window), no drafts pending or proposed, no shared last block to copy, blocks enough.
+    /// `None` otherwise: the general path then decides, errors included. Same effects as the
+    /// general path (the hybrid proptests drive both); it keeps a one-group decode step as cheap
+    /// as a manager without groups (`cargo bench --bench one_group`).
+    fn extend_running(
+        &self,
+        s: &mut Seq,
+        num_new_tokens: usize,
+        drafts: &[u32],
+        reserve: usize,
+        ev: &mut Vec<Pending>,
+    ) -> Option<Result<Alloc>> {
+        if !self.all_full
+            || s.status != SeqStatus::Running
+            || s.num_computed == 0
+            || num_new_tokens == 0
+            || !drafts.is_empty()
+            || !s.drafts.is_empty()
+        {
+            return None;
+        }
+        let context = s.num_computed;
+        let q = num_new_tokens.min(s.tokens.len() - context);
+        if q == 0 {
+            return None;
+        }
+        let end = context + q;
+        let mut take = 0;
+        for (t, spec) in s.tables.iter().zip(&self.cfg.groups) {
+            let bs = spec.block_size as usize;
+            let shared = |&b: &BlockId| self.pool.ref_count(b) > 1;
+            if context % bs != 0 && t.blocks.get(context / bs).is_some_and(shared) {
+                return None; // copy-on-write
+            }
+            take += end.div_ceil(bs).saturating_sub(t.blocks.len());
+        }
+        if take.saturating_add(reserve) > self.pool.num_free() {
+            return None;
+        }
+        let new = if take == 0 {
+            Vec::new()
+        } else {
+            let mut host = self.host.as_ref().map(|h| h.lock());
+            match self.allocate_storing(take, host.as_deref_mut(), ev) {
+                Ok(new) => new,
+                Err(e) => return Some(Err(e)),
+            }
+        };
+        self.drain_pool(ev);
+        let mut out = Alloc {
+            num_scheduled_tokens: q,
+            num_context_tokens: context,
+            groups: filled(self.num_groups()),
+            ..Alloc::default()
+        };
+        let mut fresh = new.into_iter();
+        for ((t, spec), ga) in s
+            .tables
+            .iter_mut()
+            .zip(&self.cfg.groups)
+            .zip(&mut out.groups)
+        {
+            let blocks = end.div_ceil(spec.block_size as usize);
+            while t.blocks.len() < blocks {
+                let b = fresh.next().expect("allocated");
+                t.blocks.push(b);
+                ga.new_block_ids.push(b);
+            }
+            t.spare = t.blocks.len() - blocks;
+        }
+        s.last_context = context;
+        s.num_computed = end;
+        self.cache_full(s, ev, true);
+        Some(Ok(out))
     }
 
     fn accept_drafts_with(
@@ -2312,6 +2469,17 @@ impl HybridManager {
             let freed = self.pool.free(&tail_first);
             debug_assert!(freed.is_ok(), "{freed:?}");
         }
+    }
+}
+
+/// `n` default values in a one-inline `SmallVec`, built in the caller's frame (`collect`
+/// from an iterator, then the move out of a call, cost a tenth of a one-group decode step).
+#[inline(always)]
+fn filled<T: Default>(n: usize) -> SmallVec<[T; 1]> {
+    if n == 1 {
+        SmallVec::from_buf([T::default()])
+    } else {
+        (0..n).map(|_| T::default()).collect()
     }
 }
 

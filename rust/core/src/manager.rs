@@ -27,7 +27,7 @@ use crate::host_tier::{
 };
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
-use crate::seq_table::SeqTable;
+use crate::seq_table::{duplicate_id, SeqTable};
 use crate::sync::Mutex;
 use crate::{BlockId, SeqId, NULL_BLOCK};
 use std::borrow::Cow;
@@ -2228,27 +2228,6 @@ fn cpu_release(cpu: &mut CpuPool, table: &[BlockId]) {
             cpu.free.push(c);
         }
     }
-}
-
-/// The first id listed twice in `ids`, given each id's slot (`None` = unknown id). Known ids
-/// are checked with one bit per slot; unknown ids (rare: that step fails anyway) by a scan.
-fn duplicate_id(ids: &[SeqId], slots: &[Option<u32>], num_slots: usize) -> Option<SeqId> {
-    let mut seen = vec![false; num_slots];
-    let mut unknown_ids: Vec<SeqId> = Vec::new();
-    for (&id, slot) in ids.iter().zip(slots) {
-        let dup = match slot {
-            Some(slot) => std::mem::replace(&mut seen[*slot as usize], true),
-            None if unknown_ids.contains(&id) => true,
-            None => {
-                unknown_ids.push(id);
-                false
-            }
-        };
-        if dup {
-            return Some(id);
-        }
-    }
-    None
 }
 
 /// Checks an `accept_drafts(seq, num_accepted)` call against the sequence's `pending` draft

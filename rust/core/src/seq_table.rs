@@ -104,6 +104,10 @@ impl<T> SeqTable<T> {
             .filter_map(|e| e.as_ref().map(|(k, v)| (k, v)))
     }
 
+    pub(crate) fn keys(&self) -> impl Iterator<Item = &SeqId> {
+        self.iter().map(|(k, _)| k)
+    }
+
     pub(crate) fn values(&self) -> impl Iterator<Item = &T> {
         self.iter().map(|(_, v)| v)
     }
@@ -121,6 +125,31 @@ impl<T> std::ops::Index<&SeqId> for SeqTable<T> {
     fn index(&self, id: &SeqId) -> &T {
         self.get(id).expect("known sequence id")
     }
+}
+
+/// The first id listed twice in `ids`, given each id's slot (`None` = unknown id). Known ids
+/// are checked with one bit per slot; unknown ids (rare: that step fails anyway) by a scan.
+pub(crate) fn duplicate_id(
+    ids: &[SeqId],
+    slots: &[Option<u32>],
+    num_slots: usize,
+) -> Option<SeqId> {
+    let mut seen = vec![false; num_slots];
+    let mut unknown_ids: Vec<SeqId> = Vec::new();
+    for (&id, slot) in ids.iter().zip(slots) {
+        let dup = match slot {
+            Some(slot) => std::mem::replace(&mut seen[*slot as usize], true),
+            None if unknown_ids.contains(&id) => true,
+            None => {
+                unknown_ids.push(id);
+                false
+            }
+        };
+        if dup {
+            return Some(id);
+        }
+    }
+    None
 }
 
 #[cfg(test)]
