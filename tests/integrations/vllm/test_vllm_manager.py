@@ -69,8 +69,8 @@ def _spec(**kw: Any) -> Any:
 
 
 def test_two_kv_cache_groups_build_the_hybrid_manager() -> None:
-    # Several groups were refused before the hybrid manager; now they are served by it
-    # (tests/integrations/vllm/test_vllm_hybrid.py covers it in depth).
+    # Several groups were refused before the groups manager; now the one facade serves them over
+    # it (tests/integrations/vllm/test_vllm_hybrid.py covers it in depth).
     cfg = make_vllm_config(num_blocks=64)
     kv = KVCacheConfig(
         num_blocks=64,

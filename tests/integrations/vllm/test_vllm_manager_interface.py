@@ -1,6 +1,6 @@
-"""The ``kv_cache_manager`` calls both vLLM facades answer alike
-(``pagedkv.integrations.vllm.manager_interface``): each manager names its own class in its
-errors, answers per KV cache group, and a refused call changes nothing.
+"""The ``kv_cache_manager`` calls the vLLM facade answers alike for one KV cache group and for
+several (``pagedkv.integrations.vllm.manager_interface``): it names its class in its errors,
+answers per KV cache group, and a refused call changes nothing.
 
 Runs only where vLLM is installed (``make test-vllm``).
 """

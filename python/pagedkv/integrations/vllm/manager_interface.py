@@ -4,7 +4,7 @@ nor block allocation.
 :class:`~pagedkv.integrations.vllm.PagedKVCacheManager` allocates, frees and reports blocks; what
 does not touch the block tables is written here and inherited (:class:`SharedManagerCalls`): the request-id lookup,
 the prefix-cache stats, the checks of a capped hit, of refused ``allocate_slots`` options and of
-a double free, the no-op hooks (block caching, zeroing, copy-on-write, Mamba boundary states) and
+a double free, the no-op hooks (zeroing, copy-on-write, Mamba boundary states) and
 the refused KV-connector calls, the resolution of a verify step whose accepted tokens are not
 its drafts; plus the two constructor facts it reads (:func:`pagedkv_hash_algo`,
 :func:`caches_finished_drafts`).
@@ -181,9 +181,6 @@ class SharedManagerCalls:
                     value=str(value),
                     reason="refused by check_supported_config",
                 )
-
-    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
-        """No-op: pagedkv registers full blocks in the prefix cache as it allocates them."""
 
     @staticmethod
     def _check_unallocated_free(request: Any) -> None:
