@@ -274,11 +274,18 @@ class DecodeDeferral:
         if got_context != context:
             raise _mismatch("deferred decodes", "num_computed_tokens", context, got_context)
         g = self._num_groups
-        if len(ids) != g * len(new) or any(bounds[(i + 1) * g] - bounds[i * g] != g for i, _ in new):
+        if len(ids) != g * len(new):
             raise _mismatch("deferred decodes", "new blocks", g * len(new), len(ids))
         for i, blocks in new:
             base = i * g
-            blocks._groups = tuple(ids[bounds[base + k] : bounds[base + k + 1]] for k in range(g))
+            lo = bounds[base]
+            if bounds[base + g] - lo != g:
+                raise _mismatch("deferred decodes", "new blocks", g, bounds[base + g] - lo)
+            # One new block per group (one group: a one-element list, no walk).
+            if g == 1:
+                blocks._groups = ([ids[lo]],)
+            else:
+                blocks._groups = tuple(ids[bounds[base + k] : bounds[base + k + 1]] for k in range(g))
         slots = sum(map(len, rows))
         self.num_batched_allocations += slots
         return slots
