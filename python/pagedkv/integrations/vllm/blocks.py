@@ -44,8 +44,13 @@ def _make_blocks_class() -> type:
         ``KVCacheBlock`` views on demand (id only: ref counts and hashes live in pagedkv).
         """
 
+        #: The one group's id list when there is exactly one group (the fast path), else None.
+        _one: list[int] | None = None
+
         def __init__(self, groups: tuple[list[int], ...]) -> None:
             self.groups = groups
+            if len(groups) == 1:
+                self._one = groups[0]
 
         @property  # type: ignore[override, unused-ignore]
         def blocks(self) -> tuple[list[Any], ...]:
@@ -60,15 +65,25 @@ def _make_blocks_class() -> type:
             """Block ids per KV cache group (all groups, or ``group_ids``: a group the
             result does not have reads as empty), as vLLM's ``KVCacheBlocks.get_block_ids``;
             ``None`` when ``allow_none`` and every selected group is empty."""
-            groups = self.groups
-            if group_ids is None:
-                if len(groups) == 1:
-                    # One group: the scheduler's per-request read, one check.
-                    (ids,) = groups
-                    if allow_none and not ids:
-                        return None
-                    return (list(ids),)
-            else:
+            ids = self._one
+            if ids is None:
+                groups = self.groups  # a deferred result's read flushes here
+                if len(groups) != 1 or group_ids is not None:
+                    return self._select(groups, allow_none, group_ids)
+                ids = groups[0]
+            elif group_ids is not None:
+                return self._select(self.groups, allow_none, group_ids)
+            # One group: the scheduler's per-request read, one check.
+            if allow_none and not ids:
+                return None
+            return (list(ids),)
+
+        @staticmethod
+        def _select(
+            groups: tuple[list[int], ...], allow_none: bool, group_ids: Sequence[int] | None
+        ) -> tuple[list[int], ...] | None:
+            """``get_block_ids`` over several groups, or the ``group_ids`` selected."""
+            if group_ids is not None:
                 groups = tuple(groups[g] if 0 <= g < len(groups) else [] for g in group_ids)
             if allow_none and not any(groups):
                 return None
