@@ -259,11 +259,9 @@ def _hit(manager: Any, rid: str, prompt: list[int], features: list[Any]) -> int:
 @pytest.mark.parametrize("which", ["stock", "paged"])
 def test_multimodal_items_key_the_blocks_they_cover(which: str) -> None:
     kv_cfg = make_kv_cache_config(256)
-    manager: Any
-    if which == "stock":
-        manager = KVCacheManager(kv_cfg, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS)
-    else:
-        manager = PagedKVCacheManager(make_kv_cache_config(256, BS))
+    # Both built alike: pagedkv's facade takes vLLM's manager's constructor arguments.
+    kind: Any = KVCacheManager if which == "stock" else PagedKVCacheManager
+    manager = kind(kv_cfg, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS)
     prompt = list(range(1000, 1000 + 96))  # 6 blocks; an image in tokens 40..71
     assert _hit(manager, "m0", prompt, [_mm("img-A", 40, 32)]) == 0
     # Same image, same place: everything but the last block is served from cache.

@@ -68,8 +68,12 @@ def _make_blocks_class() -> type:
             ids = self._one
             if ids is None:
                 groups = self.groups  # a deferred result's read flushes here
-                if len(groups) != 1 or group_ids is not None:
+                if group_ids is not None:
                     return self._select(groups, allow_none, group_ids)
+                if len(groups) != 1:
+                    if allow_none and not any(groups):
+                        return None
+                    return tuple([*g] for g in groups)
                 ids = groups[0]
             elif group_ids is not None:
                 return self._select(self.groups, allow_none, group_ids)

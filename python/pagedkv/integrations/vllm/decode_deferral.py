@@ -106,10 +106,9 @@ class DecodeDeferral:
         self.pending_seqs: list[int] = []
         self.pending_tokens: list[list[int]] = []
         self.pending_context: list[int] = []
-        # Per deferred decode, the placeholder drafts after its token (async scheduling: [0]
-        # for a slot whose token is in flight and opens a block; [] otherwise).
-        self.pending_drafts: list[list[int]] = []
-        self._any_drafts = False
+        # Indices (into pending_*) of the deferred decodes whose next slot, whose token is in
+        # flight, opens a block (async scheduling): a placeholder draft 0 follows their token.
+        self.pending_placeholders: list[int] = []
         # Some deferred decode carries more than its own token (lagged ones): rows, not one
         # token per sequence, go into the step.
         self._multi = False
@@ -196,23 +195,20 @@ class DecodeDeferral:
                 return None
         else:
             return None
+        if placeholder:
+            self.pending_placeholders.append(len(self.pending_seqs))
         self.pending_seqs.append(self._seq_of[rid])
         if new_end - synced != 1:
             self._multi = True
         self.pending_tokens.append(tokens[synced:new_end])
         self.pending_context.append(synced)
-        if placeholder:
-            self.pending_drafts.append([0])
-            self._any_drafts = True
-        else:
-            self.pending_drafts.append([])
         self._num_known[rid] = new_end
         if self.lag:
             self.lag.pop(rid, None)
         # set_window(rid, new_end), inline: pagedkv will hold every token up to new_end.
         if offset and offset < bs - 1 and self.lags:
             self.lag_window[rid] = (new_end, new_end - offset + bs - 1)
-        else:
+        elif self.lag_window:
             self.lag_window.pop(rid, None)
         return blocks
 
@@ -244,10 +240,14 @@ class DecodeDeferral:
         if not seqs:
             return 0
         rows, context, new = self.pending_tokens, self.pending_context, self._pending_new
-        drafts = self.pending_drafts if self._any_drafts else None
+        drafts: list[list[int]] | None = None
+        if self.pending_placeholders:
+            drafts = [[] for _ in seqs]
+            for i in self.pending_placeholders:
+                drafts[i] = [0]
         flat = not self._multi
         self.pending_seqs, self.pending_tokens, self.pending_context, self._pending_new = [], [], [], []
-        self.pending_drafts, self._any_drafts, self._multi = [], False, False
+        self.pending_placeholders, self._multi = [], False
         self._deferred_free = None
         n = len(seqs)
         got = self._step(seqs, rows, drafts, flat)

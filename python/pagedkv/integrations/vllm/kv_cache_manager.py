@@ -331,6 +331,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         # dicts as the deferral's), and its pre-call sync.
         self._lag = self.decodes.lag
         self._lag_window = self.decodes.lag_window
+        self._defer = self.decodes.defer
         self._sync = self.decodes.sync
         # Speculative decoding: request id -> (the computed count its draft tokens start at,
         # the drafts) for a verify step whose acceptance vLLM has not reported yet. vLLM
@@ -564,13 +565,15 @@ class PagedKVCacheManager(SharedManagerCalls):
             # releases blocks as the sequence grows).
             rid = request.request_id
             pos = request.num_computed_tokens
-            first, end = self._lag_window.get(rid, NO_WINDOW)
+            windows = self._lag_window  # empty unless every group is full attention
             if not request.num_output_placeholders:
-                if first <= pos < end and len(request._all_token_ids) == pos + 1:
-                    self._lag[rid] = pos + 1
-                    return self.empty_kv_cache_blocks
+                if windows:
+                    first, end = windows.get(rid, NO_WINDOW)
+                    if first <= pos < end and len(request._all_token_ids) == pos + 1:
+                        self._lag[rid] = pos + 1
+                        return self.empty_kv_cache_blocks
                 if self.decodes.enabled:
-                    blocks = self.decodes.defer(request, rid, pos)
+                    blocks = self._defer(request, rid, pos)
                     if blocks is not None:
                         return blocks
             elif len(request._all_token_ids) == pos and self.decodes.enabled:
@@ -581,11 +584,13 @@ class PagedKVCacheManager(SharedManagerCalls):
                 if self._unknown and rid in self._unknown:
                     # The previous slot's placeholder: its token is known now. The block stays.
                     self._settle_unknown(rid, self._seq_of[rid])
-                elif first < pos <= end:
-                    self._lag[rid] = pos
-                    return self.empty_kv_cache_blocks
+                elif windows:
+                    first, end = windows.get(rid, NO_WINDOW)
+                    if first < pos <= end:
+                        self._lag[rid] = pos
+                        return self.empty_kv_cache_blocks
                 placeholder = not pos % self.block_size
-                blocks = self.decodes.defer(request, rid, pos - 1, placeholder)
+                blocks = self._defer(request, rid, pos - 1, placeholder)
                 if blocks is not None:
                     if placeholder:
                         self._unknown[rid] = pos + 1
