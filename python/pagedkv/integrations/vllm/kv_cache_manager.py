@@ -328,7 +328,7 @@ class PagedKVCacheManager(SharedManagerCalls):
             self._RUNNING,
         )
         # The fast path's state, read inline by allocate_slots once per decode (the same
-        # dicts as the deferral's), and its pre-call sync.
+        # dicts as the deferral's), its defer and its pre-call sync.
         self._lag = self.decodes.lag
         self._lag_window = self.decodes.lag_window
         self._defer = self.decodes.defer
