@@ -14,7 +14,7 @@ Workloads (each scheduler gets the same request stream):
 - ``mooncake``: the Mooncake conversation trace, prompts built from its ``hash_ids`` (equal ids
   give equal 512-token blocks, so requests share prefixes), same closed loop.
 - ``gemma3_decode128``: a hybrid model, Gemma 3's KV cache groups (one full-attention and five
-  sliding-window groups, window 512; ``HybridPagedKVCacheManager`` in the plug-in): 128
+  sliding-window groups, window 512; six groups of one ``PagedKVCacheManager`` in the plug-in): 128
   requests with distinct 600-token prompts (past the window), measured once all are decoding.
 
 Reported per step (mean over the measured steps, CPU time of this thread): ``schedule()``,
@@ -145,7 +145,6 @@ KV_FILES = (
     "/vllm/v1/core/block_pool.py",
     "/vllm/v1/core/kv_cache_utils.py",
     "/pagedkv/integrations/vllm/kv_cache_manager.py",
-    "/pagedkv/integrations/vllm/hybrid_kv_cache_manager.py",
     "/pagedkv/integrations/vllm/decode_deferral.py",
     "/pagedkv/integrations/vllm/blocks.py",
     "/pagedkv/integrations/vllm/coordinator.py",
@@ -156,9 +155,7 @@ KV_FUNCTIONS = ("Request.update_block_hashes",)
 BLOCKS_CLASSES = (
     "KVCacheBlocks.",
     "_make_blocks_class.<locals>.PagedKVBlocksImpl.",
-    "_make_grouped_class.<locals>.GroupedBlocksImpl.",
     "DeferredBlocks.",
-    "DeferredGroupedBlocks.",
     "PrefixHit.",
 )
 

@@ -24,7 +24,6 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from pagedkv.integrations.vllm import (  # noqa: E402
-    HybridPagedKVCacheManager,
     PagedKVAsyncScheduler,
     PagedKVCacheManager,
     PagedKVScheduler,
@@ -299,7 +298,8 @@ def test_hybrid_groups_match_stock_step_by_step(groups: Any) -> None:
         cfg = make_vllm_config(num_blocks=160, async_scheduling=True, max_num_batched_tokens=128)
         drivers.append(AsyncDriver(build_scheduler(cls, cfg, kv_cache_config=kv)))
     stock, paged = drivers
-    assert isinstance(paged.scheduler.kv_cache_manager, HybridPagedKVCacheManager)
+    assert isinstance(paged.scheduler.kv_cache_manager, PagedKVCacheManager)
+    assert paged.scheduler.kv_cache_manager.num_kv_cache_groups == len(groups)
     early_release = [0]
     for step, a, b in _drive_in_lockstep(stock, paged, stream):
         held_a, held_b = a.pop("blocks_held"), b.pop("blocks_held")

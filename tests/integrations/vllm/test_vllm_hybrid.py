@@ -35,7 +35,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from pagedkv.integrations.vllm import (  # noqa: E402
-    HybridPagedKVCacheManager,
+    PagedKVCacheManager,
     PagedKVScheduler,
     UnsupportedVllmConfigError,
 )
@@ -75,7 +75,8 @@ def _lockstep(
 ) -> tuple[Driver, Driver, list[tuple[dict[str, Any], dict[str, Any]]]]:
     """Feeds ``stream`` (step -> (id, prompt, max_tokens)) to both schedulers in lockstep."""
     stock, paged = _pair(groups, num_blocks, retention, **config)
-    assert isinstance(paged.scheduler.kv_cache_manager, HybridPagedKVCacheManager)
+    assert isinstance(paged.scheduler.kv_cache_manager, PagedKVCacheManager)
+    assert paged.scheduler.kv_cache_manager.num_kv_cache_groups == len(groups)
     records = []
     last = max(stream)
     for step in range(5000):
@@ -368,7 +369,7 @@ def _run_counted(cls: type, stream: Any, num_blocks: int, **config: Any) -> tupl
     d = Driver(build_scheduler(cls, make_vllm_config(num_blocks=num_blocks, **config), kv_cache_config=kv))
     kvm = d.scheduler.kv_cache_manager
     counter = _CountingManager(kvm._kvm)
-    kvm._kvm = counter
+    kvm._kvm = kvm.decodes._kvm = counter
     records, crossings = [], []
     for step in range(5000):
         for rid, prompt, max_tokens in stream.get(step, []):
@@ -378,7 +379,7 @@ def _run_counted(cls: type, stream: Any, num_blocks: int, **config: Any) -> tupl
         before = counter.steps
         records.append(d.step())
         crossings.append(counter.steps - before)
-    kvm._kvm = counter._inner
+    kvm._kvm = kvm.decodes._kvm = counter._inner
     kvm.manager.check_invariants()
     assert kvm.manager.num_sequences == 0
     return d, records, crossings

@@ -34,7 +34,6 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 import pagedkv  # noqa: E402
 from pagedkv.integrations.vllm import (  # noqa: E402
-    HybridPagedKVCacheManager,
     PagedKVCacheManager,
     PagedKVScheduler,
     UnsupportedVllmConfigError,
@@ -70,8 +69,8 @@ def _spec(**kw: Any) -> Any:
 
 
 def test_two_kv_cache_groups_build_the_hybrid_manager() -> None:
-    # Several groups were refused before the hybrid manager; now they are served by it
-    # (tests/integrations/vllm/test_vllm_hybrid.py covers it in depth).
+    # Several groups were refused before the groups manager; now the one facade serves them over
+    # it (tests/integrations/vllm/test_vllm_hybrid.py covers it in depth).
     cfg = make_vllm_config(num_blocks=64)
     kv = KVCacheConfig(
         num_blocks=64,
@@ -79,15 +78,17 @@ def test_two_kv_cache_groups_build_the_hybrid_manager() -> None:
         kv_cache_groups=[KVCacheGroupSpec(["a"], _spec()), KVCacheGroupSpec(["b"], _spec())],
     )
     sched = _build(cfg, kv)
-    assert isinstance(sched.kv_cache_manager, HybridPagedKVCacheManager)
-    assert sched.kv_cache_manager.manager.num_groups == 2
+    assert isinstance(sched.kv_cache_manager, PagedKVCacheManager)
+    assert sched.kv_cache_manager.num_kv_cache_groups == sched.kv_cache_manager.manager.num_groups == 2
 
 
 def test_one_sliding_window_group_builds_the_hybrid_manager_windowed_full_spec_refused() -> None:
     cfg = make_vllm_config(num_blocks=64)
     sw = SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32, sliding_window=128)
     kv = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["a"], sw)])
-    assert isinstance(_build(cfg, kv).kv_cache_manager, HybridPagedKVCacheManager)
+    windowed = _build(cfg, kv).kv_cache_manager
+    assert isinstance(windowed, PagedKVCacheManager)
+    assert [g.kind for g in windowed.manager.groups] == ["sliding_window"]
     kv2 = KVCacheConfig(
         num_blocks=64,
         kv_cache_tensors=[],
@@ -226,7 +227,7 @@ def test_streaming_input_request_refused() -> None:
 
 def test_unknown_hash_algo_refused() -> None:
     with pytest.raises(pagedkv.InvalidConfigError, match="prefix_caching_hash_algo"):
-        PagedKVCacheManager(64, BS, hash_algo="md5")
+        PagedKVCacheManager(make_kv_cache_config(64, BS), hash_algo="md5")
 
 
 # ---- multimodal identity, against vLLM's own manager --------------------------------------
@@ -258,11 +259,9 @@ def _hit(manager: Any, rid: str, prompt: list[int], features: list[Any]) -> int:
 @pytest.mark.parametrize("which", ["stock", "paged"])
 def test_multimodal_items_key_the_blocks_they_cover(which: str) -> None:
     kv_cfg = make_kv_cache_config(256)
-    manager: Any
-    if which == "stock":
-        manager = KVCacheManager(kv_cfg, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS)
-    else:
-        manager = PagedKVCacheManager(256, BS)
+    # Both built alike: pagedkv's facade takes vLLM's manager's constructor arguments.
+    kind: Any = KVCacheManager if which == "stock" else PagedKVCacheManager
+    manager = kind(kv_cfg, max_model_len=4096, scheduler_block_size=BS, hash_block_size=BS)
     prompt = list(range(1000, 1000 + 96))  # 6 blocks; an image in tokens 40..71
     assert _hit(manager, "m0", prompt, [_mm("img-A", 40, 32)]) == 0
     # Same image, same place: everything but the last block is served from cache.
@@ -372,6 +371,26 @@ def test_stock_vllm_salted_events_index_under_the_salt() -> None:
     assert indexer.overlap(plain + [0], cache_salt="tenant-a") == {5: 0}
 
 
+def _resolvable(manager: Any, chain: dict[bytes, tuple[bytes | None, list[int]]], hashes: set[bytes]) -> set[bytes]:
+    """The ``hashes`` pagedkv's prefix cache resolves: each one's tokens (its ancestors' blocks
+    then its own, from the ``BlockStored`` events in ``chain``) looked up as a probe sequence
+    of ``manager`` (a ``pagedkv.HybridKVCacheManager``), served whole."""
+    out = set()
+    for n, h in enumerate(sorted(hashes)):
+        blocks: list[list[int]] = []
+        at: bytes | None = h
+        while at is not None:
+            at, tokens = chain[at][0], chain[at][1]
+            blocks.append(tokens)
+        tokens = [t for block in reversed(blocks) for t in block]
+        probe = 1_000_000 + n
+        manager.add_sequence(probe, tokens + [0])
+        if manager.lookup_prefix(probe) >= len(tokens):
+            out.add(h)
+        manager.free(probe)
+    return out
+
+
 def test_events_have_set_semantics_under_eviction(monkeypatch: pytest.MonkeyPatch) -> None:
     """A consumer that adds BlockStored hashes and drops BlockRemoved ones holds exactly the
     hashes pagedkv resolves, after every step; a stored block's parent is in the set."""
@@ -379,22 +398,25 @@ def test_events_have_set_semantics_under_eviction(monkeypatch: pytest.MonkeyPatc
     sched = _sched(num_blocks=24, kv_events=True, max_num_batched_tokens=128)
     driver = Driver(sched)
     events = _capture_events(sched)
-    pool = sched.kv_cache_manager.manager.pool
     system = list(range(5000, 5032))
     for i in range(10):
         driver.add(make_request(f"s{i}", system + list(range(6000 + 97 * i, 6000 + 97 * i + 40)), 6))
     consumer: set[bytes] = set()
     seen: set[bytes] = set()
+    chain: dict[bytes, tuple[bytes | None, list[int]]] = {}
     removed_any = False
     while sched.has_unfinished_requests():
         driver.step()
         for ev in events:
             if isinstance(ev, BlockStored):
                 assert ev.parent_block_hash is None or ev.parent_block_hash in consumer
-                for h in ev.block_hashes:
+                parent = ev.parent_block_hash
+                for k, h in enumerate(ev.block_hashes):
                     assert h not in consumer, "stored twice"
                     consumer.add(h)
                     seen.add(h)
+                    chain[h] = (parent, list(ev.token_ids[k * BS : (k + 1) * BS]))
+                    parent = h
             elif isinstance(ev, BlockRemoved):
                 removed_any = True
                 for h in ev.block_hashes:
@@ -403,7 +425,7 @@ def test_events_have_set_semantics_under_eviction(monkeypatch: pytest.MonkeyPatc
             else:
                 consumer.clear()
         events.clear()
-        assert consumer == {h for h in seen if pool.lookup(h) is not None}
+        assert consumer == _resolvable(sched.kv_cache_manager.manager, chain, seen)
     assert removed_any, "the pool must be small enough to evict"
     assert sched.reset_prefix_cache()
     sched.kv_cache_manager.take_events = type(sched.kv_cache_manager).take_events.__get__(sched.kv_cache_manager)
@@ -444,7 +466,7 @@ def _decoding(kv: Any, rid: str, first: int) -> Any:
 
 def test_deferred_decodes_flush_in_order_and_stop_where_the_pool_runs_out() -> None:
     # 3 usable blocks: a and b hold one each; the decode of each opens a new block.
-    kv = PagedKVCacheManager(4, BS)
+    kv = PagedKVCacheManager(make_kv_cache_config(4, BS))
     a, b = _decoding(kv, "a", 100), _decoding(kv, "b", 200)
     seq_a = kv.seq_id("a")
     got_a = kv.allocate_slots(a, 1)
@@ -455,7 +477,7 @@ def test_deferred_decodes_flush_in_order_and_stop_where_the_pool_runs_out() -> N
     # per-request path, which flushes a first, then fails as vLLM's own manager would.
     assert kv.allocate_slots(b, 1) is None
     assert kv.num_batch_stops == 1 and kv.num_batched_allocations == 1
-    assert not kv.decodes.pending_seqs and kv._kvm.pool.num_free == 0
+    assert not kv.decodes.pending_seqs and kv._kvm.num_free_blocks == 0
     (ids_a,) = got_a.get_block_ids()
     assert kv.get_block_ids("a") == ([kv.get_block_ids("a")[0][0], ids_a[0]],) and len(ids_a) == 1
     # a's sampled token went in with its slot: 17 tokens, all computed.
@@ -473,34 +495,34 @@ def _decode(kv: Any, req: Any) -> Any:
 
 
 def test_decodes_inside_the_tail_block_lag_until_one_fills_it() -> None:
-    kv = PagedKVCacheManager(8, BS)
+    kv = PagedKVCacheManager(make_kv_cache_config(8, BS))
     a = _decoding(kv, "a", 100)
     seq = kv.seq_id("a")
     _decode(kv, a)  # slot 16 opens block 2 (deferred)
     assert kv.flush_decodes() == 1
     # pagedkv holds 17 computed tokens: slots 17..30 lie in its tail block without filling it.
     assert kv.decodes.lag_window == {"a": (17, 31)}
-    free = kv._kvm.pool.num_free
+    free = kv._kvm.num_free_blocks
     for pos in range(17, 31):  # slots 17..30: inside block 2, none fills it
         got = _decode(kv, a)
         assert got.get_block_ids(allow_none=True) is None
         # Nothing pending, nothing sent to pagedkv: only the end of vLLM's slots is kept.
         assert not kv.decodes.pending_seqs and kv.decodes.lag == {"a": pos + 1}
         assert kv._kvm.num_computed_tokens(seq) == 17
-    assert kv._kvm.pool.num_free == free and kv.usage == 1.0 - free / 7
+    assert kv._kvm.num_free_blocks == free and kv.usage == 1.0 - free / 7
     # Slot 31 fills block 2: deferred with the 14 lagging tokens, so the block is cached
     # in the step that fills it, as vLLM caches it.
     _decode(kv, a)
     assert not kv.decodes.lag and kv.decodes.pending_tokens == [a.all_token_ids[17:32]]
     assert kv.flush_decodes() == 15
     assert kv._kvm.num_computed_tokens(seq) == 32
-    assert kv._kvm.token_ids(seq).tolist() == a.all_token_ids[:32]
+    assert kv._kvm.num_tokens(seq) == 32
     b = make_request("b", a.all_token_ids[:32] + [9], 4)
     assert kv.get_computed_blocks(b)[1] == 32
 
 
 def test_lagging_decodes_reach_pagedkv_before_preemption_inspection_or_another_path() -> None:
-    kv = PagedKVCacheManager(8, BS)
+    kv = PagedKVCacheManager(make_kv_cache_config(8, BS))
     a = _decoding(kv, "a", 100)
     seq = kv.seq_id("a")
     for _ in range(4):  # slot 16 opens block 2, slots 17..19 lag
@@ -512,7 +534,7 @@ def test_lagging_decodes_reach_pagedkv_before_preemption_inspection_or_another_p
     assert kv.decodes.lag == {"a": 21}
     # A preemption (free while RUNNING) gives pagedkv the tokens before releasing the blocks.
     kv.free(a)
-    assert not kv.decodes.lag and kv._kvm.token_ids(seq).tolist() == a.all_token_ids[:21]
+    assert not kv.decodes.lag and kv._kvm.num_tokens(seq) == 21
     assert kv._kvm.num_computed_tokens(seq) == 0
     # Resumed as vLLM resumes it: the whole of its tokens again, from its prefix hit.
     a.num_computed_tokens = 0
@@ -543,7 +565,7 @@ def test_lagging_decodes_reach_pagedkv_before_preemption_inspection_or_another_p
 
 
 def test_prefix_hit_block_ids_before_allocation_is_a_typed_error() -> None:
-    kv = PagedKVCacheManager(64, BS)
+    kv = PagedKVCacheManager(make_kv_cache_config(64, BS))
     prompt = list(range(500, 540))
     first = make_request("first", prompt, 2)
     assert kv.allocate_slots(first, first.num_tokens) is not None
@@ -562,7 +584,7 @@ def test_prefix_hit_block_ids_before_allocation_is_a_typed_error() -> None:
 def test_computed_token_mismatch_is_a_typed_error() -> None:
     # The caller claims a shorter prefix hit than pagedkv takes: pagedkv's computed-token count
     # then differs from vLLM's, which must never be served as a block table.
-    kv = PagedKVCacheManager(64, BS)
+    kv = PagedKVCacheManager(make_kv_cache_config(64, BS))
     prompt = list(range(600, 640))
     assert kv.allocate_slots(make_request("a", prompt, 2), len(prompt)) is not None
     b = make_request("b", prompt, 2)
@@ -576,7 +598,7 @@ def test_computed_token_mismatch_is_a_typed_error() -> None:
 
 
 def test_deferred_and_lagging_decode_mismatches_are_typed_errors() -> None:
-    kv = PagedKVCacheManager(8, BS)
+    kv = PagedKVCacheManager(make_kv_cache_config(8, BS))
     a = _decoding(kv, "a", 100)
     assert kv.allocate_slots(a, 1) is not None  # slot 16 opens a block: deferred
     assert kv.decodes.pending_context == [BS]

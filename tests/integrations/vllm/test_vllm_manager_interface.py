@@ -1,6 +1,6 @@
-"""The ``kv_cache_manager`` calls both vLLM facades answer alike
-(``pagedkv.integrations.vllm.manager_interface``): each manager names its own class in its
-errors, answers per KV cache group, and a refused call changes nothing.
+"""The ``kv_cache_manager`` calls the vLLM facade answers alike for one KV cache group and for
+several (``pagedkv.integrations.vllm.manager_interface``): it names its class in its errors,
+answers per KV cache group, and a refused call changes nothing.
 
 Runs only where vLLM is installed (``make test-vllm``).
 """
@@ -15,11 +15,14 @@ pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this
 
 from pagedkv.errors import InvalidArgumentError, UnknownSequenceError  # noqa: E402
 from pagedkv.integrations.vllm import (  # noqa: E402
-    HybridPagedKVCacheManager,
     PagedKVCacheManager,
     UnsupportedVllmCallError,
 )
-from pagedkv.testing.vllm_scheduler import make_hybrid_kv_cache_config, make_request  # noqa: E402
+from pagedkv.testing.vllm_scheduler import (  # noqa: E402
+    make_hybrid_kv_cache_config,
+    make_kv_cache_config,
+    make_request,
+)
 
 BS = 16
 GROUPS = (("full", None), ("sliding_window", 48))
@@ -34,8 +37,8 @@ CONNECTOR_CALLS = (
 
 def _manager(kind: str) -> Any:
     if kind == "one_group":
-        return PagedKVCacheManager(64, BS)
-    return HybridPagedKVCacheManager(make_hybrid_kv_cache_config(64, GROUPS, BS), BS)
+        return PagedKVCacheManager(make_kv_cache_config(64, BS))
+    return PagedKVCacheManager(make_hybrid_kv_cache_config(64, GROUPS, BS))
 
 
 KINDS = ("one_group", "hybrid")

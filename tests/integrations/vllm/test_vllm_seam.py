@@ -7,7 +7,7 @@ pagedkv's state, tested the way vLLM makes it.
   exactly as with the stock scheduler;
 - the same for a hybrid model: the engine core groups a tiny Gemma 3 config's layers (their
   sliding-window and full-attention specs) into six KV cache groups that reach
-  ``HybridPagedKVCacheManager``; requests past the window, prefix hits and preemption are
+  ``PagedKVCacheManager`` over pagedkv's groups manager; requests past the window, prefix hits and preemption are
   served as stock step by step, and a model runner's block tables, rebuilt from each
   ``SchedulerOutput`` as vLLM's runner does, are the manager's;
 - ``EngineCore._initialize_effective_attention_block_size`` and
@@ -45,7 +45,6 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec  # n
 import pagedkv  # noqa: E402
 from pagedkv.integrations.vllm import (  # noqa: E402
     SUPPORTED_VLLM_RELEASES,
-    HybridPagedKVCacheManager,
     PagedKVAsyncScheduler,
     PagedKVCacheManager,
     PagedKVScheduler,
@@ -418,7 +417,7 @@ def test_engine_core_groups_a_gemma3_model_into_the_hybrid_manager() -> None:
     assert [sorted(g.layer_names) for g in full] == [[f"model.layers.{i}.self_attn.attn" for i in (11, 17, 5)]]
     assert all(len(g.layer_names) == 3 for g in kv.kv_cache_groups)
     kvm = paged.scheduler.kv_cache_manager
-    assert isinstance(kvm, HybridPagedKVCacheManager)
+    assert isinstance(kvm, PagedKVCacheManager)
     assert kvm.num_kv_cache_groups == kvm.manager.num_groups == 6
     assert [s.kind for s in kvm.manager.groups] == ["full" if k[1] is None else "sliding_window" for k in kinds]
     assert kv.num_blocks == stock.scheduler.kv_cache_config.num_blocks == kvm.num_blocks
@@ -524,7 +523,7 @@ def _freed(core: Any) -> tuple[float, int]:
     """After the requests finished: KV cache usage (cached blocks count as free) and the
     requests the manager still holds blocks for (pagedkv's sequences; stock: none tracked)."""
     kvm = core.scheduler.kv_cache_manager
-    if isinstance(kvm, HybridPagedKVCacheManager):
+    if isinstance(kvm, PagedKVCacheManager):
         kvm.manager.check_invariants()
         return kvm.usage, kvm.manager.num_sequences
     return kvm.usage, 0
@@ -654,13 +653,17 @@ def test_get_num_blocks_to_allocate_bad_input() -> None:
 
 def test_manager_refuses_a_kv_cache_config_it_does_not_match() -> None:
     stock, _ = _pair(num_blocks=64)
-    for args in ((32, BS), (64, 32)):
-        with pytest.raises(pagedkv.InvalidConfigError) as err:
-            PagedKVCacheManager(*args, kv_cache_config=stock.kv_cache_config)
-        assert err.value.field in ("kv_cache_config.num_blocks", "kv_cache_spec.block_size")
-    standalone = PagedKVCacheManager(64, BS)
-    assert standalone.coordinator.single_type_managers[0].kv_cache_spec is None
-    assert standalone.coordinator.kv_cache_config is None
+    # Built as vLLM builds its own manager: the groups' block size must be the scheduler's.
+    with pytest.raises(pagedkv.InvalidConfigError) as err:
+        PagedKVCacheManager(stock.kv_cache_config, scheduler_block_size=32)
+    assert err.value.field == "kv_cache_spec.block_size"
+    standalone = PagedKVCacheManager(stock.kv_cache_config)
+    assert standalone.num_blocks == 64 and standalone.block_size == BS
+    assert (
+        standalone.coordinator.single_type_managers[0].kv_cache_spec
+        is stock.kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    )
+    assert standalone.coordinator.kv_cache_config is stock.kv_cache_config
 
 
 # ---- every read, listed and answered ------------------------------------------------------

@@ -3,7 +3,7 @@ full-attention ones) inside vLLM's CPU build, stock vs ``PagedKVScheduler``.
 
 vLLM's engine core (its default separate process, as users run it) groups the model's layers into
 one full-attention and five sliding-window KV cache groups, so the plug-in serves it with
-``HybridPagedKVCacheManager``. One engine of each, one after the other (one alive at a time):
+``PagedKVCacheManager`` (six groups). One engine of each, one after the other (one alive at a time):
 greedy outputs on prompts shorter and longer than the window (6, 335, 735 and 1199 tokens) in
 one batch must be token-identical, with the same prefix hits (the prompts share their opening);
 the two long prompts sent again hit the prefix cache past the window (every group serves the
@@ -123,7 +123,7 @@ def runs(gemma_dir: Path) -> Iterator[dict[str, dict[str, Any]]]:
 
 def test_engine_core_forms_gemma3s_groups_for_the_plugin(runs: dict[str, dict[str, Any]]) -> None:
     # The groups vLLM formed from the model's layers, as the plug-in's scheduler reports them
-    # (several groups: PagedKVScheduler serves them with HybridPagedKVCacheManager).
+    # (several groups: PagedKVScheduler serves them with one PagedKVCacheManager).
     groups = runs["pagedkv"]["groups"]
     assert groups == runs["stock"]["groups"]
     kinds = sorted((g["kind"], g["sliding_window"], g["block_size"]) for g in groups)

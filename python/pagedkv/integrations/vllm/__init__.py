@@ -8,10 +8,10 @@ or from code, ``SchedulerConfig(scheduler_cls=PagedKVScheduler, ...)``. With asy
 (vLLM's default on a GPU) that name builds :class:`PagedKVAsyncScheduler`, vLLM's
 ``AsyncScheduler`` with the same manager; with it off, the synchronous scheduler. The scheduler
 is vLLM's own (same admission, chunked prefill, preemption and output handling); only its
-``kv_cache_manager`` is replaced by :class:`PagedKVCacheManager` (one KV cache group) or
-:class:`HybridPagedKVCacheManager` (several: full attention, sliding window, chunked local),
-whose block pool, prefix cache (chained SHA-256 block hashes computed in Rust) and block tables
-are pagedkv's.
+``kv_cache_manager`` is replaced by :class:`PagedKVCacheManager` (built from the scheduler's
+``KVCacheConfig`` as vLLM builds its own: one KV cache group of full attention, or several of
+full attention, sliding window, chunked local), whose block pool, prefix cache (chained SHA-256
+block hashes computed in Rust) and block tables are pagedkv's.
 
 Needs the optional extra ``pagedkv[vllm]`` (vLLM 0.32 or 0.33, :data:`SUPPORTED_VLLM_RELEASES`);
 without vLLM, importing it raises :class:`pagedkv.MissingDependencyError` naming that extra, and
@@ -39,7 +39,6 @@ with optional_imports("pagedkv.integrations.vllm", "vllm"):
         VllmStateMismatchError,
     )
     from pagedkv.integrations.vllm.events import to_vllm_events
-    from pagedkv.integrations.vllm.hybrid_kv_cache_manager import HybridPagedKVCacheManager
     from pagedkv.integrations.vllm.kv_cache_manager import PagedKVCacheManager
     from pagedkv.integrations.vllm.scheduler import PagedKVAsyncScheduler, PagedKVScheduler, async_variant
     from pagedkv.integrations.vllm.versions import SUPPORTED_VLLM_RELEASES, check_supported_version
@@ -49,7 +48,6 @@ __all__ = [
     "CoordinatorView",
     "DecodeDeferral",
     "GroupManagerView",
-    "HybridPagedKVCacheManager",
     "PagedKVBlocks",
     "PagedKVAsyncScheduler",
     "PagedKVCacheManager",

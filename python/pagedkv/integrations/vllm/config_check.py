@@ -19,7 +19,7 @@ from typing import Any
 
 from pagedkv.integrations.vllm.errors import UnsupportedVllmConfigError
 
-__all__ = ["UnsupportedVllmConfigError", "check_supported_config", "needs_hybrid_manager"]
+__all__ = ["UnsupportedVllmConfigError", "check_supported_config"]
 
 
 def _refuse(field: str, value: Any, reason: str) -> UnsupportedVllmConfigError:
@@ -33,18 +33,6 @@ def _refuse(field: str, value: Any, reason: str) -> UnsupportedVllmConfigError:
 
 def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default) if obj is not None else default
-
-
-def needs_hybrid_manager(kv_cache_config: Any) -> bool:
-    """Whether ``kv_cache_config`` needs the KV cache groups manager
-    (``HybridPagedKVCacheManager``): several groups, or one sliding-window / chunked-local
-    group."""
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
-
-    groups = list(_attr(kv_cache_config, "kv_cache_groups", []))
-    return len(groups) > 1 or any(
-        type(g.kv_cache_spec) in (SlidingWindowSpec, ChunkedLocalAttentionSpec) for g in groups
-    )
 
 
 def check_supported_config(
@@ -64,8 +52,7 @@ def check_supported_config(
     Async scheduling is served (two batches in flight), except with pipeline parallelism.
     Accepted: KV cache groups whose specs are plain ``FullAttentionSpec`` /
     ``MLAAttentionSpec`` (no window), ``SlidingWindowSpec`` or ``ChunkedLocalAttentionSpec``,
-    every group's block size the scheduler's; several groups or a windowed one are served by
-    ``HybridPagedKVCacheManager`` (see :func:`needs_hybrid_manager`). Mamba groups are refused,
+    every group's block size the scheduler's; :class:`PagedKVCacheManager` serves them all. Mamba groups are refused,
     naming them. Decoder-only model, no
     KV connector, no context parallelism, no lookahead slots (n-gram speculative decoding and
     other proposers without them are served), no diffusion decoding (``diffusion_config``), no

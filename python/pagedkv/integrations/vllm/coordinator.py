@@ -27,14 +27,12 @@ __all__ = ["CoordinatorView", "GroupManagerView"]
 
 class GroupManagerView:
     """What vLLM reads from one entry of ``coordinator.single_type_managers``: one KV cache group
-    of the manager (the only one of ``PagedKVCacheManager``, or one of
-    ``HybridPagedKVCacheManager``'s).
+    of a ``PagedKVCacheManager``.
 
     Attributes (read-only): ``kv_cache_group_id`` (the group's index), ``block_size`` (tokens
     per block of that group), ``kv_cache_spec`` (the group's
-    ``vllm.v1.kv_cache_interface.KVCacheSpec`` from the scheduler's ``KVCacheConfig``; ``None``
-    for a manager built without one, outside a scheduler), ``enable_caching`` (prefix caching
-    on).
+    ``vllm.v1.kv_cache_interface.KVCacheSpec`` from the manager's ``KVCacheConfig``),
+    ``enable_caching`` (prefix caching on).
     """
 
     __slots__ = ("_manager", "_group")
@@ -56,10 +54,7 @@ class GroupManagerView:
     @property
     def kv_cache_spec(self) -> Any:
         """The group's vLLM ``KVCacheSpec`` (``FullAttentionSpec``, ``SlidingWindowSpec``...)."""
-        config = self._manager.kv_cache_config
-        if config is None:
-            return self._manager.kv_cache_spec
-        return config.kv_cache_groups[self._group].kv_cache_spec
+        return self._manager.kv_cache_config.kv_cache_groups[self._group].kv_cache_spec
 
     @property
     def enable_caching(self) -> bool:
@@ -76,8 +71,8 @@ class CoordinatorView:
     ``KVCacheCoordinator``, answered from pagedkv.
 
     Attributes (read-only): ``single_type_managers`` (one :class:`GroupManagerView` per KV cache
-    group), ``num_single_type_manager`` (the number of groups), ``kv_cache_config`` (as the
-    scheduler passed it; ``None`` outside a scheduler), ``block_size``,
+    group), ``num_single_type_manager`` (the number of groups), ``kv_cache_config`` (the one the
+    manager was built from), ``block_size``,
     ``enable_partial_hash_hits`` (False: pagedkv hashes whole blocks, the config check refuses
     ``hash_block_size != block_size``), ``num_reprefillable_tokens`` (0: no multi-token
     re-prefill).
@@ -101,7 +96,7 @@ class CoordinatorView:
 
     @property
     def kv_cache_config(self) -> Any:
-        """The scheduler's ``KVCacheConfig`` (``None`` outside a scheduler)."""
+        """The ``KVCacheConfig`` the manager was built from."""
         return self._manager.kv_cache_config
 
     @property

@@ -1,22 +1,28 @@
 """Decode deferral: vLLM's one-token decodes answered in Python, batched into one call into Rust.
 
 vLLM's scheduler calls ``kv_cache_manager.allocate_slots(request, 1)`` once per running request
-per step. ``PagedKVCacheManager`` answers most of those calls here, without calling into pagedkv:
+per step. ``PagedKVCacheManager`` answers most of those calls here, without calling into pagedkv,
+for any number of KV cache groups (every group has the scheduler's block size, so a decode that
+opens a block opens one in every group):
 
-- a *lagging* decode: its slot lies inside pagedkv's tail block of the request and does not fill
+- a *lagging* decode (only when every group is full attention: no block is released as the
+  sequence grows): its slot lies inside pagedkv's tail block of the request and does not fill
   it. No block, hash or event would change, so only the end of vLLM's slots is recorded
   (:attr:`DecodeDeferral.lag`); pagedkv gets those tokens with the decode that fills or opens a
   block, or before anything else reads or changes the sequence (:meth:`DecodeDeferral.catch_up`).
-- a *deferred* decode: its slot fills the tail block or opens a new one. It is queued with the
-  tokens it lagged by; the queue goes to pagedkv in one ``KVCacheManager.step`` call
-  (:meth:`DecodeDeferral.flush`), in call order, before anything else reads or changes pagedkv
-  (:meth:`DecodeDeferral.sync`), at the latest when ``PagedKVScheduler.schedule`` returns. A
-  decode opening a block is counted against the pool's free blocks when it is deferred, so the
-  flush cannot run out; with none left it is not deferred and the per-request path fails where
-  vLLM's own manager fails, so vLLM preempts exactly where stock vLLM preempts.
+- a *deferred* decode: its slot fills the tail block or opens a new one (with a windowed group:
+  any decode, as each one can move a window). It is queued with the tokens it lagged by; the
+  queue goes to pagedkv in one ``HybridKVCacheManager.step`` call (:meth:`DecodeDeferral.flush`),
+  in call order, before anything else reads or changes pagedkv (:meth:`DecodeDeferral.sync`), at
+  the latest when ``PagedKVScheduler.schedule`` returns, so pagedkv's state is what one call per
+  decode would have made (the blocks a window releases go back in that step). A decode opening
+  a block is counted against the pool's free blocks (one per group) when it is deferred, so the
+  flush cannot run out; the count ignores the blocks windows release in the same step, so it
+  can only under-count: with none left the decode is not deferred and the per-request path fails
+  where vLLM's own manager fails, so vLLM preempts exactly where stock vLLM preempts.
 
-Every flush and catch-up checks that pagedkv's computed-token counts equal what the deferral
-recorded (vLLM's), and raises :class:`VllmStateMismatchError` otherwise.
+Every flush and catch-up checks that pagedkv's computed-token counts and new blocks equal what
+the deferral recorded (vLLM's), and raises :class:`VllmStateMismatchError` otherwise.
 
 The request table (request id -> pagedkv sequence, tokens pagedkv holds, the live ``Request``)
 is the facade's; the deferral reads it and advances the token counts it sends.
@@ -25,6 +31,8 @@ is the facade's; the deferral reads it and advances the token counts it sends.
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 import pagedkv
 from pagedkv.integrations.vllm.blocks import DeferredBlocks
@@ -40,8 +48,11 @@ class DecodeDeferral:
     """Lagging and deferred decodes of one ``PagedKVCacheManager`` (see the module docs).
 
     Args:
-        kvm: the facade's ``pagedkv.KVCacheManager``.
-        block_size: tokens per block.
+        kvm: the facade's ``pagedkv.HybridKVCacheManager``.
+        block_size: tokens per block (every group's).
+        num_groups: KV cache groups (a decode opening a block takes one in each).
+        lags: decodes inside the tail block may lag (every group is full attention, so no
+            decode releases a block); off: every decode is deferred.
         seq_of: request id -> pagedkv sequence id (the facade's, shared).
         num_known: request id -> how many of its tokens pagedkv holds or has been sent (shared;
             advanced here as decodes are deferred or caught up).
@@ -53,6 +64,7 @@ class DecodeDeferral:
 
     Attributes:
         enabled: defer decodes (off: every ``allocate_slots`` goes to pagedkv on its own).
+        lags: see Args.
         lag: request id -> end of the slots vLLM holds for a lagging request.
         lag_window: request id -> ``(first, end)``, the slots ``first <= pos < end`` its next
             decodes may take while lagging (two ints: the per-decode check is two comparisons).
@@ -69,8 +81,10 @@ class DecodeDeferral:
 
     def __init__(
         self,
-        kvm: pagedkv.KVCacheManager,
+        kvm: pagedkv.HybridKVCacheManager,
         block_size: int,
+        num_groups: int,
+        lags: bool,
         seq_of: dict[str, int],
         num_known: dict[str, int],
         requests: dict[str, Any],
@@ -78,8 +92,9 @@ class DecodeDeferral:
         running: Any,
     ) -> None:
         self._kvm = kvm
-        self._pool = kvm.pool
         self._block_size = block_size
+        self._num_groups = num_groups
+        self.lags = lags
         self._seq_of = seq_of
         self._num_known = num_known
         self._requests = requests
@@ -91,10 +106,12 @@ class DecodeDeferral:
         self.pending_seqs: list[int] = []
         self.pending_tokens: list[list[int]] = []
         self.pending_context: list[int] = []
-        # Per deferred decode, the placeholder drafts after its token (async scheduling: [0]
-        # for a slot whose token is in flight and opens a block; [] otherwise).
-        self.pending_drafts: list[list[int]] = []
-        self._any_drafts = False
+        # Indices (into pending_*) of the deferred decodes whose next slot, whose token is in
+        # flight, opens a block (async scheduling): a placeholder draft 0 follows their token.
+        self.pending_placeholders: list[int] = []
+        # Some deferred decode carries more than its own token (lagged ones): rows, not one
+        # token per sequence, go into the step.
+        self._multi = False
         # (index into pending_*, DeferredBlocks) of the deferred decodes that take a new block.
         self._pending_new: list[tuple[int, Any]] = []
         # Free blocks left for deferred decodes (None: read the pool on next need).
@@ -108,7 +125,7 @@ class DecodeDeferral:
         decodes lag while their slots stay inside the tail block without filling it."""
         bs = self._block_size
         end = num_tokens - num_tokens % bs + bs - 1  # the slot that fills the tail block
-        if self.enabled and num_tokens % bs and num_tokens < end:
+        if self.enabled and self.lags and num_tokens % bs and num_tokens < end:
             self.lag_window[rid] = (num_tokens, end)
         else:
             self.lag_window.pop(rid, None)
@@ -159,11 +176,11 @@ class DecodeDeferral:
                 return None
         elif synced > start:
             # pagedkv holds that block.
-            if offset:
+            if offset and self.lags:
                 self.lag[rid] = new_end
                 return self._empty
-            # The token fills it: pagedkv gets it this step, so the block is cached (with its
-            # event) in the step vLLM caches it.
+            # The token fills it (pagedkv gets it this step, so the block is cached, with its
+            # event, in the step vLLM caches it), or may move a window.
             blocks = self._empty
         elif synced > start - bs and self.held_end and self.held_end.get(rid, 0) > start:
             # It opens a lookahead block a verify step kept: pagedkv and vLLM hold it already.
@@ -178,42 +195,43 @@ class DecodeDeferral:
                 return None
         else:
             return None
+        if placeholder:
+            self.pending_placeholders.append(len(self.pending_seqs))
         self.pending_seqs.append(self._seq_of[rid])
+        if new_end - synced != 1:
+            self._multi = True
         self.pending_tokens.append(tokens[synced:new_end])
         self.pending_context.append(synced)
-        if placeholder:
-            self.pending_drafts.append([0])
-            self._any_drafts = True
-        else:
-            self.pending_drafts.append([])
         self._num_known[rid] = new_end
         if self.lag:
             self.lag.pop(rid, None)
         # set_window(rid, new_end), inline: pagedkv will hold every token up to new_end.
-        if offset and offset < bs - 1:
+        if offset and offset < bs - 1 and self.lags:
             self.lag_window[rid] = (new_end, new_end - offset + bs - 1)
-        else:
+        elif self.lag_window:
             self.lag_window.pop(rid, None)
         return blocks
 
     def _take_block(self) -> Any:
-        """A :class:`DeferredBlocks` for one new block of the decode being deferred, counted
-        against the pool's free blocks; None (a batch stop) when none is left."""
+        """A :class:`DeferredBlocks` for the new blocks (one per group) of the decode being
+        deferred, counted against the pool's free blocks; None (a batch stop) when they are
+        not all left."""
         free = self._deferred_free
         if free is None:
-            free = self._pool.num_free
-        if free <= 0:
+            free = self._kvm.num_free_blocks
+        need = self._num_groups
+        if free < need:
             self._deferred_free = free
             self.num_batch_stops += 1
             return None
-        self._deferred_free = free - 1
+        self._deferred_free = free - need
         blocks = DeferredBlocks(self)
         self._pending_new.append((len(self.pending_seqs), blocks))
         return blocks
 
     def flush(self) -> int:
         """Allocates the deferred decodes (appending each one's tokens: those it lagged by and
-        the decoded one) in one call into Rust (``pagedkv.KVCacheManager.step``), in the order
+        the decoded one) in one call into Rust (``pagedkv.HybridKVCacheManager.step``), in the order
         they were deferred, and fills in the ids of their new blocks. Returns how many decode
         slots went in. Raises :class:`VllmStateMismatchError` if pagedkv refuses one or
         disagrees on a computed-token count (the deferral's bookkeeping would be wrong; never
@@ -222,12 +240,17 @@ class DecodeDeferral:
         if not seqs:
             return 0
         rows, context, new = self.pending_tokens, self.pending_context, self._pending_new
-        drafts = self.pending_drafts if self._any_drafts else None
+        drafts: list[list[int]] | None = None
+        if self.pending_placeholders:
+            drafts = [[] for _ in seqs]
+            for i in self.pending_placeholders:
+                drafts[i] = [0]
+        flat = not self._multi
         self.pending_seqs, self.pending_tokens, self.pending_context, self._pending_new = [], [], [], []
-        self.pending_drafts, self._any_drafts = [], False
+        self.pending_placeholders, self._multi = [], False
         self._deferred_free = None
         n = len(seqs)
-        got = self._step(seqs, rows, drafts)
+        got = self._step(seqs, rows, drafts, flat)
         if got is not None:
             got_context, ids, bounds = got
         else:
@@ -241,7 +264,7 @@ class DecodeDeferral:
                 while end < n and seqs[end] not in seen:
                     seen.add(seqs[end])
                     end += 1
-                run = self._step(seqs[start:end], rows[start:end], drafts and drafts[start:end])
+                run = self._step(seqs[start:end], rows[start:end], drafts and drafts[start:end], flat)
                 assert run is not None
                 run_context, run_ids, run_bounds = run
                 got_context += run_context
@@ -250,10 +273,19 @@ class DecodeDeferral:
                 start = end
         if got_context != context:
             raise _mismatch("deferred decodes", "num_computed_tokens", context, got_context)
-        if len(ids) != len(new):
-            raise _mismatch("deferred decodes", "new blocks", len(new), len(ids))
+        g = self._num_groups
+        if len(ids) != g * len(new):
+            raise _mismatch("deferred decodes", "new blocks", g * len(new), len(ids))
         for i, blocks in new:
-            blocks._ids = ids[bounds[i] : bounds[i + 1]]
+            base = i * g
+            lo = bounds[base]
+            if bounds[base + g] - lo != g:
+                raise _mismatch("deferred decodes", "new blocks", g, bounds[base + g] - lo)
+            # One new block per group (one group: a one-element list, no walk).
+            if g == 1:
+                blocks._groups = ([ids[lo]],)
+            else:
+                blocks._groups = tuple(ids[bounds[base + k] : bounds[base + k + 1]] for k in range(g))
         slots = sum(map(len, rows))
         self.num_batched_allocations += slots
         return slots
@@ -288,17 +320,23 @@ class DecodeDeferral:
         self._deferred_free = None
 
     def _step(
-        self, seqs: list[int], rows: list[list[int]], drafts: list[list[int]] | None = None
+        self, seqs: list[int], rows: list[list[int]], drafts: list[list[int]] | None = None, flat: bool = False
     ) -> tuple[list[int], list[int], list[int]] | None:
         """One ``step`` appending ``rows[i]`` to ``seqs[i]`` and allocating their slots (and
         the placeholder ``drafts[i]`` after them): (context lengths, new block ids, their CSR
-        offsets), or None when ``seqs`` repeats a sequence (the step refuses that as a whole,
-        changing nothing). Raises :class:`VllmStateMismatchError` if pagedkv refuses anything
-        else."""
-        if drafts:
-            out = self._kvm.step(seqs, [len(r) for r in rows], rows, draft_token_ids=drafts, token_arrays=False)
+        offsets per decode and group), or None when ``seqs`` repeats a sequence (the step refuses that as a whole,
+        changing nothing). ``flat``: every row is one token (passed as one array). Raises
+        :class:`VllmStateMismatchError` if pagedkv refuses anything else."""
+        # vLLM reads only the new blocks: no dense tables, slot mappings or token ids.
+        if flat and not drafts:
+            one = np.array([r[0] for r in rows], dtype=np.int64)
+            out = self._kvm.step(seqs, 1, one, block_table=False, token_arrays=False)
+        elif drafts:
+            out = self._kvm.step(
+                seqs, [len(r) for r in rows], rows, draft_token_ids=drafts, block_table=False, token_arrays=False
+            )
         else:
-            out = self._kvm.step(seqs, [len(r) for r in rows], rows, token_arrays=False)
+            out = self._kvm.step(seqs, [len(r) for r in rows], rows, block_table=False, token_arrays=False)
         if out.num_scheduled == 0 and len(set(seqs)) != len(seqs):
             return None
         if out.num_scheduled != len(seqs):

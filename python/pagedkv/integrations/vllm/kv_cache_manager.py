@@ -1,12 +1,15 @@
 """``PagedKVCacheManager``: the object vLLM's V1 scheduler calls as ``kv_cache_manager``.
 
-A facade, as vLLM's own ``KVCacheManager`` is one over its coordinator: it offers the methods
-and attributes vLLM's ``Scheduler`` and engine core use on
+A facade, as vLLM's own ``KVCacheManager`` is one over its coordinator, and built as vLLM builds
+its own (from the scheduler's ``KVCacheConfig``, with the same constructor arguments): it offers
+the methods and attributes vLLM's ``Scheduler`` and engine core use on
 ``vllm.v1.core.kv_cache_manager.KVCacheManager`` (lookup, slot allocation, free, block ids,
 usage, prefix-cache stats, reset, events, the per-step hooks, and ``coordinator``: the
 read-only view in :mod:`pagedkv.integrations.vllm.coordinator`), with pagedkv's
-``KVCacheManager`` (Rust) as the block pool, prefix cache and block tables. The decode fast path
-lives in :mod:`pagedkv.integrations.vllm.decode_deferral`, the ``KVCacheBlocks`` results in
+``HybridKVCacheManager`` (Rust) as the block pool, prefix cache and block tables of every KV
+cache group: one group of full attention, or several (hybrid models: full attention, sliding
+window, chunked local; every group at the scheduler's block size). The decode fast path lives
+in :mod:`pagedkv.integrations.vllm.decode_deferral`, the ``KVCacheBlocks`` results in
 :mod:`pagedkv.integrations.vllm.blocks`.
 
 How vLLM's request maps onto a pagedkv sequence:
@@ -15,11 +18,11 @@ How vLLM's request maps onto a pagedkv sequence:
   finalized tokens (``request.all_token_ids``) are appended to it lazily, right before the next
   allocation, so pagedkv hashes exactly the tokens vLLM would;
 - decodes of running requests are answered in Python (``allocate_slots``, through
-  :class:`~pagedkv.integrations.vllm.decode_deferral.DecodeDeferral`): one inside pagedkv's
-  tail block that does not fill it only records where vLLM's slots end (the sequence lags: no
-  block, hash or event would change); one that fills or opens a block is deferred with the
-  tokens it lagged by, and the deferred ones reach pagedkv in one batched call
-  (``flush_decodes``) before anything else reads or changes pagedkv;
+  :class:`~pagedkv.integrations.vllm.decode_deferral.DecodeDeferral`): with only
+  full-attention groups, one inside pagedkv's tail block that does not fill it only records
+  where vLLM's slots end (the sequence lags: no block, hash or event would change); the others
+  are deferred (with the tokens they lagged by), and the deferred ones reach pagedkv in one
+  batched call (``flush_decodes``) before anything else reads or changes pagedkv;
 - request identity becomes pagedkv's typed extra keys, mixed into every block hash: the cache
   salt (``cache_salt``), the LoRA adapter (``adapter_id`` = the LoRA name), and each multimodal
   feature (``mm_items``: the feature's identifier with its placeholder position and length), so
@@ -29,12 +32,34 @@ How vLLM's request maps onto a pagedkv sequence:
   freed and forgotten.
 
 Prefix hits, block counts and the all-or-nothing allocation follow vLLM's ``KVCacheManager``
-(the last prompt token is always recomputed; hits are whole blocks). Two differences, by
-design: which free cached block is evicted first (pagedkv's free list vs vLLM's LRU queue), so
-block ids and hits can differ once blocks are evicted; and, when one block's contents are cached
-twice, vLLM's hit takes the first cached copy even if it is free while pagedkv's takes the copy
-in use, so vLLM can hold one block more for the same hits, and under pressure admission and
-preemption can diverge later (hits and outputs do not).
+(the last prompt token is always recomputed; hits are whole blocks). With several groups:
+
+- ``KVCacheBlocks`` results carry one id list per group; a released sliding-window or
+  chunked-local entry is the null block 0, as vLLM's own null block;
+- a prefix hit is the longest prefix every group serves (pagedkv's ``lookup_prefix``: full
+  attention scanned left to right, a sliding-window group needing the blocks of its window
+  before the hit point);
+- blocks that no future query can read are released as the sequence grows, inside the
+  allocation that moves the window (vLLM frees them in ``allocate_slots`` too, before it counts
+  the blocks it needs), so ``remove_skipped_blocks`` has nothing left to do;
+- admission (``full_sequence_must_fit``) counts, per windowed group, at most vLLM's own
+  recycling-aware cap (the spec's ``max_admission_blocks_per_request``), so requests vLLM admits
+  are admitted here.
+
+Retention: vLLM's ``KVCacheConfig.prefix_cache_retention_interval`` ``None`` (dense: every
+full block of every group cached) and ``0`` (vLLM's default: only the replay boundary and the
+shared-prefix junctions it detects at lookup, its ``shared_prefix_boundary``) map to pagedkv's
+``retention_interval=0`` (dense): pagedkv detects no junction, and keeping only each sequence's
+latest replayable point would lose the hits of every sibling of a shared prompt. A positive
+interval ``N`` maps to pagedkv's ``N`` (hits at multiples of ``N`` plus each sequence's latest
+replayable point). Hits under vLLM's sparse retention therefore differ by design
+(``tests/integrations/vllm/test_vllm_hybrid.py`` asserts and reports both).
+
+Two differences, by design: which free cached block is evicted first (pagedkv's free list vs
+vLLM's LRU queue), so block ids and hits can differ once blocks are evicted; and, when one
+block's contents are cached twice, vLLM's hit takes the first cached copy even if it is free
+while pagedkv's takes the copy in use, so vLLM can hold one block more for the same hits, and
+under pressure admission and preemption can diverge later (hits and outputs do not).
 
 Invariant checked on every allocation (and on every flush or catch-up of deferred and lagging
 decodes): pagedkv's computed-token count for the request equals ``request.num_computed_tokens``
@@ -47,13 +72,12 @@ from __future__ import annotations
 from typing import Any
 
 import pagedkv
-from pagedkv.errors import (
-    OutOfBlocksError,
-)
+from pagedkv.errors import OutOfBlocksError
 from pagedkv.integrations.vllm.blocks import PagedKVBlocks, PrefixHit
 from pagedkv.integrations.vllm.coordinator import CoordinatorView
 from pagedkv.integrations.vllm.decode_deferral import NO_WINDOW, DecodeDeferral
 from pagedkv.integrations.vllm.errors import VllmStateMismatchError
+from pagedkv.integrations.vllm.events import to_vllm_events
 from pagedkv.integrations.vllm.manager_interface import (
     UNWRITTEN_TOKEN,
     SharedManagerCalls,
@@ -61,7 +85,7 @@ from pagedkv.integrations.vllm.manager_interface import (
     pagedkv_hash_algo,
 )
 
-__all__ = ["PagedKVCacheManager", "request_sequence_spec"]
+__all__ = ["PagedKVCacheManager", "group_spec_of", "request_sequence_spec"]
 
 
 def request_sequence_spec(request: Any, lora_ids: dict[str, int]) -> pagedkv.SequenceSpec:
@@ -85,74 +109,166 @@ def request_sequence_spec(request: Any, lora_ids: dict[str, int]) -> pagedkv.Seq
     return pagedkv.SequenceSpec(request.cache_salt, adapter, extra_keys, mm_items)
 
 
+def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
+    """pagedkv's ``KVCacheGroupSpec`` for one vLLM KV cache group spec.
+
+    ``FullAttentionSpec`` / ``MLAAttentionSpec`` (without a window) -> ``"full"``,
+    ``SlidingWindowSpec`` -> ``"sliding_window"`` (its ``sliding_window``),
+    ``ChunkedLocalAttentionSpec`` -> ``"chunked_local"`` (its ``attention_chunk_size``).
+    ``page_bytes`` is the common page size given to every group (pagedkv checks pages are
+    equal; the plug-in does not use their size otherwise), a multiple of the block size.
+    Raises ``InvalidConfigError`` for any other spec.
+    """
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    bs = int(spec.block_size)
+    bpt = page_bytes // bs
+    kind = type(spec)
+    if kind is SlidingWindowSpec:
+        return pagedkv.KVCacheGroupSpec("sliding_window", bs, bpt, window=int(spec.sliding_window))
+    if kind is ChunkedLocalAttentionSpec:
+        return pagedkv.KVCacheGroupSpec("chunked_local", bs, bpt, chunk=int(spec.attention_chunk_size))
+    if kind in (FullAttentionSpec, MLAAttentionSpec) and getattr(spec, "sliding_window", None) is None:
+        if getattr(spec, "attention_chunk_size", None) is None:
+            return pagedkv.KVCacheGroupSpec("full", bs, bpt)
+    raise pagedkv.InvalidConfigError(
+        f"KV cache group spec {kind.__name__} has no pagedkv equivalent",
+        field="kv_cache_spec",
+        value=kind.__name__,
+        reason="full attention, sliding window or chunked local attention only",
+    )
+
+
+def _skipped_tokens(spec: pagedkv.KVCacheGroupSpec, num_computed: int) -> int:
+    """Tokens before the first one a query after ``num_computed`` computed tokens reads."""
+    if spec.window is not None:
+        return max(0, num_computed - spec.window + 1)
+    if spec.chunk is not None:
+        return num_computed // spec.chunk * spec.chunk
+    return 0
+
+
+def _config_error(field: str, value: Any, reason: str) -> pagedkv.InvalidConfigError:
+    return pagedkv.InvalidConfigError(
+        f"{field}={value!s} is not supported by PagedKVCacheManager: {reason}",
+        field=field,
+        value=str(value),
+        reason=reason,
+    )
+
+
 class PagedKVCacheManager(SharedManagerCalls):
-    """vLLM V1 ``kv_cache_manager`` backed by ``pagedkv.KVCacheManager`` (one KV cache group).
+    """vLLM V1 ``kv_cache_manager`` backed by ``pagedkv.HybridKVCacheManager`` (every KV cache
+    group of the scheduler's ``KVCacheConfig`` in one block pool).
+
+    Takes the constructor arguments of vLLM's ``KVCacheManager`` (0.32 / 0.33), plus
+    ``hash_algo``:
 
     Args:
-        num_blocks: GPU blocks incl. the null block 0 (vLLM's ``KVCacheConfig.num_blocks``).
-        block_size: tokens per block.
+        kv_cache_config: the scheduler's ``vllm.v1.kv_cache_interface.KVCacheConfig`` (at least
+            one group; ``num_blocks`` GPU blocks incl. the null block 0).
+        max_model_len: the scheduler's ``max_model_len`` in tokens (``None``: no admission cap
+            for windowed groups).
+        scheduler_block_size: tokens per block (``None``: the groups'); every group's
+            ``block_size`` must equal it.
+        hash_block_size: the prefix-hash granularity (``None`` or the block size).
+        max_in_flight_tokens: tokens scheduled but not yet settled (vLLM's
+            ``VllmConfig.max_in_flight_tokens``), for the windowed groups' admission cap;
+            ``None``: ``max_model_len``.
         enable_caching: vLLM's ``enable_prefix_caching``.
-        hash_algo: vLLM's ``prefix_caching_hash_algo`` (``sha256*`` -> SHA-256, ``xxhash*`` ->
-            xxh3-128; anything else raises ``InvalidConfigError``).
+        use_eagle, num_hash_lookahead_tokens, num_prefill_lookahead, dcp_world_size,
+            pcp_world_size, metrics_collector: only their defaults (``False``, 0, 0, 1, 1,
+            ``None``) are served (``check_supported_config`` refuses what needs others).
         log_stats: keep ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
         enable_kv_cache_events: record KV events for ``take_events``.
         watermark: fraction of blocks kept free when admitting waiting / preempted requests.
-        spec_kind: the group's kind for ``BlockStored.kv_cache_spec_kind``.
-        kv_cache_config: the scheduler's ``vllm.v1.kv_cache_interface.KVCacheConfig`` (one
-            group; its ``num_blocks`` and group block size must equal ``num_blocks`` and
-            ``block_size``, else ``InvalidConfigError``). Read by vLLM through
-            :attr:`coordinator`; ``None`` for a manager used outside a scheduler.
-        max_model_len: the scheduler's ``max_model_len`` in tokens (``None`` outside one).
+        enable_mamba_shared_prefix_checkpoint: accepted and unused (Mamba layers are refused).
+        hash_algo: vLLM's ``prefix_caching_hash_algo`` (``sha256*`` -> SHA-256, ``xxhash*`` ->
+            xxh3-128).
 
-    Errors are pagedkv's typed errors (``pagedkv.errors``, ``pagedkv.integrations.vllm.errors``);
-    a failing call changes nothing, except ``VllmStateMismatchError``: raised once pagedkv's
-    record of a request is found to differ from vLLM's (after the allocation that showed it), it
-    means the two no longer agree and the manager must not serve further steps.
+    Raises ``InvalidConfigError`` (nothing built) for a group spec with no pagedkv equivalent,
+    a group block size other than the scheduler's, an unknown hash algorithm or an argument
+    above other than its default. Other errors are pagedkv's typed errors
+    (``pagedkv.errors``, ``pagedkv.integrations.vllm.errors``); a failing call changes nothing,
+    except ``VllmStateMismatchError``: raised once pagedkv's record of a request is found to
+    differ from vLLM's (after the allocation that showed it), it means the two no longer agree
+    and the manager must not serve further steps.
     """
 
     def __init__(
         self,
-        num_blocks: int,
-        block_size: int,
-        *,
+        kv_cache_config: Any,
+        max_model_len: int | None = None,
+        scheduler_block_size: int | None = None,
+        hash_block_size: int | None = None,
+        max_in_flight_tokens: int | None = None,
         enable_caching: bool = True,
-        hash_algo: str = "sha256",
+        use_eagle: bool = False,
+        num_hash_lookahead_tokens: int = 0,
+        num_prefill_lookahead: int = 0,
         log_stats: bool = False,
         enable_kv_cache_events: bool = False,
+        dcp_world_size: int = 1,
+        pcp_world_size: int = 1,
+        metrics_collector: Any = None,
         watermark: float = 0.0,
-        spec_kind: str | None = None,
-        kv_cache_config: Any = None,
-        max_model_len: int | None = None,
+        enable_mamba_shared_prefix_checkpoint: bool = False,
+        *,
+        hash_algo: str = "sha256",
     ) -> None:
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
         from vllm.v1.metrics.stats import PrefixCacheStats
         from vllm.v1.request import RequestStatus
 
         algo = pagedkv_hash_algo(hash_algo)
-        spec = None
-        if kv_cache_config is not None:
-            spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-            for name, theirs, ours in (
-                ("kv_cache_config.num_blocks", kv_cache_config.num_blocks, num_blocks),
-                ("kv_cache_spec.block_size", spec.block_size, block_size),
-            ):
-                if theirs != ours:
-                    raise pagedkv.InvalidConfigError(
-                        f"{name} is {theirs}, the manager was given {ours}",
-                        field=name,
-                        value=str(theirs),
-                        reason=f"must equal {ours}",
-                    )
-        self._config = pagedkv.CacheConfig(
+        groups = list(kv_cache_config.kv_cache_groups)
+        if not groups:
+            raise _config_error("kv_cache_config.kv_cache_groups", "[]", "at least one KV cache group")
+        block_size = int(groups[0].kv_cache_spec.block_size if scheduler_block_size is None else scheduler_block_size)
+        for g in groups:
+            if g.kv_cache_spec.block_size != block_size:
+                raise pagedkv.InvalidConfigError(
+                    f"KV cache group block size {g.kv_cache_spec.block_size} differs from the "
+                    f"scheduler block size {block_size}",
+                    field="kv_cache_spec.block_size",
+                    value=str(g.kv_cache_spec.block_size),
+                    reason=f"must equal {block_size}",
+                )
+        for name, value, default in (
+            ("hash_block_size", hash_block_size, block_size),
+            ("use_eagle", use_eagle, False),
+            ("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0),
+            ("num_prefill_lookahead", num_prefill_lookahead, 0),
+            ("dcp_world_size", dcp_world_size, 1),
+            ("pcp_world_size", pcp_world_size, 1),
+            ("metrics_collector", metrics_collector, None),
+        ):
+            if value is not None and value != default:
+                raise _config_error(name, value, f"only {default} is served")
+        self._specs = [group_spec_of(g.kv_cache_spec, block_size) for g in groups]
+        layer_groups = [i for i, g in enumerate(groups) for _ in (g.layer_names or [None])]
+        num_blocks = int(kv_cache_config.num_blocks)
+        # vLLM's None (dense) and 0 (replay boundary + shared-prefix junctions) are both dense
+        # here: pagedkv pins no junction, and caching only the latest replayable point would
+        # lose every sibling's hit on a shared prompt that vLLM's junction serves.
+        interval = int(getattr(kv_cache_config, "prefix_cache_retention_interval", None) or 0)
+        self._kvm = pagedkv.HybridKVCacheManager(
+            self._specs,
+            layer_groups,
             num_blocks,
-            block_size,
             enable_prefix_caching=enable_caching,
+            retention_interval=interval,
             hash_algo=algo,
             enable_events=enable_kv_cache_events,
         )
-        self._kvm = pagedkv.KVCacheManager(self._config)
-        self._pool = self._kvm.pool
         self._PrefixCacheStats = PrefixCacheStats
         self._waiting_states = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        self._RUNNING = RequestStatus.RUNNING
 
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -160,28 +276,38 @@ class PagedKVCacheManager(SharedManagerCalls):
         self.enable_kv_cache_events = enable_kv_cache_events
         self.log_stats = log_stats
         self.prefix_cache_stats = PrefixCacheStats() if log_stats else None
-        self.num_kv_cache_groups = 1
+        self.num_kv_cache_groups = len(groups)
         #: Tokens per block of each KV cache group (read by the coordinator view).
-        self.group_block_sizes = (block_size,)
+        self.group_block_sizes = tuple(s.block_size for s in self._specs)
+        #: pagedkv's retention interval in tokens (0: dense).
+        self.retention_interval = interval
         self.watermark_blocks = int(watermark * num_blocks)
         # A PagedKVBlocks, so the scheduler's per-request ``get_block_ids(allow_none=True)`` on
         # it is one check (vLLM's own KVCacheBlocks walks its groups).
-        self.empty_kv_cache_blocks = PagedKVBlocks([])
-        self._RUNNING = RequestStatus.RUNNING
-        self.spec_kind = spec_kind
-        self.medium = "GPU"
-        #: The scheduler's ``KVCacheConfig``, its one group's ``KVCacheSpec`` and its
-        #: ``max_model_len`` (``None`` for a manager built outside a scheduler).
+        self.empty_kv_cache_blocks = PagedKVBlocks(tuple([] for _ in groups))
+        #: The scheduler's ``KVCacheConfig``, its first group's ``KVCacheSpec`` and its
+        #: ``max_model_len``.
         self.kv_cache_config = kv_cache_config
-        self.kv_cache_spec = spec
+        self.kv_cache_spec = groups[0].kv_cache_spec
         self.max_model_len = max_model_len
+        #: Each group's kind for ``BlockStored.kv_cache_spec_kind``.
+        self.spec_kinds = [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in groups]
+        self.medium = "GPU"
         #: Mamba prefix checkpoints: never (Mamba layers are refused).
         self.mamba_shared_prefix_checkpoint = False
+        # Per group, vLLM's recycling-aware admission cap in blocks (None: no cap).
+        in_flight = max_in_flight_tokens if max_in_flight_tokens is not None else (max_model_len or 0)
+        self._admission_caps: list[int | None] = []
+        for g, spec in zip(groups, self._specs, strict=True):
+            cap = None
+            if spec.kind != "full" and max_model_len is not None:
+                cap = int(g.kv_cache_spec.max_admission_blocks_per_request(in_flight, max_model_len))
+            self._admission_caps.append(cap)
         self._coordinator = CoordinatorView(self)
 
         self._num_usable = num_blocks - 1
         # request id -> pagedkv sequence id, and how many of its tokens pagedkv holds (read
-        # by PagedKVScheduler's batched decode path).
+        # by the batched decode path).
         self._seq_of: dict[str, int] = {}
         self._num_known: dict[str, int] = {}
         self._next_seq_id = 0
@@ -189,9 +315,12 @@ class PagedKVCacheManager(SharedManagerCalls):
         # Live requests by id (their token lists feed the catch-up of lagging decodes).
         self._requests: dict[str, Any] = {}
         #: The decode fast path: lagging and deferred decodes (see ``allocate_slots``).
+        #: Decodes lag only when no group releases blocks as the sequence grows.
         self.decodes = DecodeDeferral(
             self._kvm,
             block_size,
+            len(groups),
+            all(s.kind == "full" for s in self._specs),
             self._seq_of,
             self._num_known,
             self._requests,
@@ -199,9 +328,10 @@ class PagedKVCacheManager(SharedManagerCalls):
             self._RUNNING,
         )
         # The fast path's state, read inline by allocate_slots once per decode (the same
-        # dicts as the deferral's), and its pre-call sync.
+        # dicts as the deferral's), its defer and its pre-call sync.
         self._lag = self.decodes.lag
         self._lag_window = self.decodes.lag_window
+        self._defer = self.decodes.defer
         self._sync = self.decodes.sync
         # Speculative decoding: request id -> (the computed count its draft tokens start at,
         # the drafts) for a verify step whose acceptance vLLM has not reported yet. vLLM
@@ -241,15 +371,15 @@ class PagedKVCacheManager(SharedManagerCalls):
 
     @property
     def num_batch_stops(self) -> int:
-        """Decodes not deferred because no free block was left for them (they took the
+        """Decodes not deferred because the free blocks could not cover them (they took the
         per-request path, where vLLM's loop preempts)."""
         return self.decodes.num_batch_stops
 
     @property
-    def manager(self) -> pagedkv.KVCacheManager:
-        """The underlying ``pagedkv.KVCacheManager`` (inspection, invariant checks), with every
-        deferred and lagging decode brought in first, so its token and computed-token counts
-        are vLLM's."""
+    def manager(self) -> pagedkv.HybridKVCacheManager:
+        """The underlying ``pagedkv.HybridKVCacheManager`` (inspection, invariant checks), with
+        every deferred and lagging decode brought in first, so its token and computed-token
+        counts are vLLM's."""
         self._sync()
         if self._lag:
             self.decodes.catch_up(list(self._lag))
@@ -262,7 +392,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         if not self._num_usable:
             return 0.0
         self._sync()
-        return 1.0 - self._pool.num_free / self._num_usable
+        return 1.0 - self._kvm.num_free_blocks / self._num_usable
 
     # ---- request registration --------------------------------------------------------------
 
@@ -284,7 +414,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         if self._unknown and rid in self._unknown:
             self._settle_unknown(rid, seq)
         if self._drafts_pending and rid in self._drafts_pending:
-            self._accept_drafts(request, seq)
+            self._accept_drafts(request, seq, strict=True)
         known = self._num_known[rid]
         n = request.num_tokens
         if n > known:
@@ -301,16 +431,28 @@ class PagedKVCacheManager(SharedManagerCalls):
         self._kvm.accept_drafts(seq, 0, release_blocks=False)
         self.decodes.keep_lookahead(rid, end)
 
-    def _accept_drafts(self, request: Any, seq: int) -> None:
+    def _accept_drafts(self, request: Any, seq: int, *, strict: bool) -> None:
         """Resolves the request's verify step: vLLM rolled ``num_computed_tokens`` back over
         the rejected drafts, so the accepted ones are those still counted as computed. Their
-        blocks stay in the table (vLLM's model runner only appends to it); the rejected slots
-        are written again by the next step. Raises ``VllmStateMismatchError`` when the count
-        is negative; accepted tokens other than the drafts, or past them, are logged and the ids
-        the KV was computed for kept (:meth:`SharedManagerCalls._check_accepted_drafts`)."""
+        blocks stay in the tables (vLLM's model runner only appends to them); the rejected
+        slots are written again by the next step.
+
+        ``strict``: a negative count raises ``VllmStateMismatchError``, accepted tokens other
+        than the drafts, or past them, are logged and the ids the KV was computed for kept
+        (:meth:`SharedManagerCalls._check_accepted_drafts`); otherwise (a finished request,
+        whose stop may cut the verify short) only the drafts that became its tokens are
+        accepted."""
         rid = request.request_id
         base, drafts = self._drafts_pending.pop(rid)
-        accepted, unwritten = self._check_accepted_drafts(rid, base, drafts, request)
+        unwritten = 0
+        if strict:
+            accepted, unwritten = self._check_accepted_drafts(rid, base, drafts, request)
+        else:
+            tokens = request.all_token_ids[base : base + len(drafts)]
+            limit = max(0, min(request.num_computed_tokens - base, len(tokens)))
+            accepted = 0
+            while accepted < limit and tokens[accepted] == drafts[accepted]:
+                accepted += 1
         self._kvm.accept_drafts(seq, accepted, release_blocks=False)
         self._num_known[rid] += accepted
         # The blocks of the rejected drafts' slots stay: decodes that open them take none.
@@ -324,7 +466,8 @@ class PagedKVCacheManager(SharedManagerCalls):
     # ---- prefix cache ----------------------------------------------------------------------
 
     def get_computed_blocks(self, request: Any, max_cache_hit_length: int | None = None) -> tuple[Any, int, int]:
-        """Prefix hit of a waiting request: ``(blocks, hit tokens, 0)``.
+        """Prefix hit of a waiting request: ``(blocks, hit tokens, 0)``, the hit being the
+        longest prefix every group serves.
 
         Hit tokens are whole blocks, capped at ``num_tokens - 1`` (the last token is always
         recomputed for its logits). ``blocks`` is an opaque token for ``allocate_slots``. Raises
@@ -339,11 +482,11 @@ class PagedKVCacheManager(SharedManagerCalls):
         self._check_hit_cap(hit, max_cache_hit_length)
         if hit == 0:
             return self.empty_kv_cache_blocks, 0, 0
-        return PrefixHit(hit, hit // self.block_size, seq), hit, 0
+        return PrefixHit(hit, [hit // bs for bs in self.group_block_sizes], seq), hit, 0
 
     def estimate_cached_tokens(self, request: Any) -> int:
-        """Tokens of ``request`` covered by blocks registered in the prefix cache (pagedkv
-        caches every block full of computed tokens, so whole computed blocks)."""
+        """Tokens of ``request`` covered by blocks registered in the prefix cache (every group
+        caches its blocks full of computed tokens as they fill, so whole computed blocks)."""
         seq = self._seq_of.get(request.request_id)
         if seq is None or not self.enable_caching:
             return 0
@@ -371,25 +514,33 @@ class PagedKVCacheManager(SharedManagerCalls):
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
     ) -> Any:
-        """Slots for ``num_new_tokens`` more tokens of ``request`` (prefix hit first for a new or
-        resumed request); returns the newly taken blocks, or None when they do not fit.
+        """Slots for ``num_new_tokens`` more tokens of ``request`` in every group (prefix hit
+        first for a new or resumed request); returns the newly taken blocks per group, or None
+        when they do not fit (nothing changed then).
 
         As vLLM: blocks for ``num_computed + hit + num_new_tokens`` tokens, all or nothing;
+        out-of-window blocks are given back in the same call and count as free for it;
         waiting / preempted requests also leave ``watermark_blocks`` free when others are
-        scheduled; ``full_sequence_must_fit`` admits a request only if all its tokens fit.
-        Every full block of computed tokens is registered in the prefix cache.
+        scheduled; ``full_sequence_must_fit`` admits a request only if all its tokens fit (a
+        windowed group counted up to its admission cap). Every full block of computed tokens
+        is registered in the prefix cache.
 
         Speculative decoding: the tokens scheduled past the request's known ones are its
-        drafts (``request.spec_token_ids``); they get lookahead slots in the same call and are
-        never hashed. vLLM reports their verification by rolling ``num_computed_tokens`` back
-        over the rejected ones; the request's next allocation reads the accepted count from
-        there (``KVCacheManager.accept_drafts(..., release_blocks=False)``: vLLM's model runner
-        keeps the blocks, so pagedkv does too, and the next steps fill them).
+        drafts (``request.spec_token_ids``); they get lookahead slots in every group in the
+        same call and are never hashed. vLLM reports their verification by rolling
+        ``num_computed_tokens`` back over the rejected ones; the request's next allocation
+        reads the accepted count from there (``accept_drafts(..., release_blocks=False)``:
+        vLLM's model runner keeps the blocks, so pagedkv does too, and the next steps fill
+        them). So do the tokens scheduled past the known ones and the drafts (vLLM's
+        placeholder drafts when it pads a new or resumed request with one token left to a
+        verify-sized step), as drafts of ``UNWRITTEN_TOKEN`` ids; vLLM rolls them back.
 
         A plain decode of a running request (one token, no other option) is answered without
-        calling into Rust (``defer_decodes``): inside pagedkv's tail block without filling it,
-        it returns the shared empty result and only records where vLLM's slots end (a lagging
-        decode); filling or opening a block, it is deferred to the next ``flush_decodes``.
+        calling into Rust (``defer_decodes``, see
+        :class:`~pagedkv.integrations.vllm.decode_deferral.DecodeDeferral`): with only
+        full-attention groups, inside pagedkv's tail block without filling it, it returns the
+        shared empty result and only records where vLLM's slots end (a lagging decode);
+        otherwise it is deferred to the next ``flush_decodes``.
 
         Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` or a feature the config
         check refuses (lookahead slots, external / encoder tokens, delayed caching), and
@@ -410,16 +561,19 @@ class PagedKVCacheManager(SharedManagerCalls):
             # Runs once per decoding request per step, so the lagging decode is checked
             # inline: its slot lies in the window of positions inside pagedkv's tail block
             # that do not fill it (the window exists only while pagedkv holds every token
-            # before it as computed, and only with defer_decodes on).
+            # before it as computed, only with defer_decodes on, and only when no group
+            # releases blocks as the sequence grows).
             rid = request.request_id
             pos = request.num_computed_tokens
-            first, end = self._lag_window.get(rid, NO_WINDOW)
+            windows = self._lag_window  # empty unless every group is full attention
             if not request.num_output_placeholders:
-                if first <= pos < end and len(request._all_token_ids) == pos + 1:
-                    self._lag[rid] = pos + 1
-                    return self.empty_kv_cache_blocks
+                if windows:
+                    first, end = windows.get(rid, NO_WINDOW)
+                    if first <= pos < end and len(request._all_token_ids) == pos + 1:
+                        self._lag[rid] = pos + 1
+                        return self.empty_kv_cache_blocks
                 if self.decodes.enabled:
-                    blocks = self.decodes.defer(request, rid, pos)
+                    blocks = self._defer(request, rid, pos)
                     if blocks is not None:
                         return blocks
             elif len(request._all_token_ids) == pos and self.decodes.enabled:
@@ -430,11 +584,13 @@ class PagedKVCacheManager(SharedManagerCalls):
                 if self._unknown and rid in self._unknown:
                     # The previous slot's placeholder: its token is known now. The block stays.
                     self._settle_unknown(rid, self._seq_of[rid])
-                elif first < pos <= end:
-                    self._lag[rid] = pos
-                    return self.empty_kv_cache_blocks
+                elif windows:
+                    first, end = windows.get(rid, NO_WINDOW)
+                    if first < pos <= end:
+                        self._lag[rid] = pos
+                        return self.empty_kv_cache_blocks
                 placeholder = not pos % self.block_size
-                blocks = self.decodes.defer(request, rid, pos - 1, placeholder)
+                blocks = self._defer(request, rid, pos - 1, placeholder)
                 if blocks is not None:
                     if placeholder:
                         self._unknown[rid] = pos + 1
@@ -451,6 +607,50 @@ class PagedKVCacheManager(SharedManagerCalls):
             reserved_blocks,
             has_scheduled_reqs,
         )
+
+    def _full_sequence_demand(self, request: Any, seq: int, hit: int, num_new_tokens: int) -> int:
+        """Blocks vLLM's admission gate asks free for the whole request (per group its blocks
+        for every token, a windowed group at most its admission cap, less the hit's blocks,
+        plus the hit blocks that leave the free pool)."""
+        total = min(request.num_tokens, self.max_model_len or request.num_tokens)
+        per_group = self._kvm.num_blocks_needed_per_group(seq, num_new_tokens)
+        demand = 0
+        for g, spec in enumerate(self._specs):
+            bs = spec.block_size
+            required = -(-total // bs)
+            cap = self._admission_caps[g]
+            if cap is not None:
+                required = min(required, cap)
+            hit_blocks = hit // bs
+            fresh_now = -(-(hit + num_new_tokens) // bs) - hit_blocks
+            evictable_hits = max(0, per_group[g][0] - fresh_now)
+            demand += max(required - max(_skipped_tokens(spec, hit) // bs, hit_blocks), 0) + evictable_hits
+        return demand
+
+    def _step_one(self, seq: int, num_tokens: int, drafts: list[int] | None) -> Any:
+        """One sequence's ``step`` (``num_tokens`` known tokens computed, ``drafts`` given
+        lookahead slots): the ``HybridStepOutput``, or None when the pool cannot hold it
+        (nothing changed)."""
+        # vLLM reads only the new blocks and the context: no dense tables or per-token arrays.
+        if drafts:
+            out = self._kvm.step([seq], [num_tokens], draft_token_ids=[drafts], block_table=False, token_arrays=False)
+        else:
+            out = self._kvm.step([seq], [num_tokens], block_table=False, token_arrays=False)
+        if out.error is not None:
+            if isinstance(out.error, OutOfBlocksError):
+                return None
+            out.raise_for_error()
+        return out
+
+    def _new_blocks(self, out: Any) -> Any:
+        """The new blocks of a one-sequence ``step`` as one ``KVCacheBlocks`` (per group)."""
+        ids = out.new_block_ids.tolist()
+        if not ids:
+            return self.empty_kv_cache_blocks
+        if self.num_kv_cache_groups == 1:
+            return PagedKVBlocks((ids,))
+        indptr = out.new_block_indptr.tolist()
+        return PagedKVBlocks(tuple(ids[indptr[g] : indptr[g + 1]] for g in range(self.num_kv_cache_groups)))
 
     def _allocate(
         self,
@@ -479,9 +679,8 @@ class PagedKVCacheManager(SharedManagerCalls):
         seq = self._register(request)
         first = request.num_computed_tokens == 0
         if self.async_scheduling and not first:
-            return self._allocate_async(
-                request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs
-            )
+            return self._allocate_async(request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks)
+        hit = num_new_computed_tokens if first else 0
         # Positions vLLM counts as computed that pagedkv holds uncomputed (see _accept_drafts).
         unwritten = self._unwritten.get(rid, 0)
         # A verify step (speculative decoding): the tokens past the request's known ones are
@@ -489,12 +688,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         num_drafts = 0
         drafts: list[int] | None = None
         spec = getattr(request, "spec_token_ids", None)
-        past = (
-            request.num_computed_tokens
-            + (num_new_computed_tokens if first else 0)
-            + num_new_tokens
-            - request.num_tokens
-        )
+        past = request.num_computed_tokens + hit + num_new_tokens - request.num_tokens
         if spec and not first:
             num_drafts = max(0, min(len(spec), past))
             # Grammar-invalidated drafts arrive as -1; they are never accepted.
@@ -509,36 +703,38 @@ class PagedKVCacheManager(SharedManagerCalls):
         if extra:
             drafts = (drafts or []) + [0 if unknown else UNWRITTEN_TOKEN] * extra
             num_drafts += extra
+        num_known_new = num_new_tokens - num_drafts + unwritten
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
-            free = self._pool.num_free
-            if full_sequence_must_fit:
-                full = self._kvm.num_blocks_needed(seq, max(request.num_tokens, 1))
-                if full + watermark > free:
-                    return None
-            # Without a watermark or reservation the allocation below checks this itself.
-            if (watermark or reserved_blocks) and self._kvm.num_blocks_needed(
-                seq, num_new_tokens
-            ) + watermark > free - reserved_blocks:
+            free = self._kvm.num_free_blocks
+            if num_drafts:
+                take, release = self._kvm.num_blocks_needed_with_drafts(seq, num_known_new, num_drafts)
+            else:
+                take, release = self._kvm.num_blocks_needed(seq, num_known_new)
+            if (
+                full_sequence_must_fit
+                and self._full_sequence_demand(request, seq, hit, num_new_tokens) + watermark > free + release
+            ):
                 return None
-        try:
-            alloc = self._kvm.allocate_slots(seq, num_new_tokens - num_drafts + unwritten, drafts)
-        except OutOfBlocksError:
+            if take + watermark > free + release - reserved_blocks:
+                return None
+        out = self._step_one(seq, num_known_new, drafts)
+        if out is None:
             return None
         if unwritten:
             del self._unwritten[rid]
-        expected_context = request.num_computed_tokens + (num_new_computed_tokens if first else 0)
-        if alloc.num_context_tokens + unwritten != expected_context:
+        expected = request.num_computed_tokens + hit
+        got = int(out.context_lens[0]) + unwritten
+        if got != expected:
             raise VllmStateMismatchError(
-                f"request {rid!r}: pagedkv holds {alloc.num_context_tokens} computed tokens, "
-                f"vLLM expects {expected_context} (num_computed_tokens="
-                f"{request.num_computed_tokens}, prefix hit {num_new_computed_tokens})",
+                f"request {rid!r}: pagedkv holds {got - unwritten} computed tokens, vLLM expects "
+                f"{expected} (num_computed_tokens={request.num_computed_tokens}, prefix hit {hit})",
                 request_id=rid,
                 quantity="num_computed_tokens",
-                expected=str(expected_context),
-                got=str(alloc.num_context_tokens),
+                expected=str(expected),
+                got=str(got - unwritten),
             )
-        computed = expected_context + num_new_tokens
+        computed = expected + num_new_tokens
         if unknown:
             self._unknown[rid] = computed
             self.decodes.close_window(rid)
@@ -546,27 +742,19 @@ class PagedKVCacheManager(SharedManagerCalls):
             self._drafts_pending[rid] = (computed - num_drafts, drafts)
         elif computed == self._num_known[rid]:
             self.decodes.set_window(rid, computed)
-        ids = alloc.new_block_ids
-        if len(ids) == 0:
-            return self.empty_kv_cache_blocks
-        return PagedKVBlocks(ids.tolist())
+        return self._new_blocks(out)
 
     def _allocate_async(
-        self,
-        request: Any,
-        seq: int,
-        num_new_tokens: int,
-        full_sequence_must_fit: bool,
-        reserved_blocks: int,
-        has_scheduled_reqs: bool,
+        self, request: Any, seq: int, num_new_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int
     ) -> Any:
         """``_allocate`` of a running or resumed request under async scheduling.
 
         vLLM's slots end at ``num_computed_tokens + num_new_tokens``; the tokens known by now
         (``request.num_tokens``) are computed in pagedkv (hashed and cached as their blocks
-        fill), and the slots past them, whose token ids a step in flight has not reported
-        (output placeholders, placeholder drafts), get placeholder lookahead slots only where
-        the blocks pagedkv holds end before them (never hashed; settled by the next
+        fill; windowed groups release by that computed count, vLLM's processed one), and the
+        slots past them, whose token ids a step in flight has not reported (output
+        placeholders, placeholder drafts), get placeholder lookahead slots in every group only
+        where the blocks pagedkv holds end before them (never hashed; settled by the next
         allocation). Raises ``VllmStateMismatchError`` when pagedkv holds more computed tokens
         than vLLM counts.
         """
@@ -588,17 +776,17 @@ class PagedKVCacheManager(SharedManagerCalls):
         covered = max(-(-known_end // bs) * bs, self.decodes.held_end.get(rid, 0))
         num_unknown = end - known_end if end > covered else 0
         if full_sequence_must_fit or reserved_blocks:
-            free = self._pool.num_free
-            if full_sequence_must_fit and self._kvm.num_blocks_needed(seq, max(request.num_tokens - held, 1)) > free:
+            free = self._kvm.num_free_blocks
+            take, release = self._kvm.num_blocks_needed(seq, max(request.num_tokens - held, 1))
+            if full_sequence_must_fit and take > free + release:
                 return None
-            if reserved_blocks and -(-end // bs) - -(-held // bs) > free - reserved_blocks:
+            if reserved_blocks and (-(-end // bs) - -(-held // bs)) * self.num_kv_cache_groups > free - reserved_blocks:
                 return None
         if num_known_new == 0 and num_unknown == 0:
             # Every slot lies in blocks pagedkv holds already.
             return self.empty_kv_cache_blocks
-        try:
-            alloc = self._kvm.allocate_slots(seq, num_known_new, [0] * num_unknown if num_unknown else None)
-        except OutOfBlocksError:
+        out = self._step_one(seq, num_known_new, [0] * num_unknown if num_unknown else None)
+        if out is None:
             return None
         if num_unknown:
             self._unknown[rid] = end
@@ -607,10 +795,7 @@ class PagedKVCacheManager(SharedManagerCalls):
             self.decodes.set_window(rid, known_end)
         else:
             self.decodes.close_window(rid)
-        ids = alloc.new_block_ids
-        if len(ids) == 0:
-            return self.empty_kv_cache_blocks
-        return PagedKVBlocks(ids.tolist())
+        return self._new_blocks(out)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """vLLM's ``update_from_output`` hook: ``request``'s first ``num_computed_tokens`` are
@@ -639,15 +824,17 @@ class PagedKVCacheManager(SharedManagerCalls):
         if target // bs <= held // bs:
             return
         end = target - target % bs
-        alloc = self._kvm.allocate_slots(seq, end - held)
-        if len(alloc.new_block_ids):
+        out = self._kvm.step([seq], [end - held], block_table=False, token_arrays=False)
+        if out.error is not None:
+            out.raise_for_error()
+        if len(out.new_block_ids):
             raise VllmStateMismatchError(
                 f"request {rid!r}: caching its computed tokens up to {end} took "
-                f"{len(alloc.new_block_ids)} new block(s); vLLM holds them already",
+                f"{len(out.new_block_ids)} new block(s); vLLM holds them already",
                 request_id=rid,
                 quantity="new blocks",
                 expected="0",
-                got=str(len(alloc.new_block_ids)),
+                got=str(len(out.new_block_ids)),
             )
         if end == self._num_known[rid]:
             self.decodes.set_window(rid, end)
@@ -661,7 +848,8 @@ class PagedKVCacheManager(SharedManagerCalls):
         return self.decodes.flush()
 
     def free(self, request: Any) -> None:
-        """Releases ``request``'s blocks (tail first, so deep blocks are evicted first).
+        """Releases ``request``'s blocks in every group (tail first, so deep blocks are
+        evicted first).
 
         A finished request is forgotten; one still ``RUNNING`` is being preempted by the
         scheduler and keeps its tokens (preemption by recompute), unless its pagedkv tokens are
@@ -677,14 +865,7 @@ class PagedKVCacheManager(SharedManagerCalls):
             # The verify step that finished it (vLLM 0.33 caches the blocks it completed): its
             # accepted drafts that became tokens of the request are computed, so the blocks
             # they fill are cached before the free. Tokens past a stop are not there.
-            base, drafts = self._drafts_pending.pop(rid)
-            tokens = request.all_token_ids[base : base + len(drafts)]
-            m = 0
-            limit = max(0, min(request.num_computed_tokens - base, len(tokens)))
-            while m < limit and tokens[m] == drafts[m]:
-                m += 1
-            self._kvm.accept_drafts(seq, m, release_blocks=False)
-            self._num_known[rid] += m
+            self._accept_drafts(request, seq, strict=False)
         # Other pending drafts go with the recompute preemption; a preempted request's
         # accepted tokens reach pagedkv as known tokens on resume. Placeholder drafts of
         # unknown tokens (async scheduling) go with the free or preemption too.
@@ -712,10 +893,13 @@ class PagedKVCacheManager(SharedManagerCalls):
             self.decodes.drop_lookahead(rid)
 
     def remove_skipped_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> None:
-        """No-op: full attention never skips blocks."""
+        """No-op: pagedkv releases out-of-window blocks in the allocation that moves the
+        window, before it counts the blocks it needs (as vLLM's ``allocate_slots``); full
+        attention never skips blocks."""
 
     def reset_prefix_cache(self) -> bool:
-        """Drops every prefix-cache entry; False (nothing changed) while any block is in use."""
+        """Drops every group's prefix-cache entries; False (nothing changed) while any block is
+        in use."""
         self._sync()
         try:
             self._kvm.reset_prefix_cache()
@@ -727,34 +911,49 @@ class PagedKVCacheManager(SharedManagerCalls):
 
     # ---- block tables ----------------------------------------------------------------------
 
-    def get_blocks(self, request_id: str) -> Any:
-        """The request's whole block table. Raises ``UnknownSequenceError``."""
-        self._sync()
-        ids = self._kvm.block_table(self.seq_id(request_id)).tolist()
-        return PagedKVBlocks(ids) if ids else self.empty_kv_cache_blocks
-
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """``(block ids,)`` of the request's table. Raises ``UnknownSequenceError``."""
+        """One id list per group (0 for released entries). Raises ``UnknownSequenceError``."""
         self._sync()
-        return (self._kvm.block_table(self.seq_id(request_id)).tolist(),)
+        return tuple(t.tolist() for t in self._kvm.block_tables(self.seq_id(request_id)))
+
+    def get_blocks(self, request_id: str) -> Any:
+        """The request's block tables as one ``KVCacheBlocks``. Raises
+        ``UnknownSequenceError``."""
+        tables = self.get_block_ids(request_id)
+        return PagedKVBlocks(tables) if any(tables) else self.empty_kv_cache_blocks
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
-        """The table's first ``ceil(num_computed_tokens / block_size)`` ids."""
-        (ids,) = self.get_block_ids(request_id)
-        return (ids[: -(-num_computed_tokens // self.block_size)],)
+        """Each group's first ``ceil(num_computed_tokens / block_size)`` ids."""
+        return tuple(
+            ids[: -(-num_computed_tokens // bs)]
+            for ids, bs in zip(self.get_block_ids(request_id), self.group_block_sizes, strict=True)
+        )
 
     # ---- per-step hooks --------------------------------------------------------------------
 
     def take_events(self) -> list[Any]:
-        """KV events since the last call as ``vllm.distributed.kv_events`` objects."""
+        """KV events since the last call as ``vllm.distributed.kv_events`` objects, each
+        naming its group (``group_idx``) and that group's spec kind."""
         if not self.enable_kv_cache_events:
             return []
         self._sync()
-        from pagedkv.integrations.vllm.events import to_vllm_events
-
-        return to_vllm_events(
-            self._kvm.take_events(),
-            lora_ids=self._lora_ids,
-            spec_kind=self.spec_kind,
-            medium=self.medium,
-        )
+        events = self._kvm.take_events()
+        out: list[Any] = []
+        i, n = 0, len(events)
+        while i < n:
+            # A run of events of one group (or of none: AllBlocksCleared) converts at once.
+            group = events[i][0]
+            j = i + 1
+            while j < n and events[j][0] == group:
+                j += 1
+            out.extend(
+                to_vllm_events(
+                    [e for _, e in events[i:j]],
+                    lora_ids=self._lora_ids,
+                    spec_kind=self.spec_kinds[0 if group is None else group],
+                    medium=self.medium,
+                    group_idx=0 if group is None else group,
+                )
+            )
+            i = j
+        return out

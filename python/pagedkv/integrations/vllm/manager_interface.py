@@ -1,13 +1,12 @@
-"""The parts of vLLM's ``KVCacheManager`` interface that both pagedkv managers answer the same way.
+"""The parts of vLLM's ``KVCacheManager`` interface that depend on neither the KV cache groups
+nor block allocation.
 
-:class:`~pagedkv.integrations.vllm.PagedKVCacheManager` (one KV cache group) and
-:class:`~pagedkv.integrations.vllm.HybridPagedKVCacheManager` (several groups) differ in how they
-allocate, free and report blocks. What depends on neither the groups nor the decode fast path
-is written once here and inherited by both (:class:`SharedManagerCalls`): the request-id lookup,
+:class:`~pagedkv.integrations.vllm.PagedKVCacheManager` allocates, frees and reports blocks; what
+does not touch the block tables is written here and inherited (:class:`SharedManagerCalls`): the request-id lookup,
 the prefix-cache stats, the checks of a capped hit, of refused ``allocate_slots`` options and of
-a double free, the no-op hooks (block caching, zeroing, copy-on-write, Mamba boundary states) and
+a double free, the no-op hooks (zeroing, copy-on-write, Mamba boundary states) and
 the refused KV-connector calls, the resolution of a verify step whose accepted tokens are not
-its drafts; plus the two constructor facts both read (:func:`pagedkv_hash_algo`,
+its drafts; plus the two constructor facts it reads (:func:`pagedkv_hash_algo`,
 :func:`caches_finished_drafts`).
 """
 
@@ -65,10 +64,10 @@ def caches_finished_drafts() -> bool:
 
 
 class SharedManagerCalls:
-    """The ``kv_cache_manager`` calls both pagedkv managers answer alike (inherited by
-    ``PagedKVCacheManager`` and ``HybridPagedKVCacheManager``; not a manager by itself).
+    """The ``kv_cache_manager`` calls that touch no block table (inherited by
+    ``PagedKVCacheManager``; not a manager by itself).
 
-    Reads the attributes the managers set in ``__init__``: ``_seq_of`` (request id -> pagedkv
+    Reads the attributes the manager sets in ``__init__``: ``_seq_of`` (request id -> pagedkv
     sequence id), ``_coordinator``, ``enable_caching``, ``log_stats``, ``prefix_cache_stats``,
     ``_PrefixCacheStats`` (vLLM's stats class), ``num_kv_cache_groups``, ``block_size``,
     ``_diverged`` and ``_unwritten``. Errors name the concrete manager class.
@@ -182,9 +181,6 @@ class SharedManagerCalls:
                     value=str(value),
                     reason="refused by check_supported_config",
                 )
-
-    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
-        """No-op: pagedkv registers full blocks in the prefix cache as it allocates them."""
 
     @staticmethod
     def _check_unallocated_free(request: Any) -> None:

@@ -20,8 +20,9 @@ vLLM's own code; the KV cache calls go to :class:`PagedKVCacheManager`. Two chan
   together in one call (``PagedKVCacheManager.flush_decodes``) before anything else reads or
   changes pagedkv, at the latest when ``schedule`` returns. A decode that needs a block when
   none is left takes the per-request path, so preemption happens exactly where stock vLLM
-  preempts. The hybrid manager batches them the same way (a decode inside the tail block, or
-  opening a block in every group, deferred and allocated in one call).
+  preempts. With sliding-window or chunked-local groups every plain decode is deferred (each
+  can move a window) and allocated in the same one call; one opening a block takes one in
+  every group.
 - no double hashing: pagedkv hashes blocks in Rust as it caches them, so by default the
   request's Python block hasher is dropped when a request is added (vLLM's engine core has
   already hashed the prompt; output blocks are no longer hashed in Python in
@@ -43,8 +44,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.integrations.vllm.config_check import check_supported_config, needs_hybrid_manager
-from pagedkv.integrations.vllm.hybrid_kv_cache_manager import HybridPagedKVCacheManager
+from pagedkv.integrations.vllm.config_check import check_supported_config
 from pagedkv.integrations.vllm.kv_cache_manager import PagedKVCacheManager
 from pagedkv.integrations.vllm.versions import check_supported_version
 
@@ -57,8 +57,8 @@ _ASYNC_VARIANTS: dict[type, type] = {}
 
 class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
     """vLLM V1 ``Scheduler`` whose ``kv_cache_manager`` is a :class:`PagedKVCacheManager` (one KV
-    cache group of full attention), or a :class:`HybridPagedKVCacheManager` (several groups of
-    full attention, sliding window, chunked local, or one windowed group).
+    cache group of full attention, or several groups of full attention, sliding window, chunked
+    local), built from the scheduler's ``KVCacheConfig`` as vLLM builds its own manager.
 
     Takes exactly the constructor arguments of ``vllm.v1.core.sched.scheduler.Scheduler``.
     Raises ``pagedkv.integrations.vllm.UnsupportedVllmVersionError`` (a ``ValueError``) under a
@@ -90,37 +90,24 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
         a = bound.arguments
         check_supported_config(a["vllm_config"], a["kv_cache_config"], a["block_size"], a.get("hash_block_size"))
         super().__init__(*args, **kwargs)
-        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
-
-        groups = self.kv_cache_config.kv_cache_groups
-        spec = groups[0].kv_cache_spec
-        # Replaces the stock manager vLLM built (it held no request yet).
-        if needs_hybrid_manager(self.kv_cache_config):
-            self.kv_cache_manager: Any = HybridPagedKVCacheManager(
-                self.kv_cache_config,
-                self.block_size,
-                enable_caching=bool(self.cache_config.enable_prefix_caching),
-                hash_algo=self.cache_config.prefix_caching_hash_algo,
-                log_stats=self.log_stats,
-                enable_kv_cache_events=self.enable_kv_cache_events,
-                watermark=self.scheduler_config.watermark,
-                max_model_len=self.max_model_len,
-                max_in_flight_tokens=getattr(self.vllm_config, "max_in_flight_tokens", None),
-            )
-            self.kv_cache_manager.defer_decodes = self.batch_decode
-            self.kv_cache_manager.async_scheduling = isinstance(self, AsyncScheduler)
-            return
-        self.kv_cache_manager = PagedKVCacheManager(
-            self.kv_cache_config.num_blocks,
-            self.block_size,
-            enable_caching=bool(self.cache_config.enable_prefix_caching),
-            hash_algo=self.cache_config.prefix_caching_hash_algo,
-            log_stats=self.log_stats,
-            enable_kv_cache_events=self.enable_kv_cache_events,
-            watermark=self.scheduler_config.watermark,
-            spec_kind=get_kv_cache_spec_kind(spec).value,
+        # Replaces the stock manager vLLM built (it held no request yet), built as vLLM builds
+        # its own, from the same arguments.
+        self.kv_cache_manager: Any = PagedKVCacheManager(
             kv_cache_config=self.kv_cache_config,
             max_model_len=self.max_model_len,
+            scheduler_block_size=self.block_size,
+            hash_block_size=getattr(self, "hash_block_size", None),
+            max_in_flight_tokens=getattr(self.vllm_config, "max_in_flight_tokens", None),
+            enable_caching=bool(self.cache_config.enable_prefix_caching),
+            use_eagle=getattr(self, "use_eagle_block_drop", False),
+            num_hash_lookahead_tokens=getattr(self, "num_hash_lookahead_tokens", 0),
+            num_prefill_lookahead=getattr(self, "num_prefill_lookahead", 0),
+            log_stats=self.log_stats,
+            enable_kv_cache_events=self.enable_kv_cache_events,
+            dcp_world_size=getattr(self, "dcp_world_size", 1),
+            metrics_collector=getattr(self, "kv_metrics_collector", None),
+            watermark=self.scheduler_config.watermark,
+            hash_algo=self.cache_config.prefix_caching_hash_algo,
         )
         self.kv_cache_manager.defer_decodes = self.batch_decode
         # Slots past a request's known tokens are output placeholders (see the module docs).
