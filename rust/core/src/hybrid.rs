@@ -1478,8 +1478,9 @@ impl HybridManager {
     }
 }
 
-/// [`check_ids`] with each member's status checked in the same pass, in list order (the
-/// first duplicate, unknown id or member in a state `ok` refuses is the error).
+/// A group call's members checked in list order: the first duplicate, unknown id or member in
+/// a state `ok` refuses is the error (`InvalidArgument`, `UnknownSequence`,
+/// `InvalidSequenceState` naming `operation` and `expected`).
 fn check_group(
     st: &State,
     seqs: &[SeqId],
@@ -1504,21 +1505,9 @@ fn check_group(
     Ok(())
 }
 
+/// Each member listed once and known (no state required), as [`check_group`] checks them.
 fn check_ids(st: &State, seqs: &[SeqId]) -> Result<()> {
-    let mut seen = HashSet::with_capacity(seqs.len());
-    for &id in seqs {
-        if !seen.insert(id) {
-            return Err(Error::InvalidArgument {
-                arg: "seq_ids",
-                value: id.to_string(),
-                reason: "sequence listed twice in one group".into(),
-            });
-        }
-        if !st.seqs.contains_key(&id) {
-            return Err(unknown(id));
-        }
-    }
-    Ok(())
+    check_group(st, seqs, "", |_| true, "")
 }
 
 fn cpu_release(cpu: &mut CpuPool, table: &[BlockId]) {
