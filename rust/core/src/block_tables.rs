@@ -26,7 +26,7 @@
 //! ends as the manager's current tables.
 
 use crate::error::{Error, Result};
-use crate::hybrid::HybridStepOutput;
+use crate::manager::HybridStepOutput;
 use crate::one_group::StepOutput;
 use crate::{BlockId, SeqId, NULL_BLOCK};
 

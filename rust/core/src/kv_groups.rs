@@ -1,5 +1,5 @@
 //! KV cache groups: what each kind of attention layer reads, and the configuration of a
-//! [`crate::hybrid::HybridManager`] whose groups share one block pool.
+//! [`crate::manager::HybridManager`] whose groups share one block pool.
 //!
 //! Models that mix attention kinds (sliding-window layers interleaved with full-attention
 //! ones, chunked-local layers) keep one block table per *KV cache group* (layers with the same
@@ -153,7 +153,7 @@ impl GroupSpec {
     }
 }
 
-/// Configuration of a [`crate::hybrid::HybridManager`].
+/// Configuration of a [`crate::manager::HybridManager`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HybridConfig {
     /// Physical blocks (pages) shared by every group, the null block 0 included; >= 2.
@@ -179,7 +179,7 @@ pub struct HybridConfig {
     pub hash_seed: Vec<u8>,
     /// CPU swap-space blocks (0 disables swapping).
     pub num_cpu_blocks: u32,
-    /// Whether KV events are buffered for [`crate::hybrid::HybridManager::take_events`].
+    /// Whether KV events are buffered for [`crate::manager::HybridManager::take_events`].
     pub enable_events: bool,
     /// Host-memory blocks of the prefix cache's second tier, shared by every group (0: no
     /// host tier). Needs prefix caching on; as `CacheConfig::num_host_blocks`.

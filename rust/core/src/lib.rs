@@ -14,7 +14,7 @@
 //!   shapes (one block table per sequence) that callers of a single group read.
 //! - [`kv_groups`]: KV cache groups (full attention, sliding window, chunked local): what each
 //!   reads, and the configuration of several groups in one pool.
-//! - [`hybrid`]: the KV cache manager: per-sequence block tables of one or several KV cache
+//! - [`manager`]: the KV cache manager: per-sequence block tables of one or several KV cache
 //!   groups over one pool, slot allocation, prefix caching, fork / copy-on-write, preemption
 //!   (recompute and swap), speculative lookahead, the batched scheduler-step entry point.
 //! - [`host_tier`]: the prefix cache's host-memory tier (admission, eviction, copy plans);
@@ -33,7 +33,7 @@ pub mod free_list;
 pub mod hashing;
 pub mod host_pool;
 pub mod host_tier;
-pub mod hybrid;
+pub mod manager;
 pub mod kv_groups;
 pub mod kv_indexer;
 pub mod metrics;
@@ -47,7 +47,7 @@ pub mod sync;
 
 pub use error::{Error, Result};
 pub use hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
-pub use hybrid::{BlockDemand, GroupEvent, HybridManager, HybridStepOptions, HybridStepOutput};
+pub use manager::{BlockDemand, GroupEvent, HybridManager, HybridStepOptions, HybridStepOutput};
 pub use kv_groups::{AttentionKind, GroupSpec, HybridConfig};
 pub use kv_indexer::{BatchOutcome, HashSource, KvIndexer, WorkerId, WorkerStatus};
 pub use metrics::{CacheStats, ManagerCounters};

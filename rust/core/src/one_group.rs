@@ -246,8 +246,8 @@ impl From<crate::HybridStepOutput> for StepOutput {
 }
 
 /// The one-group form of a one-group manager's allocation (group 0's blocks and copies).
-impl From<crate::hybrid::HybridAllocation> for SlotAllocation {
-    fn from(mut a: crate::hybrid::HybridAllocation) -> Self {
+impl From<crate::manager::HybridAllocation> for SlotAllocation {
+    fn from(mut a: crate::manager::HybridAllocation) -> Self {
         debug_assert!(a.groups.len() <= 1, "{} groups", a.groups.len());
         let g = a.groups.pop().unwrap_or_default();
         Self {

@@ -2,7 +2,7 @@
 //! groups in one pool (docs/design.md, "KV cache groups").
 
 use pagedkv_core::events::KvEvent;
-use pagedkv_core::hybrid::GroupEvent;
+use pagedkv_core::manager::GroupEvent;
 use pagedkv_core::kv_groups::MAX_HIT_UNIT;
 use pagedkv_core::{
     BlockHash, Error, GroupSpec, HashAlgo, HybridConfig, HybridManager, PrefixHasher, SequenceSpec,

@@ -3,7 +3,7 @@
 //! pins, admission and events.
 
 use pagedkv_core::events::{KvEvent, Tier};
-use pagedkv_core::hybrid::GroupEvent;
+use pagedkv_core::manager::GroupEvent;
 use pagedkv_core::{
     Error, GroupSpec, HybridConfig, HybridManager, SequenceSpec, StepRequest, NULL_BLOCK,
 };

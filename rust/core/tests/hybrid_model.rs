@@ -9,7 +9,7 @@
 //! It drives speculative decoding's verify steps (`Verify`: lookahead slots for `k` drafts)
 //! and their acceptance (`Accept`, releasing or keeping the rejected drafts' blocks).
 
-use pagedkv_core::hybrid::CPU_NULL;
+use pagedkv_core::manager::CPU_NULL;
 use pagedkv_core::{
     BlockId, Error, GroupSpec, HybridConfig, HybridManager, SeqId, SeqStatus, SequenceSpec,
     StepRequest, NULL_BLOCK,

@@ -3,7 +3,7 @@
 //! admission watermark (`reserve_blocks`) and per-group block-table deltas. Exact values.
 
 use pagedkv_core::host_tier::HostEviction;
-use pagedkv_core::hybrid::HybridStepOptions;
+use pagedkv_core::manager::HybridStepOptions;
 use pagedkv_core::{
     BlockHash, BlockId, Error, GroupSpec, HybridConfig, HybridManager, SeqStatus, SequenceSpec,
     StepDrafts, StepRequest, NULL_BLOCK,
