@@ -1,4 +1,5 @@
-//! Fuzz target `block_tables`: arbitrary bytes -> manager operations (add / step / fork /
+//! Fuzz target `block_tables`: arbitrary bytes -> operations on the manager with one
+//! full-attention group (add / step / fork /
 //! free / preempt / swap / reset, sequence ids reused on purpose) whose step outputs feed a
 //! `BlockTables` (the consumer's side of the block-table deltas): applied, skipped, merged two
 //! at a time, replayed late, or replaced by arbitrary arrays (as a caller writing into the
@@ -15,8 +16,9 @@
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedkv_core::block_tables::{BlockTables, TableDeltas};
-use pagedkv_core::one_group::OneGroupManager;
-use pagedkv_core::{CacheConfig, Error, SeqId, SeqStatus, SequenceSpec, StepOutput, StepRequest};
+use pagedkv_core::{
+    CacheConfig, Error, KvCacheManager, SeqId, SeqStatus, SequenceSpec, StepOutput, StepRequest,
+};
 
 /// Sequence ids are taken modulo this, so ids are reused often.
 const ID_SPACE: u8 = 8;
@@ -84,10 +86,10 @@ struct Kept {
 impl Kept {
     fn update(
         &mut self,
-        m: &OneGroupManager,
+        m: &KvCacheManager,
         parts: &[TableDeltas<'_>],
     ) -> Result<Vec<Vec<i32>>, Error> {
-        let pending = self.tables.prepare(parts, |id| m.block_table(id))?;
+        let pending = self.tables.prepare_groups(parts, |id| m.block_tables(id))?;
         if let Some((rows, cols)) = self.tables.grown_shape(&pending) {
             let mut grown = vec![-1; rows * cols];
             self.tables.regrow(&self.buf, &mut grown, rows, cols);
@@ -117,7 +119,7 @@ impl Kept {
     }
 }
 
-fn step(m: &OneGroupManager, ids: &[SeqId], n: u8) -> (Vec<SeqId>, StepOutput) {
+fn step(m: &KvCacheManager, ids: &[SeqId], n: u8) -> (Vec<SeqId>, StepOutput) {
     let mut req = StepRequest {
         seq_ids: ids.to_vec(),
         num_new_tokens: vec![u32::from(n.max(1)); ids.len()],
@@ -134,7 +136,7 @@ fn step(m: &OneGroupManager, ids: &[SeqId], n: u8) -> (Vec<SeqId>, StepOutput) {
     (req.seq_ids, out)
 }
 
-fn schedulable(m: &OneGroupManager, ids: &[u8]) -> Vec<SeqId> {
+fn schedulable(m: &KvCacheManager, ids: &[u8]) -> Vec<SeqId> {
     let mut out: Vec<SeqId> = Vec::new();
     for &id in ids.iter().take(8) {
         let id = SeqId::from(id % ID_SPACE);
@@ -145,12 +147,11 @@ fn schedulable(m: &OneGroupManager, ids: &[u8]) -> Vec<SeqId> {
     out
 }
 
-fn dense(m: &OneGroupManager, ids: &[SeqId]) -> Vec<Vec<i32>> {
+fn dense(m: &KvCacheManager, ids: &[SeqId]) -> Vec<Vec<i32>> {
     let tables: Vec<Vec<i32>> = ids
         .iter()
         .map(|&id| {
-            m.block_table(id)
-                .unwrap()
+            m.block_tables(id).unwrap()[0]
                 .iter()
                 .map(|&b| b as i32)
                 .collect()
@@ -169,7 +170,7 @@ fn dense(m: &OneGroupManager, ids: &[SeqId]) -> Vec<Vec<i32>> {
 fuzz_target!(|input: Input| {
     let mut cfg = CacheConfig::new(24, 4);
     cfg.num_cpu_blocks = 8;
-    let m = OneGroupManager::new(cfg).unwrap();
+    let m = KvCacheManager::new(cfg).unwrap();
     let tables = BlockTables::new(usize::from(input.rows % 8), usize::from(input.cols % 8));
     let (r, c) = tables.shape();
     let mut kept = Kept {
@@ -183,8 +184,7 @@ fuzz_target!(|input: Input| {
                 let prompt: Vec<u32> = (0..u32::from(len % 24) + 1)
                     .map(|t| t % 5 + u32::from(family % 3) * 10)
                     .collect();
-                let _ =
-                    m.add_sequence(SeqId::from(id % ID_SPACE), &prompt, SequenceSpec::default());
+                let _ = m.add_sequence(SeqId::from(id % ID_SPACE), prompt, SequenceSpec::default());
             }
             Op::Step { ids, n, skip } => {
                 let ids = schedulable(&m, &ids);

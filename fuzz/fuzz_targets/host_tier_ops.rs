@@ -1,7 +1,7 @@
 //! Fuzz target `host_tier_ops`: arbitrary bytes -> a cache configuration with a host tier
 //! (0-7 host blocks, LRU or ARC eviction, admission after 0-3 uses: 0 must be refused, events
 //! on or off) and up
-//! to 96 operations on [`OneGroupManager`]: add (shared-prefix prompts, cache salts),
+//! to 96 operations on [`KvCacheManager`] with one full-attention group: add (shared-prefix prompts, cache salts),
 //! allocate_slots (its host copies taken at once with take_host_transfers), step (one or
 //! several sequences, with appends), empty steps, free, preempt, swap_out, swap_in, reset,
 //! lookup.
@@ -30,10 +30,9 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::host_tier::HostEviction;
-use pagedkv_core::one_group::OneGroupManager;
 use pagedkv_core::{
-    BlockHash, BlockId, CacheConfig, CacheStats, Error, ExtraKey, SeqId, SeqStatus, SequenceSpec,
-    StepOutput, StepRequest,
+    BlockHash, BlockId, CacheConfig, CacheStats, Error, ExtraKey, KvCacheManager, SeqId, SeqStatus,
+    SequenceSpec, StepOutput, StepRequest,
 };
 use std::collections::{HashMap, HashSet};
 
@@ -102,7 +101,22 @@ struct Snap {
     stats: CacheStats,
 }
 
-fn snap(m: &OneGroupManager) -> Snap {
+/// The sequence's block table (its one group's).
+fn table(m: &KvCacheManager, id: SeqId) -> Result<Vec<BlockId>, Error> {
+    Ok(m.block_tables(id)?.swap_remove(0))
+}
+
+/// `(group, a, b)` rows of group 0 as `(a, b)` pairs.
+fn pairs(rows: &[(u32, BlockId, BlockId)]) -> Vec<(BlockId, BlockId)> {
+    rows.iter()
+        .map(|&(g, a, b)| {
+            assert_eq!(g, 0, "one group");
+            (a, b)
+        })
+        .collect()
+}
+
+fn snap(m: &KvCacheManager) -> Snap {
     let p = m.pool();
     let n = p.num_blocks();
     Snap {
@@ -112,7 +126,7 @@ fn snap(m: &OneGroupManager) -> Snap {
         tables: (0..u64::from(ID_SPACE))
             .map(|id| {
                 Some((
-                    m.block_table(id).ok()?,
+                    table(m, id).ok()?,
                     m.num_computed_tokens(id).ok()?,
                     m.status(id).ok()?,
                 ))
@@ -137,7 +151,7 @@ struct Kv {
 impl Kv {
     fn run(
         &mut self,
-        m: &OneGroupManager,
+        m: &KvCacheManager,
         stores: &[(BlockId, BlockId)],
         loads: &[(BlockId, BlockId)],
         copies: &[(BlockId, BlockId)],
@@ -172,9 +186,9 @@ impl Kv {
             self.device
                 .insert(d, self.device.get(&s).cloned().unwrap_or_else(none));
         }
-        let bs = m.config().block_size as usize;
+        let bs = m.config().groups[0].block_size as usize;
         for &(seq, ctx, end) in scheduled {
-            let table = m.block_table(seq).unwrap();
+            let table = table(m, seq).unwrap();
             let tokens = m.tokens(seq).unwrap();
             let salt = self.salt[&seq];
             for j in ctx / bs..(end - 1) / bs + 1 {
@@ -193,10 +207,13 @@ impl Kv {
         }
     }
 
-    fn run_step(&mut self, m: &OneGroupManager, out: &StepOutput, seqs: &[SeqId]) {
+    fn run_step(&mut self, m: &KvCacheManager, out: &StepOutput, seqs: &[SeqId]) {
         let pairs = |v: &[i32]| -> Vec<(BlockId, BlockId)> {
-            v.chunks(2)
-                .map(|p| (p[0] as BlockId, p[1] as BlockId))
+            v.chunks(3)
+                .map(|r| {
+                    assert_eq!(r[0], 0, "one group");
+                    (r[1] as BlockId, r[2] as BlockId)
+                })
                 .collect()
         };
         let scheduled: Vec<_> = (0..out.num_scheduled)
@@ -217,9 +234,10 @@ impl Kv {
         );
     }
 
-    fn events(&mut self, m: &OneGroupManager) {
+    fn events(&mut self, m: &KvCacheManager) {
         for e in m.take_events() {
-            match e {
+            assert!(matches!(e.group, None | Some(0)), "one group: {e:?}");
+            match e.event {
                 KvEvent::AllBlocksCleared => self.resolvable.iter_mut().for_each(|s| s.clear()),
                 KvEvent::BlockStored {
                     block_hashes, tier, ..
@@ -268,7 +286,7 @@ fuzz_target!(|input: Input| {
     cfg.host_admission_min_seen = u32::from(c.min_seen % 4);
     cfg.num_cpu_blocks = u32::from(c.cpu_blocks % 6);
     cfg.enable_events = c.events;
-    let m = match OneGroupManager::new(cfg.clone()) {
+    let m = match KvCacheManager::new(cfg.clone()) {
         Ok(m) => m,
         Err(e) => {
             assert_eq!(
@@ -302,18 +320,20 @@ fuzz_target!(|input: Input| {
                 if salt {
                     spec.extra_keys.push(ExtraKey::CacheSalt("t".into()));
                 }
-                if m.add_sequence(id(seq), &prompt(family, len), spec).is_ok() {
+                if m.add_sequence(id(seq), prompt(family, len), spec).is_ok() {
                     kv.salt.insert(id(seq), salt);
                 }
             }
             Op::Allocate { seq, num_new } => {
                 let s = id(seq);
                 let n = usize::from(num_new % 12);
-                let Ok(needed) = m.num_blocks_needed(s, n) else {
+                let Ok(demand) = m.num_blocks_needed(s, n) else {
                     continue;
                 };
+                assert_eq!(demand.release, 0, "a full-attention group releases nothing");
+                let needed = demand.take;
                 let first =
-                    m.num_computed_tokens(s).unwrap() == 0 && m.block_table(s).unwrap().is_empty();
+                    m.num_computed_tokens(s).unwrap() == 0 && table(&m, s).unwrap().is_empty();
                 let lookup = m.lookup_prefix(s).unwrap();
                 let before = snap(&m);
                 match m.allocate_slots(s, n) {
@@ -332,9 +352,9 @@ fuzz_target!(|input: Input| {
                         let ctx = a.num_context_tokens;
                         kv.run(
                             &m,
-                            &t.stores,
-                            &t.loads,
-                            &a.copies,
+                            &pairs(&t.stores),
+                            &pairs(&t.loads),
+                            &a.groups[0].copies,
                             &[(s, ctx, ctx + a.num_scheduled_tokens)],
                         );
                     }

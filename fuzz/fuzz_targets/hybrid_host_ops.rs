@@ -1,7 +1,7 @@
 //! Fuzz target `hybrid_host_ops`: arbitrary bytes -> a full-attention group and a sliding-window
 //! or chunked-local group over a small pool with a small host tier (LRU or ARC, any admission
 //! count, dense or sparse retention), and a sequence of steps, frees, preemptions, swaps and
-//! resets on [`HybridManager`].
+//! resets on [`KvCacheManager`].
 //!
 //! A model of the executor keeps, per group cache and block, the token prefix whose KV the block
 //! holds, and runs each step output in the executor's order (host stores, the swaps since the
@@ -24,7 +24,7 @@ use libfuzzer_sys::fuzz_target;
 use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::host_tier::HostEviction;
 use pagedkv_core::{
-    BlockHash, Error, GroupSpec, HybridConfig, HybridManager, SeqId, SequenceSpec, StepRequest,
+    BlockHash, CacheConfig, Error, GroupSpec, KvCacheManager, SeqId, SequenceSpec, StepRequest,
     NULL_BLOCK,
 };
 use std::collections::{HashMap, HashSet};
@@ -84,7 +84,7 @@ fn content(map: &HashMap<(u32, u32), Content>, g: i32, b: i32) -> Content {
 
 impl Exec {
     /// Runs a step output's plans in the executor's order, then checks what each query reads.
-    fn run(&mut self, m: &HybridManager, out: &pagedkv_core::HybridStepOutput, seqs: &[SeqId]) {
+    fn run(&mut self, m: &KvCacheManager, out: &pagedkv_core::StepOutput, seqs: &[SeqId]) {
         let ng = m.num_groups() as u32;
         // One output copies into a host block at most once (no store overwritten by a later
         // one of the same output).
@@ -156,7 +156,7 @@ impl Exec {
         }
     }
 
-    fn replay(&mut self, m: &HybridManager) {
+    fn replay(&mut self, m: &KvCacheManager) {
         for e in m.take_events() {
             match (e.group, e.event) {
                 (None, KvEvent::AllBlocksCleared) => self.sets.clear(),
@@ -183,7 +183,7 @@ impl Exec {
     }
 }
 
-fn config(c: &Cfg) -> HybridConfig {
+fn config(c: &Cfg) -> CacheConfig {
     let bs = u32::from(c.block_size % 6) + 1;
     let span = u32::from(c.span % 16) + 1;
     let win = if c.chunked {
@@ -191,7 +191,7 @@ fn config(c: &Cfg) -> HybridConfig {
     } else {
         GroupSpec::sliding_window(bs, 8, span)
     };
-    let mut cfg = HybridConfig::new(
+    let mut cfg = CacheConfig::with_groups(
         u32::from(c.num_blocks % 40) + 4,
         vec![GroupSpec::full(bs, 8), win],
         vec![1, 1, 0],
@@ -210,7 +210,7 @@ fn config(c: &Cfg) -> HybridConfig {
 }
 
 fuzz_target!(|input: Input| {
-    let m = HybridManager::new(config(&input.cfg)).expect("valid by construction");
+    let m = KvCacheManager::new(config(&input.cfg)).expect("valid by construction");
     let mut x = Exec {
         device: HashMap::new(),
         host: HashMap::new(),

@@ -1,7 +1,7 @@
 //! Fuzz target `hybrid_ops`: arbitrary bytes -> a KV cache group layout (full attention,
 //! sliding window, chunked local; any block sizes, windows, page sizes, layer mapping,
 //! retention interval, some of them invalid on purpose) and a sequence of operations on
-//! [`HybridManager`] with unknown and duplicate sequence ids.
+//! [`KvCacheManager`] with unknown and duplicate sequence ids.
 //!
 //! An invalid layout must be refused with `InvalidConfig`. Otherwise two managers with the same
 //! configuration run in lockstep: `m` gets the batched `step`, the `twin` the same work as
@@ -27,7 +27,7 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedkv_core::events::KvEvent;
 use pagedkv_core::{
-    BlockHash, BlockId, Error, GroupSpec, HybridConfig, HybridManager, SeqId, SequenceSpec,
+    BlockHash, BlockId, CacheConfig, Error, GroupSpec, KvCacheManager, SeqId, SequenceSpec,
     StepDrafts, StepRequest, NULL_BLOCK,
 };
 use std::collections::HashSet;
@@ -77,7 +77,7 @@ struct Input {
     ops: Vec<Op>,
 }
 
-fn config(c: &Cfg) -> HybridConfig {
+fn config(c: &Cfg) -> CacheConfig {
     let groups = c
         .groups
         .iter()
@@ -94,7 +94,7 @@ fn config(c: &Cfg) -> HybridConfig {
         })
         .collect::<Vec<_>>();
     let layers = c.layers.iter().take(8).map(|&l| u32::from(l % 5)).collect();
-    let mut cfg = HybridConfig::new(u32::from(c.num_blocks % 48), groups, layers);
+    let mut cfg = CacheConfig::with_groups(u32::from(c.num_blocks % 48), groups, layers);
     cfg.enable_prefix_caching = c.caching;
     cfg.num_cpu_blocks = u32::from(c.cpu_blocks % 16);
     cfg.enable_events = true;
@@ -107,7 +107,7 @@ fn config(c: &Cfg) -> HybridConfig {
 
 type Snapshot = (Vec<BlockId>, Vec<(SeqId, Vec<Vec<BlockId>>, usize, usize)>);
 
-fn snapshot(m: &HybridManager) -> Snapshot {
+fn snapshot(m: &KvCacheManager) -> Snapshot {
     let mut seqs = Vec::new();
     for id in 0..u64::from(ID_SPACE) {
         if let Ok(t) = m.block_tables(id) {
@@ -127,7 +127,7 @@ fn ids(v: &[u8]) -> Vec<SeqId> {
 }
 
 /// Replays one manager's events into per-group hash sets, checking set semantics.
-fn replay(sets: &mut Vec<HashSet<BlockHash>>, m: &HybridManager) {
+fn replay(sets: &mut Vec<HashSet<BlockHash>>, m: &KvCacheManager) {
     for e in m.take_events() {
         match (e.group, e.event) {
             (None, KvEvent::AllBlocksCleared) => sets.iter_mut().for_each(|s| s.clear()),
@@ -151,7 +151,7 @@ fn replay(sets: &mut Vec<HashSet<BlockHash>>, m: &HybridManager) {
 
 fuzz_target!(|input: Input| {
     let cfg = config(&input.cfg);
-    let m = match HybridManager::new(cfg.clone()) {
+    let m = match KvCacheManager::new(cfg.clone()) {
         Ok(m) => m,
         Err(Error::InvalidConfig { .. }) => {
             assert!(cfg.validate().is_err());
@@ -159,7 +159,7 @@ fuzz_target!(|input: Input| {
         }
         Err(e) => panic!("construction failed with {e:?}"),
     };
-    let twin = HybridManager::new(cfg.clone()).unwrap();
+    let twin = KvCacheManager::new(cfg.clone()).unwrap();
     let mut sets = vec![HashSet::new(); cfg.groups.len()];
     let mut twin_sets = sets.clone();
     for op in input.ops.into_iter().take(MAX_OPS) {

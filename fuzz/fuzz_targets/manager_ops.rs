@@ -1,5 +1,5 @@
 //! Fuzz target `manager_ops`: arbitrary bytes -> a cache configuration and a sequence of
-//! operations on [`OneGroupManager`] (add / append / allocate_slots / step, with speculative
+//! operations on [`KvCacheManager`] with one full-attention group (add / append / allocate_slots / step, with speculative
 //! decoding's draft tokens or without / accept_drafts / fork / free / preempt / swap_out /
 //! swap_in / reset / lookup / events), with unknown and duplicate sequence ids on purpose.
 //!
@@ -25,10 +25,9 @@
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use pagedkv_core::one_group::OneGroupManager;
 use pagedkv_core::{
-    BlockHash, BlockId, CacheConfig, CacheStats, Error, ExtraKey, HashAlgo, MmItem, SeqId,
-    SeqStatus, SequenceSpec, StepDrafts, StepOptions, StepRequest,
+    BlockHash, BlockId, CacheConfig, CacheStats, Error, ExtraKey, HashAlgo, KvCacheManager, MmItem,
+    SeqId, SeqStatus, SequenceSpec, StepDrafts, StepOptions, StepRequest,
 };
 use std::collections::HashSet;
 
@@ -123,9 +122,21 @@ struct Snap {
     stats: CacheStats,
 }
 
-fn seq_snap(m: &OneGroupManager, id: SeqId) -> Option<SeqSnap> {
+/// The sequence's block table (its one group's).
+fn table(m: &KvCacheManager, id: SeqId) -> Result<Vec<BlockId>, Error> {
+    Ok(m.block_tables(id)?.swap_remove(0))
+}
+
+/// Blocks the allocation takes from the free pool (one full-attention group releases none).
+fn needed(m: &KvCacheManager, id: SeqId, num_new: usize) -> Result<usize, Error> {
+    let d = m.num_blocks_needed(id, num_new)?;
+    assert_eq!(d.release, 0, "a full-attention group releases nothing");
+    Ok(d.take)
+}
+
+fn seq_snap(m: &KvCacheManager, id: SeqId) -> Option<SeqSnap> {
     Some(SeqSnap {
-        blocks: m.block_table(id).ok()?,
+        blocks: table(m, id).ok()?,
         tokens: m.tokens(id).ok()?,
         computed: m.num_computed_tokens(id).ok()?,
         drafts: m.num_draft_tokens(id).ok()?,
@@ -133,7 +144,7 @@ fn seq_snap(m: &OneGroupManager, id: SeqId) -> Option<SeqSnap> {
     })
 }
 
-fn snap(m: &OneGroupManager) -> Snap {
+fn snap(m: &KvCacheManager) -> Snap {
     let p = m.pool();
     let n = p.num_blocks();
     Snap {
@@ -173,10 +184,10 @@ fn group_valid(before: &Snap, ids: &[SeqId], ok: impl Fn(SeqStatus) -> bool) -> 
 
 /// Runs `f` on both managers; the results must agree, and on error nothing may change.
 fn both<T: PartialEq + std::fmt::Debug>(
-    m: &OneGroupManager,
-    twin: &OneGroupManager,
+    m: &KvCacheManager,
+    twin: &KvCacheManager,
     before: &Snap,
-    f: impl Fn(&OneGroupManager) -> Result<T, Error>,
+    f: impl Fn(&KvCacheManager) -> Result<T, Error>,
 ) -> Result<T, Error> {
     let a = f(m);
     let b = f(twin);
@@ -208,14 +219,14 @@ fn spec_for(salt: Option<u8>, mm: Option<(u8, u8, u8)>) -> SequenceSpec {
 /// One `allocate_slots` on both managers with the prediction, lookup and all-or-nothing
 /// checks. Returns the allocation when it succeeded.
 fn allocate_checked(
-    m: &OneGroupManager,
-    twin: &OneGroupManager,
+    m: &KvCacheManager,
+    twin: &KvCacheManager,
     seq: SeqId,
     num_new: usize,
 ) -> Option<pagedkv_core::SlotAllocation> {
     let before = snap(m);
-    let predicted = m.num_blocks_needed(seq, num_new);
-    assert_eq!(predicted, twin.num_blocks_needed(seq, num_new));
+    let predicted = needed(m, seq, num_new);
+    assert_eq!(predicted, needed(twin, seq, num_new));
     assert_eq!(snap(m), before, "num_blocks_needed had side effects");
     let s = before.seqs[seq as usize].clone();
     let first = s
@@ -233,7 +244,9 @@ fn allocate_checked(
             let s = s.expect("allocated an unknown sequence");
             let after = snap(m);
             assert_eq!(free_before - m.pool().num_free(), p, "predicted != taken");
-            assert!(a.copies.len() <= 1);
+            assert_eq!(a.groups.len(), 1);
+            let g = &a.groups[0];
+            assert!(g.copies.len() <= 1 && g.released.is_empty());
             let context = if first {
                 a.num_cached_tokens
             } else {
@@ -249,7 +262,7 @@ fn allocate_checked(
                 a.num_scheduled_tokens,
                 num_new.min(s.tokens.len() - context)
             );
-            let bs = m.config().block_size as usize;
+            let bs = m.config().groups[0].block_size as usize;
             let ns = after.seqs[seq as usize].as_ref().unwrap();
             assert_eq!(ns.computed, context + a.num_scheduled_tokens);
             assert!(ns.blocks.len() >= ns.computed.div_ceil(bs));
@@ -257,11 +270,11 @@ fn allocate_checked(
             let hits_free = ns
                 .blocks
                 .iter()
-                .filter(|b| !s.blocks.contains(b) && !a.new_block_ids.contains(b))
+                .filter(|b| !s.blocks.contains(b) && !g.new_block_ids.contains(b))
                 .filter(|&&b| before.refs[b as usize] == 0)
                 .count();
-            assert_eq!(a.new_block_ids.len() + hits_free, p);
-            for &b in &a.new_block_ids {
+            assert_eq!(g.new_block_ids.len() + hits_free, p);
+            for &b in &g.new_block_ids {
                 assert_eq!(before.refs[b as usize], 0, "new block {b} was in use");
                 assert_eq!(after.refs[b as usize], 1, "new block {b} not private");
                 assert_eq!(after.hashes[b as usize].is_some(), {
@@ -269,7 +282,7 @@ fn allocate_checked(
                     m.config().enable_prefix_caching && (k + 1) * bs <= ns.computed
                 });
             }
-            for &(src, dst) in &a.copies {
+            for &(src, dst) in &g.copies {
                 // Only a partially filled shared block is copied: the one the next token goes
                 // into (the last one, unless spare lookahead blocks follow it).
                 assert!(before.refs[src as usize] > 1, "copied an unshared block");
@@ -310,7 +323,7 @@ fn allocate_checked(
     }
 }
 
-fn check_all(m: &OneGroupManager, twin: &OneGroupManager) {
+fn check_all(m: &KvCacheManager, twin: &KvCacheManager) {
     if let Err(e) = m.check_invariants() {
         panic!("invariant violated: {e}");
     }
@@ -336,9 +349,9 @@ fn run(input: Input) {
     cfg.hash_seed = vec![c.seed % 2];
     cfg.num_cpu_blocks = u32::from(c.cpu_blocks % 10);
     cfg.enable_events = true;
-    let m = OneGroupManager::new(cfg.clone()).expect("valid config");
-    let twin = OneGroupManager::new(cfg.clone()).expect("valid config");
-    let bs = cfg.block_size as usize;
+    let m = KvCacheManager::new(cfg.clone()).expect("valid config");
+    let twin = KvCacheManager::new(cfg.clone()).expect("valid config");
+    let bs = cfg.groups[0].block_size as usize;
 
     for op in input.ops.into_iter().take(MAX_OPS) {
         let before = snap(&m);
@@ -358,7 +371,7 @@ fn run(input: Input) {
                 let spec = spec_for(salt, mm);
                 let bad_mm = spec.mm_items.iter().any(|i| i.len == 0);
                 let r = both(&m, &twin, &before, |x| {
-                    x.add_sequence(seq, &prompt, spec.clone())
+                    x.add_sequence(seq, prompt.clone(), spec.clone())
                 });
                 let known = before.seqs[seq as usize].is_some();
                 match r {
@@ -391,11 +404,15 @@ fn run(input: Input) {
                 let seq = id(seq);
                 let n = usize::from(num_accepted % 10);
                 let r = both(&m, &twin, &before, |x| {
-                    if keep_blocks {
+                    let per_group = if keep_blocks {
                         x.accept_drafts_keeping_blocks(seq, n)
                     } else {
                         x.accept_drafts(seq, n)
-                    }
+                    };
+                    per_group.map(|mut v| {
+                        assert_eq!(v.len(), 1, "one group");
+                        v.swap_remove(0)
+                    })
                 });
                 let s = before.seqs[seq as usize].clone();
                 match r {
@@ -469,7 +486,8 @@ fn run(input: Input) {
                         drafts.indptr.push(drafts.tokens.len() as u32);
                     }
                 }
-                let out = m.step_with_drafts(&req, &drafts, StepOptions::default());
+                let out = m.step_with(&req, &drafts, StepOptions::default());
+                assert_eq!(out.num_groups, 1);
                 // The twin does the same work one sequence at a time.
                 let mut qsl = 0i32;
                 assert_eq!(out.query_start_loc.len(), out.num_scheduled + 1);
@@ -524,16 +542,16 @@ fn run(input: Input) {
                         .iter()
                         .map(|&b| b as BlockId)
                         .collect();
-                    assert_eq!(new, a.new_block_ids);
-                    for &(src, dst) in &a.copies {
+                    assert_eq!(new, a.groups[0].new_block_ids);
+                    for &(src, dst) in &a.groups[0].copies {
                         assert_eq!(
-                            (out.copies[2 * copy_k], out.copies[2 * copy_k + 1]),
-                            (src as i32, dst as i32)
+                            out.copies[3 * copy_k..3 * copy_k + 3],
+                            [0, src as i32, dst as i32]
                         );
                         copy_k += 1;
                     }
-                    let table = twin.block_table(*seq).unwrap();
-                    let row = out.block_table_row(k);
+                    let table = table(&twin, *seq).unwrap();
+                    let row = out.block_table_row(0, k);
                     let got: Vec<BlockId> =
                         row[..table.len()].iter().map(|&b| b as BlockId).collect();
                     assert_eq!(got, table);
@@ -549,7 +567,7 @@ fn run(input: Input) {
                         );
                     }
                 }
-                assert_eq!(2 * copy_k, out.copies.len());
+                assert_eq!(3 * copy_k, out.copies.len());
                 assert_eq!(out.slot_mapping.len() as i32, qsl);
                 match &out.error {
                     None => assert_eq!(out.num_scheduled, entries.len()),
@@ -571,7 +589,7 @@ fn run(input: Input) {
                                 if (!with_appends || t.is_empty()) && !with_drafts {
                                     // Unchanged sequence: the prediction names the same need.
                                     assert_eq!(
-                                        m.num_blocks_needed(*seq, *n as usize).as_ref(),
+                                        needed(&m, *seq, *n as usize).as_ref(),
                                         Ok(requested)
                                     );
                                 }

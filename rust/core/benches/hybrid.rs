@@ -1,12 +1,10 @@
 //! KV cache groups: CPU time of one decode step and blocks held, for a Gemma 3-like layout
 //! (5 sliding-window layers with a 512-token window per full-attention layer, block size 16)
-//! on `HybridManager`, against the same manager with one full-attention group holding every
+//! on `KvCacheManager`, against the same manager with one full-attention group holding every
 //! layer's KV (what a manager without groups must allocate). Prints figures; no timing assertions.
 //! Run: `cargo bench -p pagedkv-core --bench hybrid`.
 
-use pagedkv_core::{
-    CacheConfig, GroupSpec, HybridConfig, HybridManager, SequenceSpec, StepRequest,
-};
+use pagedkv_core::{CacheConfig, GroupSpec, KvCacheManager, SequenceSpec, StepRequest};
 use std::time::Instant;
 
 const BS: u32 = 16;
@@ -18,7 +16,7 @@ fn main() {
     let blocks_per_seq = (PROMPT + STEPS).div_ceil(BS as usize) as u32 + 2;
     let num_blocks = 2 * blocks_per_seq * SEQS as u32 + 2;
     for retention in [0u32, 1024] {
-        let mut cfg = HybridConfig::new(
+        let mut cfg = CacheConfig::with_groups(
             num_blocks,
             vec![
                 GroupSpec::full(BS, 512),
@@ -27,7 +25,7 @@ fn main() {
             vec![1, 1, 1, 1, 1, 0],
         );
         cfg.retention_interval = retention;
-        let m = HybridManager::new(cfg).unwrap();
+        let m = KvCacheManager::new(cfg).unwrap();
         let ids: Vec<u64> = (1..=SEQS).collect();
         for &id in &ids {
             let p: Vec<u32> = (0..PROMPT as u32)
@@ -65,7 +63,7 @@ fn main() {
             held[1]
         );
     }
-    let m = HybridManager::new(HybridConfig::from(&CacheConfig::new(num_blocks, BS))).unwrap();
+    let m = KvCacheManager::new(CacheConfig::new(num_blocks, BS)).unwrap();
     let ids: Vec<u64> = (1..=SEQS).collect();
     for &id in &ids {
         let p: Vec<u32> = (0..PROMPT as u32)

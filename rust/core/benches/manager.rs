@@ -5,7 +5,7 @@
 
 use criterion::{black_box, criterion_group, BatchSize, Criterion, Throughput};
 use pagedkv_core::{
-    CacheConfig, HashAlgo, HybridConfig, HybridManager, PrefixHasher, SequenceSpec, StepRequest,
+    CacheConfig, HashAlgo, KvCacheManager, PrefixHasher, SequenceSpec, StepRequest,
 };
 
 const BLOCK: u32 = 16;
@@ -26,11 +26,7 @@ fn hashing(c: &mut Criterion) {
 }
 
 fn lookup(c: &mut Criterion) {
-    let m = HybridManager::new(HybridConfig::from(&CacheConfig::new(
-        4 * PROMPT_BLOCKS + 2,
-        BLOCK,
-    )))
-    .unwrap();
+    let m = KvCacheManager::new(CacheConfig::new(4 * PROMPT_BLOCKS + 2, BLOCK)).unwrap();
     let n = (PROMPT_BLOCKS * BLOCK) as usize;
     // Cache a 64-block prompt (+1 token so all 64 full blocks are eligible for a hit).
     let prompt: Vec<u32> = (0..n as u32 + 1).collect();
@@ -113,11 +109,7 @@ fn best_of_batches() {
             algo.name()
         );
     }
-    let m = HybridManager::new(HybridConfig::from(&CacheConfig::new(
-        4 * PROMPT_BLOCKS + 2,
-        BLOCK,
-    )))
-    .unwrap();
+    let m = KvCacheManager::new(CacheConfig::new(4 * PROMPT_BLOCKS + 2, BLOCK)).unwrap();
     let n = (PROMPT_BLOCKS * BLOCK) as usize;
     let prompt: Vec<u32> = (0..n as u32 + 1).collect();
     m.add_sequence(1, prompt.clone(), SequenceSpec::default())
@@ -144,7 +136,7 @@ fn batched_step() {
     const MIN: usize = 64;
     const MAX: usize = 576;
     let blocks = SEQS as u32 * (MAX as u32 / BLOCK + 2) + 1;
-    let m = HybridManager::new(HybridConfig::from(&CacheConfig::new(blocks, BLOCK))).unwrap();
+    let m = KvCacheManager::new(CacheConfig::new(blocks, BLOCK)).unwrap();
     let mut next_token = 7u32;
     let mut tok = || {
         next_token = next_token.wrapping_mul(1_103_515_245).wrapping_add(12_345) % 32_000;

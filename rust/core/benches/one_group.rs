@@ -5,8 +5,7 @@
 //! Run: `cargo bench -p pagedkv-core --bench one_group`.
 
 use pagedkv_core::{
-    GroupSpec, HybridConfig, HybridManager, HybridStepOptions, SequenceSpec, StepDrafts,
-    StepRequest,
+    CacheConfig, GroupSpec, KvCacheManager, SequenceSpec, StepDrafts, StepOptions, StepRequest,
 };
 use std::time::Instant;
 
@@ -27,7 +26,7 @@ trait Subject {
     fn free(&self, id: u64);
 }
 
-impl Subject for HybridManager {
+impl Subject for KvCacheManager {
     fn register(&self, id: u64, prompt: Vec<u32>) {
         self.add_sequence(id, prompt, SequenceSpec::default())
             .unwrap();
@@ -52,7 +51,7 @@ impl Subject for HybridManager {
         assert!(out.error.is_none());
     }
     fn decode(&self, req: &StepRequest) {
-        let opts = HybridStepOptions {
+        let opts = StepOptions {
             skip_block_table: true,
             ..Default::default()
         };
@@ -60,7 +59,7 @@ impl Subject for HybridManager {
         assert!(out.error.is_none(), "{:?}", out.error);
     }
     fn free(&self, id: u64) {
-        HybridManager::free(self, id);
+        KvCacheManager::free(self, id);
     }
 }
 
@@ -155,8 +154,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let num_blocks = (SEQS * (MAX_LEN / BS as usize + 2) + 1) as u32;
-    let cfg = HybridConfig::new(num_blocks, vec![GroupSpec::full(BS, 64)], vec![0]);
-    let make = || HybridManager::new(cfg.clone()).unwrap();
+    let cfg = CacheConfig::with_groups(num_blocks, vec![GroupSpec::full(BS, 64)], vec![0]);
+    let make = || KvCacheManager::new(cfg.clone()).unwrap();
     // The first round discarded (the allocator's first touches).
     let prefill: Vec<f64> = (0..12).map(|r| prefill_ms(make, r)).skip(1).collect();
     println!(

@@ -11,9 +11,9 @@
 //! output tokens.
 //!
 //! The calls per step are those of the Python replay (block tables as deltas, no dense copy:
-//! [`HybridStepOptions::skip_block_table`], the binding's default; no per-token slot mapping and input
-//! ids unless `--token-arrays`: [`HybridStepOptions::skip_token_arrays`], as the Python replay's
-//! default): one batched [`HybridManager::step`] for
+//! [`StepOptions::skip_block_table`], the binding's default; no per-token slot mapping and input
+//! ids unless `--token-arrays`: [`StepOptions::skip_token_arrays`], as the Python replay's
+//! default): one batched [`KvCacheManager::step`] for
 //! the running sequences (one appended token and one slot each), `add_sequence` + one batched
 //! `step` for the admitted prompts, `free` for the finished ones. `--mode pool` replays only the
 //! block traffic on a bare [`BlockPool`] (`replay_common.run_pool`'s schedule: one allocate per
@@ -29,8 +29,8 @@
 use pagedkv_core::events::EventSink;
 use pagedkv_core::pool::BlockPool;
 use pagedkv_core::{
-    BlockId, CacheConfig, HashAlgo, HybridConfig, HybridManager, HybridStepOptions, SequenceSpec,
-    StepDrafts, StepRequest,
+    BlockId, CacheConfig, HashAlgo, KvCacheManager, SequenceSpec, StepDrafts, StepOptions,
+    StepRequest,
 };
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -139,13 +139,13 @@ impl Run {
 fn replay_manager(tr: &Trace, algo: HashAlgo, token_arrays: bool) -> (Run, u64) {
     let mut cfg = CacheConfig::new(tr.num_blocks, tr.block_size);
     cfg.hash_algo = algo;
-    let mgr = HybridManager::new(HybridConfig::from(&cfg)).expect("config");
+    let mgr = KvCacheManager::new(cfg).expect("config");
     let mut running: Vec<usize> = Vec::new();
     let mut sampled = vec![0usize; tr.prompt_lens.len()];
     let mut run = Run::default();
     let mut cached_tokens = 0u64;
     // As the Python replay: block tables as deltas only, no dense copy.
-    let delta_only = HybridStepOptions {
+    let delta_only = StepOptions {
         skip_block_table: true,
         skip_token_arrays: !token_arrays,
         reserve_blocks: 0,

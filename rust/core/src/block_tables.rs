@@ -1,7 +1,6 @@
 //! Block tables kept across scheduler steps on the consumer side (a model runner), updated
-//! from the step outputs' table deltas ([`StepOutput::table_start`] / [`StepOutput::table_delta`],
-//! and per KV cache group [`HybridStepOutput::table_start`] / [`HybridStepOutput::table_delta`]),
-//! as vLLM's GPU model runner keeps its block tables (one per KV cache group) and applies only
+//! from the step outputs' table deltas ([`StepOutput::table_start`] /
+//! [`StepOutput::table_delta`], per sequence and KV cache group), as vLLM's GPU model runner keeps its block tables (one per KV cache group) and applies only
 //! the scheduler's changes (PagedAttention's block tables, Kwon et al., SOSP'23). The Python
 //! binding's `BlockTable` is this type over a numpy buffer; it only moves the arrays in and out.
 //!
@@ -26,8 +25,7 @@
 //! ends as the manager's current tables.
 
 use crate::error::{Error, Result};
-use crate::manager::HybridStepOutput;
-use crate::one_group::StepOutput;
+use crate::manager::StepOutput;
 use crate::{BlockId, SeqId, NULL_BLOCK};
 
 /// Absent sequences kept beyond the batch before they are all released: a sequence missing
@@ -36,8 +34,8 @@ pub const KEEP_ABSENT: usize = 64;
 
 /// One step output's table deltas, borrowed: the scheduled sequences' ids (a prefix of the
 /// request's ids) and the output's `table_start`, `table_version`, `table_delta_indptr` and
-/// `table_delta` arrays (see [`StepOutput`] and [`HybridStepOutput`]). With `G` groups (1 for
-/// a [`StepOutput`]) the per-table arrays have one entry per (sequence, group), entry
+/// `table_delta` arrays (see [`StepOutput`]). With `G` groups (1 for one full-attention
+/// group) the per-table arrays have one entry per (sequence, group), entry
 /// `k * G + g` for sequence `k` and group `g`; the version is per sequence.
 #[derive(Debug, Clone, Copy)]
 pub struct TableDeltas<'a> {
@@ -54,22 +52,10 @@ pub struct TableDeltas<'a> {
 }
 
 impl<'a> TableDeltas<'a> {
-    /// The deltas of `out`, whose request listed `seq_ids` first (only the first
-    /// `out.num_scheduled` are used). Panics if fewer ids than scheduled sequences are given.
+    /// The deltas of `out` (every group's), whose request listed `seq_ids` first (only the
+    /// first `out.num_scheduled` are used), for [`BlockTables`] of `out.num_groups` groups.
+    /// Panics if fewer ids than scheduled sequences are given.
     pub fn new(seq_ids: &'a [SeqId], out: &'a StepOutput) -> Self {
-        Self {
-            seq_ids: &seq_ids[..out.num_scheduled],
-            table_start: &out.table_start,
-            table_version: &out.table_version,
-            table_delta_indptr: &out.table_delta_indptr,
-            table_delta: &out.table_delta,
-        }
-    }
-
-    /// The deltas of a [`HybridStepOutput`] (every group's), whose request listed `seq_ids`
-    /// first (only the first `out.num_scheduled` are used), for [`BlockTables`] of
-    /// `out.num_groups` groups. Panics if fewer ids than scheduled sequences are given.
-    pub fn from_hybrid(seq_ids: &'a [SeqId], out: &'a HybridStepOutput) -> Self {
         Self {
             seq_ids: &seq_ids[..out.num_scheduled],
             table_start: &out.table_start,
@@ -289,7 +275,7 @@ impl BlockTables {
     /// Checks `parts` (the step outputs of one scheduler step, in batch order) against the
     /// rows held, without changing anything: which deltas follow the version held, and, for
     /// the others, the whole table from `read_whole` (the manager's
-    /// [`crate::HybridManager::block_tables`]). One group only ([`Self::prepare_groups`]
+    /// [`crate::KvCacheManager::block_tables`]). One group only ([`Self::prepare_groups`]
     /// reads every group's tables).
     ///
     /// Errors: [`Error::InvalidArgument`] (`arg` "steps") for a sequence scheduled twice across
@@ -317,7 +303,7 @@ impl BlockTables {
     }
 
     /// [`Self::prepare`] for every group: `read_whole` returns a sequence's `G` tables (the
-    /// hybrid manager's [`crate::HybridManager::block_tables`]).
+    /// manager's [`crate::KvCacheManager::block_tables`]).
     ///
     /// Errors: as [`Self::prepare`]; [`Error::InvalidArgument`] (`arg` "read_whole") when
     /// `read_whole` returns another number of tables than `G`.

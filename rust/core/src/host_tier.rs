@@ -3,7 +3,7 @@
 //! loads the blocks back (a host -> device copy) instead of recomputing them.
 //!
 //! This module is the tier's bookkeeping only; the KV bytes live in the executor's host
-//! tensors, and [`crate::HybridManager`] calls in here (docs/design.md, "Host tier"):
+//! tensors, and [`crate::KvCacheManager`] calls in here (docs/design.md, "Host tier"):
 //!
 //! - **Store.** When the device pool evicts the last device copy of a hash for reuse, the
 //!   manager asks [`HostTier::plan_store`]: a hash seen at least `admission_min_seen` times
@@ -28,7 +28,7 @@
 //!
 //! Keys. Blocks are keyed by [`HostKey`]: the block hash and its KV cache group, so a
 //! full-attention block and a sliding-window block of the same tokens are different host
-//! entries (the one-group manager uses group 0). The tier never looks inside a key.
+//! entries (a manager of one group uses group 0). The tier never looks inside a key.
 //!
 //! Host block ids are `0..num_blocks` (no null block: the kernels never read host blocks).
 //! Not synchronised: the manager keeps it under its own mutex.
@@ -41,7 +41,7 @@ use crate::BlockId;
 use std::collections::{HashMap, VecDeque};
 
 /// What the tier keys a block by: the block's device prefix-index key (its chained block
-/// hash) and the KV cache group whose layers the KV belongs to (0 for a one-group manager).
+/// hash) and the KV cache group whose layers the KV belongs to (0 for a manager of one group).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct HostKey {
     /// The device prefix index's key of the block.
@@ -58,7 +58,7 @@ impl HostKey {
 }
 
 impl From<BlockHash> for HostKey {
-    /// The key of `hash` in group 0 (the one-group manager's only group).
+    /// The key of `hash` in group 0 (the only group of a manager of one group).
     fn from(hash: BlockHash) -> Self {
         Self { hash, group: 0 }
     }

@@ -1,5 +1,5 @@
 //! KV cache groups: what each kind of attention layer reads, and the configuration of a
-//! [`crate::manager::HybridManager`] whose groups share one block pool.
+//! [`crate::manager::KvCacheManager`] whose groups share one block pool.
 //!
 //! Models that mix attention kinds (sliding-window layers interleaved with full-attention
 //! ones, chunked-local layers) keep one block table per *KV cache group* (layers with the same
@@ -15,7 +15,9 @@
 use crate::error::{Error, Result};
 use crate::hashing::HashAlgo;
 use crate::host_tier::HostEviction;
-use crate::one_group::MAX_BLOCK_SIZE;
+
+/// Largest supported block size in tokens.
+pub const MAX_BLOCK_SIZE: u32 = 4096;
 
 /// Largest accepted hit unit (the LCM of the groups' block sizes), in tokens: block sizes
 /// whose LCM exceeds it would make prefix hits so coarse that caching is pointless
@@ -125,7 +127,7 @@ impl GroupSpec {
         let field = "groups";
         if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
             return Err(Error::InvalidConfig {
-                field,
+                field: "block_size",
                 value: format!("group {g} block_size {}", self.block_size),
                 reason: format!("must be in 1..={MAX_BLOCK_SIZE} tokens"),
             });
@@ -153,9 +155,9 @@ impl GroupSpec {
     }
 }
 
-/// Configuration of a [`crate::manager::HybridManager`].
+/// Configuration of a [`crate::manager::KvCacheManager`].
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HybridConfig {
+pub struct CacheConfig {
     /// Physical blocks (pages) shared by every group, the null block 0 included; >= 2.
     pub num_blocks: u32,
     /// The KV cache groups, at least one.
@@ -173,52 +175,41 @@ pub struct HybridConfig {
     /// (reused first, so the transient window blocks of a long request never flush other
     /// requests' cached prefixes: vLLM #43447).
     pub retention_interval: u32,
-    /// Hash function of the prefix cache.
+    /// Hash function of the prefix cache (SHA-256 unless opted out).
     pub hash_algo: HashAlgo,
-    /// Chain seed of the block hashes.
+    /// Chain seed of the block hashes: processes that must agree on block hashes use the
+    /// same seed.
     pub hash_seed: Vec<u8>,
-    /// CPU swap-space blocks (0 disables swapping).
+    /// CPU swap-space blocks (0 disables swapping: every swap-out fails with `OutOfSwapSpace`).
     pub num_cpu_blocks: u32,
-    /// Whether KV events are buffered for [`crate::manager::HybridManager::take_events`].
+    /// Whether KV events are buffered for [`crate::manager::KvCacheManager::take_events`].
     pub enable_events: bool,
-    /// Host-memory blocks of the prefix cache's second tier, shared by every group (0: no
-    /// host tier). Needs prefix caching on; as `CacheConfig::num_host_blocks`.
+    /// Host-memory blocks of the prefix cache's second tier ([`crate::host_tier`]), shared by
+    /// every group (0: no host tier, and nothing of it runs). Needs prefix caching on. Host
+    /// block ids are `0..num_host_blocks`; the executor owns the host tensors.
     pub num_host_blocks: u32,
-    /// Times a `(group, hash)` must be seen before its eviction from the device stores it to
-    /// the host tier; as `CacheConfig::host_admission_min_seen`.
+    /// Uses (registrations of computed blocks and prefix hits) a `(group, hash)` needs before
+    /// the device pool's eviction of it stores it to the host tier; 1 stores every evicted
+    /// block. At least 1.
     pub host_admission_min_seen: u32,
     /// Which host block a full host tier evicts for a store.
     pub host_eviction: HostEviction,
 }
 
-/// A one-group configuration as the groups manager takes it: one full-attention group of
-/// `cfg.block_size`-token blocks and every other field as given (bytes per token do not matter
-/// to one group's bookkeeping and are set to 1).
-impl From<&crate::one_group::CacheConfig> for HybridConfig {
-    fn from(cfg: &crate::one_group::CacheConfig) -> Self {
-        let mut h = HybridConfig::new(
-            cfg.num_blocks,
-            vec![GroupSpec::full(cfg.block_size, 1)],
-            vec![0],
-        );
-        h.enable_prefix_caching = cfg.enable_prefix_caching;
-        h.hash_algo = cfg.hash_algo;
-        h.hash_seed = cfg.hash_seed.clone();
-        h.num_cpu_blocks = cfg.num_cpu_blocks;
-        h.enable_events = cfg.enable_events;
-        h.num_host_blocks = cfg.num_host_blocks;
-        h.host_admission_min_seen = cfg.host_admission_min_seen;
-        h.host_eviction = cfg.host_eviction;
-        h
+impl CacheConfig {
+    /// One full-attention group: `num_blocks` blocks (the null block included) of
+    /// `block_size` tokens, one layer (bytes per token do not matter to one group's
+    /// bookkeeping and are 1); prefix caching on, SHA-256, an empty seed, no swap space,
+    /// events off, no host tier. Not validated until [`Self::validate`] /
+    /// [`crate::KvCacheManager::new`].
+    pub fn new(num_blocks: u32, block_size: u32) -> Self {
+        Self::with_groups(num_blocks, vec![GroupSpec::full(block_size, 1)], vec![0])
     }
-}
 
-impl HybridConfig {
     /// `num_blocks` pages for `groups`, with `layer_groups[i]` the group of layer `i`; prefix
     /// caching on, dense retention, SHA-256, an empty seed, no swap space, events off, no host
-    /// tier. Not
-    /// validated until [`Self::validate`].
-    pub fn new(num_blocks: u32, groups: Vec<GroupSpec>, layer_groups: Vec<u32>) -> Self {
+    /// tier. Not validated until [`Self::validate`] / [`crate::KvCacheManager::new`].
+    pub fn with_groups(num_blocks: u32, groups: Vec<GroupSpec>, layer_groups: Vec<u32>) -> Self {
         Self {
             num_blocks,
             groups,
@@ -254,7 +245,9 @@ impl HybridConfig {
     /// < 1, zero bytes per token; page sizes that differ between groups (they cannot share one
     /// pool); an LCM of block sizes above [`MAX_HIT_UNIT`]; no layer, a layer mapped to no
     /// group, a group without layers; a retention interval that is not a multiple of the hit
-    /// unit; the host-tier fields as `CacheConfig::validate` checks them.
+    /// unit; `num_host_blocks` above [`crate::host_tier::MAX_HOST_BLOCKS`] or set with prefix
+    /// caching off (the host tier keys blocks by their prefix hash), or
+    /// `host_admission_min_seen == 0`. A block size out of range names `block_size`.
     pub fn validate(&self) -> Result<()> {
         crate::host_tier::validate_host_tier(
             self.num_host_blocks,

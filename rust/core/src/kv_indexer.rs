@@ -1492,13 +1492,12 @@ mod tests {
     #[test]
     fn events_of_another_cache_identity_are_refused() {
         use crate::hashing::HashAlgo;
-        use crate::one_group::CacheConfig;
-        use crate::{HybridConfig, HybridManager};
+        use crate::{CacheConfig, KvCacheManager};
         let events_with_seed = |seed: &[u8]| {
             let mut cfg = CacheConfig::new(32, 4);
             cfg.enable_events = true;
             cfg.hash_seed = seed.to_vec();
-            let m = HybridManager::new(HybridConfig::from(&cfg)).unwrap();
+            let m = KvCacheManager::new(cfg).unwrap();
             m.add_sequence(1, (0..9).collect(), SequenceSpec::default())
                 .unwrap();
             m.allocate_slots(1, 9).unwrap();
@@ -1543,11 +1542,10 @@ mod tests {
 
     #[test]
     fn query_hashes_match_the_manager() {
-        use crate::one_group::CacheConfig;
-        use crate::{HybridConfig, HybridManager};
+        use crate::{CacheConfig, KvCacheManager};
         let mut cfg = CacheConfig::new(32, 4);
         cfg.enable_events = true;
-        let m = HybridManager::new(HybridConfig::from(&cfg)).unwrap();
+        let m = KvCacheManager::new(cfg).unwrap();
         let prompt: Vec<u32> = (0..13).collect();
         let spec = SequenceSpec {
             extra_keys: vec![ExtraKey::CacheSalt("t".into())],

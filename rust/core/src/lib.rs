@@ -10,8 +10,6 @@
 //! - [`prefix_index`]: each block's hash and the hash → blocks multiset.
 //! - `seq_table`: the manager's slab of sequences keyed by id.
 //! - [`request`]: what callers hand the managers: sequence specs, step batches, drafts.
-//! - [`one_group`]: the configuration of one full-attention group and the one-group result
-//!   shapes (one block table per sequence) that callers of a single group read.
 //! - [`kv_groups`]: KV cache groups (full attention, sliding window, chunked local): what each
 //!   reads, and the configuration of several groups in one pool.
 //! - [`manager`]: the KV cache manager: per-sequence block tables of one or several KV cache
@@ -33,11 +31,10 @@ pub mod free_list;
 pub mod hashing;
 pub mod host_pool;
 pub mod host_tier;
-pub mod manager;
 pub mod kv_groups;
 pub mod kv_indexer;
+pub mod manager;
 pub mod metrics;
-pub mod one_group;
 pub mod pool;
 pub mod prefix_index;
 pub mod request;
@@ -47,11 +44,13 @@ pub mod sync;
 
 pub use error::{Error, Result};
 pub use hashing::{BlockHash, ExtraKey, HashAlgo, PrefixHasher};
-pub use manager::{BlockDemand, GroupEvent, HybridManager, HybridStepOptions, HybridStepOutput};
-pub use kv_groups::{AttentionKind, GroupSpec, HybridConfig};
+pub use kv_groups::{AttentionKind, CacheConfig, GroupSpec, MAX_BLOCK_SIZE};
 pub use kv_indexer::{BatchOutcome, HashSource, KvIndexer, WorkerId, WorkerStatus};
+pub use manager::{
+    BlockDemand, GroupAllocation, GroupEvent, KvCacheManager, SlotAllocation, StepOptions,
+    StepOutput,
+};
 pub use metrics::{CacheStats, ManagerCounters};
-pub use one_group::{CacheConfig, SlotAllocation, StepOptions, StepOutput};
 pub use request::{MmItem, SeqStatus, SequenceSpec, StepDrafts, StepRequest};
 
 /// Physical block id. `0` is the null block: never allocated, hashed, ref-counted or counted

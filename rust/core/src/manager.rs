@@ -33,7 +33,7 @@
 //! - **Exact demand.** An allocation takes `take` blocks from the free pool (fresh blocks, hits
 //!   on free cached blocks, copy-on-write copies) and gives back `release` (out-of-window blocks
 //!   it held alone); it succeeds exactly when `take <= free + release`, and
-//!   [`HybridManager::num_blocks_needed`] returns both numbers before the call. An admission that
+//!   [`KvCacheManager::num_blocks_needed`] returns both numbers before the call. An admission that
 //!   predicts one number and takes another hangs or fails (vLLM #39734, #41282, #45856).
 //!
 //! Concurrency: one mutex over the per-sequence state per call (the [`crate::sync`] mutex, so
@@ -49,7 +49,7 @@ use crate::error::{Error, Result};
 use crate::events::{EventSink, KvEvent, Tier};
 use crate::hashing::{BlockHash, ChainJob, PrefixHasher};
 use crate::host_tier::HostTier;
-use crate::kv_groups::{retained_at_interval, GroupSpec, HybridConfig};
+use crate::kv_groups::{retained_at_interval, CacheConfig, GroupSpec};
 use crate::metrics::{CacheStats, ManagerCounters};
 use crate::pool::BlockPool;
 use crate::request::{
@@ -76,7 +76,7 @@ pub use host::GroupHostTransfers;
 use host::{HostSide, HOST_HIT};
 
 /// A block that exists only in a demand simulation (registered by an earlier member of a
-/// group in [`HybridManager::num_blocks_owed`]); never a real id (ids are below 2^28).
+/// group in [`KvCacheManager::num_blocks_owed`]); never a real id (ids are below 2^28).
 const VIRTUAL: BlockId = u32::MAX;
 
 /// A released table entry of a swapped-out sequence (CPU block ids start at 0, so the null
@@ -88,8 +88,8 @@ pub const CPU_NULL: BlockId = u32::MAX;
 pub struct GroupEvent {
     /// The KV cache group the event is about; `None` for [`KvEvent::AllBlocksCleared`].
     pub group: Option<u32>,
-    /// The event; its hashes are the plain chain hashes (as a one-group manager with the same
-    /// seed and that group's block size computes them). Set semantics hold per group; the
+    /// The event; its hashes are the plain chain hashes (as a manager of one full-attention group
+    /// with the same seed and that group's block size computes them). Set semantics hold per group; the
     /// parent of a windowed group's `BlockStored` may not be cached (sparse retention).
     pub event: KvEvent,
 }
@@ -127,7 +127,7 @@ impl BlockDemand {
     }
 }
 
-/// One group's part of a [`HybridAllocation`].
+/// One group's part of a [`SlotAllocation`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GroupAllocation {
     /// Blocks newly taken from the free pool for this group, in block-table order.
@@ -138,9 +138,9 @@ pub struct GroupAllocation {
     pub released: Vec<BlockId>,
 }
 
-/// The result of [`HybridManager::allocate_slots`].
+/// The result of [`KvCacheManager::allocate_slots`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct HybridAllocation {
+pub struct SlotAllocation {
     /// Tokens scheduled (the query length).
     pub num_scheduled_tokens: usize,
     /// Tokens served from the prefix cache (first allocation only; a multiple of the hit unit).
@@ -149,16 +149,16 @@ pub struct HybridAllocation {
     pub num_context_tokens: usize,
     /// Draft tokens given lookahead slots after the scheduled ones (positions
     /// `num_context_tokens + num_scheduled_tokens ..` `+ num_draft_tokens`), pending until
-    /// [`HybridManager::accept_drafts`].
+    /// [`KvCacheManager::accept_drafts`].
     pub num_draft_tokens: usize,
     /// Per group, in group order.
     pub groups: Vec<GroupAllocation>,
 }
 
-/// Output of [`HybridManager::step`]: flat arrays with a group dimension. `S` scheduled
+/// Output of [`KvCacheManager::step`]: flat arrays with a group dimension. `S` scheduled
 /// sequences, `T` scheduled tokens, `G` groups.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct HybridStepOutput {
+pub struct StepOutput {
     /// Sequences scheduled (a prefix of the request).
     pub num_scheduled: usize,
     /// The failure that stopped processing (that sequence unchanged), if any.
@@ -216,7 +216,7 @@ pub struct HybridStepOutput {
     /// more than its previous report's; a sequence's first report is above every version an
     /// earlier output of this manager carried, so versions never repeat under one id. A
     /// consumer holding version `v` may apply a delta only when this is `v + 1` (or its
-    /// `table_start` is 0); otherwise it re-reads the tables ([`HybridManager::block_tables`]).
+    /// `table_start` is 0); otherwise it re-reads the tables ([`KvCacheManager::block_tables`]).
     pub table_version: Vec<u64>,
     /// Length `S * G + 1`: CSR offsets into `table_delta`, entry `k * G + g`.
     pub table_delta_indptr: Vec<i32>,
@@ -224,24 +224,35 @@ pub struct HybridStepOutput {
     pub table_delta: Vec<i32>,
 }
 
-/// Options of [`HybridManager::step_with`]; the default is what [`HybridManager::step`]
+impl StepOutput {
+    /// Row `k` (a scheduled sequence, `k < num_scheduled`) of group `g`'s dense block table:
+    /// `block_table_width` entries, null-padded. Panics when the step was asked without the
+    /// dense table ([`StepOptions::skip_block_table`]) or an index is out of range.
+    pub fn block_table_row(&self, g: usize, k: usize) -> &[i32] {
+        let w = self.block_table_width;
+        let start = (g * self.num_scheduled + k) * w;
+        &self.block_table[start..start + w]
+    }
+}
+
+/// Options of [`KvCacheManager::step_with`]; the default is what [`KvCacheManager::step`]
 /// returns.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct HybridStepOptions {
-    /// Leave [`HybridStepOutput::block_table`] empty (`block_table_width` 0): for callers that
-    /// keep the tables from the deltas ([`HybridStepOutput::table_start`] /
-    /// [`HybridStepOutput::table_delta`]); the dense `G x S x W` copy is O(groups x scheduled
+pub struct StepOptions {
+    /// Leave [`StepOutput::block_table`] empty (`block_table_width` 0): for callers that
+    /// keep the tables from the deltas ([`StepOutput::table_start`] /
+    /// [`StepOutput::table_delta`]); the dense `G x S x W` copy is O(groups x scheduled
     /// sequences x longest table) per step, most of a decode step's cost for long contexts.
     pub skip_block_table: bool,
-    /// Leave the per-token arrays [`HybridStepOutput::slot_mapping`] and
-    /// [`HybridStepOutput::input_ids`] empty: for callers that build them on the device from
+    /// Leave the per-token arrays [`StepOutput::slot_mapping`] and
+    /// [`StepOutput::input_ids`] empty: for callers that build them on the device from
     /// the block tables and positions, or that need only block ids (a scheduler).
     pub skip_token_arrays: bool,
     /// Blocks that must stay free after each sequence's allocation (an admission watermark,
     /// as vLLM's `KVCacheManager(watermark=)`): a sequence whose allocation would leave fewer
     /// fails with [`Error::OutOfBlocks`] `{requested: take + reserve_blocks, available: free
     /// + release}` and the step stops there, so admission control is the step itself (no
-    /// separate [`HybridManager::num_blocks_needed`] call, one prefix lookup). 0: none.
+    /// separate [`KvCacheManager::num_blocks_needed`] call, one prefix lookup). 0: none.
     pub reserve_blocks: usize,
 }
 
@@ -254,7 +265,7 @@ struct GroupTable {
     /// Leading logical blocks the fill-time registration has considered.
     scanned: usize,
     /// Trailing blocks past `ceil((num_computed + drafts) / block_size)` kept by
-    /// [`HybridManager::accept_drafts_keeping_blocks`] for the next allocations (private,
+    /// [`KvCacheManager::accept_drafts_keeping_blocks`] for the next allocations (private,
     /// unhashed).
     spare: usize,
     /// Leading entries a step output has reported and that have not changed since (the next
@@ -290,10 +301,10 @@ struct Seq {
     looked_up: bool,
     /// Pending draft tokens of a verify step, in lookahead slots at positions
     /// `num_computed .. num_computed + drafts.len()` of every group: never hashed, cached or
-    /// announced; resolved by [`HybridManager::accept_drafts`].
+    /// announced; resolved by [`KvCacheManager::accept_drafts`].
     drafts: Vec<u32>,
     /// The version of its tables the last step output reported
-    /// ([`HybridStepOutput::table_version`]).
+    /// ([`StepOutput::table_version`]).
     table_version: u64,
 }
 
@@ -341,11 +352,11 @@ struct State {
     table_versions: u64,
 }
 
-/// The KV cache manager over several KV cache groups sharing one block pool (see the module
-/// docs). `Send + Sync`.
+/// The KV cache manager: one or several KV cache groups sharing one block pool (see the
+/// module docs; [`CacheConfig::new`] is one full-attention group). `Send + Sync`.
 #[derive(Debug)]
-pub struct HybridManager {
-    cfg: HybridConfig,
+pub struct KvCacheManager {
+    cfg: CacheConfig,
     /// Hit unit in tokens (LCM of block sizes).
     unit: usize,
     /// Every group is full attention (nothing ever leaves a window).
@@ -383,11 +394,11 @@ fn bad_state(
     }
 }
 
-impl HybridManager {
+impl KvCacheManager {
     /// A manager over a fresh pool of `cfg.num_blocks` pages shared by `cfg.groups`. Errors:
-    /// [`Error::InvalidConfig`] (see [`HybridConfig::validate`]); nothing is built then.
+    /// [`Error::InvalidConfig`] (see [`CacheConfig::validate`]); nothing is built then.
     /// O(num_blocks + num_cpu_blocks).
-    pub fn new(cfg: HybridConfig) -> Result<Self> {
+    pub fn new(cfg: CacheConfig) -> Result<Self> {
         cfg.validate()?;
         let unit = cfg.hit_unit().expect("validated") as usize;
         let mut class_bs: Vec<usize> = Vec::new();
@@ -448,7 +459,7 @@ impl HybridManager {
     }
 
     /// The configuration.
-    pub fn config(&self) -> &HybridConfig {
+    pub fn config(&self) -> &CacheConfig {
         &self.cfg
     }
 
@@ -644,7 +655,7 @@ impl HybridManager {
     /// Errors (state unchanged): [`Error::UnknownSequence`]; [`Error::InvalidSequenceState`]
     /// (swapped out); [`Error::InvalidArgument`] (`num_new_tokens == 0`, nothing left);
     /// [`Error::OutOfBlocks`] `{requested: take, available: free + release}`.
-    pub fn allocate_slots(&self, seq: SeqId, num_new_tokens: usize) -> Result<HybridAllocation> {
+    pub fn allocate_slots(&self, seq: SeqId, num_new_tokens: usize) -> Result<SlotAllocation> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
@@ -673,7 +684,7 @@ impl HybridManager {
         seq: SeqId,
         num_new_tokens: usize,
         draft_tokens: &[u32],
-    ) -> Result<HybridAllocation> {
+    ) -> Result<SlotAllocation> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
@@ -1100,8 +1111,8 @@ impl HybridManager {
     }
 
     /// The host-tier copies planned since the last hand-out, for a caller that allocates
-    /// outside [`Self::step`] (which hands them out in [`HybridStepOutput::host_stores`] /
-    /// [`HybridStepOutput::host_loads`]): `(group, device, host)` stores and `(group, host,
+    /// outside [`Self::step`] (which hands them out in [`StepOutput::host_stores`] /
+    /// [`StepOutput::host_loads`]): `(group, device, host)` stores and `(group, host,
     /// device)` loads, run in the step order (stores first, loads before the forward pass that
     /// reads the loaded blocks); the loads' host blocks stay pinned until the next step call
     /// returns. Empty without a host tier. O(plans).
@@ -1123,7 +1134,7 @@ impl HybridManager {
     /// sequence unchanged, appended tokens removed again). A malformed request (lengths, CSR
     /// offsets, an id listed twice) schedules nothing. Returns every group's slot mapping and
     /// dense block tables. O(tokens scheduled x groups + G x S x W).
-    pub fn step(&self, req: &StepRequest) -> HybridStepOutput {
+    pub fn step(&self, req: &StepRequest) -> StepOutput {
         self.step_with_drafts(req, &StepDrafts::default())
     }
 
@@ -1133,24 +1144,24 @@ impl HybridManager {
     /// `seq_lens`, `slot_mapping` and `input_ids` include them; `num_draft_tokens` says how
     /// many), and it stays pending until [`Self::accept_drafts`]. Malformed draft offsets are
     /// reported in `error` with nothing scheduled.
-    pub fn step_with_drafts(&self, req: &StepRequest, drafts: &StepDrafts) -> HybridStepOutput {
-        self.step_with(req, drafts, HybridStepOptions::default())
+    pub fn step_with_drafts(&self, req: &StepRequest, drafts: &StepDrafts) -> StepOutput {
+        self.step_with(req, drafts, StepOptions::default())
     }
 
-    /// [`Self::step_with_drafts`] with [`HybridStepOptions`]: without the dense block tables
+    /// [`Self::step_with_drafts`] with [`StepOptions`]: without the dense block tables
     /// (callers keeping them from the table deltas) and / or the per-token arrays. O(tokens
     /// scheduled x groups + changed table entries), plus G x S x W for the dense tables.
     ///
     /// With a host tier, the step first marks the previous step's plans as run (blocks
     /// registered before it hold their KV; the loads handed out then are done and their host
     /// blocks unpinned when it returns) and hands out the copies planned since the last
-    /// hand-out in [`HybridStepOutput::host_stores`] / [`HybridStepOutput::host_loads`].
+    /// hand-out in [`StepOutput::host_stores`] / [`StepOutput::host_loads`].
     pub fn step_with(
         &self,
         req: &StepRequest,
         drafts: &StepDrafts,
-        opts: HybridStepOptions,
-    ) -> HybridStepOutput {
+        opts: StepOptions,
+    ) -> StepOutput {
         let Some(host) = self.host.as_ref() else {
             return self.step_groups(req, drafts, opts);
         };
@@ -1177,18 +1188,13 @@ impl HybridManager {
     }
 
     /// The scheduling part of [`Self::step_with`] (everything but the host tier's hand-out).
-    fn step_groups(
-        &self,
-        req: &StepRequest,
-        drafts: &StepDrafts,
-        opts: HybridStepOptions,
-    ) -> HybridStepOutput {
+    fn step_groups(&self, req: &StepRequest, drafts: &StepDrafts, opts: StepOptions) -> StepOutput {
         // Sized for the common decode step (one token per sequence) so the hot loop rarely
         // reallocates; prefill chunks grow the token-indexed vectors as needed.
         let n = req.seq_ids.len();
         let ng = self.num_groups();
         let tokens = if opts.skip_token_arrays { 0 } else { n };
-        let mut out = HybridStepOutput {
+        let mut out = StepOutput {
             num_groups: ng,
             block_table_width: usize::from(!opts.skip_block_table),
             num_cached_tokens: Vec::with_capacity(n),

@@ -29,7 +29,7 @@ pub struct ManagerCounters {
     pub host_hits_tokens: u64,
 }
 
-/// A snapshot of the KV cache's state and counters, from [`crate::HybridManager::stats`].
+/// A snapshot of the KV cache's state and counters, from [`crate::KvCacheManager::stats`].
 ///
 /// Units: `num_blocks`, `used`, `free`, `cached_free`, `num_cpu_blocks`, `cpu_used`,
 /// `evictions`, `copies`, `swaps_*`, `num_host_blocks`, `host_used`, `host_*_blocks` are

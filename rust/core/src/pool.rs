@@ -812,7 +812,7 @@ impl BlockPool {
 
     /// Every block carrying `hash`, oldest first: the order in which [`BlockPool::lookup`]
     /// looks for one in use. For a simulation that replays lookups under ref counts of its own
-    /// (`HybridManager::num_blocks_owed`). No side effects. Locking. Expected O(1).
+    /// (`KvCacheManager::num_blocks_owed`). No side effects. Locking. Expected O(1).
     pub fn holders(&self, hash: &BlockHash) -> Vec<BlockId> {
         let locked = self.locked.lock();
         locked.index.holders(hash).collect()

@@ -80,7 +80,7 @@ impl SeqStatus {
     }
 }
 
-/// Input of the batched [`crate::HybridManager::step`]: one entry per sequence, processed in order.
+/// Input of the batched [`crate::KvCacheManager::step`]: one entry per sequence, processed in order.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct StepRequest {
     /// Sequences to schedule.
@@ -93,7 +93,7 @@ pub struct StepRequest {
     pub append_tokens: Vec<u32>,
 }
 
-/// Draft tokens of a speculative-decoding step ([`crate::HybridManager::step_with_drafts`]), CSR
+/// Draft tokens of a speculative-decoding step ([`crate::KvCacheManager::step_with_drafts`]), CSR
 /// over the request's sequences: sequence `i` proposes
 /// `tokens[indptr[i]..indptr[i + 1]]`. Empty `indptr` (the default) means no drafts.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

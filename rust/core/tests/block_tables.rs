@@ -11,8 +11,8 @@ mod common;
 use common::OneGroup;
 use pagedkv_core::block_tables::{BlockTables, PendingUpdate, TableDeltas, KEEP_ABSENT};
 use pagedkv_core::{
-    CacheConfig, Error, GroupSpec, HybridConfig, HybridManager, HybridStepOutput, SeqId, SeqStatus,
-    SequenceSpec, StepOutput, StepRequest,
+    CacheConfig, Error, GroupSpec, KvCacheManager, SeqId, SeqStatus, SequenceSpec, StepOutput,
+    StepRequest,
 };
 use proptest::prelude::*;
 
@@ -79,7 +79,7 @@ fn manager(num_blocks: u32, caching: bool, cpu: u32) -> impl OneGroup {
     let mut cfg = CacheConfig::new(num_blocks, 4);
     cfg.enable_prefix_caching = caching;
     cfg.num_cpu_blocks = cpu;
-    <HybridManager as OneGroup>::build(cfg).unwrap()
+    <KvCacheManager as OneGroup>::build(cfg).unwrap()
 }
 
 /// One step of `ids`, each scheduling up to `n` tokens (a decode appends one token first
@@ -442,12 +442,12 @@ impl GroupKept {
     /// Applies `outs` as one batch; returns each group's dense rows.
     fn update(
         &mut self,
-        m: &HybridManager,
-        outs: &[(Vec<SeqId>, HybridStepOutput)],
+        m: &KvCacheManager,
+        outs: &[(Vec<SeqId>, StepOutput)],
     ) -> Result<Dense3, Error> {
         let parts: Vec<TableDeltas<'_>> = outs
             .iter()
-            .map(|(ids, out)| TableDeltas::from_hybrid(ids, out))
+            .map(|(ids, out)| TableDeltas::new(ids, out))
             .collect();
         let pending = self
             .tables
@@ -493,8 +493,8 @@ impl GroupKept {
 }
 
 /// Full attention, a sliding window of 6 tokens and chunks of 8, block size 4.
-fn hybrid(num_blocks: u32, cpu: u32) -> HybridManager {
-    let mut c = HybridConfig::new(
+fn hybrid(num_blocks: u32, cpu: u32) -> KvCacheManager {
+    let mut c = CacheConfig::with_groups(
         num_blocks,
         vec![
             GroupSpec::full(4, 8),
@@ -504,11 +504,11 @@ fn hybrid(num_blocks: u32, cpu: u32) -> HybridManager {
         vec![0, 1, 2],
     );
     c.num_cpu_blocks = cpu;
-    HybridManager::new(c).unwrap()
+    KvCacheManager::new(c).unwrap()
 }
 
-/// One step of `ids` on a `HybridManager` (as [`step`]).
-fn hstep(m: &HybridManager, ids: &[SeqId], n: u32) -> (Vec<SeqId>, HybridStepOutput) {
+/// One step of `ids` on a `KvCacheManager` (as [`step`]).
+fn hstep(m: &KvCacheManager, ids: &[SeqId], n: u32) -> (Vec<SeqId>, StepOutput) {
     let mut req = StepRequest {
         seq_ids: ids.to_vec(),
         num_new_tokens: vec![n; ids.len()],
@@ -526,7 +526,7 @@ fn hstep(m: &HybridManager, ids: &[SeqId], n: u32) -> (Vec<SeqId>, HybridStepOut
 }
 
 /// The manager's tables of `ids`, `[G][S][W]` padded to the longest of any group (at least 1).
-fn hdense(m: &HybridManager, ids: &[SeqId]) -> Dense3 {
+fn hdense(m: &KvCacheManager, ids: &[SeqId]) -> Dense3 {
     let tables: Vec<Vec<Vec<i32>>> = ids
         .iter()
         .map(|&id| {
@@ -645,7 +645,7 @@ fn group_refused_updates_change_nothing() {
     let (ids, out) = hstep(&m, &[1, 2], 1);
 
     // prepare reads one table per sequence: refused for three groups
-    let parts = [TableDeltas::from_hybrid(&ids, &out)];
+    let parts = [TableDeltas::new(&ids, &out)];
     let r = kept
         .tables
         .prepare(&parts, |id| Ok(m.block_tables(id)?.remove(0)));
@@ -667,10 +667,7 @@ fn group_refused_updates_change_nothing() {
         "read_whole"
     );
     // one sequence twice across two outputs
-    let twice = [
-        TableDeltas::from_hybrid(&ids, &out),
-        TableDeltas::from_hybrid(&ids, &out),
-    ];
+    let twice = [TableDeltas::new(&ids, &out), TableDeltas::new(&ids, &out)];
     assert_eq!(
         refused(kept.tables.prepare_groups(&twice, |id| m.block_tables(id))),
         "steps"
@@ -678,7 +675,7 @@ fn group_refused_updates_change_nothing() {
     // an offset past the deltas
     let mut bad = out.clone();
     *bad.table_delta_indptr.last_mut().unwrap() += 1;
-    let bad_parts = [TableDeltas::from_hybrid(&ids, &bad)];
+    let bad_parts = [TableDeltas::new(&ids, &bad)];
     let r = kept
         .tables
         .prepare_groups(&bad_parts, |id| m.block_tables(id));
@@ -686,7 +683,7 @@ fn group_refused_updates_change_nothing() {
     // a negative start
     let mut bad = out.clone();
     bad.table_start[1] = -1;
-    let bad_parts = [TableDeltas::from_hybrid(&ids, &bad)];
+    let bad_parts = [TableDeltas::new(&ids, &bad)];
     let r = kept
         .tables
         .prepare_groups(&bad_parts, |id| m.block_tables(id));
@@ -726,9 +723,13 @@ fn one_group_is_the_same_keeper() {
         (b.groups(), b.shape(), b.buffer_len())
     );
     assert_eq!((a.shape(), a.buffer_len()), ((3, 5), 15));
-    // A one-group HybridManager's outputs go through prepare_groups too.
-    let m =
-        HybridManager::new(HybridConfig::new(32, vec![GroupSpec::full(4, 8)], vec![0])).unwrap();
+    // A one-group KvCacheManager's outputs go through prepare_groups too.
+    let m = KvCacheManager::new(CacheConfig::with_groups(
+        32,
+        vec![GroupSpec::full(4, 8)],
+        vec![0],
+    ))
+    .unwrap();
     let mut kept = GroupKept::new(1, 1, 1);
     m.add_sequence(1, vec![3; 6], SequenceSpec::default())
         .unwrap();
@@ -740,7 +741,7 @@ fn one_group_is_the_same_keeper() {
 }
 
 /// The ids of a hybrid step: known, not swapped out, each once.
-fn hschedulable(m: &HybridManager, ids: &[u8]) -> Vec<SeqId> {
+fn hschedulable(m: &KvCacheManager, ids: &[u8]) -> Vec<SeqId> {
     let mut out: Vec<SeqId> = Vec::new();
     for &id in ids {
         let id = SeqId::from(id);
@@ -761,7 +762,7 @@ proptest! {
     fn kept_group_tables_follow_the_manager(ops in prop::collection::vec(op(), 1..60)) {
         let m = hybrid(80, 24);
         let mut kept = GroupKept::new(3, 1, 1);
-        let mut history: Vec<(Vec<SeqId>, HybridStepOutput)> = Vec::new();
+        let mut history: Vec<(Vec<SeqId>, StepOutput)> = Vec::new();
         for op in ops {
             match op {
                 Op::Add { id, len, family } => {

@@ -9,9 +9,7 @@ mod common;
 use common::OneGroup;
 use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::host_tier::HostEviction;
-use pagedkv_core::{
-    CacheConfig, GroupSpec, HybridConfig, HybridManager, SequenceSpec, StepRequest,
-};
+use pagedkv_core::{CacheConfig, GroupSpec, KvCacheManager, SequenceSpec, StepRequest};
 use std::collections::HashSet;
 
 const BS: u32 = 4;
@@ -52,7 +50,7 @@ fn rows(v: &[i32], width: usize) -> Vec<Vec<i32>> {
 
 /// The manager with one full-attention group, asked in one-group words.
 fn one_group(cfg: CacheConfig) -> impl OneGroup {
-    <HybridManager as OneGroup>::build(cfg).unwrap()
+    <KvCacheManager as OneGroup>::build(cfg).unwrap()
 }
 
 #[test]
@@ -80,14 +78,15 @@ fn one_step_output_stores_at_most_the_host_blocks_one_group() {
         assert!(out.error.is_none());
         m.check_invariants().unwrap();
         assert_eq!(host_stored(m.take_events()), 60, "{eviction:?}");
-        let stores = rows(&out.host_stores, 2);
+        let stores = rows(&out.host_stores, 3);
         // Before the fix: 60 rows onto 8 host blocks.
         assert_eq!(stores.len(), HOST as usize, "{eviction:?}");
-        let hosts: HashSet<i32> = stores.iter().map(|r| r[1]).collect();
+        assert!(stores.iter().all(|r| r[0] == 0), "one group");
+        let hosts: HashSet<i32> = stores.iter().map(|r| r[2]).collect();
         assert_eq!(hosts.len(), HOST as usize, "a host block stored twice");
         // The policy keeps the last 8 offered: A's first 8 blocks, stored tail first.
         let want: Vec<i32> = a_table[..8].iter().rev().map(|&b| b as i32).collect();
-        assert_eq!(stores.iter().map(|r| r[0]).collect::<Vec<_>>(), want);
+        assert_eq!(stores.iter().map(|r| r[1]).collect::<Vec<_>>(), want);
         assert_eq!(m.stats().host_stores_blocks, HOST as u64);
         // Those 8 come back as host hits of A, loaded from the host blocks they were stored to.
         m.free(2);
@@ -95,8 +94,10 @@ fn one_step_output_stores_at_most_the_host_blocks_one_group() {
         assert_eq!(m.lookup_prefix(3).unwrap(), 8 * BS as usize);
         let out = m.step(&schedule(3, 60 * BS));
         assert!(out.error.is_none());
-        let loaded: Vec<i32> = rows(&out.host_loads, 2).iter().map(|r| r[0]).collect();
-        let stored_to: Vec<i32> = stores.iter().rev().map(|r| r[1]).collect();
+        let loads = rows(&out.host_loads, 3);
+        assert!(loads.iter().all(|r| r[0] == 0), "one group");
+        let loaded: Vec<i32> = loads.iter().map(|r| r[1]).collect();
+        let stored_to: Vec<i32> = stores.iter().rev().map(|r| r[2]).collect();
         assert_eq!(loaded, stored_to);
         m.check_invariants().unwrap();
     }
@@ -106,7 +107,7 @@ fn one_step_output_stores_at_most_the_host_blocks_one_group() {
 fn one_step_output_stores_at_most_the_host_blocks_groups() {
     for eviction in HostEviction::ALL {
         // Two full-attention groups (every block stays cached), block size 4.
-        let mut c = HybridConfig::new(
+        let mut c = CacheConfig::with_groups(
             127,
             vec![GroupSpec::full(BS, 8), GroupSpec::full(BS, 8)],
             vec![0, 1],
@@ -115,7 +116,7 @@ fn one_step_output_stores_at_most_the_host_blocks_groups() {
         c.host_admission_min_seen = 1;
         c.host_eviction = eviction;
         c.enable_events = true;
-        let m = HybridManager::new(c).unwrap();
+        let m = KvCacheManager::new(c).unwrap();
         // Seq 1 computes 30 full blocks per group (60 cached blocks), is freed.
         m.add_sequence(1, toks(30 * BS as usize, 1), SequenceSpec::default())
             .unwrap();

@@ -7,7 +7,7 @@ mod common;
 use common::OneGroup;
 use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::host_tier::{HostEviction, HostTransfers};
-use pagedkv_core::{CacheConfig, Error, HybridManager, SequenceSpec, StepRequest};
+use pagedkv_core::{CacheConfig, Error, KvCacheManager, SequenceSpec, StepRequest};
 
 fn manager<M: OneGroup>(num_blocks: u32, host: u32, min_seen: u32) -> M {
     let mut cfg = CacheConfig::new(num_blocks, 4);
@@ -18,7 +18,8 @@ fn manager<M: OneGroup>(num_blocks: u32, host: u32, min_seen: u32) -> M {
 }
 
 /// An empty step: the executor has run the previous plans (blocks registered before hold
-/// their KV); returns its host `(stores, loads)`.
+/// their KV); returns its host `(stores, loads)`, row-major `(group, src, dst)` triples
+/// (group 0 throughout).
 fn step<M: OneGroup>(m: &M) -> (Vec<i32>, Vec<i32>) {
     let out = m.step(&StepRequest::default());
     assert!(out.error.is_none());
@@ -79,8 +80,8 @@ fn an_evicted_prefix_comes_back_as_host_loads<M: OneGroup>() {
             (vec![a0], None, A[..4].to_vec())
         ]
     );
-    // The stores come out with the next step: (device block, host block).
-    assert_eq!(step(&m), (vec![2, 0, 1, 1], vec![]));
+    // The stores come out with the next step: (group, device block, host block).
+    assert_eq!(step(&m), (vec![0, 2, 0, 0, 1, 1], vec![]));
 
     add(&m, 3, &A);
     assert_eq!(m.lookup_prefix(3).unwrap(), 8);
@@ -90,14 +91,14 @@ fn an_evicted_prefix_comes_back_as_host_loads<M: OneGroup>() {
     let a = m.allocate_slots(3, 9).unwrap();
     assert_eq!(a.num_cached_tokens, 8);
     assert_eq!(a.num_scheduled_tokens, 1);
-    assert_eq!(a.new_block_ids, vec![1, 2, 3]);
+    assert_eq!(a.groups[0].new_block_ids, vec![1, 2, 3]);
     assert_eq!(m.block_table(3).unwrap(), vec![1, 2, 3]);
     m.check_invariants().unwrap();
     let (stores, loads) = step(&m);
     // B's blocks 2 (its block 1) and 3 (its block 0) went to host blocks 2, 3; A's host
     // blocks 1 (a0) and 0 (a1) are loaded into device blocks 1 and 2.
-    assert_eq!(stores, vec![2, 2, 3, 3]);
-    assert_eq!(loads, vec![1, 1, 0, 2]);
+    assert_eq!(stores, vec![0, 2, 2, 0, 3, 3]);
+    assert_eq!(loads, vec![0, 1, 1, 0, 0, 2]);
     let st = m.stats();
     assert_eq!(
         (
@@ -143,7 +144,7 @@ fn stores_only_hashes_seen_the_admission_count<M: OneGroup>() {
     m.allocate_slots(4, 9).unwrap();
     // A's blocks (seen twice now) are stored; B's were evicted once, seen once: not stored.
     let (stores, _) = step(&m);
-    assert_eq!(stores.len(), 4);
+    assert_eq!(stores.len(), 2 * 3);
     add(&m, 5, &A);
     assert_eq!(m.lookup_prefix(5).unwrap(), 8);
     m.check_invariants().unwrap();
@@ -192,12 +193,12 @@ fn a_host_block_being_loaded_is_pinned_until_the_next_step_returns<M: OneGroup>(
     add(&m, 2, &c);
     m.allocate_slots(2, 20).unwrap(); // blocks 2, 3, 4, 5, then evicts 1: a0 -> host 0
     assert_eq!(m.block_table(2).unwrap(), vec![2, 3, 4, 5, 1]);
-    assert_eq!(step(&m), (vec![1, 0], vec![]));
+    assert_eq!(step(&m), (vec![0, 1, 0], vec![]));
     m.free(2); // device LRU, front first: 1, 5, 4, 3, 2 (C's blocks, deepest first)
     add(&m, 3, &A[..5]);
     let a = m.allocate_slots(3, 5).unwrap();
     assert_eq!(
-        (a.num_cached_tokens, a.new_block_ids.clone()),
+        (a.num_cached_tokens, a.groups[0].new_block_ids.clone()),
         (4, vec![1, 5])
     );
     // Its evictions (C's blocks 4 and 3) find the only host block pinned: no store. So do
@@ -205,7 +206,7 @@ fn a_host_block_being_loaded_is_pinned_until_the_next_step_returns<M: OneGroup>(
     add(&m, 4, &[60, 61, 62, 63, 64]);
     m.allocate_slots(4, 5).unwrap();
     m.check_invariants().unwrap();
-    assert_eq!(step(&m), (vec![], vec![0, 1]));
+    assert_eq!(step(&m), (vec![], vec![0, 0, 1]));
     // Still pinned after that step returned (it handed the load out).
     m.free(4);
     add(&m, 5, &[70, 71, 72, 73, 74]);
@@ -216,7 +217,7 @@ fn a_host_block_being_loaded_is_pinned_until_the_next_step_returns<M: OneGroup>(
     m.free(5);
     add(&m, 6, &[80, 81, 82, 83, 84]);
     m.allocate_slots(6, 5).unwrap();
-    assert_eq!(step(&m), (vec![4, 0], vec![]));
+    assert_eq!(step(&m), (vec![0, 4, 0], vec![]));
     m.check_invariants().unwrap();
 }
 
@@ -266,7 +267,7 @@ fn bad_host_configs_are_refused() {
     let mut cfg = CacheConfig::new(8, 4);
     cfg.host_admission_min_seen = 0;
     assert!(matches!(
-        <HybridManager as OneGroup>::build(cfg).unwrap_err(),
+        <KvCacheManager as OneGroup>::build(cfg).unwrap_err(),
         Error::InvalidConfig {
             field: "host_admission_min_seen",
             ..
@@ -276,7 +277,7 @@ fn bad_host_configs_are_refused() {
     cfg.num_host_blocks = 4;
     cfg.enable_prefix_caching = false;
     assert!(matches!(
-        <HybridManager as OneGroup>::build(cfg).unwrap_err(),
+        <KvCacheManager as OneGroup>::build(cfg).unwrap_err(),
         Error::InvalidConfig {
             field: "num_host_blocks",
             ..
@@ -327,7 +328,7 @@ fn a_block_swapped_in_since_the_last_step_is_not_stored_before_its_copy_runs<M: 
     assert_eq!(out.num_scheduled, 1);
     let stores = out.host_stores;
     assert!(
-        !stores.chunks(2).any(|p| p[0] as u32 == d),
+        !stores.chunks(3).any(|p| p[1] as u32 == d),
         "stored block {d} before its swap-in copy ran: {stores:?}"
     );
     m.check_invariants().unwrap();

@@ -1,19 +1,19 @@
-//! KV cache groups: `HybridManager` over full-attention, sliding-window and chunked-local
+//! KV cache groups: `KvCacheManager` over full-attention, sliding-window and chunked-local
 //! groups in one pool (docs/design.md, "KV cache groups").
 
 use pagedkv_core::events::KvEvent;
-use pagedkv_core::manager::GroupEvent;
 use pagedkv_core::kv_groups::MAX_HIT_UNIT;
+use pagedkv_core::manager::GroupEvent;
 use pagedkv_core::{
-    BlockHash, Error, GroupSpec, HashAlgo, HybridConfig, HybridManager, PrefixHasher, SequenceSpec,
+    BlockHash, CacheConfig, Error, GroupSpec, HashAlgo, KvCacheManager, PrefixHasher, SequenceSpec,
     StepRequest, NULL_BLOCK,
 };
 
 const BS: u32 = 4;
 
 /// Gemma-like: two sliding-window layers per full-attention layer.
-fn cfg(num_blocks: u32, window: u32) -> HybridConfig {
-    HybridConfig::new(
+fn cfg(num_blocks: u32, window: u32) -> CacheConfig {
+    CacheConfig::with_groups(
         num_blocks,
         vec![
             GroupSpec::full(BS, 8),
@@ -27,8 +27,8 @@ fn toks(n: usize, salt: u32) -> Vec<u32> {
     (0..n as u32).map(|i| i * 7 + salt * 1000 + 1).collect()
 }
 
-fn config_err(c: HybridConfig) -> (&'static str, String) {
-    match HybridManager::new(c) {
+fn config_err(c: CacheConfig) -> (&'static str, String) {
+    match KvCacheManager::new(c) {
         Err(Error::InvalidConfig { field, reason, .. }) => (field, reason),
         other => panic!("expected InvalidConfig, got {other:?}"),
     }
@@ -44,7 +44,7 @@ fn bad_group_specs_are_refused_at_construction() {
     // Different block sizes with equal pages share one pool.
     let mut c = cfg(16, 8);
     c.groups[1] = GroupSpec::sliding_window(8, 4, 8);
-    assert_eq!(HybridManager::new(c).unwrap().hit_unit(), 8);
+    assert_eq!(KvCacheManager::new(c).unwrap().hit_unit(), 8);
 
     let mut c = cfg(16, 8);
     c.groups[1] = GroupSpec::sliding_window(BS, 8, 0);
@@ -70,7 +70,7 @@ fn bad_group_specs_are_refused_at_construction() {
     c.num_blocks = 1;
     assert_eq!(config_err(c).0, "num_blocks");
     // Block sizes whose LCM is absurd.
-    let c = HybridConfig::new(
+    let c = CacheConfig::with_groups(
         16,
         vec![
             GroupSpec::full(4093, 4091 * 4),
@@ -86,7 +86,7 @@ fn bad_group_specs_are_refused_at_construction() {
 fn sliding_window_releases_blocks_no_query_can_read() {
     let mut c = cfg(64, 6);
     c.enable_prefix_caching = false;
-    let m = HybridManager::new(c).unwrap();
+    let m = KvCacheManager::new(c).unwrap();
     m.add_sequence(1, toks(3, 0), SequenceSpec::default())
         .unwrap();
     m.allocate_slots(1, 3).unwrap();
@@ -119,13 +119,13 @@ fn sliding_window_releases_blocks_no_query_can_read() {
 
 #[test]
 fn chunked_local_releases_at_chunk_boundaries() {
-    let mut c = HybridConfig::new(
+    let mut c = CacheConfig::with_groups(
         64,
         vec![GroupSpec::full(BS, 8), GroupSpec::chunked_local(BS, 8, 8)],
         vec![0, 1],
     );
     c.enable_prefix_caching = false;
-    let m = HybridManager::new(c).unwrap();
+    let m = KvCacheManager::new(c).unwrap();
     m.add_sequence(1, toks(30, 0), SequenceSpec::default())
         .unwrap();
     m.allocate_slots(1, 10).unwrap(); // tokens 0..10
@@ -139,7 +139,7 @@ fn chunked_local_releases_at_chunk_boundaries() {
 
 #[test]
 fn prefix_hit_is_what_every_group_serves() {
-    let m = HybridManager::new(cfg(64, 8)).unwrap();
+    let m = KvCacheManager::new(cfg(64, 8)).unwrap();
     let p = toks(33, 0);
     m.add_sequence(1, p.clone(), SequenceSpec::default())
         .unwrap();
@@ -163,7 +163,7 @@ fn prefix_hit_is_what_every_group_serves() {
 fn sparse_retention_serves_the_interval_points_and_shrinks_to_them() {
     let mut c = cfg(64, 8);
     c.retention_interval = 16;
-    let m = HybridManager::new(c).unwrap();
+    let m = KvCacheManager::new(c).unwrap();
     let p = toks(40, 0);
     m.add_sequence(1, p.clone(), SequenceSpec::default())
         .unwrap();
@@ -186,7 +186,7 @@ fn same_turn_extension_hits_under_sparse_retention() {
     for interval in [0, 64] {
         let mut c = cfg(64, 8);
         c.retention_interval = interval;
-        let m = HybridManager::new(c).unwrap();
+        let m = KvCacheManager::new(c).unwrap();
         let p = toks(38, 0);
         m.add_sequence(1, p.clone(), SequenceSpec::default())
             .unwrap();
@@ -214,7 +214,7 @@ fn transient_window_blocks_do_not_flush_cached_prefixes() {
     let hit_after_pressure = |interval: u32| {
         let mut c = cfg(70, 8);
         c.retention_interval = interval;
-        let m = HybridManager::new(c).unwrap();
+        let m = KvCacheManager::new(c).unwrap();
         let a = toks(49, 1);
         m.add_sequence(1, a.clone(), SequenceSpec::default())
             .unwrap();
@@ -240,7 +240,7 @@ fn transient_window_blocks_do_not_flush_cached_prefixes() {
 
 #[test]
 fn demand_is_exactly_what_the_call_takes_and_gives_back() {
-    let m = HybridManager::new(cfg(24, 6)).unwrap();
+    let m = KvCacheManager::new(cfg(24, 6)).unwrap();
     m.add_sequence(1, toks(21, 0), SequenceSpec::default())
         .unwrap();
     let d = m.num_blocks_needed(1, 21).unwrap();
@@ -276,7 +276,7 @@ fn demand_is_exactly_what_the_call_takes_and_gives_back() {
 
 #[test]
 fn fork_and_copy_on_write_per_group() {
-    let m = HybridManager::new(cfg(64, 6)).unwrap();
+    let m = KvCacheManager::new(cfg(64, 6)).unwrap();
     m.add_sequence(1, toks(10, 0), SequenceSpec::default())
         .unwrap();
     m.allocate_slots(1, 10).unwrap();
@@ -306,7 +306,7 @@ fn fork_and_copy_on_write_per_group() {
 fn swap_and_preemption_keep_every_group() {
     let mut c = cfg(64, 6);
     c.num_cpu_blocks = 32;
-    let m = HybridManager::new(c).unwrap();
+    let m = KvCacheManager::new(c).unwrap();
     m.add_sequence(1, toks(22, 0), SequenceSpec::default())
         .unwrap();
     m.allocate_slots(1, 14).unwrap();
@@ -338,7 +338,7 @@ fn swap_and_preemption_keep_every_group() {
 fn events_name_their_group_and_full_attention_hashes_are_the_plain_chain() {
     let mut c = cfg(65, 8);
     c.enable_events = true;
-    let m = HybridManager::new(c).unwrap();
+    let m = KvCacheManager::new(c).unwrap();
     let p = toks(13, 0);
     m.add_sequence(1, p.clone(), SequenceSpec::default())
         .unwrap();
@@ -409,7 +409,7 @@ fn events_name_their_group_and_full_attention_hashes_are_the_plain_chain() {
 
 #[test]
 fn step_returns_every_groups_slots_and_tables() {
-    let m = HybridManager::new(cfg(64, 6)).unwrap();
+    let m = KvCacheManager::new(cfg(64, 6)).unwrap();
     m.add_sequence(1, toks(10, 0), SequenceSpec::default())
         .unwrap();
     m.add_sequence(2, toks(5, 1), SequenceSpec::default())
@@ -447,7 +447,7 @@ fn step_returns_every_groups_slots_and_tables() {
 /// member's hit and makes its sliding-window group allocate one more block.
 #[test]
 fn owed_follows_evictions_by_earlier_members() {
-    let m = HybridManager::new(cfg(22, 8)).unwrap();
+    let m = KvCacheManager::new(cfg(22, 8)).unwrap();
     let a = toks(33, 0);
     m.add_sequence(1, a.clone(), SequenceSpec::default())
         .unwrap();
@@ -477,7 +477,7 @@ fn reset_drops_the_hashes_of_swapped_out_blocks_in_every_group() {
     let mut c = cfg(64, 8);
     c.num_cpu_blocks = 32;
     c.enable_events = true;
-    let m = HybridManager::new(c).unwrap();
+    let m = KvCacheManager::new(c).unwrap();
     let p = toks(18, 0);
     m.add_sequence(1, p.clone(), SequenceSpec::default())
         .unwrap();
@@ -533,9 +533,9 @@ fn reset_drops_the_hashes_of_swapped_out_blocks_in_every_group() {
 /// that release and owed one block too few (proptest hybrid_model, layout 2).
 #[test]
 fn owed_hits_the_oldest_in_use_holder_of_a_key_registered_again() {
-    let mut c = HybridConfig::new(64, vec![GroupSpec::sliding_window(2, 8, 5)], vec![0]);
+    let mut c = CacheConfig::with_groups(64, vec![GroupSpec::sliding_window(2, 8, 5)], vec![0]);
     c.retention_interval = 4;
-    let m = HybridManager::new(c).unwrap();
+    let m = KvCacheManager::new(c).unwrap();
     let p = toks(32, 0);
     let with = |tail: &[u32]| [&p[..], tail].concat();
     m.add_sequence(1, with(&[1]), SequenceSpec::default())
@@ -574,9 +574,9 @@ fn owed_hits_the_oldest_in_use_holder_of_a_key_registered_again() {
 /// hit and owed 7 where scheduling took 10 (proptest hybrid_model, layout 2).
 #[test]
 fn owed_releases_out_of_window_blocks_tail_first() {
-    let mut c = HybridConfig::new(19, vec![GroupSpec::sliding_window(2, 8, 5)], vec![0]);
+    let mut c = CacheConfig::with_groups(19, vec![GroupSpec::sliding_window(2, 8, 5)], vec![0]);
     c.retention_interval = 0;
-    let m = HybridManager::new(c).unwrap();
+    let m = KvCacheManager::new(c).unwrap();
     let p = toks(37, 0);
     m.add_sequence(1, p.clone(), SequenceSpec::default())
         .unwrap();
@@ -607,9 +607,9 @@ fn owed_releases_out_of_window_blocks_tail_first() {
 /// (proptest hybrid_model, layout 1).
 #[test]
 fn owed_finds_a_key_in_its_other_holder_after_an_eviction() {
-    let mut c = HybridConfig::new(27, vec![GroupSpec::sliding_window(2, 8, 5)], vec![0]);
+    let mut c = CacheConfig::with_groups(27, vec![GroupSpec::sliding_window(2, 8, 5)], vec![0]);
     c.retention_interval = 0;
-    let m = HybridManager::new(c).unwrap();
+    let m = KvCacheManager::new(c).unwrap();
     let p = toks(17, 0);
     for id in [1, 2, 4] {
         m.add_sequence(id, p.clone(), SequenceSpec::default())
@@ -639,7 +639,7 @@ fn owed_finds_a_key_in_its_other_holder_after_an_eviction() {
 fn stats_count_lookups_copies_swaps_and_preemptions_as_the_one_group_manager() {
     let mut c = cfg(64, 6);
     c.num_cpu_blocks = 32;
-    let m = HybridManager::new(c).unwrap();
+    let m = KvCacheManager::new(c).unwrap();
     m.add_sequence(1, toks(10, 0), SequenceSpec::default())
         .unwrap();
     assert_eq!(m.num_uncomputed_tokens(&[1]).unwrap(), vec![10]);

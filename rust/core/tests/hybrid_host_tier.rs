@@ -1,11 +1,11 @@
-//! The prefix cache's host tier under KV cache groups (`HybridManager`, docs/design.md, "Host
+//! The prefix cache's host tier under KV cache groups (`KvCacheManager`, docs/design.md, "Host
 //! tier"): host entries keyed by (hash, group), the window rule for host hits, exact demand,
 //! pins, admission and events.
 
 use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::manager::GroupEvent;
 use pagedkv_core::{
-    Error, GroupSpec, HybridConfig, HybridManager, SequenceSpec, StepRequest, NULL_BLOCK,
+    CacheConfig, Error, GroupSpec, KvCacheManager, SequenceSpec, StepRequest, NULL_BLOCK,
 };
 use std::collections::HashMap;
 
@@ -14,8 +14,8 @@ const BS: u32 = 4;
 const W: u32 = 5;
 
 /// Full attention (group 0) and a sliding window of 5 (group 1), block size 4.
-fn manager(num_blocks: u32, host: u32, min_seen: u32) -> HybridManager {
-    let mut c = HybridConfig::new(
+fn manager(num_blocks: u32, host: u32, min_seen: u32) -> KvCacheManager {
+    let mut c = CacheConfig::with_groups(
         num_blocks,
         vec![GroupSpec::full(BS, 8), GroupSpec::sliding_window(BS, 8, W)],
         vec![1, 1, 0],
@@ -23,7 +23,7 @@ fn manager(num_blocks: u32, host: u32, min_seen: u32) -> HybridManager {
     c.num_host_blocks = host;
     c.host_admission_min_seen = min_seen;
     c.enable_events = true;
-    HybridManager::new(c).unwrap()
+    KvCacheManager::new(c).unwrap()
 }
 
 fn toks(n: usize, salt: u32) -> Vec<u32> {
@@ -41,7 +41,7 @@ fn triples(v: &[i32]) -> Copies {
 }
 
 /// An empty step (the executor ran the previous plans); its host `(stores, loads)` triples.
-fn step(m: &HybridManager) -> (Copies, Copies) {
+fn step(m: &KvCacheManager) -> (Copies, Copies) {
     let out = m.step(&StepRequest::default());
     assert!(out.error.is_none());
     (triples(&out.host_stores), triples(&out.host_loads))
@@ -53,7 +53,7 @@ fn step(m: &HybridManager) -> (Copies, Copies) {
 /// `(group, logical block) -> host block`.
 type HostOf = HashMap<(u32, usize), u32>;
 
-fn a_evicted_to_host(m: &HybridManager) -> (Vec<Vec<u32>>, HostOf) {
+fn a_evicted_to_host(m: &KvCacheManager) -> (Vec<Vec<u32>>, HostOf) {
     m.add_sequence(1, toks(13, 1), SequenceSpec::default())
         .unwrap();
     m.allocate_slots(1, 13).unwrap();
@@ -275,11 +275,11 @@ fn reset_clears_both_tiers_and_waits_for_planned_loads() {
 
 #[test]
 fn host_config_is_checked_as_for_one_group() {
-    let mut c = HybridConfig::new(9, vec![GroupSpec::full(BS, 8)], vec![0]);
+    let mut c = CacheConfig::with_groups(9, vec![GroupSpec::full(BS, 8)], vec![0]);
     c.num_host_blocks = 4;
     c.enable_prefix_caching = false;
     assert!(matches!(
-        HybridManager::new(c.clone()),
+        KvCacheManager::new(c.clone()),
         Err(Error::InvalidConfig {
             field: "num_host_blocks",
             ..
@@ -288,7 +288,7 @@ fn host_config_is_checked_as_for_one_group() {
     c.enable_prefix_caching = true;
     c.host_admission_min_seen = 0;
     assert!(matches!(
-        HybridManager::new(c),
+        KvCacheManager::new(c),
         Err(Error::InvalidConfig {
             field: "host_admission_min_seen",
             ..
@@ -301,7 +301,7 @@ fn host_config_is_checked_as_for_one_group() {
 /// by tests/core/test_hybrid_host_tier.py: a later host hit loaded the block's old bytes).
 #[test]
 fn a_block_swapped_in_since_the_last_step_is_not_stored_before_its_copy_runs() {
-    let mut c = HybridConfig::new(
+    let mut c = CacheConfig::with_groups(
         9,
         vec![GroupSpec::full(BS, 8), GroupSpec::sliding_window(BS, 8, W)],
         vec![1, 0],
@@ -309,7 +309,7 @@ fn a_block_swapped_in_since_the_last_step_is_not_stored_before_its_copy_runs() {
     c.num_host_blocks = 4;
     c.host_admission_min_seen = 1;
     c.num_cpu_blocks = 6;
-    let m = HybridManager::new(c).unwrap();
+    let m = KvCacheManager::new(c).unwrap();
     m.add_sequence(1, toks(5, 1), SequenceSpec::default())
         .unwrap();
     m.allocate_slots(1, 5).unwrap();

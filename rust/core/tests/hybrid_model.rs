@@ -1,4 +1,4 @@
-//! Proptest state machines of `HybridManager` (docs/design.md, "KV cache groups"):
+//! Proptest state machines of `KvCacheManager` (docs/design.md, "KV cache groups"):
 //! 1. random operations on random group layouts against a small model of each sequence
 //!    (tokens, computed count, status), checking after every operation the invariants
 //!    (`check_invariants`), that a failed call changes nothing, that the predicted demand is
@@ -11,7 +11,7 @@
 
 use pagedkv_core::manager::CPU_NULL;
 use pagedkv_core::{
-    BlockId, Error, GroupSpec, HybridConfig, HybridManager, SeqId, SeqStatus, SequenceSpec,
+    BlockId, CacheConfig, Error, GroupSpec, KvCacheManager, SeqId, SeqStatus, SequenceSpec,
     StepRequest, NULL_BLOCK,
 };
 use proptest::prelude::*;
@@ -139,7 +139,7 @@ type Snapshot = (
     Vec<(SeqId, Vec<Vec<BlockId>>, usize, usize, SeqStatus)>,
 );
 
-fn snapshot(m: &HybridManager, ids: &[SeqId]) -> Snapshot {
+fn snapshot(m: &KvCacheManager, ids: &[SeqId]) -> Snapshot {
     let mut seqs = Vec::new();
     for &id in ids {
         if let Ok(t) = m.block_tables(id) {
@@ -159,7 +159,7 @@ fn pick(ids: &[SeqId], i: usize) -> Option<SeqId> {
     (!ids.is_empty()).then(|| ids[i % ids.len()])
 }
 
-fn distinct_cpu(m: &HybridManager, seqs: &[SeqId]) -> usize {
+fn distinct_cpu(m: &KvCacheManager, seqs: &[SeqId]) -> usize {
     let mut set = HashSet::new();
     for &s in seqs {
         if m.status(s).unwrap() == SeqStatus::Swapped {
@@ -173,14 +173,14 @@ fn distinct_cpu(m: &HybridManager, seqs: &[SeqId]) -> usize {
 
 fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>) {
     let (groups, layers) = layout(layout_k);
-    let mut cfg = HybridConfig::new(num_blocks, groups, layers);
+    let mut cfg = CacheConfig::with_groups(num_blocks, groups, layers);
     cfg.enable_prefix_caching = caching;
     cfg.num_cpu_blocks = 24;
     cfg.enable_events = true;
     let unit = cfg.hit_unit().unwrap();
     cfg.retention_interval = if sparse { 2 * unit } else { 0 };
     let unit = unit as usize;
-    let m = HybridManager::new(cfg).unwrap();
+    let m = KvCacheManager::new(cfg).unwrap();
     let mut ids: Vec<SeqId> = Vec::new();
     let mut next: SeqId = 1;
     // Model: tokens and computed counts per sequence.

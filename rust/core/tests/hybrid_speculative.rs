@@ -1,26 +1,26 @@
-//! Speculative decoding's verify steps on `HybridManager` (docs/design.md, "Speculative
+//! Speculative decoding's verify steps on `KvCacheManager` (docs/design.md, "Speculative
 //! decoding" and "KV cache groups"): a sliding-window group keeps the block a verify step's
 //! first query row reads past the window of its last row (vLLM #44082), releases out of the
 //! window by committed tokens only (never by lookahead positions), and a rejection never
 //! leaves the next step's window short.
 
 use pagedkv_core::{
-    BlockId, Error, GroupSpec, HybridConfig, HybridManager, HybridStepOutput, SequenceSpec,
-    StepDrafts, StepRequest, NULL_BLOCK,
+    BlockId, CacheConfig, Error, GroupSpec, KvCacheManager, SequenceSpec, StepDrafts, StepOutput,
+    StepRequest, NULL_BLOCK,
 };
 
 const BS: u32 = 16;
 
 /// One full-attention group and one sliding-window group of window `w`, block size 16.
-fn manager(num_blocks: u32, w: u32, retention: u32) -> HybridManager {
-    let mut cfg = HybridConfig::new(
+fn manager(num_blocks: u32, w: u32, retention: u32) -> KvCacheManager {
+    let mut cfg = CacheConfig::with_groups(
         num_blocks,
         vec![GroupSpec::full(BS, 8), GroupSpec::sliding_window(BS, 8, w)],
         vec![0, 1, 1],
     );
     cfg.retention_interval = retention;
     cfg.enable_events = true;
-    HybridManager::new(cfg).unwrap()
+    KvCacheManager::new(cfg).unwrap()
 }
 
 fn toks(n: usize, salt: u32) -> Vec<u32> {
@@ -28,7 +28,7 @@ fn toks(n: usize, salt: u32) -> Vec<u32> {
 }
 
 /// One sequence's step: `n` new tokens after appending `append`, with `drafts`.
-fn step1(m: &HybridManager, seq: u64, n: u32, append: &[u32], drafts: &[u32]) -> HybridStepOutput {
+fn step1(m: &KvCacheManager, seq: u64, n: u32, append: &[u32], drafts: &[u32]) -> StepOutput {
     let req = StepRequest {
         seq_ids: vec![seq],
         num_new_tokens: vec![n],
@@ -46,7 +46,7 @@ fn step1(m: &HybridManager, seq: u64, n: u32, append: &[u32], drafts: &[u32]) ->
 }
 
 /// Group `g`'s block-table row of scheduled sequence `k`.
-fn row(out: &HybridStepOutput, g: usize, k: usize) -> &[i32] {
+fn row(out: &StepOutput, g: usize, k: usize) -> &[i32] {
     let w = out.block_table_width;
     &out.block_table[(g * out.num_scheduled + k) * w..][..w]
 }
@@ -54,7 +54,7 @@ fn row(out: &HybridStepOutput, g: usize, k: usize) -> &[i32] {
 /// Asserts that every position each query row of the step reads (`[first_read(p), p]` in
 /// every group) is backed by a live block of that group's table, and that each row's slot
 /// lies in its table's block. Returns the first position read in each group, per sequence.
-fn assert_reads_backed(m: &HybridManager, out: &HybridStepOutput) -> Vec<Vec<usize>> {
+fn assert_reads_backed(m: &KvCacheManager, out: &StepOutput) -> Vec<Vec<usize>> {
     let t = out.query_start_loc[out.num_scheduled] as usize;
     let mut first = Vec::new();
     for k in 0..out.num_scheduled {
@@ -87,7 +87,7 @@ fn assert_reads_backed(m: &HybridManager, out: &HybridStepOutput) -> Vec<Vec<usi
 
 /// The sliding-window group's live table entries `(first, end)`: null before `first`, real
 /// from `first` to `end` (the table's length).
-fn live_range(m: &HybridManager, seq: u64, g: usize) -> (usize, usize) {
+fn live_range(m: &KvCacheManager, seq: u64, g: usize) -> (usize, usize) {
     let t = &m.block_tables(seq).unwrap()[g];
     let first = t.iter().position(|&b| b != NULL_BLOCK).unwrap_or(t.len());
     assert!(t[first..].iter().all(|&b| b != NULL_BLOCK), "{t:?}");

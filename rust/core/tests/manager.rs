@@ -7,7 +7,7 @@ mod common;
 use common::{OneGroup, Step};
 use pagedkv_core::events::{KvEvent, Tier};
 use pagedkv_core::{
-    BlockHash, BlockId, CacheConfig, Error, ExtraKey, HybridManager, MmItem, PrefixHasher,
+    BlockHash, BlockId, CacheConfig, Error, ExtraKey, KvCacheManager, MmItem, PrefixHasher,
     SeqStatus, SequenceSpec, StepOptions, StepRequest,
 };
 
@@ -48,7 +48,7 @@ fn config_validation_names_the_field() {
         (8, 0, "block_size"),
         (8, 4097, "block_size"),
     ] {
-        match <HybridManager as OneGroup>::build(CacheConfig::new(nb, bs)) {
+        match <KvCacheManager as OneGroup>::build(CacheConfig::new(nb, bs)) {
             Err(Error::InvalidConfig { field: f, .. }) => assert_eq!(f, field),
             other => panic!("{other:?}"),
         }
@@ -60,7 +60,7 @@ fn config_validation_names_the_field() {
             && c.num_cpu_blocks == 0
             && c.hash_seed.is_empty()
     );
-    <HybridManager as OneGroup>::build(c).unwrap();
+    <KvCacheManager as OneGroup>::build(c).unwrap();
 }
 
 fn argument_errors_change_nothing<M: OneGroup>() {
@@ -135,7 +135,10 @@ fn argument_errors_change_nothing<M: OneGroup>() {
 fn prefix_hit_is_capped_so_the_last_token_is_recomputed<M: OneGroup>() {
     let m: M = manager(16, 4);
     m.add_sequence(1, &toks(0, 8), spec()).unwrap();
-    assert_eq!(m.allocate_slots(1, 8).unwrap().new_block_ids, vec![1, 2]);
+    assert_eq!(
+        m.allocate_slots(1, 8).unwrap().groups[0].new_block_ids,
+        vec![1, 2]
+    );
     // Same 8 tokens: only the first block may be served (8 - 1 = 7 tokens -> 1 full block).
     m.add_sequence(2, &toks(0, 8), spec()).unwrap();
     assert_eq!(m.lookup_prefix(2).unwrap(), 4);
@@ -150,7 +153,7 @@ fn prefix_hit_is_capped_so_the_last_token_is_recomputed<M: OneGroup>() {
         ),
         (4, 4, 4)
     );
-    assert_eq!(a.new_block_ids, vec![3]);
+    assert_eq!(a.groups[0].new_block_ids, vec![3]);
     assert_eq!(m.block_table(2).unwrap(), vec![1, 3]);
     assert_eq!(m.pool().ref_count(1), 2);
     // Block 3 holds the same content as block 2: the index is a multiset.
@@ -204,13 +207,16 @@ fn chunked_prefill_then_decode<M: OneGroup>() {
     m.add_sequence(1, &toks(0, 10), spec()).unwrap();
     assert_eq!(m.allocate_slots(1, 4).unwrap().num_scheduled_tokens, 4);
     assert_eq!(m.block_table(1).unwrap(), vec![1]);
-    assert_eq!(m.allocate_slots(1, 4).unwrap().new_block_ids, vec![2]);
+    assert_eq!(
+        m.allocate_slots(1, 4).unwrap().groups[0].new_block_ids,
+        vec![2]
+    );
     let a = m.allocate_slots(1, 4).unwrap();
     assert_eq!(
         (
             a.num_context_tokens,
             a.num_scheduled_tokens,
-            a.new_block_ids.clone()
+            a.groups[0].new_block_ids.clone()
         ),
         (8, 2, vec![3])
     );
@@ -219,7 +225,7 @@ fn chunked_prefill_then_decode<M: OneGroup>() {
     assert_eq!(m.num_blocks_needed(1, 5).unwrap(), 0);
     let a = m.allocate_slots(1, 5).unwrap();
     assert_eq!((a.num_context_tokens, a.num_scheduled_tokens), (10, 1));
-    assert!(a.new_block_ids.is_empty());
+    assert!(a.groups[0].new_block_ids.is_empty());
     assert_eq!(m.num_tokens(1).unwrap(), 11);
     m.check_invariants().unwrap();
 }
@@ -364,7 +370,7 @@ fn swap_out_and_in_keep_group_sharing<M: OneGroup>() {
     m.fork(1, 2).unwrap();
     m.append_tokens(2, &[9]).unwrap();
     let a = m.allocate_slots(2, 1).unwrap();
-    assert_eq!(a.copies, vec![(2, 3)]);
+    assert_eq!(a.groups[0].copies, vec![(2, 3)]);
     assert_eq!(m.block_table(2).unwrap(), vec![1, 3]);
 
     let out = m.swap_out(&[1, 2]).unwrap();
@@ -718,8 +724,10 @@ fn step_reports_block_table_deltas<M: OneGroup>() {
         append_indptr: vec![0, 1, 2],
         append_tokens: vec![8, 9],
     });
-    assert_eq!(out.copies.len(), 2);
-    let dst = out.copies[1];
+    // One (group, src, dst) row: group 0, the shared block 2.
+    assert_eq!(out.copies.len(), 3);
+    assert_eq!(out.copies[..2], [0, 2]);
+    let dst = out.copies[2];
     assert_eq!(out.table_start, vec![1, 0]);
     // The child's versions continue above every version reported before (2, its parent's).
     assert_eq!(out.table_version, vec![3, 3]);
@@ -795,8 +803,8 @@ fn step_returns_exact_flat_arrays<M: OneGroup>() {
     assert_eq!(out.seq_lens, vec![6, 3]);
     assert_eq!(out.context_lens, vec![0, 0]);
     assert_eq!(out.slot_mapping, vec![4, 5, 6, 7, 8, 9, 12, 13, 14]);
-    assert_eq!(out.block_table_row(0), &[1, 2]);
-    assert_eq!(out.block_table_row(1), &[3, 0]);
+    assert_eq!(out.block_table_row(0, 0), &[1, 2]);
+    assert_eq!(out.block_table_row(0, 1), &[3, 0]);
     assert_eq!(out.new_block_indptr, vec![0, 2, 3]);
     assert_eq!(out.new_block_ids, vec![1, 2, 3]);
     assert!(out.copies.is_empty());

@@ -8,7 +8,7 @@ mod common;
 
 use common::OneGroup;
 use pagedkv_core::{
-    BlockHash, BlockId, CacheConfig, Error, HybridManager, SeqStatus, SequenceSpec, StepRequest,
+    BlockHash, BlockId, CacheConfig, Error, KvCacheManager, SeqStatus, SequenceSpec, StepRequest,
 };
 use proptest::prelude::*;
 
@@ -131,7 +131,7 @@ fn check_alloc<M: OneGroup>(
                 a.num_scheduled_tokens,
                 num_new.min(s.tokens.len() - context)
             );
-            prop_assert!(a.copies.len() <= 1);
+            prop_assert!(a.groups[0].copies.len() <= 1);
             s.computed = context + a.num_scheduled_tokens;
             s.status = SeqStatus::Running;
         }
@@ -344,7 +344,7 @@ fn run<M: OneGroup>(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> 
                 let w = out.block_table_width;
                 prop_assert_eq!(out.block_table.len(), out.num_scheduled * w);
                 for k in 0..out.num_scheduled {
-                    let row = out.block_table_row(k);
+                    let row = out.block_table_row(0, k);
                     let len = (out.seq_lens[k] as usize).div_ceil(BS as usize);
                     let table: Vec<i32> = m
                         .block_table(req.seq_ids[k])
@@ -385,7 +385,7 @@ fn run<M: OneGroup>(ops: Vec<Op>, cpu_blocks: u32) -> Result<(), TestCaseError> 
                     prop_assert_eq!(&out.input_ids[q], &want[..]);
                     model[i].computed = out.seq_lens[k] as usize;
                     model[i].status = SeqStatus::Running;
-                    let table = out.block_table_row(k);
+                    let table = out.block_table_row(0, k);
                     for (j, pos) in (out.context_lens[k]..out.seq_lens[k]).enumerate() {
                         let slot = out.slot_mapping[out.query_start_loc[k] as usize + j];
                         let block = table[pos as usize / BS as usize];
@@ -431,6 +431,6 @@ proptest! {
 
     #[test]
     fn one_full_group_matches_model_and_keeps_invariants(ops in proptest::collection::vec(op(), 1..80), cpu in 0u32..6) {
-        run::<HybridManager>(ops, cpu)?;
+        run::<KvCacheManager>(ops, cpu)?;
     }
 }

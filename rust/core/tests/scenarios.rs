@@ -35,14 +35,17 @@ fn s1_failed_allocation_does_not_leak_prefix_hits<M: OneGroup>() {
     m.add_sequence(1, &toks(0, 96), SequenceSpec::default())
         .unwrap();
     let a = m.allocate_slots(1, 96).unwrap();
-    assert_eq!(a.new_block_ids, vec![1, 2, 3, 4, 5, 6]);
+    assert_eq!(a.groups[0].new_block_ids, vec![1, 2, 3, 4, 5, 6]);
     assert!(m.free(1));
     assert_eq!(m.pool().free_queue(), vec![7, 8, 9, 10, 6, 5, 4, 3, 2, 1]);
     assert_eq!(m.pool().num_cached_free(), 6);
     // B: 2 fresh blocks.
     m.add_sequence(2, &toks(1000, 32), SequenceSpec::default())
         .unwrap();
-    assert_eq!(m.allocate_slots(2, 32).unwrap().new_block_ids, vec![7, 8]);
+    assert_eq!(
+        m.allocate_slots(2, 32).unwrap().groups[0].new_block_ids,
+        vec![7, 8]
+    );
     // C: A's 96 tokens + 48 more -> 6 hits on free cached blocks + 3 fresh = 9 > 8 free.
     let mut c_prompt = toks(0, 96);
     c_prompt.extend(toks(5000, 48));
@@ -89,7 +92,10 @@ fn s1_failed_allocation_does_not_leak_prefix_hits<M: OneGroup>() {
     assert_eq!(snapshot(&m), before);
     // B still allocates (one decode token) and frees cleanly.
     m.append_tokens(2, &[77]).unwrap();
-    assert_eq!(m.allocate_slots(2, 1).unwrap().new_block_ids, vec![9]);
+    assert_eq!(
+        m.allocate_slots(2, 1).unwrap().groups[0].new_block_ids,
+        vec![9]
+    );
     assert!(m.free(2));
     // Block 9 (partial, no hash) -> LIFO front; 8 then 7 (cached) -> LRU back.
     assert_eq!(m.pool().free_queue(), vec![9, 10, 6, 5, 4, 3, 2, 1, 8, 7]);
@@ -97,7 +103,7 @@ fn s1_failed_allocation_does_not_leak_prefix_hits<M: OneGroup>() {
     let c = m.allocate_slots(3, 144).unwrap();
     assert_eq!(c.num_cached_tokens, 96);
     assert_eq!(c.num_scheduled_tokens, 48);
-    assert_eq!(c.new_block_ids, vec![9, 10, 8]);
+    assert_eq!(c.groups[0].new_block_ids, vec![9, 10, 8]);
     assert_eq!(m.block_table(3).unwrap(), vec![1, 2, 3, 4, 5, 6, 9, 10, 8]);
     assert_eq!(m.stats().evictions, 1);
     assert_eq!(m.pool().free_queue(), vec![7]);
@@ -122,7 +128,7 @@ fn s2_reused_block_carries_no_stale_hash<M: OneGroup>() {
     m.add_sequence(2, &[9, 9, 9, 9, 9, 9], SequenceSpec::default())
         .unwrap();
     let a = m.allocate_slots(2, 5).unwrap();
-    assert_eq!(a.new_block_ids, vec![2, 1]);
+    assert_eq!(a.groups[0].new_block_ids, vec![2, 1]);
     assert_eq!(m.pool().lookup(&old), None);
     assert_eq!(
         m.pool().block_hash(1),
@@ -285,7 +291,7 @@ fn s7_copy_on_write_after_fork<M: OneGroup>() {
                 let wt = m.block_table(writer).unwrap();
                 let k = (plen / 8) as usize;
                 if cow {
-                    assert_eq!(a.copies, vec![(table0[k], wt[k])]);
+                    assert_eq!(a.groups[0].copies, vec![(table0[k], wt[k])]);
                     assert_ne!(table0[k], wt[k]);
                     assert_eq!(
                         &wt[..k],
@@ -294,7 +300,7 @@ fn s7_copy_on_write_after_fork<M: OneGroup>() {
                     );
                     assert_eq!(m.pool().ref_count(table0[k]), 1);
                 } else {
-                    assert!(a.copies.is_empty());
+                    assert!(a.groups[0].copies.is_empty());
                     assert_eq!(&wt[..table0.len()], &table0[..]);
                 }
                 for &b in &table0[..k] {
@@ -321,7 +327,7 @@ fn s8_null_block_is_never_capacity<M: OneGroup>() {
     m.add_sequence(2, &toks(0, 16), SequenceSpec::default())
         .unwrap();
     assert_eq!(
-        m.allocate_slots(1, 160).unwrap().new_block_ids,
+        m.allocate_slots(1, 160).unwrap().groups[0].new_block_ids,
         (1..=10).collect::<Vec<_>>()
     );
     // Nothing left: the null block is not capacity (a prefix hit is capped below 16 tokens).

@@ -1,11 +1,11 @@
 //! Regression scenarios S1 to S5, S7 and S8 (docs/design.md, "Regression scenarios") on
-//! the KV cache groups manager (`HybridManager`): with the prefix cache's host tier, the step's
+//! the KV cache groups manager (`KvCacheManager`): with the prefix cache's host tier, the step's
 //! admission watermark (`reserve_blocks`) and per-group block-table deltas. Exact values.
 
 use pagedkv_core::host_tier::HostEviction;
-use pagedkv_core::manager::HybridStepOptions;
+use pagedkv_core::manager::StepOptions;
 use pagedkv_core::{
-    BlockHash, BlockId, Error, GroupSpec, HybridConfig, HybridManager, SeqStatus, SequenceSpec,
+    BlockHash, BlockId, CacheConfig, Error, GroupSpec, KvCacheManager, SeqStatus, SequenceSpec,
     StepDrafts, StepRequest, NULL_BLOCK,
 };
 use std::collections::HashMap;
@@ -15,13 +15,13 @@ const BS: u32 = 4;
 const W: u32 = 5;
 
 /// Full attention (group 0) and a sliding window of 5 (group 1), block size 4, events on.
-fn manager(num_blocks: u32, host: u32) -> HybridManager {
+fn manager(num_blocks: u32, host: u32) -> KvCacheManager {
     manager_evicting(num_blocks, host, HostEviction::Lru)
 }
 
 /// [`manager`] with the host tier's eviction policy.
-fn manager_evicting(num_blocks: u32, host: u32, eviction: HostEviction) -> HybridManager {
-    let mut c = HybridConfig::new(
+fn manager_evicting(num_blocks: u32, host: u32, eviction: HostEviction) -> KvCacheManager {
+    let mut c = CacheConfig::with_groups(
         num_blocks,
         vec![GroupSpec::full(BS, 8), GroupSpec::sliding_window(BS, 8, W)],
         vec![1, 1, 0],
@@ -31,7 +31,7 @@ fn manager_evicting(num_blocks: u32, host: u32, eviction: HostEviction) -> Hybri
     c.num_cpu_blocks = 32;
     c.enable_events = true;
     c.host_eviction = eviction;
-    HybridManager::new(c).unwrap()
+    KvCacheManager::new(c).unwrap()
 }
 
 fn toks(n: usize, salt: u32) -> Vec<u32> {
@@ -41,7 +41,7 @@ fn toks(n: usize, salt: u32) -> Vec<u32> {
 type Snapshot = (Vec<u32>, Vec<Option<BlockHash>>, Vec<BlockId>);
 
 /// Every observable bit of pool state: ref counts, hashes, free-queue order.
-fn snapshot(m: &HybridManager) -> Snapshot {
+fn snapshot(m: &KvCacheManager) -> Snapshot {
     let p = m.pool();
     let n = p.num_blocks();
     (
@@ -52,7 +52,7 @@ fn snapshot(m: &HybridManager) -> Snapshot {
 }
 
 /// An empty step (the executor ran the previous plans): its host `(stores, loads)` row counts.
-fn host_step(m: &HybridManager) -> (usize, usize) {
+fn host_step(m: &KvCacheManager) -> (usize, usize) {
     let out = m.step(&StepRequest::default());
     assert!(out.error.is_none());
     // S8: a store never reads, a load never writes, the null block.
@@ -64,7 +64,7 @@ fn host_step(m: &HybridManager) -> (usize, usize) {
 /// Seq 1 computes A = `toks(13, 1)` (three full blocks per group), is freed; seq 2 computes 13
 /// other tokens in the 8 usable blocks, evicting A's six cached blocks to the host, and is
 /// freed. The stores are handed out.
-fn a_on_host(m: &HybridManager) {
+fn a_on_host(m: &KvCacheManager) {
     m.add_sequence(1, toks(13, 1), SequenceSpec::default())
         .unwrap();
     m.allocate_slots(1, 13).unwrap();
@@ -153,7 +153,7 @@ fn s1_failed_allocation_with_host_hits_leaks_nothing() {
     m.check_invariants().unwrap();
     host_step(&m);
     // Retry of C with a watermark: 8 fit the 8 free blocks, 8 + 1 do not.
-    let opts = HybridStepOptions {
+    let opts = StepOptions {
         reserve_blocks: 1,
         ..Default::default()
     };
@@ -171,7 +171,7 @@ fn s1_failed_allocation_with_host_hits_leaks_nothing() {
     assert_eq!(m.stats(), stats);
     assert!(out.host_loads.is_empty());
     // Without the watermark C is served: 12 tokens from the host, 4 loads.
-    let out = m.step_with(&req, &StepDrafts::default(), HybridStepOptions::default());
+    let out = m.step_with(&req, &StepDrafts::default(), StepOptions::default());
     assert_eq!((out.num_scheduled, out.error), (1, None));
     assert_eq!(out.num_cached_tokens, vec![12]);
     assert_eq!(m.pool().num_free(), 0);
@@ -197,9 +197,9 @@ fn rng(seed: u64) -> impl FnMut(u64) -> u64 {
 /// against the manager's tables (S8 in the deltas: the null block only where a window released
 /// an entry, never a full-attention entry or a new block).
 fn apply_deltas(
-    m: &HybridManager,
+    m: &KvCacheManager,
     ids: &[u64],
-    out: &pagedkv_core::HybridStepOutput,
+    out: &pagedkv_core::StepOutput,
     kept: &mut HashMap<u64, (u64, Vec<Vec<i32>>)>,
 ) {
     let g = out.num_groups;
@@ -329,7 +329,7 @@ fn s3_workload(eviction: HostEviction) {
                             ..Default::default()
                         },
                         &StepDrafts::default(),
-                        HybridStepOptions {
+                        StepOptions {
                             skip_block_table: true,
                             skip_token_arrays: true,
                             reserve_blocks: reserve,
@@ -461,13 +461,13 @@ fn s7_copy_on_write_per_group_after_fork() {
     for plen in [1u32, 16, 129] {
         for alen in [1u32, 16, 129] {
             for write_child in [false, true] {
-                let mut c = HybridConfig::new(
+                let mut c = CacheConfig::with_groups(
                     97,
                     vec![GroupSpec::full(8, 8), GroupSpec::sliding_window(8, 8, 32)],
                     vec![0, 1],
                 );
                 c.num_host_blocks = 8;
-                let m = HybridManager::new(c).unwrap();
+                let m = KvCacheManager::new(c).unwrap();
                 m.add_sequence(1, toks(plen as usize, 0), SequenceSpec::default())
                     .unwrap();
                 m.allocate_slots(1, plen as usize).unwrap();
@@ -530,7 +530,7 @@ fn s8_null_block_is_never_capacity_in_any_group() {
     assert_eq!((m.stats().free, m.pool().num_usable()), (10, 10));
     m.add_sequence(1, toks(20, 0), SequenceSpec::default())
         .unwrap();
-    let opts = HybridStepOptions {
+    let opts = StepOptions {
         skip_block_table: true,
         ..Default::default()
     };
@@ -619,12 +619,7 @@ struct Executor {
 impl Executor {
     /// Runs one step output in the documented order: host stores, swaps, host loads,
     /// copy-on-write, then the forward pass writing each scheduled token's KV.
-    fn run(
-        &mut self,
-        out: &pagedkv_core::HybridStepOutput,
-        ids: &[u64],
-        seqs: &HashMap<u64, Vec<u64>>,
-    ) {
+    fn run(&mut self, out: &pagedkv_core::StepOutput, ids: &[u64], seqs: &HashMap<u64, Vec<u64>>) {
         let empty = vec![0u64; BS as usize];
         for r in out.host_stores.chunks(3) {
             let v = self
@@ -674,7 +669,7 @@ impl Executor {
 
     /// Every computed position of every table entry holds its sequence's own prefix: the
     /// device blocks of running sequences, the CPU blocks of swapped ones.
-    fn check(&self, m: &HybridManager, seqs: &HashMap<u64, Vec<u64>>) {
+    fn check(&self, m: &KvCacheManager, seqs: &HashMap<u64, Vec<u64>>) {
         for (&id, h) in seqs {
             let cache = match m.status(id).unwrap() {
                 SeqStatus::Running => &self.dev,
@@ -874,13 +869,13 @@ fn s2_reused_block_carries_no_stale_hash_in_any_group() {
     m.check_invariants().unwrap();
 
     // Caching off: nothing hashed, nothing stored.
-    let mut c = HybridConfig::new(
+    let mut c = CacheConfig::with_groups(
         5,
         vec![GroupSpec::full(BS, 8), GroupSpec::sliding_window(BS, 8, W)],
         vec![0, 1],
     );
     c.enable_prefix_caching = false;
-    let m = HybridManager::new(c).unwrap();
+    let m = KvCacheManager::new(c).unwrap();
     m.add_sequence(1, toks(8, 1), SequenceSpec::default())
         .unwrap();
     m.allocate_slots(1, 8).unwrap();

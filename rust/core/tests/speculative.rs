@@ -379,8 +379,8 @@ fn drafts_on_a_shared_partial_block_copy_it_first<M: OneGroup>() {
     let t = m.block_table(1).unwrap();
     m.append_tokens(1, &[100]).unwrap();
     let a = m.allocate_slots_with_drafts(1, 1, &[101, 102]).unwrap();
-    assert_eq!(a.copies.len(), 1);
-    assert_eq!(a.copies[0].0, t[1]);
+    assert_eq!(a.groups[0].copies.len(), 1);
+    assert_eq!(a.groups[0].copies[0].0, t[1]);
     assert_eq!(m.block_table(2).unwrap(), t);
     m.accept_drafts(1, 1).unwrap();
     m.check_invariants().unwrap();
@@ -433,8 +433,8 @@ fn copy_on_write_before_spare_blocks_copies_the_partial_block<M: OneGroup>() {
     m.append_tokens(1, &[9]).unwrap();
     let a = m.allocate_slots(1, 1).unwrap();
     // Position 7 is in shared block 1: that block is copied, the spares stay in place.
-    assert_eq!(a.copies.len(), 1);
-    let (src, dst) = a.copies[0];
+    assert_eq!(a.groups[0].copies.len(), 1);
+    let (src, dst) = a.groups[0].copies[0];
     assert_eq!(src, t[1]);
     assert_eq!(m.block_table(1).unwrap(), vec![t[0], dst, t[2], t[3]]);
     assert_eq!(m.block_table(2).unwrap(), t[..2].to_vec());
@@ -477,8 +477,8 @@ fn lookahead_only_allocation_holds_a_block_for_an_unknown_token<M: OneGroup>() {
     let a = m.allocate_slots_with_drafts(1, 0, &[0]).unwrap();
     assert_eq!(a.num_scheduled_tokens, 0);
     assert_eq!(a.num_context_tokens, 8);
-    assert_eq!(a.new_block_ids.len(), 1);
-    let spare = a.new_block_ids[0];
+    assert_eq!(a.groups[0].new_block_ids.len(), 1);
+    let spare = a.groups[0].new_block_ids[0];
     assert_eq!(m.num_computed_tokens(1).unwrap(), 8);
     assert_eq!(m.num_draft_tokens(1).unwrap(), 1);
     assert!(
@@ -500,7 +500,10 @@ fn lookahead_only_allocation_holds_a_block_for_an_unknown_token<M: OneGroup>() {
     ));
     assert_eq!((snapshot(&m), seq_state(&m, 1)), before);
     let b = m.allocate_slots_with_drafts(1, 1, &[0]).unwrap();
-    assert!(b.new_block_ids.is_empty(), "the spare holds slots 8 and 9");
+    assert!(
+        b.groups[0].new_block_ids.is_empty(),
+        "the spare holds slots 8 and 9"
+    );
     assert_eq!(m.block_table(1).unwrap()[2], spare);
     assert_eq!(m.num_computed_tokens(1).unwrap(), 9);
     m.check_invariants().unwrap();

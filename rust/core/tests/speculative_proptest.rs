@@ -11,7 +11,7 @@ mod common;
 use common::OneGroup;
 use pagedkv_core::events::KvEvent;
 use pagedkv_core::{
-    BlockHash, BlockId, CacheConfig, Error, HybridManager, SeqStatus, SequenceSpec, StepDrafts,
+    BlockHash, BlockId, CacheConfig, Error, KvCacheManager, SeqStatus, SequenceSpec, StepDrafts,
     StepOptions, StepRequest,
 };
 use proptest::prelude::*;
@@ -378,6 +378,6 @@ proptest! {
 
     #[test]
     fn one_full_group_speculation_matches_model_and_keeps_invariants(ops in proptest::collection::vec(op(), 1..60)) {
-        run::<HybridManager>(ops)?;
+        run::<KvCacheManager>(ops)?;
     }
 }

@@ -1,12 +1,12 @@
 //! Allocation as the step loop and the single-sequence calls run it: a plan from the
 //! coordinator carried out (releases, hits, fresh blocks, copy-on-write, host loads, the
 //! blocks newly full cached), the common running step without a plan
-//! ([`HybridManager::extend_running`]), and the resolution of speculative drafts.
+//! ([`KvCacheManager::extend_running`]), and the resolution of speculative drafts.
 
 use super::coordinator::Sim;
 use super::*;
 
-/// A [`HybridAllocation`] as the step loop uses it: the per-group parts inline for one group,
+/// A [`SlotAllocation`] as the step loop uses it: the per-group parts inline for one group,
 /// and one value reused for every sequence of a step ([`Alloc::reset`] keeps the vectors'
 /// capacity), so a decode step neither allocates nor moves it per sequence.
 #[derive(Debug, Default)]
@@ -37,7 +37,7 @@ impl Alloc {
     }
 }
 
-impl From<Alloc> for HybridAllocation {
+impl From<Alloc> for SlotAllocation {
     fn from(a: Alloc) -> Self {
         Self {
             num_scheduled_tokens: a.num_scheduled_tokens,
@@ -60,7 +60,7 @@ pub(super) fn filled<T: Default>(n: usize) -> SmallVec<[T; 1]> {
     }
 }
 
-impl HybridManager {
+impl KvCacheManager {
     pub(super) fn allocate_locked(
         &self,
         seq: SeqId,
@@ -86,7 +86,7 @@ impl HybridManager {
 
     /// [`Self::allocate_locked_with_drafts`] into `out` (reset first), refused (nothing
     /// changed) unless `reserve` blocks stay free after it
-    /// ([`HybridStepOptions::reserve_blocks`]).
+    /// ([`StepOptions::reserve_blocks`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn allocate_reserving(
         &self,

@@ -4,7 +4,7 @@
 
 use super::*;
 
-impl HybridManager {
+impl KvCacheManager {
     /// Plain chain hash of logical block `k` of block-size class `c` (memoised).
     pub(super) fn plain_at(&self, s: &mut Seq, c: usize, k: usize) -> BlockHash {
         let bs = self.class_bs[c];

@@ -1,8 +1,8 @@
 //! The coordinator of the groups manager: what an allocation would do, decided before
-//! anything changes. The longest prefix every group serves ([`HybridManager::find_hits`]),
+//! anything changes. The longest prefix every group serves ([`KvCacheManager::find_hits`]),
 //! the per-group plan of an allocation with its lookahead slots for drafts (take, release,
 //! copy-on-write, window releases), and the demand simulation ([`Sim`]) that lets
-//! [`HybridManager::num_blocks_owed`] plan a whole batch against the pool as the earlier
+//! [`KvCacheManager::num_blocks_owed`] plan a whole batch against the pool as the earlier
 //! members will leave it. Nothing here mutates the manager's state or the pool.
 
 use super::*;
@@ -200,7 +200,7 @@ impl<'a> Sim<'a> {
     }
 }
 
-impl HybridManager {
+impl KvCacheManager {
     /// The longest prefix every group serves (tokens) and each group's table prefix for it.
     pub(super) fn find_hits(&self, s: &mut Seq, sim: &Sim<'_>) -> (usize, Vec<Vec<BlockId>>) {
         let ng = self.num_groups();

@@ -1,10 +1,9 @@
-//! The prefix cache's host tier under the KV cache groups manager (docs/design.md, "Host
-//! tier"): one [`HostTier`] of host blocks shared by every group, keyed by
+//! The prefix cache's host tier under the KV cache manager (docs/design.md, "Host tier"): one [`HostTier`] of host blocks shared by every group, keyed by
 //! [`HostKey`] `(plain chain hash, group)`, so a full-attention block and a sliding-window
 //! block of the same tokens are different host entries.
 //!
-//! What the groups manager adds to the one-group manager's tier (whose store events, pins
-//! and hand-out it shares, `crate::manager`):
+//! What groups add to one full-attention group's use of the tier (store events, pins and
+//! hand-out are the same, `crate::manager`):
 //! - **Store.** Each cached block the pool evicts (the last copy of its index key) is offered
 //!   to the tier under the `(plain hash, group)` it was registered with ([`HostSide::dev_key`]).
 //! - **Lookup.** A block of group `g` is *served* when the device holds its key or the host
@@ -14,10 +13,10 @@
 //! - **Load.** A host hit ([`HOST_HIT`] in a plan's table) takes one fresh device block, counted
 //!   in `take`, gets a planned `(host, device)` copy of its group and is registered on the
 //!   device at once; its host block is pinned and the device block holds one reference until
-//!   the plans are handed out, as in the one-group manager.
+//!   the plans are handed out, as with one group.
 
 use super::{
-    GroupAllocation, GroupEvent, GroupPlan, GroupTable, HybridManager, Pending, Seq, Sim, VIRTUAL,
+    GroupAllocation, GroupEvent, GroupPlan, GroupTable, KvCacheManager, Pending, Seq, Sim, VIRTUAL,
 };
 use crate::error::Result;
 use crate::events::KvEvent;
@@ -100,7 +99,7 @@ impl HostSide {
     }
 }
 
-impl HybridManager {
+impl KvCacheManager {
     /// The host key of logical block `k` of group `g`.
     pub(super) fn host_key_at(&self, s: &mut Seq, g: usize, k: usize) -> HostKey {
         HostKey::new(self.plain_at(s, self.class_of[g], k), g as u32)

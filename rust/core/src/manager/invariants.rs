@@ -3,7 +3,7 @@
 
 use super::*;
 
-impl HybridManager {
+impl KvCacheManager {
     /// Checks the invariants of docs/design.md ("KV cache groups") over every group: the pool's
     /// own; every block's ref count equals the running tables holding it; no block twice in a
     /// sequence's tables; each running table covers `ceil(num_computed / block_size)` logical

@@ -5,7 +5,7 @@
 
 use super::*;
 
-impl HybridManager {
+impl KvCacheManager {
     pub(super) fn sparse(&self) -> bool {
         self.cfg.enable_prefix_caching && self.cfg.retention_interval > 0
     }
