@@ -5,7 +5,7 @@
 //! Run: `cargo bench -p pagedkv-core --bench one_group`.
 
 use pagedkv_core::{
-    CacheConfig, GroupSpec, KvCacheManager, SequenceSpec, StepDrafts, StepOptions, StepRequest,
+    CacheConfig, KvCacheManager, SequenceSpec, StepDrafts, StepOptions, StepRequest,
 };
 use std::time::Instant;
 
@@ -154,7 +154,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn main() {
     let num_blocks = (SEQS * (MAX_LEN / BS as usize + 2) + 1) as u32;
-    let cfg = CacheConfig::with_groups(num_blocks, vec![GroupSpec::full(BS, 64)], vec![0]);
+    let cfg = CacheConfig::new(num_blocks, BS);
     let make = || KvCacheManager::new(cfg.clone()).unwrap();
     // The first round discarded (the allocator's first touches).
     let prefill: Vec<f64> = (0..12).map(|r| prefill_ms(make, r)).skip(1).collect();

@@ -970,7 +970,7 @@ pub(crate) fn validate_host_tier(
 /// The host tier's events of one store attempt ([`HostTier::plan_store`] of `key` gave
 /// `out`): `BlockRemoved` for the host block evicted to make room, `BlockStored` for the
 /// store (from the metadata the tier kept). Hashes are the keys' `hash`; both managers emit
-/// these (the groups manager names the key's group beside them).
+/// these (the KV cache manager names the key's group beside them).
 pub(crate) fn host_store_events(
     host: &HostTier,
     out: &StoreOutcome,

@@ -169,7 +169,7 @@ pub(crate) fn validate_new_sequence(prompt: &[u32], spec: &SequenceSpec) -> Resu
 }
 
 /// Checks a [`StepRequest`]'s array lengths and offsets (checked by the
-/// KV cache groups manager).
+/// KV cache manager).
 pub(crate) fn validate_step(req: &StepRequest) -> Result<()> {
     let n = req.seq_ids.len();
     if req.num_new_tokens.len() != n {

@@ -1,5 +1,5 @@
 //! Regression scenarios S1 to S5, S7 and S8 (docs/design.md, "Regression scenarios") on
-//! the KV cache groups manager (`KvCacheManager`): with the prefix cache's host tier, the step's
+//! the KV cache manager (`KvCacheManager`): with the prefix cache's host tier, the step's
 //! admission watermark (`reserve_blocks`) and per-group block-table deltas. Exact values.
 
 use pagedkv_core::host_tier::HostEviction;

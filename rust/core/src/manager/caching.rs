@@ -1,4 +1,4 @@
-//! Prefix caching in the groups manager: the memoised plain chain hashes per block-size class,
+//! Prefix caching in the KV cache manager: the memoised plain chain hashes per block-size class,
 //! the per-group index keys derived from them, registration of full blocks by the retention
 //! rule, and the `BlockStored` events of newly resolvable keys.
 

@@ -1,4 +1,4 @@
-//! The coordinator of the groups manager: what an allocation would do, decided before
+//! The coordinator of the KV cache manager: what an allocation would do, decided before
 //! anything changes. The longest prefix every group serves ([`KvCacheManager::find_hits`]),
 //! the per-group plan of an allocation with its lookahead slots for drafts (take, release,
 //! copy-on-write, window releases), and the demand simulation ([`Sim`]) that lets

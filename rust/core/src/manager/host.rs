@@ -32,7 +32,7 @@ use crate::BlockId;
 /// real id (ids are below 2^28).
 pub(super) const HOST_HIT: BlockId = u32::MAX - 1;
 
-/// The planned host copies of the groups manager, handed out once per step: like
+/// The planned host copies of the KV cache manager, handed out once per step: like
 /// [`HostTransfers`] with the KV cache group of each copy (the executor copies between that
 /// group's device cache and its host cache).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -44,7 +44,7 @@ pub struct GroupHostTransfers {
     pub loads: Vec<(u32, BlockId, BlockId)>,
 }
 
-/// The host tier and what the groups manager keeps beside it (under its own mutex, taken
+/// The host tier and what the KV cache manager keeps beside it (under its own mutex, taken
 /// after the state lock).
 #[derive(Debug)]
 pub(super) struct HostSide {

@@ -1,4 +1,4 @@
-//! The groups manager's invariant checker (docs/design.md, "KV cache groups"), run by the tests
+//! The KV cache manager's invariant checker (docs/design.md, "KV cache groups"), run by the tests
 //! after every operation; O(blocks held) and under the state lock.
 
 use super::*;

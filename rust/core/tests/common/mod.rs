@@ -64,7 +64,7 @@ pub trait OneGroup: Sized {
     fn hasher(&self) -> &PrefixHasher;
     fn tokens(&self, seq: SeqId) -> Result<Vec<u32>>;
     fn stats(&self) -> CacheStats;
-    /// The buffered KV events (the groups manager's, all of group 0 or of no group).
+    /// The buffered KV events (the KV cache manager's, all of group 0 or of no group).
     fn take_events(&self) -> Vec<KvEvent>;
     fn check_invariants(&self) -> std::result::Result<(), String>;
 }
