@@ -3,8 +3,8 @@
 //! pinned until they complete, stores prepared (host blocks chosen, evictions made) and then
 //! completed or rolled back.
 //!
-//! The blocks, their keys, admission and eviction are [`HostTier`]'s (the tier the managers
-//! use); this module adds what an asynchronous offloading connector needs on top: a *store in
+//! The blocks, their keys, admission and eviction are [`HostTier`]'s (the tier the manager
+//! uses); this module adds what an asynchronous offloading connector needs on top: a *store in
 //! flight* state (the host block is allocated but the KV is not copied yet: neither readable
 //! nor evictable), load pins that are checked on release, all-or-nothing store preparation,
 //! and bytes keys of any length ([`key_of_bytes`]).
@@ -372,7 +372,7 @@ impl HostPool {
         for &h in protect.iter().rev() {
             self.tier.unpin(h);
         }
-        // The tier's copy plans are the managers' business; this pool's caller copies.
+        // The tier's copy plans are the manager's business; this pool's caller copies.
         let _ = self.tier.take_plans();
         placed.reverse();
         plan.indices = placed.iter().map(|&(i, _)| i).collect();

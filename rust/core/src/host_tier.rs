@@ -930,10 +930,9 @@ impl HostTier {
     }
 }
 
-// Manager-side helpers of the host tier, shared by both KV cache managers.
+// Manager-side helpers of the host tier (the KV cache manager's side of it).
 
-/// Checks the host-tier fields of a manager's configuration (both managers take the same
-/// ones). Errors: [`Error::InvalidConfig`] naming `host_admission_min_seen` when it is 0, or
+/// Checks the host-tier fields of the manager's configuration. Errors: [`Error::InvalidConfig`] naming `host_admission_min_seen` when it is 0, or
 /// `num_host_blocks` above [`MAX_HOST_BLOCKS`] or set with prefix caching off (the host tier
 /// keys blocks by their prefix hash).
 pub(crate) fn validate_host_tier(
@@ -969,8 +968,8 @@ pub(crate) fn validate_host_tier(
 
 /// The host tier's events of one store attempt ([`HostTier::plan_store`] of `key` gave
 /// `out`): `BlockRemoved` for the host block evicted to make room, `BlockStored` for the
-/// store (from the metadata the tier kept). Hashes are the keys' `hash`; both managers emit
-/// these (the KV cache manager names the key's group beside them).
+/// store (from the metadata the tier kept). Hashes are the keys' `hash`; the manager emits
+/// these with the key's group beside them.
 pub(crate) fn host_store_events(
     host: &HostTier,
     out: &StoreOutcome,
@@ -999,7 +998,7 @@ pub(crate) fn host_store_events(
 
 /// Hands out `host`'s planned copies, with the group of each store, and drops the reference
 /// each load held on its device block (taken when the load was planned, so nothing reuses the
-/// block before the executor fills it). Shared by both managers. O(plans).
+/// block before the executor fills it). O(plans).
 pub(crate) fn hand_out_host_plans(
     pool: &BlockPool,
     host: &mut HostTier,

@@ -9,7 +9,7 @@
 //! - `sha256_x2`: SHA-256 of two independent chains at once (SHA-NI, two lanes), for prefills.
 //! - [`prefix_index`]: each block's hash and the hash → blocks multiset.
 //! - `seq_table`: the manager's slab of sequences keyed by id.
-//! - [`request`]: what callers hand the managers: sequence specs, step batches, drafts.
+//! - [`request`]: what callers hand the manager: sequence specs, step batches, drafts.
 //! - [`kv_groups`]: KV cache groups (full attention, sliding window, chunked local): what each
 //!   reads, and the configuration of several groups in one pool.
 //! - [`manager`]: the KV cache manager: per-sequence block tables of one or several KV cache

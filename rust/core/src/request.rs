@@ -1,7 +1,7 @@
-//! What callers hand the KV cache managers: a sequence's cache identity besides its tokens
+//! What callers hand the KV cache manager: a sequence's cache identity besides its tokens
 //! ([`SequenceSpec`], [`MmItem`]), its lifecycle state ([`SeqStatus`]), one scheduler step's
-//! batch ([`StepRequest`]) and its speculative drafts ([`StepDrafts`]), with the checks both
-//! managers run on them before anything changes.
+//! batch ([`StepRequest`]) and its speculative drafts ([`StepDrafts`]), with the checks the
+//! manager runs on them before anything changes.
 
 use crate::error::{Error, Result};
 use crate::hashing::ExtraKey;

@@ -371,7 +371,13 @@ fn manager_allocate_races_free_and_event_drain<M: OneGroup + Send + Sync + 'stat
         assert_eq!(before.len(), 1, "seq 1's full block was stored");
 
         let m1 = m.clone();
-        let scheduler = thread::spawn(move || m1.allocate_slots(2, 2).unwrap().new_block_ids);
+        let scheduler = thread::spawn(move || {
+            m1.allocate_slots(2, 2)
+                .unwrap()
+                .groups
+                .swap_remove(0)
+                .new_block_ids
+        });
         let m2 = m.clone();
         let drainer = thread::spawn(move || {
             assert!(m2.free(1));
