@@ -23,7 +23,7 @@ pub type Alloc = SlotAllocation;
 /// `S x width`, `(0, src, dst)` copy triples).
 pub type Step = StepOutput;
 
-/// The calls the one-group suites make, in the one-group manager's words.
+/// The calls the one-group suites make, in one-group words.
 pub trait OneGroup: Sized {
     /// Which manager this is, for failure messages.
     const NAME: &'static str;
