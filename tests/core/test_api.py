@@ -100,11 +100,12 @@ def test_allocate_slots_prefill_and_decode() -> None:
     a = m.allocate_slots(1, 100)
     assert (a.num_scheduled_tokens, a.num_cached_tokens, a.num_context_tokens) == (10, 0, 0)
     assert a.new_block_ids.dtype == np.int32 and a.new_block_ids.tolist() == [1, 2, 3]
-    assert a.copies.dtype == np.int32 and a.copies.shape == (0, 2)
+    assert a.copies.dtype == np.int32 and a.copies.shape == (0, 3)
+    assert a.new_block_indptr.tolist() == [0, 3]
     assert m.block_table(1).tolist() == [1, 2, 3]
     assert m.num_computed_tokens(1) == 10
     m.append_tokens(1, [10, 11, 12])
-    assert m.num_blocks_needed(1, 1) == 0
+    assert m.num_blocks_needed(1, 1) == (0, 0)
     b = m.allocate_slots(1, 1)  # token 10 fills slot 2 of block 3
     assert (b.num_scheduled_tokens, b.num_context_tokens, b.new_block_ids.tolist()) == (1, 10, [])
     c = m.allocate_slots(1, 2)  # tokens 11 (block 3) and 12 (new block 4)
@@ -130,7 +131,7 @@ def test_prefix_cache_hits_and_prediction() -> None:
     m.allocate_slots(1, 100)
     m.add_sequence(2, prompt + [1, 2, 3])
     assert m.lookup_prefix(2) == 8
-    assert m.num_blocks_needed(2, 100) == 2  # blocks 3.. for tokens 8..12; hits are shared
+    assert m.num_blocks_needed(2, 100) == (2, 0)  # blocks 3.. for tokens 8..12; hits are shared
     a = m.allocate_slots(2, 100)
     assert (a.num_cached_tokens, a.num_context_tokens, a.num_scheduled_tokens) == (8, 8, 5)
     assert a.new_block_ids.tolist() == [4, 5]
@@ -150,7 +151,7 @@ def test_prefix_hit_on_freed_cached_blocks_consumes_capacity() -> None:
     assert m.pool.free_queue().tolist() == [3, 4, 5, 6, 7, 2, 1]
     assert m.pool.num_cached_free == 2
     m.add_sequence(2, list(range(9)))
-    assert m.num_blocks_needed(2, 100) == 3  # 2 cached hits on free blocks + 1 fresh
+    assert m.num_blocks_needed(2, 100) == (3, 0)  # 2 cached hits on free blocks + 1 fresh
     a = m.allocate_slots(2, 100)
     assert a.num_cached_tokens == 8 and a.new_block_ids.tolist() == [3]
     assert m.block_table(2).tolist() == [1, 2, 3]
@@ -198,13 +199,13 @@ def test_fork_and_copy_on_write() -> None:
     assert [m.pool.ref_count(b) for b in (1, 2)] == [2, 2]
     assert m.num_computed_tokens(2) == 6 and m.token_ids(2).tolist() == [1, 2, 3, 4, 5, 6]
     m.append_tokens(2, [9])
-    assert m.num_blocks_needed(2, 1) == 1
+    assert m.num_blocks_needed(2, 1) == (1, 0)
     a = m.allocate_slots(2, 1)
-    assert a.copies.tolist() == [[2, 3]] and a.new_block_ids.tolist() == [3]
+    assert a.copies.tolist() == [[0, 2, 3]] and a.new_block_ids.tolist() == [3]
     assert m.block_table(2).tolist() == [1, 3]
     assert [m.pool.ref_count(b) for b in (1, 2, 3)] == [2, 1, 1]
     m.append_tokens(1, [8])  # the parent now owns block 2 alone: no copy
-    assert m.allocate_slots(1, 1).copies.shape == (0, 2)
+    assert m.allocate_slots(1, 1).copies.shape == (0, 3)
     assert m.stats().copies == 1
     m.check_invariants()
 
@@ -317,7 +318,7 @@ def test_step_decode_batch() -> None:
     assert out.new_block_ids.tolist() == [4, 5, 6]
     assert out.slot_mapping.dtype == np.int64 and out.slot_mapping.tolist() == [16, 20, 24]
     assert out.block_table.tolist() == [[1, 4], [2, 5], [3, 6]]
-    assert out.copies.shape == (0, 2)
+    assert out.copies.shape == (0, 3)
     for arr in (
         out.query_start_loc,
         out.seq_lens,
