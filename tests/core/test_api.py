@@ -659,3 +659,79 @@ def test_import_without_torch() -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
+
+
+# ---------------------------------------------------------------------------------------------
+# One manager for every layout: the config's two forms, the one-group spelling of the results
+
+
+def _two_groups() -> list[pagedkv.KVCacheGroupSpec]:
+    return [pagedkv.KVCacheGroupSpec("full", 4, 8), pagedkv.KVCacheGroupSpec("sliding_window", 4, 8, window=8)]
+
+
+def test_cache_config_one_group_form_implies_one_full_group() -> None:
+    c = CacheConfig(16, 4)
+    assert (c.num_groups, c.layer_groups, c.retention_interval, c.block_size) == (1, [], 0, 4)
+    (g,) = c.groups
+    assert (g.kind, g.block_size, g.window) == ("full", 4, None)
+    # the groups form of the same group is another config (it names its layers)
+    same = CacheConfig(16, groups=[g], layer_groups=[0])
+    assert same != c and same.layer_groups == [0] and same.block_size == 4
+    assert same == CacheConfig(16, 4, groups=(g,), layer_groups=(0,))
+
+
+def test_cache_config_groups_form_fields_and_refusals() -> None:
+    groups = _two_groups()
+    c = CacheConfig(16, groups=groups, layer_groups=[1, 0, 1], retention_interval=8)
+    assert (c.num_groups, c.layer_groups, c.retention_interval, c.block_size) == (2, [1, 0, 1], 8, 4)
+    assert c.groups == groups and "num_groups=2" in repr(c)
+    assert c != CacheConfig(16, groups=groups, layer_groups=[1, 0, 1])  # every field compared
+    refusals = [
+        (lambda: CacheConfig(16), "block_size"),
+        (lambda: CacheConfig(16, 4, layer_groups=[0]), "layer_groups"),
+        (lambda: CacheConfig(16, groups=groups), "layer_groups"),
+        (lambda: CacheConfig(16, 8, groups=groups, layer_groups=[0, 1]), "block_size"),
+        (lambda: CacheConfig(16, groups=groups[0], layer_groups=[0]), "groups"),
+        (lambda: CacheConfig(16, groups=groups, layer_groups=[0]), "layer_groups"),
+        (lambda: CacheConfig(16, groups=groups, layer_groups=[0, 1], retention_interval=6), "retention_interval"),
+    ]
+    for build, field in refusals:
+        with pytest.raises(pagedkv.InvalidConfigError) as info:
+            build()
+        assert info.value.field == field, (field, info.value)
+
+
+def test_one_class_answers_for_every_layout() -> None:
+    one = make(16, 4)
+    two = KVCacheManager(CacheConfig(16, groups=_two_groups(), layer_groups=[0, 1]))
+    for m, g in ((one, 1), (two, 2)):
+        assert type(m) is KVCacheManager and m.num_groups == g == len(m.groups)
+        m.add_sequence(1, list(range(10)))
+        a = m.allocate_slots(1, 10)
+        assert a.new_block_indptr.tolist() == [3 * k for k in range(g + 1)]
+        assert a.new_block_ids.tolist() == [b for t in m.block_tables(1) for b in t.tolist()]
+        assert m.block_table(1, g - 1).tolist() == m.block_tables(1)[g - 1].tolist()
+        m.append_tokens(1, [5])
+        # the 11th token fits the third block of every group; the window (2, 10] still reads block 0
+        assert m.num_blocks_needed_per_group(1, 1) == [(0, 0)] * g and m.num_blocks_needed(1, 1) == (0, 0)
+        out = m.step([1], 1)
+        assert (out.num_groups, out.slot_mappings.shape, out.block_tables.shape) == (g, (g, 1), (g, 1, 0))
+        assert out.table_start.shape == (1, g) and out.new_block_indptr.size == g + 1
+        with pytest.raises(pagedkv.InvalidArgumentError, match="group"):
+            m.block_table(1, g)
+    out = one.step([1], 1, [[6]], block_table=True)
+    assert out.slot_mapping.tolist() == out.slot_mappings[0].tolist() == [one.block_table(1)[2] * 4 + 3]
+    assert np.shares_memory(out.slot_mapping, out.slot_mappings) and np.shares_memory(out.block_table, out.block_tables)
+    assert out.block_table.tolist() == [one.block_table(1).tolist()]
+    out = two.step([1], 1, [[6]], block_table=True)
+    for name in ("slot_mapping", "block_table"):
+        with pytest.raises(pagedkv.InvalidArgumentError, match=f"2 KV cache groups: use {name}s\\[g\\]"):
+            getattr(out, name)
+
+
+def test_hybrid_kv_cache_manager_is_a_deprecated_alias() -> None:
+    groups = _two_groups()
+    with pytest.warns(DeprecationWarning, match="HybridKVCacheManager is deprecated"):
+        m = pagedkv.HybridKVCacheManager(groups, [0, 1], 16, retention_interval=8, enable_events=True)
+    assert type(m) is KVCacheManager
+    assert m.config == CacheConfig(16, groups=groups, layer_groups=[0, 1], retention_interval=8, enable_events=True)
