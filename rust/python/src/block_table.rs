@@ -16,7 +16,7 @@ use crate::step_output::PyStepOutput;
 use numpy::ndarray::{ArrayView3, ShapeBuilder};
 use numpy::{PyArray3, PyArrayMethods, PyUntypedArray};
 use pagedkv_core::block_tables::{BlockTables, PendingUpdate, TableDeltas};
-use pagedkv_core::HybridManager;
+use pagedkv_core::KvCacheManager;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use std::sync::Arc;
@@ -58,7 +58,7 @@ use std::sync::Arc;
 ///         is not a non-negative int or is above those bounds.
 #[pyclass(module = "pagedkv._core", name = "BlockTable")]
 pub(crate) struct PyBlockTable {
-    manager: Arc<HybridManager>,
+    manager: Arc<KvCacheManager>,
     /// `int32[G, rows, cols]` of `tables.groups()` x `tables.shape()`, C-contiguous; replaced
     /// (not resized) when it grows, so views handed out earlier keep their own buffer alive.
     buffer: Py<PyArray3<i32>>,

@@ -6,9 +6,9 @@ use crate::convert::{repr, type_name, uint};
 use crate::errors::to_pyerr;
 use crate::groups::{config_uint, PyGroupSpec};
 use pagedkv_core::host_tier::{HostEviction, MAX_HOST_BLOCKS};
-use pagedkv_core::one_group::MAX_BLOCK_SIZE;
+use pagedkv_core::kv_groups::MAX_BLOCK_SIZE;
 use pagedkv_core::pool::MAX_BLOCKS;
-use pagedkv_core::{Error, GroupSpec, HashAlgo, HybridConfig};
+use pagedkv_core::{Error, GroupSpec, HashAlgo, CacheConfig};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
 
@@ -48,7 +48,7 @@ use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PyCacheConfig {
     /// The core's configuration (the one-group form: one full group, `layer_groups == [0]`).
-    pub(crate) inner: HybridConfig,
+    pub(crate) inner: CacheConfig,
     /// Built in the one-group form (`groups=None`).
     one_group: bool,
     /// `block_size` as given, or group 0's.
@@ -280,7 +280,7 @@ impl PyCacheConfig {
                 (specs, layers, bs)
             }
         };
-        let mut cfg = HybridConfig::new(num_blocks, specs, layers);
+        let mut cfg = CacheConfig::with_groups(num_blocks, specs, layers);
         cfg.enable_prefix_caching = enable_prefix_caching;
         if let Some(r) = retention_interval.filter(|r| !r.is_none()) {
             cfg.retention_interval =

@@ -17,7 +17,7 @@ use crate::stats::PyCacheStats;
 use crate::step_output::{block_array, pairs_array, triples, PySlotAllocation, PyStepOutput};
 use numpy::{PyArray1, PyArray2, PyUntypedArray};
 use pagedkv_core::{
-    ExtraKey, HybridManager, HybridStepOptions, MmItem, SequenceSpec, StepDrafts, StepRequest,
+    ExtraKey, KvCacheManager, StepOptions, MmItem, SequenceSpec, StepDrafts, StepRequest,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
@@ -44,7 +44,7 @@ use std::sync::Arc;
 /// Raises ``InvalidArgumentError`` when ``config`` is not a ``CacheConfig``.
 #[pyclass(frozen, module = "pagedkv._core", name = "KVCacheManager")]
 pub(crate) struct PyKvCacheManager {
-    pub(crate) inner: Arc<HybridManager>,
+    pub(crate) inner: Arc<KvCacheManager>,
     config: Py<PyCacheConfig>,
     /// The read-only pool view, built once (the scheduler reads it every step).
     pool: Py<PyBlockPool>,
@@ -218,7 +218,7 @@ impl PyKvCacheManager {
             .clone()
             .unbind();
         let cfg = config.get().inner.clone();
-        let inner = Arc::new(py.detach(|| HybridManager::new(cfg)).py(py)?);
+        let inner = Arc::new(py.detach(|| KvCacheManager::new(cfg)).py(py)?);
         let pool = Py::new(py, PyBlockPool::view_of(inner.clone()))?;
         Ok(Self {
             inner,
@@ -737,7 +737,7 @@ impl PyKvCacheManager {
             append_indptr,
             append_tokens,
         };
-        let opts = HybridStepOptions {
+        let opts = StepOptions {
             skip_block_table: !block_table,
             skip_token_arrays: !token_arrays,
             reserve_blocks,

@@ -6,7 +6,7 @@ use crate::errors::{read_only_pool, to_pyerr, IntoPyResult};
 use numpy::{PyArray1, PyArrayMethods};
 use pagedkv_core::events::EventSink;
 use pagedkv_core::pool::BlockPool;
-use pagedkv_core::{BlockHash, BlockId, HybridManager};
+use pagedkv_core::{BlockHash, BlockId, KvCacheManager};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use std::sync::Arc;
 #[derive(Debug, Clone)]
 enum Owner {
     Standalone(Arc<BlockPool>),
-    Manager(Arc<HybridManager>),
+    Manager(Arc<KvCacheManager>),
 }
 
 /// A pool of ``num_blocks`` fixed-size KV blocks with reference counts, prefix hashes and the
@@ -36,7 +36,7 @@ pub(crate) struct PyBlockPool {
 }
 
 impl PyBlockPool {
-    pub(crate) fn view_of(manager: Arc<HybridManager>) -> Self {
+    pub(crate) fn view_of(manager: Arc<KvCacheManager>) -> Self {
         Self {
             owner: Owner::Manager(manager),
         }

@@ -7,8 +7,8 @@ use crate::convert::bad;
 use crate::errors::error_instance;
 use numpy::ndarray::{Array2, Array3};
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArray3, PyUntypedArrayMethods};
-use pagedkv_core::hybrid::HybridAllocation;
-use pagedkv_core::{BlockId, HybridStepOutput};
+use pagedkv_core::manager::SlotAllocation;
+use pagedkv_core::{BlockId, StepOutput};
 use pyo3::prelude::*;
 
 /// Block ids as an ``int32`` array. Ids are below `MAX_BLOCKS` (2**28), so the cast is exact;
@@ -95,7 +95,7 @@ pub(crate) struct PySlotAllocation {
 
 impl PySlotAllocation {
     /// The Python form of the core's allocation.
-    pub(crate) fn from_core(py: Python<'_>, a: HybridAllocation) -> Self {
+    pub(crate) fn from_core(py: Python<'_>, a: SlotAllocation) -> Self {
         let g = a.groups.len();
         let mut indptr = Vec::with_capacity(g + 1);
         indptr.push(0i32);
@@ -263,7 +263,7 @@ impl PyStepOutput {
     /// `num_scheduled` are kept).
     pub(crate) fn from_core(
         py: Python<'_>,
-        out: HybridStepOutput,
+        out: StepOutput,
         seq_ids: &[u64],
         token_arrays: bool,
         block_table: bool,
