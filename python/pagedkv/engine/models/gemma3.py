@@ -262,9 +262,8 @@ class Gemma3ForCausalLM(PagedCausalLM):
                 (layer ``i`` in slot ``layer_slot[i]``); the new K/V of every token is written at
                 its group's slot mapping (in place).
             meta: this step's kernel inputs: a :class:`~pagedkv.tensors.BatchTensors` of one
-                block table and slot mapping per KV cache group (from
-                ``pagedkv.HybridKVCacheManager``) or of one for every group
-                (``KVCacheManager``).
+                block table and slot mapping per KV cache group (a manager of one group per KV
+                cache group) or of one for every group (a manager of one group).
             logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted.
             rope_lens: unused (Gemma 3's RoPE is position-only); accepted for the runner's call.
             plans: :meth:`plan_attention`'s plans, one per group (default ``meta.attn_plan``

@@ -192,10 +192,11 @@ class PagedCausalLM:
         token batch (see :meth:`LlamaForCausalLM.forward` for the arguments)."""
         raise NotImplementedError
 
-    #: Whether a model with sliding-window layers gets one block table per KV cache group
-    #: (``pagedkv.HybridKVCacheManager``, blocks behind a window released). ``False`` (set on
-    #: the class before building a model) gives it one block table for every layer instead
-    #: (``pagedkv.KVCacheManager``: the full-attention allocation, for comparisons).
+    #: Whether a model with sliding-window layers gets one block table per KV cache group (a
+    #: ``pagedkv.KVCacheManager`` of one group per KV cache group, blocks behind a window
+    #: released). ``False`` (set on the class before building a model) gives it one block table
+    #: for every layer instead (the manager's one full-attention group: the full-attention
+    #: allocation, for comparisons).
     per_group_tables: bool = True
 
     def _init_kv_groups(self) -> None:
@@ -214,8 +215,8 @@ class PagedCausalLM:
     @property
     def is_hybrid(self) -> bool:
         """Whether some layer has a sliding window (and :attr:`per_group_tables`): the engine
-        then drives ``pagedkv.HybridKVCacheManager`` (one block table per KV cache group) and
-        the windowed groups' blocks behind the window are released."""
+        then drives a ``pagedkv.KVCacheManager`` of one group per KV cache group (one block
+        table each) and the windowed groups' blocks behind the window are released."""
         return self.per_group_tables and any(w is not None for w in self.layer_windows)
 
     # ---- KV cache ----------------------------------------------------------------------------
@@ -458,10 +459,10 @@ class LlamaForCausalLM(PagedCausalLM):
             positions: int64 ``[T]`` position of each token in its sequence (0-based).
             kv_cache: ``[num_kv_slots, 2, num_blocks, block_size, num_kv_heads, head_size]``
                 (layer ``i`` in slot ``layer_slot[i]``); the new K/V of every token is written at
-                its group's ``meta.slot_mapping`` (in place).
+                its group's slot mapping (in place).
             meta: this step's kernel inputs (block tables, lengths, slot mappings): a
                 :class:`~pagedkv.tensors.BatchTensors` of one table for every KV cache group
-                (``KVCacheManager``) or of one per group (``HybridKVCacheManager``).
+                (a manager of one group) or of one per group.
             logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted (the last
                 scheduled token of each sequence that samples this step).
             rope_lens: int64 ``[T]`` rope length of each token (any device;
