@@ -3,8 +3,9 @@
 The tiny Gemma-3-like model of test_hybrid_models (layers sliding, full, sliding, sliding;
 window 8) runs on a ``KVCacheManager`` of four KV cache groups: each of its KV events names its
 group (``event.group``) and every group stores the same block hashes, so an indexer that
-counted a sliding-window group (here group 0) would count residency that serves no prefix (llm-d-router #2362). Ray-free: the
-replica is driven in-process, as ``ReplicaCluster``'s actors run it.
+counted a sliding-window group (here group 0) would count residency that serves no prefix
+(llm-d-router #2362). Ray-free: the replica is driven in-process, as ``ReplicaCluster``'s
+actors run it.
 """
 
 from __future__ import annotations
