@@ -136,12 +136,12 @@ def test_both_managers_answer_the_engines_protocol():
     # KVCacheManager (one group and several) and the virtual layout's manager both answer it,
     # and so do their step outputs (StepResult) and pools; mypy checks the same statically.
     lay = _layout(16)
-    inner = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=64, block_size=16, enable_prefix_caching=False))
-    virtual = VirtualKVManager(inner, lay)
+    config = pagedkv.CacheConfig(num_blocks=64, block_size=16, enable_prefix_caching=False)
+    paged, virtual = pagedkv.KVCacheManager(config), VirtualKVManager(pagedkv.KVCacheManager(config), lay)
     specs = [pagedkv.KVCacheGroupSpec("full", 16, 8), pagedkv.KVCacheGroupSpec("sliding_window", 16, 8, window=32)]
     hybrid = pagedkv.KVCacheManager(pagedkv.CacheConfig(64, groups=specs, layer_groups=[0, 1]))
     # 40 tokens: 3 blocks of 16 per group; 2 pages x 4 segments of the layout
-    for m, needed, held in ((inner, (3, 0), [3]), (hybrid, (6, 0), [3, 3]), (virtual, (8, 0), [3])):
+    for m, needed, held in ((paged, (3, 0), [3]), (hybrid, (6, 0), [3, 3]), (virtual, (8, 0), [3])):
         assert isinstance(m, EngineKVManager) and isinstance(m.pool, ManagerPool)
         m.add_sequence(1, list(range(40)))
         assert m.num_blocks_needed(1, 40) == needed
