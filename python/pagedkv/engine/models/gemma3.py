@@ -273,7 +273,7 @@ class Gemma3ForCausalLM(PagedCausalLM):
             fp32 ``[L, vocab_size]`` logits.
         """
         del rope_lens
-        plans = plans if plans is not None else getattr(meta, "attn_plan", None)
+        inputs = self._group_inputs(meta, plans if plans is not None else getattr(meta, "attn_plan", None))
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         rot = {lt: self._cos_sin(positions, lt) for lt in self._inv_freq}
@@ -284,7 +284,7 @@ class Gemma3ForCausalLM(PagedCausalLM):
             cos, sin = rot[self._layer_type[li]]
             q = rope_rotate_half(self._norm(q.view(t, hq, d), layer.q_norm), cos, sin)
             k = rope_rotate_half(self._norm(k.view(t, hkv, d), layer.k_norm), cos, sin)
-            o = self._attend(li, q, k, v.reshape(t, hkv, d), kv_cache, meta, self.scale, plans)
+            o = self._attend(li, q, k, v.reshape(t, hkv, d), kv_cache, meta, self.scale, inputs)
             x = x + self._norm(linear(o.view(t, hq * d), layer.o), layer.post_attention_norm)
             gate, up = linear(self._norm(x, layer.pre_feedforward_norm), layer.gate_up).chunk(2, dim=-1)
             mlp = linear(F.gelu(gate, approximate="tanh") * up, layer.down)

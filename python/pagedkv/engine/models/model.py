@@ -257,6 +257,25 @@ class PagedCausalLM:
         head_size)``."""
         return plan_groups(self.kv_groups, meta, cache_shape=cache_shape, num_q_heads=self.num_heads)
 
+    def _group_inputs(
+        self, meta: StepTensors, plans: Sequence[kernels.AttentionPlan] | None
+    ) -> tuple[tuple[kernels.AttentionPlan | None, torch.Tensor, torch.Tensor], ...] | None:
+        """Per KV cache group of the model, ``(plan, block table, slot mapping)`` of this step
+        (the plan None without ``plans``; one table and slot mapping for all groups or one per
+        group, see :func:`~pagedkv.engine.kv_groups.group_block_table`), read once per forward
+        pass rather than once per layer; None for the virtual layout's steps (no block
+        table)."""
+        if getattr(meta, "contiguous_attend", None) is not None:
+            return None
+        if plans is not None:  # the group's plan holds the group's table (and slots)
+            return tuple(
+                (p, p.block_table, p.slot_mapping if p.slot_mapping is not None else group_slot_mapping(meta, g))
+                for g, p in enumerate(plans)
+            )
+        return tuple(
+            (None, group_block_table(meta, g), group_slot_mapping(meta, g)) for g in range(len(self.kv_groups))
+        )
+
     def _attend(
         self,
         li: int,
@@ -266,26 +285,17 @@ class PagedCausalLM:
         kv_cache: torch.Tensor,
         meta: StepTensors,
         softmax_scale: float,
-        plans: Sequence[kernels.AttentionPlan] | None,
+        inputs: Sequence[tuple[kernels.AttentionPlan | None, torch.Tensor, torch.Tensor]] | None,
     ) -> torch.Tensor:
         """Layer ``li``: write ``k``/``v`` ``[T, num_kv_heads, head_size]`` at its group's slots,
         then attend ``q`` ``[T, num_heads, head_size]`` over its group's block table and window
-        (with the group's plan when ``plans`` holds one per group; one table and slot mapping
-        for all groups or one per group, see
-        :func:`~pagedkv.engine.kv_groups.group_block_table`). Returns
-        ``[T, num_heads, head_size]``."""
-        contiguous = getattr(meta, "contiguous_attend", None)
-        if contiguous is not None:  # the virtual KV layout: contiguous K/V, no block table
-            return contiguous(li, q, k, v, softmax_scale)  # type: ignore[no-any-return]
-        g = self.layer_group[li]
+        (``inputs``: :meth:`_group_inputs` of the step, the group's plan when there is one).
+        Returns ``[T, num_heads, head_size]``."""
+        if inputs is None:  # the virtual KV layout: contiguous K/V, no block table
+            return meta.contiguous_attend(li, q, k, v, softmax_scale)  # type: ignore[attr-defined, no-any-return]
         slot = self.layer_slot[li]
         key_cache, value_cache = kv_cache[slot, 0], kv_cache[slot, 1]
-        if plans is not None:  # the group's plan holds the group's table and slots
-            plan = plans[g]
-            table = plan.block_table
-            slots = plan.slot_mapping if plan.slot_mapping is not None else group_slot_mapping(meta, g)
-        else:
-            plan, table, slots = None, group_block_table(meta, g), group_slot_mapping(meta, g)
+        plan, table, slots = inputs[self.layer_group[li]]
         kernels.reshape_and_cache(k, v, key_cache, value_cache, slots, plan=plan)
         return kernels.paged_attention(
             q,
@@ -480,7 +490,7 @@ class LlamaForCausalLM(PagedCausalLM):
         """
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
-        plans = plans if plans is not None else getattr(meta, "attn_plan", None)
+        inputs = self._group_inputs(meta, plans if plans is not None else getattr(meta, "attn_plan", None))
         cis = None
         if self.rope.length_dependent:
             cos, sin = self.rope.lookup(positions, rope_lens)
@@ -504,7 +514,7 @@ class LlamaForCausalLM(PagedCausalLM):
             else:
                 qk = self._rope(qk, cos, sin)
             q, k = qk.split([hq, hkv], dim=1)
-            o = self._attend(li, q, k, v.reshape(t, hkv, d), kv_cache, meta, self.scale, plans)
+            o = self._attend(li, q, k, v.reshape(t, hkv, d), kv_cache, meta, self.scale, inputs)
             # x is this forward's own tensor (from the embedding gather): the residual adds are
             # the GEMMs' own accumulation into it, and SwiGLU runs in place in the gate half of
             # the gate/up output (no fresh [T, *] buffers: page faults at large T).
