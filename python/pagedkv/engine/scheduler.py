@@ -111,11 +111,11 @@ class ScheduledBatch:
             or ``None``.
         transfers: every block copy between the device pool and host memory this step, in
             the order to run them (before copy-on-write and the forward pass): per
-            ``manager.step`` call, its ``("host_store", int32[n, 3] (group, device, host))`` plan (the
-            stores of the calls since the previous step call included), then the
+            ``manager.step`` call, its ``("host_store", int32[n, 3] (group, device, host))``
+            plan (the stores of the calls since the previous step call included), then the
             ``("swap_out", ...)`` and ``("swap_in", ...)`` plans made since the previous step
-            call, then its ``("host_load", int32[n, 3] (group, host, device))`` plan: the host tier's
-            order (stores, swap out, swap in, loads) per call, calls in order, so a host block
+            call, then its ``("host_load", int32[n, 3] (group, host, device))`` plan: the host
+            tier's order (stores, swap out, swap in, loads) per call, calls in order, so a host block
             a call loads from is read before a later call may store over it. Without a host
             tier: ``swap_out`` then ``swap_in``, as the two fields above.
         num_prefill_tokens: scheduled tokens that are not a decode of a sampled token: prompt
@@ -235,8 +235,9 @@ class Scheduler:
         a window or the rest fits one step's budget; a longer rest is prefilled in chunks of at
         most ``max_tokens_per_step`` tokens, so a sliding-window group never holds more than the
         window of a chunk's context plus the chunk, and the owed figure is, per group and
-        sequence, the most it will hold (:meth:`max_blocks`' window rule, or every block for full attention) less
-        what it holds now (an upper bound: it counts prefix hits as taken).
+        sequence, the most it will hold (:meth:`max_blocks`' window rule, or every block for
+        full attention) less what it holds now (an upper bound: it counts prefix hits as
+        taken).
         """
         ids = [s.seq_id for s in seqs]
         todo = self._uncomputed(seqs)
