@@ -52,7 +52,7 @@ from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, OutOfBlocksErro
 from ..errors import InvalidRequestError, RequestTooLargeError
 from ..manager_protocol import EngineKVManager, StepResult
 from ..sampling import SamplingParams
-from ..scheduler import Scheduler
+from ..scheduler import Scheduler, SchedulerConfig
 from .layout import VirtualKVLayout
 
 __all__ = ["VirtualKVManager", "VirtualScheduler", "FORK_SLOTS"]
@@ -390,7 +390,7 @@ class VirtualScheduler(Scheduler):
 
     manager: VirtualKVManager
 
-    def __init__(self, manager: VirtualKVManager, config: Any) -> None:
+    def __init__(self, manager: VirtualKVManager, config: SchedulerConfig) -> None:
         super().__init__(manager, config)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
