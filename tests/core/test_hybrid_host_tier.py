@@ -3,8 +3,9 @@
 The one-group machine of tests/core/test_host_tier_state_machine.py (its rules: adds with shared
 prefixes and cache salts, single and batched steps with appends, whole requests served one
 after another, frees, recompute and swap preemption, swap-ins, resets, empty steps) drives a
-``pagedkv.KVCacheManager`` of several KV cache groups instead: a full-attention group and a sliding-window or
-chunked-local group (tests/core/test_hybrid_groups.py's layouts) over a small device pool, a small
+``pagedkv.KVCacheManager`` through the group-shaped executor instead: a full-attention group
+and a sliding-window or chunked-local group (tests/core/test_hybrid_groups.py's layouts), or the
+one-group ``CacheConfig(num_blocks, block_size)``, over a small device pool, a small
 host tier (LRU or ARC) and dense or sparse retention. The executor model keeps, per group
 cache and per block, the token prefix (and salt) whose KV it holds, and runs each step
 output in the executor's order: host stores ``(group, device, host)``, the swaps since the
@@ -34,6 +35,7 @@ LAYOUTS = [
     ([("full", 4, 8, None), ("sliding_window", 4, 8, 6)], [1, 1, 0]),
     ([("full", 4, 8, None), ("sliding_window", 4, 8, 9)], [1, 0]),
     ([("full", 4, 8, None), ("chunked_local", 4, 8, 8)], [1, 0]),
+    None,  # CacheConfig(num_blocks, 4): the one-group form through the group-shaped executor
 ]
 
 
@@ -51,7 +53,7 @@ class HybridHostTierMachine(HostTierMachine):
     )
     def setup(  # type: ignore[override]
         self,
-        layout: tuple[list[tuple[str, int, int, int | None]], list[int]],
+        layout: tuple[list[tuple[str, int, int, int | None]], list[int]] | None,
         num_blocks: int,
         num_host: int,
         min_seen: int,
@@ -59,11 +61,13 @@ class HybridHostTierMachine(HostTierMachine):
         eviction: str,
         retention: int,
     ) -> None:
-        groups, layers = layout
+        shape: dict[str, Any] = {"block_size": 4}
+        if layout is not None:
+            groups, layers = layout
+            shape = {"groups": [spec(*g) for g in groups], "layer_groups": layers}
         cfg = pagedkv.CacheConfig(
             num_blocks,
-            groups=[spec(*g) for g in groups],
-            layer_groups=layers,
+            **shape,
             retention_interval=retention,
             num_cpu_blocks=6,
             num_host_blocks=num_host,

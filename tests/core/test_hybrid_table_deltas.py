@@ -1,7 +1,8 @@
 """Per-group block-table deltas of ``KVCacheManager.step`` and their consumer,
 ``pagedkv.tensors.BlockTable`` / ``BatchTensors.from_steps(..., block_tables=...)``.
 
-A hypothesis state machine drives random group layouts through adds with shared prefixes,
+A hypothesis state machine drives random group layouts (the one-group configuration
+``CacheConfig(num_blocks, block_size)`` among them: one code path for every layout) through adds with shared prefixes,
 batched steps (prefill chunks, decodes with appends, verify steps with drafts then
 ``accept_drafts`` releasing or keeping the lookahead blocks), forks, frees, recompute and swap
 preemption and swap-in. After every step: each (sequence, group) delta applied to a mirror of
@@ -28,6 +29,7 @@ LAYOUTS = [
     ([("full", 4, None), ("sliding_window", 4, 6)], [1, 1, 0]),
     ([("full", 4, None), ("chunked_local", 4, 8)], [1, 0]),
     ([("full", 2, None), ("sliding_window", 2, 3), ("sliding_window", 2, 9), ("chunked_local", 2, 6)], [0, 1, 2, 3]),
+    None,  # CacheConfig(num_blocks, 4): one full-attention group, the one-group form
 ]
 
 
@@ -53,18 +55,21 @@ def dense(tables: list[list[np.ndarray]]) -> np.ndarray:
 class TableDeltas(RuleBasedStateMachine):
     @initialize(layout=st.sampled_from(LAYOUTS), num_blocks=st.integers(24, 80), retention=st.sampled_from([0, 4]))
     def setup(self, layout, num_blocks: int, retention: int) -> None:
-        groups, layers = layout
         unit = 4
-        self.m = KVCacheManager(
-            CacheConfig(
-                num_blocks,
-                groups=[spec(*g) for g in groups],
-                layer_groups=layers,
-                retention_interval=retention if retention % unit == 0 else 0,
-                num_cpu_blocks=64,
+        if layout is None:
+            self.m = KVCacheManager(CacheConfig(num_blocks, 4, retention_interval=retention, num_cpu_blocks=64))
+        else:
+            groups, layers = layout
+            self.m = KVCacheManager(
+                CacheConfig(
+                    num_blocks,
+                    groups=[spec(*g) for g in groups],
+                    layer_groups=layers,
+                    retention_interval=retention if retention % unit == 0 else 0,
+                    num_cpu_blocks=64,
+                )
             )
-        )
-        self.g = len(groups)
+        self.g = self.m.num_groups
         self.mirror: dict[int, tuple[int, list[np.ndarray]]] = {}  # seq -> (version, tables)
         self.every = BlockTable(self.m, rows=1, width=1)
         self.some = BlockTable(self.m, rows=2, width=3)
