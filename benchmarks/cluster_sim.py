@@ -121,7 +121,7 @@ class Replica:
         while self.waiting:
             r = self.waiting[0]
             m.add_sequence(r.idx, r.tokens)
-            need = m.num_blocks_needed(r.idx, len(r.tokens)) + (r.output_len + bs - 1) // bs + 1
+            need = m.num_blocks_needed(r.idx, len(r.tokens))[0] + (r.output_len + bs - 1) // bs + 1
             if need > m.pool.num_free - self.reserved_blocks:
                 m.free(r.idx)
                 return

@@ -359,7 +359,7 @@ def replay(
                 mgr.add_sequence(r, s.prompts[r])
                 registered.add(r)
             # A resumed request's last sampled token is appended by the step itself: +1 token.
-            nb = mgr.num_blocks_needed(r, plen[r] + g) + (1 if g and (plen[r] + g - 1) % bs == 0 else 0)
+            nb = mgr.num_blocks_needed(r, plen[r] + g)[0] + (1 if g and (plen[r] + g - 1) % bs == 0 else 0)
             cpu += tick() - c
             if nb > free:
                 break

@@ -118,7 +118,7 @@ def replay(
                 outs[r] = common.unique_tokens(r, o[r], salt=2).tolist()  # never shared
             # Resumed requests: the last sampled token is appended by the step itself, so
             # count its block by hand (+1 token).
-            nb = mgr.num_blocks_needed(r, p[r] + g) + (1 if g and (p[r] + g - 1) % bs == 0 else 0)
+            nb = mgr.num_blocks_needed(r, p[r] + g)[0] + (1 if g and (p[r] + g - 1) % bs == 0 else 0)
             if nb > free:
                 break
             free -= nb

@@ -27,11 +27,12 @@ same machine class) and writes ``benchmarks/results/step_overhead.json``.
 ``--tables`` measures instead one decode step plus its block tables, the engine's dense path
 against the Rust keeper, at 8 / 32 / 64 sequences of 600 / 600 / 2,000 tokens (lengths spread
 over the next 256 tokens, a sequence reaching the end replaced by a new one, prefilled outside
-the timed region), for one group (``KVCacheManager``) and six (``HybridKVCacheManager`` on Gemma
-3's layout: one full-attention group and five sliding-window groups of window 512), block size
-16. Variants, each on its own manager with the same workload, interleaved in rounds:
+the timed region), for one group (``KVCacheManager(CacheConfig(num_blocks, block_size))``) and
+six (the groups form of ``CacheConfig`` on Gemma 3's layout: one full-attention group and five
+sliding-window groups of window 512), block size 16. Variants, each on its own manager with the
+same workload, interleaved in rounds:
 
-- ``dense``: ``step(..., block_table=True)``, the step output's dense ``block_table``;
+- ``dense``: ``step(..., block_table=True)``, the step output's dense ``block_tables``;
 - ``keeper``: ``step(..., block_table=False)`` and ``BlockTable.update`` (the deltas applied in
   Rust, every group in one call);
 - ``dense + BatchTensors`` / ``keeper + BatchTensors``: the same plus every kernel input as CPU
@@ -113,7 +114,7 @@ TABLES_WINDOW = 512
 
 class TablesWorkload:
     """``n`` decode sequences of ``length .. length + TABLES_SPAN`` tokens on a manager of
-    ``groups`` KV cache groups (1: ``KVCacheManager``), its block tables dense from each step
+    ``groups`` KV cache groups (1: the one-group config), its block tables dense from each step
     (``keep=False``) or kept by a :class:`pagedkv.tensors.BlockTable` from the deltas."""
 
     def __init__(self, groups: int, n: int, length: int, keep: bool, block_size: int = 16) -> None:
@@ -121,12 +122,13 @@ class TablesWorkload:
         # what fell out of the window
         blocks = n * groups * ((length + TABLES_SPAN) // block_size + 2) + 1
         if groups == 1:
-            self.m: Any = pagedkv.KVCacheManager(pagedkv.CacheConfig(blocks, block_size))
+            config = pagedkv.CacheConfig(blocks, block_size)
         else:
             specs = [pagedkv.KVCacheGroupSpec("full", block_size, 8)] + [
                 pagedkv.KVCacheGroupSpec("sliding_window", block_size, 8, window=TABLES_WINDOW)
             ] * (groups - 1)
-            self.m = pagedkv.HybridKVCacheManager(specs, list(range(groups)), blocks)
+            config = pagedkv.CacheConfig(blocks, groups=specs, layer_groups=list(range(groups)))
+        self.m = pagedkv.KVCacheManager(config)
         self.keep = keep
         self.kept = tensors.BlockTable(self.m) if keep else None
         self.rng = np.random.default_rng(0)
@@ -146,9 +148,9 @@ class TablesWorkload:
             self.kept.update(out)
 
     def step(self) -> Any:
-        """One decode step of every sequence and its dense tables."""
+        """One decode step of every sequence and its dense tables, ``int32[G, S, W]``."""
         out = self.m.step(self.ids, 1, self.tokens, block_table=not self.keep)
-        return out.block_table if self.kept is None else self.kept.update(out)
+        return out.block_tables if self.kept is None else self.kept.update(out)
 
     def step_tensors(self) -> Any:
         """One decode step of every sequence and every kernel input as CPU torch tensors."""
@@ -215,10 +217,8 @@ def tables_main(steps: int, out_path: Path) -> list[dict[str, Any]]:
                         w.grew()
             # the keeper's tables are the manager's: one more step checked entry by entry
             got = kept.step()
-            got = got if groups > 1 else got[None]
             for k, s in enumerate(kept.ids.tolist()):
-                want = kept.m.block_tables(s) if groups > 1 else [kept.m.block_table(s)]
-                for g, t in enumerate(want):
+                for g, t in enumerate(kept.m.block_tables(s)):
                     assert got[g, k, : len(t)].tolist() == t.tolist() and not got[g, k, len(t) :].any()
             med = {name: statistics.median(xs) for name, xs in samples.items()}
             row = {

@@ -1,10 +1,11 @@
 """KV-aware routing over engines on a model with sliding-window layers (issue 24, item 6).
 
 The tiny Gemma-3-like model of test_hybrid_models (layers sliding, full, sliding, sliding;
-window 8) runs on ``HybridKVCacheManager``: its KV events are ``(group, event)`` pairs and every
-group stores the same block hashes, so an indexer that counted a sliding-window group (here
-group 0) would count residency that serves no prefix (llm-d-router #2362). Ray-free: the
-replica is driven in-process, as ``ReplicaCluster``'s actors run it.
+window 8) runs on a ``KVCacheManager`` of four KV cache groups: each of its KV events names its
+group (``event.group``) and every group stores the same block hashes, so an indexer that
+counted a sliding-window group (here group 0) would count residency that serves no prefix
+(llm-d-router #2362). Ray-free: the replica is driven in-process, as ``ReplicaCluster``'s
+actors run it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import pytest
 from helpers.engine import ModelBundle, tiny_gemma3
 
+import pagedkv
 from pagedkv.block_identity import HashScheme
 from pagedkv.cluster.replica import EngineReplica
 from pagedkv.engine import LLMEngine, SamplingParams
@@ -34,22 +36,24 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> ModelBundle:
 
 
 def test_engine_events_route_a_repeated_prompt_by_its_full_attention_blocks(gemma: ModelBundle) -> None:
-    """An engine's (group, event) pairs fed to a router whose workers are registered with the
-    model's groups: the worker holding the prompt's blocks in every group gets its whole
+    """An engine's events (each naming its group) fed to a router whose workers are registered
+    with the model's groups: the worker holding the prompt's blocks in every group gets its whole
     prefix, one holding only its sliding-window groups' blocks none."""
     engine = LLMEngine(str(gemma.path), enable_kv_events=True, **KW)
-    manager: Any = engine.manager  # a HybridKVCacheManager
+    manager: Any = engine.manager
+    assert type(manager) is pagedkv.KVCacheManager and manager.num_groups == 4
     assert [g.kind for g in manager.groups] == KINDS
     engine.generate([PROMPT], SamplingParams(max_tokens=1))
     events = manager.take_events()
-    stored = {g: e.block_hashes for g, e in events}
+    assert all(isinstance(e, pagedkv.BlockStored) for e in events)
+    stored = {e.group: e.block_hashes for e in events}
     assert sorted(stored) == [0, 1, 2, 3] and len(stored[1]) == FULL_BLOCKS
     assert stored[0] == stored[1]  # equal hashes in every group: only the group tells them apart
     router = Router(HashScheme(BLOCK, "sha256", engine.cache_identity.seed).indexer())
     router.add_worker(0, groups=manager.groups)
     router.add_worker(1, groups=KINDS)
     assert router.apply_events(0, 0, events) == "applied"
-    assert router.apply_events(1, 0, [(g, e) for g, e in events if KINDS[g] != "full"]) == "applied"
+    assert router.apply_events(1, 0, [e for e in events if KINDS[e.group] != "full"]) == "applied"
     tokens, spec = engine.prompt_spec(PROMPT)
     assert router.indexer.overlap(tokens, spec=spec) == {0: FULL_BLOCKS, 1: 0}
     d = router.route(tokens, spec=spec)

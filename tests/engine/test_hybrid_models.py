@@ -57,7 +57,7 @@ def test_tiny_gemma3_is_a_hybrid_model(gemma):
     assert m.kv_groups == tuple(KVCacheGroup(w, (i,)) for i, w in enumerate((WINDOW, None, WINDOW, WINDOW)))
     assert (m.layer_group, m.layer_slot, m.num_kv_slots) == ((0, 1, 2, 3), (0, 0, 0, 0), 1)
     assert m.scale == 24**-0.5
-    assert isinstance(engine.manager, pagedkv.HybridKVCacheManager)
+    assert type(engine.manager) is pagedkv.KVCacheManager and engine.manager.num_groups == 4
     assert [(g.kind, g.window) for g in engine.manager.groups] == [
         ("sliding_window", WINDOW), ("full", None), ("sliding_window", WINDOW), ("sliding_window", WINDOW)
     ]  # fmt: skip
@@ -215,16 +215,14 @@ def test_unsupported_architecture_is_refused_naming_it(tiny, tmp_path):
 
 
 def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
-    # The model on a hybrid KV cache manager's steps (one table and slot mapping per group):
+    # The model on the steps of a manager of one group per KV cache group (one table and slot
+    # mapping per group, dense from each step):
     # the sliding-window group releases its blocks behind the window (table entries -> the
     # null block, poisoned with NaN here), the full-attention group keeps them all, and the
     # greedy tokens are transformers'. Chunked prefill in 16-token chunks, then decodes.
     import numpy as np
 
     import pagedkv
-
-    if not hasattr(pagedkv, "HybridKVCacheManager"):
-        pytest.skip("this build of pagedkv has no HybridKVCacheManager")
     from pagedkv.engine.models.gemma3 import Gemma3ForCausalLM
     from pagedkv.tensors import BatchTensors
 
@@ -237,7 +235,9 @@ def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
         else pagedkv.KVCacheGroupSpec("sliding_window", bs, per_token, window=g.sliding_window)
         for g in model.kv_groups
     ]
-    manager = pagedkv.HybridKVCacheManager(specs, list(model.layer_group), num_blocks)
+    manager = pagedkv.KVCacheManager(
+        pagedkv.CacheConfig(num_blocks, groups=specs, layer_groups=list(model.layer_group))
+    )
     kv_cache = model.allocate_kv_cache(num_blocks, bs)
     kv_cache[:, :, 0] = float("nan")  # the null block: released entries point here
     prompt = _prompts()[-1]
@@ -256,10 +256,10 @@ def test_gemma3_runs_on_per_group_block_tables_of_a_hybrid_manager(gemma):
     while not got or (len(got) < len(want) and got[-1] != 1):
         if done < len(prompt):  # chunked prefill, 16 tokens a step
             n = min(16, len(prompt) - done)
-            out = manager.step([1], [n])
+            out = manager.step([1], [n], block_table=True)
             done += n
         else:
-            out = manager.step([1], [1], [np.array([got[-1]])])
+            out = manager.step([1], [1], [np.array([got[-1]])], block_table=True)
         out.raise_for_error()
         meta = BatchTensors.from_steps(out)
         assert meta.block_tables.shape[0] == meta.slot_mappings.shape[0] == len(model.kv_groups) == 4
@@ -305,8 +305,7 @@ def _held_while_decoding(engine: LLMEngine, prompt: list[int], max_tokens: int) 
     while engine.has_unfinished():
         engine.step()
         if engine.has_unfinished() and engine.manager.num_computed_tokens(seq) >= len(prompt):
-            held = engine.manager.num_blocks_held(seq)
-            seen.append((engine.manager.num_computed_tokens(seq), list(held) if isinstance(held, list) else [held]))
+            seen.append((engine.manager.num_computed_tokens(seq), list(engine.manager.num_blocks_held(seq))))
     return seen
 
 
@@ -338,7 +337,8 @@ def test_window_groups_hold_only_the_window(gemma):
 
 def test_full_attention_allocation_of_the_same_model_keeps_every_block(gemma, refs, monkeypatch):
     # The comparison allocation: PagedCausalLM.per_group_tables = False serves the hybrid model
-    # through one block table (KVCacheManager): same tokens, every block of every layer held.
+    # through one block table (the manager's one full-attention group): same tokens, every block
+    # of every layer held.
     from pagedkv.engine.models.model import PagedCausalLM
 
     monkeypatch.setattr(PagedCausalLM, "per_group_tables", False)
@@ -454,13 +454,14 @@ def test_speculative_decoding_on_a_hybrid_model_equals_plain_decoding(gemma, kw)
 
 
 def test_a_model_without_windows_keeps_the_one_group_manager(tiny):
-    # Llama (SmolLM2's architecture): one KV cache group of every layer, KVCacheManager, one
+    # Llama (SmolLM2's architecture): one KV cache group of every layer, one manager group, one
     # slot per layer in the cache, BatchTensors with the persistent BlockTable.
     import pagedkv
 
     engine = LLMEngine(tiny.hf, tokenizer=tiny.tokenizer, num_kv_blocks=32, block_size=4)
     m = engine.model
-    assert not m.is_hybrid and type(engine.manager) is pagedkv.KVCacheManager
+    assert not m.is_hybrid and type(engine.manager) is pagedkv.KVCacheManager and engine.manager.num_groups == 1
+    assert engine.manager.layer_groups == []  # the one-group config: CacheConfig(num_blocks, block_size)
     assert m.kv_groups == (KVCacheGroup(None, tuple(range(m.num_layers))),)
     assert m.layer_slot == tuple(range(m.num_layers)) and m.num_kv_slots == m.num_layers
     assert engine.runner.block_tables is not None

@@ -30,7 +30,7 @@ def _record(engine: LLMEngine) -> list[dict[str, Any]]:
                 "block_table": bt.block_table.tolist(),
                 "tables": [engine.manager.block_table(s.seq_id).tolist() for s in batch.seqs],
                 "tokens": [list(s.token_ids) for s in batch.seqs],
-                "copies": np.concatenate([p.copies for p in batch.steps]) if batch.steps else np.zeros((0, 2)),
+                "copies": np.concatenate([p.copies for p in batch.steps]) if batch.steps else np.zeros((0, 3)),
                 "swap_out": batch.swap_out,
                 "swap_in": batch.swap_in,
                 "num_parts": len(batch.steps),

@@ -11,6 +11,7 @@ from helpers.engine import assert_no_leak
 import pagedkv
 from pagedkv.engine import LLMEngine, SamplingParams
 from pagedkv.engine.errors import EngineConfigError, InvalidRequestError, RequestTooLargeError
+from pagedkv.engine.manager_protocol import EngineKVManager, ManagerPool, StepResult
 from pagedkv.engine.virtual.layout import VirtualKVLayout
 from pagedkv.engine.virtual.manager import VirtualKVManager
 from pagedkv.engine.virtual.memory import OS_PAGE, PAGE_SIZES, SharedPages, VirtualArena, minor_faults
@@ -128,6 +129,35 @@ def test_layout_budget_below_one_page_per_segment_is_a_typed_error():
         _layout(3)  # 4 segments need 4 pages for one token
     with pytest.raises(EngineConfigError, match="max_seqs"):
         _layout(8, max_seqs=0)
+
+
+def test_both_managers_answer_the_engines_protocol():
+    # What the scheduler and the engine ask of a manager (EngineKVManager): the real
+    # KVCacheManager (one group and several) and the virtual layout's manager both answer it,
+    # and so do their step outputs (StepResult) and pools; mypy checks the same statically.
+    lay = _layout(16)
+    config = pagedkv.CacheConfig(num_blocks=64, block_size=16, enable_prefix_caching=False)
+    paged, virtual = pagedkv.KVCacheManager(config), VirtualKVManager(pagedkv.KVCacheManager(config), lay)
+    specs = [pagedkv.KVCacheGroupSpec("full", 16, 8), pagedkv.KVCacheGroupSpec("sliding_window", 16, 8, window=32)]
+    hybrid = pagedkv.KVCacheManager(pagedkv.CacheConfig(64, groups=specs, layer_groups=[0, 1]))
+    # 40 tokens: 3 blocks of 16 per group; 2 pages x 4 segments of the layout
+    for m, needed, held in ((paged, (3, 0), [3]), (hybrid, (6, 0), [3, 3]), (virtual, (8, 0), [3])):
+        assert isinstance(m, EngineKVManager) and isinstance(m.pool, ManagerPool)
+        m.add_sequence(1, list(range(40)))
+        assert m.num_blocks_needed(1, 40) == needed
+        out = m.step([1], [40])
+        assert isinstance(out, StepResult) and out.num_scheduled == 1 and out.error is None
+        assert out.host_stores.shape == out.host_loads.shape == (0, 3)
+        assert m.num_blocks_held(1) == held
+    assert [g.kind for g in virtual.groups] == ["full"] and virtual.num_free_blocks == 8
+    virtual.add_sequence(2, list(range(120)))  # 4 pages x 4 segments: more than the 8 free
+    cut = virtual.step([2], [120])
+    assert isinstance(cut, StepResult) and cut.num_scheduled == 0
+    assert isinstance(cut.error, pagedkv.OutOfBlocksError) and cut.seq_lens.shape == (0,)
+    virtual.free(1)
+    virtual.free(2)
+    assert virtual.num_free_blocks == 16
+    lay.close()
 
 
 def test_manager_preemption_and_free_return_pages():

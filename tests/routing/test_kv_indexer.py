@@ -451,17 +451,17 @@ def test_only_full_attention_groups_count_toward_the_overlap() -> None:
     so the sliding-window group may be group 0) routed to workers that cannot serve the prefix.
     A worker registered with its groups has only its first full-attention group indexed."""
     groups = [pagedkv.KVCacheGroupSpec("sliding_window", 4, 8, window=8), pagedkv.KVCacheGroupSpec("full", 4, 8)]
-    m = pagedkv.HybridKVCacheManager(groups, [0, 1], 65, enable_events=True)
+    m = pagedkv.KVCacheManager(pagedkv.CacheConfig(65, groups=groups, layer_groups=[0, 1], enable_events=True))
     prompt = list(range(1, 18))
     m.add_sequence(1, prompt)
     m.step([1], 17).raise_for_error()
     events = m.take_events()
-    assert {g for g, _ in events} == {0, 1}
+    assert {e.group for e in events} == {0, 1}
     ix = pagedkv.KVIndexer(BLOCK_SIZE)
     ix.add_worker(1, groups=groups)  # receives only the sliding-window group's blocks
     ix.add_worker(2, groups=["sliding_window", "full"])  # receives every group's
     ix.add_worker(3, groups=["sliding_window"])  # no group serves a prefix
-    assert ix.apply(1, 0, [(g, e) for g, e in events if g == 0]) == "applied"
+    assert ix.apply(1, 0, [e for e in events if e.group == 0]) == "applied"
     assert ix.apply(2, 0, events) == "applied"
     assert ix.apply(3, 0, events) == "applied"
     probe = prompt + [99]
@@ -471,11 +471,11 @@ def test_only_full_attention_groups_count_toward_the_overlap() -> None:
     m.free(1)
     m.add_sequence(2, list(range(1000, 1128)))
     m.step([2], 128).raise_for_error()
-    removed = [(g, e) for g, e in m.take_events() if isinstance(e, pagedkv.BlockRemoved)]
-    assert {g for g, _ in removed} == {0, 1}
-    assert ix.apply(2, 1, [(g, e) for g, e in removed if g == 0]) == "applied"
+    removed = [e for e in m.take_events() if isinstance(e, pagedkv.BlockRemoved)]
+    assert {e.group for e in removed} == {0, 1}
+    assert ix.apply(2, 1, [e for e in removed if e.group == 0]) == "applied"
     assert ix.overlap(probe)[2] == 4
-    assert ix.apply(2, 2, [(g, e) for g, e in removed if g == 1]) == "applied"
+    assert ix.apply(2, 2, [e for e in removed if e.group == 1]) == "applied"
     assert ix.overlap(probe)[2] == 0
 
     # vLLM wire events name the group in group_idx (field 9 / 3): group 0 sliding here.
@@ -498,11 +498,13 @@ def test_bad_worker_groups_are_refused() -> None:
             ix.add_worker(1, groups=bad)  # type: ignore[arg-type]
     assert ix.worker_ids() == []
     ix.add_worker(1, groups=["full"])
-    m = pagedkv.HybridKVCacheManager([pagedkv.KVCacheGroupSpec("full", 4, 8)], [0], 8, enable_events=True)
+    m = pagedkv.KVCacheManager(
+        pagedkv.CacheConfig(8, groups=[pagedkv.KVCacheGroupSpec("full", 4, 8)], layer_groups=[0], enable_events=True)
+    )
     m.add_sequence(1, [1, 2, 3, 4, 5])
     m.step([1], 5).raise_for_error()
-    [(group, stored)] = m.take_events()
-    assert group == 0
+    [stored] = m.take_events()
+    assert isinstance(stored, pagedkv.BlockStored) and stored.group == 0
     for bad_group in (-1, "0", 1.5):
         with pytest.raises(pagedkv.InvalidArgumentError, match="group must be an int"):
             ix.apply(1, 0, [(0, stored), (bad_group, stored)])

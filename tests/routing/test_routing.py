@@ -721,13 +721,13 @@ def test_router_refuses_a_re_added_workers_old_incarnation() -> None:
     assert router.route(list(range(100, 113))).overlap_blocks == 0
 
 
-def test_group_event_pairs_keep_their_group_on_the_wire() -> None:
-    """A hybrid manager's ``(group, event)`` pairs (an engine on a model with sliding-window
-    layers) encode with their group in ``group_idx`` (field 9 / 3), so an indexer registered
+def test_events_keep_their_group_on_the_wire() -> None:
+    """A manager's events of several KV cache groups (an engine on a model with sliding-window
+    layers; each names its ``group``) encode with their group in ``group_idx`` (field 9 / 3), so an indexer registered
     with the worker's groups counts only the full-attention group; without it a receiver could
     not tell the sliding-window group 0's blocks from prefix blocks (llm-d-router #2362)."""
     groups = [pagedkv.KVCacheGroupSpec("sliding_window", 4, 8, window=8), pagedkv.KVCacheGroupSpec("full", 4, 8)]
-    m = pagedkv.HybridKVCacheManager(groups, [0, 1], 65, enable_events=True)
+    m = pagedkv.KVCacheManager(pagedkv.CacheConfig(65, groups=groups, layer_groups=[0, 1], enable_events=True))
     prompt = list(range(1, 18))
     m.add_sequence(1, prompt)
     m.step([1], 17).raise_for_error()
@@ -736,10 +736,11 @@ def test_group_event_pairs_keep_their_group_on_the_wire() -> None:
     m.step([2], 128).raise_for_error()
     events = m.take_events()
     batch = wire.decode_event_batch(wire.encode_event_batch(events, ts=1.0))
+    assert {e.group for e in events} == {0, 1}
     assert [(ev[0], ev[9] if ev[0] == "BlockStored" else ev[3]) for ev in batch.events] == [
-        (type(e).__name__, g) for g, e in events
+        (type(e).__name__, e.group) for e in events
     ]
-    assert batch.hash_root is not None and batch.hash_root == events[0][1].hash_root
+    assert batch.hash_root is not None and batch.hash_root == events[0].hash_root
     ix = pagedkv.KVIndexer(4)
     ix.add_worker(1, groups=groups)
     stored = [ev for ev in batch.events if ev[0] == "BlockStored"]
@@ -748,5 +749,5 @@ def test_group_event_pairs_keep_their_group_on_the_wire() -> None:
     sliding_removed = [ev for ev in batch.events if ev[0] == "BlockRemoved" and ev[3] == 0]
     assert sliding_removed and ix.apply(1, 1, sliding_removed) == "applied"
     assert ix.overlap(prompt + [99]) == {1: 4}
-    with pytest.raises(NotAKVEventError, match="group"):
-        wire.encode_event_batch([(-1, events[0][1])])
+    with pytest.raises(NotAKVEventError, match="not a pagedkv KV event"):
+        wire.encode_event_batch([(1, events[0])])  # events carry their group: no (group, event) pairs

@@ -72,11 +72,10 @@ class EngineReplica:
             self._startup_error = e
             return
         self._seq = 0
-        # The KV cache groups' attention kinds (a model with sliding-window layers runs on
-        # HybridKVCacheManager, whose events are (group, event) pairs): the router registers
-        # them, and only the first full-attention group's blocks serve a prefix.
-        groups = getattr(self.engine.manager, "groups", None)
-        self._group_kinds: list[str] = ["full"] if groups is None else [str(g.kind) for g in groups]
+        # The KV cache groups' attention kinds (a model with sliding-window layers has several;
+        # each event names its group): the router registers them, and only the first
+        # full-attention group's blocks serve a prefix.
+        self._group_kinds: list[str] = [str(g.kind) for g in self.engine.manager.groups]
         self._prefix_group = self._group_kinds.index("full") if "full" in self._group_kinds else None
         self._held: set[bytes] = set()  # resolvable hashes, mirrored from the published events
         self._hash_root: bytes | None = None  # the root the published BlockStored events carry
@@ -96,8 +95,8 @@ class EngineReplica:
         if self._startup_error is not None:
             raise self._startup_error
         manager = self.engine.manager
-        # HybridKVCacheManager has no CacheConfig: the scheme comes from the engine, whose
-        # cache identity seeds every manager's hashes.
+        # The scheme comes from the engine, whose cache identity seeds its manager's hashes
+        # (whatever its layout).
         scheme = HashScheme(
             self.engine.config.block_size, self.engine.config.hash_algo, self.engine.cache_identity.seed
         )
@@ -132,11 +131,10 @@ class EngineReplica:
     def _mirror(self, events: list[Any]) -> None:
         import pagedkv  # noqa: PLC0415
 
-        for item in events:
-            group, ev = item if isinstance(item, tuple) else (None, item)
+        for ev in events:
             if isinstance(ev, pagedkv.AllBlocksCleared):
                 self._held.clear()
-            elif (0 if group is None else group) != self._prefix_group:
+            elif ev.group != self._prefix_group:
                 continue  # a sliding-window group's blocks serve no prefix (not in a snapshot)
             elif isinstance(ev, pagedkv.BlockStored):
                 self._held.update(ev.block_hashes)

@@ -36,7 +36,7 @@ class EngineConfig:
         num_kv_blocks: KV pool size in blocks, the null block included (usable =
             ``num_kv_blocks - 1``). Default: from ``kv_bytes``, else 1024. A block holds
             ``block_size`` tokens of every layer, or on a model with sliding-window layers
-            (served through ``pagedkv.HybridKVCacheManager``) of one KV cache group's layers
+            (a ``pagedkv.KVCacheManager`` of one group per KV cache group) of one group's layers
             only (3 of Gemma 3 270M's 18): the same bytes hold that many more blocks.
         kv_bytes: KV pool size in bytes (all layers, K and V); ignored if ``num_kv_blocks``.
         block_size: tokens per block.
@@ -264,19 +264,33 @@ class EngineConfig:
             self, num_kv_blocks=num_kv_blocks, num_cpu_blocks=num_cpu_blocks, num_host_blocks=num_host_blocks
         )
 
-    def cache_config(self, *, enable_events: bool = False, hash_seed: bytes | None = None) -> pagedkv.CacheConfig:
+    def cache_config(
+        self,
+        *,
+        enable_events: bool = False,
+        hash_seed: bytes | None = None,
+        groups: list[pagedkv.KVCacheGroupSpec] | None = None,
+        layer_groups: list[int] | None = None,
+    ) -> pagedkv.CacheConfig:
         """The KV cache manager's configuration (call on a :meth:`resolved` config);
         ``enable_events`` buffers its KV events (for a router's :class:`pagedkv.KVIndexer`);
         ``hash_seed`` is the chain seed of the prefix hashes (the engine's cache identity,
         :attr:`~pagedkv.engine.models.identity.CacheIdentity.seed`; ``None``: empty).
+        ``groups`` / ``layer_groups``: a model's KV cache groups (``pagedkv.KVCacheGroupSpec``
+        each, of ``block_size`` tokens) and each layer's group index
+        (:func:`pagedkv.engine.kv_groups.group_specs`); ``None``: one full-attention group of
+        ``block_size`` tokens.
 
         Raises:
-            pagedkv.InvalidConfigError: a size above the core's limits.
+            pagedkv.InvalidConfigError: a size above the core's limits, or groups the core
+                refuses (names the field).
         """
         num_kv_blocks, num_cpu_blocks = self.pools()
         return pagedkv.CacheConfig(
             num_blocks=num_kv_blocks,
             block_size=self.block_size,
+            groups=groups,
+            layer_groups=layer_groups,
             enable_prefix_caching=self.enable_prefix_caching,
             hash_algo=self.hash_algo,
             num_cpu_blocks=num_cpu_blocks,

@@ -43,7 +43,8 @@ from .config import EngineConfig, torch_dtype
 from .errors import EngineConfigError
 from .goodput import DEFAULT_SLO, ServiceLevelObjective
 from .groups import SequenceGroups
-from .kv_groups import hybrid_manager
+from .kv_groups import group_specs
+from .manager_protocol import EngineKVManager
 from .metrics import EngineMetrics, MetricsCollector
 from .models.architectures import build_model
 from .models.identity import CacheIdentity, cached_weights_digest, source_file_versions
@@ -80,9 +81,9 @@ class LLMEngine:
             num_cpu_blocks, enable_prefix_caching, hash_algo, seed: the KV pool, scheduling
             limits and seed; see :class:`EngineConfig` (``self.config``, pool sizes resolved).
         enable_kv_events: buffer the KV cache manager's events (``engine.manager.take_events()``)
-            for a router's :class:`pagedkv.KVIndexer`; whoever enables them must drain them. On
-            a model with sliding-window layers they are ``(group, event)`` pairs
-            (``pagedkv.HybridKVCacheManager.take_events``).
+            for a router's :class:`pagedkv.KVIndexer`; whoever enables them must drain them. Each
+            ``BlockStored`` / ``BlockRemoved`` names its KV cache group (``event.group``: 0 on a
+            model without sliding-window layers).
         speculative, num_speculative_tokens: prompt-lookup speculative decoding
             (``speculative="ngram"``, up to ``num_speculative_tokens`` drafts per step, default
             3); greedy requests only, others decode as without it; see :class:`EngineConfig`.
@@ -98,10 +99,12 @@ class LLMEngine:
         host_eviction: the host tier's eviction policy, ``"lru"`` (default) or ``"arc"``;
             see :class:`EngineConfig`.
 
-    A model with sliding-window layers (Gemma 3) is served through
-    ``pagedkv.HybridKVCacheManager`` (``self.manager``): one block table per KV cache group, the
-    blocks behind a window released (:mod:`pagedkv.engine.kv_groups`); others through
-    ``pagedkv.KVCacheManager``.
+    Every model is served through one ``pagedkv.KVCacheManager`` (``self.manager``; under
+    ``kv_layout="virtual"`` the layout's
+    :class:`~pagedkv.engine.virtual.manager.VirtualKVManager`, both answering
+    :class:`~pagedkv.engine.manager_protocol.EngineKVManager`): on a model with sliding-window
+    layers (Gemma 3) of one group per KV cache group, one block table each, the blocks behind a
+    window released (:mod:`pagedkv.engine.kv_groups`); on others of one full-attention group.
 
     Attributes:
         cache_identity: the :class:`~pagedkv.engine.models.identity.CacheIdentity` derived from what
@@ -202,48 +205,48 @@ class LLMEngine:
         self.cache_identity = CacheIdentity.of_engine_inputs(
             hf_model, tokenizer, kv_dtype=dtype, rope=rope_parameters(hf_model.config), weights=weights
         )
-        self.manager: pagedkv.KVCacheManager
+        self.manager: EngineKVManager
         self.scheduler: Scheduler
         self.runner: ModelRunner
         if config.kv_layout == "virtual":  # contiguous K/V in reserved virtual memory
             from .virtual.manager import VirtualScheduler, build_virtual_manager
             from .virtual.runner import VirtualModelRunner
 
-            proxy, self.layout = build_virtual_manager(
+            virtual, self.layout = build_virtual_manager(
                 self.model, config, hash_seed=self.cache_identity.seed, enable_events=enable_kv_events
             )
-            # The proxy answers every call the scheduler, registry and groups make on a manager.
-            self.manager = cast(pagedkv.KVCacheManager, proxy)
-            self.scheduler = VirtualScheduler(self.manager, config.scheduler_config(self.model.max_model_len))
-            self.runner = cast(ModelRunner, VirtualModelRunner(self.model, self.layout, manager=proxy.inner))
+            self.manager = virtual
+            self.scheduler = VirtualScheduler(virtual, config.scheduler_config(self.model.max_model_len))
+            self.runner = cast(ModelRunner, VirtualModelRunner(self.model, self.layout, manager=virtual.inner))
         else:
-            if self.model.is_hybrid:  # sliding-window layers: one block table per KV cache group
-                self.manager = hybrid_manager(
+            # One construction path: a model with sliding-window layers gets one manager group
+            # per KV cache group (one block table each), others the one full-attention group.
+            groups, layer_groups = (
+                group_specs(
                     self.model.kv_groups,
                     self.model.num_layers,
-                    num_blocks=num_kv_blocks,
                     block_size=block_size,
                     bytes_per_token=self.model.kv_bytes_per_token(),
-                    enable_prefix_caching=config.enable_prefix_caching,
-                    hash_algo=config.hash_algo,
-                    hash_seed=self.cache_identity.seed,
-                    num_cpu_blocks=num_cpu_blocks,
+                )
+                if self.model.is_hybrid
+                else (None, None)
+            )
+            manager = pagedkv.KVCacheManager(
+                config.cache_config(
                     enable_events=enable_kv_events,
-                    num_host_blocks=config.num_host_blocks or 0,
-                    host_admission_min_seen=config.host_admission_min_seen,
-                    host_eviction=config.host_eviction,
+                    hash_seed=self.cache_identity.seed,
+                    groups=groups,
+                    layer_groups=layer_groups,
                 )
-            else:
-                self.manager = pagedkv.KVCacheManager(
-                    config.cache_config(enable_events=enable_kv_events, hash_seed=self.cache_identity.seed)
-                )
-            self.scheduler = Scheduler(self.manager, config.scheduler_config(self.model.max_model_len))
+            )
+            self.manager = manager
+            self.scheduler = Scheduler(manager, config.scheduler_config(self.model.max_model_len))
             self.runner = ModelRunner(
                 self.model,
                 num_kv_blocks,
                 block_size,
                 num_cpu_blocks,
-                manager=self.manager,
+                manager=manager,
                 num_host_blocks=config.num_host_blocks or 0,
             )
         self.prompts = PromptProcessor(tokenizer, self.model.vocab_size)

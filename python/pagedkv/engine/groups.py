@@ -9,8 +9,7 @@ from pagedkv._optional import optional_imports
 with optional_imports("pagedkv.engine", "engine"):
     import torch
 
-from pagedkv import KVCacheManager
-
+from .manager_protocol import EngineKVManager
 from .metrics import MetricsCollector
 from .outputs import OutputProcessor
 from .registry import RequestRegistry
@@ -32,7 +31,7 @@ class SequenceGroups:
         outputs: stop checks.
     """
 
-    def __init__(self, manager: KVCacheManager, registry: RequestRegistry, outputs: OutputProcessor) -> None:
+    def __init__(self, manager: EngineKVManager, registry: RequestRegistry, outputs: OutputProcessor) -> None:
         self.manager = manager
         self.registry = registry
         self.outputs = outputs

@@ -19,10 +19,11 @@ group has the same number of layers: :func:`kv_cache_groups` splits each kind in
 full layers become five sliding-window groups of 3 layers and one full-attention group of 3,
 and one block holds ``block_size`` tokens of K and V of 3 layers.
 
-One block table or one per group. A model without sliding-window layers has one group of every
-layer and runs on ``pagedkv.KVCacheManager`` (one block table per sequence: a
-:class:`~pagedkv.tensors.BatchTensors` of one group). A model with them runs on
-``pagedkv.HybridKVCacheManager`` (:func:`hybrid_manager`; its steps as a
+One block table or one per group. Every model runs on ``pagedkv.KVCacheManager``. A model
+without sliding-window layers has one group of every layer: its manager has the one
+full-attention group of ``CacheConfig(num_blocks, block_size)`` (one block table per sequence: a
+:class:`~pagedkv.tensors.BatchTensors` of one group). A model with them gets one manager group
+per KV cache group (:func:`group_specs`, the groups form of ``CacheConfig``; its steps as a
 :class:`~pagedkv.tensors.BatchTensors` of ``G`` groups): one table and one slot mapping per
 group, a sliding-window group's blocks released once they fall out of every future window (their
 entries then the null block 0). :func:`group_block_table` and :func:`group_slot_mapping` read
@@ -51,7 +52,7 @@ __all__ = [
     "layer_windows",
     "kv_cache_groups",
     "layers_per_group",
-    "hybrid_manager",
+    "group_specs",
     "group_block_table",
     "group_slot_mapping",
     "plan_groups",
@@ -157,31 +158,15 @@ def kv_cache_groups(windows: Sequence[int | None], *, split: bool = True) -> tup
     return tuple(sorted(groups, key=lambda g: g.layers[0]))
 
 
-def hybrid_manager(
-    groups: Sequence[KVCacheGroup],
-    num_layers: int,
-    *,
-    num_blocks: int,
-    block_size: int,
-    bytes_per_token: int,
-    enable_prefix_caching: bool = True,
-    hash_algo: str = "sha256",
-    hash_seed: bytes | None = None,
-    num_cpu_blocks: int = 0,
-    enable_events: bool = False,
-    num_host_blocks: int = 0,
-    host_admission_min_seen: int = 2,
-    host_eviction: str = "lru",
-) -> Any:
-    """The ``pagedkv.HybridKVCacheManager`` of a model with these KV cache groups: one
-    ``KVCacheGroupSpec`` per group (``"full"`` or ``"sliding_window"`` with its window), all
-    of ``block_size`` tokens and ``bytes_per_token`` bytes per token and layer
-    (``2 * num_kv_heads * head_size * dtype bytes``), each layer mapped to its group, and
-    ``num_blocks`` pages (the null block included). Retention interval 0: a windowed group
-    caches every full block (so a prefix hit can end at any block boundary). ``num_host_blocks``
-    > 0: the prefix cache's host tier, one for every group (its blocks keyed by hash and
-    group), storing a block evicted from the device once it was used ``host_admission_min_seen``
-    times and evicting by ``host_eviction`` (``"lru"`` or ``"arc"``).
+def group_specs(
+    groups: Sequence[KVCacheGroup], num_layers: int, *, block_size: int, bytes_per_token: int
+) -> tuple[list[Any], list[int]]:
+    """The groups form of a ``pagedkv.CacheConfig`` for a model with these KV cache groups:
+    ``(specs, layer_groups)``, one ``pagedkv.KVCacheGroupSpec`` per group (``"full"`` or
+    ``"sliding_window"`` with its window), all of ``block_size`` tokens and ``bytes_per_token``
+    bytes per token and layer (``2 * num_kv_heads * head_size * dtype bytes``), and each of the
+    ``num_layers`` layers' group index. Retention interval 0 (the config's default): a windowed
+    group caches every full block, so a prefix hit can end at any block boundary.
 
     Raises:
         pagedkv.InvalidConfigError: a size above the core's limits (names it).
@@ -198,24 +183,12 @@ def hybrid_manager(
     for gi, g in enumerate(groups):
         for li in g.layers:
             layer_groups[li] = gi
-    return pagedkv.HybridKVCacheManager(
-        specs,
-        layer_groups,
-        num_blocks,
-        enable_prefix_caching=enable_prefix_caching,
-        hash_algo=hash_algo,
-        hash_seed=hash_seed,
-        num_cpu_blocks=num_cpu_blocks,
-        enable_events=enable_events,
-        num_host_blocks=num_host_blocks,
-        host_admission_min_seen=host_admission_min_seen,
-        host_eviction=host_eviction,
-    )
+    return specs, layer_groups
 
 
 StepTensors = BatchTensors
 """A step's kernel inputs: a :class:`~pagedkv.tensors.BatchTensors` with one block table and slot
-mapping per KV cache group of its manager (one for a ``KVCacheManager``, serving every group of
+mapping per KV cache group of its manager (one for a manager of one group, serving every group of
 the model)."""
 
 
@@ -223,20 +196,20 @@ def group_block_table(meta: StepTensors, group: int) -> torch.Tensor:
     """The block table the layers of KV cache group ``group`` read this step:
     int32 ``[B, max_blocks]``.
 
-    From a one-group :class:`~pagedkv.tensors.BatchTensors` (the engine's ``KVCacheManager``: one
-    table for every group of the model) its ``block_table``; from one of a
-    ``pagedkv.HybridKVCacheManager`` step, row ``group`` of its ``block_tables``
-    ``[num_groups, B, max_blocks]``, where a sliding-window group's entries before the window
-    may be the null block 0 (nothing there is read)."""
-    table: torch.Tensor = meta.block_table if meta.num_groups == 1 else meta.block_tables[group]
+    Row ``group`` of ``meta.block_tables`` ``[num_groups, B, max_blocks]`` (a manager group per
+    KV cache group of the model), where a sliding-window group's entries before the window may
+    be the null block 0 (nothing there is read); from a one-group
+    :class:`~pagedkv.tensors.BatchTensors` (one table for every group of the model) its one
+    table."""
+    table: torch.Tensor = meta.block_tables[group if meta.num_groups > 1 else 0]
     return table
 
 
 def group_slot_mapping(meta: StepTensors, group: int) -> torch.Tensor:
     """The cache slots the layers of KV cache group ``group`` write this step: int64 ``[T]``,
-    ``meta.slot_mapping`` (one group) or row ``group`` of ``meta.slot_mappings``
-    (``[num_groups, T]``)."""
-    slots: torch.Tensor = meta.slot_mapping if meta.num_groups == 1 else meta.slot_mappings[group]
+    row ``group`` of ``meta.slot_mappings`` (``[num_groups, T]``; its one row for a one-group
+    step, one slot mapping for every group of the model)."""
+    slots: torch.Tensor = meta.slot_mappings[group if meta.num_groups > 1 else 0]
     return slots
 
 

@@ -17,11 +17,11 @@ from pagedkv._optional import optional_imports
 with optional_imports("pagedkv.engine", "engine"):
     import torch
 
-from pagedkv import HybridKVCacheManager, KVCacheManager
 from pagedkv.block_identity import SequenceSpec
 
 from .beam_search import BeamSearch
 from .errors import InvalidRequestError
+from .manager_protocol import EngineKVManager
 from .prompts import PreparedRequest
 from .request import Request, Sequence
 from .sampling import make_generator
@@ -39,7 +39,7 @@ class RequestRegistry:
         seed: engine seed; a request without a seed draws its own from it.
     """
 
-    def __init__(self, manager: KVCacheManager | HybridKVCacheManager, scheduler: Scheduler, seed: int) -> None:
+    def __init__(self, manager: EngineKVManager, scheduler: Scheduler, seed: int) -> None:
         self.manager = manager
         self.scheduler = scheduler
         self._live: dict[str, Request] = {}
@@ -167,6 +167,4 @@ class RequestRegistry:
 
     def _num_blocks(self, seq_id: int) -> int:
         """Blocks (device or swap) the manager holds for ``seq_id``, over every KV cache group."""
-        if isinstance(self.manager, HybridKVCacheManager):
-            return sum(self.manager.num_blocks_held(seq_id))
-        return len(self.manager.block_table(seq_id))
+        return sum(self.manager.num_blocks_held(seq_id))

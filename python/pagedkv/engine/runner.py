@@ -1,7 +1,7 @@
 """Model runner: turns a :class:`~pagedkv.engine.scheduler.ScheduledBatch` into kernel inputs
-(:meth:`pagedkv.tensors.BatchTensors.from_steps`, the one allocator-to-kernel path, for a
-``pagedkv.KVCacheManager`` and a hybrid model's ``pagedkv.HybridKVCacheManager`` alike, the block
-tables kept from the steps' table deltas by a :class:`pagedkv.tensors.BlockTable`), applies the
+(:meth:`pagedkv.tensors.BatchTensors.from_steps`, the one allocator-to-kernel path, for every
+model's ``pagedkv.KVCacheManager``, of one KV cache group or several, the block tables kept
+from the steps' table deltas by a :class:`pagedkv.tensors.BlockTable`), applies the
 block plans (host stores, swap out, swap in, host loads, copy-on-write) and runs the forward
 pass.
 
@@ -12,8 +12,8 @@ KV cache group; on a hybrid model one slot per layer of a group, every group's p
 pool), for swap preemption a CPU cache of ``num_cpu_blocks`` blocks of the same per-block
 shape, and for the prefix cache's host tier a host cache of ``num_host_blocks`` blocks (both
 pinned when CUDA is present, so their copies are asynchronous). A block id belongs to one KV
-cache group at a time, so a hybrid copy-on-write row ``(group, src, dst)`` and a swap row are
-still one :func:`pagedkv.kernels.copy_blocks` / :func:`pagedkv.kernels.swap_blocks` call over
+cache group at a time, so a copy-on-write row ``(group, src, dst)``, a host row and a swap row
+are still one :func:`pagedkv.kernels.copy_blocks` / :func:`pagedkv.kernels.swap_blocks` call over
 every slot.
 """
 
@@ -46,10 +46,9 @@ class ModelRunner:
         num_blocks: device KV blocks, null block included.
         block_size: tokens per block.
         num_cpu_blocks: CPU swap blocks (0 disables the CPU cache).
-        manager: the KV cache manager whose step outputs the batches carry: a
-            ``pagedkv.KVCacheManager`` or a ``pagedkv.HybridKVCacheManager``; the runner keeps
-            its block tables (every group's) across steps from the steps' table deltas
-            (:class:`pagedkv.tensors.BlockTable`).
+        manager: the ``pagedkv.KVCacheManager`` whose step outputs the batches carry; the
+            runner keeps its block tables (every group's) across steps from the steps' table
+            deltas (:class:`pagedkv.tensors.BlockTable`).
         num_host_blocks: blocks of the prefix cache's host tier (0: none); a tensor of its own,
             apart from the swap pool, as the manager numbers host blocks apart from swap blocks.
 
@@ -64,12 +63,11 @@ class ModelRunner:
         block_size: int,
         num_cpu_blocks: int = 0,
         *,
-        manager: pagedkv.KVCacheManager | pagedkv.HybridKVCacheManager,
+        manager: pagedkv.KVCacheManager,
         num_host_blocks: int = 0,
     ) -> None:
         self.model = model
         self.block_tables = BlockTable(manager)
-        self._hybrid = isinstance(manager, pagedkv.HybridKVCacheManager)
         per_block = model.kv_bytes_per_block(block_size)
         self.kv_cache = guard_allocation(
             "KV cache", num_blocks, per_block, lambda: model.allocate_kv_cache(num_blocks, block_size)
@@ -101,17 +99,15 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> BatchTensors:
         """The kernel inputs of ``batch`` on the model's device, with the reference attention's
         per-step plans (one per KV cache group) attached where that kernel runs."""
-        transfers: list[tuple[str, np.ndarray]] | None = batch.transfers
-        if self._hybrid:
-            # Host stores and loads interleaved with the swaps (else swap_out then swap_in). A
-            # hybrid host row is (group, src, dst); a block id belongs to one group at a time
-            # and every group's pages share the cache's slots, so copying every slot of it
-            # copies that group's layers.
-            transfers = (
-                [(kind, np.ascontiguousarray(plan[:, -2:])) for kind, plan in batch.transfers]
-                if self.host_cache is not None and batch.transfers
-                else None
-            )
+        # Host stores and loads interleaved with the swaps (without a host tier: swap_out then
+        # swap_in). A host row is (group, src, dst); a block id belongs to one group at a time
+        # and every group's pages share the cache's slots, so copying every slot of it copies
+        # that group's layers (swap rows are (src, dst) already).
+        transfers = (
+            [(kind, np.ascontiguousarray(plan[:, -2:])) for kind, plan in batch.transfers]
+            if self.host_cache is not None and batch.transfers
+            else None
+        )
         bt = BatchTensors.from_steps(
             batch.steps,
             self.device,
@@ -147,10 +143,9 @@ class ModelRunner:
                 if event is not None and kind.startswith("swap"):
                     event.synchronize()  # as before: swap plans complete before the step goes on
         if len(bt.copies):
-            # A hybrid row is (group, src, dst); src belongs to that group alone, so copying
-            # every slot of it copies exactly that group's layers.
-            pairs = bt.copies[:, 1:].contiguous() if bt.copies.shape[1] == 3 else bt.copies
-            kernels.copy_blocks(self.kv_cache, pairs)
+            # A row is (group, src, dst); src belongs to that group alone, so copying every
+            # slot of it copies exactly that group's layers.
+            kernels.copy_blocks(self.kv_cache, bt.copies[:, 1:].contiguous())
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one step.

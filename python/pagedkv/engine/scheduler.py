@@ -47,16 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv import (
-    HybridKVCacheManager,
-    HybridStepOutput,
-    KVCacheManager,
-    OutOfBlocksError,
-    OutOfSwapSpaceError,
-    StepOutput,
-)
+from pagedkv import OutOfBlocksError, OutOfSwapSpaceError
 
 from .errors import EngineConfigError, RequestTooLargeError
+from .manager_protocol import EngineKVManager, StepResult
 from .request import Request, Sequence
 from .sampling import SamplingParams
 from .speculative import propose_ngram
@@ -117,11 +111,11 @@ class ScheduledBatch:
             or ``None``.
         transfers: every block copy between the device pool and host memory this step, in
             the order to run them (before copy-on-write and the forward pass): per
-            ``manager.step`` call, its ``("host_store", int32[n, 2] (device, host))`` plan (the
-            stores of the calls since the previous step call included), then the
+            ``manager.step`` call, its ``("host_store", int32[n, 3] (group, device, host))``
+            plan (the stores of the calls since the previous step call included), then the
             ``("swap_out", ...)`` and ``("swap_in", ...)`` plans made since the previous step
-            call, then its ``("host_load", int32[n, 2] (host, device))`` plan: the host tier's
-            order (stores, swap out, swap in, loads) per call, calls in order, so a host block
+            call, then its ``("host_load", int32[n, 3] (group, host, device))`` plan: the host
+            tier's order (stores, swap out, swap in, loads) per call, calls in order, so a host block
             a call loads from is read before a later call may store over it. Without a host
             tier: ``swap_out`` then ``swap_in``, as the two fields above.
         num_prefill_tokens: scheduled tokens that are not a decode of a sampled token: prompt
@@ -133,7 +127,7 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)
     sample: list[bool] = field(default_factory=list)
     drafts: list[list[int]] = field(default_factory=list)
-    steps: list[Any] = field(default_factory=list)  # StepOutput, or HybridStepOutput (hybrid)
+    steps: list[Any] = field(default_factory=list)  # StepResult: a pagedkv.StepOutput (paged layout)
     swap_out: np.ndarray | None = None
     swap_in: np.ndarray | None = None
     transfers: list[tuple[str, np.ndarray]] = field(default_factory=list)
@@ -160,31 +154,24 @@ class Scheduler:
     """FCFS continuous-batching scheduler (see the module docs).
 
     Args:
-        manager: the KV cache manager (owns the block pool and every sequence's KV state): a
-            ``pagedkv.KVCacheManager``, or a ``pagedkv.HybridKVCacheManager`` for a hybrid
-            model (KV cache groups of one block size; admission then asks it for each group's
-            blocks, the windowed groups' releases included: see :meth:`max_blocks` and
-            :meth:`prefill_owed`).
+        manager: the KV cache manager (owns the block pool and every sequence's KV state;
+            :class:`~pagedkv.engine.manager_protocol.EngineKVManager`): a
+            ``pagedkv.KVCacheManager`` of one KV cache group or of a hybrid model's several (of
+            one block size; admission then asks it for each group's blocks, the windowed
+            groups' releases included: see :meth:`max_blocks` and :meth:`prefill_owed`).
         config: limits and preemption mode.
     """
 
-    def __init__(self, manager: KVCacheManager | HybridKVCacheManager, config: SchedulerConfig) -> None:
+    def __init__(self, manager: EngineKVManager, config: SchedulerConfig) -> None:
         self.manager = manager
         self.config = config
-        self.hybrid = isinstance(manager, HybridKVCacheManager)
-        # The runner keeps the block tables from the steps' table deltas (BlockTable): a hybrid
-        # step skips its dense [G, S, W] copy (a KVCacheManager's step makes none by default).
-        self._step_options: dict[str, bool] = {"block_table": False} if self.hybrid else {}
-        if isinstance(manager, HybridKVCacheManager):
-            self.block_size = int(manager.groups[0].block_size)
-            num_blocks, self.prefix_caching = int(manager.num_blocks), bool(manager.enable_prefix_caching)
-            #: Each KV cache group's sliding window (None: full attention), in group order.
-            self.group_windows: tuple[int | None, ...] = tuple(g.window for g in manager.groups)
-        else:
-            self.block_size = int(manager.config.block_size)
-            num_blocks, self.prefix_caching = int(manager.config.num_blocks), bool(manager.config.enable_prefix_caching)
-            self.group_windows = (None,)
-        self.usable_blocks = num_blocks - 1  # block 0 is the null block
+        groups = manager.groups
+        self.block_size = int(groups[0].block_size)
+        self.prefix_caching = bool(manager.enable_prefix_caching)
+        #: Each KV cache group's sliding window (None: full attention), in group order.
+        self.group_windows: tuple[int | None, ...] = tuple(g.window for g in groups)
+        self._windowed = any(w is not None for w in self.group_windows)
+        self.usable_blocks = int(manager.num_blocks) - 1  # block 0 is the null block
         self.running: list[Request] = []  # arrival order
         self.waiting: list[Request] = []  # arrival order (new, recompute-preempted, swapped)
         self._swap_out: list[np.ndarray] = []
@@ -192,11 +179,7 @@ class Scheduler:
         # plans made since the last manager.step call (they run after that call's host stores).
         self._transfers: list[tuple[str, np.ndarray]] = []
         self._pending_swaps: list[tuple[str, np.ndarray]] = []
-        self._host_tier = bool(
-            manager.num_host_blocks
-            if isinstance(manager, HybridKVCacheManager)
-            else getattr(manager.config, "num_host_blocks", 0)
-        )
+        self._host_tier = bool(manager.num_host_blocks)
 
     # ---- queue -------------------------------------------------------------------------------
 
@@ -247,20 +230,19 @@ class Scheduler:
         """Free blocks the remaining prefill of one request's sequences still takes (what
         admission reserves, see the module docs).
 
-        ``KVCacheManager``: its ``num_blocks_owed`` (exact). ``HybridKVCacheManager``: its
-        ``num_blocks_owed`` (exact: the rest allocated at once, every group's takes and
-        out-of-window releases, the group's own sharing counted once) when the rest fits one
-        step's budget; a longer rest is prefilled in chunks of at most ``max_tokens_per_step``
-        tokens, so a sliding-window group never holds more than the window of a chunk's
-        context plus the chunk, and the owed figure is, per group and sequence, the most it
-        will hold (:meth:`max_blocks`' window rule, or every block for full attention) less
-        what it holds now (an upper bound: it counts prefix hits as taken).
+        The manager's ``num_blocks_owed`` (exact: the rest allocated at once, every group's
+        takes and out-of-window releases, a group's own sharing counted once) when no group has
+        a window or the rest fits one step's budget; a longer rest is prefilled in chunks of at
+        most ``max_tokens_per_step`` tokens, so a sliding-window group never holds more than the
+        window of a chunk's context plus the chunk, and the owed figure is, per group and
+        sequence, the most it will hold (:meth:`max_blocks`' window rule, or every block for
+        full attention) less what it holds now (an upper bound: it counts prefix hits as
+        taken).
         """
         ids = [s.seq_id for s in seqs]
         todo = self._uncomputed(seqs)
-        if not self.hybrid or sum(todo) <= self.config.max_tokens_per_step:
+        if not self._windowed or sum(todo) <= self.config.max_tokens_per_step:
             return int(self.manager.num_blocks_owed(ids))
-        assert isinstance(self.manager, HybridKVCacheManager)
         bs, q = self.block_size, self.config.max_tokens_per_step
         owed = 0
         for seq, rest in zip(seqs, todo):
@@ -277,14 +259,10 @@ class Scheduler:
 
     def num_free_blocks(self) -> int:
         """Free blocks of the device pool now (uncached and evictable cached ones)."""
-        if isinstance(self.manager, HybridKVCacheManager):
-            return int(self.manager.num_free_blocks)
-        return int(self.manager.pool.num_free)
+        return int(self.manager.num_free_blocks)
 
     def num_used_blocks(self) -> int:
         """Blocks of the device pool in use now (reference count > 0)."""
-        if isinstance(self.manager, HybridKVCacheManager):
-            return self.usable_blocks - int(self.manager.num_free_blocks)
         return int(self.manager.pool.num_used)
 
     def add(self, req: Request) -> None:
@@ -344,17 +322,17 @@ class Scheduler:
         if self._pending_swaps and self._host_tier:
             # A swap made after the last step call may have evicted cached blocks: the empty
             # call hands over their host stores, which must run before the swap overwrites them.
-            self._collect(self.manager.step([], [], **self._step_options))
+            self._collect(self.manager.step([], []))
         self._transfers += self._pending_swaps
         batch.swap_out = np.concatenate(self._swap_out) if self._swap_out else None
         batch.swap_in = np.concatenate(swap_in) if swap_in else None
         batch.transfers = self._transfers
         return batch
 
-    def _collect(self, out: StepOutput | HybridStepOutput) -> None:
+    def _collect(self, out: StepResult) -> None:
         """Append one ``manager.step`` output's block copies to the step's transfers: its host
         stores, the swaps made since the previous call, its host loads (the host tier's order).
-        A hybrid manager's host rows carry their group first (``(group, src, dst)``)."""
+        Host rows carry their group first (``(group, src, dst)``)."""
         if self._host_tier and len(out.host_stores):
             self._transfers.append(("host_store", out.host_stores))
         self._transfers += self._pending_swaps
@@ -439,10 +417,10 @@ class Scheduler:
         return admitted, swap_in
 
     def _chunk_blocks(self, seq_id: int, num_new_tokens: int) -> int:
-        """Free blocks the next allocation of ``num_new_tokens`` takes (the hybrid manager's
-        ``take - release``: it succeeds exactly when that fits the free pool)."""
-        need = self.manager.num_blocks_needed(seq_id, num_new_tokens)
-        return int(need[0] - need[1]) if isinstance(need, tuple) else int(need)
+        """Free blocks the next allocation of ``num_new_tokens`` takes (the manager's ``take -
+        release``: it succeeds exactly when that fits the free pool)."""
+        take, release = self.manager.num_blocks_needed(seq_id, num_new_tokens)
+        return int(take) - int(release)
 
     def _reserved_blocks(self) -> int:
         """Blocks still to be allocated for admitted prefills (reserved, see the module docs)."""
@@ -461,9 +439,9 @@ class Scheduler:
                 [s.pending for _, s, _ in items],
             )
             if drafts is None:
-                out = self.manager.step(ids, counts, pending, **self._step_options)
+                out = self.manager.step(ids, counts, pending)
             else:
-                out = self.manager.step(ids, counts, pending, draft_token_ids=drafts, **self._step_options)
+                out = self.manager.step(ids, counts, pending, draft_token_ids=drafts)
             self._collect(out)
             n = int(out.num_scheduled)
             self._record(items[:n], out, batch)
@@ -493,15 +471,14 @@ class Scheduler:
             items = [it for it in items if it[0] is not victim]
         return unused
 
-    def _record(self, items: list[_Item], out: StepOutput | HybridStepOutput, batch: ScheduledBatch) -> None:
+    def _record(self, items: list[_Item], out: StepResult, batch: ScheduledBatch) -> None:
         """Add the scheduled prefix ``items`` of step output ``out`` to the batch."""
         if not items:
             return
         batch.steps.append(out)
         lens = out.seq_lens.tolist()
         cached = out.num_cached_tokens.tolist()
-        drafts = getattr(out, "num_draft_tokens", None)
-        num_drafts = drafts.tolist() if drafts is not None else [0] * len(items)
+        num_drafts = out.num_draft_tokens.tolist()
         for (req, seq, todo), seq_len, hit, k in zip(items, lens, cached, num_drafts):
             batch.num_prefill_tokens += todo - len(seq.pending)
             seq.pending.clear()  # handed to the manager by this step

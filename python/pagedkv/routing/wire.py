@@ -56,9 +56,8 @@ from pagedkv.routing.errors import NotAKVEventError, WireFormatError
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, KVIndexer
 
-    # A pagedkv event, or a (group, event) pair of one (HybridKVCacheManager.take_events).
+    # A pagedkv event (KVCacheManager.take_events); BlockStored / BlockRemoved name their group.
     _Event = BlockStored | BlockRemoved | AllBlocksCleared
-    _GroupEvent = _Event | tuple[int | None, _Event]
 
 __all__ = [
     "EventBatch",
@@ -90,41 +89,40 @@ def _msgpack() -> Any:
 
 
 def events_to_wire(
-    events: Iterable[_GroupEvent],
+    events: Iterable[_Event],
 ) -> list[list[Any]]:
-    """pagedkv event objects as wire events (hashes as 32-byte bytes, ``lora_id`` and
-    ``medium`` None). An item may be a ``(group, event)`` pair
-    (``HybridKVCacheManager.take_events``, the engine's events on a model with sliding-window
-    layers): its group goes in the event's ``group_idx`` field (vLLM's field 9 of a
-    ``BlockStored``, 3 of a ``BlockRemoved``) so the indexer counts only a full-attention
-    group's blocks. Raises :class:`~pagedkv.routing.errors.NotAKVEventError` (a ``TypeError``)
-    for anything else."""
+    """pagedkv event objects (``KVCacheManager.take_events``) as wire events (hashes as
+    32-byte bytes, ``lora_id`` and ``medium`` None). A ``BlockStored`` / ``BlockRemoved``
+    event's KV cache group (``event.group``) goes in its ``group_idx`` field (vLLM's field 9 of
+    a ``BlockStored``, 3 of a ``BlockRemoved``), so an indexer counts only a full-attention
+    group's blocks of an engine on a model with sliding-window layers. Raises
+    :class:`~pagedkv.routing.errors.NotAKVEventError` (a ``TypeError``) for anything else."""
     from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored  # noqa: PLC0415
 
     out: list[list[Any]] = []
-    for item in _event_list(events):
-        group, ev = _split_group(item)
+    for ev in _event_list(events):
         if isinstance(ev, BlockStored):
-            wire = ["BlockStored", ev.block_hashes, ev.parent_block_hash, ev.token_ids, ev.block_size, None, None]
-            out.append(wire if group is None else [*wire, None, None, group])
+            out.append(
+                [
+                    "BlockStored",
+                    ev.block_hashes,
+                    ev.parent_block_hash,
+                    ev.token_ids,
+                    ev.block_size,
+                    None,
+                    None,
+                    None,
+                    None,
+                    ev.group,
+                ]
+            )
         elif isinstance(ev, BlockRemoved):
-            out.append(["BlockRemoved", ev.block_hashes, None] + ([] if group is None else [group]))
+            out.append(["BlockRemoved", ev.block_hashes, None, ev.group])
         elif isinstance(ev, AllBlocksCleared):
             out.append(["AllBlocksCleared"])
         else:
             raise NotAKVEventError(f"not a pagedkv KV event: {ev!r}"[:200])
     return out
-
-
-def _split_group(item: Any) -> tuple[int | None, Any]:
-    """``(group, event)`` of a ``(group, event)`` pair (group an int >= 0 or None), else
-    ``(None, item)``."""
-    if isinstance(item, tuple) and len(item) == 2:
-        group, ev = item
-        if group is None or (isinstance(group, int) and not isinstance(group, bool) and group >= 0):
-            return group, ev
-        raise NotAKVEventError(f"a (group, event) pair's group must be an int >= 0 or None: {item!r}"[:200])
-    return None, item
 
 
 def _event_list(events: Any) -> list[Any]:
@@ -135,13 +133,13 @@ def _event_list(events: Any) -> list[Any]:
 
 
 def encode_event_batch(
-    events: Iterable[_GroupEvent],
+    events: Iterable[_Event],
     *,
     ts: float | None = None,
     data_parallel_rank: int | None = None,
 ) -> bytes:
-    """One msgpack payload in vLLM's batch format for pagedkv events or ``(group, event)``
-    pairs (as :func:`events_to_wire`; ``ts`` defaults to now), with the ``BlockStored``
+    """One msgpack payload in vLLM's batch format for pagedkv events (as
+    :func:`events_to_wire`; ``ts`` defaults to now), with the ``BlockStored``
     events' ``hash_root`` as the batch's fourth item (see the module docs; absent when no
     event names one).
 
@@ -171,8 +169,7 @@ def encode_event_batch(
             value=repr(data_parallel_rank),
             reason="expected an int or None",
         )
-    unpaired = [_split_group(item)[1] for item in events]
-    roots = {ev.hash_root for ev in unpaired if isinstance(ev, BlockStored) and ev.hash_root is not None}
+    roots = {ev.hash_root for ev in events if isinstance(ev, BlockStored) and ev.hash_root is not None}
     if len(roots) > 1:
         shown = sorted(r.hex()[:16] for r in roots)
         raise InvalidArgumentError(

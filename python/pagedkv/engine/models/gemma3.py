@@ -262,9 +262,8 @@ class Gemma3ForCausalLM(PagedCausalLM):
                 (layer ``i`` in slot ``layer_slot[i]``); the new K/V of every token is written at
                 its group's slot mapping (in place).
             meta: this step's kernel inputs: a :class:`~pagedkv.tensors.BatchTensors` of one
-                block table and slot mapping per KV cache group (from
-                ``pagedkv.HybridKVCacheManager``) or of one for every group
-                (``KVCacheManager``).
+                block table and slot mapping per KV cache group (a manager of one group per KV
+                cache group) or of one for every group (a manager of one group).
             logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted.
             rope_lens: unused (Gemma 3's RoPE is position-only); accepted for the runner's call.
             plans: :meth:`plan_attention`'s plans, one per group (default ``meta.attn_plan``
@@ -274,7 +273,7 @@ class Gemma3ForCausalLM(PagedCausalLM):
             fp32 ``[L, vocab_size]`` logits.
         """
         del rope_lens
-        plans = plans if plans is not None else getattr(meta, "attn_plan", None)
+        inputs = self._group_inputs(meta, plans if plans is not None else getattr(meta, "attn_plan", None))
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
         rot = {lt: self._cos_sin(positions, lt) for lt in self._inv_freq}
@@ -285,7 +284,7 @@ class Gemma3ForCausalLM(PagedCausalLM):
             cos, sin = rot[self._layer_type[li]]
             q = rope_rotate_half(self._norm(q.view(t, hq, d), layer.q_norm), cos, sin)
             k = rope_rotate_half(self._norm(k.view(t, hkv, d), layer.k_norm), cos, sin)
-            o = self._attend(li, q, k, v.reshape(t, hkv, d), kv_cache, meta, self.scale, plans)
+            o = self._attend(li, q, k, v.reshape(t, hkv, d), kv_cache, meta, self.scale, inputs)
             x = x + self._norm(linear(o.view(t, hq * d), layer.o), layer.post_attention_norm)
             gate, up = linear(self._norm(x, layer.pre_feedforward_norm), layer.gate_up).chunk(2, dim=-1)
             mlp = linear(F.gelu(gate, approximate="tanh") * up, layer.down)

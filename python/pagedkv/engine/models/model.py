@@ -192,10 +192,11 @@ class PagedCausalLM:
         token batch (see :meth:`LlamaForCausalLM.forward` for the arguments)."""
         raise NotImplementedError
 
-    #: Whether a model with sliding-window layers gets one block table per KV cache group
-    #: (``pagedkv.HybridKVCacheManager``, blocks behind a window released). ``False`` (set on
-    #: the class before building a model) gives it one block table for every layer instead
-    #: (``pagedkv.KVCacheManager``: the full-attention allocation, for comparisons).
+    #: Whether a model with sliding-window layers gets one block table per KV cache group (a
+    #: ``pagedkv.KVCacheManager`` of one group per KV cache group, blocks behind a window
+    #: released). ``False`` (set on the class before building a model) gives it one block table
+    #: for every layer instead (the manager's one full-attention group: the full-attention
+    #: allocation, for comparisons).
     per_group_tables: bool = True
 
     def _init_kv_groups(self) -> None:
@@ -214,8 +215,8 @@ class PagedCausalLM:
     @property
     def is_hybrid(self) -> bool:
         """Whether some layer has a sliding window (and :attr:`per_group_tables`): the engine
-        then drives ``pagedkv.HybridKVCacheManager`` (one block table per KV cache group) and
-        the windowed groups' blocks behind the window are released."""
+        then drives a ``pagedkv.KVCacheManager`` of one group per KV cache group (one block
+        table each) and the windowed groups' blocks behind the window are released."""
         return self.per_group_tables and any(w is not None for w in self.layer_windows)
 
     # ---- KV cache ----------------------------------------------------------------------------
@@ -256,6 +257,25 @@ class PagedCausalLM:
         head_size)``."""
         return plan_groups(self.kv_groups, meta, cache_shape=cache_shape, num_q_heads=self.num_heads)
 
+    def _group_inputs(
+        self, meta: StepTensors, plans: Sequence[kernels.AttentionPlan] | None
+    ) -> tuple[tuple[kernels.AttentionPlan | None, torch.Tensor, torch.Tensor], ...] | None:
+        """Per KV cache group of the model, ``(plan, block table, slot mapping)`` of this step
+        (the plan None without ``plans``; one table and slot mapping for all groups or one per
+        group, see :func:`~pagedkv.engine.kv_groups.group_block_table`), read once per forward
+        pass rather than once per layer; None for the virtual layout's steps (no block
+        table)."""
+        if getattr(meta, "contiguous_attend", None) is not None:
+            return None
+        if plans is not None:  # the group's plan holds the group's table (and slots)
+            return tuple(
+                (p, p.block_table, p.slot_mapping if p.slot_mapping is not None else group_slot_mapping(meta, g))
+                for g, p in enumerate(plans)
+            )
+        return tuple(
+            (None, group_block_table(meta, g), group_slot_mapping(meta, g)) for g in range(len(self.kv_groups))
+        )
+
     def _attend(
         self,
         li: int,
@@ -265,26 +285,17 @@ class PagedCausalLM:
         kv_cache: torch.Tensor,
         meta: StepTensors,
         softmax_scale: float,
-        plans: Sequence[kernels.AttentionPlan] | None,
+        inputs: Sequence[tuple[kernels.AttentionPlan | None, torch.Tensor, torch.Tensor]] | None,
     ) -> torch.Tensor:
         """Layer ``li``: write ``k``/``v`` ``[T, num_kv_heads, head_size]`` at its group's slots,
         then attend ``q`` ``[T, num_heads, head_size]`` over its group's block table and window
-        (with the group's plan when ``plans`` holds one per group; one table and slot mapping
-        for all groups or one per group, see
-        :func:`~pagedkv.engine.kv_groups.group_block_table`). Returns
-        ``[T, num_heads, head_size]``."""
-        contiguous = getattr(meta, "contiguous_attend", None)
-        if contiguous is not None:  # the virtual KV layout: contiguous K/V, no block table
-            return contiguous(li, q, k, v, softmax_scale)  # type: ignore[no-any-return]
-        g = self.layer_group[li]
+        (``inputs``: :meth:`_group_inputs` of the step, the group's plan when there is one).
+        Returns ``[T, num_heads, head_size]``."""
+        if inputs is None:  # the virtual KV layout: contiguous K/V, no block table
+            return meta.contiguous_attend(li, q, k, v, softmax_scale)  # type: ignore[attr-defined, no-any-return]
         slot = self.layer_slot[li]
         key_cache, value_cache = kv_cache[slot, 0], kv_cache[slot, 1]
-        if plans is not None:  # the group's plan holds the group's table and slots
-            plan = plans[g]
-            table = plan.block_table
-            slots = plan.slot_mapping if plan.slot_mapping is not None else group_slot_mapping(meta, g)
-        else:
-            plan, table, slots = None, group_block_table(meta, g), group_slot_mapping(meta, g)
+        plan, table, slots = inputs[self.layer_group[li]]
         kernels.reshape_and_cache(k, v, key_cache, value_cache, slots, plan=plan)
         return kernels.paged_attention(
             q,
@@ -458,10 +469,10 @@ class LlamaForCausalLM(PagedCausalLM):
             positions: int64 ``[T]`` position of each token in its sequence (0-based).
             kv_cache: ``[num_kv_slots, 2, num_blocks, block_size, num_kv_heads, head_size]``
                 (layer ``i`` in slot ``layer_slot[i]``); the new K/V of every token is written at
-                its group's ``meta.slot_mapping`` (in place).
+                its group's slot mapping (in place).
             meta: this step's kernel inputs (block tables, lengths, slot mappings): a
                 :class:`~pagedkv.tensors.BatchTensors` of one table for every KV cache group
-                (``KVCacheManager``) or of one per group (``HybridKVCacheManager``).
+                (a manager of one group) or of one per group.
             logits_indices: int64 ``[L]`` rows of the batch whose logits are wanted (the last
                 scheduled token of each sequence that samples this step).
             rope_lens: int64 ``[T]`` rope length of each token (any device;
@@ -479,7 +490,7 @@ class LlamaForCausalLM(PagedCausalLM):
         """
         t = input_ids.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_size
-        plans = plans if plans is not None else getattr(meta, "attn_plan", None)
+        inputs = self._group_inputs(meta, plans if plans is not None else getattr(meta, "attn_plan", None))
         cis = None
         if self.rope.length_dependent:
             cos, sin = self.rope.lookup(positions, rope_lens)
@@ -503,7 +514,7 @@ class LlamaForCausalLM(PagedCausalLM):
             else:
                 qk = self._rope(qk, cos, sin)
             q, k = qk.split([hq, hkv], dim=1)
-            o = self._attend(li, q, k, v.reshape(t, hkv, d), kv_cache, meta, self.scale, plans)
+            o = self._attend(li, q, k, v.reshape(t, hkv, d), kv_cache, meta, self.scale, inputs)
             # x is this forward's own tensor (from the embedding gather): the residual adds are
             # the GEMMs' own accumulation into it, and SwiGLU runs in place in the gate half of
             # the gate/up output (no fresh [T, *] buffers: page faults at large T).

@@ -8,9 +8,10 @@ victim choice and retry loop); only the units of its capacity questions change:
 ==========================  ==========================================================
 scheduler asks              answered here
 ==========================  ==========================================================
-``pool.num_free``           pages of the budget not committed
+``pool.num_free``,          pages of the budget not committed
+``num_free_blocks``
 ``num_blocks_owed(ids)``    pages still to commit for the whole remaining prefill
-``num_blocks_needed(s, n)`` pages to commit for ``n`` more tokens
+``num_blocks_needed(s, n)`` ``(pages to commit for n more tokens, 0)``
 ``step(...)``               commits pages sequence by sequence, in order, all or nothing
                             each; at the first that does not fit, the ones before are
                             stepped and the output carries ``OutOfBlocksError``, as the
@@ -39,16 +40,19 @@ on a CUDA device ``n > 1``, beam search and prefix caching (shared mappings are 
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 import pagedkv
-from pagedkv import OutOfBlocksError
+from pagedkv import AllBlocksCleared, BlockRemoved, BlockStored, OutOfBlocksError, PagedKVError
 
 from ..errors import InvalidRequestError, RequestTooLargeError
+from ..manager_protocol import EngineKVManager, StepResult
 from ..sampling import SamplingParams
-from ..scheduler import Scheduler
+from ..scheduler import Scheduler, SchedulerConfig
 from .layout import VirtualKVLayout
 
 __all__ = ["VirtualKVManager", "VirtualScheduler", "FORK_SLOTS"]
@@ -72,20 +76,30 @@ class _PagePool:
         return self._layout.used_pages
 
 
+_NO_ROWS = np.zeros(0, np.int32)
+_NO_HOST_ROWS = np.zeros((0, 3), np.int32)
+
+
 class _CutStep:
-    """A step output as the scheduler sees it: the bookkeeping output (``inner``, None when
-    nothing was scheduled) with ``error`` set when it was cut at the first sequence whose pages
-    did not fit, and ``num_cached_tokens`` counting the layout's prefix hits."""
+    """A step output as the scheduler sees it (a
+    :class:`~pagedkv.engine.manager_protocol.StepResult`): the bookkeeping output (``inner``,
+    None when nothing was scheduled) with ``error`` set when it was cut at the first sequence
+    whose pages did not fit, and ``num_cached_tokens`` counting the layout's prefix hits. The
+    runner builds the kernel inputs from ``inner``."""
 
-    def __init__(self, inner: Any, error: OutOfBlocksError | None, cached: np.ndarray | None = None) -> None:
+    def __init__(
+        self, inner: pagedkv.StepOutput | None, error: OutOfBlocksError | None, cached: np.ndarray | None = None
+    ) -> None:
         self.inner = inner
-        self.error = error if error is not None else (None if inner is None else inner.error)
-        self.num_scheduled = 0 if inner is None else inner.num_scheduled
-        if cached is not None:
-            self.num_cached_tokens = cached
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        self.error: PagedKVError | None = error if error is not None else (None if inner is None else inner.error)
+        self.num_scheduled = 0 if inner is None else int(inner.num_scheduled)
+        self.seq_lens: npt.NDArray[np.int32] = _NO_ROWS if inner is None else inner.seq_lens
+        self.num_draft_tokens: npt.NDArray[np.int32] = _NO_ROWS if inner is None else inner.num_draft_tokens
+        self.num_cached_tokens: npt.NDArray[np.int32] = (
+            cached if cached is not None else _NO_ROWS if inner is None else inner.num_cached_tokens
+        )
+        self.host_stores: npt.NDArray[np.int32] = _NO_HOST_ROWS if inner is None else inner.host_stores
+        self.host_loads: npt.NDArray[np.int32] = _NO_HOST_ROWS if inner is None else inner.host_loads
 
 
 class _VirtualStats:
@@ -113,8 +127,9 @@ def _root(spec: Any) -> bytes:
 
 class VirtualKVManager:
     """A :class:`pagedkv.KVCacheManager` (``inner``, bookkeeping only: its pool never runs
-    out) whose capacity is ``layout``'s pages (see the module docs). Every other method is the
-    inner manager's.
+    out) whose capacity is ``layout``'s pages (see the module docs). It answers every question
+    of :class:`~pagedkv.engine.manager_protocol.EngineKVManager`: the capacity ones in pages,
+    the rest by the inner manager.
 
     Args:
         inner: the bookkeeping manager, prefix caching off, a pool larger than the layout's
@@ -137,12 +152,92 @@ class VirtualKVManager:
         self._queried_tokens = 0  # prompt tokens of first lookups
         self._hit_tokens = 0  # tokens those first lookups found cached
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+    # ---- configuration and capacity (pages) ---------------------------------------------------
 
-    def add_sequence(self, seq_id: int, prompt_token_ids: Any, *, spec: Any = None, **kw: Any) -> None:
+    @property
+    def config(self) -> pagedkv.CacheConfig:
+        """The bookkeeping manager's configuration (its hash scheme is the engine's; its prefix
+        caching is off, the layout's is :attr:`prefix_caching`)."""
+        return self.inner.config
+
+    @property
+    def groups(self) -> Sequence[pagedkv.KVCacheGroupSpec]:
+        """The bookkeeping's one full-attention group (the layout serves full attention only)."""
+        return self.inner.groups
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks of the bookkeeping pool (the null block included)."""
+        return self.inner.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Pages of the budget not committed (:attr:`pool`'s ``num_free``)."""
+        return self.layout.num_free_pages
+
+    @property
+    def num_host_blocks(self) -> int:
+        """0: the virtual layout has no host tier."""
+        return self.inner.num_host_blocks
+
+    @property
+    def enable_prefix_caching(self) -> bool:
+        """The bookkeeping's prefix caching (off; the layout's own is :attr:`prefix_caching`)."""
+        return self.inner.enable_prefix_caching
+
+    @property
+    def num_sequences(self) -> int:
+        """Sequences registered in the bookkeeping."""
+        return self.inner.num_sequences
+
+    # ---- questions answered by the bookkeeping ---------------------------------------------------
+
+    def status(self, seq_id: int) -> str:
+        """The sequence's status in the bookkeeping (``"running"``, ``"preempted"``...)."""
+        return self.inner.status(seq_id)
+
+    def num_computed_tokens(self, seq_id: int) -> int:
+        """Tokens of the sequence with KV computed (the bookkeeping's count)."""
+        return self.inner.num_computed_tokens(seq_id)
+
+    def num_uncomputed_tokens(self, seq_ids: Any) -> npt.NDArray[np.int32]:
+        """``int32[n]`` tokens of each sequence without KV (the bookkeeping's count)."""
+        return self.inner.num_uncomputed_tokens(seq_ids)
+
+    def num_blocks_held(self, seq_id: int) -> list[int]:
+        """Blocks the bookkeeping holds for the sequence (one group: ``[n]``)."""
+        return self.inner.num_blocks_held(seq_id)
+
+    def append_tokens(self, seq_id: int, token_ids: Any) -> None:
+        """Append sampled tokens to the sequence in the bookkeeping."""
+        self.inner.append_tokens(seq_id, token_ids)
+
+    def accept_drafts(self, seq_id: int, num_accepted: int) -> Any:
+        """Keep the first ``num_accepted`` drafts of the sequence's verify step (bookkeeping;
+        the layout's pages past them stay committed until the next step grows into them)."""
+        return self.inner.accept_drafts(seq_id, num_accepted)
+
+    def swap_out(self, seq_ids: Any) -> npt.NDArray[np.int32]:
+        """The bookkeeping's swap-out (the engine refuses swap preemption with this layout)."""
+        return self.inner.swap_out(seq_ids)
+
+    def swap_in(self, seq_ids: Any) -> npt.NDArray[np.int32]:
+        """The bookkeeping's swap-in (the engine refuses swap preemption with this layout)."""
+        return self.inner.swap_in(seq_ids)
+
+    def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
+        """The bookkeeping's buffered KV events (with ``enable_events``)."""
+        return self.inner.take_events()
+
+    def check_invariants(self) -> None:
+        """The bookkeeping manager's invariant check."""
+        self.inner.check_invariants()
+
+    # ---- sequences -------------------------------------------------------------------------------
+
+    def add_sequence(self, seq_id: int, prompt_token_ids: Any, *, spec: Any = None) -> None:
         """Register a sequence in the bookkeeping; its page groups hash under ``spec``."""
-        self.inner.add_sequence(seq_id, prompt_token_ids, spec=spec, **kw)
+        self.inner.add_sequence(seq_id, prompt_token_ids, spec=spec)
         self._roots[seq_id] = _root(spec)
 
     def lookup_prefix(self, seq_id: int) -> int:
@@ -187,10 +282,11 @@ class VirtualKVManager:
         """Pages still to commit for the whole token list of each sequence (its remaining prefill)."""
         return sum(self.layout.pages_to_grow(int(s), self.inner.num_tokens(int(s))) for s in seq_ids)
 
-    def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int:
-        """Pages to commit for ``num_new_tokens`` more computed tokens."""
+    def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> tuple[int, int]:
+        """``(pages, 0)``: pages to commit for ``num_new_tokens`` more computed tokens (the
+        layout releases none while a sequence grows)."""
         target = self.inner.num_computed_tokens(seq_id) + self._hits.get(seq_id, 0) + num_new_tokens
-        return self.layout.pages_to_grow(seq_id, min(target, self.inner.num_tokens(seq_id)))
+        return self.layout.pages_to_grow(seq_id, min(target, self.inner.num_tokens(seq_id))), 0
 
     def step(
         self,
@@ -199,7 +295,7 @@ class VirtualKVManager:
         append_token_ids: list[list[int]] | None = None,
         *,
         draft_token_ids: list[list[int]] | None = None,
-    ) -> Any:
+    ) -> StepResult:
         """Commit pages for each sequence's tokens after this step (computed + new + drafts),
         in order, then the bookkeeping step of those that fit (see the module docs). A prefix
         hit mapped by :meth:`lookup_prefix` enters the bookkeeping first; full page groups of
@@ -234,7 +330,7 @@ class VirtualKVManager:
         out = self.inner.step(seq_ids[:fit], num_new_tokens[:fit], appends, draft_token_ids=draft_ids)
         return self._report(out, seq_ids[:fit], None if out.error is not None else error)
 
-    def _report(self, out: Any, seq_ids: list[int], error: OutOfBlocksError | None) -> Any:
+    def _report(self, out: pagedkv.StepOutput, seq_ids: list[int], error: OutOfBlocksError | None) -> StepResult:
         """``out`` as the scheduler sees it: cut with ``error``, prefix hits not yet reported
         in ``num_cached_tokens``."""
         if not self._unreported or not any(s in self._unreported for s in seq_ids[: out.num_scheduled]):
@@ -292,7 +388,10 @@ class VirtualScheduler(Scheduler):
     """The engine's :class:`~pagedkv.engine.scheduler.Scheduler` over a
     :class:`VirtualKVManager`: every policy is inherited; :meth:`check_fits` counts pages."""
 
-    manager: Any
+    manager: VirtualKVManager
+
+    def __init__(self, manager: VirtualKVManager, config: SchedulerConfig) -> None:
+        super().__init__(manager, config)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Refuse a request that can never run under the virtual layout.
@@ -388,3 +487,9 @@ def build_virtual_manager(
     bookkeeping = dataclasses.replace(config, num_kv_blocks=blocks, enable_prefix_caching=False)
     inner = pagedkv.KVCacheManager(bookkeeping.cache_config(enable_events=enable_events, hash_seed=hash_seed))
     return VirtualKVManager(inner, layout, prefix_caching=config.enable_prefix_caching), layout
+
+
+if TYPE_CHECKING:  # pragma: no cover - mypy checks that both managers answer the engine's questions
+
+    def _answers_the_engine(paged: pagedkv.KVCacheManager, virtual: VirtualKVManager) -> list[EngineKVManager]:
+        return [paged, virtual]
