@@ -389,7 +389,8 @@ def prefill_allocation_cost(
 ) -> dict[str, float]:
     """CPU µs per new request for the plug-in's prefill allocation (what vLLM's scheduler calls
     when it admits a request: ``get_computed_blocks`` then ``allocate_slots`` of the whole
-    prompt, no prefix hit) on ``PagedKVCacheManager`` alone, one full-attention group and
+    prompt with ``full_sequence_must_fit``, vLLM 0.33's default, no prefix hit) on
+    ``PagedKVCacheManager`` alone, one full-attention group and
     Gemma 3's six groups; best of ``repeats`` runs over ``num_requests`` distinct prompts each.
     The ``Request`` objects (and vLLM's Python prompt hashing) are built before the clock."""
     from pagedkv.integrations.vllm import PagedKVCacheManager
@@ -413,7 +414,8 @@ def prefill_allocation_cost(
                     t0 = time.thread_time()
                     for req in reqs:
                         hit_blocks, hit = kvm.get_computed_blocks(req)[:2]
-                        if kvm.allocate_slots(req, req.num_tokens - hit, hit, hit_blocks) is None:
+                        n = req.num_tokens - hit
+                        if kvm.allocate_slots(req, n, hit, hit_blocks, full_sequence_must_fit=True) is None:
                             raise RuntimeError("the pool must hold every request")
                     best = min(best, time.thread_time() - t0)
                 finally:

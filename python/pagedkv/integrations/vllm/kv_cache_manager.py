@@ -610,12 +610,14 @@ class PagedKVCacheManager(SharedManagerCalls):
             has_scheduled_reqs,
         )
 
-    def _full_sequence_demand(self, request: Any, seq: int, hit: int, num_new_tokens: int) -> int:
+    def _full_sequence_demand(
+        self, request: Any, hit: int, num_new_tokens: int, per_group: list[tuple[int, int]]
+    ) -> int:
         """Blocks vLLM's admission gate asks free for the whole request (per group its blocks
         for every token, a windowed group at most its admission cap, less the hit's blocks,
-        plus the hit blocks that leave the free pool)."""
+        plus the hit blocks that leave the free pool). ``per_group``: pagedkv's
+        ``num_blocks_needed_per_group`` for the ``num_new_tokens`` scheduled."""
         total = min(request.num_tokens, self.max_model_len or request.num_tokens)
-        per_group = self._kvm.num_blocks_needed_per_group(seq, num_new_tokens)
         demand = 0
         for g, spec in enumerate(self._specs):
             bs = spec.block_size
@@ -706,13 +708,19 @@ class PagedKVCacheManager(SharedManagerCalls):
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
             free = self._kvm.num_free_blocks
+            per_group = None
+            if full_sequence_must_fit:
+                per_group = self._kvm.num_blocks_needed_per_group(seq, num_new_tokens)
             if num_drafts:
                 take, release = self._kvm.num_blocks_needed_with_drafts(seq, num_known_new, num_drafts)
+            elif per_group is not None and num_known_new == num_new_tokens:
+                # The admission's one planning call: the groups' parts sum to the total.
+                take, release = sum(t for t, _ in per_group), sum(r for _, r in per_group)
             else:
                 take, release = self._kvm.num_blocks_needed(seq, num_known_new)
             if (
-                full_sequence_must_fit
-                and self._full_sequence_demand(request, seq, hit, num_new_tokens) + watermark > free + release
+                per_group is not None
+                and self._full_sequence_demand(request, hit, num_new_tokens, per_group) + watermark > free + release
             ):
                 return None
             if take + watermark > free + release - reserved_blocks:
