@@ -8,14 +8,15 @@ caching, parallel sampling, beam search) and copied only on write. The core is R
 Allocator API (needs numpy only):
 
 - :class:`CacheConfig` -- frozen configuration (``num_blocks`` incl. the null block 0,
-  ``block_size`` in tokens, prefix caching, hash algorithm and seed, CPU swap blocks, events).
-- :class:`KVCacheManager` -- per-sequence block tables: ``add_sequence``, ``allocate_slots``,
-  ``fork``, ``free``, ``preempt``, ``swap_out`` / ``swap_in``, the batched ``step``, ``stats``,
-  ``take_events``, ``check_invariants``.
-- :class:`HybridKVCacheManager`, :class:`KVCacheGroupSpec`, :class:`HybridStepOutput` -- KV
-  cache groups of hybrid models (full-attention, sliding-window and chunked-local layers) in
-  one block pool: one block table per group per sequence, out-of-window blocks released, one
-  ``step`` giving every group's slot mapping and block tables.
+  ``block_size`` in tokens, or the KV cache ``groups`` of a hybrid model and each layer's
+  group; prefix caching, hash algorithm and seed, CPU swap blocks, events, host tier).
+- :class:`KVCacheManager` -- THE manager, for one full-attention group and for the KV cache
+  groups of hybrid models (:class:`KVCacheGroupSpec`: full-attention, sliding-window and
+  chunked-local layers) in one block pool: per-sequence block tables (one per group),
+  ``add_sequence``, ``allocate_slots``, ``fork``, ``free``, ``preempt``, ``swap_out`` /
+  ``swap_in``, the batched ``step``, ``stats``, ``take_events``, ``check_invariants``.
+- :func:`HybridKVCacheManager` -- deprecated alias: builds a :class:`KVCacheManager` from
+  groups (kept for one release).
 - :class:`BlockPool` -- the block pool alone (thread-safe, GIL released in every call).
 - :class:`HostBlockPool` -- the prefix cache's host tier alone, for offloading connectors.
 - :class:`SlotAllocation`, :class:`StepOutput`, :class:`CacheStats`, :class:`BlockStored`,
@@ -42,6 +43,8 @@ reference engine). A part used without the extra of ``pyproject.toml`` it needs 
 from __future__ import annotations
 
 import importlib
+import warnings
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagedkv._core import (
@@ -56,8 +59,6 @@ from pagedkv._core import (
     CacheConfig,
     CacheStats,
     HostBlockPool,
-    HybridKVCacheManager,
-    HybridStepOutput,
     KVCacheGroupSpec,
     KVCacheManager,
     KVIndexer,
@@ -104,7 +105,6 @@ __all__ = [
     "HostBlockPool",
     "HashScheme",
     "HybridKVCacheManager",
-    "HybridStepOutput",
     "InvalidArgumentError",
     "InvalidBlockError",
     "InvalidConfigError",
@@ -132,6 +132,44 @@ __all__ = [
     "routing",
     "tensors",
 ]
+
+
+def HybridKVCacheManager(  # noqa: N802 - the name of the class it replaces
+    groups: Sequence[KVCacheGroupSpec],
+    layer_groups: Sequence[int],
+    num_blocks: int,
+    **kwargs: Any,
+) -> KVCacheManager:
+    """Deprecated alias, kept for one release: ``KVCacheManager(CacheConfig(num_blocks,
+    groups=groups, layer_groups=layer_groups, **kwargs))``.
+
+    :class:`KVCacheManager` serves one KV cache group and many alike; build it from a
+    :class:`CacheConfig` with ``groups`` / ``layer_groups`` instead.
+
+    Args:
+        groups: the :class:`KVCacheGroupSpec` of each group (list or tuple, at least one).
+        layer_groups: per model layer, the index of its group.
+        num_blocks: pages in the pool, the null block included.
+        **kwargs: the other keywords of :class:`CacheConfig` (``retention_interval``,
+            ``enable_prefix_caching``, ``hash_algo``, ``num_cpu_blocks``, ...).
+
+    Returns:
+        A :class:`KVCacheManager` (the same class every layout uses).
+
+    Raises:
+        InvalidConfigError: as :class:`CacheConfig` (nothing built).
+
+    Warns:
+        DeprecationWarning: on every call.
+    """
+    warnings.warn(
+        "pagedkv.HybridKVCacheManager is deprecated: use "
+        "pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks, groups=..., layer_groups=...))",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return KVCacheManager(CacheConfig(num_blocks, groups=groups, layer_groups=layer_groups, **kwargs))
+
 
 # Submodules that import torch (directly or through their dependencies) load on first access,
 # so `import pagedkv` works on a machine without torch or triton.

@@ -28,8 +28,6 @@ __all__ = [
     "KVIndexer",
     "BlockTable",
     "KVCacheGroupSpec",
-    "HybridKVCacheManager",
-    "HybridStepOutput",
 ]
 
 __version__: str
@@ -37,8 +35,8 @@ NULL_BLOCK: int
 MAX_BLOCK_SIZE: int
 MAX_BLOCKS: int
 HOST_EVICTIONS: tuple[str, ...]
-"""The host tier's eviction policies ``CacheConfig(host_eviction=)`` and
-``HybridKVCacheManager(host_eviction=)`` accept, default first: ``("lru", "arc")``."""
+"""The host tier's eviction policies ``CacheConfig(host_eviction=)`` accepts, default first:
+``("lru", "arc")``."""
 
 _Int32Array = npt.NDArray[np.int32]
 _Int64Array = npt.NDArray[np.int64]
@@ -47,13 +45,25 @@ _IntArrayLike = Any
 
 @final
 class CacheConfig:
-    """Configuration of a KV cache manager (frozen; validated on construction)."""
+    """Configuration of a KV cache manager (frozen; validated on construction; ``==`` compares
+    every field).
+
+    ``CacheConfig(num_blocks, block_size)``: one full-attention KV cache group of
+    ``block_size`` tokens per block (``groups`` is that group, ``layer_groups`` ``[]``).
+    ``CacheConfig(num_blocks, groups=[...], layer_groups=[...])``: the KV cache groups of a
+    hybrid model (:class:`KVCacheGroupSpec`: full attention, sliding window, chunked local) in
+    one pool of equal-size pages, ``layer_groups[i]`` the group of model layer ``i``;
+    ``block_size`` may be omitted (then group 0's) or must equal every group's.
+    """
 
     def __new__(
         cls,
         num_blocks: int,
-        block_size: int,
+        block_size: int | None = None,
         *,
+        groups: Sequence[KVCacheGroupSpec] | None = None,
+        layer_groups: Sequence[int] | None = None,
+        retention_interval: int = 0,
         enable_prefix_caching: bool = True,
         hash_algo: str = "sha256",
         hash_seed: bytes | None = None,
@@ -63,17 +73,38 @@ class CacheConfig:
         host_admission_min_seen: int = 2,
         host_eviction: str = "lru",
     ) -> CacheConfig:
-        """``num_host_blocks`` > 0 adds the prefix cache's host tier (docs/design.md, "Host
+        """``num_blocks``: pages including the null block 0, 2..=2**28; ``block_size``: tokens,
+        1..=``MAX_BLOCK_SIZE`` (required without ``groups``). ``retention_interval``: tokens, 0
+        (cache every full block) or a multiple of the hit unit (the LCM of the groups' block
+        sizes): a windowed group keeps cached only what a hit at a multiple of it needs.
+
+        ``num_host_blocks`` > 0 adds the prefix cache's host tier (docs/design.md, "Host
         tier"): cached blocks the device pool evicts are stored to host blocks once their hash
         was used ``host_admission_min_seen`` times, and prefix lookups load them back.
         ``num_host_blocks``: blocks, 0..=2**28 (0: no host tier; the manager allocates the
         tier's bookkeeping, about 54 bytes of host memory per block, when it is built: 14.4 GB
         at 2**28); ``host_admission_min_seen``:
         uses, 1..=2**32 - 1; ``host_eviction``: ``"lru"`` or ``"arc"`` (ARC, Megiddo and
-        Modha, FAST'03: a one-off run of blocks does not flush reused ones). Raises
-        ``InvalidConfigError`` (a ``ValueError``) naming the field for a host tier with prefix
-        caching off, a value of the wrong type or out of those ranges, or an unknown policy
-        (the message lists the accepted names)."""
+        Modha, FAST'03: a one-off run of blocks does not flush reused ones); one host tier
+        serves every group, keyed by (hash, group).
+
+        Raises ``InvalidConfigError`` (a ``ValueError``) naming the field, nothing built: a
+        value of the wrong type or out of range, ``block_size`` missing without ``groups``,
+        ``layer_groups`` without ``groups`` or missing with them, a ``block_size`` unlike a
+        group's, page sizes that differ between groups, a layer mapped to no group, a group
+        without layers, a retention interval that is not a multiple of the hit unit, a host
+        tier with prefix caching off, an unknown policy (the message lists the accepted
+        names)."""
+    @property
+    def groups(self) -> list[KVCacheGroupSpec]:
+        """The KV cache groups (one-group form: the full-attention group it implies)."""
+    @property
+    def layer_groups(self) -> list[int]:
+        """Per model layer, its group index (``[]`` for the one-group form)."""
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def retention_interval(self) -> int: ...
     @property
     def num_blocks(self) -> int: ...
     @property
@@ -99,7 +130,7 @@ class CacheConfig:
 
 @final
 class SlotAllocation:
-    """What one ``allocate_slots`` call did."""
+    """What one ``allocate_slots`` call did (``G`` KV cache groups)."""
 
     @property
     def num_scheduled_tokens(self) -> int: ...
@@ -108,30 +139,31 @@ class SlotAllocation:
     @property
     def num_context_tokens(self) -> int: ...
     @property
-    def new_block_ids(self) -> _Int32Array: ...
-    @property
-    def copies(self) -> _Int32Array: ...
-    @property
     def num_draft_tokens(self) -> int: ...
+    @property
+    def new_block_indptr(self) -> _Int32Array:
+        """``int32[G + 1]`` CSR offsets into ``new_block_ids``, one entry per group."""
+    @property
+    def new_block_ids(self) -> _Int32Array:
+        """``int32[k]`` blocks newly taken, group-major, each group's in table order."""
+    @property
+    def copies(self) -> _Int32Array:
+        """``int32[c, 3]`` copy-on-write ``(group, src, dst)`` rows."""
 
 @final
 class StepOutput:
-    """The result of one batched ``KVCacheManager.step``."""
+    """The result of one batched ``KVCacheManager.step``: kernel inputs with a leading group
+    dimension (``G`` groups, ``S`` scheduled sequences, ``T`` scheduled tokens, ``W`` the
+    longest table). ``slot_mapping`` / ``block_table`` are group 0's rows (views), the
+    one-group spelling: reading them on an output with ``G > 1`` raises
+    ``InvalidArgumentError``."""
 
     @property
     def num_scheduled(self) -> int: ...
     @property
     def error(self) -> PagedKVError | None: ...
     @property
-    def num_cached_tokens(self) -> _Int32Array: ...
-    @property
-    def num_draft_tokens(self) -> _Int32Array: ...
-    @property
-    def query_start_loc(self) -> _Int32Array: ...
-    @property
-    def seq_lens(self) -> _Int32Array: ...
-    @property
-    def context_lens(self) -> _Int32Array: ...
+    def num_groups(self) -> int: ...
     @property
     def num_tokens(self) -> int: ...
     @property
@@ -139,34 +171,57 @@ class StepOutput:
     @property
     def max_query_len(self) -> int: ...
     @property
-    def slot_mapping(self) -> _Int64Array: ...
+    def seq_ids(self) -> npt.NDArray[np.uint64]: ...
     @property
-    def new_block_indptr(self) -> _Int32Array: ...
+    def num_cached_tokens(self) -> _Int32Array: ...
     @property
-    def new_block_ids(self) -> _Int32Array: ...
+    def query_start_loc(self) -> _Int32Array: ...
     @property
-    def copies(self) -> _Int32Array: ...
+    def seq_lens(self) -> _Int32Array: ...
+    @property
+    def context_lens(self) -> _Int32Array: ...
     @property
     def input_ids(self) -> _Int64Array: ...
     @property
-    def block_table(self) -> _Int32Array: ...
+    def num_draft_tokens(self) -> _Int32Array: ...
     @property
-    def seq_ids(self) -> npt.NDArray[np.uint64]: ...
+    def slot_mappings(self) -> _Int64Array:
+        """``int64[G, T]`` each token's KV slot in each group's layers (``(G, 0)`` after
+        ``step(token_arrays=False)``)."""
     @property
-    def table_start(self) -> _Int32Array: ...
+    def block_tables(self) -> _Int32Array:
+        """``int32[G, S, W]`` dense tables with ``step(block_table=True)``, else ``(G, S, 0)``."""
+    @property
+    def slot_mapping(self) -> _Int64Array:
+        """``int64[T]``: ``slot_mappings[0]`` (a view); ``InvalidArgumentError`` for ``G > 1``."""
+    @property
+    def block_table(self) -> _Int32Array:
+        """``int32[S, W]``: ``block_tables[0]`` (a view); ``InvalidArgumentError`` for ``G > 1``."""
+    @property
+    def table_start(self) -> _Int32Array:
+        """``int32[S, G]`` first changed logical block of each (sequence, group) table."""
     @property
     def table_version(self) -> npt.NDArray[np.uint64]: ...
     @property
-    def table_delta_indptr(self) -> _Int32Array: ...
+    def table_delta_indptr(self) -> _Int32Array:
+        """``int32[S * G + 1]`` CSR offsets into ``table_delta``, entry ``k * G + g``."""
     @property
     def table_delta(self) -> _Int32Array: ...
     @property
+    def new_block_indptr(self) -> _Int32Array:
+        """``int32[S * G + 1]`` CSR offsets into ``new_block_ids``, entry ``k * G + g``."""
+    @property
+    def new_block_ids(self) -> _Int32Array: ...
+    @property
+    def copies(self) -> _Int32Array:
+        """``int32[c, 3]`` copy-on-write ``(group, src, dst)`` rows, before the K/V writes."""
+    @property
     def host_stores(self) -> _Int32Array:
-        """``int32[s, 2]`` ``(device_block, host_block)`` host-tier stores: run first."""
+        """``int32[n, 3]`` host-tier stores ``(group, device_block, host_block)``: run first."""
     @property
     def host_loads(self) -> _Int32Array:
-        """``int32[l, 2]`` ``(host_block, device_block)`` host-tier loads: after stores and
-        swaps, before copy-on-write and the forward pass."""
+        """``int32[n, 3]`` host-tier loads ``(group, host_block, device_block)``: after stores
+        and swaps, before copy-on-write and the forward pass."""
     def raise_for_error(self) -> None: ...
 
 @final
@@ -229,6 +284,7 @@ class BlockStored:
     its hash algorithm and chain seed: for ``LLMEngine`` the seed is its cache identity (model
     weights, tokenizer, chat template, adapter, KV dtype, RoPE), so events of engines that may
     share blocks carry equal roots. None for events decoded from vLLM's wire format.
+    ``group`` is the KV cache group of the blocks (0 with one group).
     """
 
     @property
@@ -246,6 +302,9 @@ class BlockStored:
     @property
     def tier(self) -> str:
         """``"device"`` or ``"host"`` (the host tier; vLLM's ``medium`` ``"CPU"``)."""
+    @property
+    def group(self) -> int:
+        """The KV cache group of the blocks (0 with one group)."""
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
 
@@ -258,6 +317,9 @@ class BlockRemoved:
     @property
     def tier(self) -> str:
         """``"device"`` or ``"host"``: the tier the hashes left."""
+    @property
+    def group(self) -> int:
+        """The KV cache group of the blocks (0 with one group)."""
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
 
@@ -354,13 +416,34 @@ class HostBlockPool:
 
 @final
 class KVCacheManager:
-    """The paged KV cache manager."""
+    """The paged KV cache manager, for one full-attention KV cache group and for the groups of
+    a hybrid model alike (``G = num_groups``; results with a group dimension have it always)."""
 
     def __new__(cls, config: CacheConfig) -> KVCacheManager: ...
     @property
     def config(self) -> CacheConfig: ...
     @property
     def pool(self) -> BlockPool: ...
+    @property
+    def groups(self) -> list[KVCacheGroupSpec]: ...
+    @property
+    def layer_groups(self) -> list[int]: ...
+    @property
+    def num_groups(self) -> int: ...
+    @property
+    def hit_unit(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def num_cpu_blocks(self) -> int: ...
+    @property
+    def num_host_blocks(self) -> int: ...
+    @property
+    def retention_interval(self) -> int: ...
+    @property
+    def enable_prefix_caching(self) -> bool: ...
     @property
     def num_sequences(self) -> int: ...
     def add_sequence(
@@ -376,11 +459,18 @@ class KVCacheManager:
     ) -> None: ...
     def append_tokens(self, seq_id: int, token_ids: _IntArrayLike) -> None: ...
     def lookup_prefix(self, seq_id: int) -> int: ...
-    def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> int: ...
+    def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> tuple[int, int]:
+        """``(take, release)``; the allocation succeeds exactly when ``take <= num_free_blocks
+        + release`` (release is 0 for full-attention groups)."""
+    def num_blocks_needed_per_group(self, seq_id: int, num_new_tokens: int) -> list[tuple[int, int]]: ...
+    def num_blocks_needed_with_drafts(
+        self, seq_id: int, num_new_tokens: int, num_draft_tokens: int
+    ) -> tuple[int, int]: ...
     def allocate_slots(
         self, seq_id: int, num_new_tokens: int, draft_token_ids: _IntArrayLike | None = None
     ) -> SlotAllocation: ...
-    def accept_drafts(self, seq_id: int, num_accepted: int, *, release_blocks: bool = True) -> _Int32Array: ...
+    def accept_drafts(self, seq_id: int, num_accepted: int, *, release_blocks: bool = True) -> list[_Int32Array]:
+        """Released blocks, one ``int32[r_g]`` array per group (tail first)."""
     def num_draft_tokens(self, seq_id: int) -> int: ...
     def fork(self, parent_id: int, child_id: int) -> None: ...
     def free(self, seq_id: int) -> bool: ...
@@ -388,7 +478,9 @@ class KVCacheManager:
     def swap_out(self, seq_ids: _IntArrayLike) -> _Int32Array: ...
     def swap_in(self, seq_ids: _IntArrayLike) -> _Int32Array: ...
     def reset_prefix_cache(self) -> None: ...
-    def block_table(self, seq_id: int) -> _Int32Array: ...
+    def block_table(self, seq_id: int, group: int = 0) -> _Int32Array: ...
+    def block_tables(self, seq_id: int) -> list[_Int32Array]: ...
+    def num_blocks_held(self, seq_id: int) -> list[int]: ...
     def num_tokens(self, seq_id: int) -> int: ...
     def num_computed_tokens(self, seq_id: int) -> int: ...
     def status(self, seq_id: int) -> str: ...
@@ -404,11 +496,13 @@ class KVCacheManager:
         draft_token_ids: _IntArrayLike | list[_IntArrayLike] | None = None,
         block_table: bool = False,
         token_arrays: bool = True,
+        reserve_blocks: int = 0,
     ) -> StepOutput: ...
     def take_host_transfers(self) -> tuple[_Int32Array, _Int32Array]:
-        """Host-tier ``(stores, loads)`` planned since the last hand-out, for callers
-        allocating outside ``step``. Run the stores before any ``swap_in`` copy planned since
-        (a store may read an evicted block a swap-in destination reuses)."""
+        """Host-tier ``(stores, loads)`` ``int32[n, 3]`` ``(group, src, dst)`` rows planned
+        since the last hand-out, for callers allocating outside ``step``. Run the stores
+        before any ``swap_in`` copy planned since (a store may read an evicted block a swap-in
+        destination reuses)."""
     def stats(self) -> CacheStats: ...
     def take_events(self) -> list[BlockStored | BlockRemoved | AllBlocksCleared]: ...
     def check_invariants(self) -> None: ...
@@ -621,14 +715,12 @@ class KVIndexer:
 @final
 class BlockTable:
     """Block tables of every KV cache group kept across scheduler steps, updated from the step
-    outputs' table deltas; ``update`` returns the batch's dense tables (``int32[S, W]`` for a
-    ``KVCacheManager``, ``int32[G, S, W]`` for a ``HybridKVCacheManager``) as a view of a
-    persistent buffer (valid until the next ``update``). Documented as
+    outputs' table deltas; ``update`` returns the batch's dense tables ``int32[G, S, W]`` (a
+    one-group caller takes ``[0]``) as a view of a persistent buffer (valid until the next
+    ``update``). Documented as
     ``pagedkv.tensors.BlockTable``."""
 
-    def __new__(
-        cls, manager: KVCacheManager | HybridKVCacheManager, *, rows: int | None = None, width: int | None = None
-    ) -> BlockTable: ...
+    def __new__(cls, manager: KVCacheManager, *, rows: int | None = None, width: int | None = None) -> BlockTable: ...
     @property
     def num_groups(self) -> int: ...
     @property
@@ -637,12 +729,7 @@ class BlockTable:
     def num_table_reads(self) -> int: ...
     def update(
         self,
-        steps: StepOutput
-        | HybridStepOutput
-        | list[StepOutput]
-        | tuple[StepOutput, ...]
-        | list[HybridStepOutput]
-        | tuple[HybridStepOutput, ...],
+        steps: StepOutput | list[StepOutput] | tuple[StepOutput, ...],
     ) -> _Int32Array: ...
 
 @final
@@ -670,159 +757,3 @@ class KVCacheGroupSpec:
     def chunk(self) -> int | None: ...
     @property
     def page_bytes(self) -> int | None: ...
-
-@final
-class HybridStepOutput:
-    """The result of one ``HybridKVCacheManager.step``: kernel inputs with a group dimension."""
-
-    @property
-    def num_scheduled(self) -> int: ...
-    @property
-    def error(self) -> PagedKVError | None: ...
-    @property
-    def num_groups(self) -> int: ...
-    @property
-    def num_tokens(self) -> int: ...
-    @property
-    def max_seq_len(self) -> int: ...
-    @property
-    def max_query_len(self) -> int: ...
-    @property
-    def seq_ids(self) -> npt.NDArray[np.uint64]: ...
-    @property
-    def num_cached_tokens(self) -> _Int32Array: ...
-    @property
-    def query_start_loc(self) -> _Int32Array: ...
-    @property
-    def seq_lens(self) -> _Int32Array: ...
-    @property
-    def context_lens(self) -> _Int32Array: ...
-    @property
-    def input_ids(self) -> _Int64Array: ...
-    @property
-    def num_draft_tokens(self) -> _Int32Array: ...
-    @property
-    def slot_mapping(self) -> _Int64Array: ...
-    @property
-    def block_table(self) -> _Int32Array: ...
-    @property
-    def new_block_indptr(self) -> _Int32Array: ...
-    @property
-    def new_block_ids(self) -> _Int32Array: ...
-    @property
-    def copies(self) -> _Int32Array: ...
-    @property
-    def table_start(self) -> _Int32Array: ...
-    @property
-    def table_version(self) -> npt.NDArray[np.uint64]: ...
-    @property
-    def table_delta_indptr(self) -> _Int32Array: ...
-    @property
-    def table_delta(self) -> _Int32Array: ...
-    @property
-    def host_stores(self) -> _Int32Array:
-        """``int32[n, 3]`` host-tier stores ``(group, device block, host block)``, run first."""
-    @property
-    def host_loads(self) -> _Int32Array:
-        """``int32[n, 3]`` host-tier loads ``(group, host block, device block)``, run after
-        stores and swaps, before copy-on-write and the forward pass."""
-    def raise_for_error(self) -> None: ...
-
-@final
-class HybridKVCacheManager:
-    """KV cache manager of a hybrid model: several KV cache groups in one block pool."""
-
-    def __new__(
-        cls,
-        groups: list[KVCacheGroupSpec] | tuple[KVCacheGroupSpec, ...],
-        layer_groups: list[int] | tuple[int, ...],
-        num_blocks: int,
-        *,
-        enable_prefix_caching: bool = True,
-        retention_interval: int = 0,
-        hash_algo: str = "sha256",
-        hash_seed: bytes | None = None,
-        num_cpu_blocks: int = 0,
-        enable_events: bool = False,
-        num_host_blocks: int = 0,
-        host_admission_min_seen: int = 2,
-        host_eviction: str = "lru",
-    ) -> HybridKVCacheManager:
-        """The host-tier fields are ``CacheConfig``'s (same ranges; ``InvalidConfigError``
-        naming the field); one host tier serves every group, keyed by (hash, group)."""
-    @property
-    def groups(self) -> list[KVCacheGroupSpec]: ...
-    @property
-    def layer_groups(self) -> list[int]: ...
-    @property
-    def num_groups(self) -> int: ...
-    @property
-    def hit_unit(self) -> int: ...
-    @property
-    def num_blocks(self) -> int: ...
-    @property
-    def num_free_blocks(self) -> int: ...
-    @property
-    def retention_interval(self) -> int: ...
-    @property
-    def enable_prefix_caching(self) -> bool: ...
-    @property
-    def num_cpu_blocks(self) -> int: ...
-    def stats(self) -> CacheStats: ...
-    def num_uncomputed_tokens(self, seq_ids: _IntArrayLike) -> _Int32Array: ...
-    @property
-    def num_sequences(self) -> int: ...
-    def add_sequence(
-        self,
-        seq_id: int,
-        prompt_token_ids: _IntArrayLike,
-        *,
-        spec: SequenceSpec | None = None,
-        cache_salt: str | None = None,
-        adapter_id: str | None = None,
-        extra_keys: list[tuple[str, bytes]] | None = None,
-        mm_items: list[tuple[bytes, int, int]] | None = None,
-    ) -> None: ...
-    def append_tokens(self, seq_id: int, token_ids: _IntArrayLike) -> None: ...
-    def lookup_prefix(self, seq_id: int) -> int: ...
-    def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> tuple[int, int]: ...
-    def num_blocks_needed_per_group(self, seq_id: int, num_new_tokens: int) -> list[tuple[int, int]]: ...
-    def num_blocks_needed_with_drafts(
-        self, seq_id: int, num_new_tokens: int, num_draft_tokens: int
-    ) -> tuple[int, int]: ...
-    def accept_drafts(self, seq_id: int, num_accepted: int, *, release_blocks: bool = True) -> list[_Int32Array]: ...
-    def num_draft_tokens(self, seq_id: int) -> int: ...
-    def num_blocks_owed(self, seq_ids: _IntArrayLike) -> int: ...
-    def fork(self, parent_id: int, child_id: int) -> None: ...
-    def free(self, seq_id: int) -> bool: ...
-    def preempt(self, seq_ids: _IntArrayLike) -> None: ...
-    def swap_out(self, seq_ids: _IntArrayLike) -> _Int32Array: ...
-    def swap_in(self, seq_ids: _IntArrayLike) -> _Int32Array: ...
-    def reset_prefix_cache(self) -> None: ...
-    def block_tables(self, seq_id: int) -> list[_Int32Array]: ...
-    def num_blocks_held(self, seq_id: int) -> list[int]: ...
-    def num_tokens(self, seq_id: int) -> int: ...
-    def num_computed_tokens(self, seq_id: int) -> int: ...
-    def status(self, seq_id: int) -> str: ...
-    def step(
-        self,
-        seq_ids: _IntArrayLike,
-        num_new_tokens: int | _IntArrayLike,
-        append_token_ids: _IntArrayLike | list[_IntArrayLike] | None = None,
-        *,
-        draft_token_ids: _IntArrayLike | list[_IntArrayLike] | None = None,
-        block_table: bool = True,
-        token_arrays: bool = True,
-        reserve_blocks: int = 0,
-    ) -> HybridStepOutput: ...
-    @property
-    def num_host_blocks(self) -> int: ...
-    def take_host_transfers(self) -> tuple[_Int32Array, _Int32Array]:
-        """Host-tier ``(stores, loads)`` ``int32[n, 3]`` rows with their group, planned since
-        the last hand-out, for callers allocating outside ``step``. Run the stores before any
-        ``swap_in`` copy planned since (a store may read an evicted block a swap-in destination
-        reuses)."""
-    def take_events(
-        self,
-    ) -> list[tuple[int | None, BlockStored | BlockRemoved | AllBlocksCleared]]: ...
-    def check_invariants(self) -> None: ...

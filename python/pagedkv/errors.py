@@ -171,10 +171,13 @@ class RefCountUnderflowError(PagedKVError, ValueError):
 
 
 class InvalidConfigError(PagedKVError, ValueError):
-    """A configuration value is out of range.
+    """A configuration value is out of range, or fields that do not fit together
+    (``CacheConfig``: ``layer_groups`` without ``groups``, a ``block_size`` unlike a group's,
+    groups whose pages differ in size...).
 
     Attributes:
-        field: the configuration field (``"block_size"``, ``"num_blocks"``...).
+        field: the configuration field (``"block_size"``, ``"num_blocks"``, ``"groups"``,
+            ``"layer_groups"``...).
         value: the rejected value, as text.
         reason: why it was rejected.
     """
@@ -186,7 +189,10 @@ class InvalidConfigError(PagedKVError, ValueError):
 
 
 class InvalidArgumentError(PagedKVError, ValueError):
-    """A call argument is out of range for the current state.
+    """A call argument is out of range for the current state, or a question asked in the
+    one-group spelling of a result with several KV cache groups (``StepOutput.slot_mapping``
+    / ``block_table`` on an output with ``num_groups > 1``: use ``slot_mappings[g]`` /
+    ``block_tables[g]``).
 
     Attributes:
         arg: the argument's name.

@@ -1,12 +1,12 @@
 """Kernel inputs built from the allocator's output: block tables, slot mapping, lengths.
 
 One path from the allocator to the kernels: :meth:`BatchTensors.from_steps` takes the
-:class:`pagedkv.StepOutput` (or :class:`pagedkv.HybridStepOutput`) of a scheduler step -- whose
+:class:`pagedkv.StepOutput` of a scheduler step -- whose
 arrays the core already lays out in the kernels' dtypes and shapes -- and hands every kernel
 input over as torch tensors without re-validating, casting or copying on the host
 (``torch.from_numpy``), then one transfer per tensor to the device. The block tables come from a
 :class:`BlockTable` the caller keeps across steps: the core reports only what changed in each
-table (the step output's table delta, per KV cache group for a ``HybridKVCacheManager``), as
+table (the step output's table delta, per KV cache group), as
 vLLM's GPU model runner keeps its block tables across steps and applies only the changes.
 :class:`BlockTable` (``pagedkv._core.BlockTable``, in Rust: the core's ``BlockTables`` over one
 numpy buffer for every group) does the whole per-step update in one call: the seq-id -> row
@@ -14,7 +14,7 @@ bookkeeping, the deltas (a delta that does not follow the version a row holds --
 output, a sequence id reused by a new sequence -- makes it read that sequence's tables whole),
 and the batch's dense tables, a view of its persistent buffer (rows kept in batch order, so a
 steady decode batch needs no gather). :class:`BatchTensors` carries them with a group axis
-(``[G, S, W]``, ``G = 1`` for a ``KVCacheManager``). The engine's runner, the tests and
+(``[G, S, W]``, ``G = 1`` for the one-group configuration). The engine's runner, the tests and
 ``benchmarks/step_overhead.py`` all use it. The other builders here are the validating entry for
 arrays that did *not* come from the core (a caller's own block tables): they check their input
 once and copy.
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
-from pagedkv._core import BlockTable, HybridStepOutput, StepOutput
+from pagedkv._core import BlockTable, StepOutput
 from pagedkv._optional import optional_imports
 from pagedkv._repr import short_repr
 from pagedkv.errors import InvalidArgumentError
@@ -311,7 +311,7 @@ def query_start_loc(query_lens: npt.ArrayLike, *, pad_to: int | None = None, dev
 @dataclass(eq=False, slots=True)  # not frozen: building a frozen one costs ~1/3 of the whole path
 class BatchTensors:
     """Every kernel input of one scheduler step, built by :meth:`from_steps`, for ``G`` KV cache
-    groups (``G = 1`` for a ``KVCacheManager``; a hybrid model's ``HybridKVCacheManager`` has
+    groups (``G = 1`` for the one-group configuration; a hybrid model's ``KVCacheManager`` has
     one per attention kind, docs/design.md, "KV cache groups").
 
     Attributes (``S`` scheduled sequences, ``T`` scheduled tokens; "on ``device``" means a torch
@@ -333,9 +333,8 @@ class BatchTensors:
         query_start_loc: ``int32[S + 1]`` prefix sums of the query lengths (on ``device``).
         max_query_len: longest query this step (tokens; 0 for an empty batch).
         max_seq_len: longest sequence (tokens; 0 for an empty batch).
-        copies: copy-on-write block pairs to run before the K/V writes (on ``device``):
-            ``int32[C, 2]`` ``(src, dst)`` for one group, ``int32[C, 3]`` ``(group, src,
-            dst)`` rows for a ``HybridKVCacheManager`` (to run in that group's layers).
+        copies: copy-on-write plan to run before the K/V writes (on ``device``): ``int32[C,
+            3]`` ``(group, src, dst)`` rows (to run in that group's layers).
         swap_out: ``int32[K, 2]`` (device block, CPU block) pairs, on the host (the swap
             kernel reads the plan there to issue its copies), or ``None``; run first.
         swap_in: ``int32[K, 2]`` (CPU block, device block) pairs, on the host, or ``None``;
@@ -356,7 +355,7 @@ class BatchTensors:
     block_tables: Any
     #: ``[S, W]`` (one group) or None (several): behind :attr:`block_table`.
     one_table: Any
-    #: ``[T]`` (one group) or ``[G, T]`` (several): behind :attr:`slot_mapping(s)`.
+    #: ``[G, T]``: behind :attr:`slot_mapping(s)`.
     slots: Any
     input_ids: Any
     positions: Any
@@ -408,21 +407,19 @@ class BatchTensors:
         Raises:
             InvalidArgumentError: the batch has several KV cache groups (use ``slot_mappings``).
         """
-        if self.slots.ndim == 1:
-            return self.slots
         if self.slots.shape[0] != 1:
             raise _bad("slot_mapping", self.num_groups, "a batch of several KV cache groups: use slot_mappings[g]")
         return self.slots[0]
 
     @property
     def slot_mappings(self) -> Any:
-        """``int64[G, T]``: every group's slot mapping (for one group a ``[1, T]`` view)."""
-        return self.slots if self.slots.ndim == 2 else self.slots[None]
+        """``int64[G, T]``: every group's slot mapping."""
+        return self.slots
 
     @classmethod
     def from_steps(
         cls,
-        steps: StepOutput | HybridStepOutput | Sequence[StepOutput] | Sequence[HybridStepOutput],
+        steps: StepOutput | Sequence[StepOutput],
         device: Device = "cpu",
         *,
         block_tables: BlockTable | None = None,
@@ -433,8 +430,7 @@ class BatchTensors:
         """The kernel inputs of one scheduler step: the one path from the allocator to the kernels.
 
         ``steps`` are the :class:`pagedkv.StepOutput` of one or more ``KVCacheManager.step``
-        calls, or the :class:`pagedkv.HybridStepOutput` of ``HybridKVCacheManager.step`` calls,
-        of the same scheduler step (e.g. running sequences, then newly admitted ones); their
+        calls of the same scheduler step (e.g. running sequences, then newly admitted ones); their
         scheduled parts are merged once, in order. The core's arrays are consistent by
         construction and already in the kernels' layouts and dtypes (int64 slots and token ids,
         int32 lengths and ``query_start_loc``), so nothing is validated, cast or rebuilt: with
@@ -468,24 +464,22 @@ class BatchTensors:
                 ``swap_in``.
 
         Raises:
-            InvalidArgumentError: a step that is not a core step output, steps of both kinds
-                or of different group counts, a step without per-token arrays (made with
+            InvalidArgumentError: a step that is not a core step output, steps of different
+                group counts, a step without per-token arrays (made with
                 ``token_arrays=False``), ``block_tables`` that is not a :class:`BlockTable`
-                (or of another kind of manager), or no ``block_tables`` and a step without
+                (or of a manager with another group count), or no ``block_tables`` and a step without
                 dense tables; nothing changed.
         """
-        parts: list[Any] = [steps] if isinstance(steps, (StepOutput, HybridStepOutput)) else list(steps)
+        parts: list[Any] = [steps] if isinstance(steps, StepOutput) else list(steps)
         if block_tables is not None and not isinstance(block_tables, BlockTable):
             raise _bad("block_tables", block_tables, "expected a pagedkv.tensors.BlockTable or None")
-        hybrid = bool(parts) and isinstance(parts[0], HybridStepOutput)
-        kind = HybridStepOutput if hybrid else StepOutput
         for i, p in enumerate(parts):
-            if not isinstance(p, kind):
+            if not isinstance(p, StepOutput):
                 raise _bad(
                     f"steps[{i}]",
                     p,
-                    f"expected a pagedkv.{kind.__name__} like steps[0] (build kernel inputs from "
-                    "other arrays with dense_block_table, slot_mapping, ...)",
+                    "expected a pagedkv.StepOutput (build kernel inputs from other arrays with "
+                    "dense_block_table, slot_mapping, ...)",
                 )
             if p.input_ids.size != p.num_tokens:
                 raise _bad(
@@ -495,19 +489,16 @@ class BatchTensors:
                     "step made with token_arrays=False has no per-token arrays to build kernel "
                     "inputs from",
                 )
-            if block_tables is None:
-                dense_rows = p.num_groups if isinstance(p, HybridStepOutput) else p.num_scheduled
-                if p.block_table.shape[0] != dense_rows:
-                    raise _bad(f"steps[{i}]", p, "made with block_table=False: pass block_tables")
-        if hybrid and len({p.num_groups for p in parts}) > 1:
+            if block_tables is None and p.num_scheduled and p.block_tables.shape[2] == 0:
+                raise _bad(f"steps[{i}]", p, "made with block_table=False: pass block_tables")
+        if len({p.num_groups for p in parts}) > 1:
             raise _bad("steps", [p.num_groups for p in parts], "steps of one manager have one group count")
-        # a BlockTable refuses the outputs of another kind of manager (nothing changed)
-        table = _dense_tables(parts, hybrid) if block_tables is None else block_tables.update(parts)
-        hybrid = table.ndim == 3  # for no parts: the BlockTable's manager says
+        # a BlockTable refuses the outputs of a manager with another group count (nothing changed)
+        table = _dense_tables(parts) if block_tables is None else block_tables.update(parts)
         if len(parts) == 1:
             p = parts[0]
             slots, ids, lens, ctx, qsl, copies = (
-                p.slot_mapping,
+                p.slot_mappings,
                 p.input_ids,
                 p.seq_lens,
                 p.context_lens,
@@ -516,7 +507,7 @@ class BatchTensors:
             )
             max_query_len, max_seq_len = p.max_query_len, p.max_seq_len
         else:
-            slots, ids, lens, ctx, qsl, copies = _merge(parts, hybrid)
+            slots, ids, lens, ctx, qsl, copies = _merge(parts, table.shape[0])
             max_query_len = max((p.max_query_len for p in parts), default=0)
             max_seq_len = max((p.max_seq_len for p in parts), default=0)
         if ids.size == lens.size:  # all decodes: each token sits right after its context
@@ -536,7 +527,7 @@ class BatchTensors:
             query_start_loc=to_dev(qsl),
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
-            copies=to_dev(copies) if copies.size else table_to_dev.no_copies[hybrid],
+            copies=to_dev(copies) if copies.size else table_to_dev.no_copies,
             swap_out=None if swap_out is None else to_host(swap_out),
             swap_in=None if swap_in is None else to_host(swap_in),
             transfers=tuple(
@@ -552,21 +543,21 @@ class BatchTensors:
         )
 
 
-def _dense_tables(parts: list[Any], hybrid: bool) -> npt.NDArray[np.int32]:
-    """The steps' own dense tables (``block_table=True``) as one ``[S, W]`` (one group) or ``[G,
-    S, W]`` array: the step's array itself for one step, else padded to the widest and
-    concatenated; no parts: ``[0, 1]`` (one group) or ``[0, 0, 1]``."""
+def _dense_tables(parts: list[Any]) -> npt.NDArray[np.int32]:
+    """The steps' own dense tables (``block_table=True``) as one ``[G, S, W]`` array: the step's
+    array itself for one step, else padded to the widest and concatenated; no parts: ``[1, 0,
+    1]``."""
     if len(parts) == 1:
-        return parts[0].block_table  # type: ignore[no-any-return]
-    tables = [p.block_table if hybrid else p.block_table[None] for p in parts]
-    g = tables[0].shape[0] if tables else 0
+        return parts[0].block_tables  # type: ignore[no-any-return]
+    tables = [p.block_tables for p in parts]
+    g = tables[0].shape[0] if tables else 1
     width = max([t.shape[2] for t in tables] + [1])
     out = np.zeros((g, sum(t.shape[1] for t in tables), width), dtype=np.int32)
     row = 0
     for t in tables:
         out[:, row : row + t.shape[1], : t.shape[2]] = t
         row += t.shape[1]
-    return out if hybrid else out[0] if g else np.zeros((0, 1), np.int32)
+    return out
 
 
 class _TableToDevice:
@@ -583,19 +574,15 @@ class _TableToDevice:
         # (array, tensors) as one tuple: replaced in one assignment, so threads sharing this
         # mover never pair one array with another's tensors
         self._last: tuple[Any, tuple[Any, Any]] = (None, (None, None))
-        #: The empty copy plans on ``device`` (most steps copy nothing): ``int32[0, 2]`` for
-        #: one group (index False), ``int32[0, 3]`` for several (index True).
-        self.no_copies = (move(np.zeros((0, 2), np.int32)), move(np.zeros((0, 3), np.int32)))
+        #: The empty copy plan ``int32[0, 3]`` on ``device`` (most steps copy nothing).
+        self.no_copies = move(np.zeros((0, 3), np.int32))
 
     def __call__(self, table: npt.NDArray[np.int32]) -> tuple[Any, Any]:
         last = self._last
         if table is last[0]:
             return last[1]
         moved = self._move(table)
-        if table.ndim == 2:  # one group: the [1, S, W] view of it
-            tensors = (moved[None], moved)
-        else:
-            tensors = (moved, moved[0] if table.shape[0] == 1 else None)
+        tensors = (moved, moved[0] if table.shape[0] == 1 else None)
         if self._reuse:
             self._last = (table, tensors)
         return tensors
@@ -613,7 +600,7 @@ def _movers(device: Device) -> tuple[Callable[[Any], Any], Callable[[Any], Any],
     if movers is not None:
         return movers
     if device is None:
-        # numpy too: a one-group table's [1, S, W] view is built once per array
+        # numpy too: a one-group table's [S, W] view is built once per array
         movers = (_identity, _identity, _TableToDevice(_identity, reuse=True))
     else:
         with _TORCH_IMPORT:
@@ -634,23 +621,24 @@ def _identity(a: Any) -> Any:
     return a
 
 
-def _merge(parts: list[Any], hybrid: bool) -> tuple[npt.NDArray[Any], ...]:
+def _merge(parts: list[Any], num_groups: int) -> tuple[npt.NDArray[Any], ...]:
     """Concatenate the scheduled arrays of several step outputs (offsets shifted), in order; no
-    parts make an empty batch. Slots are concatenated along the token axis (the last)."""
+    parts make an empty batch of ``num_groups`` groups. Slots are concatenated along the token
+    axis (the last)."""
     if not parts:
         i32, i64 = np.zeros(0, np.int32), np.zeros(0, np.int64)
         return (
-            np.zeros((0, 0), np.int64) if hybrid else i64,
+            np.zeros((num_groups, 0), np.int64),
             i64.copy(),
             i32,
             i32.copy(),
             np.zeros(1, np.int32),
-            np.zeros((0, 3 if hybrid else 2), np.int32),
+            np.zeros((0, 3), np.int32),
         )
     tokens = np.cumsum([0] + [p.input_ids.size for p in parts[:-1]], dtype=np.int32)
     qsl = [parts[0].query_start_loc] + [p.query_start_loc[1:] + t for p, t in zip(parts[1:], tokens[1:])]
     return (
-        np.concatenate([p.slot_mapping for p in parts], axis=-1),
+        np.concatenate([p.slot_mappings for p in parts], axis=-1),
         np.concatenate([p.input_ids for p in parts]),
         np.concatenate([p.seq_lens for p in parts]),
         np.concatenate([p.context_lens for p in parts]),

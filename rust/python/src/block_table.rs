@@ -5,38 +5,28 @@
 //! buffer as a numpy array, hands the step outputs' arrays to it and returns the dense tables
 //! as a view, so a steady decode step costs O(batch x groups + changed entries).
 //!
-//! Layout: one persistent C-contiguous `int32[G, capacity, cols]` numpy buffer (`G` = 1 for a
-//! `KVCacheManager`); the batch's dense tables are the view `buffer[:, :S, :W]` (no gather, no
-//! copy), or `buffer[0, :S, :W]` for a `KVCacheManager`.
+//! Layout: one persistent C-contiguous `int32[G, capacity, cols]` numpy buffer (`G` KV cache
+//! groups of the manager, 1 for the one-group configuration); the batch's dense tables are the
+//! view `buffer[:, :S, :W]` (no gather, no copy).
 
 use crate::convert::{bad, count, list_items, repr, type_name};
 use crate::errors::IntoPyResult;
-use crate::hybrid::{PyHybridManager, PyHybridStepOutput};
-use crate::manager::{PyKvCacheManager, PyStepOutput};
-use numpy::ndarray::{ArrayView2, ArrayView3, ShapeBuilder};
+use crate::manager::PyKvCacheManager;
+use crate::step_output::PyStepOutput;
+use numpy::ndarray::{ArrayView3, ShapeBuilder};
 use numpy::{PyArray3, PyArrayMethods, PyUntypedArray};
 use pagedkv_core::block_tables::{BlockTables, PendingUpdate, TableDeltas};
-use pagedkv_core::one_group::OneGroupManager;
 use pagedkv_core::HybridManager;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 use std::sync::Arc;
-
-/// The manager whose step outputs a `BlockTable` applies.
-enum Manager {
-    /// One group: `StepOutput`s, 2-D tables.
-    One(Arc<OneGroupManager>),
-    /// KV cache groups: `HybridStepOutput`s, 3-D tables.
-    Groups(Arc<HybridManager>),
-}
 
 /// Block tables kept across scheduler steps, updated from the step outputs' table deltas
 /// (PagedAttention's block tables, Kwon et al., SOSP'23; kept on the consumer side as vLLM's
 /// GPU model runner keeps its block tables, one per KV cache group, and applies the
 /// scheduler's new block ids).
 ///
-/// ``KVCacheManager.step`` / ``HybridKVCacheManager.step`` report, per scheduled sequence (and
-/// group), only the entries of its block table that changed since the last step output that
+/// ``KVCacheManager.step`` reports, per scheduled sequence and KV cache group, only the entries of its block table that changed since the last step output that
 /// reported it (``table_start`` / ``table_delta``: the blocks appended this step, or the whole
 /// table after a first allocation, a resumed preemption, a swap-in or a fork, the tail from a
 /// copy-on-write on, or a window release's null entries). ``update`` applies them in one call
@@ -56,21 +46,19 @@ enum Manager {
 /// absent ones are released. Not thread-safe (a concurrent call raises ``RuntimeError``).
 ///
 /// Args:
-///     manager: the ``KVCacheManager`` (one group: ``update`` takes ``StepOutput`` and returns
-///         ``int32[S, W]``) or ``HybridKVCacheManager`` (``num_groups`` groups: ``update``
-///         takes ``HybridStepOutput`` and returns ``int32[G, S, W]``) whose step outputs are
-///         applied.
+///     manager: the ``KVCacheManager`` whose step outputs (``StepOutput``) are applied;
+///         ``update`` returns ``int32[G, S, W]`` (``G = manager.num_groups``; a one-group
+///         caller takes ``[0]``).
 ///     rows, width: initial capacity (sequences x blocks; 0 counts as 1), at most ``2**20``
 ///         rows, ``MAX_BLOCKS`` columns and ``2**28`` entries over every group; both grow on
 ///         demand.
 ///
 /// Raises:
-///     InvalidArgumentError: ``manager`` is not a ``KVCacheManager`` or
-///         ``HybridKVCacheManager``, or ``rows`` / ``width`` is not a non-negative int or is
-///         above those bounds.
+///     InvalidArgumentError: ``manager`` is not a ``KVCacheManager``, or ``rows`` / ``width``
+///         is not a non-negative int or is above those bounds.
 #[pyclass(module = "pagedkv._core", name = "BlockTable")]
 pub(crate) struct PyBlockTable {
-    manager: Manager,
+    manager: Arc<HybridManager>,
     /// `int32[G, rows, cols]` of `tables.groups()` x `tables.shape()`, C-contiguous; replaced
     /// (not resized) when it grows, so views handed out earlier keep their own buffer alive.
     buffer: Py<PyArray3<i32>>,
@@ -124,21 +112,17 @@ impl PyBlockTable {
         rows: Option<&Bound<'_, PyAny>>,
         width: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let manager = if let Ok(m) = manager.cast::<PyKvCacheManager>() {
-            Manager::One(m.get().inner.clone())
-        } else if let Ok(m) = manager.cast::<PyHybridManager>() {
-            Manager::Groups(m.get().inner.clone())
-        } else {
-            let reason = format!(
-                "expected a pagedkv.KVCacheManager or pagedkv.HybridKVCacheManager, got {}",
-                type_name(manager)
-            );
-            return Err(bad(py, "manager", repr(manager), reason));
+        let manager = match manager.cast::<PyKvCacheManager>() {
+            Ok(m) => m.get().inner.clone(),
+            Err(_) => {
+                let reason = format!(
+                    "expected a pagedkv.KVCacheManager, got {}",
+                    type_name(manager)
+                );
+                return Err(bad(py, "manager", repr(manager), reason));
+            }
         };
-        let groups = match &manager {
-            Manager::One(_) => 1,
-            Manager::Groups(m) => m.num_groups(),
-        };
+        let groups = manager.num_groups();
         let rows = rows.map_or(Ok(64), |r| count(r, "rows"))?;
         let cols = width.map_or(Ok(64), |w| count(w, "width"))?;
         // Capacity hints are allocated at once: one too large to allocate would abort the
@@ -167,7 +151,7 @@ impl PyBlockTable {
         })
     }
 
-    /// ``G``: the KV cache groups whose tables are kept (1 for a ``KVCacheManager``).
+    /// ``G``: the KV cache groups whose tables are kept (the manager's ``num_groups``).
     #[getter]
     fn num_groups(&self) -> usize {
         self.tables.groups()
@@ -186,14 +170,12 @@ impl PyBlockTable {
         self.tables.num_table_reads()
     }
 
-    /// Applies the table deltas of ``steps`` (the step outputs of one scheduler step, in batch
-    /// order; one output or a list / tuple of them: ``StepOutput`` for a ``KVCacheManager``,
-    /// ``HybridStepOutput`` for a ``HybridKVCacheManager``) and returns the batch's dense block
-    /// tables: ``int32[S, W]`` for a ``KVCacheManager``, ``int32[G, S, W]`` for a
-    /// ``HybridKVCacheManager``. Row ``k`` (of group ``g``) is the ``k``-th scheduled
-    /// sequence's table (physical block ids in logical order) padded, and for released window
-    /// entries set, with the null block 0; ``W`` is the longest table of any group (at least
-    /// 1).
+    /// Applies the table deltas of ``steps`` (the ``StepOutput`` s of one scheduler step, in
+    /// batch order; one output or a list / tuple of them) and returns the batch's dense block
+    /// tables ``int32[G, S, W]``: row ``k`` of group ``g`` is the ``k``-th scheduled
+    /// sequence's group-``g`` table (physical block ids in logical order) padded, and for
+    /// released window entries set, with the null block 0; ``W`` is the longest table of any
+    /// group (at least 1). A one-group caller takes ``[0]``.
     ///
     /// The result is a view of this object's buffer (row stride >= ``W``; ``torch.from_numpy``
     /// shares it): valid until the next ``update``, which may overwrite it; do not write to it.
@@ -203,8 +185,8 @@ impl PyBlockTable {
     /// applied.
     ///
     /// Raises:
-    ///     InvalidArgumentError: ``steps`` is not an output of the manager's kind or a list /
-    ///         tuple of them, or schedules a sequence twice.
+    ///     InvalidArgumentError: ``steps`` is not a ``StepOutput`` or a list / tuple of them,
+    ///         has another number of groups than the manager, or schedules a sequence twice.
     ///     UnknownSequenceError: a table to read whole belongs to a sequence the manager no
     ///         longer holds (an output applied after its sequence was freed).
     ///
@@ -215,60 +197,36 @@ impl PyBlockTable {
         steps: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
         // The outputs outlive `parts`, which borrows their arrays.
-        let one_steps: Vec<Bound<'py, PyStepOutput>>;
-        let group_steps: Vec<Bound<'py, PyHybridStepOutput>>;
-        let mut parts = Vec::new();
+        let steps: Vec<Bound<'py, PyStepOutput>> =
+            step_list::<PyStepOutput>(steps, "pagedkv.StepOutput")?;
+        let g = self.tables.groups();
+        let mut parts = Vec::with_capacity(steps.len());
         // Everything that can fail happens before the first write.
-        let pending: PendingUpdate<'_> = match &self.manager {
-            Manager::One(m) => {
-                one_steps = step_list::<PyStepOutput>(steps, "pagedkv.StepOutput")?;
-                parts.reserve(one_steps.len());
-                for step in &one_steps {
-                    let s = step.get();
-                    // SAFETY: the core made these arrays from Vecs (contiguous), the getters
-                    // hand out the same arrays but nothing in the package writes them, the GIL
-                    // is held and the slices do not outlive this call (the core checks that
-                    // they agree in length).
-                    unsafe {
-                        parts.push(TableDeltas {
-                            seq_ids: s.seq_ids.bind(py).as_slice()?,
-                            table_start: s.table_start.bind(py).as_slice()?,
-                            table_version: s.table_version.bind(py).as_slice()?,
-                            table_delta_indptr: s.table_delta_indptr.bind(py).as_slice()?,
-                            table_delta: s.table_delta.bind(py).as_slice()?,
-                        });
-                    }
-                }
-                self.tables
-                    .prepare(&parts, |id| py.detach(|| m.block_table(id)))
-                    .py(py)?
+        for (i, step) in steps.iter().enumerate() {
+            let s = step.get();
+            if s.num_groups != g {
+                let reason = format!("has {} groups; the manager has {g}", s.num_groups);
+                return Err(bad(py, "steps", format!("steps[{i}]"), reason));
             }
-            Manager::Groups(m) => {
-                group_steps = step_list::<PyHybridStepOutput>(steps, "pagedkv.HybridStepOutput")?;
-                let g = self.tables.groups();
-                parts.reserve(group_steps.len());
-                for (i, step) in group_steps.iter().enumerate() {
-                    let s = step.get();
-                    if s.num_groups != g {
-                        let reason = format!("has {} groups; the manager has {g}", s.num_groups);
-                        return Err(bad(py, "steps", format!("steps[{i}]"), reason));
-                    }
-                    // SAFETY: as above (table_start is a C-contiguous [S, G] array).
-                    unsafe {
-                        parts.push(TableDeltas {
-                            seq_ids: s.seq_ids.bind(py).as_slice()?,
-                            table_start: s.table_start.bind(py).as_slice()?,
-                            table_version: s.table_version.bind(py).as_slice()?,
-                            table_delta_indptr: s.table_delta_indptr.bind(py).as_slice()?,
-                            table_delta: s.table_delta.bind(py).as_slice()?,
-                        });
-                    }
-                }
-                self.tables
-                    .prepare_groups(&parts, |id| py.detach(|| m.block_tables(id)))
-                    .py(py)?
+            // SAFETY: the core made these arrays from Vecs (contiguous; table_start is a
+            // C-contiguous [S, G] array), the getters hand out the same arrays but nothing in
+            // the package writes them, the GIL is held and the slices do not outlive this call
+            // (the core checks that they agree in length).
+            unsafe {
+                parts.push(TableDeltas {
+                    seq_ids: s.seq_ids.bind(py).as_slice()?,
+                    table_start: s.table_start.bind(py).as_slice()?,
+                    table_version: s.table_version.bind(py).as_slice()?,
+                    table_delta_indptr: s.table_delta_indptr.bind(py).as_slice()?,
+                    table_delta: s.table_delta.bind(py).as_slice()?,
+                });
             }
-        };
+        }
+        let m = &self.manager;
+        let pending: PendingUpdate<'_> = self
+            .tables
+            .prepare_groups(&parts, |id| py.detach(|| m.block_tables(id)))
+            .py(py)?;
         let g = self.tables.groups();
         if let Some((rows, cols)) = self.tables.grown_shape(&pending) {
             let grown = PyArray3::<i32>::zeros(py, (g, rows, cols), false);
@@ -296,19 +254,11 @@ impl PyBlockTable {
         // w <= cols), and the view keeps the buffer alive as its base object; the buffer is
         // never resized in place (growing replaces it).
         let view = unsafe {
-            match self.manager {
-                Manager::One(_) => {
-                    let v = ArrayView2::from_shape_ptr((n, w).strides((cols, 1)), table.as_ptr());
-                    numpy::PyArray2::borrow_from_array(&v, buffer.into_any()).into_any()
-                }
-                Manager::Groups(_) => {
-                    let v = ArrayView3::from_shape_ptr(
-                        (g, n, w).strides((rows * cols, cols, 1)),
-                        table.as_ptr(),
-                    );
-                    PyArray3::borrow_from_array(&v, buffer.into_any()).into_any()
-                }
-            }
+            let v = ArrayView3::from_shape_ptr(
+                (g, n, w).strides((rows * cols, cols, 1)),
+                table.as_ptr(),
+            );
+            PyArray3::borrow_from_array(&v, buffer.into_any()).into_any()
         };
         self.view = Some((n, w, view.cast::<PyUntypedArray>()?.clone().unbind()));
         Ok(view)

@@ -2,7 +2,7 @@
 //! (the schema serving routers consume). Hashes are 32-byte `bytes`.
 
 use pagedkv_core::events::{KvEvent, Tier};
-use pagedkv_core::{BlockHash, ExtraKey};
+use pagedkv_core::{BlockHash, ExtraKey, GroupEvent};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};
 
@@ -33,6 +33,8 @@ fn extra_key<'py>(py: Python<'py>, key: &ExtraKey) -> PyResult<Bound<'py, PyTupl
 /// block before the first one (None for a sequence's first block). ``extra_keys``: see
 /// ``KVCacheManager.take_events``. ``hash_root`` (32 bytes) names the emitting manager's hash
 /// algorithm and seed -- for ``LLMEngine`` its cache identity -- or is None (vLLM's events).
+/// ``group`` is the KV cache group the blocks belong to (0 with one group); the hashes are the
+/// plain chain hashes of that group's block size.
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "BlockStored")]
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PyBlockStored {
@@ -43,6 +45,7 @@ pub(crate) struct PyBlockStored {
     extra_keys: Vec<ExtraKey>,
     hash_root: Option<BlockHash>,
     tier: Tier,
+    group: u32,
 }
 
 #[pymethods]
@@ -97,29 +100,38 @@ impl PyBlockStored {
         self.tier.name()
     }
 
+    /// The KV cache group the blocks belong to (0 with one group).
+    #[getter]
+    fn group(&self) -> u32 {
+        self.group
+    }
+
     fn __repr__(&self) -> String {
         let short = |h: Option<BlockHash>| {
             h.map(|h| h.to_hex()[..16].to_string())
                 .unwrap_or_else(|| "None".into())
         };
         format!(
-            "BlockStored(blocks={}, block_size={}, parent={}, extra_keys={}, hash_root={}, tier={:?})",
+            "BlockStored(blocks={}, block_size={}, parent={}, extra_keys={}, hash_root={}, tier={:?}, group={})",
             self.hashes.len(),
             self.block_size,
             short(self.parent),
             self.extra_keys.len(),
             short(self.hash_root),
-            self.tier.name()
+            self.tier.name(),
+            self.group
         )
     }
 }
 
 /// Blocks were evicted from the prefix cache: their hashes no longer resolve to them.
+/// ``group`` is the KV cache group they belonged to (0 with one group).
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "BlockRemoved")]
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PyBlockRemoved {
     hashes: Vec<BlockHash>,
     tier: Tier,
+    group: u32,
 }
 
 #[pymethods]
@@ -136,11 +148,18 @@ impl PyBlockRemoved {
         self.tier.name()
     }
 
+    /// The KV cache group the blocks belonged to (0 with one group).
+    #[getter]
+    fn group(&self) -> u32 {
+        self.group
+    }
+
     fn __repr__(&self) -> String {
         format!(
-            "BlockRemoved(blocks={}, tier={:?})",
+            "BlockRemoved(blocks={}, tier={:?}, group={})",
             self.hashes.len(),
-            self.tier.name()
+            self.tier.name(),
+            self.group
         )
     }
 }
@@ -158,6 +177,11 @@ impl PyAllBlocksCleared {
 }
 
 impl PyBlockStored {
+    /// The KV cache group of the event.
+    pub(crate) fn group_index(&self) -> u32 {
+        self.group
+    }
+
     /// The core event this object stands for.
     pub(crate) fn to_core(&self) -> KvEvent {
         KvEvent::BlockStored {
@@ -173,6 +197,11 @@ impl PyBlockStored {
 }
 
 impl PyBlockRemoved {
+    /// The KV cache group of the event.
+    pub(crate) fn group_index(&self) -> u32 {
+        self.group
+    }
+
     /// The core event this object stands for.
     pub(crate) fn to_core(&self) -> KvEvent {
         KvEvent::BlockRemoved {
@@ -182,9 +211,10 @@ impl PyBlockRemoved {
     }
 }
 
-/// One core event as its Python object.
-pub(crate) fn event_object(py: Python<'_>, event: KvEvent) -> PyResult<Py<PyAny>> {
-    Ok(match event {
+/// One core event of a KV cache group (none: group 0) as its Python object.
+pub(crate) fn event_object(py: Python<'_>, event: GroupEvent) -> PyResult<Py<PyAny>> {
+    let group = event.group.unwrap_or(0);
+    Ok(match event.event {
         KvEvent::BlockStored {
             block_hashes,
             parent_block_hash,
@@ -203,6 +233,7 @@ pub(crate) fn event_object(py: Python<'_>, event: KvEvent) -> PyResult<Py<PyAny>
                 extra_keys,
                 hash_root,
                 tier,
+                group,
             },
         )?
         .into_any(),
@@ -211,6 +242,7 @@ pub(crate) fn event_object(py: Python<'_>, event: KvEvent) -> PyResult<Py<PyAny>
             PyBlockRemoved {
                 hashes: block_hashes,
                 tier,
+                group,
             },
         )?
         .into_any(),

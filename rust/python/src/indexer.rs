@@ -8,7 +8,7 @@
 use crate::convert::{bad, bytes_arg, list_items, opt_str, repr, type_name, uint};
 use crate::errors::IntoPyResult;
 use crate::events::{PyAllBlocksCleared, PyBlockRemoved, PyBlockStored};
-use crate::hybrid::PyGroupSpec;
+use crate::groups::PyGroupSpec;
 use crate::manager::call_spec;
 use numpy::PyUntypedArray;
 use pagedkv_core::events::KvEvent;
@@ -100,35 +100,38 @@ fn root_arg(hash_root: Option<&Bound<'_, PyAny>>) -> PyResult<Option<BlockHash>>
     Ok(Some(BlockHash(arr)))
 }
 
-/// A pagedkv event object as the core's event, `None` for anything else.
-fn pagedkv_event(obj: &Bound<'_, PyAny>) -> Option<KvEvent> {
+/// A pagedkv event object as the core's event and the group it names (`None` for
+/// `AllBlocksCleared`), `None` for anything else.
+fn pagedkv_event(obj: &Bound<'_, PyAny>) -> Option<(Option<u64>, KvEvent)> {
     if let Ok(ev) = obj.cast::<PyBlockStored>() {
-        return Some(ev.get().to_core());
+        let ev = ev.get();
+        return Some((Some(u64::from(ev.group_index())), ev.to_core()));
     }
     if let Ok(ev) = obj.cast::<PyBlockRemoved>() {
-        return Some(ev.get().to_core());
+        let ev = ev.get();
+        return Some((Some(u64::from(ev.group_index())), ev.to_core()));
     }
     obj.cast::<PyAllBlocksCleared>()
         .is_ok()
-        .then_some(KvEvent::AllBlocksCleared)
+        .then_some((None, KvEvent::AllBlocksCleared))
 }
 
 /// One event with the KV cache group it names (`None`: unnamed, group 0): a pagedkv event
-/// object as it is, a `(group, event)` pair of one (as `HybridKVCacheManager.take_events`
-/// gives them; group an int >= 0 or None), or a vLLM wire event (a list / tuple whose first
-/// item is the type tag) read by the core's `vllm_event::parse_group_event` (with
-/// `batch_root` as a `BlockStored`'s hash root).
+/// object (its `group`), a `(group, event)` pair of one (group an int >= 0 or None, which
+/// overrides the object's), or a vLLM wire event (a list / tuple whose first item is the
+/// type tag) read by the core's `vllm_event::parse_group_event` (with `batch_root` as a
+/// `BlockStored`'s hash root).
 fn event(
     obj: &Bound<'_, PyAny>,
     i: usize,
     batch_root: Option<BlockHash>,
 ) -> PyResult<(Option<u64>, KvEvent)> {
     if let Some(ev) = pagedkv_event(obj) {
-        return Ok((None, ev));
+        return Ok(ev);
     }
     if let Ok(pair) = obj.cast::<PyTuple>() {
         if pair.len() == 2 {
-            if let Some(ev) = pagedkv_event(&pair.get_item(1)?) {
+            if let Some((_, ev)) = pagedkv_event(&pair.get_item(1)?) {
                 let g = pair.get_item(0)?;
                 let group = if g.is_none() {
                     None
@@ -393,8 +396,9 @@ impl PyKvIndexer {
     /// Applies event batch ``seq`` of ``worker_id``'s registration ``incarnation`` (None: the
     /// current one); returns ``"applied"``, ``"buffered"``, ``"duplicate"``, ``"gap"`` or
     /// ``"stale"`` (an earlier incarnation's). ``hash_root`` is the batch's hash root for wire
-    /// events (which carry none). An event is a pagedkv event object, a ``(group, event)``
-    /// pair of one (``HybridKVCacheManager.take_events``) or a vLLM wire event; only the
+    /// events (which carry none). An event is a pagedkv event object (``KVCacheManager.take_events``;
+    /// its ``group`` names its KV cache group), a ``(group, event)`` pair of one or a vLLM
+    /// wire event; only the
     /// worker's first full-attention KV cache group (see ``add_worker``; an unnamed group is
     /// group 0) and clears are indexed. Raises ``InvalidArgumentError`` (nothing applied) for
     /// a malformed event, or an engine worker's event whose hash root is not the indexer's.

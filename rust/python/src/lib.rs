@@ -11,12 +11,13 @@ mod config;
 mod convert;
 mod errors;
 mod events;
+mod groups;
 mod host_pool;
-mod hybrid;
 mod indexer;
 mod manager;
 mod pool;
 mod stats;
+mod step_output;
 
 use pyo3::prelude::*;
 
@@ -36,8 +37,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_class::<config::PyCacheConfig>()?;
     m.add_class::<manager::PyKvCacheManager>()?;
-    m.add_class::<manager::PySlotAllocation>()?;
-    m.add_class::<manager::PyStepOutput>()?;
+    m.add_class::<step_output::PySlotAllocation>()?;
+    m.add_class::<step_output::PyStepOutput>()?;
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<host_pool::PyHostBlockPool>()?;
     m.add_class::<stats::PyCacheStats>()?;
@@ -46,8 +47,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<events::PyAllBlocksCleared>()?;
     m.add_class::<indexer::PyKvIndexer>()?;
     m.add_class::<block_table::PyBlockTable>()?;
-    m.add_class::<hybrid::PyGroupSpec>()?;
-    m.add_class::<hybrid::PyHybridManager>()?;
-    m.add_class::<hybrid::PyHybridStepOutput>()?;
+    m.add_class::<groups::PyGroupSpec>()?;
     Ok(())
 }

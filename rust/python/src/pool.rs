@@ -5,9 +5,8 @@ use crate::convert::{bad, block_ids, bytes_arg, count, uint};
 use crate::errors::{read_only_pool, to_pyerr, IntoPyResult};
 use numpy::{PyArray1, PyArrayMethods};
 use pagedkv_core::events::EventSink;
-use pagedkv_core::one_group::OneGroupManager;
 use pagedkv_core::pool::BlockPool;
-use pagedkv_core::{BlockHash, BlockId};
+use pagedkv_core::{BlockHash, BlockId, HybridManager};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use std::sync::Arc;
@@ -16,7 +15,7 @@ use std::sync::Arc;
 #[derive(Debug, Clone)]
 enum Owner {
     Standalone(Arc<BlockPool>),
-    Manager(Arc<OneGroupManager>),
+    Manager(Arc<HybridManager>),
 }
 
 /// A pool of ``num_blocks`` fixed-size KV blocks with reference counts, prefix hashes and the
@@ -37,7 +36,7 @@ pub(crate) struct PyBlockPool {
 }
 
 impl PyBlockPool {
-    pub(crate) fn view_of(manager: Arc<OneGroupManager>) -> Self {
+    pub(crate) fn view_of(manager: Arc<HybridManager>) -> Self {
         Self {
             owner: Owner::Manager(manager),
         }

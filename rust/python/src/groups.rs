@@ -1,0 +1,179 @@
+//! `pagedkv.KVCacheGroupSpec`: one KV cache group (full attention, sliding window, chunked
+//! local) of a `CacheConfig`, and the configuration-error helpers its fields share with
+//! `CacheConfig`.
+
+use crate::convert::{repr, type_name, uint};
+use crate::errors::to_pyerr;
+use pagedkv_core::{AttentionKind, Error, GroupSpec};
+use pyo3::prelude::*;
+
+/// An `InvalidConfigError` naming `field`.
+pub(crate) fn config_error(
+    py: Python<'_>,
+    field: &'static str,
+    value: String,
+    reason: &str,
+) -> PyErr {
+    to_pyerr(
+        py,
+        &Error::InvalidConfig {
+            field,
+            value,
+            reason: reason.into(),
+        },
+    )
+}
+
+/// A non-negative int field of a configuration, else `InvalidConfigError` naming it.
+pub(crate) fn config_uint(obj: &Bound<'_, PyAny>, field: &'static str, max: u64) -> PyResult<u64> {
+    uint(obj, field, max).map_err(|_| {
+        config_error(
+            obj.py(),
+            field,
+            repr(obj),
+            &format!("expected an int in 0..={max}"),
+        )
+    })
+}
+
+/// One KV cache group: the attention kind of its layers and its page layout (frozen).
+///
+/// ``kind`` is ``"full"``, ``"sliding_window"`` (``window`` tokens: a query at position ``p``
+/// reads ``(p - window, p]``) or ``"chunked_local"`` (``chunk`` tokens: it reads from
+/// ``floor(p / chunk) * chunk``). ``block_size`` is in tokens; ``bytes_per_token`` is what one
+/// token takes in one layer of the group (``2 * num_kv_heads * head_size * dtype bytes``), so
+/// a page is ``block_size * bytes_per_token`` bytes. Every group of a manager must have the
+/// same page size (checked by ``CacheConfig``).
+///
+/// Raises ``InvalidConfigError`` for an unknown kind, a missing or extra ``window`` /
+/// ``chunk``, or a value that is not a non-negative int.
+#[pyclass(frozen, eq, module = "pagedkv._core", name = "KVCacheGroupSpec")]
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct PyGroupSpec {
+    pub(crate) inner: GroupSpec,
+}
+
+#[pymethods]
+impl PyGroupSpec {
+    #[new]
+    #[pyo3(signature = (kind, block_size, bytes_per_token, *, window = None, chunk = None))]
+    fn new(
+        py: Python<'_>,
+        kind: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        bytes_per_token: &Bound<'_, PyAny>,
+        window: Option<&Bound<'_, PyAny>>,
+        chunk: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let kind_s: String = kind.extract().map_err(|_| {
+            let reason = format!("expected a str, got {}", type_name(kind));
+            config_error(py, "kind", repr(kind), &reason)
+        })?;
+        let bs = config_uint(block_size, "block_size", u64::from(u32::MAX))? as u32;
+        let bpt = config_uint(bytes_per_token, "bytes_per_token", u64::MAX)?;
+        let window = window.filter(|w| !w.is_none());
+        let chunk = chunk.filter(|c| !c.is_none());
+        let span = |o: Option<&Bound<'_, PyAny>>, field: &'static str| -> PyResult<u32> {
+            match o {
+                Some(o) => Ok(config_uint(o, field, u64::from(u32::MAX))? as u32),
+                None => Err(config_error(
+                    py,
+                    field,
+                    "None".into(),
+                    &format!("a {kind_s} group needs {field}"),
+                )),
+            }
+        };
+        let extra = |o: Option<&Bound<'_, PyAny>>, field: &'static str| -> PyResult<()> {
+            match o {
+                Some(o) => Err(config_error(
+                    py,
+                    field,
+                    repr(o),
+                    &format!("a {kind_s} group takes no {field}"),
+                )),
+                None => Ok(()),
+            }
+        };
+        let inner = match kind_s.as_str() {
+            "full" => {
+                extra(window, "window")?;
+                extra(chunk, "chunk")?;
+                GroupSpec::full(bs, bpt)
+            }
+            "sliding_window" => {
+                extra(chunk, "chunk")?;
+                GroupSpec::sliding_window(bs, bpt, span(window, "window")?)
+            }
+            "chunked_local" => {
+                extra(window, "window")?;
+                GroupSpec::chunked_local(bs, bpt, span(chunk, "chunk")?)
+            }
+            _ => {
+                return Err(config_error(
+                    py,
+                    "kind",
+                    format!("{kind_s:?}"),
+                    "expected \"full\", \"sliding_window\" or \"chunked_local\"",
+                ))
+            }
+        };
+        Ok(Self { inner })
+    }
+
+    /// ``"full"``, ``"sliding_window"`` or ``"chunked_local"``.
+    #[getter]
+    fn kind(&self) -> &'static str {
+        self.inner.kind.name()
+    }
+
+    /// Tokens per block.
+    #[getter]
+    fn block_size(&self) -> u32 {
+        self.inner.block_size
+    }
+
+    /// Bytes one token takes in one layer of the group.
+    #[getter]
+    fn bytes_per_token(&self) -> u64 {
+        self.inner.bytes_per_token
+    }
+
+    /// The sliding window in tokens, or None.
+    #[getter]
+    fn window(&self) -> Option<u32> {
+        match self.inner.kind {
+            AttentionKind::SlidingWindow { window } => Some(window),
+            _ => None,
+        }
+    }
+
+    /// The local-attention chunk in tokens, or None.
+    #[getter]
+    fn chunk(&self) -> Option<u32> {
+        match self.inner.kind {
+            AttentionKind::ChunkedLocal { chunk } => Some(chunk),
+            _ => None,
+        }
+    }
+
+    /// Page size in bytes (``block_size * bytes_per_token``; None on overflow).
+    #[getter]
+    fn page_bytes(&self) -> Option<u64> {
+        self.inner.page_bytes()
+    }
+
+    fn __repr__(&self) -> String {
+        let span = match self.inner.kind {
+            AttentionKind::SlidingWindow { window } => format!(", window={window}"),
+            AttentionKind::ChunkedLocal { chunk } => format!(", chunk={chunk}"),
+            AttentionKind::Full => String::new(),
+        };
+        format!(
+            "KVCacheGroupSpec({:?}, block_size={}, bytes_per_token={}{span})",
+            self.inner.kind.name(),
+            self.inner.block_size,
+            self.inner.bytes_per_token
+        )
+    }
+}
