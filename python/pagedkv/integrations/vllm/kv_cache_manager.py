@@ -88,12 +88,21 @@ from pagedkv.integrations.vllm.manager_interface import (
 __all__ = ["PagedKVCacheManager", "group_spec_of", "request_sequence_spec"]
 
 
-def request_sequence_spec(request: Any, lora_ids: dict[str, int]) -> pagedkv.SequenceSpec:
+def request_sequence_spec(request: Any, lora_ids: dict[str, int]) -> pagedkv.SequenceSpec | None:
     """The block identity of a vLLM ``Request`` as a ``pagedkv.SequenceSpec``: its cache salt,
     LoRA adapter (its name; ``lora_ids`` records name -> ``lora_int_id`` for KV events),
     multimodal features (identifier, placeholder offset, length), and, for a request that must
-    not read the prefix cache, a key of its own that nothing else can hit."""
+    not read the prefix cache, a key of its own that nothing else can hit. ``None`` for a
+    request with none of them (its blocks hash by their tokens alone, as under the empty
+    spec; nothing is built for the common case)."""
     lora = request.lora_request
+    if (
+        lora is None
+        and request.cache_salt is None
+        and not request.mm_features
+        and not request.skip_reading_prefix_cache
+    ):
+        return None
     adapter = None
     if lora is not None:
         adapter = lora.lora_name
@@ -405,7 +414,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         if seq is None:
             seq = self._next_seq_id
             spec = request_sequence_spec(request, self._lora_ids)
-            self._kvm.add_sequence(seq, request.all_token_ids[:], spec=spec)
+            self._kvm.add_sequence(seq, request._all_token_ids, spec=spec)
             self._next_seq_id += 1
             self._seq_of[rid] = seq
             self._requests[rid] = request
