@@ -100,11 +100,12 @@ def test_allocate_slots_prefill_and_decode() -> None:
     a = m.allocate_slots(1, 100)
     assert (a.num_scheduled_tokens, a.num_cached_tokens, a.num_context_tokens) == (10, 0, 0)
     assert a.new_block_ids.dtype == np.int32 and a.new_block_ids.tolist() == [1, 2, 3]
-    assert a.copies.dtype == np.int32 and a.copies.shape == (0, 2)
+    assert a.copies.dtype == np.int32 and a.copies.shape == (0, 3)
+    assert a.new_block_indptr.tolist() == [0, 3]
     assert m.block_table(1).tolist() == [1, 2, 3]
     assert m.num_computed_tokens(1) == 10
     m.append_tokens(1, [10, 11, 12])
-    assert m.num_blocks_needed(1, 1) == 0
+    assert m.num_blocks_needed(1, 1) == (0, 0)
     b = m.allocate_slots(1, 1)  # token 10 fills slot 2 of block 3
     assert (b.num_scheduled_tokens, b.num_context_tokens, b.new_block_ids.tolist()) == (1, 10, [])
     c = m.allocate_slots(1, 2)  # tokens 11 (block 3) and 12 (new block 4)
@@ -130,7 +131,7 @@ def test_prefix_cache_hits_and_prediction() -> None:
     m.allocate_slots(1, 100)
     m.add_sequence(2, prompt + [1, 2, 3])
     assert m.lookup_prefix(2) == 8
-    assert m.num_blocks_needed(2, 100) == 2  # blocks 3.. for tokens 8..12; hits are shared
+    assert m.num_blocks_needed(2, 100) == (2, 0)  # blocks 3.. for tokens 8..12; hits are shared
     a = m.allocate_slots(2, 100)
     assert (a.num_cached_tokens, a.num_context_tokens, a.num_scheduled_tokens) == (8, 8, 5)
     assert a.new_block_ids.tolist() == [4, 5]
@@ -150,7 +151,7 @@ def test_prefix_hit_on_freed_cached_blocks_consumes_capacity() -> None:
     assert m.pool.free_queue().tolist() == [3, 4, 5, 6, 7, 2, 1]
     assert m.pool.num_cached_free == 2
     m.add_sequence(2, list(range(9)))
-    assert m.num_blocks_needed(2, 100) == 3  # 2 cached hits on free blocks + 1 fresh
+    assert m.num_blocks_needed(2, 100) == (3, 0)  # 2 cached hits on free blocks + 1 fresh
     a = m.allocate_slots(2, 100)
     assert a.num_cached_tokens == 8 and a.new_block_ids.tolist() == [3]
     assert m.block_table(2).tolist() == [1, 2, 3]
@@ -198,13 +199,13 @@ def test_fork_and_copy_on_write() -> None:
     assert [m.pool.ref_count(b) for b in (1, 2)] == [2, 2]
     assert m.num_computed_tokens(2) == 6 and m.token_ids(2).tolist() == [1, 2, 3, 4, 5, 6]
     m.append_tokens(2, [9])
-    assert m.num_blocks_needed(2, 1) == 1
+    assert m.num_blocks_needed(2, 1) == (1, 0)
     a = m.allocate_slots(2, 1)
-    assert a.copies.tolist() == [[2, 3]] and a.new_block_ids.tolist() == [3]
+    assert a.copies.tolist() == [[0, 2, 3]] and a.new_block_ids.tolist() == [3]
     assert m.block_table(2).tolist() == [1, 3]
     assert [m.pool.ref_count(b) for b in (1, 2, 3)] == [2, 1, 1]
     m.append_tokens(1, [8])  # the parent now owns block 2 alone: no copy
-    assert m.allocate_slots(1, 1).copies.shape == (0, 2)
+    assert m.allocate_slots(1, 1).copies.shape == (0, 3)
     assert m.stats().copies == 1
     m.check_invariants()
 
@@ -317,7 +318,7 @@ def test_step_decode_batch() -> None:
     assert out.new_block_ids.tolist() == [4, 5, 6]
     assert out.slot_mapping.dtype == np.int64 and out.slot_mapping.tolist() == [16, 20, 24]
     assert out.block_table.tolist() == [[1, 4], [2, 5], [3, 6]]
-    assert out.copies.shape == (0, 2)
+    assert out.copies.shape == (0, 3)
     for arr in (
         out.query_start_loc,
         out.seq_lens,
@@ -658,3 +659,79 @@ def test_import_without_torch() -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"
+
+
+# ---------------------------------------------------------------------------------------------
+# One manager for every layout: the config's two forms, the one-group spelling of the results
+
+
+def _two_groups() -> list[pagedkv.KVCacheGroupSpec]:
+    return [pagedkv.KVCacheGroupSpec("full", 4, 8), pagedkv.KVCacheGroupSpec("sliding_window", 4, 8, window=8)]
+
+
+def test_cache_config_one_group_form_implies_one_full_group() -> None:
+    c = CacheConfig(16, 4)
+    assert (c.num_groups, c.layer_groups, c.retention_interval, c.block_size) == (1, [], 0, 4)
+    (g,) = c.groups
+    assert (g.kind, g.block_size, g.window) == ("full", 4, None)
+    # the groups form of the same group is another config (it names its layers)
+    same = CacheConfig(16, groups=[g], layer_groups=[0])
+    assert same != c and same.layer_groups == [0] and same.block_size == 4
+    assert same == CacheConfig(16, 4, groups=(g,), layer_groups=(0,))
+
+
+def test_cache_config_groups_form_fields_and_refusals() -> None:
+    groups = _two_groups()
+    c = CacheConfig(16, groups=groups, layer_groups=[1, 0, 1], retention_interval=8)
+    assert (c.num_groups, c.layer_groups, c.retention_interval, c.block_size) == (2, [1, 0, 1], 8, 4)
+    assert c.groups == groups and "num_groups=2" in repr(c)
+    assert c != CacheConfig(16, groups=groups, layer_groups=[1, 0, 1])  # every field compared
+    refusals = [
+        (lambda: CacheConfig(16), "block_size"),
+        (lambda: CacheConfig(16, 4, layer_groups=[0]), "layer_groups"),
+        (lambda: CacheConfig(16, groups=groups), "layer_groups"),
+        (lambda: CacheConfig(16, 8, groups=groups, layer_groups=[0, 1]), "block_size"),
+        (lambda: CacheConfig(16, groups=groups[0], layer_groups=[0]), "groups"),
+        (lambda: CacheConfig(16, groups=groups, layer_groups=[0]), "layer_groups"),
+        (lambda: CacheConfig(16, groups=groups, layer_groups=[0, 1], retention_interval=6), "retention_interval"),
+    ]
+    for build, field in refusals:
+        with pytest.raises(pagedkv.InvalidConfigError) as info:
+            build()
+        assert info.value.field == field, (field, info.value)
+
+
+def test_one_class_answers_for_every_layout() -> None:
+    one = make(16, 4)
+    two = KVCacheManager(CacheConfig(16, groups=_two_groups(), layer_groups=[0, 1]))
+    for m, g in ((one, 1), (two, 2)):
+        assert type(m) is KVCacheManager and m.num_groups == g == len(m.groups)
+        m.add_sequence(1, list(range(10)))
+        a = m.allocate_slots(1, 10)
+        assert a.new_block_indptr.tolist() == [3 * k for k in range(g + 1)]
+        assert a.new_block_ids.tolist() == [b for t in m.block_tables(1) for b in t.tolist()]
+        assert m.block_table(1, g - 1).tolist() == m.block_tables(1)[g - 1].tolist()
+        m.append_tokens(1, [5])
+        # the 11th token fits the third block of every group; the window (2, 10] still reads block 0
+        assert m.num_blocks_needed_per_group(1, 1) == [(0, 0)] * g and m.num_blocks_needed(1, 1) == (0, 0)
+        out = m.step([1], 1)
+        assert (out.num_groups, out.slot_mappings.shape, out.block_tables.shape) == (g, (g, 1), (g, 1, 0))
+        assert out.table_start.shape == (1, g) and out.new_block_indptr.size == g + 1
+        with pytest.raises(pagedkv.InvalidArgumentError, match="group"):
+            m.block_table(1, g)
+    out = one.step([1], 1, [[6]], block_table=True)
+    assert out.slot_mapping.tolist() == out.slot_mappings[0].tolist() == [one.block_table(1)[2] * 4 + 3]
+    assert np.shares_memory(out.slot_mapping, out.slot_mappings) and np.shares_memory(out.block_table, out.block_tables)
+    assert out.block_table.tolist() == [one.block_table(1).tolist()]
+    out = two.step([1], 1, [[6]], block_table=True)
+    for name in ("slot_mapping", "block_table"):
+        with pytest.raises(pagedkv.InvalidArgumentError, match=f"2 KV cache groups: use {name}s\\[g\\]"):
+            getattr(out, name)
+
+
+def test_hybrid_kv_cache_manager_is_a_deprecated_alias() -> None:
+    groups = _two_groups()
+    with pytest.warns(DeprecationWarning, match="HybridKVCacheManager is deprecated"):
+        m = pagedkv.HybridKVCacheManager(groups, [0, 1], 16, retention_interval=8, enable_events=True)
+    assert type(m) is KVCacheManager
+    assert m.config == CacheConfig(16, groups=groups, layer_groups=[0, 1], retention_interval=8, enable_events=True)

@@ -21,14 +21,23 @@ def make(num_blocks: int = 32, block_size: int = 4, **kw: object) -> KVCacheMana
     return KVCacheManager(CacheConfig(num_blocks, block_size, **kw))  # type: ignore[arg-type]
 
 
-def step(m: KVCacheManager, tables: BlockTable, seqs: list[int], n: int | list[int], appends=None):
-    """One step through both paths; returns the kept table after checking it."""
+def step_groups(m: KVCacheManager, tables: BlockTable, seqs: list[int], n: int | list[int], appends=None):
+    """One step through both paths; returns the kept ``[G, S, W]`` tables (``G = 1``) after
+    checking them."""
     out = m.step(np.array(seqs, np.uint64), n, appends, block_table=True)
     out.raise_for_error()
-    kept = tables.update([out])
+    kept3 = tables.update([out])
+    assert kept3.shape[0] == 1 and kept3.tolist() == out.block_tables.tolist()  # one group
+    kept = kept3[0]
     assert kept.tolist() == out.block_table.tolist()
     assert kept.tolist() == [t + [0] * (kept.shape[1] - len(t)) for t in (m.block_table(s).tolist() for s in seqs)]
-    return out, kept
+    return out, kept3
+
+
+def step(m: KVCacheManager, tables: BlockTable, seqs: list[int], n: int | list[int], appends=None):
+    """One step through both paths; returns the one group's kept table after checking it."""
+    out, kept3 = step_groups(m, tables, seqs, n, appends)
+    return out, kept3[0]
 
 
 def test_decode_deltas_carry_only_new_blocks() -> None:
@@ -37,13 +46,13 @@ def test_decode_deltas_carry_only_new_blocks() -> None:
     for s in (1, 2, 3):
         m.add_sequence(s, [s] * 4)
     out, kept = step(m, tables, [1, 2, 3], 4)
-    assert out.table_start.tolist() == [0, 0, 0] and out.table_version.tolist() == [1, 1, 1]
+    assert out.table_start.tolist() == [[0], [0], [0]] and out.table_version.tolist() == [1, 1, 1]
     out, kept = step(m, tables, [1, 2, 3], 1, np.array([7, 8, 9]))
     # each sequence starts block 2: its delta is that one block, from logical block 1
-    assert out.table_start.tolist() == [1, 1, 1] and out.table_version.tolist() == [2, 2, 2]
+    assert out.table_start.tolist() == [[1], [1], [1]] and out.table_version.tolist() == [2, 2, 2]
     assert out.table_delta.tolist() == out.new_block_ids.tolist()
     out, kept = step(m, tables, [1, 2, 3], 1, np.array([1, 2, 3]))
-    assert out.table_delta.size == 0 and out.table_start.tolist() == [2, 2, 2]
+    assert out.table_delta.size == 0 and out.table_start.tolist() == [[2], [2], [2]]
     assert tables.num_table_reads == 0
 
 
@@ -56,8 +65,8 @@ def test_copy_on_write_rewrites_the_last_entry() -> None:
     # the child is new to the outputs: its whole table comes; the parent's shared last block
     # is copied on write, so its delta rewrites logical block 1
     out, kept = step(m, tables, [1, 2], 1, np.array([7, 8]))
-    assert out.copies.shape == (1, 2)  # the child then holds its block alone
-    assert out.table_start.tolist() == [1, 0]
+    assert out.copies.shape == (1, 3) and out.copies[0, 0] == 0  # the child then holds its block alone
+    assert out.table_start.tolist() == [[1], [0]]
     assert tables.num_table_reads == 0
 
 
@@ -69,7 +78,7 @@ def test_preempted_sequence_comes_back_shorter_zero_padded() -> None:
     step(m, tables, [1, 2], 20)  # seq 1: 5 blocks
     m.preempt([1])
     out, kept = step(m, tables, [1, 2], [4, 1], [[], [5]])  # seq 1 restarts with 1 block
-    assert out.table_start.tolist() == [0, 1]
+    assert out.table_start.tolist() == [[0], [1]]
     assert kept.shape == (2, 1)
     # no stale entries: once the other sequence's table is wider, seq 1's row (now 2 blocks)
     # shows the null block where its pre-preemption blocks 2..4 were
@@ -88,7 +97,7 @@ def test_swap_in_rewrites_the_whole_table() -> None:
     step(m, tables, [2], 12)  # takes the blocks seq 1 gave up
     m.swap_in([1])
     out, kept = step(m, tables, [1, 2], 1, [[], [1]])
-    assert out.table_start.tolist()[0] == 0
+    assert out.table_start.tolist()[0] == [0]
 
 
 def test_a_skipped_output_makes_the_table_read_whole() -> None:
@@ -98,10 +107,10 @@ def test_a_skipped_output_makes_the_table_read_whole() -> None:
     step(m, tables, [1], 6)
     m.fork(1, 2)
     skipped = m.step(np.array([1], np.uint64), 1, np.array([7]))  # COW of block 1, not applied
-    assert skipped.table_start.tolist() == [1]
+    assert skipped.table_start.tolist() == [[1]]
     out, kept = step(m, tables, [1], 1, np.array([8]))
     # the version check catches the gap: the delta alone would keep the pre-COW block
-    assert out.table_start.tolist() == [2] and tables.num_table_reads == 1
+    assert out.table_start.tolist() == [[2]] and tables.num_table_reads == 1
 
 
 def test_absent_sequences_are_released_and_read_back() -> None:
@@ -125,8 +134,8 @@ def test_several_outputs_of_one_scheduler_step_merge_in_order() -> None:
     a = m.step(np.array([1, 2], np.uint64), 5, block_table=True)
     b = m.step(np.array([3], np.uint64), 5, block_table=True)
     kept = tables.update([a, b])
-    assert kept.tolist() == [m.block_table(s).tolist() for s in (1, 2, 3)]
-    assert tables.update([]).shape == (0, 1)
+    assert kept.tolist() == [[m.block_table(s).tolist() for s in (1, 2, 3)]]
+    assert tables.update([]).shape == (1, 0, 1)
     with pytest.raises(InvalidArgumentError, match="scheduled twice"):
         tables.update([a, a])
 
@@ -176,7 +185,7 @@ def test_refused_updates_change_nothing() -> None:
     for s in (1, 2):
         m.add_sequence(s, [s] * 5)
     first = m.step(np.array([1, 2], np.uint64), 5)
-    kept = tables.update(first).tolist()
+    kept = tables.update(first)[0].tolist()
     dup = m.step(np.array([1], np.uint64), 1, np.array([7]))
     with pytest.raises(InvalidArgumentError, match="scheduled twice"):
         tables.update([dup, dup])
@@ -189,10 +198,10 @@ def test_refused_updates_change_nothing() -> None:
         tables.update([late])
     assert (tables.num_rows, tables.num_table_reads) == (2, 0)
     # the state is intact: the next real outputs still apply as deltas
-    assert skipped.table_start.tolist() == [0]
+    assert skipped.table_start.tolist() == [[0]]
     out = m.step(np.array([2, 1], np.uint64), 1, np.array([5, 6]))
     got = tables.update(out)
-    assert got.tolist() == [m.block_table(2).tolist(), m.block_table(1).tolist()]
+    assert got.tolist() == [[m.block_table(2).tolist(), m.block_table(1).tolist()]]
     assert kept == [m.block_table(1).tolist(), m.block_table(2).tolist()]
     assert tables.num_table_reads == 1  # seq 1's output `dup` was never applied
 
@@ -211,14 +220,14 @@ def test_rows_follow_the_batch_order_and_the_result_is_a_reused_view() -> None:
         assert kept.dtype == np.int32 and kept.shape[0] == len(batch)
     assert tables.num_table_reads == 0
     # the same batch shape again: the very same array, its contents updated in place
-    out, a = step(m, tables, batch, 1, [[1]] * len(batch))
-    out, b = step(m, tables, batch, 1, [[1]] * len(batch))
+    out, a = step_groups(m, tables, batch, 1, [[1]] * len(batch))
+    out, b = step_groups(m, tables, batch, 1, [[1]] * len(batch))
     assert a is b
     # a wider table replaces the buffer; the last view keeps the old one (and its contents)
     before = b.tolist()
     m.append_tokens(batch[0], [2] * 200)
-    out, c = step(m, tables, batch, [200] + [0] * (len(batch) - 1))
-    assert c is not b and c.shape[1] > b.shape[1] and b.tolist() == before
+    out, c = step_groups(m, tables, batch, [200] + [0] * (len(batch) - 1))
+    assert c is not b and c.shape[2] > b.shape[2] and b.tolist() == before
 
 
 def test_step_output_reports_its_longest_sequence_and_query() -> None:
@@ -250,7 +259,7 @@ def test_batch_tensors_reuse_the_table_tensor_while_the_shape_holds() -> None:
     c = BatchTensors.from_steps(m.step(seqs, 1, np.array([7, 8])), "cpu", block_tables=tables)
     assert c.block_table is not b.block_table and c.block_table.shape == (2, 3)  # a third block
     assert c.block_table.tolist() == [m.block_table(s).tolist() for s in (1, 2)]
-    assert c.copies.dtype == torch.int32 and c.copies.shape == (0, 2)
+    assert c.copies.dtype == torch.int32 and c.copies.shape == (0, 3)
     assert (c.max_seq_len, c.max_query_len) == (9, 1)
 
 
@@ -271,7 +280,7 @@ def test_a_reused_sequence_id_never_takes_a_delta_meant_for_its_new_sequence() -
     m.step(np.array([1], np.uint64), 6)  # the new sequence's whole table: skipped
     assert not set(m.block_table(1).tolist()) & set(freed)
     out, kept = step(m, tables, [1], 1, np.array([7]))  # an empty delta from logical block 2
-    assert out.table_start.tolist() == [2] and out.table_version.tolist() == [4]
+    assert out.table_start.tolist() == [[2]] and out.table_version.tolist() == [4]
     assert tables.num_table_reads == 1
     # versions keep rising for every new sequence: a fork child starts above them too
     m.fork(1, 3)

@@ -37,14 +37,15 @@ def test_step_without_block_table_schedules_the_same() -> None:
     m.add_sequence(1, list(range(4)))
     m.add_sequence(2, [100, 101, 102])
     out = m.step([1, 2], [4, 3])  # the default: tables as deltas only
-    assert out.block_table.shape == (0, 0) and out.block_table.dtype == np.int32
-    assert out.table_start.tolist() == [0, 0] and out.table_delta.tolist() == [1, 2]
+    assert out.block_table.shape == (2, 0) and out.block_table.dtype == np.int32
+    assert out.block_tables.shape == (1, 2, 0)
+    assert out.table_start.tolist() == [[0], [0]] and out.table_delta.tolist() == [1, 2]
     assert out.new_block_ids.tolist() == [1, 2] and out.new_block_indptr.tolist() == [0, 1, 2]
     assert out.slot_mapping.tolist() == [4, 5, 6, 7, 8, 9, 10]
     # the next decode opens a new block for seq 1 only; the tables are the ones a full step shows
     out = m.step([1, 2], 1, append_token_ids=np.array([7, 8]), block_table=False)
     assert out.new_block_ids.tolist() == [3] and out.new_block_indptr.tolist() == [0, 1, 1]
-    assert out.context_lens.tolist() == [4, 3] and out.block_table.shape == (0, 0)
+    assert out.context_lens.tolist() == [4, 3] and out.block_table.shape == (2, 0)
     assert m.block_table(1).tolist() == [1, 3] and m.block_table(2).tolist() == [2]
 
 

@@ -3,7 +3,8 @@
 An allocation that evicts more cached blocks than the host tier holds hands out at most one
 store per host block: those the tier's eviction policy keeps. Before, every evicted block got
 a store and later stores of the same output overwrote earlier ones (60 ``host_stores`` rows
-onto 8 host blocks, 52 device-to-host copies wasted). Both managers, both eviction policies.
+onto 8 host blocks, 52 device-to-host copies wasted). One group and two, both eviction
+policies.
 """
 
 from __future__ import annotations
@@ -43,25 +44,32 @@ def test_one_step_output_stores_at_most_the_host_blocks(eviction: str) -> None:
     stores = out.host_stores.tolist()
     # Before the fix: 60 rows onto 8 distinct host blocks.
     assert len(stores) == HOST
-    assert len({h for _, h in stores}) == HOST, "a host block stored twice in one output"
+    assert {g for g, _, _ in stores} == {0}  # one group
+    assert len({h for _, _, h in stores}) == HOST, "a host block stored twice in one output"
     # The policy keeps the last 8 offered: A's first 8 blocks (evicted tail first).
-    assert [d for d, _ in stores] == a_table[:8][::-1]
+    assert [d for _, d, _ in stores] == a_table[:8][::-1]
     assert m.stats().host_stores_blocks == HOST
     # They come back as host hits of A, loaded from the host blocks they were stored to.
     m.free(2)
     m.add_sequence(3, a)
     assert m.lookup_prefix(3) == 8 * BS
     out = m.step([3], [60 * BS])
-    assert [h for h, _ in out.host_loads.tolist()] == [h for _, h in stores][::-1]
+    assert [h for _, h, _ in out.host_loads.tolist()] == [h for _, _, h in stores][::-1]
     m.check_invariants()
 
 
 @pytest.mark.parametrize("eviction", pagedkv.HOST_EVICTIONS)
-def test_one_step_output_stores_at_most_the_host_blocks_hybrid(eviction: str) -> None:
+def test_one_step_output_stores_at_most_the_host_blocks_two_groups(eviction: str) -> None:
     groups = [KVCacheGroupSpec("full", BS, 8), KVCacheGroupSpec("full", BS, 8)]
-    m = pagedkv.HybridKVCacheManager(
-        groups, [0, 1], 127, num_host_blocks=HOST, host_admission_min_seen=1, host_eviction=eviction
+    cfg = pagedkv.CacheConfig(
+        127,
+        groups=groups,
+        layer_groups=[0, 1],
+        num_host_blocks=HOST,
+        host_admission_min_seen=1,
+        host_eviction=eviction,
     )
+    m = pagedkv.KVCacheManager(cfg)
     m.add_sequence(1, toks(30 * BS, 1))
     assert m.step([1], [30 * BS]).error is None  # 30 cached blocks per group
     m.free(1)

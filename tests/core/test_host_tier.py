@@ -22,7 +22,8 @@ def manager(num_blocks: int = 4, host: int = 8, min_seen: int = 1) -> pagedkv.KV
 
 
 def empty_step(m: pagedkv.KVCacheManager) -> tuple[list[list[int]], list[list[int]]]:
-    """An empty step (the executor ran the previous plans); its host stores and loads."""
+    """An empty step (the executor ran the previous plans); its host stores and loads
+    (``(group, src, dst)`` rows)."""
     out = m.step([], [])
     assert out.error is None
     return out.host_stores.tolist(), out.host_loads.tolist()
@@ -30,7 +31,7 @@ def empty_step(m: pagedkv.KVCacheManager) -> tuple[list[list[int]], list[list[in
 
 def a_evicted_to_host(m: pagedkv.KVCacheManager) -> list[list[int]]:
     """A computed and freed, then B computed: B evicts A's two cached blocks (2, then 1).
-    Returns the host stores of B's step."""
+    Returns the host stores of B's step (``(group, device, host)`` rows)."""
     m.add_sequence(1, A)
     m.step([1], [9])
     empty_step(m)
@@ -47,11 +48,11 @@ def test_an_evicted_prefix_comes_back_as_host_loads() -> None:
     m = manager()
     # A's deepest block (device 2) went to host block 0, its first (device 1) to host 1, in
     # the output of the step whose allocation evicted them.
-    assert a_evicted_to_host(m) == [[2, 0], [1, 1]]
+    assert a_evicted_to_host(m) == [[0, 2, 0], [0, 1, 1]]
     assert empty_step(m) == ([], [])
     m.add_sequence(3, A)
     assert m.lookup_prefix(3) == 8
-    assert m.num_blocks_needed(3, 9) == 3  # two loads + one fresh block
+    assert m.num_blocks_needed(3, 9) == (3, 0)  # two loads + one fresh block
     assert m.num_blocks_owed([3]) == 3
     out = m.step([3], [9])
     assert out.num_cached_tokens.tolist() == [8]
@@ -60,8 +61,8 @@ def test_an_evicted_prefix_comes_back_as_host_loads() -> None:
     assert out.host_loads.dtype == np.int32
     # Host 1 (A's first block) into device 1, host 0 into device 2; B's evicted blocks are
     # stored to host 2 and 3 in the same output, ahead of the loads.
-    assert out.host_loads.tolist() == [[1, 1], [0, 2]]
-    assert out.host_stores.tolist() == [[2, 2], [3, 3]]
+    assert out.host_loads.tolist() == [[0, 1, 1], [0, 0, 2]]
+    assert out.host_stores.tolist() == [[0, 2, 2], [0, 3, 3]]
     assert out.slot_mapping.tolist() == [3 * 4]  # the one recomputed token, in block 3
     s = m.stats()
     assert (s.host_hits_tokens, s.prefix_hits_tokens, s.host_loads_blocks, s.host_stores_blocks) == (8, 8, 2, 4)
@@ -97,13 +98,13 @@ def test_host_eviction_is_lru_and_announced() -> None:
     # Two host blocks: A's two blocks fill them; B's evicted blocks then replace A's
     # (least recently stored first: A's deepest block went in first).
     m = manager(host=2)
-    assert a_evicted_to_host(m) == [[2, 0], [1, 1]]
+    assert a_evicted_to_host(m) == [[0, 2, 0], [0, 1, 1]]
     m.take_events()
     m.add_sequence(3, [30, 31, 32, 33, 34])
     empty_step(m)
     out = m.step([3], [5])  # takes block 1 (uncached), then evicts B's deepest block 2
     assert m.block_table(3).tolist() == [1, 2]
-    assert out.host_stores.tolist() == [[2, 0]]
+    assert out.host_stores.tolist() == [[0, 2, 0]]
     hb = pagedkv.KVIndexer(4).block_hashes(B)
     ha = pagedkv.KVIndexer(4).block_hashes(A)
     ev = m.take_events()
@@ -135,7 +136,7 @@ def test_a_one_off_scan_flushes_a_reused_prefix_under_lru_only(eviction: str, hi
     run_once(m, 2, B)
     m.add_sequence(3, A)
     assert m.lookup_prefix(3) == 8
-    assert m.step([3], [9]).host_loads.shape == (2, 2)
+    assert m.step([3], [9]).host_loads.shape == (2, 3)
     empty_step(m)
     m.free(3)
     for i in range(6):
@@ -154,14 +155,14 @@ def test_host_hits_count_first_lookups_and_loads_count_every_copy() -> None:
     m = manager()
     a_evicted_to_host(m)
     m.add_sequence(3, A)
-    assert m.step([3], [9]).host_loads.tolist() == [[1, 1], [0, 2]]
+    assert m.step([3], [9]).host_loads.tolist() == [[0, 1, 1], [0, 0, 2]]
     empty_step(m)
     s = m.stats()
     assert (s.host_hits_tokens, s.prefix_hits_tokens, s.host_loads_blocks) == (8, 8, 2)
     m.preempt([3])
     run_once(m, 4, list(range(21, 30)))  # evicts A's blocks from the device again
     out = m.step([3], [9])  # the resume finds A on host and loads it again
-    assert out.host_loads.tolist() == [[1, 1], [0, 2]] and out.num_cached_tokens.tolist() == [8]
+    assert out.host_loads.tolist() == [[0, 1, 1], [0, 0, 2]] and out.num_cached_tokens.tolist() == [8]
     empty_step(m)
     s = m.stats()
     assert (s.host_hits_tokens, s.prefix_hits_tokens, s.host_loads_blocks) == (8, 8, 4)
@@ -179,7 +180,7 @@ def test_stores_only_after_the_admission_count() -> None:
     m.free(3)
     m.add_sequence(4, B)
     # A's two blocks are stored now; B (computed once before) is not.
-    assert m.step([4], [9]).host_stores.tolist() == [[2, 0], [1, 1]]
+    assert m.step([4], [9]).host_stores.tolist() == [[0, 2, 0], [0, 1, 1]]
     m.add_sequence(5, A)
     assert m.lookup_prefix(5) == 8
 
@@ -192,7 +193,7 @@ def test_a_pool_that_fits_one_request_with_its_loads_runs_it() -> None:
     m.add_sequence(4, [50, 51])
     m.step([4], [2])
     before = (m.stats(), m.pool.free_queue().tolist(), m.block_table(3).tolist())
-    assert m.num_blocks_needed(3, 9) == 3 and m.stats().free == 2
+    assert m.num_blocks_needed(3, 9) == (3, 0) and m.stats().free == 2
     out = m.step([3], [9])
     assert isinstance(out.error, E.OutOfBlocksError)
     assert (out.error.requested, out.error.available) == (3, 2)
@@ -200,7 +201,7 @@ def test_a_pool_that_fits_one_request_with_its_loads_runs_it() -> None:
     assert empty_step(m) == ([], [])
     m.check_invariants()
     m.free(4)
-    assert m.num_blocks_needed(3, 9) == m.stats().free == 3
+    assert m.num_blocks_needed(3, 9) == (m.stats().free, 0) == (3, 0)
     out = m.step([3], [9])
     out.raise_for_error()
     assert out.num_cached_tokens.tolist() == [8]
@@ -215,20 +216,20 @@ def test_a_host_block_being_loaded_is_pinned_until_the_next_step_returns() -> No
     empty_step(m)
     m.free(1)
     m.add_sequence(2, c)
-    assert m.step([2], [20]).host_stores.tolist() == [[1, 0]]  # A's first block -> host 0
+    assert m.step([2], [20]).host_stores.tolist() == [[0, 1, 0]]  # A's first block -> host 0
     m.free(2)
     m.add_sequence(3, A[:5])
     m.add_sequence(4, [60, 61, 62, 63, 64])
     out = m.step([3, 4], [5, 5])
     # The load pins host block 0: the evictions of this step store nothing.
-    assert (out.host_stores.tolist(), out.host_loads.tolist()) == ([], [[0, 1]])
+    assert (out.host_stores.tolist(), out.host_loads.tolist()) == ([], [[0, 0, 1]])
     m.free(4)
     m.add_sequence(5, [70, 71, 72, 73, 74])
     out = m.step([5], [5])
     assert out.host_stores.tolist() == []  # pinned until this step returned
     m.free(5)
     m.add_sequence(6, [80, 81, 82, 83, 84])
-    assert m.step([6], [5]).host_stores.tolist() == [[4, 0]]
+    assert m.step([6], [5]).host_stores.tolist() == [[0, 4, 0]]
     m.check_invariants()
 
 
@@ -242,14 +243,14 @@ def test_take_host_transfers_serves_callers_outside_step() -> None:
     m.allocate_slots(2, 9)  # evicts A's blocks outside step
     m.free(2)
     stores, loads = m.take_host_transfers()
-    assert (stores.tolist(), loads.tolist()) == ([[2, 0], [1, 1]], [])
-    assert stores.dtype == np.int32 and loads.shape == (0, 2)
+    assert (stores.tolist(), loads.tolist()) == ([[0, 2, 0], [0, 1, 1]], [])
+    assert stores.dtype == np.int32 and loads.shape == (0, 3)
     m.add_sequence(3, A)
     a = m.allocate_slots(3, 9)
     assert (a.num_cached_tokens, a.new_block_ids.tolist()) == (8, [1, 2, 3])
     stores, loads = m.take_host_transfers()
-    assert loads.tolist() == [[1, 1], [0, 2]]
-    assert m.take_host_transfers()[1].shape == (0, 2)
+    assert loads.tolist() == [[0, 1, 1], [0, 0, 2]]
+    assert m.take_host_transfers()[1].shape == (0, 3)
 
 
 def test_reset_clears_the_host_tier_and_waits_for_planned_loads() -> None:
@@ -307,7 +308,7 @@ def test_without_a_host_tier_nothing_changes() -> None:
     m.free(1)
     m.add_sequence(2, B)
     out = m.step([2], [9])
-    assert out.host_stores.shape == (0, 2) and out.host_loads.shape == (0, 2)
+    assert out.host_stores.shape == (0, 3) and out.host_loads.shape == (0, 3)
     s = m.stats()
     assert (s.num_host_blocks, s.host_used, s.host_hits_tokens, s.host_stores_blocks) == (0, 0, 0, 0)
 

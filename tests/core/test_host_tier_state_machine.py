@@ -96,7 +96,8 @@ class HostTierMachine(RuleBasedStateMachine):
         """Runs a step output's plans in the executor's order (host stores, the swaps since
         the previous step in call order, host loads, copies, forward), then checks the KV
         model."""
-        for d, h in out.host_stores.tolist():
+        for g, d, h in out.host_stores.tolist():
+            assert g == 0  # one group
             self.host[h] = self.device.get(d, (None, ()))
         for kind, a, b in self.swaps:
             if kind == "out":
@@ -104,9 +105,11 @@ class HostTierMachine(RuleBasedStateMachine):
             else:
                 self.device[b] = self.cpu.get(a, (None, ()))
         self.swaps = []
-        for h, d in out.host_loads.tolist():
+        for g, h, d in out.host_loads.tolist():
+            assert g == 0
             self.device[d] = self.host.get(h, (None, ()))
-        for src, dst in out.copies.tolist():
+        for g, src, dst in out.copies.tolist():
+            assert g == 0
             self.device[dst] = self.device.get(src, (None, ()))
         m = self.m
         for k in range(out.num_scheduled):
@@ -127,6 +130,7 @@ class HostTierMachine(RuleBasedStateMachine):
             if isinstance(e, pagedkv.AllBlocksCleared):
                 self.resolvable = {"device": set(), "host": set()}
                 continue
+            assert e.group == 0  # one group
             got = self.resolvable[e.tier]
             for h in e.block_hashes:
                 if isinstance(e, pagedkv.BlockStored):
@@ -158,9 +162,10 @@ class HostTierMachine(RuleBasedStateMachine):
             m.append_tokens(i, [9 + t for t in appended])
         first = m.num_computed_tokens(i) == 0 and len(m.block_table(i)) == 0
         try:
-            predicted = m.num_blocks_needed(i, n)
+            predicted, release = m.num_blocks_needed(i, n)
         except E.InvalidArgumentError:
             return  # nothing left to compute
+        assert release == 0  # a full-attention group releases nothing
         lookup = m.lookup_prefix(i) if first else 0
         before = self.snapshot()
         free = m.stats().free
@@ -284,7 +289,7 @@ class HostTierMachine(RuleBasedStateMachine):
         assert m.pool.num_free == m.pool.num_blocks - 1
         m.reset_prefix_cache()
         assert m.stats().host_used == 0
-        assert np.asarray(m.take_host_transfers()[1]).shape == (0, 2)
+        assert np.asarray(m.take_host_transfers()[1]).shape == (0, 3)
 
 
 TestHostTierStateMachine = HostTierMachine.TestCase

@@ -1,4 +1,4 @@
-"""KV cache groups through the Python API: ``pagedkv.HybridKVCacheManager``.
+"""KV cache groups through the Python API: ``pagedkv.KVCacheManager`` with ``CacheConfig(groups=...)``.
 
 A hypothesis ``RuleBasedStateMachine`` drives random group layouts (full attention, sliding
 window, chunked local, mixed block sizes) through adds with shared prefixes, batched ``step``
@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 import pagedkv
-from pagedkv import HybridKVCacheManager, KVCacheGroupSpec
+from pagedkv import CacheConfig, KVCacheGroupSpec, KVCacheManager
 
 LAYOUTS = [
     # Gemma 3-like: five sliding layers per full one.
@@ -82,13 +82,15 @@ class HybridMachine(RuleBasedStateMachine):
         groups, layers = LAYOUTS[layout]
         specs = [spec(*g) for g in groups]
         unit = int(np.lcm.reduce([g.block_size for g in specs]))
-        self.m = HybridKVCacheManager(
-            specs,
-            layers,
-            num_blocks,
-            enable_prefix_caching=caching,
-            retention_interval=2 * unit if sparse else 0,
-            num_cpu_blocks=16,
+        self.m = KVCacheManager(
+            CacheConfig(
+                num_blocks,
+                groups=specs,
+                layer_groups=layers,
+                enable_prefix_caching=caching,
+                retention_interval=2 * unit if sparse else 0,
+                num_cpu_blocks=16,
+            )
         )
         assert self.m.hit_unit == unit
         self.groups = specs
@@ -140,7 +142,7 @@ class HybridMachine(RuleBasedStateMachine):
                     predicted = None
         free0 = self.m.num_free_blocks
         appends = np.full(len(chosen), 3, dtype=np.int64) if append else None
-        out = self.m.step(np.array(chosen, dtype=np.uint64), n, appends)
+        out = self.m.step(np.array(chosen, dtype=np.uint64), n, appends, block_table=True)
         assert out.num_groups == len(self.groups)
         k = out.num_scheduled
         assert out.seq_ids.tolist() == chosen[:k]
@@ -151,9 +153,9 @@ class HybridMachine(RuleBasedStateMachine):
             if k == 1:
                 assert free0 - self.m.num_free_blocks == take - release
         t = out.num_tokens
-        assert out.slot_mapping.shape == (len(self.groups), t)
-        assert out.block_table.shape[:2] == (len(self.groups), k)
-        assert out.block_table.flags["C_CONTIGUOUS"] and out.slot_mapping.flags["C_CONTIGUOUS"]
+        assert out.slot_mappings.shape == (len(self.groups), t)
+        assert out.block_tables.shape[:2] == (len(self.groups), k)
+        assert out.block_tables.flags["C_CONTIGUOUS"] and out.slot_mappings.flags["C_CONTIGUOUS"]
         qsl = out.query_start_loc
         for j, sid in enumerate(chosen[:k]):
             s = self.seqs[sid]
@@ -169,10 +171,10 @@ class HybridMachine(RuleBasedStateMachine):
             s.computed, s.last_context, s.status = ctx + q, ctx, "running"
             for g, group in enumerate(self.groups):
                 bs = group.block_size
-                row = out.block_table[g, j]
+                row = out.block_tables[g, j]
                 pos = np.arange(ctx, ctx + q)
                 want = row[pos // bs].astype(np.int64) * bs + pos % bs
-                assert np.array_equal(out.slot_mapping[g, qsl[j] : qsl[j + 1]], want)
+                assert np.array_equal(out.slot_mappings[g, qsl[j] : qsl[j + 1]], want)
                 assert (row[pos // bs] != pagedkv.NULL_BLOCK).all()
         if k < len(chosen) and append:
             # The failed sequence kept its tokens as they were.
@@ -302,17 +304,23 @@ TestHybridMachine.settings = settings(max_examples=120, stateful_step_count=40, 
 def test_bad_group_specs_are_typed_errors() -> None:
     full = KVCacheGroupSpec("full", 4, 8)
     cases: list[Callable[[], Any]] = [
-        lambda: HybridKVCacheManager([full, KVCacheGroupSpec("sliding_window", 4, 16, window=4)], [0, 1], 16),
-        lambda: HybridKVCacheManager([KVCacheGroupSpec("sliding_window", 4, 8, window=0)], [0], 16),
-        lambda: HybridKVCacheManager([KVCacheGroupSpec("chunked_local", 4, 8, chunk=0)], [0], 16),
-        lambda: HybridKVCacheManager([full], [0, 1], 16),
-        lambda: HybridKVCacheManager([full, full], [0], 16),
-        lambda: HybridKVCacheManager([], [], 16),
-        lambda: HybridKVCacheManager([full], [0], 16, retention_interval=6),
-        lambda: HybridKVCacheManager([full], [0], 1),
-        lambda: HybridKVCacheManager([full], [0], 16, hash_algo="md5"),
-        lambda: HybridKVCacheManager([full], [0], 16, enable_events=1),  # type: ignore[arg-type]
-        lambda: HybridKVCacheManager(["full"], [0], 16),  # type: ignore[list-item]
+        lambda: KVCacheManager(
+            CacheConfig(16, groups=[full, KVCacheGroupSpec("sliding_window", 4, 16, window=4)], layer_groups=[0, 1])
+        ),
+        lambda: KVCacheManager(
+            CacheConfig(16, groups=[KVCacheGroupSpec("sliding_window", 4, 8, window=0)], layer_groups=[0])
+        ),
+        lambda: KVCacheManager(
+            CacheConfig(16, groups=[KVCacheGroupSpec("chunked_local", 4, 8, chunk=0)], layer_groups=[0])
+        ),
+        lambda: KVCacheManager(CacheConfig(16, groups=[full], layer_groups=[0, 1])),
+        lambda: KVCacheManager(CacheConfig(16, groups=[full, full], layer_groups=[0])),
+        lambda: KVCacheManager(CacheConfig(16, groups=[], layer_groups=[])),
+        lambda: KVCacheManager(CacheConfig(16, groups=[full], layer_groups=[0], retention_interval=6)),
+        lambda: KVCacheManager(CacheConfig(1, groups=[full], layer_groups=[0])),
+        lambda: KVCacheManager(CacheConfig(16, groups=[full], layer_groups=[0], hash_algo="md5")),
+        lambda: KVCacheManager(CacheConfig(16, groups=[full], layer_groups=[0], enable_events=1)),  # type: ignore[arg-type]
+        lambda: KVCacheManager(CacheConfig(16, groups=["full"], layer_groups=[0])),  # type: ignore[list-item]
         lambda: KVCacheGroupSpec("sliding_window", 4, 8),
         lambda: KVCacheGroupSpec("full", 4, 8, window=3),
         lambda: KVCacheGroupSpec("global", 4, 8),
@@ -325,16 +333,24 @@ def test_bad_group_specs_are_typed_errors() -> None:
 
 
 def test_page_sizes_not_block_sizes_must_agree() -> None:
-    m = HybridKVCacheManager(
-        [KVCacheGroupSpec("full", 8, 4), KVCacheGroupSpec("sliding_window", 4, 8, window=4)], [0, 1], 16
+    m = KVCacheManager(
+        CacheConfig(
+            16,
+            groups=[KVCacheGroupSpec("full", 8, 4), KVCacheGroupSpec("sliding_window", 4, 8, window=4)],
+            layer_groups=[0, 1],
+        )
     )
     assert m.hit_unit == 8
     assert [g.page_bytes for g in m.groups] == [32, 32]
 
 
 def test_bad_calls_are_typed_and_change_nothing() -> None:
-    m = HybridKVCacheManager(
-        [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=4)], [0, 1], 8
+    m = KVCacheManager(
+        CacheConfig(
+            8,
+            groups=[KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=4)],
+            layer_groups=[0, 1],
+        )
     )
     m.add_sequence(1, list(range(9)))
     with pytest.raises(pagedkv.SequenceExistsError):
@@ -345,7 +361,7 @@ def test_bad_calls_are_typed_and_change_nothing() -> None:
         m.lookup_prefix(5)
     with pytest.raises(pagedkv.InvalidArgumentError):
         m.step([1], [1, 2])
-    out = m.step([1, 1], 1)
+    out = m.step([1, 1], 1, block_table=True)
     assert out.num_scheduled == 0 and isinstance(out.error, pagedkv.InvalidArgumentError)
     # 3 blocks per group for 9 tokens: 6 of the 7 usable pages.
     take, release = m.num_blocks_needed(1, 9)
@@ -353,7 +369,7 @@ def test_bad_calls_are_typed_and_change_nothing() -> None:
     assert m.num_blocks_needed_per_group(1, 9) == [(3, 0), (3, 0)]
     m.add_sequence(2, list(range(100, 120)))
     before = m.num_free_blocks
-    out = m.step([1, 2], 20)
+    out = m.step([1, 2], 20, block_table=True)
     assert out.num_scheduled == 1 and isinstance(out.error, pagedkv.OutOfBlocksError)
     assert before - m.num_free_blocks == 6
     with pytest.raises(pagedkv.OutOfBlocksError):
@@ -365,64 +381,77 @@ def test_bad_calls_are_typed_and_change_nothing() -> None:
 
 def test_step_output_is_zero_copy_to_torch() -> None:
     torch = pytest.importorskip("torch")
-    m = HybridKVCacheManager(
-        [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=4)], [0, 1], 32
+    m = KVCacheManager(
+        CacheConfig(
+            32,
+            groups=[KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=4)],
+            layer_groups=[0, 1],
+        )
     )
     m.add_sequence(1, list(range(13)))
-    out = m.step([1], 13)
-    bt = torch.from_numpy(out.block_table)
-    sm = torch.from_numpy(out.slot_mapping)
-    assert bt.data_ptr() == out.block_table.ctypes.data and bt.shape == (2, 1, 4)
-    assert sm.data_ptr() == out.slot_mapping.ctypes.data and sm.dtype == torch.int64
+    out = m.step([1], 13, block_table=True)
+    bt = torch.from_numpy(out.block_tables)
+    sm = torch.from_numpy(out.slot_mappings)
+    assert bt.data_ptr() == out.block_tables.ctypes.data and bt.shape == (2, 1, 4)
+    assert sm.data_ptr() == out.slot_mappings.ctypes.data and sm.dtype == torch.int64
     # Decode past the window: the sliding group's released entries read as the null block.
     for _ in range(8):
-        out = m.step([1], 1, np.array([7]))
-    assert out.block_table[1, 0, :3].tolist() == [0, 0, 0]
-    assert (out.block_table[0, 0] != 0).all()
+        out = m.step([1], 1, np.array([7]), block_table=True)
+    assert out.block_tables[1, 0, :3].tolist() == [0, 0, 0]
+    assert (out.block_tables[0, 0] != 0).all()
     assert m.num_blocks_held(1) == [6, 2]
 
 
 def test_events_name_the_group() -> None:
-    m = HybridKVCacheManager(
-        [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=4)],
-        [0, 1],
-        32,
-        enable_events=True,
+    m = KVCacheManager(
+        CacheConfig(
+            32,
+            groups=[KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=4)],
+            layer_groups=[0, 1],
+            enable_events=True,
+        )
     )
     m.add_sequence(1, list(range(9)))
     m.step([1], 9)
     events = m.take_events()
-    stored = [(g, e) for g, e in events if isinstance(e, pagedkv.BlockStored)]
-    assert sorted(g for g, _ in stored if g is not None) == [0, 1]
-    hashes = {g: e.block_hashes for g, e in stored}
+    stored = [e for e in events if isinstance(e, pagedkv.BlockStored)]
+    assert sorted(e.group for e in stored) == [0, 1]
+    assert [e.group for e in stored] == [0, 1] and "group=1" in repr(stored[1])
+    hashes = {e.group: e.block_hashes for e in stored}
     assert hashes[0] == hashes[1] and len(hashes[0]) == 2
     m.free(1)
     m.reset_prefix_cache()
-    assert [(g, type(e).__name__) for g, e in m.take_events()] == [(None, "AllBlocksCleared")]
+    events = m.take_events()
+    assert [type(e).__name__ for e in events] == ["AllBlocksCleared"]
+    assert not hasattr(events[0], "group")
 
 
 def test_group_batch_tensors_from_steps() -> None:
     torch = pytest.importorskip("torch")
     from pagedkv.tensors import BatchTensors
 
-    m = HybridKVCacheManager(
-        [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=4)], [0, 1], 64
+    m = KVCacheManager(
+        CacheConfig(
+            64,
+            groups=[KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=4)],
+            layer_groups=[0, 1],
+        )
     )
     m.add_sequence(1, list(range(10)))
     m.add_sequence(2, list(range(100, 103)))
-    running = m.step([1], 10)
+    running = m.step([1], 10, block_table=True)
     one = BatchTensors.from_steps(running)
     assert one.num_groups == 2
-    assert one.block_tables.data_ptr() == running.block_table.ctypes.data  # no host copy
+    assert one.block_tables.data_ptr() == running.block_tables.ctypes.data  # no host copy
     assert one.positions.tolist() == list(range(10))
-    admitted = m.step([2], 3)
+    admitted = m.step([2], 3, block_table=True)
     both = BatchTensors.from_steps([running, admitted], device=None)
     assert both.block_tables.shape == (2, 2, 3)
-    assert both.block_tables[:, 0].tolist() == running.block_table[:, 0].tolist()
-    assert both.block_tables[:, 1, :1].tolist() == admitted.block_table[:, 0].tolist()
+    assert both.block_tables[:, 0].tolist() == running.block_tables[:, 0].tolist()
+    assert both.block_tables[:, 1, :1].tolist() == admitted.block_tables[:, 0].tolist()
     assert (both.block_tables[:, 1, 1:] == 0).all()
     assert both.slot_mappings.shape == (2, 13)
-    assert both.slot_mappings[:, 10:].tolist() == admitted.slot_mapping.tolist()
+    assert both.slot_mappings[:, 10:].tolist() == admitted.slot_mappings.tolist()
     with pytest.raises(pagedkv.InvalidArgumentError, match="slot_mappings"):
         _ = both.slot_mapping  # several groups: no one-group view
     with pytest.raises(pagedkv.InvalidArgumentError, match="block_tables"):
@@ -439,19 +468,21 @@ def test_reset_drops_the_hashes_of_swapped_out_blocks() -> None:
     """issue 22.5 in every KV cache group: a request swapped out across ``reset_prefix_cache``
     comes back with KV that predates the reset, so swap-in neither caches nor announces it, and
     a new request with the same prompt misses; a recompute preemption caches it again."""
-    m = HybridKVCacheManager(
-        [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=8)],
-        [0, 1],
-        64,
-        num_cpu_blocks=32,
-        enable_events=True,
+    m = KVCacheManager(
+        CacheConfig(
+            64,
+            groups=[KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=8)],
+            layer_groups=[0, 1],
+            num_cpu_blocks=32,
+            enable_events=True,
+        )
     )
     prompt = list(range(1, 19))
     m.add_sequence(1, prompt)
     m.step([1], 18).raise_for_error()
     m.swap_out([1])
     m.reset_prefix_cache()
-    assert [(g, type(e).__name__) for g, e in m.take_events()][-1] == (None, "AllBlocksCleared")
+    assert type(m.take_events()[-1]).__name__ == "AllBlocksCleared"
     m.swap_in([1])
     assert m.take_events() == []
     m.add_sequence(2, prompt)
@@ -459,7 +490,7 @@ def test_reset_drops_the_hashes_of_swapped_out_blocks() -> None:
     m.append_tokens(1, [90])
     m.step([1], 1).raise_for_error()
     assert m.take_events() == []
-    out = m.step([2], 18)
+    out = m.step([2], 18, block_table=True)
     out.raise_for_error()
     assert out.num_cached_tokens.tolist() == [0]
     m.check_invariants()

@@ -3,8 +3,9 @@
 The one-group machine of tests/core/test_host_tier_state_machine.py (its rules: adds with shared
 prefixes and cache salts, single and batched steps with appends, whole requests served one
 after another, frees, recompute and swap preemption, swap-ins, resets, empty steps) drives a
-``pagedkv.HybridKVCacheManager`` instead: a full-attention group and a sliding-window or
-chunked-local group (tests/core/test_hybrid_groups.py's layouts) over a small device pool, a small
+``pagedkv.KVCacheManager`` through the group-shaped executor instead: a full-attention group
+and a sliding-window or chunked-local group (tests/core/test_hybrid_groups.py's layouts), or the
+one-group ``CacheConfig(num_blocks, block_size)``, over a small device pool, a small
 host tier (LRU or ARC) and dense or sparse retention. The executor model keeps, per group
 cache and per block, the token prefix (and salt) whose KV it holds, and runs each step
 output in the executor's order: host stores ``(group, device, host)``, the swaps since the
@@ -34,13 +35,12 @@ LAYOUTS = [
     ([("full", 4, 8, None), ("sliding_window", 4, 8, 6)], [1, 1, 0]),
     ([("full", 4, 8, None), ("sliding_window", 4, 8, 9)], [1, 0]),
     ([("full", 4, 8, None), ("chunked_local", 4, 8, 8)], [1, 0]),
+    None,  # CacheConfig(num_blocks, 4): the one-group form through the group-shaped executor
 ]
 
 
 class HybridHostTierMachine(HostTierMachine):
     """The one-group host-tier machine over KV cache groups (per-group KV model)."""
-
-    m: pagedkv.HybridKVCacheManager  # type: ignore[assignment]
 
     @initialize(
         layout=st.sampled_from(LAYOUTS),
@@ -53,7 +53,7 @@ class HybridHostTierMachine(HostTierMachine):
     )
     def setup(  # type: ignore[override]
         self,
-        layout: tuple[list[tuple[str, int, int, int | None]], list[int]],
+        layout: tuple[list[tuple[str, int, int, int | None]], list[int]] | None,
         num_blocks: int,
         num_host: int,
         min_seen: int,
@@ -61,11 +61,13 @@ class HybridHostTierMachine(HostTierMachine):
         eviction: str,
         retention: int,
     ) -> None:
-        groups, layers = layout
-        self.m = pagedkv.HybridKVCacheManager(
-            [spec(*g) for g in groups],
-            layers,
+        shape: dict[str, Any] = {"block_size": 4}
+        if layout is not None:
+            groups, layers = layout
+            shape = {"groups": [spec(*g) for g in groups], "layer_groups": layers}
+        cfg = pagedkv.CacheConfig(
             num_blocks,
+            **shape,
             retention_interval=retention,
             num_cpu_blocks=6,
             num_host_blocks=num_host,
@@ -73,6 +75,7 @@ class HybridHostTierMachine(HostTierMachine):
             host_eviction=eviction,
             enable_events=events,
         )
+        self.m = pagedkv.KVCacheManager(cfg)
         self.groups = self.m.groups
         self.salt: dict[int, Any] = {}
         self.tokens: dict[int, list[int]] = {}
@@ -128,11 +131,11 @@ class HybridHostTierMachine(HostTierMachine):
                     assert table[j] != 0 and got == want, (seq, g, j, table[j], got, want)
 
     def drain_events(self) -> None:
-        for group, e in self.m.take_events():
+        for e in self.m.take_events():
             if isinstance(e, pagedkv.AllBlocksCleared):
                 self.resolvable = {}
                 continue
-            got = self.resolvable.setdefault((e.tier, group), set())
+            got = self.resolvable.setdefault((e.tier, e.group), set())
             for h in e.block_hashes:
                 if isinstance(e, pagedkv.BlockStored):
                     assert h not in got, "BlockStored twice while resolvable"
@@ -213,7 +216,9 @@ def test_a_multi_turn_conversation_is_served_from_the_host_tier() -> None:
     both groups (the window group's only for its window), every one into the block the new
     turn's table names, and the host figures count them."""
     g = [spec("full", 4, 8, None), spec("sliding_window", 4, 8, 6)]
-    m = pagedkv.HybridKVCacheManager(g, [1, 0], 9, num_host_blocks=16, host_admission_min_seen=1)
+    m = pagedkv.KVCacheManager(
+        pagedkv.CacheConfig(9, groups=g, layer_groups=[1, 0], num_host_blocks=16, host_admission_min_seen=1)
+    )
     turn = list(range(1, 14))
     m.add_sequence(1, turn)
     m.step([1], [13])

@@ -1,4 +1,4 @@
-"""Speculative decoding's verify steps on ``pagedkv.HybridKVCacheManager`` (docs/design.md,
+"""Speculative decoding's verify steps on ``pagedkv.KVCacheManager`` with KV cache groups (docs/design.md,
 "Speculative decoding" and "KV cache groups").
 
 A sliding-window group must keep the block that a verify step's first query row reads past the
@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 
 import pagedkv
-from pagedkv import HybridKVCacheManager, KVCacheGroupSpec
+from pagedkv import CacheConfig, KVCacheGroupSpec, KVCacheManager
 
 BS = 16
 
 
-def _manager(window: int, num_blocks: int = 64) -> HybridKVCacheManager:
+def _manager(window: int, num_blocks: int = 64) -> KVCacheManager:
     groups = [KVCacheGroupSpec("full", BS, 8), KVCacheGroupSpec("sliding_window", BS, 8, window=window)]
-    return HybridKVCacheManager(groups, [0, 1, 1], num_blocks)
+    return KVCacheManager(CacheConfig(num_blocks, groups=groups, layer_groups=[0, 1, 1]))
 
 
 def _first_read(group: KVCacheGroupSpec, p: int) -> int:
@@ -35,22 +35,22 @@ def _tokens(n: int, salt: int) -> list[int]:
     return [i * 7 + salt * 1000 + 1 for i in range(n)]
 
 
-def _assert_reads_backed(m: HybridKVCacheManager, out: pagedkv.HybridStepOutput) -> None:
+def _assert_reads_backed(m: KVCacheManager, out: pagedkv.StepOutput) -> None:
     """Every position each query row reads is in a live block of its group's table, and each
     row's slot lies in the block its table names."""
     out.raise_for_error()
     qsl, ctx = out.query_start_loc, out.context_lens
     for k in range(out.num_scheduled):
         for g, group in enumerate(m.groups):
-            row = out.block_table[g, k]
+            row = out.block_tables[g, k]
             for i in range(int(qsl[k + 1] - qsl[k])):
                 p = int(ctx[k]) + i
                 read = np.arange(_first_read(group, p), p + 1)
                 assert (row[read // BS] != 0).all(), f"group {g}: row {i} (position {p}) reads a released block"
-                assert out.slot_mapping[g, qsl[k] + i] == row[p // BS] * BS + p % BS
+                assert out.slot_mappings[g, qsl[k] + i] == row[p // BS] * BS + p % BS
 
 
-def _live(m: HybridKVCacheManager, seq: int, g: int) -> tuple[int, int]:
+def _live(m: KVCacheManager, seq: int, g: int) -> tuple[int, int]:
     """(first live entry, table length) of group ``g``'s table: null before, real after."""
     t = m.block_tables(seq)[g]
     first = int(np.argmax(t != 0)) if (t != 0).any() else len(t)
@@ -64,7 +64,7 @@ def test_verify_step_keeps_the_block_its_first_row_reads() -> None:
     m = _manager(32)
     m.add_sequence(1, _tokens(110, 1))
     m.step([1], 512).raise_for_error()
-    out = m.step([1], 1, [[5]], draft_token_ids=[[6, 7, 8, 9]])
+    out = m.step([1], 1, [[5]], draft_token_ids=[[6, 7, 8, 9]], block_table=True)
     _assert_reads_backed(m, out)
     assert out.num_draft_tokens.tolist() == [4]
     assert out.input_ids.tolist() == [5, 6, 7, 8, 9]
@@ -81,7 +81,7 @@ def test_verify_step_keeps_the_block_its_first_row_reads() -> None:
     assert _live(m, 1, 1) == (4, 7)
     m.check_invariants()
     # The next verify reads from 80: block 4 goes at that step, not before.
-    out = m.step([1], 1, [[10]], draft_token_ids=[[11, 12, 13]])
+    out = m.step([1], 1, [[10]], draft_token_ids=[[11, 12, 13]], block_table=True)
     _assert_reads_backed(m, out)
     assert _live(m, 1, 1) == (5, 8)
     m.accept_drafts(1, 3)
@@ -101,7 +101,7 @@ def test_every_offset_and_acceptance_keeps_reads_backed(window: int, k: int) -> 
             m.add_sequence(1, _tokens(n, 2))
             m.step([1], 512).raise_for_error()
             drafts = list(range(100, 100 + k))
-            _assert_reads_backed(m, m.step([1], 1, [[99]], draft_token_ids=[drafts]))
+            _assert_reads_backed(m, m.step([1], 1, [[99]], draft_token_ids=[drafts], block_table=True))
             assert _live(m, 1, 1) == (_first_read(group, n) // BS, -(-(n + 1 + k) // BS))
             free = m.num_free_blocks
             released = m.accept_drafts(1, accepted)
@@ -111,7 +111,7 @@ def test_every_offset_and_acceptance_keeps_reads_backed(window: int, k: int) -> 
             assert m.num_free_blocks == free + 2 * gone
             assert _live(m, 1, 1)[0] == _first_read(group, n) // BS  # nothing left the window
             m.check_invariants()
-            out = m.step([1], 1, [[98]], draft_token_ids=[drafts])
+            out = m.step([1], 1, [[98]], draft_token_ids=[drafts], block_table=True)
             assert out.context_lens.tolist() == [end]
             _assert_reads_backed(m, out)
             assert _live(m, 1, 1)[0] == _first_read(group, end) // BS
@@ -126,14 +126,14 @@ def test_a_batch_mixes_verify_steps_decodes_and_a_prefill() -> None:
     for seq, n in ((1, 70), (2, 93), (3, 30)):
         m.add_sequence(seq, _tokens(n, seq))
     m.step([1, 2], 512).raise_for_error()
-    out = m.step([1, 2, 3], [1, 1, 512], [[5], [6], []], draft_token_ids=[[7, 8, 9], [], []])
+    out = m.step([1, 2, 3], [1, 1, 512], [[5], [6], []], draft_token_ids=[[7, 8, 9], [], []], block_table=True)
     _assert_reads_backed(m, out)
     assert out.num_draft_tokens.tolist() == [3, 0, 0]
     assert np.diff(out.query_start_loc).tolist() == [4, 1, 30]
     assert [m.num_draft_tokens(s) for s in (1, 2, 3)] == [3, 0, 0]
     m.check_invariants()
     m.accept_drafts(1, 2)
-    out = m.step([1, 2, 3], 1, [[4], [4], [4]], draft_token_ids=[[1], [2, 3], [5, 6, 7, 8]])
+    out = m.step([1, 2, 3], 1, [[4], [4], [4]], draft_token_ids=[[1], [2, 3], [5, 6, 7, 8]], block_table=True)
     _assert_reads_backed(m, out)
     for s, k in ((1, 1), (2, 2), (3, 4)):
         m.accept_drafts(s, k)
@@ -150,7 +150,7 @@ def test_kept_lookahead_blocks_are_filled_first() -> None:
     assert all((a == b).all() for a, b in zip(m.block_tables(1), tables))
     m.check_invariants()
     free = m.num_free_blocks
-    out = m.step([1], 1, [[10]], draft_token_ids=[[11]])
+    out = m.step([1], 1, [[10]], draft_token_ids=[[11]], block_table=True)
     _assert_reads_backed(m, out)
     assert out.new_block_ids.tolist() == []  # the kept block 7 takes slot 112
     assert m.num_free_blocks == free + 1  # block 4 left the window

@@ -1,7 +1,8 @@
-"""Per-group block-table deltas of ``HybridKVCacheManager.step`` and their consumer,
+"""Per-group block-table deltas of ``KVCacheManager.step`` and their consumer,
 ``pagedkv.tensors.BlockTable`` / ``BatchTensors.from_steps(..., block_tables=...)``.
 
-A hypothesis state machine drives random group layouts through adds with shared prefixes,
+A hypothesis state machine drives random group layouts (the one-group configuration
+``CacheConfig(num_blocks, block_size)`` among them: one code path for every layout) through adds with shared prefixes,
 batched steps (prefill chunks, decodes with appends, verify steps with drafts then
 ``accept_drafts`` releasing or keeping the lookahead blocks), forks, frees, recompute and swap
 preemption and swap-in. After every step: each (sequence, group) delta applied to a mirror of
@@ -21,13 +22,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import pagedkv
-from pagedkv import HybridKVCacheManager, KVCacheGroupSpec
+from pagedkv import CacheConfig, KVCacheGroupSpec, KVCacheManager
 from pagedkv.tensors import BatchTensors, BlockTable
 
 LAYOUTS = [
     ([("full", 4, None), ("sliding_window", 4, 6)], [1, 1, 0]),
     ([("full", 4, None), ("chunked_local", 4, 8)], [1, 0]),
     ([("full", 2, None), ("sliding_window", 2, 3), ("sliding_window", 2, 9), ("chunked_local", 2, 6)], [0, 1, 2, 3]),
+    None,  # CacheConfig(num_blocks, 4): one full-attention group, the one-group form
 ]
 
 
@@ -53,16 +55,21 @@ def dense(tables: list[list[np.ndarray]]) -> np.ndarray:
 class TableDeltas(RuleBasedStateMachine):
     @initialize(layout=st.sampled_from(LAYOUTS), num_blocks=st.integers(24, 80), retention=st.sampled_from([0, 4]))
     def setup(self, layout, num_blocks: int, retention: int) -> None:
-        groups, layers = layout
         unit = 4
-        self.m = HybridKVCacheManager(
-            [spec(*g) for g in groups],
-            layers,
-            num_blocks,
-            retention_interval=retention if retention % unit == 0 else 0,
-            num_cpu_blocks=64,
-        )
-        self.g = len(groups)
+        if layout is None:
+            self.m = KVCacheManager(CacheConfig(num_blocks, 4, retention_interval=retention, num_cpu_blocks=64))
+        else:
+            groups, layers = layout
+            self.m = KVCacheManager(
+                CacheConfig(
+                    num_blocks,
+                    groups=[spec(*g) for g in groups],
+                    layer_groups=layers,
+                    retention_interval=retention if retention % unit == 0 else 0,
+                    num_cpu_blocks=64,
+                )
+            )
+        self.g = self.m.num_groups
         self.mirror: dict[int, tuple[int, list[np.ndarray]]] = {}  # seq -> (version, tables)
         self.every = BlockTable(self.m, rows=1, width=1)
         self.some = BlockTable(self.m, rows=2, width=3)
@@ -87,7 +94,7 @@ class TableDeltas(RuleBasedStateMachine):
         self.seqs.add(self.next_id)
         self.next_id += 1
 
-    def _check_step(self, out: pagedkv.HybridStepOutput, dense_on: bool, fed_some: bool) -> None:
+    def _check_step(self, out: pagedkv.StepOutput, dense_on: bool, fed_some: bool) -> None:
         s, g = out.num_scheduled, self.g
         ids = out.seq_ids.tolist()
         assert out.table_start.shape == (s, g)
@@ -108,12 +115,12 @@ class TableDeltas(RuleBasedStateMachine):
             self.mirror[sid] = (int(out.table_version[k]), new)
         want = dense([self.m.block_tables(sid) for sid in ids])
         if dense_on:
-            np.testing.assert_array_equal(out.block_table, want)
+            np.testing.assert_array_equal(out.block_tables, want)
         got = self.every.update(out)
         np.testing.assert_array_equal(got, want)
         if fed_some:
             np.testing.assert_array_equal(self.some.update(out), want)
-        if dense_on and out.slot_mapping.shape[1] == out.num_tokens:
+        if dense_on and out.slot_mappings.shape[1] == out.num_tokens:
             a = BatchTensors.from_steps(out, None)
             b = BatchTensors.from_steps(out, None, block_tables=self.some if fed_some else BlockTable(self.m))
             np.testing.assert_array_equal(a.block_tables, b.block_tables)
@@ -152,7 +159,7 @@ class TableDeltas(RuleBasedStateMachine):
         if not live:
             return
         s = data.draw(st.sampled_from(live))
-        out = self.m.step([s], 1, [[5]], draft_token_ids=[[9] * k])
+        out = self.m.step([s], 1, [[5]], draft_token_ids=[[9] * k], block_table=True)
         if out.num_scheduled:
             self.drafted.add(s)
             self._check_step(out, True, True)
@@ -219,13 +226,17 @@ def test_decode_delta_is_the_new_block_and_a_release_nulls_its_entries() -> None
     """Gemma-like pair (full + window 32, block 16): a decode step that fills no block reports
     nothing; one that crosses into a new block reports that block; the step whose context
     leaves a window block reports the released entries as 0 from the first released on."""
-    m = HybridKVCacheManager(
-        [KVCacheGroupSpec("full", 16, 8), KVCacheGroupSpec("sliding_window", 16, 8, window=32)], [0, 1], 64
+    m = KVCacheManager(
+        CacheConfig(
+            64,
+            groups=[KVCacheGroupSpec("full", 16, 8), KVCacheGroupSpec("sliding_window", 16, 8, window=32)],
+            layer_groups=[0, 1],
+        )
     )
     m.add_sequence(1, list(range(64)))
     first = m.step([1], 64, block_table=False, token_arrays=False)
     assert first.table_start.tolist() == [[0, 0]]
-    assert first.block_table.shape == (0, 0, 0) and first.slot_mapping.shape == (2, 0)
+    assert first.block_tables.shape == (2, 1, 0) and first.slot_mappings.shape == (2, 0)
     np.testing.assert_array_equal(first.table_delta, np.concatenate(m.block_tables(1)))
     out = m.step([1], 1, np.array([5]), block_table=False)
     # the decode at position 64 needs block 4 in both groups; the window (33..64] released block 0 and 1
@@ -238,7 +249,7 @@ def test_decode_delta_is_the_new_block_and_a_release_nulls_its_entries() -> None
 
 
 def test_flags_are_typed() -> None:
-    m = HybridKVCacheManager([KVCacheGroupSpec("full", 4, 8)], [0], 8)
+    m = KVCacheManager(CacheConfig(8, groups=[KVCacheGroupSpec("full", 4, 8)], layer_groups=[0]))
     m.add_sequence(1, [1, 2, 3])
     with pytest.raises(pagedkv.InvalidArgumentError):
         m.step([1], 3, block_table=0)
@@ -248,7 +259,7 @@ def test_flags_are_typed() -> None:
 
 
 def test_from_steps_refuses_a_step_without_what_it_needs() -> None:
-    m = HybridKVCacheManager([KVCacheGroupSpec("full", 4, 8)], [0], 8)
+    m = KVCacheManager(CacheConfig(8, groups=[KVCacheGroupSpec("full", 4, 8)], layer_groups=[0]))
     m.add_sequence(1, [1, 2, 3])
     out = m.step([1], 3, block_table=False)
     with pytest.raises(pagedkv.InvalidArgumentError, match="block_tables"):
@@ -266,7 +277,7 @@ def test_reserve_blocks_is_an_admission_watermark() -> None:
     release`` (``num_blocks_needed``'s figures); a refusal is an ``OutOfBlocksError`` in
     ``error`` counting the reserve, with nothing changed."""
     groups = [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=6)]
-    m = HybridKVCacheManager(groups, [0, 1], 21)  # 20 usable blocks
+    m = KVCacheManager(CacheConfig(21, groups=groups, layer_groups=[0, 1]))  # 20 usable blocks
     m.add_sequence(1, list(range(40)))
     take, release = m.num_blocks_needed(1, 40)
     free = m.num_free_blocks
@@ -280,7 +291,7 @@ def test_reserve_blocks_is_an_admission_watermark() -> None:
     out = m.step([1], 40, reserve_blocks=0)
     assert out.num_scheduled == 1 and m.num_free_blocks == 0
     # A chunk whose releases pay for it passes the same watermark.
-    m2 = HybridKVCacheManager(groups, [0, 1], 41)
+    m2 = KVCacheManager(CacheConfig(41, groups=groups, layer_groups=[0, 1]))
     m2.add_sequence(1, list(range(80)))
     m2.step([1], 40)
     take, release = m2.num_blocks_needed(1, 8)
@@ -293,15 +304,19 @@ def test_reserve_blocks_is_an_admission_watermark() -> None:
         m2.step([1], 8, reserve_blocks=-1)
 
 
-def _gemma_like() -> HybridKVCacheManager:
+def _gemma_like() -> KVCacheManager:
     """Full attention and a sliding window of 8 tokens, block size 4."""
-    return HybridKVCacheManager(
-        [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=8)], [0, 1], 64
+    return KVCacheManager(
+        CacheConfig(
+            64,
+            groups=[KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=8)],
+            layer_groups=[0, 1],
+        )
     )
 
 
 def test_block_table_keeps_every_group_from_the_deltas_in_one_buffer() -> None:
-    """``BlockTable`` over a ``HybridKVCacheManager``: ``int32[G, S, W]`` equal to the steps'
+    """``BlockTable`` over a manager of two groups: ``int32[G, S, W]`` equal to the steps'
     dense tables, decode deltas applied without reading a table, rows following the batch
     order, and the same array object while the batch keeps its shape."""
     m = _gemma_like()
@@ -309,14 +324,14 @@ def test_block_table_keeps_every_group_from_the_deltas_in_one_buffer() -> None:
     assert (tables.num_groups, tables.num_rows) == (2, 0)
     for s in (1, 2, 3):
         m.add_sequence(s, list(range(s * 10, s * 10 + 4 * s)))
-    out = m.step([1, 2, 3], [4, 8, 12])
-    np.testing.assert_array_equal(tables.update(out), out.block_table)
+    out = m.step([1, 2, 3], [4, 8, 12], block_table=True)
+    np.testing.assert_array_equal(tables.update(out), out.block_tables)
     views = []
     for i in range(10):
         batch = [1, 2, 3] if i % 4 else [3, 1, 2]
-        out = m.step(batch, 1, [[7]] * 3)
+        out = m.step(batch, 1, [[7]] * 3, block_table=True)
         got = tables.update(out)
-        np.testing.assert_array_equal(got, out.block_table)
+        np.testing.assert_array_equal(got, out.block_tables)
         views.append(got)
     assert tables.num_table_reads == 0 and tables.num_rows == 3
     assert (views[-1][1] == 0).any(), "the window released blocks: null entries applied"
@@ -325,33 +340,41 @@ def test_block_table_keeps_every_group_from_the_deltas_in_one_buffer() -> None:
     assert "num_groups=2" in repr(tables)
 
 
-def test_block_table_refuses_outputs_of_another_kind_of_manager() -> None:
-    """A one-group ``BlockTable`` takes ``StepOutput`` only, a hybrid one ``HybridStepOutput``
-    of its group count only; each refusal is an ``InvalidArgumentError`` and changes nothing."""
+def test_block_table_refuses_outputs_of_another_group_count() -> None:
+    """A ``BlockTable`` takes ``StepOutput`` s of its manager's group count only; each refusal
+    is an ``InvalidArgumentError`` and changes nothing."""
     m = _gemma_like()
     one = pagedkv.KVCacheManager(pagedkv.CacheConfig(16, 4))
-    three = HybridKVCacheManager(
-        [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=8)] * 1
-        + [KVCacheGroupSpec("chunked_local", 4, 8, chunk=8)],
-        [0, 1, 2],
-        64,
+    three = KVCacheManager(
+        CacheConfig(
+            64,
+            groups=[KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=8)] * 1
+            + [KVCacheGroupSpec("chunked_local", 4, 8, chunk=8)],
+            layer_groups=[0, 1, 2],
+        )
     )
     for mgr in (m, one, three):
         mgr.add_sequence(1, [1, 2, 3, 4, 5])
-    hybrid_out, one_out, three_out = m.step([1], 5), one.step(np.array([1], np.uint64), 5), three.step([1], 5)
+    hybrid_out, one_out, three_out = (
+        m.step([1], 5, block_table=True),
+        one.step(np.array([1], np.uint64), 5),
+        three.step([1], 5),
+    )
     group_tables, one_tables = BlockTable(m), BlockTable(one)
-    with pytest.raises(pagedkv.InvalidArgumentError, match="HybridStepOutput"):
-        group_tables.update(one_out)  # type: ignore[arg-type]
-    with pytest.raises(pagedkv.InvalidArgumentError, match="StepOutput"):
-        one_tables.update(hybrid_out)  # type: ignore[arg-type]
+    with pytest.raises(pagedkv.InvalidArgumentError, match="1 groups; the manager has 2"):
+        group_tables.update(one_out)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="2 groups; the manager has 1"):
+        one_tables.update(hybrid_out)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="expected a pagedkv.StepOutput"):
+        one_tables.update(["not a step output"])  # type: ignore[list-item]
     with pytest.raises(pagedkv.InvalidArgumentError, match="3 groups; the manager has 2"):
         group_tables.update([hybrid_out, three_out])
-    with pytest.raises(pagedkv.InvalidArgumentError, match="HybridKVCacheManager"):
+    with pytest.raises(pagedkv.InvalidArgumentError, match="expected a pagedkv.KVCacheManager"):
         BlockTable(object())  # type: ignore[arg-type]
     assert (group_tables.num_rows, one_tables.num_rows) == (0, 0)
     # nothing changed: the real outputs still apply
-    np.testing.assert_array_equal(group_tables.update(hybrid_out), hybrid_out.block_table)
-    assert one_tables.update(one_out).tolist() == [one.block_table(1).tolist()]
+    np.testing.assert_array_equal(group_tables.update(hybrid_out), hybrid_out.block_tables)
+    assert one_tables.update(one_out).tolist() == [[one.block_table(1).tolist()]]
 
 
 def test_batch_tensors_from_a_hybrid_keeper_equal_the_dense_path() -> None:
@@ -367,7 +390,7 @@ def test_batch_tensors_from_a_hybrid_keeper_equal_the_dense_path() -> None:
     prev, reused = None, 0
     for i in range(6):
         n, appends = ([9, 5], None) if i == 0 else (1, [[3], [4]])
-        dense_out = dense_m.step([1, 2], n, appends)
+        dense_out = dense_m.step([1, 2], n, appends, block_table=True)
         kept_out = kept_m.step([1, 2], n, appends, block_table=False)
         a = BatchTensors.from_steps(dense_out, None)  # numpy: the CPU tensors' mover untouched
         b = BatchTensors.from_steps(kept_out, "cpu", block_tables=tables)

@@ -48,7 +48,7 @@ def test_verify_step_then_partial_acceptance() -> None:
     assert out.slot_mapping.tolist() == [t[p // 4] * 4 + p % 4 for p in range(6, 13)]
     assert m.num_draft_tokens(1) == 6 and m.num_computed_tokens(1) == 7
     assert m.take_events() == [], "nothing announced for drafts"
-    released = m.accept_drafts(1, 2)
+    (released,) = m.accept_drafts(1, 2)  # one group
     assert released.dtype == np.int32 and released.tolist() == [t[3]]
     assert m.token_ids(1).tolist() == [0, 1, 2, 3, 4, 5, 100, 101, 102]
     assert m.num_computed_tokens(1) == 9 and m.num_draft_tokens(1) == 0
@@ -64,7 +64,7 @@ def test_allocate_slots_with_drafts_and_a_plain_step_has_zero_drafts() -> None:
     assert (a.num_scheduled_tokens, a.num_draft_tokens, a.num_context_tokens) == (1, 2, 6)
     t = m.block_table(1).tolist()
     assert len(t) == 3  # 9 slots
-    assert m.accept_drafts(1, 0).tolist() == [t[2]]  # 7 tokens: the third block held drafts only
+    assert [r.tolist() for r in m.accept_drafts(1, 0)] == [[t[2]]]  # 7 tokens: the third block held drafts only
     out = m.step([1], 1, [[3]])
     assert out.num_draft_tokens.tolist() == [0]
     m.check_invariants()
@@ -128,7 +128,7 @@ def test_release_blocks_false_keeps_the_rejected_blocks_as_spares() -> None:
     m = manager()
     m.step([1], 1, [[100]], draft_token_ids=[[101, 102, 103, 104, 105, 106]])
     t = m.block_table(1).tolist()
-    assert m.accept_drafts(1, 1, release_blocks=False).tolist() == []
+    assert [r.tolist() for r in m.accept_drafts(1, 1, release_blocks=False)] == [[]]
     assert m.block_table(1).tolist() == t and m.num_computed_tokens(1) == 8
     out = m.step([1], 1, [[7]], draft_token_ids=[[8, 9, 10, 11, 12]])
     assert out.new_block_ids.tolist() == [] and out.seq_lens.tolist() == [14]

@@ -499,7 +499,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.expect_failure(exc, lambda: m.allocate_slots(seq, num_new, drafts))
             return
         if not drafts:
-            assert m.num_blocks_needed(seq, num_new) == p.taken
+            assert m.num_blocks_needed(seq, num_new) == (p.taken, 0)  # a full group releases none
         if p.first and o.caching:
             assert m.lookup_prefix(seq) == p.context
         try:
@@ -520,9 +520,11 @@ class ManagerMachine(RuleBasedStateMachine):
             new_block_ids=a.new_block_ids.tolist(),
             copies=[tuple(r) for r in a.copies.tolist()],
         )
-        assert got == want
+        # one group: every copy-on-write row is group 0's
+        assert got == {**want, "copies": [(0, *c) for c in want["copies"]]}
         assert a.new_block_ids.dtype == np.int32 and a.copies.dtype == np.int32
-        assert a.copies.shape == (len(want["copies"]), 2)
+        assert a.copies.shape == (len(want["copies"]), 3)
+        assert a.new_block_indptr.tolist() == [0, len(want["new_block_ids"])]
 
     # ---- rules ------------------------------------------------------------------------------
     @initialize(
@@ -661,8 +663,9 @@ class ManagerMachine(RuleBasedStateMachine):
             block_table=True,
         )
         kept = self.tables.update([out])
-        assert kept.dtype == np.int32 and kept.shape == out.block_table.shape
-        assert kept.tolist() == out.block_table.tolist()
+        assert kept.dtype == np.int32 and kept.shape == out.block_tables.shape
+        assert kept.tolist() == out.block_tables.tolist()
+        assert kept[0].tolist() == out.block_table.tolist()
         assert out.seq_ids.tolist() == seqs[: out.num_scheduled]
         self.table_updates += out.num_scheduled
         dup = next((q for k, q in enumerate(seqs) if q in seqs[:k]), None)
@@ -731,7 +734,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert out.num_draft_tokens.dtype == np.int32 and len(out.num_draft_tokens) == out.num_scheduled
         assert out.slot_mapping.dtype == np.int64
         copies = [c for want, _ in expected_rows for c in want["copies"]]
-        assert [tuple(r) for r in out.copies.tolist()] == copies
+        assert [tuple(r) for r in out.copies.tolist()] == [(0, *c) for c in copies]
 
     @rule(
         i=st.integers(0, 100),
@@ -765,7 +768,7 @@ class ManagerMachine(RuleBasedStateMachine):
             self.expect_failure(exc, lambda: self.m.accept_drafts(seq, num_accepted))
             return
         free = self.m.pool.num_free
-        got = self.m.accept_drafts(seq, num_accepted)
+        (got,) = self.m.accept_drafts(seq, num_accepted)  # one group
         assert got.dtype == np.int32 and got.tolist() == want
         assert self.m.pool.num_free == free + len(want)
 

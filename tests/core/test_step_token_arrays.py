@@ -143,7 +143,8 @@ def test_flags_must_be_bools_and_a_refused_call_changes_nothing() -> None:
     assert m.num_computed_tokens(1) == 0 and m.stats().used == 0
     # numpy bools are bools; None means the default (as for CacheConfig's flags).
     lean = m.step([1], 2, token_arrays=np.bool_(False), block_table=None)
-    assert (lean.num_tokens, lean.slot_mapping.size, lean.block_table.shape) == (2, 0, (0, 0))
+    assert (lean.num_tokens, lean.slot_mapping.size, lean.block_table.shape) == (2, 0, (1, 0))
+    assert lean.slot_mappings.shape == (1, 0)
     full = m.step([1], 2, token_arrays=None, block_table=np.bool_(True))
     assert full.slot_mapping.tolist() == [6, 7] and full.block_table.tolist() == [[1]]  # block 0: null
 

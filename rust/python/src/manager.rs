@@ -449,7 +449,7 @@ impl PyKvCacheManager {
         let a = py
             .detach(|| m.allocate_slots_with_drafts(seq, q, &drafts))
             .py(py)?;
-        Ok(PySlotAllocation::from_core(py, a))
+        Ok(PySlotAllocation::from_core(a))
     }
 
     /// Resolves the pending drafts of ``seq_id`` after its verify step: the first

@@ -62,7 +62,8 @@ fn group0<'py>(
 }
 
 /// What one ``KVCacheManager.allocate_slots`` call did (``G`` KV cache groups; each
-/// attribute's docstring gives its unit).
+/// attribute's docstring gives its unit). The arrays are built when read (each read returns a
+/// new array), so the per-request call pays for none it does not use.
 #[pyclass(frozen, module = "pagedkv._core", name = "SlotAllocation")]
 pub(crate) struct PySlotAllocation {
     /// Tokens scheduled by this call (the query length): ``min(num_new_tokens, uncomputed)``.
@@ -80,36 +81,30 @@ pub(crate) struct PySlotAllocation {
     /// ones, pending until ``KVCacheManager.accept_drafts``; 0 without drafts.
     #[pyo3(get)]
     num_draft_tokens: usize,
-    /// ``int32[G + 1]`` CSR offsets into ``new_block_ids``, one entry per group.
-    #[pyo3(get)]
-    new_block_indptr: Py<PyArray1<i32>>,
-    /// ``int32[k]`` blocks newly taken from the free pool, group-major, each group's in
-    /// block-table order (``new_block_ids[new_block_indptr[g]:new_block_indptr[g + 1]]``).
-    #[pyo3(get)]
-    new_block_ids: Py<PyArray1<i32>>,
-    /// ``int32[c, 3]`` copy-on-write plan: ``(group, src, dst)`` rows to copy (in that
-    /// group's layers) before writing.
-    #[pyo3(get)]
-    copies: Py<PyArray2<i32>>,
+    indptr: Vec<i32>,
+    ids: Vec<i32>,
+    /// Row-major `(group, src, dst)` triples.
+    copy_rows: Vec<i32>,
 }
 
 impl PySlotAllocation {
     /// The Python form of the core's allocation.
-    pub(crate) fn from_core(py: Python<'_>, a: HybridAllocation) -> Self {
+    pub(crate) fn from_core(a: HybridAllocation) -> Self {
         let g = a.groups.len();
         let mut indptr = Vec::with_capacity(g + 1);
         indptr.push(0i32);
         let mut ids = Vec::new();
-        let mut copies = Vec::new();
+        let mut copy_rows = Vec::new();
         for (i, grp) in a.groups.into_iter().enumerate() {
             if ids.is_empty() && g == 1 {
+                // one group: the core's vector, cast in place
                 ids = grp.new_block_ids.into_iter().map(|b| b as i32).collect();
             } else {
                 ids.extend(grp.new_block_ids.iter().map(|&b| b as i32));
             }
             indptr.push(ids.len() as i32);
             for (src, dst) in grp.copies {
-                copies.extend([i as i32, src as i32, dst as i32]);
+                copy_rows.extend([i as i32, src as i32, dst as i32]);
             }
         }
         Self {
@@ -117,29 +112,45 @@ impl PySlotAllocation {
             num_cached_tokens: a.num_cached_tokens,
             num_context_tokens: a.num_context_tokens,
             num_draft_tokens: a.num_draft_tokens,
-            new_block_indptr: PyArray1::from_vec(py, indptr).unbind(),
-            new_block_ids: PyArray1::from_vec(py, ids).unbind(),
-            copies: triples(py, copies),
+            indptr,
+            ids,
+            copy_rows,
         }
     }
 }
 
 #[pymethods]
 impl PySlotAllocation {
-    fn __repr__(&self, py: Python<'_>) -> String {
+    /// ``int32[G + 1]`` CSR offsets into ``new_block_ids``, one entry per group.
+    #[getter]
+    fn new_block_indptr<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        PyArray1::from_slice(py, &self.indptr)
+    }
+
+    /// ``int32[k]`` blocks newly taken from the free pool, group-major, each group's in
+    /// block-table order (``new_block_ids[new_block_indptr[g]:new_block_indptr[g + 1]]``).
+    #[getter]
+    fn new_block_ids<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        PyArray1::from_slice(py, &self.ids)
+    }
+
+    /// ``int32[c, 3]`` copy-on-write plan: ``(group, src, dst)`` rows to copy (in that
+    /// group's layers) before writing.
+    #[getter]
+    fn copies(&self, py: Python<'_>) -> Py<PyArray2<i32>> {
+        triples(py, self.copy_rows.clone())
+    }
+
+    fn __repr__(&self) -> String {
         format!(
             "SlotAllocation(num_scheduled_tokens={}, num_cached_tokens={}, num_context_tokens={}, \
-             num_draft_tokens={}, new_block_ids={}, copies={})",
+             num_draft_tokens={}, new_block_ids={:?}, copies={})",
             self.num_scheduled_tokens,
             self.num_cached_tokens,
             self.num_context_tokens,
             self.num_draft_tokens,
-            self.new_block_ids
-                .bind(py)
-                .repr()
-                .map(|r| r.to_string())
-                .unwrap_or_default(),
-            self.copies.bind(py).shape()[0],
+            self.ids,
+            self.copy_rows.len() / 3,
         )
     }
 }
