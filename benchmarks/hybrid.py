@@ -14,12 +14,14 @@ group k). A block id names one page of each of its group's 3 layers: 48 KiB, in 
 
 Systems, on the same request streams and the same scheduler:
 
-- ``pagedkv hybrid r=0`` / ``r=512`` / ``r=1024``: ``pagedkv.HybridKVCacheManager`` with
-  retention interval 0 (every full window block stays cached), 512 and 1024 tokens (sparse
-  retention: window blocks stay cached only for hits at multiples of the interval, plus each
-  request's latest replayable point). Most Mooncake sharing is one 512-token hash block (a
-  system prompt), which a hit at a multiple of 1024 cannot serve;
-- ``pagedkv full-only``: ``pagedkv.KVCacheManager``, every layer full attention;
+- ``pagedkv hybrid r=0`` / ``r=512`` / ``r=1024``: ``pagedkv.KVCacheManager`` over the six
+  groups (``CacheConfig(groups=..., layer_groups=...)``) with retention interval 0 (every full
+  window block stays cached), 512 and 1024 tokens (sparse retention: window blocks stay cached
+  only for hits at multiples of the interval, plus each request's latest replayable point).
+  Most Mooncake sharing is one 512-token hash block (a system prompt), which a hit at a
+  multiple of 1024 cannot serve;
+- ``pagedkv full-only``: ``pagedkv.KVCacheManager`` of one full-attention group
+  (``CacheConfig(num_blocks, block_size)``), every layer full attention;
 - ``vLLM hybrid``: vLLM's V1 ``KVCacheManager`` over a ``KVCacheConfig`` of one
   ``FullAttentionSpec`` group and five ``SlidingWindowSpec`` groups (3 layer names each), when
   vLLM is importable (run with ``target/vllm-venv/bin/python``); otherwise its row is skipped.
@@ -67,7 +69,7 @@ Usage: ``target/vllm-venv/bin/python benchmarks/hybrid.py [--quick] [--requests 
 fp32 on the CPU) through the reference engine, twice on the same KV budget (``--engine-kv-mib``)
 and prompts (``--engine-prompts`` travel logs of about 2k tokens, ``--engine-max-tokens`` output
 tokens each, so that decodes overlap and the pool, not the token budget, bounds how many run): on
-``pagedkv.HybridKVCacheManager`` (what the engine does for Gemma 3) and on the full-attention
+the six KV cache groups (what the engine does for Gemma 3) and on the full-attention
 allocation of the same model (``PagedCausalLM.per_group_tables = False``: one block table for
 all 18 layers). Per system: KV bytes a request holds at its last decode step (blocks held times
 the bytes of a block id: 3 layers' pages on hybrid, 18 on full attention), the largest number
@@ -137,7 +139,11 @@ class PagedKVHybrid:
             pagedkv.KVCacheGroupSpec("sliding_window", BLOCK_SIZE, BYTES_PER_TOKEN_LAYER, window=WINDOW)
             for _ in range(5)
         ]
-        self.m = pagedkv.HybridKVCacheManager(specs, layer_groups(), num_blocks, retention_interval=retention_interval)
+        self.m = pagedkv.KVCacheManager(
+            pagedkv.CacheConfig(
+                num_blocks, groups=specs, layer_groups=layer_groups(), retention_interval=retention_interval
+            )
+        )
         self.reserve = math.ceil(WATERMARK * num_blocks)
         self.cpu_ns = 0
 
@@ -183,30 +189,12 @@ class PagedKVHybrid:
 
 
 class PagedKVFull(PagedKVHybrid):
+    """The same manager and calls on one full-attention group (every layer in it)."""
+
     def __init__(self, num_blocks: int) -> None:
         self.m = pagedkv.KVCacheManager(pagedkv.CacheConfig(num_blocks=num_blocks, block_size=BLOCK_SIZE))
         self.reserve = math.ceil(WATERMARK * num_blocks)
         self.cpu_ns = 0
-
-    def admit(self, r: int, prompt: np.ndarray, chunk: int) -> tuple[int, int] | None:
-        m = self.m
-        t0 = time.thread_time_ns()
-        m.add_sequence(r, prompt)
-        if not self._fits(r, chunk):
-            m.free(r)
-            self.cpu_ns += time.thread_time_ns() - t0
-            return None
-        out = m.step([r], chunk, **SCHEDULER_OUTPUT)
-        self.cpu_ns += time.thread_time_ns() - t0
-        out.raise_for_error()
-        qsl = out.query_start_loc
-        return int(out.num_cached_tokens[0]), int(qsl[1] - qsl[0])
-
-    def _fits(self, r: int, chunk: int) -> bool:
-        return self.m.num_blocks_needed(r, chunk) <= self.m.pool.num_free - self.reserve
-
-    def held(self, r: int) -> int:
-        return len(self.m.block_table(r))
 
 
 class VLLMHybrid:

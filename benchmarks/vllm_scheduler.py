@@ -42,6 +42,11 @@ oldest batch's output (``fake_async_model_output``, taken when its batch was sch
 running request is scheduled while its previous token is still a placeholder. Results go to
 ``benchmarks/results/vllm_scheduler_async.json``.
 
+Printed first (and in the JSON): the block hashing cost per block (``hashing_cost``) and the
+plug-in's prefill allocation per new request (``prefill_allocation_cost``: ``get_computed_blocks``
+then ``allocate_slots`` of a whole 64- or 1024-token prompt on ``PagedKVCacheManager`` alone, one
+group and Gemma 3's six groups); ``--prefill-only`` prints only those.
+
 Variants: pagedkv with the batched decode path off, with vLLM's Python block hashes kept (the
 "hash twice" alternative), and, at 256 decodes only, a bound that is no scheduler: pagedkv
 whose ``allocate_slots`` answers every decode with the empty result and does nothing else (KV
@@ -379,6 +384,46 @@ def hashing_cost(num_tokens: int = 8192, repeats: int = 20) -> dict[str, float]:
     }
 
 
+def prefill_allocation_cost(
+    prompt_lens: tuple[int, ...] = (64, 1024), num_requests: int = 200, repeats: int = 5
+) -> dict[str, float]:
+    """CPU µs per new request for the plug-in's prefill allocation (what vLLM's scheduler calls
+    when it admits a request: ``get_computed_blocks`` then ``allocate_slots`` of the whole
+    prompt with ``full_sequence_must_fit``, vLLM 0.33's default, no prefix hit) on
+    ``PagedKVCacheManager`` alone, one full-attention group and
+    Gemma 3's six groups; best of ``repeats`` runs over ``num_requests`` distinct prompts each.
+    The ``Request`` objects (and vLLM's Python prompt hashing) are built before the clock."""
+    from pagedkv.integrations.vllm import PagedKVCacheManager
+    from pagedkv.testing.vllm_scheduler import make_kv_cache_config
+
+    out: dict[str, float] = {}
+    for layout, groups in (("one_group", None), ("gemma3", GEMMA3_GROUPS)):
+        for plen in prompt_lens:
+            blocks = num_requests * (-(-plen // BS)) * (len(groups) if groups else 1) + 1
+            best = float("inf")
+            for rep in range(repeats):
+                kv_cfg = make_hybrid_kv_cache_config(blocks, groups, BS) if groups else make_kv_cache_config(blocks, BS)
+                kvm = PagedKVCacheManager(kv_cfg, max_model_len=32768)
+                reqs = [
+                    make_request(f"p{rep}-{i}", (unique_tokens(i, plen, 4000) + 16).tolist(), 1, block_size=BS)
+                    for i in range(num_requests)
+                ]
+                gc.collect()
+                gc.disable()
+                try:
+                    t0 = time.thread_time()
+                    for req in reqs:
+                        hit_blocks, hit = kvm.get_computed_blocks(req)[:2]
+                        n = req.num_tokens - hit
+                        if kvm.allocate_slots(req, n, hit, hit_blocks, full_sequence_must_fit=True) is None:
+                            raise RuntimeError("the pool must hold every request")
+                    best = min(best, time.thread_time() - t0)
+                finally:
+                    gc.enable()
+            out[f"{layout}_prompt{plen}_us_per_request"] = 1e6 * best / num_requests
+    return out
+
+
 def _workloads() -> dict[str, dict[str, Any]]:
     return {
         "decode256": dict(
@@ -441,6 +486,11 @@ def main() -> None:
     ap.add_argument("--sample-runs", type=int, default=5, help="CPU-time sampled runs per variant (KV share)")
     ap.add_argument("--no-write", action="store_true", help="do not write the results JSON")
     ap.add_argument(
+        "--prefill-only",
+        action="store_true",
+        help="only the block hashing and per-request prefill allocation figures (no scheduler runs)",
+    )
+    ap.add_argument(
         "--async-scheduling",
         action="store_true",
         help="async scheduling: stock AsyncScheduler vs the plug-in's async variant, two batches in flight",
@@ -456,12 +506,20 @@ def main() -> None:
     results: dict[str, Any] = {}
     load_start = os.getloadavg()
     hashing = hashing_cost()
+    prefill = prefill_allocation_cost()
+    print(
+        "prefill allocation through PagedKVCacheManager, CPU us per new request: "
+        + ", ".join(f"{k.removesuffix('_us_per_request')} {v:.1f}" for k, v in prefill.items()),
+        flush=True,
+    )
     print(
         f"block hashing, CPU us per 16-token block: vLLM Python hasher "
         f"{hashing['vllm_python_hash_us_per_block']:.2f}, pagedkv hash+allocate+cache in Rust "
         f"{hashing['pagedkv_hash_allocate_cache_us_per_block']:.3f}",
         flush=True,
     )
+    if args.prefill_only:
+        return
     for wname in args.workloads.split(","):
         w = workloads[wname]
         specs = w["specs"]()
@@ -545,6 +603,7 @@ def main() -> None:
                 "load_average_1_5_15min": {"start": list(load_start), "end": list(os.getloadavg())},
                 "results": results,
                 "hashing": hashing,
+                "prefill_allocation": prefill,
                 "notes": [
                     "CPU time (thread_time) per step, best of the timed runs",
                     "KV work = kv_cache_manager calls + KVCacheBlocks.get_block_ids + "

@@ -250,7 +250,7 @@ def test_preemption_without_eviction_matches_step_by_step(paged_cls: type) -> No
 
 
 def _cached_prefix(manager: Any, tokens: list[int]) -> int:
-    """Tokens of ``tokens`` (whole blocks) that ``manager``'s (a ``pagedkv.HybridKVCacheManager``)
+    """Tokens of ``tokens`` (whole blocks) that ``manager``'s (a ``pagedkv.KVCacheManager``)
     prefix cache serves, looked up through a probe sequence that is dropped again."""
     probe = 1_000_000
     manager.add_sequence(probe, tokens + [0])

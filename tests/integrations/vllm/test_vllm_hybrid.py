@@ -1,6 +1,6 @@
 """Hybrid models in vLLM's real V1 Scheduler: stock vLLM's hybrid KV cache coordinator (its own
 ``KVCacheManager`` over a ``KVCacheConfig`` of several groups) vs ``PagedKVScheduler`` (backed by
-``pagedkv.HybridKVCacheManager``) on the same request streams.
+``pagedkv.KVCacheManager`` with its groups) on the same request streams.
 
 Both run with the fake model of ``pagedkv.testing.vllm_scheduler``. Step by step they must agree
 on the scheduled tokens, prefix hits of new and resumed requests, preemptions, finished
@@ -344,8 +344,8 @@ def test_kv_events_name_their_group_and_kind() -> None:
 
 
 class _CountingManager:
-    """A ``pagedkv.HybridKVCacheManager`` wrapper counting its ``step`` calls (crossings into
-    Rust that allocate)."""
+    """A ``pagedkv.KVCacheManager`` wrapper counting its allocating calls into Rust (``step``:
+    a batch, ``allocate_slots``: one request)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -354,6 +354,10 @@ class _CountingManager:
     def step(self, *args: Any, **kwargs: Any) -> Any:
         self.steps += 1
         return self._inner.step(*args, **kwargs)
+
+    def allocate_slots(self, *args: Any, **kwargs: Any) -> Any:
+        self.steps += 1
+        return self._inner.allocate_slots(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

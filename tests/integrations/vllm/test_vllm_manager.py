@@ -374,7 +374,7 @@ def test_stock_vllm_salted_events_index_under_the_salt() -> None:
 def _resolvable(manager: Any, chain: dict[bytes, tuple[bytes | None, list[int]]], hashes: set[bytes]) -> set[bytes]:
     """The ``hashes`` pagedkv's prefix cache resolves: each one's tokens (its ancestors' blocks
     then its own, from the ``BlockStored`` events in ``chain``) looked up as a probe sequence
-    of ``manager`` (a ``pagedkv.HybridKVCacheManager``), served whole."""
+    of ``manager`` (a ``pagedkv.KVCacheManager``), served whole."""
     out = set()
     for n, h in enumerate(sorted(hashes)):
         blocks: list[list[int]] = []

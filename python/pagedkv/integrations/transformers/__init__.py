@@ -11,7 +11,7 @@
 or :func:`install` / :func:`uninstall`. While installed, every continuous-batching cache
 transformers builds (``generate_batch``, ``init_continuous_batching`` /
 ``continuous_batching_context_manager`` for streaming) is a :class:`PagedKVAttentionCache`: one
-:class:`pagedkv.HybridKVCacheManager` for all of the model's attention groups (full attention,
+:class:`pagedkv.KVCacheManager` for all of the model's attention groups (full attention,
 sliding window) decides every block; transformers keeps its memory sizing, cache tensor,
 scheduler and attention. Supported releases: :data:`SUPPORTED_TRANSFORMERS_RELEASES`, others are
 refused by name. docs/design.md, "transformers seam".

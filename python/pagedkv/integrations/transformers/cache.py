@@ -3,7 +3,7 @@
 :class:`PagedKVAttentionCache` stands in for transformers' ``PagedAttentionCache``: it keeps
 transformers' cache tensor, sector layout and per-attention-type allocators (the attention reads
 and writes through them), but every block decision is made by ONE
-:class:`pagedkv.HybridKVCacheManager` with one KV cache group per allocator: admission and
+:class:`pagedkv.KVCacheManager` with one KV cache group per allocator: admission and
 allocation, prefix hits, forks with copy-on-write, frees and preemption. The read and write
 indices and the kernel block tables the attention uses come from pagedkv's block tables
 (:mod:`pagedkv.integrations.transformers.geometry`). docs/design.md, "transformers seam", maps
@@ -158,7 +158,7 @@ class PagedKVSlidingAttentionAllocator(_PagedKVAllocator, SlidingAttentionCacheA
 
 
 class PagedKVAttentionCache(PagedAttentionCache):
-    """transformers' ``PagedAttentionCache`` with pagedkv's :class:`~pagedkv.HybridKVCacheManager`
+    """transformers' ``PagedAttentionCache`` with pagedkv's :class:`~pagedkv.KVCacheManager`
     deciding every block (see the module docs).
 
     Built by transformers' continuous batching while the integration is installed, with the
@@ -173,7 +173,7 @@ class PagedKVAttentionCache(PagedAttentionCache):
             ``pagedkv.MAX_BLOCK_SIZE`` tokens).
     """
 
-    manager: pagedkv.HybridKVCacheManager
+    manager: pagedkv.KVCacheManager
 
     def __init__(
         self,
@@ -236,11 +236,13 @@ class PagedKVAttentionCache(PagedAttentionCache):
         # window = 2 (mod block size). Hits are off for that geometry.
         self._hit_safe = all(g.window is None or (g.window - 2) % g.block_size != 0 for g in self._geometry)
         self.use_prefix_sharing = bool(self.allow_block_sharing) and self._hit_safe
-        self.manager = pagedkv.HybridKVCacheManager(
-            specs,
-            layer_groups,
-            self.num_sectors + 1,
-            enable_prefix_caching=self.use_prefix_sharing,
+        self.manager = pagedkv.KVCacheManager(
+            pagedkv.CacheConfig(
+                self.num_sectors + 1,
+                groups=specs,
+                layer_groups=layer_groups,
+                enable_prefix_caching=self.use_prefix_sharing,
+            )
         )
         self._sectors = self.cache_tensor.view(-1, self.bytes_per_sector)
         self._seq_of: dict[str, int] = {}
@@ -283,8 +285,9 @@ class PagedKVAttentionCache(PagedAttentionCache):
         self._seq_of[rid] = seq
         return seq
 
-    def _apply(self, rid: str, out: pagedkv.HybridStepOutput) -> None:
-        """Run the step's copy-on-write copies (whole sectors) and keep the request's tables."""
+    def _apply(self, rid: str, out: pagedkv.StepOutput) -> None:
+        """Run the step's copy-on-write copies (whole sectors) and keep the request's tables
+        (the step's dense ``block_tables`` ``int32[G, 1, W]``: it ran with ``block_table=True``)."""
         copies = np.asarray(out.copies).reshape(-1, 3)
         if len(copies):
             src = torch.from_numpy(copies[:, 1].astype(np.int64) + SECTOR_OF_BLOCK)
@@ -292,7 +295,7 @@ class PagedKVAttentionCache(PagedAttentionCache):
             self._sectors.index_copy_(
                 0, dst.to(self._sectors.device), self._sectors.index_select(0, src.to(self._sectors.device))
             )
-        self._tables[rid] = list(out.block_table[:, 0, :])
+        self._tables[rid] = list(out.block_tables[:, 0, :])
 
     def _tables_of(self, rid: str) -> list[npt.NDArray[np.int32]]:
         tables = self._tables.get(rid)
@@ -326,7 +329,7 @@ class PagedKVAttentionCache(PagedAttentionCache):
         hit = self.manager.lookup_prefix(seq)
         if hit == 0:
             return 0
-        out = self.manager.step([seq], [1], token_arrays=False)
+        out = self.manager.step([seq], [1], block_table=True, token_arrays=False)
         if out.error is not None:
             if isinstance(out.error, OutOfBlocksError):
                 return 0
@@ -362,7 +365,7 @@ class PagedKVAttentionCache(PagedAttentionCache):
         if dry_run:
             take, release = self.manager.num_blocks_needed(seq, need)
             return take <= self.manager.num_free_blocks + release
-        out = self.manager.step([seq], [need], token_arrays=False)
+        out = self.manager.step([seq], [need], block_table=True, token_arrays=False)
         if out.error is not None:
             if isinstance(out.error, OutOfBlocksError):
                 self._raise_if_never_fits(rid, seq, need, target)

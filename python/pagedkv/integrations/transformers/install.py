@@ -38,11 +38,11 @@ class Installation:
 
     def __init__(self, release: str, model: Any) -> None:
         self.release = release
-        self.managers: list[pagedkv.HybridKVCacheManager] = []
+        self.managers: list[pagedkv.KVCacheManager] = []
         self._model = model
 
     @property
-    def manager(self) -> pagedkv.HybridKVCacheManager:
+    def manager(self) -> pagedkv.KVCacheManager:
         """The manager of the latest cache built while installed.
 
         Raises:

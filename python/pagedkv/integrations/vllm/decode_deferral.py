@@ -12,7 +12,7 @@ opens a block opens one in every group):
   block, or before anything else reads or changes the sequence (:meth:`DecodeDeferral.catch_up`).
 - a *deferred* decode: its slot fills the tail block or opens a new one (with a windowed group:
   any decode, as each one can move a window). It is queued with the tokens it lagged by; the
-  queue goes to pagedkv in one ``HybridKVCacheManager.step`` call (:meth:`DecodeDeferral.flush`),
+  queue goes to pagedkv in one ``KVCacheManager.step`` call (:meth:`DecodeDeferral.flush`),
   in call order, before anything else reads or changes pagedkv (:meth:`DecodeDeferral.sync`), at
   the latest when ``PagedKVScheduler.schedule`` returns, so pagedkv's state is what one call per
   decode would have made (the blocks a window releases go back in that step). A decode opening
@@ -48,7 +48,7 @@ class DecodeDeferral:
     """Lagging and deferred decodes of one ``PagedKVCacheManager`` (see the module docs).
 
     Args:
-        kvm: the facade's ``pagedkv.HybridKVCacheManager``.
+        kvm: the facade's ``pagedkv.KVCacheManager``.
         block_size: tokens per block (every group's).
         num_groups: KV cache groups (a decode opening a block takes one in each).
         lags: decodes inside the tail block may lag (every group is full attention, so no
@@ -81,7 +81,7 @@ class DecodeDeferral:
 
     def __init__(
         self,
-        kvm: pagedkv.HybridKVCacheManager,
+        kvm: pagedkv.KVCacheManager,
         block_size: int,
         num_groups: int,
         lags: bool,
@@ -231,7 +231,7 @@ class DecodeDeferral:
 
     def flush(self) -> int:
         """Allocates the deferred decodes (appending each one's tokens: those it lagged by and
-        the decoded one) in one call into Rust (``pagedkv.HybridKVCacheManager.step``), in the order
+        the decoded one) in one call into Rust (``pagedkv.KVCacheManager.step``), in the order
         they were deferred, and fills in the ids of their new blocks. Returns how many decode
         slots went in. Raises :class:`VllmStateMismatchError` if pagedkv refuses one or
         disagrees on a computed-token count (the deferral's bookkeeping would be wrong; never

@@ -68,21 +68,22 @@ def to_vllm_events(
     events: Sequence[pagedkv.BlockStored | pagedkv.BlockRemoved | pagedkv.AllBlocksCleared],
     *,
     lora_ids: Mapping[str, int] | None = None,
-    spec_kind: str | None = None,
+    spec_kinds: Sequence[str] = (),
     medium: str = "GPU",
-    group_idx: int = 0,
 ) -> list[Any]:
     """Converts pagedkv events (oldest first) to ``vllm.distributed.kv_events`` structs.
 
     Args:
-        events: from ``pagedkv.KVCacheManager.take_events()``.
+        events: from ``pagedkv.KVCacheManager.take_events()``; a ``BlockStored`` /
+            ``BlockRemoved`` names its KV cache group (``group``).
         lora_ids: LoRA name -> vLLM ``lora_int_id``, to fill the deprecated ``lora_id`` field.
-        spec_kind: the KV cache group's kind as vLLM names it (``"full_attention"``...).
+        spec_kinds: per KV cache group, its kind as vLLM names it (``"full_attention"``...);
+            a group past its end publishes no kind (``None``).
         medium: the ``medium`` field (``"GPU"``).
-        group_idx: the KV cache group the events are about (0 with one group).
 
-    Returns one vLLM event per pagedkv event: ``BlockStored`` (``group_idx``, one ``extra_keys``
-    entry per block), ``BlockRemoved`` or ``AllBlocksCleared``.
+    Returns one vLLM event per pagedkv event: ``BlockStored`` (``group_idx`` = the event's
+    group, ``kv_cache_spec_kind`` = that group's kind, one ``extra_keys`` entry per block),
+    ``BlockRemoved`` (``group_idx``) or ``AllBlocksCleared``.
     """
     from vllm import envs
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
@@ -97,6 +98,7 @@ def to_vllm_events(
             per_block = vllm_extra_keys(keys)
             parent = ev.parent_block_hash
             hashes = ev.block_hashes
+            group = ev.group
             out.append(
                 BlockStored(
                     block_hashes=[fold(h) for h in hashes],
@@ -107,8 +109,8 @@ def to_vllm_events(
                     medium=medium,
                     lora_name=lora_name,
                     extra_keys=None if per_block is None else [per_block] * len(hashes),
-                    group_idx=group_idx,
-                    kv_cache_spec_kind=spec_kind,
+                    group_idx=group,
+                    kv_cache_spec_kind=spec_kinds[group] if group < len(spec_kinds) else None,
                 )
             )
         elif isinstance(ev, pagedkv.BlockRemoved):
@@ -116,7 +118,7 @@ def to_vllm_events(
                 BlockRemoved(
                     block_hashes=[fold(h) for h in ev.block_hashes],
                     medium=medium,
-                    group_idx=group_idx,
+                    group_idx=ev.group,
                 )
             )
         else:

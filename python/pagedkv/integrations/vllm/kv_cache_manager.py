@@ -6,7 +6,7 @@ the methods and attributes vLLM's ``Scheduler`` and engine core use on
 ``vllm.v1.core.kv_cache_manager.KVCacheManager`` (lookup, slot allocation, free, block ids,
 usage, prefix-cache stats, reset, events, the per-step hooks, and ``coordinator``: the
 read-only view in :mod:`pagedkv.integrations.vllm.coordinator`), with pagedkv's
-``HybridKVCacheManager`` (Rust) as the block pool, prefix cache and block tables of every KV
+``KVCacheManager`` (Rust) as the block pool, prefix cache and block tables of every KV
 cache group: one group of full attention, or several (hybrid models: full attention, sliding
 window, chunked local; every group at the scheduler's block size). The decode fast path lives
 in :mod:`pagedkv.integrations.vllm.decode_deferral`, the ``KVCacheBlocks`` results in
@@ -88,12 +88,21 @@ from pagedkv.integrations.vllm.manager_interface import (
 __all__ = ["PagedKVCacheManager", "group_spec_of", "request_sequence_spec"]
 
 
-def request_sequence_spec(request: Any, lora_ids: dict[str, int]) -> pagedkv.SequenceSpec:
+def request_sequence_spec(request: Any, lora_ids: dict[str, int]) -> pagedkv.SequenceSpec | None:
     """The block identity of a vLLM ``Request`` as a ``pagedkv.SequenceSpec``: its cache salt,
     LoRA adapter (its name; ``lora_ids`` records name -> ``lora_int_id`` for KV events),
     multimodal features (identifier, placeholder offset, length), and, for a request that must
-    not read the prefix cache, a key of its own that nothing else can hit."""
+    not read the prefix cache, a key of its own that nothing else can hit. ``None`` for a
+    request with none of them (its blocks hash by their tokens alone, as under the empty
+    spec; nothing is built for the common case)."""
     lora = request.lora_request
+    if (
+        lora is None
+        and request.cache_salt is None
+        and not request.mm_features
+        and not request.skip_reading_prefix_cache
+    ):
+        return None
     adapter = None
     if lora is not None:
         adapter = lora.lora_name
@@ -163,7 +172,7 @@ def _config_error(field: str, value: Any, reason: str) -> pagedkv.InvalidConfigE
 
 
 class PagedKVCacheManager(SharedManagerCalls):
-    """vLLM V1 ``kv_cache_manager`` backed by ``pagedkv.HybridKVCacheManager`` (every KV cache
+    """vLLM V1 ``kv_cache_manager`` backed by ``pagedkv.KVCacheManager`` (every KV cache
     group of the scheduler's ``KVCacheConfig`` in one block pool).
 
     Takes the constructor arguments of vLLM's ``KVCacheManager`` (0.32 / 0.33), plus
@@ -257,14 +266,16 @@ class PagedKVCacheManager(SharedManagerCalls):
         # here: pagedkv pins no junction, and caching only the latest replayable point would
         # lose every sibling's hit on a shared prompt that vLLM's junction serves.
         interval = int(getattr(kv_cache_config, "prefix_cache_retention_interval", None) or 0)
-        self._kvm = pagedkv.HybridKVCacheManager(
-            self._specs,
-            layer_groups,
-            num_blocks,
-            enable_prefix_caching=enable_caching,
-            retention_interval=interval,
-            hash_algo=algo,
-            enable_events=enable_kv_cache_events,
+        self._kvm = pagedkv.KVCacheManager(
+            pagedkv.CacheConfig(
+                num_blocks,
+                groups=self._specs,
+                layer_groups=layer_groups,
+                enable_prefix_caching=enable_caching,
+                retention_interval=interval,
+                hash_algo=algo,
+                enable_events=enable_kv_cache_events,
+            )
         )
         self._PrefixCacheStats = PrefixCacheStats
         self._waiting_states = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
@@ -376,8 +387,8 @@ class PagedKVCacheManager(SharedManagerCalls):
         return self.decodes.num_batch_stops
 
     @property
-    def manager(self) -> pagedkv.HybridKVCacheManager:
-        """The underlying ``pagedkv.HybridKVCacheManager`` (inspection, invariant checks), with
+    def manager(self) -> pagedkv.KVCacheManager:
+        """The underlying ``pagedkv.KVCacheManager`` (inspection, invariant checks), with
         every deferred and lagging decode brought in first, so its token and computed-token
         counts are vLLM's."""
         self._sync()
@@ -403,7 +414,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         if seq is None:
             seq = self._next_seq_id
             spec = request_sequence_spec(request, self._lora_ids)
-            self._kvm.add_sequence(seq, request.all_token_ids[:], spec=spec)
+            self._kvm.add_sequence(seq, request._all_token_ids, spec=spec)
             self._next_seq_id += 1
             self._seq_of[rid] = seq
             self._requests[rid] = request
@@ -608,12 +619,14 @@ class PagedKVCacheManager(SharedManagerCalls):
             has_scheduled_reqs,
         )
 
-    def _full_sequence_demand(self, request: Any, seq: int, hit: int, num_new_tokens: int) -> int:
+    def _full_sequence_demand(
+        self, request: Any, hit: int, num_new_tokens: int, per_group: list[tuple[int, int]]
+    ) -> int:
         """Blocks vLLM's admission gate asks free for the whole request (per group its blocks
         for every token, a windowed group at most its admission cap, less the hit's blocks,
-        plus the hit blocks that leave the free pool)."""
+        plus the hit blocks that leave the free pool). ``per_group``: pagedkv's
+        ``num_blocks_needed_per_group`` for the ``num_new_tokens`` scheduled."""
         total = min(request.num_tokens, self.max_model_len or request.num_tokens)
-        per_group = self._kvm.num_blocks_needed_per_group(seq, num_new_tokens)
         demand = 0
         for g, spec in enumerate(self._specs):
             bs = spec.block_size
@@ -627,29 +640,26 @@ class PagedKVCacheManager(SharedManagerCalls):
             demand += max(required - max(_skipped_tokens(spec, hit) // bs, hit_blocks), 0) + evictable_hits
         return demand
 
-    def _step_one(self, seq: int, num_tokens: int, drafts: list[int] | None) -> Any:
-        """One sequence's ``step`` (``num_tokens`` known tokens computed, ``drafts`` given
-        lookahead slots): the ``HybridStepOutput``, or None when the pool cannot hold it
-        (nothing changed)."""
-        # vLLM reads only the new blocks and the context: no dense tables or per-token arrays.
-        if drafts:
-            out = self._kvm.step([seq], [num_tokens], draft_token_ids=[drafts], block_table=False, token_arrays=False)
-        else:
-            out = self._kvm.step([seq], [num_tokens], block_table=False, token_arrays=False)
-        if out.error is not None:
-            if isinstance(out.error, OutOfBlocksError):
-                return None
-            out.raise_for_error()
-        return out
+    def _allocate_one(self, seq: int, num_tokens: int, drafts: list[int] | None) -> Any:
+        """One sequence's ``allocate_slots`` in every group (``num_tokens`` known tokens
+        computed, ``drafts`` given lookahead slots): the ``pagedkv.SlotAllocation``, or None
+        when the pool cannot hold it (nothing changed). The per-request call, cheaper than a
+        one-sequence ``step`` (no batch arrays are built)."""
+        try:
+            return self._kvm.allocate_slots(seq, num_tokens, drafts)
+        except OutOfBlocksError:
+            return None
 
-    def _new_blocks(self, out: Any) -> Any:
-        """The new blocks of a one-sequence ``step`` as one ``KVCacheBlocks`` (per group)."""
-        ids = out.new_block_ids.tolist()
+    def _new_blocks(self, alloc: Any) -> Any:
+        """The new blocks of one sequence's allocation (a ``SlotAllocation``: its
+        ``new_block_ids`` group-major, ``new_block_indptr`` ``[G + 1]``) as one
+        ``KVCacheBlocks`` (per group)."""
+        ids = alloc.new_block_ids.tolist()
         if not ids:
             return self.empty_kv_cache_blocks
         if self.num_kv_cache_groups == 1:
             return PagedKVBlocks((ids,))
-        indptr = out.new_block_indptr.tolist()
+        indptr = alloc.new_block_indptr.tolist()
         return PagedKVBlocks(tuple(ids[indptr[g] : indptr[g + 1]] for g in range(self.num_kv_cache_groups)))
 
     def _allocate(
@@ -707,24 +717,30 @@ class PagedKVCacheManager(SharedManagerCalls):
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
             free = self._kvm.num_free_blocks
+            per_group = None
+            if full_sequence_must_fit:
+                per_group = self._kvm.num_blocks_needed_per_group(seq, num_new_tokens)
             if num_drafts:
                 take, release = self._kvm.num_blocks_needed_with_drafts(seq, num_known_new, num_drafts)
+            elif per_group is not None and num_known_new == num_new_tokens:
+                # The admission's one planning call: the groups' parts sum to the total.
+                take, release = sum(t for t, _ in per_group), sum(r for _, r in per_group)
             else:
                 take, release = self._kvm.num_blocks_needed(seq, num_known_new)
             if (
-                full_sequence_must_fit
-                and self._full_sequence_demand(request, seq, hit, num_new_tokens) + watermark > free + release
+                per_group is not None
+                and self._full_sequence_demand(request, hit, num_new_tokens, per_group) + watermark > free + release
             ):
                 return None
             if take + watermark > free + release - reserved_blocks:
                 return None
-        out = self._step_one(seq, num_known_new, drafts)
+        out = self._allocate_one(seq, num_known_new, drafts)
         if out is None:
             return None
         if unwritten:
             del self._unwritten[rid]
         expected = request.num_computed_tokens + hit
-        got = int(out.context_lens[0]) + unwritten
+        got = out.num_context_tokens + unwritten
         if got != expected:
             raise VllmStateMismatchError(
                 f"request {rid!r}: pagedkv holds {got - unwritten} computed tokens, vLLM expects "
@@ -785,7 +801,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         if num_known_new == 0 and num_unknown == 0:
             # Every slot lies in blocks pagedkv holds already.
             return self.empty_kv_cache_blocks
-        out = self._step_one(seq, num_known_new, [0] * num_unknown if num_unknown else None)
+        out = self._allocate_one(seq, num_known_new, [0] * num_unknown if num_unknown else None)
         if out is None:
             return None
         if num_unknown:
@@ -824,9 +840,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         if target // bs <= held // bs:
             return
         end = target - target % bs
-        out = self._kvm.step([seq], [end - held], block_table=False, token_arrays=False)
-        if out.error is not None:
-            out.raise_for_error()
+        out = self._kvm.allocate_slots(seq, end - held)
         if len(out.new_block_ids):
             raise VllmStateMismatchError(
                 f"request {rid!r}: caching its computed tokens up to {end} took "
@@ -937,23 +951,6 @@ class PagedKVCacheManager(SharedManagerCalls):
         if not self.enable_kv_cache_events:
             return []
         self._sync()
-        events = self._kvm.take_events()
-        out: list[Any] = []
-        i, n = 0, len(events)
-        while i < n:
-            # A run of events of one group (or of none: AllBlocksCleared) converts at once.
-            group = events[i][0]
-            j = i + 1
-            while j < n and events[j][0] == group:
-                j += 1
-            out.extend(
-                to_vllm_events(
-                    [e for _, e in events[i:j]],
-                    lora_ids=self._lora_ids,
-                    spec_kind=self.spec_kinds[0 if group is None else group],
-                    medium=self.medium,
-                    group_idx=0 if group is None else group,
-                )
-            )
-            i = j
-        return out
+        return to_vllm_events(
+            self._kvm.take_events(), lora_ids=self._lora_ids, spec_kinds=self.spec_kinds, medium=self.medium
+        )
