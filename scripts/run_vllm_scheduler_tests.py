@@ -211,8 +211,19 @@ def _stand_in_ray() -> None:
     sys.modules["ray"] = mod
 
 
+def pytest_load_initial_conftests(early_config: Any, parser: Any, args: list[str]) -> None:
+    """Substitutes before the initial conftests load: the offloading tests' conftest imports
+    the unit tests' ``utils``, which binds ``Scheduler`` by name at import."""
+    _substitute()
+
+
 def pytest_configure(config: Any) -> None:
-    """Substitutes the plug-in's schedulers before any test module imports vLLM's."""
+    """Substitutes the plug-in's schedulers before any test module imports vLLM's (again,
+    in case the early hook did not run: it is idempotent)."""
+    _substitute()
+
+
+def _substitute() -> None:
     if os.environ.get("PAGEDKV_UPSTREAM_STAND_IN_RAY") == "1":
         _stand_in_ray()
     if os.environ.get("PAGEDKV_UPSTREAM_MODE") != "plugin":

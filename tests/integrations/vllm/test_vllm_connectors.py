@@ -629,11 +629,11 @@ def test_plugin_drops_finished_recving_of_an_unknown_request() -> None:
 
 
 def _preempt_stream() -> dict[int, list[Factory]]:
-    # "x" loads its prompt (2 blocks) and decodes; the later plain requests fill the small
-    # pool, so decoding preempts the newest running request.
+    # Three plain requests, then "x", which loads its prompt (3 blocks) and decodes: their
+    # growth overflows the small pool, so decoding preempts the newest running request, "x".
     rng = random.Random(13)
-    stream: dict[int, list[Factory]] = {0: [_req("x", _prompt(rng, 40), 40, "remote-prefill")]}
-    stream[3] = [_req(f"q{i}", _prompt(rng, 40), 40) for i in range(3)]
+    stream: dict[int, list[Factory]] = {0: [_req(f"q{i}", _prompt(rng, 40), 40) for i in range(3)]}
+    stream[1] = [_req("x", _prompt(rng, 40), 40, "remote-prefill")]
     return stream
 
 
@@ -653,11 +653,11 @@ def test_stock_failed_load_reported_after_preemption() -> None:
     # run reports those blocks invalid one step after the preemption ("fail" policy, so stock
     # evicts them): no running request is affected, and the run completes with the fake
     # model's outputs, nothing held.
-    dry = _driver(Scheduler, "nixl-consumer", FakeWorker(seed=7, max_delay=0), policy="fail", num_blocks=12)
+    dry = _driver(Scheduler, "nixl-consumer", FakeWorker(seed=7, max_delay=0), policy="fail", num_blocks=16)
     (records,) = run_stream([dry], _preempt_stream())
     at = _find_preemption(records, "x") + 1
     blocks = set(dry.worker.load_blocks["x"])
-    d = _driver(Scheduler, "nixl-consumer", _late_invalid_worker(at, blocks), policy="fail", num_blocks=12)
+    d = _driver(Scheduler, "nixl-consumer", _late_invalid_worker(at, blocks), policy="fail", num_blocks=16)
     stream = _preempt_stream()
     (records,) = run_stream([d], stream)
     assert records[at]["num_invalid_blocks"] == len(blocks) == 3
@@ -669,13 +669,13 @@ def test_stock_failed_load_reported_after_preemption() -> None:
 
 @REFUSED
 def test_plugin_failed_load_reported_after_preemption_matches_stock() -> None:
-    dry = _driver(Scheduler, "nixl-consumer", FakeWorker(seed=7, max_delay=0), policy="fail", num_blocks=12)
+    dry = _driver(Scheduler, "nixl-consumer", FakeWorker(seed=7, max_delay=0), policy="fail", num_blocks=16)
     (records,) = run_stream([dry], _preempt_stream())
     at = _find_preemption(records, "x") + 1
     blocks = set(dry.worker.load_blocks["x"])
-    stock = _driver(Scheduler, "nixl-consumer", _late_invalid_worker(at, blocks), policy="fail", num_blocks=12)
+    stock = _driver(Scheduler, "nixl-consumer", _late_invalid_worker(at, blocks), policy="fail", num_blocks=16)
     # pagedkv's block ids for "x"'s load are its own: found by the same dry run on the plug-in.
-    pdry = _driver(PagedKVScheduler, "nixl-consumer", FakeWorker(seed=7, max_delay=0), policy="fail", num_blocks=12)
+    pdry = _driver(PagedKVScheduler, "nixl-consumer", FakeWorker(seed=7, max_delay=0), policy="fail", num_blocks=16)
     (precords,) = run_stream([pdry], _preempt_stream())
     assert _find_preemption(precords, "x") + 1 == at
     paged = _driver(
@@ -683,7 +683,7 @@ def test_plugin_failed_load_reported_after_preemption_matches_stock() -> None:
         "nixl-consumer",
         _late_invalid_worker(at, set(pdry.worker.load_blocks["x"])),
         policy="fail",
-        num_blocks=12,
+        num_blocks=16,
     )
     run_stream([stock, paged], _preempt_stream())
     for d in (stock, paged):
