@@ -402,7 +402,8 @@ def run_stream(
         for d in drivers:
             if actions and step in actions:
                 actions[step](d)
-        busy = [d.scheduler.has_unfinished_requests() or bool(d.worker.pending) for d in drivers]
+        # Busy while a request is known (kept after finishing too) or a transfer runs.
+        busy = [bool(d.scheduler.requests) or bool(d.worker.pending) for d in drivers]
         if step > last and not any(busy):
             break
         assert len(set(busy)) == 1, f"step {step}: one side is done, the other is not"
@@ -454,7 +455,8 @@ def check_no_request_stuck(driver: ConnectorDriver) -> None:
 
 @dataclass
 class Scenario:
-    """One connector setup and stream; ``expect`` checks the stock run alone."""
+    """One connector setup (``kind``, ``policy``, scheduler ``config``), its stream, and the
+    fake worker's delays and failure rate."""
 
     kind: str
     stream: Any  # () -> stream
