@@ -18,9 +18,9 @@ the end), then stock and the plug-in in lockstep: every step's schedule, prefix 
 external), connector-reported external tokens, loads, stores, finished transfers, requests
 waiting for KV and blocks in use must be equal; no request waits for its KV longer than its
 transfer takes; nothing is held at the end. Bad input: a ``finished_recving`` for a request id
-the scheduler never had (stock vLLM asserts; the plug-in must drop it and carry on exactly as
-without it), an abort while the load is in flight, a failed load reported after its request
-was preempted.
+the scheduler never had or for a running request that never loaded (stock vLLM asserts; the
+plug-in must drop it and carry on exactly as without it), an abort while the load is in flight,
+a failed load (invalid blocks) reported after its request was preempted.
 
 Until the plug-in accepts ``kv_transfer_config`` (issue 34) the lockstep tests are expected to
 fail on that refusal alone (``xfail(strict=True, raises=UnsupportedVllmConfigError)``): any
@@ -549,6 +549,28 @@ def test_stock_runs_through(name: str) -> None:
     check_nothing_held(d)
 
 
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_lockstep_of_stock_with_itself_is_exact(name: str) -> None:
+    """Two stock schedulers with their own fake workers in lockstep: every record equal (the
+    records and the worker are deterministic, so a difference against the plug-in is real)."""
+    sc = SCENARIOS[name]
+    if sc.kind in ("offloading", "multi") and OffloadingWorkerMetadata is None:
+        pytest.skip("this vLLM has no OffloadingWorkerMetadata (its offloading API differs)")
+    drivers = [
+        _driver(
+            Scheduler,
+            sc.kind,
+            FakeWorker(seed=7, max_delay=sc.max_delay, p_fail=sc.p_fail),
+            policy=sc.policy,
+            **sc.config,
+        )
+        for _ in range(2)
+    ]
+    a, b = run_stream(drivers, sc.stream())
+    assert a == b and len(a) > 10
+    assert drivers[0].external == drivers[1].external
+
+
 @REFUSED
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_plugin_matches_stock_step_by_step(name: str) -> None:
@@ -620,25 +642,32 @@ def test_plugin_abort_while_loading_matches_stock() -> None:
         check_nothing_held(d)
 
 
-def test_stock_asserts_on_finished_recving_of_an_unknown_request() -> None:
-    # Stock vLLM trusts its worker: an unknown id in finished_recving is an AssertionError
-    # raised from update_from_output (the plug-in must instead drop it, see below).
-    w = FakeWorker(seed=7, extra={1: {"finished_recving": {"never-seen"}}})
+# A finished_recving the scheduler cannot match: an id it never had, and a running request
+# that never loaded (a connector reporting a load it never matched), at the step given.
+BOGUS_RECVS = [pytest.param("never-seen", 1, id="unknown-id"), pytest.param("plain", 2, id="never-loaded")]
+
+
+@pytest.mark.parametrize(("rid", "at"), BOGUS_RECVS)
+def test_stock_asserts_on_a_finished_recving_it_cannot_match(rid: str, at: int) -> None:
+    # Stock vLLM trusts its worker: the report is an AssertionError raised from
+    # update_from_output (the plug-in must instead drop it, see below).
+    w = FakeWorker(seed=7, extra={at: {"finished_recving": {rid}}})
     d = _driver(Scheduler, "nixl-consumer", w, policy="recompute", num_blocks=32)
     with pytest.raises(AssertionError):
         run_stream([d], _abort_mid_load_stream())
+    assert w.step == at + 1, "raised on the bogus report"
 
 
 @REFUSED
-def test_plugin_drops_finished_recving_of_an_unknown_request() -> None:
-    # The plug-in ignores the unknown id and runs exactly as stock does without it.
+@pytest.mark.parametrize(("rid", "at"), BOGUS_RECVS)
+def test_plugin_drops_a_finished_recving_it_cannot_match(rid: str, at: int) -> None:
+    # The plug-in ignores the report and runs exactly as stock does without it.
     stock = _driver(Scheduler, "nixl-consumer", FakeWorker(seed=7), policy="recompute", num_blocks=32)
-    bad = FakeWorker(seed=7, extra={1: {"finished_recving": {"never-seen"}}})
+    bad = FakeWorker(seed=7, extra={at: {"finished_recving": {rid}}})
     paged = _driver(PagedKVScheduler, "nixl-consumer", bad, policy="recompute", num_blocks=32)
     (want,) = run_stream([stock], _abort_mid_load_stream())
     (got,) = run_stream([paged], _abort_mid_load_stream())
-    for rec in got:
-        rec["finished_recving"] = [r for r in rec["finished_recving"] if r != "never-seen"]
+    got[at]["finished_recving"] = [r for r in got[at]["finished_recving"] if r != rid]
     assert got == want
     check_nothing_held(paged)
 
