@@ -347,7 +347,8 @@ def offline_hf_home(dest: Path) -> Path:
 def present(root: Path, tests: list[str]) -> tuple[list[str], list[str]]:
     """``tests`` split into those the extracted release has and those it lacks (a file that is
     not there, or a ``file::test`` whose file defines no such test function)."""
-    have, lack = [], []
+    have: list[str] = []
+    lack: list[str] = []
     for t in tests:
         path, _, name = t.partition("::")
         f = root / path
