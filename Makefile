@@ -141,12 +141,17 @@ test-vllm-0.33: setup vllm-venv ## The vLLM suite (tests/integrations/vllm) unde
 test-vllm-0.32: setup vllm-venv-0.32 ## The vLLM suite (tests/integrations/vllm) under vLLM 0.32
 	$(VLLM032_VENV)/bin/python -m pytest -q tests/integrations/vllm
 
-# vLLM's own scheduler unit tests (from its sdist on PyPI, downloaded to /tmp) stock and with
-# PagedKVScheduler substituted; prints pass / fail counts per mode and the tests that differ.
-# Not part of `test`: it downloads ~47 MB and runs ~8 minutes on 2 cores.
+# vLLM's own scheduler unit tests and the scheduler side of its KV connector unit tests (from
+# each release's sdist on PyPI, downloaded to /tmp) stock and with PagedKVScheduler substituted,
+# under 0.33 and 0.32; prints pass / fail counts per mode and the tests that differ.
+# Not part of `test`: it downloads ~47 MB per release and runs ~30 minutes on 2 cores.
+UPSTREAM = scripts/run_vllm_scheduler_tests.py
 .PHONY: test-vllm-upstream
-test-vllm-upstream: setup vllm-venv ## vLLM 0.33's own scheduler tests, stock vs PagedKVScheduler (counts)
-	$(VLLM_VENV)/bin/python scripts/run_vllm_scheduler_tests.py --python $(VLLM_VENV)/bin/python
+test-vllm-upstream: setup vllm-venv vllm-venv-0.32 ## vLLM's own scheduler and KV connector tests (0.33, 0.32), stock vs PagedKVScheduler (counts)
+	$(VLLM_VENV)/bin/python $(UPSTREAM) --python $(VLLM_VENV)/bin/python --suite core
+	$(VLLM_VENV)/bin/python $(UPSTREAM) --python $(VLLM_VENV)/bin/python --suite connectors
+	$(VLLM032_VENV)/bin/python $(UPSTREAM) --python $(VLLM032_VENV)/bin/python --suite core
+	$(VLLM032_VENV)/bin/python $(UPSTREAM) --python $(VLLM032_VENV)/bin/python --suite connectors
 
 # The end-to-end suite runs a real model (SmolLM2, converted by pagedkv's loader) inside vLLM on
 # the CPU: `vllm.LLM` and one `vllm serve`, stock and with PagedKVScheduler. The wheels above are

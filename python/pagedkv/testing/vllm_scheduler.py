@@ -408,12 +408,16 @@ def _held(tables: Sequence[Sequence[int]], per_group: bool) -> Any:
 class Driver:
     """Runs one scheduler step by step and records what each step did."""
 
-    def __init__(self, scheduler: Any, *, num_drafts: int = 0) -> None:
+    def __init__(self, scheduler: Any, *, num_drafts: int = 0, model_output: Any = None) -> None:
         """``num_drafts`` > 0: after each step every running request gets that many draft
         tokens from :func:`fake_drafts` (``update_draft_token_ids``, as the engine core does
-        after a proposer ran); the scheduler needs a ``speculative_config``."""
+        after a proposer ran); the scheduler needs a ``speculative_config``. ``model_output``
+        (``(scheduler, scheduler_output) -> ModelRunnerOutput``, default
+        :func:`fake_model_output`) makes each step's output, e.g. with a fake KV connector
+        worker's report attached."""
         self.scheduler = scheduler
         self.num_drafts = num_drafts
+        self.model_output = model_output
         groups = scheduler.kv_cache_config.kv_cache_groups
         self._per_group = len(groups) > 1 or type(groups[0].kv_cache_spec) is not FullAttentionSpec
         #: Draft tokens scheduled and accepted over the run (speculative decoding).
@@ -452,7 +456,7 @@ class Driver:
         blocks_held = {
             rid: _held(sched.kv_cache_manager.get_block_ids(rid), self._per_group) for rid in sorted(scheduled)
         }
-        model_out = fake_model_output(sched, out)
+        model_out = (self.model_output or fake_model_output)(sched, out)
         for rid, drafts in out.scheduled_spec_decode_tokens.items():
             self.drafts_scheduled += len(drafts)
             self.drafts_accepted += len(model_out.sampled_token_ids[model_out.req_id_to_index[rid]]) - 1
