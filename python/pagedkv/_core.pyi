@@ -629,7 +629,7 @@ class KVIndexer:
         ``"stale"`` and changes nothing.
 
         ``events``: pagedkv ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` objects,
-        ``(group, event)`` pairs of them (``HybridKVCacheManager.take_events``), or vLLM wire
+        ``(group, event)`` pairs of them (the pair's group wins over the event's ``group``), or vLLM wire
         events (``["BlockStored", hashes, parent, token_ids, block_size,
         lora_id, medium, lora_name, extra_keys, ...]``, ``["BlockRemoved", hashes, ...]``,
         ``["AllBlocksCleared"]``; hashes bytes of at most 32 or ints). Only the events of the
