@@ -8,7 +8,7 @@ use crate::groups::{config_uint, PyGroupSpec};
 use pagedkv_core::host_tier::{HostEviction, MAX_HOST_BLOCKS};
 use pagedkv_core::kv_groups::MAX_BLOCK_SIZE;
 use pagedkv_core::pool::MAX_BLOCKS;
-use pagedkv_core::{Error, GroupSpec, HashAlgo, CacheConfig};
+use pagedkv_core::{CacheConfig, Error, GroupSpec, HashAlgo};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
 

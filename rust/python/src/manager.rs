@@ -17,7 +17,7 @@ use crate::stats::PyCacheStats;
 use crate::step_output::{block_array, pairs_array, triples, PySlotAllocation, PyStepOutput};
 use numpy::{PyArray1, PyArray2, PyUntypedArray};
 use pagedkv_core::{
-    ExtraKey, KvCacheManager, StepOptions, MmItem, SequenceSpec, StepDrafts, StepRequest,
+    ExtraKey, KvCacheManager, MmItem, SequenceSpec, StepDrafts, StepOptions, StepRequest,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
