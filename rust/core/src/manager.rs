@@ -66,6 +66,7 @@ use std::sync::Arc;
 mod allocation;
 mod caching;
 mod coordinator;
+mod external;
 mod host;
 mod invariants;
 mod kinds;
@@ -306,6 +307,9 @@ struct Seq {
     /// The version of its tables the last step output reported
     /// ([`StepOutput::table_version`]).
     table_version: u64,
+    /// While [`SeqStatus::Loading`]: the first token of the external load (the local prefix
+    /// hit before it); blocks from `loading_from / block_size` on are staged.
+    loading_from: usize,
 }
 
 impl Seq {
@@ -508,18 +512,28 @@ impl KvCacheManager {
                 looked_up: false,
                 drafts: Vec::new(),
                 table_version,
+                loading_from: 0,
             },
         );
         Ok(())
     }
 
     /// Appends finalized tokens. Errors: [`Error::UnknownSequence`];
-    /// [`Error::InvalidSequenceState`] while draft tokens are pending. O(tokens).
+    /// [`Error::InvalidSequenceState`] while draft tokens are pending or an external load is
+    /// (see [`Self::allocate_external`]). O(tokens).
     pub fn append_tokens(&self, seq: SeqId, tokens: &[u32]) -> Result<()> {
         let mut st = self.state.lock();
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         if !s.drafts.is_empty() {
             return Err(drafts_pending(seq, "append_tokens"));
+        }
+        if s.status == SeqStatus::Loading {
+            return Err(bad_state(
+                seq,
+                s.status,
+                "append_tokens",
+                "not loading (commit_external first)",
+            ));
         }
         s.tokens.extend_from_slice(tokens);
         Ok(())
@@ -748,11 +762,11 @@ impl KvCacheManager {
 
     /// Forks `parent` into `child`: every group's table is shared (ref counts + 1), nothing
     /// allocated. Errors: [`Error::UnknownSequence`], [`Error::SequenceExists`],
-    /// [`Error::InvalidSequenceState`] (swapped-out parent).
+    /// [`Error::InvalidSequenceState`] (swapped-out or loading parent).
     pub fn fork(&self, parent: SeqId, child: SeqId) -> Result<()> {
         let mut st = self.state.lock();
         let p = st.seqs.get(&parent).ok_or_else(|| unknown(parent))?;
-        if p.status == SeqStatus::Swapped {
+        if matches!(p.status, SeqStatus::Swapped | SeqStatus::Loading) {
             return Err(bad_state(parent, p.status, "fork", "running or preempted"));
         }
         if !p.drafts.is_empty() {
@@ -779,7 +793,9 @@ impl KvCacheManager {
     }
 
     /// Frees `seq` and forgets it; with sparse retention its windowed blocks are cached first
-    /// (its latest replayable point). Returns `false` for an unknown id. O(blocks).
+    /// (its latest replayable point). A loading sequence's staged blocks are released
+    /// unregistered (an abort while its load is in flight). Returns `false` for an unknown id.
+    /// O(blocks).
     pub fn free(&self, seq: SeqId) -> bool {
         let mut guard = self.state.lock();
         let st = &mut *guard;
@@ -800,7 +816,8 @@ impl KvCacheManager {
 
     /// Preemption by recompute, all-or-nothing over the group: every group's blocks are
     /// released (cached ones keep their hashes; with sparse retention the windowed blocks are
-    /// cached first), tokens kept, `num_computed = 0`. Errors (nothing changed):
+    /// cached first; a loading sequence's staged blocks are released unregistered: a failed
+    /// load), tokens kept, `num_computed = 0`. Errors (nothing changed):
     /// [`Error::UnknownSequence`], [`Error::InvalidArgument`] (duplicate id),
     /// [`Error::InvalidSequenceState`] (swapped out).
     pub fn preempt_recompute(&self, seqs: &[SeqId]) -> Result<()> {

@@ -17,7 +17,7 @@ use crate::stats::PyCacheStats;
 use crate::step_output::{block_array, pairs_array, triples, PySlotAllocation, PyStepOutput};
 use numpy::{PyArray1, PyArray2, PyUntypedArray};
 use pagedkv_core::{
-    ExtraKey, KvCacheManager, StepOptions, MmItem, SequenceSpec, StepDrafts, StepRequest,
+    ExtraKey, KvCacheManager, MmItem, SequenceSpec, StepDrafts, StepOptions, StepRequest,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
@@ -452,6 +452,104 @@ impl PyKvCacheManager {
         Ok(PySlotAllocation::from_core(py, a))
     }
 
+    /// First allocation of ``seq_id`` with ``num_external_tokens`` (``E``) tokens whose KV a
+    /// KV connector loads right after the local prefix hit ``H`` (taken as ``allocate_slots``
+    /// takes it), then ``num_new_tokens`` (``n``, capped at the tokens left) to compute. Every
+    /// group gets blocks for ``H + E + n`` tokens (a windowed group none out of the window of
+    /// ``H + E``: null entries). The result reports ``num_cached_tokens == H``,
+    /// ``num_context_tokens == H + E``, ``num_scheduled_tokens == n`` (the forward pass
+    /// computes positions ``H + E`` on); the connector writes the blocks of ``[H, H + E)``.
+    ///
+    /// ``staged=False``: a synchronous load (done before the forward pass); the loaded blocks
+    /// are registered in the prefix cache now, as ``allocate_slots(seq_id, E + n)`` would.
+    /// ``staged=True`` (requires ``n == 0``): an asynchronous load; ``status`` becomes
+    /// ``"loading"`` and the blocks from ``H`` on are *staged*: held, but never matched by a
+    /// prefix lookup, registered, announced in a KV event or offered to the host tier until
+    /// ``commit_external``. A loading sequence refuses ``allocate_slots``, ``step``, ``fork``,
+    /// ``swap_out``, ``append_tokens`` and ``accept_drafts`` (``InvalidSequenceStateError``);
+    /// ``free`` and ``preempt`` release its staged blocks unregistered (abort, failed load).
+    /// ``reserve_blocks``: blocks that must stay free after the call (other in-flight loads'
+    /// reservations, see ``num_blocks_needed``); as ``step(reserve_blocks=)``.
+    ///
+    /// Raises (state unchanged): ``UnknownSequenceError``; ``InvalidSequenceStateError``
+    /// unless the sequence holds no block (new, or preempted); ``InvalidArgumentError``
+    /// (``num_external_tokens`` past the last token, ``num_new_tokens > 0`` with ``staged``,
+    /// nothing to allocate); ``OutOfBlocksError`` (``requested`` counts ``reserve_blocks``).
+    #[pyo3(signature = (seq_id, num_external_tokens, num_new_tokens = None, *, staged = false, reserve_blocks = None),
+           text_signature = "(self, seq_id, num_external_tokens, num_new_tokens=0, *, staged=False, reserve_blocks=0)")]
+    fn allocate_external(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_external_tokens: &Bound<'_, PyAny>,
+        num_new_tokens: Option<&Bound<'_, PyAny>>,
+        staged: bool,
+        reserve_blocks: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PySlotAllocation> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let e = count(num_external_tokens, "num_external_tokens")?;
+        let q = opt_count(num_new_tokens, "num_new_tokens")?;
+        let r = opt_count(reserve_blocks, "reserve_blocks")?;
+        let m = &self.inner;
+        let a = py
+            .detach(|| m.allocate_external(seq, e, q, staged, r))
+            .py(py)?;
+        Ok(PySlotAllocation::from_core(py, a))
+    }
+
+    /// ``(take, release)``: exactly what ``allocate_external(seq_id, num_external_tokens,
+    /// num_new_tokens)`` takes from and gives back to the free pool (staged or not). Same
+    /// errors except ``OutOfBlocksError``; no side effects.
+    #[pyo3(signature = (seq_id, num_external_tokens, num_new_tokens = None),
+           text_signature = "(self, seq_id, num_external_tokens, num_new_tokens=0)")]
+    fn num_blocks_needed_external(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_external_tokens: &Bound<'_, PyAny>,
+        num_new_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(usize, usize)> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let e = count(num_external_tokens, "num_external_tokens")?;
+        let q = opt_count(num_new_tokens, "num_new_tokens")?;
+        let m = &self.inner;
+        let d = py
+            .detach(|| m.num_blocks_needed_external(seq, e, q))
+            .py(py)?;
+        Ok((d.take, d.release))
+    }
+
+    /// Ends the asynchronous load of a ``"loading"`` sequence (vLLM's ``cache_blocks`` after
+    /// ``finished_recving``): its KV is valid up to ``num_valid_tokens`` (``H <= n <= H + E``;
+    /// less than ``H + E`` after a partial failure); it becomes ``"running"`` with that many
+    /// computed tokens and the full blocks below it are registered now (KV events, host-tier
+    /// notes). Blocks past ``ceil(n / block_size)`` stay held for the next allocations to
+    /// compute into. Returns the number of blocks registered (every group).
+    ///
+    /// Raises (state unchanged): ``UnknownSequenceError``; ``InvalidSequenceStateError``
+    /// unless loading; ``InvalidArgumentError`` (``num_valid_tokens`` outside ``[H, H + E]``,
+    /// or a windowed group whose window at ``n`` reads blocks the load never took: preempt
+    /// the sequence to recompute it instead).
+    fn commit_external(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_valid_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let n = count(num_valid_tokens, "num_valid_tokens")?;
+        let m = &self.inner;
+        py.detach(|| m.commit_external(seq, n)).py(py)
+    }
+
+    /// Tokens of ``seq_id`` an asynchronous load is writing into staged blocks (``E`` while
+    /// ``"loading"``, else 0). Raises ``UnknownSequenceError``.
+    fn num_staged_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let m = &self.inner;
+        py.detach(|| m.num_staged_tokens(seq)).py(py)
+    }
+
     /// Resolves the pending drafts of ``seq_id`` after its verify step: the first
     /// ``num_accepted`` become tokens (KV computed); in every group the rejected tail's slots
     /// are free for the next step and blocks that held only rejected drafts are released
@@ -622,7 +720,8 @@ impl PyKvCacheManager {
         py.detach(|| m.num_computed_tokens(seq)).py(py)
     }
 
-    /// ``"running"``, ``"preempted"`` or ``"swapped"``. Raises ``UnknownSequenceError``.
+    /// ``"running"``, ``"preempted"``, ``"swapped"`` or ``"loading"`` (an asynchronous
+    /// external load in flight, see ``allocate_external``). Raises ``UnknownSequenceError``.
     fn status(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<&'static str> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let m = &self.inner;
@@ -813,4 +912,9 @@ impl PyKvCacheManager {
             p.num_free()
         )
     }
+}
+
+/// An optional count argument (``None`` or absent: 0), checked as [`count`].
+fn opt_count(v: Option<&Bound<'_, PyAny>>, name: &'static str) -> PyResult<usize> {
+    v.filter(|v| !v.is_none()).map_or(Ok(0), |v| count(v, name))
 }

@@ -28,8 +28,10 @@ impl KvCacheManager {
     }
 
     /// Caches every newly full computed block the fill-time rule selects, per group.
+    /// Nothing while the sequence is [`SeqStatus::Loading`]: its staged blocks wait for
+    /// [`KvCacheManager::commit_external`].
     pub(super) fn cache_full(&self, s: &mut Seq, ev: &mut Vec<Pending>, seen: bool) {
-        if !self.cfg.enable_prefix_caching || s.stale_kv {
+        if !self.cfg.enable_prefix_caching || s.stale_kv || s.status == SeqStatus::Loading {
             return;
         }
         for g in 0..self.num_groups() {

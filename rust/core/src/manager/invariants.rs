@@ -46,7 +46,24 @@ impl KvCacheManager {
                         }
                     }
                 }
-                SeqStatus::Running => {
+                SeqStatus::Running | SeqStatus::Loading => {
+                    if s.status == SeqStatus::Loading {
+                        // Staged blocks: private, held, never registered.
+                        for (g, t) in s.tables.iter().enumerate() {
+                            let bs = self.cfg.groups[g].block_size as usize;
+                            for &b in t.blocks.iter().skip(s.loading_from / bs) {
+                                if b != NULL_BLOCK
+                                    && (self.pool.ref_count(b) != 1
+                                        || self.pool.block_hash(b).is_some())
+                                {
+                                    return Err(format!(
+                                        "seq {id} group {g}: staged block {b} is shared or registered (ref {})",
+                                        self.pool.ref_count(b)
+                                    ));
+                                }
+                            }
+                        }
+                    }
                     if !s.drafts.is_empty() && s.num_computed != s.tokens.len() {
                         return Err(format!(
                             "seq {id}: drafts pending but {} of {} tokens computed",

@@ -1,0 +1,461 @@
+//! KV loaded by a connector (`KvCacheManager::allocate_external` and what follows it): staged
+//! blocks stay out of the prefix cache, the events and the host tier until
+//! `commit_external`; a synchronous load is an ordinary allocation; every refused call leaves
+//! the state unchanged. Each test runs over one full-attention group and over a full +
+//! sliding-window layout.
+
+use pagedkv_core::events::KvEvent;
+use pagedkv_core::manager::GroupEvent;
+use pagedkv_core::{
+    BlockId, CacheConfig, Error, GroupSpec, KvCacheManager, SeqId, SeqStatus, SequenceSpec,
+    StepRequest, NULL_BLOCK,
+};
+
+const BS: u32 = 4;
+const WINDOW: u32 = 8;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// One full-attention group.
+    One,
+    /// Full attention + a sliding window of 8 tokens, both of block size 4.
+    Hybrid,
+}
+
+const LAYOUTS: [Layout; 2] = [Layout::One, Layout::Hybrid];
+
+fn config(layout: Layout, num_blocks: u32) -> CacheConfig {
+    let mut c = match layout {
+        Layout::One => CacheConfig::new(num_blocks, BS),
+        Layout::Hybrid => CacheConfig::with_groups(
+            num_blocks,
+            vec![
+                GroupSpec::full(BS, 8),
+                GroupSpec::sliding_window(BS, 8, WINDOW),
+            ],
+            vec![0, 1],
+        ),
+    };
+    c.enable_events = true;
+    c
+}
+
+fn manager(layout: Layout, num_blocks: u32) -> KvCacheManager {
+    KvCacheManager::new(config(layout, num_blocks)).unwrap()
+}
+
+fn toks(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| i * 7 + salt * 1000 + 1).collect()
+}
+
+fn add(m: &KvCacheManager, seq: SeqId, prompt: Vec<u32>) {
+    m.add_sequence(seq, prompt, SequenceSpec::default())
+        .unwrap();
+}
+
+fn ok(m: &KvCacheManager) {
+    m.check_invariants().unwrap();
+}
+
+/// A sequence's id, status, tokens, computed tokens and block tables.
+type SeqView = (SeqId, SeqStatus, usize, usize, Vec<Vec<BlockId>>);
+
+/// Everything a refused call must leave as it was.
+#[derive(Debug, PartialEq)]
+struct Snapshot {
+    seqs: Vec<SeqView>,
+    free: usize,
+    cached_free: usize,
+    refs: Vec<u32>,
+    hashes: Vec<bool>,
+}
+
+fn snapshot(m: &KvCacheManager, seqs: &[SeqId]) -> Snapshot {
+    let pool = m.pool();
+    Snapshot {
+        seqs: seqs
+            .iter()
+            .filter(|&&s| m.status(s).is_ok())
+            .map(|&s| {
+                (
+                    s,
+                    m.status(s).unwrap(),
+                    m.num_tokens(s).unwrap(),
+                    m.num_computed_tokens(s).unwrap(),
+                    m.block_tables(s).unwrap(),
+                )
+            })
+            .collect(),
+        free: pool.num_free(),
+        cached_free: pool.num_cached_free(),
+        refs: (0..pool.num_blocks()).map(|b| pool.ref_count(b)).collect(),
+        hashes: (0..pool.num_blocks()).map(|b| pool.is_hashed(b)).collect(),
+    }
+}
+
+fn stored(events: &[GroupEvent]) -> usize {
+    events
+        .iter()
+        .map(|e| match &e.event {
+            KvEvent::BlockStored { block_hashes, .. } => block_hashes.len(),
+            _ => 0,
+        })
+        .sum()
+}
+
+fn is_state_error(r: Result<impl std::fmt::Debug, Error>, op: &str) {
+    match r {
+        Err(Error::InvalidSequenceState { operation, .. }) => assert_eq!(operation, op),
+        other => panic!("{op}: expected InvalidSequenceState, got {other:?}"),
+    }
+}
+
+/// Blocks group `g` registers for `n` computed tokens of a prompt computed from token 0 on,
+/// as the layouts here cache them (the window group only from the window of `n` on).
+fn registered(layout: Layout, ctx_window: usize, n: usize) -> usize {
+    let full = n / BS as usize;
+    match layout {
+        Layout::One => full,
+        Layout::Hybrid => {
+            let from = (ctx_window + 1).saturating_sub(WINDOW as usize) / BS as usize;
+            full + full.saturating_sub(from)
+        }
+    }
+}
+
+#[test]
+fn staged_blocks_are_not_matched_registered_or_announced_until_commit() {
+    for layout in LAYOUTS {
+        let m = manager(layout, 64);
+        add(&m, 1, toks(24, 1));
+        add(&m, 2, toks(24, 1));
+        let a = m.allocate_external(1, 20, 0, true, 0).unwrap();
+        assert_eq!(
+            (
+                a.num_cached_tokens,
+                a.num_context_tokens,
+                a.num_scheduled_tokens
+            ),
+            (0, 20, 0),
+            "{layout:?}"
+        );
+        assert_eq!(m.status(1).unwrap(), SeqStatus::Loading);
+        assert_eq!(m.num_staged_tokens(1).unwrap(), 20);
+        assert_eq!(m.num_computed_tokens(1).unwrap(), 20);
+        let tables = m.block_tables(1).unwrap();
+        assert_eq!(tables[0].len(), 5);
+        if layout == Layout::Hybrid {
+            // Only the window of token 20 (tokens 13..20: blocks 3 and 4) is taken.
+            assert_eq!(&tables[1][..3], &[NULL_BLOCK; 3]);
+            assert!(tables[1][3..].iter().all(|&b| b != NULL_BLOCK));
+        }
+        let held: usize = m.num_blocks_held(1).unwrap().iter().sum();
+        assert_eq!(m.pool().num_used(), held);
+        for t in &tables {
+            for &b in t.iter().filter(|&&b| b != NULL_BLOCK) {
+                assert!(!m.pool().is_hashed(b), "staged block {b} registered");
+            }
+        }
+        assert_eq!(
+            stored(&m.take_events()),
+            0,
+            "{layout:?}: staged blocks announced"
+        );
+        assert_eq!(
+            m.lookup_prefix(2).unwrap(),
+            0,
+            "{layout:?}: staged blocks matched"
+        );
+        ok(&m);
+
+        let n = m.commit_external(1, 20).unwrap();
+        assert_eq!(n, registered(layout, 20, 20), "{layout:?}");
+        assert_eq!(m.status(1).unwrap(), SeqStatus::Running);
+        assert_eq!(m.num_staged_tokens(1).unwrap(), 0);
+        assert_eq!(stored(&m.take_events()), n, "{layout:?}");
+        assert_eq!(m.lookup_prefix(2).unwrap(), 20, "{layout:?}");
+        ok(&m);
+        // The sequence goes on as any running one: its last 4 tokens computed.
+        let a = m.allocate_slots(1, 4).unwrap();
+        assert_eq!((a.num_context_tokens, a.num_scheduled_tokens), (20, 4));
+        ok(&m);
+    }
+}
+
+#[test]
+fn external_tokens_follow_the_local_hit() {
+    for layout in LAYOUTS {
+        let m = manager(layout, 64);
+        add(&m, 1, toks(12, 1));
+        m.allocate_slots(1, 12).unwrap();
+        let mut p = toks(12, 1);
+        p.extend(toks(16, 2));
+        add(&m, 2, p);
+        let hit = m.lookup_prefix(2).unwrap();
+        assert_eq!(hit, 12);
+        let a = m.allocate_external(2, 12, 0, true, 0).unwrap();
+        assert_eq!((a.num_cached_tokens, a.num_context_tokens), (12, 24));
+        assert_eq!(m.num_staged_tokens(2).unwrap(), 12);
+        let mine = m.block_tables(2).unwrap();
+        let theirs = m.block_tables(1).unwrap();
+        // The hit blocks are shared (group 0: all three), the staged ones private.
+        assert_eq!(&mine[0][..3], &theirs[0][..3]);
+        for &b in &mine[0][3..] {
+            assert_eq!(m.pool().ref_count(b), 1);
+            assert!(!m.pool().is_hashed(b));
+        }
+        ok(&m);
+        let n = m.commit_external(2, 24).unwrap();
+        // Blocks 3..6 of the full group; the window group's blocks 4 and 5 (the window of
+        // token 24 starts in block 4: its hit blocks 1 and 2 are not taken).
+        assert_eq!(n, if layout == Layout::One { 3 } else { 5 }, "{layout:?}");
+        ok(&m);
+    }
+}
+
+#[test]
+fn a_synchronous_load_is_an_ordinary_allocation() {
+    for layout in LAYOUTS {
+        let (a, b) = (manager(layout, 64), manager(layout, 64));
+        for m in [&a, &b] {
+            add(m, 1, toks(8, 1));
+            m.allocate_slots(1, 8).unwrap();
+            let mut p = toks(8, 1);
+            p.extend(toks(22, 3));
+            add(m, 2, p);
+        }
+        let x = a.allocate_external(2, 17, 3, false, 0).unwrap();
+        let y = b.allocate_slots(2, 20).unwrap();
+        assert_eq!(x.num_cached_tokens, 8);
+        assert_eq!((x.num_context_tokens, x.num_scheduled_tokens), (25, 3));
+        assert_eq!((y.num_context_tokens, y.num_scheduled_tokens), (8, 20));
+        assert_eq!(a.status(2).unwrap(), SeqStatus::Running);
+        assert_eq!(a.num_computed_tokens(2).unwrap(), 28);
+        let (ea, eb) = (a.take_events(), b.take_events());
+        match layout {
+            Layout::One => {
+                assert_eq!(ea, eb);
+                assert_eq!(x.groups, y.groups);
+                assert_eq!(a.block_tables(2).unwrap(), b.block_tables(2).unwrap());
+            }
+            // The window group takes no block out of the window of the loaded context.
+            Layout::Hybrid => {
+                let of = |e: &[GroupEvent], g| {
+                    e.iter()
+                        .filter(|e| e.group == Some(g))
+                        .cloned()
+                        .collect::<Vec<_>>()
+                };
+                assert_eq!(of(&ea, 0), of(&eb, 0));
+                // Window blocks: seq 1's 2, then only 4..7 (the window of token 25 starts
+                // at token 18, in block 4).
+                assert_eq!(stored(&of(&ea, 1)), 2 + 3);
+                assert_eq!(x.groups[0], y.groups[0]);
+                let t = a.block_tables(2).unwrap();
+                assert_eq!(t[0], b.block_tables(2).unwrap()[0]);
+                let first = (25 + 1 - WINDOW as usize) / BS as usize;
+                assert!(t[1][..first].iter().all(|&b| b == NULL_BLOCK), "{t:?}");
+                assert!(t[1][first..].iter().all(|&b| b != NULL_BLOCK), "{t:?}");
+            }
+        }
+        ok(&a);
+        ok(&b);
+    }
+}
+
+#[test]
+fn a_partial_commit_registers_the_full_blocks_below_the_valid_count() {
+    for layout in LAYOUTS {
+        let m = manager(layout, 64);
+        add(&m, 1, toks(24, 1));
+        add(&m, 2, toks(24, 1));
+        m.allocate_external(1, 20, 0, true, 0).unwrap();
+        let before = snapshot(&m, &[1, 2]);
+        if layout == Layout::Hybrid {
+            // The window at 13 reads tokens 6.. (block 1), never loaded.
+            let e = m.commit_external(1, 13).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    Error::InvalidArgument {
+                        arg: "num_valid_tokens",
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+            assert_eq!(snapshot(&m, &[1, 2]), before);
+        }
+        let valid = if layout == Layout::One { 13 } else { 19 };
+        let n = m.commit_external(1, valid).unwrap();
+        assert_eq!(n, registered(layout, 19, valid), "{layout:?}");
+        assert_eq!(m.num_computed_tokens(1).unwrap(), valid);
+        // The window group misses blocks 0..3 (never loaded): no hit at all.
+        let hit = if layout == Layout::One { 12 } else { 0 };
+        assert_eq!(m.lookup_prefix(2).unwrap(), hit);
+        // The rest of the staged blocks are filled first: one fresh block for token 20..24.
+        let a = m.allocate_slots(1, 24 - valid).unwrap();
+        assert_eq!(a.num_context_tokens, valid);
+        assert_eq!(a.groups[0].new_block_ids.len(), 1, "{layout:?}");
+        ok(&m);
+    }
+}
+
+#[test]
+fn a_loading_sequence_refuses_every_other_call_unchanged() {
+    for layout in LAYOUTS {
+        let mut c = config(layout, 64);
+        c.num_cpu_blocks = 16;
+        let m = KvCacheManager::new(c).unwrap();
+        add(&m, 1, toks(24, 1));
+        m.allocate_external(1, 16, 0, true, 0).unwrap();
+        let before = snapshot(&m, &[1, 9]);
+        is_state_error(m.allocate_slots(1, 4), "allocate_slots");
+        is_state_error(
+            m.allocate_slots_with_drafts(1, 8, &[1, 2]),
+            "allocate_slots",
+        );
+        is_state_error(m.append_tokens(1, &[5]), "append_tokens");
+        is_state_error(m.fork(1, 9), "fork");
+        is_state_error(m.swap_out(&[1]), "swap_out");
+        is_state_error(m.accept_drafts(1, 0), "accept_drafts");
+        is_state_error(m.allocate_external(1, 4, 0, true, 0), "allocate_external");
+        let out = m.step(&StepRequest {
+            seq_ids: vec![1],
+            num_new_tokens: vec![4],
+            ..Default::default()
+        });
+        assert_eq!(out.num_scheduled, 0);
+        assert!(
+            matches!(out.error, Some(Error::InvalidSequenceState { .. })),
+            "{:?}",
+            out.error
+        );
+        // Reservations: what its remaining tokens take after the commit.
+        let need = if layout == Layout::One { 2 } else { 4 };
+        assert_eq!(m.num_blocks_needed(1, 8).unwrap().take, need);
+        assert_eq!(m.num_blocks_owed(&[1]).unwrap(), need);
+        assert_eq!(snapshot(&m, &[1, 9]), before, "{layout:?}");
+        assert_eq!(stored(&m.take_events()), 0);
+        ok(&m);
+    }
+}
+
+#[test]
+fn free_and_preempt_release_staged_blocks_unregistered() {
+    for layout in LAYOUTS {
+        let m = manager(layout, 64);
+        add(&m, 1, toks(8, 1));
+        m.allocate_slots(1, 8).unwrap();
+        let mut p = toks(8, 1);
+        p.extend(toks(16, 2));
+        add(&m, 2, p.clone());
+        add(&m, 3, p.clone());
+        add(&m, 4, p);
+        m.allocate_external(2, 12, 0, true, 0).unwrap();
+        m.allocate_external(3, 12, 0, true, 0).unwrap();
+        m.take_events();
+        let hashed_before = (1..64).filter(|&b| m.pool().is_hashed(b)).count();
+        assert!(m.free(2)); // an abort while the load is in flight
+        m.preempt_recompute(&[3]).unwrap(); // a failed load
+        assert_eq!(m.status(3).unwrap(), SeqStatus::Preempted);
+        assert_eq!(m.num_computed_tokens(3).unwrap(), 0);
+        assert_eq!(
+            (1..64).filter(|&b| m.pool().is_hashed(b)).count(),
+            hashed_before
+        );
+        assert_eq!(
+            m.pool().num_used(),
+            m.num_blocks_held(1).unwrap().iter().sum()
+        );
+        assert!(m.take_events().is_empty());
+        assert_eq!(m.lookup_prefix(4).unwrap(), 8);
+        ok(&m);
+        // A preempted sequence loads again.
+        m.allocate_external(3, 12, 0, true, 0).unwrap();
+        assert_eq!(m.status(3).unwrap(), SeqStatus::Loading);
+        ok(&m);
+    }
+}
+
+#[test]
+fn refused_external_allocations_change_nothing() {
+    for layout in LAYOUTS {
+        let m = manager(layout, 7);
+        add(&m, 1, toks(24, 1));
+        add(&m, 2, toks(4, 2));
+        m.allocate_slots(2, 4).unwrap();
+        let before = snapshot(&m, &[1, 2]);
+        let bad_arg = |r: Result<_, Error>, name: &str| match r {
+            Err(Error::InvalidArgument { arg, .. }) => assert_eq!(arg, name),
+            other => panic!("{name}: {other:?}"),
+        };
+        bad_arg(
+            m.allocate_external(1, 25, 0, true, 0),
+            "num_external_tokens",
+        );
+        bad_arg(m.allocate_external(1, 8, 4, true, 0), "num_new_tokens");
+        bad_arg(m.allocate_external(1, 0, 0, true, 0), "num_new_tokens");
+        is_state_error(m.allocate_external(2, 1, 0, true, 0), "allocate_external");
+        is_state_error(m.commit_external(2, 4), "commit_external");
+        assert!(matches!(
+            m.allocate_external(7, 4, 0, true, 0),
+            Err(Error::UnknownSequence { seq_id: 7 })
+        ));
+        // 7 blocks, 1 null, 1 held by seq 2 (2 with the window group): not enough for 24.
+        let need = m.num_blocks_needed_external(1, 23, 1).unwrap();
+        assert!(need.take > m.pool().num_free(), "{need:?}");
+        assert!(matches!(
+            m.allocate_external(1, 23, 1, false, 0),
+            Err(Error::OutOfBlocks { .. })
+        ));
+        // A reservation refuses what would otherwise fit.
+        let need = m.num_blocks_needed_external(1, 8, 0).unwrap();
+        assert!(need.take <= m.pool().num_free());
+        let reserve = m.pool().num_free() - need.take + 1;
+        match m.allocate_external(1, 8, 0, true, reserve) {
+            Err(Error::OutOfBlocks {
+                requested,
+                available,
+            }) => assert_eq!(
+                (requested, available),
+                (need.take + reserve, m.pool().num_free())
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(snapshot(&m, &[1, 2]), before, "{layout:?}");
+        m.allocate_external(1, 8, 0, true, reserve - 1).unwrap();
+        ok(&m);
+    }
+}
+
+#[test]
+fn the_host_tier_never_sees_staged_blocks() {
+    for layout in LAYOUTS {
+        for commit in [false, true] {
+            let mut c = config(layout, 17);
+            c.num_host_blocks = 32;
+            c.host_admission_min_seen = 1;
+            let m = KvCacheManager::new(c).unwrap();
+            add(&m, 1, toks(24, 1));
+            m.allocate_external(1, 20, 0, true, 0).unwrap();
+            let n = if commit {
+                m.commit_external(1, 20).unwrap()
+            } else {
+                0 // an aborted load: its blocks are reused without a store
+            };
+            assert!(m.free(1));
+            // A step boundary: blocks registered before it hold their KV.
+            assert!(m.step(&StepRequest::default()).error.is_none());
+            // Every one of the 16 usable blocks: each cached block is evicted (and stored).
+            let len = if layout == Layout::One { 64 } else { 32 };
+            add(&m, 2, toks(len, 5));
+            m.allocate_slots(2, len).unwrap();
+            assert_eq!(m.pool().num_free(), 0);
+            let t = m.take_host_transfers();
+            assert_eq!(t.stores.len(), n, "{layout:?} commit={commit}: {t:?}");
+            assert_eq!(n > 0, commit);
+            ok(&m);
+        }
+    }
+}
