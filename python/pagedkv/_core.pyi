@@ -492,6 +492,14 @@ class KVCacheManager:
         """``(take, release)`` of ``allocate_external`` with these arguments; no side effects."""
     def commit_external(self, seq_id: int, num_valid_tokens: int) -> int:
         """Ends a load: ``"loading"`` -> ``"running"`` with ``num_valid_tokens`` computed; returns blocks registered."""
+    def rollback(self, seq_id: int, num_computed_tokens: int, *, poisoned: bool) -> int:
+        """Truncates the computed range (blocks kept, recomputed in place); ``poisoned`` unregisters them and their dependents.
+
+        Returns blocks unregistered. Raises ``UnknownSequenceError``,
+        ``InvalidSequenceStateError`` (not running, drafts pending), ``InvalidArgumentError``.
+        """
+    def evict_blocks(self, block_ids: _IntArrayLike) -> int:
+        """Unregisters these blocks and their dependents (invalid KV); returns how many. Raises ``InvalidBlockError``."""
     def num_staged_tokens(self, seq_id: int) -> int:
         """Tokens being loaded into staged blocks (0 unless ``"loading"``)."""
     def accept_drafts(self, seq_id: int, num_accepted: int, *, release_blocks: bool = True) -> list[_Int32Array]:

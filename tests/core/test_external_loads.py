@@ -212,3 +212,96 @@ def test_bad_external_allocations_change_nothing(layout: str) -> None:
     with pytest.raises(pagedkv.InvalidArgumentError, match="num_valid_tokens"):
         m.commit_external(1, 9)
     m.check_invariants()
+
+
+def registered(m: KVCacheManager, blocks: Any) -> list[bool]:
+    return [m.pool.block_hash(int(b)) is not None for b in blocks]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rewind_keeps_blocks_and_registrations(layout: str) -> None:
+    m = make(layout)
+    m.add_sequence(1, toks(24, 1))
+    m.allocate_slots(1, 24)
+    table = m.block_table(1, 0).tolist()
+    m.take_events()
+    assert m.rollback(1, 23, poisoned=False) == 0
+    assert m.num_computed_tokens(1) == 23
+    assert m.block_table(1, 0).tolist() == table
+    assert all(registered(m, table))
+    a = m.allocate_slots(1, 1)
+    assert (a.num_context_tokens, a.num_scheduled_tokens) == (23, 1)
+    assert len(a.new_block_ids) == 0 and len(a.copies) == 0
+    assert m.take_events() == []
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_poisoned_rollback_unregisters_descendants(layout: str) -> None:
+    m = make(layout, num_blocks=96)
+    a = toks(24, 1)
+    m.add_sequence(1, a)
+    m.allocate_slots(1, 24)
+    m.add_sequence(2, a[:16] + toks(8, 2))
+    m.allocate_slots(2, 24)
+    m.add_sequence(3, a + toks(8, 3))
+    m.allocate_slots(3, 32)
+    t1, t2, t3 = (m.block_table(s, 0).tolist() for s in (1, 2, 3))
+    assert m.free(3)
+    m.take_events()
+    n = m.rollback(1, 8, poisoned=True)
+    assert n >= 8
+    assert registered(m, t1) == [True, True, False, False, False, False]
+    assert registered(m, t2[4:6] + t3[6:8]) == [False] * 4
+    assert [m.pool.ref_count(b) for b in t1[2:4]] == [2, 2]  # still held by seq 2
+    assert [m.pool.ref_count(b) for b in t3[6:8]] == [0, 0]
+    removed = [e for e in m.take_events() if isinstance(e, pagedkv.BlockRemoved)]
+    assert sum(len(e.block_hashes) for e in removed) == n
+    m.add_sequence(4, a)
+    assert m.lookup_prefix(4) == 8
+    m.check_invariants()
+    m.allocate_slots(1, 16)  # recomputed in place, registered again
+    assert all(registered(m, t1))
+    assert m.lookup_prefix(4) == 20
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_evict_blocks(layout: str) -> None:
+    m = make(layout)
+    m.add_sequence(1, toks(24, 1))
+    m.allocate_slots(1, 24)
+    t = m.block_table(1, 0).tolist()
+    before = snapshot(m, [1])
+    with pytest.raises(pagedkv.InvalidBlockError):
+        m.evict_blocks([t[0], 0])
+    with pytest.raises(pagedkv.InvalidBlockError):
+        m.evict_blocks(np.array([m.num_blocks], dtype=np.int32))
+    assert snapshot(m, [1]) == before
+    assert m.evict_blocks([t[3]]) == 3
+    assert registered(m, t) == [True, True, True, False, False, False]
+    m.add_sequence(2, toks(24, 1))
+    assert m.lookup_prefix(2) == 12
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bad_rollbacks_change_nothing(layout: str) -> None:
+    m = make(layout)
+    m.add_sequence(1, toks(24, 1))
+    m.allocate_slots(1, 24)
+    m.add_sequence(2, toks(24, 2))
+    m.allocate_external(2, 16, staged=True)
+    before = snapshot(m, [1, 2])
+    with pytest.raises(pagedkv.InvalidArgumentError, match="num_computed_tokens"):
+        m.rollback(1, 25, poisoned=True)
+    with pytest.raises(pagedkv.InvalidArgumentError):
+        m.rollback(1, -1, poisoned=True)
+    with pytest.raises(pagedkv.InvalidSequenceStateError, match="loading"):
+        m.rollback(2, 8, poisoned=True)
+    with pytest.raises(pagedkv.UnknownSequenceError):
+        m.rollback(9, 0, poisoned=False)
+    with pytest.raises(TypeError):
+        m.rollback(1, 8)  # type: ignore[call-arg]
+    assert snapshot(m, [1, 2]) == before
+    m.check_invariants()

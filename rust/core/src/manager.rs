@@ -310,9 +310,23 @@ struct Seq {
     /// While [`SeqStatus::Loading`]: the first token of the external load (the local prefix
     /// hit before it); blocks from `loading_from / block_size` on are staged.
     loading_from: usize,
+    /// Its tables hold blocks for the tokens up to here (past `num_computed`) that a
+    /// [`KvCacheManager::rollback`] kept: the next allocations compute into them in place (no
+    /// copy-on-write; they may be shared or still registered). 0 when none.
+    rewrite_to: usize,
+    /// Blocks holding tokens from here on are never registered ([`usize::MAX`]: none): some
+    /// of its KV there descends from KV found invalid ([`KvCacheManager::evict_blocks`]), until
+    /// a rollback to or below it or a recompute preemption.
+    tainted_from: usize,
 }
 
 impl Seq {
+    /// Tokens its tables cover besides spare blocks: computed and draft slots, and the
+    /// blocks a rollback kept.
+    fn covered(&self) -> usize {
+        (self.num_computed + self.drafts.len()).max(self.rewrite_to)
+    }
+
     fn is_first(&self) -> bool {
         self.num_computed == 0 && self.tables.iter().all(|t| t.blocks.is_empty())
     }
@@ -378,6 +392,12 @@ pub struct KvCacheManager {
     /// The prefix cache's host tier (`None` with `num_host_blocks == 0`: nothing of it runs),
     /// taken only under the state lock (lock order: state, host, counters).
     host: Option<Mutex<HostSide>>,
+    /// Per block, the first 8 bytes of the index key of the block before it in the chain it
+    /// was last registered in (0: the first block); written and read only under the state
+    /// lock (atomics only to share the array). What [`Self::evict_blocks`] follows to the
+    /// dependents of a block. 8 bytes per block: a prefix collision only unregisters one
+    /// block too many.
+    parents: Box<[std::sync::atomic::AtomicU64]>,
 }
 
 fn unknown(seq_id: SeqId) -> Error {
@@ -436,6 +456,7 @@ impl KvCacheManager {
             }
         };
         let hasher = PrefixHasher::new(cfg.hash_algo, &cfg.hash_seed);
+        let n_blocks = cfg.num_blocks as usize;
         let n = cfg.num_cpu_blocks;
         let state = State {
             seqs: SeqTable::default(),
@@ -459,6 +480,9 @@ impl KvCacheManager {
             state: Mutex::new(state),
             counters: Mutex::new(ManagerCounters::default()),
             host,
+            parents: (0..n_blocks)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
         })
     }
 
@@ -513,6 +537,8 @@ impl KvCacheManager {
                 drafts: Vec::new(),
                 table_version,
                 loading_from: 0,
+                rewrite_to: 0,
+                tainted_from: usize::MAX,
             },
         );
         Ok(())
@@ -851,6 +877,8 @@ impl KvCacheManager {
             s.status = SeqStatus::Preempted;
             s.stale_kv = false; // its KV is computed again on resume
             s.drafts.clear(); // their lookahead blocks went with the rest
+            s.rewrite_to = 0;
+            s.tainted_from = usize::MAX;
             st.seqs.insert(*id, s);
         }
         self.absorb(st, ev);

@@ -459,3 +459,215 @@ fn the_host_tier_never_sees_staged_blocks() {
         }
     }
 }
+
+fn hashed(m: &KvCacheManager, b: BlockId) -> bool {
+    m.pool().is_hashed(b)
+}
+
+fn removed(events: &[GroupEvent]) -> usize {
+    events
+        .iter()
+        .map(|e| match &e.event {
+            KvEvent::BlockRemoved { block_hashes, .. } => block_hashes.len(),
+            _ => 0,
+        })
+        .sum()
+}
+
+#[test]
+fn a_rewind_keeps_blocks_and_recomputes_in_place() {
+    for layout in LAYOUTS {
+        let m = manager(layout, 64);
+        add(&m, 1, toks(24, 1));
+        m.allocate_slots(1, 24).unwrap();
+        let mut p = toks(24, 1);
+        p.extend(toks(4, 2));
+        add(&m, 2, p);
+        m.allocate_slots(2, 28).unwrap(); // shares the six blocks of seq 1 (group 0)
+        let tables = m.block_tables(1).unwrap();
+        let before = snapshot(&m, &[2]);
+        m.take_events();
+        // vLLM's rewind of a full hit's last token; here back into shared block 5.
+        assert_eq!(m.rollback(1, 22, false).unwrap(), 0);
+        assert_eq!(m.num_computed_tokens(1).unwrap(), 22);
+        assert_eq!(m.block_tables(1).unwrap(), tables);
+        // (The window group's next allocation releases its blocks out of the window.)
+        let tables = &tables[..1];
+        assert_eq!(
+            snapshot(&m, &[2]),
+            before,
+            "{layout:?}: a rewind changes no block"
+        );
+        ok(&m);
+        let a = m.allocate_slots(1, 2).unwrap();
+        assert_eq!((a.num_context_tokens, a.num_scheduled_tokens), (22, 2));
+        assert!(a
+            .groups
+            .iter()
+            .all(|g| g.new_block_ids.is_empty() && g.copies.is_empty()));
+        assert_eq!(&m.block_tables(1).unwrap()[..1], tables);
+        assert!(m.take_events().is_empty());
+        ok(&m);
+    }
+}
+
+#[test]
+fn a_poisoned_rollback_unregisters_own_blocks_and_their_descendants() {
+    for layout in LAYOUTS {
+        let m = manager(layout, 96);
+        let a = toks(24, 1);
+        add(&m, 1, a.clone());
+        m.allocate_slots(1, 24).unwrap();
+        // Seq 2 shares blocks 0..4 of seq 1, then its own 4 and 5 (children of block 3).
+        let mut p = a[..16].to_vec();
+        p.extend(toks(8, 2));
+        add(&m, 2, p);
+        m.allocate_slots(2, 24).unwrap();
+        // Seq 3 extends all of seq 1; freed: its blocks 6 and 7 are cached free.
+        let mut p = a.clone();
+        p.extend(toks(8, 3));
+        add(&m, 3, p);
+        m.allocate_slots(3, 32).unwrap();
+        let t3 = m.block_tables(3).unwrap();
+        assert!(m.free(3));
+        let (t1, t2) = (m.block_tables(1).unwrap(), m.block_tables(2).unwrap());
+        assert_eq!(&t2[0][..4], &t1[0][..4]);
+        assert!(t3[0][6..8].iter().all(|&b| hashed(&m, b)));
+        let cached_free = m.pool().num_cached_free();
+        m.take_events();
+
+        // Blocks 2.. of seq 1 are invalid (a load failure found at token 8).
+        let n = m.rollback(1, 8, true).unwrap();
+        let full = |t: &[Vec<BlockId>], r: std::ops::Range<usize>| t[0][r].to_vec();
+        let mut lost = full(&t1, 2..6);
+        lost.extend(full(&t2, 4..6));
+        lost.extend(full(&t3, 6..8));
+        for &b in &lost {
+            assert!(!hashed(&m, b), "{layout:?}: block {b} still registered");
+        }
+        for &b in &t1[0][..2] {
+            assert!(hashed(&m, b), "{layout:?}: valid block {b} unregistered");
+        }
+        // Shared blocks stay held by seq 2; the freed dependents are plain free blocks.
+        assert_eq!(m.pool().ref_count(t1[0][2]), 2);
+        assert_eq!(m.pool().ref_count(t1[0][3]), 2);
+        for &b in &t3[0][6..8] {
+            assert_eq!(m.pool().ref_count(b), 0);
+        }
+        if layout == Layout::One {
+            assert_eq!(m.pool().num_cached_free(), cached_free - 2);
+            assert_eq!(n, 8);
+            assert_eq!(removed(&m.take_events()), 8);
+        } else {
+            assert!(n > 8, "{n}: the window group's blocks too");
+            assert_eq!(removed(&m.take_events()), n);
+        }
+        assert_eq!(m.block_tables(1).unwrap(), t1, "tables keep every block");
+        assert_eq!(m.num_computed_tokens(1).unwrap(), 8);
+        ok(&m);
+
+        add(&m, 4, a.clone());
+        assert_eq!(m.lookup_prefix(4).unwrap(), 8);
+        // Seq 2 holds KV descending from the invalid blocks: none of it is registered again.
+        m.append_tokens(2, &toks(4, 4)).unwrap();
+        m.allocate_slots(2, 4).unwrap();
+        assert!(!hashed(&m, m.block_tables(2).unwrap()[0][6]));
+        ok(&m);
+        // Seq 1 recomputes into its own blocks and registers them again.
+        let r = m.allocate_slots(1, 16).unwrap();
+        assert!(r.groups.iter().all(|g| g.new_block_ids.is_empty()));
+        assert!(t1[0][2..6].iter().all(|&b| hashed(&m, b)));
+        assert!(stored(&m.take_events()) >= 4);
+        assert_eq!(m.lookup_prefix(4).unwrap(), 20);
+        ok(&m);
+        // Rolled back to its first tainted block (or, where its window group released
+        // blocks before it, preempted), seq 2 registers again as it recomputes.
+        if layout == Layout::One {
+            m.rollback(2, 8, false).unwrap();
+            m.allocate_slots(2, 20).unwrap();
+        } else {
+            match m.rollback(2, 8, false) {
+                Err(Error::InvalidArgument { arg, .. }) => assert_eq!(arg, "num_computed_tokens"),
+                other => panic!("{other:?}"),
+            }
+            m.preempt_recompute(&[2]).unwrap();
+            m.allocate_slots(2, 28).unwrap();
+        }
+        assert!(m.block_tables(2).unwrap()[0][..7]
+            .iter()
+            .all(|&b| hashed(&m, b)));
+        ok(&m);
+    }
+}
+
+#[test]
+fn evict_blocks_follows_dependents_and_checks_ids() {
+    for layout in LAYOUTS {
+        let m = manager(layout, 64);
+        add(&m, 1, toks(24, 1));
+        m.allocate_slots(1, 24).unwrap();
+        let t = m.block_tables(1).unwrap();
+        assert!(m.free(1));
+        let before = snapshot(&m, &[]);
+        for bad in [NULL_BLOCK, 64, 1000] {
+            match m.evict_blocks(&[t[0][0], bad]) {
+                Err(Error::InvalidBlockId { block_id, .. }) => assert_eq!(block_id, bad),
+                other => panic!("{other:?}"),
+            }
+        }
+        let unregistered = (1..64).find(|&b| !hashed(&m, b)).unwrap();
+        assert_eq!(m.evict_blocks(&[unregistered]).unwrap(), 0);
+        assert_eq!(snapshot(&m, &[]), before);
+        m.take_events();
+        // Block 3 of the full group: 3, 4 and 5 go (one chain); 0..2 stay.
+        let n = m.evict_blocks(&[t[0][3]]).unwrap();
+        assert_eq!(n, 3, "{layout:?}");
+        assert_eq!(removed(&m.take_events()), 3);
+        assert!(t[0][..3].iter().all(|&b| hashed(&m, b)));
+        assert!(t[0][3..].iter().all(|&b| !hashed(&m, b)));
+        add(&m, 2, toks(24, 1));
+        assert_eq!(m.lookup_prefix(2).unwrap(), 12);
+        ok(&m);
+    }
+}
+
+#[test]
+fn refused_rollbacks_change_nothing() {
+    for layout in LAYOUTS {
+        let m = manager(layout, 64);
+        add(&m, 1, toks(24, 1));
+        m.allocate_slots(1, 24).unwrap();
+        add(&m, 2, toks(24, 2));
+        m.allocate_external(2, 16, 0, true, 0).unwrap();
+        add(&m, 3, toks(8, 3));
+        m.allocate_slots_with_drafts(3, 8, &[1, 2]).unwrap();
+        let before = snapshot(&m, &[1, 2, 3]);
+        match m.rollback(1, 25, true) {
+            Err(Error::InvalidArgument { arg, .. }) => assert_eq!(arg, "num_computed_tokens"),
+            other => panic!("{other:?}"),
+        }
+        is_state_error(m.rollback(2, 8, true), "rollback");
+        is_state_error(m.rollback(3, 4, true), "rollback");
+        assert!(matches!(
+            m.rollback(9, 0, false),
+            Err(Error::UnknownSequence { seq_id: 9 })
+        ));
+        if layout == Layout::Hybrid {
+            // Seq 1's window group released blocks before token 17's window... not yet: it
+            // computed all 24 in one call, so every block is held. Seq 2's window group
+            // never took blocks 0..2.
+            m.commit_external(2, 16).unwrap();
+            let before = snapshot(&m, &[1, 2, 3]);
+            match m.rollback(2, 4, true) {
+                Err(Error::InvalidArgument { arg, .. }) => {
+                    assert_eq!(arg, "num_computed_tokens")
+                }
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(snapshot(&m, &[1, 2, 3]), before);
+        } else {
+            assert_eq!(snapshot(&m, &[1, 2, 3]), before);
+        }
+        ok(&m);
+    }
+}

@@ -542,6 +542,53 @@ impl PyKvCacheManager {
         py.detach(|| m.commit_external(seq, n)).py(py)
     }
 
+    /// Truncates the computed range of running ``seq_id`` to ``num_computed_tokens`` (``n``):
+    /// KV from ``n`` on is computed again (after a failed or partial load, or vLLM's rewind
+    /// of a full hit's last token). Every block stays in the tables (a model runner's block
+    /// table stays valid): the next allocations compute into them in place, without
+    /// copy-on-write, before taking new ones.
+    ///
+    /// ``poisoned=False``: the kept blocks' KV is valid; their registrations stay.
+    /// ``poisoned=True``: the KV from ``n`` on is invalid: every registered block of the
+    /// sequence's tables from logical block ``n // block_size`` on (every group) is
+    /// unregistered with its dependents, as ``evict_blocks`` does, and registered again once
+    /// recomputed. Returns the number of blocks unregistered (0 unless poisoned).
+    ///
+    /// Raises (state unchanged): ``UnknownSequenceError``; ``InvalidSequenceStateError``
+    /// unless running without pending drafts; ``InvalidArgumentError``
+    /// (``num_computed_tokens`` above the computed tokens, or a windowed group's window at
+    /// ``n`` reads blocks it released or never took: preempt the sequence instead).
+    #[pyo3(signature = (seq_id, num_computed_tokens, *, poisoned))]
+    fn rollback(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_computed_tokens: &Bound<'_, PyAny>,
+        poisoned: bool,
+    ) -> PyResult<usize> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let n = count(num_computed_tokens, "num_computed_tokens")?;
+        let m = &self.inner;
+        py.detach(|| m.rollback(seq, n, poisoned)).py(py)
+    }
+
+    /// Drops the prefix-cache registration of each of ``block_ids`` (list or 1-D integer
+    /// array) that has one (vLLM's ``BlockPool.evict_blocks``: their KV is invalid) and of
+    /// every registered block whose chain (in its KV cache group) descends from one of them.
+    /// Held blocks stay held, and their holders register nothing from there on until a
+    /// ``rollback`` to or below it or a preemption; cached free blocks become plain free
+    /// blocks. ``BlockRemoved`` events for the hashes that no longer resolve; the host tier
+    /// forgets the blocks dropped. Unregistered ids are skipped. Returns the number of blocks
+    /// unregistered, dependents included.
+    ///
+    /// Raises ``InvalidBlockError`` (the null block 0 or an id ``>= num_blocks``; nothing
+    /// changed).
+    fn evict_blocks(&self, py: Python<'_>, block_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let ids = crate::convert::block_ids(block_ids, "block_ids")?;
+        let m = &self.inner;
+        py.detach(|| m.evict_blocks(&ids)).py(py)
+    }
+
     /// Tokens of ``seq_id`` an asynchronous load is writing into staged blocks (``E`` while
     /// ``"loading"``, else 0). Raises ``UnknownSequenceError``.
     fn num_staged_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {

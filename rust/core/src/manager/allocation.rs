@@ -239,9 +239,13 @@ impl KvCacheManager {
             }
         }
         s.drafts = drafts.to_vec();
+        if s.rewrite_to <= s.num_computed {
+            s.rewrite_to = 0;
+        }
+        let covered = s.covered();
         for (g, t) in s.tables.iter_mut().enumerate() {
             let bs = self.cfg.groups[g].block_size as usize;
-            t.spare = t.blocks.len() - (s.num_computed + drafts.len()).div_ceil(bs);
+            t.spare = t.blocks.len() - covered.div_ceil(bs);
         }
         // Only blocks full of computed, finalized tokens: drafts never reach the cache.
         self.cache_full(s, ev, true);
@@ -269,6 +273,7 @@ impl KvCacheManager {
             || num_new_tokens == 0
             || !drafts.is_empty()
             || !s.drafts.is_empty()
+            || s.rewrite_to > 0
         {
             return None;
         }

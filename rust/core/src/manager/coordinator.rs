@@ -486,7 +486,9 @@ impl KvCacheManager {
                 // Spare lookahead blocks (kept after an acceptance) are filled before fresh ones.
                 gp.fresh = end.div_ceil(bs).saturating_sub(t.blocks.len());
                 // The block the next token goes into (spares may follow it).
+                // (Not a block a rollback kept: its KV is rewritten in place.)
                 gp.cow = context % bs != 0
+                    && context >= s.rewrite_to
                     && t.blocks.get(context / bs).is_some_and(|&b| sim.refc(b) > 1);
             }
             take += gp.fresh + usize::from(gp.cow);

@@ -146,6 +146,201 @@ impl KvCacheManager {
         })
     }
 
+    /// Truncates the computed range of running `seq` to `num_computed_tokens` (`n`): KV past
+    /// `n` is to be computed again (vLLM's scheduler after a failed or partial load, or its
+    /// rewind of the last token of a full external hit). The tables keep every block (the
+    /// model runner keeps its block table): the next allocations compute into the kept blocks
+    /// in place, without copy-on-write, before taking fresh ones.
+    ///
+    /// `poisoned == false`: the KV of the kept blocks is valid (a rewind); their registrations
+    /// stay. `poisoned == true`: the KV from `n` on is invalid: every registered block of
+    /// `seq`'s tables holding a token at or after `n` (logical blocks from `n / block_size`
+    /// on, every group) is unregistered with its dependents, as [`Self::evict_blocks`] does;
+    /// its recomputed blocks are registered again as they fill. Returns the blocks
+    /// unregistered (0 unless poisoned).
+    ///
+    /// Errors (state unchanged): [`Error::UnknownSequence`]; [`Error::InvalidSequenceState`]
+    /// unless running without pending drafts; [`Error::InvalidArgument`]
+    /// (`num_computed_tokens`) above the computed tokens, or when a windowed group's window
+    /// at `n` reads blocks it released or never took (preempt the sequence instead).
+    pub fn rollback(
+        &self,
+        seq: SeqId,
+        num_computed_tokens: usize,
+        poisoned: bool,
+    ) -> Result<usize> {
+        let n = num_computed_tokens;
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        if s.status != SeqStatus::Running {
+            return Err(bad_state(seq, s.status, "rollback", "running"));
+        }
+        if !s.drafts.is_empty() {
+            return Err(drafts_pending(seq, "rollback"));
+        }
+        if n > s.num_computed {
+            return Err(Error::InvalidArgument {
+                arg: "num_computed_tokens",
+                value: n.to_string(),
+                reason: format!(
+                    "sequence {seq} has {} computed token(s); a rollback only lowers it",
+                    s.num_computed
+                ),
+            });
+        }
+        self.check_window_held(seq, s, n).map_err(|e| match e {
+            Error::InvalidArgument { value, reason, .. } => Error::InvalidArgument {
+                arg: "num_computed_tokens",
+                value,
+                reason,
+            },
+            e => e,
+        })?;
+        let mut seeds = Vec::new();
+        if poisoned {
+            for (g, t) in s.tables.iter().enumerate() {
+                let bs = self.cfg.groups[g].block_size as usize;
+                seeds.extend(
+                    t.blocks
+                        .iter()
+                        .skip(n / bs)
+                        .copied()
+                        .filter(|&b| b != NULL_BLOCK && self.pool.is_hashed(b)),
+                );
+            }
+        }
+        s.rewrite_to = s.rewrite_to.max(s.num_computed);
+        s.num_computed = n;
+        s.last_context = n;
+        if s.rewrite_to <= n {
+            s.rewrite_to = 0;
+        }
+        if n <= s.tainted_from {
+            s.tainted_from = usize::MAX;
+        }
+        for (g, t) in s.tables.iter_mut().enumerate() {
+            let bs = self.cfg.groups[g].block_size as usize;
+            t.scanned = t.scanned.min(n / bs);
+        }
+        let mut ev = Vec::new();
+        let dropped = self.evict_closure(st, &seeds, &mut ev);
+        // Its own KV is valid below `n` and recomputed from there: nothing of it is tainted.
+        st.seqs.get_mut(&seq).expect("known").tainted_from = usize::MAX;
+        self.absorb(st, ev);
+        Ok(dropped)
+    }
+
+    /// Drops the prefix-cache registration of each of `block_ids` that carries one (vLLM's
+    /// `BlockPool.evict_blocks`: their KV is invalid) and of every registered block whose
+    /// chain descends from one of them (its recorded parent key is one that lost a holder
+    /// here, transitively): a recomputed ancestor registered again under the same key must
+    /// not make stale descendants reachable. Held blocks stay held (their holders'
+    /// registrations of later blocks stop until a rollback to or below them, or a recompute
+    /// preemption); cached free blocks become plain free blocks. `BlockRemoved` for the keys
+    /// that no longer resolve; the host tier forgets the keys of the blocks dropped here.
+    /// Unregistered ids are skipped. Returns the blocks unregistered (dependents included).
+    ///
+    /// Descent follows each group's own chain of registered keys: blocks of other groups at
+    /// later positions, and chains through blocks a windowed group never registered (sparse
+    /// retention), are not followed (a [`Self::rollback`] with `poisoned` covers its own
+    /// tables in every group).
+    ///
+    /// Errors (nothing changed): [`Error::InvalidBlockId`] for the null block or an id out of
+    /// range. O(num_blocks + blocks held).
+    pub fn evict_blocks(&self, block_ids: &[BlockId]) -> Result<usize> {
+        for &b in block_ids {
+            if b == NULL_BLOCK || b >= self.cfg.num_blocks {
+                return Err(Error::InvalidBlockId {
+                    block_id: b,
+                    num_blocks: self.cfg.num_blocks,
+                });
+            }
+        }
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let mut ev = Vec::new();
+        let dropped = self.evict_closure(st, block_ids, &mut ev);
+        self.absorb(st, ev);
+        Ok(dropped)
+    }
+
+    /// Unregisters `seeds` (valid ids) with their dependents; taints the sequences holding
+    /// them; the host tier forgets them. Returns how many blocks lost their hash.
+    fn evict_closure(&self, st: &mut State, seeds: &[BlockId], ev: &mut Vec<Pending>) -> usize {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut keys: Vec<u64> = Vec::new();
+        let mut evict: Vec<BlockId> = Vec::new();
+        let mut taken: HashSet<BlockId> = HashSet::new();
+        let mut seen: HashSet<u64> = HashSet::new();
+        for &b in seeds {
+            if let Some(h) = self.pool.block_hash(b) {
+                if taken.insert(b) {
+                    evict.push(b);
+                    let k = caching::key64(&h);
+                    if seen.insert(k) {
+                        keys.push(k);
+                    }
+                }
+            }
+        }
+        if evict.is_empty() {
+            return 0;
+        }
+        let mut children: HashMap<u64, Vec<(BlockId, u64)>> = HashMap::new();
+        for (b, h) in self.pool.cached_blocks() {
+            let parent = self.parents[b as usize].load(Relaxed);
+            if parent != 0 {
+                children
+                    .entry(parent)
+                    .or_default()
+                    .push((b, caching::key64(&h)));
+            }
+        }
+        while let Some(k) = keys.pop() {
+            for &(c, ck) in children.get(&k).map_or(&[][..], Vec::as_slice) {
+                if taken.insert(c) {
+                    evict.push(c);
+                    if seen.insert(ck) {
+                        keys.push(ck);
+                    }
+                }
+            }
+        }
+        let dropped = self.pool.uncache(&evict).expect("valid ids");
+        if let Some(host) = self.host.as_ref() {
+            let mut host = host.lock();
+            for &b in &dropped {
+                if let Some(key) = host.dev_key[b as usize].take() {
+                    host.tier.discard(&key);
+                }
+            }
+        }
+        // Holders stop registering from the first block that lost its hash.
+        let lost: HashSet<BlockId> = dropped.iter().copied().collect();
+        for s in st.seqs.values_mut() {
+            if s.status == SeqStatus::Swapped {
+                continue; // CPU ids: its GPU copies were released at the swap-out
+            }
+            let mut from = usize::MAX;
+            for (g, t) in s.tables.iter().enumerate() {
+                let bs = self.cfg.groups[g].block_size as usize;
+                if let Some(j) = t.blocks.iter().position(|b| lost.contains(b)) {
+                    from = from.min(j * bs);
+                }
+            }
+            if from < s.tainted_from.min(s.num_computed) {
+                s.tainted_from = from;
+                for (g, t) in s.tables.iter_mut().enumerate() {
+                    let bs = self.cfg.groups[g].block_size as usize;
+                    t.scanned = t.scanned.min(from / bs);
+                }
+            }
+        }
+        self.drain_pool(ev);
+        dropped.len()
+    }
+
     /// `InvalidArgument` unless every windowed group holds the blocks a query at
     /// `context` reads (`[first_read(context), context)`, and every entry after them).
     pub(super) fn check_window_held(&self, seq: SeqId, s: &Seq, context: usize) -> Result<()> {

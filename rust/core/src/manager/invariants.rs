@@ -81,7 +81,7 @@ impl KvCacheManager {
                         let spec = self.cfg.groups[g];
                         let bs = spec.block_size as usize;
                         let t = s.tables[g].clone();
-                        let slots = s.num_computed + s.drafts.len();
+                        let slots = s.covered();
                         if t.blocks.len() != slots.div_ceil(bs) + t.spare {
                             return Err(format!(
                                 "seq {id} group {g}: {} blocks for {} computed tokens, {} drafts and {} spare blocks",
@@ -92,7 +92,7 @@ impl KvCacheManager {
                             ));
                         }
                         // Lookahead blocks (only draft slots, or spare): private, never hashed.
-                        for &b in &t.blocks[s.num_computed.div_ceil(bs)..] {
+                        for &b in &t.blocks[slots.div_ceil(bs)..] {
                             if b == NULL_BLOCK
                                 || self.pool.ref_count(b) != 1
                                 || self.pool.block_hash(b).is_some()
@@ -136,6 +136,9 @@ impl KvCacheManager {
                             let h = self.pool.block_hash(b);
                             if (j + 1) * bs > s.num_computed {
                                 continue; // not full yet
+                            }
+                            if (j + 1) * bs > s.tainted_from {
+                                continue; // never registered (descends from invalid KV)
                             }
                             let want = self.key_at(s, g, j);
                             match h {
