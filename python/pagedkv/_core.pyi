@@ -349,6 +349,11 @@ class BlockPool:
     def num_cached_free(self) -> int: ...
     @property
     def num_used(self) -> int: ...
+    @property
+    def num_hashed(self) -> int:
+        """Blocks carrying a prefix hash (referenced or free)."""
+    def cached_blocks(self) -> tuple[list[bytes], _Int32Array]:
+        """Every block carrying a prefix hash: ``(hashes, block_ids)`` in block-id order."""
     def allocate(self, n: int) -> _Int32Array: ...
     def allocate_list(self, n: int) -> list[int]:
         """Takes ``n`` blocks like ``allocate``, as a list of int block ids (cheaper than an
@@ -500,6 +505,16 @@ class KVCacheManager:
         """
     def evict_blocks(self, block_ids: _IntArrayLike) -> int:
         """Unregisters these blocks and their dependents (invalid KV); returns how many. Raises ``InvalidBlockError``."""
+    def free_deferred(self, seq_id: int) -> int:
+        """Frees the sequence, keeping its blocks referenced under the returned handle until ``release_deferred``."""
+    def preempt_deferred(self, seq_ids: _IntArrayLike) -> int:
+        """``preempt``, the members' blocks kept under the returned handle until ``release_deferred``."""
+    def release_deferred(self, handle: int) -> int:
+        """Releases a deferred release's blocks (tail first); returns how many. Raises ``InvalidArgumentError``."""
+    def deferred_blocks(self, handle: int) -> _Int32Array:
+        """Blocks kept under ``handle``, in release order. Raises ``InvalidArgumentError``."""
+    def num_deferred_blocks(self) -> int:
+        """Blocks kept by every pending deferred release."""
     def num_staged_tokens(self, seq_id: int) -> int:
         """Tokens being loaded into staged blocks (0 unless ``"loading"``)."""
     def accept_drafts(self, seq_id: int, num_accepted: int, *, release_blocks: bool = True) -> list[_Int32Array]:

@@ -305,3 +305,65 @@ def test_bad_rollbacks_change_nothing(layout: str) -> None:
         m.rollback(1, 8)  # type: ignore[call-arg]
     assert snapshot(m, [1, 2]) == before
     m.check_invariants()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_deferred_release_keeps_usage_then_frees_like_free(layout: str) -> None:
+    m, plain = make(layout), make(layout)
+    for x in (m, plain):
+        x.add_sequence(1, toks(22, 1))
+        x.allocate_slots(1, 22)
+    used = m.pool.num_used
+    last = int(m.block_table(1, 0)[-1])
+    hashed = m.pool.num_hashed
+    h = m.free_deferred(1)
+    assert plain.free(1)
+    assert m.num_sequences == 0
+    assert m.pool.num_used == used
+    assert m.num_deferred_blocks() == used
+    kept = m.deferred_blocks(h)
+    assert kept.dtype == np.int32 and len(kept) == used and int(kept[0]) == last
+    assert m.pool.num_hashed == hashed
+    _, ids = m.pool.cached_blocks()
+    assert len(ids) == hashed
+    m.add_sequence(2, toks(22, 1))
+    assert m.lookup_prefix(2) == 20  # still registered
+    m.check_invariants()
+    assert m.release_deferred(h) == used
+    assert m.pool.num_used == 0
+    assert m.pool.free_queue().tolist() == plain.pool.free_queue().tolist()
+    with pytest.raises(pagedkv.InvalidArgumentError, match="handle"):
+        m.release_deferred(h)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="handle"):
+        m.deferred_blocks(h + 1)
+    m.check_invariants()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_deferred_preemption(layout: str) -> None:
+    m = make(layout, num_cpu_blocks=8)
+    m.add_sequence(1, toks(22, 1))
+    m.allocate_slots(1, 22)
+    m.add_sequence(2, toks(16, 2))
+    m.allocate_external(2, 12, staged=True)
+    m.add_sequence(3, toks(8, 3))
+    m.allocate_slots(3, 8)
+    m.swap_out([3])
+    used = m.pool.num_used
+    before = snapshot(m, [1, 2, 3])
+    with pytest.raises(pagedkv.InvalidSequenceStateError):
+        m.preempt_deferred([1, 3])
+    with pytest.raises(pagedkv.InvalidSequenceStateError):
+        m.free_deferred(3)
+    with pytest.raises(pagedkv.UnknownSequenceError):
+        m.free_deferred(9)
+    assert snapshot(m, [1, 2, 3]) == before
+    h = m.preempt_deferred([1, 2])
+    assert (m.status(1), m.status(2)) == ("preempted", "preempted")
+    assert m.pool.num_used == used
+    a = m.allocate_slots(1, 22)
+    assert a.num_cached_tokens == 20
+    m.check_invariants()
+    m.release_deferred(h)
+    assert m.pool.num_used == sum(m.num_blocks_held(1))
+    m.check_invariants()

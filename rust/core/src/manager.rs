@@ -368,6 +368,11 @@ struct State {
     /// The highest table version any step output reported (a new sequence's first report is
     /// above it).
     table_versions: u64,
+    /// Deferred releases: per handle, the blocks (tail first) kept referenced until
+    /// [`KvCacheManager::release_deferred`].
+    deferred: HashMap<u64, Vec<BlockId>>,
+    /// The last handle given out (handles start at 1, never reused).
+    last_deferred: u64,
 }
 
 /// The KV cache manager: one or several KV cache groups sharing one block pool (see the
@@ -467,6 +472,8 @@ impl KvCacheManager {
             events: Vec::new(),
             key_owner: HashMap::new(),
             table_versions: 0,
+            deferred: HashMap::new(),
+            last_deferred: 0,
         };
         Ok(Self {
             all_full: cfg.groups.iter().all(|g| !g.is_windowed()),
@@ -847,6 +854,12 @@ impl KvCacheManager {
     /// [`Error::UnknownSequence`], [`Error::InvalidArgument`] (duplicate id),
     /// [`Error::InvalidSequenceState`] (swapped out).
     pub fn preempt_recompute(&self, seqs: &[SeqId]) -> Result<()> {
+        self.preempt_with(seqs, None)
+    }
+
+    /// [`Self::preempt_recompute`]; with `defer`, the blocks go there (tail first per member)
+    /// instead of back to the pool.
+    fn preempt_with(&self, seqs: &[SeqId], mut defer: Option<&mut Vec<BlockId>>) -> Result<()> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let resumable = |s: SeqStatus| s != SeqStatus::Swapped;
@@ -868,7 +881,10 @@ impl KvCacheManager {
         for id in seqs {
             let mut s = st.seqs.remove(id).expect("checked");
             self.cache_latest(&mut s, &mut ev);
-            self.release_all(&s);
+            match defer.as_deref_mut() {
+                Some(kept) => kept.extend(tail_first(&s)),
+                None => self.release_all(&s),
+            }
             for t in &mut s.tables {
                 *t = GroupTable::default();
             }
@@ -1559,6 +1575,15 @@ fn check_group(
 /// Each member listed once and known (no state required), as [`check_group`] checks them.
 fn check_ids(st: &State, seqs: &[SeqId]) -> Result<()> {
     check_group(st, seqs, "", |_| true, "")
+}
+
+/// The GPU blocks `s` holds in release order: tail first, table by table.
+fn tail_first(s: &Seq) -> Vec<BlockId> {
+    let mut out = Vec::new();
+    for t in &s.tables {
+        out.extend(t.blocks.iter().rev().copied().filter(|&b| b != NULL_BLOCK));
+    }
+    out
 }
 
 fn cpu_release(cpu: &mut CpuPool, table: &[BlockId]) {

@@ -671,3 +671,95 @@ fn refused_rollbacks_change_nothing() {
         ok(&m);
     }
 }
+
+#[test]
+fn a_deferred_release_keeps_usage_then_frees_as_free_would() {
+    for layout in LAYOUTS {
+        let (m, plain) = (manager(layout, 64), manager(layout, 64));
+        for x in [&m, &plain] {
+            add(x, 1, toks(22, 1));
+            x.allocate_slots(1, 22).unwrap();
+        }
+        let used = m.pool().num_used();
+        let tables = m.block_tables(1).unwrap();
+        let h = m.free_deferred(1).unwrap();
+        assert!(plain.free(1));
+        assert_eq!(m.num_sequences(), 0);
+        assert_eq!(
+            m.pool().num_used(),
+            used,
+            "{layout:?}: blocks still counted used"
+        );
+        assert_eq!(m.num_deferred_blocks(), used);
+        let kept = m.deferred_blocks(h).unwrap();
+        assert_eq!(kept.len(), used);
+        assert_eq!(kept[0], *tables[0].last().unwrap(), "tail first");
+        // Still registered, so still prefix hits (and in use: no free block taken).
+        add(&m, 2, toks(22, 1));
+        assert_eq!(m.lookup_prefix(2).unwrap(), 20);
+        assert!(m.free(2));
+        ok(&m);
+        assert_eq!(m.release_deferred(h).unwrap(), used);
+        assert_eq!(m.pool().num_used(), 0);
+        assert_eq!(
+            m.pool().free_queue(),
+            plain.pool().free_queue(),
+            "{layout:?}"
+        );
+        assert_eq!(m.num_deferred_blocks(), 0);
+        for bad in [h, h + 1, 0] {
+            match m.release_deferred(bad) {
+                Err(Error::InvalidArgument { arg, .. }) => assert_eq!(arg, "handle"),
+                other => panic!("{other:?}"),
+            }
+            assert!(m.deferred_blocks(bad).is_err());
+        }
+        ok(&m);
+    }
+}
+
+#[test]
+fn a_deferred_preemption_readmits_at_once() {
+    for layout in LAYOUTS {
+        let mut c = config(layout, 64);
+        c.num_cpu_blocks = 8;
+        let m = KvCacheManager::new(c).unwrap();
+        add(&m, 1, toks(22, 1));
+        m.allocate_slots(1, 22).unwrap();
+        add(&m, 2, toks(16, 2));
+        m.allocate_external(2, 12, 0, true, 0).unwrap();
+        add(&m, 3, toks(8, 3));
+        m.allocate_slots(3, 8).unwrap();
+        m.swap_out(&[3]).unwrap();
+        let used = m.pool().num_used();
+        m.take_events();
+        let before = snapshot(&m, &[1, 2, 3]);
+        is_state_error(m.preempt_deferred(&[1, 3]), "preempt_recompute");
+        is_state_error(m.free_deferred(3), "free_deferred");
+        assert!(matches!(
+            m.free_deferred(9),
+            Err(Error::UnknownSequence { seq_id: 9 })
+        ));
+        assert_eq!(snapshot(&m, &[1, 2, 3]), before);
+        let h = m.preempt_deferred(&[1, 2]).unwrap();
+        assert_eq!(m.status(1).unwrap(), SeqStatus::Preempted);
+        assert_eq!(m.status(2).unwrap(), SeqStatus::Preempted);
+        assert_eq!(m.pool().num_used(), used);
+        // The staged blocks of seq 2 are kept unregistered.
+        for &b in &m.deferred_blocks(h).unwrap() {
+            assert!(m.pool().ref_count(b) >= 1);
+        }
+        assert!(m.take_events().is_empty(), "nothing registered or removed");
+        ok(&m);
+        // Re-admitted while the old blocks wait: its own registered blocks are hits.
+        let a = m.allocate_slots(1, 22).unwrap();
+        assert_eq!(a.num_cached_tokens, 20);
+        ok(&m);
+        m.release_deferred(h).unwrap();
+        assert_eq!(
+            m.pool().num_used(),
+            m.num_blocks_held(1).unwrap().iter().sum::<usize>()
+        );
+        ok(&m);
+    }
+}

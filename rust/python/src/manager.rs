@@ -589,6 +589,58 @@ impl PyKvCacheManager {
         py.detach(|| m.evict_blocks(&ids)).py(py)
     }
 
+    /// Frees ``seq_id`` (forgets it, as ``free``) but keeps its blocks referenced under the
+    /// returned handle until ``release_deferred(handle)`` (vLLM's ``pop_blocks_for_free``:
+    /// a worker may still read them, asynchronous scheduling on a KV consumer). The blocks
+    /// stay counted as used and keep their registrations (still prefix hits); a loading
+    /// sequence's staged blocks stay unregistered. Handles start at 1, never reused.
+    ///
+    /// Raises (nothing changed): ``UnknownSequenceError``; ``InvalidSequenceStateError`` for
+    /// a swapped-out sequence (no GPU block to keep: ``free`` it).
+    fn free_deferred(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let m = &self.inner;
+        py.detach(|| m.free_deferred(seq)).py(py)
+    }
+
+    /// ``preempt`` whose members' blocks stay referenced under the returned handle (tail
+    /// first per member) until ``release_deferred``: the members are preempted at once (a
+    /// re-admitted one allocates afresh, its old registered blocks are hits) while a worker
+    /// may still read the old blocks. Same errors as ``preempt``, nothing changed then.
+    fn preempt_deferred(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let seqs = crate::convert::seq_ids(seq_ids, "seq_ids")?;
+        let m = &self.inner;
+        py.detach(|| m.preempt_deferred(&seqs)).py(py)
+    }
+
+    /// Releases the blocks kept under ``handle`` (tail first, as ``free`` would have);
+    /// returns how many. Raises ``InvalidArgumentError`` for a handle never given out or
+    /// released already (nothing changed).
+    fn release_deferred(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = count(handle, "handle")? as u64;
+        let m = &self.inner;
+        py.detach(|| m.release_deferred(h)).py(py)
+    }
+
+    /// The blocks kept under ``handle``, ``int32[n]`` in release order. Raises
+    /// ``InvalidArgumentError`` unless the handle is pending.
+    fn deferred_blocks(
+        &self,
+        py: Python<'_>,
+        handle: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyArray1<i32>>> {
+        let h = count(handle, "handle")? as u64;
+        let m = &self.inner;
+        let b = py.detach(|| m.deferred_blocks(h)).py(py)?;
+        Ok(PyArray1::from_vec(py, b.into_iter().map(|x| x as i32).collect()).unbind())
+    }
+
+    /// Blocks kept by every pending deferred release (counted used by the pool).
+    fn num_deferred_blocks(&self, py: Python<'_>) -> usize {
+        let m = &self.inner;
+        py.detach(|| m.num_deferred_blocks())
+    }
+
     /// Tokens of ``seq_id`` an asynchronous load is writing into staged blocks (``E`` while
     /// ``"loading"``, else 0). Raises ``UnknownSequenceError``.
     fn num_staged_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {

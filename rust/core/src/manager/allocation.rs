@@ -374,10 +374,7 @@ impl KvCacheManager {
 
     /// Releases every GPU block the sequence holds, tail first, table by table.
     pub(super) fn release_all(&self, s: &Seq) {
-        let mut tail_first = Vec::new();
-        for t in &s.tables {
-            tail_first.extend(t.blocks.iter().rev().copied().filter(|&b| b != NULL_BLOCK));
-        }
+        let tail_first = tail_first(s);
         if !tail_first.is_empty() {
             let freed = self.pool.free(&tail_first);
             debug_assert!(freed.is_ok(), "{freed:?}");

@@ -341,6 +341,88 @@ impl KvCacheManager {
         dropped.len()
     }
 
+    /// Frees `seq` (forgets it, as [`Self::free`]) but keeps its blocks referenced under the
+    /// returned handle until [`Self::release_deferred`] (vLLM's `pop_blocks_for_free` on a
+    /// node whose worker may still read them: asynchronous scheduling on a KV consumer). Its
+    /// blocks stay counted as used and keep their registrations (still prefix hits); with
+    /// sparse retention its windowed blocks are cached first, as by `free`; a loading
+    /// sequence's staged blocks are kept unregistered. Handles start at 1 and are never
+    /// reused.
+    ///
+    /// Errors (nothing changed): [`Error::UnknownSequence`]; [`Error::InvalidSequenceState`]
+    /// for a swapped-out sequence (it holds no GPU block: [`Self::free`] it).
+    pub fn free_deferred(&self, seq: SeqId) -> Result<u64> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get(&seq).ok_or_else(|| unknown(seq))?;
+        if s.status == SeqStatus::Swapped {
+            return Err(bad_state(
+                seq,
+                s.status,
+                "free_deferred",
+                "running, loading or preempted",
+            ));
+        }
+        let mut s = st.seqs.remove(&seq).expect("known");
+        let mut ev = Vec::new();
+        self.cache_latest(&mut s, &mut ev);
+        let blocks = tail_first(&s);
+        let handle = Self::defer(st, blocks);
+        self.absorb(st, ev);
+        Ok(handle)
+    }
+
+    /// [`Self::preempt_recompute`] of a group whose blocks stay referenced under the returned
+    /// handle (every member's, tail first per member) until [`Self::release_deferred`]: the
+    /// members are preempted at once (a re-admitted one allocates afresh) while a worker may
+    /// still read their old blocks. Same errors as `preempt_recompute`.
+    pub fn preempt_deferred(&self, seqs: &[SeqId]) -> Result<u64> {
+        let mut blocks = Vec::new();
+        self.preempt_with(seqs, Some(&mut blocks))?;
+        Ok(Self::defer(&mut self.state.lock(), blocks))
+    }
+
+    /// Releases the blocks of a deferred release, in the order kept (tail first), as a free
+    /// of their holder would have; returns how many. Errors (nothing changed):
+    /// [`Error::InvalidArgument`] (`handle`) for a handle never given out or released already.
+    pub fn release_deferred(&self, handle: u64) -> Result<usize> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let blocks = st
+            .deferred
+            .remove(&handle)
+            .ok_or_else(|| bad_handle(handle))?;
+        if !blocks.is_empty() {
+            let freed = self.pool.free(&blocks);
+            debug_assert!(freed.is_ok(), "{freed:?}");
+        }
+        let mut ev = Vec::new();
+        self.drain_pool(&mut ev);
+        self.absorb(st, ev);
+        Ok(blocks.len())
+    }
+
+    /// The blocks a deferred release keeps, in release order. Errors:
+    /// [`Error::InvalidArgument`] (`handle`) for a handle not pending.
+    pub fn deferred_blocks(&self, handle: u64) -> Result<Vec<BlockId>> {
+        let st = self.state.lock();
+        st.deferred
+            .get(&handle)
+            .cloned()
+            .ok_or_else(|| bad_handle(handle))
+    }
+
+    /// Blocks kept by every pending deferred release (a block kept twice counts twice).
+    pub fn num_deferred_blocks(&self) -> usize {
+        self.state.lock().deferred.values().map(Vec::len).sum()
+    }
+
+    fn defer(st: &mut State, blocks: Vec<BlockId>) -> u64 {
+        st.last_deferred += 1;
+        st.deferred.insert(st.last_deferred, blocks);
+        st.last_deferred
+    }
+
     /// `InvalidArgument` unless every windowed group holds the blocks a query at
     /// `context` reads (`[first_read(context), context)`, and every entry after them).
     pub(super) fn check_window_held(&self, seq: SeqId, s: &Seq, context: usize) -> Result<()> {
@@ -393,4 +475,14 @@ fn check_external(seq: SeqId, s: &Seq, n: usize, staged: bool) -> Result<()> {
         });
     }
     Ok(())
+}
+
+fn bad_handle(handle: u64) -> Error {
+    Error::InvalidArgument {
+        arg: "handle",
+        value: handle.to_string(),
+        reason: "no deferred release is pending under this handle (never given out, or \
+                 released already)"
+            .into(),
+    }
 }

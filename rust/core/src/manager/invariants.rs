@@ -23,6 +23,11 @@ impl KvCacheManager {
         if let Some(host) = self.host.as_ref() {
             self.check_host(&host.lock(), &mut gpu_refs)?;
         }
+        for blocks in st.deferred.values() {
+            for &b in blocks {
+                *gpu_refs.entry(b).or_insert(0) += 1;
+            }
+        }
         let ids: Vec<SeqId> = st.seqs.keys().copied().collect();
         for id in ids {
             let s = st.seqs.get_mut(&id).expect("listed");
