@@ -583,7 +583,9 @@ impl KvCacheManager {
     }
 
     /// Exactly what the next [`Self::allocate_slots`]`(seq, num_new_tokens)` takes from and
-    /// gives back to the free pool, over every group. Errors as `allocate_slots` except
+    /// gives back to the free pool, over every group. Of a loading sequence
+    /// ([`Self::allocate_external`]): what that allocation takes once its load is committed in
+    /// full (the reservation of an in-flight load). Errors as `allocate_slots` except
     /// `OutOfBlocks`. No side effects.
     pub fn num_blocks_needed(&self, seq: SeqId, num_new_tokens: usize) -> Result<BlockDemand> {
         let mut st = self.state.lock();

@@ -365,8 +365,10 @@ impl PyKvCacheManager {
     /// ``(take, release)``: exactly the blocks the next ``allocate_slots(seq_id,
     /// num_new_tokens)`` takes from the free pool (fresh blocks, prefix hits on free cached
     /// blocks, copy-on-write) and gives back (out-of-window blocks; 0 for full-attention
-    /// groups); it succeeds exactly when ``take <= num_free_blocks + release``. No side
-    /// effects. Raises ``UnknownSequenceError``, ``InvalidSequenceStateError``,
+    /// groups); it succeeds exactly when ``take <= num_free_blocks + release``. Of a
+    /// ``"loading"`` sequence: what that allocation takes once its load is committed in full
+    /// (an in-flight load's reservation). No side effects. Raises ``UnknownSequenceError``,
+    /// ``InvalidSequenceStateError``,
     /// ``InvalidArgumentError`` (as ``allocate_slots`` except ``OutOfBlocksError``).
     fn num_blocks_needed(
         &self,
