@@ -7,12 +7,17 @@
 //!    full-attention group is held to the one-group suites through `common::OneGroup`.)
 //!
 //! It drives speculative decoding's verify steps (`Verify`: lookahead slots for `k` drafts)
-//! and their acceptance (`Accept`, releasing or keeping the rejected drafts' blocks).
+//! and their acceptance (`Accept`, releasing or keeping the rejected drafts' blocks), and KV
+//! loaded from outside (docs/design/external-kv.md): synchronous and staged loads, commits,
+//! rollbacks, `evict_blocks` and deferred releases. The KV events keep set semantics per group
+//! throughout (a `BlockStored` names hashes its group does not hold, a `BlockRemoved` hashes it
+//! holds), and no staged block is ever registered.
 
+use pagedkv_core::events::KvEvent;
 use pagedkv_core::manager::CPU_NULL;
 use pagedkv_core::{
-    BlockId, CacheConfig, Error, GroupSpec, KvCacheManager, SeqId, SeqStatus, SequenceSpec,
-    StepRequest, NULL_BLOCK,
+    BlockHash, BlockId, CacheConfig, Error, GroupSpec, KvCacheManager, SeqId, SeqStatus,
+    SequenceSpec, StepRequest, NULL_BLOCK,
 };
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
@@ -189,6 +194,29 @@ fn snapshot(m: &KvCacheManager, ids: &[SeqId]) -> Snapshot {
     (m.pool().free_queue(), seqs)
 }
 
+/// Replays the manager's events into per-group hash sets, checking set semantics.
+fn replay(sets: &mut [HashSet<BlockHash>], m: &KvCacheManager) {
+    for e in m.take_events() {
+        match (e.group, e.event) {
+            (None, KvEvent::AllBlocksCleared) => sets.iter_mut().for_each(|s| s.clear()),
+            (Some(g), KvEvent::BlockStored { block_hashes, .. }) => {
+                for h in block_hashes {
+                    assert!(sets[g as usize].insert(h), "group {g}: hash stored twice");
+                }
+            }
+            (Some(g), KvEvent::BlockRemoved { block_hashes, .. }) => {
+                for h in block_hashes {
+                    assert!(
+                        sets[g as usize].remove(&h),
+                        "group {g}: removed an unknown hash"
+                    );
+                }
+            }
+            (g, e) => panic!("unexpected event {e:?} for group {g:?}"),
+        }
+    }
+}
+
 fn pick(ids: &[SeqId], i: usize) -> Option<SeqId> {
     (!ids.is_empty()).then(|| ids[i % ids.len()])
 }
@@ -224,6 +252,7 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
     // Sequences with an asynchronous load in flight; pending deferred releases.
     let mut loading: HashSet<SeqId> = HashSet::new();
     let mut handles: Vec<u64> = Vec::new();
+    let mut sets = vec![HashSet::new(); m.num_groups()];
     for op in ops {
         let before = snapshot(&m, &ids);
         let free0 = m.pool().num_free();
@@ -672,6 +701,15 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
             );
         }
         m.check_invariants().unwrap();
+        replay(&mut sets, &m);
+        for &id in &loading {
+            let tables = m.block_tables(id).unwrap();
+            let from = model[&id].1 - m.num_staged_tokens(id).unwrap();
+            for (g, t) in tables.iter().enumerate() {
+                let bs = m.config().groups[g].block_size as usize;
+                assert!(t[from / bs..].iter().all(|&b| !m.pool().is_hashed(b)));
+            }
+        }
         for (&id, &(tokens, computed)) in &model {
             assert_eq!(
                 m.num_draft_tokens(id).unwrap(),
