@@ -498,13 +498,15 @@ class KVCacheManager:
     def commit_external(self, seq_id: int, num_valid_tokens: int) -> int:
         """Ends a load: ``"loading"`` -> ``"running"`` with ``num_valid_tokens`` computed; returns blocks registered."""
     def rollback(self, seq_id: int, num_computed_tokens: int, *, poisoned: bool) -> int:
-        """Truncates the computed range (blocks kept, recomputed in place); ``poisoned`` unregisters them and their dependents.
+        """Truncates the computed range (blocks kept, recomputed in place); ``poisoned``
+        unregisters them and their dependents.
 
         Returns blocks unregistered. Raises ``UnknownSequenceError``,
         ``InvalidSequenceStateError`` (not running, drafts pending), ``InvalidArgumentError``.
         """
     def evict_blocks(self, block_ids: _IntArrayLike) -> int:
-        """Unregisters these blocks and their dependents (invalid KV); returns how many. Raises ``InvalidBlockError``."""
+        """Unregisters these blocks and their dependents (invalid KV); returns how many.
+        Raises ``InvalidBlockError``."""
     def free_deferred(self, seq_id: int) -> int:
         """Frees the sequence, keeping its blocks referenced under the returned handle until ``release_deferred``."""
     def preempt_deferred(self, seq_ids: _IntArrayLike) -> int:
