@@ -19,7 +19,13 @@
 //! both; a verify step's slots must lie in non-null blocks, and so must every position its first
 //! query row reads in each group.
 //!
-//! At the end every sequence is freed and the pool must be whole.
+//! KV loaded from outside (docs/design/external-kv.md): `Load` (`allocate_external`, staged or
+//! not), `Commit`, `Rollback` (poisoned or not), `Evict` (`evict_blocks`), `DeferFree` and
+//! `Release` (deferred releases) on both managers, with equal results; a staged load's demand is
+//! `num_blocks_needed_external`'s, and a loading sequence's staged blocks are never registered.
+//!
+//! At the end every sequence is freed, every deferred release released, and the pool must be
+//! whole.
 
 #![no_main]
 
@@ -69,6 +75,13 @@ enum Op {
     Reset,
     Verify { seqs: Vec<u8>, n: u8, k: u8 },
     Accept { seq: u8, m: u8, keep: bool },
+    Load { seq: u8, e: u8, n: u8, staged: bool },
+    Commit { seq: u8, back: u8 },
+    Rollback { seq: u8, back: u8, poisoned: bool },
+    Evict { blocks: Vec<u8> },
+    DeferFree { seq: u8 },
+    DeferPreempt { seqs: Vec<u8> },
+    Release { i: u8 },
 }
 
 #[derive(Arbitrary, Debug)]
@@ -162,6 +175,7 @@ fuzz_target!(|input: Input| {
     let twin = KvCacheManager::new(cfg.clone()).unwrap();
     let mut sets = vec![HashSet::new(); cfg.groups.len()];
     let mut twin_sets = sets.clone();
+    let mut handles: Vec<u64> = Vec::new();
     for op in input.ops.into_iter().take(MAX_OPS) {
         let before = snapshot(&m);
         let free0 = m.pool().num_free();
@@ -326,9 +340,99 @@ fuzz_target!(|input: Input| {
                 }
                 r.is_err()
             }
+            Op::Load { seq, e, n, staged } => {
+                let id = u64::from(seq % ID_SPACE);
+                let (e, n) = (usize::from(e % 48), usize::from(n % 8));
+                let need = m.num_blocks_needed_external(id, e, n);
+                let r = m.allocate_external(id, e, n, staged, 0);
+                assert_eq!(r, twin.allocate_external(id, e, n, staged, 0));
+                match (&need, &r) {
+                    (Ok(d), Ok(a)) => {
+                        assert_eq!(free0 as isize - m.pool().num_free() as isize, d.net());
+                        assert_eq!(a.num_context_tokens, a.num_cached_tokens + e);
+                    }
+                    (Ok(d), Err(Error::OutOfBlocks { .. })) => assert!(d.take > free0 + d.release),
+                    (_, Err(_)) => {}
+                    (Err(a), Ok(b)) => panic!("demand {a:?} but allocation {b:?}"),
+                }
+                r.is_err()
+            }
+            Op::Commit { seq, back } => {
+                let id = u64::from(seq % ID_SPACE);
+                let valid = m
+                    .num_computed_tokens(id)
+                    .unwrap_or(0)
+                    .saturating_sub(usize::from(back % 16));
+                let r = m.commit_external(id, valid);
+                assert_eq!(r, twin.commit_external(id, valid));
+                r.is_err()
+            }
+            Op::Rollback { seq, back, poisoned } => {
+                let id = u64::from(seq % ID_SPACE);
+                let n = m
+                    .num_computed_tokens(id)
+                    .unwrap_or(0)
+                    .saturating_sub(usize::from(back % 16));
+                let r = m.rollback(id, n, poisoned);
+                assert_eq!(r, twin.rollback(id, n, poisoned));
+                r.is_err()
+            }
+            Op::Evict { blocks } => {
+                let b: Vec<BlockId> = blocks.iter().take(4).map(|&b| u32::from(b % 50)).collect();
+                let r = m.evict_blocks(&b);
+                assert_eq!(r, twin.evict_blocks(&b));
+                if r.is_ok() {
+                    assert!(b.iter().all(|&x| !m.pool().is_hashed(x)));
+                }
+                r.is_err()
+            }
+            Op::DeferFree { seq } => {
+                let id = u64::from(seq % ID_SPACE);
+                let used = m.pool().num_used();
+                let r = m.free_deferred(id);
+                assert_eq!(r, twin.free_deferred(id));
+                if let Ok(h) = r {
+                    assert_eq!(m.pool().num_used(), used);
+                    handles.push(h);
+                }
+                r.is_err()
+            }
+            Op::DeferPreempt { seqs } => {
+                let r = m.preempt_deferred(&ids(&seqs));
+                assert_eq!(r, twin.preempt_deferred(&ids(&seqs)));
+                if let Ok(h) = r {
+                    handles.push(h);
+                }
+                r.is_err()
+            }
+            Op::Release { i } => {
+                if handles.is_empty() {
+                    continue;
+                }
+                let h = handles.remove(usize::from(i) % handles.len());
+                let r = m.release_deferred(h);
+                assert_eq!(r, twin.release_deferred(h));
+                assert!(m.release_deferred(h).is_err());
+                assert!(twin.release_deferred(h).is_err());
+                false
+            }
         };
         if failed {
             assert_eq!(before, snapshot(&m), "a failed call changed the state");
+        }
+        // A loading sequence's staged blocks are never registered.
+        for id in 0..u64::from(ID_SPACE) {
+            let Ok(staged) = m.num_staged_tokens(id) else {
+                continue;
+            };
+            if staged == 0 {
+                continue;
+            }
+            let from = m.num_computed_tokens(id).unwrap() - staged;
+            for (g, t) in m.block_tables(id).unwrap().iter().enumerate() {
+                let bs = m.config().groups[g].block_size as usize;
+                assert!(t[from / bs..].iter().all(|&b| !m.pool().is_hashed(b)));
+            }
         }
         m.check_invariants().unwrap();
         twin.check_invariants().unwrap();
@@ -342,6 +446,9 @@ fuzz_target!(|input: Input| {
     }
     for id in 0..u64::from(ID_SPACE) {
         m.free(id);
+    }
+    for h in handles {
+        m.release_deferred(h).unwrap();
     }
     m.check_invariants().unwrap();
     assert_eq!(m.pool().num_free(), m.pool().num_usable());

@@ -349,6 +349,11 @@ class BlockPool:
     def num_cached_free(self) -> int: ...
     @property
     def num_used(self) -> int: ...
+    @property
+    def num_hashed(self) -> int:
+        """Blocks carrying a prefix hash (referenced or free)."""
+    def cached_blocks(self) -> tuple[list[bytes], _Int32Array]:
+        """Every block carrying a prefix hash: ``(hashes, block_ids)`` in block-id order."""
     def allocate(self, n: int) -> _Int32Array: ...
     def allocate_list(self, n: int) -> list[int]:
         """Takes ``n`` blocks like ``allocate``, as a list of int block ids (cheaper than an
@@ -469,6 +474,49 @@ class KVCacheManager:
     def allocate_slots(
         self, seq_id: int, num_new_tokens: int, draft_token_ids: _IntArrayLike | None = None
     ) -> SlotAllocation: ...
+    def allocate_external(
+        self,
+        seq_id: int,
+        num_external_tokens: int,
+        num_new_tokens: int = 0,
+        *,
+        staged: bool = False,
+        reserve_blocks: int = 0,
+    ) -> SlotAllocation:
+        """First allocation with ``E`` KV-connector tokens after the local hit ``H``, then ``n`` to compute.
+
+        ``num_cached_tokens == H``, ``num_context_tokens == H + E``, ``num_scheduled_tokens == n``.
+        ``staged=True`` (``n == 0``): status ``"loading"``, blocks from ``H`` on staged (never
+        matched, registered, announced or stored to the host tier) until ``commit_external``.
+        Raises ``UnknownSequenceError``, ``InvalidSequenceStateError`` (holds blocks),
+        ``InvalidArgumentError``, ``OutOfBlocksError``; state unchanged on error.
+        """
+    def num_blocks_needed_external(
+        self, seq_id: int, num_external_tokens: int, num_new_tokens: int = 0
+    ) -> tuple[int, int]:
+        """``(take, release)`` of ``allocate_external`` with these arguments; no side effects."""
+    def commit_external(self, seq_id: int, num_valid_tokens: int) -> int:
+        """Ends a load: ``"loading"`` -> ``"running"`` with ``num_valid_tokens`` computed; returns blocks registered."""
+    def rollback(self, seq_id: int, num_computed_tokens: int, *, poisoned: bool) -> int:
+        """Truncates the computed range (blocks kept, recomputed in place); ``poisoned`` unregisters them and their dependents.
+
+        Returns blocks unregistered. Raises ``UnknownSequenceError``,
+        ``InvalidSequenceStateError`` (not running, drafts pending), ``InvalidArgumentError``.
+        """
+    def evict_blocks(self, block_ids: _IntArrayLike) -> int:
+        """Unregisters these blocks and their dependents (invalid KV); returns how many. Raises ``InvalidBlockError``."""
+    def free_deferred(self, seq_id: int) -> int:
+        """Frees the sequence, keeping its blocks referenced under the returned handle until ``release_deferred``."""
+    def preempt_deferred(self, seq_ids: _IntArrayLike) -> int:
+        """``preempt``, the members' blocks kept under the returned handle until ``release_deferred``."""
+    def release_deferred(self, handle: int) -> int:
+        """Releases a deferred release's blocks (tail first); returns how many. Raises ``InvalidArgumentError``."""
+    def deferred_blocks(self, handle: int) -> _Int32Array:
+        """Blocks kept under ``handle``, in release order. Raises ``InvalidArgumentError``."""
+    def num_deferred_blocks(self) -> int:
+        """Blocks kept by every pending deferred release."""
+    def num_staged_tokens(self, seq_id: int) -> int:
+        """Tokens being loaded into staged blocks (0 unless ``"loading"``)."""
     def accept_drafts(self, seq_id: int, num_accepted: int, *, release_blocks: bool = True) -> list[_Int32Array]:
         """Released blocks, one ``int32[r_g]`` array per group (tail first)."""
     def num_draft_tokens(self, seq_id: int) -> int: ...
@@ -483,7 +531,8 @@ class KVCacheManager:
     def num_blocks_held(self, seq_id: int) -> list[int]: ...
     def num_tokens(self, seq_id: int) -> int: ...
     def num_computed_tokens(self, seq_id: int) -> int: ...
-    def status(self, seq_id: int) -> str: ...
+    def status(self, seq_id: int) -> str:
+        """``"running"``, ``"preempted"``, ``"swapped"`` or ``"loading"``."""
     def num_uncomputed_tokens(self, seq_ids: _IntArrayLike) -> _Int32Array: ...
     def num_blocks_owed(self, seq_ids: _IntArrayLike) -> int: ...
     def token_ids(self, seq_id: int) -> _Int64Array: ...

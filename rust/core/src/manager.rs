@@ -66,6 +66,7 @@ use std::sync::Arc;
 mod allocation;
 mod caching;
 mod coordinator;
+mod external;
 mod host;
 mod invariants;
 mod kinds;
@@ -306,9 +307,26 @@ struct Seq {
     /// The version of its tables the last step output reported
     /// ([`StepOutput::table_version`]).
     table_version: u64,
+    /// While [`SeqStatus::Loading`]: the first token of the external load (the local prefix
+    /// hit before it); blocks from `loading_from / block_size` on are staged.
+    loading_from: usize,
+    /// Its tables hold blocks for the tokens up to here (past `num_computed`) that a
+    /// [`KvCacheManager::rollback`] kept: the next allocations compute into them in place (no
+    /// copy-on-write; they may be shared or still registered). 0 when none.
+    rewrite_to: usize,
+    /// Blocks holding tokens from here on are never registered ([`usize::MAX`]: none): some
+    /// of its KV there descends from KV found invalid ([`KvCacheManager::evict_blocks`]), until
+    /// a rollback to or below it or a recompute preemption.
+    tainted_from: usize,
 }
 
 impl Seq {
+    /// Tokens its tables cover besides spare blocks: computed and draft slots, and the
+    /// blocks a rollback kept.
+    fn covered(&self) -> usize {
+        (self.num_computed + self.drafts.len()).max(self.rewrite_to)
+    }
+
     fn is_first(&self) -> bool {
         self.num_computed == 0 && self.tables.iter().all(|t| t.blocks.is_empty())
     }
@@ -350,6 +368,11 @@ struct State {
     /// The highest table version any step output reported (a new sequence's first report is
     /// above it).
     table_versions: u64,
+    /// Deferred releases: per handle, the blocks (tail first) kept referenced until
+    /// [`KvCacheManager::release_deferred`].
+    deferred: HashMap<u64, Vec<BlockId>>,
+    /// The last handle given out (handles start at 1, never reused).
+    last_deferred: u64,
 }
 
 /// The KV cache manager: one or several KV cache groups sharing one block pool (see the
@@ -374,6 +397,12 @@ pub struct KvCacheManager {
     /// The prefix cache's host tier (`None` with `num_host_blocks == 0`: nothing of it runs),
     /// taken only under the state lock (lock order: state, host, counters).
     host: Option<Mutex<HostSide>>,
+    /// Per block, the first 8 bytes of the index key of the block before it in the chain it
+    /// was last registered in (0: the first block); written and read only under the state
+    /// lock (atomics only to share the array). What [`Self::evict_blocks`] follows to the
+    /// dependents of a block. 8 bytes per block: a prefix collision only unregisters one
+    /// block too many.
+    parents: Box<[std::sync::atomic::AtomicU64]>,
 }
 
 fn unknown(seq_id: SeqId) -> Error {
@@ -432,6 +461,7 @@ impl KvCacheManager {
             }
         };
         let hasher = PrefixHasher::new(cfg.hash_algo, &cfg.hash_seed);
+        let n_blocks = cfg.num_blocks as usize;
         let n = cfg.num_cpu_blocks;
         let state = State {
             seqs: SeqTable::default(),
@@ -442,6 +472,8 @@ impl KvCacheManager {
             events: Vec::new(),
             key_owner: HashMap::new(),
             table_versions: 0,
+            deferred: HashMap::new(),
+            last_deferred: 0,
         };
         Ok(Self {
             all_full: cfg.groups.iter().all(|g| !g.is_windowed()),
@@ -455,6 +487,9 @@ impl KvCacheManager {
             state: Mutex::new(state),
             counters: Mutex::new(ManagerCounters::default()),
             host,
+            parents: (0..n_blocks)
+                .map(|_| std::sync::atomic::AtomicU64::new(0))
+                .collect(),
         })
     }
 
@@ -508,18 +543,30 @@ impl KvCacheManager {
                 looked_up: false,
                 drafts: Vec::new(),
                 table_version,
+                loading_from: 0,
+                rewrite_to: 0,
+                tainted_from: usize::MAX,
             },
         );
         Ok(())
     }
 
     /// Appends finalized tokens. Errors: [`Error::UnknownSequence`];
-    /// [`Error::InvalidSequenceState`] while draft tokens are pending. O(tokens).
+    /// [`Error::InvalidSequenceState`] while draft tokens are pending or an external load is
+    /// (see [`Self::allocate_external`]). O(tokens).
     pub fn append_tokens(&self, seq: SeqId, tokens: &[u32]) -> Result<()> {
         let mut st = self.state.lock();
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         if !s.drafts.is_empty() {
             return Err(drafts_pending(seq, "append_tokens"));
+        }
+        if s.status == SeqStatus::Loading {
+            return Err(bad_state(
+                seq,
+                s.status,
+                "append_tokens",
+                "not loading (commit_external first)",
+            ));
         }
         s.tokens.extend_from_slice(tokens);
         Ok(())
@@ -536,7 +583,9 @@ impl KvCacheManager {
     }
 
     /// Exactly what the next [`Self::allocate_slots`]`(seq, num_new_tokens)` takes from and
-    /// gives back to the free pool, over every group. Errors as `allocate_slots` except
+    /// gives back to the free pool, over every group. Of a loading sequence
+    /// ([`Self::allocate_external`]): what that allocation takes once its load is committed in
+    /// full (the reservation of an in-flight load). Errors as `allocate_slots` except
     /// `OutOfBlocks`. No side effects.
     pub fn num_blocks_needed(&self, seq: SeqId, num_new_tokens: usize) -> Result<BlockDemand> {
         let mut st = self.state.lock();
@@ -748,11 +797,11 @@ impl KvCacheManager {
 
     /// Forks `parent` into `child`: every group's table is shared (ref counts + 1), nothing
     /// allocated. Errors: [`Error::UnknownSequence`], [`Error::SequenceExists`],
-    /// [`Error::InvalidSequenceState`] (swapped-out parent).
+    /// [`Error::InvalidSequenceState`] (swapped-out or loading parent).
     pub fn fork(&self, parent: SeqId, child: SeqId) -> Result<()> {
         let mut st = self.state.lock();
         let p = st.seqs.get(&parent).ok_or_else(|| unknown(parent))?;
-        if p.status == SeqStatus::Swapped {
+        if matches!(p.status, SeqStatus::Swapped | SeqStatus::Loading) {
             return Err(bad_state(parent, p.status, "fork", "running or preempted"));
         }
         if !p.drafts.is_empty() {
@@ -779,7 +828,9 @@ impl KvCacheManager {
     }
 
     /// Frees `seq` and forgets it; with sparse retention its windowed blocks are cached first
-    /// (its latest replayable point). Returns `false` for an unknown id. O(blocks).
+    /// (its latest replayable point). A loading sequence's staged blocks are released
+    /// unregistered (an abort while its load is in flight). Returns `false` for an unknown id.
+    /// O(blocks).
     pub fn free(&self, seq: SeqId) -> bool {
         let mut guard = self.state.lock();
         let st = &mut *guard;
@@ -800,10 +851,17 @@ impl KvCacheManager {
 
     /// Preemption by recompute, all-or-nothing over the group: every group's blocks are
     /// released (cached ones keep their hashes; with sparse retention the windowed blocks are
-    /// cached first), tokens kept, `num_computed = 0`. Errors (nothing changed):
+    /// cached first; a loading sequence's staged blocks are released unregistered: a failed
+    /// load), tokens kept, `num_computed = 0`. Errors (nothing changed):
     /// [`Error::UnknownSequence`], [`Error::InvalidArgument`] (duplicate id),
     /// [`Error::InvalidSequenceState`] (swapped out).
     pub fn preempt_recompute(&self, seqs: &[SeqId]) -> Result<()> {
+        self.preempt_with(seqs, None)
+    }
+
+    /// [`Self::preempt_recompute`]; with `defer`, the blocks go there (tail first per member)
+    /// instead of back to the pool.
+    fn preempt_with(&self, seqs: &[SeqId], mut defer: Option<&mut Vec<BlockId>>) -> Result<()> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let resumable = |s: SeqStatus| s != SeqStatus::Swapped;
@@ -825,7 +883,10 @@ impl KvCacheManager {
         for id in seqs {
             let mut s = st.seqs.remove(id).expect("checked");
             self.cache_latest(&mut s, &mut ev);
-            self.release_all(&s);
+            match defer.as_deref_mut() {
+                Some(kept) => kept.extend(tail_first(&s)),
+                None => self.release_all(&s),
+            }
             for t in &mut s.tables {
                 *t = GroupTable::default();
             }
@@ -834,6 +895,8 @@ impl KvCacheManager {
             s.status = SeqStatus::Preempted;
             s.stale_kv = false; // its KV is computed again on resume
             s.drafts.clear(); // their lookahead blocks went with the rest
+            s.rewrite_to = 0;
+            s.tainted_from = usize::MAX;
             st.seqs.insert(*id, s);
         }
         self.absorb(st, ev);
@@ -1514,6 +1577,15 @@ fn check_group(
 /// Each member listed once and known (no state required), as [`check_group`] checks them.
 fn check_ids(st: &State, seqs: &[SeqId]) -> Result<()> {
     check_group(st, seqs, "", |_| true, "")
+}
+
+/// The GPU blocks `s` holds in release order: tail first, table by table.
+fn tail_first(s: &Seq) -> Vec<BlockId> {
+    let mut out = Vec::new();
+    for t in &s.tables {
+        out.extend(t.blocks.iter().rev().copied().filter(|&b| b != NULL_BLOCK));
+    }
+    out
 }
 
 fn cpu_release(cpu: &mut CpuPool, table: &[BlockId]) {

@@ -794,6 +794,59 @@ impl BlockPool {
         Ok(())
     }
 
+    /// Drops the hash and prefix-index entry of each of `ids` that carries one (vLLM's
+    /// `BlockPool.evict_blocks`: KV found invalid): a referenced block stays referenced, a
+    /// cached free block becomes an uncached free block (at the top of the stack, reused
+    /// first). Ids without a hash, or repeated, are skipped. Emits [`KvEvent::BlockRemoved`]
+    /// for the hashes no block carries any more. Returns the blocks that lost their hash, in
+    /// `ids` order. Not counted as evictions.
+    ///
+    /// Errors (nothing changed): [`Error::InvalidBlockId`] for the null block or an id out of
+    /// range.
+    ///
+    /// Progress: locking (one lock hold). O(len).
+    pub fn uncache(&self, ids: &[BlockId]) -> Result<Vec<BlockId>> {
+        for &id in ids {
+            self.check_id(id)?;
+        }
+        let mut locked = self.locked.lock();
+        let mut unresolvable = Vec::new();
+        let mut dropped = Vec::new();
+        for &id in ids {
+            if !locked.index.carries(id) {
+                continue;
+            }
+            let free = locked.in_lru[id as usize];
+            if free {
+                locked.lru_remove(id);
+            }
+            self.evict_locked(&mut locked, id, &mut unresolvable, None);
+            if free {
+                self.uncached.push(id);
+            }
+            dropped.push(id);
+        }
+        self.cached_free.store(locked.lru_len, Ordering::Release);
+        if !unresolvable.is_empty() {
+            self.events.push(KvEvent::BlockRemoved {
+                block_hashes: unresolvable,
+                tier: Tier::Device,
+            });
+        }
+        Ok(dropped)
+    }
+
+    /// Every block carrying a hash, with its hash, in block-id order. Locking. O(num_blocks).
+    pub fn cached_blocks(&self) -> Vec<(BlockId, BlockHash)> {
+        let locked = self.locked.lock();
+        locked.index.iter().map(|(h, b)| (b, h)).collect()
+    }
+
+    /// Number of blocks carrying a hash (referenced or free). Locking. O(1).
+    pub fn num_hashed(&self) -> usize {
+        self.locked.lock().index.len()
+    }
+
     /// The longest prefix of `hashes` that resolves, as one block per hash (each chosen as
     /// [`BlockPool::lookup`] does), under one lock hold: a prefix-cache lookup of a whole
     /// prompt. No side effects. Expected O(hits + 1).

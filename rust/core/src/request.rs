@@ -67,15 +67,21 @@ pub enum SeqStatus {
     Preempted,
     /// Swapped out: the block table holds CPU swap-block ids.
     Swapped,
+    /// Waiting for an asynchronous load of external KV (a KV connector's transfer into
+    /// *staged* blocks: held, never registered in the prefix cache, announced in an event or
+    /// offered to the host tier) until [`crate::KvCacheManager::commit_external`].
+    Loading,
 }
 
 impl SeqStatus {
-    /// Lower-case name used in error messages (`"running"`, `"preempted"`, `"swapped"`).
+    /// Lower-case name used in error messages (`"running"`, `"preempted"`, `"swapped"`,
+    /// `"loading"`).
     pub fn name(self) -> &'static str {
         match self {
             SeqStatus::Running => "running",
             SeqStatus::Preempted => "preempted",
             SeqStatus::Swapped => "swapped",
+            SeqStatus::Loading => "loading",
         }
     }
 }

@@ -7,12 +7,17 @@
 //!    full-attention group is held to the one-group suites through `common::OneGroup`.)
 //!
 //! It drives speculative decoding's verify steps (`Verify`: lookahead slots for `k` drafts)
-//! and their acceptance (`Accept`, releasing or keeping the rejected drafts' blocks).
+//! and their acceptance (`Accept`, releasing or keeping the rejected drafts' blocks), and KV
+//! loaded from outside (docs/design/external-kv.md): synchronous and staged loads, commits,
+//! rollbacks, `evict_blocks` and deferred releases. The KV events keep set semantics per group
+//! throughout (a `BlockStored` names hashes its group does not hold, a `BlockRemoved` hashes it
+//! holds), and no staged block is ever registered.
 
+use pagedkv_core::events::KvEvent;
 use pagedkv_core::manager::CPU_NULL;
 use pagedkv_core::{
-    BlockId, CacheConfig, Error, GroupSpec, KvCacheManager, SeqId, SeqStatus, SequenceSpec,
-    StepRequest, NULL_BLOCK,
+    BlockHash, BlockId, CacheConfig, Error, GroupSpec, KvCacheManager, SeqId, SeqStatus,
+    SequenceSpec, StepRequest, NULL_BLOCK,
 };
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
@@ -68,6 +73,32 @@ enum Op {
         m: u8,
         keep: bool,
     },
+    /// `allocate_external`: staged loads schedule nothing else.
+    Load {
+        seq: usize,
+        e: u8,
+        n: u8,
+        staged: bool,
+    },
+    /// `commit_external` at `frac / 4` of the staged range.
+    Commit {
+        seq: usize,
+        frac: u8,
+    },
+    Rollback {
+        seq: usize,
+        back: u8,
+        poisoned: bool,
+    },
+    Evict {
+        block: u32,
+    },
+    DeferFree {
+        seq: usize,
+    },
+    Release {
+        i: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -86,6 +117,14 @@ fn op() -> impl Strategy<Value = Op> {
         1 => prop::collection::vec(any::<usize>(), 1..4).prop_map(|seqs| Op::Owed { seqs }),
         2 => (any::<usize>(), 1u8..24, 1u8..7).prop_map(|(seq, n, k)| Op::Verify { seq, n, k }),
         2 => (any::<usize>(), 0u8..8, any::<bool>()).prop_map(|(seq, m, keep)| Op::Accept { seq, m, keep }),
+        2 => (any::<usize>(), 0u8..30, 0u8..6, any::<bool>())
+            .prop_map(|(seq, e, n, staged)| Op::Load { seq, e, n: if staged { 0 } else { n }, staged }),
+        3 => (any::<usize>(), 0u8..5).prop_map(|(seq, frac)| Op::Commit { seq, frac }),
+        1 => (any::<usize>(), 0u8..12, any::<bool>())
+            .prop_map(|(seq, back, poisoned)| Op::Rollback { seq, back, poisoned }),
+        1 => any::<u32>().prop_map(|block| Op::Evict { block }),
+        1 => any::<usize>().prop_map(|seq| Op::DeferFree { seq }),
+        1 => any::<usize>().prop_map(|i| Op::Release { i }),
     ]
 }
 
@@ -155,6 +194,29 @@ fn snapshot(m: &KvCacheManager, ids: &[SeqId]) -> Snapshot {
     (m.pool().free_queue(), seqs)
 }
 
+/// Replays the manager's events into per-group hash sets, checking set semantics.
+fn replay(sets: &mut [HashSet<BlockHash>], m: &KvCacheManager) {
+    for e in m.take_events() {
+        match (e.group, e.event) {
+            (None, KvEvent::AllBlocksCleared) => sets.iter_mut().for_each(|s| s.clear()),
+            (Some(g), KvEvent::BlockStored { block_hashes, .. }) => {
+                for h in block_hashes {
+                    assert!(sets[g as usize].insert(h), "group {g}: hash stored twice");
+                }
+            }
+            (Some(g), KvEvent::BlockRemoved { block_hashes, .. }) => {
+                for h in block_hashes {
+                    assert!(
+                        sets[g as usize].remove(&h),
+                        "group {g}: removed an unknown hash"
+                    );
+                }
+            }
+            (g, e) => panic!("unexpected event {e:?} for group {g:?}"),
+        }
+    }
+}
+
 fn pick(ids: &[SeqId], i: usize) -> Option<SeqId> {
     (!ids.is_empty()).then(|| ids[i % ids.len()])
 }
@@ -187,6 +249,10 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
     let mut model: HashMap<SeqId, (usize, usize)> = HashMap::new();
     // Pending draft tokens per sequence.
     let mut pending: HashMap<SeqId, usize> = HashMap::new();
+    // Sequences with an asynchronous load in flight; pending deferred releases.
+    let mut loading: HashSet<SeqId> = HashSet::new();
+    let mut handles: Vec<u64> = Vec::new();
+    let mut sets = vec![HashSet::new(); m.num_groups()];
     for op in ops {
         let before = snapshot(&m, &ids);
         let free0 = m.pool().num_free();
@@ -202,7 +268,7 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
             Op::Append { seq, n } => {
                 let Some(id) = pick(&ids, seq) else { continue };
                 let r = m.append_tokens(id, &vec![7; n as usize]);
-                if pending.get(&id).copied().unwrap_or(0) > 0 {
+                if pending.get(&id).copied().unwrap_or(0) > 0 || loading.contains(&id) {
                     assert!(
                         matches!(r, Err(Error::InvalidSequenceState { .. })),
                         "{r:?}"
@@ -276,6 +342,10 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
                         let d = need.unwrap();
                         assert_eq!((requested, available), (d.take, free0 + d.release));
                         assert!(d.take > free0 + d.release);
+                        true
+                    }
+                    Err(e) if loading.contains(&id) => {
+                        assert!(matches!(e, Error::InvalidSequenceState { .. }), "{e:?}");
                         true
                     }
                     Err(e) => {
@@ -353,6 +423,7 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
                 ids.retain(|&x| x != id);
                 model.remove(&id);
                 pending.remove(&id);
+                loading.remove(&id);
                 false
             }
             Op::Preempt { seq } => {
@@ -361,6 +432,7 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
                     Ok(()) => {
                         model.get_mut(&id).unwrap().1 = 0;
                         pending.remove(&id); // dropped with the rest
+                        loading.remove(&id); // staged blocks released unregistered
                         false
                     }
                     Err(_) => true,
@@ -402,6 +474,10 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
                     }) => {
                         let d = need.unwrap();
                         assert_eq!((requested, available), (d.take, free0 + d.release));
+                        true
+                    }
+                    Err(e) if loading.contains(&id) => {
+                        assert!(matches!(e, Error::InvalidSequenceState { .. }), "{e:?}");
                         true
                     }
                     Err(e) => {
@@ -467,11 +543,113 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
                 }
                 false
             }
+            Op::Load { seq, e, n, staged } => {
+                let Some(id) = pick(&ids, seq) else { continue };
+                let (e, n) = (e as usize, n as usize);
+                let need = m.num_blocks_needed_external(id, e, n);
+                match m.allocate_external(id, e, n, staged, 0) {
+                    Ok(a) => {
+                        let d = need.unwrap();
+                        assert_eq!(free0 as isize - m.pool().num_free() as isize, d.net());
+                        assert_eq!(a.num_context_tokens, a.num_cached_tokens + e);
+                        let computed = a.num_context_tokens + a.num_scheduled_tokens;
+                        model.get_mut(&id).unwrap().1 = computed;
+                        if staged {
+                            assert_eq!(m.num_staged_tokens(id).unwrap(), e);
+                            loading.insert(id);
+                        }
+                        false
+                    }
+                    Err(Error::OutOfBlocks { requested, .. }) => {
+                        assert_eq!(requested, need.unwrap().take);
+                        true
+                    }
+                    Err(err) => {
+                        assert_eq!(need.unwrap_err(), err);
+                        true
+                    }
+                }
+            }
+            Op::Commit { seq, frac } => {
+                // Mostly a loading sequence; sometimes any (refused unless loading).
+                let mut in_flight: Vec<SeqId> = loading.iter().copied().collect();
+                in_flight.sort_unstable();
+                let from = if seq % 4 == 0 { &ids } else { &in_flight };
+                let Some(id) = pick(from, seq / 4).or_else(|| pick(&ids, seq)) else {
+                    continue;
+                };
+                let staged = m.num_staged_tokens(id).unwrap();
+                let hi = model[&id].1;
+                let valid = hi - staged + staged * frac as usize / 4;
+                match m.commit_external(id, valid) {
+                    Ok(_) => {
+                        assert!(loading.remove(&id));
+                        model.get_mut(&id).unwrap().1 = valid;
+                        false
+                    }
+                    Err(Error::InvalidSequenceState { .. }) => {
+                        assert!(!loading.contains(&id));
+                        true
+                    }
+                    Err(Error::InvalidArgument { .. }) => true, // a window never loaded
+                    Err(e) => panic!("{e:?}"),
+                }
+            }
+            Op::Rollback {
+                seq,
+                back,
+                poisoned,
+            } => {
+                let Some(id) = pick(&ids, seq) else { continue };
+                let n = model[&id].1.saturating_sub(back as usize);
+                match m.rollback(id, n, poisoned) {
+                    Ok(_) => {
+                        model.get_mut(&id).unwrap().1 = n;
+                        false
+                    }
+                    Err(Error::InvalidSequenceState { .. } | Error::InvalidArgument { .. }) => true,
+                    Err(e) => panic!("{e:?}"),
+                }
+            }
+            Op::Evict { block } => {
+                let b = 1 + block % (num_blocks - 1);
+                let hashed = m.pool().is_hashed(b);
+                let n = m.evict_blocks(&[b]).unwrap();
+                assert!(!m.pool().is_hashed(b));
+                assert_eq!(n > 0, hashed);
+                false
+            }
+            Op::DeferFree { seq } => {
+                let Some(id) = pick(&ids, seq) else { continue };
+                let used = m.pool().num_used();
+                match m.free_deferred(id) {
+                    Ok(h) => {
+                        assert_eq!(m.pool().num_used(), used);
+                        handles.push(h);
+                        ids.retain(|&x| x != id);
+                        model.remove(&id);
+                        pending.remove(&id);
+                        loading.remove(&id);
+                        false
+                    }
+                    Err(_) => true,
+                }
+            }
+            Op::Release { i } => {
+                if handles.is_empty() {
+                    continue;
+                }
+                let h = handles.remove(i % handles.len());
+                let kept = m.deferred_blocks(h).unwrap().len();
+                assert_eq!(m.release_deferred(h).unwrap(), kept);
+                assert!(m.release_deferred(h).is_err());
+                false
+            }
             Op::Owed { seqs } => {
                 let mut chosen: Vec<SeqId> = Vec::new();
                 for s in seqs {
                     if let Some(id) = pick(&ids, s) {
-                        if !chosen.contains(&id) {
+                        if !chosen.contains(&id) && !loading.contains(&id) {
                             chosen.push(id);
                         }
                     }
@@ -523,6 +701,15 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
             );
         }
         m.check_invariants().unwrap();
+        replay(&mut sets, &m);
+        for &id in &loading {
+            let tables = m.block_tables(id).unwrap();
+            let from = model[&id].1 - m.num_staged_tokens(id).unwrap();
+            for (g, t) in tables.iter().enumerate() {
+                let bs = m.config().groups[g].block_size as usize;
+                assert!(t[from / bs..].iter().all(|&b| !m.pool().is_hashed(b)));
+            }
+        }
         for (&id, &(tokens, computed)) in &model {
             assert_eq!(
                 m.num_draft_tokens(id).unwrap(),
@@ -536,6 +723,9 @@ fn run(layout_k: u8, num_blocks: u32, sparse: bool, caching: bool, ops: Vec<Op>)
     }
     for id in ids {
         assert!(m.free(id));
+    }
+    for h in handles {
+        m.release_deferred(h).unwrap();
     }
     m.check_invariants().unwrap();
     assert_eq!(m.pool().num_free(), num_blocks as usize - 1);

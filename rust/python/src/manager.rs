@@ -17,7 +17,7 @@ use crate::stats::PyCacheStats;
 use crate::step_output::{block_array, pairs_array, triples, PySlotAllocation, PyStepOutput};
 use numpy::{PyArray1, PyArray2, PyUntypedArray};
 use pagedkv_core::{
-    ExtraKey, KvCacheManager, StepOptions, MmItem, SequenceSpec, StepDrafts, StepRequest,
+    ExtraKey, KvCacheManager, MmItem, SequenceSpec, StepDrafts, StepOptions, StepRequest,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyInt, PyList};
@@ -365,8 +365,10 @@ impl PyKvCacheManager {
     /// ``(take, release)``: exactly the blocks the next ``allocate_slots(seq_id,
     /// num_new_tokens)`` takes from the free pool (fresh blocks, prefix hits on free cached
     /// blocks, copy-on-write) and gives back (out-of-window blocks; 0 for full-attention
-    /// groups); it succeeds exactly when ``take <= num_free_blocks + release``. No side
-    /// effects. Raises ``UnknownSequenceError``, ``InvalidSequenceStateError``,
+    /// groups); it succeeds exactly when ``take <= num_free_blocks + release``. Of a
+    /// ``"loading"`` sequence: what that allocation takes once its load is committed in full
+    /// (an in-flight load's reservation). No side effects. Raises ``UnknownSequenceError``,
+    /// ``InvalidSequenceStateError``,
     /// ``InvalidArgumentError`` (as ``allocate_slots`` except ``OutOfBlocksError``).
     fn num_blocks_needed(
         &self,
@@ -450,6 +452,203 @@ impl PyKvCacheManager {
             .detach(|| m.allocate_slots_with_drafts(seq, q, &drafts))
             .py(py)?;
         Ok(PySlotAllocation::from_core(a))
+    }
+
+    /// First allocation of ``seq_id`` with ``num_external_tokens`` (``E``) tokens whose KV a
+    /// KV connector loads right after the local prefix hit ``H`` (taken as ``allocate_slots``
+    /// takes it), then ``num_new_tokens`` (``n``, capped at the tokens left) to compute. Every
+    /// group gets blocks for ``H + E + n`` tokens (a windowed group none out of the window of
+    /// ``H + E``: null entries). The result reports ``num_cached_tokens == H``,
+    /// ``num_context_tokens == H + E``, ``num_scheduled_tokens == n`` (the forward pass
+    /// computes positions ``H + E`` on); the connector writes the blocks of ``[H, H + E)``.
+    ///
+    /// ``staged=False``: a synchronous load (done before the forward pass); the loaded blocks
+    /// are registered in the prefix cache now, as ``allocate_slots(seq_id, E + n)`` would.
+    /// ``staged=True`` (requires ``n == 0``): an asynchronous load; ``status`` becomes
+    /// ``"loading"`` and the blocks from ``H`` on are *staged*: held, but never matched by a
+    /// prefix lookup, registered, announced in a KV event or offered to the host tier until
+    /// ``commit_external``. A loading sequence refuses ``allocate_slots``, ``step``, ``fork``,
+    /// ``swap_out``, ``append_tokens`` and ``accept_drafts`` (``InvalidSequenceStateError``);
+    /// ``free`` and ``preempt`` release its staged blocks unregistered (abort, failed load).
+    /// ``reserve_blocks``: blocks that must stay free after the call (other in-flight loads'
+    /// reservations, see ``num_blocks_needed``); as ``step(reserve_blocks=)``.
+    ///
+    /// Raises (state unchanged): ``UnknownSequenceError``; ``InvalidSequenceStateError``
+    /// unless the sequence holds no block (new, or preempted); ``InvalidArgumentError``
+    /// (``num_external_tokens`` past the last token, ``num_new_tokens > 0`` with ``staged``,
+    /// nothing to allocate); ``OutOfBlocksError`` (``requested`` counts ``reserve_blocks``).
+    #[pyo3(signature = (seq_id, num_external_tokens, num_new_tokens = None, *, staged = false, reserve_blocks = None),
+           text_signature = "(self, seq_id, num_external_tokens, num_new_tokens=0, *, staged=False, reserve_blocks=0)")]
+    fn allocate_external(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_external_tokens: &Bound<'_, PyAny>,
+        num_new_tokens: Option<&Bound<'_, PyAny>>,
+        staged: bool,
+        reserve_blocks: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PySlotAllocation> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let e = count(num_external_tokens, "num_external_tokens")?;
+        let q = opt_count(num_new_tokens, "num_new_tokens")?;
+        let r = opt_count(reserve_blocks, "reserve_blocks")?;
+        let m = &self.inner;
+        let a = py
+            .detach(|| m.allocate_external(seq, e, q, staged, r))
+            .py(py)?;
+        Ok(PySlotAllocation::from_core(py, a))
+    }
+
+    /// ``(take, release)``: exactly what ``allocate_external(seq_id, num_external_tokens,
+    /// num_new_tokens)`` takes from and gives back to the free pool (staged or not). Same
+    /// errors except ``OutOfBlocksError``; no side effects.
+    #[pyo3(signature = (seq_id, num_external_tokens, num_new_tokens = None),
+           text_signature = "(self, seq_id, num_external_tokens, num_new_tokens=0)")]
+    fn num_blocks_needed_external(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_external_tokens: &Bound<'_, PyAny>,
+        num_new_tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<(usize, usize)> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let e = count(num_external_tokens, "num_external_tokens")?;
+        let q = opt_count(num_new_tokens, "num_new_tokens")?;
+        let m = &self.inner;
+        let d = py
+            .detach(|| m.num_blocks_needed_external(seq, e, q))
+            .py(py)?;
+        Ok((d.take, d.release))
+    }
+
+    /// Ends the asynchronous load of a ``"loading"`` sequence (vLLM's ``cache_blocks`` after
+    /// ``finished_recving``): its KV is valid up to ``num_valid_tokens`` (``H <= n <= H + E``;
+    /// less than ``H + E`` after a partial failure); it becomes ``"running"`` with that many
+    /// computed tokens and the full blocks below it are registered now (KV events, host-tier
+    /// notes). Blocks past ``ceil(n / block_size)`` stay held for the next allocations to
+    /// compute into. Returns the number of blocks registered (every group).
+    ///
+    /// Raises (state unchanged): ``UnknownSequenceError``; ``InvalidSequenceStateError``
+    /// unless loading; ``InvalidArgumentError`` (``num_valid_tokens`` outside ``[H, H + E]``,
+    /// or a windowed group whose window at ``n`` reads blocks the load never took: preempt
+    /// the sequence to recompute it instead).
+    fn commit_external(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_valid_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let n = count(num_valid_tokens, "num_valid_tokens")?;
+        let m = &self.inner;
+        py.detach(|| m.commit_external(seq, n)).py(py)
+    }
+
+    /// Truncates the computed range of running ``seq_id`` to ``num_computed_tokens`` (``n``):
+    /// KV from ``n`` on is computed again (after a failed or partial load, or vLLM's rewind
+    /// of a full hit's last token). Every block stays in the tables (a model runner's block
+    /// table stays valid): the next allocations compute into them in place, without
+    /// copy-on-write, before taking new ones.
+    ///
+    /// ``poisoned=False``: the kept blocks' KV is valid; their registrations stay.
+    /// ``poisoned=True``: the KV from ``n`` on is invalid: every registered block of the
+    /// sequence's tables from logical block ``n // block_size`` on (every group) is
+    /// unregistered with its dependents, as ``evict_blocks`` does, and registered again once
+    /// recomputed. Returns the number of blocks unregistered (0 unless poisoned).
+    ///
+    /// Raises (state unchanged): ``UnknownSequenceError``; ``InvalidSequenceStateError``
+    /// unless running without pending drafts; ``InvalidArgumentError``
+    /// (``num_computed_tokens`` above the computed tokens, or a windowed group's window at
+    /// ``n`` reads blocks it released or never took: preempt the sequence instead).
+    #[pyo3(signature = (seq_id, num_computed_tokens, *, poisoned))]
+    fn rollback(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_computed_tokens: &Bound<'_, PyAny>,
+        poisoned: bool,
+    ) -> PyResult<usize> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let n = count(num_computed_tokens, "num_computed_tokens")?;
+        let m = &self.inner;
+        py.detach(|| m.rollback(seq, n, poisoned)).py(py)
+    }
+
+    /// Drops the prefix-cache registration of each of ``block_ids`` (list or 1-D integer
+    /// array) that has one (vLLM's ``BlockPool.evict_blocks``: their KV is invalid) and of
+    /// every registered block whose chain (in its KV cache group) descends from one of them.
+    /// Held blocks stay held, and their holders register nothing from there on until a
+    /// ``rollback`` to or below it or a preemption; cached free blocks become plain free
+    /// blocks. ``BlockRemoved`` events for the hashes that no longer resolve; the host tier
+    /// forgets the blocks dropped. Unregistered ids are skipped. Returns the number of blocks
+    /// unregistered, dependents included.
+    ///
+    /// Raises ``InvalidBlockError`` (the null block 0 or an id ``>= num_blocks``; nothing
+    /// changed).
+    fn evict_blocks(&self, py: Python<'_>, block_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let ids = crate::convert::block_ids(block_ids, "block_ids")?;
+        let m = &self.inner;
+        py.detach(|| m.evict_blocks(&ids)).py(py)
+    }
+
+    /// Frees ``seq_id`` (forgets it, as ``free``) but keeps its blocks referenced under the
+    /// returned handle until ``release_deferred(handle)`` (vLLM's ``pop_blocks_for_free``:
+    /// a worker may still read them, asynchronous scheduling on a KV consumer). The blocks
+    /// stay counted as used and keep their registrations (still prefix hits); a loading
+    /// sequence's staged blocks stay unregistered. Handles start at 1, never reused.
+    ///
+    /// Raises (nothing changed): ``UnknownSequenceError``; ``InvalidSequenceStateError`` for
+    /// a swapped-out sequence (no GPU block to keep: ``free`` it).
+    fn free_deferred(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let m = &self.inner;
+        py.detach(|| m.free_deferred(seq)).py(py)
+    }
+
+    /// ``preempt`` whose members' blocks stay referenced under the returned handle (tail
+    /// first per member) until ``release_deferred``: the members are preempted at once (a
+    /// re-admitted one allocates afresh, its old registered blocks are hits) while a worker
+    /// may still read the old blocks. Same errors as ``preempt``, nothing changed then.
+    fn preempt_deferred(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let seqs = crate::convert::seq_ids(seq_ids, "seq_ids")?;
+        let m = &self.inner;
+        py.detach(|| m.preempt_deferred(&seqs)).py(py)
+    }
+
+    /// Releases the blocks kept under ``handle`` (tail first, as ``free`` would have);
+    /// returns how many. Raises ``InvalidArgumentError`` for a handle never given out or
+    /// released already (nothing changed).
+    fn release_deferred(&self, py: Python<'_>, handle: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let h = count(handle, "handle")? as u64;
+        let m = &self.inner;
+        py.detach(|| m.release_deferred(h)).py(py)
+    }
+
+    /// The blocks kept under ``handle``, ``int32[n]`` in release order. Raises
+    /// ``InvalidArgumentError`` unless the handle is pending.
+    fn deferred_blocks(
+        &self,
+        py: Python<'_>,
+        handle: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyArray1<i32>>> {
+        let h = count(handle, "handle")? as u64;
+        let m = &self.inner;
+        let b = py.detach(|| m.deferred_blocks(h)).py(py)?;
+        Ok(PyArray1::from_vec(py, b.into_iter().map(|x| x as i32).collect()).unbind())
+    }
+
+    /// Blocks kept by every pending deferred release (counted used by the pool).
+    fn num_deferred_blocks(&self, py: Python<'_>) -> usize {
+        let m = &self.inner;
+        py.detach(|| m.num_deferred_blocks())
+    }
+
+    /// Tokens of ``seq_id`` an asynchronous load is writing into staged blocks (``E`` while
+    /// ``"loading"``, else 0). Raises ``UnknownSequenceError``.
+    fn num_staged_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let m = &self.inner;
+        py.detach(|| m.num_staged_tokens(seq)).py(py)
     }
 
     /// Resolves the pending drafts of ``seq_id`` after its verify step: the first
@@ -622,7 +821,8 @@ impl PyKvCacheManager {
         py.detach(|| m.num_computed_tokens(seq)).py(py)
     }
 
-    /// ``"running"``, ``"preempted"`` or ``"swapped"``. Raises ``UnknownSequenceError``.
+    /// ``"running"``, ``"preempted"``, ``"swapped"`` or ``"loading"`` (an asynchronous
+    /// external load in flight, see ``allocate_external``). Raises ``UnknownSequenceError``.
     fn status(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<&'static str> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let m = &self.inner;
@@ -813,4 +1013,9 @@ impl PyKvCacheManager {
             p.num_free()
         )
     }
+}
+
+/// An optional count argument (``None`` or absent: 0), checked as [`count`].
+fn opt_count(v: Option<&Bound<'_, PyAny>>, name: &'static str) -> PyResult<usize> {
+    v.filter(|v| !v.is_none()).map_or(Ok(0), |v| count(v, name))
 }

@@ -163,6 +163,24 @@ impl PyBlockPool {
         self.pool().num_used()
     }
 
+    /// Blocks carrying a prefix hash (referenced or free): the prefix index's size.
+    #[getter]
+    fn num_hashed(&self) -> usize {
+        self.pool().num_hashed()
+    }
+
+    /// Every block carrying a prefix hash: ``(hashes, block_ids)``, a list of 32-byte
+    /// ``bytes`` and ``int32[n]``, in block-id order. O(num_blocks).
+    fn cached_blocks<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> (Vec<Bound<'py, PyBytes>>, Py<numpy::PyArray1<i32>>) {
+        let pairs = self.pool().cached_blocks();
+        let hashes = pairs.iter().map(|(_, h)| PyBytes::new(py, &h.0)).collect();
+        let ids: Vec<i32> = pairs.iter().map(|&(b, _)| b as i32).collect();
+        (hashes, numpy::PyArray1::from_vec(py, ids).unbind())
+    }
+
     /// Takes ``n`` blocks, all or nothing: ``int32[n]`` block ids, each with ref count 1 and no
     /// hash. Uncached free blocks first (LIFO), then cached ones evicted LRU-first.
     /// Raises ``OutOfBlocksError`` (nothing taken) when fewer than ``n`` are free. Lock-free

@@ -102,9 +102,37 @@ impl KvCacheManager {
         if let Some(done) = self.extend_running(s, num_new_tokens, drafts, reserve, ev, out) {
             return done;
         }
+        self.allocate_general(seq, s, num_new_tokens, drafts, reserve, 0, false, ev, out)
+    }
+
+    /// The general allocation (a plan, then its effects) of `num_new_tokens` tokens, the
+    /// first `external` of them loaded by a KV connector right after the prefix hit (first
+    /// allocation only); `staged`: the sequence is left [`SeqStatus::Loading`] with the
+    /// blocks past its hit staged (nothing registered). `out` must be reset.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn allocate_general(
+        &self,
+        seq: SeqId,
+        s: &mut Seq,
+        num_new_tokens: usize,
+        drafts: &[u32],
+        reserve: usize,
+        external: usize,
+        staged: bool,
+        ev: &mut Vec<Pending>,
+        out: &mut Alloc,
+    ) -> Result<()> {
+        if s.status == SeqStatus::Loading {
+            return Err(bad_state(
+                seq,
+                s.status,
+                "allocate_slots",
+                "running or preempted (commit_external its load first)",
+            ));
+        }
         let plan = {
             let sim = Sim::new(&self.pool);
-            self.plan_with_drafts(seq, s, num_new_tokens, drafts.len(), &sim)?
+            self.plan_external(seq, s, num_new_tokens, drafts.len(), external, &sim)?
         };
         let available = self.pool.num_free() + plan.release;
         let requested = plan.take.saturating_add(reserve);
@@ -114,9 +142,9 @@ impl KvCacheManager {
                 available,
             });
         }
-        out.num_scheduled_tokens = plan.q;
+        out.num_scheduled_tokens = plan.q - plan.external;
         out.num_cached_tokens = if plan.first { plan.context } else { 0 };
-        out.num_context_tokens = plan.context;
+        out.num_context_tokens = plan.context + plan.external;
         out.num_draft_tokens = drafts.len();
         // Release first (tail first), so the blocks given back can be taken again.
         let mut released = Vec::new();
@@ -163,6 +191,7 @@ impl KvCacheManager {
                 if !loads.is_empty() {
                     host::take_load_blocks(t, ga, &mut fresh);
                 }
+                t.blocks.resize(t.blocks.len() + gp.null_pad, NULL_BLOCK);
             }
             if gp.cow {
                 let dst = fresh.next().expect("allocated");
@@ -182,9 +211,14 @@ impl KvCacheManager {
                 ga.new_block_ids.push(b);
             }
         }
-        s.last_context = plan.context;
+        s.last_context = plan.context + plan.external;
         s.num_computed = plan.context + plan.q;
-        s.status = SeqStatus::Running;
+        s.status = if staged {
+            s.loading_from = plan.context;
+            SeqStatus::Loading
+        } else {
+            SeqStatus::Running
+        };
         // Counted once per sequence: a resume after a recompute preemption finds its own
         // blocks again, not a new lookup (vLLM #25780).
         let lookup = plan.first && self.cfg.enable_prefix_caching && !s.looked_up;
@@ -205,9 +239,13 @@ impl KvCacheManager {
             }
         }
         s.drafts = drafts.to_vec();
+        if s.rewrite_to <= s.num_computed {
+            s.rewrite_to = 0;
+        }
+        let covered = s.covered();
         for (g, t) in s.tables.iter_mut().enumerate() {
             let bs = self.cfg.groups[g].block_size as usize;
-            t.spare = t.blocks.len() - (s.num_computed + drafts.len()).div_ceil(bs);
+            t.spare = t.blocks.len() - covered.div_ceil(bs);
         }
         // Only blocks full of computed, finalized tokens: drafts never reach the cache.
         self.cache_full(s, ev, true);
@@ -235,6 +273,7 @@ impl KvCacheManager {
             || num_new_tokens == 0
             || !drafts.is_empty()
             || !s.drafts.is_empty()
+            || s.rewrite_to > 0
         {
             return None;
         }
@@ -335,10 +374,7 @@ impl KvCacheManager {
 
     /// Releases every GPU block the sequence holds, tail first, table by table.
     pub(super) fn release_all(&self, s: &Seq) {
-        let mut tail_first = Vec::new();
-        for t in &s.tables {
-            tail_first.extend(t.blocks.iter().rev().copied().filter(|&b| b != NULL_BLOCK));
-        }
+        let tail_first = tail_first(s);
         if !tail_first.is_empty() {
             let freed = self.pool.free(&tail_first);
             debug_assert!(freed.is_ok(), "{freed:?}");

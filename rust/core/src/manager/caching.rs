@@ -3,6 +3,12 @@
 //! rule, and the `BlockStored` events of newly resolvable keys.
 
 use super::*;
+use std::sync::atomic::Ordering::Relaxed;
+
+/// The first 8 bytes of a hash: what [`KvCacheManager`]'s parent records keep.
+pub(super) fn key64(h: &BlockHash) -> u64 {
+    u64::from_le_bytes(h.0[..8].try_into().expect("8 bytes"))
+}
 
 impl KvCacheManager {
     /// Plain chain hash of logical block `k` of block-size class `c` (memoised).
@@ -28,13 +34,15 @@ impl KvCacheManager {
     }
 
     /// Caches every newly full computed block the fill-time rule selects, per group.
+    /// Nothing while the sequence is [`SeqStatus::Loading`]: its staged blocks wait for
+    /// [`KvCacheManager::commit_external`].
     pub(super) fn cache_full(&self, s: &mut Seq, ev: &mut Vec<Pending>, seen: bool) {
-        if !self.cfg.enable_prefix_caching || s.stale_kv {
+        if !self.cfg.enable_prefix_caching || s.stale_kv || s.status == SeqStatus::Loading {
             return;
         }
         for g in 0..self.num_groups() {
             let spec = self.cfg.groups[g];
-            let full = s.num_computed / spec.block_size as usize;
+            let full = s.num_computed.min(s.tainted_from) / spec.block_size as usize;
             let start = s.tables[g].scanned;
             if full <= start {
                 continue;
@@ -53,6 +61,14 @@ impl KvCacheManager {
                     &mut newly,
                 );
                 debug_assert!(cached.is_ok(), "{cached:?}");
+                for j in start..full {
+                    let parent = if j == 0 {
+                        0
+                    } else {
+                        key64(&s.chains[c][j - 1])
+                    };
+                    self.parents[s.tables[0].blocks[j] as usize].store(parent, Relaxed);
+                }
                 continue;
             }
             let picked: Vec<usize> = (start..full)
@@ -75,7 +91,7 @@ impl KvCacheManager {
             if !spec.is_windowed() {
                 continue;
             }
-            let full = s.num_computed / spec.block_size as usize;
+            let full = s.num_computed.min(s.tainted_from) / spec.block_size as usize;
             let t = &s.tables[g];
             let picked: Vec<usize> = (t.live_from..full)
                 .filter(|&j| t.blocks[j] != NULL_BLOCK && !self.pool.is_hashed(t.blocks[j]))
@@ -104,6 +120,13 @@ impl KvCacheManager {
         let mut newly = Vec::with_capacity(picked.len());
         let cached = self.pool.cache_blocks(&blocks, &keys, &mut newly);
         debug_assert!(cached.is_ok(), "{cached:?}");
+        for (&j, &b) in picked.iter().zip(&blocks) {
+            let parent = match j.checked_sub(1) {
+                Some(p) => key64(&self.key_at(s, g, p)),
+                None => 0,
+            };
+            self.parents[b as usize].store(parent, Relaxed);
+        }
         if let Some(host) = self.host.as_ref() {
             self.host_note_registered(&mut host.lock(), s, g, picked, seen);
         }

@@ -18,6 +18,9 @@ pub(super) struct GroupPlan {
     pub(super) cow: bool,
     /// The new `live_from`.
     pub(super) live_from: usize,
+    /// First allocation with external tokens: null entries after the hits, before the fresh
+    /// blocks (a windowed group's blocks out of the window of the loaded context).
+    pub(super) null_pad: usize,
 }
 
 #[derive(Debug, Clone)]
@@ -25,6 +28,9 @@ pub(super) struct Plan {
     pub(super) first: bool,
     pub(super) context: usize,
     pub(super) q: usize,
+    /// External tokens (loaded by a KV connector, no forward pass) among the `q` scheduled,
+    /// right after the context; 0 for an ordinary allocation.
+    pub(super) external: usize,
     /// Per group; inline for one group (no heap hop on its decode step).
     pub(super) groups: SmallVec<[GroupPlan; 1]>,
     pub(super) hits_free: usize,
@@ -341,6 +347,23 @@ impl KvCacheManager {
         num_drafts: usize,
         sim: &Sim<'_>,
     ) -> Result<Plan> {
+        self.plan_external(seq, s, num_new_tokens, num_drafts, 0, sim)
+    }
+
+    /// [`Self::plan_with_drafts`] whose first `external` scheduled tokens are loaded by a KV
+    /// connector right after the prefix hit (a first allocation only, checked by the caller):
+    /// a windowed group takes no block out of the window of `hit + external` (null entries
+    /// there, as if the loaded context had been computed and released).
+    #[inline(always)]
+    pub(super) fn plan_external(
+        &self,
+        seq: SeqId,
+        s: &mut Seq,
+        num_new_tokens: usize,
+        num_drafts: usize,
+        external: usize,
+        sim: &Sim<'_>,
+    ) -> Result<Plan> {
         if s.status == SeqStatus::Swapped {
             return Err(bad_state(
                 seq,
@@ -370,6 +393,15 @@ impl KvCacheManager {
             (s.num_computed, filled(self.num_groups()))
         };
         let remaining = s.tokens.len() - context;
+        if external > remaining {
+            return Err(Error::InvalidArgument {
+                arg: "num_external_tokens",
+                value: external.to_string(),
+                reason: format!(
+                    "sequence {seq} has {remaining} token(s) after its prefix hit of {context}"
+                ),
+            });
+        }
         if lookahead_only && (first || remaining > 0) {
             return Err(Error::InvalidArgument {
                 arg: "num_new_tokens",
@@ -414,6 +446,16 @@ impl KvCacheManager {
             let mut gp = GroupPlan::default();
             let (mut take, mut release) = (0, 0);
             if first {
+                let mut hits = hits;
+                // External tokens: nothing below the window of the loaded context is taken.
+                let keep = if external > 0 && spec.is_windowed() {
+                    self.keep_from(&spec, context + external) / bs
+                } else {
+                    0
+                };
+                for b in hits.iter_mut().take(keep) {
+                    *b = NULL_BLOCK;
+                }
                 for &b in &hits {
                     if b == HOST_HIT {
                         take += 1; // loaded into a fresh block
@@ -425,8 +467,9 @@ impl KvCacheManager {
                         take += 1;
                     }
                 }
-                gp.live_from = spec.hit_blocks(context).0;
-                gp.fresh = end.div_ceil(bs) - hits.len();
+                gp.live_from = spec.hit_blocks(context).0.max(keep);
+                gp.null_pad = keep.saturating_sub(hits.len());
+                gp.fresh = end.div_ceil(bs) - hits.len() - gp.null_pad;
                 gp.hits = hits;
             } else {
                 let keep = self.keep_from(&spec, context) / bs;
@@ -443,7 +486,9 @@ impl KvCacheManager {
                 // Spare lookahead blocks (kept after an acceptance) are filled before fresh ones.
                 gp.fresh = end.div_ceil(bs).saturating_sub(t.blocks.len());
                 // The block the next token goes into (spares may follow it).
+                // (Not a block a rollback kept: its KV is rewritten in place.)
                 gp.cow = context % bs != 0
+                    && context >= s.rewrite_to
                     && t.blocks.get(context / bs).is_some_and(|&b| sim.refc(b) > 1);
             }
             take += gp.fresh + usize::from(gp.cow);
@@ -456,6 +501,7 @@ impl KvCacheManager {
             first,
             context,
             q,
+            external,
             groups,
             hits_free: hit_free.len(),
             take: take_all,

@@ -23,6 +23,11 @@ impl KvCacheManager {
         if let Some(host) = self.host.as_ref() {
             self.check_host(&host.lock(), &mut gpu_refs)?;
         }
+        for blocks in st.deferred.values() {
+            for &b in blocks {
+                *gpu_refs.entry(b).or_insert(0) += 1;
+            }
+        }
         let ids: Vec<SeqId> = st.seqs.keys().copied().collect();
         for id in ids {
             let s = st.seqs.get_mut(&id).expect("listed");
@@ -46,7 +51,24 @@ impl KvCacheManager {
                         }
                     }
                 }
-                SeqStatus::Running => {
+                SeqStatus::Running | SeqStatus::Loading => {
+                    if s.status == SeqStatus::Loading {
+                        // Staged blocks: private, held, never registered.
+                        for (g, t) in s.tables.iter().enumerate() {
+                            let bs = self.cfg.groups[g].block_size as usize;
+                            for &b in t.blocks.iter().skip(s.loading_from / bs) {
+                                if b != NULL_BLOCK
+                                    && (self.pool.ref_count(b) != 1
+                                        || self.pool.block_hash(b).is_some())
+                                {
+                                    return Err(format!(
+                                        "seq {id} group {g}: staged block {b} is shared or registered (ref {})",
+                                        self.pool.ref_count(b)
+                                    ));
+                                }
+                            }
+                        }
+                    }
                     if !s.drafts.is_empty() && s.num_computed != s.tokens.len() {
                         return Err(format!(
                             "seq {id}: drafts pending but {} of {} tokens computed",
@@ -64,7 +86,7 @@ impl KvCacheManager {
                         let spec = self.cfg.groups[g];
                         let bs = spec.block_size as usize;
                         let t = s.tables[g].clone();
-                        let slots = s.num_computed + s.drafts.len();
+                        let slots = s.covered();
                         if t.blocks.len() != slots.div_ceil(bs) + t.spare {
                             return Err(format!(
                                 "seq {id} group {g}: {} blocks for {} computed tokens, {} drafts and {} spare blocks",
@@ -75,7 +97,7 @@ impl KvCacheManager {
                             ));
                         }
                         // Lookahead blocks (only draft slots, or spare): private, never hashed.
-                        for &b in &t.blocks[s.num_computed.div_ceil(bs)..] {
+                        for &b in &t.blocks[slots.div_ceil(bs)..] {
                             if b == NULL_BLOCK
                                 || self.pool.ref_count(b) != 1
                                 || self.pool.block_hash(b).is_some()
@@ -119,6 +141,9 @@ impl KvCacheManager {
                             let h = self.pool.block_hash(b);
                             if (j + 1) * bs > s.num_computed {
                                 continue; // not full yet
+                            }
+                            if (j + 1) * bs > s.tainted_from {
+                                continue; // never registered (descends from invalid KV)
                             }
                             let want = self.key_at(s, g, j);
                             match h {
