@@ -496,7 +496,7 @@ impl PyKvCacheManager {
         let a = py
             .detach(|| m.allocate_external(seq, e, q, staged, r))
             .py(py)?;
-        Ok(PySlotAllocation::from_core(py, a))
+        Ok(PySlotAllocation::from_core(a))
     }
 
     /// ``(take, release)``: exactly what ``allocate_external(seq_id, num_external_tokens,
