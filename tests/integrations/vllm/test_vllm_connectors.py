@@ -22,9 +22,6 @@ the scheduler never had or for a running request that never loaded (stock vLLM a
 plug-in must drop it and carry on exactly as without it), an abort while the load is in flight,
 a failed load (invalid blocks) reported after its request was preempted.
 
-Until the plug-in accepts ``kv_transfer_config`` (issue 34) the lockstep tests are expected to
-fail on that refusal alone (``xfail(strict=True, raises=UnsupportedVllmConfigError)``): any
-other failure, or a pass, is reported.
 
 Runs only where vLLM is installed (``make test-vllm`` builds that environment).
 """
@@ -49,7 +46,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from pagedkv.integrations.vllm import PagedKVScheduler, UnsupportedVllmConfigError  # noqa: E402
+from pagedkv.integrations.vllm import PagedKVScheduler  # noqa: E402
 from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     Driver,
     build_scheduler,
@@ -69,11 +66,6 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
 BS = 16
 HOST_BYTES = 1 << 26
 
-REFUSED = pytest.mark.xfail(
-    strict=True,
-    raises=UnsupportedVllmConfigError,
-    reason="issue 34: PagedKVScheduler refuses kv_transfer_config (KV connectors)",
-)
 needs_offloading = pytest.mark.skipif(
     OffloadingWorkerMetadata is None, reason="this vLLM has no OffloadingWorkerMetadata (its offloading API differs)"
 )
@@ -571,7 +563,6 @@ def test_lockstep_of_stock_with_itself_is_exact(name: str) -> None:
     assert drivers[0].external == drivers[1].external
 
 
-@REFUSED
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_plugin_matches_stock_step_by_step(name: str) -> None:
     """Stock and the plug-in in lockstep with the same connector and fake worker: every
@@ -631,7 +622,6 @@ def test_stock_abort_while_loading_frees_after_the_load() -> None:
     check_nothing_held(d)
 
 
-@REFUSED
 def test_plugin_abort_while_loading_matches_stock() -> None:
     drivers = [
         _driver(cls, "nixl-consumer", _abort_worker(), policy="recompute", num_blocks=32)
@@ -658,7 +648,6 @@ def test_stock_asserts_on_a_finished_recving_it_cannot_match(rid: str, at: int) 
     assert w.step == at + 1, "raised on the bogus report"
 
 
-@REFUSED
 @pytest.mark.parametrize(("rid", "at"), BOGUS_RECVS)
 def test_plugin_drops_a_finished_recving_it_cannot_match(rid: str, at: int) -> None:
     # The plug-in ignores the report and runs exactly as stock does without it.
@@ -711,7 +700,6 @@ def test_stock_failed_load_reported_after_preemption() -> None:
     check_nothing_held(d)
 
 
-@REFUSED
 def test_plugin_failed_load_reported_after_preemption_matches_stock() -> None:
     dry = _driver(Scheduler, "nixl-consumer", FakeWorker(seed=7, max_delay=0), policy="fail", num_blocks=16)
     (records,) = run_stream([dry], _preempt_stream())

@@ -61,6 +61,21 @@ class GroupManagerView:
         """Whether prefix caching is on."""
         return bool(self._manager.enable_caching)
 
+    @property
+    def req_to_blocks(self) -> dict[str, list[Any]]:
+        """Request id -> live ``KVCacheBlock`` views of this group's blocks it holds (vLLM's
+        ``SingleTypeKVCacheManager.req_to_blocks``), for the requests that hold blocks now
+        (a preempted one holds none; blocks of a deferred release are not a request's).
+        Built when read."""
+        views: dict[str, list[Any]] = self._manager.held_block_views(self._group)
+        return views
+
+    @property
+    def num_cached_block(self) -> dict[str, int]:
+        """Request id -> how many of this group's blocks it holds carry a prefix hash, for the
+        requests in ``req_to_blocks``."""
+        return {rid: sum(1 for b in blocks if b.block_hash is not None) for rid, blocks in self.req_to_blocks.items()}
+
     def __repr__(self) -> str:
         spec = type(self.kv_cache_spec).__name__
         return f"GroupManagerView(kv_cache_group_id={self._group}, block_size={self.block_size}, kv_cache_spec={spec})"
