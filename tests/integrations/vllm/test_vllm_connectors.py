@@ -78,24 +78,28 @@ def _nixl(role: str) -> dict[str, Any]:
     return {"kv_connector": "NixlConnector", "kv_role": role}
 
 
-def _offloading() -> dict[str, Any]:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": HOST_BYTES},
-    }
+def _offloading(spec: str = "cpu") -> dict[str, Any]:
+    """``spec``: ``"cpu"`` (vLLM's CPU spec) or ``"pagedkv"`` (``PagedKVCPUOffloadingSpec``,
+    pagedkv's host tier behind vLLM's connector)."""
+    extra: dict[str, Any] = {"cpu_bytes_to_use": HOST_BYTES}
+    if spec == "pagedkv":
+        extra.update(spec_name="PagedKVCPUOffloadingSpec", spec_module_path="pagedkv.integrations.vllm.offloading")
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
 def kv_transfer_config(kind: str, policy: str = "recompute") -> KVTransferConfig:
     """The ``KVTransferConfig`` of connector ``kind``: ``nixl-consumer``, ``nixl-producer``,
-    ``offloading`` (vLLM's CPU spec) or ``multi`` (MultiConnector of a NIXL consumer and the
-    offloading connector); ``policy`` is ``kv_load_failure_policy``."""
+    ``offloading`` (vLLM's CPU spec), ``offloading-pagedkv`` (pagedkv's host tier) or ``multi``
+    (MultiConnector of a NIXL consumer and the offloading connector); ``policy`` is
+    ``kv_load_failure_policy``."""
     if kind == "nixl-consumer":
         one = _nixl("kv_consumer")
     elif kind == "nixl-producer":
         one = _nixl("kv_producer")
     elif kind == "offloading":
         one = _offloading()
+    elif kind == "offloading-pagedkv":
+        one = _offloading("pagedkv")
     elif kind == "multi":
         one = {
             "kv_connector": "MultiConnector",
@@ -475,6 +479,10 @@ SCENARIOS = {
     "offloading": Scenario(
         "offloading", lambda: conversation_stream(4), dict(num_blocks=14, max_num_batched_tokens=256)
     ),
+    # pagedkv's host tier through vLLM's OffloadingConnector, on both sides.
+    "offloading-pagedkv": Scenario(
+        "offloading-pagedkv", lambda: conversation_stream(4), dict(num_blocks=14, max_num_batched_tokens=256)
+    ),
     "multi": Scenario(
         "multi",
         lambda: _merge(conversation_stream(5), consumer_stream(6, n=6)),
@@ -507,7 +515,7 @@ def test_stock_runs_through(name: str) -> None:
     fake model's tokens (a failed load recomputed, or the request ended with an error under
     the "fail" policy), no request is stuck, nothing is held."""
     sc = SCENARIOS[name]
-    if sc.kind in ("offloading", "multi") and OffloadingWorkerMetadata is None:
+    if sc.kind in ("offloading", "offloading-pagedkv", "multi") and OffloadingWorkerMetadata is None:
         pytest.skip("this vLLM has no OffloadingWorkerMetadata (its offloading API differs)")
     d, records, stream = _run_stock(name)
     prompts, max_tokens = _prompt_lengths(stream), _max_tokens(stream)
@@ -525,7 +533,7 @@ def test_stock_runs_through(name: str) -> None:
         assert not errored
     for rid in set(prompts) - errored:  # a failed load recomputed: the request still runs out
         assert d.finish_reasons[rid] == "length" and len(d.outputs[rid]) == max_tokens[rid]
-    if sc.kind in ("offloading", "multi"):
+    if sc.kind in ("offloading", "offloading-pagedkv", "multi"):
         assert sum(n for r in records for n in r["stores"].values()) > 0
         host_hits = {rid: n for rid, n in d.external.items() if rid.startswith("conv")}
         assert host_hits, "the small device pool must send turns to the host tier"
@@ -546,7 +554,7 @@ def test_lockstep_of_stock_with_itself_is_exact(name: str) -> None:
     """Two stock schedulers with their own fake workers in lockstep: every record equal (the
     records and the worker are deterministic, so a difference against the plug-in is real)."""
     sc = SCENARIOS[name]
-    if sc.kind in ("offloading", "multi") and OffloadingWorkerMetadata is None:
+    if sc.kind in ("offloading", "offloading-pagedkv", "multi") and OffloadingWorkerMetadata is None:
         pytest.skip("this vLLM has no OffloadingWorkerMetadata (its offloading API differs)")
     drivers = [
         _driver(
@@ -568,7 +576,7 @@ def test_plugin_matches_stock_step_by_step(name: str) -> None:
     """Stock and the plug-in in lockstep with the same connector and fake worker: every
     step's record equal, nothing stuck, nothing held."""
     sc = SCENARIOS[name]
-    if sc.kind in ("offloading", "multi") and OffloadingWorkerMetadata is None:
+    if sc.kind in ("offloading", "offloading-pagedkv", "multi") and OffloadingWorkerMetadata is None:
         pytest.skip("this vLLM has no OffloadingWorkerMetadata (its offloading API differs)")
     drivers = [
         _driver(

@@ -593,6 +593,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         if num_new_tokens == 1 and not (
             (self._drafts_pending and request.request_id in self._drafts_pending)
             or (self._unwritten and request.request_id in self._unwritten)
+            # Async scheduling: a placeholder slot whose step was settled with no step in
+            # flight since (the engine drained); the per-request path settles it.
+            or (self._unknown and not request.num_output_placeholders and request.request_id in self._unknown)
             or num_lookahead_tokens
             or num_new_computed_tokens
             or full_sequence_must_fit
@@ -1192,7 +1195,10 @@ class PagedKVCacheManager(SharedManagerCalls):
         return blocks
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
-        """Each group's first ``ceil(num_computed_tokens / block_size)`` ids."""
+        """Each group's first ``ceil(num_computed_tokens / block_size)`` ids (none for a
+        request that holds no sequence: one aborted before its first allocation, as vLLM)."""
+        if request_id not in self._seq_of:
+            return tuple([] for _ in self.group_block_sizes)
         return tuple(
             ids[: -(-num_computed_tokens // bs)]
             for ids, bs in zip(self.get_block_ids(request_id), self.group_block_sizes, strict=True)
