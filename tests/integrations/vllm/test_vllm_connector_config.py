@@ -255,3 +255,25 @@ def test_a_deferred_free_keeps_blocks_until_released() -> None:
     assert manager.usage == 0.0
     with pytest.raises(InvalidArgumentError):
         manager.block_pool.free_blocks(deferred)
+
+
+def test_in_flight_load_reservations_apply_the_windowed_admission_cap() -> None:
+    # vLLM reserves the blocks in-flight loads still need with apply_admission_cap=True: a
+    # windowed group counts at most its recycling-aware cap (its spec's
+    # max_admission_blocks_per_request), full attention every block.
+    from pagedkv.integrations.vllm import PagedKVCacheManager
+    from pagedkv.testing.vllm_scheduler import GEMMA3_GROUPS, make_hybrid_kv_cache_config
+
+    config = make_hybrid_kv_cache_config(256, GEMMA3_GROUPS, 16)
+    manager = PagedKVCacheManager(config, max_model_len=4096, max_in_flight_tokens=256)
+    view = manager.coordinator
+    n = 2000
+    caps = [
+        g.kv_cache_spec.max_admission_blocks_per_request(256, 4096) if g.kv_cache_spec.sliding_window else None
+        for g in config.kv_cache_groups
+    ]
+    assert any(c is not None and c < -(-n // 16) for c in caps), "the window must cap"
+    uncapped = view.get_num_blocks_to_allocate("loading", n)
+    capped = view.get_num_blocks_to_allocate("loading", n, apply_admission_cap=True)
+    assert uncapped == len(caps) * -(-n // 16)
+    assert capped == sum(-(-n // 16) if c is None else min(c, -(-n // 16)) for c in caps) < uncapped

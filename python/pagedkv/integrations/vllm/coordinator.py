@@ -150,8 +150,9 @@ class CoordinatorView:
         vLLM's scheduler asks this with no prefix-hit blocks (``new_computed_blocks`` empty);
         hit blocks are taken by ``allocate_slots`` itself, so a non-empty one raises
         ``InvalidArgumentError``, as does ``num_tokens < 0`` or ``num_encoder_tokens > 0``
-        (cross-attention is refused). The remaining arguments change nothing for full
-        attention.
+        (cross-attention is refused). ``apply_admission_cap`` caps a windowed group's blocks at
+        vLLM's recycling-aware admission cap (as vLLM reserves for in-flight loads). The
+        remaining arguments change nothing.
         """
         if num_tokens < 0:
             raise InvalidArgumentError(
@@ -180,7 +181,15 @@ class CoordinatorView:
             tables = manager.get_block_ids(request_id)
         except UnknownSequenceError:
             tables = tuple([] for _ in sizes)
-        return sum(max(0, -(-num_tokens // bs) - len(t)) for bs, t in zip(sizes, tables, strict=True))
+        caps = manager._admission_caps if apply_admission_cap else [None] * len(sizes)
+        total = 0
+        for bs, t, cap in zip(sizes, tables, caps, strict=True):
+            required = -(-num_tokens // bs)
+            if cap is not None:
+                # vLLM's recycling-aware cap of a windowed group (in-flight load reservations).
+                required = min(required, cap)
+            total += max(0, required - len(t))
+        return total
 
     def __repr__(self) -> str:
         return f"CoordinatorView(single_type_managers={self._groups!r})"
