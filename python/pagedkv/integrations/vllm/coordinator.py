@@ -71,6 +71,12 @@ class GroupManagerView:
         return views
 
     @property
+    def _null_block(self) -> Any:
+        """The null block 0's view (the entry of a released windowed block in
+        ``req_to_blocks``, the same object every time)."""
+        return self._manager.null_block_view
+
+    @property
     def num_cached_block(self) -> dict[str, int]:
         """Request id -> how many of this group's blocks it holds carry a prefix hash, for the
         requests in ``req_to_blocks``."""

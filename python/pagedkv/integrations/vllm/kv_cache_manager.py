@@ -371,6 +371,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         #: vLLM's ``block_pool`` for KV connectors and vLLM's tests: a read-only live view of
         #: pagedkv's pool (:class:`~pagedkv.integrations.vllm.pool_view.BlockPoolView`).
         self.block_pool = BlockPoolView(self)
+        #: The null block 0's one view (vLLM compares table entries with its null block by
+        #: identity).
+        self.null_block_view = block_view(self._kvm.pool, 0)
 
     # ---- properties vLLM reads -------------------------------------------------------------
 
@@ -434,7 +437,8 @@ class PagedKVCacheManager(SharedManagerCalls):
         for rid, seq in self._seq_of.items():
             ids = self._kvm.block_table(seq, group).tolist()
             if ids:
-                out[rid] = [block_view(pool, b) for b in ids]
+                null = self.null_block_view
+                out[rid] = [null if b == 0 else block_view(pool, b) for b in ids]
         return out
 
     # ---- request registration --------------------------------------------------------------

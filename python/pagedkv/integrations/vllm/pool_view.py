@@ -221,8 +221,8 @@ class BlockPoolView:
 
     @property
     def null_block(self) -> Any:
-        """The null block 0's view."""
-        return self.blocks[0]
+        """The null block 0's view (one object)."""
+        return self._owner.null_block_view
 
     def get_num_free_blocks(self) -> int:
         """Free blocks (evictable cached ones included)."""
