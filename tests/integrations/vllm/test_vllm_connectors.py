@@ -728,3 +728,22 @@ def test_plugin_failed_load_reported_after_preemption_matches_stock() -> None:
     run_stream([stock, paged], _preempt_stream())
     for d in (stock, paged):
         check_nothing_held(d)
+
+
+@needs_offloading
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_plugin_with_pagedkv_host_tier_matches_stock_with_vllms_cpu_spec(seed: int) -> None:
+    """pagedkv's scheduler with pagedkv's own host tier (``PagedKVCPUOffloadingSpec`` behind the
+    ``OffloadingConnector``) against stock vLLM with vLLM's CPU spec, on multi-turn chats that
+    overflow a small device pool: every step's record equal (host hits, loads, stores, usage),
+    the fake model's outputs, nothing held."""
+    config = dict(num_blocks=14, max_num_batched_tokens=256)
+    stock = _driver(Scheduler, "offloading", FakeWorker(seed=7), policy="recompute", **config)
+    paged = _driver(PagedKVScheduler, "offloading-pagedkv", FakeWorker(seed=7), policy="recompute", **config)
+    stream = conversation_stream(seed)
+    records, _ = run_stream([stock, paged], stream)
+    assert sum(n for r in records for n in r["loads"].values()) > 0, "turns must come back from the host tier"
+    assert paged.external == stock.external and paged.external
+    assert paged.outputs == stock.outputs == _expected_outputs(stock, _prompt_lengths(stream))
+    for d in (stock, paged):
+        check_nothing_held(d)
