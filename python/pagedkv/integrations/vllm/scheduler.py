@@ -26,8 +26,16 @@ vLLM's own code; the KV cache calls go to :class:`PagedKVCacheManager`. Two chan
 - no double hashing: pagedkv hashes blocks in Rust as it caches them, so by default the
   request's Python block hasher is dropped when a request is added (vLLM's engine core has
   already hashed the prompt; output blocks are no longer hashed in Python in
-  ``update_from_output``). Set ``keep_vllm_block_hashes = True`` on a subclass to keep
-  ``request.block_hashes`` growing (nothing in the supported configurations reads them).
+  ``update_from_output``). With a KV connector configured they are kept (connectors key their
+  transfers and stores by ``request.block_hashes``); set ``keep_vllm_block_hashes = True`` on a
+  subclass to keep them otherwise.
+- KV connectors (``kv_transfer_config``, see :mod:`pagedkv.integrations.vllm.connectors` for
+  which): the connector vLLM bound to its own manager is bound again to pagedkv's; a failed
+  load's invalid blocks roll pagedkv's computed count back with vLLM's
+  (``_update_requests_with_invalid_blocks``), as does the rewind of a fully loaded prompt
+  (``_update_waiting_for_remote_kv``); transfer reports that match no request waiting for its
+  KV or finished are dropped with a warning (``_update_from_kv_xfer_finished``; stock vLLM
+  asserts).
 
 A vLLM release outside 0.32 / 0.33 raises ``UnsupportedVllmVersionError`` and unsupported
 configurations raise ``UnsupportedVllmConfigError`` from ``__init__``, before vLLM's scheduler
