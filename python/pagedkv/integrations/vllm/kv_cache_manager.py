@@ -589,8 +589,13 @@ class PagedKVCacheManager(SharedManagerCalls):
         shared empty result and only records where vLLM's slots end (a lagging decode);
         otherwise it is deferred to the next ``flush_decodes``.
 
-        Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` or a feature the config
-        check refuses (lookahead slots, external / encoder tokens, delayed caching), and
+        KV connectors: ``num_external_computed_tokens`` / ``delay_cache_blocks`` take the
+        external path (:meth:`_allocate_external`: a sync load computed at once, an async one
+        staged until :meth:`cache_blocks`).
+
+        Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` (0 only with
+        ``delay_cache_blocks``) or a feature the config check refuses (lookahead slots, encoder
+        tokens), and
         ``VllmStateMismatchError`` (a ``RuntimeError``) if pagedkv's computed-token count
         disagrees with the request's.
         """
