@@ -22,9 +22,6 @@ the scheduler never had or for a running request that never loaded (stock vLLM a
 plug-in must drop it and carry on exactly as without it), an abort while the load is in flight,
 a failed load (invalid blocks) reported after its request was preempted.
 
-Until the plug-in accepts ``kv_transfer_config`` (issue 34) the lockstep tests are expected to
-fail on that refusal alone (``xfail(strict=True, raises=UnsupportedVllmConfigError)``): any
-other failure, or a pass, is reported.
 
 Runs only where vLLM is installed (``make test-vllm`` builds that environment).
 """
@@ -49,7 +46,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from pagedkv.integrations.vllm import PagedKVScheduler, UnsupportedVllmConfigError  # noqa: E402
+from pagedkv.integrations.vllm import PagedKVScheduler  # noqa: E402
 from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     Driver,
     build_scheduler,
@@ -69,11 +66,6 @@ except ImportError:  # pragma: no cover - depends on the installed vLLM
 BS = 16
 HOST_BYTES = 1 << 26
 
-REFUSED = pytest.mark.xfail(
-    strict=True,
-    raises=UnsupportedVllmConfigError,
-    reason="issue 34: PagedKVScheduler refuses kv_transfer_config (KV connectors)",
-)
 needs_offloading = pytest.mark.skipif(
     OffloadingWorkerMetadata is None, reason="this vLLM has no OffloadingWorkerMetadata (its offloading API differs)"
 )
@@ -86,24 +78,28 @@ def _nixl(role: str) -> dict[str, Any]:
     return {"kv_connector": "NixlConnector", "kv_role": role}
 
 
-def _offloading() -> dict[str, Any]:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"cpu_bytes_to_use": HOST_BYTES},
-    }
+def _offloading(spec: str = "cpu") -> dict[str, Any]:
+    """``spec``: ``"cpu"`` (vLLM's CPU spec) or ``"pagedkv"`` (``PagedKVCPUOffloadingSpec``,
+    pagedkv's host tier behind vLLM's connector)."""
+    extra: dict[str, Any] = {"cpu_bytes_to_use": HOST_BYTES}
+    if spec == "pagedkv":
+        extra.update(spec_name="PagedKVCPUOffloadingSpec", spec_module_path="pagedkv.integrations.vllm.offloading")
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
 
 
 def kv_transfer_config(kind: str, policy: str = "recompute") -> KVTransferConfig:
     """The ``KVTransferConfig`` of connector ``kind``: ``nixl-consumer``, ``nixl-producer``,
-    ``offloading`` (vLLM's CPU spec) or ``multi`` (MultiConnector of a NIXL consumer and the
-    offloading connector); ``policy`` is ``kv_load_failure_policy``."""
+    ``offloading`` (vLLM's CPU spec), ``offloading-pagedkv`` (pagedkv's host tier) or ``multi``
+    (MultiConnector of a NIXL consumer and the offloading connector); ``policy`` is
+    ``kv_load_failure_policy``."""
     if kind == "nixl-consumer":
         one = _nixl("kv_consumer")
     elif kind == "nixl-producer":
         one = _nixl("kv_producer")
     elif kind == "offloading":
         one = _offloading()
+    elif kind == "offloading-pagedkv":
+        one = _offloading("pagedkv")
     elif kind == "multi":
         one = {
             "kv_connector": "MultiConnector",
@@ -483,6 +479,10 @@ SCENARIOS = {
     "offloading": Scenario(
         "offloading", lambda: conversation_stream(4), dict(num_blocks=14, max_num_batched_tokens=256)
     ),
+    # pagedkv's host tier through vLLM's OffloadingConnector, on both sides.
+    "offloading-pagedkv": Scenario(
+        "offloading-pagedkv", lambda: conversation_stream(4), dict(num_blocks=14, max_num_batched_tokens=256)
+    ),
     "multi": Scenario(
         "multi",
         lambda: _merge(conversation_stream(5), consumer_stream(6, n=6)),
@@ -515,7 +515,7 @@ def test_stock_runs_through(name: str) -> None:
     fake model's tokens (a failed load recomputed, or the request ended with an error under
     the "fail" policy), no request is stuck, nothing is held."""
     sc = SCENARIOS[name]
-    if sc.kind in ("offloading", "multi") and OffloadingWorkerMetadata is None:
+    if sc.kind in ("offloading", "offloading-pagedkv", "multi") and OffloadingWorkerMetadata is None:
         pytest.skip("this vLLM has no OffloadingWorkerMetadata (its offloading API differs)")
     d, records, stream = _run_stock(name)
     prompts, max_tokens = _prompt_lengths(stream), _max_tokens(stream)
@@ -533,7 +533,7 @@ def test_stock_runs_through(name: str) -> None:
         assert not errored
     for rid in set(prompts) - errored:  # a failed load recomputed: the request still runs out
         assert d.finish_reasons[rid] == "length" and len(d.outputs[rid]) == max_tokens[rid]
-    if sc.kind in ("offloading", "multi"):
+    if sc.kind in ("offloading", "offloading-pagedkv", "multi"):
         assert sum(n for r in records for n in r["stores"].values()) > 0
         host_hits = {rid: n for rid, n in d.external.items() if rid.startswith("conv")}
         assert host_hits, "the small device pool must send turns to the host tier"
@@ -554,7 +554,7 @@ def test_lockstep_of_stock_with_itself_is_exact(name: str) -> None:
     """Two stock schedulers with their own fake workers in lockstep: every record equal (the
     records and the worker are deterministic, so a difference against the plug-in is real)."""
     sc = SCENARIOS[name]
-    if sc.kind in ("offloading", "multi") and OffloadingWorkerMetadata is None:
+    if sc.kind in ("offloading", "offloading-pagedkv", "multi") and OffloadingWorkerMetadata is None:
         pytest.skip("this vLLM has no OffloadingWorkerMetadata (its offloading API differs)")
     drivers = [
         _driver(
@@ -571,13 +571,12 @@ def test_lockstep_of_stock_with_itself_is_exact(name: str) -> None:
     assert drivers[0].external == drivers[1].external
 
 
-@REFUSED
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_plugin_matches_stock_step_by_step(name: str) -> None:
     """Stock and the plug-in in lockstep with the same connector and fake worker: every
     step's record equal, nothing stuck, nothing held."""
     sc = SCENARIOS[name]
-    if sc.kind in ("offloading", "multi") and OffloadingWorkerMetadata is None:
+    if sc.kind in ("offloading", "offloading-pagedkv", "multi") and OffloadingWorkerMetadata is None:
         pytest.skip("this vLLM has no OffloadingWorkerMetadata (its offloading API differs)")
     drivers = [
         _driver(
@@ -631,7 +630,6 @@ def test_stock_abort_while_loading_frees_after_the_load() -> None:
     check_nothing_held(d)
 
 
-@REFUSED
 def test_plugin_abort_while_loading_matches_stock() -> None:
     drivers = [
         _driver(cls, "nixl-consumer", _abort_worker(), policy="recompute", num_blocks=32)
@@ -658,7 +656,6 @@ def test_stock_asserts_on_a_finished_recving_it_cannot_match(rid: str, at: int) 
     assert w.step == at + 1, "raised on the bogus report"
 
 
-@REFUSED
 @pytest.mark.parametrize(("rid", "at"), BOGUS_RECVS)
 def test_plugin_drops_a_finished_recving_it_cannot_match(rid: str, at: int) -> None:
     # The plug-in ignores the report and runs exactly as stock does without it.
@@ -711,7 +708,6 @@ def test_stock_failed_load_reported_after_preemption() -> None:
     check_nothing_held(d)
 
 
-@REFUSED
 def test_plugin_failed_load_reported_after_preemption_matches_stock() -> None:
     dry = _driver(Scheduler, "nixl-consumer", FakeWorker(seed=7, max_delay=0), policy="fail", num_blocks=16)
     (records,) = run_stream([dry], _preempt_stream())
@@ -730,5 +726,24 @@ def test_plugin_failed_load_reported_after_preemption_matches_stock() -> None:
         num_blocks=16,
     )
     run_stream([stock, paged], _preempt_stream())
+    for d in (stock, paged):
+        check_nothing_held(d)
+
+
+@needs_offloading
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_plugin_with_pagedkv_host_tier_matches_stock_with_vllms_cpu_spec(seed: int) -> None:
+    """pagedkv's scheduler with pagedkv's own host tier (``PagedKVCPUOffloadingSpec`` behind the
+    ``OffloadingConnector``) against stock vLLM with vLLM's CPU spec, on multi-turn chats that
+    overflow a small device pool: every step's record equal (host hits, loads, stores, usage),
+    the fake model's outputs, nothing held."""
+    config = dict(num_blocks=14, max_num_batched_tokens=256)
+    stock = _driver(Scheduler, "offloading", FakeWorker(seed=7), policy="recompute", **config)
+    paged = _driver(PagedKVScheduler, "offloading-pagedkv", FakeWorker(seed=7), policy="recompute", **config)
+    stream = conversation_stream(seed)
+    records, _ = run_stream([stock, paged], stream)
+    assert sum(n for r in records for n in r["loads"].values()) > 0, "turns must come back from the host tier"
+    assert paged.external == stock.external and paged.external
+    assert paged.outputs == stock.outputs == _expected_outputs(stock, _prompt_lengths(stream))
     for d in (stock, paged):
         check_nothing_held(d)

@@ -116,7 +116,13 @@ class _Stand:
     ("field", "value", "named"),
     [
         ("num_lookahead_tokens", 3, "num_lookahead_tokens"),
-        ("kv_transfer_config", _Stand(kv_connector="x"), "kv_transfer_config"),
+        (
+            "kv_transfer_config",
+            _Stand(
+                kv_connector="SimpleCPUOffloadConnector", kv_connector_module_path=None, kv_connector_extra_config={}
+            ),
+            "kv_transfer_config.kv_connector",
+        ),
         ("model_config", _Stand(is_encoder_decoder=True), "is_encoder_decoder"),
         ("model_config", _Stand(enable_prompt_embeds=True), "enable_prompt_embeds"),
         ("parallel_config", _Stand(decode_context_parallel_size=2), "decode_context_parallel_size"),

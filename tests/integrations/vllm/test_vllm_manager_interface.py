@@ -26,13 +26,9 @@ from pagedkv.testing.vllm_scheduler import (  # noqa: E402
 
 BS = 16
 GROUPS = (("full", None), ("sliding_window", 48))
-CONNECTOR_CALLS = (
-    "get_computed_blocks_for_connector",
-    "truncate_computed_blocks",
-    "pop_blocks_for_free",
-    "evict_blocks",
-    "record_blocks_for_zeroing",
-)
+# The connector calls pagedkv answers are tested in test_vllm_connector_config.py; this one
+# only serves Mamba groups (refused).
+CONNECTOR_CALLS = ("record_blocks_for_zeroing",)
 
 
 def _manager(kind: str) -> Any:
@@ -50,9 +46,9 @@ def test_connector_calls_are_refused_naming_the_manager(kind: str) -> None:
     for call in CONNECTOR_CALLS:
         with pytest.raises(UnsupportedVllmCallError) as err:
             getattr(m, call)(object(), 3)
-        assert str(err.value) == f"{type(m).__name__}.{call} is used by KV connectors, which PagedKVScheduler refuses"
+        assert str(err.value) == f"{type(m).__name__}.{call} zeroes Mamba state blocks, which PagedKVScheduler refuses"
         assert err.value.operation == call
-        assert err.value.feature == "KV connectors"
+        assert err.value.feature == "Mamba layers"
         assert isinstance(err.value, NotImplementedError)
 
 
@@ -61,11 +57,16 @@ def test_refused_allocation_options_name_the_manager_and_change_nothing(kind: st
     m = _manager(kind)
     req = make_request("r", list(range(1, 41)), 4, block_size=BS)
     free_before = m.usage
-    for option, value in (("num_lookahead_tokens", 2), ("num_encoder_tokens", 5), ("delay_cache_blocks", True)):
+    for option, value in (("num_lookahead_tokens", 2), ("num_encoder_tokens", 5)):
         with pytest.raises(InvalidArgumentError) as err:
             m.allocate_slots(req, 40, **{option: value})
         assert str(err.value) == f"{option}={int(value)} is not supported by {type(m).__name__}"
         assert err.value.arg == option
+    # An async KV load schedules no token: 40 with delay_cache_blocks is refused.
+    with pytest.raises(InvalidArgumentError) as err:
+        m.allocate_slots(req, 40, num_external_computed_tokens=16, delay_cache_blocks=True)
+    assert str(err.value) == "request 'r': num_new_tokens=40 with delay_cache_blocks=True"
+    assert err.value.arg == "num_new_tokens"
     with pytest.raises(InvalidArgumentError, match=r"num_new_tokens must be >= 1 \(got 0\) for request 'r'"):
         m.allocate_slots(req, 0)
     # Refused before the request was registered: pagedkv still knows nothing of it.

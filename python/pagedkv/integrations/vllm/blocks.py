@@ -46,6 +46,9 @@ def _make_blocks_class() -> type:
 
         #: The one group's id list when there is exactly one group (the fast path), else None.
         _one: list[int] | None = None
+        #: pagedkv's ``BlockPool`` for a request's held blocks (``get_blocks``): ``blocks`` are
+        #: then live views and the unhashed ids are read from it; None for new blocks.
+        pool: Any = None
 
         def __init__(self, groups: tuple[list[int], ...]) -> None:
             self.groups = groups
@@ -55,6 +58,10 @@ def _make_blocks_class() -> type:
         @property  # type: ignore[override, unused-ignore]
         def blocks(self) -> tuple[list[Any], ...]:
             """Per group, vLLM ``KVCacheBlock`` views (block id only), built per access."""
+            if self.pool is not None:
+                from pagedkv.integrations.vllm.pool_view import block_view
+
+                return tuple([block_view(self.pool, b) for b in ids] for ids in self.groups)
             from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
             return tuple([KVCacheBlock(block_id=b) for b in ids] for ids in self.groups)
@@ -94,13 +101,18 @@ def _make_blocks_class() -> type:
             return tuple(list(ids) for ids in groups)
 
         def get_unhashed_block_ids(self) -> list[int]:
-            """Every non-null block id of the one group (vLLM's one-group API; pagedkv tracks
-            hashes itself, so all are listed)."""
-            return [b for b in self.groups[0] if b != 0]
+            """The one group's non-null block ids that carry no prefix hash (vLLM's one-group
+            API): read from pagedkv's pool for a request's held blocks (``get_blocks``), every
+            non-null id for new blocks (pagedkv hashes blocks as they fill)."""
+            return self.get_unhashed_block_ids_all_groups()[0]
 
         def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
-            """Every non-null block id per group (pagedkv tracks hashes itself)."""
-            return [[b for b in ids if b != 0] for ids in self.groups]
+            """Per group, the non-null block ids that carry no prefix hash (see
+            ``get_unhashed_block_ids``)."""
+            pool = self.pool
+            if pool is None:
+                return [[b for b in ids if b != 0] for ids in self.groups]
+            return [[b for b in ids if b != 0 and pool.block_hash(b) is None] for ids in self.groups]
 
         def __add__(self, other: Any) -> Any:
             theirs = other.get_block_ids() if other is not None else ()

@@ -5,7 +5,8 @@ chunked-local KV cache groups, and it schedules only
 tokens whose ids are known (it hashes them as it allocates). Everything in vLLM that breaks one
 of those two assumptions is refused here, with the setting named, instead of being served
 subtly wrong later: Mamba layers, cross
-attention, KV connectors (they adopt and evict blocks behind the manager's back), context
+attention, KV connectors that keep vLLM's own block pool (see
+:mod:`pagedkv.integrations.vllm.connectors`), context
 parallelism (blocks sharded across ranks), lookahead slots for tokens not yet known (EAGLE /
 MTP drafters; n-gram and other proposers whose draft tokens are scheduled are served, see
 ``PagedKVCacheManager.allocate_slots``), diffusion decoding (a canvas rewritten in place),
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pagedkv.integrations.vllm.connectors import check_kv_transfer_config
 from pagedkv.integrations.vllm.errors import UnsupportedVllmConfigError
 
 __all__ = ["UnsupportedVllmConfigError", "check_supported_config"]
@@ -53,8 +55,9 @@ def check_supported_config(
     Accepted: KV cache groups whose specs are plain ``FullAttentionSpec`` /
     ``MLAAttentionSpec`` (no window), ``SlidingWindowSpec`` or ``ChunkedLocalAttentionSpec``,
     every group's block size the scheduler's; :class:`PagedKVCacheManager` serves them all. Mamba groups are refused,
-    naming them. Decoder-only model, no
-    KV connector, no context parallelism, no lookahead slots (n-gram speculative decoding and
+    naming them. Decoder-only model, a KV connector only as
+    :func:`~pagedkv.integrations.vllm.connectors.check_kv_transfer_config` accepts it, no
+    context parallelism, no lookahead slots (n-gram speculative decoding and
     other proposers without them are served), no diffusion decoding (``diffusion_config``), no
     prompt embeddings, ``hash_block_size ==
     block_size``, no KV-cache metrics sampling, no aux-output connector. Prefix caching on or
@@ -134,12 +137,7 @@ def check_supported_config(
             True,
             "prompt embeddings carry no token ids to hash blocks by",
         )
-    if _attr(vllm_config, "kv_transfer_config") is not None:
-        raise _refuse(
-            "kv_transfer_config",
-            type(vllm_config.kv_transfer_config).__name__,
-            "KV connectors adopt, delay and evict blocks through vLLM's own block pool",
-        )
+    check_kv_transfer_config(_attr(vllm_config, "kv_transfer_config"))
     parallel = _attr(vllm_config, "parallel_config")
     for cp in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if (_attr(parallel, cp, 1) or 1) > 1:

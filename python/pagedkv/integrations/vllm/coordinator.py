@@ -61,6 +61,27 @@ class GroupManagerView:
         """Whether prefix caching is on."""
         return bool(self._manager.enable_caching)
 
+    @property
+    def req_to_blocks(self) -> dict[str, list[Any]]:
+        """Request id -> live ``KVCacheBlock`` views of this group's blocks it holds (vLLM's
+        ``SingleTypeKVCacheManager.req_to_blocks``), for the requests that hold blocks now
+        (a preempted one holds none; blocks of a deferred release are not a request's).
+        Built when read."""
+        views: dict[str, list[Any]] = self._manager.held_block_views(self._group)
+        return views
+
+    @property
+    def _null_block(self) -> Any:
+        """The null block 0's view (the entry of a released windowed block in
+        ``req_to_blocks``, the same object every time)."""
+        return self._manager.null_block_view
+
+    @property
+    def num_cached_block(self) -> dict[str, int]:
+        """Request id -> how many of this group's blocks it holds carry a prefix hash, for the
+        requests in ``req_to_blocks``."""
+        return {rid: sum(1 for b in blocks if b.block_hash is not None) for rid, blocks in self.req_to_blocks.items()}
+
     def __repr__(self) -> str:
         spec = type(self.kv_cache_spec).__name__
         return f"GroupManagerView(kv_cache_group_id={self._group}, block_size={self.block_size}, kv_cache_spec={spec})"
@@ -135,8 +156,9 @@ class CoordinatorView:
         vLLM's scheduler asks this with no prefix-hit blocks (``new_computed_blocks`` empty);
         hit blocks are taken by ``allocate_slots`` itself, so a non-empty one raises
         ``InvalidArgumentError``, as does ``num_tokens < 0`` or ``num_encoder_tokens > 0``
-        (cross-attention is refused). The remaining arguments change nothing for full
-        attention.
+        (cross-attention is refused). ``apply_admission_cap`` caps a windowed group's blocks at
+        vLLM's recycling-aware admission cap (as vLLM reserves for in-flight loads). The
+        remaining arguments change nothing.
         """
         if num_tokens < 0:
             raise InvalidArgumentError(
@@ -165,7 +187,15 @@ class CoordinatorView:
             tables = manager.get_block_ids(request_id)
         except UnknownSequenceError:
             tables = tuple([] for _ in sizes)
-        return sum(max(0, -(-num_tokens // bs) - len(t)) for bs, t in zip(sizes, tables, strict=True))
+        caps = manager._admission_caps if apply_admission_cap else [None] * len(sizes)
+        total = 0
+        for bs, t, cap in zip(sizes, tables, caps, strict=True):
+            required = -(-num_tokens // bs)
+            if cap is not None:
+                # vLLM's recycling-aware cap of a windowed group (in-flight load reservations).
+                required = min(required, cap)
+            total += max(0, required - len(t))
+        return total
 
     def __repr__(self) -> str:
         return f"CoordinatorView(single_type_managers={self._groups!r})"

@@ -69,10 +69,11 @@ plus the prefix hit; a mismatch raises :class:`~pagedkv.integrations.vllm.VllmSt
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pagedkv
-from pagedkv.errors import OutOfBlocksError
+from pagedkv.errors import InvalidArgumentError, OutOfBlocksError
 from pagedkv.integrations.vllm.blocks import PagedKVBlocks, PrefixHit
 from pagedkv.integrations.vllm.coordinator import CoordinatorView
 from pagedkv.integrations.vllm.decode_deferral import NO_WINDOW, DecodeDeferral
@@ -84,8 +85,11 @@ from pagedkv.integrations.vllm.manager_interface import (
     caches_finished_drafts,
     pagedkv_hash_algo,
 )
+from pagedkv.integrations.vllm.pool_view import BlockPoolView, DeferredFree, block_view
 
 __all__ = ["PagedKVCacheManager", "group_spec_of", "request_sequence_spec"]
+
+logger = logging.getLogger(__name__)
 
 
 def request_sequence_spec(request: Any, lora_ids: dict[str, int]) -> pagedkv.SequenceSpec | None:
@@ -361,6 +365,15 @@ class PagedKVCacheManager(SharedManagerCalls):
         # whose unknown tokens took lookahead slots (placeholder drafts, never hashed); its
         # next allocation, cache_blocks or free settles them.
         self._unknown: dict[str, int] = {}
+        # KV connectors: requests whose external KV is loading asynchronously (pagedkv
+        # sequence "loading": staged blocks, registered at cache_blocks).
+        self._loading: set[str] = set()
+        #: vLLM's ``block_pool`` for KV connectors and vLLM's tests: a read-only live view of
+        #: pagedkv's pool (:class:`~pagedkv.integrations.vllm.pool_view.BlockPoolView`).
+        self.block_pool = BlockPoolView(self)
+        #: The null block 0's one view (vLLM compares table entries with its null block by
+        #: identity).
+        self.null_block_view = block_view(self._kvm.pool, 0)
 
     # ---- properties vLLM reads -------------------------------------------------------------
 
@@ -404,6 +417,29 @@ class PagedKVCacheManager(SharedManagerCalls):
             return 0.0
         self._sync()
         return 1.0 - self._kvm.num_free_blocks / self._num_usable
+
+    def pool_now(self) -> Any:
+        """pagedkv's ``BlockPool`` with every deferred decode in (read by the pool view)."""
+        self._sync()
+        return self._kvm.pool
+
+    def num_free_blocks_now(self) -> int:
+        """Free blocks, evictable cached ones included, with every deferred decode in."""
+        self._sync()
+        return int(self._kvm.num_free_blocks)
+
+    def held_block_views(self, group: int) -> dict[str, list[Any]]:
+        """Request id -> live block views of group ``group``'s blocks it holds, for every
+        request holding blocks (``GroupManagerView.req_to_blocks``)."""
+        self._sync()
+        pool = self._kvm.pool
+        out: dict[str, list[Any]] = {}
+        for rid, seq in self._seq_of.items():
+            ids = self._kvm.block_table(seq, group).tolist()
+            if ids:
+                null = self.null_block_view
+                out[rid] = [null if b == 0 else block_view(pool, b) for b in ids]
+        return out
 
     # ---- request registration --------------------------------------------------------------
 
@@ -553,14 +589,22 @@ class PagedKVCacheManager(SharedManagerCalls):
         shared empty result and only records where vLLM's slots end (a lagging decode);
         otherwise it is deferred to the next ``flush_decodes``.
 
-        Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` or a feature the config
-        check refuses (lookahead slots, external / encoder tokens, delayed caching), and
+        KV connectors: ``num_external_computed_tokens`` / ``delay_cache_blocks`` take the
+        external path (:meth:`_allocate_external`: a sync load computed at once, an async one
+        staged until :meth:`cache_blocks`).
+
+        Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` (0 only with
+        ``delay_cache_blocks``) or a feature the config check refuses (lookahead slots, encoder
+        tokens), and
         ``VllmStateMismatchError`` (a ``RuntimeError``) if pagedkv's computed-token count
         disagrees with the request's.
         """
         if num_new_tokens == 1 and not (
             (self._drafts_pending and request.request_id in self._drafts_pending)
             or (self._unwritten and request.request_id in self._unwritten)
+            # Async scheduling: a placeholder slot whose step was settled with no step in
+            # flight since (the engine drained); the per-request path settles it.
+            or (self._unknown and not request.num_output_placeholders and request.request_id in self._unknown)
             or num_lookahead_tokens
             or num_new_computed_tokens
             or full_sequence_must_fit
@@ -620,12 +664,19 @@ class PagedKVCacheManager(SharedManagerCalls):
         )
 
     def _full_sequence_demand(
-        self, request: Any, hit: int, num_new_tokens: int, per_group: list[tuple[int, int]]
+        self,
+        request: Any,
+        hit: int,
+        num_new_tokens: int,
+        per_group: list[tuple[int, int]],
+        held: list[int] | None = None,
     ) -> int:
         """Blocks vLLM's admission gate asks free for the whole request (per group its blocks
         for every token, a windowed group at most its admission cap, less the hit's blocks,
         plus the hit blocks that leave the free pool). ``per_group``: pagedkv's
-        ``num_blocks_needed_per_group`` for the ``num_new_tokens`` scheduled."""
+        ``num_blocks_needed_per_group`` for the ``num_new_tokens`` scheduled. ``held``: per
+        group, the blocks a request already holds (one promoted after its KV loaded), which
+        vLLM's gate subtracts instead of a hit."""
         total = min(request.num_tokens, self.max_model_len or request.num_tokens)
         demand = 0
         for g, spec in enumerate(self._specs):
@@ -634,6 +685,9 @@ class PagedKVCacheManager(SharedManagerCalls):
             cap = self._admission_caps[g]
             if cap is not None:
                 required = min(required, cap)
+            if held is not None:
+                demand += max(required - held[g], 0)
+                continue
             hit_blocks = hit // bs
             fresh_now = -(-(hit + num_new_tokens) // bs) - hit_blocks
             evictable_hits = max(0, per_group[g][0] - fresh_now)
@@ -678,6 +732,19 @@ class PagedKVCacheManager(SharedManagerCalls):
         """``allocate_slots`` through one call into Rust (the per-request path)."""
         self._sync()
         rid = request.request_id
+        if num_external_computed_tokens or delay_cache_blocks:
+            return self._allocate_external(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                delay_cache_blocks,
+                num_encoder_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
+                has_scheduled_reqs,
+            )
         self._check_allocation_args(
             rid,
             num_new_tokens,
@@ -729,7 +796,11 @@ class PagedKVCacheManager(SharedManagerCalls):
                 take, release = self._kvm.num_blocks_needed(seq, num_known_new)
             if (
                 per_group is not None
-                and self._full_sequence_demand(request, hit, num_new_tokens, per_group) + watermark > free + release
+                and self._full_sequence_demand(
+                    request, hit, num_new_tokens, per_group, None if first else self._kvm.num_blocks_held(seq)
+                )
+                + watermark
+                > free + release
             ):
                 return None
             if take + watermark > free + release - reserved_blocks:
@@ -759,6 +830,102 @@ class PagedKVCacheManager(SharedManagerCalls):
         elif computed == self._num_known[rid]:
             self.decodes.set_window(rid, computed)
         return self._new_blocks(out)
+
+    def _allocate_external(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        num_lookahead_tokens: int,
+        num_external_computed_tokens: int,
+        delay_cache_blocks: bool,
+        num_encoder_tokens: int,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> Any:
+        """``allocate_slots`` of a new or resumed request with ``E =
+        num_external_computed_tokens`` tokens a KV connector supplies after the prefix hit
+        ``H``: pagedkv's ``allocate_external``. A synchronous load (``delay_cache_blocks``
+        false) takes slots for ``H + E + num_new_tokens`` tokens, the first ``H + E`` computed
+        and their full blocks registered at once (as vLLM caches a sync load's blocks at
+        allocation). An asynchronous one (``delay_cache_blocks``, ``num_new_tokens == 0``)
+        stages the blocks past ``H``: never matched, hashed or announced until
+        :meth:`cache_blocks` commits the load. None when the blocks do not fit (with the
+        watermark, ``reserved_blocks`` of in-flight loads and ``full_sequence_must_fit`` as
+        for any allocation; nothing changed). Raises ``InvalidArgumentError`` for a request
+        that is not at its first allocation, ``num_new_tokens`` other than 0 with a delayed
+        load (or 0 without), and lookahead / encoder tokens."""
+        rid = request.request_id
+        if delay_cache_blocks != (num_new_tokens == 0) or num_new_tokens < 0:
+            raise InvalidArgumentError(
+                f"request {rid!r}: num_new_tokens={num_new_tokens} with delay_cache_blocks={delay_cache_blocks}",
+                arg="num_new_tokens",
+                value=str(num_new_tokens),
+                reason="an async load (delay_cache_blocks) schedules 0 tokens, a sync one at least 1",
+            )
+        self._check_allocation_args(rid, 1, num_lookahead_tokens, 0, num_encoder_tokens, False)
+        if request.num_computed_tokens:
+            raise InvalidArgumentError(
+                f"request {rid!r}: external tokens for a request with {request.num_computed_tokens} computed tokens",
+                arg="num_external_computed_tokens",
+                value=str(num_external_computed_tokens),
+                reason="external tokens come only at a request's first allocation",
+            )
+        seq = self._register(request)
+        hit = num_new_computed_tokens
+        ext = num_external_computed_tokens
+        watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
+        if full_sequence_must_fit or watermark or reserved_blocks:
+            free = self._kvm.num_free_blocks
+            take, release = self._kvm.num_blocks_needed_external(seq, ext, num_new_tokens)
+            if full_sequence_must_fit:
+                per_group = self._kvm.num_blocks_needed_per_group(seq, ext + num_new_tokens)
+                if (
+                    self._full_sequence_demand(request, hit, ext + num_new_tokens, per_group) + watermark
+                    > free + release
+                ):
+                    return None
+            if take + watermark > free + release - reserved_blocks:
+                return None
+        try:
+            out = self._kvm.allocate_external(seq, ext, num_new_tokens, staged=delay_cache_blocks)
+        except OutOfBlocksError:
+            return None
+        if out.num_cached_tokens != hit or out.num_context_tokens != hit + ext:
+            raise VllmStateMismatchError(
+                f"request {rid!r}: pagedkv's prefix hit is {out.num_cached_tokens} tokens "
+                f"(context {out.num_context_tokens}), vLLM's {hit} (+{ext} external)",
+                request_id=rid,
+                quantity="prefix hit",
+                expected=str(hit),
+                got=str(out.num_cached_tokens),
+            )
+        if delay_cache_blocks:
+            self._loading.add(rid)
+            self.decodes.close_window(rid)
+        elif hit + ext + num_new_tokens == self._num_known[rid]:
+            self.decodes.set_window(rid, hit + ext + num_new_tokens)
+        return self._new_blocks(out)
+
+    def sync_computed(self, request: Any, *, poisoned: bool) -> int:
+        """Brings pagedkv's computed count for ``request`` down to vLLM's
+        ``request.num_computed_tokens`` after vLLM lowered it (a failed external load's invalid
+        blocks, ``poisoned``: their blocks and dependents leave the prefix cache; the rewind of
+        a fully loaded prompt to recompute its last token, not poisoned). The blocks stay (vLLM's
+        model runner keeps the block table); the next allocation recomputes into them. A no-op
+        when pagedkv holds no more than vLLM counts or the request is loading or unknown.
+        Returns blocks unregistered."""
+        rid = request.request_id
+        if rid not in self._seq_of or rid in self._loading:
+            return 0
+        self._sync()
+        seq = self._register(request)
+        target = request.num_computed_tokens
+        if self._kvm.num_computed_tokens(seq) <= target:
+            return 0
+        self.decodes.close_window(rid)
+        return int(self._kvm.rollback(seq, target, poisoned=poisoned))
 
     def _allocate_async(
         self, request: Any, seq: int, num_new_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int
@@ -817,7 +984,15 @@ class PagedKVCacheManager(SharedManagerCalls):
         """vLLM's ``update_from_output`` hook: ``request``'s first ``num_computed_tokens`` are
         computed and known. Under async scheduling, a block they fill that pagedkv has not
         cached yet (the request's tokens arrived after its last allocation) is cached now, as
-        vLLM caches it; otherwise a no-op (pagedkv caches blocks as it allocates them)."""
+        vLLM caches it; otherwise a no-op (pagedkv caches blocks as it allocates them).
+
+        For a request whose external KV was loading (an async KV connector load), the load's
+        end: its first ``num_computed_tokens`` tokens (at most the loaded range; vLLM lowers the
+        count past a failed block) are computed and their full blocks registered now
+        (``commit_external``); the blocks past them are recomputed in place."""
+        if self._loading and request.request_id in self._loading:
+            self._commit_load(request, num_computed_tokens)
+            return
         if not self.async_scheduling:
             return
         # Runs once per decoding request per step: the common case (no block completed past
@@ -855,6 +1030,18 @@ class PagedKVCacheManager(SharedManagerCalls):
         else:
             self.decodes.close_window(rid)
 
+    def _commit_load(self, request: Any, num_computed_tokens: int) -> None:
+        """Ends ``request``'s async load with ``num_computed_tokens`` valid tokens."""
+        rid = request.request_id
+        seq = self._seq_of[rid]
+        self._loading.discard(rid)
+        hit = self._kvm.num_computed_tokens(seq) - self._kvm.num_staged_tokens(seq)
+        valid = max(num_computed_tokens, hit)
+        self._kvm.commit_external(seq, valid)
+        if num_computed_tokens < valid:
+            # A block of the local hit was reported invalid too: recomputed from there.
+            self._kvm.rollback(seq, num_computed_tokens, poisoned=True)
+
     def flush_decodes(self) -> int:
         """Allocates the deferred decodes in one call into Rust
         (:meth:`DecodeDeferral.flush`); returns how many decode slots went in. Raises
@@ -871,7 +1058,39 @@ class PagedKVCacheManager(SharedManagerCalls):
         tokens on resume). A request never allocated is a no-op, as in vLLM. Raises
         ``UnknownSequenceError`` for a request freed before that still claims computed tokens
         (a double free), changing nothing.
+
+        A request whose external KV is loading (aborted mid-load, or its load failed with
+        nothing valid) releases its staged blocks unregistered.
         """
+        self._release(request, defer=False)
+
+    def pop_blocks_for_free(self, request: Any) -> Any:
+        """vLLM's deferred free (an in-flight step or connector may still write the blocks):
+        ``request`` is freed or preempted as by :meth:`free`, but its blocks stay referenced
+        (counted in use, hashes kept) until ``block_pool.free_blocks`` receives the returned
+        :class:`~pagedkv.integrations.vllm.pool_view.DeferredFree` (vLLM's scheduler passes
+        it reversed). ``[]`` for a request holding no blocks. Raises as :meth:`free`."""
+        handle = self._release(request, defer=True)
+        if handle is None:
+            return []
+        ids = self._kvm.deferred_blocks(handle).tolist()
+        if not ids:
+            self._kvm.release_deferred(handle)
+            return []
+        pool = self._kvm.pool
+        return DeferredFree(handle, [block_view(pool, b) for b in ids])
+
+    def release_deferred(self, deferred: DeferredFree) -> int:
+        """Releases the blocks of a deferred free (``block_pool.free_blocks``), tail first;
+        returns how many. Raises ``InvalidArgumentError`` for one already released."""
+        self._sync()
+        n = int(self._kvm.release_deferred(deferred.handle))
+        deferred.released = True
+        return n
+
+    def _release(self, request: Any, *, defer: bool) -> int | None:
+        """``free`` (``defer`` false; returns None) or ``pop_blocks_for_free`` (returns the
+        deferred release's handle, None when the request holds no sequence)."""
         self._sync()
         rid = request.request_id
         seq = self._seq_of.get(rid)
@@ -889,11 +1108,16 @@ class PagedKVCacheManager(SharedManagerCalls):
         self._unwritten.pop(rid, None)
         if seq is None:
             self._check_unallocated_free(request)
-            return
+            return None
+        self._loading.discard(rid)
+        handle = None
         if request.is_finished() or self._forget_if_diverged(request):
             # Lagging tokens need not reach pagedkv: they sit in a partial block, which is
             # never cached.
-            self._kvm.free(seq)
+            if defer:
+                handle = int(self._kvm.free_deferred(seq))
+            else:
+                self._kvm.free(seq)
             del self._seq_of[rid]
             del self._num_known[rid]
             del self._requests[rid]
@@ -902,9 +1126,47 @@ class PagedKVCacheManager(SharedManagerCalls):
         else:
             if rid in self._lag:
                 self.decodes.catch_up([rid])
-            self._kvm.preempt([seq])
+            if defer:
+                handle = int(self._kvm.preempt_deferred([seq]))
+            else:
+                self._kvm.preempt([seq])
             self.decodes.close_window(rid)
             self.decodes.drop_lookahead(rid)
+        return handle
+
+    def evict_blocks(self, block_ids: Any) -> int:
+        """vLLM's ``evict_blocks`` (a KV connector reported these blocks' KV invalid): each
+        registered block leaves the prefix cache with every block registered after it in a
+        chain (their KV was computed from it); held blocks stay held. Unregistered ids are
+        ignored. Returns blocks unregistered. Raises ``InvalidBlockError`` for an id outside
+        the pool, changing nothing."""
+        self._sync()
+        ids = sorted(int(b) for b in block_ids)
+        if not ids:
+            return 0
+        return int(self._kvm.evict_blocks(ids))
+
+    def get_computed_blocks_for_connector(
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[Any, int, int, bool]:
+        """``get_computed_blocks`` plus ``hit_diverged`` (False: pagedkv's hit is one prefix
+        every group serves; vLLM's divergence is a Mamba matter, refused)."""
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        """The lookup result cut at ``num_computed_tokens``: pagedkv's hits are whole blocks
+        (``hash_block_size == block_size``), so vLLM asks this only for the whole hit, which
+        is returned unchanged. Raises ``InvalidArgumentError`` for a shorter cut (pagedkv
+        takes its whole hit when it allocates)."""
+        hit = blocks.num_tokens if isinstance(blocks, PrefixHit) else 0
+        if num_computed_tokens != hit:
+            raise InvalidArgumentError(
+                f"truncating a prefix hit of {hit} tokens to {num_computed_tokens}",
+                arg="num_computed_tokens",
+                value=str(num_computed_tokens),
+                reason=f"pagedkv takes its whole hit ({hit} tokens)",
+            )
+        return blocks
 
     def remove_skipped_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> None:
         """No-op: pagedkv releases out-of-window blocks in the allocation that moves the
@@ -934,10 +1196,18 @@ class PagedKVCacheManager(SharedManagerCalls):
         """The request's block tables as one ``KVCacheBlocks``. Raises
         ``UnknownSequenceError``."""
         tables = self.get_block_ids(request_id)
-        return PagedKVBlocks(tables) if any(tables) else self.empty_kv_cache_blocks
+        if not any(tables):
+            return self.empty_kv_cache_blocks
+        blocks = PagedKVBlocks(tables)
+        # Live block views and the unhashed ids (a connector loads only into those).
+        blocks.pool = self._kvm.pool
+        return blocks
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> tuple[list[int], ...]:
-        """Each group's first ``ceil(num_computed_tokens / block_size)`` ids."""
+        """Each group's first ``ceil(num_computed_tokens / block_size)`` ids (none for a
+        request that holds no sequence: one aborted before its first allocation, as vLLM)."""
+        if request_id not in self._seq_of:
+            return tuple([] for _ in self.group_block_sizes)
         return tuple(
             ids[: -(-num_computed_tokens // bs)]
             for ids, bs in zip(self.get_block_ids(request_id), self.group_block_sizes, strict=True)

@@ -297,31 +297,14 @@ class SharedManagerCalls:
         """``[]``: no Mamba boundary states."""
         return []
 
-    # ---- KV connectors (refused) -----------------------------------------------------------
-
-    def _connector_only(self, name: str) -> Any:
-        raise UnsupportedVllmCallError(
-            f"{type(self).__name__}.{name} is used by KV connectors, which PagedKVScheduler refuses",
-            operation=name,
-            feature="KV connectors",
-        )
-
-    def get_computed_blocks_for_connector(self, *args: Any, **kwargs: Any) -> Any:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        return self._connector_only("get_computed_blocks_for_connector")
-
-    def truncate_computed_blocks(self, *args: Any, **kwargs: Any) -> Any:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        return self._connector_only("truncate_computed_blocks")
-
-    def pop_blocks_for_free(self, *args: Any, **kwargs: Any) -> Any:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        return self._connector_only("pop_blocks_for_free")
-
-    def evict_blocks(self, *args: Any, **kwargs: Any) -> None:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        self._connector_only("evict_blocks")
+    # ---- Mamba state zeroing (refused) -----------------------------------------------------
 
     def record_blocks_for_zeroing(self, *args: Any, **kwargs: Any) -> None:
-        """KV connectors only (refused): raises ``UnsupportedVllmCallError``."""
-        self._connector_only("record_blocks_for_zeroing")
+        """Zeroing a Mamba group's blocks after a failed KV load (Mamba layers are refused):
+        raises ``UnsupportedVllmCallError``."""
+        raise UnsupportedVllmCallError(
+            f"{type(self).__name__}.record_blocks_for_zeroing zeroes Mamba state blocks, which "
+            "PagedKVScheduler refuses",
+            operation="record_blocks_for_zeroing",
+            feature="Mamba layers",
+        )

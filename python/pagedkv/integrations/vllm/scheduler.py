@@ -26,8 +26,16 @@ vLLM's own code; the KV cache calls go to :class:`PagedKVCacheManager`. Two chan
 - no double hashing: pagedkv hashes blocks in Rust as it caches them, so by default the
   request's Python block hasher is dropped when a request is added (vLLM's engine core has
   already hashed the prompt; output blocks are no longer hashed in Python in
-  ``update_from_output``). Set ``keep_vllm_block_hashes = True`` on a subclass to keep
-  ``request.block_hashes`` growing (nothing in the supported configurations reads them).
+  ``update_from_output``). With a KV connector configured they are kept (connectors key their
+  transfers and stores by ``request.block_hashes``); set ``keep_vllm_block_hashes = True`` on a
+  subclass to keep them otherwise.
+- KV connectors (``kv_transfer_config``, see :mod:`pagedkv.integrations.vllm.connectors` for
+  which): the connector vLLM bound to its own manager is bound again to pagedkv's; a failed
+  load's invalid blocks roll pagedkv's computed count back with vLLM's
+  (``_update_requests_with_invalid_blocks``), as does the rewind of a fully loaded prompt
+  (``_update_waiting_for_remote_kv``); transfer reports that match no request waiting for its
+  KV or finished are dropped with a warning (``_update_from_kv_xfer_finished``; stock vLLM
+  asserts).
 
 A vLLM release outside 0.32 / 0.33 raises ``UnsupportedVllmVersionError`` and unsupported
 configurations raise ``UnsupportedVllmConfigError`` from ``__init__``, before vLLM's scheduler
@@ -37,7 +45,9 @@ raise ``InvalidArgumentError`` from ``add_request``.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import logging
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -45,10 +55,13 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.integrations.vllm.config_check import check_supported_config
+from pagedkv.integrations.vllm.connectors import check_built_connector
 from pagedkv.integrations.vllm.kv_cache_manager import PagedKVCacheManager
 from pagedkv.integrations.vllm.versions import check_supported_version
 
 __all__ = ["PagedKVAsyncScheduler", "PagedKVScheduler", "async_variant"]
+
+logger = logging.getLogger(__name__)
 
 _BASE_INIT = inspect.signature(Scheduler.__init__)
 # Subclass of PagedKVScheduler -> its AsyncScheduler variant (built once per class).
@@ -112,6 +125,10 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
         self.kv_cache_manager.defer_decodes = self.batch_decode
         # Slots past a request's known tokens are output placeholders (see the module docs).
         self.kv_cache_manager.async_scheduling = isinstance(self, AsyncScheduler)
+        if self.connector is not None:
+            check_built_connector(self.connector)
+            # vLLM bound the connector to the manager it built first: bind it to this one.
+            self.connector.bind_kv_cache_manager(self.kv_cache_manager)
 
     def add_request(self, request: Any) -> None:
         """Queues ``request`` (vLLM's ``add_request``). Raises ``InvalidArgumentError`` for a
@@ -124,7 +141,8 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
                 value="True",
                 reason="streaming-input sessions rewrite tokens",
             )
-        if not self.keep_vllm_block_hashes:
+        if not self.keep_vllm_block_hashes and self.connector is None:
+            # A KV connector keys its transfers and stores by request.block_hashes: kept then.
             request._block_hasher = None
         super().add_request(request)
 
@@ -134,6 +152,63 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
             return super().schedule(*args, **kwargs)
         finally:
             self.kv_cache_manager.flush_decodes()
+
+    # ---- KV connectors ---------------------------------------------------------------------
+
+    def _update_requests_with_invalid_blocks(
+        self, requests: Any, invalid_block_ids: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        """vLLM's truncation of the requests a failed load left with invalid blocks; pagedkv's
+        computed count of each running one follows vLLM's, its blocks from the first invalid
+        one on leaving the prefix cache with their dependents (under both failure policies:
+        their KV was never written). Loading requests are settled when their load ends."""
+        affected, num_tokens, to_evict = super()._update_requests_with_invalid_blocks(
+            requests, invalid_block_ids, *args, **kwargs
+        )
+        for rid in affected:
+            request = self.requests.get(rid)
+            if request is not None:
+                self.kv_cache_manager.sync_computed(request, poisoned=True)
+        return affected, num_tokens, to_evict
+
+    def _update_waiting_for_remote_kv(self, request: Any) -> None:
+        """vLLM's promotion of a request whose async load ended (``cache_blocks`` commits the
+        load in pagedkv), then pagedkv's computed count follows vLLM's rewind of a fully loaded
+        prompt to its last token."""
+        super()._update_waiting_for_remote_kv(request)
+        self.kv_cache_manager.sync_computed(request, poisoned=False)
+
+    def _update_from_kv_xfer_finished(self, kv_connector_output: Any) -> None:
+        """vLLM's handling of finished transfers, after dropping (with a warning) the reports it
+        cannot match: a ``finished_recving`` for a request the scheduler does not have, or for
+        one neither waiting for its KV nor finished (a load never matched), and a
+        ``finished_sending`` for an unknown or unfinished request. Stock vLLM asserts on them;
+        here they change nothing."""
+        from vllm.v1.request import RequestStatus
+
+        recving = kv_connector_output.finished_recving
+        sending = kv_connector_output.finished_sending
+        bad_recv = {
+            rid
+            for rid in recving or ()
+            if rid not in self.requests
+            or not (
+                self.requests[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS or self.requests[rid].is_finished()
+            )
+        }
+        bad_send = {rid for rid in sending or () if rid not in self.requests or not self.requests[rid].is_finished()}
+        if bad_recv or bad_send:
+            logger.warning(
+                "dropped KV transfer reports no request matches: finished_recving %s, finished_sending %s",
+                sorted(bad_recv),
+                sorted(bad_send),
+            )
+            kv_connector_output = dataclasses.replace(
+                kv_connector_output,
+                finished_recving=(set(recving) - bad_recv) or None if recving else recving,
+                finished_sending=(set(sending) - bad_send) or None if sending else sending,
+            )
+        super()._update_from_kv_xfer_finished(kv_connector_output)
 
 
 class PagedKVAsyncScheduler(PagedKVScheduler, AsyncScheduler):  # type: ignore[misc, unused-ignore]
