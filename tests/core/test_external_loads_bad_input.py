@@ -329,7 +329,13 @@ WRONG_STATES: list[Bad] = [
         "preempt_deferred swapped",
         lambda m: m.preempt_deferred([RUN, LOAD, SWAP]),
         E.InvalidSequenceStateError,
-        ("swapped",),
+        ("swapped", "preempt_deferred needs it running, loading or preempted"),
+    ),
+    (
+        "preempt swapped",
+        lambda m: m.preempt([RUN, LOAD, SWAP]),
+        E.InvalidSequenceStateError,
+        ("swapped", "preempt needs it running, loading or preempted"),
     ),
 ]
 
