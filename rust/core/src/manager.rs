@@ -856,22 +856,21 @@ impl KvCacheManager {
     /// [`Error::UnknownSequence`], [`Error::InvalidArgument`] (duplicate id),
     /// [`Error::InvalidSequenceState`] (swapped out).
     pub fn preempt_recompute(&self, seqs: &[SeqId]) -> Result<()> {
-        self.preempt_with(seqs, None)
+        self.preempt_with(seqs, None, "preempt")
     }
 
     /// [`Self::preempt_recompute`]; with `defer`, the blocks go there (tail first per member)
-    /// instead of back to the pool.
-    fn preempt_with(&self, seqs: &[SeqId], mut defer: Option<&mut Vec<BlockId>>) -> Result<()> {
+    /// instead of back to the pool. `op` names the call in errors (the Python method's name).
+    fn preempt_with(
+        &self,
+        seqs: &[SeqId],
+        mut defer: Option<&mut Vec<BlockId>>,
+        op: &'static str,
+    ) -> Result<()> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         let resumable = |s: SeqStatus| s != SeqStatus::Swapped;
-        check_group(
-            st,
-            seqs,
-            "preempt_recompute",
-            resumable,
-            "running or preempted",
-        )?;
+        check_group(st, seqs, op, resumable, "running, loading or preempted")?;
         let running = seqs
             .iter()
             .filter(|id| st.seqs[id].status == SeqStatus::Running)

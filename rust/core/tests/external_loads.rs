@@ -734,7 +734,7 @@ fn a_deferred_preemption_readmits_at_once() {
         let used = m.pool().num_used();
         m.take_events();
         let before = snapshot(&m, &[1, 2, 3]);
-        is_state_error(m.preempt_deferred(&[1, 3]), "preempt_recompute");
+        is_state_error(m.preempt_deferred(&[1, 3]), "preempt_deferred");
         is_state_error(m.free_deferred(3), "free_deferred");
         assert!(matches!(
             m.free_deferred(9),

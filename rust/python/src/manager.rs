@@ -477,7 +477,7 @@ impl PyKvCacheManager {
     /// unless the sequence holds no block (new, or preempted); ``InvalidArgumentError``
     /// (``num_external_tokens`` past the last token, ``num_new_tokens > 0`` with ``staged``,
     /// nothing to allocate); ``OutOfBlocksError`` (``requested`` counts ``reserve_blocks``).
-    #[pyo3(signature = (seq_id, num_external_tokens, num_new_tokens = None, *, staged = false, reserve_blocks = None),
+    #[pyo3(signature = (seq_id, num_external_tokens, num_new_tokens = None, *, staged = None, reserve_blocks = None),
            text_signature = "(self, seq_id, num_external_tokens, num_new_tokens=0, *, staged=False, reserve_blocks=0)")]
     fn allocate_external(
         &self,
@@ -485,9 +485,10 @@ impl PyKvCacheManager {
         seq_id: &Bound<'_, PyAny>,
         num_external_tokens: &Bound<'_, PyAny>,
         num_new_tokens: Option<&Bound<'_, PyAny>>,
-        staged: bool,
+        staged: Option<&Bound<'_, PyAny>>,
         reserve_blocks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PySlotAllocation> {
+        let staged = crate::convert::flag(staged, "staged", false)?;
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let e = count(num_external_tokens, "num_external_tokens")?;
         let q = opt_count(num_new_tokens, "num_new_tokens")?;
@@ -566,8 +567,14 @@ impl PyKvCacheManager {
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
         num_computed_tokens: &Bound<'_, PyAny>,
-        poisoned: bool,
+        poisoned: &Bound<'_, PyAny>,
     ) -> PyResult<usize> {
+        // Required: None is refused like any other non-bool (no silent default).
+        if poisoned.is_none() {
+            let why = "expected a bool, got NoneType";
+            return Err(crate::convert::bad(py, "poisoned", "None", why));
+        }
+        let poisoned = crate::convert::flag(Some(poisoned), "poisoned", false)?;
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let n = count(num_computed_tokens, "num_computed_tokens")?;
         let m = &self.inner;

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import sys
 import textwrap
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +21,7 @@ from vllm.config import KVTransferConfig  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
-from pagedkv.errors import InvalidArgumentError  # noqa: E402
+from pagedkv.errors import InvalidArgumentError, InvalidBlockError  # noqa: E402
 from pagedkv.integrations.vllm import PagedKVScheduler, UnsupportedVllmConfigError  # noqa: E402
 from pagedkv.integrations.vllm.connectors import (  # noqa: E402
     REFUSED_CONNECTORS,
@@ -106,6 +107,26 @@ def test_an_empty_multi_connector_is_refused() -> None:
         check_kv_transfer_config(_multi())
 
 
+@pytest.mark.parametrize(
+    "connectors,field,value",
+    [
+        (["NixlConnector"], "kv_transfer_config.kv_connector.connectors[0]", "'NixlConnector'"),
+        (
+            {"kv_connector": "NixlConnector"},
+            "kv_transfer_config.kv_connector.connectors",
+            "{'kv_connector': 'NixlConnector'}",
+        ),
+    ],
+    ids=["member-not-a-dict", "connectors-not-a-list"],
+)
+def test_a_malformed_multi_connector_is_refused_typed(connectors: Any, field: str, value: str) -> None:
+    # vLLM's own config validation trips on these first (AttributeError); the check called
+    # directly names the field instead.
+    with pytest.raises(UnsupportedVllmConfigError) as info:
+        check_kv_transfer_config(_cfg("MultiConnector", extra={"connectors": connectors}))
+    assert (info.value.field, info.value.value) == (field, value)
+
+
 def test_an_unknown_connector_name_is_refused() -> None:
     with pytest.raises(UnsupportedVllmConfigError, match="cannot be resolved"):
         check_kv_transfer_config(_cfg("NoSuchConnector"))
@@ -130,7 +151,7 @@ _CUSTOM = textwrap.dedent(
 
 
 @pytest.fixture
-def custom_module(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+def custom_module(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     (tmp_path / "pagedkv_test_custom_connectors.py").write_text(_CUSTOM)
     monkeypatch.syspath_prepend(str(tmp_path))
     yield "pagedkv_test_custom_connectors"
@@ -209,7 +230,12 @@ def test_block_views_are_live_and_hashes_kept_with_a_connector() -> None:
     assert manager.get_blocks("r").get_unhashed_block_ids() == [ids[2]]
     assert len(manager.block_pool.cached_block_hash_to_block) == 2
     assert manager.coordinator.single_type_managers[0].num_cached_block == {"r": 2}
-    assert manager.evict_blocks({ids[0]}) == 2, "an evicted block takes its dependent with it"
+    before = [(v.ref_cnt, v.block_hash) for v in views]
+    with pytest.raises(InvalidBlockError):
+        manager.evict_blocks({ids[1], 16})
+    assert [(v.ref_cnt, v.block_hash) for v in views] == before, "nothing evicted"
+    assert manager.evict_blocks({0}) == 0, "the null block is ignored, as vLLM's pool ignores it"
+    assert manager.evict_blocks({0, ids[0]}) == 2, "an evicted block takes its dependent with it"
     assert [v.block_hash for v in views] == [None, None, None]
     assert views[0].ref_cnt == 1, "a held block stays held"
 

@@ -24,6 +24,7 @@ vLLM's coordinator to bound its loads; that configuration is refused once the co
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 from pagedkv.integrations.vllm.errors import UnsupportedVllmConfigError
@@ -93,7 +94,13 @@ def _check_one(field: str, name: str | None, module_path: str | None, extra: dic
         subs = extra.get("connectors")
         if not subs:
             raise _refuse(f"{field}.connectors", "[]", "MultiConnector needs connectors")
+        if not isinstance(subs, (list, tuple)):
+            raise _refuse(f"{field}.connectors", repr(subs), "MultiConnector needs a list of connector configs")
         for i, sub in enumerate(subs):
+            if not isinstance(sub, Mapping):
+                raise _refuse(
+                    f"{field}.connectors[{i}]", repr(sub), "a MultiConnector member is a dict (kv_connector, ...)"
+                )
             _check_one(
                 f"{field}.connectors[{i}]",
                 sub.get("kv_connector"),

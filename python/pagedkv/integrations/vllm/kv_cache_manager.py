@@ -1138,10 +1138,11 @@ class PagedKVCacheManager(SharedManagerCalls):
         """vLLM's ``evict_blocks`` (a KV connector reported these blocks' KV invalid): each
         registered block leaves the prefix cache with every block registered after it in a
         chain (their KV was computed from it); held blocks stay held. Unregistered ids are
-        ignored. Returns blocks unregistered. Raises ``InvalidBlockError`` for an id outside
-        the pool, changing nothing."""
+        ignored, the null block 0 among them (as vLLM's pool ignores it). Returns blocks
+        unregistered. Raises ``InvalidBlockError`` for an id outside the pool, changing
+        nothing."""
         self._sync()
-        ids = sorted(int(b) for b in block_ids)
+        ids = sorted(b for b in (int(x) for x in block_ids) if b != 0)
         if not ids:
             return 0
         return int(self._kvm.evict_blocks(ids))

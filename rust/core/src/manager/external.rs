@@ -378,7 +378,7 @@ impl KvCacheManager {
     /// still read their old blocks. Same errors as `preempt_recompute`.
     pub fn preempt_deferred(&self, seqs: &[SeqId]) -> Result<u64> {
         let mut blocks = Vec::new();
-        self.preempt_with(seqs, Some(&mut blocks))?;
+        self.preempt_with(seqs, Some(&mut blocks), "preempt_deferred")?;
         Ok(Self::defer(&mut self.state.lock(), blocks))
     }
 
