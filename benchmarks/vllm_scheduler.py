@@ -23,7 +23,7 @@ Workloads (each scheduler gets the same request stream):
   plug-in runs with vLLM's CPU spec and with pagedkv's ``PagedKVCPUOffloadingSpec`` (variant
   ``pagedkv + pagedkv host tier``).
 - ``nixl_prefill`` (a KV connector): ``NixlConnector`` as consumer (the decode node of
-  prefill/decode disaggregation): 1500 requests whose 512-token prompts are loaded from a remote
+  prefill/decode disaggregation): 4000 requests whose 512-token prompts are loaded from a remote
   prefill node, 64 output tokens each, 256 running.
 
 The connector workloads' worker side is a fake (:class:`FakeConnectorWorker`): every transfer a
@@ -608,7 +608,7 @@ def _workloads() -> dict[str, dict[str, Any]]:
             connector="offloading",
         ),
         "nixl_prefill": dict(
-            specs=lambda: _requests_decode(1500, 512, 64),
+            specs=lambda: _requests_decode(4000, 512, 64),
             num_blocks=256 * 48 + 1,
             warmup_steps=300,
             wait_all_decoding=False,
@@ -717,7 +717,7 @@ def main() -> None:
                 if rep < args.sample_runs:
                     sampled[vname].append(_run(cls, w, specs, args.steps, True, mode, spec))
         for vname in chosen:
-            best = min(timed[vname], key=lambda r: r["total_us"])
+            best: dict[str, Any] = min(timed[vname], key=lambda r: r["total_us"])
             best["runs_total_us"] = [r["total_us"] for r in timed[vname]]
             best["samples"] = sum(r["samples"] for r in sampled[vname])
             for key in ("kv_samples", "kv_samples_manager", "kv_samples_blocks", "kv_samples_hashing"):
