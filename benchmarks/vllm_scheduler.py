@@ -16,6 +16,21 @@ Workloads (each scheduler gets the same request stream):
 - ``gemma3_decode128``: a hybrid model, Gemma 3's KV cache groups (one full-attention and five
   sliding-window groups, window 512; six groups of one ``PagedKVCacheManager`` in the plug-in): 128
   requests with distinct 600-token prompts (past the window), measured once all are decoding.
+- ``offload_conv`` (a KV connector): ``OffloadingConnector`` with vLLM's CPU spec (a host tier),
+  multi-turn conversations whose history overflows the device pool, so later turns load their
+  history back from the host: 256 conversations of 5 turns (a 512-token first prompt, then 64
+  new tokens and the previous 32-token answer per turn), 64 running, 4000 device blocks. The
+  plug-in runs with vLLM's CPU spec and with pagedkv's ``PagedKVCPUOffloadingSpec`` (variant
+  ``pagedkv + pagedkv host tier``).
+- ``nixl_prefill`` (a KV connector): ``NixlConnector`` as consumer (the decode node of
+  prefill/decode disaggregation): 4000 requests whose 512-token prompts are loaded from a remote
+  prefill node, 64 output tokens each, 256 running.
+
+The connector workloads' worker side is a fake (:class:`FakeConnectorWorker`): every transfer a
+step's connector metadata starts completes at the end of that step (the scheduler sees it in
+that step's ``update_from_output``), so the figures are the scheduler-side cost of the
+connector's bookkeeping (its metadata, loads, stores, host-tier lookups) on top of scheduling.
+Synchronous scheduling only.
 
 Reported per step (mean over the measured steps, CPU time of this thread): ``schedule()``,
 ``update_from_output()`` and their sum. The KV-manager share counts the same kinds of work in
@@ -83,12 +98,16 @@ from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     build_scheduler,
     fake_async_model_output,
     fake_model_output,
+    fake_token,
     make_hybrid_kv_cache_config,
     make_request,
     make_vllm_config,
 )
 
 BS = 16
+#: Host-tier bytes of the offloading workload (far more than its history needs).
+HOST_BYTES = 1 << 28
+HOST_TIER = "pagedkv + pagedkv host tier"
 
 
 class PagedKVPerRequest(PagedKVScheduler):
@@ -140,6 +159,84 @@ def _variants(async_scheduling: bool = False) -> dict[str, Any]:
         "pagedkv + vLLM hashes": PagedKVHashTwice,
         BOUND: FreeDecodesBound,
     }
+
+
+class FakeConnectorWorker:
+    """The worker side of the connector workloads: reads each step's connector metadata
+    (``NixlConnectorMetadata``, ``OffloadingConnectorMetadata``) and reports every transfer it
+    starts as done in that step's ``KVConnectorOutput``: NIXL loads in ``finished_recving``,
+    offloading jobs as completed (``OffloadingWorkerMetadata``; an asynchronous offloading load
+    also in ``finished_recving``). ``loads`` / ``stores`` count the blocks moved."""
+
+    def __init__(self) -> None:
+        self.loads = 0
+        self.stores = 0
+
+    def report(self, sched_output: Any) -> Any:
+        """The ``KVConnectorOutput`` of ``sched_output``'s step."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingConnectorMetadata,
+            OffloadingWorkerMetadata,
+        )
+        from vllm.v1.outputs import KVConnectorOutput
+
+        meta = sched_output.kv_connector_metadata
+        recving: set[str] = set()
+        sending: set[str] = set()
+        worker_meta: Any = None
+        if isinstance(meta, NixlConnectorMetadata):
+            for rid, rm in meta.reqs_to_recv.items():
+                self.loads += len(rm.local_block_ids[0])
+                recving.add(rid)
+            sending.update(meta.reqs_to_send)
+        elif isinstance(meta, OffloadingConnectorMetadata):
+            worker_meta = OffloadingWorkerMetadata()
+            for job_id, job in meta.store_jobs.items():
+                self.stores += len(job.dst_spec.block_ids)
+                worker_meta.mark_completed(job_id)
+            for job_id, job in meta.load_jobs.items():
+                self.loads += len(job.src_spec.block_ids)
+                worker_meta.mark_completed(job_id)
+                if not getattr(job, "sync", False):
+                    recving.add(job.req_id)
+        elif meta is not None:
+            raise TypeError(f"no fake worker for {type(meta).__name__}")
+        return KVConnectorOutput(
+            finished_sending=sending or None,
+            finished_recving=recving or None,
+            kv_connector_worker_meta=worker_meta,
+        )
+
+
+def kv_transfer_config(connector: str, host_spec: str = "cpu") -> Any:
+    """The ``KVTransferConfig`` of a connector workload: ``"offloading"`` (``host_spec``:
+    ``"cpu"``, vLLM's CPU spec, or ``"pagedkv"``, ``PagedKVCPUOffloadingSpec``) or
+    ``"nixl_consumer"``. Raises ``ValueError`` for another name."""
+    from vllm.config import KVTransferConfig
+
+    if connector == "nixl_consumer":
+        return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_consumer")
+    if connector != "offloading":
+        raise ValueError(f"unknown connector {connector!r}")
+    extra: dict[str, Any] = {"cpu_bytes_to_use": HOST_BYTES}
+    if host_spec == "pagedkv":
+        extra.update(spec_name="PagedKVCPUOffloadingSpec", spec_module_path="pagedkv.integrations.vllm.offloading")
+    return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+
+
+def _remote_prefill_params(rid: str, prompt_len: int) -> dict[str, Any]:
+    """NIXL ``kv_transfer_params`` of a request whose prompt KV a remote prefill node holds."""
+    return dict(
+        do_remote_prefill=True,
+        do_remote_decode=False,
+        remote_engine_id="prefill-engine",
+        remote_request_id=f"prefill-{rid}",
+        remote_block_ids=list(range(-(-prompt_len // BS))),
+        remote_host="prefill-host",
+        remote_port=1234,
+        tp_size=1,
+    )
 
 
 # Frames that are KV-cache work: their source files, and vLLM's per-request hashing hook.
@@ -247,15 +344,39 @@ def _requests_trace(name: str, n: int, max_prompt: int) -> list[tuple[int, Any]]
     return out
 
 
-def _one_step(sched: Any, in_flight: list[Any] | None) -> tuple[float, float, float, float, int]:
+def _requests_conversations(
+    conversations: int, turns: int, first: int, new: int, out_len: int
+) -> list[tuple[int, Any]]:
+    """Multi-turn conversations, turn-major (every conversation's turn ``t`` before any turn
+    ``t + 1``): a turn's prompt is the previous prompt, the fake model's answer to it and
+    ``new`` new tokens."""
+    history = [(unique_tokens(c, first, 4000) + 16).tolist() for c in range(conversations)]
+    out = []
+    for t in range(turns):
+        for c in range(conversations):
+            rid = f"conv{c}t{t}"
+            prompt = history[c]
+            out.append((0, (rid, prompt, out_len)))
+            answer = [fake_token(rid, len(prompt) + i) for i in range(out_len)]
+            extra = (unique_tokens(conversations * (t + 1) + c, new, 4000) + 16).tolist()
+            history[c] = prompt + answer + extra
+    return out
+
+
+def _one_step(
+    sched: Any, in_flight: list[Any] | None, worker: FakeConnectorWorker | None = None
+) -> tuple[float, float, float, float, int]:
     """One engine step: ``schedule()`` and ``update_from_output()`` (``in_flight`` not None:
-    async scheduling, the output consumed is the oldest of two batches in flight). CPU and wall
-    seconds of each, and the requests scheduled."""
+    async scheduling, the output consumed is the oldest of two batches in flight; ``worker``:
+    the connector's fake worker, whose report joins the model output). CPU and wall seconds of
+    each, and the requests scheduled."""
     c0, w0 = time.thread_time(), time.perf_counter()
     out = sched.schedule()
     c1, w1 = time.thread_time(), time.perf_counter()
     if in_flight is None:
         model_out = fake_model_output(sched, out)
+        if worker is not None:
+            model_out.kv_connector_output = worker.report(out)
     else:
         in_flight.append((out, fake_async_model_output(sched, out)))
         if len(in_flight) < 2:
@@ -268,14 +389,18 @@ def _one_step(sched: Any, in_flight: list[Any] | None) -> tuple[float, float, fl
 
 
 def _measured_steps(
-    sched: Any, steps: int, top_up: Callable[[], None], in_flight: list[Any] | None = None
+    sched: Any,
+    steps: int,
+    top_up: Callable[[], None],
+    in_flight: list[Any] | None = None,
+    worker: FakeConnectorWorker | None = None,
 ) -> tuple[float, float, float, float, int]:
     """The timed steps (the sampled share counts the samples under this frame): CPU and wall
     seconds in ``schedule()`` and ``update_from_output()``, and requests scheduled."""
     t_sched = t_upd = wall_sched = wall_upd = 0.0
     scheduled_reqs = 0
     for _ in range(steps):
-        a, b, c, d, n = _one_step(sched, in_flight)
+        a, b, c, d, n = _one_step(sched, in_flight, worker)
         t_sched += a
         t_upd += b
         wall_sched += c
@@ -297,10 +422,19 @@ def run_one(
     wait_all_decoding: bool,
     groups: Any = None,
     async_scheduling: bool = False,
+    connector: str | None = None,
+    host_spec: str = "cpu",
 ) -> dict[str, float]:
     """Drives ``cls`` over the request specs (``groups``: hybrid KV cache groups as
     ``make_hybrid_kv_cache_config`` takes them; None: one full-attention group;
-    ``async_scheduling``: two batches in flight); returns per-step means in microseconds."""
+    ``async_scheduling``: two batches in flight; ``connector``: a KV connector with a
+    :class:`FakeConnectorWorker`, see :func:`kv_transfer_config`); returns per-step means in
+    microseconds."""
+    extra: dict[str, Any] = {}
+    if connector is not None:
+        if async_scheduling:
+            raise ValueError("the connector workloads run with synchronous scheduling only")
+        extra["kv_transfer_config"] = kv_transfer_config(connector, host_spec)
     cfg = make_vllm_config(
         num_blocks=num_blocks,
         block_size=BS,
@@ -308,11 +442,16 @@ def run_one(
         max_num_batched_tokens=8192,
         max_model_len=32768,
         async_scheduling=async_scheduling,
+        **extra,
     )
     in_flight: list[Any] | None = [] if async_scheduling else None
+    worker = FakeConnectorWorker() if connector is not None else None
     kv = make_hybrid_kv_cache_config(num_blocks, groups, BS) if groups else None
     sched = build_scheduler(cls, cfg, log_stats=False, kv_cache_config=kv)
     reqs = [make_request(rid, prompt, out, block_size=BS) for _, (rid, prompt, out) in specs]
+    if connector == "nixl_consumer":
+        for r in reqs:
+            r.kv_transfer_params = _remote_prefill_params(r.request_id, r.num_prompt_tokens)
     pending = list(reversed(reqs))
 
     def top_up() -> None:
@@ -326,7 +465,7 @@ def run_one(
         and any(r.num_computed_tokens < r.num_tokens - 1 for r in sched.running)
         or (wait_all_decoding and len(sched.running) < max_running)
     ):
-        _one_step(sched, in_flight)
+        _one_step(sched, in_flight, worker)
         top_up()
         done_warmup += 1
         if done_warmup > 10_000:
@@ -337,9 +476,13 @@ def run_one(
     try:
         if sampler is not None:
             with sampler:
-                t_sched, t_upd, wall_sched, wall_upd, scheduled_reqs = _measured_steps(sched, steps, top_up, in_flight)
+                t_sched, t_upd, wall_sched, wall_upd, scheduled_reqs = _measured_steps(
+                    sched, steps, top_up, in_flight, worker
+                )
         else:
-            t_sched, t_upd, wall_sched, wall_upd, scheduled_reqs = _measured_steps(sched, steps, top_up, in_flight)
+            t_sched, t_upd, wall_sched, wall_upd, scheduled_reqs = _measured_steps(
+                sched, steps, top_up, in_flight, worker
+            )
     finally:
         gc.enable()
     res = {
@@ -353,6 +496,10 @@ def run_one(
         res["samples"] = sampler.scheduler
         res["kv_samples"] = sum(sampler.kv.values())
         res.update({f"kv_samples_{k}": v for k, v in sampler.kv.items()})
+    if worker is not None:
+        # Blocks the connector moved by the end of the measured steps (warm-up included).
+        res["connector_blocks_loaded"] = worker.loads
+        res["connector_blocks_stored"] = worker.stores
     return res
 
 
@@ -452,11 +599,32 @@ def _workloads() -> dict[str, dict[str, Any]]:
             groups=GEMMA3_GROUPS,
             max_running=128,
         ),
+        "offload_conv": dict(
+            specs=lambda: _requests_conversations(256, 5, 512, 64, 32),
+            num_blocks=4000,
+            warmup_steps=300,
+            wait_all_decoding=False,
+            max_running=64,
+            connector="offloading",
+        ),
+        "nixl_prefill": dict(
+            specs=lambda: _requests_decode(4000, 512, 64),
+            num_blocks=256 * 48 + 1,
+            warmup_steps=300,
+            wait_all_decoding=False,
+            connector="nixl_consumer",
+        ),
     }
 
 
 def _run(
-    cls: Any, w: dict[str, Any], specs: Any, steps: int, sample: bool, async_scheduling: bool = False
+    cls: Any,
+    w: dict[str, Any],
+    specs: Any,
+    steps: int,
+    sample: bool,
+    async_scheduling: bool = False,
+    host_spec: str = "cpu",
 ) -> dict[str, float]:
     return run_one(
         cls,
@@ -469,6 +637,8 @@ def _run(
         wait_all_decoding=w["wait_all_decoding"],
         groups=w.get("groups"),
         async_scheduling=async_scheduling,
+        connector=w.get("connector"),
+        host_spec=host_spec,
     )
 
 
@@ -476,7 +646,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=200, help="measured steps per workload")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per variant (best kept)")
-    ap.add_argument("--workloads", default="decode256,azure_conv,mooncake")
+    ap.add_argument(
+        "--workloads",
+        default="decode256,azure_conv,mooncake",
+        help="comma-separated; also gemma3_decode128 and the connector workloads offload_conv, nixl_prefill",
+    )
     ap.add_argument("--variants", default=None, help="comma-separated subset of the variants")
     ap.add_argument(
         "--trace-variants",
@@ -524,27 +698,34 @@ def main() -> None:
         w = workloads[wname]
         specs = w["specs"]()
         results[wname] = {}
+        if "connector" in w and mode:
+            print(f"{wname}: skipped (connector workloads run with synchronous scheduling only)", flush=True)
+            continue
         chosen = {k: v for k, v in variants.items() if k != BOUND or wname == "decode256"}
         if wname != "decode256":
             chosen = {k: v for k, v in chosen.items() if k in args.trace_variants.split(",")}
+        if w.get("connector") == "offloading" and "pagedkv" in chosen:
+            chosen[HOST_TIER] = chosen["pagedkv"]  # the plug-in with pagedkv's host tier
         # Round-robin over the variants, so a change in the machine's load hits them alike.
         timed: dict[str, list[dict[str, float]]] = {v: [] for v in chosen}
         sampled: dict[str, list[dict[str, float]]] = {v: [] for v in chosen}
         for rep in range(max(args.repeats, args.sample_runs)):
             for vname, cls in chosen.items():
+                spec = "pagedkv" if vname == HOST_TIER else "cpu"
                 if rep < args.repeats:
-                    timed[vname].append(_run(cls, w, specs, args.steps, sample=False, async_scheduling=mode))
+                    timed[vname].append(_run(cls, w, specs, args.steps, False, mode, spec))
                 if rep < args.sample_runs:
-                    sampled[vname].append(_run(cls, w, specs, args.steps, sample=True, async_scheduling=mode))
+                    sampled[vname].append(_run(cls, w, specs, args.steps, True, mode, spec))
         for vname in chosen:
-            best = min(timed[vname], key=lambda r: r["total_us"])
+            best: dict[str, Any] = min(timed[vname], key=lambda r: r["total_us"])
             best["runs_total_us"] = [r["total_us"] for r in timed[vname]]
             best["samples"] = sum(r["samples"] for r in sampled[vname])
             for key in ("kv_samples", "kv_samples_manager", "kv_samples_blocks", "kv_samples_hashing"):
                 best[key] = sum(r[key] for r in sampled[vname])
-            best["kv_share"] = best["kv_samples"] / best["samples"]
+            samples = max(best["samples"], 1)  # a short run may take no sample
+            best["kv_share"] = best["kv_samples"] / samples
             for kind in ("manager", "blocks", "hashing"):
-                best[f"kv_share_{kind}"] = best[f"kv_samples_{kind}"] / best["samples"]
+                best[f"kv_share_{kind}"] = best[f"kv_samples_{kind}"] / samples
             best["kv_us"] = best["kv_share"] * best["total_us"]
             results[wname][vname] = best
             print(f"{wname:10s} {vname:22s} {best}", file=sys.stderr, flush=True)

@@ -2,14 +2,15 @@
 
 Connectors: NIXL as consumer (prefill/decode disaggregation, the decode node loads a request's
 prompt KV from a remote prefill node) and as producer (the prefill node keeps a finished
-request's blocks until the remote decode node has read them), ``OffloadingConnector`` with
+request's blocks until the remote decode node has read them), Mooncake P/D
+(``MooncakeConnector``, the same two roles; its scheduler side needs no transfer engine), ``OffloadingConnector`` with
 vLLM's CPU spec (a host tier: blocks stored as they fill, host hits loaded back), and
 ``MultiConnector`` of the two. The connectors' worker side needs a GPU and NIXL, so a seeded
 fake worker (:class:`FakeWorker`) stands in: it reads each step's connector metadata and
 completes every transfer it starts after a delay of 0 to ``max_delay`` steps drawn from the
-seed and the transfer (the same on both sides), and fails NIXL loads with the probability it
-is given (``failed_recving`` plus the load's blocks as ``invalid_block_ids``, as NIXL's worker
-reports a failed read). vLLM's offloading worker has no failed transfers (it asserts success),
+seed and the transfer (the same on both sides), and fails NIXL and Mooncake loads with the
+probability it is given (``failed_recving`` plus the load's blocks as ``invalid_block_ids``, as
+their workers report a failed read). vLLM's offloading worker has no failed transfers (it asserts success),
 so offloading loads and stores are only delayed.
 
 Each scenario runs stock alone first (the harness and the fake worker proven: every request
@@ -37,6 +38,9 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this suite)")
 
 from vllm.config import KVTransferConfig  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (  # noqa: E402
+    MooncakeConnectorMetadata,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import (  # noqa: E402
     MultiKVConnectorMetadata,
     MultiKVConnectorWorkerMetadata,
@@ -78,6 +82,10 @@ def _nixl(role: str) -> dict[str, Any]:
     return {"kv_connector": "NixlConnector", "kv_role": role}
 
 
+def _mooncake(role: str) -> dict[str, Any]:
+    return {"kv_connector": "MooncakeConnector", "kv_role": role}
+
+
 def _offloading(spec: str = "cpu") -> dict[str, Any]:
     """``spec``: ``"cpu"`` (vLLM's CPU spec) or ``"pagedkv"`` (``PagedKVCPUOffloadingSpec``,
     pagedkv's host tier behind vLLM's connector)."""
@@ -89,13 +97,17 @@ def _offloading(spec: str = "cpu") -> dict[str, Any]:
 
 def kv_transfer_config(kind: str, policy: str = "recompute") -> KVTransferConfig:
     """The ``KVTransferConfig`` of connector ``kind``: ``nixl-consumer``, ``nixl-producer``,
-    ``offloading`` (vLLM's CPU spec), ``offloading-pagedkv`` (pagedkv's host tier) or ``multi``
-    (MultiConnector of a NIXL consumer and the offloading connector); ``policy`` is
-    ``kv_load_failure_policy``."""
+    ``mooncake-consumer``, ``mooncake-producer``, ``offloading`` (vLLM's CPU spec),
+    ``offloading-pagedkv`` (pagedkv's host tier) or ``multi`` (MultiConnector of a NIXL consumer
+    and the offloading connector); ``policy`` is ``kv_load_failure_policy``."""
     if kind == "nixl-consumer":
         one = _nixl("kv_consumer")
     elif kind == "nixl-producer":
         one = _nixl("kv_producer")
+    elif kind == "mooncake-consumer":
+        one = _mooncake("kv_consumer")
+    elif kind == "mooncake-producer":
+        one = _mooncake("kv_producer")
     elif kind == "offloading":
         one = _offloading()
     elif kind == "offloading-pagedkv":
@@ -120,7 +132,7 @@ class _Transfer:
     fail: bool = False
     recv_req: str | None = None  # async load: the request reported in finished_recving
     job: tuple[int, int] | None = None  # offloading job: (connector index, job id)
-    send_req: str | None = None  # NIXL send: the request reported in finished_sending
+    send_req: str | None = None  # NIXL / Mooncake send: the request reported in finished_sending
     blocks: tuple[int, ...] = ()  # the load's local blocks (invalid if it fails)
 
 
@@ -136,7 +148,7 @@ class FakeWorker:
     extra: dict[int, dict[str, set[Any]]] = field(default_factory=dict)
     step: int = 0
     pending: list[_Transfer] = field(default_factory=list)
-    #: Per request: the blocks of every NIXL load started for it (for late reports).
+    #: Per request: the blocks of every NIXL / Mooncake load started for it (for late reports).
     load_blocks: dict[str, tuple[int, ...]] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)
     last: dict[str, Any] = field(default_factory=dict)
@@ -156,15 +168,19 @@ class FakeWorker:
         for idx, m in enumerate(metas):
             if isinstance(m, NixlConnectorMetadata):
                 for rid, rm in m.reqs_to_recv.items():
-                    blocks = tuple(rm.local_block_ids[0])
-                    loads[rid] = loads.get(rid, 0) + len(blocks)
-                    self.load_blocks[rid] = blocks
-                    key = f"recv:{rid}:{self.step}"
-                    fail = self._rng(key + ":fail").random() < self.p_fail
-                    self.pending.append(_Transfer(self.step + self._delay(key), fail=fail, recv_req=rid, blocks=blocks))
+                    self._start_load(rid, tuple(rm.local_block_ids[0]), loads)
                 for rid in m.reqs_to_send:
-                    key = f"send:{rid}"
-                    self.pending.append(_Transfer(self.step + self._delay(key), send_req=rid))
+                    self._start_send(rid)
+            elif isinstance(m, MooncakeConnectorMetadata):
+                for pulls in m.reqs_to_recv.values():
+                    for rid, pull in pulls.items():
+                        blocks = tuple(pull.local_block_ids[0]) if pull.local_block_ids else ()
+                        if blocks:  # no blocks: only a notice to the prefill node, no load
+                            self._start_load(rid, blocks, loads)
+                for rid, (_transfer_id, block_ids) in m.reqs_to_send.items():
+                    # An empty entry (when the prefill is scheduled) only readies the sender.
+                    if any(block_ids):
+                        self._start_send(rid)
             elif OffloadingConnectorMetadata is not None and isinstance(m, OffloadingConnectorMetadata):
                 for job_id, job in m.store_jobs.items():
                     stores[job.req_id] = stores.get(job.req_id, 0) + len(job.dst_spec.block_ids)
@@ -187,6 +203,18 @@ class FakeWorker:
             elif m is not None:  # pragma: no cover - a connector this worker does not know
                 raise AssertionError(f"no fake worker for {type(m).__name__}")
         return loads, stores
+
+    def _start_load(self, rid: str, blocks: tuple[int, ...], loads: dict[str, int]) -> None:
+        """A remote load of ``blocks`` for ``rid``: delayed, failed with ``p_fail``."""
+        loads[rid] = loads.get(rid, 0) + len(blocks)
+        self.load_blocks[rid] = blocks
+        key = f"recv:{rid}:{self.step}"
+        fail = self._rng(key + ":fail").random() < self.p_fail
+        self.pending.append(_Transfer(self.step + self._delay(key), fail=fail, recv_req=rid, blocks=blocks))
+
+    def _start_send(self, rid: str) -> None:
+        """A finished request's blocks read by the remote decode node: delayed."""
+        self.pending.append(_Transfer(self.step + self._delay(f"send:{rid}"), send_req=rid))
 
     def report(self, sched_output: Any, num_connectors: int) -> KVConnectorOutput:
         """Starts this step's transfers and reports those due at its end."""
@@ -299,14 +327,24 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 4000) for _ in range(n)]
 
 
-def _req(rid: str, prompt: list[int], max_tokens: int, transfer: str | None = None) -> Factory:
-    """A request factory; ``transfer``: ``"remote-prefill"`` (a NIXL consumer loads its
-    prompt's KV) or ``"remote-decode"`` (a NIXL producer keeps its blocks for the decode
-    node)."""
+def _req(rid: str, prompt: list[int], max_tokens: int, transfer: str | None = None, flavor: str = "nixl") -> Factory:
+    """A request factory; ``transfer``: ``"remote-prefill"`` (a consumer loads its prompt's
+    KV) or ``"remote-decode"`` (a producer keeps its blocks for the decode node), with the
+    ``kv_transfer_params`` a router gives ``flavor``'s connector (``"nixl"``, ``"mooncake"``)."""
 
     def make() -> Any:
         r = make_request(rid, prompt, max_tokens, block_size=BS)
-        if transfer == "remote-prefill":
+        if flavor == "mooncake" and transfer is not None:
+            r.kv_transfer_params = dict(
+                do_remote_prefill=transfer == "remote-prefill",
+                do_remote_decode=transfer == "remote-decode",
+                transfer_id=f"xfer-{rid}",
+            )
+            if transfer == "remote-prefill":
+                r.kv_transfer_params.update(
+                    remote_engine_id="prefill-engine", remote_bootstrap_addr="prefill-host:8998"
+                )
+        elif transfer == "remote-prefill":
             r.kv_transfer_params = dict(
                 do_remote_prefill=True,
                 do_remote_decode=False,
@@ -324,21 +362,24 @@ def _req(rid: str, prompt: list[int], max_tokens: int, transfer: str | None = No
     return make
 
 
-def consumer_stream(seed: int, n: int = 10) -> dict[int, list[Factory]]:
+def consumer_stream(seed: int, n: int = 10, flavor: str = "nixl") -> dict[int, list[Factory]]:
     """Remote-prefill requests (some sharing a system prompt, so local hits come first) and
-    a few plain ones, staggered."""
+    a few plain ones, staggered (``flavor``: see :func:`_req`)."""
     rng = random.Random(seed)
     system = _prompt(rng, 48)
     stream: dict[int, list[Factory]] = {}
     for i in range(n):
         prompt = (system if i % 2 else []) + _prompt(rng, rng.randrange(5, 70))
         transfer = "remote-prefill" if i % 4 != 3 else None
-        stream.setdefault(rng.randrange(0, 12), []).append(_req(f"c{i}", prompt, rng.randrange(2, 12), transfer))
+        stream.setdefault(rng.randrange(0, 12), []).append(
+            _req(f"c{i}", prompt, rng.randrange(2, 12), transfer, flavor)
+        )
     return stream
 
 
-def producer_stream(seed: int, n: int = 10) -> dict[int, list[Factory]]:
-    """Remote-decode requests (one token, blocks kept until sent) and a few plain ones."""
+def producer_stream(seed: int, n: int = 10, flavor: str = "nixl") -> dict[int, list[Factory]]:
+    """Remote-decode requests (one token, blocks kept until sent) and a few plain ones
+    (``flavor``: see :func:`_req`)."""
     rng = random.Random(seed)
     stream: dict[int, list[Factory]] = {}
     for i in range(n):
@@ -346,7 +387,7 @@ def producer_stream(seed: int, n: int = 10) -> dict[int, list[Factory]]:
         if i % 3 == 2:
             stream.setdefault(rng.randrange(0, 10), []).append(_req(f"p{i}", prompt, rng.randrange(2, 10)))
         else:
-            stream.setdefault(rng.randrange(0, 10), []).append(_req(f"p{i}", prompt, 1, "remote-decode"))
+            stream.setdefault(rng.randrange(0, 10), []).append(_req(f"p{i}", prompt, 1, "remote-decode", flavor))
     return stream
 
 
@@ -476,6 +517,18 @@ SCENARIOS = {
     "nixl-producer": Scenario(
         "nixl-producer", lambda: producer_stream(3), dict(num_blocks=24, max_num_batched_tokens=128), max_delay=4
     ),
+    "mooncake-consumer": Scenario(
+        "mooncake-consumer",
+        lambda: consumer_stream(8, flavor="mooncake"),
+        dict(num_blocks=48, max_num_batched_tokens=96),
+        p_fail=0.3,
+    ),
+    "mooncake-producer": Scenario(
+        "mooncake-producer",
+        lambda: producer_stream(9, flavor="mooncake"),
+        dict(num_blocks=24, max_num_batched_tokens=128),
+        max_delay=4,
+    ),
     "offloading": Scenario(
         "offloading", lambda: conversation_stream(4), dict(num_blocks=14, max_num_batched_tokens=256)
     ),
@@ -523,7 +576,8 @@ def test_stock_runs_through(name: str) -> None:
     assert d.outputs == outputs
     assert set(d.outputs) == set(prompts)
     loads = sum(n for r in records for n in r["loads"].values())
-    assert (loads > 0) == (sc.kind != "nixl-producer"), "consumers load KV, the producer only sends"
+    producer = sc.kind.endswith("-producer")
+    assert (loads > 0) == (not producer), "consumers load KV, the producer only sends"
     if sc.p_fail:
         assert d.worker.failed, "the stream must fail loads"
     errored = {rid for rid, reason in d.finish_reasons.items() if reason == "error"}
@@ -537,7 +591,7 @@ def test_stock_runs_through(name: str) -> None:
         assert sum(n for r in records for n in r["stores"].values()) > 0
         host_hits = {rid: n for rid, n in d.external.items() if rid.startswith("conv")}
         assert host_hits, "the small device pool must send turns to the host tier"
-    if sc.kind == "nixl-producer":
+    if producer:
         # Every remote-decode request (p0, p1, p3, ...) is sent once, after it finished.
         remote_decode = sorted(rid for rid in prompts if int(rid[1:]) % 3 != 2)
         sent = [rid for r in records for rid in r["finished_sending"]]
