@@ -7,7 +7,8 @@
 //! configuration run in lockstep: `m` gets the batched `step`, the `twin` the same work as
 //! `append_tokens` + `allocate_slots` calls, so block tables must agree exactly. After every
 //! operation:
-//! - `check_invariants()` holds on both (docs/design.md, "KV cache groups");
+//! - `check_invariants()` holds on both (docs/design.md, "KV cache groups"), also after
+//!   `release_skipped_blocks` (what a window left, released once the caller's steps settled);
 //! - a failed call left the observable state unchanged;
 //! - an allocation changed the free count by exactly `take - release` of `num_blocks_needed`,
 //!   and failed with `OutOfBlocks` exactly when `take > free + release`;
@@ -82,6 +83,7 @@ enum Op {
     DeferFree { seq: u8 },
     DeferPreempt { seqs: Vec<u8> },
     Release { i: u8 },
+    Prune { seq: u8, back: u8 },
 }
 
 #[derive(Arbitrary, Debug)]
@@ -428,6 +430,21 @@ fuzz_target!(|input: Input| {
                 assert!(m.release_deferred(h).is_err());
                 assert!(twin.release_deferred(h).is_err());
                 false
+            }
+            Op::Prune { seq, back } => {
+                let id = u64::from(seq % ID_SPACE);
+                let n = m
+                    .num_computed_tokens(id)
+                    .unwrap_or(0)
+                    .saturating_sub(usize::from(back % 40))
+                    + usize::from(back >= 240);
+                let r = m.release_skipped_blocks(id, n);
+                assert_eq!(r, twin.release_skipped_blocks(id, n));
+                if let Ok(released) = &r {
+                    let n = released.iter().map(Vec::len).sum::<usize>();
+                    assert!(m.pool().num_free() >= free0 && m.pool().num_free() - free0 <= n);
+                }
+                r.is_err()
             }
         };
         if failed {

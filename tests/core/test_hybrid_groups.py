@@ -501,3 +501,38 @@ def test_reset_drops_the_hashes_of_swapped_out_blocks() -> None:
     m.add_sequence(3, prompt)
     assert m.lookup_prefix(3) == 16
     m.check_invariants()
+
+
+def test_release_skipped_blocks_releases_what_the_window_left_early() -> None:
+    """Full + sliding window 8 (block size 4), 20 tokens computed and settled: a query from
+    position 20 on reads from 13, so window blocks 0..2 go (tail first) and the full group
+    keeps all five; the count is capped at the computed tokens; bad calls are typed and
+    change nothing; the next allocations run on the pruned tables."""
+    groups = [KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("sliding_window", 4, 8, window=8)]
+    m = KVCacheManager(CacheConfig(32, groups=groups, layer_groups=[0, 1]))
+    m.add_sequence(1, list(range(1, 21)))
+    m.allocate_slots(1, 20)
+    full, window = (t.tolist() for t in m.block_tables(1))
+    free = m.pool.num_free
+    released = m.release_skipped_blocks(1, 100)  # capped at the 20 computed tokens
+    assert [r.tolist() for r in released] == [[], [window[2], window[1], window[0]]]
+    assert [t.tolist() for t in m.block_tables(1)] == [full, [0, 0, 0, *window[3:]]]
+    assert m.pool.num_free == free + 3
+    assert [r.tolist() for r in m.release_skipped_blocks(1, 12)] == [[], []]  # window of 12 already gone
+    m.check_invariants()
+    before = [t.tolist() for t in m.block_tables(1)], m.pool.free_queue().tolist()
+    for call, cls in (
+        (lambda: m.release_skipped_blocks(2, 4), pagedkv.UnknownSequenceError),
+        (lambda: m.release_skipped_blocks(1, -1), pagedkv.InvalidArgumentError),
+        (lambda: m.release_skipped_blocks(1, 1.5), pagedkv.InvalidArgumentError),
+    ):
+        with pytest.raises(cls):
+            call()
+    assert ([t.tolist() for t in m.block_tables(1)], m.pool.free_queue().tolist()) == before
+    m.append_tokens(1, [99])
+    m.allocate_slots(1, 1)
+    assert [t.tolist() for t in m.block_tables(1)][1][:3] == [0, 0, 0] and m.num_computed_tokens(1) == 21
+    m.check_invariants()
+    m.preempt([1])
+    with pytest.raises(pagedkv.InvalidSequenceStateError):
+        m.release_skipped_blocks(1, 20)

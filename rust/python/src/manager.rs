@@ -696,6 +696,30 @@ impl PyKvCacheManager {
         Ok(released.into_iter().map(|g| block_array(py, g)).collect())
     }
 
+    /// Releases the blocks of ``seq_id``'s windowed groups that no query from position
+    /// ``num_tokens`` on reads, once every forward pass whose query starts below
+    /// ``num_tokens`` has completed (vLLM's ``remove_skipped_blocks`` on the settled-token
+    /// basis: its scheduler prunes a finishing request's table this way before a KV
+    /// connector reads it). The rule an allocation applies once its context reaches
+    /// ``num_tokens``, applied early; ``num_tokens`` is capped at the computed tokens and
+    /// full-attention groups keep everything. Released entries become null; registered blocks
+    /// stay cached. Returns one ``int32[r_g]`` array of released blocks per group (tail first).
+    ///
+    /// Raises: ``UnknownSequenceError``; ``InvalidSequenceStateError`` unless running;
+    /// ``InvalidArgumentError`` (``num_tokens`` negative or not an int).
+    fn release_skipped_blocks(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<Py<PyArray1<i32>>>> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let n = count(num_tokens, "num_tokens")?;
+        let m = &self.inner;
+        let released = py.detach(|| m.release_skipped_blocks(seq, n)).py(py)?;
+        Ok(released.into_iter().map(|g| block_array(py, g)).collect())
+    }
+
     /// Draft tokens pending on ``seq_id`` (0 unless its last allocation had drafts not yet
     /// resolved by ``accept_drafts``). Raises ``UnknownSequenceError``.
     fn num_draft_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {

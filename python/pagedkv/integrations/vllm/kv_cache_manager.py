@@ -1169,10 +1169,23 @@ class PagedKVCacheManager(SharedManagerCalls):
             )
         return blocks
 
-    def remove_skipped_blocks(self, request_id: str, *args: Any, **kwargs: Any) -> None:
-        """No-op: pagedkv releases out-of-window blocks in the allocation that moves the
-        window, before it counts the blocks it needs (as vLLM's ``allocate_slots``); full
-        attention never skips blocks."""
+    def remove_skipped_blocks(
+        self,
+        request_id: str,
+        processed_computed_tokens: int,
+        num_prompt_tokens: int | None = None,
+    ) -> None:
+        """Releases the request's out-of-window blocks for queries from
+        ``processed_computed_tokens`` on: vLLM's scheduler calls it on the settled-token basis
+        before it hands a finishing request's table to a KV connector, so the connector is
+        given no block the window has left. The allocation that moves a window releases them
+        as well; this does it early. Full attention keeps everything; ``num_prompt_tokens`` is
+        not used. A request without a running pagedkv sequence is left as it is."""
+        self._sync()
+        seq = self._seq_of.get(request_id)
+        if seq is None or self._kvm.status(seq) != "running":
+            return
+        self._kvm.release_skipped_blocks(seq, max(0, processed_computed_tokens))
 
     def reset_prefix_cache(self) -> bool:
         """Drops every group's prefix-cache entries; False (nothing changed) while any block is

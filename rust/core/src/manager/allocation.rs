@@ -372,6 +372,63 @@ impl KvCacheManager {
         Ok(released)
     }
 
+    /// Releases the blocks of `seq`'s windowed groups that no query from position
+    /// `num_tokens` on reads, once the caller knows every forward pass whose query starts
+    /// below `num_tokens` has completed (vLLM's `remove_skipped_blocks` on the settled-token
+    /// basis: its scheduler prunes a finishing request's table this way, with asynchronous
+    /// scheduling, before a KV connector reads it). The rule is the one an allocation applies
+    /// when its context reaches `num_tokens` (the window of `num_tokens`, with sparse
+    /// retention the latest replayable point), applied early. `num_tokens` is capped at the
+    /// computed tokens; full-attention groups keep everything. Released blocks go back to the
+    /// pool tail first (registered ones stay cached, evictable) and their table entries become
+    /// null. Returns the ids released, one list per group.
+    ///
+    /// Errors (state unchanged): [`Error::UnknownSequence`]; [`Error::InvalidSequenceState`]
+    /// unless running.
+    pub fn release_skipped_blocks(
+        &self,
+        seq: SeqId,
+        num_tokens: usize,
+    ) -> Result<Vec<Vec<BlockId>>> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        if s.status != SeqStatus::Running {
+            return Err(bad_state(
+                seq,
+                s.status,
+                "release_skipped_blocks",
+                "running",
+            ));
+        }
+        let settled = num_tokens.min(s.num_computed);
+        let mut released = vec![Vec::new(); self.num_groups()];
+        for (g, t) in s.tables.iter_mut().enumerate() {
+            let spec = self.cfg.groups[g];
+            let keep =
+                (self.keep_from(&spec, settled) / spec.block_size as usize).min(t.blocks.len());
+            if keep <= t.live_from {
+                continue;
+            }
+            for j in (t.live_from..keep).rev() {
+                let b = std::mem::replace(&mut t.blocks[j], NULL_BLOCK);
+                if b != NULL_BLOCK {
+                    released[g].push(b);
+                }
+            }
+            t.rewritten_from(t.live_from);
+            t.live_from = keep;
+        }
+        // Every query still to come (or in flight) starts at or after `settled`.
+        s.last_context = s.last_context.max(settled);
+        let all: Vec<BlockId> = released.iter().flatten().copied().collect();
+        if !all.is_empty() {
+            // Cannot fail: the sequence holds every one of them.
+            self.pool.free(&all)?;
+        }
+        Ok(released)
+    }
+
     /// Releases every GPU block the sequence holds, tail first, table by table.
     pub(super) fn release_all(&self, s: &Seq) {
         let tail_first = tail_first(s);
