@@ -881,7 +881,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         seq = self._register(request)
         first = request.num_computed_tokens == 0
         if self.async_scheduling and not first:
-            return self._allocate_async(request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks)
+            return self._allocate_async(
+                request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks, num_lookahead_tokens
+            )
         hit = num_new_computed_tokens if first else 0
         # Positions vLLM counts as computed that pagedkv holds uncomputed (see _accept_drafts).
         unwritten = self._unwritten.get(rid, 0)
@@ -1070,7 +1072,13 @@ class PagedKVCacheManager(SharedManagerCalls):
         return int(self._kvm.rollback(seq, target, poisoned=poisoned))
 
     def _allocate_async(
-        self, request: Any, seq: int, num_new_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int
+        self,
+        request: Any,
+        seq: int,
+        num_new_tokens: int,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        num_lookahead_tokens: int = 0,
     ) -> Any:
         """``_allocate`` of a running or resumed request under async scheduling.
 
@@ -1080,8 +1088,11 @@ class PagedKVCacheManager(SharedManagerCalls):
         slots past them, whose token ids a step in flight has not reported (output
         placeholders, placeholder drafts), get placeholder lookahead slots in every group only
         where the blocks pagedkv holds end before them (never hashed; settled by the next
-        allocation). Raises ``VllmStateMismatchError`` when pagedkv holds more computed tokens
-        than vLLM counts.
+        allocation). With ``num_lookahead_tokens`` (EAGLE / MTP) the slots run that much further
+        (capped at ``max_model_len``): the unknown slots then always take placeholder drafts
+        and the lookahead ones spare blocks, unless the blocks pagedkv holds (spare ones
+        included) cover them all. Raises ``VllmStateMismatchError`` when pagedkv holds more
+        computed tokens than vLLM counts.
         """
         rid = request.request_id
         bs = self.block_size
@@ -1098,23 +1109,36 @@ class PagedKVCacheManager(SharedManagerCalls):
         end = computed + num_new_tokens
         known_end = min(end, request.num_tokens)
         num_known_new = known_end - held
-        covered = max(-(-known_end // bs) * bs, self.decodes.held_end.get(rid, 0))
-        num_unknown = end - known_end if end > covered else 0
+        lookahead = num_lookahead_tokens
+        if lookahead and self.max_model_len is not None:
+            lookahead = max(0, min(lookahead, self.max_model_len - end))
+        if num_lookahead_tokens:
+            # Every slot's block is in pagedkv's tables (spare lookahead blocks included).
+            covered = len(self._kvm.block_table(seq, 0)) * bs
+            num_unknown = end - known_end if num_known_new or end + lookahead > covered else 0
+        else:
+            covered = max(-(-known_end // bs) * bs, self.decodes.held_end.get(rid, 0))
+            num_unknown = end - known_end if end > covered else 0
         if full_sequence_must_fit or reserved_blocks:
             free = self._kvm.num_free_blocks
             take, release = self._kvm.num_blocks_needed(seq, max(request.num_tokens - held, 1))
             if full_sequence_must_fit and take > free + release:
                 return None
-            if reserved_blocks and (-(-end // bs) - -(-held // bs)) * self.num_kv_cache_groups > free - reserved_blocks:
+            if (
+                reserved_blocks
+                and (-(-(end + lookahead) // bs) - -(-held // bs)) * self.num_kv_cache_groups > free - reserved_blocks
+            ):
                 return None
         if num_known_new == 0 and num_unknown == 0:
             # Every slot lies in blocks pagedkv holds already.
             return self.empty_kv_cache_blocks
-        out = self._allocate_one(seq, num_known_new, [0] * num_unknown if num_unknown else None)
+        out = self._allocate_one(seq, num_known_new, [0] * num_unknown if num_unknown else None, lookahead)
         if out is None:
             return None
         if num_unknown:
             self._unknown[rid] = end
+            self.decodes.close_window(rid)
+        elif num_lookahead_tokens:
             self.decodes.close_window(rid)
         elif known_end == self._num_known[rid]:
             self.decodes.set_window(rid, known_end)
