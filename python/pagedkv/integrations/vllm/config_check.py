@@ -7,9 +7,10 @@ of those two assumptions is refused here, with the setting named, instead of bei
 subtly wrong later: Mamba layers, cross
 attention, KV connectors that keep vLLM's own block pool (see
 :mod:`pagedkv.integrations.vllm.connectors`), context
-parallelism (blocks sharded across ranks), lookahead slots for tokens not yet known (EAGLE /
-MTP drafters; n-gram and other proposers whose draft tokens are scheduled are served, see
-``PagedKVCacheManager.allocate_slots``), diffusion decoding (a canvas rewritten in place),
+parallelism (blocks sharded across ranks), lookahead block hashes and multi-module MTP's prefill
+lookahead (EAGLE / EAGLE-3 / MTP drafters are served otherwise: their lookahead slots and the
+last-block drop of prefix hits, see ``_check_drafter``), diffusion decoding (a canvas rewritten
+in place),
 prompt embeddings (no token ids to hash), sub-block
 hash granularity, and the metrics / aux-output hooks that read vLLM's own block pool.
 """
@@ -57,8 +58,9 @@ def check_supported_config(
     every group's block size the scheduler's; :class:`PagedKVCacheManager` serves them all. Mamba groups are refused,
     naming them. Decoder-only model, a KV connector only as
     :func:`~pagedkv.integrations.vllm.connectors.check_kv_transfer_config` accepts it, no
-    context parallelism, no lookahead slots (n-gram speculative decoding and
-    other proposers without them are served), no diffusion decoding (``diffusion_config``), no
+    context parallelism, model-based drafters only as ``_check_drafter`` accepts them (EAGLE /
+    EAGLE-3 / single-module MTP with legacy block hashes or prefix caching off; n-gram and other
+    proposers are served), no diffusion decoding (``diffusion_config``), no
     prompt embeddings, ``hash_block_size ==
     block_size``, no KV-cache metrics sampling, no aux-output connector. Prefix caching on or
     off, chunked prefill, FCFS and priority policies, LoRA, multimodal inputs, cache salts, KV

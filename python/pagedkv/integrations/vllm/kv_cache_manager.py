@@ -715,9 +715,14 @@ class PagedKVCacheManager(SharedManagerCalls):
         external path (:meth:`_allocate_external`: a sync load computed at once, an async one
         staged until :meth:`cache_blocks`).
 
+        EAGLE / MTP: ``num_lookahead_tokens`` slots past the scheduled tokens (and drafts), capped
+        at ``max_model_len``, get blocks in every group in the same call, held as spare
+        lookahead blocks (never hashed) that the next allocations fill first, as vLLM holds
+        them.
+
         Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` (0 only with
-        ``delay_cache_blocks``) or a feature the config check refuses (lookahead slots, encoder
-        tokens), and
+        ``delay_cache_blocks``), ``num_lookahead_tokens < 0`` or a feature the config check
+        refuses (encoder tokens, lookahead slots with external tokens), and
         ``VllmStateMismatchError`` (a ``RuntimeError``) if pagedkv's computed-token count
         disagrees with the request's.
         """
