@@ -134,7 +134,7 @@ EXPECTED_REFUSED.update(
             "streaming-input sessions (resumable requests) are refused by the plug-in"
         ),
         f"{_OFFLOAD_SCHED}::TestSharedGroupMTPOffload::test_no_annotation_marks_no_groups": (
-            "lookahead slots (MTP / EAGLE num_lookahead_tokens) are refused by the plug-in"
+            "lookahead slots (MTP / EAGLE num_lookahead_tokens) with a KV connector are refused by the plug-in"
         ),
         **{
             f"{_OFFLOAD_SCHED}::{name}": (

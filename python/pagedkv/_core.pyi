@@ -464,16 +464,28 @@ class KVCacheManager:
     ) -> None: ...
     def append_tokens(self, seq_id: int, token_ids: _IntArrayLike) -> None: ...
     def lookup_prefix(self, seq_id: int) -> int: ...
+    def lookup_prefix_group(self, seq_id: int, group: int, limit: int) -> int:
+        """The longest prefix (at most ``min(limit, num_tokens)`` tokens) group ``group`` alone
+        serves from the prefix cache."""
+    def set_hit_limit(self, seq_id: int, limit: int | None) -> None:
+        """Cap a first allocation's prefix hit at ``min(limit, num_tokens)`` tokens (rounded
+        down to ``hit_unit``); ``None``: the default ``num_tokens - 1``."""
     def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> tuple[int, int]:
         """``(take, release)``; the allocation succeeds exactly when ``take <= num_free_blocks
         + release`` (release is 0 for full-attention groups)."""
     def num_blocks_needed_per_group(self, seq_id: int, num_new_tokens: int) -> list[tuple[int, int]]: ...
     def num_blocks_needed_with_drafts(
-        self, seq_id: int, num_new_tokens: int, num_draft_tokens: int
+        self, seq_id: int, num_new_tokens: int, num_draft_tokens: int, num_lookahead_slots: int | None = None
     ) -> tuple[int, int]: ...
     def allocate_slots(
-        self, seq_id: int, num_new_tokens: int, draft_token_ids: _IntArrayLike | None = None
-    ) -> SlotAllocation: ...
+        self,
+        seq_id: int,
+        num_new_tokens: int,
+        draft_token_ids: _IntArrayLike | None = None,
+        num_lookahead_slots: int | None = None,
+    ) -> SlotAllocation:
+        """``num_lookahead_slots``: slots past the scheduled tokens and drafts whose tokens do
+        not exist yet (EAGLE / MTP), held as spare blocks."""
     def allocate_external(
         self,
         seq_id: int,

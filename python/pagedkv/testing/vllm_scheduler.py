@@ -214,6 +214,26 @@ def ngram_speculative_config(vllm_config: VllmConfig, num_speculative_tokens: in
     )
 
 
+def eagle_speculative_config(
+    vllm_config: VllmConfig,
+    num_speculative_tokens: int,
+    method: str = "eagle",
+    *,
+    lookahead_block_hashes: bool = False,
+) -> SpeculativeConfig:
+    """A ``SpeculativeConfig`` that the scheduler reads as a model-based drafter's: ``method``
+    (``"eagle"``, ``"eagle3"`` or ``"mtp"``) with ``num_speculative_tokens`` drafts, so
+    ``vllm_config.num_lookahead_tokens == num_speculative_tokens`` and
+    ``num_prefill_lookahead_tokens == 1``; with ``lookahead_block_hashes`` off (default)
+    ``disable_lookahead_block_hashes`` is set, so vLLM drops the last block of prefix hits
+    (``use_eagle_block_drop``). No draft model is loaded (the harness runs no proposer: the
+    config is an n-gram one with its ``method`` set; drafts come from :func:`fake_drafts`)."""
+    config = ngram_speculative_config(vllm_config, num_speculative_tokens)
+    object.__setattr__(config, "method", method)
+    object.__setattr__(config, "disable_lookahead_block_hashes", not lookahead_block_hashes)
+    return config
+
+
 def fake_drafts(request_id: str, position: int, k: int) -> list[int]:
     """``k`` deterministic draft tokens for positions ``position ..``: the fake model's own
     token (so it is accepted) unless the position's hash says otherwise (about one in three

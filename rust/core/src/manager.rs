@@ -318,6 +318,9 @@ struct Seq {
     /// of its KV there descends from KV found invalid ([`KvCacheManager::evict_blocks`]), until
     /// a rollback to or below it or a recompute preemption.
     tainted_from: usize,
+    /// The most tokens a first allocation may take from the prefix cache
+    /// ([`KvCacheManager::set_hit_limit`]; [`usize::MAX`]: `num_tokens - 1`).
+    hit_limit: usize,
 }
 
 impl Seq {
@@ -546,6 +549,7 @@ impl KvCacheManager {
                 loading_from: 0,
                 rewrite_to: 0,
                 tainted_from: usize::MAX,
+                hit_limit: usize::MAX,
             },
         );
         Ok(())
@@ -573,13 +577,51 @@ impl KvCacheManager {
     }
 
     /// Tokens a first allocation of `seq` would take from the prefix cache now: the longest
-    /// prefix every group can serve, a multiple of the hit unit, at most `num_tokens - 1`.
+    /// prefix every group can serve, a multiple of the hit unit, at most `num_tokens - 1`
+    /// (or the sequence's hit limit, [`Self::set_hit_limit`]).
     /// No side effects. Errors: [`Error::UnknownSequence`].
     pub fn lookup_prefix(&self, seq: SeqId) -> Result<usize> {
         let mut st = self.state.lock();
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         let sim = Sim::new(&self.pool);
         Ok(self.find_hits(s, &sim).0)
+    }
+
+    /// The longest prefix of `seq`, at most `min(limit, num_tokens)` tokens (a multiple of the
+    /// hit unit), that group `group` alone serves from the prefix cache: a full-attention group
+    /// the chain of its cached blocks from the left, a windowed group the largest boundary
+    /// whose window blocks are all cached. A hit every group serves is at most the smallest of
+    /// them ([`Self::lookup_prefix`] reconciles them); a scheduler that reconciles the groups
+    /// by its own rule (EAGLE / MTP drop the last block of some groups' hits) probes them one
+    /// by one with this, then caps the allocation's hit with [`Self::set_hit_limit`]. 0 with
+    /// prefix caching off. No side effects. Errors: [`Error::UnknownSequence`];
+    /// [`Error::InvalidArgument`] (`group`) past the last group.
+    pub fn lookup_prefix_group(&self, seq: SeqId, group: usize, limit: usize) -> Result<usize> {
+        if group >= self.num_groups() {
+            return Err(Error::InvalidArgument {
+                arg: "group",
+                value: group.to_string(),
+                reason: format!("{} KV cache group(s)", self.num_groups()),
+            });
+        }
+        let mut st = self.state.lock();
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        Ok(self.group_hit(s, group, limit))
+    }
+
+    /// Sets the most tokens a first allocation of `seq` (and [`Self::lookup_prefix`]) may take
+    /// from the prefix cache: `Some(limit)` caps the hit at `min(limit, num_tokens)` tokens
+    /// (rounded down to the hit unit), `None` restores the default cap `num_tokens - 1`. A
+    /// limit of `num_tokens` is for probing with `lookup_prefix` only: an allocation whose hit
+    /// covers every token has nothing left to compute and fails. A drafter that needs the last
+    /// block of a hit recomputed (EAGLE / MTP's hidden states) probes and then caps the hit one
+    /// block shorter. Kept until set again (a recompute preemption's resume takes it too).
+    /// Errors: [`Error::UnknownSequence`]. O(1).
+    pub fn set_hit_limit(&self, seq: SeqId, limit: Option<usize>) -> Result<()> {
+        let mut st = self.state.lock();
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        s.hit_limit = limit.unwrap_or(usize::MAX);
+        Ok(())
     }
 
     /// Exactly what the next [`Self::allocate_slots`]`(seq, num_new_tokens)` takes from and
@@ -741,6 +783,64 @@ impl KvCacheManager {
         let a = self.allocate_locked_with_drafts(seq, s, num_new_tokens, draft_tokens, &mut out)?;
         self.absorb(st, out);
         Ok(a.into())
+    }
+
+    /// [`Self::allocate_slots_with_drafts`] plus `num_lookahead` slots past the scheduled
+    /// tokens and drafts, in every group, whose tokens do not exist yet (a drafter with its
+    /// own forward pass, EAGLE / MTP, writes KV there): every group's table covers
+    /// `context + q + drafts + num_lookahead` positions, the blocks past the scheduled tokens
+    /// and drafts held as spare blocks (private, never hashed; the next allocations fill them
+    /// before taking fresh ones; preemption or free releases them). Allowed mid-prompt (the
+    /// slots then lie over known tokens not scheduled yet). With `num_lookahead == 0` this is
+    /// `allocate_slots_with_drafts`. Same errors (`OutOfBlocks` counts the lookahead blocks).
+    pub fn allocate_slots_with_lookahead(
+        &self,
+        seq: SeqId,
+        num_new_tokens: usize,
+        draft_tokens: &[u32],
+        num_lookahead: usize,
+    ) -> Result<SlotAllocation> {
+        if num_lookahead == 0 {
+            return self.allocate_slots_with_drafts(seq, num_new_tokens, draft_tokens);
+        }
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        let mut ev = Vec::new();
+        let mut out = Alloc::default();
+        out.reset(self.num_groups());
+        self.allocate_general(
+            seq,
+            s,
+            num_new_tokens,
+            draft_tokens,
+            0,
+            0,
+            false,
+            num_lookahead,
+            &mut ev,
+            &mut out,
+        )?;
+        self.absorb(st, ev);
+        Ok(out.into())
+    }
+
+    /// Exactly what the next [`Self::allocate_slots_with_lookahead`] with `num_drafts` drafts
+    /// and `num_lookahead` lookahead slots takes from and gives back to the free pool. Errors
+    /// as that call except `OutOfBlocks`. No side effects.
+    pub fn num_blocks_needed_with_lookahead(
+        &self,
+        seq: SeqId,
+        num_new_tokens: usize,
+        num_drafts: usize,
+        num_lookahead: usize,
+    ) -> Result<BlockDemand> {
+        let mut st = self.state.lock();
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        let sim = Sim::new(&self.pool);
+        Ok(self
+            .plan_external(seq, s, num_new_tokens, num_drafts, 0, num_lookahead, &sim)?
+            .demand())
     }
 
     /// Exactly what the next [`Self::allocate_slots_with_drafts`] with `num_drafts` drafts

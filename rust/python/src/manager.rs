@@ -355,11 +355,52 @@ impl PyKvCacheManager {
 
     /// Tokens a first allocation of ``seq_id`` would take from the prefix cache now: the
     /// longest prefix every group serves (a multiple of ``hit_unit``, at most
-    /// ``num_tokens - 1``). No side effects. Raises ``UnknownSequenceError``.
+    /// ``num_tokens - 1``, or the limit ``set_hit_limit`` set). No side effects. Raises
+    /// ``UnknownSequenceError``.
     fn lookup_prefix(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let m = &self.inner;
         py.detach(|| m.lookup_prefix(seq)).py(py)
+    }
+
+    /// The longest prefix of ``seq_id`` (at most ``min(limit, num_tokens)`` tokens, a multiple
+    /// of ``hit_unit``) that KV cache group ``group`` alone serves from the prefix cache (a
+    /// full-attention group: its chain of cached blocks; a windowed group: the largest boundary
+    /// whose window blocks are cached). 0 with prefix caching off. No side effects. Raises
+    /// ``UnknownSequenceError``, ``InvalidArgumentError`` (``group`` out of range).
+    fn lookup_prefix_group(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        group: &Bound<'_, PyAny>,
+        limit: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let g = count(group, "group")?;
+        let l = count(limit, "limit")?;
+        let m = &self.inner;
+        py.detach(|| m.lookup_prefix_group(seq, g, l)).py(py)
+    }
+
+    /// Caps the prefix hit of ``seq_id``'s first allocation (and ``lookup_prefix``) at
+    /// ``min(limit, num_tokens)`` tokens, rounded down to ``hit_unit``; ``None`` restores the
+    /// default ``num_tokens - 1``. A limit of ``num_tokens`` is for probing with
+    /// ``lookup_prefix`` only (an allocation with nothing left to compute fails). Kept until
+    /// set again. Raises ``UnknownSequenceError``.
+    #[pyo3(signature = (seq_id, limit))]
+    fn set_hit_limit(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        limit: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let limit = match limit.filter(|l| !l.is_none()) {
+            Some(l) => Some(count(l, "limit")?),
+            None => None,
+        };
+        let m = &self.inner;
+        py.detach(|| m.set_hit_limit(seq, limit)).py(py)
     }
 
     /// ``(take, release)``: exactly the blocks the next ``allocate_slots(seq_id,
@@ -399,22 +440,29 @@ impl PyKvCacheManager {
 
     /// ``(take, release)`` of a verify step: ``num_blocks_needed`` with lookahead slots for
     /// ``num_draft_tokens`` drafts after the ``num_new_tokens`` scheduled ones (as
-    /// ``allocate_slots`` / ``step`` with drafts take them). Same errors, plus
-    /// ``InvalidArgumentError`` when the scheduled tokens do not reach the last token. No side
-    /// effects.
+    /// ``allocate_slots`` / ``step`` with drafts take them), and ``num_lookahead_slots``
+    /// lookahead slots after them (as ``allocate_slots`` takes them). Same errors, plus
+    /// ``InvalidArgumentError`` when the scheduled tokens do not reach the last token with
+    /// drafts. No side effects.
+    #[pyo3(signature = (seq_id, num_new_tokens, num_draft_tokens, num_lookahead_slots = None))]
     fn num_blocks_needed_with_drafts(
         &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
         num_draft_tokens: &Bound<'_, PyAny>,
+        num_lookahead_slots: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<(usize, usize)> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let q = count(num_new_tokens, "num_new_tokens")?;
         let k = count(num_draft_tokens, "num_draft_tokens")?;
+        let la = match num_lookahead_slots {
+            Some(l) => count(l, "num_lookahead_slots")?,
+            None => 0,
+        };
         let m = &self.inner;
         let d = py
-            .detach(|| m.num_blocks_needed_with_drafts(seq, q, k))
+            .detach(|| m.num_blocks_needed_with_lookahead(seq, q, k, la))
             .py(py)?;
         Ok((d.take, d.release))
     }
@@ -430,16 +478,22 @@ impl PyKvCacheManager {
     /// ``num_computed_tokens .. + k`` in the same call; they are not tokens of the sequence
     /// (nothing hashed, cached or announced for them) until ``accept_drafts`` keeps a prefix.
     ///
+    /// ``num_lookahead_slots`` (a drafter with its own forward pass, EAGLE / MTP): slots past
+    /// the scheduled tokens and drafts whose tokens do not exist yet, in every group; their
+    /// blocks are held as spare blocks (private, never hashed) that the next allocations fill
+    /// first. Allowed mid-prompt.
+    ///
     /// Raises: ``UnknownSequenceError``; ``InvalidSequenceStateError`` (swapped out, or drafts
     /// pending); ``InvalidArgumentError`` (``num_new_tokens == 0``, nothing left to compute, or
     /// drafts while the scheduled tokens do not reach the last token); ``OutOfBlocksError``.
-    #[pyo3(signature = (seq_id, num_new_tokens, draft_token_ids = None))]
+    #[pyo3(signature = (seq_id, num_new_tokens, draft_token_ids = None, num_lookahead_slots = None))]
     fn allocate_slots(
         &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
         num_new_tokens: &Bound<'_, PyAny>,
         draft_token_ids: Option<&Bound<'_, PyAny>>,
+        num_lookahead_slots: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PySlotAllocation> {
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let q = count(num_new_tokens, "num_new_tokens")?;
@@ -447,9 +501,13 @@ impl PyKvCacheManager {
             Some(d) => token_ids(d, "draft_token_ids")?,
             None => Vec::new(),
         };
+        let la = match num_lookahead_slots {
+            Some(l) => count(l, "num_lookahead_slots")?,
+            None => 0,
+        };
         let m = &self.inner;
         let a = py
-            .detach(|| m.allocate_slots_with_drafts(seq, q, &drafts))
+            .detach(|| m.allocate_slots_with_lookahead(seq, q, &drafts, la))
             .py(py)?;
         Ok(PySlotAllocation::from_core(a))
     }

@@ -115,7 +115,10 @@ class _Stand:
 @pytest.mark.parametrize(
     ("field", "value", "named"),
     [
-        ("num_lookahead_tokens", 3, "num_lookahead_tokens"),
+        # EAGLE / MTP lookahead slots are served; lookahead block hashes and multi-module MTP's
+        # prefill lookahead are not.
+        ("num_hash_lookahead_tokens", 1, "num_hash_lookahead_tokens"),
+        ("num_prefill_lookahead_tokens", 2, "num_prefill_lookahead_tokens"),
         (
             "kv_transfer_config",
             _Stand(
@@ -218,7 +221,7 @@ def test_zero_token_allocation_refused() -> None:
     with pytest.raises(pagedkv.InvalidArgumentError, match="num_new_tokens"):
         sched.kv_cache_manager.allocate_slots(req, 0)
     with pytest.raises(pagedkv.InvalidArgumentError, match="num_lookahead_tokens"):
-        sched.kv_cache_manager.allocate_slots(req, 4, num_lookahead_tokens=2)
+        sched.kv_cache_manager.allocate_slots(req, 4, num_lookahead_tokens=-1)
     assert sched.kv_cache_manager.manager.num_sequences == 0
 
 

@@ -131,21 +131,25 @@ def test_a_repeated_request_hits_the_same_prefix_as_without_speculation() -> Non
     assert hits[3] == hits[0] == (len(prompt) + 70 - 1) // BS * BS
 
 
-def test_ngram_is_accepted_and_lookahead_slots_are_refused() -> None:
+def test_ngram_is_accepted_and_so_are_lookahead_slots() -> None:
     cfg = _config(3, num_blocks=64)
     check_supported_config(cfg, make_kv_cache_config(64), BS)  # n-gram: no lookahead slots
     assert cfg.num_lookahead_tokens == 0
+    # An EAGLE / MTP drafter's lookahead slots are served (test_vllm_eagle.py); its lookahead
+    # block hashes are not.
+    check_supported_config(_Lookahead(cfg), make_kv_cache_config(64), BS)
     with pytest.raises(UnsupportedVllmConfigError) as err:
-        check_supported_config(_Lookahead(cfg), make_kv_cache_config(64), BS)
-    assert err.value.field == "num_lookahead_tokens" and isinstance(err.value, ValueError)
+        check_supported_config(_Lookahead(cfg, num_hash_lookahead_tokens=1), make_kv_cache_config(64), BS)
+    assert err.value.field == "num_hash_lookahead_tokens" and isinstance(err.value, ValueError)
 
 
 class _Lookahead:
     """``cfg`` as an EAGLE / MTP drafter's config reads: lookahead slots for its proposals."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, **values: Any) -> None:
         self._cfg = cfg
         self.num_lookahead_tokens = 3
+        self.__dict__.update(values)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cfg, name)

@@ -7,9 +7,10 @@ of those two assumptions is refused here, with the setting named, instead of bei
 subtly wrong later: Mamba layers, cross
 attention, KV connectors that keep vLLM's own block pool (see
 :mod:`pagedkv.integrations.vllm.connectors`), context
-parallelism (blocks sharded across ranks), lookahead slots for tokens not yet known (EAGLE /
-MTP drafters; n-gram and other proposers whose draft tokens are scheduled are served, see
-``PagedKVCacheManager.allocate_slots``), diffusion decoding (a canvas rewritten in place),
+parallelism (blocks sharded across ranks), lookahead block hashes and multi-module MTP's prefill
+lookahead (EAGLE / EAGLE-3 / MTP drafters are served otherwise: their lookahead slots and the
+last-block drop of prefix hits, see ``_check_drafter``), diffusion decoding (a canvas rewritten
+in place),
 prompt embeddings (no token ids to hash), sub-block
 hash granularity, and the metrics / aux-output hooks that read vLLM's own block pool.
 """
@@ -57,8 +58,9 @@ def check_supported_config(
     every group's block size the scheduler's; :class:`PagedKVCacheManager` serves them all. Mamba groups are refused,
     naming them. Decoder-only model, a KV connector only as
     :func:`~pagedkv.integrations.vllm.connectors.check_kv_transfer_config` accepts it, no
-    context parallelism, no lookahead slots (n-gram speculative decoding and
-    other proposers without them are served), no diffusion decoding (``diffusion_config``), no
+    context parallelism, model-based drafters only as ``_check_drafter`` accepts them (EAGLE /
+    EAGLE-3 / single-module MTP with legacy block hashes or prefix caching off; n-gram and other
+    proposers are served), no diffusion decoding (``diffusion_config``), no
     prompt embeddings, ``hash_block_size ==
     block_size``, no KV-cache metrics sampling, no aux-output connector. Prefix caching on or
     off, chunked prefill, FCFS and priority policies, LoRA, multimodal inputs, cache salts, KV
@@ -155,13 +157,7 @@ def check_supported_config(
             "flight, which the plug-in's placeholder slots are not tested with "
             "(use --no-async-scheduling)",
         )
-    for lookahead in (
-        "num_lookahead_tokens",
-        "num_hash_lookahead_tokens",
-        "num_prefill_lookahead_tokens",
-    ):
-        if (_attr(vllm_config, lookahead, 0) or 0) > 0:
-            raise _refuse(lookahead, _attr(vllm_config, lookahead), "lookahead slots are not managed")
+    _check_drafter(vllm_config, groups)
     diffusion = _attr(vllm_config, "diffusion_config")
     if diffusion is not None:
         raise _refuse(
@@ -180,3 +176,53 @@ def check_supported_config(
     aux = _attr(vllm_config, "aux_output_config")
     if _attr(aux, "enabled", False):
         raise _refuse("aux_output_config.enabled", True, "the aux-output connector is not supported")
+
+
+def _check_drafter(vllm_config: Any, groups: list[Any]) -> None:
+    """Model-based drafters (EAGLE, EAGLE-3, MTP): lookahead slots (``num_lookahead_tokens``)
+    and EAGLE's last-block drop of prefix hits are served; refused, naming the setting:
+    lookahead block hashes (``num_hash_lookahead_tokens > 0``, vLLM's default for EAGLE-family
+    drafters with prefix caching: a block's hash also covers the token after it, which
+    pagedkv's hashes do not), multi-module MTP's prefill lookahead
+    (``num_prefill_lookahead_tokens > 1``: its re-prefillable tokens are not managed), lookahead
+    slots with a KV connector, and the last-block drop on a chunked-local group (vLLM refuses
+    it too)."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    hashes = _attr(vllm_config, "num_hash_lookahead_tokens", 0) or 0
+    if hashes > 0:
+        raise _refuse(
+            "num_hash_lookahead_tokens",
+            hashes,
+            "lookahead block hashes (a block's hash covering the tokens after it) are not "
+            "managed; set speculative_config disable_lookahead_block_hashes=true (EAGLE's "
+            "last-block drop is served) or turn prefix caching off",
+        )
+    prefill = _attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0
+    if prefill > 1:
+        raise _refuse(
+            "num_prefill_lookahead_tokens",
+            prefill,
+            "multi-module MTP's re-prefillable prefill tokens are not managed (at most 1: "
+            "EAGLE-family drafters, single-module MTP)",
+        )
+    lookahead = _attr(vllm_config, "num_lookahead_tokens", 0) or 0
+    if lookahead > 0 and _attr(vllm_config, "kv_transfer_config") is not None:
+        raise _refuse(
+            "num_lookahead_tokens",
+            lookahead,
+            "lookahead slots with a KV connector are not managed",
+        )
+    spec = _attr(vllm_config, "speculative_config")
+    use_drop = bool(spec is not None and getattr(spec, "use_eagle_block_drop", lambda: False)())
+    caching = bool(_attr(_attr(vllm_config, "cache_config"), "enable_prefix_caching", False))
+    if use_drop and caching:
+        flagged = [g for g, group in enumerate(groups) if getattr(group, "is_eagle_group", False)]
+        for g in flagged or range(len(groups)):
+            group = groups[g]
+            if isinstance(group.kv_cache_spec, ChunkedLocalAttentionSpec):
+                raise _refuse(
+                    f"kv_cache_config.kv_cache_groups[{g}].kv_cache_spec",
+                    type(group.kv_cache_spec).__name__,
+                    "EAGLE's last-block drop on a chunked-local attention group is not served",
+                )

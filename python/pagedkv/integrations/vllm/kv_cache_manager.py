@@ -194,8 +194,15 @@ class PagedKVCacheManager(SharedManagerCalls):
             ``VllmConfig.max_in_flight_tokens``), for the windowed groups' admission cap;
             ``None``: ``max_model_len``.
         enable_caching: vLLM's ``enable_prefix_caching``.
-        use_eagle, num_hash_lookahead_tokens, num_prefill_lookahead, dcp_world_size,
-            pcp_world_size, metrics_collector: only their defaults (``False``, 0, 0, 1, 1,
+        use_eagle: vLLM's ``use_eagle_block_drop`` (EAGLE / EAGLE-3 / MTP drafters with legacy
+            block hashes): prefix hits of the groups holding the drafter's layers
+            (``is_eagle_group``; all groups when none is marked) drop their last matched block,
+            by vLLM's rules (see ``get_computed_blocks``).
+        num_prefill_lookahead: vLLM's ``num_prefill_lookahead_tokens``: 0 or 1 (EAGLE-family
+            drafters; the scheduler keeps prefill chunks out of it); more (multi-module MTP)
+            raises.
+        num_hash_lookahead_tokens, dcp_world_size,
+            pcp_world_size, metrics_collector: only their defaults (0, 1, 1,
             ``None``) are served (``check_supported_config`` refuses what needs others).
         log_stats: keep ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
         enable_kv_cache_events: record KV events for ``take_events``.
@@ -254,16 +261,51 @@ class PagedKVCacheManager(SharedManagerCalls):
                 )
         for name, value, default in (
             ("hash_block_size", hash_block_size, block_size),
-            ("use_eagle", use_eagle, False),
             ("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0),
-            ("num_prefill_lookahead", num_prefill_lookahead, 0),
             ("dcp_world_size", dcp_world_size, 1),
             ("pcp_world_size", pcp_world_size, 1),
             ("metrics_collector", metrics_collector, None),
         ):
             if value is not None and value != default:
                 raise _config_error(name, value, f"only {default} is served")
+        if num_prefill_lookahead > 1:
+            raise _config_error(
+                "num_prefill_lookahead",
+                num_prefill_lookahead,
+                "at most 1 is served (multi-module MTP's re-prefillable tokens are not)",
+            )
         self._specs = [group_spec_of(g.kv_cache_spec, block_size) for g in groups]
+        # EAGLE / MTP (vLLM's coordinator): the groups holding the drafter's layers
+        # (is_eagle_group), all of them when none is marked; with use_eagle their prefix hits
+        # drop the last matched block (the drafter needs its hidden states recomputed).
+        flagged = {i for i, g in enumerate(groups) if getattr(g, "is_eagle_group", False)}
+        if use_eagle and not flagged:
+            flagged = set(range(len(groups)))
+        #: KV cache groups holding an EAGLE / MTP drafter's layers (vLLM's ``eagle_group_ids``).
+        self.eagle_group_ids: set[int] = flagged
+        self.use_eagle = bool(use_eagle)
+        self._drop_groups = flagged if use_eagle and enable_caching else set()
+        if self._drop_groups and any(self._specs[g].kind == "chunked_local" for g in self._drop_groups):
+            raise _config_error(
+                "use_eagle", True, "EAGLE's last-block drop on a chunked-local group is not served (nor by vLLM)"
+            )
+        # vLLM's hit lookup groups KV cache groups of equal specs (full attention first): per
+        # such group, (its first group id, full attention?, drops the last block?).
+        spec_groups: list[tuple[Any, list[int]]] = []
+        for i, g in enumerate(groups):
+            for spec, ids in spec_groups:
+                if spec == g.kv_cache_spec:
+                    ids.append(i)
+                    break
+            else:
+                spec_groups.append((g.kv_cache_spec, [i]))
+        self._hit_groups = sorted(
+            (
+                (ids[0], self._specs[ids[0]].kind == "full", any(i in self._drop_groups for i in ids))
+                for _, ids in spec_groups
+            ),
+            key=lambda t: not t[1],
+        )
         layer_groups = [i for i, g in enumerate(groups) for _ in (g.layer_names or [None])]
         num_blocks = int(kv_cache_config.num_blocks)
         # vLLM's None (dense) and 0 (replay boundary + shared-prefix junctions) are both dense
@@ -520,16 +562,96 @@ class PagedKVCacheManager(SharedManagerCalls):
         recomputed for its logits). ``blocks`` is an opaque token for ``allocate_slots``. Raises
         ``InvalidArgumentError`` for a ``max_cache_hit_length`` below the hit (pagedkv takes the
         whole hit when it allocates), changing nothing.
+
+        With EAGLE's last-block drop (``use_eagle``) the hit is vLLM's: one group, the hit
+        above less one block; several groups, vLLM's reconciliation of the groups (each
+        drafter group matches one block past the candidate, capped at the request's full
+        blocks, and drops it; see :meth:`_eagle_hit`). The allocation takes exactly it.
         """
         if not self.prefix_cache_lookup_enabled(request):
             return self.empty_kv_cache_blocks, 0, 0
         self._sync()
         seq = self._register(request)
-        hit = self._kvm.lookup_prefix(seq)
+        if self._drop_groups:
+            hit = self._eagle_hit(request, seq)
+        else:
+            hit = self._kvm.lookup_prefix(seq)
         self._check_hit_cap(hit, max_cache_hit_length)
         if hit == 0:
             return self.empty_kv_cache_blocks, 0, 0
         return PrefixHit(hit, [hit // bs for bs in self.group_block_sizes], seq), hit, 0
+
+    def _eagle_hit(self, request: Any, seq: int) -> int:
+        """The prefix hit vLLM's coordinator gives ``request`` with EAGLE's last-block drop,
+        which then caps ``seq``'s first allocation (``set_hit_limit``).
+
+        One group: the longest cached prefix of at most ``num_tokens - 1`` tokens, less one
+        block. Several: vLLM's fixed point over the groups of equal specs, full attention
+        first, from ``num_tokens - 1``: a group holding drafter layers looks up to one block
+        past the candidate (at most ``num_tokens // block_size`` blocks) and drops its last
+        matched block (a windowed one needs its window cached at both the hit and one block
+        past it); other groups take the longest hit up to the candidate; any shrink restarts
+        the pass (one pass for one full-attention group plus one other)."""
+        kvm = self._kvm
+        bs = self.block_size
+        n = request.num_tokens
+        kvm.set_hit_limit(seq, None)
+        if self.num_kv_cache_groups == 1:
+            hit = max(kvm.lookup_prefix(seq) - bs, 0)
+        else:
+            hit = self._hybrid_eagle_hit(seq, n)
+        kvm.set_hit_limit(seq, hit)
+        return int(kvm.lookup_prefix(seq))
+
+    def _hybrid_eagle_hit(self, seq: int, num_tokens: int) -> int:
+        """vLLM's ``HybridKVCacheCoordinator.find_longest_cache_hit`` with drafter groups, on
+        pagedkv's per-group lookups (``lookup_prefix_group``)."""
+        kvm = self._kvm
+        bs = self.block_size
+        cap = num_tokens // bs * bs
+        groups = self._hit_groups
+        simple = len(groups) == 2 and groups[0][1]
+
+        def window(g: int, limit: int, drop: bool) -> int:
+            p = int(kvm.lookup_prefix_group(seq, g, limit))
+            if not drop:
+                return p
+            # The window cached at p and at p - bs: vLLM's one extra contiguous block.
+            while p > 0:
+                if kvm.lookup_prefix_group(seq, g, p - bs) == p - bs:
+                    return p - bs
+                p = int(kvm.lookup_prefix_group(seq, g, p - bs))
+            return 0
+
+        hit_length = num_tokens - 1
+        by_group: dict[int, int] = {}
+        verified: set[int] = set()
+        while True:
+            curr = hit_length
+            for idx, (g, full, eagle) in enumerate(groups):
+                if full and idx in by_group:
+                    curr = min(curr, by_group[idx])
+                    continue
+                drop = eagle and idx not in verified
+                limit = min(curr + bs, cap) if drop else curr
+                if full:
+                    h = int(kvm.lookup_prefix_group(seq, g, limit))
+                    if drop and h > 0:
+                        h -= bs
+                else:
+                    h = window(g, limit, drop)
+                if drop:
+                    verified.add(idx)
+                elif h < curr:
+                    verified.clear()
+                curr = h
+                by_group[idx] = h
+            if curr >= hit_length:
+                break
+            hit_length = curr
+            if simple:
+                break
+        return max(hit_length, 0) // bs * bs
 
     def estimate_cached_tokens(self, request: Any) -> int:
         """Tokens of ``request`` covered by blocks registered in the prefix cache (every group
@@ -593,9 +715,14 @@ class PagedKVCacheManager(SharedManagerCalls):
         external path (:meth:`_allocate_external`: a sync load computed at once, an async one
         staged until :meth:`cache_blocks`).
 
+        EAGLE / MTP: ``num_lookahead_tokens`` slots past the scheduled tokens (and drafts), capped
+        at ``max_model_len``, get blocks in every group in the same call, held as spare
+        lookahead blocks (never hashed) that the next allocations fill first, as vLLM holds
+        them.
+
         Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` (0 only with
-        ``delay_cache_blocks``) or a feature the config check refuses (lookahead slots, encoder
-        tokens), and
+        ``delay_cache_blocks``), ``num_lookahead_tokens < 0`` or a feature the config check
+        refuses (encoder tokens, lookahead slots with external tokens), and
         ``VllmStateMismatchError`` (a ``RuntimeError``) if pagedkv's computed-token count
         disagrees with the request's.
         """
@@ -694,12 +821,15 @@ class PagedKVCacheManager(SharedManagerCalls):
             demand += max(required - max(_skipped_tokens(spec, hit) // bs, hit_blocks), 0) + evictable_hits
         return demand
 
-    def _allocate_one(self, seq: int, num_tokens: int, drafts: list[int] | None) -> Any:
+    def _allocate_one(self, seq: int, num_tokens: int, drafts: list[int] | None, lookahead: int = 0) -> Any:
         """One sequence's ``allocate_slots`` in every group (``num_tokens`` known tokens
-        computed, ``drafts`` given lookahead slots): the ``pagedkv.SlotAllocation``, or None
-        when the pool cannot hold it (nothing changed). The per-request call, cheaper than a
-        one-sequence ``step`` (no batch arrays are built)."""
+        computed, ``drafts`` given lookahead slots, then ``lookahead`` slots of tokens not
+        known yet, EAGLE / MTP's): the ``pagedkv.SlotAllocation``, or None when the pool cannot
+        hold it (nothing changed). The per-request call, cheaper than a one-sequence ``step``
+        (no batch arrays are built)."""
         try:
+            if lookahead:
+                return self._kvm.allocate_slots(seq, num_tokens, drafts, lookahead)
             return self._kvm.allocate_slots(seq, num_tokens, drafts)
         except OutOfBlocksError:
             return None
@@ -756,7 +886,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         seq = self._register(request)
         first = request.num_computed_tokens == 0
         if self.async_scheduling and not first:
-            return self._allocate_async(request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks)
+            return self._allocate_async(
+                request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks, num_lookahead_tokens
+            )
         hit = num_new_computed_tokens if first else 0
         # Positions vLLM counts as computed that pagedkv holds uncomputed (see _accept_drafts).
         unwritten = self._unwritten.get(rid, 0)
@@ -781,13 +913,21 @@ class PagedKVCacheManager(SharedManagerCalls):
             drafts = (drafts or []) + [0 if unknown else UNWRITTEN_TOKEN] * extra
             num_drafts += extra
         num_known_new = num_new_tokens - num_drafts + unwritten
+        # EAGLE / MTP: slots past the scheduled tokens for the drafter's tokens (vLLM caps them
+        # at max_model_len); pagedkv holds their blocks as spare lookahead blocks.
+        lookahead = num_lookahead_tokens
+        if lookahead and self.max_model_len is not None:
+            end = request.num_computed_tokens + hit + num_new_tokens
+            lookahead = max(0, min(lookahead, self.max_model_len - end))
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
             free = self._kvm.num_free_blocks
             per_group = None
             if full_sequence_must_fit:
                 per_group = self._kvm.num_blocks_needed_per_group(seq, num_new_tokens)
-            if num_drafts:
+            if lookahead:
+                take, release = self._kvm.num_blocks_needed_with_drafts(seq, num_known_new, num_drafts, lookahead)
+            elif num_drafts:
                 take, release = self._kvm.num_blocks_needed_with_drafts(seq, num_known_new, num_drafts)
             elif per_group is not None and num_known_new == num_new_tokens:
                 # The admission's one planning call: the groups' parts sum to the total.
@@ -805,7 +945,7 @@ class PagedKVCacheManager(SharedManagerCalls):
                 return None
             if take + watermark > free + release - reserved_blocks:
                 return None
-        out = self._allocate_one(seq, num_known_new, drafts)
+        out = self._allocate_one(seq, num_known_new, drafts, lookahead)
         if out is None:
             return None
         if unwritten:
@@ -827,6 +967,8 @@ class PagedKVCacheManager(SharedManagerCalls):
             self.decodes.close_window(rid)
         elif drafts:
             self._drafts_pending[rid] = (computed - num_drafts, drafts)
+        elif num_lookahead_tokens:
+            self.decodes.close_window(rid)
         elif computed == self._num_known[rid]:
             self.decodes.set_window(rid, computed)
         return self._new_blocks(out)
@@ -865,6 +1007,13 @@ class PagedKVCacheManager(SharedManagerCalls):
                 reason="an async load (delay_cache_blocks) schedules 0 tokens, a sync one at least 1",
             )
         self._check_allocation_args(rid, 1, num_lookahead_tokens, 0, num_encoder_tokens, False)
+        if num_lookahead_tokens:
+            raise InvalidArgumentError(
+                f"request {rid!r}: num_lookahead_tokens={num_lookahead_tokens} with external tokens",
+                arg="num_lookahead_tokens",
+                value=str(num_lookahead_tokens),
+                reason="lookahead slots with a KV connector's external tokens are not served",
+            )
         if request.num_computed_tokens:
             raise InvalidArgumentError(
                 f"request {rid!r}: external tokens for a request with {request.num_computed_tokens} computed tokens",
@@ -928,7 +1077,13 @@ class PagedKVCacheManager(SharedManagerCalls):
         return int(self._kvm.rollback(seq, target, poisoned=poisoned))
 
     def _allocate_async(
-        self, request: Any, seq: int, num_new_tokens: int, full_sequence_must_fit: bool, reserved_blocks: int
+        self,
+        request: Any,
+        seq: int,
+        num_new_tokens: int,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        num_lookahead_tokens: int = 0,
     ) -> Any:
         """``_allocate`` of a running or resumed request under async scheduling.
 
@@ -938,8 +1093,11 @@ class PagedKVCacheManager(SharedManagerCalls):
         slots past them, whose token ids a step in flight has not reported (output
         placeholders, placeholder drafts), get placeholder lookahead slots in every group only
         where the blocks pagedkv holds end before them (never hashed; settled by the next
-        allocation). Raises ``VllmStateMismatchError`` when pagedkv holds more computed tokens
-        than vLLM counts.
+        allocation). With ``num_lookahead_tokens`` (EAGLE / MTP) the slots run that much further
+        (capped at ``max_model_len``): the unknown slots then always take placeholder drafts
+        and the lookahead ones spare blocks, unless the blocks pagedkv holds (spare ones
+        included) cover them all. Raises ``VllmStateMismatchError`` when pagedkv holds more
+        computed tokens than vLLM counts.
         """
         rid = request.request_id
         bs = self.block_size
@@ -956,23 +1114,36 @@ class PagedKVCacheManager(SharedManagerCalls):
         end = computed + num_new_tokens
         known_end = min(end, request.num_tokens)
         num_known_new = known_end - held
-        covered = max(-(-known_end // bs) * bs, self.decodes.held_end.get(rid, 0))
-        num_unknown = end - known_end if end > covered else 0
+        lookahead = num_lookahead_tokens
+        if lookahead and self.max_model_len is not None:
+            lookahead = max(0, min(lookahead, self.max_model_len - end))
+        if num_lookahead_tokens:
+            # Every slot's block is in pagedkv's tables (spare lookahead blocks included).
+            covered = len(self._kvm.block_table(seq, 0)) * bs
+            num_unknown = end - known_end if num_known_new or end + lookahead > covered else 0
+        else:
+            covered = max(-(-known_end // bs) * bs, self.decodes.held_end.get(rid, 0))
+            num_unknown = end - known_end if end > covered else 0
         if full_sequence_must_fit or reserved_blocks:
             free = self._kvm.num_free_blocks
             take, release = self._kvm.num_blocks_needed(seq, max(request.num_tokens - held, 1))
             if full_sequence_must_fit and take > free + release:
                 return None
-            if reserved_blocks and (-(-end // bs) - -(-held // bs)) * self.num_kv_cache_groups > free - reserved_blocks:
+            if (
+                reserved_blocks
+                and (-(-(end + lookahead) // bs) - -(-held // bs)) * self.num_kv_cache_groups > free - reserved_blocks
+            ):
                 return None
         if num_known_new == 0 and num_unknown == 0:
             # Every slot lies in blocks pagedkv holds already.
             return self.empty_kv_cache_blocks
-        out = self._allocate_one(seq, num_known_new, [0] * num_unknown if num_unknown else None)
+        out = self._allocate_one(seq, num_known_new, [0] * num_unknown if num_unknown else None, lookahead)
         if out is None:
             return None
         if num_unknown:
             self._unknown[rid] = end
+            self.decodes.close_window(rid)
+        elif num_lookahead_tokens:
             self.decodes.close_window(rid)
         elif known_end == self._num_known[rid]:
             self.decodes.set_window(rid, known_end)

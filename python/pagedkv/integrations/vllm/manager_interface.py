@@ -158,9 +158,16 @@ class SharedManagerCalls:
         num_encoder_tokens: int,
         delay_cache_blocks: bool,
     ) -> None:
-        """Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0`` or an ``allocate_slots``
-        option the config check refuses (lookahead slots, external / encoder tokens, delayed
-        caching)."""
+        """Raises ``InvalidArgumentError`` for ``num_new_tokens <= 0``, ``num_lookahead_tokens <
+        0`` or an ``allocate_slots`` option the config check refuses (external / encoder
+        tokens, delayed caching)."""
+        if num_lookahead_tokens < 0:
+            raise InvalidArgumentError(
+                f"num_lookahead_tokens must be >= 0 (got {num_lookahead_tokens}) for request {request_id!r}",
+                arg="num_lookahead_tokens",
+                value=str(num_lookahead_tokens),
+                reason="a count of slots",
+            )
         if num_new_tokens <= 0:
             raise InvalidArgumentError(
                 f"num_new_tokens must be >= 1 (got {num_new_tokens}) for request {request_id!r}",
@@ -169,7 +176,6 @@ class SharedManagerCalls:
                 reason="must schedule at least one token",
             )
         for name, value in (
-            ("num_lookahead_tokens", num_lookahead_tokens),
             ("num_external_computed_tokens", num_external_computed_tokens),
             ("num_encoder_tokens", num_encoder_tokens),
             ("delay_cache_blocks", int(delay_cache_blocks)),

@@ -102,7 +102,18 @@ impl KvCacheManager {
         if let Some(done) = self.extend_running(s, num_new_tokens, drafts, reserve, ev, out) {
             return done;
         }
-        self.allocate_general(seq, s, num_new_tokens, drafts, reserve, 0, false, ev, out)
+        self.allocate_general(
+            seq,
+            s,
+            num_new_tokens,
+            drafts,
+            reserve,
+            0,
+            false,
+            0,
+            ev,
+            out,
+        )
     }
 
     /// The general allocation (a plan, then its effects) of `num_new_tokens` tokens, the
@@ -119,6 +130,7 @@ impl KvCacheManager {
         reserve: usize,
         external: usize,
         staged: bool,
+        lookahead: usize,
         ev: &mut Vec<Pending>,
         out: &mut Alloc,
     ) -> Result<()> {
@@ -132,7 +144,15 @@ impl KvCacheManager {
         }
         let plan = {
             let sim = Sim::new(&self.pool);
-            self.plan_external(seq, s, num_new_tokens, drafts.len(), external, &sim)?
+            self.plan_external(
+                seq,
+                s,
+                num_new_tokens,
+                drafts.len(),
+                external,
+                lookahead,
+                &sim,
+            )?
         };
         let available = self.pool.num_free() + plan.release;
         let requested = plan.take.saturating_add(reserve);

@@ -211,7 +211,12 @@ impl KvCacheManager {
     pub(super) fn find_hits(&self, s: &mut Seq, sim: &Sim<'_>) -> (usize, Vec<Vec<BlockId>>) {
         let ng = self.num_groups();
         let unit = self.unit;
-        let mut l = (s.tokens.len() - 1) / unit * unit;
+        let cap = if s.hit_limit == usize::MAX {
+            s.tokens.len() - 1
+        } else {
+            s.hit_limit.min(s.tokens.len())
+        };
+        let mut l = cap / unit * unit;
         if !self.cfg.enable_prefix_caching || l == 0 {
             return (0, vec![Vec::new(); ng]);
         }
@@ -296,6 +301,37 @@ impl KvCacheManager {
         (l, hits)
     }
 
+    /// [`KvCacheManager::lookup_prefix_group`]: group `g` alone, at most `min(limit, num_tokens)`
+    /// tokens, a multiple of the hit unit.
+    pub(super) fn group_hit(&self, s: &mut Seq, g: usize, limit: usize) -> usize {
+        let unit = self.unit;
+        let l = limit.min(s.tokens.len()) / unit * unit;
+        if !self.cfg.enable_prefix_caching || l == 0 {
+            return 0;
+        }
+        let sim = Sim::new(&self.pool);
+        let host_guard = self.host.as_ref().map(|h| h.lock());
+        let host = host_guard.as_deref();
+        let spec = self.cfg.groups[g];
+        if spec.is_windowed() {
+            return self.window_hit(s, g, l, &sim, host);
+        }
+        let bs = spec.block_size as usize;
+        let mut n = 0;
+        while n < l / bs {
+            let key = self.key_at(s, g, n);
+            if sim.lookup(&key).is_none() {
+                break;
+            }
+            n += 1;
+        }
+        let n = match host {
+            Some(_) => self.served_from(host, s, g, n, l / bs, &sim),
+            None => n,
+        };
+        n * bs / unit * unit
+    }
+
     /// The largest hit-unit multiple `p <= l` at which windowed group `g` has every block of
     /// `[first_read(p), p)` cached (on the device, or with a host tier on either tier). Scans
     /// right to left; a miss at block `j` moves the candidate to the boundary at or below
@@ -347,13 +383,16 @@ impl KvCacheManager {
         num_drafts: usize,
         sim: &Sim<'_>,
     ) -> Result<Plan> {
-        self.plan_external(seq, s, num_new_tokens, num_drafts, 0, sim)
+        self.plan_external(seq, s, num_new_tokens, num_drafts, 0, 0, sim)
     }
 
     /// [`Self::plan_with_drafts`] whose first `external` scheduled tokens are loaded by a KV
     /// connector right after the prefix hit (a first allocation only, checked by the caller):
     /// a windowed group takes no block out of the window of `hit + external` (null entries
-    /// there, as if the loaded context had been computed and released).
+    /// there, as if the loaded context had been computed and released). `lookahead`: slots
+    /// past the scheduled tokens and drafts whose tokens do not exist yet (spare blocks after
+    /// the call; [`KvCacheManager::allocate_slots_with_lookahead`]).
+    #[allow(clippy::too_many_arguments)]
     #[inline(always)]
     pub(super) fn plan_external(
         &self,
@@ -362,6 +401,7 @@ impl KvCacheManager {
         num_new_tokens: usize,
         num_drafts: usize,
         external: usize,
+        lookahead: usize,
         sim: &Sim<'_>,
     ) -> Result<Plan> {
         if s.status == SeqStatus::Swapped {
@@ -434,7 +474,7 @@ impl KvCacheManager {
             });
         }
         // Slots up to here: the scheduled tokens, then the lookahead slots of the drafts.
-        let end = context + q + num_drafts;
+        let end = context + q + num_drafts + lookahead;
         let (mut take_all, mut release_all) = (0, 0);
         let mut per_group = SmallVec::new();
         let mut hit_free = FixedSet::default();

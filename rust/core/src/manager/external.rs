@@ -55,6 +55,7 @@ impl KvCacheManager {
             reserve_blocks,
             num_external_tokens,
             staged,
+            0,
             &mut ev,
             &mut out,
         )?;
@@ -82,6 +83,7 @@ impl KvCacheManager {
                 num_external_tokens + num_new_tokens,
                 0,
                 num_external_tokens,
+                0,
                 &sim,
             )?
             .demand())
