@@ -78,7 +78,9 @@ def _lockstep(
     kvm = paged.scheduler.kv_cache_manager
     assert isinstance(kvm, PagedKVCacheManager)
     assert kvm.group_block_sizes == tuple(g[2] for g in groups)
-    assert (kvm.block_size, kvm.coordinator.hash_block_size) == (lcm, hbs)
+    assert (kvm.block_size, kvm.coordinator.hash_block_size, kvm.block_pool.hash_block_size) == (lcm, hbs, hbs)
+    stock_coord = stock.scheduler.kv_cache_manager.coordinator
+    assert (stock_coord.scheduler_block_size, stock_coord.hash_block_size) == (lcm, hbs)
     records = []
     last = max(stream)
     for step in range(5000):
