@@ -18,6 +18,7 @@ already set (they only take effect if vLLM was not imported before).
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 import zlib
@@ -263,20 +264,25 @@ GEMMA3_GROUPS: tuple[tuple[str, int | None], ...] = (("full", None),) + (("slidi
 
 def make_hybrid_kv_cache_config(
     num_blocks: int,
-    groups: Sequence[tuple[str, int | None]],
+    groups: Sequence[tuple[Any, ...]],
     block_size: int = 16,
     *,
     layers_per_group: int = 3,
     retention_interval: int | None = None,
 ) -> KVCacheConfig:
-    """A hybrid ``KVCacheConfig``: one group per ``(kind, span)`` of ``groups`` (kind
-    ``"full"`` (span None), ``"sliding_window"`` (span = window) or ``"chunked_local"`` (span =
-    chunk)), ``layers_per_group`` layers each, one pool of ``num_blocks`` equal pages.
-    ``retention_interval`` is vLLM's ``prefix_cache_retention_interval`` (None: dense)."""
-    kw: dict[str, Any] = dict(block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    """A hybrid ``KVCacheConfig``: one group per ``(kind, span)`` or ``(kind, span,
+    group_block_size)`` of ``groups`` (kind ``"full"`` (span None), ``"sliding_window"`` (span =
+    window) or ``"chunked_local"`` (span = chunk); the group's block size in tokens defaults to
+    ``block_size``), ``layers_per_group`` layers each, one pool of ``num_blocks`` equal pages
+    (a group of a smaller block size has proportionally larger heads, as vLLM's page-size
+    unification gives it). ``retention_interval`` is vLLM's ``prefix_cache_retention_interval``
+    (None: dense)."""
+    sizes = [int(g[2]) if len(g) > 2 else block_size for g in groups]
+    page = math.lcm(*sizes)
     out = []
     layer = 0
-    for kind, span in groups:
+    for (kind, span, *_), bs in zip(groups, sizes, strict=True):
+        kw: dict[str, Any] = dict(block_size=bs, num_kv_heads=1, head_size=page // bs, dtype=torch.float32)
         if kind == "full":
             spec: Any = FullAttentionSpec(**kw)
         elif kind == "sliding_window":
@@ -294,20 +300,32 @@ def make_hybrid_kv_cache_config(
 
 
 def build_scheduler(
-    cls: type, vllm_config: VllmConfig, *, log_stats: bool = True, kv_cache_config: KVCacheConfig | None = None
+    cls: type,
+    vllm_config: VllmConfig,
+    *,
+    log_stats: bool = True,
+    kv_cache_config: KVCacheConfig | None = None,
+    block_size: int | None = None,
+    hash_block_size: int | None = None,
 ) -> Any:
     """``cls`` (vLLM's ``Scheduler`` or a subclass) built as the engine core builds it, with
-    ``kv_cache_config`` (default: one full-attention group of the config's blocks)."""
+    ``kv_cache_config`` (default: one full-attention group of the config's blocks).
+    ``block_size`` / ``hash_block_size``: the scheduler block size and prefix-hash granularity
+    the engine core passes (default: the config's block size, and ``hash_block_size`` left to
+    the scheduler's default, the block size)."""
     num_blocks = vllm_config.cache_config.num_gpu_blocks
-    block_size = vllm_config.cache_config.block_size
+    if block_size is None:
+        block_size = vllm_config.cache_config.block_size
     if kv_cache_config is None:
         kv_cache_config = make_kv_cache_config(num_blocks, block_size)
+    extra: dict[str, Any] = {} if hash_block_size is None else {"hash_block_size": hash_block_size}
     return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=block_size,
         log_stats=log_stats,
+        **extra,
     )
 
 

@@ -1,7 +1,7 @@
 """Which vLLM configurations the pagedkv scheduler serves, checked before anything is built.
 
-pagedkv manages one pool of equally sized blocks for full-attention, sliding-window and
-chunked-local KV cache groups, and it schedules only
+pagedkv manages one pool of equally sized pages for full-attention, sliding-window and
+chunked-local KV cache groups (of one block size or several), and it schedules only
 tokens whose ids are known (it hashes them as it allocates). Everything in vLLM that breaks one
 of those two assumptions is refused here, with the setting named, instead of being served
 subtly wrong later: Mamba layers, cross
@@ -10,13 +10,14 @@ attention, KV connectors that keep vLLM's own block pool (see
 parallelism (blocks sharded across ranks), lookahead block hashes and multi-module MTP's prefill
 lookahead (EAGLE / EAGLE-3 / MTP drafters are served otherwise: their lookahead slots and the
 last-block drop of prefix hits, see ``_check_drafter``), diffusion decoding (a canvas rewritten
-in place),
-prompt embeddings (no token ids to hash), sub-block
-hash granularity, and the metrics / aux-output hooks that read vLLM's own block pool.
+in place), prompt embeddings (no token ids to hash), block sizes whose hits vLLM places
+otherwise (see ``_check_block_sizes``), and the metrics / aux-output hooks that read vLLM's own
+block pool.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pagedkv.integrations.vllm.connectors import check_kv_transfer_config
@@ -38,6 +39,59 @@ def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default) if obj is not None else default
 
 
+def _check_block_sizes(groups: list[Any], block_size: int, hash_block_size: int | None, vllm_config: Any) -> None:
+    """Refuses block sizes whose prefix hits pagedkv would place other than vLLM.
+
+    vLLM 0.33's rules (``resolve_kv_cache_block_sizes``, ``HybridKVCacheCoordinator``): with
+    one group the scheduler block size is the group's and ``hash_block_size`` equals it while
+    prefix caching is on; with several, the scheduler block size is the LCM of the groups'
+    block sizes, ``hash_block_size`` divides every group's (their GCD by default), and without
+    Mamba layers every prefix hit is a multiple of the scheduler block size, found per group at
+    the group's own block size. pagedkv's hits are multiples of the same LCM (its hit unit).
+    """
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    sizes = [int(_attr(group.kv_cache_spec, "block_size")) for group in groups]
+    lcm = math.lcm(*sizes)
+    if len(groups) == 1 and sizes[0] != block_size:
+        raise _refuse(
+            "kv_cache_spec.block_size",
+            sizes[0],
+            f"must equal the scheduler block size {block_size} (one KV cache group)",
+        )
+    if block_size != lcm:
+        raise _refuse(
+            "block_size",
+            block_size,
+            f"the scheduler block size must be the least common multiple {lcm} of the KV cache "
+            f"groups' block sizes {sizes} (vLLM's rule): prefix hits are multiples of it",
+        )
+    for g, (group, bs) in enumerate(zip(groups, sizes, strict=True)):
+        if isinstance(group.kv_cache_spec, ChunkedLocalAttentionSpec) and bs != block_size:
+            raise _refuse(
+                f"kv_cache_config.kv_cache_groups[{g}].kv_cache_spec.block_size",
+                bs,
+                f"a chunked-local group's block size must equal the scheduler block size {block_size} "
+                "(vLLM does not serve chunked-local groups of another block size either)",
+            )
+    if hash_block_size is None:
+        return
+    caching = bool(_attr(_attr(vllm_config, "cache_config"), "enable_prefix_caching", False))
+    if hash_block_size <= 0 or any(bs % hash_block_size for bs in sizes):
+        raise _refuse(
+            "hash_block_size",
+            hash_block_size,
+            f"must divide every KV cache group's block size {sizes}",
+        )
+    if len(groups) == 1 and caching and hash_block_size != block_size:
+        raise _refuse(
+            "hash_block_size",
+            hash_block_size,
+            f"with one KV cache group and prefix caching on, prefix hits are whole blocks: "
+            f"must equal block_size {block_size} (as vLLM requires)",
+        )
+
+
 def check_supported_config(
     vllm_config: Any,
     kv_cache_config: Any,
@@ -55,14 +109,16 @@ def check_supported_config(
     Async scheduling is served (two batches in flight), except with pipeline parallelism.
     Accepted: KV cache groups whose specs are plain ``FullAttentionSpec`` /
     ``MLAAttentionSpec`` (no window), ``SlidingWindowSpec`` or ``ChunkedLocalAttentionSpec``,
-    every group's block size the scheduler's; :class:`PagedKVCacheManager` serves them all. Mamba groups are refused,
+    of one block size, or of several when the scheduler block size is their least common
+    multiple (vLLM's rule; a chunked-local group at the scheduler block size), with
+    ``hash_block_size`` dividing every group's block size (equal to it for one group with
+    prefix caching on); :class:`PagedKVCacheManager` serves them all. Mamba groups are refused,
     naming them. Decoder-only model, a KV connector only as
     :func:`~pagedkv.integrations.vllm.connectors.check_kv_transfer_config` accepts it, no
     context parallelism, model-based drafters only as ``_check_drafter`` accepts them (EAGLE /
     EAGLE-3 / single-module MTP with legacy block hashes or prefix caching off; n-gram and other
     proposers are served), no diffusion decoding (``diffusion_config``), no
-    prompt embeddings, ``hash_block_size ==
-    block_size``, no KV-cache metrics sampling, no aux-output connector. Prefix caching on or
+    prompt embeddings, no KV-cache metrics sampling, no aux-output connector. Prefix caching on or
     off, chunked prefill, FCFS and priority policies, LoRA, multimodal inputs, cache salts, KV
     events, the watermark and speculative decoding with scheduled draft tokens are all
     supported.
@@ -104,18 +160,15 @@ def check_supported_config(
                         "a windowed FullAttentionSpec (vLLM's hybrid KV cache manager disabled) "
                         "keeps every block in vLLM, which pagedkv does not model",
                     )
-        if _attr(spec, "block_size") != block_size:
+        if (_attr(spec, "extra_retained_tokens", 0) or 0) > 0:
             raise _refuse(
-                "kv_cache_spec.block_size",
-                _attr(spec, "block_size"),
-                f"must equal the scheduler block size {block_size}",
+                f"kv_cache_config.kv_cache_groups[{g}].kv_cache_spec.extra_retained_tokens",
+                _attr(spec, "extra_retained_tokens"),
+                "trailing tokens kept below the sliding window without being attended "
+                "(multi-module MTP re-prefill) are not modelled: pagedkv would release their "
+                "blocks before vLLM does",
             )
-    if hash_block_size is not None and hash_block_size != block_size:
-        raise _refuse(
-            "hash_block_size",
-            hash_block_size,
-            f"prefix hashes are per block; must equal block_size {block_size}",
-        )
+    _check_block_sizes(groups, block_size, hash_block_size, vllm_config)
     for flag in ("has_mamba_layers", "needs_kv_cache_zeroing"):
         if _attr(kv_cache_config, flag, False):
             raise _refuse(f"kv_cache_config.{flag}", True, "Mamba / zeroed KV state is not managed")

@@ -94,8 +94,9 @@ class CoordinatorView:
     Attributes (read-only): ``single_type_managers`` (one :class:`GroupManagerView` per KV cache
     group), ``num_single_type_manager`` (the number of groups), ``kv_cache_config`` (the one the
     manager was built from), ``block_size``,
-    ``enable_partial_hash_hits`` (False: pagedkv hashes whole blocks, the config check refuses
-    ``hash_block_size != block_size``), ``num_reprefillable_tokens`` (0: no multi-token
+    ``scheduler_block_size`` (the same), ``hash_block_size`` (vLLM's prefix-hash granularity),
+    ``enable_partial_hash_hits`` (False: hits are multiples of the scheduler block size, as
+    vLLM's without Mamba layers), ``num_reprefillable_tokens`` (0: no multi-token
     re-prefill).
     """
 
@@ -126,8 +127,19 @@ class CoordinatorView:
         return self._manager.block_size
 
     @property
+    def scheduler_block_size(self) -> int:
+        """The scheduler's block size in tokens (the LCM of the groups' block sizes)."""
+        return self._manager.block_size
+
+    @property
+    def hash_block_size(self) -> int:
+        """vLLM's prefix-hash granularity in tokens (``Request.block_hashes``)."""
+        return self._manager.hash_block_size
+
+    @property
     def enable_partial_hash_hits(self) -> bool:
-        """False: hits are whole blocks (``hash_block_size == block_size``)."""
+        """False: hits are multiples of the scheduler block size (vLLM enables partial hash
+        hits only for Mamba layers, which are refused)."""
         return False
 
     @property

@@ -8,7 +8,8 @@ usage, prefix-cache stats, reset, events, the per-step hooks, and ``coordinator`
 read-only view in :mod:`pagedkv.integrations.vllm.coordinator`), with pagedkv's
 ``KVCacheManager`` (Rust) as the block pool, prefix cache and block tables of every KV
 cache group: one group of full attention, or several (hybrid models: full attention, sliding
-window, chunked local; every group at the scheduler's block size). The decode fast path lives
+window, chunked local; of one block size, or of several whose least common multiple is the
+scheduler block size, as vLLM's hybrid coordinator serves them). The decode fast path lives
 in :mod:`pagedkv.integrations.vllm.decode_deferral`, the ``KVCacheBlocks`` results in
 :mod:`pagedkv.integrations.vllm.blocks`.
 
@@ -33,6 +34,12 @@ How vLLM's request maps onto a pagedkv sequence:
 
 Prefix hits, block counts and the all-or-nothing allocation follow vLLM's ``KVCacheManager``
 (the last prompt token is always recomputed; hits are whole blocks). With several groups:
+
+- groups may have different block sizes (vLLM 0.33: the scheduler block size is their LCM,
+  ``hash_block_size`` their GCD or a divisor of it): a hit is a multiple of the LCM (vLLM's
+  hit alignment without Mamba layers; pagedkv's hit unit), each group holding its own blocks
+  of it; vLLM's ``Request.block_hashes`` at ``hash_block_size`` are left to KV connectors
+  (pagedkv hashes each group's blocks itself); every allocation takes the per-request path;
 
 - ``KVCacheBlocks`` results carry one id list per group; a released sliding-window or
   chunked-local entry is the null block 0, as vLLM's own null block;
@@ -70,6 +77,7 @@ plus the prefix hit; a mismatch raises :class:`~pagedkv.integrations.vllm.VllmSt
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import pagedkv
@@ -187,9 +195,10 @@ class PagedKVCacheManager(SharedManagerCalls):
             one group; ``num_blocks`` GPU blocks incl. the null block 0).
         max_model_len: the scheduler's ``max_model_len`` in tokens (``None``: no admission cap
             for windowed groups).
-        scheduler_block_size: tokens per block (``None``: the groups'); every group's
-            ``block_size`` must equal it.
-        hash_block_size: the prefix-hash granularity (``None`` or the block size).
+        scheduler_block_size: the scheduler block size in tokens (``None``: the LCM of the
+            groups' block sizes); must be that LCM.
+        hash_block_size: vLLM's prefix-hash granularity (``None``: the scheduler block size);
+            must divide every group's block size. pagedkv does not hash at it.
         max_in_flight_tokens: tokens scheduled but not yet settled (vLLM's
             ``VllmConfig.max_in_flight_tokens``), for the windowed groups' admission cap;
             ``None``: ``max_model_len``.
@@ -212,7 +221,8 @@ class PagedKVCacheManager(SharedManagerCalls):
             xxh3-128).
 
     Raises ``InvalidConfigError`` (nothing built) for a group spec with no pagedkv equivalent,
-    a group block size other than the scheduler's, an unknown hash algorithm or an argument
+    a scheduler block size other than the LCM of the groups' block sizes, a
+    ``hash_block_size`` not dividing every group's block size, an unknown hash algorithm or an argument
     above other than its default. Other errors are pagedkv's typed errors
     (``pagedkv.errors``, ``pagedkv.integrations.vllm.errors``); a failing call changes nothing,
     except ``VllmStateMismatchError``: raised once pagedkv's record of a request is found to
@@ -249,18 +259,21 @@ class PagedKVCacheManager(SharedManagerCalls):
         groups = list(kv_cache_config.kv_cache_groups)
         if not groups:
             raise _config_error("kv_cache_config.kv_cache_groups", "[]", "at least one KV cache group")
-        block_size = int(groups[0].kv_cache_spec.block_size if scheduler_block_size is None else scheduler_block_size)
-        for g in groups:
-            if g.kv_cache_spec.block_size != block_size:
-                raise pagedkv.InvalidConfigError(
-                    f"KV cache group block size {g.kv_cache_spec.block_size} differs from the "
-                    f"scheduler block size {block_size}",
-                    field="kv_cache_spec.block_size",
-                    value=str(g.kv_cache_spec.block_size),
-                    reason=f"must equal {block_size}",
-                )
+        sizes = [int(g.kv_cache_spec.block_size) for g in groups]
+        lcm = math.lcm(*sizes)
+        block_size = lcm if scheduler_block_size is None else int(scheduler_block_size)
+        if block_size != lcm:
+            # vLLM's hits are multiples of the scheduler block size, pagedkv's of the LCM.
+            raise pagedkv.InvalidConfigError(
+                f"scheduler block size {block_size} is not the least common multiple {lcm} of the "
+                f"KV cache groups' block sizes {sizes}",
+                field="kv_cache_spec.block_size",
+                value=str(block_size),
+                reason=f"must equal {lcm}",
+            )
+        if hash_block_size is not None and (hash_block_size <= 0 or any(bs % hash_block_size for bs in sizes)):
+            raise _config_error("hash_block_size", hash_block_size, f"must divide every group's block size {sizes}")
         for name, value, default in (
-            ("hash_block_size", hash_block_size, block_size),
             ("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0),
             ("dcp_world_size", dcp_world_size, 1),
             ("pcp_world_size", pcp_world_size, 1),
@@ -274,6 +287,7 @@ class PagedKVCacheManager(SharedManagerCalls):
                 num_prefill_lookahead,
                 "at most 1 is served (multi-module MTP's re-prefillable tokens are not)",
             )
+        # Every group's page is block_size (the LCM) "bytes": pagedkv checks pages are equal.
         self._specs = [group_spec_of(g.kv_cache_spec, block_size) for g in groups]
         # EAGLE / MTP (vLLM's coordinator): the groups holding the drafter's layers
         # (is_eagle_group), all of them when none is marked; with use_eagle their prefix hits
@@ -327,7 +341,11 @@ class PagedKVCacheManager(SharedManagerCalls):
         self._waiting_states = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self._RUNNING = RequestStatus.RUNNING
 
+        #: The scheduler block size: the LCM of the groups' block sizes, the hit unit.
         self.block_size = block_size
+        #: vLLM's prefix-hash granularity (``Request.block_hashes``, kept for connectors);
+        #: pagedkv hashes each group's blocks itself.
+        self.hash_block_size = block_size if hash_block_size is None else int(hash_block_size)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.enable_kv_cache_events = enable_kv_cache_events
@@ -336,6 +354,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         self.num_kv_cache_groups = len(groups)
         #: Tokens per block of each KV cache group (read by the coordinator view).
         self.group_block_sizes = tuple(s.block_size for s in self._specs)
+        # The finest block boundary of any group (the block size when all groups share one).
+        self._unit = math.gcd(*self.group_block_sizes)
+        self._mixed = len(set(self.group_block_sizes)) > 1
         #: pagedkv's retention interval in tokens (0: dense).
         self.retention_interval = interval
         self.watermark_blocks = int(watermark * num_blocks)
@@ -375,7 +396,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         #: Decodes lag only when no group releases blocks as the sequence grows.
         self.decodes = DecodeDeferral(
             self._kvm,
-            block_size,
+            self._unit,
             len(groups),
             all(s.kind == "full" for s in self._specs),
             self._seq_of,
@@ -384,6 +405,9 @@ class PagedKVCacheManager(SharedManagerCalls):
             self.empty_kv_cache_blocks,
             self._RUNNING,
         )
+        # Groups of different block sizes: every allocation takes the per-request path (the
+        # batched decode path assumes one block boundary for every group).
+        self.decodes.enabled = not self._mixed
         # The fast path's state, read inline by allocate_slots once per decode (the same
         # dicts as the deferral's), its defer and its pre-call sync.
         self._lag = self.decodes.lag
@@ -422,12 +446,13 @@ class PagedKVCacheManager(SharedManagerCalls):
     @property
     def defer_decodes(self) -> bool:
         """Defer plain decodes of running requests and allocate them in one batched call
-        (``flush_decodes``); off: one call into Rust per ``allocate_slots``."""
+        (``flush_decodes``); off: one call into Rust per ``allocate_slots``. Always off with
+        KV cache groups of different block sizes (setting it on changes nothing then)."""
         return self.decodes.enabled
 
     @defer_decodes.setter
     def defer_decodes(self, on: bool) -> None:
-        self.decodes.enabled = bool(on)
+        self.decodes.enabled = bool(on) and not self._mixed
 
     @property
     def num_batched_allocations(self) -> int:
@@ -1100,7 +1125,6 @@ class PagedKVCacheManager(SharedManagerCalls):
         computed tokens than vLLM counts.
         """
         rid = request.request_id
-        bs = self.block_size
         computed = request.num_computed_tokens
         held = self._kvm.num_computed_tokens(seq)
         if held > computed:
@@ -1119,10 +1143,13 @@ class PagedKVCacheManager(SharedManagerCalls):
             lookahead = max(0, min(lookahead, self.max_model_len - end))
         if num_lookahead_tokens:
             # Every slot's block is in pagedkv's tables (spare lookahead blocks included).
-            covered = len(self._kvm.block_table(seq, 0)) * bs
+            covered = min(len(self._kvm.block_table(seq, g)) * b for g, b in enumerate(self.group_block_sizes))
             num_unknown = end - known_end if num_known_new or end + lookahead > covered else 0
         else:
-            covered = max(-(-known_end // bs) * bs, self.decodes.held_end.get(rid, 0))
+            # Slots every group's blocks cover (each group's blocks end on its own boundary).
+            covered = max(
+                min(-(-known_end // b) * b for b in self.group_block_sizes), self.decodes.held_end.get(rid, 0)
+            )
             num_unknown = end - known_end if end > covered else 0
         if full_sequence_must_fit or reserved_blocks:
             free = self._kvm.num_free_blocks
@@ -1131,7 +1158,8 @@ class PagedKVCacheManager(SharedManagerCalls):
                 return None
             if (
                 reserved_blocks
-                and (-(-(end + lookahead) // bs) - -(-held // bs)) * self.num_kv_cache_groups > free - reserved_blocks
+                and sum(-(-(end + lookahead) // b) - -(-held // b) for b in self.group_block_sizes)
+                > free - reserved_blocks
             ):
                 return None
         if num_known_new == 0 and num_unknown == 0:
@@ -1174,7 +1202,7 @@ class PagedKVCacheManager(SharedManagerCalls):
             known = self._num_known.get(rid)
             if known is None:
                 return
-        bs = self.block_size
+        bs = self._unit  # the finest block boundary of any group
         if num_computed_tokens // bs <= known // bs:
             return
         target = min(num_computed_tokens, request.num_tokens)
@@ -1326,9 +1354,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         return (*self.get_computed_blocks(request, max_cache_hit_length), False)
 
     def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
-        """The lookup result cut at ``num_computed_tokens``: pagedkv's hits are whole blocks
-        (``hash_block_size == block_size``), so vLLM asks this only for the whole hit, which
-        is returned unchanged. Raises ``InvalidArgumentError`` for a shorter cut (pagedkv
+        """The lookup result cut at ``num_computed_tokens``: pagedkv's hits are multiples of
+        the scheduler block size (no partial hash hits without Mamba layers), so vLLM asks this
+        only for the whole hit, which is returned unchanged. Raises ``InvalidArgumentError`` for a shorter cut (pagedkv
         takes its whole hit when it allocates)."""
         hit = blocks.num_tokens if isinstance(blocks, PrefixHit) else 0
         if num_computed_tokens != hit:

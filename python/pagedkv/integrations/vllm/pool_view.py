@@ -220,6 +220,12 @@ class BlockPoolView:
         return bool(self._owner.enable_caching)
 
     @property
+    def hash_block_size(self) -> int:
+        """vLLM's prefix-hash granularity in tokens (``Request.block_hashes``; a divisor of
+        every group's block size)."""
+        return int(self._owner.hash_block_size)
+
+    @property
     def null_block(self) -> Any:
         """The null block 0's view (one object)."""
         return self._owner.null_block_view
