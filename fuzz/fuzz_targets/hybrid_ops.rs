@@ -84,6 +84,8 @@ enum Op {
     DeferPreempt { seqs: Vec<u8> },
     Release { i: u8 },
     Prune { seq: u8, back: u8 },
+    Lookahead { seq: u8, n: u8, k: u8 },
+    HitLimit { seq: u8, limit: Option<u8> },
 }
 
 #[derive(Arbitrary, Debug)]
@@ -430,6 +432,55 @@ fuzz_target!(|input: Input| {
                 assert!(m.release_deferred(h).is_err());
                 assert!(twin.release_deferred(h).is_err());
                 false
+            }
+            Op::Lookahead { seq, n, k } => {
+                let id = u64::from(seq % ID_SPACE);
+                let (n, k) = (usize::from(n % 40), usize::from(k % 12));
+                let loading = m.status(id) == Ok(SeqStatus::Loading);
+                let need = m.num_blocks_needed_with_lookahead(id, n, 0, k);
+                let r = m.allocate_slots_with_lookahead(id, n, &[], k);
+                assert_eq!(r, twin.allocate_slots_with_lookahead(id, n, &[], k));
+                match (&need, &r) {
+                    (_, r) if loading => {
+                        assert!(
+                            matches!(r, Err(Error::InvalidSequenceState { .. })),
+                            "{r:?}"
+                        )
+                    }
+                    (Ok(d), Ok(_)) => {
+                        assert!(d.take <= free0 + d.release);
+                        assert_eq!(free0 as isize - m.pool().num_free() as isize, d.net());
+                        // Every group's table covers the lookahead positions.
+                        let end = m.num_computed_tokens(id).unwrap() + k;
+                        for (g, t) in m.block_tables(id).unwrap().iter().enumerate() {
+                            let bs = m.config().groups[g].block_size as usize;
+                            assert!(
+                                t.len() * bs >= end,
+                                "group {g}: {} slots < {end}",
+                                t.len() * bs
+                            );
+                        }
+                    }
+                    (Ok(d), Err(Error::OutOfBlocks { .. })) => assert!(d.take > free0 + d.release),
+                    (Err(a), Err(b)) => assert_eq!(a, b),
+                    (a, b) => panic!("demand {a:?} but allocation {b:?}"),
+                }
+                r.is_err()
+            }
+            Op::HitLimit { seq, limit } => {
+                let id = u64::from(seq % ID_SPACE);
+                let limit = limit.map(usize::from);
+                let r = m.set_hit_limit(id, limit);
+                assert_eq!(r, twin.set_hit_limit(id, limit));
+                if r.is_ok() {
+                    let hit = m.lookup_prefix(id).unwrap();
+                    assert_eq!(hit, twin.lookup_prefix(id).unwrap());
+                    assert!(
+                        limit.is_none_or(|l| hit <= l),
+                        "hit {hit} over the limit {limit:?}"
+                    );
+                }
+                r.is_err()
             }
             Op::Prune { seq, back } => {
                 let id = u64::from(seq % ID_SPACE);
