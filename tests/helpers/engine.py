@@ -176,6 +176,10 @@ def tiny_nemotron_h(folder: Path, **overrides: Any) -> ModelBundle:
         n_groups=2,
         conv_kernel=4,
         chunk_size=8,
+        # transformers clamps the time step below at time_step_min in its multi-token (chunked)
+        # scan only, not in its one-token decode; a floor no time step reaches keeps both paths
+        # (and the engine's, which always clamps) the same model.
+        time_step_min=1e-6,
         max_position_embeddings=512,
         tie_word_embeddings=False,
         bos_token_id=2,
@@ -193,6 +197,8 @@ def tiny_nemotron_h(folder: Path, **overrides: Any) -> ModelBundle:
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".D"):
                 p.uniform_(-1.0, 1.0)
+            elif name.endswith(".dt_bias"):  # time steps softplus(dt + bias) of about 0.05 to 1
+                p.uniform_(-3.0, 0.0)
     folder.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(str(folder))
     save_model(model, str(folder / "model.safetensors"))
