@@ -197,6 +197,9 @@ class LLMEngine:
         hf_model, tokenizer = (model, tokenizer) if loaded else load_hf_model(model, dtype=dtype)
         self.tokenizer = tokenizer
         self.model = build_model(hf_model, device=device, dtype=dtype)  # refuses unknown architectures
+        self.has_state = any(g.is_state for g in self.model.kv_groups)
+        if self.has_state:
+            _check_state_model_config(config)
         per_block = self.model.kv_bytes_per_block(block_size)
         self.config = config = config.resolved(per_block)
         num_kv_blocks, num_cpu_blocks = config.pools()
@@ -227,6 +230,7 @@ class LLMEngine:
                     self.model.num_layers,
                     block_size=block_size,
                     bytes_per_token=self.model.kv_bytes_per_token(),
+                    state_bytes=getattr(self.model, "state_bytes", None) if self.has_state else None,
                 )
                 if self.model.is_hybrid
                 else (None, None)
@@ -386,6 +390,9 @@ class LLMEngine:
                 return finished
             self.metrics_collector.on_step(self.manager.stats(), batch.num_prefill_tokens)
             logits = self.runner.execute(batch)  # 2. execute
+            if self.has_state:  # the commit fence: this step's states are written, publish them
+                for seq in batch.seqs:
+                    self.manager.commit_computed(seq.seq_id, self.manager.num_computed_tokens(seq.seq_id))
             rows, verify, plain = [], [], []
             at = 0  # logits row of the next sampling sequence
             for r, s, want, drafts in zip(batch.requests, batch.seqs, batch.sample, batch.drafts):
@@ -501,6 +508,23 @@ class LLMEngine:
     def stats(self) -> Any:
         """The KV cache manager's :class:`pagedkv.CacheStats`."""
         return self.manager.stats()
+
+
+def _check_state_model_config(config: EngineConfig) -> None:
+    """Refuse what the engine does not serve on a model with state groups (recurrent layers).
+
+    Raises:
+        EngineConfigError: ``kv_layout="virtual"`` (no block tables to hold states) or
+            ``speculative`` decoding (a rejected draft cannot be taken back out of a state).
+    """
+    if config.kv_layout != "paged":
+        raise EngineConfigError(
+            f"kv_layout={config.kv_layout!r} is not implemented for a model with recurrent (state) layers; use 'paged'"
+        )
+    if config.speculative is not None:
+        raise EngineConfigError(
+            f"speculative={config.speculative!r} is not implemented for a model with recurrent (state) layers"
+        )
 
 
 def _eos_ids(hf_model: Any, model: PagedCausalLM, tokenizer: Any) -> frozenset[int]:

@@ -34,6 +34,7 @@ from .models.model import PagedCausalLM
 from .models.rope import rope_lengths
 from .resources import guard_allocation
 from .scheduler import ScheduledBatch
+from .state_pages import zero_pages
 
 __all__ = ["ModelRunner"]
 
@@ -147,6 +148,17 @@ class ModelRunner:
             # slot of it copies exactly that group's layers.
             kernels.copy_blocks(self.kv_cache, bt.copies[:, 1:].contiguous())
 
+    def zero_state_blocks(self, batch: ScheduledBatch) -> None:
+        """Zero the fresh state blocks of the step's manager calls (their ``zero_blocks`` rows
+        ``(group, block)``: a state group's block that starts a sequence's state, or restarts it
+        after a recompute preemption), after the copies and before the forward pass, which
+        then updates each live state in place (:mod:`pagedkv.engine.state_pages`)."""
+        rows = [np.asarray(z) for out in batch.steps if (z := getattr(out, "zero_blocks", None)) is not None]
+        rows = [r for r in rows if r.size]
+        if rows:
+            blocks = torch.from_numpy(np.concatenate(rows)[:, 1].astype(np.int64)).to(self.device)
+            zero_pages(self.kv_cache, blocks)
+
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one step.
 
@@ -157,6 +169,7 @@ class ModelRunner:
         """
         bt = self.prepare(batch)
         self.apply_block_plans(bt)
+        self.zero_state_blocks(batch)
         if not batch.seqs:
             return torch.zeros(0, self.model.vocab_size)
         rope_lens = None
