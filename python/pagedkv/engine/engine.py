@@ -390,9 +390,8 @@ class LLMEngine:
                 return finished
             self.metrics_collector.on_step(self.manager.stats(), batch.num_prefill_tokens)
             logits = self.runner.execute(batch)  # 2. execute
-            if self.has_state:  # the commit fence: this step's states are written, publish them
-                for seq in batch.seqs:
-                    self.manager.commit_computed(seq.seq_id, self.manager.num_computed_tokens(seq.seq_id))
+            if self.has_state:
+                self._commit_step(batch)
             rows, verify, plain = [], [], []
             at = 0  # logits row of the next sampling sequence
             for r, s, want, drafts in zip(batch.requests, batch.seqs, batch.sample, batch.drafts):
@@ -421,6 +420,14 @@ class LLMEngine:
             self.requests.recover_from_failed_step(exc, [o.request_id for o in finished])
             raise
         return finished
+
+    def _commit_step(self, batch: Any) -> None:
+        """The commit fence of a model with state groups, after the forward pass of ``batch``
+        (a :class:`~pagedkv.engine.scheduler.ScheduledBatch`) completed: every position its
+        sequences computed is written, so the manager may publish the states that ended at an
+        aligned prefix (``manager.commit_computed``); until then no prefix hit can read them."""
+        for seq in batch.seqs:
+            self.manager.commit_computed(seq.seq_id, self.manager.num_computed_tokens(seq.seq_id))
 
     # ---- batch API ---------------------------------------------------------------------------
 
