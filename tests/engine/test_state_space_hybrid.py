@@ -91,7 +91,11 @@ def test_tiny_nemotron_h_is_a_state_space_hybrid(nemo):
     assert type(m).__name__ == "NemotronHForCausalLM"
     assert m.layer_kinds == TINY_NEMOTRON_H_LAYERS
     # One layer per group (1 attention layer, 2 Mamba-2 layers); the MLP layer in none.
-    assert m.kv_groups == (KVCacheGroup(None, (0,), "state"), KVCacheGroup(None, (1,)), KVCacheGroup(None, (2,), "state"))
+    assert m.kv_groups == (
+        KVCacheGroup(None, (0,), "state"),
+        KVCacheGroup(None, (1,)),
+        KVCacheGroup(None, (2,), "state"),
+    )
     assert m.num_kv_slots == 1 and m.state_bytes == 448 * 4
     assert [g.kind for g in engine.manager.groups] == ["state", "full", "state"]
     assert tuple(engine.runner.kv_cache.shape) == (1, 2, 64, BS, 2, 16)

@@ -426,8 +426,9 @@ class LLMEngine:
         (a :class:`~pagedkv.engine.scheduler.ScheduledBatch`) completed: every position its
         sequences computed is written, so the manager may publish the states that ended at an
         aligned prefix (``manager.commit_computed``); until then no prefix hit can read them."""
+        manager = cast(pagedkv.KVCacheManager, self.manager)  # state models: the paged layout only
         for seq in batch.seqs:
-            self.manager.commit_computed(seq.seq_id, self.manager.num_computed_tokens(seq.seq_id))
+            manager.commit_computed(seq.seq_id, manager.num_computed_tokens(seq.seq_id))
 
     # ---- batch API ---------------------------------------------------------------------------
 

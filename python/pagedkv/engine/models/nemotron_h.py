@@ -274,7 +274,14 @@ class NemotronHForCausalLM(PagedCausalLM):
                 qkv_t, o_t = mixer
                 q, k, v = linear(h, qkv_t).split([hq * d, hkv * d, hkv * d], dim=-1)
                 o = self._attend(
-                    li, q.reshape(t, hq, d), k.reshape(t, hkv, d), v.reshape(t, hkv, d), kv_cache, meta, self.scale, inputs
+                    li,
+                    q.reshape(t, hq, d),
+                    k.reshape(t, hkv, d),
+                    v.reshape(t, hkv, d),
+                    kv_cache,
+                    meta,
+                    self.scale,
+                    inputs,
                 )
                 out = linear(o.reshape(t, hq * d), o_t)
             else:
