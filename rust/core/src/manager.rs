@@ -1625,7 +1625,7 @@ impl KvCacheManager {
                     };
                     if self.cfg.groups[g].is_state() {
                         // No per-token KV: the kernel finds the state from the block table.
-                        row.extend(std::iter::repeat_n(-1i64, q));
+                        row.resize(row.len() + q, -1);
                     }
                     let mut pos = if self.cfg.groups[g].is_state() {
                         ctx + q

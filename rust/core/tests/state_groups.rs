@@ -4,8 +4,7 @@
 
 use pagedkv_core::events::KvEvent;
 use pagedkv_core::{
-    CacheConfig, Error, GroupSpec, KvCacheManager, SeqStatus, SequenceSpec, StepRequest,
-    NULL_BLOCK,
+    CacheConfig, Error, GroupSpec, KvCacheManager, SeqStatus, SequenceSpec, StepRequest, NULL_BLOCK,
 };
 
 const BS: u32 = 4;
@@ -95,8 +94,15 @@ fn worked_example_tables_copies_and_zero_rows() {
     assert_eq!(a.groups[STATE].copies, vec![(s1[0], s2[0])]);
     assert!(a.groups[STATE].zero_blocks.is_empty());
     assert!(a.groups[STATE].released.is_empty());
-    assert_eq!(m.block_tables(1).unwrap()[STATE], vec![NULL_BLOCK, s1[0], s2[0]]);
-    assert_eq!(stored(&m, STATE as u32), 0, "nothing of the state group published yet");
+    assert_eq!(
+        m.block_tables(1).unwrap()[STATE],
+        vec![NULL_BLOCK, s1[0], s2[0]]
+    );
+    assert_eq!(
+        stored(&m, STATE as u32),
+        0,
+        "nothing of the state group published yet"
+    );
     ok(&m);
     // Decode 10 -> 11 -> 12: same block, in place (no copy, nothing taken).
     for n in [11usize, 12] {
@@ -106,7 +112,10 @@ fn worked_example_tables_copies_and_zero_rows() {
         let a = m.allocate_slots(1, 1).unwrap();
         assert!(a.groups[STATE].new_block_ids.is_empty());
         assert!(a.groups[STATE].copies.is_empty());
-        assert_eq!(m.block_tables(1).unwrap()[STATE], vec![NULL_BLOCK, s1[0], s2[0]]);
+        assert_eq!(
+            m.block_tables(1).unwrap()[STATE],
+            vec![NULL_BLOCK, s1[0], s2[0]]
+        );
         ok(&m);
     }
     // 12 -> 13 crosses a boundary: the aligned state after 12 (in s2) is kept for its commit.
@@ -129,7 +138,11 @@ fn worked_example_tables_copies_and_zero_rows() {
     );
     assert_eq!(m.pool().num_cached_free(), cached_before + 2);
     assert_eq!(m.commit_computed(1, 13).unwrap(), 0, "nothing new");
-    assert_eq!(m.commit_computed(1, 4).unwrap(), 0, "below an earlier commit");
+    assert_eq!(
+        m.commit_computed(1, 4).unwrap(),
+        0,
+        "below an earlier commit"
+    );
     ok(&m);
 }
 
@@ -179,7 +192,11 @@ fn hit_after_commit_and_no_hit_before_the_fence() {
     assert_eq!(m.lookup_prefix_group(2, FULL, 10).unwrap(), 8);
     assert_eq!(m.lookup_prefix_group(2, STATE, 10).unwrap(), 0);
     assert_eq!(m.lookup_prefix(2).unwrap(), 0);
-    assert_eq!(m.commit_computed(1, 7).unwrap(), 0, "the state after 8 is not covered");
+    assert_eq!(
+        m.commit_computed(1, 7).unwrap(),
+        0,
+        "the state after 8 is not covered"
+    );
     assert_eq!(m.lookup_prefix(2).unwrap(), 0);
     assert_eq!(m.commit_computed(1, 10).unwrap(), 1);
     assert_eq!(m.lookup_prefix(2).unwrap(), 8);

@@ -510,12 +510,12 @@ impl KvCacheManager {
                 let live = (end - 1) / bs;
                 if first {
                     for &b in &hits {
-                        if b == HOST_HIT {
-                            take += 1;
-                        } else if b != NULL_BLOCK
-                            && b != VIRTUAL
-                            && sim.refc(b) == 0
-                            && hit_free.insert(b)
+                        // A host hit is loaded into a fresh block.
+                        if b == HOST_HIT
+                            || (b != NULL_BLOCK
+                                && b != VIRTUAL
+                                && sim.refc(b) == 0
+                                && hit_free.insert(b))
                         {
                             take += 1;
                         }
