@@ -691,12 +691,15 @@ impl KvCacheManager {
                 let t = &s.tables[g];
                 // Tail first, as the call releases them: the LRU order decides what is evicted.
                 released.extend(gp.release.iter().rev().map(|&j| t.blocks[j]));
-                touched.extend(
-                    gp.hits
-                        .iter()
-                        .copied()
-                        .filter(|&b| b != NULL_BLOCK && b != VIRTUAL && b != HOST_HIT),
-                );
+                if !self.cfg.groups[g].is_state() {
+                    // (A state group's hit is only a copy source, never taken.)
+                    touched.extend(
+                        gp.hits
+                            .iter()
+                            .copied()
+                            .filter(|&b| b != NULL_BLOCK && b != VIRTUAL && b != HOST_HIT),
+                    );
+                }
                 if gp.cow {
                     cow_src.push(t.blocks[plan.context / self.cfg.groups[g].block_size as usize]);
                 }
@@ -707,18 +710,6 @@ impl KvCacheManager {
             touched.sort_unstable();
             touched.dedup();
             sim.apply(&released, &touched, fresh, &cow_src);
-            if plan.first && self.has_state {
-                // A state group's hit block is released again by the same call.
-                let hit_srcs: Vec<BlockId> = plan
-                    .groups
-                    .iter()
-                    .enumerate()
-                    .filter(|(g, _)| self.cfg.groups[*g].is_state())
-                    .filter_map(|(_, gp)| gp.hits.last().copied())
-                    .filter(|&b| b != NULL_BLOCK && b != VIRTUAL && b != HOST_HIT)
-                    .collect();
-                sim.apply(&hit_srcs, &[], 0, &[]);
-            }
             if let Some(host) = self.host.as_ref() {
                 let t = &host.lock().tier;
                 sim.host_unsure |= sim.evicted.len() > t.num_blocks() as usize - t.num_used();
@@ -1625,7 +1616,7 @@ impl KvCacheManager {
                     };
                     if self.cfg.groups[g].is_state() {
                         // No per-token KV: the kernel finds the state from the block table.
-                        row.extend(std::iter::repeat_n(-1i64, q));
+                        row.resize(row.len() + q, -1);
                     }
                     let mut pos = if self.cfg.groups[g].is_state() {
                         ctx + q

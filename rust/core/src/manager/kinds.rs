@@ -29,13 +29,7 @@ impl KvCacheManager {
     /// is not the live block, or the live block of `num_computed` tokens with `num_computed`
     /// aligned), above the sequence's publish floor, publishable by the retention rule, and
     /// not published yet.
-    pub(super) fn state_pending(
-        &self,
-        s: &Seq,
-        g: usize,
-        j: usize,
-        num_computed: usize,
-    ) -> bool {
+    pub(super) fn state_pending(&self, s: &Seq, g: usize, j: usize, num_computed: usize) -> bool {
         let spec = &self.cfg.groups[g];
         let bs = spec.block_size as usize;
         let end = (j + 1) * bs;
