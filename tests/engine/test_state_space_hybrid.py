@@ -105,10 +105,10 @@ REGIMES = {
     "one-batch": dict(),
     "chunked-prefill": dict(max_tokens_per_step=5),
     "chunked-prefill-aligned": dict(max_tokens_per_step=16),
-    # 23 usable blocks: the longest request (76 tokens) needs 10 attention blocks and a few
-    # state blocks per state group, all six requests at once far more.
-    "recompute-preemption": dict(num_kv_blocks=24, max_tokens_per_step=8),
-    "swap-preemption": dict(num_kv_blocks=24, max_tokens_per_step=8, preemption="swap"),
+    # 21 usable blocks: the longest request (76 tokens) needs 10 attention blocks and one or
+    # two state blocks per state group, all six requests at once more (one preemption each).
+    "recompute-preemption": dict(num_kv_blocks=22, max_tokens_per_step=8),
+    "swap-preemption": dict(num_kv_blocks=22, max_tokens_per_step=8, preemption="swap"),
     "block-size-16": dict(block_size=16, num_kv_blocks=64),
     "batch-size-1": dict(max_num_seqs=1),
     "no-prefix-caching": dict(enable_prefix_caching=False),

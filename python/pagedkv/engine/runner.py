@@ -145,8 +145,14 @@ class ModelRunner:
                     event.synchronize()  # as before: swap plans complete before the step goes on
         if len(bt.copies):
             # A row is (group, src, dst); src belongs to that group alone, so copying every
-            # slot of it copies exactly that group's layers.
-            kernels.copy_blocks(self.kv_cache, bt.copies[:, 1:].contiguous())
+            # slot of it copies exactly that group's layers. Every row reads its source as it
+            # was before the step's copies (a state group's old live block, released by the
+            # manager call that planned the move, may be another row's fresh destination).
+            plan = bt.copies[:, 1:]
+            if _sources_overwritten(plan):
+                self.kv_cache[:, :, plan[:, 1].long()] = self.kv_cache[:, :, plan[:, 0].long()].clone()
+            else:
+                kernels.copy_blocks(self.kv_cache, plan.contiguous())
 
     def zero_state_blocks(self, batch: ScheduledBatch) -> None:
         """Zero the fresh state blocks of the step's manager calls (their ``zero_blocks`` rows
@@ -204,6 +210,14 @@ class ModelRunner:
         """Bytes of the host tier's cache (0 without a host tier)."""
         c = self.host_cache
         return 0 if c is None else c.numel() * c.element_size()
+
+
+def _sources_overwritten(plan: torch.Tensor) -> bool:
+    """Whether a block of copy plan ``plan`` (``int[K, 2]`` (src, dst) rows) is both a source
+    and a destination: then every source must be read before any destination is written
+    (the batched copy kernel refuses such plans)."""
+    rows = plan.tolist()
+    return bool({src for src, _ in rows} & {dst for _, dst in rows})
 
 
 def _without_repeated_targets(plan: torch.Tensor) -> list[torch.Tensor]:
