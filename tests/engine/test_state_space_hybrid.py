@@ -207,3 +207,28 @@ def test_moe_layers_are_refused(tmp_path):
     )
     with pytest.raises(EngineConfigError, match="layer 2 has type 'moe'"):
         LLMEngine(bundle.hf, tokenizer=bundle.tokenizer, block_size=BS, num_kv_blocks=16)
+
+
+def test_the_hit_state_is_what_the_tokens_need(nemo, monkeypatch):
+    # The prefix-hit check above can fail: with the state groups' copy rows dropped, the second
+    # request's Mamba-2 layers start from whatever their fresh live blocks held instead of the
+    # cached state after 24 tokens, and its tokens are no longer transformers'.
+    base = _prompts()[3]
+    tail = [5, 6, 7, 8, 9]
+    want = _cut(hf_greedy(nemo, base + tail, MAX_NEW))
+    engine = _engine(nemo, num_kv_blocks=64)
+    engine.generate([base], SamplingParams(max_tokens=1))
+    states = [g for g, grp in enumerate(engine.model.kv_groups) if grp.is_state]
+    apply = engine.runner.apply_block_plans
+    dropped = []
+
+    def without_state_copies(bt: Any) -> None:
+        keep = torch.tensor([int(g) not in states for g in bt.copies[:, 0].tolist()], dtype=torch.bool)
+        dropped.append(int((~keep).sum()))
+        bt.copies = bt.copies[keep]
+        apply(bt)
+
+    monkeypatch.setattr(engine.runner, "apply_block_plans", without_state_copies)
+    out = engine.generate([base + tail], SamplingParams(max_tokens=MAX_NEW))[0]
+    assert out.num_cached_tokens == 24 and dropped[0] == len(states)  # the hit's copy rows
+    assert list(out.token_ids) != want
