@@ -188,6 +188,13 @@ def test_preemption_mid_generation_recomputes_the_state(nemo):
 
 
 def test_state_models_refuse_what_the_engine_does_not_serve(nemo):
+    from pagedkv.engine import InvalidRequestError
+
+    engine = _engine(nemo, num_kv_blocks=16)
+    for params in (SamplingParams(max_tokens=4, n=2, temperature=1.0), SamplingParams(max_tokens=4, beam_width=2)):
+        with pytest.raises(InvalidRequestError, match="recurrent"):
+            engine.add_request([5, 6, 7], params)
+    assert not engine.has_unfinished()
     with pytest.raises(EngineConfigError, match="block_size >= 7"):
         _engine(nemo, block_size=4)
     with pytest.raises(EngineConfigError, match="speculative='ngram'"):

@@ -49,7 +49,7 @@ import numpy as np
 
 from pagedkv import OutOfBlocksError, OutOfSwapSpaceError
 
-from .errors import EngineConfigError, RequestTooLargeError
+from .errors import EngineConfigError, InvalidRequestError, RequestTooLargeError
 from .manager_protocol import EngineKVManager, StepResult
 from .request import Request, Sequence
 from .sampling import SamplingParams
@@ -198,13 +198,20 @@ class Scheduler:
             RequestTooLargeError: the prompt does not fit the model context, or prompt +
                 ``max_tokens`` needs more blocks than the pool's usable blocks (message names
                 the sizes in tokens and blocks).
+            InvalidRequestError: ``n > 1`` or beam search on a model with state groups (its
+                sequences would fork, and a recurrent state cannot be shared block by block).
         """
+        width = max(params.n, params.beam_width)
+        if width > 1 and any(self.group_states):
+            raise InvalidRequestError(
+                f"n={params.n}, beam_width={params.beam_width}: several sequences per request are not "
+                "served on a model with recurrent (state) layers (forks cannot share a state)"
+            )
         if num_prompt_tokens >= self.config.max_model_len:
             raise RequestTooLargeError(
                 f"prompt of {num_prompt_tokens} tokens does not fit the model context of "
                 f"{self.config.max_model_len} tokens (at least one token must be generated)"
             )
-        width = max(params.n, params.beam_width)
         need = self.max_blocks(num_prompt_tokens, params.max_tokens, width)
         if need > self.usable_blocks:
             raise RequestTooLargeError(
