@@ -1,5 +1,5 @@
 //! State groups (Mamba / linear attention recurrent states) and the commit fence
-//! (docs/design.md, "State groups and the commit fence"): live-state moves, copies and zero
+//! (docs/design.md, "KV cache groups", state groups): live-state moves, copies and zero
 //! rows, prefix hits on committed states only, releases on free / preempt / swap, refusals.
 
 use pagedkv_core::events::KvEvent;
