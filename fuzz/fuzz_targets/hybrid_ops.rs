@@ -296,7 +296,10 @@ fuzz_target!(|input: Input| {
                     assert_eq!(hit % m.hit_unit(), 0);
                     if has_state && hit > 0 {
                         let t = m.tokens(id).unwrap();
-                        assert!(committed.contains(&t[..hit]), "a hit on an uncommitted state");
+                        assert!(
+                            committed.contains(&t[..hit]),
+                            "a hit on an uncommitted state"
+                        );
                     }
                 }
                 false
