@@ -1,7 +1,7 @@
 """State groups (Mamba / linear-attention recurrent states) through the Python API: the live
 state's moves as copy rows, fresh states as zero rows, prefix hits on committed states only
 (the commit fence, ``KVCacheManager.commit_computed``), and typed refusals that change nothing
-(docs/design.md, "State groups and the commit fence")."""
+(docs/design.md, "KV cache groups", state groups)."""
 
 from __future__ import annotations
 

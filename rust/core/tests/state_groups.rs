@@ -1,5 +1,5 @@
 //! State groups (Mamba / linear attention recurrent states) and the commit fence
-//! (docs/design.md, "State groups and the commit fence"): live-state moves, copies and zero
+//! (docs/design.md, "KV cache groups", state groups): live-state moves, copies and zero
 //! rows, prefix hits on committed states only, releases on free / preempt / swap, refusals.
 
 use pagedkv_core::events::KvEvent;
@@ -455,16 +455,45 @@ mod model {
 
     #[derive(Debug, Clone)]
     pub enum Op {
-        Add { family: u8, len: u8 },
-        Append { seq: usize, n: u8 },
-        Allocate { seq: usize, n: u8 },
-        Step { seqs: Vec<usize>, n: u8 },
-        Commit { seq: usize, back: u8 },
-        Free { seq: usize },
-        Preempt { seq: usize },
-        SwapOut { seq: usize },
-        SwapIn { seq: usize },
-        Lookup { seq: usize },
+        Add {
+            family: u8,
+            len: u8,
+        },
+        Append {
+            seq: usize,
+            n: u8,
+        },
+        Allocate {
+            seq: usize,
+            n: u8,
+        },
+        Step {
+            seqs: Vec<usize>,
+            n: u8,
+        },
+        Commit {
+            seq: usize,
+            back: u8,
+        },
+        Free {
+            seq: usize,
+        },
+        Preempt {
+            seq: usize,
+        },
+        SwapOut {
+            seq: usize,
+        },
+        SwapIn {
+            seq: usize,
+        },
+        Lookup {
+            seq: usize,
+        },
+        /// `num_blocks_owed`, then every member's uncomputed tokens scheduled in order.
+        Owed {
+            seqs: Vec<usize>,
+        },
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -480,6 +509,7 @@ mod model {
             1 => any::<usize>().prop_map(|seq| Op::SwapOut { seq }),
             1 => any::<usize>().prop_map(|seq| Op::SwapIn { seq }),
             2 => any::<usize>().prop_map(|seq| Op::Lookup { seq }),
+            1 => prop::collection::vec(any::<usize>(), 1..4).prop_map(|seqs| Op::Owed { seqs }),
         ]
     }
 
@@ -689,6 +719,30 @@ mod model {
                     if let Some(id) = self.pick(seq) {
                         let _ = self.m.swap_in(&[id]);
                     }
+                }
+                Op::Owed { seqs } => {
+                    let mut ids: Vec<SeqId> = seqs.iter().filter_map(|&k| self.pick(k)).collect();
+                    ids.sort_unstable();
+                    ids.dedup();
+                    ids.retain(|&id| self.m.status(id).unwrap() != SeqStatus::Swapped);
+                    let owed = self.m.num_blocks_owed(&ids).unwrap();
+                    let free0 = self.m.pool().num_free();
+                    if owed > free0 {
+                        return;
+                    }
+                    // Exactly the peak of the members' demand, scheduled in order.
+                    let mut peak = 0isize;
+                    for &id in &ids {
+                        let left = self.m.num_tokens(id).unwrap()
+                            - self.m.num_computed_tokens(id).unwrap();
+                        if left == 0 {
+                            continue;
+                        }
+                        let a = self.m.allocate_slots(id, left).unwrap();
+                        self.note_end(id, a.num_context_tokens + a.num_scheduled_tokens);
+                        peak = peak.max(free0 as isize - self.m.pool().num_free() as isize);
+                    }
+                    assert_eq!(peak as usize, owed, "owed {owed}, peak {peak}");
                 }
                 Op::Lookup { seq } => {
                     if let Some(id) = self.pick(seq) {
