@@ -4,8 +4,11 @@ One :meth:`LLMEngine.step`, end to end::
 
     batch  = scheduler.schedule()          # FCFS, token budget, preemption; batched manager.step
                                            #   calls -> step outputs, COW/swap plans
-    logits = runner.execute(batch)         # BatchTensors.from_steps -> swap/copy blocks -> flat
-                                           #   varlen forward over the paged cache
+    logits = runner.execute(batch)         # BatchTensors.from_steps -> swap/copy blocks -> zero
+                                           #   fresh state blocks -> flat varlen forward over
+                                           #   the paged cache
+    commit_computed(seq, n)                # models with state groups (Nemotron-H): the commit
+                                           #   fence publishes states that ended aligned
     tokens = groups.sample(rows, logits)   # greedy / temperature / top-k / top-p; beam log-probs
     done   = groups.update(rows, tokens)   # append, fork n > 1 / beams, stop checks, free KV
     done  += groups.verify(...)            # speculative="ngram" only: accept drafts, emit

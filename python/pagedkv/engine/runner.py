@@ -2,8 +2,8 @@
 (:meth:`pagedkv.tensors.BatchTensors.from_steps`, the one allocator-to-kernel path, for every
 model's ``pagedkv.KVCacheManager``, of one KV cache group or several, the block tables kept
 from the steps' table deltas by a :class:`pagedkv.tensors.BlockTable`), applies the
-block plans (host stores, swap out, swap in, host loads, copy-on-write) and runs the forward
-pass.
+block plans (host stores, swap out, swap in, host loads, copy-on-write and state copy rows,
+then the zero rows of fresh state blocks) and runs the forward pass.
 
 Owns the KV cache tensors: the device cache ``[num_kv_slots, 2, num_blocks, block_size,
 num_kv_heads, head_size]`` (:meth:`PagedCausalLM.kv_cache_shape
