@@ -78,6 +78,27 @@ def test_mamba2_mixer_matches_transformers_layer(nemo, cuts):
             assert not torch.allclose(fresh, want[cuts[-2] :], atol=1e-3)
 
 
+def test_mamba2_mixer_batched_decode_equals_one_sequence_at_a_time(nemo):
+    # The engine runs every one-token sequence of a step in one batched scan step, its states
+    # strided rows of the step's pages: the same outputs and states as one at a time.
+    from pagedkv.engine.models.mamba2 import Mamba2Weights, mamba2_mix
+
+    m = Mamba2Weights.from_state_dict(
+        nemo.hf.config, nemo.hf.state_dict(), "model.layers.2.mixer.", device="cpu", dtype=torch.float32
+    )
+    gen = torch.Generator().manual_seed(3)
+    pages = torch.zeros(3, m.state_numel + 10)
+    for i in range(3):  # three different histories
+        mamba2_mix(m, torch.randn(4 + i, 64, generator=gen), pages[i, 5 : 5 + m.state_numel])
+    x = torch.randn(3, 1, 64, generator=gen)
+    one = pages.clone()
+    want = torch.stack([mamba2_mix(m, x[i], one[i, 5 : 5 + m.state_numel]) for i in range(3)])
+    got = mamba2_mix(m, x, pages[:, 5 : 5 + m.state_numel])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pages, one, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(pages[0], pages[1])
+
+
 # ---------------------------------------------------------------- the engine
 
 

@@ -138,55 +138,64 @@ class Mamba2Weights:
 
 
 def mamba2_mix(m: Mamba2Weights, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """Run one sequence's new tokens through the mixer, updating its recurrent state in place.
+    """Run sequences' new tokens through the mixer, updating their recurrent states in place.
 
     Args:
         m: the mixer.
-        x: ``[q, hidden]`` the sequence's new tokens (normed), ``q >= 1``.
+        x: ``[q, hidden]`` one sequence's new tokens (normed), ``q >= 1``; or ``[B, q, hidden]``,
+            ``B`` sequences of ``q`` new tokens each (decodes: ``q = 1``).
         state: ``[m.state_numel]`` the layer's state after the sequence's previous tokens (all
             zeros before its first token): the conv state ``[K - 1, conv_dim]`` then the SSM
-            state ``[H, P, N]``, flattened; overwritten with the state after the new tokens
-            (stored in its dtype; the scan runs in fp32).
+            state ``[H, P, N]``, flattened; ``[B, m.state_numel]`` for a batch (rows may be
+            strided, elements of a row contiguous). Overwritten with the state after the new
+            tokens (stored in its dtype; the scan runs in fp32).
 
     Returns:
-        ``[q, hidden]`` in ``x``'s dtype.
+        ``x``'s shape, ``hidden`` features, in ``x``'s dtype.
     """
-    q = x.shape[0]
+    if x.dim() == 2:
+        return _mix(m, x[None], state[None])[0]
+    return _mix(m, x, state)
+
+
+def _mix(m: Mamba2Weights, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """:func:`mamba2_mix` of ``B`` sequences: ``x`` ``[B, q, hidden]``, ``state`` ``[B, numel]``."""
+    bsz, q = x.shape[0], x.shape[1]
     h, p, g, n, k = m.num_heads, m.head_dim, m.num_groups, m.state_size, m.conv_kernel
     inner, conv_dim = m.inner, m.conv_dim
-    proj = x @ m.in_proj if m.in_bias is None else torch.addmm(m.in_bias, x, m.in_proj)
+    proj = x @ m.in_proj if m.in_bias is None else x @ m.in_proj + m.in_bias
     gate, xbc, dt = proj.split([inner, conv_dim, h], dim=-1)
 
     # Depthwise causal convolution over (previous K - 1 inputs, new inputs).
-    conv_state = state[: m.conv_numel].view(k - 1, conv_dim)
-    window = torch.cat([conv_state.to(xbc.dtype), xbc], dim=0)  # [K - 1 + q, conv_dim]
-    taps = window.unfold(0, k, 1)  # [q, conv_dim, K]: token t sees inputs t .. t + K - 1
+    conv_state = state[:, : m.conv_numel].unflatten(1, (k - 1, conv_dim))
+    window = torch.cat([conv_state.to(xbc.dtype), xbc], dim=1)  # [B, K - 1 + q, conv_dim]
+    taps = window.unfold(1, k, 1)  # [B, q, conv_dim, K]: token t sees inputs t .. t + K - 1
     conv = (taps * m.conv_weight).sum(-1)
     if m.conv_bias is not None:
         conv = conv + m.conv_bias
     conv = F.silu(conv)
-    conv_state.copy_(window[q:].to(state.dtype))
+    conv_state.copy_(window[:, q:].to(state.dtype))
 
     xs, b, c = conv.float().split([inner, g * n, g * n], dim=-1)
-    xs = xs.view(q, h, p)
+    xs = xs.unflatten(-1, (h, p))  # [B, q, H, P]
     per_group = h // g
-    b = b.view(q, g, n).repeat_interleave(per_group, dim=1)  # [q, H, N]: head h reads group h // (H/G)
-    c = c.view(q, g, n).repeat_interleave(per_group, dim=1)
-    step = F.softplus(dt.float() + m.dt_bias).clamp(min=m.dt_min)  # [q, H]
-    decay = torch.exp(step * m.neg_a)  # [q, H]
+    b = b.unflatten(-1, (g, n)).repeat_interleave(per_group, dim=2)  # [B, q, H, N]: head h reads group h // (H/G)
+    c = c.unflatten(-1, (g, n)).repeat_interleave(per_group, dim=2)
+    step = F.softplus(dt.float() + m.dt_bias).clamp(min=m.dt_min)  # [B, q, H]
+    decay = torch.exp(step * m.neg_a)
 
-    ssm_view = state[m.conv_numel :].view(h, p, n)
+    ssm_view = state[:, m.conv_numel :].unflatten(1, (h, p, n))
     s = ssm_view.float()
     ys = []
     for t in range(q):
-        s = s * decay[t, :, None, None] + (step[t, :, None] * xs[t])[:, :, None] * b[t, :, None, :]
-        ys.append(torch.einsum("hpn,hn->hp", s, c[t]))
+        s = s * decay[:, t, :, None, None] + (step[:, t, :, None] * xs[:, t])[..., None] * b[:, t, :, None, :]
+        ys.append(torch.einsum("bhpn,bhn->bhp", s, c[:, t]))
     ssm_view.copy_(s.to(state.dtype))
-    y = torch.stack(ys) + m.d[:, None] * xs  # [q, H, P]
+    y = torch.stack(ys, dim=1) + m.d[:, None] * xs  # [B, q, H, P]
 
     # Gate, then RMS norm per channel group, then the output projection.
-    y = y.reshape(q, inner) * F.silu(gate.float())
-    grouped = y.view(q, g, inner // g)
+    y = y.reshape(bsz, q, inner) * F.silu(gate.float())
+    grouped = y.unflatten(-1, (g, inner // g))
     grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + m.eps)
-    y = m.norm * grouped.view(q, inner).to(x.dtype)
-    return y @ m.out_proj if m.out_bias is None else torch.addmm(m.out_bias, y, m.out_proj)
+    y = m.norm * grouped.flatten(-2).to(x.dtype)
+    return y @ m.out_proj if m.out_bias is None else y @ m.out_proj + m.out_bias

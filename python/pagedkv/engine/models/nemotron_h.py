@@ -261,6 +261,10 @@ class NemotronHForCausalLM(PagedCausalLM):
                 states[g] = (blocks, read_pages(kv_cache, blocks))
         numel = self.state_numel
         assert not states or numel * self.num_kv_slots <= page_numel(kv_cache)
+        one = [s for s in range(len(qsl) - 1) if qsl[s + 1] - qsl[s] == 1]
+        longer = [s for s in range(len(qsl) - 1) if qsl[s + 1] - qsl[s] > 1]
+        decodes = torch.tensor(one, dtype=torch.int64, device=kv_cache.device)
+        decode_rows = torch.tensor([qsl[s] for s in one], dtype=torch.int64, device=kv_cache.device)
         x = self.embed[input_ids]  # [T, hidden]
         for li, (kind, mixer) in enumerate(zip(self.layer_kinds, self.mixers)):
             h = self._norm(x, self.norms[li])
@@ -268,7 +272,11 @@ class NemotronHForCausalLM(PagedCausalLM):
                 pages = states[self.layer_group[li]][1]
                 at = self.layer_slot[li] * numel
                 out = torch.empty_like(x)
-                for s in range(len(qsl) - 1):
+                if decodes.numel():  # every one-token sequence in one batched scan step
+                    rows = pages[decodes, at : at + numel]
+                    out[decode_rows] = mamba2_mix(mixer, h[decode_rows, None], rows)[:, 0]
+                    pages[decodes, at : at + numel] = rows
+                for s in longer:
                     out[qsl[s] : qsl[s + 1]] = mamba2_mix(mixer, h[qsl[s] : qsl[s + 1]], pages[s, at : at + numel])
             elif kind == ATTENTION:
                 qkv_t, o_t = mixer
