@@ -198,4 +198,5 @@ def _mix(m: Mamba2Weights, x: torch.Tensor, state: torch.Tensor) -> torch.Tensor
     grouped = y.unflatten(-1, (g, inner // g))
     grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + m.eps)
     y = m.norm * grouped.flatten(-2).to(x.dtype)
-    return y @ m.out_proj if m.out_bias is None else y @ m.out_proj + m.out_bias
+    out: torch.Tensor = y @ m.out_proj
+    return out if m.out_bias is None else out + m.out_bias
