@@ -25,7 +25,9 @@ at an aligned prefix to the prefix cache.
 
 The numbers follow transformers' model op for op where it matters for greedy tokens (fp32
 norms, the same gated grouped norm); the scan is the recurrence (transformers' prefill uses the
-chunked form), which differs by float roundings only.
+chunked form), which differs by float roundings only. The time step is clamped below at
+``time_step_min`` in every step, as transformers' multi-token scan does (its one-token decode
+does not clamp: the two agree where no time step falls below the floor).
 """
 
 from __future__ import annotations
