@@ -675,9 +675,9 @@ class KVIndexer:
 
         ``groups``: the attention kinds of the worker's KV cache groups in its engine's order
         (``KVCacheGroupSpec`` objects or ``"full"`` / ``"sliding_window"`` /
-        ``"chunked_local"``; None: one full-attention group). Only the first full-attention
-        group's events are indexed: a sliding-window or chunked-local group's blocks serve no
-        prefix (llm-d-router #2362). Workers are also registered as ``"engine"`` with one
+        ``"chunked_local"`` / ``"state"``; None: one full-attention group). Only the first
+        full-attention group's events are indexed: a sliding-window, chunked-local or state
+        group's blocks serve no prefix on their own (llm-d-router #2362). Workers are also registered as ``"engine"`` with one
         full-attention group by their first ``apply``. Raises ``InvalidArgumentError`` if
         already registered, for another ``hash_source``, an empty ``groups`` or another kind.
         """

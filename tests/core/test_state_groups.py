@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pagedkv import BlockStored, CacheConfig, KVCacheGroupSpec, KVCacheManager
+from pagedkv import BlockStored, CacheConfig, KVCacheGroupSpec, KVCacheManager, KVIndexer
 from pagedkv.errors import InvalidArgumentError, InvalidConfigError, UnknownSequenceError
 
 BS = 4
@@ -167,3 +167,17 @@ def test_commit_without_state_groups_is_zero() -> None:
     assert m.commit_computed(1, 8) == 0
     with pytest.raises(InvalidArgumentError):
         m.commit_computed(1, 9)
+
+
+def test_indexer_indexes_the_full_group_and_ignores_state_events() -> None:
+    m = make(enable_events=True)
+    m.add_sequence(1, toks(9))
+    m.allocate_slots(1, 8)
+    assert m.commit_computed(1, 8) == 1
+    events = m.take_events()
+    stored = {e.group: list(e.block_hashes) for e in events if isinstance(e, BlockStored)}
+    assert set(stored) == {FULL, STATE}
+    ix = KVIndexer(BS)
+    ix.add_worker(1, groups=["full", "state"])
+    ix.apply(1, 0, events)
+    assert ix.worker_hashes(1) == sorted(stored[FULL])
