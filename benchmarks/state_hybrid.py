@@ -14,7 +14,7 @@ Systems, on the same request streams and the same scheduler:
 
 - ``pagedkv``: ``pagedkv.KVCacheManager`` over the four groups (one ``"full"``, three
   ``"state"`` ``KVCacheGroupSpec``); after each step it is told which forward passes completed
-  (``commit_computed``), and only then are the states those passes wrote published;
+  (``commit_all_computed``), and only then are the states those passes wrote published;
 - ``vLLM``: vLLM's V1 ``KVCacheManager`` over a ``KVCacheConfig`` of one ``FullAttentionSpec``
   group and three ``MambaSpec(mamba_cache_mode="align")`` groups, told of each new step
   (``new_step_starts``, its same-step guard) when vLLM is importable (run with
@@ -145,10 +145,8 @@ class PagedKVState(hybrid.PagedKVHybrid):
 
     def end_step(self) -> None:
         """The step's forward passes completed: publish the states they wrote."""
-        m = self.m
         t0 = time.thread_time_ns()
-        for r in self.scheduled:
-            m.commit_computed(r, m.num_computed_tokens(r))
+        self.m.commit_all_computed(np.fromiter(self.scheduled, dtype=np.uint64, count=len(self.scheduled)))
         self.cpu_ns += time.thread_time_ns() - t0
         self.scheduled.clear()
 

@@ -833,3 +833,29 @@ mod model {
         }
     }
 }
+
+#[test]
+fn commit_all_computed_commits_each_whole_computed_range() {
+    let m = mgr(32);
+    for (seq, salt) in [(1, 0), (2, 1), (3, 2)] {
+        m.add_sequence(seq, toks(10, salt), SequenceSpec::default())
+            .unwrap();
+    }
+    m.allocate_slots(1, 8).unwrap();
+    m.allocate_slots(2, 8).unwrap();
+    m.allocate_slots(3, 6).unwrap(); // ends between alignment points: nothing to publish
+    let _ = m.take_events();
+    // An unknown id anywhere refuses the whole batch, nothing published.
+    assert!(matches!(
+        m.commit_all_computed(&[1, 9]),
+        Err(Error::UnknownSequence { .. })
+    ));
+    assert_eq!(stored(&m, STATE as u32), 0);
+    assert_eq!(m.commit_all_computed(&[1, 2, 3]).unwrap(), 2);
+    assert_eq!(stored(&m, STATE as u32), 2);
+    assert_eq!(m.commit_all_computed(&[1, 2, 3]).unwrap(), 0);
+    m.add_sequence(4, toks(9, 1), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix(4).unwrap(), 8);
+    ok(&m);
+}
