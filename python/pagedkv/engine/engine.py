@@ -428,10 +428,11 @@ class LLMEngine:
         """The commit fence of a model with state groups, after the forward pass of ``batch``
         (a :class:`~pagedkv.engine.scheduler.ScheduledBatch`) completed: every position its
         sequences computed is written, so the manager may publish the states that ended at an
-        aligned prefix (``manager.commit_computed``); until then no prefix hit can read them."""
+        aligned prefix (``manager.commit_all_computed``: ``commit_computed`` of every computed
+        token of each sequence, under one lock); until then no prefix hit can read them."""
         manager = cast(pagedkv.KVCacheManager, self.manager)  # state models: the paged layout only
-        for seq in batch.seqs:
-            manager.commit_computed(seq.seq_id, manager.num_computed_tokens(seq.seq_id))
+        if batch.seqs:
+            manager.commit_all_computed([seq.seq_id for seq in batch.seqs])
 
     # ---- batch API ---------------------------------------------------------------------------
 
