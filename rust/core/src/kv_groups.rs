@@ -72,6 +72,12 @@ pub struct GroupSpec {
     /// `2 * num_kv_heads * head_size * dtype_bytes`). A page is `block_size *
     /// bytes_per_token` bytes; every group's page must have the same size to share one pool.
     pub bytes_per_token: u64,
+    /// Whether the group's full blocks are cached and serve prefix hits (true unless built
+    /// with [`Self::uncached`]). A group that is not (a sliding window rebuilt by replaying a
+    /// hit's last window, vLLM's bounded-replay sliding-window MLA) never registers a block and
+    /// takes no part in hit lookup: a hit found by the other groups gives it fresh blocks for
+    /// the hit's window (null below it).
+    pub prefix_cacheable: bool,
 }
 
 impl GroupSpec {
@@ -81,6 +87,7 @@ impl GroupSpec {
             kind: AttentionKind::Full,
             block_size,
             bytes_per_token,
+            prefix_cacheable: true,
         }
     }
 
@@ -90,6 +97,7 @@ impl GroupSpec {
             kind: AttentionKind::SlidingWindow { window },
             block_size,
             bytes_per_token,
+            prefix_cacheable: true,
         }
     }
 
@@ -99,6 +107,7 @@ impl GroupSpec {
             kind: AttentionKind::ChunkedLocal { chunk },
             block_size,
             bytes_per_token,
+            prefix_cacheable: true,
         }
     }
 
@@ -110,7 +119,15 @@ impl GroupSpec {
             kind: AttentionKind::State,
             block_size,
             bytes_per_token,
+            prefix_cacheable: true,
         }
+    }
+
+    /// This group, not prefix-cacheable (see [`Self::prefix_cacheable`]); only a sliding-window
+    /// or chunked-local group may be (checked by [`CacheConfig::validate`]).
+    pub fn uncached(mut self) -> Self {
+        self.prefix_cacheable = false;
+        self
     }
 
     /// Whether this is a state group ([`AttentionKind::State`]).
@@ -177,6 +194,15 @@ impl GroupSpec {
                 value: format!("group {g} chunk 0"),
                 reason: "a local-attention chunk holds at least 1 token".into(),
             }),
+            AttentionKind::Full | AttentionKind::State if !self.prefix_cacheable => {
+                Err(Error::InvalidConfig {
+                    field: "prefix_cacheable",
+                    value: format!("group {g} ({}) false", self.kind.name()),
+                    reason: "only a sliding-window or chunked-local group can be left out of \
+                             the prefix cache"
+                        .into(),
+                })
+            }
             _ => Ok(()),
         }
     }
@@ -297,6 +323,13 @@ impl CacheConfig {
         }
         for (g, spec) in self.groups.iter().enumerate() {
             spec.validate(g)?;
+        }
+        if self.groups.iter().all(|g| !g.prefix_cacheable) {
+            return Err(Error::InvalidConfig {
+                field: "prefix_cacheable",
+                value: "false for every group".into(),
+                reason: "at least one group serves prefix hits".into(),
+            });
         }
         let page = self.groups[0].page_bytes();
         for (g, spec) in self.groups.iter().enumerate() {

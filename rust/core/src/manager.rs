@@ -767,8 +767,13 @@ impl KvCacheManager {
     /// gets blocks for `context + q` tokens (a shared partially filled last block is copied:
     /// copy-on-write), and newly full blocks are cached by the retention rule.
     ///
+    /// `num_new_tokens == 0` on a first allocation takes the prefix hit only (a scheduler that
+    /// recomputes the hit's last tokens for a group out of the prefix cache,
+    /// [`crate::GroupSpec::prefix_cacheable`]).
+    ///
     /// Errors (state unchanged): [`Error::UnknownSequence`]; [`Error::InvalidSequenceState`]
-    /// (swapped out); [`Error::InvalidArgument`] (`num_new_tokens == 0`, nothing left);
+    /// (swapped out); [`Error::InvalidArgument`] (`num_new_tokens == 0` past a first allocation
+    /// or without a prefix hit, nothing left);
     /// [`Error::OutOfBlocks`] `{requested: take, available: free + release}`.
     pub fn allocate_slots(&self, seq: SeqId, num_new_tokens: usize) -> Result<SlotAllocation> {
         let mut guard = self.state.lock();

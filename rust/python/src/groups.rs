@@ -48,9 +48,13 @@ pub(crate) fn config_uint(obj: &Bound<'_, PyAny>, field: &'static str, max: u64)
 /// a page is ``block_size * bytes_per_token`` bytes. Every group of a manager must have the
 /// same page size (checked by ``CacheConfig``).
 ///
+/// ``prefix_cacheable=False`` (a sliding-window or chunked-local group only) leaves the
+/// group out of the prefix cache: it never registers a block nor limits a hit, and a hit gives
+/// it fresh blocks for the hit's window (``KVCacheGroupSpec.prefix_cacheable``).
+///
 /// Raises ``InvalidConfigError`` for an unknown kind, a missing or extra ``window`` /
-/// ``chunk`` / ``state_bytes``, ``state_bytes`` above the page, or a value that is not a
-/// non-negative int.
+/// ``chunk`` / ``state_bytes``, ``state_bytes`` above the page, ``prefix_cacheable=False`` on a
+/// full or state group, or a value that is not a non-negative int.
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "KVCacheGroupSpec")]
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PyGroupSpec {
@@ -60,7 +64,8 @@ pub(crate) struct PyGroupSpec {
 #[pymethods]
 impl PyGroupSpec {
     #[new]
-    #[pyo3(signature = (kind, block_size, bytes_per_token, *, window = None, chunk = None, state_bytes = None))]
+    #[pyo3(signature = (kind, block_size, bytes_per_token, *, window = None, chunk = None, state_bytes = None, prefix_cacheable = true))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         kind: &Bound<'_, PyAny>,
@@ -69,6 +74,7 @@ impl PyGroupSpec {
         window: Option<&Bound<'_, PyAny>>,
         chunk: Option<&Bound<'_, PyAny>>,
         state_bytes: Option<&Bound<'_, PyAny>>,
+        prefix_cacheable: bool,
     ) -> PyResult<Self> {
         let kind_s: String = kind.extract().map_err(|_| {
             let reason = format!("expected a str, got {}", type_name(kind));
@@ -145,7 +151,32 @@ impl PyGroupSpec {
                 ))
             }
         };
+        if !prefix_cacheable {
+            if !matches!(kind_s.as_str(), "sliding_window" | "chunked_local") {
+                return Err(config_error(
+                    py,
+                    "prefix_cacheable",
+                    "False".into(),
+                    &format!(
+                        "only a sliding-window or chunked-local group can be left out of the \
+                         prefix cache, not a {kind_s} group"
+                    ),
+                ));
+            }
+            return Ok(Self {
+                inner: inner.uncached(),
+            });
+        }
         Ok(Self { inner })
+    }
+
+    /// Whether the group's full blocks are cached and serve prefix hits. False: the group
+    /// never registers a block and takes no part in hit lookup; a hit found by the other groups
+    /// gives it fresh blocks for the hit's window (a sliding window rebuilt by replaying the
+    /// hit's last window).
+    #[getter]
+    fn prefix_cacheable(&self) -> bool {
+        self.inner.prefix_cacheable
     }
 
     /// ``"full"``, ``"sliding_window"``, ``"chunked_local"`` or ``"state"``.
@@ -196,8 +227,13 @@ impl PyGroupSpec {
             AttentionKind::ChunkedLocal { chunk } => format!(", chunk={chunk}"),
             AttentionKind::Full | AttentionKind::State => String::new(),
         };
+        let cached = if self.inner.prefix_cacheable {
+            ""
+        } else {
+            ", prefix_cacheable=False"
+        };
         format!(
-            "KVCacheGroupSpec({:?}, block_size={}, bytes_per_token={}{span})",
+            "KVCacheGroupSpec({:?}, block_size={}, bytes_per_token={}{span}{cached})",
             self.inner.kind.name(),
             self.inner.block_size,
             self.inner.bytes_per_token

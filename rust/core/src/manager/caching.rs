@@ -91,7 +91,7 @@ impl KvCacheManager {
         }
         for g in 0..self.num_groups() {
             let spec = self.cfg.groups[g];
-            if !spec.is_windowed() || spec.is_state() {
+            if !spec.is_windowed() || spec.is_state() || !spec.prefix_cacheable {
                 continue;
             }
             let full = s.num_computed.min(s.tainted_from) / spec.block_size as usize;

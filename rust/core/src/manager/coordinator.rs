@@ -230,7 +230,7 @@ impl KvCacheManager {
         // Full attention: the chain from the left.
         for g in 0..ng {
             let spec = self.cfg.groups[g];
-            if spec.is_windowed() {
+            if spec.is_windowed() || !spec.prefix_cacheable {
                 continue;
             }
             let bs = spec.block_size as usize;
@@ -273,7 +273,7 @@ impl KvCacheManager {
             let mut changed = false;
             for g in 0..ng {
                 let spec = self.cfg.groups[g];
-                if !spec.is_windowed() {
+                if !spec.is_windowed() || !spec.prefix_cacheable {
                     continue;
                 }
                 let p = self.window_hit(s, g, l, sim, host);
@@ -289,6 +289,11 @@ impl KvCacheManager {
         let mut hits = Vec::with_capacity(ng);
         for g in 0..ng {
             let spec = self.cfg.groups[g];
+            if !spec.prefix_cacheable {
+                // Fresh blocks for the hit's window, taken by the allocation (`plan`).
+                hits.push(Vec::new());
+                continue;
+            }
             let (lo, hi) = spec.hit_blocks(l);
             let mut t = vec![NULL_BLOCK; lo];
             for j in lo..hi {
@@ -317,6 +322,9 @@ impl KvCacheManager {
         let host_guard = self.host.as_ref().map(|h| h.lock());
         let host = host_guard.as_deref();
         let spec = self.cfg.groups[g];
+        if !spec.prefix_cacheable {
+            return 0;
+        }
         if spec.is_windowed() {
             return self.window_hit(s, g, l, &sim, host);
         }
@@ -423,7 +431,14 @@ impl KvCacheManager {
         // Lookahead only: no token scheduled, slots for drafts after the computed ones (an
         // asynchronous scheduler's slots for tokens whose ids are not known yet).
         let lookahead_only = num_new_tokens == 0 && num_drafts > 0;
-        if num_new_tokens == 0 && !lookahead_only {
+        // A first allocation of no token adopts its prefix hit only (a scheduler replaying the
+        // hit's last tokens for a group out of the prefix cache); refused below without a hit.
+        let adopt_only = num_new_tokens == 0
+            && num_drafts == 0
+            && external == 0
+            && !self.has_state
+            && s.is_first();
+        if num_new_tokens == 0 && !lookahead_only && !adopt_only {
             return Err(Error::InvalidArgument {
                 arg: "num_new_tokens",
                 value: "0".into(),
@@ -456,6 +471,15 @@ impl KvCacheManager {
         } else {
             (s.num_computed, filled(self.num_groups()))
         };
+        if adopt_only && (context == 0 || lookahead > 0) {
+            return Err(Error::InvalidArgument {
+                arg: "num_new_tokens",
+                value: "0".into(),
+                reason: "must schedule at least one token (a first allocation of none adopts a \
+                         prefix hit, and the sequence has none)"
+                    .into(),
+            });
+        }
         let remaining = s.tokens.len() - context;
         if external > remaining {
             return Err(Error::InvalidArgument {
@@ -542,7 +566,9 @@ impl KvCacheManager {
             if first {
                 let mut hits = hits;
                 // External tokens: nothing below the window of the loaded context is taken.
-                let keep = if external > 0 && spec.is_windowed() {
+                // A group out of the prefix cache has no hit blocks: fresh ones from the
+                // window of the hit (and loaded context) on.
+                let keep = if (external > 0 || !spec.prefix_cacheable) && spec.is_windowed() {
                     self.keep_from(&spec, context + external) / bs
                 } else {
                     0

@@ -47,9 +47,10 @@ impl KvCacheManager {
             && !self.pool.is_hashed(b)
     }
 
-    /// Whether logical block `j` of a group is cached as soon as it is full.
+    /// Whether logical block `j` of a group is cached as soon as it is full (never for a group
+    /// out of the prefix cache).
     pub(super) fn registers_at_fill(&self, spec: &GroupSpec, j: usize) -> bool {
         let n = self.cfg.retention_interval as usize;
-        !spec.is_windowed() || n == 0 || retained_at_interval(spec, j, n)
+        spec.prefix_cacheable && (!spec.is_windowed() || n == 0 || retained_at_interval(spec, j, n))
     }
 }
