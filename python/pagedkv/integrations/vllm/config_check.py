@@ -128,6 +128,7 @@ def check_supported_config(
         FullAttentionSpec,
         MambaSpec,
         MLAAttentionSpec,
+        SlidingWindowMLASpec,
         SlidingWindowSpec,
     )
 
@@ -144,12 +145,12 @@ def check_supported_config(
                 "Mamba (state-space) layers are not managed: their per-request state blocks "
                 "are not KV blocks of a token range",
             )
-        if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, *windowed):
+        if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec, *windowed):
             raise _refuse(
                 "kv_cache_spec",
                 type(spec).__name__,
                 "only FullAttentionSpec / MLAAttentionSpec / SlidingWindowSpec / "
-                "ChunkedLocalAttentionSpec groups are supported",
+                "SlidingWindowMLASpec / ChunkedLocalAttentionSpec groups are supported",
             )
         if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
             for window in ("sliding_window", "attention_chunk_size"):
@@ -169,9 +170,10 @@ def check_supported_config(
                 "blocks before vLLM does",
             )
     _check_block_sizes(groups, block_size, hash_block_size, vllm_config)
-    for flag in ("has_mamba_layers", "needs_kv_cache_zeroing"):
-        if _attr(kv_cache_config, flag, False):
-            raise _refuse(f"kv_cache_config.{flag}", True, "Mamba / zeroed KV state is not managed")
+    # needs_kv_cache_zeroing without Mamba (a cache of mixed precision): new blocks are
+    # recorded for the worker to zero (PagedKVCacheManager.take_new_block_ids).
+    if _attr(kv_cache_config, "has_mamba_layers", False):
+        raise _refuse("kv_cache_config.has_mamba_layers", True, "Mamba state is not managed")
     if _attr(kv_cache_config, "hisparse_host_num_blocks") is not None:
         raise _refuse(
             "kv_cache_config.hisparse_host_num_blocks",

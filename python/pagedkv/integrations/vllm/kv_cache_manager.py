@@ -135,6 +135,8 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
 
     ``FullAttentionSpec`` / ``MLAAttentionSpec`` (without a window) -> ``"full"``,
     ``SlidingWindowSpec`` -> ``"sliding_window"`` (its ``sliding_window``),
+    ``SlidingWindowMLASpec`` -> ``"sliding_window"``, out of the prefix cache
+    (``prefix_cacheable=False``) with ``bounded_replay`` (vLLM's ``prefix_cacheable``),
     ``ChunkedLocalAttentionSpec`` -> ``"chunked_local"`` (its ``attention_chunk_size``).
     ``page_bytes`` is the common page size given to every group (pagedkv checks pages are
     equal; the plug-in does not use their size otherwise), a multiple of the block size.
@@ -144,6 +146,7 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         MLAAttentionSpec,
+        SlidingWindowMLASpec,
         SlidingWindowSpec,
     )
 
@@ -152,6 +155,14 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
     kind = type(spec)
     if kind is SlidingWindowSpec:
         return pagedkv.KVCacheGroupSpec("sliding_window", bs, bpt, window=int(spec.sliding_window))
+    if kind is SlidingWindowMLASpec:
+        return pagedkv.KVCacheGroupSpec(
+            "sliding_window",
+            bs,
+            bpt,
+            window=int(spec.sliding_window),
+            prefix_cacheable=bool(spec.prefix_cacheable),
+        )
     if kind is ChunkedLocalAttentionSpec:
         return pagedkv.KVCacheGroupSpec("chunked_local", bs, bpt, chunk=int(spec.attention_chunk_size))
     if kind in (FullAttentionSpec, MLAAttentionSpec) and getattr(spec, "sliding_window", None) is None:
@@ -307,6 +318,8 @@ class PagedKVCacheManager(SharedManagerCalls):
         # such group, (its first group id, full attention?, drops the last block?).
         spec_groups: list[tuple[Any, list[int]]] = []
         for i, g in enumerate(groups):
+            if not self._specs[i].prefix_cacheable:
+                continue  # takes no part in the hit (vLLM's coordinator skips it too)
             for spec, ids in spec_groups:
                 if spec == g.kv_cache_spec:
                     ids.append(i)
@@ -343,6 +356,14 @@ class PagedKVCacheManager(SharedManagerCalls):
 
         #: The scheduler block size: the LCM of the groups' block sizes, the hit unit.
         self.block_size = block_size
+        #: Tokens vLLM recomputes at the end of a prefix hit to rebuild the groups out of the
+        #: prefix cache (bounded-replay sliding-window MLA: their window; 0: none).
+        self.prefix_replay_tokens = max(
+            (int(getattr(g.kv_cache_spec, "prefix_replay_tokens", 0) or 0) for g in groups), default=0
+        )
+        # Replaying requests: request id -> the end of their hit, up to which pagedkv holds
+        # them computed while vLLM's count runs behind over the replayed tokens.
+        self._replay_end: dict[str, int] = {}
         #: vLLM's prefix-hash granularity (``Request.block_hashes``, kept for connectors);
         #: pagedkv hashes each group's blocks itself.
         self.hash_block_size = block_size if hash_block_size is None else int(hash_block_size)
@@ -407,7 +428,15 @@ class PagedKVCacheManager(SharedManagerCalls):
         )
         # Groups of different block sizes: every allocation takes the per-request path (the
         # batched decode path assumes one block boundary for every group).
-        self.decodes.enabled = not self._mixed
+        #: Newly allocated blocks are handed to the worker for zeroing (vLLM's
+        #: ``needs_kv_cache_zeroing``: caches of mixed precision, where a block reused across
+        #: groups would decode stale bytes): every allocation then takes the per-request path,
+        #: which records its new blocks (``take_new_block_ids``).
+        self.zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+        self._new_block_ids: list[int] = []
+        # Groups whose new blocks an async KV load writes (not zeroed: it would race the load).
+        self._skip_zeroing: frozenset[int] = frozenset()
+        self.decodes.enabled = not self._mixed and not self.zeroing
         # The fast path's state, read inline by allocate_slots once per decode (the same
         # dicts as the deferral's), its defer and its pre-call sync.
         self._lag = self.decodes.lag
@@ -600,6 +629,8 @@ class PagedKVCacheManager(SharedManagerCalls):
         if self._drop_groups:
             hit = self._eagle_hit(request, seq)
         else:
+            if self.prefix_replay_tokens:
+                self._kvm.set_hit_limit(seq, None)  # an ignored hit's cap (see _allocate)
             hit = self._kvm.lookup_prefix(seq)
         self._check_hit_cap(hit, max_cache_hit_length)
         if hit == 0:
@@ -759,6 +790,7 @@ class PagedKVCacheManager(SharedManagerCalls):
             or (self._unknown and not request.num_output_placeholders and request.request_id in self._unknown)
             or num_lookahead_tokens
             or num_new_computed_tokens
+            or (self._replay_end and request.request_id in self._replay_end)
             or full_sequence_must_fit
             or reserved_blocks
             or num_external_computed_tokens
@@ -802,6 +834,23 @@ class PagedKVCacheManager(SharedManagerCalls):
                     if placeholder:
                         self._unknown[rid] = pos + 1
                     return blocks
+        if self.zeroing and skip_zeroing_group_ids and delay_cache_blocks:
+            self._skip_zeroing = frozenset(skip_zeroing_group_ids)
+            try:
+                return self._allocate(
+                    request,
+                    num_new_tokens,
+                    num_new_computed_tokens,
+                    num_lookahead_tokens,
+                    num_external_computed_tokens,
+                    delay_cache_blocks,
+                    num_encoder_tokens,
+                    full_sequence_must_fit,
+                    reserved_blocks,
+                    has_scheduled_reqs,
+                )
+            finally:
+                self._skip_zeroing = frozenset()
         return self._allocate(
             request,
             num_new_tokens,
@@ -867,9 +916,41 @@ class PagedKVCacheManager(SharedManagerCalls):
         if not ids:
             return self.empty_kv_cache_blocks
         if self.num_kv_cache_groups == 1:
+            if self.zeroing and not self._skip_zeroing:
+                self._new_block_ids.extend(ids)
             return PagedKVBlocks((ids,))
         indptr = alloc.new_block_indptr.tolist()
-        return PagedKVBlocks(tuple(ids[indptr[g] : indptr[g + 1]] for g in range(self.num_kv_cache_groups)))
+        per_group = tuple(ids[indptr[g] : indptr[g + 1]] for g in range(self.num_kv_cache_groups))
+        if self.zeroing:
+            for g, group_ids in enumerate(per_group):
+                if g not in self._skip_zeroing:
+                    self._new_block_ids.extend(group_ids)
+        return PagedKVBlocks(per_group)
+
+    def take_new_block_ids(self) -> list[int]:
+        """The blocks allocated since the last call, for the worker to zero (vLLM's
+        ``needs_kv_cache_zeroing``; always ``[]`` without it), less those of the groups an
+        async KV load writes (``skip_zeroing_group_ids``)."""
+        ids, self._new_block_ids = self._new_block_ids, []
+        return ids
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """Records ``request_id``'s blocks from token ``start_token`` on (block-aligned in every
+        group) for zeroing again: the blocks a failed async KV load left unwritten. A no-op
+        without zeroing. Raises ``InvalidArgumentError`` for a ``start_token`` not on every
+        group's block boundary."""
+        if not self.zeroing:
+            return
+        if any(start_token % bs for bs in self.group_block_sizes):
+            raise InvalidArgumentError(
+                f"start_token {start_token} is not on every KV cache group's block boundary "
+                f"{list(self.group_block_sizes)}",
+                arg="start_token",
+                value=str(start_token),
+                reason="zeroing a partially valid block would wipe its valid prefix",
+            )
+        for g, ids in enumerate(self.get_block_ids(request_id)):
+            self._new_block_ids.extend(ids[start_token // self.group_block_sizes[g] :])
 
     def _allocate(
         self,
@@ -900,21 +981,39 @@ class PagedKVCacheManager(SharedManagerCalls):
                 reserved_blocks,
                 has_scheduled_reqs,
             )
+        base = request.num_computed_tokens
+        # Prefix replay: a first allocation adopting a hit may schedule no token past it (the
+        # step recomputes only replayed tokens of the hit).
+        adopt_only = num_new_tokens == 0 and base == 0 and num_new_computed_tokens > 0 and self.prefix_replay_tokens
         self._check_allocation_args(
             rid,
-            num_new_tokens,
+            1 if adopt_only else num_new_tokens,
             num_lookahead_tokens,
             num_external_computed_tokens,
             num_encoder_tokens,
             delay_cache_blocks,
         )
         seq = self._register(request)
-        first = request.num_computed_tokens == 0
+        if self._replay_end and rid in self._replay_end:
+            # vLLM recomputes the replayed tokens of the hit, which pagedkv holds computed
+            # (their slots exist): only the slots past the hit's end are new.
+            end = self._replay_end[rid]
+            if base + num_new_tokens <= end:
+                return self.empty_kv_cache_blocks
+            del self._replay_end[rid]
+            if base < end:
+                num_new_tokens -= end - base
+                base = end
+        first = base == 0
         if self.async_scheduling and not first:
             return self._allocate_async(
-                request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks, num_lookahead_tokens
+                request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks, num_lookahead_tokens, base
             )
         hit = num_new_computed_tokens if first else 0
+        if first and not hit and self.prefix_replay_tokens and self.enable_caching:
+            # vLLM ignores a hit no longer than the replayed window (recomputed in full anyway):
+            # none is taken (reset by the next get_computed_blocks).
+            self._kvm.set_hit_limit(seq, 0)
         # Positions vLLM counts as computed that pagedkv holds uncomputed (see _accept_drafts).
         unwritten = self._unwritten.get(rid, 0)
         # A verify step (speculative decoding): the tokens past the request's known ones are
@@ -922,7 +1021,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         num_drafts = 0
         drafts: list[int] | None = None
         spec = getattr(request, "spec_token_ids", None)
-        past = request.num_computed_tokens + hit + num_new_tokens - request.num_tokens
+        past = base + hit + num_new_tokens - request.num_tokens
         if spec and not first:
             num_drafts = max(0, min(len(spec), past))
             # Grammar-invalidated drafts arrive as -1; they are never accepted.
@@ -942,7 +1041,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         # at max_model_len); pagedkv holds their blocks as spare lookahead blocks.
         lookahead = num_lookahead_tokens
         if lookahead and self.max_model_len is not None:
-            end = request.num_computed_tokens + hit + num_new_tokens
+            end = base + hit + num_new_tokens
             lookahead = max(0, min(lookahead, self.max_model_len - end))
         watermark = self.watermark_blocks if has_scheduled_reqs and request.status in self._waiting_states else 0
         if full_sequence_must_fit or watermark or reserved_blocks:
@@ -975,7 +1074,7 @@ class PagedKVCacheManager(SharedManagerCalls):
             return None
         if unwritten:
             del self._unwritten[rid]
-        expected = request.num_computed_tokens + hit
+        expected = base + hit
         got = out.num_context_tokens + unwritten
         if got != expected:
             raise VllmStateMismatchError(
@@ -987,6 +1086,9 @@ class PagedKVCacheManager(SharedManagerCalls):
                 got=str(got - unwritten),
             )
         computed = expected + num_new_tokens
+        if first and hit and self.prefix_replay_tokens and not num_new_tokens:
+            # vLLM's count is the hit less its replay until the replayed tokens are computed.
+            self._replay_end[rid] = hit
         if unknown:
             self._unknown[rid] = computed
             self.decodes.close_window(rid)
@@ -1101,6 +1203,21 @@ class PagedKVCacheManager(SharedManagerCalls):
         self.decodes.close_window(rid)
         return int(self._kvm.rollback(seq, target, poisoned=poisoned))
 
+    def begin_replay(self, request: Any) -> None:
+        """vLLM rewound ``request``'s computed count after its KV load ended, to recompute the
+        hit's last window for the groups out of the prefix cache (bounded prefix replay):
+        pagedkv keeps the hit computed, its slots held, and the allocations that follow take
+        slots only past it. A no-op for an unknown request or when pagedkv holds no more than
+        vLLM counts."""
+        rid = request.request_id
+        seq = self._seq_of.get(rid)
+        if seq is None or rid in self._loading:
+            return
+        held = int(self._kvm.num_computed_tokens(seq))
+        if held > request.num_computed_tokens:
+            self.decodes.close_window(rid)
+            self._replay_end[rid] = held
+
     def _allocate_async(
         self,
         request: Any,
@@ -1109,8 +1226,10 @@ class PagedKVCacheManager(SharedManagerCalls):
         full_sequence_must_fit: bool,
         reserved_blocks: int,
         num_lookahead_tokens: int = 0,
+        base: int | None = None,
     ) -> Any:
-        """``_allocate`` of a running or resumed request under async scheduling.
+        """``_allocate`` of a running or resumed request under async scheduling (``base``: its
+        computed count, vLLM's unless a prefix replay runs behind pagedkv's).
 
         vLLM's slots end at ``num_computed_tokens + num_new_tokens``; the tokens known by now
         (``request.num_tokens``) are computed in pagedkv (hashed and cached as their blocks
@@ -1125,7 +1244,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         computed tokens than vLLM counts.
         """
         rid = request.request_id
-        computed = request.num_computed_tokens
+        computed = request.num_computed_tokens if base is None else base
         held = self._kvm.num_computed_tokens(seq)
         if held > computed:
             raise VllmStateMismatchError(
@@ -1305,6 +1424,8 @@ class PagedKVCacheManager(SharedManagerCalls):
         if self._unknown:
             self._unknown.pop(rid, None)
         self._unwritten.pop(rid, None)
+        if self._replay_end:
+            self._replay_end.pop(rid, None)
         if seq is None:
             self._check_unallocated_free(request)
             return None

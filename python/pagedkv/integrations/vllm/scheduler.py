@@ -176,7 +176,12 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
         load in pagedkv), then pagedkv's computed count follows vLLM's rewind of a fully loaded
         prompt to its last token."""
         super()._update_waiting_for_remote_kv(request)
-        self.kv_cache_manager.sync_computed(request, poisoned=False)
+        if getattr(request, "replay_start", 0) and self.prefix_replay_tokens:
+            # vLLM rewound the count over the loaded hit's last window, recomputed for the
+            # groups out of the prefix cache: pagedkv keeps the hit computed (its slots exist).
+            self.kv_cache_manager.begin_replay(request)
+        else:
+            self.kv_cache_manager.sync_computed(request, poisoned=False)
 
     def _update_from_kv_xfer_finished(self, kv_connector_output: Any) -> None:
         """vLLM's handling of finished transfers, after dropping (with a warning) the reports it
