@@ -16,7 +16,6 @@ pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this
 from pagedkv.errors import InvalidArgumentError, UnknownSequenceError  # noqa: E402
 from pagedkv.integrations.vllm import (  # noqa: E402
     PagedKVCacheManager,
-    UnsupportedVllmCallError,
 )
 from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     make_hybrid_kv_cache_config,
@@ -26,9 +25,6 @@ from pagedkv.testing.vllm_scheduler import (  # noqa: E402
 
 BS = 16
 GROUPS = (("full", None), ("sliding_window", 48))
-# The connector calls pagedkv answers are tested in test_vllm_connector_config.py; this one
-# only serves Mamba groups (refused).
-CONNECTOR_CALLS = ("record_blocks_for_zeroing",)
 
 
 def _manager(kind: str) -> Any:
@@ -41,15 +37,16 @@ KINDS = ("one_group", "hybrid")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_connector_calls_are_refused_naming_the_manager(kind: str) -> None:
+def test_zeroing_calls_are_no_ops_on_a_uniform_precision_cache(kind: str) -> None:
+    # vLLM zeroes new blocks only for caches of mixed precision (or Mamba, refused): here
+    # record_blocks_for_zeroing records nothing and take_new_block_ids stays empty.
     m = _manager(kind)
-    for call in CONNECTOR_CALLS:
-        with pytest.raises(UnsupportedVllmCallError) as err:
-            getattr(m, call)(object(), 3)
-        assert str(err.value) == f"{type(m).__name__}.{call} zeroes Mamba state blocks, which PagedKVScheduler refuses"
-        assert err.value.operation == call
-        assert err.value.feature == "Mamba layers"
-        assert isinstance(err.value, NotImplementedError)
+    assert not m.zeroing
+    req = make_request("z", list(range(1, 41)), 4, block_size=BS)
+    m.get_computed_blocks(req)
+    assert m.allocate_slots(req, 40) is not None
+    m.record_blocks_for_zeroing("z", 0)
+    assert m.take_new_block_ids() == []
 
 
 @pytest.mark.parametrize("kind", KINDS)

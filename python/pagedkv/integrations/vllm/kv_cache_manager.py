@@ -476,12 +476,13 @@ class PagedKVCacheManager(SharedManagerCalls):
     def defer_decodes(self) -> bool:
         """Defer plain decodes of running requests and allocate them in one batched call
         (``flush_decodes``); off: one call into Rust per ``allocate_slots``. Always off with
-        KV cache groups of different block sizes (setting it on changes nothing then)."""
+        KV cache groups of different block sizes and with block zeroing (setting it on changes
+        nothing then)."""
         return self.decodes.enabled
 
     @defer_decodes.setter
     def defer_decodes(self, on: bool) -> None:
-        self.decodes.enabled = bool(on) and not self._mixed
+        self.decodes.enabled = bool(on) and not self._mixed and not self.zeroing
 
     @property
     def num_batched_allocations(self) -> int:
