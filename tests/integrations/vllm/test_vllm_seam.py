@@ -716,10 +716,11 @@ def test_every_answered_read_resolves_on_pagedkv() -> None:
     table = _seam_table()
     answered = [p for p, how in table.items() if not how.startswith("not reached")]
     unreached = [p for p, how in table.items() if how.startswith("not reached")]
-    assert len(answered) >= 25 and unreached
+    assert len(answered) >= 25
     for path in answered:
         _resolve(kvm, path)
-    # The paths nothing but a refused feature reaches (Mamba state zeroing) raise a typed error.
+    # A path nothing but a refused feature reaches raises a typed error (none left in 0.33:
+    # block zeroing is served since mixed-precision caches, bounded-replay SWA-MLA, are).
     for path in unreached:
         with pytest.raises(UnsupportedVllmCallError) as err:
             getattr(kvm, path.split(".")[0])([])

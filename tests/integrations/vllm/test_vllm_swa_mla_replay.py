@@ -36,7 +36,6 @@ from pagedkv.integrations.vllm import (  # noqa: E402
     PagedKVAsyncScheduler,
     PagedKVCacheManager,
     PagedKVScheduler,
-    UnsupportedVllmConfigError,
 )
 from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     AsyncDriver,
