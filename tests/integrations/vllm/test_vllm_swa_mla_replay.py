@@ -36,11 +36,13 @@ from pagedkv.integrations.vllm import (  # noqa: E402
     PagedKVAsyncScheduler,
     PagedKVCacheManager,
     PagedKVScheduler,
+    UnsupportedVllmConfigError,
 )
 from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     AsyncDriver,
     Driver,
     build_scheduler,
+    eagle_speculative_config,
     make_request,
     make_vllm_config,
 )
@@ -217,3 +219,33 @@ def test_window_group_never_registers_a_block() -> None:
     assert not {b for b in window_a if b} & {b for b in window_b if b}
     # b replays the hit's last window: blocks below it are null, the window's are fresh.
     assert window_b[: (288 - WINDOW + 1) // BLOCK] == [0] * ((288 - WINDOW + 1) // BLOCK)
+
+
+def test_eagle_block_drop_with_bounded_replay_is_refused_by_name() -> None:
+    base = make_vllm_config(num_blocks=64, block_size=BLOCK)
+    vc = make_vllm_config(num_blocks=64, block_size=BLOCK, speculative_config=eagle_speculative_config(base, 2))
+    with pytest.raises(UnsupportedVllmConfigError) as err:
+        build_scheduler(PagedKVScheduler, vc, kv_cache_config=_dsv4_config(64), block_size=BLOCK)
+    assert err.value.field == "kv_cache_config.kv_cache_groups[1].kv_cache_spec.bounded_replay"
+    # Without prefix caching the drop never applies: served.
+    off = make_vllm_config(
+        num_blocks=64,
+        block_size=BLOCK,
+        enable_prefix_caching=False,
+        speculative_config=eagle_speculative_config(base, 2),
+    )
+    sched = build_scheduler(PagedKVScheduler, off, kv_cache_config=_dsv4_config(64), block_size=BLOCK)
+    assert sched.prefix_replay_tokens == WINDOW
+
+
+def test_window_mla_without_bounded_replay_is_a_cached_window() -> None:
+    vc = make_vllm_config(num_blocks=64, block_size=BLOCK)
+    sched = build_scheduler(
+        PagedKVScheduler, vc, kv_cache_config=_dsv4_config(64, bounded_replay=False), block_size=BLOCK
+    )
+    kvm = sched.kv_cache_manager
+    assert sched.prefix_replay_tokens == 0 and kvm.prefix_replay_tokens == 0
+    assert [(g.kind, g.window, g.prefix_cacheable) for g in kvm.manager.config.groups] == [
+        ("full", None, True),
+        ("sliding_window", WINDOW, True),
+    ]

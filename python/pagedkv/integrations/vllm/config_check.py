@@ -108,11 +108,15 @@ def check_supported_config(
 
     Async scheduling is served (two batches in flight), except with pipeline parallelism.
     Accepted: KV cache groups whose specs are plain ``FullAttentionSpec`` /
-    ``MLAAttentionSpec`` (no window), ``SlidingWindowSpec`` or ``ChunkedLocalAttentionSpec``,
+    ``MLAAttentionSpec`` (no window), ``SlidingWindowSpec``, ``SlidingWindowMLASpec`` (with
+    ``bounded_replay``: out of the prefix cache, a hit's last window replayed, vLLM's
+    ``prefix_replay_tokens``) or ``ChunkedLocalAttentionSpec``,
     of one block size, or of several when the scheduler block size is their least common
     multiple (vLLM's rule; a chunked-local group at the scheduler block size), with
     ``hash_block_size`` dividing every group's block size (equal to it for one group with
-    prefix caching on); :class:`PagedKVCacheManager` serves them all. Mamba groups are refused,
+    prefix caching on); :class:`PagedKVCacheManager` serves them all. A cache of mixed
+    precision (``needs_kv_cache_zeroing`` without Mamba) is served: new blocks are handed out
+    for zeroing. Mamba groups are refused,
     naming them. Decoder-only model, a KV connector only as
     :func:`~pagedkv.integrations.vllm.connectors.check_kv_transfer_config` accepts it, no
     context parallelism, model-based drafters only as ``_check_drafter`` accepts them (EAGLE /
@@ -240,8 +244,8 @@ def _check_drafter(vllm_config: Any, groups: list[Any]) -> None:
     drafters with prefix caching: a block's hash also covers the token after it, which
     pagedkv's hashes do not), multi-module MTP's prefill lookahead
     (``num_prefill_lookahead_tokens > 1``: its re-prefillable tokens are not managed), lookahead
-    slots with a KV connector, and the last-block drop on a chunked-local group (vLLM refuses
-    it too)."""
+    slots with a KV connector, the last-block drop on a chunked-local group (vLLM refuses
+    it too) and with a bounded-replay sliding-window MLA group."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
     hashes = _attr(vllm_config, "num_hash_lookahead_tokens", 0) or 0
@@ -272,6 +276,14 @@ def _check_drafter(vllm_config: Any, groups: list[Any]) -> None:
     use_drop = bool(spec is not None and getattr(spec, "use_eagle_block_drop", lambda: False)())
     caching = bool(_attr(_attr(vllm_config, "cache_config"), "enable_prefix_caching", False))
     if use_drop and caching:
+        for g, group in enumerate(groups):
+            if (_attr(group.kv_cache_spec, "prefix_replay_tokens", 0) or 0) > 0:
+                raise _refuse(
+                    f"kv_cache_config.kv_cache_groups[{g}].kv_cache_spec.bounded_replay",
+                    True,
+                    "EAGLE's last-block drop of prefix hits with a bounded-replay sliding-window "
+                    "group (the hit's window recomputed) is not served",
+                )
         flagged = [g for g, group in enumerate(groups) if getattr(group, "is_eagle_group", False)]
         for g in flagged or range(len(groups)):
             group = groups[g]
