@@ -229,12 +229,15 @@ class Oracle:
         s = self.get(seq)
         if s.status == "swapped":
             raise Expected(E.InvalidSequenceStateError)
-        if num_new == 0:
+        first = not s.table and s.computed == 0
+        # A first allocation of no token adopts its prefix hit alone (refused without one).
+        if num_new == 0 and (k or not first):
             raise Expected(E.InvalidArgumentError)
         if s.drafts:
             raise Expected(E.InvalidSequenceStateError, seq_id=seq)
-        first = not s.table and s.computed == 0
         keys, cands = self.find_hits(s) if first else ([], [])
+        if num_new == 0 and not keys:
+            raise Expected(E.InvalidArgumentError, arg="num_new_tokens")
         # A hit picks a block in use when one carries the hash, so the count is determined.
         hits_free = sum(1 for c in cands if self.refs[c[0]] == 0)
         context = len(keys) * self.bs if first else s.computed
