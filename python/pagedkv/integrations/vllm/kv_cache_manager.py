@@ -890,6 +890,10 @@ class PagedKVCacheManager(SharedManagerCalls):
             if held is not None:
                 demand += max(required - held[g], 0)
                 continue
+            if not spec.prefix_cacheable:
+                # No hit blocks (vLLM's manager gets none for it): fresh ones from the window on.
+                demand += max(required - _skipped_tokens(spec, hit) // bs, 0)
+                continue
             hit_blocks = hit // bs
             fresh_now = -(-(hit + num_new_tokens) // bs) - hit_blocks
             evictable_hits = max(0, per_group[g][0] - fresh_now)
