@@ -681,3 +681,57 @@ fn stats_count_lookups_copies_swaps_and_preemptions_as_the_one_group_manager() {
     assert!(s.kv_utilization > 0.0 && s.kv_utilization <= 1.0);
     m.check_invariants().unwrap();
 }
+
+/// A window group out of the prefix cache (`GroupSpec::uncached`): the hit is the full
+/// group's, the window gets fresh blocks for the hit's window (null below), never registers a
+/// block, and a first allocation of 0 tokens adopts the hit alone.
+#[test]
+fn uncached_window_group_takes_fresh_blocks_for_the_hit() {
+    let c = CacheConfig::with_groups(
+        64,
+        vec![
+            GroupSpec::full(BS, 8),
+            GroupSpec::sliding_window(BS, 8, 8).uncached(),
+        ],
+        vec![0, 1],
+    );
+    let m = KvCacheManager::new(c).unwrap();
+    let p = toks(26, 0); // 6 full blocks: hit 24
+    m.add_sequence(0, p.clone(), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(0, 26).unwrap();
+    let a = m.block_tables(0).unwrap();
+    assert!(a[1]
+        .iter()
+        .all(|&b| b == NULL_BLOCK || !m.pool().is_hashed(b)));
+    assert!(a[0][..6].iter().all(|&b| m.pool().is_hashed(b)));
+    m.add_sequence(1, p, SequenceSpec::default()).unwrap();
+    assert_eq!(m.lookup_prefix(1).unwrap(), 24);
+    assert_eq!(m.lookup_prefix_group(1, 1, 26).unwrap(), 0);
+    let out = m.allocate_slots(1, 0).unwrap();
+    assert_eq!((out.num_cached_tokens, out.num_context_tokens), (24, 24));
+    let b = m.block_tables(1).unwrap();
+    assert_eq!(b[0], a[0][..6].to_vec());
+    // The window of position 24 reads 17..=24: blocks 4 and 5 fresh, 0..4 null.
+    assert_eq!(b[1][..4], [NULL_BLOCK; 4]);
+    assert_eq!(b[1].len(), 6);
+    assert!(b[1][4..]
+        .iter()
+        .all(|&x| x != NULL_BLOCK && !a[1].contains(&x)));
+    m.allocate_slots(1, 2).unwrap();
+    let b = m.block_tables(1).unwrap();
+    assert!(b[1]
+        .iter()
+        .all(|&x| x == NULL_BLOCK || !m.pool().is_hashed(x)));
+    m.check_invariants().unwrap();
+    // A full group cannot be left out; nor can every group.
+    let mut c = cfg(16, 8);
+    c.groups[0] = GroupSpec::full(BS, 8).uncached();
+    assert_eq!(config_err(c).0, "prefix_cacheable");
+    let c = CacheConfig::with_groups(
+        16,
+        vec![GroupSpec::sliding_window(BS, 8, 8).uncached()],
+        vec![0],
+    );
+    assert_eq!(config_err(c).0, "prefix_cacheable");
+}
