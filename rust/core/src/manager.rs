@@ -710,6 +710,26 @@ impl KvCacheManager {
             touched.sort_unstable();
             touched.dedup();
             sim.apply(&released, &touched, fresh, &cow_src);
+            if plan.first && self.has_state {
+                // A state hit still free and cached moves to the young end of the LRU, as
+                // the call does once it has planned the copy.
+                for (g, gp) in plan.groups.iter().enumerate() {
+                    if !self.cfg.groups[g].is_state() {
+                        continue;
+                    }
+                    if let Some(&b) = gp.hits.last() {
+                        if b != NULL_BLOCK
+                            && b != VIRTUAL
+                            && b != HOST_HIT
+                            && sim.refc(b) == 0
+                            && sim.is_hashed(b)
+                        {
+                            sim.lru_take(b);
+                            sim.lru_push(b);
+                        }
+                    }
+                }
+            }
             if let Some(host) = self.host.as_ref() {
                 let t = &host.lock().tier;
                 sim.host_unsure |= sim.evicted.len() > t.num_blocks() as usize - t.num_used();
