@@ -219,7 +219,8 @@ class StepOutput:
     @property
     def copies(self) -> _Int32Array:
         """``int32[c, 3]`` copy-on-write ``(group, src, dst)`` rows, before the K/V writes (a
-        state group's live-state moves and prefix-hit copies included)."""
+        state group's live-state moves and prefix-hit copies included); read every source
+        before writing any destination (a block one row releases may be another's dst)."""
     @property
     def zero_blocks(self) -> _Int32Array:
         """``int32[z, 2]`` ``(group, block)`` fresh state blocks of state groups to zero after

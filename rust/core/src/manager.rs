@@ -200,7 +200,9 @@ pub struct StepOutput {
     pub new_block_ids: Vec<i32>,
     /// Copy-on-write plan, row-major `(group, src, dst)` triples; for a state group, the move
     /// of a live state into its new block (or from a prefix-hit block), applied in place of a
-    /// copy-on-write: copies first, then `zero_blocks`, then the forward pass.
+    /// copy-on-write: copies first, then `zero_blocks`, then the forward pass. Every source is
+    /// read before any destination is written: a block one row releases may be another row's
+    /// destination in the same step.
     pub copies: Vec<i32>,
     /// Fresh state blocks to zero, row-major `(group, block)` pairs (state groups only; applied
     /// after `copies`, before the forward pass).
