@@ -65,7 +65,9 @@ def _lockstep(
     drivers = []
     for cls in (Scheduler, PagedKVScheduler):
         kv = make_mamba_kv_cache_config(num_blocks, groups, BS)
-        sched = build_scheduler(cls, _config(num_blocks, **config), kv_cache_config=kv, block_size=BS, hash_block_size=BS)
+        sched = build_scheduler(
+            cls, _config(num_blocks, **config), kv_cache_config=kv, block_size=BS, hash_block_size=BS
+        )
         drivers.append(Driver(sched))
     stock, paged = drivers
     kvm = paged.scheduler.kv_cache_manager
@@ -147,13 +149,19 @@ def test_mamba_runner_columns(groups: Any) -> None:
     rng = random.Random(11)
     prefix = _tokens(rng, 100)
     kv = make_mamba_kv_cache_config(400, groups, BS)
-    sched = build_scheduler(PagedKVScheduler, _config(400, max_num_batched_tokens=64, max_num_seqs=8), kv_cache_config=kv, block_size=BS, hash_block_size=BS)
+    sched = build_scheduler(
+        PagedKVScheduler,
+        _config(400, max_num_batched_tokens=64, max_num_seqs=8),
+        kv_cache_config=kv,
+        block_size=BS,
+        hash_block_size=BS,
+    )
     driver = Driver(sched)
     driver.add(make_request("a", prefix + [7, 8, 9], 4, block_size=BS))
     state = [g for g, kind in enumerate(groups) if kind != "full"]
     for _ in range(4):
         out = sched.schedule()
-        for rid, n in out.num_scheduled_tokens.items():
+        for rid in out.num_scheduled_tokens:
             end = sched.requests[rid].num_computed_tokens
             tables = sched.kv_cache_manager.get_block_ids(rid)
             for g in state:
@@ -181,7 +189,13 @@ def _fake(sched: Any, out: Any) -> Any:
 def test_mamba_states_publish_only_after_the_step_completed() -> None:
     # The commit fence: a state written by step N is hit only once vLLM reported step N.
     kv = make_mamba_kv_cache_config(200, NEMOTRON_H_GROUPS, BS)
-    sched = build_scheduler(PagedKVScheduler, _config(200, max_num_batched_tokens=64, max_num_seqs=8), kv_cache_config=kv, block_size=BS, hash_block_size=BS)
+    sched = build_scheduler(
+        PagedKVScheduler,
+        _config(200, max_num_batched_tokens=64, max_num_seqs=8),
+        kv_cache_config=kv,
+        block_size=BS,
+        hash_block_size=BS,
+    )
     prompt = list(range(100, 180))
     sched.add_request(make_request("a", prompt, 2, block_size=BS))
     out = sched.schedule()
@@ -223,7 +237,9 @@ def test_mamba_under_memory_pressure_outputs_match() -> None:
 
 def _build(groups: Any = NEMOTRON_H_GROUPS, *, vc: Any = None, **kv: Any) -> Any:
     config = make_mamba_kv_cache_config(64, groups, BS, **kv)
-    return build_scheduler(PagedKVScheduler, vc or _config(64), kv_cache_config=config, block_size=BS, hash_block_size=BS)
+    return build_scheduler(
+        PagedKVScheduler, vc or _config(64), kv_cache_config=config, block_size=BS, hash_block_size=BS
+    )
 
 
 @pytest.mark.parametrize(

@@ -303,8 +303,10 @@ def _check_mamba_group(
 
     field = f"kv_cache_config.kv_cache_groups[{g}].kv_cache_spec"
     cache = _attr(vllm_config, "cache_config")
-    for where, mode in ((f"{field}.mamba_cache_mode", _attr(spec, "mamba_cache_mode")),
-                        ("cache_config.mamba_cache_mode", _attr(cache, "mamba_cache_mode", "none"))):
+    for where, mode in (
+        (f"{field}.mamba_cache_mode", _attr(spec, "mamba_cache_mode")),
+        ("cache_config.mamba_cache_mode", _attr(cache, "mamba_cache_mode", "none")),
+    ):
         if mode != "align":
             raise _refuse(
                 where,
@@ -363,8 +365,7 @@ def _check_mamba_group(
         raise _refuse(
             "speculative_config",
             type(_attr(vllm_config, "speculative_config")).__name__,
-            "speculative decoding with Mamba layers is not managed (drafts would advance the "
-            "state in place)",
+            "speculative decoding with Mamba layers is not managed (drafts would advance the state in place)",
         )
     if _attr(_attr(vllm_config, "scheduler_config"), "async_scheduling", False):
         raise _refuse(
