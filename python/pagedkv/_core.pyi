@@ -148,7 +148,11 @@ class SlotAllocation:
         """``int32[k]`` blocks newly taken, group-major, each group's in table order."""
     @property
     def copies(self) -> _Int32Array:
-        """``int32[c, 3]`` copy-on-write ``(group, src, dst)`` rows."""
+        """``int32[c, 3]`` copy-on-write ``(group, src, dst)`` rows (a state group's live-state
+        moves and prefix-hit copies included)."""
+    @property
+    def zero_blocks(self) -> _Int32Array:
+        """``int32[z, 2]`` ``(group, block)`` fresh state blocks to zero after the copies."""
 
 @final
 class StepOutput:
@@ -214,7 +218,12 @@ class StepOutput:
     def new_block_ids(self) -> _Int32Array: ...
     @property
     def copies(self) -> _Int32Array:
-        """``int32[c, 3]`` copy-on-write ``(group, src, dst)`` rows, before the K/V writes."""
+        """``int32[c, 3]`` copy-on-write ``(group, src, dst)`` rows, before the K/V writes (a
+        state group's live-state moves and prefix-hit copies included)."""
+    @property
+    def zero_blocks(self) -> _Int32Array:
+        """``int32[z, 2]`` ``(group, block)`` fresh state blocks of state groups to zero after
+        the copies, before the forward pass."""
     @property
     def host_stores(self) -> _Int32Array:
         """``int32[n, 3]`` host-tier stores ``(group, device_block, host_block)``: run first."""
@@ -509,6 +518,12 @@ class KVCacheManager:
         """``(take, release)`` of ``allocate_external`` with these arguments; no side effects."""
     def commit_external(self, seq_id: int, num_valid_tokens: int) -> int:
         """Ends a load: ``"loading"`` -> ``"running"`` with ``num_valid_tokens`` computed; returns blocks registered."""
+    def commit_computed(self, seq_id: int, num_tokens: int) -> int:
+        """The commit fence of state groups: every forward pass that computed positions below
+        ``num_tokens`` completed. Publishes the held state blocks of aligned step ends
+        ``<= num_tokens``; returns how many. Raises ``UnknownSequenceError``,
+        ``InvalidArgumentError`` (above the computed tokens); state unchanged on error.
+        """
     def rollback(self, seq_id: int, num_computed_tokens: int, *, poisoned: bool) -> int:
         """Truncates the computed range (blocks kept, recomputed in place); ``poisoned``
         unregisters them and their dependents.
@@ -799,7 +814,8 @@ class BlockTable:
 
 @final
 class KVCacheGroupSpec:
-    """One KV cache group: attention kind (full, sliding window, chunked local) and page layout."""
+    """One KV cache group: attention kind (full, sliding window, chunked local, state) and page
+    layout."""
 
     def __new__(
         cls,
@@ -809,6 +825,7 @@ class KVCacheGroupSpec:
         *,
         window: int | None = None,
         chunk: int | None = None,
+        state_bytes: int | None = None,
     ) -> KVCacheGroupSpec: ...
     @property
     def kind(self) -> str: ...

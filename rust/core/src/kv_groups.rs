@@ -8,7 +8,11 @@
 //! from the first position a query reads ([`GroupSpec::first_read`]):
 //! - full attention: a query at position `p` reads `[0, p]`;
 //! - sliding window `W` (Beltagy et al., "Longformer", 2020; Gemma 2/3): `(p - W, p]`;
-//! - chunked local `C` (Llama 4's local layers): `[floor(p / C) * C, p]`.
+//! - chunked local `C` (Llama 4's local layers): `[floor(p / C) * C, p]`;
+//! - state (Mamba / linear attention): no per-token KV; block `j` of a state group's table holds
+//!   the recurrent state after token `(j + 1) * block_size`, and a sequence with `n` computed
+//!   tokens keeps its live state in block `(n - 1) / block_size`. A query at `p` reads the state
+//!   after `p` tokens, so a hit at `p` needs block `p / block_size - 1` (`first_read(p) = p - 1`).
 //!
 //! Positions are token indices, windows and chunks are in tokens, page sizes in bytes.
 
@@ -39,6 +43,10 @@ pub enum AttentionKind {
         /// Tokens per attention chunk (>= 1).
         chunk: u32,
     },
+    /// A recurrent state per sequence (Mamba conv + SSM states, linear attention): block `j`
+    /// holds the state after token `(j + 1) * block_size`; states are published to the prefix
+    /// cache only by [`crate::KvCacheManager::commit_computed`] (the commit fence).
+    State,
 }
 
 impl AttentionKind {
@@ -48,6 +56,7 @@ impl AttentionKind {
             AttentionKind::Full => "full",
             AttentionKind::SlidingWindow { .. } => "sliding_window",
             AttentionKind::ChunkedLocal { .. } => "chunked_local",
+            AttentionKind::State => "state",
         }
     }
 }
@@ -93,13 +102,29 @@ impl GroupSpec {
         }
     }
 
+    /// A state group (Mamba / linear attention) aligned on `block_size` tokens: states are
+    /// cacheable only after multiples of it. `bytes_per_token * block_size` is the page, which
+    /// must equal the other groups' page (the state of every layer of the group must fit in it).
+    pub fn state(block_size: u32, bytes_per_token: u64) -> Self {
+        Self {
+            kind: AttentionKind::State,
+            block_size,
+            bytes_per_token,
+        }
+    }
+
+    /// Whether this is a state group ([`AttentionKind::State`]).
+    pub fn is_state(&self) -> bool {
+        matches!(self.kind, AttentionKind::State)
+    }
+
     /// Page size in bytes (`block_size * bytes_per_token`), `None` on overflow.
     pub fn page_bytes(&self) -> Option<u64> {
         u64::from(self.block_size).checked_mul(self.bytes_per_token)
     }
 
-    /// Whether the group reads only a bounded range before each query (sliding window or
-    /// chunked local), so its older blocks can be released.
+    /// Whether the group reads only a bounded range before each query (sliding window,
+    /// chunked local or state), so its older blocks can be released.
     pub fn is_windowed(&self) -> bool {
         !matches!(self.kind, AttentionKind::Full)
     }
@@ -110,13 +135,15 @@ impl GroupSpec {
             AttentionKind::Full => 0,
             AttentionKind::SlidingWindow { window } => (p + 1).saturating_sub(window as usize),
             AttentionKind::ChunkedLocal { chunk } => p / chunk as usize * chunk as usize,
+            AttentionKind::State => p.saturating_sub(1),
         }
     }
 
     /// Logical blocks `[lo, hi)` a prefix hit of `p` tokens (a multiple of the block size)
     /// needs present: the blocks holding `[first_read(p), p)`. For a sliding window that is
     /// the last `ceil((W - 1) / block_size)` blocks before `p` (fewer near the start); for a
-    /// chunked-local group at a chunk boundary, none.
+    /// chunked-local group at a chunk boundary, none; for a state group, the one block
+    /// `p / block_size - 1` (the state after `p` tokens).
     pub fn hit_blocks(&self, p: usize) -> (usize, usize) {
         let bs = self.block_size as usize;
         let hi = p / bs;

@@ -135,8 +135,14 @@ pub struct GroupAllocation {
     pub new_block_ids: Vec<BlockId>,
     /// Copy-on-write `(src, dst)` pairs of this group (at most one).
     pub copies: Vec<(BlockId, BlockId)>,
-    /// Blocks released out of the window by this call (their table slots now null).
+    /// Blocks released out of the window by this call (their table slots now null); for a
+    /// state group, its previous live state block when the live index moved and that state is
+    /// not waiting for its commit, and the prefix-hit block the live state was copied from.
     pub released: Vec<BlockId>,
+    /// State groups only: blocks taken for a fresh state (no prefix hit: a first allocation or
+    /// a resume after a recompute preemption) that the executor must zero before the forward
+    /// pass (after the copies). Empty for every other kind.
+    pub zero_blocks: Vec<BlockId>,
 }
 
 /// The result of [`KvCacheManager::allocate_slots`].
@@ -192,8 +198,13 @@ pub struct StepOutput {
     pub new_block_indptr: Vec<i32>,
     /// Blocks newly taken, per (sequence, group).
     pub new_block_ids: Vec<i32>,
-    /// Copy-on-write plan, row-major `(group, src, dst)` triples.
+    /// Copy-on-write plan, row-major `(group, src, dst)` triples; for a state group, the move
+    /// of a live state into its new block (or from a prefix-hit block), applied in place of a
+    /// copy-on-write: copies first, then `zero_blocks`, then the forward pass.
     pub copies: Vec<i32>,
+    /// Fresh state blocks to zero, row-major `(group, block)` pairs (state groups only; applied
+    /// after `copies`, before the forward pass).
+    pub zero_blocks: Vec<i32>,
     /// Host-tier stores, row-major `(group, device block, host block)` triples: the executor
     /// copies these FIRST in the step (before swaps, host loads, copy-on-write and the forward
     /// pass), from group `group`'s device cache to its host cache. Planned by the allocations
@@ -321,6 +332,9 @@ struct Seq {
     /// The most tokens a first allocation may take from the prefix cache
     /// ([`KvCacheManager::set_hit_limit`]; [`usize::MAX`]: `num_tokens - 1`).
     hit_limit: usize,
+    /// State groups: aligned state ends at or below this are never published (their steps'
+    /// completion was not confirmed before a swap-out); 0 when none.
+    publish_floor: usize,
 }
 
 impl Seq {
@@ -387,6 +401,8 @@ pub struct KvCacheManager {
     unit: usize,
     /// Every group is full attention (nothing ever leaves a window).
     all_full: bool,
+    /// Some group is a state group ([`crate::kv_groups::AttentionKind::State`]).
+    has_state: bool,
     /// Per group, its block-size class (groups of one block size share a plain chain).
     class_of: Vec<usize>,
     class_bs: Vec<usize>,
@@ -480,6 +496,7 @@ impl KvCacheManager {
         };
         Ok(Self {
             all_full: cfg.groups.iter().all(|g| !g.is_windowed()),
+            has_state: cfg.groups.iter().any(GroupSpec::is_state),
             cfg,
             unit,
             class_of,
@@ -550,6 +567,7 @@ impl KvCacheManager {
                 rewrite_to: 0,
                 tainted_from: usize::MAX,
                 hit_limit: usize::MAX,
+                publish_floor: 0,
             },
         );
         Ok(())
@@ -689,6 +707,18 @@ impl KvCacheManager {
             touched.sort_unstable();
             touched.dedup();
             sim.apply(&released, &touched, fresh, &cow_src);
+            if plan.first && self.has_state {
+                // A state group's hit block is released again by the same call.
+                let hit_srcs: Vec<BlockId> = plan
+                    .groups
+                    .iter()
+                    .enumerate()
+                    .filter(|(g, _)| self.cfg.groups[*g].is_state())
+                    .filter_map(|(_, gp)| gp.hits.last().copied())
+                    .filter(|&b| b != NULL_BLOCK && b != VIRTUAL && b != HOST_HIT)
+                    .collect();
+                sim.apply(&hit_srcs, &[], 0, &[]);
+            }
             if let Some(host) = self.host.as_ref() {
                 let t = &host.lock().tier;
                 sim.host_unsure |= sim.evicted.len() > t.num_blocks() as usize - t.num_used();
@@ -700,6 +730,9 @@ impl KvCacheManager {
             let end = plan.context + plan.q;
             for (g, gp) in plan.groups.iter().enumerate() {
                 let spec = &self.cfg.groups[g];
+                if spec.is_state() {
+                    continue; // published by commit_computed only
+                }
                 let bs = spec.block_size as usize;
                 let full = end / bs;
                 let start = if plan.first {
@@ -889,6 +922,73 @@ impl KvCacheManager {
         self.accept_drafts_with(seq, num_accepted, false)
     }
 
+    /// The commit fence of state groups: the caller declares that every forward pass of `seq`
+    /// that computed positions below `num_tokens` has completed. Publishes (registers in the
+    /// prefix index under the chain key of its aligned prefix, announces with `BlockStored`,
+    /// notes for the host tier) each state block of `seq` still held whose state is the one
+    /// after an aligned step end `e = (j + 1) * block_size <= num_tokens` (with a retention
+    /// interval, only ends at its multiples), and releases the published blocks that are no
+    /// longer live (cached). Returns how many blocks were published. A number below an earlier
+    /// commit publishes nothing new; a sequence without state groups, not running, or with
+    /// nothing pending: `Ok(0)`. States written by steps that end between alignment points
+    /// are never published; a free, preemption or abort before the commit releases the pending
+    /// states unpublished.
+    ///
+    /// Errors (state unchanged): [`Error::UnknownSequence`]; [`Error::InvalidArgument`]
+    /// (`num_tokens`) above the sequence's computed tokens.
+    pub fn commit_computed(&self, seq: SeqId, num_tokens: usize) -> Result<usize> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        if num_tokens > s.num_computed {
+            return Err(Error::InvalidArgument {
+                arg: "num_tokens",
+                value: num_tokens.to_string(),
+                reason: format!(
+                    "sequence {seq} has {} computed token(s): a commit covers computed positions \
+                     only",
+                    s.num_computed
+                ),
+            });
+        }
+        if !self.has_state || s.status != SeqStatus::Running || s.num_computed == 0 {
+            return Ok(0);
+        }
+        let mut ev = Vec::new();
+        let mut published = 0;
+        let mut released = Vec::new();
+        for g in 0..self.num_groups() {
+            let spec = self.cfg.groups[g];
+            if !spec.is_state() {
+                continue;
+            }
+            let bs = spec.block_size as usize;
+            let live = (s.num_computed - 1) / bs;
+            let upto = (num_tokens / bs).min(s.tables[g].blocks.len());
+            let picked: Vec<usize> = (0..upto)
+                .filter(|&j| self.state_pending(s, g, j, s.num_computed))
+                .collect();
+            published += picked.len();
+            self.register(s, g, &picked, &mut ev, true);
+            // Aligned states at or below the commit that are no longer live: released (cached
+            // when published), tail first.
+            let t = &mut s.tables[g];
+            for j in (0..upto).rev() {
+                if j != live && t.blocks[j] != NULL_BLOCK {
+                    released.push(std::mem::replace(&mut t.blocks[j], NULL_BLOCK));
+                    t.rewritten_from(j);
+                }
+            }
+        }
+        if !released.is_empty() {
+            // Cannot fail: the sequence holds every one of them.
+            self.pool.free(&released)?;
+        }
+        self.drain_pool(&mut ev);
+        self.absorb(st, ev);
+        Ok(published)
+    }
+
     /// Draft tokens pending on `seq`. Errors: [`Error::UnknownSequence`].
     pub fn num_draft_tokens(&self, seq: SeqId) -> Result<usize> {
         let st = self.state.lock();
@@ -906,6 +1006,15 @@ impl KvCacheManager {
         }
         if !p.drafts.is_empty() {
             return Err(drafts_pending(parent, "fork"));
+        }
+        if self.has_state {
+            return Err(Error::InvalidArgument {
+                arg: "parent",
+                value: parent.to_string(),
+                reason: "fork is not supported with state groups (a recurrent state cannot be \
+                         shared block by block)"
+                    .into(),
+            });
         }
         if st.seqs.contains_key(&child) {
             return Err(Error::SequenceExists { seq_id: child });
@@ -996,6 +1105,7 @@ impl KvCacheManager {
             s.drafts.clear(); // their lookahead blocks went with the rest
             s.rewrite_to = 0;
             s.tainted_from = usize::MAX;
+            s.publish_floor = 0;
             st.seqs.insert(*id, s);
         }
         self.absorb(st, ev);
@@ -1012,6 +1122,18 @@ impl KvCacheManager {
         let mut guard = self.state.lock();
         let st = &mut *guard;
         check_group(st, seqs, "swap_out", |s| s == SeqStatus::Running, "running")?;
+        for id in seqs {
+            if !st.seqs[id].drafts.is_empty() {
+                return Err(drafts_pending(*id, "swap_out"));
+            }
+        }
+        // State groups: the states waiting for their commit are released unpublished (they
+        // leave the table, so they are not swapped), and the live state is never published.
+        let stripped = if self.has_state {
+            self.strip_pending_states(st, seqs)
+        } else {
+            Vec::new()
+        };
         let mut order = Vec::new();
         let mut uses: HashMap<BlockId, u32> = HashMap::new();
         for id in seqs {
@@ -1028,6 +1150,9 @@ impl KvCacheManager {
             }
         }
         if order.len() > st.cpu.free.len() {
+            for &(id, g, j, b) in &stripped {
+                st.seqs.get_mut(&id).expect("checked").tables[g].blocks[j] = b;
+            }
             return Err(Error::OutOfSwapSpace {
                 requested: order.len(),
                 available: st.cpu.free.len(),
@@ -1035,6 +1160,16 @@ impl KvCacheManager {
         }
         for id in seqs {
             self.release_all(&st.seqs[id]);
+        }
+        let pending: Vec<BlockId> = stripped.iter().map(|&(_, _, _, b)| b).collect();
+        if !pending.is_empty() {
+            self.pool.free(&pending)?;
+        }
+        for id in seqs {
+            if self.has_state {
+                let s = st.seqs.get_mut(id).expect("checked");
+                s.publish_floor = s.num_computed;
+            }
         }
         let mut map = HashMap::with_capacity(order.len());
         let mut plan = Vec::with_capacity(order.len());
@@ -1488,7 +1623,15 @@ impl KvCacheManager {
                     } else {
                         &mut rows[g - 1]
                     };
-                    let mut pos = ctx;
+                    if self.cfg.groups[g].is_state() {
+                        // No per-token KV: the kernel finds the state from the block table.
+                        row.resize(row.len() + q, -1);
+                    }
+                    let mut pos = if self.cfg.groups[g].is_state() {
+                        ctx + q
+                    } else {
+                        ctx
+                    };
                     while pos < ctx + q {
                         let off = pos % bs;
                         let run = (bs - off).min(ctx + q - pos);
@@ -1509,6 +1652,9 @@ impl KvCacheManager {
                 out.new_block_indptr.push(out.new_block_ids.len() as i32);
                 for &(src, dst) in &ga.copies {
                     out.copies.extend([g as i32, src as i32, dst as i32]);
+                }
+                for &b in &ga.zero_blocks {
+                    out.zero_blocks.extend([g as i32, b as i32]);
                 }
             }
         }
@@ -1643,6 +1789,36 @@ impl KvCacheManager {
                 Pending::Group(e) => st.events.push(e),
             }
         }
+    }
+}
+
+impl KvCacheManager {
+    /// Takes the state blocks waiting for their commit (every held state block but the live
+    /// one) out of the tables of `seqs`: `(seq, group, index, block)` per entry, still
+    /// referenced (the caller releases or restores them).
+    fn strip_pending_states(
+        &self,
+        st: &mut State,
+        seqs: &[SeqId],
+    ) -> Vec<(SeqId, usize, usize, BlockId)> {
+        let mut out = Vec::new();
+        for id in seqs {
+            let s = st.seqs.get_mut(id).expect("checked");
+            for (g, spec) in self.cfg.groups.iter().enumerate() {
+                if !spec.is_state() || s.num_computed == 0 {
+                    continue;
+                }
+                let live = (s.num_computed - 1) / spec.block_size as usize;
+                let t = &mut s.tables[g];
+                for j in 0..t.blocks.len() {
+                    if j != live && t.blocks[j] != NULL_BLOCK {
+                        out.push((*id, g, j, std::mem::replace(&mut t.blocks[j], NULL_BLOCK)));
+                        t.rewritten_from(j);
+                    }
+                }
+            }
+        }
+        out
     }
 }
 

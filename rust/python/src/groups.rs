@@ -1,5 +1,5 @@
 //! `pagedkv.KVCacheGroupSpec`: one KV cache group (full attention, sliding window, chunked
-//! local) of a `CacheConfig`, and the configuration-error helpers its fields share with
+//! local, state) of a `CacheConfig`, and the configuration-error helpers its fields share with
 //! `CacheConfig`.
 
 use crate::convert::{repr, type_name, uint};
@@ -39,14 +39,18 @@ pub(crate) fn config_uint(obj: &Bound<'_, PyAny>, field: &'static str, max: u64)
 /// One KV cache group: the attention kind of its layers and its page layout (frozen).
 ///
 /// ``kind`` is ``"full"``, ``"sliding_window"`` (``window`` tokens: a query at position ``p``
-/// reads ``(p - window, p]``) or ``"chunked_local"`` (``chunk`` tokens: it reads from
-/// ``floor(p / chunk) * chunk``). ``block_size`` is in tokens; ``bytes_per_token`` is what one
+/// reads ``(p - window, p]``), ``"chunked_local"`` (``chunk`` tokens: it reads from
+/// ``floor(p / chunk) * chunk``) or ``"state"`` (Mamba / linear-attention recurrent states:
+/// block ``j`` holds the state after token ``(j + 1) * block_size``, published to the prefix
+/// cache only by ``KVCacheManager.commit_computed``; ``state_bytes``, if given, the bytes of
+/// one state, at most the page). ``block_size`` is in tokens; ``bytes_per_token`` is what one
 /// token takes in one layer of the group (``2 * num_kv_heads * head_size * dtype bytes``), so
 /// a page is ``block_size * bytes_per_token`` bytes. Every group of a manager must have the
 /// same page size (checked by ``CacheConfig``).
 ///
 /// Raises ``InvalidConfigError`` for an unknown kind, a missing or extra ``window`` /
-/// ``chunk``, or a value that is not a non-negative int.
+/// ``chunk`` / ``state_bytes``, ``state_bytes`` above the page, or a value that is not a
+/// non-negative int.
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "KVCacheGroupSpec")]
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PyGroupSpec {
@@ -56,7 +60,7 @@ pub(crate) struct PyGroupSpec {
 #[pymethods]
 impl PyGroupSpec {
     #[new]
-    #[pyo3(signature = (kind, block_size, bytes_per_token, *, window = None, chunk = None))]
+    #[pyo3(signature = (kind, block_size, bytes_per_token, *, window = None, chunk = None, state_bytes = None))]
     fn new(
         py: Python<'_>,
         kind: &Bound<'_, PyAny>,
@@ -64,6 +68,7 @@ impl PyGroupSpec {
         bytes_per_token: &Bound<'_, PyAny>,
         window: Option<&Bound<'_, PyAny>>,
         chunk: Option<&Bound<'_, PyAny>>,
+        state_bytes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let kind_s: String = kind.extract().map_err(|_| {
             let reason = format!("expected a str, got {}", type_name(kind));
@@ -73,6 +78,7 @@ impl PyGroupSpec {
         let bpt = config_uint(bytes_per_token, "bytes_per_token", u64::MAX)?;
         let window = window.filter(|w| !w.is_none());
         let chunk = chunk.filter(|c| !c.is_none());
+        let state_bytes = state_bytes.filter(|c| !c.is_none());
         let span = |o: Option<&Bound<'_, PyAny>>, field: &'static str| -> PyResult<u32> {
             match o {
                 Some(o) => Ok(config_uint(o, field, u64::from(u32::MAX))? as u32),
@@ -95,11 +101,32 @@ impl PyGroupSpec {
                 None => Ok(()),
             }
         };
+        if kind_s != "state" {
+            extra(state_bytes, "state_bytes")?;
+        }
         let inner = match kind_s.as_str() {
             "full" => {
                 extra(window, "window")?;
                 extra(chunk, "chunk")?;
                 GroupSpec::full(bs, bpt)
+            }
+            "state" => {
+                extra(window, "window")?;
+                extra(chunk, "chunk")?;
+                let spec = GroupSpec::state(bs, bpt);
+                if let Some(sb) = state_bytes {
+                    let n = config_uint(sb, "state_bytes", u64::MAX)?;
+                    let page = spec.page_bytes().unwrap_or(u64::MAX);
+                    if n > page {
+                        return Err(config_error(
+                            py,
+                            "state_bytes",
+                            n.to_string(),
+                            &format!("a state must fit in one page of {bs} x {bpt} = {page} bytes"),
+                        ));
+                    }
+                }
+                spec
             }
             "sliding_window" => {
                 extra(chunk, "chunk")?;
@@ -114,14 +141,14 @@ impl PyGroupSpec {
                     py,
                     "kind",
                     format!("{kind_s:?}"),
-                    "expected \"full\", \"sliding_window\" or \"chunked_local\"",
+                    "expected \"full\", \"sliding_window\", \"chunked_local\" or \"state\"",
                 ))
             }
         };
         Ok(Self { inner })
     }
 
-    /// ``"full"``, ``"sliding_window"`` or ``"chunked_local"``.
+    /// ``"full"``, ``"sliding_window"``, ``"chunked_local"`` or ``"state"``.
     #[getter]
     fn kind(&self) -> &'static str {
         self.inner.kind.name()
@@ -167,7 +194,7 @@ impl PyGroupSpec {
         let span = match self.inner.kind {
             AttentionKind::SlidingWindow { window } => format!(", window={window}"),
             AttentionKind::ChunkedLocal { chunk } => format!(", chunk={chunk}"),
-            AttentionKind::Full => String::new(),
+            AttentionKind::Full | AttentionKind::State => String::new(),
         };
         format!(
             "KVCacheGroupSpec({:?}, block_size={}, bytes_per_token={}{span})",

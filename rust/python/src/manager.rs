@@ -603,6 +603,29 @@ impl PyKvCacheManager {
         py.detach(|| m.commit_external(seq, n)).py(py)
     }
 
+    /// The commit fence of state groups: every forward pass of ``seq_id`` that computed
+    /// positions below ``num_tokens`` has completed. Publishes (prefix index, ``BlockStored``
+    /// events, host tier) each state block still held whose state is the one after an aligned
+    /// step end ``e = (j + 1) * block_size <= num_tokens`` (with a retention interval, only its
+    /// multiples), and releases the published ones that are no longer live. Returns the number
+    /// of blocks published (0 without state groups, for a number below an earlier commit, or
+    /// a sequence not running). States whose step ended between alignment points are never
+    /// published; a free, preemption or abort before the commit releases them unpublished.
+    ///
+    /// Raises (state unchanged): ``UnknownSequenceError``; ``InvalidArgumentError``
+    /// (``num_tokens`` above the computed tokens).
+    fn commit_computed(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        num_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let n = count(num_tokens, "num_tokens")?;
+        let m = &self.inner;
+        py.detach(|| m.commit_computed(seq, n)).py(py)
+    }
+
     /// Truncates the computed range of running ``seq_id`` to ``num_computed_tokens`` (``n``):
     /// KV from ``n`` on is computed again (after a failed or partial load, or vLLM's rewind
     /// of a full hit's last token). Every block stays in the tables (a model runner's block

@@ -85,6 +85,8 @@ pub(crate) struct PySlotAllocation {
     ids: Vec<i32>,
     /// Row-major `(group, src, dst)` triples.
     copy_rows: Vec<i32>,
+    /// Row-major `(group, block)` pairs.
+    zero_rows: Vec<i32>,
 }
 
 impl PySlotAllocation {
@@ -95,7 +97,11 @@ impl PySlotAllocation {
         indptr.push(0i32);
         let mut ids = Vec::new();
         let mut copy_rows = Vec::new();
+        let mut zero_rows = Vec::new();
         for (i, grp) in a.groups.into_iter().enumerate() {
+            for &b in &grp.zero_blocks {
+                zero_rows.extend([i as i32, b as i32]);
+            }
             if ids.is_empty() && g == 1 {
                 // one group: the core's vector, cast in place
                 ids = grp.new_block_ids.into_iter().map(|b| b as i32).collect();
@@ -115,6 +121,7 @@ impl PySlotAllocation {
             indptr,
             ids,
             copy_rows,
+            zero_rows,
         }
     }
 }
@@ -139,6 +146,15 @@ impl PySlotAllocation {
     #[getter]
     fn copies(&self, py: Python<'_>) -> Py<PyArray2<i32>> {
         triples(py, self.copy_rows.clone())
+    }
+
+    /// ``int32[z, 2]`` ``(group, block)`` rows: fresh state blocks of state groups (no prefix
+    /// hit: a first allocation or a resume after a recompute preemption) to zero after the
+    /// copies, before the forward pass. Shape ``(0, 2)`` without state groups.
+    #[getter]
+    fn zero_blocks(&self, py: Python<'_>) -> Py<PyArray2<i32>> {
+        let n = self.zero_rows.len() / 2;
+        matrix(py, self.zero_rows.clone(), n, 2)
     }
 
     fn __repr__(&self) -> String {
@@ -253,9 +269,14 @@ pub(crate) struct PyStepOutput {
     #[pyo3(get)]
     new_block_ids: Py<PyArray1<i32>>,
     /// ``int32[c, 3]`` copy-on-write ``(group, src, dst)`` rows, to run (in that group's
-    /// layers) before the K/V writes.
+    /// layers) before the K/V writes; for a state group, the move of a live state into its new
+    /// block (or out of a prefix-hit block).
     #[pyo3(get)]
     copies: Py<PyArray2<i32>>,
+    /// ``int32[z, 2]`` ``(group, block)`` rows: fresh state blocks of state groups to zero
+    /// after the copies, before the forward pass. Shape ``(0, 2)`` without state groups.
+    #[pyo3(get)]
+    zero_blocks: Py<PyArray2<i32>>,
     /// ``int32[n, 3]`` host-tier stores ``(group, device_block, host_block)``: copy these FIRST
     /// in the step (before swap-out, swap-in, host loads, copy-on-write and the forward pass):
     /// the device blocks are about to be reused. Includes the stores of calls made since the
@@ -334,6 +355,10 @@ impl PyStepOutput {
             new_block_indptr: arr(out.new_block_indptr),
             new_block_ids: arr(out.new_block_ids),
             copies: triples(py, out.copies),
+            zero_blocks: {
+                let n = out.zero_blocks.len() / 2;
+                matrix(py, out.zero_blocks, n, 2)
+            },
             host_stores: triples(py, out.host_stores),
             host_loads: triples(py, out.host_loads),
         })

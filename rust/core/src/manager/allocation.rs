@@ -30,6 +30,7 @@ impl Alloc {
                 g.new_block_ids.clear();
                 g.copies.clear();
                 g.released.clear();
+                g.zero_blocks.clear();
             }
         } else {
             self.groups = filled(num_groups);
@@ -166,6 +167,13 @@ impl KvCacheManager {
         out.num_cached_tokens = if plan.first { plan.context } else { 0 };
         out.num_context_tokens = plan.context + plan.external;
         out.num_draft_tokens = drafts.len();
+        // State groups: the blocks their live states move out of (read before the releases).
+        let state_src: SmallVec<[Option<BlockId>; 1]> = plan
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(g, gp)| gp.state_src.map(|j| s.tables[g].blocks[j]))
+            .collect();
         // Release first (tail first), so the blocks given back can be taken again.
         let mut released = Vec::new();
         for (g, gp) in plan.groups.iter().enumerate() {
@@ -222,6 +230,24 @@ impl KvCacheManager {
                 ga.copies.push((src, dst));
                 ga.new_block_ids.push(dst);
             }
+            let spec = self.cfg.groups[g];
+            if spec.is_state() {
+                // The live state's block at (end - 1) / bs; null entries before it.
+                let live = (plan.context + plan.q - 1) / spec.block_size as usize;
+                if gp.fresh == 1 {
+                    t.blocks.resize(live, NULL_BLOCK);
+                    let b = fresh.next().expect("allocated");
+                    t.blocks.push(b);
+                    ga.new_block_ids.push(b);
+                    match state_src[g] {
+                        Some(src) if src != b => ga.copies.push((src, b)),
+                        Some(_) => {} // released uncached and taken again: already in place
+                        None if plan.first && plan.context == 0 => ga.zero_blocks.push(b),
+                        None => {} // a prefix hit: copied below, once its block is loaded
+                    }
+                }
+                continue;
+            }
             // Sized once: a prompt's table would otherwise grow by repeated doubling.
             t.blocks.reserve(gp.fresh);
             ga.new_block_ids.reserve(gp.fresh);
@@ -269,6 +295,35 @@ impl KvCacheManager {
         }
         // Only blocks full of computed, finalized tokens: drafts never reach the cache.
         self.cache_full(s, ev, true);
+        if self.has_state && plan.first && plan.context > 0 {
+            self.release_state_hits(s, plan.context, out)?;
+        }
+        Ok(())
+    }
+
+    /// After a first allocation with a prefix hit of `context` tokens: each state group's hit
+    /// block (the state after `context` tokens, at `context / bs - 1`) is copied into the
+    /// fresh live block and released (cached; the copy runs before any write of the step).
+    fn release_state_hits(&self, s: &mut Seq, context: usize, out: &mut Alloc) -> Result<()> {
+        let mut released = Vec::new();
+        for (g, spec) in self.cfg.groups.iter().enumerate() {
+            if !spec.is_state() {
+                continue;
+            }
+            let bs = spec.block_size as usize;
+            let t = &mut s.tables[g];
+            let j = context / bs - 1;
+            let src = std::mem::replace(&mut t.blocks[j], NULL_BLOCK);
+            let dst = *t.blocks.last().expect("live block");
+            t.rewritten_from(j);
+            out.groups[g].copies.push((src, dst));
+            out.groups[g].released.push(src);
+            released.push(src);
+        }
+        if !released.is_empty() {
+            self.counters.lock().copies += released.len() as u64;
+            self.pool.free(&released)?;
+        }
         Ok(())
     }
 
@@ -425,6 +480,9 @@ impl KvCacheManager {
         let mut released = vec![Vec::new(); self.num_groups()];
         for (g, t) in s.tables.iter_mut().enumerate() {
             let spec = self.cfg.groups[g];
+            if spec.is_state() {
+                continue; // its states leave by moves and commits
+            }
             let keep =
                 (self.keep_from(&spec, settled) / spec.block_size as usize).min(t.blocks.len());
             if keep <= t.live_from {

@@ -42,6 +42,9 @@ impl KvCacheManager {
         }
         for g in 0..self.num_groups() {
             let spec = self.cfg.groups[g];
+            if spec.is_state() {
+                continue; // published by commit_computed only (the commit fence)
+            }
             let full = s.num_computed.min(s.tainted_from) / spec.block_size as usize;
             let start = s.tables[g].scanned;
             if full <= start {
@@ -88,7 +91,7 @@ impl KvCacheManager {
         }
         for g in 0..self.num_groups() {
             let spec = self.cfg.groups[g];
-            if !spec.is_windowed() {
+            if !spec.is_windowed() || spec.is_state() {
                 continue;
             }
             let full = s.num_computed.min(s.tainted_from) / spec.block_size as usize;

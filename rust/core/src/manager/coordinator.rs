@@ -21,6 +21,10 @@ pub(super) struct GroupPlan {
     /// First allocation with external tokens: null entries after the hits, before the fresh
     /// blocks (a windowed group's blocks out of the window of the loaded context).
     pub(super) null_pad: usize,
+    /// State group, later allocation that moves the live index: the logical index of the old
+    /// live block, the copy source (kept in the table when its aligned state awaits its
+    /// commit, else in `release`).
+    pub(super) state_src: Option<usize>,
 }
 
 #[derive(Debug, Clone)]
@@ -425,6 +429,22 @@ impl KvCacheManager {
         if !s.drafts.is_empty() {
             return Err(drafts_pending(seq, "allocate_slots"));
         }
+        if self.has_state && (num_drafts > 0 || lookahead > 0) {
+            return Err(Error::InvalidArgument {
+                arg: if num_drafts > 0 {
+                    "draft_tokens"
+                } else {
+                    "num_lookahead"
+                },
+                value: format!("{} token(s)", num_drafts + lookahead),
+                reason: "speculative decoding (drafts, lookahead slots) is not supported with \
+                         state groups: a rejected draft cannot be rolled out of a recurrent state"
+                    .into(),
+            });
+        }
+        if self.has_state && external > 0 {
+            return Err(state_external_refused());
+        }
         let first = s.is_first();
         let (context, hits): (usize, SmallVec<[Vec<BlockId>; 1]>) = if first {
             let (context, hits) = self.find_hits(s, sim);
@@ -485,6 +505,44 @@ impl KvCacheManager {
             let t = &s.tables[g];
             let mut gp = GroupPlan::default();
             let (mut take, mut release) = (0, 0);
+            if spec.is_state() {
+                // The live state moves to block (end - 1) / bs; nothing else is taken.
+                let live = (end - 1) / bs;
+                if first {
+                    for &b in &hits {
+                        // A host hit is loaded into a fresh block.
+                        if b == HOST_HIT
+                            || (b != NULL_BLOCK
+                                && b != VIRTUAL
+                                && sim.refc(b) == 0
+                                && hit_free.insert(b))
+                        {
+                            take += 1;
+                        }
+                    }
+                    gp.null_pad = live - hits.len();
+                    gp.fresh = 1;
+                    gp.hits = hits;
+                } else {
+                    let old = (context - 1) / bs;
+                    if old != live {
+                        gp.fresh = 1;
+                        gp.state_src = Some(old);
+                        if !self.state_pending(s, g, old, context) {
+                            gp.release.push(old);
+                            if sim.refc(t.blocks[old]) == 1 {
+                                release += 1;
+                            }
+                        }
+                    }
+                }
+                take += gp.fresh;
+                take_all += take;
+                release_all += release;
+                per_group.push((take, release));
+                groups.push(gp);
+                continue;
+            }
             if first {
                 let mut hits = hits;
                 // External tokens: nothing below the window of the loaded context is taken.
@@ -548,5 +606,16 @@ impl KvCacheManager {
             release: release_all,
             per_group,
         })
+    }
+}
+
+/// The refusal of an external load (a KV connector) with a state group.
+pub(super) fn state_external_refused() -> Error {
+    Error::InvalidArgument {
+        arg: "num_external_tokens",
+        value: "state group".into(),
+        reason: "external KV loads are not supported with state groups (a connector moves \
+                 per-token KV, not recurrent states)"
+            .into(),
     }
 }

@@ -44,6 +44,9 @@ impl KvCacheManager {
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         check_external(seq, s, num_new_tokens, staged)?;
+        if self.has_state {
+            return Err(super::coordinator::state_external_refused());
+        }
         let mut ev = Vec::new();
         let mut out = Alloc::default();
         out.reset(self.num_groups());
@@ -75,6 +78,9 @@ impl KvCacheManager {
         let mut st = self.state.lock();
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         check_external(seq, s, num_new_tokens, false)?;
+        if self.has_state {
+            return Err(super::coordinator::state_external_refused());
+        }
         let sim = Sim::new(&self.pool);
         Ok(self
             .plan_external(
@@ -177,6 +183,15 @@ impl KvCacheManager {
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         if s.status != SeqStatus::Running {
             return Err(bad_state(seq, s.status, "rollback", "running"));
+        }
+        if self.has_state && n < s.num_computed {
+            return Err(Error::InvalidArgument {
+                arg: "num_computed_tokens",
+                value: n.to_string(),
+                reason: "a rollback cannot restore an earlier recurrent state of a state group \
+                         (preempt the sequence instead)"
+                    .into(),
+            });
         }
         if !s.drafts.is_empty() {
             return Err(drafts_pending(seq, "rollback"));

@@ -108,6 +108,10 @@ impl KvCacheManager {
                                 ));
                             }
                         }
+                        if spec.is_state() {
+                            self.check_state_table(id, s, g, &mut distinct, &mut gpu_refs)?;
+                            continue;
+                        }
                         let read_from = spec.first_read(s.last_context) / bs;
                         let keep_from = if s.num_computed == s.last_context {
                             0
@@ -199,5 +203,59 @@ impl KvCacheManager {
         Ok(())
     }
 
-    // ---- internals -------------------------------------------------------------------------
+    /// State group `g` of running `s`: the live block at `(num_computed - 1) / bs` is held
+    /// (published only when `num_computed` is aligned, under the key of exactly its prefix);
+    /// every other held entry is an aligned state waiting for its commit (unpublished,
+    /// publishable). Counts the held blocks into `gpu_refs`.
+    fn check_state_table(
+        &self,
+        id: SeqId,
+        s: &mut Seq,
+        g: usize,
+        distinct: &mut HashSet<BlockId>,
+        gpu_refs: &mut HashMap<BlockId, u32>,
+    ) -> std::result::Result<(), String> {
+        let bs = self.cfg.groups[g].block_size as usize;
+        let n = s.num_computed;
+        let live = (n > 0).then(|| (n - 1) / bs);
+        for j in 0..s.tables[g].blocks.len() {
+            let b = s.tables[g].blocks[j];
+            if b == NULL_BLOCK {
+                if Some(j) == live {
+                    return Err(format!("seq {id} group {g}: live state entry {j} is null"));
+                }
+                continue;
+            }
+            if b >= self.cfg.num_blocks {
+                return Err(format!("seq {id} group {g}: invalid block {b}"));
+            }
+            if !distinct.insert(b) {
+                return Err(format!("seq {id}: block {b} appears twice in its tables"));
+            }
+            *gpu_refs.entry(b).or_insert(0) += 1;
+            let h = self.pool.block_hash(b);
+            if Some(j) == live {
+                if let Some(h) = h {
+                    if n != (j + 1) * bs || h != self.key_at(s, g, j) {
+                        return Err(format!(
+                            "seq {id} group {g}: live state block {b} published but not the state after {} tokens under its key",
+                            (j + 1) * bs
+                        ));
+                    }
+                }
+                continue;
+            }
+            if h.is_some() {
+                return Err(format!(
+                    "seq {id} group {g}: published state block {b} (entry {j}) still held but not live"
+                ));
+            }
+            if !self.state_pending(s, g, j, n) {
+                return Err(format!(
+                    "seq {id} group {g}: entry {j} (block {b}) is neither the live state nor an aligned state waiting for its commit"
+                ));
+            }
+        }
+        Ok(())
+    }
 }

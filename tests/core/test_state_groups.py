@@ -1,0 +1,169 @@
+"""State groups (Mamba / linear-attention recurrent states) through the Python API: the live
+state's moves as copy rows, fresh states as zero rows, prefix hits on committed states only
+(the commit fence, ``KVCacheManager.commit_computed``), and typed refusals that change nothing
+(docs/design.md, "State groups and the commit fence")."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pagedkv import BlockStored, CacheConfig, KVCacheGroupSpec, KVCacheManager
+from pagedkv.errors import InvalidArgumentError, InvalidConfigError, UnknownSequenceError
+
+BS = 4
+FULL, STATE = 0, 1
+
+
+def make(num_blocks: int = 32, **kwargs: object) -> KVCacheManager:
+    """One full-attention group and one state group of 4-token blocks (32-byte pages)."""
+    groups = [KVCacheGroupSpec("full", BS, 8), KVCacheGroupSpec("state", BS, 8)]
+    return KVCacheManager(CacheConfig(num_blocks, groups=groups, layer_groups=[0, 1, 1], **kwargs))  # type: ignore[arg-type]
+
+
+def toks(n: int, salt: int = 0) -> list[int]:
+    return [i * 7 + salt * 1000 + 1 for i in range(n)]
+
+
+def state_row(m: KVCacheManager, seq: int) -> list[int]:
+    return [int(b) for b in m.block_tables(seq)[STATE]]
+
+
+def test_spec_kind_and_state_bytes() -> None:
+    g = KVCacheGroupSpec("state", 4, 8, state_bytes=32)
+    assert g.kind == "state"
+    assert (g.block_size, g.bytes_per_token, g.page_bytes) == (4, 8, 32)
+    assert g.window is None and g.chunk is None
+    with pytest.raises(InvalidConfigError, match="fit in one page"):
+        KVCacheGroupSpec("state", 4, 8, state_bytes=33)
+    with pytest.raises(InvalidConfigError, match="takes no state_bytes"):
+        KVCacheGroupSpec("full", 4, 8, state_bytes=8)
+    with pytest.raises(InvalidConfigError, match="takes no window"):
+        KVCacheGroupSpec("state", 4, 8, window=4)
+    with pytest.raises(InvalidConfigError, match="same size"):
+        CacheConfig(8, groups=[KVCacheGroupSpec("full", 4, 8), KVCacheGroupSpec("state", 4, 16)], layer_groups=[0, 1])
+
+
+def test_worked_example_tables_copies_and_zero_rows() -> None:
+    m = make()
+    m.add_sequence(1, toks(10))
+    a = m.allocate_slots(1, 8)
+    ind = a.new_block_indptr
+    s1 = int(a.new_block_ids[ind[STATE]])
+    assert ind.tolist() == [0, 2, 3]
+    assert a.zero_blocks.tolist() == [[STATE, s1]]
+    assert a.copies.shape == (0, 3)
+    assert state_row(m, 1) == [0, s1]
+    a = m.allocate_slots(1, 2)
+    s2 = int(a.new_block_ids[a.new_block_indptr[STATE]])
+    assert a.copies.tolist() == [[STATE, s1, s2]]
+    assert a.zero_blocks.shape == (0, 2)
+    assert state_row(m, 1) == [0, s1, s2]  # the state after 8 waits for its commit
+    m.append_tokens(1, [5])
+    a = m.allocate_slots(1, 1)  # 10 -> 11: in place
+    assert a.copies.shape == (0, 3) and a.new_block_ids.tolist() == []
+    assert m.commit_computed(1, 11) == 1
+    assert state_row(m, 1) == [0, 0, s2]
+    assert m.commit_computed(1, 11) == 0
+    m.check_invariants()
+
+
+def test_step_output_zero_blocks_copies_and_slot_rows() -> None:
+    m = make()
+    m.add_sequence(1, toks(10))
+    out = m.step([1], [8])
+    out.raise_for_error()
+    live = state_row(m, 1)[1]
+    assert out.zero_blocks.dtype == np.int32
+    assert out.zero_blocks.tolist() == [[STATE, live]]
+    assert out.slot_mappings[STATE].tolist() == [-1] * 8
+    assert out.slot_mappings[FULL].tolist() == [int(m.block_tables(1)[FULL][i // 4]) * 4 + i % 4 for i in range(8)]
+    out = m.step([1], [2])
+    new = state_row(m, 1)[2]
+    assert out.copies.tolist() == [[STATE, live, new]]
+    assert out.zero_blocks.shape == (0, 2)
+    m.check_invariants()
+
+
+def test_no_hit_before_the_commit_and_a_hit_after() -> None:
+    m = make(enable_events=True)
+    m.add_sequence(1, toks(10))
+    m.allocate_slots(1, 8)
+    m.allocate_slots(1, 2)
+    state8 = state_row(m, 1)[1]
+    m.add_sequence(2, toks(10))
+    assert m.lookup_prefix_group(2, FULL, 10) == 8
+    assert m.lookup_prefix(2) == 0
+    stored = [(e.group, len(e.block_hashes)) for e in m.take_events() if isinstance(e, BlockStored)]
+    assert stored == [(FULL, 2)]  # the full group's blocks only
+    assert m.commit_computed(1, 10) == 1
+    stored = [(e.group, len(e.block_hashes)) for e in m.take_events() if isinstance(e, BlockStored)]
+    assert stored == [(STATE, 1)]
+    assert m.lookup_prefix(2) == 8
+    a = m.allocate_slots(2, 2)
+    assert a.num_cached_tokens == 8
+    live = int(a.new_block_ids[a.new_block_indptr[STATE]])
+    assert a.copies.tolist() == [[STATE, state8, live]]
+    assert a.zero_blocks.shape == (0, 2)
+    assert state_row(m, 2) == [0, 0, live]
+    m.check_invariants()
+
+
+def test_free_and_preempt_before_commit_leave_nothing_matchable() -> None:
+    m = make()
+    m.add_sequence(1, toks(10))
+    m.allocate_slots(1, 8)
+    m.allocate_slots(1, 2)
+    assert m.free(1)
+    m.add_sequence(2, toks(10))
+    assert m.lookup_prefix(2) == 0
+    m.allocate_slots(2, 8)
+    m.preempt([2])
+    assert m.status(2) == "preempted"
+    a = m.allocate_slots(2, 10)
+    assert a.num_cached_tokens == 0
+    assert a.zero_blocks.tolist() == [[STATE, state_row(m, 2)[2]]]
+    m.check_invariants()
+
+
+def test_commit_errors_and_refusals_change_nothing() -> None:
+    m = make()
+    m.add_sequence(1, toks(10))
+    m.allocate_slots(1, 8)
+    before = [t.tolist() for t in m.block_tables(1)]
+    free = m.stats().free
+
+    def unchanged() -> None:
+        assert [t.tolist() for t in m.block_tables(1)] == before
+        assert m.num_computed_tokens(1) == 8
+        assert m.stats().free == free
+        m.check_invariants()
+
+    with pytest.raises(InvalidArgumentError, match="num_tokens"):
+        m.commit_computed(1, 9)
+    unchanged()
+    with pytest.raises(UnknownSequenceError):
+        m.commit_computed(99, 0)
+    with pytest.raises(InvalidArgumentError, match="speculative decoding"):
+        m.allocate_slots(1, 2, draft_token_ids=[3, 4])
+    unchanged()
+    with pytest.raises(InvalidArgumentError, match="speculative decoding"):
+        m.allocate_slots(1, 2, num_lookahead_slots=2)
+    unchanged()
+    with pytest.raises(InvalidArgumentError, match="state groups"):
+        m.fork(1, 2)
+    unchanged()
+    m.add_sequence(3, toks(10, 1))
+    with pytest.raises(InvalidArgumentError, match="external KV loads"):
+        m.allocate_external(3, 4, staged=True)
+    assert m.status(3) == "running" and m.num_computed_tokens(3) == 0
+    unchanged()
+
+
+def test_commit_without_state_groups_is_zero() -> None:
+    m = KVCacheManager(CacheConfig(16, 4))
+    m.add_sequence(1, toks(9))
+    m.allocate_slots(1, 8)
+    assert m.commit_computed(1, 8) == 0
+    with pytest.raises(InvalidArgumentError):
+        m.commit_computed(1, 9)
