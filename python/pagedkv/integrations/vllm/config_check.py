@@ -4,7 +4,8 @@ pagedkv manages one pool of equally sized pages for full-attention, sliding-wind
 chunked-local KV cache groups (of one block size or several), and it schedules only
 tokens whose ids are known (it hashes them as it allocates). Everything in vLLM that breaks one
 of those two assumptions is refused here, with the setting named, instead of being served
-subtly wrong later: Mamba layers, cross
+subtly wrong later: Mamba layers outside vLLM's ``align`` cache mode and the setups of
+``_check_mamba_group`` (align-mode Mamba groups are served as pagedkv state groups), cross
 attention, KV connectors that keep vLLM's own block pool (see
 :mod:`pagedkv.integrations.vllm.connectors`), context
 parallelism (blocks sharded across ranks), lookahead block hashes and multi-module MTP's prefill
@@ -112,8 +113,9 @@ def check_supported_config(
     of one block size, or of several when the scheduler block size is their least common
     multiple (vLLM's rule; a chunked-local group at the scheduler block size), with
     ``hash_block_size`` dividing every group's block size (equal to it for one group with
-    prefix caching on); :class:`PagedKVCacheManager` serves them all. Mamba groups are refused,
-    naming them. Decoder-only model, a KV connector only as
+    prefix caching on); :class:`PagedKVCacheManager` serves them all. ``MambaSpec`` groups are
+    served in vLLM's ``align`` cache mode beside full-attention groups, as state groups;
+    ``_check_mamba_group`` names what it refuses with them. Decoder-only model, a KV connector only as
     :func:`~pagedkv.integrations.vllm.connectors.check_kv_transfer_config` accepts it, no
     context parallelism, model-based drafters only as ``_check_drafter`` accepts them (EAGLE /
     EAGLE-3 / single-module MTP with legacy block hashes or prefix caching off; n-gram and other

@@ -9,7 +9,9 @@ read-only view in :mod:`pagedkv.integrations.vllm.coordinator`), with pagedkv's
 ``KVCacheManager`` (Rust) as the block pool, prefix cache and block tables of every KV
 cache group: one group of full attention, or several (hybrid models: full attention, sliding
 window, chunked local; of one block size, or of several whose least common multiple is the
-scheduler block size, as vLLM's hybrid coordinator serves them). The decode fast path lives
+scheduler block size, as vLLM's hybrid coordinator serves them; vLLM's align-mode Mamba groups
+beside full attention, as pagedkv state groups: docs/design.md, "Mamba state groups in
+vLLM"). The decode fast path lives
 in :mod:`pagedkv.integrations.vllm.decode_deferral`, the ``KVCacheBlocks`` results in
 :mod:`pagedkv.integrations.vllm.blocks`.
 
@@ -221,7 +223,8 @@ class PagedKVCacheManager(SharedManagerCalls):
         log_stats: keep ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
         enable_kv_cache_events: record KV events for ``take_events``.
         watermark: fraction of blocks kept free when admitting waiting / preempted requests.
-        enable_mamba_shared_prefix_checkpoint: accepted and unused (Mamba layers are refused).
+        enable_mamba_shared_prefix_checkpoint: accepted and unused (shared-prefix Mamba
+            checkpoints are refused by ``check_supported_config``).
         hash_algo: vLLM's ``prefix_caching_hash_algo`` (``sha256*`` -> SHA-256, ``xxhash*`` ->
             xxh3-128).
 
