@@ -159,8 +159,11 @@ def test_mamba_runner_columns(groups: Any) -> None:
     driver = Driver(sched)
     driver.add(make_request("a", prefix + [7, 8, 9], 4, block_size=BS))
     state = [g for g, kind in enumerate(groups) if kind != "full"]
+    full = groups.index("full")
+    zeroed: list[int] = []
     for _ in range(4):
         out = sched.schedule()
+        zeroed += out.new_block_ids_to_zero or []
         for rid in out.num_scheduled_tokens:
             end = sched.requests[rid].num_computed_tokens
             tables = sched.kv_cache_manager.get_block_ids(rid)
@@ -168,11 +171,16 @@ def test_mamba_runner_columns(groups: Any) -> None:
                 assert tables[g][(end - 1) // BS] != 0
                 assert len(tables[g]) == -(-end // BS)
         sched.update_from_output(out, _fake(sched, out))
+    # vLLM's worker zeroes the attention blocks taken new (Mamba layers share the pool): the
+    # full-attention group's blocks, each once, and no state block.
+    assert sorted(zeroed) == sorted(sched.kv_cache_manager.get_block_ids("a")[full])
     driver.add(make_request("b", prefix + [1, 2], 3, block_size=BS))
     out = sched.schedule()
     (new,) = out.scheduled_new_reqs
     hit = new.num_computed_tokens
     assert hit == 96
+    # The hit's attention blocks hold cached KV: not zeroed.
+    assert sorted(out.new_block_ids_to_zero or []) == sorted(new.block_ids[full][hit // BS :])
     for g in state:
         table = new.block_ids[g]
         assert table[hit // BS - 1] != 0, "the hit state is the runner's copy source"
