@@ -382,6 +382,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         # New attention blocks since the last take_new_block_ids (zeroed by vLLM's worker when
         # Mamba layers share the pool).
         self._new_attention_ids: list[int] = []
+        # vLLM 0.32 marks a state hit at the prompt's last aligned boundary as cached in the
+        # step (0.33 does not).
+        self._recache_prompt_hit = not caches_finished_drafts()
         #: pagedkv's retention interval in tokens (0: dense).
         self.retention_interval = interval
         self.watermark_blocks = int(watermark * num_blocks)
@@ -938,28 +941,37 @@ class PagedKVCacheManager(SharedManagerCalls):
         state (its copy source, shown in the table until the next allocation) and an aligned
         step end (a state vLLM caches at allocation, so hits on it wait a step)."""
         if first and out.num_cached_tokens:
-            idx = (int(out.num_cached_tokens) - 1) // self.block_size
+            hit = int(out.num_cached_tokens)
+            idx = (hit - 1) // self.block_size
             sources = {int(g): (idx, int(src)) for g, src, _ in out.copies.tolist() if int(g) in self._state_groups}
             if sources:
                 self._state_sources[rid] = sources
+            request = self._requests[rid]
+            if self._recache_prompt_hit and hit == (request.num_prompt_tokens - 1) // self.block_size * self.block_size:
+                # vLLM 0.32 caches a hit at the prompt's last aligned boundary again (0.33
+                # does not), so its siblings wait a step for it.
+                self._step_states.append((rid, hit))
         if end % self.block_size == 0:
             self._step_states.append((rid, end))
 
     def _pending_state_hit(self, request: Any, seq: int, hit: int, limit: int) -> tuple[int, int]:
         """vLLM's view of a waiting request's hit with state groups: ``(longest, pending)``:
         the longest prefix an attention group alone serves (at most ``limit``; vLLM's
-        shared-prefix boundary when longer than the hit) and the longest aligned end past
-        ``hit`` whose state a request wrote in the current step under the same token prefix
-        (0: none). vLLM caches such a state at allocation and makes the request wait a step;
+        shared-prefix boundary when longer than the hit) and the longest aligned end at or
+        past ``hit`` (at most ``longest``) whose state a request wrote in the current step
+        under the same token prefix (0: none; vLLM 0.32 also counts a hit at the prompt's
+        last aligned boundary taken in this step). vLLM caches such a state at allocation and makes the request wait a step;
         pagedkv publishes it once the step completed (``commit_steps``)."""
         longest = max((int(self._kvm.lookup_prefix_group(seq, g, limit)) for g in self._attention_groups), default=0)
         pending = 0
-        if longest > hit and self._step_states:
+        if self._step_states:
             tokens = request.all_token_ids
             key = _identity(request)
             for rid, end in self._step_states:
                 other = self._requests.get(rid)
-                if other is None or rid == request.request_id or not (pending < end <= longest):
+                # vLLM keys its cached-this-step set by hash: a state of this step at the hit
+                # itself (the same prefix) makes the request wait as well.
+                if other is None or rid == request.request_id or not (max(pending, hit, 1) <= end <= longest):
                     continue
                 if other.all_token_ids[:end] == tokens[:end] and _identity(other) == key:
                     pending = end
