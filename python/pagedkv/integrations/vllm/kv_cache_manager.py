@@ -960,8 +960,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         shared-prefix boundary when longer than the hit) and the longest aligned end at or
         past ``hit`` (at most ``longest``) whose state a request wrote in the current step
         under the same token prefix (0: none; vLLM 0.32 also counts a hit at the prompt's
-        last aligned boundary taken in this step). vLLM caches such a state at allocation and makes the request wait a step;
-        pagedkv publishes it once the step completed (``commit_steps``)."""
+        last aligned boundary taken in this step). vLLM caches such a state at allocation and
+        makes the request wait a step; pagedkv publishes it once the step completed
+        (``commit_steps``)."""
         longest = max((int(self._kvm.lookup_prefix_group(seq, g, limit)) for g in self._attention_groups), default=0)
         pending = 0
         if self._step_states:
