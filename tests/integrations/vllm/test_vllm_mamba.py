@@ -279,3 +279,42 @@ def test_mamba_refuses_async_scheduling_and_partial_hashes() -> None:
     with pytest.raises(UnsupportedVllmConfigError) as err:
         build_scheduler(PagedKVScheduler, _config(64), kv_cache_config=config, block_size=BS, hash_block_size=8)
     assert err.value.field == "hash_block_size"
+
+
+def test_mamba_cache_salts_and_aborts_match_stock() -> None:
+    # Same prompts under two cache salts arriving together (a salted request never hits or
+    # waits for an unsalted one's states), and requests aborted mid-prefill (their pending
+    # states are released unpublished; stock's are cached and freed): step by step equal.
+    rng = random.Random(5)
+    prefix = _tokens(rng, 120)
+    drivers = []
+    for cls in (Scheduler, PagedKVScheduler):
+        kv = make_mamba_kv_cache_config(500, QWEN3_NEXT_GROUPS, BS)
+        config = _config(500, max_num_batched_tokens=64, max_num_seqs=16)
+        drivers.append(Driver(build_scheduler(cls, config, kv_cache_config=kv, block_size=BS, hash_block_size=BS)))
+    records = []
+    for step in range(200):
+        for d in drivers:
+            if step in (0, 3):
+                for i in range(4):
+                    salt = "s" if i % 2 else None
+                    rid = f"q{step}-{i}"
+                    d.add(make_request(rid, prefix + [7 + i, step], 6, block_size=BS, cache_salt=salt))
+            if step == 2:
+                d.abort(["q0-1"])
+        if step > 3 and not drivers[0].scheduler.has_unfinished_requests():
+            break
+        a, b = (d.step() for d in drivers)
+        assert b == a or {k: v for k, v in b.items() if k != "blocks_held"} == {
+            k: v for k, v in a.items() if k != "blocks_held"
+        }, f"step {step}:\nstock {a}\npaged {b}"
+        records.append(b)
+    stock, paged = drivers
+    assert paged.outputs == stock.outputs and paged.prefix_hits == stock.prefix_hits
+    assert paged.finish_reasons["q0-1"] == stock.finish_reasons["q0-1"] == "abort"
+    # The second wave hits its own salt's states only.
+    hits = {rid: h for rid, h in paged.prefix_hits.items() if rid.startswith("q3")}
+    assert all(h >= 112 for h in hits.values()), hits
+    kvm = paged.scheduler.kv_cache_manager
+    kvm.manager.check_invariants()
+    assert kvm.manager.num_sequences == 0
