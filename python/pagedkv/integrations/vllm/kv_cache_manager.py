@@ -936,22 +936,24 @@ class PagedKVCacheManager(SharedManagerCalls):
             return self.empty_kv_cache_blocks
         return PagedKVBlocks(tuple(groups))
 
-    def _note_state_step(self, rid: str, out: Any, first: bool, end: int) -> None:
+    def _note_state_step(self, rid: str, out: Any, first: bool, ctx: int, end: int) -> None:
         """Records what an allocation did to ``rid``'s state groups: a first allocation's hit
         state (its copy source, shown in the table until the next allocation) and an aligned
-        step end (a state vLLM caches at allocation, so hits on it wait a step)."""
+        step end (a state vLLM caches at allocation, so hits on it wait a step); ``ctx`` /
+        ``end``: the step's first and end positions."""
+        bs = self.block_size
         if first and out.num_cached_tokens:
             hit = int(out.num_cached_tokens)
             idx = (hit - 1) // self.block_size
             sources = {int(g): (idx, int(src)) for g, src, _ in out.copies.tolist() if int(g) in self._state_groups}
             if sources:
                 self._state_sources[rid] = sources
-            request = self._requests[rid]
-            if self._recache_prompt_hit and hit == (request.num_prompt_tokens - 1) // self.block_size * self.block_size:
-                # vLLM 0.32 caches a hit at the prompt's last aligned boundary again (0.33
-                # does not), so its siblings wait a step for it.
-                self._step_states.append((rid, hit))
-        if end % self.block_size == 0:
+        if self._recache_prompt_hit and 0 < ctx == (self._requests[rid].num_prompt_tokens - 1) // bs * bs:
+            # vLLM 0.32 caches the state at the prompt's last aligned boundary again when a
+            # step starts there (a hit or the previous chunk's end; 0.33 does not), so its
+            # siblings wait a step for it.
+            self._step_states.append((rid, ctx))
+        if end % bs == 0:
             self._step_states.append((rid, end))
 
     def _pending_state_hit(self, request: Any, seq: int, hit: int, limit: int) -> tuple[int, int]:
@@ -1101,7 +1103,7 @@ class PagedKVCacheManager(SharedManagerCalls):
             )
         computed = expected + num_new_tokens
         if self._state_groups:
-            self._note_state_step(rid, out, first, computed)
+            self._note_state_step(rid, out, first, expected, computed)
         if unknown:
             self._unknown[rid] = computed
             self.decodes.close_window(rid)
