@@ -132,6 +132,7 @@ def test_mamba_shared_prefix_matches_stock_step_by_step(groups: Any) -> None:
     stock, paged, records, fig = _lockstep(groups, stream, num_blocks=600, max_num_batched_tokens=80, max_num_seqs=16)
     assert paged.outputs == stock.outputs
     assert paged.prefix_hits == stock.prefix_hits
+    assert paged.prefix_cache_stats == stock.prefix_cache_stats
     hits = [h for h in paged.prefix_hits.values() if h]
     assert hits and all(h % BS == 0 for h in hits)
     assert max(hits) >= 144, "the shared prefix's states must be hit"
