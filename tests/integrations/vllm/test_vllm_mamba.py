@@ -319,3 +319,24 @@ def test_mamba_cache_salts_and_aborts_match_stock() -> None:
     kvm = paged.scheduler.kv_cache_manager
     kvm.manager.check_invariants()
     assert kvm.manager.num_sequences == 0
+
+
+@pytest.mark.parametrize("seed", [1, 4, 10, 21])
+def test_mamba_random_streams_match_stock(seed: int) -> None:
+    # Random prompt lengths, shared prefixes, token budgets, long-prefill thresholds (below the
+    # block size too: vLLM's split then advances a block in several sub-block chunks) and
+    # running-request caps: equal step by step.
+    rng = random.Random(seed)
+    groups = (QWEN3_NEXT_GROUPS, NEMOTRON_H_GROUPS)[seed % 2]
+    prefix = _tokens(rng, rng.randrange(0, 200))
+    stream = _stream(rng, prefix, rng.randrange(4, 14), (1, rng.randrange(2, 150)), rng.randrange(1, 15))
+    stock, paged, _, _ = _lockstep(
+        groups,
+        stream,
+        num_blocks=1000,
+        max_num_batched_tokens=rng.choice([32, 48, 64, 80, 128, 256]),
+        max_num_seqs=rng.choice([2, 4, 16]),
+        long_prefill_token_threshold=rng.choice([0, 8, 24, 40]),
+    )
+    assert paged.outputs == stock.outputs
+    assert paged.prefix_hits == stock.prefix_hits
