@@ -1,5 +1,5 @@
 //! Fuzz target `hybrid_ops`: arbitrary bytes -> a KV cache group layout (full attention,
-//! sliding window, chunked local; any block sizes, windows, page sizes, layer mapping,
+//! sliding window, chunked local, state; any block sizes, windows, page sizes, layer mapping,
 //! retention interval, some of them invalid on purpose) and a sequence of operations on
 //! [`KvCacheManager`] with unknown and duplicate sequence ids.
 //!
@@ -24,6 +24,11 @@
 //! not), `Commit`, `Rollback` (poisoned or not), `Evict` (`evict_blocks`), `DeferFree` and
 //! `Release` (deferred releases) on both managers, with equal results; a staged load's demand is
 //! `num_blocks_needed_external`'s, and a loading sequence's staged blocks are never registered.
+//!
+//! State groups (docs/design.md, "KV cache groups", state groups): `CommitComputed`
+//! (`commit_computed`) on both managers with equal results; a state group's slot rows are -1,
+//! its live block is held, and no prefix lookup ever returns a state no commit covered (the
+//! token prefixes of every commit are recorded; a hit's prefix must be among them).
 //!
 //! At the end every sequence is freed, every deferred release released, and the pool must be
 //! whole.
@@ -86,6 +91,7 @@ enum Op {
     Prune { seq: u8, back: u8 },
     Lookahead { seq: u8, n: u8, k: u8 },
     HitLimit { seq: u8, limit: Option<u8> },
+    CommitComputed { seq: u8, back: u8 },
 }
 
 #[derive(Arbitrary, Debug)]
@@ -103,6 +109,9 @@ fn config(c: &Cfg) -> CacheConfig {
             let bs = u32::from(g.block_size % 9);
             let bpt = u64::from(g.bytes_per_token % 3) * 8;
             let span = u32::from(g.span % 24);
+            if g.kind >= 200 {
+                return GroupSpec::state(bs, bpt);
+            }
             match g.kind % 3 {
                 0 => GroupSpec::full(bs, bpt),
                 1 => GroupSpec::sliding_window(bs, bpt, span),
@@ -180,6 +189,9 @@ fuzz_target!(|input: Input| {
     let mut sets = vec![HashSet::new(); cfg.groups.len()];
     let mut twin_sets = sets.clone();
     let mut handles: Vec<u64> = Vec::new();
+    let has_state = cfg.groups.iter().any(GroupSpec::is_state);
+    // Token prefixes some commit_computed covered: the only states a hit may return.
+    let mut committed: HashSet<Vec<u32>> = HashSet::new();
     for op in input.ops.into_iter().take(MAX_OPS) {
         let before = snapshot(&m);
         let free0 = m.pool().num_free();
@@ -282,8 +294,30 @@ fuzz_target!(|input: Input| {
                 let id = u64::from(seq % ID_SPACE);
                 if let Ok(hit) = m.lookup_prefix(id) {
                     assert_eq!(hit % m.hit_unit(), 0);
+                    if has_state && hit > 0 {
+                        let t = m.tokens(id).unwrap();
+                        assert!(
+                            committed.contains(&t[..hit]),
+                            "a hit on an uncommitted state"
+                        );
+                    }
                 }
                 false
+            }
+            Op::CommitComputed { seq, back } => {
+                let id = u64::from(seq % ID_SPACE);
+                let n = m
+                    .num_computed_tokens(id)
+                    .unwrap_or(0)
+                    .saturating_sub(usize::from(back % 24))
+                    + usize::from(back >= 250);
+                let r = m.commit_computed(id, n);
+                assert_eq!(r, twin.commit_computed(id, n));
+                if r.is_ok() && m.status(id) == Ok(SeqStatus::Running) {
+                    let t = m.tokens(id).unwrap();
+                    committed.extend((1..=n).map(|e| t[..e].to_vec()));
+                }
+                r.is_err()
             }
             Op::Owed { seqs } => {
                 let _ = m.num_blocks_owed(&ids(&seqs));
@@ -325,6 +359,14 @@ fuzz_target!(|input: Input| {
                         let row = &out.block_table[(g * out.num_scheduled + i) * w..][..w];
                         let ctx = out.context_lens[i] as usize;
                         let end = out.seq_lens[i] as usize;
+                        if spec.is_state() {
+                            // The live state only; no per-token slot.
+                            assert_ne!(row[(end - 1) / bs], NULL_BLOCK as i32);
+                            for q in out.query_start_loc[i]..out.query_start_loc[i + 1] {
+                                assert_eq!(out.slot_mapping[g * t + q as usize], -1);
+                            }
+                            continue;
+                        }
                         for p in spec.first_read(ctx)..end {
                             assert_ne!(row[p / bs], NULL_BLOCK as i32, "group {g}: position {p}");
                         }

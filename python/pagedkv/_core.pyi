@@ -524,6 +524,10 @@ class KVCacheManager:
         ``<= num_tokens``; returns how many. Raises ``UnknownSequenceError``,
         ``InvalidArgumentError`` (above the computed tokens); state unchanged on error.
         """
+    def commit_all_computed(self, seq_ids: _IntArrayLike) -> int:
+        """``commit_computed`` of every computed token of each of ``seq_ids`` under one lock (a
+        step's forward pass over them completed); returns the state blocks published. Raises
+        ``UnknownSequenceError`` (nothing changed)."""
     def rollback(self, seq_id: int, num_computed_tokens: int, *, poisoned: bool) -> int:
         """Truncates the computed range (blocks kept, recomputed in place); ``poisoned``
         unregisters them and their dependents.
@@ -675,9 +679,9 @@ class KVIndexer:
 
         ``groups``: the attention kinds of the worker's KV cache groups in its engine's order
         (``KVCacheGroupSpec`` objects or ``"full"`` / ``"sliding_window"`` /
-        ``"chunked_local"``; None: one full-attention group). Only the first full-attention
-        group's events are indexed: a sliding-window or chunked-local group's blocks serve no
-        prefix (llm-d-router #2362). Workers are also registered as ``"engine"`` with one
+        ``"chunked_local"`` / ``"state"``; None: one full-attention group). Only the first
+        full-attention group's events are indexed: a sliding-window, chunked-local or state
+        group's blocks serve no prefix on their own (llm-d-router #2362). Workers are also registered as ``"engine"`` with one
         full-attention group by their first ``apply``. Raises ``InvalidArgumentError`` if
         already registered, for another ``hash_source``, an empty ``groups`` or another kind.
         """

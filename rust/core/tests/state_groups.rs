@@ -1,5 +1,5 @@
 //! State groups (Mamba / linear attention recurrent states) and the commit fence
-//! (docs/design.md, "State groups and the commit fence"): live-state moves, copies and zero
+//! (docs/design.md, "KV cache groups", state groups): live-state moves, copies and zero
 //! rows, prefix hits on committed states only, releases on free / preempt / swap, refusals.
 
 use pagedkv_core::events::KvEvent;
@@ -71,10 +71,11 @@ fn worked_example_tables_copies_and_zero_rows() {
         .unwrap();
     // Chunk 1: [0, 8). Full: blocks 0, 1; state: the live block at (8 - 1) / 4 = 1, fresh.
     let a = m.allocate_slots(1, 8).unwrap();
+    // A fresh pool hands out 1, 2, ... in group order.
     let full = a.groups[FULL].new_block_ids.clone();
-    assert_eq!(full.len(), 2);
+    assert_eq!(full, vec![1, 2]);
     let s1 = a.groups[STATE].new_block_ids.clone();
-    assert_eq!(s1.len(), 1);
+    assert_eq!(s1, vec![3]);
     assert_eq!(a.groups[STATE].zero_blocks, s1);
     assert!(a.groups[STATE].copies.is_empty());
     assert!(a.groups[FULL].zero_blocks.is_empty());
@@ -90,8 +91,9 @@ fn worked_example_tables_copies_and_zero_rows() {
     assert_eq!(need.per_group, vec![(1, 0), (1, 0)]);
     let a = m.allocate_slots(1, 2).unwrap();
     let s2 = a.groups[STATE].new_block_ids.clone();
-    assert_eq!(s2.len(), 1);
-    assert_eq!(a.groups[STATE].copies, vec![(s1[0], s2[0])]);
+    assert_eq!(a.groups[FULL].new_block_ids, vec![4]);
+    assert_eq!(s2, vec![5]);
+    assert_eq!(a.groups[STATE].copies, vec![(3, 5)]);
     assert!(a.groups[STATE].zero_blocks.is_empty());
     assert!(a.groups[STATE].released.is_empty());
     assert_eq!(
@@ -122,7 +124,9 @@ fn worked_example_tables_copies_and_zero_rows() {
     m.append_tokens(1, &[913]).unwrap();
     let a = m.allocate_slots(1, 1).unwrap();
     let s3 = a.groups[STATE].new_block_ids.clone();
-    assert_eq!(a.groups[STATE].copies, vec![(s2[0], s3[0])]);
+    assert_eq!(a.groups[FULL].new_block_ids, vec![6]);
+    assert_eq!(s3, vec![7]);
+    assert_eq!(a.groups[STATE].copies, vec![(5, 7)]);
     assert_eq!(
         m.block_tables(1).unwrap()[STATE],
         vec![NULL_BLOCK, s1[0], s2[0], s3[0]]
@@ -133,10 +137,15 @@ fn worked_example_tables_copies_and_zero_rows() {
     assert_eq!(m.commit_computed(1, 13).unwrap(), 2);
     assert_eq!(stored(&m, STATE as u32), 2);
     assert_eq!(
-        m.block_tables(1).unwrap()[STATE],
-        vec![NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, s3[0]]
+        m.block_tables(1).unwrap(),
+        vec![
+            vec![1, 2, 4, 6],
+            vec![NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, 7]
+        ]
     );
     assert_eq!(m.pool().num_cached_free(), cached_before + 2);
+    assert!(m.pool().is_hashed(3) && m.pool().is_hashed(5));
+    assert_eq!((m.pool().ref_count(3), m.pool().ref_count(5)), (0, 0));
     assert_eq!(m.commit_computed(1, 13).unwrap(), 0, "nothing new");
     assert_eq!(
         m.commit_computed(1, 4).unwrap(),
@@ -206,7 +215,10 @@ fn hit_after_commit_and_no_hit_before_the_fence() {
     let live = a.groups[STATE].new_block_ids.clone();
     assert_eq!(live.len(), 1);
     assert_eq!(a.groups[STATE].copies, vec![(state8, live[0])]);
-    assert_eq!(a.groups[STATE].released, vec![state8]);
+    assert!(
+        a.groups[STATE].released.is_empty(),
+        "the hit block was never taken"
+    );
     assert!(a.groups[STATE].zero_blocks.is_empty());
     assert_eq!(
         m.block_tables(2).unwrap()[STATE],
@@ -438,5 +450,412 @@ fn demand_is_exact_for_moves_and_hits() {
     let free = m.pool().num_free();
     m.allocate_slots(1, 4).unwrap();
     assert_eq!(free - m.pool().num_free(), owed);
+    ok(&m);
+}
+
+// ---- proptest: random operations over full + state (+ window) groups -----------------------
+
+mod model {
+    use super::*;
+    use pagedkv_core::{manager::CPU_NULL, SeqId};
+    use proptest::prelude::*;
+    use proptest::test_runner::FileFailurePersistence;
+    use std::collections::{HashMap, HashSet};
+
+    #[derive(Debug, Clone)]
+    pub enum Op {
+        Add {
+            family: u8,
+            len: u8,
+        },
+        Append {
+            seq: usize,
+            n: u8,
+        },
+        Allocate {
+            seq: usize,
+            n: u8,
+        },
+        Step {
+            seqs: Vec<usize>,
+            n: u8,
+        },
+        Commit {
+            seq: usize,
+            back: u8,
+        },
+        Free {
+            seq: usize,
+        },
+        Preempt {
+            seq: usize,
+        },
+        SwapOut {
+            seq: usize,
+        },
+        SwapIn {
+            seq: usize,
+        },
+        Lookup {
+            seq: usize,
+        },
+        /// `num_blocks_owed`, then every member's uncomputed tokens scheduled in order.
+        Owed {
+            seqs: Vec<usize>,
+        },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            2 => (0u8..3, 1u8..24).prop_map(|(family, len)| Op::Add { family, len }),
+            2 => (any::<usize>(), 1u8..4).prop_map(|(seq, n)| Op::Append { seq, n }),
+            5 => (any::<usize>(), 1u8..10).prop_map(|(seq, n)| Op::Allocate { seq, n }),
+            2 => (prop::collection::vec(any::<usize>(), 1..4), 1u8..8)
+                .prop_map(|(seqs, n)| Op::Step { seqs, n }),
+            4 => (any::<usize>(), 0u8..6).prop_map(|(seq, back)| Op::Commit { seq, back }),
+            1 => any::<usize>().prop_map(|seq| Op::Free { seq }),
+            1 => any::<usize>().prop_map(|seq| Op::Preempt { seq }),
+            1 => any::<usize>().prop_map(|seq| Op::SwapOut { seq }),
+            1 => any::<usize>().prop_map(|seq| Op::SwapIn { seq }),
+            2 => any::<usize>().prop_map(|seq| Op::Lookup { seq }),
+            1 => prop::collection::vec(any::<usize>(), 1..4).prop_map(|seqs| Op::Owed { seqs }),
+        ]
+    }
+
+    fn layout(k: u8) -> (Vec<GroupSpec>, Vec<u32>) {
+        match k {
+            0 => (
+                vec![GroupSpec::full(4, 8), GroupSpec::state(4, 8)],
+                vec![0, 1],
+            ),
+            // Hit unit 4: the full group's blocks are half the state group's.
+            1 => (
+                vec![GroupSpec::full(2, 16), GroupSpec::state(4, 8)],
+                vec![1, 0],
+            ),
+            2 => (
+                vec![
+                    GroupSpec::full(4, 8),
+                    GroupSpec::sliding_window(4, 8, 6),
+                    GroupSpec::state(4, 8),
+                ],
+                vec![0, 1, 2, 2],
+            ),
+            // The state group first, aligned on 8 tokens (hit unit 8).
+            _ => (
+                vec![GroupSpec::state(8, 4), GroupSpec::full(4, 8)],
+                vec![0, 1],
+            ),
+        }
+    }
+
+    /// Everything observable about one sequence, to check that a failed call changes nothing.
+    fn snapshot(m: &KvCacheManager, id: SeqId) -> (Vec<Vec<u32>>, usize, usize, usize) {
+        (
+            m.block_tables(id).unwrap(),
+            m.num_computed_tokens(id).unwrap(),
+            m.num_tokens(id).unwrap(),
+            m.pool().num_free(),
+        )
+    }
+
+    struct Model {
+        m: KvCacheManager,
+        ids: Vec<SeqId>,
+        next: SeqId,
+        /// Per sequence, the token prefixes of its aligned step ends not yet committed.
+        pending: HashMap<SeqId, Vec<Vec<u32>>>,
+        /// Token prefixes whose state a commit covered (the only ones a hit may return).
+        committed: HashSet<Vec<u32>>,
+        state_bs: Vec<usize>,
+    }
+
+    impl Model {
+        fn pick(&self, k: usize) -> Option<SeqId> {
+            (!self.ids.is_empty()).then(|| self.ids[k % self.ids.len()])
+        }
+
+        /// Records the aligned step end of an allocation of `id` that ended at `end`.
+        fn note_end(&mut self, id: SeqId, end: usize) {
+            if self.state_bs.iter().all(|&bs| end % bs == 0) {
+                let toks = self.m.tokens(id).unwrap()[..end].to_vec();
+                self.pending.entry(id).or_default().push(toks);
+            }
+        }
+
+        fn allocate(&mut self, id: SeqId, n: usize) {
+            let before = snapshot(&self.m, id);
+            let need = self.m.num_blocks_needed(id, n);
+            match self.m.allocate_slots(id, n) {
+                Ok(a) => {
+                    let need = need.unwrap();
+                    assert_eq!(
+                        self.m.pool().num_free() as isize,
+                        before.3 as isize - need.net(),
+                        "demand {need:?}"
+                    );
+                    // Every fresh state block without a hit is zeroed; a hit's is copied (unless
+                    // this call evicted the hit block and took it again as the live block).
+                    for (g, ga) in a.groups.iter().enumerate() {
+                        if self.m.config().groups[g].is_state() && a.num_context_tokens == 0 {
+                            assert_eq!(ga.zero_blocks.len(), 1);
+                        }
+                        if self.m.config().groups[g].is_state() && a.num_cached_tokens > 0 {
+                            assert!(ga.copies.len() <= 1);
+                            assert!(ga.zero_blocks.is_empty());
+                        }
+                    }
+                    let end = a.num_context_tokens + a.num_scheduled_tokens;
+                    self.note_end(id, end);
+                }
+                Err(_) => assert_eq!(snapshot(&self.m, id), before, "failed call changed state"),
+            }
+        }
+
+        fn check_lookup(&self, id: SeqId) {
+            let hit = self.m.lookup_prefix(id).unwrap();
+            if hit > 0 {
+                let toks = self.m.tokens(id).unwrap();
+                assert!(
+                    self.committed.contains(&toks[..hit]),
+                    "a lookup of {hit} tokens returned a state never committed"
+                );
+            }
+        }
+
+        fn apply(&mut self, op: Op) {
+            match op {
+                Op::Add { family, len } => {
+                    let id = self.next;
+                    self.next += 1;
+                    let mut p: Vec<u32> = (0..len as u32)
+                        .map(|i| u32::from(family) * 100 + i)
+                        .collect();
+                    // A private tail after 12 shared tokens.
+                    for (i, t) in p.iter_mut().enumerate().skip(12) {
+                        *t = 10_000 + id as u32 * 50 + i as u32;
+                    }
+                    self.m.add_sequence(id, p, SequenceSpec::default()).unwrap();
+                    self.check_lookup(id);
+                    self.ids.push(id);
+                }
+                Op::Append { seq, n } => {
+                    if let Some(id) = self.pick(seq) {
+                        let extra: Vec<u32> = (0..n as u32).map(|i| 500 + i).collect();
+                        let _ = self.m.append_tokens(id, &extra);
+                    }
+                }
+                Op::Allocate { seq, n } => {
+                    if let Some(id) = self.pick(seq) {
+                        if self.m.status(id).unwrap() != SeqStatus::Swapped {
+                            self.check_lookup(id);
+                        }
+                        self.allocate(id, n as usize);
+                    }
+                }
+                Op::Step { seqs, n } => {
+                    let mut ids: Vec<SeqId> = seqs.iter().filter_map(|&k| self.pick(k)).collect();
+                    ids.sort_unstable();
+                    ids.dedup();
+                    let out = self.m.step(&StepRequest {
+                        seq_ids: ids.clone(),
+                        num_new_tokens: vec![u32::from(n); ids.len()],
+                        ..Default::default()
+                    });
+                    for (k, &id) in ids.iter().enumerate().take(out.num_scheduled) {
+                        self.note_end(id, out.seq_lens[k] as usize);
+                    }
+                    // Each state group's rows: -1; zero rows name state groups only.
+                    let t = out.slot_mapping.len() / out.num_groups.max(1);
+                    for (g, spec) in self.m.config().groups.iter().enumerate() {
+                        if spec.is_state() {
+                            assert!(out.slot_mapping[g * t..(g + 1) * t]
+                                .iter()
+                                .all(|&x| x == -1));
+                        }
+                    }
+                    for z in out.zero_blocks.chunks(2) {
+                        assert!(self.m.config().groups[z[0] as usize].is_state());
+                    }
+                }
+                Op::Commit { seq, back } => {
+                    if let Some(id) = self.pick(seq) {
+                        let c = self.m.num_computed_tokens(id).unwrap();
+                        let n = c.saturating_sub(back as usize);
+                        self.m.commit_computed(id, n).unwrap();
+                        let running = self.m.status(id).unwrap() == SeqStatus::Running;
+                        let list = self.pending.entry(id).or_default();
+                        if running {
+                            let (done, rest): (Vec<_>, Vec<_>) =
+                                list.drain(..).partition(|p| p.len() <= n);
+                            *list = rest;
+                            self.committed.extend(done);
+                        }
+                        let before = snapshot(&self.m, id);
+                        assert!(self.m.commit_computed(id, c + 1).is_err());
+                        assert_eq!(snapshot(&self.m, id), before);
+                    }
+                }
+                Op::Free { seq } => {
+                    if let Some(id) = self.pick(seq) {
+                        assert!(self.m.free(id));
+                        self.ids.retain(|&x| x != id);
+                        self.pending.remove(&id);
+                    }
+                }
+                Op::Preempt { seq } => {
+                    if let Some(id) = self.pick(seq) {
+                        if self.m.preempt_recompute(&[id]).is_ok() {
+                            self.pending.remove(&id);
+                        }
+                    }
+                }
+                Op::SwapOut { seq } => {
+                    if let Some(id) = self.pick(seq) {
+                        if self.m.swap_out(&[id]).is_ok() {
+                            self.pending.remove(&id);
+                            let t = self.m.block_tables(id).unwrap();
+                            for (g, spec) in self.m.config().groups.iter().enumerate() {
+                                if spec.is_state() {
+                                    let held = t[g].iter().filter(|&&b| b != CPU_NULL).count();
+                                    assert!(held <= 1, "a swapped state table holds {held}");
+                                }
+                            }
+                        }
+                    }
+                }
+                Op::SwapIn { seq } => {
+                    if let Some(id) = self.pick(seq) {
+                        let _ = self.m.swap_in(&[id]);
+                    }
+                }
+                Op::Owed { seqs } => {
+                    let mut ids: Vec<SeqId> = seqs.iter().filter_map(|&k| self.pick(k)).collect();
+                    ids.sort_unstable();
+                    ids.dedup();
+                    ids.retain(|&id| self.m.status(id).unwrap() != SeqStatus::Swapped);
+                    let owed = self.m.num_blocks_owed(&ids).unwrap();
+                    let free0 = self.m.pool().num_free();
+                    if owed > free0 {
+                        return;
+                    }
+                    // Exactly the peak of the members' demand, scheduled in order.
+                    let mut peak = 0isize;
+                    for &id in &ids {
+                        let left = self.m.num_tokens(id).unwrap()
+                            - self.m.num_computed_tokens(id).unwrap();
+                        if left == 0 {
+                            continue;
+                        }
+                        let a = self.m.allocate_slots(id, left).unwrap();
+                        self.note_end(id, a.num_context_tokens + a.num_scheduled_tokens);
+                        peak = peak.max(free0 as isize - self.m.pool().num_free() as isize);
+                    }
+                    assert_eq!(peak as usize, owed, "owed {owed}, peak {peak}");
+                }
+                Op::Lookup { seq } => {
+                    if let Some(id) = self.pick(seq) {
+                        if self.m.status(id).unwrap() != SeqStatus::Swapped {
+                            self.check_lookup(id);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    pub fn run(layout_k: u8, num_blocks: u32, retention: bool, ops: Vec<Op>) {
+        let (groups, layers) = layout(layout_k);
+        let mut c = CacheConfig::with_groups(num_blocks, groups, layers);
+        c.num_cpu_blocks = 16;
+        c.enable_events = true;
+        let unit = c.hit_unit().unwrap();
+        if retention {
+            c.retention_interval = 2 * unit;
+        }
+        let state_bs = c
+            .groups
+            .iter()
+            .filter(|g| g.is_state())
+            .map(|g| g.block_size as usize)
+            .collect();
+        let mut md = Model {
+            m: KvCacheManager::new(c).unwrap(),
+            ids: Vec::new(),
+            next: 1,
+            pending: HashMap::new(),
+            committed: HashSet::new(),
+            state_bs,
+        };
+        for op in ops {
+            md.apply(op);
+            md.m.check_invariants().unwrap();
+            // Every published state block in the events belongs to a committed prefix.
+            for e in md.m.take_events() {
+                let Some(g) = e.group else { continue };
+                if !md.m.config().groups[g as usize].is_state() {
+                    continue;
+                }
+                if let KvEvent::BlockStored { .. } = e.event {
+                    assert!(!md.committed.is_empty(), "a state stored before any commit");
+                }
+            }
+        }
+        for id in md.ids.clone() {
+            md.m.free(id);
+        }
+        md.m.check_invariants().unwrap();
+        assert_eq!(md.m.pool().num_free(), num_blocks as usize - 1);
+    }
+
+    fn cases() -> u32 {
+        std::env::var("PROPTEST_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(300)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: cases(),
+            failure_persistence: Some(Box::new(FileFailurePersistence::WithSource("proptest-regressions"))),
+            ..ProptestConfig::default()
+        })]
+
+        #[test]
+        fn state_groups_against_the_model(
+            layout_k in 0u8..4,
+            num_blocks in 6u32..40,
+            retention in prop::bool::weighted(0.3),
+            ops in prop::collection::vec(op(), 1..70),
+        ) {
+            run(layout_k, num_blocks, retention, ops);
+        }
+    }
+}
+
+#[test]
+fn commit_all_computed_commits_each_whole_computed_range() {
+    let m = mgr(32);
+    for (seq, salt) in [(1, 0), (2, 1), (3, 2)] {
+        m.add_sequence(seq, toks(10, salt), SequenceSpec::default())
+            .unwrap();
+    }
+    m.allocate_slots(1, 8).unwrap();
+    m.allocate_slots(2, 8).unwrap();
+    m.allocate_slots(3, 6).unwrap(); // ends between alignment points: nothing to publish
+    let _ = m.take_events();
+    // An unknown id anywhere refuses the whole batch, nothing published.
+    assert!(matches!(
+        m.commit_all_computed(&[1, 9]),
+        Err(Error::UnknownSequence { .. })
+    ));
+    assert_eq!(stored(&m, STATE as u32), 0);
+    assert_eq!(m.commit_all_computed(&[1, 2, 3]).unwrap(), 2);
+    assert_eq!(stored(&m, STATE as u32), 2);
+    assert_eq!(m.commit_all_computed(&[1, 2, 3]).unwrap(), 0);
+    m.add_sequence(4, toks(9, 1), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix(4).unwrap(), 8);
     ok(&m);
 }

@@ -175,11 +175,12 @@ fn group_kinds(obj: &Bound<'_, PyAny>) -> PyResult<Vec<AttentionKind>> {
                 Some("full") => Ok(AttentionKind::Full),
                 Some("sliding_window") => Ok(AttentionKind::SlidingWindow { window: 0 }),
                 Some("chunked_local") => Ok(AttentionKind::ChunkedLocal { chunk: 0 }),
+                Some("state") => Ok(AttentionKind::State),
                 _ => Err(invalid(
                     py,
                     "groups",
                     repr(g),
-                    "expected a KVCacheGroupSpec or \"full\", \"sliding_window\", \"chunked_local\"",
+                    "expected a KVCacheGroupSpec or \"full\", \"sliding_window\", \"chunked_local\", \"state\"",
                 )),
             }
         })

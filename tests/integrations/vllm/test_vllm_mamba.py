@@ -82,8 +82,10 @@ def _lockstep(
             stock.add(make_request(rid, prompt, max_tokens, block_size=BS))
             paged.add(make_request(rid, prompt, max_tokens, block_size=BS))
         if step > last and not stock.scheduler.has_unfinished_requests():
-            assert not paged.scheduler.has_unfinished_requests()
-            break
+            if strict:
+                assert not paged.scheduler.has_unfinished_requests()
+            if not paged.scheduler.has_unfinished_requests():
+                break
         a, b = stock.step(), paged.step()
         figures["steps"] += 1
         held_a, held_b = a.pop("blocks_held"), b.pop("blocks_held")

@@ -1531,6 +1531,13 @@ class PagedKVCacheManager(SharedManagerCalls):
                     tables[g][idx] = block
         return tables
 
+    def table_lengths(self, request_id: str) -> list[int]:
+        """Per group, the length of the request's block table (released entries included), as
+        ``len`` of each list of :meth:`get_block_ids` without building the lists. Raises
+        ``UnknownSequenceError``."""
+        self._sync()
+        return [len(t) for t in self._kvm.block_tables(self.seq_id(request_id))]
+
     def get_blocks(self, request_id: str) -> Any:
         """The request's block tables as one ``KVCacheBlocks``. Raises
         ``UnknownSequenceError``."""
@@ -1576,13 +1583,19 @@ class PagedKVCacheManager(SharedManagerCalls):
             return 0
         self._sync()
         published = 0
+        whole: list[int] = []
         for rid, end in ends.items():
             seq = self._seq_of.get(rid)
             if seq is None or self._kvm.status(seq) != "running":
                 continue
-            n = min(int(end), int(self._kvm.num_computed_tokens(seq)))
-            if n > 0:
-                published += int(self._kvm.commit_computed(seq, n))
+            if int(self._kvm.num_computed_tokens(seq)) <= end:
+                whole.append(seq)
+            else:
+                # Computed past the reported step (never in synchronous scheduling).
+                published += int(self._kvm.commit_computed(seq, int(end)))
+        if whole:
+            # Every computed token of these: one call (one lock) for the step.
+            published += int(self._kvm.commit_all_computed(whole))
         return published
 
     def take_events(self) -> list[Any]:

@@ -192,7 +192,9 @@ impl KvCacheManager {
         let mut touched: Vec<BlockId> = plan
             .groups
             .iter()
-            .flat_map(|gp| gp.hits.iter().copied())
+            .enumerate()
+            .filter(|(g, _)| !self.cfg.groups[*g].is_state()) // a state hit is a copy source
+            .flat_map(|(_, gp)| gp.hits.iter().copied())
             .filter(|&b| b != NULL_BLOCK && b != HOST_HIT)
             .collect();
         touched.sort_unstable();
@@ -296,16 +298,19 @@ impl KvCacheManager {
         // Only blocks full of computed, finalized tokens: drafts never reach the cache.
         self.cache_full(s, ev, true);
         if self.has_state && plan.first && plan.context > 0 {
-            self.release_state_hits(s, plan.context, out)?;
+            self.release_state_hits(s, plan.context, out);
         }
         Ok(())
     }
 
     /// After a first allocation with a prefix hit of `context` tokens: each state group's hit
-    /// block (the state after `context` tokens, at `context / bs - 1`) is copied into the
-    /// fresh live block and released (cached; the copy runs before any write of the step).
-    fn release_state_hits(&self, s: &mut Seq, context: usize, out: &mut Alloc) -> Result<()> {
-        let mut released = Vec::new();
+    /// block (the state after `context` tokens, at `context / bs - 1`, never taken from the
+    /// pool: it stays cached where it was) is copied into the fresh live block and its table
+    /// entry cleared (the copy runs before any write of the step). When the call's own
+    /// allocation evicted the hit block and took it again as the live block, the state is in
+    /// place already: no copy row.
+    fn release_state_hits(&self, s: &mut Seq, context: usize, out: &mut Alloc) {
+        let mut copies = 0u64;
         for (g, spec) in self.cfg.groups.iter().enumerate() {
             if !spec.is_state() {
                 continue;
@@ -316,15 +321,14 @@ impl KvCacheManager {
             let src = std::mem::replace(&mut t.blocks[j], NULL_BLOCK);
             let dst = *t.blocks.last().expect("live block");
             t.rewritten_from(j);
-            out.groups[g].copies.push((src, dst));
-            out.groups[g].released.push(src);
-            released.push(src);
+            if src != dst {
+                out.groups[g].copies.push((src, dst));
+                copies += 1;
+            }
         }
-        if !released.is_empty() {
-            self.counters.lock().copies += released.len() as u64;
-            self.pool.free(&released)?;
+        if copies > 0 {
+            self.counters.lock().copies += copies;
         }
-        Ok(())
     }
 
     /// The common step of a running sequence (a decode, a prefill chunk) without the general

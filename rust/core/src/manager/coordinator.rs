@@ -355,7 +355,11 @@ impl KvCacheManager {
             let (lo, hi) = spec.hit_blocks(p);
             for j in (lo..hi).rev() {
                 let key = self.key_at(s, g, j);
-                if sim.lookup(&key).is_none() && !self.on_host(host, s, g, j, sim) {
+                // A state group's hits are served from the device only (a state is copied out
+                // of its hit block by the same call, never loaded from the host tier).
+                if sim.lookup(&key).is_none()
+                    && (spec.is_state() || !self.on_host(host, s, g, j, sim))
+                {
                     p = j * bs / self.unit * self.unit;
                     continue 'outer;
                 }
@@ -509,17 +513,9 @@ impl KvCacheManager {
                 // The live state moves to block (end - 1) / bs; nothing else is taken.
                 let live = (end - 1) / bs;
                 if first {
-                    for &b in &hits {
-                        // A host hit is loaded into a fresh block.
-                        if b == HOST_HIT
-                            || (b != NULL_BLOCK
-                                && b != VIRTUAL
-                                && sim.refc(b) == 0
-                                && hit_free.insert(b))
-                        {
-                            take += 1;
-                        }
-                    }
+                    // The hit block is not taken: it is only the copy source of the fresh live
+                    // block (copies run before any write of the step, so an eviction of it by
+                    // this very call is harmless).
                     gp.null_pad = live - hits.len();
                     gp.fresh = 1;
                     gp.hits = hits;
