@@ -55,6 +55,7 @@ with optional_imports("pagedkv.testing.vllm_scheduler", "vllm"):
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
@@ -297,6 +298,55 @@ def make_hybrid_kv_cache_config(
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=out)
     config.prefix_cache_retention_interval = retention_interval
     return config
+
+
+#: Qwen3-Next's layer pattern (Gated DeltaNet linear attention : full attention = 3 : 1) as
+#: vLLM groups it: three GDN state groups and one full-attention group.
+QWEN3_NEXT_GROUPS: tuple[str, ...] = ("gdn", "gdn", "gdn", "full")
+#: Nemotron-H / Granite-4.0-H: Mamba-2 layers with a few full-attention layers (two Mamba-2
+#: state groups and one full-attention group).
+NEMOTRON_H_GROUPS: tuple[str, ...] = ("mamba2", "mamba2", "full")
+
+
+def make_mamba_kv_cache_config(
+    num_blocks: int,
+    groups: Sequence[str],
+    block_size: int = 16,
+    *,
+    mamba_cache_mode: str = "align",
+    layers_per_group: int = 2,
+    num_speculative_blocks: int = 0,
+    num_prefill_checkpoint_blocks: int = 0,
+) -> KVCacheConfig:
+    """A hybrid ``KVCacheConfig`` with Mamba layers: one group per entry of ``groups``
+    (``"full"``: full attention; ``"mamba2"`` / ``"gdn"``: a ``MambaSpec`` of that backend in
+    ``mamba_cache_mode``), every group at ``block_size`` tokens per block (vLLM's align mode
+    gives Mamba groups the attention block size), the state page padded to the attention
+    page, one pool of ``num_blocks`` pages. Tensor shapes are placeholders."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    full = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=4, dtype=torch.float32)
+    backends = {"mamba2": MambaAttentionBackendEnum.MAMBA2, "gdn": MambaAttentionBackendEnum.GDN_ATTN}
+    out = []
+    layer = 0
+    for kind in groups:
+        names = [f"layers.{layer + i}" for i in range(layers_per_group)]
+        layer += layers_per_group
+        if kind == "full":
+            out.append(KVCacheGroupSpec([f"{n}.self_attn" for n in names], full))
+            continue
+        spec = MambaSpec(
+            block_size=block_size,
+            shapes=((3, 4), (2, 4)),
+            dtypes=(torch.float32, torch.float32),
+            page_size_padded=full.page_size_bytes,
+            mamba_type=backends[kind],
+            mamba_cache_mode=mamba_cache_mode,
+            num_speculative_blocks=num_speculative_blocks,
+            num_prefill_checkpoint_blocks=num_prefill_checkpoint_blocks,
+        )
+        out.append(KVCacheGroupSpec([f"{n}.linear_attn" for n in names], spec))
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=out)
 
 
 def build_scheduler(

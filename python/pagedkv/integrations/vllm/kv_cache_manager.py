@@ -9,7 +9,9 @@ read-only view in :mod:`pagedkv.integrations.vllm.coordinator`), with pagedkv's
 ``KVCacheManager`` (Rust) as the block pool, prefix cache and block tables of every KV
 cache group: one group of full attention, or several (hybrid models: full attention, sliding
 window, chunked local; of one block size, or of several whose least common multiple is the
-scheduler block size, as vLLM's hybrid coordinator serves them). The decode fast path lives
+scheduler block size, as vLLM's hybrid coordinator serves them; vLLM's align-mode Mamba groups
+beside full attention, as pagedkv state groups: docs/design.md, "Mamba state groups in
+vLLM"). The decode fast path lives
 in :mod:`pagedkv.integrations.vllm.decode_deferral`, the ``KVCacheBlocks`` results in
 :mod:`pagedkv.integrations.vllm.blocks`.
 
@@ -135,7 +137,8 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
 
     ``FullAttentionSpec`` / ``MLAAttentionSpec`` (without a window) -> ``"full"``,
     ``SlidingWindowSpec`` -> ``"sliding_window"`` (its ``sliding_window``),
-    ``ChunkedLocalAttentionSpec`` -> ``"chunked_local"`` (its ``attention_chunk_size``).
+    ``ChunkedLocalAttentionSpec`` -> ``"chunked_local"`` (its ``attention_chunk_size``),
+    ``MambaSpec`` in ``align`` mode -> ``"state"`` (one recurrent state per aligned block).
     ``page_bytes`` is the common page size given to every group (pagedkv checks pages are
     equal; the plug-in does not use their size otherwise), a multiple of the block size.
     Raises ``InvalidConfigError`` for any other spec.
@@ -143,6 +146,7 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
     )
@@ -154,6 +158,9 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
         return pagedkv.KVCacheGroupSpec("sliding_window", bs, bpt, window=int(spec.sliding_window))
     if kind is ChunkedLocalAttentionSpec:
         return pagedkv.KVCacheGroupSpec("chunked_local", bs, bpt, chunk=int(spec.attention_chunk_size))
+    if kind is MambaSpec and getattr(spec, "mamba_cache_mode", None) == "align":
+        # One recurrent state per block-aligned position (vLLM's align mode).
+        return pagedkv.KVCacheGroupSpec("state", bs, bpt)
     if kind in (FullAttentionSpec, MLAAttentionSpec) and getattr(spec, "sliding_window", None) is None:
         if getattr(spec, "attention_chunk_size", None) is None:
             return pagedkv.KVCacheGroupSpec("full", bs, bpt)
@@ -161,7 +168,7 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
         f"KV cache group spec {kind.__name__} has no pagedkv equivalent",
         field="kv_cache_spec",
         value=kind.__name__,
-        reason="full attention, sliding window or chunked local attention only",
+        reason="full attention, sliding window, chunked local attention or align-mode Mamba only",
     )
 
 
@@ -216,7 +223,8 @@ class PagedKVCacheManager(SharedManagerCalls):
         log_stats: keep ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
         enable_kv_cache_events: record KV events for ``take_events``.
         watermark: fraction of blocks kept free when admitting waiting / preempted requests.
-        enable_mamba_shared_prefix_checkpoint: accepted and unused (Mamba layers are refused).
+        enable_mamba_shared_prefix_checkpoint: accepted and unused (shared-prefix Mamba
+            checkpoints are refused by ``check_supported_config``).
         hash_algo: vLLM's ``prefix_caching_hash_algo`` (``sha256*`` -> SHA-256, ``xxhash*`` ->
             xxh3-128).
 
@@ -357,6 +365,26 @@ class PagedKVCacheManager(SharedManagerCalls):
         # The finest block boundary of any group (the block size when all groups share one).
         self._unit = math.gcd(*self.group_block_sizes)
         self._mixed = len(set(self.group_block_sizes)) > 1
+        #: State groups (vLLM's align-mode Mamba groups): their states are published by
+        #: ``commit_steps`` once vLLM reports the step that wrote them, never at allocation.
+        self._state_groups = tuple(g for g, s in enumerate(self._specs) if s.kind == "state")
+        self._attention_groups = tuple(g for g, s in enumerate(self._specs) if s.kind != "state")
+        # Request id -> {state group: (table index, block)}: the copy source of a first
+        # allocation's state hit, shown in the request's table until its next allocation
+        # (vLLM's model runner copies the hit state from that column; pagedkv released it).
+        self._state_sources: dict[str, dict[int, tuple[int, int]]] = {}
+        # (request id, aligned end) of the allocations of the current step: states vLLM caches
+        # at allocation and lets no other request hit before its next step.
+        self._step_states: list[tuple[str, int]] = []
+        # Requests whose prefix hit vLLM would take from a state of the current step: their
+        # first allocation waits a step, as vLLM's Mamba manager makes it wait.
+        self._wait_a_step: set[str] = set()
+        # New attention blocks since the last take_new_block_ids (zeroed by vLLM's worker when
+        # Mamba layers share the pool).
+        self._new_attention_ids: list[int] = []
+        # vLLM 0.32 marks a state hit at the prompt's last aligned boundary as cached in the
+        # step (0.33 does not).
+        self._recache_prompt_hit = not caches_finished_drafts()
         #: pagedkv's retention interval in tokens (0: dense).
         self.retention_interval = interval
         self.watermark_blocks = int(watermark * num_blocks)
@@ -371,14 +399,17 @@ class PagedKVCacheManager(SharedManagerCalls):
         #: Each group's kind for ``BlockStored.kv_cache_spec_kind``.
         self.spec_kinds = [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in groups]
         self.medium = "GPU"
-        #: Mamba prefix checkpoints: never (Mamba layers are refused).
+        #: Mamba shared-prefix checkpoints: never (refused by the config check).
         self.mamba_shared_prefix_checkpoint = False
         # Per group, vLLM's recycling-aware admission cap in blocks (None: no cap).
         in_flight = max_in_flight_tokens if max_in_flight_tokens is not None else (max_model_len or 0)
         self._admission_caps: list[int | None] = []
         for g, spec in zip(groups, self._specs, strict=True):
             cap = None
-            if spec.kind != "full" and max_model_len is not None:
+            if spec.kind == "state":
+                # vLLM's align-mode Mamba manager takes at most one state block per allocation.
+                cap = 1
+            elif spec.kind != "full" and max_model_len is not None:
                 cap = int(g.kv_cache_spec.max_admission_blocks_per_request(in_flight, max_model_len))
             self._admission_caps.append(cap)
         self._coordinator = CoordinatorView(self)
@@ -407,7 +438,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         )
         # Groups of different block sizes: every allocation takes the per-request path (the
         # batched decode path assumes one block boundary for every group).
-        self.decodes.enabled = not self._mixed
+        self.decodes.enabled = not self._mixed and not self._state_groups
         # The fast path's state, read inline by allocate_slots once per decode (the same
         # dicts as the deferral's), its defer and its pre-call sync.
         self._lag = self.decodes.lag
@@ -452,7 +483,7 @@ class PagedKVCacheManager(SharedManagerCalls):
 
     @defer_decodes.setter
     def defer_decodes(self, on: bool) -> None:
-        self.decodes.enabled = bool(on) and not self._mixed
+        self.decodes.enabled = bool(on) and not self._mixed and not self._state_groups
 
     @property
     def num_batched_allocations(self) -> int:
@@ -602,9 +633,19 @@ class PagedKVCacheManager(SharedManagerCalls):
         else:
             hit = self._kvm.lookup_prefix(seq)
         self._check_hit_cap(hit, max_cache_hit_length)
+        boundary = 0
+        if self._state_groups:
+            limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+            longest, pending = self._pending_state_hit(request, seq, hit, limit)
+            self._wait_a_step.discard(request.request_id)
+            if pending:
+                self._wait_a_step.add(request.request_id)
+            # vLLM's shared-prefix boundary: an attention group's longer hit (the scheduler
+            # ends a prefill chunk there, so the state at it gets cached).
+            boundary = longest if longest > max(hit, pending) else 0
         if hit == 0:
-            return self.empty_kv_cache_blocks, 0, 0
-        return PrefixHit(hit, [hit // bs for bs in self.group_block_sizes], seq), hit, 0
+            return self.empty_kv_cache_blocks, 0, boundary
+        return PrefixHit(hit, [hit // bs for bs in self.group_block_sizes], seq), hit, boundary
 
     def _eagle_hit(self, request: Any, seq: int) -> int:
         """The prefix hit vLLM's coordinator gives ``request`` with EAGLE's last-block drop,
@@ -852,6 +893,10 @@ class PagedKVCacheManager(SharedManagerCalls):
         known yet, EAGLE / MTP's): the ``pagedkv.SlotAllocation``, or None when the pool cannot
         hold it (nothing changed). The per-request call, cheaper than a one-sequence ``step``
         (no batch arrays are built)."""
+        if self._state_groups:
+            # State groups' table lengths before the call: their new entries (the null
+            # columns and the new live state block) are vLLM's new block ids.
+            self._pre_lens = (seq, [len(self._kvm.block_table(seq, g)) for g in self._state_groups])
         try:
             if lookahead:
                 return self._kvm.allocate_slots(seq, num_tokens, drafts, lookahead)
@@ -863,6 +908,8 @@ class PagedKVCacheManager(SharedManagerCalls):
         """The new blocks of one sequence's allocation (a ``SlotAllocation``: its
         ``new_block_ids`` group-major, ``new_block_indptr`` ``[G + 1]``) as one
         ``KVCacheBlocks`` (per group)."""
+        if self._state_groups:
+            return self._new_blocks_with_states(alloc)
         ids = alloc.new_block_ids.tolist()
         if not ids:
             return self.empty_kv_cache_blocks
@@ -870,6 +917,68 @@ class PagedKVCacheManager(SharedManagerCalls):
             return PagedKVBlocks((ids,))
         indptr = alloc.new_block_indptr.tolist()
         return PagedKVBlocks(tuple(ids[indptr[g] : indptr[g + 1]] for g in range(self.num_kv_cache_groups)))
+
+    def _new_blocks_with_states(self, alloc: Any) -> Any:
+        """``_new_blocks`` with state groups: a state group's entries are its table's new
+        columns (null ``0`` for skipped positions, then the new live state block), as vLLM's
+        align-mode Mamba manager returns them, so the model runner's append-only table stays
+        positional; the attention groups' new blocks are also kept for
+        ``take_new_block_ids`` (vLLM zeroes them when Mamba layers share the pool)."""
+        seq, before = self._pre_lens
+        ids = alloc.new_block_ids.tolist()
+        indptr = alloc.new_block_indptr.tolist()
+        groups = [ids[indptr[g] : indptr[g + 1]] for g in range(self.num_kv_cache_groups)]
+        for g in self._attention_groups:
+            self._new_attention_ids.extend(groups[g])
+        for g, n in zip(self._state_groups, before, strict=True):
+            groups[g] = self._kvm.block_table(seq, g).tolist()[n:]
+        if not any(groups):
+            return self.empty_kv_cache_blocks
+        return PagedKVBlocks(tuple(groups))
+
+    def _note_state_step(self, rid: str, out: Any, first: bool, ctx: int, end: int) -> None:
+        """Records what an allocation did to ``rid``'s state groups: a first allocation's hit
+        state (its copy source, shown in the table until the next allocation) and an aligned
+        step end (a state vLLM caches at allocation, so hits on it wait a step); ``ctx`` /
+        ``end``: the step's first and end positions."""
+        bs = self.block_size
+        if first and out.num_cached_tokens:
+            hit = int(out.num_cached_tokens)
+            idx = (hit - 1) // self.block_size
+            sources = {int(g): (idx, int(src)) for g, src, _ in out.copies.tolist() if int(g) in self._state_groups}
+            if sources:
+                self._state_sources[rid] = sources
+        if self._recache_prompt_hit and 0 < ctx == (self._requests[rid].num_prompt_tokens - 1) // bs * bs:
+            # vLLM 0.32 caches the state at the prompt's last aligned boundary again when a
+            # step starts there (a hit or the previous chunk's end; 0.33 does not), so its
+            # siblings wait a step for it.
+            self._step_states.append((rid, ctx))
+        if end % bs == 0:
+            self._step_states.append((rid, end))
+
+    def _pending_state_hit(self, request: Any, seq: int, hit: int, limit: int) -> tuple[int, int]:
+        """vLLM's view of a waiting request's hit with state groups: ``(longest, pending)``:
+        the longest prefix an attention group alone serves (at most ``limit``; vLLM's
+        shared-prefix boundary when longer than the hit) and the longest aligned end at or
+        past ``hit`` (at most ``longest``) whose state a request wrote in the current step
+        under the same token prefix (0: none; vLLM 0.32 also counts a hit at the prompt's
+        last aligned boundary taken in this step). vLLM caches such a state at allocation and
+        makes the request wait a step; pagedkv publishes it once the step completed
+        (``commit_steps``)."""
+        longest = max((int(self._kvm.lookup_prefix_group(seq, g, limit)) for g in self._attention_groups), default=0)
+        pending = 0
+        if self._step_states:
+            tokens = request.all_token_ids
+            key = _identity(request)
+            for rid, end in self._step_states:
+                other = self._requests.get(rid)
+                # vLLM keys its cached-this-step set by hash: a state of this step at the hit
+                # itself (the same prefix) makes the request wait as well.
+                if other is None or rid == request.request_id or not (max(pending, hit, 1) <= end <= longest):
+                    continue
+                if other.all_token_ids[:end] == tokens[:end] and _identity(other) == key:
+                    pending = end
+        return longest, pending
 
     def _allocate(
         self,
@@ -910,6 +1019,12 @@ class PagedKVCacheManager(SharedManagerCalls):
         )
         seq = self._register(request)
         first = request.num_computed_tokens == 0
+        if self._state_groups:
+            self._state_sources.pop(rid, None)
+            if rid in self._wait_a_step:
+                # vLLM's hit would read a state written in this step: it waits a step.
+                self._wait_a_step.discard(rid)
+                return None
         if self.async_scheduling and not first:
             return self._allocate_async(
                 request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks, num_lookahead_tokens
@@ -987,6 +1102,8 @@ class PagedKVCacheManager(SharedManagerCalls):
                 got=str(got - unwritten),
             )
         computed = expected + num_new_tokens
+        if self._state_groups:
+            self._note_state_step(rid, out, first, expected, computed)
         if unknown:
             self._unknown[rid] = computed
             self.decodes.close_window(rid)
@@ -1305,6 +1422,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         if self._unknown:
             self._unknown.pop(rid, None)
         self._unwritten.pop(rid, None)
+        if self._state_groups:
+            self._state_sources.pop(rid, None)
+            self._wait_a_step.discard(rid)
         if seq is None:
             self._check_unallocated_free(request)
             return None
@@ -1403,7 +1523,13 @@ class PagedKVCacheManager(SharedManagerCalls):
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """One id list per group (0 for released entries). Raises ``UnknownSequenceError``."""
         self._sync()
-        return tuple(t.tolist() for t in self._kvm.block_tables(self.seq_id(request_id)))
+        tables = tuple(t.tolist() for t in self._kvm.block_tables(self.seq_id(request_id)))
+        sources = self._state_sources.get(request_id) if self._state_sources else None
+        if sources:
+            for g, (idx, block) in sources.items():
+                if idx < len(tables[g]) and tables[g][idx] == 0:
+                    tables[g][idx] = block
+        return tables
 
     def table_lengths(self, request_id: str) -> list[int]:
         """Per group, the length of the request's block table (released entries included), as
@@ -1435,6 +1561,43 @@ class PagedKVCacheManager(SharedManagerCalls):
 
     # ---- per-step hooks --------------------------------------------------------------------
 
+    def new_step_starts(self) -> None:
+        """A new ``schedule()`` starts: the states written by the previous step's allocations
+        no longer make a hit wait (vLLM clears its cached-this-step set here)."""
+        self._step_states.clear()
+
+    def take_new_block_ids(self) -> list[int]:
+        """The attention groups' blocks taken since the last call (prefix-hit blocks
+        excluded), for vLLM's worker to zero when Mamba layers share the pool; ``[]``
+        without state groups (no zeroing)."""
+        ids, self._new_attention_ids = self._new_attention_ids, []
+        return ids
+
+    def commit_steps(self, ends: dict[str, int]) -> int:
+        """The commit fence: the step that brought each request id of ``ends`` to its end
+        position (tokens) has completed, so pagedkv publishes the aligned states it wrote
+        (``KVCacheManager.commit_computed``). Requests no longer held (finished, preempted)
+        are skipped. Returns the states published. Called by the scheduler's
+        ``update_from_output``, never at allocation."""
+        if not self._state_groups:
+            return 0
+        self._sync()
+        published = 0
+        whole: list[int] = []
+        for rid, end in ends.items():
+            seq = self._seq_of.get(rid)
+            if seq is None or self._kvm.status(seq) != "running":
+                continue
+            if int(self._kvm.num_computed_tokens(seq)) <= end:
+                whole.append(seq)
+            else:
+                # Computed past the reported step (never in synchronous scheduling).
+                published += int(self._kvm.commit_computed(seq, int(end)))
+        if whole:
+            # Every computed token of these: one call (one lock) for the step.
+            published += int(self._kvm.commit_all_computed(whole))
+        return published
+
     def take_events(self) -> list[Any]:
         """KV events since the last call as ``vllm.distributed.kv_events`` objects, each
         naming its group (``group_idx``) and that group's spec kind."""
@@ -1444,3 +1607,12 @@ class PagedKVCacheManager(SharedManagerCalls):
         return to_vllm_events(
             self._kvm.take_events(), lora_ids=self._lora_ids, spec_kinds=self.spec_kinds, medium=self.medium
         )
+
+
+def _identity(request: Any) -> tuple[Any, ...]:
+    """What besides its tokens keys a vLLM ``Request``'s blocks (``request_sequence_spec``'s
+    inputs): equal token prefixes of equal identities share blocks."""
+    lora = request.lora_request
+    mm = tuple((str(f.identifier), f.mm_position.offset, f.mm_position.length) for f in request.mm_features or ())
+    own = request.request_id if request.skip_reading_prefix_cache else None
+    return (request.cache_salt, lora.lora_name if lora is not None else None, mm, own)
