@@ -413,4 +413,4 @@ class StateGroupMachine(RuleBasedStateMachine):
 # The profile's settings (tests/conftest.py), three times its examples: "ci" runs 600 machines
 # of up to 50 steps (about 8 s on one core).
 TestStateGroupMachine = StateGroupMachine.TestCase
-TestStateGroupMachine.settings = settings(settings.default, max_examples=3 * settings.default.max_examples)
+TestStateGroupMachine.settings = settings(max_examples=3 * settings().max_examples)
