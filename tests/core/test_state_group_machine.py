@@ -300,25 +300,36 @@ class StateGroupMachine(RuleBasedStateMachine):
         for sid in chosen:
             self.note_commit(sid, self.seqs[sid].computed)
 
-    @rule(i=st.integers(0, 99), kind=st.sampled_from(["drafts", "lookahead", "fork", "external", "demand"]))
+    @rule(
+        i=st.integers(0, 99),
+        kind=st.sampled_from(["drafts", "step_drafts", "lookahead", "fork", "external", "demand", "rollback"]),
+    )
     def refused(self, i: int, kind: str) -> None:
         sid = self.pick(i)
         if sid is None or self.seqs[sid].status != "running":
             return
         if kind in ("external", "demand") and self.seqs[sid].computed > 0:
             return  # only a first allocation loads external KV
+        if kind == "rollback" and self.seqs[sid].computed == 0:
+            return  # nothing to roll back
         before = self.snapshot()
         with pytest.raises(pagedkv.InvalidArgumentError):
             if kind == "drafts":
                 self.m.allocate_slots(sid, 1, draft_token_ids=[7, 8])
+            elif kind == "step_drafts":  # the batched path reports the error in the output
+                out = self.m.step([sid], 1, draft_token_ids=[[7, 8]])
+                assert out.num_scheduled == 0
+                out.raise_for_error()
             elif kind == "lookahead":
                 self.m.allocate_slots(sid, 1, num_lookahead_slots=2)
             elif kind == "fork":
                 self.m.fork(sid, self.next_id + 1000)
             elif kind == "external":
                 self.m.allocate_external(sid, self.unit, staged=True)
-            else:
+            elif kind == "demand":
                 self.m.num_blocks_needed_external(sid, self.unit)
+            else:  # below the computed tokens: an earlier recurrent state cannot be restored
+                self.m.rollback(sid, (self.seqs[sid].computed - 1) // 2, poisoned=i % 2 == 1)
         assert self.snapshot() == before
 
     @rule(i=st.integers(0, 99))
