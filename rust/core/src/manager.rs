@@ -725,7 +725,7 @@ impl KvCacheManager {
                     continue; // published by commit_computed only
                 }
                 let bs = spec.block_size as usize;
-                let full = end / bs;
+                let full = end.min(self.hashable_len(s)) / bs;
                 let start = if plan.first {
                     gp.hits.len()
                 } else {
@@ -1579,7 +1579,9 @@ impl KvCacheManager {
             ) {
                 s.tokens.truncate(old_len);
                 for c in 0..self.class_bs.len() {
-                    s.chains[c].truncate(old_len / self.class_bs[c]);
+                    let hashable =
+                        old_len.saturating_sub(self.cfg.hash_lookahead_tokens as usize);
+                    s.chains[c].truncate(hashable / self.class_bs[c]);
                 }
                 out.error = Some(e);
                 break;
@@ -1686,6 +1688,7 @@ impl KvCacheManager {
     /// in one step; a lone prompt is hashed as its lookup goes.
     fn prehash_prompts(&self, st: &mut State, req: &StepRequest, slots: &[Option<u32>]) {
         if !self.cfg.enable_prefix_caching
+            || self.cfg.hash_lookahead_tokens > 0 // (the two-lane hasher hashes plain blocks)
             || req.num_new_tokens.iter().filter(|&&n| n > 1).count() < 2
         {
             return;
