@@ -210,8 +210,12 @@ class PagedKVCacheManager(SharedManagerCalls):
         num_prefill_lookahead: vLLM's ``num_prefill_lookahead_tokens``: 0 or 1 (EAGLE-family
             drafters; the scheduler keeps prefill chunks out of it); more (multi-module MTP)
             raises.
-        num_hash_lookahead_tokens, dcp_world_size,
-            pcp_world_size, metrics_collector: only their defaults (0, 1, 1,
+        num_hash_lookahead_tokens: vLLM's lookahead block hashes (0 or 1: 1 by default for
+            EAGLE-family drafters with prefix caching): each block's prefix-cache key also
+            covers the tokens after it (pagedkv's ``CacheConfig.hash_lookahead_tokens``), so a
+            block is cached once they are known and a hit needs them; vLLM then drops no block
+            of a hit (``use_eagle`` is off). Refused with ``enable_kv_cache_events``.
+        dcp_world_size, pcp_world_size, metrics_collector: only their defaults (1, 1,
             ``None``) are served (``check_supported_config`` refuses what needs others).
         log_stats: keep ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
         enable_kv_cache_events: record KV events for ``take_events``.
@@ -274,13 +278,23 @@ class PagedKVCacheManager(SharedManagerCalls):
         if hash_block_size is not None and (hash_block_size <= 0 or any(bs % hash_block_size for bs in sizes)):
             raise _config_error("hash_block_size", hash_block_size, f"must divide every group's block size {sizes}")
         for name, value, default in (
-            ("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0),
             ("dcp_world_size", dcp_world_size, 1),
             ("pcp_world_size", pcp_world_size, 1),
             ("metrics_collector", metrics_collector, None),
         ):
             if value is not None and value != default:
                 raise _config_error(name, value, f"only {default} is served")
+        lookahead_hashes = int(num_hash_lookahead_tokens or 0)
+        if lookahead_hashes not in (0, 1):
+            raise _config_error("num_hash_lookahead_tokens", lookahead_hashes, "0 or 1 is served")
+        if lookahead_hashes and enable_kv_cache_events:
+            raise _config_error(
+                "num_hash_lookahead_tokens",
+                lookahead_hashes,
+                "lookahead block hashes with KV cache events are not served",
+            )
+        if lookahead_hashes and not enable_caching:
+            lookahead_hashes = 0  # vLLM's hashes only key the prefix cache
         if num_prefill_lookahead > 1:
             raise _config_error(
                 "num_prefill_lookahead",
@@ -335,8 +349,12 @@ class PagedKVCacheManager(SharedManagerCalls):
                 retention_interval=interval,
                 hash_algo=algo,
                 enable_events=enable_kv_cache_events,
+                hash_lookahead_tokens=lookahead_hashes,
             )
         )
+        #: Tokens after each block its prefix-cache key covers (vLLM's
+        #: ``num_hash_lookahead_tokens``; 0 without prefix caching).
+        self.num_hash_lookahead_tokens = lookahead_hashes
         self._PrefixCacheStats = PrefixCacheStats
         self._waiting_states = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self._RUNNING = RequestStatus.RUNNING
