@@ -289,7 +289,9 @@ impl CacheConfig {
             return refuse("not supported with KV events (a BlockStored event carries a block's own tokens only)".into());
         }
         if self.num_host_blocks > 0 {
-            return refuse("not supported with a host tier (its keys cover a block's own tokens only)".into());
+            return refuse(
+                "not supported with a host tier (its keys cover a block's own tokens only)".into(),
+            );
         }
         if self.groups.iter().any(|g| g.is_state()) {
             return refuse("not supported with state groups".into());

@@ -1579,8 +1579,7 @@ impl KvCacheManager {
             ) {
                 s.tokens.truncate(old_len);
                 for c in 0..self.class_bs.len() {
-                    let hashable =
-                        old_len.saturating_sub(self.cfg.hash_lookahead_tokens as usize);
+                    let hashable = old_len.saturating_sub(self.cfg.hash_lookahead_tokens as usize);
                     s.chains[c].truncate(hashable / self.class_bs[c]);
                 }
                 out.error = Some(e);

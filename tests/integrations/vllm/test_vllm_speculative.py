@@ -21,7 +21,7 @@ pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this
 
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from pagedkv.integrations.vllm import PagedKVScheduler, UnsupportedVllmConfigError  # noqa: E402
+from pagedkv.integrations.vllm import PagedKVScheduler  # noqa: E402
 from pagedkv.integrations.vllm.config_check import check_supported_config  # noqa: E402
 from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     Driver,
