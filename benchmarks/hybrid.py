@@ -89,6 +89,7 @@ import math
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -302,11 +303,21 @@ def prompts_of(w: common.Workload) -> list[np.ndarray]:
 
 
 def replay(
-    mgr: Any, w: common.Workload, prompts: list[np.ndarray], block_bytes: int, groups: int, budget: int = 8192
+    mgr: Any,
+    w: common.Workload,
+    prompts: list[np.ndarray],
+    block_bytes: int,
+    groups: int,
+    budget: int = 8192,
+    split: Callable[[int, int, int], int] | None = None,
 ) -> dict[str, Any]:
     """Run the benchmark's scheduler over ``w`` through adapter ``mgr``; returns the figures.
 
-    ``budget``: tokens scheduled per step (decodes first, one each, then prefill chunks)."""
+    ``budget``: tokens scheduled per step (decodes first, one each, then prefill chunks).
+    ``split(start, chunk, prompt_len)``: the tokens a continuing prefill chunk of up to ``chunk``
+    tokens from ``start`` may take (state groups end chunks on block boundaries); the adapter
+    applies the same rule to an admission's first chunk. An adapter with an ``end_step()``
+    method is told when each step's forward pass would have completed."""
     n = len(w)
     olen = w.output_lens
     plen = w.prompt_lens
@@ -317,6 +328,7 @@ def replay(
     first_hit = np.full(n, -1, dtype=np.int64)
     bytes_per_req = np.zeros(n, dtype=np.int64)
     max_running = preemptions = steps = finished = 0
+    end_step = getattr(mgr, "end_step", None)
 
     def preempt() -> int:
         nonlocal preemptions
@@ -359,6 +371,10 @@ def replay(
             if r not in running:
                 continue
             chunk = int(min(left, plen[r] - done_prompt[r]))
+            if split is not None:
+                chunk = split(int(done_prompt[r]), chunk, int(plen[r]))
+                if chunk <= 0:
+                    continue
             while not mgr.prefill(r, chunk):
                 if preempt() == r:
                     break
@@ -388,6 +404,8 @@ def replay(
                 running.remove(r)
                 finish(r)
         max_running = max(max_running, len(running))
+        if end_step is not None:
+            end_step()
     total_tokens = plen + np.maximum(olen - 1, 0)
     block_ops = int(2 * groups * np.ceil(total_tokens / BLOCK_SIZE).sum())
     return {

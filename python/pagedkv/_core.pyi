@@ -534,6 +534,10 @@ class KVCacheManager:
         ``<= num_tokens``; returns how many. Raises ``UnknownSequenceError``,
         ``InvalidArgumentError`` (above the computed tokens); state unchanged on error.
         """
+    def commit_all_computed(self, seq_ids: _IntArrayLike) -> int:
+        """``commit_computed`` of every computed token of each of ``seq_ids`` under one lock (a
+        step's forward pass over them completed); returns the state blocks published. Raises
+        ``UnknownSequenceError`` (nothing changed)."""
     def rollback(self, seq_id: int, num_computed_tokens: int, *, poisoned: bool) -> int:
         """Truncates the computed range (blocks kept, recomputed in place); ``poisoned``
         unregisters them and their dependents.

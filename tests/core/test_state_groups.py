@@ -181,3 +181,41 @@ def test_indexer_indexes_the_full_group_and_ignores_state_events() -> None:
     ix.add_worker(1, groups=["full", "state"])
     ix.apply(1, 0, events)
     assert ix.worker_hashes(1) == sorted(stored[FULL])
+
+
+def test_commit_all_computed_is_commit_computed_per_sequence() -> None:
+    batched, single = make(), make()
+    for m in (batched, single):
+        for seq, salt in ((1, 0), (2, 1), (3, 2)):
+            m.add_sequence(seq, toks(10, salt))
+        m.step([1, 2, 3], [8, 8, 6]).raise_for_error()
+    # Sequences 1 and 2 ended a step at 8 (aligned): one state each; 3 ended at 6: none.
+    assert batched.commit_all_computed(np.asarray([1, 2, 3], dtype=np.uint64)) == 2
+    assert sum(single.commit_computed(seq, single.num_computed_tokens(seq)) for seq in (1, 2, 3)) == 2
+    for seq in (1, 2, 3):
+        assert state_row(batched, seq) == state_row(single, seq)
+    assert batched.commit_all_computed([1, 2, 3]) == 0  # nothing new
+    for m in (batched, single):
+        m.add_sequence(4, toks(8) + [99, 98])
+        assert m.lookup_prefix(4) == 8  # the committed state after 8 tokens hits
+        m.check_invariants()
+
+
+def test_commit_all_computed_unknown_id_changes_nothing() -> None:
+    m = make()
+    m.add_sequence(1, toks(10))
+    m.step([1], [8]).raise_for_error()
+    with pytest.raises(UnknownSequenceError):
+        m.commit_all_computed([1, 7])
+    m.add_sequence(2, toks(10))
+    assert m.lookup_prefix(2) == 0  # sequence 1's state was not published
+    assert m.commit_all_computed([]) == 0
+    assert make_full_only().commit_all_computed([]) == 0
+
+
+def make_full_only() -> KVCacheManager:
+    m = KVCacheManager(CacheConfig(16, 4))
+    m.add_sequence(1, toks(8))
+    m.step([1], [8]).raise_for_error()
+    assert m.commit_all_computed([1]) == 0  # no state group: nothing to publish
+    return m

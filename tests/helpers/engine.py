@@ -147,3 +147,64 @@ def tiny_gemma3(folder: Path, **overrides: Any) -> ModelBundle:
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
         tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     return ModelBundle(hf, tok, folder)
+
+
+#: Layer kinds of :func:`tiny_nemotron_h`: Mamba-2, attention, Mamba-2, MLP (Nemotron-H's names).
+TINY_NEMOTRON_H_LAYERS = ("linear_attention", "full_attention", "linear_attention", "mlp")
+
+
+def tiny_nemotron_h(folder: Path, **overrides: Any) -> ModelBundle:
+    """A tiny random Nemotron-H (a state-space hybrid: layers :data:`TINY_NEMOTRON_H_LAYERS`;
+    Mamba-2 mixers of 4 heads of 8 channels, 2 groups of 8-dimensional B/C, conv width 4;
+    attention of 4 query / 2 KV heads of 16) saved to ``folder`` and loaded back; ``overrides``
+    replace NemotronHConfig fields. One Mamba-2 layer's state is 448 fp32 numbers (1792 bytes),
+    within one 8-token block of the attention layer's K/V (2048 bytes)."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer, NemotronHConfig, NemotronHForCausalLM
+
+    fields: dict[str, Any] = dict(
+        vocab_size=TINY_VOCAB,
+        hidden_size=64,
+        layers_block_type=list(TINY_NEMOTRON_H_LAYERS),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        mamba_num_heads=4,
+        mamba_head_dim=8,
+        ssm_state_size=8,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=8,
+        # transformers clamps the time step below at time_step_min in its multi-token (chunked)
+        # scan only, not in its one-token decode; a floor no time step reaches keeps both paths
+        # (and the engine's, which always clamps) the same model.
+        time_step_min=1e-6,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        initializer_range=0.25,
+    )
+    fields.update(overrides)
+    cfg = NemotronHConfig(**fields)
+    torch.manual_seed(2468)
+    model = NemotronHForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # norms start at 1 and D at 1: give them values to get wrong
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("norm_f.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".D"):
+                p.uniform_(-1.0, 1.0)
+            elif name.endswith(".dt_bias"):  # time steps softplus(dt + bias) of about 0.05 to 1
+                p.uniform_(-3.0, 0.0)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(str(folder))
+    save_model(model, str(folder / "model.safetensors"))
+    _tiny_tokenizer(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, local_files_only=True).eval()
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    return ModelBundle(hf, tok, folder)

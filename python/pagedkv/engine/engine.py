@@ -4,8 +4,11 @@ One :meth:`LLMEngine.step`, end to end::
 
     batch  = scheduler.schedule()          # FCFS, token budget, preemption; batched manager.step
                                            #   calls -> step outputs, COW/swap plans
-    logits = runner.execute(batch)         # BatchTensors.from_steps -> swap/copy blocks -> flat
-                                           #   varlen forward over the paged cache
+    logits = runner.execute(batch)         # BatchTensors.from_steps -> swap/copy blocks -> zero
+                                           #   fresh state blocks -> flat varlen forward over
+                                           #   the paged cache
+    commit_computed(seq, n)                # models with state groups (Nemotron-H): the commit
+                                           #   fence publishes states that ended aligned
     tokens = groups.sample(rows, logits)   # greedy / temperature / top-k / top-p; beam log-probs
     done   = groups.update(rows, tokens)   # append, fork n > 1 / beams, stop checks, free KV
     done  += groups.verify(...)            # speculative="ngram" only: accept drafts, emit
@@ -197,6 +200,9 @@ class LLMEngine:
         hf_model, tokenizer = (model, tokenizer) if loaded else load_hf_model(model, dtype=dtype)
         self.tokenizer = tokenizer
         self.model = build_model(hf_model, device=device, dtype=dtype)  # refuses unknown architectures
+        self.has_state = any(g.is_state for g in self.model.kv_groups)
+        if self.has_state:
+            _check_state_model_config(config)
         per_block = self.model.kv_bytes_per_block(block_size)
         self.config = config = config.resolved(per_block)
         num_kv_blocks, num_cpu_blocks = config.pools()
@@ -227,6 +233,7 @@ class LLMEngine:
                     self.model.num_layers,
                     block_size=block_size,
                     bytes_per_token=self.model.kv_bytes_per_token(),
+                    state_bytes=getattr(self.model, "state_bytes", None) if self.has_state else None,
                 )
                 if self.model.is_hybrid
                 else (None, None)
@@ -386,6 +393,8 @@ class LLMEngine:
                 return finished
             self.metrics_collector.on_step(self.manager.stats(), batch.num_prefill_tokens)
             logits = self.runner.execute(batch)  # 2. execute
+            if self.has_state:
+                self._commit_step(batch)
             rows, verify, plain = [], [], []
             at = 0  # logits row of the next sampling sequence
             for r, s, want, drafts in zip(batch.requests, batch.seqs, batch.sample, batch.drafts):
@@ -414,6 +423,16 @@ class LLMEngine:
             self.requests.recover_from_failed_step(exc, [o.request_id for o in finished])
             raise
         return finished
+
+    def _commit_step(self, batch: Any) -> None:
+        """The commit fence of a model with state groups, after the forward pass of ``batch``
+        (a :class:`~pagedkv.engine.scheduler.ScheduledBatch`) completed: every position its
+        sequences computed is written, so the manager may publish the states that ended at an
+        aligned prefix (``manager.commit_all_computed``: ``commit_computed`` of every computed
+        token of each sequence, under one lock); until then no prefix hit can read them."""
+        manager = cast(pagedkv.KVCacheManager, self.manager)  # state models: the paged layout only
+        if batch.seqs:
+            manager.commit_all_computed([seq.seq_id for seq in batch.seqs])
 
     # ---- batch API ---------------------------------------------------------------------------
 
@@ -501,6 +520,23 @@ class LLMEngine:
     def stats(self) -> Any:
         """The KV cache manager's :class:`pagedkv.CacheStats`."""
         return self.manager.stats()
+
+
+def _check_state_model_config(config: EngineConfig) -> None:
+    """Refuse what the engine does not serve on a model with state groups (recurrent layers).
+
+    Raises:
+        EngineConfigError: ``kv_layout="virtual"`` (no block tables to hold states) or
+            ``speculative`` decoding (a rejected draft cannot be taken back out of a state).
+    """
+    if config.kv_layout != "paged":
+        raise EngineConfigError(
+            f"kv_layout={config.kv_layout!r} is not implemented for a model with recurrent (state) layers; use 'paged'"
+        )
+    if config.speculative is not None:
+        raise EngineConfigError(
+            f"speculative={config.speculative!r} is not implemented for a model with recurrent (state) layers"
+        )
 
 
 def _eos_ids(hf_model: Any, model: PagedCausalLM, tokenizer: Any) -> frozenset[int]:

@@ -56,11 +56,14 @@ __all__ = [
     "group_block_table",
     "group_slot_mapping",
     "plan_groups",
+    "STATE",
 ]
 
 #: transformers' ``config.layer_types`` entries the engine implements.
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+#: :attr:`KVCacheGroup.kind` of a group of recurrent (state-space / linear-attention) layers.
+STATE = "state"
 
 
 @dataclass(frozen=True)
@@ -69,13 +72,22 @@ class KVCacheGroup:
 
     Attributes:
         sliding_window: window ``W`` in tokens (a query at position ``p`` sees positions in
-            ``(p - W, p]``), or ``None`` for full attention.
+            ``(p - W, p]``), or ``None`` for full attention (and for a state group).
         layers: indices of the decoder layers in the group, ascending; layer ``layers[j]``
             keeps its K/V in layer slot ``j`` of the KV cache.
+        kind: ``"attention"`` (K/V per token) or ``"state"``: recurrent layers (Mamba-2...)
+            whose blocks each hold the state of every layer of the group after an aligned
+            prefix (:mod:`pagedkv.engine.state_pages`), a manager group of kind ``"state"``.
     """
 
     sliding_window: int | None
     layers: tuple[int, ...]
+    kind: str = "attention"
+
+    @property
+    def is_state(self) -> bool:
+        """Whether the group holds recurrent states rather than K/V."""
+        return self.kind == STATE
 
 
 def layer_windows(config: Any) -> tuple[int | None, ...]:
@@ -159,14 +171,22 @@ def kv_cache_groups(windows: Sequence[int | None], *, split: bool = True) -> tup
 
 
 def group_specs(
-    groups: Sequence[KVCacheGroup], num_layers: int, *, block_size: int, bytes_per_token: int
+    groups: Sequence[KVCacheGroup],
+    num_layers: int,
+    *,
+    block_size: int,
+    bytes_per_token: int,
+    state_bytes: int | None = None,
 ) -> tuple[list[Any], list[int]]:
     """The groups form of a ``pagedkv.CacheConfig`` for a model with these KV cache groups:
     ``(specs, layer_groups)``, one ``pagedkv.KVCacheGroupSpec`` per group (``"full"`` or
     ``"sliding_window"`` with its window), all of ``block_size`` tokens and ``bytes_per_token``
     bytes per token and layer (``2 * num_kv_heads * head_size * dtype bytes``), and each of the
     ``num_layers`` layers' group index. Retention interval 0 (the config's default): a windowed
-    group caches every full block, so a prefix hit can end at any block boundary.
+    group caches every full block, so a prefix hit can end at any block boundary. A state group
+    (:attr:`KVCacheGroup.is_state`) is a ``"state"`` spec of the same page (``block_size`` is its
+    alignment unit) whose state takes ``state_bytes`` of it; a layer in no group (an MLP-only
+    layer) gets index 0, and only the first ``num_layers`` layers are listed.
 
     Raises:
         pagedkv.InvalidConfigError: a size above the core's limits (names it).
@@ -174,7 +194,9 @@ def group_specs(
     import pagedkv
 
     specs = [
-        pagedkv.KVCacheGroupSpec("full", block_size, bytes_per_token)
+        pagedkv.KVCacheGroupSpec("state", block_size, bytes_per_token, state_bytes=state_bytes)
+        if g.is_state
+        else pagedkv.KVCacheGroupSpec("full", block_size, bytes_per_token)
         if g.sliding_window is None
         else pagedkv.KVCacheGroupSpec("sliding_window", block_size, bytes_per_token, window=g.sliding_window)
         for g in groups
@@ -215,10 +237,10 @@ def group_slot_mapping(meta: StepTensors, group: int) -> torch.Tensor:
 
 def plan_groups(
     groups: Sequence[KVCacheGroup], meta: StepTensors, *, cache_shape: Sequence[int], num_q_heads: int
-) -> tuple[kernels.AttentionPlan, ...]:
+) -> tuple[kernels.AttentionPlan | None, ...]:
     """The step's attention plans, one per KV cache group (same order), for the torch reference
     attention: each built from its group's block table, window and slot mapping, checking the
-    slot mapping once for every layer's cache write.
+    slot mapping once for every layer's cache write; ``None`` for a state group (no attention).
 
     Args:
         groups: the model's KV cache groups.
@@ -239,5 +261,7 @@ def plan_groups(
             sliding_window=grp.sliding_window,
             slot_mapping=group_slot_mapping(meta, g),
         )
+        if not grp.is_state
+        else None
         for g, grp in enumerate(groups)
     )

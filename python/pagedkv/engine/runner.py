@@ -2,8 +2,8 @@
 (:meth:`pagedkv.tensors.BatchTensors.from_steps`, the one allocator-to-kernel path, for every
 model's ``pagedkv.KVCacheManager``, of one KV cache group or several, the block tables kept
 from the steps' table deltas by a :class:`pagedkv.tensors.BlockTable`), applies the
-block plans (host stores, swap out, swap in, host loads, copy-on-write) and runs the forward
-pass.
+block plans (host stores, swap out, swap in, host loads, copy-on-write and state copy rows,
+then the zero rows of fresh state blocks) and runs the forward pass.
 
 Owns the KV cache tensors: the device cache ``[num_kv_slots, 2, num_blocks, block_size,
 num_kv_heads, head_size]`` (:meth:`PagedCausalLM.kv_cache_shape
@@ -34,6 +34,7 @@ from .models.model import PagedCausalLM
 from .models.rope import rope_lengths
 from .resources import guard_allocation
 from .scheduler import ScheduledBatch
+from .state_pages import zero_pages
 
 __all__ = ["ModelRunner"]
 
@@ -144,8 +145,25 @@ class ModelRunner:
                     event.synchronize()  # as before: swap plans complete before the step goes on
         if len(bt.copies):
             # A row is (group, src, dst); src belongs to that group alone, so copying every
-            # slot of it copies exactly that group's layers.
-            kernels.copy_blocks(self.kv_cache, bt.copies[:, 1:].contiguous())
+            # slot of it copies exactly that group's layers. Every row reads its source as it
+            # was before the step's copies (a state group's old live block, released by the
+            # manager call that planned the move, may be another row's fresh destination).
+            plan = bt.copies[:, 1:]
+            if _sources_overwritten(plan):
+                self.kv_cache[:, :, plan[:, 1].long()] = self.kv_cache[:, :, plan[:, 0].long()].clone()
+            else:
+                kernels.copy_blocks(self.kv_cache, plan.contiguous())
+
+    def zero_state_blocks(self, batch: ScheduledBatch) -> None:
+        """Zero the fresh state blocks of the step's manager calls (their ``zero_blocks`` rows
+        ``(group, block)``: a state group's block that starts a sequence's state, or restarts it
+        after a recompute preemption), after the copies and before the forward pass, which
+        then updates each live state in place (:mod:`pagedkv.engine.state_pages`)."""
+        rows = [np.asarray(z) for out in batch.steps if (z := getattr(out, "zero_blocks", None)) is not None]
+        rows = [r for r in rows if r.size]
+        if rows:
+            blocks = torch.from_numpy(np.concatenate(rows)[:, 1].astype(np.int64)).to(self.device)
+            zero_pages(self.kv_cache, blocks)
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one step.
@@ -157,6 +175,7 @@ class ModelRunner:
         """
         bt = self.prepare(batch)
         self.apply_block_plans(bt)
+        self.zero_state_blocks(batch)
         if not batch.seqs:
             return torch.zeros(0, self.model.vocab_size)
         rope_lens = None
@@ -191,6 +210,14 @@ class ModelRunner:
         """Bytes of the host tier's cache (0 without a host tier)."""
         c = self.host_cache
         return 0 if c is None else c.numel() * c.element_size()
+
+
+def _sources_overwritten(plan: torch.Tensor) -> bool:
+    """Whether a block of copy plan ``plan`` (``int[K, 2]`` (src, dst) rows) is both a source
+    and a destination: then every source must be read before any destination is written
+    (the batched copy kernel refuses such plans)."""
+    rows = plan.tolist()
+    return bool({src for src, _ in rows} & {dst for _, dst in rows})
 
 
 def _without_repeated_targets(plan: torch.Tensor) -> list[torch.Tensor]:

@@ -49,7 +49,7 @@ import numpy as np
 
 from pagedkv import OutOfBlocksError, OutOfSwapSpaceError
 
-from .errors import EngineConfigError, RequestTooLargeError
+from .errors import EngineConfigError, InvalidRequestError, RequestTooLargeError
 from .manager_protocol import EngineKVManager, StepResult
 from .request import Request, Sequence
 from .sampling import SamplingParams
@@ -147,6 +147,9 @@ def blocks_for_request(num_prompt_tokens: int, max_tokens: int, num_seqs: int, b
     return shared + num_seqs * per_seq
 
 
+#: Blocks one sequence holds at most in a state group (see :meth:`Scheduler.max_blocks`).
+STATE_BLOCKS_PER_SEQ = 3
+
 _Item = tuple[Request, Sequence, int]  # (request, sequence, tokens to schedule)
 
 
@@ -171,6 +174,11 @@ class Scheduler:
         #: Each KV cache group's sliding window (None: full attention), in group order.
         self.group_windows: tuple[int | None, ...] = tuple(g.window for g in groups)
         self._windowed = any(w is not None for w in self.group_windows)
+        #: Whether each group is a state group (recurrent layers' states, not K/V).
+        self.group_states: tuple[bool, ...] = tuple(getattr(g, "kind", None) == "state" for g in groups)
+        #: A model with state groups: prefill chunks end at multiples of the block size where
+        #: they can (:meth:`_aligned_take`), so the states of prompts' aligned prefixes get cached.
+        self._state_align = self.block_size if any(self.group_states) else 0
         self.usable_blocks = int(manager.num_blocks) - 1  # block 0 is the null block
         self.running: list[Request] = []  # arrival order
         self.waiting: list[Request] = []  # arrival order (new, recompute-preempted, swapped)
@@ -190,13 +198,20 @@ class Scheduler:
             RequestTooLargeError: the prompt does not fit the model context, or prompt +
                 ``max_tokens`` needs more blocks than the pool's usable blocks (message names
                 the sizes in tokens and blocks).
+            InvalidRequestError: ``n > 1`` or beam search on a model with state groups (its
+                sequences would fork, and a recurrent state cannot be shared block by block).
         """
+        width = max(params.n, params.beam_width)
+        if width > 1 and any(self.group_states):
+            raise InvalidRequestError(
+                f"n={params.n}, beam_width={params.beam_width}: several sequences per request are not "
+                "served on a model with recurrent (state) layers (forks cannot share a state)"
+            )
         if num_prompt_tokens >= self.config.max_model_len:
             raise RequestTooLargeError(
                 f"prompt of {num_prompt_tokens} tokens does not fit the model context of "
                 f"{self.config.max_model_len} tokens (at least one token must be generated)"
             )
-        width = max(params.n, params.beam_width)
         need = self.max_blocks(num_prompt_tokens, params.max_tokens, width)
         if need > self.usable_blocks:
             raise RequestTooLargeError(
@@ -211,7 +226,9 @@ class Scheduler:
         """Blocks a request of ``width`` sequences holds at most when it runs alone, over every
         KV cache group.
 
-        A full-attention group holds :func:`blocks_for_request` (times ``width`` without prefix
+        A state group holds at most :data:`STATE_BLOCKS_PER_SEQ` blocks per sequence (the live
+        state, the one it moves from until the step's commit, a prefix hit's source). A
+        full-attention group holds :func:`blocks_for_request` (times ``width`` without prefix
         caching: a group resumed by recompute cannot share its prompt blocks). A sliding-window
         group of window ``W`` holds, after an allocation of ``q <= max_tokens_per_step`` tokens
         at context ``c``, the blocks from ``first_read(c) = c - W + 1`` to ``c + q``: at most
@@ -224,7 +241,14 @@ class Scheduler:
         if width > 1 and not self.prefix_caching:
             full = width * blocks_for_request(num_prompt_tokens, max_tokens, 1, bs)
         q = min(self.config.max_tokens_per_step, num_prompt_tokens + max_tokens - 1)
-        return sum(full if w is None else min(full, width * (-(-(q + w - 1) // bs) + 1)) for w in self.group_windows)
+        return sum(
+            min(full, width * STATE_BLOCKS_PER_SEQ)
+            if state
+            else full
+            if w is None
+            else min(full, width * (-(-(q + w - 1) // bs) + 1))
+            for w, state in zip(self.group_windows, self.group_states)
+        )
 
     def prefill_owed(self, seqs: list[Sequence]) -> int:
         """Free blocks the remaining prefill of one request's sequences still takes (what
@@ -311,7 +335,7 @@ class Scheduler:
             if budget == 0 or len(items) >= self.config.max_num_seqs:
                 break
             if todo > 0:
-                items.append((req, seq, min(todo, budget)))
+                items.append((req, seq, self._aligned_take(seq, todo, min(todo, budget))))
                 complete.append(todo <= budget)
                 budget -= items[-1][2]
         if self.config.num_speculative_tokens:
@@ -408,13 +432,26 @@ class Scheduler:
                     break
                 if todo == len(seq.token_ids):  # nothing computed: the prefix hits come first
                     todo -= self.manager.lookup_prefix(seq.seq_id)
-                take = min(todo, budget)
+                take = self._aligned_take(seq, todo, min(todo, budget))
                 if take == 0:  # a swapped-in beam that has its logprobs waits for its siblings
                     continue
                 admitted.append((req, seq, take))
                 budget -= take
                 num_seqs += 1
         return admitted, swap_in
+
+    def _aligned_take(self, seq: Sequence, todo: int, take: int) -> int:
+        """``take`` tokens of ``seq`` (``todo`` still uncomputed), cut on a model with state
+        groups so that the step ends at the last multiple of the block size it crosses: only a
+        state that ends a step at an aligned prefix is published to the prefix cache, so a
+        prompt of 27 tokens with 8-token blocks is prefilled as 24 + 3 (the state after 24
+        tokens cached) rather than 27 (nothing cached). Decodes are never cut."""
+        align = self._state_align
+        if not align:
+            return take
+        ctx = len(seq.token_ids) - todo
+        aligned = (ctx + take) // align * align
+        return aligned - ctx if ctx < aligned < ctx + take else take
 
     def _chunk_blocks(self, seq_id: int, num_new_tokens: int) -> int:
         """Free blocks the next allocation of ``num_new_tokens`` takes (the manager's ``take -

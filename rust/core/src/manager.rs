@@ -930,7 +930,7 @@ impl KvCacheManager {
     pub fn commit_computed(&self, seq: SeqId, num_tokens: usize) -> Result<usize> {
         let mut guard = self.state.lock();
         let st = &mut *guard;
-        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        let s = st.seqs.get(&seq).ok_or_else(|| unknown(seq))?;
         if num_tokens > s.num_computed {
             return Err(Error::InvalidArgument {
                 arg: "num_tokens",
@@ -942,10 +942,49 @@ impl KvCacheManager {
                 ),
             });
         }
-        if !self.has_state || s.status != SeqStatus::Running || s.num_computed == 0 {
+        let mut ev = Vec::new();
+        let published = self.commit_locked(st, seq, num_tokens, &mut ev)?;
+        self.drain_pool(&mut ev);
+        self.absorb(st, ev);
+        Ok(published)
+    }
+
+    /// [`Self::commit_computed`] of every computed token of each of `seqs`, under one lock:
+    /// what an engine calls once its step's forward pass over these sequences completed.
+    /// Returns the blocks published over all of them. Errors (state unchanged):
+    /// [`Error::UnknownSequence`] for the first id not held.
+    pub fn commit_all_computed(&self, seqs: &[SeqId]) -> Result<usize> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        if let Some(&seq) = seqs.iter().find(|q| !st.seqs.contains_key(q)) {
+            return Err(unknown(seq));
+        }
+        if !self.has_state {
             return Ok(0);
         }
         let mut ev = Vec::new();
+        let mut published = 0;
+        for &seq in seqs {
+            let n = st.seqs[&seq].num_computed;
+            published += self.commit_locked(st, seq, n, &mut ev)?;
+        }
+        self.drain_pool(&mut ev);
+        self.absorb(st, ev);
+        Ok(published)
+    }
+
+    /// The commit of `seq` (held, `num_tokens <= num_computed`) under the caller's lock.
+    fn commit_locked(
+        &self,
+        st: &mut State,
+        seq: SeqId,
+        num_tokens: usize,
+        ev: &mut Vec<Pending>,
+    ) -> Result<usize> {
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        if !self.has_state || s.status != SeqStatus::Running || s.num_computed == 0 {
+            return Ok(0);
+        }
         let mut published = 0;
         let mut released = Vec::new();
         for g in 0..self.num_groups() {
@@ -960,7 +999,7 @@ impl KvCacheManager {
                 .filter(|&j| self.state_pending(s, g, j, s.num_computed))
                 .collect();
             published += picked.len();
-            self.register(s, g, &picked, &mut ev, true);
+            self.register(s, g, &picked, ev, true);
             // Aligned states at or below the commit that are no longer live: released (cached
             // when published), tail first.
             let t = &mut s.tables[g];
@@ -975,8 +1014,6 @@ impl KvCacheManager {
             // Cannot fail: the sequence holds every one of them.
             self.pool.free(&released)?;
         }
-        self.drain_pool(&mut ev);
-        self.absorb(st, ev);
         Ok(published)
     }
 

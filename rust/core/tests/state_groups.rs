@@ -71,10 +71,11 @@ fn worked_example_tables_copies_and_zero_rows() {
         .unwrap();
     // Chunk 1: [0, 8). Full: blocks 0, 1; state: the live block at (8 - 1) / 4 = 1, fresh.
     let a = m.allocate_slots(1, 8).unwrap();
+    // A fresh pool hands out 1, 2, ... in group order.
     let full = a.groups[FULL].new_block_ids.clone();
-    assert_eq!(full.len(), 2);
+    assert_eq!(full, vec![1, 2]);
     let s1 = a.groups[STATE].new_block_ids.clone();
-    assert_eq!(s1.len(), 1);
+    assert_eq!(s1, vec![3]);
     assert_eq!(a.groups[STATE].zero_blocks, s1);
     assert!(a.groups[STATE].copies.is_empty());
     assert!(a.groups[FULL].zero_blocks.is_empty());
@@ -90,8 +91,9 @@ fn worked_example_tables_copies_and_zero_rows() {
     assert_eq!(need.per_group, vec![(1, 0), (1, 0)]);
     let a = m.allocate_slots(1, 2).unwrap();
     let s2 = a.groups[STATE].new_block_ids.clone();
-    assert_eq!(s2.len(), 1);
-    assert_eq!(a.groups[STATE].copies, vec![(s1[0], s2[0])]);
+    assert_eq!(a.groups[FULL].new_block_ids, vec![4]);
+    assert_eq!(s2, vec![5]);
+    assert_eq!(a.groups[STATE].copies, vec![(3, 5)]);
     assert!(a.groups[STATE].zero_blocks.is_empty());
     assert!(a.groups[STATE].released.is_empty());
     assert_eq!(
@@ -122,7 +124,9 @@ fn worked_example_tables_copies_and_zero_rows() {
     m.append_tokens(1, &[913]).unwrap();
     let a = m.allocate_slots(1, 1).unwrap();
     let s3 = a.groups[STATE].new_block_ids.clone();
-    assert_eq!(a.groups[STATE].copies, vec![(s2[0], s3[0])]);
+    assert_eq!(a.groups[FULL].new_block_ids, vec![6]);
+    assert_eq!(s3, vec![7]);
+    assert_eq!(a.groups[STATE].copies, vec![(5, 7)]);
     assert_eq!(
         m.block_tables(1).unwrap()[STATE],
         vec![NULL_BLOCK, s1[0], s2[0], s3[0]]
@@ -133,10 +137,15 @@ fn worked_example_tables_copies_and_zero_rows() {
     assert_eq!(m.commit_computed(1, 13).unwrap(), 2);
     assert_eq!(stored(&m, STATE as u32), 2);
     assert_eq!(
-        m.block_tables(1).unwrap()[STATE],
-        vec![NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, s3[0]]
+        m.block_tables(1).unwrap(),
+        vec![
+            vec![1, 2, 4, 6],
+            vec![NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, 7]
+        ]
     );
     assert_eq!(m.pool().num_cached_free(), cached_before + 2);
+    assert!(m.pool().is_hashed(3) && m.pool().is_hashed(5));
+    assert_eq!((m.pool().ref_count(3), m.pool().ref_count(5)), (0, 0));
     assert_eq!(m.commit_computed(1, 13).unwrap(), 0, "nothing new");
     assert_eq!(
         m.commit_computed(1, 4).unwrap(),
@@ -823,4 +832,30 @@ mod model {
             run(layout_k, num_blocks, retention, ops);
         }
     }
+}
+
+#[test]
+fn commit_all_computed_commits_each_whole_computed_range() {
+    let m = mgr(32);
+    for (seq, salt) in [(1, 0), (2, 1), (3, 2)] {
+        m.add_sequence(seq, toks(10, salt), SequenceSpec::default())
+            .unwrap();
+    }
+    m.allocate_slots(1, 8).unwrap();
+    m.allocate_slots(2, 8).unwrap();
+    m.allocate_slots(3, 6).unwrap(); // ends between alignment points: nothing to publish
+    let _ = m.take_events();
+    // An unknown id anywhere refuses the whole batch, nothing published.
+    assert!(matches!(
+        m.commit_all_computed(&[1, 9]),
+        Err(Error::UnknownSequence { .. })
+    ));
+    assert_eq!(stored(&m, STATE as u32), 0);
+    assert_eq!(m.commit_all_computed(&[1, 2, 3]).unwrap(), 2);
+    assert_eq!(stored(&m, STATE as u32), 2);
+    assert_eq!(m.commit_all_computed(&[1, 2, 3]).unwrap(), 0);
+    m.add_sequence(4, toks(9, 1), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix(4).unwrap(), 8);
+    ok(&m);
 }

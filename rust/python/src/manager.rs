@@ -626,6 +626,18 @@ impl PyKvCacheManager {
         py.detach(|| m.commit_computed(seq, n)).py(py)
     }
 
+    /// ``commit_computed(seq_id, num_computed_tokens(seq_id))`` for each of ``seq_ids``
+    /// (a sequence of ints or a ``uint64`` array) under one lock: what an engine calls once a
+    /// step's forward pass over these sequences completed. Returns the state blocks published
+    /// over all of them (0 without state groups).
+    ///
+    /// Raises (state unchanged): ``UnknownSequenceError`` for the first id not held.
+    fn commit_all_computed(&self, py: Python<'_>, seq_ids: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let seqs = crate::convert::seq_ids(seq_ids, "seq_ids")?;
+        let m = &self.inner;
+        py.detach(|| m.commit_all_computed(&seqs)).py(py)
+    }
+
     /// Truncates the computed range of running ``seq_id`` to ``num_computed_tokens`` (``n``):
     /// KV from ``n`` on is computed again (after a failed or partial load, or vLLM's rewind
     /// of a full hit's last token). Every block stays in the tables (a model runner's block

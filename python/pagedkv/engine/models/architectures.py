@@ -1,7 +1,8 @@
 """Which transformers architectures the engine implements, and the architecture check at load.
 
 The engine runs its own forward pass (:mod:`pagedkv.engine.models.model` for the Llama family,
-:mod:`pagedkv.engine.models.gemma3` for Gemma 3) on weights taken from transformers' model. A model of
+:mod:`pagedkv.engine.models.gemma3` for Gemma 3, :mod:`pagedkv.engine.models.nemotron_h` for
+Nemotron-H) on weights taken from transformers' model. A model of
 another architecture often has weights of the same names (Gemma 3's ``q_proj``,
 ``input_layernorm``... are Llama's), so without a check it would load and generate garbage;
 :func:`build_model` refuses it, naming the architecture, before anything is allocated.
@@ -18,16 +19,19 @@ from typing import Any
 from ..errors import EngineConfigError
 from .gemma3 import Gemma3ForCausalLM
 from .model import LlamaForCausalLM, PagedCausalLM
+from .nemotron_h import NemotronHForCausalLM
 
 __all__ = ["MODEL_CLASSES", "architecture_of", "build_model"]
 
 #: transformers class name -> the engine's model. Mistral and Qwen2 are Llama's math (Qwen2 adds
 #: q/k/v biases; both may have sliding-window layers, see :mod:`pagedkv.engine.kv_groups`).
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[Gemma3ForCausalLM]] = {
+#: Nemotron-H is a state-space hybrid (Mamba-2 layers whose recurrent states live in state groups).
+MODEL_CLASSES: dict[str, type[LlamaForCausalLM] | type[Gemma3ForCausalLM] | type[NemotronHForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
 

@@ -250,7 +250,9 @@ class PagedCausalLM:
 
     # ---- attention ---------------------------------------------------------------------------
 
-    def plan_attention(self, meta: StepTensors, cache_shape: tuple[int, ...]) -> tuple[kernels.AttentionPlan, ...]:
+    def plan_attention(
+        self, meta: StepTensors, cache_shape: tuple[int, ...]
+    ) -> tuple[kernels.AttentionPlan | None, ...]:
         """The step's attention plans for the torch reference attention, one per KV cache group
         (``plans`` of :meth:`forward`; :func:`pagedkv.engine.kv_groups.plan_groups`).
         ``cache_shape``: the per-layer cache shape ``(num_blocks, block_size, num_kv_heads,
@@ -258,7 +260,7 @@ class PagedCausalLM:
         return plan_groups(self.kv_groups, meta, cache_shape=cache_shape, num_q_heads=self.num_heads)
 
     def _group_inputs(
-        self, meta: StepTensors, plans: Sequence[kernels.AttentionPlan] | None
+        self, meta: StepTensors, plans: Sequence[kernels.AttentionPlan | None] | None
     ) -> tuple[tuple[kernels.AttentionPlan | None, torch.Tensor, torch.Tensor], ...] | None:
         """Per KV cache group of the model, ``(plan, block table, slot mapping)`` of this step
         (the plan None without ``plans``; one table and slot mapping for all groups or one per
@@ -269,7 +271,9 @@ class PagedCausalLM:
             return None
         if plans is not None:  # the group's plan holds the group's table (and slots)
             return tuple(
-                (p, p.block_table, p.slot_mapping if p.slot_mapping is not None else group_slot_mapping(meta, g))
+                (None, group_block_table(meta, g), group_slot_mapping(meta, g))  # a state group: no plan
+                if p is None
+                else (p, p.block_table, p.slot_mapping if p.slot_mapping is not None else group_slot_mapping(meta, g))
                 for g, p in enumerate(plans)
             )
         return tuple(

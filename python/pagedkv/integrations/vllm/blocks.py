@@ -58,6 +58,10 @@ def _make_blocks_class() -> type:
         @property  # type: ignore[override, unused-ignore]
         def blocks(self) -> tuple[list[Any], ...]:
             """Per group, vLLM ``KVCacheBlock`` views (block id only), built per access."""
+            if not any(self.groups):
+                # vLLM's scheduler reads the empty instance's blocks for every running request
+                # each step with a connector: no views to build.
+                return tuple([] for _ in self.groups)
             if self.pool is not None:
                 from pagedkv.integrations.vllm.pool_view import block_view
 

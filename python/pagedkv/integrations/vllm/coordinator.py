@@ -196,17 +196,18 @@ class CoordinatorView:
         manager = self._manager
         sizes = manager.group_block_sizes
         try:
-            tables = manager.get_block_ids(request_id)
+            # Lengths only: vLLM asks this for every running request each step with a connector.
+            lengths = manager.table_lengths(request_id)
         except UnknownSequenceError:
-            tables = tuple([] for _ in sizes)
+            lengths = [0] * len(sizes)
         caps = manager._admission_caps if apply_admission_cap else [None] * len(sizes)
         total = 0
-        for bs, t, cap in zip(sizes, tables, caps, strict=True):
+        for bs, n, cap in zip(sizes, lengths, caps, strict=True):
             required = -(-num_tokens // bs)
             if cap is not None:
                 # vLLM's recycling-aware cap of a windowed group (in-flight load reservations).
                 required = min(required, cap)
-            total += max(0, required - len(t))
+            total += max(0, required - n)
         return total
 
     def __repr__(self) -> str:

@@ -1423,6 +1423,13 @@ class PagedKVCacheManager(SharedManagerCalls):
         self._sync()
         return tuple(t.tolist() for t in self._kvm.block_tables(self.seq_id(request_id)))
 
+    def table_lengths(self, request_id: str) -> list[int]:
+        """Per group, the length of the request's block table (released entries included), as
+        ``len`` of each list of :meth:`get_block_ids` without building the lists. Raises
+        ``UnknownSequenceError``."""
+        self._sync()
+        return [len(t) for t in self._kvm.block_tables(self.seq_id(request_id))]
+
     def get_blocks(self, request_id: str) -> Any:
         """The request's block tables as one ``KVCacheBlocks``. Raises
         ``UnknownSequenceError``."""
