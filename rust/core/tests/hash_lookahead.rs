@@ -200,3 +200,115 @@ fn invalid_lookahead_settings_are_typed_errors() {
     assert_eq!(field_of(c), "hash_lookahead_tokens");
     assert!(KvCacheManager::new(config(8, 64)).is_ok());
 }
+
+mod model {
+    //! Random workloads against a model of the prefix cache in a pool too large to evict:
+    //! block `j` of a sequence is cached once its `(j + 1) * bs` tokens are computed and the
+    //! `k` tokens after it are known, under the token prefix `[0, (j + 1) * bs + k)`; a first
+    //! allocation hits the longest run of cached prefixes up to `min(len - 1, len - k)` tokens.
+
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::{HashMap, HashSet};
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        /// A new sequence: `base` tokens of shared prompt `shared`, then `tail` own tokens.
+        Add {
+            shared: u8,
+            base: usize,
+            tail: usize,
+        },
+        /// Schedule up to `n` tokens of sequence `i % live` (appending one sampled token when
+        /// it has computed all its tokens).
+        Step {
+            i: usize,
+            n: usize,
+            tok: u8,
+        },
+        Free {
+            i: usize,
+        },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0u8..2, 0usize..70, 1usize..20).prop_map(|(shared, base, tail)| Op::Add {
+                shared,
+                base,
+                tail
+            }),
+            (any::<usize>(), 1usize..40, 0u8..3).prop_map(|(i, n, tok)| Op::Step { i, n, tok }),
+            any::<usize>().prop_map(|i| Op::Free { i }),
+        ]
+    }
+
+    fn run(k: usize, ops: &[Op]) {
+        let bs = BS as usize;
+        let m = manager(4096, k as u32);
+        let mut cached: HashSet<Vec<u32>> = HashSet::new();
+        let mut live: Vec<u64> = Vec::new();
+        let mut toks_of: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut computed: HashMap<u64, usize> = HashMap::new();
+        let mut next = 0u64;
+        for (n_op, op) in ops.iter().enumerate() {
+            match *op {
+                Op::Add { shared, base, tail } => {
+                    let mut t: Vec<u32> = toks(base, u32::from(shared) + 10);
+                    t.extend((0..tail as u32).map(|x| 50_000 + next as u32 * 100 + x));
+                    m.add_sequence(next, t.clone(), SequenceSpec::default())
+                        .unwrap();
+                    // The model's hit: the longest run of cached prefixes, capped.
+                    let cap = (t.len() - 1).min(t.len().saturating_sub(k)) / bs;
+                    let want = (0..cap)
+                        .take_while(|&j| cached.contains(&t[..(j + 1) * bs + k]))
+                        .count()
+                        * bs;
+                    assert_eq!(m.lookup_prefix(next).unwrap(), want, "op {n_op}");
+                    toks_of.insert(next, t);
+                    computed.insert(next, 0);
+                    live.push(next);
+                    next += 1;
+                }
+                Op::Step { i, n, tok } => {
+                    if live.is_empty() {
+                        continue;
+                    }
+                    let id = live[i % live.len()];
+                    let t = toks_of.get_mut(&id).unwrap();
+                    let c = computed[&id];
+                    if c == t.len() {
+                        t.push(7 + u32::from(tok));
+                        m.append_tokens(id, &t[t.len() - 1..]).unwrap();
+                    }
+                    let a = m.allocate_slots(id, n).unwrap();
+                    let c = computed[&id].max(a.num_cached_tokens) + a.num_scheduled_tokens;
+                    computed.insert(id, c);
+                    let full = c.min(t.len().saturating_sub(k)) / bs;
+                    for j in 0..full {
+                        cached.insert(t[..(j + 1) * bs + k].to_vec());
+                    }
+                }
+                Op::Free { i } => {
+                    if live.is_empty() {
+                        continue;
+                    }
+                    let id = live.remove(i % live.len());
+                    assert!(m.free(id));
+                }
+            }
+            m.check_invariants().unwrap();
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+        #[test]
+        fn hits_and_registration_follow_the_model(
+            k in 0usize..3,
+            ops in proptest::collection::vec(op(), 1..40),
+        ) {
+            run(k, &ops);
+        }
+    }
+}
