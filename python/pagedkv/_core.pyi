@@ -528,6 +528,10 @@ class KVCacheManager:
         """``(take, release)`` of ``allocate_external`` with these arguments; no side effects."""
     def commit_external(self, seq_id: int, num_valid_tokens: int) -> int:
         """Ends a load: ``"loading"`` -> ``"running"`` with ``num_valid_tokens`` computed; returns blocks registered."""
+    def cache_computed(self, seq_id: int) -> None:
+        """Registers ``seq_id``'s computed full blocks not cached yet whose lookahead tokens
+        (``CacheConfig.hash_lookahead_tokens``) were appended since its last allocation,
+        without allocating; a no-op without hash lookahead. Raises ``UnknownSequenceError``."""
     def commit_computed(self, seq_id: int, num_tokens: int) -> int:
         """The commit fence of state groups: every forward pass that computed positions below
         ``num_tokens`` completed. Publishes the held state blocks of aligned step ends

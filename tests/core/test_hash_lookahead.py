@@ -67,3 +67,17 @@ def test_bad_lookahead_settings_name_the_field(kw: dict[str, object]) -> None:
     with pytest.raises(pagedkv.InvalidConfigError) as err:
         CacheConfig(8, BS, **kw)  # type: ignore[arg-type]
     assert err.value.field == "hash_lookahead_tokens"
+
+
+def test_cache_computed_registers_without_allocating() -> None:
+    m = KVCacheManager(CacheConfig(64, BS, hash_lookahead_tokens=1))
+    m.add_sequence(0, list(range(500, 532)))
+    m.allocate_slots(0, 32)
+    table = m.block_table(0, 0)
+    m.append_tokens(0, [5])
+    free = m.pool.num_free
+    m.cache_computed(0)
+    assert m.pool.block_hash(int(table[1])) is not None
+    assert m.pool.num_free == free and m.num_computed_tokens(0) == 32
+    with pytest.raises(pagedkv.UnknownSequenceError):
+        m.cache_computed(7)

@@ -1017,6 +1017,26 @@ impl KvCacheManager {
         Ok(published)
     }
 
+    /// Registers every computed full block of `seq` the fill-time rule caches that is not
+    /// cached yet, without allocating: with [`CacheConfig::hash_lookahead_tokens`] `k > 0`, the
+    /// blocks whose `k` successor tokens were appended since the last allocation (a scheduler
+    /// that caches them as soon as the sampled token is known, as vLLM does under speculative
+    /// decoding). A no-op with `k = 0` (every computed full block is registered by its
+    /// allocation). Errors (state unchanged): [`Error::UnknownSequence`].
+    pub fn cache_computed(&self, seq: SeqId) -> Result<()> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        if self.cfg.hash_lookahead_tokens == 0 || s.status != SeqStatus::Running {
+            return Ok(());
+        }
+        let mut ev = Vec::new();
+        self.cache_full(s, &mut ev, true);
+        self.drain_pool(&mut ev);
+        self.absorb(st, ev);
+        Ok(())
+    }
+
     /// Draft tokens pending on `seq`. Errors: [`Error::UnknownSequence`].
     pub fn num_draft_tokens(&self, seq: SeqId) -> Result<usize> {
         let st = self.state.lock();

@@ -312,3 +312,31 @@ mod model {
         }
     }
 }
+
+#[test]
+fn cache_computed_registers_a_block_once_its_successor_is_appended() {
+    let m = manager(32, 1);
+    m.add_sequence(0, toks(32, 8), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(0, 32).unwrap();
+    m.cache_computed(0).unwrap();
+    assert_eq!(hashed(&m, 0), vec![true, false]); // token 32 unknown
+    let free = m.pool().num_free();
+    m.append_tokens(0, &[3]).unwrap();
+    m.cache_computed(0).unwrap();
+    assert_eq!(hashed(&m, 0), vec![true, true]);
+    assert_eq!(m.pool().num_free(), free); // nothing allocated
+    assert_eq!(m.num_computed_tokens(0).unwrap(), 32);
+    m.check_invariants().unwrap();
+    // Without hash lookahead: a no-op (the allocation registered every computed block).
+    let m = manager(32, 0);
+    m.add_sequence(0, toks(32, 8), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(0, 32).unwrap();
+    m.cache_computed(0).unwrap();
+    assert_eq!(hashed(&m, 0), vec![true, true]);
+    assert!(matches!(
+        m.cache_computed(9),
+        Err(Error::UnknownSequence { .. })
+    ));
+}

@@ -240,11 +240,10 @@ def test_preemption_under_memory_pressure_keeps_outputs_and_leaks_nothing(groups
         PagedKVScheduler,
         3,
         stream,
-        # Not step by step: with lookahead hashes a request preempted in the step whose
-        # allocation registers its last block (the token after it just sampled) has that block
-        # cached by vLLM's allocation, not by the plug-in's deferred decode; its resume then
-        # hits one block less (docs/design/speculative-decoding.md).
-        strict=False,
+        # With lookahead hashes no block is cached twice: step by step, preemptions and
+        # resumes included (a block whose next token was just sampled is cached by
+        # update_from_output, before a preemption in the next step).
+        strict=lookahead_hashes,
         groups=groups,
         lookahead_hashes=lookahead_hashes,
         num_blocks=num_blocks,

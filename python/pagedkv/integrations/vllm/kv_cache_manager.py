@@ -1201,7 +1201,10 @@ class PagedKVCacheManager(SharedManagerCalls):
         """vLLM's ``update_from_output`` hook: ``request``'s first ``num_computed_tokens`` are
         computed and known. Under async scheduling, a block they fill that pagedkv has not
         cached yet (the request's tokens arrived after its last allocation) is cached now, as
-        vLLM caches it; otherwise a no-op (pagedkv caches blocks as it allocates them).
+        vLLM caches it. With lookahead block hashes (synchronous scheduling; vLLM calls this
+        under speculative decoding), the blocks whose next token was just sampled are cached
+        now, as vLLM caches them (``KVCacheManager.cache_computed``); otherwise a no-op
+        (pagedkv caches blocks as it allocates them).
 
         For a request whose external KV was loading (an async KV connector load), the load's
         end: its first ``num_computed_tokens`` tokens (at most the loaded range; vLLM lowers the
@@ -1211,6 +1214,9 @@ class PagedKVCacheManager(SharedManagerCalls):
             self._commit_load(request, num_computed_tokens)
             return
         if not self.async_scheduling:
+            if self.num_hash_lookahead_tokens and request.request_id in self._seq_of:
+                self._sync()
+                self._kvm.cache_computed(self._register(request))
             return
         # Runs once per decoding request per step: the common case (no block completed past
         # what pagedkv holds) is two dict lookups and a comparison.
