@@ -382,13 +382,17 @@ def build_scheduler(
 _HASHER: Any = None
 
 
-def block_hasher(block_size: int) -> Any:
-    """The engine core's per-request block hasher (SHA-256, vLLM's default)."""
+def block_hasher(block_size: int, num_hash_lookahead_tokens: int = 0) -> Any:
+    """The engine core's per-request block hasher (SHA-256, vLLM's default); with
+    ``num_hash_lookahead_tokens`` (vLLM's ``VllmConfig.num_hash_lookahead_tokens``, as the
+    engine core passes it) each hash also covers that many tokens after its block."""
     global _HASHER
     if _HASHER is None:
         fn = get_hash_fn_by_name("sha256")
         init_none_hash(fn)
         _HASHER = fn
+    if num_hash_lookahead_tokens:
+        return get_request_block_hasher(block_size, _HASHER, num_hash_lookahead_tokens)
     return get_request_block_hasher(block_size, _HASHER)
 
 
@@ -408,8 +412,11 @@ def make_request(
     stop_token_ids: Sequence[int] = (),
     priority: int = 0,
     arrival_time: float | None = None,
+    num_hash_lookahead_tokens: int = 0,
 ) -> Request:
-    """A vLLM ``Request`` as the engine core makes it (block hashes included)."""
+    """A vLLM ``Request`` as the engine core makes it (block hashes included, covering
+    ``num_hash_lookahead_tokens`` tokens after each block: pass the config's
+    ``num_hash_lookahead_tokens``, as the engine core does)."""
     params = SamplingParams(max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=False)
     params.update_from_generation_config({}, EOS)
     lora_request = (
@@ -424,7 +431,7 @@ def make_request(
         lora_request=lora_request,
         cache_salt=cache_salt,
         priority=priority,
-        block_hasher=block_hasher(block_size),
+        block_hasher=block_hasher(block_size, num_hash_lookahead_tokens),
     )
 
 

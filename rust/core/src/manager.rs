@@ -747,7 +747,7 @@ impl KvCacheManager {
                     continue; // published by commit_computed only
                 }
                 let bs = spec.block_size as usize;
-                let full = end / bs;
+                let full = end.min(self.hashable_len(s)) / bs;
                 let start = if plan.first {
                     gp.hits.len()
                 } else {
@@ -1037,6 +1037,26 @@ impl KvCacheManager {
             self.pool.free(&released)?;
         }
         Ok(published)
+    }
+
+    /// Registers every computed full block of `seq` the fill-time rule caches that is not
+    /// cached yet, without allocating: with [`CacheConfig::hash_lookahead_tokens`] `k > 0`, the
+    /// blocks whose `k` successor tokens were appended since the last allocation (a scheduler
+    /// that caches them as soon as the sampled token is known, as vLLM does under speculative
+    /// decoding). A no-op with `k = 0` (every computed full block is registered by its
+    /// allocation). Errors (state unchanged): [`Error::UnknownSequence`].
+    pub fn cache_computed(&self, seq: SeqId) -> Result<()> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        if self.cfg.hash_lookahead_tokens == 0 || s.status != SeqStatus::Running {
+            return Ok(());
+        }
+        let mut ev = Vec::new();
+        self.cache_full(s, &mut ev, true);
+        self.drain_pool(&mut ev);
+        self.absorb(st, ev);
+        Ok(())
     }
 
     /// Draft tokens pending on `seq`. Errors: [`Error::UnknownSequence`].
@@ -1638,7 +1658,8 @@ impl KvCacheManager {
             ) {
                 s.tokens.truncate(old_len);
                 for c in 0..self.class_bs.len() {
-                    s.chains[c].truncate(old_len / self.class_bs[c]);
+                    let hashable = old_len.saturating_sub(self.cfg.hash_lookahead_tokens as usize);
+                    s.chains[c].truncate(hashable / self.class_bs[c]);
                 }
                 out.error = Some(e);
                 break;
@@ -1745,6 +1766,7 @@ impl KvCacheManager {
     /// in one step; a lone prompt is hashed as its lookup goes.
     fn prehash_prompts(&self, st: &mut State, req: &StepRequest, slots: &[Option<u32>]) {
         if !self.cfg.enable_prefix_caching
+            || self.cfg.hash_lookahead_tokens > 0 // (the two-lane hasher hashes plain blocks)
             || req.num_new_tokens.iter().filter(|&&n| n > 1).count() < 2
         {
             return;

@@ -240,24 +240,25 @@ def check_supported_config(
 
 
 def _check_drafter(vllm_config: Any, groups: list[Any]) -> None:
-    """Model-based drafters (EAGLE, EAGLE-3, MTP): lookahead slots (``num_lookahead_tokens``)
-    and EAGLE's last-block drop of prefix hits are served; refused, naming the setting:
-    lookahead block hashes (``num_hash_lookahead_tokens > 0``, vLLM's default for EAGLE-family
-    drafters with prefix caching: a block's hash also covers the token after it, which
-    pagedkv's hashes do not), multi-module MTP's prefill lookahead
+    """Model-based drafters (EAGLE, EAGLE-3, MTP): lookahead slots (``num_lookahead_tokens``),
+    lookahead block hashes (``num_hash_lookahead_tokens``, vLLM's default for EAGLE-family
+    drafters with prefix caching: pagedkv's ``hash_lookahead_tokens``) and EAGLE's last-block
+    drop of prefix hits (with ``disable_lookahead_block_hashes``) are served; refused, naming
+    the setting: lookahead block hashes with KV cache events (vLLM's events then carry the
+    lookahead tokens, pagedkv's do not), multi-module MTP's prefill lookahead
     (``num_prefill_lookahead_tokens > 1``: its re-prefillable tokens are not managed), lookahead
     slots with a KV connector, and the last-block drop on a chunked-local group (vLLM refuses
     it too)."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
     hashes = _attr(vllm_config, "num_hash_lookahead_tokens", 0) or 0
-    if hashes > 0:
+    if hashes > 0 and _attr(_attr(vllm_config, "kv_events_config"), "enable_kv_cache_events", False):
         raise _refuse(
             "num_hash_lookahead_tokens",
             hashes,
-            "lookahead block hashes (a block's hash covering the tokens after it) are not "
-            "managed; set speculative_config disable_lookahead_block_hashes=true (EAGLE's "
-            "last-block drop is served) or turn prefix caching off",
+            "lookahead block hashes with KV cache events are not served (the events would need "
+            "each block's lookahead tokens); set speculative_config "
+            "disable_lookahead_block_hashes=true or turn the events off",
         )
     prefill = _attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0
     if prefill > 1:

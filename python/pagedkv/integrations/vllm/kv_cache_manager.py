@@ -217,8 +217,12 @@ class PagedKVCacheManager(SharedManagerCalls):
         num_prefill_lookahead: vLLM's ``num_prefill_lookahead_tokens``: 0 or 1 (EAGLE-family
             drafters; the scheduler keeps prefill chunks out of it); more (multi-module MTP)
             raises.
-        num_hash_lookahead_tokens, dcp_world_size,
-            pcp_world_size, metrics_collector: only their defaults (0, 1, 1,
+        num_hash_lookahead_tokens: vLLM's lookahead block hashes (0 or 1: 1 by default for
+            EAGLE-family drafters with prefix caching): each block's prefix-cache key also
+            covers the tokens after it (pagedkv's ``CacheConfig.hash_lookahead_tokens``), so a
+            block is cached once they are known and a hit needs them; vLLM then drops no block
+            of a hit (``use_eagle`` is off). Refused with ``enable_kv_cache_events``.
+        dcp_world_size, pcp_world_size, metrics_collector: only their defaults (1, 1,
             ``None``) are served (``check_supported_config`` refuses what needs others).
         log_stats: keep ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
         enable_kv_cache_events: record KV events for ``take_events``.
@@ -282,13 +286,23 @@ class PagedKVCacheManager(SharedManagerCalls):
         if hash_block_size is not None and (hash_block_size <= 0 or any(bs % hash_block_size for bs in sizes)):
             raise _config_error("hash_block_size", hash_block_size, f"must divide every group's block size {sizes}")
         for name, value, default in (
-            ("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0),
             ("dcp_world_size", dcp_world_size, 1),
             ("pcp_world_size", pcp_world_size, 1),
             ("metrics_collector", metrics_collector, None),
         ):
             if value is not None and value != default:
                 raise _config_error(name, value, f"only {default} is served")
+        lookahead_hashes = int(num_hash_lookahead_tokens or 0)
+        if lookahead_hashes not in (0, 1):
+            raise _config_error("num_hash_lookahead_tokens", lookahead_hashes, "0 or 1 is served")
+        if lookahead_hashes and enable_kv_cache_events:
+            raise _config_error(
+                "num_hash_lookahead_tokens",
+                lookahead_hashes,
+                "lookahead block hashes with KV cache events are not served",
+            )
+        if lookahead_hashes and not enable_caching:
+            lookahead_hashes = 0  # vLLM's hashes only key the prefix cache
         if num_prefill_lookahead > 1:
             raise _config_error(
                 "num_prefill_lookahead",
@@ -343,8 +357,12 @@ class PagedKVCacheManager(SharedManagerCalls):
                 retention_interval=interval,
                 hash_algo=algo,
                 enable_events=enable_kv_cache_events,
+                hash_lookahead_tokens=lookahead_hashes,
             )
         )
+        #: Tokens after each block its prefix-cache key covers (vLLM's
+        #: ``num_hash_lookahead_tokens``; 0 without prefix caching).
+        self.num_hash_lookahead_tokens = lookahead_hashes
         self._PrefixCacheStats = PrefixCacheStats
         self._waiting_states = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self._RUNNING = RequestStatus.RUNNING
@@ -1300,7 +1318,10 @@ class PagedKVCacheManager(SharedManagerCalls):
         """vLLM's ``update_from_output`` hook: ``request``'s first ``num_computed_tokens`` are
         computed and known. Under async scheduling, a block they fill that pagedkv has not
         cached yet (the request's tokens arrived after its last allocation) is cached now, as
-        vLLM caches it; otherwise a no-op (pagedkv caches blocks as it allocates them).
+        vLLM caches it. With lookahead block hashes (synchronous scheduling; vLLM calls this
+        under speculative decoding), the blocks whose next token was just sampled are cached
+        now, as vLLM caches them (``KVCacheManager.cache_computed``); otherwise a no-op
+        (pagedkv caches blocks as it allocates them).
 
         For a request whose external KV was loading (an async KV connector load), the load's
         end: its first ``num_computed_tokens`` tokens (at most the loaded range; vLLM lowers the
@@ -1310,6 +1331,9 @@ class PagedKVCacheManager(SharedManagerCalls):
             self._commit_load(request, num_computed_tokens)
             return
         if not self.async_scheduling:
+            if self.num_hash_lookahead_tokens and request.request_id in self._seq_of:
+                self._sync()
+                self._kvm.cache_computed(self._register(request))
             return
         # Runs once per decoding request per step: the common case (no block completed past
         # what pagedkv holds) is two dict lookups and a comparison.
