@@ -344,7 +344,8 @@ def replay(
         if mgr.num_tokens(r) != plen[r] + gen[r]:  # a failed step must not have appended
             raise AssertionError(f"request {r}: {mgr.num_tokens(r)} tokens, expected {plen[r] + gen[r]}")
         bytes_per_req[r] = mgr.held(r) * block_bytes
-        mgr.free(r)
+        # An adapter may tell a finish (its step's forward pass completed) from a preemption.
+        getattr(mgr, "finish", mgr.free)(r)
         finished += 1
 
     while finished < n:

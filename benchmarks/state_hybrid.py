@@ -140,8 +140,17 @@ class PagedKVState(hybrid.PagedKVHybrid):
         return k
 
     def free(self, r: int) -> None:
+        """A preemption: the step that scheduled ``r`` (if any) never ran, nothing to commit."""
         self.scheduled.discard(r)
         super().free(r)
+
+    def finish(self, r: int) -> None:
+        """``r`` leaves after its last step's forward pass: commit it, then free."""
+        t0 = time.thread_time_ns()
+        if r in self.scheduled:
+            self.m.commit_all_computed([r])
+        self.cpu_ns += time.thread_time_ns() - t0
+        self.free(r)
 
     def end_step(self) -> None:
         """The step's forward passes completed: publish the states they wrote."""

@@ -72,6 +72,7 @@ class CacheConfig:
         num_host_blocks: int = 0,
         host_admission_min_seen: int = 2,
         host_eviction: str = "lru",
+        hash_lookahead_tokens: int = 0,
     ) -> CacheConfig:
         """``num_blocks``: pages including the null block 0, 2..=2**28; ``block_size``: tokens,
         1..=``MAX_BLOCK_SIZE`` (required without ``groups``). ``retention_interval``: tokens, 0
@@ -88,13 +89,20 @@ class CacheConfig:
         Modha, FAST'03: a one-off run of blocks does not flush reused ones); one host tier
         serves every group, keyed by (hash, group).
 
+        ``hash_lookahead_tokens``: tokens, 0..=64 (0: default, a block's key covers its own
+        tokens only): successor-aware hashing, each block's key also covers the next
+        ``hash_lookahead_tokens`` tokens, so a block is cached once they are known and a hit of
+        ``p`` tokens needs ``p + hash_lookahead_tokens`` known tokens (EAGLE / MTP drafters:
+        no recompute of a hit's last block). Needs prefix caching; refused with events, a host
+        tier or a state group.
+
         Raises ``InvalidConfigError`` (a ``ValueError``) naming the field, nothing built: a
         value of the wrong type or out of range, ``block_size`` missing without ``groups``,
         ``layer_groups`` without ``groups`` or missing with them, a ``block_size`` unlike a
         group's, page sizes that differ between groups, a layer mapped to no group, a group
         without layers, a retention interval that is not a multiple of the hit unit, a host
         tier with prefix caching off, an unknown policy (the message lists the accepted
-        names)."""
+        names), a hash lookahead out of range or with a setting it does not support."""
     @property
     def groups(self) -> list[KVCacheGroupSpec]:
         """The KV cache groups (one-group form: the full-attention group it implies)."""
@@ -125,6 +133,8 @@ class CacheConfig:
     def host_admission_min_seen(self) -> int: ...
     @property
     def host_eviction(self) -> str: ...
+    @property
+    def hash_lookahead_tokens(self) -> int: ...
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
 
@@ -219,7 +229,8 @@ class StepOutput:
     @property
     def copies(self) -> _Int32Array:
         """``int32[c, 3]`` copy-on-write ``(group, src, dst)`` rows, before the K/V writes (a
-        state group's live-state moves and prefix-hit copies included)."""
+        state group's live-state moves and prefix-hit copies included); read every source
+        before writing any destination (a block one row releases may be another's dst)."""
     @property
     def zero_blocks(self) -> _Int32Array:
         """``int32[z, 2]`` ``(group, block)`` fresh state blocks of state groups to zero after
@@ -518,6 +529,10 @@ class KVCacheManager:
         """``(take, release)`` of ``allocate_external`` with these arguments; no side effects."""
     def commit_external(self, seq_id: int, num_valid_tokens: int) -> int:
         """Ends a load: ``"loading"`` -> ``"running"`` with ``num_valid_tokens`` computed; returns blocks registered."""
+    def cache_computed(self, seq_id: int) -> None:
+        """Registers ``seq_id``'s computed full blocks not cached yet whose lookahead tokens
+        (``CacheConfig.hash_lookahead_tokens``) were appended since its last allocation,
+        without allocating; a no-op without hash lookahead. Raises ``UnknownSequenceError``."""
     def commit_computed(self, seq_id: int, num_tokens: int) -> int:
         """The commit fence of state groups: every forward pass that computed positions below
         ``num_tokens`` completed. Publishes the held state blocks of aligned step ends

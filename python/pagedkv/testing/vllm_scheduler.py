@@ -55,6 +55,7 @@ with optional_imports("pagedkv.testing.vllm_scheduler", "vllm"):
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
@@ -299,6 +300,55 @@ def make_hybrid_kv_cache_config(
     return config
 
 
+#: Qwen3-Next's layer pattern (Gated DeltaNet linear attention : full attention = 3 : 1) as
+#: vLLM groups it: three GDN state groups and one full-attention group.
+QWEN3_NEXT_GROUPS: tuple[str, ...] = ("gdn", "gdn", "gdn", "full")
+#: Nemotron-H / Granite-4.0-H: Mamba-2 layers with a few full-attention layers (two Mamba-2
+#: state groups and one full-attention group).
+NEMOTRON_H_GROUPS: tuple[str, ...] = ("mamba2", "mamba2", "full")
+
+
+def make_mamba_kv_cache_config(
+    num_blocks: int,
+    groups: Sequence[str],
+    block_size: int = 16,
+    *,
+    mamba_cache_mode: str = "align",
+    layers_per_group: int = 2,
+    num_speculative_blocks: int = 0,
+    num_prefill_checkpoint_blocks: int = 0,
+) -> KVCacheConfig:
+    """A hybrid ``KVCacheConfig`` with Mamba layers: one group per entry of ``groups``
+    (``"full"``: full attention; ``"mamba2"`` / ``"gdn"``: a ``MambaSpec`` of that backend in
+    ``mamba_cache_mode``), every group at ``block_size`` tokens per block (vLLM's align mode
+    gives Mamba groups the attention block size), the state page padded to the attention
+    page, one pool of ``num_blocks`` pages. Tensor shapes are placeholders."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+    full = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=4, dtype=torch.float32)
+    backends = {"mamba2": MambaAttentionBackendEnum.MAMBA2, "gdn": MambaAttentionBackendEnum.GDN_ATTN}
+    out = []
+    layer = 0
+    for kind in groups:
+        names = [f"layers.{layer + i}" for i in range(layers_per_group)]
+        layer += layers_per_group
+        if kind == "full":
+            out.append(KVCacheGroupSpec([f"{n}.self_attn" for n in names], full))
+            continue
+        spec = MambaSpec(
+            block_size=block_size,
+            shapes=((3, 4), (2, 4)),
+            dtypes=(torch.float32, torch.float32),
+            page_size_padded=full.page_size_bytes,
+            mamba_type=backends[kind],
+            mamba_cache_mode=mamba_cache_mode,
+            num_speculative_blocks=num_speculative_blocks,
+            num_prefill_checkpoint_blocks=num_prefill_checkpoint_blocks,
+        )
+        out.append(KVCacheGroupSpec([f"{n}.linear_attn" for n in names], spec))
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=out)
+
+
 def build_scheduler(
     cls: type,
     vllm_config: VllmConfig,
@@ -332,13 +382,17 @@ def build_scheduler(
 _HASHER: Any = None
 
 
-def block_hasher(block_size: int) -> Any:
-    """The engine core's per-request block hasher (SHA-256, vLLM's default)."""
+def block_hasher(block_size: int, num_hash_lookahead_tokens: int = 0) -> Any:
+    """The engine core's per-request block hasher (SHA-256, vLLM's default); with
+    ``num_hash_lookahead_tokens`` (vLLM's ``VllmConfig.num_hash_lookahead_tokens``, as the
+    engine core passes it) each hash also covers that many tokens after its block."""
     global _HASHER
     if _HASHER is None:
         fn = get_hash_fn_by_name("sha256")
         init_none_hash(fn)
         _HASHER = fn
+    if num_hash_lookahead_tokens:
+        return get_request_block_hasher(block_size, _HASHER, num_hash_lookahead_tokens)
     return get_request_block_hasher(block_size, _HASHER)
 
 
@@ -358,8 +412,11 @@ def make_request(
     stop_token_ids: Sequence[int] = (),
     priority: int = 0,
     arrival_time: float | None = None,
+    num_hash_lookahead_tokens: int = 0,
 ) -> Request:
-    """A vLLM ``Request`` as the engine core makes it (block hashes included)."""
+    """A vLLM ``Request`` as the engine core makes it (block hashes included, covering
+    ``num_hash_lookahead_tokens`` tokens after each block: pass the config's
+    ``num_hash_lookahead_tokens``, as the engine core does)."""
     params = SamplingParams(max_tokens=max_tokens, stop_token_ids=list(stop_token_ids), ignore_eos=False)
     params.update_from_generation_config({}, EOS)
     lora_request = (
@@ -374,7 +431,7 @@ def make_request(
         lora_request=lora_request,
         cache_salt=cache_salt,
         priority=priority,
-        block_hasher=block_hasher(block_size),
+        block_hasher=block_hasher(block_size, num_hash_lookahead_tokens),
     )
 
 

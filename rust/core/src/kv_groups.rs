@@ -247,7 +247,19 @@ pub struct CacheConfig {
     pub host_admission_min_seen: u32,
     /// Which host block a full host tier evicts for a store.
     pub host_eviction: HostEviction,
+    /// Successor-aware hashing: tokens after each block that its chain key also covers
+    /// (0: a block's key covers its own tokens only, today's hashes bit for bit). With `k > 0`
+    /// block `j`'s key hashes tokens `[j * bs, (j + 1) * bs + k)`, so a block becomes cacheable
+    /// only once the `k` tokens after it are known (prompt or appended), and a prefix hit of
+    /// `p` tokens needs `p + k` known tokens. A drafter whose KV at a block's last position
+    /// depends on the next token (EAGLE / MTP) then needs no recompute of a hit's last block.
+    /// At most [`MAX_HASH_LOOKAHEAD_TOKENS`]; needs prefix caching on, and is refused with KV
+    /// events, a host tier or state groups (their keys and events cover a block's own tokens).
+    pub hash_lookahead_tokens: u32,
 }
+
+/// Largest [`CacheConfig::hash_lookahead_tokens`].
+pub const MAX_HASH_LOOKAHEAD_TOKENS: u32 = 64;
 
 impl CacheConfig {
     /// One full-attention group: `num_blocks` blocks (the null block included) of
@@ -276,7 +288,41 @@ impl CacheConfig {
             num_host_blocks: 0,
             host_admission_min_seen: 2,
             host_eviction: HostEviction::Lru,
+            hash_lookahead_tokens: 0,
         }
+    }
+
+    /// [`Self::hash_lookahead_tokens`]'s part of [`Self::validate`].
+    fn validate_hash_lookahead(&self) -> Result<()> {
+        let k = self.hash_lookahead_tokens;
+        if k == 0 {
+            return Ok(());
+        }
+        let refuse = |reason: String| {
+            Err(Error::InvalidConfig {
+                field: "hash_lookahead_tokens",
+                value: k.to_string(),
+                reason,
+            })
+        };
+        if k > MAX_HASH_LOOKAHEAD_TOKENS {
+            return refuse(format!("at most {MAX_HASH_LOOKAHEAD_TOKENS}"));
+        }
+        if !self.enable_prefix_caching {
+            return refuse("needs prefix caching on (it shapes the prefix-cache keys)".into());
+        }
+        if self.enable_events {
+            return refuse("not supported with KV events (a BlockStored event carries a block's own tokens only)".into());
+        }
+        if self.num_host_blocks > 0 {
+            return refuse(
+                "not supported with a host tier (its keys cover a block's own tokens only)".into(),
+            );
+        }
+        if self.groups.iter().any(|g| g.is_state()) {
+            return refuse("not supported with state groups".into());
+        }
+        Ok(())
     }
 
     /// The LCM of the groups' block sizes: prefix hits are multiples of it (every group's
@@ -300,13 +346,16 @@ impl CacheConfig {
     /// group, a group without layers; a retention interval that is not a multiple of the hit
     /// unit; `num_host_blocks` above [`crate::host_tier::MAX_HOST_BLOCKS`] or set with prefix
     /// caching off (the host tier keys blocks by their prefix hash), or
-    /// `host_admission_min_seen == 0`. A block size out of range names `block_size`.
+    /// `host_admission_min_seen == 0`; `hash_lookahead_tokens` above
+    /// [`MAX_HASH_LOOKAHEAD_TOKENS`], or set with prefix caching off, KV events, a host tier or
+    /// a state group. A block size out of range names `block_size`.
     pub fn validate(&self) -> Result<()> {
         crate::host_tier::validate_host_tier(
             self.num_host_blocks,
             self.host_admission_min_seen,
             self.enable_prefix_caching,
         )?;
+        self.validate_hash_lookahead()?;
         if self.num_blocks < 2 {
             return Err(Error::InvalidConfig {
                 field: "num_blocks",

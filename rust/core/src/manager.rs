@@ -200,7 +200,9 @@ pub struct StepOutput {
     pub new_block_ids: Vec<i32>,
     /// Copy-on-write plan, row-major `(group, src, dst)` triples; for a state group, the move
     /// of a live state into its new block (or from a prefix-hit block), applied in place of a
-    /// copy-on-write: copies first, then `zero_blocks`, then the forward pass.
+    /// copy-on-write: copies first, then `zero_blocks`, then the forward pass. Every source is
+    /// read before any destination is written: a block one row releases may be another row's
+    /// destination in the same step.
     pub copies: Vec<i32>,
     /// Fresh state blocks to zero, row-major `(group, block)` pairs (state groups only; applied
     /// after `copies`, before the forward pass).
@@ -710,6 +712,26 @@ impl KvCacheManager {
             touched.sort_unstable();
             touched.dedup();
             sim.apply(&released, &touched, fresh, &cow_src);
+            if plan.first && self.has_state {
+                // A state hit still free and cached moves to the young end of the LRU, as
+                // the call does once it has planned the copy.
+                for (g, gp) in plan.groups.iter().enumerate() {
+                    if !self.cfg.groups[g].is_state() {
+                        continue;
+                    }
+                    if let Some(&b) = gp.hits.last() {
+                        if b != NULL_BLOCK
+                            && b != VIRTUAL
+                            && b != HOST_HIT
+                            && sim.refc(b) == 0
+                            && sim.is_hashed(b)
+                        {
+                            sim.lru_take(b);
+                            sim.lru_push(b);
+                        }
+                    }
+                }
+            }
             if let Some(host) = self.host.as_ref() {
                 let t = &host.lock().tier;
                 sim.host_unsure |= sim.evicted.len() > t.num_blocks() as usize - t.num_used();
@@ -725,7 +747,7 @@ impl KvCacheManager {
                     continue; // published by commit_computed only
                 }
                 let bs = spec.block_size as usize;
-                let full = end / bs;
+                let full = end.min(self.hashable_len(s)) / bs;
                 let start = if plan.first {
                     gp.hits.len()
                 } else {
@@ -1020,6 +1042,26 @@ impl KvCacheManager {
             self.pool.free(&released)?;
         }
         Ok(published)
+    }
+
+    /// Registers every computed full block of `seq` the fill-time rule caches that is not
+    /// cached yet, without allocating: with [`CacheConfig::hash_lookahead_tokens`] `k > 0`, the
+    /// blocks whose `k` successor tokens were appended since the last allocation (a scheduler
+    /// that caches them as soon as the sampled token is known, as vLLM does under speculative
+    /// decoding). A no-op with `k = 0` (every computed full block is registered by its
+    /// allocation). Errors (state unchanged): [`Error::UnknownSequence`].
+    pub fn cache_computed(&self, seq: SeqId) -> Result<()> {
+        let mut guard = self.state.lock();
+        let st = &mut *guard;
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        if self.cfg.hash_lookahead_tokens == 0 || s.status != SeqStatus::Running {
+            return Ok(());
+        }
+        let mut ev = Vec::new();
+        self.cache_full(s, &mut ev, true);
+        self.drain_pool(&mut ev);
+        self.absorb(st, ev);
+        Ok(())
     }
 
     /// Draft tokens pending on `seq`. Errors: [`Error::UnknownSequence`].
@@ -1621,7 +1663,8 @@ impl KvCacheManager {
             ) {
                 s.tokens.truncate(old_len);
                 for c in 0..self.class_bs.len() {
-                    s.chains[c].truncate(old_len / self.class_bs[c]);
+                    let hashable = old_len.saturating_sub(self.cfg.hash_lookahead_tokens as usize);
+                    s.chains[c].truncate(hashable / self.class_bs[c]);
                 }
                 out.error = Some(e);
                 break;
@@ -1728,6 +1771,7 @@ impl KvCacheManager {
     /// in one step; a lone prompt is hashed as its lookup goes.
     fn prehash_prompts(&self, st: &mut State, req: &StepRequest, slots: &[Option<u32>]) {
         if !self.cfg.enable_prefix_caching
+            || self.cfg.hash_lookahead_tokens > 0 // (the two-lane hasher hashes plain blocks)
             || req.num_new_tokens.iter().filter(|&&n| n > 1).count() < 2
         {
             return;

@@ -859,3 +859,29 @@ fn commit_all_computed_commits_each_whole_computed_range() {
     assert_eq!(m.lookup_prefix(4).unwrap(), 8);
     ok(&m);
 }
+
+#[test]
+fn a_state_hit_moves_its_block_to_the_young_end_of_the_lru() {
+    let m = mgr(32);
+    for (seq, salt) in [(1, 0), (2, 1)] {
+        m.add_sequence(seq, toks(10, salt), SequenceSpec::default())
+            .unwrap();
+        m.allocate_slots(seq, 8).unwrap();
+        assert_eq!(m.commit_computed(seq, 8).unwrap(), 1);
+    }
+    let s1 = m.block_tables(1).unwrap()[STATE][1];
+    let s2 = m.block_tables(2).unwrap()[STATE][1];
+    m.free(1);
+    m.free(2);
+    let pos = |b| m.pool().free_queue().iter().position(|&x| x == b).unwrap();
+    assert!(pos(s1) < pos(s2), "sequence 1's state was freed first");
+    m.add_sequence(3, toks(10, 0), SequenceSpec::default())
+        .unwrap();
+    let a = m.allocate_slots(3, 2).unwrap();
+    assert_eq!(a.num_cached_tokens, 8);
+    assert_eq!(a.groups[STATE].copies[0].0, s1);
+    assert_eq!(m.pool().ref_count(s1), 0);
+    assert!(m.pool().is_hashed(s1));
+    assert!(pos(s1) > pos(s2), "the hit refreshed sequence 1's state");
+    ok(&m);
+}

@@ -6,7 +6,7 @@ use crate::convert::{repr, type_name, uint};
 use crate::errors::to_pyerr;
 use crate::groups::{config_uint, PyGroupSpec};
 use pagedkv_core::host_tier::{HostEviction, MAX_HOST_BLOCKS};
-use pagedkv_core::kv_groups::MAX_BLOCK_SIZE;
+use pagedkv_core::kv_groups::{MAX_BLOCK_SIZE, MAX_HASH_LOOKAHEAD_TOKENS};
 use pagedkv_core::pool::MAX_BLOCKS;
 use pagedkv_core::{CacheConfig, Error, GroupSpec, HashAlgo};
 use pyo3::prelude::*;
@@ -36,14 +36,15 @@ use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
 ///         only the blocks a hit at a multiple of it needs (docs/design.md, "KV cache groups").
 ///     enable_prefix_caching, hash_algo (``"sha256"`` or ``"xxh3_128"``), hash_seed (bytes),
 ///     num_cpu_blocks (swap blocks), enable_events, num_host_blocks, host_admission_min_seen,
-///     host_eviction: see the properties.
+///     host_eviction, hash_lookahead_tokens: see the properties.
 ///
 /// Raises ``InvalidConfigError`` naming the field (nothing built): a value of the wrong type
 /// or out of range, ``block_size`` missing without ``groups``, ``layer_groups`` without
 /// ``groups`` (or missing with them), a ``block_size`` that differs from a group's, page
 /// sizes that differ between groups, a layer mapped to no group, a group without layers, a
 /// retention interval that is not a multiple of the hit unit, a host tier without prefix
-/// caching.
+/// caching, ``hash_lookahead_tokens`` above ``MAX_HASH_LOOKAHEAD_TOKENS`` or with prefix
+/// caching off, events, a host tier or a state group.
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "CacheConfig")]
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PyCacheConfig {
@@ -188,8 +189,9 @@ impl PyCacheConfig {
     #[pyo3(signature = (num_blocks, block_size = None, *, groups = None, layer_groups = None,
                         retention_interval = None, enable_prefix_caching = None, hash_algo = None,
                         hash_seed = None, num_cpu_blocks = None, enable_events = None,
-                        num_host_blocks = None, host_admission_min_seen = None, host_eviction = None),
-           text_signature = "(num_blocks, block_size=None, *, groups=None, layer_groups=None, retention_interval=0, enable_prefix_caching=True, hash_algo='sha256', hash_seed=None, num_cpu_blocks=None, enable_events=False, num_host_blocks=0, host_admission_min_seen=2, host_eviction='lru')")]
+                        num_host_blocks = None, host_admission_min_seen = None, host_eviction = None,
+                        hash_lookahead_tokens = None),
+           text_signature = "(num_blocks, block_size=None, *, groups=None, layer_groups=None, retention_interval=0, enable_prefix_caching=True, hash_algo='sha256', hash_seed=None, num_cpu_blocks=None, enable_events=False, num_host_blocks=0, host_admission_min_seen=2, host_eviction='lru', hash_lookahead_tokens=0)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -206,6 +208,7 @@ impl PyCacheConfig {
         num_host_blocks: Option<&Bound<'_, PyAny>>,
         host_admission_min_seen: Option<&Bound<'_, PyAny>>,
         host_eviction: Option<&Bound<'_, PyAny>>,
+        hash_lookahead_tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let flag = |obj: Option<&Bound<'_, PyAny>>, field, default| match obj {
             // pyo3's bool extraction also takes numpy.bool_.
@@ -305,6 +308,14 @@ impl PyCacheConfig {
             cfg.host_admission_min_seen,
             cfg.host_eviction,
         ) = host_tier_fields(num_host_blocks, host_admission_min_seen, host_eviction)?;
+        if let Some(k) = hash_lookahead_tokens.filter(|k| !k.is_none()) {
+            cfg.hash_lookahead_tokens = u32_field(
+                k,
+                "hash_lookahead_tokens",
+                (0, MAX_HASH_LOOKAHEAD_TOKENS),
+                "tokens",
+            )?;
+        }
         if cfg.num_blocks > MAX_BLOCKS {
             return Err(config_error(
                 py,
@@ -415,11 +426,20 @@ impl PyCacheConfig {
         self.inner.host_eviction.name()
     }
 
+    /// Successor-aware hashing: tokens after each block that its prefix-cache key also covers
+    /// (0: a block's own tokens only). A block is cached once those tokens are known; a hit of
+    /// ``p`` tokens needs ``p + hash_lookahead_tokens`` known tokens (docs/design/
+    /// speculative-decoding.md, "Lookahead block hashes").
+    #[getter]
+    fn hash_lookahead_tokens(&self) -> u32 {
+        self.inner.hash_lookahead_tokens
+    }
+
     fn __repr__(&self) -> String {
         let c = &self.inner;
         format!(
             "CacheConfig(num_blocks={}, block_size={}, enable_prefix_caching={}, hash_algo={:?}, \
-             hash_seed=<{} bytes>, num_cpu_blocks={}, enable_events={}{}{})",
+             hash_seed=<{} bytes>, num_cpu_blocks={}, enable_events={}{}{}{})",
             c.num_blocks,
             self.block_size,
             if c.enable_prefix_caching {
@@ -441,6 +461,12 @@ impl PyCacheConfig {
                     c.host_admission_min_seen,
                     c.host_eviction.name()
                 )
+            },
+            // Only when set (the default repr is unchanged).
+            if c.hash_lookahead_tokens == 0 {
+                String::new()
+            } else {
+                format!(", hash_lookahead_tokens={}", c.hash_lookahead_tokens)
             },
             // The groups only for the groups form (the one-group repr is unchanged).
             if self.one_group {

@@ -813,6 +813,15 @@ impl PyKvCacheManager {
         Ok(released.into_iter().map(|g| block_array(py, g)).collect())
     }
 
+    /// Registers ``seq_id``'s computed full blocks not cached yet whose lookahead tokens
+    /// (``CacheConfig.hash_lookahead_tokens``) were appended since its last allocation, without
+    /// allocating; a no-op without hash lookahead. Raises ``UnknownSequenceError``.
+    fn cache_computed(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let m = &self.inner;
+        py.detach(|| m.cache_computed(seq)).py(py)
+    }
+
     /// Draft tokens pending on ``seq_id`` (0 unless its last allocation had drafts not yet
     /// resolved by ``accept_drafts``). Raises ``UnknownSequenceError``.
     fn num_draft_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {

@@ -18,6 +18,7 @@ Runs only where vLLM is installed (``make test-vllm`` builds that environment).
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -48,11 +49,17 @@ class PerRequestPagedKVScheduler(PagedKVScheduler):
     batch_decode = False
 
 
-def _config(k: int, method: str = "eagle", **kw: Any) -> Any:
+def _config(k: int, method: str = "eagle", lookahead_hashes: bool = False, **kw: Any) -> Any:
     base = make_vllm_config(**kw)
     if not k:
         return base
-    return make_vllm_config(speculative_config=eagle_speculative_config(base, k, method), **kw)
+    spec = eagle_speculative_config(base, k, method, lookahead_block_hashes=lookahead_hashes)
+    return make_vllm_config(speculative_config=spec, **kw)
+
+
+def _needs_lookahead_hashes() -> None:
+    if not hasattr(make_vllm_config(num_blocks=64), "num_hash_lookahead_tokens"):
+        pytest.skip("vLLM 0.32 has no lookahead block hashes")
 
 
 def _kv(num_blocks: int, groups: Any, drafter_group: int | None) -> Any:
@@ -64,7 +71,8 @@ def _kv(num_blocks: int, groups: Any, drafter_group: int | None) -> Any:
     return kv
 
 
-def _stream(seed: int, n: int = 12) -> dict[int, list[Any]]:
+def _stream(seed: int, n: int = 12, la: int = 0) -> dict[int, list[Any]]:
+    """Requests by arrival step; ``la``: the lookahead block hashes their hashers cover."""
     rng = random.Random(seed)
     systems = [[rng.randrange(100, 4000) for _ in range(m)] for m in (40, 64)]
     stream: dict[int, list[Any]] = {}
@@ -72,12 +80,18 @@ def _stream(seed: int, n: int = 12) -> dict[int, list[Any]]:
         prompt = systems[i % 2] + [rng.randrange(100, 4000) for _ in range(rng.randrange(1, 50))]
         max_tokens = rng.randrange(5, 60)
         stream.setdefault(rng.randrange(0, 14), []).append(
-            lambda i=i, prompt=prompt, max_tokens=max_tokens: make_request(f"r{i}", prompt, max_tokens, block_size=BS)
+            lambda i=i, prompt=prompt, max_tokens=max_tokens: make_request(
+                f"r{i}", prompt, max_tokens, block_size=BS, num_hash_lookahead_tokens=la
+            )
         )
     # A repeat of an earlier request's prompt (a resend: its whole prompt is cached).
     first = systems[0] + [7] * 24
-    stream.setdefault(0, []).append(lambda: make_request("first", first, 3, block_size=BS))
-    stream.setdefault(20, []).append(lambda: make_request("resend", first, 3, block_size=BS))
+    stream.setdefault(0, []).append(
+        lambda: make_request("first", first, 3, block_size=BS, num_hash_lookahead_tokens=la)
+    )
+    stream.setdefault(20, []).append(
+        lambda: make_request("resend", first, 3, block_size=BS, num_hash_lookahead_tokens=la)
+    )
     return stream
 
 
@@ -90,15 +104,24 @@ def _lockstep(
     groups: Any = None,
     drafter_group: int | None = None,
     method: str = "eagle",
+    lookahead_hashes: bool = False,
     **kw: Any,
 ) -> tuple[Driver, Driver, list[dict[str, Any]]]:
     num_blocks = kw["num_blocks"]
     stock = Driver(
-        build_scheduler(Scheduler, _config(k, method, **kw), kv_cache_config=_kv(num_blocks, groups, drafter_group)),
+        build_scheduler(
+            Scheduler,
+            _config(k, method, lookahead_hashes, **kw),
+            kv_cache_config=_kv(num_blocks, groups, drafter_group),
+        ),
         num_drafts=k,
     )
     paged = Driver(
-        build_scheduler(paged_cls, _config(k, method, **kw), kv_cache_config=_kv(num_blocks, groups, drafter_group)),
+        build_scheduler(
+            paged_cls,
+            _config(k, method, lookahead_hashes, **kw),
+            kv_cache_config=_kv(num_blocks, groups, drafter_group),
+        ),
         num_drafts=k,
     )
     records = []
@@ -205,12 +228,26 @@ def test_drafter_layers_in_their_own_group_match_stock() -> None:
     _check_done(paged)
 
 
+@pytest.mark.parametrize("lookahead_hashes", [False, True])
 @pytest.mark.parametrize("groups", [None, HYBRID])
-def test_preemption_under_memory_pressure_keeps_outputs_and_leaks_nothing(groups: Any) -> None:
-    stream = _stream(7, n=10)
-    num_blocks = 30 if groups is None else 60
+def test_preemption_under_memory_pressure_keeps_outputs_and_leaks_nothing(groups: Any, lookahead_hashes: bool) -> None:
+    if lookahead_hashes:
+        _needs_lookahead_hashes()
+    stream = _stream(7, n=10, la=int(lookahead_hashes))
+    # Without the drop fewer blocks are cached twice: a smaller pool to preempt.
+    num_blocks = (24 if lookahead_hashes else 30) if groups is None else 60
     stock, paged, records = _lockstep(
-        PagedKVScheduler, 3, stream, strict=False, groups=groups, num_blocks=num_blocks, max_num_batched_tokens=128
+        PagedKVScheduler,
+        3,
+        stream,
+        # With lookahead hashes no block is cached twice: step by step, preemptions and
+        # resumes included (a block whose next token was just sampled is cached by
+        # update_from_output, before a preemption in the next step).
+        strict=lookahead_hashes,
+        groups=groups,
+        lookahead_hashes=lookahead_hashes,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=128,
     )
     assert any(r["preempted"] for r in records), "the pool must be small enough to preempt"
     assert paged.outputs == stock.outputs == _plain_outputs(stream, num_blocks, groups)
@@ -245,17 +282,96 @@ def test_eagle_family_configs_are_accepted(method: str) -> None:
     build_scheduler(PagedKVScheduler, off)
 
 
-def test_lookahead_block_hashes_are_refused_by_name() -> None:
-    base = make_vllm_config(num_blocks=64)
-    if not hasattr(base, "num_hash_lookahead_tokens"):
-        pytest.skip("vLLM 0.32 has no lookahead block hashes")
-    cfg = make_vllm_config(
-        num_blocks=64, speculative_config=eagle_speculative_config(base, 3, lookahead_block_hashes=True)
-    )
+def test_lookahead_block_hashes_are_served_and_refused_with_kv_events() -> None:
+    _needs_lookahead_hashes()
+    cfg = _config(3, num_blocks=64, lookahead_hashes=True)
     assert cfg.num_hash_lookahead_tokens == 1  # vLLM's default for EAGLE with prefix caching
+    check_supported_config(cfg, make_kv_cache_config(64), BS)
+    sched = build_scheduler(PagedKVScheduler, cfg)
+    assert sched.num_hash_lookahead_tokens == 1 and not sched.use_eagle_block_drop
+    kvm = sched.kv_cache_manager
+    assert kvm.num_hash_lookahead_tokens == 1 and not kvm._drop_groups
+    assert kvm.manager.config.hash_lookahead_tokens == 1
+    # With KV cache events the lookahead hashes are refused by name.
     with pytest.raises(UnsupportedVllmConfigError) as err:
-        check_supported_config(cfg, make_kv_cache_config(64), BS)
+        check_supported_config(
+            _Override(cfg, kv_events_config=SimpleNamespace(enable_kv_cache_events=True)),
+            make_kv_cache_config(64),
+            BS,
+        )
     assert err.value.field == "num_hash_lookahead_tokens" and "disable_lookahead_block_hashes" in err.value.reason
+
+
+@pytest.mark.parametrize(("k", "method"), [(1, "eagle"), (3, "eagle3"), (2, "mtp")])
+@pytest.mark.parametrize("paged_cls", [PagedKVScheduler, PerRequestPagedKVScheduler])
+def test_lookahead_hashes_full_attention_steps_match_stock(k: int, method: str, paged_cls: type) -> None:
+    # vLLM's default EAGLE configuration with prefix caching: lookahead block hashes, no
+    # last-block drop. Shared system prompts and a resend: hits agree at every step.
+    _needs_lookahead_hashes()
+    stream = _stream(k, la=1)
+    stock, paged, _ = _lockstep(
+        paged_cls,
+        k,
+        stream,
+        strict=True,
+        method=method,
+        lookahead_hashes=True,
+        num_blocks=1024,
+        max_num_batched_tokens=128,
+    )
+    assert paged.scheduler.num_hash_lookahead_tokens == 1 and not paged.scheduler.use_eagle_block_drop
+    assert paged.outputs == stock.outputs == _plain_outputs(stream, 1024)
+    hits = paged.prefix_hits
+    assert hits == stock.prefix_hits
+    # The resend's 64-token prompt is cached whole; the hit stops at 63 tokens (48 aligned),
+    # and no block is dropped (the lookahead hash proves token 48).
+    assert hits["resend"] == 48
+    _check_done(paged)
+
+
+@pytest.mark.parametrize("drafter_group", [None, 0])
+def test_lookahead_hashes_sliding_window_hybrid_steps_match_stock(drafter_group: int | None) -> None:
+    _needs_lookahead_hashes()
+    stream = _stream(5, la=1)
+    stock, paged, _ = _lockstep(
+        PagedKVScheduler,
+        3,
+        stream,
+        strict=True,
+        groups=HYBRID,
+        drafter_group=drafter_group,
+        lookahead_hashes=True,
+        num_blocks=1024,
+        max_num_batched_tokens=128,
+    )
+    assert paged.outputs == stock.outputs == _plain_outputs(stream, 1024, HYBRID)
+    assert paged.prefix_hits == stock.prefix_hits
+    assert paged.prefix_hits["resend"] > 0
+    _check_done(paged)
+
+
+def test_lookahead_hashes_a_block_is_cached_once_its_next_token_is_known() -> None:
+    # A 32-token prompt: after its prefill, block 1's next token (position 32) is not sampled
+    # yet, so a second request with the same 32 tokens plus one more hits block 0 only on
+    # both schedulers; once the first request decodes that token, a request whose 33rd token
+    # matches it hits both blocks.
+    _needs_lookahead_hashes()
+    prompt = list(range(600, 632))
+    hits: dict[type, list[int]] = {}
+    for cls in (Scheduler, PagedKVScheduler):
+        d = Driver(build_scheduler(cls, _config(1, num_blocks=64, lookahead_hashes=True)), num_drafts=1)
+        d.add(make_request("a", prompt, 6, block_size=BS, num_hash_lookahead_tokens=1))
+        d.step()
+        d.add(make_request("b", prompt + [5], 2, block_size=BS, num_hash_lookahead_tokens=1))
+        d.step()
+        d.run()
+        nxt = d.outputs["a"][0]
+        d.add(make_request("c", prompt + [nxt], 2, block_size=BS, num_hash_lookahead_tokens=1))
+        d.run()
+        hits[cls] = [d.prefix_hits["b"], d.prefix_hits["c"]]
+        if cls is PagedKVScheduler:
+            _check_done(d)
+    assert hits[PagedKVScheduler] == hits[Scheduler] == [16, 32]
 
 
 class _Override:
@@ -301,24 +417,29 @@ def _live_blocks_apart(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str
     return rest, {rid: g[1][1] for rid, g in held.items()}
 
 
+@pytest.mark.parametrize("lookahead_hashes", [False, True])
 @pytest.mark.parametrize("groups", [None, HYBRID])
-def test_async_scheduling_steps_match_stock(groups: Any) -> None:
+def test_async_scheduling_steps_match_stock(groups: Any, lookahead_hashes: bool) -> None:
     # vLLM's default on a GPU: the next step is scheduled while the previous one runs, so the
     # slots of in-flight tokens and the drafter's lookahead slots come before their ids. With a
     # sliding-window group, speculative decoding under async scheduling releases out-of-window
     # blocks at other steps than vLLM (pagedkv by its committed context, vLLM by its processed
     # count, which lags while a step is in flight; it differs without a drafter too, method
     # "ngram_gpu", so it is not the drafter's): there the window group's live block counts are
-    # left out; everything else (its table lengths included) must agree.
+    # left out; everything else (its table lengths included) must agree. ``lookahead_hashes``:
+    # vLLM's default EAGLE config with prefix caching (no drop; a block is cached once the
+    # in-flight token after it is known).
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
     from pagedkv.testing.vllm_scheduler import AsyncDriver
 
-    stream = _stream(11)
+    if lookahead_hashes:
+        _needs_lookahead_hashes()
+    stream = _stream(11, la=int(lookahead_hashes))
     kw = dict(num_blocks=1024, max_num_batched_tokens=128, async_scheduling=True)
     drivers = [
         AsyncDriver(
-            build_scheduler(cls, _config(2, **kw), kv_cache_config=_kv(1024, groups, None)),
+            build_scheduler(cls, _config(2, "eagle", lookahead_hashes, **kw), kv_cache_config=_kv(1024, groups, None)),
             num_drafts=2,
         )
         for cls in (AsyncScheduler, PagedKVScheduler)

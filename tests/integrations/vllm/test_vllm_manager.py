@@ -115,9 +115,8 @@ class _Stand:
 @pytest.mark.parametrize(
     ("field", "value", "named"),
     [
-        # EAGLE / MTP lookahead slots are served; lookahead block hashes and multi-module MTP's
-        # prefill lookahead are not.
-        ("num_hash_lookahead_tokens", 1, "num_hash_lookahead_tokens"),
+        # EAGLE / MTP lookahead slots and lookahead block hashes are served (with KV events
+        # the hashes are not: test_vllm_eagle.py); multi-module MTP's prefill lookahead is not.
         ("num_prefill_lookahead_tokens", 2, "num_prefill_lookahead_tokens"),
         (
             "kv_transfer_config",

@@ -38,7 +38,7 @@ KINDS = ("one_group", "hybrid")
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_zeroing_calls_are_no_ops_on_a_uniform_precision_cache(kind: str) -> None:
-    # vLLM zeroes new blocks only for caches of mixed precision (or Mamba, refused): here
+    # vLLM zeroes new blocks only for caches of mixed precision (or with Mamba groups): here
     # record_blocks_for_zeroing records nothing and take_new_block_ids stays empty.
     m = _manager(kind)
     assert not m.zeroing

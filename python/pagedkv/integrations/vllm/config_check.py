@@ -4,7 +4,8 @@ pagedkv manages one pool of equally sized pages for full-attention, sliding-wind
 chunked-local KV cache groups (of one block size or several), and it schedules only
 tokens whose ids are known (it hashes them as it allocates). Everything in vLLM that breaks one
 of those two assumptions is refused here, with the setting named, instead of being served
-subtly wrong later: Mamba layers, cross
+subtly wrong later: Mamba layers outside vLLM's ``align`` cache mode and the setups of
+``_check_mamba_group`` (align-mode Mamba groups are served as pagedkv state groups), cross
 attention, KV connectors that keep vLLM's own block pool (see
 :mod:`pagedkv.integrations.vllm.connectors`), context
 parallelism (blocks sharded across ranks), lookahead block hashes and multi-module MTP's prefill
@@ -114,10 +115,11 @@ def check_supported_config(
     of one block size, or of several when the scheduler block size is their least common
     multiple (vLLM's rule; a chunked-local group at the scheduler block size), with
     ``hash_block_size`` dividing every group's block size (equal to it for one group with
-    prefix caching on); :class:`PagedKVCacheManager` serves them all. A cache of mixed
-    precision (``needs_kv_cache_zeroing`` without Mamba) is served: new blocks are handed out
-    for zeroing. Mamba groups are refused,
-    naming them. Decoder-only model, a KV connector only as
+    prefix caching on); :class:`PagedKVCacheManager` serves them all. ``MambaSpec`` groups are
+    served in vLLM's ``align`` cache mode beside full-attention groups, as state groups;
+    ``_check_mamba_group`` names what it refuses with them. A cache of mixed precision
+    (``needs_kv_cache_zeroing``) is served: new blocks are handed out for zeroing. Decoder-only
+    model, a KV connector only as
     :func:`~pagedkv.integrations.vllm.connectors.check_kv_transfer_config` accepts it, no
     context parallelism, model-based drafters only as ``_check_drafter`` accepts them (EAGLE /
     EAGLE-3 / single-module MTP with legacy block hashes or prefix caching off; n-gram and other
@@ -143,12 +145,8 @@ def check_supported_config(
     for g, group in enumerate(groups):
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
-            raise _refuse(
-                f"kv_cache_config.kv_cache_groups[{g}].kv_cache_spec",
-                type(spec).__name__,
-                "Mamba (state-space) layers are not managed: their per-request state blocks "
-                "are not KV blocks of a token range",
-            )
+            _check_mamba_group(vllm_config, groups, g, spec, block_size, hash_block_size)
+            continue
         if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec, *windowed):
             raise _refuse(
                 "kv_cache_spec",
@@ -174,10 +172,15 @@ def check_supported_config(
                 "blocks before vLLM does",
             )
     _check_block_sizes(groups, block_size, hash_block_size, vllm_config)
-    # needs_kv_cache_zeroing without Mamba (a cache of mixed precision): new blocks are
-    # recorded for the worker to zero (PagedKVCacheManager.take_new_block_ids).
-    if _attr(kv_cache_config, "has_mamba_layers", False):
-        raise _refuse("kv_cache_config.has_mamba_layers", True, "Mamba state is not managed")
+    has_mamba = any(isinstance(group.kv_cache_spec, MambaSpec) for group in groups)
+    if _attr(kv_cache_config, "has_mamba_layers", False) and not has_mamba:
+        raise _refuse(
+            "kv_cache_config.has_mamba_layers",
+            True,
+            "Mamba layers inside a group of another spec (a uniform-type spec) are not managed",
+        )
+    # A cache of mixed precision (has_mixed_precision_kv_cache): new blocks are recorded for
+    # the worker to zero (PagedKVCacheManager.take_new_block_ids).
     if _attr(kv_cache_config, "hisparse_host_num_blocks") is not None:
         raise _refuse(
             "kv_cache_config.hisparse_host_num_blocks",
@@ -238,24 +241,25 @@ def check_supported_config(
 
 
 def _check_drafter(vllm_config: Any, groups: list[Any]) -> None:
-    """Model-based drafters (EAGLE, EAGLE-3, MTP): lookahead slots (``num_lookahead_tokens``)
-    and EAGLE's last-block drop of prefix hits are served; refused, naming the setting:
-    lookahead block hashes (``num_hash_lookahead_tokens > 0``, vLLM's default for EAGLE-family
-    drafters with prefix caching: a block's hash also covers the token after it, which
-    pagedkv's hashes do not), multi-module MTP's prefill lookahead
+    """Model-based drafters (EAGLE, EAGLE-3, MTP): lookahead slots (``num_lookahead_tokens``),
+    lookahead block hashes (``num_hash_lookahead_tokens``, vLLM's default for EAGLE-family
+    drafters with prefix caching: pagedkv's ``hash_lookahead_tokens``) and EAGLE's last-block
+    drop of prefix hits (with ``disable_lookahead_block_hashes``) are served; refused, naming
+    the setting: lookahead block hashes with KV cache events (vLLM's events then carry the
+    lookahead tokens, pagedkv's do not), multi-module MTP's prefill lookahead
     (``num_prefill_lookahead_tokens > 1``: its re-prefillable tokens are not managed), lookahead
     slots with a KV connector, the last-block drop on a chunked-local group (vLLM refuses
     it too) and with a bounded-replay sliding-window MLA group."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
     hashes = _attr(vllm_config, "num_hash_lookahead_tokens", 0) or 0
-    if hashes > 0:
+    if hashes > 0 and _attr(_attr(vllm_config, "kv_events_config"), "enable_kv_cache_events", False):
         raise _refuse(
             "num_hash_lookahead_tokens",
             hashes,
-            "lookahead block hashes (a block's hash covering the tokens after it) are not "
-            "managed; set speculative_config disable_lookahead_block_hashes=true (EAGLE's "
-            "last-block drop is served) or turn prefix caching off",
+            "lookahead block hashes with KV cache events are not served (the events would need "
+            "each block's lookahead tokens); set speculative_config "
+            "disable_lookahead_block_hashes=true or turn the events off",
         )
     prefill = _attr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0
     if prefill > 1:
@@ -293,3 +297,92 @@ def _check_drafter(vllm_config: Any, groups: list[Any]) -> None:
                     type(group.kv_cache_spec).__name__,
                     "EAGLE's last-block drop on a chunked-local attention group is not served",
                 )
+
+
+def _check_mamba_group(
+    vllm_config: Any, groups: list[Any], g: int, spec: Any, block_size: int, hash_block_size: int | None
+) -> None:
+    """A Mamba / linear-attention group (``MambaSpec``: Mamba-2, GDN...) is served as a pagedkv
+    state group in vLLM's ``align`` cache mode only: one state per block-aligned step end,
+    the live state at block ``(n - 1) // block_size`` (the table vLLM's model runner reads),
+    published to the prefix cache once the step that wrote it completed. Refused, naming
+    the setting: other cache modes (``"all"``, ``"none"``), prefix caching off, speculative
+    state blocks (``num_speculative_blocks > 0``) or any drafter, prefill checkpoint blocks,
+    shared-prefix checkpoints, a Mamba block size other than the scheduler block size,
+    prefix hashes finer than the block (vLLM's partial state hits), groups other than full
+    attention beside it, KV connectors and async scheduling."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+
+    field = f"kv_cache_config.kv_cache_groups[{g}].kv_cache_spec"
+    cache = _attr(vllm_config, "cache_config")
+    for where, mode in (
+        (f"{field}.mamba_cache_mode", _attr(spec, "mamba_cache_mode")),
+        ("cache_config.mamba_cache_mode", _attr(cache, "mamba_cache_mode", "none")),
+    ):
+        if mode != "align":
+            raise _refuse(
+                where,
+                mode,
+                "only vLLM's 'align' Mamba cache mode is served (states kept at block-aligned "
+                "positions); 'all' keeps a state per block of every step and 'none' one state "
+                "per request outside the prefix cache, neither of which pagedkv models",
+            )
+    if not _attr(cache, "enable_prefix_caching", False):
+        raise _refuse(
+            "cache_config.enable_prefix_caching",
+            False,
+            "Mamba 'align' mode needs prefix caching on (vLLM's model runner requires it)",
+        )
+    for name, reason in (
+        ("num_speculative_blocks", "speculative state blocks (MTP / EAGLE with Mamba layers) are not managed"),
+        ("num_prefill_checkpoint_blocks", "prefill checkpoint blocks (internal Mamba checkpoints) are not managed"),
+    ):
+        if (_attr(spec, name, 0) or 0) > 0:
+            raise _refuse(f"{field}.{name}", _attr(spec, name), reason)
+    if _attr(cache, "enable_mamba_shared_prefix_checkpoint", False):
+        raise _refuse(
+            "cache_config.enable_mamba_shared_prefix_checkpoint",
+            True,
+            "shared-prefix Mamba checkpoints (sub-block states) are not managed",
+        )
+    if int(spec.block_size) != block_size:
+        raise _refuse(
+            f"{field}.block_size",
+            spec.block_size,
+            f"a Mamba group's block size must equal the scheduler block size {block_size}",
+        )
+    if hash_block_size is not None and hash_block_size != block_size:
+        raise _refuse(
+            "hash_block_size",
+            hash_block_size,
+            f"with Mamba layers prefix hashes must be whole blocks ({block_size} tokens): "
+            "vLLM's partial (sub-block) state hits are not managed",
+        )
+    for h, other in enumerate(groups):
+        if not isinstance(other.kv_cache_spec, (MambaSpec, FullAttentionSpec, MLAAttentionSpec)) or type(
+            other.kv_cache_spec
+        ) not in (MambaSpec, FullAttentionSpec, MLAAttentionSpec):
+            raise _refuse(
+                f"kv_cache_config.kv_cache_groups[{h}].kv_cache_spec",
+                type(other.kv_cache_spec).__name__,
+                "beside Mamba groups only full-attention groups are served",
+            )
+    if _attr(vllm_config, "kv_transfer_config") is not None:
+        raise _refuse(
+            "kv_transfer_config",
+            type(_attr(vllm_config, "kv_transfer_config")).__name__,
+            "KV connectors with Mamba layers (state hand-offs) are not managed",
+        )
+    if _attr(vllm_config, "speculative_config") is not None or (_attr(vllm_config, "num_lookahead_tokens", 0) or 0):
+        raise _refuse(
+            "speculative_config",
+            type(_attr(vllm_config, "speculative_config")).__name__,
+            "speculative decoding with Mamba layers is not managed (drafts would advance the state in place)",
+        )
+    if _attr(_attr(vllm_config, "scheduler_config"), "async_scheduling", False):
+        raise _refuse(
+            "scheduler_config.async_scheduling",
+            True,
+            "with Mamba layers the plug-in serves synchronous scheduling only (a state step "
+            "needs its token ids known when allocated; use --no-async-scheduling)",
+        )

@@ -139,7 +139,7 @@ class CoordinatorView:
     @property
     def enable_partial_hash_hits(self) -> bool:
         """False: hits are multiples of the scheduler block size (vLLM enables partial hash
-        hits only for Mamba layers, which are refused)."""
+        hits only for Mamba layers with sub-block prefix hashes, which are refused)."""
         return False
 
     @property
@@ -168,7 +168,8 @@ class CoordinatorView:
         vLLM's scheduler asks this with no prefix-hit blocks (``new_computed_blocks`` empty);
         hit blocks are taken by ``allocate_slots`` itself, so a non-empty one raises
         ``InvalidArgumentError``, as does ``num_tokens < 0`` or ``num_encoder_tokens > 0``
-        (cross-attention is refused). ``apply_admission_cap`` caps a windowed group's blocks at
+        (cross-attention is refused). A state group (align-mode Mamba) counts at most one
+        block, its moved live state. ``apply_admission_cap`` caps a windowed group's blocks at
         vLLM's recycling-aware admission cap (as vLLM reserves for in-flight loads). The
         remaining arguments change nothing.
         """
@@ -201,9 +202,15 @@ class CoordinatorView:
         except UnknownSequenceError:
             lengths = [0] * len(sizes)
         caps = manager._admission_caps if apply_admission_cap else [None] * len(sizes)
+        state = set(getattr(manager, "_state_groups", ()))
         total = 0
-        for bs, n, cap in zip(sizes, lengths, caps, strict=True):
+        for g, (bs, n, cap) in enumerate(zip(sizes, lengths, caps, strict=True)):
             required = -(-num_tokens // bs)
+            if g in state:
+                # A state group takes at most one block (the moved live state), as vLLM's
+                # align-mode Mamba manager.
+                total += min(1, max(0, required - n))
+                continue
             if cap is not None:
                 # vLLM's recycling-aware cap of a windowed group (in-flight load reservations).
                 required = min(required, cap)

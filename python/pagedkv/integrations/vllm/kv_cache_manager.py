@@ -9,7 +9,9 @@ read-only view in :mod:`pagedkv.integrations.vllm.coordinator`), with pagedkv's
 ``KVCacheManager`` (Rust) as the block pool, prefix cache and block tables of every KV
 cache group: one group of full attention, or several (hybrid models: full attention, sliding
 window, chunked local; of one block size, or of several whose least common multiple is the
-scheduler block size, as vLLM's hybrid coordinator serves them). The decode fast path lives
+scheduler block size, as vLLM's hybrid coordinator serves them; vLLM's align-mode Mamba groups
+beside full attention, as pagedkv state groups: docs/design.md, "Mamba state groups in
+vLLM"). The decode fast path lives
 in :mod:`pagedkv.integrations.vllm.decode_deferral`, the ``KVCacheBlocks`` results in
 :mod:`pagedkv.integrations.vllm.blocks`.
 
@@ -137,7 +139,8 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
     ``SlidingWindowSpec`` -> ``"sliding_window"`` (its ``sliding_window``),
     ``SlidingWindowMLASpec`` -> ``"sliding_window"``, out of the prefix cache
     (``prefix_cacheable=False``) with ``bounded_replay`` (vLLM's ``prefix_cacheable``),
-    ``ChunkedLocalAttentionSpec`` -> ``"chunked_local"`` (its ``attention_chunk_size``).
+    ``ChunkedLocalAttentionSpec`` -> ``"chunked_local"`` (its ``attention_chunk_size``),
+    ``MambaSpec`` in ``align`` mode -> ``"state"`` (one recurrent state per aligned block).
     ``page_bytes`` is the common page size given to every group (pagedkv checks pages are
     equal; the plug-in does not use their size otherwise), a multiple of the block size.
     Raises ``InvalidConfigError`` for any other spec.
@@ -145,6 +148,7 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowMLASpec,
         SlidingWindowSpec,
@@ -165,6 +169,9 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
         )
     if kind is ChunkedLocalAttentionSpec:
         return pagedkv.KVCacheGroupSpec("chunked_local", bs, bpt, chunk=int(spec.attention_chunk_size))
+    if kind is MambaSpec and getattr(spec, "mamba_cache_mode", None) == "align":
+        # One recurrent state per block-aligned position (vLLM's align mode).
+        return pagedkv.KVCacheGroupSpec("state", bs, bpt)
     if kind in (FullAttentionSpec, MLAAttentionSpec) and getattr(spec, "sliding_window", None) is None:
         if getattr(spec, "attention_chunk_size", None) is None:
             return pagedkv.KVCacheGroupSpec("full", bs, bpt)
@@ -172,7 +179,7 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
         f"KV cache group spec {kind.__name__} has no pagedkv equivalent",
         field="kv_cache_spec",
         value=kind.__name__,
-        reason="full attention, sliding window or chunked local attention only",
+        reason="full attention, sliding window, chunked local attention or align-mode Mamba only",
     )
 
 
@@ -221,13 +228,18 @@ class PagedKVCacheManager(SharedManagerCalls):
         num_prefill_lookahead: vLLM's ``num_prefill_lookahead_tokens``: 0 or 1 (EAGLE-family
             drafters; the scheduler keeps prefill chunks out of it); more (multi-module MTP)
             raises.
-        num_hash_lookahead_tokens, dcp_world_size,
-            pcp_world_size, metrics_collector: only their defaults (0, 1, 1,
+        num_hash_lookahead_tokens: vLLM's lookahead block hashes (0 or 1: 1 by default for
+            EAGLE-family drafters with prefix caching): each block's prefix-cache key also
+            covers the tokens after it (pagedkv's ``CacheConfig.hash_lookahead_tokens``), so a
+            block is cached once they are known and a hit needs them; vLLM then drops no block
+            of a hit (``use_eagle`` is off). Refused with ``enable_kv_cache_events``.
+        dcp_world_size, pcp_world_size, metrics_collector: only their defaults (1, 1,
             ``None``) are served (``check_supported_config`` refuses what needs others).
         log_stats: keep ``PrefixCacheStats`` for ``make_prefix_cache_stats``.
         enable_kv_cache_events: record KV events for ``take_events``.
         watermark: fraction of blocks kept free when admitting waiting / preempted requests.
-        enable_mamba_shared_prefix_checkpoint: accepted and unused (Mamba layers are refused).
+        enable_mamba_shared_prefix_checkpoint: accepted and unused (shared-prefix Mamba
+            checkpoints are refused by ``check_supported_config``).
         hash_algo: vLLM's ``prefix_caching_hash_algo`` (``sha256*`` -> SHA-256, ``xxhash*`` ->
             xxh3-128).
 
@@ -285,13 +297,23 @@ class PagedKVCacheManager(SharedManagerCalls):
         if hash_block_size is not None and (hash_block_size <= 0 or any(bs % hash_block_size for bs in sizes)):
             raise _config_error("hash_block_size", hash_block_size, f"must divide every group's block size {sizes}")
         for name, value, default in (
-            ("num_hash_lookahead_tokens", num_hash_lookahead_tokens, 0),
             ("dcp_world_size", dcp_world_size, 1),
             ("pcp_world_size", pcp_world_size, 1),
             ("metrics_collector", metrics_collector, None),
         ):
             if value is not None and value != default:
                 raise _config_error(name, value, f"only {default} is served")
+        lookahead_hashes = int(num_hash_lookahead_tokens or 0)
+        if lookahead_hashes not in (0, 1):
+            raise _config_error("num_hash_lookahead_tokens", lookahead_hashes, "0 or 1 is served")
+        if lookahead_hashes and enable_kv_cache_events:
+            raise _config_error(
+                "num_hash_lookahead_tokens",
+                lookahead_hashes,
+                "lookahead block hashes with KV cache events are not served",
+            )
+        if lookahead_hashes and not enable_caching:
+            lookahead_hashes = 0  # vLLM's hashes only key the prefix cache
         if num_prefill_lookahead > 1:
             raise _config_error(
                 "num_prefill_lookahead",
@@ -348,8 +370,12 @@ class PagedKVCacheManager(SharedManagerCalls):
                 retention_interval=interval,
                 hash_algo=algo,
                 enable_events=enable_kv_cache_events,
+                hash_lookahead_tokens=lookahead_hashes,
             )
         )
+        #: Tokens after each block its prefix-cache key covers (vLLM's
+        #: ``num_hash_lookahead_tokens``; 0 without prefix caching).
+        self.num_hash_lookahead_tokens = lookahead_hashes
         self._PrefixCacheStats = PrefixCacheStats
         self._waiting_states = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self._RUNNING = RequestStatus.RUNNING
@@ -378,6 +404,26 @@ class PagedKVCacheManager(SharedManagerCalls):
         # The finest block boundary of any group (the block size when all groups share one).
         self._unit = math.gcd(*self.group_block_sizes)
         self._mixed = len(set(self.group_block_sizes)) > 1
+        #: State groups (vLLM's align-mode Mamba groups): their states are published by
+        #: ``commit_steps`` once vLLM reports the step that wrote them, never at allocation.
+        self._state_groups = tuple(g for g, s in enumerate(self._specs) if s.kind == "state")
+        self._attention_groups = tuple(g for g, s in enumerate(self._specs) if s.kind != "state")
+        # Request id -> {state group: (table index, block)}: the copy source of a first
+        # allocation's state hit, shown in the request's table until its next allocation
+        # (vLLM's model runner copies the hit state from that column; pagedkv released it).
+        self._state_sources: dict[str, dict[int, tuple[int, int]]] = {}
+        # (request id, aligned end) of the allocations of the current step: states vLLM caches
+        # at allocation and lets no other request hit before its next step.
+        self._step_states: list[tuple[str, int]] = []
+        # Requests whose prefix hit vLLM would take from a state of the current step: their
+        # first allocation waits a step, as vLLM's Mamba manager makes it wait.
+        self._wait_a_step: set[str] = set()
+        # New attention blocks since the last take_new_block_ids (zeroed by vLLM's worker when
+        # Mamba layers share the pool).
+        self._new_attention_ids: list[int] = []
+        # vLLM 0.32 marks a state hit at the prompt's last aligned boundary as cached in the
+        # step (0.33 does not).
+        self._recache_prompt_hit = not caches_finished_drafts()
         #: pagedkv's retention interval in tokens (0: dense).
         self.retention_interval = interval
         self.watermark_blocks = int(watermark * num_blocks)
@@ -392,14 +438,17 @@ class PagedKVCacheManager(SharedManagerCalls):
         #: Each group's kind for ``BlockStored.kv_cache_spec_kind``.
         self.spec_kinds = [get_kv_cache_spec_kind(g.kv_cache_spec).value for g in groups]
         self.medium = "GPU"
-        #: Mamba prefix checkpoints: never (Mamba layers are refused).
+        #: Mamba shared-prefix checkpoints: never (refused by the config check).
         self.mamba_shared_prefix_checkpoint = False
         # Per group, vLLM's recycling-aware admission cap in blocks (None: no cap).
         in_flight = max_in_flight_tokens if max_in_flight_tokens is not None else (max_model_len or 0)
         self._admission_caps: list[int | None] = []
         for g, spec in zip(groups, self._specs, strict=True):
             cap = None
-            if spec.kind != "full" and max_model_len is not None:
+            if spec.kind == "state":
+                # vLLM's align-mode Mamba manager takes at most one state block per allocation.
+                cap = 1
+            elif spec.kind != "full" and max_model_len is not None:
                 cap = int(g.kv_cache_spec.max_admission_blocks_per_request(in_flight, max_model_len))
             self._admission_caps.append(cap)
         self._coordinator = CoordinatorView(self)
@@ -429,14 +478,14 @@ class PagedKVCacheManager(SharedManagerCalls):
         # Groups of different block sizes: every allocation takes the per-request path (the
         # batched decode path assumes one block boundary for every group).
         #: Newly allocated blocks are handed to the worker for zeroing (vLLM's
-        #: ``needs_kv_cache_zeroing``: caches of mixed precision, where a block reused across
-        #: groups would decode stale bytes): every allocation then takes the per-request path,
-        #: which records its new blocks (``take_new_block_ids``).
-        self.zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
-        self._new_block_ids: list[int] = []
+        #: ``needs_kv_cache_zeroing`` without state groups: caches of mixed precision, where a
+        #: block reused across groups would decode stale bytes): every allocation then takes
+        #: the per-request path, which records its new blocks (``take_new_block_ids``). With
+        #: state groups the attention groups' new blocks are recorded as they are taken.
+        self.zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False)) and not self._state_groups
         # Groups whose new blocks an async KV load writes (not zeroed: it would race the load).
         self._skip_zeroing: frozenset[int] = frozenset()
-        self.decodes.enabled = not self._mixed and not self.zeroing
+        self.decodes.enabled = not self._mixed and not self._state_groups and not self.zeroing
         # The fast path's state, read inline by allocate_slots once per decode (the same
         # dicts as the deferral's), its defer and its pre-call sync.
         self._lag = self.decodes.lag
@@ -482,7 +531,7 @@ class PagedKVCacheManager(SharedManagerCalls):
 
     @defer_decodes.setter
     def defer_decodes(self, on: bool) -> None:
-        self.decodes.enabled = bool(on) and not self._mixed and not self.zeroing
+        self.decodes.enabled = bool(on) and not self._mixed and not self._state_groups and not self.zeroing
 
     @property
     def num_batched_allocations(self) -> int:
@@ -634,9 +683,19 @@ class PagedKVCacheManager(SharedManagerCalls):
                 self._kvm.set_hit_limit(seq, None)  # an ignored hit's cap (see _allocate)
             hit = self._kvm.lookup_prefix(seq)
         self._check_hit_cap(hit, max_cache_hit_length)
+        boundary = 0
+        if self._state_groups:
+            limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+            longest, pending = self._pending_state_hit(request, seq, hit, limit)
+            self._wait_a_step.discard(request.request_id)
+            if pending:
+                self._wait_a_step.add(request.request_id)
+            # vLLM's shared-prefix boundary: an attention group's longer hit (the scheduler
+            # ends a prefill chunk there, so the state at it gets cached).
+            boundary = longest if longest > max(hit, pending) else 0
         if hit == 0:
-            return self.empty_kv_cache_blocks, 0, 0
-        return PrefixHit(hit, [hit // bs for bs in self.group_block_sizes], seq), hit, 0
+            return self.empty_kv_cache_blocks, 0, boundary
+        return PrefixHit(hit, [hit // bs for bs in self.group_block_sizes], seq), hit, boundary
 
     def _eagle_hit(self, request: Any, seq: int) -> int:
         """The prefix hit vLLM's coordinator gives ``request`` with EAGLE's last-block drop,
@@ -906,6 +965,10 @@ class PagedKVCacheManager(SharedManagerCalls):
         known yet, EAGLE / MTP's): the ``pagedkv.SlotAllocation``, or None when the pool cannot
         hold it (nothing changed). The per-request call, cheaper than a one-sequence ``step``
         (no batch arrays are built)."""
+        if self._state_groups:
+            # State groups' table lengths before the call: their new entries (the null
+            # columns and the new live state block) are vLLM's new block ids.
+            self._pre_lens = (seq, [len(self._kvm.block_table(seq, g)) for g in self._state_groups])
         try:
             if lookahead:
                 return self._kvm.allocate_slots(seq, num_tokens, drafts, lookahead)
@@ -917,33 +980,31 @@ class PagedKVCacheManager(SharedManagerCalls):
         """The new blocks of one sequence's allocation (a ``SlotAllocation``: its
         ``new_block_ids`` group-major, ``new_block_indptr`` ``[G + 1]``) as one
         ``KVCacheBlocks`` (per group)."""
+        if self._state_groups:
+            return self._new_blocks_with_states(alloc)
         ids = alloc.new_block_ids.tolist()
         if not ids:
             return self.empty_kv_cache_blocks
         if self.num_kv_cache_groups == 1:
             if self.zeroing and not self._skip_zeroing:
-                self._new_block_ids.extend(ids)
+                self._new_attention_ids.extend(ids)
             return PagedKVBlocks((ids,))
         indptr = alloc.new_block_indptr.tolist()
         per_group = tuple(ids[indptr[g] : indptr[g + 1]] for g in range(self.num_kv_cache_groups))
         if self.zeroing:
             for g, group_ids in enumerate(per_group):
                 if g not in self._skip_zeroing:
-                    self._new_block_ids.extend(group_ids)
+                    self._new_attention_ids.extend(group_ids)
         return PagedKVBlocks(per_group)
-
-    def take_new_block_ids(self) -> list[int]:
-        """The blocks allocated since the last call, for the worker to zero (vLLM's
-        ``needs_kv_cache_zeroing``; always ``[]`` without it), less those of the groups an
-        async KV load writes (``skip_zeroing_group_ids``)."""
-        ids, self._new_block_ids = self._new_block_ids, []
-        return ids
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """Records ``request_id``'s blocks from token ``start_token`` on (block-aligned in every
         group) for zeroing again: the blocks a failed async KV load left unwritten. A no-op
         without zeroing. Raises ``InvalidArgumentError`` for a ``start_token`` not on every
-        group's block boundary."""
+        group's block boundary, and ``UnsupportedVllmCallError`` with state groups (a failed
+        load's Mamba states are not zeroed again)."""
+        if self._state_groups:
+            super().record_blocks_for_zeroing(request_id, start_token)
         if not self.zeroing:
             return
         if any(start_token % bs for bs in self.group_block_sizes):
@@ -955,7 +1016,69 @@ class PagedKVCacheManager(SharedManagerCalls):
                 reason="zeroing a partially valid block would wipe its valid prefix",
             )
         for g, ids in enumerate(self.get_block_ids(request_id)):
-            self._new_block_ids.extend(ids[start_token // self.group_block_sizes[g] :])
+            self._new_attention_ids.extend(ids[start_token // self.group_block_sizes[g] :])
+
+    def _new_blocks_with_states(self, alloc: Any) -> Any:
+        """``_new_blocks`` with state groups: a state group's entries are its table's new
+        columns (null ``0`` for skipped positions, then the new live state block), as vLLM's
+        align-mode Mamba manager returns them, so the model runner's append-only table stays
+        positional; the attention groups' new blocks are also kept for
+        ``take_new_block_ids`` (vLLM zeroes them when Mamba layers share the pool)."""
+        seq, before = self._pre_lens
+        ids = alloc.new_block_ids.tolist()
+        indptr = alloc.new_block_indptr.tolist()
+        groups = [ids[indptr[g] : indptr[g + 1]] for g in range(self.num_kv_cache_groups)]
+        for g in self._attention_groups:
+            self._new_attention_ids.extend(groups[g])
+        for g, n in zip(self._state_groups, before, strict=True):
+            groups[g] = self._kvm.block_table(seq, g).tolist()[n:]
+        if not any(groups):
+            return self.empty_kv_cache_blocks
+        return PagedKVBlocks(tuple(groups))
+
+    def _note_state_step(self, rid: str, out: Any, first: bool, ctx: int, end: int) -> None:
+        """Records what an allocation did to ``rid``'s state groups: a first allocation's hit
+        state (its copy source, shown in the table until the next allocation) and an aligned
+        step end (a state vLLM caches at allocation, so hits on it wait a step); ``ctx`` /
+        ``end``: the step's first and end positions."""
+        bs = self.block_size
+        if first and out.num_cached_tokens:
+            hit = int(out.num_cached_tokens)
+            idx = (hit - 1) // self.block_size
+            sources = {int(g): (idx, int(src)) for g, src, _ in out.copies.tolist() if int(g) in self._state_groups}
+            if sources:
+                self._state_sources[rid] = sources
+        if self._recache_prompt_hit and 0 < ctx == (self._requests[rid].num_prompt_tokens - 1) // bs * bs:
+            # vLLM 0.32 caches the state at the prompt's last aligned boundary again when a
+            # step starts there (a hit or the previous chunk's end; 0.33 does not), so its
+            # siblings wait a step for it.
+            self._step_states.append((rid, ctx))
+        if end % bs == 0:
+            self._step_states.append((rid, end))
+
+    def _pending_state_hit(self, request: Any, seq: int, hit: int, limit: int) -> tuple[int, int]:
+        """vLLM's view of a waiting request's hit with state groups: ``(longest, pending)``:
+        the longest prefix an attention group alone serves (at most ``limit``; vLLM's
+        shared-prefix boundary when longer than the hit) and the longest aligned end at or
+        past ``hit`` (at most ``longest``) whose state a request wrote in the current step
+        under the same token prefix (0: none; vLLM 0.32 also counts a hit at the prompt's
+        last aligned boundary taken in this step). vLLM caches such a state at allocation and
+        makes the request wait a step; pagedkv publishes it once the step completed
+        (``commit_steps``)."""
+        longest = max((int(self._kvm.lookup_prefix_group(seq, g, limit)) for g in self._attention_groups), default=0)
+        pending = 0
+        if self._step_states:
+            tokens = request.all_token_ids
+            key = _identity(request)
+            for rid, end in self._step_states:
+                other = self._requests.get(rid)
+                # vLLM keys its cached-this-step set by hash: a state of this step at the hit
+                # itself (the same prefix) makes the request wait as well.
+                if other is None or rid == request.request_id or not (max(pending, hit, 1) <= end <= longest):
+                    continue
+                if other.all_token_ids[:end] == tokens[:end] and _identity(other) == key:
+                    pending = end
+        return longest, pending
 
     def _allocate(
         self,
@@ -1010,6 +1133,12 @@ class PagedKVCacheManager(SharedManagerCalls):
                 num_new_tokens -= end - base
                 base = end
         first = base == 0
+        if self._state_groups:
+            self._state_sources.pop(rid, None)
+            if rid in self._wait_a_step:
+                # vLLM's hit would read a state written in this step: it waits a step.
+                self._wait_a_step.discard(rid)
+                return None
         if self.async_scheduling and not first:
             return self._allocate_async(
                 request, seq, num_new_tokens, full_sequence_must_fit, reserved_blocks, num_lookahead_tokens, base
@@ -1094,6 +1223,8 @@ class PagedKVCacheManager(SharedManagerCalls):
         if first and hit and self.prefix_replay_tokens and not num_new_tokens:
             # vLLM's count is the hit less its replay until the replayed tokens are computed.
             self._replay_end[rid] = hit
+        if self._state_groups:
+            self._note_state_step(rid, out, first, expected, computed)
         if unknown:
             self._unknown[rid] = computed
             self.decodes.close_window(rid)
@@ -1307,7 +1438,10 @@ class PagedKVCacheManager(SharedManagerCalls):
         """vLLM's ``update_from_output`` hook: ``request``'s first ``num_computed_tokens`` are
         computed and known. Under async scheduling, a block they fill that pagedkv has not
         cached yet (the request's tokens arrived after its last allocation) is cached now, as
-        vLLM caches it; otherwise a no-op (pagedkv caches blocks as it allocates them).
+        vLLM caches it. With lookahead block hashes (synchronous scheduling; vLLM calls this
+        under speculative decoding), the blocks whose next token was just sampled are cached
+        now, as vLLM caches them (``KVCacheManager.cache_computed``); otherwise a no-op
+        (pagedkv caches blocks as it allocates them).
 
         For a request whose external KV was loading (an async KV connector load), the load's
         end: its first ``num_computed_tokens`` tokens (at most the loaded range; vLLM lowers the
@@ -1317,6 +1451,9 @@ class PagedKVCacheManager(SharedManagerCalls):
             self._commit_load(request, num_computed_tokens)
             return
         if not self.async_scheduling:
+            if self.num_hash_lookahead_tokens and request.request_id in self._seq_of:
+                self._sync()
+                self._kvm.cache_computed(self._register(request))
             return
         # Runs once per decoding request per step: the common case (no block completed past
         # what pagedkv holds) is two dict lookups and a comparison.
@@ -1431,6 +1568,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         self._unwritten.pop(rid, None)
         if self._replay_end:
             self._replay_end.pop(rid, None)
+        if self._state_groups:
+            self._state_sources.pop(rid, None)
+            self._wait_a_step.discard(rid)
         if seq is None:
             self._check_unallocated_free(request)
             return None
@@ -1529,7 +1669,13 @@ class PagedKVCacheManager(SharedManagerCalls):
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """One id list per group (0 for released entries). Raises ``UnknownSequenceError``."""
         self._sync()
-        return tuple(t.tolist() for t in self._kvm.block_tables(self.seq_id(request_id)))
+        tables = tuple(t.tolist() for t in self._kvm.block_tables(self.seq_id(request_id)))
+        sources = self._state_sources.get(request_id) if self._state_sources else None
+        if sources:
+            for g, (idx, block) in sources.items():
+                if idx < len(tables[g]) and tables[g][idx] == 0:
+                    tables[g][idx] = block
+        return tables
 
     def table_lengths(self, request_id: str) -> list[int]:
         """Per group, the length of the request's block table (released entries included), as
@@ -1561,6 +1707,44 @@ class PagedKVCacheManager(SharedManagerCalls):
 
     # ---- per-step hooks --------------------------------------------------------------------
 
+    def new_step_starts(self) -> None:
+        """A new ``schedule()`` starts: the states written by the previous step's allocations
+        no longer make a hit wait (vLLM clears its cached-this-step set here)."""
+        self._step_states.clear()
+
+    def take_new_block_ids(self) -> list[int]:
+        """The attention groups' blocks taken since the last call (prefix-hit blocks
+        excluded), for vLLM's worker to zero when Mamba layers share the pool or the cache
+        mixes precisions (``needs_kv_cache_zeroing``; less the groups an async KV load
+        writes, ``skip_zeroing_group_ids``); ``[]`` without zeroing."""
+        ids, self._new_attention_ids = self._new_attention_ids, []
+        return ids
+
+    def commit_steps(self, ends: dict[str, int]) -> int:
+        """The commit fence: the step that brought each request id of ``ends`` to its end
+        position (tokens) has completed, so pagedkv publishes the aligned states it wrote
+        (``KVCacheManager.commit_computed``). Requests no longer held (finished, preempted)
+        are skipped. Returns the states published. Called by the scheduler's
+        ``update_from_output``, never at allocation."""
+        if not self._state_groups:
+            return 0
+        self._sync()
+        published = 0
+        whole: list[int] = []
+        for rid, end in ends.items():
+            seq = self._seq_of.get(rid)
+            if seq is None or self._kvm.status(seq) != "running":
+                continue
+            if int(self._kvm.num_computed_tokens(seq)) <= end:
+                whole.append(seq)
+            else:
+                # Computed past the reported step (never in synchronous scheduling).
+                published += int(self._kvm.commit_computed(seq, int(end)))
+        if whole:
+            # Every computed token of these: one call (one lock) for the step.
+            published += int(self._kvm.commit_all_computed(whole))
+        return published
+
     def take_events(self) -> list[Any]:
         """KV events since the last call as ``vllm.distributed.kv_events`` objects, each
         naming its group (``group_idx``) and that group's spec kind."""
@@ -1570,3 +1754,12 @@ class PagedKVCacheManager(SharedManagerCalls):
         return to_vllm_events(
             self._kvm.take_events(), lora_ids=self._lora_ids, spec_kinds=self.spec_kinds, medium=self.medium
         )
+
+
+def _identity(request: Any) -> tuple[Any, ...]:
+    """What besides its tokens keys a vLLM ``Request``'s blocks (``request_sequence_spec``'s
+    inputs): equal token prefixes of equal identities share blocks."""
+    lora = request.lora_request
+    mm = tuple((str(f.identifier), f.mm_position.offset, f.mm_position.length) for f in request.mm_features or ())
+    own = request.request_id if request.skip_reading_prefix_cache else None
+    return (request.cache_salt, lora.lora_name if lora is not None else None, mm, own)

@@ -287,7 +287,7 @@ class SharedManagerCalls:
         """No per-step state to reset."""
 
     def take_new_block_ids(self) -> list[int]:
-        """``[]``: no block zeroing (Mamba is refused)."""
+        """``[]``: no block zeroing (managers with Mamba state groups override it)."""
         return []
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:

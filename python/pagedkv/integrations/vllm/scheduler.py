@@ -71,7 +71,10 @@ _ASYNC_VARIANTS: dict[type, type] = {}
 class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
     """vLLM V1 ``Scheduler`` whose ``kv_cache_manager`` is a :class:`PagedKVCacheManager` (one KV
     cache group of full attention, or several groups of full attention, sliding window, chunked
-    local), built from the scheduler's ``KVCacheConfig`` as vLLM builds its own manager.
+    local, or align-mode Mamba beside full attention), built from the scheduler's
+    ``KVCacheConfig`` as vLLM builds its own manager. With Mamba groups (synchronous
+    scheduling only) it is the commit fence's caller: a step's aligned states are published
+    in pagedkv when vLLM reports the step (:meth:`update_from_output`).
 
     Takes exactly the constructor arguments of ``vllm.v1.core.sched.scheduler.Scheduler``.
     Raises ``pagedkv.integrations.vllm.UnsupportedVllmVersionError`` (a ``ValueError``) under a
@@ -123,6 +126,9 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
             hash_algo=self.cache_config.prefix_caching_hash_algo,
         )
         self.kv_cache_manager.defer_decodes = self.batch_decode
+        # Mamba (state) groups: id(scheduler output) -> (it, request id -> end after the step),
+        # committed when vLLM reports the step (the commit fence).
+        self._step_ends: dict[int, tuple[Any, dict[str, int]]] = {}
         # Slots past a request's known tokens are output placeholders (see the module docs).
         self.kv_cache_manager.async_scheduling = isinstance(self, AsyncScheduler)
         if self.connector is not None:
@@ -147,11 +153,28 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
         super().add_request(request)
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM's ``schedule``; the decodes it deferred are in pagedkv when it returns."""
+        """vLLM's ``schedule``; the decodes it deferred are in pagedkv when it returns. With
+        Mamba (state) groups, each scheduled request's end position after the step is kept
+        for the commit fence (:meth:`update_from_output`)."""
         try:
-            return super().schedule(*args, **kwargs)
+            out = super().schedule(*args, **kwargs)
         finally:
             self.kv_cache_manager.flush_decodes()
+        if self.kv_cache_manager._state_groups:
+            requests = self.requests
+            ends = {rid: requests[rid].num_computed_tokens for rid in out.num_scheduled_tokens if rid in requests}
+            self._step_ends[id(out)] = (out, ends)
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        """vLLM's ``update_from_output``. With Mamba (state) groups the step has completed, so
+        first the commit fence: the states it wrote at block-aligned ends are published in
+        pagedkv's prefix cache (``PagedKVCacheManager.commit_steps``), before vLLM may free
+        a request it finished (a state freed before its commit is never published)."""
+        entry = self._step_ends.pop(id(scheduler_output), None) if self._step_ends else None
+        if entry is not None:
+            self.kv_cache_manager.commit_steps(entry[1])
+        return super().update_from_output(scheduler_output, model_runner_output)
 
     # ---- KV connectors ---------------------------------------------------------------------
 

@@ -298,7 +298,7 @@ impl KvCacheManager {
         // Only blocks full of computed, finalized tokens: drafts never reach the cache.
         self.cache_full(s, ev, true);
         if self.has_state && plan.first && plan.context > 0 {
-            self.release_state_hits(s, plan.context, out);
+            self.release_state_hits(s, plan.context, out)?;
         }
         Ok(())
     }
@@ -308,9 +308,12 @@ impl KvCacheManager {
     /// pool: it stays cached where it was) is copied into the fresh live block and its table
     /// entry cleared (the copy runs before any write of the step). When the call's own
     /// allocation evicted the hit block and took it again as the live block, the state is in
-    /// place already: no copy row.
-    fn release_state_hits(&self, s: &mut Seq, context: usize, out: &mut Alloc) {
+    /// place already: no copy row. A hit block still cached and free moves to the young end
+    /// of the LRU (taken and given back), as a hit on any other block would: a state many
+    /// requests hit must not be the next one evicted.
+    fn release_state_hits(&self, s: &mut Seq, context: usize, out: &mut Alloc) -> Result<()> {
         let mut copies = 0u64;
+        let mut refresh: SmallVec<[BlockId; 2]> = SmallVec::new();
         for (g, spec) in self.cfg.groups.iter().enumerate() {
             if !spec.is_state() {
                 continue;
@@ -324,11 +327,18 @@ impl KvCacheManager {
             if src != dst {
                 out.groups[g].copies.push((src, dst));
                 copies += 1;
+                if self.pool.ref_count(src) == 0 && self.pool.is_hashed(src) {
+                    refresh.push(src);
+                }
             }
         }
         if copies > 0 {
             self.counters.lock().copies += copies;
         }
+        refresh.sort_unstable();
+        refresh.dedup();
+        self.pool.touch(&refresh)?;
+        self.pool.free(&refresh)
     }
 
     /// The common step of a running sequence (a decode, a prefill chunk) without the general

@@ -11,15 +11,29 @@ pub(super) fn key64(h: &BlockHash) -> u64 {
 }
 
 impl KvCacheManager {
-    /// Plain chain hash of logical block `k` of block-size class `c` (memoised).
+    /// Tokens of `s` its block keys can cover: all but the last
+    /// [`CacheConfig::hash_lookahead_tokens`] (each key also hashes that many tokens after its
+    /// block), so logical block `j` has a key once `(j + 1) * bs <= hashable_len`.
+    pub(super) fn hashable_len(&self, s: &Seq) -> usize {
+        s.tokens
+            .len()
+            .saturating_sub(self.cfg.hash_lookahead_tokens as usize)
+    }
+
+    /// Plain chain hash of logical block `k` of block-size class `c` (memoised). With hash
+    /// lookahead `la`, it covers the block's tokens and the `la` tokens after it (the caller
+    /// keeps `k` below `hashable_len / bs`).
     pub(super) fn plain_at(&self, s: &mut Seq, c: usize, k: usize) -> BlockHash {
         let bs = self.class_bs[c];
+        let la = self.cfg.hash_lookahead_tokens as usize;
         while s.chains[c].len() <= k {
             let j = s.chains[c].len();
             let keys = s.spec.block_keys(bs, j);
-            let h =
-                self.hasher
-                    .hash_block(s.chains[c].last(), &s.tokens[j * bs..(j + 1) * bs], &keys);
+            let h = self.hasher.hash_block(
+                s.chains[c].last(),
+                &s.tokens[j * bs..(j + 1) * bs + la],
+                &keys,
+            );
             s.chains[c].push(h);
         }
         s.chains[c][k]
@@ -45,7 +59,8 @@ impl KvCacheManager {
             if spec.is_state() {
                 continue; // published by commit_computed only (the commit fence)
             }
-            let full = s.num_computed.min(s.tainted_from) / spec.block_size as usize;
+            let full = s.num_computed.min(s.tainted_from).min(self.hashable_len(s))
+                / spec.block_size as usize;
             let start = s.tables[g].scanned;
             if full <= start {
                 continue;
@@ -94,7 +109,8 @@ impl KvCacheManager {
             if !spec.is_windowed() || spec.is_state() || !spec.prefix_cacheable {
                 continue;
             }
-            let full = s.num_computed.min(s.tainted_from) / spec.block_size as usize;
+            let full = s.num_computed.min(s.tainted_from).min(self.hashable_len(s))
+                / spec.block_size as usize;
             let t = &s.tables[g];
             let picked: Vec<usize> = (t.live_from..full)
                 .filter(|&j| t.blocks[j] != NULL_BLOCK && !self.pool.is_hashed(t.blocks[j]))

@@ -220,6 +220,8 @@ impl KvCacheManager {
         } else {
             s.hit_limit.min(s.tokens.len())
         };
+        // With hash lookahead a hit at p needs the keys of its blocks: p + k known tokens.
+        let cap = cap.min(self.hashable_len(s));
         let mut l = cap / unit * unit;
         if !self.cfg.enable_prefix_caching || l == 0 {
             return (0, vec![Vec::new(); ng]);
@@ -314,7 +316,7 @@ impl KvCacheManager {
     /// tokens, a multiple of the hit unit.
     pub(super) fn group_hit(&self, s: &mut Seq, g: usize, limit: usize) -> usize {
         let unit = self.unit;
-        let l = limit.min(s.tokens.len()) / unit * unit;
+        let l = limit.min(self.hashable_len(s)) / unit * unit;
         if !self.cfg.enable_prefix_caching || l == 0 {
             return 0;
         }

@@ -149,6 +149,9 @@ impl KvCacheManager {
                             if (j + 1) * bs > s.tainted_from {
                                 continue; // never registered (descends from invalid KV)
                             }
+                            if (j + 1) * bs > self.hashable_len(s) {
+                                continue; // its lookahead tokens are not known yet
+                            }
                             let want = self.key_at(s, g, j);
                             match h {
                                 Some(h) if h != want => {
