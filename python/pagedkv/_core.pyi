@@ -696,9 +696,10 @@ class KVIndexer:
         (``KVCacheGroupSpec`` objects or ``"full"`` / ``"sliding_window"`` /
         ``"chunked_local"`` / ``"state"``; None: one full-attention group). Only the first
         full-attention group's events are indexed: a sliding-window, chunked-local or state
-        group's blocks serve no prefix on their own (llm-d-router #2362). Workers are also registered as ``"engine"`` with one
-        full-attention group by their first ``apply``. Raises ``InvalidArgumentError`` if
-        already registered, for another ``hash_source``, an empty ``groups`` or another kind.
+        group's blocks serve no prefix on their own (llm-d-router #2362). Workers are also
+        registered as ``"engine"`` with one full-attention group by their first ``apply``.
+        Raises ``InvalidArgumentError`` if already registered, for another ``hash_source``, an
+        empty ``groups`` or another kind.
         """
     def remove_worker(self, worker_id: int) -> bool:
         """Drops the worker and all its entries (dead or restarted); False if unknown."""
