@@ -307,7 +307,9 @@ def _check_mamba_group(
     the live state at block ``(n - 1) // block_size`` (the table vLLM's model runner reads),
     published to the prefix cache once the step that wrote it completed. Refused, naming
     the setting: other cache modes (``"all"``, ``"none"``), prefix caching off, speculative
-    state blocks (``num_speculative_blocks > 0``) or any drafter, prefill checkpoint blocks,
+    state blocks (``num_speculative_blocks > 0``, what vLLM sets for an MTP / EAGLE drafter on
+    a hybrid model) or any drafter (docs/design/vllm-mamba.md, "Speculative decoding
+    (refused)", says what serving them takes), prefill checkpoint blocks,
     shared-prefix checkpoints, a Mamba block size other than the scheduler block size,
     prefix hashes finer than the block (vLLM's partial state hits), groups other than full
     attention beside it, KV connectors and async scheduling."""
@@ -334,7 +336,13 @@ def _check_mamba_group(
             "Mamba 'align' mode needs prefix caching on (vLLM's model runner requires it)",
         )
     for name, reason in (
-        ("num_speculative_blocks", "speculative state blocks (MTP / EAGLE with Mamba layers) are not managed"),
+        (
+            "num_speculative_blocks",
+            "speculative state blocks (MTP / EAGLE with Mamba layers) are not managed: vLLM's runner "
+            "keeps them after the live state column, writes the drafts' states there and copies "
+            "an accepted aligned state into the column the live state left, which pagedkv's state "
+            "groups have released by then",
+        ),
         ("num_prefill_checkpoint_blocks", "prefill checkpoint blocks (internal Mamba checkpoints) are not managed"),
     ):
         if (_attr(spec, name, 0) or 0) > 0:
@@ -377,7 +385,8 @@ def _check_mamba_group(
         raise _refuse(
             "speculative_config",
             type(_attr(vllm_config, "speculative_config")).__name__,
-            "speculative decoding with Mamba layers is not managed (drafts would advance the state in place)",
+            "speculative decoding with Mamba layers is not managed (drafts advance the state in place; "
+            "serving them needs vLLM's speculative state blocks, see docs/design/vllm-mamba.md)",
         )
     if _attr(_attr(vllm_config, "scheduler_config"), "async_scheduling", False):
         raise _refuse(
