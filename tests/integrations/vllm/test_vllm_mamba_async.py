@@ -51,6 +51,8 @@ class FenceChecker:
     def __init__(self, scheduler: Any) -> None:
         self.kvm: PagedKVCacheManager = scheduler.kv_cache_manager
         self.published = 0
+        # (request, group, column, block) of the states the commits published.
+        self.committed: set[tuple[str, int, int, int]] = set()
         commit = self.kvm.commit_steps
 
         def checked_commit(ends: dict[str, int], holdings: dict[str, int] | None = None, step: int = 0) -> int:
@@ -59,6 +61,7 @@ class FenceChecker:
             pool = self.kvm._kvm.pool
             for (rid, g, j), (block, digest) in before.items():
                 if digest is None and pool.block_hash(block) is not None:
+                    self.committed.add((rid, g, j, block))
                     assert (j + 1) * BS <= ends[rid], (
                         f"{rid} group {g}: the state after {(j + 1) * BS} tokens published by the "
                         f"commit of a step ending at {ends.get(rid)}"
@@ -102,6 +105,15 @@ class FencedDriver(AsyncDriver):
             return out
 
         sched.schedule = checked_schedule
+        update = sched.update_from_output
+
+        def checked_update(*args: Any, **kwargs: Any) -> Any:
+            before = self.fence.hashed()
+            out = update(*args, **kwargs)
+            assert self.fence.hashed() - before <= self.fence.committed, "a state was published outside a commit"
+            return out
+
+        sched.update_from_output = checked_update
 
 
 class FenceWaitingAsyncScheduler(AsyncScheduler):
