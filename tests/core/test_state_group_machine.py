@@ -302,7 +302,7 @@ class StateGroupMachine(RuleBasedStateMachine):
 
     @rule(
         i=st.integers(0, 99),
-        kind=st.sampled_from(["drafts", "step_drafts", "lookahead", "fork", "external", "demand", "rollback"]),
+        kind=st.sampled_from(["lookahead", "fork", "external", "demand", "rollback"]),
     )
     def refused(self, i: int, kind: str) -> None:
         sid = self.pick(i)
@@ -314,13 +314,7 @@ class StateGroupMachine(RuleBasedStateMachine):
             return  # nothing to roll back
         before = self.snapshot()
         with pytest.raises(pagedkv.InvalidArgumentError):
-            if kind == "drafts":
-                self.m.allocate_slots(sid, 1, draft_token_ids=[7, 8])
-            elif kind == "step_drafts":  # the batched path reports the error in the output
-                out = self.m.step([sid], 1, draft_token_ids=[[7, 8]])
-                assert out.num_scheduled == 0
-                out.raise_for_error()
-            elif kind == "lookahead":
+            if kind == "lookahead":
                 self.m.allocate_slots(sid, 1, num_lookahead_slots=2)
             elif kind == "fork":
                 self.m.fork(sid, self.next_id + 1000)

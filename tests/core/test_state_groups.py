@@ -145,9 +145,6 @@ def test_commit_errors_and_refusals_change_nothing() -> None:
     with pytest.raises(UnknownSequenceError):
         m.commit_computed(99, 0)
     with pytest.raises(InvalidArgumentError, match="speculative decoding"):
-        m.allocate_slots(1, 2, draft_token_ids=[3, 4])
-    unchanged()
-    with pytest.raises(InvalidArgumentError, match="speculative decoding"):
         m.allocate_slots(1, 2, num_lookahead_slots=2)
     unchanged()
     with pytest.raises(InvalidArgumentError, match="state groups"):
@@ -219,3 +216,31 @@ def make_full_only() -> KVCacheManager:
     m.step([1], [8]).raise_for_error()
     assert m.commit_all_computed([1]) == 0  # no state group: nothing to publish
     return m
+
+
+def test_placeholder_slots_move_the_state_and_are_never_rejected() -> None:
+    # An async scheduler's slot for a token not known yet is a draft slot: with a state group
+    # the live state moves over it, the placeholder is settled keeping its blocks, and the
+    # token, once appended, is computed into them; the state after the aligned end waits
+    # for its commit. Rejecting a placeholder while giving its blocks back is refused.
+    m = make()
+    t = toks(9, 0)
+    m.add_sequence(1, t[:8])
+    m.allocate_slots(1, 8)
+    out = m.allocate_slots(1, 0, draft_token_ids=[0])
+    state = out.new_block_ids[out.new_block_indptr[1] : out.new_block_indptr[2]].tolist()
+    assert len(state) == 1 and m.block_table(1, 1).tolist()[-1] == state[0]
+    m.check_invariants()
+    before = [x.tolist() for x in m.block_tables(1)]
+    with pytest.raises(InvalidArgumentError, match="placeholder"):
+        m.accept_drafts(1, 0)
+    assert [x.tolist() for x in m.block_tables(1)] == before and m.num_draft_tokens(1) == 1
+    m.accept_drafts(1, 0, release_blocks=False)
+    m.add_sequence(2, t)
+    assert m.lookup_prefix(2) == 0, "the state after 8 is not committed"
+    m.append_tokens(1, t[8:])
+    again = m.allocate_slots(1, 1)
+    assert len(again.new_block_ids) == 0 and len(again.copies) == 0
+    assert m.commit_computed(1, 8) == 1
+    assert m.lookup_prefix(2) == 8
+    m.check_invariants()

@@ -337,6 +337,9 @@ struct Seq {
     /// State groups: aligned state ends at or below this are never published (their steps'
     /// completion was not confirmed before a swap-out); 0 when none.
     publish_floor: usize,
+    /// State groups: the slots the live state covers, placeholder slots included (see
+    /// [`Seq::state_end`]); 0 when no placeholder slot ever ran past the computed tokens.
+    state_slots: usize,
 }
 
 impl Seq {
@@ -344,6 +347,14 @@ impl Seq {
     /// blocks a rollback kept.
     fn covered(&self) -> usize {
         (self.num_computed + self.drafts.len()).max(self.rewrite_to)
+    }
+
+    /// State groups: the token count the live state is the state after: the computed
+    /// tokens, or further where placeholder slots (drafts of tokens whose ids were not known,
+    /// an asynchronous scheduler's) ran past them and were settled keeping their blocks. The
+    /// live state block is `(state_end - 1) / block_size`.
+    fn state_end(&self) -> usize {
+        self.state_slots.max(self.num_computed + self.drafts.len())
     }
 
     fn is_first(&self) -> bool {
@@ -570,6 +581,7 @@ impl KvCacheManager {
                 tainted_from: usize::MAX,
                 hit_limit: usize::MAX,
                 publish_floor: 0,
+                state_slots: 0,
             },
         );
         Ok(())
@@ -1020,10 +1032,10 @@ impl KvCacheManager {
                 continue;
             }
             let bs = spec.block_size as usize;
-            let live = (s.num_computed - 1) / bs;
+            let live = (s.state_end() - 1) / bs;
             let upto = (num_tokens / bs).min(s.tables[g].blocks.len());
             let picked: Vec<usize> = (0..upto)
-                .filter(|&j| self.state_pending(s, g, j, s.num_computed))
+                .filter(|&j| self.state_pending(s, g, j, s.state_end()))
                 .collect();
             published += picked.len();
             self.register(s, g, &picked, ev, true);
@@ -1181,6 +1193,7 @@ impl KvCacheManager {
             s.rewrite_to = 0;
             s.tainted_from = usize::MAX;
             s.publish_floor = 0;
+            s.state_slots = 0;
             st.seqs.insert(*id, s);
         }
         self.absorb(st, ev);
@@ -1243,7 +1256,7 @@ impl KvCacheManager {
         for id in seqs {
             if self.has_state {
                 let s = st.seqs.get_mut(id).expect("checked");
-                s.publish_floor = s.num_computed;
+                s.publish_floor = s.state_end();
             }
         }
         let mut map = HashMap::with_capacity(order.len());
@@ -1882,10 +1895,10 @@ impl KvCacheManager {
         for id in seqs {
             let s = st.seqs.get_mut(id).expect("checked");
             for (g, spec) in self.cfg.groups.iter().enumerate() {
-                if !spec.is_state() || s.num_computed == 0 {
+                if !spec.is_state() || s.state_end() == 0 {
                     continue;
                 }
-                let live = (s.num_computed - 1) / spec.block_size as usize;
+                let live = (s.state_end() - 1) / spec.block_size as usize;
                 let t = &mut s.tables[g];
                 for j in 0..t.blocks.len() {
                     if j != live && t.blocks[j] != NULL_BLOCK {

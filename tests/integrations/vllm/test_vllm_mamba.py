@@ -268,11 +268,12 @@ def test_mamba_refusals_name_the_setting(kv: dict[str, Any], field: str) -> None
     assert field in err.value.field
 
 
-def test_mamba_refuses_async_scheduling_and_partial_hashes() -> None:
-    vc = _config(64, async_scheduling=True)
-    with pytest.raises(UnsupportedVllmConfigError) as err:
-        _build(vc=vc)
-    assert err.value.field == "scheduler_config.async_scheduling"
+def test_mamba_serves_async_scheduling_and_refuses_partial_hashes() -> None:
+    # Async scheduling is served (test_vllm_mamba_async.py runs it against stock).
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    sched = _build(vc=_config(64, async_scheduling=True))
+    assert isinstance(sched, AsyncScheduler) and sched.kv_cache_manager.async_scheduling
     vc = _config(64)
     vc.cache_config.mamba_cache_mode = "all"
     with pytest.raises(UnsupportedVllmConfigError) as err:

@@ -305,14 +305,15 @@ def _check_mamba_group(
     """A Mamba / linear-attention group (``MambaSpec``: Mamba-2, GDN...) is served as a pagedkv
     state group in vLLM's ``align`` cache mode only: one state per block-aligned step end,
     the live state at block ``(n - 1) // block_size`` (the table vLLM's model runner reads),
-    published to the prefix cache once the step that wrote it completed. Refused, naming
-    the setting: other cache modes (``"all"``, ``"none"``), prefix caching off, speculative
-    state blocks (``num_speculative_blocks > 0``, what vLLM sets for an MTP / EAGLE drafter on
-    a hybrid model) or any drafter (docs/design/vllm-mamba.md, "Speculative decoding
-    (refused)", says what serving them takes), prefill checkpoint blocks,
-    shared-prefix checkpoints, a Mamba block size other than the scheduler block size,
+    published to the prefix cache once the step that wrote it completed (under async
+    scheduling too: a slot whose token is not known yet is a placeholder slot whose state is
+    kept). Refused, naming the setting: other cache modes (``"all"``, ``"none"``), prefix
+    caching off, speculative state blocks (``num_speculative_blocks > 0``, what vLLM sets for
+    an MTP / EAGLE drafter on a hybrid model) or any drafter (docs/design/vllm-mamba.md,
+    "Speculative decoding (refused)", says what serving them takes), prefill checkpoint
+    blocks, shared-prefix checkpoints, a Mamba block size other than the scheduler block size,
     prefix hashes finer than the block (vLLM's partial state hits), groups other than full
-    attention beside it, KV connectors and async scheduling."""
+    attention beside it and KV connectors."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
     field = f"kv_cache_config.kv_cache_groups[{g}].kv_cache_spec"
@@ -387,11 +388,4 @@ def _check_mamba_group(
             type(_attr(vllm_config, "speculative_config")).__name__,
             "speculative decoding with Mamba layers is not managed (drafts advance the state in place; "
             "serving them needs vLLM's speculative state blocks, see docs/design/vllm-mamba.md)",
-        )
-    if _attr(_attr(vllm_config, "scheduler_config"), "async_scheduling", False):
-        raise _refuse(
-            "scheduler_config.async_scheduling",
-            True,
-            "with Mamba layers the plug-in serves synchronous scheduling only (a state step "
-            "needs its token ids known when allocated; use --no-async-scheduling)",
         )

@@ -412,12 +412,20 @@ class PagedKVCacheManager(SharedManagerCalls):
         # allocation's state hit, shown in the request's table until its next allocation
         # (vLLM's model runner copies the hit state from that column; pagedkv released it).
         self._state_sources: dict[str, dict[int, tuple[int, int]]] = {}
-        # (request id, aligned end) of the allocations of the current step: states vLLM caches
-        # at allocation and lets no other request hit before its next step.
-        self._step_states: list[tuple[str, int]] = []
+        # (request id, aligned end, step it was noted in, step that writes it, the request's
+        # holding) of states vLLM caches at allocation and lets no other request hit before
+        # its next step; under async scheduling a state written by a step in flight stays
+        # unpublished until that step's commit, so hits on it wait until then.
+        self._step_states: list[tuple[str, int, int, int, int]] = []
+        # Steps scheduled so far (``new_step_starts``) and the latest one committed.
+        self._step_no = 0
+        self._committed_step = 0
         # Requests whose prefix hit vLLM would take from a state of the current step: their
         # first allocation waits a step, as vLLM's Mamba manager makes it wait.
         self._wait_a_step: set[str] = set()
+        # Request id -> how many times it was freed or preempted: a step's ends are committed
+        # only for the holding of the request that the step ran (``commit_steps``).
+        self._releases: dict[str, int] = {}
         # New attention blocks since the last take_new_block_ids (zeroed by vLLM's worker when
         # Mamba layers share the pool).
         self._new_attention_ids: list[int] = []
@@ -1036,11 +1044,16 @@ class PagedKVCacheManager(SharedManagerCalls):
             return self.empty_kv_cache_blocks
         return PagedKVBlocks(tuple(groups))
 
-    def _note_state_step(self, rid: str, out: Any, first: bool, ctx: int, end: int) -> None:
+    def _note_state_step(
+        self, rid: str, out: Any, first: bool, ctx: int, end: int, written_before: bool = False
+    ) -> None:
         """Records what an allocation did to ``rid``'s state groups: a first allocation's hit
         state (its copy source, shown in the table until the next allocation) and an aligned
         step end (a state vLLM caches at allocation, so hits on it wait a step); ``ctx`` /
-        ``end``: the step's first and end positions."""
+        ``end``: the step's first position and the end of the tokens this allocation made
+        known and computed (the step's end in synchronous scheduling; under async scheduling
+        the known tokens' end, 0 when none became known; ``written_before``: the state there
+        was written by the request's previous step, not this one)."""
         bs = self.block_size
         if first and out.num_cached_tokens:
             hit = int(out.num_cached_tokens)
@@ -1048,13 +1061,17 @@ class PagedKVCacheManager(SharedManagerCalls):
             sources = {int(g): (idx, int(src)) for g, src, _ in out.copies.tolist() if int(g) in self._state_groups}
             if sources:
                 self._state_sources[rid] = sources
+        step = self._step_no
+        holding = self._releases.get(rid, 0)
         if self._recache_prompt_hit and 0 < ctx == (self._requests[rid].num_prompt_tokens - 1) // bs * bs:
             # vLLM 0.32 caches the state at the prompt's last aligned boundary again when a
-            # step starts there (a hit or the previous chunk's end; 0.33 does not), so its
-            # siblings wait a step for it.
-            self._step_states.append((rid, ctx))
-        if end % bs == 0:
-            self._step_states.append((rid, end))
+            # step starts there (a hit or the previous chunk's end, written by an earlier
+            # step; 0.33 does not), so its siblings wait a step for it.
+            self._step_states.append((rid, ctx, step, step - 1, holding))
+        if end and end % bs == 0:
+            # Written by this step, or (async scheduling, a decode whose input token just
+            # became known) by the request's previous one.
+            self._step_states.append((rid, end, step, step - 1 if written_before else step, holding))
 
     def _pending_state_hit(self, request: Any, seq: int, hit: int, limit: int) -> tuple[int, int]:
         """vLLM's view of a waiting request's hit with state groups: ``(longest, pending)``:
@@ -1070,12 +1087,16 @@ class PagedKVCacheManager(SharedManagerCalls):
         if self._step_states:
             tokens = request.all_token_ids
             key = _identity(request)
-            for rid, end in self._step_states:
+            for rid, end, noted, written, holding in self._step_states:
                 other = self._requests.get(rid)
                 # vLLM keys its cached-this-step set by hash: a state of this step at the hit
                 # itself (the same prefix) makes the request wait as well.
                 if other is None or rid == request.request_id or not (max(pending, hit, 1) <= end <= longest):
                     continue
+                if noted != self._step_no and (
+                    written <= self._committed_step or self._releases.get(rid, 0) != holding
+                ):
+                    continue  # committed by now (published), or its writer was preempted
                 if other.all_token_ids[:end] == tokens[:end] and _identity(other) == key:
                     pending = end
         return longest, pending
@@ -1376,8 +1397,11 @@ class PagedKVCacheManager(SharedManagerCalls):
         allocation). With ``num_lookahead_tokens`` (EAGLE / MTP) the slots run that much further
         (capped at ``max_model_len``): the unknown slots then always take placeholder drafts
         and the lookahead ones spare blocks, unless the blocks pagedkv holds (spare ones
-        included) cover them all. Raises ``VllmStateMismatchError`` when pagedkv holds more
-        computed tokens than vLLM counts.
+        included) cover them all. With state groups (align-mode Mamba) every unknown slot is a
+        placeholder slot (the live state moves over it; settled keeping its blocks), and the
+        aligned state the newly known tokens reach is noted for vLLM's wait (a decode's: the
+        one its previous step wrote, published at that step's commit). Raises
+        ``VllmStateMismatchError`` when pagedkv holds more computed tokens than vLLM counts.
         """
         rid = request.request_id
         computed = request.num_computed_tokens if base is None else base
@@ -1396,7 +1420,12 @@ class PagedKVCacheManager(SharedManagerCalls):
         lookahead = num_lookahead_tokens
         if lookahead and self.max_model_len is not None:
             lookahead = max(0, min(lookahead, self.max_model_len - end))
-        if num_lookahead_tokens:
+        if self._state_groups:
+            # A state group's live state moves with vLLM's slots: every unknown slot is a
+            # placeholder slot (its state is kept when it is settled, and the block a slot
+            # opens is the one the runner writes the state to).
+            num_unknown = end - known_end
+        elif num_lookahead_tokens:
             # Every slot's block is in pagedkv's tables (spare lookahead blocks included).
             covered = min(len(self._kvm.block_table(seq, g)) * b for g, b in enumerate(self.group_block_sizes))
             num_unknown = end - known_end if num_known_new or end + lookahead > covered else 0
@@ -1423,6 +1452,18 @@ class PagedKVCacheManager(SharedManagerCalls):
         out = self._allocate_one(seq, num_known_new, [0] * num_unknown if num_unknown else None, lookahead)
         if out is None:
             return None
+        if self._state_groups:
+            # vLLM caches the states its known tokens reach (a decode's: the one the step in
+            # flight writes, once its input token is known), so a hit on one waits a step.
+            self._note_state_step(rid, out, False, computed, known_end if num_known_new else 0, known_end < end)
+            prompt = request.num_prompt_tokens
+            if self._recache_prompt_hit and computed == known_end == prompt and end > known_end:
+                # vLLM 0.32 under async scheduling also marks the state at the prompt's last
+                # aligned boundary again at the first decode (its input token not known yet).
+                boundary = (prompt - 1) // self.block_size * self.block_size
+                if boundary:
+                    step = self._step_no
+                    self._step_states.append((rid, boundary, step, step - 1, self._releases.get(rid, 0)))
         if num_unknown:
             self._unknown[rid] = end
             self.decodes.close_window(rid)
@@ -1571,6 +1612,10 @@ class PagedKVCacheManager(SharedManagerCalls):
         if self._state_groups:
             self._state_sources.pop(rid, None)
             self._wait_a_step.discard(rid)
+            if request.is_finished():
+                self._releases.pop(rid, None)
+            else:
+                self._releases[rid] = self._releases.get(rid, 0) + 1
         if seq is None:
             self._check_unallocated_free(request)
             return None
@@ -1708,9 +1753,14 @@ class PagedKVCacheManager(SharedManagerCalls):
     # ---- per-step hooks --------------------------------------------------------------------
 
     def new_step_starts(self) -> None:
-        """A new ``schedule()`` starts: the states written by the previous step's allocations
-        no longer make a hit wait (vLLM clears its cached-this-step set here)."""
-        self._step_states.clear()
+        """A new ``schedule()`` starts: the states noted by the previous step's allocations
+        no longer make a hit wait (vLLM clears its cached-this-step set here), except, under
+        async scheduling, those written by a step not committed yet (pagedkv publishes a state
+        only at its step's commit, so a hit on it waits until then)."""
+        self._step_no += 1
+        if self._step_states:
+            committed = self._committed_step
+            self._step_states = [e for e in self._step_states if e[3] > committed]
 
     def take_new_block_ids(self) -> list[int]:
         """The attention groups' blocks taken since the last call (prefix-hit blocks
@@ -1720,14 +1770,38 @@ class PagedKVCacheManager(SharedManagerCalls):
         ids, self._new_attention_ids = self._new_attention_ids, []
         return ids
 
-    def commit_steps(self, ends: dict[str, int]) -> int:
+    @property
+    def step_no(self) -> int:
+        """How many ``schedule()`` calls started so far (``new_step_starts``): the number of
+        the step being scheduled, given back to :meth:`commit_steps`."""
+        return self._step_no
+
+    def step_holdings(self, request_ids: Any) -> dict[str, int]:
+        """Per request id, which holding of it (how many times it was freed or preempted
+        before) a step scheduled now runs: given back to :meth:`commit_steps` with the step's
+        ends, so a request preempted and resumed while the step was in flight commits
+        nothing of it."""
+        releases = self._releases
+        return {rid: releases.get(rid, 0) for rid in request_ids}
+
+    def commit_steps(self, ends: dict[str, int], holdings: dict[str, int] | None = None, step: int = 0) -> int:
         """The commit fence: the step that brought each request id of ``ends`` to its end
         position (tokens) has completed, so pagedkv publishes the aligned states it wrote
         (``KVCacheManager.commit_computed``). Requests no longer held (finished, preempted)
-        are skipped. Returns the states published. Called by the scheduler's
-        ``update_from_output``, never at allocation."""
+        are skipped, and with ``holdings`` (:meth:`step_holdings` when the step was
+        scheduled) those preempted since, even if resumed. ``step``: the step's number
+        (:attr:`step_no` when it was scheduled): hits waiting for its states stop waiting.
+        Returns the states published. Called by the scheduler's ``update_from_output``, in
+        step order, never at allocation.
+
+        Under async scheduling a step's end can lie past the tokens pagedkv holds computed
+        (the request was not scheduled again since its last input token became known): the
+        tokens vLLM knows by now are appended and computed into the slots the step held (no
+        block is taken) before the commit, so the state's prefix key covers known tokens only.
+        Raises ``VllmStateMismatchError`` if that would take a block."""
         if not self._state_groups:
             return 0
+        self._committed_step = max(self._committed_step, step)
         self._sync()
         published = 0
         whole: list[int] = []
@@ -1735,7 +1809,12 @@ class PagedKVCacheManager(SharedManagerCalls):
             seq = self._seq_of.get(rid)
             if seq is None or self._kvm.status(seq) != "running":
                 continue
-            if int(self._kvm.num_computed_tokens(seq)) <= end:
+            if holdings is not None and self._releases.get(rid, 0) != holdings.get(rid, 0):
+                continue  # preempted (and resumed) since the step was scheduled
+            held = int(self._kvm.num_computed_tokens(seq))
+            if held < end and self.async_scheduling:
+                held = self._fill_known(rid, seq, end)
+            if held <= end:
                 whole.append(seq)
             else:
                 # Computed past the reported step (never in synchronous scheduling).
@@ -1744,6 +1823,29 @@ class PagedKVCacheManager(SharedManagerCalls):
             # Every computed token of these: one call (one lock) for the step.
             published += int(self._kvm.commit_all_computed(whole))
         return published
+
+    def _fill_known(self, rid: str, seq: int, end: int) -> int:
+        """Async scheduling, at a commit: ``rid``'s tokens known by now, up to ``end``, are
+        appended and computed into the slots pagedkv holds for them (its placeholders
+        settled first). Returns pagedkv's computed count after."""
+        request = self._requests[rid]
+        self._register(request)
+        held = int(self._kvm.num_computed_tokens(seq))
+        target = min(end, request.num_tokens)
+        if target > held:
+            out = self._kvm.allocate_slots(seq, target - held)
+            if len(out.new_block_ids):
+                raise VllmStateMismatchError(
+                    f"request {rid!r}: computing its known tokens up to {target} at the commit "
+                    f"took {len(out.new_block_ids)} new block(s); vLLM holds them already",
+                    request_id=rid,
+                    quantity="new blocks",
+                    expected="0",
+                    got=str(len(out.new_block_ids)),
+                )
+            held = target
+            self.decodes.close_window(rid)
+        return held
 
     def take_events(self) -> list[Any]:
         """KV events since the last call as ``vllm.distributed.kv_events`` objects, each

@@ -126,9 +126,10 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
             hash_algo=self.cache_config.prefix_caching_hash_algo,
         )
         self.kv_cache_manager.defer_decodes = self.batch_decode
-        # Mamba (state) groups: id(scheduler output) -> (it, request id -> end after the step),
-        # committed when vLLM reports the step (the commit fence).
-        self._step_ends: dict[int, tuple[Any, dict[str, int]]] = {}
+        # Mamba (state) groups: id(scheduler output) -> (it, request id -> end after the step,
+        # request id -> its holding, the step's number), committed when vLLM reports the step
+        # (the commit fence).
+        self._step_ends: dict[int, tuple[Any, dict[str, int], dict[str, int], int]] = {}
         # Slots past a request's known tokens are output placeholders (see the module docs).
         self.kv_cache_manager.async_scheduling = isinstance(self, AsyncScheduler)
         if self.connector is not None:
@@ -163,7 +164,8 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
         if self.kv_cache_manager._state_groups:
             requests = self.requests
             ends = {rid: requests[rid].num_computed_tokens for rid in out.num_scheduled_tokens if rid in requests}
-            self._step_ends[id(out)] = (out, ends)
+            kvm = self.kv_cache_manager
+            self._step_ends[id(out)] = (out, ends, kvm.step_holdings(ends), kvm.step_no)
         return out
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
@@ -173,7 +175,7 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
         a request it finished (a state freed before its commit is never published)."""
         entry = self._step_ends.pop(id(scheduler_output), None) if self._step_ends else None
         if entry is not None:
-            self.kv_cache_manager.commit_steps(entry[1])
+            self.kv_cache_manager.commit_steps(entry[1], entry[2], entry[3])
         return super().update_from_output(scheduler_output, model_runner_output)
 
     # ---- KV connectors ---------------------------------------------------------------------

@@ -167,6 +167,13 @@ impl KvCacheManager {
         out.num_cached_tokens = if plan.first { plan.context } else { 0 };
         out.num_context_tokens = plan.context + plan.external;
         out.num_draft_tokens = drafts.len();
+        // State groups: the slots the live state covers after the call (drafts are
+        // placeholder slots there; a settled placeholder's slots are never given back).
+        let state_end = if plan.first {
+            plan.context + plan.q + drafts.len()
+        } else {
+            (plan.context + plan.q + drafts.len()).max(s.state_end())
+        };
         // State groups: the blocks their live states move out of (read before the releases).
         let state_src: SmallVec<[Option<BlockId>; 1]> = plan
             .groups
@@ -234,8 +241,9 @@ impl KvCacheManager {
             }
             let spec = self.cfg.groups[g];
             if spec.is_state() {
-                // The live state's block at (end - 1) / bs; null entries before it.
-                let live = (plan.context + plan.q - 1) / spec.block_size as usize;
+                // The live state's block at (end - 1) / bs (placeholder slots included);
+                // null entries before it.
+                let live = (state_end - 1) / spec.block_size as usize;
                 if gp.fresh == 1 {
                     t.blocks.resize(live, NULL_BLOCK);
                     let b = fresh.next().expect("allocated");
@@ -287,6 +295,9 @@ impl KvCacheManager {
             }
         }
         s.drafts = drafts.to_vec();
+        if self.has_state {
+            s.state_slots = state_end;
+        }
         if s.rewrite_to <= s.num_computed {
             s.rewrite_to = 0;
         }
@@ -429,6 +440,17 @@ impl KvCacheManager {
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         validate_accept(seq, s.status, s.drafts.len(), num_accepted)?;
+        if self.has_state && release && num_accepted < s.drafts.len() {
+            return Err(Error::InvalidArgument {
+                arg: "num_accepted",
+                value: num_accepted.to_string(),
+                reason: format!(
+                    "with state groups a draft slot is a placeholder whose state is kept: settle \
+                     the {} draft(s) of sequence {seq} keeping their blocks",
+                    s.drafts.len()
+                ),
+            });
+        }
         let end = s.num_computed + num_accepted;
         let keep: Vec<usize> = (0..self.num_groups())
             .map(|g| end.div_ceil(self.cfg.groups[g].block_size as usize))

@@ -450,16 +450,15 @@ impl KvCacheManager {
         if !s.drafts.is_empty() {
             return Err(drafts_pending(seq, "allocate_slots"));
         }
-        if self.has_state && (num_drafts > 0 || lookahead > 0) {
+        // Draft slots of a state group are placeholder slots (tokens whose ids are not known
+        // yet, written by the step in place): the state after them is kept, so they are never
+        // rejected (`accept_drafts` keeping blocks); spare lookahead slots have no state.
+        if self.has_state && lookahead > 0 {
             return Err(Error::InvalidArgument {
-                arg: if num_drafts > 0 {
-                    "draft_tokens"
-                } else {
-                    "num_lookahead"
-                },
-                value: format!("{} token(s)", num_drafts + lookahead),
-                reason: "speculative decoding (drafts, lookahead slots) is not supported with \
-                         state groups: a rejected draft cannot be rolled out of a recurrent state"
+                arg: "num_lookahead",
+                value: format!("{lookahead} token(s)"),
+                reason: "lookahead slots (speculative decoding) are not supported with state \
+                         groups: a rejected draft cannot be rolled out of a recurrent state"
                     .into(),
             });
         }
@@ -536,8 +535,11 @@ impl KvCacheManager {
             let mut gp = GroupPlan::default();
             let (mut take, mut release) = (0, 0);
             if spec.is_state() {
-                // The live state moves to block (end - 1) / bs; nothing else is taken.
-                let live = (end - 1) / bs;
+                // The live state moves to block (end - 1) / bs; nothing else is taken. Slots
+                // a settled placeholder ran past the computed tokens hold the state already:
+                // it moves from there, and not back.
+                let prev = s.state_end();
+                let live = (end.max(prev) - 1) / bs;
                 if first {
                     // The hit block is not taken: it is only the copy source of the fresh live
                     // block (copies run before any write of the step, so an eviction of it by
@@ -546,11 +548,11 @@ impl KvCacheManager {
                     gp.fresh = 1;
                     gp.hits = hits;
                 } else {
-                    let old = (context - 1) / bs;
+                    let old = (prev - 1) / bs;
                     if old != live {
                         gp.fresh = 1;
                         gp.state_src = Some(old);
-                        if !self.state_pending(s, g, old, context) {
+                        if !self.state_pending(s, g, old, prev) {
                             gp.release.push(old);
                             if sim.refc(t.blocks[old]) == 1 {
                                 release += 1;

@@ -97,7 +97,14 @@ impl KvCacheManager {
                             ));
                         }
                         // Lookahead blocks (only draft slots, or spare): private, never hashed.
-                        for &b in &t.blocks[slots.div_ceil(bs)..] {
+                        // (A state group's live state past the computed tokens, a placeholder
+                        // slot's, is checked with its table below.)
+                        let lookahead_from = if spec.is_state() {
+                            t.blocks.len()
+                        } else {
+                            slots.div_ceil(bs)
+                        };
+                        for &b in &t.blocks[lookahead_from..] {
                             if b == NULL_BLOCK
                                 || self.pool.ref_count(b) != 1
                                 || self.pool.block_hash(b).is_some()
@@ -219,7 +226,7 @@ impl KvCacheManager {
         gpu_refs: &mut HashMap<BlockId, u32>,
     ) -> std::result::Result<(), String> {
         let bs = self.cfg.groups[g].block_size as usize;
-        let n = s.num_computed;
+        let n = s.state_end();
         let live = (n > 0).then(|| (n - 1) / bs);
         for j in 0..s.tables[g].blocks.len() {
             let b = s.tables[g].blocks[j];

@@ -26,23 +26,23 @@ impl KvCacheManager {
 
     /// Whether the state in block `j` of state group `g` of `s` awaits its commit: it is
     /// the state after exactly `(j + 1) * block_size` tokens (an aligned step end: block `j`
-    /// is not the live block, or the live block of `num_computed` tokens with `num_computed`
-    /// aligned), above the sequence's publish floor, publishable by the retention rule, and
-    /// not published yet.
-    pub(super) fn state_pending(&self, s: &Seq, g: usize, j: usize, num_computed: usize) -> bool {
+    /// is not the live block, or the live block of a state after `state_end` tokens
+    /// ([`Seq::state_end`]) with `state_end` aligned), above the sequence's publish floor,
+    /// publishable by the retention rule, and not published yet.
+    pub(super) fn state_pending(&self, s: &Seq, g: usize, j: usize, state_end: usize) -> bool {
         let spec = &self.cfg.groups[g];
         let bs = spec.block_size as usize;
         let end = (j + 1) * bs;
         let Some(&b) = s.tables[g].blocks.get(j) else {
             return false;
         };
-        let live = num_computed > 0 && j == (num_computed - 1) / bs;
+        let live = state_end > 0 && j == (state_end - 1) / bs;
         b != NULL_BLOCK
             && self.cfg.enable_prefix_caching
             && !s.stale_kv
             && end > s.publish_floor
             && end <= s.tainted_from
-            && (!live || num_computed == end)
+            && (!live || state_end == end)
             && self.registers_at_fill(spec, j)
             && !self.pool.is_hashed(b)
     }
