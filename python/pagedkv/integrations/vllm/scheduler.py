@@ -173,7 +173,9 @@ class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
         first the commit fence: the states it wrote at block-aligned ends are published in
         pagedkv's prefix cache (``PagedKVCacheManager.commit_steps``), before vLLM may free
         a request it finished (a state freed before its commit is never published)."""
-        entry = self._step_ends.pop(id(scheduler_output), None) if self._step_ends else None
+        # getattr: vLLM's own tests build schedulers field by field, without __init__.
+        steps = getattr(self, "_step_ends", None)
+        entry = steps.pop(id(scheduler_output), None) if steps else None
         if entry is not None:
             self.kv_cache_manager.commit_steps(entry[1], entry[2], entry[3])
         return super().update_from_output(scheduler_output, model_runner_output)
