@@ -4,8 +4,9 @@ A ``RuleBasedStateMachine`` drives layouts with one state group (full + state, f
 window + state, a full group of half the state group's block size, a state group aligned on
 twice the full group's block size) through adds with shared prefixes, batched ``step`` calls
 with appends, the commit fence (``commit_computed`` at, below and above the computed count,
-``commit_all_computed``), frees, recompute and swap preemption, swap-in, lookups and the
-refused operations. A small oracle written from docs/design/kv-cache-groups.md ("State groups
+``commit_all_computed``), an asynchronous scheduler's decode (a placeholder slot settled
+keeping its blocks, then its token computed into them), frees, recompute and swap preemption,
+swap-in, lookups and the refused operations. A small oracle written from docs/design/kv-cache-groups.md ("State groups
 and the commit fence") and docs/design/invariants.md (invariant 10), independent of the Rust
 code, keeps per sequence the tokens, the computed count, the live state block and the aligned
 step ends still waiting for their commit, plus the token prefixes whose state a commit
@@ -245,6 +246,57 @@ class StateGroupMachine(RuleBasedStateMachine):
             assert dst in hit_dsts and src != dst
         assert len({dst for _, _, dst in rest}) == len(rest)
         return chosen[:k]
+
+    @rule(i=st.integers(0, 99), commit=st.booleans())
+    def async_decode(self, i: int, commit: bool) -> None:
+        """An asynchronous scheduler's decode: a placeholder slot for the token being sampled
+        (a draft slot the live state moves over), settled keeping its blocks (rejecting it
+        while giving its blocks back is refused and changes nothing), then the token, once
+        known, computed into the held slots with no block taken and no copy row. The state the
+        placeholder leads to is never matchable before that and its commit."""
+        sid = self.pick(i)
+        if sid is None:
+            return
+        s = self.seqs[sid]
+        if s.status != "running" or s.computed == 0 or s.computed < len(s.tokens):
+            return
+        before = self.snapshot()
+        try:
+            out = self.m.allocate_slots(sid, 0, draft_token_ids=[0])
+        except pagedkv.OutOfBlocksError:
+            assert self.snapshot() == before
+            return
+        end = s.computed + 1
+        live = int(self.m.block_table(sid, self.sg)[(end - 1) // self.bs])
+        assert live != pagedkv.NULL_BLOCK
+        copies = [tuple(int(x) for x in r) for r in out.copies.tolist()]
+        if (end - 1) // self.bs != (s.computed - 1) // self.bs and live != s.live:
+            event("placeholder moved the live state")
+            assert copies == [(self.sg, s.live, live)]
+        else:
+            assert copies == []
+        assert len(out.zero_blocks) == 0
+        placed = self.snapshot()
+        with pytest.raises(pagedkv.InvalidArgumentError, match="placeholder"):
+            self.m.accept_drafts(sid, 0)
+        assert self.snapshot() == placed
+        released = self.m.accept_drafts(sid, 0, release_blocks=False)
+        assert all(len(r) == 0 for r in released) and self.m.num_draft_tokens(sid) == 0
+        for other in self.ids():
+            if self.seqs[other].computed == 0 and self.seqs[other].status != "swapped":
+                self.check_hit(other, self.m.lookup_prefix(other))
+        self.m.append_tokens(sid, [APPENDED])
+        s.tokens.append(APPENDED)
+        free = self.m.num_free_blocks
+        again = self.m.allocate_slots(sid, 1)
+        assert len(again.new_block_ids) == 0 and len(again.copies) == 0 and len(again.zero_blocks) == 0
+        assert self.m.num_free_blocks == free
+        s.computed, s.live = end, live
+        if self.publishable(end):
+            s.pending.add(end)
+        if commit:
+            assert self.m.commit_computed(sid, end) == self.commit_expectation(sid, end)
+            self.note_commit(sid, end)
 
     def commit_expectation(self, sid: int, n: int) -> int:
         s = self.seqs[sid]
