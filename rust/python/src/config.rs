@@ -43,8 +43,8 @@ use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
 /// ``groups`` (or missing with them), a ``block_size`` that differs from a group's, page
 /// sizes that differ between groups, a layer mapped to no group, a group without layers, a
 /// retention interval that is not a multiple of the hit unit, a host tier without prefix
-/// caching, ``hash_lookahead_tokens`` above ``MAX_HASH_LOOKAHEAD_TOKENS`` or with prefix
-/// caching off, events, a host tier or a state group.
+/// caching, ``hash_lookahead_tokens`` above 64 or with prefix caching off, events, a host
+/// tier or a state group.
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "CacheConfig")]
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PyCacheConfig {

@@ -477,6 +477,10 @@ impl PyKvCacheManager {
     /// or 1-D integer array) also gives the drafts lookahead slots at positions
     /// ``num_computed_tokens .. + k`` in the same call; they are not tokens of the sequence
     /// (nothing hashed, cached or announced for them) until ``accept_drafts`` keeps a prefix.
+    /// With a state group they are placeholder slots (an asynchronous scheduler's tokens
+    /// being sampled): the live state moves over them and they are settled keeping their
+    /// blocks (``accept_drafts(..., release_blocks=False)``), never rejected, so real drafts
+    /// of speculative decoding must not be passed there.
     ///
     /// ``num_lookahead_slots`` (a drafter with its own forward pass, EAGLE / MTP): slots past
     /// the scheduled tokens and drafts whose tokens do not exist yet, in every group; their
