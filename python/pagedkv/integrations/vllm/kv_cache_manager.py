@@ -1516,20 +1516,27 @@ class PagedKVCacheManager(SharedManagerCalls):
         if target // bs <= held // bs:
             return
         end = target - target % bs
-        out = self._kvm.allocate_slots(seq, end - held)
+        self._compute_held(rid, seq, end - held, end)
+        if end == self._num_known[rid]:
+            self.decodes.set_window(rid, end)
+        else:
+            self.decodes.close_window(rid)
+
+    def _compute_held(self, rid: str, seq: int, num_tokens: int, end: int) -> None:
+        """Computes ``num_tokens`` known tokens of ``rid`` (up to ``end``) into slots pagedkv
+        already holds for them (vLLM computed them and holds their blocks). Raises
+        ``VllmStateMismatchError`` if that took a new block (the two sides disagree on what
+        is held)."""
+        out = self._kvm.allocate_slots(seq, num_tokens)
         if len(out.new_block_ids):
             raise VllmStateMismatchError(
-                f"request {rid!r}: caching its computed tokens up to {end} took "
+                f"request {rid!r}: computing its tokens up to {end} in held slots took "
                 f"{len(out.new_block_ids)} new block(s); vLLM holds them already",
                 request_id=rid,
                 quantity="new blocks",
                 expected="0",
                 got=str(len(out.new_block_ids)),
             )
-        if end == self._num_known[rid]:
-            self.decodes.set_window(rid, end)
-        else:
-            self.decodes.close_window(rid)
 
     def _commit_load(self, request: Any, num_computed_tokens: int) -> None:
         """Ends ``request``'s async load with ``num_computed_tokens`` valid tokens."""
@@ -1833,16 +1840,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         held = int(self._kvm.num_computed_tokens(seq))
         target = min(end, request.num_tokens)
         if target > held:
-            out = self._kvm.allocate_slots(seq, target - held)
-            if len(out.new_block_ids):
-                raise VllmStateMismatchError(
-                    f"request {rid!r}: computing its known tokens up to {target} at the commit "
-                    f"took {len(out.new_block_ids)} new block(s); vLLM holds them already",
-                    request_id=rid,
-                    quantity="new blocks",
-                    expected="0",
-                    got=str(len(out.new_block_ids)),
-                )
+            self._compute_held(rid, seq, target - held, target)
             held = target
             self.decodes.close_window(rid)
         return held
