@@ -24,6 +24,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this suite)")
 
+from helpers.vllm_streams import random_tokens, shared_prefix_stream  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from pagedkv.integrations.vllm import (  # noqa: E402
@@ -114,23 +115,11 @@ def _lockstep(
     return stock, paged, records, figures
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 4000) for _ in range(n)]
-
-
-def _stream(rng: random.Random, prefix: list[int], n: int, tail: tuple[int, int], spread: int) -> Any:
-    stream: dict[int, list[tuple[str, list[int], int]]] = {}
-    for i in range(n):
-        prompt = prefix + _tokens(rng, rng.randrange(*tail))
-        stream.setdefault(rng.randrange(0, spread), []).append((f"r{i}", prompt, rng.randrange(1, 40)))
-    return stream
-
-
 @pytest.mark.parametrize("groups", [QWEN3_NEXT_GROUPS, NEMOTRON_H_GROUPS], ids=["qwen3-next", "nemotron-h"])
 def test_mamba_shared_prefix_matches_stock_step_by_step(groups: Any) -> None:
     rng = random.Random(7)
-    prefix = _tokens(rng, 150)
-    stream = _stream(rng, prefix, 12, (1, 120), 12)
+    prefix = random_tokens(rng, 150)
+    stream = shared_prefix_stream(rng, prefix, 12, (1, 120), 12)
     stock, paged, records, fig = _lockstep(groups, stream, num_blocks=600, max_num_batched_tokens=80, max_num_seqs=16)
     assert paged.outputs == stock.outputs
     assert paged.prefix_hits == stock.prefix_hits
@@ -150,7 +139,7 @@ def test_mamba_runner_columns(groups: Any) -> None:
     # other column of a running request is null (released) or a pending aligned state, and a
     # new request's hit state sits at hit // block_size - 1 of the table it is sent.
     rng = random.Random(11)
-    prefix = _tokens(rng, 100)
+    prefix = random_tokens(rng, 100)
     kv = make_mamba_kv_cache_config(400, groups, BS)
     sched = build_scheduler(
         PagedKVScheduler,
@@ -228,8 +217,8 @@ def test_mamba_under_memory_pressure_outputs_match() -> None:
     # state block fewer per request whose live state just moved (see the module docs), so
     # free blocks and then admission / preemption may diverge; outputs must agree.
     rng = random.Random(3)
-    prefix = _tokens(rng, 64)
-    stream = _stream(rng, prefix, 12, (40, 200), 6)
+    prefix = random_tokens(rng, 64)
+    stream = shared_prefix_stream(rng, prefix, 12, (40, 200), 6)
     stock, paged, records, _ = _lockstep(
         NEMOTRON_H_GROUPS, stream, num_blocks=60, strict=False, max_num_batched_tokens=128, max_num_seqs=16
     )
@@ -290,7 +279,7 @@ def test_mamba_cache_salts_and_aborts_match_stock() -> None:
     # waits for an unsalted one's states), and requests aborted mid-prefill (their pending
     # states are released unpublished; stock's are cached and freed): step by step equal.
     rng = random.Random(5)
-    prefix = _tokens(rng, 120)
+    prefix = random_tokens(rng, 120)
     drivers = []
     for cls in (Scheduler, PagedKVScheduler):
         kv = make_mamba_kv_cache_config(500, QWEN3_NEXT_GROUPS, BS)
@@ -331,8 +320,8 @@ def test_mamba_random_streams_match_stock(seed: int) -> None:
     # running-request caps: equal step by step.
     rng = random.Random(seed)
     groups = (QWEN3_NEXT_GROUPS, NEMOTRON_H_GROUPS)[seed % 2]
-    prefix = _tokens(rng, rng.randrange(0, 200))
-    stream = _stream(rng, prefix, rng.randrange(4, 14), (1, rng.randrange(2, 150)), rng.randrange(1, 15))
+    prefix = random_tokens(rng, rng.randrange(0, 200))
+    stream = shared_prefix_stream(rng, prefix, rng.randrange(4, 14), (1, rng.randrange(2, 150)), rng.randrange(1, 15))
     stock, paged, _, _ = _lockstep(
         groups,
         stream,

@@ -25,6 +25,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this suite)")
 
+from helpers.vllm_streams import random_tokens, shared_prefix_stream  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 
 from pagedkv.integrations.vllm import PagedKVCacheManager, PagedKVScheduler  # noqa: E402
@@ -232,23 +233,11 @@ def _lockstep(
     return stock, paged, records
 
 
-def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(100, 4000) for _ in range(n)]
-
-
-def _stream(rng: random.Random, prefix: list[int], n: int, tail: tuple[int, int], spread: int) -> Any:
-    stream: dict[int, list[tuple[str, list[int], int]]] = {}
-    for i in range(n):
-        prompt = prefix + _tokens(rng, rng.randrange(*tail))
-        stream.setdefault(rng.randrange(0, spread), []).append((f"r{i}", prompt, rng.randrange(1, 40)))
-    return stream
-
-
 @SHAPES
 def test_mamba_async_shared_prefix_matches_stock_step_by_step(groups: Any) -> None:
     rng = random.Random(7)
-    prefix = _tokens(rng, 150)
-    stream = _stream(rng, prefix, 12, (1, 120), 12)
+    prefix = random_tokens(rng, 150)
+    stream = shared_prefix_stream(rng, prefix, 12, (1, 120), 12)
     stock, paged, records = _lockstep(groups, stream, num_blocks=600, max_num_batched_tokens=80, max_num_seqs=16)
     assert paged.outputs == stock.outputs
     assert paged.prefix_hits == stock.prefix_hits
@@ -291,8 +280,8 @@ def test_mamba_async_random_streams_match_stock(seed: int) -> None:
     # admitted a step later.
     rng = random.Random(seed)
     groups = (QWEN3_NEXT_GROUPS, NEMOTRON_H_GROUPS)[seed % 2]
-    prefix = _tokens(rng, rng.randrange(0, 200))
-    stream = _stream(rng, prefix, rng.randrange(4, 14), (1, rng.randrange(2, 150)), rng.randrange(1, 15))
+    prefix = random_tokens(rng, rng.randrange(0, 200))
+    stream = shared_prefix_stream(rng, prefix, rng.randrange(4, 14), (1, rng.randrange(2, 150)), rng.randrange(1, 15))
     config = {
         "max_num_batched_tokens": rng.choice([32, 48, 64, 80, 128, 256]),
         "max_num_seqs": rng.choice([2, 4, 16]),
@@ -315,9 +304,9 @@ def test_mamba_async_aborts_match_stock(groups: Any) -> None:
     # Requests aborted mid-prefill and mid-decode, with steps in flight (their pending
     # states are released unpublished, their placeholders settled): step by step equal.
     rng = random.Random(5)
-    prefix = _tokens(rng, 120)
-    stream = {0: [(f"q{i}", prefix + _tokens(rng, 20 + 9 * i), 30) for i in range(6)]}
-    stream[4] = [(f"w{i}", prefix + _tokens(rng, 5 + i), 12) for i in range(3)]
+    prefix = random_tokens(rng, 120)
+    stream = {0: [(f"q{i}", prefix + random_tokens(rng, 20 + 9 * i), 30) for i in range(6)]}
+    stream[4] = [(f"w{i}", prefix + random_tokens(rng, 5 + i), 12) for i in range(3)]
 
     def abort(ids: list[str]) -> Any:
         return lambda d: d.abort(ids)
@@ -339,8 +328,8 @@ def test_mamba_async_under_memory_pressure(groups: Any, num_blocks: int) -> None
     # pool is full admission and preemption may diverge (docs/design/vllm-mamba.md); outputs
     # and finish reasons must agree, and nothing may leak.
     rng = random.Random(3)
-    prefix = _tokens(rng, 64)
-    stream = _stream(rng, prefix, 12, (40, 200), 6)
+    prefix = random_tokens(rng, 64)
+    stream = shared_prefix_stream(rng, prefix, 12, (40, 200), 6)
     stock, paged, records = _lockstep(
         groups, stream, num_blocks=num_blocks, strict=False, max_num_batched_tokens=128, max_num_seqs=16
     )
