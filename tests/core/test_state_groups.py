@@ -36,6 +36,8 @@ def test_spec_kind_and_state_bytes() -> None:
     assert g.window is None and g.chunk is None
     with pytest.raises(InvalidConfigError, match="fit in one page"):
         KVCacheGroupSpec("state", 4, 8, state_bytes=33)
+    with pytest.raises(InvalidConfigError, match="at least one byte"):
+        KVCacheGroupSpec("state", 4, 8, state_bytes=0)
     with pytest.raises(InvalidConfigError, match="takes no state_bytes"):
         KVCacheGroupSpec("full", 4, 8, state_bytes=8)
     with pytest.raises(InvalidConfigError, match="takes no window"):

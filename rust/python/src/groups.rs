@@ -53,7 +53,7 @@ pub(crate) fn config_uint(obj: &Bound<'_, PyAny>, field: &'static str, max: u64)
 /// it fresh blocks for the hit's window (``KVCacheGroupSpec.prefix_cacheable``).
 ///
 /// Raises ``InvalidConfigError`` for an unknown kind, a missing or extra ``window`` /
-/// ``chunk`` / ``state_bytes``, ``state_bytes`` above the page, ``prefix_cacheable=False`` on a
+/// ``chunk`` / ``state_bytes``, ``state_bytes`` of 0 or above the page, ``prefix_cacheable=False`` on a
 /// full or state group, or a value that is not a non-negative int.
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "KVCacheGroupSpec")]
 #[derive(Debug, Clone, PartialEq)]
@@ -123,6 +123,14 @@ impl PyGroupSpec {
                 if let Some(sb) = state_bytes {
                     let n = config_uint(sb, "state_bytes", u64::MAX)?;
                     let page = spec.page_bytes().unwrap_or(u64::MAX);
+                    if n == 0 {
+                        return Err(config_error(
+                            py,
+                            "state_bytes",
+                            n.to_string(),
+                            "a state takes at least one byte",
+                        ));
+                    }
                     if n > page {
                         return Err(config_error(
                             py,
