@@ -536,3 +536,13 @@ def test_release_skipped_blocks_releases_what_the_window_left_early() -> None:
     m.preempt([1])
     with pytest.raises(pagedkv.InvalidSequenceStateError):
         m.release_skipped_blocks(1, 20)
+
+
+def test_a_page_over_u64_is_named_as_such() -> None:
+    """One group whose page (block_size x bytes_per_token) overflows 64 bits is refused for its
+    size, not for a page-size mismatch it cannot have."""
+    huge = KVCacheGroupSpec("full", 16, 2**62)
+    assert huge.page_bytes is None
+    with pytest.raises(pagedkv.InvalidConfigError, match="at most 2\\^64 - 1 bytes") as info:
+        CacheConfig(8, groups=[huge], layer_groups=[0])
+    assert "same size" not in str(info.value)

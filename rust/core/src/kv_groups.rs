@@ -380,9 +380,20 @@ impl CacheConfig {
                 reason: "at least one group serves prefix hits".into(),
             });
         }
-        let page = self.groups[0].page_bytes();
+        let Some(page) = self.groups[0].page_bytes() else {
+            let first = &self.groups[0];
+            return Err(Error::InvalidConfig {
+                field: "groups",
+                value: format!(
+                    "group 0 page {} x {} bytes",
+                    first.block_size, first.bytes_per_token
+                ),
+                reason: "a page (block_size x bytes_per_token) must be at most 2^64 - 1 bytes"
+                    .into(),
+            });
+        };
         for (g, spec) in self.groups.iter().enumerate() {
-            if page.is_none() || spec.page_bytes() != page {
+            if spec.page_bytes() != Some(page) {
                 return Err(Error::InvalidConfig {
                     field: "groups",
                     value: format!(
@@ -393,7 +404,7 @@ impl CacheConfig {
                         "every group's page (block_size x bytes_per_token) must have the same size to share one pool; group 0's is {} x {} = {} bytes",
                         self.groups[0].block_size,
                         self.groups[0].bytes_per_token,
-                        page.map_or("more than 2^64".into(), |p| p.to_string())
+                        page
                     ),
                 });
             }
