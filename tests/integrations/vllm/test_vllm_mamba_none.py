@@ -15,8 +15,7 @@ real (non-null) blocks, and the new block ids the model runner gets (how many pe
 which are null); every request's blocks are checked distinct within the pool, and nothing is
 held at the end. Synchronous and async scheduling, MTP with ``k`` = 1..3 and a greedy fake
 verifier that rejects about one draft in three, memory pressure, aborts, and requests that run
-up to the context length (where ``k`` >= 2 drafts make vLLM take one more block, and the first
-block is freed once the computed tokens pass it). Runs under vLLM 0.33 and 0.32.
+up to the context length. Runs under vLLM 0.33 and 0.32.
 
 Runs only where vLLM is installed (``make test-vllm``).
 """
@@ -259,13 +258,14 @@ def test_aborts_lockstep(groups: Any, async_scheduling: bool) -> None:
 @SHAPES
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_context_length_edge_lockstep(groups: Any, k: int) -> None:
-    """Requests that run to the context length (160 tokens here): with ``k`` >= 2 drafts the
-    slots pass the Mamba block, vLLM takes one more block and frees the first once the computed
-    tokens pass it; the plug-in does the same."""
+    """Requests that run to the context length (160 tokens here, the Mamba block size) with
+    ``k`` drafts per step: equal step by step up to the length cap."""
     rng = random.Random(k)
     stream = {i: [(f"r{i}", [rng.randrange(100, 4000) for _ in range(100 + 5 * i)], 200)] for i in range(4)}
     fig = _lockstep(groups, stream, num_blocks=400, max_model_len=160, k=k, max_num_batched_tokens=64)
-    assert fig["max_mamba_blocks"] >= 1 + k
+    # vLLM's scheduler keeps the slots within the context length here: 1 + k blocks to the
+    # end (the rule for slots past the block is pinned by rust/core/tests/spare_blocks.rs).
+    assert fig["max_mamba_blocks"] == 1 + k
 
 
 @SHAPES

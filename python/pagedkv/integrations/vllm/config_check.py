@@ -417,11 +417,11 @@ def _check_mamba_none_group(vllm_config: Any, groups: list[Any], g: int, spec: A
     ``num_speculative_blocks`` blocks for the drafts' states (MTP / EAGLE). Served as a pagedkv
     group out of the prefix cache with that many spare blocks
     (``kv_cache_manager.group_spec_of``), synchronous or async scheduling, with or without a
-    drafter. Refused, naming the setting: prefix caching on (vLLM's Mamba manager requires
-    ``align`` mode then), a Mamba block size above pagedkv's ``MAX_UNCACHED_BLOCK_SIZE``, a
-    scheduler block size (the LCM of the groups') above ``2**32 - 1``, groups other than full
-    attention beside it, shared-prefix checkpoints and KV connectors (external loads into a
-    group out of the prefix cache of the scheduler block size are not modelled)."""
+    drafter, with the KV connectors ``check_kv_transfer_config`` accepts (an external load
+    fills the group's blocks as vLLM's does). Refused, naming the setting: prefix caching on
+    (vLLM's Mamba manager requires ``align`` mode then), a Mamba block size above pagedkv's
+    ``MAX_UNCACHED_BLOCK_SIZE``, a scheduler block size (the LCM of the groups') above
+    ``2**32 - 1``, groups other than full attention beside it and shared-prefix checkpoints."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
     from pagedkv import _core
@@ -462,9 +462,3 @@ def _check_mamba_none_group(vllm_config: Any, groups: list[Any], g: int, spec: A
                 type(other.kv_cache_spec).__name__,
                 "beside Mamba groups only full-attention groups are served",
             )
-    if _attr(vllm_config, "kv_transfer_config") is not None:
-        raise _refuse(
-            "kv_transfer_config",
-            type(_attr(vllm_config, "kv_transfer_config")).__name__,
-            "KV connectors with Mamba layers (state hand-offs) are not managed, in cache mode 'none' too",
-        )
