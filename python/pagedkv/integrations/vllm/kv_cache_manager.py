@@ -232,7 +232,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         scheduler_block_size: the scheduler block size in tokens (``None``: the LCM of the
             groups' block sizes); must be that LCM.
         hash_block_size: vLLM's prefix-hash granularity (``None``: the scheduler block size);
-            must divide every group's block size. pagedkv does not hash at it.
+            must divide every group's block size, or, with prefix caching off and Mamba groups
+            in cache mode none, equal the scheduler block size (vLLM's value there). pagedkv
+            does not hash at it.
         max_in_flight_tokens: tokens scheduled but not yet settled (vLLM's
             ``VllmConfig.max_in_flight_tokens``), for the windowed groups' admission cap;
             ``None``: ``max_model_len``.
