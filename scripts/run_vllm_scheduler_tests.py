@@ -101,16 +101,13 @@ SUITES = {"core": CORE_TESTS, "connectors": CONNECTOR_TESTS}
 #: they are expected failures (``xfail``, not strict: they also fail stock where the venv lacks
 #: what they need).
 _MAMBA_CONNECTOR = (
-    "KV connectors with Mamba layers (and Mamba cache modes other than align) are refused by the "
-    "plug-in (config_check; align-mode Mamba "
-    "groups are served without a connector)"
+    "KV connectors with align-mode Mamba layers are refused by the plug-in (config_check; "
+    "align-mode Mamba groups are served without a connector, mode-none ones with one too)"
 )
 _CORE_SCHED = "tests/v1/core/test_scheduler.py"
 EXPECTED_REFUSED = {
-    f"{_UNIT}/test_remote_prefill_lifecycle.py::test_p_side_chunked_prefill_mamba": _MAMBA_CONNECTOR,
-    f"{_UNIT}/test_remote_prefill_lifecycle.py::test_async_load_does_not_double_reserve_mamba_spec_blocks": (
-        _MAMBA_CONNECTOR
-    ),
+    f"{_UNIT}/test_remote_prefill_lifecycle.py::"
+    "test_async_load_does_not_double_reserve_mamba_spec_blocks[align-16-18]": _MAMBA_CONNECTOR,
     **{
         f"{_CORE_SCHED}::{name}": _MAMBA_CONNECTOR
         for name in (

@@ -13,6 +13,7 @@ __all__ = [
     "__version__",
     "NULL_BLOCK",
     "MAX_BLOCK_SIZE",
+    "MAX_UNCACHED_BLOCK_SIZE",
     "MAX_BLOCKS",
     "HOST_EVICTIONS",
     "CacheConfig",
@@ -33,6 +34,7 @@ __all__ = [
 __version__: str
 NULL_BLOCK: int
 MAX_BLOCK_SIZE: int
+MAX_UNCACHED_BLOCK_SIZE: int
 MAX_BLOCKS: int
 HOST_EVICTIONS: tuple[str, ...]
 """The host tier's eviction policies ``CacheConfig(host_eviction=)`` accepts, default first:
@@ -847,6 +849,7 @@ class KVCacheGroupSpec:
         chunk: int | None = None,
         state_bytes: int | None = None,
         prefix_cacheable: bool = True,
+        spare_blocks: int | None = None,
     ) -> KVCacheGroupSpec: ...
     @property
     def kind(self) -> str: ...
@@ -862,3 +865,5 @@ class KVCacheGroupSpec:
     def page_bytes(self) -> int | None: ...
     @property
     def prefix_cacheable(self) -> bool: ...
+    @property
+    def spare_blocks(self) -> int: ...

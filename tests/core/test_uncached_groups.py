@@ -93,3 +93,29 @@ def test_adopting_without_a_hit_is_refused_and_changes_nothing() -> None:
     with pytest.raises(pagedkv.InvalidArgumentError):
         m.allocate_slots(0, 0)
     m.check_invariants()
+
+
+def test_spare_blocks_of_a_group_out_of_the_prefix_cache() -> None:
+    # vLLM's Mamba groups in cache mode none: one block of the context length (6000 tokens,
+    # above MAX_BLOCK_SIZE, served with prefix caching off) plus k = 2 spare blocks.
+    spec = pagedkv.KVCacheGroupSpec("sliding_window", 6000, 1, window=2, prefix_cacheable=False, spare_blocks=2)
+    assert spec.spare_blocks == 2 and "spare_blocks=2" in repr(spec)
+    assert pagedkv.KVCacheGroupSpec("full", BS, 1).spare_blocks == 0
+    with pytest.raises(pagedkv.InvalidConfigError) as err:
+        pagedkv.KVCacheGroupSpec("sliding_window", BS, 1, window=2, spare_blocks=1)
+    assert err.value.field == "spare_blocks"
+    full = pagedkv.KVCacheGroupSpec("full", BS, 375)
+    config = pagedkv.CacheConfig(64, groups=[full, spec], layer_groups=[0, 1], enable_prefix_caching=False)
+    m = pagedkv.KVCacheManager(config)
+    free = m.num_free_blocks
+    m.add_sequence(0, list(range(1, 41)))
+    m.allocate_slots(0, 40)
+    assert [len(t) for t in m.block_tables(0)] == [3, 3]
+    assert free - m.num_free_blocks == 6
+    m.free(0)
+    assert m.num_free_blocks == free
+    # Above MAX_BLOCK_SIZE only with prefix caching off.
+    assert pagedkv.MAX_UNCACHED_BLOCK_SIZE > 6000 > pagedkv.MAX_BLOCK_SIZE
+    with pytest.raises(pagedkv.InvalidConfigError) as err:
+        pagedkv.KVCacheManager(pagedkv.CacheConfig(64, groups=[full, spec], layer_groups=[0, 1]))
+    assert err.value.field == "block_size"

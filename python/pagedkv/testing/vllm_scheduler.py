@@ -317,12 +317,14 @@ def make_mamba_kv_cache_config(
     layers_per_group: int = 2,
     num_speculative_blocks: int = 0,
     num_prefill_checkpoint_blocks: int = 0,
+    mamba_block_size: int | None = None,
 ) -> KVCacheConfig:
     """A hybrid ``KVCacheConfig`` with Mamba layers: one group per entry of ``groups``
     (``"full"``: full attention; ``"mamba2"`` / ``"gdn"``: a ``MambaSpec`` of that backend in
     ``mamba_cache_mode``), every group at ``block_size`` tokens per block (vLLM's align mode
-    gives Mamba groups the attention block size), the state page padded to the attention
-    page, one pool of ``num_blocks`` pages. Tensor shapes are placeholders."""
+    gives Mamba groups the attention block size; ``mamba_block_size``, if given, is the Mamba
+    groups' instead: vLLM's mode ``"none"`` uses the context length), the state page padded
+    to the attention page, one pool of ``num_blocks`` pages. Tensor shapes are placeholders."""
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
     full = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=4, dtype=torch.float32)
@@ -336,7 +338,7 @@ def make_mamba_kv_cache_config(
             out.append(KVCacheGroupSpec([f"{n}.self_attn" for n in names], full))
             continue
         spec = MambaSpec(
-            block_size=block_size,
+            block_size=block_size if mamba_block_size is None else mamba_block_size,
             shapes=((3, 4), (2, 4)),
             dtypes=(torch.float32, torch.float32),
             page_size_padded=full.page_size_bytes,

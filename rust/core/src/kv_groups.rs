@@ -28,6 +28,13 @@ pub const MAX_BLOCK_SIZE: u32 = 4096;
 /// (vLLM #54607: block-size floors from the LCM of group sizes).
 pub const MAX_HIT_UNIT: u32 = 1 << 16;
 
+/// Largest block size in tokens of a group out of the prefix cache in a manager with prefix
+/// caching off ([`CacheConfig::enable_prefix_caching`]): one block may then cover a whole
+/// request (vLLM's Mamba groups outside its `align` cache mode, whose block size is the
+/// model's context length). Nothing is hashed, so neither [`MAX_BLOCK_SIZE`] nor
+/// [`MAX_HIT_UNIT`] applies; the hit unit must still fit in a `u32`.
+pub const MAX_UNCACHED_BLOCK_SIZE: u32 = 1 << 24;
+
 /// The attention kind of a KV cache group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum AttentionKind {
@@ -78,6 +85,13 @@ pub struct GroupSpec {
     /// takes no part in hit lookup: a hit found by the other groups gives it fresh blocks for
     /// the hit's window (null below it).
     pub prefix_cacheable: bool,
+    /// Blocks a sequence holds past the ones its slots cover, in every allocation of this group
+    /// (0 unless built with [`Self::with_spare_blocks`]): an allocation ending at slot `end`
+    /// keeps `ceil(end / block_size) + spare_blocks` blocks (less those released below the
+    /// group's first read), counted by admission like any other. vLLM's Mamba groups outside
+    /// its `align` cache mode take `num_speculative_blocks` such blocks for the drafts' states.
+    /// Only a group out of the prefix cache has them: they hold no token and are never cached.
+    pub spare_blocks: u32,
 }
 
 impl GroupSpec {
@@ -88,6 +102,7 @@ impl GroupSpec {
             block_size,
             bytes_per_token,
             prefix_cacheable: true,
+            spare_blocks: 0,
         }
     }
 
@@ -98,6 +113,7 @@ impl GroupSpec {
             block_size,
             bytes_per_token,
             prefix_cacheable: true,
+            spare_blocks: 0,
         }
     }
 
@@ -108,6 +124,7 @@ impl GroupSpec {
             block_size,
             bytes_per_token,
             prefix_cacheable: true,
+            spare_blocks: 0,
         }
     }
 
@@ -120,6 +137,7 @@ impl GroupSpec {
             block_size,
             bytes_per_token,
             prefix_cacheable: true,
+            spare_blocks: 0,
         }
     }
 
@@ -127,6 +145,13 @@ impl GroupSpec {
     /// or chunked-local group may be (checked by [`CacheConfig::validate`]).
     pub fn uncached(mut self) -> Self {
         self.prefix_cacheable = false;
+        self
+    }
+
+    /// This group with `k` spare blocks per sequence (see [`Self::spare_blocks`]); only a group
+    /// out of the prefix cache may have them (checked by [`CacheConfig::validate`]).
+    pub fn with_spare_blocks(mut self, k: u32) -> Self {
+        self.spare_blocks = k;
         self
     }
 
@@ -169,11 +194,26 @@ impl GroupSpec {
 
     fn validate(&self, g: usize) -> Result<()> {
         let field = "groups";
-        if self.block_size == 0 || self.block_size > MAX_BLOCK_SIZE {
+        let max = if self.prefix_cacheable {
+            MAX_BLOCK_SIZE
+        } else {
+            MAX_UNCACHED_BLOCK_SIZE
+        };
+        if self.block_size == 0 || self.block_size > max {
             return Err(Error::InvalidConfig {
                 field: "block_size",
                 value: format!("group {g} block_size {}", self.block_size),
-                reason: format!("must be in 1..={MAX_BLOCK_SIZE} tokens"),
+                reason: format!(
+                    "must be in 1..={MAX_BLOCK_SIZE} tokens (1..={MAX_UNCACHED_BLOCK_SIZE} for a \
+                     group out of the prefix cache with prefix caching off)"
+                ),
+            });
+        }
+        if self.spare_blocks > 0 && self.prefix_cacheable {
+            return Err(Error::InvalidConfig {
+                field: "spare_blocks",
+                value: format!("group {g} spare_blocks {}", self.spare_blocks),
+                reason: "only a group out of the prefix cache holds spare blocks".into(),
             });
         }
         if self.bytes_per_token == 0 {
@@ -327,12 +367,18 @@ impl CacheConfig {
 
     /// The LCM of the groups' block sizes: prefix hits are multiples of it (every group's
     /// table must end a hit on a block boundary). `None` if it exceeds [`MAX_HIT_UNIT`].
+    /// With prefix caching off no hit is ever served: the bound is then `u32::MAX`.
     pub fn hit_unit(&self) -> Option<u32> {
+        let max = if self.enable_prefix_caching {
+            u64::from(MAX_HIT_UNIT)
+        } else {
+            u64::from(u32::MAX)
+        };
         let mut l: u64 = 1;
         for g in &self.groups {
             let b = u64::from(g.block_size.max(1));
             l = l / gcd(l, b) * b;
-            if l > u64::from(MAX_HIT_UNIT) {
+            if l > max {
                 return None;
             }
         }
@@ -342,7 +388,9 @@ impl CacheConfig {
     /// Checks every field. Errors: [`Error::InvalidConfig`] naming the field when
     /// `num_blocks < 2`; no group, a block size outside `1..=MAX_BLOCK_SIZE`, a window or chunk
     /// < 1, zero bytes per token; page sizes that differ between groups (they cannot share one
-    /// pool); an LCM of block sizes above [`MAX_HIT_UNIT`]; no layer, a layer mapped to no
+    /// pool); an LCM of block sizes above [`MAX_HIT_UNIT`] (with prefix caching off, above
+    /// `u32::MAX`), a block size above [`MAX_BLOCK_SIZE`] with prefix caching on, spare blocks
+    /// on a group in the prefix cache; no layer, a layer mapped to no
     /// group, a group without layers; a retention interval that is not a multiple of the hit
     /// unit; `num_host_blocks` above [`crate::host_tier::MAX_HOST_BLOCKS`] or set with prefix
     /// caching off (the host tier keys blocks by their prefix hash), or
@@ -372,6 +420,15 @@ impl CacheConfig {
         }
         for (g, spec) in self.groups.iter().enumerate() {
             spec.validate(g)?;
+            if self.enable_prefix_caching && spec.block_size > MAX_BLOCK_SIZE {
+                return Err(Error::InvalidConfig {
+                    field: "block_size",
+                    value: format!("group {g} block_size {}", spec.block_size),
+                    reason: format!(
+                        "must be in 1..={MAX_BLOCK_SIZE} tokens with prefix caching on"
+                    ),
+                });
+            }
         }
         if self.groups.iter().all(|g| !g.prefix_cacheable) {
             return Err(Error::InvalidConfig {

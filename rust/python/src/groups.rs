@@ -50,11 +50,15 @@ pub(crate) fn config_uint(obj: &Bound<'_, PyAny>, field: &'static str, max: u64)
 ///
 /// ``prefix_cacheable=False`` (a sliding-window or chunked-local group only) leaves the
 /// group out of the prefix cache: it never registers a block nor limits a hit, and a hit gives
-/// it fresh blocks for the hit's window (``KVCacheGroupSpec.prefix_cacheable``).
+/// it fresh blocks for the hit's window (``KVCacheGroupSpec.prefix_cacheable``). Such a group
+/// may hold ``spare_blocks`` blocks per sequence past its slots (``KVCacheGroupSpec.spare_blocks``),
+/// and, in a ``CacheConfig`` with prefix caching off, have a block size up to
+/// ``MAX_UNCACHED_BLOCK_SIZE`` tokens.
 ///
 /// Raises ``InvalidConfigError`` for an unknown kind, a missing or extra ``window`` /
-/// ``chunk`` / ``state_bytes``, ``state_bytes`` of 0 or above the page, ``prefix_cacheable=False`` on a
-/// full or state group, or a value that is not a non-negative int.
+/// ``chunk`` / ``state_bytes``, ``state_bytes`` of 0 or above the page, ``prefix_cacheable=False``
+/// on a full or state group, ``spare_blocks`` above 0 on a group in the prefix cache, or a value
+/// that is not a non-negative int.
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "KVCacheGroupSpec")]
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PyGroupSpec {
@@ -64,7 +68,7 @@ pub(crate) struct PyGroupSpec {
 #[pymethods]
 impl PyGroupSpec {
     #[new]
-    #[pyo3(signature = (kind, block_size, bytes_per_token, *, window = None, chunk = None, state_bytes = None, prefix_cacheable = true))]
+    #[pyo3(signature = (kind, block_size, bytes_per_token, *, window = None, chunk = None, state_bytes = None, prefix_cacheable = true, spare_blocks = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -75,6 +79,7 @@ impl PyGroupSpec {
         chunk: Option<&Bound<'_, PyAny>>,
         state_bytes: Option<&Bound<'_, PyAny>>,
         prefix_cacheable: bool,
+        spare_blocks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let kind_s: String = kind.extract().map_err(|_| {
             let reason = format!("expected a str, got {}", type_name(kind));
@@ -171,9 +176,24 @@ impl PyGroupSpec {
                     ),
                 ));
             }
+            let spare = match spare_blocks.filter(|k| !k.is_none()) {
+                Some(k) => config_uint(k, "spare_blocks", u64::from(u32::MAX))? as u32,
+                None => 0,
+            };
             return Ok(Self {
-                inner: inner.uncached(),
+                inner: inner.uncached().with_spare_blocks(spare),
             });
+        }
+        if let Some(k) = spare_blocks.filter(|k| !k.is_none()) {
+            if config_uint(k, "spare_blocks", u64::from(u32::MAX))? > 0 {
+                return Err(config_error(
+                    py,
+                    "spare_blocks",
+                    repr(k),
+                    "only a group out of the prefix cache (prefix_cacheable=False) holds spare \
+                     blocks",
+                ));
+            }
         }
         Ok(Self { inner })
     }
@@ -185,6 +205,14 @@ impl PyGroupSpec {
     #[getter]
     fn prefix_cacheable(&self) -> bool {
         self.inner.prefix_cacheable
+    }
+
+    /// Blocks a sequence holds past those its slots cover (0 unless set): an allocation ending
+    /// at slot ``end`` keeps ``ceil(end / block_size) + spare_blocks`` blocks of the group,
+    /// counted by admission; never cached (a group out of the prefix cache only).
+    #[getter]
+    fn spare_blocks(&self) -> u32 {
+        self.inner.spare_blocks
     }
 
     /// ``"full"``, ``"sliding_window"``, ``"chunked_local"`` or ``"state"``.
@@ -240,8 +268,12 @@ impl PyGroupSpec {
         } else {
             ", prefix_cacheable=False"
         };
+        let spare = match self.inner.spare_blocks {
+            0 => String::new(),
+            k => format!(", spare_blocks={k}"),
+        };
         format!(
-            "KVCacheGroupSpec({:?}, block_size={}, bytes_per_token={}{span}{cached})",
+            "KVCacheGroupSpec({:?}, block_size={}, bytes_per_token={}{span}{cached}{spare})",
             self.inner.kind.name(),
             self.inner.block_size,
             self.inner.bytes_per_token

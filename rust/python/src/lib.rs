@@ -28,6 +28,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("NULL_BLOCK", pagedkv_core::NULL_BLOCK)?;
     m.add("MAX_BLOCK_SIZE", pagedkv_core::kv_groups::MAX_BLOCK_SIZE)?;
+    m.add(
+        "MAX_UNCACHED_BLOCK_SIZE",
+        pagedkv_core::kv_groups::MAX_UNCACHED_BLOCK_SIZE,
+    )?;
     m.add("MAX_BLOCKS", pagedkv_core::pool::MAX_BLOCKS)?;
     // The host tier's eviction policy names, so callers (the engine's CLI) keep no second list.
     let evictions = pagedkv_core::host_tier::HostEviction::ALL.map(|e| e.name());

@@ -801,3 +801,89 @@ def test_plugin_with_pagedkv_host_tier_matches_stock_with_vllms_cpu_spec(seed: i
     assert paged.outputs == stock.outputs == _expected_outputs(stock, _prompt_lengths(stream))
     for d in (stock, paged):
         check_nothing_held(d)
+
+
+# --- Mamba groups in vLLM's cache mode none (prefix caching off) --------------------------------
+
+
+def _mamba_none_driver(cls: type, kind: str, worker: FakeWorker, groups: Any, **config: Any) -> ConnectorDriver:
+    """A scheduler over a hybrid config whose Mamba groups are in cache mode none (blocks of the
+    context length, 512 tokens; prefix caching off), with ``kind``'s connector."""
+    import math
+
+    from pagedkv.testing.vllm_scheduler import make_mamba_kv_cache_config
+
+    ctx = 512
+    num_blocks = config.pop("num_blocks")
+    vllm_config = make_vllm_config(
+        kv_transfer_config=kv_transfer_config(kind),
+        num_blocks=num_blocks,
+        max_model_len=ctx,
+        enable_prefix_caching=False,
+        **config,
+    )
+    vllm_config.cache_config.mamba_cache_mode = "none"
+    vllm_config.cache_config.mamba_block_size = ctx
+    kv = make_mamba_kv_cache_config(num_blocks, groups, BS, mamba_cache_mode="none", mamba_block_size=ctx)
+    lcm = math.lcm(BS, ctx)
+    return ConnectorDriver(
+        build_scheduler(cls, vllm_config, kv_cache_config=kv, block_size=lcm, hash_block_size=lcm), worker
+    )
+
+
+@pytest.mark.parametrize(
+    "groups", [("gdn", "gdn", "gdn", "full"), ("mamba2", "mamba2", "full")], ids=["qwen3-next", "nemotron-h"]
+)
+@pytest.mark.parametrize(
+    ("kind", "stream", "num_blocks", "p_fail"),
+    [
+        # No failed loads: the fake worker reports them by block (invalid_block_ids), which
+        # vLLM refuses with several KV cache groups.
+        ("nixl-consumer", lambda: consumer_stream(1), 60, 0.0),
+        ("nixl-producer", lambda: producer_stream(3), 40, 0.0),
+    ],
+    ids=["nixl-consumer", "nixl-producer"],
+)
+def test_plugin_matches_stock_with_mamba_none_groups(
+    groups: Any, kind: str, stream: Any, num_blocks: int, p_fail: float
+) -> None:
+    """NIXL consumer (remote prefills loading into the Mamba groups' blocks too) and producer
+    with Mamba groups in cache mode none: stock and the plug-in in lockstep, every step's
+    record equal (blocks in use included), nothing stuck, nothing held."""
+    drivers = [
+        _mamba_none_driver(
+            cls,
+            kind,
+            FakeWorker(seed=7, max_delay=3, p_fail=p_fail),
+            groups,
+            num_blocks=num_blocks,
+            max_num_batched_tokens=96,
+        )
+        for cls in (Scheduler, PagedKVScheduler)
+    ]
+    # Per driver: each step's NIXL loads, per request the number of local blocks per group.
+    loads: list[list[dict[str, list[int]]]] = [[], []]
+    for d, seen in zip(drivers, loads, strict=True):
+        schedule = d.scheduler.schedule
+
+        def wrapped(schedule: Any = schedule, seen: list[dict[str, list[int]]] = seen) -> Any:
+            out = schedule()
+            meta = out.kv_connector_metadata
+            recv = getattr(meta, "reqs_to_recv", {}) or {}
+            seen.append({rid: [len(g) for g in m.local_block_ids] for rid, m in recv.items()})
+            return out
+
+        d.scheduler.schedule = wrapped
+    records = run_stream(drivers, stream())
+    assert loads[0] == loads[1]
+    stock, paged = drivers
+    assert paged.outputs == stock.outputs and paged.finish_reasons == stock.finish_reasons
+    assert paged.external == stock.external
+    if kind == "nixl-consumer":
+        assert sum(len(r["external"]) for r in records[0]) > 0
+        # Every load writes the Mamba groups' blocks too.
+        assert any(len(step) for step in loads[0])
+        assert all(all(n > 0 for n in per_group) for step in loads[0] for per_group in step.values())
+    for d in drivers:
+        check_no_request_stuck(d)
+        check_nothing_held(d)

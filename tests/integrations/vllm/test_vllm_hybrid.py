@@ -268,7 +268,9 @@ def _build(kv: Any, **vllm_kw: Any) -> Any:
 
 def test_mamba_group_outside_align_mode_refused_by_name() -> None:
     # vLLM's default Mamba cache mode ("none": one state per request, outside the prefix
-    # cache) is refused naming it; align mode is served (test_vllm_mamba.py).
+    # cache) is served with prefix caching off (test_vllm_mamba_none.py); with prefix caching
+    # on (vLLM switches to align mode then) it is refused naming the setting; align mode is
+    # served (test_vllm_mamba.py).
     attn = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1, dtype=torch.float32)
     mamba = MambaSpec(block_size=BS, shapes=((2, 4),), dtypes=(torch.float32,))
     kv = KVCacheConfig(
@@ -278,8 +280,9 @@ def test_mamba_group_outside_align_mode_refused_by_name() -> None:
     )
     with pytest.raises(UnsupportedVllmConfigError, match="Mamba") as err:
         _build(kv)
-    assert err.value.field == "kv_cache_config.kv_cache_groups[1].kv_cache_spec.mamba_cache_mode"
-    assert err.value.value == "none"
+    assert err.value.field == "cache_config.enable_prefix_caching"
+    assert err.value.value == "True"
+    assert "'none'" in str(err.value)
     assert isinstance(err.value, ValueError)
 
 

@@ -4,8 +4,9 @@ pagedkv manages one pool of equally sized pages for full-attention, sliding-wind
 chunked-local KV cache groups (of one block size or several), and it schedules only
 tokens whose ids are known (it hashes them as it allocates). Everything in vLLM that breaks one
 of those two assumptions is refused here, with the setting named, instead of being served
-subtly wrong later: Mamba layers outside vLLM's ``align`` cache mode and the setups of
-``_check_mamba_group`` (align-mode Mamba groups are served as pagedkv state groups), cross
+subtly wrong later: Mamba layers outside vLLM's ``align`` / ``none`` cache modes and the setups
+of ``_check_mamba_group`` / ``_check_mamba_none_group`` (align-mode Mamba groups are served as
+pagedkv state groups, mode-none ones as groups out of the prefix cache), cross
 attention, KV connectors that keep vLLM's own block pool (see
 :mod:`pagedkv.integrations.vllm.connectors`), context
 parallelism (blocks sharded across ranks), lookahead block hashes and multi-module MTP's prefill
@@ -38,6 +39,14 @@ def _refuse(field: str, value: Any, reason: str) -> UnsupportedVllmConfigError:
 
 def _attr(obj: Any, name: str, default: Any = None) -> Any:
     return getattr(obj, name, default) if obj is not None else default
+
+
+def _mamba_outside_align(groups: list[Any]) -> bool:
+    """Whether a ``MambaSpec`` group is in a cache mode other than ``align``."""
+    return any(
+        type(g.kv_cache_spec).__name__ == "MambaSpec" and _attr(g.kv_cache_spec, "mamba_cache_mode") != "align"
+        for g in groups
+    )
 
 
 def _check_block_sizes(groups: list[Any], block_size: int, hash_block_size: int | None, vllm_config: Any) -> None:
@@ -78,6 +87,9 @@ def _check_block_sizes(groups: list[Any], block_size: int, hash_block_size: int 
     if hash_block_size is None:
         return
     caching = bool(_attr(_attr(vllm_config, "cache_config"), "enable_prefix_caching", False))
+    if hash_block_size == block_size and not caching and _mamba_outside_align(groups):
+        # vLLM keeps the hashes at the scheduler block size when nothing reads them.
+        return
     if hash_block_size <= 0 or any(bs % hash_block_size for bs in sizes):
         raise _refuse(
             "hash_block_size",
@@ -116,7 +128,8 @@ def check_supported_config(
     multiple (vLLM's rule; a chunked-local group at the scheduler block size), with
     ``hash_block_size`` dividing every group's block size (equal to it for one group with
     prefix caching on); :class:`PagedKVCacheManager` serves them all. ``MambaSpec`` groups are
-    served in vLLM's ``align`` cache mode beside full-attention groups, as state groups;
+    served in vLLM's ``align`` cache mode beside full-attention groups, as state groups, and in
+    its ``none`` mode (prefix caching off) as groups out of the prefix cache;
     ``_check_mamba_group`` names what it refuses with them. A cache of mixed precision
     (``needs_kv_cache_zeroing``) is served: new blocks are handed out for zeroing. Decoder-only
     model, a KV connector only as
@@ -313,22 +326,28 @@ def _check_mamba_group(
     "Speculative decoding (refused)", says what serving them takes), prefill checkpoint
     blocks, shared-prefix checkpoints, a Mamba block size other than the scheduler block size,
     prefix hashes finer than the block (vLLM's partial state hits), groups other than full
-    attention beside it and KV connectors."""
+    attention beside it and KV connectors. Mode ``"none"`` is checked by
+    ``_check_mamba_none_group``."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
     field = f"kv_cache_config.kv_cache_groups[{g}].kv_cache_spec"
     cache = _attr(vllm_config, "cache_config")
-    for where, mode in (
+    modes = (
         (f"{field}.mamba_cache_mode", _attr(spec, "mamba_cache_mode")),
         ("cache_config.mamba_cache_mode", _attr(cache, "mamba_cache_mode", "none")),
-    ):
+    )
+    if all(mode == "none" for _, mode in modes):
+        _check_mamba_none_group(vllm_config, groups, g, spec, block_size)
+        return
+    for where, mode in modes:
         if mode != "align":
             raise _refuse(
                 where,
                 mode,
-                "only vLLM's 'align' Mamba cache mode is served (states kept at block-aligned "
-                "positions); 'all' keeps a state per block of every step and 'none' one state "
-                "per request outside the prefix cache, neither of which pagedkv models",
+                "only vLLM's 'align' and 'none' Mamba cache modes are served (states kept at "
+                "block-aligned positions, or one state per request out of the prefix cache); "
+                "'all' keeps a state per block of every step, which pagedkv does not model, and "
+                "the group's mode must be the cache config's",
             )
     if not _attr(cache, "enable_prefix_caching", False):
         raise _refuse(
@@ -389,3 +408,57 @@ def _check_mamba_group(
             "speculative decoding with Mamba layers is not managed (drafts advance the state in place; "
             "serving them needs vLLM's speculative state blocks, see docs/design/vllm-mamba.md)",
         )
+
+
+def _check_mamba_none_group(vllm_config: Any, groups: list[Any], g: int, spec: Any, block_size: int) -> None:
+    """A Mamba group in vLLM's ``"none"`` cache mode (what vLLM sets whenever prefix caching is
+    off): one state per request, out of the prefix cache, in blocks of ``mamba_block_size``
+    tokens (the context length by default, so one block holds the whole request), plus
+    ``num_speculative_blocks`` blocks for the drafts' states (MTP / EAGLE). Served as a pagedkv
+    group out of the prefix cache with that many spare blocks
+    (``kv_cache_manager.group_spec_of``), synchronous or async scheduling, with or without a
+    drafter, with the KV connectors ``check_kv_transfer_config`` accepts (an external load
+    fills the group's blocks as vLLM's does). Refused, naming the setting: prefix caching on
+    (vLLM's Mamba manager requires ``align`` mode then), a Mamba block size above pagedkv's
+    ``MAX_UNCACHED_BLOCK_SIZE``, a scheduler block size (the LCM of the groups') above
+    ``2**32 - 1``, groups other than full attention beside it and shared-prefix checkpoints."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+
+    from pagedkv import _core
+
+    field = f"kv_cache_config.kv_cache_groups[{g}].kv_cache_spec"
+    cache = _attr(vllm_config, "cache_config")
+    if _attr(cache, "enable_prefix_caching", False):
+        raise _refuse(
+            "cache_config.enable_prefix_caching",
+            True,
+            "Mamba cache mode 'none' keeps states out of the prefix cache (vLLM's Mamba manager "
+            "needs mode 'align' with prefix caching on)",
+        )
+    limit = int(_core.MAX_UNCACHED_BLOCK_SIZE)
+    if int(spec.block_size) > limit:
+        raise _refuse(
+            f"{field}.block_size",
+            spec.block_size,
+            f"a Mamba block (mamba_block_size, the context length by default) of at most {limit} "
+            "tokens is served in cache mode 'none'",
+        )
+    if block_size > 2**32 - 1:
+        raise _refuse(
+            "block_size",
+            block_size,
+            "the scheduler block size (the LCM of the groups' block sizes) must fit in 32 bits",
+        )
+    if _attr(cache, "enable_mamba_shared_prefix_checkpoint", False):
+        raise _refuse(
+            "cache_config.enable_mamba_shared_prefix_checkpoint",
+            True,
+            "shared-prefix Mamba checkpoints (sub-block states) are not managed",
+        )
+    for h, other in enumerate(groups):
+        if type(other.kv_cache_spec) not in (MambaSpec, FullAttentionSpec, MLAAttentionSpec):
+            raise _refuse(
+                f"kv_cache_config.kv_cache_groups[{h}].kv_cache_spec",
+                type(other.kv_cache_spec).__name__,
+                "beside Mamba groups only full-attention groups are served",
+            )

@@ -140,8 +140,11 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
     ``SlidingWindowMLASpec`` -> ``"sliding_window"``, out of the prefix cache
     (``prefix_cacheable=False``) with ``bounded_replay`` (vLLM's ``prefix_cacheable``),
     ``ChunkedLocalAttentionSpec`` -> ``"chunked_local"`` (its ``attention_chunk_size``),
-    ``MambaSpec`` in ``align`` mode -> ``"state"`` (one recurrent state per aligned block).
-    ``page_bytes`` is the common page size given to every group (pagedkv checks pages are
+    ``MambaSpec`` in ``align`` mode -> ``"state"`` (one recurrent state per aligned block);
+    in ``none`` mode (prefix caching off) -> ``"sliding_window"`` of 2 tokens out of the prefix
+    cache, with the spec's ``num_speculative_blocks`` as ``spare_blocks`` (vLLM's Mamba manager
+    there: the blocks of ``num_tokens + k * block_size`` slots, those before the block of the
+    last computed token freed). ``page_bytes`` is the common page size given to every group (pagedkv checks pages are
     equal; the plug-in does not use their size otherwise), a multiple of the block size.
     Raises ``InvalidConfigError`` for any other spec.
     """
@@ -172,6 +175,19 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
     if kind is MambaSpec and getattr(spec, "mamba_cache_mode", None) == "align":
         # One recurrent state per block-aligned position (vLLM's align mode).
         return pagedkv.KVCacheGroupSpec("state", bs, bpt)
+    if kind is MambaSpec and getattr(spec, "mamba_cache_mode", None) == "none":
+        # One state per request out of the prefix cache (vLLM's mode "none", prefix caching
+        # off): a query after n tokens reads only the state after token n - 1, the rule of a
+        # 2-token window, in blocks of mamba_block_size tokens (the context length by default),
+        # plus the drafts' speculative state blocks after the slots.
+        return pagedkv.KVCacheGroupSpec(
+            "sliding_window",
+            bs,
+            bpt,
+            window=2,
+            prefix_cacheable=False,
+            spare_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0),
+        )
     if kind in (FullAttentionSpec, MLAAttentionSpec) and getattr(spec, "sliding_window", None) is None:
         if getattr(spec, "attention_chunk_size", None) is None:
             return pagedkv.KVCacheGroupSpec("full", bs, bpt)
@@ -179,7 +195,7 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
         f"KV cache group spec {kind.__name__} has no pagedkv equivalent",
         field="kv_cache_spec",
         value=kind.__name__,
-        reason="full attention, sliding window, chunked local attention or align-mode Mamba only",
+        reason="full attention, sliding window, chunked local attention or Mamba in the align / none cache modes only",
     )
 
 
@@ -216,7 +232,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         scheduler_block_size: the scheduler block size in tokens (``None``: the LCM of the
             groups' block sizes); must be that LCM.
         hash_block_size: vLLM's prefix-hash granularity (``None``: the scheduler block size);
-            must divide every group's block size. pagedkv does not hash at it.
+            must divide every group's block size, or, with prefix caching off and Mamba groups
+            in cache mode none, equal the scheduler block size (vLLM's value there). pagedkv
+            does not hash at it.
         max_in_flight_tokens: tokens scheduled but not yet settled (vLLM's
             ``VllmConfig.max_in_flight_tokens``), for the windowed groups' admission cap;
             ``None``: ``max_model_len``.
@@ -294,7 +312,14 @@ class PagedKVCacheManager(SharedManagerCalls):
                 value=str(block_size),
                 reason=f"must equal {lcm}",
             )
-        if hash_block_size is not None and (hash_block_size <= 0 or any(bs % hash_block_size for bs in sizes)):
+        # vLLM keeps hash_block_size at the scheduler block size (the LCM) when nothing reads
+        # the block hashes (prefix caching off) and with Mamba groups outside align mode.
+        hashes_unread = not enable_caching and any(
+            getattr(g.kv_cache_spec, "mamba_cache_mode", "align") != "align" for g in groups
+        )
+        if hash_block_size == block_size and hashes_unread:
+            pass
+        elif hash_block_size is not None and (hash_block_size <= 0 or any(bs % hash_block_size for bs in sizes)):
             raise _config_error("hash_block_size", hash_block_size, f"must divide every group's block size {sizes}")
         for name, value, default in (
             ("dcp_world_size", dcp_world_size, 1),
@@ -456,6 +481,8 @@ class PagedKVCacheManager(SharedManagerCalls):
             if spec.kind == "state":
                 # vLLM's align-mode Mamba manager takes at most one state block per allocation.
                 cap = 1
+            elif g.kv_cache_spec.__class__.__name__ == "MambaSpec":
+                pass  # mode none: vLLM caps no Mamba group
             elif spec.kind != "full" and max_model_len is not None:
                 cap = int(g.kv_cache_spec.max_admission_blocks_per_request(in_flight, max_model_len))
             self._admission_caps.append(cap)
@@ -491,6 +518,10 @@ class PagedKVCacheManager(SharedManagerCalls):
         #: the per-request path, which records its new blocks (``take_new_block_ids``). With
         #: state groups the attention groups' new blocks are recorded as they are taken.
         self.zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False)) and not self._state_groups
+        # Mamba groups outside align mode: vLLM zeroes attention blocks only.
+        self._never_zeroed: frozenset[int] = frozenset(
+            g for g, grp in enumerate(groups) if type(grp.kv_cache_spec).__name__ == "MambaSpec"
+        )
         # Groups whose new blocks an async KV load writes (not zeroed: it would race the load).
         self._skip_zeroing: frozenset[int] = frozenset()
         self.decodes.enabled = not self._mixed and not self._state_groups and not self.zeroing
@@ -954,6 +985,7 @@ class PagedKVCacheManager(SharedManagerCalls):
             cap = self._admission_caps[g]
             if cap is not None:
                 required = min(required, cap)
+            required += spec.spare_blocks
             if held is not None:
                 demand += max(required - held[g], 0)
                 continue
@@ -994,14 +1026,14 @@ class PagedKVCacheManager(SharedManagerCalls):
         if not ids:
             return self.empty_kv_cache_blocks
         if self.num_kv_cache_groups == 1:
-            if self.zeroing and not self._skip_zeroing:
+            if self.zeroing and not self._skip_zeroing and not self._never_zeroed:
                 self._new_attention_ids.extend(ids)
             return PagedKVBlocks((ids,))
         indptr = alloc.new_block_indptr.tolist()
         per_group = tuple(ids[indptr[g] : indptr[g + 1]] for g in range(self.num_kv_cache_groups))
         if self.zeroing:
             for g, group_ids in enumerate(per_group):
-                if g not in self._skip_zeroing:
+                if g not in self._skip_zeroing and g not in self._never_zeroed:
                     self._new_attention_ids.extend(group_ids)
         return PagedKVBlocks(per_group)
 
@@ -1024,7 +1056,8 @@ class PagedKVCacheManager(SharedManagerCalls):
                 reason="zeroing a partially valid block would wipe its valid prefix",
             )
         for g, ids in enumerate(self.get_block_ids(request_id)):
-            self._new_attention_ids.extend(ids[start_token // self.group_block_sizes[g] :])
+            if g not in self._never_zeroed:
+                self._new_attention_ids.extend(ids[start_token // self.group_block_sizes[g] :])
 
     def _new_blocks_with_states(self, alloc: Any) -> Any:
         """``_new_blocks`` with state groups: a state group's entries are its table's new

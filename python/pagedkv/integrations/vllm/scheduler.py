@@ -71,9 +71,9 @@ _ASYNC_VARIANTS: dict[type, type] = {}
 class PagedKVScheduler(Scheduler):  # type: ignore[misc, unused-ignore]
     """vLLM V1 ``Scheduler`` whose ``kv_cache_manager`` is a :class:`PagedKVCacheManager` (one KV
     cache group of full attention, or several groups of full attention, sliding window, chunked
-    local, or align-mode Mamba beside full attention), built from the scheduler's
-    ``KVCacheConfig`` as vLLM builds its own manager. With Mamba groups (synchronous
-    scheduling only) it is the commit fence's caller: a step's aligned states are published
+    local, or Mamba in vLLM's align or none cache mode beside full attention), built from the
+    scheduler's ``KVCacheConfig`` as vLLM builds its own manager. With align-mode Mamba groups
+    it is the commit fence's caller: a step's aligned states are published
     in pagedkv when vLLM reports the step (:meth:`update_from_output`).
 
     Takes exactly the constructor arguments of ``vllm.v1.core.sched.scheduler.Scheduler``.

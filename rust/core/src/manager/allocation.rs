@@ -453,7 +453,12 @@ impl KvCacheManager {
         }
         let end = s.num_computed + num_accepted;
         let keep: Vec<usize> = (0..self.num_groups())
-            .map(|g| end.div_ceil(self.cfg.groups[g].block_size as usize))
+            .map(|g| {
+                let spec = &self.cfg.groups[g];
+                let need = end.div_ceil(spec.block_size as usize) + spec.spare_blocks as usize;
+                // A group's spare blocks stay (never more than it holds).
+                need.min(s.tables[g].blocks.len())
+            })
             .collect();
         let mut released = vec![Vec::new(); self.num_groups()];
         if release {
@@ -471,7 +476,8 @@ impl KvCacheManager {
                 t.blocks.truncate(keep[g]);
                 t.rewritten_from(keep[g]); // the next block there is a new one
             }
-            t.spare = t.blocks.len() - keep[g];
+            let covered = end.div_ceil(self.cfg.groups[g].block_size as usize);
+            t.spare = t.blocks.len() - covered.min(t.blocks.len());
         }
         let drafts = std::mem::take(&mut s.drafts);
         s.tokens.extend_from_slice(&drafts[..num_accepted]);

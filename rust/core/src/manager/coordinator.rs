@@ -567,6 +567,9 @@ impl KvCacheManager {
                 groups.push(gp);
                 continue;
             }
+            // Spare blocks past the slots (a group out of the prefix cache: vLLM's
+            // speculative Mamba blocks outside its align mode).
+            let spare = spec.spare_blocks as usize;
             if first {
                 let mut hits = hits;
                 // External tokens: nothing below the window of the loaded context is taken.
@@ -593,7 +596,7 @@ impl KvCacheManager {
                 }
                 gp.live_from = spec.hit_blocks(context).0.max(keep);
                 gp.null_pad = keep.saturating_sub(hits.len());
-                gp.fresh = end.div_ceil(bs) - hits.len() - gp.null_pad;
+                gp.fresh = end.div_ceil(bs) + spare - hits.len() - gp.null_pad;
                 gp.hits = hits;
             } else {
                 let keep = self.keep_from(&spec, context) / bs;
@@ -608,7 +611,7 @@ impl KvCacheManager {
                     }
                 }
                 // Spare lookahead blocks (kept after an acceptance) are filled before fresh ones.
-                gp.fresh = end.div_ceil(bs).saturating_sub(t.blocks.len());
+                gp.fresh = (end.div_ceil(bs) + spare).saturating_sub(t.blocks.len());
                 // The block the next token goes into (spares may follow it).
                 // (Not a block a rollback kept: its KV is rewritten in place.)
                 gp.cow = context % bs != 0
