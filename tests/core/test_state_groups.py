@@ -151,10 +151,41 @@ def test_commit_errors_and_refusals_change_nothing() -> None:
         m.fork(1, 2)
     unchanged()
     m.add_sequence(3, toks(10, 1))
-    with pytest.raises(InvalidArgumentError, match="external KV loads"):
-        m.allocate_external(3, 4, staged=True)
-    assert m.status(3) == "running" and m.num_computed_tokens(3) == 0
+    m.allocate_external(3, 8, staged=True)
+    loading = [t.tolist() for t in m.block_tables(3)]
+    used = m.stats().used
+    # A load of a recurrent state commits in full or not at all.
+    for v in (0, 4, 7):
+        with pytest.raises(InvalidArgumentError, match="num_valid_tokens"):
+            m.commit_external(3, v)
+        assert m.status(3) == "loading" and m.num_staged_tokens(3) == 8
+        assert [t.tolist() for t in m.block_tables(3)] == loading
+        assert m.stats().used == used
+    assert m.free(3)
     unchanged()
+
+
+def test_staged_load_state_is_published_only_by_its_full_commit() -> None:
+    m = make()
+    m.add_sequence(1, toks(10))
+    m.allocate_external(1, 8, staged=True)
+    live = state_row(m, 1)[1]
+    assert state_row(m, 1)[0] == 0  # null
+    m.add_sequence(2, toks(10))
+    assert m.commit_all_computed([1]) == 0
+    assert m.lookup_prefix(2) == 0
+    assert m.commit_external(1, 8) == 3  # two full blocks and the state after 8
+    assert m.lookup_prefix(2) == 8
+    a = m.allocate_slots(2, 2)
+    assert a.copies.tolist() == [[STATE, live, state_row(m, 2)[2]]]
+    m.check_invariants()
+    # An aborted load's state never becomes a hit.
+    m.add_sequence(3, toks(12, 5))
+    m.allocate_external(3, 8, staged=True)
+    assert m.free(3)
+    m.add_sequence(4, toks(12, 5))
+    assert m.lookup_prefix(4) == 0
+    m.check_invariants()
 
 
 def test_commit_without_state_groups_is_zero() -> None:

@@ -462,9 +462,6 @@ impl KvCacheManager {
                     .into(),
             });
         }
-        if self.has_state && external > 0 {
-            return Err(state_external_refused());
-        }
         let first = s.is_first();
         let (context, hits): (usize, SmallVec<[Vec<BlockId>; 1]>) = if first {
             let (context, hits) = self.find_hits(s, sim);
@@ -632,16 +629,5 @@ impl KvCacheManager {
             release: release_all,
             per_group,
         })
-    }
-}
-
-/// The refusal of an external load (a KV connector) with a state group.
-pub(super) fn state_external_refused() -> Error {
-    Error::InvalidArgument {
-        arg: "num_external_tokens",
-        value: "state group".into(),
-        reason: "external KV loads are not supported with state groups (a connector moves \
-                 per-token KV, not recurrent states)"
-            .into(),
     }
 }
