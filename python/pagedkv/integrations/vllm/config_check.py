@@ -313,7 +313,9 @@ def _check_mamba_group(
     "Speculative decoding (refused)", says what serving them takes), prefill checkpoint
     blocks, shared-prefix checkpoints, a Mamba block size other than the scheduler block size,
     prefix hashes finer than the block (vLLM's partial state hits), groups other than full
-    attention beside it and KV connectors."""
+    attention beside it. KV connectors are served beside it as without Mamba layers (an async
+    load's live state is staged until the load completed, docs/design/vllm-mamba.md, "KV
+    connectors")."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
     field = f"kv_cache_config.kv_cache_groups[{g}].kv_cache_spec"
@@ -376,12 +378,6 @@ def _check_mamba_group(
                 type(other.kv_cache_spec).__name__,
                 "beside Mamba groups only full-attention groups are served",
             )
-    if _attr(vllm_config, "kv_transfer_config") is not None:
-        raise _refuse(
-            "kv_transfer_config",
-            type(_attr(vllm_config, "kv_transfer_config")).__name__,
-            "KV connectors with Mamba layers (state hand-offs) are not managed",
-        )
     if _attr(vllm_config, "speculative_config") is not None or (_attr(vllm_config, "num_lookahead_tokens", 0) or 0):
         raise _refuse(
             "speculative_config",

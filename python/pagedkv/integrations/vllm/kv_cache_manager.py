@@ -837,7 +837,9 @@ class PagedKVCacheManager(SharedManagerCalls):
 
         KV connectors: ``num_external_computed_tokens`` / ``delay_cache_blocks`` take the
         external path (:meth:`_allocate_external`: a sync load computed at once, an async one
-        staged until :meth:`cache_blocks`).
+        staged until :meth:`cache_blocks`). With state groups (align-mode Mamba) the load's
+        live state column is the table's last, as vLLM lays it out; an async load's state is
+        staged (never a hit) until the load completed in full, then published.
 
         EAGLE / MTP: ``num_lookahead_tokens`` slots past the scheduled tokens (and drafts), capped
         at ``max_model_len``, get blocks in every group in the same call, held as spare
@@ -1321,6 +1323,13 @@ class PagedKVCacheManager(SharedManagerCalls):
                     return None
             if take + watermark > free + release - reserved_blocks:
                 return None
+        if self._state_groups:
+            self._state_sources.pop(rid, None)
+            if rid in self._wait_a_step:
+                # vLLM's hit would read a state written in this step: it waits a step.
+                self._wait_a_step.discard(rid)
+                return None
+            self._pre_lens = (seq, [len(self._kvm.block_table(seq, g)) for g in self._state_groups])
         try:
             out = self._kvm.allocate_external(seq, ext, num_new_tokens, staged=delay_cache_blocks)
         except OutOfBlocksError:
@@ -1334,6 +1343,11 @@ class PagedKVCacheManager(SharedManagerCalls):
                 expected=str(hit),
                 got=str(out.num_cached_tokens),
             )
+        if self._state_groups:
+            # The hit state shown at its column; a sync load's aligned step end is cached by
+            # vLLM at allocation (siblings wait a step), an async load's at its commit.
+            end = 0 if delay_cache_blocks else hit + ext + num_new_tokens
+            self._note_state_step(rid, out, True, hit, end)
         if delay_cache_blocks:
             self._loading.add(rid)
             self.decodes.close_window(rid)
@@ -1546,6 +1560,11 @@ class PagedKVCacheManager(SharedManagerCalls):
         hit = self._kvm.num_computed_tokens(seq) - self._kvm.num_staged_tokens(seq)
         valid = max(num_computed_tokens, hit)
         self._kvm.commit_external(seq, valid)
+        if self._state_groups and valid % self.block_size == 0:
+            # vLLM caches the loaded state when the load ends (in schedule()): a sibling's
+            # hit on it waits until the next step, as for a state cached at allocation.
+            step = self._step_no
+            self._step_states.append((rid, valid, step, step - 1, self._releases.get(rid, 0)))
         if num_computed_tokens < valid:
             # A block of the local hit was reported invalid too: recomputed from there.
             self._kvm.rollback(seq, num_computed_tokens, poisoned=True)
