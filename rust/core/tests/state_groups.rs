@@ -719,6 +719,20 @@ mod model {
         Owed {
             seqs: Vec<usize>,
         },
+        /// A KV connector's load into a sequence without blocks: staged (async) or sync with
+        /// `n` tokens computed after it.
+        External {
+            seq: usize,
+            ext: u8,
+            n: u8,
+            staged: bool,
+        },
+        /// The end of a staged load: a short (partial) commit first (refused, nothing
+        /// changed), then the commit in full.
+        CommitLoad {
+            seq: usize,
+            short: u8,
+        },
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -735,6 +749,9 @@ mod model {
             1 => any::<usize>().prop_map(|seq| Op::SwapIn { seq }),
             2 => any::<usize>().prop_map(|seq| Op::Lookup { seq }),
             1 => prop::collection::vec(any::<usize>(), 1..4).prop_map(|seqs| Op::Owed { seqs }),
+            3 => (any::<usize>(), 1u8..20, 0u8..6, any::<bool>())
+                .prop_map(|(seq, ext, n, staged)| Op::External { seq, ext, n, staged }),
+            3 => (any::<usize>(), 0u8..3).prop_map(|(seq, short)| Op::CommitLoad { seq, short }),
         ]
     }
 
@@ -949,7 +966,12 @@ mod model {
                     let mut ids: Vec<SeqId> = seqs.iter().filter_map(|&k| self.pick(k)).collect();
                     ids.sort_unstable();
                     ids.dedup();
-                    ids.retain(|&id| self.m.status(id).unwrap() != SeqStatus::Swapped);
+                    ids.retain(|&id| {
+                        !matches!(
+                            self.m.status(id).unwrap(),
+                            SeqStatus::Swapped | SeqStatus::Loading
+                        )
+                    });
                     let owed = self.m.num_blocks_owed(&ids).unwrap();
                     let free0 = self.m.pool().num_free();
                     if owed > free0 {
@@ -968,6 +990,57 @@ mod model {
                         peak = peak.max(free0 as isize - self.m.pool().num_free() as isize);
                     }
                     assert_eq!(peak as usize, owed, "owed {owed}, peak {peak}");
+                }
+                Op::External {
+                    seq,
+                    ext,
+                    n,
+                    staged,
+                } => {
+                    let Some(id) = self.pick(seq) else { return };
+                    let n = if staged { 0 } else { n.max(1) as usize };
+                    let before = snapshot(&self.m, id);
+                    let need = self.m.num_blocks_needed_external(id, ext as usize, n);
+                    match self.m.allocate_external(id, ext as usize, n, staged, 0) {
+                        Ok(a) => {
+                            let need = need.unwrap();
+                            assert_eq!(
+                                self.m.pool().num_free() as isize,
+                                before.3 as isize - need.net(),
+                                "demand {need:?}"
+                            );
+                            assert_eq!(a.num_context_tokens, a.num_cached_tokens + ext as usize);
+                            if !staged {
+                                self.note_end(id, a.num_context_tokens + a.num_scheduled_tokens);
+                            }
+                        }
+                        Err(_) => {
+                            assert_eq!(snapshot(&self.m, id), before, "failed call changed state")
+                        }
+                    }
+                }
+                Op::CommitLoad { seq, short } => {
+                    let Some(id) = self.pick(seq) else { return };
+                    if self.m.status(id).unwrap() != SeqStatus::Loading {
+                        assert!(self.m.commit_external(id, 0).is_err());
+                        return;
+                    }
+                    let hi = self.m.num_computed_tokens(id).unwrap();
+                    let lo = hi - self.m.num_staged_tokens(id).unwrap();
+                    if short > 0 && hi - lo >= short as usize {
+                        let before = snapshot(&self.m, id);
+                        assert!(self.m.commit_external(id, hi - short as usize).is_err());
+                        assert_eq!(
+                            snapshot(&self.m, id),
+                            before,
+                            "a partial commit changed state"
+                        );
+                    }
+                    self.m.commit_external(id, hi).unwrap();
+                    if self.state_bs.iter().all(|&bs| hi % bs == 0) {
+                        self.committed
+                            .insert(self.m.tokens(id).unwrap()[..hi].to_vec());
+                    }
                 }
                 Op::Lookup { seq } => {
                     if let Some(id) = self.pick(seq) {

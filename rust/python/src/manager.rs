@@ -534,6 +534,9 @@ impl PyKvCacheManager {
     /// ``free`` and ``preempt`` release its staged blocks unregistered (abort, failed load).
     /// ``reserve_blocks``: blocks that must stay free after the call (other in-flight loads'
     /// reservations, see ``num_blocks_needed``); as ``step(reserve_blocks=)``.
+    /// State groups: one live block at column ``(H + E + n - 1) // block_size`` (the connector
+    /// writes the loaded state there; null entries before it, the hit's state as its copy
+    /// source); staged, it is never matched or published until ``commit_external``.
     ///
     /// Raises (state unchanged): ``UnknownSequenceError``; ``InvalidSequenceStateError``
     /// unless the sequence holds no block (new, or preempted); ``InvalidArgumentError``
@@ -589,10 +592,13 @@ impl PyKvCacheManager {
     /// less than ``H + E`` after a partial failure); it becomes ``"running"`` with that many
     /// computed tokens and the full blocks below it are registered now (KV events, host-tier
     /// notes). Blocks past ``ceil(n / block_size)`` stay held for the next allocations to
-    /// compute into. Returns the number of blocks registered (every group).
+    /// compute into. Returns the number of blocks registered (every group). With state groups
+    /// the loaded live state is published too (when ``H + E`` is block-aligned, counted in
+    /// the return value), and only a load valid in full commits (free or preempt a failed one).
     ///
     /// Raises (state unchanged): ``UnknownSequenceError``; ``InvalidSequenceStateError``
     /// unless loading; ``InvalidArgumentError`` (``num_valid_tokens`` outside ``[H, H + E]``,
+    /// below ``H + E`` with state groups,
     /// or a windowed group whose window at ``n`` reads blocks the load never took: preempt
     /// the sequence to recompute it instead).
     fn commit_external(
