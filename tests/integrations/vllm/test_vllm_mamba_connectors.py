@@ -41,7 +41,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConne
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
 
-from pagedkv.integrations.vllm import PagedKVCacheManager, PagedKVScheduler  # noqa: E402
+from pagedkv.errors import InvalidArgumentError  # noqa: E402
+from pagedkv.integrations.vllm import (  # noqa: E402
+    PagedKVCacheManager,
+    PagedKVScheduler,
+    UnsupportedVllmConfigError,
+)
 from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     NEMOTRON_H_GROUPS,
     QWEN3_NEXT_GROUPS,
@@ -84,7 +89,18 @@ def _driver(cls: type, groups: Any, kind: str, worker: FakeWorker, num_blocks: i
     )
     vc.cache_config.mamba_cache_mode = "align"
     kv = make_mamba_kv_cache_config(num_blocks, groups, BS)
-    return ConnectorDriver(build_scheduler(cls, vc, kv_cache_config=kv, block_size=BS, hash_block_size=BS), worker)
+    d = ConnectorDriver(build_scheduler(cls, vc, kv_cache_config=kv, block_size=BS, hash_block_size=BS), worker)
+    # The columns a finished request hands the connector (a producer's blocks to send, the
+    # live state column among them): per group, which are null.
+    d.sent_columns = {}  # type: ignore[attr-defined]
+    finished = d.scheduler.connector.request_finished
+
+    def record(request: Any, block_ids: Any) -> Any:
+        d.sent_columns[request.request_id] = tuple(tuple(b != 0 for b in g) for g in block_ids)  # type: ignore[attr-defined]
+        return finished(request, block_ids)
+
+    d.scheduler.connector.request_finished = record
+    return d
 
 
 def _stream(seed: int, kind: str, n: int = 10) -> dict[int, list[Any]]:
@@ -148,6 +164,7 @@ def _lockstep(
     assert paged.outputs == stock.outputs and paged.finish_reasons == stock.finish_reasons
     assert paged.external == stock.external
     assert paged.prefix_hits == stock.prefix_hits
+    assert paged.sent_columns == stock.sent_columns  # type: ignore[attr-defined]
     kvm.manager.check_invariants()
     assert kvm.manager.num_sequences == 0 and kvm.usage == 0.0
     assert stock.scheduler.kv_cache_manager.usage == 0.0
@@ -155,7 +172,7 @@ def _lockstep(
 
 
 @pytest.mark.parametrize("groups", SHAPES)
-@pytest.mark.parametrize("kind", ["nixl-consumer", "mooncake-consumer", "nixl-producer"])
+@pytest.mark.parametrize("kind", ["nixl-consumer", "mooncake-consumer", "nixl-producer", "mooncake-producer"])
 def test_connector_with_mamba_groups_matches_stock_step_by_step(groups: Any, kind: str) -> None:
     stock, _paged, fig = _lockstep(groups, kind, _stream(3, kind), p_fail=0.0, max_num_batched_tokens=96)
     assert len(stock.outputs) == 10
@@ -228,3 +245,71 @@ def test_resent_request_after_failed_or_aborted_load_hits_only_local_states(grou
         assert len(d.outputs["again-fail"]) == 3 and len(d.outputs["again-slow"]) == 3
     assert drivers[1].outputs == drivers[0].outputs
     assert kvm.manager.num_sequences == 0 and kvm.usage == 0.0
+
+
+@pytest.mark.parametrize("groups", SHAPES)
+@pytest.mark.parametrize(
+    ("kind", "field"),
+    [
+        ("offloading", "kv_transfer_config.kv_connector"),
+        ("offloading-pagedkv", "kv_transfer_config.kv_connector"),
+        ("multi", "kv_transfer_config.kv_connector.connectors[1]"),
+    ],
+)
+def test_offloading_connectors_beside_mamba_groups_are_refused(groups: Any, kind: str, field: str) -> None:
+    """Offloading beside Mamba groups is refused, naming the connector: it stores and loads
+    Mamba states through blocks vLLM caches at allocation (stock offloads the states, the
+    plug-in would offload none and could load attention KV without its state)."""
+    vc = make_vllm_config(num_blocks=200, block_size=BS, kv_transfer_config=kv_transfer_config(kind))
+    vc.cache_config.mamba_cache_mode = "align"
+    kv = make_mamba_kv_cache_config(200, groups, BS)
+    with pytest.raises(UnsupportedVllmConfigError) as e:
+        build_scheduler(PagedKVScheduler, vc, kv_cache_config=kv, block_size=BS, hash_block_size=BS)
+    assert e.value.field == field
+    assert "MultiConnector of them" in e.value.reason
+    # Stock builds it.
+    build_scheduler(Scheduler, vc, kv_cache_config=make_mamba_kv_cache_config(200, groups, BS), block_size=BS)
+
+
+def test_multi_connector_of_p_d_connectors_beside_mamba_groups_is_served() -> None:
+    """A MultiConnector whose members are all P/D connectors is accepted."""
+    from test_vllm_connectors import _mooncake, _nixl
+    from vllm.config import KVTransferConfig
+
+    cfg = KVTransferConfig(
+        kv_connector="MultiConnector",
+        kv_role="kv_consumer",
+        kv_connector_extra_config={"connectors": [_nixl("kv_consumer"), _mooncake("kv_consumer")]},
+    )
+    vc = make_vllm_config(num_blocks=200, block_size=BS, kv_transfer_config=cfg)
+    vc.cache_config.mamba_cache_mode = "align"
+    kv = make_mamba_kv_cache_config(200, QWEN3_NEXT_GROUPS, BS)
+    sched = build_scheduler(PagedKVScheduler, vc, kv_cache_config=kv, block_size=BS, hash_block_size=BS)
+    assert sched.connector is not None
+
+
+def test_partial_load_commit_with_mamba_groups_is_refused_and_changes_nothing() -> None:
+    """A load end with fewer valid tokens than loaded (vLLM reports only whole-request
+    failures with several groups): ``InvalidArgumentError``, the request still loading and
+    its staged state unpublished; the full end then commits."""
+    worker = MambaWorker(seed=7, max_delay=5)
+    worker._delay = lambda key: 5  # type: ignore[method-assign]
+    d = _driver(PagedKVScheduler, QWEN3_NEXT_GROUPS, "nixl-consumer", worker, 200)
+    rng = random.Random(3)
+    d.add(_req("r", [rng.randrange(100, 4000) for _ in range(70)], 2, "remote-prefill")())
+    d.step()
+    kvm = d.scheduler.kv_cache_manager
+    request = d.scheduler.requests["r"]
+    seq = kvm._seq_of["r"]
+    assert kvm.manager.status(seq) == "loading"
+    end = int(kvm.manager.num_computed_tokens(seq))
+    assert end == request.num_computed_tokens > 0
+    tables = [t.tolist() for t in kvm.manager.block_tables(seq)]
+    with pytest.raises(InvalidArgumentError, match="ended with"):
+        kvm.cache_blocks(request, end - BS)
+    assert kvm.manager.status(seq) == "loading" and "r" in kvm._loading
+    assert [t.tolist() for t in kvm.manager.block_tables(seq)] == tables
+    kvm.manager.check_invariants()
+    kvm.cache_blocks(request, end)
+    assert kvm.manager.status(seq) == "running"
+    kvm.manager.check_invariants()

@@ -1556,8 +1556,18 @@ class PagedKVCacheManager(SharedManagerCalls):
         """Ends ``request``'s async load with ``num_computed_tokens`` valid tokens."""
         rid = request.request_id
         seq = self._seq_of[rid]
+        end = self._kvm.num_computed_tokens(seq)
+        hit = end - self._kvm.num_staged_tokens(seq)
+        if self._state_groups and num_computed_tokens < end:
+            # vLLM reports only whole-request failures with several KV cache groups (freed).
+            raise InvalidArgumentError(
+                f"request {rid!r}: its KV load of tokens {hit}..{end} ended with {num_computed_tokens} valid tokens",
+                arg="num_computed_tokens",
+                value=str(num_computed_tokens),
+                reason="with Mamba groups a load (its recurrent state) is valid in full or not at "
+                "all: free or preempt the request to recompute it",
+            )
         self._loading.discard(rid)
-        hit = self._kvm.num_computed_tokens(seq) - self._kvm.num_staged_tokens(seq)
         valid = max(num_computed_tokens, hit)
         self._kvm.commit_external(seq, valid)
         if self._state_groups and valid % self.block_size == 0:
