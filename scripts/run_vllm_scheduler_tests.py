@@ -109,8 +109,8 @@ _MAMBA_HIT_DIVERGENCE = (
     "drives vLLM's coordinator and pool directly (isinstance HybridKVCacheCoordinator, "
     "find_longest_cache_hit_per_group, block_pool.evict_blocks; pagedkv's are read-only views) "
     "on Mamba states vLLM caches at allocation with no step run (pagedkv publishes a state at "
-    "its step's commit), and on per-group divergent hits (pagedkv's hit is one prefix every "
-    "group serves); the aux-output variant also needs the aux-output connector, refused"
+    "its step's commit); the aux-output variant also needs the aux-output connector, refused "
+    "(divergent hits themselves are served: tests/integrations/vllm/test_vllm_mamba_connectors.py)"
 )
 _CORE_SCHED = "tests/v1/core/test_scheduler.py"
 EXPECTED_REFUSED = {

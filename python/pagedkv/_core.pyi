@@ -490,6 +490,10 @@ class KVCacheManager:
     def set_hit_limit(self, seq_id: int, limit: int | None) -> None:
         """Cap a first allocation's prefix hit at ``min(limit, num_tokens)`` tokens (rounded
         down to ``hit_unit``); ``None``: the default ``num_tokens - 1``."""
+    def set_state_from_load(self, seq_id: int, on: bool) -> None:
+        """With ``on``, the first allocation's prefix hit ignores state groups (a KV connector
+        loads the state); only ``allocate_external`` with external tokens allocates then.
+        Cleared by the first allocation."""
     def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> tuple[int, int]:
         """``(take, release)``; the allocation succeeds exactly when ``take <= num_free_blocks
         + release`` (release is 0 for full-attention groups)."""

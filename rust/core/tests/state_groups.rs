@@ -628,6 +628,62 @@ fn failed_or_aborted_loads_leave_no_matchable_state() {
 }
 
 #[test]
+fn a_load_bringing_the_state_takes_the_attention_hit() {
+    // The full group caches 12 tokens, the state group only the state after 4 (a divergent
+    // hit): a connector that loads the state takes the attention hit, its state group none.
+    let m = mgr(32);
+    m.add_sequence(1, toks(14, 0), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(1, 4).unwrap();
+    m.allocate_slots(1, 9).unwrap();
+    assert_eq!(m.commit_computed(1, 13).unwrap(), 1); // the state after 4 only (13 unaligned)
+    m.add_sequence(2, toks(20, 0), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix_group(2, FULL, 19).unwrap(), 12);
+    assert_eq!(m.lookup_prefix_group(2, STATE, 19).unwrap(), 4);
+    assert_eq!(m.lookup_prefix(2).unwrap(), 4);
+    m.set_state_from_load(2, true).unwrap();
+    assert_eq!(m.lookup_prefix(2).unwrap(), 12);
+    // Without external tokens the allocation is refused and changes nothing.
+    let free = m.pool().num_free();
+    match m.allocate_slots(2, 4) {
+        Err(Error::InvalidArgument { arg, .. }) => assert_eq!(arg, "num_external_tokens"),
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+    assert!(m.block_tables(2).unwrap().iter().all(Vec::is_empty));
+    assert_eq!(m.pool().num_free(), free);
+    let need = m.num_blocks_needed_external(2, 7, 0).unwrap();
+    let a = m.allocate_external(2, 7, 0, true, 0).unwrap();
+    assert_eq!((a.num_cached_tokens, a.num_context_tokens), (12, 19));
+    assert_eq!(free + need.release - m.pool().num_free(), need.take);
+    // The state group: no hit block, no copy, no zero row; the live block at column 4.
+    let t = m.block_tables(2).unwrap();
+    assert_eq!(t[STATE][..4], [NULL_BLOCK; 4]);
+    assert_eq!(t[STATE].len(), 5);
+    assert!(a.groups[STATE].copies.is_empty() && a.groups[STATE].zero_blocks.is_empty());
+    ok(&m);
+    // Cleared by the allocation; a held sequence cannot set it again.
+    assert!(matches!(
+        m.set_state_from_load(2, true),
+        Err(Error::InvalidSequenceState { .. })
+    ));
+    m.set_state_from_load(2, false).unwrap();
+    assert!(matches!(
+        m.set_state_from_load(99, true),
+        Err(Error::UnknownSequence { .. })
+    ));
+    m.commit_external(2, 19).unwrap();
+    ok(&m);
+    // Reset by set_state_from_load(false): the hit every group serves again.
+    m.add_sequence(3, toks(20, 0), SequenceSpec::default())
+        .unwrap();
+    m.set_state_from_load(3, true).unwrap();
+    m.set_state_from_load(3, false).unwrap();
+    assert_eq!(m.lookup_prefix(3).unwrap(), 4);
+    ok(&m);
+}
+
+#[test]
 fn sync_load_states_wait_for_the_step_commit() {
     let m = mgr(32);
     m.add_sequence(1, toks(14, 0), SequenceSpec::default())

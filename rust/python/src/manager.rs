@@ -403,6 +403,25 @@ impl PyKvCacheManager {
         py.detach(|| m.set_hit_limit(seq, limit)).py(py)
     }
 
+    /// With ``on``, the prefix hit of ``seq_id``'s first allocation (and ``lookup_prefix``)
+    /// ignores state groups: the longest prefix the other groups serve, the state groups
+    /// taking no hit block, because a KV connector loads the state after the loaded tokens
+    /// (vLLM's divergent local hybrid hits). Only ``allocate_external`` with external tokens
+    /// may allocate then. Cleared by the first allocation. A no-op without state groups.
+    /// Raises ``UnknownSequenceError``; ``InvalidSequenceStateError`` unless the sequence
+    /// holds no block.
+    #[pyo3(signature = (seq_id, on))]
+    fn set_state_from_load(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        on: bool,
+    ) -> PyResult<()> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let m = &self.inner;
+        py.detach(|| m.set_state_from_load(seq, on)).py(py)
+    }
+
     /// ``(take, release)``: exactly the blocks the next ``allocate_slots(seq_id,
     /// num_new_tokens)`` takes from the free pool (fresh blocks, prefix hits on free cached
     /// blocks, copy-on-write) and gives back (out-of-window blocks; 0 for full-attention

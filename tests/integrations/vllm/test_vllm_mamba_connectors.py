@@ -35,6 +35,7 @@ from test_vllm_connectors import (  # noqa: E402
     ConnectorDriver,
     FakeWorker,
     _req,
+    _Transfer,
     kv_transfer_config,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata  # noqa: E402
@@ -71,6 +72,18 @@ class MambaWorker(FakeWorker):
             for rid, rm in meta.reqs_to_recv.items():
                 self.columns[rid] = tuple(tuple(b != 0 for b in g) for g in rm.local_block_ids)
         return super()._start(meta)
+
+    def _start_load(self, rid: str, blocks: tuple[int, ...], loads: dict[str, int]) -> None:
+        """As :class:`FakeWorker`'s, but the delay and the failure are drawn from the request
+        and its attempt, not the step: under async scheduling a load may start a step later in
+        the plug-in (a sibling's wait), and must meet the same fate."""
+        attempts = self.__dict__.setdefault("attempts", {})
+        attempts[rid] = attempts.get(rid, 0) + 1
+        loads[rid] = loads.get(rid, 0) + len(blocks)
+        self.load_blocks[rid] = blocks
+        key = f"recv:{rid}:attempt{attempts[rid]}"
+        fail = self._rng(key + ":fail").random() < self.p_fail
+        self.pending.append(_Transfer(self.step + self._delay(key), fail=fail, recv_req=rid, blocks=blocks))
 
     def report(self, sched_output: Any, num_connectors: int) -> KVConnectorOutput:
         out = super().report(sched_output, num_connectors)
@@ -180,6 +193,36 @@ def test_connector_with_mamba_groups_matches_stock_step_by_step(groups: Any, kin
         assert fig["loads"] > 0
         assert sum(stock.external.values()) > 0
     print(f"{groups} {kind}: {fig}")
+
+
+@pytest.mark.parametrize("groups", SHAPES)
+@pytest.mark.parametrize("kind", ["nixl-consumer", "mooncake-consumer"])
+def test_divergent_local_hits_match_stock(groups: Any, kind: str) -> None:
+    """A plain request computes a 48-token system prompt and more in one chunk: the
+    attention group caches the prompt's blocks, the state groups only the chunk ends' states
+    (an earlier request left the one after 16 tokens of the system prompt cached). A
+    remote-prefill sibling sharing the system prompt then has an attention hit (48) deeper
+    than its state hit (16). NIXL restores the state itself (vLLM's divergent local hybrid
+    hits): the local hit is the attention one and the load covers the rest (39 tokens of
+    87); Mooncake does not: the hit every group serves (16), 71 loaded. Both as stock, step
+    by step."""
+    rng = random.Random(1)
+    system = [rng.randrange(100, 4000) for _ in range(48)]
+    flavor = "mooncake" if kind.startswith("mooncake") else "nixl"
+    stream = {
+        # A0 leaves the state after 16 tokens of the system prompt cached (a state hit of 16
+        # under the attention hit of 48: vLLM's state group then holds its own hit block).
+        0: [_req("A0", system[:16] + [rng.randrange(100, 4000) for _ in range(5)], 2)],
+        2: [_req("A", system + [rng.randrange(100, 4000) for _ in range(60)], 3)],
+        6: [_req("B", system + [rng.randrange(100, 4000) for _ in range(40)], 3, "remote-prefill", flavor)],
+        8: [_req("C", system + [rng.randrange(100, 4000) for _ in range(70)], 2, "remote-prefill", flavor)],
+    }
+    stock, _paged, _fig = _lockstep(groups, kind, stream, p_fail=0.0, max_num_batched_tokens=128)
+    assert stock.prefix_hits["A"] == 16
+    if flavor == "nixl":
+        assert stock.external == {"B": 39, "C": 69}
+    else:
+        assert stock.external == {"B": 71, "C": 101}
 
 
 @pytest.mark.parametrize("groups", SHAPES)
@@ -313,3 +356,80 @@ def test_partial_load_commit_with_mamba_groups_is_refused_and_changes_nothing() 
     kvm.cache_blocks(request, end)
     assert kvm.manager.status(seq) == "running"
     kvm.manager.check_invariants()
+
+
+def _async_driver(cls: type, groups: Any, worker: MambaWorker) -> Any:
+    """An :class:`AsyncDriver` (two batches in flight) whose batches carry the fake worker's
+    connector output: the worker starts a batch's transfers when it is scheduled and its
+    report rides on that batch's model output."""
+    from pagedkv.testing.vllm_scheduler import AsyncDriver
+
+    vc = make_vllm_config(
+        num_blocks=400,
+        block_size=BS,
+        kv_transfer_config=kv_transfer_config("nixl-consumer"),
+        async_scheduling=True,
+        max_num_batched_tokens=96,
+    )
+    vc.cache_config.mamba_cache_mode = "align"
+    kv = make_mamba_kv_cache_config(400, groups, BS)
+    sched = build_scheduler(cls, vc, kv_cache_config=kv, block_size=BS, hash_block_size=BS)
+    d = AsyncDriver(sched)
+    reports: dict[int, Any] = {}
+    schedule, update = sched.schedule, sched.update_from_output
+
+    def scheduled(*args: Any, **kwargs: Any) -> Any:
+        out = schedule(*args, **kwargs)
+        reports[id(out)] = worker.report(out, 1)
+        return out
+
+    def updated(out: Any, model_out: Any) -> Any:
+        model_out.kv_connector_output = reports.pop(id(out))
+        return update(out, model_out)
+
+    sched.schedule, sched.update_from_output = scheduled, updated
+    d.worker = worker  # type: ignore[attr-defined]
+    return d
+
+
+@pytest.mark.parametrize("groups", SHAPES)
+@pytest.mark.parametrize("p_fail", [0.0, 0.5])
+def test_async_scheduling_with_nixl_and_mamba_groups_matches_stock_outputs(groups: Any, p_fail: float) -> None:
+    """Async scheduling (vLLM's default on GPUs), NIXL consumer, loads delayed and failed:
+    the plug-in's async scheduler gives stock ``AsyncScheduler``'s outputs, finish reasons and
+    prefix hits; pagedkv's invariants hold after every step (a loading sequence's staged
+    state private and unregistered), nothing is held at the end. Steps may differ where the
+    plug-in keeps a sibling waiting for a state whose step is in flight
+    (docs/design/vllm-mamba.md, "Async scheduling")."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    from pagedkv.integrations.vllm import PagedKVAsyncScheduler
+
+    drivers = [
+        _async_driver(cls, groups, MambaWorker(seed=7, max_delay=3, p_fail=p_fail))
+        for cls in (AsyncScheduler, PagedKVAsyncScheduler)
+    ]
+    stream = _stream(9, "nixl-consumer", 12)
+    kvm = drivers[1].scheduler.kv_cache_manager
+    last = max(stream)
+    for step in range(800):
+        for factory in stream.get(step, []):
+            for d in drivers:
+                d.add(factory())
+        busy = [d.has_work() or bool(d.worker.pending) for d in drivers]
+        if step > last and not any(busy):
+            break
+        for d in drivers:
+            if d.has_work() or d.worker.pending:
+                d.step()
+        kvm.manager.check_invariants()
+    else:  # pragma: no cover - a hang is a failure
+        raise AssertionError("requests stuck")
+    stock, paged = drivers
+    assert len(stock.outputs) == 12
+    assert paged.outputs == stock.outputs and paged.finish_reasons == stock.finish_reasons
+    assert paged.prefix_hits == stock.prefix_hits
+    assert paged.worker.failed == stock.worker.failed
+    if p_fail:
+        assert stock.worker.failed
+    assert kvm.manager.num_sequences == 0 and kvm.usage == 0.0

@@ -684,6 +684,8 @@ class PagedKVCacheManager(SharedManagerCalls):
             return self.empty_kv_cache_blocks, 0, 0
         self._sync()
         seq = self._register(request)
+        if self._state_groups:
+            self._kvm.set_state_from_load(seq, False)  # a divergent hit's, now reconciled
         if self._drop_groups:
             hit = self._eagle_hit(request, seq)
         else:
@@ -1696,9 +1698,28 @@ class PagedKVCacheManager(SharedManagerCalls):
     def get_computed_blocks_for_connector(
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> tuple[Any, int, int, bool]:
-        """``get_computed_blocks`` plus ``hit_diverged`` (False: pagedkv's hit is one prefix
-        every group serves; vLLM's divergence is a Mamba matter, refused)."""
-        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        """``get_computed_blocks`` plus ``hit_diverged``, for a connector that restores Mamba
+        states itself (vLLM asks this of one whose ``supports_divergent_local_hybrid_hits``,
+        NIXL's). Without state groups, or when no attention group's hit runs deeper than a
+        state group's (the first full-attention group's hit at most every group's): the hit
+        every group serves, ``False``. Otherwise vLLM's divergent hit: the first
+        full-attention group's hit ``H`` (whole blocks), boundary 0, ``True``; the request's
+        first allocation then takes ``H`` with no state hit (pagedkv's
+        ``set_state_from_load``), and only with external tokens: the scheduler falls back to
+        :meth:`get_computed_blocks` when the connector finds none (which clears it)."""
+        blocks, hit, boundary = self.get_computed_blocks(request, max_cache_hit_length)
+        if not self._state_groups or not self.prefix_cache_lookup_enabled(request) or not self._attention_groups:
+            return blocks, hit, boundary, False
+        seq = self._seq_of[request.request_id]
+        limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+        kvm = self._kvm
+        fa = int(kvm.lookup_prefix_group(seq, self._attention_groups[0], limit))
+        per_group = [int(kvm.lookup_prefix_group(seq, g, limit)) for g in range(self.num_kv_cache_groups)]
+        if any(h > fa for h in per_group) or min(per_group) >= fa:
+            return blocks, hit, boundary, False
+        kvm.set_state_from_load(seq, True)
+        self._wait_a_step.discard(request.request_id)
+        return PrefixHit(fa, [fa // bs for bs in self.group_block_sizes], seq), fa, 0, True
 
     def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
         """The lookup result cut at ``num_computed_tokens``: pagedkv's hits are multiples of

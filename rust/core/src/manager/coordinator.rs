@@ -278,6 +278,9 @@ impl KvCacheManager {
                 if !spec.is_windowed() || !spec.prefix_cacheable {
                     continue;
                 }
+                if spec.is_state() && s.state_from_load {
+                    continue; // the state comes with the load
+                }
                 let p = self.window_hit(s, g, l, sim, host);
                 if p < l {
                     l = p;
@@ -291,8 +294,9 @@ impl KvCacheManager {
         let mut hits = Vec::with_capacity(ng);
         for g in 0..ng {
             let spec = self.cfg.groups[g];
-            if !spec.prefix_cacheable {
-                // Fresh blocks for the hit's window, taken by the allocation (`plan`).
+            if !spec.prefix_cacheable || (spec.is_state() && s.state_from_load) {
+                // Fresh blocks for the hit's window, taken by the allocation (`plan`); a state
+                // the load brings takes no hit block.
                 hits.push(Vec::new());
                 continue;
             }
