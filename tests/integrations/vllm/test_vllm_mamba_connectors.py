@@ -17,7 +17,10 @@ released in the allocation that moves it, docs/design/vllm-mamba.md). pagedkv's 
 (a loading sequence's staged blocks, its live state among them, are private and never
 registered) are checked after every step, and no state of a failed or aborted load is ever
 a hit: the hits are stock's, and a re-sent request whose load failed hits only what was
-computed locally.
+computed locally. Also: divergent local hits (NIXL restores the state under a deeper attention
+hit, Mooncake does not), async scheduling (outputs, finish reasons and hits against stock's
+``AsyncScheduler``), a partial load end refused without a change, and offloading beside Mamba
+groups refused by name.
 
 Runs only where vLLM is installed (``make test-vllm``).
 """
