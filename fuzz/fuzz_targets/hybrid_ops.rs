@@ -190,7 +190,8 @@ fuzz_target!(|input: Input| {
     let mut twin_sets = sets.clone();
     let mut handles: Vec<u64> = Vec::new();
     let has_state = cfg.groups.iter().any(GroupSpec::is_state);
-    // Token prefixes some commit_computed covered: the only states a hit may return.
+    // Token prefixes some commit_computed or full load commit covered: the only states a hit may
+    // return.
     let mut committed: HashSet<Vec<u32>> = HashSet::new();
     for op in input.ops.into_iter().take(MAX_OPS) {
         let before = snapshot(&m);
@@ -420,6 +421,11 @@ fuzz_target!(|input: Input| {
                     .saturating_sub(usize::from(back % 16));
                 let r = m.commit_external(id, valid);
                 assert_eq!(r, twin.commit_external(id, valid));
+                if r.is_ok() {
+                    // A load completed in full publishes its loaded state (state groups).
+                    let t = m.tokens(id).unwrap();
+                    committed.insert(t[..valid].to_vec());
+                }
                 r.is_err()
             }
             Op::Rollback {

@@ -492,6 +492,10 @@ class KVCacheManager:
     def set_hit_limit(self, seq_id: int, limit: int | None) -> None:
         """Cap a first allocation's prefix hit at ``min(limit, num_tokens)`` tokens (rounded
         down to ``hit_unit``); ``None``: the default ``num_tokens - 1``."""
+    def set_state_from_load(self, seq_id: int, on: bool) -> None:
+        """With ``on``, the first allocation's prefix hit ignores state groups (a KV connector
+        loads the state); only ``allocate_external`` with external tokens allocates then.
+        Cleared by the first allocation."""
     def num_blocks_needed(self, seq_id: int, num_new_tokens: int) -> tuple[int, int]:
         """``(take, release)``; the allocation succeeds exactly when ``take <= num_free_blocks
         + release`` (release is 0 for full-attention groups)."""
@@ -522,7 +526,8 @@ class KVCacheManager:
         ``num_cached_tokens == H``, ``num_context_tokens == H + E``, ``num_scheduled_tokens == n``.
         ``staged=True`` (``n == 0``): status ``"loading"``, blocks from ``H`` on staged (never
         matched, registered, announced or stored to the host tier) until ``commit_external``.
-        Raises ``UnknownSequenceError``, ``InvalidSequenceStateError`` (holds blocks),
+        State groups: one live block at column ``(H + E + n - 1) // block_size`` for the loaded
+        state. Raises ``UnknownSequenceError``, ``InvalidSequenceStateError`` (holds blocks),
         ``InvalidArgumentError``, ``OutOfBlocksError``; state unchanged on error.
         """
     def num_blocks_needed_external(
@@ -530,7 +535,11 @@ class KVCacheManager:
     ) -> tuple[int, int]:
         """``(take, release)`` of ``allocate_external`` with these arguments; no side effects."""
     def commit_external(self, seq_id: int, num_valid_tokens: int) -> int:
-        """Ends a load: ``"loading"`` -> ``"running"`` with ``num_valid_tokens`` computed; returns blocks registered."""
+        """Ends a load: ``"loading"`` -> ``"running"`` with ``num_valid_tokens`` computed; returns blocks registered.
+
+        With state groups the loaded state is published too (aligned ``H + E``) and only
+        ``num_valid_tokens == H + E`` commits (``InvalidArgumentError`` otherwise, nothing changed).
+        """
     def cache_computed(self, seq_id: int) -> None:
         """Registers ``seq_id``'s computed full blocks not cached yet whose lookahead tokens
         (``CacheConfig.hash_lookahead_tokens``) were appended since its last allocation,

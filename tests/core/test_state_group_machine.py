@@ -354,14 +354,12 @@ class StateGroupMachine(RuleBasedStateMachine):
 
     @rule(
         i=st.integers(0, 99),
-        kind=st.sampled_from(["lookahead", "fork", "external", "demand", "rollback"]),
+        kind=st.sampled_from(["lookahead", "fork", "rollback"]),
     )
     def refused(self, i: int, kind: str) -> None:
         sid = self.pick(i)
         if sid is None or self.seqs[sid].status != "running":
             return
-        if kind in ("external", "demand") and self.seqs[sid].computed > 0:
-            return  # only a first allocation loads external KV
         if kind == "rollback" and self.seqs[sid].computed == 0:
             return  # nothing to roll back
         before = self.snapshot()
@@ -370,13 +368,66 @@ class StateGroupMachine(RuleBasedStateMachine):
                 self.m.allocate_slots(sid, 1, num_lookahead_slots=2)
             elif kind == "fork":
                 self.m.fork(sid, self.next_id + 1000)
-            elif kind == "external":
-                self.m.allocate_external(sid, self.unit, staged=True)
-            elif kind == "demand":
-                self.m.num_blocks_needed_external(sid, self.unit)
             else:  # below the computed tokens: an earlier recurrent state cannot be restored
                 self.m.rollback(sid, (self.seqs[sid].computed - 1) // 2, poisoned=i % 2 == 1)
         assert self.snapshot() == before
+
+    @rule(
+        i=st.integers(0, 99),
+        ext=st.integers(1, 30),
+        outcome=st.sampled_from(["commit", "free", "preempt", "partial"]),
+    )
+    def external_load(self, i: int, ext: int, outcome: str) -> None:
+        """A KV connector's async load (staged) into a sequence with no block yet: while it
+        loads, no lookup returns a state it holds; a commit in full publishes the loaded
+        live state (when aligned); a partial commit is refused and changes nothing; a freed
+        or preempted load leaves nothing matchable."""
+        sid = self.pick(i)
+        if sid is None:
+            return
+        s = self.seqs[sid]
+        if s.status not in ("running", "preempted") or s.computed > 0:
+            return
+        hit = self.m.lookup_prefix(sid)
+        ext = min(ext, len(s.tokens) - hit - 1)
+        if ext <= 0:
+            return
+        before = self.snapshot()
+        take, release = self.m.num_blocks_needed_external(sid, ext)
+        try:
+            a = self.m.allocate_external(sid, ext, staged=True)
+        except pagedkv.OutOfBlocksError:
+            assert self.snapshot() == before
+            return
+        assert before[0] + release - self.m.num_free_blocks == take
+        assert (a.num_cached_tokens, a.num_context_tokens) == (hit, hit + ext)
+        assert self.m.status(sid) == "loading"
+        self.m.check_invariants()
+        for other in self.ids():
+            if other != sid:
+                self.check_hit(other, self.m.lookup_prefix(other))
+        end = hit + ext
+        if outcome == "partial":
+            mid = self.snapshot()
+            with pytest.raises(pagedkv.InvalidArgumentError, match="num_valid_tokens"):
+                self.m.commit_external(sid, end - 1)
+            assert self.snapshot() == mid
+            outcome = "free"
+        if outcome == "free":
+            assert self.m.free(sid)
+            del self.seqs[sid]
+        elif outcome == "preempt":
+            self.m.preempt([sid])
+            s.computed, s.status, s.live = 0, "preempted", 0
+            s.pending.clear()
+        else:
+            self.m.commit_external(sid, end)
+            s.computed, s.status = end, "running"
+            s.live = int(self.m.block_tables(sid)[self.sg][(end - 1) // self.bs])
+            s.pending.clear()
+            if self.publishable(end):
+                self.published.add(tuple(s.tokens[:end]))
+        self.m.check_invariants()
 
     @rule(i=st.integers(0, 99))
     def free(self, i: int) -> None:

@@ -9,7 +9,12 @@ import numpy as np
 import pytest
 
 from pagedkv import BlockStored, CacheConfig, KVCacheGroupSpec, KVCacheManager, KVIndexer
-from pagedkv.errors import InvalidArgumentError, InvalidConfigError, UnknownSequenceError
+from pagedkv.errors import (
+    InvalidArgumentError,
+    InvalidConfigError,
+    InvalidSequenceStateError,
+    UnknownSequenceError,
+)
 
 BS = 4
 FULL, STATE = 0, 1
@@ -153,10 +158,41 @@ def test_commit_errors_and_refusals_change_nothing() -> None:
         m.fork(1, 2)
     unchanged()
     m.add_sequence(3, toks(10, 1))
-    with pytest.raises(InvalidArgumentError, match="external KV loads"):
-        m.allocate_external(3, 4, staged=True)
-    assert m.status(3) == "running" and m.num_computed_tokens(3) == 0
+    m.allocate_external(3, 8, staged=True)
+    loading = [t.tolist() for t in m.block_tables(3)]
+    used = m.stats().used
+    # A load of a recurrent state commits in full or not at all.
+    for v in (0, 4, 7):
+        with pytest.raises(InvalidArgumentError, match="num_valid_tokens"):
+            m.commit_external(3, v)
+        assert m.status(3) == "loading" and m.num_staged_tokens(3) == 8
+        assert [t.tolist() for t in m.block_tables(3)] == loading
+        assert m.stats().used == used
+    assert m.free(3)
     unchanged()
+
+
+def test_staged_load_state_is_published_only_by_its_full_commit() -> None:
+    m = make()
+    m.add_sequence(1, toks(10))
+    m.allocate_external(1, 8, staged=True)
+    live = state_row(m, 1)[1]
+    assert state_row(m, 1)[0] == 0  # null
+    m.add_sequence(2, toks(10))
+    assert m.commit_all_computed([1]) == 0
+    assert m.lookup_prefix(2) == 0
+    assert m.commit_external(1, 8) == 3  # two full blocks and the state after 8
+    assert m.lookup_prefix(2) == 8
+    a = m.allocate_slots(2, 2)
+    assert a.copies.tolist() == [[STATE, live, state_row(m, 2)[2]]]
+    m.check_invariants()
+    # An aborted load's state never becomes a hit.
+    m.add_sequence(3, toks(12, 5))
+    m.allocate_external(3, 8, staged=True)
+    assert m.free(3)
+    m.add_sequence(4, toks(12, 5))
+    assert m.lookup_prefix(4) == 0
+    m.check_invariants()
 
 
 def test_commit_without_state_groups_is_zero() -> None:
@@ -245,4 +281,32 @@ def test_placeholder_slots_move_the_state_and_are_never_rejected() -> None:
     assert len(again.new_block_ids) == 0 and len(again.copies) == 0
     assert m.commit_computed(1, 8) == 1
     assert m.lookup_prefix(2) == 8
+    m.check_invariants()
+
+
+def test_state_from_load_takes_the_attention_hit_and_refuses_bad_input() -> None:
+    """A load that brings the state (vLLM's divergent hits): the first allocation takes the
+    longest prefix the other groups serve, its state group no hit block; allocating without
+    external tokens, setting it on a held or unknown sequence: typed errors, nothing changed."""
+    m = make()
+    m.add_sequence(1, toks(14))
+    m.allocate_slots(1, 4)
+    m.allocate_slots(1, 9)
+    assert m.commit_computed(1, 13) == 1  # the state after 4 tokens only
+    m.add_sequence(2, toks(20))
+    assert m.lookup_prefix(2) == 4
+    m.set_state_from_load(2, True)
+    assert m.lookup_prefix(2) == 12
+    used = m.stats().used
+    with pytest.raises(InvalidArgumentError, match="num_external_tokens"):
+        m.allocate_slots(2, 4)
+    assert all(len(t) == 0 for t in m.block_tables(2)) and m.stats().used == used
+    with pytest.raises(UnknownSequenceError):
+        m.set_state_from_load(99, True)
+    with pytest.raises(InvalidSequenceStateError):
+        m.set_state_from_load(1, True)
+    a = m.allocate_external(2, 7, staged=True)
+    assert (a.num_cached_tokens, a.num_context_tokens) == (12, 19)
+    assert state_row(m, 2) == [0, 0, 0, 0, state_row(m, 2)[4]] and a.copies.shape == (0, 3)
+    assert m.commit_external(2, 19) == 1  # the full block 12..16 (19 is unaligned)
     m.check_invariants()

@@ -334,6 +334,9 @@ struct Seq {
     /// The most tokens a first allocation may take from the prefix cache
     /// ([`KvCacheManager::set_hit_limit`]; [`usize::MAX`]: `num_tokens - 1`).
     hit_limit: usize,
+    /// The first allocation's prefix hit ignores state groups: a KV connector loads the
+    /// state at the end of the loaded tokens ([`KvCacheManager::set_state_from_load`]).
+    state_from_load: bool,
     /// State groups: aligned state ends at or below this are never published (their steps'
     /// completion was not confirmed before a swap-out); 0 when none.
     publish_floor: usize,
@@ -580,6 +583,7 @@ impl KvCacheManager {
                 rewrite_to: 0,
                 tainted_from: usize::MAX,
                 hit_limit: usize::MAX,
+                state_from_load: false,
                 publish_floor: 0,
                 state_slots: 0,
             },
@@ -653,6 +657,31 @@ impl KvCacheManager {
         let mut st = self.state.lock();
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         s.hit_limit = limit.unwrap_or(usize::MAX);
+        Ok(())
+    }
+
+    /// With `on`, the prefix hit of `seq`'s first allocation (and [`Self::lookup_prefix`])
+    /// ignores state groups: the longest prefix the other groups serve, the state groups
+    /// taking no hit block (no copy row, null entries up to the live block), because a KV
+    /// connector loads the state after the loaded tokens into the live block (vLLM's
+    /// divergent local hybrid hits under NIXL: the attention hit runs deeper than the last
+    /// cached state). Only [`Self::allocate_external`] with external tokens may allocate then:
+    /// an allocation without them is refused (the live state would have no source). Cleared by
+    /// the first allocation and by `set_state_from_load(seq, false)`. A no-op without state
+    /// groups. Errors: [`Error::UnknownSequence`]; [`Error::InvalidSequenceState`] unless
+    /// the sequence holds no block (new, or preempted by recompute). O(1).
+    pub fn set_state_from_load(&self, seq: SeqId, on: bool) -> Result<()> {
+        let mut st = self.state.lock();
+        let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
+        if on && (!s.is_first() || !matches!(s.status, SeqStatus::Running | SeqStatus::Preempted)) {
+            return Err(bad_state(
+                seq,
+                s.status,
+                "set_state_from_load",
+                "without blocks (new, or preempted by recompute)",
+            ));
+        }
+        s.state_from_load = on && self.has_state;
         Ok(())
     }
 

@@ -487,14 +487,221 @@ fn refusals_are_typed_and_change_nothing() {
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
     same(&m);
+    // A load of a recurrent state commits in full or not at all.
     m.add_sequence(3, toks(10, 1), SequenceSpec::default())
         .unwrap();
-    match m.allocate_external(3, 4, 0, true, 0) {
+    m.allocate_external(3, 8, 0, true, 0).unwrap();
+    let loading = m.block_tables(3).unwrap();
+    let free3 = m.pool().num_free();
+    for v in [0, 4, 7] {
+        match m.commit_external(3, v) {
+            Err(Error::InvalidArgument { arg, .. }) => assert_eq!(arg, "num_valid_tokens"),
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+        assert_eq!(m.block_tables(3).unwrap(), loading);
+        assert_eq!(m.status(3).unwrap(), SeqStatus::Loading);
+        assert_eq!(m.pool().num_free(), free3);
+        ok(&m);
+    }
+    assert!(m.free(3));
+    same(&m);
+}
+
+// ---- external loads (KV connectors) with state groups -------------------------------------
+
+#[test]
+fn staged_load_state_is_never_matched_until_its_commit() {
+    let m = mgr(32);
+    m.add_sequence(1, toks(10, 0), SequenceSpec::default())
+        .unwrap();
+    let need = m.num_blocks_needed_external(1, 8, 0).unwrap();
+    let free = m.pool().num_free();
+    let a = m.allocate_external(1, 8, 0, true, 0).unwrap();
+    assert_eq!(free - m.pool().num_free(), need.take);
+    assert_eq!(need.per_group, vec![(2, 0), (1, 0)]);
+    assert_eq!((a.num_cached_tokens, a.num_context_tokens), (0, 8));
+    // The live state after 8 tokens at column 1, null before it; nothing to copy or zero (the
+    // connector writes it).
+    let t = m.block_tables(1).unwrap();
+    assert_eq!(t[STATE].len(), 2);
+    assert_eq!(t[STATE][0], NULL_BLOCK);
+    assert_eq!(a.groups[STATE].new_block_ids, vec![t[STATE][1]]);
+    assert!(a.groups[STATE].copies.is_empty());
+    assert_eq!(m.status(1).unwrap(), SeqStatus::Loading);
+    assert_eq!(m.num_staged_tokens(1).unwrap(), 8);
+    // Loading: a commit of the steps publishes nothing, no sibling matches any of it.
+    assert_eq!(m.commit_all_computed(&[1]).unwrap(), 0);
+    assert_eq!(m.commit_computed(1, 8).unwrap(), 0);
+    m.add_sequence(2, toks(10, 0), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix_group(2, FULL, 9).unwrap(), 0);
+    assert_eq!(m.lookup_prefix_group(2, STATE, 9).unwrap(), 0);
+    assert_eq!(m.lookup_prefix(2).unwrap(), 0);
+    assert!(!m.pool().is_hashed(t[STATE][1]));
+    assert_eq!(stored(&m, STATE as u32), 0);
+    ok(&m);
+    // The load completed: the full blocks and the aligned state after 8 are published.
+    assert_eq!(m.commit_external(1, 8).unwrap(), 3);
+    assert!(m.pool().is_hashed(t[STATE][1]));
+    assert_eq!(stored(&m, STATE as u32), 1);
+    assert_eq!(m.lookup_prefix(2).unwrap(), 8);
+    assert_eq!(m.num_computed_tokens(1).unwrap(), 8);
+    ok(&m);
+    // It runs on from the loaded state: the move copies it into the next live block.
+    let b = m.allocate_slots(1, 2).unwrap();
+    assert_eq!(
+        b.groups[STATE].copies,
+        vec![(t[STATE][1], b.groups[STATE].new_block_ids[0])]
+    );
+    ok(&m);
+}
+
+#[test]
+fn staged_load_after_a_hit_and_unaligned_ends() {
+    let m = mgr(32);
+    m.add_sequence(1, toks(14, 0), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(1, 8).unwrap();
+    m.allocate_slots(1, 2).unwrap();
+    let state8 = m.block_tables(1).unwrap()[STATE][1];
+    assert_eq!(m.commit_computed(1, 10).unwrap(), 1);
+    // Hit 8, 3 tokens loaded (an unaligned end): live column (11 - 1) / 4 = 2.
+    m.add_sequence(2, toks(14, 0), SequenceSpec::default())
+        .unwrap();
+    let need = m.num_blocks_needed_external(2, 3, 0).unwrap();
+    let free = m.pool().num_free();
+    let a = m.allocate_external(2, 3, 0, true, 0).unwrap();
+    assert_eq!(free + need.release - m.pool().num_free(), need.take);
+    assert_eq!((a.num_cached_tokens, a.num_context_tokens), (8, 11));
+    let t = m.block_tables(2).unwrap();
+    assert_eq!(t[STATE][..2], [NULL_BLOCK, NULL_BLOCK]);
+    assert_eq!(t[STATE].len(), 3);
+    // The hit state is the copy source, as for an ordinary hit (released cached).
+    assert_eq!(a.groups[STATE].copies, vec![(state8, t[STATE][2])]);
+    assert!(m.pool().is_hashed(state8));
+    ok(&m);
+    // An unaligned load end publishes no state; its full blocks are registered.
+    m.commit_external(2, 11).unwrap();
+    assert!(!m.pool().is_hashed(t[STATE][2]));
+    m.add_sequence(3, toks(14, 0), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix(3).unwrap(), 8);
+    ok(&m);
+    // The step from 11 computes to 12: the commit publishes the state there.
+    m.allocate_slots(2, 1).unwrap();
+    assert_eq!(m.commit_computed(2, 12).unwrap(), 1);
+    assert_eq!(m.lookup_prefix(3).unwrap(), 12);
+    ok(&m);
+}
+
+#[test]
+fn failed_or_aborted_loads_leave_no_matchable_state() {
+    let m = mgr(32);
+    for (seq, how) in [(1u64, "free"), (2, "preempt"), (3, "deferred")] {
+        m.add_sequence(seq, toks(10, 0), SequenceSpec::default())
+            .unwrap();
+        m.allocate_external(seq, 8, 0, true, 0).unwrap();
+        let live = m.block_tables(seq).unwrap()[STATE][1];
+        match how {
+            "free" => assert!(m.free(seq)),
+            "preempt" => m.preempt_recompute(&[seq]).unwrap(),
+            _ => {
+                let h = m.free_deferred(seq).unwrap();
+                assert!(!m.pool().is_hashed(live));
+                m.release_deferred(h).unwrap();
+            }
+        }
+        assert!(!m.pool().is_hashed(live), "{how}");
+        assert_eq!(stored(&m, STATE as u32), 0, "{how}");
+        m.add_sequence(9, toks(10, 0), SequenceSpec::default())
+            .unwrap();
+        assert_eq!(m.lookup_prefix(9).unwrap(), 0, "{how}");
+        assert!(m.free(9));
+        ok(&m);
+    }
+    // The preempted one recomputes from scratch: a fresh live block, a zero row.
+    let a = m.allocate_slots(2, 4).unwrap();
+    assert_eq!(a.num_cached_tokens, 0);
+    assert_eq!(a.groups[STATE].zero_blocks.len(), 1);
+    ok(&m);
+    assert_eq!(m.pool().num_used(), 2);
+}
+
+#[test]
+fn a_load_bringing_the_state_takes_the_attention_hit() {
+    // The full group caches 12 tokens, the state group only the state after 4 (a divergent
+    // hit): a connector that loads the state takes the attention hit, its state group none.
+    let m = mgr(32);
+    m.add_sequence(1, toks(14, 0), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(1, 4).unwrap();
+    m.allocate_slots(1, 9).unwrap();
+    assert_eq!(m.commit_computed(1, 13).unwrap(), 1); // the state after 4 only (13 unaligned)
+    m.add_sequence(2, toks(20, 0), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix_group(2, FULL, 19).unwrap(), 12);
+    assert_eq!(m.lookup_prefix_group(2, STATE, 19).unwrap(), 4);
+    assert_eq!(m.lookup_prefix(2).unwrap(), 4);
+    m.set_state_from_load(2, true).unwrap();
+    assert_eq!(m.lookup_prefix(2).unwrap(), 12);
+    // Without external tokens the allocation is refused and changes nothing.
+    let free = m.pool().num_free();
+    match m.allocate_slots(2, 4) {
         Err(Error::InvalidArgument { arg, .. }) => assert_eq!(arg, "num_external_tokens"),
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
-    assert!(m.block_tables(3).unwrap().iter().all(Vec::is_empty));
-    same(&m);
+    assert!(m.block_tables(2).unwrap().iter().all(Vec::is_empty));
+    assert_eq!(m.pool().num_free(), free);
+    let need = m.num_blocks_needed_external(2, 7, 0).unwrap();
+    let a = m.allocate_external(2, 7, 0, true, 0).unwrap();
+    assert_eq!((a.num_cached_tokens, a.num_context_tokens), (12, 19));
+    assert_eq!(free + need.release - m.pool().num_free(), need.take);
+    // The state group: no hit block, no copy, no zero row; the live block at column 4.
+    let t = m.block_tables(2).unwrap();
+    assert_eq!(t[STATE][..4], [NULL_BLOCK; 4]);
+    assert_eq!(t[STATE].len(), 5);
+    assert!(a.groups[STATE].copies.is_empty() && a.groups[STATE].zero_blocks.is_empty());
+    ok(&m);
+    // Cleared by the allocation; a held sequence cannot set it again.
+    assert!(matches!(
+        m.set_state_from_load(2, true),
+        Err(Error::InvalidSequenceState { .. })
+    ));
+    m.set_state_from_load(2, false).unwrap();
+    assert!(matches!(
+        m.set_state_from_load(99, true),
+        Err(Error::UnknownSequence { .. })
+    ));
+    m.commit_external(2, 19).unwrap();
+    ok(&m);
+    // Reset by set_state_from_load(false): the hit every group serves again.
+    m.add_sequence(3, toks(20, 0), SequenceSpec::default())
+        .unwrap();
+    m.set_state_from_load(3, true).unwrap();
+    m.set_state_from_load(3, false).unwrap();
+    assert_eq!(m.lookup_prefix(3).unwrap(), 4);
+    ok(&m);
+}
+
+#[test]
+fn sync_load_states_wait_for_the_step_commit() {
+    let m = mgr(32);
+    m.add_sequence(1, toks(14, 0), SequenceSpec::default())
+        .unwrap();
+    // 8 loaded, 4 computed in the same step: live state after 12 at column 2.
+    let a = m.allocate_external(1, 8, 4, false, 0).unwrap();
+    assert_eq!((a.num_context_tokens, a.num_scheduled_tokens), (8, 4));
+    let t = m.block_tables(1).unwrap();
+    assert_eq!(t[STATE][..2], [NULL_BLOCK, NULL_BLOCK]);
+    m.add_sequence(2, toks(14, 0), SequenceSpec::default())
+        .unwrap();
+    // The full blocks are registered at allocation, the state is not published before its
+    // step completed.
+    assert_eq!(m.lookup_prefix_group(2, FULL, 13).unwrap(), 12);
+    assert_eq!(m.lookup_prefix(2).unwrap(), 0);
+    assert_eq!(m.commit_computed(1, 12).unwrap(), 1);
+    assert_eq!(m.lookup_prefix(2).unwrap(), 12);
+    ok(&m);
 }
 
 #[test]
@@ -568,6 +775,20 @@ mod model {
         Owed {
             seqs: Vec<usize>,
         },
+        /// A KV connector's load into a sequence without blocks: staged (async) or sync with
+        /// `n` tokens computed after it.
+        External {
+            seq: usize,
+            ext: u8,
+            n: u8,
+            staged: bool,
+        },
+        /// The end of a staged load: a short (partial) commit first (refused, nothing
+        /// changed), then the commit in full.
+        CommitLoad {
+            seq: usize,
+            short: u8,
+        },
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -584,6 +805,9 @@ mod model {
             1 => any::<usize>().prop_map(|seq| Op::SwapIn { seq }),
             2 => any::<usize>().prop_map(|seq| Op::Lookup { seq }),
             1 => prop::collection::vec(any::<usize>(), 1..4).prop_map(|seqs| Op::Owed { seqs }),
+            3 => (any::<usize>(), 1u8..20, 0u8..6, any::<bool>())
+                .prop_map(|(seq, ext, n, staged)| Op::External { seq, ext, n, staged }),
+            3 => (any::<usize>(), 0u8..3).prop_map(|(seq, short)| Op::CommitLoad { seq, short }),
         ]
     }
 
@@ -798,7 +1022,12 @@ mod model {
                     let mut ids: Vec<SeqId> = seqs.iter().filter_map(|&k| self.pick(k)).collect();
                     ids.sort_unstable();
                     ids.dedup();
-                    ids.retain(|&id| self.m.status(id).unwrap() != SeqStatus::Swapped);
+                    ids.retain(|&id| {
+                        !matches!(
+                            self.m.status(id).unwrap(),
+                            SeqStatus::Swapped | SeqStatus::Loading
+                        )
+                    });
                     let owed = self.m.num_blocks_owed(&ids).unwrap();
                     let free0 = self.m.pool().num_free();
                     if owed > free0 {
@@ -817,6 +1046,57 @@ mod model {
                         peak = peak.max(free0 as isize - self.m.pool().num_free() as isize);
                     }
                     assert_eq!(peak as usize, owed, "owed {owed}, peak {peak}");
+                }
+                Op::External {
+                    seq,
+                    ext,
+                    n,
+                    staged,
+                } => {
+                    let Some(id) = self.pick(seq) else { return };
+                    let n = if staged { 0 } else { n.max(1) as usize };
+                    let before = snapshot(&self.m, id);
+                    let need = self.m.num_blocks_needed_external(id, ext as usize, n);
+                    match self.m.allocate_external(id, ext as usize, n, staged, 0) {
+                        Ok(a) => {
+                            let need = need.unwrap();
+                            assert_eq!(
+                                self.m.pool().num_free() as isize,
+                                before.3 as isize - need.net(),
+                                "demand {need:?}"
+                            );
+                            assert_eq!(a.num_context_tokens, a.num_cached_tokens + ext as usize);
+                            if !staged {
+                                self.note_end(id, a.num_context_tokens + a.num_scheduled_tokens);
+                            }
+                        }
+                        Err(_) => {
+                            assert_eq!(snapshot(&self.m, id), before, "failed call changed state")
+                        }
+                    }
+                }
+                Op::CommitLoad { seq, short } => {
+                    let Some(id) = self.pick(seq) else { return };
+                    if self.m.status(id).unwrap() != SeqStatus::Loading {
+                        assert!(self.m.commit_external(id, 0).is_err());
+                        return;
+                    }
+                    let hi = self.m.num_computed_tokens(id).unwrap();
+                    let lo = hi - self.m.num_staged_tokens(id).unwrap();
+                    if short > 0 && hi - lo >= short as usize {
+                        let before = snapshot(&self.m, id);
+                        assert!(self.m.commit_external(id, hi - short as usize).is_err());
+                        assert_eq!(
+                            snapshot(&self.m, id),
+                            before,
+                            "a partial commit changed state"
+                        );
+                    }
+                    self.m.commit_external(id, hi).unwrap();
+                    if self.state_bs.iter().all(|&bs| hi % bs == 0) {
+                        self.committed
+                            .insert(self.m.tokens(id).unwrap()[..hi].to_vec());
+                    }
                 }
                 Op::Lookup { seq } => {
                     if let Some(id) = self.pick(seq) {

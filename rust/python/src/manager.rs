@@ -403,6 +403,25 @@ impl PyKvCacheManager {
         py.detach(|| m.set_hit_limit(seq, limit)).py(py)
     }
 
+    /// With ``on``, the prefix hit of ``seq_id``'s first allocation (and ``lookup_prefix``)
+    /// ignores state groups: the longest prefix the other groups serve, the state groups
+    /// taking no hit block, because a KV connector loads the state after the loaded tokens
+    /// (vLLM's divergent local hybrid hits). Only ``allocate_external`` with external tokens
+    /// may allocate then. Cleared by the first allocation. A no-op without state groups.
+    /// Raises ``UnknownSequenceError``; ``InvalidSequenceStateError`` unless the sequence
+    /// holds no block.
+    #[pyo3(signature = (seq_id, on))]
+    fn set_state_from_load(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        on: bool,
+    ) -> PyResult<()> {
+        let seq = crate::convert::seq_id(seq_id, "seq_id")?;
+        let m = &self.inner;
+        py.detach(|| m.set_state_from_load(seq, on)).py(py)
+    }
+
     /// ``(take, release)``: exactly the blocks the next ``allocate_slots(seq_id,
     /// num_new_tokens)`` takes from the free pool (fresh blocks, prefix hits on free cached
     /// blocks, copy-on-write) and gives back (out-of-window blocks; 0 for full-attention
@@ -534,6 +553,9 @@ impl PyKvCacheManager {
     /// ``free`` and ``preempt`` release its staged blocks unregistered (abort, failed load).
     /// ``reserve_blocks``: blocks that must stay free after the call (other in-flight loads'
     /// reservations, see ``num_blocks_needed``); as ``step(reserve_blocks=)``.
+    /// State groups: one live block at column ``(H + E + n - 1) // block_size`` (the connector
+    /// writes the loaded state there; null entries before it, the hit's state as its copy
+    /// source); staged, it is never matched or published until ``commit_external``.
     ///
     /// Raises (state unchanged): ``UnknownSequenceError``; ``InvalidSequenceStateError``
     /// unless the sequence holds no block (new, or preempted); ``InvalidArgumentError``
@@ -589,10 +611,13 @@ impl PyKvCacheManager {
     /// less than ``H + E`` after a partial failure); it becomes ``"running"`` with that many
     /// computed tokens and the full blocks below it are registered now (KV events, host-tier
     /// notes). Blocks past ``ceil(n / block_size)`` stay held for the next allocations to
-    /// compute into. Returns the number of blocks registered (every group).
+    /// compute into. Returns the number of blocks registered (every group). With state groups
+    /// the loaded live state is published too (when ``H + E`` is block-aligned, counted in
+    /// the return value), and only a load valid in full commits (free or preempt a failed one).
     ///
     /// Raises (state unchanged): ``UnknownSequenceError``; ``InvalidSequenceStateError``
     /// unless loading; ``InvalidArgumentError`` (``num_valid_tokens`` outside ``[H, H + E]``,
+    /// below ``H + E`` with state groups,
     /// or a windowed group whose window at ``n`` reads blocks the load never took: preempt
     /// the sequence to recompute it instead).
     fn commit_external(

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pagedkv.integrations.vllm.connectors import check_kv_transfer_config
+from pagedkv.integrations.vllm.connectors import check_kv_transfer_config, check_kv_transfer_config_with_state_groups
 from pagedkv.integrations.vllm.errors import UnsupportedVllmConfigError
 
 __all__ = ["UnsupportedVllmConfigError", "check_supported_config"]
@@ -326,7 +326,10 @@ def _check_mamba_group(
     "Speculative decoding (refused)", says what serving them takes), prefill checkpoint
     blocks, shared-prefix checkpoints, a Mamba block size other than the scheduler block size,
     prefix hashes finer than the block (vLLM's partial state hits), groups other than full
-    attention beside it and KV connectors. Mode ``"none"`` is checked by
+    attention beside it, KV connectors other than NIXL / Mooncake P/D (and a MultiConnector
+    of them): an offloading or store connector keeps Mamba states vLLM caches at allocation.
+    The P/D connectors are served (an async load's live state is staged until the load
+    completed, docs/design/vllm-mamba.md, "KV connectors"). Mode ``"none"`` is checked by
     ``_check_mamba_none_group``."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
@@ -395,12 +398,7 @@ def _check_mamba_group(
                 type(other.kv_cache_spec).__name__,
                 "beside Mamba groups only full-attention groups are served",
             )
-    if _attr(vllm_config, "kv_transfer_config") is not None:
-        raise _refuse(
-            "kv_transfer_config",
-            type(_attr(vllm_config, "kv_transfer_config")).__name__,
-            "KV connectors with Mamba layers (state hand-offs) are not managed",
-        )
+    check_kv_transfer_config_with_state_groups(_attr(vllm_config, "kv_transfer_config"))
     if _attr(vllm_config, "speculative_config") is not None or (_attr(vllm_config, "num_lookahead_tokens", 0) or 0):
         raise _refuse(
             "speculative_config",

@@ -18,7 +18,9 @@ Accepted today: NIXL (``NixlConnector``, pull and push, both roles), Mooncake P/
 (``LMCacheConnectorV1`` with ``use_native``), ``LMCacheMPConnector``, and ``MultiConnector`` of
 these. An ``OffloadingConnector`` that leaves a prefix-cacheable group un-offloaded reads
 vLLM's coordinator to bound its loads; that configuration is refused once the connector is built
-(:func:`check_built_connector`).
+(:func:`check_built_connector`). Beside align-mode Mamba groups only the P/D connectors
+(NIXL, Mooncake, ``MultiConnector`` of them) are served
+(:func:`check_kv_transfer_config_with_state_groups`).
 """
 
 from __future__ import annotations
@@ -29,7 +31,14 @@ from typing import Any
 
 from pagedkv.integrations.vllm.errors import UnsupportedVllmConfigError
 
-__all__ = ["REFUSED_CONNECTORS", "check_built_connector", "check_kv_transfer_config", "connector_leaves"]
+__all__ = [
+    "REFUSED_CONNECTORS",
+    "STATE_GROUP_CONNECTORS",
+    "check_built_connector",
+    "check_kv_transfer_config",
+    "check_kv_transfer_config_with_state_groups",
+    "connector_leaves",
+]
 
 #: Connector class name -> why ``PagedKVScheduler`` refuses it.
 REFUSED_CONNECTORS: dict[str, str] = {
@@ -130,6 +139,55 @@ def check_kv_transfer_config(kv_transfer_config: Any) -> None:
         kv_transfer_config.kv_connector_module_path,
         dict(kv_transfer_config.kv_connector_extra_config or {}),
     )
+
+
+#: Connectors served beside align-mode Mamba groups (state groups): P/D connectors whose
+#: loads write a request's own blocks, the live state column among them.
+#: Matched against the connector class and its bases (NIXL's pull and push connectors share
+#: ``NixlBaseConnector``).
+STATE_GROUP_CONNECTORS = frozenset({"NixlConnector", "NixlBaseConnector", "MooncakeConnector"})
+
+_STATE_GROUP_REASON = (
+    "beside Mamba layers only the P/D connectors (NixlConnector, MooncakeConnector, and a "
+    "MultiConnector of them) are served: an offloading or store connector keeps and loads "
+    "Mamba states through blocks vLLM caches at allocation, which pagedkv publishes only at "
+    "the step's commit (so it would store no state and could load attention KV without one)"
+)
+
+
+def check_kv_transfer_config_with_state_groups(kv_transfer_config: Any) -> None:
+    """Raise :class:`UnsupportedVllmConfigError` for a connector ``PagedKVScheduler`` does not
+    serve beside align-mode Mamba groups: any connector other than those of
+    :data:`STATE_GROUP_CONNECTORS` (a ``MultiConnector`` is checked member by member). The
+    error's ``field`` is ``kv_transfer_config.kv_connector`` (``.connectors[i]`` for a member),
+    ``value`` the connector's name. ``None`` passes. Call it after
+    :func:`check_kv_transfer_config` (which refuses what is refused without Mamba layers)."""
+    if kv_transfer_config is None:
+        return
+    _check_state_leaf(
+        "kv_transfer_config.kv_connector",
+        kv_transfer_config.kv_connector,
+        kv_transfer_config.kv_connector_module_path,
+        dict(kv_transfer_config.kv_connector_extra_config or {}),
+    )
+
+
+def _check_state_leaf(field: str, name: str | None, module_path: str | None, extra: dict[str, Any]) -> None:
+    try:
+        cls = _connector_class(str(name), module_path)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise _refuse(field, str(name), f"the connector class cannot be resolved ({e})") from e
+    if cls.__name__ == "MultiConnector":
+        for i, sub in enumerate(extra.get("connectors") or ()):
+            _check_state_leaf(
+                f"{field}.connectors[{i}]",
+                sub.get("kv_connector"),
+                sub.get("kv_connector_module_path"),
+                dict(sub.get("kv_connector_extra_config") or {}),
+            )
+        return
+    if not any(c.__name__ in STATE_GROUP_CONNECTORS for c in cls.__mro__):
+        raise _refuse(field, str(name), _STATE_GROUP_REASON)
 
 
 def connector_leaves(connector: Any) -> list[Any]:

@@ -715,6 +715,8 @@ class PagedKVCacheManager(SharedManagerCalls):
             return self.empty_kv_cache_blocks, 0, 0
         self._sync()
         seq = self._register(request)
+        if self._state_groups:
+            self._kvm.set_state_from_load(seq, False)  # a divergent hit's, now reconciled
         if self._drop_groups:
             hit = self._eagle_hit(request, seq)
         else:
@@ -868,7 +870,9 @@ class PagedKVCacheManager(SharedManagerCalls):
 
         KV connectors: ``num_external_computed_tokens`` / ``delay_cache_blocks`` take the
         external path (:meth:`_allocate_external`: a sync load computed at once, an async one
-        staged until :meth:`cache_blocks`).
+        staged until :meth:`cache_blocks`). With state groups (align-mode Mamba) the load's
+        live state column is the table's last, as vLLM lays it out; an async load's state is
+        staged (never a hit) until the load completed in full, then published.
 
         EAGLE / MTP: ``num_lookahead_tokens`` slots past the scheduled tokens (and drafts), capped
         at ``max_model_len``, get blocks in every group in the same call, held as spare
@@ -1354,6 +1358,13 @@ class PagedKVCacheManager(SharedManagerCalls):
                     return None
             if take + watermark > free + release - reserved_blocks:
                 return None
+        if self._state_groups:
+            self._state_sources.pop(rid, None)
+            if rid in self._wait_a_step:
+                # vLLM's hit would read a state written in this step: it waits a step.
+                self._wait_a_step.discard(rid)
+                return None
+            self._pre_lens = (seq, [len(self._kvm.block_table(seq, g)) for g in self._state_groups])
         try:
             out = self._kvm.allocate_external(seq, ext, num_new_tokens, staged=delay_cache_blocks)
         except OutOfBlocksError:
@@ -1367,6 +1378,11 @@ class PagedKVCacheManager(SharedManagerCalls):
                 expected=str(hit),
                 got=str(out.num_cached_tokens),
             )
+        if self._state_groups:
+            # The hit state shown at its column; a sync load's aligned step end is cached by
+            # vLLM at allocation (siblings wait a step), an async load's at its commit.
+            end = 0 if delay_cache_blocks else hit + ext + num_new_tokens
+            self._note_state_step(rid, out, True, hit, end)
         if delay_cache_blocks:
             self._loading.add(rid)
             self.decodes.close_window(rid)
@@ -1575,10 +1591,25 @@ class PagedKVCacheManager(SharedManagerCalls):
         """Ends ``request``'s async load with ``num_computed_tokens`` valid tokens."""
         rid = request.request_id
         seq = self._seq_of[rid]
+        end = self._kvm.num_computed_tokens(seq)
+        hit = end - self._kvm.num_staged_tokens(seq)
+        if self._state_groups and num_computed_tokens < end:
+            # vLLM reports only whole-request failures with several KV cache groups (freed).
+            raise InvalidArgumentError(
+                f"request {rid!r}: its KV load of tokens {hit}..{end} ended with {num_computed_tokens} valid tokens",
+                arg="num_computed_tokens",
+                value=str(num_computed_tokens),
+                reason="with Mamba groups a load (its recurrent state) is valid in full or not at "
+                "all: free or preempt the request to recompute it",
+            )
         self._loading.discard(rid)
-        hit = self._kvm.num_computed_tokens(seq) - self._kvm.num_staged_tokens(seq)
         valid = max(num_computed_tokens, hit)
         self._kvm.commit_external(seq, valid)
+        if self._state_groups and valid % self.block_size == 0:
+            # vLLM caches the loaded state when the load ends (in schedule()): a sibling's
+            # hit on it waits until the next step, as for a state cached at allocation.
+            step = self._step_no
+            self._step_states.append((rid, valid, step, step - 1, self._releases.get(rid, 0)))
         if num_computed_tokens < valid:
             # A block of the local hit was reported invalid too: recomputed from there.
             self._kvm.rollback(seq, num_computed_tokens, poisoned=True)
@@ -1700,9 +1731,28 @@ class PagedKVCacheManager(SharedManagerCalls):
     def get_computed_blocks_for_connector(
         self, request: Any, max_cache_hit_length: int | None = None
     ) -> tuple[Any, int, int, bool]:
-        """``get_computed_blocks`` plus ``hit_diverged`` (False: pagedkv's hit is one prefix
-        every group serves; vLLM's divergence is a Mamba matter, refused)."""
-        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+        """``get_computed_blocks`` plus ``hit_diverged``, for a connector that restores Mamba
+        states itself (vLLM asks this of one whose ``supports_divergent_local_hybrid_hits``,
+        NIXL's). Without state groups, or when no attention group's hit runs deeper than a
+        state group's (the first full-attention group's hit at most every group's): the hit
+        every group serves, ``False``. Otherwise vLLM's divergent hit: the first
+        full-attention group's hit ``H`` (whole blocks), boundary 0, ``True``; the request's
+        first allocation then takes ``H`` with no state hit (pagedkv's
+        ``set_state_from_load``), and only with external tokens: the scheduler falls back to
+        :meth:`get_computed_blocks` when the connector finds none (which clears it)."""
+        blocks, hit, boundary = self.get_computed_blocks(request, max_cache_hit_length)
+        if not self._state_groups or not self.prefix_cache_lookup_enabled(request) or not self._attention_groups:
+            return blocks, hit, boundary, False
+        seq = self._seq_of[request.request_id]
+        limit = request.num_tokens - 1 if max_cache_hit_length is None else max_cache_hit_length
+        kvm = self._kvm
+        fa = int(kvm.lookup_prefix_group(seq, self._attention_groups[0], limit))
+        per_group = [int(kvm.lookup_prefix_group(seq, g, limit)) for g in range(self.num_kv_cache_groups)]
+        if any(h > fa for h in per_group) or min(per_group) >= fa:
+            return blocks, hit, boundary, False
+        kvm.set_state_from_load(seq, True)
+        self._wait_a_step.discard(request.request_id)
+        return PrefixHit(fa, [fa // bs for bs in self.group_block_sizes], seq), fa, 0, True
 
     def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
         """The lookup result cut at ``num_computed_tokens``: pagedkv's hits are multiples of

@@ -143,6 +143,16 @@ impl KvCacheManager {
                 "running or preempted (commit_external its load first)",
             ));
         }
+        if s.state_from_load && s.is_first() && external == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "num_external_tokens",
+                value: "0".into(),
+                reason: format!(
+                    "sequence {seq}'s hit ignores its state groups (set_state_from_load): only \
+                     an external load brings the state its first allocation starts from"
+                ),
+            });
+        }
         let plan = {
             let sim = Sim::new(&self.pool);
             self.plan_external(
@@ -311,6 +321,7 @@ impl KvCacheManager {
         if self.has_state && plan.first && plan.context > 0 {
             self.release_state_hits(s, plan.context, out)?;
         }
+        s.state_from_load = false;
         Ok(())
     }
 
@@ -332,6 +343,9 @@ impl KvCacheManager {
             let bs = spec.block_size as usize;
             let t = &mut s.tables[g];
             let j = context / bs - 1;
+            if t.blocks[j] == NULL_BLOCK {
+                continue; // no hit state: a load brings it (`set_state_from_load`)
+            }
             let src = std::mem::replace(&mut t.blocks[j], NULL_BLOCK);
             let dst = *t.blocks.last().expect("live block");
             t.rewritten_from(j);

@@ -278,6 +278,9 @@ impl KvCacheManager {
                 if !spec.is_windowed() || !spec.prefix_cacheable {
                     continue;
                 }
+                if spec.is_state() && s.state_from_load {
+                    continue; // the state comes with the load
+                }
                 let p = self.window_hit(s, g, l, sim, host);
                 if p < l {
                     l = p;
@@ -291,8 +294,9 @@ impl KvCacheManager {
         let mut hits = Vec::with_capacity(ng);
         for g in 0..ng {
             let spec = self.cfg.groups[g];
-            if !spec.prefix_cacheable {
-                // Fresh blocks for the hit's window, taken by the allocation (`plan`).
+            if !spec.prefix_cacheable || (spec.is_state() && s.state_from_load) {
+                // Fresh blocks for the hit's window, taken by the allocation (`plan`); a state
+                // the load brings takes no hit block.
                 hits.push(Vec::new());
                 continue;
             }
@@ -461,9 +465,6 @@ impl KvCacheManager {
                          groups: a rejected draft cannot be rolled out of a recurrent state"
                     .into(),
             });
-        }
-        if self.has_state && external > 0 {
-            return Err(state_external_refused());
         }
         let first = s.is_first();
         let (context, hits): (usize, SmallVec<[Vec<BlockId>; 1]>) = if first {
@@ -635,16 +636,5 @@ impl KvCacheManager {
             release: release_all,
             per_group,
         })
-    }
-}
-
-/// The refusal of an external load (a KV connector) with a state group.
-pub(super) fn state_external_refused() -> Error {
-    Error::InvalidArgument {
-        arg: "num_external_tokens",
-        value: "state group".into(),
-        reason: "external KV loads are not supported with state groups (a connector moves \
-                 per-token KV, not recurrent states)"
-            .into(),
     }
 }

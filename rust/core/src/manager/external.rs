@@ -27,6 +27,13 @@ impl KvCacheManager {
     /// `reserve_blocks`: blocks that must stay free after the call (the reservations of other
     /// in-flight loads), as [`StepOptions::reserve_blocks`].
     ///
+    /// State groups: the live block is at column `(H + E + n - 1) / block_size` (null entries
+    /// before it; a prefix hit's state is its copy source, as for [`Self::allocate_slots`]);
+    /// the connector writes the loaded state there. A staged live block is never matched or
+    /// published while loading; [`Self::commit_external`] publishes it (when `H + E` is
+    /// block-aligned) once the load completed in full. A synchronous load's states are
+    /// published by the step's commit ([`Self::commit_computed`]), as any allocation's.
+    ///
     /// Errors (state unchanged): [`Error::UnknownSequence`]; [`Error::InvalidSequenceState`]
     /// unless the sequence holds no block (new, or preempted by recompute);
     /// [`Error::InvalidArgument`] (`num_external_tokens` past the last token, a positive
@@ -44,9 +51,6 @@ impl KvCacheManager {
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         check_external(seq, s, num_new_tokens, staged)?;
-        if self.has_state {
-            return Err(super::coordinator::state_external_refused());
-        }
         let mut ev = Vec::new();
         let mut out = Alloc::default();
         out.reset(self.num_groups());
@@ -78,9 +82,6 @@ impl KvCacheManager {
         let mut st = self.state.lock();
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         check_external(seq, s, num_new_tokens, false)?;
-        if self.has_state {
-            return Err(super::coordinator::state_external_refused());
-        }
         let sim = Sim::new(&self.pool);
         Ok(self
             .plan_external(
@@ -104,8 +105,14 @@ impl KvCacheManager {
     /// unregistered) the next allocations compute into first. Returns the blocks registered
     /// (table entries that carry a hash now and did not before, over every group).
     ///
+    /// With state groups the loaded live state is published as well (when `H + E` is
+    /// block-aligned; counted in the return value), and only a load valid in full commits: a
+    /// failed one is freed or preempted (its staged state is released unregistered), since
+    /// no earlier recurrent state is held to roll back to.
+    ///
     /// Errors (state unchanged): [`Error::UnknownSequence`]; [`Error::InvalidSequenceState`]
     /// unless loading; [`Error::InvalidArgument`] (`num_valid_tokens`) outside `[H, H + E]`,
+    /// below `H + E` with state groups,
     /// or when a windowed group's window at `num_valid_tokens` reads blocks the load never
     /// took (below the window of `H + E`): preempt the sequence (recompute) instead.
     pub fn commit_external(&self, seq: SeqId, num_valid_tokens: usize) -> Result<usize> {
@@ -125,6 +132,17 @@ impl KvCacheManager {
                 ),
             });
         }
+        if self.has_state && num_valid_tokens < hi {
+            return Err(Error::InvalidArgument {
+                arg: "num_valid_tokens",
+                value: num_valid_tokens.to_string(),
+                reason: format!(
+                    "sequence {seq} loads a recurrent state (state group) after token {hi}: a \
+                     load with state groups is valid in full or not at all (free or preempt \
+                     the sequence to recompute it)"
+                ),
+            });
+        }
         self.check_window_held(seq, s, num_valid_tokens)?;
         let hashed_before = self.hashed_entries(s);
         s.status = SeqStatus::Running;
@@ -138,8 +156,12 @@ impl KvCacheManager {
         let mut ev = Vec::new();
         self.cache_full(s, &mut ev, true);
         let registered = self.hashed_entries(s) - hashed_before;
+        // State groups: the load wrote the live state (after `num_valid_tokens`): it is
+        // published now when that end is aligned, as a step's commit would publish it.
+        let published = self.commit_locked(st, seq, num_valid_tokens, &mut ev)?;
+        self.drain_pool(&mut ev);
         self.absorb(st, ev);
-        Ok(registered)
+        Ok(registered + published)
     }
 
     /// Tokens of `seq` being loaded into staged blocks (`H + E - H` while
