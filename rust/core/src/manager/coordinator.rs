@@ -465,6 +465,17 @@ impl KvCacheManager {
         if self.has_state && external > 0 {
             return Err(state_external_refused());
         }
+        let k = self.spec_blocks();
+        if k > 0 && num_drafts > k {
+            return Err(Error::InvalidArgument {
+                arg: "draft_tokens",
+                value: format!("{num_drafts} token(s)"),
+                reason: format!(
+                    "a verify step writes one state per draft into the {k} speculative state \
+                     block(s) (state_speculative_blocks): at most {k} drafts"
+                ),
+            });
+        }
         let first = s.is_first();
         let (context, hits): (usize, SmallVec<[Vec<BlockId>; 1]>) = if first {
             let (context, hits) = self.find_hits(s, sim);
@@ -540,6 +551,38 @@ impl KvCacheManager {
                 // it moves from there, and not back.
                 let prev = s.state_end();
                 let live = (end.max(prev) - 1) / bs;
+                let k = self.spec_blocks();
+                if k > 0 {
+                    // Speculative blocks: `1 + k` for a first allocation, one per move; a
+                    // column below the live one is held until the computed tokens pass its
+                    // end (the runner copies an accepted aligned state there after the
+                    // step), then released unless its state awaits its commit.
+                    if first {
+                        gp.null_pad = live - hits.len();
+                        gp.fresh = 1 + k;
+                        gp.hits = hits;
+                    } else {
+                        let floor = (context.max(1) - 1) / bs;
+                        for j in 0..floor.min(t.blocks.len()) {
+                            let b = t.blocks[j];
+                            if b != NULL_BLOCK && !self.state_pending(s, g, j, prev) {
+                                gp.release.push(j);
+                                if sim.refc(b) == 1 {
+                                    release += 1;
+                                }
+                            }
+                        }
+                        if (prev - 1) / bs != live {
+                            gp.fresh = 1;
+                        }
+                    }
+                    take += gp.fresh;
+                    take_all += take;
+                    release_all += release;
+                    per_group.push((take, release));
+                    groups.push(gp);
+                    continue;
+                }
                 if first {
                     // The hit block is not taken: it is only the copy source of the fresh live
                     // block (copies run before any write of the step, so an eviction of it by
