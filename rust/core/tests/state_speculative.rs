@@ -315,13 +315,30 @@ fn refusals_change_nothing() {
         }
         other => panic!("expected InvalidArgument, got {other:?}"),
     }
-    match m.allocate_slots_with_lookahead(1, 1, &[2], 1) {
-        Err(Error::InvalidArgument { arg, .. }) => assert_eq!(arg, "num_lookahead"),
-        other => panic!("expected InvalidArgument, got {other:?}"),
-    }
     assert_eq!(m.block_tables(1).unwrap(), before);
     ok(&m);
-    let _ = FULL;
+}
+
+/// Lookahead slots (an EAGLE / MTP drafter's own tokens) take attention blocks only: the
+/// state groups lay out by the scheduled tokens and drafts, as vLLM's align mode does.
+#[test]
+fn lookahead_slots_take_no_state_block() {
+    let m = mgr(32, 4, 2);
+    m.add_sequence(1, toks(4, 0), SequenceSpec::default())
+        .unwrap();
+    // 4 tokens + 3 lookahead slots: the full group covers 7 slots (2 blocks), the state
+    // group's live column is 0 (not 1).
+    let a = m.allocate_slots_with_lookahead(1, 4, &[], 3).unwrap();
+    assert_eq!(a.groups[FULL].new_block_ids.len(), 2);
+    assert_eq!(state_table(&m, 1).len(), 1 + 2);
+    ok(&m);
+    m.append_tokens(1, &[1]).unwrap();
+    // Verify from 4: known end 5, drafts 2 -> n = 7: live column 1 (a spare), lookahead 3
+    // more slots in the full group (10: 3 blocks).
+    let a = m.allocate_slots_with_lookahead(1, 1, &[2, 3], 3).unwrap();
+    assert_eq!(a.groups[FULL].new_block_ids.len(), 1);
+    assert_eq!(state_table(&m, 1).len(), 2 + 2);
+    ok(&m);
 }
 
 mod model {

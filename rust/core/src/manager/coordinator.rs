@@ -453,12 +453,13 @@ impl KvCacheManager {
         // Draft slots of a state group are placeholder slots (tokens whose ids are not known
         // yet, written by the step in place): the state after them is kept, so they are never
         // rejected (`accept_drafts` keeping blocks); spare lookahead slots have no state.
-        if self.has_state && lookahead > 0 {
+        if self.has_state && lookahead > 0 && self.spec_blocks() == 0 {
             return Err(Error::InvalidArgument {
                 arg: "num_lookahead",
                 value: format!("{lookahead} token(s)"),
                 reason: "lookahead slots (speculative decoding) are not supported with state \
-                         groups: a rejected draft cannot be rolled out of a recurrent state"
+                         groups without speculative state blocks (state_speculative_blocks): a \
+                         rejected draft cannot be rolled out of a recurrent state"
                     .into(),
             });
         }
@@ -550,8 +551,11 @@ impl KvCacheManager {
                 // a settled placeholder ran past the computed tokens hold the state already:
                 // it moves from there, and not back.
                 let prev = s.state_end();
-                let live = (end.max(prev) - 1) / bs;
                 let k = self.spec_blocks();
+                // With speculative blocks lookahead slots (a drafter's own tokens, EAGLE /
+                // MTP: no state layers) take no state block, as in vLLM's align mode.
+                let end = if k > 0 { end - lookahead } else { end };
+                let live = (end.max(prev) - 1) / bs;
                 if k > 0 {
                     // Speculative blocks: `1 + k` for a first allocation, one per move; a
                     // column below the live one is held until the computed tokens pass its
