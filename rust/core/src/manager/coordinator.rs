@@ -562,6 +562,13 @@ impl KvCacheManager {
                     // end (the runner copies an accepted aligned state there after the
                     // step), then released unless its state awaits its commit.
                     if first {
+                        // The hit's state block, when free, counts as taken (as vLLM counts an
+                        // evictable hit block), though it is only the copy source.
+                        if let Some(&b) = hits.last() {
+                            if b != NULL_BLOCK && sim.refc(b) == 0 && hit_free.insert(b) {
+                                take += 1;
+                            }
+                        }
                         gp.null_pad = live - hits.len();
                         gp.fresh = 1 + k;
                         gp.hits = hits;
