@@ -1846,7 +1846,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         scheduled) those preempted since, even if resumed. ``step``: the step's number
         (:attr:`step_no` when it was scheduled): hits waiting for its states stop waiting.
         Returns the states published. Called by the scheduler's ``update_from_output``, in
-        step order, never at allocation.
+        step order, never at allocation (with speculative state blocks, the state at a verify
+        step's accepted end is published as the drafts are resolved, at the request's next
+        allocation: that step has completed by then, and vLLM hashes it there).
 
         Under async scheduling a step's end can lie past the tokens pagedkv holds computed
         (the request was not scheduled again since its last input token became known): the
