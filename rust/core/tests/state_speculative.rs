@@ -446,7 +446,9 @@ mod model {
             let drafts: Vec<u32> = (0..drafts.min(self.k))
                 .map(|i| base + 1 + i as u32)
                 .collect();
-            let a = match m.allocate_slots_with_drafts(seq, 1, &drafts) {
+            // An EAGLE / MTP drafter's lookahead slots on some steps (attention blocks only).
+            let lookahead = chunk % 3;
+            let a = match m.allocate_slots_with_lookahead(seq, 1, &drafts, lookahead) {
                 Ok(a) => a,
                 Err(Error::OutOfBlocks { .. }) => return,
                 Err(e) => panic!("{e:?}"),
