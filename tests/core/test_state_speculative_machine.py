@@ -74,6 +74,12 @@ class SpeculativeStateMachine(RuleBasedStateMachine):
             live = (slots - 1) // bs
             assert len(new) == 1 + k
             s.table = [0] * live + new
+            hit = alloc.num_cached_tokens  # type: ignore[attr-defined]
+            if hit:
+                # The hit's state stays held at its column (the copy source of the live block).
+                rows = [r for r in alloc.copies.tolist() if r[0] == STATE]  # type: ignore[attr-defined]
+                assert [r[2] for r in rows] == [new[0]]
+                s.table[hit // bs - 1] = rows[0][1]
             s.slots = slots
             return
         floor = (context - 1) // bs

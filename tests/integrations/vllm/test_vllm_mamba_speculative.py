@@ -17,8 +17,8 @@ served by the plug-in with pagedkv's speculative state blocks
    and real blocks), each state group's null columns, and the new block ids the runner
    appends, classified as null / a block moved from column ``j`` / fresh, are equal at every
    step; the runner's post-step copy of an aligned state always lands on a block the plug-in
-   holds. In a 40-block pool the two diverge once pagedkv's earlier release of a hit's state
-   lets it be evicted sooner (figures in docs/design/vllm-mamba.md, "Speculative decoding").
+   holds. In a 40-block pool the two diverge once their pools evict different cached blocks
+   (figures in docs/design/vllm-mamba.md, "Speculative decoding").
 
 Runs only where vLLM is installed (``make test-vllm``).
 """
@@ -478,9 +478,9 @@ def test_speculative_state_blocks_match_stock_step_by_step(groups: Any, k: int) 
 @SHAPES
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_speculative_state_blocks_under_memory_pressure(groups: Any, k: int) -> None:
-    """A 40-block pool that preempts: outputs and finish reasons equal, nothing leaked; the
-    schedules diverge once a hit's state, released earlier by pagedkv (the copy source of a
-    first allocation), is evicted sooner (figures printed, quoted in the design doc)."""
+    """A 40-block pool that preempts: outputs and finish reasons equal, nothing leaked, every
+    aligned copy on a held block; the schedules diverge once the two pools evict different
+    cached blocks (figures printed, quoted in the design doc)."""
     stock, paged, figures = _spec_lockstep(groups, k, 40, strict=False)
     assert figures["stock_preemptions"] > 0
     print(f"{groups} k={k}: {figures}")

@@ -778,13 +778,16 @@ class PagedKVCacheManager(SharedManagerCalls):
                     curr = min(curr, by_group[idx])
                     continue
                 drop = eagle and idx not in verified
-                limit = min(curr + bs, cap) if drop else curr
+                # A state group's finder never drops (vLLM: drafters have no Mamba layers),
+                # nor looks past the candidate; its drop still counts as verified.
+                state = self._specs[g].kind == "state"
+                limit = min(curr + bs, cap) if drop and not state else curr
                 if full:
                     h = int(kvm.lookup_prefix_group(seq, g, limit))
                     if drop and h > 0:
                         h -= bs
                 else:
-                    h = window(g, limit, drop)
+                    h = window(g, limit, drop and not state)
                 if drop:
                     verified.add(idx)
                 elif h < curr:

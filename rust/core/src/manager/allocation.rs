@@ -196,11 +196,15 @@ impl KvCacheManager {
         if !released.is_empty() {
             self.pool.free(&released)?;
         }
+        // A state hit is only a copy source, released by the call (without speculative blocks)
+        // or held at its column until the computed tokens pass its end (with them, as vLLM
+        // holds it): then it is taken like any hit, before the fresh blocks are.
+        let hold_state_hits = self.spec_blocks() > 0;
         let mut touched: Vec<BlockId> = plan
             .groups
             .iter()
             .enumerate()
-            .filter(|(g, _)| !self.cfg.groups[*g].is_state()) // a state hit is a copy source
+            .filter(|(g, _)| hold_state_hits || !self.cfg.groups[*g].is_state())
             .flat_map(|(_, gp)| gp.hits.iter().copied())
             .filter(|&b| b != NULL_BLOCK && b != HOST_HIT)
             .collect();
@@ -360,10 +364,13 @@ impl KvCacheManager {
     /// allocation evicted the hit block and took it again as the live block, the state is in
     /// place already: no copy row. A hit block still cached and free moves to the young end
     /// of the LRU (taken and given back), as a hit on any other block would: a state many
-    /// requests hit must not be the next one evicted.
+    /// requests hit must not be the next one evicted. With speculative state blocks the hit
+    /// block is taken with the other groups' hits instead and stays at its column (the copy
+    /// row still runs) until an allocation's computed tokens pass its end, as vLLM holds it.
     fn release_state_hits(&self, s: &mut Seq, context: usize, out: &mut Alloc) -> Result<()> {
         let mut copies = 0u64;
         let mut refresh: SmallVec<[BlockId; 2]> = SmallVec::new();
+        let k = self.spec_blocks();
         for (g, spec) in self.cfg.groups.iter().enumerate() {
             if !spec.is_state() {
                 continue;
@@ -371,8 +378,17 @@ impl KvCacheManager {
             let bs = spec.block_size as usize;
             let t = &mut s.tables[g];
             let j = context / bs - 1;
+            if k > 0 {
+                // Speculative blocks: the hit stays held at its column (taken with the other
+                // hits), released once an allocation's computed tokens pass its end.
+                let src = t.blocks[j];
+                let dst = t.blocks[t.blocks.len() - 1 - k];
+                out.groups[g].copies.push((src, dst));
+                copies += 1;
+                continue;
+            }
             let src = std::mem::replace(&mut t.blocks[j], NULL_BLOCK);
-            let dst = t.blocks[t.blocks.len() - 1 - self.spec_blocks()];
+            let dst = *t.blocks.last().expect("live block");
             t.rewritten_from(j);
             if src != dst {
                 out.groups[g].copies.push((src, dst));
