@@ -560,3 +560,35 @@ mod model {
         assert!(HITS.load(std::sync::atomic::Ordering::Relaxed) > before);
     }
 }
+
+/// A first allocation's hit state stays held at its column (the copy source of the live
+/// block), as vLLM holds it, until an allocation's computed tokens pass its end.
+#[test]
+fn hit_state_held_until_passed() {
+    let (bs, k) = (4, 2);
+    let m = mgr(64, bs, k);
+    m.add_sequence(1, toks(12, 0), SequenceSpec::default())
+        .unwrap();
+    m.allocate_slots(1, 8).unwrap();
+    m.commit_computed(1, 8).unwrap();
+    let cached = state_table(&m, 1)[1];
+    // A sibling hits the state after 8 tokens: it is held at column 1 and copied from.
+    m.add_sequence(2, toks(12, 0), SequenceSpec::default())
+        .unwrap();
+    let a = m.allocate_slots(2, 2).unwrap();
+    assert_eq!(a.num_cached_tokens, 8);
+    let t = state_table(&m, 2);
+    assert_eq!(t[1], cached);
+    let live = t[(10 - 1) / 4];
+    assert_eq!(a.groups[STATE].copies, vec![(cached, live)]);
+    assert_eq!(t.len(), 2 + 1 + k as usize);
+    ok(&m);
+    // Computed 10: (10 - 1) / 4 = 2 > 1, the next allocation releases it (still cached).
+    let a = m.allocate_slots(2, 2).unwrap();
+    assert_eq!(state_table(&m, 2)[1], NULL_BLOCK);
+    assert!(a.groups[STATE].released.contains(&cached));
+    ok(&m);
+    m.add_sequence(3, toks(12, 0), SequenceSpec::default())
+        .unwrap();
+    assert_eq!(m.lookup_prefix(3).unwrap(), 8);
+}
