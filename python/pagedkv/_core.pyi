@@ -75,6 +75,7 @@ class CacheConfig:
         host_admission_min_seen: int = 2,
         host_eviction: str = "lru",
         hash_lookahead_tokens: int = 0,
+        state_speculative_blocks: int = 0,
     ) -> CacheConfig:
         """``num_blocks``: pages including the null block 0, 2..=2**28; ``block_size``: tokens,
         1..=``MAX_BLOCK_SIZE`` (required without ``groups``). ``retention_interval``: tokens, 0
@@ -98,13 +99,22 @@ class CacheConfig:
         no recompute of a hit's last block). Needs prefix caching; refused with events, a host
         tier or a state group.
 
+        ``state_speculative_blocks``: blocks, 0..=16 (0: default): ``k`` spare blocks after
+        each state group's live block for the states a verify step writes after each of its
+        (at most ``k``) drafts, laid out and moved as vLLM's align-mode Mamba manager does
+        (docs/design/kv-cache-groups.md, "Speculative state blocks"): a first allocation takes
+        ``1 + k`` state blocks, a move of the live block one; drafts may be rejected
+        (``accept_drafts`` leaves a state group's table as it is). Needs a state group, every
+        state group of one block size, and no swap space.
+
         Raises ``InvalidConfigError`` (a ``ValueError``) naming the field, nothing built: a
         value of the wrong type or out of range, ``block_size`` missing without ``groups``,
         ``layer_groups`` without ``groups`` or missing with them, a ``block_size`` unlike a
         group's, page sizes that differ between groups, a layer mapped to no group, a group
         without layers, a retention interval that is not a multiple of the hit unit, a host
         tier with prefix caching off, an unknown policy (the message lists the accepted
-        names), a hash lookahead out of range or with a setting it does not support."""
+        names), a hash lookahead out of range or with a setting it does not support,
+        speculative state blocks out of range or with a setting they do not support."""
     @property
     def groups(self) -> list[KVCacheGroupSpec]:
         """The KV cache groups (one-group form: the full-attention group it implies)."""
@@ -137,6 +147,9 @@ class CacheConfig:
     def host_eviction(self) -> str: ...
     @property
     def hash_lookahead_tokens(self) -> int: ...
+    @property
+    def state_speculative_blocks(self) -> int:
+        """Speculative state blocks per state group (0: none)."""
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
 

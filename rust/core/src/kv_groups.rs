@@ -296,10 +296,27 @@ pub struct CacheConfig {
     /// At most [`MAX_HASH_LOOKAHEAD_TOKENS`]; needs prefix caching on, and is refused with KV
     /// events, a host tier or state groups (their keys and events cover a block's own tokens).
     pub hash_lookahead_tokens: u32,
+    /// Speculative state blocks (`k`, 0: none): with it every state group keeps `k` spare
+    /// blocks after its live state's block for the states a verify step writes after each
+    /// draft (vLLM's `num_speculative_blocks` of a Mamba group in `align` mode), and draft
+    /// slots of a state group become real drafts that `accept_drafts` may reject. Layout, with
+    /// `n` the slots of the latest allocation, drafts included (never below an earlier one's):
+    /// the live state's block at column `c = ceil(n / block_size) - 1`, the spares at `c + 1
+    /// ..= c + k`; a first allocation takes `1 + k` blocks, an allocation that moves `c` takes
+    /// one (the spares left below the new `c` move, in order, to the end of the table; their
+    /// old columns become null); a column the live state left is held until an allocation's
+    /// computed tokens pass its end; only the states at a step's known end and at an accepted
+    /// end are published (docs/design/kv-cache-groups.md). At most
+    /// [`MAX_STATE_SPECULATIVE_BLOCKS`]; needs a state group, every state group of one block
+    /// size, and no swap space (`num_cpu_blocks == 0`).
+    pub state_speculative_blocks: u32,
 }
 
 /// Largest [`CacheConfig::hash_lookahead_tokens`].
 pub const MAX_HASH_LOOKAHEAD_TOKENS: u32 = 64;
+
+/// Largest [`CacheConfig::state_speculative_blocks`].
+pub const MAX_STATE_SPECULATIVE_BLOCKS: u32 = 16;
 
 impl CacheConfig {
     /// One full-attention group: `num_blocks` blocks (the null block included) of
@@ -329,7 +346,44 @@ impl CacheConfig {
             host_admission_min_seen: 2,
             host_eviction: HostEviction::Lru,
             hash_lookahead_tokens: 0,
+            state_speculative_blocks: 0,
         }
+    }
+
+    /// [`Self::state_speculative_blocks`]'s part of [`Self::validate`].
+    fn validate_state_speculative(&self) -> Result<()> {
+        let k = self.state_speculative_blocks;
+        if k == 0 {
+            return Ok(());
+        }
+        let refuse = |reason: String| {
+            Err(Error::InvalidConfig {
+                field: "state_speculative_blocks",
+                value: k.to_string(),
+                reason,
+            })
+        };
+        if k > MAX_STATE_SPECULATIVE_BLOCKS {
+            return refuse(format!("at most {MAX_STATE_SPECULATIVE_BLOCKS}"));
+        }
+        let mut sizes = self
+            .groups
+            .iter()
+            .filter(|g| g.is_state())
+            .map(|g| g.block_size);
+        let Some(bs) = sizes.next() else {
+            return refuse("needs a state group (speculative blocks hold recurrent states)".into());
+        };
+        if sizes.any(|b| b != bs) {
+            return refuse("every state group must have one block size".into());
+        }
+        if self.num_cpu_blocks > 0 {
+            return refuse(
+                "not supported with swap space (a swapped sequence keeps its live state only)"
+                    .into(),
+            );
+        }
+        Ok(())
     }
 
     /// [`Self::hash_lookahead_tokens`]'s part of [`Self::validate`].
@@ -396,7 +450,9 @@ impl CacheConfig {
     /// caching off (the host tier keys blocks by their prefix hash), or
     /// `host_admission_min_seen == 0`; `hash_lookahead_tokens` above
     /// [`MAX_HASH_LOOKAHEAD_TOKENS`], or set with prefix caching off, KV events, a host tier or
-    /// a state group. A block size out of range names `block_size`.
+    /// a state group; `state_speculative_blocks` above [`MAX_STATE_SPECULATIVE_BLOCKS`], without
+    /// a state group, with state groups of different block sizes or with swap space. A block
+    /// size out of range names `block_size`.
     pub fn validate(&self) -> Result<()> {
         crate::host_tier::validate_host_tier(
             self.num_host_blocks,
@@ -404,6 +460,7 @@ impl CacheConfig {
             self.enable_prefix_caching,
         )?;
         self.validate_hash_lookahead()?;
+        self.validate_state_speculative()?;
         if self.num_blocks < 2 {
             return Err(Error::InvalidConfig {
                 field: "num_blocks",

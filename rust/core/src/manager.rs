@@ -343,6 +343,10 @@ struct Seq {
     /// State groups: the slots the live state covers, placeholder slots included (see
     /// [`Seq::state_end`]); 0 when no placeholder slot ever ran past the computed tokens.
     state_slots: usize,
+    /// State groups with speculative blocks ([`CacheConfig::state_speculative_blocks`]): the
+    /// aligned ends whose states the runner writes into their own column and that may be
+    /// published (a step's known end, an accepted end); pruned as their columns leave.
+    state_marks: SmallVec<[usize; 2]>,
 }
 
 impl Seq {
@@ -586,6 +590,7 @@ impl KvCacheManager {
                 state_from_load: false,
                 publish_floor: 0,
                 state_slots: 0,
+                state_marks: SmallVec::new(),
             },
         );
         Ok(())
@@ -1069,9 +1074,16 @@ impl KvCacheManager {
             published += picked.len();
             self.register(s, g, &picked, ev, true);
             // Aligned states at or below the commit that are no longer live: released (cached
-            // when published), tail first.
+            // when published), tail first. With speculative blocks only those under the
+            // columns the last allocation holds (the runner may still copy an accepted
+            // state into a column the live state left).
+            let hold = if self.spec_blocks() > 0 {
+                (s.last_context.max(1) - 1) / bs
+            } else {
+                usize::MAX
+            };
             let t = &mut s.tables[g];
-            for j in (0..upto).rev() {
+            for j in (0..upto.min(hold)).rev() {
                 if j != live && t.blocks[j] != NULL_BLOCK {
                     released.push(std::mem::replace(&mut t.blocks[j], NULL_BLOCK));
                     t.rewritten_from(j);
@@ -1223,6 +1235,7 @@ impl KvCacheManager {
             s.tainted_from = usize::MAX;
             s.publish_floor = 0;
             s.state_slots = 0;
+            s.state_marks.clear();
             st.seqs.insert(*id, s);
         }
         self.absorb(st, ev);

@@ -499,7 +499,10 @@ impl PyKvCacheManager {
     /// With a state group they are placeholder slots (an asynchronous scheduler's tokens
     /// being sampled): the live state moves over them and they are settled keeping their
     /// blocks (``accept_drafts(..., release_blocks=False)``), never rejected, so real drafts
-    /// of speculative decoding must not be passed there.
+    /// of speculative decoding must not be passed there, unless the config has speculative
+    /// state blocks (``CacheConfig.state_speculative_blocks = k``): drafts (at most ``k``)
+    /// are then real drafts, the state groups lay out their live block at the end with the
+    /// drafts and ``k`` spares after it, and rejecting drafts leaves their tables as they are.
     ///
     /// ``num_lookahead_slots`` (a drafter with its own forward pass, EAGLE / MTP): slots past
     /// the scheduled tokens and drafts whose tokens do not exist yet, in every group; their
@@ -640,6 +643,9 @@ impl PyKvCacheManager {
     /// of blocks published (0 without state groups, for a number below an earlier commit, or
     /// a sequence not running). States whose step ended between alignment points are never
     /// published; a free, preemption or abort before the commit releases them unpublished.
+    /// With speculative state blocks only the states at a step's known end and at an accepted
+    /// end are published, and a column the live state left stays held until an allocation's
+    /// computed tokens pass its end.
     ///
     /// Raises (state unchanged): ``UnknownSequenceError``; ``InvalidArgumentError``
     /// (``num_tokens`` above the computed tokens).

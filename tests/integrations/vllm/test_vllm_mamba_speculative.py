@@ -1,16 +1,24 @@
 """Speculative decoding (MTP / EAGLE drafters) with align-mode Mamba / linear-attention groups:
-refused by the plug-in; this file pins why, and what serving it would have to reproduce.
+served by the plug-in with pagedkv's speculative state blocks
+(``CacheConfig.state_speculative_blocks = k``).
 
-1. The refusal, on the configs vLLM builds for the deployments in question (Qwen3-Next with its
-   MTP drafter, EAGLE / MTP on a Nemotron-H-shaped hybrid): ``num_speculative_blocks = k`` on
-   every Mamba group plus the drafter's ``speculative_config``, and a drafter without state
-   blocks. Each is an ``UnsupportedVllmConfigError`` naming the setting.
+1. What is served and what stays refused, on the configs vLLM builds for the deployments in
+   question (Qwen3-Next with its MTP drafter, EAGLE / MTP on a Nemotron-H-shaped hybrid):
+   ``num_speculative_blocks = k`` on every Mamba group plus a model-based drafter is served;
+   a drafter without state blocks, state blocks without a model-based drafter, more drafts
+   than blocks, Mamba groups of different ``k`` and async scheduling with drafts are each an
+   ``UnsupportedVllmConfigError`` naming the setting.
 2. Stock vLLM's runner-facing layout of a state group under speculative decoding, measured
    step by step with a fake worker whose greedy verifier accepts a varying number of drafts
-   (``fake_drafts``: about one draft in three is wrong). These are the columns vLLM's model
-   runner reads and writes (``preprocess_mamba`` / the align post-processing copy), so a
-   plug-in serving this config must give the runner exactly these columns. See
-   docs/design/vllm-mamba.md, "Speculative decoding (refused)".
+   (``fake_drafts``: about one draft in three is wrong): the columns vLLM's model runner
+   reads and writes (``preprocess_mamba`` / the align post-processing copy).
+3. Stock vs plug-in in lockstep on that stream (both shapes, ``k`` = 1..3, vLLM 0.33 and 0.32):
+   scheduled tokens, prefix hits, preemptions, outputs, blocks held per group (table length
+   and real blocks), each state group's null columns, and the new block ids the runner
+   appends, classified as null / a block moved from column ``j`` / fresh, are equal at every
+   step; the runner's post-step copy of an aligned state always lands on a block the plug-in
+   holds. In a 40-block pool the two diverge once their pools evict different cached blocks
+   (figures in docs/design/vllm-mamba.md, "Speculative decoding").
 
 Runs only where vLLM is installed (``make test-vllm``).
 """
@@ -27,10 +35,15 @@ pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import DraftTokenIds  # noqa: E402
 
-from pagedkv.integrations.vllm import PagedKVScheduler, UnsupportedVllmConfigError  # noqa: E402
+from pagedkv.integrations.vllm import (  # noqa: E402
+    PagedKVCacheManager,
+    PagedKVScheduler,
+    UnsupportedVllmConfigError,
+)
 from pagedkv.testing.vllm_scheduler import (  # noqa: E402
     NEMOTRON_H_GROUPS,
     QWEN3_NEXT_GROUPS,
+    Driver,
     build_scheduler,
     eagle_speculative_config,
     fake_drafts,
@@ -65,13 +78,49 @@ def _cdiv(a: int, b: int) -> int:
 @SHAPES
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("method", ["mtp", "eagle"])
-def test_drafter_with_speculative_state_blocks_is_refused(groups: Any, k: int, method: str) -> None:
+def test_drafter_with_speculative_state_blocks_is_served(groups: Any, k: int, method: str) -> None:
     # The deployment's config: k speculative state blocks per Mamba group and the drafter.
     kv = make_mamba_kv_cache_config(64, groups, BS, num_speculative_blocks=k)
+    sched = build_scheduler(
+        PagedKVScheduler, _config(64, k, method), kv_cache_config=kv, block_size=BS, hash_block_size=BS
+    )
+    kvm = sched.kv_cache_manager
+    assert isinstance(kvm, PagedKVCacheManager)
+    assert kvm.state_speculative_blocks == k
+    assert kvm.manager.config.state_speculative_blocks == k
+
+
+def _refused(vc: Any, kv: Any) -> UnsupportedVllmConfigError:
     with pytest.raises(UnsupportedVllmConfigError) as err:
-        build_scheduler(PagedKVScheduler, _config(64, k, method), kv_cache_config=kv, block_size=BS, hash_block_size=BS)
-    assert err.value.field == "kv_cache_config.kv_cache_groups[0].kv_cache_spec.num_speculative_blocks"
-    assert "speculative state blocks" in str(err.value)
+        build_scheduler(PagedKVScheduler, vc, kv_cache_config=kv, block_size=BS, hash_block_size=BS)
+    return err.value
+
+
+@SHAPES
+def test_speculative_state_block_refusals_are_named(groups: Any) -> None:
+    field = "kv_cache_config.kv_cache_groups[{}].kv_cache_spec.num_speculative_blocks"
+    first = next(g for g, kind in enumerate(groups) if kind != "full")
+    # State blocks with a prompt-lookup (n-gram) drafter: no model-based drafter.
+    kv = make_mamba_kv_cache_config(64, groups, BS, num_speculative_blocks=2)
+    err = _refused(_config(64, 2, "ngram"), kv)
+    assert err.field == field.format(first)
+    assert "model-based drafter" in str(err)
+    # More drafts than state blocks.
+    kv = make_mamba_kv_cache_config(64, groups, BS, num_speculative_blocks=1)
+    err = _refused(_config(64, 2, "mtp"), kv)
+    assert err.field == "speculative_config.num_speculative_tokens"
+    # Mamba groups of different k.
+    kv = make_mamba_kv_cache_config(64, groups, BS, num_speculative_blocks=2)
+    last = max(g for g, kind in enumerate(groups) if kind != "full")
+    object.__setattr__(kv.kv_cache_groups[last].kv_cache_spec, "num_speculative_blocks", 3)
+    err = _refused(_config(64, 2, "mtp"), kv)
+    assert "same number" in str(err)
+    # Async scheduling with drafts.
+    kv = make_mamba_kv_cache_config(64, groups, BS, num_speculative_blocks=2)
+    vc = _config(64, 2, "mtp")
+    vc.scheduler_config.async_scheduling = True
+    err = _refused(vc, kv)
+    assert err.field == "scheduler_config.async_scheduling"
 
 
 @SHAPES
@@ -263,4 +312,175 @@ def test_stock_speculative_state_layout(groups: Any, k: int, pressure: bool) -> 
     # by the request's next allocation, unless it is preempted or finishes first (the pool).
     if not pressure:
         assert (figures["written_never_hashed"] > 0) == (k > 1)
+    print(f"{groups} k={k}: {figures}")
+
+
+def _columns(new_ids: list[int], before: list[int]) -> list[Any]:
+    """The runner-facing shape of a state group's new ids: null, a block moved from column
+    ``j`` of the table before the step, or fresh."""
+    where = {b: j for j, b in enumerate(before) if b != 0}
+    return ["null" if b == 0 else ("moved", where[b]) if b in where else "fresh" for b in new_ids]
+
+
+class _Capture:
+    """Wraps a scheduler's ``schedule()`` to keep its last output (the new block ids)."""
+
+    def __init__(self, sched: Any) -> None:
+        self.out: Any = None
+        orig = sched.schedule
+
+        def schedule() -> Any:
+            self.out = orig()
+            return self.out
+
+        sched.schedule = schedule
+
+
+def _spec_lockstep(groups: Any, k: int, num_blocks: int, *, strict: bool) -> tuple[Driver, Driver, dict[str, int]]:
+    """Stock vLLM and the plug-in on the shared-prefix stream of
+    ``test_stock_speculative_state_layout`` (8 requests sharing a 70-token prefix, MTP with
+    ``k`` drafts and ``k`` speculative state blocks, ``fake_drafts`` rejecting about one in
+    three), in lockstep. ``strict``: every step's record, blocks held, state-group null
+    columns and new-id shapes equal (else only the figures are gathered). Returns both
+    drivers and the figures (steps, steps equal, preemptions and hit tokens per side, the
+    plug-in's aligned post-step copies and those into the column the live state left)."""
+    rng = random.Random(11 + k)
+    prefix = [rng.randrange(100, 4000) for _ in range(70)]
+    arrivals = {
+        2 * i: (
+            f"r{i}",
+            prefix + [rng.randrange(100, 4000) for _ in range(rng.randrange(1, 50))],
+            rng.randrange(20, 60),
+        )
+        for i in range(8)
+    }
+    drivers, captures = [], []
+    for cls in (Scheduler, PagedKVScheduler):
+        kv = make_mamba_kv_cache_config(num_blocks, groups, BS, num_speculative_blocks=k)
+        vc = _config(num_blocks, k, max_num_batched_tokens=64, max_num_seqs=8)
+        sched = build_scheduler(cls, vc, kv_cache_config=kv, block_size=BS, hash_block_size=BS)
+        captures.append(_Capture(sched))
+        drivers.append(Driver(sched, num_drafts=k))
+    stock, paged = drivers
+    kvm = paged.scheduler.kv_cache_manager
+    assert isinstance(kvm, PagedKVCacheManager)
+    state = [g for g, kind in enumerate(groups) if kind != "full"]
+    figures = {
+        "steps": 0,
+        "steps_equal": 0,
+        "stock_preemptions": 0,
+        "paged_preemptions": 0,
+        "stock_hit_tokens": 0,
+        "paged_hit_tokens": 0,
+        "aligned_copies": 0,
+        "into_left_column": 0,
+    }
+    before: list[dict[str, list[list[int]]]] = [{}, {}]
+    for step in range(3000):
+        if step in arrivals:
+            rid, prompt, max_tokens = arrivals[step]
+            for d in drivers:
+                d.add(make_request(rid, prompt, max_tokens, block_size=BS))
+        if step > max(arrivals) and not any(d.scheduler.has_unfinished_requests() for d in drivers):
+            break
+        # The verify step's drafts and its computed count, before the step (plug-in side).
+        pending = {
+            r.request_id: (r.num_computed_tokens, len(r.spec_token_ids or ()))
+            for r in paged.scheduler.running
+            if not r.is_finished()
+        }
+        recs = [d.step() for d in drivers]
+        figures["steps"] += 1
+        for side, rec in zip(("stock", "paged"), recs, strict=True):
+            figures[f"{side}_preemptions"] += len(rec["preempted"])
+            figures[f"{side}_hit_tokens"] += sum(rec["new_prefix_hits"].values())
+        shapes = []
+        for i, cap in enumerate(captures):
+            out = cap.out
+            cached = out.scheduled_cached_reqs
+            added = dict(zip(cached.req_ids, cached.new_block_ids, strict=True))
+            view: dict[str, Any] = {}
+            for rid in out.num_scheduled_tokens:
+                prev = before[i].get(rid)
+                ids = added.get(rid)
+                view[rid] = tuple(
+                    _columns(list(ids[g]) if ids is not None else [], prev[g])
+                    if prev is not None and rid not in cached.resumed_req_ids
+                    else None
+                    for g in state
+                )
+            shapes.append(view)
+        held = [rec.pop("blocks_held") for rec in recs]
+        a, b = recs
+        same = a == b and held[0] == held[1] and shapes[0] == shapes[1]
+        figures["steps_equal"] += same
+        if strict:
+            assert a == b, f"step {step} differs:\nstock {a}\npaged {b}"
+            assert held[1] == held[0], f"step {step}: blocks held\nstock {held[0]}\npaged {held[1]}"
+            assert shapes[1] == shapes[0], f"step {step}: new state columns\nstock {shapes[0]}\npaged {shapes[1]}"
+        # The state groups' tables after the step's allocation (the runner's view): equal
+        # null columns, and the aligned post-step copy of each verify step lands on a block
+        # the plug-in holds.
+        for i, d in enumerate(drivers):
+            before[i] = {}
+            for r in d.scheduler.running:
+                if not r.is_finished():
+                    before[i][r.request_id] = [
+                        list(t) for t in d.scheduler.kv_cache_manager.get_block_ids(r.request_id)
+                    ]
+        for rid, (computed, drafts) in pending.items():
+            if not drafts or rid not in b["scheduled"] or rid not in before[1]:
+                continue
+            request = paged.scheduler.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            known = computed + 1
+            new_computed = request.num_computed_tokens
+            aligned = new_computed // BS * BS
+            if aligned >= known:
+                figures["aligned_copies"] += 1
+                dest = aligned // BS - 1
+                live = _cdiv(known + drafts, BS) - 1
+                figures["into_left_column"] += dest < live
+                for g in state:
+                    assert before[1][rid][g][dest] != 0, f"step {step} {rid}: aligned copy into null column {dest}"
+        if strict:
+            assert before[1].keys() == before[0].keys()
+            for rid in before[1]:
+                masks = [[[b == 0 for b in before[i][rid][g]] for g in state] for i in (0, 1)]
+                assert masks[1] == masks[0], f"step {step} {rid}: null columns differ"
+    else:  # pragma: no cover - a hang is a failure
+        raise AssertionError("streams did not finish")
+    kvm.manager.check_invariants()
+    assert kvm.manager.num_sequences == 0
+    assert stock.scheduler.kv_cache_manager.usage == 0.0
+    assert kvm.usage == 0.0
+    # Outputs and finish reasons are equal in every case (a greedy verifier: decoding's tokens).
+    assert paged.outputs == stock.outputs
+    assert paged.finish_reasons == stock.finish_reasons
+    return stock, paged, figures
+
+
+@SHAPES
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_speculative_state_blocks_match_stock_step_by_step(groups: Any, k: int) -> None:
+    stock, paged, figures = _spec_lockstep(groups, k, 800, strict=True)
+    assert paged.drafts_scheduled == stock.drafts_scheduled
+    assert paged.drafts_accepted == stock.drafts_accepted < stock.drafts_scheduled
+    assert figures["steps_equal"] == figures["steps"]
+    assert figures["paged_hit_tokens"] == figures["stock_hit_tokens"] > 0
+    assert figures["aligned_copies"] > 0
+    # The runner's copies into the column the live state left: the plug-in holds it.
+    assert figures["into_left_column"] > 0
+    print(f"{groups} k={k}: {figures}, drafts {stock.drafts_accepted}/{stock.drafts_scheduled}")
+
+
+@SHAPES
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_speculative_state_blocks_under_memory_pressure(groups: Any, k: int) -> None:
+    """A 40-block pool that preempts: outputs and finish reasons equal, nothing leaked, every
+    aligned copy on a held block; the schedules diverge once the two pools evict different
+    cached blocks (figures printed, quoted in the design doc)."""
+    stock, paged, figures = _spec_lockstep(groups, k, 40, strict=False)
+    assert figures["stock_preemptions"] > 0
     print(f"{groups} k={k}: {figures}")

@@ -321,9 +321,9 @@ def _check_mamba_group(
     published to the prefix cache once the step that wrote it completed (under async
     scheduling too: a slot whose token is not known yet is a placeholder slot whose state is
     kept). Refused, naming the setting: other cache modes (``"all"``, ``"none"``), prefix
-    caching off, speculative state blocks (``num_speculative_blocks > 0``, what vLLM sets for
-    an MTP / EAGLE drafter on a hybrid model) or any drafter (docs/design/vllm-mamba.md,
-    "Speculative decoding (refused)", says what serving them takes), prefill checkpoint
+    caching off, speculative decoding other than ``_check_mamba_speculation`` serves (an MTP /
+    EAGLE drafter with ``num_speculative_blocks > 0`` on every Mamba group, synchronous
+    scheduling; docs/design/vllm-mamba.md, "Speculative decoding"), prefill checkpoint
     blocks, shared-prefix checkpoints, a Mamba block size other than the scheduler block size,
     prefix hashes finer than the block (vLLM's partial state hits), groups other than full
     attention beside it, KV connectors other than NIXL / Mooncake P/D (and a MultiConnector
@@ -358,18 +358,13 @@ def _check_mamba_group(
             False,
             "Mamba 'align' mode needs prefix caching on (vLLM's model runner requires it)",
         )
-    for name, reason in (
-        (
-            "num_speculative_blocks",
-            "speculative state blocks (MTP / EAGLE with Mamba layers) are not managed: vLLM's runner "
-            "keeps them after the live state column, writes the drafts' states there and copies "
-            "an accepted aligned state into the column the live state left, which pagedkv's state "
-            "groups have released by then",
-        ),
-        ("num_prefill_checkpoint_blocks", "prefill checkpoint blocks (internal Mamba checkpoints) are not managed"),
-    ):
-        if (_attr(spec, name, 0) or 0) > 0:
-            raise _refuse(f"{field}.{name}", _attr(spec, name), reason)
+    if (_attr(spec, "num_prefill_checkpoint_blocks", 0) or 0) > 0:
+        raise _refuse(
+            f"{field}.num_prefill_checkpoint_blocks",
+            _attr(spec, "num_prefill_checkpoint_blocks"),
+            "prefill checkpoint blocks (internal Mamba checkpoints) are not managed",
+        )
+    _check_mamba_speculation(vllm_config, groups, field, spec)
     if _attr(cache, "enable_mamba_shared_prefix_checkpoint", False):
         raise _refuse(
             "cache_config.enable_mamba_shared_prefix_checkpoint",
@@ -398,13 +393,74 @@ def _check_mamba_group(
                 type(other.kv_cache_spec).__name__,
                 "beside Mamba groups only full-attention groups are served",
             )
-    check_kv_transfer_config_with_state_groups(_attr(vllm_config, "kv_transfer_config"))
-    if _attr(vllm_config, "speculative_config") is not None or (_attr(vllm_config, "num_lookahead_tokens", 0) or 0):
+    transfer = _attr(vllm_config, "kv_transfer_config")
+    check_kv_transfer_config_with_state_groups(transfer)
+    if transfer is not None and int(_attr(spec, "num_speculative_blocks", 0) or 0) > 0:
         raise _refuse(
-            "speculative_config",
-            type(_attr(vllm_config, "speculative_config")).__name__,
-            "speculative decoding with Mamba layers is not managed (drafts advance the state in place; "
-            "serving them needs vLLM's speculative state blocks, see docs/design/vllm-mamba.md)",
+            f"{field}.num_speculative_blocks",
+            spec.num_speculative_blocks,
+            "speculative state blocks are not managed with a KV connector (a loaded state's "
+            "speculative blocks are not laid out; serve the drafter without the connector)",
+        )
+
+
+def _check_mamba_speculation(vllm_config: Any, groups: list[Any], field: str, spec: Any) -> None:
+    """Speculative decoding beside a Mamba group: served with a model-based drafter (EAGLE,
+    EAGLE-3, MTP: vLLM's ``use_eagle()``) whose Mamba groups carry ``k`` speculative state
+    blocks (``num_speculative_blocks``, pagedkv's ``state_speculative_blocks``), at most
+    ``k`` drafts a step, synchronous scheduling. Refused, naming the setting: a drafter without
+    speculative state blocks (an n-gram proposer, or a hand-built config) or state blocks
+    without a model-based drafter, Mamba groups of different ``num_speculative_blocks``, more
+    than 16 of them or more drafts than blocks, and async scheduling with drafts
+    (docs/design/vllm-mamba.md, "Speculative decoding")."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    blocks = int(_attr(spec, "num_speculative_blocks", 0) or 0)
+    drafter = _attr(vllm_config, "speculative_config")
+    lookahead = _attr(vllm_config, "num_lookahead_tokens", 0) or 0
+    if blocks == 0:
+        if drafter is not None or lookahead:
+            raise _refuse(
+                "speculative_config",
+                type(drafter).__name__,
+                "speculative decoding with Mamba layers needs vLLM's speculative state blocks "
+                "(num_speculative_blocks > 0 on every Mamba group, what an MTP / EAGLE drafter "
+                "sets): drafts advance the state in place, see docs/design/vllm-mamba.md",
+            )
+        return
+    name = f"{field}.num_speculative_blocks"
+    model_based = drafter is not None and bool(getattr(drafter, "use_eagle", lambda: False)())
+    if not model_based:
+        raise _refuse(
+            name,
+            blocks,
+            "speculative state blocks are served with a model-based drafter only (EAGLE, "
+            "EAGLE-3, MTP: speculative_config.use_eagle())",
+        )
+    others = {
+        int(_attr(o.kv_cache_spec, "num_speculative_blocks", 0) or 0)
+        for o in groups
+        if isinstance(o.kv_cache_spec, MambaSpec)
+    }
+    if len(others) > 1:
+        raise _refuse(name, sorted(others), "every Mamba group must carry the same number of speculative state blocks")
+    if blocks > 16:
+        raise _refuse(name, blocks, "at most 16 speculative state blocks are managed")
+    drafts = int(_attr(drafter, "num_speculative_tokens", 0) or 0)
+    if drafts > blocks:
+        raise _refuse(
+            "speculative_config.num_speculative_tokens",
+            drafts,
+            f"a verify step writes one state per draft into the {blocks} speculative state "
+            "block(s): at most that many drafts",
+        )
+    if _attr(_attr(vllm_config, "scheduler_config"), "async_scheduling", False):
+        raise _refuse(
+            "scheduler_config.async_scheduling",
+            True,
+            "speculative decoding with Mamba layers is served with synchronous scheduling only "
+            "(use --no-async-scheduling): under async scheduling the drafts are placeholders "
+            "whose accepted count reaches the scheduler a step later",
         )
 
 

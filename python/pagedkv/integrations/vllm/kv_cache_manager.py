@@ -386,6 +386,16 @@ class PagedKVCacheManager(SharedManagerCalls):
         # here: pagedkv pins no junction, and caching only the latest replayable point would
         # lose every sibling's hit on a shared prompt that vLLM's junction serves.
         interval = int(getattr(kv_cache_config, "prefix_cache_retention_interval", None) or 0)
+        #: Speculative state blocks per state group (vLLM's ``num_speculative_blocks`` of its
+        #: align-mode Mamba groups, one value for all: ``config_check`` refuses others).
+        self.state_speculative_blocks = max(
+            (
+                int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0)
+                for i, g in enumerate(groups)
+                if self._specs[i].kind == "state"
+            ),
+            default=0,
+        )
         self._kvm = pagedkv.KVCacheManager(
             pagedkv.CacheConfig(
                 num_blocks,
@@ -396,6 +406,7 @@ class PagedKVCacheManager(SharedManagerCalls):
                 hash_algo=algo,
                 enable_events=enable_kv_cache_events,
                 hash_lookahead_tokens=lookahead_hashes,
+                state_speculative_blocks=self.state_speculative_blocks,
             )
         )
         #: Tokens after each block its prefix-cache key covers (vLLM's
@@ -479,8 +490,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         for g, spec in zip(groups, self._specs, strict=True):
             cap = None
             if spec.kind == "state":
-                # vLLM's align-mode Mamba manager takes at most one state block per allocation.
-                cap = 1
+                # vLLM's align-mode Mamba manager takes at most one state block per allocation
+                # (a first one: also the speculative state blocks).
+                cap = 1 + self.state_speculative_blocks
             elif g.kv_cache_spec.__class__.__name__ == "MambaSpec":
                 pass  # mode none: vLLM caps no Mamba group
             elif spec.kind != "full" and max_model_len is not None:
@@ -536,6 +548,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         # reports it by rolling num_computed_tokens back over the rejected drafts; the
         # request's next allocation (or free) reads it from there.
         self._drafts_pending: dict[str, tuple[int, list[int]]] = {}
+        # Speculative state blocks: request id -> the accepted end its last verify step's
+        # drafts reached (published as they were resolved), until its next allocation notes it.
+        self._accepted_ends: dict[str, int] = {}
         self._diverged: set[str] = set()
         self._unwritten: dict[str, int] = {}
         # vLLM 0.33 caches the blocks a request's last verify step completed before freeing
@@ -687,6 +702,12 @@ class PagedKVCacheManager(SharedManagerCalls):
                 accepted += 1
         self._kvm.accept_drafts(seq, accepted, release_blocks=False)
         self._num_known[rid] += accepted
+        if self.state_speculative_blocks and strict and accepted:
+            # The state at the accepted end (when aligned; the runner copied it into its own
+            # column after the step): published now, as vLLM hashes it by this allocation.
+            end = base + accepted
+            self._kvm.commit_computed(seq, end)
+            self._accepted_ends[rid] = end
         # The blocks of the rejected drafts' slots stay: decodes that open them take none.
         self.decodes.keep_lookahead(rid, base + len(drafts))
         if unwritten:
@@ -790,13 +811,16 @@ class PagedKVCacheManager(SharedManagerCalls):
                     curr = min(curr, by_group[idx])
                     continue
                 drop = eagle and idx not in verified
-                limit = min(curr + bs, cap) if drop else curr
+                # A state group's finder never drops (vLLM: drafters have no Mamba layers),
+                # nor looks past the candidate; its drop still counts as verified.
+                state = self._specs[g].kind == "state"
+                limit = min(curr + bs, cap) if drop and not state else curr
                 if full:
                     h = int(kvm.lookup_prefix_group(seq, g, limit))
                     if drop and h > 0:
                         h -= bs
                 else:
-                    h = window(g, limit, drop)
+                    h = window(g, limit, drop and not state)
                 if drop:
                     verified.add(idx)
                 elif h < curr:
@@ -998,6 +1022,14 @@ class PagedKVCacheManager(SharedManagerCalls):
                 demand += max(required - _skipped_tokens(spec, hit) // bs, 0)
                 continue
             hit_blocks = hit // bs
+            if spec.kind == "state" and self.state_speculative_blocks:
+                # vLLM's align-mode count with speculative blocks: every column up to the
+                # sequence's last one plus the k spares, less the hit's, at most 1 + k.
+                k = self.state_speculative_blocks
+                # The core's take counts the hit's state block when it is free (evictable).
+                evictable = max(0, per_group[g][0] - (1 + k))
+                demand += min(max(-(-total // bs) + k - hit_blocks, 0), 1 + k) + evictable
+                continue
             fresh_now = -(-(hit + num_new_tokens) // bs) - hit_blocks
             evictable_hits = max(0, per_group[g][0] - fresh_now)
             demand += max(required - max(_skipped_tokens(spec, hit) // bs, hit_blocks), 0) + evictable_hits
@@ -1110,6 +1142,17 @@ class PagedKVCacheManager(SharedManagerCalls):
             # became known) by the request's previous one.
             self._step_states.append((rid, end, step, step - 1 if written_before else step, holding))
 
+    def _attention_hit(self, seq: int, g: int, limit: int) -> int:
+        """Attention group ``g``'s own hit for ``seq`` of at most ``limit`` tokens, as vLLM's
+        hybrid coordinator's first pass finds it: a group holding EAGLE / MTP drafter layers
+        matches one block past ``limit`` (at most the sequence's full blocks) and drops its
+        last matched block."""
+        if g not in self._drop_groups:
+            return int(self._kvm.lookup_prefix_group(seq, g, limit))
+        bs = self.block_size
+        cap = int(self._kvm.num_tokens(seq)) // bs * bs
+        return max(int(self._kvm.lookup_prefix_group(seq, g, min(limit + bs, cap))) - bs, 0)
+
     def _pending_state_hit(self, request: Any, seq: int, hit: int, limit: int) -> tuple[int, int]:
         """vLLM's view of a waiting request's hit with state groups: ``(longest, pending)``:
         the longest prefix an attention group alone serves (at most ``limit``; vLLM's
@@ -1119,7 +1162,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         last aligned boundary taken in this step). vLLM caches such a state at allocation and
         makes the request wait a step; pagedkv publishes it once the step completed
         (``commit_steps``)."""
-        longest = max((int(self._kvm.lookup_prefix_group(seq, g, limit)) for g in self._attention_groups), default=0)
+        longest = max((self._attention_hit(seq, g, limit) for g in self._attention_groups), default=0)
         pending = 0
         if self._step_states:
             tokens = request.all_token_ids
@@ -1282,7 +1325,13 @@ class PagedKVCacheManager(SharedManagerCalls):
             # vLLM's count is the hit less its replay until the replayed tokens are computed.
             self._replay_end[rid] = hit
         if self._state_groups:
-            self._note_state_step(rid, out, first, expected, computed)
+            # The step's known end (drafts excluded): vLLM hashes a state there at allocation.
+            self._note_state_step(rid, out, first, expected, computed - num_drafts)
+            accepted_end = self._accepted_ends.pop(rid, 0)
+            if accepted_end and accepted_end == expected and accepted_end % self.block_size == 0:
+                # vLLM hashes the state the previous step's accepted drafts ended on in this
+                # allocation (pagedkv published it as the drafts were resolved): siblings wait.
+                self._step_states.append((rid, accepted_end, self._step_no, self._step_no, self._releases.get(rid, 0)))
         if unknown:
             self._unknown[rid] = computed
             self.decodes.close_window(rid)
@@ -1675,6 +1724,7 @@ class PagedKVCacheManager(SharedManagerCalls):
         # accepted tokens reach pagedkv as known tokens on resume. Placeholder drafts of
         # unknown tokens (async scheduling) go with the free or preemption too.
         self._drafts_pending.pop(rid, None)
+        self._accepted_ends.pop(rid, None)
         if self._unknown:
             self._unknown.pop(rid, None)
         self._unwritten.pop(rid, None)
@@ -1882,7 +1932,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         scheduled) those preempted since, even if resumed. ``step``: the step's number
         (:attr:`step_no` when it was scheduled): hits waiting for its states stop waiting.
         Returns the states published. Called by the scheduler's ``update_from_output``, in
-        step order, never at allocation.
+        step order, never at allocation (with speculative state blocks, the state at a verify
+        step's accepted end is published as the drafts are resolved, at the request's next
+        allocation: that step has completed by then, and vLLM hashes it there).
 
         Under async scheduling a step's end can lie past the tokens pagedkv holds computed
         (the request was not scheduled again since its last input token became known): the

@@ -206,11 +206,15 @@ impl KvCacheManager {
         if !released.is_empty() {
             self.pool.free(&released)?;
         }
+        // A state hit is only a copy source, released by the call (without speculative blocks)
+        // or held at its column until the computed tokens pass its end (with them, as vLLM
+        // holds it): then it is taken like any hit, before the fresh blocks are.
+        let hold_state_hits = self.spec_blocks() > 0;
         let mut touched: Vec<BlockId> = plan
             .groups
             .iter()
             .enumerate()
-            .filter(|(g, _)| !self.cfg.groups[*g].is_state()) // a state hit is a copy source
+            .filter(|(g, _)| hold_state_hits || !self.cfg.groups[*g].is_state())
             .flat_map(|(_, gp)| gp.hits.iter().copied())
             .filter(|&b| b != NULL_BLOCK && b != HOST_HIT)
             .collect();
@@ -250,6 +254,42 @@ impl KvCacheManager {
                 ga.new_block_ids.push(dst);
             }
             let spec = self.cfg.groups[g];
+            let k = self.spec_blocks();
+            if spec.is_state() && k > 0 {
+                // Speculative blocks: the live block at (end - 1) / bs, then k spares.
+                let live = (state_end - 1) / spec.block_size as usize;
+                if plan.first {
+                    t.blocks.resize(live, NULL_BLOCK);
+                    for i in 0..=k {
+                        let b = fresh.next().expect("allocated");
+                        t.blocks.push(b);
+                        ga.new_block_ids.push(b);
+                        if i == 0 && plan.context == 0 {
+                            ga.zero_blocks.push(b);
+                        }
+                    }
+                } else if gp.fresh == 1 {
+                    // The live column moves: nulls up to it, the spares left below it move
+                    // (in order) to the end, then one fresh block.
+                    let prev_len = t.blocks.len();
+                    if prev_len < live {
+                        t.blocks.resize(live, NULL_BLOCK);
+                    }
+                    for j in prev_len - k..prev_len {
+                        if j >= live {
+                            break;
+                        }
+                        let b = std::mem::replace(&mut t.blocks[j], NULL_BLOCK);
+                        t.rewritten_from(j);
+                        t.blocks.push(b);
+                        ga.new_block_ids.push(b);
+                    }
+                    let b = fresh.next().expect("allocated");
+                    t.blocks.push(b);
+                    ga.new_block_ids.push(b);
+                }
+                continue;
+            }
             if spec.is_state() {
                 // The live state's block at (end - 1) / bs (placeholder slots included);
                 // null entries before it.
@@ -307,6 +347,9 @@ impl KvCacheManager {
         s.drafts = drafts.to_vec();
         if self.has_state {
             s.state_slots = state_end;
+            if self.spec_blocks() > 0 {
+                self.mark_state_end(s, s.num_computed);
+            }
         }
         if s.rewrite_to <= s.num_computed {
             s.rewrite_to = 0;
@@ -332,10 +375,13 @@ impl KvCacheManager {
     /// allocation evicted the hit block and took it again as the live block, the state is in
     /// place already: no copy row. A hit block still cached and free moves to the young end
     /// of the LRU (taken and given back), as a hit on any other block would: a state many
-    /// requests hit must not be the next one evicted.
+    /// requests hit must not be the next one evicted. With speculative state blocks the hit
+    /// block is taken with the other groups' hits instead and stays at its column (the copy
+    /// row still runs) until an allocation's computed tokens pass its end, as vLLM holds it.
     fn release_state_hits(&self, s: &mut Seq, context: usize, out: &mut Alloc) -> Result<()> {
         let mut copies = 0u64;
         let mut refresh: SmallVec<[BlockId; 2]> = SmallVec::new();
+        let k = self.spec_blocks();
         for (g, spec) in self.cfg.groups.iter().enumerate() {
             if !spec.is_state() {
                 continue;
@@ -345,6 +391,15 @@ impl KvCacheManager {
             let j = context / bs - 1;
             if t.blocks[j] == NULL_BLOCK {
                 continue; // no hit state: a load brings it (`set_state_from_load`)
+            }
+            if k > 0 {
+                // Speculative blocks: the hit stays held at its column (taken with the other
+                // hits), released once an allocation's computed tokens pass its end.
+                let src = t.blocks[j];
+                let dst = t.blocks[t.blocks.len() - 1 - k];
+                out.groups[g].copies.push((src, dst));
+                copies += 1;
+                continue;
             }
             let src = std::mem::replace(&mut t.blocks[j], NULL_BLOCK);
             let dst = *t.blocks.last().expect("live block");
@@ -454,7 +509,8 @@ impl KvCacheManager {
         let st = &mut *guard;
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;
         validate_accept(seq, s.status, s.drafts.len(), num_accepted)?;
-        if self.has_state && release && num_accepted < s.drafts.len() {
+        let spec_blocks = self.spec_blocks() > 0;
+        if self.has_state && !spec_blocks && release && num_accepted < s.drafts.len() {
             return Err(Error::InvalidArgument {
                 arg: "num_accepted",
                 value: num_accepted.to_string(),
@@ -475,9 +531,14 @@ impl KvCacheManager {
             })
             .collect();
         let mut released = vec![Vec::new(); self.num_groups()];
+        // With speculative state blocks a state group's table stays as it is (its spares
+        // follow the live column, which never moves back).
+        let keeps_table = |g: usize| spec_blocks && self.cfg.groups[g].is_state();
         if release {
             for (g, t) in s.tables.iter().enumerate() {
-                released[g] = t.blocks[keep[g]..].iter().rev().copied().collect();
+                if !keeps_table(g) {
+                    released[g] = t.blocks[keep[g]..].iter().rev().copied().collect();
+                }
             }
             let all: Vec<BlockId> = released.iter().flatten().copied().collect();
             if !all.is_empty() {
@@ -486,7 +547,7 @@ impl KvCacheManager {
             }
         }
         for (g, t) in s.tables.iter_mut().enumerate() {
-            if release {
+            if release && !keeps_table(g) {
                 t.blocks.truncate(keep[g]);
                 t.rewritten_from(keep[g]); // the next block there is a new one
             }
@@ -496,6 +557,9 @@ impl KvCacheManager {
         let drafts = std::mem::take(&mut s.drafts);
         s.tokens.extend_from_slice(&drafts[..num_accepted]);
         s.num_computed = end;
+        if spec_blocks {
+            self.mark_state_end(s, end);
+        }
         let mut ev = Vec::new();
         self.drain_pool(&mut ev);
         self.cache_full(s, &mut ev, true);
@@ -561,6 +625,24 @@ impl KvCacheManager {
             self.pool.free(&all)?;
         }
         Ok(released)
+    }
+
+    /// Speculative state blocks: marks `end` (a step's known end, or an accepted end) as an
+    /// end whose state the runner writes into its own column when it is aligned, and prunes
+    /// the marks whose columns no state group holds any more (or under the publish floor).
+    pub(super) fn mark_state_end(&self, s: &mut Seq, end: usize) {
+        let Some(g) = self.cfg.groups.iter().position(GroupSpec::is_state) else {
+            return;
+        };
+        let bs = self.cfg.groups[g].block_size as usize;
+        let t = &s.tables[g];
+        let floor = s.publish_floor;
+        s.state_marks.retain(|&mut e| {
+            e > floor && t.blocks.get(e / bs - 1).is_some_and(|&b| b != NULL_BLOCK)
+        });
+        if end > 0 && end % bs == 0 && end > floor && !s.state_marks.contains(&end) {
+            s.state_marks.push(end);
+        }
     }
 
     /// Releases every GPU block the sequence holds, tail first, table by table.

@@ -457,13 +457,35 @@ impl KvCacheManager {
         // Draft slots of a state group are placeholder slots (tokens whose ids are not known
         // yet, written by the step in place): the state after them is kept, so they are never
         // rejected (`accept_drafts` keeping blocks); spare lookahead slots have no state.
-        if self.has_state && lookahead > 0 {
+        if self.has_state && lookahead > 0 && self.spec_blocks() == 0 {
             return Err(Error::InvalidArgument {
                 arg: "num_lookahead",
                 value: format!("{lookahead} token(s)"),
                 reason: "lookahead slots (speculative decoding) are not supported with state \
-                         groups: a rejected draft cannot be rolled out of a recurrent state"
+                         groups without speculative state blocks (state_speculative_blocks): a \
+                         rejected draft cannot be rolled out of a recurrent state"
                     .into(),
+            });
+        }
+        let k = self.spec_blocks();
+        if k > 0 && external > 0 {
+            return Err(Error::InvalidArgument {
+                arg: "num_external_tokens",
+                value: format!("{external} token(s)"),
+                reason: format!(
+                    "external loads are not supported with speculative state blocks \
+                     (state_speculative_blocks = {k}): a loaded state's spare blocks are not laid out"
+                ),
+            });
+        }
+        if k > 0 && num_drafts > k {
+            return Err(Error::InvalidArgument {
+                arg: "draft_tokens",
+                value: format!("{num_drafts} token(s)"),
+                reason: format!(
+                    "a verify step writes one state per draft into the {k} speculative state \
+                     block(s) (state_speculative_blocks): at most {k} drafts"
+                ),
             });
         }
         let first = s.is_first();
@@ -540,7 +562,49 @@ impl KvCacheManager {
                 // a settled placeholder ran past the computed tokens hold the state already:
                 // it moves from there, and not back.
                 let prev = s.state_end();
+                let k = self.spec_blocks();
+                // With speculative blocks lookahead slots (a drafter's own tokens, EAGLE /
+                // MTP: no state layers) take no state block, as in vLLM's align mode.
+                let end = if k > 0 { end - lookahead } else { end };
                 let live = (end.max(prev) - 1) / bs;
+                if k > 0 {
+                    // Speculative blocks: `1 + k` for a first allocation, one per move; a
+                    // column below the live one is held until the computed tokens pass its
+                    // end (the runner copies an accepted aligned state there after the
+                    // step), then released unless its state awaits its commit.
+                    if first {
+                        // The hit's state block, when free, counts as taken (as vLLM counts an
+                        // evictable hit block), though it is only the copy source.
+                        if let Some(&b) = hits.last() {
+                            if b != NULL_BLOCK && sim.refc(b) == 0 && hit_free.insert(b) {
+                                take += 1;
+                            }
+                        }
+                        gp.null_pad = live - hits.len();
+                        gp.fresh = 1 + k;
+                        gp.hits = hits;
+                    } else {
+                        let floor = (context.max(1) - 1) / bs;
+                        for j in 0..floor.min(t.blocks.len()) {
+                            let b = t.blocks[j];
+                            if b != NULL_BLOCK && !self.state_pending(s, g, j, prev) {
+                                gp.release.push(j);
+                                if sim.refc(b) == 1 {
+                                    release += 1;
+                                }
+                            }
+                        }
+                        if (prev - 1) / bs != live {
+                            gp.fresh = 1;
+                        }
+                    }
+                    take += gp.fresh;
+                    take_all += take;
+                    release_all += release;
+                    per_group.push((take, release));
+                    groups.push(gp);
+                    continue;
+                }
                 if first {
                     // The hit block is not taken: it is only the copy source of the fresh live
                     // block (copies run before any write of the step, so an eviction of it by

@@ -228,6 +228,30 @@ impl KvCacheManager {
         let bs = self.cfg.groups[g].block_size as usize;
         let n = s.state_end();
         let live = (n > 0).then(|| (n - 1) / bs);
+        // Speculative blocks: k spares right after the live column, and the columns from the
+        // hold floor on kept (published or not) for the runner's copy of an accepted state.
+        let k = self.spec_blocks();
+        let hold = if k > 0 && s.last_context > 0 {
+            (s.last_context - 1) / bs
+        } else {
+            usize::MAX
+        };
+        if let (true, Some(c)) = (k > 0, live) {
+            let len = s.tables[g].blocks.len();
+            if len != c + 1 + k {
+                return Err(format!(
+                    "seq {id} group {g}: {len} state entries for live column {c} and {k} speculative blocks"
+                ));
+            }
+            for j in c + 1..len {
+                let b = s.tables[g].blocks[j];
+                if b == NULL_BLOCK || self.pool.ref_count(b) != 1 || self.pool.is_hashed(b) {
+                    return Err(format!(
+                        "seq {id} group {g}: speculative block {b} (entry {j}) is null, shared or hashed"
+                    ));
+                }
+            }
+        }
         for j in 0..s.tables[g].blocks.len() {
             let b = s.tables[g].blocks[j];
             if b == NULL_BLOCK {
@@ -254,6 +278,9 @@ impl KvCacheManager {
                     }
                 }
                 continue;
+            }
+            if k > 0 && live.is_some_and(|c| j > c || (j >= hold && j < c)) {
+                continue; // a speculative block (checked above), or a held column
             }
             if h.is_some() {
                 return Err(format!(

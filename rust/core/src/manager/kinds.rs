@@ -6,6 +6,11 @@
 use super::*;
 
 impl KvCacheManager {
+    /// [`CacheConfig::state_speculative_blocks`] (0: none).
+    pub(super) fn spec_blocks(&self) -> usize {
+        self.cfg.state_speculative_blocks as usize
+    }
+
     pub(super) fn sparse(&self) -> bool {
         self.cfg.enable_prefix_caching && self.cfg.retention_interval > 0
     }
@@ -28,7 +33,11 @@ impl KvCacheManager {
     /// the state after exactly `(j + 1) * block_size` tokens (an aligned step end: block `j`
     /// is not the live block, or the live block of a state after `state_end` tokens
     /// ([`Seq::state_end`]) with `state_end` aligned), above the sequence's publish floor,
-    /// publishable by the retention rule, and not published yet.
+    /// publishable by the retention rule, and not published yet. With speculative state
+    /// blocks ([`CacheConfig::state_speculative_blocks`]) the aligned end must instead be one
+    /// of the sequence's marked ends ([`Seq::state_marks`]: a step's known end or an accepted
+    /// end), wherever its column is: a state the accepted tokens ran past within one step, or
+    /// that only drafts reached, is never pending.
     pub(super) fn state_pending(&self, s: &Seq, g: usize, j: usize, state_end: usize) -> bool {
         let spec = &self.cfg.groups[g];
         let bs = spec.block_size as usize;
@@ -36,13 +45,18 @@ impl KvCacheManager {
         let Some(&b) = s.tables[g].blocks.get(j) else {
             return false;
         };
-        let live = state_end > 0 && j == (state_end - 1) / bs;
+        let written = if self.spec_blocks() > 0 {
+            s.state_marks.contains(&end)
+        } else {
+            let live = state_end > 0 && j == (state_end - 1) / bs;
+            !live || state_end == end
+        };
         b != NULL_BLOCK
             && self.cfg.enable_prefix_caching
             && !s.stale_kv
             && end > s.publish_floor
             && end <= s.tainted_from
-            && (!live || state_end == end)
+            && written
             && self.registers_at_fill(spec, j)
             && !self.pool.is_hashed(b)
     }
