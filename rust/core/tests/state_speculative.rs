@@ -592,3 +592,26 @@ fn hit_state_held_until_passed() {
         .unwrap();
     assert_eq!(m.lookup_prefix(3).unwrap(), 8);
 }
+
+/// External loads (KV connectors) with speculative state blocks are refused: a loaded state's
+/// spare blocks are not laid out. The refusal changes nothing.
+#[test]
+fn external_loads_refused_with_speculative_blocks() {
+    let m = mgr(32, 4, 2);
+    m.add_sequence(1, toks(12, 0), SequenceSpec::default())
+        .unwrap();
+    let free = m.pool().num_free();
+    for (staged, n) in [(false, 1), (true, 0)] {
+        match m.allocate_external(1, 8, n, staged, 0) {
+            Err(Error::InvalidArgument { arg, reason, .. }) => {
+                assert_eq!(arg, "num_external_tokens");
+                assert!(reason.contains("state_speculative_blocks = 2"), "{reason}");
+            }
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        }
+        assert_eq!(m.pool().num_free(), free);
+        assert!(m.block_tables(1).unwrap().iter().all(|t| t.is_empty()));
+        assert_eq!(m.num_computed_tokens(1).unwrap(), 0);
+        ok(&m);
+    }
+}

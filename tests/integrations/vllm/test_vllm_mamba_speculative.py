@@ -124,6 +124,21 @@ def test_speculative_state_block_refusals_are_named(groups: Any) -> None:
 
 
 @SHAPES
+def test_speculative_state_blocks_with_a_kv_connector_are_refused(groups: Any) -> None:
+    # A P/D connector is served beside align-mode Mamba groups, a drafter too, not both: an
+    # external load lays out no speculative state blocks.
+    from test_vllm_connectors import _nixl
+    from vllm.config import KVTransferConfig
+
+    first = next(g for g, kind in enumerate(groups) if kind != "full")
+    transfer = KVTransferConfig(**_nixl("kv_consumer"))
+    kv = make_mamba_kv_cache_config(64, groups, BS, num_speculative_blocks=2)
+    err = _refused(_config(64, 2, "mtp", kv_transfer_config=transfer), kv)
+    assert err.field == f"kv_cache_config.kv_cache_groups[{first}].kv_cache_spec.num_speculative_blocks"
+    assert "KV connector" in str(err)
+
+
+@SHAPES
 @pytest.mark.parametrize("method", ["mtp", "ngram"])
 def test_drafter_without_state_blocks_is_refused(groups: Any, method: str) -> None:
     # A drafter whose Mamba groups carry no speculative state blocks (an n-gram proposer, or
