@@ -300,7 +300,16 @@ def test_state_from_load_takes_the_attention_hit_and_refuses_bad_input() -> None
     used = m.stats().used
     with pytest.raises(InvalidArgumentError, match="num_external_tokens"):
         m.allocate_slots(2, 4)
+    # The block-count queries refuse what the allocation refuses.
+    with pytest.raises(InvalidArgumentError, match="num_external_tokens"):
+        m.num_blocks_needed(2, 8)
+    with pytest.raises(InvalidArgumentError, match="num_external_tokens"):
+        m.num_blocks_needed_external(2, 0, 4)
+    for bad in (1, None, "yes"):
+        with pytest.raises(InvalidArgumentError, match="expected a bool"):
+            m.set_state_from_load(2, bad)  # type: ignore[arg-type]
     assert all(len(t) == 0 for t in m.block_tables(2)) and m.stats().used == used
+    assert m.lookup_prefix(2) == 12  # still set
     with pytest.raises(UnknownSequenceError):
         m.set_state_from_load(99, True)
     with pytest.raises(InvalidSequenceStateError):

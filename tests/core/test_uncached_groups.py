@@ -119,3 +119,13 @@ def test_spare_blocks_of_a_group_out_of_the_prefix_cache() -> None:
     with pytest.raises(pagedkv.InvalidConfigError) as err:
         pagedkv.KVCacheManager(pagedkv.CacheConfig(64, groups=[full, spec], layer_groups=[0, 1]))
     assert err.value.field == "block_size"
+
+
+def test_an_lcm_over_32_bits_with_prefix_caching_off_names_that_limit() -> None:
+    """With prefix caching off the groups' block sizes may reach ``MAX_UNCACHED_BLOCK_SIZE``;
+    their LCM must still fit in 32 bits, and the refusal names that bound, not the cached one."""
+    big = pagedkv.KVCacheGroupSpec("sliding_window", 2**24, 4093, window=2, prefix_cacheable=False)
+    full = pagedkv.KVCacheGroupSpec("full", 4093, 2**24)
+    with pytest.raises(pagedkv.InvalidConfigError, match=f"exceeds {2**32 - 1} tokens") as err:
+        pagedkv.CacheConfig(8, groups=[full, big], layer_groups=[0, 1], enable_prefix_caching=False)
+    assert err.value.field == "groups"

@@ -530,7 +530,14 @@ impl CacheConfig {
                     "block sizes {:?}",
                     self.groups.iter().map(|g| g.block_size).collect::<Vec<_>>()
                 ),
-                reason: format!("their least common multiple exceeds {MAX_HIT_UNIT} tokens"),
+                reason: if self.enable_prefix_caching {
+                    format!("their least common multiple exceeds {MAX_HIT_UNIT} tokens")
+                } else {
+                    format!(
+                        "their least common multiple exceeds {} tokens (prefix caching off)",
+                        u32::MAX
+                    )
+                },
             });
         };
         if self.layer_groups.is_empty() {

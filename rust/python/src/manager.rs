@@ -409,14 +409,20 @@ impl PyKvCacheManager {
     /// (vLLM's divergent local hybrid hits). Only ``allocate_external`` with external tokens
     /// may allocate then. Cleared by the first allocation. A no-op without state groups.
     /// Raises ``UnknownSequenceError``; ``InvalidSequenceStateError`` unless the sequence
-    /// holds no block.
+    /// holds no block; ``InvalidArgumentError`` if ``on`` is not a bool.
     #[pyo3(signature = (seq_id, on))]
     fn set_state_from_load(
         &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
-        on: bool,
+        on: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        // Required: None is refused like any other non-bool (no silent default).
+        if on.is_none() {
+            let why = "expected a bool, got NoneType";
+            return Err(crate::convert::bad(py, "on", "None", why));
+        }
+        let on = crate::convert::flag(Some(on), "on", false)?;
         let seq = crate::convert::seq_id(seq_id, "seq_id")?;
         let m = &self.inner;
         py.detach(|| m.set_state_from_load(seq, on)).py(py)

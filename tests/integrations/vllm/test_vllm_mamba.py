@@ -257,6 +257,19 @@ def test_mamba_refusals_name_the_setting(kv: dict[str, Any], field: str) -> None
     assert field in err.value.field
 
 
+def test_mamba_cache_mode_refusals_name_the_offending_value() -> None:
+    # The group's mode is 'all': that field, that value.
+    with pytest.raises(UnsupportedVllmConfigError) as err:
+        _build(mamba_cache_mode="all")
+    assert err.value.field.endswith("kv_cache_spec.mamba_cache_mode") and err.value.value == "all"
+    # A supported mode ('none') that differs from the cache config's ('align'): named as such.
+    with pytest.raises(UnsupportedVllmConfigError) as err:
+        _build(mamba_cache_mode="none")
+    assert err.value.field.endswith("kv_cache_spec.mamba_cache_mode") and err.value.value == "none"
+    assert "must be the cache config's ('align')" in err.value.reason
+    assert "only vLLM's" not in err.value.reason
+
+
 def test_mamba_serves_async_scheduling_and_refuses_partial_hashes() -> None:
     # Async scheduling is served (test_vllm_mamba_async.py runs it against stock).
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler

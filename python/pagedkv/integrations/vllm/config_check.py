@@ -320,8 +320,8 @@ def _check_mamba_group(
     the live state at block ``(n - 1) // block_size`` (the table vLLM's model runner reads),
     published to the prefix cache once the step that wrote it completed (under async
     scheduling too: a slot whose token is not known yet is a placeholder slot whose state is
-    kept). Refused, naming the setting: other cache modes (``"all"``, ``"none"``), prefix
-    caching off, speculative decoding other than ``_check_mamba_speculation`` serves (an MTP /
+    kept). Refused, naming the setting: the ``"all"`` cache mode, a group's mode other than the
+    cache config's, prefix caching off, speculative decoding other than ``_check_mamba_speculation`` serves (an MTP /
     EAGLE drafter with ``num_speculative_blocks > 0`` on every Mamba group, synchronous
     scheduling; docs/design/vllm-mamba.md, "Speculative decoding"), prefill checkpoint
     blocks, shared-prefix checkpoints, a Mamba block size other than the scheduler block size,
@@ -343,15 +343,21 @@ def _check_mamba_group(
         _check_mamba_none_group(vllm_config, groups, g, spec, block_size)
         return
     for where, mode in modes:
-        if mode != "align":
+        if mode not in ("align", "none"):
             raise _refuse(
                 where,
                 mode,
                 "only vLLM's 'align' and 'none' Mamba cache modes are served (states kept at "
                 "block-aligned positions, or one state per request out of the prefix cache); "
-                "'all' keeps a state per block of every step, which pagedkv does not model, and "
-                "the group's mode must be the cache config's",
+                "'all' keeps a state per block of every step, which pagedkv does not model",
             )
+    (spec_field, spec_mode), (_, cache_mode) = modes
+    if spec_mode != cache_mode:
+        raise _refuse(
+            spec_field,
+            spec_mode,
+            f"a Mamba group's cache mode must be the cache config's ({cache_mode!r})",
+        )
     if not _attr(cache, "enable_prefix_caching", False):
         raise _refuse(
             "cache_config.enable_prefix_caching",
