@@ -75,7 +75,6 @@ class CacheConfig:
         host_admission_min_seen: int = 2,
         host_eviction: str = "lru",
         hash_lookahead_tokens: int = 0,
-        state_speculative_blocks: int = 0,
     ) -> CacheConfig:
         """``num_blocks``: pages including the null block 0, 2..=2**28; ``block_size``: tokens,
         1..=``MAX_BLOCK_SIZE`` (required without ``groups``). ``retention_interval``: tokens, 0
@@ -99,13 +98,9 @@ class CacheConfig:
         no recompute of a hit's last block). Needs prefix caching; refused with events, a host
         tier or a state group.
 
-        ``state_speculative_blocks``: blocks, 0..=16 (0: default): ``k`` spare blocks after
-        each state group's live block for the states a verify step writes after each of its
-        (at most ``k``) drafts, laid out and moved as vLLM's align-mode Mamba manager does
-        (docs/design/kv-cache-groups.md, "Speculative state blocks"): a first allocation takes
-        ``1 + k`` state blocks, a move of the live block one; drafts may be rejected
-        (``accept_drafts`` leaves a state group's table as it is). Needs a state group, every
-        state group of one block size, and no swap space.
+        Speculative state blocks are the state groups' ``spare_blocks``
+        (``KVCacheGroupSpec("state", ..., spare_blocks=k)``): every state group must carry the
+        same ``k``, 0..=16, and with ``k > 0`` one block size and no swap space.
 
         Raises ``InvalidConfigError`` (a ``ValueError``) naming the field, nothing built: a
         value of the wrong type or out of range, ``block_size`` missing without ``groups``,
@@ -114,7 +109,8 @@ class CacheConfig:
         without layers, a retention interval that is not a multiple of the hit unit, a host
         tier with prefix caching off, an unknown policy (the message lists the accepted
         names), a hash lookahead out of range or with a setting it does not support,
-        speculative state blocks out of range or with a setting they do not support."""
+        state groups' ``spare_blocks`` that differ, are out of range or come with a setting they
+        do not support (field ``spare_blocks``)."""
     @property
     def groups(self) -> list[KVCacheGroupSpec]:
         """The KV cache groups (one-group form: the full-attention group it implies)."""
@@ -147,9 +143,6 @@ class CacheConfig:
     def host_eviction(self) -> str: ...
     @property
     def hash_lookahead_tokens(self) -> int: ...
-    @property
-    def state_speculative_blocks(self) -> int:
-        """Speculative state blocks per state group (0: none)."""
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
 
@@ -872,7 +865,23 @@ class KVCacheGroupSpec:
         state_bytes: int | None = None,
         prefix_cacheable: bool = True,
         spare_blocks: int | None = None,
-    ) -> KVCacheGroupSpec: ...
+    ) -> KVCacheGroupSpec:
+        """``spare_blocks`` (blocks, vLLM's ``num_speculative_blocks``: the states a
+        speculative drafter's drafts write), per kind: on a group out of the prefix cache
+        (``prefix_cacheable=False``), blocks a sequence holds past its slots (an allocation
+        ending at slot ``end`` keeps ``ceil(end / block_size) + spare_blocks`` blocks, never
+        cached); on a ``"state"`` group, 0..=16 speculative state blocks: ``k`` spare blocks
+        after the live state's block for the states a verify step writes after each of its (at
+        most ``k``) drafts, laid out and moved as vLLM's align-mode Mamba manager does
+        (docs/design/kv-cache-groups.md, "Speculative state blocks"): a first allocation takes
+        ``1 + k`` state blocks, a move of the live block one; drafts may be rejected
+        (``accept_drafts`` leaves a state group's table as it is). ``CacheConfig`` checks that
+        every state group carries the same value, of one block size, without swap space.
+
+        Raises ``InvalidConfigError`` (a ``ValueError``) naming the field: an unknown kind, a
+        missing or extra ``window`` / ``chunk`` / ``state_bytes``, ``prefix_cacheable=False``
+        on a full or state group, ``spare_blocks`` above 0 on another group in the prefix
+        cache or above 16 on a state group, a value that is not a non-negative int."""
     @property
     def kind(self) -> str: ...
     @property

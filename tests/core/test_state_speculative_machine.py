@@ -1,4 +1,4 @@
-"""Speculative state blocks (``CacheConfig(state_speculative_blocks=k)``) under a hypothesis
+"""Speculative state blocks (``KVCacheGroupSpec("state", ..., spare_blocks=k)``) under a hypothesis
 state machine, through the Python API.
 
 Layouts of one full-attention group and one state group (block sizes 2 and 4), ``k`` 1 to 3.
@@ -19,12 +19,14 @@ end) at a known or accepted end, never one only drafts reached.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import pytest
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from pagedkv import CacheConfig, KVCacheGroupSpec, KVCacheManager
+from pagedkv import CacheConfig, InvalidConfigError, KVCacheGroupSpec, KVCacheManager
 
 FULL, STATE = 0, 1
 
@@ -56,8 +58,8 @@ class SpeculativeStateMachine(RuleBasedStateMachine):
     )
     def setup(self, bs: int, k: int, num_blocks: int, lengths: list[int]) -> None:
         self.bs, self.k = bs, k
-        groups = [KVCacheGroupSpec("full", bs, 32 // bs), KVCacheGroupSpec("state", bs, 32 // bs)]
-        self.m = KVCacheManager(CacheConfig(num_blocks, groups=groups, layer_groups=[0, 1], state_speculative_blocks=k))
+        groups = [KVCacheGroupSpec("full", bs, 32 // bs), KVCacheGroupSpec("state", bs, 32 // bs, spare_blocks=k)]
+        self.m = KVCacheManager(CacheConfig(num_blocks, groups=groups, layer_groups=[0, 1]))
         for n in lengths:  # siblings sharing a prefix from the start, so that commits soon hit
             self.add(0, n)
 
@@ -206,3 +208,34 @@ class SpeculativeStateMachine(RuleBasedStateMachine):
 
 TestSpeculativeStateMachine = SpeculativeStateMachine.TestCase
 TestSpeculativeStateMachine.settings = settings(max_examples=200, stateful_step_count=60, deadline=None)
+
+
+def test_spare_blocks_of_state_groups_are_the_speculative_state_blocks() -> None:
+    # Set on the state groups (KVCacheGroupSpec.spare_blocks), checked by CacheConfig: the
+    # same on every state group, at most 16, one block size, no swap space; typed refusals
+    # naming spare_blocks.
+    state = KVCacheGroupSpec("state", 4, 8, spare_blocks=2)
+    assert state.spare_blocks == 2 and "spare_blocks=2" in repr(state)
+    assert KVCacheGroupSpec("state", 4, 8).spare_blocks == 0
+    full = KVCacheGroupSpec("full", 4, 8)
+    m = KVCacheManager(CacheConfig(16, groups=[full, state], layer_groups=[0, 1]))
+    m.add_sequence(0, list(range(1, 7)))
+    m.allocate_slots(0, 6)
+    assert len(m.block_table(0, STATE)) == 2 + 2  # null column 0, live column 1, 2 spares
+    assert m.block_table(0, STATE).tolist()[0] == 0
+    with pytest.raises(InvalidConfigError) as err:
+        KVCacheGroupSpec("state", 4, 8, spare_blocks=17)
+    assert err.value.field == "spare_blocks"
+    refusals = [
+        ([full, state, KVCacheGroupSpec("state", 4, 8)], 0, "the same spare blocks"),
+        ([state, KVCacheGroupSpec("state", 8, 4, spare_blocks=2)], 0, "one block size"),
+        ([full, state], 4, "swap space"),
+    ]
+    for groups, swap, reason in refusals:
+        with pytest.raises(InvalidConfigError, match=reason) as err:
+            CacheConfig(16, groups=groups, layer_groups=list(range(len(groups))), num_cpu_blocks=swap)
+        assert err.value.field == "spare_blocks"
+    # One spelling: the manager-wide keyword is gone.
+    removed: dict[str, Any] = {"state_speculative_blocks": 2}
+    with pytest.raises(TypeError):
+        CacheConfig(16, groups=[full, state], layer_groups=[0, 1], **removed)

@@ -104,6 +104,9 @@ def test_spare_blocks_of_a_group_out_of_the_prefix_cache() -> None:
     with pytest.raises(pagedkv.InvalidConfigError) as err:
         pagedkv.KVCacheGroupSpec("sliding_window", BS, 1, window=2, spare_blocks=1)
     assert err.value.field == "spare_blocks"
+    with pytest.raises(pagedkv.InvalidConfigError) as err:
+        pagedkv.KVCacheGroupSpec("full", BS, 1, spare_blocks=1)
+    assert err.value.field == "spare_blocks"
     full = pagedkv.KVCacheGroupSpec("full", BS, 375)
     config = pagedkv.CacheConfig(64, groups=[full, spec], layer_groups=[0, 1], enable_prefix_caching=False)
     m = pagedkv.KVCacheManager(config)

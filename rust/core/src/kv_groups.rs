@@ -85,12 +85,30 @@ pub struct GroupSpec {
     /// takes no part in hit lookup: a hit found by the other groups gives it fresh blocks for
     /// the hit's window (null below it).
     pub prefix_cacheable: bool,
-    /// Blocks a sequence holds past the ones its slots cover, in every allocation of this group
-    /// (0 unless built with [`Self::with_spare_blocks`]): an allocation ending at slot `end`
-    /// keeps `ceil(end / block_size) + spare_blocks` blocks (less those released below the
-    /// group's first read), counted by admission like any other. vLLM's Mamba groups outside
-    /// its `align` cache mode take `num_speculative_blocks` such blocks for the drafts' states.
-    /// Only a group out of the prefix cache has them: they hold no token and are never cached.
+    /// Spare blocks per sequence (0 unless built with [`Self::with_spare_blocks`]), for the
+    /// states a speculative drafter's (MTP / EAGLE) drafts write: vLLM's
+    /// `num_speculative_blocks`. Their meaning depends on the group:
+    ///
+    /// - a group out of the prefix cache ([`Self::uncached`]; vLLM's Mamba groups outside its
+    ///   `align` cache mode): blocks a sequence holds past the ones its slots cover, in every
+    ///   allocation: an allocation ending at slot `end` keeps `ceil(end / block_size) +
+    ///   spare_blocks` blocks (less those released below the group's first read), counted by
+    ///   admission like any other; they hold no token and are never cached;
+    /// - a state group ([`AttentionKind::State`]; vLLM's Mamba groups in `align` mode): the
+    ///   speculative state blocks. The group keeps `k` spare blocks after its live state's
+    ///   block for the states a verify step writes after each draft, and draft slots of the
+    ///   state groups become real drafts that `accept_drafts` may reject. Layout, with `n` the
+    ///   slots of the latest allocation, drafts included (never below an earlier one's): the
+    ///   live state's block at column `c = ceil(n / block_size) - 1`, the spares at `c + 1 ..=
+    ///   c + k`; a first allocation takes `1 + k` blocks, an allocation that moves `c` takes
+    ///   one (the spares left below the new `c` move, in order, to the end of the table; their
+    ///   old columns become null); a column the live state left is held until an allocation's
+    ///   computed tokens pass its end; only the states at a step's known end and at an
+    ///   accepted end are published (docs/design/kv-cache-groups.md). Every state group of a
+    ///   manager has the same value, at most [`MAX_STATE_SPARE_BLOCKS`], one block size, and
+    ///   no swap space (`num_cpu_blocks == 0`), checked by [`CacheConfig::validate`].
+    ///
+    /// Any other group (full, sliding window or chunked local in the prefix cache) has none.
     pub spare_blocks: u32,
 }
 
@@ -149,7 +167,8 @@ impl GroupSpec {
     }
 
     /// This group with `k` spare blocks per sequence (see [`Self::spare_blocks`]); only a group
-    /// out of the prefix cache may have them (checked by [`CacheConfig::validate`]).
+    /// out of the prefix cache or a state group may have them (checked by
+    /// [`CacheConfig::validate`]).
     pub fn with_spare_blocks(mut self, k: u32) -> Self {
         self.spare_blocks = k;
         self
@@ -209,11 +228,13 @@ impl GroupSpec {
                 ),
             });
         }
-        if self.spare_blocks > 0 && self.prefix_cacheable {
+        if self.spare_blocks > 0 && self.prefix_cacheable && !self.is_state() {
             return Err(Error::InvalidConfig {
                 field: "spare_blocks",
                 value: format!("group {g} spare_blocks {}", self.spare_blocks),
-                reason: "only a group out of the prefix cache holds spare blocks".into(),
+                reason: "only a group out of the prefix cache or a state group holds spare \
+                         blocks"
+                    .into(),
             });
         }
         if self.bytes_per_token == 0 {
@@ -296,27 +317,13 @@ pub struct CacheConfig {
     /// At most [`MAX_HASH_LOOKAHEAD_TOKENS`]; needs prefix caching on, and is refused with KV
     /// events, a host tier or state groups (their keys and events cover a block's own tokens).
     pub hash_lookahead_tokens: u32,
-    /// Speculative state blocks (`k`, 0: none): with it every state group keeps `k` spare
-    /// blocks after its live state's block for the states a verify step writes after each
-    /// draft (vLLM's `num_speculative_blocks` of a Mamba group in `align` mode), and draft
-    /// slots of a state group become real drafts that `accept_drafts` may reject. Layout, with
-    /// `n` the slots of the latest allocation, drafts included (never below an earlier one's):
-    /// the live state's block at column `c = ceil(n / block_size) - 1`, the spares at `c + 1
-    /// ..= c + k`; a first allocation takes `1 + k` blocks, an allocation that moves `c` takes
-    /// one (the spares left below the new `c` move, in order, to the end of the table; their
-    /// old columns become null); a column the live state left is held until an allocation's
-    /// computed tokens pass its end; only the states at a step's known end and at an accepted
-    /// end are published (docs/design/kv-cache-groups.md). At most
-    /// [`MAX_STATE_SPECULATIVE_BLOCKS`]; needs a state group, every state group of one block
-    /// size, and no swap space (`num_cpu_blocks == 0`).
-    pub state_speculative_blocks: u32,
 }
 
 /// Largest [`CacheConfig::hash_lookahead_tokens`].
 pub const MAX_HASH_LOOKAHEAD_TOKENS: u32 = 64;
 
-/// Largest [`CacheConfig::state_speculative_blocks`].
-pub const MAX_STATE_SPECULATIVE_BLOCKS: u32 = 16;
+/// Largest [`GroupSpec::spare_blocks`] of a state group (speculative state blocks).
+pub const MAX_STATE_SPARE_BLOCKS: u32 = 16;
 
 impl CacheConfig {
     /// One full-attention group: `num_blocks` blocks (the null block included) of
@@ -346,40 +353,63 @@ impl CacheConfig {
             host_admission_min_seen: 2,
             host_eviction: HostEviction::Lru,
             hash_lookahead_tokens: 0,
-            state_speculative_blocks: 0,
         }
     }
 
-    /// [`Self::state_speculative_blocks`]'s part of [`Self::validate`].
-    fn validate_state_speculative(&self) -> Result<()> {
-        let k = self.state_speculative_blocks;
-        if k == 0 {
+    /// The state groups' spare blocks ([`GroupSpec::spare_blocks`]: speculative state blocks),
+    /// 0 without a state group. Every state group of a valid config has the same value; this
+    /// is the first state group's.
+    pub fn state_spare_blocks(&self) -> u32 {
+        self.groups
+            .iter()
+            .find(|g| g.is_state())
+            .map_or(0, |g| g.spare_blocks)
+    }
+
+    /// The state groups' [`GroupSpec::spare_blocks`]' part of [`Self::validate`].
+    fn validate_state_spare_blocks(&self) -> Result<()> {
+        let mut states = self.groups.iter().enumerate().filter(|(_, g)| g.is_state());
+        let Some((g0, first)) = states.next() else {
             return Ok(());
-        }
-        let refuse = |reason: String| {
+        };
+        let k = first.spare_blocks;
+        let refuse = |value: String, reason: String| {
             Err(Error::InvalidConfig {
-                field: "state_speculative_blocks",
-                value: k.to_string(),
+                field: "spare_blocks",
+                value,
                 reason,
             })
         };
-        if k > MAX_STATE_SPECULATIVE_BLOCKS {
-            return refuse(format!("at most {MAX_STATE_SPECULATIVE_BLOCKS}"));
+        if let Some((g, other)) = states.clone().find(|(_, g)| g.spare_blocks != k) {
+            return refuse(
+                format!(
+                    "group {g0} spare_blocks {k}, group {g} spare_blocks {}",
+                    other.spare_blocks
+                ),
+                "every state group must have the same spare blocks".into(),
+            );
         }
-        let mut sizes = self
-            .groups
-            .iter()
-            .filter(|g| g.is_state())
-            .map(|g| g.block_size);
-        let Some(bs) = sizes.next() else {
-            return refuse("needs a state group (speculative blocks hold recurrent states)".into());
-        };
-        if sizes.any(|b| b != bs) {
-            return refuse("every state group must have one block size".into());
+        if k == 0 {
+            return Ok(());
+        }
+        let value = format!("group {g0} spare_blocks {k}");
+        if k > MAX_STATE_SPARE_BLOCKS {
+            return refuse(
+                value,
+                format!("at most {MAX_STATE_SPARE_BLOCKS} on a state group"),
+            );
+        }
+        if states.any(|(_, g)| g.block_size != first.block_size) {
+            return refuse(
+                value,
+                "with speculative state blocks every state group must have one block size".into(),
+            );
         }
         if self.num_cpu_blocks > 0 {
             return refuse(
-                "not supported with swap space (a swapped sequence keeps its live state only)"
+                value,
+                "speculative state blocks are not supported with swap space (a swapped \
+                 sequence keeps its live state only)"
                     .into(),
             );
         }
@@ -443,16 +473,16 @@ impl CacheConfig {
     /// `num_blocks < 2`; no group, a block size outside `1..=MAX_BLOCK_SIZE`, a window or chunk
     /// < 1, zero bytes per token; page sizes that differ between groups (they cannot share one
     /// pool); an LCM of block sizes above [`MAX_HIT_UNIT`] (with prefix caching off, above
-    /// `u32::MAX`), a block size above [`MAX_BLOCK_SIZE`] with prefix caching on, spare blocks
-    /// on a group in the prefix cache; no layer, a layer mapped to no
-    /// group, a group without layers; a retention interval that is not a multiple of the hit
+    /// `u32::MAX`), a block size above [`MAX_BLOCK_SIZE`] with prefix caching on; no layer, a
+    /// layer mapped to no group, a group without layers; a retention interval that is not a multiple of the hit
     /// unit; `num_host_blocks` above [`crate::host_tier::MAX_HOST_BLOCKS`] or set with prefix
     /// caching off (the host tier keys blocks by their prefix hash), or
     /// `host_admission_min_seen == 0`; `hash_lookahead_tokens` above
     /// [`MAX_HASH_LOOKAHEAD_TOKENS`], or set with prefix caching off, KV events, a host tier or
-    /// a state group; `state_speculative_blocks` above [`MAX_STATE_SPECULATIVE_BLOCKS`], without
-    /// a state group, with state groups of different block sizes or with swap space. A block
-    /// size out of range names `block_size`.
+    /// a state group; spare blocks on a group neither out of the prefix cache nor a state
+    /// group, state groups with different spare blocks, or state groups' spare blocks above
+    /// [`MAX_STATE_SPARE_BLOCKS`], with state groups of different block sizes or with swap
+    /// space (these name `spare_blocks`). A block size out of range names `block_size`.
     pub fn validate(&self) -> Result<()> {
         crate::host_tier::validate_host_tier(
             self.num_host_blocks,
@@ -460,7 +490,6 @@ impl CacheConfig {
             self.enable_prefix_caching,
         )?;
         self.validate_hash_lookahead()?;
-        self.validate_state_speculative()?;
         if self.num_blocks < 2 {
             return Err(Error::InvalidConfig {
                 field: "num_blocks",
@@ -487,6 +516,7 @@ impl CacheConfig {
                 });
             }
         }
+        self.validate_state_spare_blocks()?;
         if self.groups.iter().all(|g| !g.prefix_cacheable) {
             return Err(Error::InvalidConfig {
                 field: "prefix_cacheable",

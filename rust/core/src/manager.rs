@@ -343,7 +343,7 @@ struct Seq {
     /// State groups: the slots the live state covers, placeholder slots included (see
     /// [`Seq::state_end`]); 0 when no placeholder slot ever ran past the computed tokens.
     state_slots: usize,
-    /// State groups with speculative blocks ([`CacheConfig::state_speculative_blocks`]): the
+    /// State groups with speculative blocks (a state group's [`GroupSpec::spare_blocks`]): the
     /// aligned ends whose states the runner writes into their own column and that may be
     /// published (a step's known end, an accepted end); pruned as their columns leave.
     state_marks: SmallVec<[usize; 2]>,

@@ -1,4 +1,4 @@
-//! Speculative state blocks (`CacheConfig::state_speculative_blocks = k`): a state group keeps
+//! Speculative state blocks (`GroupSpec::state(..).with_spare_blocks(k)`): a state group keeps
 //! `k` spare blocks after its live column for the states a verify step writes after each
 //! draft (vLLM's align-mode `num_speculative_blocks`). Layout and move rule, the held column
 //! the live state left, admission counts, the commit of known and accepted ends only, draft
@@ -14,13 +14,14 @@ const STATE: usize = 1;
 
 /// One full-attention group and one state group of `bs`-token blocks, `k` speculative blocks.
 fn cfg(num_blocks: u32, bs: u32, k: u32) -> CacheConfig {
-    let mut c = CacheConfig::with_groups(
+    CacheConfig::with_groups(
         num_blocks,
-        vec![GroupSpec::full(bs, 8), GroupSpec::state(bs, 8)],
+        vec![
+            GroupSpec::full(bs, 8),
+            GroupSpec::state(bs, 8).with_spare_blocks(k),
+        ],
         vec![0, 1, 1],
-    );
-    c.state_speculative_blocks = k;
-    c
+    )
 }
 
 fn mgr(num_blocks: u32, bs: u32, k: u32) -> KvCacheManager {
@@ -42,7 +43,7 @@ fn state_table(m: &KvCacheManager, seq: u64) -> Vec<u32> {
 fn invalid_config(c: CacheConfig, needle: &str) {
     match KvCacheManager::new(c) {
         Err(Error::InvalidConfig { field, reason, .. }) => {
-            assert_eq!(field, "state_speculative_blocks");
+            assert_eq!(field, "spare_blocks");
             assert!(reason.contains(needle), "{reason}");
         }
         other => panic!("expected InvalidConfig, got {other:?}"),
@@ -52,16 +53,34 @@ fn invalid_config(c: CacheConfig, needle: &str) {
 #[test]
 fn config_refusals_are_typed() {
     invalid_config(cfg(16, 4, 17), "at most 16");
-    let mut c = CacheConfig::new(16, 4);
-    c.state_speculative_blocks = 1;
-    invalid_config(c, "needs a state group");
-    let mut c = CacheConfig::with_groups(
+    // Spare blocks on a full group in the prefix cache (speculative state blocks need a state
+    // group).
+    let c = CacheConfig::with_groups(
         16,
-        vec![GroupSpec::state(4, 8), GroupSpec::state(8, 4)],
+        vec![GroupSpec::full(4, 8).with_spare_blocks(1)],
+        vec![0],
+    );
+    invalid_config(c, "a state group");
+    let c = CacheConfig::with_groups(
+        16,
+        vec![
+            GroupSpec::state(4, 8).with_spare_blocks(1),
+            GroupSpec::state(8, 4).with_spare_blocks(1),
+        ],
         vec![0, 1],
     );
-    c.state_speculative_blocks = 1;
     invalid_config(c, "one block size");
+    // Every state group carries the same speculative blocks.
+    let c = CacheConfig::with_groups(
+        16,
+        vec![
+            GroupSpec::full(4, 8),
+            GroupSpec::state(4, 8).with_spare_blocks(2),
+            GroupSpec::state(4, 8),
+        ],
+        vec![0, 1, 2],
+    );
+    invalid_config(c, "the same spare blocks");
     let mut c = cfg(16, 4, 2);
     c.num_cpu_blocks = 4;
     invalid_config(c, "swap space");
@@ -605,7 +624,7 @@ fn external_loads_refused_with_speculative_blocks() {
         match m.allocate_external(1, 8, n, staged, 0) {
             Err(Error::InvalidArgument { arg, reason, .. }) => {
                 assert_eq!(arg, "num_external_tokens");
-                assert!(reason.contains("state_speculative_blocks = 2"), "{reason}");
+                assert!(reason.contains("spare_blocks = 2"), "{reason}");
             }
             other => panic!("expected InvalidArgument, got {other:?}"),
         }

@@ -6,9 +6,7 @@ use crate::convert::{repr, type_name, uint};
 use crate::errors::to_pyerr;
 use crate::groups::{config_uint, PyGroupSpec};
 use pagedkv_core::host_tier::{HostEviction, MAX_HOST_BLOCKS};
-use pagedkv_core::kv_groups::{
-    MAX_BLOCK_SIZE, MAX_HASH_LOOKAHEAD_TOKENS, MAX_STATE_SPECULATIVE_BLOCKS,
-};
+use pagedkv_core::kv_groups::{MAX_BLOCK_SIZE, MAX_HASH_LOOKAHEAD_TOKENS};
 use pagedkv_core::pool::MAX_BLOCKS;
 use pagedkv_core::{CacheConfig, Error, GroupSpec, HashAlgo};
 use pyo3::prelude::*;
@@ -38,7 +36,7 @@ use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
 ///         only the blocks a hit at a multiple of it needs (docs/design.md, "KV cache groups").
 ///     enable_prefix_caching, hash_algo (``"sha256"`` or ``"xxh3_128"``), hash_seed (bytes),
 ///     num_cpu_blocks (swap blocks), enable_events, num_host_blocks, host_admission_min_seen,
-///     host_eviction, hash_lookahead_tokens, state_speculative_blocks: see the properties.
+///     host_eviction, hash_lookahead_tokens: see the properties.
 ///
 /// Raises ``InvalidConfigError`` naming the field (nothing built): a value of the wrong type
 /// or out of range, ``block_size`` missing without ``groups``, ``layer_groups`` without
@@ -46,8 +44,9 @@ use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
 /// sizes that differ between groups, a layer mapped to no group, a group without layers, a
 /// retention interval that is not a multiple of the hit unit, a host tier without prefix
 /// caching, ``hash_lookahead_tokens`` above 64 or with prefix caching off, events, a host
-/// tier or a state group, ``state_speculative_blocks`` above 16, without a state group, with
-/// state groups of different block sizes or with swap space.
+/// tier or a state group, and (field ``spare_blocks``) state groups whose ``spare_blocks``
+/// (speculative state blocks) differ, are above 16, or are set with state groups of
+/// different block sizes or with swap space.
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "CacheConfig")]
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PyCacheConfig {
@@ -193,8 +192,8 @@ impl PyCacheConfig {
                         retention_interval = None, enable_prefix_caching = None, hash_algo = None,
                         hash_seed = None, num_cpu_blocks = None, enable_events = None,
                         num_host_blocks = None, host_admission_min_seen = None, host_eviction = None,
-                        hash_lookahead_tokens = None, state_speculative_blocks = None),
-           text_signature = "(num_blocks, block_size=None, *, groups=None, layer_groups=None, retention_interval=0, enable_prefix_caching=True, hash_algo='sha256', hash_seed=None, num_cpu_blocks=None, enable_events=False, num_host_blocks=0, host_admission_min_seen=2, host_eviction='lru', hash_lookahead_tokens=0, state_speculative_blocks=0)")]
+                        hash_lookahead_tokens = None),
+           text_signature = "(num_blocks, block_size=None, *, groups=None, layer_groups=None, retention_interval=0, enable_prefix_caching=True, hash_algo='sha256', hash_seed=None, num_cpu_blocks=None, enable_events=False, num_host_blocks=0, host_admission_min_seen=2, host_eviction='lru', hash_lookahead_tokens=0)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -212,7 +211,6 @@ impl PyCacheConfig {
         host_admission_min_seen: Option<&Bound<'_, PyAny>>,
         host_eviction: Option<&Bound<'_, PyAny>>,
         hash_lookahead_tokens: Option<&Bound<'_, PyAny>>,
-        state_speculative_blocks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let flag = |obj: Option<&Bound<'_, PyAny>>, field, default| match obj {
             // pyo3's bool extraction also takes numpy.bool_.
@@ -318,14 +316,6 @@ impl PyCacheConfig {
                 "hash_lookahead_tokens",
                 (0, MAX_HASH_LOOKAHEAD_TOKENS),
                 "tokens",
-            )?;
-        }
-        if let Some(k) = state_speculative_blocks.filter(|k| !k.is_none()) {
-            cfg.state_speculative_blocks = u32_field(
-                k,
-                "state_speculative_blocks",
-                (0, MAX_STATE_SPECULATIVE_BLOCKS),
-                "blocks",
             )?;
         }
         if cfg.num_blocks > MAX_BLOCKS {
@@ -447,20 +437,11 @@ impl PyCacheConfig {
         self.inner.hash_lookahead_tokens
     }
 
-    /// Speculative state blocks per state group (0: none): ``k`` spare blocks after a state
-    /// group's live block for the states a verify step writes after each of its (at most
-    /// ``k``) drafts, laid out and moved as vLLM's align-mode Mamba manager does
-    /// (docs/design/kv-cache-groups.md, "Speculative state blocks").
-    #[getter]
-    fn state_speculative_blocks(&self) -> u32 {
-        self.inner.state_speculative_blocks
-    }
-
     fn __repr__(&self) -> String {
         let c = &self.inner;
         format!(
             "CacheConfig(num_blocks={}, block_size={}, enable_prefix_caching={}, hash_algo={:?}, \
-             hash_seed=<{} bytes>, num_cpu_blocks={}, enable_events={}{}{}{}{})",
+             hash_seed=<{} bytes>, num_cpu_blocks={}, enable_events={}{}{}{})",
             c.num_blocks,
             self.block_size,
             if c.enable_prefix_caching {
@@ -488,11 +469,6 @@ impl PyCacheConfig {
                 String::new()
             } else {
                 format!(", hash_lookahead_tokens={}", c.hash_lookahead_tokens)
-            },
-            if c.state_speculative_blocks == 0 {
-                String::new()
-            } else {
-                format!(", state_speculative_blocks={}", c.state_speculative_blocks)
             },
             // The groups only for the groups form (the one-group repr is unchanged).
             if self.one_group {

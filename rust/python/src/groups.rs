@@ -4,6 +4,7 @@
 
 use crate::convert::{repr, type_name, uint};
 use crate::errors::to_pyerr;
+use pagedkv_core::kv_groups::MAX_STATE_SPARE_BLOCKS;
 use pagedkv_core::{AttentionKind, Error, GroupSpec};
 use pyo3::prelude::*;
 
@@ -51,14 +52,19 @@ pub(crate) fn config_uint(obj: &Bound<'_, PyAny>, field: &'static str, max: u64)
 /// ``prefix_cacheable=False`` (a sliding-window or chunked-local group only) leaves the
 /// group out of the prefix cache: it never registers a block nor limits a hit, and a hit gives
 /// it fresh blocks for the hit's window (``KVCacheGroupSpec.prefix_cacheable``). Such a group
-/// may hold ``spare_blocks`` blocks per sequence past its slots (``KVCacheGroupSpec.spare_blocks``),
-/// and, in a ``CacheConfig`` with prefix caching off, have a block size up to
-/// ``MAX_UNCACHED_BLOCK_SIZE`` tokens.
+/// may hold ``spare_blocks`` blocks per sequence past its slots, and, in a ``CacheConfig``
+/// with prefix caching off, have a block size up to ``MAX_UNCACHED_BLOCK_SIZE`` tokens.
+///
+/// ``spare_blocks`` (blocks, vLLM's ``num_speculative_blocks``: the states a speculative
+/// drafter's drafts write) means, per kind: on a group out of the prefix cache, blocks past
+/// its slots; on a ``"state"`` group, ``0..=16`` speculative state blocks after the live
+/// state's block (the same on every state group of a manager, one block size, no swap space:
+/// checked by ``CacheConfig``). See ``KVCacheGroupSpec.spare_blocks``.
 ///
 /// Raises ``InvalidConfigError`` for an unknown kind, a missing or extra ``window`` /
 /// ``chunk`` / ``state_bytes``, ``state_bytes`` of 0 or above the page, ``prefix_cacheable=False``
-/// on a full or state group, ``spare_blocks`` above 0 on a group in the prefix cache, or a value
-/// that is not a non-negative int.
+/// on a full or state group, ``spare_blocks`` above 0 on a group in the prefix cache other
+/// than a state group or above 16 on a state group, or a value that is not a non-negative int.
 #[pyclass(frozen, eq, module = "pagedkv._core", name = "KVCacheGroupSpec")]
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct PyGroupSpec {
@@ -185,13 +191,20 @@ impl PyGroupSpec {
             });
         }
         if let Some(k) = spare_blocks.filter(|k| !k.is_none()) {
+            if kind_s == "state" {
+                // Speculative state blocks (the manager checks they agree across state groups).
+                let k = config_uint(k, "spare_blocks", u64::from(MAX_STATE_SPARE_BLOCKS))? as u32;
+                return Ok(Self {
+                    inner: inner.with_spare_blocks(k),
+                });
+            }
             if config_uint(k, "spare_blocks", u64::from(u32::MAX))? > 0 {
                 return Err(config_error(
                     py,
                     "spare_blocks",
                     repr(k),
-                    "only a group out of the prefix cache (prefix_cacheable=False) holds spare \
-                     blocks",
+                    "only a group out of the prefix cache (prefix_cacheable=False) or a state \
+                     group holds spare blocks",
                 ));
             }
         }
@@ -207,9 +220,15 @@ impl PyGroupSpec {
         self.inner.prefix_cacheable
     }
 
-    /// Blocks a sequence holds past those its slots cover (0 unless set): an allocation ending
-    /// at slot ``end`` keeps ``ceil(end / block_size) + spare_blocks`` blocks of the group,
-    /// counted by admission; never cached (a group out of the prefix cache only).
+    /// Spare blocks per sequence (0 unless set), for the states a speculative drafter's (MTP /
+    /// EAGLE) drafts write (vLLM's ``num_speculative_blocks``). On a group out of the prefix
+    /// cache: blocks a sequence holds past those its slots cover, an allocation ending at slot
+    /// ``end`` keeping ``ceil(end / block_size) + spare_blocks`` blocks of the group, counted
+    /// by admission, never cached. On a state group: the speculative state blocks, ``k`` spare
+    /// blocks after the live state's block for the states a verify step writes after each of
+    /// its (at most ``k``) drafts, laid out and moved as vLLM's align-mode Mamba manager does
+    /// (docs/design/kv-cache-groups.md, "Speculative state blocks"); every state group of a
+    /// manager has the same value. Other groups have none.
     #[getter]
     fn spare_blocks(&self) -> u32 {
         self.inner.spare_blocks

@@ -506,7 +506,7 @@ impl PyKvCacheManager {
     /// being sampled): the live state moves over them and they are settled keeping their
     /// blocks (``accept_drafts(..., release_blocks=False)``), never rejected, so real drafts
     /// of speculative decoding must not be passed there, unless the config has speculative
-    /// state blocks (``CacheConfig.state_speculative_blocks = k``): drafts (at most ``k``)
+    /// state blocks (``spare_blocks = k`` on the state groups): drafts (at most ``k``)
     /// are then real drafts, the state groups lay out their live block at the end with the
     /// drafts and ``k`` spares after it, and rejecting drafts leaves their tables as they are.
     ///

@@ -1,6 +1,6 @@
 """Speculative decoding (MTP / EAGLE drafters) with align-mode Mamba / linear-attention groups:
 served by the plug-in with pagedkv's speculative state blocks
-(``CacheConfig.state_speculative_blocks = k``).
+(``spare_blocks = k`` on pagedkv's state groups).
 
 1. What is served and what stays refused, on the configs vLLM builds for the deployments in
    question (Qwen3-Next with its MTP drafter, EAGLE / MTP on a Nemotron-H-shaped hybrid):
@@ -87,7 +87,11 @@ def test_drafter_with_speculative_state_blocks_is_served(groups: Any, k: int, me
     kvm = sched.kv_cache_manager
     assert isinstance(kvm, PagedKVCacheManager)
     assert kvm.state_speculative_blocks == k
-    assert kvm.manager.config.state_speculative_blocks == k
+    config = kvm.manager.config
+    assert [g.spare_blocks for g in config.groups if g.kind == "state"] == [k] * sum(
+        g.kind == "state" for g in config.groups
+    )
+    assert all(g.spare_blocks == 0 for g in config.groups if g.kind != "state")
 
 
 def _refused(vc: Any, kv: Any) -> UnsupportedVllmConfigError:

@@ -413,7 +413,7 @@ def _check_mamba_group(
 def _check_mamba_speculation(vllm_config: Any, groups: list[Any], field: str, spec: Any) -> None:
     """Speculative decoding beside a Mamba group: served with a model-based drafter (EAGLE,
     EAGLE-3, MTP: vLLM's ``use_eagle()``) whose Mamba groups carry ``k`` speculative state
-    blocks (``num_speculative_blocks``, pagedkv's ``state_speculative_blocks``), at most
+    blocks (``num_speculative_blocks``, pagedkv's ``spare_blocks`` on its state groups), at most
     ``k`` drafts a step, synchronous scheduling. Refused, naming the setting: a drafter without
     speculative state blocks (an n-gram proposer, or a hand-built config) or state blocks
     without a model-based drafter, Mamba groups of different ``num_speculative_blocks``, more

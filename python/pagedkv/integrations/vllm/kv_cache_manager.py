@@ -140,12 +140,15 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
     ``SlidingWindowMLASpec`` -> ``"sliding_window"``, out of the prefix cache
     (``prefix_cacheable=False``) with ``bounded_replay`` (vLLM's ``prefix_cacheable``),
     ``ChunkedLocalAttentionSpec`` -> ``"chunked_local"`` (its ``attention_chunk_size``),
-    ``MambaSpec`` in ``align`` mode -> ``"state"`` (one recurrent state per aligned block);
-    in ``none`` mode (prefix caching off) -> ``"sliding_window"`` of 2 tokens out of the prefix
-    cache, with the spec's ``num_speculative_blocks`` as ``spare_blocks`` (vLLM's Mamba manager
-    there: the blocks of ``num_tokens + k * block_size`` slots, those before the block of the
-    last computed token freed). ``page_bytes`` is the common page size given to every group (pagedkv checks pages are
-    equal; the plug-in does not use their size otherwise), a multiple of the block size.
+    ``MambaSpec`` in ``align`` mode -> ``"state"`` (one recurrent state per aligned block),
+    with the spec's ``num_speculative_blocks`` as ``spare_blocks`` (the speculative state
+    blocks an MTP / EAGLE drafter's drafts write, after the live state's block); in ``none``
+    mode (prefix caching off) -> ``"sliding_window"`` of 2 tokens out of the prefix cache, with
+    the spec's ``num_speculative_blocks`` as ``spare_blocks`` (vLLM's Mamba manager there: the
+    blocks of ``num_tokens + k * block_size`` slots, those before the block of the last
+    computed token freed). ``page_bytes`` is the common page size given to every group
+    (pagedkv checks pages are equal; the plug-in does not use their size otherwise), a
+    multiple of the block size.
     Raises ``InvalidConfigError`` for any other spec.
     """
     from vllm.v1.kv_cache_interface import (
@@ -173,8 +176,11 @@ def group_spec_of(spec: Any, page_bytes: int) -> pagedkv.KVCacheGroupSpec:
     if kind is ChunkedLocalAttentionSpec:
         return pagedkv.KVCacheGroupSpec("chunked_local", bs, bpt, chunk=int(spec.attention_chunk_size))
     if kind is MambaSpec and getattr(spec, "mamba_cache_mode", None) == "align":
-        # One recurrent state per block-aligned position (vLLM's align mode).
-        return pagedkv.KVCacheGroupSpec("state", bs, bpt)
+        # One recurrent state per block-aligned position (vLLM's align mode), and the drafts'
+        # speculative state blocks after the live state's block.
+        return pagedkv.KVCacheGroupSpec(
+            "state", bs, bpt, spare_blocks=int(getattr(spec, "num_speculative_blocks", 0) or 0)
+        )
     if kind is MambaSpec and getattr(spec, "mamba_cache_mode", None) == "none":
         # One state per request out of the prefix cache (vLLM's mode "none", prefix caching
         # off): a query after n tokens reads only the state after token n - 1, the rule of a
@@ -386,16 +392,9 @@ class PagedKVCacheManager(SharedManagerCalls):
         # here: pagedkv pins no junction, and caching only the latest replayable point would
         # lose every sibling's hit on a shared prompt that vLLM's junction serves.
         interval = int(getattr(kv_cache_config, "prefix_cache_retention_interval", None) or 0)
-        #: Speculative state blocks per state group (vLLM's ``num_speculative_blocks`` of its
-        #: align-mode Mamba groups, one value for all: ``config_check`` refuses others).
-        self.state_speculative_blocks = max(
-            (
-                int(getattr(g.kv_cache_spec, "num_speculative_blocks", 0) or 0)
-                for i, g in enumerate(groups)
-                if self._specs[i].kind == "state"
-            ),
-            default=0,
-        )
+        # Speculative state blocks: the state groups' spare blocks (one value for all:
+        # config_check and pagedkv's CacheConfig refuse others).
+        self._state_spare_blocks = next((s.spare_blocks for s in self._specs if s.kind == "state"), 0)
         self._kvm = pagedkv.KVCacheManager(
             pagedkv.CacheConfig(
                 num_blocks,
@@ -406,7 +405,6 @@ class PagedKVCacheManager(SharedManagerCalls):
                 hash_algo=algo,
                 enable_events=enable_kv_cache_events,
                 hash_lookahead_tokens=lookahead_hashes,
-                state_speculative_blocks=self.state_speculative_blocks,
             )
         )
         #: Tokens after each block its prefix-cache key covers (vLLM's
@@ -492,7 +490,7 @@ class PagedKVCacheManager(SharedManagerCalls):
             if spec.kind == "state":
                 # vLLM's align-mode Mamba manager takes at most one state block per allocation
                 # (a first one: also the speculative state blocks).
-                cap = 1 + self.state_speculative_blocks
+                cap = 1 + self._state_spare_blocks
             elif g.kv_cache_spec.__class__.__name__ == "MambaSpec":
                 pass  # mode none: vLLM caps no Mamba group
             elif spec.kind != "full" and max_model_len is not None:
@@ -600,6 +598,13 @@ class PagedKVCacheManager(SharedManagerCalls):
         return self.decodes.num_batch_stops
 
     @property
+    def state_speculative_blocks(self) -> int:
+        """Speculative state blocks per state group (vLLM's ``num_speculative_blocks`` of its
+        align-mode Mamba groups; 0: none): the state groups' ``KVCacheGroupSpec.spare_blocks``
+        (read-only)."""
+        return self._state_spare_blocks
+
+    @property
     def manager(self) -> pagedkv.KVCacheManager:
         """The underlying ``pagedkv.KVCacheManager`` (inspection, invariant checks), with
         every deferred and lagging decode brought in first, so its token and computed-token
@@ -702,7 +707,7 @@ class PagedKVCacheManager(SharedManagerCalls):
                 accepted += 1
         self._kvm.accept_drafts(seq, accepted, release_blocks=False)
         self._num_known[rid] += accepted
-        if self.state_speculative_blocks and strict and accepted:
+        if self._state_spare_blocks and strict and accepted:
             # The state at the accepted end (when aligned; the runner copied it into its own
             # column after the step): published now, as vLLM hashes it by this allocation.
             end = base + accepted
@@ -1013,7 +1018,8 @@ class PagedKVCacheManager(SharedManagerCalls):
             cap = self._admission_caps[g]
             if cap is not None:
                 required = min(required, cap)
-            required += spec.spare_blocks
+            if spec.kind != "state":
+                required += spec.spare_blocks  # a state group's: within its cap (1 + k)
             if held is not None:
                 demand += max(required - held[g], 0)
                 continue
@@ -1022,10 +1028,10 @@ class PagedKVCacheManager(SharedManagerCalls):
                 demand += max(required - _skipped_tokens(spec, hit) // bs, 0)
                 continue
             hit_blocks = hit // bs
-            if spec.kind == "state" and self.state_speculative_blocks:
+            if spec.kind == "state" and self._state_spare_blocks:
                 # vLLM's align-mode count with speculative blocks: every column up to the
                 # sequence's last one plus the k spares, less the hit's, at most 1 + k.
-                k = self.state_speculative_blocks
+                k = self._state_spare_blocks
                 # The core's take counts the hit's state block when it is free (evictable).
                 evictable = max(0, per_group[g][0] - (1 + k))
                 demand += min(max(-(-total // bs) + k - hit_blocks, 0), 1 + k) + evictable

@@ -473,7 +473,7 @@ impl KvCacheManager {
                 arg: "num_lookahead",
                 value: format!("{lookahead} token(s)"),
                 reason: "lookahead slots (speculative decoding) are not supported with state \
-                         groups without speculative state blocks (state_speculative_blocks): a \
+                         groups without speculative state blocks (a state group's spare_blocks): a \
                          rejected draft cannot be rolled out of a recurrent state"
                     .into(),
             });
@@ -485,7 +485,7 @@ impl KvCacheManager {
                 value: format!("{external} token(s)"),
                 reason: format!(
                     "external loads are not supported with speculative state blocks \
-                     (state_speculative_blocks = {k}): a loaded state's spare blocks are not laid out"
+                     (state groups' spare_blocks = {k}): a loaded state's spare blocks are not laid out"
                 ),
             });
         }
@@ -495,7 +495,7 @@ impl KvCacheManager {
                 value: format!("{num_drafts} token(s)"),
                 reason: format!(
                     "a verify step writes one state per draft into the {k} speculative state \
-                     block(s) (state_speculative_blocks): at most {k} drafts"
+                     block(s) (state groups' spare_blocks): at most {k} drafts"
                 ),
             });
         }

@@ -6,9 +6,10 @@
 use super::*;
 
 impl KvCacheManager {
-    /// [`CacheConfig::state_speculative_blocks`] (0: none).
+    /// Speculative state blocks: the state groups' [`GroupSpec::spare_blocks`]
+    /// ([`CacheConfig::state_spare_blocks`]; 0: none).
     pub(super) fn spec_blocks(&self) -> usize {
-        self.cfg.state_speculative_blocks as usize
+        self.cfg.state_spare_blocks() as usize
     }
 
     pub(super) fn sparse(&self) -> bool {
@@ -34,7 +35,7 @@ impl KvCacheManager {
     /// is not the live block, or the live block of a state after `state_end` tokens
     /// ([`Seq::state_end`]) with `state_end` aligned), above the sequence's publish floor,
     /// publishable by the retention rule, and not published yet. With speculative state
-    /// blocks ([`CacheConfig::state_speculative_blocks`]) the aligned end must instead be one
+    /// blocks (a state group's [`GroupSpec::spare_blocks`]) the aligned end must instead be one
     /// of the sequence's marked ends ([`Seq::state_marks`]: a step's known end or an accepted
     /// end), wherever its column is: a state the accepted tokens ran past within one step, or
     /// that only drafts reached, is never pending.
