@@ -694,7 +694,9 @@ impl KvCacheManager {
     /// gives back to the free pool, over every group. Of a loading sequence
     /// ([`Self::allocate_external`]): what that allocation takes once its load is committed in
     /// full (the reservation of an in-flight load). Errors as `allocate_slots` except
-    /// `OutOfBlocks`. No side effects.
+    /// `OutOfBlocks` and the refusal of a first allocation without external tokens after
+    /// [`Self::set_state_from_load`] (the demand is answered: an admission check asks it
+    /// before the external allocation). No side effects.
     pub fn num_blocks_needed(&self, seq: SeqId, num_new_tokens: usize) -> Result<BlockDemand> {
         let mut st = self.state.lock();
         let s = st.seqs.get_mut(&seq).ok_or_else(|| unknown(seq))?;

@@ -143,6 +143,18 @@ impl KvCacheManager {
                 "running or preempted (commit_external its load first)",
             ));
         }
+        // Only here, not in the block-count queries: an admission check asks what the whole
+        // sequence needs (loaded tokens counted as new ones) before its external allocation.
+        if s.state_from_load && s.is_first() && external == 0 {
+            return Err(Error::InvalidArgument {
+                arg: "num_external_tokens",
+                value: "0".into(),
+                reason: format!(
+                    "sequence {seq}'s hit ignores its state groups (set_state_from_load): only \
+                     an external load brings the state its first allocation starts from"
+                ),
+            });
+        }
         let plan = {
             let sim = Sim::new(&self.pool);
             self.plan_external(

@@ -434,17 +434,6 @@ impl KvCacheManager {
                 "running or preempted (swap it in first)",
             ));
         }
-        // Checked here so that the block-count queries refuse what the allocation refuses.
-        if s.state_from_load && s.is_first() && external == 0 {
-            return Err(Error::InvalidArgument {
-                arg: "num_external_tokens",
-                value: "0".into(),
-                reason: format!(
-                    "sequence {seq}'s hit ignores its state groups (set_state_from_load): only \
-                     an external load brings the state its first allocation starts from"
-                ),
-            });
-        }
         // Lookahead only: no token scheduled, slots for drafts after the computed ones (an
         // asynchronous scheduler's slots for tokens whose ids are not known yet).
         let lookahead_only = num_new_tokens == 0 && num_drafts > 0;
