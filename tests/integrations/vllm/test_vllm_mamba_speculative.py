@@ -104,11 +104,18 @@ def _refused(vc: Any, kv: Any) -> UnsupportedVllmConfigError:
 def test_speculative_state_block_refusals_are_named(groups: Any) -> None:
     field = "kv_cache_config.kv_cache_groups[{}].kv_cache_spec.num_speculative_blocks"
     first = next(g for g, kind in enumerate(groups) if kind != "full")
-    # State blocks with a prompt-lookup (n-gram) drafter: no model-based drafter.
+    # State blocks without a drafter.
     kv = make_mamba_kv_cache_config(64, groups, BS, num_speculative_blocks=2)
-    err = _refused(_config(64, 2, "ngram"), kv)
+    vc = make_vllm_config(num_blocks=64, block_size=BS)
+    vc.cache_config.mamba_cache_mode = "align"
+    err = _refused(vc, kv)
     assert err.field == field.format(first)
-    assert "model-based drafter" in str(err)
+    assert "with a drafter" in str(err)
+    # A prompt-lookup (n-gram) drafter with state blocks is served (no lookahead slots).
+    sched = build_scheduler(
+        PagedKVScheduler, _config(64, 2, "ngram"), kv_cache_config=kv, block_size=BS, hash_block_size=BS
+    )
+    assert sched.kv_cache_manager.state_speculative_blocks == 2
     # More drafts than state blocks.
     kv = make_mamba_kv_cache_config(64, groups, BS, num_speculative_blocks=1)
     err = _refused(_config(64, 2, "mtp"), kv)
@@ -355,7 +362,9 @@ class _Capture:
         sched.schedule = schedule
 
 
-def _spec_lockstep(groups: Any, k: int, num_blocks: int, *, strict: bool) -> tuple[Driver, Driver, dict[str, int]]:
+def _spec_lockstep(
+    groups: Any, k: int, num_blocks: int, *, strict: bool, method: str = "mtp"
+) -> tuple[Driver, Driver, dict[str, int]]:
     """Stock vLLM and the plug-in on the shared-prefix stream of
     ``test_stock_speculative_state_layout`` (8 requests sharing a 70-token prefix, MTP with
     ``k`` drafts and ``k`` speculative state blocks, ``fake_drafts`` rejecting about one in
@@ -376,7 +385,7 @@ def _spec_lockstep(groups: Any, k: int, num_blocks: int, *, strict: bool) -> tup
     drivers, captures = [], []
     for cls in (Scheduler, PagedKVScheduler):
         kv = make_mamba_kv_cache_config(num_blocks, groups, BS, num_speculative_blocks=k)
-        vc = _config(num_blocks, k, max_num_batched_tokens=64, max_num_seqs=8)
+        vc = _config(num_blocks, k, method, max_num_batched_tokens=64, max_num_seqs=8)
         sched = build_scheduler(cls, vc, kv_cache_config=kv, block_size=BS, hash_block_size=BS)
         captures.append(_Capture(sched))
         drivers.append(Driver(sched, num_drafts=k))
@@ -482,8 +491,11 @@ def _spec_lockstep(groups: Any, k: int, num_blocks: int, *, strict: bool) -> tup
 
 @SHAPES
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_speculative_state_blocks_match_stock_step_by_step(groups: Any, k: int) -> None:
-    stock, paged, figures = _spec_lockstep(groups, k, 800, strict=True)
+@pytest.mark.parametrize("method", ["mtp", "ngram"])
+def test_speculative_state_blocks_match_stock_step_by_step(groups: Any, k: int, method: str) -> None:
+    # vLLM gives Mamba groups num_speculative_blocks = k for every drafter (n-gram too: its
+    # drafts advance the state as a model's do), without lookahead slots for a prompt-lookup one.
+    stock, paged, figures = _spec_lockstep(groups, k, 800, strict=True, method=method)
     assert paged.drafts_scheduled == stock.drafts_scheduled
     assert paged.drafts_accepted == stock.drafts_accepted < stock.drafts_scheduled
     assert figures["steps_equal"] == figures["steps"]

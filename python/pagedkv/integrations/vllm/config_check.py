@@ -411,12 +411,12 @@ def _check_mamba_group(
 
 
 def _check_mamba_speculation(vllm_config: Any, groups: list[Any], field: str, spec: Any) -> None:
-    """Speculative decoding beside a Mamba group: served with a model-based drafter (EAGLE,
-    EAGLE-3, MTP: vLLM's ``use_eagle()``) whose Mamba groups carry ``k`` speculative state
-    blocks (``num_speculative_blocks``, pagedkv's ``spare_blocks`` on its state groups), at most
-    ``k`` drafts a step, synchronous scheduling. Refused, naming the setting: a drafter without
-    speculative state blocks (an n-gram proposer, or a hand-built config) or state blocks
-    without a model-based drafter, Mamba groups of different ``num_speculative_blocks``, more
+    """Speculative decoding beside a Mamba group: served with a drafter (EAGLE, EAGLE-3, MTP,
+    n-gram...; vLLM gives every Mamba group ``num_speculative_blocks = k`` for any of them)
+    whose Mamba groups carry ``k`` speculative state blocks (pagedkv's ``spare_blocks`` on its
+    state groups), at most ``k`` drafts a step, synchronous scheduling. Refused, naming the
+    setting: a drafter without speculative state blocks (a hand-built config, or vLLM's
+    ReplaySSM) or state blocks without a drafter, Mamba groups of different ``num_speculative_blocks``, more
     than 16 of them or more drafts than blocks, and async scheduling with drafts
     (docs/design/vllm-mamba.md, "Speculative decoding")."""
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -435,13 +435,12 @@ def _check_mamba_speculation(vllm_config: Any, groups: list[Any], field: str, sp
             )
         return
     name = f"{field}.num_speculative_blocks"
-    model_based = drafter is not None and bool(getattr(drafter, "use_eagle", lambda: False)())
-    if not model_based:
+    if drafter is None:
         raise _refuse(
             name,
             blocks,
-            "speculative state blocks are served with a model-based drafter only (EAGLE, "
-            "EAGLE-3, MTP: speculative_config.use_eagle())",
+            "speculative state blocks are served with a drafter (speculative_config) only: "
+            "they hold the states its drafts write",
         )
     others = {
         int(_attr(o.kv_cache_spec, "num_speculative_blocks", 0) or 0)
