@@ -21,3 +21,34 @@ def shared_prefix_stream(rng: random.Random, prefix: list[int], n: int, tail: tu
         prompt = prefix + random_tokens(rng, rng.randrange(*tail))
         stream.setdefault(rng.randrange(0, spread), []).append((f"r{i}", prompt, rng.randrange(1, 40)))
     return stream
+
+
+def assert_blocks_held(
+    step: int,
+    stock: dict[str, list[tuple[int, int]]],
+    paged: dict[str, list[tuple[int, int]]],
+    state: set[int] | list[int],
+    *,
+    min_state: int = 1,
+) -> list[tuple[int, int]]:
+    """Compares the blocks each request holds after one step, stock vLLM vs the plug-in:
+    ``{request id: [(table length, real blocks) per group]}``. Table lengths are equal in
+    every group and real blocks in every attention group; in a state group (indices
+    ``state``) pagedkv may hold one block fewer than stock right after a move, and at least
+    ``min_state``. Returns the ``(stock, paged)`` real-block pairs of the state groups where
+    they differ (the by-design difference, for the tests' figures). Raises AssertionError
+    naming the step, request and group."""
+    assert paged.keys() == stock.keys(), f"step {step}: requests {sorted(stock)} vs {sorted(paged)}"
+    fewer = []
+    for rid, groups in stock.items():
+        pairs = zip(groups, paged[rid], strict=True)
+        for g, ((len_a, real_a), (len_b, real_b)) in enumerate(pairs):
+            where = f"step {step} {rid} group {g}: {groups} vs {paged[rid]}"
+            assert len_b == len_a, where
+            if g in state:
+                assert min_state <= real_b <= real_a <= real_b + 1, where
+                if real_b < real_a:
+                    fewer.append((real_a, real_b))
+            else:
+                assert real_b == real_a, where
+    return fewer

@@ -24,7 +24,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this suite)")
 
-from helpers.vllm_streams import random_tokens, shared_prefix_stream  # noqa: E402
+from helpers.vllm_streams import assert_blocks_held, random_tokens, shared_prefix_stream  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from pagedkv.integrations.vllm import (  # noqa: E402
@@ -92,18 +92,10 @@ def _lockstep(
         held_a, held_b = a.pop("blocks_held"), b.pop("blocks_held")
         if strict:
             assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
-            assert held_b.keys() == held_a.keys()
-            for rid in held_a:
-                for g, ((len_a, real_a), (len_b, real_b)) in enumerate(zip(held_a[rid], held_b[rid], strict=True)):
-                    assert len_b == len_a, f"step {step} {rid} group {g}: {held_a[rid]} vs {held_b[rid]}"
-                    if g in state:
-                        assert 1 <= real_b <= real_a <= real_b + 1, f"step {step} {rid}: {held_a[rid]} vs {held_b[rid]}"
-                        if real_b < real_a:
-                            figures["state_diff"] += 1
-                            figures["stock_state"] += real_a
-                            figures["paged_state"] += real_b
-                    else:
-                        assert real_b == real_a, f"step {step} {rid} group {g}: {held_a[rid]} vs {held_b[rid]}"
+            for real_a, real_b in assert_blocks_held(step, held_a, held_b, state):
+                figures["state_diff"] += 1
+                figures["stock_state"] += real_a
+                figures["paged_state"] += real_b
         records.append((a, b))
     else:  # pragma: no cover - a hang is a failure
         raise AssertionError("streams did not finish")

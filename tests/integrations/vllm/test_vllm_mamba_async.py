@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed (make test-vllm runs this suite)")
 
-from helpers.vllm_streams import random_tokens, shared_prefix_stream  # noqa: E402
+from helpers.vllm_streams import assert_blocks_held, random_tokens, shared_prefix_stream  # noqa: E402
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 
 from pagedkv.integrations.vllm import PagedKVCacheManager, PagedKVScheduler  # noqa: E402
@@ -210,14 +210,7 @@ def _lockstep(
         held_a, held_b = a.pop("blocks_held"), b.pop("blocks_held")
         if strict:
             assert b == a, f"step {step} differs:\nstock {a}\npaged {b}"
-            assert held_b.keys() == held_a.keys()
-            for rid in held_a:
-                for g, ((len_a, real_a), (len_b, real_b)) in enumerate(zip(held_a[rid], held_b[rid], strict=True)):
-                    assert len_b == len_a, f"step {step} {rid} group {g}: {held_a[rid]} vs {held_b[rid]}"
-                    if g in state:
-                        assert 1 <= real_b <= real_a <= real_b + 1, f"step {step} {rid}: {held_a[rid]} vs {held_b[rid]}"
-                    else:
-                        assert real_b == real_a, f"step {step} {rid} group {g}: {held_a[rid]} vs {held_b[rid]}"
+            assert_blocks_held(step, held_a, held_b, state)
         records.append((a, b))
     else:  # pragma: no cover - a hang is a failure
         raise AssertionError("streams did not finish")
